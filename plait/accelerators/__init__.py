@@ -1,0 +1,47 @@
+"""Accelerators: one small class per device kind, and detection that picks the best present.
+
+Order of preference when none is named: cuda, hpu, mps, cpu. XLA is chosen only by name
+(`--accelerator xla`): importing torch_xla starts a runtime, which plait never does uninvited.
+"""
+
+from __future__ import annotations
+
+from .base import Accelerator
+from .cpu import CPUAccelerator
+from .cuda import CUDAAccelerator
+from .hpu import HPUAccelerator
+from .mps import MPSAccelerator
+from .xla import XLAAccelerator
+
+ACCELERATORS: dict[str, type[Accelerator]] = {
+    "cuda": CUDAAccelerator,
+    "xla": XLAAccelerator,
+    "hpu": HPUAccelerator,
+    "mps": MPSAccelerator,
+    "cpu": CPUAccelerator,
+}
+
+
+def get_accelerator(name: str | None = None) -> Accelerator:
+    """The accelerator called ``name``, or the best one present when ``name`` is None/"auto"."""
+    if name in (None, "auto"):
+        for key in ("cuda", "hpu", "mps"):
+            if ACCELERATORS[key].is_available():
+                return ACCELERATORS[key]()
+        return CPUAccelerator()
+    if name not in ACCELERATORS:
+        raise ValueError(f"unknown accelerator {name!r}; choose one of {', '.join(ACCELERATORS)}")
+    acc = ACCELERATORS[name]()
+    if not acc.is_available():
+        raise ValueError(f"accelerator {name!r} is not available in this environment; "
+                         f"`plait env` lists what is")
+    return acc
+
+
+def all_accelerators() -> list[Accelerator]:
+    return [cls() for cls in ACCELERATORS.values()]
+
+
+__all__ = ["Accelerator", "ACCELERATORS", "all_accelerators", "get_accelerator",
+           "CPUAccelerator", "CUDAAccelerator", "HPUAccelerator", "MPSAccelerator",
+           "XLAAccelerator"]

@@ -1,0 +1,74 @@
+"""The device ABC: what plait needs to know about one kind of accelerator.
+
+Deliberately small (in the spirit of Lightning Fabric's accelerator): detection must not import
+optional packages that are absent, and nothing here touches a process group.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib.util
+
+import torch
+
+
+class Accelerator(abc.ABC):
+    """One kind of device: its torch device type, process-group backend and capabilities."""
+
+    #: name used on the command line and in reports ("cpu", "cuda", "mps", "xla", "hpu")
+    name: str = ""
+    #: torch device type for tensors ("cpu", "cuda", "mps", "xla", "hpu")
+    device_type: str = ""
+    #: default torch.distributed backend for this kind
+    backend: str = ""
+
+    @staticmethod
+    @abc.abstractmethod
+    def is_available() -> bool:
+        """True when this kind of device can be used in this process."""
+
+    @abc.abstractmethod
+    def device_count(self) -> int:
+        """Devices of this kind visible to this process."""
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        """The device a worker with ``local_rank`` should use."""
+        return torch.device(self.device_type, local_rank % max(1, self.device_count()))
+
+    def set_device(self, device: torch.device) -> None:
+        """Make ``device`` current for this process (no-op where there is no notion of it)."""
+
+    def device_name(self) -> str:
+        return self.name
+
+    def memory_bytes(self) -> int | None:
+        """Total memory of one device, or None when unknown."""
+        return None
+
+    def peak_flops(self, dtype: torch.dtype = torch.bfloat16) -> float | None:
+        """Peak dense FLOP/s of one device for ``dtype`` from the chip table, or None."""
+        from .chips import lookup_peak_flops
+
+        return lookup_peak_flops(self.device_name(), dtype)
+
+    def describe(self) -> dict:
+        """Everything `plait env` prints about this kind."""
+        count = self.device_count() if self.is_available() else 0
+        return {
+            "name": self.name,
+            "available": self.is_available(),
+            "device_type": self.device_type,
+            "backend": self.backend,
+            "count": count,
+            "device_name": self.device_name() if count else None,
+            "memory_bytes": self.memory_bytes() if count else None,
+            "peak_bf16_flops": self.peak_flops(torch.bfloat16) if count else None,
+        }
+
+
+def module_present(name: str) -> bool:
+    """Whether ``name`` is importable, without importing it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False

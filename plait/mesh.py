@@ -1,0 +1,68 @@
+"""Plan -> named DeviceMesh.
+
+Every mesh has the same five named axes, ``pp, dp_replicate, dp_shard, cp, tp`` (outermost
+first, see ``plait.plan.MESH_AXES``), including those of degree 1. Keeping the degree-1 axes
+means code never asks "does this mesh have a tp axis?": ``mesh["tp"]`` always exists, and a
+parallelism whose axis has size 1 is simply not applied. Flattened views of the data axes are
+built once here and kept (torch wants flattened meshes bookkept by the caller), so the loader,
+DDP/FSDP and the ledger agree on which ranks share a batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .plan import MESH_AXES, Plan
+
+# Flattened views built on every mesh.
+DP = "dp"                    # dp_replicate x dp_shard: ranks that see different batches
+DP_SHARD_CP = "dp_shard_cp"  # what FSDP shards over (cp is reserved and 1 today)
+
+
+@dataclass
+class Mesh:
+    """The root DeviceMesh with its named axes, plus the flattened data views."""
+
+    plan: Plan
+    root: DeviceMesh
+    flat: dict[str, DeviceMesh] = field(default_factory=dict)
+
+    def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(name, str) and name in self.flat:
+            return self.flat[name]
+        return self.root[name]
+
+    def size(self, name: str) -> int:
+        return self[name].size()
+
+    def local_rank(self, name: str) -> int:
+        return self[name].get_local_rank()
+
+    @property
+    def device_type(self) -> str:
+        return self.root.device_type
+
+    def data_rank_and_size(self) -> tuple[int, int]:
+        """This rank's index among the data-parallel replicas, and how many there are."""
+        return self.local_rank(DP), self.size(DP)
+
+    def axis_sizes(self) -> dict[str, int]:
+        return {name: self.size(name) for name in MESH_AXES}
+
+
+def build_mesh(plan: Plan, device_type: str, world_size: int) -> Mesh:
+    """Build the named mesh for ``plan`` on ``world_size`` ranks of ``device_type``.
+
+    Needs an initialised default process group. Raises ValueError when the plan's degrees do not
+    multiply to the world size.
+    """
+    plan.validate(world_size)
+    shape = tuple(getattr(plan, axis) for axis in MESH_AXES)
+    root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+    flat = {
+        DP: root["dp_replicate", "dp_shard"]._flatten(DP),
+        DP_SHARD_CP: root["dp_shard", "cp"]._flatten(DP_SHARD_CP),
+    }
+    return Mesh(plan=plan, root=root, flat=flat)

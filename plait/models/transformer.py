@@ -1,0 +1,271 @@
+"""A decoder-only reference transformer (Llama-style by default, GPT-style by option).
+
+Why this shape: every parallelism in plait has to be shown on one model that is small enough to
+train in seconds on a CPU and regular enough to be split any way. So:
+
+* blocks live in ``model.layers`` (an ``nn.ModuleList``) and keep their names (``layers.3``) under
+  every layout: pipeline stages replace the blocks they do not own by ``None``-free identities, so
+  checkpoints and TP plans address the same names everywhere;
+* attention uses separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` linears and the MLP
+  ``gate_proj``/``up_proj``/``down_proj``, so a TP plan is a short table of globs;
+* attention reshapes with ``-1`` heads, so the same code runs on a TP shard holding ``heads/tp``;
+* the embedding, final norm and head may be ``None`` (on pipeline stages that do not own them),
+  and ``forward`` skips what is missing.
+
+Presets go from ``tiny`` (trains on a laptop CPU) to 70B/175B shapes for planning, which are
+built on the meta device (``build(cfg, device="meta")``) and never allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    vocab_size: int = 256          # byte-level tokenizer by default: 256 symbols
+    dim: int = 128                 # hidden size h
+    n_layers: int = 4              # number of blocks
+    n_heads: int = 4               # query heads
+    n_kv_heads: int | None = None  # key/value heads (grouped-query attention); None = n_heads
+    ffn_dim: int | None = None     # MLP inner size; None = 4h (gelu) or ~8h/3 rounded (swiglu)
+    max_seq_len: int = 128         # longest sequence the rotary table is built for
+    mlp: str = "swiglu"            # "swiglu" (Llama) or "gelu" (GPT)
+    norm: str = "rmsnorm"          # "rmsnorm" (Llama) or "layernorm" (GPT)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    dropout: float = 0.0           # residual dropout; 0 keeps runs bit-comparable
+    tie_embeddings: bool = False   # share the embedding and head weights
+
+    def __post_init__(self) -> None:
+        errors = []
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            if getattr(self, name) < 1:
+                errors.append(f"{name}={getattr(self, name)} must be >= 1")
+        if self.n_heads >= 1 and self.dim % self.n_heads:
+            errors.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads >= 1 and self.n_heads % self.kv_heads:
+            errors.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}")
+        if self.mlp not in ("swiglu", "gelu"):
+            errors.append(f"mlp={self.mlp!r} must be 'swiglu' or 'gelu'")
+        if self.norm not in ("rmsnorm", "layernorm"):
+            errors.append(f"norm={self.norm!r} must be 'rmsnorm' or 'layernorm'")
+        if errors:
+            raise ValueError("invalid TransformerConfig: " + "; ".join(errors))
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        if self.mlp == "gelu":
+            return 4 * self.dim
+        # Llama: 2/3 of 4h, rounded up to a multiple of 64 so it splits evenly.
+        return 64 * math.ceil(int(8 * self.dim / 3) / 64)
+
+    def num_params(self, embeddings: bool = True) -> int:
+        """Closed-form parameter count (matches ``sum(p.numel())`` of the built model)."""
+        h, kv = self.dim, self.kv_heads * self.head_dim
+        attn = h * h * 2 + h * kv * 2
+        mlp = (3 if self.mlp == "swiglu" else 2) * h * self.hidden_dim
+        norm_size = h if self.norm == "rmsnorm" else 2 * h
+        if self.mlp == "gelu":  # GPT-style linears carry biases
+            attn += 2 * h + 2 * kv
+            mlp += self.hidden_dim + h
+        block = attn + mlp + 2 * norm_size
+        total = self.n_layers * block + norm_size
+        if embeddings:
+            total += self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return total
+
+    def replace(self, **changes) -> "TransformerConfig":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, TransformerConfig] = {
+    # Trains in seconds on one CPU core; the demo's model.
+    "tiny": TransformerConfig(dim=128, n_layers=4, n_heads=4, max_seq_len=128),
+    # Divisible by 2, 4 and 8 everywhere (heads, kv-heads, ffn, layers): the test model.
+    "test": TransformerConfig(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=128,
+                              max_seq_len=32),
+    "small": TransformerConfig(dim=512, n_layers=8, n_heads=8, max_seq_len=256),
+    "gpt2": TransformerConfig(vocab_size=50257, dim=768, n_layers=12, n_heads=12,
+                              max_seq_len=1024, mlp="gelu", norm="layernorm",
+                              tie_embeddings=True),
+    "llama-1b": TransformerConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32,
+                                  n_kv_heads=8, ffn_dim=8192, max_seq_len=4096),
+    "llama-7b": TransformerConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32,
+                                  ffn_dim=11008, max_seq_len=4096),
+    "llama-8b": TransformerConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32,
+                                  n_kv_heads=8, ffn_dim=14336, max_seq_len=8192),
+    "llama-13b": TransformerConfig(vocab_size=32000, dim=5120, n_layers=40, n_heads=40,
+                                   ffn_dim=13824, max_seq_len=4096),
+    "llama-70b": TransformerConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64,
+                                   n_kv_heads=8, ffn_dim=28672, max_seq_len=8192),
+    # Narayanan et al. 2021 (Megatron-LM) GPT shapes: seq 2048, vocab 51,200.
+    "gpt-145b": TransformerConfig(vocab_size=51200, dim=12288, n_layers=80, n_heads=96,
+                                  max_seq_len=2048, mlp="gelu", norm="layernorm"),
+    "gpt-175b": TransformerConfig(vocab_size=51200, dim=12288, n_layers=96, n_heads=96,
+                                  max_seq_len=2048, mlp="gelu", norm="layernorm"),
+}
+
+
+def preset(name: str, **overrides) -> TransformerConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+
+
+# ---------------------------------------------------------------------------------------------
+def _norm(cfg: TransformerConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+
+
+def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding on ``x`` of shape (batch, seq, heads, head_dim).
+
+    Computed on the fly rather than from a buffer: buffers complicate meta-device init, FSDP and
+    pipeline splitting, and the table is cheap next to attention.
+    """
+    seq, half = x.shape[1], x.shape[-1] // 2
+    freqs = 1.0 / (theta ** (torch.arange(0, half, device=x.device, dtype=torch.float32) / half))
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), freqs)
+    cos = angles.cos()[None, :, None, :].to(x.dtype)
+    sin = angles.sin()[None, :, None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        bias = cfg.mlp == "gelu"
+        kv_dim = cfg.kv_heads * cfg.head_dim
+        self.head_dim = cfg.head_dim
+        self.rope_theta = cfg.rope_theta if cfg.mlp == "swiglu" else None
+        self.q_proj = nn.Linear(cfg.dim, cfg.dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.dim, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.dim, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.dim, cfg.dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism this rank holds heads/tp of them.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        if self.rope_theta is not None:
+            q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        bias = not self.swiglu
+        if self.swiglu:
+            self.gate_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(cfg.hidden_dim, cfg.dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.attention_norm = _norm(cfg)
+        self.attention = Attention(cfg)
+        self.ffn_norm = _norm(cfg)
+        self.feed_forward = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.attention_norm(x)))
+        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+
+
+class Transformer(nn.Module):
+    """tokens (batch, seq) int64 -> logits (batch, seq, vocab)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm: nn.Module | None = _norm(cfg)
+        self.output: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """GPT-2 style init: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
+        gen = None
+        if seed is not None:
+            gen = torch.Generator().manual_seed(seed)
+        std_out = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():
+            if p.device.type == "meta":
+                continue
+            with torch.no_grad():
+                if p.dim() == 1:
+                    if name.endswith("bias"):
+                        p.zero_()
+                    else:
+                        p.fill_(1.0)
+                else:
+                    std = std_out if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers:
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+
+def build(cfg: TransformerConfig | str, device: str | torch.device = "cpu",
+          seed: int = 0) -> Transformer:
+    """Build the reference model with deterministic weights (same seed, same model, any rank).
+
+    ``device="meta"`` builds the shape only (for planning 70B models on a laptop).
+    """
+    if isinstance(cfg, str):
+        cfg = preset(cfg)
+    if str(device) == "meta":
+        with torch.device("meta"):
+            return Transformer(cfg)
+    with torch.device("cpu"):
+        model = Transformer(cfg)
+    model.init_weights(seed)
+    return model.to(device)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position (nats/token)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
