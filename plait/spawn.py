@@ -1,0 +1,128 @@
+"""Run a function on N local processes in a real process group, with a hard timeout.
+
+Used by the test suite, `plait check`, `plait comm` and the benchmarks: every multi-process
+thing plait does on one machine without torchrun goes through here, so a hang anywhere becomes a
+``TimeoutError`` naming the stuck ranks instead of a stalled CI job.
+
+Why not ``torch.multiprocessing.spawn``: it has no timeout, and a rank stuck in a collective
+stalls it forever. Here the parent hosts the rendezvous store itself (``TCPStore`` on port 0, so
+the OS picks a free port and there is no race for it), waits with a deadline, and kills the
+whole group when any rank fails or time runs out.
+
+Workers leave with ``os._exit`` after reporting: a DDP reducer still alive at interpreter
+teardown can deadlock on the GIL (see FIELD-NOTES), and a worker that has reported has nothing
+left to do.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+HOST = "127.0.0.1"
+
+
+class WorkerError(RuntimeError):
+    """A worker raised; carries the rank and its formatted traceback."""
+
+    def __init__(self, rank: int, tb: str):
+        super().__init__(f"rank {rank} failed:\n{tb}")
+        self.rank = rank
+        self.traceback = tb
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, backend: str, args: tuple,
+            kwargs: dict, queue: Any, threads: int, env: dict[str, str]) -> None:
+    code = 0
+    try:
+        os.environ.update(env)
+        # torchrun's variables, so code that reads them (plait.init) sees a normal launch.
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                           "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                           "MASTER_ADDR": HOST, "MASTER_PORT": str(port)})
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        store = dist.TCPStore(HOST, port, world_size, is_master=False,
+                              timeout=timedelta(seconds=60))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=120))
+        result = fn(rank, world_size, *args, **kwargs)
+        payload = pickle.dumps(("ok", rank, result))
+        del result
+        gc.collect()  # free DDP/FSDP modules before the group goes (FIELD-NOTES: exit deadlock)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        payload = pickle.dumps(("error", rank, traceback.format_exc()))
+        code = 1
+    queue.put(payload)
+    queue.close()
+    queue.join_thread()
+    os._exit(code)
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
+                    backend: str = "gloo", threads: int = 1, env: dict[str, str] | None = None,
+                    **kwargs: Any) -> list[Any]:
+    """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh processes.
+
+    The default process group is initialised before ``fn`` runs and destroyed after. Returns the
+    per-rank results (picklable values; tensors come back by value). Raises ``WorkerError`` with
+    the first failing rank's traceback, or ``TimeoutError`` naming the ranks still running after
+    ``timeout`` seconds. ``fn`` must be importable (a module-level function).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    import torch.distributed as dist
+
+    store = dist.TCPStore(HOST, 0, world_size + 1, is_master=True,
+                          timeout=timedelta(seconds=60), wait_for_workers=False)
+    port = store.port
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn, rank, world_size, port, backend, args, kwargs, queue, threads,
+                               dict(env or {})))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                stuck = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(f"ranks {stuck} of {world_size} still running after "
+                                   f"{timeout:.0f}s (hung collective?)")
+            try:
+                status, rank, value = pickle.loads(queue.get(timeout=min(remaining, 1.0)))
+            except Exception:  # queue.Empty: check for workers that died without reporting
+                dead = [r for r, p in enumerate(procs)
+                        if r not in results and not p.is_alive() and p.exitcode not in (0, None)]
+                if dead:
+                    time.sleep(0.5)  # let a report that is in flight arrive first
+                    if queue.empty():
+                        raise WorkerError(dead[0], f"process exited with code "
+                                          f"{procs[dead[0]].exitcode} without reporting") from None
+                continue
+            if status == "error":
+                raise WorkerError(rank, value)
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(results) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        queue.close()
+        del store
+    return [results[r] for r in range(world_size)]
