@@ -1,0 +1,16 @@
+"""plait: scale PyTorch training from one device to many.
+
+    run = plait.init()                       # torchrun env, device, backend, plan, mesh
+    model = run.parallelize(MyModel(cfg))    # PP split, TP/SP, checkpointing, FSDP/DDP
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    for batch in run.loader(dataset, batch_size=32, steps=1000):
+        loss = run.step(model, batch, loss_fn, opt)
+    run.finish()
+"""
+
+from .plan import Plan
+from .runtime import Run, init
+
+__version__ = "0.1.0"
+
+__all__ = ["Plan", "Run", "init", "__version__"]

@@ -1,0 +1,69 @@
+"""The one place where parallelisms are composed, and in which order.
+
+Order matters and is fixed here:
+
+1. **Pipeline split** first: it decides which blocks live on this rank; everything after works
+   on the stage modules only (no full model is kept per rank).
+2. **Tensor / sequence parallel** next: it replaces parameters by DTensors sharded on the ``tp``
+   axis, inside each stage.
+3. **Activation checkpointing** wraps whole blocks after TP so that recomputation replays the
+   TP collectives too (and before FSDP, so FSDP's hooks stay outside the checkpointed region).
+4. **Data parallel last** — FSDP2 (ZeRO / HSDP) over ``dp_shard`` (x ``dp_replicate``), or DDP
+   over ``dp_replicate``: it must see the final parameters (DTensors from TP included) to shard
+   or bucket them.
+
+Each step is a plain function in ``plait.parallel``; a step whose axis has degree 1 is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .mesh import Mesh
+from .plan import Plan
+
+
+def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device) -> nn.Module:
+    """Return ``model`` laid out for ``plan`` on ``mesh``, on ``device``.
+
+    The model must be built identically on every rank (same seed): plait does not broadcast
+    initial weights except where DDP does so itself.
+    """
+    if plan.pp > 1:
+        from .parallel.pipeline import apply_pipeline
+
+        # The pipeline applies steps 2-4 to each of its stage modules itself (it calls back into
+        # parallelize_stage), since the stage boundary changes what "the model" is.
+        return apply_pipeline(model, mesh, plan, device=device, parallelize_stage=parallelize_stage)
+    return parallelize_stage(model, mesh, plan, device=device)
+
+
+def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
+                      device: torch.device) -> nn.Module:
+    """Steps 2-4 (TP/SP, checkpointing, data parallel) on one module or pipeline stage."""
+    module = module.to(device)
+    if plan.tp > 1:
+        from .parallel.tensor import apply_tensor_parallel
+
+        module = apply_tensor_parallel(module, mesh, plan)
+    if plan.activation_checkpointing != "none":
+        from .parallel.checkpointing import apply_activation_checkpointing
+
+        module = apply_activation_checkpointing(module, plan)
+    if plan.zero > 0:
+        from .parallel.fsdp import apply_fsdp
+
+        module = apply_fsdp(module, mesh, plan)
+    elif plan.dp_replicate > 1:
+        if plan.tp > 1:
+            # DDP cannot bucket DTensor parameters; replicated DP over TP shards goes through
+            # FSDP2's replicate path instead.
+            from .parallel.fsdp import apply_replicate
+
+            module = apply_replicate(module, mesh, plan)
+        else:
+            from .parallel.data import apply_ddp
+
+            module = apply_ddp(module, mesh["dp_replicate"], device=device)
+    return module

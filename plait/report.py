@@ -1,0 +1,85 @@
+"""Human and JSON output for a run: the progress line and the end-of-run summary.
+
+Formatting only; the numbers come from the Run. Rank 0 prints; nothing is printed once per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+from typing import Any
+
+import torch
+
+from .plan import Plan
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def progress_line(step: int, total: int | None, loss: float, stats: Any) -> str:
+    """``step 50/300 | loss 2.3456 | 12,345 tok/s | 45.6 ms/step``."""
+    recent = stats.step_times[-10:]
+    tokens = stats.tokens[-10:]
+    tps = sum(tokens) / sum(recent) if recent and sum(recent) > 0 else 0.0
+    width = len(str(total)) if total else 0
+    where = f"{step:>{width}}/{total}" if total else f"{step}"
+    return (f"step {where} | loss {loss:.4f} | {tps:,.0f} tok/s | "
+            f"{1000 * _median(recent):.1f} ms/step")
+
+
+def local_memory() -> dict[str, float]:
+    """Peak memory of this process: host RSS, and device allocator peak where there is one."""
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = rss_kb * (1 if sys.platform == "darwin" else 1024)
+    out = {"peak_rss_bytes": float(rss)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["peak_device_bytes"] = float(torch.cuda.max_memory_allocated())
+    return out
+
+
+def summarize(plan: Plan, stats: Any, memory: list[dict[str, float]], *, world_size: int,
+              accelerator: str, wall_s: float) -> dict[str, Any]:
+    steps = len(stats.step_times)
+    # Skip the first step (warm-up: allocation, autotuning) when there are enough steps.
+    times = stats.step_times[1:] if steps > 3 else stats.step_times
+    toks = stats.tokens[1:] if steps > 3 else stats.tokens
+    logged = [x for x in stats.losses if x == x]
+    return {
+        "plan": plan.to_string(),
+        "layout": plan.describe(),
+        "world_size": world_size,
+        "accelerator": accelerator,
+        "steps": steps,
+        "final_loss": logged[-1] if logged else None,
+        "step_time_s": _median(times),
+        "tokens_per_s": (sum(toks) / sum(times)) if times and sum(times) > 0 else None,
+        "wall_s": wall_s,
+        "memory_per_rank": memory,
+    }
+
+
+def format_summary(info: dict[str, Any]) -> str:
+    lines = [f"--- run summary: {info['layout']} on {info['world_size']} x "
+             f"{info['accelerator']} ---"]
+    if info["final_loss"] is not None:
+        lines.append(f"final loss      {info['final_loss']:.4f}")
+    lines.append(f"steps           {info['steps']}")
+    if info["tokens_per_s"]:
+        lines.append(f"throughput      {info['tokens_per_s']:,.0f} tokens/s")
+    lines.append(f"step time       {1000 * info['step_time_s']:.1f} ms (median)")
+    peaks = [m["peak_rss_bytes"] / 2**20 for m in info["memory_per_rank"]]
+    lines.append("peak host RSS   " + ", ".join(f"r{i}: {p:,.0f} MiB" for i, p in enumerate(peaks)))
+    dev = [m.get("peak_device_bytes") for m in info["memory_per_rank"]]
+    if any(d is not None for d in dev):
+        lines.append("peak device mem " + ", ".join(f"r{i}: {(d or 0) / 2**20:,.0f} MiB"
+                                                     for i, d in enumerate(dev)))
+    lines.append(f"wall time       {info['wall_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def to_json(info: dict[str, Any]) -> str:
+    return json.dumps(info, indent=2, default=str)

@@ -1,0 +1,254 @@
+"""``plait.init()`` and the ``Run`` it returns: the few calls a training script changes.
+
+A Run owns what is per-process and per-job: the process group, the device, the Plan, the named
+mesh, the progress output and the end-of-run summary. It holds no global state: two Runs in one
+process (in tests) do not see each other, and nothing is read from the environment except the
+variables torchrun itself defines (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+
+The same script runs as ``python train.py`` (one process: a one-rank group, so every code path
+is the same) and as ``plait run --nproc 8 train.py --plan dp=2,tp=2,pp=2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.data import Dataset
+
+from . import report
+from .accelerators import Accelerator, get_accelerator
+from .data.loader import DistributedLoader
+from .mesh import Mesh, build_mesh
+from .parallelize import parallelize as _parallelize
+from .plan import Plan
+from .train import LossFn, train_step
+
+PlanSource = Plan | str | Path | Mapping[str, Any] | None
+
+
+@dataclass
+class StepStats:
+    """What the runtime measured per step, for progress and the summary."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """One training job as seen from one rank. Create it with ``plait.init()``."""
+
+    plan: Plan
+    mesh: Mesh
+    accelerator: Accelerator
+    device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+    seed: int = 0
+    log_every: int = 10
+    quiet: bool = False
+    owns_group: bool = False
+    total_steps: int | None = None
+    stats: StepStats = field(default_factory=StepStats)
+    ledger: Any = None
+    _started: float = field(default_factory=time.perf_counter)
+    _models: list[nn.Module] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the rank that prints."""
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.data_rank_and_size()[0]
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.data_rank_and_size()[1]
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on rank 0 only (and not at all when quiet)."""
+        if self.is_main and not self.quiet:
+            print(*args, **kwargs, flush=True)
+
+    # ------------------------------------------------------------------ the four calls
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Lay ``model`` out for the plan (pipeline split, TP/SP, checkpointing, FSDP/DDP)."""
+        torch.manual_seed(self.seed)
+        out = _parallelize(model, self.mesh, self.plan, device=self.device)
+        self._models.append(out)
+        return out
+
+    def loader(self, dataset: Dataset, batch_size: int, *, steps: int | None = None,
+               shuffle: bool = True, start_step: int = 0) -> DistributedLoader:
+        """Iterate this rank's share of each *global* batch of ``batch_size`` items.
+
+        Ranks of one data replica (TP/PP peers) get the same rows; one device gets them all.
+        """
+        dp_rank, dp_size = self.mesh.data_rank_and_size()
+        loader = DistributedLoader(dataset, batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                   seed=self.seed, steps=steps, start_step=start_step,
+                                   shuffle=shuffle)
+        local = batch_size // dp_size
+        micro = self.plan.grad_accum * (self.plan.microbatches if self.plan.pp > 1 else 1)
+        if local % micro:
+            raise ValueError(f"per-replica batch {local} (global {batch_size} / {dp_size} "
+                             f"replicas) does not split into {micro} micro-batches "
+                             f"(grad_accum={self.plan.grad_accum}"
+                             + (f" x microbatches={self.plan.microbatches}" if self.plan.pp > 1
+                                else "") + f"); use a global batch that is a multiple of "
+                             f"{dp_size * micro}")
+        if steps is not None:
+            self.total_steps = steps
+        return loader
+
+    def step(self, model: nn.Module, batch: Any, loss_fn: LossFn,
+             optimizer: torch.optim.Optimizer) -> float:
+        """Forward, backward (a pipeline schedule when pp > 1), clip, optimizer step.
+
+        Returns the step's mean loss over the global batch (on every rank). Reading it costs
+        one small all-reduce only on steps that are logged.
+        """
+        batch = _to_device(batch, self.device)
+        start = time.perf_counter()
+        pp_group = self.mesh["pp"].get_group() if self.plan.pp > 1 else None
+        loss = train_step(model, batch, loss_fn, optimizer, plan=self.plan, device=self.device,
+                          pp_group=pp_group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        step = len(self.stats.step_times) + 1
+        self.stats.step_times.append(elapsed)
+        self.stats.tokens.append(_count_tokens(batch) * self.dp_size)
+        logged = step == 1 or step % self.log_every == 0 or step == self.total_steps
+        value = self._global_loss(loss) if logged else float("nan")
+        self.stats.losses.append(value)
+        if logged:
+            self.print(report.progress_line(step, self.total_steps, value, self.stats))
+        return value
+
+    def _global_loss(self, loss: torch.Tensor) -> float:
+        """Mean loss over data replicas; with pipelines, taken from the last stage."""
+        value = loss.detach().float().reshape(1).to(self.device)
+        if self.plan.pp > 1:
+            pp_mesh = self.mesh["pp"]
+            last = dist.get_global_rank(pp_mesh.get_group(), pp_mesh.size() - 1)
+            dist.broadcast(value, src=last, group=pp_mesh.get_group())
+        if self.dp_size > 1:
+            dist.all_reduce(value, group=self.mesh["dp"].get_group())
+            value /= self.dp_size
+        return float(value.item())
+
+    # ------------------------------------------------------------------ end of run
+    def summary(self) -> dict[str, Any]:
+        """End-of-run figures for this job (gathered to every rank)."""
+        local = report.local_memory()
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, local)
+        return report.summarize(self.plan, self.stats, gathered, world_size=self.world_size,
+                                accelerator=self.accelerator.name,
+                                wall_s=time.perf_counter() - self._started)
+
+    def finish(self, print_summary: bool = True) -> dict[str, Any]:
+        """Print the summary on rank 0, free the models and leave the process group."""
+        info = self.summary()
+        if print_summary:
+            self.print(report.format_summary(info))
+        self.close()
+        return info
+
+    def close(self) -> None:
+        """Free parallel modules before the group goes (FIELD-NOTES: DDP exit deadlock)."""
+        self._models.clear()
+        import gc
+
+        gc.collect()
+        if self.owns_group and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+            self.owns_group = False
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _count_tokens(batch: Any) -> int:
+    """Tokens (or samples) in the inputs of a local batch, for throughput figures."""
+    inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+    if isinstance(inputs, dict):
+        inputs = next(iter(inputs.values()))
+    if isinstance(inputs, (tuple, list)):
+        inputs = inputs[0]
+    return int(inputs.numel()) if isinstance(inputs, torch.Tensor) else 0
+
+
+def plan_from_argv(argv: list[str] | None = None) -> str | None:
+    """The value of ``--plan`` on the script's own command line, if any.
+
+    This is how ``plait run --nproc 8 train.py --plan dp=2,tp=4`` reaches ``plait.init()``
+    without the script declaring the flag: it is the script's argument, read explicitly.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--plan", default=None)
+    known, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return known.plan
+
+
+def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int = 0,
+         log_every: int = 10, quiet: bool = False, ledger: bool = False) -> Run:
+    """Join (or create) the process group, pick the device, build the mesh for ``plan``.
+
+    ``plan``: a Plan, a plan string (``"dp=2,tp=2"``), a dict, or a .yaml/.json path; when None,
+    the script's ``--plan`` argument, else plain data parallelism over every rank.
+    Under torchrun (or ``plait run``) the rank and world size come from its variables; without
+    them this is a one-process job.
+    """
+    acc = get_accelerator(accelerator)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if plan is None:
+        plan = plan_from_argv()
+    resolved = Plan.load(plan) if plan is not None else Plan(dp_replicate=world_size)
+    resolved.validate(world_size)  # before touching the network: a bad plan fails fast
+    device = acc.device(local_rank)
+    acc.set_device(device)
+    owns_group = False
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(acc.backend, rank=rank, world_size=world_size,
+                                    device_id=device if device.type == "cuda" else None)
+        else:  # plain `python train.py`: a one-rank group keeps every code path the same
+            dist.init_process_group(acc.backend if acc.backend != "nccl" else "gloo",
+                                    store=dist.HashStore(), rank=0, world_size=1)
+        owns_group = True
+    else:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    mesh = build_mesh(resolved, device.type, world_size)
+    run = Run(plan=resolved, mesh=mesh, accelerator=acc, device=device, rank=rank,
+              world_size=world_size, local_rank=local_rank, seed=seed, log_every=log_every,
+              quiet=quiet, owns_group=owns_group)
+    return run
+
+
