@@ -1,0 +1,232 @@
+"""`plait check`: prove a layout trains the same model as one device.
+
+Runs a few optimizer steps of a model under ``plan`` on ``plan.world_size`` processes and the
+same steps on one process (same seed, same global batches), then compares the loss of every step
+and every parameter after the last step. This is also the harness the test suite uses for each
+parallelism, so "tested against a single-device reference" means exactly this code.
+
+Parameters are compared by their *canonical* names, the names in the user's unwrapped model:
+wrappers (DDP's ``module.``, checkpointing, torch.compile) are stripped, DTensor shards (TP,
+FSDP) are gathered into full tensors, and pipeline stages pool their parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .plan import Plan
+from .spawn import run_distributed
+
+_WRAPPER_PARTS = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None
+               ) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` as a full CPU tensor under its canonical name.
+
+    Collective: every rank of the job must call it. With pipelines, stages pool their
+    parameters over ``pp_group`` so each rank returns the whole model.
+    """
+    modules = getattr(model, "plait_stages", None) or [model]
+    state: dict[str, torch.Tensor] = {}
+    for module in modules:
+        for name, p in module.named_parameters():
+            t = p.detach()
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            state[canonical_name(name)] = t.float().cpu().clone()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        parts: list[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, state, group=pp_group)
+        state = {k: v for part in parts for k, v in part.items()}
+    return state
+
+
+@dataclass
+class CheckResult:
+    plan: str
+    world_size: int
+    steps: int
+    losses_reference: list[float]
+    losses_parallel: list[float]
+    max_loss_diff: float
+    max_param_diff: float
+    worst_param: str
+    missing: list[str] = field(default_factory=list)
+    tolerance: float = 1e-5
+
+    @property
+    def ok(self) -> bool:
+        return (not self.missing and self.max_loss_diff <= self.tolerance
+                and self.max_param_diff <= self.tolerance)
+
+    def format(self) -> str:
+        verdict = "PASS" if self.ok else "FAIL"
+        lines = [f"{verdict}: {self.plan} on {self.world_size} ranks vs 1 device, "
+                 f"{self.steps} steps (tolerance {self.tolerance:g})",
+                 f"  max |loss diff|  {self.max_loss_diff:.3e}",
+                 f"  max |param diff| {self.max_param_diff:.3e} ({self.worst_param})"]
+        for i, (a, b) in enumerate(zip(self.losses_reference, self.losses_parallel)):
+            lines.append(f"  step {i + 1}: reference {a:.6f}  parallel {b:.6f}")
+        if self.missing:
+            lines.append(f"  parameters missing from the parallel run: {self.missing[:5]}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    """What `check` trains: a reference-model preset (or a factory) on the bundled corpus."""
+
+    model: str = "test"              # reference-model preset name
+    steps: int = 5
+    batch_size: int = 8              # global batch
+    seq_len: int = 16
+    lr: float = 1e-3
+    seed: int = 0
+    optimizer: str = "adamw"         # "adamw" or "sgd"
+    model_factory: Callable[[], nn.Module] | None = None  # overrides `model` when given
+    batch_factory: Callable[[int, int], Any] | None = None  # (step, seed) -> global batch
+
+
+def _global_batches(cfg: CheckConfig, vocab: int) -> list[Any]:
+    if cfg.batch_factory is not None:
+        return [cfg.batch_factory(step, cfg.seed) for step in range(cfg.steps)]
+    from .data import TextDataset
+    from .data.loader import DistributedLoader
+
+    loader = DistributedLoader(TextDataset(seq_len=cfg.seq_len), cfg.batch_size, seed=cfg.seed)
+    return [loader.batch(step) for step in range(cfg.steps)]
+
+
+def _build(cfg: CheckConfig) -> tuple[nn.Module, Callable]:
+    from .models.transformer import build, lm_loss, preset
+
+    if cfg.model_factory is not None:
+        torch.manual_seed(cfg.seed)
+        return cfg.model_factory(), _default_loss
+    mcfg = preset(cfg.model)
+    mcfg = mcfg.replace(max_seq_len=max(mcfg.max_seq_len, cfg.seq_len))
+    return build(mcfg, seed=cfg.seed), lm_loss
+
+
+def _default_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if target.dtype in (torch.int64, torch.int32):
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    return nn.functional.mse_loss(out, target)
+
+
+def _make_optimizer(cfg: CheckConfig, params: Any) -> torch.optim.Optimizer:
+    # foreach=False: TP mixes DTensor and plain parameters, which the foreach kernels reject
+    # (FIELD-NOTES); the parallel modules normally fix that, but the check must not depend on it.
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, foreach=False)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01, foreach=False)
+    raise ValueError(f"optimizer={cfg.optimizer!r} must be 'adamw' or 'sgd'")
+
+
+def train_and_collect(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) -> dict[str, Any]:
+    """Worker: train ``cfg.steps`` steps under ``plan``; return losses and full parameters."""
+    from .runtime import init
+
+    run = init(plan, seed=cfg.seed, quiet=True, log_every=1)
+    model, loss_fn = _build(cfg)
+    model = run.parallelize(model)
+    opt = _make_optimizer(cfg, model.parameters())
+    dp_rank, dp_size = run.mesh.data_rank_and_size()
+    losses = []
+    batches = _global_batches(cfg, vocab=256)
+    for batch in batches:
+        local = _slice(batch, dp_rank, dp_size)
+        losses.append(run.step(model, local, loss_fn, opt))
+    pp_group = run.mesh["pp"].get_group() if plan.pp > 1 else None
+    state = full_state(model, pp_group)
+    run.close()
+    return {"losses": losses, "state": state if rank == 0 else None}
+
+
+def _slice(batch: Any, index: int, parts: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        n = batch.shape[0] // parts
+        return batch[index * n:(index + 1) * n]
+    if isinstance(batch, dict):
+        return {k: _slice(v, index, parts) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_slice(v, index, parts) for v in batch)
+    return batch
+
+
+def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], steps: int,
+            tolerance: float) -> CheckResult:
+    ref_state, par_state = reference["state"], parallel["state"]
+    missing = sorted(set(ref_state) - set(par_state))
+    worst, worst_name = 0.0, ""
+    for name, ref in ref_state.items():
+        if name not in par_state:
+            continue
+        got = par_state[name]
+        if got.shape != ref.shape:
+            missing.append(f"{name} (shape {tuple(got.shape)} != {tuple(ref.shape)})")
+            continue
+        diff = (got - ref).abs().max().item() if ref.numel() else 0.0
+        if diff > worst or math.isnan(diff):
+            worst, worst_name = diff, name
+    loss_diff = max((abs(a - b) for a, b in zip(reference["losses"], parallel["losses"])),
+                    default=0.0)
+    return CheckResult(plan=plan.to_string(), world_size=plan.world_size, steps=steps,
+                       losses_reference=reference["losses"], losses_parallel=parallel["losses"],
+                       max_loss_diff=loss_diff, max_param_diff=worst, worst_param=worst_name,
+                       missing=missing, tolerance=tolerance)
+
+
+def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float = 1e-5,
+          timeout: float = 240.0) -> CheckResult:
+    """Train under ``plan`` and on one device; compare losses and parameters."""
+    plan = Plan.load(plan)
+    cfg = cfg or CheckConfig()
+    single = Plan(mixed_precision=plan.mixed_precision, grad_clip=plan.grad_clip)
+    reference = run_distributed(train_and_collect, 1, single, cfg, timeout=timeout)[0]
+    parallel = run_distributed(train_and_collect, plan.world_size, plan, cfg, timeout=timeout)[0]
+    return compare(plan, reference, parallel, cfg.steps, tolerance)
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", required=True,
+                        help="layout to check, e.g. dp=2 or dp=2,tp=2 (world size = product)")
+    parser.add_argument("--model", default="test", help="reference-model preset (default: test)")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default: 5)")
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch (default: 8)")
+    parser.add_argument("--seq-len", type=int, default=16, help="sequence length (default: 16)")
+    parser.add_argument("--tolerance", type=float, default=1e-5,
+                        help="max abs difference allowed in loss and parameters (default: 1e-5)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds before a hang fails")
+    parser.add_argument("--format", choices=("text", "json"), default="text")
+
+
+def command(args: argparse.Namespace) -> int:
+    for name in ("steps", "batch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    cfg = CheckConfig(model=args.model, steps=args.steps, batch_size=args.batch_size,
+                      seq_len=args.seq_len)
+    result = check(args.plan, cfg, tolerance=args.tolerance, timeout=args.timeout)
+    print(json.dumps(result.to_dict(), indent=2) if args.format == "json" else result.format())
+    return 0 if result.ok else 1
