@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -90,29 +89,17 @@ def test_port_in_use_is_refused(tmp_path):
     assert out.returncode == 2 and f"port {port}" in out.stderr and "in use" in out.stderr
 
 
-TRAIN = textwrap.dedent("""
-    import torch, plait
-    from plait.data import TextDataset
-    from plait.models.transformer import build, lm_loss
-    run = plait.init(log_every=2)
-    model = run.parallelize(build("test"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for batch in run.loader(TextDataset(seq_len=16), batch_size=8, steps=4):
-        loss = run.step(model, batch, lm_loss, opt)
-    info = run.finish()
-    if run.rank == 0:
-        print("FINAL", info["final_loss"], info["world_size"])
-""")
 
 
-def test_same_script_one_process_and_launched(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
+def test_readme_script_one_process_and_launched():
+    """examples/train.py is the README's script: the same file on one process and on two."""
+    script = ROOT / "examples" / "train.py"
+    small = ["--model", "test", "--steps", "4", "--batch-size", "8", "--seq-len", "16"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    single = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            timeout=120, env=env)
+    single = subprocess.run([sys.executable, str(script), *small], capture_output=True,
+                            text=True, timeout=120, env=env)
     assert single.returncode == 0, single.stderr
-    launched = plait("run", "--nproc", "2", str(script), "--plan", "dp=2")
+    launched = plait("run", "--nproc", "2", str(script), "--plan", "dp=2", *small)
     assert launched.returncode == 0, launched.stderr
     final = {}
     for name, out in (("single", single.stdout), ("dp2", launched.stdout)):
