@@ -71,7 +71,7 @@ def fsdp(rank: int, world: int, expected=None) -> dict:
     return report.to_dict()
 
 
-def tp_plan(sp: bool) -> dict:
+def tp_plan(sp: bool, n_layers: int | None = None) -> dict:
     """Megatron's layout for the reference model as DTensor styles.
 
     ``PrepareModuleInput(..., use_local_output=False)`` on attention / feed_forward makes the
@@ -90,7 +90,7 @@ def tp_plan(sp: bool) -> dict:
     }
     if sp:
         plan["norm"] = SequenceParallel()
-    for i in range(tfm.preset(MODEL).n_layers):
+    for i in range(n_layers or tfm.preset(MODEL).n_layers):
         p = f"layers.{i}."
         for block, ins, outs in (("attention", ("q_proj", "k_proj", "v_proj"), "o_proj"),
                                  ("feed_forward", ("gate_proj", "up_proj"), "down_proj")):
@@ -151,3 +151,14 @@ def pp(rank: int, world: int, microbatches: int = 2, expected=None) -> dict:
     report = _train(model, opt, Ledger(mesh), rank, step_fn=step, expected=expected)
     return report.to_dict()
 
+
+
+def outside_block(rank: int, world: int) -> list[dict]:
+    """One all-reduce inside the ledger, one before and one after: only the middle one counts."""
+    import torch.distributed as dist
+    ledger = Ledger()
+    dist.all_reduce(torch.ones(2))
+    with ledger:
+        dist.all_reduce(torch.ones(4))
+    dist.all_reduce(torch.ones(8))
+    return [{k: v for k, v in e.items() if k != "time_s"} for e in ledger.local_entries()]

@@ -121,14 +121,24 @@ def test_report_table_json_and_expected_shapes(tmp_path):
 
 
 def test_ledger_off_installs_nothing_and_records_nothing():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    def hooked() -> bool:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_",
+                                                               "BackendSelect")
     ledger = Ledger()
-    assert _get_current_dispatch_mode() is None
+    assert not hooked()
     with ledger:
-        assert ledger.active and _get_current_dispatch_mode() is not None
+        assert ledger.active and hooked()
         torch.ones(3) + 1  # no collective
-    assert not ledger.active and _get_current_dispatch_mode() is None
+    assert not ledger.active and not hooked()
     assert ledger.local_entries() == []
     with pytest.raises(RuntimeError, match="already active"):
         with ledger:
             ledger.__enter__()
+    assert not hooked()
+
+
+def test_collectives_outside_the_block_are_not_counted():
+    res = run_distributed(W.outside_block, 2, timeout=120)
+    assert res[0] == [{"axis": "world", "op": "all_reduce", "group_size": 2, "count": 1,
+                       "payload_bytes": 16, "wire_bytes": 16.0, "recv_count": 0,
+                       "recv_bytes": 0}]

@@ -9,10 +9,10 @@ How it sees the traffic. torch routes every collective through the dispatcher: t
 ops (``torch.ops.c10d.allreduce_`` ...) behind ``torch.distributed.*``, the process-group calls
 of DDP's C++ reducer and of FSDP2, and the point-to-point ops behind ``batch_isend_irecv`` that
 ``torch.distributed.pipelining`` uses; and the functional collectives
-(``torch.ops._c10d_functional.*``) that DTensor emits for tensor/sequence parallelism. One
-``TorchDispatchMode`` therefore sees all of them, with no hooks in DDP, FSDP or the pipeline
-schedules. We write our own mode rather than use ``CommDebugMode`` because that one counts calls
-only (no bytes, no group, no time) and tracks modules on every op, which costs more.
+(``torch.ops._c10d_functional.*``) that DTensor emits for tensor/sequence parallelism. A kernel
+on those ops alone (see ``_Interceptor``) therefore sees all of them, with no hooks in DDP, FSDP
+or the pipeline schedules. Not ``CommDebugMode``: it is a TorchDispatchMode (every aten op pays
+a Python call, 10-20% of a small step) and it counts calls only (no bytes, group or time).
 
 Byte convention: ``plait.comm.volumes`` (payload = the tensor the call is made on, the full
 buffer for all-gather/reduce-scatter; wire = payload x bus factor). Point-to-point traffic is
@@ -34,7 +34,6 @@ from typing import Any, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .volumes import OPS, wire_bytes
 
@@ -172,28 +171,87 @@ def axis_names_by_ranks(mesh: Any) -> dict[frozenset[int], str]:
     return names
 
 
-class _Mode(TorchDispatchMode):
-    """Sees every dispatched op; records the collectives, passes everything through."""
+class _Interceptor:
+    """Routes the collective ops through the active ledgers while at least one is active.
 
-    def __init__(self, ledger: "Ledger"):
-        super().__init__()
-        self.ledger = ledger
+    A Python kernel is registered for each collective at the ``BackendSelect`` dispatch key,
+    whose default for every op is a fallthrough: only the collectives pay a Python call, every
+    other op dispatches exactly as before. (A ``TorchDispatchMode`` would see every aten op and
+    cost ~10 us each: 10-20% of a small model's step on CPU.) ``BackendSelect`` is the last
+    functionality key before the backend, so it is reached even from inside other kernels:
+    autograd's ``ADInplaceOrView`` would miss the collectives DTensor issues from within an aten
+    op (e.g. the Partial->Replicate all-reduce of a sequence-parallel norm gradient in
+    ``optimizer.step``). Dispatcher registrations are process-wide by nature, so this one
+    object is too; the kernels are removed when the last ledger leaves, so a process that never
+    activates a ledger, or has left it, pays nothing.
+    """
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        spec = self.ledger._ops.get(func)
-        if spec is None:
-            # Let tensor subclasses (DTensor, AsyncCollectiveTensor) desugar first: the
-            # collectives they issue come back through this mode.
-            if func is self.ledger._wait and self.ledger._pending:
-                out = func(*args, **kwargs)
-                self.ledger._waited(args[0])
-                return out
-            for t in types:
-                if t in self.ledger._subclasses:
-                    return NotImplemented
-            return func(*args, **kwargs)
-        return self.ledger._record(func, spec, args, kwargs)
+    def __init__(self) -> None:
+        self.ledgers: list["Ledger"] = []
+        self.libs: list[Any] = []
+        self.lock = threading.Lock()
+        # A functional collective runs the c10d op underneath: count the outer call only.
+        self.inside = threading.local()
+
+    def push(self, ledger: "Ledger") -> None:
+        with self.lock:
+            if not self.ledgers:
+                self._register()
+            self.ledgers.append(ledger)
+
+    def pop(self, ledger: "Ledger") -> None:
+        with self.lock:
+            self.ledgers.remove(ledger)
+            if not self.ledgers:
+                for lib in self.libs:
+                    lib._destroy()
+                self.libs.clear()
+
+    def _register(self) -> None:
+        after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+        tables = (("c10d", _c10d_table()), ("_c10d_functional", _funcol_table()))
+        for ns, table in tables:
+            lib = torch.library.Library(ns, "IMPL")
+            self.libs.append(lib)
+            for op, spec in table.items():
+                lib.impl(op._schema.name.split("::")[1], self._kernel(op, spec, after),
+                         "BackendSelect", with_keyset=True)
+            if ns == "_c10d_functional":
+                wait = torch.ops._c10d_functional.wait_tensor.default
+                lib.impl("wait_tensor", self._wait_kernel(wait, after), "BackendSelect",
+                         with_keyset=True)
+
+    def _kernel(self, op: Any, spec: tuple[str, Any, int], after: Any) -> Any:
+        funcol = op.namespace == "_c10d_functional"
+
+        def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(self.inside, "on", False):
+                return op.redispatch(keyset & after, *args, **kwargs)
+            ledgers = list(self.ledgers)
+            self.inside.on = True
+            t0 = time.perf_counter()
+            try:
+                out = op.redispatch(keyset & after, *args, **kwargs)
+            finally:
+                self.inside.on = False
+            issued = time.perf_counter() - t0
+            for ledger in ledgers:
+                ledger._record(spec, args, out, t0, issued, funcol)
+            return out
+
+        return kernel
+
+    def _wait_kernel(self, op: Any, after: Any) -> Any:
+        def kernel(keyset: Any, tensor: Any) -> Any:
+            out = op.redispatch(keyset & after, tensor)
+            for ledger in list(self.ledgers):
+                ledger._waited(tensor)
+            return out
+
+        return kernel
+
+
+_INTERCEPTOR = _Interceptor()
 
 
 class Ledger:
@@ -219,36 +277,28 @@ class Ledger:
         self.mesh = mesh
         self.entries: dict[tuple[str, str], Entry] = {}
         self.regions = 0
-        self._mode: _Mode | None = None
-        self._ops: dict[Any, tuple[str, Any, int]] = {}
-        self._ops.update(_c10d_table())
-        self._funcol = _funcol_table()
-        self._ops.update(self._funcol)
-        self._wait = torch.ops._c10d_functional.wait_tensor.default
+        self._active = False
         self._pending: dict[int, tuple[Entry, float]] = {}
         self._lock = threading.Lock()
         self._axis_cache: dict[str, tuple[str, int]] = {}
         self._names: dict[frozenset[int], str] | None = None
-        from torch.distributed._functional_collectives import AsyncCollectiveTensor
-        from torch.distributed.tensor import DTensor
-        self._subclasses = (DTensor, AsyncCollectiveTensor)
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> "Ledger":
-        if self._mode is not None:
+        if self._active:
             raise RuntimeError("this Ledger is already active; nest a second Ledger instead")
-        self._mode = _Mode(self)
-        self._mode.__enter__()
+        _INTERCEPTOR.push(self)
+        self._active = True
         self.regions += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        mode, self._mode = self._mode, None
-        mode.__exit__(*exc)
+        self._active = False
+        _INTERCEPTOR.pop(self)
 
     @property
     def active(self) -> bool:
-        return self._mode is not None
+        return self._active
 
     def reset(self) -> None:
         """Forget everything recorded (e.g. after warm-up steps)."""
@@ -292,16 +342,14 @@ class Ledger:
             e = self.entries[(axis, op)] = Entry(axis=axis, op=op, group_size=n)
         return e
 
-    def _record(self, func: Any, spec: tuple[str, Any, int], args: tuple, kwargs: dict) -> Any:
+    def _record(self, spec: tuple[str, Any, int], args: tuple, out: Any, t0: float,
+                issued: float, funcol: bool) -> None:
         op, payload_fn, group_idx = spec
         axis, n = self._axis(args[group_idx])
         payload = payload_fn(args)
         recv = op == "recv"
         if op in ("send", "recv"):
             op = "send_recv"
-        t0 = time.perf_counter()
-        out = func(*args, **kwargs)
-        issued = time.perf_counter() - t0
         with self._lock:
             e = self._entry(axis, op, n)
             if recv:
@@ -311,26 +359,27 @@ class Ledger:
                 e.count += 1
                 e.payload_bytes += payload
                 e.wire_bytes += op_wire_bytes(op, payload, n)
-        if func in self._funcol:
+        if funcol:
             # Completion is the wait_tensor that consumes the result.
             self._pending[id(out)] = (e, t0)
-            return out
+            return
         work = out[-1] if isinstance(out, tuple) else out
         try:
             fut = dist.Work.unbox(work).get_future()
         except Exception:  # noqa: BLE001 - a backend without futures: time the call itself
             with self._lock:
                 e.time_s += issued
-            return out
+            return
 
         def done(_: Any, e: Entry = e, t0: float = t0) -> None:
             with self._lock:
                 e.time_s += time.perf_counter() - t0
 
         fut.then(done)
-        return out
 
     def _waited(self, tensor: Any) -> None:
+        if not self._pending:
+            return
         item = self._pending.pop(id(tensor), None)
         if item is not None:
             e, t0 = item
