@@ -37,13 +37,10 @@ def _worker(rank: int, world: int, layout: str, model_name: str, steps: int, bat
             fully_shard(block, mesh=mesh["dp_shard"])
         fully_shard(model, mesh=mesh["dp_shard"])
     elif layout == "tp":
-        import sys
-        from pathlib import Path
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from _workers_comm import tp_plan  # the Megatron layout the ledger tests use
+        from plait.comm._layouts import tp_plan  # the Megatron layout the ledger tests use
         from torch.distributed.tensor.parallel import parallelize_module
         mesh = build_mesh(Plan(tp=world), "cpu", world)
-        model = parallelize_module(model, mesh["tp"], tp_plan(False, model.config.n_layers))
+        model = parallelize_module(model, mesh["tp"], tp_plan(model.config.n_layers, False))
     else:
         raise ValueError(f"unknown layout {layout!r}")
     opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=False)

@@ -72,38 +72,8 @@ def fsdp(rank: int, world: int, expected=None) -> dict:
 
 
 def tp_plan(sp: bool, n_layers: int | None = None) -> dict:
-    """Megatron's layout for the reference model as DTensor styles.
-
-    ``PrepareModuleInput(..., use_local_output=False)`` on attention / feed_forward makes the
-    block input one DTensor shared by q/k/v (gate/up): their input gradients are then summed as
-    Partial DTensors and reduced *once* per block (Megatron's g operator) instead of once per
-    projection. With sp, the residual stream is sharded on the sequence (Shard(1)) and each
-    all-reduce becomes an all-gather before and a reduce-scatter after the block.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel)
-    seq = Shard(1) if sp else Replicate()
-    plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
-    }
-    if sp:
-        plan["norm"] = SequenceParallel()
-    for i in range(n_layers or tfm.preset(MODEL).n_layers):
-        p = f"layers.{i}."
-        for block, ins, outs in (("attention", ("q_proj", "k_proj", "v_proj"), "o_proj"),
-                                 ("feed_forward", ("gate_proj", "up_proj"), "down_proj")):
-            plan[p + block] = PrepareModuleInput(input_layouts=(seq,),
-                                                 desired_input_layouts=(Replicate(),),
-                                                 use_local_output=False)
-            for name in ins:
-                plan[f"{p}{block}.{name}"] = ColwiseParallel()
-            plan[f"{p}{block}.{outs}"] = RowwiseParallel(output_layouts=seq)
-        if sp:
-            plan[p + "attention_norm"] = SequenceParallel()
-            plan[p + "ffn_norm"] = SequenceParallel()
-    return plan
+    from plait.comm._layouts import tp_plan as plan
+    return plan(n_layers or tfm.preset(MODEL).n_layers, sp)
 
 
 def tp(rank: int, world: int, sp: bool = False, expected=None) -> dict:
