@@ -17,6 +17,8 @@ EPILOG = """examples:
   plait demo                                  train the tiny model on 2 CPU processes
   plait run --nproc 4 train.py --plan dp=2,tp=2
   plait check --plan dp=2,tp=2                same training as one device? (loss, parameters)
+  plait comm --plan dp=2                      bytes per mesh axis: measured vs closed form
+  plait bench comm --ops all_reduce --max-bytes 16M
 """
 
 
@@ -49,6 +51,18 @@ def _demo(args: argparse.Namespace) -> int:
     cfg = launch.LaunchConfig(script="plait.demo", module=True, nproc=args.nproc,
                               script_args=tuple(script_args))
     return launch.launch(cfg)
+
+
+def _comm(args: argparse.Namespace) -> int:
+    from .comm import cli as comm_cli
+
+    return comm_cli.comm_command(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .comm import cli as comm_cli
+
+    return comm_cli.bench_comm_command(args)
 
 
 def _add_format(p: argparse.ArgumentParser) -> None:
@@ -99,6 +113,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
     p.add_argument("--plan", default=None, help="layout (default: data parallel over all ranks)")
     commands["demo"] = _demo
+
+    from .comm import cli as comm_cli
+
+    p = sub.add_parser(
+        "comm", help="measure the bytes a plan sends per mesh axis, beside the closed form",
+        description="Train the reference model for a few steps under --plan with the "
+        "communication ledger on; print per mesh axis and collective the measured bytes per "
+        "rank per step, the closed-form prediction, their ratio, counts, time and bandwidth.")
+    comm_cli.add_comm_arguments(p)
+    commands["comm"] = _comm
+
+    p = sub.add_parser("bench", help="benchmarks: `plait bench comm` (collective bandwidth)",
+                       description="Benchmarks that print measured figures.")
+    bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    q = bench_sub.add_parser(
+        "comm", help="collective bandwidth over a size sweep (algbw, busbw as nccl-tests)",
+        description="broadcast, reduce, all-reduce, all-gather, reduce-scatter, all-to-all and "
+        "send/recv over a size sweep on --nproc local ranks; algbw = size/time, busbw = algbw x "
+        "bus factor (nccl-tests' definitions). --format json feeds the planner's calibration.")
+    comm_cli.add_bench_comm_arguments(q)
+    commands["bench"] = _bench
 
     parser.set_defaults(_commands=commands)
     return parser

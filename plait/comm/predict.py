@@ -96,3 +96,58 @@ def by_axis_op(traffic: list[Traffic]) -> dict[tuple[str, str], float]:
     for t in traffic:
         out[(t.axis, t.op)] += t.payload
     return dict(out)
+
+
+def _find_config(model: Any) -> Any:
+    """The reference TransformerConfig under any wrapper (DDP, pipeline stages), or None."""
+    from ..models.transformer import TransformerConfig
+
+    for module in getattr(model, "plait_stages", None) or [model]:
+        for sub in module.modules():
+            cfg = getattr(sub, "config", None)
+            if isinstance(cfg, TransformerConfig):
+                return cfg
+    return None
+
+
+def _dp_param_counts(model: Any) -> tuple[int, int]:
+    """(parameters this rank's data parallelism reduces, those outside the repeated blocks).
+
+    Counted at their tensor-parallel-local size: a DTensor's global numel divided by the degree
+    of every ``tp`` mesh dimension it is sharded on (FSDP's own sharding is what DP undoes).
+    """
+    from ..check import canonical_name
+
+    total = root = 0
+    for module in getattr(model, "plait_stages", None) or [model]:
+        for name, p in module.named_parameters():
+            n = p.numel()
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None and mesh.mesh_dim_names:
+                for dim, placement in zip(mesh.mesh_dim_names, p.placements):
+                    if dim == "tp" and placement.is_shard():
+                        n //= mesh.size(mesh.mesh_dim_names.index(dim))
+            total += n
+            if not canonical_name(name).startswith("layers."):
+                root += n
+    return total, root
+
+
+def expected_for_models(models: list[Any], plan: Any,
+                        batch_shape: tuple[int, ...] | None) -> dict[tuple[str, str], float] | None:
+    """Predicted payload bytes per (axis, op) per step for a run of the reference transformer.
+
+    ``batch_shape`` is the shape of one rank's input batch (per data replica, all micro-steps).
+    Returns None for models other than the reference transformer (the ledger then reports the
+    measured side alone).
+    """
+    if not models or batch_shape is None or len(batch_shape) != 2:
+        return None
+    model = models[-1]
+    cfg = _find_config(model)
+    if cfg is None:
+        return None
+    params, root = _dp_param_counts(model)
+    batch, seq = batch_shape
+    return by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq, params=params,
+                              root_params=root if plan.zero == 3 else 0))
