@@ -169,6 +169,20 @@ def _failures(log_dir: str) -> list[tuple[int, str]]:
     return sorted(found.items())
 
 
+# Errors a rank raises because *another* rank died (its peer closed the connection): they are
+# consequences, not the cause, and are not the traceback the user needs to see.
+_CONSEQUENCES = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
+                 "communicator was aborted", "Broken pipe")
+
+
+def root_cause(failures: list[tuple[int, str]]) -> tuple[int, str] | None:
+    """The failure to show: the lowest rank whose error is not a consequence of another's."""
+    for rank, tb in failures:
+        if not any(marker in tb for marker in _CONSEQUENCES):
+            return rank, tb
+    return failures[0] if failures else None
+
+
 def launch(cfg: LaunchConfig) -> int:
     """Start the job; return its exit code (0 when every worker succeeded)."""
     validate(cfg)
@@ -194,9 +208,9 @@ def launch(cfg: LaunchConfig) -> int:
         t.join()
     if code != 0:
         failures = _failures(log_dir)
-        shown = [(r, tb) for r, tb in failures if r != 0]  # rank 0's was already echoed live
-        if shown and not any(r == 0 for r, _ in failures):
-            rank, tb = shown[0]
+        root = root_cause(failures)
+        if root is not None and root[0] != 0:  # rank 0's traceback was already echoed live
+            rank, tb = root
             tb = re.sub(r"(?m)^\[rank\d+\]: ?", "", tb)  # torch's per-line rank prefix
             sys.stderr.write(f"\n--- rank {rank} failed ---\n{tb.rstrip()}\n")
         ranks = [r for r, _ in failures]
