@@ -53,12 +53,14 @@ class Constants:
     """The model's few fitted constants; one value each, for every model and layout.
 
     ``compute_efficiency``: achieved fraction of datasheet peak for the dense transformer matmuls
-    (and the rest of a block's kernels, folded in). Fitted once to the Megatron-LM 145.6B row of
-    Narayanan et al. 2021 after communication and bubble were modelled; see docs/planner.md.
+    (and the rest of a block's kernels, folded in). Fitted once, as the value that makes the
+    median error over all ten rows of Narayanan et al. 2021 table 1 zero (0.592 -> 0.59), after
+    communication and bubbles were modelled; see docs/planner.md and bench/planner_accuracy.py.
+    ``plait plan --calibrate`` measures it for the local machine instead.
     ``link_efficiency``: fraction of link bandwidth NCCL-class collectives reach (busbw/link).
     """
 
-    compute_efficiency: float = 0.55
+    compute_efficiency: float = 0.59
     link_efficiency: float = 0.8
     flash_attention: bool = True
     activation_dropout_masks: bool = True
