@@ -157,18 +157,16 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
     best = None
     for mod_name, mod in model.named_modules():
         if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
-            kinds = Counter(type(m).__name__ for m in mod)
-            kind, count = kinds.most_common(1)[0]
-            if count < 2:
+            run = _longest_run(list(mod))
+            if len(run) < 2:
                 continue
-            params = sum(p.numel() for p in mod.parameters())
+            params = sum(p.numel() for b in run for p in b.parameters())
             if best is None or params > best[0]:
-                best = (params, mod_name, mod)
+                best = (params, mod_name, run)
     if best is None:
         raise ValueError(f"{name}: found no nn.ModuleList/nn.Sequential of repeated blocks to "
                          f"split into layers; the planner needs a stack of blocks")
-    _, stack_name, stack = best
-    blocks = list(stack)
+    _, stack_name, blocks = best
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
     matmul = [sum(m.weight.numel() for m in b.modules() if isinstance(m, nn.Linear)) for b in blocks]
     ref = blocks[max(range(len(blocks)), key=lambda i: block_params[i])]
@@ -217,6 +215,23 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                       block_params=round(stack_total / len(blocks)),
                       block_matmul_params=round(mean), embed_params=embed_params,
                       head_params=head_params, attention=attention, layer_weights=weights)
+
+
+def _signature(module: Any) -> tuple:
+    return (type(module).__name__,
+            tuple((n, tuple(p.shape)) for n, p in module.named_parameters()))
+
+
+def _longest_run(children: list) -> list:
+    """The longest run of consecutive children with the same type and parameter shapes."""
+    best: list = []
+    start = 0
+    for i in range(1, len(children) + 1):
+        if i == len(children) or _signature(children[i]) != _signature(children[start]):
+            if i - start > len(best) and sum(1 for _ in children[start].parameters()):
+                best = children[start:i]
+            start = i
+    return best
 
 
 def from_factory(spec: str) -> ModelStats:
