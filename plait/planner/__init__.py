@@ -27,13 +27,22 @@ def constants_for(cluster: Cluster, base: Constants = DEFAULT_CONSTANTS) -> Cons
     """The cost constants for ``cluster``: a calibrated profile carries its own efficiency."""
     import dataclasses
 
-    eff = cluster.extra.get("compute_efficiency") if cluster.extra else None
-    if eff is None:
-        return base
-    if not 0 < float(eff) <= 1:
-        raise ValueError(f"cluster {cluster.name!r}: extra.compute_efficiency={eff!r} must be in "
-                         f"(0, 1]")
-    return dataclasses.replace(base, compute_efficiency=float(eff))
+    extra = dict(cluster.extra or {})
+    changes = {}
+    eff = extra.get("compute_efficiency")
+    if eff is not None:
+        if not 0 < float(eff) <= 1:
+            raise ValueError(f"cluster {cluster.name!r}: extra.compute_efficiency={eff!r} must be "
+                             f"in (0, 1]")
+        changes["compute_efficiency"] = float(eff)
+    for key, kind in (("block_overhead_s", float), ("overlap", bool),
+                      ("reduce_scatter_factor", float), ("link_efficiency", float)):
+        if key in extra:
+            value = kind(extra[key])
+            if kind is float and value < 0:
+                raise ValueError(f"cluster {cluster.name!r}: extra.{key}={value} must be >= 0")
+            changes[key] = value
+    return dataclasses.replace(base, **changes) if changes else base
 
 
 def _resolve(model: Any, cluster: Any, world_size: int | None) -> tuple[ModelStats, Cluster]:

@@ -41,8 +41,14 @@ def measure_matmul(n: int = 512, threads: int = 1) -> float:
     return 2 * n ** 3 / t
 
 
-def measure_block_efficiency(peak: float, dim: int = 128, seq: int = 64, batch: int = 4) -> float:
-    """Achieved / peak FLOP/s of forward+backward of one reference block (cost-model FLOPs)."""
+def measure_block(peak: float, dim: int = 128, seq: int = 64,
+                  batches: tuple[int, int] = (1, 8)) -> tuple[float, float]:
+    """(efficiency, fixed overhead in s) of forward+backward of one reference block.
+
+    Timed at two microbatch sizes: the slope gives the achieved FLOP/s (as a fraction of
+    ``peak``, FLOPs counted as the cost model counts them), the intercept the per-block,
+    per-microbatch overhead (launches, Python) that small microbatches pay.
+    """
     import torch
 
     from plait.models.transformer import Block, TransformerConfig
@@ -51,14 +57,15 @@ def measure_block_efficiency(peak: float, dim: int = 128, seq: int = 64, batch: 
 
     cfg = TransformerConfig(dim=dim, n_layers=1, n_heads=4, max_seq_len=seq)
     block = Block(cfg)
-    x = torch.randn(batch, seq, dim, requires_grad=True)
-
-    def step():
-        block(x).sum().backward()
-
-    t = _median_time(step, repeats=7)
-    flops = 3 * from_transformer_config(cfg).block_flops_per_token(seq) * batch * seq
-    return min(1.0, flops / t / peak)
+    per_token = 3 * from_transformer_config(cfg).block_flops_per_token(seq)
+    times = []
+    for batch in batches:
+        x = torch.randn(batch, seq, dim, requires_grad=True)
+        times.append(_median_time(lambda: block(x).sum().backward(), repeats=9))
+    (b0, b1), (t0, t1) = batches, times
+    slope = max((t1 - t0) / ((b1 - b0) * seq), 1e-12)     # s per token
+    overhead = max(t0 - slope * b0 * seq, 0.0)
+    return min(1.0, per_token / slope / peak), overhead
 
 
 def measure_memory_bandwidth(mb: int = 64) -> float:
@@ -108,7 +115,7 @@ def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
     if world < 2:
         raise ValueError(f"calibrate world={world} must be >= 2 to time a collective")
     peak = measure_matmul()
-    eff = measure_block_efficiency(peak)
+    eff, overhead = measure_block(peak)
     hbm = measure_memory_bandwidth()
     alpha, bw = measure_allreduce(world)
     cores = os.cpu_count() or 1
@@ -117,8 +124,13 @@ def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         ram = 8 * GB
     extra: dict[str, Any] = {"compute_efficiency": round(eff, 4),
+                             "block_overhead_s": overhead,
+                             # every core computes: no background progress for collectives
+                             "overlap": False,
+                             # gloo runs reduce-scatter as a full all-reduce (FIELD-NOTES)
+                             "reduce_scatter_factor": 2.0,
                              "measured": f"matmul 512^2 fp32 1 thread; block fwd+bwd dim=128 "
-                                         f"seq=64; gloo all-reduce 1 KiB/16 MiB on {world} ranks"}
+                                         f"seq=64 at batch 1 and 8; gloo all-reduce 1 KiB/16 MiB on {world} ranks"}
     return Cluster(name=name, device="cpu", nodes=1, devices_per_node=64,
                    memory_bytes=0.8 * ram / max(cores, 1), peak_flops={"fp32": peak},
                    intra_bw=bw, inter_bw=bw, intra_latency=alpha, inter_latency=alpha,

@@ -62,6 +62,15 @@ class Constants:
 
     compute_efficiency: float = 0.59
     link_efficiency: float = 0.8
+    # Fixed time per block per microbatch (forward + backward): kernel launches and Python.
+    # Negligible on GPUs at planning shapes; measured by --calibrate on CPUs.
+    block_overhead_s: float = 0.0
+    # Whether data-parallel communication can run under compute. False where processes already
+    # use every core (CPU + gloo): nothing is left to drive the collective in the background.
+    overlap: bool = True
+    # Cost of a reduce-scatter relative to the ring ideal. gloo has none and runs a full
+    # all-reduce (FIELD-NOTES): 2.0 there.
+    reduce_scatter_factor: float = 1.0
     flash_attention: bool = True
     activation_dropout_masks: bool = True
     bucket_bytes: float = 25 * 2**20
@@ -142,7 +151,8 @@ def collective_time(t: Traffic, cluster: Cluster, stride: int, c: Constants) -> 
     bw, alpha = tier(cluster, t.group, stride)
     n = t.group
     steps = {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(t.op, n - 1)
-    return t.calls * steps * alpha + t.wire / (bw * c.link_efficiency)
+    time = t.calls * steps * alpha + t.wire / (bw * c.link_efficiency)
+    return time * (c.reduce_scatter_factor if t.op == "reduce_scatter" else 1.0)
 
 
 def activation_bytes_per_block(m: ModelStats, b: int, s: int, tp: int, sp: bool, dtype_bytes: int,
@@ -308,7 +318,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     replay = {"full": 1.0, "op": 0.05}.get(ckpt_mode, 0.0)
     if ckpt_mode == "selective":
         replay = 1.0 / plan.checkpoint_every
-    block_compute = fwd_block * (3 + replay) / rate
+    block_compute = fwd_block * (3 + replay) / rate + c.block_overhead_s * (1 + replay / 3)
     # TP collectives per block: 4 all-reduces (2 more per recomputed block) on the tp tier.
     tp_stride = 1
     tp_block = 0.0
@@ -412,9 +422,9 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
             gather_time += ct
     r_busy = rank_time.index(t_max)
     bwd_window = rank_time[r_busy] * (2 + replay) / (3 + replay)
-    exposed_grad = max(0.0, grad_time - bwd_window)
-    exposed_ag3 = 0.0
-    if ag3_time:
+    exposed_grad = max(0.0, grad_time - bwd_window) if c.overlap else grad_time
+    exposed_ag3 = 0.0 if c.overlap else ag3_time
+    if ag3_time and c.overlap:
         per_micro = ag3_time / (m * steps)
         exposed_ag3 = max(0.0, per_micro - rank_time[r_busy]) * m * steps + \
             ag3_time / (m * steps) / max(1, max(sizes))  # first gather is never hidden
