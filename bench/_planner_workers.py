@@ -66,6 +66,21 @@ def _torch_layout(model, plan, world):
     return model, sync, data_rank
 
 
+def calibrate_here(rank: int, world: int) -> dict:
+    """This rank's compute and the group's all-reduce, measured under the same conditions (the
+    same number of processes sharing the same cores) as the layouts timed next."""
+    import torch.distributed as dist
+
+    from plait.planner.calibrate import _allreduce_worker, measure_block, measure_matmul
+
+    dist.barrier()
+    peak = measure_matmul()
+    eff, overhead = measure_block(peak)
+    times = _allreduce_worker(rank, world, [1024, 4 * 2**20], 5)
+    return {"peak": peak, "eff": eff, "overhead": overhead, "t_small": times[1024],
+            "t_large": times[4 * 2**20], "small": 1024, "large": 4 * 2**20}
+
+
 def time_layouts(rank: int, world: int, plans: list[dict], model_name: str, global_batch: int,
                  seq: int, steps: int, warmup: int, use_runtime: bool) -> list[Any]:
     import contextlib
@@ -80,7 +95,7 @@ def time_layouts(rank: int, world: int, plans: list[dict], model_name: str, glob
     gen = torch.Generator().manual_seed(1234)
     data = torch.randint(0, cfg.vocab_size, (global_batch * (steps + warmup), seq + 1),
                          generator=gen)
-    out = []
+    out = [calibrate_here(rank, world)]
     for fields in plans:
         plan = Plan.from_dict(fields)
         try:
@@ -129,4 +144,5 @@ def time_layouts(rank: int, world: int, plans: list[dict], model_name: str, glob
             model = opt = None
             import gc
             gc.collect()
+    out.append(calibrate_here(rank, world))
     return out

@@ -151,6 +151,26 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return num / den if den else float("nan")
 
 
+def in_group_profile(cluster, cals: list[dict], world: int):
+    """The profile measured inside the timing job (before and after it, every rank): compute
+    already reflects how many processes share the cores, so compute_units is dropped."""
+    from plait.comm.volumes import bus_factor
+    from plait.planner.hardware import Cluster  # noqa: F401
+
+    med = {k: statistics.median(c[k] for c in cals) for k in cals[0]}
+    alpha = med["t_small"] / (2 * (world - 1))
+    bw = med["large"] * bus_factor("all_reduce", world) / max(med["t_large"] - med["t_small"], 1e-9)
+    extra = dict(cluster.extra)
+    extra.update(compute_efficiency=min(1.0, med["eff"]), block_overhead_s=med["overhead"])
+    c = dataclasses.replace(cluster.with_world(world), peak_flops={"fp32": med["peak"]},
+                            intra_bw=bw, inter_bw=bw, intra_latency=alpha, inter_latency=alpha,
+                            compute_units=None, extra=extra)
+    print(f"  in-job calibration (median of ranks, before and after): "
+          f"{med['peak'] / 1e9:.1f} GFLOP/s x {med['eff']:.2f} efficiency, block overhead "
+          f"{med['overhead'] * 1e3:.2f} ms, all-reduce {bw / 1e9:.2f} GB/s, {alpha * 1e6:.0f} us/step")
+    return c, constants_for(c)
+
+
 def measured(args) -> dict:
     from _planner_workers import has_runtime, time_layouts, torch_supports
 
@@ -211,10 +231,13 @@ def measured(args) -> dict:
         per_rank = run_distributed(time_layouts, world, [p.to_dict() for p in plans],
                                    args.model, args.global_batch, args.seq, args.steps,
                                    args.warmup, runtime, timeout=args.timeout)
+        c, constants = in_group_profile(cluster, [r[0] for r in per_rank] +
+                                        [r[-1] for r in per_rank], world)
+        per_rank = [r[1:-1] for r in per_rank]
         rows = []
         for i, p in enumerate(plans):
             got = [r[i] for r in per_rank]
-            pred = evaluate(p, model, c, work, constants)
+            pred = evaluate(p, model, c, work, constants)  # the in-job profile
             if any(isinstance(g, str) for g in got):
                 err = next(g for g in got if isinstance(g, str))
                 print(f"  {p.describe():<60} failed: {err}")

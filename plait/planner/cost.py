@@ -139,8 +139,12 @@ def act_bytes(plan: Plan) -> int:
 
 
 def tier(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
-    """(bandwidth, latency) of a group of ``size`` ranks ``stride`` apart in mesh order."""
-    if size * stride <= cluster.devices_per_node:
+    """(bandwidth, latency) of a group of ``size`` ranks ``stride`` apart in mesh order.
+
+    Inside a node only if the span ``size * stride`` divides the node: otherwise some groups
+    straddle two nodes and the ring runs at the slower tier."""
+    span = size * stride
+    if span <= cluster.devices_per_node and cluster.devices_per_node % span == 0:
         return cluster.intra_bw, cluster.intra_latency
     return cluster.inter_bw, cluster.inter_latency
 

@@ -1,6 +1,6 @@
 """The search: every sensible layout for a model on a cluster, ranked by predicted step time.
 
-Enumerated: tp (divisors of the world that divide heads, kv-heads and ffn, inside a node), pp
+Enumerated: tp (divisors of the world and of the node size that divide heads, kv-heads and ffn), pp
 (divisors of what is left, at most one block per chunk), the data-parallel rest as DDP, ZeRO-1/2/3
 over all of it, or HSDP (ZeRO-3 inside a node, replicated across); microbatch size (divisors of
 the per-rank batch, up to 16); for pp > 1 the schedules 1F1B, interleaved 1F1B (v = 2, 4),
@@ -70,7 +70,8 @@ def _dp_splits(dp: int, tp: int, cluster: Cluster) -> list[tuple[int, int, int]]
     out = [(dp, 1, 0)]
     if dp > 1:
         out += [(1, dp, z) for z in (1, 2, 3)]
-        inner = max((d for d in divisors(dp) if d * tp <= cluster.devices_per_node), default=1)
+        inner = max((d for d in divisors(dp) if d * tp <= cluster.devices_per_node
+                     and cluster.devices_per_node % (d * tp) == 0), default=1)
         if 1 < inner < dp:
             out.append((dp // inner, inner, 3))
     return out
@@ -84,6 +85,8 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
     for tp in divisors(world):
         if tp > cluster.devices_per_node:
             break
+        if cluster.devices_per_node % tp and tp < world:
+            continue  # a tp group would straddle two nodes
         if model.n_heads % tp or model.kv_heads % tp or model.ffn % tp:
             continue
         for pp in divisors(world // tp):
