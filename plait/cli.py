@@ -17,6 +17,7 @@ EPILOG = """examples:
   plait demo                                  train the tiny model on 2 CPU processes
   plait run --nproc 4 train.py --plan dp=2,tp=2
   plait check --plan dp=2,tp=2                same training as one device? (loss, parameters)
+  plait plan --model llama-7b --cluster dgx-h100 --global-batch 512 --seq 4096
   plait comm --plan dp=2                      bytes per mesh axis: measured vs closed form
   plait bench comm --ops all_reduce --max-bytes 16M
 """
@@ -63,6 +64,12 @@ def _bench(args: argparse.Namespace) -> int:
     from .comm import cli as comm_cli
 
     return comm_cli.bench_comm_command(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .planner import cli as planner_cli
+
+    return planner_cli.plan_command(args)
 
 
 def _add_format(p: argparse.ArgumentParser) -> None:
@@ -113,6 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
     p.add_argument("--plan", default=None, help="layout (default: data parallel over all ranks)")
     commands["demo"] = _demo
+
+    from .planner import cli as planner_cli
+
+    p = sub.add_parser(
+        "plan", help="rank layouts for a model on a cluster before buying hardware",
+        description="Search data, ZeRO, tensor, sequence and pipeline layouts for --model on "
+        "--cluster; print a ranked table (step time, tokens/s, TFLOP/s and MFU per device, "
+        "memory per device, bytes per mesh axis, bubble) and why the winner wins. --plan "
+        "evaluates one given layout. Exit 1 when nothing fits.",
+        epilog="example: plait plan --model llama-7b --cluster dgx-h100 --nodes 2 "
+        "--global-batch 512 --seq 4096", formatter_class=argparse.RawDescriptionHelpFormatter)
+    planner_cli.add_plan_arguments(p)
+    commands["plan"] = _plan
 
     from .comm import cli as comm_cli
 
