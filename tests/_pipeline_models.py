@@ -24,3 +24,27 @@ def deep_mlp():
 def mlp_batch(step, seed):
     g = torch.Generator().manual_seed(1000 * seed + step)
     return torch.randn(16, 12, generator=g), torch.randn(16, 3, generator=g)
+
+
+def timeline_worker(rank, world_size, schedule, v, m):
+    """Run one recorded pipeline step of the deep MLP; return all events and a PNG path."""
+    import tempfile
+
+    from plait.parallel.timeline import plot
+    from plait.plan import Plan
+    from plait.runtime import init
+
+    plan = Plan(pp=world_size, pp_schedule=schedule, virtual_stages=v, microbatches=m)
+    run = init(plan, quiet=True)
+    model = run.parallelize(deep_mlp())
+    pipe = model.plait_pipeline
+    x, y = mlp_batch(0, 0)
+    with pipe.timeline.record():
+        loss = pipe.step((x, y), torch.nn.functional.mse_loss, plan=plan, device=run.device)
+    events = pipe.timeline.gather()
+    png = None
+    if rank == 0:
+        png = plot(events, tempfile.mkstemp(suffix=".png")[1])
+    names = sorted(n for s in model.plait_stages for n, _ in s.named_parameters())
+    run.close()
+    return {"events": events, "png": png, "loss": float(loss), "names": names}
