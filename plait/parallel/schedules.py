@@ -30,7 +30,7 @@ import argparse
 import json
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from ..plan import MULTI_STAGE_SCHEDULES, PP_SCHEDULES
 
@@ -160,11 +160,14 @@ def _torch_orders(schedule: str, pp: int, m: int, v: int) -> dict[int, list[Acti
 
 # ------------------------------------------------------------------------------ simulation
 def simulate(orders: dict[int, list[Action]], num_stages: int,
-             costs: dict[str, float] | None = None) -> list[Timed]:
+             costs: dict[str, float] | Callable[[int, Action], float] | None = None
+             ) -> list[Timed]:
     """Earliest start of every action given in-order execution per rank and data dependencies.
 
     F(s, i) needs F(s-1, i); B/I(s, i) needs F(s, i) and B/I(s+1, i); W(s, i) needs I(s, i).
-    Raises ValueError if the orders deadlock (a rank waits for something never computed).
+    ``costs``: time per action kind, or a function ``(rank, action) -> time`` (e.g. measured
+    durations, see ``plait.parallel.timeline.replay_bubble``). Raises ValueError if the orders
+    deadlock (a rank waits for something never computed).
     """
     costs = costs or DEFAULT_COSTS
     done: dict[tuple[str, int, int], float] = {}
@@ -192,7 +195,7 @@ def simulate(orders: dict[int, list[Action]], num_stages: int,
                 if any(k not in done for k in need):
                     break
                 start = max([free[r]] + [done[k] for k in need])
-                end = start + costs[a.kind]
+                end = start + (costs(r, a) if callable(costs) else costs[a.kind])
                 free[r] = end
                 done[(a.kind, a.stage, a.microbatch)] = end
                 if a.kind in ("B", "I"):

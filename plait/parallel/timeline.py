@@ -93,6 +93,29 @@ def bubble_fraction(events: list[Event], step: int | None = None) -> float:
     return 1.0 - busy / (span * len(ranks))
 
 
+def replay_bubble(events: list[Event], num_stages: int, step: int | None = None) -> float:
+    """The bubble the recorded step would have with instant communication and no runtime gaps.
+
+    Replays each rank's recorded actions, in their recorded order and with their measured
+    durations, through the dependency simulation of ``plait.parallel.schedules``. The difference
+    to ``bubble_fraction`` is time lost between actions (p2p latency, Python, a busy CPU); the
+    difference to the theoretical bubble is the schedule meeting real, unequal stage times.
+    """
+    from .schedules import Action, bubble_of, simulate
+
+    if step is None:
+        steps = steps_of(events)
+        return sum(replay_bubble(events, num_stages, s) for s in steps) / len(steps)
+    ev = sorted((e for e in events if e.step == step), key=lambda e: e.start)
+    orders: dict[int, list[Action]] = {}
+    durations: dict[tuple[int, Action], float] = {}
+    for e in ev:
+        a = Action(e.kind, e.stage, e.microbatch)
+        orders.setdefault(e.rank, []).append(a)
+        durations[(e.rank, a)] = e.end - e.start
+    return bubble_of(simulate(orders, num_stages, lambda r, a: durations[(r, a)]))
+
+
 def per_rank_idle(events: list[Event], step: int) -> dict[int, float]:
     """Seconds each rank was idle during ``step`` (span minus its busy time)."""
     ev = [e for e in events if e.step == step]
