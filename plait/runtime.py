@@ -156,8 +156,13 @@ class Run:
         """Mean loss over data replicas; with pipelines, taken from the last stage."""
         value = loss.detach().float().reshape(1).to(self.device)
         if self.plan.pp > 1:
+            from .parallel.schedules import stage_to_rank
+
             pp_mesh = self.mesh["pp"]
-            last = dist.get_global_rank(pp_mesh.get_group(), pp_mesh.size() - 1)
+            # The last stage's pp rank: pp - 1, except for V schedules (ZB-V) where it is 0.
+            last_pp = stage_to_rank(self.plan.pp_schedule, self.plan.pp,
+                                    self.plan.virtual_stages)[-1]
+            last = dist.get_global_rank(pp_mesh.get_group(), last_pp)
             dist.broadcast(value, src=last, group=pp_mesh.get_group())
         if self.dp_size > 1:
             dist.all_reduce(value, group=self.mesh["dp"].get_group())
