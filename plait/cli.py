@@ -72,6 +72,12 @@ def _plan(args: argparse.Namespace) -> int:
     return planner_cli.plan_command(args)
 
 
+def _schedule(args: argparse.Namespace) -> int:
+    from .parallel import schedules
+
+    return schedules.schedule_command(args)
+
+
 def _add_format(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("text", "json"), default="text",
                    help="text for people, json for programs (default: text)")
@@ -133,6 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--global-batch 512 --seq 4096", formatter_class=argparse.RawDescriptionHelpFormatter)
     planner_cli.add_plan_arguments(p)
     commands["plan"] = _plan
+
+    from .parallel import schedules
+
+    p = sub.add_parser(
+        "schedule", help="print a pipeline schedule as a step x rank grid, without running it",
+        description="Print a pipeline schedule (gpipe, 1f1b, interleaved_1f1b, looped_bfs, "
+        "interleaved_zb, zbv) as a step x rank grid: F<mb> forward, B<mb> backward (I/W: the "
+        "input- and weight-gradient halves of zero-bubble schedules), @<stage> when a rank holds "
+        "several stages, '.' idle; with the theoretical bubble and microbatches in flight.",
+        epilog="example: plait schedule --schedule interleaved_1f1b --pp 4 -m 8 -v 2",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    schedules.add_schedule_arguments(p)
+    commands["schedule"] = _schedule
 
     from .comm import cli as comm_cli
 

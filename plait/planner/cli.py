@@ -42,6 +42,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     p.add_argument("--efficiency", type=float, default=None,
                    help="override the compute efficiency constant (fraction of peak)")
     p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--show-schedule", action="store_true",
+                   help="also print the pipeline schedule of the best (or given) plan as a "
+                        "step x rank grid (F0 F1 B0 ...)")
     p.add_argument("--pareto", default=None, metavar="PNG",
                    help="write a step time vs memory Pareto plot (needs the plot extra)")
     p.add_argument("--calibrate", action="store_true",
@@ -279,6 +282,7 @@ def _plan(args: argparse.Namespace) -> int:
                 print(f"does not fit / cannot run: {est.reason}")
             else:
                 print("\n".join(explain_winner([est], cluster)))
+                _print_schedule(args, given)
         return 0 if est.feasible else 1
 
     result = search(model, cluster, work, dtype=dtype, top=0, constants=constants)
@@ -303,9 +307,21 @@ def _plan(args: argparse.Namespace) -> int:
           f"{result.evaluated} layouts priced in {result.seconds:.2f}s, {len(ranked)} fit")
     print(format_table(ranked[:args.top]))
     print("\n".join(explain_winner(ranked, cluster)))
+    _print_schedule(args, ranked[0].plan)
     if args.pareto:
         print(f"Pareto plot: {args.pareto}")
     return 0
+
+
+def _print_schedule(args: argparse.Namespace, plan: Plan) -> None:
+    if not getattr(args, "show_schedule", False):
+        return
+    if plan.pp == 1:
+        print("schedule: no pipeline in this plan (pp=1)")
+        return
+    from ..parallel.schedules import format_schedule
+
+    print(format_schedule(plan.pp_schedule, plan.pp, plan.microbatches, plan.virtual_stages))
 
 
 def main(argv: list[str] | None = None) -> int:  # for `python -m plait.planner.cli`
