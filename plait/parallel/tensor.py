@@ -96,10 +96,21 @@ class _Colwise(ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Embedding) and self.pack == 1:
             return super()._apply(module, device_mesh)
+        output_fn = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+        if self.pack > 1:
+            output_fn = partial(_packed_output, self.pack)
         return distribute_module(
             module, device_mesh, lambda n, m, d: self._partition(n, m, d) if m is module else None,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+            output_fn)
+
+
+def _packed_output(pack: int, mod: nn.Module, outputs: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Local [q_r, k_r, v_r] of a fused layer (a plain Shard(-1) would mix q with k)."""
+    want = (_StridedShard(outputs.ndim - 1, split_factor=pack),)
+    if outputs.placements != want:
+        outputs = outputs.redistribute(placements=want)
+    return outputs.to_local()
 
 
 class _Rowwise(RowwiseParallel):

@@ -126,6 +126,7 @@ def reference_plan(model: nn.Module) -> TPPlan:
 # "colwise_gather_output" head gathers full logits on every rank; ours keeps them vocab-sharded.
 HF_STYLE_NAMES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise",
                   "rowwise_rep": "rowwise", "colwise_gather_output": "vocab_head",
+                  "embedding_rowwise": "vocab_embedding",
                   "sequence_parallel": "sequence_parallel"}
 
 # GPT-2 declares no tp_plan in transformers; its linears are Conv1D (weight stored (in, out)) and
@@ -229,8 +230,10 @@ def hf_plan(model: nn.Module) -> TPPlan:
     plan = TPPlan(styles=base, divide_attrs=divide, source=source, sizes=_hf_sizes(config))
     plan = plan.with_prefix(base_prefix)
     styles = dict(plan.styles)
-    head_plan = _translate_hf(getattr(model, "_tp_plan", None) or {}, f"{type(model).__name__}"
-                              "._tp_plan")
+    # The instance's _tp_plan merges the base plan under its prefix; only the head is new here.
+    declared_head = {k: v for k, v in (getattr(model, "_tp_plan", None) or {}).items()
+                     if k in HF_HEAD_NAMES}
+    head_plan = _translate_hf(declared_head, f"{type(model).__name__}._tp_plan")
     for name in HF_HEAD_NAMES:
         if isinstance(getattr(model, name, None), nn.Linear):
             styles[name] = "vocab_head" if head_plan.get(name, "vocab_head") == "vocab_head" \
