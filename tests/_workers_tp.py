@@ -160,3 +160,86 @@ def layer_worker(rank: int, world_size: int, case: str) -> dict[str, float]:
         out[f"{name}_grad"] = _rel(_full(par.get_parameter(name).grad), p.grad)
     dist.barrier()
     return out
+
+
+def layers_worker(rank: int, world_size: int) -> dict[str, dict[str, float]]:
+    """Every per-layer case in one process group (one spawn instead of nine)."""
+    return {case: layer_worker(rank, world_size, case) for case in LAYER_CASES}
+
+
+# ------------------------------------------------------------------------ inference test model
+class CustomAttention(nn.Module):
+    def __init__(self, dim: int = 32, n_heads: int = 4):
+        super().__init__()
+        self.n_heads = n_heads
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim) for _ in range(3))
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (lin(x).view(b, t, self.n_heads, -1).transpose(1, 2)
+                   for lin in (self.wq, self.wk, self.wv))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class CustomMLP(nn.Module):
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class CustomBlock(nn.Module):
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(dim), CustomAttention(dim)
+        self.ln2, self.mlp = nn.LayerNorm(dim), CustomMLP(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class CustomLM(nn.Module):
+    """A model plait ships no plan for: names and reshapes of its own."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(CustomBlock(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def custom_factory() -> nn.Module:
+    return CustomLM()
+
+
+# ------------------------------------------------------------------- foreach optimizer + clip
+def foreach_adamw_worker(rank: int, world_size: int, plan_string: str) -> dict:
+    """Reference model under TP with a plain foreach AdamW (the FIELD-NOTES failure) and
+    gradient clipping: every parameter must be a DTensor, and the step must run."""
+    from torch.distributed.tensor import DTensor
+
+    import plait
+    from plait.models.transformer import build, lm_loss
+
+    torch.set_num_threads(1)
+    run = plait.init(plan_string, seed=0, quiet=True)
+    model = run.parallelize(build("test", seed=0))
+    kinds = {type(p).__name__ for p in model.parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (4, 17), generator=gen)
+    losses = [run.step(model, (tokens[:, :-1], tokens[:, 1:]), lm_loss, opt) for _ in range(2)]
+    all_dtensor = all(isinstance(p, DTensor) for p in model.parameters())
+    run.close()
+    return {"kinds": sorted(kinds), "all_dtensor": all_dtensor, "losses": losses}
