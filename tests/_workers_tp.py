@@ -233,7 +233,7 @@ def foreach_adamw_worker(rank: int, world_size: int, plan_string: str) -> dict:
     from plait.models.transformer import build, lm_loss
 
     torch.set_num_threads(1)
-    run = plait.init(plan_string, seed=0, quiet=True)
+    run = plait.init(plan_string, seed=0, quiet=True, log_every=1)
     model = run.parallelize(build("test", seed=0))
     kinds = {type(p).__name__ for p in model.parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
