@@ -352,6 +352,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
     _divide_attrs(module, tp_plan.divide_attrs, tp)
     _retie(ties)
     replicate_rest(module, tp_mesh)
+    _reduce_partial_grads_in_backward(module)
     if "vocab_head" in matched.values():
         setattr(module, LOSS_PARALLEL_ATTR, True)
     return module
@@ -422,6 +423,22 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
             sub.register_parameter(pname, done[id(p)])
         sub.register_forward_pre_hook(partial(_inputs_to_replicate, mesh), with_kwargs=True)
         sub.register_forward_hook(_outputs_to_local)
+
+
+def _reduce_partial_grads_in_backward(module: nn.Module) -> None:
+    """Replicated weights used on sequence shards (SP norms) get *partial* gradients, and DTensor
+    leaves them Partial in ``.grad``: every later op on them (clip norm, each optimizer op) would
+    then all-reduce again, at a moment nobody expects. Reduce each once, in backward, instead."""
+    for p in module.parameters():
+        if isinstance(p, DTensor) and p.requires_grad and all(
+                isinstance(pl, Replicate) for pl in p.placements):
+            p.register_hook(_replicate_grad)
+
+
+def _replicate_grad(grad: torch.Tensor) -> torch.Tensor:
+    if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+        return grad.redistribute(placements=[Replicate()] * len(grad.placements))
+    return grad
 
 
 def _map_tensors(value: Any, fn: Any) -> Any:
