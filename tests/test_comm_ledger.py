@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import _workers_comm as W
+from tests import _workers_comm as W
 from plait.comm.ledger import Ledger, axis_names_by_ranks
 from plait.comm.predict import by_axis_op, predict
 from plait.comm.report import CommReport, normalise_expected

@@ -18,7 +18,7 @@ from plait.parallel.tp_plans import TPPlan, hf_plan
 from plait.plan import Plan
 from plait.spawn import run_distributed
 
-from _workers_tp import (LAYER_CASES, CustomLM, custom_factory, foreach_adamw_worker,
+from tests._workers_tp import (LAYER_CASES, CustomLM, custom_factory, foreach_adamw_worker,
                           gpt2_factory, layers_worker, llama_factory, token_batches)
 
 TOL = 1e-5
