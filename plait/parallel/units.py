@@ -13,7 +13,7 @@ pattern written against the user's model keeps working after checkpointing wrapp
 
 from __future__ import annotations
 
-import fnmatch
+import re
 from typing import Sequence
 
 import torch.nn as nn
@@ -28,6 +28,14 @@ def canonical(name: str) -> str:
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     return name.rstrip(".")
+
+
+def _glob(pattern: str) -> "re.Pattern[str]":
+    """Glob over dotted names: ``*`` matches within one name part, ``**`` across parts."""
+    out = []
+    for token in re.split(r"(\*\*|\*|\?)", pattern):
+        out.append({"**": ".*", "*": r"[^.]*", "?": r"[^.]"}.get(token, re.escape(token)))
+    return re.compile("".join(out) + r"\Z")
 
 
 def _numel(module: nn.Module) -> int:
@@ -57,6 +65,9 @@ def select_units(module: nn.Module, patterns: Sequence[str] | None = None
                  ) -> list[tuple[str, nn.Module]]:
     """The sharding units: the repeated blocks, or the modules whose names match ``patterns``.
 
+    Patterns are globs over dotted module names: ``layers.*`` matches ``layers.3`` but not
+    ``layers.3.attention`` (``*`` stays inside one name part; ``**`` crosses parts).
+
     Returned deepest first, so that wrapping them in order is bottom-up (a unit nested inside
     another is wrapped before its parent, as ``fully_shard`` requires). Raises ValueError naming
     any pattern that matches no module.
@@ -69,7 +80,8 @@ def select_units(module: nn.Module, patterns: Sequence[str] | None = None
     chosen: dict[str, tuple[str, nn.Module]] = {}  # canonical name -> outermost module
     unmatched = []
     for pattern in patterns:
-        hits = [(name, m) for name, m in named if fnmatch.fnmatchcase(canonical(name), pattern)]
+        regex = _glob(pattern)
+        hits = [(name, m) for name, m in named if regex.match(canonical(name))]
         if not hits:
             unmatched.append(pattern)
         for name, m in hits:
