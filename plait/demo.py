@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    run = plait.init(args.plan, seed=args.seed, log_every=args.log_every)
+    run = plait.init(args.plan, seed=args.seed, log_every=args.log_every, ledger=True)
     cfg = preset(args.model, max_seq_len=max(args.seq_len, preset(args.model).max_seq_len))
     run.print(f"plan: {run.plan.describe()}  [{run.plan.to_string()}] on {run.world_size} "
               f"process(es), {run.accelerator.name}/{run.accelerator.backend}")

@@ -12,6 +12,7 @@ is the same) and as ``plait run --nproc 8 train.py --plan dp=2,tp=2,pp=2``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -61,7 +62,12 @@ class Run:
     owns_group: bool = False
     total_steps: int | None = None
     stats: StepStats = field(default_factory=StepStats)
+    # The communication ledger (plait.comm.ledger.Ledger) when init(ledger=True): it records
+    # the collectives of every training step after the first ``ledger_warmup`` (one-off traffic:
+    # DDP's bucket rebuild, pipeline shape inference).
     ledger: Any = None
+    ledger_warmup: int = 2
+    _batch_shape: tuple[int, ...] | None = None
     _started: float = field(default_factory=time.perf_counter)
     _models: list[nn.Module] = field(default_factory=list)
     # ZeRO-1: the user's optimizer -> its ZeroRedundancyOptimizer (see _optimizer_for).
@@ -133,8 +139,14 @@ class Run:
             self._memory = MemoryTracker(model, optimizer, track_gathered=self.plan.zero >= 2)
         start = time.perf_counter()
         pp_group = self.mesh["pp"].get_group() if self.plan.pp > 1 else None
-        loss = train_step(model, batch, loss_fn, optimizer, plan=self.plan, device=self.device,
-                          pp_group=pp_group)
+        step_index = len(self.stats.step_times)
+        recording = self.ledger is not None and step_index >= self.ledger_warmup
+        if self._batch_shape is None:
+            inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+            self._batch_shape = tuple(getattr(inputs, "shape", ()))
+        with self.ledger if recording else contextlib.nullcontext():
+            loss = train_step(model, batch, loss_fn, optimizer, plan=self.plan,
+                              device=self.device, pp_group=pp_group)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
@@ -178,8 +190,13 @@ class Run:
         """Mean loss over data replicas; with pipelines, taken from the last stage."""
         value = loss.detach().float().reshape(1).to(self.device)
         if self.plan.pp > 1:
+            from .parallel.schedules import stage_to_rank
+
             pp_mesh = self.mesh["pp"]
-            last = dist.get_global_rank(pp_mesh.get_group(), pp_mesh.size() - 1)
+            # The last stage's pp rank: pp - 1, except for V schedules (ZB-V) where it is 0.
+            last_pp = stage_to_rank(self.plan.pp_schedule, self.plan.pp,
+                                    self.plan.virtual_stages)[-1]
+            last = dist.get_global_rank(pp_mesh.get_group(), last_pp)
             dist.broadcast(value, src=last, group=pp_mesh.get_group())
         if self.dp_size > 1:
             dist.all_reduce(value, group=self.mesh["dp"].get_group())
@@ -192,9 +209,20 @@ class Run:
         local = report.local_memory()
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local)
-        return report.summarize(self.plan, self.stats, gathered, world_size=self.world_size,
+        info = report.summarize(self.plan, self.stats, gathered, world_size=self.world_size,
                                 accelerator=self.accelerator.name,
                                 wall_s=time.perf_counter() - self._started)
+        if self.ledger is not None:
+            comm = self.ledger.report(expected=self._expected_traffic())
+            info["comm"] = comm.to_dict()
+            info["comm_table"] = comm.table()
+        return info
+
+    def _expected_traffic(self) -> dict | None:
+        """Closed-form bytes per (axis, op) for the reference transformer, else None."""
+        from .comm.predict import expected_for_models
+
+        return expected_for_models(self._models, self.plan, self._batch_shape)
 
     def finish(self, print_summary: bool = True) -> dict[str, Any]:
         """Print the summary on rank 0, free the models and leave the process group."""
@@ -204,6 +232,11 @@ class Run:
             info["model_memory"] = memory
         if print_summary:
             self.print(report.format_summary(info))
+            if "comm_table" in info:
+                steps = max(0, len(self.stats.step_times) - self.ledger_warmup)
+                self.print(f"--- communication ledger: per rank per step, {steps} steps "
+                           f"measured ---")
+                self.print(info["comm_table"])
             if memory is not None:
                 from .memory import format_memory_report
 
@@ -266,7 +299,8 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     ``plan``: a Plan, a plan string (``"dp=2,tp=2"``), a dict, or a .yaml/.json path; when None,
     the script's ``--plan`` argument, else plain data parallelism over every rank.
     Under torchrun (or ``plait run``) the rank and world size come from its variables; without
-    them this is a one-process job.
+    them this is a one-process job. ``ledger=True`` records every collective of the training
+    steps and prints, at ``finish()``, bytes per mesh axis and collective beside the closed form.
     """
     acc = get_accelerator(accelerator)
     rank = int(os.environ.get("RANK", "0"))
@@ -294,6 +328,10 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     run = Run(plan=resolved, mesh=mesh, accelerator=acc, device=device, rank=rank,
               world_size=world_size, local_rank=local_rank, seed=seed, log_every=log_every,
               quiet=quiet, owns_group=owns_group)
+    if ledger:
+        from .comm.ledger import Ledger
+
+        run.ledger = Ledger(mesh)
     return run
 
 

@@ -84,7 +84,20 @@ def _forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn) -> torch.Tensor
         out = model(*inputs)
     else:
         out = model(inputs)
-    return loss_fn(out, targets)
+    loss = loss_fn(out, targets)
+    if hasattr(loss, "full_tensor"):  # a DTensor loss (vocabulary-parallel head): replicated
+        loss = loss.full_tensor()
+    return loss
+
+
+def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
+    """The context forward+loss+backward run in: torch's ``loss_parallel()`` for models whose
+    head keeps vocabulary-sharded logits (tensor parallelism sets ``plait_loss_parallel``)."""
+    if getattr(model, "plait_loss_parallel", False):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
 
 
 def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
@@ -122,9 +135,10 @@ def train_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.o
         micro = split_microbatches(batch, plan.grad_accum)
         total = torch.zeros((), device=device)
         for i, part in enumerate(micro):
-            with grad_sync(model, enabled=i == len(micro) - 1), autocast(plan, device):
-                loss = _forward_loss(model, part, loss_fn) / len(micro)
-            loss.backward()
+            with loss_context(model):
+                with grad_sync(model, enabled=i == len(micro) - 1), autocast(plan, device):
+                    loss = _forward_loss(model, part, loss_fn) / len(micro)
+                loss.backward()
             total += loss.detach().float()
         loss = total
     if plan.grad_clip:

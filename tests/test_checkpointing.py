@@ -13,7 +13,7 @@ from plait.models.transformer import build, lm_loss
 from plait.parallel.checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from plait.plan import Plan
 
-from _workers_zero import DeepMLP
+from tests._workers_zero import DeepMLP
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from plait.parallel.units import repeated_blocks, select_units
 from plait.plan import Plan
 from plait.spawn import run_distributed
 
-from _workers_zero import (
+from tests._workers_zero import (
     DeepMLP,
     mlp_batch,
     mlp_factory,

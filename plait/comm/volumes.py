@@ -57,3 +57,170 @@ def bus_factor(op: str, n: int) -> float:
 def wire_bytes(op: str, payload: float, n: int) -> float:
     """Bytes sent per rank by one ``op`` of ``payload`` bytes on ``n`` ranks (ring)."""
     return payload * bus_factor(op, n)
+
+
+# =============================================================================================
+# Per-strategy closed forms: the bytes one training step moves, per rank, per mesh axis.
+#
+# These are what plait's runtime sends (so the ledger can put its measurement beside them):
+#
+# * DDP: one all-reduce of every gradient per *optimizer* step (no sync while accumulating),
+#   in the reduce dtype (fp32 by default: plait reduces gradients in fp32 under bf16 too).
+# * ZeRO-1 and ZeRO-2 (FSDP2 with ``reshard_after_forward=False`` / sharded optimizer): one
+#   reduce-scatter of the gradients per optimizer step, then one all-gather of the updated
+#   parameters (in the parameter dtype) so every rank holds the full model for the next step.
+#   Stages 1 and 2 differ in memory, not in bytes.
+# * ZeRO-3 (FSDP2 ``fully_shard``): per micro-step, one all-gather of the parameters (compute
+#   dtype) before forward and again before backward (the forward copy was freed), plus one
+#   reduce-scatter of the gradients per optimizer step.
+# * TP (Megatron f/g operators): per layer and microbatch, 2 all-reduces of the b*s*h activation
+#   in forward (after attention and MLP) and 2 in backward; a fully recomputed layer repeats its
+#   2 forward ones. With sequence parallelism each all-reduce becomes an all-gather plus a
+#   reduce-scatter of the same full size: the same wire bytes, twice the calls.
+# * PP: per microbatch and stage boundary, the b*s*h activation goes forward and its gradient
+#   comes back; an interleaved schedule with v stages per rank crosses v times more boundaries.
+#
+# Every function takes plain numbers and returns ``Traffic`` records; ``payload`` is the total
+# over the step (calls x bytes per call), ``wire`` follows the bus-factor convention above.
+# =============================================================================================
+
+from dataclasses import dataclass  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One kind of collective traffic in a step, as one rank sees it.
+
+    ``payload`` is summed over ``calls`` (bytes per call = payload / calls); ``group`` is the
+    number of ranks taking part. ``wire`` is what a ring algorithm sends out of this rank.
+    """
+
+    axis: str            # mesh axis: "dp_replicate", "dp_shard", "dp", "tp", "pp"
+    op: str              # one of OPS
+    payload: float       # bytes, summed over the calls of one step
+    calls: int           # number of collective calls in one step
+    group: int           # ranks in the group
+    what: str = ""       # "grads", "params", "activations", ...
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"unknown collective {self.op!r}; known: {', '.join(OPS)}")
+        if self.payload < 0 or self.calls < 0 or self.group < 1:
+            raise ValueError(f"invalid Traffic: payload={self.payload}, calls={self.calls}, "
+                             f"group={self.group} (need payload, calls >= 0 and group >= 1)")
+
+    @property
+    def wire(self) -> float:
+        return wire_bytes(self.op, self.payload, self.group)
+
+
+def _positive(**values: float) -> None:
+    for name, value in values.items():
+        if value is None or value < 1:
+            raise ValueError(f"{name}={value!r} must be >= 1")
+
+
+def ddp_traffic(params: int, dp: int, grad_dtype: str | torch.dtype = "fp32", *,
+                axis: str = "dp_replicate", bucket_bytes: float = 25 * 2**20) -> list[Traffic]:
+    """DDP: all-reduce of ``params`` gradients once per optimizer step over ``dp`` ranks.
+
+    ``params`` is the number of parameters this rank holds (after TP/PP splitting). ``calls`` is
+    the number of DDP buckets (25 MiB by default), which only matters for latency.
+    """
+    _positive(params=params, dp=dp)
+    if dp == 1:
+        return []
+    payload = float(params) * dtype_bytes(grad_dtype)
+    calls = max(1, int(-(-payload // bucket_bytes)))
+    return [Traffic(axis, "all_reduce", payload, calls, dp, "grads")]
+
+
+def zero_traffic(params: int, dp_shard: int, stage: int, *,
+                 param_dtype: str | torch.dtype = "fp32",
+                 grad_dtype: str | torch.dtype = "fp32", micro_steps: int = 1,
+                 axis: str = "dp_shard", units: int = 1) -> list[Traffic]:
+    """ZeRO-1/2/3 over ``dp_shard`` ranks for one optimizer step of ``micro_steps`` micro-steps.
+
+    ``param_dtype`` is the dtype parameters are gathered in (the compute dtype under mixed
+    precision); ``units`` is the number of FSDP units (wrapped blocks), one call each.
+    """
+    _positive(params=params, dp_shard=dp_shard, micro_steps=micro_steps, units=units)
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ZeRO stage={stage!r} must be 1, 2 or 3")
+    if dp_shard == 1:
+        return []
+    grads = float(params) * dtype_bytes(grad_dtype)
+    weights = float(params) * dtype_bytes(param_dtype)
+    out = [Traffic(axis, "reduce_scatter", grads, units, dp_shard, "grads")]
+    if stage in (1, 2):
+        out.append(Traffic(axis, "all_gather", weights, units, dp_shard, "params"))
+    else:
+        gathers = 2 * micro_steps  # forward and backward, every micro-step
+        out.append(Traffic(axis, "all_gather", weights * gathers, units * gathers, dp_shard,
+                           "params"))
+    return out
+
+
+def tp_traffic(batch: int, seq: int, hidden: int, layers: int, tp: int,
+               dtype: str | torch.dtype = "fp32", *, sp: bool = False, microbatches: int = 1,
+               recomputed_layers: int = 0, axis: str = "tp") -> list[Traffic]:
+    """Megatron TP on ``layers`` blocks of this rank, ``microbatches`` microbatches of ``batch``.
+
+    4 all-reduces of ``batch*seq*hidden`` elements per layer and microbatch (2 forward, 2
+    backward), plus 2 per recomputed layer. ``sp=True``: an all-gather plus a reduce-scatter of
+    the same full size in place of each all-reduce (same wire bytes).
+    """
+    _positive(batch=batch, seq=seq, hidden=hidden, layers=layers, tp=tp,
+              microbatches=microbatches)
+    if not 0 <= recomputed_layers <= layers:
+        raise ValueError(f"recomputed_layers={recomputed_layers} must be in [0, layers={layers}]")
+    if tp == 1:
+        return []
+    per = float(batch) * seq * hidden * dtype_bytes(dtype)
+    n = (4 * layers + 2 * recomputed_layers) * microbatches
+    if not sp:
+        return [Traffic(axis, "all_reduce", per * n, n, tp, "activations")]
+    return [Traffic(axis, "all_gather", per * n, n, tp, "activations"),
+            Traffic(axis, "reduce_scatter", per * n, n, tp, "activations")]
+
+
+def pp_traffic(batch: int, seq: int, hidden: int, pp: int, dtype: str | torch.dtype = "fp32",
+               *, microbatches: int = 1, virtual_stages: int = 1, stage: int | None = None,
+               tp: int = 1, sp: bool = False, axis: str = "pp") -> list[Traffic]:
+    """Pipeline point-to-point bytes *sent* by pipeline rank ``stage`` in one step.
+
+    Each boundary between consecutive model chunks carries the ``batch*seq*hidden`` activation
+    forward and its gradient backward, once per microbatch. With ``virtual_stages=v`` the model
+    has ``pp*v`` chunks placed round-robin, so rank r sends forward from each chunk but the very
+    last and backward from each chunk but the very first. ``stage=None`` gives the busiest rank
+    (an interior one: ``2*m*v`` messages). With ``sp`` the message is the TP shard (``/tp``).
+    """
+    _positive(batch=batch, seq=seq, hidden=hidden, pp=pp, microbatches=microbatches,
+              virtual_stages=virtual_stages, tp=tp)
+    if pp == 1:
+        return []
+    if stage is not None and not 0 <= stage < pp:
+        raise ValueError(f"stage={stage} must be in [0, pp={pp})")
+    per = float(batch) * seq * hidden * dtype_bytes(dtype) / (tp if sp else 1)
+    v, m = virtual_stages, microbatches
+    if stage is None:
+        fwd = bwd = v
+    else:
+        fwd = v - (1 if stage == pp - 1 else 0)
+        bwd = v - (1 if stage == 0 else 0)
+    out = []
+    if fwd:
+        out.append(Traffic(axis, "send_recv", per * fwd * m, fwd * m, 2, "activations"))
+    if bwd:
+        out.append(Traffic(axis, "send_recv", per * bwd * m, bwd * m, 2, "activation grads"))
+    return out
+
+
+def by_axis(traffic: list[Traffic], kind: str = "wire") -> dict[str, float]:
+    """Sum ``wire`` (or ``payload``) bytes per mesh axis."""
+    if kind not in ("wire", "payload"):
+        raise ValueError(f"kind={kind!r} must be 'wire' or 'payload'")
+    out: dict[str, float] = {}
+    for t in traffic:
+        out[t.axis] = out.get(t.axis, 0.0) + getattr(t, kind)
+    return out

@@ -4,8 +4,7 @@ Why this shape: every parallelism in plait has to be shown on one model that is 
 train in seconds on a CPU and regular enough to be split any way. So:
 
 * blocks live in ``model.layers`` (an ``nn.ModuleList``) and keep their names (``layers.3``) under
-  every layout: pipeline stages replace the blocks they do not own by ``None``-free identities, so
-  checkpoints and TP plans address the same names everywhere;
+  every layout, so checkpoints, TP plans and pipeline stages address the same names everywhere;
 * attention uses separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` linears and the MLP
   ``gate_proj``/``up_proj``/``down_proj``, so a TP plan is a short table of globs;
 * attention reshapes with ``-1`` heads, so the same code runs on a TP shard holding ``heads/tp``;

@@ -1,0 +1,96 @@
+"""The automatic planner: pure Python, no process group (torch only to look at a model on meta).
+
+    from plait.planner import auto_plan, plan_model
+    plan = auto_plan("llama-8b", world_size=64, cluster="dgx-h100", global_batch=512, seq=4096)
+
+``plan_model`` returns the ranked estimates; ``auto_plan`` the best ``Plan`` (what the runtime's
+``plan="auto"`` uses). See docs/planner.md for the cost model and its accuracy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plait.plan import Plan
+
+from .cost import DEFAULT_CONSTANTS, Constants, Estimate, Workload, evaluate
+from .hardware import Cluster, load_cluster, presets
+from .model_stats import ModelStats, load_model
+from .search import SearchResult, search
+
+__all__ = ["auto_plan", "plan_model", "evaluate_plan", "constants_for", "Cluster", "Constants",
+           "Estimate", "ModelStats", "SearchResult", "Workload", "load_cluster", "load_model",
+           "presets", "search", "evaluate"]
+
+
+def constants_for(cluster: Cluster, base: Constants = DEFAULT_CONSTANTS) -> Constants:
+    """The cost constants for ``cluster``: a calibrated profile carries its own efficiency."""
+    import dataclasses
+
+    extra = dict(cluster.extra or {})
+    changes = {}
+    eff = extra.get("compute_efficiency")
+    if eff is not None:
+        if not 0 < float(eff) <= 1:
+            raise ValueError(f"cluster {cluster.name!r}: extra.compute_efficiency={eff!r} must be "
+                             f"in (0, 1]")
+        changes["compute_efficiency"] = float(eff)
+    for key, kind in (("block_overhead_s", float), ("overlap", bool),
+                      ("reduce_scatter_factor", float), ("link_efficiency", float)):
+        if key in extra:
+            value = kind(extra[key])
+            if kind is float and value < 0:
+                raise ValueError(f"cluster {cluster.name!r}: extra.{key}={value} must be >= 0")
+            changes[key] = value
+    return dataclasses.replace(base, **changes) if changes else base
+
+
+def _resolve(model: Any, cluster: Any, world_size: int | None) -> tuple[ModelStats, Cluster]:
+    stats = load_model(model)
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                   or world_size < 1):
+        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    c = load_cluster(cluster, devices=world_size) if world_size else load_cluster(cluster)
+    return stats, c
+
+
+def plan_model(model: Any, cluster: Any = "cpu", *, world_size: int | None = None,
+               global_batch: int, seq: int | None = None, dtype: str | None = None,
+               top: int = 10, constants: Constants | None = None) -> SearchResult:
+    """Search layouts for ``model`` on ``cluster`` (resized to ``world_size`` devices)."""
+    stats, c = _resolve(model, cluster, world_size)
+    seq = seq or stats.max_seq
+    if seq is None:
+        raise ValueError("seq is required (the model does not say its sequence length)")
+    dtype = dtype or ("fp32" if c.device == "cpu" else "bf16")
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype={dtype!r} must be 'fp32' or 'bf16'")
+    return search(stats, c, Workload(global_batch, seq), dtype=dtype, top=top,
+                  constants=constants or constants_for(c))
+
+
+def auto_plan(model: Any, world_size: int, cluster: Any = "cpu", *, global_batch: int,
+              seq: int | None = None, dtype: str | None = None,
+              constants: Constants | None = None) -> Plan:
+    """The best Plan for ``model`` on ``world_size`` devices of ``cluster`` (a preset name, YAML
+    path or Cluster). Raises ValueError saying why when no layout fits."""
+    result = plan_model(model, cluster, world_size=world_size, global_batch=global_batch,
+                        seq=seq, dtype=dtype, top=1, constants=constants)
+    if result.best is None:
+        from .cli import explain_nothing_fits
+        raise ValueError(explain_nothing_fits(result, load_model(model),
+                                              load_cluster(cluster, devices=world_size)))
+    return result.best.plan.validate(world_size)
+
+
+def evaluate_plan(plan: Plan | str, model: Any, cluster: Any = "cpu", *,
+                  world_size: int | None = None, global_batch: int, seq: int | None = None,
+                  constants: Constants | None = None, balance: bool = False) -> Estimate:
+    """Predict one given layout (the ``--plan`` path)."""
+    plan = Plan.load(plan)
+    stats, c = _resolve(model, cluster, world_size or plan.world_size)
+    seq = seq or stats.max_seq
+    if seq is None:
+        raise ValueError("seq is required (the model does not say its sequence length)")
+    return evaluate(plan, stats, c, Workload(global_batch, seq),
+                    constants or constants_for(c), balance=balance)

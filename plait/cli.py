@@ -1,0 +1,197 @@
+"""The `plait` command: thin — it parses arguments and calls the library.
+
+Every command that prints a report also takes ``--format json``. Errors in what the user typed
+(a bad plan, a missing script, a zero count) are one line on stderr and exit code 2; nothing is
+started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+EPILOG = """examples:
+  plait env                                   what this machine has
+  plait demo                                  train the tiny model on 2 CPU processes
+  plait run --nproc 4 train.py --plan dp=2,tp=2
+  plait check --plan dp=2,tp=2                same training as one device? (loss, parameters)
+  plait plan --model llama-7b --cluster dgx-h100 --global-batch 512 --seq 4096
+  plait comm --plan dp=2                      bytes per mesh axis: measured vs closed form
+  plait bench comm --ops all_reduce --max-bytes 16M
+"""
+
+
+def _env(args: argparse.Namespace) -> int:
+    from . import env
+
+    info = env.collect()
+    print(json.dumps(info, indent=2) if args.format == "json" else env.format_text(info))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from . import launch
+
+    return launch.command(args)
+
+
+def _check(args: argparse.Namespace) -> int:
+    from . import check
+
+    return check.command(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from . import launch
+
+    script_args = ["--steps", str(args.steps)]
+    if args.plan:
+        script_args += ["--plan", args.plan]
+    cfg = launch.LaunchConfig(script="plait.demo", module=True, nproc=args.nproc,
+                              script_args=tuple(script_args))
+    return launch.launch(cfg)
+
+
+def _comm(args: argparse.Namespace) -> int:
+    from .comm import cli as comm_cli
+
+    return comm_cli.comm_command(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .comm import cli as comm_cli
+
+    return comm_cli.bench_comm_command(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .planner import cli as planner_cli
+
+    return planner_cli.plan_command(args)
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    from .parallel import schedules
+
+    return schedules.schedule_command(args)
+
+
+def _add_format(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text for people, json for programs (default: text)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__, check, launch
+
+    parser = argparse.ArgumentParser(
+        prog="plait", description="Scale PyTorch training from one device to many: data, "
+        "sharded, tensor and pipeline parallelism, planned and measured.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"plait {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+    p = sub.add_parser("env", help="accelerators, backends and versions on this machine",
+                       description="List accelerators (with memory and peak FLOP/s where "
+                       "known), process-group backends and package versions.")
+    _add_format(p)
+    commands["env"] = _env
+
+    p = sub.add_parser(
+        "run", help="launch a training script on N processes (torchrun underneath)",
+        description="Launch SCRIPT on N processes per node. Standalone on 127.0.0.1 with a free "
+        "port unless --rdzv-endpoint is given; SLURM's variables are honoured. The script's own "
+        "--plan is checked against the world size before anything starts. Rank 0's output is "
+        "shown live; a failing rank's traceback is shown once.",
+        epilog="example: plait run --nproc 4 train.py --plan dp=2,tp=2",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    launch.add_arguments(p)
+    commands["run"] = _run
+
+    p = sub.add_parser(
+        "check", help="prove a layout trains the same model as one device",
+        description="Train the reference model for a few steps under --plan and on one device "
+        "(same seed, same batches); compare the loss of every step and every parameter.")
+    check.add_arguments(p)
+    commands["check"] = _check
+
+    p = sub.add_parser("demo", help="the main job: tiny transformer on Shakespeare, 2 processes",
+                       description="Train the tiny reference transformer on the bundled corpus "
+                       "with N processes on CPU; prints the plan, progress, final loss vs the "
+                       "corpus's unigram entropy, throughput and the run summary.")
+    p.add_argument("--nproc", type=int, default=2, help="processes (default: 2)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
+    p.add_argument("--plan", default=None, help="layout (default: data parallel over all ranks)")
+    commands["demo"] = _demo
+
+    from .planner import cli as planner_cli
+
+    p = sub.add_parser(
+        "plan", help="rank layouts for a model on a cluster before buying hardware",
+        description="Search data, ZeRO, tensor, sequence and pipeline layouts for --model on "
+        "--cluster; print a ranked table (step time, tokens/s, TFLOP/s and MFU per device, "
+        "memory per device, bytes per mesh axis, bubble) and why the winner wins. --plan "
+        "evaluates one given layout. Exit 1 when nothing fits.",
+        epilog="example: plait plan --model llama-7b --cluster dgx-h100 --nodes 2 "
+        "--global-batch 512 --seq 4096", formatter_class=argparse.RawDescriptionHelpFormatter)
+    planner_cli.add_plan_arguments(p)
+    commands["plan"] = _plan
+
+    from .parallel import schedules
+
+    p = sub.add_parser(
+        "schedule", help="print a pipeline schedule as a step x rank grid, without running it",
+        description="Print a pipeline schedule (gpipe, 1f1b, interleaved_1f1b, looped_bfs, "
+        "interleaved_zb, zbv) as a step x rank grid: F<mb> forward, B<mb> backward (I/W: the "
+        "input- and weight-gradient halves of zero-bubble schedules), @<stage> when a rank holds "
+        "several stages, '.' idle; with the theoretical bubble and microbatches in flight.",
+        epilog="example: plait schedule --schedule interleaved_1f1b --pp 4 -m 8 -v 2",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    schedules.add_schedule_arguments(p)
+    commands["schedule"] = _schedule
+
+    from .comm import cli as comm_cli
+
+    p = sub.add_parser(
+        "comm", help="measure the bytes a plan sends per mesh axis, beside the closed form",
+        description="Train the reference model for a few steps under --plan with the "
+        "communication ledger on; print per mesh axis and collective the measured bytes per "
+        "rank per step, the closed-form prediction, their ratio, counts, time and bandwidth.")
+    comm_cli.add_comm_arguments(p)
+    commands["comm"] = _comm
+
+    p = sub.add_parser("bench", help="benchmarks: `plait bench comm` (collective bandwidth)",
+                       description="Benchmarks that print measured figures.")
+    bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    q = bench_sub.add_parser(
+        "comm", help="collective bandwidth over a size sweep (algbw, busbw as nccl-tests)",
+        description="broadcast, reduce, all-reduce, all-gather, reduce-scatter, all-to-all and "
+        "send/recv over a size sweep on --nproc local ranks; algbw = size/time, busbw = algbw x "
+        "bus factor (nccl-tests' definitions). --format json feeds the planner's calibration.")
+    comm_cli.add_bench_comm_arguments(q)
+    commands["bench"] = _bench
+
+    parser.set_defaults(_commands=commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return args._commands[args.command](args)
+    except ValueError as exc:  # a problem with what the user asked for: one line, exit 2
+        print(f"plait {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""CLI logic for ``plait bench comm`` and ``plait comm`` (plait/cli.py registers these).
+
+Kept as plain functions ``add_*_arguments(parser)`` / ``*_command(args) -> int`` so the top-level
+CLI stays thin and these can be called from tests without a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from . import bench
+
+
+# ------------------------------------------------------------------------- plait bench comm
+def add_bench_comm_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ops", default="all",
+                        help=f"comma list of collectives (default all: {','.join(bench.BENCH_OPS)})")
+    parser.add_argument("--min-bytes", default="1K", help="smallest message (default 1K)")
+    parser.add_argument("--max-bytes", default="256M", help="largest message (default 256M)")
+    parser.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2)")
+    parser.add_argument("--iters", type=int, default=10, help="timed calls per size (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per size first")
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
+                        help="process-group backend (default gloo)")
+    parser.add_argument("--format", default="table", choices=("table", "json"))
+    parser.add_argument("--timeout", type=float, default=3600.0,
+                        help="seconds before the run is declared hung")
+
+
+def bench_comm_command(args: argparse.Namespace) -> int:
+    try:
+        results = bench.bench_comm(args.ops, args.min_bytes, args.max_bytes, nproc=args.nproc,
+                                   iters=args.iters, warmup=args.warmup, backend=args.backend,
+                                   timeout=args.timeout)
+    except ValueError as e:
+        print(f"plait bench comm: error: {e}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        print(json.dumps({"world_size": args.nproc, "backend": args.backend,
+                          "definitions": "algbw = size/time; busbw = algbw * bus_factor "
+                                         "(nccl-tests); size = payload per volumes.py",
+                          "results": results}, indent=2))
+    else:
+        print(f"plait bench comm: {args.nproc} ranks, {args.backend}, {args.iters} iters/size")
+        print(bench.format_table(results))
+    return 0
+
+
+# ------------------------------------------------------------------------- plait comm
+def add_comm_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", required=True, help="plan string or file, e.g. 'tp=2,sp=1'")
+    parser.add_argument("--model", default="test", help="reference model preset (default test)")
+    parser.add_argument("--steps", type=int, default=2, help="measured steps (default 2)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="steps before measuring (lazy init, DDP bucket rebuild)")
+    parser.add_argument("--batch", type=int, default=4, help="batch per data replica")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: "
+                        "the model's max, at most 128)")
+    parser.add_argument("--format", default="table", choices=("table", "json"))
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="write a bar chart (needs the plot extra: matplotlib)")
+    parser.add_argument("--timeout", type=float, default=600.0)
+
+
+def comm_worker(rank: int, world: int, plan_text: str, model_name: str, steps: int,
+                warmup: int, batch: int, seq: int) -> dict:
+    """One rank of ``plait comm``: build the layout, train, report with the prediction."""
+    import torch
+
+    from ..mesh import build_mesh
+    from ..models import transformer as tfm
+    from ..plan import Plan
+    from . import _layouts
+    from .ledger import Ledger
+    from .predict import by_axis_op, predict
+
+    plan = Plan.from_string(plan_text) if isinstance(plan_text, str) else plan_text
+    mesh = build_mesh(plan, "cpu", world)
+    cfg = tfm.preset(model_name, max_seq_len=max(seq, 1))
+    model = tfm.build(cfg)
+    model, schedule, params, root = _layouts.build(plan, mesh, model, rank)
+    # foreach=False: under TP some parameters are DTensors and others not (FIELD-NOTES).
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=False)
+    dp_rank = mesh.local_rank("dp")
+
+    def step(i: int) -> None:
+        g = torch.Generator().manual_seed(1000 * i + dp_rank)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        if schedule is not None:
+            if rank == 0:
+                schedule.step(x)
+            elif rank == plan.pp - 1:
+                schedule.step(target=y)
+            else:
+                schedule.step()
+        else:
+            tfm.lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    ledger = Ledger(mesh)
+    for i in range(warmup):
+        step(i)
+    for i in range(warmup, warmup + steps):
+        with ledger:
+            step(i)
+    stage = rank if plan.pp > 1 else None
+    expected = by_axis_op(predict(plan, cfg, batch, seq, root_params=root if plan.zero == 3
+                                  else 0, stage=stage, params=params))
+    report = ledger.report(expected=expected)
+    del model, schedule
+    return report.to_dict()
+
+
+def comm_command(args: argparse.Namespace) -> int:
+    from ..plan import Plan
+    from ..spawn import run_distributed
+    from .report import CommReport
+    try:
+        plan = Plan.load(args.plan) if args.plan.endswith((".yaml", ".yml", ".json")) \
+            else Plan.from_string(args.plan)
+        from ..models.transformer import preset
+        cfg = preset(args.model)
+        from ._layouts import supported
+        supported(plan)
+        if args.steps < 1 or args.warmup < 0:
+            raise ValueError(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
+        if plan.world_size < 2:
+            raise ValueError(f"plan {args.plan!r} runs on 1 rank: nothing is communicated; "
+                             f"give a plan with a degree > 1, e.g. 'dp_replicate=2'")
+        seq = args.seq or min(cfg.max_seq_len, 128)
+    except ValueError as e:
+        print(f"plait comm: error: {e}", file=sys.stderr)
+        return 2
+    results = run_distributed(comm_worker, plan.world_size, _plan_text(plan), args.model,
+                              args.steps, args.warmup, args.batch, seq, timeout=args.timeout)
+    data = results[0]
+    if args.format == "json":
+        print(json.dumps(data, indent=2))
+    else:
+        report = _from_dict(CommReport, data)
+        print(f"plait comm: plan {_plan_text(plan)}, model {args.model}, batch {args.batch} x "
+              f"seq {seq} per replica")
+        print(report.table())
+    if args.plot:
+        written = _from_dict(CommReport, data).plot(args.plot)
+        if written is None:
+            print("plait comm: --plot needs matplotlib (pip install 'plait[plot]')",
+                  file=sys.stderr)
+        else:
+            print(f"wrote {written}", file=sys.stderr if args.format == "json" else sys.stdout)
+    return 0
+
+
+def _plan_text(plan: Any) -> str:
+    return plan.to_string() if hasattr(plan, "to_string") else str(plan)
+
+
+def _from_dict(cls: Any, data: dict) -> Any:
+    from .report import Row
+    rows = [Row(**r) for r in data["rows"]]
+    return cls(rows=rows, steps=data["steps"], world_size=data["world_size"],
+               backend=data["backend"], notes=data["notes"])

@@ -1,0 +1,338 @@
+"""Pipeline schedules as data: who computes what, when, and how much of the time is bubble.
+
+A schedule is, for every pipeline rank, the *order* of its compute actions: ``F`` (forward of one
+microbatch through one stage), ``B`` (full backward), or, for the zero-bubble schedules, ``I``
+(backward to the stage input) and ``W`` (backward to the weights, deferred to fill bubbles).
+Nothing here needs a process group or a device: the grid prints on a laptop.
+
+Where the orders come from:
+
+* multi-stage schedules (interleaved 1F1B, looped BFS, interleaved zero-bubble, ZB-V): from
+  torch's own schedule classes, which compute ``pipeline_order`` for every rank in their
+  constructor. They only read a few attributes of the stages, so we hand them lightweight stage
+  descriptions — the printed order is exactly what the runtime executes.
+* GPipe and 1F1B: torch runs these from hand-written loops (``_step_microbatches``); their
+  ``pipeline_order`` attribute is informational only and, in torch 2.13, drops the idle slots
+  and mislabels microbatches on later ranks. So the order is regenerated here from the same
+  rules as those loops (GPipe: all forwards, then all backwards; 1F1B: ``min(m, p - rank)``
+  warm-up forwards, then alternate one backward / one forward, then drain the backwards).
+
+Time is then *simulated*: every rank runs its actions in order, each action starts when the rank
+is free and its inputs exist (the previous stage's forward, the next stage's backward), and
+communication is free. With unit cost per action this gives the printed step x rank grid; with
+``F=1, B=2`` (``I=1, W=1``) it gives the bubble fraction the schedule would have on a perfectly
+balanced pipeline, which ``bench/pipeline_bubble.py`` compares with what a run measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable, NamedTuple
+
+from ..plan import MULTI_STAGE_SCHEDULES, PP_SCHEDULES
+
+# Relative cost of each action kind on a balanced pipeline: a backward costs two forwards (one
+# matmul for the input gradient, one for the weight gradient); the zero-bubble split gives each
+# half one unit.
+DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+UNIT_COSTS = {"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0}
+
+
+class Action(NamedTuple):
+    """One compute action: ``kind`` in F/B/I/W, on global ``stage``, for ``microbatch``."""
+
+    kind: str
+    stage: int
+    microbatch: int
+
+    def label(self, show_stage: bool) -> str:
+        return f"{self.kind}{self.microbatch}" + (f"@{self.stage}" if show_stage else "")
+
+
+@dataclass(frozen=True)
+class Timed:
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+# ------------------------------------------------------------------------------ validation
+def check_schedule_args(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> None:
+    """Raise ValueError naming the numbers and the fix when a schedule cannot run them."""
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of "
+                         f"{', '.join(PP_SCHEDULES)}")
+    for name, value in (("pp", pp), ("microbatches", microbatches),
+                        ("virtual_stages", virtual_stages)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    multi = schedule in MULTI_STAGE_SCHEDULES
+    if multi and virtual_stages < 2:
+        raise ValueError(f"schedule {schedule!r} runs several stages per rank: set "
+                         f"virtual_stages >= 2 (got {virtual_stages})")
+    if not multi and virtual_stages != 1:
+        raise ValueError(f"schedule {schedule!r} runs one stage per rank: virtual_stages="
+                         f"{virtual_stages} needs interleaved_1f1b, looped_bfs, interleaved_zb "
+                         f"or zbv")
+    if schedule == "zbv" and virtual_stages != 2:
+        raise ValueError(f"schedule 'zbv' runs exactly 2 stages per rank (virtual_stages="
+                         f"{virtual_stages}); use virtual_stages=2")
+    if schedule != "gpipe" and microbatches < pp:
+        raise ValueError(f"schedule {schedule!r} with pp={pp} needs at least {pp} microbatches "
+                         f"(one per stage in flight), got microbatches={microbatches}; raise "
+                         f"microbatches to >= {pp} or use schedule=gpipe")
+    if schedule in ("interleaved_1f1b", "interleaved_zb"):
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            good = [m for m in range(pp, 4 * pp + 1) if m % max(1, m // pp) == 0]
+            raise ValueError(f"schedule {schedule!r} runs microbatches in rounds of pp={pp}: "
+                             f"microbatches={microbatches} is not a multiple of its "
+                             f"{rounds} rounds; use e.g. microbatches in {good[:6]}")
+
+
+# ------------------------------------------------------------------------------ placement
+def stage_to_rank(schedule: str, pp: int, virtual_stages: int) -> list[int]:
+    """Pipeline rank of every global stage: looped (``s % pp``), or V-shaped for ZB-V."""
+    n = pp * virtual_stages
+    if schedule != "zbv":
+        return [s % pp for s in range(n)]
+    # V: stages 0..pp-1 go down the ranks, pp..2pp-1 come back up (rank 0 holds first and last).
+    return [s if s < pp else 2 * pp - 1 - s for s in range(n)]
+
+
+def local_stages(schedule: str, pp: int, virtual_stages: int, rank: int) -> list[int]:
+    return [s for s, r in enumerate(stage_to_rank(schedule, pp, virtual_stages)) if r == rank]
+
+
+# ------------------------------------------------------------------------------ orders
+def rank_orders(schedule: str, pp: int, microbatches: int,
+                virtual_stages: int = 1) -> dict[int, list[Action]]:
+    """Every rank's compute actions, in the order the torch runtime executes them."""
+    check_schedule_args(schedule, pp, microbatches, virtual_stages)
+    m = microbatches
+    if schedule == "gpipe":
+        return {r: [Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)]
+                for r in range(pp)}
+    if schedule == "1f1b":
+        orders = {}
+        for r in range(pp):
+            warmup = min(m, pp - r)
+            ops = [Action("F", r, i) for i in range(warmup)]
+            fwd, bwd = warmup, 0
+            while True:
+                ops.append(Action("B", r, bwd))
+                bwd += 1
+                if fwd == m:
+                    break
+                ops.append(Action("F", r, fwd))
+                fwd += 1
+            ops.extend(Action("B", r, i) for i in range(bwd, m))
+            orders[r] = ops
+        return orders
+    return _torch_orders(schedule, pp, m, virtual_stages)
+
+
+def _torch_orders(schedule: str, pp: int, m: int, v: int) -> dict[int, list[Action]]:
+    from torch.distributed.pipelining import schedules as S
+
+    cls = {"interleaved_1f1b": S.ScheduleInterleaved1F1B, "looped_bfs": S.ScheduleLoopedBFS,
+           "interleaved_zb": S.ScheduleInterleavedZeroBubble,
+           "zbv": S.ScheduleZBVZeroBubble}[schedule]
+    # The schedule constructors compute pipeline_order for *all* ranks from rank 0's view; they
+    # read only these attributes of the stages (no communication happens before step()).
+    stages = [SimpleNamespace(group_size=pp, group_rank=0, num_stages=pp * v, stage_index=s,
+                              submod=None, is_first=s == 0, is_last=s == pp * v - 1,
+                              stage_index_to_group_rank=None)
+              for s in local_stages(schedule, pp, v, 0)]
+    sched = cls(stages, m)
+    kinds = {"F": "F", "B": "B", "I": "I", "W": "W"}
+    orders: dict[int, list[Action]] = {}
+    for rank, actions in sched.pipeline_order.items():
+        orders[rank] = [Action(kinds[a.computation_type.value], a.stage_index, a.microbatch_index)
+                        for a in actions
+                        if a is not None and a.computation_type.value in kinds]
+    return orders
+
+
+# ------------------------------------------------------------------------------ simulation
+def simulate(orders: dict[int, list[Action]], num_stages: int,
+             costs: dict[str, float] | Callable[[int, Action], float] | None = None
+             ) -> list[Timed]:
+    """Earliest start of every action given in-order execution per rank and data dependencies.
+
+    F(s, i) needs F(s-1, i); B/I(s, i) needs F(s, i) and B/I(s+1, i); W(s, i) needs I(s, i).
+    ``costs``: time per action kind, or a function ``(rank, action) -> time`` (e.g. measured
+    durations, see ``plait.parallel.timeline.replay_bubble``). Raises ValueError if the orders
+    deadlock (a rank waits for something never computed).
+    """
+    costs = costs or DEFAULT_COSTS
+    done: dict[tuple[str, int, int], float] = {}
+    free = {r: 0.0 for r in orders}
+    pos = {r: 0 for r in orders}
+    out: list[Timed] = []
+
+    def deps(a: Action) -> list[tuple[str, int, int]]:
+        if a.kind == "F":
+            return [("F", a.stage - 1, a.microbatch)] if a.stage > 0 else []
+        if a.kind in ("B", "I"):
+            need = [("F", a.stage, a.microbatch)]
+            if a.stage < num_stages - 1:
+                need.append(("G", a.stage + 1, a.microbatch))  # input gradient of next stage
+            return need
+        return [("G", a.stage, a.microbatch)]  # W after I
+
+    remaining = sum(len(o) for o in orders.values())
+    while remaining:
+        progressed = False
+        for r, ops in orders.items():
+            while pos[r] < len(ops):
+                a = ops[pos[r]]
+                need = deps(a)
+                if any(k not in done for k in need):
+                    break
+                start = max([free[r]] + [done[k] for k in need])
+                end = start + (costs(r, a) if callable(costs) else costs[a.kind])
+                free[r] = end
+                done[(a.kind, a.stage, a.microbatch)] = end
+                if a.kind in ("B", "I"):
+                    done[("G", a.stage, a.microbatch)] = end
+                out.append(Timed(r, a, start, end))
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(orders[r][pos[r]]) for r in orders if pos[r] < len(orders[r])}
+            raise ValueError(f"schedule deadlocks: ranks wait on {stuck}")
+    return out
+
+
+def bubble_of(timed: list[Timed]) -> float:
+    """Idle share of the step: mean over ranks of 1 - busy / (last end - first start)."""
+    if not timed:
+        return 0.0
+    span = max(t.end for t in timed) - min(t.start for t in timed)
+    ranks = {t.rank for t in timed}
+    busy = sum(t.end - t.start for t in timed)
+    return 1.0 - busy / (span * len(ranks))
+
+
+def theoretical_bubble(schedule: str, pp: int, microbatches: int,
+                       virtual_stages: int = 1) -> float:
+    """Bubble fraction on a perfectly balanced pipeline with free communication.
+
+    Closed forms: GPipe and 1F1B (p-1)/(m+p-1); interleaved 1F1B (p-1)/(v*m+p-1) (the bubble
+    divided by v, Narayanan et al. 2021). Others (looped BFS, the zero-bubble schedules) come
+    from the simulation with F=1, I=1, W=1 (B=2).
+    """
+    p, m, v = pp, microbatches, virtual_stages
+    check_schedule_args(schedule, p, m, v)
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved_1f1b":
+        return (p - 1) / (v * m + p - 1)
+    return simulated_bubble(schedule, p, m, v)
+
+
+def simulated_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
+                     costs: dict[str, float] | None = None) -> float:
+    orders = rank_orders(schedule, pp, microbatches, virtual_stages)
+    return bubble_of(simulate(orders, pp * virtual_stages, costs))
+
+
+# ------------------------------------------------------------------------------ memory
+def peak_in_flight(schedule: str, pp: int, microbatches: int,
+                   virtual_stages: int = 1) -> dict[int, int]:
+    """Per rank, the most microbatch-stages whose activations are alive at once.
+
+    An activation is held from a stage's forward until its backward (``B``, or ``W`` for the
+    zero-bubble split, which still needs the stage's saved inputs). GPipe: m on every rank;
+    1F1B: p - rank; interleaved: more, since each rank holds v stages.
+    """
+    orders = rank_orders(schedule, pp, microbatches, virtual_stages)
+    peak = {}
+    for r, ops in orders.items():
+        live, best = 0, 0
+        for a in ops:
+            if a.kind == "F":
+                live += 1
+                best = max(best, live)
+            elif a.kind in ("B", "W"):
+                live -= 1
+        peak[r] = best
+    return peak
+
+
+# ------------------------------------------------------------------------------ printing
+def schedule_grid(schedule: str, pp: int, microbatches: int,
+                  virtual_stages: int = 1) -> list[list[str]]:
+    """Rank x step grid of labels ("F0", "B3", "." for idle) with one time step per action."""
+    orders = rank_orders(schedule, pp, microbatches, virtual_stages)
+    timed = simulate(orders, pp * virtual_stages, UNIT_COSTS)
+    steps = int(max(t.end for t in timed))
+    grid = [["."] * steps for _ in range(pp)]
+    show_stage = virtual_stages > 1
+    for t in timed:
+        grid[t.rank][int(t.start)] = t.action.label(show_stage)
+    return grid
+
+
+def format_schedule(schedule_name: str, pp: int, microbatches: int,
+                    virtual_stages: int = 1) -> str:
+    """The schedule as text: one row per rank, one column per time step, plus its bubble.
+
+    Labels are ``F<mb>``/``B<mb>`` (``I``/``W`` for the split backward of zero-bubble schedules),
+    with ``@<stage>`` when a rank holds several stages; ``.`` is idle.
+    """
+    grid = schedule_grid(schedule_name, pp, microbatches, virtual_stages)
+    width = max(len(c) for row in grid for c in row)
+    header = (f"{schedule_name}: pp={pp} microbatches={microbatches}"
+              + (f" virtual_stages={virtual_stages}" if virtual_stages > 1 else ""))
+    steps = len(grid[0])
+    lines = [header, "step    " + " ".join(f"{i:<{width}}" for i in range(steps))]
+    for r, row in enumerate(grid):
+        lines.append(f"rank {r:<2} " + " ".join(f"{c:<{width}}" for c in row))
+    theory = theoretical_bubble(schedule_name, pp, microbatches, virtual_stages)
+    peak = peak_in_flight(schedule_name, pp, microbatches, virtual_stages)
+    lines.append(f"bubble (F=1, B=2): {theory:.1%}   microbatch activations in flight per rank: "
+                 + ", ".join(str(peak[r]) for r in sorted(peak)))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ CLI
+def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``plait schedule`` (print a pipeline schedule without running it)."""
+    parser.add_argument("--schedule", default="1f1b", choices=PP_SCHEDULES,
+                        help="pipeline schedule (default: 1f1b); 'all' is not a schedule, "
+                             "use --all")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (default: 4)")
+    parser.add_argument("--microbatches", "-m", type=int, default=8,
+                        help="microbatches per step (default: 8)")
+    parser.add_argument("--virtual-stages", "-v", type=int, default=None,
+                        help="stages per rank (default: 1, or 2 for multi-stage schedules)")
+    parser.add_argument("--all", action="store_true", help="print every schedule")
+    parser.add_argument("--format", choices=("text", "json"), default="text")
+
+
+def schedule_command(args: argparse.Namespace) -> int:
+    names = list(PP_SCHEDULES) if args.all else [args.schedule]
+    out = []
+    for name in names:
+        v = args.virtual_stages
+        if v is None:
+            v = 2 if name in MULTI_STAGE_SCHEDULES else 1
+        elif args.all and name not in MULTI_STAGE_SCHEDULES:
+            v = 1
+        if args.format == "json":
+            out.append({"schedule": name, "pp": args.pp, "microbatches": args.microbatches,
+                        "virtual_stages": v,
+                        "grid": schedule_grid(name, args.pp, args.microbatches, v),
+                        "bubble": theoretical_bubble(name, args.pp, args.microbatches, v),
+                        "in_flight": peak_in_flight(name, args.pp, args.microbatches, v)})
+        else:
+            out.append(format_schedule(name, args.pp, args.microbatches, v))
+    print(json.dumps(out, indent=2) if args.format == "json" else "\n\n".join(out))
+    return 0

@@ -1,0 +1,471 @@
+"""Tensor and sequence parallelism (Megatron-style) through DTensor on the mesh's ``tp`` axis.
+
+``apply_tensor_parallel(module, mesh, plan)`` takes a layer plan (data, see
+``plait.parallel.tp_plans``) and turns each entry into one of torch's ``ParallelStyle`` objects,
+applied with ``parallelize_module`` on ``mesh["tp"]``. Where the plan comes from, first match wins:
+
+1. ``plan.options["tp_plan"]`` — the user's {glob: style} for any model;
+2. plait's plan for the reference transformer;
+3. a Hugging Face model: plait's plan for GPT-2 (Conv1D, fused qkv) and BERT, and for the
+   Llama/Mistral/Qwen2 family the ``base_model_tp_plan`` that transformers itself declares;
+4. otherwise a plan inferred from the module structure (``plait.parallel.tp_infer``), printed on
+   rank 0 so the user can check and save it, or a ValueError where inference cannot decide.
+
+What it sends, per transformer layer and micro-batch (b, s, h = batch, sequence, hidden):
+
+* TP: forward one all-reduce of b·s·h after attention's output projection and one after the MLP's
+  down projection (Megatron's *g*); backward one all-reduce of b·s·h at each region's input (*f*):
+  4 all-reduces in all. The ``region`` style makes q/k/v (and gate/up) share a single *f*.
+* TP+SP: each all-reduce becomes an all-gather (region input) plus a reduce-scatter (row-parallel
+  output) of the same bytes, and activations between regions (norms, dropout, residual) shrink by
+  ``tp``. Extra small collectives: every sequence-parallel norm's weight gradient is a partial
+  sum over sequence shards and is all-reduced (h elements each).
+
+Own code beside torch's styles (and why): torch's Colwise/RowwiseParallel accept nn.Linear and
+nn.Embedding only, so ``_Colwise``/``_Rowwise`` add HF's Conv1D (weight stored (in, out)) and
+fused q|k|v packs (``_StridedShard``); ``PrepareModuleInput`` needs to know whether an input is
+positional or keyword (HF layers pass ``hidden_states=`` by keyword), so ``_Region`` takes the
+first tensor input either way.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ..mesh import Mesh
+from ..plan import Plan
+from .tp_plans import STYLES, TPPlan, hf_plan, reference_plan
+
+LOSS_PARALLEL_ATTR = "plait_loss_parallel"
+
+
+# ------------------------------------------------------------------------------------ styles
+def _conv1d_type() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except Exception:  # transformers is optional
+        return None
+    return Conv1D
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    conv = _conv1d_type()
+    return conv is not None and isinstance(module, conv)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _linear_dims(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of a Linear or Conv1D."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.nx, module.nf
+
+
+class _Colwise(ColwiseParallel):
+    """ColwiseParallel for Linear, HF Conv1D and fused packs of ``pack`` equal outputs."""
+
+    def __init__(self, *, pack: int = 1, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.pack = pack
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        conv = _is_conv1d(module)
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dim = 1 if conv and pname == "weight" else 0  # Conv1D weight is (in, out)
+            # _StridedShard(dim, 3): split into q|k|v first, then each third over tp, so rank r
+            # holds [q_r, k_r, v_r] and full_tensor() still returns the unpermuted weight.
+            placement = Shard(dim) if self.pack == 1 else _StridedShard(dim, split_factor=self.pack)
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, mesh, [placement], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Embedding) and self.pack == 1:
+            return super()._apply(module, device_mesh)
+        output_fn = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+        if self.pack > 1:
+            output_fn = partial(_packed_output, self.pack)
+        return distribute_module(
+            module, device_mesh, lambda n, m, d: self._partition(n, m, d) if m is module else None,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            output_fn)
+
+
+def _packed_output(pack: int, mod: nn.Module, outputs: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Local [q_r, k_r, v_r] of a fused layer (a plain Shard(-1) would mix q with k)."""
+    want = (_StridedShard(outputs.ndim - 1, split_factor=pack),)
+    if outputs.placements != want:
+        outputs = outputs.redistribute(placements=want)
+    return outputs.to_local()
+
+
+class _Rowwise(RowwiseParallel):
+    """RowwiseParallel for Linear, Embedding and HF Conv1D."""
+
+    def _partition_conv1d(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if module is not self._target:
+            return
+        module.register_parameter("weight", nn.Parameter(distribute_tensor(
+            module.weight, mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+            requires_grad=module.weight.requires_grad))
+        if module.bias is not None:
+            module.register_parameter("bias", nn.Parameter(distribute_tensor(
+                module.bias, mesh, [Replicate()], src_data_rank=self.src_data_rank),
+                requires_grad=module.bias.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not _is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        self._target = module
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, self._partition_conv1d,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class _Region(ParallelStyle):
+    """Make a block's first tensor input one replicated DTensor (all-gathered from sequence
+    shards under SP). Every colwise layer inside then reads the same DTensor, so their input
+    gradients are summed as partial DTensors and all-reduced once, at this boundary."""
+
+    def __init__(self, input_layout: Any):
+        super().__init__()
+        self.input_layout = input_layout
+
+    def _convert(self, t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        if not isinstance(t, DTensor):
+            t = DTensor.from_local(t, mesh, (self.input_layout,), run_check=False)
+        if t.placements != (Replicate(),):
+            t = t.redistribute(placements=(Replicate(),))
+        return t
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args and isinstance(args[0], torch.Tensor):
+                return (self._convert(args[0], device_mesh), *args[1:]), kwargs
+            key = "hidden_states" if "hidden_states" in kwargs else next(
+                (k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+            if key is None:
+                raise ValueError(f"tensor-parallel region {type(mod).__name__} got no tensor "
+                                 f"input to replicate")
+            return args, {**kwargs, key: self._convert(kwargs[key], device_mesh)}
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def make_style(style: str, module: nn.Module, name: str, *, sp: bool) -> ParallelStyle | None:
+    """The torch ParallelStyle for a plan entry (None: nothing to do for this entry)."""
+    seq = Shard(1)
+    between = seq if sp else Replicate()  # layout of activations between TP regions
+    kind = type(module).__name__
+    if style in ("colwise", "colwise_qkv", "rowwise") and not (
+            _is_linear(module) or (style != "colwise_qkv" and isinstance(module, nn.Embedding))):
+        raise ValueError(f"tensor-parallel style {style!r} on {name!r} needs a Linear "
+                         f"(or HF Conv1D / Embedding) module, got {kind}")
+    if style == "vocab_embedding" and not isinstance(module, nn.Embedding):
+        raise ValueError(f"style 'vocab_embedding' on {name!r} needs nn.Embedding, got {kind}")
+    if style == "vocab_head" and not _is_linear(module):
+        raise ValueError(f"style 'vocab_head' on {name!r} needs a Linear module, got {kind}")
+    if style == "colwise":
+        return _Colwise()
+    if style == "colwise_qkv":
+        return _Colwise(pack=3)
+    if style == "rowwise":
+        return _Rowwise(output_layouts=between)
+    if style == "vocab_embedding":
+        return _Rowwise(input_layouts=Replicate(), output_layouts=between)
+    if style == "vocab_head":
+        # Logits stay a DTensor sharded on the vocabulary: the loss runs under loss_parallel().
+        return _Colwise(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
+    if style == "region":
+        return _Region(between)
+    if style == "sequence_parallel":
+        return SequenceParallel(use_local_output=True) if sp else None
+    raise ValueError(f"unknown tensor-parallel style {style!r} for {name!r}; styles are "
+                     f"{', '.join(STYLES)}")
+
+
+# ------------------------------------------------------------------------------ plan matching
+def _glob_regex(glob: str) -> re.Pattern:
+    """``*`` matches exactly one dotted name part (``layers.*.mlp`` matches ``layers.3.mlp``)."""
+    return re.compile("^" + ".".join("[^.]+" if part == "*" else re.escape(part).replace(
+        r"\*", "[^.]*") for part in glob.split(".")) + "$")
+
+
+def match_plan(module: nn.Module, styles: dict[str, str]) -> dict[str, str]:
+    """{module name: style} for every module a glob matches; every glob must match something."""
+    names = [n for n, _ in module.named_modules() if n]
+    matched: dict[str, str] = {}
+    unmatched = []
+    for glob, style in styles.items():
+        regex = _glob_regex(glob)
+        hits = [n for n in names if regex.match(n)]
+        if not hits:
+            unmatched.append(glob)
+        for n in hits:
+            if n in matched and matched[n] != style:
+                raise ValueError(f"module {n!r} matches two tensor-parallel styles, "
+                                 f"{matched[n]!r} and {style!r} (glob {glob!r})")
+            matched[n] = style
+    if unmatched:
+        sample = ", ".join(names[:8])
+        raise ValueError(f"tensor-parallel plan pattern(s) {unmatched} match no module of "
+                         f"{type(module).__name__} (its modules are named like: {sample}, ...)")
+    return matched
+
+
+def resolve_plan(module: nn.Module, plan: Plan) -> TPPlan:
+    """Which layer plan to use for ``module`` (see the module docstring for the order)."""
+    from ..models.transformer import Transformer
+
+    user = plan.options.get("tp_plan") if plan.options else None
+    if user is not None:
+        return user if isinstance(user, TPPlan) else TPPlan.from_option(user)
+    if isinstance(module, Transformer):
+        return reference_plan(module)
+    hf = _find_hf_model(module)
+    if hf is not None:
+        prefix, model = hf
+        try:
+            return hf_plan(model).with_prefix(prefix)
+        except LookupError:
+            pass  # an HF architecture without a plan: infer one
+    from .tp_infer import infer_plan, format_plan
+
+    inferred = infer_plan(module)
+    _print0(format_plan(inferred, module))
+    return inferred
+
+
+def _find_hf_model(module: nn.Module) -> tuple[str, nn.Module] | None:
+    try:
+        from transformers import PreTrainedModel
+    except Exception:
+        return None
+    for name, sub in module.named_modules():
+        if isinstance(sub, PreTrainedModel):
+            return name, sub
+    return None
+
+
+def _print0(text: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(text, flush=True)
+
+
+# ------------------------------------------------------------------------------- validation
+def validate(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp: int) -> list[str]:
+    """Raise ValueError naming every module/size tp does not divide; return notes to print."""
+    errors, notes = [], []
+    for label, value in tp_plan.sizes.items():
+        if value % tp:
+            errors.append(f"{label}={value} is not divisible by tp={tp}")
+    for name, style in matched.items():
+        sub = module.get_submodule(name)
+        if style in ("colwise", "colwise_qkv", "rowwise") and _is_linear(sub):
+            fan_in, fan_out = _linear_dims(sub)
+            if style == "rowwise":
+                if fan_in % tp:
+                    errors.append(f"{name} ({style}): in_features={fan_in} is not divisible "
+                                  f"by tp={tp}")
+                continue
+            parts = 3 if style == "colwise_qkv" else 1
+            head_dim = _head_dim(module, name)
+            unit = parts * tp * (head_dim or 1)
+            if fan_out % unit:
+                what = f"{fan_out // parts // head_dim} heads of {head_dim}" if head_dim and \
+                    fan_out % (parts * head_dim) == 0 else f"out_features={fan_out}"
+                errors.append(f"{name} ({style}): {what} do not split evenly over tp={tp}"
+                              + (" (each rank needs whole heads)" if head_dim else ""))
+        elif style in ("vocab_embedding", "vocab_head"):
+            vocab = sub.num_embeddings if isinstance(sub, nn.Embedding) else _linear_dims(sub)[1]
+            if vocab % tp:
+                padded = -(-vocab // tp) * tp
+                notes.append(f"plait: vocabulary of {name} ({vocab}) is not divisible by tp={tp}; "
+                             f"it is padded to {padded} for sharding (shards of {padded // tp} "
+                             f"rows, the last {vocab - (tp - 1) * (padded // tp)}; DTensor pads "
+                             f"the short shard in collectives)")
+    if errors:
+        ok = [d for d in range(1, 65) if all(v % d == 0 for v in tp_plan.sizes.values())] \
+            if tp_plan.sizes else []
+        hint = f"; tp values that divide every size: {ok}" if ok else ""
+        raise ValueError(f"cannot apply tensor parallelism tp={tp} to "
+                         f"{type(module).__name__} ({tp_plan.source}): " + "; ".join(errors) + hint)
+    return notes
+
+
+def _head_dim(root: nn.Module, name: str) -> int | None:
+    """head_dim of the attention module holding ``name`` (if it declares one)."""
+    parent = name.rpartition(".")[0]
+    if not parent:
+        return None
+    owner = root.get_submodule(parent)
+    for attr in ("head_dim", "attention_head_size"):
+        value = getattr(owner, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+# ------------------------------------------------------------------------------- the function
+def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
+    """Shard ``module`` over ``mesh["tp"]`` according to its layer plan; returns it (in place).
+
+    After this every parameter is a DTensor on the tp mesh (unsplit ones ``Replicate``), so a
+    plain ``torch.optim.AdamW(model.parameters())`` (foreach) and gradient clipping work, and
+    FSDP2 can shard the result over the data axes. When the head is vocabulary-parallel the
+    module carries ``plait_loss_parallel = True``: the train step then computes the loss, and
+    its backward, inside ``torch.distributed.tensor.parallel.loss_parallel()``.
+    """
+    tp_mesh = mesh["tp"] if isinstance(mesh, Mesh) else mesh
+    tp = tp_mesh.size()
+    tp_plan = resolve_plan(module, plan)
+    if plan.sp and not tp_plan.supports_sp:
+        raise ValueError(f"sp=True: the tensor-parallel plan for {type(module).__name__} "
+                         f"({tp_plan.source}) has no sequence-parallel layout; use sp=False, or "
+                         f"pass options['tp_plan'] with 'region' and 'sequence_parallel' entries")
+    matched = match_plan(module, tp_plan.styles)
+    for note in validate(module, tp_plan, matched, tp):
+        _print0(note)
+    ties = _tied_groups(module)
+    for name, style in matched.items():
+        sub = module.get_submodule(name)
+        parallel_style = make_style(style, sub, name, sp=plan.sp)
+        if parallel_style is not None:
+            parallelize_module(sub, tp_mesh, parallel_style)
+    _divide_attrs(module, tp_plan.divide_attrs, tp)
+    _retie(ties)
+    replicate_rest(module, tp_mesh)
+    _reduce_partial_grads_in_backward(module)
+    if "vocab_head" in matched.values():
+        setattr(module, LOSS_PARALLEL_ATTR, True)
+    return module
+
+
+def _divide_attrs(module: nn.Module, divide: dict[str, tuple[str, ...]], tp: int) -> None:
+    if not divide:
+        return
+    for name, attrs in match_plan(module, {g: "divide" for g in divide}).items():
+        sub = module.get_submodule(name)
+        for glob, names in divide.items():
+            if not _glob_regex(glob).match(name):
+                continue
+            for attr in names:
+                value = getattr(sub, attr, None)
+                if not isinstance(value, int) or value % tp:
+                    raise ValueError(f"{name}.{attr}={value!r} must be an int divisible by tp={tp}")
+                setattr(sub, attr, value // tp)
+
+
+def _tied_groups(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Parameters shared by several modules (tied embedding and head), as (module, name) lists."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for _, sub in module.named_modules(remove_duplicate=False):
+        for pname, p in sub.named_parameters(recurse=False):
+            group = owners.setdefault(id(p), [])
+            if not any(m is sub and n == pname for m, n in group):
+                group.append((sub, pname))
+    return [g for g in owners.values() if len(g) > 1]
+
+
+def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
+    """Styles register new Parameters per module; share one DTensor again across a tie."""
+    for group in groups:
+        params = [getattr(m, n) for m, n in group]
+        dts = [p for p in params if isinstance(p, DTensor)]
+        if not dts:
+            continue
+        keep = dts[0]
+        for p in dts[1:]:
+            if p.placements != keep.placements:
+                raise ValueError(f"tied parameter shared by {[type(m).__name__ for m, _ in group]}"
+                                 f" gets two layouts, {keep.placements} and {p.placements}; give "
+                                 f"both modules matching styles (vocab_embedding + vocab_head)")
+        for m, n in group:
+            m.register_parameter(n, keep)
+
+
+def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Turn every parameter still a plain tensor into a ``Replicate`` DTensor on ``mesh``.
+
+    Why: foreach optimizers and ``clip_grad_norm_`` reject a mix of DTensor and plain tensors
+    (FIELD-NOTES). The owning modules get hooks that wrap their tensor inputs as replicated
+    DTensors and hand back local outputs, so code around them keeps seeing plain tensors. No
+    communication: every TP rank computes the same values and gradients for these modules.
+    """
+    done: dict[int, nn.Parameter] = {}
+    for _, sub in list(module.named_modules()):
+        plain = [(n, p) for n, p in sub.named_parameters(recurse=False)
+                 if not isinstance(p, DTensor)]
+        if not plain:
+            continue
+        for pname, p in plain:
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()],
+                                                              run_check=False),
+                                           requires_grad=p.requires_grad)
+            sub.register_parameter(pname, done[id(p)])
+        sub.register_forward_pre_hook(partial(_inputs_to_replicate, mesh), with_kwargs=True)
+        sub.register_forward_hook(_outputs_to_local)
+
+
+def _reduce_partial_grads_in_backward(module: nn.Module) -> None:
+    """Replicated weights used on sequence shards (SP norms) get *partial* gradients, and DTensor
+    leaves them Partial in ``.grad``: every later op on them (clip norm, each optimizer op) would
+    then all-reduce again, at a moment nobody expects. Reduce each once, in backward, instead."""
+    for p in module.parameters():
+        if isinstance(p, DTensor) and p.requires_grad and all(
+                isinstance(pl, Replicate) for pl in p.placements):
+            p.register_hook(_replicate_grad)
+
+
+def _replicate_grad(grad: torch.Tensor) -> torch.Tensor:
+    if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+        return grad.redistribute(placements=[Replicate()] * len(grad.placements))
+    return grad
+
+
+def _map_tensors(value: Any, fn: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_map_tensors(v, fn) for v in value)
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def _inputs_to_replicate(mesh: DeviceMesh, mod: nn.Module, args: tuple, kwargs: dict
+                         ) -> tuple[tuple, dict]:
+    def wrap(t: torch.Tensor) -> torch.Tensor:
+        return t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, [Replicate()],
+                                                                    run_check=False)
+    return _map_tensors(args, wrap), _map_tensors(kwargs, wrap)
+
+
+def _outputs_to_local(mod: nn.Module, args: tuple, output: Any) -> Any:
+    def unwrap(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, DTensor):
+            return t
+        if t.placements != (Replicate(),):
+            t = t.redistribute(placements=[Replicate()])
+        return t.to_local()
+    return _map_tensors(output, unwrap)

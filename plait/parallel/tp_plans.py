@@ -1,0 +1,242 @@
+"""Tensor-parallel layer plans, as data.
+
+A plan maps module-name globs to a *style* name (``fnmatch`` globs, ``*`` matches one or more name
+parts, e.g. ``layers.*.attention.q_proj``). Styles are strings so plans serialise to YAML/JSON and
+can be printed, diffed and passed as ``plan.options["tp_plan"]``. What each style does
+(``plait.parallel.tensor`` turns them into DTensor ``ParallelStyle`` objects):
+
+==================  ==========================================================================
+colwise             Linear / HF Conv1D split on its output features (Megatron's column-parallel
+                    layer, the start of a TP region). Output stays sharded (heads split).
+colwise_qkv         colwise for a *fused* q|k|v layer (GPT-2's ``c_attn``): each third is split
+                    separately so rank r holds [q_r, k_r, v_r], not a slice across q and k.
+rowwise             Linear / Conv1D split on its input features (row-parallel, the end of a TP
+                    region): partial outputs are all-reduced (reduce-scattered onto the sequence
+                    dimension under SP).
+region              a block (attention, MLP) whose input is shared by several colwise layers: its
+                    input becomes one replicated DTensor, so q/k/v (or gate/up) share *one*
+                    backward all-reduce (Megatron's f operator) instead of one each; under SP this
+                    is where the sequence shards are all-gathered.
+vocab_embedding     nn.Embedding split over the vocabulary (rows); lookups outside a rank's rows
+                    are masked and the partial embeddings all-reduced (reduce-scattered under SP).
+vocab_head          LM head split over the vocabulary; logits stay sharded (a DTensor,
+                    ``Shard(-1)``) and the loss runs under torch's ``loss_parallel()``, so
+                    full-vocabulary logits never exist on one rank.
+sequence_parallel   norms (and dropout) that run on sequence shards under SP; without SP they are
+                    replicated like every other unsplit module.
+==================  ==========================================================================
+
+A plan may also name integer attributes to divide by ``tp`` after sharding (``divide_attrs``):
+modules that reshape with a stored head count or split size (GPT-2's ``split_size``, BERT's
+``all_head_size``) need their local value, not the global one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch.nn as nn
+
+STYLES = ("colwise", "colwise_qkv", "rowwise", "region", "vocab_embedding", "vocab_head",
+          "sequence_parallel")
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """A layer plan: ``styles`` {glob: style}, attributes to divide, and where it came from."""
+
+    styles: dict[str, str]
+    divide_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    source: str = "user"
+    # Named sizes that must divide by tp (heads, kv-heads, hidden, ffn), for validation messages.
+    sizes: dict[str, int] = field(default_factory=dict)
+    # Whether the plan knows how to keep activations sequence-sharded between TP regions.
+    supports_sp: bool = False
+
+    def with_prefix(self, prefix: str) -> "TPPlan":
+        if not prefix:
+            return self
+        return TPPlan(styles={f"{prefix}.{k}": v for k, v in self.styles.items()},
+                      divide_attrs={f"{prefix}.{k}": v for k, v in self.divide_attrs.items()},
+                      source=self.source, sizes=self.sizes, supports_sp=self.supports_sp)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"styles": dict(self.styles)}
+        if self.divide_attrs:
+            out["divide_attrs"] = {k: list(v) for k, v in self.divide_attrs.items()}
+        return out
+
+    @staticmethod
+    def from_option(value: Mapping[str, Any]) -> "TPPlan":
+        """A user plan from ``plan.options["tp_plan"]``: {glob: style} or {"styles": ..., ...}."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"options['tp_plan'] must be a mapping of module-name glob to style, "
+                             f"got {type(value).__name__}")
+        if "styles" in value:
+            styles = dict(value["styles"])
+            divide = {k: tuple(v) for k, v in dict(value.get("divide_attrs", {})).items()}
+        else:
+            styles, divide = dict(value), {}
+        bad = {k: v for k, v in styles.items() if v not in STYLES}
+        if bad:
+            raise ValueError(f"unknown tensor-parallel style(s) {bad} in options['tp_plan']; "
+                             f"styles are {', '.join(STYLES)}")
+        return TPPlan(styles=styles, divide_attrs=divide, source="options['tp_plan']",
+                      supports_sp=any(v == "sequence_parallel" for v in styles.values()))
+
+
+# --------------------------------------------------------------------------- reference model
+REFERENCE_STYLES: dict[str, str] = {
+    "tok_embeddings": "vocab_embedding",
+    "layers.*.attention_norm": "sequence_parallel",
+    "layers.*.attention": "region",
+    "layers.*.attention.q_proj": "colwise",
+    "layers.*.attention.k_proj": "colwise",
+    "layers.*.attention.v_proj": "colwise",
+    "layers.*.attention.o_proj": "rowwise",
+    "layers.*.ffn_norm": "sequence_parallel",
+    "layers.*.feed_forward": "region",
+    "layers.*.feed_forward.gate_proj": "colwise",
+    "layers.*.feed_forward.up_proj": "colwise",
+    "layers.*.feed_forward.down_proj": "rowwise",
+    "norm": "sequence_parallel",
+    "output": "vocab_head",
+}
+
+
+def reference_plan(model: nn.Module) -> TPPlan:
+    """The plan for ``plait.models.transformer.Transformer`` (any preset, any pipeline stage)."""
+    cfg = model.config
+    sizes = {"n_heads": cfg.n_heads, "n_kv_heads": cfg.kv_heads, "dim": cfg.dim,
+             "ffn_dim": cfg.hidden_dim}
+    styles = dict(REFERENCE_STYLES)
+    if cfg.mlp == "gelu":
+        styles.pop("layers.*.feed_forward.gate_proj")
+    # Pipeline stages may lack the embedding, final norm or head.
+    for name in ("tok_embeddings", "norm", "output"):
+        if getattr(model, name, None) is None:
+            styles.pop(name)
+    return TPPlan(styles=styles, source="plait reference transformer", sizes=sizes,
+                  supports_sp=True)
+
+
+# --------------------------------------------------------------------------- Hugging Face
+# transformers' own style names (config.base_model_tp_plan, model._tp_plan) -> ours. Their
+# "colwise_gather_output" head gathers full logits on every rank; ours keeps them vocab-sharded.
+HF_STYLE_NAMES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise",
+                  "rowwise_rep": "rowwise", "colwise_gather_output": "vocab_head",
+                  "embedding_rowwise": "vocab_embedding",
+                  "sequence_parallel": "sequence_parallel"}
+
+# GPT-2 declares no tp_plan in transformers; its linears are Conv1D (weight stored (in, out)) and
+# q|k|v are fused in c_attn.
+GPT2_STYLES = {
+    "wte": "vocab_embedding",
+    "h.*.ln_1": "sequence_parallel",
+    "h.*.attn": "region",
+    "h.*.attn.c_attn": "colwise_qkv",
+    "h.*.attn.c_proj": "rowwise",
+    "h.*.ln_2": "sequence_parallel",
+    "h.*.mlp.c_fc": "colwise",
+    "h.*.mlp.c_proj": "rowwise",
+    "ln_f": "sequence_parallel",
+}
+GPT2_DIVIDE = {"h.*.attn": ("split_size", "num_heads")}
+
+# Llama / Mistral / Qwen2 blocks beyond what transformers' base_model_tp_plan lists: the
+# embedding, the shared-input regions and the norms.
+LLAMA_EXTRA = {
+    "embed_tokens": "vocab_embedding",
+    "layers.*.input_layernorm": "sequence_parallel",
+    "layers.*.self_attn": "region",
+    "layers.*.post_attention_layernorm": "sequence_parallel",
+    "layers.*.mlp": "region",
+    "norm": "sequence_parallel",
+}
+LLAMA_FALLBACK = {
+    "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
+BERT_STYLES = {
+    "embeddings.word_embeddings": "vocab_embedding",
+    "encoder.layer.*.attention.self": "region",
+    "encoder.layer.*.attention.self.query": "colwise",
+    "encoder.layer.*.attention.self.key": "colwise",
+    "encoder.layer.*.attention.self.value": "colwise",
+    "encoder.layer.*.attention.output.dense": "rowwise",
+    "encoder.layer.*.intermediate.dense": "colwise",
+    "encoder.layer.*.output.dense": "rowwise",
+}
+BERT_DIVIDE = {"encoder.layer.*.attention.self": ("num_attention_heads", "all_head_size")}
+
+HF_HEAD_NAMES = ("lm_head",)
+
+
+def _translate_hf(tp_plan: Mapping[str, str], where: str) -> dict[str, str]:
+    out = {}
+    for glob, style in tp_plan.items():
+        if style not in HF_STYLE_NAMES:
+            raise ValueError(f"transformers' {where} uses style {style!r} for {glob!r}, which "
+                             f"plait does not translate (known: {', '.join(HF_STYLE_NAMES)}); "
+                             f"pass your own plan as options['tp_plan']")
+        out[glob] = HF_STYLE_NAMES[style]
+    return out
+
+
+def _hf_sizes(config: Any) -> dict[str, int]:
+    names = {"num_attention_heads": "num_attention_heads", "n_head": "num_attention_heads",
+             "num_key_value_heads": "num_key_value_heads", "hidden_size": "hidden_size",
+             "n_embd": "hidden_size", "intermediate_size": "intermediate_size",
+             "n_inner": "intermediate_size"}
+    sizes = {}
+    for attr, label in names.items():
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0 and label not in sizes:
+            sizes[label] = value
+    if "intermediate_size" not in sizes and getattr(config, "model_type", "") == "gpt2":
+        sizes["intermediate_size"] = 4 * sizes["hidden_size"]
+    return sizes
+
+
+def hf_plan(model: nn.Module) -> TPPlan:
+    """The plan for a transformers ``PreTrainedModel`` (names relative to ``model``)."""
+    config = model.config
+    kind = getattr(config, "model_type", "")
+    prefix = getattr(model, "base_model_prefix", "")
+    # The base model is either ``model`` itself or its ``base_model_prefix`` child.
+    base_prefix = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    divide: dict[str, tuple[str, ...]] = {}
+    if kind == "gpt2":
+        base, divide, source = dict(GPT2_STYLES), dict(GPT2_DIVIDE), "plait plan for HF gpt2"
+    elif kind == "bert":
+        base, divide, source = dict(BERT_STYLES), dict(BERT_DIVIDE), "plait plan for HF bert"
+    else:
+        declared = getattr(config, "base_model_tp_plan", None)
+        if declared:
+            base = _translate_hf(declared, f"{type(config).__name__}.base_model_tp_plan")
+            source = f"transformers' base_model_tp_plan for {kind}"
+        elif kind in ("llama", "mistral", "qwen2"):
+            base, source = dict(LLAMA_FALLBACK), f"plait plan for HF {kind}"
+        else:
+            raise LookupError(f"no tensor-parallel plan ships for transformers model_type "
+                              f"{kind!r}")
+        if kind in ("llama", "mistral", "qwen2") or all(
+                k.startswith("layers.") for k in base):
+            base = {**{k: v for k, v in LLAMA_EXTRA.items() if k not in base}, **base}
+    plan = TPPlan(styles=base, divide_attrs=divide, source=source, sizes=_hf_sizes(config))
+    plan = plan.with_prefix(base_prefix)
+    styles = dict(plan.styles)
+    # The instance's _tp_plan merges the base plan under its prefix; only the head is new here.
+    declared_head = {k: v for k, v in (getattr(model, "_tp_plan", None) or {}).items()
+                     if k in HF_HEAD_NAMES}
+    head_plan = _translate_hf(declared_head, f"{type(model).__name__}._tp_plan")
+    for name in HF_HEAD_NAMES:
+        if isinstance(getattr(model, name, None), nn.Linear):
+            styles[name] = "vocab_head" if head_plan.get(name, "vocab_head") == "vocab_head" \
+                else head_plan[name]
+    return TPPlan(styles=styles, divide_attrs=plan.divide_attrs, source=plan.source,
+                  sizes=plan.sizes, supports_sp=False)

@@ -1,0 +1,333 @@
+"""``plait plan``: rank layouts for a model on a cluster, or evaluate one, or calibrate.
+
+The lead's ``plait/cli.py`` registers it::
+
+    sub = subparsers.add_parser("plan", help="...")
+    add_plan_arguments(sub); sub.set_defaults(func=plan_command)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from plait.plan import Plan
+
+from .cost import Estimate, Workload, evaluate
+from .hardware import GB, Cluster, load_cluster, presets, save_cluster
+from .model_stats import ModelStats, load_model
+from .search import SearchResult, divisors, search
+
+GiB = 2**30
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser
+    p.add_argument("--model", help="reference preset (e.g. gpt-175b), HF config.json, model YAML, "
+                                    "or 'package.module:factory'")
+    p.add_argument("--cluster", default=None,
+                   help=f"preset ({', '.join(presets())}) or a cluster YAML")
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes of the preset")
+    p.add_argument("--devices", type=int, default=None, help="total devices (instead of --nodes)")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="compute dtype (default bf16; fp32 on cpu)")
+    p.add_argument("--top", type=int, default=5, help="how many plans to list")
+    p.add_argument("--plan", default=None, help="evaluate this layout only, e.g. 'dp=24,tp=8,pp=8'")
+    p.add_argument("--memory-gb", type=float, default=None, help="override memory per device")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="override the compute efficiency constant (fraction of peak)")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--show-schedule", action="store_true",
+                   help="also print the pipeline schedule of the best (or given) plan as a "
+                        "step x rank grid (F0 F1 B0 ...)")
+    p.add_argument("--pareto", default=None, metavar="PNG",
+                   help="write a step time vs memory Pareto plot (needs the plot extra)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (matmul, block efficiency, gloo all-reduce) and "
+                        "save a cluster profile")
+    p.add_argument("--calibrate-world", type=int, default=2,
+                   help="processes for the collective measurement")
+    p.add_argument("--profile-out", default="plait-cluster.yaml",
+                   help="where --calibrate writes the profile")
+    return p
+
+
+def _positive(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, (int, float)) or value <= 0):
+        raise ValueError(f"{name}={value!r} must be a positive number")
+
+
+def _gb(x: float) -> str:
+    return f"{x / GiB:.1f}"
+
+
+def _fmt_axes(d: dict[str, float]) -> str:
+    return " ".join(f"{k}:{v / 1e9:.3g}GB" for k, v in sorted(d.items())) or "-"
+
+
+def estimate_json(e: Estimate) -> dict[str, Any]:
+    return e.to_dict()
+
+
+def format_table(estimates: list[Estimate]) -> str:
+    head = ("#", "layout", "step s", "tokens/s", "TFLOP/s", "w/recomp", "MFU", "mem GiB",
+            "bubble", "bytes/step by axis (wire, per rank)")
+    rows = [head]
+    for i, e in enumerate(estimates, 1):
+        rows.append((str(i), e.plan.describe(), f"{e.step_time_s:.4g}", f"{e.tokens_per_s:,.0f}",
+                     f"{e.tflops_per_device:.4g}", f"{e.tflops_per_device_hw:.4g}",
+                     f"{e.mfu:.1%}", _gb(e.memory_bytes_per_device),
+                     f"{e.bubble_fraction:.1%}", _fmt_axes(e.comm_bytes_per_step)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def explain_winner(ranked: list[Estimate], cluster: Cluster) -> list[str]:
+    """A few lines on why the best plan wins and what limits it."""
+    best = ranked[0]
+    tb = best.time_breakdown
+    step = best.step_time_s
+    out = [f"best: {best.plan.describe()} — {step:.4g} s/step, {best.mfu:.1%} MFU, "
+           f"{_gb(best.memory_bytes_per_device)} of {_gb(cluster.memory_bytes)} GiB"]
+    if best.stage_layers and best.plan.pp > 1:
+        out.append(f"  stages (blocks per chunk): {list(best.stage_layers)}")
+    for other in ranked[1:]:
+        if other.plan.degrees() != best.plan.degrees() or other.plan.zero != best.plan.zero:
+            gain = other.step_time_s / step - 1
+            out.append(f"  beats {other.plan.describe()} by {gain:.1%}: " + _diff(best, other))
+            break
+    limits = []
+    tp_share = tb["tp_comm_per_block"] and best.plan.tp > 1
+    if best.bubble_fraction > 0.05:
+        limits.append(f"pipeline bubble {best.bubble_fraction:.0%} (more microbatches or "
+                      f"virtual stages shrink it)")
+    exposed = tb["dp_grad_exposed"] + tb["param_gather"] + tb["zero3_gather_exposed"]
+    if exposed / step > 0.03:
+        limits.append(f"exposed data-parallel communication {exposed / step:.0%} of the step")
+    if tp_share:
+        limits.append("tensor-parallel all-reduces sit on the critical path")
+    headroom = cluster.memory_bytes - best.memory_bytes_per_device
+    if headroom < 0.1 * cluster.memory_bytes:
+        limits.append(f"memory: {_gb(headroom)} GiB headroom")
+    if best.plan.activation_checkpointing != "none":
+        limits.append(f"recomputation ({best.plan.activation_checkpointing}) costs "
+                      f"{best.tflops_per_device_hw / best.tflops_per_device - 1:.0%} extra FLOPs "
+                      f"to fit in memory")
+    out.append("  limited by: " + ("; ".join(limits) if limits else "compute (the efficiency "
+                                   "constant): nothing else is significant"))
+    return out
+
+
+def _diff(a: Estimate, b: Estimate) -> str:
+    ta, tb = a.time_breakdown, b.time_breakdown
+    parts = []
+    if b.bubble_fraction - a.bubble_fraction > 0.01:
+        parts.append(f"bubble {a.bubble_fraction:.1%} vs {b.bubble_fraction:.1%}")
+    ea = ta["dp_grad_exposed"] + ta["param_gather"] + ta["zero3_gather_exposed"]
+    eb = tb["dp_grad_exposed"] + tb["param_gather"] + tb["zero3_gather_exposed"]
+    if eb - ea > 0.01 * a.step_time_s:
+        parts.append(f"exposed DP comm {ea:.3g}s vs {eb:.3g}s")
+    if b.tflops_per_device_hw / max(b.tflops_per_device, 1e-12) > \
+            a.tflops_per_device_hw / max(a.tflops_per_device, 1e-12) + 0.01:
+        parts.append("less recomputation")
+    if tb["tp_comm_per_block"] * b.plan.pp > ta["tp_comm_per_block"] * a.plan.pp * 1.1:
+        parts.append("less tensor-parallel traffic")
+    return ", ".join(parts) or "small differences in compute and communication"
+
+
+def explain_nothing_fits(result: SearchResult, model: ModelStats, cluster: Cluster,
+                         work: Workload | None = None, dtype: str = "bf16") -> str:
+    lines = [f"no layout of {model.name} ({model.num_params / 1e9:.3g}B parameters) fits on "
+             f"{cluster.world_size} x {cluster.name} ({_gb(cluster.memory_bytes)} GiB each)."]
+    if result.rejected:
+        why = ", ".join(f"{k}: {v}" for k, v in sorted(result.rejected.items()))
+        lines.append(f"  rejected layouts: {why}")
+    if result.closest is not None:
+        lines.append(f"  closest: {result.closest.plan.describe()} — {result.closest.reason}")
+    state = 16 * model.num_params
+    need = math.ceil(state / max(cluster.memory_bytes - cluster.reserve_bytes, 1))
+    lines.append(f"  model state alone (fp32 params + grads + AdamW = 16 B/param) is "
+                 f"{state / GiB:,.0f} GiB: at least {need} devices with ZeRO-3 before activations")
+    if work is not None:
+        for factor in (2, 4, 8, 16, 32, 64):
+            devices = cluster.world_size * factor
+            try:
+                bigger = cluster.with_world(devices)
+            except ValueError:
+                continue
+            if devices < need:
+                continue
+            r = search(model, bigger, work, dtype=dtype, top=1)
+            if r.best is not None:
+                lines.append(f"  smallest cluster that fits (x2 steps): {devices} devices — "
+                             f"{r.best.plan.describe()}")
+                break
+        else:
+            lines.append("  nothing fits up to 64x this cluster: reduce the sequence length, "
+                         "the model, or use devices with more memory")
+    if dtype == "fp32":
+        lines.append("  try --dtype bf16 (halves activation memory)")
+    return "\n".join(lines)
+
+
+def pareto_front(estimates: list[Estimate]) -> list[Estimate]:
+    front, best_mem = [], math.inf
+    for e in sorted(estimates, key=lambda e: (e.step_time_s, e.memory_bytes_per_device)):
+        if e.memory_bytes_per_device < best_mem:
+            front.append(e)
+            best_mem = e.memory_bytes_per_device
+    return front
+
+
+def write_pareto(path: str, estimates: list[Estimate]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--pareto needs matplotlib: pip install 'plait[plot]'") from None
+    front = pareto_front(estimates)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter([e.memory_bytes_per_device / GiB for e in estimates],
+               [e.step_time_s for e in estimates], s=8, alpha=0.4, label="feasible layouts")
+    ax.plot([e.memory_bytes_per_device / GiB for e in front], [e.step_time_s for e in front],
+            "o-", color="C3", label="Pareto front")
+    for e in front[:6]:
+        ax.annotate(e.plan.to_string()[:40], (e.memory_bytes_per_device / GiB, e.step_time_s),
+                    fontsize=6)
+    ax.set_xlabel("peak memory per device (GiB)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """Run ``plait plan``; returns the exit code (0 ok, 1 nothing fits, 2 bad input)."""
+    try:
+        return _plan(args)
+    except ValueError as exc:
+        print(f"plait plan: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from . import constants_for
+
+    if args.calibrate:
+        from .calibrate import calibrate
+        cluster = calibrate(world=args.calibrate_world)
+        path = save_cluster(cluster, args.profile_out)
+        print(f"wrote {path}: peak {cluster.peak('fp32') / 1e9:.1f} GFLOP/s per process, "
+              f"block efficiency {cluster.extra['compute_efficiency']:.2f}, all-reduce "
+              f"{cluster.intra_bw / 1e9:.2f} GB/s, {cluster.intra_latency * 1e6:.0f} us/step")
+        if not args.model:
+            return 0
+        args.cluster = args.cluster or str(path)
+    for name in ("nodes", "devices", "global_batch", "seq", "top", "memory_gb", "efficiency"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    if not args.model:
+        raise ValueError("--model is required (a preset, config.json, YAML or module:factory)")
+    if not args.cluster:
+        raise ValueError(f"--cluster is required ({', '.join(presets())} or a YAML path)")
+    if args.global_batch is None:
+        raise ValueError("--global-batch is required (sequences per optimizer step)")
+    if args.efficiency is not None and args.efficiency > 1:
+        raise ValueError(f"--efficiency={args.efficiency} must be a fraction of peak in (0, 1]")
+    model = load_model(args.model)
+    given = Plan.load(args.plan) if args.plan else None
+    devices = args.devices
+    if given is not None and devices is None and args.nodes is None:
+        devices = given.world_size
+    cluster = load_cluster(args.cluster, nodes=args.nodes, devices=devices)
+    if args.memory_gb is not None:
+        cluster = cluster.with_memory(args.memory_gb * GB)
+    seq = args.seq or model.max_seq
+    if seq is None:
+        raise ValueError("--seq is required (the model does not say its sequence length)")
+    dtype = args.dtype or ("fp32" if cluster.device == "cpu" else "bf16")
+    constants = constants_for(cluster)
+    if args.efficiency is not None:
+        import dataclasses
+        constants = dataclasses.replace(constants, compute_efficiency=args.efficiency)
+    work = Workload(args.global_batch, seq)
+    usable = [d for d in divisors(cluster.world_size) if args.global_batch % d == 0]
+    if given is None and len(usable) == 1 and cluster.world_size > 1:
+        raise ValueError(f"global-batch={args.global_batch} shares no factor with "
+                         f"{cluster.world_size} devices: data parallelism is impossible; use a "
+                         f"batch divisible by a factor of the device count, e.g. "
+                         f"{cluster.world_size * max(1, args.global_batch // cluster.world_size)}")
+
+    if given is not None:
+        if given.world_size != cluster.world_size:
+            raise ValueError(f"--plan uses {given.world_size} devices, the cluster has "
+                             f"{cluster.world_size}; pass --devices {given.world_size}")
+        est = evaluate(given, model, cluster, work, constants)
+        if args.format == "json":
+            print(json.dumps({"model": model.name, "cluster": cluster.name,
+                              "devices": cluster.world_size, "plans": [estimate_json(est)]},
+                             indent=2))
+        else:
+            if est.step_time_s < math.inf:
+                print(format_table([est]))
+            if not est.feasible:
+                print(f"does not fit / cannot run: {est.reason}")
+            else:
+                print("\n".join(explain_winner([est], cluster)))
+                _print_schedule(args, given)
+        return 0 if est.feasible else 1
+
+    result = search(model, cluster, work, dtype=dtype, top=0, constants=constants)
+    ranked = result.ranked
+    if args.pareto and ranked:
+        write_pareto(args.pareto, ranked)
+    if args.format == "json":
+        print(json.dumps({"model": model.name, "cluster": cluster.name,
+                          "devices": cluster.world_size, "global_batch": args.global_batch,
+                          "seq": seq, "search_seconds": result.seconds,
+                          "evaluated": result.evaluated, "rejected": result.rejected,
+                          "plans": [estimate_json(e) for e in ranked[:args.top]],
+                          "message": None if ranked else
+                          explain_nothing_fits(result, model, cluster, work, dtype)},
+                         indent=2))
+        return 0 if ranked else 1
+    if not ranked:
+        print(explain_nothing_fits(result, model, cluster, work, dtype))
+        return 1
+    print(f"{model.name} ({model.num_params / 1e9:.3g}B params) on {cluster.world_size} x "
+          f"{cluster.name}, global batch {args.global_batch} x seq {seq}, {dtype}: "
+          f"{result.evaluated} layouts priced in {result.seconds:.2f}s, {len(ranked)} fit")
+    print(format_table(ranked[:args.top]))
+    print("\n".join(explain_winner(ranked, cluster)))
+    _print_schedule(args, ranked[0].plan)
+    if args.pareto:
+        print(f"Pareto plot: {args.pareto}")
+    return 0
+
+
+def _print_schedule(args: argparse.Namespace, plan: Plan) -> None:
+    if not getattr(args, "show_schedule", False):
+        return
+    if plan.pp == 1:
+        print("schedule: no pipeline in this plan (pp=1)")
+        return
+    from ..parallel.schedules import format_schedule
+
+    print(format_schedule(plan.pp_schedule, plan.pp, plan.microbatches, plan.virtual_stages))
+
+
+def main(argv: list[str] | None = None) -> int:  # for `python -m plait.planner.cli`
+    parser = add_plan_arguments(argparse.ArgumentParser(prog="plait plan"))
+    return plan_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

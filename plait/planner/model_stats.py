@@ -1,0 +1,332 @@
+"""What the planner needs to know about a model, from any of the ways a user can name one.
+
+The cost model never touches a module: it reads a ``ModelStats`` — per block parameters, the
+parameters inside matmuls (2 FLOPs per token each), the dims tensor parallelism must divide, and
+the embedding/head that sit on the first/last pipeline stage. Sources:
+
+* a reference preset name (``gpt-145b``) or a ``TransformerConfig`` — exact closed forms;
+* a Hugging Face ``config.json`` (parsed here; no transformers import);
+* a YAML file with ``TransformerConfig`` fields (or ``preset:`` plus overrides, or HF keys);
+* ``"package.module:function"``: any ``nn.Module`` factory, instantiated on the meta device; the
+  largest ``ModuleList``/``Sequential`` of repeated blocks is taken as the layer stack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """A decoder-style model as the planner sees it (all counts are whole-model, unsplit)."""
+
+    name: str
+    n_layers: int
+    hidden: int
+    n_heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    mlp: str                 # "gelu", "swiglu" or "other" (activation-memory formula)
+    block_params: int        # parameters of one block
+    block_matmul_params: int  # of which inside matmuls (weights of Linear layers)
+    embed_params: int        # input embedding (first pipeline stage)
+    head_params: int         # final norm + output head (last pipeline stage)
+    attention: bool = True   # add the s^2 attention FLOPs/activations
+    tied: bool = False       # head shares the embedding weight
+    max_seq: int | None = None
+    # Relative cost of each block when blocks differ (module factories); None = all equal.
+    layer_weights: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        errors = [f"{k}={getattr(self, k)!r} must be >= 1"
+                  for k in ("n_layers", "hidden", "n_heads", "kv_heads", "ffn", "vocab")
+                  if getattr(self, k) < 1]
+        errors += [f"{k}={getattr(self, k)!r} must be >= 0"
+                   for k in ("block_params", "block_matmul_params", "embed_params", "head_params")
+                   if getattr(self, k) < 0]
+        if self.layer_weights is not None and len(self.layer_weights) != self.n_layers:
+            errors.append(f"layer_weights has {len(self.layer_weights)} entries for "
+                          f"n_layers={self.n_layers}")
+        if errors:
+            raise ValueError(f"invalid model {self.name!r}: " + "; ".join(errors))
+
+    @property
+    def num_params(self) -> int:
+        head = self.head_params - (self.embed_params if self.tied else 0)
+        return self.n_layers * self.block_params + self.embed_params + max(head, 0)
+
+    def block_flops_per_token(self, seq: int) -> float:
+        """Forward FLOPs of one block per token: 2 per matmul weight + 4*s*h attention.
+
+        Attention is counted over the full s x s square (QK^T and AV), as Megatron-LM's formula
+        does, so TFLOP/s figures are comparable with published ones.
+        """
+        return 2.0 * self.block_matmul_params + (4.0 * seq * self.hidden if self.attention else 0.0)
+
+    def head_flops_per_token(self) -> float:
+        return 2.0 * self.hidden * self.vocab
+
+    def model_flops(self, tokens: float, seq: int, recompute_layers: float = 0.0) -> float:
+        """Training FLOPs (forward + backward = 3x forward) for ``tokens`` tokens of length
+        ``seq``; ``recompute_layers`` blocks' forwards are run a second time."""
+        block = self.block_flops_per_token(seq) * tokens
+        return (3 * self.n_layers + recompute_layers) * block + 3 * self.head_flops_per_token() * tokens
+
+
+# --------------------------------------------------------------------------------- sources
+def from_transformer_config(cfg: Any, name: str = "transformer") -> ModelStats:
+    h, kv = cfg.dim, cfg.kv_heads * cfg.head_dim
+    matmul = 2 * h * h + 2 * h * kv + (3 if cfg.mlp == "swiglu" else 2) * h * cfg.hidden_dim
+    total = cfg.num_params(embeddings=False)
+    norm_size = h if cfg.norm == "rmsnorm" else 2 * h
+    block = (total - norm_size) // cfg.n_layers
+    embed = cfg.vocab_size * h
+    head = norm_size + cfg.vocab_size * h
+    return ModelStats(name=name, n_layers=cfg.n_layers, hidden=h, n_heads=cfg.n_heads,
+                      kv_heads=cfg.kv_heads, ffn=cfg.hidden_dim, vocab=cfg.vocab_size,
+                      mlp=cfg.mlp, block_params=block, block_matmul_params=matmul,
+                      embed_params=embed, head_params=head, tied=cfg.tie_embeddings,
+                      max_seq=cfg.max_seq_len)
+
+
+_HF_KEYS = {  # our name -> accepted config.json keys, first found wins
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "n_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "n_heads": ("num_attention_heads", "n_head"),
+    "kv_heads": ("num_key_value_heads", "num_kv_heads"),
+    "ffn": ("intermediate_size", "n_inner", "ffn_dim"),
+    "vocab": ("vocab_size",),
+}
+
+
+def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStats:
+    """A decoder from a Hugging Face config dict (Llama/Mistral/Qwen/GPT-2/GPT-NeoX style)."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{name}: config must be a JSON object")
+    if "text_config" in data and "hidden_size" not in data:
+        data = data["text_config"]
+    got: dict[str, int] = {}
+    for ours, keys in _HF_KEYS.items():
+        for key in keys:
+            if data.get(key) is not None:
+                value = data[key]
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{name}: field {key}={value!r} must be a positive integer")
+                got[ours] = value
+                break
+    for ours in ("hidden", "n_layers", "n_heads", "vocab"):
+        if ours not in got:
+            raise ValueError(f"{name}: missing field {_HF_KEYS[ours][0]} "
+                             f"(accepted: {', '.join(_HF_KEYS[ours])})")
+    h = got["hidden"]
+    heads = got["n_heads"]
+    kv_heads = got.get("kv_heads", heads)
+    if h % heads:
+        raise ValueError(f"{name}: hidden_size={h} is not divisible by num_attention_heads={heads}")
+    act = str(data.get("hidden_act", data.get("activation_function", "silu"))).lower()
+    gated = "silu" in act or "swish" in act or "glu" in act
+    mlp = "swiglu" if gated else "gelu"
+    ffn = got.get("ffn", 4 * h)
+    head_dim = data.get("head_dim") or h // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    bias = bool(data.get("attention_bias", False)) or data.get("model_type") in ("gpt2", "gpt_neox")
+    matmul = h * q + 2 * h * kv + q * h + (3 if gated else 2) * h * ffn
+    biases = (q + 2 * kv + h + (ffn + h)) if bias else 0
+    norm = 2 * h if data.get("model_type") in ("gpt2", "gpt_neox", "opt") else h
+    tied = bool(data.get("tie_word_embeddings", data.get("model_type") == "gpt2"))
+    return ModelStats(name=name, n_layers=got["n_layers"], hidden=h, n_heads=heads,
+                      kv_heads=kv_heads, ffn=ffn, vocab=got["vocab"], mlp=mlp,
+                      block_params=matmul + biases + 2 * norm, block_matmul_params=matmul,
+                      embed_params=got["vocab"] * h, head_params=norm + got["vocab"] * h,
+                      tied=tied, max_seq=data.get("max_position_embeddings") or data.get("n_positions"))
+
+
+def from_module(model: Any, name: str = "module") -> ModelStats:
+    """Stats of an ``nn.Module`` (ideally on the meta device) with a stack of repeated blocks."""
+    import torch.nn as nn
+
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{name}: expected an nn.Module, got {type(model).__name__}")
+    best = None
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
+            run = _longest_run(list(mod))
+            if len(run) < 2:
+                continue
+            params = sum(p.numel() for b in run for p in b.parameters())
+            if best is None or params > best[0]:
+                best = (params, mod_name, run)
+    if best is None:
+        raise ValueError(f"{name}: found no nn.ModuleList/nn.Sequential of repeated blocks to "
+                         f"split into layers; the planner needs a stack of blocks")
+    _, stack_name, blocks = best
+    block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    matmul = [sum(m.weight.numel() for m in b.modules() if isinstance(m, nn.Linear)) for b in blocks]
+    ref = blocks[max(range(len(blocks)), key=lambda i: block_params[i])]
+    linears = [m for m in ref.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError(f"{name}: blocks in {stack_name!r} have no nn.Linear layers")
+    hidden = Counter(m.in_features for m in linears).most_common(1)[0][0]
+    ffn = max(max(m.out_features, m.in_features) for m in linears)
+    heads, kv_heads, attention = 1, None, False
+    for m in ref.modules():
+        cls = type(m).__name__.lower()
+        if isinstance(m, nn.MultiheadAttention):
+            heads, attention = m.num_heads, True
+        elif "attn" in cls or "attention" in cls:
+            attention = True
+        for attr in ("num_heads", "n_heads", "num_attention_heads", "n_head"):
+            if isinstance(getattr(m, attr, None), int):
+                heads = getattr(m, attr)
+        for attr in ("num_key_value_heads", "n_kv_heads", "num_kv_heads"):
+            if isinstance(getattr(m, attr, None), int):
+                kv_heads = getattr(m, attr)
+    if heads == 1 and attention:
+        head_dim = getattr(ref, "head_dim", None) or next(
+            (getattr(m, "head_dim") for m in ref.modules() if isinstance(getattr(m, "head_dim", None), int)), None)
+        if head_dim:
+            heads = max(1, hidden // head_dim)
+    embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab = max((m.num_embeddings for m in embeds), default=1)
+    embed_params = sum(m.weight.numel() for m in embeds)
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():  # parameters(): shared (tied) weights once
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    stack_total = sum(block_params)
+    head_params = max(total - stack_total - embed_params, 0)
+    mean = sum(matmul) / len(matmul)
+    weights = None
+    if len(set(matmul)) > 1:
+        weights = tuple(m / mean if mean else 1.0 for m in matmul)
+    gated = any("gate" in n for n, _ in ref.named_modules())
+    return ModelStats(name=name, n_layers=len(blocks), hidden=hidden, n_heads=heads,
+                      kv_heads=kv_heads or heads, ffn=ffn, vocab=vocab,
+                      mlp="swiglu" if gated else ("gelu" if attention else "other"),
+                      block_params=round(stack_total / len(blocks)),
+                      block_matmul_params=round(mean), embed_params=embed_params,
+                      head_params=head_params, attention=attention, layer_weights=weights)
+
+
+def _signature(module: Any) -> tuple:
+    return (type(module).__name__,
+            tuple((n, tuple(p.shape)) for n, p in module.named_parameters()))
+
+
+def _longest_run(children: list) -> list:
+    """The longest run of consecutive children with the same type and parameter shapes."""
+    best: list = []
+    start = 0
+    for i in range(1, len(children) + 1):
+        if i == len(children) or _signature(children[i]) != _signature(children[start]):
+            if i - start > len(best) and sum(1 for _ in children[start].parameters()):
+                best = children[start:i]
+            start = i
+    return best
+
+
+def from_factory(spec: str) -> ModelStats:
+    """``"package.module:function"`` -> stats of ``function()`` built on the meta device."""
+    import torch
+
+    module_name, _, func_name = spec.partition(":")
+    if not module_name or not func_name:
+        raise ValueError(f"model factory {spec!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to see
+        raise ValueError(f"model factory {spec!r}: cannot import {module_name!r}: "
+                         f"{type(exc).__name__}: {exc}") from None
+    factory = getattr(module, func_name, None)
+    if not callable(factory):
+        raise ValueError(f"model factory {spec!r}: {module_name!r} has no callable {func_name!r}")
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"model factory {spec!r} failed to build on the meta device: "
+                         f"{type(exc).__name__}: {exc}") from None
+    return from_module(model, name=spec)
+
+
+def from_yaml(path: Path) -> ModelStats:
+    import yaml
+
+    from plait.models.transformer import PRESETS, TransformerConfig, preset
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"model file {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"model file {str(path)!r} must hold a mapping of fields")
+    data = dict(data.get("model", data))
+    if "preset" in data:
+        name = data.pop("preset")
+        if name not in PRESETS:
+            raise ValueError(f"model file {str(path)!r}: unknown preset {name!r}; "
+                             f"known: {', '.join(PRESETS)}")
+        try:
+            return from_transformer_config(preset(name, **data), name=f"{name} ({path.name})")
+        except TypeError as exc:
+            raise ValueError(f"model file {str(path)!r}: {exc}") from None
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    if set(data) & fields and not set(data) - fields:
+        return from_transformer_config(TransformerConfig(**data), name=path.stem)
+    if any(k in data for k in ("hidden_size", "n_embd", "d_model")):
+        return from_hf_config(data, name=path.stem)
+    raise ValueError(f"model file {str(path)!r}: unknown field(s) "
+                     f"{', '.join(sorted(set(data) - fields))}; use TransformerConfig fields "
+                     f"({', '.join(sorted(fields))}), 'preset:' or Hugging Face config keys")
+
+
+def load_model(spec: Any) -> ModelStats:
+    """A preset name, TransformerConfig, ModelStats, nn.Module, config.json/YAML path, or
+    ``module:function`` factory -> ModelStats."""
+    from plait.models.transformer import PRESETS, TransformerConfig
+
+    if isinstance(spec, ModelStats):
+        return spec
+    if isinstance(spec, TransformerConfig):
+        return from_transformer_config(spec)
+    if isinstance(spec, Mapping):
+        return from_hf_config(spec)
+    try:
+        import torch.nn as nn
+        if isinstance(spec, nn.Module):
+            return from_module(spec, name=type(spec).__name__)
+    except ImportError:  # pragma: no cover
+        pass
+    if not isinstance(spec, (str, Path)):
+        raise ValueError(f"cannot plan for a model given as {type(spec).__name__}")
+    text = str(spec)
+    if text in PRESETS:
+        return from_transformer_config(PRESETS[text], name=text)
+    path = Path(text)
+    if path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists()):
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise ValueError(f"model config {text!r} does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"model config {text!r} is not valid JSON: {exc}") from None
+        return from_hf_config(data, name=path.parent.name or path.stem)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.exists():
+            raise ValueError(f"model file {text!r} does not exist")
+        return from_yaml(path)
+    if ":" in text:
+        return from_factory(text)
+    raise ValueError(f"unknown model {text!r}: give a preset ({', '.join(PRESETS)}), a "
+                     f"config.json, a model YAML, or a factory 'package.module:function'")

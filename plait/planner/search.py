@@ -1,0 +1,177 @@
+"""The search: every sensible layout for a model on a cluster, ranked by predicted step time.
+
+Enumerated: tp (divisors of the world and of the node size that divide heads, kv-heads and ffn), pp
+(divisors of what is left, at most one block per chunk), the data-parallel rest as DDP, ZeRO-1/2/3
+over all of it, or HSDP (ZeRO-3 inside a node, replicated across); microbatch size (divisors of
+the per-rank batch, up to 16); for pp > 1 the schedules 1F1B, interleaved 1F1B (v = 2, 4),
+interleaved zero-bubble and ZB-V (v = 2); sequence parallelism; activation checkpointing.
+
+Pruned, without losing a winner under the cost model:
+  * layouts whose model state alone (parameters, gradients, optimizer at the ZeRO stage) does not
+    fit are dropped before anything else is tried;
+  * checkpointing only adds time, so per layout the modes are tried none -> selective -> full and
+    the first that fits is kept;
+  * GPipe and looped-BFS are never faster than 1F1B / interleaved at the same v and hold more
+    activations, and interleaved zero-bubble is priced like ZB-V with more memory; sequence
+    parallelism moves the same bytes as plain TP with less memory. So the search skips the
+    dominated ones (GPipe, looped BFS, interleaved ZB, TP without SP); ``--plan`` evaluates them.
+
+Pipeline stages are balanced by the DP partition in :func:`cost.balanced_partition`; when that is
+not the even split the plan carries it as ``options["pp_stage_layers"]``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from plait.plan import Plan
+
+from .cost import DEFAULT_CONSTANTS, Constants, Estimate, Workload, evaluate
+from .hardware import Cluster
+from .model_stats import ModelStats
+
+AC_ORDER = ("none", "selective", "full")
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass
+class SearchResult:
+    """Ranked feasible estimates (best first) and what the search saw."""
+
+    ranked: list[Estimate]
+    evaluated: int
+    seconds: float
+    rejected: dict[str, int] = field(default_factory=dict)   # reason kind -> count
+    closest: Estimate | None = None     # the infeasible plan that came nearest to fitting
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def _state_bytes(model: ModelStats, tp: int, pp: int, shard: int, zero: int, dtype: str) -> float:
+    """Lower bound on model-state bytes per device (even blocks, embedding share ignored)."""
+    p = model.n_layers * model.block_params / (tp * pp)
+    s = shard
+    total = 4 * p / (s if zero == 3 else 1) + 4 * p / (s if zero >= 2 else 1) + \
+        8 * p / (s if zero >= 1 else 1)
+    if dtype == "bf16" and zero < 3:
+        total += 2 * p
+    return total
+
+
+def _dp_splits(dp: int, tp: int, cluster: Cluster) -> list[tuple[int, int, int]]:
+    """(dp_replicate, dp_shard, zero) choices for a data-parallel degree ``dp``."""
+    out = [(dp, 1, 0)]
+    if dp > 1:
+        out += [(1, dp, z) for z in (1, 2, 3)]
+        inner = max((d for d in divisors(dp) if d * tp <= cluster.devices_per_node
+                     and cluster.devices_per_node % (d * tp) == 0), default=1)
+        if 1 < inner < dp:
+            out.append((dp // inner, inner, 3))
+    return out
+
+
+def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
+                    dtype: str = "bf16", max_microbatch: int = 16):
+    """Yield (plan, balance) groups: each inner list is tried in checkpointing order."""
+    world = cluster.world_size
+    B = work.global_batch
+    for tp in divisors(world):
+        if tp > cluster.devices_per_node:
+            break
+        if cluster.devices_per_node % tp and tp < world:
+            continue  # a tp group would straddle two nodes
+        if model.n_heads % tp or model.kv_heads % tp or model.ffn % tp:
+            continue
+        for pp in divisors(world // tp):
+            if pp > model.n_layers:
+                break
+            dp = world // (tp * pp)
+            if B % dp:
+                continue
+            per_rank = B // dp
+            for R, S, zero in _dp_splits(dp, tp, cluster):
+                if _state_bytes(model, tp, pp, S, zero, dtype) + cluster.reserve_bytes > \
+                        cluster.memory_bytes:
+                    yield None  # counted as pruned
+                    continue
+                for b in divisors(per_rank):
+                    if b > max_microbatch:
+                        break
+                    n = per_rank // b
+                    base = dict(tp=tp, pp=pp, dp_replicate=R, dp_shard=S, zero=zero,
+                                mixed_precision=dtype)
+                    if pp == 1:
+                        layouts = [dict(base, grad_accum=n)]
+                    else:
+                        if n < pp:
+                            continue
+                        layouts = [dict(base, microbatches=n, pp_schedule="1f1b")]
+                        for v in (2, 4):
+                            if pp * v <= model.n_layers and n % pp == 0:
+                                layouts.append(dict(base, microbatches=n, virtual_stages=v,
+                                                    pp_schedule="interleaved_1f1b"))
+                        if 2 * pp <= model.n_layers:
+                            layouts.append(dict(base, microbatches=n, virtual_stages=2,
+                                                pp_schedule="zbv"))
+                    for layout in layouts:
+                        for sp in ((True,) if tp > 1 and work.seq % tp == 0 else (False,)):
+                            yield [dict(layout, sp=sp, activation_checkpointing=ac)
+                                   for ac in AC_ORDER]
+
+
+def _sort_key(e: Estimate):
+    return (round(e.step_time_s, 12), round(e.memory_bytes_per_device), e.plan.to_string())
+
+
+def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = "bf16",
+           top: int = 10, constants: Constants = DEFAULT_CONSTANTS,
+           max_microbatch: int = 16) -> SearchResult:
+    """Rank every candidate layout; deterministic (ties broken by memory, then plan string)."""
+    start = time.perf_counter()
+    feasible: list[Estimate] = []
+    rejected: dict[str, int] = {}
+    closest: Estimate | None = None
+    evaluated = 0
+    for group in candidate_plans(model, cluster, work, dtype=dtype,
+                                 max_microbatch=max_microbatch):
+        if group is None:
+            rejected["model state does not fit"] = rejected.get("model state does not fit", 0) + 1
+            continue
+        for fields in group:
+            plan = Plan(**fields)
+            est = evaluate(plan, model, cluster, work, constants, balance=True)
+            evaluated += 1
+            if est.feasible:
+                feasible.append(_with_stages(est))
+                break
+            kind = "out of memory" if "GiB" in est.reason else est.reason.split(" ")[0]
+            rejected[kind] = rejected.get(kind, 0) + 1
+            if est.memory_bytes_per_device and (
+                    closest is None
+                    or est.memory_bytes_per_device < closest.memory_bytes_per_device):
+                closest = est
+    feasible.sort(key=_sort_key)
+    return SearchResult(ranked=feasible[:max(top, 1)] if top else feasible, evaluated=evaluated,
+                        seconds=time.perf_counter() - start, rejected=rejected, closest=closest)
+
+
+def _with_stages(est: Estimate) -> Estimate:
+    """Record a non-even pipeline split in the plan so the runtime builds what was priced."""
+    plan = est.plan
+    chunks = plan.pp * plan.virtual_stages
+    if chunks > 1 and est.stage_layers:
+        L = sum(est.stage_layers)
+        base, extra = divmod(L, chunks)
+        even = tuple(base + (1 if i < extra else 0) for i in range(chunks))
+        if tuple(est.stage_layers) != even:
+            options = dict(plan.options)
+            options["pp_stage_layers"] = list(est.stage_layers)
+            est.plan = plan.replace(options=options)
+    return est

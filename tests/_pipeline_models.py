@@ -1,0 +1,50 @@
+"""Models and batches for the pipeline tests (module level: spawned workers import them)."""
+
+import torch
+import torch.nn as nn
+
+from plait.models.transformer import build, preset
+
+
+def transformer8():
+    """The reference "test" transformer with 8 blocks (pp=4 x 2 virtual stages needs 8)."""
+    return build(preset("test", n_layers=8), seed=0)
+
+
+def deep_mlp():
+    """A plain Sequential MLP: 8 Linear+Tanh blocks between an input and an output layer."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(12, 32)]
+    for _ in range(8):
+        layers += [nn.Sequential(nn.Linear(32, 32), nn.Tanh())]
+    layers.append(nn.Linear(32, 3))
+    return nn.Sequential(*layers)
+
+
+def mlp_batch(step, seed):
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    return torch.randn(16, 12, generator=g), torch.randn(16, 3, generator=g)
+
+
+def timeline_worker(rank, world_size, schedule, v, m):
+    """Run one recorded pipeline step of the deep MLP; return all events and a PNG path."""
+    import tempfile
+
+    from plait.parallel.timeline import plot
+    from plait.plan import Plan
+    from plait.runtime import init
+
+    plan = Plan(pp=world_size, pp_schedule=schedule, virtual_stages=v, microbatches=m)
+    run = init(plan, quiet=True)
+    model = run.parallelize(deep_mlp())
+    pipe = model.plait_pipeline
+    x, y = mlp_batch(0, 0)
+    with pipe.timeline.record():
+        loss = pipe.step((x, y), torch.nn.functional.mse_loss, plan=plan, device=run.device)
+    events = pipe.timeline.gather()
+    png = None
+    if rank == 0:
+        png = plot(events, tempfile.mkstemp(suffix=".png")[1])
+    names = sorted(n for s in model.plait_stages for n, _ in s.named_parameters())
+    run.close()
+    return {"events": events, "png": png, "loss": float(loss), "names": names}

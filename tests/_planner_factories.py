@@ -1,0 +1,25 @@
+"""Model factories for the planner tests ('tests._planner_factories:name')."""
+
+import torch.nn as nn
+
+from plait.models.transformer import PRESETS, Transformer
+
+
+def reference_test_model():
+    return Transformer(PRESETS["test"])
+
+
+def mlp_stack():
+    """A plain stack of repeated MLP blocks (no attention)."""
+    return nn.Sequential(nn.Embedding(100, 32),
+                         *[nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+                           for _ in range(6)],
+                         nn.Linear(32, 100))
+
+
+def broken():
+    raise RuntimeError("this model does not build")
+
+
+def no_blocks():
+    return nn.Linear(4, 4)

@@ -1,0 +1,117 @@
+"""The `plait` command: env, run (failures, bad input), check, and a one-process script."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plait(*args, timeout=180, cwd=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "plait.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def test_env_json_parses():
+    out = plait("env", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    cpu = next(a for a in info["accelerators"] if a["name"] == "cpu")
+    assert cpu["available"] and cpu["backend"] == "gloo"
+    assert info["backends"]["gloo"] is True
+    assert info["versions"]["torch"]
+
+
+def test_help_teaches():
+    out = plait("--help")
+    assert out.returncode == 0
+    for word in ("run", "check", "env", "demo", "examples:"):
+        assert word in out.stdout
+    assert "--plan" in plait("run", "--help").stdout
+
+
+FAILING = """
+import time
+import torch.distributed as dist
+import plait
+run = plait.init()
+run.print("started")
+if run.rank == 1:
+    raise RuntimeError("rank one exploded")
+time.sleep(1)
+dist.barrier()
+"""
+
+
+def test_failing_rank_shown_once(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text(FAILING)
+    out = plait("run", "--nproc", "2", str(script))
+    assert out.returncode != 0
+    assert out.stderr.count("RuntimeError: rank one exploded") == 1, out.stderr
+    assert "rank 1 failed" in out.stderr
+    assert "started" in out.stdout
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["run", "--nproc", "0", "x.py"], "--nproc 0"),
+    (["run", "--nproc", "2", "does_not_exist.py"], "does not exist"),
+    (["run", "--nproc", "2", "SCRIPT", "--plan", "dp=3"], "!= world size 2"),
+    (["run", "--nproc", "2", "SCRIPT", "--plan", "dp=two"], "must be an integer"),
+    (["check", "--plan", "tp=3,dp=x"], "must be an integer"),
+])
+def test_bad_input_is_one_clear_line(tmp_path, args, fragment):
+    script = tmp_path / "ok.py"
+    script.write_text("print('should not run')\n")
+    args = [str(script) if a == "SCRIPT" else a for a in args]
+    out = plait(*args, cwd=tmp_path)
+    assert out.returncode == 2
+    assert fragment in out.stderr
+    assert "should not run" not in out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_port_in_use_is_refused(tmp_path):
+    import socket
+
+    script = tmp_path / "ok.py"
+    script.write_text("print('should not run')\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = plait("run", "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", str(script))
+    assert out.returncode == 2 and f"port {port}" in out.stderr and "in use" in out.stderr
+
+
+
+
+def test_readme_script_one_process_and_launched():
+    """examples/train.py is the README's script: the same file on one process and on two."""
+    script = ROOT / "examples" / "train.py"
+    small = ["--model", "test", "--steps", "4", "--batch-size", "8", "--seq-len", "16"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    single = subprocess.run([sys.executable, str(script), *small], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert single.returncode == 0, single.stderr
+    launched = plait("run", "--nproc", "2", str(script), "--plan", "dp=2", *small)
+    assert launched.returncode == 0, launched.stderr
+    final = {}
+    for name, out in (("single", single.stdout), ("dp2", launched.stdout)):
+        line = next(l for l in out.splitlines() if l.startswith("FINAL"))
+        final[name] = (float(line.split()[1]), int(line.split()[2]))
+    assert final["single"][1] == 1 and final["dp2"][1] == 2
+    assert abs(final["single"][0] - final["dp2"][0]) < 1e-4
+    assert launched.stdout.count("run summary") == 1  # printed by rank 0 only
+
+
+def test_check_command_json():
+    out = plait("check", "--plan", "dp=2", "--steps", "2", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["ok"] and data["world_size"] == 2 and len(data["losses_parallel"]) == 2

@@ -1,0 +1,90 @@
+"""plait bench comm and plait comm: a tiny sweep runs and reports; bad input is refused clearly."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plait.comm import bench
+from plait.comm.cli import (add_bench_comm_arguments, add_comm_arguments, bench_comm_command,
+                            comm_command)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _args(add, *argv):
+    p = argparse.ArgumentParser()
+    add(p)
+    return p.parse_args(list(argv))
+
+
+def test_size_sweep_and_parsing():
+    assert bench.size_sweep(1024, 8192) == [1024, 2048, 4096, 8192]
+    assert len(bench.size_sweep(bench.DEFAULT_MIN_BYTES, bench.DEFAULT_MAX_BYTES)) == 19
+    assert bench.parse_size("256M") == 256 << 20 and bench.parse_size("4096") == 4096
+    assert bench.parse_ops("allreduce, send-recv") == ("all_reduce", "send_recv")
+    assert bench.elements_for("all_gather", 1000, 4, 4) == 248  # splits evenly over 4 ranks
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: bench.size_sweep(4096, 1024), "larger than --max-bytes"),
+    (lambda: bench.parse_ops("all_reduce,allreduz"), "unknown collective 'allreduz'"),
+    (lambda: bench.bench_comm("all_reduce", nproc=1), "at least 2 ranks"),
+    (lambda: bench.parse_size("12 parsecs"), "cannot read size"),
+])
+def test_bad_input_is_a_clear_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_cli_bad_input_exits_2(capsys):
+    for argv in (["--min-bytes", "8K", "--max-bytes", "1K"], ["--ops", "gossip"],
+                 ["--nproc", "1"]):
+        assert bench_comm_command(_args(add_bench_comm_arguments, *argv)) == 2
+        assert "error" in capsys.readouterr().err
+    assert comm_command(_args(add_comm_arguments, "--plan", "dp_replicate=1")) == 2
+    assert "nothing is communicated" in capsys.readouterr().err
+
+
+def test_bench_comm_tiny_sweep_reports_every_op(capsys):
+    code = bench_comm_command(_args(add_bench_comm_arguments, "--min-bytes", "1K",
+                                    "--max-bytes", "2K", "--iters", "2", "--warmup", "1",
+                                    "--format", "json"))
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    got = {(r["op"], r["size_bytes"]) for r in out["results"]}
+    assert got == {(op, s) for op in bench.BENCH_OPS for s in (1024, 2048)}
+    for r in out["results"]:
+        assert r["time_us"] > 0 and r["algbw_gbps"] > 0
+        # n=2: all-reduce's bus factor 2(n-1)/n = 1, all-gather's (n-1)/n = 1/2.
+        factor = {"all_gather": 0.5, "reduce_scatter": 0.5, "all_to_all": 0.5}.get(r["op"], 1.0)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor)
+
+
+def test_busbw_bench_script_runs_both_sides():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "comm_busbw.py"), "--max-bytes",
+                          "2K", "--iters", "2", "--warmup", "1"], env=env, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert "plait/raw" in lines[0] and len(lines) == 3  # header + 1K + 2K
+    for line in lines[1:]:
+        size, ours, raw, ratio = line.split()
+        assert float(ours) > 0 and float(raw) > 0 and float(ratio) > 0
+
+
+def test_plait_comm_reports_measured_beside_expected(capsys):
+    code = comm_command(_args(add_comm_arguments, "--plan", "tp=2", "--steps", "1",
+                              "--warmup", "1", "--format", "json"))
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {(r["axis"], r["op"]): r for r in data["rows"]}
+    assert set(rows) == {("tp", "all_reduce"), ("tp", "all_gather")}
+    assert all(r["ratio"] == 1.0 for r in rows.values())

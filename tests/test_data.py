@@ -1,0 +1,55 @@
+"""Bundled corpus, tokenizer and the distributed loader (pure, no process group)."""
+
+import math
+
+import pytest
+import torch
+
+from plait.data import DistributedLoader, TextDataset, decode, encode, load_corpus, unigram_entropy
+
+
+def test_corpus_and_tokenizer():
+    data = load_corpus()
+    assert len(data) > 1_000_000
+    text = "To be, or not to be"
+    assert decode(encode(text)) == text
+    h = unigram_entropy(data)
+    assert 2.5 < h < math.log(256)  # bytes of English text: well below uniform
+
+
+def test_replicas_partition_the_global_batch():
+    ds = TextDataset(seq_len=16)
+    whole = DistributedLoader(ds, 8, seed=3).batch(5)
+    parts = [DistributedLoader(ds, 8, dp_rank=r, dp_size=4, seed=3).batch(5) for r in range(4)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), whole[0])
+    assert torch.equal(torch.cat([p[1] for p in parts]), whole[1])
+    x, y = whole
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the next tokens
+
+
+def test_deterministic_and_resumable():
+    ds = TextDataset(seq_len=16)
+    full = [b[0] for b in DistributedLoader(ds, 4, seed=1, steps=6)]
+    resumed = DistributedLoader(ds, 4, seed=1, steps=6)
+    resumed.load_state_dict({"step": 3, "seed": 1})
+    assert all(torch.equal(a, b[0]) for a, b in zip(full[3:], resumed))
+    other = [b[0] for b in DistributedLoader(ds, 4, seed=2, steps=6)]
+    assert not torch.equal(full[0], other[0])
+
+
+def test_epochs_cycle_with_new_order():
+    ds = TextDataset(seq_len=64)
+    loader = DistributedLoader(ds, 1024, steps=20)
+    n = loader.batches_per_epoch
+    assert not torch.equal(loader.global_indices(0), loader.global_indices(n))
+    assert len(list(loader)) == 20
+
+
+def test_bad_loader_input():
+    ds = TextDataset(seq_len=16)
+    with pytest.raises(ValueError, match="not divisible by the 3 data-parallel"):
+        DistributedLoader(ds, 8, dp_size=3)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        DistributedLoader(ds, 0)
+    with pytest.raises(ValueError, match="split="):
+        TextDataset(split="test")

@@ -1,0 +1,264 @@
+"""Pipeline parallelism: schedules as data, stage splitting, and training equal to one device.
+
+Correctness cases run ``plait.check.check`` (5 AdamW steps, fp32, every parameter compared by
+canonical name against a single-process run). The cheap, unmarked set covers one schedule of
+each runtime family (single-stage 1F1B, multi-stage zero-bubble with split backward), a
+non-transformer model, and pp x dp; ``-m slow`` runs every schedule at pp=2 and pp=4.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from plait.check import CheckConfig, check
+from plait.models.transformer import build, preset
+from plait.parallel.pipeline import (PipelineRunner, PipelineSkip, build_stage_module,
+                                     find_blocks, partition, plan_stages)
+from plait.parallel.schedules import (check_schedule_args, format_schedule, peak_in_flight,
+                                      rank_orders, schedule_grid, stage_to_rank,
+                                      theoretical_bubble)
+from plait.plan import Plan
+from plait.spawn import run_distributed
+from tests._pipeline_models import (deep_mlp, mlp_batch, timeline_worker, transformer8)
+
+ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2),
+       ("interleaved_zb", 2), ("zbv", 2)]
+TOL = 1e-5
+
+
+# ------------------------------------------------------------------ schedules as data (pure)
+def _parse_grid(text):
+    """Rank rows of a formatted schedule -> {rank: [(kind, mb, stage) per time step or None]}."""
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("rank "):
+            parts = line.split()
+            cells = []
+            for c in parts[2:]:
+                if c == ".":
+                    cells.append(None)
+                    continue
+                label, _, stage = c.partition("@")
+                cells.append((label[0], int(label[1:]), int(stage) if stage else None))
+            rows[int(parts[1])] = cells
+    return rows
+
+
+@pytest.mark.parametrize("schedule,v", ALL)
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 4), (4, 8), (2, 6)])
+def test_printed_grid_orders_each_microbatch_once_forward_first(schedule, v, pp, m):
+    if schedule in ("interleaved_1f1b", "interleaved_zb") and m % max(1, m // pp):
+        pytest.skip("microbatches not a multiple of the rounds")
+    text = format_schedule(schedule, pp, m, v)
+    rows = _parse_grid(text)
+    assert sorted(rows) == list(range(pp))
+    owner = stage_to_rank(schedule, pp, v)
+    for rank, cells in rows.items():
+        seen = {}
+        for t, cell in enumerate(cells):
+            if cell is None:
+                continue
+            kind, mb, stage = cell
+            stage = rank if stage is None else stage
+            assert owner[stage] == rank
+            assert (kind, mb, stage) not in seen, f"{kind}{mb}@{stage} twice on rank {rank}"
+            seen[(kind, mb, stage)] = t
+        for stage in [s for s in range(pp * v) if owner[s] == rank]:
+            for mb in range(m):
+                f = seen[("F", mb, stage)]
+                back = [seen[(k, mb, stage)] for k in ("B", "I") if (k, mb, stage) in seen]
+                assert len(back) == 1, f"stage {stage} mb {mb}: backward must appear once"
+                assert f < back[0], f"{schedule}: B{mb} before F{mb} on stage {stage}"
+                if ("I", mb, stage) in seen:
+                    assert seen[("W", mb, stage)] > back[0]
+        # across ranks: a forward never runs before the previous stage's forward of that mb
+    flat = {(k, mb, s if s is not None else r): t
+            for r, cells in rows.items() for t, c in enumerate(cells) if c
+            for k, mb, s in [c]}
+    for (k, mb, s), t in flat.items():
+        if k == "F" and s > 0:
+            assert flat[("F", mb, s - 1)] < t
+
+
+def test_bubble_theory_and_memory_in_flight():
+    assert theoretical_bubble("gpipe", 4, 8) == pytest.approx(3 / 11)
+    assert theoretical_bubble("1f1b", 2, 16) == pytest.approx(1 / 17)
+    assert theoretical_bubble("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    # zero-bubble beats 1F1B at the same p and m; the V schedule too once m >= 2p
+    for pp, m in [(2, 4), (4, 8), (4, 16)]:
+        assert theoretical_bubble("interleaved_zb", pp, m, 2) < theoretical_bubble("1f1b", pp, m)
+        assert theoretical_bubble("zbv", pp, m, 2) < theoretical_bubble("1f1b", pp, m)
+    assert peak_in_flight("gpipe", 4, 8) == {r: 8 for r in range(4)}
+    assert peak_in_flight("1f1b", 4, 8) == {0: 4, 1: 3, 2: 2, 3: 1}  # p - rank
+
+
+def test_grid_has_no_idle_row_and_1f1b_text():
+    text = format_schedule("1f1b", 2, 4)
+    assert "rank 0  F0 F1 .  B0 F2 B1 F3 B2 .  B3" in text
+    assert "rank 1  .  F0 B0 F1 B1 F2 B2 F3 B3" in text
+    grid = schedule_grid("gpipe", 2, 2)
+    assert grid == [["F0", "F1", ".", ".", "B0", "B1"], [".", "F0", "F1", "B0", "B1", "."]]
+    assert rank_orders("zbv", 2, 4, 2)[0][0].stage == 0 and stage_to_rank("zbv", 2, 2) == [0, 1, 1, 0]
+
+
+@pytest.mark.parametrize("args,match", [
+    (("1f1b", 4, 2, 1), r"at least 4 microbatches.*microbatches=2.*gpipe"),
+    (("interleaved_1f1b", 2, 5, 2), r"microbatches=5 is not a multiple of its 2 rounds"),
+    (("zbv", 2, 4, 3), r"exactly 2 stages per rank"),
+    (("gpipe", 2, 4, 2), r"virtual_stages=2 needs interleaved"),
+    (("bogus", 2, 4, 1), r"unknown pipeline schedule 'bogus'"),
+])
+def test_bad_schedule_arguments_name_numbers_and_fix(args, match):
+    with pytest.raises(ValueError, match=match):
+        check_schedule_args(*args)
+
+
+def test_schedule_command_prints_every_schedule(capsys):
+    import argparse
+
+    from plait.parallel.schedules import add_schedule_arguments, schedule_command
+
+    parser = argparse.ArgumentParser()
+    add_schedule_arguments(parser)
+    assert schedule_command(parser.parse_args(["--all", "--pp", "2", "-m", "4"])) == 0
+    out = capsys.readouterr().out
+    for name, _ in ALL:
+        assert f"{name}: pp=2 microbatches=4" in out
+
+
+# ------------------------------------------------------------------ stage splitting (pure)
+def test_split_keeps_canonical_names_and_only_own_parameters():
+    model = build(preset("test"), seed=0)
+    full = dict(model.named_parameters())
+    plan = Plan(pp=2, microbatches=2)
+    path, specs = plan_stages(model, plan)
+    assert path == "layers" and [(s.start, s.end) for s in specs] == [(0, 2), (2, 4)]
+    names = []
+    for spec in specs:
+        stage = build_stage_module(model, path, spec)
+        own = dict(stage.named_parameters())
+        assert all(full[n] is p for n, p in own.items())
+        names += list(own)
+    assert sorted(names) == sorted(full)  # every parameter on exactly one stage
+    first = build_stage_module(model, path, specs[0])
+    last = build_stage_module(model, path, specs[1])
+    assert isinstance(first.output, PipelineSkip) and isinstance(last.tok_embeddings, PipelineSkip)
+    assert isinstance(first.layers[3], PipelineSkip) and not isinstance(model.layers[3], PipelineSkip)
+    # the stages chained reproduce the full model's forward
+    tokens = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(tokens)), model(tokens))
+
+
+def test_split_balances_costs_and_honours_split_points():
+    assert partition([1, 1, 1, 1, 1, 1, 1, 1], 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert partition([4, 1, 1, 1, 1], 2) == [(0, 1), (1, 5)]
+    assert partition([1, 1, 1, 1], 2, last_extra=2) == [(0, 3), (3, 4)]
+    model = transformer8()
+    plan = Plan(pp=2, microbatches=2, options={"split_points": ["layers.5"]})
+    assert [(s.start, s.end) for s in plan_stages(model, plan)[1]] == [(0, 5), (5, 8)]
+    plan = Plan(pp=2, microbatches=2, options={"stage_costs": [1, 1, 1, 1, 1, 1, 6, 1]})
+    assert [(s.start, s.end) for s in plan_stages(model, plan)[1]] == [(0, 6), (6, 8)]
+    path, container = find_blocks(deep_mlp())
+    assert path == "" and len(container) == 10
+
+
+def test_bad_splits_name_numbers_and_way_out():
+    model = build(preset("test"), seed=0)  # 4 blocks
+    with pytest.raises(ValueError, match=r"8 stages but layers has only 4 blocks"):
+        plan_stages(model, Plan(pp=4, pp_schedule="interleaved_1f1b", virtual_stages=2,
+                                microbatches=4))
+    with pytest.raises(ValueError, match=r"split point 'layers.9' is not a block"):
+        plan_stages(model, Plan(pp=2, microbatches=2, options={"split_points": ["layers.9"]}))
+    with pytest.raises(ValueError, match=r"names 2 cuts; 2 stages need 1"):
+        plan_stages(model, Plan(pp=2, microbatches=2,
+                                options={"split_points": ["layers.1", "layers.2"]}))
+
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match=r"Flat has no nn.ModuleList or nn.Sequential.*pp=1"):
+        plan_stages(Flat(), Plan(pp=2, microbatches=2))
+    tied = build(preset("test", tie_embeddings=True), seed=0)
+    with pytest.raises(ValueError, match=r"shared by stages 0 and 1.*untie"):
+        from plait.parallel.pipeline import _check_no_shared_parameters
+        _check_no_shared_parameters(tied, *plan_stages(tied, Plan(pp=2, microbatches=2)))
+
+
+def test_batch_not_divisible_into_microbatches():
+    runner = PipelineRunner([], Plan(pp=2, microbatches=4), rank=0)
+    batch = (torch.zeros(6, 3), torch.zeros(6, 3))
+    with pytest.raises(ValueError, match=r"batch of 6 rows does not split into microbatches=4"
+                                         r".*multiple of 4"):
+        runner.step(batch, nn.functional.mse_loss, plan=Plan(pp=2, microbatches=4),
+                    device=torch.device("cpu"))
+
+
+# ------------------------------------------------------------------ training = one device
+def _assert_ok(result):
+    assert result.ok, result.format()
+    assert result.max_loss_diff < TOL and result.max_param_diff < TOL
+
+
+def test_1f1b_pp2_matches_single_device():
+    _assert_ok(check("pp=2,schedule=1f1b,mb=4", CheckConfig()))
+
+
+def test_zero_bubble_on_sequential_mlp_matches_single_device():
+    """A plain nn.Sequential (no transformer), split backward (I/W), 4 stages on 2 ranks."""
+    cfg = CheckConfig(model_factory=deep_mlp, batch_factory=mlp_batch)
+    _assert_ok(check("pp=2,schedule=interleaved_zb,v=2,mb=4", cfg))
+
+
+def test_pp2_x_dp2_matches_single_device():
+    _assert_ok(check("pp=2,dp=2,schedule=1f1b,mb=2", CheckConfig()))
+
+
+def test_timeline_records_every_action_once_and_draws():
+    out = run_distributed(timeline_worker, 2, "gpipe", 1, 4, timeout=120)
+    events = out[0]["events"]
+    keys = [(e.stage, e.kind, e.microbatch) for e in events]
+    assert sorted(keys) == sorted((s, k, mb) for s in (0, 1) for k in "FB" for mb in range(4))
+    for e in events:
+        assert e.end >= e.start and e.rank == e.stage
+    fwd = {(e.stage, e.microbatch): e for e in events if e.kind == "F"}
+    for e in events:
+        if e.kind == "B":
+            assert e.start >= fwd[(e.stage, e.microbatch)].end
+    from plait.parallel.timeline import bubble_fraction
+
+    assert 0.0 < bubble_fraction(events) < 1.0
+    if out[0]["png"]:
+        assert os.path.getsize(out[0]["png"]) > 1000
+        os.unlink(out[0]["png"])
+    assert math.isnan(out[0]["loss"]) and not math.isnan(out[1]["loss"])  # loss on last stage
+    # stage parameter names are the full model's (Sequential positions), split between ranks
+    assert set(out[0]["names"]).isdisjoint(out[1]["names"])
+    assert sorted(out[0]["names"] + out[1]["names"]) == sorted(n for n, _ in
+                                                               deep_mlp().named_parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,v", ALL)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_every_schedule_matches_single_device(schedule, pp, v):
+    cfg = CheckConfig(model_factory=transformer8) if pp * v > 4 else CheckConfig()
+    _assert_ok(check(Plan(pp=pp, pp_schedule=schedule, virtual_stages=v, microbatches=4), cfg))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("interleaved_zb", 2)])
+def test_pp2_x_dp2_other_schedules(schedule, v):
+    _assert_ok(check(Plan(pp=2, dp_replicate=2, pp_schedule=schedule, virtual_stages=v,
+                          microbatches=2), CheckConfig()))
+
+
+@pytest.mark.slow
+def test_gpipe_sequential_mlp_pp4():
+    cfg = CheckConfig(model_factory=deep_mlp, batch_factory=mlp_batch)
+    _assert_ok(check("pp=4,schedule=gpipe,mb=4", cfg))

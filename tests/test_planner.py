@@ -1,0 +1,326 @@
+"""The planner: formulas against hand-computed values, search invariants, CLI and bad input."""
+
+import argparse
+import json
+import math
+import random
+import time
+
+import pytest
+
+from plait.comm.volumes import by_axis, ddp_traffic, tp_traffic, zero_traffic
+from plait.models.transformer import PRESETS, TransformerConfig
+from plait.plan import Plan
+from plait.planner import auto_plan, evaluate_plan, plan_model
+from plait.planner.cli import add_plan_arguments, plan_command
+from plait.planner.cost import (Constants, Workload, activation_bytes_per_block,
+                                balanced_partition, evaluate)
+from plait.planner.hardware import load_cluster, presets
+from plait.planner.model_stats import from_transformer_config, load_model
+from plait.planner.published import NARAYANAN_2021, megatron_flops, row_setup
+from plait.planner.search import search
+
+GiB = 2**30
+
+
+def run_cli(*argv):
+    parser = add_plan_arguments(argparse.ArgumentParser())
+    return plan_command(parser.parse_args(list(argv)))
+
+
+# ------------------------------------------------------------------ inputs
+def test_catalog_presets_load():
+    names = presets()
+    for name in ("dgx-a100-80gb", "dgx-h100", "h200", "mi300x", "tpu-v5p", "tpu-v5e", "gaudi2",
+                 "cpu"):
+        assert name in names
+        c = load_cluster(name)
+        assert c.memory_bytes > 0 and c.peak("bf16") > 0
+    a100 = load_cluster("dgx-a100-80gb", devices=1536)
+    assert (a100.nodes, a100.devices_per_node, a100.world_size) == (192, 8, 1536)
+    assert a100.intra_bw == 300e9 and a100.inter_bw == 25e9
+
+
+@pytest.mark.parametrize("name", ["test", "gpt2", "llama-8b", "gpt-145b"])
+def test_model_stats_match_reference_param_count(name):
+    assert load_model(name).num_params == PRESETS[name].num_params()
+
+
+def test_hf_config_json(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+           "vocab_size": 128256, "hidden_act": "silu", "tie_word_embeddings": False,
+           "max_position_embeddings": 8192}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    stats = load_model(str(path))
+    assert stats.num_params == PRESETS["llama-8b"].num_params()
+    assert (stats.kv_heads, stats.mlp, stats.max_seq) == (8, "swiglu", 8192)
+
+
+def test_module_factory_on_meta():
+    stats = load_model("tests._planner_factories:reference_test_model")
+    ref = from_transformer_config(PRESETS["test"])
+    assert stats.n_layers == ref.n_layers and stats.hidden == ref.hidden
+    assert stats.block_params == ref.block_params
+    assert stats.block_matmul_params == ref.block_matmul_params
+    assert stats.num_params == PRESETS["test"].num_params()
+    assert stats.n_heads == 8 and stats.attention
+    mlp = load_model("tests._planner_factories:mlp_stack")
+    assert mlp.n_layers == 6 and mlp.block_matmul_params == 2 * 32 * 64 and not mlp.attention
+
+
+def test_yaml_model(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("preset: test\nn_layers: 8\n")
+    assert load_model(str(path)).n_layers == 8
+    path.write_text("dim: 64\nn_layers: 2\nn_heads: 4\n")
+    assert load_model(str(path)).num_params == TransformerConfig(dim=64, n_layers=2,
+                                                                 n_heads=4).num_params()
+
+
+# ------------------------------------------------------------------ formulas
+def test_activation_memory_matches_korthikanti():
+    # GPT block (ffn 4h): 34sbh + 5as^2b bytes at 2 bytes/element, no TP.
+    m = from_transformer_config(TransformerConfig(vocab_size=100, dim=64, n_layers=2, n_heads=4,
+                                                  mlp="gelu", norm="layernorm"))
+    s, b, h, a = 32, 2, 64, 4
+    c = Constants(flash_attention=False)
+    assert activation_bytes_per_block(m, b, s, 1, False, 2, c) == pytest.approx(
+        s * b * h * (34 + 5 * a * s / h))
+    t = 4  # TP without SP: sbh(10 + 24/t + 5as/(ht)); with SP: sbh/t (34 + 5as/h)
+    assert activation_bytes_per_block(m, b, s, t, False, 2, c) == pytest.approx(
+        s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert activation_bytes_per_block(m, b, s, t, True, 2, c) == pytest.approx(
+        s * b * h / t * (34 + 5 * a * s / h))
+    # flash attention stores no s^2 scores; fp32 doubles everything
+    flash = Constants(flash_attention=True)
+    assert activation_bytes_per_block(m, b, s, 1, False, 4, flash) == pytest.approx(
+        2 * s * b * h * 34)
+
+
+def _tiny():
+    return load_model("test")
+
+
+def test_memory_of_ddp_and_zero_by_hand():
+    m, c = _tiny(), load_cluster("cpu", devices=2)
+    work = Workload(4, 32)
+    P = m.num_params
+    ddp = evaluate(Plan(dp_replicate=2), m, c, work)
+    bd = ddp.memory_breakdown
+    assert (bd["params"], bd["grads"], bd["optimizer"]) == (4 * P, 4 * P, 8 * P)
+    z1 = evaluate(Plan(dp_shard=2, zero=1), m, c, work).memory_breakdown
+    assert (z1["params"], z1["grads"], z1["optimizer"]) == (4 * P, 4 * P, 4 * P)
+    z2 = evaluate(Plan(dp_shard=2, zero=2), m, c, work).memory_breakdown
+    assert (z2["params"], z2["grads"], z2["optimizer"]) == (4 * P, 2 * P, 4 * P)
+    z3 = evaluate(Plan(dp_shard=2, zero=3), m, c, work).memory_breakdown
+    assert (z3["params"], z3["grads"], z3["optimizer"]) == (2 * P, 2 * P, 4 * P)
+
+
+def test_estimate_bytes_come_from_the_volume_formulas():
+    m, c = _tiny(), load_cluster("cpu", devices=4)
+    work = Workload(8, 32)
+    e = evaluate(Plan(dp_replicate=2, tp=2), m, c, work)
+    P = m.num_params // 2  # every parameter is split over tp in the model of the cost
+    expected = by_axis(ddp_traffic(P, 2) + tp_traffic(4, 32, m.hidden, m.n_layers, 2, "fp32"))
+    assert e.comm_bytes_per_step["dp_replicate"] == pytest.approx(expected["dp_replicate"], rel=1e-6)
+    assert e.comm_bytes_per_step["tp"] == pytest.approx(expected["tp"])
+    z = evaluate(Plan(dp_shard=4, zero=3), m, c, work)
+    expected = by_axis(zero_traffic(m.num_params, 4, 3, micro_steps=1))
+    assert z.comm_bytes_per_step["dp_shard"] == pytest.approx(expected["dp_shard"], rel=1e-6)
+
+
+def test_pipeline_bubble_formula():
+    # uniform stages, 1F1B: bubble = (p-1)/(m+p-1); interleaved v: (p-1)/(v m + p-1)
+    m = load_model("test").__class__(**{**load_model("test").__dict__, "vocab": 1,
+                                         "embed_params": 0, "head_params": 0})
+    c = load_cluster("cpu", devices=4).with_memory(1e12)
+    c = c.__class__(**{**c.__dict__, "intra_latency": 0.0, "inter_latency": 0.0,
+                       "intra_bw": 1e30, "inter_bw": 1e30, "hbm_bw": 1e30})
+    work = Workload(8, 32)
+    e = evaluate(Plan(pp=4, microbatches=8), m, c, work)
+    assert e.feasible, e.reason
+    assert e.bubble_fraction == pytest.approx(3 / 11, rel=1e-2)
+    e = evaluate(Plan(pp=2, microbatches=8, pp_schedule="interleaved_1f1b", virtual_stages=2),
+                 m, c.with_world(2), Workload(8, 32))
+    assert e.feasible, e.reason
+    assert e.bubble_fraction == pytest.approx(1 / 17, rel=1e-2)
+
+
+def _brute_partition(costs, parts):
+    best = None
+    n = len(costs)
+
+    def rec(start, k, sizes):
+        nonlocal best
+        if k == 1:
+            sizes = sizes + [n - start]
+            chunks, i = [], 0
+            for s in sizes:
+                chunks.append(sum(costs[i:i + s]))
+                i += s
+            if best is None or max(chunks) < best - 1e-12:
+                best = max(chunks)
+            return
+        for size in range(1, n - start - k + 2):
+            rec(start + size, k - 1, sizes + [size])
+
+    rec(0, parts, [])
+    return best
+
+
+def test_balanced_partition_is_optimal_and_relieves_heavy_ends():
+    rng = random.Random(0)
+    for _ in range(30):
+        n = rng.randint(2, 9)
+        k = rng.randint(1, n)
+        costs = [rng.uniform(0.5, 3) for _ in range(n)]
+        sizes = balanced_partition(costs, k)
+        assert len(sizes) == k and sum(sizes) == n and min(sizes) >= 1
+        i, worst = 0, 0.0
+        for s in sizes:
+            worst = max(worst, sum(costs[i:i + s]))
+            i += s
+        assert worst == pytest.approx(_brute_partition(costs, k))
+    sizes = balanced_partition([3.0] + [1.0] * 14 + [3.0], 4)
+    assert sizes[0] < sizes[1] and sizes[-1] < sizes[-2]
+
+
+# ------------------------------------------------------------------ search invariants
+def test_every_plan_validates_and_search_is_deterministic():
+    m, c = load_model("llama-8b"), load_cluster("dgx-h100", devices=64)
+    a = search(m, c, Workload(256, 4096), top=20)
+    b = search(m, c, Workload(256, 4096), top=20)
+    assert a.ranked and [e.plan for e in a.ranked] == [e.plan for e in b.ranked]
+    assert [e.step_time_s for e in a.ranked] == [e.step_time_s for e in b.ranked]
+    for e in a.ranked:
+        assert e.plan.validate(64) is e.plan
+        assert e.feasible and e.memory_bytes_per_device <= c.memory_bytes
+        assert set(e.comm_bytes_per_step) <= {"dp_replicate", "dp_shard", "tp", "pp"}
+    times = [e.step_time_s for e in a.ranked]
+    assert times == sorted(times)
+
+
+def test_more_memory_never_slower():
+    m = load_model("llama-13b")
+    base = load_cluster("dgx-a100-40gb", devices=32)
+    previous = math.inf
+    for gb in (40, 80, 160, 320):
+        r = search(m, base.with_memory(gb * 1e9), Workload(128, 4096), top=1)
+        assert r.best is not None
+        assert r.best.step_time_s <= previous * (1 + 1e-9)
+        previous = r.best.step_time_s
+
+
+def test_model_that_fits_nowhere_is_explained(capsys):
+    with pytest.raises(ValueError, match="no layout"):
+        auto_plan("gpt-175b", 8, "dgx-a100-80gb", global_batch=8, seq=2048)
+    code = run_cli("--model", "gpt-175b", "--cluster", "dgx-a100-80gb", "--devices", "8",
+                   "--global-batch", "64", "--seq", "2048")
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "no layout" in out and "smallest cluster that fits" in out
+
+
+def test_auto_plan_small_world():
+    plan = auto_plan("test", 4, "cpu", global_batch=8, seq=32)
+    assert isinstance(plan, Plan) and plan.world_size == 4
+
+
+def test_search_1024_devices_within_bound():
+    m, c = load_model("gpt-175b"), load_cluster("dgx-a100-80gb", devices=1024)
+    start = time.perf_counter()
+    r = search(m, c, Workload(1536, 2048), top=5)
+    assert time.perf_counter() - start <= 5.0
+    assert r.best is not None and r.best.plan.world_size == 1024
+
+
+# ------------------------------------------------------------------ published figures
+def test_megatron_145b_within_20_percent_and_planner_no_worse():
+    row = next(r for r in NARAYANAN_2021 if r.params_b == 145.6)
+    model, cluster, work, plan = row_setup(row)
+    assert (plan.tp, plan.pp, plan.dp) == (8, 8, 24)
+    e = evaluate(plan, model, cluster, work)
+    assert e.feasible, e.reason
+    flops = megatron_flops(row.batch, 2048, row.layers, row.hidden, 51200)
+    tflops = flops / e.step_time_s / row.gpus / 1e12
+    assert abs(tflops / 148 - 1) <= 0.20, tflops
+    pick = search(model, cluster, work, top=1).best
+    assert pick.step_time_s <= e.step_time_s
+
+
+# ------------------------------------------------------------------ CLI and bad input
+def test_cli_json_has_required_fields(capsys):
+    code = run_cli("--model", "llama-8b", "--cluster", "dgx-h100", "--nodes", "2",
+                   "--global-batch", "64", "--seq", "2048", "--top", "3", "--format", "json")
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(data["plans"]) == 3
+    for p in data["plans"]:
+        for key in ("layout", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu",
+                    "memory_bytes_per_device", "comm_bytes_per_step", "bubble_fraction"):
+            assert key in p
+        Plan.from_dict(p["layout"]).validate(16)
+
+
+def test_cli_evaluates_given_plan(capsys):
+    code = run_cli("--model", "gpt-145b", "--cluster", "dgx-a100-80gb", "--global-batch", "2304",
+                   "--plan", "dp=24,tp=8,pp=8,schedule=interleaved_1f1b,v=2,mb=96,ac=full,mp=bf16")
+    out = capsys.readouterr().out
+    assert code == 0 and "pp=8 x dp_replicate=24 x tp=8" in out
+
+
+def test_cli_table_and_pareto(tmp_path, capsys):
+    png = tmp_path / "pareto.png"
+    code = run_cli("--model", "test", "--cluster", "cpu", "--devices", "4", "--global-batch",
+                   "8", "--pareto", str(png))
+    out = capsys.readouterr().out
+    assert code == 0 and "best:" in out and "limited by" in out and png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--model", "test", "--cluster", "nope", "--global-batch", "8"], "unknown cluster preset"),
+    (["--model", "nope", "--cluster", "cpu", "--global-batch", "8"], "unknown model"),
+    (["--model", "test", "--cluster", "cpu", "--global-batch", "-4"], "global-batch=-4"),
+    (["--model", "test", "--cluster", "cpu", "--global-batch", "0"], "global-batch=0"),
+    (["--model", "test", "--cluster", "cpu", "--devices", "0", "--global-batch", "8"], "devices=0"),
+    (["--model", "test", "--cluster", "cpu", "--devices", "8", "--global-batch", "7"],
+     "global-batch=7"),
+    (["--model", "tests._planner_factories:broken", "--cluster", "cpu", "--global-batch", "8",
+      "--seq", "16"], "failed to build"),
+    (["--model", "tests._planner_factories:no_blocks", "--cluster", "cpu", "--global-batch", "8",
+      "--seq", "16"], "repeated blocks"),
+    (["--model", "no.such.module:f", "--cluster", "cpu", "--global-batch", "8"], "cannot import"),
+])
+def test_bad_input_names_the_field(argv, field, capsys):
+    assert run_cli(*argv) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_malformed_cluster_yaml(tmp_path, capsys):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("name: x\ndevices_per_node: [1\n")
+    assert run_cli("--model", "test", "--cluster", str(bad), "--global-batch", "8") == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    bad.write_text("name: x\ndevices_per_node: 8\nmemory_gb: -1\npeak_tflops: {bf16: 1}\n"
+                   "intra_node_gbps: 1\ninter_node_gbps: 1\n")
+    assert run_cli("--model", "test", "--cluster", str(bad), "--global-batch", "8") == 2
+    assert "memory_gb" in capsys.readouterr().err
+    bad.write_text("name: x\ndevices_per_node: 8\n")
+    assert run_cli("--model", "test", "--cluster", str(bad), "--global-batch", "8") == 2
+    assert "missing field" in capsys.readouterr().err
+
+
+def test_malformed_model_files(tmp_path, capsys):
+    bad = tmp_path / "m.yaml"
+    bad.write_text("dim: 64\nwidth: 3\n")
+    assert run_cli("--model", str(bad), "--cluster", "cpu", "--global-batch", "8") == 2
+    assert "width" in capsys.readouterr().err
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10}))
+    assert run_cli("--model", str(cfg), "--cluster", "cpu", "--global-batch", "8") == 2
+    assert "num_hidden_layers" in capsys.readouterr().err
+    cfg.write_text(json.dumps({"hidden_size": -64, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "vocab_size": 10}))
+    assert run_cli("--model", str(cfg), "--cluster", "cpu", "--global-batch", "8") == 2
+    assert "hidden_size=-64" in capsys.readouterr().err
