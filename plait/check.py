@@ -25,13 +25,14 @@ import torch.nn as nn
 from .plan import Plan
 from .spawn import run_distributed
 
-_WRAPPER_PARTS = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+_WRAPPER_PARTS = frozenset({"module", "_checkpoint_wrapped_module", "_orig_mod",
+                            "_fsdp_wrapped_module"})
 
 
 def canonical_name(name: str) -> str:
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
+    # Whole dotted parts only: a substring replace of "module." would turn
+    # "_checkpoint_wrapped_module." into "_checkpoint_wrapped_".
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
 def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None

@@ -70,6 +70,9 @@ class Run:
     _batch_shape: tuple[int, ...] | None = None
     _started: float = field(default_factory=time.perf_counter)
     _models: list[nn.Module] = field(default_factory=list)
+    # ZeRO-1: the user's optimizer -> its ZeroRedundancyOptimizer (see _optimizer_for).
+    _sharded_optimizers: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    _memory: Any = None  # plait.memory.MemoryTracker of the first model/optimizer stepped
 
     # ------------------------------------------------------------------ identity
     @property
@@ -129,6 +132,11 @@ class Run:
         one small all-reduce only on steps that are logged.
         """
         batch = _to_device(batch, self.device)
+        optimizer = self._optimizer_for(optimizer)
+        if self._memory is None:
+            from .memory import MemoryTracker
+
+            self._memory = MemoryTracker(model, optimizer, track_gathered=self.plan.zero >= 2)
         start = time.perf_counter()
         pp_group = self.mesh["pp"].get_group() if self.plan.pp > 1 else None
         step_index = len(self.stats.step_times)
@@ -151,6 +159,32 @@ class Run:
         if logged:
             self.print(report.progress_line(step, self.total_steps, value, self.stats))
         return value
+
+    def _optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """ZeRO-1 shards the optimizer state, which needs the optimizer rebuilt as a
+        ZeroRedundancyOptimizer; doing it here keeps the user's script unchanged (they create
+        ``torch.optim.AdamW(model.parameters())`` as on one device). The user's optimizer stays
+        the source of hyperparameters (a scheduler's lr) and is copied into the sharded one
+        before every step."""
+        if self.plan.zero != 1:
+            return optimizer
+        from .parallel.fsdp import copy_hyperparameters, shard_optimizer
+
+        entry = self._sharded_optimizers.get(id(optimizer))
+        if entry is None:
+            entry = (optimizer, shard_optimizer(optimizer, self.mesh, self.plan))
+            self._sharded_optimizers[id(optimizer)] = entry
+        copy_hyperparameters(optimizer, entry[1])
+        return entry[1]
+
+    def memory_report(self) -> dict[str, Any] | None:
+        """Model-state bytes per rank beside the plan's closed form (collective; None before the
+        first step). Format it with ``plait.memory.format_memory_report``."""
+        if self._memory is None:
+            return None
+        from .memory import memory_report
+
+        return memory_report(self._memory, self.plan)
 
     def _global_loss(self, loss: torch.Tensor) -> float:
         """Mean loss over data replicas; with pipelines, taken from the last stage."""
@@ -193,6 +227,9 @@ class Run:
     def finish(self, print_summary: bool = True) -> dict[str, Any]:
         """Print the summary on rank 0, free the models and leave the process group."""
         info = self.summary()
+        memory = self.memory_report()
+        if memory is not None:
+            info["model_memory"] = memory
         if print_summary:
             self.print(report.format_summary(info))
             if "comm_table" in info:
@@ -200,12 +237,20 @@ class Run:
                 self.print(f"--- communication ledger: per rank per step, {steps} steps "
                            f"measured ---")
                 self.print(info["comm_table"])
+            if memory is not None:
+                from .memory import format_memory_report
+
+                self.print(format_memory_report(memory))
         self.close()
         return info
 
     def close(self) -> None:
         """Free parallel modules before the group goes (FIELD-NOTES: DDP exit deadlock)."""
         self._models.clear()
+        self._sharded_optimizers.clear()
+        if self._memory is not None:
+            self._memory.remove()
+            self._memory = None
         import gc
 
         gc.collect()

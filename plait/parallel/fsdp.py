@@ -1,26 +1,195 @@
-"""Minimal stand-in written on the ``tensor`` branch so dp x tp can be tested; the ``zero``
-branch owns this file and its full version (apply_fsdp, offload, ...) replaces this one.
+"""Sharded data parallelism: ZeRO-1, ZeRO-2, ZeRO-3 and HSDP, on PyTorch's own building blocks.
 
-``apply_replicate``: replicated data parallelism over ``dp_replicate`` for models whose
-parameters are DTensors (after TP). DDP cannot bucket DTensors, so this uses FSDP2's
-``fully_shard`` on the 2-D (dp_replicate, dp_shard) mesh with dp_shard == 1, i.e. HSDP with a
-shard degree of one: every replica keeps whole (TP-local) parameters and gradients are
-all-reduced over dp_replicate.
+What each stage shards, per rank, with Ψ parameters, d = ``dp_shard`` ranks, Adam in fp32
+(4 bytes of parameter, 4 of gradient, 8 of moments per parameter):
+
+========  =====================================  ====================  =========================
+stage     building block                          model state / rank     traffic per step
+========  =====================================  ====================  =========================
+ZeRO-1    DDP + ``ZeroRedundancyOptimizer``       4Ψ + 4Ψ + 8Ψ/d        all-reduce(grads)
+                                                                        + broadcast(params)
+ZeRO-2    ``fully_shard(reshard_after_forward=    16Ψ/d, plus the        all-gather(params) once
+          False)``                                gathered 4Ψ held       + reduce-scatter(grads)
+                                                  from forward to
+                                                  backward
+ZeRO-3    ``fully_shard(reshard_after_forward=    16Ψ/d (one block       all-gather twice
+          True)`` per block, root last            gathered at a time)    + reduce-scatter
+HSDP      the same on a 2-D (dp_replicate,        16Ψ/d_shard            + all-reduce over
+          dp_shard) mesh                                                 dp_replicate
+========  =====================================  ====================  =========================
+
+Why these blocks:
+
+* **ZeRO-3** is exactly what FSDP2 ``fully_shard`` does with ``reshard_after_forward=True``:
+  parameters, gradients and optimizer state (which the optimizer allocates like the sharded
+  DTensor parameters) are all 1/d per rank; each block is all-gathered before its forward and
+  again before its backward.
+* **ZeRO-2** is ``fully_shard`` with ``reshard_after_forward=False`` (torch documents it as the
+  ZeRO-2 analogue, FSDP1's SHARD_GRAD_OP): gradients are reduce-scattered (sharded) and the
+  optimizer state is sharded, while the gathered parameters stay in memory between forward and
+  backward, saving the second all-gather. Unlike DeepSpeed's ZeRO-2, FSDP2 frees the gathered
+  copy after backward instead of keeping it through the optimizer step (and all-gathers it
+  again in the next forward): the same bytes on the wire as an all-gather after the step, and
+  the optimizer step runs with only the shards resident.
+* **ZeRO-1** cannot be expressed with FSDP2: ``fully_shard`` always reduce-scatters gradients,
+  so gradients would be sharded (that is ZeRO-2). ZeRO-1 keeps parameters and gradients
+  replicated and shards only the optimizer state, which is DDP (bucketed all-reduce of
+  gradients) plus ``torch.distributed.optim.ZeroRedundancyOptimizer`` (each rank runs the
+  user's optimizer on its partition of the parameters, then broadcasts the updated parameters
+  from their owners). The optimizer wrapping is done by the runtime (``Run.step``) around the
+  user's ``torch.optim.AdamW(model.parameters())`` — see :func:`shard_optimizer` — so the
+  training script does not change. ZeroRedundancyOptimizer partitions whole parameters
+  (greedy, largest first), not elements, so per-rank optimizer state is 8Ψ/d only up to that
+  granularity.
+* **HSDP** is FSDP2 on a 2-D mesh ``(dp_replicate, dp_shard)``: shard inside a group (a node),
+  replicate across groups; FSDP2 reduce-scatters inside and all-reduces across.
+
+Mixed precision (``plan.mixed_precision="bf16"``) is FSDP2's ``MixedPrecisionPolicy``: bf16
+gathered parameters and compute, gradients reduced in fp32, the sharded fp32 parameters are the
+master copy the optimizer updates. CPU offload (``plan.offload``, ZeRO-3 only) is FSDP2's
+``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state live in host memory and
+the optimizer step runs on the CPU.
 """
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
+import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..mesh import Mesh
 from ..plan import Plan
+from .units import select_units
+
+_PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def data_mesh(mesh: Mesh, plan: Plan) -> DeviceMesh:
+    """The mesh FSDP2 shards over: 1-D ``dp_shard``, or 2-D ``(dp_replicate, dp_shard)`` (HSDP)."""
+    if plan.dp_replicate > 1:
+        return mesh.root["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def _check_mesh(mesh: Mesh, plan: Plan) -> None:
+    for axis in ("dp_replicate", "dp_shard", "tp"):
+        if mesh.size(axis) != getattr(plan, axis):
+            raise ValueError(f"mesh axis {axis} has {mesh.size(axis)} ranks but the plan asks for "
+                             f"{axis}={getattr(plan, axis)}; build the mesh from the same plan "
+                             f"(plait.mesh.build_mesh(plan, ...))")
+
+
+def mixed_precision_policy(plan: Plan) -> MixedPrecisionPolicy:
+    """bf16: gathered parameters and compute in bf16, gradient reduction in fp32; fp32: no casts."""
+    return MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[plan.mixed_precision],
+                                reduce_dtype=torch.float32 if plan.mixed_precision != "fp32"
+                                else None)
+
+
+def offload_policy(plan: Plan, device_type: str) -> OffloadPolicy:
+    if not plan.offload:
+        return OffloadPolicy()
+    # Pinned host memory only exists next to an accelerator.
+    return CPUOffloadPolicy(pin_memory=device_type not in ("cpu", "meta"))
+
+
+def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
+    """Shard ``module`` for ``plan.zero`` (1, 2 or 3) over the data axes of ``mesh``.
+
+    ZeRO-2/3: ``fully_shard`` on each unit (the repeated blocks, or ``plan.options
+    ["shard_patterns"]``), then on the root, which groups whatever is left (embeddings, final
+    norm, head) and drives the lazy init. ZeRO-1: DDP here; the optimizer is sharded by
+    :func:`shard_optimizer` (called by the runtime on the user's optimizer).
+    """
+    if plan.zero not in (1, 2, 3):
+        raise ValueError(f"apply_fsdp needs zero=1, 2 or 3, got zero={plan.zero!r}")
+    if plan.offload and plan.zero != 3:
+        raise ValueError(f"offload=True needs zero=3 (got zero={plan.zero}): only ZeRO-3 keeps "
+                         f"parameters sharded between uses, so only it can park them on the CPU")
+    _check_mesh(mesh, plan)
+    patterns = plan.options.get("shard_patterns") if plan.options else None
+    units = select_units(module, patterns)  # raises on a pattern that matches nothing
+    if plan.zero == 1:
+        return _apply_zero1(module, mesh, plan)
+    dm = data_mesh(mesh, plan)
+    kwargs: dict[str, Any] = dict(mesh=dm, mp_policy=mixed_precision_policy(plan),
+                                  offload_policy=offload_policy(plan, dm.device_type))
+    reshard = plan.zero == 3
+    for _, unit in units:
+        fully_shard(unit, reshard_after_forward=reshard, **kwargs)
+    # Root last. ZeRO-3: None lets FSDP2 keep the root's own parameters gathered from forward to
+    # backward (backward needs them first thing); ZeRO-2: keep everything gathered.
+    fully_shard(module, reshard_after_forward=None if reshard else False, **kwargs)
+    return module
+
+
+def _apply_zero1(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
+    if plan.tp > 1:
+        raise ValueError("zero=1 with tp>1 is not supported (DDP cannot bucket the DTensor "
+                         "parameters TP creates); use zero=2 or zero=3 with tp")
+    from .data import apply_ddp
+
+    device = next(module.parameters()).device
+    # Gradients are averaged over every data rank (replicate x shard); the optimizer state is
+    # partitioned over dp_shard only (shard_optimizer).
+    return apply_ddp(module, mesh["dp"], device=device)
 
 
 def apply_replicate(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
+    """Replicated data parallelism over ``dp_replicate`` for models whose parameters are DTensors.
 
-    dp_mesh = mesh.root["dp_replicate", "dp_shard"]
-    for block in getattr(module, "layers", None) or []:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+    DDP cannot bucket DTensors (the parameters TP creates), so replicas go through FSDP2 on the
+    2-D ``(dp_replicate, dp_shard)`` mesh with ``dp_shard == 1``: HSDP whose shard groups have
+    one rank, i.e. parameters, gradients and optimizer state replicated (the same memory as DDP)
+    and one all-reduce of gradients per unit over ``dp_replicate``.
+    """
+    if plan.dp_shard != 1 or plan.zero != 0:
+        raise ValueError(f"apply_replicate is replicated DP (zero=0, dp_shard=1); got "
+                         f"zero={plan.zero}, dp_shard={plan.dp_shard}: use apply_fsdp")
+    _check_mesh(mesh, plan)
+    patterns = plan.options.get("shard_patterns") if plan.options else None
+    dm = mesh.root["dp_replicate", "dp_shard"]
+    kwargs: dict[str, Any] = dict(mesh=dm, mp_policy=mixed_precision_policy(plan))
+    for _, unit in select_units(module, patterns):
+        fully_shard(unit, reshard_after_forward=False, **kwargs)
+    fully_shard(module, reshard_after_forward=False, **kwargs)
     return module
+
+
+# ---------------------------------------------------------------------------------- ZeRO-1
+def shard_optimizer(optimizer: torch.optim.Optimizer, mesh: Mesh, plan: Plan
+                    ) -> torch.optim.Optimizer:
+    """ZeRO-1: the user's optimizer, rebuilt as a ``ZeroRedundancyOptimizer`` over ``dp_shard``.
+
+    Same class, same parameter groups and hyperparameters; each rank keeps the state of its
+    partition only. Call it before the first step (the user's optimizer must hold no state yet:
+    it would be silently dropped). The runtime does this on the first ``Run.step`` and copies the
+    user's hyperparameters (e.g. a scheduler's learning rate) into it before every step, see
+    :func:`copy_hyperparameters`.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    if len(optimizer.state):
+        raise ValueError("zero=1 shards the optimizer state, but this optimizer already holds "
+                         "state (it has stepped or loaded a checkpoint); create it after "
+                         "run.parallelize() and let run.step() shard it before its first step")
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    groups = [dict(g) for g in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=cls,
+                                   process_group=mesh["dp_shard"].get_group(), **defaults)
+
+
+def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
+    """Copy every parameter-group setting except the parameters (lr, betas, ...) to ``target``."""
+    for src, dst in zip(source.param_groups, target.param_groups):
+        for key, value in src.items():
+            if key != "params":
+                dst[key] = value

@@ -1,0 +1,96 @@
+"""Which submodules are the units that sharding and checkpointing act on.
+
+FSDP2 groups the parameters of each ``fully_shard``-ed module into one all-gather and one
+reduce-scatter, and activation checkpointing recomputes whole modules; both want the model's
+*repeated blocks*. For any ``nn.Module`` the default is the children of its largest container
+(``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict``, by parameter count) — the
+transformer's ``layers.*``, an MLP's ``blocks.*`` — and the user can override it with glob
+patterns over the module names (``plan.options["shard_patterns"]``).
+
+Names are matched in their canonical form (checkpoint/compile wrapper prefixes stripped), so a
+pattern written against the user's model keeps working after checkpointing wrapped the blocks.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import torch.nn as nn
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical(name: str) -> str:
+    """``layers.3._checkpoint_wrapped_module`` -> ``layers.3`` (the user's module name)."""
+    name = name + "."
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name.rstrip(".")
+
+
+def _glob(pattern: str) -> "re.Pattern[str]":
+    """Glob over dotted names: ``*`` matches within one name part, ``**`` across parts."""
+    out = []
+    for token in re.split(r"(\*\*|\*|\?)", pattern):
+        out.append({"**": ".*", "*": r"[^.]*", "?": r"[^.]"}.get(token, re.escape(token)))
+    return re.compile("".join(out) + r"\Z")
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Children (with parameters) of ``module``'s largest container, by parameter count.
+
+    Returns ``[(name, child), ...]`` in model order; empty when the model has no container with
+    parameters (then the root alone is the unit). Ties go to the outermost container.
+    """
+    best: list[tuple[str, nn.Module]] = []
+    best_size = 0
+    for name, container in module.named_modules():
+        if not isinstance(container, _CONTAINERS):
+            continue
+        children = [(f"{name}.{child_name}" if name else child_name, child)
+                    for child_name, child in container.named_children() if _numel(child) > 0]
+        size = sum(_numel(child) for _, child in children)
+        if children and size > best_size:
+            best, best_size = children, size
+    return best
+
+
+def select_units(module: nn.Module, patterns: Sequence[str] | None = None
+                 ) -> list[tuple[str, nn.Module]]:
+    """The sharding units: the repeated blocks, or the modules whose names match ``patterns``.
+
+    Patterns are globs over dotted module names: ``layers.*`` matches ``layers.3`` but not
+    ``layers.3.attention`` (``*`` stays inside one name part; ``**`` crosses parts).
+
+    Returned deepest first, so that wrapping them in order is bottom-up (a unit nested inside
+    another is wrapped before its parent, as ``fully_shard`` requires). Raises ValueError naming
+    any pattern that matches no module.
+    """
+    if not patterns:
+        return repeated_blocks(module)
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    named = [(name, m) for name, m in module.named_modules() if name]
+    chosen: dict[str, tuple[str, nn.Module]] = {}  # canonical name -> outermost module
+    unmatched = []
+    for pattern in patterns:
+        regex = _glob(pattern)
+        hits = [(name, m) for name, m in named if regex.match(canonical(name))]
+        if not hits:
+            unmatched.append(pattern)
+        for name, m in hits:
+            key = canonical(name)
+            if key not in chosen or len(name) < len(chosen[key][0]):
+                chosen[key] = (name, m)
+    if unmatched:
+        examples = ", ".join(sorted({canonical(n) for n, _ in named})[:8])
+        raise ValueError(f"shard_patterns {unmatched} match no module of "
+                         f"{type(module).__name__}; module names look like: {examples}")
+    units = [u for u in chosen.values() if _numel(u[1]) > 0]
+    return sorted(units, key=lambda u: -canonical(u[0]).count("."))

@@ -1,0 +1,121 @@
+"""Worker functions for tests/test_zero.py (must be importable by spawned processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from plait.check import CheckConfig, _build, _global_batches, _make_optimizer, _slice, full_state
+from plait.plan import Plan
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class DeepMLP(nn.Module):
+    """A non-transformer model: its repeated blocks live in a ModuleList."""
+
+    def __init__(self, width: int = 32, depth: int = 6):
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def mlp_factory() -> nn.Module:
+    return DeepMLP()
+
+
+def mlp_batch(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+
+
+def train_memory(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) -> dict[str, Any]:
+    """Train ``cfg.steps`` steps under ``plan``; return the run's memory report."""
+    from plait.runtime import init
+
+    run = init(plan, seed=cfg.seed, quiet=True, log_every=1)
+    model, loss_fn = _build(cfg)
+    model = run.parallelize(model)
+    opt = _make_optimizer(cfg, model.parameters())
+    dp_rank, dp_size = run.mesh.data_rank_and_size()
+    for batch in _global_batches(cfg, vocab=256):
+        run.step(model, _slice(batch, dp_rank, dp_size), loss_fn, opt)
+    report = run.memory_report()
+    run.close()
+    return report
+
+
+def train_memory_many(rank: int, world_size: int, plans: list[Plan], cfg: CheckConfig
+                      ) -> list[dict[str, Any]]:
+    """``train_memory`` for several plans of the same world size in one process group (one
+    start-up instead of one per plan)."""
+    return [train_memory(rank, world_size, plan, cfg) for plan in plans]
+
+
+def grads_after_one_step(rank: int, world_size: int, plan: Plan, cfg: CheckConfig
+                         ) -> dict[str, Any]:
+    """Loss and every gradient (full, canonical names) after one forward/backward under ``plan``."""
+    from plait.check import canonical_name
+    from plait.runtime import init
+    from plait.train import _forward_loss
+
+    run = init(plan, seed=cfg.seed, quiet=True)
+    model, loss_fn = _build(cfg)
+    model = run.parallelize(model)
+    batch = _global_batches(cfg, vocab=256)[0]
+    loss = _forward_loss(model, batch, loss_fn)
+    loss.backward()
+    grads = {canonical_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
+    run.close()
+    return {"loss": float(loss), "grads": grads}
+
+
+def replicate_run(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) -> dict[str, Any]:
+    """Train with ``apply_replicate`` (replicated DP through FSDP2) instead of DDP."""
+    from plait.parallel.fsdp import apply_replicate
+    from plait.runtime import init
+
+    run = init(plan, seed=cfg.seed, quiet=True, log_every=1)
+    model, loss_fn = _build(cfg)
+    torch.manual_seed(cfg.seed)
+    model = apply_replicate(model.to(run.device), run.mesh, plan)
+    opt = _make_optimizer(cfg, model.parameters())
+    dp_rank, dp_size = run.mesh.data_rank_and_size()
+    losses = [run.step(model, _slice(b, dp_rank, dp_size), loss_fn, opt)
+              for b in _global_batches(cfg, vocab=256)]
+    state = full_state(model)
+    run.close()
+    return {"losses": losses, "state": state if rank == 0 else None}
+
+
+def parallelize_error(rank: int, world_size: int, plan: Plan) -> str:
+    """The ValueError message ``run.parallelize`` raises for ``plan`` ('' if none)."""
+    from plait.models.transformer import build
+    from plait.runtime import init
+
+    run = init(plan, quiet=True)
+    try:
+        run.parallelize(build("test"))
+    except ValueError as e:
+        return str(e)
+    finally:
+        run.close()
+    return ""

@@ -1,0 +1,190 @@
+"""ZeRO-1/2/3 and HSDP against one device, the memory they really hold, and bad input.
+
+Every layout trains 5 steps (AdamW) under the plan and on one process through
+``plait.check.check`` and must match: fp32 loss and parameters within 1e-5. bf16 (FSDP2
+MixedPrecisionPolicy: bf16 gathered parameters/compute, fp32 reduction and master) is compared
+against one device running bf16 autocast over fp32 weights: the two round differently (bf16
+weights vs bf16 casts inside autocast), so the tolerance is BF16_TOLERANCE below.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.nn as nn
+
+from plait.check import CheckConfig, check, compare
+from plait.memory import closed_form, model_state_ratio
+from plait.parallel.units import repeated_blocks, select_units
+from plait.plan import Plan
+from plait.spawn import run_distributed
+
+from tests._workers_zero import (
+    DeepMLP,
+    mlp_batch,
+    mlp_factory,
+    parallelize_error,
+    replicate_run,
+    train_memory,
+    train_memory_many,
+)
+
+FP32 = 1e-5
+# bf16 has 8 mantissa bits (relative step 2^-8 ~ 4e-3); 5 AdamW steps at lr 1e-3 move weights
+# by ~5e-3, so parameter differences stay well under one lr-step and losses within a few 1e-3.
+BF16_TOLERANCE = 5e-3
+
+
+def _ok(result) -> None:
+    assert result.ok, result.format()
+
+
+# ------------------------------------------------------------------ correctness vs one device
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_world2_matches_single_device(zero):
+    _ok(check(f"dp_shard=2,zero={zero}", tolerance=FP32))
+
+
+def test_hsdp_2x2_matches_single_device():
+    _ok(check("dp_replicate=2,dp_shard=2,zero=3", tolerance=FP32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_world4_matches_single_device(zero):
+    _ok(check(f"dp_shard=4,zero={zero}", tolerance=FP32))
+
+
+@pytest.mark.slow
+def test_hsdp_zero2_and_zero1_2x2():
+    _ok(check("dp_replicate=2,dp_shard=2,zero=2", tolerance=FP32))
+    _ok(check("dp_replicate=2,dp_shard=2,zero=1", tolerance=FP32))
+
+
+def test_zero3_bf16_within_documented_tolerance():
+    result = check("dp_shard=2,zero=3,mp=bf16", tolerance=BF16_TOLERANCE)
+    _ok(result)
+    assert result.max_param_diff > 0  # bf16 really ran (fp32 would match to ~1e-6)
+
+
+@pytest.mark.slow
+def test_zero3_cpu_offload_matches_single_device():
+    _ok(check("dp_shard=2,zero=3,offload", tolerance=FP32))
+
+
+def test_zero3_non_transformer_model():
+    cfg = CheckConfig(model_factory=mlp_factory, batch_factory=mlp_batch)
+    _ok(check("dp_shard=2,zero=3", cfg, tolerance=FP32))
+
+
+@pytest.mark.slow
+def test_zero3_with_checkpointing_and_shard_patterns():
+    plan = Plan(dp_shard=2, zero=3, activation_checkpointing="selective",
+                options={"shard_patterns": ["layers.*", "tok_embeddings"]})
+    _ok(check(plan, tolerance=FP32))
+
+
+def test_apply_replicate_matches_single_device():
+    """Replicated DP through FSDP2 (the path used for TP models) on plain parameters."""
+    from plait.check import train_and_collect
+
+    plan, cfg = Plan(dp_replicate=2), CheckConfig()
+    ref = run_distributed(train_and_collect, 1, Plan(), cfg, timeout=120)[0]
+    got = run_distributed(replicate_run, 2, plan, cfg, timeout=120)[0]
+    _ok(compare(plan, ref, got, cfg.steps, FP32))
+
+
+# ------------------------------------------------------------------ memory: measured vs formula
+MEMORY_PLANS = ["dp=2", "dp_shard=2,zero=1", "dp_shard=2,zero=2", "dp_shard=2,zero=3",
+                "dp_shard=2,zero=3,offload"]
+
+
+def test_memory_report_matches_closed_form():
+    """Measured local tensor bytes per rank within 10% of the closed form, for every stage."""
+    plans = [Plan.from_string(p) for p in MEMORY_PLANS]
+    reports = run_distributed(train_memory_many, 2, plans, CheckConfig(steps=2), timeout=180)[0]
+    for plan, report in zip(plans, reports):
+        _check_memory(plan, report)
+    states = {p.to_string(): r["ranks"][0]["measured"]["model_state"]
+              for p, r in zip(plans, reports)}
+    ddp, z1, z2, z3 = (states[Plan.from_string(p).to_string()] for p in MEMORY_PLANS[:4])
+    assert ddp > z1 > z2 == z3  # ZeRO-2 and -3 hold the same at rest; they differ in `gathered`
+
+
+def _check_memory(plan: Plan, report: dict) -> None:
+    psi = report["psi"]
+    assert psi == 180_800  # the "test" preset's parameter count, sharding undone
+    for ratio in model_state_ratio(report):
+        assert 0.9 <= ratio <= 1.1, (plan, ratio)
+    form = report["closed_form"]
+    for rank in report["ranks"]:
+        measured = rank["measured"]
+        for key in ("params", "grads", "optimizer"):
+            assert abs(measured[key] - form[key]) <= 0.1 * form[key], (plan, key, measured)
+        if plan.zero == 2:  # every block stays gathered between forward and backward
+            assert abs(measured["gathered"] - form["gathered"]) <= 0.1 * form["gathered"]
+        if plan.zero == 3:  # only the root's own parameters (embeddings, norm, head)
+            assert 0 < measured["gathered"] < 0.25 * 4 * psi
+        if plan.zero < 2:
+            assert measured["gathered"] == 0
+
+
+@pytest.mark.slow
+def test_memory_hsdp_shards_over_dp_shard_only():
+    plan = Plan.from_string("dp_replicate=2,dp_shard=2,zero=3")
+    report = run_distributed(train_memory, 4, plan, CheckConfig(steps=2), timeout=180)[0]
+    assert all(0.9 <= r <= 1.1 for r in model_state_ratio(report))
+    assert report["closed_form"]["model_state"] == 16 * report["psi"] / 2
+
+
+def test_closed_form_is_the_zero_paper_table():
+    psi = 1000
+    plan = Plan(dp_shard=4, zero=3)
+    assert closed_form(plan, psi, 8).model_state == 16 * psi / 4
+    assert closed_form(Plan(dp_shard=4, zero=2), psi, 8).model_state == 16 * psi / 4
+    assert closed_form(Plan(dp_shard=4, zero=2), psi, 8).gathered == 4 * psi
+    assert closed_form(Plan(dp_shard=4, zero=2, mixed_precision="bf16"), psi, 8).gathered \
+        == 2 * psi
+    assert closed_form(Plan(dp_shard=4, zero=1), psi, 8).model_state == 8 * psi + 8 * psi / 4
+    assert closed_form(Plan(dp_replicate=4), psi, 8).model_state == 16 * psi
+
+
+# ------------------------------------------------------------------ units
+def test_units_default_to_the_largest_container():
+    names = [n for n, _ in repeated_blocks(DeepMLP(depth=3))]
+    assert names == ["blocks.0", "blocks.1", "blocks.2"]
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    assert [n for n, _ in repeated_blocks(seq)] == ["0", "2"]  # the ReLU has nothing to shard
+
+
+def test_shard_patterns_select_units_bottom_up():
+    units = [n for n, _ in select_units(DeepMLP(depth=2), ["blocks.*", "blocks.*.fc1"])]
+    assert units[:2] == ["blocks.0.fc1", "blocks.1.fc1"]  # deeper first
+    assert set(units[2:]) == {"blocks.0", "blocks.1"}
+
+
+# ------------------------------------------------------------------ bad input
+def test_bad_zero_stage_and_offload_are_refused_by_the_plan():
+    with pytest.raises(ValueError, match=r"zero=4 must be 0, 1, 2 or 3"):
+        Plan(dp_shard=2, zero=4)
+    with pytest.raises(ValueError, match=r"offload=True needs zero=3 \(got zero=2\)"):
+        Plan(dp_shard=2, zero=2, offload=True)
+    with pytest.raises(ValueError, match=r"zero=3 needs dp_shard > 1"):
+        Plan(zero=3)
+
+
+def test_world_size_that_does_not_factor_is_refused():
+    with pytest.raises(ValueError, match=r"dp_shard\(3\).* = 3 != world size 4"):
+        Plan(dp_shard=3, zero=3).validate(world_size=4)
+    with pytest.raises(ValueError, match=r"= 4 != world size 2; make the degrees multiply to 2"):
+        Plan(dp_replicate=2, dp_shard=2, zero=3).validate(world_size=2)
+
+
+def test_pattern_matching_nothing_names_it():
+    with pytest.raises(ValueError, match=r"shard_patterns \['decoder\.\*'\] match no module"):
+        select_units(DeepMLP(), ["blocks.*", "decoder.*"])
+
+
+def test_pattern_matching_nothing_fails_before_training():
+    plan = Plan(dp_shard=2, zero=3, options={"shard_patterns": ["decoder.layers.*"]})
+    messages = run_distributed(parallelize_error, 2, plan, timeout=60)
+    assert all("decoder.layers.*" in m and "layers.0" in m for m in messages), messages
