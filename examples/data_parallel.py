@@ -62,3 +62,6 @@ diff_manual = max((a - b).abs().max().item()
 diff_plait = max((ours[n] - p).abs().max().item() for n, p in single.named_parameters())
 run.print(f"max |param diff| vs one device: by hand {diff_manual:.2e}, plait {diff_plait:.2e}")
 run.finish(print_summary=False)
+if max(diff_manual, diff_plait) > 1e-5:
+    raise SystemExit(f"data parallel training drifted from one device: {diff_manual:.2e}, "
+                     f"{diff_plait:.2e} (expected < 1e-5)")
