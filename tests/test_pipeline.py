@@ -190,6 +190,30 @@ def test_bad_splits_name_numbers_and_way_out():
         _check_no_shared_parameters(tied, *plan_stages(tied, Plan(pp=2, microbatches=2)))
 
 
+def test_planner_stage_layers_are_honoured_and_validated():
+    """options["pp_stage_layers"] (the planner's uneven split) sets blocks per stage."""
+    model = transformer8()
+    plan = Plan(pp=2, microbatches=2, options={"pp_stage_layers": [3, 5]})
+    assert [(s.start, s.end) for s in plan_stages(model, plan)[1]] == [(0, 3), (3, 8)]
+    plan = Plan(pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2, microbatches=2,
+                options={"pp_stage_layers": [1, 2, 2, 3]})
+    assert [(s.start, s.end) for s in plan_stages(model, plan)[1]] == [(0, 1), (1, 3), (3, 5),
+                                                                      (5, 8)]
+    # the even split the planner leaves implicit differs from the parameter-count split here
+    assert [(s.start, s.end) for s in plan_stages(model, Plan(pp=2, microbatches=2))[1]] != \
+        [(0, 3), (3, 8)]
+    for bad, match in [([4, 3], r"summing to the 8 blocks of layers"),
+                       ([2, 2, 4], r"must list 2 positive whole block counts \(pp=2 x "
+                                   r"virtual_stages=1\)"),
+                       ([0, 8], r"positive.*e\.g\. \[4, 4\]"),
+                       ([2.5, 5.5], r"whole block counts")]:
+        with pytest.raises(ValueError, match=match):
+            plan_stages(model, Plan(pp=2, microbatches=2, options={"pp_stage_layers": bad}))
+    with pytest.raises(ValueError, match=r"\['split_points', 'pp_stage_layers'\].*only one"):
+        plan_stages(model, Plan(pp=2, microbatches=2, options={"pp_stage_layers": [4, 4],
+                                                               "split_points": ["layers.4"]}))
+
+
 def test_batch_not_divisible_into_microbatches():
     runner = PipelineRunner([], Plan(pp=2, microbatches=4), rank=0)
     batch = (torch.zeros(6, 3), torch.zeros(6, 3))

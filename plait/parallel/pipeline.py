@@ -20,7 +20,9 @@ the running activation (HF decoders' position embeddings and masks) need an adap
 
 Stages are cut by parameter count (embedding on the first stage and head on the last count
 too), or by per-block costs (``plan.options["stage_costs"]``), or at user-named split points
-(``plan.options["split_points"] = ["layers.4", "layers.8"]``: a stage starts at each name).
+(``plan.options["split_points"] = ["layers.4", "layers.8"]``: a stage starts at each name), or
+by blocks per stage (``plan.options["pp_stage_layers"] = [3, 5]``, what the planner emits when
+its cost-balanced split is uneven).
 
 Schedules are torch's (``torch.distributed.pipelining``): GPipe, 1F1B, interleaved 1F1B, looped
 BFS, interleaved zero-bubble and ZB-V, with ``PipelineStage`` doing the point-to-point sends.
@@ -171,7 +173,14 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
                          f"{n_blocks} stages (lower pp or virtual_stages) or a deeper model")
     split_points = plan.options.get("split_points")
     stage_costs = plan.options.get("stage_costs")
-    if split_points is not None:
+    stage_layers = plan.options.get("pp_stage_layers")
+    given = [k for k, v in (("split_points", split_points), ("pp_stage_layers", stage_layers),
+                            ("stage_costs", stage_costs)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"options {given} each fix the stage cuts; give only one of them")
+    if stage_layers is not None:
+        bounds = _bounds_from_layers(stage_layers, n_stages, n_blocks, plan, where)
+    elif split_points is not None:
         names = [f"{path}.{k}" if path else k for k in container._modules]
         if len(split_points) != n_stages - 1:
             raise ValueError(f"split_points={list(split_points)} names {len(split_points)} "
@@ -201,6 +210,28 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
             last_extra = float(sum(_param_count(m) for m in after))
         bounds = partition(costs, n_stages, first_extra, last_extra)
     return path, [StageSpec(k, i, j, n_stages) for k, (i, j) in enumerate(bounds)]
+
+
+def _bounds_from_layers(stage_layers: Any, n_stages: int, n_blocks: int, plan: Plan,
+                       where: str) -> list[tuple[int, int]]:
+    """Block ranges from ``options["pp_stage_layers"]``: blocks per model chunk, in global stage
+    order (the planner writes it when its cost-balanced split is not the even one, so the
+    runtime builds exactly the layout that was priced)."""
+    try:
+        counts = [int(c) for c in stage_layers]
+        exact = all(int(c) == c for c in stage_layers)
+    except (TypeError, ValueError):
+        counts, exact = [], False
+    if not exact or len(counts) != n_stages or sum(counts) != n_blocks or min(counts) < 1:
+        raise ValueError(f"options['pp_stage_layers']={stage_layers!r} must list {n_stages} "
+                         f"positive whole block counts (pp={plan.pp} x virtual_stages="
+                         f"{plan.virtual_stages}), one per stage in stage order, summing to the "
+                         f"{n_blocks} blocks of {where}; e.g. "
+                         f"{[n_blocks // n_stages + (i < n_blocks % n_stages) for i in range(n_stages)]}")
+    edges = [0]
+    for c in counts:
+        edges.append(edges[-1] + c)
+    return list(zip(edges[:-1], edges[1:]))
 
 
 def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Module:
