@@ -37,6 +37,7 @@ in ``no_sync`` for all but the last backward of a step, and drives FSDP2's reduc
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass
@@ -57,6 +58,10 @@ Containers = (nn.ModuleList, nn.Sequential)
 
 class PipelineSkip(nn.Module):
     """Stands in for a module another stage owns: returns its first input unchanged."""
+
+    # Read by later composition steps (tensor parallelism) to leave it alone: a layer plan's
+    # "output: vocab_head" still names it on stages that do not own the head.
+    plait_pipeline_skip = True
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         return x
@@ -341,7 +346,21 @@ class PipelineRunner:
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         # Mean over microbatches (and accumulation steps): each microbatch's mean loss divided
         # by their number, so the summed gradients are the whole batch's mean-loss gradients.
-        return self._loss_fn(output, target) * self._scale
+        loss = self._loss_fn(output, target)
+        if hasattr(loss, "full_tensor"):  # vocabulary-parallel head: a replicated DTensor loss
+            loss = loss.full_tensor()
+        return loss * self._scale
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        """torch's ``loss_parallel()`` around the whole schedule step when the last stage's head
+        is vocabulary-parallel (TP marks it ``plait_loss_parallel``): the schedule computes the
+        loss, and runs its backward, inside ``step``, so the train step cannot wrap them apart."""
+        if any(getattr(s.submod, "plait_loss_parallel", False) for s in self.stages
+               if s.is_last):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     def _build_schedule(self) -> Any:
         from torch.distributed.pipelining import schedules
@@ -382,7 +401,7 @@ class PipelineRunner:
             part_args = tuple(x[a * chunk:(a + 1) * chunk] for x in args)
             part_target = targets[a * chunk:(a + 1) * chunk]
             losses: list[torch.Tensor] = []
-            with autocast(plan, device):
+            with self._loss_context(), autocast(plan, device):
                 self._schedule.step(*(part_args if self.has_first else ()),
                                     target=part_target if self.has_last else None,
                                     losses=losses if self.has_last else None,

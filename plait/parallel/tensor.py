@@ -340,7 +340,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
         raise ValueError(f"sp=True: the tensor-parallel plan for {type(module).__name__} "
                          f"({tp_plan.source}) has no sequence-parallel layout; use sp=False, or "
                          f"pass options['tp_plan'] with 'region' and 'sequence_parallel' entries")
-    matched = match_plan(module, tp_plan.styles)
+    # Pipeline stages keep a parameter-free PipelineSkip where another stage owns a module.
+    matched = {name: style for name, style in match_plan(module, tp_plan.styles).items()
+               if not getattr(module.get_submodule(name), "plait_pipeline_skip", False)}
     for note in validate(module, tp_plan, matched, tp):
         _print0(note)
     ties = _tied_groups(module)
