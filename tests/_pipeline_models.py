@@ -48,3 +48,34 @@ def timeline_worker(rank, world_size, schedule, v, m):
     names = sorted(n for s in model.plait_stages for n, _ in s.named_parameters())
     run.close()
     return {"events": events, "png": png, "loss": float(loss), "names": names}
+
+
+class LogitsOf(nn.Module):
+    """A Hugging Face causal LM whose forward returns the logits tensor (the check harness's
+    loss, and a pipeline's last stage, take a tensor); the pipeline finds ``hf.model.layers``."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, x):
+        return self.hf(x).logits
+
+
+def hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+                      max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LogitsOf(LlamaForCausalLM(cfg))
+
+
+def hf_gpt2(tie=True):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=256, n_positions=64,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    return LogitsOf(GPT2LMHeadModel(cfg))

@@ -15,8 +15,8 @@ import torch.nn as nn
 
 from plait.check import CheckConfig, check
 from plait.models.transformer import build, preset
-from plait.parallel.pipeline import (PipelineRunner, PipelineSkip, build_stage_module,
-                                     find_blocks, partition, plan_stages)
+from plait.parallel.pipeline import (PipelineRunner, PipelineSkip, PipelineZero,
+                                     build_stage_module, find_blocks, partition, plan_stages)
 from plait.parallel.schedules import (check_schedule_args, format_schedule, peak_in_flight,
                                       rank_orders, schedule_grid, stage_to_rank,
                                       theoretical_bubble)
@@ -301,3 +301,41 @@ def test_pp2_x_tp2_schedules(schedule, v):
     cfg = CheckConfig(optimizer="sgd", model_factory=transformer8 if v > 1 else None)
     _assert_ok(check(Plan(pp=2, tp=2, pp_schedule=schedule, virtual_stages=v, microbatches=4),
                      cfg))
+
+
+# ------------------------------------------------------------------ Hugging Face decoders
+def test_hf_llama_stages_chain_to_the_full_model():
+    from plait.parallel.pipeline import _check_no_shared_parameters
+
+    from tests._pipeline_models import hf_gpt2, hf_llama
+
+    model = hf_llama()
+    path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
+    assert path == "hf.model.layers" and [(s.start, s.end) for s in specs] == [(0, 2), (2, 4)]
+    first, last = (build_stage_module(model, path, s) for s in specs)
+    assert isinstance(last.hf.model.embed_tokens, PipelineSkip)
+    assert isinstance(first.hf.lm_head, PipelineSkip) and isinstance(first.hf.model.norm,
+                                                                     PipelineSkip)
+    tokens = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        hidden = first(tokens)
+        assert hidden.shape == (2, 8, 64) and hidden.is_floating_point()
+        torch.testing.assert_close(last(hidden), model(tokens))
+        torch.testing.assert_close(model(tokens), hf_llama()(tokens))  # the original is intact
+    # GPT-2: tied wte/lm_head is refused naming the fix; untied, the later stage's stand-in for
+    # the learned position embedding (added to inputs_embeds) adds zero
+    tied = hf_gpt2(tie=True)
+    with pytest.raises(ValueError, match=r"shared by stages 0 and 1.*tie_word_embeddings=False"):
+        _check_no_shared_parameters(tied, *plan_stages(tied, Plan(pp=2, microbatches=2)))
+    gpt2 = hf_gpt2(tie=False)
+    path, specs = plan_stages(gpt2, Plan(pp=2, microbatches=2))
+    first, last = (build_stage_module(gpt2, path, s) for s in specs)
+    assert isinstance(last.hf.transformer.wpe, PipelineZero)
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(tokens)), gpt2(tokens))
+
+
+def test_hf_llama_pp2_1f1b_matches_single_device():
+    from tests._pipeline_models import hf_llama
+
+    _assert_ok(check("pp=2,schedule=1f1b,mb=4", CheckConfig(model_factory=hf_llama)))

@@ -56,6 +56,16 @@ from .timeline import Timeline, now
 Containers = (nn.ModuleList, nn.Sequential)
 
 
+class PipelineZero(nn.Module):
+    """Stands in, on stages after the first, for an HF position embedding whose output the
+    decoder adds to ``inputs_embeds``: the hidden states received already contain it."""
+
+    plait_pipeline_skip = True
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return torch.zeros((), device=x.device)
+
+
 class PipelineSkip(nn.Module):
     """Stands in for a module another stage owns: returns its first input unchanged."""
 
@@ -243,9 +253,17 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
     """A shallow copy of ``model`` holding only stage ``spec``'s modules (names unchanged)."""
     parts = path.split(".") if path else []
 
+    hf_done = False
+    added: set[int] = set()  # HF position embeddings: their skip adds zero
+
     def rebuild(module: nn.Module, depth: int) -> nn.Module:
+        nonlocal hf_done
         clone = copy.copy(module)
         clone._modules = dict(module._modules)  # own registry; children shared, not copied
+        if not hf_done and _is_hf_model(module):
+            hf_done = True  # the outermost HF model on the path is the one that gets called
+            added.update(id(m) for m in _hf_added_embeddings(module, parts[depth:]))
+            _adapt_hf_forward(clone, spec, returns_logits=depth == 0)
         if depth == len(parts):  # the block sequence
             for idx, key in enumerate(module._modules):
                 if not spec.start <= idx < spec.end:
@@ -264,10 +282,71 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
             elif child is not None and _param_count(child) > 0:
                 keep = spec.is_last if seen else spec.is_first
                 if not keep:
-                    clone._modules[key] = PipelineSkip()
+                    clone._modules[key] = PipelineZero() if id(child) in added else PipelineSkip()
         return clone
 
     return rebuild(model, 0)
+
+
+# ----------------------------------------------------------------------------- HF decoders
+# Hugging Face decoder layers take masks and rotary position embeddings that the decoder's
+# forward computes from its input, so a stage cannot feed its hidden states to a layer alone.
+# What HF offers instead: ``*ForCausalLM.forward(inputs_embeds=h)`` skips the token embedding and
+# builds the mask and positions from ``h``. So a later stage calls the (skip-replaced) model with
+# ``inputs_embeds=`` its input; skipped layers pass the hidden states through, and on stages
+# without the head the skipped final norm and ``lm_head`` make ``.logits`` those hidden states.
+def _is_hf_model(module: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except Exception:  # transformers not installed: no HF models to adapt
+        return False
+    return isinstance(module, PreTrainedModel)
+
+
+def _hf_added_embeddings(hf: nn.Module, parts: list[str]) -> list[nn.Module]:
+    """The embeddings before the layers other than the token embedding (GPT-2's ``wpe``, OPT's
+    learned positions): HF decoders add their output to ``inputs_embeds``, so on later stages
+    (which receive hidden states that already include them) their stand-in must add zero.
+
+    Other parameterised modules there are refused: whether the decoder adds or applies them
+    cannot be told from outside, and a wrong guess trains silently wrong."""
+    embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    before, _ = _side_modules(hf, ".".join(parts))
+    other = [m for m in before if m is not embed and _param_count(m) > 0]
+    unknown = [m for m in other if not isinstance(m, nn.Embedding)]
+    if unknown:
+        names = [n for n, m in hf.named_modules() if any(m is u for u in unknown)]
+        raise ValueError(f"{type(hf).__name__} has parameterised modules {names} before its "
+                         f"decoder layers that are neither the token embedding nor an "
+                         f"embedding added to it; plait's HF pipeline adapter cannot tell how "
+                         f"later stages should skip them: run this model with pp=1, or wrap "
+                         f"it so those modules live inside the first block")
+    return other
+
+
+def _adapt_hf_forward(clone: nn.Module, spec: StageSpec, returns_logits: bool) -> None:
+    """Give the stage copy of an HF model a forward that takes hidden states on later stages.
+
+    The user's code calls ``hf(x)`` / ``hf(input_ids=x)`` as usual; on every stage after the
+    first, ``x`` is the previous stage's hidden states and goes in as ``inputs_embeds``. No KV
+    cache (training). When the HF model is the pipelined model itself, stages return
+    ``.logits`` (pipeline stages pass tensors; the loss gets logits).
+    """
+    forward = type(clone).forward
+
+    def stage_forward(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("use_cache", False)
+        if not spec.is_first:
+            if args:
+                hidden, args = args[0], args[1:]
+            else:
+                hidden = kwargs.pop("input_ids", None)
+            if hidden is not None:
+                kwargs["inputs_embeds"] = hidden
+        out = forward(clone, *args, **kwargs)
+        return out.logits if returns_logits else out
+
+    clone.forward = stage_forward
 
 
 # ----------------------------------------------------------------------------- runtime
@@ -464,5 +543,7 @@ def _check_no_shared_parameters(model: nn.Module, path: str, specs: list[StageSp
             other = owner.setdefault(id(p), spec.index)
             if other != spec.index:
                 raise ValueError(f"parameter {name} is shared by stages {other} and "
-                                 f"{spec.index} (tied weights, e.g. tie_embeddings=True); untie "
-                                 f"them or put both users on one stage (split_points)")
+                                 f"{spec.index} (tied weights, e.g. tie_embeddings=True, or a Hugging "
+                                 f"Face config's tie_word_embeddings=True); untie them "
+                                 f"(tie_word_embeddings=False when building the HF model) or "
+                                 f"put both users on one stage (split_points)")
