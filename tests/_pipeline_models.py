@@ -79,3 +79,7 @@ def hf_gpt2(tie=True):
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tie)
     torch.manual_seed(0)
     return LogitsOf(GPT2LMHeadModel(cfg))
+
+
+def hf_gpt2_untied():
+    return hf_gpt2(tie=False)

@@ -339,3 +339,19 @@ def test_hf_llama_pp2_1f1b_matches_single_device():
     from tests._pipeline_models import hf_llama
 
     _assert_ok(check("pp=2,schedule=1f1b,mb=4", CheckConfig(model_factory=hf_llama)))
+
+
+def test_hf_gpt2_untied_pp2_matches_single_device():
+    from tests._pipeline_models import hf_gpt2_untied
+
+    _assert_ok(check("pp=2,schedule=1f1b,mb=4", CheckConfig(model_factory=hf_gpt2_untied)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp=2,schedule=interleaved_zb,v=2,mb=4",
+                                    "pp=2,tp=2,schedule=1f1b,mb=2"])
+def test_hf_llama_other_layouts(layout):
+    from tests._pipeline_models import hf_llama
+
+    cfg = CheckConfig(model_factory=hf_llama, optimizer="sgd" if "tp" in layout else "adamw")
+    _assert_ok(check(layout, cfg))
