@@ -344,6 +344,12 @@ def _adapt_hf_forward(clone: nn.Module, spec: StageSpec, returns_logits: bool) -
             if hidden is not None:
                 kwargs["inputs_embeds"] = hidden
         out = forward(clone, *args, **kwargs)
+        if not spec.is_last and getattr(out, "logits", None) is not None \
+                and out.logits._is_view():
+            # Here ``.logits`` is the hidden states sliced by ``logits_to_keep`` (a view), and
+            # torch's split backward (zero-bubble schedules) frees stage outputs with detach_(),
+            # which views refuse: hand on an owned copy (one activation copy per microbatch).
+            out.logits = out.logits.clone()
         return out.logits if returns_logits else out
 
     clone.forward = stage_forward
