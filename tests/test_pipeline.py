@@ -296,11 +296,12 @@ def test_pp2_x_tp2_vocab_parallel_head_matches_single_device():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_zb", 2)])
-def test_pp2_x_tp2_schedules(schedule, v):
+@pytest.mark.parametrize("schedule,v,sp", [("1f1b", 1, False), ("interleaved_zb", 2, False),
+                                          ("1f1b", 1, True)])
+def test_pp2_x_tp2_schedules(schedule, v, sp):
     cfg = CheckConfig(optimizer="sgd", model_factory=transformer8 if v > 1 else None)
-    _assert_ok(check(Plan(pp=2, tp=2, pp_schedule=schedule, virtual_stages=v, microbatches=4),
-                     cfg))
+    _assert_ok(check(Plan(pp=2, tp=2, sp=sp, pp_schedule=schedule, virtual_stages=v,
+                          microbatches=4), cfg))
 
 
 # ------------------------------------------------------------------ Hugging Face decoders
@@ -322,6 +323,11 @@ def test_hf_llama_stages_chain_to_the_full_model():
         assert hidden.shape == (2, 8, 64) and hidden.is_floating_point()
         torch.testing.assert_close(last(hidden), model(tokens))
         torch.testing.assert_close(model(tokens), hf_llama()(tokens))  # the original is intact
+    # a bare HF model (no wrapper): its stages hand on tensors, the last one the logits
+    bare = model.hf
+    first, last = (build_stage_module(bare, "model.layers", s) for s in specs)
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(tokens)), bare(tokens).logits)
     # GPT-2: tied wte/lm_head is refused naming the fix; untied, the later stage's stand-in for
     # the learned position embedding (added to inputs_embeds) adds zero
     tied = hf_gpt2(tie=True)
