@@ -227,6 +227,10 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
     return path, [StageSpec(k, i, j, n_stages) for k, (i, j) in enumerate(bounds)]
 
 
+def _even_counts(n_blocks: int, n_stages: int) -> list[int]:
+    return [n_blocks // n_stages + (i < n_blocks % n_stages) for i in range(n_stages)]
+
+
 def _bounds_from_layers(stage_layers: Any, n_stages: int, n_blocks: int, plan: Plan,
                        where: str) -> list[tuple[int, int]]:
     """Block ranges from ``options["pp_stage_layers"]``: blocks per model chunk, in global stage
@@ -242,7 +246,7 @@ def _bounds_from_layers(stage_layers: Any, n_stages: int, n_blocks: int, plan: P
                          f"positive whole block counts (pp={plan.pp} x virtual_stages="
                          f"{plan.virtual_stages}), one per stage in stage order, summing to the "
                          f"{n_blocks} blocks of {where}; e.g. "
-                         f"{[n_blocks // n_stages + (i < n_blocks % n_stages) for i in range(n_stages)]}")
+                         f"{_even_counts(n_blocks, n_stages)}")
     edges = [0]
     for c in counts:
         edges.append(edges[-1] + c)
@@ -549,7 +553,8 @@ def _check_no_shared_parameters(model: nn.Module, path: str, specs: list[StageSp
             other = owner.setdefault(id(p), spec.index)
             if other != spec.index:
                 raise ValueError(f"parameter {name} is shared by stages {other} and "
-                                 f"{spec.index} (tied weights, e.g. tie_embeddings=True, or a Hugging "
-                                 f"Face config's tie_word_embeddings=True); untie them "
+                                 f"{spec.index} (tied weights, e.g. tie_embeddings=True, "
+                                 f"or a Hugging Face config's tie_word_embeddings=True); untie "
+                                 f"them "
                                  f"(tie_word_embeddings=False when building the HF model) or "
                                  f"put both users on one stage (split_points)")
