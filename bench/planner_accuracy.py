@@ -8,11 +8,15 @@
              constant that zeroes the median error over all rows (the default is this value,
              rounded), and the planner's own pick for each model, cluster and batch.
 --speed      search time for 175B on 1,024 and 16,384 A100s (targets < 1 s and < 10 s).
---calibrate  measure this CPU (plait.planner.calibrate), then time every layout of the small
-             reference model that runs at world 2 and 4 (plait's runtime when present, else plain
-             torch DDP / FSDP2 / DTensor TP) and compare with the prediction: median absolute
-             error (target <= 15%), Spearman rank correlation (>= 0.8), and where the planner's
-             pick among the measured layouts ranks (target: within 10% of the measured best).
+--calibrate  measure this CPU (plait.planner.calibrate), then time layouts of the small
+             reference model at world 2 and 4 through plait's runtime (plait.init /
+             run.parallelize / run.step: DDP, ZeRO-1/2/3, TP+SP, pipelines with 1f1b / gpipe /
+             interleaved / zbv, their compositions), in interleaved rounds (median of rounds,
+             warm-up discarded), and compare with the prediction: median absolute error (target
+             <= 15%), Spearman rank correlation (>= 0.8), where the planner's pick among the
+             measured layouts ranks (target: within 10% of the measured best), and the noise
+             floor (spread of the rounds of one layout), which bounds what any model can reach.
+--quick      --calibrate with fewer layouts and steps.
 """
 
 from __future__ import annotations
@@ -155,7 +159,6 @@ def in_group_profile(cluster, cals: list[dict], world: int):
     """The profile measured inside the timing job (before and after it, every rank): compute
     already reflects how many processes share the cores, so compute_units is dropped."""
     from plait.comm.volumes import bus_factor
-    from plait.planner.hardware import Cluster  # noqa: F401
 
     med = {k: statistics.median(c[k] for c in cals) for k in cals[0]}
     alpha = med["t_small"] / (2 * (world - 1))
@@ -167,18 +170,49 @@ def in_group_profile(cluster, cals: list[dict], world: int):
                             compute_units=None, extra=extra)
     print(f"  in-job calibration (median of ranks, before and after): "
           f"{med['peak'] / 1e9:.1f} GFLOP/s x {med['eff']:.2f} efficiency, block overhead "
-          f"{med['overhead'] * 1e3:.2f} ms, all-reduce {bw / 1e9:.2f} GB/s, {alpha * 1e6:.0f} us/step")
+          f"{med['overhead'] * 1e3:.2f} ms (fit residual {med['residual']:.1%}), all-reduce "
+          f"{bw / 1e9:.2f} GB/s, {alpha * 1e6:.0f} us/step")
     return c, constants_for(c)
 
 
-def measured(args) -> dict:
-    from _planner_workers import has_runtime, time_layouts, torch_supports
+def choose_layouts(model, cluster, work, constants, limit: int) -> list:
+    """The layouts to time: the planner's best-predicted variant of every structure (degrees,
+    ZeRO stage, SP, schedule, virtual stages), in the planner's order, then for as many as fit
+    in ``limit``: the most-accumulation variant, full recomputation, and GPipe for pipelines.
+    Structures first, so a small ``limit`` still covers every kind of parallelism."""
+    cands = search(model, cluster, work, dtype="fp32", top=0, constants=constants).ranked
+    groups: dict = {}
+    for e in cands:
+        p = e.plan.replace(options={}) if e.plan.options else e.plan
+        key = (tuple(p.degrees().items()), p.zero, p.sp, p.pp_schedule, p.virtual_stages)
+        groups.setdefault(key, []).append(p)
+    plans = [g[0] for g in groups.values()]
+    extras = []
+    for g in groups.values():
+        base = g[0]
+        most = max(g, key=lambda p: p.grad_accum * p.microbatches)
+        if most != base:
+            extras.append(most)
+        if base.activation_checkpointing == "none":
+            extras.append(base.replace(activation_checkpointing="full"))
+        if base.pp > 1 and base.pp_schedule == "1f1b" and base.virtual_stages == 1:
+            extras.append(base.replace(pp_schedule="gpipe"))
+    # round-robin over structures so every kind of variant is represented
+    for p in extras:
+        if len(plans) >= limit:
+            break
+        if p not in plans:
+            plans.append(p)
+    return plans[:limit]
 
-    from plait.plan import Plan
+
+def measured(args) -> dict:
+    from _planner_workers import time_layouts
+
     from plait.planner.calibrate import calibrate
     from plait.spawn import run_distributed
 
-    print("\n== predicted vs measured on this machine ==")
+    print("\n== predicted vs measured on this machine (plait runtime: init/parallelize/step) ==")
     if args.profile and Path(args.profile).exists():
         cluster = load_cluster(args.profile)
         print(f"profile: {args.profile}")
@@ -187,82 +221,66 @@ def measured(args) -> dict:
         if args.profile:
             save_cluster(cluster, args.profile)
         print(f"calibrated: {cluster.peak('fp32') / 1e9:.1f} GFLOP/s per process, block "
-              f"efficiency {cluster.extra['compute_efficiency']:.2f}, all-reduce "
+              f"efficiency {cluster.extra['compute_efficiency']:.2f}, block overhead "
+              f"{cluster.extra['block_overhead_s'] * 1e3:.2f} ms (fit residual "
+              f"{cluster.extra['block_fit_residual']:.1%}), all-reduce "
               f"{cluster.intra_bw / 1e9:.2f} GB/s, {cluster.intra_latency * 1e6:.0f} us/step, "
               f"{cluster.compute_units} cores")
     constants = constants_for(cluster)
-    runtime = has_runtime()
-    print(f"backend: {'plait runtime' if runtime else 'plain torch (DDP / FSDP2 / DTensor TP): plait runtime not in this checkout'}")
     model = load_model(args.model)
     work = Workload(args.global_batch, args.seq)
     results = {}
     for world in args.worlds:
-        c = cluster.with_world(world)
-        cands = search(model, c, work, dtype="fp32", top=0, constants=constants).ranked
-        # One entry per structure (degrees, ZeRO stage, schedule), at the fewest and the most
-        # micro-steps, each with and without full recomputation: every kind of layout that runs,
-        # within --max-layouts.
-        by_structure: dict = {}
-        for e in cands:
-            p = e.plan
-            key = (tuple(p.degrees().items()), p.zero, p.pp_schedule, p.virtual_stages)
-            by_structure.setdefault(key, []).append(p)
-        picked = []
-        for group in by_structure.values():
-            micro = sorted(group, key=lambda p: p.grad_accum * p.microbatches)
-            for p in (micro[0], micro[-1]):
-                if p not in picked:
-                    picked.append(p)
-        plans = []
-        for base in picked:
-            variants = [base]
-            if base.activation_checkpointing == "none":
-                variants.append(base.replace(activation_checkpointing="full"))
-            for p in variants:
-                if p.sp and not runtime:
-                    p = p.replace(sp=False)
-                if p.options:
-                    p = p.replace(options={})
-                if (runtime or torch_supports(p)) and p not in plans:
-                    plans.append(p)
-        plans = plans[:args.max_layouts]
+        t_start = time.perf_counter()
+        plans = choose_layouts(model, cluster.with_world(world), work, constants,
+                               args.max_layouts)
         print(f"\nworld {world}: {len(plans)} layouts of {args.model} (global batch "
-              f"{args.global_batch} x seq {args.seq}, fp32)")
+              f"{args.global_batch} x seq {args.seq}, fp32), {args.rounds} interleaved rounds x "
+              f"{args.steps} steps after {args.warmup} warm-up steps")
         per_rank = run_distributed(time_layouts, world, [p.to_dict() for p in plans],
                                    args.model, args.global_batch, args.seq, args.steps,
-                                   args.warmup, runtime, timeout=args.timeout)
-        c, constants = in_group_profile(cluster, [r[0] for r in per_rank] +
-                                        [r[-1] for r in per_rank], world)
+                                   args.warmup, args.rounds, timeout=args.timeout)
+        c, constants_w = in_group_profile(cluster, [r[0] for r in per_rank] +
+                                          [r[-1] for r in per_rank], world)
         per_rank = [r[1:-1] for r in per_rank]
         rows = []
         for i, p in enumerate(plans):
             got = [r[i] for r in per_rank]
-            pred = evaluate(p, model, c, work, constants)  # the in-job profile
-            if any(isinstance(g, str) for g in got):
-                err = next(g for g in got if isinstance(g, str))
-                print(f"  {p.describe():<60} failed: {err}")
+            pred = evaluate(p, model, c, work, constants_w)  # the in-job profile
+            bad = next((g for g in got if isinstance(g, str)), None)
+            if bad is not None:
+                print(f"  {p.describe():<62} failed: {bad}")
                 continue
-            # per step the slowest rank, then the fastest step: on a shared machine contention
-            # only ever adds time, so the minimum is the least noisy estimate
-            meas = min(max(ts) for ts in zip(*got))
-            rows.append((p, pred.step_time_s, meas))
-        print(f"  {'layout':<60} {'predicted s':>11} {'measured s':>10} {'error':>7}")
-        for p, pred, meas in rows:
-            print(f"  {p.describe():<60} {pred:>11.4f} {meas:>10.4f} {pred / meas - 1:>+7.1%}")
+            # a step's time is its slowest rank; a round's, the median of its steps; the
+            # layout's, the median of its rounds
+            per_round = [statistics.median(max(ts) for ts in zip(*(g[k] for g in got)))
+                         for k in range(len(got[0]))]
+            meas = statistics.median(per_round)
+            spread = statistics.median(abs(x / meas - 1) for x in per_round)
+            rows.append((p, pred.step_time_s, meas, spread, per_round))
+        print(f"  {'layout':<62} {'predicted s':>11} {'measured s':>10} {'error':>7} "
+              f"{'round spread':>12}")
+        for p, pred, meas, spread, _ in rows:
+            print(f"  {p.describe():<62} {pred:>11.4f} {meas:>10.4f} {pred / meas - 1:>+7.1%} "
+                  f"{spread:>12.1%}")
         if len(rows) >= 2:
-            errs = [abs(pr / me - 1) for _, pr, me in rows]
+            errs = [abs(r[1] / r[2] - 1) for r in rows]
             rho = spearman([r[1] for r in rows], [r[2] for r in rows])
             pick = min(rows, key=lambda r: r[1])
             best = min(r[2] for r in rows)
             rank = sorted(r[2] for r in rows).index(pick[2]) + 1
+            noise = statistics.median(r[3] for r in rows)
             print(f"  median |error| {statistics.median(errs):.1%} (target <= 15%), Spearman "
                   f"{rho:.2f} (target >= 0.8); planner's pick {pick[0].describe()} measured "
                   f"rank {rank}/{len(rows)}, {pick[2] / best - 1:+.1%} vs the measured best "
                   f"(target within 10%)")
+            print(f"  noise floor: median |round / median - 1| over layouts {noise:.1%}; "
+                  f"{time.perf_counter() - t_start:.0f} s for this world")
             results[world] = {"median_abs_error": statistics.median(errs), "spearman": rho,
                               "pick": pick[0].to_string(), "pick_rank": rank,
-                              "pick_vs_best": pick[2] / best - 1,
-                              "rows": [(p.to_string(), pr, me) for p, pr, me in rows]}
+                              "pick_vs_best": pick[2] / best - 1, "noise_floor": noise,
+                              "rows": [(p.to_string(), pr, me, sp, rr)
+                                       for p, pr, me, sp, rr in rows]}
     return results
 
 
@@ -277,12 +295,18 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per layout per round")
+    ap.add_argument("--warmup", type=int, default=2, help="discarded steps per layout")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions")
     ap.add_argument("--max-layouts", type=int, default=16)
+    ap.add_argument("--quick", action="store_true",
+                    help="8 layouts, 2 rounds x 2 steps, 1 warm-up step (a few minutes)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.max_layouts, args.rounds, args.steps, args.warmup = 8, 2, 2, 1
+        args.calibrate = True
     if not (args.published or args.speed or args.calibrate):
         args.published = args.speed = True
     out = {}

@@ -276,10 +276,19 @@ def test_every_schedule_matches_single_device(schedule, pp, v):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("interleaved_zb", 2)])
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("interleaved_1f1b", 2)])
 def test_pp2_x_dp2_other_schedules(schedule, v):
     _assert_ok(check(Plan(pp=2, dp_replicate=2, pp_schedule=schedule, virtual_stages=v,
                           microbatches=2), CheckConfig()))
+
+
+@pytest.mark.parametrize("text", ["dp=2,pp=2,schedule=zbv,v=2,mb=2",
+                                  "dp_shard=2,zero=3,pp=2,schedule=interleaved_zb,v=2,mb=2"])
+def test_zero_bubble_with_data_parallel_is_refused(text):
+    # Both train a different model than one device (loss off by ~5e-2 after 5 steps, measured):
+    # DDP/FSDP2 synchronise before the deferred weight gradients exist.
+    with pytest.raises(ValueError, match="not supported: gradients"):
+        Plan.from_string(text)
 
 
 @pytest.mark.slow

@@ -324,3 +324,33 @@ def test_malformed_model_files(tmp_path, capsys):
                                "num_attention_heads": 4, "vocab_size": 10}))
     assert run_cli("--model", str(cfg), "--cluster", "cpu", "--global-batch", "8") == 2
     assert "hidden_size=-64" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ calibration fit (pure)
+def test_fit_line_recovers_known_overhead_despite_inflated_points():
+    from plait.planner.calibrate import fit_line
+
+    overhead, per_token = 2e-3, 5e-6
+    xs = [64 * b for b in (1, 2, 4, 8)] * 2
+    ys = [overhead + per_token * x for x in xs]
+    ys[1] *= 3.0      # two timings inflated by a neighbour's burst of load
+    ys[6] *= 1.8
+    fit = fit_line(xs, ys)
+    assert fit.intercept == pytest.approx(overhead, rel=1e-6)
+    assert fit.slope == pytest.approx(per_token, rel=1e-6)
+    assert fit.points == 8 and fit.residual == pytest.approx(0.0, abs=1e-9)
+    # a two-point fit from the same data (the old method) is thrown far off by one bad point
+    slope2 = (ys[3] - ys[1]) / (xs[3] - xs[1])
+    assert abs(ys[1] - slope2 * xs[1] - overhead) > overhead
+
+
+def test_fit_line_clamps_negative_intercept_and_reports_residual():
+    from plait.planner.calibrate import fit_line
+
+    xs = [1.0, 2.0, 4.0, 8.0]
+    fit = fit_line(xs, [0.9, 2.0, 4.1, 7.9])     # slope ~1, intercept slightly below 0
+    assert fit.intercept == 0.0 and fit.slope == pytest.approx(1.0, rel=0.05)
+    noisy = fit_line(xs, [1.5, 2.0, 4.0, 8.0])
+    assert noisy.residual >= 0.0
+    with pytest.raises(ValueError, match="distinct x"):
+        fit_line([2.0, 2.0], [1.0, 1.1])

@@ -298,6 +298,11 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         if value % tp:
             est.reason = f"tp={tp} does not divide {what}={value}"
             return est
+    if plan.zero == 1 and tp > 1:
+        # plait's ZeRO-1 is DDP + ZeroRedundancyOptimizer; DDP cannot bucket TP's DTensor
+        # parameters, so the runtime refuses this layout (plait/parallel/fsdp.py).
+        est.reason = "zero=1 with tp>1 is not supported by plait's runtime; use zero=2 or 3"
+        return est
     if plan.sp and s % tp:
         est.reason = f"sequence parallel needs seq={s} divisible by tp={tp}"
         return est

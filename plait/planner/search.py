@@ -117,7 +117,9 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
                             if pp * v <= model.n_layers and n % pp == 0:
                                 layouts.append(dict(base, microbatches=n, virtual_stages=v,
                                                     pp_schedule="interleaved_1f1b"))
-                        if 2 * pp <= model.n_layers:
+                        # Zero-bubble schedules only without data parallelism: see
+                        # plait.plan.ZERO_BUBBLE_SCHEDULES.
+                        if 2 * pp <= model.n_layers and R * S == 1:
                             layouts.append(dict(base, microbatches=n, virtual_stages=2,
                                                 pp_schedule="zbv"))
                     for layout in layouts:
