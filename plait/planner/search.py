@@ -16,8 +16,8 @@ Pruned, without losing a winner under the cost model:
     parallelism moves the same bytes as plain TP with less memory. So the search skips the
     dominated ones (GPipe, looped BFS, interleaved ZB, TP without SP); ``--plan`` evaluates them.
 
-Pipeline stages are balanced by the DP partition in :func:`cost.balanced_partition`; when that is
-not the even split the plan carries it as ``options["pp_stage_layers"]``.
+Pipeline stages are balanced by the DP partition in :func:`cost.balanced_partition`; the plan
+carries the blocks per stage as ``options["pp_stage_layers"]``, which the runtime's split honours.
 """
 
 from __future__ import annotations
@@ -165,15 +165,13 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
 
 
 def _with_stages(est: Estimate) -> Estimate:
-    """Record a non-even pipeline split in the plan so the runtime builds what was priced."""
+    """Record the pipeline split in the plan so the runtime builds what was priced."""
     plan = est.plan
     chunks = plan.pp * plan.virtual_stages
     if chunks > 1 and est.stage_layers:
-        L = sum(est.stage_layers)
-        base, extra = divmod(L, chunks)
-        even = tuple(base + (1 if i < extra else 0) for i in range(chunks))
-        if tuple(est.stage_layers) != even:
-            options = dict(plan.options)
-            options["pp_stage_layers"] = list(est.stage_layers)
-            est.plan = plan.replace(options=options)
+        # Always written, even when even: the runtime's default split balances parameter
+        # counts (embedding and head included), which is not the split the planner priced.
+        options = dict(plan.options)
+        options["pp_stage_layers"] = list(est.stage_layers)
+        est.plan = plan.replace(options=options)
     return est
