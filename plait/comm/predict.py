@@ -112,28 +112,33 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
     accum, pp, m = plan.grad_accum, plan.pp, plan.microbatches
     out: list[Traffic] = []
     # ---------------------------------------------------------------- data parallelism
+    # A pipeline runs one schedule per accumulation step and torch's stage runtime syncs
+    # DDP/FSDP2 on the last backward of each: gradients are reduced ``accum`` times per step.
+    syncs = accum if pp > 1 else 1
     if plan.zero == 1 and plan.dp_replicate * plan.dp_shard > 1:
         dp = plan.dp_replicate * plan.dp_shard
-        out += ddp_traffic(local.params, dp, "fp32", axis=_dp_axis(plan))
+        out += _times(ddp_traffic(local.params, dp, "fp32", axis=_dp_axis(plan)), syncs)
         if plan.dp_shard > 1:
             out.append(Traffic("dp_shard", "broadcast", float(local.params) * FP32,
                                local.tensors, plan.dp_shard, "params (ZeroRedundancyOptimizer)"))
     elif plan.zero in (2, 3) and plan.dp_shard > 1:
-        # Pipelines run one schedule per accumulation step; FSDP2 is driven by the stage.
         z = zero_traffic(local.params, plan.dp_shard, plan.zero, param_dtype=dtype,
                          micro_steps=accum, root_params=local.root_params)
+        gathers: list[Traffic] | None = [t for t in z if t.op == "all_gather"]
+        z = _times([t for t in z if t.op != "all_gather"], syncs)
         if plan.zero == 2 and accum > 1:
             # FSDP2 reshards after every backward, synced or not, so ZeRO-2 gathers again in
             # each micro-step's forward (volumes.zero_traffic counts one gather per step).
-            z = [Traffic(t.axis, t.op, t.payload * accum, t.calls * accum, t.group, t.what)
-                 if t.op == "all_gather" else t for t in z]
-        out += z
+            gathers = _times(gathers, accum)
+        elif plan.zero == 3 and pp > 1:
+            gathers = _pipelined_zero3_gathers(plan, local, dtype)
+        out += z + (gathers or [])
         if plan.dp_replicate > 1:
-            out.append(Traffic("dp_replicate", "all_reduce",
-                               float(local.params) * FP32 / plan.dp_shard, 1, plan.dp_replicate,
-                               "grad shards (HSDP)"))
+            out += _times([Traffic("dp_replicate", "all_reduce",
+                                   float(local.params) * FP32 / plan.dp_shard, 1,
+                                   plan.dp_replicate, "grad shards (HSDP)")], syncs)
     elif plan.dp_replicate > 1:
-        out += ddp_traffic(local.params, plan.dp_replicate, "fp32")
+        out += _times(ddp_traffic(local.params, plan.dp_replicate, "fp32"), syncs)
     # ---------------------------------------------------------------- tensor parallelism
     micro = accum * (m if pp > 1 else 1)
     mb = batch // m if pp > 1 else batch
@@ -193,6 +198,31 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
         if pp > 1:
             out.append(Traffic("pp", "all_reduce", float(FP32), 1, pp, "clip: squared norm"))
     return out
+
+
+def _times(traffic: list[Traffic], k: int) -> list[Traffic]:
+    if k == 1:
+        return traffic
+    return [Traffic(t.axis, t.op, t.payload * k, t.calls * k, t.group, t.what) for t in traffic]
+
+
+def _pipelined_zero3_gathers(plan: Any, local: LocalModel, dtype: str) -> list[Traffic] | None:
+    """ZeRO-3 inside a one-stage-per-rank pipeline (GPipe, 1F1B): FSDP2 reshards each block
+    after every forward, and torch's stage runtime keeps it gathered between backwards until
+    the last one, so each block is gathered once per forward that follows a forward and once
+    per backward that follows a forward: m + 1 times per schedule for both schedules; the root
+    once. Multi-stage schedules interleave stages in an order this closed form does not follow:
+    None (the ledger then shows the measured bytes without a ratio)."""
+    if plan.virtual_stages != 1 or plan.pp_schedule not in ("gpipe", "1f1b"):
+        return None
+    b = dtype_bytes(dtype)
+    blocks = float(local.params - local.root_params) * b
+    n = plan.microbatches + 1
+    root = float(local.root_params) * b
+    out = Traffic("dp_shard", "all_gather", (blocks * n + root) * plan.grad_accum,
+                  (local.layers * n + (1 if local.root_params else 0)) * plan.grad_accum,
+                  plan.dp_shard, "params")
+    return [out]
 
 
 def by_axis_op(traffic: list[Traffic]) -> dict[tuple[str, str], float]:
