@@ -135,8 +135,10 @@ def train_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.o
         micro = split_microbatches(batch, plan.grad_accum)
         total = torch.zeros((), device=device)
         for i, part in enumerate(micro):
-            with loss_context(model):
-                with grad_sync(model, enabled=i == len(micro) - 1), autocast(plan, device):
+            # backward inside grad_sync too: FSDP2 reads the flag in backward (a backward
+            # outside it reduce-scattered every micro-step); DDP reads it in forward.
+            with loss_context(model), grad_sync(model, enabled=i == len(micro) - 1):
+                with autocast(plan, device):
                     loss = _forward_loss(model, part, loss_fn) / len(micro)
                 loss.backward()
             total += loss.detach().float()

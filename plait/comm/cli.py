@@ -66,54 +66,32 @@ def add_comm_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def comm_worker(rank: int, world: int, plan_text: str, model_name: str, steps: int,
-                warmup: int, batch: int, seq: int) -> dict:
-    """One rank of ``plait comm``: build the layout, train, report with the prediction."""
+                warmup: int, batch: int, seq: int, ledger: bool = True) -> dict:
+    """One rank of ``plait comm``: plait's own runtime (``plait.init(plan, ledger=True)``,
+    ``run.parallelize``, ``run.step``) trains the reference model on the bundled corpus for
+    ``warmup`` + ``steps`` steps; the ledger records the last ``steps`` and ``run.summary()``
+    puts them beside ``plait.comm.predict``'s closed form."""
     import torch
 
-    from ..mesh import build_mesh
+    from .. import runtime
+    from ..data import TextDataset
     from ..models import transformer as tfm
-    from ..plan import Plan
-    from . import _layouts
-    from .ledger import Ledger
-    from .predict import by_axis_op, predict
 
-    plan = Plan.from_string(plan_text) if isinstance(plan_text, str) else plan_text
-    mesh = build_mesh(plan, "cpu", world)
-    cfg = tfm.preset(model_name, max_seq_len=max(seq, 1))
-    model = tfm.build(cfg)
-    model, schedule, params, root = _layouts.build(plan, mesh, model, rank)
-    # foreach=False: under TP some parameters are DTensors and others not (FIELD-NOTES).
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=False)
-    dp_rank = mesh.local_rank("dp")
-
-    def step(i: int) -> None:
-        g = torch.Generator().manual_seed(1000 * i + dp_rank)
-        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        if schedule is not None:
-            if rank == 0:
-                schedule.step(x)
-            elif rank == plan.pp - 1:
-                schedule.step(target=y)
-            else:
-                schedule.step()
-        else:
-            tfm.lm_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-    ledger = Ledger(mesh)
-    for i in range(warmup):
-        step(i)
-    for i in range(warmup, warmup + steps):
-        with ledger:
-            step(i)
-    stage = rank if plan.pp > 1 else None
-    expected = by_axis_op(predict(plan, cfg, batch, seq, root_params=root if plan.zero == 3
-                                  else 0, stage=stage, params=params))
-    report = ledger.report(expected=expected)
-    del model, schedule
-    return report.to_dict()
+    torch.set_num_threads(1)
+    run = runtime.init(plan_text, quiet=True, ledger=ledger)
+    run.ledger_warmup = warmup
+    try:
+        cfg = tfm.preset(model_name, max_seq_len=max(seq, tfm.preset(model_name).max_seq_len))
+        model = run.parallelize(tfm.build(cfg, seed=run.seed))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        dataset = TextDataset(seq_len=seq, split="train")
+        for b in run.loader(dataset, batch_size=batch * run.dp_size, steps=warmup + steps):
+            run.step(model, b, tfm.lm_loss, opt)
+        info = run.summary()
+        del model, opt
+        return info.get("comm", {})
+    finally:
+        run.close()
 
 
 def comm_command(args: argparse.Namespace) -> int:
@@ -125,8 +103,6 @@ def comm_command(args: argparse.Namespace) -> int:
             else Plan.from_string(args.plan)
         from ..models.transformer import preset
         cfg = preset(args.model)
-        from ._layouts import supported
-        supported(plan)
         if args.steps < 1 or args.warmup < 0:
             raise ValueError(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
         if plan.world_size < 2:

@@ -1,93 +1,228 @@
 """What the ledger should measure for a plan on the reference transformer: volumes.py, composed.
 
 ``plait.comm.volumes`` holds the per-strategy closed forms (shared with the planner). This module
-applies them to one plan and one model and adds the few terms that depend on *how* plait lays the
-reference model out rather than on the strategy, so that the prediction can be compared with the
-ledger row by row (ratio 1.000):
+applies them to one plan and to what one rank holds of the model after ``plait.parallelize``
+(``LocalModel``), and adds the terms that come from *how* plait's runtime trains rather than
+from the strategy, so that the prediction can be compared with the ledger row by row (ratio
+1.000 on the runs tests/test_comm_ledger.py covers):
 
-* FSDP2 keeps the root unit's parameters (embeddings, final norm, head) gathered between forward
-  and backward (``reshard_after_forward`` defaults to False for the root), so the root is
-  all-gathered once per micro-step, the other units twice.
-* Megatron TP covers the blocks (volumes.tp_traffic); the vocab-parallel embedding adds one
-  all-reduce of b*s*h in forward, the column-parallel head one all-reduce in backward (its input
-  gradient) and one all-gather of the b*s*V logits in forward. With SP the two all-reduces become
-  a reduce-scatter plus an all-gather each (the head's is the gather of its sequence-sharded
-  input), and every norm weight (replicated, fed sequence shards) has its gradient
-  all-reduced: 2 per block + the final norm, of ``hidden`` elements each.
+* DDP (``plait.parallel.data``): one all-reduce of the fp32 gradients per optimizer step on
+  ``dp_replicate`` (``no_sync`` while accumulating).
+* ZeRO-1 (``plait.parallel.fsdp``): DDP over the flattened ``dp`` axis, then
+  ``ZeroRedundancyOptimizer`` broadcasts every parameter from the rank that updated it: one
+  broadcast per parameter tensor on ``dp_shard``, the whole model's bytes.
+* ZeRO-2/3 (FSDP2): ``volumes.zero_traffic``. FSDP2 keeps the root unit's parameters
+  (embeddings, final norm, head) gathered between forward and backward, so under ZeRO-3 the root
+  is all-gathered once per micro-step, the blocks twice. HSDP: the reduce-scattered gradient
+  shard (``1/dp_shard`` of the gradients) is then all-reduced over ``dp_replicate``.
+* Replicated DP over TP shards (``apply_replicate``: FSDP2 with one-rank shard groups): one
+  all-reduce of the TP-local gradients on ``dp_replicate``.
+* TP (plait's reference plan): Megatron's 4 all-reduces per block (volumes.tp_traffic), the
+  vocabulary-parallel embedding's forward all-reduce and the column-parallel head's input-gradient
+  all-reduce. The logits stay vocabulary-sharded and the loss runs under ``loss_parallel()``,
+  which all-reduces three fp32 values per token (max, sum of exponentials, target logit) in
+  forward. With SP the two end all-reduces become an all-gather plus a reduce-scatter each, and
+  every sequence-parallel norm's weight gradient is all-reduced once per backward (a hook in
+  ``plait.parallel.tensor``): 2 per block + the final norm, ``hidden`` fp32 elements each.
+* Gradient clipping (``plan.grad_clip``, default on): ``get_total_norm`` over DTensor gradients
+  (FSDP2, TP) all-reduces one fp32 norm per parameter tensor on every mesh axis the gradients
+  are sharded on; with pipelines the squared norm (one fp32) is all-reduced over ``pp``.
+* PP: per microbatch and boundary one activation sent forward, one gradient sent back
+  (``volumes.pp_traffic`` per stage this rank holds).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
-from .volumes import Traffic, dtype_bytes, pp_traffic, tp_traffic, zero_traffic, ddp_traffic
+from .volumes import Traffic, ddp_traffic, dtype_bytes, pp_traffic, tp_traffic, zero_traffic
+
+FP32 = 4
 
 
-def _tp_ends(batch: int, seq: int, hidden: int, vocab: int, tp: int, dtype: str, sp: bool,
-             norms: int, microbatches: int, head: bool, embed: bool) -> list[Traffic]:
-    b = dtype_bytes(dtype)
-    act = float(batch) * seq * hidden * b * microbatches
-    out: list[Traffic] = []
-    ends = int(head) + int(embed)
-    if ends:
-        if sp:
-            out += [Traffic("tp", "all_gather", act * ends, ends * microbatches, tp, "ends"),
-                    Traffic("tp", "reduce_scatter", act * ends, ends * microbatches, tp, "ends")]
-        else:
-            out.append(Traffic("tp", "all_reduce", act * ends, ends * microbatches, tp, "ends"))
-    if head:
-        logits = float(batch) * seq * vocab * b * microbatches
-        out.append(Traffic("tp", "all_gather", logits, microbatches, tp, "logits"))
-    if sp and norms:
-        out.append(Traffic("tp", "all_reduce", float(norms) * hidden * b, norms, tp,
-                           "norm weight grads"))
-    return out
+@dataclass(frozen=True)
+class LocalModel:
+    """What one rank holds of the reference model once plait has laid it out.
+
+    ``params``: parameters at their tensor-parallel-local size (what data parallelism reduces);
+    ``root_params``: those outside the repeated blocks (FSDP2's root unit); ``tensors``: the
+    number of parameter tensors (gradient clipping reduces one norm each); ``layers``: blocks
+    this rank runs, ``recomputed`` of them under activation checkpointing; ``embed``/``head``:
+    whether this rank runs the embedding / the head; ``stages``: the global pipeline stages it
+    holds, out of ``num_stages``; ``clip_axes``: mesh axes its gradients are sharded on (where
+    the clip norm is all-reduced).
+    """
+
+    params: int
+    root_params: int
+    tensors: int
+    layers: int
+    recomputed: int = 0
+    embed: bool = True
+    head: bool = True
+    stages: tuple[int, ...] = (0,)
+    num_stages: int = 1
+    clip_axes: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, plan: Any, cfg: Any, stage: int | None = None) -> "LocalModel":
+        """The closed form without a model: blocks split evenly over stages, every parameter
+        tensor divided by ``tp`` (an approximation for ``params``; the runtime counts)."""
+        from ..parallel.checkpointing import checkpointed_blocks
+        from ..parallel.schedules import local_stages
+
+        pp, v = plan.pp, plan.virtual_stages
+        n = pp * v if pp > 1 else 1
+        stages = tuple(local_stages(plan.pp_schedule, pp, v, stage or 0)) if pp > 1 else (0,)
+        per = cfg.n_layers // n
+        layers = per * len(stages)
+        recomputed = len(checkpointed_blocks(per, plan)) * len(stages)
+        embed, head = 0 in stages, n - 1 in stages
+        block = (cfg.num_params() - cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
+                 - cfg.dim) // cfg.n_layers
+        root = (cfg.vocab_size * cfg.dim if embed else 0) + \
+            (cfg.vocab_size * cfg.dim + cfg.dim if head else 0)
+        params = (block * layers + root) // plan.tp
+        return cls(params=params, root_params=root // plan.tp, tensors=0, layers=layers,
+                   recomputed=recomputed, embed=embed, head=head, stages=stages, num_stages=n,
+                   clip_axes=())
 
 
-def predict(plan: Any, cfg: Any, batch: int, seq: int, *, root_params: int = 0,
-            params: int | None = None, stage: int | None = None) -> list[Traffic]:
+def _dp_axis(plan: Any) -> str:
+    """The ledger's name for plait's flattened data axis (a single axis keeps its own name)."""
+    if plan.dp_replicate > 1 and plan.dp_shard > 1:
+        return "dp"
+    return "dp_replicate" if plan.dp_replicate > 1 else "dp_shard"
+
+
+def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | None = None,
+            stage: int | None = None) -> list[Traffic]:
     """Traffic one rank should see in one optimizer step of ``plan`` on the model ``cfg``.
 
-    ``batch`` is the batch per data-parallel replica per micro-step (split into
-    ``plan.microbatches`` for a pipeline). ``params`` is the parameter count this rank's data
-    parallelism reduces (default: the whole model, which is right when tp == pp == 1);
-    ``root_params`` those FSDP2's root unit holds. ``stage``: the pipeline rank (default: the
-    busiest). Supports DDP, ZeRO-3, TP/SP and PP and their products; ZeRO-1/2 follow
-    volumes.zero_traffic.
+    ``batch`` is the batch per data-parallel replica per micro-step (``plan.grad_accum``
+    micro-steps per optimizer step; a pipeline splits it further into ``plan.microbatches``).
+    ``local`` describes what this rank holds (``local_model(model, plan)`` on a real model);
+    without it, ``LocalModel.from_config(plan, cfg, stage)``.
     """
+    if local is None:
+        local = LocalModel.from_config(plan, cfg, stage)
     dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
-    total = params if params is not None else cfg.num_params()
+    accum, pp, m = plan.grad_accum, plan.pp, plan.microbatches
     out: list[Traffic] = []
-    accum = plan.grad_accum
-    if plan.dp_replicate > 1:
-        out += ddp_traffic(total, plan.dp_replicate, "fp32")
-    if plan.dp_shard > 1:
-        z = zero_traffic(total, plan.dp_shard, plan.zero, param_dtype=dtype, micro_steps=accum)
-        if plan.zero == 3 and root_params:
-            root = float(root_params) * dtype_bytes(dtype) * accum
-            z = [Traffic(t.axis, t.op, t.payload - root, t.calls - accum, t.group, t.what)
-                 if t.op == "all_gather" else t for t in z]
-        out += z
-    pp, v, m = plan.pp, plan.virtual_stages, plan.microbatches
+    # ---------------------------------------------------------------- data parallelism
+    # A pipeline runs one schedule per accumulation step and torch's stage runtime syncs
+    # DDP/FSDP2 on the last backward of each: gradients are reduced ``accum`` times per step.
+    syncs = accum if pp > 1 else 1
+    if plan.zero == 1 and plan.dp_replicate * plan.dp_shard > 1:
+        dp = plan.dp_replicate * plan.dp_shard
+        out += _times(ddp_traffic(local.params, dp, "fp32", axis=_dp_axis(plan)), syncs)
+        if plan.dp_shard > 1:
+            out.append(Traffic("dp_shard", "broadcast", float(local.params) * FP32,
+                               local.tensors, plan.dp_shard, "params (ZeroRedundancyOptimizer)"))
+    elif plan.zero in (2, 3) and plan.dp_shard > 1:
+        z = zero_traffic(local.params, plan.dp_shard, plan.zero, param_dtype=dtype,
+                         micro_steps=accum, root_params=local.root_params)
+        gathers: list[Traffic] | None = [t for t in z if t.op == "all_gather"]
+        z = _times([t for t in z if t.op != "all_gather"], syncs)
+        if plan.zero == 2 and accum > 1:
+            # FSDP2 reshards after every backward, synced or not, so ZeRO-2 gathers again in
+            # each micro-step's forward (volumes.zero_traffic counts one gather per step).
+            gathers = _times(gathers, accum)
+        elif plan.zero == 3 and pp > 1:
+            gathers = _pipelined_zero3_gathers(plan, local, dtype)
+        out += z + (gathers or [])
+        if plan.dp_replicate > 1:
+            out += _times([Traffic("dp_replicate", "all_reduce",
+                                   float(local.params) * FP32 / plan.dp_shard, 1,
+                                   plan.dp_replicate, "grad shards (HSDP)")], syncs)
+    elif plan.dp_replicate > 1:
+        out += _times(ddp_traffic(local.params, plan.dp_replicate, "fp32"), syncs)
+    # ---------------------------------------------------------------- tensor parallelism
+    micro = accum * (m if pp > 1 else 1)
     mb = batch // m if pp > 1 else batch
-    micro = (m if pp > 1 else 1) * accum
-    layers = cfg.n_layers // (pp * v) * v if pp > 1 else cfg.n_layers
-    first = stage in (None, 0)
-    last = stage in (None, pp - 1) if pp > 1 else True
     if plan.tp > 1:
-        out += tp_traffic(mb, seq, cfg.dim, layers, plan.tp, dtype, sp=plan.sp,
-                          microbatches=micro)
-        norms = 2 * layers + (1 if last else 0)
-        out += _tp_ends(mb, seq, cfg.dim, cfg.vocab_size, plan.tp, dtype, plan.sp,
-                        norms if plan.sp else 0, micro, head=last, embed=first)
+        tp, sp = plan.tp, plan.sp
+        act = float(mb) * seq * cfg.dim * dtype_bytes(dtype)
+        if local.layers:
+            out += tp_traffic(mb, seq, cfg.dim, local.layers, tp, dtype, sp=sp,
+                              microbatches=micro)
+        if local.recomputed:
+            # torch's non-reentrant checkpoint stops recomputing once backward has what it
+            # saved: the block's last collective (the MLP's down projection) is not replayed.
+            # TP: 1 all-reduce per recomputed block; SP: 2 all-gathers + 1 reduce-scatter.
+            r = local.recomputed * micro
+            if sp:
+                out += [Traffic("tp", "all_gather", act * 2 * r, 2 * r, tp, "recompute"),
+                        Traffic("tp", "reduce_scatter", act * r, r, tp, "recompute")]
+            else:
+                out.append(Traffic("tp", "all_reduce", act * r, r, tp, "recompute"))
+        ends = int(local.embed) + int(local.head)
+        if ends:
+            calls = ends * micro
+            if sp:
+                out += [Traffic("tp", "all_gather", act * calls, calls, tp, "embedding/head"),
+                        Traffic("tp", "reduce_scatter", act * calls, calls, tp,
+                                "embedding/head")]
+            else:
+                out.append(Traffic("tp", "all_reduce", act * calls, calls, tp, "embedding/head"))
+        if local.head:
+            # loss_parallel: max, sum(exp) and the target logit per token, fp32.
+            out.append(Traffic("tp", "all_reduce", 3.0 * mb * seq * FP32 * micro, 3 * micro, tp,
+                               "loss_parallel"))
+        if sp:
+            norms = 2 * local.layers + int(local.head)
+            if norms:
+                out.append(Traffic("tp", "all_reduce", float(norms) * cfg.dim * FP32 * micro,
+                                   norms * micro, tp, "norm weight grads"))
+    # ---------------------------------------------------------------- pipeline parallelism
     if pp > 1:
-        stages = [stage] if stage is not None else range(pp)
-        per_stage = [pp_traffic(mb, seq, cfg.dim, pp, dtype, microbatches=m * accum,
-                                virtual_stages=v, stage=s, tp=plan.tp, sp=plan.sp)
-                     for s in stages]
-        out += max(per_stage, key=lambda ts: sum(t.payload for t in ts))
+        from ..parallel.schedules import stage_to_rank
+
+        owner = stage_to_rank(plan.pp_schedule, pp, plan.virtual_stages)
+        per = float(mb) * seq * cfg.dim * dtype_bytes(dtype) / (plan.tp if plan.sp else 1)
+        sends = 0
+        for s in local.stages:
+            # A neighbour stage on this same rank (the V of ZB-V) is handed over locally.
+            sends += s + 1 < local.num_stages and owner[s + 1] != owner[s]  # activation
+            sends += s > 0 and owner[s - 1] != owner[s]                     # its gradient
+        if sends:
+            n = sends * m * accum
+            out.append(Traffic("pp", "send_recv", per * n, n, 2, "activations and grads"))
+    # ---------------------------------------------------------------- gradient clipping
+    if plan.grad_clip:
+        for axis in local.clip_axes:
+            out.append(Traffic(axis, "all_reduce", float(local.tensors) * FP32, 1,
+                               getattr(plan, axis), "clip: per-tensor norms"))
+        if pp > 1:
+            out.append(Traffic("pp", "all_reduce", float(FP32), 1, pp, "clip: squared norm"))
     return out
+
+
+def _times(traffic: list[Traffic], k: int) -> list[Traffic]:
+    if k == 1:
+        return traffic
+    return [Traffic(t.axis, t.op, t.payload * k, t.calls * k, t.group, t.what) for t in traffic]
+
+
+def _pipelined_zero3_gathers(plan: Any, local: LocalModel, dtype: str) -> list[Traffic] | None:
+    """ZeRO-3 inside a one-stage-per-rank pipeline (GPipe, 1F1B): FSDP2 reshards each block
+    after every forward, and torch's stage runtime keeps it gathered between backwards until
+    the last one, so each block is gathered once per forward that follows a forward and once
+    per backward that follows a forward: m + 1 times per schedule for both schedules; the root
+    once. Multi-stage schedules interleave stages in an order this closed form does not follow:
+    None (the ledger then shows the measured bytes without a ratio)."""
+    if plan.virtual_stages != 1 or plan.pp_schedule not in ("gpipe", "1f1b"):
+        return None
+    b = dtype_bytes(dtype)
+    blocks = float(local.params - local.root_params) * b
+    n = plan.microbatches + 1
+    root = float(local.root_params) * b
+    out = Traffic("dp_shard", "all_gather", (blocks * n + root) * plan.grad_accum,
+                  (local.layers * n + (1 if local.root_params else 0)) * plan.grad_accum,
+                  plan.dp_shard, "params")
+    return [out]
 
 
 def by_axis_op(traffic: list[Traffic]) -> dict[tuple[str, str], float]:
@@ -110,27 +245,53 @@ def _find_config(model: Any) -> Any:
     return None
 
 
-def _dp_param_counts(model: Any) -> tuple[int, int]:
-    """(parameters this rank's data parallelism reduces, those outside the repeated blocks).
+def local_model(model: Any, plan: Any) -> LocalModel:
+    """Read a ``LocalModel`` off a model ``plait.parallelize`` returned.
 
-    Counted at their tensor-parallel-local size: a DTensor's global numel divided by the degree
-    of every ``tp`` mesh dimension it is sharded on (FSDP's own sharding is what DP undoes).
+    Parameters are counted at their tensor-parallel-local size: a DTensor's global numel divided
+    by the degree of every ``tp`` mesh dimension it is sharded on (FSDP's own sharding is what
+    data parallelism undoes).
     """
-    from ..check import canonical_name
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    total = root = 0
-    for module in getattr(model, "plait_stages", None) or [model]:
+    from ..check import canonical_name
+    from ..parallel.pipeline import PipelineSkip
+
+    modules = getattr(model, "plait_stages", None) or [model]
+    specs = getattr(model, "plait_stage_specs", None)
+    total = root = tensors = layers = recomputed = 0
+    clip: set[str] = set()
+    embed = head = False
+    for module in modules:
+        inner = getattr(module, "module", module)  # DDP
         for name, p in module.named_parameters():
             n = p.numel()
             mesh = getattr(p, "device_mesh", None)
             if mesh is not None and mesh.mesh_dim_names:
                 for dim, placement in zip(mesh.mesh_dim_names, p.placements):
-                    if dim == "tp" and placement.is_shard():
-                        n //= mesh.size(mesh.mesh_dim_names.index(dim))
+                    if placement.is_shard():
+                        clip.add(dim)
+                        if dim == "tp":
+                            n //= mesh.size(mesh.mesh_dim_names.index(dim))
             total += n
+            tensors += 1
             if not canonical_name(name).startswith("layers."):
                 root += n
-    return total, root
+        for block in getattr(inner, "layers", []):
+            if isinstance(block, PipelineSkip):
+                continue
+            layers += 1
+            recomputed += isinstance(block, CheckpointWrapper)
+        embed |= not isinstance(getattr(inner, "tok_embeddings", None), (PipelineSkip, type(None)))
+        head |= not isinstance(getattr(inner, "output", None), (PipelineSkip, type(None)))
+    stages = tuple(s.index for s in specs) if specs else (0,)
+    num_stages = specs[0].num_stages if specs else 1
+    # Flattened names: FSDP2 over (dp_replicate, dp_shard) shards on dp_shard only.
+    order = ("dp_replicate", "dp_shard", "tp")
+    return LocalModel(params=total, root_params=root, tensors=tensors, layers=layers,
+                      recomputed=recomputed, embed=embed, head=head, stages=stages,
+                      num_stages=num_stages,
+                      clip_axes=tuple(a for a in order if a in clip and getattr(plan, a) > 1))
 
 
 def expected_for_models(models: list[Any], plan: Any,
@@ -138,16 +299,30 @@ def expected_for_models(models: list[Any], plan: Any,
     """Predicted payload bytes per (axis, op) per step for a run of the reference transformer.
 
     ``batch_shape`` is the shape of one rank's input batch (per data replica, all micro-steps).
-    Returns None for models other than the reference transformer (the ledger then reports the
-    measured side alone).
+    The ledger's report compares each row's busiest rank, and ranks hold different parts of the
+    model (pipeline stages), so each rank predicts its own traffic and the per-(axis, op)
+    maximum over ranks is returned: a collective when a process group is up (call it on every
+    rank, as ``Run.summary`` does). Returns None for models other than the reference transformer
+    (the ledger then reports the measured side alone).
     """
-    if not models or batch_shape is None or len(batch_shape) != 2:
+    import torch.distributed as dist
+
+    mine = None
+    if models and batch_shape is not None and len(batch_shape) == 2:
+        model = models[-1]
+        cfg = _find_config(model)
+        if cfg is not None:
+            batch, seq = batch_shape
+            mine = by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq,
+                                      local=local_model(model, plan)))
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return mine
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if any(e is None for e in everyone):
         return None
-    model = models[-1]
-    cfg = _find_config(model)
-    if cfg is None:
-        return None
-    params, root = _dp_param_counts(model)
-    batch, seq = batch_shape
-    return by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq, params=params,
-                              root_params=root if plan.zero == 3 else 0))
+    out: dict[tuple[str, str], float] = {}
+    for e in everyone:
+        for key, value in e.items():
+            out[key] = max(out.get(key, 0.0), value)
+    return out

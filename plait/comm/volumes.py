@@ -138,11 +138,14 @@ def ddp_traffic(params: int, dp: int, grad_dtype: str | torch.dtype = "fp32", *,
 def zero_traffic(params: int, dp_shard: int, stage: int, *,
                  param_dtype: str | torch.dtype = "fp32",
                  grad_dtype: str | torch.dtype = "fp32", micro_steps: int = 1,
-                 axis: str = "dp_shard", units: int = 1) -> list[Traffic]:
+                 axis: str = "dp_shard", units: int = 1, root_params: int = 0
+                 ) -> list[Traffic]:
     """ZeRO-1/2/3 over ``dp_shard`` ranks for one optimizer step of ``micro_steps`` micro-steps.
 
     ``param_dtype`` is the dtype parameters are gathered in (the compute dtype under mixed
     precision); ``units`` is the number of FSDP units (wrapped blocks), one call each.
+    ``root_params`` (ZeRO-3): parameters of FSDP2's root unit (embeddings, final norm, head),
+    which it keeps gathered from forward to backward: gathered once per micro-step, not twice.
     """
     _positive(params=params, dp_shard=dp_shard, micro_steps=micro_steps, units=units)
     if stage not in (1, 2, 3):
@@ -156,7 +159,9 @@ def zero_traffic(params: int, dp_shard: int, stage: int, *,
         out.append(Traffic(axis, "all_gather", weights, units, dp_shard, "params"))
     else:
         gathers = 2 * micro_steps  # forward and backward, every micro-step
-        out.append(Traffic(axis, "all_gather", weights * gathers, units * gathers, dp_shard,
+        root = float(min(root_params, params)) * dtype_bytes(param_dtype) * micro_steps
+        out.append(Traffic(axis, "all_gather", weights * gathers - root,
+                           units * gathers - (micro_steps if root_params else 0), dp_shard,
                            "params"))
     return out
 
