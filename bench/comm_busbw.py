@@ -29,14 +29,26 @@ def raw_busbw(size: int, n: int, iters: int, warmup: int) -> float:
     return t.numel() * 4 / mine.item() / 1e9 * 2 * (n - 1) / n
 
 
-def worker(rank: int, world: int, sizes: list[int], iters: int, warmup: int) -> list[dict]:
+def worker(rank: int, world: int, sizes: list[int], iters: int, warmup: int,
+           rounds: int) -> list[dict]:
+    """Per size, ``rounds`` interleaved measurements (plait first on even rounds, raw first on
+    odd ones); the median of each side is reported, so one noisy burst moves neither."""
+    import statistics
+
     from plait.comm.bench import bench_worker
     out = []
     for size in sizes:
-        ours = bench_worker(rank, world, ["all_reduce"], [size], iters, warmup)[0]
-        raw = raw_busbw(size, world, iters, warmup)
-        out.append({"size_bytes": ours["size_bytes"], "plait_busbw": ours["busbw_gbps"],
-                    "raw_busbw": raw})
+        ours, raw, size_bytes = [], [], size
+        for r in range(rounds):
+            for side in (("plait", "raw") if r % 2 == 0 else ("raw", "plait")):
+                if side == "plait":
+                    row = bench_worker(rank, world, ["all_reduce"], [size], iters, warmup)[0]
+                    ours.append(row["busbw_gbps"])
+                    size_bytes = row["size_bytes"]
+                else:
+                    raw.append(raw_busbw(size, world, iters, warmup))
+        out.append({"size_bytes": size_bytes, "plait_busbw": statistics.median(ours),
+                    "raw_busbw": statistics.median(raw)})
     return out
 
 
@@ -49,10 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-bytes", default="64M")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved repetitions per size")
     args = p.parse_args(argv)
     validate_world(args.nproc)
     sizes = size_sweep(parse_size(args.min_bytes), parse_size(args.max_bytes))
-    rows = run_distributed(worker, args.nproc, sizes, args.iters, args.warmup, timeout=3600)[0]
+    rows = run_distributed(worker, args.nproc, sizes, args.iters, args.warmup, args.rounds,
+                          timeout=3600)[0]
     print(f"{'size':>10} {'plait busbw':>12} {'raw busbw':>12} {'plait/raw':>10}")
     for r in rows:
         print(f"{r['size_bytes']:>10} {r['plait_busbw']:>12.4f} {r['raw_busbw']:>12.4f} "

@@ -43,14 +43,23 @@ def _worker(rank: int, world: int, plan: str, model_name: str, steps: int, batch
     batches = list(runs[0].loader(data, batch_size=batch * runs[0].dp_size,
                                   steps=warmup + steps))
     on, off = [], []
-    for i, b in enumerate(batches):
-        for k in (0, 1) if i % 2 == 0 else (1, 0):  # alternate who goes first
-            dist.barrier()
-            t0 = time.perf_counter()
-            runs[k].step(models[k], b, tfm.lm_loss, opts[k])
-            dist.barrier()
-            if i >= warmup:
-                (on if k == 0 else off).append(time.perf_counter() - t0)
+    # Rounds of a few steps each, alternating on/off. The ledger's kernels are installed for
+    # the "on" rounds only (as in a real run, where they stay installed for the whole run) and
+    # removed for the "off" rounds, outside the timed steps, so "off" is a run without a ledger.
+    block = 5
+    for r, start in enumerate(range(0, len(batches), block)):
+        for k in (0, 1) if r % 2 == 0 else (1, 0):  # alternate who goes first
+            if k == 0:
+                runs[0].ledger.install()
+            else:
+                runs[0].ledger.uninstall()
+            for i in range(start, min(start + block, len(batches))):
+                dist.barrier()
+                t0 = time.perf_counter()
+                runs[k].step(models[k], batches[i], tfm.lm_loss, opts[k])
+                dist.barrier()
+                if i >= warmup:
+                    (on if k == 0 else off).append(time.perf_counter() - t0)
     entries = runs[0].ledger.local_entries()
     calls = sum(e["count"] + e["recv_count"] for e in entries) / steps
     for run in runs:

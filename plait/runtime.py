@@ -246,6 +246,8 @@ class Run:
 
     def close(self) -> None:
         """Free parallel modules before the group goes (FIELD-NOTES: DDP exit deadlock)."""
+        if self.ledger is not None:
+            self.ledger.uninstall()
         self._models.clear()
         self._sharded_optimizers.clear()
         if self._memory is not None:
@@ -332,6 +334,7 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
         from .comm.ledger import Ledger
 
         run.ledger = Ledger(mesh)
+        run.ledger.install()
     return run
 
 

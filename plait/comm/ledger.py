@@ -189,23 +189,41 @@ class _Interceptor:
     def __init__(self) -> None:
         self.ledgers: list["Ledger"] = []
         self.libs: list[Any] = []
+        # Holders that keep the kernels installed between `with ledger:` blocks (a training run
+        # that enters the ledger once per step): registering and removing dispatcher kernels
+        # costs far more than the bookkeeping itself, so it is done once per run, not per step.
+        self.retained = 0
         self.lock = threading.Lock()
         # A functional collective runs the c10d op underneath: count the outer call only.
         self.inside = threading.local()
 
     def push(self, ledger: "Ledger") -> None:
         with self.lock:
-            if not self.ledgers:
+            if not self.libs:
                 self._register()
             self.ledgers.append(ledger)
 
     def pop(self, ledger: "Ledger") -> None:
         with self.lock:
             self.ledgers.remove(ledger)
-            if not self.ledgers:
-                for lib in self.libs:
-                    lib._destroy()
-                self.libs.clear()
+            self._maybe_unregister()
+
+    def retain(self) -> None:
+        with self.lock:
+            self.retained += 1
+            if not self.libs:
+                self._register()
+
+    def release(self) -> None:
+        with self.lock:
+            self.retained = max(0, self.retained - 1)
+            self._maybe_unregister()
+
+    def _maybe_unregister(self) -> None:
+        if not self.ledgers and not self.retained:
+            for lib in self.libs:
+                lib._destroy()
+            self.libs.clear()
 
     def _register(self) -> None:
         after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
@@ -225,7 +243,7 @@ class _Interceptor:
         funcol = op.namespace == "_c10d_functional"
 
         def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-            if getattr(self.inside, "on", False):
+            if not self.ledgers or getattr(self.inside, "on", False):
                 return op.redispatch(keyset & after, *args, **kwargs)
             ledgers = list(self.ledgers)
             self.inside.on = True
@@ -244,6 +262,8 @@ class _Interceptor:
     def _wait_kernel(self, op: Any, after: Any) -> Any:
         def kernel(keyset: Any, tensor: Any) -> Any:
             out = op.redispatch(keyset & after, tensor)
+            if not self.ledgers:
+                return out
             for ledger in list(self.ledgers):
                 ledger._waited(tensor)
             return out
@@ -282,6 +302,7 @@ class Ledger:
         self._lock = threading.Lock()
         self._axis_cache: dict[str, tuple[str, int]] = {}
         self._names: dict[frozenset[int], str] | None = None
+        self._installed = False
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> "Ledger":
@@ -299,6 +320,18 @@ class Ledger:
     @property
     def active(self) -> bool:
         return self._active
+
+    def install(self) -> None:
+        """Keep the collective kernels installed until ``uninstall()``, so that entering and
+        leaving the ledger every step costs only a list append (the runtime does this)."""
+        if not self._installed:
+            _INTERCEPTOR.retain()
+            self._installed = True
+
+    def uninstall(self) -> None:
+        if self._installed:
+            _INTERCEPTOR.release()
+            self._installed = False
 
     def reset(self) -> None:
         """Forget everything recorded (e.g. after warm-up steps)."""
