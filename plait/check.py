@@ -143,8 +143,10 @@ def _make_optimizer(cfg: CheckConfig, params: Any) -> torch.optim.Optimizer:
     raise ValueError(f"optimizer={cfg.optimizer!r} must be 'adamw' or 'sgd'")
 
 
-def train_and_collect(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) -> dict[str, Any]:
-    """Worker: train ``cfg.steps`` steps under ``plan``; return losses and full parameters."""
+def train(plan: Plan, cfg: CheckConfig) -> tuple[Any, nn.Module, list[float]]:
+    """Inside a rank: train ``cfg.steps`` steps under ``plan`` on ``cfg``'s model and global
+    batches. Returns (the Run, the parallelized model, the loss of every step); the caller
+    closes the Run."""
     from .runtime import init
 
     run = init(plan, seed=cfg.seed, quiet=True, log_every=1)
@@ -152,11 +154,14 @@ def train_and_collect(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) 
     model = run.parallelize(model)
     opt = _make_optimizer(cfg, model.parameters())
     dp_rank, dp_size = run.mesh.data_rank_and_size()
-    losses = []
-    batches = _global_batches(cfg, vocab=256)
-    for batch in batches:
-        local = _slice(batch, dp_rank, dp_size)
-        losses.append(run.step(model, local, loss_fn, opt))
+    losses = [run.step(model, _slice(batch, dp_rank, dp_size), loss_fn, opt)
+              for batch in _global_batches(cfg, vocab=256)]
+    return run, model, losses
+
+
+def train_and_collect(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) -> dict[str, Any]:
+    """Worker: train ``cfg.steps`` steps under ``plan``; return losses and full parameters."""
+    run, model, losses = train(plan, cfg)
     pp_group = run.mesh["pp"].get_group() if plan.pp > 1 else None
     state = full_state(model, pp_group)
     run.close()

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from plait.check import CheckConfig, _build, _global_batches, _make_optimizer, _slice, full_state
+from plait.check import (CheckConfig, _build, _global_batches, _make_optimizer, _slice, full_state,
+                         train)
 from plait.plan import Plan
 
 
@@ -49,15 +50,7 @@ def mlp_batch(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train_memory(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) -> dict[str, Any]:
     """Train ``cfg.steps`` steps under ``plan``; return the run's memory report."""
-    from plait.runtime import init
-
-    run = init(plan, seed=cfg.seed, quiet=True, log_every=1)
-    model, loss_fn = _build(cfg)
-    model = run.parallelize(model)
-    opt = _make_optimizer(cfg, model.parameters())
-    dp_rank, dp_size = run.mesh.data_rank_and_size()
-    for batch in _global_batches(cfg, vocab=256):
-        run.step(model, _slice(batch, dp_rank, dp_size), loss_fn, opt)
+    run, _, _ = train(plan, cfg)
     report = run.memory_report()
     run.close()
     return report
