@@ -107,11 +107,16 @@ def current_rss() -> int:
 class MemoryTracker:
     """Records the model-state bytes of one model + optimizer on this rank, step by step.
 
-    Hooks (cheap: a sum over the parameter list): the optimizer's step pre-hook measures
-    parameters and gradients (reduced, about to be used), its post-hook the optimizer state;
-    for ZeRO-2/3 a forward hook on the root measures the gathered parameters kept for backward.
-    Each figure is the maximum seen over the steps.
+    Hooks: the optimizer's step pre-hook measures parameters and gradients (reduced, about to be
+    used), its post-hook the optimizer state; for ZeRO-2/3 a forward hook on the root measures
+    the gathered parameters kept for backward. Each figure is the maximum seen. Model state is
+    fixed once the optimizer has allocated its state (the first step), so the hooks remove
+    themselves after ``steps`` optimizer steps: a long run pays for the walk over every
+    parameter and optimizer tensor a couple of times, not on every step.
     """
+
+    #: optimizer steps measured before the hooks are removed
+    steps_to_measure = 2
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  track_gathered: bool = True):
@@ -134,6 +139,8 @@ class MemoryTracker:
     def _after_step(self, *_: Any) -> None:
         self.steps += 1
         self.optimizer_state = max(self.optimizer_state, optimizer_state_bytes(self.optimizer))
+        if self.steps >= self.steps_to_measure:
+            self.remove()
 
     def _after_forward(self, *_: Any) -> None:
         # FSDP2 registers the unsharded parameters on a module while it is gathered and the
@@ -241,7 +248,7 @@ def memory_report(tracker: MemoryTracker, plan: Plan, *, gather: bool = True
     return {"plan": plan.to_string(), "zero": plan.zero, "dp_shard": plan.dp_shard,
             "mixed_precision": plan.mixed_precision, "psi": psi,
             "closed_form": {**asdict(form), "model_state": form.model_state},
-            "steps": tracker.steps, "ranks": ranks}
+            "steps_measured": tracker.steps, "ranks": ranks}
 
 
 def _fmt(x: float | None) -> str:
