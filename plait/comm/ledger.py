@@ -122,9 +122,13 @@ class Entry:
     time_s: float = 0.0
     recv_count: int = 0   # send_recv only: messages / bytes received (not added to payload)
     recv_bytes: int = 0
+    via: str = ""         # the c10d op that carried it, when not the op itself (see issued_as)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        if not d["via"]:
+            del d["via"]
+        return d
 
 
 def _group_ranks_of_axes(root: Any, dims: tuple[int, ...]) -> frozenset[int] | None:
@@ -196,6 +200,8 @@ class _Interceptor:
         self.lock = threading.Lock()
         # A functional collective runs the c10d op underneath: count the outer call only.
         self.inside = threading.local()
+        # issued_as(): the logical collective the next c10d op implements (see issued_as).
+        self.logical = threading.local()
 
     def push(self, ledger: "Ledger") -> None:
         with self.lock:
@@ -246,6 +252,13 @@ class _Interceptor:
             if not self.ledgers or getattr(self.inside, "on", False):
                 return op.redispatch(keyset & after, *args, **kwargs)
             ledgers = list(self.ledgers)
+            logical = getattr(self.logical, "spec", None)
+            if logical is not None:  # issued_as(): record the logical op, once
+                self.logical.spec = None
+                op_name, payload = logical
+                rec_spec: tuple = (op_name, lambda a: payload, spec[2], spec[0])
+            else:
+                rec_spec = spec
             self.inside.on = True
             t0 = time.perf_counter()
             try:
@@ -254,7 +267,7 @@ class _Interceptor:
                 self.inside.on = False
             issued = time.perf_counter() - t0
             for ledger in ledgers:
-                ledger._record(spec, args, out, t0, issued, funcol)
+                ledger._record(rec_spec, args, out, t0, issued, funcol)
             return out
 
         return kernel
@@ -272,6 +285,27 @@ class _Interceptor:
 
 
 _INTERCEPTOR = _Interceptor()
+
+
+class issued_as:  # noqa: N801 - a context manager used like a function
+    """Record the next collective issued inside the block as ``op`` with ``payload_bytes``.
+
+    For code that implements one collective with another, e.g. plait.parallel.gloo_collectives
+    running FSDP2's reduce-scatter and all-gather as gloo ``all_to_all``: the ledger then counts
+    the logical collective (the one the closed forms in volumes.py predict, with the same
+    payload convention), and the entry says ``via="all_to_all"``. Costs one thread-local write
+    when no ledger is active.
+    """
+
+    def __init__(self, op: str, payload_bytes: int):
+        self.spec = (op, int(payload_bytes))
+
+    def __enter__(self) -> "issued_as":
+        _INTERCEPTOR.logical.spec = self.spec
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _INTERCEPTOR.logical.spec = None
 
 
 class Ledger:
@@ -375,9 +409,10 @@ class Ledger:
             e = self.entries[(axis, op)] = Entry(axis=axis, op=op, group_size=n)
         return e
 
-    def _record(self, spec: tuple[str, Any, int], args: tuple, out: Any, t0: float,
+    def _record(self, spec: tuple, args: tuple, out: Any, t0: float,
                 issued: float, funcol: bool) -> None:
-        op, payload_fn, group_idx = spec
+        op, payload_fn, group_idx = spec[:3]
+        via = spec[3] if len(spec) > 3 else ""  # issued_as(): the op that really ran
         axis, n = self._axis(args[group_idx])
         payload = payload_fn(args)
         recv = op == "recv"
@@ -385,6 +420,8 @@ class Ledger:
             op = "send_recv"
         with self._lock:
             e = self._entry(axis, op, n)
+            if via:
+                e.via = via
             if recv:
                 e.recv_count += 1
                 e.recv_bytes += payload

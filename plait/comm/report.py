@@ -37,6 +37,7 @@ class Row:
     ratio: float | None = None
     recv_bytes: float = 0.0    # send_recv: bytes received per step (busiest rank)
     per_rank_payload: list[float] = field(default_factory=list)
+    via: str = ""              # the c10d op that carried it, if not the op itself (issued_as)
 
 
 def normalise_expected(expected: Any) -> dict[tuple[str, str], float]:
@@ -99,7 +100,8 @@ class CommReport:
                       algbw_gbps=payload / t_busiest / 1e9 if t_busiest > 0 else None,
                       busbw_gbps=wire / t_busiest / 1e9 if t_busiest > 0 else None,
                       recv_bytes=max(e.get("recv_bytes", 0) for e in present) / steps,
-                      per_rank_payload=per_payload)
+                      per_rank_payload=per_payload,
+                      via=next((e["via"] for e in present if e.get("via")), ""))
             if (axis, op) in exp:
                 row.expected_bytes = exp[(axis, op)]
                 row.ratio = payload / row.expected_bytes if row.expected_bytes else None
@@ -137,7 +139,8 @@ class CommReport:
                 "time", "busbw")
         lines = [head]
         for r in self.rows:
-            lines.append((r.axis, r.op, str(r.group_size), _num(r.count), human_bytes(r.payload_bytes),
+            op = r.op + (f" (via {r.via})" if r.via else "")
+            lines.append((r.axis, op, str(r.group_size), _num(r.count), human_bytes(r.payload_bytes),
                           human_bytes(r.wire_bytes),
                           human_bytes(r.expected_bytes) if r.expected_bytes is not None else "-",
                           f"{r.ratio:.3f}" if r.ratio is not None else "-",
@@ -199,7 +202,12 @@ def _row_key(key: tuple[str, str]) -> tuple[int, str, str]:
 
 def _notes(report: CommReport) -> list[str]:
     notes = []
-    if report.backend == "gloo" and any(r.op == "reduce_scatter" and r.ranks for r in report.rows):
+    for r in report.rows:
+        if r.via and r.ranks:
+            notes.append(f"{r.axis} {r.op} ran as {r.via} (same payload and ring bytes; "
+                         f"plait.parallel.gloo_collectives)")
+    if report.backend == "gloo" and any(r.op == "reduce_scatter" and r.ranks and not r.via
+                                        for r in report.rows):
         notes.append("gloo has no native reduce-scatter: it runs a full all-reduce of the "
                      "payload (2(n-1)/n wire bytes, not the (n-1)/n counted here)")
     if any(r.op == "send_recv" and r.ranks for r in report.rows):

@@ -49,6 +49,10 @@ gathered parameters and compute, gradients reduced in fp32, the sharded fp32 par
 master copy the optimizer updates. CPU offload (``plan.offload``, ZeRO-3 only) is FSDP2's
 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state live in host memory and
 the optimizer step runs on the CPU.
+
+On gloo (CPU ranks) the shard group's reduce-scatter and all-gather run as all-to-alls
+(:mod:`plait.parallel.gloo_collectives`, installed through FSDP2's custom-collective hooks);
+``plan.options["gloo_all_to_all"] = False`` keeps FSDP2's own.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from ..mesh import Mesh
 from ..plan import Plan
+from .gloo_collectives import use_gloo_collectives
 from .units import select_units
 
 _PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -124,6 +129,12 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     # Root last. ZeRO-3: None lets FSDP2 keep the root's own parameters gathered from forward to
     # backward (backward needs them first thing); ZeRO-2: keep everything gathered.
     fully_shard(module, reshard_after_forward=None if reshard else False, **kwargs)
+    if (plan.options or {}).get("gloo_all_to_all", True):
+        # On gloo (CPU), FSDP2's reduce-scatter/all-gather become all-to-alls: gloo's own are
+        # ~2x slower (reduce-scatter is a full all-reduce there). NCCL and every other backend
+        # keep FSDP2's defaults; see plait/parallel/gloo_collectives.py.
+        shard_group = (dm["dp_shard"] if dm.ndim == 2 else dm).get_group()
+        use_gloo_collectives(module, shard_group, dm.device_type)
     return module
 
 
