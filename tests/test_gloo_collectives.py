@@ -70,11 +70,11 @@ def test_bad_calls_are_refused():
 
 
 def test_installed_on_gloo_unless_disabled():
-    on = run_distributed(W.installed_comms, 2, Plan(dp_shard=2, zero=3), timeout=60)[0]
+    on = run_distributed(W.installed_comms, 2, Plan(dp_shard=2, zero=3), timeout=180)[0]
     assert on == ["GlooAllGather", "GlooReduceScatter"]
     off = run_distributed(W.installed_comms, 2, Plan(dp_shard=2, zero=3,
                                                      options={"gloo_all_to_all": False}),
-                          timeout=60)[0]
+                          timeout=180)[0]
     assert off == ["DefaultAllGather", "DefaultReduceScatter"]
 
 

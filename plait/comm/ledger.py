@@ -1,34 +1,45 @@
 """The communication ledger: every collective a rank issues, counted while it is active.
 
 ``Ledger`` is a context manager. While a rank is inside ``with ledger:``, each collective it
-issues is recorded under (mesh axis, collective) with its count, payload bytes, wire bytes and
-wall time. Leaving the block stops recording; when no ledger is active nothing is installed, so a
-run that never asks for the ledger pays nothing.
+issues is recorded under (mesh axis, collective) with its count, payload bytes and wall time
+(wire bytes follow from the payload at report time). Leaving the block stops recording; when no
+ledger is active nothing is installed, so a run that never asks for the ledger pays nothing.
 
-How it sees the traffic. torch routes every collective through the dispatcher: the classic c10d
-ops (``torch.ops.c10d.allreduce_`` ...) behind ``torch.distributed.*``, the process-group calls
-of DDP's C++ reducer and of FSDP2, and the point-to-point ops behind ``batch_isend_irecv`` that
-``torch.distributed.pipelining`` uses; and the functional collectives
-(``torch.ops._c10d_functional.*``) that DTensor emits for tensor/sequence parallelism. A kernel
-on those ops alone (see ``_Interceptor``) therefore sees all of them, with no hooks in DDP, FSDP
-or the pipeline schedules. Not ``CommDebugMode``: it is a TorchDispatchMode (every aten op pays
-a Python call, 10-20% of a small step) and it counts calls only (no bytes, group or time).
+How it sees the traffic. torch routes every collective through the dispatcher's c10d ops
+(``torch.ops.c10d.allreduce_`` ...): ``torch.distributed.*``, the process-group calls of DDP's
+C++ reducer and of FSDP2, the point-to-point ops behind ``batch_isend_irecv`` that
+``torch.distributed.pipelining`` uses, and also the functional collectives
+(``torch.ops._c10d_functional.*``) that DTensor emits for tensor/sequence parallelism, whose C++
+implementations call the process group, which dispatches the same c10d ops. A kernel on the c10d
+ops alone (see ``_Interceptor``) therefore sees all of them, once each, with no hooks in DDP,
+FSDP or the pipeline schedules. Not ``CommDebugMode``: it is a TorchDispatchMode (every aten op
+pays a Python call, 10-20% of a small step) and it counts calls only (no bytes, group or time).
 
 Byte convention: ``plait.comm.volumes`` (payload = the tensor the call is made on, the full
 buffer for all-gather/reduce-scatter; wire = payload x bus factor). Point-to-point traffic is
 recorded as ``send_recv`` counting the bytes this rank *sent*; what it received is kept beside
-it (``recv_bytes``) so the sum over ranks is not counted twice.
+it (``recv_bytes``) so the sum over ranks is not counted twice. Bytes and counts are recorded on
+every call: they are exact.
 
-Time: from issue to completion of the collective's ``Work`` future (c10d ops) or to the
-``wait_tensor`` that consumes a functional collective. Asynchronous collectives overlap each other
-and compute, so per-op bandwidth is an achieved figure, not a link measurement.
+Time: from issue to completion. Completion is the collective's ``Work`` future where the backend
+gives one (every nccl op; gloo's collectives), else (gloo's send/recv and reduce-scatter) the
+``wait`` on the ``Work``: the ledger hands back a thin ``Work`` that notes the time when it is
+waited on, by Python (``work.wait()``) or C++ (``wait_tensor`` of a functional collective).
+Timing is what costs (a completion callback, a GIL hand-off), so it is sampled: the first
+``time_first`` calls of each (group, op) are timed, then each call with probability
+1/``time_every``, weighted by ``time_every`` (an unbiased estimate of the total; random, not every
+k-th call, so a step's periodic pattern of sizes cannot alias with the sampling).
+``Ledger(mesh, time_every=1)`` times every call. Asynchronous collectives overlap each other and
+compute, so per-op bandwidth is an achieved figure, not a link measurement.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 import time
+from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -87,27 +98,6 @@ def _c10d_table() -> dict[Any, tuple[str, Any, int]]:
     }
 
 
-def _funcol_table() -> dict[Any, tuple[str, Any, int]]:
-    f = torch.ops._c10d_functional
-    return {
-        f.all_reduce.default: ("all_reduce", lambda a: _nbytes(a[0]), 2),
-        f.all_reduce_.default: ("all_reduce", lambda a: _nbytes(a[0]), 2),
-        f.all_reduce_coalesced.default: ("all_reduce", lambda a: _nbytes(a[0]), 2),
-        f.all_reduce_coalesced_.default: ("all_reduce", lambda a: _nbytes(a[0]), 2),
-        f.all_gather_into_tensor.default: ("all_gather", lambda a: _nbytes(a[0]) * a[1], 2),
-        f.all_gather_into_tensor_out.default: ("all_gather", lambda a: _nbytes(a[0]) * a[1], 2),
-        f.all_gather_into_tensor_coalesced.default:
-            ("all_gather", lambda a: _nbytes(a[0]) * a[1], 2),
-        f.reduce_scatter_tensor.default: ("reduce_scatter", lambda a: _nbytes(a[0]), 3),
-        f.reduce_scatter_tensor_out.default: ("reduce_scatter", lambda a: _nbytes(a[0]), 3),
-        f.reduce_scatter_tensor_coalesced.default:
-            ("reduce_scatter", lambda a: _nbytes(a[0]), 3),
-        f.all_to_all_single.default: ("all_to_all", lambda a: _nbytes(a[0]), 3),
-        f.broadcast.default: ("broadcast", lambda a: _nbytes(a[0]), 2),
-        f.broadcast_.default: ("broadcast", lambda a: _nbytes(a[0]), 2),
-    }
-
-
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Entry:
@@ -118,14 +108,15 @@ class Entry:
     group_size: int
     count: int = 0
     payload_bytes: int = 0
-    wire_bytes: float = 0.0
-    time_s: float = 0.0
+    wire_bytes: float = 0.0  # filled in by to_dict(): payload x bus factor, not kept per call
+    time_s: float = 0.0      # estimated total (sampled: see the module docstring)
     recv_count: int = 0   # send_recv only: messages / bytes received (not added to payload)
     recv_bytes: int = 0
     via: str = ""         # the c10d op that carried it, when not the op itself (see issued_as)
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
+        d["wire_bytes"] = op_wire_bytes(self.op, self.payload_bytes, self.group_size)
         if not d["via"]:
             del d["via"]
         return d
@@ -176,42 +167,57 @@ def axis_names_by_ranks(mesh: Any) -> dict[frozenset[int], str]:
 
 
 class _Interceptor:
-    """Routes the collective ops through the active ledgers while at least one is active.
+    """Routes the c10d collective ops through the active ledgers while at least one is active.
 
-    A Python kernel is registered for each collective at the ``BackendSelect`` dispatch key,
-    whose default for every op is a fallthrough: only the collectives pay a Python call, every
-    other op dispatches exactly as before. (A ``TorchDispatchMode`` would see every aten op and
-    cost ~10 us each: 10-20% of a small model's step on CPU.) ``BackendSelect`` is the last
+    A Python kernel is registered for each c10d collective at the ``BackendSelect`` dispatch
+    key, whose default for every op is a fallthrough: only the collectives pay a Python call,
+    every other op dispatches exactly as before. (A ``TorchDispatchMode`` would see every aten op
+    and cost ~10 us each: 10-20% of a small model's step on CPU.) ``BackendSelect`` is the last
     functionality key before the backend, so it is reached even from inside other kernels:
     autograd's ``ADInplaceOrView`` would miss the collectives DTensor issues from within an aten
     op (e.g. the Partial->Replicate all-reduce of a sequence-parallel norm gradient in
-    ``optimizer.step``). Dispatcher registrations are process-wide by nature, so this one
+    ``optimizer.step``). The functional collectives are not intercepted themselves: each one
+    runs a c10d op, which is seen here (intercepting both cost a second Python call per
+    collective for nothing). Dispatcher registrations are process-wide by nature, so this one
     object is too; the kernels are removed when the last ledger leaves, so a process that never
     activates a ledger, or has left it, pays nothing.
     """
 
     def __init__(self) -> None:
-        self.ledgers: list["Ledger"] = []
+        # The active ledgers, as a tuple replaced (never mutated) under the lock, so a kernel
+        # reads one consistent snapshot without taking the lock.
+        self.active: tuple["Ledger", ...] = ()
         self.libs: list[Any] = []
         # Holders that keep the kernels installed between `with ledger:` blocks (a training run
         # that enters the ledger once per step): registering and removing dispatcher kernels
         # costs far more than the bookkeeping itself, so it is done once per run, not per step.
         self.retained = 0
         self.lock = threading.Lock()
-        # A functional collective runs the c10d op underneath: count the outer call only.
-        self.inside = threading.local()
+        # Which (process group, op) hand back a Work with a completion future (asked once: a
+        # Work without one answers with an exception, ~15 us).
+        self.has_future: dict[tuple[Any, Any], bool] = {}
+        # _TimedWork objects not yet waited on. The C++ side of a Python Work subclass only
+        # finds its Python `wait` while the Python object lives; a functional collective keeps
+        # the Work in C++ alone until `wait_tensor`, so the ledger keeps it alive until then.
+        self.in_flight: set["_TimedWork"] = set()
         # issued_as(): the logical collective the next c10d op implements (see issued_as).
         self.logical = threading.local()
+
+    @property
+    def ledgers(self) -> list["Ledger"]:
+        return list(self.active)
 
     def push(self, ledger: "Ledger") -> None:
         with self.lock:
             if not self.libs:
                 self._register()
-            self.ledgers.append(ledger)
+            self.active = self.active + (ledger,)
 
     def pop(self, ledger: "Ledger") -> None:
         with self.lock:
-            self.ledgers.remove(ledger)
+            rest = list(self.active)
+            rest.remove(ledger)
+            self.active = tuple(rest)
             self._maybe_unregister()
 
     def retain(self) -> None:
@@ -226,62 +232,156 @@ class _Interceptor:
             self._maybe_unregister()
 
     def _maybe_unregister(self) -> None:
-        if not self.ledgers and not self.retained:
+        if not self.active and not self.retained:
             for lib in self.libs:
                 lib._destroy()
             self.libs.clear()
 
     def _register(self) -> None:
         after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
-        tables = (("c10d", _c10d_table()), ("_c10d_functional", _funcol_table()))
-        for ns, table in tables:
-            lib = torch.library.Library(ns, "IMPL")
-            self.libs.append(lib)
-            for op, spec in table.items():
-                lib.impl(op._schema.name.split("::")[1], self._kernel(op, spec, after),
-                         "BackendSelect", with_keyset=True)
-            if ns == "_c10d_functional":
-                wait = torch.ops._c10d_functional.wait_tensor.default
-                lib.impl("wait_tensor", self._wait_kernel(wait, after), "BackendSelect",
-                         with_keyset=True)
+        lib = torch.library.Library("c10d", "IMPL")
+        self.libs.append(lib)
+        for op, spec in _c10d_table().items():
+            lib.impl(op._schema.name.split("::")[1], self._kernel(op, spec, after),
+                     "BackendSelect", with_keyset=True)
 
     def _kernel(self, op: Any, spec: tuple[str, Any, int], after: Any) -> Any:
-        funcol = op.namespace == "_c10d_functional"
+        name, payload_fn, group_idx = spec
+        recv = name == "recv"
+        canonical = "send_recv" if name in ("send", "recv") else name
+        redispatch = op.redispatch
+        unbox = dist.ProcessGroup.unbox
+        clock = time.perf_counter
 
         def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self.ledgers or getattr(self.inside, "on", False):
-                return op.redispatch(keyset & after, *args, **kwargs)
-            ledgers = list(self.ledgers)
+            ledgers = self.active
+            if not ledgers:
+                return redispatch(keyset & after, *args, **kwargs)
+            t0 = clock()
+            out = redispatch(keyset & after, *args, **kwargs)
+            group = args[group_idx]
+            pg = unbox(group) if isinstance(group, torch.ScriptObject) else group
             logical = getattr(self.logical, "spec", None)
-            if logical is not None:  # issued_as(): record the logical op, once
+            if logical is None:
+                rec_op, payload, via = canonical, payload_fn(args), ""
+            else:  # issued_as(): record the logical op, once
                 self.logical.spec = None
-                op_name, payload = logical
-                rec_spec: tuple = (op_name, lambda a: payload, spec[2], spec[0])
-            else:
-                rec_spec = spec
-            self.inside.on = True
-            t0 = time.perf_counter()
-            try:
-                out = op.redispatch(keyset & after, *args, **kwargs)
-            finally:
-                self.inside.on = False
-            issued = time.perf_counter() - t0
+                rec_op, payload = logical
+                via = canonical
+            timers = None
             for ledger in ledgers:
-                ledger._record(rec_spec, args, out, t0, issued, funcol)
-            return out
-
-        return kernel
-
-    def _wait_kernel(self, op: Any, after: Any) -> Any:
-        def kernel(keyset: Any, tensor: Any) -> Any:
-            out = op.redispatch(keyset & after, tensor)
-            if not self.ledgers:
+                timer = ledger._record(pg, rec_op, recv, payload, via)
+                if timer is not None:
+                    timers = [timer] if timers is None else timers + [timer]
+            if timers is None:
                 return out
-            for ledger in list(self.ledgers):
-                ledger._waited(tensor)
-            return out
+            return self._time(op, pg, out, t0, timers)
 
         return kernel
+
+    def _time(self, op: Any, pg: Any, out: Any, t0: float, timers: list[Any]) -> Any:
+        """Note the time from ``t0`` to the completion of the Work in ``out`` into ``timers``
+        ([(ledger, entry, weight)]); returns ``out``, its Work wrapped where that is how."""
+        boxed = out[-1] if isinstance(out, tuple) else out
+        work = dist.Work.unbox(boxed)
+        key = (pg, op)
+        future = None
+        if self.has_future.get(key, True):
+            try:
+                future = work.get_future()
+            except RuntimeError:  # "Work::getFuture not implemented" (gloo p2p, reduce-scatter)
+                self.has_future[key] = False
+            else:
+                self.has_future[key] = True
+        if future is not None:
+            def done(_: Any) -> None:
+                _note(timers, time.perf_counter() - t0)
+
+            future.add_done_callback(done)
+            return out
+        timed = _TimedWork(work, t0, timers, self.in_flight)
+        with self.lock:
+            self.in_flight.add(timed)
+        boxed = timed.boxed()
+        return (*out[:-1], boxed) if isinstance(out, tuple) else boxed
+
+
+def _note(timers: list[Any], elapsed: float) -> None:
+    for ledger, entry, weight in timers:
+        with ledger._lock:
+            entry.time_s += weight * elapsed
+
+
+class _TimedWork(dist.Work):
+    """A ``Work`` standing in for one without a completion future, to time the collective to
+    the moment someone waits for it.
+
+    Our own instead of a torch building block: gloo's send/recv and reduce-scatter Works have no
+    future (``get_future`` raises) and ``Work`` has no completion hook, so the only place the
+    ledger can see the end is the ``wait``. Callers reach the Python methods below either
+    directly (``work.wait()`` in the pipeline schedules and ``torch.distributed``) or through
+    ``Work``'s pybind trampoline (``wait_tensor`` of a functional collective calls the C++
+    ``wait``, which finds this Python override). Everything else is forwarded to the real Work.
+    No waiter thread: a thread blocking on each Work contended with the pipeline for the GIL and
+    hung its tests.
+    """
+
+    def __init__(self, inner: Any, t0: float, timers: list[Any], in_flight: set) -> None:
+        super().__init__()
+        self._inner = inner
+        self._t0 = t0
+        self._timers = timers
+        self._in_flight = in_flight
+
+    def _finished(self) -> None:
+        timers, self._timers = self._timers, None
+        if timers is not None:  # the first wait (or completed poll) counts
+            _note(timers, time.perf_counter() - self._t0)
+            self._in_flight.discard(self)
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        ok = self._inner.wait(timeout)
+        self._finished()
+        return ok
+
+    def is_completed(self) -> bool:
+        done = self._inner.is_completed()
+        if done:
+            self._finished()
+        return done
+
+    def get_future(self) -> Any:
+        return self._inner.get_future()
+
+    def get_future_result(self) -> Any:
+        return self._inner.get_future_result()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank()
+
+    def _source_rank(self) -> int:
+        return self._inner._source_rank()
+
+    def result(self) -> Any:
+        return self._inner.result()
+
+    def synchronize(self) -> None:
+        return self._inner.synchronize()
+
+    def block_current_stream(self) -> None:
+        return self._inner.block_current_stream()
+
+    def _get_duration(self) -> float:
+        return self._inner._get_duration()
+
+    def _get_op_type(self) -> Any:
+        return self._inner._get_op_type()
 
 
 _INTERCEPTOR = _Interceptor()
@@ -315,6 +415,10 @@ class Ledger:
     under those axis names (a group spanning several axes gets a joined name, ``dp`` for plait's
     flattened data view). Without a mesh, groups are named ``world`` or by their ranks.
 
+    ``time_every`` / ``time_first``: timing is sampled (bytes and counts never are): the first
+    ``time_first`` calls per (group, op) are timed, then one call in ``time_every`` on average;
+    ``time_every=1`` times every call (exact times, at a higher cost per call).
+
     Each entry into the block counts as one step unless ``report(steps=...)`` says otherwise, so
     the natural use is one ``with ledger:`` per training step::
 
@@ -327,16 +431,23 @@ class Ledger:
             print(report.table())
     """
 
-    def __init__(self, mesh: Any = None):
+    def __init__(self, mesh: Any = None, time_every: int = 8, time_first: int = 8):
+        if time_every < 1 or time_first < 0:
+            raise ValueError(f"time_every={time_every} must be >= 1 and time_first={time_first} "
+                             f">= 0")
         self.mesh = mesh
+        self.time_every = time_every
+        self.time_first = time_first
         self.entries: dict[tuple[str, str], Entry] = {}
         self.regions = 0
         self._active = False
-        self._pending: dict[int, tuple[Entry, float]] = {}
         self._lock = threading.Lock()
+        # (process group, op) -> its Entry: the per-call lookup, O(1) with no name resolution.
+        self._by_group: dict[tuple[Any, str], Entry] = {}
         self._axis_cache: dict[str, tuple[str, int]] = {}
         self._names: dict[frozenset[int], str] | None = None
         self._installed = False
+        self._rng = random.Random(0)  # sampling only; seeded so a run is repeatable
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> "Ledger":
@@ -371,7 +482,7 @@ class Ledger:
         """Forget everything recorded (e.g. after warm-up steps)."""
         with self._lock:
             self.entries.clear()
-            self._pending.clear()
+            self._by_group.clear()
             self.regions = 0
 
     # ------------------------------------------------------------------ recording
@@ -409,18 +520,19 @@ class Ledger:
             e = self.entries[(axis, op)] = Entry(axis=axis, op=op, group_size=n)
         return e
 
-    def _record(self, spec: tuple, args: tuple, out: Any, t0: float,
-                issued: float, funcol: bool) -> None:
-        op, payload_fn, group_idx = spec[:3]
-        via = spec[3] if len(spec) > 3 else ""  # issued_as(): the op that really ran
-        axis, n = self._axis(args[group_idx])
-        payload = payload_fn(args)
-        recv = op == "recv"
-        if op in ("send", "recv"):
-            op = "send_recv"
+    def _record(self, pg: Any, op: str, recv: bool, payload: int,
+                via: str = "") -> tuple | None:
+        """Count one call of ``op`` on process group ``pg`` (every call: bytes stay exact).
+
+        Returns ``(self, entry, weight)`` when this call's time is to be measured (the first
+        ``time_first`` calls of the (group, op), then each with probability 1/time_every,
+        weighted by time_every), else None.
+        """
         with self._lock:
-            e = self._entry(axis, op, n)
-            if via:
+            e = self._by_group.get((pg, op))
+            if e is None:
+                axis, n = self._axis(pg)
+                e = self._by_group[(pg, op)] = self._entry(axis, op, n)
                 e.via = via
             if recv:
                 e.recv_count += 1
@@ -428,33 +540,12 @@ class Ledger:
             else:
                 e.count += 1
                 e.payload_bytes += payload
-                e.wire_bytes += op_wire_bytes(op, payload, n)
-        if funcol:
-            # Completion is the wait_tensor that consumes the result.
-            self._pending[id(out)] = (e, t0)
-            return
-        work = out[-1] if isinstance(out, tuple) else out
-        try:
-            fut = dist.Work.unbox(work).get_future()
-        except Exception:  # noqa: BLE001 - a backend without futures: time the call itself
-            with self._lock:
-                e.time_s += issued
-            return
-
-        def done(_: Any, e: Entry = e, t0: float = t0) -> None:
-            with self._lock:
-                e.time_s += time.perf_counter() - t0
-
-        fut.then(done)
-
-    def _waited(self, tensor: Any) -> None:
-        if not self._pending:
-            return
-        item = self._pending.pop(id(tensor), None)
-        if item is not None:
-            e, t0 = item
-            with self._lock:
-                e.time_s += time.perf_counter() - t0
+            seen = e.count + e.recv_count
+        if seen <= self.time_first or self.time_every == 1:
+            return (self, e, 1.0)
+        if self._rng.random() * self.time_every < 1.0:
+            return (self, e, float(self.time_every))
+        return None
 
     # ------------------------------------------------------------------ results
     def local_entries(self) -> list[dict[str, Any]]:

@@ -1,0 +1,124 @@
+"""Per-call cost of the ledger's interception: microseconds per collective, ledger on vs off.
+
+A training step issues tens to hundreds of collectives; what the ledger adds to each is what it
+adds to the step. This measures it directly, on a tensor so small that the collective itself is
+as cheap as it gets, for the three ways plait's strategies issue collectives:
+
+* ``c10d``: ``dist.all_reduce(t)`` (DDP's reducer, FSDP2, clipping: the classic c10d ops);
+* ``funcol``: ``funcol.all_reduce`` + ``wait_tensor`` (DTensor's TP/SP collectives);
+* ``p2p``: ``batch_isend_irecv`` of one send and one recv, then ``wait`` (pipeline stages;
+  gloo gives these no completion future, so the ledger times them to the wait).
+
+Each case runs ``--rounds`` rounds in ABBA order (off, on, on, off, ...) of ``--calls`` calls;
+per call it reports the median over rounds (slowest rank) off and on, the difference, and the
+calls the ledger recorded (which must be exactly calls x on-rounds: the bench checks it).
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/ledger_percall.py [--nproc 2] [--calls 2000] \\
+        [--rounds 8] [--time-every 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+
+def _cases(rank: int, world: int) -> dict[str, Callable[[], Any]]:
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    t = torch.ones(4)
+    group = dist.group.WORLD
+
+    def c10d() -> None:
+        dist.all_reduce(t)
+
+    def functional() -> None:
+        funcol.wait_tensor(funcol.all_reduce(t, "sum", group))
+
+    send, recv = torch.ones(4), torch.empty(4)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+    def p2p() -> None:
+        ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    cases = {"c10d": c10d, "funcol": functional}
+    if world > 1:
+        cases["p2p"] = p2p
+    return cases
+
+
+def _timed(fn: Callable[[], Any], calls: int) -> float:
+    import torch.distributed as dist
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    mine = torch.tensor([(time.perf_counter() - t0) / calls], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return float(mine.item())
+
+
+def worker(rank: int, world: int, calls: int, rounds: int, time_every: int) -> list[dict]:
+    from plait.comm.ledger import Ledger
+
+    torch.set_num_threads(1)
+    out = []
+    for name, fn in _cases(rank, world).items():
+        for _ in range(min(calls, 200)):  # warm up the op and the process group
+            fn()
+        ledger = Ledger(time_every=time_every)
+        off, on = [], []
+        for r in range(rounds):
+            for side in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                if side == "off":
+                    off.append(_timed(fn, calls))
+                    continue
+                ledger.install()  # as a run does: kernels stay installed across steps
+                with ledger:
+                    on.append(_timed(fn, calls))
+                ledger.uninstall()
+        # The ledger also saw the two collectives of each _timed (barrier, the MAX all-reduce).
+        recorded = sum(e["count"] + e["recv_count"] for e in ledger.local_entries()
+                       if e["op"] != "barrier")
+        expected = calls * rounds * (2 if name == "p2p" else 1) + rounds
+        out.append({"case": name, "off_us": statistics.median(off) * 1e6,
+                    "on_us": statistics.median(on) * 1e6,
+                    "delta_us": statistics.median(a - b for a, b in zip(on, off)) * 1e6,
+                    "recorded": recorded, "expected": expected})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from plait.spawn import run_distributed
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--calls", type=int, default=2000, help="calls per measurement")
+    p.add_argument("--rounds", type=int, default=8, help="ABBA rounds (even)")
+    p.add_argument("--time-every", type=int, default=8,
+                   help="Ledger(time_every=...): 1 times every call")
+    args = p.parse_args(argv)
+    if args.nproc < 1 or args.calls < 1 or args.rounds < 2:
+        p.error("--nproc >= 1, --calls >= 1 and --rounds >= 2")
+    rows = run_distributed(worker, args.nproc, args.calls, args.rounds, args.time_every,
+                           timeout=1800)[0]
+    print(f"{'case':8} {'off us/call':>12} {'on us/call':>11} {'on-off us':>10} "
+          f"{'recorded':>9} {'expected':>9}")
+    bad = False
+    for r in rows:
+        print(f"{r['case']:8} {r['off_us']:>12.2f} {r['on_us']:>11.2f} {r['delta_us']:>10.2f} "
+              f"{r['recorded']:>9} {r['expected']:>9}")
+        bad |= r["recorded"] != r["expected"]
+    if bad:
+        print("error: the ledger did not record every call")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
