@@ -185,3 +185,173 @@ def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
                    intra_bw=bw, inter_bw=bw, intra_latency=alpha, inter_latency=alpha,
                    hbm_bw=hbm, reserve_bytes=0.2 * GB, compute_units=cores,
                    source="calibrated", extra=extra)
+
+
+# ------------------------------------------------------------------------------------------
+# Measurements that need a process group: what a training step costs beyond its blocks' FLOPs
+# and beyond ring all-reduce bandwidth. Each is timed on the same world as the job it explains
+# (same number of processes sharing the same cores), in interleaved rounds, medians per point.
+# ``measure_group`` returns raw timings only; ``derive_constants`` (pure, unit-tested) turns them
+# into cost-model constants, so the arithmetic can be checked by hand.
+# ------------------------------------------------------------------------------------------
+SMALL_BYTES = 1024
+LARGE_BYTES = 4 * 2**20
+TENSOR_COUNTS = (8, 32)      # parameter tensors in the optimizer micro-benchmark
+FSDP_UNITS = 4               # fully_shard units in the FSDP2 micro-benchmark
+PROBE = dict(dim=128, n_heads=4, vocab=256, seq=64, batch=4)  # the TP / outside-block probe
+
+
+def _interleaved(fns: dict, rounds: int) -> dict:
+    """Median seconds per named callable, timed round-robin (round 0 warms up)."""
+    import torch.distributed as dist
+
+    samples: dict = {k: [] for k in fns}
+    for rnd in range(rounds + 1):
+        for key, fn in fns.items():
+            if dist.is_initialized():
+                dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if rnd:
+                samples[key].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _collective_timings(world: int, rounds: int) -> dict:
+    """Seconds per call of each collective plait's runtime issues, at a small and a large
+    payload (payload convention of plait.comm.volumes), and of a burst of asynchronous small
+    broadcasts (how ZeroRedundancyOptimizer sends parameters: one per tensor, waited together)."""
+    import torch
+    import torch.distributed as dist
+
+    fns = {}
+    for size in (SMALL_BYTES, LARGE_BYTES):
+        n = max(world, size // 4 // world * world)
+        full, part = torch.ones(n), torch.ones(n // world)
+        fns[("all_reduce", size)] = lambda full=full: dist.all_reduce(full)
+        fns[("all_gather", size)] = lambda full=full, part=part: \
+            dist.all_gather_into_tensor(full, part)
+        fns[("reduce_scatter", size)] = lambda full=full, part=part: \
+            dist.reduce_scatter_tensor(part, full)
+        fns[("broadcast", size)] = lambda full=full: dist.broadcast(full, src=0)
+    burst = [torch.ones(SMALL_BYTES // 4) for _ in range(16)]
+
+    def async_broadcasts():
+        for w in [dist.broadcast(t, src=i % world, async_op=True) for i, t in enumerate(burst)]:
+            w.wait()
+    fns[("broadcast_async", SMALL_BYTES)] = async_broadcasts
+    got = _interleaved(fns, rounds)
+    out = {f"{op}@{size}": t for (op, size), t in got.items()}
+    out["broadcast_async@1024"] = got[("broadcast_async", SMALL_BYTES)] / len(burst)
+    return out
+
+
+def _tensor_step_timings(world: int, rounds: int) -> dict:
+    """Seconds for gradient clipping + AdamW (per-tensor loop, as the bench and the runtime's
+    default) + zero_grad over N small parameter tensors, plain and DTensor (sharded on a 1-D
+    mesh of the whole group, as FSDP2 / TP leave them)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from plait.train import clip_grad_norm
+
+    mesh = init_device_mesh("cpu", (world,))
+    fns = {}
+    for kind in ("plain", "dtensor"):
+        for n in TENSOR_COUNTS:
+            params = []
+            for _ in range(n):
+                t = torch.randn(16 * world, 16)
+                p = torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)]) if kind == "dtensor"
+                                       else t)
+                params.append(p)
+            opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+            def step(params=params, opt=opt):
+                for p in params:
+                    p.grad = torch.ones_like(p)
+                clip_grad_norm(params, 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            fns[(kind, n)] = step
+    got = _interleaved(fns, rounds)
+    return {f"{kind}@{n}": t for (kind, n), t in got.items()}
+
+
+def _fsdp_timings(world: int, rounds: int) -> dict:
+    """Seconds for forward+backward of FSDP_UNITS tiny fully_shard units (ZeRO-2, gradient sync
+    off: one all-gather per unit and micro-step, no reduce-scatter) and of the same plain stack:
+    the difference is FSDP2's cost per unit and micro-step (hooks, copy-in/out, the gather)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dim = 32
+    mesh = init_device_mesh("cpu", (world,))
+
+    def stack():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False)
+                                     for _ in range(FSDP_UNITS)])
+    plain, sharded = stack(), stack()
+    for unit in sharded:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+    fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+    sharded.set_requires_gradient_sync(False)
+    x = torch.randn(2, 8, dim)
+    got = _interleaved({"plain": lambda: plain(x).sum().backward(),
+                        "fsdp": lambda: sharded(x).sum().backward()}, rounds)
+    return {"fsdp_plain": got["plain"], "fsdp_nosync": got["fsdp"],
+            "fsdp_unit_bytes": dim * dim * 4}
+
+
+def _probe_timings(world: int, rounds: int) -> dict:
+    """Seconds for forward + loss + backward of the reference transformer (PROBE shape) with 1
+    and 2 blocks, plain and under plait's TP+SP at tp=2 (when the world is even): per-block and
+    outside-the-blocks costs by difference, the latter being embedding, head and loss."""
+    from plait.mesh import build_mesh
+    from plait.models.transformer import build, lm_loss, TransformerConfig
+    from plait.parallel.tensor import apply_tensor_parallel
+    from plait.plan import Plan
+    from plait.train import loss_context
+
+    import torch
+
+    p = PROBE
+    fns = {}
+    x = torch.randint(0, p["vocab"], (p["batch"], p["seq"] + 1),
+                      generator=torch.Generator().manual_seed(0))
+    kinds = ["plain"] + (["tp"] if world % 2 == 0 else [])
+    for kind in kinds:
+        for n in (1, 2):
+            cfg = TransformerConfig(vocab_size=p["vocab"], dim=p["dim"], n_layers=n,
+                                    n_heads=p["n_heads"], max_seq_len=p["seq"])
+            model = build(cfg, seed=0)
+            if kind == "tp":
+                plan = Plan(tp=2, sp=True, dp_replicate=world // 2)
+                model = apply_tensor_parallel(model, build_mesh(plan, "cpu", world), plan)
+
+            def run(model=model):
+                with loss_context(model):
+                    loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+                    if hasattr(loss, "full_tensor"):
+                        loss = loss.full_tensor()
+                    loss.backward()
+                model.zero_grad(set_to_none=True)
+            fns[(kind, n)] = run
+    got = _interleaved(fns, rounds)
+    return {f"probe_{kind}@{n}": t for (kind, n), t in got.items()}
+
+
+def measure_group(rank: int, world: int, rounds: int = 5) -> dict:
+    """Raw timings (seconds) of every group micro-benchmark on this rank; see derive_constants."""
+    import torch
+
+    torch.manual_seed(0)
+    out = {"world": world}
+    out.update(_collective_timings(world, rounds))
+    out.update(_tensor_step_timings(world, rounds))
+    out.update(_fsdp_timings(world, rounds))
+    out.update(_probe_timings(world, rounds))
+    return out
