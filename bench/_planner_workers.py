@@ -18,19 +18,19 @@ from typing import Any
 
 
 def calibrate_here(rank: int, world: int) -> dict:
-    """This rank's compute and the group's all-reduce, measured under the same conditions (the
-    same number of processes sharing the same cores) as the layouts timed next."""
+    """This rank's compute and the group's micro-benchmarks (collectives, per-tensor optimizer
+    cost, FSDP2 units, the TP probe), measured under the same conditions (the same number of
+    processes sharing the same cores) as the layouts timed next."""
     import torch.distributed as dist
 
-    from plait.planner.calibrate import _allreduce_worker, measure_block, measure_matmul
+    from plait.planner.calibrate import measure_block, measure_group, measure_matmul
 
     dist.barrier()
     peak = measure_matmul()
     eff, overhead, fit = measure_block(peak)
-    times = _allreduce_worker(rank, world, [1024, 4 * 2**20], 5)
-    return {"peak": peak, "eff": eff, "overhead": overhead, "residual": fit.residual,
-            "t_small": times[1024], "t_large": times[4 * 2**20], "small": 1024,
-            "large": 4 * 2**20}
+    out = {"peak": peak, "eff": eff, "overhead": overhead, "residual": fit.residual}
+    out.update(measure_group(rank, world))
+    return out
 
 
 def time_layouts(rank: int, world: int, plans: list[dict], model_name: str, global_batch: int,

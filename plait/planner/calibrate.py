@@ -160,12 +160,19 @@ def measure_allreduce(world: int = 2, small: int = 1024, large: int = 16 * 2**20
 
 def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
     """Measure this machine (CPU, gloo) and return a one-node Cluster profile."""
+    from plait.comm.volumes import bus_factor
+    from plait.spawn import run_distributed
+
     if world < 2:
         raise ValueError(f"calibrate world={world} must be >= 2 to time a collective")
     peak = measure_matmul()
     eff, overhead, fit = measure_block(peak)
     hbm = measure_memory_bandwidth()
-    alpha, bw = measure_allreduce(world)
+    raw = median_of(run_distributed(measure_group, world, timeout=300))
+    alpha = raw[f"all_reduce@{SMALL_BYTES}"] / (2 * (world - 1))
+    bw = (LARGE_BYTES - SMALL_BYTES) * bus_factor("all_reduce", world) / max(
+        raw[f"all_reduce@{LARGE_BYTES}"] - raw[f"all_reduce@{SMALL_BYTES}"], 1e-9)
+    derived = derive_constants(raw, alpha=alpha, bw=bw, rate=peak * eff)
     cores = os.cpu_count() or 1
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -176,10 +183,16 @@ def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
                              "block_fit_residual": round(fit.residual, 4),
                              # every core computes: no background progress for collectives
                              "overlap": False,
-                             # gloo runs reduce-scatter as a full all-reduce (FIELD-NOTES)
-                             "reduce_scatter_factor": 2.0,
+                             # the bandwidth below is the achieved bus bandwidth already
+                             "link_efficiency": 1.0,
+                             **{k: float(v) for k, v in derived.items()},
                              "measured": f"matmul 512^2 fp32 1 thread; block fwd+bwd dim=128 "
-                                         f"seq=64, 1 and 2 blocks x batch 1/2/4/8, Theil-Sen fit; gloo all-reduce 1 KiB/16 MiB on {world} ranks"}
+                                         f"seq=64, 1 and 2 blocks x batch 1/2/4/8, Theil-Sen "
+                                         f"fit; on {world} gloo ranks: all-reduce / all-gather "
+                                         f"/ reduce-scatter / broadcast at 1 KiB and 4 MiB, "
+                                         f"clip+AdamW over 8 and 32 tensors (plain, DTensor), "
+                                         f"4 FSDP2 units vs plain, the reference model with 1 "
+                                         f"and 2 blocks plain and TP+SP (calibrate.measure_group)"}
     return Cluster(name=name, device="cpu", nodes=1, devices_per_node=64,
                    memory_bytes=0.8 * ram / max(cores, 1), peak_flops={"fp32": peak},
                    intra_bw=bw, inter_bw=bw, intra_latency=alpha, inter_latency=alpha,
@@ -355,3 +368,80 @@ def measure_group(rank: int, world: int, rounds: int = 5) -> dict:
     out.update(_fsdp_timings(world, rounds))
     out.update(_probe_timings(world, rounds))
     return out
+
+
+def derive_constants(raw: dict, *, alpha: float, bw: float, rate: float) -> dict:
+    """Cost-model constants from ``measure_group``'s timings (medians over ranks).
+
+    ``alpha``/``bw``: the all-reduce's per-step latency and bus bandwidth on this world;
+    ``rate``: achieved block FLOP/s (peak x efficiency). Every term is what the measurement shows
+    beyond what the cost model already prices, clamped at 0 (noise cannot make a cost negative):
+
+    * per collective op: the per-byte slope between the two payloads over the ring ideal at
+      ``bw`` (``<op>_factor``), and the small-payload time beyond ``alpha x ring steps`` and its
+      bytes (``<op>_call_s``); broadcasts from the asynchronous burst, as ZeroRedundancyOptimizer
+      issues them (may be below the latency: they overlap);
+    * ``tensor_step_s`` / ``dtensor_step_s``: slope of clip + AdamW + zero_grad over tensors;
+    * ``fsdp_unit_s``: FSDP2 stack minus plain stack per unit, minus one modelled all-gather;
+    * ``micro_overhead_s``: the probe model's time outside its blocks (1 block minus the 2-1
+      difference) minus the head's FLOPs at ``rate``;
+    * ``tp_block_overhead_s``: the TP+SP per-block time minus half the plain per-block time
+      minus the block's modelled TP collectives; ``tp_micro_overhead_s`` the same outside the
+      blocks (embedding, head, loss_parallel collectives modelled).
+    """
+    import dataclasses
+
+    from plait.comm.volumes import Traffic, bus_factor
+
+    from .cost import DEFAULT_CONSTANTS, collective_time, tp_block_traffic, tp_end_traffic
+
+    world = int(raw["world"])
+    out: dict[str, float] = {}
+    span = LARGE_BYTES - SMALL_BYTES
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        t_s, t_l = raw[f"{op}@{SMALL_BYTES}"], raw[f"{op}@{LARGE_BYTES}"]
+        slope = max(t_l - t_s, 0.0) / span                  # s per payload byte
+        ideal = bus_factor(op, world) / bw
+        steps = 2 * (world - 1) if op == "all_reduce" else world - 1
+        if op != "all_reduce":
+            out[f"{op}_factor"] = slope / ideal if ideal else 1.0
+        small = raw["broadcast_async@1024"] if op == "broadcast" else t_s
+        out[f"{op}_call_s"] = max(-alpha * steps, small - alpha * steps - SMALL_BYTES * slope)
+    out["all_reduce_call_s"] = max(0.0, out["all_reduce_call_s"])
+    for kind, key in (("plain", "tensor_step_s"), ("dtensor", "dtensor_step_s")):
+        n1, n2 = TENSOR_COUNTS
+        out[key] = max(0.0, (raw[f"{kind}@{n2}"] - raw[f"{kind}@{n1}"]) / (n2 - n1))
+    # what the cost model would now charge for a collective, with the factors above
+    from .hardware import Cluster
+
+    cluster = Cluster(name="probe", device="cpu", nodes=1, devices_per_node=world,
+                      memory_bytes=1e12, peak_flops={"fp32": rate}, intra_bw=bw, inter_bw=bw,
+                      intra_latency=alpha, inter_latency=alpha)
+    c = dataclasses.replace(DEFAULT_CONSTANTS, link_efficiency=1.0,
+                            **{k: v for k, v in out.items()})
+    gather = collective_time(Traffic("dp_shard", "all_gather", raw["fsdp_unit_bytes"], 1, world),
+                             cluster, 1, c)
+    out["fsdp_unit_s"] = max(0.0, (raw["fsdp_nosync"] - raw["fsdp_plain"]) / FSDP_UNITS - gather)
+    p = PROBE
+    tokens = p["batch"] * p["seq"]
+    head = 3 * 2 * p["dim"] * p["vocab"] * tokens / rate
+    block_plain = raw["probe_plain@2"] - raw["probe_plain@1"]
+    outside_plain = raw["probe_plain@1"] - block_plain
+    out["micro_overhead_s"] = max(0.0, outside_plain - head)
+    if "probe_tp@1" in raw:
+        comm = sum(collective_time(t, cluster, 1, c) for t in
+                   tp_block_traffic(p["batch"], p["seq"], p["dim"], 2, "fp32", True))
+        ends = sum(collective_time(t, cluster, 1, c) for t in
+                   tp_end_traffic(p["batch"], p["seq"], p["dim"], 2, "fp32", True, embed=True,
+                                  head=True))
+        block_tp = raw["probe_tp@2"] - raw["probe_tp@1"]
+        outside_tp = raw["probe_tp@1"] - block_tp
+        out["tp_block_overhead_s"] = max(0.0, block_tp - block_plain / 2 - comm)
+        out["tp_micro_overhead_s"] = max(0.0, outside_tp - out["micro_overhead_s"] - head / 2
+                                         - ends)
+    return out
+
+
+def median_of(dicts: Sequence[dict]) -> dict:
+    """Per-key median of numeric dicts (one per rank, or before/after)."""
+    return {k: statistics.median(d[k] for d in dicts) for k in dicts[0]}
