@@ -487,3 +487,15 @@ def test_derive_constants_inverts_the_cost_model():
     assert got["fsdp_unit_s"] == pytest.approx(1.5e-3)
     assert got["micro_overhead_s"] == pytest.approx(0.002)
     assert "tp_block_overhead_s" not in got  # no TP probe timed
+
+
+def test_zero_bubble_with_checkpointing_replays_per_parameter_tensor():
+    m, c = load_model("tiny"), load_cluster("cpu", devices=2)
+    work = Workload(16, 32)
+    tokens = 16 * 32
+    for schedule, replays in (("zbv", 1 + m.block_tensors), ("interleaved_1f1b", 1)):
+        e = evaluate(Plan(pp=2, pp_schedule=schedule, virtual_stages=2, microbatches=2,
+                          activation_checkpointing="full"), m, c, work)
+        expected = (m.model_flops(tokens, 32, recompute_layers=replays * m.n_layers)
+                    / m.model_flops(tokens, 32))
+        assert e.tflops_per_device_hw / e.tflops_per_device == pytest.approx(expected)

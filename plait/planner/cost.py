@@ -53,13 +53,13 @@ class Constants:
 
     ``compute_efficiency``: achieved fraction of datasheet peak for the dense transformer matmuls
     (and the rest of a block's kernels, folded in). Fitted once, as the value that makes the
-    median error over all ten rows of Narayanan et al. 2021 table 1 zero (0.592 -> 0.59), after
+    median error over all ten rows of Narayanan et al. 2021 table 1 zero (0.568 -> 0.57), after
     communication and bubbles were modelled; see docs/planner.md and bench/planner_accuracy.py.
     ``plait plan --calibrate`` measures it for the local machine instead.
     ``link_efficiency``: fraction of link bandwidth NCCL-class collectives reach (busbw/link).
     """
 
-    compute_efficiency: float = 0.59
+    compute_efficiency: float = 0.57
     link_efficiency: float = 0.8
     # Fixed time per block per microbatch (forward + backward): kernel launches and Python.
     # Negligible on GPUs at planning shapes; measured by --calibrate on CPUs.
@@ -412,6 +412,14 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     replay = {"full": 1.0, "op": 0.05}.get(ckpt_mode, 0.0)
     if ckpt_mode == "selective":
         replay = 1.0 / plan.checkpoint_every
+    if replay and pp > 1 and plan.pp_schedule in ("interleaved_zb", "zbv") and model.block_tensors:
+        # Zero-bubble schedules split backward into an input-gradient pass and a weight-gradient
+        # pass; torch.distributed.pipelining's stage_backward_weight calls autograd.grad once
+        # per parameter group, and non-reentrant checkpointing recomputes the block's forward on
+        # every call. Counted on plait's runtime (tiny, pp=2 ZB-V, full recomputation): 10
+        # forwards replayed per block and microbatch on the middle rank = 1 (input pass) + 9
+        # (its parameter tensors); 5.5 on the rank holding embedding and head.
+        replay *= 1 + model.block_tensors
     block_compute = fwd_block * (3 + replay) / rate + c.block_overhead_s * (1 + replay / 3)
     # TP collectives per block and microbatch, on the tp tier (tp innermost: stride 1).
     tp_block = 0.0
