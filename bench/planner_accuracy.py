@@ -161,7 +161,12 @@ def in_group_profile(cluster, cals: list[dict], world: int):
     from plait.comm.volumes import bus_factor
     from plait.planner.calibrate import LARGE_BYTES, SMALL_BYTES, derive_constants, median_of
 
-    med = median_of(cals)
+    rounds = [r for c in cals for r in c.get("round_compute", [])]
+    med = median_of([{k: v for k, v in c.items() if k != "round_compute"} for c in cals])
+    # compute: medians over every calibration, the per-round ones included (same load as the
+    # layouts saw)
+    med.update(median_of([{k: c[k] for k in ("peak", "eff", "overhead", "residual")}
+                          for c in cals] + rounds))
     alpha = med[f"all_reduce@{SMALL_BYTES}"] / (2 * (world - 1))
     bw = (LARGE_BYTES - SMALL_BYTES) * bus_factor("all_reduce", world) / max(
         med[f"all_reduce@{LARGE_BYTES}"] - med[f"all_reduce@{SMALL_BYTES}"], 1e-9)
