@@ -191,7 +191,7 @@ def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
                                          f"fit; on {world} gloo ranks: all-reduce / all-gather "
                                          f"/ reduce-scatter / broadcast at 1 KiB and 4 MiB, "
                                          f"clip+AdamW over 8 and 32 tensors (plain, DTensor), "
-                                         f"4 FSDP2 units vs plain, the reference model with 1 "
+                                         f"2 FSDP2 block units vs plain, the reference model with 1 "
                                          f"and 2 blocks plain and TP+SP (calibrate.measure_group)"}
     return Cluster(name=name, device="cpu", nodes=1, devices_per_node=64,
                    memory_bytes=0.8 * ram / max(cores, 1), peak_flops={"fp32": peak},
@@ -210,7 +210,7 @@ def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
 SMALL_BYTES = 1024
 LARGE_BYTES = 4 * 2**20
 TENSOR_COUNTS = (8, 32)      # parameter tensors in the optimizer micro-benchmark
-FSDP_UNITS = 4               # fully_shard units in the FSDP2 micro-benchmark
+FSDP_UNITS = 2               # fully_shard-ed reference blocks in the FSDP2 micro-benchmark
 PROBE = dict(dim=128, n_heads=4, vocab=256, seq=64, batch=4)  # the TP / outside-block probe
 
 
@@ -293,30 +293,36 @@ def _tensor_step_timings(world: int, rounds: int) -> dict:
 
 
 def _fsdp_timings(world: int, rounds: int) -> dict:
-    """Seconds for forward+backward of FSDP_UNITS tiny fully_shard units (ZeRO-2, gradient sync
-    off: one all-gather per unit and micro-step, no reduce-scatter) and of the same plain stack:
-    the difference is FSDP2's cost per unit and micro-step (hooks, copy-in/out, the gather)."""
+    """Seconds for forward+backward of FSDP_UNITS reference blocks (PROBE dims), each its own
+    fully_shard unit (ZeRO-2, gradient sync off: one all-gather per unit and micro-step, no
+    reduce-scatter), and of the same plain stack: the difference is FSDP2's cost per unit and
+    micro-step (hooks, per-tensor copy-in/out, the gather). Real blocks, not toy layers, since
+    FSDP2's copies scale with the unit's tensors."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dim = 32
+    from plait.models.transformer import Block, TransformerConfig
+
+    p = PROBE
+    cfg = TransformerConfig(vocab_size=p["vocab"], dim=p["dim"], n_layers=1,
+                            n_heads=p["n_heads"], max_seq_len=p["seq"])
     mesh = init_device_mesh("cpu", (world,))
 
     def stack():
         torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False)
-                                     for _ in range(FSDP_UNITS)])
+        return torch.nn.Sequential(*[Block(cfg) for _ in range(FSDP_UNITS)])
     plain, sharded = stack(), stack()
+    unit_bytes = sum(t.numel() for t in sharded[0].parameters()) * 4
     for unit in sharded:
         fully_shard(unit, mesh=mesh, reshard_after_forward=False)
     fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
     sharded.set_requires_gradient_sync(False)
-    x = torch.randn(2, 8, dim)
+    x = torch.randn(1, p["seq"], p["dim"])
     got = _interleaved({"plain": lambda: plain(x).sum().backward(),
                         "fsdp": lambda: sharded(x).sum().backward()}, rounds)
     return {"fsdp_plain": got["plain"], "fsdp_nosync": got["fsdp"],
-            "fsdp_unit_bytes": dim * dim * 4}
+            "fsdp_unit_bytes": unit_bytes}
 
 
 def _probe_timings(world: int, rounds: int) -> dict:
