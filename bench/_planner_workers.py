@@ -18,25 +18,36 @@ from typing import Any
 
 
 def calibrate_here(rank: int, world: int) -> dict:
-    """This rank's compute and the group's all-reduce, measured under the same conditions (the
-    same number of processes sharing the same cores) as the layouts timed next."""
+    """This rank's compute and the group's micro-benchmarks (collectives, per-tensor optimizer
+    cost, FSDP2 units, the TP probe), measured under the same conditions (the same number of
+    processes sharing the same cores) as the layouts timed next."""
     import torch.distributed as dist
 
-    from plait.planner.calibrate import _allreduce_worker, measure_block, measure_matmul
+    from plait.planner.calibrate import measure_group
+
+    out = calibrate_compute(rank, world)
+    out.update(measure_group(rank, world))
+    return out
+
+
+def calibrate_compute(rank: int, world: int) -> dict:
+    """This rank's matmul peak and block efficiency / overhead (plait.planner.calibrate)."""
+    import torch.distributed as dist
+
+    from plait.planner.calibrate import measure_block, measure_matmul
 
     dist.barrier()
     peak = measure_matmul()
-    eff, overhead, fit = measure_block(peak)
-    times = _allreduce_worker(rank, world, [1024, 4 * 2**20], 5)
-    return {"peak": peak, "eff": eff, "overhead": overhead, "residual": fit.residual,
-            "t_small": times[1024], "t_large": times[4 * 2**20], "small": 1024,
-            "large": 4 * 2**20}
+    eff, overhead, fit = measure_block(peak, repeats=3)
+    return {"peak": peak, "eff": eff, "overhead": overhead, "residual": fit.residual}
 
 
 def time_layouts(rank: int, world: int, plans: list[dict], model_name: str, global_batch: int,
                  seq: int, steps: int, warmup: int, rounds: int) -> list[Any]:
     """[calibration before, per layout (list of rounds of step times, or an error string),
-    calibration after]."""
+    calibration after]. The compute calibration is also repeated after every round
+    (``after["round_compute"]``): load on a shared machine comes in bursts, and a calibration
+    taken only before and after the timings can see a different machine than they did."""
     import gc
 
     import torch
@@ -63,6 +74,7 @@ def time_layouts(rank: int, world: int, plans: list[dict], model_name: str, glob
             setups.append(f"{type(exc).__name__}: {str(exc)[:200]}")
     results: list[Any] = [[] if not isinstance(s, str) else s for s in setups]
     counter = 0
+    round_compute = []
     for rnd in range(rounds):
         for i, setup in enumerate(setups):
             if isinstance(setup, str) or isinstance(results[i], str):
@@ -85,6 +97,7 @@ def time_layouts(rank: int, world: int, plans: list[dict], model_name: str, glob
                 results[i].append(times)
             except Exception as exc:  # noqa: BLE001
                 results[i] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        round_compute.append(calibrate_compute(rank, world))
     for setup in setups:
         if not isinstance(setup, str):
             setup[0].close()
@@ -92,4 +105,5 @@ def time_layouts(rank: int, world: int, plans: list[dict], model_name: str, glob
     gc.collect()
     out.extend(results)
     out.append(calibrate_here(rank, world))
+    out[-1]["round_compute"] = round_compute
     return out

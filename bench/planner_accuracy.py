@@ -156,15 +156,25 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def in_group_profile(cluster, cals: list[dict], world: int):
-    """The profile measured inside the timing job (before and after it, every rank): compute
-    already reflects how many processes share the cores, so compute_units is dropped."""
+    """The profile measured inside the timing job (before and after it, every rank; medians):
+    compute already reflects how many processes share the cores, so compute_units is dropped."""
     from plait.comm.volumes import bus_factor
+    from plait.planner.calibrate import LARGE_BYTES, SMALL_BYTES, derive_constants, median_of
 
-    med = {k: statistics.median(c[k] for c in cals) for k in cals[0]}
-    alpha = med["t_small"] / (2 * (world - 1))
-    bw = med["large"] * bus_factor("all_reduce", world) / max(med["t_large"] - med["t_small"], 1e-9)
+    rounds = [r for c in cals for r in c.get("round_compute", [])]
+    med = median_of([{k: v for k, v in c.items() if k != "round_compute"} for c in cals])
+    # compute: medians over every calibration, the per-round ones included (same load as the
+    # layouts saw)
+    med.update(median_of([{k: c[k] for k in ("peak", "eff", "overhead", "residual")}
+                          for c in cals] + rounds))
+    alpha = med[f"all_reduce@{SMALL_BYTES}"] / (2 * (world - 1))
+    bw = (LARGE_BYTES - SMALL_BYTES) * bus_factor("all_reduce", world) / max(
+        med[f"all_reduce@{LARGE_BYTES}"] - med[f"all_reduce@{SMALL_BYTES}"], 1e-9)
+    eff = min(1.0, med["eff"])
+    derived = derive_constants(med, alpha=alpha, bw=bw, rate=med["peak"] * eff)
     extra = dict(cluster.extra)
-    extra.update(compute_efficiency=min(1.0, med["eff"]), block_overhead_s=med["overhead"])
+    extra.update(compute_efficiency=eff, block_overhead_s=med["overhead"], overlap=False,
+                 link_efficiency=1.0, **derived)
     c = dataclasses.replace(cluster.with_world(world), peak_flops={"fp32": med["peak"]},
                             intra_bw=bw, inter_bw=bw, intra_latency=alpha, inter_latency=alpha,
                             compute_units=None, extra=extra)
@@ -172,7 +182,15 @@ def in_group_profile(cluster, cals: list[dict], world: int):
           f"{med['peak'] / 1e9:.1f} GFLOP/s x {med['eff']:.2f} efficiency, block overhead "
           f"{med['overhead'] * 1e3:.2f} ms (fit residual {med['residual']:.1%}), all-reduce "
           f"{bw / 1e9:.2f} GB/s, {alpha * 1e6:.0f} us/step")
+    print("  " + describe_constants(derived))
     return c, constants_for(c)
+
+
+def describe_constants(derived: dict) -> str:
+    parts = []
+    for key, value in derived.items():
+        parts.append(f"{key}={value * 1e3:.3g}ms" if key.endswith("_s") else f"{key}={value:.2f}")
+    return ", ".join(parts)
 
 
 def choose_layouts(model, cluster, work, constants, limit: int) -> list:
@@ -226,6 +244,9 @@ def measured(args) -> dict:
               f"{cluster.extra['block_fit_residual']:.1%}), all-reduce "
               f"{cluster.intra_bw / 1e9:.2f} GB/s, {cluster.intra_latency * 1e6:.0f} us/step, "
               f"{cluster.compute_units} cores")
+        from plait.planner import CALIBRATED_KEYS
+        print("  " + describe_constants({k: cluster.extra[k] for k, kind in CALIBRATED_KEYS
+                                          if kind is float and k in cluster.extra}))
     constants = constants_for(cluster)
     model = load_model(args.model)
     work = Workload(args.global_batch, args.seq)

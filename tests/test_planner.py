@@ -127,7 +127,9 @@ def test_estimate_bytes_come_from_the_volume_formulas():
     assert e.comm_bytes_per_step["dp_replicate"] == pytest.approx(expected["dp_replicate"], rel=1e-6)
     assert e.comm_bytes_per_step["tp"] == pytest.approx(expected["tp"])
     z = evaluate(Plan(dp_shard=4, zero=3), m, c, work)
-    expected = by_axis(zero_traffic(m.num_params, 4, 3, micro_steps=1))
+    # FSDP2's root unit (embedding, final norm, head) is gathered once per micro-step
+    expected = by_axis(zero_traffic(m.num_params, 4, 3, micro_steps=1,
+                                    root_params=m.embed_params + m.head_params))
     assert z.comm_bytes_per_step["dp_shard"] == pytest.approx(expected["dp_shard"], rel=1e-6)
 
 
@@ -354,3 +356,146 @@ def test_fit_line_clamps_negative_intercept_and_reports_residual():
     assert noisy.residual >= 0.0
     with pytest.raises(ValueError, match="distinct x"):
         fit_line([2.0, 2.0], [1.0, 1.1])
+
+
+# ------------------------------------------------------------------ calibrated terms
+def test_collective_time_per_op_factor_and_call_cost():
+    from plait.comm.volumes import Traffic
+    from plait.planner.cost import collective_time
+    from plait.planner.hardware import Cluster
+
+    cl = Cluster(name="t", device="cpu", nodes=1, devices_per_node=2, memory_bytes=1e9,
+                 peak_flops={"fp32": 1e9}, intra_bw=1e9, inter_bw=1e9, intra_latency=1e-4,
+                 inter_latency=1e-4)
+    c = Constants(link_efficiency=1.0, all_gather_factor=2.0, all_gather_call_s=1e-3,
+                  broadcast_call_s=-5e-4)
+    # 3 calls x (1 ring step x 0.1 ms + 1 ms) + 1 MB x 1/2 (bus factor) / 1 GB/s x 2 = 4.3 ms
+    ag = Traffic("dp_shard", "all_gather", 1e6, 3, 2)
+    assert collective_time(ag, cl, 1, c) == pytest.approx(3 * 1.1e-3 + 1e-3)
+    # a call never costs less than nothing: 0.1 ms - 0.5 ms floors at 0, bytes remain
+    bc = Traffic("dp_shard", "broadcast", 1e6, 4, 2)
+    assert collective_time(bc, cl, 1, c) == pytest.approx(1e-3)
+    # all-reduce: 2 ring steps, factor 1
+    ar = Traffic("dp", "all_reduce", 1e6, 1, 2)
+    assert collective_time(ar, cl, 1, c) == pytest.approx(2e-4 + 1e-3)
+
+
+def test_tp_traffic_per_block_and_ends():
+    from plait.planner.cost import tp_block_traffic, tp_end_traffic
+
+    act = 2 * 8 * 16 * 4  # b s h fp32
+    sp = {(t.op, t.what): (t.payload, t.calls) for t in tp_block_traffic(2, 8, 16, 2, "fp32", True)}
+    assert sp[("all_gather", "activations")] == (4 * act, 4)
+    assert sp[("reduce_scatter", "activations")] == (4 * act, 4)
+    assert sp[("all_reduce", "norm weight grads")] == (2 * 16 * 4, 2)
+    full = tp_block_traffic(2, 8, 16, 2, "fp32", False, recomputed=1.0)
+    assert sum(t.calls for t in full) == 5 and sum(t.payload for t in full) == 5 * act
+    ends = tp_end_traffic(2, 8, 16, 2, "fp32", True, embed=True, head=True)
+    calls = {(t.op, t.what): t.calls for t in ends}
+    assert calls[("all_gather", "")] == 2 and calls[("reduce_scatter", "")] == 2
+    assert calls[("all_reduce", "loss_parallel")] == 3
+    assert tp_block_traffic(2, 8, 16, 1, "fp32", True) == []
+
+
+def test_tensor_counts_match_the_built_model():
+    from plait.models.transformer import build
+
+    for name in ("tiny", "gpt2"):
+        m = load_model(name)
+        model = build(PRESETS[name], device="meta")
+        assert m.block_tensors == len(list(model.layers[0].parameters()))
+        assert (m.n_layers * m.block_tensors + m.embed_tensors + m.head_tensors
+                == len(list(model.parameters())))
+
+
+def test_runtime_dp_traffic_zero1_broadcasts_zero2_regathers():
+    m, c = load_model("tiny"), load_cluster("cpu", devices=2)
+    work = Workload(16, 32)
+    P = m.num_params
+    z1 = evaluate(Plan(dp_shard=2, zero=1), m, c, work)
+    bc = [t for t in z1.traffic if t.op == "broadcast"]
+    assert len(bc) == 1 and bc[0].calls == 39 and bc[0].payload == 4 * P  # one per tensor
+    ar = [t for t in z1.traffic if t.op == "all_reduce"]
+    assert ar[0].payload == 4 * P and ar[0].group == 2
+    z2 = evaluate(Plan(dp_shard=2, zero=2, grad_accum=4), m, c, work)
+    ag = [t for t in z2.traffic if t.op == "all_gather"]
+    # FSDP2 reshards after every backward: 5 units (4 blocks + root) gathered in each of 4
+    # micro-steps; gradients reduce-scattered once
+    assert ag[0].calls == 5 * 4 and ag[0].payload == 4 * 4 * P
+    rs = [t for t in z2.traffic if t.op == "reduce_scatter"]
+    assert rs[0].calls == 5 and rs[0].payload == 4 * P
+    z3 = evaluate(Plan(dp_shard=2, zero=3, grad_accum=2), m, c, work)
+    ag = [t for t in z3.traffic if t.op == "all_gather"][0]
+    root = m.embed_params + m.head_params
+    assert ag.calls == 4 * 2 * 2 + 2  # blocks: forward + backward per micro-step; root: once
+    assert ag.payload == 4 * ((P - root) * 4 + root * 2)
+
+
+def test_per_tensor_and_per_unit_terms():
+    m, c = load_model("tiny"), load_cluster("cpu", devices=2)
+    work = Workload(16, 32)
+    k = Constants(tensor_step_s=1e-3, dtensor_step_s=1e-2, fsdp_unit_s=0.1, overlap=False)
+    base = Constants(overlap=False)
+    ddp = evaluate(Plan(dp_replicate=2), m, c, work, k)
+    assert ddp.time_breakdown["per_tensor"] == pytest.approx(39 * 1e-3)
+    z2 = evaluate(Plan(dp_shard=2, zero=2, grad_accum=2), m, c, work, k)
+    assert z2.time_breakdown["per_tensor"] == pytest.approx(39 * 1e-2)
+    z2_base = evaluate(Plan(dp_shard=2, zero=2, grad_accum=2), m, c, work, base)
+    # + 39 DTensors x 10 ms, + 5 FSDP units x 100 ms in each of 2 micro-steps
+    assert z2.step_time_s - z2_base.step_time_s == pytest.approx(0.39 + 5 * 0.1 * 2)
+    micro = evaluate(Plan(dp_replicate=2, grad_accum=4), m, c, work,
+                     Constants(overlap=False, micro_overhead_s=0.01))
+    plain = evaluate(Plan(dp_replicate=2, grad_accum=4), m, c, work, base)
+    assert micro.step_time_s - plain.step_time_s == pytest.approx(4 * 0.01)
+
+
+def test_derive_constants_inverts_the_cost_model():
+    """Timings synthesised from known constants come back as those constants."""
+    from plait.comm.volumes import bus_factor
+    from plait.planner.calibrate import (FSDP_UNITS, LARGE_BYTES, PROBE, SMALL_BYTES,
+                                         TENSOR_COUNTS, derive_constants)
+
+    world, alpha, bw, rate = 2, 1e-4, 1e9, 1e10
+    truth = {"all_gather": (2.0, 3e-4), "reduce_scatter": (3.0, 2e-4), "broadcast": (0.5, 0.0)}
+    raw = {"world": world}
+    for op, (factor, call) in list(truth.items()) + [("all_reduce", (1.0, 0.0))]:
+        steps = 2 * (world - 1) if op == "all_reduce" else world - 1
+        for size in (SMALL_BYTES, LARGE_BYTES):
+            raw[f"{op}@{size}"] = alpha * steps + call + size * bus_factor(op, world) / bw * factor
+    raw["broadcast_async@1024"] = raw[f"broadcast@{SMALL_BYTES}"] - 5e-5  # overlapping calls
+    n1, n2 = TENSOR_COUNTS
+    for kind, per in (("plain", 2e-5), ("dtensor", 4e-4)):
+        raw[f"{kind}@{n1}"], raw[f"{kind}@{n2}"] = 1e-3 + n1 * per, 1e-3 + n2 * per
+    unit_bytes = 4096
+    gather = alpha + 3e-4 + unit_bytes * 0.5 / bw * 2.0
+    raw.update(fsdp_plain=1e-3, fsdp_nosync=1e-3 + FSDP_UNITS * (gather + 1.5e-3),
+               fsdp_unit_bytes=unit_bytes)
+    tokens = PROBE["batch"] * PROBE["seq"]
+    head = 6 * PROBE["dim"] * PROBE["vocab"] * tokens / rate
+    block, outside = 0.01, head + 0.002
+    raw["probe_plain@1"], raw["probe_plain@2"] = outside + block, outside + 2 * block
+    got = derive_constants(raw, alpha=alpha, bw=bw, rate=rate)
+    assert got["all_gather_factor"] == pytest.approx(2.0)
+    assert got["all_gather_call_s"] == pytest.approx(3e-4)
+    assert got["reduce_scatter_factor"] == pytest.approx(3.0)
+    assert got["reduce_scatter_call_s"] == pytest.approx(2e-4)
+    assert got["broadcast_factor"] == pytest.approx(0.5)
+    assert got["broadcast_call_s"] == pytest.approx(-5e-5)
+    assert got["all_reduce_call_s"] == pytest.approx(0.0, abs=1e-12)
+    assert got["tensor_step_s"] == pytest.approx(2e-5)
+    assert got["dtensor_step_s"] == pytest.approx(4e-4)
+    assert got["fsdp_unit_s"] == pytest.approx(1.5e-3)
+    assert got["micro_overhead_s"] == pytest.approx(0.002)
+    assert "tp_block_overhead_s" not in got  # no TP probe timed
+
+
+def test_zero_bubble_with_checkpointing_replays_per_parameter_tensor():
+    m, c = load_model("tiny"), load_cluster("cpu", devices=2)
+    work = Workload(16, 32)
+    tokens = 16 * 32
+    for schedule, replays in (("zbv", 1 + m.block_tensors), ("interleaved_1f1b", 1)):
+        e = evaluate(Plan(pp=2, pp_schedule=schedule, virtual_stages=2, microbatches=2,
+                          activation_checkpointing="full"), m, c, work)
+        expected = (m.model_flops(tokens, 32, recompute_layers=replays * m.n_layers)
+                    / m.model_flops(tokens, 32))
+        assert e.tflops_per_device_hw / e.tflops_per_device == pytest.approx(expected)

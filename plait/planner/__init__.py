@@ -18,9 +18,19 @@ from .hardware import Cluster, load_cluster, presets
 from .model_stats import ModelStats, load_model
 from .search import SearchResult, search
 
-__all__ = ["auto_plan", "plan_model", "evaluate_plan", "constants_for", "Cluster", "Constants",
+__all__ = ["auto_plan", "plan_model", "evaluate_plan", "constants_for", "CALIBRATED_KEYS", "Cluster", "Constants",
            "Estimate", "ModelStats", "SearchResult", "Workload", "load_cluster", "load_model",
            "presets", "search", "evaluate"]
+
+
+# Constants a cluster profile may carry under ``extra`` (written by ``plait plan --calibrate``).
+CALIBRATED_KEYS = (("block_overhead_s", float), ("overlap", bool), ("link_efficiency", float),
+                   ("all_gather_factor", float), ("reduce_scatter_factor", float),
+                   ("broadcast_factor", float), ("all_reduce_call_s", float),
+                   ("all_gather_call_s", float), ("reduce_scatter_call_s", float),
+                   ("broadcast_call_s", float), ("micro_overhead_s", float),
+                   ("tensor_step_s", float), ("dtensor_step_s", float), ("fsdp_unit_s", float),
+                   ("tp_block_overhead_s", float), ("tp_micro_overhead_s", float))
 
 
 def constants_for(cluster: Cluster, base: Constants = DEFAULT_CONSTANTS) -> Constants:
@@ -35,11 +45,12 @@ def constants_for(cluster: Cluster, base: Constants = DEFAULT_CONSTANTS) -> Cons
             raise ValueError(f"cluster {cluster.name!r}: extra.compute_efficiency={eff!r} must be "
                              f"in (0, 1]")
         changes["compute_efficiency"] = float(eff)
-    for key, kind in (("block_overhead_s", float), ("overlap", bool),
-                      ("reduce_scatter_factor", float), ("link_efficiency", float)):
+    for key, kind in CALIBRATED_KEYS:
         if key in extra:
             value = kind(extra[key])
-            if kind is float and value < 0:
+            # per-call costs may be negative (overlapping calls); collective_time floors the
+            # whole call at 0
+            if kind is float and value < 0 and not key.endswith("_call_s"):
                 raise ValueError(f"cluster {cluster.name!r}: extra.{key}={value} must be >= 0")
             changes[key] = value
     return dataclasses.replace(base, **changes) if changes else base

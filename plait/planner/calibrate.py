@@ -160,12 +160,19 @@ def measure_allreduce(world: int = 2, small: int = 1024, large: int = 16 * 2**20
 
 def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
     """Measure this machine (CPU, gloo) and return a one-node Cluster profile."""
+    from plait.comm.volumes import bus_factor
+    from plait.spawn import run_distributed
+
     if world < 2:
         raise ValueError(f"calibrate world={world} must be >= 2 to time a collective")
     peak = measure_matmul()
     eff, overhead, fit = measure_block(peak)
     hbm = measure_memory_bandwidth()
-    alpha, bw = measure_allreduce(world)
+    raw = median_of(run_distributed(measure_group, world, timeout=300))
+    alpha = raw[f"all_reduce@{SMALL_BYTES}"] / (2 * (world - 1))
+    bw = (LARGE_BYTES - SMALL_BYTES) * bus_factor("all_reduce", world) / max(
+        raw[f"all_reduce@{LARGE_BYTES}"] - raw[f"all_reduce@{SMALL_BYTES}"], 1e-9)
+    derived = derive_constants(raw, alpha=alpha, bw=bw, rate=peak * eff)
     cores = os.cpu_count() or 1
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -176,12 +183,271 @@ def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
                              "block_fit_residual": round(fit.residual, 4),
                              # every core computes: no background progress for collectives
                              "overlap": False,
-                             # gloo runs reduce-scatter as a full all-reduce (FIELD-NOTES)
-                             "reduce_scatter_factor": 2.0,
+                             # the bandwidth below is the achieved bus bandwidth already
+                             "link_efficiency": 1.0,
+                             **{k: float(v) for k, v in derived.items()},
                              "measured": f"matmul 512^2 fp32 1 thread; block fwd+bwd dim=128 "
-                                         f"seq=64, 1 and 2 blocks x batch 1/2/4/8, Theil-Sen fit; gloo all-reduce 1 KiB/16 MiB on {world} ranks"}
+                                         f"seq=64, 1 and 2 blocks x batch 1/2/4/8, Theil-Sen "
+                                         f"fit; on {world} gloo ranks: all-reduce / all-gather "
+                                         f"/ reduce-scatter / broadcast at 1 KiB and 4 MiB, "
+                                         f"clip+AdamW over 8 and 32 tensors (plain, DTensor), "
+                                         f"2 FSDP2 block units vs plain, the reference model with 1 "
+                                         f"and 2 blocks plain and TP+SP (calibrate.measure_group)"}
     return Cluster(name=name, device="cpu", nodes=1, devices_per_node=64,
                    memory_bytes=0.8 * ram / max(cores, 1), peak_flops={"fp32": peak},
                    intra_bw=bw, inter_bw=bw, intra_latency=alpha, inter_latency=alpha,
                    hbm_bw=hbm, reserve_bytes=0.2 * GB, compute_units=cores,
                    source="calibrated", extra=extra)
+
+
+# ------------------------------------------------------------------------------------------
+# Measurements that need a process group: what a training step costs beyond its blocks' FLOPs
+# and beyond ring all-reduce bandwidth. Each is timed on the same world as the job it explains
+# (same number of processes sharing the same cores), in interleaved rounds, medians per point.
+# ``measure_group`` returns raw timings only; ``derive_constants`` (pure, unit-tested) turns them
+# into cost-model constants, so the arithmetic can be checked by hand.
+# ------------------------------------------------------------------------------------------
+SMALL_BYTES = 1024
+LARGE_BYTES = 4 * 2**20
+TENSOR_COUNTS = (8, 32)      # parameter tensors in the optimizer micro-benchmark
+FSDP_UNITS = 2               # fully_shard-ed reference blocks in the FSDP2 micro-benchmark
+PROBE = dict(dim=128, n_heads=4, vocab=256, seq=64, batch=4)  # the TP / outside-block probe
+
+
+def _interleaved(fns: dict, rounds: int) -> dict:
+    """Median seconds per named callable, timed round-robin (round 0 warms up)."""
+    import torch.distributed as dist
+
+    samples: dict = {k: [] for k in fns}
+    for rnd in range(rounds + 1):
+        for key, fn in fns.items():
+            if dist.is_initialized():
+                dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if rnd:
+                samples[key].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _collective_timings(world: int, rounds: int) -> dict:
+    """Seconds per call of each collective plait's runtime issues, at a small and a large
+    payload (payload convention of plait.comm.volumes), and of a burst of asynchronous small
+    broadcasts (how ZeroRedundancyOptimizer sends parameters: one per tensor, waited together)."""
+    import torch
+    import torch.distributed as dist
+
+    fns = {}
+    for size in (SMALL_BYTES, LARGE_BYTES):
+        n = max(world, size // 4 // world * world)
+        full, part = torch.ones(n), torch.ones(n // world)
+        fns[("all_reduce", size)] = lambda full=full: dist.all_reduce(full)
+        fns[("all_gather", size)] = lambda full=full, part=part: \
+            dist.all_gather_into_tensor(full, part)
+        fns[("reduce_scatter", size)] = lambda full=full, part=part: \
+            dist.reduce_scatter_tensor(part, full)
+        fns[("broadcast", size)] = lambda full=full: dist.broadcast(full, src=0)
+    burst = [torch.ones(SMALL_BYTES // 4) for _ in range(16)]
+
+    def async_broadcasts():
+        for w in [dist.broadcast(t, src=i % world, async_op=True) for i, t in enumerate(burst)]:
+            w.wait()
+    fns[("broadcast_async", SMALL_BYTES)] = async_broadcasts
+    got = _interleaved(fns, rounds)
+    out = {f"{op}@{size}": t for (op, size), t in got.items()}
+    out["broadcast_async@1024"] = got[("broadcast_async", SMALL_BYTES)] / len(burst)
+    return out
+
+
+def _tensor_step_timings(world: int, rounds: int) -> dict:
+    """Seconds for gradient clipping + AdamW (per-tensor loop, as the bench and the runtime's
+    default) + zero_grad over N small parameter tensors, plain and DTensor (sharded on a 1-D
+    mesh of the whole group, as FSDP2 / TP leave them)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from plait.train import clip_grad_norm
+
+    mesh = init_device_mesh("cpu", (world,))
+    fns = {}
+    for kind in ("plain", "dtensor"):
+        for n in TENSOR_COUNTS:
+            params = []
+            for _ in range(n):
+                t = torch.randn(16 * world, 16)
+                p = torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)]) if kind == "dtensor"
+                                       else t)
+                params.append(p)
+            opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+            def step(params=params, opt=opt):
+                for p in params:
+                    p.grad = torch.ones_like(p)
+                clip_grad_norm(params, 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            fns[(kind, n)] = step
+    got = _interleaved(fns, rounds)
+    return {f"{kind}@{n}": t for (kind, n), t in got.items()}
+
+
+def _fsdp_timings(world: int, rounds: int) -> dict:
+    """Seconds for forward+backward of FSDP_UNITS reference blocks (PROBE dims), each its own
+    fully_shard unit (ZeRO-2, gradient sync off: one all-gather per unit and micro-step, no
+    reduce-scatter), and of the same plain stack: the difference is FSDP2's cost per unit and
+    micro-step (hooks, per-tensor copy-in/out, the gather). Real blocks, not toy layers, since
+    FSDP2's copies scale with the unit's tensors."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from plait.models.transformer import Block, TransformerConfig
+
+    p = PROBE
+    cfg = TransformerConfig(vocab_size=p["vocab"], dim=p["dim"], n_layers=1,
+                            n_heads=p["n_heads"], max_seq_len=p["seq"])
+    mesh = init_device_mesh("cpu", (world,))
+
+    def stack():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[Block(cfg) for _ in range(FSDP_UNITS)])
+    plain, sharded = stack(), stack()
+    unit_bytes = sum(t.numel() for t in sharded[0].parameters()) * 4
+    for unit in sharded:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+    fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+    sharded.set_requires_gradient_sync(False)
+    x = torch.randn(1, p["seq"], p["dim"])
+    got = _interleaved({"plain": lambda: plain(x).sum().backward(),
+                        "fsdp": lambda: sharded(x).sum().backward()}, rounds)
+    return {"fsdp_plain": got["plain"], "fsdp_nosync": got["fsdp"],
+            "fsdp_unit_bytes": unit_bytes}
+
+
+def _probe_timings(world: int, rounds: int) -> dict:
+    """Seconds for forward + loss + backward of the reference transformer (PROBE shape) with 1
+    and 2 blocks, plain and under plait's TP+SP at tp=2 (when the world is even): per-block and
+    outside-the-blocks costs by difference, the latter being embedding, head and loss."""
+    from plait.mesh import build_mesh
+    from plait.models.transformer import build, lm_loss, TransformerConfig
+    from plait.parallel.tensor import apply_tensor_parallel
+    from plait.plan import Plan
+    from plait.train import loss_context
+
+    import torch
+
+    p = PROBE
+    fns = {}
+    x = torch.randint(0, p["vocab"], (p["batch"], p["seq"] + 1),
+                      generator=torch.Generator().manual_seed(0))
+    kinds = ["plain"] + (["tp"] if world % 2 == 0 else [])
+    for kind in kinds:
+        for n in (1, 2):
+            cfg = TransformerConfig(vocab_size=p["vocab"], dim=p["dim"], n_layers=n,
+                                    n_heads=p["n_heads"], max_seq_len=p["seq"])
+            model = build(cfg, seed=0)
+            if kind == "tp":
+                plan = Plan(tp=2, sp=True, dp_replicate=world // 2)
+                model = apply_tensor_parallel(model, build_mesh(plan, "cpu", world), plan)
+
+            def run(model=model):
+                with loss_context(model):
+                    loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+                    if hasattr(loss, "full_tensor"):
+                        loss = loss.full_tensor()
+                    loss.backward()
+                model.zero_grad(set_to_none=True)
+            fns[(kind, n)] = run
+    got = _interleaved(fns, rounds)
+    return {f"probe_{kind}@{n}": t for (kind, n), t in got.items()}
+
+
+def measure_group(rank: int, world: int, rounds: int = 5) -> dict:
+    """Raw timings (seconds) of every group micro-benchmark on this rank; see derive_constants."""
+    import torch
+
+    torch.manual_seed(0)
+    out = {"world": world}
+    out.update(_collective_timings(world, rounds))
+    out.update(_tensor_step_timings(world, rounds))
+    out.update(_fsdp_timings(world, rounds))
+    out.update(_probe_timings(world, rounds))
+    return out
+
+
+def derive_constants(raw: dict, *, alpha: float, bw: float, rate: float) -> dict:
+    """Cost-model constants from ``measure_group``'s timings (medians over ranks).
+
+    ``alpha``/``bw``: the all-reduce's per-step latency and bus bandwidth on this world;
+    ``rate``: achieved block FLOP/s (peak x efficiency). Every term is what the measurement shows
+    beyond what the cost model already prices, clamped at 0 (noise cannot make a cost negative):
+
+    * per collective op: the per-byte slope between the two payloads over the ring ideal at
+      ``bw`` (``<op>_factor``), and the small-payload time beyond ``alpha x ring steps`` and its
+      bytes (``<op>_call_s``); broadcasts from the asynchronous burst, as ZeroRedundancyOptimizer
+      issues them (may be below the latency: they overlap);
+    * ``tensor_step_s`` / ``dtensor_step_s``: slope of clip + AdamW + zero_grad over tensors;
+    * ``fsdp_unit_s``: FSDP2 stack minus plain stack per unit, minus one modelled all-gather;
+    * ``micro_overhead_s``: the probe model's time outside its blocks (1 block minus the 2-1
+      difference) minus the head's FLOPs at ``rate``;
+    * ``tp_block_overhead_s``: the TP+SP per-block time minus half the plain per-block time
+      minus the block's modelled TP collectives; ``tp_micro_overhead_s`` the same outside the
+      blocks (embedding, head, loss_parallel collectives modelled).
+    """
+    import dataclasses
+
+    from plait.comm.volumes import Traffic, bus_factor
+
+    from .cost import DEFAULT_CONSTANTS, collective_time, tp_block_traffic, tp_end_traffic
+
+    world = int(raw["world"])
+    out: dict[str, float] = {}
+    span = LARGE_BYTES - SMALL_BYTES
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        t_s, t_l = raw[f"{op}@{SMALL_BYTES}"], raw[f"{op}@{LARGE_BYTES}"]
+        slope = max(t_l - t_s, 0.0) / span                  # s per payload byte
+        ideal = bus_factor(op, world) / bw
+        steps = 2 * (world - 1) if op == "all_reduce" else world - 1
+        if op != "all_reduce":
+            out[f"{op}_factor"] = slope / ideal if ideal else 1.0
+        small = raw["broadcast_async@1024"] if op == "broadcast" else t_s
+        out[f"{op}_call_s"] = max(-alpha * steps, small - alpha * steps - SMALL_BYTES * slope)
+    out["all_reduce_call_s"] = max(0.0, out["all_reduce_call_s"])
+    for kind, key in (("plain", "tensor_step_s"), ("dtensor", "dtensor_step_s")):
+        n1, n2 = TENSOR_COUNTS
+        out[key] = max(0.0, (raw[f"{kind}@{n2}"] - raw[f"{kind}@{n1}"]) / (n2 - n1))
+    # what the cost model would now charge for a collective, with the factors above
+    from .hardware import Cluster
+
+    cluster = Cluster(name="probe", device="cpu", nodes=1, devices_per_node=world,
+                      memory_bytes=1e12, peak_flops={"fp32": rate}, intra_bw=bw, inter_bw=bw,
+                      intra_latency=alpha, inter_latency=alpha)
+    c = dataclasses.replace(DEFAULT_CONSTANTS, link_efficiency=1.0,
+                            **{k: v for k, v in out.items()})
+    gather = collective_time(Traffic("dp_shard", "all_gather", raw["fsdp_unit_bytes"], 1, world),
+                             cluster, 1, c)
+    out["fsdp_unit_s"] = max(0.0, (raw["fsdp_nosync"] - raw["fsdp_plain"]) / FSDP_UNITS - gather)
+    p = PROBE
+    tokens = p["batch"] * p["seq"]
+    head = 3 * 2 * p["dim"] * p["vocab"] * tokens / rate
+    block_plain = raw["probe_plain@2"] - raw["probe_plain@1"]
+    outside_plain = raw["probe_plain@1"] - block_plain
+    out["micro_overhead_s"] = max(0.0, outside_plain - head)
+    if "probe_tp@1" in raw:
+        comm = sum(collective_time(t, cluster, 1, c) for t in
+                   tp_block_traffic(p["batch"], p["seq"], p["dim"], 2, "fp32", True))
+        ends = sum(collective_time(t, cluster, 1, c) for t in
+                   tp_end_traffic(p["batch"], p["seq"], p["dim"], 2, "fp32", True, embed=True,
+                                  head=True))
+        block_tp = raw["probe_tp@2"] - raw["probe_tp@1"]
+        outside_tp = raw["probe_tp@1"] - block_tp
+        out["tp_block_overhead_s"] = max(0.0, block_tp - block_plain / 2 - comm)
+        out["tp_micro_overhead_s"] = max(0.0, outside_tp - out["micro_overhead_s"] - head / 2
+                                         - ends)
+    return out
+
+
+def median_of(dicts: Sequence[dict]) -> dict:
+    """Per-key median of numeric dicts (one per rank, or before/after)."""
+    return {k: statistics.median(d[k] for d in dicts) for k in dicts[0]}

@@ -40,8 +40,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait.comm.volumes import (Traffic, bus_factor, by_axis, ddp_traffic, pp_traffic,
-                                tp_traffic, zero_traffic)
+from plait.comm.volumes import Traffic, by_axis, pp_traffic, tp_traffic
 from plait.plan import Plan
 
 from .hardware import Cluster
@@ -54,13 +53,13 @@ class Constants:
 
     ``compute_efficiency``: achieved fraction of datasheet peak for the dense transformer matmuls
     (and the rest of a block's kernels, folded in). Fitted once, as the value that makes the
-    median error over all ten rows of Narayanan et al. 2021 table 1 zero (0.592 -> 0.59), after
+    median error over all ten rows of Narayanan et al. 2021 table 1 zero (0.568 -> 0.57), after
     communication and bubbles were modelled; see docs/planner.md and bench/planner_accuracy.py.
     ``plait plan --calibrate`` measures it for the local machine instead.
     ``link_efficiency``: fraction of link bandwidth NCCL-class collectives reach (busbw/link).
     """
 
-    compute_efficiency: float = 0.59
+    compute_efficiency: float = 0.57
     link_efficiency: float = 0.8
     # Fixed time per block per microbatch (forward + backward): kernel launches and Python.
     # Negligible on GPUs at planning shapes; measured by --calibrate on CPUs.
@@ -68,9 +67,36 @@ class Constants:
     # Whether data-parallel communication can run under compute. False where processes already
     # use every core (CPU + gloo): nothing is left to drive the collective in the background.
     overlap: bool = True
-    # Cost of a reduce-scatter relative to the ring ideal. gloo has none and runs a full
-    # all-reduce (FIELD-NOTES): 2.0 there.
+    # Per-byte cost of each collective relative to the ring ideal at the all-reduce's measured
+    # bus bandwidth (1.0: the ring). gloo has no reduce-scatter and runs a full all-reduce
+    # (FIELD-NOTES), about 2.0; --calibrate measures each from the op itself.
+    all_gather_factor: float = 1.0
     reduce_scatter_factor: float = 1.0
+    broadcast_factor: float = 1.0
+    # Time per call beyond ``latency x ring steps`` (launch, copies, gloo's own work). May be
+    # negative down to minus the latency where calls overlap (ZeroRedundancyOptimizer's burst of
+    # asynchronous broadcasts). 0 on the GPU presets: NCCL's per-call cost is in the latency.
+    all_reduce_call_s: float = 0.0
+    all_gather_call_s: float = 0.0
+    reduce_scatter_call_s: float = 0.0
+    broadcast_call_s: float = 0.0
+    # Per microbatch, outside the blocks: embedding lookup, final norm, loss, autograd's root
+    # (the head's matmul FLOPs are counted separately). Charged on the last pipeline chunk.
+    micro_overhead_s: float = 0.0
+    # Per parameter tensor per optimizer step: gradient clipping + optimizer + zero_grad, for
+    # plain tensors and for DTensors (FSDP2 / TP parameters: every op goes through DTensor's
+    # dispatch, and the clip norm through a collective). 0 on GPU presets: fused/foreach
+    # optimizers make this a few kernel launches for the whole model.
+    tensor_step_s: float = 0.0
+    dtensor_step_s: float = 0.0
+    # FSDP2 per unit (a fully_shard-ed block or root) per micro-step beyond its collectives:
+    # pre/post forward and backward hooks, copy-in/out of the flat buffers.
+    fsdp_unit_s: float = 0.0
+    # Tensor parallelism beyond compute / tp and the modelled TP collectives: per block per
+    # microbatch (DTensor dispatch and redistribution in the block), and per microbatch outside
+    # the blocks (vocabulary-parallel embedding, loss_parallel).
+    tp_block_overhead_s: float = 0.0
+    tp_micro_overhead_s: float = 0.0
     flash_attention: bool = True
     activation_dropout_masks: bool = True
     bucket_bytes: float = 25 * 2**20
@@ -149,14 +175,73 @@ def tier(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
     return cluster.inter_bw, cluster.inter_latency
 
 
+_FACTOR = {"all_gather": "all_gather_factor", "reduce_scatter": "reduce_scatter_factor",
+           "broadcast": "broadcast_factor"}
+_CALL = {"all_reduce": "all_reduce_call_s", "all_gather": "all_gather_call_s",
+         "reduce_scatter": "reduce_scatter_call_s", "broadcast": "broadcast_call_s"}
+
+
 def collective_time(t: Traffic, cluster: Cluster, stride: int, c: Constants) -> float:
+    """``calls x (latency x ring steps + per-call cost) + wire / (bw x link_eff) x op factor``."""
     if t.group == 1 and t.op != "send_recv":
         return 0.0
     bw, alpha = tier(cluster, t.group, stride)
     n = t.group
     steps = {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(t.op, n - 1)
-    time = t.calls * steps * alpha + t.wire / (bw * c.link_efficiency)
-    return time * (c.reduce_scatter_factor if t.op == "reduce_scatter" else 1.0)
+    extra = getattr(c, _CALL[t.op]) if t.op in _CALL else 0.0
+    per_call = max(0.0, steps * alpha + extra)
+    factor = getattr(c, _FACTOR[t.op]) if t.op in _FACTOR else 1.0
+    return t.calls * per_call + t.wire / (bw * c.link_efficiency) * factor
+
+
+def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
+                     recomputed: float = 0.0) -> list[Traffic]:
+    """TP collectives of one block for one microbatch (forward + backward), as plait's runtime
+    issues them (plait.comm.predict): Megatron's 4 all-reduces, or with SP 4 all-gathers + 4
+    reduce-scatters plus the 2 sequence-parallel norms' weight-gradient all-reduces (h fp32).
+    ``recomputed`` (0..1): share of the block replayed by checkpointing; torch's non-reentrant
+    checkpoint stops before the last collective, so a replay costs 1 all-reduce (SP: 2
+    all-gathers + 1 reduce-scatter)."""
+    if tp == 1:
+        return []
+    out = tp_traffic(b, s, h, 1, tp, dtype, sp=sp)
+    act = float(b) * s * h * act_dtype_bytes(dtype)
+    if sp:
+        out.append(Traffic("tp", "all_reduce", 2.0 * h * 4, 2, tp, "norm weight grads"))
+    if recomputed:
+        if sp:
+            out += [Traffic("tp", "all_gather", act * 2 * recomputed, 2 * recomputed, tp),
+                    Traffic("tp", "reduce_scatter", act * recomputed, recomputed, tp)]
+        else:
+            out.append(Traffic("tp", "all_reduce", act * recomputed, recomputed, tp))
+    return out
+
+
+def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, embed: bool,
+                   head: bool) -> list[Traffic]:
+    """TP collectives outside the blocks per microbatch: the vocabulary-parallel embedding and
+    the head each an all-reduce of b*s*h (SP: all-gather + reduce-scatter), loss_parallel's 3
+    fp32 values per token, and with SP the final norm's weight-gradient all-reduce."""
+    if tp == 1:
+        return []
+    act = float(b) * s * h * act_dtype_bytes(dtype)
+    ends = int(embed) + int(head)
+    out = []
+    if ends:
+        if sp:
+            out += [Traffic("tp", "all_gather", act * ends, ends, tp),
+                    Traffic("tp", "reduce_scatter", act * ends, ends, tp)]
+        else:
+            out.append(Traffic("tp", "all_reduce", act * ends, ends, tp))
+    if head:
+        out.append(Traffic("tp", "all_reduce", 3.0 * b * s * 4, 3, tp, "loss_parallel"))
+        if sp:
+            out.append(Traffic("tp", "all_reduce", float(h) * 4, 1, tp, "final norm grad"))
+    return out
+
+
+def act_dtype_bytes(dtype: str) -> int:
+    return 2 if dtype == "bf16" else 4
 
 
 def activation_bytes_per_block(m: ModelStats, b: int, s: int, tp: int, sp: bool, dtype_bytes: int,
@@ -327,25 +412,33 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     replay = {"full": 1.0, "op": 0.05}.get(ckpt_mode, 0.0)
     if ckpt_mode == "selective":
         replay = 1.0 / plan.checkpoint_every
+    if replay and pp > 1 and plan.pp_schedule in ("interleaved_zb", "zbv") and model.block_tensors:
+        # Zero-bubble schedules split backward into an input-gradient pass and a weight-gradient
+        # pass; torch.distributed.pipelining's stage_backward_weight calls autograd.grad once
+        # per parameter group, and non-reentrant checkpointing recomputes the block's forward on
+        # every call. Counted on plait's runtime (tiny, pp=2 ZB-V, full recomputation): 10
+        # forwards replayed per block and microbatch on the middle rank = 1 (input pass) + 9
+        # (its parameter tensors); 5.5 on the rank holding embedding and head.
+        replay *= 1 + model.block_tensors
     block_compute = fwd_block * (3 + replay) / rate + c.block_overhead_s * (1 + replay / 3)
-    # TP collectives per block: 4 all-reduces (2 more per recomputed block) on the tp tier.
-    tp_stride = 1
+    # TP collectives per block and microbatch, on the tp tier (tp innermost: stride 1).
     tp_block = 0.0
     if tp > 1:
-        recomputed = 1 if ckpt_mode == "full" else 0
-        # SP's all-gather + reduce-scatter pair: same wire bytes and ring steps as the
-        # all-reduce it replaces, so the same time.
-        (one,) = tp_traffic(b, s, model.hidden, 1, tp, dtype, recomputed_layers=recomputed)
-        tp_block = collective_time(one, cluster, tp_stride, c)
-        if ckpt_mode == "selective":  # a 1/k share of blocks replays its 2 forward all-reduces
-            tp_block += (2 / 4) / plan.checkpoint_every * collective_time(
-                tp_traffic(b, s, model.hidden, 1, tp, dtype)[0], cluster, 1, c)
+        recomputed = {"full": 1.0, "selective": 1.0 / plan.checkpoint_every}.get(ckpt_mode, 0.0)
+        tp_block = sum(collective_time(t, cluster, 1, c) for t in
+                       tp_block_traffic(b, s, model.hidden, tp, dtype, plan.sp, recomputed))
+        tp_block += c.tp_block_overhead_s
     block_time = block_compute + tp_block
-    head_time = 3 * model.head_flops_per_token() * tokens_mb / tp / rate
+    head_time = 3 * model.head_flops_per_token() * tokens_mb / tp / rate + c.micro_overhead_s
     embed_time = 0.0
-    if tp > 1:  # vocab-parallel embedding: one all-reduce forward
-        embed_time = collective_time(Traffic("tp", "all_reduce", tokens_mb * model.hidden * ab, 1,
-                                             tp), cluster, 1, c)
+    if tp > 1:
+        first_last = pp * v > 1
+        embed_time = sum(collective_time(t, cluster, 1, c) for t in tp_end_traffic(
+            b, s, model.hidden, tp, dtype, plan.sp, embed=True, head=not first_last))
+        head_time += c.tp_micro_overhead_s
+        if first_last:
+            head_time += sum(collective_time(t, cluster, 1, c) for t in tp_end_traffic(
+                b, s, model.hidden, tp, dtype, plan.sp, embed=False, head=True))
     weights = model.layer_weights or (1.0,) * L
     costs = [w * block_time for w in weights]
     given = plan.options.get("pp_stage_layers") if plan.options else None
@@ -381,6 +474,12 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         p2p = 2 * collective_time(msg, cluster, tp * plan.dp_shard * plan.dp_replicate, c)
     rank_chunks = [range(r, chunks, pp) for r in range(pp)]
     rank_time = [sum(chunk_time[i] for i in ids) + p2p * len(ids) for ids in rank_chunks]
+    rank_layers = [sum(sizes[i] for i in ids) for ids in rank_chunks]
+    # FSDP2 wraps every block and the stage root (ZeRO-2/3, and replicated DP over TP shards,
+    # which goes through FSDP2 too): its hooks run per unit and microbatch.
+    fsdp = plan.zero >= 2 or (plan.zero == 0 and tp > 1 and plan.dp_replicate > 1)
+    if fsdp and c.fsdp_unit_s:
+        rank_time = [t + c.fsdp_unit_s * (n + 1) for t, n in zip(rank_time, rank_layers)]
     t_max, t_sum = max(rank_time), sum(rank_time)
     if pp > 1:
         pipe = m * t_max + (t_sum - t_max) * _bubble_scale(plan)
@@ -403,43 +502,80 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
                 model.head_params - model.embed_params
         rank_params.append(p / tp)
 
-    # ---- data-parallel traffic
+    # ---- data-parallel traffic, as plait's runtime issues it (see plait.comm.predict)
     S, R, zero = plan.dp_shard, plan.dp_replicate, plan.zero
     grad_dtype = work.grad_reduce_dtype
+    gbytes = act_dtype_bytes(grad_dtype)
+    pbytes = act_dtype_bytes(dtype)
+    r_busy = rank_time.index(t_max)
+    P = rank_params[r_busy]
+    ids_busy = rank_chunks[r_busy]
+    root = ((model.embed_params if 0 in ids_busy else 0) +
+            (model.head_params if chunks - 1 in ids_busy else 0)) / tp
+    units = rank_layers[r_busy] + 1  # blocks + the root unit
+    tensors = (rank_layers[r_busy] * model.block_tensors +
+               (model.embed_tensors if 0 in ids_busy else 0) +
+               (model.head_tensors if chunks - 1 in ids_busy else 0))
+    # A pipeline syncs gradients at the last backward of each schedule run (once per
+    # accumulation step); without one, once per optimizer step (no_sync while accumulating).
+    syncs = steps if pp > 1 else 1
     traffic_dp: list[tuple[Traffic, int]] = []
-    P = max(rank_params)
-    P_int = max(1, int(P))
+
+    def grads(axis: str, op: str, payload: float, calls: int, group: int, stride: int) -> None:
+        if group > 1:
+            traffic_dp.append((Traffic(axis, op, payload * syncs, calls * syncs, group, "grads"),
+                               stride))
+
     if zero == 0 and R > 1:
-        traffic_dp += [(t, tp * S) for t in ddp_traffic(P_int, R, grad_dtype,
-                                                        bucket_bytes=c.bucket_bytes)]
-    if zero > 0:
-        units = max(sum(sizes[i] for i in ids) for ids in rank_chunks) + 1  # blocks + root
-        traffic_dp += [(t, tp) for t in zero_traffic(P_int, S, zero, param_dtype=dtype,
-                                                     grad_dtype=grad_dtype,
-                                                     micro_steps=m * steps, units=units)]
+        calls = units if fsdp else max(1, math.ceil(P * gbytes / c.bucket_bytes))
+        grads("dp_replicate", "all_reduce", P * gbytes, calls, R, tp * S)
+    elif zero == 1:
+        # DDP over every data rank, then ZeroRedundancyOptimizer broadcasts each parameter
+        # tensor from the rank that updated it.
+        grads("dp", "all_reduce", P * gbytes, max(1, math.ceil(P * gbytes / c.bucket_bytes)),
+              R * S, tp)
+        if S > 1:
+            traffic_dp.append((Traffic("dp_shard", "broadcast", P * 4, max(1, tensors), S,
+                                       "params"), tp))
+    elif zero >= 2 and S > 1:
+        grads("dp_shard", "reduce_scatter", P * gbytes, units, S, tp)
         if R > 1:  # HSDP: the shard's gradients all-reduced across replicas
-            traffic_dp += [(t, tp * S) for t in ddp_traffic(max(1, P_int // S), R, grad_dtype,
-                                                            bucket_bytes=c.bucket_bytes)]
-    grad_time = gather_time = ag3_time = 0.0
+            grads("dp_replicate", "all_reduce", P / S * gbytes, units, R, tp * S)
+        # FSDP2 reshards after every backward, so ZeRO-2 gathers once per micro-step (pipeline:
+        # per schedule run); ZeRO-3 before each forward and backward, the root once (pipeline,
+        # 1F1B/GPipe: m + 1 times per block per run, the stage runtime keeps blocks gathered
+        # between backwards).
+        if zero == 2:
+            per_block = per_root = steps
+        elif pp == 1:
+            per_block, per_root = 2 * steps, steps
+        else:
+            per_block, per_root = (m + 1) * steps, steps
+        payload = ((P - root) * per_block + root * per_root) * pbytes
+        calls = (units - 1) * per_block + per_root
+        traffic_dp.append((Traffic("dp_shard", "all_gather", payload, calls, S, "params"), tp))
+    grad_time = gather_time = ag_time = 0.0
     for t, stride in traffic_dp:
         ct = collective_time(t, cluster, stride, c)
         if t.what == "grads":
             grad_time += ct
-        elif zero == 3:
-            ag3_time += ct
+        elif t.op == "all_gather":
+            ag_time += ct
         else:
             gather_time += ct
-    r_busy = rank_time.index(t_max)
     bwd_window = rank_time[r_busy] * (2 + replay) / (3 + replay)
     exposed_grad = max(0.0, grad_time - bwd_window) if c.overlap else grad_time
-    exposed_ag3 = 0.0 if c.overlap else ag3_time
-    if ag3_time and c.overlap:
-        per_micro = ag3_time / (m * steps)
+    exposed_ag3 = ag_time
+    if ag_time and c.overlap:
+        # FSDP2 prefetches the next unit's gather under the current unit's compute.
+        per_micro = ag_time / (m * steps)
         exposed_ag3 = max(0.0, per_micro - rank_time[r_busy]) * m * steps + \
-            ag3_time / (m * steps) / max(1, max(sizes))  # first gather is never hidden
+            ag_time / (m * steps) / max(1, max(sizes))  # first gather is never hidden
     owned = P / (S if zero >= 1 else 1)
     opt_time = owned * 16 * 2 / cluster.hbm_bw  # param, grad, 2 moments: read + write
-    step = pipe + exposed_grad + gather_time + exposed_ag3 + opt_time
+    dtensors = zero >= 2 or tp > 1
+    tensor_time = tensors * (c.dtensor_step_s if dtensors else c.tensor_step_s)
+    step = pipe + exposed_grad + gather_time + exposed_ag3 + opt_time + tensor_time
 
     # ---- memory on each pipeline rank; the worst one counts
     mem_best, breakdown = -1.0, {}
@@ -509,7 +645,8 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     est.time_breakdown = {"pipeline": pipe, "compute_per_microbatch": t_max,
                           "tp_comm_per_block": tp_block, "dp_grad_exposed": exposed_grad,
                           "dp_grad_total": grad_time, "param_gather": gather_time,
-                          "zero3_gather_exposed": exposed_ag3, "optimizer": opt_time}
+                          "zero3_gather_exposed": exposed_ag3, "optimizer": opt_time,
+                          "per_tensor": tensor_time}
     if mem_best > cluster.memory_bytes:
         est.reason = (f"needs {mem_best / 2**30:.1f} GiB per device (of which activations "
                       f"{breakdown['activations'] / 2**30:.1f} GiB), has "

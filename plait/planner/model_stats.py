@@ -43,13 +43,20 @@ class ModelStats:
     max_seq: int | None = None
     # Relative cost of each block when blocks differ (module factories); None = all equal.
     layer_weights: tuple[float, ...] | None = None
+    # Parameter tensors (not elements) per block, in the embedding and in the head (final norm
+    # included): per-step costs that scale with tensors, not bytes (optimizer loops, gradient
+    # clipping, ZeroRedundancyOptimizer's broadcasts). 0 = unknown: those costs are not priced.
+    block_tensors: int = 0
+    embed_tensors: int = 0
+    head_tensors: int = 0
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
                   for k in ("n_layers", "hidden", "n_heads", "kv_heads", "ffn", "vocab")
                   if getattr(self, k) < 1]
         errors += [f"{k}={getattr(self, k)!r} must be >= 0"
-                   for k in ("block_params", "block_matmul_params", "embed_params", "head_params")
+                   for k in ("block_params", "block_matmul_params", "embed_params", "head_params",
+                             "block_tensors", "embed_tensors", "head_tensors")
                    if getattr(self, k) < 0]
         if self.layer_weights is not None and len(self.layer_weights) != self.n_layers:
             errors.append(f"layer_weights has {len(self.layer_weights)} entries for "
@@ -89,11 +96,18 @@ def from_transformer_config(cfg: Any, name: str = "transformer") -> ModelStats:
     block = (total - norm_size) // cfg.n_layers
     embed = cfg.vocab_size * h
     head = norm_size + cfg.vocab_size * h
+    # q, k, v, o and the MLP's linears; GPT-style (gelu) linears carry a bias each; a layernorm
+    # has weight and bias, an rmsnorm a weight.
+    linears = 4 + (3 if cfg.mlp == "swiglu" else 2)
+    norm_tensors = 2 if cfg.norm == "layernorm" else 1
+    block_tensors = linears * (2 if cfg.mlp == "gelu" else 1) + 2 * norm_tensors
+    head_tensors = norm_tensors + (0 if cfg.tie_embeddings else 1)
     return ModelStats(name=name, n_layers=cfg.n_layers, hidden=h, n_heads=cfg.n_heads,
                       kv_heads=cfg.kv_heads, ffn=cfg.hidden_dim, vocab=cfg.vocab_size,
                       mlp=cfg.mlp, block_params=block, block_matmul_params=matmul,
                       embed_params=embed, head_params=head, tied=cfg.tie_embeddings,
-                      max_seq=cfg.max_seq_len)
+                      max_seq=cfg.max_seq_len, block_tensors=block_tensors, embed_tensors=1,
+                      head_tensors=head_tensors)
 
 
 _HF_KEYS = {  # our name -> accepted config.json keys, first found wins
@@ -145,7 +159,10 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
                       kv_heads=kv_heads, ffn=ffn, vocab=got["vocab"], mlp=mlp,
                       block_params=matmul + biases + 2 * norm, block_matmul_params=matmul,
                       embed_params=got["vocab"] * h, head_params=norm + got["vocab"] * h,
-                      tied=tied, max_seq=data.get("max_position_embeddings") or data.get("n_positions"))
+                      tied=tied, max_seq=data.get("max_position_embeddings") or data.get("n_positions"),
+                      block_tensors=(4 + (3 if gated else 2)) * (2 if bias else 1) +
+                      2 * (norm // h), embed_tensors=1,
+                      head_tensors=norm // h + (0 if tied else 1))
 
 
 def from_module(model: Any, name: str = "module") -> ModelStats:
@@ -209,12 +226,17 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
     if len(set(matmul)) > 1:
         weights = tuple(m / mean if mean else 1.0 for m in matmul)
     gated = any("gate" in n for n, _ in ref.named_modules())
+    tensors = round(sum(len(list(b.parameters())) for b in blocks) / len(blocks))
+    outside = len(seen) - sum(len(list(b.parameters())) for b in blocks)
+    embed_tensors = sum(len(list(m.parameters())) for m in embeds)
     return ModelStats(name=name, n_layers=len(blocks), hidden=hidden, n_heads=heads,
                       kv_heads=kv_heads or heads, ffn=ffn, vocab=vocab,
                       mlp="swiglu" if gated else ("gelu" if attention else "other"),
                       block_params=round(stack_total / len(blocks)),
                       block_matmul_params=round(mean), embed_params=embed_params,
-                      head_params=head_params, attention=attention, layer_weights=weights)
+                      head_params=head_params, attention=attention, layer_weights=weights,
+                      block_tensors=tensors, embed_tensors=embed_tensors,
+                      head_tensors=max(outside - embed_tensors, 0))
 
 
 def _signature(module: Any) -> tuple:
