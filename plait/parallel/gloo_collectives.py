@@ -71,6 +71,49 @@ def _combine_rows(rows: torch.Tensor, kind: Any, out: torch.Tensor) -> None:
         torch.prod(rows, dim=0, out=out)
 
 
+class BufferPool:
+    """Reuse FSDP2's communication buffers across blocks and steps instead of allocating anew.
+
+    Why: the flat all-gather output and reduce-scatter input of a block are tens of MiB; glibc
+    serves allocations above 32 MiB with a fresh ``mmap`` and returns them with ``munmap`` on
+    free, so every block of every step pays first-touch page faults on the whole buffer (on
+    the 2-core test machine ~1 ms per MiB: more than the all-to-all itself). Keeping them is
+    what FSDP2's ``Comm.allocate`` protocol allows ("reuse a persistent buffer").
+
+    A buffer is handed out again only when nothing references its storage any more: every
+    tensor viewing it (FSDP2's views, an in-flight gloo work) holds a reference, counted by
+    ``torch._C._storage_Use_Count`` (private; without it the pool allocates every time). At
+    most ``per_size`` buffers are kept per (numel, dtype, device); beyond that, a call gets a
+    plain new tensor. Buffers under ``min_bytes`` are not pooled (the allocator's free lists
+    already reuse those).
+    """
+
+    def __init__(self, per_size: int = 4, min_bytes: int = 1 << 20):
+        self.per_size, self.min_bytes = per_size, min_bytes
+        self.buffers: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self.use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+    def _free(self, buf: torch.Tensor) -> bool:
+        # The pool's own tensor plus the temporary storage object of this call: 2.
+        return self.use_count(buf.untyped_storage()._cdata) <= 2
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        numel = 1
+        for d in size:
+            numel *= int(d)
+        if self.use_count is None or numel * dtype.itemsize < self.min_bytes:
+            return torch.empty(*size, dtype=dtype, device=device)
+        kept = self.buffers.setdefault((numel, dtype, torch.device(device)), [])
+        for buf in kept:
+            if self._free(buf):
+                return buf.view(*size)  # a new tensor on the kept storage: counted while used
+        fresh = torch.empty(numel, dtype=dtype, device=device)
+        if len(kept) < self.per_size:
+            kept.append(fresh)
+        return fresh.view(*size)
+
+
 class GlooReduceScatter(ReduceScatter):
     """Reduce-scatter = all-to-all of the input's n chunks, then a local reduction.
 
@@ -79,9 +122,12 @@ class GlooReduceScatter(ReduceScatter):
     rounding), MAX, MIN and PRODUCT.
     """
 
+    def __init__(self, pool: BufferPool | None = None):
+        self.pool = pool or BufferPool()
+
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        return self.pool.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any = ReduceOp.SUM,
@@ -126,9 +172,12 @@ class GlooReduceScatter(ReduceScatter):
 class GlooAllGather(AllGather):
     """All-gather = all-to-all in which every rank sends its shard to every rank."""
 
+    def __init__(self, pool: BufferPool | None = None):
+        self.pool = pool or BufferPool()
+
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        return self.pool.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
@@ -188,7 +237,8 @@ def use_gloo_collectives(module: nn.Module, group: dist.ProcessGroup | None,
 
     if not gloo_collectives_apply(group, device_type):
         return False
-    reduce_scatter, all_gather = GlooReduceScatter(), GlooAllGather()
+    pool = BufferPool()
+    reduce_scatter, all_gather = GlooReduceScatter(pool), GlooAllGather(pool)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.set_custom_reduce_scatter(reduce_scatter)
