@@ -151,14 +151,15 @@ class GlooReduceScatter(ReduceScatter):
             # Send the other rank its chunk, receive ours from it; keep our own chunk in place.
             other = 1 - rank
             splits = [k if j == other else 0 for j in range(2)]
-            recv = torch.empty(k, dtype=input_tensor.dtype, device=input_tensor.device)
+            recv = self.pool.allocate((k,), dtype=input_tensor.dtype, device=input_tensor.device)
             with issued_as("reduce_scatter", payload):
                 dist.all_to_all_single(recv, flat_in.narrow(0, other * k, k),
                                        output_split_sizes=splits, input_split_sizes=splits,
                                        group=group)
             _COMBINE_PAIR[kind](flat_in.narrow(0, rank * k, k), recv, out=out)
         else:
-            recv = torch.empty(n * k, dtype=input_tensor.dtype, device=input_tensor.device)
+            recv = self.pool.allocate((n * k,), dtype=input_tensor.dtype,
+                                      device=input_tensor.device)
             with issued_as("reduce_scatter", payload):
                 dist.all_to_all_single(recv, flat_in.contiguous(), group=group)
             _combine_rows(recv.view(n, k), kind, out)
@@ -202,9 +203,11 @@ class GlooAllGather(AllGather):
                                               output_split_sizes=splits,
                                               input_split_sizes=splits, group=group,
                                               async_op=async_op)
-        # n copies of the shard, copy j for rank j (gloo keeps the staging tensor alive until
-        # an async all-to-all completes).
-        staged = shard.repeat(n)
+        # n copies of the shard, copy j for rank j (gloo keeps the staging tensor alive, and so
+        # out of the pool, until an async all-to-all completes).
+        staged = self.pool.allocate((n, k), dtype=shard.dtype, device=shard.device)
+        staged.copy_(shard.expand(n, k))
+        staged = staged.view(-1)
         with issued_as("all_gather", payload):
             return dist.all_to_all_single(out, staged, group=group, async_op=async_op)
 
