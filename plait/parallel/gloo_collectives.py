@@ -3,10 +3,11 @@
 Why this exists (we write our own here instead of using PyTorch's collective): gloo has no
 native reduce-scatter — ``reduce_scatter_tensor`` runs a full all-reduce and keeps a slice,
 twice the bytes of a reduce-scatter — and its ``all_gather_into_tensor`` is slower than an
-all-to-all of the same bytes. Measured with 2 gloo processes on this 2-core CPU machine, fp32,
-150 MiB (``docs/zero.md`` has the command): reduce-scatter 220 ms vs all-to-all + local sum
-~100 ms; all-gather 170 ms vs ~60 ms as an all-to-all. ZeRO-3 issues both for every block on
-every step, so on CPU they decide whether ZeRO-3 keeps up with DDP.
+all-to-all of the same bytes. Measured with 2 gloo processes on the 2-core CPU machine, fp32,
+150 MiB, buffers allocated per call as FSDP2 does (``bench/gloo_collectives.py``):
+reduce-scatter ~300 ms vs ~75 ms as all-to-all + local sum, all-gather ~290 ms vs ~60 ms as an
+all-to-all (torch's with buffers kept alive: ~220 and ~170 ms). ZeRO-3 issues both for every
+block on every step, so on CPU they decide whether ZeRO-3 keeps up with DDP.
 
 FSDP2 lets a module replace both (``FSDPModule.set_custom_reduce_scatter`` /
 ``set_custom_all_gather``, protocol in ``torch.distributed.fsdp._fully_shard._fsdp_api``:
@@ -23,6 +24,10 @@ shards in rank order, which is the gathered tensor. (n-1)/n of the output, again
 With 2 ranks both skip the chunk a rank keeps for itself (all-to-all split sizes 0 to and from
 itself): no staging copy of the input for the all-gather, and a receive buffer of one chunk
 for the reduce-scatter.
+
+The buffers (FSDP2's flat all-gather output and reduce-scatter input, our receive/staging
+buffers) come from a :class:`BufferPool` that hands a buffer out again once nothing uses it:
+allocating them anew for every block costs more than the communication on CPU (see there).
 
 Each call is recorded by the communication ledger as the logical collective (reduce_scatter or
 all_gather, volumes.py's payload convention) with ``via="all_to_all"``
@@ -41,7 +46,7 @@ from torch.distributed import ReduceOp
 
 from ..comm.ledger import issued_as
 
-try:  # the custom-collective hooks arrived with FSDP2's Comm protocol (torch >= 2.8)
+try:  # FSDP2's Comm protocol for custom collectives (recent torch only)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # pragma: no cover - older torch: use_gloo_collectives installs nothing
     AllGather = ReduceScatter = object  # type: ignore[misc, assignment]
@@ -203,8 +208,8 @@ class GlooAllGather(AllGather):
                                               output_split_sizes=splits,
                                               input_split_sizes=splits, group=group,
                                               async_op=async_op)
-        # n copies of the shard, copy j for rank j (gloo keeps the staging tensor alive, and so
-        # out of the pool, until an async all-to-all completes).
+        # n copies of the shard, copy j for rank j. An async all-to-all's work holds the tensor
+        # it sends, which keeps the staging buffer out of the pool until it completes.
         staged = self.pool.allocate((n, k), dtype=shard.dtype, device=shard.device)
         staged.copy_(shard.expand(n, k))
         staged = staged.view(-1)
@@ -234,7 +239,7 @@ def use_gloo_collectives(module: nn.Module, group: dist.ProcessGroup | None,
 
     ``group``: the shard group FSDP2 all-gathers and reduce-scatters over (``dp_shard``).
     Returns whether they were installed (see :func:`gloo_collectives_apply`); otherwise FSDP2
-    keeps its defaults. One pair of (stateless) objects serves every module.
+    keeps its defaults. One pair of objects, sharing one buffer pool, serves every module.
     """
     from torch.distributed.fsdp import FSDPModule
 
