@@ -23,6 +23,7 @@ run-to-run noise — compare ratios, rerun for confirmation.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import threading
@@ -100,6 +101,9 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma list of layout names to run")
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument("--verbose", action="store_true", help="print each memory table")
+    parser.add_argument("--torch-collectives", action="store_true",
+                        help="keep FSDP2's own gloo reduce-scatter/all-gather (default: plait's "
+                             "all-to-all ones, plait/parallel/gloo_collectives.py)")
     args = parser.parse_args()
     params = vars(args)
     layouts = [l for l in LAYOUTS if not args.only or l[0] in args.only.split(",")]
@@ -108,6 +112,9 @@ def main() -> None:
     for _ in range(args.repeat):  # interleaved, so load drifts hit every layout alike
         for name, plan_text in layouts:
             plan = Plan.from_string(plan_text)
+            if args.torch_collectives:
+                plan = dataclasses.replace(plan, options={**plan.options,
+                                                          "gloo_all_to_all": False})
             out = run_distributed(worker, plan.world_size, plan, params, timeout=900)[0]
             results.setdefault(name, []).append(out)
             if args.format == "text":

@@ -82,3 +82,27 @@ def test_zero3_with_padded_shards_matches_single_device():
     cfg = CheckConfig(model_factory=W.odd_mlp, batch_factory=W.odd_batch)
     result = check("dp_shard=2,zero=3", cfg, tolerance=1e-5)
     assert result.ok, result.format()
+
+
+# --------------------------------------------------------------------------- the buffer pool
+def test_pool_reuses_a_buffer_only_once_nothing_views_it():
+    import torch
+
+    from plait.parallel.gloo_collectives import BufferPool
+
+    pool = BufferPool(per_size=2, min_bytes=64)
+    a = pool.allocate((32,), dtype=torch.float32, device=torch.device("cpu"))
+    view = a[3:9]  # e.g. FSDP2's as_strided gradient views of a reduce-scatter output
+    del a
+    b = pool.allocate((32,), dtype=torch.float32, device=torch.device("cpu"))
+    assert b.data_ptr() != view.data_ptr() - 3 * 4  # still viewed: not handed out again
+    del view
+    c = pool.allocate((4, 8), dtype=torch.float32, device=torch.device("cpu"))
+    assert c.shape == (4, 8) and len(pool.buffers[(32, torch.float32, torch.device("cpu"))]) == 2
+    first = pool.buffers[(32, torch.float32, torch.device("cpu"))][0]
+    assert c.data_ptr() == first.data_ptr()  # the first buffer, free again, is reused
+    d = pool.allocate((32,), dtype=torch.float32, device=torch.device("cpu"))
+    assert d.data_ptr() not in (b.data_ptr(), c.data_ptr())  # both in use: a third, unkept
+    assert len(pool.buffers[(32, torch.float32, torch.device("cpu"))]) == 2
+    small = pool.allocate((8,), dtype=torch.float32, device=torch.device("cpu"))
+    assert small.numel() == 8 and (8, torch.float32, torch.device("cpu")) not in pool.buffers

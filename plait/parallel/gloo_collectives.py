@@ -3,10 +3,11 @@
 Why this exists (we write our own here instead of using PyTorch's collective): gloo has no
 native reduce-scatter — ``reduce_scatter_tensor`` runs a full all-reduce and keeps a slice,
 twice the bytes of a reduce-scatter — and its ``all_gather_into_tensor`` is slower than an
-all-to-all of the same bytes. Measured with 2 gloo processes on this 2-core CPU machine, fp32,
-150 MiB (``docs/zero.md`` has the command): reduce-scatter 220 ms vs all-to-all + local sum
-~100 ms; all-gather 170 ms vs ~60 ms as an all-to-all. ZeRO-3 issues both for every block on
-every step, so on CPU they decide whether ZeRO-3 keeps up with DDP.
+all-to-all of the same bytes. Measured with 2 gloo processes on the 2-core CPU machine, fp32,
+150 MiB, buffers allocated per call as FSDP2 does (``bench/gloo_collectives.py``):
+reduce-scatter ~300 ms vs ~75 ms as all-to-all + local sum, all-gather ~290 ms vs ~60 ms as an
+all-to-all (torch's with buffers kept alive: ~220 and ~170 ms). ZeRO-3 issues both for every
+block on every step, so on CPU they decide whether ZeRO-3 keeps up with DDP.
 
 FSDP2 lets a module replace both (``FSDPModule.set_custom_reduce_scatter`` /
 ``set_custom_all_gather``, protocol in ``torch.distributed.fsdp._fully_shard._fsdp_api``:
@@ -23,6 +24,10 @@ shards in rank order, which is the gathered tensor. (n-1)/n of the output, again
 With 2 ranks both skip the chunk a rank keeps for itself (all-to-all split sizes 0 to and from
 itself): no staging copy of the input for the all-gather, and a receive buffer of one chunk
 for the reduce-scatter.
+
+The buffers (FSDP2's flat all-gather output and reduce-scatter input, our receive/staging
+buffers) come from a :class:`BufferPool` that hands a buffer out again once nothing uses it:
+allocating them anew for every block costs more than the communication on CPU (see there).
 
 Each call is recorded by the communication ledger as the logical collective (reduce_scatter or
 all_gather, volumes.py's payload convention) with ``via="all_to_all"``
@@ -41,7 +46,7 @@ from torch.distributed import ReduceOp
 
 from ..comm.ledger import issued_as
 
-try:  # the custom-collective hooks arrived with FSDP2's Comm protocol (torch >= 2.8)
+try:  # FSDP2's Comm protocol for custom collectives (recent torch only)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # pragma: no cover - older torch: use_gloo_collectives installs nothing
     AllGather = ReduceScatter = object  # type: ignore[misc, assignment]
@@ -71,6 +76,49 @@ def _combine_rows(rows: torch.Tensor, kind: Any, out: torch.Tensor) -> None:
         torch.prod(rows, dim=0, out=out)
 
 
+class BufferPool:
+    """Reuse FSDP2's communication buffers across blocks and steps instead of allocating anew.
+
+    Why: the flat all-gather output and reduce-scatter input of a block are tens of MiB; glibc
+    serves allocations above 32 MiB with a fresh ``mmap`` and returns them with ``munmap`` on
+    free, so every block of every step pays first-touch page faults on the whole buffer (on
+    the 2-core test machine ~1 ms per MiB: more than the all-to-all itself). Keeping them is
+    what FSDP2's ``Comm.allocate`` protocol allows ("reuse a persistent buffer").
+
+    A buffer is handed out again only when nothing references its storage any more: every
+    tensor viewing it (FSDP2's views, an in-flight gloo work) holds a reference, counted by
+    ``torch._C._storage_Use_Count`` (private; without it the pool allocates every time). At
+    most ``per_size`` buffers are kept per (numel, dtype, device); beyond that, a call gets a
+    plain new tensor. Buffers under ``min_bytes`` are not pooled (the allocator's free lists
+    already reuse those).
+    """
+
+    def __init__(self, per_size: int = 4, min_bytes: int = 1 << 20):
+        self.per_size, self.min_bytes = per_size, min_bytes
+        self.buffers: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self.use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+    def _free(self, buf: torch.Tensor) -> bool:
+        # The pool's own tensor plus the temporary storage object of this call: 2.
+        return self.use_count(buf.untyped_storage()._cdata) <= 2
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        numel = 1
+        for d in size:
+            numel *= int(d)
+        if self.use_count is None or numel * dtype.itemsize < self.min_bytes:
+            return torch.empty(*size, dtype=dtype, device=device)
+        kept = self.buffers.setdefault((numel, dtype, torch.device(device)), [])
+        for buf in kept:
+            if self._free(buf):
+                return buf.view(*size)  # a new tensor on the kept storage: counted while used
+        fresh = torch.empty(numel, dtype=dtype, device=device)
+        if len(kept) < self.per_size:
+            kept.append(fresh)
+        return fresh.view(*size)
+
+
 class GlooReduceScatter(ReduceScatter):
     """Reduce-scatter = all-to-all of the input's n chunks, then a local reduction.
 
@@ -79,9 +127,12 @@ class GlooReduceScatter(ReduceScatter):
     rounding), MAX, MIN and PRODUCT.
     """
 
+    def __init__(self, pool: BufferPool | None = None):
+        self.pool = pool or BufferPool()
+
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        return self.pool.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any = ReduceOp.SUM,
@@ -105,14 +156,15 @@ class GlooReduceScatter(ReduceScatter):
             # Send the other rank its chunk, receive ours from it; keep our own chunk in place.
             other = 1 - rank
             splits = [k if j == other else 0 for j in range(2)]
-            recv = torch.empty(k, dtype=input_tensor.dtype, device=input_tensor.device)
+            recv = self.pool.allocate((k,), dtype=input_tensor.dtype, device=input_tensor.device)
             with issued_as("reduce_scatter", payload):
                 dist.all_to_all_single(recv, flat_in.narrow(0, other * k, k),
                                        output_split_sizes=splits, input_split_sizes=splits,
                                        group=group)
             _COMBINE_PAIR[kind](flat_in.narrow(0, rank * k, k), recv, out=out)
         else:
-            recv = torch.empty(n * k, dtype=input_tensor.dtype, device=input_tensor.device)
+            recv = self.pool.allocate((n * k,), dtype=input_tensor.dtype,
+                                      device=input_tensor.device)
             with issued_as("reduce_scatter", payload):
                 dist.all_to_all_single(recv, flat_in.contiguous(), group=group)
             _combine_rows(recv.view(n, k), kind, out)
@@ -126,9 +178,12 @@ class GlooReduceScatter(ReduceScatter):
 class GlooAllGather(AllGather):
     """All-gather = all-to-all in which every rank sends its shard to every rank."""
 
+    def __init__(self, pool: BufferPool | None = None):
+        self.pool = pool or BufferPool()
+
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        return self.pool.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
@@ -153,9 +208,11 @@ class GlooAllGather(AllGather):
                                               output_split_sizes=splits,
                                               input_split_sizes=splits, group=group,
                                               async_op=async_op)
-        # n copies of the shard, copy j for rank j (gloo keeps the staging tensor alive until
-        # an async all-to-all completes).
-        staged = shard.repeat(n)
+        # n copies of the shard, copy j for rank j. An async all-to-all's work holds the tensor
+        # it sends, which keeps the staging buffer out of the pool until it completes.
+        staged = self.pool.allocate((n, k), dtype=shard.dtype, device=shard.device)
+        staged.copy_(shard.expand(n, k))
+        staged = staged.view(-1)
         with issued_as("all_gather", payload):
             return dist.all_to_all_single(out, staged, group=group, async_op=async_op)
 
@@ -182,13 +239,14 @@ def use_gloo_collectives(module: nn.Module, group: dist.ProcessGroup | None,
 
     ``group``: the shard group FSDP2 all-gathers and reduce-scatters over (``dp_shard``).
     Returns whether they were installed (see :func:`gloo_collectives_apply`); otherwise FSDP2
-    keeps its defaults. One pair of (stateless) objects serves every module.
+    keeps its defaults. One pair of objects, sharing one buffer pool, serves every module.
     """
     from torch.distributed.fsdp import FSDPModule
 
     if not gloo_collectives_apply(group, device_type):
         return False
-    reduce_scatter, all_gather = GlooReduceScatter(), GlooAllGather()
+    pool = BufferPool()
+    reduce_scatter, all_gather = GlooReduceScatter(pool), GlooAllGather(pool)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.set_custom_reduce_scatter(reduce_scatter)
