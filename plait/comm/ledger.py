@@ -26,7 +26,7 @@ gives one (every nccl op; gloo's collectives), else (gloo's send/recv and reduce
 ``wait`` on the ``Work``: the ledger hands back a thin ``Work`` that notes the time when it is
 waited on, by Python (``work.wait()``) or C++ (``wait_tensor`` of a functional collective).
 Timing is what costs (a completion callback, a GIL hand-off), so it is sampled: the first
-``time_first`` calls of each (group, op) are timed, then each call with probability
+``time_first`` calls of each (axis, op) are timed, then each call with probability
 1/``time_every``, weighted by ``time_every`` (an unbiased estimate of the total; random, not every
 k-th call, so a step's periodic pattern of sizes cannot alias with the sampling).
 ``Ledger(mesh, time_every=1)`` times every call. Asynchronous collectives overlap each other and
@@ -404,7 +404,7 @@ class Ledger:
     flattened data view). Without a mesh, groups are named ``world`` or by their ranks.
 
     ``time_every`` / ``time_first``: timing is sampled (bytes and counts never are): the first
-    ``time_first`` calls per (group, op) are timed, then one call in ``time_every`` on average;
+    ``time_first`` calls per (axis, op) are timed, then one call in ``time_every`` on average;
     ``time_every=1`` times every call (exact times, at a higher cost per call).
 
     Each entry into the block counts as one step unless ``report(steps=...)`` says otherwise, so
@@ -512,7 +512,7 @@ class Ledger:
         """Count one call of ``op`` on process group ``pg`` (every call: bytes stay exact).
 
         Returns ``(self, entry, weight)`` when this call's time is to be measured (the first
-        ``time_first`` calls of the (group, op), then each with probability 1/time_every,
+        ``time_first`` calls of the (axis, op), then each with probability 1/time_every,
         weighted by time_every), else None.
         """
         with self._lock:
