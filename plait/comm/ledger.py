@@ -22,7 +22,7 @@ it (``recv_bytes``) so the sum over ranks is not counted twice. Bytes and counts
 every call: they are exact.
 
 Time: from issue to completion. Completion is the collective's ``Work`` future where the backend
-gives one (every nccl op; gloo's collectives), else (gloo's send/recv and reduce-scatter) the
+gives one (gloo's collectives; every nccl op), else (gloo's send/recv and reduce-scatter) the
 ``wait`` on the ``Work``: the ledger hands back a thin ``Work`` that notes the time when it is
 waited on, by Python (``work.wait()``) or C++ (``wait_tensor`` of a functional collective).
 Timing is what costs (a completion callback, a GIL hand-off), so it is sampled: the first
