@@ -16,7 +16,7 @@ median over rounds (slowest rank) of off and of each side's paired difference to
 and CPU time, and the calls the ledger recorded (which must be exactly calls x rounds, plus the
 bench's own: it checks).
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/ledger_percall.py [--nproc 2] [--calls 2000] \\
+    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/ledger_percall.py [--nproc 2] [--calls 1000] \\
         [--rounds 8] [--time-every 8]
 """
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from plait.spawn import run_distributed
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--calls", type=int, default=2000, help="calls per measurement")
+    p.add_argument("--calls", type=int, default=1000, help="calls per measurement")
     p.add_argument("--rounds", type=int, default=8, help="ABBA rounds (even)")
     p.add_argument("--time-every", type=int, default=8,
                    help="Ledger(time_every=...): 1 times every call")
