@@ -80,3 +80,14 @@ def test_busbw_bench_script_runs_both_sides():
         assert int(cells[0]) == size and int(cells[1]) == 2  # size, iters
         ours, raw, ratio, q1, q3, best = map(float, cells[2:])
         assert ours > 0 and raw > 0 and best > 0 and 0 < q1 <= ratio <= q3
+
+
+def test_plait_comm_reports_measured_beside_expected(capsys):
+    code = comm_command(_args(add_comm_arguments, "--plan", "tp=2", "--steps", "1",
+                              "--warmup", "1", "--format", "json"))
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {(r["axis"], r["op"]): r for r in data["rows"]}
+    # plait's TP keeps the logits vocabulary-sharded (loss_parallel): no logits all-gather.
+    assert set(rows) == {("tp", "all_reduce")}
+    assert all(r["ratio"] == 1.0 for r in rows.values())
