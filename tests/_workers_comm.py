@@ -27,3 +27,68 @@ def outside_block(rank: int, world: int) -> list[dict]:
         dist.all_reduce(torch.ones(4))
     dist.all_reduce(torch.ones(8))
     return [{k: v for k, v in e.items() if k != "time_s"} for e in ledger.local_entries()]
+
+
+def futureless_times(rank: int, world: int, sizes: list[int], reps: int) -> dict:
+    """gloo's send/recv and reduce-scatter return a Work without a completion future; the
+    ledger times them to their wait. Per size: the ledger's time for ``reps`` ring shifts
+    (batch_isend_irecv, as the pipeline schedules) and ``reps`` functional reduce-scatters (as
+    sequence parallelism), and the same calls timed here from issue to wait without a ledger,
+    interleaved call by call so that load hits both alike."""
+    import time
+
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+    def shift(send: torch.Tensor, recv: torch.Tensor) -> None:
+        ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    def scatter(x: torch.Tensor) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(x, "sum", 0, group))
+
+    out: dict = {"sizes": sizes}
+    for size in sizes:
+        send, recv = torch.full((size // 4,), float(rank)), torch.empty(size // 4)
+        x = torch.ones(size // 4)
+        shift(send, recv)
+        scatter(x)  # first use of the pair / op: connection set-up, not timed
+        ledger = Ledger(time_every=1)
+        ledger.install()  # registering the kernels (once per run) is not what is timed
+        raw = {"send_recv": 0.0, "reduce_scatter": 0.0}
+        for _ in range(reps):
+            dist.barrier()  # a rank's time includes waiting for its peer: start together
+            with ledger:
+                shift(send, recv)
+                y = scatter(x)
+            assert recv[0].item() == prv and torch.equal(y, torch.full_like(y, world))
+            dist.barrier()
+            t0 = time.perf_counter()
+            shift(send, recv)
+            raw["send_recv"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            scatter(x)
+            raw["reduce_scatter"] += time.perf_counter() - t0
+            dist.barrier()
+        ledger.uninstall()
+        rows = {e["op"]: e for e in ledger.local_entries()}
+        out[size] = {op: {"time_s": rows[op]["time_s"], "raw_s": raw[op],
+                          "count": rows[op]["count"], "recv_count": rows[op]["recv_count"],
+                          "payload_bytes": rows[op]["payload_bytes"]}
+                     for op in raw}
+    return out
+
+
+def sampled_counts(rank: int, world: int, calls: int, time_every: int) -> list[dict]:
+    """Timing is sampled; counting is not: ``calls`` all-reduces of 16 bytes, all counted."""
+    import torch.distributed as dist
+    ledger = Ledger(time_every=time_every)
+    t = torch.ones(4)
+    with ledger:
+        for _ in range(calls):
+            dist.all_reduce(t)
+    return ledger.local_entries()

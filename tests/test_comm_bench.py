@@ -70,14 +70,16 @@ def test_bench_comm_tiny_sweep_reports_every_op(capsys):
 def test_busbw_bench_script_runs_both_sides():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "comm_busbw.py"), "--max-bytes",
-                          "2K", "--iters", "2", "--warmup", "1"], env=env, capture_output=True,
-                         text=True, timeout=180)
+                          "2K", "--iters", "2", "--warmup", "1", "--rounds", "3"], env=env,
+                         capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
-    assert "plait/raw" in lines[0] and len(lines) == 3  # header + 1K + 2K
-    for line in lines[1:]:
-        size, ours, raw, ratio = line.split()
-        assert float(ours) > 0 and float(raw) > 0 and float(ratio) > 0
+    assert "plait/raw" in lines[1] and len(lines) == 4  # title + header + 1K + 2K
+    for line, size in zip(lines[2:], (1024, 2048)):
+        cells = line.split()
+        assert int(cells[0]) == size and int(cells[1]) == 2  # size, iters
+        ours, raw, ratio, q1, q3, best = map(float, cells[2:])
+        assert ours > 0 and raw > 0 and best > 0 and 0 < q1 <= ratio <= q3
 
 
 def test_plait_comm_reports_measured_beside_expected(capsys):

@@ -38,6 +38,7 @@ def _check(result: dict, want: set[tuple[str, str]]) -> dict[tuple[str, str], di
     for key, r in rows.items():
         assert r["ranks"] == result["world_size"], (key, r)  # measured on every rank
         assert r["expected_bytes"], (key, r)
+        assert r["time_s"] > 0, (key, r)  # every (group, op)'s first calls are timed
         assert r["ratio"] == pytest.approx(1.0, abs=1e-9), (key, r["payload_bytes"],
                                                               r["expected_bytes"])
     return rows
@@ -193,3 +194,31 @@ def test_collectives_outside_the_block_are_not_counted():
     assert res[0] == [{"axis": "world", "op": "all_reduce", "group_size": 2, "count": 1,
                        "payload_bytes": 16, "wire_bytes": 16.0, "recv_count": 0,
                        "recv_bytes": 0}]
+
+
+def test_futureless_ops_are_timed_to_their_wait():
+    # gloo's send/recv and reduce-scatter Works have no completion future. Timed at issue only,
+    # a 16 MiB transfer looked free; timed to the wait it costs what a stopwatch around the
+    # same call sees. The ledger's interval is the raw one (issue to wait), so half of it is a
+    # wide margin, and 16 MiB outlasts 1 KiB by orders of magnitude.
+    small, big = 1 << 10, 16 << 20
+    res = run_distributed(W.futureless_times, 2, [small, big], 4, timeout=180)
+    for r in res:
+        for op in ("send_recv", "reduce_scatter"):
+            lo, hi = r[small][op], r[big][op]
+            assert lo["time_s"] > 0 and hi["time_s"] > lo["time_s"], (op, lo, hi)
+            assert hi["time_s"] >= 0.5 * hi["raw_s"], (op, hi)
+        assert r[big]["send_recv"]["count"] == r[big]["send_recv"]["recv_count"] == 4
+        assert r[big]["send_recv"]["payload_bytes"] == 4 * big
+        assert r[big]["reduce_scatter"]["count"] == 4
+        assert r[big]["reduce_scatter"]["payload_bytes"] == 4 * big
+
+
+def test_sampled_timing_keeps_counts_and_bytes_exact():
+    for rank_entries in run_distributed(W.sampled_counts, 2, 300, 16, timeout=120):
+        (e,) = rank_entries
+        assert (e["op"], e["count"], e["payload_bytes"], e["wire_bytes"]) == \
+            ("all_reduce", 300, 300 * 16, 300 * 16.0)
+        assert e["time_s"] > 0
+    with pytest.raises(ValueError, match="time_every"):
+        Ledger(time_every=0)

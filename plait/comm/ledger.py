@@ -22,11 +22,11 @@ it (``recv_bytes``) so the sum over ranks is not counted twice. Bytes and counts
 every call: they are exact.
 
 Time: from issue to completion. Completion is the collective's ``Work`` future where the backend
-gives one (every nccl op; gloo's collectives), else (gloo's send/recv and reduce-scatter) the
+gives one (gloo's collectives; every nccl op), else (gloo's send/recv and reduce-scatter) the
 ``wait`` on the ``Work``: the ledger hands back a thin ``Work`` that notes the time when it is
 waited on, by Python (``work.wait()``) or C++ (``wait_tensor`` of a functional collective).
 Timing is what costs (a completion callback, a GIL hand-off), so it is sampled: the first
-``time_first`` calls of each (group, op) are timed, then each call with probability
+``time_first`` calls of each (axis, op) are timed, then each call with probability
 1/``time_every``, weighted by ``time_every`` (an unbiased estimate of the total; random, not every
 k-th call, so a step's periodic pattern of sizes cannot alias with the sampling).
 ``Ledger(mesh, time_every=1)`` times every call. Asynchronous collectives overlap each other and
@@ -55,10 +55,26 @@ EXTRA_OPS = ("gather", "scatter", "barrier")
 
 def _nbytes(t: Any) -> int:
     if isinstance(t, torch.Tensor):
-        return t.numel() * t.element_size()
+        return t.nbytes
     if isinstance(t, (list, tuple)):
         return sum(_nbytes(x) for x in t)
     return 0
+
+
+def _first(a: Any) -> int:
+    """Bytes of argument 0, a list of tensors (or of lists): the per-call hot path."""
+    total = 0
+    for t in a[0]:
+        total += t.nbytes if isinstance(t, torch.Tensor) else _nbytes(t)
+    return total
+
+
+def _second(a: Any) -> int:
+    """Bytes of argument 1, a list of tensors (or of lists)."""
+    total = 0
+    for t in a[1]:
+        total += t.nbytes if isinstance(t, torch.Tensor) else _nbytes(t)
+    return total
 
 
 def op_wire_bytes(op: str, payload: float, n: int) -> float:
@@ -73,27 +89,31 @@ def op_wire_bytes(op: str, payload: float, n: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # op -> (canonical name, payload bytes, index of the group argument)
 # Payload per volumes.py: all-gather counts the full output, reduce-scatter the full input.
+# The functional collectives land here too (torch 2.13: all_gather_into_tensor ->
+# allgather_into_tensor_coalesced_, reduce_scatter_tensor -> reduce_scatter_tensor_coalesced_,
+# all_reduce -> allreduce_, all_to_all_single -> alltoall_base_, broadcast -> broadcast_), with
+# the same full buffers as arguments, so their payload is the same by construction.
 def _c10d_table() -> dict[Any, tuple[str, Any, int]]:
     c = torch.ops.c10d
     return {
-        c.allreduce_.default: ("all_reduce", lambda a: _nbytes(a[0]), 1),
-        c.allreduce_coalesced_.default: ("all_reduce", lambda a: _nbytes(a[0]), 1),
-        c.allgather_.default: ("all_gather", lambda a: _nbytes(a[0]), 2),
-        c._allgather_base_.default: ("all_gather", lambda a: _nbytes(a[0]), 2),
-        c.allgather_coalesced_.default: ("all_gather", lambda a: _nbytes(a[0]), 2),
-        c.allgather_into_tensor_coalesced_.default: ("all_gather", lambda a: _nbytes(a[0]), 2),
-        c.reduce_scatter_.default: ("reduce_scatter", lambda a: _nbytes(a[1]), 2),
-        c._reduce_scatter_base_.default: ("reduce_scatter", lambda a: _nbytes(a[1]), 2),
-        c.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", lambda a: _nbytes(a[1]), 2),
-        c.alltoall_base_.default: ("all_to_all", lambda a: _nbytes(a[1]), 2),
-        c.alltoall_.default: ("all_to_all", lambda a: _nbytes(a[1]), 2),
-        c.broadcast_.default: ("broadcast", lambda a: _nbytes(a[0]), 1),
-        c.reduce_.default: ("reduce", lambda a: _nbytes(a[0]), 1),
+        c.allreduce_.default: ("all_reduce", _first, 1),
+        c.allreduce_coalesced_.default: ("all_reduce", _first, 1),
+        c.allgather_.default: ("all_gather", _first, 2),
+        c._allgather_base_.default: ("all_gather", lambda a: a[0].nbytes, 2),
+        c.allgather_coalesced_.default: ("all_gather", _first, 2),
+        c.allgather_into_tensor_coalesced_.default: ("all_gather", _first, 2),
+        c.reduce_scatter_.default: ("reduce_scatter", _second, 2),
+        c._reduce_scatter_base_.default: ("reduce_scatter", lambda a: a[1].nbytes, 2),
+        c.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", _second, 2),
+        c.alltoall_base_.default: ("all_to_all", lambda a: a[1].nbytes, 2),
+        c.alltoall_.default: ("all_to_all", _second, 2),
+        c.broadcast_.default: ("broadcast", _first, 1),
+        c.reduce_.default: ("reduce", _first, 1),
         c.gather_.default: ("gather", lambda a: _nbytes(a[0]) or _nbytes(a[1]), 2),
         c.scatter_.default: ("scatter", lambda a: _nbytes(a[1]) or _nbytes(a[0]), 2),
-        c.send.default: ("send", lambda a: _nbytes(a[0]), 1),
-        c.recv_.default: ("recv", lambda a: _nbytes(a[0]), 1),
-        c.recv_any_source_.default: ("recv", lambda a: _nbytes(a[0]), 1),
+        c.send.default: ("send", _first, 1),
+        c.recv_.default: ("recv", _first, 1),
+        c.recv_any_source_.default: ("recv", _first, 1),
         c.barrier.default: ("barrier", lambda a: 0, 1),
     }
 
@@ -249,7 +269,7 @@ class _Interceptor:
         name, payload_fn, group_idx = spec
         recv = name == "recv"
         canonical = "send_recv" if name in ("send", "recv") else name
-        redispatch = op.redispatch
+        redispatch = op._handle.redispatch_boxed  # OpOverload.redispatch, one frame less
         unbox = dist.ProcessGroup.unbox
         clock = time.perf_counter
 
@@ -416,7 +436,7 @@ class Ledger:
     flattened data view). Without a mesh, groups are named ``world`` or by their ranks.
 
     ``time_every`` / ``time_first``: timing is sampled (bytes and counts never are): the first
-    ``time_first`` calls per (group, op) are timed, then one call in ``time_every`` on average;
+    ``time_first`` calls per (axis, op) are timed, then one call in ``time_every`` on average;
     ``time_every=1`` times every call (exact times, at a higher cost per call).
 
     Each entry into the block counts as one step unless ``report(steps=...)`` says otherwise, so
@@ -525,7 +545,7 @@ class Ledger:
         """Count one call of ``op`` on process group ``pg`` (every call: bytes stay exact).
 
         Returns ``(self, entry, weight)`` when this call's time is to be measured (the first
-        ``time_first`` calls of the (group, op), then each with probability 1/time_every,
+        ``time_first`` calls of the (axis, op), then each with probability 1/time_every,
         weighted by time_every), else None.
         """
         with self._lock:
