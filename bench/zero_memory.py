@@ -15,9 +15,11 @@ the same model and batches: a reference transformer of ``--dim``/``--layers`` (d
 * median step time (steps after the first) and its ratio to DDP.
 
 Targets (issue #3): ZeRO-3 model state <= 1.1 x 16Ψ/d; ZeRO-3 step time <= 1.5 x DDP at world 2
-on CPU. On gloo, reduce-scatter runs as a full all-reduce (FIELD-NOTES), so ZeRO-2/3 move more
-bytes here than the ring formula says; two processes share two cores, so times carry +-10-20%
-run-to-run noise — compare ratios, rerun for confirmation.
+on CPU. On gloo, FSDP2's reduce-scatter and all-gather run as plait's all-to-alls with pooled
+buffers (plait/parallel/gloo_collectives.py); ``--torch-collectives`` keeps gloo's own (a
+reduce-scatter there is a full all-reduce) for comparison. Two processes share two cores, so
+times carry +-10-20% run-to-run noise (more while other jobs run) — compare ratios, rerun for
+confirmation.
 """
 
 from __future__ import annotations

@@ -413,7 +413,7 @@ class issued_as:  # noqa: N801 - a context manager used like a function
     For code that implements one collective with another, e.g. plait.parallel.gloo_collectives
     running FSDP2's reduce-scatter and all-gather as gloo ``all_to_all``: the ledger then counts
     the logical collective (the one the closed forms in volumes.py predict, with the same
-    payload convention), and the entry says ``via="all_to_all"``. Costs one thread-local write
+    payload convention), and the entry says ``via="all_to_all"``. Costs two thread-local writes
     when no ledger is active.
     """
 
