@@ -35,6 +35,7 @@ compute, so per-op bandwidth is an achieved figure, not a link measurement.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import random
 import threading
@@ -217,9 +218,13 @@ class _Interceptor:
         # Work without one answers with an exception, ~15 us).
         self.has_future: dict[tuple[Any, Any], bool] = {}
         # _TimedWork objects not yet waited on. The C++ side of a Python Work subclass only
-        # finds its Python `wait` while the Python object lives; a functional collective keeps
-        # the Work in C++ alone until `wait_tensor`, so the ledger keeps it alive until then.
+        # finds its Python `wait` while the Python object lives (without it, C++ runs the base
+        # Work::wait, which never returns: checked, a functional reduce-scatter hangs); a
+        # functional collective keeps the Work in C++ alone until `wait_tensor`, so the ledger
+        # keeps it alive until then, and the last few waited ones a while longer, in case C++
+        # waits again on a Work that Python waited on and dropped.
         self.in_flight: set["_TimedWork"] = set()
+        self.recently_waited: collections.deque["_TimedWork"] = collections.deque(maxlen=256)
         # issued_as(): the logical collective the next c10d op implements (see issued_as).
         self.logical = threading.local()
 
@@ -319,7 +324,7 @@ class _Interceptor:
 
             future.add_done_callback(done)
             return out
-        timed = _TimedWork(work, t0, timers, self.in_flight)
+        timed = _TimedWork(work, t0, timers, self)
         with self.lock:
             self.in_flight.add(timed)
         boxed = timed.boxed()
@@ -346,18 +351,19 @@ class _TimedWork(dist.Work):
     hung its tests.
     """
 
-    def __init__(self, inner: Any, t0: float, timers: list[Any], in_flight: set) -> None:
+    def __init__(self, inner: Any, t0: float, timers: list[Any], owner: _Interceptor) -> None:
         super().__init__()
         self._inner = inner
         self._t0 = t0
         self._timers = timers
-        self._in_flight = in_flight
+        self._owner = owner
 
     def _finished(self) -> None:
         timers, self._timers = self._timers, None
         if timers is not None:  # the first wait (or completed poll) counts
             _note(timers, time.perf_counter() - self._t0)
-            self._in_flight.discard(self)
+            self._owner.recently_waited.append(self)
+            self._owner.in_flight.discard(self)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         ok = self._inner.wait(timeout)
