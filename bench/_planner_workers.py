@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 
-def calibrate_here(rank: int, world: int) -> dict:
+def calibrate_here(rank: int, world: int, shape: dict) -> dict:
     """This rank's compute and the group's micro-benchmarks (collectives, per-tensor optimizer
     cost, FSDP2 units, the TP probe), measured under the same conditions (the same number of
     processes sharing the same cores) as the layouts timed next."""
@@ -25,20 +25,24 @@ def calibrate_here(rank: int, world: int) -> dict:
 
     from plait.planner.calibrate import measure_group
 
-    out = calibrate_compute(rank, world)
+    out = calibrate_compute(rank, world, shape)
     out.update(measure_group(rank, world))
     return out
 
 
-def calibrate_compute(rank: int, world: int) -> dict:
-    """This rank's matmul peak and block efficiency / overhead (plait.planner.calibrate)."""
+def calibrate_compute(rank: int, world: int, shape: dict) -> dict:
+    """This rank's matmul peak and block efficiency / overhead (plait.planner.calibrate), with
+    the block probe at the timed model's width, heads and sequence length (``shape``): the
+    achieved FLOP/s of a block falls with the sequence (attention's s x s softmax is memory-
+    bound; ~10% lower at seq 128 than at 64 here), so a probe at another shape biases every
+    prediction the same way."""
     import torch.distributed as dist
 
     from plait.planner.calibrate import measure_block, measure_matmul
 
     dist.barrier()
     peak = measure_matmul()
-    eff, overhead, fit = measure_block(peak, repeats=3)
+    eff, overhead, fit = measure_block(peak, repeats=3, **shape)
     return {"peak": peak, "eff": eff, "overhead": overhead, "residual": fit.residual}
 
 
@@ -59,10 +63,14 @@ def time_layouts(rank: int, world: int, plans: list[dict], model_name: str, glob
 
     torch.set_num_threads(1)
     cfg = preset(model_name).replace(max_seq_len=seq)
+    # the block probe spans the microbatch sizes the layouts run (1 .. the global batch): the
+    # fit's slope is then set by the shapes it predicts, not extrapolated past them
+    sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= global_batch)
+    shape = {"dim": cfg.dim, "n_heads": cfg.n_heads, "seq": seq, "batches": sizes}
     gen = torch.Generator().manual_seed(1234)
     n_batches = 4
     data = torch.randint(0, cfg.vocab_size, (global_batch * n_batches, seq + 1), generator=gen)
-    out: list[Any] = [calibrate_here(rank, world)]
+    out: list[Any] = [calibrate_here(rank, world, shape)]
     setups: list[Any] = []
     for fields in plans:
         try:
@@ -97,13 +105,13 @@ def time_layouts(rank: int, world: int, plans: list[dict], model_name: str, glob
                 results[i].append(times)
             except Exception as exc:  # noqa: BLE001
                 results[i] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        round_compute.append(calibrate_compute(rank, world))
+        round_compute.append(calibrate_compute(rank, world, shape))
     for setup in setups:
         if not isinstance(setup, str):
             setup[0].close()
     setups = []
     gc.collect()
     out.extend(results)
-    out.append(calibrate_here(rank, world))
+    out.append(calibrate_here(rank, world, shape))
     out[-1]["round_compute"] = round_compute
     return out

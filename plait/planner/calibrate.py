@@ -78,7 +78,7 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
     return LineFit(slope, intercept, residual, len(xs))
 
 
-def measure_block(peak: float, dim: int = 128, seq: int = 64,
+def measure_block(peak: float, dim: int = 128, seq: int = 64, n_heads: int = 4,
                   batches: Sequence[int] = (1, 2, 4, 8), blocks: Sequence[int] = (1, 2),
                   repeats: int = 5) -> tuple[float, float, LineFit]:
     """(efficiency, fixed overhead per block per microbatch in s, the fit) of forward+backward
@@ -97,7 +97,7 @@ def measure_block(peak: float, dim: int = 128, seq: int = 64,
 
     from .model_stats import from_transformer_config
 
-    cfg = TransformerConfig(dim=dim, n_layers=1, n_heads=4, max_seq_len=seq)
+    cfg = TransformerConfig(dim=dim, n_layers=1, n_heads=n_heads, max_seq_len=seq)
     stacks = {n: torch.nn.Sequential(*[Block(cfg) for _ in range(n)]) for n in blocks}
     per_token = 3 * from_transformer_config(cfg).block_flops_per_token(seq)
     grid = [(n, b) for n in blocks for b in batches]
