@@ -5,15 +5,16 @@ Both run in the same processes on the same sizes: plait's sweep worker (``plait 
 ``torch.distributed`` and ``time.perf_counter``. Per size:
 
 * the number of calls per measurement is calibrated once (raw loop, slowest rank) so that one
-  measurement lasts at least ``--min-time`` (50 ms by default): a timer's resolution and one
-  scheduler hiccup cannot dominate it; both sides then use that same count;
+  measurement lasts at least ``--min-time`` (250 ms by default: at 50 ms the per-round ratio
+  still swung by +-10% on a quiet 2-core machine), so a timer's resolution and one scheduler
+  hiccup cannot dominate it; both sides then use that same count;
 * ``--rounds`` rounds in ABBA order (plait, raw, raw, plait, plait, raw, ...), so that drift in
   machine load hits both sides alike;
 * reported: each side's median busbw, the median of the per-round ratios plait/raw with its
   interquartile range, and best/best (each side's highest busbw: the least disturbed run).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python bench/comm_busbw.py [--nproc 2] [--min-bytes 1K] \\
-        [--max-bytes 16M] [--rounds 21] [--min-time 0.05]
+        [--max-bytes 16M] [--rounds 21] [--min-time 0.25]
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-bytes", default="1K")
     p.add_argument("--max-bytes", default="16M")
     p.add_argument("--rounds", type=int, default=21, help="ABBA rounds per size")
-    p.add_argument("--min-time", type=float, default=0.05,
+    p.add_argument("--min-time", type=float, default=0.25,
                    help="seconds per measurement; sets the calls per size")
     p.add_argument("--iters", type=int, default=None,
                    help="fixed calls per measurement instead of --min-time")
