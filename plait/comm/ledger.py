@@ -228,10 +228,6 @@ class _Interceptor:
         # issued_as(): the logical collective the next c10d op implements (see issued_as).
         self.logical = threading.local()
 
-    @property
-    def ledgers(self) -> list["Ledger"]:
-        return list(self.active)
-
     def push(self, ledger: "Ledger") -> None:
         with self.lock:
             if not self.libs:
