@@ -76,6 +76,16 @@ def _combine_rows(rows: torch.Tensor, kind: Any, out: torch.Tensor) -> None:
         torch.prod(rows, dim=0, out=out)
 
 
+def _shard_sizes(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
+                 what: str) -> tuple[int, int, int]:
+    """(group size n, this rank, shard numel k), after checking ``full`` holds n x k elements."""
+    n, k = group.size(), shard.numel()
+    if full.numel() != n * k:
+        raise ValueError(f"{what} has {full.numel()} elements, expected {n} x {k} "
+                         f"(shard numel x group size)")
+    return n, group.rank(), k
+
+
 class BufferPool:
     """Reuse FSDP2's communication buffers across blocks and steps instead of allocating anew.
 
@@ -144,11 +154,7 @@ class GlooReduceScatter(ReduceScatter):
         kind, factor = _reduce_kind(op)
         if kind not in _COMBINE_PAIR:
             raise ValueError(f"GlooReduceScatter does not support reduce op {kind}")
-        n, rank = group.size(), group.rank()
-        k = output_tensor.numel()
-        if input_tensor.numel() != n * k:
-            raise ValueError(f"reduce-scatter input has {input_tensor.numel()} elements, "
-                             f"expected {n} x {k} (output numel x group size)")
+        n, rank, k = _shard_sizes(input_tensor, output_tensor, group, "reduce-scatter input")
         flat_in = input_tensor.reshape(-1)
         out = output_tensor.view(-1)
         payload = input_tensor.numel() * input_tensor.element_size()
@@ -187,11 +193,7 @@ class GlooAllGather(AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
-        n, rank = group.size(), group.rank()
-        k = input_tensor.numel()
-        if output_tensor.numel() != n * k:
-            raise ValueError(f"all-gather output has {output_tensor.numel()} elements, "
-                             f"expected {n} x {k} (input numel x group size)")
+        n, rank, k = _shard_sizes(output_tensor, input_tensor, group, "all-gather output")
         out = output_tensor.view(-1)
         shard = input_tensor.reshape(-1)
         payload = output_tensor.numel() * output_tensor.element_size()
