@@ -1,28 +1,26 @@
-"""Worker for bench/planner_accuracy.py: time training steps of the reference model per layout.
+"""Workers for bench/planner_accuracy.py: time training steps of the reference model, one layout
+per job, and calibrate the machine in jobs of their own.
 
 Every layout runs through plait's runtime, exactly as a user's script would: ``plait.init(plan)``,
 ``run.parallelize(model)``, ``run.step(model, batch, lm_loss, opt)`` (DDP, ZeRO-1/2/3, TP+SP,
 pipelines with every schedule, their compositions).
 
-Noise: the machine is shared (2 cores, other jobs), and contention only ever adds time. So all
-layouts are built first, then timed in interleaved rounds (layout 1, 2, ..., n, then again), a
-burst of load hitting every layout alike rather than one layout wholesale; the first round's
-first ``warmup`` steps of each layout are discarded (allocator, DDP bucket rebuild, pipeline
-shape inference). Each rank returns its raw step times per round; the bench takes medians.
+Why one layout per job (fresh processes each time): the same layout measured 0.58 s alone in its
+processes and 0.85-1.06 s among 16 layouts held by the same processes (docs/planner.md, run 8);
+a user's job holds one layout, so that is what is timed. Why calibration jobs of their own: the
+calibration then sees the state a user's job starts from (fresh processes, one model), not one
+layout's leftovers. Load drift on a shared machine is handled by the bench, which interleaves the
+jobs (calibration, layout 1..n, then in reverse order, ...).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
-
-def calibrate_here(rank: int, world: int, shape: dict) -> dict:
+def calibration_job(rank: int, world: int, shape: dict) -> dict:
     """This rank's compute and the group's micro-benchmarks (collectives, per-tensor optimizer
-    cost, FSDP2 units, the TP probe), measured under the same conditions (the same number of
-    processes sharing the same cores) as the layouts timed next."""
-    import torch.distributed as dist
-
+    cost, FSDP2 units, the TP probe), with as many processes sharing the cores as the layouts
+    timed in the same rounds."""
     from plait.planner.calibrate import measure_group
 
     out = calibrate_compute(rank, world, shape)
@@ -31,29 +29,54 @@ def calibrate_here(rank: int, world: int, shape: dict) -> dict:
 
 
 def calibrate_compute(rank: int, world: int, shape: dict) -> dict:
-    """This rank's matmul peak and block efficiency / overhead (plait.planner.calibrate), with
-    the block probe at the timed model's width, heads and sequence length (``shape``): the
-    achieved FLOP/s of a block falls with the sequence (attention's s x s softmax is memory-
-    bound; ~10% lower at seq 128 than at 64 here), so a probe at another shape biases every
-    prediction the same way."""
+    """This rank's matmul peak and block rate / overhead (plait.planner.calibrate), with the
+    block probe at the timed model's width, heads and sequence length (``shape``): the achieved
+    FLOP/s of a block falls with the sequence (attention's s x s softmax is memory-bound; ~10%
+    lower at seq 128 than at 64 here), so a probe at another shape biases every prediction the
+    same way. The probe spans the microbatch sizes the layouts run (1 .. the global batch), so
+    the fit's slope is set by the shapes it predicts, not extrapolated, and stacks as deep as
+    the layouts' stages (2 and 4 blocks: the per-block time grows with the activations held,
+    ~5% from 1-2 to 2-4 blocks here). ``rate`` is the block FLOP/s itself, not capped at the
+    matmul peak: on a machine whose speed drifts the two are measured at different moments."""
     import torch.distributed as dist
 
+    from plait.models.transformer import TransformerConfig
     from plait.planner.calibrate import measure_block, measure_matmul
+    from plait.planner.model_stats import from_transformer_config
 
     dist.barrier()
     peak = measure_matmul()
     eff, overhead, fit = measure_block(peak, repeats=3, **shape)
-    return {"peak": peak, "eff": eff, "overhead": overhead, "residual": fit.residual}
+    cfg = TransformerConfig(dim=shape["dim"], n_layers=1, n_heads=shape["n_heads"],
+                            max_seq_len=shape["seq"])
+    rate = 3 * from_transformer_config(cfg).block_flops_per_token(shape["seq"]) / max(
+        fit.slope, 1e-12)
+    return {"peak": peak, "eff": eff, "rate": rate, "overhead": overhead,
+            "residual": fit.residual}
 
 
-def time_layouts(rank: int, world: int, plans: list[dict], model_name: str, global_batch: int,
-                 seq: int, steps: int, warmup: int, rounds: int) -> list[Any]:
-    """[calibration before, per layout (list of rounds of step times, or an error string),
-    calibration after]. The compute calibration is also repeated after every round
-    (``after["round_compute"]``): load on a shared machine comes in bursts, and a calibration
-    taken only before and after the timings can see a different machine than they did."""
-    import gc
+def probe_shape(model_name: str, global_batch: int, seq: int) -> dict:
+    from plait.models.transformer import preset
 
+    cfg = preset(model_name)
+    sizes = tuple(b for b in (1, 4, 16, 64) if b <= global_batch)
+    if global_batch not in sizes:
+        sizes += (global_batch,)
+    return {"dim": cfg.dim, "n_heads": cfg.n_heads, "seq": seq, "batches": sizes,
+            "blocks": (2, 4)}
+
+
+def layout_job(rank: int, world: int, plan: dict, model_name: str, global_batch: int, seq: int,
+               steps: int, warmup: int, shape: dict) -> dict | str:
+    """Step times (seconds, ``steps`` of them after ``warmup`` discarded ones: allocator, DDP
+    bucket rebuild, pipeline shape inference) of one layout, and a compute calibration taken
+    right after them in the same processes (``compute``), or the error that stopped it.
+
+    Why a compute calibration in every job: this machine's speed drifts by +-25% over minutes
+    (a shared VM), far more than the layouts differ, so a few calibrations taken at other
+    moments mislead; one per job, spread evenly over the run and taken in the state a user's job
+    is in (one model and its optimizer held), gives a median that saw what the layouts saw. The
+    bench uses the median over every job of the world, never a layout's own figure."""
     import torch
     import torch.distributed as dist
 
@@ -63,59 +86,27 @@ def time_layouts(rank: int, world: int, plans: list[dict], model_name: str, glob
 
     torch.set_num_threads(1)
     cfg = preset(model_name).replace(max_seq_len=seq)
-    # the block probe spans the microbatch sizes the layouts run (1 .. the global batch): the
-    # fit's slope is then set by the shapes it predicts, not extrapolated past them
-    sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= global_batch)
-    shape = {"dim": cfg.dim, "n_heads": cfg.n_heads, "seq": seq, "batches": sizes}
     gen = torch.Generator().manual_seed(1234)
     n_batches = 4
     data = torch.randint(0, cfg.vocab_size, (global_batch * n_batches, seq + 1), generator=gen)
-    setups: list[Any] = []
-    for fields in plans:
-        try:
-            run = plait.init(Plan.from_dict(fields), quiet=True)
-            model = run.parallelize(build(cfg, seed=0))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-            setups.append((run, model, opt))
-        except Exception as exc:  # noqa: BLE001 - a layout that does not build is reported
-            setups.append(f"{type(exc).__name__}: {str(exc)[:200]}")
-    # Calibrate once every layout is built, not before: the same kernels run ~1.5x slower in a
-    # process holding 16 models and their optimizers (allocator and cache state) than in a
-    # fresh one -- measured: 4 reference blocks 103 ms alone, 155 ms beside 15 idle DDP copies,
-    # and the block probe agreed with each within 5% when run in the same state.
-    out: list[Any] = [calibrate_here(rank, world, shape)]
-    results: list[Any] = [[] if not isinstance(s, str) else s for s in setups]
-    counter = 0
-    round_compute = []
-    for rnd in range(rounds):
-        for i, setup in enumerate(setups):
-            if isinstance(setup, str) or isinstance(results[i], str):
-                continue
-            run, model, opt = setup
-            local = global_batch // run.dp_size
-            times = []
-            try:
-                for k in range(steps + (warmup if rnd == 0 else 0)):
-                    j = counter % n_batches
-                    counter += 1
-                    rows = data[j * global_batch + run.dp_rank * local:
-                                j * global_batch + (run.dp_rank + 1) * local]
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    run.step(model, (rows[:, :-1], rows[:, 1:]), lm_loss, opt)
-                    dist.barrier()
-                    if not (rnd == 0 and k < warmup):
-                        times.append(time.perf_counter() - t0)
-                results[i].append(times)
-            except Exception as exc:  # noqa: BLE001
-                results[i] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        round_compute.append(calibrate_compute(rank, world, shape))
-    for setup in setups:
-        if not isinstance(setup, str):
-            setup[0].close()
-    setups = []
-    gc.collect()
-    out.extend(results)
-    out.append(calibrate_here(rank, world, shape))
-    out[-1]["round_compute"] = round_compute
-    return out
+    try:
+        run = plait.init(Plan.from_dict(plan), quiet=True)
+        model = run.parallelize(build(cfg, seed=0))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        local = global_batch // run.dp_size
+        times = []
+        for k in range(warmup + steps):
+            j = k % n_batches
+            rows = data[j * global_batch + run.dp_rank * local:
+                        j * global_batch + (run.dp_rank + 1) * local]
+            dist.barrier()
+            t0 = time.perf_counter()
+            run.step(model, (rows[:, :-1], rows[:, 1:]), lm_loss, opt)
+            dist.barrier()
+            if k >= warmup:
+                times.append(time.perf_counter() - t0)
+        compute = calibrate_compute(rank, world, shape)
+        run.close()
+        return {"times": times, "compute": compute}
+    except Exception as exc:  # noqa: BLE001 - a layout that does not build or step is reported
+        return f"{type(exc).__name__}: {str(exc)[:200]}"

@@ -11,11 +11,13 @@
 --calibrate  measure this CPU (plait.planner.calibrate), then time layouts of the small
              reference model at world 2 and 4 through plait's runtime (plait.init /
              run.parallelize / run.step: DDP, ZeRO-1/2/3, TP+SP, pipelines with 1f1b / gpipe /
-             interleaved / zbv, their compositions), in interleaved rounds (median of rounds,
-             warm-up discarded), and compare with the prediction: median absolute error (target
-             <= 15%), Spearman rank correlation (>= 0.8), where the planner's pick among the
-             measured layouts ranks (target: within 10% of the measured best), and the noise
-             floor (spread of the rounds of one layout), which bounds what any model can reach.
+             interleaved / zbv, their compositions), each layout in fresh processes of its own
+             (as a user's job runs it), in interleaved rounds with a calibration job in each
+             (median of rounds, warm-up discarded), and compare with the prediction: median
+             absolute error (target <= 15%), Spearman rank correlation (>= 0.8), where the
+             planner's pick among the measured layouts ranks (target: within 10% of the
+             measured best), and the noise floor (spread of the rounds of one layout), which
+             bounds what any model can reach.
 --quick      --calibrate with fewer layouts and steps.
 """
 
@@ -155,22 +157,26 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return num / den if den else float("nan")
 
 
-def in_group_profile(cluster, cals: list[dict], world: int):
-    """The profile measured inside the timing job (before and after it, every rank; medians):
-    compute already reflects how many processes share the cores, so compute_units is dropped."""
+def in_group_profile(cluster, cals: list[dict], computes: list[dict], world: int,
+                     quiet: bool = False):
+    """The profile measured in this world's jobs (medians over ranks and jobs): the group
+    micro-benchmarks from the calibration jobs (``cals``), compute from ``computes`` (compute
+    calibrations: the calibration jobs' and every layout job's). Compute already reflects how
+    many processes share the cores, so compute_units is dropped. The block rate is the median
+    of the measured rates, not of peak x (efficiency capped at 1): the matmul peak swings with
+    the machine's load and the efficiency is measured against it, so separate medians do not
+    multiply back to what the blocks achieved."""
     from plait.comm.volumes import bus_factor
     from plait.planner.calibrate import LARGE_BYTES, SMALL_BYTES, derive_constants, median_of
 
-    rounds = [r for c in cals for r in c.get("round_compute", [])]
-    med = median_of([{k: v for k, v in c.items() if k != "round_compute"} for c in cals])
-    # compute: medians over every calibration, the per-round ones included (same load as the
-    # layouts saw)
-    med.update(median_of([{k: c[k] for k in ("peak", "eff", "overhead", "residual")}
-                          for c in cals] + rounds))
+    med = median_of(cals)
+    med.update(median_of([{"peak": c["peak"], "rate": c["rate"],
+                           "overhead": c["overhead"], "residual": c["residual"]}
+                          for c in computes]))
     alpha = med[f"all_reduce@{SMALL_BYTES}"] / (2 * (world - 1))
     bw = (LARGE_BYTES - SMALL_BYTES) * bus_factor("all_reduce", world) / max(
         med[f"all_reduce@{LARGE_BYTES}"] - med[f"all_reduce@{SMALL_BYTES}"], 1e-9)
-    eff = min(1.0, med["eff"])
+    eff = min(1.0, med["rate"] / med["peak"])
     derived = derive_constants(med, alpha=alpha, bw=bw, rate=med["peak"] * eff)
     extra = dict(cluster.extra)
     extra.update(compute_efficiency=eff, block_overhead_s=med["overhead"], overlap=False,
@@ -178,11 +184,12 @@ def in_group_profile(cluster, cals: list[dict], world: int):
     c = dataclasses.replace(cluster.with_world(world), peak_flops={"fp32": med["peak"]},
                             intra_bw=bw, inter_bw=bw, intra_latency=alpha, inter_latency=alpha,
                             compute_units=None, extra=extra)
-    print(f"  in-job calibration (median of ranks, before and after): "
-          f"{med['peak'] / 1e9:.1f} GFLOP/s x {med['eff']:.2f} efficiency, block overhead "
-          f"{med['overhead'] * 1e3:.2f} ms (fit residual {med['residual']:.1%}), all-reduce "
-          f"{bw / 1e9:.2f} GB/s, {alpha * 1e6:.0f} us/step")
-    print("  " + describe_constants(derived))
+    if not quiet:
+        print(f"  calibration (median over ranks and jobs: {len(computes)} compute, "
+              f"{len(cals)} group): {med['peak'] / 1e9:.1f} GFLOP/s x {eff:.2f} efficiency, "
+              f"block overhead {med['overhead'] * 1e3:.2f} ms (fit residual "
+              f"{med['residual']:.1%}), all-reduce {bw / 1e9:.2f} GB/s, {alpha * 1e6:.0f} us/step")
+        print("  " + describe_constants(derived))
     return c, constants_for(c)
 
 
@@ -224,11 +231,49 @@ def choose_layouts(model, cluster, work, constants, limit: int) -> list:
     return plans[:limit]
 
 
-def measured(args) -> dict:
-    from _planner_workers import time_layouts
+def run_jobs(plans: list, args, world: int) -> tuple[list[dict], list[list[dict]], list]:
+    """Every layout in fresh processes of its own, once per round, with a calibration job in
+    each round; rounds alternate direction (calibration, 1..n, then n..1, calibration, ...), so
+    slow drift in the machine's load hits every layout alike. Returns the calibration jobs' results
+    (one dict per rank per round), per layout its jobs' compute calibrations (one per rank per
+    job) and its rounds (per rank, step times) or an error string."""
+    from _planner_workers import calibration_job, layout_job, probe_shape
 
+    from plait.spawn import WorkerError, run_distributed
+
+    shape = probe_shape(args.model, args.global_batch, args.seq)
+    jobs = [None] + list(range(len(plans)))
+    cals: list[dict] = []
+    computes: list[list[dict]] = [[] for _ in plans]
+    results: list = [[] for _ in plans]
+    for rnd in range(args.rounds):
+        t0 = time.perf_counter()
+        for job in (jobs if rnd % 2 == 0 else jobs[::-1]):
+            if job is None:
+                cals.extend(run_distributed(calibration_job, world, shape,
+                                            timeout=args.timeout))
+                continue
+            if isinstance(results[job], str):
+                continue
+            try:
+                got = run_distributed(layout_job, world, plans[job].to_dict(), args.model,
+                                      args.global_batch, args.seq, args.steps, args.warmup,
+                                      shape, timeout=args.timeout)
+            except (WorkerError, TimeoutError) as exc:
+                got = [f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"]
+            bad = next((g for g in got if isinstance(g, str)), None)
+            if bad is not None:
+                results[job] = bad
+                continue
+            results[job].append([g["times"] for g in got])
+            computes[job].extend(g["compute"] for g in got)
+        print(f"  round {rnd + 1}/{args.rounds}: {len(plans)} layouts + calibration in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+    return cals, computes, results
+
+
+def measured(args) -> dict:
     from plait.planner.calibrate import calibrate
-    from plait.spawn import run_distributed
 
     print("\n== predicted vs measured on this machine (plait runtime: init/parallelize/step) ==")
     if args.profile and Path(args.profile).exists():
@@ -256,36 +301,35 @@ def measured(args) -> dict:
         plans = choose_layouts(model, cluster.with_world(world), work, constants,
                                args.max_layouts)
         print(f"\nworld {world}: {len(plans)} layouts of {args.model} (global batch "
-              f"{args.global_batch} x seq {args.seq}, fp32), {args.rounds} interleaved rounds x "
-              f"{args.steps} steps after {args.warmup} warm-up steps")
-        per_rank = run_distributed(time_layouts, world, [p.to_dict() for p in plans],
-                                   args.model, args.global_batch, args.seq, args.steps,
-                                   args.warmup, args.rounds, timeout=args.timeout)
-        c, constants_w = in_group_profile(cluster, [r[0] for r in per_rank] +
-                                          [r[-1] for r in per_rank], world)
-        per_rank = [r[1:-1] for r in per_rank]
+              f"{args.global_batch} x seq {args.seq}, fp32), each in fresh processes, "
+              f"{args.rounds} interleaved rounds x {args.steps} steps after {args.warmup} "
+              f"warm-up steps", flush=True)
+        cals, computes, got_all = run_jobs(plans, args, world)
+        c, constants_w = in_group_profile(cluster, cals, cals + sum(computes, []), world)
         rows = []
-        for i, p in enumerate(plans):
-            got = [r[i] for r in per_rank]
-            pred = evaluate(p, model, c, work, constants_w)  # the in-job profile
-            bad = next((g for g in got if isinstance(g, str)), None)
-            if bad is not None:
-                print(f"  {p.describe():<62} failed: {bad}")
+        for p, got, comp in zip(plans, got_all, computes):
+            pred = evaluate(p, model, c, work, constants_w)  # the world's profile
+            if isinstance(got, str):
+                print(f"  {p.describe():<62} failed: {got}")
                 continue
+            # the same model with the compute calibrations of this layout's own jobs (same
+            # processes, same minutes): what the error would be without the machine's drift
+            c_own, k_own = in_group_profile(cluster, cals, comp, world, quiet=True)
+            own = evaluate(p, model, c_own, work, k_own).step_time_s
             # a step's time is its slowest rank; a round's, the median of its steps; the
             # layout's, the median of its rounds
-            per_round = [statistics.median(max(ts) for ts in zip(*(g[k] for g in got)))
-                         for k in range(len(got[0]))]
+            per_round = [statistics.median(max(ts) for ts in zip(*ranks)) for ranks in got]
             meas = statistics.median(per_round)
             spread = statistics.median(abs(x / meas - 1) for x in per_round)
-            rows.append((p, pred.step_time_s, meas, spread, per_round))
+            rows.append((p, pred.step_time_s, meas, spread, per_round, own))
         print(f"  {'layout':<62} {'predicted s':>11} {'measured s':>10} {'error':>7} "
-              f"{'round spread':>12}")
-        for p, pred, meas, spread, _ in rows:
+              f"{'round spread':>12} {'own-jobs error':>14}")
+        for p, pred, meas, spread, _, own in rows:
             print(f"  {p.describe():<62} {pred:>11.4f} {meas:>10.4f} {pred / meas - 1:>+7.1%} "
-                  f"{spread:>12.1%}")
+                  f"{spread:>12.1%} {own / meas - 1:>+14.1%}")
         if len(rows) >= 2:
             errs = [abs(r[1] / r[2] - 1) for r in rows]
+            own_errs = [abs(r[5] / r[2] - 1) for r in rows]
             rho = spearman([r[1] for r in rows], [r[2] for r in rows])
             pick = min(rows, key=lambda r: r[1])
             best = min(r[2] for r in rows)
@@ -296,12 +340,16 @@ def measured(args) -> dict:
                   f"rank {rank}/{len(rows)}, {pick[2] / best - 1:+.1%} vs the measured best "
                   f"(target within 10%)")
             print(f"  noise floor: median |round / median - 1| over layouts {noise:.1%}; "
+                  f"own-jobs median |error| {statistics.median(own_errs):.1%} (each layout "
+                  f"priced with the compute calibrations of its own jobs: the error without "
+                  f"the machine's drift; diagnostic, not the target); "
                   f"{time.perf_counter() - t_start:.0f} s for this world")
             results[world] = {"median_abs_error": statistics.median(errs), "spearman": rho,
                               "pick": pick[0].to_string(), "pick_rank": rank,
                               "pick_vs_best": pick[2] / best - 1, "noise_floor": noise,
-                              "rows": [(p.to_string(), pr, me, sp, rr)
-                                       for p, pr, me, sp, rr in rows]}
+                              "own_jobs_median_abs_error": statistics.median(own_errs),
+                              "rows": [(p.to_string(), pr, me, sp, rr, ow)
+                                       for p, pr, me, sp, rr, ow in rows]}
     return results
 
 
@@ -316,13 +364,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per layout per round")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per layout per round")
     ap.add_argument("--warmup", type=int, default=2, help="discarded steps per layout")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions")
     ap.add_argument("--max-layouts", type=int, default=16)
     ap.add_argument("--quick", action="store_true",
                     help="8 layouts, 2 rounds x 2 steps, 1 warm-up step (a few minutes)")
-    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per job")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     if args.quick:

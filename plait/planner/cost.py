@@ -478,7 +478,10 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     # FSDP2 wraps every block and the stage root (ZeRO-2/3, and replicated DP over TP shards,
     # which goes through FSDP2 too): its hooks run per unit and microbatch.
     fsdp = plan.zero >= 2 or (plan.zero == 0 and tp > 1 and plan.dp_replicate > 1)
-    if fsdp and c.fsdp_unit_s:
+    # The per-unit cost is FSDP2's copy-in/out of sharded parameters and gradients; replicated
+    # DP over TP (shard groups of one rank) has nothing to gather or scatter and measured no
+    # cost beyond its all-reduces (docs/planner.md, run 8), so it is charged with sharding only.
+    if fsdp and plan.dp_shard > 1 and c.fsdp_unit_s:
         rank_time = [t + c.fsdp_unit_s * (n + 1) for t, n in zip(rank_time, rank_layers)]
     t_max, t_sum = max(rank_time), sum(rank_time)
     if pp > 1:
