@@ -161,8 +161,7 @@ def in_group_profile(cluster, cals: list[dict], computes: list[dict], world: int
                      quiet: bool = False):
     """The profile measured in this world's jobs (medians over ranks and jobs): the group
     micro-benchmarks from the calibration jobs (``cals``), compute from ``computes`` (compute
-    calibrations: the calibration jobs' and every layout job's). Compute already reflects how
-    many processes share the cores, so compute_units is dropped. The block rate is the median
+    calibrations: the calibration jobs' and every layout job's). The block rate is the median
     of the measured rates, not of peak x (efficiency capped at 1): the matmul peak swings with
     the machine's load and the efficiency is measured against it, so separate medians do not
     multiply back to what the blocks achieved."""
@@ -181,9 +180,15 @@ def in_group_profile(cluster, cals: list[dict], computes: list[dict], world: int
     extra = dict(cluster.extra)
     extra.update(compute_efficiency=eff, block_overhead_s=med["overhead"], overlap=False,
                  link_efficiency=1.0, **derived)
-    c = dataclasses.replace(cluster.with_world(world), peak_flops={"fp32": med["peak"]},
+    # Every rank calibrated at once, so the figures are per process with the cores shared; the
+    # cost model wants a whole core's peak and the core count, and applies the share itself
+    # (it also needs the count to know that a pipeline's idle stages free their cores).
+    cores = cluster.compute_units or world
+    oversubscribed = world / cores if world > cores else 1.0
+    c = dataclasses.replace(cluster.with_world(world),
+                            peak_flops={"fp32": med["peak"] * oversubscribed},
                             intra_bw=bw, inter_bw=bw, intra_latency=alpha, inter_latency=alpha,
-                            compute_units=None, extra=extra)
+                            compute_units=cores, extra=extra)
     if not quiet:
         print(f"  calibration (median over ranks and jobs: {len(computes)} compute, "
               f"{len(cals)} group): {med['peak'] / 1e9:.1f} GFLOP/s x {eff:.2f} efficiency, "
@@ -276,6 +281,8 @@ def measured(args) -> dict:
     from plait.planner.calibrate import calibrate
 
     print("\n== predicted vs measured on this machine (plait runtime: init/parallelize/step) ==")
+    if args.reprice:
+        return reprice(args)
     if args.profile and Path(args.profile).exists():
         cluster = load_cluster(args.profile)
         print(f"profile: {args.profile}")
@@ -305,52 +312,84 @@ def measured(args) -> dict:
               f"{args.rounds} interleaved rounds x {args.steps} steps after {args.warmup} "
               f"warm-up steps", flush=True)
         cals, computes, got_all = run_jobs(plans, args, world)
-        c, constants_w = in_group_profile(cluster, cals, cals + sum(computes, []), world)
-        rows = []
-        for p, got, comp in zip(plans, got_all, computes):
-            pred = evaluate(p, model, c, work, constants_w)  # the world's profile
-            if isinstance(got, str):
-                print(f"  {p.describe():<62} failed: {got}")
-                continue
-            # the same model with the compute calibrations of this layout's own jobs (same
-            # processes, same minutes): what the error would be without the machine's drift
-            c_own, k_own = in_group_profile(cluster, cals, comp, world, quiet=True)
-            own = evaluate(p, model, c_own, work, k_own).step_time_s
-            # a step's time is its slowest rank; a round's, the median of its steps; the
-            # layout's, the median of its rounds
-            per_round = [statistics.median(max(ts) for ts in zip(*ranks)) for ranks in got]
-            meas = statistics.median(per_round)
-            spread = statistics.median(abs(x / meas - 1) for x in per_round)
-            rows.append((p, pred.step_time_s, meas, spread, per_round, own))
-        print(f"  {'layout':<62} {'predicted s':>11} {'measured s':>10} {'error':>7} "
-              f"{'round spread':>12} {'own-jobs error':>14}")
-        for p, pred, meas, spread, _, own in rows:
-            print(f"  {p.describe():<62} {pred:>11.4f} {meas:>10.4f} {pred / meas - 1:>+7.1%} "
-                  f"{spread:>12.1%} {own / meas - 1:>+14.1%}")
-        if len(rows) >= 2:
-            errs = [abs(r[1] / r[2] - 1) for r in rows]
-            own_errs = [abs(r[5] / r[2] - 1) for r in rows]
-            rho = spearman([r[1] for r in rows], [r[2] for r in rows])
-            pick = min(rows, key=lambda r: r[1])
-            best = min(r[2] for r in rows)
-            rank = sorted(r[2] for r in rows).index(pick[2]) + 1
-            noise = statistics.median(r[3] for r in rows)
-            print(f"  median |error| {statistics.median(errs):.1%} (target <= 15%), Spearman "
-                  f"{rho:.2f} (target >= 0.8); planner's pick {pick[0].describe()} measured "
-                  f"rank {rank}/{len(rows)}, {pick[2] / best - 1:+.1%} vs the measured best "
-                  f"(target within 10%)")
-            print(f"  noise floor: median |round / median - 1| over layouts {noise:.1%}; "
-                  f"own-jobs median |error| {statistics.median(own_errs):.1%} (each layout "
-                  f"priced with the compute calibrations of its own jobs: the error without "
-                  f"the machine's drift; diagnostic, not the target); "
-                  f"{time.perf_counter() - t_start:.0f} s for this world")
-            results[world] = {"median_abs_error": statistics.median(errs), "spearman": rho,
-                              "pick": pick[0].to_string(), "pick_rank": rank,
-                              "pick_vs_best": pick[2] / best - 1, "noise_floor": noise,
-                              "own_jobs_median_abs_error": statistics.median(own_errs),
-                              "rows": [(p.to_string(), pr, me, sp, rr, ow)
-                                       for p, pr, me, sp, rr, ow in rows]}
+        raw = {"cluster": cluster.to_yaml_dict(), "model": args.model,
+               "global_batch": args.global_batch, "seq": args.seq,
+               "plans": [p.to_dict() for p in plans], "cals": cals, "computes": computes,
+               "got": got_all}
+        results[world] = report_world(world, raw, t_start)
     return results
+
+
+def reprice(args) -> dict:
+    """Price the measurements stored by an earlier ``--json`` run again, with this checkout's
+    cost model: model changes are checked against the same measurements, in seconds."""
+    stored = json.loads(Path(args.reprice).read_text())["measured"]
+    print(f"repricing the measurements stored in {args.reprice}")
+    results = {}
+    for world, entry in stored.items():
+        print(f"\nworld {world}: {len(entry['raw']['plans'])} layouts (stored)")
+        results[int(world)] = report_world(int(world), entry["raw"], time.perf_counter())
+    return results
+
+
+def report_world(world: int, raw: dict, t_start: float) -> dict:
+    """Predicted vs measured for one world from its raw measurements (``raw``: the profile it
+    started from, the layouts, the calibrations and the step times); the figures and ``raw``."""
+    from plait.plan import Plan
+    from plait.planner.hardware import cluster_from_dict
+
+    cluster = cluster_from_dict(raw["cluster"])
+    model = load_model(raw["model"])
+    work = Workload(raw["global_batch"], raw["seq"])
+    plans = [Plan.from_dict(p) for p in raw["plans"]]
+    cals, computes, got_all = raw["cals"], raw["computes"], raw["got"]
+    c, constants_w = in_group_profile(cluster, cals, cals + sum(computes, []), world)
+    out: dict = {"raw": raw}
+    rows = []
+    for p, got, comp in zip(plans, got_all, computes):
+        pred = evaluate(p, model, c, work, constants_w)  # the world's profile
+        if isinstance(got, str):
+            print(f"  {p.describe():<62} failed: {got}")
+            continue
+        # the same model with the compute calibrations of this layout's own jobs (same
+        # processes, same minutes): what the error would be without the machine's drift
+        c_own, k_own = in_group_profile(cluster, cals, comp, world, quiet=True)
+        own = evaluate(p, model, c_own, work, k_own).step_time_s
+        # a step's time is its slowest rank; a round's, the median of its steps; the
+        # layout's, the median of its rounds
+        per_round = [statistics.median(max(ts) for ts in zip(*ranks)) for ranks in got]
+        meas = statistics.median(per_round)
+        spread = statistics.median(abs(x / meas - 1) for x in per_round)
+        rows.append((p, pred.step_time_s, meas, spread, per_round, own))
+    print(f"  {'layout':<62} {'predicted s':>11} {'measured s':>10} {'error':>7} "
+          f"{'round spread':>12} {'own-jobs error':>14}")
+    for p, pred, meas, spread, _, own in rows:
+        print(f"  {p.describe():<62} {pred:>11.4f} {meas:>10.4f} {pred / meas - 1:>+7.1%} "
+              f"{spread:>12.1%} {own / meas - 1:>+14.1%}")
+    if len(rows) >= 2:
+        errs = [abs(r[1] / r[2] - 1) for r in rows]
+        own_errs = [abs(r[5] / r[2] - 1) for r in rows]
+        rho = spearman([r[1] for r in rows], [r[2] for r in rows])
+        pick = min(rows, key=lambda r: r[1])
+        best = min(r[2] for r in rows)
+        rank = sorted(r[2] for r in rows).index(pick[2]) + 1
+        noise = statistics.median(r[3] for r in rows)
+        print(f"  median |error| {statistics.median(errs):.1%} (target <= 15%), Spearman "
+              f"{rho:.2f} (target >= 0.8); planner's pick {pick[0].describe()} measured "
+              f"rank {rank}/{len(rows)}, {pick[2] / best - 1:+.1%} vs the measured best "
+              f"(target within 10%)")
+        print(f"  noise floor: median |round / median - 1| over layouts {noise:.1%}; "
+              f"own-jobs median |error| {statistics.median(own_errs):.1%} (each layout "
+              f"priced with the compute calibrations of its own jobs: the error without "
+              f"the machine's drift; diagnostic, not the target); "
+              f"{time.perf_counter() - t_start:.0f} s for this world")
+        out.update({"median_abs_error": statistics.median(errs), "spearman": rho,
+                    "pick": pick[0].to_string(), "pick_rank": rank,
+                    "pick_vs_best": pick[2] / best - 1, "noise_floor": noise,
+                    "own_jobs_median_abs_error": statistics.median(own_errs),
+                    "rows": [(p.to_string(), pr, me, sp, rr, ow)
+                             for p, pr, me, sp, rr, ow in rows]})
+    return out
 
 
 def main(argv=None) -> int:
@@ -371,10 +410,16 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="8 layouts, 2 rounds x 2 steps, 1 warm-up step (a few minutes)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per job")
-    ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--json", default=None, help="also write the figures (and the raw "
+                    "measurements, for --reprice) here")
+    ap.add_argument("--reprice", default=None, metavar="JSON",
+                    help="no measuring: price the measurements of an earlier --json run again "
+                         "with this checkout's cost model")
     args = ap.parse_args(argv)
     if args.quick:
         args.max_layouts, args.rounds, args.steps, args.warmup = 8, 2, 2, 1
+        args.calibrate = True
+    if args.reprice:
         args.calibrate = True
     if not (args.published or args.speed or args.calibrate):
         args.published = args.speed = True

@@ -443,6 +443,16 @@ def test_per_tensor_and_per_unit_terms():
     z2_base = evaluate(Plan(dp_shard=2, zero=2, grad_accum=2), m, c, work, base)
     # + 39 DTensors x 10 ms, + 5 FSDP units x 100 ms in each of 2 micro-steps
     assert z2.step_time_s - z2_base.step_time_s == pytest.approx(0.39 + 5 * 0.1 * 2)
+    # FSDP2 units cost only where they shard: replicated DP over TP runs through FSDP2 with
+    # shard groups of one rank (nothing to gather), and is charged like its twin without them
+    c4 = load_cluster("cpu", devices=4)
+    units = Constants(overlap=False, fsdp_unit_s=0.1)
+    rep_tp = Plan(dp_replicate=2, tp=2)
+    assert evaluate(rep_tp, m, c4, work, units).step_time_s == pytest.approx(
+        evaluate(rep_tp, m, c4, work, base).step_time_s)
+    hsdp = Plan(dp_replicate=2, dp_shard=2, zero=3)
+    assert evaluate(hsdp, m, c4, work, units).step_time_s == pytest.approx(
+        evaluate(hsdp, m, c4, work, base).step_time_s + 5 * 0.1)
     micro = evaluate(Plan(dp_replicate=2, grad_accum=4), m, c, work,
                      Constants(overlap=False, micro_overhead_s=0.01))
     plain = evaluate(Plan(dp_replicate=2, grad_accum=4), m, c, work, base)
