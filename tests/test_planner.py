@@ -138,8 +138,11 @@ def test_pipeline_bubble_formula():
     m = load_model("test").__class__(**{**load_model("test").__dict__, "vocab": 1,
                                          "embed_params": 0, "head_params": 0})
     c = load_cluster("cpu", devices=4).with_memory(1e12)
+    # a core per process (compute_units=None): the closed forms are for dedicated devices;
+    # shared cores are priced by simulation (tests/test_planner_sharing.py)
     c = c.__class__(**{**c.__dict__, "intra_latency": 0.0, "inter_latency": 0.0,
-                       "intra_bw": 1e30, "inter_bw": 1e30, "hbm_bw": 1e30})
+                       "intra_bw": 1e30, "inter_bw": 1e30, "hbm_bw": 1e30,
+                       "compute_units": None})
     work = Workload(8, 32)
     e = evaluate(Plan(pp=4, microbatches=8), m, c, work)
     assert e.feasible, e.reason
