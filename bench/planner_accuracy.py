@@ -238,8 +238,8 @@ def choose_layouts(model, cluster, work, constants, limit: int) -> list:
 
 def run_jobs(plans: list, args, world: int) -> tuple[list[dict], list[list[dict]], list]:
     """Every layout in fresh processes of its own, once per round, with a calibration job in
-    each round; rounds alternate direction (calibration, 1..n, then n..1, calibration, ...), so
-    slow drift in the machine's load hits every layout alike. Returns the calibration jobs' results
+    each round; rounds alternate direction and rotate their start, so slow drift in the
+    machine's load hits every layout alike. Returns the calibration jobs' results
     (one dict per rank per round), per layout its jobs' compute calibrations (one per rank per
     job) and its rounds (per rank, step times) or an error string."""
     from _planner_workers import calibration_job, layout_job, probe_shape
@@ -253,7 +253,11 @@ def run_jobs(plans: list, args, world: int) -> tuple[list[dict], list[list[dict]
     results: list = [[] for _ in plans]
     for rnd in range(args.rounds):
         t0 = time.perf_counter()
-        for job in (jobs if rnd % 2 == 0 else jobs[::-1]):
+        # Alternate the direction and rotate the start, so no layout always runs at the same
+        # moment of a round or next to the same job.
+        shift = rnd * len(jobs) // max(1, args.rounds)
+        order = jobs[shift:] + jobs[:shift]
+        for job in (order if rnd % 2 == 0 else order[::-1]):
             if job is None:
                 cals.extend(run_distributed(calibration_job, world, shape,
                                             timeout=args.timeout))

@@ -1,0 +1,40 @@
+"""The cost model against stored measurements of this project's CPU machine.
+
+``bench/planner_accuracy.py --calibrate --json`` stores every step time and calibration it
+took; ``--reprice`` prices them again with the current cost model. Here the stored run 9
+(16 layouts at world 2 and 16 at world 4, each timed in fresh processes, docs/planner.md) is
+repriced, and the issue's fidelity targets must still hold: a change to the cost model that
+makes it predict these real measurements worse fails here, in seconds, without timing anything.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ROOT / "bench" / "planner_accuracy_cpu_run9.json"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import planner_accuracy
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return planner_accuracy
+
+
+@pytest.mark.parametrize("world", ["2", "4"])
+def test_stored_measurements_meet_the_targets(bench, world, capsys):
+    raw = json.loads(RUN.read_text())["measured"][world]["raw"]
+    got = bench.report_world(int(world), raw, 0.0)
+    assert len(got["rows"]) == 16
+    assert got["median_abs_error"] <= 0.15
+    assert got["spearman"] >= 0.8
+    assert got["pick_vs_best"] <= 0.10
+    assert "median |error|" in capsys.readouterr().out
