@@ -73,3 +73,15 @@ def test_cost_model_frees_the_bubble_only_when_cores_are_shared():
     dp = Plan(dp_replicate=4)
     assert evaluate(dp, model, shared, work, k).time_breakdown["pipeline"] == pytest.approx(
         2 * evaluate(dp, model, own, work, k).time_breakdown["pipeline"])
+
+
+@pytest.mark.parametrize("p,replicas,cores", [(2, 2, 2), (4, 1, 2), (3, 2, 3)])
+def test_long_runs_are_extrapolated_from_the_steady_state(p, replicas, cores):
+    """Past 3p + 2 microbatches the time is extrapolated; it matches the full simulation."""
+    from plait.planner.sharing import _simulate
+
+    f, b = [1.0 + 0.1 * r for r in range(p)], [2.0 + 0.3 * r for r in range(p)]
+    for m in (3 * p + 3, 40):
+        exact = _simulate(f, b, m, replicas, cores, "1f1b")
+        assert shared_pipeline_time(f, b, m, replicas=replicas, cores=cores) == pytest.approx(
+            exact, rel=0.01)

@@ -40,14 +40,30 @@ def stage_order(schedule: str, stage: int, stages: int, microbatches: int
 
 
 def shared_pipeline_time(forward: Sequence[float], backward: Sequence[float], microbatches: int,
-                         *, replicas: int, cores: float, schedule: str = "1f1b") -> float:
+                         *, replicas: float, cores: float, schedule: str = "1f1b") -> float:
     """Seconds for one run of the pipeline schedule.
 
     ``forward[r]`` / ``backward[r]``: stage r's time per microbatch on a whole core;
     ``replicas``: processes per stage on the node (data / tensor parallel copies, in lockstep);
     ``cores``: the node's cores. A busy process progresses at ``min(1, cores / busy)`` of a
     core, busy = replicas x busy stages.
+
+    Past ``2p + 2`` microbatches the schedule is in its steady state, so long runs are
+    simulated at that length and one stage-count longer and extrapolated linearly: the search
+    prices thousands of layouts, and an event per task would make deep pipelines with many
+    microbatches cost a tenth of a second each.
     """
+    p, m = len(forward), microbatches
+    cap = 2 * p + 2
+    if m > cap + p:
+        short = _simulate(forward, backward, cap, replicas, cores, schedule)
+        longer = _simulate(forward, backward, cap + p, replicas, cores, schedule)
+        return short + (m - cap) * (longer - short) / p
+    return _simulate(forward, backward, m, replicas, cores, schedule)
+
+
+def _simulate(forward: Sequence[float], backward: Sequence[float], microbatches: int,
+              replicas: float, cores: float, schedule: str) -> float:
     p, m = len(forward), microbatches
     orders = [stage_order(schedule, r, p, m) for r in range(p)]
     position = [0] * p            # next task index per stage
@@ -78,7 +94,7 @@ def shared_pipeline_time(forward: Sequence[float], backward: Sequence[float], mi
         for r in busy:
             remaining[r] -= dt * speed
         for r in busy:
-            if remaining[r] <= 1e-15:
+            if remaining[r] <= 1e-9 * (forward[r] + backward[r]):
                 kind, i = orders[r][position[r]]
                 done.add((kind, r, i))
                 position[r] += 1
