@@ -5,8 +5,8 @@ a CPU with more processes than cores (4 gloo ranks on 2 cores), the cores are sh
 is busy: a stage idle in the bubble hands its core to the others, so the bubble costs less than
 the closed forms say -- and how much less depends on how many stages are busy at each moment.
 Measured here: pp=2 x dp=2, 1F1B, 2 microbatches on 2 cores ran 0.21 s where the closed form at
-half a core per process gave 0.31 s; pp=4 on 2 cores, 4 microbatches, kept most of its bubble.
-Neither "the bubble is free" nor "the bubble is lost" fits both, so the schedule is simulated:
+half a core per process gave 0.31 s. How much of the bubble comes back depends on how many
+processes are busy at each moment, so the schedule is simulated:
 the stages' forward and backward tasks in the schedule's order with their dependencies, every
 busy process progressing at ``min(1, cores / busy processes)`` of a core.
 
@@ -48,8 +48,8 @@ def shared_pipeline_time(forward: Sequence[float], backward: Sequence[float], mi
     ``cores``: the node's cores. A busy process progresses at ``min(1, cores / busy)`` of a
     core, busy = replicas x busy stages.
 
-    Past ``2p + 2`` microbatches the schedule is in its steady state, so long runs are
-    simulated at that length and one stage-count longer and extrapolated linearly: the search
+    Past ``3p + 2`` microbatches, runs are simulated at ``2p + 2`` and ``3p + 2`` (the steady
+    state) and extrapolated linearly: the search
     prices thousands of layouts, and an event per task would make deep pipelines with many
     microbatches cost a tenth of a second each.
     """
