@@ -15,6 +15,7 @@ jobs (calibration, layout 1..n, then in reverse order, ...).
 
 from __future__ import annotations
 
+import resource
 import time
 
 def calibration_job(rank: int, world: int, shape: dict) -> dict:
@@ -71,6 +72,9 @@ def layout_job(rank: int, world: int, plan: dict, model_name: str, global_batch:
     """Step times (seconds, ``steps`` of them after ``warmup`` discarded ones: allocator, DDP
     bucket rebuild, pipeline shape inference) of one layout, and a compute calibration taken
     right after them in the same processes (``compute``), or the error that stopped it.
+    ``cpu``: this process's CPU seconds (every thread: gloo's included) per timed step, so the
+    bench can say how busy the cores were (CPU time over cores x wall): a drift-free ratio
+    within each step, unlike the step time itself.
 
     Why a compute calibration in every job: this machine's speed drifts by +-25% over minutes
     (a shared VM), far more than the layouts differ, so a few calibrations taken at other
@@ -94,19 +98,26 @@ def layout_job(rank: int, world: int, plan: dict, model_name: str, global_batch:
         model = run.parallelize(build(cfg, seed=0))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         local = global_batch // run.dp_size
-        times = []
+        times, cpu = [], []
         for k in range(warmup + steps):
             j = k % n_batches
             rows = data[j * global_batch + run.dp_rank * local:
                         j * global_batch + (run.dp_rank + 1) * local]
             dist.barrier()
-            t0 = time.perf_counter()
+            r0, t0 = _cpu_seconds(), time.perf_counter()
             run.step(model, (rows[:, :-1], rows[:, 1:]), lm_loss, opt)
+            r1 = _cpu_seconds()
             dist.barrier()
             if k >= warmup:
                 times.append(time.perf_counter() - t0)
+                cpu.append(r1 - r0)
         compute = calibrate_compute(rank, world, shape)
         run.close()
-        return {"times": times, "compute": compute}
+        return {"times": times, "cpu": cpu, "compute": compute}
     except Exception as exc:  # noqa: BLE001 - a layout that does not build or step is reported
         return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def _cpu_seconds() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime

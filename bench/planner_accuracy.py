@@ -236,21 +236,21 @@ def choose_layouts(model, cluster, work, constants, limit: int) -> list:
     return plans[:limit]
 
 
-def run_jobs(plans: list, args, world: int) -> tuple[list[dict], list[list[dict]], list]:
+def run_jobs(plans: list, args, world: int) -> dict:
     """Every layout in fresh processes of its own, once per round, with a calibration job in
     each round; rounds alternate direction and rotate their start, so slow drift in the
-    machine's load hits every layout alike. Returns the calibration jobs' results
-    (one dict per rank per round), per layout its jobs' compute calibrations (one per rank per
-    job) and its rounds (per rank, step times) or an error string."""
-    from _planner_workers import calibration_job, layout_job, probe_shape
+    machine's load hits every layout alike. Returns the raw measurements: the calibration jobs'
+    results (``cals``, one dict per rank per round), per layout its jobs' compute calibrations
+    (``computes``, one per rank per job), its rounds (``got``: per round, per rank, step times;
+    or an error string) and the CPU seconds of those steps (``cpu``, same shape)."""
+    from _planner_workers import calibration_job, probe_shape
 
-    from plait.spawn import WorkerError, run_distributed
+    from plait.spawn import run_distributed
 
     shape = probe_shape(args.model, args.global_batch, args.seq)
+    raw: dict = {"cals": [], "computes": [[] for _ in plans], "got": [[] for _ in plans],
+                 "cpu": [[] for _ in plans]}
     jobs = [None] + list(range(len(plans)))
-    cals: list[dict] = []
-    computes: list[list[dict]] = [[] for _ in plans]
-    results: list = [[] for _ in plans]
     for rnd in range(args.rounds):
         t0 = time.perf_counter()
         # Alternate the direction and rotate the start, so no layout always runs at the same
@@ -259,29 +259,68 @@ def run_jobs(plans: list, args, world: int) -> tuple[list[dict], list[list[dict]
         order = jobs[shift:] + jobs[:shift]
         for job in (order if rnd % 2 == 0 else order[::-1]):
             if job is None:
-                cals.extend(run_distributed(calibration_job, world, shape,
-                                            timeout=args.timeout))
-                continue
-            if isinstance(results[job], str):
-                continue
-            try:
-                got = run_distributed(layout_job, world, plans[job].to_dict(), args.model,
-                                      args.global_batch, args.seq, args.steps, args.warmup,
-                                      shape, timeout=args.timeout)
-            except (WorkerError, TimeoutError) as exc:
-                got = [f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"]
-            bad = next((g for g in got if isinstance(g, str)), None)
-            if bad is not None:
-                results[job] = bad
-                continue
-            results[job].append([g["times"] for g in got])
-            computes[job].extend(g["compute"] for g in got)
+                raw["cals"].extend(run_distributed(calibration_job, world, shape,
+                                                   timeout=args.timeout))
+            else:
+                run_layout(raw, job, plans[job], args, world, shape)
         print(f"  round {rnd + 1}/{args.rounds}: {len(plans)} layouts + calibration in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
-    return cals, computes, results
+    return raw
+
+
+def run_layout(raw: dict, job: int, plan, args, world: int, shape: dict) -> None:
+    """One job of one layout; its step times, CPU seconds and compute calibration appended to
+    ``raw`` (or the error that stopped it, which retires the layout)."""
+    from _planner_workers import layout_job
+
+    from plait.spawn import WorkerError, run_distributed
+
+    if isinstance(raw["got"][job], str):
+        return
+    try:
+        got = run_distributed(layout_job, world, plan.to_dict(), args.model, args.global_batch,
+                              args.seq, args.steps, args.warmup, shape, timeout=args.timeout)
+    except (WorkerError, TimeoutError) as exc:
+        got = [f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"]
+    bad = next((g for g in got if isinstance(g, str)), None)
+    if bad is not None:
+        raw["got"][job] = bad
+        return
+    raw["got"][job].append([g["times"] for g in got])
+    raw["cpu"][job].append([g["cpu"] for g in got])
+    raw["computes"][job].extend(g["compute"] for g in got)
+
+
+def finalists(raw: dict, plans: list, cluster, world: int, model, work, count: int) -> list[int]:
+    """The layouts whose comparison decides the pick target: the planner's pick and the
+    measured fastest layouts (up to ``count`` in all, the pick included; at least the pick and
+    the fastest other one). Why: the measured best is the minimum of many noisy medians, which
+    is biased low (the winner's curse), and two layouts a few percent apart swap places from run
+    to run on this machine; timing just these again, back to back, measures the one comparison
+    the target is about more tightly than more rounds of everything would for the same time."""
+    timed = [i for i, g in enumerate(raw["got"]) if not isinstance(g, str) and g]
+    if len(timed) < 2:
+        return []
+    c, k = in_group_profile(cluster, raw["cals"], raw["cals"] + sum(raw["computes"], []),
+                            world, quiet=True)
+    pick = min(timed, key=lambda i: evaluate(plans[i], model, c, work, k).step_time_s)
+    by_time = sorted(timed, key=lambda i: layout_time(raw["got"][i]))
+    chosen = [pick] + [i for i in by_time if i != pick][:max(1, count - 1)]
+    # no layout measured slower than the pick can be the best: keep the pick's rivals only,
+    # but always one, so a pick that measured best is confirmed against the runner-up
+    rivals = [i for i in chosen[1:] if layout_time(raw["got"][i]) <= layout_time(raw["got"][pick])]
+    return [pick] + (rivals or chosen[1:2])
+
+
+def layout_time(got: list) -> float:
+    """A step's time is its slowest rank; a round's, the median of its steps; the layout's,
+    the median of its rounds."""
+    return statistics.median(statistics.median(max(ts) for ts in zip(*ranks)) for ranks in got)
 
 
 def measured(args) -> dict:
+    from _planner_workers import probe_shape
+
     from plait.planner.calibrate import calibrate
 
     print("\n== predicted vs measured on this machine (plait runtime: init/parallelize/step) ==")
@@ -315,11 +354,21 @@ def measured(args) -> dict:
               f"{args.global_batch} x seq {args.seq}, fp32), each in fresh processes, "
               f"{args.rounds} interleaved rounds x {args.steps} steps after {args.warmup} "
               f"warm-up steps", flush=True)
-        cals, computes, got_all = run_jobs(plans, args, world)
-        raw = {"cluster": cluster.to_yaml_dict(), "model": args.model,
-               "global_batch": args.global_batch, "seq": args.seq,
-               "plans": [p.to_dict() for p in plans], "cals": cals, "computes": computes,
-               "got": got_all}
+        raw = run_jobs(plans, args, world)
+        raw.update({"cluster": cluster.to_yaml_dict(), "model": args.model,
+                    "global_batch": args.global_batch, "seq": args.seq,
+                    "plans": [p.to_dict() for p in plans], "finalists": []})
+        if args.final_rounds:
+            final = finalists(raw, plans, cluster, world, model, work, args.finalists)
+            raw["finalists"] = final
+            t0 = time.perf_counter()
+            for rnd in range(args.final_rounds):
+                for job in (final if rnd % 2 == 0 else final[::-1]):
+                    run_layout(raw, job, plans[job], args, world,
+                               probe_shape(args.model, args.global_batch, args.seq))
+            print(f"  finalists (the pick and its measured rivals): "
+                  f"{', '.join(plans[j].describe() for j in final)}; {args.final_rounds} more "
+                  f"rounds each, back to back, in {time.perf_counter() - t0:.0f} s", flush=True)
         results[world] = report_world(world, raw, t_start)
     return results
 
@@ -347,10 +396,13 @@ def report_world(world: int, raw: dict, t_start: float) -> dict:
     work = Workload(raw["global_batch"], raw["seq"])
     plans = [Plan.from_dict(p) for p in raw["plans"]]
     cals, computes, got_all = raw["cals"], raw["computes"], raw["got"]
+    cpu_all = raw.get("cpu") or [None] * len(plans)  # runs before run 12 did not record it
+    final = set(raw.get("finalists") or [])
+    cores = min(world, cluster.compute_units or world)
     c, constants_w = in_group_profile(cluster, cals, cals + sum(computes, []), world)
     out: dict = {"raw": raw}
     rows = []
-    for p, got, comp in zip(plans, got_all, computes):
+    for i, (p, got, comp) in enumerate(zip(plans, got_all, computes)):
         pred = evaluate(p, model, c, work, constants_w)  # the world's profile
         if isinstance(got, str):
             print(f"  {p.describe():<62} failed: {got}")
@@ -359,17 +411,27 @@ def report_world(world: int, raw: dict, t_start: float) -> dict:
         # processes, same minutes): what the error would be without the machine's drift
         c_own, k_own = in_group_profile(cluster, cals, comp, world, quiet=True)
         own = evaluate(p, model, c_own, work, k_own).step_time_s
-        # a step's time is its slowest rank; a round's, the median of its steps; the
-        # layout's, the median of its rounds
         per_round = [statistics.median(max(ts) for ts in zip(*ranks)) for ranks in got]
-        meas = statistics.median(per_round)
+        meas = layout_time(got)
         spread = statistics.median(abs(x / meas - 1) for x in per_round)
-        rows.append((p, pred.step_time_s, meas, spread, per_round, own))
+        busy = float("nan")
+        if cpu_all[i]:
+            # cores busy: CPU seconds of all ranks over (cores x the step's wall time), per step
+            busy = statistics.median(
+                sum(cs) / (cores * max(ts))
+                for ranks, cranks in zip(got, cpu_all[i])
+                for ts, cs in zip(zip(*ranks), zip(*cranks)))
+        rows.append((p, pred.step_time_s, meas, spread, per_round, own, busy, i in final))
     print(f"  {'layout':<62} {'predicted s':>11} {'measured s':>10} {'error':>7} "
-          f"{'round spread':>12} {'own-jobs error':>14}")
-    for p, pred, meas, spread, _, own in rows:
-        print(f"  {p.describe():<62} {pred:>11.4f} {meas:>10.4f} {pred / meas - 1:>+7.1%} "
-              f"{spread:>12.1%} {own / meas - 1:>+14.1%}")
+          f"{'round spread':>12} {'own-jobs error':>14} {'cores busy':>10}")
+    for p, pred, meas, spread, per_round, own, busy, fin in rows:
+        name = p.describe() + (f" *{len(per_round)}" if fin else "")
+        print(f"  {name:<62} {pred:>11.4f} {meas:>10.4f} {pred / meas - 1:>+7.1%} "
+              f"{spread:>12.1%} {own / meas - 1:>+14.1%} "
+              f"{'-' if math.isnan(busy) else f'{busy:.0%}':>10}")
+    if final:
+        print("  *N: a finalist, timed in N rounds (the interleaved ones and the back-to-back "
+              "finalist rounds)")
     if len(rows) >= 2:
         errs = [abs(r[1] / r[2] - 1) for r in rows]
         own_errs = [abs(r[5] / r[2] - 1) for r in rows]
@@ -391,8 +453,8 @@ def report_world(world: int, raw: dict, t_start: float) -> dict:
                     "pick": pick[0].to_string(), "pick_rank": rank,
                     "pick_vs_best": pick[2] / best - 1, "noise_floor": noise,
                     "own_jobs_median_abs_error": statistics.median(own_errs),
-                    "rows": [(p.to_string(), pr, me, sp, rr, ow)
-                             for p, pr, me, sp, rr, ow in rows]})
+                    "rows": [(p.to_string(), pr, me, sp, rr, ow, bu)
+                             for p, pr, me, sp, rr, ow, bu, _ in rows]})
     return out
 
 
@@ -411,6 +473,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="discarded steps per layout")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions")
     ap.add_argument("--max-layouts", type=int, default=16)
+    ap.add_argument("--finalists", type=int, default=4,
+                    help="layouts timed again after the rounds: the planner's pick and its "
+                         "measured rivals (at most this many in all)")
+    ap.add_argument("--final-rounds", type=int, default=4,
+                    help="back-to-back rounds of the finalists (0: none)")
     ap.add_argument("--quick", action="store_true",
                     help="8 layouts, 2 rounds x 2 steps, 1 warm-up step (a few minutes)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per job")
@@ -422,6 +489,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.max_layouts, args.rounds, args.steps, args.warmup = 8, 2, 2, 1
+        args.final_rounds = 1
         args.calibrate = True
     if args.reprice:
         args.calibrate = True
