@@ -434,6 +434,35 @@ def test_runtime_dp_traffic_zero1_broadcasts_zero2_regathers():
     assert ag.payload == 4 * ((P - root) * 4 + root * 2)
 
 
+def test_blocking_gradient_syncs_chain_through_the_pipeline_stages():
+    # pp=2 x dp=2: each stage all-reduces its own gradients inside its last backward. Blocking
+    # (overlap off: CPU + gloo), the last microbatch's backward waits for stage 1's sync before
+    # stage 0 can run, then stage 0 syncs: both stages' syncs are exposed. With overlap (GPUs)
+    # only the last stage to finish is charged, and only what its backward does not hide.
+    from plait.comm.volumes import Traffic
+    from plait.planner.cost import collective_time
+
+    m = load_model("tiny")
+    c = load_cluster("cpu", devices=4).with_memory(1e12)
+    work = Workload(16, 128)
+    plan = Plan(pp=2, dp_replicate=2, microbatches=2)
+    blocking = Constants(overlap=False)
+    e = evaluate(plan, m, c, work, blocking)
+    assert e.feasible, e.reason
+    params = [m.embed_params + 2 * m.block_params, 2 * m.block_params + m.head_params]
+    # one bucket per stage (under 25 MiB); dp_replicate's rank stride is tp x dp_shard = 1
+    syncs = [collective_time(Traffic("dp_replicate", "all_reduce", 4 * p, 1, 2, "grads"), c, 1,
+                             blocking) for p in params]
+    assert e.time_breakdown["dp_grad_exposed"] == pytest.approx(sum(syncs), rel=1e-6)
+    # the busiest rank (stage 1: the head) is the one charged without the chain
+    assert e.time_breakdown["dp_grad_total"] == pytest.approx(syncs[1], rel=1e-6)
+    # a single stage has nothing to chain: its one sync, as before
+    flat = evaluate(Plan(dp_replicate=4), m, c, work, blocking)
+    assert flat.time_breakdown["dp_grad_exposed"] == flat.time_breakdown["dp_grad_total"]
+    overlapped = evaluate(plan, m, c, work, Constants(overlap=True))
+    assert overlapped.time_breakdown["dp_grad_exposed"] <= max(syncs)
+
+
 def test_per_tensor_and_per_unit_terms():
     m, c = load_model("tiny"), load_cluster("cpu", devices=2)
     work = Workload(16, 32)

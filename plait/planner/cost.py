@@ -523,56 +523,72 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
 
     # ---- data-parallel traffic, as plait's runtime issues it (see plait.comm.predict)
     S, R, zero = plan.dp_shard, plan.dp_replicate, plan.zero
-    grad_dtype = work.grad_reduce_dtype
-    gbytes = act_dtype_bytes(grad_dtype)
+    gbytes = act_dtype_bytes(work.grad_reduce_dtype)
     pbytes = act_dtype_bytes(dtype)
     r_busy = rank_time.index(t_max)
-    P = rank_params[r_busy]
-    ids_busy = rank_chunks[r_busy]
-    root = ((model.embed_params if 0 in ids_busy else 0) +
-            (model.head_params if chunks - 1 in ids_busy else 0)) / tp
-    units = rank_layers[r_busy] + 1  # blocks + the root unit
-    tensors = (rank_layers[r_busy] * model.block_tensors +
-               (model.embed_tensors if 0 in ids_busy else 0) +
-               (model.head_tensors if chunks - 1 in ids_busy else 0))
     # A pipeline syncs gradients at the last backward of each schedule run (once per
     # accumulation step); without one, once per optimizer step (no_sync while accumulating).
     syncs = steps if pp > 1 else 1
-    traffic_dp: list[tuple[Traffic, int]] = []
 
-    def grads(axis: str, op: str, payload: float, calls: int, group: int, stride: int) -> None:
-        if group > 1:
-            traffic_dp.append((Traffic(axis, op, payload * syncs, calls * syncs, group, "grads"),
-                               stride))
+    def rank_state(r: int) -> tuple[float, float, int, int]:
+        """Pipeline rank r's parameters, of which its root's (embedding / head), its FSDP
+        units (blocks + the root unit) and its parameter tensors."""
+        ids = rank_chunks[r]
+        root = ((model.embed_params if 0 in ids else 0) +
+                (model.head_params if chunks - 1 in ids else 0)) / tp
+        tensors = (rank_layers[r] * model.block_tensors +
+                   (model.embed_tensors if 0 in ids else 0) +
+                   (model.head_tensors if chunks - 1 in ids else 0))
+        return rank_params[r], root, rank_layers[r] + 1, tensors
 
-    if zero == 0 and R > 1:
-        calls = units if fsdp else max(1, math.ceil(P * gbytes / c.bucket_bytes))
-        grads("dp_replicate", "all_reduce", P * gbytes, calls, R, tp * S)
-    elif zero == 1:
-        # DDP over every data rank, then ZeroRedundancyOptimizer broadcasts each parameter
-        # tensor from the rank that updated it.
-        grads("dp", "all_reduce", P * gbytes, max(1, math.ceil(P * gbytes / c.bucket_bytes)),
-              R * S, tp)
-        if S > 1:
-            traffic_dp.append((Traffic("dp_shard", "broadcast", P * 4, max(1, tensors), S,
-                                       "params"), tp))
-    elif zero >= 2 and S > 1:
-        grads("dp_shard", "reduce_scatter", P * gbytes, units, S, tp)
-        if R > 1:  # HSDP: the shard's gradients all-reduced across replicas
-            grads("dp_replicate", "all_reduce", P / S * gbytes, units, R, tp * S)
-        # FSDP2 reshards after every backward, so ZeRO-2 gathers once per micro-step (pipeline:
-        # per schedule run); ZeRO-3 before each forward and backward, the root once (pipeline,
-        # 1F1B/GPipe: m + 1 times per block per run, the stage runtime keeps blocks gathered
-        # between backwards).
-        if zero == 2:
-            per_block = per_root = steps
-        elif pp == 1:
-            per_block, per_root = 2 * steps, steps
-        else:
-            per_block, per_root = (m + 1) * steps, steps
-        payload = ((P - root) * per_block + root * per_root) * pbytes
-        calls = (units - 1) * per_block + per_root
-        traffic_dp.append((Traffic("dp_shard", "all_gather", payload, calls, S, "params"), tp))
+    def dp_traffic(r: int) -> list[tuple[Traffic, int]]:
+        """Pipeline rank r's data-parallel traffic per optimizer step, with each op's rank
+        stride."""
+        P, root, units, tensors = rank_state(r)
+        out: list[tuple[Traffic, int]] = []
+
+        def grads(axis: str, op: str, payload: float, calls: int, group: int,
+                  stride: int) -> None:
+            if group > 1:
+                out.append((Traffic(axis, op, payload * syncs, calls * syncs, group, "grads"),
+                            stride))
+
+        if zero == 0 and R > 1:
+            calls = units if fsdp else max(1, math.ceil(P * gbytes / c.bucket_bytes))
+            grads("dp_replicate", "all_reduce", P * gbytes, calls, R, tp * S)
+        elif zero == 1:
+            # DDP over every data rank, then ZeroRedundancyOptimizer broadcasts each parameter
+            # tensor from the rank that updated it.
+            grads("dp", "all_reduce", P * gbytes, max(1, math.ceil(P * gbytes / c.bucket_bytes)),
+                  R * S, tp)
+            if S > 1:
+                out.append((Traffic("dp_shard", "broadcast", P * 4, max(1, tensors), S,
+                                    "params"), tp))
+        elif zero >= 2 and S > 1:
+            grads("dp_shard", "reduce_scatter", P * gbytes, units, S, tp)
+            if R > 1:  # HSDP: the shard's gradients all-reduced across replicas
+                grads("dp_replicate", "all_reduce", P / S * gbytes, units, R, tp * S)
+            # FSDP2 reshards after every backward, so ZeRO-2 gathers once per micro-step
+            # (pipeline: per schedule run); ZeRO-3 before each forward and backward, the root
+            # once (pipeline, 1F1B/GPipe: m + 1 times per block per run, the stage runtime keeps
+            # blocks gathered between backwards).
+            if zero == 2:
+                per_block = per_root = steps
+            elif pp == 1:
+                per_block, per_root = 2 * steps, steps
+            else:
+                per_block, per_root = (m + 1) * steps, steps
+            payload = ((P - root) * per_block + root * per_root) * pbytes
+            calls = (units - 1) * per_block + per_root
+            out.append((Traffic("dp_shard", "all_gather", payload, calls, S, "params"), tp))
+        return out
+
+    def grad_sync_time(r: int) -> float:
+        return sum(collective_time(t, cluster, stride, c) for t, stride in dp_traffic(r)
+                   if t.what == "grads")
+
+    P, root, units, tensors = rank_state(r_busy)
+    traffic_dp = dp_traffic(r_busy)
     grad_time = gather_time = ag_time = 0.0
     for t, stride in traffic_dp:
         ct = collective_time(t, cluster, stride, c)
@@ -584,6 +600,14 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
             gather_time += ct
     bwd_window = rank_time[r_busy] * (2 + replay) / (3 + replay)
     exposed_grad = max(0.0, grad_time - bwd_window) if c.overlap else grad_time
+    if pp > 1 and not c.overlap and grad_time:
+        # The stage runtime syncs a stage's gradients inside its last backward (DDP's reducer,
+        # FSDP2's post-backward), before that backward's input gradient is sent upstream. Where
+        # the sync blocks the rank (CPU + gloo: no core left to run it in the background), the
+        # last microbatch's backward chain waits for every stage's sync in turn, not only the
+        # busiest rank's at the end. With overlap (GPUs) the sync runs under the backward and
+        # only its tail is exposed, on the last stage to finish: counted once, above.
+        exposed_grad += sum(grad_sync_time(r) for r in range(pp) if r != r_busy)
     exposed_ag3 = ag_time
     if ag_time and c.overlap:
         # FSDP2 prefetches the next unit's gather under the current unit's compute.
