@@ -516,6 +516,10 @@ def test_derive_constants_inverts_the_cost_model():
     head = 6 * PROBE["dim"] * PROBE["vocab"] * tokens / rate
     block, outside = 0.01, head + 0.002
     raw["probe_plain@1"], raw["probe_plain@2"] = outside + block, outside + 2 * block
+    # zero-bubble split: 0.9 ms per call, +25% of each block's backward (2/3 of 6 ms)
+    full = {1: 0.5e-3 + 6e-3, 2: 0.5e-3 + 12e-3}
+    for n in (1, 2):
+        raw[f"zb_full@{n}"], raw[f"zb_split@{n}"] = full[n], full[n] + 0.9e-3 + n * 0.25 * 4e-3
     got = derive_constants(raw, alpha=alpha, bw=bw, rate=rate)
     assert got["all_gather_factor"] == pytest.approx(2.0)
     assert got["all_gather_call_s"] == pytest.approx(3e-4)
@@ -529,6 +533,29 @@ def test_derive_constants_inverts_the_cost_model():
     assert got["fsdp_unit_s"] == pytest.approx(1.5e-3)
     assert got["micro_overhead_s"] == pytest.approx(0.002)
     assert "tp_block_overhead_s" not in got  # no TP probe timed
+    assert got["zb_call_s"] == pytest.approx(0.9e-3)
+    assert got["zb_backward_factor"] == pytest.approx(0.25)
+
+
+def test_zero_bubble_split_costs_per_chunk_and_per_backward():
+    m = load_model("tiny")
+    c = load_cluster("cpu", devices=2).with_memory(1e12)
+    c = c.__class__(**{**c.__dict__, "compute_units": None})  # a core each: the closed form
+    work = Workload(16, 128)
+    plan = Plan(pp=2, pp_schedule="zbv", virtual_stages=2, microbatches=4)
+    base = Constants(overlap=False)
+    split = Constants(overlap=False, zb_call_s=1e-3, zb_backward_factor=0.5)
+    e0, e1 = evaluate(plan, m, c, work, base), evaluate(plan, m, c, work, split)
+    # per rank and microbatch: its 2 chunks' calls + half its 2 blocks' backward FLOP time
+    rate = c.peak("fp32") * base.compute_efficiency
+    fwd_block = m.block_flops_per_token(128) * 4 * 128  # microbatch 4 x seq 128
+    extra = 2 * 1e-3 + 2 * 0.5 * 2 * fwd_block / rate
+    assert e1.time_breakdown["compute_per_microbatch"] - e0.time_breakdown[
+        "compute_per_microbatch"] == pytest.approx(extra, rel=1e-6)
+    # other schedules do not split the backward
+    f1b = Plan(pp=2, microbatches=4)
+    assert evaluate(f1b, m, c, work, split).step_time_s == evaluate(f1b, m, c, work,
+                                                                    base).step_time_s
 
 
 def test_zero_bubble_with_checkpointing_replays_per_parameter_tensor():
@@ -541,3 +568,20 @@ def test_zero_bubble_with_checkpointing_replays_per_parameter_tensor():
         expected = (m.model_flops(tokens, 32, recompute_layers=replays * m.n_layers)
                     / m.model_flops(tokens, 32))
         assert e.tflops_per_device_hw / e.tflops_per_device == pytest.approx(expected)
+
+
+def test_group_calibration_runs_on_real_processes():
+    """The group micro-benchmarks behind ``plait plan --calibrate`` on 2 real gloo processes
+    (one round): every timing is there and positive, and every derived constant the cost model
+    reads is a finite number (the zero-bubble split among them)."""
+    from plait.planner import CALIBRATED_KEYS
+    from plait.planner.calibrate import derive_constants, measure_group, median_of
+    from plait.spawn import run_distributed
+
+    raw = median_of(run_distributed(measure_group, 2, 1, timeout=240))
+    assert all(v > 0 for k, v in raw.items() if k != "world")
+    assert {"zb_full@1", "zb_split@2", "probe_tp@2", "fsdp_nosync"} <= set(raw)
+    got = derive_constants(raw, alpha=2e-4, bw=1e9, rate=5e10)
+    for key, kind in CALIBRATED_KEYS:
+        if kind is float and key not in ("block_overhead_s", "link_efficiency"):
+            assert key in got and math.isfinite(got[key]), key

@@ -192,7 +192,9 @@ def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
                                          f"/ reduce-scatter / broadcast at 1 KiB and 4 MiB, "
                                          f"clip+AdamW over 8 and 32 tensors (plain, DTensor), "
                                          f"2 FSDP2 block units vs plain, the reference model with 1 "
-                                         f"and 2 blocks plain and TP+SP (calibrate.measure_group)"}
+                                         f"and 2 blocks plain and TP+SP, 1 and 2 blocks "
+                                         f"with the zero-bubble backward split "
+                                         f"(calibrate.measure_group)"}
     return Cluster(name=name, device="cpu", nodes=1, devices_per_node=64,
                    memory_bytes=0.8 * ram / max(cores, 1), peak_flops={"fp32": peak},
                    intra_bw=bw, inter_bw=bw, intra_latency=alpha, inter_latency=alpha,
@@ -375,6 +377,47 @@ def _probe_timings(world: int, rounds: int) -> dict:
     return {f"probe_{kind}@{n}": t for (kind, n), t in got.items()}
 
 
+def _zero_bubble_timings(rounds: int) -> dict:
+    """Seconds for forward + backward of 1 and 2 reference blocks (PROBE shape), the backward
+    whole (``zb_full``) and split the way torch's zero-bubble schedules run it
+    (``stage_backward_input`` then ``stage_backward_weight``, ``zb_split``): the split's cost
+    per call and per block by difference. Empty where this torch has no such functions (they are
+    private to ``torch.distributed.pipelining``)."""
+    import torch
+
+    try:
+        from torch.distributed.pipelining._backward import (stage_backward_input,
+                                                            stage_backward_weight)
+    except ImportError:  # pragma: no cover - another torch
+        return {}
+    from plait.models.transformer import Block, TransformerConfig
+
+    p = PROBE
+    cfg = TransformerConfig(vocab_size=p["vocab"], dim=p["dim"], n_layers=1,
+                            n_heads=p["n_heads"], max_seq_len=p["seq"])
+    x0 = torch.randn(p["batch"], p["seq"], p["dim"])
+    fns = {}
+    for n in (1, 2):
+        torch.manual_seed(0)
+        stack = torch.nn.Sequential(*[Block(cfg) for _ in range(n)])
+
+        def full(stack=stack):
+            x = x0.clone().requires_grad_()
+            y = stack(x)
+            torch.autograd.backward(y, torch.ones_like(y))
+            stack.zero_grad(set_to_none=True)
+
+        def split(stack=stack):
+            x = x0.clone().requires_grad_()
+            y = stack(x)
+            _, groups = stage_backward_input([y], [torch.ones_like(y)], [x], stack.parameters())
+            stage_backward_weight(stack.parameters(), groups)
+            stack.zero_grad(set_to_none=True)
+        fns[("full", n)], fns[("split", n)] = full, split
+    got = _interleaved(fns, rounds)
+    return {f"zb_{kind}@{n}": t for (kind, n), t in got.items()}
+
+
 def measure_group(rank: int, world: int, rounds: int = 5) -> dict:
     """Raw timings (seconds) of every group micro-benchmark on this rank; see derive_constants."""
     import torch
@@ -385,6 +428,7 @@ def measure_group(rank: int, world: int, rounds: int = 5) -> dict:
     out.update(_tensor_step_timings(world, rounds))
     out.update(_fsdp_timings(world, rounds))
     out.update(_probe_timings(world, rounds))
+    out.update(_zero_bubble_timings(rounds))
     return out
 
 
@@ -405,7 +449,10 @@ def derive_constants(raw: dict, *, alpha: float, bw: float, rate: float) -> dict
       difference) minus the head's FLOPs at ``rate``;
     * ``tp_block_overhead_s``: the TP+SP per-block time minus half the plain per-block time
       minus the block's modelled TP collectives; ``tp_micro_overhead_s`` the same outside the
-      blocks (embedding, head, loss_parallel collectives modelled).
+      blocks (embedding, head, loss_parallel collectives modelled);
+    * ``zb_backward_factor``: the zero-bubble split's extra time per block (2-block extra minus
+      1-block extra) over a block's backward (2/3 of its forward + backward); ``zb_call_s``: the
+      1-block extra minus that per-block part (the per-call graph walk).
     """
     import dataclasses
 
@@ -457,6 +504,12 @@ def derive_constants(raw: dict, *, alpha: float, bw: float, rate: float) -> dict
         out["tp_block_overhead_s"] = max(0.0, block_tp - block_plain / 2 - comm)
         out["tp_micro_overhead_s"] = max(0.0, outside_tp - out["micro_overhead_s"] - head / 2
                                          - ends)
+    if "zb_split@1" in raw:
+        extra1 = raw["zb_split@1"] - raw["zb_full@1"]
+        per_block = max(0.0, (raw["zb_split@2"] - raw["zb_full@2"]) - extra1)
+        backward = 2 / 3 * max(raw["zb_full@2"] - raw["zb_full@1"], 1e-12)
+        out["zb_backward_factor"] = per_block / backward
+        out["zb_call_s"] = max(0.0, extra1 - per_block)
     return out
 
 

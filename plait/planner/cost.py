@@ -98,6 +98,12 @@ class Constants:
     # the blocks (vocabulary-parallel embedding, loss_parallel).
     tp_block_overhead_s: float = 0.0
     tp_micro_overhead_s: float = 0.0
+    # Zero-bubble schedules (ZB-V, interleaved ZB) split each backward into torch's
+    # stage_backward_input and stage_backward_weight: a Python walk of the autograd graph per
+    # call (``zb_call_s`` per chunk per microbatch) and a dearer backward (``zb_backward_factor``:
+    # extra fraction of a block's backward FLOP time). 0 on GPU presets: not measured there.
+    zb_call_s: float = 0.0
+    zb_backward_factor: float = 0.0
     flash_attention: bool = True
     activation_dropout_masks: bool = True
     bucket_bytes: float = 25 * 2**20
@@ -422,6 +428,9 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         # (its parameter tensors); 5.5 on the rank holding embedding and head.
         replay *= 1 + model.block_tensors
     block_compute = fwd_block * (3 + replay) / rate + c.block_overhead_s * (1 + replay / 3)
+    zero_bubble = pp > 1 and plan.pp_schedule in ("interleaved_zb", "zbv")
+    if zero_bubble:
+        block_compute += c.zb_backward_factor * 2 * fwd_block / rate
     # TP collectives per block and microbatch, on the tp tier (tp innermost: stride 1).
     tp_block = 0.0
     if tp > 1:
@@ -466,6 +475,8 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     chunk_time = [sum(costs[bounds[i]:bounds[i + 1]]) for i in range(chunks)]
     chunk_time[0] += embed_time
     chunk_time[-1] += head_time
+    if zero_bubble:
+        chunk_time = [t + c.zb_call_s for t in chunk_time]
     # pipeline p2p per chunk boundary per microbatch (send forward + send backward)
     p2p = 0.0
     if pp > 1:
