@@ -38,3 +38,22 @@ def test_stored_measurements_meet_the_targets(bench, world, capsys):
     assert got["spearman"] >= 0.8
     assert got["pick_vs_best"] <= 0.10
     assert "median |error|" in capsys.readouterr().out
+
+
+RUN13 = ROOT / "bench" / "planner_accuracy_cpu_run13.json"
+
+
+@pytest.mark.parametrize("world", ["2", "4"])
+def test_run13_pick_and_ranking_hold(bench, world, capsys):
+    """Run 13 (the first with finalist rounds, CPU accounting and the zero-bubble probe): the
+    pick and the rank correlation hold at both worlds, the median error at world 2. World 4's
+    median error (15.2% on this run, target 15%) is the open part of the issue and is not
+    asserted: pipelines on 2 shared cores measure 14-28% over their prediction there."""
+    raw = json.loads(RUN13.read_text())["measured"][world]["raw"]
+    got = bench.report_world(int(world), raw, 0.0)
+    assert len(got["rows"]) == 16
+    assert got["spearman"] >= 0.8
+    assert got["pick_vs_best"] <= 0.10
+    if world == "2":
+        assert got["median_abs_error"] <= 0.15
+    capsys.readouterr()
