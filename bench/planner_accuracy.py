@@ -236,18 +236,17 @@ def choose_layouts(model, cluster, work, constants, limit: int) -> list:
     return plans[:limit]
 
 
-def run_jobs(plans: list, args, world: int) -> dict:
+def run_jobs(plans: list, args, world: int, shape: dict) -> dict:
     """Every layout in fresh processes of its own, once per round, with a calibration job in
     each round; rounds alternate direction and rotate their start, so slow drift in the
     machine's load hits every layout alike. Returns the raw measurements: the calibration jobs'
     results (``cals``, one dict per rank per round), per layout its jobs' compute calibrations
     (``computes``, one per rank per job), its rounds (``got``: per round, per rank, step times;
     or an error string) and the CPU seconds of those steps (``cpu``, same shape)."""
-    from _planner_workers import calibration_job, probe_shape
+    from _planner_workers import calibration_job
 
     from plait.spawn import run_distributed
 
-    shape = probe_shape(args.model, args.global_batch, args.seq)
     raw: dict = {"cals": [], "computes": [[] for _ in plans], "got": [[] for _ in plans],
                  "cpu": [[] for _ in plans]}
     jobs = [None] + list(range(len(plans)))
@@ -308,14 +307,19 @@ def finalists(raw: dict, plans: list, cluster, world: int, model, work, count: i
     chosen = [pick] + [i for i in by_time if i != pick][:max(1, count - 1)]
     # no layout measured slower than the pick can be the best: keep the pick's rivals only,
     # but always one, so a pick that measured best is confirmed against the runner-up
-    rivals = [i for i in chosen[1:] if layout_time(raw["got"][i]) <= layout_time(raw["got"][pick])]
+    limit = layout_time(raw["got"][pick])
+    rivals = [i for i in chosen[1:] if layout_time(raw["got"][i]) <= limit]
     return [pick] + (rivals or chosen[1:2])
 
 
+def round_times(got: list) -> list[float]:
+    """A step's time is its slowest rank; a round's, the median of its steps."""
+    return [statistics.median(max(ts) for ts in zip(*ranks)) for ranks in got]
+
+
 def layout_time(got: list) -> float:
-    """A step's time is its slowest rank; a round's, the median of its steps; the layout's,
-    the median of its rounds."""
-    return statistics.median(statistics.median(max(ts) for ts in zip(*ranks)) for ranks in got)
+    """A layout's time: the median of its rounds."""
+    return statistics.median(round_times(got))
 
 
 def measured(args) -> dict:
@@ -354,7 +358,8 @@ def measured(args) -> dict:
               f"{args.global_batch} x seq {args.seq}, fp32), each in fresh processes, "
               f"{args.rounds} interleaved rounds x {args.steps} steps after {args.warmup} "
               f"warm-up steps", flush=True)
-        raw = run_jobs(plans, args, world)
+        shape = probe_shape(args.model, args.global_batch, args.seq)
+        raw = run_jobs(plans, args, world, shape)
         raw.update({"cluster": cluster.to_yaml_dict(), "model": args.model,
                     "global_batch": args.global_batch, "seq": args.seq,
                     "plans": [p.to_dict() for p in plans], "finalists": []})
@@ -364,11 +369,10 @@ def measured(args) -> dict:
             t0 = time.perf_counter()
             for rnd in range(args.final_rounds):
                 for job in (final if rnd % 2 == 0 else final[::-1]):
-                    run_layout(raw, job, plans[job], args, world,
-                               probe_shape(args.model, args.global_batch, args.seq))
+                    run_layout(raw, job, plans[job], args, world, shape)
             print(f"  finalists (the pick and its measured rivals): "
                   f"{', '.join(plans[j].describe() for j in final)}; {args.final_rounds} more "
-                  f"rounds each, back to back, in {time.perf_counter() - t0:.0f} s", flush=True)
+                  f"round{'s' if args.final_rounds != 1 else ''} each, back to back, in {time.perf_counter() - t0:.0f} s", flush=True)
         results[world] = report_world(world, raw, t_start)
     return results
 
@@ -411,8 +415,8 @@ def report_world(world: int, raw: dict, t_start: float) -> dict:
         # processes, same minutes): what the error would be without the machine's drift
         c_own, k_own = in_group_profile(cluster, cals, comp, world, quiet=True)
         own = evaluate(p, model, c_own, work, k_own).step_time_s
-        per_round = [statistics.median(max(ts) for ts in zip(*ranks)) for ranks in got]
-        meas = layout_time(got)
+        per_round = round_times(got)
+        meas = statistics.median(per_round)
         spread = statistics.median(abs(x / meas - 1) for x in per_round)
         busy = float("nan")
         if cpu_all[i]:
@@ -479,7 +483,8 @@ def main(argv=None) -> int:
     ap.add_argument("--final-rounds", type=int, default=4,
                     help="back-to-back rounds of the finalists (0: none)")
     ap.add_argument("--quick", action="store_true",
-                    help="8 layouts, 2 rounds x 2 steps, 1 warm-up step (a few minutes)")
+                    help="8 layouts, 2 rounds x 2 steps, 1 warm-up step, 1 finalist round (a few "
+                         "minutes)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per job")
     ap.add_argument("--json", default=None, help="also write the figures (and the raw "
                     "measurements, for --reprice) here")
