@@ -508,11 +508,10 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
             split = (2 + replay) / (3 + replay)    # backward's share of a microbatch
             per_stage = max(1.0, on_node / pp)
             cores = cluster.compute_units * (pp / on_node if pp > on_node else 1.0)
-            sim = shared_pipeline_time([t * (1 - split) for t in full], [t * split for t in full],
-                                       m, replicas=per_stage, cores=cores,
-                                       schedule="gpipe" if plan.pp_schedule == "gpipe" else
-                                       "1f1b")
-            pipe = sim
+            pipe = shared_pipeline_time([t * (1 - split) for t in full], [t * split for t in full],
+                                        m, replicas=per_stage, cores=cores,
+                                        schedule="gpipe" if plan.pp_schedule == "gpipe" else
+                                        "1f1b")
         bubble = max(0.0, (pipe - m * t_max) / pipe)
     else:
         pipe = rank_time[0]
@@ -598,7 +597,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         return sum(collective_time(t, cluster, stride, c) for t, stride in dp_traffic(r)
                    if t.what == "grads")
 
-    P, root, units, tensors = rank_state(r_busy)
+    P, _, _, tensors = rank_state(r_busy)  # for the optimizer and per-tensor terms
     traffic_dp = dp_traffic(r_busy)
     grad_time = gather_time = ag_time = 0.0
     for t, stride in traffic_dp:
