@@ -69,12 +69,23 @@ def probe_shape(model_name: str, global_batch: int, seq: int) -> dict:
 
 def layout_job(rank: int, world: int, plan: dict, model_name: str, global_batch: int, seq: int,
                steps: int, warmup: int, shape: dict) -> dict | str:
-    """Step times (seconds, ``steps`` of them after ``warmup`` discarded ones: allocator, DDP
-    bucket rebuild, pipeline shape inference) of one layout, and a compute calibration taken
+    """``steps`` training steps of one layout, back to back after ``warmup`` discarded ones
+    (allocator, DDP bucket rebuild, pipeline shape inference), and a compute calibration taken
     right after them in the same processes (``compute``), or the error that stopped it.
+
+    ``start``: when the timed steps began (after one barrier); ``ends``: when each timed step
+    returned on this rank. Both are on ``time.monotonic()``, one clock for every process on the
+    machine (CLOCK_MONOTONIC on Linux), so the bench takes step k's time as the latest rank's end
+    of step k minus the latest rank's end of step k-1 (:func:`step_times`).
     ``cpu``: this process's CPU seconds (every thread: gloo's included) per timed step, so the
-    bench can say how busy the cores were (CPU time over cores x wall): a drift-free ratio
-    within each step, unlike the step time itself.
+    bench can say how busy the cores were (CPU time over cores x wall).
+
+    Why back to back, with no barrier between steps: a user's loop has none, and a barrier is
+    not free -- each is a small all-reduce (~2 ms on 4 ranks sharing 2 cores here), and on shared
+    cores it also reshuffles which rank runs when. Timed both ways (bench/step_barriers.py, world
+    4), the barriers changed a layout's step by -16..+17%, unequally between layouts and runs
+    (docs/planner.md, run 14). Ranks still wait for each other where the layout makes them
+    (gradient syncs, pipeline sends): that is part of the step.
 
     Why a compute calibration in every job: this machine's speed drifts by +-25% over minutes
     (a shared VM), far more than the layouts differ, so a few calibrations taken at other
@@ -98,24 +109,33 @@ def layout_job(rank: int, world: int, plan: dict, model_name: str, global_batch:
         model = run.parallelize(build(cfg, seed=0))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         local = global_batch // run.dp_size
-        times, cpu = [], []
+        ends, cpu, start = [], [], 0.0
         for k in range(warmup + steps):
             j = k % n_batches
             rows = data[j * global_batch + run.dp_rank * local:
                         j * global_batch + (run.dp_rank + 1) * local]
-            dist.barrier()
-            r0, t0 = _cpu_seconds(), time.perf_counter()
+            if k == warmup:
+                dist.barrier()
+                start = time.monotonic()
+            r0 = _cpu_seconds()
             run.step(model, (rows[:, :-1], rows[:, 1:]), lm_loss, opt)
-            r1 = _cpu_seconds()
-            dist.barrier()
             if k >= warmup:
-                times.append(time.perf_counter() - t0)
-                cpu.append(r1 - r0)
+                ends.append(time.monotonic())
+                cpu.append(_cpu_seconds() - r0)
+        dist.barrier()
         compute = calibrate_compute(rank, world, shape)
         run.close()
-        return {"times": times, "cpu": cpu, "compute": compute}
+        return {"start": start, "ends": ends, "cpu": cpu, "compute": compute}
     except Exception as exc:  # noqa: BLE001 - a layout that does not build or step is reported
         return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def step_times(ranks: list[dict]) -> list[float]:
+    """Seconds per step of one job from every rank's ``start`` / ``ends`` (see layout_job): a
+    step ends when its last rank returns from it."""
+    start = max(r["start"] for r in ranks)
+    ends = [max(stamps) for stamps in zip(*(r["ends"] for r in ranks))]
+    return [b - a for a, b in zip([start] + ends[:-1], ends)]
 
 
 def _cpu_seconds() -> float:

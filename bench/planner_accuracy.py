@@ -270,7 +270,7 @@ def run_jobs(plans: list, args, world: int, shape: dict) -> dict:
 def run_layout(raw: dict, job: int, plan, args, world: int, shape: dict) -> None:
     """One job of one layout; its step times, CPU seconds and compute calibration appended to
     ``raw`` (or the error that stopped it, which retires the layout)."""
-    from _planner_workers import layout_job
+    from _planner_workers import layout_job, step_times
 
     from plait.spawn import WorkerError, run_distributed
 
@@ -285,7 +285,9 @@ def run_layout(raw: dict, job: int, plan, args, world: int, shape: dict) -> None
     if bad is not None:
         raw["got"][job] = bad
         return
-    raw["got"][job].append([g["times"] for g in got])
+    # one list of step times per job (the latest rank's end to the latest rank's end), kept in
+    # the per-rank nesting of runs 9-13 (which timed each rank between barriers) so both load
+    raw["got"][job].append([step_times(got)])
     raw["cpu"][job].append([g["cpu"] for g in got])
     raw["computes"][job].extend(g["compute"] for g in got)
 
@@ -313,7 +315,8 @@ def finalists(raw: dict, plans: list, cluster, world: int, model, work, count: i
 
 
 def round_times(got: list) -> list[float]:
-    """A step's time is its slowest rank; a round's, the median of its steps."""
+    """A step's time is its slowest rank's (runs 9-13 stored one list per rank; later runs one
+    list per job, already the latest rank's); a round's, the median of its steps."""
     return [statistics.median(max(ts) for ts in zip(*ranks)) for ranks in got]
 
 

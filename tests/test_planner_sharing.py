@@ -85,3 +85,45 @@ def test_long_runs_are_extrapolated_from_the_steady_state(p, replicas, cores):
         exact = _simulate(f, b, m, replicas, cores, "1f1b")
         assert shared_pipeline_time(f, b, m, replicas=replicas, cores=cores) == pytest.approx(
             exact, rel=0.01)
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (2, 3, 6),
+                                   (4, 2, 6)])
+def test_interleaved_order_is_torchs(p, v, m):
+    """rank_ops follows torch.distributed.pipelining's ScheduleInterleaved1F1B action for action
+    (its order table, built without stages: the private method needs only four attributes)."""
+    from torch.distributed.pipelining import schedules
+
+    from plait.planner.sharing import rank_ops
+
+    sched = object.__new__(schedules.ScheduleInterleaved1F1B)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = p, v, m
+    sched.microbatches_per_round = m // max(1, m // p)
+    for rank in range(p):
+        theirs = [("F" if a.computation_type == schedules._ComputationType.FORWARD else "B",
+                   a.stage_index, a.microbatch_index)
+                  for a in sched._calculate_single_rank_operations(rank) if a is not None]
+        assert rank_ops("interleaved", rank, p, v, m) == theirs
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (2, 3, 6)])
+def test_interleaved_with_a_core_per_rank_gives_megatrons_closed_form(p, v, m):
+    """Balanced chunks (f, b per chunk), a core per rank: (m v + p - 1)(f + b),
+    the interleaved schedule's bubble being (p - 1) chunk times (Narayanan et al. 2021)."""
+    f, b = 1.0, 2.0
+    got = shared_pipeline_time([f] * (p * v), [b] * (p * v), m, replicas=1, cores=p,
+                               schedule="interleaved", ranks=p)
+    assert got == pytest.approx((m * v + p - 1) * (f + b))
+
+
+def test_looped_bfs_runs_every_microbatch_through_a_chunk_first():
+    from plait.planner.sharing import rank_ops
+
+    assert rank_ops("looped_bfs", 1, 2, 2, 2) == [
+        ("F", 1, 0), ("F", 1, 1), ("F", 3, 0), ("F", 3, 1),
+        ("B", 3, 0), ("B", 3, 1), ("B", 1, 0), ("B", 1, 1)]
+
+
+def test_chunk_times_must_split_over_the_ranks():
+    with pytest.raises(ValueError, match="split evenly over 2 ranks"):
+        shared_pipeline_time([1.0] * 3, [2.0] * 3, 2, replicas=1, cores=1, ranks=2)

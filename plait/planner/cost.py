@@ -500,18 +500,30 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         pipe = m * t_max + (t_sum - t_max) * _bubble_scale(plan)
         if share < 1.0:
             # More processes than cores (CPU): a stage idle in the bubble hands its core to the
-            # busy ones (plait.planner.sharing simulates the schedule with shared cores). What
-            # interleaving and zero-bubble orders save is bubble, which sharing already fills,
-            # so they are priced as 1F1B over their ranks' time (measured, world 4 on 2 cores,
-            # runs 9-11: interleaved -17..+34% of 1F1B at the same m, median +5%).
-            full = [t * share for t in rank_time]  # on a whole core
+            # busy ones, and a message between ranks leaves the cores to whoever can use them
+            # (plait.planner.sharing simulates the schedule, chunk by chunk, with shared cores
+            # and the send/recv as latency). The chunks' times on a whole core, without their
+            # sends; FSDP2's per-unit cost spread over the rank's chunks.
             split = (2 + replay) / (3 + replay)    # backward's share of a microbatch
+            full = [t + p2p for t in chunk_time]
+            if fsdp and plan.dp_shard > 1 and c.fsdp_unit_s:
+                for ids in rank_chunks:
+                    for i in ids:
+                        full[i] += c.fsdp_unit_s * (sizes[i] + 1 / len(ids))
+            full = [t * share for t in full]
+            schedule = {"gpipe": "gpipe", "1f1b": "1f1b", "looped_bfs": "looped_bfs"}.get(
+                plan.pp_schedule, "interleaved")
+            if plan.pp_schedule == "zbv":
+                # ZB-V's V-shaped placement and its split backward are not simulated: priced
+                # as 1F1B over each rank's whole share (what it saves is bubble, which sharing
+                # fills anyway).
+                full = [sum(full[i] for i in ids) for ids in rank_chunks]
+                schedule = "1f1b"
             per_stage = max(1.0, on_node / pp)
             cores = cluster.compute_units * (pp / on_node if pp > on_node else 1.0)
             pipe = shared_pipeline_time([t * (1 - split) for t in full], [t * split for t in full],
-                                        m, replicas=per_stage, cores=cores,
-                                        schedule="gpipe" if plan.pp_schedule == "gpipe" else
-                                        "1f1b")
+                                        m, replicas=per_stage, cores=cores, schedule=schedule,
+                                        ranks=pp)
         bubble = max(0.0, (pipe - m * t_max) / pipe)
     else:
         pipe = rank_time[0]

@@ -1,0 +1,103 @@
+"""What a barrier around every training step costs: the same layouts timed both ways.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/step_barriers.py [--world 4] [--rounds 3]
+
+Why: ``bench/planner_accuracy.py`` used to put a barrier before and after every timed step, so
+that a step's time was its slowest rank's. A user's loop has no barrier, and one is not free:
+each is a small all-reduce, and on ranks that share cores the last one to arrive must also be
+scheduled. This times each layout in fresh processes twice, alternating: ``barrier`` (a barrier
+before each step and the step's time up to the end of the barrier after it, the old method) and
+``back-to-back`` (steps run as a user's loop runs them; a step ends when its last rank returns
+from it, on the machine-wide monotonic clock, the bench's method since run 14). Prints the median
+step of each and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def job(rank: int, world: int, plan: dict, barriers: bool, steps: int = 8, warmup: int = 2
+        ) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import plait
+    from plait.models.transformer import build, lm_loss, preset
+    from plait.plan import Plan
+
+    torch.set_num_threads(1)
+    cfg = preset("tiny").replace(max_seq_len=128)
+    batch = 16
+    data = torch.randint(0, cfg.vocab_size, (4 * batch, 129),
+                         generator=torch.Generator().manual_seed(1))
+    run = plait.init(Plan.from_dict(plan), quiet=True)
+    model = run.parallelize(build(cfg, seed=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    local = batch // run.dp_size
+    start, ends, timed = 0.0, [], []
+    for k in range(warmup + steps):
+        j = (k % 4) * batch + run.dp_rank * local
+        rows = data[j:j + local]
+        if barriers or k == warmup:
+            dist.barrier()
+        t0 = time.monotonic()
+        if k == warmup:
+            start = t0
+        run.step(model, (rows[:, :-1], rows[:, 1:]), lm_loss, opt)
+        if barriers:
+            dist.barrier()
+        if k >= warmup:
+            ends.append(time.monotonic())
+            timed.append(ends[-1] - t0)
+    dist.barrier()
+    run.close()
+    return {"start": start, "ends": ends, "timed": timed}
+
+
+def main(argv=None) -> int:
+    from _planner_workers import step_times
+
+    from plait.plan import Plan
+    from plait.spawn import run_distributed
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    half = args.world // 2
+    plans = {"DDP": Plan(dp_replicate=args.world),
+             "pp=2 1F1B": Plan(pp=2, dp_replicate=half, microbatches=2),
+             "pp=2 interleaved": Plan(pp=2, dp_replicate=half, microbatches=2,
+                                      pp_schedule="interleaved_1f1b", virtual_stages=2)}
+    got: dict = {(name, mode): [] for name in plans for mode in ("barrier", "back-to-back")}
+    for _ in range(args.rounds):
+        for name, plan in plans.items():
+            for mode in ("barrier", "back-to-back"):
+                ranks = run_distributed(job, args.world, plan.to_dict(), mode == "barrier",
+                                        timeout=300)
+                if mode == "barrier":
+                    steps = [max(ts) for ts in zip(*(r["timed"] for r in ranks))]
+                else:
+                    steps = step_times(ranks)
+                got[(name, mode)].append(statistics.median(steps))
+    print(f"world {args.world}, tiny model, global batch 16 x seq 128, median of {args.rounds} "
+          f"rounds x 8 steps")
+    print(f"{'layout':<18} {'barrier ms':>10} {'back-to-back ms':>15} {'ratio':>6}")
+    for name in plans:
+        a = statistics.median(got[(name, "barrier")])
+        b = statistics.median(got[(name, "back-to-back")])
+        print(f"{name:<18} {a * 1e3:>10.1f} {b * 1e3:>15.1f} {a / b:>6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
