@@ -81,10 +81,10 @@ def layout_job(rank: int, world: int, plan: dict, model_name: str, global_batch:
     bench can say how busy the cores were (CPU time over cores x wall).
 
     Why back to back, with no barrier between steps: a user's loop has none, and a barrier is
-    not free -- each is a small all-reduce (~2 ms on 4 ranks sharing 2 cores here), and on shared
+    not free -- each is a small all-reduce (~7 ms on 4 ranks sharing 2 cores here), and on shared
     cores it also reshuffles which rank runs when. Timed both ways (bench/step_barriers.py, world
-    4), the barriers changed a layout's step by -16..+17%, unequally between layouts and runs
-    (docs/planner.md, run 14). Ranks still wait for each other where the layout makes them
+    4), barriers changed a layout's step by -15..+22% round by round, unequally between layouts
+    and sessions (docs/planner.md, run 14): not a constant the model could add. Ranks still wait for each other where the layout makes them
     (gradient syncs, pipeline sends): that is part of the step.
 
     Why a compute calibration in every job: this machine's speed drifts by +-25% over minutes

@@ -463,6 +463,35 @@ def test_blocking_gradient_syncs_chain_through_the_pipeline_stages():
     assert overlapped.time_breakdown["dp_grad_exposed"] <= max(syncs)
 
 
+def test_pipeline_clip_norm_all_reduce_is_priced_as_the_ledger_predicts_it():
+    # With pp > 1 each stage holds only its gradients, so clipping all-reduces the squared norm
+    # (one fp32) over pp every optimizer step (plait.train.clip_grad_norm): blocking, priced
+    # once per step, and the same Traffic the comm ledger predicts (plait.comm.predict).
+    from plait.comm.predict import predict
+    from plait.comm.volumes import Traffic
+    from plait.planner.cost import collective_time
+
+    m = load_model("tiny")
+    c = load_cluster("cpu", devices=4).with_memory(1e12)
+    work, k = Workload(16, 128), Constants(overlap=False)
+    plan = Plan(pp=2, dp_replicate=2, microbatches=2)
+    e = evaluate(plan, m, c, work, k)
+    # pp's rank stride in mesh order (pp, dp_replicate, dp_shard, cp, tp) is 2
+    want = collective_time(Traffic("pp", "all_reduce", 4.0, 1, 2), c, 2, k)
+    assert want > 0
+    assert e.time_breakdown["clip_norm"] == pytest.approx(want)
+    off = evaluate(plan.replace(grad_clip=None), m, c, work, k)
+    assert off.time_breakdown["clip_norm"] == 0
+    assert e.step_time_s - off.step_time_s == pytest.approx(want)
+    ours = [t for t in e.traffic if t.what == "clip: squared norm"]
+    ledger = [t for t in predict(plan, PRESETS["tiny"].replace(max_seq_len=128), 8, 128)
+              if t.what == "clip: squared norm"]
+    assert [(t.axis, t.op, t.payload, t.calls, t.group) for t in ours] == \
+        [(t.axis, t.op, t.payload, t.calls, t.group) for t in ledger]
+    # one stage: nothing to all-reduce across stages
+    assert evaluate(Plan(dp_replicate=4), m, c, work, k).time_breakdown["clip_norm"] == 0
+
+
 def test_per_tensor_and_per_unit_terms():
     m, c = load_model("tiny"), load_cluster("cpu", devices=2)
     work = Workload(16, 32)

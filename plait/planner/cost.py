@@ -500,10 +500,9 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         pipe = m * t_max + (t_sum - t_max) * _bubble_scale(plan)
         if share < 1.0:
             # More processes than cores (CPU): a stage idle in the bubble hands its core to the
-            # busy ones, and a message between ranks leaves the cores to whoever can use them
-            # (plait.planner.sharing simulates the schedule, chunk by chunk, with shared cores
-            # and the send/recv as latency). The chunks' times on a whole core, without their
-            # sends; FSDP2's per-unit cost spread over the rank's chunks.
+            # busy ones (plait.planner.sharing simulates the schedule chunk by chunk, in the
+            # order each rank runs it, with shared cores). Each chunk's time on a whole core,
+            # its sends included; FSDP2's per-unit cost spread over the rank's chunks.
             split = (2 + replay) / (3 + replay)    # backward's share of a microbatch
             full = [t + p2p for t in chunk_time]
             if fsdp and plan.dp_shard > 1 and c.fsdp_unit_s:
@@ -640,7 +639,15 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     opt_time = owned * 16 * 2 / cluster.hbm_bw  # param, grad, 2 moments: read + write
     dtensors = zero >= 2 or tp > 1
     tensor_time = tensors * (c.dtensor_step_s if dtensors else c.tensor_step_s)
-    step = pipe + exposed_grad + gather_time + exposed_ag3 + opt_time + tensor_time
+    # Gradient clipping across pipeline stages: each stage holds only its own gradients, so
+    # plait's runtime all-reduces the squared norm (one fp32) over pp before every optimizer
+    # step (plait.train.clip_grad_norm): a blocking call every stage waits in. (The per-tensor
+    # norms of DTensor gradients are inside the measured ``dtensor_step_s``.)
+    clip = []
+    if plan.grad_clip and pp > 1:
+        clip = [(Traffic("pp", "all_reduce", 4.0, 1, pp, "clip: squared norm"), tp * S * R)]
+    clip_time = sum(collective_time(t, cluster, stride, c) for t, stride in clip)
+    step = pipe + exposed_grad + gather_time + exposed_ag3 + opt_time + tensor_time + clip_time
 
     # ---- memory on each pipeline rank; the worst one counts
     mem_best, breakdown = -1.0, {}
@@ -684,7 +691,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
                          "pipeline_rank": r}
 
     # ---- traffic per axis (busiest rank), from the same closed forms the ledger uses
-    traffic = [t for t, _ in traffic_dp]
+    traffic = [t for t, _ in traffic_dp + clip]
     if tp > 1:
         layers_busy = sum(sizes[i] for i in rank_chunks[r_busy])
         recomputed = layers_busy if ckpt_mode == "full" else (
@@ -711,7 +718,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
                           "tp_comm_per_block": tp_block, "dp_grad_exposed": exposed_grad,
                           "dp_grad_total": grad_time, "param_gather": gather_time,
                           "zero3_gather_exposed": exposed_ag3, "optimizer": opt_time,
-                          "per_tensor": tensor_time}
+                          "per_tensor": tensor_time, "clip_norm": clip_time}
     if mem_best > cluster.memory_bytes:
         est.reason = (f"needs {mem_best / 2**30:.1f} GiB per device (of which activations "
                       f"{breakdown['activations'] / 2**30:.1f} GiB), has "
