@@ -1,10 +1,11 @@
 """The cost model against stored measurements of this project's CPU machine.
 
 ``bench/planner_accuracy.py --calibrate --json`` stores every step time and calibration it
-took; ``--reprice`` prices them again with the current cost model. Here the stored runs 9 and
-14 (16 layouts at world 2 and 16 at world 4 each, every layout timed in fresh processes,
-docs/planner.md) are repriced, and the issue's fidelity targets must still hold: a change to the cost model that
-makes it predict these real measurements worse fails here, in seconds, without timing anything.
+took; ``--reprice`` prices them again with the current cost model. Here the stored runs 9, 14
+and 15 (16 layouts at world 2 and 16 at world 4 each, every layout timed in fresh processes,
+docs/planner.md) are repriced, and the issue's fidelity targets must still hold: a change to
+the cost model that makes it predict these real measurements worse fails here, in seconds,
+without timing anything.
 """
 
 from __future__ import annotations

@@ -102,10 +102,10 @@ def shared_pipeline_time(forward: Sequence[float], backward: Sequence[float], mi
     in lockstep); ``cores``: the node's cores. A busy process progresses at
     ``min(1, cores / busy)`` of a core, busy = replicas x busy ranks.
 
-    Past about ``3 ranks`` microbatches, runs are simulated at two lengths a round of ``ranks``
-    microbatches apart (the steady state) and extrapolated linearly: the search prices thousands
-    of layouts, and an event per task would make deep pipelines with many microbatches cost a
-    tenth of a second each.
+    Past about ``4 x ranks`` microbatches, runs are simulated at two lengths a round of
+    ``ranks`` microbatches apart (the steady state) and extrapolated linearly: the search
+    prices thousands of layouts, and an event per task would make deep pipelines with many
+    microbatches cost a tenth of a second each.
     """
     p = ranks or len(forward)
     if len(forward) != len(backward) or len(forward) % p:
