@@ -38,7 +38,14 @@ def calibrate_compute(rank: int, world: int, shape: dict) -> dict:
     the fit's slope is set by the shapes it predicts, not extrapolated, and stacks as deep as
     the layouts' stages (2 and 4 blocks: the per-block time grows with the activations held,
     ~5% from 1-2 to 2-4 blocks here). ``rate`` is the block FLOP/s itself, not capped at the
-    matmul peak: on a machine whose speed drifts the two are measured at different moments."""
+    matmul peak: on a machine whose speed drifts the two are measured at different moments.
+
+    ``all_reduce_small``: the latency probe, a 1-KiB all-reduce over every rank (median of 7, a
+    barrier before each, as ``plait.planner.calibrate`` times it). Why here too, in every job:
+    timed only in the calibration jobs (one per round) it swung 0.4-5.2 ms from round to round
+    in run 15, and the median of three rounds priced every send and latency-bound call of that
+    world 5x dearer than the layouts paid; one per job gives the bench as many samples as
+    layouts, taken when they ran."""
     import torch.distributed as dist
 
     from plait.models.transformer import TransformerConfig
@@ -53,7 +60,26 @@ def calibrate_compute(rank: int, world: int, shape: dict) -> dict:
     rate = 3 * from_transformer_config(cfg).block_flops_per_token(shape["seq"]) / max(
         fit.slope, 1e-12)
     return {"peak": peak, "eff": eff, "rate": rate, "overhead": overhead,
-            "residual": fit.residual}
+            "residual": fit.residual, "all_reduce_small": _small_all_reduce()}
+
+
+def _small_all_reduce(repeats: int = 7) -> float:
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from plait.planner.calibrate import SMALL_BYTES
+
+    buf = torch.ones(SMALL_BYTES // 4)
+    dist.all_reduce(buf)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def probe_shape(model_name: str, global_batch: int, seq: int) -> dict:

@@ -160,8 +160,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def in_group_profile(cluster, cals: list[dict], computes: list[dict], world: int,
                      quiet: bool = False):
     """The profile measured in this world's jobs (medians over ranks and jobs): the group
-    micro-benchmarks from the calibration jobs (``cals``), compute from ``computes`` (compute
-    calibrations: the calibration jobs' and every layout job's). The block rate is the median
+    micro-benchmarks from the calibration jobs (``cals``), compute and the all-reduce latency
+    from ``computes`` (compute calibrations: the calibration jobs' and every layout job's). The block rate is the median
     of the measured rates, not of peak x (efficiency capped at 1): the matmul peak swings with
     the machine's load and the efficiency is measured against it, so separate medians do not
     multiply back to what the blocks achieved."""
@@ -172,6 +172,9 @@ def in_group_profile(cluster, cals: list[dict], computes: list[dict], world: int
     med.update(median_of([{"peak": c["peak"], "rate": c["rate"],
                            "overhead": c["overhead"], "residual": c["residual"]}
                           for c in computes]))
+    small = [c["all_reduce_small"] for c in computes if "all_reduce_small" in c]
+    if small:  # the latency probe of every job (runs before 16: the calibration jobs' only)
+        med[f"all_reduce@{SMALL_BYTES}"] = statistics.median(small)
     alpha = med[f"all_reduce@{SMALL_BYTES}"] / (2 * (world - 1))
     bw = (LARGE_BYTES - SMALL_BYTES) * bus_factor("all_reduce", world) / max(
         med[f"all_reduce@{LARGE_BYTES}"] - med[f"all_reduce@{SMALL_BYTES}"], 1e-9)
