@@ -49,7 +49,8 @@ def calibrate_compute(rank: int, world: int, shape: dict) -> dict:
     import torch.distributed as dist
 
     from plait.models.transformer import TransformerConfig
-    from plait.planner.calibrate import measure_block, measure_matmul
+    from plait.planner.calibrate import (SMALL_BYTES, _allreduce_worker, measure_block,
+                                         measure_matmul)
     from plait.planner.model_stats import from_transformer_config
 
     dist.barrier()
@@ -60,26 +61,8 @@ def calibrate_compute(rank: int, world: int, shape: dict) -> dict:
     rate = 3 * from_transformer_config(cfg).block_flops_per_token(shape["seq"]) / max(
         fit.slope, 1e-12)
     return {"peak": peak, "eff": eff, "rate": rate, "overhead": overhead,
-            "residual": fit.residual, "all_reduce_small": _small_all_reduce()}
-
-
-def _small_all_reduce(repeats: int = 7) -> float:
-    import statistics
-
-    import torch
-    import torch.distributed as dist
-
-    from plait.planner.calibrate import SMALL_BYTES
-
-    buf = torch.ones(SMALL_BYTES // 4)
-    dist.all_reduce(buf)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(buf)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            "residual": fit.residual,
+            "all_reduce_small": _allreduce_worker(rank, world, [SMALL_BYTES], 7)[SMALL_BYTES]}
 
 
 def probe_shape(model_name: str, global_batch: int, seq: int) -> dict:

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN = ROOT / "bench" / "planner_accuracy_cpu_run9.json"
 
 
 @pytest.fixture(scope="module")
@@ -30,67 +29,32 @@ def bench():
     return planner_accuracy
 
 
-@pytest.mark.parametrize("world", ["2", "4"])
-def test_stored_measurements_meet_the_targets(bench, world, capsys):
-    raw = json.loads(RUN.read_text())["measured"][world]["raw"]
+# The stored runs (bench/planner_accuracy_cpu_run<N>.json) and the targets not asserted on one
+# of their worlds, with why. Runs 9-13 timed each step between two barriers, runs 14-16 back to
+# back (as a user's loop runs); run 16 was measured with this cost model.
+RUNS: dict[int, dict[str, set[str]]] = {
+    9: {},
+    14: {},
+    # World 2's rank correlation is 0.75: that run's 1-KiB all-reduce measured 0.4-5.2 ms from
+    # round to round (0.5-1.8 ms in runs 13-14), and its median prices every pipeline send and
+    # the clip all-reduce 5x dearer than in other runs, so two of its three pipelines come out
+    # 9-12% over their measured time and swap ranks with the ZeRO layouts (docs/planner.md,
+    # "What is still off"; since run 16 the probe runs in every job).
+    15: {"2": {"spearman"}},
+    16: {},
+}
+TARGETS = {"median_abs_error": lambda v: v <= 0.15,
+           "spearman": lambda v: v >= 0.8 - 1e-9,   # run 16, world 2: exactly 0.8
+           "pick_vs_best": lambda v: v <= 0.10}
+
+
+@pytest.mark.parametrize("run,world", [(r, w) for r in RUNS for w in ("2", "4")])
+def test_stored_runs_meet_the_targets(bench, run, world, capsys):
+    path = ROOT / "bench" / f"planner_accuracy_cpu_run{run}.json"
+    raw = json.loads(path.read_text())["measured"][world]["raw"]
     got = bench.report_world(int(world), raw, 0.0)
     assert len(got["rows"]) == 16
-    assert got["median_abs_error"] <= 0.15
-    assert got["spearman"] >= 0.8
-    assert got["pick_vs_best"] <= 0.10
+    for key, holds in TARGETS.items():
+        if key not in RUNS[run].get(world, set()):
+            assert holds(got[key]), f"run {run}, world {world}: {key} = {got[key]:.3f}"
     assert "median |error|" in capsys.readouterr().out
-
-
-RUN14 = ROOT / "bench" / "planner_accuracy_cpu_run14.json"
-
-
-@pytest.mark.parametrize("world", ["2", "4"])
-def test_run14_meets_the_targets(bench, world, capsys):
-    """Run 14, the first timed back to back (no barrier between steps, as a user's loop runs;
-    runs 9-13 put one around every step, which added 20-30 ms to a world-4 step), with finalist
-    rounds, CPU accounting and the zero-bubble probe: every target holds at both worlds."""
-    raw = json.loads(RUN14.read_text())["measured"][world]["raw"]
-    got = bench.report_world(int(world), raw, 0.0)
-    assert len(got["rows"]) == 16
-    assert got["median_abs_error"] <= 0.15
-    assert got["spearman"] >= 0.8
-    assert got["pick_vs_best"] <= 0.10
-    capsys.readouterr()
-
-
-RUN15 = ROOT / "bench" / "planner_accuracy_cpu_run15.json"
-
-
-@pytest.mark.parametrize("world", ["2", "4"])
-def test_run15_error_and_pick_hold(bench, world, capsys):
-    """Run 15, the same method as run 14: median error and the pick hold at both worlds, the
-    rank correlation at world 4. World 2's rank correlation is 0.75 (target 0.8): that run's
-    1-KiB all-reduce measured 0.4-5.2 ms from round to round (0.5-1.8 ms in runs 13-14), and its
-    median prices every pipeline send and the clip all-reduce 5x dearer than in other runs, so
-    two of its three pipelines come out 9-12% over their measured time and swap ranks with the ZeRO
-    layouts. Recorded, not asserted: docs/planner.md, "Run 14"."""
-    raw = json.loads(RUN15.read_text())["measured"][world]["raw"]
-    got = bench.report_world(int(world), raw, 0.0)
-    assert len(got["rows"]) == 16
-    assert got["median_abs_error"] <= 0.15
-    assert got["pick_vs_best"] <= 0.10
-    if world == "4":
-        assert got["spearman"] >= 0.8
-    capsys.readouterr()
-
-
-RUN16 = ROOT / "bench" / "planner_accuracy_cpu_run16.json"
-
-
-@pytest.mark.parametrize("world", ["2", "4"])
-def test_run16_meets_the_targets(bench, world, capsys):
-    """Run 16, measured with this cost model (the clip all-reduce priced) and the latency probe
-    in every job: every target holds at both worlds (world 2's rank correlation exactly at its
-    target, 0.80, in a run whose rounds were noisy: noise floor 9.2%)."""
-    raw = json.loads(RUN16.read_text())["measured"][world]["raw"]
-    got = bench.report_world(int(world), raw, 0.0)
-    assert len(got["rows"]) == 16
-    assert got["median_abs_error"] <= 0.15
-    assert got["spearman"] >= 0.8 - 1e-9
-    assert got["pick_vs_best"] <= 0.10
-    capsys.readouterr()
