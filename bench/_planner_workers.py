@@ -93,7 +93,7 @@ def layout_job(rank: int, world: int, plan: dict, model_name: str, global_batch:
     not free -- each is a small all-reduce (~7 ms on 4 ranks sharing 2 cores here), and on shared
     cores it also reshuffles which rank runs when. Timed both ways (bench/step_barriers.py, world
     4), barriers changed a layout's step by -15..+22% round by round, unequally between layouts
-    and sessions (docs/planner.md, run 14): not a constant the model could add. Ranks still
+    and runs (docs/planner.md, run 14): not a constant the model could add. Ranks still
     wait for each other where the layout makes them (gradient syncs, pipeline sends): that is
     part of the step.
 
