@@ -161,10 +161,10 @@ def in_group_profile(cluster, cals: list[dict], computes: list[dict], world: int
                      quiet: bool = False):
     """The profile measured in this world's jobs (medians over ranks and jobs): the group
     micro-benchmarks from the calibration jobs (``cals``), compute and the all-reduce latency
-    from ``computes`` (compute calibrations: the calibration jobs' and every layout job's). The block rate is the median
-    of the measured rates, not of peak x (efficiency capped at 1): the matmul peak swings with
-    the machine's load and the efficiency is measured against it, so separate medians do not
-    multiply back to what the blocks achieved."""
+    from ``computes`` (compute calibrations: the calibration jobs' and every layout job's). The
+    block rate is the median of the measured rates, not of peak x (efficiency capped at 1): the
+    matmul peak swings with the machine's load and the efficiency is measured against it, so
+    separate medians do not multiply back to what the blocks achieved."""
     from plait.comm.volumes import bus_factor
     from plait.planner.calibrate import LARGE_BYTES, SMALL_BYTES, derive_constants, median_of
 
@@ -376,9 +376,10 @@ def measured(args) -> dict:
             for rnd in range(args.final_rounds):
                 for job in (final if rnd % 2 == 0 else final[::-1]):
                     run_layout(raw, job, plans[job], args, world, shape)
+            rounds = f"{args.final_rounds} more round{'s' if args.final_rounds != 1 else ''}"
             print(f"  finalists (the pick and its measured rivals): "
-                  f"{', '.join(plans[j].describe() for j in final)}; {args.final_rounds} more "
-                  f"round{'s' if args.final_rounds != 1 else ''} each, back to back, in {time.perf_counter() - t0:.0f} s", flush=True)
+                  f"{', '.join(plans[j].describe() for j in final)}; {rounds} each, back to "
+                  f"back, in {time.perf_counter() - t0:.0f} s", flush=True)
         results[world] = report_world(world, raw, t_start)
     return results
 
