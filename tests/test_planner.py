@@ -514,6 +514,18 @@ def test_per_tensor_and_per_unit_terms():
     hsdp = Plan(dp_replicate=2, dp_shard=2, zero=3)
     assert evaluate(hsdp, m, c4, work, units).step_time_s == pytest.approx(
         evaluate(hsdp, m, c4, work, base).step_time_s + 5 * 0.1)
+    # FSDP2's post-backward per unit and gradient sync (once per optimizer step without a
+    # pipeline: no sync while accumulating), ZeRO-3's backward re-gather per block and
+    # micro-step; a pipeline syncs every stage in turn (no overlap) and re-gathers per microbatch
+    fk = Constants(overlap=False, fsdp_reduce_s=0.1, fsdp_regather_s=0.01)
+    for plan, world, extra in ((Plan(dp_shard=2, zero=2, grad_accum=2), 2, 5 * 0.1),
+                               (Plan(dp_shard=2, zero=3, grad_accum=2), 2, 5 * 0.1 + 4 * 2 * 0.01),
+                               (Plan(dp_shard=2, zero=1, grad_accum=2), 2, 0.0),
+                               (Plan(pp=2, dp_shard=2, zero=3, microbatches=2), 4,
+                                2 * 3 * 0.1 + 2 * 2 * 0.01)):
+        cw = c if world == 2 else c4
+        assert evaluate(plan, m, cw, work, fk).step_time_s == pytest.approx(
+            evaluate(plan, m, cw, work, base).step_time_s + extra), plan.describe()
     micro = evaluate(Plan(dp_replicate=2, grad_accum=4), m, c, work,
                      Constants(overlap=False, micro_overhead_s=0.01))
     plain = evaluate(Plan(dp_replicate=2, grad_accum=4), m, c, work, base)
@@ -539,8 +551,11 @@ def test_derive_constants_inverts_the_cost_model():
         raw[f"{kind}@{n1}"], raw[f"{kind}@{n2}"] = 1e-3 + n1 * per, 1e-3 + n2 * per
     unit_bytes = 4096
     gather = alpha + 3e-4 + unit_bytes * 0.5 / bw * 2.0
-    raw.update(fsdp_plain=1e-3, fsdp_nosync=1e-3 + FSDP_UNITS * (gather + 1.5e-3),
-               fsdp_unit_bytes=unit_bytes)
+    scatter = alpha + 2e-4 + unit_bytes * 0.5 / bw * 3.0
+    nosync = 1e-3 + FSDP_UNITS * (gather + 1.5e-3)
+    sync = nosync + FSDP_UNITS * (scatter + 0.7e-3)
+    raw.update(fsdp_plain=1e-3, fsdp_nosync=nosync, fsdp_sync=sync,
+               fsdp_zero3=sync + FSDP_UNITS * (gather + 2.5e-3), fsdp_unit_bytes=unit_bytes)
     tokens = PROBE["batch"] * PROBE["seq"]
     head = 6 * PROBE["dim"] * PROBE["vocab"] * tokens / rate
     block, outside = 0.01, head + 0.002
@@ -560,6 +575,8 @@ def test_derive_constants_inverts_the_cost_model():
     assert got["tensor_step_s"] == pytest.approx(2e-5)
     assert got["dtensor_step_s"] == pytest.approx(4e-4)
     assert got["fsdp_unit_s"] == pytest.approx(1.5e-3)
+    assert got["fsdp_reduce_s"] == pytest.approx(0.7e-3)
+    assert got["fsdp_regather_s"] == pytest.approx(2.5e-3)
     assert got["micro_overhead_s"] == pytest.approx(0.002)
     assert "tp_block_overhead_s" not in got  # no TP probe timed
     assert got["zb_call_s"] == pytest.approx(0.9e-3)
@@ -609,7 +626,8 @@ def test_group_calibration_runs_on_real_processes():
 
     raw = median_of(run_distributed(measure_group, 2, 1, timeout=240))
     assert all(v > 0 for k, v in raw.items() if k != "world")
-    assert {"zb_full@1", "zb_split@2", "probe_tp@2", "fsdp_nosync"} <= set(raw)
+    assert {"zb_full@1", "zb_split@2", "probe_tp@2", "fsdp_nosync", "fsdp_sync",
+            "fsdp_zero3"} <= set(raw)
     got = derive_constants(raw, alpha=2e-4, bw=1e9, rate=5e10)
     for key, kind in CALIBRATED_KEYS:
         if kind is float and key not in ("block_overhead_s", "link_efficiency"):

@@ -30,6 +30,7 @@ CALIBRATED_KEYS = (("block_overhead_s", float), ("overlap", bool), ("link_effici
                    ("all_gather_call_s", float), ("reduce_scatter_call_s", float),
                    ("broadcast_call_s", float), ("micro_overhead_s", float),
                    ("tensor_step_s", float), ("dtensor_step_s", float), ("fsdp_unit_s", float),
+                   ("fsdp_reduce_s", float), ("fsdp_regather_s", float),
                    ("tp_block_overhead_s", float), ("tp_micro_overhead_s", float),
                    ("zb_call_s", float), ("zb_backward_factor", float))
 

@@ -306,10 +306,19 @@ def _tensor_step_timings(world: int, rounds: int) -> dict:
 
 def _fsdp_timings(world: int, rounds: int) -> dict:
     """Seconds for forward+backward of FSDP_UNITS reference blocks (PROBE dims), each its own
-    fully_shard unit (ZeRO-2, gradient sync off: one all-gather per unit and micro-step, no
-    reduce-scatter), and of the same plain stack: the difference is FSDP2's cost per unit and
-    micro-step (hooks, per-tensor copy-in/out, the gather). Real blocks, not toy layers, since
-    FSDP2's copies scale with the unit's tensors."""
+    fully_shard unit, and of the same plain stack, in three FSDP2 variants: ZeRO-2 with the
+    gradient sync off (one all-gather per unit and micro-step, no reduce-scatter), ZeRO-2 with
+    it on (plus a reduce-scatter per unit) and ZeRO-3 (plus a second all-gather per unit, in
+    backward). The differences are FSDP2's cost per unit and micro-step (hooks, per-tensor
+    copy-in/out, the gather), per gradient reduce (the post-backward: copy-in, reduce-scatter,
+    the sharded gradient's accumulation) and per backward re-gather.
+
+    Why the reduce and the re-gather are measured here too, not priced from the collective
+    micro-benchmarks alone: at world 2 on this VM FSDP2's post-backward cost 1-4 ms per unit
+    and ZeRO-3's re-gather ~3 ms, 2-4x the bare collectives, and the model priced ZeRO-2/3 8-28%
+    under their measured steps (runs 9-16, docs/planner.md). Real blocks, not toy layers, since
+    FSDP2's copies scale with the unit's tensors; a batch of PROBE's size, as the layouts run
+    microbatches of 1-8 sequences."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -325,18 +334,30 @@ def _fsdp_timings(world: int, rounds: int) -> dict:
     def stack():
         torch.manual_seed(0)
         return torch.nn.Sequential(*[Block(cfg) for _ in range(FSDP_UNITS)])
-    plain, sharded = stack(), stack()
-    unit_bytes = sum(t.numel() for t in sharded[0].parameters()) * 4
-    for unit in sharded:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
-    fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
-    use_gloo_collectives(sharded, mesh.get_group(), "cpu")  # as plait.parallel.fsdp does
-    sharded.set_requires_gradient_sync(False)
-    x = torch.randn(1, p["seq"], p["dim"])
-    got = _interleaved({"plain": lambda: plain(x).sum().backward(),
-                        "fsdp": lambda: sharded(x).sum().backward()}, rounds)
-    return {"fsdp_plain": got["plain"], "fsdp_nosync": got["fsdp"],
-            "fsdp_unit_bytes": unit_bytes}
+
+    def sharded(reshard: bool, sync: bool) -> torch.nn.Module:
+        module = stack()
+        for unit in module:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(module, mesh=mesh, reshard_after_forward=False)
+        use_gloo_collectives(module, mesh.get_group(), "cpu")  # as plait.parallel.fsdp does
+        module.set_requires_gradient_sync(sync)
+        return module
+
+    plain = stack()
+    mods = {"fsdp_nosync": sharded(False, False), "fsdp_sync": sharded(False, True),
+            "fsdp_zero3": sharded(True, True)}
+    unit_bytes = sum(t.numel() for t in plain[0].parameters()) * 4
+    x = torch.randn(p["batch"], p["seq"], p["dim"])
+
+    def step(module: torch.nn.Module) -> None:
+        module(x).sum().backward()
+        module.zero_grad(set_to_none=True)  # as a training step leaves them
+    fns = {"fsdp_plain": lambda: step(plain)}
+    fns.update({k: (lambda m=m: step(m)) for k, m in mods.items()})
+    out = _interleaved(fns, rounds)
+    out["fsdp_unit_bytes"] = unit_bytes
+    return out
 
 
 def _probe_timings(world: int, rounds: int) -> dict:
@@ -445,6 +466,9 @@ def derive_constants(raw: dict, *, alpha: float, bw: float, rate: float) -> dict
       issues them (may be below the latency: they overlap);
     * ``tensor_step_s`` / ``dtensor_step_s``: slope of clip + AdamW + zero_grad over tensors;
     * ``fsdp_unit_s``: FSDP2 stack minus plain stack per unit, minus one modelled all-gather;
+      ``fsdp_reduce_s``: with the gradient sync on minus off, per unit, minus one modelled
+      reduce-scatter; ``fsdp_regather_s``: ZeRO-3 minus ZeRO-2 (both syncing), per unit, minus
+      one modelled all-gather;
     * ``micro_overhead_s``: the probe model's time outside its blocks (1 block minus the 2-1
       difference) minus the head's FLOPs at ``rate``;
     * ``tp_block_overhead_s``: the TP+SP per-block time minus half the plain per-block time
@@ -487,6 +511,13 @@ def derive_constants(raw: dict, *, alpha: float, bw: float, rate: float) -> dict
     gather = collective_time(Traffic("dp_shard", "all_gather", raw["fsdp_unit_bytes"], 1, world),
                              cluster, 1, c)
     out["fsdp_unit_s"] = max(0.0, (raw["fsdp_nosync"] - raw["fsdp_plain"]) / FSDP_UNITS - gather)
+    if "fsdp_sync" in raw:  # profiles before run 17 did not measure them
+        scatter = collective_time(Traffic("dp_shard", "reduce_scatter", raw["fsdp_unit_bytes"], 1,
+                                          world), cluster, 1, c)
+        out["fsdp_reduce_s"] = max(0.0, (raw["fsdp_sync"] - raw["fsdp_nosync"]) / FSDP_UNITS
+                                   - scatter)
+        out["fsdp_regather_s"] = max(0.0, (raw["fsdp_zero3"] - raw["fsdp_sync"]) / FSDP_UNITS
+                                     - gather)
     p = PROBE
     tokens = p["batch"] * p["seq"]
     head = 3 * 2 * p["dim"] * p["vocab"] * tokens / rate

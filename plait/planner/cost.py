@@ -93,6 +93,11 @@ class Constants:
     # FSDP2 per unit (a fully_shard-ed block or root) per micro-step beyond its collectives:
     # pre/post forward and backward hooks, copy-in/out of the flat buffers.
     fsdp_unit_s: float = 0.0
+    # FSDP2 beyond the modelled collective, per unit: per gradient reduce (the post-backward
+    # hook, the reduce-scatter's copy-in and the sharded gradient's write) and, under ZeRO-3,
+    # per re-gather in backward (the copy-out into the unsharded parameters). 0 on GPU presets.
+    fsdp_reduce_s: float = 0.0
+    fsdp_regather_s: float = 0.0
     # Tensor parallelism beyond compute / tp and the modelled TP collectives: per block per
     # microbatch (DTensor dispatch and redistribution in the block), and per microbatch outside
     # the blocks (vocabulary-parallel embedding, loss_parallel).
@@ -604,9 +609,20 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
             out.append((Traffic("dp_shard", "all_gather", payload, calls, S, "params"), tp))
         return out
 
+    def fsdp_time(r: int) -> tuple[float, float]:
+        """FSDP2's per-unit costs beyond the collectives on pipeline rank r, per optimizer
+        step: (its gradient reduces, its ZeRO-3 backward re-gathers)."""
+        if not (zero >= 2 and S > 1):
+            return 0.0, 0.0
+        units = rank_state(r)[2]
+        reduce = c.fsdp_reduce_s * units * syncs
+        # ZeRO-3 gathers each block once more per backward than ZeRO-2 (the root never)
+        per_block = (m if pp > 1 else 1) * steps if zero == 3 else 0
+        return reduce, c.fsdp_regather_s * (units - 1) * per_block
+
     def grad_sync_time(r: int) -> float:
         return sum(collective_time(t, cluster, stride, c) for t, stride in dp_traffic(r)
-                   if t.what == "grads")
+                   if t.what == "grads") + fsdp_time(r)[0]
 
     P, _, _, tensors = rank_state(r_busy)  # for the optimizer and per-tensor terms
     traffic_dp = dp_traffic(r_busy)
@@ -619,6 +635,9 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
             ag_time += ct
         else:
             gather_time += ct
+    fsdp_reduce, fsdp_regather = fsdp_time(r_busy)
+    grad_time += fsdp_reduce
+    ag_time += fsdp_regather
     bwd_window = rank_time[r_busy] * (2 + replay) / (3 + replay)
     exposed_grad = max(0.0, grad_time - bwd_window) if c.overlap else grad_time
     if pp > 1 and not c.overlap and grad_time:
