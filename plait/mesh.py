@@ -19,6 +19,7 @@ from .plan import MESH_AXES, Plan
 # Flattened views built on every mesh.
 DP = "dp"                    # dp_replicate x dp_shard: ranks that see different batches
 DP_SHARD_CP = "dp_shard_cp"  # what FSDP shards over (cp is reserved and 1 today)
+DP_SHARD_TP = "dp_shard_tp"  # FSDP x TP: the gradient norm's one all-reduce (see build_mesh)
 
 
 @dataclass
@@ -65,4 +66,11 @@ def build_mesh(plan: Plan, device_type: str, world_size: int) -> Mesh:
         DP: root["dp_replicate", "dp_shard"]._flatten(DP),
         DP_SHARD_CP: root["dp_shard", "cp"]._flatten(DP_SHARD_CP),
     }
+    if plan.tp > 1 and plan.dp_shard * plan.dp_replicate > 1:
+        # Data parallelism over TP goes through FSDP2 (plait.parallel.fsdp), whose parameters'
+        # gradient norms are partial over dp_shard and tp (dp_shard of size 1 included, under
+        # replicated DP); DTensor reduces them in one all-reduce when the root mesh has this
+        # flattened view, and in two sequential ones (one latency more per step, and a warning)
+        # when it does not. Built only there: a flattened view creates process groups.
+        flat[DP_SHARD_TP] = root["dp_shard", "tp"]._flatten(DP_SHARD_TP)
     return Mesh(plan=plan, root=root, flat=flat)

@@ -26,7 +26,8 @@ from the strategy, so that the prediction can be compared with the ledger row by
   ``plait.parallel.tensor``): 2 per block + the final norm, ``hidden`` fp32 elements each.
 * Gradient clipping (``plan.grad_clip``, default on): ``get_total_norm`` over DTensor gradients
   (FSDP2, TP) all-reduces one fp32 norm per parameter tensor on every mesh axis the gradients
-  are sharded on; with pipelines the squared norm (one fp32) is all-reduced over ``pp``.
+  are sharded on, in one call over the flattened ``dp_shard_tp`` view where they are sharded on
+  both (``plait.mesh``); with pipelines the squared norm (one fp32) is all-reduced over ``pp``.
 * PP: per microbatch and boundary one activation sent forward, one gradient sent back
   (``volumes.pp_traffic`` per stage this rank holds).
 """
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .volumes import Traffic, ddp_traffic, dtype_bytes, pp_traffic, tp_traffic, zero_traffic
+from ..mesh import DP_SHARD_TP
 
 FP32 = 4
 
@@ -192,9 +194,15 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
             out.append(Traffic("pp", "send_recv", per * n, n, 2, "activations and grads"))
     # ---------------------------------------------------------------- gradient clipping
     if plan.grad_clip:
-        for axis in local.clip_axes:
+        axes, sizes = list(local.clip_axes), {a: getattr(plan, a) for a in local.clip_axes}
+        if {"dp_shard", "tp"} <= set(axes):
+            # plait.mesh builds the flattened (dp_shard, tp) view, so DTensor reduces norms
+            # partial over both axes in one all-reduce over it, not one per axis
+            axes = [a for a in axes if a not in ("dp_shard", "tp")] + [DP_SHARD_TP]
+            sizes[DP_SHARD_TP] = plan.dp_shard * plan.tp
+        for axis in axes:
             out.append(Traffic(axis, "all_reduce", float(local.tensors) * FP32, 1,
-                               getattr(plan, axis), "clip: per-tensor norms"))
+                               sizes[axis], "clip: per-tensor norms"))
         if pp > 1:
             out.append(Traffic("pp", "all_reduce", float(FP32), 1, pp, "clip: squared norm"))
     return out
