@@ -38,8 +38,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from .volumes import Traffic, ddp_traffic, dtype_bytes, pp_traffic, tp_traffic, zero_traffic
 from ..mesh import DP_SHARD_TP
+from .volumes import Traffic, ddp_traffic, dtype_bytes, pp_traffic, tp_traffic, zero_traffic
 
 FP32 = 4
 

@@ -324,7 +324,7 @@ def _fsdp_timings(world: int, rounds: int) -> dict:
     it on (plus a reduce-scatter per unit) and ZeRO-3 (plus a second all-gather per unit, in
     backward). The differences are FSDP2's cost per unit and micro-step (hooks, per-tensor
     copy-in/out, the gather), per gradient reduce (the post-backward: copy-in, reduce-scatter,
-    the sharded gradient's accumulation) and per backward re-gather.
+    writing the sharded gradient) and per backward re-gather (the gather and its copy-out).
 
     Why the reduce and the re-gather are measured here too, not priced from the collective
     micro-benchmarks alone: at world 2 on this VM FSDP2's post-backward cost 1-4 ms per unit
