@@ -77,7 +77,8 @@ def probe_shape(model_name: str, global_batch: int, seq: int) -> dict:
 
 
 def layout_job(rank: int, world: int, plan: dict, model_name: str, global_batch: int, seq: int,
-               steps: int, warmup: int, shape: dict) -> dict | str:
+               steps: int, warmup: int, shape: dict | None, barriers: bool = False
+               ) -> dict | str:
     """``steps`` training steps of one layout, back to back after ``warmup`` discarded ones
     (allocator, DDP bucket rebuild, pipeline shape inference), and a compute calibration taken
     right after them in the same processes (``compute``), or the error that stopped it.
@@ -101,7 +102,12 @@ def layout_job(rank: int, world: int, plan: dict, model_name: str, global_batch:
     (a shared VM), far more than the layouts differ, so a few calibrations taken at other
     moments mislead; one per job, spread evenly over the run and taken in the state a user's job
     is in (one model and its optimizer held), gives a median that saw what the layouts saw. The
-    bench uses the median over every job of the world, never a layout's own figure."""
+    bench uses the median over every job of the world, never a layout's own figure. ``shape``
+    None skips it (``compute`` is None).
+
+    ``barriers`` (bench/step_barriers.py, the bench's method before run 14): a barrier before
+    and after every step, and ``timed``, each step's time on this rank up to the end of the
+    barrier after it."""
     import torch
     import torch.distributed as dist
 
@@ -119,23 +125,28 @@ def layout_job(rank: int, world: int, plan: dict, model_name: str, global_batch:
         model = run.parallelize(build(cfg, seed=0))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         local = global_batch // run.dp_size
-        ends, cpu, start = [], [], 0.0
+        ends, cpu, timed, start = [], [], [], 0.0
         for k in range(warmup + steps):
             j = k % n_batches
             rows = data[j * global_batch + run.dp_rank * local:
                         j * global_batch + (run.dp_rank + 1) * local]
-            if k == warmup:
+            if barriers or k == warmup:
                 dist.barrier()
-                start = time.monotonic()
+            t0 = time.monotonic()
+            if k == warmup:
+                start = t0
             r0 = _cpu_seconds()
             run.step(model, (rows[:, :-1], rows[:, 1:]), lm_loss, opt)
+            if barriers:
+                dist.barrier()
             if k >= warmup:
                 ends.append(time.monotonic())
                 cpu.append(_cpu_seconds() - r0)
+                timed.append(ends[-1] - t0)
         dist.barrier()
-        compute = calibrate_compute(rank, world, shape)
+        compute = calibrate_compute(rank, world, shape) if shape is not None else None
         run.close()
-        return {"start": start, "ends": ends, "cpu": cpu, "compute": compute}
+        return {"start": start, "ends": ends, "cpu": cpu, "timed": timed, "compute": compute}
     except Exception as exc:  # noqa: BLE001 - a layout that does not build or step is reported
         return f"{type(exc).__name__}: {str(exc)[:200]}"
 

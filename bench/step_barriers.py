@@ -17,53 +17,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def job(rank: int, world: int, plan: dict, barriers: bool, steps: int = 8, warmup: int = 2
-        ) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    import plait
-    from plait.models.transformer import build, lm_loss, preset
-    from plait.plan import Plan
-
-    torch.set_num_threads(1)
-    cfg = preset("tiny").replace(max_seq_len=128)
-    batch = 16
-    data = torch.randint(0, cfg.vocab_size, (4 * batch, 129),
-                         generator=torch.Generator().manual_seed(1))
-    run = plait.init(Plan.from_dict(plan), quiet=True)
-    model = run.parallelize(build(cfg, seed=0))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-    local = batch // run.dp_size
-    start, ends, timed = 0.0, [], []
-    for k in range(warmup + steps):
-        j = (k % 4) * batch + run.dp_rank * local
-        rows = data[j:j + local]
-        if barriers or k == warmup:
-            dist.barrier()
-        t0 = time.monotonic()
-        if k == warmup:
-            start = t0
-        run.step(model, (rows[:, :-1], rows[:, 1:]), lm_loss, opt)
-        if barriers:
-            dist.barrier()
-        if k >= warmup:
-            ends.append(time.monotonic())
-            timed.append(ends[-1] - t0)
-    dist.barrier()
-    run.close()
-    return {"start": start, "ends": ends, "timed": timed}
-
-
 def main(argv=None) -> int:
-    from _planner_workers import step_times
+    from _planner_workers import layout_job, step_times
 
     from plait.plan import Plan
     from plait.spawn import run_distributed
@@ -82,8 +43,11 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for name, plan in plans.items():
             for mode in ("barrier", "back-to-back"):
-                ranks = run_distributed(job, args.world, plan.to_dict(), mode == "barrier",
-                                        timeout=300)
+                ranks = run_distributed(layout_job, args.world, plan.to_dict(), "tiny", 16, 128,
+                                        8, 2, None, mode == "barrier", timeout=300)
+                bad = next((r for r in ranks if isinstance(r, str)), None)
+                if bad is not None:
+                    raise SystemExit(f"{name}: {bad}")
                 if mode == "barrier":
                     steps = [max(ts) for ts in zip(*(r["timed"] for r in ranks))]
                 else:
