@@ -8,12 +8,13 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: demo test test-slow test-fast bench clean help
+.PHONY: demo test test-slow test-fast lint bench clean help
 
 help:
 	@echo "make demo       train the tiny transformer on 2 CPU processes (plan, progress, loss, ledger)"
 	@echo "make test       the whole suite (multi-process cases included, slow ones in a cheap form)"
 	@echo "make test-slow  also the long cases marked slow"
+	@echo "make lint       ruff (pyflakes, pycodestyle, isort, bugbear, naming, pyupgrade) and mypy"
 	@echo "make bench      the side-by-side benchmarks in bench/"
 
 $(STAMP): pyproject.toml constraints-dev.txt
@@ -30,6 +31,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PYTEST) -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	for f in bench/[!_]*.py; do echo "== $$f"; PYTHONPATH=. $(BIN)/python $$f || exit 1; done

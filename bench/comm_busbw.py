@@ -69,7 +69,7 @@ def worker(rank: int, world: int, sizes: list[int], iters: int | None, warmup: i
                 else:
                     t = raw_seconds(size, n, warmup)
                     raw.append(max(1, size // 4) * 4 / t / 1e9 * factor)
-        ratios = [a / b for a, b in zip(ours, raw)]
+        ratios = [a / b for a, b in zip(ours, raw, strict=True)]
         q1, mid, q3 = (statistics.quantiles(ratios, n=4, method="inclusive") if rounds > 1
                        else (ratios[0],) * 3)
         out.append({"size_bytes": size_bytes, "iters": n, "plait_busbw": statistics.median(ours),

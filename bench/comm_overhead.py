@@ -92,7 +92,7 @@ def summarise(res: list[dict], steps: int) -> dict:
     for kind, combine in (("wall", max), ("cpu", sum)):
         on = [combine(r[f"{kind}_on"][i] for r in res) for i in range(steps)]
         off = [combine(r[f"{kind}_off"][i] for r in res) for i in range(steps)]
-        ratios = [a / b for a, b in zip(on, off)]
+        ratios = [a / b for a, b in zip(on, off, strict=True)]
         lo, mid, hi = _quartiles(ratios)
         out[kind] = {"on": statistics.median(on), "off": statistics.median(off),
                      "ratio": mid, "q1": lo, "q3": hi, "best": min(on) / min(off)}

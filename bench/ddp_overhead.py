@@ -33,10 +33,10 @@ def worker(rank: int, world: int, model_name: str, rounds: int, steps: int, batc
     loader = DistributedLoader(TextDataset(seq_len=seq), batch, dp_rank=rank, dp_size=world)
     times: dict[str, list[float]] = {"plait": [], "raw": []}
 
-    def raw_step(x, y):
-        loss = lm_loss(raw(x), y)
+    def raw_step(model, x, y):
+        loss = lm_loss(model(x), y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt_raw.step()
         opt_raw.zero_grad(set_to_none=True)
 
@@ -51,7 +51,7 @@ def worker(rank: int, world: int, model_name: str, rounds: int, steps: int, batc
                 if name == "plait":
                     run.step(ours, (x, y), lm_loss, opt_ours)
                 else:
-                    raw_step(x, y)
+                    raw_step(raw, x, y)
                 if r:
                     times[name].append(time.perf_counter() - t0)
     del raw, ours

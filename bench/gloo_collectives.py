@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def worker(rank: int, world: int, numel: int, rounds: int) -> dict[str, float]:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -119,7 +120,7 @@ def worker(rank: int, world: int, calls: int, rounds: int, time_every: int) -> l
             row[f"{kind}_off_us"] = statistics.median(x[i] for x in off) * 1e6
             for side in ("bare", "on"):
                 row[f"{kind}_{side}_us"] = statistics.median(
-                    a[i] - b[i] for a, b in zip(got[side], off)) * 1e6
+                    a[i] - b[i] for a, b in zip(got[side], off, strict=True)) * 1e6
         out.append(row)
     return out
 

@@ -39,7 +39,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from plait.spawn import run_distributed  # noqa: E402
+from plait.spawn import run_distributed
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2),
              ("interleaved_zb", 2), ("zbv", 2)]

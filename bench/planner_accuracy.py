@@ -36,13 +36,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from plait.planner import constants_for  # noqa: E402
-from plait.planner.cost import DEFAULT_CONSTANTS, Constants, Workload, evaluate  # noqa: E402
-from plait.planner.hardware import load_cluster, save_cluster  # noqa: E402
-from plait.planner.model_stats import load_model  # noqa: E402
-from plait.planner.published import (NARAYANAN_2021, SEQ, VOCAB, megatron_flops,  # noqa: E402
-                                     row_setup)
-from plait.planner.search import search  # noqa: E402
+from plait.planner import constants_for
+from plait.planner.cost import DEFAULT_CONSTANTS, Constants, Workload, evaluate
+from plait.planner.hardware import load_cluster, save_cluster
+from plait.planner.model_stats import load_model
+from plait.planner.published import NARAYANAN_2021, SEQ, VOCAB, megatron_flops, row_setup
+from plait.planner.search import search
 
 
 # ----------------------------------------------------------------------------- published
@@ -152,7 +151,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
         return r
     rx, ry = ranks(xs), ranks(ys)
     mx, my = statistics.mean(rx), statistics.mean(ry)
-    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
     den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
     return num / den if den else float("nan")
 
@@ -320,7 +319,7 @@ def finalists(raw: dict, plans: list, cluster, world: int, model, work, count: i
 def round_times(got: list) -> list[float]:
     """A step's time is its slowest rank's (runs 9-13 stored one list per rank; later runs one
     list per job, already the latest rank's); a round's, the median of its steps."""
-    return [statistics.median(max(ts) for ts in zip(*ranks)) for ranks in got]
+    return [statistics.median(max(ts) for ts in zip(*ranks, strict=True)) for ranks in got]
 
 
 def layout_time(got: list) -> float:
@@ -413,7 +412,7 @@ def report_world(world: int, raw: dict, t_start: float) -> dict:
     c, constants_w = in_group_profile(cluster, cals, cals + sum(computes, []), world)
     out: dict = {"raw": raw}
     rows = []
-    for i, (p, got, comp) in enumerate(zip(plans, got_all, computes)):
+    for i, (p, got, comp) in enumerate(zip(plans, got_all, computes, strict=True)):
         pred = evaluate(p, model, c, work, constants_w)  # the world's profile
         if isinstance(got, str):
             print(f"  {p.describe():<62} failed: {got}")
@@ -430,8 +429,8 @@ def report_world(world: int, raw: dict, t_start: float) -> dict:
             # cores busy: CPU seconds of all ranks over (cores x the step's wall time), per step
             busy = statistics.median(
                 sum(cs) / (cores * max(ts))
-                for ranks, cranks in zip(got, cpu_all[i])
-                for ts, cs in zip(zip(*ranks), zip(*cranks)))
+                for ranks, cranks in zip(got, cpu_all[i], strict=True)
+                for ts, cs in zip(zip(*ranks, strict=True), zip(*cranks, strict=True), strict=True))
         rows.append((p, pred.step_time_s, meas, spread, per_round, own, busy, i in final))
     print(f"  {'layout':<62} {'predicted s':>11} {'measured s':>10} {'error':>7} "
           f"{'round spread':>12} {'own-jobs error':>14} {'cores busy':>10}")

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
                 if bad is not None:
                     raise SystemExit(f"{name}: {bad}")
                 if mode == "barrier":
-                    steps = [max(ts) for ts in zip(*(r["timed"] for r in ranks))]
+                    steps = [max(ts) for ts in zip(*(r["timed"] for r in ranks), strict=True)]
                 else:
                     steps = step_times(ranks)
                 got[(name, mode)].append(statistics.median(steps))

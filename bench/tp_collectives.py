@@ -16,9 +16,9 @@ import json
 
 def worker(rank: int, world_size: int, plan_string: str, preset: str, batch: int, seq: int
            ) -> dict:
-    import torch
     from collections import Counter
 
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountCollectives(TorchDispatchMode):
@@ -47,7 +47,7 @@ def worker(rank: int, world_size: int, plan_string: str, preset: str, batch: int
     mode = CountCollectives()
     with loss_context(model), mode:
         loss = _forward_loss(model, (tokens[:, :-1], tokens[:, 1:]), lm_loss)
-        fwd, fwd_bytes = dict(mode.counts), dict(mode.bytes)
+        fwd = dict(mode.counts)
         loss.backward()
         bwd_total = dict(mode.counts)
     bwd = {k: v - fwd.get(k, 0) for k, v in bwd_total.items() if v - fwd.get(k, 0)}

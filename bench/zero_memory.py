@@ -54,7 +54,7 @@ class RssSampler:
             self.peak = max(self.peak, current_rss())
             time.sleep(self.interval)
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self._thread.start()
         return self
 
@@ -108,7 +108,7 @@ def main() -> None:
                              "all-to-all ones, plait/parallel/gloo_collectives.py)")
     args = parser.parse_args()
     params = vars(args)
-    layouts = [l for l in LAYOUTS if not args.only or l[0] in args.only.split(",")]
+    layouts = [lay for lay in LAYOUTS if not args.only or lay[0] in args.only.split(",")]
     rows = []
     results: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.repeat):  # interleaved, so load drifts hit every layout alike

@@ -58,7 +58,7 @@ for step in range(STEPS):
 ours = dict(model.module.named_parameters()) if hasattr(model, "module") else dict(
     model.named_parameters())
 diff_manual = max((a - b).abs().max().item()
-                  for a, b in zip(manual.parameters(), single.parameters()))
+                  for a, b in zip(manual.parameters(), single.parameters(), strict=True))
 diff_plait = max((ours[n] - p).abs().max().item() for n, p in single.named_parameters())
 run.print(f"max |param diff| vs one device: by hand {diff_manual:.2e}, plait {diff_plait:.2e}")
 run.finish(print_summary=False)

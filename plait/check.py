@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,7 +82,7 @@ class CheckResult:
                  f"{self.steps} steps (tolerance {self.tolerance:g})",
                  f"  max |loss diff|  {self.max_loss_diff:.3e}",
                  f"  max |param diff| {self.max_param_diff:.3e} ({self.worst_param})"]
-        for i, (a, b) in enumerate(zip(self.losses_reference, self.losses_parallel)):
+        for i, (a, b) in enumerate(zip(self.losses_reference, self.losses_parallel, strict=True)):
             lines.append(f"  step {i + 1}: reference {a:.6f}  parallel {b:.6f}")
         if self.missing:
             lines.append(f"  parameters missing from the parallel run: {self.missing[:5]}")
@@ -194,7 +195,8 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
         diff = (got - ref).abs().max().item() if ref.numel() else 0.0
         if diff > worst or math.isnan(diff):
             worst, worst_name = diff, name
-    loss_diff = max((abs(a - b) for a, b in zip(reference["losses"], parallel["losses"])),
+    pairs = zip(reference["losses"], parallel["losses"], strict=True)
+    loss_diff = max((abs(a - b) for a, b in pairs),
                     default=0.0)
     return CheckResult(plan=plan.to_string(), world_size=plan.world_size, steps=steps,
                        losses_reference=reference["losses"], losses_parallel=parallel["losses"],

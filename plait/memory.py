@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import resource
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist

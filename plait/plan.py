@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 # Order of the named mesh axes, outermost first. The mesh builder and the planner share it.
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -102,7 +103,7 @@ class Plan:
         return {axis: getattr(self, axis) for axis in MESH_AXES}
 
     # ------------------------------------------------------------------ validation
-    def validate(self, world_size: int | None = None) -> "Plan":
+    def validate(self, world_size: int | None = None) -> Plan:
         """Raise ValueError listing every problem; return self when the plan is sound."""
         errors: list[str] = []
         for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "microbatches",
@@ -126,7 +127,8 @@ class Plan:
         if self.cp != 1:
             errors.append(f"cp={self.cp}: context parallelism is reserved and must be 1")
         if self.pp_schedule not in PP_SCHEDULES:
-            errors.append(f"pp_schedule={self.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+            errors.append(f"pp_schedule={self.pp_schedule!r} is not one of "
+                          f"{', '.join(PP_SCHEDULES)}")
         elif self.pp > 1:
             if self.virtual_stages > 1 and self.pp_schedule not in MULTI_STAGE_SCHEDULES:
                 errors.append(f"virtual_stages={self.virtual_stages} needs a multi-stage schedule "
@@ -198,11 +200,11 @@ class Plan:
             extras.append(f"accum={self.grad_accum}")
         return (axes or "single device") + (f" ({', '.join(extras)})" if extras else "")
 
-    def replace(self, **changes: Any) -> "Plan":
+    def replace(self, **changes: Any) -> Plan:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         data = dict(data)
         # Convenience keys: dp means "replicate" without ZeRO and "shard" with it; fsdp=N means
         # dp_shard=N with ZeRO-3.
@@ -227,7 +229,7 @@ class Plan:
         return cls(**kwargs)
 
     @classmethod
-    def from_string(cls, text: str) -> "Plan":
+    def from_string(cls, text: str) -> Plan:
         """Parse ``"dp=2,tp=2,pp=2,schedule=1f1b,mb=4"``; ``"single"`` or ``""`` is one device."""
         text = text.strip()
         if text in ("", "single", "none"):
@@ -247,7 +249,7 @@ class Plan:
         return cls.from_dict(data)
 
     @classmethod
-    def load(cls, source: "Plan | str | Path | Mapping[str, Any] | None") -> "Plan":
+    def load(cls, source: Plan | str | Path | Mapping[str, Any] | None) -> Plan:
         """Accept a Plan, a dict, a plan string, or a path to a .yaml/.yml/.json file."""
         if source is None:
             return cls()

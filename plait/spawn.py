@@ -20,10 +20,12 @@ import gc
 import multiprocessing as mp
 import os
 import pickle
+import queue as queue_mod
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 HOST = "127.0.0.1"
 
@@ -105,7 +107,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                                    f"{timeout:.0f}s (hung collective?)")
             try:
                 status, rank, value = pickle.loads(queue.get(timeout=min(remaining, 1.0)))
-            except Exception:  # queue.Empty: check for workers that died without reporting
+            except queue_mod.Empty:  # check for workers that died without reporting
                 dead = [r for r, p in enumerate(procs)
                         if r not in results and not p.is_alive() and p.exitcode not in (0, None)]
                 if dead:

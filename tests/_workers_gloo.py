@@ -1,4 +1,4 @@
-"""Workers for tests/test_gloo_collectives.py (module-level so spawned processes can import them)."""
+"""Workers for tests/test_gloo_collectives.py (module level: spawned processes import them)."""
 
 from __future__ import annotations
 

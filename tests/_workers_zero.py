@@ -7,8 +7,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from plait.check import (CheckConfig, _build, _global_batches, _make_optimizer, _slice, full_state,
-                         train)
+from plait.check import (
+    CheckConfig,
+    _build,
+    _global_batches,
+    _make_optimizer,
+    _slice,
+    full_state,
+    train,
+)
 from plait.plan import Plan
 
 

@@ -12,7 +12,6 @@ from plait.check import canonical_name, check
 from plait.models.transformer import build, lm_loss
 from plait.parallel.checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from plait.plan import Plan
-
 from tests._workers_zero import DeepMLP
 
 
@@ -22,7 +21,7 @@ def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-@functools.lru_cache(maxsize=None)  # read-only results; `none` is the reference of every case
+@functools.cache  # read-only results; `none` is the reference of every case
 def _loss_grads_saved(mode: str, every: int = 2) -> tuple[float, dict, int]:
     """Loss, gradients by canonical name, and bytes saved for backward outside checkpoints."""
     torch.manual_seed(0)

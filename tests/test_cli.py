@@ -103,7 +103,7 @@ def test_readme_script_one_process_and_launched():
     assert launched.returncode == 0, launched.stderr
     final = {}
     for name, out in (("single", single.stdout), ("dp2", launched.stdout)):
-        line = next(l for l in out.splitlines() if l.startswith("FINAL"))
+        line = next(ln for ln in out.splitlines() if ln.startswith("FINAL"))
         final[name] = (float(line.split()[1]), int(line.split()[2]))
     assert final["single"][1] == 1 and final["dp2"][1] == 2
     assert abs(final["single"][0] - final["dp2"][0]) < 1e-4

@@ -12,8 +12,12 @@ from pathlib import Path
 import pytest
 
 from plait.comm import bench
-from plait.comm.cli import (add_bench_comm_arguments, add_comm_arguments, bench_comm_command,
-                            comm_command)
+from plait.comm.cli import (
+    add_bench_comm_arguments,
+    add_comm_arguments,
+    bench_comm_command,
+    comm_command,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,7 +79,7 @@ def test_busbw_bench_script_runs_both_sides():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert "plait/raw" in lines[1] and len(lines) == 4  # title + header + 1K + 2K
-    for line, size in zip(lines[2:], (1024, 2048)):
+    for line, size in zip(lines[2:], (1024, 2048), strict=True):
         cells = line.split()
         assert int(cells[0]) == size and int(cells[1]) == 2  # size, iters
         ours, raw, ratio, q1, q3, best = map(float, cells[2:])

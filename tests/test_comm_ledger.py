@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import _workers_comm as W
 from plait.comm.cli import comm_worker
 from plait.comm.ledger import Ledger, axis_names_by_ranks
 from plait.comm.predict import by_axis_op, predict
@@ -20,6 +19,7 @@ from plait.comm.report import CommReport, normalise_expected
 from plait.models.transformer import preset
 from plait.plan import Plan
 from plait.spawn import run_distributed
+from tests import _workers_comm as W
 
 CFG = preset(W.MODEL)
 

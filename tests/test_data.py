@@ -32,7 +32,7 @@ def test_deterministic_and_resumable():
     full = [b[0] for b in DistributedLoader(ds, 4, seed=1, steps=6)]
     resumed = DistributedLoader(ds, 4, seed=1, steps=6)
     resumed.load_state_dict({"step": 3, "seed": 1})
-    assert all(torch.equal(a, b[0]) for a, b in zip(full[3:], resumed))
+    assert all(torch.equal(a, b[0]) for a, b in zip(full[3:], resumed, strict=True))
     other = [b[0] for b in DistributedLoader(ds, 4, seed=2, steps=6)]
     assert not torch.equal(full[0], other[0])
 

@@ -21,10 +21,9 @@ def test_ddp_sgd_is_tighter():
 
 def test_check_detects_a_wrong_layout():
     # Different clipping changes the training: the harness must notice (it can fail).
-    from plait.check import compare
+    from plait.check import compare, train_and_collect
     from plait.plan import Plan
     from plait.spawn import run_distributed
-    from plait.check import train_and_collect
 
     cfg = CheckConfig(steps=3, lr=0.05)
     ref = run_distributed(train_and_collect, 1, Plan(grad_clip=None), cfg)[0]

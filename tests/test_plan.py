@@ -36,7 +36,8 @@ def test_world_size_mismatch_names_every_factor():
     with pytest.raises(ValueError) as err:
         Plan.from_string("dp_shard=2,zero=3,tp=3").validate(4)
     msg = str(err.value)
-    for part in ("pp(1)", "dp_replicate(1)", "dp_shard(2)", "cp(1)", "tp(3)", "= 6", "world size 4"):
+    for part in ("pp(1)", "dp_replicate(1)", "dp_shard(2)", "cp(1)", "tp(3)", "= 6",
+                 "world size 4"):
         assert part in msg
 
 

@@ -11,10 +11,15 @@ import pytest
 from plait.comm.volumes import by_axis, ddp_traffic, tp_traffic, zero_traffic
 from plait.models.transformer import PRESETS, TransformerConfig
 from plait.plan import Plan
-from plait.planner import auto_plan, evaluate_plan, plan_model
+from plait.planner import auto_plan
 from plait.planner.cli import add_plan_arguments, plan_command
-from plait.planner.cost import (Constants, Workload, activation_bytes_per_block,
-                                balanced_partition, evaluate)
+from plait.planner.cost import (
+    Constants,
+    Workload,
+    activation_bytes_per_block,
+    balanced_partition,
+    evaluate,
+)
 from plait.planner.hardware import load_cluster, presets
 from plait.planner.model_stats import from_transformer_config, load_model
 from plait.planner.published import NARAYANAN_2021, megatron_flops, row_setup
@@ -124,7 +129,8 @@ def test_estimate_bytes_come_from_the_volume_formulas():
     e = evaluate(Plan(dp_replicate=2, tp=2), m, c, work)
     P = m.num_params // 2  # every parameter is split over tp in the model of the cost
     expected = by_axis(ddp_traffic(P, 2) + tp_traffic(4, 32, m.hidden, m.n_layers, 2, "fp32"))
-    assert e.comm_bytes_per_step["dp_replicate"] == pytest.approx(expected["dp_replicate"], rel=1e-6)
+    dp_bytes = e.comm_bytes_per_step["dp_replicate"]
+    assert dp_bytes == pytest.approx(expected["dp_replicate"], rel=1e-6)
     assert e.comm_bytes_per_step["tp"] == pytest.approx(expected["tp"])
     z = evaluate(Plan(dp_shard=4, zero=3), m, c, work)
     # FSDP2's root unit (embedding, final norm, head) is gathered once per micro-step
@@ -535,8 +541,14 @@ def test_per_tensor_and_per_unit_terms():
 def test_derive_constants_inverts_the_cost_model():
     """Timings synthesised from known constants come back as those constants."""
     from plait.comm.volumes import bus_factor
-    from plait.planner.calibrate import (FSDP_UNITS, LARGE_BYTES, PROBE, SMALL_BYTES,
-                                         TENSOR_COUNTS, derive_constants)
+    from plait.planner.calibrate import (
+        FSDP_UNITS,
+        LARGE_BYTES,
+        PROBE,
+        SMALL_BYTES,
+        TENSOR_COUNTS,
+        derive_constants,
+    )
 
     world, alpha, bw, rate = 2, 1e-4, 1e9, 1e10
     truth = {"all_gather": (2.0, 3e-4), "reduce_scatter": (3.0, 2e-4), "broadcast": (0.5, 0.0)}

@@ -7,7 +7,6 @@ dp x tp, AdamW) are marked slow; tp=2 with and without SP runs unmarked.
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.nn as nn
 
 from plait.check import CheckConfig, check
@@ -17,9 +16,16 @@ from plait.parallel.tp_infer import infer_plan
 from plait.parallel.tp_plans import TPPlan, hf_plan
 from plait.plan import Plan
 from plait.spawn import run_distributed
-
-from tests._workers_tp import (LAYER_CASES, CustomLM, custom_factory, foreach_adamw_worker,
-                          gpt2_factory, layers_worker, llama_factory, token_batches)
+from tests._workers_tp import (
+    LAYER_CASES,
+    CustomLM,
+    custom_factory,
+    foreach_adamw_worker,
+    gpt2_factory,
+    layers_worker,
+    llama_factory,
+    token_batches,
+)
 
 TOL = 1e-5
 
@@ -86,7 +92,7 @@ def test_foreach_adamw_and_clipping_on_mixed_parameters():
     results = run_distributed(foreach_adamw_worker, 2, "tp=2", timeout=120)
     for r in results:
         assert r["all_dtensor"], r["kinds"]
-        assert all(l == l and l < 10 for l in r["losses"]), r
+        assert all(x == x and x < 10 for x in r["losses"]), r
     assert results[0]["losses"] == results[1]["losses"]
 
 

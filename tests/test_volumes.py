@@ -2,8 +2,17 @@
 
 import pytest
 
-from plait.comm.volumes import (Traffic, bus_factor, by_axis, ddp_traffic, dtype_bytes,
-                                pp_traffic, tp_traffic, wire_bytes, zero_traffic)
+from plait.comm.volumes import (
+    Traffic,
+    bus_factor,
+    by_axis,
+    ddp_traffic,
+    dtype_bytes,
+    pp_traffic,
+    tp_traffic,
+    wire_bytes,
+    zero_traffic,
+)
 
 
 def test_bus_factors():

@@ -17,7 +17,6 @@ from plait.memory import closed_form, model_state_ratio
 from plait.parallel.units import repeated_blocks, select_units
 from plait.plan import Plan
 from plait.spawn import run_distributed
-
 from tests._workers_zero import (
     DeepMLP,
     mlp_batch,
@@ -102,10 +101,10 @@ def test_memory_report_matches_closed_form():
     """Measured local tensor bytes per rank within 10% of the closed form, for every stage."""
     plans = [Plan.from_string(p) for p in MEMORY_PLANS]
     reports = run_distributed(train_memory_many, 2, plans, CheckConfig(steps=2), timeout=180)[0]
-    for plan, report in zip(plans, reports):
+    for plan, report in zip(plans, reports, strict=True):
         _check_memory(plan, report)
     states = {p.to_string(): r["ranks"][0]["measured"]["model_state"]
-              for p, r in zip(plans, reports)}
+              for p, r in zip(plans, reports, strict=True)}
     ddp, z1, z2, z3 = (states[Plan.from_string(p).to_string()] for p in MEMORY_PLANS[:4])
     assert ddp > z1 > z2 == z3  # ZeRO-2 and -3 hold the same at rest; they differ in `gathered`
 

@@ -35,7 +35,7 @@ class Accelerator(abc.ABC):
         """The device a worker with ``local_rank`` should use."""
         return torch.device(self.device_type, local_rank % max(1, self.device_count()))
 
-    def set_device(self, device: torch.device) -> None:
+    def set_device(self, device: torch.device) -> None:  # noqa: B027 - a no-op by default
         """Make ``device`` current for this process (no-op where there is no notion of it)."""
 
     def device_name(self) -> str:

@@ -23,16 +23,16 @@ class XLAAccelerator(Accelerator):
     def device_count(self) -> int:
         if not self.is_available():
             return 0
-        import torch_xla.runtime as xr  # noqa: PLC0415 - optional, imported on use
+        import torch_xla.runtime as xr
 
         return xr.addressable_runtime_device_count()
 
     def device(self, local_rank: int = 0) -> torch.device:
-        import torch_xla  # noqa: PLC0415
+        import torch_xla
 
         return torch_xla.device()
 
     def device_name(self) -> str:
-        import torch_xla.runtime as xr  # noqa: PLC0415
+        import torch_xla.runtime as xr
 
         return str(xr.device_type() or "xla").lower()

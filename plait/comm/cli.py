@@ -17,7 +17,8 @@ from . import bench
 # ------------------------------------------------------------------------- plait bench comm
 def add_bench_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", default="all",
-                        help=f"comma list of collectives (default all: {','.join(bench.BENCH_OPS)})")
+                        help="comma list of collectives (default all: "
+                             f"{','.join(bench.BENCH_OPS)})")
     parser.add_argument("--min-bytes", default="1K", help="smallest message (default 1K)")
     parser.add_argument("--max-bytes", default="256M", help="largest message (default 256M)")
     parser.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2)")

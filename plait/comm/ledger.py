@@ -40,12 +40,16 @@ import itertools
 import random
 import threading
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .report import CommReport
 
 from .volumes import OPS, wire_bytes
 
@@ -207,7 +211,7 @@ class _Interceptor:
     def __init__(self) -> None:
         # The active ledgers, as a tuple replaced (never mutated) under the lock, so a kernel
         # reads one consistent snapshot without taking the lock.
-        self.active: tuple["Ledger", ...] = ()
+        self.active: tuple[Ledger, ...] = ()
         self.libs: list[Any] = []
         # Holders that keep the kernels installed between `with ledger:` blocks (a training run
         # that enters the ledger once per step): registering and removing dispatcher kernels
@@ -223,18 +227,18 @@ class _Interceptor:
         # functional collective keeps the Work in C++ alone until `wait_tensor`, so the ledger
         # keeps it alive until then, and the last few waited ones a while longer, in case C++
         # waits again on a Work that Python waited on and dropped.
-        self.in_flight: set["_TimedWork"] = set()
-        self.recently_waited: collections.deque["_TimedWork"] = collections.deque(maxlen=256)
+        self.in_flight: set[_TimedWork] = set()
+        self.recently_waited: collections.deque[_TimedWork] = collections.deque(maxlen=256)
         # issued_as(): the logical collective the next c10d op implements (see issued_as).
         self.logical = threading.local()
 
-    def push(self, ledger: "Ledger") -> None:
+    def push(self, ledger: Ledger) -> None:
         with self.lock:
             if not self.libs:
                 self._register()
             self.active = self.active + (ledger,)
 
-    def pop(self, ledger: "Ledger") -> None:
+    def pop(self, ledger: Ledger) -> None:
         with self.lock:
             rest = list(self.active)
             rest.remove(ledger)
@@ -422,7 +426,7 @@ class issued_as:  # noqa: N801 - a context manager used like a function
     def __init__(self, op: str, payload_bytes: int):
         self.spec = (op, int(payload_bytes))
 
-    def __enter__(self) -> "issued_as":
+    def __enter__(self) -> issued_as:
         _INTERCEPTOR.logical.spec = self.spec
         return self
 
@@ -472,7 +476,7 @@ class Ledger:
         self._rng = random.Random(0)  # sampling only; seeded so a run is repeatable
 
     # ------------------------------------------------------------------ context manager
-    def __enter__(self) -> "Ledger":
+    def __enter__(self) -> Ledger:
         if self._active:
             raise RuntimeError("this Ledger is already active; nest a second Ledger instead")
         _INTERCEPTOR.push(self)
@@ -576,7 +580,7 @@ class Ledger:
             return [self.entries[k].to_dict() for k in sorted(self.entries)]
 
     def report(self, expected: Any = None, steps: int | None = None,
-               group: Any = None) -> "CommReport":
+               group: Any = None) -> CommReport:
         """Gather every rank's entries and build the report (a collective: call on all ranks).
 
         ``expected``: predicted bytes per rank per step, as ``{(axis, op): bytes}``,
@@ -599,7 +603,7 @@ class Ledger:
                                      expected=expected, backend=backend)
 
 
-def ledger_for(enabled: bool, mesh: Any = None) -> "Ledger | _Null":
+def ledger_for(enabled: bool, mesh: Any = None) -> Ledger | _Null:
     """A Ledger when ``enabled``, else a no-op context manager (so callers need no if/else)."""
     return Ledger(mesh) if enabled else _Null()
 
@@ -609,7 +613,7 @@ class _Null:
 
     active = False
 
-    def __enter__(self) -> "_Null":
+    def __enter__(self) -> _Null:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..mesh import DP_SHARD_TP
-from .volumes import Traffic, ddp_traffic, dtype_bytes, pp_traffic, tp_traffic, zero_traffic
+from .volumes import Traffic, ddp_traffic, dtype_bytes, tp_traffic, zero_traffic
 
 FP32 = 4
 
@@ -69,7 +69,7 @@ class LocalModel:
     clip_axes: tuple[str, ...] = ()
 
     @classmethod
-    def from_config(cls, plan: Any, cfg: Any, stage: int | None = None) -> "LocalModel":
+    def from_config(cls, plan: Any, cfg: Any, stage: int | None = None) -> LocalModel:
         """The closed form without a model: blocks split evenly over stages, every parameter
         tensor divided by ``tp`` (an approximation for ``params``; the runtime counts)."""
         from ..parallel.checkpointing import checkpointed_blocks
@@ -276,7 +276,7 @@ def local_model(model: Any, plan: Any) -> LocalModel:
             n = p.numel()
             mesh = getattr(p, "device_mesh", None)
             if mesh is not None and mesh.mesh_dim_names:
-                for dim, placement in zip(mesh.mesh_dim_names, p.placements):
+                for dim, placement in zip(mesh.mesh_dim_names, p.placements, strict=True):
                     if placement.is_shard():
                         clip.add(dim)
                         if dim == "tp":

@@ -13,8 +13,9 @@ follow the convention; the note says what the backend moved instead), e.g. gloo'
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 # Row order in tables: data axes first, then model axes, then anything else.
 _AXIS_ORDER = ("dp_replicate", "dp_shard", "dp", "dp_shard_cp", "cp", "tp", "pp")
@@ -76,7 +77,7 @@ class CommReport:
     # ------------------------------------------------------------------ building
     @classmethod
     def from_ranks(cls, per_rank: Sequence[Sequence[Mapping[str, Any]]], steps: int = 1,
-                   expected: Any = None, backend: str | None = None) -> "CommReport":
+                   expected: Any = None, backend: str | None = None) -> CommReport:
         if steps < 1:
             raise ValueError(f"steps={steps} must be >= 1")
         exp = normalise_expected(expected)
@@ -140,7 +141,8 @@ class CommReport:
         lines = [head]
         for r in self.rows:
             op = r.op + (f" (via {r.via})" if r.via else "")
-            lines.append((r.axis, op, str(r.group_size), _num(r.count), human_bytes(r.payload_bytes),
+            lines.append((r.axis, op, str(r.group_size), _num(r.count),
+                          human_bytes(r.payload_bytes),
                           human_bytes(r.wire_bytes),
                           human_bytes(r.expected_bytes) if r.expected_bytes is not None else "-",
                           f"{r.ratio:.3f}" if r.ratio is not None else "-",
@@ -151,7 +153,7 @@ class CommReport:
                f"{', ' + self.backend if self.backend else ''})"]
         for i, line in enumerate(lines):
             out.append("  ".join(c.ljust(w) if j < 2 else c.rjust(w)
-                                 for j, (c, w) in enumerate(zip(line, widths))))
+                                 for j, (c, w) in enumerate(zip(line, widths, strict=True))))
             if i == 0:
                 out.append("  ".join("-" * w for w in widths))
         if not self.rows:

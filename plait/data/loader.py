@@ -9,7 +9,8 @@ device gets the whole global batch, and resuming at step k needs nothing but k.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, default_collate

@@ -90,7 +90,7 @@ class TransformerConfig:
             total += self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return total
 
-    def replace(self, **changes) -> "TransformerConfig":
+    def replace(self, **changes) -> TransformerConfig:
         return dataclasses.replace(self, **changes)
 
 

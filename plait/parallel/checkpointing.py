@@ -53,7 +53,7 @@ def _op_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def op_level_context():
-    """Context pair for ``torch.utils.checkpoint`` that saves matmul outputs, recomputes the rest."""
+    """Context pair for ``torch.utils.checkpoint``: save matmul outputs, recompute the rest."""
     return create_selective_checkpoint_contexts(_op_policy)
 
 

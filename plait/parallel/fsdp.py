@@ -63,7 +63,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from ..mesh import Mesh
 from ..plan import Plan
@@ -200,7 +205,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, mesh: Mesh, plan: Plan
 
 def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
     """Copy every parameter-group setting except the parameters (lr, betas, ...) to ``target``."""
-    for src, dst in zip(source.param_groups, target.param_groups):
+    for src, dst in zip(source.param_groups, target.param_groups, strict=True):
         for key, value in src.items():
             if key != "params":
                 dst[key] = value

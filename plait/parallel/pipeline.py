@@ -40,8 +40,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -210,7 +211,7 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
             raise ValueError(f"split_points={list(split_points)} must be increasing and start "
                              f"after {names[0]} (each names the first block of a stage)")
         edges = [0, *starts, n_blocks]
-        bounds = list(zip(edges[:-1], edges[1:]))
+        bounds = list(zip(edges[:-1], edges[1:], strict=True))
     else:
         if stage_costs is not None:
             if len(stage_costs) != n_blocks:
@@ -250,7 +251,7 @@ def _bounds_from_layers(stage_layers: Any, n_stages: int, n_blocks: int, plan: P
     edges = [0]
     for c in counts:
         edges.append(edges[-1] + c)
-    return list(zip(edges[:-1], edges[1:]))
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Module:
@@ -302,7 +303,7 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
 def _is_hf_model(module: nn.Module) -> bool:
     try:
         from transformers import PreTrainedModel
-    except Exception:  # transformers not installed: no HF models to adapt
+    except ImportError:  # transformers not installed: no HF models to adapt
         return False
     return isinstance(module, PreTrainedModel)
 
@@ -539,7 +540,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     _check_no_shared_parameters(model, path, specs)
     modules = [parallelize_stage(m, mesh, plan, device=device) for m in modules]
     stages = [TimedStage(m, s, len(specs), device, group=pp_mesh.get_group())
-              for m, s in zip(modules, mine)]
+              for m, s in zip(modules, mine, strict=True)]
     runner = PipelineRunner(stages, plan, rank=torch.distributed.get_rank())
     return PipelinedModel(modules, runner, [specs[s] for s in mine])
 

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from ..plan import MULTI_STAGE_SCHEDULES, PP_SCHEDULES
 

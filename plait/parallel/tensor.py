@@ -39,8 +39,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..mesh import Mesh
@@ -54,7 +59,7 @@ LOSS_PARALLEL_ATTR = "plait_loss_parallel"
 def _conv1d_type() -> type | None:
     try:
         from transformers.pytorch_utils import Conv1D
-    except Exception:  # transformers is optional
+    except ImportError:  # transformers is optional
         return None
     return Conv1D
 
@@ -246,7 +251,7 @@ def resolve_plan(module: nn.Module, plan: Plan) -> TPPlan:
             return hf_plan(model).with_prefix(prefix)
         except LookupError:
             pass  # an HF architecture without a plan: infer one
-    from .tp_infer import infer_plan, format_plan
+    from .tp_infer import format_plan, infer_plan
 
     inferred = infer_plan(module)
     _print0(format_plan(inferred, module))
@@ -256,7 +261,7 @@ def resolve_plan(module: nn.Module, plan: Plan) -> TPPlan:
 def _find_hf_model(module: nn.Module) -> tuple[str, nn.Module] | None:
     try:
         from transformers import PreTrainedModel
-    except Exception:
+    except ImportError:  # transformers is optional
         return None
     for name, sub in module.named_modules():
         if isinstance(sub, PreTrainedModel):
@@ -363,7 +368,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
 def _divide_attrs(module: nn.Module, divide: dict[str, tuple[str, ...]], tp: int) -> None:
     if not divide:
         return
-    for name, attrs in match_plan(module, {g: "divide" for g in divide}).items():
+    for name, _attrs in match_plan(module, {g: "divide" for g in divide}).items():
         sub = module.get_submodule(name)
         for glob, names in divide.items():
             if not _glob_regex(glob).match(name):

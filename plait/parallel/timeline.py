@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch.distributed as dist
 
@@ -47,7 +48,7 @@ class Timeline:
             self.events.append(Event(self.rank, self.step, stage, kind, microbatch, start, end))
 
     @contextlib.contextmanager
-    def record(self) -> Iterator["Timeline"]:
+    def record(self) -> Iterator[Timeline]:
         self.recording = True
         try:
             yield self

@@ -69,7 +69,7 @@ def analyse_block(block: nn.Module, name: str) -> dict[str, str] | str:
     linears = {n for n, m in block.named_children() if isinstance(m, nn.Linear)}
     try:
         graph = fx.symbolic_trace(block).graph
-    except Exception as exc:  # data-dependent control flow, unsupported calls, ...
+    except Exception as exc:  # noqa: BLE001 - fx raises anything; data-dependent control flow, unsupported calls, ...
         return f"torch.fx cannot trace it ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     calls = {n: n.target for n in graph.nodes if n.op == "call_module" and n.target in linears}
@@ -168,8 +168,8 @@ def infer_plan(model: nn.Module) -> TPPlan:
             for en, emb in embeddings.items():
                 if emb.num_embeddings == m.out_features and emb.embedding_dim == m.in_features:
                     styles[en], styles[n] = "vocab_embedding", "vocab_head"
-    divide_globs = {g: attrs for g, attrs in _globs({k: "|".join(v) for k, v in divide.items()}
-                                                     ).items() for attrs in [tuple(attrs.split("|"))]}
+    joined = _globs({k: "|".join(v) for k, v in divide.items()})
+    divide_globs = {g: tuple(attrs.split("|")) for g, attrs in joined.items()}
     return TPPlan(styles=_globs(styles), divide_attrs=divide_globs,
                   source=f"inferred from {type(model).__name__}'s structure", sizes=sizes)
 

@@ -33,8 +33,9 @@ modules that reshape with a stored head count or split size (GPT-2's ``split_siz
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch.nn as nn
 
@@ -54,7 +55,7 @@ class TPPlan:
     # Whether the plan knows how to keep activations sequence-sharded between TP regions.
     supports_sp: bool = False
 
-    def with_prefix(self, prefix: str) -> "TPPlan":
+    def with_prefix(self, prefix: str) -> TPPlan:
         if not prefix:
             return self
         return TPPlan(styles={f"{prefix}.{k}": v for k, v in self.styles.items()},
@@ -68,7 +69,7 @@ class TPPlan:
         return out
 
     @staticmethod
-    def from_option(value: Mapping[str, Any]) -> "TPPlan":
+    def from_option(value: Mapping[str, Any]) -> TPPlan:
         """A user plan from ``plan.options["tp_plan"]``: {glob: style} or {"styles": ..., ...}."""
         if not isinstance(value, Mapping):
             raise ValueError(f"options['tp_plan'] must be a mapping of module-name glob to style, "

@@ -14,7 +14,7 @@ pattern written against the user's model keeps working after checkpointing wrapp
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch.nn as nn
 
@@ -30,7 +30,7 @@ def canonical(name: str) -> str:
     return name.rstrip(".")
 
 
-def _glob(pattern: str) -> "re.Pattern[str]":
+def _glob(pattern: str) -> re.Pattern[str]:
     """Glob over dotted names: ``*`` matches within one name part, ``**`` across parts."""
     out = []
     for token in re.split(r"(\*\*|\*|\?)", pattern):

@@ -18,7 +18,8 @@ from .hardware import Cluster, load_cluster, presets
 from .model_stats import ModelStats, load_model
 from .search import SearchResult, search
 
-__all__ = ["auto_plan", "plan_model", "evaluate_plan", "constants_for", "CALIBRATED_KEYS", "Cluster", "Constants",
+__all__ = ["auto_plan", "plan_model", "evaluate_plan", "constants_for", "CALIBRATED_KEYS",
+           "Cluster", "Constants",
            "Estimate", "ModelStats", "SearchResult", "Workload", "load_cluster", "load_model",
            "presets", "search", "evaluate"]
 

@@ -1,4 +1,4 @@
-"""Measure this machine and write a cluster profile the planner can use (``plait plan --calibrate``).
+"""Measure this machine, write a cluster profile the planner can use (``plait plan --calibrate``).
 
 What is measured, and why each is enough:
   * matmul FLOP/s on one thread in fp32 (large square GEMM): the "peak" of one CPU device, since
@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from .hardware import GB, Cluster
 
@@ -69,12 +70,12 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
     slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i])
               for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[j] != xs[i]]
     slope = max(statistics.median(slopes), 0.0)
-    intercept = statistics.median(y - slope * x for x, y in zip(xs, ys))
+    intercept = statistics.median(y - slope * x for x, y in zip(xs, ys, strict=True))
     if intercept < 0:
         intercept = 0.0
-        slope = statistics.median(y / x for x, y in zip(xs, ys) if x > 0)
+        slope = statistics.median(y / x for x, y in zip(xs, ys, strict=True) if x > 0)
     residual = statistics.median(abs(y - (slope * x + intercept)) / y
-                                 for x, y in zip(xs, ys) if y > 0)
+                                 for x, y in zip(xs, ys, strict=True) if y > 0)
     return LineFit(slope, intercept, residual, len(xs))
 
 
@@ -191,8 +192,8 @@ def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
                                          f"fit; on {world} gloo ranks: all-reduce / all-gather "
                                          f"/ reduce-scatter / broadcast at 1 KiB and 4 MiB, "
                                          f"clip+AdamW over 8 and 32 tensors (plain, DTensor), "
-                                         f"2 FSDP2 block units vs plain, the reference model with 1 "
-                                         f"and 2 blocks plain and TP+SP, 1 and 2 blocks "
+                                         f"2 FSDP2 block units vs plain, the reference model with "
+                                         f"1 and 2 blocks plain and TP+SP, 1 and 2 blocks "
                                          f"with the zero-bubble backward split "
                                          f"(calibrate.measure_group)"}
     return Cluster(name=name, device="cpu", nodes=1, devices_per_node=64,
@@ -239,8 +240,11 @@ def _collective_timings(world: int, rounds: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from plait.parallel.gloo_collectives import (GlooAllGather, GlooReduceScatter,
-                                                 gloo_collectives_apply)
+    from plait.parallel.gloo_collectives import (
+        GlooAllGather,
+        GlooReduceScatter,
+        gloo_collectives_apply,
+    )
 
     group = dist.group.WORLD
     # Time the all-gather / reduce-scatter the runtime really issues: on gloo, FSDP2's are
@@ -364,13 +368,13 @@ def _probe_timings(world: int, rounds: int) -> dict:
     """Seconds for forward + loss + backward of the reference transformer (PROBE shape) with 1
     and 2 blocks, plain and under plait's TP+SP at tp=2 (when the world is even): per-block and
     outside-the-blocks costs by difference, the latter being embedding, head and loss."""
+    import torch
+
     from plait.mesh import build_mesh
-    from plait.models.transformer import build, lm_loss, TransformerConfig
+    from plait.models.transformer import TransformerConfig, build, lm_loss
     from plait.parallel.tensor import apply_tensor_parallel
     from plait.plan import Plan
     from plait.train import loss_context
-
-    import torch
 
     p = PROBE
     fns = {}
@@ -407,8 +411,10 @@ def _zero_bubble_timings(rounds: int) -> dict:
     import torch
 
     try:
-        from torch.distributed.pipelining._backward import (stage_backward_input,
-                                                            stage_backward_weight)
+        from torch.distributed.pipelining._backward import (
+            stage_backward_input,
+            stage_backward_weight,
+        )
     except ImportError:  # pragma: no cover - another torch
         return {}
     from plait.models.transformer import Block, TransformerConfig

@@ -84,7 +84,7 @@ def format_table(estimates: list[Estimate]) -> str:
                      f"{e.mfu:.1%}", _gb(e.memory_bytes_per_device),
                      f"{e.bubble_fraction:.1%}", _fmt_axes(e.comm_bytes_per_step)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
 

@@ -290,7 +290,7 @@ def _checkpointed(plan: Plan, layers: int) -> tuple[int, float]:
     return 0, 0.0
 
 
-def balanced_partition(costs: "list[float] | tuple[float, ...]", parts: int) -> list[int]:
+def balanced_partition(costs: list[float] | tuple[float, ...], parts: int) -> list[int]:
     return list(_balanced_partition(tuple(costs), parts))
 
 
@@ -499,7 +499,8 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     # DP over TP (shard groups of one rank) has nothing to gather or scatter and measured no
     # cost beyond its all-reduces (docs/planner.md, run 8), so it is charged with sharding only.
     if fsdp and plan.dp_shard > 1 and c.fsdp_unit_s:
-        rank_time = [t + c.fsdp_unit_s * (n + 1) for t, n in zip(rank_time, rank_layers)]
+        rank_time = [t + c.fsdp_unit_s * (n + 1)
+                     for t, n in zip(rank_time, rank_layers, strict=True)]
     t_max, t_sum = max(rank_time), sum(rank_time)
     if pp > 1:
         pipe = m * t_max + (t_sum - t_max) * _bubble_scale(plan)
@@ -538,7 +539,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     block_params = [w * model.block_params for w in weights] if model.layer_weights else \
         [float(model.block_params)] * L
     rank_params = []
-    for r, ids in enumerate(rank_chunks):
+    for ids in rank_chunks:
         p = sum(sum(block_params[bounds[i]:bounds[i + 1]]) for i in ids)
         if 0 in ids:
             p += model.embed_params

@@ -12,9 +12,10 @@ time is ``latency * steps + wire_bytes / bandwidth`` with the wire-byte conventi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 PRESET_DIR = Path(__file__).parent / "presets"
 GB = 1e9
@@ -79,7 +80,7 @@ class Cluster:
         raise ValueError(f"cluster {self.name!r} lists no peak FLOP/s for dtype {dtype!r} "
                          f"(has {', '.join(self.peak_flops)})")
 
-    def with_world(self, devices: int) -> "Cluster":
+    def with_world(self, devices: int) -> Cluster:
         """This cluster resized to ``devices`` devices (whole nodes, or part of one)."""
         if not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices={devices!r} must be a positive integer")
@@ -90,12 +91,12 @@ class Cluster:
                              f"{self.devices_per_node}; use a multiple of {self.devices_per_node}")
         return dataclasses.replace(self, nodes=devices // self.devices_per_node)
 
-    def with_nodes(self, nodes: int) -> "Cluster":
+    def with_nodes(self, nodes: int) -> Cluster:
         if not isinstance(nodes, int) or nodes < 1:
             raise ValueError(f"nodes={nodes!r} must be a positive integer")
         return dataclasses.replace(self, nodes=nodes)
 
-    def with_memory(self, memory_bytes: float) -> "Cluster":
+    def with_memory(self, memory_bytes: float) -> Cluster:
         return dataclasses.replace(self, memory_bytes=float(memory_bytes))
 
     def to_yaml_dict(self) -> dict[str, Any]:
@@ -137,7 +138,8 @@ def cluster_from_dict(data: Mapping[str, Any], where: str = "cluster") -> Cluste
                          f"(required: {', '.join(_REQUIRED)})")
     peak = data["peak_tflops"]
     if not isinstance(peak, Mapping) or not peak:
-        raise ValueError(f"{where}: field peak_tflops must map dtype -> TFLOP/s, e.g. {{bf16: 312}}")
+        raise ValueError(f"{where}: field peak_tflops must map dtype -> TFLOP/s, "
+                         "e.g. {bf16: 312}")
     peak_flops = {}
     for dtype, value in peak.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -172,7 +174,7 @@ def cluster_from_dict(data: Mapping[str, Any], where: str = "cluster") -> Cluste
                    **fields)
 
 
-def load_cluster(spec: "str | Path | Cluster | Mapping[str, Any]", *, nodes: int | None = None,
+def load_cluster(spec: str | Path | Cluster | Mapping[str, Any], *, nodes: int | None = None,
                  devices: int | None = None) -> Cluster:
     """A catalog preset name, a YAML path, a dict or a Cluster; optionally resized."""
     if isinstance(spec, Cluster):

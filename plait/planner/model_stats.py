@@ -17,9 +17,10 @@ import dataclasses
 import importlib
 import json
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ class ModelStats:
         """Training FLOPs (forward + backward = 3x forward) for ``tokens`` tokens of length
         ``seq``; ``recompute_layers`` blocks' forwards are run a second time."""
         block = self.block_flops_per_token(seq) * tokens
-        return (3 * self.n_layers + recompute_layers) * block + 3 * self.head_flops_per_token() * tokens
+        head = 3 * self.head_flops_per_token() * tokens
+        return (3 * self.n_layers + recompute_layers) * block + head
 
 
 # --------------------------------------------------------------------------------- sources
@@ -159,7 +161,8 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
                       kv_heads=kv_heads, ffn=ffn, vocab=got["vocab"], mlp=mlp,
                       block_params=matmul + biases + 2 * norm, block_matmul_params=matmul,
                       embed_params=got["vocab"] * h, head_params=norm + got["vocab"] * h,
-                      tied=tied, max_seq=data.get("max_position_embeddings") or data.get("n_positions"),
+                      tied=tied,
+                      max_seq=data.get("max_position_embeddings") or data.get("n_positions"),
                       block_tensors=(4 + (3 if gated else 2)) * (2 if bias else 1) +
                       2 * (norm // h), embed_tensors=1,
                       head_tensors=norm // h + (0 if tied else 1))
@@ -185,7 +188,8 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                          f"split into layers; the planner needs a stack of blocks")
     _, stack_name, blocks = best
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    matmul = [sum(m.weight.numel() for m in b.modules() if isinstance(m, nn.Linear)) for b in blocks]
+    matmul = [sum(m.weight.numel() for m in b.modules() if isinstance(m, nn.Linear))
+              for b in blocks]
     ref = blocks[max(range(len(blocks)), key=lambda i: block_params[i])]
     linears = [m for m in ref.modules() if isinstance(m, nn.Linear)]
     if not linears:
@@ -207,7 +211,8 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                 kv_heads = getattr(m, attr)
     if heads == 1 and attention:
         head_dim = getattr(ref, "head_dim", None) or next(
-            (getattr(m, "head_dim") for m in ref.modules() if isinstance(getattr(m, "head_dim", None), int)), None)
+            (m.head_dim for m in ref.modules()
+             if isinstance(getattr(m, "head_dim", None), int)), None)
         if head_dim:
             heads = max(1, hidden // head_dim)
     embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]

@@ -22,7 +22,7 @@ processes outnumber cores.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 Op = tuple[str, int, int]  # ("F" | "B", stage, microbatch)
 
