@@ -86,13 +86,14 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p for m in modules for p in m.parameters()]
 
 
-def peak_process_memory() -> dict[str, float]:
-    """Host RSS high-water mark of this process, and the accelerator allocator's peak if any."""
+def peak_process_memory(accelerator: Any = None) -> dict[str, float]:
+    """Host RSS high-water mark of this process, and ``accelerator``'s allocator peak if any."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin"
                                                                  else 1024)
     out = {"peak_rss": float(rss)}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["peak_device"] = float(torch.cuda.max_memory_allocated())
+    peak = accelerator.peak_memory_bytes() if accelerator is not None else None
+    if peak is not None:
+        out["peak_device"] = float(peak)
     return out
 
 
@@ -231,16 +232,17 @@ def closed_form(plan: Plan, psi: int, optimizer_per_param: int | None, *,
 
 
 # ---------------------------------------------------------------------------------- report
-def memory_report(tracker: MemoryTracker, plan: Plan, *, gather: bool = True
-                  ) -> dict[str, Any]:
-    """Measured model state and peak memory per rank, beside the closed form for ``plan``.
+def memory_report(tracker: MemoryTracker, plan: Plan, *, gather: bool = True,
+                  accelerator: Any = None) -> dict[str, Any]:
+    """Measured model state and peak memory per rank, beside the closed form for ``plan``
+    (and ``accelerator``'s allocator peak, where it has one).
 
     Collective when ``gather`` (every rank must call it): the returned dict holds every rank's
     figures under ``"ranks"``.
     """
     psi = tracker.psi()
     form = closed_form(plan, psi, optimizer_bytes_per_param(tracker.optimizer))
-    local = {"measured": tracker.measured(), **peak_process_memory(), "psi": psi,
+    local = {"measured": tracker.measured(), **peak_process_memory(accelerator), "psi": psi,
              "offloaded": bool(plan.offload)}
     ranks = [local]
     if gather and dist.is_initialized() and dist.get_world_size() > 1:

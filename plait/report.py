@@ -11,7 +11,6 @@ import statistics
 import sys
 from typing import Any
 
-import torch
 
 from .plan import Plan
 
@@ -31,13 +30,15 @@ def progress_line(step: int, total: int | None, loss: float, stats: Any) -> str:
             f"{1000 * _median(recent):.1f} ms/step")
 
 
-def local_memory() -> dict[str, float]:
-    """Peak memory of this process: host RSS, and device allocator peak where there is one."""
+def local_memory(accelerator: Any = None) -> dict[str, float]:
+    """Peak memory of this process: host RSS, and ``accelerator``'s allocator peak where it
+    has one (an ``plait.accelerators.Accelerator``)."""
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss = rss_kb * (1 if sys.platform == "darwin" else 1024)
     out = {"peak_rss_bytes": float(rss)}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["peak_device_bytes"] = float(torch.cuda.max_memory_allocated())
+    peak = accelerator.peak_memory_bytes() if accelerator is not None else None
+    if peak is not None:
+        out["peak_device_bytes"] = float(peak)
     return out
 
 

@@ -148,8 +148,7 @@ class Run:
         with self.ledger if recording else contextlib.nullcontext():
             loss = train_step(model, batch, loss_fn, optimizer, plan=self.plan,
                               device=self.device, pp_group=pp_group)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.accelerator.synchronize(self.device)
         elapsed = time.perf_counter() - start
         step = len(self.stats.step_times) + 1
         self.stats.step_times.append(elapsed)
@@ -185,7 +184,7 @@ class Run:
             return None
         from .memory import memory_report
 
-        return memory_report(self._memory, self.plan)
+        return memory_report(self._memory, self.plan, accelerator=self.accelerator)
 
     def _global_loss(self, loss: torch.Tensor) -> float:
         """Mean loss over data replicas; with pipelines, taken from the last stage."""
@@ -207,7 +206,7 @@ class Run:
     # ------------------------------------------------------------------ end of run
     def summary(self) -> dict[str, Any]:
         """End-of-run figures for this job (gathered to every rank)."""
-        local = report.local_memory()
+        local = report.local_memory(self.accelerator)
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local)
         info = report.summarize(self.plan, self.stats, gathered, world_size=self.world_size,
@@ -319,7 +318,7 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(acc.backend, rank=rank, world_size=world_size,
-                                    device_id=device if device.type == "cuda" else None)
+                                    **acc.process_group_kwargs(device))
         else:  # plain `python train.py`: a one-rank group keeps every code path the same
             dist.init_process_group(acc.backend if acc.backend != "nccl" else "gloo",
                                     store=dist.HashStore(), rank=0, world_size=1)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from plait.accelerators import all_accelerators, get_accelerator
+from plait.accelerators import accelerator_for, all_accelerators, get_accelerator
+from plait.accelerators.cuda import CUDAAccelerator
 from plait.accelerators.chips import lookup_peak_flops
 from plait.launch import LaunchConfig, _first_slurm_host, slurm_defaults, torchrun_args, validate
 
@@ -17,6 +18,33 @@ def test_cpu_is_always_there_and_default_here():
     for a in all_accelerators():
         info = a.describe()  # must not raise, even for absent kinds
         assert info["name"] == a.name
+
+
+def test_device_hooks_cpu_and_cuda():
+    """The runtime reaches device-specific calls only through these three methods."""
+    cpu = get_accelerator("cpu")
+    cpu.synchronize(torch.device("cpu"))  # nothing queued on a CPU: returns at once
+    assert cpu.peak_memory_bytes() is None and cpu.process_group_kwargs(cpu.device()) == {}
+    gpu = torch.device("cuda", 1)
+    assert CUDAAccelerator().process_group_kwargs(gpu) == {"device_id": gpu}
+    if not torch.cuda.is_available():
+        assert CUDAAccelerator().peak_memory_bytes() is None
+    assert accelerator_for(torch.device("cpu")).name == "cpu"
+    assert accelerator_for(gpu).name == "cuda"
+
+
+def test_device_specific_calls_live_in_the_accelerators():
+    """No ``torch.cuda`` call in the device-agnostic runtime: a new device kind is a new
+    accelerator class, not an edit of the runtime."""
+    import pathlib
+
+    import plait
+
+    root = pathlib.Path(plait.__file__).parent
+    agnostic = [root / "runtime.py", root / "memory.py", root / "report.py",
+                root / "comm" / "bench.py", *sorted((root / "data").glob("*.py"))]
+    offenders = [p.name for p in agnostic if "torch.cuda" in p.read_text()]
+    assert offenders == []
 
 
 def test_unknown_or_absent_accelerator():

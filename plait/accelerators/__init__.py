@@ -6,6 +6,8 @@ Order of preference when none is named: cuda, hpu, mps, cpu. XLA is chosen only 
 
 from __future__ import annotations
 
+import torch
+
 from .base import Accelerator
 from .cpu import CPUAccelerator
 from .cuda import CUDAAccelerator
@@ -38,10 +40,18 @@ def get_accelerator(name: str | None = None) -> Accelerator:
     return acc
 
 
+def accelerator_for(device: torch.device) -> Accelerator:
+    """The accelerator whose tensors live on ``device`` (its device type); CPU if none claims it."""
+    for cls in ACCELERATORS.values():
+        if cls.device_type == device.type:
+            return cls()
+    return CPUAccelerator()
+
+
 def all_accelerators() -> list[Accelerator]:
     return [cls() for cls in ACCELERATORS.values()]
 
 
-__all__ = ["Accelerator", "ACCELERATORS", "all_accelerators", "get_accelerator",
+__all__ = ["Accelerator", "ACCELERATORS", "accelerator_for", "all_accelerators", "get_accelerator",
            "CPUAccelerator", "CUDAAccelerator", "HPUAccelerator", "MPSAccelerator",
            "XLAAccelerator"]

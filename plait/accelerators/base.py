@@ -38,6 +38,19 @@ class Accelerator(abc.ABC):
     def set_device(self, device: torch.device) -> None:  # noqa: B027 - a no-op by default
         """Make ``device`` current for this process (no-op where there is no notion of it)."""
 
+    def synchronize(self, device: torch.device | None = None) -> None:
+        """Wait until the work queued on ``device`` has run (step timing); a no-op where ops
+        run synchronously, as on the CPU."""
+
+    def peak_memory_bytes(self) -> int | None:
+        """The device allocator's high-water mark in this process, or None where there is no
+        device allocator (the CPU: the host RSS covers it) or it was never used."""
+        return None
+
+    def process_group_kwargs(self, device: torch.device) -> dict:
+        """Extra keyword arguments for ``torch.distributed.init_process_group`` on ``device``."""
+        return {}
+
     def device_name(self) -> str:
         return self.name
 

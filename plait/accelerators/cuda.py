@@ -22,6 +22,19 @@ class CUDAAccelerator(Accelerator):
     def set_device(self, device: torch.device) -> None:
         torch.cuda.set_device(device)
 
+    def synchronize(self, device: torch.device | None = None) -> None:
+        torch.cuda.synchronize(device)
+
+    def peak_memory_bytes(self) -> int | None:
+        if not (self.is_available() and torch.cuda.is_initialized()):
+            return None
+        return int(torch.cuda.max_memory_allocated())
+
+    def process_group_kwargs(self, device: torch.device) -> dict:
+        # Binding the group to the device lets NCCL connect eagerly and avoids its guess of
+        # the device from the rank (a warning, and a hang when the guess is wrong).
+        return {"device_id": device}
+
     def device_name(self) -> str:
         return torch.cuda.get_device_name(0)
 

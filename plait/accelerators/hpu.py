@@ -25,5 +25,8 @@ class HPUAccelerator(Accelerator):
     def set_device(self, device: torch.device) -> None:
         torch.hpu.set_device(device)
 
+    def synchronize(self, device: torch.device | None = None) -> None:
+        torch.hpu.synchronize()
+
     def device_name(self) -> str:
         return torch.hpu.get_device_name()

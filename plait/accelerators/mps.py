@@ -23,5 +23,8 @@ class MPSAccelerator(Accelerator):
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("mps")
 
+    def synchronize(self, device: torch.device | None = None) -> None:
+        torch.mps.synchronize()
+
     def device_name(self) -> str:
         return "apple-mps"

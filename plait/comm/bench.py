@@ -144,32 +144,31 @@ def elements_for(op: str, size_bytes: int, n: int, elem: int) -> int:
 def time_op(fn: Any, iters: int, warmup: int, device: Any) -> float:
     """Mean seconds per call of ``fn`` on this rank, slowest rank's value (all ranks return it)."""
     import torch.distributed as dist
+
+    from ..accelerators import accelerator_for
+    acc = accelerator_for(torch.device(device))
     for _ in range(warmup):
         fn()
-    _sync(device)
+    acc.synchronize(device)
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    _sync(device)
+    acc.synchronize(device)
     mine = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return float(mine.item())
-
-
-def _sync(device: Any) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def bench_worker(rank: int, world_size: int, ops: Sequence[str], sizes: Sequence[int],
                  iters: int, warmup: int, dtype_name: str = "float32") -> list[dict]:
     """Runs on every rank (under plait.spawn.run_distributed or torchrun)."""
     import torch.distributed as dist
-    device: Any = "cpu"
-    if dist.get_backend() == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
+
+    from ..accelerators import get_accelerator
+    acc = get_accelerator("cuda" if dist.get_backend() == "nccl" else "cpu")
+    device = acc.device(rank)
+    acc.set_device(device)
     dtype = getattr(torch, dtype_name)
     elem = torch.empty((), dtype=dtype).element_size()
     out = []
