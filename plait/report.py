@@ -11,7 +11,6 @@ import statistics
 import sys
 from typing import Any
 
-
 from .plan import Plan
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from plait.accelerators import accelerator_for, all_accelerators, get_accelerator
-from plait.accelerators.cuda import CUDAAccelerator
 from plait.accelerators.chips import lookup_peak_flops
+from plait.accelerators.cuda import CUDAAccelerator
 from plait.launch import LaunchConfig, _first_slurm_host, slurm_defaults, torchrun_args, validate
 
 

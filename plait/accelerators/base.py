@@ -38,7 +38,7 @@ class Accelerator(abc.ABC):
     def set_device(self, device: torch.device) -> None:  # noqa: B027 - a no-op by default
         """Make ``device`` current for this process (no-op where there is no notion of it)."""
 
-    def synchronize(self, device: torch.device | None = None) -> None:
+    def synchronize(self, device: torch.device | None = None) -> None:  # noqa: B027 - a no-op by default
         """Wait until the work queued on ``device`` has run (step timing); a no-op where ops
         run synchronously, as on the CPU."""
 
