@@ -16,6 +16,7 @@ import contextlib
 import os
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,13 @@ class Run:
     # ZeRO-1: the user's optimizer -> its ZeroRedundancyOptimizer (see _optimizer_for).
     _sharded_optimizers: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     _memory: Any = None  # plait.memory.MemoryTracker of the first model/optimizer stepped
+    # Checkpoints (plait.checkpoint.schedule.Checkpointing) when init(checkpoint=...).
+    checkpointing: Any = None
+    # Optimizer steps done before this process started (a resumed run): step numbers, the
+    # loader's position and saving every N steps count from here.
+    first_step: int = 0
+    _last_step_args: tuple[Any, Any, Any] | None = None  # (model, optimizer, scheduler)
+    _loader: DistributedLoader | None = None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -103,15 +111,19 @@ class Run:
         return out
 
     def loader(self, dataset: Dataset, batch_size: int, *, steps: int | None = None,
-               shuffle: bool = True, start_step: int = 0) -> DistributedLoader:
+               shuffle: bool = True, start_step: int | None = None) -> DistributedLoader:
         """Iterate this rank's share of each *global* batch of ``batch_size`` items.
 
         Ranks of one data replica (TP/PP peers) get the same rows; one device gets them all.
+        ``steps`` counts from step 0: a run resumed from a checkpoint starts at the step saved
+        (``start_step`` overrides it).
         """
         dp_rank, dp_size = self.mesh.data_rank_and_size()
         loader = DistributedLoader(dataset, batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                                   seed=self.seed, steps=steps, start_step=start_step,
-                                   shuffle=shuffle)
+                                   seed=self.seed, steps=steps,
+                                   start_step=self.first_step if start_step is None
+                                   else start_step, shuffle=shuffle)
+        self._loader = loader
         local = batch_size // dp_size
         micro = self.plan.grad_accum * (self.plan.microbatches if self.plan.pp > 1 else 1)
         if local % micro:
@@ -126,13 +138,21 @@ class Run:
         return loader
 
     def step(self, model: nn.Module, batch: Any, loss_fn: LossFn,
-             optimizer: torch.optim.Optimizer) -> float:
-        """Forward, backward (a pipeline schedule when pp > 1), clip, optimizer step.
+             optimizer: torch.optim.Optimizer, scheduler: Any = None) -> float:
+        """Forward, backward (a pipeline schedule when pp > 1), clip, optimizer step, and
+        ``scheduler.step()`` when an LR scheduler is given (it is then checkpointed too).
 
         Returns the step's mean loss over the global batch (on every rank). Reading it costs
-        one small all-reduce only on steps that are logged.
+        one small all-reduce only on steps that are logged. With ``init(checkpoint=...)`` the
+        first call loads the checkpoint being resumed, and every ``every``-th step saves one.
         """
         batch = _to_device(batch, self.device)
+        self._last_step_args = (model, optimizer, scheduler)
+        ckpt = self.checkpointing
+        if ckpt is not None and ckpt.resume_path is not None and not ckpt.resumed:
+            ckpt.resumed = True
+            # The loader already started at the saved step (init read it): only the state loads.
+            self._load(ckpt.resume_path, model, optimizer, scheduler, move_loader=False)
         optimizer = self._optimizer_for(optimizer)
         if self._memory is None:
             from .memory import MemoryTracker
@@ -148,9 +168,15 @@ class Run:
         with self.ledger if recording else contextlib.nullcontext():
             loss = train_step(model, batch, loss_fn, optimizer, plan=self.plan,
                               device=self.device, pp_group=pp_group)
+        if scheduler is not None:
+            with warnings.catch_warnings():
+                # ZeRO-1 steps its sharded copy of the user's optimizer, so the scheduler sees
+                # the user's never step and warns about the call order; nothing is skipped.
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+                scheduler.step()
         self.accelerator.synchronize(self.device)
         elapsed = time.perf_counter() - start
-        step = len(self.stats.step_times) + 1
+        step = self.first_step + len(self.stats.step_times) + 1
         self.stats.step_times.append(elapsed)
         self.stats.tokens.append(_count_tokens(batch) * self.dp_size)
         logged = step == 1 or step % self.log_every == 0 or step == self.total_steps
@@ -158,7 +184,97 @@ class Run:
         self.stats.losses.append(value)
         if logged:
             self.print(report.progress_line(step, self.total_steps, value, self.stats))
+        if ckpt is not None:
+            if ckpt.pending is not None and ckpt.pending.done():
+                ckpt.pending.wait()  # rank 0 publishes a finished background save
+            if ckpt.due(step):
+                self.save()
         return value
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps taken by this job, those before a resume included."""
+        return self.first_step + len(self.stats.step_times)
+
+    def save(self, path: str | Path | None = None, *, model: nn.Module | None = None,
+             optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None) -> Path:
+        """Save a checkpoint now (collective: every rank calls it) and return its folder.
+
+        ``path``: the checkpoint folder (default: ``init(checkpoint=...)``'s); the checkpoint
+        goes to ``path/step-NNNNNNNN``. Model, optimizer and scheduler default to those of the
+        last ``run.step``. It holds them, the step, the Plan, the loader's position and every
+        rank's random states, and loads under any other plan or world size (``run.load``).
+        """
+        from .checkpoint import CheckpointError, save
+
+        ckpt = self.checkpointing
+        if path is None and ckpt is None:
+            raise CheckpointError("run.save() needs a folder: run.save('ckpt/') or "
+                                  "plait.init(checkpoint='ckpt/')")
+        last = self._last_step_args or (None, None, None)
+        model = model or last[0] or (self._models[0] if len(self._models) == 1 else None)
+        if model is None:
+            raise CheckpointError("run.save() does not know which model to save: pass "
+                                  "model=... (and optimizer=...) or call it after run.step()")
+        if optimizer is None and model is last[0]:
+            optimizer, scheduler = last[1], scheduler or last[2]
+        folder = Path(path) if path is not None else ckpt.folder
+        same = ckpt is not None and folder == ckpt.folder
+        if same and ckpt.pending is not None:
+            ckpt.pending.wait()
+        group = None
+        if same and ckpt.async_save:
+            if ckpt.group is None:  # checkpoint collectives run beside training's, apart
+                ckpt.group = dist.new_group(backend="gloo")
+            group = ckpt.group
+        loader = self._loader
+        pending = save(folder, step=self.steps_done, model=model,
+                       optimizer=self._optimizer_for(optimizer) if optimizer else None,
+                       scheduler=scheduler, plan=self.plan, device=self.device,
+                       loader=loader, keep=ckpt.keep if same else None, async_group=group,
+                       extra={"batch_size": loader.batch_size if loader else None})
+        if same:
+            ckpt.last_saved = self.steps_done
+            ckpt.pending = pending if group is not None else None
+        return folder / f"step-{self.steps_done:08d}"
+
+    def load(self, path: str | Path, *, model: nn.Module | None = None,
+             optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None) -> int:
+        """Load a checkpoint (a step folder, or the newest in a checkpoint folder) into this
+        run's model and optimizer, whatever plan and world size it was saved under; later
+        ``run.loader(...)`` calls and step numbers continue from its step, which is returned.
+        Collective: every rank calls it."""
+        return self._load(path, model, optimizer, scheduler, move_loader=True)
+
+    def _load(self, path: str | Path, model: nn.Module | None,
+              optimizer: torch.optim.Optimizer | None, scheduler: Any,
+              move_loader: bool) -> int:
+        from .checkpoint import CheckpointError, load
+
+        model = model or (self._models[0] if len(self._models) == 1 else None)
+        if model is None:
+            raise CheckpointError("run.load() does not know which model to load into: pass "
+                                  "model=...")
+        target = self._optimizer_for(optimizer) if optimizer is not None else None
+        info = load(path, model=model, optimizer=target, scheduler=scheduler,
+                    device=self.device)
+        if target is not None and target is not optimizer:  # ZeRO-1: back to the user's
+            from .parallel.fsdp import copy_hyperparameters
+
+            copy_hyperparameters(target, optimizer)
+        saved_batch = info.extra.get("batch_size")
+        if self._loader is not None and saved_batch not in (None, self._loader.batch_size):
+            raise CheckpointError(f"checkpoint {info.path} was trained with global batch "
+                                  f"{saved_batch}, this loader's is {self._loader.batch_size}; "
+                                  f"resume with batch_size={saved_batch}")
+        self.first_step = info.step - len(self.stats.step_times)
+        if move_loader and self._loader is not None and info.loader is not None:
+            self._loader.load_state_dict(info.loader)
+        plan = Plan.from_dict(info.plan) if info.plan else None
+        moved = f", resharded from {plan.to_string()}" if plan and plan != self.plan else ""
+        self.print(f"loaded {info.path} (step {info.step}{moved})")
+        return info.step
 
     def _optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """ZeRO-1 shards the optimizer state, which needs the optimizer rebuilt as a
@@ -225,7 +341,12 @@ class Run:
         return expected_for_models(self._models, self.plan, self._batch_shape)
 
     def finish(self, print_summary: bool = True) -> dict[str, Any]:
-        """Print the summary on rank 0, free the models and leave the process group."""
+        """Print the summary on rank 0, free the models and leave the process group; with
+        ``init(checkpoint=...)``, save the final state first unless it was just saved."""
+        ckpt = self.checkpointing
+        if ckpt is not None and self._last_step_args is not None \
+                and ckpt.last_saved != self.steps_done:
+            self.save()
         info = self.summary()
         memory = self.memory_report()
         if memory is not None:
@@ -246,6 +367,9 @@ class Run:
 
     def close(self) -> None:
         """Free parallel modules before the group goes (FIELD-NOTES: DDP exit deadlock)."""
+        if self.checkpointing is not None and self.checkpointing.pending is not None:
+            self.checkpointing.pending.wait()
+            self.checkpointing.pending = None
         if self.ledger is not None:
             self.ledger.uninstall()
         self._models.clear()
@@ -295,7 +419,9 @@ def plan_from_argv(argv: list[str] | None = None) -> str | None:
 
 
 def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int = 0,
-         log_every: int = 10, quiet: bool = False, ledger: bool = False) -> Run:
+         log_every: int = 10, quiet: bool = False, ledger: bool = False,
+         checkpoint: str | Path | None = None, every: int | None = None, keep: int | None = 3,
+         async_save: bool = False) -> Run:
     """Join (or create) the process group, pick the device, build the mesh for ``plan``.
 
     ``plan``: a Plan, a plan string (``"dp=2,tp=2"``), a dict, or a .yaml/.json path; when None,
@@ -303,7 +429,20 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     Under torchrun (or ``plait run``) the rank and world size come from its variables; without
     them this is a one-process job. ``ledger=True`` records every collective of the training
     steps and prints, at ``finish()``, bytes per mesh axis and collective beside the closed form.
+
+    ``checkpoint="ckpt/"`` saves there every ``every`` steps (and at ``finish()``), keeping the
+    newest ``keep``, and resumes from the newest one when the folder holds any: the first
+    ``run.step`` loads it and ``run.loader`` continues at its step. ``async_save=True`` writes in
+    the background. Bad values and an unwritable folder are refused here, before any work.
     """
+    checkpointing = None
+    if checkpoint is not None:
+        from .checkpoint.schedule import Checkpointing
+
+        checkpointing = Checkpointing.configure(checkpoint, every, keep, async_save)
+    elif every is not None or async_save:
+        raise ValueError("every= and async_save= need a folder: plait.init(checkpoint='ckpt/', "
+                         "every=...)")
     acc = get_accelerator(accelerator)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -330,6 +469,10 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     run = Run(plan=resolved, mesh=mesh, accelerator=acc, device=device, rank=rank,
               world_size=world_size, local_rank=local_rank, seed=seed, log_every=log_every,
               quiet=quiet, owns_group=owns_group)
+    if checkpointing is not None:
+        run.checkpointing = checkpointing
+        run.first_step = checkpointing.resume_step
+        run.print(checkpointing.note)
     if ledger:
         from .comm.ledger import Ledger
 

@@ -1,0 +1,268 @@
+"""Save and load a training state with ``torch.distributed.checkpoint`` (collective calls).
+
+``save`` writes every rank's shards with DCP into a temporary folder and publishes it atomically
+(:mod:`plait.checkpoint.store`); ``load`` checks the checkpoint against this model before reading
+a byte of tensor data, so a wrong checkpoint fails with one line instead of a DCP traceback, and
+on every rank alike (the checks are agreed over the process group, so no rank is left waiting in
+a collective while another raises).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from . import state as st
+from . import store
+from .errors import CheckpointError
+from .safe import SafeLoadPlanner, SafeReader, read_metadata
+
+MODEL = "model"
+OPTIM = "optim"
+
+
+@dataclass
+class PendingSave:
+    """A save in flight (``async_save``) or done. ``wait()`` publishes it on rank 0."""
+
+    folder: Path
+    tmp: Path
+    step: int
+    manifest: dict[str, Any] | None  # rank 0 only
+    keep: int | None
+    future: Future | None = None
+    path: Path | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    def done(self) -> bool:
+        return self.path is not None or self.future is None or self.future.done()
+
+    def wait(self) -> Path:
+        """Block until this rank's writes are done; rank 0 then publishes the checkpoint."""
+        if self.path is not None:
+            return self.path
+        if self.future is not None:
+            self.future.result()
+        if self.manifest is not None:  # rank 0: DCP's metadata is written, so is every shard
+            self.path = store.publish(self.tmp, self.manifest)
+            store.prune(self.folder, self.keep)
+        else:
+            self.path = self.folder / store.step_name(self.step)
+        return self.path
+
+
+def _gather_to_main(value: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
+    world = dist.get_world_size(group)
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value, group=group)
+    return out if dist.get_rank(group) == 0 else None
+
+
+def _agree(error: str | None) -> None:
+    """Raise the same CheckpointError on every rank when any rank found one."""
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
+
+
+def _group_settings(per_rank: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Optimizer settings of every rank, as groups of parameter names with identical settings."""
+    import json
+
+    groups: dict[str, dict[str, Any]] = {}
+    for settings in per_rank:
+        for fqn, values in settings.items():
+            plain = store.to_plain(values, f"optimizer settings of {fqn}")
+            key = json.dumps(plain, sort_keys=True)
+            entry = groups.setdefault(key, {"settings": plain, "params": []})
+            if fqn not in entry["params"]:
+                entry["params"].append(fqn)
+    return list(groups.values())
+
+
+def save(folder: str | Path, *, step: int, model: nn.Module,
+         optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+         plan: Any = None, loader: Any = None, device: torch.device | None = None,
+         keep: int | None = None, async_group: dist.ProcessGroup | None = None,
+         extra: dict[str, Any] | None = None) -> PendingSave:
+    """Save this job's training state as ``folder/step-NNNNNNNN`` (collective: every rank).
+
+    Returns a ``PendingSave``: with ``async_group`` (a gloo group used only for checkpoints)
+    the shards are copied to host memory now and written in the background; call ``wait()``
+    before the next save and before exit. Without it the checkpoint is published on return.
+    ``keep`` deletes all but the newest ``keep`` checkpoints after publishing.
+    """
+    from .. import __version__
+
+    folder = Path(folder)
+    device = device or torch.device("cpu")
+    model_sd, optim_tensors, settings = st.collect(model, optimizer)
+    local = {"rng": st.rng_state(device), "settings": settings}
+    gathered = _gather_to_main(local, None)
+    manifest = None
+    error = None
+    tmp = store.temp_dir(folder, step)
+    if gathered is not None:
+        try:
+            tmp = store.begin(folder, step)
+            manifest = {
+                "format": store.FORMAT, "plait_version": __version__,
+                "torch_version": torch.__version__, "step": step,
+                "world_size": dist.get_world_size(), "saved_at": time.time(),
+                "plan": plan.to_dict() if plan is not None else None,
+                "optimizer": ({"class": type(st.stateful_optimizer(optimizer)).__name__,
+                               "param_groups": _group_settings([g["settings"]
+                                                                for g in gathered])}
+                              if optimizer is not None else None),
+                "scheduler": (store.to_plain(scheduler.state_dict(), "scheduler state")
+                              if scheduler is not None else None),
+                "loader": (store.to_plain(loader.state_dict(), "loader state")
+                           if loader is not None else None),
+                "rng": [g["rng"] for g in gathered],
+                "extra": store.to_plain(extra or {}, "extra"),
+            }
+        except (OSError, CheckpointError) as exc:
+            error = f"cannot save to {folder}: {exc}"
+    _agree(error)
+    state = {MODEL: model_sd}
+    if optim_tensors:
+        state[OPTIM] = optim_tensors
+    writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True,
+                                  thread_count=1)
+    pending = PendingSave(folder=folder, tmp=tmp, step=step, manifest=manifest, keep=keep)
+    if async_group is not None:
+        pending.future = dcp.async_save(state, storage_writer=writer, process_group=async_group)
+        return pending
+    dcp.save(state, storage_writer=writer)
+    error = None
+    if manifest is not None:
+        try:
+            pending.wait()
+        except OSError as exc:
+            error = f"cannot publish {tmp} in {folder}: {exc}"
+    _agree(error)
+    pending.path = folder / store.step_name(step)
+    return pending
+
+
+@dataclass
+class Loaded:
+    """What ``load`` restored, for the caller (the runtime) to act on."""
+
+    path: Path
+    step: int
+    plan: dict[str, Any] | None
+    world_size: int
+    loader: dict[str, Any] | None
+    extra: dict[str, Any]
+    rng_restored: bool
+
+
+def _shape(value: Any) -> list[int]:
+    return list(value.shape)
+
+
+def _check_model(path: Path, metadata: Any, model_sd: dict[str, Any]) -> str | None:
+    """Compare the whole model (every rank's share) with the checkpoint; None when they match."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    local = {k: _shape(v) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    mine: dict[str, list[int]] = {}
+    for part in everyone:
+        mine.update(part)
+    saved = {k[len(MODEL) + 1:]: list(v.size) for k, v in metadata.state_dict_metadata.items()
+             if k.startswith(MODEL + ".") and isinstance(v, TensorStorageMetadata)}
+    missing = sorted(set(mine) - set(saved))
+    unexpected = sorted(set(saved) - set(mine))
+    shapes = sorted(k for k in set(mine) & set(saved) if mine[k] != saved[k])
+    if not (missing or unexpected or shapes):
+        return None
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} parameter(s) of this model are not in it ("
+                     + ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "") + ")")
+    if unexpected:
+        parts.append(f"it holds {len(unexpected)} this model lacks ("
+                     + ", ".join(unexpected[:3]) + (", ..." if len(unexpected) > 3 else "") + ")")
+    for k in shapes[:3]:
+        parts.append(f"{k} is {saved[k]} there, {mine[k]} here")
+    return (f"checkpoint {path} is of another model: " + "; ".join(parts)
+            + "; load it into the model it was saved from")
+
+
+def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         scheduler: Any = None, device: torch.device | None = None,
+         restore_rng: bool = True) -> Loaded:
+    """Load the checkpoint at ``path`` (a step folder, or the latest in a checkpoint folder)
+    into ``model`` (any layout) and ``optimizer`` (collective: every rank).
+
+    Random states are restored only when the world size is the one saved (each rank gets its
+    own); under another layout they keep their seeded values.
+    """
+    device = device or torch.device("cpu")
+    step_dir = manifest = metadata = None
+    error = None
+    try:
+        step_dir = store.resolve(path)
+        manifest = store.read_manifest(step_dir)
+        metadata = read_metadata(step_dir)
+    except CheckpointError as exc:
+        error = str(exc)
+    _agree(error)
+    assert step_dir is not None and manifest is not None
+    model_sd, optim_tensors, wanted = st.collect(model, optimizer)
+    _agree(_check_model(step_dir, metadata, model_sd))
+    error = None
+    if optimizer is not None:
+        keys = metadata.state_dict_metadata
+        absent = sorted(k for k in optim_tensors if f"{OPTIM}.{k}" not in keys)
+        if manifest.get("optimizer") is None:
+            error = f"checkpoint {step_dir} holds no optimizer state; load it without an optimizer"
+        elif absent:
+            error = (f"checkpoint {step_dir} has no optimizer state {absent[0]!r}: it was saved "
+                     f"with a {manifest['optimizer'].get('class')} optimizer; use that class")
+    if scheduler is not None and manifest.get("scheduler") is None:
+        error = error or (f"checkpoint {step_dir} holds no LR scheduler state; load it without "
+                          f"a scheduler")
+    _agree(error)
+    request: dict[str, Any] = {MODEL: model_sd}
+    if optimizer is not None and optim_tensors:
+        request[OPTIM] = optim_tensors
+    try:
+        dcp.load(request, storage_reader=SafeReader(step_dir), planner=SafeLoadPlanner())
+    except CheckpointError:
+        raise
+    except Exception as exc:  # corrupt shard contents behind a right size
+        raise CheckpointError(f"checkpoint {step_dir} cannot be read ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}): a file is "
+                              f"corrupt") from None
+    settings: dict[str, dict[str, Any]] = {}
+    for group in (manifest.get("optimizer") or {}).get("param_groups", []):
+        values = store.from_plain(group["settings"])
+        for fqn in group["params"]:
+            settings[fqn] = values
+    st.apply(model, optimizer, model_sd, optim_tensors if optimizer is not None else {},
+             settings, wanted if optimizer is not None else {})
+    if scheduler is not None:
+        scheduler.load_state_dict(store.from_plain(manifest["scheduler"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rngs = manifest.get("rng") or []
+    restored = restore_rng and manifest.get("world_size") == world and rank < len(rngs)
+    if restored:
+        st.set_rng_state(rngs[rank], device)
+    return Loaded(path=step_dir, step=int(manifest["step"]), plan=manifest.get("plan"),
+                  world_size=int(manifest.get("world_size", 0)),
+                  loader=store.from_plain(manifest.get("loader")),
+                  extra=store.from_plain(manifest.get("extra") or {}), rng_restored=restored)

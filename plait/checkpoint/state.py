@@ -1,0 +1,202 @@
+"""What goes into a checkpoint from this rank: model and optimizer tensors under the user's own
+parameter names, optimizer settings, and random-number-generator states.
+
+Names are torch's: ``torch.distributed.checkpoint.state_dict.get_state_dict`` strips wrapper
+prefixes (DDP's ``module.``, activation checkpointing's ``_checkpoint_wrapped_module.``) and
+keeps FSDP2/TP parameters as DTensors, which DCP saves as shards and reshards at load. The
+optimizer state is flattened per parameter name (``state.layers.0.w.exp_avg``) so that any
+layout can load it: a pipeline stage or a ZeRO-1 rank asks only for its own parameters' entries.
+
+Two things torch's helpers do not cover, done here:
+
+* **Pipelines.** A pipelined model is this rank's stage modules, each a shallow copy of the
+  user's model sharing the blocks it owns. :func:`state_module` merges them into one module
+  tree holding every local parameter under its name in the full model, so one
+  ``get_state_dict`` call covers the optimizer (which spans all local stages) and the names
+  match a model that is not pipelined.
+* **Optimizer settings** (learning rate, betas, ...) go to ``plait.json`` as plain data, one
+  entry per group, instead of one pickled DCP item per parameter per setting.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import random
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_GROUPS = "param_groups."
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return module.module if isinstance(module, DDP) else module
+
+
+def stage_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules that hold this rank's parameters: a pipeline's local stages, else the model."""
+    return list(getattr(model, "plait_stages", None) or [model])
+
+
+def _holds_state(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def _merge(modules: list[nn.Module]) -> nn.Module:
+    distinct = list({id(m): m for m in modules}.values())
+    if len(distinct) == 1:
+        return distinct[0]
+    real = [m for m in distinct if _holds_state(m)]  # drop the stages' parameter-free stand-ins
+    if len(real) <= 1:
+        return (real or distinct)[0]
+    merged = nn.Module()
+    first = real[0]
+    # The stage copies share their own parameters and buffers (shallow copies of one module).
+    merged._parameters = first._parameters
+    merged._buffers = first._buffers
+    merged._non_persistent_buffers_set = first._non_persistent_buffers_set
+    keys: list[str] = []
+    for m in real:
+        keys += [k for k in m._modules if k not in keys]
+    for key in keys:
+        children = [m._modules[key] for m in real if m._modules.get(key) is not None]
+        if children:
+            merged._modules[key] = _merge(children)
+    return merged
+
+
+def state_module(model: nn.Module) -> nn.Module:
+    """One module whose state dict is this rank's whole share of the model, under the names of
+    the user's model (a pipeline's local stages merged; see the module docstring)."""
+    stages = stage_modules(model)
+    if len(stages) == 1 and stages[0] is model:
+        return model
+    return _merge([_unwrap(s) for s in stages])
+
+
+def stateful_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: ZeRO-1's local optimizer over this rank's
+    partition (its state is saved per parameter name, each rank writing its own), else itself."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+@contextlib.contextmanager
+def _without_empty_groups(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """Hide parameter groups with no parameters (a ZeRO-1 rank whose partition of a group is
+    empty): torch's flattened optimizer state cannot name them, and they hold no state."""
+    if optimizer is None:
+        yield
+        return
+    groups = optimizer.param_groups
+    kept = [g for g in groups if g["params"]]
+    if len(kept) == len(groups):
+        yield
+        return
+    optimizer.param_groups = kept
+    try:
+        yield
+    finally:
+        optimizer.param_groups = groups
+
+
+def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None
+            ) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
+    """(model tensors, optimizer tensors, optimizer settings per parameter name) of this rank.
+
+    The tensors are the live ones (DCP reads them for a save and writes into them for a load).
+    """
+    module = state_module(model)
+    optim = stateful_optimizer(optimizer) if optimizer is not None else None
+    if optim is not None and optim is not optimizer:
+        # ZeRO-1 copies its settings (a scheduler's lr) into the local optimizer only when it
+        # steps: copy them now so the checkpoint holds the settings of the next step.
+        for src, dst in zip(optimizer.param_groups, optim.param_groups):
+            dst.update({k: v for k, v in src.items() if k != "params"})
+    with _without_empty_groups(optim):
+        model_sd, optim_sd = get_state_dict(module, [optim] if optim is not None else [],
+                                            options=_OPTIONS)
+    settings: dict[str, dict[str, Any]] = {}
+    tensors: dict[str, Any] = {}
+    for key, value in (optim_sd or {}).items():
+        if key.startswith(_GROUPS):
+            fqn, _, setting = key[len(_GROUPS):].rpartition(".")
+            settings.setdefault(fqn, {})[setting] = value
+        else:
+            tensors[key] = value
+    return model_sd, tensors, settings
+
+
+def apply(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict[str, Any],
+          optim_tensors: dict[str, Any], settings: dict[str, dict[str, Any]],
+          wanted: dict[str, dict[str, Any]]) -> None:
+    """Set the loaded state: ``model_sd``/``optim_tensors`` (already filled in place by DCP) and
+    the optimizer ``settings`` per parameter name, for the names and keys in ``wanted``."""
+    module = state_module(model)
+    optim = stateful_optimizer(optimizer) if optimizer is not None else None
+    optim_sd: dict[str, Any] = dict(optim_tensors)
+    for fqn, current in wanted.items():
+        saved = settings.get(fqn, {})
+        for key, value in current.items():
+            optim_sd[f"{_GROUPS}{fqn}.{key}"] = saved.get(key, value)
+    with _without_empty_groups(optim):
+        set_state_dict(module, [optim] if optim is not None else [],
+                       model_state_dict=model_sd, optim_state_dict=optim_sd, options=_OPTIONS)
+    if optim is not None and optim is not optimizer:  # ZeRO-1: the wrapper's groups follow
+        for src, dst in zip(optim.param_groups, optimizer.param_groups):
+            dst.update({k: v for k, v in src.items() if k != "params"})
+
+
+# ------------------------------------------------------------------------------ RNG
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's random states: torch (CPU and the accelerator), Python, NumPy."""
+    from .store import to_plain
+
+    state: dict[str, Any] = {"torch": _b64(torch.get_rng_state()),
+                             "python": to_plain(random.getstate(), "random state")}
+    if device.type not in ("cpu", "meta"):
+        module = torch.get_device_module(device)
+        if hasattr(module, "get_rng_state"):
+            state["accelerator"] = _b64(module.get_rng_state(device).cpu())
+    try:
+        import numpy as np
+
+        state["numpy"] = to_plain(np.random.get_state(), "numpy random state")
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    from .store import from_plain
+
+    torch.set_rng_state(_tensor(state["torch"]))
+    random.setstate(from_plain(state["python"]))
+    if "accelerator" in state and device.type not in ("cpu", "meta"):
+        torch.get_device_module(device).set_rng_state(_tensor(state["accelerator"]), device)
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            np.random.set_state(from_plain(state["numpy"]))
+        except ImportError:
+            pass

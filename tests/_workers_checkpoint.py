@@ -1,0 +1,122 @@
+"""Module-level workers for the checkpoint tests (spawned processes import them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import plait
+from plait.data import TextDataset
+from plait.models.transformer import build, lm_loss, preset
+
+BATCH, SEQ = 8, 16
+
+
+def _model(dropout: float):
+    return build(preset("test", dropout=dropout))
+
+
+def train(plan: str, *, steps: int, checkpoint: str | None = None, every: int | None = None,
+          dropout: float = 0.0, scheduler: bool = True, load: str | None = None,
+          async_save: bool = False) -> list[float]:
+    """Train the test model under ``plan`` up to global step ``steps``; returns this process's
+    per-step losses (resumed runs return only the steps they ran)."""
+    run = plait.init(plan, checkpoint=checkpoint, every=every, log_every=1, quiet=True,
+                     async_save=async_save)
+    model = run.parallelize(_model(dropout))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5) if scheduler else None
+    if load is not None:
+        run.load(load, model=model, optimizer=opt, scheduler=sched)
+    losses = []
+    for batch in run.loader(TextDataset(seq_len=SEQ), batch_size=BATCH, steps=steps):
+        losses.append(run.step(model, batch, lm_loss, opt, scheduler=sched))
+    if checkpoint is not None:
+        run.finish(print_summary=False)  # waits for a background save
+    else:
+        run.close()
+    return losses
+
+
+def exact_resume(rank: int, world: int, plans: list[str], root: str, dropout: float = 0.0,
+                 async_save: bool = False, stop: bool = True
+                 ) -> dict[str, tuple[list[float], list[float]]]:
+    """Per plan: (losses 7-12 of an uninterrupted run, losses 7-12 after resuming at step 6).
+
+    ``stop``: the resumed run continues one that stopped at step 6 (three runs); otherwise it
+    loads the step-6 checkpoint the uninterrupted run wrote on its way (two runs, the same
+    state on disk)."""
+    out = {}
+    for i, plan in enumerate(plans):
+        folder = str(Path(root) / f"p{i}")
+        if stop:
+            full = train(plan, steps=12, dropout=dropout)
+            first = train(plan, steps=6, checkpoint=folder, every=3, dropout=dropout,
+                          async_save=async_save)
+            assert first == full[:6], (plan, first, full[:6])
+            resumed = train(plan, steps=12, checkpoint=folder, every=3, dropout=dropout,
+                            async_save=async_save)
+        else:
+            full = train(plan, steps=12, checkpoint=folder, every=6, dropout=dropout)
+            resumed = train(plan, steps=12, dropout=dropout,
+                            load=str(Path(folder) / "step-00000006"))
+        out[plan] = (full[6:], resumed)
+    return out
+
+
+def save_under(rank: int, world: int, plan: str, folder: str, steps: int = 3) -> list[float]:
+    """Train ``steps`` steps under ``plan`` and checkpoint; returns the losses."""
+    return train(plan, steps=steps, checkpoint=folder, every=steps)
+
+
+def continue_under(rank: int, world: int, plan: str, folder: str, steps: int = 6
+                   ) -> list[float]:
+    """Resume ``folder``'s newest checkpoint under ``plan`` (any layout) up to ``steps``."""
+    return train(plan, steps=steps, load=folder)
+
+
+def reshard_world2(rank: int, world: int, root: str) -> dict[str, list[float]]:
+    """Checkpoints moved between layouts at world 2 (and from one process, saved beforehand in
+    ``root/single``); returns each continuation's losses for steps 4-6."""
+    base = Path(root)
+    out = {"single -> dp_shard=2,zero=3": continue_under(rank, world, "dp_shard=2,zero=3",
+                                                          str(base / "single"))}
+    out["tp=2 (saved)"] = save_under(rank, world, "tp=2", str(base / "tp2"))
+    out["pp=2,1f1b (saved)"] = save_under(rank, world, "pp=2,schedule=1f1b,mb=2", str(base / "pp2"))
+    out["pp=2,1f1b -> pp=2,interleaved_1f1b,v=2"] = continue_under(
+        rank, world, "pp=2,schedule=interleaved_1f1b,v=2,mb=2", str(base / "pp2"))
+    return out
+
+
+def reshard_world4(rank: int, world: int, root: str) -> dict[str, list[float]]:
+    """dp=4 -> dp=2,tp=2 and zero=3 over 4 -> pp=2,dp_shard=2, plus pp2 x dp2 exact resume."""
+    base = Path(root)
+    save_under(rank, world, "dp=4", str(base / "dp4"))
+    save_under(rank, world, "dp_shard=4,zero=3", str(base / "z3"))
+    out = {"dp=4 -> dp=2,tp=2": continue_under(rank, world, "dp=2,tp=2", str(base / "dp4")),
+           "zero=3 x4 -> pp=2,dp_shard=2": continue_under(
+               rank, world, "pp=2,dp_shard=2,zero=3,schedule=1f1b,mb=2", str(base / "z3"))}
+    return out
+
+
+def killed_during_second_save(rank: int, world: int, folder: str) -> None:
+    """Data parallel, a checkpoint every 2 steps; the last rank dies right after writing its
+    shard of the second one (step 4), before DCP's metadata and plait's publishing."""
+    import os
+
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    original = _FileSystemWriter.write_data
+    calls = []
+
+    def write_then_die(self, plan, planner):
+        future = original(self, plan, planner)
+        calls.append(1)
+        if rank == world - 1 and len(calls) == 2:
+            future.wait()
+            os._exit(9)
+        return future
+
+    _FileSystemWriter.write_data = write_then_die
+    train(f"dp={world}", steps=6, checkpoint=folder, every=2)

@@ -1,0 +1,262 @@
+"""Checkpoints: exact resume, resharding to other layouts, atomic saves, refusals.
+
+Exact resume: a run stopped at step 6 of 12 and resumed gives bitwise the losses 7-12 of the
+uninterrupted run (fp32, CPU), with an LR scheduler and dropout in play. Resharding: a
+checkpoint saved under one layout continues under another with the losses of one device within
+``RESHARD_RTOL`` (summation order differs between layouts; nothing else does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import plait
+from plait.checkpoint import CheckpointError, resolve
+from plait.checkpoint.store import from_plain, to_plain
+from plait.spawn import WorkerError, run_distributed
+
+from . import _workers_checkpoint as w
+
+RESHARD_RTOL = 2e-5
+
+
+@pytest.fixture
+def no_group():
+    """In-process single-rank runs: never leave a process group behind for the next test."""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        assert var not in os.environ
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def saved(tmp_path, no_group):
+    """A one-process checkpoint folder with steps 3 and 6."""
+    folder = tmp_path / "ckpt"
+    w.train("single", steps=6, checkpoint=str(folder), every=3)
+    return folder
+
+
+# ------------------------------------------------------------------------------ exact resume
+def test_exact_resume_world2(tmp_path):
+    plans = ["dp=2", "dp_shard=2,zero=1", "dp_shard=2,zero=3", "tp=2,sp",
+             "pp=2,schedule=1f1b,mb=2"]
+    result = run_distributed(w.exact_resume, 2, plans, str(tmp_path), 0.1, stop=False,
+                             timeout=240)[0]
+    for plan, (uninterrupted, resumed) in result.items():
+        assert len(resumed) == 6, plan
+        assert resumed == uninterrupted, f"{plan}: {resumed} != {uninterrupted}"
+
+
+def test_exact_resume_one_process_async(tmp_path, no_group):
+    result = w.exact_resume(0, 1, ["single"], str(tmp_path), dropout=0.1, async_save=True)
+    uninterrupted, resumed = result["single"]
+    assert resumed == uninterrupted
+    assert sorted(p.name for p in (tmp_path / "p0").iterdir()) == [
+        "step-00000006", "step-00000009", "step-00000012"]  # keep=3, every=3
+
+
+# ------------------------------------------------------------------------------ resharding
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= RESHARD_RTOL * abs(y) for x, y in zip(a, b))
+
+
+def test_reshard_world1_world2(tmp_path, no_group):
+    reference = w.train("single", steps=6)
+    w.save_under(0, 1, "single", str(tmp_path / "single"))
+    out = run_distributed(w.reshard_world2, 2, str(tmp_path), timeout=240)[0]
+    out["tp=2 -> one process"] = w.continue_under(0, 1, "single", str(tmp_path / "tp2"))
+    for name, losses in out.items():
+        expected = reference[:3] if "(saved)" in name else reference[3:]
+        assert _close(losses, expected), f"{name}: {losses} vs one device {expected}"
+    # The pipeline's checkpoint names parameters as the model does, not per stage or wrapper.
+    from plait.checkpoint.safe import read_metadata
+
+    keys = set(read_metadata(resolve(tmp_path / "pp2")).state_dict_metadata)
+    params = {name for name, _ in w._model(0.0).named_parameters()}
+    assert {k for k in keys if k.startswith("model.")} == {f"model.{n}" for n in params}
+    assert {k.removeprefix("optim.state.").rpartition(".")[0] for k in keys
+            if k.startswith("optim.state.")} == params
+
+
+@pytest.mark.slow
+def test_reshard_and_resume_world4(tmp_path, no_group):
+    reference = w.train("single", steps=6)
+    out = run_distributed(w.reshard_world4, 4, str(tmp_path), timeout=480)[0]
+    for name, losses in out.items():
+        assert _close(losses, reference[3:]), f"{name}: {losses} vs one device {reference[3:]}"
+    plan = "pp=2,dp=2,schedule=1f1b,mb=2"
+    result = run_distributed(w.exact_resume, 4, [plan], str(tmp_path / "exact"), 0.1,
+                             timeout=480)[0]
+    uninterrupted, resumed = result[plan]
+    assert resumed == uninterrupted
+
+
+# ------------------------------------------------------------------------------ atomicity
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_kill_during_save_keeps_previous(tmp_path, no_group, world):
+    folder = tmp_path / "ckpt"
+    with pytest.raises(WorkerError):  # the killed rank, or a peer that lost it mid-save
+        run_distributed(w.killed_during_second_save, world, str(folder), timeout=120)
+    assert resolve(folder).name == "step-00000002"
+    assert any(p.name.startswith(".tmp-step-00000004") for p in folder.iterdir())
+    run = plait.init("single", checkpoint=str(folder), quiet=True)
+    try:
+        assert run.first_step == 2
+        assert "unfinished" not in run.checkpointing.note  # a complete one exists: resumed
+        model = run.parallelize(w._model(0.0))
+        assert run.load(folder, model=model) == 2
+    finally:
+        run.close()
+
+
+# ------------------------------------------------------------------------------ refusals
+class _Payload:
+    """Pickles to a call that creates a marker file, as a crafted checkpoint would."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _load_into_fresh(path: Path) -> int:
+    run = plait.init("single", quiet=True)
+    try:
+        model = run.parallelize(w._model(0.0))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return run.load(path, model=model, optimizer=opt)
+    finally:
+        run.close()
+
+
+def test_crafted_pickle_in_metadata_is_refused(saved, tmp_path):
+    step = resolve(saved)
+    marker = tmp_path / "pwned"
+    meta = step / ".metadata"
+    meta.write_bytes(pickle.dumps(_Payload(marker)))
+    manifest = json.loads((step / "plait.json").read_text())
+    manifest["files"][".metadata"] = meta.stat().st_size  # sizes agree: only content is bad
+    (step / "plait.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"refers to .*open.*not checkpoint data"):
+        _load_into_fresh(step)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate_shard", r"__0_0\.distcp is \d+ bytes, expected \d+"),
+    ("truncate_manifest", r"plait\.json cannot be read"),
+    ("future_format", r"checkpoint format 99.*reads format 1"),
+    ("no_metadata", r"\.metadata is missing"),
+])
+def test_damaged_checkpoint_is_refused(saved, damage, message):
+    step = resolve(saved)
+    if damage == "truncate_shard":
+        shard = step / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif damage == "truncate_manifest":
+        (step / "plait.json").write_text((step / "plait.json").read_text()[:50])
+    elif damage == "future_format":
+        manifest = json.loads((step / "plait.json").read_text())
+        manifest["format"] = 99
+        (step / "plait.json").write_text(json.dumps(manifest))
+    else:
+        (step / ".metadata").unlink()
+    before = _digest(saved)
+    with pytest.raises(CheckpointError, match=message) as err:
+        _load_into_fresh(step)
+    assert str(step) in str(err.value)
+    assert _digest(saved) == before  # nothing touched
+
+
+def test_another_models_checkpoint_is_refused(saved):
+    before = _digest(saved)
+    run = plait.init("single", quiet=True)
+    try:
+        other = run.parallelize(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        with pytest.raises(CheckpointError, match=r"is of another model: .*0\.weight"):
+            run.load(saved, model=other)
+    finally:
+        run.close()
+    assert _digest(saved) == before
+
+
+def test_missing_empty_and_half_written_folders(tmp_path, no_group):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    half = tmp_path / "half"
+    (half / ".tmp-step-00000004").mkdir(parents=True)
+    cases = {tmp_path / "nope": "does not exist", empty: "is empty",
+             half: "no complete checkpoint, only half-written saves",
+             half / ".tmp-step-00000004": "is half-written"}
+    for path, message in cases.items():
+        with pytest.raises(CheckpointError, match=message) as err:
+            _load_into_fresh(path)
+        assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"every": 0}, r"every=0 must be a whole number >= 1"),
+    ({"keep": 0}, r"keep=0 must be a whole number >= 1"),
+    ({"every": 2.5}, r"every=2\.5 must be"),
+])
+def test_bad_settings_refused_before_training(tmp_path, no_group, kwargs, message):
+    with pytest.raises(CheckpointError, match=message):
+        plait.init("single", checkpoint=str(tmp_path / "c"), **kwargs)
+    assert not dist.is_initialized()
+
+
+def test_unwritable_or_foreign_folder_refused(tmp_path, no_group):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CheckpointError, match=r"not writable"):
+        plait.init("single", checkpoint=str(blocker / "ckpt"))
+    with pytest.raises(CheckpointError, match=r"is a file"):
+        plait.init("single", checkpoint=str(blocker))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match=r"holds files that are not plait checkpoints"):
+        plait.init("single", checkpoint=str(tmp_path / "mine"))
+    assert not dist.is_initialized()
+
+
+def test_broken_newest_checkpoint_is_not_a_fresh_start(saved):
+    newest = resolve(saved)
+    (newest / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"expected"):
+        plait.init("single", checkpoint=str(saved))
+    assert not dist.is_initialized()
+
+
+def test_plain_data_round_trip():
+    value = {"a": (1, 2.5, None), "b": [True, "x"], 3: {"t": torch.arange(4.0)},
+             "inf": float("inf")}
+    back = from_plain(json.loads(json.dumps(to_plain(value, "v"))))
+    assert back["a"] == (1, 2.5, None) and back["b"] == [True, "x"]
+    assert torch.equal(back[3]["t"], torch.arange(4.0)) and back["inf"] == float("inf")
+    with pytest.raises(CheckpointError, match="holds a builtin_function_or_method"):
+        to_plain({"f": len}, "scheduler state")
+
+
+def test_keep_last_k(tmp_path, no_group):
+    folder = tmp_path / "k"
+    w.train("single", steps=5, checkpoint=str(folder), every=1, scheduler=False)
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["step-00000003", "step-00000004", "step-00000005"]
+    shutil.rmtree(folder)
