@@ -19,6 +19,7 @@ EPILOG = """examples:
   plait check --plan dp=2,tp=2                same training as one device? (loss, parameters)
   plait plan --model llama-7b --cluster dgx-h100 --global-batch 512 --seq 4096
   plait comm --plan dp=2                      bytes per mesh axis: measured vs closed form
+  plait export ckpt/ --to model.safetensors   a checkpoint as one plain file
   plait bench comm --ops all_reduce --max-bytes 16M
 """
 
@@ -52,6 +53,12 @@ def _demo(args: argparse.Namespace) -> int:
     cfg = launch.LaunchConfig(script="plait.demo", module=True, nproc=args.nproc,
                               script_args=tuple(script_args))
     return launch.launch(cfg)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .checkpoint import export
+
+    return export.command(args)
 
 
 def _comm(args: argparse.Namespace) -> int:
@@ -173,6 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
         "bus factor (nccl-tests' definitions). --format json feeds the planner's calibration.")
     comm_cli.add_bench_comm_arguments(q)
     commands["bench"] = _bench
+
+    from .checkpoint import export
+
+    p = sub.add_parser(
+        "export", help="a checkpoint's model as one safetensors file (or a Hugging Face folder)",
+        description="Read the model tensors of CHECKPOINT (saved under any plan and world size) "
+        "at full size and write them, under the model's own parameter names, to one "
+        ".safetensors file usable without plait or torch.distributed; for a Hugging Face "
+        "model, --to DIR writes DIR/model.safetensors and DIR/config.json.",
+        epilog="example: plait export ckpt/ --to model.safetensors",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    export.add_arguments(p)
+    commands["export"] = _export
 
     parser.set_defaults(_commands=commands)
     return parser

@@ -92,6 +92,14 @@ def test_reshard_world1_world2(tmp_path, no_group):
     assert {k for k in keys if k.startswith("model.")} == {f"model.{n}" for n in params}
     assert {k.removeprefix("optim.state.").rpartition(".")[0] for k in keys
             if k.startswith("optim.state.")} == params
+    # Exported, the three layouts' step-3 models are one model.
+    from plait.checkpoint.export import model_tensors
+
+    one = model_tensors(tmp_path / "single")[0]
+    for other in ("tp2", "pp2"):
+        theirs = model_tensors(tmp_path / other)[0]
+        assert theirs.keys() == one.keys()
+        assert all(torch.allclose(theirs[k], one[k], rtol=1e-4, atol=1e-6) for k in one), other
 
 
 @pytest.mark.slow
@@ -260,3 +268,68 @@ def test_keep_last_k(tmp_path, no_group):
     names = sorted(p.name for p in folder.iterdir())
     assert names == ["step-00000003", "step-00000004", "step-00000005"]
     shutil.rmtree(folder)
+
+
+# ------------------------------------------------------------------------------ export
+def test_export_safetensors_loads_without_plait(saved, tmp_path):
+    from safetensors.torch import load_file
+
+    from plait.cli import main
+
+    run = plait.init("single", quiet=True)
+    try:
+        model = run.parallelize(w._model(0.0))
+        run.load(saved, model=model)
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+    finally:
+        run.close()
+    out = tmp_path / "out" / "model.safetensors"
+    assert main(["export", str(saved), "--to", str(out)]) == 0
+    tensors = load_file(str(out))
+    assert tensors.keys() == expected.keys()
+    assert all(torch.equal(tensors[k], expected[k]) for k in expected)
+    fresh = w._model(0.0)
+    fresh.load_state_dict(tensors, strict=True)
+
+
+def test_export_refusals(saved, tmp_path, capsys):
+    from plait.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["export", str(saved), "--to", str(blocker / "m.safetensors")]) == 2
+    assert "cannot write in" in capsys.readouterr().err
+    missing = tmp_path / "missing"
+    assert main(["export", str(missing), "--to", str(tmp_path / "m.safetensors")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["export", str(saved), "--to", str(tmp_path / "hf")]) == 2
+    assert "not of a Hugging Face model" in capsys.readouterr().err
+
+
+def test_export_hugging_face_folder(tmp_path, no_group):
+    transformers = pytest.importorskip("transformers")
+    from plait.checkpoint.export import export
+    from plait.data import TextDataset
+    from plait.models.transformer import lm_loss
+
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, vocab_size=128,
+                                   max_position_embeddings=32, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    run = plait.init("single", quiet=True, checkpoint=str(tmp_path / "ckpt"))
+    try:
+        model = run.parallelize(transformers.LlamaForCausalLM(cfg))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for batch in run.loader(TextDataset(seq_len=16), batch_size=4, steps=2):
+            run.step(model, batch, lambda out, y: lm_loss(out.logits, y), opt)
+        run.save()
+        tokens = torch.arange(16).reshape(1, 16)
+        with torch.no_grad():
+            expected = model(tokens).logits
+    finally:
+        run.close()
+    info = export(tmp_path / "ckpt", tmp_path / "hf")
+    assert info["config"] and (tmp_path / "hf" / "config.json").is_file()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        assert torch.allclose(loaded(tokens).logits, expected, atol=1e-5)

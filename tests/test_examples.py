@@ -37,3 +37,16 @@ def test_collectives_example():
     assert out.returncode == 0, out.stderr[-3000:]
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"):
         assert op in out.stdout
+
+
+def test_checkpoint_resume_example(tmp_path):
+    common = ["--steps", "8", "--every", "2", "--checkpoint", str(tmp_path / "ckpt"),
+              "--batch-size", "8", "--seq-len", "32"]
+    first = plait_run(2, "checkpoint_resume.py", "--plan", "dp=2", "--stop-at", "4", *common)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    assert "FINAL step 4" in first.stdout
+    # Resumed by one process: the dp=2 checkpoint loads under another world size.
+    second = _run([sys.executable, "examples/checkpoint_resume.py", *common])
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    assert "resuming from" in second.stdout and "step 4" in second.stdout
+    assert "FINAL step 8" in second.stdout

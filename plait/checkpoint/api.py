@@ -90,6 +90,24 @@ def _group_settings(per_rank: list[dict[str, dict[str, Any]]]) -> list[dict[str,
     return list(groups.values())
 
 
+def _describe(model: nn.Module) -> dict[str, Any]:
+    """The user's model class, and a Hugging Face model's config (``plait export`` writes it as
+    config.json)."""
+    import sys
+
+    stages = st.stage_modules(model)
+    user = st._unwrap(stages[0])
+    # FSDP2 swaps the class for a subclass named FSDP<class>.
+    info: dict[str, Any] = {"class": type(user).__name__.removeprefix("FSDP")}
+    transformers = sys.modules.get("transformers")  # imported iff the model is one of theirs
+    if transformers is not None and isinstance(user, transformers.PreTrainedModel):
+        try:
+            info["hf_config"] = store.to_plain(user.config.to_dict(), "config")
+        except CheckpointError:  # a config field that is not plain data: export needs a file
+            pass
+    return info
+
+
 def save(folder: str | Path, *, step: int, model: nn.Module,
          optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
          plan: Any = None, loader: Any = None, device: torch.device | None = None,
@@ -129,6 +147,7 @@ def save(folder: str | Path, *, step: int, model: nn.Module,
                 "loader": (store.to_plain(loader.state_dict(), "loader state")
                            if loader is not None else None),
                 "rng": [g["rng"] for g in gathered],
+                "model": _describe(model),
                 "extra": store.to_plain(extra or {}, "extra"),
             }
         except (OSError, CheckpointError) as exc:
