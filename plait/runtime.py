@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -213,11 +213,12 @@ class Run:
             raise CheckpointError("run.save() needs a folder: run.save('ckpt/') or "
                                   "plait.init(checkpoint='ckpt/')")
         last = self._last_step_args or (None, None, None)
-        model = model or last[0] or (self._models[0] if len(self._models) == 1 else None)
-        if model is None:
+        chosen: nn.Module | None = model or last[0] or (
+            self._models[0] if len(self._models) == 1 else None)
+        if not isinstance(chosen, nn.Module):
             raise CheckpointError("run.save() does not know which model to save: pass "
                                   "model=... (and optimizer=...) or call it after run.step()")
-        if optimizer is None and model is last[0]:
+        if optimizer is None and chosen is last[0]:
             optimizer, scheduler = last[1], scheduler or last[2]
         folder = Path(path) if path is not None else ckpt.folder
         same = ckpt is not None and folder == ckpt.folder
@@ -229,7 +230,7 @@ class Run:
                 ckpt.group = dist.new_group(backend="gloo")
             group = ckpt.group
         loader = self._loader
-        pending = save(folder, step=self.steps_done, model=model,
+        pending = save(folder, step=self.steps_done, model=cast(nn.Module, chosen),
                        optimizer=self._optimizer_for(optimizer) if optimizer else None,
                        scheduler=scheduler, plan=self.plan, device=self.device,
                        loader=loader, keep=ckpt.keep if same else None, async_group=group,
@@ -259,7 +260,8 @@ class Run:
         target = self._optimizer_for(optimizer) if optimizer is not None else None
         info = load(path, model=model, optimizer=target, scheduler=scheduler,
                     device=self.device)
-        if target is not None and target is not optimizer:  # ZeRO-1: back to the user's
+        if optimizer is not None and target is not None and target is not optimizer:
+            # ZeRO-1: the loaded settings go back to the user's optimizer too
             from .parallel.fsdp import copy_hyperparameters
 
             copy_hyperparameters(target, optimizer)

@@ -73,7 +73,8 @@ def test_exact_resume_one_process_async(tmp_path, no_group):
 
 # ------------------------------------------------------------------------------ resharding
 def _close(a: list[float], b: list[float]) -> bool:
-    return len(a) == len(b) and all(abs(x - y) <= RESHARD_RTOL * abs(y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(abs(x - y) <= RESHARD_RTOL * abs(y)
+                                    for x, y in zip(a, b, strict=True))
 
 
 def test_reshard_world1_world2(tmp_path, no_group):

@@ -10,7 +10,6 @@ a collective while another raises).
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ class PendingSave:
     step: int
     manifest: dict[str, Any] | None  # rank 0 only
     keep: int | None
-    future: Future | None = None
+    future: Any = None  # DCP's Future (or AsyncSaveResponse) while a background save runs
     path: Path | None = None
     started: float = field(default_factory=time.perf_counter)
 
@@ -240,7 +239,7 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
     except CheckpointError as exc:
         error = str(exc)
     _agree(error)
-    assert step_dir is not None and manifest is not None
+    assert step_dir is not None and manifest is not None and metadata is not None
     model_sd, optim_tensors, wanted = st.collect(model, optimizer)
     _agree(_check_model(step_dir, metadata, model_sd))
     error = None
@@ -263,7 +262,7 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
         dcp.load(request, storage_reader=SafeReader(step_dir), planner=SafeLoadPlanner())
     except CheckpointError:
         raise
-    except Exception as exc:  # corrupt shard contents behind a right size
+    except Exception as exc:  # noqa: BLE001 - any failure reading a right-sized shard is corruption
         raise CheckpointError(f"checkpoint {step_dir} cannot be read ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}): a file is "
                               f"corrupt") from None

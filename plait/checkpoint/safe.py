@@ -69,7 +69,7 @@ def read_metadata(path: Path) -> Metadata:
     except FileNotFoundError:
         raise CheckpointError(f"{file} is missing: the checkpoint is half-written; expected "
                               f"the metadata file every complete save has") from None
-    except Exception as exc:  # EOF, bad opcodes: a truncated or corrupt file
+    except Exception as exc:  # noqa: BLE001 - EOF, bad opcodes...: a truncated or corrupt file
         raise CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {exc}): the file "
                               f"is truncated or corrupt") from None
     if not isinstance(metadata, Metadata):
@@ -86,9 +86,9 @@ class SafeReader(FileSystemReader):
         metadata = read_metadata(Path(self.path))
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 
@@ -98,7 +98,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
             obj = torch.load(value, weights_only=True)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - torch's refusal or a corrupt value alike
             raise CheckpointError(f"checkpoint value {read_item.dest_index.fqn!r} is not plain "
                                   f"data ({exc.__class__.__name__}); refusing to load it") from None
         if self.flatten_state_dict:

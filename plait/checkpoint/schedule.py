@@ -45,7 +45,7 @@ class Checkpointing:
 
     @classmethod
     def configure(cls, folder: str | Path, every: int | None, keep: int | None,
-                  async_save: bool) -> "Checkpointing":
+                  async_save: bool) -> Checkpointing:
         every = _positive("every", every, "save every N steps")
         keep = _positive("keep", keep, "how many checkpoints to keep")
         path = store.check_writable(folder)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import random
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -69,7 +70,7 @@ def _merge(modules: list[nn.Module]) -> nn.Module:
     for m in real:
         keys += [k for k in m._modules if k not in keys]
     for key in keys:
-        children = [m._modules[key] for m in real if m._modules.get(key) is not None]
+        children = [c for m in real if (c := m._modules.get(key)) is not None]
         if children:
             merged._modules[key] = _merge(children)
     return merged
@@ -119,10 +120,10 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None
     """
     module = state_module(model)
     optim = stateful_optimizer(optimizer) if optimizer is not None else None
-    if optim is not None and optim is not optimizer:
+    if optimizer is not None and optim is not None and optim is not optimizer:
         # ZeRO-1 copies its settings (a scheduler's lr) into the local optimizer only when it
         # steps: copy them now so the checkpoint holds the settings of the next step.
-        for src, dst in zip(optimizer.param_groups, optim.param_groups):
+        for src, dst in zip(optimizer.param_groups, optim.param_groups, strict=True):
             dst.update({k: v for k, v in src.items() if k != "params"})
     with _without_empty_groups(optim):
         model_sd, optim_sd = get_state_dict(module, [optim] if optim is not None else [],
@@ -153,8 +154,9 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: d
     with _without_empty_groups(optim):
         set_state_dict(module, [optim] if optim is not None else [],
                        model_state_dict=model_sd, optim_state_dict=optim_sd, options=_OPTIONS)
-    if optim is not None and optim is not optimizer:  # ZeRO-1: the wrapper's groups follow
-        for src, dst in zip(optim.param_groups, optimizer.param_groups):
+    if optimizer is not None and optim is not None and optim is not optimizer:
+        # ZeRO-1: the wrapper's groups follow the local optimizer's
+        for src, dst in zip(optim.param_groups, optimizer.param_groups, strict=True):
             dst.update({k: v for k, v in src.items() if k != "params"})
 
 
