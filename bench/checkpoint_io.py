@@ -25,14 +25,7 @@ import time
 
 import torch
 
-
-def _median_time(fn, n: int) -> float:
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from plait.planner.calibrate import _median_time
 
 
 def job(rank: int, world: int, plan: str, model_name: str, folder: str, batch: int, seq: int,
@@ -55,13 +48,13 @@ def job(rank: int, world: int, plan: str, model_name: str, folder: str, batch: i
 
     for _ in range(2):  # warm-up: lazy init, DDP bucket rebuild, optimizer state
         step()
-    step_s = _median_time(step, repeats)
+    step_s = _median_time(step, repeats, warmup=0)
 
     def blocking_save():
         run.save()
         dist.barrier()
 
-    save_s = _median_time(blocking_save, repeats)
+    save_s = _median_time(blocking_save, repeats, warmup=0)
     ckpt = run.checkpointing
     ckpt.async_save = True
     stalls, overlapped, totals = [], [], []
@@ -90,7 +83,7 @@ def job(rank: int, world: int, plan: str, model_name: str, folder: str, batch: i
         run2.load(newest, model=model2, optimizer=opt2)
         dist.barrier()
 
-    load_s = _median_time(load, repeats)
+    load_s = _median_time(load, repeats, warmup=0)
     run2.close()
     return {"plan": plan, "step_s": step_s, "save_s": save_s,
             "async_stall_s": statistics.median(stalls),

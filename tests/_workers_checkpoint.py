@@ -86,6 +86,8 @@ def reshard_world2(rank: int, world: int, root: str) -> dict[str, list[float]]:
     out["pp=2,1f1b (saved)"] = save_under(rank, world, "pp=2,schedule=1f1b,mb=2", str(base / "pp2"))
     out["pp=2,1f1b -> pp=2,interleaved_1f1b,v=2"] = continue_under(
         rank, world, "pp=2,schedule=interleaved_1f1b,v=2,mb=2", str(base / "pp2"))
+    out["pp=2,1f1b -> pp=2,zbv"] = continue_under(  # V: rank 0 holds the first and last stage
+        rank, world, "pp=2,schedule=zbv,v=2,mb=2", str(base / "pp2"))
     return out
 
 
@@ -96,7 +98,9 @@ def reshard_world4(rank: int, world: int, root: str) -> dict[str, list[float]]:
     save_under(rank, world, "dp_shard=4,zero=3", str(base / "z3"))
     out = {"dp=4 -> dp=2,tp=2": continue_under(rank, world, "dp=2,tp=2", str(base / "dp4")),
            "zero=3 x4 -> pp=2,dp_shard=2": continue_under(
-               rank, world, "pp=2,dp_shard=2,zero=3,schedule=1f1b,mb=2", str(base / "z3"))}
+               rank, world, "pp=2,dp_shard=2,zero=3,schedule=1f1b,mb=2", str(base / "z3")),
+           "dp=4 -> HSDP 2x2": continue_under(
+               rank, world, "dp_replicate=2,dp_shard=2,zero=3", str(base / "dp4"))}
     return out
 
 
