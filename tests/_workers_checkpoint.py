@@ -83,6 +83,7 @@ def reshard_world2(rank: int, world: int, root: str) -> dict[str, list[float]]:
     out = {"single -> dp_shard=2,zero=3": continue_under(rank, world, "dp_shard=2,zero=3",
                                                           str(base / "single"))}
     out["tp=2 (saved)"] = save_under(rank, world, "tp=2", str(base / "tp2"))
+    out["tp=2 -> zero=2"] = continue_under(rank, world, "dp_shard=2,zero=2", str(base / "tp2"))
     out["pp=2,1f1b (saved)"] = save_under(rank, world, "pp=2,schedule=1f1b,mb=2", str(base / "pp2"))
     out["pp=2,1f1b -> pp=2,interleaved_1f1b,v=2"] = continue_under(
         rank, world, "pp=2,schedule=interleaved_1f1b,v=2,mb=2", str(base / "pp2"))
