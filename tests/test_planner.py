@@ -63,6 +63,23 @@ def test_hf_config_json(tmp_path):
     assert (stats.kv_heads, stats.mlp, stats.max_seq) == (8, "swiglu", 8192)
 
 
+@pytest.mark.parametrize("model_type", [None, "gpt2"])
+def test_gpt2_config_without_activation_is_not_swiglu(model_type):
+    """GPT2Config's default activation is gelu_new: a config.json that omits
+    ``activation_function`` is a plain 4h GELU MLP, not SwiGLU (which would read Megatron's
+    145.6B model as 193.9B)."""
+    cfg = {"n_embd": 12288, "n_layer": 80, "n_head": 96, "vocab_size": 51200,
+           "n_positions": 2048}
+    if model_type:
+        cfg["model_type"] = model_type
+    stats = load_model(cfg)
+    assert stats.mlp == "gelu"
+    assert stats.num_params == pytest.approx(145.6e9, rel=0.005)
+    llama = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 100, "intermediate_size": 128}
+    assert load_model(llama).mlp == "swiglu"  # Llama-style configs default to silu
+
+
 def test_module_factory_on_meta():
     stats = load_model("tests._planner_factories:reference_test_model")
     ref = from_transformer_config(PRESETS["test"])
@@ -118,9 +135,31 @@ def test_memory_of_ddp_and_zero_by_hand():
     z1 = evaluate(Plan(dp_shard=2, zero=1), m, c, work).memory_breakdown
     assert (z1["params"], z1["grads"], z1["optimizer"]) == (4 * P, 4 * P, 4 * P)
     z2 = evaluate(Plan(dp_shard=2, zero=2), m, c, work).memory_breakdown
-    assert (z2["params"], z2["grads"], z2["optimizer"]) == (4 * P, 2 * P, 4 * P)
+    assert (z2["params"], z2["grads"], z2["optimizer"]) == (2 * P, 2 * P, 4 * P)
+    assert z2["compute_copy"] == 4 * P  # fp32: the whole model gathered from fwd to bwd
     z3 = evaluate(Plan(dp_shard=2, zero=3), m, c, work).memory_breakdown
     assert (z3["params"], z3["grads"], z3["optimizer"]) == (2 * P, 2 * P, 4 * P)
+
+
+def test_zero2_memory_matches_the_zero_paper():
+    """ZeRO-2 (P_os+g) for 7.5B parameters on 64 devices: docs/zero.md's 16 Psi / d + 2 Psi
+    = 16.9 GB, the ZeRO paper's Table 1 16.6 GB (it keeps 16-bit gradients: 14 Psi / d)."""
+    cfg = TransformerConfig(vocab_size=51200, dim=4096, n_layers=36, n_heads=32,
+                            max_seq_len=2048, mlp="gelu", norm="layernorm")
+    m = from_transformer_config(cfg)
+    assert m.num_params == pytest.approx(7.5e9, rel=0.03)
+    c = load_cluster("dgx-a100-80gb", devices=64)
+    fields = dict(mixed_precision="bf16", activation_checkpointing="full")
+    e = evaluate(Plan(dp_shard=64, zero=2, **fields), m, c, Workload(64, 2048))
+    bd = e.memory_breakdown
+    state = bd["params"] + bd["grads"] + bd["optimizer"] + bd["compute_copy"]
+    psi = m.num_params
+    assert state == pytest.approx(16 * psi / 64 + 2 * psi)
+    assert state / 1e9 == pytest.approx(16.6 * psi / 7.5e9, rel=0.03)
+    z1 = evaluate(Plan(dp_shard=64, zero=1, **fields), m, c, Workload(64, 2048))
+    assert z1.memory_breakdown["params"] == 4 * psi  # plait's runtime: DDP + ZeRO optimizer
+    assert any("every rank" in n for n in z1.notes)
+    assert not e.notes
 
 
 def test_estimate_bytes_come_from_the_volume_formulas():

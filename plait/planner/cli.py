@@ -86,6 +86,11 @@ def format_table(estimates: list[Estimate]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "-" * len(lines[0]))
+    notes: dict[str, list[str]] = {}
+    for i, e in enumerate(estimates, 1):
+        for note in e.notes:
+            notes.setdefault(note, []).append(f"#{i}")
+    lines += [f"note ({', '.join(rows)}): {note}" for note, rows in notes.items()]
     return "\n".join(lines)
 
 

@@ -157,6 +157,8 @@ class Estimate:
     microbatch_size: int = 0
     stage_layers: tuple[int, ...] = ()
     traffic: list[Traffic] = field(default_factory=list)
+    # What the prediction assumes that a reader should know (printed under the table).
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.to_string(), "layout": self.plan.to_dict(),
@@ -168,7 +170,8 @@ class Estimate:
                 "memory_breakdown": self.memory_breakdown,
                 "comm_bytes_per_step": self.comm_bytes_per_step,
                 "bubble_fraction": self.bubble_fraction, "time_breakdown": self.time_breakdown,
-                "microbatch_size": self.microbatch_size, "stage_layers": list(self.stage_layers)}
+                "microbatch_size": self.microbatch_size, "stage_layers": list(self.stage_layers),
+                "notes": list(self.notes)}
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -679,12 +682,18 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         ids = rank_chunks[r]
         layers_r = sum(sizes[i] for i in ids)
         Pr = rank_params[r]
-        params = 4 * Pr / (S if zero == 3 else 1)
+        # fp32 master parameters and gradients: sharded under FSDP2 (ZeRO-2/3). ZeRO-1 is
+        # DDP + ZeroRedundancyOptimizer in plait's runtime, so only AdamW's state is sharded.
+        params = 4 * Pr / (S if zero >= 2 else 1)
         grads = 4 * Pr / (S if zero >= 2 else 1)
         optim = 8 * Pr / (S if zero >= 1 else 1)
         copy = 0.0
-        if dtype == "bf16":
-            copy = 2 * Pr if zero < 3 else 0.0
+        if zero == 2:
+            # reshard_after_forward=False: the whole stage is gathered in the compute dtype
+            # from forward to backward (docs/zero.md: 16 Psi / d + C Psi)
+            copy = Pr * act_dtype_bytes(dtype)
+        elif dtype == "bf16" and zero < 2:
+            copy = 2 * Pr
         if zero == 3:
             copy += 2 * 2 * model.block_params / tp * ab / 2 * (2 if dtype == "fp32" else 1)
         dropped, _ = _checkpointed(plan, layers_r)
@@ -739,6 +748,9 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
                           "dp_grad_total": grad_time, "param_gather": gather_time,
                           "zero3_gather_exposed": exposed_ag3, "optimizer": opt_time,
                           "per_tensor": tensor_time, "clip_norm": clip_time}
+    if zero == 1 and S > 1:
+        est.notes.append("zero=1 memory follows plait's runtime (DDP + ZeroRedundancyOptimizer): "
+                         "fp32 parameters and gradients on every rank, only AdamW state sharded")
     if mem_best > cluster.memory_bytes:
         est.reason = (f"needs {mem_best / 2**30:.1f} GiB per device (of which activations "
                       f"{breakdown['activations'] / 2**30:.1f} GiB), has "

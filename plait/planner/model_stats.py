@@ -122,6 +122,29 @@ _HF_KEYS = {  # our name -> accepted config.json keys, first found wins
 }
 
 
+# Families whose configs may omit the activation because their transformers config class
+# defaults to a non-gated GELU/ReLU MLP (GPT2Config: activation_function="gelu_new", OPT: "relu",
+# GPT-NeoX / GPT-J / BLOOM / Falcon: "gelu"). Llama-style configs default to "silu" (SwiGLU).
+_NON_GATED_TYPES = ("gpt2", "gpt_neox", "gptj", "gpt_neo", "opt", "bloom", "falcon",
+                    "gpt_bigcode", "codegen")
+
+
+def _model_type(data: Mapping[str, Any]) -> str:
+    """``model_type``; a config without one that uses GPT-2's key names (``n_embd``,
+    ``n_layer``, ``n_head``) is a GPT-2 config."""
+    model_type = str(data.get("model_type") or "").lower()
+    if not model_type and any(k in data for k in ("n_embd", "n_layer", "n_head")):
+        return "gpt2"
+    return model_type
+
+
+def _default_activation(model_type: str) -> str:
+    """The activation a config means when it names none: its family's transformers default."""
+    if model_type in _NON_GATED_TYPES:
+        return "relu" if model_type == "opt" else "gelu"
+    return "silu"
+
+
 def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStats:
     """A decoder from a Hugging Face config dict (Llama/Mistral/Qwen/GPT-2/GPT-NeoX style)."""
     if not isinstance(data, Mapping):
@@ -141,22 +164,24 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
         if ours not in got:
             raise ValueError(f"{name}: missing field {_HF_KEYS[ours][0]} "
                              f"(accepted: {', '.join(_HF_KEYS[ours])})")
+    model_type = _model_type(data)
     h = got["hidden"]
     heads = got["n_heads"]
     kv_heads = got.get("kv_heads", heads)
     if h % heads:
         raise ValueError(f"{name}: hidden_size={h} is not divisible by num_attention_heads={heads}")
-    act = str(data.get("hidden_act", data.get("activation_function", "silu"))).lower()
+    act = str(data.get("hidden_act") or data.get("activation_function")
+              or _default_activation(model_type)).lower()
     gated = "silu" in act or "swish" in act or "glu" in act
     mlp = "swiglu" if gated else "gelu"
     ffn = got.get("ffn", 4 * h)
     head_dim = data.get("head_dim") or h // heads
     q, kv = heads * head_dim, kv_heads * head_dim
-    bias = bool(data.get("attention_bias", False)) or data.get("model_type") in ("gpt2", "gpt_neox")
+    bias = bool(data.get("attention_bias", False)) or model_type in ("gpt2", "gpt_neox")
     matmul = h * q + 2 * h * kv + q * h + (3 if gated else 2) * h * ffn
     biases = (q + 2 * kv + h + (ffn + h)) if bias else 0
-    norm = 2 * h if data.get("model_type") in ("gpt2", "gpt_neox", "opt") else h
-    tied = bool(data.get("tie_word_embeddings", data.get("model_type") == "gpt2"))
+    norm = 2 * h if model_type in ("gpt2", "gpt_neox", "opt") else h
+    tied = bool(data.get("tie_word_embeddings", model_type == "gpt2"))
     return ModelStats(name=name, n_layers=got["n_layers"], hidden=h, n_heads=heads,
                       kv_heads=kv_heads, ffn=ffn, vocab=got["vocab"], mlp=mlp,
                       block_params=matmul + biases + 2 * norm, block_matmul_params=matmul,

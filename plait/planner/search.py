@@ -58,9 +58,11 @@ def _state_bytes(model: ModelStats, tp: int, pp: int, shard: int, zero: int, dty
     """Lower bound on model-state bytes per device (even blocks, embedding share ignored)."""
     p = model.n_layers * model.block_params / (tp * pp)
     s = shard
-    total = 4 * p / (s if zero == 3 else 1) + 4 * p / (s if zero >= 2 else 1) + \
+    total = 4 * p / (s if zero >= 2 else 1) + 4 * p / (s if zero >= 2 else 1) + \
         8 * p / (s if zero >= 1 else 1)
-    if dtype == "bf16" and zero < 3:
+    if zero == 2:
+        total += p * (2 if dtype == "bf16" else 4)
+    elif dtype == "bf16" and zero < 2:
         total += 2 * p
     return total
 
