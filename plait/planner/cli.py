@@ -109,7 +109,7 @@ def explain_winner(ranked: list[Estimate], cluster: Cluster) -> list[str]:
             out.append(f"  beats {other.plan.describe()} by {gain:.1%}: " + _diff(best, other))
             break
     limits = []
-    tp_share = tb["tp_comm_per_block"] and best.plan.tp > 1
+    tp_share = tb.get("tp_comm", 0.0) > 0.01 * step and best.plan.tp > 1
     if best.bubble_fraction > 0.05:
         limits.append(f"pipeline bubble {best.bubble_fraction:.0%} (more microbatches or "
                       f"virtual stages shrink it)")
@@ -117,7 +117,7 @@ def explain_winner(ranked: list[Estimate], cluster: Cluster) -> list[str]:
     if exposed / step > 0.03:
         limits.append(f"exposed data-parallel communication {exposed / step:.0%} of the step")
     if tp_share:
-        limits.append("tensor-parallel all-reduces sit on the critical path")
+        limits.append(_tp_critical_path(best))
     headroom = cluster.memory_bytes - best.memory_bytes_per_device
     if headroom < 0.1 * cluster.memory_bytes:
         limits.append(f"memory: {_gb(headroom)} GiB headroom")
@@ -142,9 +142,27 @@ def _diff(a: Estimate, b: Estimate) -> str:
     if b.tflops_per_device_hw / max(b.tflops_per_device, 1e-12) > \
             a.tflops_per_device_hw / max(a.tflops_per_device, 1e-12) + 0.01:
         parts.append("less recomputation")
-    if tb["tp_comm_per_block"] * b.plan.pp > ta["tp_comm_per_block"] * a.plan.pp * 1.1:
-        parts.append("less tensor-parallel traffic")
+    tp_a, tp_b = a.comm_bytes_per_step.get("tp", 0.0), b.comm_bytes_per_step.get("tp", 0.0)
+    if tb.get("tp_comm", 0.0) - ta.get("tp_comm", 0.0) > 0.01 * a.step_time_s:
+        what = "less tensor-parallel traffic" if tp_a < 0.99 * tp_b else \
+            "tensor-parallel collectives on faster links"
+        parts.append(f"{what} ({ta.get('tp_comm', 0.0):.3g}s vs {tb['tp_comm']:.3g}s per step, "
+                     f"{tp_a / 1e9:.3g} vs {tp_b / 1e9:.3g} GB per rank)")
     return ", ".join(parts) or "small differences in compute and communication"
+
+
+def _tp_critical_path(e: Estimate) -> str:
+    """The TP collectives the step waits for: how many, how large, how long."""
+    calls = {}
+    for t in e.traffic:
+        if t.axis == "tp" and t.calls:
+            n, payload = calls.get(t.op, (0, 0.0))
+            calls[t.op] = (n + t.calls, payload + t.payload)
+    sizes = ", ".join(f"{n:,.0f} {op.replace('_', '-')}s of {payload / n / 2**20:.3g} MiB"
+                      for op, (n, payload) in calls.items())
+    share = e.time_breakdown["tp_comm"] / e.step_time_s
+    return (f"tensor-parallel collectives on the critical path: {sizes} per step on the busiest "
+            f"rank, {e.time_breakdown['tp_comm']:.3g}s ({share:.0%} of the step)")
 
 
 def explain_nothing_fits(result: SearchResult, model: ModelStats, cluster: Cluster,

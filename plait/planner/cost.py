@@ -440,11 +440,12 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     if zero_bubble:
         block_compute += c.zb_backward_factor * 2 * fwd_block / rate
     # TP collectives per block and microbatch, on the tp tier (tp innermost: stride 1).
-    tp_block = 0.0
+    tp_block = tp_block_comm = 0.0
     if tp > 1:
         recomputed = {"full": 1.0, "selective": 1.0 / plan.checkpoint_every}.get(ckpt_mode, 0.0)
         tp_block = sum(collective_time(t, cluster, 1, c) for t in
                        tp_block_traffic(b, s, model.hidden, tp, dtype, plan.sp, recomputed))
+        tp_block_comm = tp_block
         tp_block += c.tp_block_overhead_s
     block_time = block_compute + tp_block
     head_time = 3 * model.head_flops_per_token() * tokens_mb / tp / rate + c.micro_overhead_s
@@ -744,13 +745,19 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     est.mfu = model_flops / step / world / (peak * share)
     est.bubble_fraction = bubble
     est.time_breakdown = {"pipeline": pipe, "compute_per_microbatch": t_max,
-                          "tp_comm_per_block": tp_block, "dp_grad_exposed": exposed_grad,
+                          "tp_comm_per_block": tp_block,
+                          "tp_comm": tp_block_comm * rank_layers[r_busy] * m * steps,
+                          "dp_grad_exposed": exposed_grad,
                           "dp_grad_total": grad_time, "param_gather": gather_time,
                           "zero3_gather_exposed": exposed_ag3, "optimizer": opt_time,
                           "per_tensor": tensor_time, "clip_norm": clip_time}
     if zero == 1 and S > 1:
         est.notes.append("zero=1 memory follows plait's runtime (DDP + ZeroRedundancyOptimizer): "
                          "fp32 parameters and gradients on every rank, only AdamW state sharded")
+    if zero == 3 and S > 1 and c.overlap:
+        est.notes.append("zero=3 assumes full overlap: parameter all-gathers are prefetched "
+                         "under compute, exposed only for the first unit and where a "
+                         "microbatch's gathers outlast its compute")
     if mem_best > cluster.memory_bytes:
         est.reason = (f"needs {mem_best / 2**30:.1f} GiB per device (of which activations "
                       f"{breakdown['activations'] / 2**30:.1f} GiB), has "

@@ -44,6 +44,9 @@ class Cluster:
     compute_units: int | None = None
     source: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # Devices in one whole node when this cluster was cut down to part of a node (``--devices
+    # 1`` of an 8-GPU preset); growing it again adds whole nodes of this size. None = as listed.
+    full_node: int | None = None
 
     def __post_init__(self) -> None:
         errors = []
@@ -81,15 +84,19 @@ class Cluster:
                          f"(has {', '.join(self.peak_flops)})")
 
     def with_world(self, devices: int) -> Cluster:
-        """This cluster resized to ``devices`` devices (whole nodes, or part of one)."""
+        """This cluster resized to ``devices`` devices (whole nodes, or part of one). A cluster
+        already cut to part of a node grows back in whole nodes of the original size."""
         if not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices={devices!r} must be a positive integer")
-        if devices <= self.devices_per_node:
-            return dataclasses.replace(self, nodes=1, devices_per_node=devices)
-        if devices % self.devices_per_node:
+        node = self.full_node or self.devices_per_node
+        if devices <= node:
+            return dataclasses.replace(self, nodes=1, devices_per_node=devices,
+                                       full_node=node if devices < node else None)
+        if devices % node:
             raise ValueError(f"devices={devices} is not a whole number of {self.name} nodes of "
-                             f"{self.devices_per_node}; use a multiple of {self.devices_per_node}")
-        return dataclasses.replace(self, nodes=devices // self.devices_per_node)
+                             f"{node}; use a multiple of {node}")
+        return dataclasses.replace(self, nodes=devices // node, devices_per_node=node,
+                                   full_node=None)
 
     def with_nodes(self, nodes: int) -> Cluster:
         if not isinstance(nodes, int) or nodes < 1:
