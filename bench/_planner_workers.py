@@ -6,7 +6,7 @@ Every layout runs through plait's runtime, exactly as a user's script would: ``p
 pipelines with every schedule, their compositions).
 
 Why one layout per job (fresh processes each time): the same layout measured 0.58 s alone in its
-processes and 0.85-1.06 s among 16 layouts held by the same processes (docs/planner.md, run 8);
+processes and 0.85-1.06 s among 16 layouts held by the same processes (2-core CPU machine);
 a user's job holds one layout, so that is what is timed. Why calibration jobs of their own: the
 calibration then sees the state a user's job starts from (fresh processes, one model), not one
 layout's leftovers. Load drift on a shared machine is handled by the bench, which interleaves the
@@ -18,12 +18,11 @@ from __future__ import annotations
 import resource
 import time
 
-
 def calibration_job(rank: int, world: int, shape: dict) -> dict:
     """This rank's compute and the group's micro-benchmarks (collectives, per-tensor optimizer
     cost, FSDP2 units, the TP probe), with as many processes sharing the cores as the layouts
     timed in the same rounds."""
-    from plait.planner.calibrate import measure_group
+    from plait.planner.cpu.probes import measure_group
 
     out = calibrate_compute(rank, world, shape)
     out.update(measure_group(rank, world))
@@ -31,7 +30,7 @@ def calibration_job(rank: int, world: int, shape: dict) -> dict:
 
 
 def calibrate_compute(rank: int, world: int, shape: dict) -> dict:
-    """This rank's matmul peak and block rate / overhead (plait.planner.calibrate), with the
+    """This rank's matmul peak and block rate / overhead (plait.planner.cpu.probes), with the
     block probe at the timed model's width, heads and sequence length (``shape``): the achieved
     FLOP/s of a block falls with the sequence (attention's s x s softmax is memory-bound; ~10%
     lower at seq 128 than at 64 here), so a probe at another shape biases every prediction the
@@ -42,20 +41,16 @@ def calibrate_compute(rank: int, world: int, shape: dict) -> dict:
     matmul peak: on a machine whose speed drifts the two are measured at different moments.
 
     ``all_reduce_small``: the latency probe, a 1-KiB all-reduce over every rank (median of 7, a
-    barrier before each, as ``plait.planner.calibrate`` times it). Why here too, in every job:
-    timed only in the calibration jobs (one per round) it swung 0.4-5.2 ms from round to round
-    in run 15, and the median of three rounds priced every send and latency-bound call of that
-    world 5x dearer than the layouts paid; one per job gives the bench as many samples as
+    barrier before each, as ``plait.planner.cpu.probes`` times it). Why here too, in every job:
+    timed only in the calibration jobs (one per round) it can swing 0.4-5.2 ms from round to
+    round, and a median of three rounds then prices every send and latency-bound call of that
+    world up to 5x dearer than the layouts pay; one per job gives the bench as many samples as
     layouts, taken when they ran."""
     import torch.distributed as dist
 
     from plait.models.transformer import TransformerConfig
-    from plait.planner.calibrate import (
-        SMALL_BYTES,
-        _allreduce_worker,
-        measure_block,
-        measure_matmul,
-    )
+    from plait.planner.cpu.probes import (SMALL_BYTES, _allreduce_worker, measure_block,
+                                         measure_matmul)
     from plait.planner.model_stats import from_transformer_config
 
     dist.barrier()
@@ -99,7 +94,7 @@ def layout_job(rank: int, world: int, plan: dict, model_name: str, global_batch:
     not free -- each is a small all-reduce (~7 ms on 4 ranks sharing 2 cores here), and on shared
     cores it also reshuffles which rank runs when. Timed both ways (bench/step_barriers.py, world
     4), barriers changed a layout's step by -15..+22% round by round, unequally between layouts
-    and runs (docs/planner.md, run 14): not a constant the model could add. Ranks still
+    and runs: not a constant the model could add. Ranks still
     wait for each other where the layout makes them (gradient syncs, pipeline sends): that is
     part of the step.
 
@@ -110,7 +105,7 @@ def layout_job(rank: int, world: int, plan: dict, model_name: str, global_batch:
     bench uses the median over every job of the world, never a layout's own figure. ``shape``
     None skips it (``compute`` is None).
 
-    ``barriers`` (bench/step_barriers.py, the bench's method before run 14): a barrier before
+    ``barriers`` (bench/step_barriers.py compares the two methods): a barrier before
     and after every step, and ``timed``, each step's time on this rank up to the end of the
     barrier after it."""
     import torch
@@ -160,8 +155,8 @@ def step_times(ranks: list[dict]) -> list[float]:
     """Seconds per step of one job from every rank's ``start`` / ``ends`` (see layout_job): a
     step ends when its last rank returns from it."""
     start = max(r["start"] for r in ranks)
-    ends = [max(stamps) for stamps in zip(*(r["ends"] for r in ranks), strict=True)]
-    return [b - a for a, b in zip([start] + ends[:-1], ends, strict=True)]
+    ends = [max(stamps) for stamps in zip(*(r["ends"] for r in ranks))]
+    return [b - a for a, b in zip([start] + ends[:-1], ends)]
 
 
 def _cpu_seconds() -> float:

@@ -2,13 +2,13 @@
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python bench/step_barriers.py [--world 4] [--rounds 3]
 
-Why: ``bench/planner_accuracy.py`` used to put a barrier before and after every timed step, so
-that a step's time was its slowest rank's. A user's loop has no barrier, and one is not free:
+Why: a barrier before and after every timed step makes a step's time its slowest rank's, but a
+user's loop has no barrier, and one is not free:
 each is a small all-reduce, and on ranks that share cores the last one to arrive must also be
 scheduled. This times each layout in fresh processes twice, alternating: ``barrier`` (a barrier
-before each step and the step's time up to the end of the barrier after it, the old method) and
+before each step and the step's time up to the end of the barrier after it) and
 ``back-to-back`` (steps run as a user's loop runs them; a step ends when its last rank returns
-from it, on the machine-wide monotonic clock, the bench's method since run 14). Prints the median
+from it, on the machine-wide monotonic clock, as bench/planner_accuracy.py times). Prints the median
 step of each and their ratio.
 """
 

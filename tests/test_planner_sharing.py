@@ -1,4 +1,4 @@
-"""The processor-sharing pipeline simulation (plait.planner.sharing) and its use by the cost
+"""The processor-sharing pipeline simulation (plait.planner.cpu.sharing) and its use by the cost
 model when processes outnumber cores."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from plait.plan import Plan
 from plait.planner.cost import Constants, Workload, evaluate
 from plait.planner.hardware import load_cluster
 from plait.planner.model_stats import load_model
-from plait.planner.sharing import shared_pipeline_time, stage_order
+from plait.planner.cpu.sharing import shared_pipeline_time, stage_order
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -78,7 +78,7 @@ def test_cost_model_frees_the_bubble_only_when_cores_are_shared():
 @pytest.mark.parametrize("p,replicas,cores", [(2, 2, 2), (4, 1, 2), (3, 2, 3)])
 def test_long_runs_are_extrapolated_from_the_steady_state(p, replicas, cores):
     """Past 3p + 2 microbatches the time is extrapolated; it matches the full simulation."""
-    from plait.planner.sharing import _simulate
+    from plait.planner.cpu.sharing import _simulate
 
     f, b = [1.0 + 0.1 * r for r in range(p)], [2.0 + 0.3 * r for r in range(p)]
     for m in (3 * p + 3, 40):
@@ -94,7 +94,7 @@ def test_interleaved_order_is_torchs(p, v, m):
     (its order table, built without stages: the private method needs only four attributes)."""
     from torch.distributed.pipelining import schedules
 
-    from plait.planner.sharing import rank_ops
+    from plait.planner.cpu.sharing import rank_ops
 
     sched = object.__new__(schedules.ScheduleInterleaved1F1B)
     sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = p, v, m
@@ -117,7 +117,7 @@ def test_interleaved_with_a_core_per_rank_gives_megatrons_closed_form(p, v, m):
 
 
 def test_looped_bfs_runs_every_microbatch_through_a_chunk_first():
-    from plait.planner.sharing import rank_ops
+    from plait.planner.cpu.sharing import rank_ops
 
     assert rank_ops("looped_bfs", 1, 2, 2, 2) == [
         ("F", 1, 0), ("F", 1, 1), ("F", 3, 0), ("F", 3, 1),

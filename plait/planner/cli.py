@@ -246,7 +246,7 @@ def _plan(args: argparse.Namespace) -> int:
     from . import constants_for
 
     if args.calibrate:
-        from .calibrate import calibrate
+        from .cpu.probes import calibrate
         cluster = calibrate(world=args.calibrate_world)
         path = save_cluster(cluster, args.profile_out)
         print(f"wrote {path}: peak {cluster.peak('fp32') / 1e9:.1f} GFLOP/s per process, "

@@ -45,7 +45,7 @@ from plait.plan import Plan
 
 from .hardware import Cluster
 from .model_stats import ModelStats
-from .sharing import shared_pipeline_time
+from .cpu.sharing import shared_pipeline_time
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,9 @@ class Constants:
     # use every core (CPU + gloo): nothing is left to drive the collective in the background.
     overlap: bool = True
     # Per-byte cost of each collective relative to the ring ideal at the all-reduce's measured
-    # bus bandwidth (1.0: the ring). gloo has no reduce-scatter and runs a full all-reduce
-    # (FIELD-NOTES), about 2.0; --calibrate measures each from the op itself.
+    # bus bandwidth (1.0: the ring). gloo has no native reduce-scatter or all-gather into a
+    # tensor and torch emulates them with an all-reduce / per-rank copies, about 2.0 per byte;
+    # --calibrate measures each from the op itself.
     all_gather_factor: float = 1.0
     reduce_scatter_factor: float = 1.0
     broadcast_factor: float = 1.0
@@ -500,8 +501,8 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     # which goes through FSDP2 too): its hooks run per unit and microbatch.
     fsdp = plan.zero >= 2 or (plan.zero == 0 and tp > 1 and plan.dp_replicate > 1)
     # The per-unit cost is FSDP2's copy-in/out of sharded parameters and gradients; replicated
-    # DP over TP (shard groups of one rank) has nothing to gather or scatter and measured no
-    # cost beyond its all-reduces (docs/planner.md, run 8), so it is charged with sharding only.
+    # DP over TP (shard groups of one rank) has nothing to gather or scatter and, timed on CPU,
+    # costs nothing measurable beyond its all-reduces, so the term is charged with sharding only.
     if fsdp and plan.dp_shard > 1 and c.fsdp_unit_s:
         rank_time = [t + c.fsdp_unit_s * (n + 1)
                      for t, n in zip(rank_time, rank_layers, strict=True)]
@@ -510,7 +511,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         pipe = m * t_max + (t_sum - t_max) * _bubble_scale(plan)
         if share < 1.0:
             # More processes than cores (CPU): a stage idle in the bubble hands its core to the
-            # busy ones (plait.planner.sharing simulates the schedule chunk by chunk, in the
+            # busy ones (plait.planner.cpu.sharing simulates the schedule chunk by chunk, in the
             # order each rank runs it, with shared cores). Each chunk's time on a whole core,
             # its sends included; FSDP2's per-unit cost spread over the rank's chunks.
             split = (2 + replay) / (3 + replay)    # backward's share of a microbatch

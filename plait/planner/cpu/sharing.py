@@ -13,7 +13,7 @@ Sends between stages are not events of their own: their measured time is part of
 work (``plait.planner.cost``). Modelling them instead as latency that leaves the cores to others
 fitted worse: the pipelines came out 2-5% faster still, and interleaved 1F1B exactly as fast as
 1F1B, where it measured 5-15% slower -- its extra cost at world 4 on 2 cores is CPU (13 ms more
-per rank and step, run 14), not idle cores.
+per rank and step), not idle cores.
 
 Pure Python, small: ranks x chunks x microbatches x 2 events, used by the cost model only when
 processes outnumber cores.

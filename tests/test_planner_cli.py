@@ -1,0 +1,100 @@
+"""``plait plan``: JSON and table output, a given plan, and bad input (one line, exit 2)."""
+
+import argparse
+import json
+
+import pytest
+
+from plait.plan import Plan
+from plait.planner import auto_plan
+from plait.planner.cli import add_plan_arguments, plan_command
+
+
+def run_cli(*argv):
+    parser = add_plan_arguments(argparse.ArgumentParser())
+    return plan_command(parser.parse_args(list(argv)))
+
+
+def test_model_that_fits_nowhere_is_explained(capsys):
+    with pytest.raises(ValueError, match="no layout"):
+        auto_plan("gpt-175b", 8, "dgx-a100-80gb", global_batch=8, seq=2048)
+    code = run_cli("--model", "gpt-175b", "--cluster", "dgx-a100-80gb", "--devices", "8",
+                   "--global-batch", "64", "--seq", "2048")
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "no layout" in out and "smallest cluster that fits" in out
+
+
+def test_cli_json_has_required_fields(capsys):
+    code = run_cli("--model", "llama-8b", "--cluster", "dgx-h100", "--nodes", "2",
+                   "--global-batch", "64", "--seq", "2048", "--top", "3", "--format", "json")
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(data["plans"]) == 3
+    for p in data["plans"]:
+        for key in ("layout", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu",
+                    "memory_bytes_per_device", "comm_bytes_per_step", "bubble_fraction"):
+            assert key in p
+        Plan.from_dict(p["layout"]).validate(16)
+
+
+def test_cli_evaluates_given_plan(capsys):
+    code = run_cli("--model", "gpt-145b", "--cluster", "dgx-a100-80gb", "--global-batch", "2304",
+                   "--plan", "dp=24,tp=8,pp=8,schedule=interleaved_1f1b,v=2,mb=96,ac=full,mp=bf16")
+    out = capsys.readouterr().out
+    assert code == 0 and "pp=8 x dp_replicate=24 x tp=8" in out
+
+
+def test_cli_table_and_pareto(tmp_path, capsys):
+    png = tmp_path / "pareto.png"
+    code = run_cli("--model", "test", "--cluster", "cpu", "--devices", "4", "--global-batch",
+                   "8", "--pareto", str(png))
+    out = capsys.readouterr().out
+    assert code == 0 and "best:" in out and "limited by" in out and png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--model", "test", "--cluster", "nope", "--global-batch", "8"], "unknown cluster preset"),
+    (["--model", "nope", "--cluster", "cpu", "--global-batch", "8"], "unknown model"),
+    (["--model", "test", "--cluster", "cpu", "--global-batch", "-4"], "global-batch=-4"),
+    (["--model", "test", "--cluster", "cpu", "--global-batch", "0"], "global-batch=0"),
+    (["--model", "test", "--cluster", "cpu", "--devices", "0", "--global-batch", "8"], "devices=0"),
+    (["--model", "test", "--cluster", "cpu", "--devices", "8", "--global-batch", "7"],
+     "global-batch=7"),
+    (["--model", "tests._planner_factories:broken", "--cluster", "cpu", "--global-batch", "8",
+      "--seq", "16"], "failed to build"),
+    (["--model", "tests._planner_factories:no_blocks", "--cluster", "cpu", "--global-batch", "8",
+      "--seq", "16"], "repeated blocks"),
+    (["--model", "no.such.module:f", "--cluster", "cpu", "--global-batch", "8"], "cannot import"),
+])
+def test_bad_input_names_the_field(argv, field, capsys):
+    assert run_cli(*argv) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_malformed_cluster_yaml(tmp_path, capsys):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("name: x\ndevices_per_node: [1\n")
+    assert run_cli("--model", "test", "--cluster", str(bad), "--global-batch", "8") == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    bad.write_text("name: x\ndevices_per_node: 8\nmemory_gb: -1\npeak_tflops: {bf16: 1}\n"
+                   "intra_node_gbps: 1\ninter_node_gbps: 1\n")
+    assert run_cli("--model", "test", "--cluster", str(bad), "--global-batch", "8") == 2
+    assert "memory_gb" in capsys.readouterr().err
+    bad.write_text("name: x\ndevices_per_node: 8\n")
+    assert run_cli("--model", "test", "--cluster", str(bad), "--global-batch", "8") == 2
+    assert "missing field" in capsys.readouterr().err
+
+
+def test_malformed_model_files(tmp_path, capsys):
+    bad = tmp_path / "m.yaml"
+    bad.write_text("dim: 64\nwidth: 3\n")
+    assert run_cli("--model", str(bad), "--cluster", "cpu", "--global-batch", "8") == 2
+    assert "width" in capsys.readouterr().err
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10}))
+    assert run_cli("--model", str(cfg), "--cluster", "cpu", "--global-batch", "8") == 2
+    assert "num_hidden_layers" in capsys.readouterr().err
+    cfg.write_text(json.dumps({"hidden_size": -64, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "vocab_size": 10}))
+    assert run_cli("--model", str(cfg), "--cluster", "cpu", "--global-batch", "8") == 2
+    assert "hidden_size=-64" in capsys.readouterr().err

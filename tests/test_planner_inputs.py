@@ -1,0 +1,77 @@
+"""The planner's inputs: model statistics from presets, Hugging Face configs, YAML and module
+factories, and the cluster catalog."""
+
+import json
+
+import pytest
+
+from plait.models.transformer import PRESETS, TransformerConfig
+from plait.planner.hardware import load_cluster, presets
+from plait.planner.model_stats import from_transformer_config, load_model
+
+
+def test_catalog_presets_load():
+    names = presets()
+    for name in ("dgx-a100-80gb", "dgx-h100", "h200", "mi300x", "tpu-v5p", "tpu-v5e", "gaudi2",
+                 "cpu"):
+        assert name in names
+        c = load_cluster(name)
+        assert c.memory_bytes > 0 and c.peak("bf16") > 0
+    a100 = load_cluster("dgx-a100-80gb", devices=1536)
+    assert (a100.nodes, a100.devices_per_node, a100.world_size) == (192, 8, 1536)
+    assert a100.intra_bw == 300e9 and a100.inter_bw == 25e9
+
+
+@pytest.mark.parametrize("name", ["test", "gpt2", "llama-8b", "gpt-145b"])
+def test_model_stats_match_reference_param_count(name):
+    assert load_model(name).num_params == PRESETS[name].num_params()
+
+
+def test_hf_config_json(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+           "vocab_size": 128256, "hidden_act": "silu", "tie_word_embeddings": False,
+           "max_position_embeddings": 8192}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    stats = load_model(str(path))
+    assert stats.num_params == PRESETS["llama-8b"].num_params()
+    assert (stats.kv_heads, stats.mlp, stats.max_seq) == (8, "swiglu", 8192)
+
+
+@pytest.mark.parametrize("model_type", [None, "gpt2"])
+def test_gpt2_config_without_activation_is_not_swiglu(model_type):
+    """GPT2Config's default activation is gelu_new: a config.json that omits
+    ``activation_function`` is a plain 4h GELU MLP, not SwiGLU (which would read Megatron's
+    145.6B model as 193.9B)."""
+    cfg = {"n_embd": 12288, "n_layer": 80, "n_head": 96, "vocab_size": 51200,
+           "n_positions": 2048}
+    if model_type:
+        cfg["model_type"] = model_type
+    stats = load_model(cfg)
+    assert stats.mlp == "gelu"
+    assert stats.num_params == pytest.approx(145.6e9, rel=0.005)
+    llama = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 100, "intermediate_size": 128}
+    assert load_model(llama).mlp == "swiglu"  # Llama-style configs default to silu
+
+
+def test_module_factory_on_meta():
+    stats = load_model("tests._planner_factories:reference_test_model")
+    ref = from_transformer_config(PRESETS["test"])
+    assert stats.n_layers == ref.n_layers and stats.hidden == ref.hidden
+    assert stats.block_params == ref.block_params
+    assert stats.block_matmul_params == ref.block_matmul_params
+    assert stats.num_params == PRESETS["test"].num_params()
+    assert stats.n_heads == 8 and stats.attention
+    mlp = load_model("tests._planner_factories:mlp_stack")
+    assert mlp.n_layers == 6 and mlp.block_matmul_params == 2 * 32 * 64 and not mlp.attention
+
+
+def test_yaml_model(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("preset: test\nn_layers: 8\n")
+    assert load_model(str(path)).n_layers == 8
+    path.write_text("dim: 64\nn_layers: 2\nn_heads: 4\n")
+    assert load_model(str(path)).num_params == TransformerConfig(dim=64, n_layers=2,
+                                                                 n_heads=4).num_params()

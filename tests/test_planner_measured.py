@@ -1,0 +1,67 @@
+"""The cost model against stored measurements of whole layouts on a CPU machine.
+
+Each set in tests/data/planner_cpu/ holds 16 layouts of the ``tiny`` model at world 2 and 16 at
+world 4 (DDP, ZeRO-1/2/3, TP+SP, pipelines and their compositions), every layout timed through
+plait's runtime in fresh processes, in interleaved rounds beside calibration jobs, with every
+calibration stored (``bench/planner_accuracy.py --calibrate --json``; trimmed: the step times,
+calibrations, layouts and profile). Repricing them with the current cost model must keep the
+accuracy targets: a change that predicts these real measurements worse fails here, in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from plait.plan import Plan
+from plait.planner.cpu.measured import report_world
+
+DATA = Path(__file__).resolve().parent / "data" / "planner_cpu"
+
+# The stored sets, and the targets not asserted on one of their worlds, with why. run9 timed
+# each step between two barriers; the others back to back, as a user's loop runs. run17 also
+# carries the FSDP2 reduce / re-gather probes (older sets price those terms at 0).
+SETS: dict[str, dict[str, set[str]]] = {
+    "run9": {},
+    "run14": {},
+    # World 2's rank correlation is 0.75: that set's 1-KiB all-reduce probe measured 0.4-5.2 ms
+    # from round to round, and its median prices every pipeline send and the clip all-reduce
+    # about 5x dearer than the other sets, so two of its three pipelines come out 9-12% over
+    # their measured time and swap ranks with the ZeRO layouts.
+    "run15": {"2": {"spearman"}},
+    "run16": {},
+    "run17": {},
+}
+TARGETS = {"median_abs_error": lambda v: v <= 0.15,
+           "spearman": lambda v: v >= 0.8 - 1e-9,   # run16, world 2: exactly 0.8
+           "pick_vs_best": lambda v: v <= 0.10}
+
+
+def _raw(name: str, world: str) -> dict:
+    return json.loads((DATA / f"{name}.json").read_text())[world]
+
+
+@pytest.mark.parametrize("name,world", [(n, w) for n in SETS for w in ("2", "4")])
+def test_stored_sets_meet_the_targets(name, world, capsys):
+    got = report_world(int(world), _raw(name, world), 0.0)
+    assert len(got["rows"]) == 16
+    for key, holds in TARGETS.items():
+        if key not in SETS[name].get(world, set()):
+            assert holds(got[key]), f"{name}, world {world}: {key} = {got[key]:.3f}"
+    assert "median |error|" in capsys.readouterr().out
+
+
+def test_fsdp_layouts_priced_with_their_reduce_and_regather(capsys):
+    """The ZeRO-2/3 layouts (FSDP2) of the set with the reduce / re-gather probes: with the
+    measured per-unit terms their median |error| is within 10% at both worlds (priced without
+    them they come out 10-19% under their measured steps)."""
+    for world in ("2", "4"):
+        rows = report_world(int(world), _raw("run17", world), 0.0)["rows"]
+        errs = [abs(pred / meas - 1) for plan, pred, meas, *_ in rows
+                if Plan.from_string(plan).zero >= 2]
+        assert len(errs) >= 4
+        assert statistics.median(errs) <= 0.10, (world, errs)
+    capsys.readouterr()

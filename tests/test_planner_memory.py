@@ -1,0 +1,69 @@
+"""Memory per device (plait.planner.memory) against hand-computed values and published figures."""
+
+import pytest
+
+from plait.models.transformer import TransformerConfig
+from plait.plan import Plan
+from plait.planner.cost import Constants, Workload, activation_bytes_per_block, evaluate
+from plait.planner.hardware import load_cluster
+from plait.planner.model_stats import from_transformer_config, load_model
+
+
+def test_activation_memory_matches_korthikanti():
+    # GPT block (ffn 4h): 34sbh + 5as^2b bytes at 2 bytes/element, no TP.
+    m = from_transformer_config(TransformerConfig(vocab_size=100, dim=64, n_layers=2, n_heads=4,
+                                                  mlp="gelu", norm="layernorm"))
+    s, b, h, a = 32, 2, 64, 4
+    c = Constants(flash_attention=False)
+    assert activation_bytes_per_block(m, b, s, 1, False, 2, c) == pytest.approx(
+        s * b * h * (34 + 5 * a * s / h))
+    t = 4  # TP without SP: sbh(10 + 24/t + 5as/(ht)); with SP: sbh/t (34 + 5as/h)
+    assert activation_bytes_per_block(m, b, s, t, False, 2, c) == pytest.approx(
+        s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert activation_bytes_per_block(m, b, s, t, True, 2, c) == pytest.approx(
+        s * b * h / t * (34 + 5 * a * s / h))
+    # flash attention stores no s^2 scores; fp32 doubles everything
+    flash = Constants(flash_attention=True)
+    assert activation_bytes_per_block(m, b, s, 1, False, 4, flash) == pytest.approx(
+        2 * s * b * h * 34)
+
+
+def _tiny():
+    return load_model("test")
+
+
+def test_memory_of_ddp_and_zero_by_hand():
+    m, c = _tiny(), load_cluster("cpu", devices=2)
+    work = Workload(4, 32)
+    P = m.num_params
+    ddp = evaluate(Plan(dp_replicate=2), m, c, work)
+    bd = ddp.memory_breakdown
+    assert (bd["params"], bd["grads"], bd["optimizer"]) == (4 * P, 4 * P, 8 * P)
+    z1 = evaluate(Plan(dp_shard=2, zero=1), m, c, work).memory_breakdown
+    assert (z1["params"], z1["grads"], z1["optimizer"]) == (4 * P, 4 * P, 4 * P)
+    z2 = evaluate(Plan(dp_shard=2, zero=2), m, c, work).memory_breakdown
+    assert (z2["params"], z2["grads"], z2["optimizer"]) == (2 * P, 2 * P, 4 * P)
+    assert z2["compute_copy"] == 4 * P  # fp32: the whole model gathered from fwd to bwd
+    z3 = evaluate(Plan(dp_shard=2, zero=3), m, c, work).memory_breakdown
+    assert (z3["params"], z3["grads"], z3["optimizer"]) == (2 * P, 2 * P, 4 * P)
+
+
+def test_zero2_memory_matches_the_zero_paper():
+    """ZeRO-2 (P_os+g) for 7.5B parameters on 64 devices: docs/zero.md's 16 Psi / d + 2 Psi
+    = 16.9 GB, the ZeRO paper's Table 1 16.6 GB (it keeps 16-bit gradients: 14 Psi / d)."""
+    cfg = TransformerConfig(vocab_size=51200, dim=4096, n_layers=36, n_heads=32,
+                            max_seq_len=2048, mlp="gelu", norm="layernorm")
+    m = from_transformer_config(cfg)
+    assert m.num_params == pytest.approx(7.5e9, rel=0.03)
+    c = load_cluster("dgx-a100-80gb", devices=64)
+    fields = dict(mixed_precision="bf16", activation_checkpointing="full")
+    e = evaluate(Plan(dp_shard=64, zero=2, **fields), m, c, Workload(64, 2048))
+    bd = e.memory_breakdown
+    state = bd["params"] + bd["grads"] + bd["optimizer"] + bd["compute_copy"]
+    psi = m.num_params
+    assert state == pytest.approx(16 * psi / 64 + 2 * psi)
+    assert state / 1e9 == pytest.approx(16.6 * psi / 7.5e9, rel=0.03)
+    z1 = evaluate(Plan(dp_shard=64, zero=1, **fields), m, c, Workload(64, 2048))
+    assert z1.memory_breakdown["params"] == 4 * psi  # plait's runtime: DDP + ZeRO optimizer
+    assert any("every rank" in n for n in z1.notes)
+    assert not e.notes

@@ -1,0 +1,52 @@
+"""The search: every plan it returns validates, results are deterministic, more memory never
+slows the pick, and it stays fast at 1,024 devices."""
+
+import math
+import time
+
+
+
+from plait.plan import Plan
+from plait.planner import auto_plan
+from plait.planner.cost import Workload
+from plait.planner.hardware import load_cluster
+from plait.planner.model_stats import load_model
+from plait.planner.search import search
+
+
+def test_every_plan_validates_and_search_is_deterministic():
+    m, c = load_model("llama-8b"), load_cluster("dgx-h100", devices=64)
+    a = search(m, c, Workload(256, 4096), top=20)
+    b = search(m, c, Workload(256, 4096), top=20)
+    assert a.ranked and [e.plan for e in a.ranked] == [e.plan for e in b.ranked]
+    assert [e.step_time_s for e in a.ranked] == [e.step_time_s for e in b.ranked]
+    for e in a.ranked:
+        assert e.plan.validate(64) is e.plan
+        assert e.feasible and e.memory_bytes_per_device <= c.memory_bytes
+        assert set(e.comm_bytes_per_step) <= {"dp_replicate", "dp_shard", "tp", "pp"}
+    times = [e.step_time_s for e in a.ranked]
+    assert times == sorted(times)
+
+
+def test_more_memory_never_slower():
+    m = load_model("llama-13b")
+    base = load_cluster("dgx-a100-40gb", devices=32)
+    previous = math.inf
+    for gb in (40, 80, 160, 320):
+        r = search(m, base.with_memory(gb * 1e9), Workload(128, 4096), top=1)
+        assert r.best is not None
+        assert r.best.step_time_s <= previous * (1 + 1e-9)
+        previous = r.best.step_time_s
+
+
+def test_auto_plan_small_world():
+    plan = auto_plan("test", 4, "cpu", global_batch=8, seq=32)
+    assert isinstance(plan, Plan) and plan.world_size == 4
+
+
+def test_search_1024_devices_within_bound():
+    m, c = load_model("gpt-175b"), load_cluster("dgx-a100-80gb", devices=1024)
+    start = time.perf_counter()
+    r = search(m, c, Workload(1536, 2048), top=5)
+    assert time.perf_counter() - start <= 5.0
+    assert r.best is not None and r.best.plan.world_size == 1024

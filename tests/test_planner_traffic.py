@@ -1,0 +1,131 @@
+"""Bytes and collective times (plait.planner.traffic): the planner's traffic is the volume formulas'
+and the runtime's, priced per op."""
+
+import pytest
+
+from plait.comm.volumes import by_axis, ddp_traffic, tp_traffic, zero_traffic
+from plait.models.transformer import PRESETS
+from plait.plan import Plan
+from plait.planner.cost import Constants, Workload, evaluate
+from plait.planner.hardware import load_cluster
+from plait.planner.model_stats import load_model
+
+
+def _tiny():
+    return load_model("test")
+
+
+def test_estimate_bytes_come_from_the_volume_formulas():
+    m, c = _tiny(), load_cluster("cpu", devices=4)
+    work = Workload(8, 32)
+    e = evaluate(Plan(dp_replicate=2, tp=2), m, c, work)
+    P = m.num_params // 2  # every parameter is split over tp in the model of the cost
+    expected = by_axis(ddp_traffic(P, 2) + tp_traffic(4, 32, m.hidden, m.n_layers, 2, "fp32"))
+    assert e.comm_bytes_per_step["dp_replicate"] == pytest.approx(expected["dp_replicate"], rel=1e-6)
+    assert e.comm_bytes_per_step["tp"] == pytest.approx(expected["tp"])
+    z = evaluate(Plan(dp_shard=4, zero=3), m, c, work)
+    # FSDP2's root unit (embedding, final norm, head) is gathered once per micro-step
+    expected = by_axis(zero_traffic(m.num_params, 4, 3, micro_steps=1,
+                                    root_params=m.embed_params + m.head_params))
+    assert z.comm_bytes_per_step["dp_shard"] == pytest.approx(expected["dp_shard"], rel=1e-6)
+
+
+def test_collective_time_per_op_factor_and_call_cost():
+    from plait.comm.volumes import Traffic
+    from plait.planner.cost import collective_time
+    from plait.planner.hardware import Cluster
+
+    cl = Cluster(name="t", device="cpu", nodes=1, devices_per_node=2, memory_bytes=1e9,
+                 peak_flops={"fp32": 1e9}, intra_bw=1e9, inter_bw=1e9, intra_latency=1e-4,
+                 inter_latency=1e-4)
+    c = Constants(link_efficiency=1.0, all_gather_factor=2.0, all_gather_call_s=1e-3,
+                  broadcast_call_s=-5e-4)
+    # 3 calls x (1 ring step x 0.1 ms + 1 ms) + 1 MB x 1/2 (bus factor) / 1 GB/s x 2 = 4.3 ms
+    ag = Traffic("dp_shard", "all_gather", 1e6, 3, 2)
+    assert collective_time(ag, cl, 1, c) == pytest.approx(3 * 1.1e-3 + 1e-3)
+    # a call never costs less than nothing: 0.1 ms - 0.5 ms floors at 0, bytes remain
+    bc = Traffic("dp_shard", "broadcast", 1e6, 4, 2)
+    assert collective_time(bc, cl, 1, c) == pytest.approx(1e-3)
+    # all-reduce: 2 ring steps, factor 1
+    ar = Traffic("dp", "all_reduce", 1e6, 1, 2)
+    assert collective_time(ar, cl, 1, c) == pytest.approx(2e-4 + 1e-3)
+
+
+def test_tp_traffic_per_block_and_ends():
+    from plait.planner.cost import tp_block_traffic, tp_end_traffic
+
+    act = 2 * 8 * 16 * 4  # b s h fp32
+    sp = {(t.op, t.what): (t.payload, t.calls) for t in tp_block_traffic(2, 8, 16, 2, "fp32", True)}
+    assert sp[("all_gather", "activations")] == (4 * act, 4)
+    assert sp[("reduce_scatter", "activations")] == (4 * act, 4)
+    assert sp[("all_reduce", "norm weight grads")] == (2 * 16 * 4, 2)
+    full = tp_block_traffic(2, 8, 16, 2, "fp32", False, recomputed=1.0)
+    assert sum(t.calls for t in full) == 5 and sum(t.payload for t in full) == 5 * act
+    ends = tp_end_traffic(2, 8, 16, 2, "fp32", True, embed=True, head=True)
+    calls = {(t.op, t.what): t.calls for t in ends}
+    assert calls[("all_gather", "")] == 2 and calls[("reduce_scatter", "")] == 2
+    assert calls[("all_reduce", "loss_parallel")] == 3
+    assert tp_block_traffic(2, 8, 16, 1, "fp32", True) == []
+
+
+def test_tensor_counts_match_the_built_model():
+    from plait.models.transformer import build
+
+    for name in ("tiny", "gpt2"):
+        m = load_model(name)
+        model = build(PRESETS[name], device="meta")
+        assert m.block_tensors == len(list(model.layers[0].parameters()))
+        assert (m.n_layers * m.block_tensors + m.embed_tensors + m.head_tensors
+                == len(list(model.parameters())))
+
+
+def test_runtime_dp_traffic_zero1_broadcasts_zero2_regathers():
+    m, c = load_model("tiny"), load_cluster("cpu", devices=2)
+    work = Workload(16, 32)
+    P = m.num_params
+    z1 = evaluate(Plan(dp_shard=2, zero=1), m, c, work)
+    bc = [t for t in z1.traffic if t.op == "broadcast"]
+    assert len(bc) == 1 and bc[0].calls == 39 and bc[0].payload == 4 * P  # one per tensor
+    ar = [t for t in z1.traffic if t.op == "all_reduce"]
+    assert ar[0].payload == 4 * P and ar[0].group == 2
+    z2 = evaluate(Plan(dp_shard=2, zero=2, grad_accum=4), m, c, work)
+    ag = [t for t in z2.traffic if t.op == "all_gather"]
+    # FSDP2 reshards after every backward: 5 units (4 blocks + root) gathered in each of 4
+    # micro-steps; gradients reduce-scattered once
+    assert ag[0].calls == 5 * 4 and ag[0].payload == 4 * 4 * P
+    rs = [t for t in z2.traffic if t.op == "reduce_scatter"]
+    assert rs[0].calls == 5 and rs[0].payload == 4 * P
+    z3 = evaluate(Plan(dp_shard=2, zero=3, grad_accum=2), m, c, work)
+    ag = [t for t in z3.traffic if t.op == "all_gather"][0]
+    root = m.embed_params + m.head_params
+    assert ag.calls == 4 * 2 * 2 + 2  # blocks: forward + backward per micro-step; root: once
+    assert ag.payload == 4 * ((P - root) * 4 + root * 2)
+
+
+def test_pipeline_clip_norm_all_reduce_is_priced_as_the_ledger_predicts_it():
+    # With pp > 1 each stage holds only its gradients, so clipping all-reduces the squared norm
+    # (one fp32) over pp every optimizer step (plait.train.clip_grad_norm): blocking, priced
+    # once per step, and the same Traffic the comm ledger predicts (plait.comm.predict).
+    from plait.comm.predict import predict
+    from plait.comm.volumes import Traffic
+    from plait.planner.cost import collective_time
+
+    m = load_model("tiny")
+    c = load_cluster("cpu", devices=4).with_memory(1e12)
+    work, k = Workload(16, 128), Constants(overlap=False)
+    plan = Plan(pp=2, dp_replicate=2, microbatches=2)
+    e = evaluate(plan, m, c, work, k)
+    # pp's rank stride in mesh order (pp, dp_replicate, dp_shard, cp, tp) is 2
+    want = collective_time(Traffic("pp", "all_reduce", 4.0, 1, 2), c, 2, k)
+    assert want > 0
+    assert e.time_breakdown["clip_norm"] == pytest.approx(want)
+    off = evaluate(plan.replace(grad_clip=None), m, c, work, k)
+    assert off.time_breakdown["clip_norm"] == 0
+    assert e.step_time_s - off.step_time_s == pytest.approx(want)
+    ours = [t for t in e.traffic if t.what == "clip: squared norm"]
+    ledger = [t for t in predict(plan, PRESETS["tiny"].replace(max_seq_len=128), 8, 128)
+              if t.what == "clip: squared norm"]
+    assert [(t.axis, t.op, t.payload, t.calls, t.group) for t in ours] == \
+        [(t.axis, t.op, t.payload, t.calls, t.group) for t in ledger]
+    # one stage: nothing to all-reduce across stages
+    assert evaluate(Plan(dp_replicate=4), m, c, work, k).time_breakdown["clip_norm"] == 0
