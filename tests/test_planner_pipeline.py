@@ -6,7 +6,8 @@ import random
 import pytest
 
 from plait.plan import Plan
-from plait.planner.cost import Constants, Workload, balanced_partition, evaluate
+from plait.planner.cost import Constants, Workload, evaluate
+from plait.planner.pipeline import balanced_partition
 from plait.planner.hardware import load_cluster
 from plait.planner.model_stats import load_model
 
@@ -76,7 +77,7 @@ def test_blocking_gradient_syncs_chain_through_the_pipeline_stages():
     # stage 0 can run, then stage 0 syncs: both stages' syncs are exposed. With overlap (GPUs)
     # only the last stage to finish is charged, and only what its backward does not hide.
     from plait.comm.volumes import Traffic
-    from plait.planner.cost import collective_time
+    from plait.planner.traffic import collective_time
 
     m = load_model("tiny")
     c = load_cluster("cpu", devices=4).with_memory(1e12)

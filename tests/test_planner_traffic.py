@@ -32,7 +32,7 @@ def test_estimate_bytes_come_from_the_volume_formulas():
 
 def test_collective_time_per_op_factor_and_call_cost():
     from plait.comm.volumes import Traffic
-    from plait.planner.cost import collective_time
+    from plait.planner.traffic import collective_time
     from plait.planner.hardware import Cluster
 
     cl = Cluster(name="t", device="cpu", nodes=1, devices_per_node=2, memory_bytes=1e9,
@@ -52,7 +52,7 @@ def test_collective_time_per_op_factor_and_call_cost():
 
 
 def test_tp_traffic_per_block_and_ends():
-    from plait.planner.cost import tp_block_traffic, tp_end_traffic
+    from plait.planner.traffic import tp_block_traffic, tp_end_traffic
 
     act = 2 * 8 * 16 * 4  # b s h fp32
     sp = {(t.op, t.what): (t.payload, t.calls) for t in tp_block_traffic(2, 8, 16, 2, "fp32", True)}
@@ -108,7 +108,7 @@ def test_pipeline_clip_norm_all_reduce_is_priced_as_the_ledger_predicts_it():
     # once per step, and the same Traffic the comm ledger predicts (plait.comm.predict).
     from plait.comm.predict import predict
     from plait.comm.volumes import Traffic
-    from plait.planner.cost import collective_time
+    from plait.planner.traffic import collective_time
 
     m = load_model("tiny")
     c = load_cluster("cpu", devices=4).with_memory(1e12)

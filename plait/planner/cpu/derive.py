@@ -84,7 +84,8 @@ def derive_constants(raw: dict, *, alpha: float, bw: float, rate: float) -> dict
 
     from plait.comm.volumes import Traffic, bus_factor
 
-    from ..cost import DEFAULT_CONSTANTS, collective_time, tp_block_traffic, tp_end_traffic
+    from ..cost import DEFAULT_CONSTANTS
+    from ..traffic import collective_time, tp_block_traffic, tp_end_traffic
 
     world = int(raw["world"])
     out: dict[str, float] = {}

@@ -1,0 +1,97 @@
+"""Time of one microbatch through one block, the embedding and the head, on one device.
+
+Compute is FLOPs / (peak FLOP/s of the compute dtype x ``compute_efficiency``); backward is 2x
+forward; checkpointing replays the forward of the blocks it drops. Tensor parallelism divides
+the FLOPs by tp and adds its collectives, which sit on the critical path (each block's output
+is needed by the next): priced per block with :mod:`plait.planner.traffic`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from plait.plan import Plan
+
+from .hardware import Cluster
+from .model_stats import ModelStats
+from .traffic import collective_time, tp_block_traffic, tp_end_traffic
+
+if TYPE_CHECKING:
+    from .cost import Constants
+
+ZERO_BUBBLE = ("interleaved_zb", "zbv")
+
+
+@dataclass(frozen=True)
+class MicroTimes:
+    """Seconds for one microbatch of ``b`` sequences on one device of the layout."""
+
+    rate: float          # achieved FLOP/s per device (peak x efficiency x core share)
+    share: float         # fraction of a compute unit each device gets (CPU: cores / processes)
+    replay: float        # blocks' forwards replayed by checkpointing, per block
+    block: float         # one block, forward + backward, its TP collectives and overheads
+    tp_comm: float       # of which TP collectives
+    embed: float         # outside the blocks on the first chunk (TP embedding collectives)
+    head: float          # outside the blocks on the last chunk (head matmul, loss, overheads)
+    zero_bubble: bool    # backward split into input- and weight-gradient passes
+
+
+def core_share(cluster: Cluster) -> float:
+    """Fraction of a compute unit each device process gets: 1 unless processes outnumber the
+    cores they run on (CPU)."""
+    on_node = min(cluster.world_size, cluster.devices_per_node)
+    if cluster.compute_units is not None and on_node > cluster.compute_units:
+        return cluster.compute_units / on_node
+    return 1.0
+
+
+def replay_per_block(plan: Plan, model: ModelStats) -> float:
+    """Forwards replayed per block and microbatch by activation checkpointing."""
+    mode = plan.activation_checkpointing
+    replay = {"full": 1.0, "op": 0.05}.get(mode, 0.0)
+    if mode == "selective":
+        replay = 1.0 / plan.checkpoint_every
+    if replay and plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE and model.block_tensors:
+        # Zero-bubble schedules split backward into an input-gradient pass and a weight-gradient
+        # pass; torch.distributed.pipelining's stage_backward_weight calls autograd.grad once
+        # per parameter group, and non-reentrant checkpointing recomputes the block's forward on
+        # every call. Counted on plait's runtime (tiny, pp=2 ZB-V, full recomputation): 10
+        # forwards replayed per block and microbatch on the middle rank = 1 (input pass) + 9
+        # (its parameter tensors); 5.5 on the rank holding embedding and head.
+        replay *= 1 + model.block_tensors
+    return replay
+
+
+def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
+                     c: "Constants") -> MicroTimes:
+    """Per-block and outside-block times of one microbatch of ``b`` sequences of ``s`` tokens."""
+    tp, dtype = plan.tp, plan.mixed_precision
+    share = core_share(cluster)
+    rate = cluster.peak(dtype) * c.compute_efficiency * share
+    tokens = b * s
+    fwd_block = model.block_flops_per_token(s) * tokens / tp
+    replay = replay_per_block(plan, model)
+    block = fwd_block * (3 + replay) / rate + c.block_overhead_s * (1 + replay / 3)
+    zero_bubble = plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE
+    if zero_bubble:
+        block += c.zb_backward_factor * 2 * fwd_block / rate
+    # TP collectives per block and microbatch, on the tp tier (tp innermost: stride 1).
+    tp_comm = 0.0
+    if tp > 1:
+        recomputed = {"full": 1.0, "selective": 1.0 / plan.checkpoint_every}.get(
+            plan.activation_checkpointing, 0.0)
+        tp_comm = sum(collective_time(t, cluster, 1, c) for t in
+                      tp_block_traffic(b, s, model.hidden, tp, dtype, plan.sp, recomputed))
+        block += tp_comm + c.tp_block_overhead_s
+    head = 3 * model.head_flops_per_token() * tokens / tp / rate + c.micro_overhead_s
+    embed = 0.0
+    if tp > 1:
+        split = plan.pp * plan.virtual_stages > 1  # embedding and head on different chunks
+        embed = sum(collective_time(t, cluster, 1, c) for t in tp_end_traffic(
+            b, s, model.hidden, tp, dtype, plan.sp, embed=True, head=not split))
+        head += c.tp_micro_overhead_s
+        if split:
+            head += sum(collective_time(t, cluster, 1, c) for t in tp_end_traffic(
+                b, s, model.hidden, tp, dtype, plan.sp, embed=False, head=True))
+    return MicroTimes(rate, share, replay, block, tp_comm, embed, head, zero_bubble)

@@ -1,0 +1,123 @@
+"""Memory per device: model state by ZeRO stage, activations by schedule, logits, buffers.
+
+* Parameters (fp32), gradients (fp32), AdamW state (2 x fp32). FSDP2 (ZeRO-2/3) shards
+  parameters and gradients over dp_shard; ZeRO-1 is DDP + ZeroRedundancyOptimizer in plait's
+  runtime, so only AdamW's state is sharded. A compute-dtype copy of the parameters under bf16;
+  ZeRO-2 keeps the whole stage gathered from forward to backward (docs/zero.md: 16 Psi / d +
+  C Psi), ZeRO-3 two gathered blocks.
+* Activations per block after Korthikanti et al. 2022 (table 2), generalised to GQA, SwiGLU and
+  any ffn size: 2-byte figures scaled to the compute dtype; the replicated part (norm inputs,
+  inputs of QKV/MLP, dropout masks: 10sbh for GPT) is not divided by tp unless sp; attention
+  scores (5as^2b) only without flash attention. Full recomputation keeps the block input (plus
+  one block being recomputed); "selective" checkpoints every k-th block; "op" is approximated as
+  keeping 60% of a block's activations and replaying 5% of its forward.
+* Microbatches in flight per schedule (:func:`plait.planner.pipeline.inflight`).
+* fp32 logits (and their gradient) on the last stage; a reserve from the cluster description.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from plait.plan import Plan
+
+from .hardware import Cluster
+from .model_stats import ModelStats
+from .pipeline import Stages, inflight
+from .traffic import RankShare, act_dtype_bytes
+
+if TYPE_CHECKING:
+    from .cost import Constants
+
+
+def activation_bytes_per_block(m: ModelStats, b: int, s: int, tp: int, sp: bool, dtype_bytes: int,
+                               c: "Constants") -> float:
+    """Korthikanti et al. 2022 activation memory of one block and microbatch (no recompute)."""
+    h, f, a = m.hidden, m.ffn, m.n_heads
+    kv = m.kv_heads * (h // m.n_heads)
+    mask = 1 if c.activation_dropout_masks else 0
+    # 2-byte units of s*b: attention: QKV input 2h, q/k/v 2(h+2kv), o_proj input 2h, mask h.
+    attn = 2 * h + 2 * (h + 2 * kv) + 2 * h + mask * h
+    if m.mlp == "swiglu":
+        mlp = 2 * h + 8 * f + mask * h    # input, gate/up outputs, silu output, down input
+    else:
+        mlp = 2 * h + 4 * f + mask * h    # input, activation input, down input
+    norms = 4 * h
+    replicated = norms + 2 * h + 2 * h + 2 * mask * h  # stays whole under TP without SP
+    sharded = attn + mlp + norms - replicated
+    scores = 0.0 if (c.flash_attention or not m.attention) else 5 * a * s  # per token
+    per_token = (replicated / (tp if sp else 1)) + (sharded + scores) / tp
+    return per_token * s * b * dtype_bytes / 2
+
+
+def checkpointed(plan: Plan, layers: int) -> tuple[int, float]:
+    """(blocks whose activations are dropped, fraction of a block's forward replayed per block
+    of this rank) for the plan's checkpointing mode."""
+    mode = plan.activation_checkpointing
+    if mode == "full":
+        return layers, 1.0
+    if mode == "selective":
+        n = math.ceil(layers / plan.checkpoint_every)
+        return n, n / layers if layers else 0.0
+    if mode == "op":
+        return 0, 0.05
+    return 0, 0.0
+
+
+def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
+                st: Stages, shares: list[RankShare], c: "Constants"
+                ) -> tuple[float, dict[str, float]]:
+    """(bytes on the busiest pipeline rank, its breakdown). Peak memory sits on the first rank
+    (most microbatches in flight) or the last (logits); rank 1 is checked too for the
+    interleaved warm-up."""
+    pp, tp, S, R, zero = plan.pp, plan.tp, plan.dp_shard, plan.dp_replicate, plan.zero
+    dtype = plan.mixed_precision
+    ab = act_dtype_bytes(dtype)
+    m = plan.microbatches if pp > 1 else 1
+    chunks = len(st.sizes)
+    tokens = b * s
+    act_full = activation_bytes_per_block(model, b, s, tp, plan.sp, ab, c)
+    act_input = tokens * model.hidden * ab / (tp if plan.sp else 1)
+    best, breakdown = -1.0, {}
+    for r in sorted({0, min(1, pp - 1), pp - 1}):
+        ids = st.rank_chunks[r]
+        layers = st.rank_layers[r]
+        Pr = shares[r].params
+        # fp32 master parameters and gradients: sharded under FSDP2 (ZeRO-2/3). ZeRO-1 is
+        # DDP + ZeroRedundancyOptimizer in plait's runtime, so only AdamW's state is sharded.
+        params = 4 * Pr / (S if zero >= 2 else 1)
+        grads = 4 * Pr / (S if zero >= 2 else 1)
+        optim = 8 * Pr / (S if zero >= 1 else 1)
+        copy = 0.0
+        if zero == 2:
+            # reshard_after_forward=False: the whole stage is gathered in the compute dtype
+            # from forward to backward (docs/zero.md: 16 Psi / d + C Psi)
+            copy = Pr * act_dtype_bytes(dtype)
+        elif dtype == "bf16" and zero < 2:
+            copy = 2 * Pr
+        if zero == 3:
+            copy += 2 * 2 * model.block_params / tp * ab / 2 * (2 if dtype == "fp32" else 1)
+        dropped, _ = checkpointed(plan, layers)
+        per_mb = (layers - dropped) * act_full + dropped * act_input
+        if plan.activation_checkpointing == "op":
+            per_mb = 0.6 * layers * act_full
+        held = inflight(plan, r, m)
+        acts = per_mb * held
+        if dropped:
+            acts += act_full  # the block being recomputed
+        if 0 in ids:
+            acts += act_input * held  # embedding output
+        logits = 0.0
+        if chunks - 1 in ids:
+            kept = m if (pp > 1 and plan.pp_schedule == "gpipe") else 1
+            logits = 2 * tokens * model.vocab / tp * 4 * kept
+        buffers = 2 * c.bucket_bytes if (R > 1 or S > 1) else 0.0
+        total = params + grads + optim + copy + acts + logits + buffers + cluster.reserve_bytes
+        if total > best:
+            best = total
+            breakdown = {"params": params, "grads": grads, "optimizer": optim,
+                         "compute_copy": copy, "activations": acts, "logits": logits,
+                         "buffers": buffers, "reserve": cluster.reserve_bytes,
+                         "pipeline_rank": r}
+    return best, breakdown
