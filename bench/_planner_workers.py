@@ -18,6 +18,7 @@ from __future__ import annotations
 import resource
 import time
 
+
 def calibration_job(rank: int, world: int, shape: dict) -> dict:
     """This rank's compute and the group's micro-benchmarks (collectives, per-tensor optimizer
     cost, FSDP2 units, the TP probe), with as many processes sharing the cores as the layouts
@@ -49,8 +50,12 @@ def calibrate_compute(rank: int, world: int, shape: dict) -> dict:
     import torch.distributed as dist
 
     from plait.models.transformer import TransformerConfig
-    from plait.planner.cpu.probes import (SMALL_BYTES, _allreduce_worker, measure_block,
-                                         measure_matmul)
+    from plait.planner.cpu.probes import (
+        SMALL_BYTES,
+        _allreduce_worker,
+        measure_block,
+        measure_matmul,
+    )
     from plait.planner.model_stats import from_transformer_config
 
     dist.barrier()
@@ -155,8 +160,8 @@ def step_times(ranks: list[dict]) -> list[float]:
     """Seconds per step of one job from every rank's ``start`` / ``ends`` (see layout_job): a
     step ends when its last rank returns from it."""
     start = max(r["start"] for r in ranks)
-    ends = [max(stamps) for stamps in zip(*(r["ends"] for r in ranks))]
-    return [b - a for a, b in zip([start] + ends[:-1], ends)]
+    ends = [max(stamps) for stamps in zip(*(r["ends"] for r in ranks), strict=True)]
+    return [b - a for a, b in zip([start] + ends[:-1], ends, strict=True)]
 
 
 def _cpu_seconds() -> float:

@@ -36,15 +36,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from plait.planner import constants_for  # noqa: E402
-from plait.planner.cost import DEFAULT_CONSTANTS, Constants, Workload, evaluate  # noqa: E402
-from plait.planner.hardware import load_cluster, save_cluster  # noqa: E402
-from plait.planner.model_stats import load_model  # noqa: E402
-from plait.planner.published import (NARAYANAN_2021, SEQ, VOCAB, megatron_flops,  # noqa: E402
-                                     row_setup)
-from plait.planner.cpu.measured import (describe_constants, in_group_profile,  # noqa: E402
-                                        layout_time, report_world)
-from plait.planner.search import search  # noqa: E402
+from plait.planner import constants_for
+from plait.planner.cost import DEFAULT_CONSTANTS, Constants, Workload, evaluate
+from plait.planner.cpu.measured import (
+    describe_constants,
+    in_group_profile,
+    layout_time,
+    report_world,
+)
+from plait.planner.hardware import load_cluster, save_cluster
+from plait.planner.model_stats import load_model
+from plait.planner.published import NARAYANAN_2021, SEQ, VOCAB, megatron_flops, row_setup
+from plait.planner.search import search
 
 
 # ----------------------------------------------------------------------------- published

@@ -6,8 +6,6 @@ import math
 import pytest
 
 
-
-
 def test_fit_line_recovers_known_overhead_despite_inflated_points():
     from plait.planner.cpu.derive import fit_line
 
@@ -40,8 +38,14 @@ def test_fit_line_clamps_negative_intercept_and_reports_residual():
 def test_derive_constants_inverts_the_cost_model():
     """Timings synthesised from known constants come back as those constants."""
     from plait.comm.volumes import bus_factor
-    from plait.planner.cpu.derive import (FSDP_UNITS, LARGE_BYTES, PROBE, SMALL_BYTES,
-                                         TENSOR_COUNTS, derive_constants)
+    from plait.planner.cpu.derive import (
+        FSDP_UNITS,
+        LARGE_BYTES,
+        PROBE,
+        SMALL_BYTES,
+        TENSOR_COUNTS,
+        derive_constants,
+    )
 
     world, alpha, bw, rate = 2, 1e-4, 1e9, 1e10
     truth = {"all_gather": (2.0, 3e-4), "reduce_scatter": (3.0, 2e-4), "broadcast": (0.5, 0.0)}

@@ -5,8 +5,8 @@ import pytest
 from plait.models.transformer import TransformerConfig
 from plait.plan import Plan
 from plait.planner.cost import Constants, Workload, evaluate
-from plait.planner.memory import activation_bytes_per_block
 from plait.planner.hardware import load_cluster
+from plait.planner.memory import activation_bytes_per_block
 from plait.planner.model_stats import from_transformer_config, load_model
 
 

@@ -4,8 +4,6 @@ slows the pick, and it stays fast at 1,024 devices."""
 import math
 import time
 
-
-
 from plait.plan import Plan
 from plait.planner import auto_plan
 from plait.planner.cost import Workload

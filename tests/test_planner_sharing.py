@@ -9,9 +9,9 @@ import pytest
 
 from plait.plan import Plan
 from plait.planner.cost import Constants, Workload, evaluate
+from plait.planner.cpu.sharing import shared_pipeline_time, stage_order
 from plait.planner.hardware import load_cluster
 from plait.planner.model_stats import load_model
-from plait.planner.cpu.sharing import shared_pipeline_time, stage_order
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

@@ -21,7 +21,8 @@ def test_estimate_bytes_come_from_the_volume_formulas():
     e = evaluate(Plan(dp_replicate=2, tp=2), m, c, work)
     P = m.num_params // 2  # every parameter is split over tp in the model of the cost
     expected = by_axis(ddp_traffic(P, 2) + tp_traffic(4, 32, m.hidden, m.n_layers, 2, "fp32"))
-    assert e.comm_bytes_per_step["dp_replicate"] == pytest.approx(expected["dp_replicate"], rel=1e-6)
+    assert e.comm_bytes_per_step["dp_replicate"] == pytest.approx(expected["dp_replicate"],
+                                                                  rel=1e-6)
     assert e.comm_bytes_per_step["tp"] == pytest.approx(expected["tp"])
     z = evaluate(Plan(dp_shard=4, zero=3), m, c, work)
     # FSDP2's root unit (embedding, final norm, head) is gathered once per micro-step
@@ -32,8 +33,8 @@ def test_estimate_bytes_come_from_the_volume_formulas():
 
 def test_collective_time_per_op_factor_and_call_cost():
     from plait.comm.volumes import Traffic
-    from plait.planner.traffic import collective_time
     from plait.planner.hardware import Cluster
+    from plait.planner.traffic import collective_time
 
     cl = Cluster(name="t", device="cpu", nodes=1, devices_per_node=2, memory_bytes=1e9,
                  peak_flops={"fp32": 1e9}, intra_bw=1e9, inter_bw=1e9, intra_latency=1e-4,

@@ -153,7 +153,7 @@ def _diff(a: Estimate, b: Estimate) -> str:
 
 def _tp_critical_path(e: Estimate) -> str:
     """The TP collectives the step waits for: how many, how large, how long."""
-    calls = {}
+    calls: dict[str, tuple[float, float]] = {}
     for t in e.traffic:
         if t.axis == "tp" and t.calls:
             n, payload = calls.get(t.op, (0, 0.0))

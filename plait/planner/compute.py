@@ -64,7 +64,7 @@ def replay_per_block(plan: Plan, model: ModelStats) -> float:
 
 
 def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
-                     c: "Constants") -> MicroTimes:
+                     c: Constants) -> MicroTimes:
     """Per-block and outside-block times of one microbatch of ``b`` sequences of ``s`` tokens."""
     tp, dtype = plan.tp, plan.mixed_precision
     share = core_share(cluster)

@@ -172,7 +172,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     c = constants
     est = Estimate(plan=plan, feasible=False)
     B, s, world = work.global_batch, work.seq, cluster.world_size
-    tp, pp, S, R, zero = plan.tp, plan.pp, plan.dp_shard, plan.dp_replicate, plan.zero
+    tp, pp, S, zero = plan.tp, plan.pp, plan.dp_shard, plan.zero
     m = plan.microbatches if pp > 1 else 1
     steps = plan.grad_accum
     b = B // plan.dp // (m * steps)

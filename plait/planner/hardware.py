@@ -161,7 +161,7 @@ def cluster_from_dict(data: Mapping[str, Any], where: str = "cluster") -> Cluste
     units = data.get("compute_units")
     if units is not None and (isinstance(units, bool) or not isinstance(units, int) or units < 1):
         raise ValueError(f"{where}: field compute_units={units!r} must be a positive integer")
-    fields = {}
+    fields: dict[str, Any] = {}
     for key, yaml_key, scale, default in (
             ("memory_bytes", "memory_gb", GB, None),
             ("intra_bw", "intra_node_gbps", GB, None),

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 def activation_bytes_per_block(m: ModelStats, b: int, s: int, tp: int, sp: bool, dtype_bytes: int,
-                               c: "Constants") -> float:
+                               c: Constants) -> float:
     """Korthikanti et al. 2022 activation memory of one block and microbatch (no recompute)."""
     h, f, a = m.hidden, m.ffn, m.n_heads
     kv = m.kv_heads * (h // m.n_heads)
@@ -66,7 +66,7 @@ def checkpointed(plan: Plan, layers: int) -> tuple[int, float]:
 
 
 def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
-                st: Stages, shares: list[RankShare], c: "Constants"
+                st: Stages, shares: list[RankShare], c: Constants
                 ) -> tuple[float, dict[str, float]]:
     """(bytes on the busiest pipeline rank, its breakdown). Peak memory sits on the first rank
     (most microbatches in flight) or the last (logits); rank 1 is checked too for the

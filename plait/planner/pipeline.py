@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .cost import Constants, Workload
 
 
-def balanced_partition(costs: "list[float] | tuple[float, ...]", parts: int) -> list[int]:
+def balanced_partition(costs: list[float] | tuple[float, ...], parts: int) -> list[int]:
     """Blocks per chunk splitting ``costs`` into ``parts`` contiguous chunks, largest sum
     smallest (see :func:`_balanced_partition`)."""
     return list(_balanced_partition(tuple(costs), parts))
@@ -147,8 +147,8 @@ class Stages:
         return self.rank_time.index(max(self.rank_time))
 
 
-def stage_times(plan: Plan, model: ModelStats, cluster: Cluster, work: "Workload", b: int,
-                times: MicroTimes, sizes: list[int], c: "Constants") -> Stages:
+def stage_times(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload, b: int,
+                times: MicroTimes, sizes: list[int], c: Constants) -> Stages:
     pp, tp = plan.pp, plan.tp
     chunks = len(sizes)
     weights = model.layer_weights or (1.0,) * model.n_layers
@@ -176,12 +176,13 @@ def stage_times(plan: Plan, model: ModelStats, cluster: Cluster, work: "Workload
     # DP over TP (shard groups of one rank) has nothing to gather or scatter and, timed on CPU,
     # costs nothing measurable beyond its all-reduces, so the term is charged with sharding only.
     if uses_fsdp(plan) and plan.dp_shard > 1 and c.fsdp_unit_s:
-        rank_time = [t + c.fsdp_unit_s * (n + 1) for t, n in zip(rank_time, rank_layers)]
+        rank_time = [t + c.fsdp_unit_s * (n + 1)
+                     for t, n in zip(rank_time, rank_layers, strict=True)]
     return Stages(sizes, chunk_time, rank_chunks, rank_time, rank_layers, p2p)
 
 
 def pipeline_time(plan: Plan, cluster: Cluster, st: Stages, times: MicroTimes,
-                  c: "Constants") -> tuple[float, float]:
+                  c: Constants) -> tuple[float, float]:
     """(seconds of the schedules of one optimizer step, bubble fraction)."""
     pp, m = plan.pp, (plan.microbatches if plan.pp > 1 else 1)
     t_max, t_sum = max(st.rank_time), sum(st.rank_time)
@@ -195,7 +196,7 @@ def pipeline_time(plan: Plan, cluster: Cluster, st: Stages, times: MicroTimes,
 
 
 def _shared_cores_time(plan: Plan, cluster: Cluster, st: Stages, times: MicroTimes,
-                       c: "Constants") -> float:
+                       c: Constants) -> float:
     """More processes than cores (CPU): a stage idle in the bubble hands its core to the busy
     ones (plait.planner.cpu.sharing simulates the schedule chunk by chunk, in the order each
     rank runs it, with shared cores). Each chunk's time on a whole core, its sends included;
@@ -217,6 +218,6 @@ def _shared_cores_time(plan: Plan, cluster: Cluster, st: Stages, times: MicroTim
         full = [sum(full[i] for i in ids) for ids in st.rank_chunks]
         schedule = "1f1b"
     per_stage = max(1.0, on_node / pp)
-    cores = cluster.compute_units * (pp / on_node if pp > on_node else 1.0)
+    cores = (cluster.compute_units or on_node) * (pp / on_node if pp > on_node else 1.0)
     return shared_pipeline_time([t * (1 - split) for t in full], [t * split for t in full],
                                 m, replicas=per_stage, cores=cores, schedule=schedule, ranks=pp)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from plait.comm.volumes import Traffic, tp_traffic
 from plait.plan import Plan
@@ -44,7 +44,7 @@ _CALL = {"all_reduce": "all_reduce_call_s", "all_gather": "all_gather_call_s",
          "reduce_scatter": "reduce_scatter_call_s", "broadcast": "broadcast_call_s"}
 
 
-def collective_time(t: Traffic, cluster: Cluster, stride: int, c: "Constants") -> float:
+def collective_time(t: Traffic, cluster: Cluster, stride: int, c: Constants) -> float:
     """``calls x (latency x ring steps + per-call cost) + wire / (bw x link_eff) x op factor``."""
     if t.group == 1 and t.op != "send_recv":
         return 0.0
@@ -73,11 +73,14 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
     if sp:
         out.append(Traffic("tp", "all_reduce", 2.0 * h * 4, 2, tp, "norm weight grads"))
     if recomputed:
+        # calls per block averaged over the blocks (selective checkpointing replays some):
+        # fractional, which Traffic's int annotation does not foresee
+        r: Any = recomputed
         if sp:
-            out += [Traffic("tp", "all_gather", act * 2 * recomputed, 2 * recomputed, tp),
-                    Traffic("tp", "reduce_scatter", act * recomputed, recomputed, tp)]
+            out += [Traffic("tp", "all_gather", act * 2 * r, 2 * r, tp),
+                    Traffic("tp", "reduce_scatter", act * r, r, tp)]
         else:
-            out.append(Traffic("tp", "all_reduce", act * recomputed, recomputed, tp))
+            out.append(Traffic("tp", "all_reduce", act * r, r, tp))
     return out
 
 
@@ -198,7 +201,7 @@ def dp_traffic(plan: Plan, share: RankShare, *, grad_dtype: str, bucket_bytes: f
     return out
 
 
-def fsdp_host_time(plan: Plan, share: RankShare, c: "Constants") -> tuple[float, float]:
+def fsdp_host_time(plan: Plan, share: RankShare, c: Constants) -> tuple[float, float]:
     """FSDP2's per-unit costs beyond the collectives on one pipeline rank, per optimizer step:
     (its gradient reduces, its ZeRO-3 backward re-gathers)."""
     if not (plan.zero >= 2 and plan.dp_shard > 1):

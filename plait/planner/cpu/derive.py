@@ -9,8 +9,9 @@ The probe sizes below are the contract between the two modules.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any
 
 SMALL_BYTES = 1024           # all-reduce latency payload
 LARGE_BYTES = 4 * 2**20      # bandwidth payload
@@ -46,12 +47,12 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
     slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i])
               for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[j] != xs[i]]
     slope = max(statistics.median(slopes), 0.0)
-    intercept = statistics.median(y - slope * x for x, y in zip(xs, ys))
+    intercept = statistics.median(y - slope * x for x, y in zip(xs, ys, strict=True))
     if intercept < 0:
         intercept = 0.0
-        slope = statistics.median(y / x for x, y in zip(xs, ys) if x > 0)
+        slope = statistics.median(y / x for x, y in zip(xs, ys, strict=True) if x > 0)
     residual = statistics.median(abs(y - (slope * x + intercept)) / y
-                                 for x, y in zip(xs, ys) if y > 0)
+                                 for x, y in zip(xs, ys, strict=True) if y > 0)
     return LineFit(slope, intercept, residual, len(xs))
 
 
@@ -109,8 +110,8 @@ def derive_constants(raw: dict, *, alpha: float, bw: float, rate: float) -> dict
     cluster = Cluster(name="probe", device="cpu", nodes=1, devices_per_node=world,
                       memory_bytes=1e12, peak_flops={"fp32": rate}, intra_bw=bw, inter_bw=bw,
                       intra_latency=alpha, inter_latency=alpha)
-    c = dataclasses.replace(DEFAULT_CONSTANTS, link_efficiency=1.0,
-                            **{k: v for k, v in out.items()})
+    changes: dict[str, Any] = dict(out)
+    c = dataclasses.replace(DEFAULT_CONSTANTS, link_efficiency=1.0, **changes)
     gather = collective_time(Traffic("dp_shard", "all_gather", raw["fsdp_unit_bytes"], 1, world),
                              cluster, 1, c)
     out["fsdp_unit_s"] = max(0.0, (raw["fsdp_nosync"] - raw["fsdp_plain"]) / FSDP_UNITS - gather)

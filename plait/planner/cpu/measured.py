@@ -38,7 +38,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
         return r
     rx, ry = ranks(xs), ranks(ys)
     mx, my = statistics.mean(rx), statistics.mean(ry)
-    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
     den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
     return num / den if den else float("nan")
 
@@ -51,7 +51,6 @@ def in_group_profile(cluster, cals: list[dict], computes: list[dict], world: int
     block rate is the median of the measured rates, not of peak x (efficiency capped at 1): the
     matmul peak swings with the machine's load and the efficiency is measured against it, so
     separate medians do not multiply back to what the blocks achieved."""
-    from plait.comm.volumes import bus_factor
 
     med = median_of(cals)
     med.update(median_of([{"peak": c["peak"], "rate": c["rate"],
@@ -96,7 +95,7 @@ def describe_constants(derived: dict) -> str:
 def round_times(got: list) -> list[float]:
     """A step's time is its slowest rank's (a round holds one list of step times per rank, or
     one list per job already taken from its latest rank); a round's, the median of its steps."""
-    return [statistics.median(max(ts) for ts in zip(*ranks)) for ranks in got]
+    return [statistics.median(max(ts) for ts in zip(*ranks, strict=True)) for ranks in got]
 
 
 def layout_time(got: list) -> float:
@@ -121,7 +120,7 @@ def report_world(world: int, raw: dict, t_start: float) -> dict:
     c, constants_w = in_group_profile(cluster, cals, cals + sum(computes, []), world)
     out: dict = {"raw": raw}
     rows = []
-    for i, (p, got, comp) in enumerate(zip(plans, got_all, computes)):
+    for i, (p, got, comp) in enumerate(zip(plans, got_all, computes, strict=True)):
         pred = evaluate(p, model, c, work, constants_w)  # the world's profile
         if isinstance(got, str):
             print(f"  {p.describe():<62} failed: {got}")
@@ -138,14 +137,14 @@ def report_world(world: int, raw: dict, t_start: float) -> dict:
             # cores busy: CPU seconds of all ranks over (cores x the step's wall time), per step
             busy = statistics.median(
                 sum(cs) / (cores * max(ts))
-                for ranks, cranks in zip(got, cpu_all[i])
-                for ts, cs in zip(zip(*ranks), zip(*cranks)))
+                for ranks, cranks in zip(got, cpu_all[i], strict=True)
+                for ts, cs in zip(zip(*ranks, strict=True), zip(*cranks, strict=True), strict=True))
         rows.append((p, pred.step_time_s, meas, spread, per_round, own, busy, i in final))
     print(f"  {'layout':<62} {'predicted s':>11} {'measured s':>10} {'error':>7} "
           f"{'round spread':>12} {'own-jobs error':>14} {'cores busy':>10}")
-    for p, pred, meas, spread, per_round, own, busy, fin in rows:
+    for p, pred_s, meas, spread, per_round, own, busy, fin in rows:
         name = p.describe() + (f" *{len(per_round)}" if fin else "")
-        print(f"  {name:<62} {pred:>11.4f} {meas:>10.4f} {pred / meas - 1:>+7.1%} "
+        print(f"  {name:<62} {pred_s:>11.4f} {meas:>10.4f} {pred_s / meas - 1:>+7.1%} "
               f"{spread:>12.1%} {own / meas - 1:>+14.1%} "
               f"{'-' if math.isnan(busy) else f'{busy:.0%}':>10}")
     if final:

@@ -1,4 +1,4 @@
-"""Measure this machine and write a cluster profile the planner can use (``plait plan --calibrate``).
+"""Measure this machine, write a cluster profile the planner can use (``plait plan --calibrate``).
 
 What is measured, and why each is enough:
   * matmul FLOP/s on one thread in fp32 (large square GEMM): the "peak" of one CPU device, since
@@ -16,11 +16,21 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..hardware import GB, Cluster
-from .derive import (FSDP_UNITS, LARGE_BYTES, PROBE, SMALL_BYTES, TENSOR_COUNTS, LineFit,
-                     derive_constants, fit_line, median_of)
+from .derive import (
+    FSDP_UNITS,
+    LARGE_BYTES,
+    PROBE,
+    SMALL_BYTES,
+    TENSOR_COUNTS,
+    LineFit,
+    derive_constants,
+    fit_line,
+    median_of,
+)
 
 
 def _median_time(fn, repeats: int = 5, warmup: int = 1) -> float:
@@ -156,10 +166,10 @@ def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
                                          f"fit; on {world} gloo ranks: all-reduce / all-gather "
                                          f"/ reduce-scatter / broadcast at 1 KiB and 4 MiB, "
                                          f"clip+AdamW over 8 and 32 tensors (plain, DTensor), "
-                                         f"2 FSDP2 block units vs plain, the reference model with 1 "
-                                         f"and 2 blocks plain and TP+SP, 1 and 2 blocks "
+                                         f"2 FSDP2 block units vs plain, the reference model with "
+                                         f"1 and 2 blocks plain and TP+SP, 1 and 2 blocks "
                                          f"with the zero-bubble backward split "
-                                         f"(calibrate.measure_group)"}
+                                         f"(plait.planner.cpu.probes.measure_group)"}
     return Cluster(name=name, device="cpu", nodes=1, devices_per_node=64,
                    memory_bytes=0.8 * ram / max(cores, 1), peak_flops={"fp32": peak},
                    intra_bw=bw, inter_bw=bw, intra_latency=alpha, inter_latency=alpha,
@@ -197,8 +207,11 @@ def _collective_timings(world: int, rounds: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from plait.parallel.gloo_collectives import (GlooAllGather, GlooReduceScatter,
-                                                 gloo_collectives_apply)
+    from plait.parallel.gloo_collectives import (
+        GlooAllGather,
+        GlooReduceScatter,
+        gloo_collectives_apply,
+    )
 
     group = dist.group.WORLD
     # Time the all-gather / reduce-scatter the runtime really issues: on gloo, FSDP2's are
@@ -323,13 +336,13 @@ def _probe_timings(world: int, rounds: int) -> dict:
     """Seconds for forward + loss + backward of the reference transformer (PROBE shape) with 1
     and 2 blocks, plain and under plait's TP+SP at tp=2 (when the world is even): per-block and
     outside-the-blocks costs by difference, the latter being embedding, head and loss."""
+    import torch
+
     from plait.mesh import build_mesh
-    from plait.models.transformer import build, lm_loss, TransformerConfig
+    from plait.models.transformer import TransformerConfig, build, lm_loss
     from plait.parallel.tensor import apply_tensor_parallel
     from plait.plan import Plan
     from plait.train import loss_context
-
-    import torch
 
     p = PROBE
     fns = {}
@@ -366,8 +379,10 @@ def _zero_bubble_timings(rounds: int) -> dict:
     import torch
 
     try:
-        from torch.distributed.pipelining._backward import (stage_backward_input,
-                                                            stage_backward_weight)
+        from torch.distributed.pipelining._backward import (
+            stage_backward_input,
+            stage_backward_weight,
+        )
     except ImportError:  # pragma: no cover - another torch
         return {}
     from plait.models.transformer import Block, TransformerConfig
