@@ -120,6 +120,40 @@ def published() -> dict:
 
 
 # ----------------------------------------------------------------------------- speed
+def published_runs() -> list[dict]:
+    """Every published run beyond Megatron's table: prediction at the published layout beside
+    the publication, and the planner's own pick for the same model, cluster and batch."""
+    from plait.planner.published import PUBLISHED_RUNS, run_setup
+
+    print("\n== published runs (tokens/s per GPU; 'held out': nothing was fitted to it) ==")
+    head = (f"{'run':<38} {'':>8} {'published':>9} {'predicted':>9} {'error':>7} {'range':>13} | "
+            f"{'planner pick':<60} {'pick/published':>14}")
+    print(head)
+    print("-" * len(head))
+    out = []
+    for run in PUBLISHED_RUNS:
+        model, cluster, work, plan = run_setup(run)
+        k = constants_for(cluster)
+        e = evaluate(plan, model, cluster, work, k)
+        tps = e.tokens_per_s / run.devices
+        lo = evaluate(plan, model, cluster, work, dataclasses.replace(
+            k, compute_efficiency=cluster.extra["compute_efficiency_range"][0]))
+        hi = evaluate(plan, model, cluster, work, dataclasses.replace(
+            k, compute_efficiency=cluster.extra["compute_efficiency_range"][1]))
+        pick = search(model, cluster, work, top=1, constants=k).best
+        pick_tps = pick.tokens_per_s / run.devices if pick else float("nan")
+        span = f"{lo.tokens_per_s / run.devices:.0f}-{hi.tokens_per_s / run.devices:.0f}"
+        print(f"{run.name:<38} {'fitted' if run.fitted else 'held out':>8} "
+              f"{run.tokens_per_s_per_gpu:>9,.0f} {tps:>9,.0f} "
+              f"{tps / run.tokens_per_s_per_gpu - 1:>+7.1%} {span:>13} | "
+              f"{pick.plan.describe()[:60] if pick else '-':<60} "
+              f"{pick_tps / run.tokens_per_s_per_gpu:>13.2f}x")
+        out.append({"run": run.name, "fitted": run.fitted, "published": run.tokens_per_s_per_gpu,
+                    "predicted": tps, "pick": pick.plan.to_string() if pick else None,
+                    "pick_predicted": pick_tps})
+    return out
+
+
 def speed() -> dict:
     print("\n== search speed (plans every layout; one core of this machine) ==")
     out = {}
@@ -363,6 +397,7 @@ def main(argv=None) -> int:
     out = {}
     if args.published:
         out["published"] = published()
+        out["published_runs"] = published_runs()
     if args.speed:
         out["speed"] = speed()
     if args.calibrate:

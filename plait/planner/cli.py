@@ -20,6 +20,7 @@ from .cost import Estimate, Workload, evaluate
 from .hardware import GB, Cluster, load_cluster, presets, save_cluster
 from .model_stats import ModelStats, load_model
 from .search import SearchResult, divisors, search
+from .uncertainty import with_uncertainty
 
 GiB = 2**30
 
@@ -293,7 +294,8 @@ def _plan(args: argparse.Namespace) -> int:
         if given.world_size != cluster.world_size:
             raise ValueError(f"--plan uses {given.world_size} devices, the cluster has "
                              f"{cluster.world_size}; pass --devices {given.world_size}")
-        est = evaluate(given, model, cluster, work, constants)
+        est = with_uncertainty(evaluate(given, model, cluster, work, constants), model, cluster,
+                               work, constants)
         if args.format == "json":
             print(json.dumps({"model": model.name, "cluster": cluster.name,
                               "devices": cluster.world_size, "plans": [estimate_json(est)]},
@@ -310,6 +312,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     result = search(model, cluster, work, dtype=dtype, top=0, constants=constants)
     ranked = result.ranked
+    for e in ranked[:args.top]:
+        with_uncertainty(e, model, cluster, work, constants)
     if args.pareto and ranked:
         write_pareto(args.pareto, ranked)
     if args.format == "json":

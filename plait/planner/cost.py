@@ -32,7 +32,14 @@ from .hardware import Cluster
 from .memory import checkpointed, peak_memory
 from .model_stats import ModelStats
 from .pipeline import pipeline_time, stage_sizes, stage_times
-from .traffic import clip_traffic, collective_time, dp_traffic, fsdp_host_time, rank_shares
+from .traffic import (
+    clip_traffic,
+    collective_time,
+    dp_traffic,
+    fsdp_exposed,
+    fsdp_host_time,
+    rank_shares,
+)
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,9 @@ class Estimate:
     traffic: list[Traffic] = field(default_factory=list)
     # What the prediction assumes that a reader should know (printed under the table).
     notes: list[str] = field(default_factory=list)
+    # (fastest, slowest) step time over the chip's compute-efficiency range (plait.planner
+    # .uncertainty); None until priced
+    step_time_range_s: tuple[float, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.to_string(), "layout": self.plan.to_dict(),
@@ -130,7 +140,9 @@ class Estimate:
                 "comm_bytes_per_step": self.comm_bytes_per_step,
                 "bubble_fraction": self.bubble_fraction, "time_breakdown": self.time_breakdown,
                 "microbatch_size": self.microbatch_size, "stage_layers": list(self.stage_layers),
-                "notes": list(self.notes)}
+                "notes": list(self.notes),
+                "step_time_range_s": list(self.step_time_range_s)
+                if self.step_time_range_s else None}
 
 
 # ------------------------------------------------------------------------------ evaluate
@@ -230,7 +242,18 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         # only its tail is exposed, on the last stage to finish: counted once, above.
         exposed_grad += sum(grad_sync_time(r) for r in range(pp) if r != r_busy)
     exposed_ag3 = ag_time
-    if ag_time and c.overlap:
+    if ag_time and c.overlap and zero >= 2 and pp == 1:
+        # unit by unit: each block's gather (and in backward its reduce-scatter) against that
+        # block's compute; the reduce-scatter leaves the backward-window term above
+        fwd_unit = times.block / (3 + times.replay)
+        scatter_time = sum(collective_time(t, cluster, stride, c) for t, stride in traffic_dp
+                           if t.what == "grads" and t.op == "reduce_scatter")
+        exposed_ag3 = fsdp_exposed(plan, cluster, shares[r_busy], st.rank_layers[r_busy],
+                                   fwd_unit, times.block - fwd_unit,
+                                   grad_dtype=work.grad_reduce_dtype, c=c) + fsdp_regather
+        grad_time -= scatter_time
+        exposed_grad = max(0.0, grad_time - bwd_window)
+    elif ag_time and c.overlap:
         # FSDP2 prefetches the next unit's gather under the current unit's compute.
         per_micro = ag_time / (m * steps)
         exposed_ag3 = max(0.0, per_micro - busy_time) * m * steps + \
@@ -287,9 +310,13 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         est.notes.append("zero=1 memory follows plait's runtime (DDP + ZeroRedundancyOptimizer): "
                          "fp32 parameters and gradients on every rank, only AdamW state sharded")
     if zero == 3 and S > 1 and c.overlap:
-        est.notes.append("zero=3 assumes full overlap: parameter all-gathers are prefetched "
-                         "under compute, exposed only for the first unit and where a "
-                         "microbatch's gathers outlast its compute")
+        est.notes.append("zero=3 assumes overlap: FSDP2's prefetch hides each unit's gather "
+                         "(and its reduce-scatter) under that unit's compute, no slowdown of the "
+                         "compute by the collectives; exposed only where a unit's collectives "
+                         "outlast its compute" if pp == 1 else
+                         "zero=3 inside a pipeline assumes full overlap: parameter all-gathers "
+                         "are prefetched under compute, exposed only for the first unit and "
+                         "where a microbatch's gathers outlast its compute")
     if mem_best > cluster.memory_bytes:
         est.reason = (f"needs {mem_best / 2**30:.1f} GiB per device (of which activations "
                       f"{breakdown['activations'] / 2**30:.1f} GiB), has "

@@ -81,3 +81,62 @@ def row_setup(row: MegatronRow):
     else:
         fields.update(grad_accum=per_rank)  # microbatch size 1
     return model, cluster, work, Plan(**fields)
+
+
+# ------------------------------------------------------------------------------------------
+# Published runs beyond Megatron's table, priced at their published layout. ``fitted``: a
+# figure a constant was fitted on (the chip's compute efficiency); every other one is held out
+# (nothing was tuned to it). Throughput is tokens per second per GPU, as the source prints it.
+TORCHTITAN = ("torchtitan docs/performance.md (PyTorch, FSDP2 eager, bf16 with fp32 gradient "
+              "reduction, seq 8192)")
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    source: str
+    model: str                # a preset name, or "llama-405b" (built here)
+    cluster: str
+    devices: int
+    memory_gb: float          # the GPUs' memory in the published system
+    global_batch: int
+    seq: int
+    layout: str               # a Plan string
+    tokens_per_s_per_gpu: float
+    fitted: bool = False
+
+
+PUBLISHED_RUNS = (
+    PublishedRun("Llama 3 8B, 64 A100, FSDP", TORCHTITAN + ", Llama 3 table: 64 A100 80GB",
+                 "llama-8b", "dgx-a100-80gb", 64, 80, 64, 8192,
+                 "dp_shard=64,zero=3,ac=selective,mp=bf16", 2904),
+    PublishedRun("Llama 3 70B, 64 A100, FSDP", TORCHTITAN + ", Llama 3 table: 64 A100 80GB",
+                 "llama-70b", "dgx-a100-80gb", 64, 80, 64, 8192,
+                 "dp_shard=64,zero=3,ac=full,mp=bf16", 331),
+    PublishedRun("Llama 3.1 8B, 8 H100, FSDP", TORCHTITAN + ", table 1: 8 H100 96GB, 500 W",
+                 "llama-8b", "dgx-h100", 8, 96, 16, 8192,
+                 "dp_shard=8,zero=3,ac=selective,mp=bf16", 5762, fitted=True),
+    PublishedRun("Llama 3.1 405B, 128 H100, FSDP x TP", TORCHTITAN +
+                 ", Llama 3.1 405B table: 128 H100 94GB, TP 8",
+                 "llama-405b", "dgx-h100", 128, 94, 32, 8192,
+                 "dp_shard=16,tp=8,sp=true,zero=3,ac=full,mp=bf16", 109),
+)
+
+
+def run_setup(run: PublishedRun):
+    """(ModelStats, Cluster, Workload, Plan) of a published run, at its published layout."""
+    from plait.models.transformer import TransformerConfig
+    from plait.plan import Plan
+
+    from .cost import Workload
+    from .hardware import load_cluster
+    from .model_stats import from_transformer_config, load_model
+
+    if run.model == "llama-405b":
+        model = from_transformer_config(TransformerConfig(
+            vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+            ffn_dim=53248, max_seq_len=8192, mlp="swiglu", norm="rmsnorm"), name=run.model)
+    else:
+        model = load_model(run.model)
+    cluster = load_cluster(run.cluster, devices=run.devices).with_memory(run.memory_gb * 1e9)
+    return model, cluster, Workload(run.global_batch, run.seq), Plan.from_string(run.layout)

@@ -223,3 +223,36 @@ def clip_traffic(plan: Plan) -> list[tuple[Traffic, int]]:
         return []
     return [(Traffic("pp", "all_reduce", 4.0, 1, plan.pp, "clip: squared norm"),
              plan.tp * plan.dp_shard * plan.dp_replicate)]
+
+
+def fsdp_exposed(plan: Plan, cluster: Cluster, share: RankShare, layers: int,
+                 fwd_unit: float, bwd_unit: float, *, grad_dtype: str,
+                 c: Constants) -> float:
+    """Seconds of FSDP2's gathers and reduce-scatters (ZeRO-2/3) the step waits for on one rank
+    without a pipeline, unit by unit, as FSDP2 runs them with prefetch depth 1.
+
+    Each block is a unit. Forward: the gather of block i+1 runs under block i's forward, so a
+    block waits for ``max(0, gather - forward)``; the root's gather and the first block's are
+    never hidden. ZeRO-2 gathers once per micro-step (forward); ZeRO-3 again in backward.
+    Backward: the next block's re-gather (ZeRO-3) and this block's reduce-scatter share the
+    same links (the inter-node NIC once dp_shard spans nodes) and run under this block's
+    backward: it waits for ``max(0, gather + reduce-scatter - backward)``, the reduce-scatter
+    only on the micro-step that syncs gradients, and the last one is never hidden. Overlap is
+    thus capped by the compute of each unit, on the dp_shard group's tier (inter-node bandwidth
+    per GPU when the group spans nodes), with the ring's latency per call."""
+    S, tp = plan.dp_shard, plan.tp
+    steps = plan.grad_accum
+    pbytes, gbytes = act_dtype_bytes(plan.mixed_precision), act_dtype_bytes(grad_dtype)
+    block = (share.params - share.root) / max(layers, 1)
+    gather = collective_time(Traffic("dp_shard", "all_gather", block * pbytes, 1, S), cluster,
+                             tp, c)
+    scatter = collective_time(Traffic("dp_shard", "reduce_scatter", block * gbytes, 1, S),
+                              cluster, tp, c)
+    root = collective_time(Traffic("dp_shard", "all_gather", share.root * pbytes, 1, S),
+                           cluster, tp, c)
+    hidden = max(layers - 1, 0)
+    regather = gather if plan.zero == 3 else 0.0
+    fwd = root + gather + max(0.0, gather - fwd_unit) * hidden
+    bwd_nosync = max(0.0, regather - bwd_unit) * hidden
+    bwd_sync = max(0.0, regather + scatter - bwd_unit) * hidden + scatter
+    return fwd * steps + bwd_nosync * (steps - 1) + bwd_sync
