@@ -109,3 +109,21 @@ def test_group_calibration_runs_on_real_processes():
     for key, kind in CALIBRATED_KEYS:
         if kind is float and key not in ("block_overhead_s", "link_efficiency"):
             assert key in got and math.isfinite(got[key]), key
+
+
+def test_block_probe_calibrates_a_preset_on_the_local_device():
+    """The accelerator path of ``plait plan --calibrate`` (run here on the CPU, small block):
+    the preset keeps its hardware and gets a measured efficiency, source and no range."""
+    from plait.planner.block_probe import calibrate_accelerator
+    from plait.planner.hardware import load_cluster
+    from plait.planner.uncertainty import efficiency_range
+
+    base = load_cluster("dgx-h100")
+    got = calibrate_accelerator(base, "cpu", dim=256, seq=128, n_heads=4)
+    assert 0 < got.extra["compute_efficiency"] < 1e-2  # a CPU against an H100's peak
+    assert got.extra["compute_efficiency_source"].startswith("calibrated on cpu")
+    assert "compute_efficiency_range" not in got.extra and got.source == "calibrated"
+    assert (got.peak_flops, got.inter_bw) == (base.peak_flops, base.inter_bw)
+    from plait.planner import constants_for
+    assert efficiency_range(got, constants_for(got)) is None
+    assert constants_for(got).compute_efficiency == got.extra["compute_efficiency"]

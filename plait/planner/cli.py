@@ -49,8 +49,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     p.add_argument("--pareto", default=None, metavar="PNG",
                    help="write a step time vs memory Pareto plot (needs the plot extra)")
     p.add_argument("--calibrate", action="store_true",
-                   help="measure this machine (matmul, block efficiency, gloo all-reduce) and "
-                        "save a cluster profile")
+                   help="measure this machine and save a cluster profile: on a GPU/TPU the "
+                        "compute efficiency of a block against --cluster's peak; on a CPU "
+                        "matmul, block efficiency, gloo collectives")
     p.add_argument("--calibrate-world", type=int, default=2,
                    help="processes for the collective measurement")
     p.add_argument("--profile-out", default="plait-cluster.yaml",
@@ -246,7 +247,19 @@ def plan_command(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from . import constants_for
 
-    if args.calibrate:
+    if args.calibrate and _accelerator() is not None:
+        from .block_probe import calibrate_accelerator
+        if not args.cluster:
+            raise ValueError(f"--calibrate on {_accelerator()} needs --cluster (the preset or "
+                             f"YAML whose bf16 peak the efficiency is measured against)")
+        cluster = calibrate_accelerator(load_cluster(args.cluster), str(_accelerator()))
+        path = save_cluster(cluster, args.profile_out)
+        print(f"wrote {path}: compute efficiency {cluster.extra['compute_efficiency']:.3f} of "
+              f"{cluster.peak('bf16') / 1e12:.0f} TFLOP/s bf16 on {_accelerator()}")
+        if not args.model:
+            return 0
+        args.cluster = str(path)
+    elif args.calibrate:
         from .cpu.probes import calibrate
         cluster = calibrate(world=args.calibrate_world)
         path = save_cluster(cluster, args.profile_out)
@@ -338,6 +351,16 @@ def _plan(args: argparse.Namespace) -> int:
     if args.pareto:
         print(f"Pareto plot: {args.pareto}")
     return 0
+
+
+def _accelerator() -> str | None:
+    """The local accelerator's device type (cuda, xla, ...), or None on a CPU-only machine."""
+    import torch
+
+    if not torch.accelerator.is_available():
+        return None
+    acc = torch.accelerator.current_accelerator()
+    return acc.type if acc is not None else None
 
 
 def _print_schedule(args: argparse.Namespace, plan: Plan) -> None:

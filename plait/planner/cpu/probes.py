@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Sequence
 from typing import Any
 
+from ..block_probe import measure_block
 from ..hardware import GB, Cluster
 from .derive import (
     FSDP_UNITS,
@@ -26,9 +26,7 @@ from .derive import (
     PROBE,
     SMALL_BYTES,
     TENSOR_COUNTS,
-    LineFit,
     derive_constants,
-    fit_line,
     median_of,
 )
 
@@ -51,44 +49,6 @@ def measure_matmul(n: int = 512, threads: int = 1) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     t = _median_time(lambda: a @ b, repeats=7)
     return 2 * n ** 3 / t
-
-
-def measure_block(peak: float, dim: int = 128, seq: int = 64, n_heads: int = 4,
-                  batches: Sequence[int] = (1, 2, 4, 8), blocks: Sequence[int] = (1, 2),
-                  repeats: int = 5) -> tuple[float, float, LineFit]:
-    """(efficiency, fixed overhead per block per microbatch in s, the fit) of forward+backward
-    of the reference block.
-
-    Stacks of ``blocks`` blocks are timed at every microbatch size in ``batches``, interleaved
-    (round-robin over the grid, ``repeats`` rounds, median per point) so a burst of load lands
-    on every point alike. Per-block times ``t / n_blocks`` against tokens are fitted by
-    :func:`fit_line`: the slope gives the achieved FLOP/s (as a fraction of ``peak``, FLOPs
-    counted as the cost model counts them), the intercept the per-block, per-microbatch
-    overhead that small microbatches pay.
-    """
-    import torch
-
-    from plait.models.transformer import Block, TransformerConfig
-
-    from ..model_stats import from_transformer_config
-
-    cfg = TransformerConfig(dim=dim, n_layers=1, n_heads=n_heads, max_seq_len=seq)
-    stacks = {n: torch.nn.Sequential(*[Block(cfg) for _ in range(n)]) for n in blocks}
-    per_token = 3 * from_transformer_config(cfg).block_flops_per_token(seq)
-    grid = [(n, b) for n in blocks for b in batches]
-    inputs = {b: torch.randn(b, seq, dim, requires_grad=True) for b in batches}
-    samples: dict[tuple[int, int], list[float]] = {k: [] for k in grid}
-    for rnd in range(repeats + 1):
-        for n, b in grid:
-            t0 = time.perf_counter()
-            stacks[n](inputs[b]).sum().backward()
-            if rnd:  # round 0 warms every shape up
-                samples[(n, b)].append(time.perf_counter() - t0)
-    xs = [b * seq for n, b in grid]
-    ys = [statistics.median(samples[(n, b)]) / n for n, b in grid]
-    fit = fit_line(xs, ys)
-    slope = max(fit.slope, 1e-12)
-    return min(1.0, per_token / slope / peak), fit.intercept, fit
 
 
 def measure_memory_bandwidth(mb: int = 64) -> float:
