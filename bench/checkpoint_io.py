@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from plait.planner.calibrate import _median_time
+from plait.planner.cpu.probes import _median_time
 
 
 def job(rank: int, world: int, plan: str, model_name: str, folder: str, batch: int, seq: int,
