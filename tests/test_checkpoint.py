@@ -336,3 +336,35 @@ def test_export_hugging_face_folder(tmp_path, no_group):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     with torch.no_grad():
         assert torch.allclose(loaded(tokens).logits, expected, atol=1e-5)
+
+
+class _WithExtraState(torch.nn.Module):
+    """A module whose state dict holds a non-tensor value (DCP stores it as pickled bytes)."""
+
+    def __init__(self, extra):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.extra = extra
+
+    def get_extra_state(self):
+        return self.extra
+
+    def set_extra_state(self, state):
+        self.extra = state
+
+
+def test_non_tensor_values_load_as_plain_data_only(tmp_path, no_group):
+    run = plait.init("single", quiet=True)
+    try:
+        plain = run.parallelize(_WithExtraState({"calls": 3, "name": "x"}))
+        run.save(tmp_path / "plain", model=plain)
+        fresh = _WithExtraState({"calls": 0, "name": ""})  # the same structure, other values
+        run.load(tmp_path / "plain", model=fresh)
+        assert fresh.extra == {"calls": 3, "name": "x"}
+        marker = tmp_path / "pwned"
+        run.save(tmp_path / "crafted", model=_WithExtraState(_Payload(marker)))
+        with pytest.raises(CheckpointError, match=r"'model\._extra_state' is not plain data"):
+            run.load(tmp_path / "crafted", model=_WithExtraState(0))
+        assert not marker.exists()
+    finally:
+        run.close()

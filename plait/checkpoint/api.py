@@ -22,7 +22,7 @@ import torch.nn as nn
 from . import state as st
 from . import store
 from .errors import CheckpointError
-from .safe import SafeLoadPlanner, SafeReader, read_metadata
+from .safe import read_metadata, read_tensors
 
 MODEL = "model"
 OPTIM = "optim"
@@ -258,14 +258,7 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
     request: dict[str, Any] = {MODEL: model_sd}
     if optimizer is not None and optim_tensors:
         request[OPTIM] = optim_tensors
-    try:
-        dcp.load(request, storage_reader=SafeReader(step_dir), planner=SafeLoadPlanner())
-    except CheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any failure reading a right-sized shard is corruption
-        raise CheckpointError(f"checkpoint {step_dir} cannot be read ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}): a file is "
-                              f"corrupt") from None
+    read_tensors(step_dir, request)
     settings: dict[str, dict[str, Any]] = {}
     for group in (manifest.get("optimizer") or {}).get("param_groups", []):
         values = store.from_plain(group["settings"])

@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from . import store
 from .errors import CheckpointError
-from .safe import SafeLoadPlanner, SafeReader, read_metadata
+from .safe import read_metadata, read_tensors
 
 _MODEL = "model."
 
@@ -42,8 +41,7 @@ def model_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
         raise CheckpointError(f"checkpoint {step_dir} holds no model tensors")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, storage_reader=SafeReader(step_dir), planner=SafeLoadPlanner(),
-                 no_dist=True)
+        read_tensors(step_dir, state, no_dist=True)
     return {k[len(_MODEL):]: v for k, v in state.items()}, manifest, step_dir
 
 

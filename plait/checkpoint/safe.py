@@ -92,6 +92,30 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+def read_tensors(step_dir: Path, state: dict[str, Any], *, no_dist: bool = False) -> None:
+    """Fill ``state`` in place from the checkpoint folder ``step_dir`` with DCP, safely.
+
+    DCP reports any rank's failure as a ``CheckpointException`` (a BaseException carrying each
+    rank's exception); it becomes one CheckpointError: ours as raised (a refused value), any
+    other as the file being unreadable."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=SafeReader(step_dir), planner=SafeLoadPlanner(),
+                 no_dist=no_dist)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - see the docstring
+        failures = getattr(exc, "failures", None) or {}
+        cause = next(iter(failures.values()))[0] if failures else exc
+        if isinstance(cause, CheckpointError):
+            raise CheckpointError(str(cause)) from None
+        first = str(cause).splitlines()[0] if str(cause) else ""
+        raise CheckpointError(f"checkpoint {step_dir} cannot be read ({type(cause).__name__}: "
+                              f"{first}): a file is corrupt or holds other values") from None
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that reads non-tensor values with ``weights_only=True``."""
 
