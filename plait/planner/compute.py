@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from plait.plan import Plan
+from plait.plan import ZERO_BUBBLE_SCHEDULES, Plan
 
 from .hardware import Cluster
 from .model_stats import ModelStats
@@ -19,9 +19,6 @@ from .traffic import collective_time, tp_block_traffic, tp_end_traffic
 
 if TYPE_CHECKING:
     from .cost import Constants
-
-ZERO_BUBBLE = ("interleaved_zb", "zbv")
-
 
 @dataclass(frozen=True)
 class MicroTimes:
@@ -52,7 +49,7 @@ def replay_per_block(plan: Plan, model: ModelStats) -> float:
     replay = {"full": 1.0, "op": 0.05}.get(mode, 0.0)
     if mode == "selective":
         replay = 1.0 / plan.checkpoint_every
-    if replay and plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE and model.block_tensors:
+    if replay and plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES and model.block_tensors:
         # Zero-bubble schedules split backward into an input-gradient pass and a weight-gradient
         # pass; torch.distributed.pipelining's stage_backward_weight calls autograd.grad once
         # per parameter group, and non-reentrant checkpointing recomputes the block's forward on
@@ -73,7 +70,7 @@ def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
     fwd_block = model.block_flops_per_token(s) * tokens / tp
     replay = replay_per_block(plan, model)
     block = fwd_block * (3 + replay) / rate + c.block_overhead_s * (1 + replay / 3)
-    zero_bubble = plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE
+    zero_bubble = plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES
     if zero_bubble:
         block += c.zb_backward_factor * 2 * fwd_block / rate
     # TP collectives per block and microbatch, on the tp tier (tp innermost: stride 1).
