@@ -5,7 +5,7 @@
 Counts the functional collectives DTensor issues (a small TorchDispatchMode: torch's
 CommDebugMode trips over modules with keyword forward pre-hooks) around forward + loss + backward
 of one micro-batch, with the payload bytes of each kind (logical bytes of the call; gloo runs a
-reduce-scatter as a full all-reduce, see FIELD-NOTES).
+reduce-scatter as a full all-reduce, so it moves more than that on CPU).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ the same model and batches: a reference transformer of ``--dim``/``--layers`` (d
   the model build itself, identical for every layout, is excluded), and the lifetime peak;
 * median step time (steps after the first) and its ratio to DDP.
 
-Targets (issue #3): ZeRO-3 model state <= 1.1 x 16Ψ/d; ZeRO-3 step time <= 1.5 x DDP at world 2
+Targets: ZeRO-3 model state <= 1.1 x 16Ψ/d; ZeRO-3 step time <= 1.5 x DDP at world 2
 on CPU. On gloo, FSDP2's reduce-scatter and all-gather run as plait's all-to-alls with pooled
 buffers (plait/parallel/gloo_collectives.py); ``--torch-collectives`` keeps gloo's own (a
 reduce-scatter there is a full all-reduce) for comparison. Two processes share two cores, so
@@ -25,7 +25,6 @@ confirmation.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import threading
@@ -115,8 +114,7 @@ def main() -> None:
         for name, plan_text in layouts:
             plan = Plan.from_string(plan_text)
             if args.torch_collectives:
-                plan = dataclasses.replace(plan, options={**plan.options,
-                                                          "gloo_all_to_all": False})
+                plan = plan.replace(options=plan.options.replace(gloo_all_to_all=False))
             out = run_distributed(worker, plan.world_size, plan, params, timeout=900)[0]
             results.setdefault(name, []).append(out)
             if args.format == "text":

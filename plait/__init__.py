@@ -8,9 +8,9 @@
     run.finish()
 """
 
-from .plan import Plan
+from .plan import Plan, PlanOptions
 from .runtime import Run, init
 
 __version__ = "0.1.0"
 
-__all__ = ["Plan", "Run", "init", "__version__"]
+__all__ = ["Plan", "PlanOptions", "Run", "init", "__version__"]

@@ -135,8 +135,9 @@ def _default_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _make_optimizer(cfg: CheckConfig, params: Any) -> torch.optim.Optimizer:
-    # foreach=False: TP mixes DTensor and plain parameters, which the foreach kernels reject
-    # (FIELD-NOTES); the parallel modules normally fix that, but the check must not depend on it.
+    # foreach=False: under TP some parameters may be DTensors and others plain tensors, and the
+    # foreach kernels reject that mix ("got mixed torch.Tensor and DTensor"). The parallel modules
+    # make every parameter a DTensor, but the check must not depend on it.
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, foreach=False)
     if cfg.optimizer == "adamw":

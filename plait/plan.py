@@ -16,7 +16,9 @@ Degrees multiply to the world size, in mesh order (outermost first)::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +49,121 @@ _ALIASES = {
     "accum": "grad_accum",
     "clip": "grad_clip",
 }
+# Shorthands that expand to several fields (see Plan.from_dict).
+_SHORTHANDS = ("dp", "fsdp")
+
+
+def _did_you_mean(key: Any, known: list[str] | tuple[str, ...] | set[str]) -> str:
+    match = difflib.get_close_matches(str(key), sorted(known), n=1)
+    return f"did you mean {match[0]!r}? " if match else ""
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Strategy-specific settings that only some layouts read. All default to "not given".
+
+    Sequences are stored as tuples (a Plan is immutable); lists are accepted and converted.
+    """
+
+    # The user's tensor-parallel layer plan, {module-name glob: style} or {"styles": {...},
+    # "divide_attrs": {...}} (see plait.parallel.tp_plans); None uses the shipped or inferred one.
+    tp_plan: Mapping[str, Any] | None = None
+    # Pipeline cuts by name: each entry names the first block of a stage (e.g. "layers.4").
+    split_points: tuple[str, ...] | None = None
+    # Pipeline cuts by cost: one relative cost per block; stages get equal total cost.
+    stage_costs: tuple[float, ...] | None = None
+    # Pipeline cuts by count: blocks per stage, in global stage order (the planner writes this).
+    pp_stage_layers: tuple[int, ...] | None = None
+    # Dotted name of the block sequence to split into pipeline stages (found when None).
+    pp_blocks: str | None = None
+    # fnmatch globs over module names that FSDP2 shards as units (the repeated blocks when None).
+    shard_patterns: tuple[str, ...] | None = None
+    # On gloo, run FSDP2's all-gather/reduce-scatter as all-to-alls (faster there); False keeps
+    # FSDP2's own collectives.
+    gloo_all_to_all: bool = True
+
+    def __post_init__(self) -> None:
+        errors: list[str] = []
+        if isinstance(self.tp_plan, Mapping):
+            from .parallel.tp_plans import TPPlan  # style names live there (imports torch)
+
+            try:
+                TPPlan.from_option(self.tp_plan)
+            except ValueError as exc:
+                errors.append(str(exc))
+        elif self.tp_plan is not None and not hasattr(self.tp_plan, "styles"):  # a TPPlan
+            errors.append(f"options.tp_plan={self.tp_plan!r} must be a mapping of module-name "
+                          f"glob to style, e.g. {{'layers.*.q_proj': 'colwise'}}")
+        for name, kind, example in (("split_points", str, "['layers.4']"),
+                                    ("shard_patterns", str, "['layers.*']"),
+                                    ("pp_stage_layers", int, "[3, 5]"),
+                                    ("stage_costs", float, "[1.0, 1.0, 2.0]")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            items = list(value) if isinstance(value, (list, tuple)) else None
+            if items is None or not items or not all(_is_kind(v, kind) for v in items):
+                what = {str: "names", int: "positive integers", float: "positive numbers"}[kind]
+                errors.append(f"options.{name}={value!r} must be a non-empty list of {what}, "
+                              f"e.g. {example}")
+                continue
+            if kind is not str and min(items) <= 0:
+                errors.append(f"options.{name}={value!r} must hold positive values only")
+                continue
+            object.__setattr__(self, name, tuple(items))
+        if self.pp_blocks is not None and not isinstance(self.pp_blocks, str):
+            errors.append(f"options.pp_blocks={self.pp_blocks!r} must be a module name, "
+                          f"e.g. 'layers'")
+        if not isinstance(self.gloo_all_to_all, bool):
+            errors.append(f"options.gloo_all_to_all={self.gloo_all_to_all!r} must be true or "
+                          f"false (a boolean, not a string)")
+        cuts = [n for n in ("split_points", "stage_costs", "pp_stage_layers")
+                if getattr(self, n) is not None]
+        if len(cuts) > 1:
+            errors.append(f"options {', '.join(cuts)} each fix the pipeline cuts; give only one")
+        if errors:
+            raise ValueError("invalid plan options: " + "; ".join(errors))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PlanOptions:
+        if isinstance(data, PlanOptions):
+            return data
+        if not isinstance(data, Mapping):
+            raise ValueError(f"options={data!r} must be a mapping of option names to values, "
+                             f"e.g. {{'split_points': ['layers.4']}}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key not in names:
+                raise ValueError(f"unknown plan option {key!r}; {_did_you_mean(key, names)}"
+                                 f"options are {', '.join(names)}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options that differ from the defaults, as plain lists/dicts (YAML/JSON-safe)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            if isinstance(value, tuple):
+                value = list(value)
+            elif f.name == "tp_plan":
+                value = value.to_dict() if hasattr(value, "to_dict") else dict(value)
+            out[f.name] = value
+        return out
+
+    def replace(self, **changes: Any) -> PlanOptions:
+        return dataclasses.replace(self, **changes)
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    if kind is str:
+        return isinstance(value, str) and bool(value)
+    if isinstance(value, bool):
+        return False
+    if kind is int:
+        return isinstance(value, int)
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -83,10 +200,13 @@ class Plan:
     grad_accum: int = 1
     # Clip the global gradient norm to this value; None or 0 disables clipping.
     grad_clip: float | None = 1.0
-    # Extra, strategy-specific options (e.g. {"tp_plan": {...}}, {"shard_patterns": [...]}).
-    options: Mapping[str, Any] = field(default_factory=dict)
+    # Strategy-specific settings (a user TP plan, pipeline cuts, FSDP units); a dict is accepted
+    # and checked key by key.
+    options: PlanOptions = field(default_factory=PlanOptions)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.options, PlanOptions):
+            object.__setattr__(self, "options", PlanOptions.from_dict(self.options))
         self.validate()
 
     # ------------------------------------------------------------------ degrees
@@ -105,13 +225,8 @@ class Plan:
     # ------------------------------------------------------------------ validation
     def validate(self, world_size: int | None = None) -> Plan:
         """Raise ValueError listing every problem; return self when the plan is sound."""
-        errors: list[str] = []
-        for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "microbatches",
-                     "virtual_stages", "grad_accum", "checkpoint_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                errors.append(f"{name}={value!r} must be a positive integer")
-        if errors:  # the rest assumes integers
+        errors = self._type_errors()
+        if errors:  # the rest assumes every field has its type
             raise ValueError("invalid plan: " + "; ".join(errors))
         if self.zero not in (0, 1, 2, 3):
             errors.append(f"zero={self.zero!r} must be 0, 1, 2 or 3")
@@ -153,8 +268,20 @@ class Plan:
         if self.mixed_precision not in PRECISIONS:
             errors.append(f"mixed_precision={self.mixed_precision!r} is not one of "
                           f"{', '.join(PRECISIONS)}")
-        if self.grad_clip is not None and self.grad_clip < 0:
-            errors.append(f"grad_clip={self.grad_clip} must be >= 0 (0 or None disables it)")
+        if self.grad_clip is not None and not (math.isfinite(self.grad_clip)
+                                               and self.grad_clip >= 0):
+            errors.append(f"grad_clip={self.grad_clip} must be a finite number >= 0 "
+                          f"(0 or none disables clipping)")
+        cuts = self.options.split_points or self.options.pp_stage_layers
+        if self.pp > 1 and cuts is not None:
+            stages = self.pp * self.virtual_stages
+            want = stages - 1 if self.options.split_points else stages
+            if len(cuts) != want:
+                name = "split_points" if self.options.split_points else "pp_stage_layers"
+                errors.append(f"options.{name}={list(cuts)} has {len(cuts)} entries; pp={self.pp} "
+                              f"x virtual_stages={self.virtual_stages} = {stages} stages need "
+                              f"{want}" + (" cuts" if name == "split_points" else
+                                           " block counts, one per stage"))
         if world_size is not None and self.world_size != world_size:
             product = " * ".join(f"{a}({getattr(self, a)})" for a in MESH_AXES)
             errors.append(f"{product} = {self.world_size} != world size {world_size}; "
@@ -163,10 +290,37 @@ class Plan:
             raise ValueError("invalid plan: " + "; ".join(errors))
         return self
 
+    def _type_errors(self) -> list[str]:
+        """A field of the wrong type (a JSON/YAML "no" where a boolean belongs) is refused, never
+        read by truthiness: ``"sp": "no"`` would otherwise switch sequence parallelism on."""
+        errors = []
+        for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "microbatches",
+                     "virtual_stages", "grad_accum", "checkpoint_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                errors.append(f"{name}={value!r} must be a positive integer, e.g. {name}=2")
+        if not isinstance(self.zero, int) or isinstance(self.zero, bool):
+            errors.append(f"zero={self.zero!r} must be the integer 0, 1, 2 or 3")
+        for name in ("sp", "offload"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                errors.append(f"{name}={value!r} must be true or false (a boolean, not "
+                              f"{type(value).__name__}), e.g. {name}: false")
+        for name in ("pp_schedule", "activation_checkpointing", "mixed_precision"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                errors.append(f"{name}={value!r} must be a string, e.g. "
+                              f"{name}: {getattr(Plan, name)}")
+        clip = self.grad_clip
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))):
+            errors.append(f"grad_clip={clip!r} must be a number (write grad_clip: 1.0, without "
+                          f"quotes), or none to disable clipping")
+        return errors
+
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["options"] = dict(self.options)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["options"] = self.options.to_dict()
         return out
 
     def to_string(self) -> str:
@@ -205,27 +359,56 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        data = dict(data)
-        # Convenience keys: dp means "replicate" without ZeRO and "shard" with it; fsdp=N means
-        # dp_shard=N with ZeRO-3.
-        kwargs: dict[str, Any] = {}
+        """Fields by name or short alias (``mb``, ``clip`` ...), plus two shorthands: ``dp=N`` is
+        ``dp_replicate=N`` without ZeRO and ``dp_shard=N`` with it; ``fsdp=N`` is
+        ``dp_shard=N,zero=3``. A shorthand never overrides a field given explicitly: a
+        contradiction is refused, naming what to write instead."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a plan must be a mapping of fields, e.g. {{'dp_replicate': 2}}; "
+                             f"got {data!r}")
         names = {f.name for f in dataclasses.fields(cls)}
-        dp = data.pop("dp", None)
-        fsdp = data.pop("fsdp", None)
+        kwargs: dict[str, Any] = {}
+        given: dict[str, Any] = {}  # field -> the key the user wrote, to name duplicates
+        shorthand: dict[str, Any] = {}
         for key, value in data.items():
+            if key in _SHORTHANDS:
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"{key}={value!r} must be a positive integer, e.g. {key}=2")
+                shorthand[key] = value
+                continue
             name = _ALIASES.get(key, key)
             if name not in names:
-                raise ValueError(f"unknown plan field {key!r}; known fields: "
-                                 f"{', '.join(sorted(names | {'dp', 'fsdp'}))}")
-            kwargs[name] = value
+                known = sorted(names | set(_ALIASES) | set(_SHORTHANDS))
+                raise ValueError(f"unknown plan field {key!r}; {_did_you_mean(key, known)}"
+                                 f"known fields: {', '.join(sorted(names | set(_SHORTHANDS)))}")
+            if name in kwargs:
+                raise ValueError(f"{given[name]}={kwargs[name]!r} and {key}={value!r} both set "
+                                 f"{name}; give it once")
+            kwargs[name], given[name] = value, key
+        fsdp, dp = shorthand.get("fsdp"), shorthand.get("dp")
+        if fsdp is not None and dp is not None:
+            raise ValueError(f"dp={dp} and fsdp={fsdp} both set the data-parallel degree; give "
+                             f"one (for HSDP write dp_replicate=R,dp_shard=S,zero=3)")
         if fsdp is not None:
-            kwargs.setdefault("dp_shard", int(fsdp))
-            kwargs.setdefault("zero", 3)
+            fixes = {"zero": f"write dp_shard={fsdp},zero={kwargs.get('zero')!r} for that "
+                             f"ZeRO stage, or fsdp={fsdp} alone for ZeRO-3",
+                     "dp_shard": f"write fsdp={kwargs.get('dp_shard')!r} alone, or "
+                                 f"dp_shard={kwargs.get('dp_shard')!r},zero=3"}
+            for name, want in (("zero", 3), ("dp_shard", fsdp)):
+                if name in kwargs and kwargs[name] != want:
+                    raise ValueError(f"fsdp={fsdp} means dp_shard={fsdp},zero=3, but "
+                                     f"{given[name]}={kwargs[name]!r} was also given: "
+                                     f"{fixes[name]}")
+            kwargs["dp_shard"], kwargs["zero"] = fsdp, 3
         if dp is not None:
-            if kwargs.get("zero", 0):
-                kwargs.setdefault("dp_shard", int(dp))
-            else:
-                kwargs.setdefault("dp_replicate", int(dp))
+            target = "dp_shard" if kwargs.get("zero", 0) else "dp_replicate"
+            for name in ("dp_replicate", "dp_shard"):
+                if name in kwargs:
+                    raise ValueError(
+                        f"dp={dp} and {given[name]}={kwargs[name]!r} both set data-parallel "
+                        f"degrees (dp means {target} here); give dp alone, or dp_replicate and "
+                        f"dp_shard explicitly")
+            kwargs[target] = dp
         return cls(**kwargs)
 
     @classmethod
@@ -239,38 +422,49 @@ class Plan:
             if not item:
                 continue
             if "=" not in item:
-                if item in ("sp", "offload"):
-                    data[item] = True
-                    continue
-                raise ValueError(f"cannot parse plan item {item!r} in {text!r}: expected "
-                                 f"key=value, e.g. 'dp=2,tp=2,pp=2'")
-            key, raw = item.split("=", 1)
-            data[key] = _parse_value(key, raw, text)
+                if item not in ("sp", "offload"):
+                    raise ValueError(f"cannot parse plan item {item!r} in {text!r}: expected "
+                                     f"key=value, e.g. 'dp=2,tp=2,pp=2'")
+                key, value = item, True
+            else:
+                key, raw = item.split("=", 1)
+                value = _parse_value(key, raw, text)
+            if key in data:
+                raise ValueError(f"{key} is given twice in {text!r} ({key}={data[key]!r} and "
+                                 f"{key}={value!r}); give it once")
+            data[key] = value
         return cls.from_dict(data)
 
     @classmethod
     def load(cls, source: Plan | str | Path | Mapping[str, Any] | None) -> Plan:
-        """Accept a Plan, a dict, a plan string, or a path to a .yaml/.yml/.json file."""
+        """Accept a Plan, a dict, a plan string, or a path to a .yaml/.yml/.json file.
+
+        Every problem is a ValueError with one line (the CLI prints it and exits 2)."""
         if source is None:
             return cls()
         if isinstance(source, Plan):
             return source
         if isinstance(source, Mapping):
             return cls.from_dict(source)
+        if not isinstance(source, (str, Path)):
+            raise ValueError(f"plan={source!r} must be a Plan, a mapping, a plan string such as "
+                             f"'dp=2,tp=2' or a .yaml/.json path")
         path = Path(str(source))
-        if path.suffix in (".yaml", ".yml", ".json"):
-            if not path.exists():
-                raise ValueError(f"plan file {str(path)!r} does not exist")
-            text = path.read_text()
-            if path.suffix == ".json":
-                data = json.loads(text)
-            else:
-                import yaml
-                data = yaml.safe_load(text)
+        if path.suffix not in (".yaml", ".yml", ".json"):
+            return cls.from_string(str(source))
+        data = _read_plan_file(path)
+        if isinstance(data, Mapping) and "plan" in data:
+            data = data["plan"]
             if not isinstance(data, Mapping):
-                raise ValueError(f"plan file {str(path)!r} must hold a mapping of fields")
-            return cls.from_dict(data.get("plan", data))
-        return cls.from_string(str(source))
+                raise ValueError(f"plan file {str(path)!r}: 'plan' must hold a mapping of fields "
+                                 f"(e.g. 'plan: {{dp_replicate: 2}}'), not {data!r}")
+        if not isinstance(data, Mapping):
+            raise ValueError(f"plan file {str(path)!r} must hold a mapping of fields (e.g. "
+                             f"'dp_replicate: 2'), not {data!r}")
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"plan file {str(path)!r}: {exc}") from None
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -279,6 +473,64 @@ class Plan:
         else:
             import yaml
             path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _yaml_loader() -> Any:
+    """A yaml SafeLoader that refuses a key given twice (PyYAML would keep the last one)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice; give it once",
+                        key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} is given twice ({out[key]!r} and {value!r}); "
+                             f"give it once")
+        out[key] = value
+    return out
+
+
+def _read_plan_file(path: Path) -> Any:
+    """The parsed content of a .yaml/.yml/.json plan file; one-line ValueErrors for a missing,
+    unreadable or malformed file, or a key given twice."""
+    where = f"plan file {str(path)!r}"
+    if not path.exists():
+        raise ValueError(f"{where} does not exist")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{where} cannot be read: {exc}") from None
+    if path.suffix == ".json":
+        try:
+            return json.loads(text, object_pairs_hook=_unique_pairs)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not valid JSON: {exc.msg} at line {exc.lineno}, "
+                             f"column {exc.colno}") from None
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    import yaml
+
+    try:
+        return yaml.load(text, Loader=_yaml_loader())  # a SafeLoader: plain data only
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"{where} is not valid YAML: {problem}{at}") from None
 
 
 def _format_value(value: Any) -> str:
@@ -293,9 +545,15 @@ _STRING_FIELDS = {"pp_schedule", "schedule", "activation_checkpointing", "ac", "
                   "mp", "precision"}
 _BOOL_FIELDS = {"sp", "offload"}
 _FLOAT_FIELDS = {"grad_clip", "clip"}
+_FIELD_NAMES = {f.name for f in dataclasses.fields(Plan)}
 
 
 def _parse_value(key: str, raw: str, text: str) -> Any:
+    if key == "options":
+        raise ValueError(f"options cannot be given in a plan string ({text!r}); put them in a "
+                         f"YAML/JSON plan file or pass Plan(options=...)")
+    if _ALIASES.get(key, key) not in _FIELD_NAMES and key not in _SHORTHANDS:
+        return raw  # from_dict names the unknown key
     if key in _STRING_FIELDS:
         return raw.lower()
     if key in _BOOL_FIELDS:

@@ -368,7 +368,9 @@ class Run:
         return info
 
     def close(self) -> None:
-        """Free parallel modules before the group goes (FIELD-NOTES: DDP exit deadlock)."""
+        """Free parallel modules before the group goes: a DDP reducer still alive after
+        ``destroy_process_group`` can deadlock on the GIL at exit (its teardown joins a gloo
+        thread that waits for the GIL)."""
         if self.checkpointing is not None and self.checkpointing.pending is not None:
             self.checkpointing.pending.wait()
             self.checkpointing.pending = None

@@ -10,7 +10,8 @@ the OS picks a free port and there is no race for it), waits with a deadline, an
 whole group when any rank fails or time runs out.
 
 Workers leave with ``os._exit`` after reporting: a DDP reducer still alive at interpreter
-teardown can deadlock on the GIL (see FIELD-NOTES), and a worker that has reported has nothing
+teardown can deadlock on the GIL (its teardown joins a gloo thread that is waiting for the GIL;
+on a 2-core machine this hangs a few exits in a dozen), and a worker that has reported has nothing
 left to do.
 """
 
@@ -59,7 +60,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, backend: str, a
         result = fn(rank, world_size, *args, **kwargs)
         payload = pickle.dumps(("ok", rank, result))
         del result
-        gc.collect()  # free DDP/FSDP modules before the group goes (FIELD-NOTES: exit deadlock)
+        gc.collect()  # free DDP/FSDP modules before the group goes (a live reducer can hang exit)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - everything goes back to the parent

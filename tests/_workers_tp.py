@@ -225,8 +225,9 @@ def custom_factory() -> nn.Module:
 
 # ------------------------------------------------------------------- foreach optimizer + clip
 def foreach_adamw_worker(rank: int, world_size: int, plan_string: str) -> dict:
-    """Reference model under TP with a plain foreach AdamW (the FIELD-NOTES failure) and
-    gradient clipping: every parameter must be a DTensor, and the step must run."""
+    """Reference model under TP with a plain foreach AdamW (whose kernels reject a mix of DTensor
+    and plain parameters) and gradient clipping: every parameter must be a DTensor, and the step
+    must run."""
     from torch.distributed.tensor import DTensor
 
     import plait

@@ -64,6 +64,9 @@ def test_failing_rank_shown_once(tmp_path):
     (["run", "--nproc", "2", "SCRIPT", "--plan", "dp=3"], "!= world size 2"),
     (["run", "--nproc", "2", "SCRIPT", "--plan", "dp=two"], "must be an integer"),
     (["check", "--plan", "tp=3,dp=x"], "must be an integer"),
+    (["check", "--plan", "dp=2,clip=nan"], "grad_clip=nan must be a finite number"),
+    (["check", "--plan", "fsdp=2,zero=1"], "write dp_shard=2,zero=1"),
+    (["check", "--plan", "dp=1,dp=2"], "dp is given twice"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, args, fragment):
     script = tmp_path / "ok.py"
@@ -74,6 +77,32 @@ def test_bad_input_is_one_clear_line(tmp_path, args, fragment):
     assert fragment in out.stderr
     assert "should not run" not in out.stdout
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("command", [
+    ["run", "--nproc", "2", "SCRIPT", "--plan", "PLAN"],
+    ["check", "--plan", "PLAN"],
+    ["comm", "--plan", "PLAN"],
+    ["plan", "--model", "test", "--cluster", "cpu", "--global-batch", "8", "--plan", "PLAN"],
+])
+@pytest.mark.parametrize("name, content, fragment", [
+    ("p.json", '{"dp": 2, "sp": "no"}', "sp='no' must be true or false"),
+    ("p.yaml", "plan: 5\n", "'plan' must hold a mapping"),
+    ("p.yaml", "dp: [2\n", "is not valid YAML"),
+    ("p.yaml", "dp: 2\noptions: {split_point: [layers.1]}\n", "did you mean 'split_points'"),
+])
+def test_bad_plan_file_is_one_line_exit_2(tmp_path, capsys, command, name, content, fragment):
+    """Every command that takes --plan refuses a bad plan file in one line, before any work."""
+    from plait.cli import main
+
+    script = tmp_path / "ok.py"
+    script.write_text("print('should not run')\n")
+    (tmp_path / name).write_text(content)
+    subs = {"SCRIPT": str(script), "PLAN": str(tmp_path / name)}
+    assert main([subs.get(a, a) for a in command]) == 2
+    out = capsys.readouterr()
+    assert fragment in out.err and str(tmp_path / name) in out.err, out.err
+    assert len(out.err.strip().splitlines()) == 1 and not out.out, out
 
 
 def test_port_in_use_is_refused(tmp_path):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from plait.plan import MESH_AXES, Plan
+from plait.plan import MESH_AXES, Plan, PlanOptions
 
 
 @pytest.mark.parametrize("text", [
@@ -97,3 +97,113 @@ def test_yaml_and_json_files(tmp_path):
 def test_describe_is_readable():
     text = Plan.from_string("dp_shard=2,zero=3,tp=2,sp,mp=bf16").describe()
     assert "dp_shard=2 x tp=2" in text and "ZeRO-3" in text and "sequence-parallel" in text
+
+
+# ------------------------------------------------------------------ options
+def test_options_are_typed_and_round_trip(tmp_path):
+    plan = Plan(pp=2, microbatches=2, options={"split_points": ["layers.4"],
+                                               "shard_patterns": ["layers.*"]})
+    assert isinstance(plan.options, PlanOptions)
+    assert plan.options.split_points == ("layers.4",)
+    assert plan == Plan(pp=2, microbatches=2, options=PlanOptions(
+        split_points=("layers.4",), shard_patterns=("layers.*",)))
+    assert plan.to_dict()["options"] == {"split_points": ["layers.4"],
+                                         "shard_patterns": ["layers.*"]}
+    assert Plan().to_dict()["options"] == {}
+    tp = Plan(tp=2, options={"tp_plan": {"layers.*.q_proj": "colwise"}, "gloo_all_to_all": False})
+    for p in (plan, tp):
+        assert Plan.from_dict(p.to_dict()) == p
+        for name in ("p.yaml", "p.json"):
+            p.save(tmp_path / name)
+            assert Plan.load(tmp_path / name) == p
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"split_point": ["layers.4"]}, "unknown plan option 'split_point'; did you mean "
+                                    "'split_points'?"),
+    ({"gloo_all_to_al": False}, "did you mean 'gloo_all_to_all'?"),
+    ({"split_points": "layers.4"}, "options.split_points='layers.4' must be a non-empty list"),
+    ({"pp_stage_layers": [3, 0]}, "must hold positive values"),
+    ({"pp_stage_layers": [3.5, 4.5]}, "list of positive integers"),
+    ({"stage_costs": [1, float("nan")]}, "options.stage_costs"),
+    ({"pp_blocks": 3}, "options.pp_blocks=3 must be a module name"),
+    ({"gloo_all_to_all": "false"}, "options.gloo_all_to_all='false' must be true or false"),
+    ({"tp_plan": {"q_proj": "colwize"}}, "unknown tensor-parallel style"),
+    ({"tp_plan": ["q_proj"]}, "options.tp_plan=['q_proj'] must be a mapping"),
+    ({"split_points": ["layers.4"], "pp_stage_layers": [4, 4]}, "give only one"),
+    (5, "options=5 must be a mapping"),
+])
+def test_bad_options_are_refused_by_name(options, fragment):
+    with pytest.raises(ValueError) as err:
+        Plan(pp=2, microbatches=2, options=options)
+    assert fragment in str(err.value)
+
+
+def test_pipeline_cuts_must_match_the_stage_count():
+    with pytest.raises(ValueError, match=r"pp_stage_layers=\[4, 4\] has 2 entries.*4 stages"):
+        Plan(pp=2, microbatches=2, pp_schedule="interleaved_1f1b", virtual_stages=2,
+             options={"pp_stage_layers": [4, 4]})
+    with pytest.raises(ValueError, match=r"split_points=.* has 2 entries.*need 1 cuts"):
+        Plan(pp=2, microbatches=2, options={"split_points": ["layers.2", "layers.4"]})
+
+
+# ------------------------------------------------------------------ bad input, one line each
+# (source, what the message must name). A source is a plan string, or (file name, content).
+BAD_INPUT = [
+    (("p.json", '{"tp": 2, "sp": "no"}'), "sp='no' must be true or false"),
+    (("p.json", '{"dp_shard": 2, "zero": 3, "offload": "false"}'),
+     "offload='false' must be true or false"),
+    (("p.yaml", "tp: 2\nsp: 'no'\n"), "sp='no' must be true or false"),
+    (("p.json", '{"grad_clip": "1.0"}'), "grad_clip='1.0' must be a number"),
+    (("p.yaml", "plan: 5\n"), "'plan' must hold a mapping"),
+    (("p.yaml", "5\n"), "must hold a mapping of fields"),
+    (("p.yaml", ""), "must hold a mapping of fields"),
+    (("p.yaml", "dp: [2\ntp: 2\n"), "is not valid YAML"),
+    (("p.yaml", "dp: 2\ndp: 4\n"), "key 'dp' is given twice"),
+    (("p.json", '{"dp": 2, "dp": 4}'), "key 'dp' is given twice"),
+    (("p.json", '{"dp": 2,'), "is not valid JSON"),
+    (("p.json", '{"tp": "2"}'), "tp='2' must be a positive integer"),
+    (("p.json", '{"zero": true, "dp_shard": 2}'), "zero=True must be the integer"),
+    (("p.json", '{"dp": "2"}'), "dp='2' must be a positive integer"),
+    (("p.json", '{"tpp": 2}'), "unknown plan field 'tpp'; did you mean 'tp'?"),
+    (("p.yaml", "options: {split_point: [layers.1]}\n"), "did you mean 'split_points'?"),
+    (("p.yaml", "pp_schedule: 5\n"), "pp_schedule=5 must be a string"),
+    ("clip=nan", "grad_clip=nan must be a finite number"),
+    ("clip=inf", "grad_clip=inf must be a finite number"),
+    ("clip=-1", "grad_clip=-1.0 must be a finite number >= 0"),
+    ("fsdp=2,zero=1", "write dp_shard=2,zero=1"),
+    ("fsdp=2,dp_shard=4", "write fsdp=4 alone, or dp_shard=4,zero=3"),
+    ("fsdp=2,dp=2", "give one"),
+    ("dp=2,dp_shard=2,zero=3", "give dp alone"),
+    ("dp=1,dp=2", "dp is given twice"),
+    ("clip=1,grad_clip=2", "both set grad_clip"),
+    ("foo=bar", "unknown plan field 'foo'"),
+    ("options=x", "options cannot be given in a plan string"),
+]
+
+
+def _source(tmp_path, source):
+    if isinstance(source, str):
+        return source
+    name, content = source
+    (tmp_path / name).write_text(content)
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize("source, fragment", BAD_INPUT, ids=[str(s) for s, _ in BAD_INPUT])
+def test_bad_plan_input_is_one_clear_line(tmp_path, source, fragment):
+    """Each bad plan is refused with a ValueError: one line, naming the field, value and fix."""
+    with pytest.raises(ValueError) as err:
+        Plan.load(_source(tmp_path, source))
+    msg = str(err.value)
+    assert fragment in msg, msg
+    assert "\n" not in msg
+
+
+def test_falsy_words_never_switch_a_feature_on(tmp_path):
+    """YAML's own booleans and plan-string words mean what they say."""
+    (tmp_path / "p.yaml").write_text("tp: 2\nsp: no\n")
+    assert Plan.load(tmp_path / "p.yaml").sp is False
+    assert Plan.load("tp=2,sp=no").sp is False and Plan.load("tp=2,sp=off").sp is False
+    assert Plan.load("tp=2,sp").sp is True
+    assert Plan.load("fsdp=2,zero=3") == Plan(dp_shard=2, zero=3)  # consistent: accepted

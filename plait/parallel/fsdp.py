@@ -52,7 +52,7 @@ the optimizer step runs on the CPU.
 
 On gloo (CPU ranks) the shard group's reduce-scatter and all-gather run as all-to-alls
 (:mod:`plait.parallel.gloo_collectives`, installed through FSDP2's custom-collective hooks);
-``plan.options["gloo_all_to_all"] = False`` keeps FSDP2's own.
+``options.gloo_all_to_all = False`` keeps FSDP2's own.
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ def offload_policy(plan: Plan, device_type: str) -> OffloadPolicy:
 def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     """Shard ``module`` for ``plan.zero`` (1, 2 or 3) over the data axes of ``mesh``.
 
-    ZeRO-2/3: ``fully_shard`` on each unit (the repeated blocks, or ``plan.options
-    ["shard_patterns"]``), then on the root, which groups whatever is left (embeddings, final
+    ZeRO-2/3: ``fully_shard`` on each unit (the repeated blocks, or ``plan.options.
+    shard_patterns``), then on the root, which groups whatever is left (embeddings, final
     norm, head) and drives the lazy init. ZeRO-1: DDP here; the optimizer is sharded by
     :func:`shard_optimizer` (called by the runtime on the user's optimizer).
     """
@@ -121,7 +121,7 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
         raise ValueError(f"offload=True needs zero=3 (got zero={plan.zero}): only ZeRO-3 keeps "
                          f"parameters sharded between uses, so only it can park them on the CPU")
     _check_mesh(mesh, plan)
-    patterns = plan.options.get("shard_patterns") if plan.options else None
+    patterns = plan.options.shard_patterns
     units = select_units(module, patterns)  # raises on a pattern that matches nothing
     if plan.zero == 1:
         return _apply_zero1(module, mesh, plan)
@@ -134,7 +134,7 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     # Root last. ZeRO-3: None lets FSDP2 keep the root's own parameters gathered from forward to
     # backward (backward needs them first thing); ZeRO-2: keep everything gathered.
     fully_shard(module, reshard_after_forward=None if reshard else False, **kwargs)
-    if (plan.options or {}).get("gloo_all_to_all", True):
+    if plan.options.gloo_all_to_all:
         # On gloo (CPU), FSDP2's reduce-scatter/all-gather become all-to-alls: gloo's own are
         # ~2x slower (reduce-scatter is a full all-reduce there). NCCL and every other backend
         # keep FSDP2's defaults; see plait/parallel/gloo_collectives.py.
@@ -167,7 +167,7 @@ def apply_replicate(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
         raise ValueError(f"apply_replicate is replicated DP (zero=0, dp_shard=1); got "
                          f"zero={plan.zero}, dp_shard={plan.dp_shard}: use apply_fsdp")
     _check_mesh(mesh, plan)
-    patterns = plan.options.get("shard_patterns") if plan.options else None
+    patterns = plan.options.shard_patterns
     dm = mesh.root["dp_replicate", "dp_shard"]
     kwargs: dict[str, Any] = dict(mesh=dm, mp_policy=mixed_precision_policy(plan))
     for _, unit in select_units(module, patterns):

@@ -19,9 +19,9 @@ transformer, a Sequential MLP or CNN); models whose forward feeds a module somet
 the running activation (HF decoders' position embeddings and masks) need an adapter.
 
 Stages are cut by parameter count (embedding on the first stage and head on the last count
-too), or by per-block costs (``plan.options["stage_costs"]``), or at user-named split points
-(``plan.options["split_points"] = ["layers.4", "layers.8"]``: a stage starts at each name), or
-by blocks per stage (``plan.options["pp_stage_layers"] = [3, 5]``, what the planner emits when
+too), or by per-block costs (``options.stage_costs``), or at user-named split points
+(``options.split_points = ("layers.4", "layers.8")``: a stage starts at each name), or
+by blocks per stage (``options.pp_stage_layers = (3, 5)``, what the planner emits when
 its cost-balanced split is uneven).
 
 Schedules are torch's (``torch.distributed.pipelining``): GPipe, 1F1B, interleaved 1F1B, looped
@@ -104,10 +104,10 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Modu
         try:
             container = model.get_submodule(name)
         except AttributeError:
-            raise ValueError(f"options['pp_blocks']={name!r} is not a submodule of "
+            raise ValueError(f"options.pp_blocks={name!r} is not a submodule of "
                              f"{type(model).__name__}") from None
         if not isinstance(container, Containers):
-            raise ValueError(f"options['pp_blocks']={name!r} is a {type(container).__name__}, "
+            raise ValueError(f"options.pp_blocks={name!r} is a {type(container).__name__}, "
                              f"not an nn.ModuleList or nn.Sequential of blocks")
         return name, container
     best: tuple[int, int, str, nn.Module] | None = None
@@ -180,27 +180,21 @@ def partition(costs: list[float], n_stages: int, first_extra: float = 0.0,
 def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
     """Where to cut: the block sequence's name and every global stage's block range."""
     n_stages = plan.pp * plan.virtual_stages
-    path, container = find_blocks(model, plan.options.get("pp_blocks"))
+    path, container = find_blocks(model, plan.options.pp_blocks)
     n_blocks = len(container)
     where = f"{path or type(model).__name__}"
     if n_stages > n_blocks:
         raise ValueError(f"pp={plan.pp} x virtual_stages={plan.virtual_stages} = {n_stages} "
                          f"stages but {where} has only {n_blocks} blocks; use at most "
                          f"{n_blocks} stages (lower pp or virtual_stages) or a deeper model")
-    split_points = plan.options.get("split_points")
-    stage_costs = plan.options.get("stage_costs")
-    stage_layers = plan.options.get("pp_stage_layers")
-    given = [k for k, v in (("split_points", split_points), ("pp_stage_layers", stage_layers),
-                            ("stage_costs", stage_costs)) if v is not None]
-    if len(given) > 1:
-        raise ValueError(f"options {given} each fix the stage cuts; give only one of them")
+    # Plan validation allows at most one of these, with one entry per stage (or cut).
+    split_points = plan.options.split_points
+    stage_costs = plan.options.stage_costs
+    stage_layers = plan.options.pp_stage_layers
     if stage_layers is not None:
         bounds = _bounds_from_layers(stage_layers, n_stages, n_blocks, plan, where)
     elif split_points is not None:
         names = [f"{path}.{k}" if path else k for k in container._modules]
-        if len(split_points) != n_stages - 1:
-            raise ValueError(f"split_points={list(split_points)} names {len(split_points)} "
-                             f"cuts; {n_stages} stages need {n_stages - 1}")
         starts = []
         for point in split_points:
             if point not in names:
@@ -234,7 +228,7 @@ def _even_counts(n_blocks: int, n_stages: int) -> list[int]:
 
 def _bounds_from_layers(stage_layers: Any, n_stages: int, n_blocks: int, plan: Plan,
                        where: str) -> list[tuple[int, int]]:
-    """Block ranges from ``options["pp_stage_layers"]``: blocks per model chunk, in global stage
+    """Block ranges from ``options.pp_stage_layers``: blocks per model chunk, in global stage
     order (the planner writes it when its cost-balanced split is not the even one, so the
     runtime builds exactly the layout that was priced)."""
     try:
@@ -243,7 +237,7 @@ def _bounds_from_layers(stage_layers: Any, n_stages: int, n_blocks: int, plan: P
     except (TypeError, ValueError):
         counts, exact = [], False
     if not exact or len(counts) != n_stages or sum(counts) != n_blocks or min(counts) < 1:
-        raise ValueError(f"options['pp_stage_layers']={stage_layers!r} must list {n_stages} "
+        raise ValueError(f"options.pp_stage_layers={stage_layers!r} must list {n_stages} "
                          f"positive whole block counts (pp={plan.pp} x virtual_stages="
                          f"{plan.virtual_stages}), one per stage in stage order, summing to the "
                          f"{n_blocks} blocks of {where}; e.g. "

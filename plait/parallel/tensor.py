@@ -4,7 +4,7 @@
 ``plait.parallel.tp_plans``) and turns each entry into one of torch's ``ParallelStyle`` objects,
 applied with ``parallelize_module`` on ``mesh["tp"]``. Where the plan comes from, first match wins:
 
-1. ``plan.options["tp_plan"]`` — the user's {glob: style} for any model;
+1. ``plan.options.tp_plan`` — the user's {glob: style} for any model;
 2. plait's plan for the reference transformer;
 3. a Hugging Face model: plait's plan for GPT-2 (Conv1D, fused qkv) and BERT, and for the
    Llama/Mistral/Qwen2 family the ``base_model_tp_plan`` that transformers itself declares;
@@ -239,7 +239,7 @@ def resolve_plan(module: nn.Module, plan: Plan) -> TPPlan:
     """Which layer plan to use for ``module`` (see the module docstring for the order)."""
     from ..models.transformer import Transformer
 
-    user = plan.options.get("tp_plan") if plan.options else None
+    user = plan.options.tp_plan
     if user is not None:
         return user if isinstance(user, TPPlan) else TPPlan.from_option(user)
     if isinstance(module, Transformer):
@@ -344,7 +344,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
     if plan.sp and not tp_plan.supports_sp:
         raise ValueError(f"sp=True: the tensor-parallel plan for {type(module).__name__} "
                          f"({tp_plan.source}) has no sequence-parallel layout; use sp=False, or "
-                         f"pass options['tp_plan'] with 'region' and 'sequence_parallel' entries")
+                         f"pass options.tp_plan with 'region' and 'sequence_parallel' entries")
     # Pipeline stages keep a parameter-free PipelineSkip where another stage owns a module.
     matched = {name: style for name, style in match_plan(module, tp_plan.styles).items()
                if not getattr(module.get_submodule(name), "plait_pipeline_skip", False)}
@@ -412,8 +412,9 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
     """Turn every parameter still a plain tensor into a ``Replicate`` DTensor on ``mesh``.
 
     Why: foreach optimizers and ``clip_grad_norm_`` reject a mix of DTensor and plain tensors
-    (FIELD-NOTES). The owning modules get hooks that wrap their tensor inputs as replicated
-    DTensors and hand back local outputs, so code around them keeps seeing plain tensors. No
+    (``aten._foreach_lerp_.Scalar got mixed torch.Tensor and DTensor``). The owning modules get
+    hooks that wrap their tensor inputs as replicated DTensors and hand back local outputs, so
+    code around them keeps seeing plain tensors. No
     communication: every TP rank computes the same values and gradients for these modules.
     """
     done: dict[int, nn.Parameter] = {}

@@ -154,14 +154,14 @@ def infer_plan(model: nn.Module) -> TPPlan:
     if refused:
         raise ValueError(
             f"cannot infer a tensor-parallel plan for {type(model).__name__}: "
-            + "; ".join(refused) + ". Pass plan.options['tp_plan'] = {module glob: style} "
+            + "; ".join(refused) + ". Pass Plan(options={'tp_plan': {module glob: style}}) "
             "(styles: colwise, rowwise, region, vocab_embedding, vocab_head, sequence_parallel)")
     if not styles:
         raise ValueError(
             f"cannot infer a tensor-parallel plan for {type(model).__name__}: no module has the "
             f"shape of an MLP or attention block (two or more nn.Linear children, input -> "
             f"column-parallel linears -> one row-parallel linear -> output). Pass "
-            f"plan.options['tp_plan'] = {{module glob: style}}")
+            f"Plan(options={{'tp_plan': {{module glob: style}}}})")
     embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     for n, m in model.named_modules():
         if isinstance(m, nn.Linear) and n not in in_blocks and n not in styles:
@@ -176,5 +176,5 @@ def infer_plan(model: nn.Module) -> TPPlan:
 
 def format_plan(plan: TPPlan, model: nn.Module) -> str:
     return (f"plait: no tensor-parallel plan ships for {type(model).__name__}; this one was "
-            f"inferred from its structure. Check it, then save it as plan.options['tp_plan']:\n"
+            f"inferred from its structure. Check it, then save it as options.tp_plan:\n"
             + json.dumps(plan.to_dict(), indent=2))

@@ -2,7 +2,7 @@
 
 A plan maps module-name globs to a *style* name (``fnmatch`` globs, ``*`` matches one or more name
 parts, e.g. ``layers.*.attention.q_proj``). Styles are strings so plans serialise to YAML/JSON and
-can be printed, diffed and passed as ``plan.options["tp_plan"]``. What each style does
+can be printed, diffed and passed as ``plan.options.tp_plan``. What each style does
 (``plait.parallel.tensor`` turns them into DTensor ``ParallelStyle`` objects):
 
 ==================  ==========================================================================
@@ -70,20 +70,26 @@ class TPPlan:
 
     @staticmethod
     def from_option(value: Mapping[str, Any]) -> TPPlan:
-        """A user plan from ``plan.options["tp_plan"]``: {glob: style} or {"styles": ..., ...}."""
+        """A user plan from ``plan.options.tp_plan``: {glob: style} or {"styles": ..., ...}."""
         if not isinstance(value, Mapping):
-            raise ValueError(f"options['tp_plan'] must be a mapping of module-name glob to style, "
+            raise ValueError(f"options.tp_plan must be a mapping of module-name glob to style, "
                              f"got {type(value).__name__}")
         if "styles" in value:
-            styles = dict(value["styles"])
-            divide = {k: tuple(v) for k, v in dict(value.get("divide_attrs", {})).items()}
+            styles, divide_in = value["styles"], value.get("divide_attrs", {})
+            if not isinstance(styles, Mapping) or not isinstance(divide_in, Mapping) or not all(
+                    isinstance(v, (list, tuple)) for v in divide_in.values()):
+                raise ValueError(f"options.tp_plan={dict(value)!r}: 'styles' must map module "
+                                 f"globs to styles and 'divide_attrs' module globs to lists of "
+                                 f"attribute names")
+            styles = dict(styles)
+            divide = {k: tuple(v) for k, v in divide_in.items()}
         else:
             styles, divide = dict(value), {}
         bad = {k: v for k, v in styles.items() if v not in STYLES}
         if bad:
-            raise ValueError(f"unknown tensor-parallel style(s) {bad} in options['tp_plan']; "
+            raise ValueError(f"unknown tensor-parallel style(s) {bad} in options.tp_plan; "
                              f"styles are {', '.join(STYLES)}")
-        return TPPlan(styles=styles, divide_attrs=divide, source="options['tp_plan']",
+        return TPPlan(styles=styles, divide_attrs=divide, source="options.tp_plan",
                       supports_sp=any(v == "sequence_parallel" for v in styles.values()))
 
 
@@ -183,7 +189,7 @@ def _translate_hf(tp_plan: Mapping[str, str], where: str) -> dict[str, str]:
         if style not in HF_STYLE_NAMES:
             raise ValueError(f"transformers' {where} uses style {style!r} for {glob!r}, which "
                              f"plait does not translate (known: {', '.join(HF_STYLE_NAMES)}); "
-                             f"pass your own plan as options['tp_plan']")
+                             f"pass your own plan as options.tp_plan")
         out[glob] = HF_STYLE_NAMES[style]
     return out
 

@@ -5,7 +5,7 @@ reduce-scatter, and activation checkpointing recomputes whole modules; both want
 *repeated blocks*. For any ``nn.Module`` the default is the children of its largest container
 (``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict``, by parameter count) — the
 transformer's ``layers.*``, an MLP's ``blocks.*`` — and the user can override it with glob
-patterns over the module names (``plan.options["shard_patterns"]``).
+patterns over the module names (``plan.options.shard_patterns``).
 
 Names are matched in their canonical form (checkpoint/compile wrapper prefixes stripped), so a
 pattern written against the user's model keeps working after checkpointing wrapped the blocks.

@@ -178,7 +178,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     """Predict one plan. Infeasible plans come back with ``feasible=False`` and a reason.
 
     ``balance=True`` splits blocks over pipeline chunks by the DP partition (the heavy
-    first/last stages get fewer blocks); otherwise ``plan.options["pp_stage_layers"]`` or an
+    first/last stages get fewer blocks); otherwise ``plan.options.pp_stage_layers`` or an
     even split.
     """
     c = constants

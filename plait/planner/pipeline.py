@@ -109,11 +109,11 @@ def inflight(plan: Plan, rank: int, m: int) -> float:
 
 def stage_sizes(plan: Plan, model: ModelStats, times: MicroTimes, balance: bool
                 ) -> list[int] | str:
-    """Blocks per model chunk: ``plan.options["pp_stage_layers"]`` when given, the balanced
+    """Blocks per model chunk: ``plan.options.pp_stage_layers`` when given, the balanced
     split when ``balance`` (the heavy first/last chunks get fewer blocks), else even. A string
     is the reason the given split is invalid."""
     chunks, L = plan.pp * plan.virtual_stages, model.n_layers
-    given = plan.options.get("pp_stage_layers") if plan.options else None
+    given = plan.options.pp_stage_layers
     if given is not None:
         given = [int(x) for x in given]
         if len(given) != chunks or sum(given) != L or min(given) < 1:

@@ -17,7 +17,7 @@ Pruned, without losing a winner under the cost model:
     dominated ones (GPipe, looped BFS, interleaved ZB, TP without SP); ``--plan`` evaluates them.
 
 Pipeline stages are balanced by the DP partition in :func:`pipeline.balanced_partition`; the plan
-carries the blocks per stage as ``options["pp_stage_layers"]``, which the runtime's split honours.
+carries the blocks per stage as ``options.pp_stage_layers``, which the runtime's split honours.
 """
 
 from __future__ import annotations
@@ -173,7 +173,6 @@ def _with_stages(est: Estimate) -> Estimate:
     if chunks > 1 and est.stage_layers:
         # Always written, even when even: the runtime's default split balances parameter
         # counts (embedding and head included), which is not the split the planner priced.
-        options = dict(plan.options)
-        options["pp_stage_layers"] = list(est.stage_layers)
+        options = plan.options.replace(pp_stage_layers=tuple(est.stage_layers))
         est.plan = plan.replace(options=options)
     return est
