@@ -33,7 +33,9 @@ import torch
 
 def _cases(rank: int, world: int) -> dict[str, Callable[[], Any]]:
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
+    from plait._torch_compat import functional_collectives
+
+    funcol = functional_collectives()
 
     t = torch.ones(4)
     group = dist.group.WORLD
@@ -77,17 +79,19 @@ def _bare_kernels() -> Any:
     """A pass-through Python kernel on every op the ledger intercepts, registered the same way
     (BackendSelect, with keyset): the floor any Python-level interception pays, the
     dispatcher's call into Python, with none of the ledger's own work."""
+    from plait._torch_compat import keyset_after_backend_select
     from plait.comm.ledger import _c10d_table
-    after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+    after = keyset_after_backend_select()
     lib = torch.library.Library("c10d", "IMPL")
     for op in _c10d_table():
         def kernel(keyset: Any, *args: Any, _op: Any = op, **kwargs: Any) -> Any:
             return _op.redispatch(keyset & after, *args, **kwargs)
-        lib.impl(op._schema.name.split("::")[1], kernel, "BackendSelect", with_keyset=True)
+        lib.impl(op.name().split("::")[1], kernel, "BackendSelect", with_keyset=True)
     return lib
 
 
 def worker(rank: int, world: int, calls: int, rounds: int, time_every: int) -> list[dict]:
+    from plait._torch_compat import destroy_library
     from plait.comm.ledger import Ledger
 
     torch.set_num_threads(1)
@@ -104,7 +108,7 @@ def worker(rank: int, world: int, calls: int, rounds: int, time_every: int) -> l
                 elif side == "bare":
                     lib = _bare_kernels()
                     got["bare"].append(_timed(fn, calls))
-                    lib._destroy()
+                    destroy_library(lib)
                 else:
                     ledger.install()  # as a run does: kernels stay installed across steps
                     with ledger:

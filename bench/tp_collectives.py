@@ -19,7 +19,10 @@ def worker(rank: int, world_size: int, plan_string: str, preset: str, batch: int
     from collections import Counter
 
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from plait._torch_compat import torch_dispatch_mode
+
+    TorchDispatchMode = torch_dispatch_mode()
 
     class CountCollectives(TorchDispatchMode):
         def __init__(self):
@@ -27,13 +30,13 @@ def worker(rank: int, world_size: int, plan_string: str, preset: str, batch: int
             self.counts, self.bytes = Counter(), Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func._opname
+            name = func.name().split("::")[-1].split(".")[0]
             if (func.namespace == "_c10d_functional" and not name.startswith("wait")
                     and not name.startswith("_wrap")) or func.namespace == "c10d":
-                self.counts[func._opname] += 1
+                self.counts[name] += 1
                 t = args[0]
                 if isinstance(t, torch.Tensor):
-                    self.bytes[func._opname] += t.numel() * t.element_size()
+                    self.bytes[name] += t.numel() * t.element_size()
             return func(*args, **(kwargs or {}))
 
     import plait

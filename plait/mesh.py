@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ._torch_compat import flatten_mesh
 from .plan import MESH_AXES, Plan
 
 # Flattened views built on every mesh.
@@ -63,8 +64,8 @@ def build_mesh(plan: Plan, device_type: str, world_size: int) -> Mesh:
     shape = tuple(getattr(plan, axis) for axis in MESH_AXES)
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
     flat = {
-        DP: root["dp_replicate", "dp_shard"]._flatten(DP),
-        DP_SHARD_CP: root["dp_shard", "cp"]._flatten(DP_SHARD_CP),
+        DP: flatten_mesh(root["dp_replicate", "dp_shard"], DP),
+        DP_SHARD_CP: flatten_mesh(root["dp_shard", "cp"], DP_SHARD_CP),
     }
     if plan.tp > 1 and plan.dp_shard * plan.dp_replicate > 1:
         # Data parallelism over TP goes through FSDP2 (plait.parallel.fsdp), whose parameters'
@@ -72,5 +73,5 @@ def build_mesh(plan: Plan, device_type: str, world_size: int) -> Mesh:
         # replicated DP); DTensor reduces them in one all-reduce when the root mesh has this
         # flattened view, and in two sequential ones (one latency more per step, and a warning)
         # when it does not. Built only there: a flattened view creates process groups.
-        flat[DP_SHARD_TP] = root["dp_shard", "tp"]._flatten(DP_SHARD_TP)
+        flat[DP_SHARD_TP] = flatten_mesh(root["dp_shard", "tp"], DP_SHARD_TP)
     return Mesh(plan=plan, root=root, flat=flat)

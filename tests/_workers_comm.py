@@ -38,7 +38,9 @@ def futureless_times(rank: int, world: int, sizes: list[int], reps: int) -> dict
     import time
 
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
+    from plait._torch_compat import functional_collectives
+
+    funcol = functional_collectives()
 
     group = dist.group.WORLD
     nxt, prv = (rank + 1) % world, (rank - 1) % world

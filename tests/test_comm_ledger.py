@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plait._torch_compat import dispatch_has_kernel
 from plait.comm.cli import comm_worker
 from plait.comm.ledger import Ledger, axis_names_by_ranks
 from plait.comm.predict import by_axis_op, predict
@@ -175,8 +176,7 @@ def test_report_table_json_and_expected_shapes(tmp_path):
 
 def test_ledger_off_installs_nothing_and_records_nothing():
     def hooked() -> bool:
-        return torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_",
-                                                               "BackendSelect")
+        return dispatch_has_kernel("c10d::allreduce_", "BackendSelect")
     ledger = Ledger()
     assert not hooked()
     with ledger:

@@ -48,10 +48,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .._torch_compat import (
+    c10d_op,
+    destroy_library,
+    keyset_after_backend_select,
+    redispatch_boxed,
+    resolve_process_group,
+)
+from .volumes import OPS, wire_bytes
+
 if TYPE_CHECKING:
     from .report import CommReport
-
-from .volumes import OPS, wire_bytes
 
 # Collectives outside volumes.OPS that the ledger still records (a barrier moves no payload; a
 # rooted gather/scatter moves (n-1)/n of the full buffer through the root).
@@ -99,27 +106,27 @@ def op_wire_bytes(op: str, payload: float, n: int) -> float:
 # all_reduce -> allreduce_, all_to_all_single -> alltoall_base_, broadcast -> broadcast_), with
 # the same full buffers as arguments, so their payload is the same by construction.
 def _c10d_table() -> dict[Any, tuple[str, Any, int]]:
-    c = torch.ops.c10d
+    c = c10d_op
     return {
-        c.allreduce_.default: ("all_reduce", _first, 1),
-        c.allreduce_coalesced_.default: ("all_reduce", _first, 1),
-        c.allgather_.default: ("all_gather", _first, 2),
-        c._allgather_base_.default: ("all_gather", lambda a: a[0].nbytes, 2),
-        c.allgather_coalesced_.default: ("all_gather", _first, 2),
-        c.allgather_into_tensor_coalesced_.default: ("all_gather", _first, 2),
-        c.reduce_scatter_.default: ("reduce_scatter", _second, 2),
-        c._reduce_scatter_base_.default: ("reduce_scatter", lambda a: a[1].nbytes, 2),
-        c.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", _second, 2),
-        c.alltoall_base_.default: ("all_to_all", lambda a: a[1].nbytes, 2),
-        c.alltoall_.default: ("all_to_all", _second, 2),
-        c.broadcast_.default: ("broadcast", _first, 1),
-        c.reduce_.default: ("reduce", _first, 1),
-        c.gather_.default: ("gather", lambda a: _nbytes(a[0]) or _nbytes(a[1]), 2),
-        c.scatter_.default: ("scatter", lambda a: _nbytes(a[1]) or _nbytes(a[0]), 2),
-        c.send.default: ("send", _first, 1),
-        c.recv_.default: ("recv", _first, 1),
-        c.recv_any_source_.default: ("recv", _first, 1),
-        c.barrier.default: ("barrier", lambda a: 0, 1),
+        c("allreduce_"): ("all_reduce", _first, 1),
+        c("allreduce_coalesced_"): ("all_reduce", _first, 1),
+        c("allgather_"): ("all_gather", _first, 2),
+        c("_allgather_base_"): ("all_gather", lambda a: a[0].nbytes, 2),
+        c("allgather_coalesced_"): ("all_gather", _first, 2),
+        c("allgather_into_tensor_coalesced_"): ("all_gather", _first, 2),
+        c("reduce_scatter_"): ("reduce_scatter", _second, 2),
+        c("_reduce_scatter_base_"): ("reduce_scatter", lambda a: a[1].nbytes, 2),
+        c("reduce_scatter_tensor_coalesced_"): ("reduce_scatter", _second, 2),
+        c("alltoall_base_"): ("all_to_all", lambda a: a[1].nbytes, 2),
+        c("alltoall_"): ("all_to_all", _second, 2),
+        c("broadcast_"): ("broadcast", _first, 1),
+        c("reduce_"): ("reduce", _first, 1),
+        c("gather_"): ("gather", lambda a: _nbytes(a[0]) or _nbytes(a[1]), 2),
+        c("scatter_"): ("scatter", lambda a: _nbytes(a[1]) or _nbytes(a[0]), 2),
+        c("send"): ("send", _first, 1),
+        c("recv_"): ("recv", _first, 1),
+        c("recv_any_source_"): ("recv", _first, 1),
+        c("barrier"): ("barrier", lambda a: 0, 1),
     }
 
 
@@ -259,22 +266,22 @@ class _Interceptor:
     def _maybe_unregister(self) -> None:
         if not self.active and not self.retained:
             for lib in self.libs:
-                lib._destroy()
+                destroy_library(lib)
             self.libs.clear()
 
     def _register(self) -> None:
-        after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+        after = keyset_after_backend_select()
         lib = torch.library.Library("c10d", "IMPL")
         self.libs.append(lib)
         for op, spec in _c10d_table().items():
-            lib.impl(op._schema.name.split("::")[1], self._kernel(op, spec, after),
+            lib.impl(op.name().split("::")[1], self._kernel(op, spec, after),
                      "BackendSelect", with_keyset=True)
 
     def _kernel(self, op: Any, spec: tuple[str, Any, int], after: Any) -> Any:
         name, payload_fn, group_idx = spec
         recv = name == "recv"
         canonical = "send_recv" if name in ("send", "recv") else name
-        redispatch = op._handle.redispatch_boxed  # OpOverload.redispatch, one frame less
+        redispatch = redispatch_boxed(op)
         unbox = dist.ProcessGroup.unbox
         clock = time.perf_counter
 
@@ -523,8 +530,7 @@ class Ledger:
         hit = self._axis_cache.get(key)
         if hit is not None:
             return hit
-        from torch.distributed.distributed_c10d import _resolve_process_group
-        pg = _resolve_process_group(key) if isinstance(group, str) else group
+        pg = resolve_process_group(key) if isinstance(group, str) else group
         ranks = frozenset(dist.get_process_group_ranks(pg))
         if self._names is None:
             self._names = axis_names_by_ranks(self.mesh)

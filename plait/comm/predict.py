@@ -260,8 +260,7 @@ def local_model(model: Any, plan: Any) -> LocalModel:
     by the degree of every ``tp`` mesh dimension it is sharded on (FSDP's own sharding is what
     data parallelism undoes).
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
+    from .._torch_compat import checkpoint_wrapper_api
     from ..check import canonical_name
     from ..parallel.pipeline import PipelineSkip
 
@@ -289,7 +288,7 @@ def local_model(model: Any, plan: Any) -> LocalModel:
             if isinstance(block, PipelineSkip):
                 continue
             layers += 1
-            recomputed += isinstance(block, CheckpointWrapper)
+            recomputed += isinstance(block, checkpoint_wrapper_api()[2])
         embed |= not isinstance(getattr(inner, "tok_embeddings", None), (PipelineSkip, type(None)))
         head |= not isinstance(getattr(inner, "output", None), (PipelineSkip, type(None)))
     stages = tuple(s.index for s in specs) if specs else (0,)

@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    checkpoint_wrapper,
-)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from .._torch_compat import checkpoint_wrapper_api, sdpa_ops
 from ..plan import Plan
 from .units import repeated_blocks
 
+checkpoint_wrapper, CheckpointImpl, _ = checkpoint_wrapper_api()
 _aten = torch.ops.aten
 # Ops whose outputs op-level checkpointing keeps: the expensive ones (matmuls, attention).
 SAVE_OPS = {
@@ -41,10 +39,7 @@ SAVE_OPS = {
     _aten.addmm.default,
     _aten.bmm.default,
     _aten.baddbmm.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    *sdpa_ops(),
 }
 
 

@@ -45,12 +45,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ReduceOp
 
+from .._torch_compat import fsdp_comm_protocol, storage_use_count
 from ..comm.ledger import issued_as
 
-try:  # FSDP2's Comm protocol for custom collectives (recent torch only)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError:  # pragma: no cover - older torch: use_gloo_collectives installs nothing
-    AllGather = ReduceScatter = object  # type: ignore[misc, assignment]
+# FSDP2's Comm protocol for custom collectives; without it use_gloo_collectives installs nothing.
+AllGather, ReduceScatter = fsdp_comm_protocol() or (object, object)
 
 
 def _reduce_kind(op: Any) -> tuple[Any, Any]:
@@ -98,7 +97,7 @@ class BufferPool:
 
     A buffer is handed out again only when nothing references its storage any more: every
     tensor viewing it (FSDP2's views, an in-flight gloo work) holds a reference, counted by
-    ``torch._C._storage_Use_Count`` (private; without it the pool allocates every time). At
+    ``plait._torch_compat.storage_use_count`` (private; without it the pool allocates every time). At
     most ``per_size`` buffers are kept per (numel, dtype, device); beyond that, a call gets a
     plain new tensor. Buffers under ``min_bytes`` are not pooled (the allocator's free lists
     already reuse those).
@@ -107,11 +106,11 @@ class BufferPool:
     def __init__(self, per_size: int = 4, min_bytes: int = 1 << 20):
         self.per_size, self.min_bytes = per_size, min_bytes
         self.buffers: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
-        self.use_count = getattr(torch._C, "_storage_Use_Count", None)
+        self.use_count = storage_use_count()
 
     def _free(self, buf: torch.Tensor) -> bool:
         # The pool's own tensor plus the temporary storage object of this call: 2.
-        return self.use_count(buf.untyped_storage()._cdata) <= 2
+        return self.use_count(buf) <= 2
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:

@@ -49,6 +49,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .._torch_compat import is_view, pipeline_stage_base
 from ..mesh import Mesh
 from ..plan import Plan
 from .schedules import check_schedule_args, local_stages
@@ -344,7 +345,7 @@ def _adapt_hf_forward(clone: nn.Module, spec: StageSpec, returns_logits: bool) -
                 kwargs["inputs_embeds"] = hidden
         out = forward(clone, *args, **kwargs)
         if not spec.is_last and getattr(out, "logits", None) is not None \
-                and out.logits._is_view():
+                and is_view(out.logits):
             # Here ``.logits`` is the hidden states sliced by ``logits_to_keep`` (a view), and
             # torch's split backward (zero-bubble schedules) frees stage outputs with detach_(),
             # which views refuse: hand on an owned copy (one activation copy per microbatch).
@@ -355,6 +356,9 @@ def _adapt_hf_forward(clone: nn.Module, spec: StageSpec, returns_logits: bool) -
 
 
 # ----------------------------------------------------------------------------- runtime
+pipeline_stage_base()  # TimedStage overrides a private method: fail clearly if torch changed it
+
+
 class TimedStage(PipelineStage):
     """A PipelineStage that reports each forward/backward to a Timeline while one records."""
 

@@ -46,11 +46,13 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from .._torch_compat import strided_shard, tp_style_bases
 from ..mesh import Mesh
 from ..plan import Plan
 from .tp_plans import STYLES, TPPlan, hf_plan, reference_plan
+
+tp_style_bases()  # the styles below override private members: fail clearly if torch changed them
 
 LOSS_PARALLEL_ATTR = "plait_loss_parallel"
 
@@ -93,7 +95,7 @@ class _Colwise(ColwiseParallel):
             dim = 1 if conv and pname == "weight" else 0  # Conv1D weight is (in, out)
             # _StridedShard(dim, 3): split into q|k|v first, then each third over tp, so rank r
             # holds [q_r, k_r, v_r] and full_tensor() still returns the unpermuted weight.
-            placement = Shard(dim) if self.pack == 1 else _StridedShard(dim, split_factor=self.pack)
+            placement = Shard(dim) if self.pack == 1 else strided_shard(dim, self.pack)
             module.register_parameter(pname, nn.Parameter(
                 distribute_tensor(param, mesh, [placement], src_data_rank=self.src_data_rank),
                 requires_grad=param.requires_grad))
@@ -112,7 +114,7 @@ class _Colwise(ColwiseParallel):
 
 def _packed_output(pack: int, mod: nn.Module, outputs: DTensor, mesh: DeviceMesh) -> torch.Tensor:
     """Local [q_r, k_r, v_r] of a fused layer (a plain Shard(-1) would mix q with k)."""
-    want = (_StridedShard(outputs.ndim - 1, split_factor=pack),)
+    want = (strided_shard(outputs.ndim - 1, pack),)
     if outputs.placements != want:
         outputs = outputs.redistribute(placements=want)
     return outputs.to_local()

@@ -338,13 +338,12 @@ def _zero_bubble_timings(rounds: int) -> dict:
     private to ``torch.distributed.pipelining``)."""
     import torch
 
-    try:
-        from torch.distributed.pipelining._backward import (
-            stage_backward_input,
-            stage_backward_weight,
-        )
-    except ImportError:  # pragma: no cover - another torch
+    from plait._torch_compat import stage_backward_split
+
+    split = stage_backward_split()
+    if split is None:  # pragma: no cover - another torch
         return {}
+    stage_backward_input, stage_backward_weight = split
     from plait.models.transformer import Block, TransformerConfig
 
     p = PROBE

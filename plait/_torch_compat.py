@@ -1,0 +1,334 @@
+"""Every private PyTorch API plait uses, in one place.
+
+plait builds on torch's public pieces (DeviceMesh, DTensor, ``parallelize_module``, FSDP2
+``fully_shard``, ``torch.distributed.pipelining``). Where they fall short it reaches into names
+torch does not promise to keep: a leading underscore, a ``_private`` module, or a method of a
+public class that plait overrides. Each such name is reached through one function below, whose
+docstring says what it is, why plait needs it, and which torch versions it was checked on. When a
+torch release moves or drops one, the function raises :class:`TorchCompatError` naming the
+symbol, the installed torch and the versions plait was checked on, instead of an AttributeError
+deep inside a worker. ``tests/test_torch_compat.py`` resolves every name on the installed torch.
+
+Names that are optional (plait has a slower fallback) return None when missing.
+
+Not routed here: ``nn.Module._modules`` (the child registry, read and shallow-copied by the
+pipeline splitter); every torch release since 1.0 has it and torch's own code relies on it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import torch
+
+# The oldest torch plait allows (pyproject: torch>=2.6). Importing this module on an older one
+# raises TorchCompatError.
+TORCH_FLOOR = (2, 6)
+# torch releases the private names below were checked on (tests/test_torch_compat.py).
+CHECKED_ON = ("2.13",)
+
+
+class TorchCompatError(ImportError):
+    """A private torch name plait needs is missing or changed in the installed torch."""
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the installed torch, e.g. (2, 13) for ``2.13.0+cpu``."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def check_torch_version() -> None:
+    """Refuse a torch older than :data:`TORCH_FLOOR` with one line saying what to install."""
+    if torch_version() < TORCH_FLOOR:
+        floor = ".".join(map(str, TORCH_FLOOR))
+        raise TorchCompatError(f"plait needs torch>={floor}, found torch {torch.__version__}; "
+                               f"upgrade it: pip install 'torch>={floor}'")
+
+
+def _missing(symbol: str, detail: str = "") -> TorchCompatError:
+    return TorchCompatError(
+        f"plait needs the private torch API {symbol}, which torch {torch.__version__} "
+        f"{detail or 'does not have'} (plait was checked on torch {', '.join(CHECKED_ON)}); "
+        f"install one of those versions, or report this with your torch version")
+
+
+def _resolve(module: str, name: str, *, required: bool = True) -> Any:
+    """``module.name`` (name may be dotted), or TorchCompatError (None when not required)."""
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        return obj
+    except (ImportError, AttributeError):
+        if not required:
+            return None
+        raise _missing(f"{module}.{name}") from None
+
+
+def _require_members(cls: type, names: tuple[str, ...]) -> type:
+    missing = [n for n in names if not hasattr(cls, n)]
+    if missing:
+        raise _missing(f"{cls.__module__}.{cls.__qualname__}.{missing[0]}",
+                       "does not define (plait overrides or calls it)")
+    return cls
+
+
+check_torch_version()
+
+
+# ------------------------------------------------------------------------------- device mesh
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``DeviceMesh._flatten(name)``: one mesh dimension made of several adjacent ones.
+
+    Why: DP over ``dp_replicate x dp_shard`` and the clip-norm reduction over ``dp_shard x tp``
+    need a single group spanning two mesh axes, registered on the root mesh so that DTensor and
+    FSDP2 find it by name (torchtitan does the same). torch has no public form of it.
+    Checked on torch 2.13.
+    """
+    fn = getattr(mesh, "_flatten", None)
+    if fn is None:
+        raise _missing("torch.distributed.device_mesh.DeviceMesh._flatten")
+    return fn(name)
+
+
+# ----------------------------------------------------------------------------- DTensor / TP
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """``torch.distributed.tensor.placement_types._StridedShard(dim, split_factor=k)``.
+
+    A placement that splits ``dim`` into ``k`` equal parts first and shards each part over the
+    mesh. Why: a fused q|k|v (or gate|up) weight under TP must give rank r ``[q_r, k_r, v_r]``,
+    not a contiguous slice across q and k, and ``full_tensor()`` must still return the unpermuted
+    weight. Checked on torch 2.13 (keyword ``split_factor``).
+    """
+    return _resolve("torch.distributed.tensor.placement_types", "_StridedShard")(
+        dim, split_factor=split_factor)
+
+
+# The private members of torch's ParallelStyle classes that plait's styles override or call.
+_STYLE_MEMBERS = ("_apply", "_prepare_input_fn", "_prepare_output_fn")
+_STYLE_ATTRS = ("input_layouts", "output_layouts", "use_local_output", "src_data_rank")
+
+
+def tp_style_bases() -> tuple[type, type, type]:
+    """``ParallelStyle``, ``ColwiseParallel``, ``RowwiseParallel``, checked for the private
+    members plait's subclasses rely on.
+
+    Why: plait's column/row styles also split Hugging Face ``Conv1D`` layers and fused q|k|v
+    packs, which torch's styles do not; they override ``_apply`` (the method every
+    ``ParallelStyle`` implements) and reuse ``_prepare_input_fn`` / ``_prepare_output_fn`` and the
+    layout attributes set in ``__init__``. Checked on torch 2.13.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+    _require_members(ParallelStyle, ("_apply",))
+    for cls in (ColwiseParallel, RowwiseParallel):
+        _require_members(cls, _STYLE_MEMBERS)
+        style = cls()
+        wanted = _STYLE_ATTRS + (("desired_input_layouts",) if cls is ColwiseParallel else ())
+        missing = [a for a in wanted if not hasattr(style, a)]
+        if missing:
+            raise _missing(f"{cls.__module__}.{cls.__qualname__}().{missing[0]}",
+                           "does not set (plait's styles read it)")
+    return ParallelStyle, ColwiseParallel, RowwiseParallel
+
+
+# ----------------------------------------------------------------------------------- FSDP2
+def fsdp_comm_protocol() -> tuple[type, type] | None:
+    """``AllGather`` and ``ReduceScatter`` from ``torch.distributed.fsdp._fully_shard._fsdp_api``
+    (None when this torch has no such protocol).
+
+    The ``Comm`` protocol (``allocate`` + ``__call__``) that ``FSDPModule.set_custom_all_gather``
+    / ``set_custom_reduce_scatter`` accept. Why: on gloo plait replaces FSDP2's collectives with
+    all-to-alls over pooled buffers (plait/parallel/gloo_collectives.py), about 4x faster there;
+    without the protocol FSDP2 keeps its own. Checked on torch 2.13.
+    """
+    module = "torch.distributed.fsdp._fully_shard._fsdp_api"
+    all_gather = _resolve(module, "AllGather", required=False)
+    reduce_scatter = _resolve(module, "ReduceScatter", required=False)
+    if all_gather is None or reduce_scatter is None:
+        return None
+    return all_gather, reduce_scatter
+
+
+def storage_use_count() -> Callable[[torch.Tensor], int] | None:
+    """How many references a tensor's storage has: ``torch._C._storage_Use_Count`` of
+    ``untyped_storage()._cdata`` (None when this torch has no such function).
+
+    Why: plait's buffer pool for FSDP2's collectives (plait/parallel/gloo_collectives.py) hands
+    a buffer out again only when nothing else (FSDP2's views, an in-flight gloo work) still
+    holds its storage; without the count it allocates every time. Checked on torch 2.13.
+    """
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    return lambda t: count(t.untyped_storage()._cdata)
+
+
+# -------------------------------------------------------------------- activation checkpointing
+def checkpoint_wrapper_api() -> tuple[Callable[..., Any], Any, type]:
+    """``checkpoint_wrapper``, ``CheckpointImpl`` and ``CheckpointWrapper`` from
+    ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``.
+
+    Why: the wrapper torchtitan and FSDP2 use for per-block activation checkpointing; it composes
+    with ``fully_shard`` and keeps the wrapped module's state-dict names (minus one prefix).
+    ``torch.utils.checkpoint`` alone would need a forward rewrite per model. Checked on torch
+    2.13.
+    """
+    module = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+    return (_resolve(module, "checkpoint_wrapper"), _resolve(module, "CheckpointImpl"),
+            _resolve(module, "CheckpointWrapper"))
+
+
+def sdpa_ops() -> set[Any]:
+    """The ``aten._scaled_dot_product_*_attention`` overloads this torch registers.
+
+    Why: op-level checkpointing keeps the outputs of matmuls and attention and recomputes the
+    rest; attention reaches autograd as one of these private aten ops (which one depends on the
+    device and the kernel picked). Missing ones are skipped. Checked on torch 2.13.
+    """
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    ops = (getattr(torch.ops.aten, n, None) for n in names)
+    return {op.default for op in ops if op is not None}
+
+
+# -------------------------------------------------------------------------------- pipelining
+def pipeline_stage_base() -> type:
+    """``torch.distributed.pipelining.PipelineStage``, checked for ``_prepare_forward_infra``.
+
+    Why: plait's stage overrides that private method to run torch's shape inference under DDP's
+    ``no_sync`` (otherwise the DDP reducer is armed for a backward that never comes and the
+    second step fails in ``Reducer._rebuild_buckets``). Checked on torch 2.13.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    return _require_members(PipelineStage, ("_prepare_forward_infra",))
+
+
+def stage_backward_split() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """``stage_backward_input`` and ``stage_backward_weight`` from
+    ``torch.distributed.pipelining._backward`` (None when missing).
+
+    Why: the planner's calibration times a block's input-gradient and weight-gradient backward
+    separately, with the functions the zero-bubble schedules run. Checked on torch 2.13.
+    """
+    module = "torch.distributed.pipelining._backward"
+    first = _resolve(module, "stage_backward_input", required=False)
+    second = _resolve(module, "stage_backward_weight", required=False)
+    return None if first is None or second is None else (first, second)
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """``Tensor._is_view()``: whether ``t`` is a view of another tensor's storage.
+
+    Why: torch's split backward (zero-bubble schedules) frees stage outputs with ``detach_()``,
+    which views refuse; a Hugging Face stage output that is a view is copied first. Checked on
+    torch 2.13.
+    """
+    fn = getattr(t, "_is_view", None)
+    if fn is None:
+        raise _missing("torch.Tensor._is_view")
+    return bool(fn())
+
+
+# ------------------------------------------------------------------- dispatcher (the ledger)
+def c10d_op(name: str) -> Any:
+    """``torch.ops.c10d.<name>.default``: the dispatcher op behind a process-group collective.
+
+    Why: the communication ledger registers a ``BackendSelect`` kernel on these ops, so it sees
+    every collective (DDP, FSDP2, DTensor's functional collectives, pipelining's send/recv) with
+    its process group, whatever issued it. The op names are internal. Checked on torch 2.13.
+    """
+    op = getattr(getattr(torch.ops.c10d, name, None), "default", None)
+    if op is None:
+        raise _missing(f"torch.ops.c10d.{name}.default")
+    return op
+
+
+def keyset_after_backend_select() -> Any:
+    """``torch._C._dispatch_keyset_full_after(DispatchKey.BackendSelect)``.
+
+    Why: the ledger's kernel runs at ``BackendSelect`` and hands the call on to the next kernel;
+    this key set masks its own key out of the redispatch. Checked on torch 2.13.
+    """
+    after = getattr(torch._C, "_dispatch_keyset_full_after", None)
+    key = getattr(getattr(torch._C, "DispatchKey", None), "BackendSelect", None)
+    if after is None or key is None:
+        raise _missing("torch._C._dispatch_keyset_full_after(DispatchKey.BackendSelect)")
+    return after(key)
+
+
+def redispatch_boxed(op: Any) -> Callable[..., Any]:
+    """``OpOverload._handle.redispatch_boxed``: call ``op``'s next kernel below a key set.
+
+    Why: the ledger's kernel must forward each collective at the cost of one call (it wraps
+    every collective of every step); ``OpOverload.redispatch`` adds a Python frame.
+    Checked on torch 2.13.
+    """
+    fn = getattr(getattr(op, "_handle", None), "redispatch_boxed", None)
+    if fn is None:
+        raise _missing("torch._ops.OpOverload._handle.redispatch_boxed")
+    return fn
+
+
+def destroy_library(lib: Any) -> None:
+    """``torch.library.Library._destroy()``: unregister the kernels a Library registered.
+
+    Why: the ledger removes its kernels when no ledger is active, so a run without one pays
+    nothing; torch only does it when the Library object is garbage-collected. Checked on
+    torch 2.13.
+    """
+    fn = getattr(lib, "_destroy", None)
+    if fn is None:
+        raise _missing("torch.library.Library._destroy")
+    fn()
+
+
+def dispatch_has_kernel(op_name: str, key: str) -> bool:
+    """``torch._C._dispatch_has_kernel_for_dispatch_key``: whether ``op_name`` has a kernel
+    registered at dispatch key ``key`` (the tests check the ledger leaves none behind).
+    Checked on torch 2.13."""
+    fn = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
+    if fn is None:
+        raise _missing("torch._C._dispatch_has_kernel_for_dispatch_key")
+    return bool(fn(op_name, key))
+
+
+def resolve_process_group(name: str) -> Any:
+    """``torch.distributed.distributed_c10d._resolve_process_group(name)``: the group a
+    functional collective names by string.
+
+    Why: DTensor's functional collectives pass their group as a name; the ledger maps it back
+    to the group's ranks to say which mesh axis the bytes crossed. Checked on torch 2.13.
+    """
+    return _resolve("torch.distributed.distributed_c10d", "_resolve_process_group")(name)
+
+
+# ------------------------------------------------------------------- tests and benchmarks
+def functional_collectives() -> Any:
+    """The module ``torch.distributed._functional_collectives`` (the traceable collectives
+    DTensor issues); tests and benchmarks call it to check that the ledger sees them.
+    Checked on torch 2.13."""
+    try:
+        return importlib.import_module("torch.distributed._functional_collectives")
+    except ImportError:
+        raise _missing("torch.distributed._functional_collectives") from None
+
+
+def torch_dispatch_mode() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``, the base of a mode that sees every
+    aten op; bench/tp_collectives.py counts DTensor's collectives with one (torch's
+    ``CommDebugMode`` trips over modules with keyword forward pre-hooks). Checked on torch
+    2.13."""
+    return _resolve("torch.utils._python_dispatch", "TorchDispatchMode")
+
+
+# Every resolver that takes no argument, for tests/test_torch_compat.py. Each returns the private
+# name(s) or None for an optional one this torch lacks.
+RESOLVERS: tuple[Callable[[], Any], ...] = (
+    tp_style_bases, fsdp_comm_protocol, storage_use_count, checkpoint_wrapper_api, sdpa_ops,
+    pipeline_stage_base, stage_backward_split, keyset_after_backend_select,
+    functional_collectives, torch_dispatch_mode,
+)
