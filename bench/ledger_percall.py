@@ -33,6 +33,7 @@ import torch
 
 def _cases(rank: int, world: int) -> dict[str, Callable[[], Any]]:
     import torch.distributed as dist
+
     from plait._torch_compat import functional_collectives
 
     funcol = functional_collectives()

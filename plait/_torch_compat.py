@@ -18,7 +18,8 @@ pipeline splitter); every torch release since 1.0 has it and torch's own code re
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -38,6 +38,7 @@ def futureless_times(rank: int, world: int, sizes: list[int], reps: int) -> dict
     import time
 
     import torch.distributed as dist
+
     from plait._torch_compat import functional_collectives
 
     funcol = functional_collectives()

@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import bench
+
+if TYPE_CHECKING:
+    from ..plan import Plan
 
 
 # ------------------------------------------------------------------------- plait bench comm
@@ -66,7 +69,7 @@ def add_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
 
 
-def comm_worker(rank: int, world: int, plan_text: str, model_name: str, steps: int,
+def comm_worker(rank: int, world: int, plan: Plan | str, model_name: str, steps: int,
                 warmup: int, batch: int, seq: int, ledger: bool = True) -> dict:
     """One rank of ``plait comm``: plait's own runtime (``plait.init(plan, ledger=True)``,
     ``run.parallelize``, ``run.step``) trains the reference model on the bundled corpus for
@@ -79,7 +82,7 @@ def comm_worker(rank: int, world: int, plan_text: str, model_name: str, steps: i
     from ..models import transformer as tfm
 
     torch.set_num_threads(1)
-    run = runtime.init(plan_text, quiet=True, ledger=ledger)
+    run = runtime.init(plan, quiet=True, ledger=ledger)
     run.ledger_warmup = warmup
     try:
         cfg = tfm.preset(model_name, max_seq_len=max(seq, tfm.preset(model_name).max_seq_len))
@@ -113,7 +116,8 @@ def comm_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"plait comm: error: {e}", file=sys.stderr)
         return 2
-    results = run_distributed(comm_worker, plan.world_size, _plan_text(plan), args.model,
+    # The Plan itself, not its string form: that one leaves out plan.options.
+    results = run_distributed(comm_worker, plan.world_size, plan, args.model,
                               args.steps, args.warmup, args.batch, seq, timeout=args.timeout)
     data = results[0]
     if args.format == "json":

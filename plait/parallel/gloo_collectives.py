@@ -97,10 +97,10 @@ class BufferPool:
 
     A buffer is handed out again only when nothing references its storage any more: every
     tensor viewing it (FSDP2's views, an in-flight gloo work) holds a reference, counted by
-    ``plait._torch_compat.storage_use_count`` (private; without it the pool allocates every time). At
-    most ``per_size`` buffers are kept per (numel, dtype, device); beyond that, a call gets a
-    plain new tensor. Buffers under ``min_bytes`` are not pooled (the allocator's free lists
-    already reuse those).
+    ``plait._torch_compat.storage_use_count`` (private torch; without it the pool allocates
+    every time). At most ``per_size`` buffers are kept per (numel, dtype, device); beyond that,
+    a call gets a plain new tensor. Buffers under ``min_bytes`` are not pooled (the allocator's
+    free lists already reuse those).
     """
 
     def __init__(self, per_size: int = 4, min_bytes: int = 1 << 20):
