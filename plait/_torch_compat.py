@@ -11,8 +11,12 @@ deep inside a worker. ``tests/test_torch_compat.py`` resolves every name on the 
 
 Names that are optional (plait has a slower fallback) return None when missing.
 
-Not routed here: ``nn.Module._modules`` (the child registry, read and shallow-copied by the
-pipeline splitter); every torch release since 1.0 has it and torch's own code relies on it.
+Not routed here: ``nn.Module``'s own registries (``_modules``, ``_parameters``, ``_buffers``,
+``_non_persistent_buffers_set``), which the pipeline splitter and the checkpoint's stage merge
+read and shallow-copy; every torch release since 1.0 has them and torch's own code relies on
+them. Nor the names in the checkpoint metadata unpickler's allow-list
+(plait/checkpoint/safe.py): they are data compared against a pickle's globals, so a renamed one
+makes loading refuse the file with a clear error rather than fail obscurely.
 """
 
 from __future__ import annotations
@@ -195,6 +199,18 @@ def sdpa_ops() -> set[Any]:
     return {op.default for op in ops if op is not None}
 
 
+# ------------------------------------------------------------------------------ checkpoints
+def dcp_set_element() -> Callable[..., Any]:
+    """``torch.distributed.checkpoint._traverse.set_element(root, path, value)``: put a value
+    back at its place in a nested state dict, as DCP's flattening mapping names it.
+
+    Why: plait's safe load planner reads non-tensor values with ``weights_only=True`` and must
+    then store them where DCP's own ``DefaultLoadPlanner.load_bytes`` would. Checked on torch
+    2.13.
+    """
+    return _resolve("torch.distributed.checkpoint._traverse", "set_element")
+
+
 # -------------------------------------------------------------------------------- pipelining
 def pipeline_stage_base() -> type:
     """``torch.distributed.pipelining.PipelineStage``, checked for ``_prepare_forward_infra``.
@@ -330,6 +346,6 @@ def torch_dispatch_mode() -> type:
 # name(s) or None for an optional one this torch lacks.
 RESOLVERS: tuple[Callable[[], Any], ...] = (
     tp_style_bases, fsdp_comm_protocol, storage_use_count, checkpoint_wrapper_api, sdpa_ops,
-    pipeline_stage_base, stage_backward_split, keyset_after_backend_select,
+    dcp_set_element, pipeline_stage_base, stage_backward_split, keyset_after_backend_select,
     functional_collectives, torch_dispatch_mode,
 )

@@ -126,8 +126,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             raise CheckpointError(f"checkpoint value {read_item.dest_index.fqn!r} is not plain "
                                   f"data ({exc.__class__.__name__}); refusing to load it") from None
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
+            from .._torch_compat import dcp_set_element
 
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            path = self.mappings[read_item.dest_index.fqn]
+            dcp_set_element()(self.original_state_dict, path, obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
