@@ -113,9 +113,8 @@ def stage_sizes(plan: Plan, model: ModelStats, times: MicroTimes, balance: bool
     split when ``balance`` (the heavy first/last chunks get fewer blocks), else even. A string
     is the reason the given split is invalid."""
     chunks, L = plan.pp * plan.virtual_stages, model.n_layers
-    given = plan.options.pp_stage_layers
-    if given is not None:
-        given = [int(x) for x in given]
+    if plan.options.pp_stage_layers is not None:
+        given = list(plan.options.pp_stage_layers)
         if len(given) != chunks or sum(given) != L or min(given) < 1:
             return (f"options.pp_stage_layers={given} must list {chunks} positive block "
                     f"counts summing to {L}")
