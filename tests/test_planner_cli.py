@@ -98,3 +98,21 @@ def test_malformed_model_files(tmp_path, capsys):
                                "num_attention_heads": 4, "vocab_size": 10}))
     assert run_cli("--model", str(cfg), "--cluster", "cpu", "--global-batch", "8") == 2
     assert "hidden_size=-64" in capsys.readouterr().err
+
+
+def test_every_listed_prediction_states_its_uncertainty(capsys):
+    """Each plan carries the step time over its chip's efficiency range and the source of the
+    efficiency; a chip no published run was checked on says it is extrapolated."""
+    code = run_cli("--model", "llama-8b", "--cluster", "mi300x", "--nodes", "2",
+                   "--global-batch", "64", "--seq", "2048", "--top", "3", "--format", "json")
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert code == 0 and len(plans) == 3
+    for p in plans:
+        fast, slow = p["step_time_range_s"]
+        assert fast < p["step_time_s"] < slow
+        assert any("extrapolated" in n for n in p["notes"])
+    code = run_cli("--model", "llama-8b", "--cluster", "dgx-h100", "--nodes", "2",
+                   "--global-batch", "64", "--seq", "2048", "--top", "1", "--efficiency", "0.5",
+                   "--format", "json")
+    (p,) = json.loads(capsys.readouterr().out)["plans"]
+    assert p["step_time_range_s"] is None and any("given" in n for n in p["notes"])

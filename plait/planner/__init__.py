@@ -79,8 +79,14 @@ def plan_model(model: Any, cluster: Any = "cpu", *, world_size: int | None = Non
     dtype = dtype or ("fp32" if c.device == "cpu" else "bf16")
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype={dtype!r} must be 'fp32' or 'bf16'")
-    return search(stats, c, Workload(global_batch, seq), dtype=dtype, top=top,
-                  constants=constants or constants_for(c))
+    from .uncertainty import with_uncertainty
+
+    k = constants or constants_for(c)
+    work = Workload(global_batch, seq)
+    result = search(stats, c, work, dtype=dtype, top=top, constants=k)
+    for e in result.ranked[:top or None]:
+        with_uncertainty(e, stats, c, work, k)
+    return result
 
 
 def auto_plan(model: Any, world_size: int, cluster: Any = "cpu", *, global_batch: int,
@@ -106,5 +112,8 @@ def evaluate_plan(plan: Plan | str, model: Any, cluster: Any = "cpu", *,
     seq = seq or stats.max_seq
     if seq is None:
         raise ValueError("seq is required (the model does not say its sequence length)")
-    return evaluate(plan, stats, c, Workload(global_batch, seq),
-                    constants or constants_for(c), balance=balance)
+    from .uncertainty import with_uncertainty
+
+    k = constants or constants_for(c)
+    work = Workload(global_batch, seq)
+    return with_uncertainty(evaluate(plan, stats, c, work, k, balance=balance), stats, c, work, k)
