@@ -116,3 +116,20 @@ def test_every_listed_prediction_states_its_uncertainty(capsys):
                    "--format", "json")
     (p,) = json.loads(capsys.readouterr().out)["plans"]
     assert p["step_time_range_s"] is None and any("given" in n for n in p["notes"])
+
+
+@pytest.mark.parametrize("extra, field", [
+    ("{compute_efficiency: fast}", "extra.compute_efficiency='fast'"),
+    ("{compute_efficiency: 0.5, compute_efficiency_range: 0.4}", "compute_efficiency_range=0.4"),
+    ("{compute_efficiency: 0.5, compute_efficiency_range: [0.6, 0.7]}", "must bracket"),
+    ("{overlap: 'yes'}", "extra.overlap='yes'"),
+    ("{block_overhead_s: slow}", "extra.block_overhead_s='slow'"),
+])
+def test_malformed_cluster_extra_fails_in_one_line(tmp_path, capsys, extra, field):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("name: x\ndevices_per_node: 8\nmemory_gb: 80\npeak_tflops: {bf16: 312}\n"
+                   f"intra_node_gbps: 300\ninter_node_gbps: 25\nextra: {extra}\n")
+    assert run_cli("--model", "llama-8b", "--cluster", str(bad), "--devices", "8",
+                   "--global-batch", "8", "--seq", "2048") == 2
+    err = capsys.readouterr().err
+    assert field in err and len(err.strip().splitlines()) == 1

@@ -44,13 +44,17 @@ def constants_for(cluster: Cluster, base: Constants = DEFAULT_CONSTANTS) -> Cons
     changes = {}
     eff = extra.get("compute_efficiency")
     if eff is not None:
-        if not 0 < float(eff) <= 1:
+        if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < float(eff) <= 1:
             raise ValueError(f"cluster {cluster.name!r}: extra.compute_efficiency={eff!r} must be "
                              f"in (0, 1]")
         changes["compute_efficiency"] = float(eff)
     for key, kind in CALIBRATED_KEYS:
         if key in extra:
-            value = kind(extra[key])
+            raw = extra[key]
+            if not isinstance(raw, (int, float)) or (kind is float and isinstance(raw, bool)):
+                raise ValueError(f"cluster {cluster.name!r}: extra.{key}={raw!r} must be a "
+                                 f"{'number' if kind is float else 'boolean'}")
+            value = kind(raw)
             # per-call costs may be negative (overlapping calls); collective_time floors the
             # whole call at 0
             if kind is float and value < 0 and not key.endswith("_call_s"):

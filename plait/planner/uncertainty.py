@@ -23,6 +23,11 @@ def efficiency_range(cluster: Cluster, c: Constants) -> tuple[float, float] | No
     span = extra.get("compute_efficiency_range")
     if not span or float(extra.get("compute_efficiency", -1)) != c.compute_efficiency:
         return None
+    ok = isinstance(span, (list, tuple)) and len(span) == 2 and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in span)
+    if not ok:
+        raise ValueError(f"cluster {cluster.name!r}: extra.compute_efficiency_range={span!r} "
+                         f"must be two numbers [low, high], e.g. [0.33, 0.45]")
     lo, hi = (float(x) for x in span)
     if not 0 < lo <= c.compute_efficiency <= hi <= 1:
         raise ValueError(f"cluster {cluster.name!r}: extra.compute_efficiency_range={list(span)} "
