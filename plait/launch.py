@@ -115,7 +115,7 @@ def validate(cfg: LaunchConfig) -> None:
             raise ValueError(f"port {port} on {host} is already in use; pick another with "
                              f"--rdzv-endpoint {host}:PORT, or leave it out for a free one")
     plan_text = plan_from_argv(list(cfg.script_args))
-    if plan_text is not None:
+    if plan_text is not None and plan_text != "auto":  # auto is chosen with the model
         world = cfg.nproc * cfg.nnodes
         Plan.load(plan_text).validate(world)
 

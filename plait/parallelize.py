@@ -43,6 +43,14 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
                       device: torch.device) -> nn.Module:
     """Steps 2-4 (TP/SP, checkpointing, data parallel) on one module or pipeline stage."""
     module = module.to(device)
+    if plan.dp > 1:
+        # BatchNorm first: its replacement keeps the parameters that TP/FSDP then lay out.
+        from .parallel.batchnorm import apply_sync_bn, warn_unsynced
+
+        if plan.sync_bn:
+            module = apply_sync_bn(module, mesh["dp"].get_group(), device.type)
+        else:
+            warn_unsynced(module, plan.dp)
     if plan.tp > 1:
         from .parallel.tensor import apply_tensor_parallel
 

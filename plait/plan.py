@@ -186,9 +186,11 @@ class Plan:
     # Context parallelism: reserved, must be 1 for now (the axis exists so plans stay stable).
     cp: int = 1
     # Pipeline parallelism: stages, schedule, microbatches per step, stages per rank.
+    # microbatches=0 (the default) means one per pipeline rank (``pp``): the fewest that keep
+    # every stage busy in 1F1B's steady state; more shrink the bubble, fewer are refused.
     pp: int = 1
     pp_schedule: str = "1f1b"
-    microbatches: int = 1
+    microbatches: int = 0
     virtual_stages: int = 1
     # Activation checkpointing: none, full (every block), selective (every k-th block), op
     # (torch's selective-checkpoint policy: keep matmul outputs, recompute the cheap ops).
@@ -200,11 +202,16 @@ class Plan:
     grad_accum: int = 1
     # Clip the global gradient norm to this value; None or 0 disables clipping.
     grad_clip: float | None = 1.0
+    # BatchNorm statistics over the data axes (the global batch) instead of each rank's share.
+    sync_bn: bool = False
     # Strategy-specific settings (a user TP plan, pipeline cuts, FSDP units); a dict is accepted
     # and checked key by key.
     options: PlanOptions = field(default_factory=PlanOptions)
 
     def __post_init__(self) -> None:
+        if self.microbatches == 0:  # the default: resolved here, so every reader sees a count
+            pp = self.pp if isinstance(self.pp, int) and self.pp > 1 else 1
+            object.__setattr__(self, "microbatches", pp)
         if not isinstance(self.options, PlanOptions):
             object.__setattr__(self, "options", PlanOptions.from_dict(self.options))
         self.validate()
@@ -301,7 +308,7 @@ class Plan:
                 errors.append(f"{name}={value!r} must be a positive integer, e.g. {name}=2")
         if not isinstance(self.zero, int) or isinstance(self.zero, bool):
             errors.append(f"zero={self.zero!r} must be the integer 0, 1, 2 or 3")
-        for name in ("sp", "offload"):
+        for name in ("sp", "offload", "sync_bn"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 errors.append(f"{name}={value!r} must be true or false (a boolean, not "
@@ -352,6 +359,8 @@ class Plan:
             extras.append(self.mixed_precision)
         if self.grad_accum > 1:
             extras.append(f"accum={self.grad_accum}")
+        if self.sync_bn:
+            extras.append("sync-bn")
         return (axes or "single device") + (f" ({', '.join(extras)})" if extras else "")
 
     def replace(self, **changes: Any) -> Plan:
@@ -422,7 +431,7 @@ class Plan:
             if not item:
                 continue
             if "=" not in item:
-                if item not in ("sp", "offload"):
+                if item not in _BOOL_FIELDS:
                     raise ValueError(f"cannot parse plan item {item!r} in {text!r}: expected "
                                      f"key=value, e.g. 'dp=2,tp=2,pp=2'")
                 key, value = item, True
@@ -543,7 +552,7 @@ _BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True,
                "false": False, "0": False, "no": False, "off": False}
 _STRING_FIELDS = {"pp_schedule", "schedule", "activation_checkpointing", "ac", "mixed_precision",
                   "mp", "precision"}
-_BOOL_FIELDS = {"sp", "offload"}
+_BOOL_FIELDS = {"sp", "offload", "sync_bn"}
 _FLOAT_FIELDS = {"grad_clip", "clip"}
 _FIELD_NAMES = {f.name for f in dataclasses.fields(Plan)}
 

@@ -47,14 +47,14 @@ def summarize(plan: Plan, stats: Any, memory: list[dict[str, float]], *, world_s
     # Skip the first step (warm-up: allocation, autotuning) when there are enough steps.
     times = stats.step_times[1:] if steps > 3 else stats.step_times
     toks = stats.tokens[1:] if steps > 3 else stats.tokens
-    logged = [x for x in stats.losses if x == x]
+    final = float(stats.losses[-1]) if stats.losses else None
     return {
         "plan": plan.to_string(),
         "layout": plan.describe(),
         "world_size": world_size,
         "accelerator": accelerator,
         "steps": steps,
-        "final_loss": logged[-1] if logged else None,
+        "final_loss": final if final == final else None,
         "step_time_s": _median(times),
         "tokens_per_s": (sum(toks) / sum(times)) if times and sum(times) > 0 else None,
         "wall_s": wall_s,

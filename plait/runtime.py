@@ -33,7 +33,7 @@ from .data.loader import DistributedLoader
 from .mesh import Mesh, build_mesh
 from .parallelize import parallelize as _parallelize
 from .plan import Plan
-from .train import LossFn, train_step
+from .train import LossFn, apply_update, forward_backward, reduce_totals
 
 PlanSource = Plan | str | Path | Mapping[str, Any] | None
 
@@ -42,7 +42,7 @@ PlanSource = Plan | str | Path | Mapping[str, Any] | None
 class StepStats:
     """What the runtime measured per step, for progress and the summary."""
 
-    losses: list[float] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)  # 0-dim, read when printed
     step_times: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
 
@@ -52,7 +52,7 @@ class Run:
     """One training job as seen from one rank. Create it with ``plait.init()``."""
 
     plan: Plan
-    mesh: Mesh
+    mesh: Mesh | None  # None only while plan="auto" waits for the model (see plait.auto)
     accelerator: Accelerator
     device: torch.device
     rank: int
@@ -82,6 +82,7 @@ class Run:
     first_step: int = 0
     _last_step_args: tuple[Any, Any, Any] | None = None  # (model, optimizer, scheduler)
     _loader: DistributedLoader | None = None
+    auto: Any = None  # plait.auto.AutoRequest until run.parallelize chooses the plan
 
     # ------------------------------------------------------------------ identity
     @property
@@ -91,11 +92,17 @@ class Run:
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh.data_rank_and_size()[0]
+        return self._mesh().data_rank_and_size()[0]
 
     @property
     def dp_size(self) -> int:
-        return self.mesh.data_rank_and_size()[1]
+        return self._mesh().data_rank_and_size()[1]
+
+    def _mesh(self) -> Mesh:
+        if self.mesh is None:
+            raise ValueError("plan='auto' is chosen for the model: call run.parallelize(model) "
+                             "before run.loader() or run.step()")
+        return self.mesh
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on rank 0 only (and not at all when quiet)."""
@@ -104,9 +111,20 @@ class Run:
 
     # ------------------------------------------------------------------ the four calls
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Lay ``model`` out for the plan (pipeline split, TP/SP, checkpointing, FSDP/DDP)."""
+        """Lay ``model`` out for the plan (pipeline split, TP/SP, checkpointing, FSDP/DDP).
+
+        With ``plan="auto"`` the first call asks the planner for this model's layout, prints the
+        choice and why (rank 0), and builds the mesh for it (see ``plait.auto``)."""
+        if self.auto is not None:
+            from .auto import resolve
+
+            self.plan, why = resolve(model, self.auto)
+            for line in why:
+                self.print(line)
+            self.mesh = build_mesh(self.plan, self.device.type, self.world_size)
+            self.auto = None
         torch.manual_seed(self.seed)
-        out = _parallelize(model, self.mesh, self.plan, device=self.device)
+        out = _parallelize(model, self._mesh(), self.plan, device=self.device)
         self._models.append(out)
         return out
 
@@ -118,7 +136,7 @@ class Run:
         ``steps`` counts from step 0: a run resumed from a checkpoint starts at the step saved
         (``start_step`` overrides it).
         """
-        dp_rank, dp_size = self.mesh.data_rank_and_size()
+        dp_rank, dp_size = self._mesh().data_rank_and_size()
         loader = DistributedLoader(dataset, batch_size, dp_rank=dp_rank, dp_size=dp_size,
                                    seed=self.seed, steps=steps,
                                    start_step=self.first_step if start_step is None
@@ -137,14 +155,23 @@ class Run:
             self.total_steps = steps
         return loader
 
-    def step(self, model: nn.Module, batch: Any, loss_fn: LossFn,
-             optimizer: torch.optim.Optimizer, scheduler: Any = None) -> float:
+    def step(self, model: nn.Module, batch: Any, loss_fn: LossFn | None,
+             optimizer: torch.optim.Optimizer, scheduler: Any = None) -> torch.Tensor:
         """Forward, backward (a pipeline schedule when pp > 1), clip, optimizer step, and
         ``scheduler.step()`` when an LR scheduler is given (it is then checkpointed too).
 
-        Returns the step's mean loss over the global batch (on every rank). Reading it costs
-        one small all-reduce only on steps that are logged. With ``init(checkpoint=...)`` the
-        first call loads the checkpoint being resumed, and every ``every``-th step saves one.
+        ``batch`` is ``(inputs, targets)`` or a dict of model arguments (the Hugging Face
+        convention; ``loss_fn=None`` then uses the model's own ``output.loss``), see
+        ``plait.train.call_model``. ``loss_fn`` returns a scalar mean over the counted items or
+        a ``(sum, count)`` pair, see ``plait.loss``.
+
+        Returns the step's loss over the *global* batch, the same value on every rank and the
+        value one device computes: a 0-dim tensor on the device, lazy in the sense that nothing
+        waits for it until it is read (``float(loss)``, ``loss.item()``, ``f"{loss:.3f}"``).
+        It comes from the one 2-element all-reduce of (loss sum, item count) over the data
+        replicas that every step makes anyway, since the count scales the gradients. With
+        ``init(checkpoint=...)`` the first call loads the checkpoint being resumed, and every
+        ``every``-th step saves one.
         """
         batch = _to_device(batch, self.device)
         self._last_step_args = (model, optimizer, scheduler)
@@ -159,15 +186,18 @@ class Run:
 
             self._memory = MemoryTracker(model, optimizer, track_gathered=self.plan.zero >= 2)
         start = time.perf_counter()
-        pp_group = self.mesh["pp"].get_group() if self.plan.pp > 1 else None
+        pp_group = self._mesh()["pp"].get_group() if self.plan.pp > 1 else None
         step_index = len(self.stats.step_times)
         recording = self.ledger is not None and step_index >= self.ledger_warmup
         if self._batch_shape is None:
-            inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
-            self._batch_shape = tuple(getattr(inputs, "shape", ()))
+            self._batch_shape = tuple(getattr(_first_input(batch), "shape", ()))
         with self.ledger if recording else contextlib.nullcontext():
-            loss = train_step(model, batch, loss_fn, optimizer, plan=self.plan,
-                              device=self.device, pp_group=pp_group)
+            local = forward_backward(model, batch, loss_fn, plan=self.plan, device=self.device)
+            # Not in the ledger: the (sum, count) exchange is the runtime's, not the layout's.
+            with self.ledger.paused() if recording else contextlib.nullcontext():
+                totals = self._global_totals(local)
+            apply_update(optimizer, totals, plan=self.plan, pp_group=pp_group)
+        loss = (totals[0] / totals[1].clamp_min(1)).detach()
         if scheduler is not None:
             with warnings.catch_warnings():
                 # ZeRO-1 steps its sharded copy of the user's optimizer, so the scheduler sees
@@ -179,17 +209,15 @@ class Run:
         step = self.first_step + len(self.stats.step_times) + 1
         self.stats.step_times.append(elapsed)
         self.stats.tokens.append(_count_tokens(batch) * self.dp_size)
-        logged = step == 1 or step % self.log_every == 0 or step == self.total_steps
-        value = self._global_loss(loss) if logged else float("nan")
-        self.stats.losses.append(value)
-        if logged:
-            self.print(report.progress_line(step, self.total_steps, value, self.stats))
+        self.stats.losses.append(loss)
+        if step == 1 or step % self.log_every == 0 or step == self.total_steps:
+            self.print(report.progress_line(step, self.total_steps, float(loss), self.stats))
         if ckpt is not None:
             if ckpt.pending is not None and ckpt.pending.done():
                 ckpt.pending.wait()  # rank 0 publishes a finished background save
             if ckpt.due(step):
                 self.save()
-        return value
+        return loss
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -290,10 +318,21 @@ class Run:
 
         entry = self._sharded_optimizers.get(id(optimizer))
         if entry is None:
-            entry = (optimizer, shard_optimizer(optimizer, self.mesh, self.plan))
+            entry = (optimizer, shard_optimizer(optimizer, self._mesh(), self.plan))
             self._sharded_optimizers[id(optimizer)] = entry
         copy_hyperparameters(optimizer, entry[1])
         return entry[1]
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and floating-point buffers under the user's own names
+        (wrappers stripped), as full fp32 CPU tensors, on every rank, whatever the layout:
+        TP and FSDP shards are gathered and pipeline stages pooled. Collective: every rank
+        must call it. Every rank holds the whole model for a moment: this is for inspection,
+        export and comparison, not for checkpoints of large models."""
+        from .check import full_state
+
+        pp_group = self._mesh()["pp"].get_group() if self.plan.pp > 1 else None
+        return full_state(model, pp_group, buffers=True)
 
     def memory_report(self) -> dict[str, Any] | None:
         """Model-state bytes per rank beside the plan's closed form (collective; None before the
@@ -304,22 +343,19 @@ class Run:
 
         return memory_report(self._memory, self.plan, accelerator=self.accelerator)
 
-    def _global_loss(self, loss: torch.Tensor) -> float:
-        """Mean loss over data replicas; with pipelines, taken from the last stage."""
-        value = loss.detach().float().reshape(1).to(self.device)
+    def _global_totals(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[loss sum, count]`` summed over the data replicas; with pipelines,
+        taken from the last stage (see ``plait.train.reduce_totals``)."""
+        pp_group, last_pp = None, 0
         if self.plan.pp > 1:
             from .parallel.schedules import stage_to_rank
 
-            pp_mesh = self.mesh["pp"]
+            pp_group = self._mesh()["pp"].get_group()
             # The last stage's pp rank: pp - 1, except for V schedules (ZB-V) where it is 0.
             last_pp = stage_to_rank(self.plan.pp_schedule, self.plan.pp,
                                     self.plan.virtual_stages)[-1]
-            last = dist.get_global_rank(pp_mesh.get_group(), last_pp)
-            dist.broadcast(value, src=last, group=pp_mesh.get_group())
-        if self.dp_size > 1:
-            dist.all_reduce(value, group=self.mesh["dp"].get_group())
-            value /= self.dp_size
-        return float(value.item())
+        dp_group = self._mesh()["dp"].get_group() if self.dp_size > 1 else None
+        return reduce_totals(local, dp_group=dp_group, pp_group=pp_group, last_pp_rank=last_pp)
 
     # ------------------------------------------------------------------ end of run
     def summary(self) -> dict[str, Any]:
@@ -400,13 +436,19 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def _count_tokens(batch: Any) -> int:
-    """Tokens (or samples) in the inputs of a local batch, for throughput figures."""
+def _first_input(batch: Any) -> Any:
+    """The first input tensor of a batch ((inputs, targets) or a dict of model arguments)."""
     inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
     if isinstance(inputs, dict):
-        inputs = next(iter(inputs.values()))
+        inputs = next(iter(inputs.values()), None)
     if isinstance(inputs, (tuple, list)):
         inputs = inputs[0]
+    return inputs
+
+
+def _count_tokens(batch: Any) -> int:
+    """Tokens (or samples) in the inputs of a local batch, for throughput figures."""
+    inputs = _first_input(batch)
     return int(inputs.numel()) if isinstance(inputs, torch.Tensor) else 0
 
 
@@ -425,11 +467,15 @@ def plan_from_argv(argv: list[str] | None = None) -> str | None:
 def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int = 0,
          log_every: int = 10, quiet: bool = False, ledger: bool = False,
          checkpoint: str | Path | None = None, every: int | None = None, keep: int | None = 3,
-         async_save: bool = False) -> Run:
+         async_save: bool = False, cluster: Any = None, global_batch: int | None = None,
+         seq: int | None = None) -> Run:
     """Join (or create) the process group, pick the device, build the mesh for ``plan``.
 
     ``plan``: a Plan, a plan string (``"dp=2,tp=2"``), a dict, or a .yaml/.json path; when None,
-    the script's ``--plan`` argument, else plain data parallelism over every rank.
+    the script's ``--plan`` argument, else plain data parallelism over every rank. ``"auto"``:
+    the planner chooses when ``run.parallelize(model)`` shows it the model, for this world size
+    and accelerator (``cluster``: a calibrated profile instead of the accelerator's preset;
+    ``global_batch`` and ``seq``: the workload to plan for), see ``plait.auto``.
     Under torchrun (or ``plait run``) the rank and world size come from its variables; without
     them this is a one-process job. ``ledger=True`` records every collective of the training
     steps and prints, at ``finish()``, bytes per mesh axis and collective beside the closed form.
@@ -453,8 +499,15 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if plan is None:
         plan = plan_from_argv()
-    resolved = Plan.load(plan) if plan is not None else Plan(dp_replicate=world_size)
-    resolved.validate(world_size)  # before touching the network: a bad plan fails fast
+    auto = isinstance(plan, str) and plan.strip() == "auto"
+    if auto:
+        if ledger:
+            raise ValueError("ledger=True needs the plan up front, not plan='auto'; run "
+                             "`plait comm --plan P` with the plan auto chose")
+        resolved = Plan(dp_replicate=world_size)  # replaced by the planner's in parallelize
+    else:
+        resolved = Plan.load(plan) if plan is not None else Plan(dp_replicate=world_size)
+        resolved.validate(world_size)  # before touching the network: a bad plan fails fast
     device = acc.device(local_rank)
     acc.set_device(device)
     owns_group = False
@@ -469,10 +522,17 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     else:
         rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
-    mesh = build_mesh(resolved, device.type, world_size)
+    request = None
+    if auto:
+        from .auto import AutoRequest
+
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        request = AutoRequest(world_size=world_size, device_type=device.type, device_name=name,
+                              cluster=cluster, global_batch=global_batch, seq=seq)
+    mesh = None if auto else build_mesh(resolved, device.type, world_size)
     run = Run(plan=resolved, mesh=mesh, accelerator=acc, device=device, rank=rank,
               world_size=world_size, local_rank=local_rank, seed=seed, log_every=log_every,
-              quiet=quiet, owns_group=owns_group)
+              quiet=quiet, owns_group=owns_group, auto=request)
     if checkpointing is not None:
         run.checkpointing = checkpointing
         run.first_step = checkpointing.resume_step

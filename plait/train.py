@@ -4,7 +4,9 @@
 layout the model was parallelized with. Pipelined models carry their schedule (see
 ``plait.parallel.pipeline``) and take the pipeline branch; everything else runs gradient
 accumulation over ``plan.grad_accum`` micro-steps, with gradient synchronisation switched off on
-all but the last so that accumulation costs no extra communication.
+all but the last so that accumulation costs no extra communication. Losses are summed per
+micro-batch and divided by the global count of items once per step (``plait.loss``), so a mean
+over a variable number of tokens is the mean one device computes.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .loss import loss_sum_and_count, scale_gradients, shifts_labels
 from .plan import Plan
 
-LossFn = Callable[[Any, Any], torch.Tensor]
+# loss_fn(output, targets) -> a scalar mean over the counted items, or (sum, count); see
+# plait.loss. None: the model returns its own loss (Hugging Face's output.loss).
+LossFn = Callable[[Any, Any], Any]
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
 
@@ -76,8 +81,31 @@ def split_microbatches(batch: Any, n: int) -> list[Any]:
     raise TypeError(f"cannot split a batch of type {type(batch).__name__} into micro-batches")
 
 
-def _forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn) -> torch.Tensor:
-    """Convention: a batch is (inputs, targets); inputs may be a tuple/dict of model arguments."""
+def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[Any, Any]:
+    """Run the model on one (micro-)batch; return (what the loss reads, its targets).
+
+    Batch conventions:
+
+    * ``(inputs, targets)``: ``model(inputs)`` (``model(*inputs)`` for a tuple, ``model(**inputs)``
+      for a dict), then ``loss_fn(output, targets)``; targets may be a tensor, tuple or dict.
+    * a dict (the Hugging Face convention, ``{"input_ids": ..., "labels": ...}``): with
+      ``loss_fn=None`` the model gets every key and computes its own loss (``output.loss``);
+      with a ``loss_fn`` the ``labels`` entry is held back from the model and given to
+      ``loss_fn(output, labels)``, as the Hugging Face Trainer does.
+    """
+    if isinstance(batch, dict):
+        if loss_fn is None:
+            return model(**batch), batch.get("labels")
+        if "labels" not in batch:
+            raise ValueError(f"a dict batch with a loss_fn needs a 'labels' entry for it "
+                             f"(keys: {sorted(batch)}); or pass loss_fn=None when the model "
+                             f"computes its own loss from the batch")
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return model(**inputs), batch["labels"]
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ValueError(f"a batch is (inputs, targets) or a dict of model arguments; got "
+                         f"{type(batch).__name__}"
+                         + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else ""))
     inputs, targets = batch
     if isinstance(inputs, dict):
         out = model(**inputs)
@@ -85,10 +113,33 @@ def _forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn) -> torch.Tensor
         out = model(*inputs)
     else:
         out = model(inputs)
-    loss = loss_fn(out, targets)
-    if hasattr(loss, "full_tensor"):  # a DTensor loss (vocabulary-parallel head): replicated
-        loss = loss.full_tensor()
+    return out, targets
+
+
+def model_loss(out: Any, loss_fn: LossFn | None, targets: Any) -> Any:
+    """``loss_fn(out, targets)``, or the model's own loss (``out.loss``) when loss_fn is None."""
+    if loss_fn is not None:
+        return loss_fn(out, targets)
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if loss is None:
+        raise ValueError(f"loss_fn=None needs a model that returns its own loss (an output with "
+                         f".loss, as Hugging Face models do when the batch holds 'labels'); "
+                         f"{type(out).__name__} has none: pass a loss_fn")
     return loss
+
+
+def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss with autograd, item count) of one micro-batch (see ``plait.loss``)."""
+    out, targets = call_model(model, batch, loss_fn)
+    shift = loss_fn is None and shifts_labels(model)
+    return loss_sum_and_count(model_loss(out, loss_fn, targets), targets, shift=shift)
+
+
+def _forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    """The micro-batch's mean loss (sum / count), for callers that want one scalar."""
+    total, count = forward_loss(model, batch, loss_fn)
+    return total / count.clamp_min(1)
 
 
 def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
@@ -121,32 +172,70 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
     return norm
 
 
-def train_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
-               *, plan: Plan, device: torch.device,
-               pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """One optimizer step on this rank's ``batch``; returns the mean loss (detached).
+def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, plan: Plan,
+                     device: torch.device) -> torch.Tensor:
+    """Forward and backward of this rank's ``batch``; returns ``[loss sum, item count]``.
 
-    For pipelined models the returned loss is only meaningful on the last stage; other stages
-    return NaN (the runtime broadcasts it for reporting).
+    Backward runs on each micro-batch's loss *sum*: the gradients become those of the global
+    mean only once :func:`apply_update` scales them by ``dp / global count``. For pipelined
+    models the pair is only meaningful on the last stage (NaN elsewhere).
     """
     pipeline = getattr(model, "plait_pipeline", None)
     if pipeline is not None:
-        loss = pipeline.step(batch, loss_fn, plan=plan, device=device)
-    else:
-        micro = split_microbatches(batch, plan.grad_accum)
-        total = torch.zeros((), device=device)
-        for i, part in enumerate(micro):
-            # backward inside grad_sync too: FSDP2 reads the flag in backward (a backward
-            # outside it reduce-scattered every micro-step); DDP reads it in forward.
-            with loss_context(model), grad_sync(model, enabled=i == len(micro) - 1):
-                with autocast(plan, device):
-                    loss = _forward_loss(model, part, loss_fn) / len(micro)
-                loss.backward()
-            total += loss.detach().float()
-        loss = total
+        # The schedule returns the mean over this rank's micro-batches, its gradients already
+        # those of that mean: one item per data rank weighs the replicas equally.
+        mean = pipeline.step(batch, loss_fn, plan=plan, device=device)
+        return torch.stack([mean.float(), torch.ones((), device=device)])
+    micro = split_microbatches(batch, plan.grad_accum)
+    totals = torch.zeros(2, device=device)
+    for i, part in enumerate(micro):
+        # backward inside grad_sync too: FSDP2 reads the flag in backward (a backward
+        # outside it reduce-scattered every micro-step); DDP reads it in forward.
+        with loss_context(model), grad_sync(model, enabled=i == len(micro) - 1):
+            with autocast(plan, device):
+                total, count = forward_loss(model, part, loss_fn)
+            total.backward()
+        totals += torch.stack([total.detach().float(), count.float().to(device)])
+    return totals
+
+
+def reduce_totals(totals: torch.Tensor, *, dp_group: dist.ProcessGroup | None,
+                  pp_group: dist.ProcessGroup | None, last_pp_rank: int = 0) -> torch.Tensor:
+    """``[loss sum, count]`` of the whole global batch, on every rank: one all-reduce over the
+    data replicas, and with pipelines a broadcast from the last stage (which alone has it)."""
+    totals = totals.detach().float().clone()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.broadcast(totals, src=dist.get_global_rank(pp_group, last_pp_rank), group=pp_group)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(totals, group=dp_group)
+    return totals
+
+
+def apply_update(optimizer: torch.optim.Optimizer, totals: torch.Tensor, *, plan: Plan,
+                 pp_group: dist.ProcessGroup | None = None) -> None:
+    """Scale the gradients to the global mean (``dp / count``), clip, step, zero the gradients.
+
+    ``totals`` is the global ``[loss sum, count]`` from :func:`reduce_totals`. Data parallelism
+    averaged the gradients of the ``dp`` replicas' sums; ``dp / count`` turns that average into
+    the gradient of (sum of every sum) / (sum of every count). A batch with nothing to count
+    (every label ignored) leaves the gradients zero instead of NaN.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    scale_gradients(params, plan.dp / totals[1].clamp_min(1))
     if plan.grad_clip:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
         clip_grad_norm(params, plan.grad_clip, pp_group)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss
+
+
+def train_step(model: nn.Module, batch: Any, loss_fn: LossFn | None,
+               optimizer: torch.optim.Optimizer, *, plan: Plan, device: torch.device,
+               dp_group: dist.ProcessGroup | None = None,
+               pp_group: dist.ProcessGroup | None = None, last_pp_rank: int = 0
+               ) -> torch.Tensor:
+    """One optimizer step on this rank's ``batch``: :func:`forward_backward`,
+    :func:`reduce_totals`, :func:`apply_update`. Returns the global mean loss (0-dim tensor)."""
+    local = forward_backward(model, batch, loss_fn, plan=plan, device=device)
+    totals = reduce_totals(local, dp_group=dp_group, pp_group=pp_group, last_pp_rank=last_pp_rank)
+    apply_update(optimizer, totals, plan=plan, pp_group=pp_group)
+    return totals[0] / totals[1].clamp_min(1)

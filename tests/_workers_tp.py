@@ -240,7 +240,8 @@ def foreach_adamw_worker(rank: int, world_size: int, plan_string: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (4, 17), generator=gen)
-    losses = [run.step(model, (tokens[:, :-1], tokens[:, 1:]), lm_loss, opt) for _ in range(2)]
+    losses = [float(run.step(model, (tokens[:, :-1], tokens[:, 1:]), lm_loss, opt))
+              for _ in range(2)]
     all_dtensor = all(isinstance(p, DTensor) for p in model.parameters())
     run.close()
     return {"kinds": sorted(kinds), "all_dtensor": all_dtensor, "losses": losses}

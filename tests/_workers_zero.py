@@ -99,7 +99,7 @@ def replicate_run(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) -> d
     model = apply_replicate(model.to(run.device), run.mesh, plan)
     opt = _make_optimizer(cfg, model.parameters())
     dp_rank, dp_size = run.mesh.data_rank_and_size()
-    losses = [run.step(model, _slice(b, dp_rank, dp_size), loss_fn, opt)
+    losses = [float(run.step(model, _slice(b, dp_rank, dp_size), loss_fn, opt))
               for b in _global_batches(cfg, vocab=256)]
     state = full_state(model)
     run.close()

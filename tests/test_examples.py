@@ -50,3 +50,25 @@ def test_checkpoint_resume_example(tmp_path):
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
     assert "resuming from" in second.stdout and "step 4" in second.stdout
     assert "FINAL step 8" in second.stdout
+
+
+def test_your_own_model_checked_then_trained():
+    """The README's first step on a new model: `plait check --model pkg.module:factory`."""
+    import json
+
+    out = _run([sys.executable, "-m", "plait.cli", "check", "--plan", "dp=2,sync_bn", "--model",
+                "examples.your_own_model:factory", "--steps", "2", "--format", "json"])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["ok"] and result["limits"] == {"loss": 1e-5, "param": 1e-3}
+    out = plait_run(2, "your_own_model.py", "--plan", "dp=2,sync_bn", "--steps", "3")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "final loss" in out.stdout and "blocks.0.norm.weight" not in out.stderr
+
+
+def test_check_model_spec_that_does_not_import():
+    out = _run([sys.executable, "-m", "plait.cli", "check", "--plan", "dp=2", "--model",
+                "no_such_module:factory"], timeout=60)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot import 'no_such_module'" in lines[0], out.stderr

@@ -207,3 +207,19 @@ def test_falsy_words_never_switch_a_feature_on(tmp_path):
     assert Plan.load("tp=2,sp=no").sp is False and Plan.load("tp=2,sp=off").sp is False
     assert Plan.load("tp=2,sp").sp is True
     assert Plan.load("fsdp=2,zero=3") == Plan(dp_shard=2, zero=3)  # consistent: accepted
+
+
+def test_pipeline_microbatches_default_to_one_per_stage():
+    """1F1B needs a microbatch per stage: a plan without mb gets pp of them, not a refusal."""
+    assert Plan.from_string("pp=2").microbatches == 2
+    assert Plan.from_string("pp=4,schedule=interleaved_1f1b,v=2").microbatches == 4
+    assert Plan.from_string("pp=2,mb=8").microbatches == 8
+    assert Plan().microbatches == 1
+    with pytest.raises(ValueError, match="microbatches=2 < pp=4"):
+        Plan.from_string("pp=4,mb=2")
+
+
+def test_sync_bn_is_a_plan_flag():
+    plan = Plan.from_string("dp=2,sync_bn")
+    assert plan.sync_bn and Plan.from_string(plan.to_string()) == plan
+    assert "sync-bn" in plan.describe()

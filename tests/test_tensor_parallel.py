@@ -210,7 +210,7 @@ def test_sp_refused_for_plans_without_it():
     from plait.parallel.tensor import apply_tensor_parallel
 
     with pytest.raises(ValueError, match="no sequence-parallel layout"):
-        apply_tensor_parallel(gpt2_factory(), _FakeMesh(), Plan(tp=2, sp=True))
+        apply_tensor_parallel(custom_factory(), _FakeMesh(), Plan(tp=2, sp=True))
 
 
 class _FakeMesh:

@@ -36,11 +36,12 @@ compute, so per-op bandwidth is an achieved figure, not a link measurement.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -498,6 +499,19 @@ class Ledger:
     @property
     def active(self) -> bool:
         return self._active
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside a ``with ledger:`` block, leave out the collectives issued in this one (the
+        runtime's own bookkeeping, such as the step's loss and item count)."""
+        if not self._active:
+            yield
+            return
+        _INTERCEPTOR.pop(self)
+        try:
+            yield
+        finally:
+            _INTERCEPTOR.push(self)
 
     def install(self) -> None:
         """Keep the collective kernels installed until ``uninstall()``, so that entering and

@@ -176,10 +176,16 @@ class _Region(ParallelStyle):
         return module
 
 
-def make_style(style: str, module: nn.Module, name: str, *, sp: bool) -> ParallelStyle | None:
-    """The torch ParallelStyle for a plan entry (None: nothing to do for this entry)."""
+def make_style(style: str, module: nn.Module, name: str, *, sp: bool,
+               sharded_edges: bool = True) -> ParallelStyle | None:
+    """The torch ParallelStyle for a plan entry (None: nothing to do for this entry).
+
+    ``sharded_edges=False`` (SP inside a block stack only): the vocabulary embedding's output
+    and the head's input stay whole sequences; :func:`shard_sequence_in_blocks` splits and
+    gathers at the stack's ends instead."""
     seq = Shard(1)
     between = seq if sp else Replicate()  # layout of activations between TP regions
+    edge = between if sharded_edges else Replicate()
     kind = type(module).__name__
     if style in ("colwise", "colwise_qkv", "rowwise") and not (
             _is_linear(module) or (style != "colwise_qkv" and isinstance(module, nn.Embedding))):
@@ -196,10 +202,10 @@ def make_style(style: str, module: nn.Module, name: str, *, sp: bool) -> Paralle
     if style == "rowwise":
         return _Rowwise(output_layouts=between)
     if style == "vocab_embedding":
-        return _Rowwise(input_layouts=Replicate(), output_layouts=between)
+        return _Rowwise(input_layouts=Replicate(), output_layouts=edge)
     if style == "vocab_head":
         # Logits stay a DTensor sharded on the vocabulary: the loss runs under loss_parallel().
-        return _Colwise(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
+        return _Colwise(input_layouts=edge, output_layouts=Shard(-1), use_local_output=False)
     if style == "region":
         return _Region(between)
     if style == "sequence_parallel":
@@ -253,9 +259,10 @@ def resolve_plan(module: nn.Module, plan: Plan) -> TPPlan:
             return hf_plan(model).with_prefix(prefix)
         except LookupError:
             pass  # an HF architecture without a plan: infer one
-    from .tp_infer import format_plan, infer_plan
+    from .tp_infer import format_plan, infer_plan, verify_plan
 
     inferred = infer_plan(module)
+    verify_plan(module, inferred, plan.tp)
     _print0(format_plan(inferred, module))
     return inferred
 
@@ -353,11 +360,14 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
     for note in validate(module, tp_plan, matched, tp):
         _print0(note)
     ties = _tied_groups(module)
+    sharded_edges = not tp_plan.sp_blocks
     for name, style in matched.items():
         sub = module.get_submodule(name)
-        parallel_style = make_style(style, sub, name, sp=plan.sp)
+        parallel_style = make_style(style, sub, name, sp=plan.sp, sharded_edges=sharded_edges)
         if parallel_style is not None:
             parallelize_module(sub, tp_mesh, parallel_style)
+    if plan.sp and tp_plan.sp_blocks:
+        shard_sequence_in_blocks(module, tp_plan.sp_blocks, tp_mesh)
     _divide_attrs(module, tp_plan.divide_attrs, tp)
     _retie(ties)
     replicate_rest(module, tp_mesh)
@@ -365,6 +375,45 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
     if "vocab_head" in matched.values():
         setattr(module, LOSS_PARALLEL_ATTR, True)
     return module
+
+
+def shard_sequence_in_blocks(module: nn.Module, blocks_glob: str, mesh: DeviceMesh) -> None:
+    """SP inside a stack of blocks: the first block's input is cut to this rank's sequence
+    shard (no communication; backward all-gathers the gradient) and the last block's output is
+    all-gathered (backward keeps this rank's shard of the gradient). Hugging Face models
+    compute positions, masks and rotary tables from the sequence length around the stack, so
+    the sequence must be whole there. A pipeline stage without blocks has nothing to do."""
+    regex = _glob_regex(blocks_glob)
+    names = [n for n, _ in module.named_modules() if n and regex.match(n)]
+    if not names:
+        return
+    first, last = module.get_submodule(names[0]), module.get_submodule(names[-1])
+    tp = mesh.size()
+
+    def to_shard(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[1] % tp:
+            raise ValueError(f"sequence parallelism splits the sequence over tp={tp}, but the "
+                             f"sequence has {t.shape[1]} positions; use a multiple of {tp} or "
+                             f"sp=False")
+        return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(
+            placements=[Shard(1)]).to_local()
+
+    def to_whole(t: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(t, mesh, [Shard(1)], run_check=False).redistribute(
+            placements=[Replicate()]).to_local()
+
+    def split_input(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (to_shard(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": to_shard(kwargs["hidden_states"])}
+
+    def gather_output(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return to_whole(out)
+        return (to_whole(out[0]), *out[1:])
+
+    first.register_forward_pre_hook(split_input, with_kwargs=True)
+    last.register_forward_hook(gather_output, with_kwargs=True)
 
 
 def _divide_attrs(module: nn.Module, divide: dict[str, tuple[str, ...]], tp: int) -> None:

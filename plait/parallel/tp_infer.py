@@ -24,9 +24,12 @@ traced or does not have that shape: a wrong guess would train a different model 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import operator
 import re
+from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
@@ -64,8 +67,23 @@ def _reaches(start: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def analyse_block(block: nn.Module, name: str) -> dict[str, str] | str:
-    """{child name: style} if ``block`` is a TP region, else the reason it is not."""
+def _chain(order: list[fx.Node], nodes: set[fx.Node], source: fx.Node, output: fx.Node
+           ) -> bool:
+    """True when the linears, in graph order, form one chain: each reads (through element-wise
+    ops) only the previous one's output, and only the last one reaches the block output."""
+    for prev, nxt in zip(order, order[1:], strict=False):
+        reach = _reaches(prev, nodes)
+        if nxt not in reach or output in reach:
+            return False
+        if nxt in _reaches(source, {prev}):  # a skip from the input past ``prev``
+            return False
+    return output in _reaches(order[-1], nodes)
+
+
+def analyse_block(block: nn.Module, name: str) -> dict[str, str] | str | None:
+    """{child name: style} if ``block`` is a TP region (or a chain of them), the reason it is
+    not, or None when it is a container: linears of its sub-blocks sit between its own (an
+    input layer and a head around blocks), so its sub-blocks are the regions, not itself."""
     linears = {n for n, m in block.named_children() if isinstance(m, nn.Linear)}
     try:
         graph = fx.symbolic_trace(block).graph
@@ -80,12 +98,30 @@ def analyse_block(block: nn.Module, name: str) -> dict[str, str] | str:
         return f"linear(s) {sorted(unused)} are not used in forward"
     nodes = set(calls)
     output = next(n for n in graph.nodes if n.op == "output")
-    # Graph order, not set order: every rank must apply the styles in the same order.
-    entries = [n for n in graph.nodes if n in nodes and n.args and n.args[0] in inputs]
-    if not entries or len({n.args[0] for n in entries}) != 1:
-        return "its linears do not read one shared block input"
+    # Linears of sub-modules (fx traces through Sequential, ModuleList/Dict and custom modules).
+    nested = {n for n in graph.nodes if n.op == "call_module" and n not in nodes
+              and isinstance(block.get_submodule(n.target), nn.Linear)}
+    if nested and any(nested & _reaches(n, nodes) for n in nodes):
+        return None
+    # Entries: the linears no other linear feeds. They read one shared value: the block input,
+    # or something computed from it without a linear (a pre-norm block's norm(x)).
+    entries = [n for n in graph.nodes if n in nodes
+               and not any(n in _reaches(m, nodes) for m in nodes if m is not n)]
+    if not entries or len({n.args[0] if n.args else None for n in entries}) != 1:
+        return "its first linears do not read one shared value"
     source = entries[0].args[0]
+    if not isinstance(source, fx.Node) or any(m in nodes for m in _ancestors(source)):
+        return "its first linears do not read one shared value"
+    order = [n for n in graph.nodes if n in nodes]
     exits = [n for n in graph.nodes if n in nodes and output in _reaches(n, nodes)]
+    if len(entries) == 1 and len(order) > 2 and _chain(order, nodes, source, output):
+        # Linear -> act -> Linear -> act -> ...: consecutive pairs are regions (column- then
+        # row-parallel, full activations between pairs); an odd last linear stays replicated.
+        styles = {}
+        for i in range(0, len(order) - 1, 2):
+            styles[calls[order[i]]], styles[calls[order[i + 1]]] = "colwise", "rowwise"
+        styles["__kind__"] = "mlp"
+        return styles
     if len(exits) != 1 or exits[0] in entries:
         return (f"{len(exits)} linears produce the block output directly"
                 if len(exits) != 1 else "the output linear reads the block input directly")
@@ -100,13 +136,25 @@ def analyse_block(block: nn.Module, name: str) -> dict[str, str] | str:
         return "the block input reaches the output linear without passing an entry linear"
     styles = {calls[n]: "colwise" for n in entries}
     styles[calls[exit_node]] = "rowwise"
-    if len(entries) > 1:
+    if len(entries) > 1 and source in inputs:
+        # One replicated input for q/k/v (gate/up): one backward all-reduce. Only when they read
+        # the block input itself; after a pre-norm each colwise layer reduces its own.
         styles[""] = "region"
     attention = any((n.op == "call_function" and n.target in _ATTENTION_FUNCS)
                     or (n.op == "call_method" and n.target in _ATTENTION_METHODS)
                     for n in graph.nodes)
     styles["__kind__"] = "attention" if attention else "mlp"
     return styles
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, todo = set(), [node]
+    while todo:
+        for arg in todo.pop().all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                todo.append(arg)
+    return seen
 
 
 def _globs(entries: dict[str, str]) -> dict[str, str]:
@@ -134,6 +182,8 @@ def infer_plan(model: nn.Module) -> TPPlan:
             continue
         result = analyse_block(block, name)
         label = name or type(model).__name__
+        if result is None:
+            continue
         if isinstance(result, str):
             refused.append(f"{label} ({type(block).__name__}): {result}")
             continue
@@ -178,3 +228,96 @@ def format_plan(plan: TPPlan, model: nn.Module) -> str:
     return (f"plait: no tensor-parallel plan ships for {type(model).__name__}; this one was "
             f"inferred from its structure. Check it, then save it as options.tp_plan:\n"
             + json.dumps(plan.to_dict(), indent=2))
+
+
+def example_input(model: nn.Module) -> torch.Tensor | None:
+    """A small input for a shape check, guessed from the first module holding parameters: token
+    ids for an Embedding, features for a Linear; None when it cannot tell (a conv stem)."""
+    first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))),
+                 None)
+    if isinstance(first, nn.Embedding):
+        return torch.randint(0, first.num_embeddings, (2, 4))
+    if isinstance(first, nn.Linear):
+        return torch.randn(2, first.in_features)
+    return None
+
+
+def _sharded_forward(module: nn.Module, style: str, tp: int):
+    """What the module computes on one rank under ``style`` (plain tensors, no collectives):
+    colwise keeps 1/tp of the output features, rowwise reads 1/tp of the input features."""
+    w: torch.Tensor = module.weight  # type: ignore[assignment]
+    b: torch.Tensor | None = module.bias  # type: ignore[assignment]
+    if style == "colwise":
+        out = w.shape[0] // tp
+        return lambda x: F.linear(x, w[:out], None if b is None else b[:out])
+    if style == "rowwise":
+        return lambda x: F.linear(x, w[:, :w.shape[1] // tp], b)
+    return None
+
+
+def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tuple[str, ...]],
+                 tp: int, example: torch.Tensor) -> str | None:
+    """Run one forward of ``model`` on fake tensors (no memory, no compute) with every linear of
+    ``matched`` computing its rank's share, and head counts divided by tp; return the error a
+    misplaced split raises (a sharded activation read where a full one is expected), or None.
+    Nothing of the model changes: the overrides are removed afterwards."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    overrides, saved = [], []
+    try:
+        for name, style in matched.items():
+            sub = model.get_submodule(name)
+            fn = _sharded_forward(sub, style, tp) if isinstance(sub, nn.Linear) else None
+            if fn is not None:
+                sub.forward = fn
+                overrides.append(sub)
+        for name, attrs in divide.items():
+            sub = model.get_submodule(name)
+            for attr in attrs:
+                saved.append((sub, attr, getattr(sub, attr)))
+                setattr(sub, attr, getattr(sub, attr) // tp)
+        # FakeTensorMode logs the failing op's stack at ERROR level; the error is returned.
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), \
+                _quiet("torch._subclasses.fake_tensor"):
+            model(example)
+    except Exception as exc:  # noqa: BLE001 - the error is the answer
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    finally:
+        for sub in overrides:
+            del sub.forward
+        for sub, attr, value in saved:
+            setattr(sub, attr, value)
+    return None
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def verify_plan(model: nn.Module, plan: TPPlan, tp: int) -> None:
+    """Refuse an inferred plan that does not fit the model's dataflow, before any sharding: one
+    fake-tensor forward (:func:`check_shapes`) on an input guessed by :func:`example_input`.
+    A model whose unsharded forward already fails on that guess is not checked (the guess is
+    wrong, not the plan)."""
+    from .tensor import match_plan
+
+    example = example_input(model)
+    if example is None or check_shapes(model, {}, {}, 1, example) is not None:
+        return
+    matched = match_plan(model, plan.styles)
+    divide = {n: a for glob, a in plan.divide_attrs.items()
+              for n in match_plan(model, {glob: "divide"})}
+    error = check_shapes(model, matched, divide, tp, example)
+    if error is not None:
+        raise ValueError(
+            f"the tensor-parallel plan inferred for {type(model).__name__} does not fit its "
+            f"dataflow at tp={tp} (a forward with it fails: {error}); nothing was sharded. "
+            f"Pass plan.options['tp_plan'] = {{module glob: style}} (the inferred one was "
+            f"{json.dumps(plan.styles)})")

@@ -54,13 +54,20 @@ class TPPlan:
     sizes: dict[str, int] = field(default_factory=dict)
     # Whether the plan knows how to keep activations sequence-sharded between TP regions.
     supports_sp: bool = False
+    # Under SP, the glob of the block stack the sequence shards live in (Hugging Face models):
+    # the first block's input is split along the sequence and the last block's output gathered,
+    # so everything around the stack (embeddings with their positions and masks, the final
+    # norm, the head) sees the whole sequence. Empty: the sequence is split from the embedding
+    # to the head (plait's reference transformer).
+    sp_blocks: str = ""
 
     def with_prefix(self, prefix: str) -> TPPlan:
         if not prefix:
             return self
         return TPPlan(styles={f"{prefix}.{k}": v for k, v in self.styles.items()},
                       divide_attrs={f"{prefix}.{k}": v for k, v in self.divide_attrs.items()},
-                      source=self.source, sizes=self.sizes, supports_sp=self.supports_sp)
+                      source=self.source, sizes=self.sizes, supports_sp=self.supports_sp,
+                      sp_blocks=f"{prefix}.{self.sp_blocks}" if self.sp_blocks else "")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"styles": dict(self.styles)}
@@ -145,9 +152,9 @@ GPT2_STYLES = {
     "h.*.attn.c_attn": "colwise_qkv",
     "h.*.attn.c_proj": "rowwise",
     "h.*.ln_2": "sequence_parallel",
+    "h.*.mlp": "region",
     "h.*.mlp.c_fc": "colwise",
     "h.*.mlp.c_proj": "rowwise",
-    "ln_f": "sequence_parallel",
 }
 GPT2_DIVIDE = {"h.*.attn": ("split_size", "num_heads")}
 
@@ -159,7 +166,6 @@ LLAMA_EXTRA = {
     "layers.*.self_attn": "region",
     "layers.*.post_attention_layernorm": "sequence_parallel",
     "layers.*.mlp": "region",
-    "norm": "sequence_parallel",
 }
 LLAMA_FALLBACK = {
     "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
@@ -175,8 +181,11 @@ BERT_STYLES = {
     "encoder.layer.*.attention.self.key": "colwise",
     "encoder.layer.*.attention.self.value": "colwise",
     "encoder.layer.*.attention.output.dense": "rowwise",
+    "encoder.layer.*.attention.output.LayerNorm": "sequence_parallel",
+    "encoder.layer.*.intermediate": "region",
     "encoder.layer.*.intermediate.dense": "colwise",
     "encoder.layer.*.output.dense": "rowwise",
+    "encoder.layer.*.output.LayerNorm": "sequence_parallel",
 }
 BERT_DIVIDE = {"encoder.layer.*.attention.self": ("num_attention_heads", "all_head_size")}
 
@@ -217,10 +226,13 @@ def hf_plan(model: nn.Module) -> TPPlan:
     # The base model is either ``model`` itself or its ``base_model_prefix`` child.
     base_prefix = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
     divide: dict[str, tuple[str, ...]] = {}
+    blocks = "layers.*"
     if kind == "gpt2":
         base, divide, source = dict(GPT2_STYLES), dict(GPT2_DIVIDE), "plait plan for HF gpt2"
+        blocks = "h.*"
     elif kind == "bert":
         base, divide, source = dict(BERT_STYLES), dict(BERT_DIVIDE), "plait plan for HF bert"
+        blocks = "encoder.layer.*"
     else:
         declared = getattr(config, "base_model_tp_plan", None)
         if declared:
@@ -234,7 +246,12 @@ def hf_plan(model: nn.Module) -> TPPlan:
         if kind in ("llama", "mistral", "qwen2") or all(
                 k.startswith("layers.") for k in base):
             base = {**{k: v for k, v in LLAMA_EXTRA.items() if k not in base}, **base}
-    plan = TPPlan(styles=base, divide_attrs=divide, source=source, sizes=_hf_sizes(config))
+    # Sequence parallelism inside the block stack, for the families whose blocks plait knows
+    # (their norms are sequence_parallel and every linear that reads the residual stream sits
+    # in a region); transformers' own plans for other families say nothing about it.
+    sp = kind in ("gpt2", "bert", "llama", "mistral", "qwen2")
+    plan = TPPlan(styles=base, divide_attrs=divide, source=source, sizes=_hf_sizes(config),
+                  supports_sp=sp, sp_blocks=blocks if sp else "")
     plan = plan.with_prefix(base_prefix)
     styles = dict(plan.styles)
     # The instance's _tp_plan merges the base plan under its prefix; only the head is new here.
@@ -246,4 +263,4 @@ def hf_plan(model: nn.Module) -> TPPlan:
             styles[name] = "vocab_head" if head_plan.get(name, "vocab_head") == "vocab_head" \
                 else head_plan[name]
     return TPPlan(styles=styles, divide_attrs=plan.divide_attrs, source=plan.source,
-                  sizes=plan.sizes, supports_sp=False)
+                  sizes=plan.sizes, supports_sp=plan.supports_sp, sp_blocks=plan.sp_blocks)

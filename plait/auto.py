@@ -1,0 +1,102 @@
+"""``plan="auto"``: the planner picks the layout for this model, world size and accelerator.
+
+The runtime cannot plan in ``plait.init()``: the model is not known yet. So ``init("auto")``
+joins the process group and waits; ``run.parallelize(model)`` asks the planner
+(``plait.planner.plan_model``, its public API) for the model's layout on the job's world size
+and accelerator, prints the choice and why on rank 0, builds the mesh and lays the model out.
+Rank 0 plans and broadcasts the result, so every rank runs the same layout even if the search
+were to tie differently somewhere.
+
+What the planner is told:
+
+* the cluster: a calibrated profile when one is given (``init("auto", cluster="my.yaml")``,
+  written by ``plait plan --calibrate``), else the preset of this accelerator (``cpu`` for CPU
+  processes; a CUDA device by its name, e.g. H100 -> ``dgx-h100``, H200 -> ``h200``), resized
+  to the world size;
+* the workload: ``global_batch`` and ``seq`` passed to ``init`` (the batch the loader will be
+  asked for); by default 8 rows per rank and the model's own maximum sequence length, or 128
+  tokens when the model does not say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from .plan import Plan
+
+# CUDA device names (substrings, upper case) -> the planner's cluster preset.
+_CUDA_PRESETS = (("H200", "h200"), ("H100", "dgx-h100"), ("A100-SXM4-40GB", "dgx-a100-40gb"),
+                 ("A100", "dgx-a100-80gb"), ("MI300", "mi300x"))
+DEFAULT_SEQ = 128
+ROWS_PER_RANK = 8
+
+
+@dataclass(frozen=True)
+class AutoRequest:
+    """What ``init("auto", ...)`` was told; the model comes with ``run.parallelize``."""
+
+    world_size: int
+    device_type: str
+    device_name: str = ""
+    cluster: Any = None
+    global_batch: int | None = None
+    seq: int | None = None
+
+
+def cluster_for(request: AutoRequest) -> Any:
+    """The cluster the planner prices: the given profile, else this accelerator's preset."""
+    if request.cluster is not None:
+        return request.cluster
+    if request.device_type == "cuda":
+        name = request.device_name.upper()
+        for key, preset in _CUDA_PRESETS:
+            if key in name:
+                return preset
+        raise ValueError(f"plan='auto': no planner preset for the GPU {request.device_name!r}; "
+                         f"pass cluster= a profile written by `plait plan --calibrate`")
+    if request.device_type == "cpu":
+        return "cpu"
+    raise ValueError(f"plan='auto': no planner preset for {request.device_type!r} devices; pass "
+                     f"cluster= a profile (see `plait plan --help`)")
+
+
+def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
+    """The planner's best plan for ``model`` and the lines that say why (pure: no collectives)."""
+    from .planner import load_cluster, load_model, plan_model
+    from .planner.cli import explain_nothing_fits, explain_winner
+
+    stats = load_model(model)
+    seq = request.seq or stats.max_seq or DEFAULT_SEQ
+    batch = request.global_batch or ROWS_PER_RANK * request.world_size
+    cluster = cluster_for(request)
+    result = plan_model(model, cluster, world_size=request.world_size, global_batch=batch,
+                        seq=seq)
+    resized = load_cluster(cluster, devices=request.world_size)
+    if result.best is None:
+        raise ValueError("plan='auto': " + explain_nothing_fits(result, stats, resized))
+    plan = result.best.plan.validate(request.world_size)
+    why = [f"plait: plan 'auto' for {type(model).__name__} on {request.world_size} x "
+           f"{resized.name} (global batch {batch}, seq {seq}): {plan.to_string()}"]
+    why += ["  " + line for line in explain_winner(result.ranked, resized)]
+    return plan, why
+
+
+def resolve(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
+    """:func:`choose` on rank 0, broadcast to every rank (a collective)."""
+    payload: list[Any] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            plan, why = choose(model, request)
+            payload = [(plan.to_dict(), why, None)]
+        except ValueError as exc:
+            payload = [(None, [], str(exc))]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    data, why, error = payload[0]
+    if error is not None:
+        raise ValueError(error)
+    return Plan.from_dict(data), why

@@ -1,0 +1,142 @@
+"""BatchNorm under data parallelism: statistics over the global batch (``sync_bn``), or a warning.
+
+A BatchNorm layer in training normalises with the mean and variance of the batch it sees. Under
+data parallelism each rank sees only its share of the global batch, so without synchronisation
+every rank normalises with different, noisier statistics and the layout trains another model
+than one device does. ``Plan.sync_bn`` replaces every BatchNorm by one whose statistics are
+taken over the data axes (``dp_replicate x dp_shard``): the same mean, variance, running
+averages and gradients as one device on the global batch. Without it, plait warns once, naming
+the modules.
+
+Building blocks: ``torch.nn.SyncBatchNorm`` where torch runs it (CUDA, XPU, HPU). torch refuses
+it for CPU tensors ("SyncBatchNorm expected input tensor to be on GPU"), so on other devices
+:class:`DataSyncBatchNorm` below does the same with two all-reduces per layer (sum, then the
+sum of squared deviations: the two-pass variance, as exact as one device's), differentiable
+through :class:`_AllReduce` (torch's own differentiable ``torch.distributed.nn.functional``
+version is deprecated in favour of functional collectives that have no backward).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+_TORCH_SYNC_DEVICES = ("cuda", "xpu", "hpu")
+
+
+def batchnorm_modules(module: nn.Module) -> list[str]:
+    """Names of the BatchNorm layers (1d/2d/3d, lazy ones included) in ``module``."""
+    return [name or type(module).__name__ for name, m in module.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and not isinstance(m, (nn.SyncBatchNorm, DataSyncBatchNorm))]
+
+
+def warn_unsynced(module: nn.Module, dp: int) -> None:
+    """Warn (rank 0) when BatchNorm layers will train on per-rank statistics."""
+    names = batchnorm_modules(module)
+    if not names or dp == 1 or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    warnings.warn(f"plait: BatchNorm {shown} will normalise with per-rank statistics (each over "
+                  f"1/{dp} of the global batch), which is not what one device trains; add "
+                  f"sync_bn to the plan (e.g. 'dp={dp},sync_bn') to take them over the data "
+                  f"axes", UserWarning, stacklevel=3)
+
+
+class _AllReduce(torch.autograd.Function):
+    """Sum over ``group``; the gradient of a sum over ranks is the sum of the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = grad.contiguous().clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _AllReduce.apply(t, group)
+
+
+class DataSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm whose training statistics are taken over every rank of ``group``."""
+
+    def __init__(self, source: nn.modules.batchnorm._BatchNorm, group: dist.ProcessGroup):
+        super().__init__(source.num_features, source.eps, source.momentum, source.affine,
+                         source.track_running_stats, device=_device(source),
+                         dtype=_dtype(source))
+        self.group = group
+        if source.affine:
+            self.weight, self.bias = source.weight, source.bias
+        if source.track_running_stats:
+            self.running_mean, self.running_var = source.running_mean, source.running_var
+            self.num_batches_tracked = source.num_batches_tracked
+        self.training = source.training
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected at least 2-D input (N, C, ...), got {x.dim()}-D")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        use_batch = self.training or not self.track_running_stats
+        if not use_batch:
+            return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight,
+                                            self.bias, False, 0.0, self.eps)
+        dims = [0] + list(range(2, x.dim()))
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        count = torch.tensor([x.numel() // x.shape[1]], dtype=x.dtype, device=x.device)
+        sums = all_reduce(torch.cat([x.sum(dims), count]), self.group)
+        n = sums[-1]
+        mean = sums[:-1] / n
+        centred = x - mean.reshape(shape)
+        var = all_reduce((centred * centred).sum(dims), self.group) / n
+        if self.training and self.track_running_stats:
+            self._update_running(mean.detach(), var.detach(), n.detach())
+        y = centred * torch.rsqrt(var + self.eps).reshape(shape)
+        if self.affine:
+            y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
+        return y
+
+    @torch.no_grad()
+    def _update_running(self, mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor) -> None:
+        assert self.running_mean is not None and self.running_var is not None  # tracked
+        assert self.num_batches_tracked is not None
+        self.num_batches_tracked += 1
+        momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                    else self.momentum)
+        unbiased = var * n / (n - 1).clamp_min(1)
+        self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+        self.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+
+
+def _device(m: nn.Module) -> torch.device | None:
+    t = next(iter(list(m.parameters()) + list(m.buffers())), None)
+    return t.device if t is not None else None
+
+
+def _dtype(m: nn.Module) -> torch.dtype | None:
+    t = next((p for p in m.parameters()), None)
+    return t.dtype if t is not None else None
+
+
+def apply_sync_bn(module: nn.Module, group: dist.ProcessGroup, device_type: str) -> nn.Module:
+    """Every BatchNorm in ``module`` synchronised over ``group`` (the data axes); the same
+    parameters and buffers, so names and state dicts do not change."""
+    if device_type in _TORCH_SYNC_DEVICES:
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group=group)
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return DataSyncBatchNorm(module, group)
+    for name, child in list(module.named_children()):
+        module.add_module(name, apply_sync_bn(child, group, device_type))
+    return module

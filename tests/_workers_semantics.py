@@ -1,0 +1,355 @@
+"""Models written for the global-batch semantics tests, their data, a plain one-process training
+loop (the reference) and the workers that train them under plait (spawned processes import
+this module)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, WIDTH, SEQ, BATCH, STEPS, LR = 24, 16, 8, 8, 3, 0.1
+
+
+class MaskedLM(nn.Module):
+    """A small masked-LM: token + position embeddings, residual MLP blocks, a vocabulary head."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = WIDTH, depth: int = 2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(SEQ, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(),
+                                                  nn.Linear(2 * width, width))
+                                    for _ in range(depth))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1]))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def masked_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return MaskedLM()
+
+
+def mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the labels that are not -100 (F.cross_entropy's default)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def mlm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch whose rows count very different numbers of labels: row i keeps i + 1 of
+    its SEQ labels (the first rows, which land on data rank 0, count far fewer)."""
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.full_like(tokens, -100)
+    for i in range(BATCH):
+        keep = torch.randperm(SEQ, generator=g)[:min(i + 1, SEQ)]
+        labels[i, keep] = torch.randint(0, VOCAB, (len(keep),), generator=g)
+    return tokens, labels
+
+
+def reference(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Callable,
+              *, clip: float | None = 1.0) -> dict[str, Any]:
+    """A plain single-process loop: SGD on each whole global batch, torch's own clipping."""
+    model = factory()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for inputs, targets in batches:
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state.update({n: b.clone() for n, b in model.named_buffers() if b.is_floating_point()})
+    return {"losses": losses, "state": state}
+
+
+def _rows(batch: Any, index: int, parts: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        n = batch.shape[0] // parts
+        return batch[index * n:(index + 1) * n]
+    if isinstance(batch, dict):
+        return {k: _rows(v, index, parts) for k, v in batch.items()}
+    return type(batch)(_rows(v, index, parts) for v in batch)
+
+
+def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any],
+                                                             Callable | None]]
+               ) -> list[dict[str, Any]]:
+    """Train each (plan, model factory, global batches, loss_fn) in one process group (SGD);
+    per job the loss of every step as run.step returned it and rank 0's full state."""
+    from plait.runtime import init
+
+    out = []
+    for text, factory, batches, loss_fn in jobs:
+        run = init(text, quiet=True, log_every=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = run.parallelize(factory())
+        opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
+        losses = []
+        for batch in batches:
+            losses.append(float(run.step(model, _rows(batch, run.dp_rank, run.dp_size),
+                                         loss_fn, opt)))
+        state = run.full_state_dict(model)
+        run.close()
+        out.append({"plan": text, "losses": losses, "state": state if rank == 0 else None,
+                    "warnings": [str(w.message) for w in caught]})
+    return out
+
+
+def sum_count_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The masked-LM loss as (sum, count): per-token losses weighted 1 (counted) or 0."""
+    flat = labels.reshape(-1)
+    weight = (flat != -100).float()
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), flat.clamp_min(0),
+                                reduction="none")
+    return (per_token * weight).sum(), weight.sum()
+
+
+class WithLoss(nn.Module):
+    """A model in the Hugging Face style: ``forward(input_ids, labels=None)`` returns a dict
+    with ``loss`` (mean over the labels that are not -100) and ``logits``."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        logits = self.inner(input_ids)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = mlm_loss(logits, labels)
+        return out
+
+
+def masked_lm_with_loss() -> nn.Module:
+    return WithLoss(masked_lm())
+
+
+def step_losses_unlogged(rank: int, world_size: int, batches: list[Any]) -> dict[str, Any]:
+    """run.step's return value on steps that are not logged (log_every larger than the run)."""
+    from plait.runtime import init
+
+    run = init("single", quiet=True, log_every=1000)
+    model = run.parallelize(masked_lm())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    raw = [run.step(model, batch, mlm_loss, opt) for batch in batches]
+    run.close()
+    return {"raw": raw, "losses": [float(x) for x in raw]}
+
+
+class ConvBN(nn.Module):
+    """A small ConvNet with BatchNorm after each convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU())
+        self.body = nn.Sequential(nn.Conv2d(6, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.stem(x)).mean(dim=(2, 3)))
+
+
+def conv_bn() -> nn.Module:
+    torch.manual_seed(0)
+    return ConvBN()
+
+
+def image_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images whose two halves have different statistics (per-rank BatchNorm would show it)."""
+    g = torch.Generator().manual_seed(200 + step)
+    x = torch.randn(BATCH, 3, 6, 6, generator=g)
+    x[BATCH // 2:] = 2.0 * x[BATCH // 2:] + 1.0
+    return x, torch.randint(0, 5, (BATCH,), generator=g)
+
+
+# ---------------------------------------------------------------- models for TP inference
+def _mlp(width: int = 16) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))
+
+
+class PreNormBlock(nn.Module):
+    """x + fc2(act(fc1(norm(x)))): the linears read norm(x), not the block input."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = (nn.LayerNorm(width), nn.Linear(width, 2 * width),
+                                         nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class PreNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(PreNormBlock() for _ in range(2))
+        self.out = nn.Linear(16, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+class DictNet(nn.Module):
+    """Residual MLP blocks kept in an nn.ModuleDict, between an input layer and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleDict({"first": _mlp(), "second": _mlp()})
+        self.out = nn.Linear(16, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks.values():
+            h = h + block(h)
+        return self.out(h)
+
+
+class TwoHeads(nn.Module):
+    """An input layer, one MLP block, and two heads (the output is a pair)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.body = nn.Linear(8, 16), _mlp()
+        self.head_a, self.head_b = nn.Linear(16, 4), nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(torch.tanh(self.inp(x)))
+        return self.head_a(h), self.head_b(h)
+
+
+def flat_stack() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 6))
+
+
+def sequential_blocks() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), _mlp(), nn.Tanh(), _mlp(), nn.Linear(16, 6))
+
+
+def pre_norm_net() -> nn.Module:
+    torch.manual_seed(0)
+    return PreNormNet()
+
+
+def dict_net() -> nn.Module:
+    torch.manual_seed(0)
+    return DictNet()
+
+
+def two_heads() -> nn.Module:
+    torch.manual_seed(0)
+    return TwoHeads()
+
+
+def feature_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + step)
+    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 6, generator=g)
+
+
+def mse(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error; a pair of outputs is compared with the target's two column blocks."""
+    if isinstance(out, tuple):
+        return (F.mse_loss(out[0], target[:, :4]) + F.mse_loss(out[1], target[:, 4:])) / 2
+    return F.mse_loss(out, target)
+
+
+TP_FACTORIES = [flat_stack, sequential_blocks, pre_norm_net, dict_net, two_heads]
+
+
+def auto_worker(rank: int, world_size: int, batches: list[Any]) -> dict[str, Any]:
+    """plait.init("auto"): the planner's plan for the masked LM, printed, then trained."""
+    import contextlib
+    import io
+
+    from plait.runtime import init
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run = init("auto", log_every=1000, global_batch=BATCH, seq=SEQ)
+        model = run.parallelize(masked_lm())
+    opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
+    losses = [float(run.step(model, _rows(b, run.dp_rank, run.dp_size), mlm_loss, opt))
+              for b in batches]
+    plan = run.plan.to_string()
+    state = run.full_state_dict(model)
+    run.close()
+    return {"plan": plan, "printed": out.getvalue(), "losses": losses,
+            "state": state if rank == 0 else None}
+
+
+# ---------------------------------------------------------------- Hugging Face models (SP)
+HF_VOCAB = 64
+
+
+class Logits(nn.Module):
+    """A transformers model -> plain logits (or a tagging head on BERT's hidden states)."""
+
+    def __init__(self, hf: nn.Module, head: nn.Module | None = None):
+        super().__init__()
+        self.hf, self.head = hf, head
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = self.hf(input_ids=input_ids)
+        return self.head(out.last_hidden_state) if self.head is not None else out.logits
+
+
+def hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=HF_VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return Logits(GPT2LMHeadModel(cfg))
+
+
+def hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=16)
+    return Logits(LlamaForCausalLM(cfg))
+
+
+def hf_bert() -> nn.Module:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=HF_VOCAB, hidden_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=16,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return Logits(BertModel(cfg, add_pooling_layer=False), nn.Linear(32, HF_VOCAB))
+
+
+def hf_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and labels with -100 at random positions (a masked-LM style count)."""
+    g = torch.Generator().manual_seed(400 + step)
+    tokens = torch.randint(0, HF_VOCAB, (4, SEQ), generator=g)
+    labels = torch.randint(0, HF_VOCAB, (4, SEQ), generator=g)
+    labels[torch.rand(4, SEQ, generator=g) < 0.5] = -100
+    return tokens, labels
+
+
+HF_FACTORIES = [hf_gpt2, hf_llama, hf_bert]

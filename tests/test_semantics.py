@@ -1,0 +1,162 @@
+"""Global-batch semantics: a loss averaged over a variable number of counted tokens trains what
+one device trains, under every layout.
+
+The model is a masked LM written for the test (tests/_workers_semantics.py); each global batch
+has rows that count 1 to 8 labels (the rest are -100), so data ranks and micro-batches count
+very different numbers of tokens and a mean of per-rank means is visibly wrong (more than 1e-2
+relative here, see the first test). The reference is a plain one-process loop (SGD, lr 0.1,
+torch's clipping at 1.0) on the whole global batch. Tolerance: 1e-6 relative on every step's
+loss, and on every parameter after the last step 1e-6 relative to the tensor's largest entry
+(at least 1e-2): fp32 rounding of sums taken in a different order, nothing more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.spawn import run_distributed
+from tests import _workers_semantics as W
+
+REL = 1e-6
+# Parameters that stay near zero (BERT's key bias has no gradient: softmax ignores it) are
+# compared relative to this scale instead (1e-8 absolute).
+FLOOR = 1e-2
+
+
+def _assert_matches(ref: dict, got: dict) -> None:
+    for step, (a, b) in enumerate(zip(ref["losses"], got["losses"], strict=True)):
+        assert abs(a - b) <= REL * abs(a), (got["plan"], step, a, b)
+    state = {k.removeprefix("inner."): v for k, v in got["state"].items()}
+    assert set(state) >= set(ref["state"]), (got["plan"], sorted(state))
+    for name, want in ref["state"].items():
+        diff = (state[name] - want).abs().max().item()
+        assert diff <= REL * max(want.abs().max().item(), FLOOR), (got["plan"], name, diff)
+
+
+@pytest.fixture(scope="module")
+def data():
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    return batches, W.reference(W.masked_lm, batches, W.mlm_loss)
+
+
+def test_masked_lm_counts_differ_between_ranks(data):
+    """The data really has unequal counts: the mean of the two halves' means is not the mean."""
+    batches, _ = data
+    model = W.masked_lm()
+    tokens, labels = batches[0]
+    with torch.no_grad():
+        whole = W.mlm_loss(model(tokens), labels)
+        halves = sum(W.mlm_loss(model(tokens[i:i + 4]), labels[i:i + 4]) for i in (0, 4)) / 2
+    assert abs(float(whole - halves)) > 1e-2 * float(whole)
+
+
+def test_masked_lm_one_process_with_grad_accum(data):
+    """grad_accum splits the batch into micro-batches that count different numbers of tokens;
+    run.step returns the real loss on steps that are not logged too."""
+    batches, ref = data
+    jobs = [(p, W.masked_lm, batches, W.mlm_loss) for p in ("single", "grad_accum=2",
+                                                            "grad_accum=4")]
+    got = run_distributed(W.train_jobs, 1, jobs, timeout=120)[0]
+    for result in got:
+        _assert_matches(ref, result)
+    unlogged = run_distributed(W.step_losses_unlogged, 1, batches, timeout=120)[0]
+    assert all(isinstance(x, torch.Tensor) and x.ndim == 0 for x in unlogged["raw"])
+    assert unlogged["losses"] == pytest.approx(ref["losses"], rel=REL)
+
+
+def test_masked_lm_data_parallel_zero_and_accumulation(data):
+    """dp=2, ZeRO-3, ZeRO-2 with accumulation; a loss returning (sum, count); and the Hugging
+    Face convention (one dict batch, the model returns .loss, loss_fn=None)."""
+    batches, ref = data
+    dicts = [{"input_ids": x, "labels": y} for x, y in batches]
+    jobs = [(p, W.masked_lm, batches, W.mlm_loss)
+            for p in ("dp=2", "dp_shard=2,zero=3", "dp=2,grad_accum=2",
+                      "dp_shard=2,zero=2,grad_accum=2")]
+    jobs += [("dp=2", W.masked_lm, batches, W.sum_count_loss),
+             ("dp_shard=2,zero=3,grad_accum=2", W.masked_lm_with_loss, dicts, None)]
+    got = run_distributed(W.train_jobs, 2, jobs, timeout=240)[0]
+    for result in got:
+        _assert_matches(ref, result)
+
+
+def test_batchnorm_sync_bn_matches_one_device_and_warns_without():
+    """sync_bn: BatchNorm statistics over the data axes, parameters and running statistics
+    equal to one device's (DDP and ZeRO-3). Without it: a warning naming the modules, and
+    the per-rank statistics really train something else."""
+    batches = [W.image_batch(s) for s in range(W.STEPS)]
+    ref = W.reference(W.conv_bn, batches, torch.nn.functional.cross_entropy)
+    jobs = [(p, W.conv_bn, batches, torch.nn.functional.cross_entropy)
+            for p in ("dp=2,sync_bn", "dp_shard=2,zero=3,sync_bn", "dp=2")]
+    synced, synced_zero, plain = run_distributed(W.train_jobs, 2, jobs, timeout=180)[0]
+    for result in (synced, synced_zero):
+        assert not result["warnings"], result["warnings"]
+        _assert_matches(ref, result)
+    assert any("stem.1" in w and "body.1" in w and "sync_bn" in w for w in plain["warnings"])
+    assert abs(plain["losses"][0] - ref["losses"][0]) > 1e-3 * ref["losses"][0]
+
+
+# ------------------------------------------------------------------ TP inference: right or refuse
+@pytest.mark.parametrize("factory,expect", [
+    (W.flat_stack, {"0": "colwise", "2": "rowwise"}),
+    (W.sequential_blocks, {"1.0": "colwise", "1.2": "rowwise", "3.0": "colwise",
+                           "3.2": "rowwise"}),
+    (W.pre_norm_net, {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}),
+    (W.dict_net, {"blocks.first.0": "colwise", "blocks.first.2": "rowwise",
+                  "blocks.second.0": "colwise", "blocks.second.2": "rowwise"}),
+    (W.two_heads, {"body.0": "colwise", "body.2": "rowwise"}),
+])
+def test_inferred_tp_plans(factory, expect):
+    """A Linear->act->Linear chain pairs its linears; an input layer and heads around blocks
+    stay replicated (their blocks are the regions); a pre-norm block is a region."""
+    from plait.parallel.tp_infer import infer_plan, verify_plan
+
+    model = factory()
+    plan = infer_plan(model)
+    assert plan.styles == expect
+    verify_plan(model, plan, 2)
+
+
+def test_shape_check_catches_a_misplaced_split():
+    """A column-parallel layer whose sharded output reaches a replicated one fails the
+    fake-tensor forward, before anything is sharded, and the model is left as it was."""
+    from plait.parallel.tp_infer import check_shapes
+
+    model = W.flat_stack()
+    x = torch.randn(2, 8)
+    before = model(x)
+    error = check_shapes(model, {"0": "colwise"}, {}, 2, x)
+    assert error and "32" in error
+    assert check_shapes(model, {"0": "colwise", "2": "rowwise"}, {}, 2, x) is None
+    assert torch.equal(model(x), before)
+
+
+def test_inferred_tp_trains_like_one_device():
+    """tp=2 on each model above (SGD) equals the plain one-process loop."""
+    batches = [W.feature_batch(s) for s in range(W.STEPS)]
+    jobs = [("tp=2", f, batches, W.mse) for f in W.TP_FACTORIES]
+    got = run_distributed(W.train_jobs, 2, jobs, timeout=240)[0]
+    for factory, result in zip(W.TP_FACTORIES, got, strict=True):
+        _assert_matches(W.reference(factory, batches, W.mse), result)
+
+
+def test_plan_auto_asks_the_planner_prints_and_trains(data):
+    batches, ref = data
+    got = run_distributed(W.auto_worker, 2, batches, timeout=180)
+    assert got[0]["plan"] == got[1]["plan"]
+    printed = got[0]["printed"]
+    assert "plan 'auto' for MaskedLM on 2 x" in printed and got[0]["plan"] in printed
+    assert "best:" in printed and got[1]["printed"] == ""
+    _assert_matches(ref, got[0])
+
+
+# ------------------------------------------------------------------ SP on Hugging Face models
+def test_sequence_parallel_on_hf_models():
+    """tp=2 with sequence parallelism on GPT-2 (tied embeddings), Llama and BERT equals the
+    plain one-process loop: the sequence is split inside the block stack only, so positions,
+    masks and rotary tables are computed on whole sequences."""
+    batches = [W.hf_batch(s) for s in range(2)]
+    jobs = [("tp=2,sp", f, batches, W.mlm_loss) for f in W.HF_FACTORIES]
+    got = run_distributed(W.train_jobs, 2, jobs, timeout=300)[0]
+    for factory, result in zip(W.HF_FACTORIES, got, strict=True):
+        _assert_matches(W.reference(factory, batches, W.mlm_loss), result)
