@@ -25,6 +25,7 @@ def plait_run(nproc, script, *args):
     (2, "pipeline.py", ["--plan", "pp=2,schedule=1f1b,mb=4"], "run summary"),
     (2, "tensor_parallel.py", ["--plan", "tp=2,sp=true"], "run summary"),
     (2, "zero.py", ["--plan", "dp_shard=2,zero=3"], "memory per rank"),
+    (2, "hf_model.py", ["--plan", "tp=2,sp", "--steps", "4"], "mean over the real tokens"),
 ])
 def test_example_runs(nproc, script, args, expect):
     out = plait_run(nproc, script, *args)

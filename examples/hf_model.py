@@ -1,0 +1,75 @@
+"""A Hugging Face model under plait, in the Hugging Face batch convention.
+
+Each batch is one dict, ``{"input_ids": ..., "labels": ...}``, and the model computes its own
+loss (``run.step(model, batch, None, opt)`` uses ``output.loss``). The rows are padded to a
+common length and the padding is labelled -100, so every rank and micro-batch counts a
+different number of tokens; plait all-reduces that count once per step, and the loss is the
+mean over the global batch's real tokens, as one device computes it. The model is GPT-2 built
+from a config (no download), its embedding tied to its head as GPT-2 ships.
+
+    plait run --nproc 2 examples/hf_model.py --plan dp=2
+    plait run --nproc 2 examples/hf_model.py --plan tp=2,sp        # tensor + sequence parallel
+    plait run --nproc 2 examples/hf_model.py --plan dp_shard=2,zero=3,grad_accum=2
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.utils.data import Dataset
+
+import plait
+from plait.data import TextDataset
+
+SEQ = 64
+
+
+class PaddedText(Dataset):
+    """Bundled text cut into rows of random length, padded to SEQ; padding labelled -100."""
+
+    def __init__(self, seed: int = 0):
+        self.text = TextDataset(seq_len=SEQ)
+        self.lengths = torch.randint(SEQ // 4, SEQ + 1, (len(self.text),),
+                                     generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.text)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        tokens, _ = self.text[i]
+        labels = tokens.clone()
+        labels[int(self.lengths[i]):] = -100  # not counted by the loss
+        return {"input_ids": tokens, "labels": labels}
+
+
+def build_gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--plan", default=None)  # read by plait.init()
+    args = parser.parse_args()
+
+    run = plait.init(log_every=20)
+    model = run.parallelize(build_gpt2())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for batch in run.loader(PaddedText(), batch_size=args.batch_size, steps=args.steps):
+        loss = run.step(model, batch, None, opt)  # None: the model's own output.loss
+        first = float(loss) if first is None else first
+    run.print(f"loss {first:.3f} -> {float(loss):.3f} (mean over the real tokens of each "
+              f"global batch)")
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()
