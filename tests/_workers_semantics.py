@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from plait.check import _slice
+
 VOCAB, WIDTH, SEQ, BATCH, STEPS, LR = 24, 16, 8, 8, 3, 0.1
 
 
@@ -75,14 +77,6 @@ def reference(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Cal
     return {"losses": losses, "state": state}
 
 
-def _rows(batch: Any, index: int, parts: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        n = batch.shape[0] // parts
-        return batch[index * n:(index + 1) * n]
-    if isinstance(batch, dict):
-        return {k: _rows(v, index, parts) for k, v in batch.items()}
-    return type(batch)(_rows(v, index, parts) for v in batch)
-
 
 def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any],
                                                              Callable | None]]
@@ -100,7 +94,7 @@ def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[
         opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
         losses = []
         for batch in batches:
-            losses.append(float(run.step(model, _rows(batch, run.dp_rank, run.dp_size),
+            losses.append(float(run.step(model, _slice(batch, run.dp_rank, run.dp_size),
                                          loss_fn, opt)))
         state = run.full_state_dict(model)
         run.close()
@@ -289,7 +283,7 @@ def auto_worker(rank: int, world_size: int, batches: list[Any]) -> dict[str, Any
         run = init("auto", log_every=1000, global_batch=BATCH, seq=SEQ)
         model = run.parallelize(masked_lm())
     opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
-    losses = [float(run.step(model, _rows(b, run.dp_rank, run.dp_size), mlm_loss, opt))
+    losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size), mlm_loss, opt))
               for b in batches]
     plan = run.plan.to_string()
     state = run.full_state_dict(model)
