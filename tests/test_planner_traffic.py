@@ -53,7 +53,7 @@ def test_collective_time_per_op_factor_and_call_cost():
 
 
 def test_tp_traffic_per_block_and_ends():
-    from plait.planner.traffic import tp_block_traffic, tp_end_traffic
+    from plait.comm.predict import tp_block_traffic, tp_end_traffic
 
     act = 2 * 8 * 16 * 4  # b s h fp32
     sp = {(t.op, t.what): (t.payload, t.calls) for t in tp_block_traffic(2, 8, 16, 2, "fp32", True)}

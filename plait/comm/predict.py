@@ -145,39 +145,12 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
     micro = accum * (m if pp > 1 else 1)
     mb = batch // m if pp > 1 else batch
     if plan.tp > 1:
-        tp, sp = plan.tp, plan.sp
-        act = float(mb) * seq * cfg.dim * dtype_bytes(dtype)
         if local.layers:
-            out += tp_traffic(mb, seq, cfg.dim, local.layers, tp, dtype, sp=sp,
-                              microbatches=micro)
-        if local.recomputed:
-            # torch's non-reentrant checkpoint stops recomputing once backward has what it
-            # saved: the block's last collective (the MLP's down projection) is not replayed.
-            # TP: 1 all-reduce per recomputed block; SP: 2 all-gathers + 1 reduce-scatter.
-            r = local.recomputed * micro
-            if sp:
-                out += [Traffic("tp", "all_gather", act * 2 * r, 2 * r, tp, "recompute"),
-                        Traffic("tp", "reduce_scatter", act * r, r, tp, "recompute")]
-            else:
-                out.append(Traffic("tp", "all_reduce", act * r, r, tp, "recompute"))
-        ends = int(local.embed) + int(local.head)
-        if ends:
-            calls = ends * micro
-            if sp:
-                out += [Traffic("tp", "all_gather", act * calls, calls, tp, "embedding/head"),
-                        Traffic("tp", "reduce_scatter", act * calls, calls, tp,
-                                "embedding/head")]
-            else:
-                out.append(Traffic("tp", "all_reduce", act * calls, calls, tp, "embedding/head"))
-        if local.head:
-            # loss_parallel: max, sum(exp) and the target logit per token, fp32.
-            out.append(Traffic("tp", "all_reduce", 3.0 * mb * seq * FP32 * micro, 3 * micro, tp,
-                               "loss_parallel"))
-        if sp:
-            norms = 2 * local.layers + int(local.head)
-            if norms:
-                out.append(Traffic("tp", "all_reduce", float(norms) * cfg.dim * FP32 * micro,
-                                   norms * micro, tp, "norm weight grads"))
+            per_block = tp_block_traffic(mb, seq, cfg.dim, plan.tp, dtype, plan.sp,
+                                         recomputed=local.recomputed / local.layers)
+            out += _times(per_block, local.layers * micro)
+        out += _times(tp_end_traffic(mb, seq, cfg.dim, plan.tp, dtype, plan.sp,
+                                     embed=local.embed, head=local.head), micro)
     # ---------------------------------------------------------------- pipeline parallelism
     if pp > 1:
         from ..parallel.schedules import stage_to_rank
@@ -205,6 +178,55 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
                                sizes[axis], "clip: per-tensor norms"))
         if pp > 1:
             out.append(Traffic("pp", "all_reduce", float(FP32), 1, pp, "clip: squared norm"))
+    return out
+
+
+def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
+                     recomputed: float = 0.0) -> list[Traffic]:
+    """TP collectives of one block for one microbatch (forward + backward), as plait's runtime
+    issues them: Megatron's 4 all-reduces, or with SP 4 all-gathers + 4
+    reduce-scatters plus the 2 sequence-parallel norms' weight-gradient all-reduces (h fp32).
+    ``recomputed`` (0..1): share of the block replayed by checkpointing; torch's non-reentrant
+    checkpoint stops before the last collective, so a replay costs 1 all-reduce (SP: 2
+    all-gathers + 1 reduce-scatter)."""
+    if tp == 1:
+        return []
+    out = tp_traffic(b, s, h, 1, tp, dtype, sp=sp)
+    act = float(b) * s * h * dtype_bytes(dtype)
+    if sp:
+        out.append(Traffic("tp", "all_reduce", 2.0 * h * 4, 2, tp, "norm weight grads"))
+    if recomputed:
+        # calls per block averaged over the blocks (selective checkpointing replays some):
+        # fractional, which Traffic's int annotation does not foresee
+        r: Any = recomputed
+        if sp:
+            out += [Traffic("tp", "all_gather", act * 2 * r, 2 * r, tp),
+                    Traffic("tp", "reduce_scatter", act * r, r, tp)]
+        else:
+            out.append(Traffic("tp", "all_reduce", act * r, r, tp))
+    return out
+
+
+def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, embed: bool,
+                   head: bool) -> list[Traffic]:
+    """TP collectives outside the blocks per microbatch: the vocabulary-parallel embedding and
+    the head each an all-reduce of b*s*h (SP: all-gather + reduce-scatter), loss_parallel's 3
+    fp32 values per token, and with SP the final norm's weight-gradient all-reduce."""
+    if tp == 1:
+        return []
+    act = float(b) * s * h * dtype_bytes(dtype)
+    ends = int(embed) + int(head)
+    out = []
+    if ends:
+        if sp:
+            out += [Traffic("tp", "all_gather", act * ends, ends, tp),
+                    Traffic("tp", "reduce_scatter", act * ends, ends, tp)]
+        else:
+            out.append(Traffic("tp", "all_reduce", act * ends, ends, tp))
+    if head:
+        out.append(Traffic("tp", "all_reduce", 3.0 * b * s * 4, 3, tp, "loss_parallel"))
+        if sp:
+            out.append(Traffic("tp", "all_reduce", float(h) * 4, 1, tp, "final norm grad"))
     return out
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from plait.comm.predict import tp_block_traffic, tp_end_traffic
 from plait.plan import ZERO_BUBBLE_SCHEDULES, Plan
 
 from .hardware import Cluster
 from .model_stats import ModelStats
-from .traffic import collective_time, tp_block_traffic, tp_end_traffic
+from .traffic import collective_time
 
 if TYPE_CHECKING:
     from .cost import Constants

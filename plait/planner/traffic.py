@@ -1,7 +1,8 @@
 """Which collectives one step issues, and how long each takes on the cluster's links.
 
 The bytes come from :mod:`plait.comm.volumes` (the closed forms the ledger also uses) and follow
-what plait's runtime issues (:mod:`plait.comm.predict`); the time of a collective is
+what plait's runtime issues (:mod:`plait.comm.predict`, whose per-block TP traffic the planner
+prices directly: ``tp_block_traffic``, ``tp_end_traffic``); the time of a collective is
 ``calls x (latency x ring steps + per-call cost) + wire bytes / (bandwidth x link efficiency)``
 on the tier its group lives on. Mesh order is (pp, dp_replicate, dp_shard, cp, tp), tp
 innermost, so a group of size n and stride d stays inside a node iff n*d divides the node.
@@ -11,9 +12,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from plait.comm.volumes import Traffic, tp_traffic
+from plait.comm.volumes import Traffic
 from plait.plan import Plan
 
 from .hardware import Cluster
@@ -55,56 +56,6 @@ def collective_time(t: Traffic, cluster: Cluster, stride: int, c: Constants) -> 
     per_call = max(0.0, steps * alpha + extra)
     factor = getattr(c, _FACTOR[t.op]) if t.op in _FACTOR else 1.0
     return t.calls * per_call + t.wire / (bw * c.link_efficiency) * factor
-
-
-# ------------------------------------------------------------------------ tensor parallelism
-def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
-                     recomputed: float = 0.0) -> list[Traffic]:
-    """TP collectives of one block for one microbatch (forward + backward), as plait's runtime
-    issues them (plait.comm.predict): Megatron's 4 all-reduces, or with SP 4 all-gathers + 4
-    reduce-scatters plus the 2 sequence-parallel norms' weight-gradient all-reduces (h fp32).
-    ``recomputed`` (0..1): share of the block replayed by checkpointing; torch's non-reentrant
-    checkpoint stops before the last collective, so a replay costs 1 all-reduce (SP: 2
-    all-gathers + 1 reduce-scatter)."""
-    if tp == 1:
-        return []
-    out = tp_traffic(b, s, h, 1, tp, dtype, sp=sp)
-    act = float(b) * s * h * act_dtype_bytes(dtype)
-    if sp:
-        out.append(Traffic("tp", "all_reduce", 2.0 * h * 4, 2, tp, "norm weight grads"))
-    if recomputed:
-        # calls per block averaged over the blocks (selective checkpointing replays some):
-        # fractional, which Traffic's int annotation does not foresee
-        r: Any = recomputed
-        if sp:
-            out += [Traffic("tp", "all_gather", act * 2 * r, 2 * r, tp),
-                    Traffic("tp", "reduce_scatter", act * r, r, tp)]
-        else:
-            out.append(Traffic("tp", "all_reduce", act * r, r, tp))
-    return out
-
-
-def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, embed: bool,
-                   head: bool) -> list[Traffic]:
-    """TP collectives outside the blocks per microbatch: the vocabulary-parallel embedding and
-    the head each an all-reduce of b*s*h (SP: all-gather + reduce-scatter), loss_parallel's 3
-    fp32 values per token, and with SP the final norm's weight-gradient all-reduce."""
-    if tp == 1:
-        return []
-    act = float(b) * s * h * act_dtype_bytes(dtype)
-    ends = int(embed) + int(head)
-    out = []
-    if ends:
-        if sp:
-            out += [Traffic("tp", "all_gather", act * ends, ends, tp),
-                    Traffic("tp", "reduce_scatter", act * ends, ends, tp)]
-        else:
-            out.append(Traffic("tp", "all_reduce", act * ends, ends, tp))
-    if head:
-        out.append(Traffic("tp", "all_reduce", 3.0 * b * s * 4, 3, tp, "loss_parallel"))
-        if sp:
-            out.append(Traffic("tp", "all_reduce", float(h) * 4, 1, tp, "final norm grad"))
-    return out
 
 
 # ------------------------------------------------------------------------ data parallelism

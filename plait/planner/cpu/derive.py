@@ -83,10 +83,11 @@ def derive_constants(raw: dict, *, alpha: float, bw: float, rate: float) -> dict
     """
     import dataclasses
 
+    from plait.comm.predict import tp_block_traffic, tp_end_traffic
     from plait.comm.volumes import Traffic, bus_factor
 
     from ..cost import DEFAULT_CONSTANTS
-    from ..traffic import collective_time, tp_block_traffic, tp_end_traffic
+    from ..traffic import collective_time
 
     world = int(raw["world"])
     out: dict[str, float] = {}
