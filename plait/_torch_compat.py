@@ -199,6 +199,17 @@ def sdpa_ops() -> set[Any]:
     return {op.default for op in ops if op is not None}
 
 
+def fake_tensor_mode() -> type:
+    """``torch._subclasses.fake_tensor.FakeTensorMode``: tensors with shapes and dtypes but no
+    memory or compute.
+
+    Why: an inferred tensor-parallel plan is checked by running one forward of the model on fake
+    tensors with every matched linear computing its rank's share; a misplaced split fails there,
+    before anything is sharded. Checked on torch 2.13.
+    """
+    return _resolve("torch._subclasses.fake_tensor", "FakeTensorMode")
+
+
 # ------------------------------------------------------------------------------ checkpoints
 def dcp_set_element() -> Callable[..., Any]:
     """``torch.distributed.checkpoint._traverse.set_element(root, path, value)``: put a value
@@ -345,7 +356,8 @@ def torch_dispatch_mode() -> type:
 # Every resolver that takes no argument, for tests/test_torch_compat.py. Each returns the private
 # name(s) or None for an optional one this torch lacks.
 RESOLVERS: tuple[Callable[[], Any], ...] = (
-    tp_style_bases, fsdp_comm_protocol, storage_use_count, checkpoint_wrapper_api, sdpa_ops,
-    dcp_set_element, pipeline_stage_base, stage_backward_split, keyset_after_backend_select,
-    functional_collectives, torch_dispatch_mode,
+    tp_style_bases, fake_tensor_mode, fsdp_comm_protocol, storage_use_count,
+    checkpoint_wrapper_api, sdpa_ops, dcp_set_element, pipeline_stage_base,
+    stage_backward_split, keyset_after_backend_select, functional_collectives,
+    torch_dispatch_mode,
 )

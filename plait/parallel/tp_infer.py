@@ -261,7 +261,9 @@ def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tu
     ``matched`` computing its rank's share, and head counts divided by tp; return the error a
     misplaced split raises (a sharded activation read where a full one is expected), or None.
     Nothing of the model changes: the overrides are removed afterwards."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from .._torch_compat import fake_tensor_mode
+
+    FakeTensorMode = fake_tensor_mode()
 
     overrides, saved = [], []
     try:
@@ -319,5 +321,5 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int) -> None:
         raise ValueError(
             f"the tensor-parallel plan inferred for {type(model).__name__} does not fit its "
             f"dataflow at tp={tp} (a forward with it fails: {error}); nothing was sharded. "
-            f"Pass plan.options['tp_plan'] = {{module glob: style}} (the inferred one was "
+            f"Pass Plan(options={{'tp_plan': {{module glob: style}}}}) (the inferred one was "
             f"{json.dumps(plan.styles)})")
