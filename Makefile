@@ -7,13 +7,22 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
+# PyTorch/XLA's own environment: torch-xla 2.9 needs torch 2.9.0 (whose x86_64 wheel is a CUDA
+# build: its NVIDIA runtime wheels come along, about 3.6 GB). Created once, reused after.
+XLA_VENV  := .venv-xla
+XLA_STAMP := $(XLA_VENV)/.installed
+# TorchTPU beside the pinned CPU torch: without a TPU only detection and refusals can run.
+TPU_VENV  := .venv-tpu
+TPU_STAMP := $(TPU_VENV)/.installed
 
-.PHONY: demo test test-slow test-fast lint bench clean help
+.PHONY: demo test test-xla test-tpu test-slow test-fast lint bench clean help
 
 help:
 	@echo "make demo       train the tiny transformer on 2 CPU processes (plan, progress, loss, ledger)"
 	@echo "make test       the whole suite (multi-process cases included, slow ones in a cheap form)"
 	@echo "make test-slow  also the long cases marked slow"
+	@echo "make test-xla   the PyTorch/XLA cases on the XLA CPU device (creates .venv-xla once)"
+	@echo "make test-tpu   TorchTPU without a TPU: detection, doctor, refusals (creates .venv-tpu)"
 	@echo "make lint       ruff (pyflakes, pycodestyle, isort, bugbear, naming, pyupgrade) and mypy"
 	@echo "make bench      the side-by-side benchmarks in bench/"
 
@@ -23,11 +32,31 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(BIN)/python -m pip install -q -c constraints-dev.txt -e ".[dev,hf,plot]"
 	touch $(STAMP)
 
+$(XLA_STAMP): pyproject.toml constraints-xla.txt
+	test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install -q --upgrade pip
+	$(XLA_VENV)/bin/python -m pip install -q -c constraints-xla.txt -e ".[dev,xla]"
+	touch $(XLA_STAMP)
+
+$(TPU_STAMP): pyproject.toml constraints-dev.txt
+	test -x $(TPU_VENV)/bin/python || $(PY) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TPU_VENV)/bin/python -m pip install -q -c constraints-dev.txt -e ".[dev,tpu]"
+	touch $(TPU_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/plait demo
 
 test: $(STAMP)
 	$(PYTEST) -q -m "not slow"
+
+# One XLA CPU device for training vs eager CPU and the diagnostics, four (CPU_NUM_DEVICES, set
+# per case) for the SPMD layouts.
+test-xla: $(XLA_STAMP)
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/xla
+
+test-tpu: $(TPU_STAMP)
+	$(TPU_VENV)/bin/python -m pytest -q -p no:warnings tests/tpu
 
 test-slow: $(STAMP)
 	$(PYTEST) -q
@@ -40,4 +69,4 @@ bench: $(STAMP)
 	for f in bench/[!_]*.py; do echo "== $$f"; PYTHONPATH=. $(BIN)/python $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(XLA_VENV) $(TPU_VENV) build *.egg-info .pytest_cache

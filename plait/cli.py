@@ -21,6 +21,7 @@ EPILOG = """examples:
   plait comm --plan dp=2                      bytes per mesh axis: measured vs closed form
   plait export ckpt/ --to model.safetensors   a checkpoint as one plain file
   plait bench comm --ops all_reduce --max-bytes 16M
+  plait doctor                                what usually breaks a start, with fixes
 """
 
 
@@ -83,6 +84,12 @@ def _schedule(args: argparse.Namespace) -> int:
     from .parallel import schedules
 
     return schedules.schedule_command(args)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .diagnostics import doctor
+
+    return doctor.command(args)
 
 
 def _add_format(p: argparse.ArgumentParser) -> None:
@@ -193,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     export.add_arguments(p)
     commands["export"] = _export
+
+    p = sub.add_parser(
+        "doctor", help="check this machine for what usually breaks a start (TPU, GPU, network)",
+        description="Pass/warn/fail checks, each with its fix: torch vs torch-xla / torch-tpu "
+        "versions, PJRT_DEVICE, a TPU held by another process, libtpu, NCCL peer-to-peer between "
+        "GPUs, InfiniBand for multi-node jobs, the master address and port, the gloo interface "
+        "on one node, the world-size variables. Exit 1 when a check fails.")
+    _add_format(p)
+    commands["doctor"] = _doctor
 
     parser.set_defaults(_commands=commands)
     return parser

@@ -31,8 +31,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .accelerators import Accelerator
 from .plan import Plan
-from .runtime import plan_from_argv
+from .runtime import accelerator_from_argv, plan_from_argv
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,31 @@ def validate(cfg: LaunchConfig) -> None:
             raise ValueError(f"port {port} on {host} is already in use; pick another with "
                              f"--rdzv-endpoint {host}:PORT, or leave it out for a free one")
     plan_text = plan_from_argv(list(cfg.script_args))
+    acc = _script_accelerator(cfg)
     if plan_text is not None and plan_text != "auto":  # auto is chosen with the model
-        world = cfg.nproc * cfg.nnodes
-        Plan.load(plan_text).validate(world)
+        plan = Plan.load(plan_text)
+        if acc is not None and acc.spmd:  # XLA: degrees count devices, checked at init
+            from .parallel.xla_spmd import plan_problems
+
+            if plan_problems(plan):
+                raise ValueError("plan cannot run on XLA: " + "; ".join(plan_problems(plan)))
+        else:
+            plan.validate(cfg.nproc * cfg.nnodes)
+
+
+def _script_accelerator(cfg: LaunchConfig) -> Accelerator | None:
+    """The accelerator the script's ``--accelerator`` names, checked before anything starts."""
+    name = accelerator_from_argv(list(cfg.script_args))
+    if name is None:
+        return None
+    from .accelerators import get_accelerator
+
+    acc = get_accelerator(name)  # ValueError: why it is missing, and `plait doctor`
+    if acc.spmd and cfg.nproc != 1:
+        raise ValueError(f"--nproc {cfg.nproc} with --accelerator {name}: under XLA SPMD one "
+                         f"process per host drives all of its devices; use --nproc 1 (and "
+                         f"--nnodes for more hosts)")
+    return acc
 
 
 def torchrun_args(cfg: LaunchConfig, log_dir: str) -> list[str]:
@@ -186,6 +209,10 @@ def root_cause(failures: list[tuple[int, str]]) -> tuple[int, str] | None:
 def launch(cfg: LaunchConfig) -> int:
     """Start the job; return its exit code (0 when every worker succeeded)."""
     validate(cfg)
+    if accelerator_from_argv(list(cfg.script_args)) == "tpu":
+        from .accelerators.tpu import TPUAccelerator
+
+        TPUAccelerator.prepare_launch(cfg.nnodes, cfg.nproc)
     own_logs = cfg.log_dir is None
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="plait-run-")
     env = {**os.environ, **cfg.extra_env, "PYTHONUNBUFFERED": "1"}

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ from .mesh import Mesh, build_mesh
 from .parallelize import parallelize as _parallelize
 from .plan import Plan
 from .train import LossFn, apply_update, forward_backward, reduce_totals
+
+if TYPE_CHECKING:
+    from .parallel.xla_spmd import SPMDLayout
 
 PlanSource = Plan | str | Path | Mapping[str, Any] | None
 
@@ -53,6 +56,8 @@ class Run:
 
     plan: Plan
     mesh: Mesh | None  # None only while plan="auto" waits for the model (see plait.auto)
+    # PyTorch/XLA: the SPMD layout (the XLA mesh); mesh is then None and never built.
+    spmd: SPMDLayout | None = None
     accelerator: Accelerator
     device: torch.device
     rank: int
@@ -83,6 +88,9 @@ class Run:
     _last_step_args: tuple[Any, Any, Any] | None = None  # (model, optimizer, scheduler)
     _loader: DistributedLoader | None = None
     auto: Any = None  # plait.auto.AutoRequest until run.parallelize chooses the plan
+    # plait.diagnostics.xla.XLADiagnostics on PyTorch/XLA: recompilations, CPU fallbacks and
+    # host syncs per step, reported at finish(); strict mode raises at the step instead.
+    xla: Any = None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -92,11 +100,18 @@ class Run:
 
     @property
     def dp_rank(self) -> int:
-        return self._mesh().data_rank_and_size()[0]
+        return self._data_rank_and_size()[0]
 
     @property
     def dp_size(self) -> int:
-        return self._mesh().data_rank_and_size()[1]
+        return self._data_rank_and_size()[1]
+
+    def _data_rank_and_size(self) -> tuple[int, int]:
+        """Which share of each global batch this process loads, and of how many (on XLA: this
+        host's, every device of the host splitting it)."""
+        if self.spmd is not None:
+            return self.spmd.data_rank_and_size()
+        return self._mesh().data_rank_and_size()
 
     def _mesh(self) -> Mesh:
         if self.mesh is None:
@@ -124,6 +139,12 @@ class Run:
             self.mesh = build_mesh(self.plan, self.device.type, self.world_size)
             self.auto = None
         torch.manual_seed(self.seed)
+        if self.spmd is not None:
+            from .parallel.xla_spmd import apply_spmd
+
+            out = apply_spmd(model, self.spmd, device=self.device)
+            self._models.append(out)
+            return out
         out = _parallelize(model, self._mesh(), self.plan, device=self.device)
         self._models.append(out)
         return out
@@ -136,7 +157,7 @@ class Run:
         ``steps`` counts from step 0: a run resumed from a checkpoint starts at the step saved
         (``start_step`` overrides it).
         """
-        dp_rank, dp_size = self._mesh().data_rank_and_size()
+        dp_rank, dp_size = self._data_rank_and_size()
         loader = DistributedLoader(dataset, batch_size, dp_rank=dp_rank, dp_size=dp_size,
                                    seed=self.seed, steps=steps,
                                    start_step=self.first_step if start_step is None
@@ -173,7 +194,10 @@ class Run:
         ``init(checkpoint=...)`` the first call loads the checkpoint being resumed, and every
         ``every``-th step saves one.
         """
-        batch = _to_device(batch, self.device)
+        if self.spmd is None:
+            batch = _to_device(batch, self.device)
+        else:  # XLA: the batch goes to the devices already split over the data axes
+            batch = self.spmd.place_batch(batch, self.device)
         self._last_step_args = (model, optimizer, scheduler)
         ckpt = self.checkpointing
         if ckpt is not None and ckpt.resume_path is not None and not ckpt.resumed:
@@ -181,7 +205,9 @@ class Run:
             # The loader already started at the saved step (init read it): only the state loads.
             self._load(ckpt.resume_path, model, optimizer, scheduler, move_loader=False)
         optimizer = self._optimizer_for(optimizer)
-        if self._memory is None:
+        # Not on XLA: an SPMD tensor shows its global size on the host, so per-device bytes
+        # cannot be read off the parameters there.
+        if self._memory is None and self.spmd is None:
             from .memory import MemoryTracker
 
             self._memory = MemoryTracker(model, optimizer, track_gathered=self.plan.zero >= 2)
@@ -191,20 +217,27 @@ class Run:
         recording = self.ledger is not None and step_index >= self.ledger_warmup
         if self._batch_shape is None:
             self._batch_shape = tuple(getattr(_first_input(batch), "shape", ()))
-        with self.ledger if recording else contextlib.nullcontext():
+        watch = self.xla.step(batch) if self.xla is not None else contextlib.nullcontext()
+        with self.ledger if recording else contextlib.nullcontext(), watch:
             local = forward_backward(model, batch, loss_fn, plan=self.plan, device=self.device)
             # Not in the ledger: the (sum, count) exchange is the runtime's, not the layout's.
             with self.ledger.paused() if recording else contextlib.nullcontext():
                 totals = self._global_totals(local)
-            apply_update(optimizer, totals, plan=self.plan, pp_group=pp_group)
-        loss = (totals[0] / totals[1].clamp_min(1)).detach()
-        if scheduler is not None:
-            with warnings.catch_warnings():
-                # ZeRO-1 steps its sharded copy of the user's optimizer, so the scheduler sees
-                # the user's never step and warns about the call order; nothing is skipped.
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
-                scheduler.step()
-        self.accelerator.synchronize(self.device)
+            # Under XLA SPMD the program is the global batch's: its gradients are of the global
+            # sum, not an average over replicas.
+            apply_update(optimizer, totals, plan=self.plan, pp_group=pp_group,
+                         data_replicas=1 if self.spmd is not None else None)
+            loss = (totals[0] / totals[1].clamp_min(1)).detach()
+            if scheduler is not None:
+                with warnings.catch_warnings():
+                    # ZeRO-1 steps its sharded copy of the user's optimizer, so the scheduler
+                    # sees the user's never step and warns about the call order; nothing is
+                    # skipped.
+                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+                    scheduler.step()
+            self.accelerator.synchronize(self.device)
+        if self.xla is not None:
+            self.xla.step_end()
         elapsed = time.perf_counter() - start
         step = self.first_step + len(self.stats.step_times) + 1
         self.stats.step_times.append(elapsed)
@@ -345,7 +378,10 @@ class Run:
 
     def _global_totals(self, local: torch.Tensor) -> torch.Tensor:
         """This rank's ``[loss sum, count]`` summed over the data replicas; with pipelines,
-        taken from the last stage (see ``plait.train.reduce_totals``)."""
+        taken from the last stage (see ``plait.train.reduce_totals``). Under XLA SPMD the
+        step's program already covers the global batch."""
+        if self.spmd is not None:
+            return local.detach().float()
         pp_group, last_pp = None, 0
         if self.plan.pp > 1:
             from .parallel.schedules import stage_to_rank
@@ -370,6 +406,8 @@ class Run:
             comm = self.ledger.report(expected=self._expected_traffic())
             info["comm"] = comm.to_dict()
             info["comm_table"] = comm.table()
+        if self.xla is not None:
+            info["xla"] = self.xla.report()
         return info
 
     def _expected_traffic(self) -> dict | None:
@@ -400,6 +438,10 @@ class Run:
                 from .memory import format_memory_report
 
                 self.print(format_memory_report(memory))
+            if "xla" in info:
+                from .diagnostics.xla import format_report
+
+                self.print(format_report(info["xla"]))
         self.close()
         return info
 
@@ -452,23 +494,32 @@ def _count_tokens(batch: Any) -> int:
     return int(inputs.numel()) if isinstance(inputs, torch.Tensor) else 0
 
 
+def _from_argv(flag: str, argv: list[str] | None) -> str | None:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument(flag, default=None)
+    known, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return getattr(known, flag.lstrip("-").replace("-", "_"))
+
+
 def plan_from_argv(argv: list[str] | None = None) -> str | None:
     """The value of ``--plan`` on the script's own command line, if any.
 
     This is how ``plait run --nproc 8 train.py --plan dp=2,tp=4`` reaches ``plait.init()``
     without the script declaring the flag: it is the script's argument, read explicitly.
     """
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--plan", default=None)
-    known, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    return known.plan
+    return _from_argv("--plan", argv)
+
+
+def accelerator_from_argv(argv: list[str] | None = None) -> str | None:
+    """The value of ``--accelerator`` on the script's own command line (read like ``--plan``)."""
+    return _from_argv("--accelerator", argv)
 
 
 def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int = 0,
          log_every: int = 10, quiet: bool = False, ledger: bool = False,
          checkpoint: str | Path | None = None, every: int | None = None, keep: int | None = 3,
          async_save: bool = False, cluster: Any = None, global_batch: int | None = None,
-         seq: int | None = None) -> Run:
+         seq: int | None = None, strict: bool = False) -> Run:
     """Join (or create) the process group, pick the device, build the mesh for ``plan``.
 
     ``plan``: a Plan, a plan string (``"dp=2,tp=2"``), a dict, or a .yaml/.json path; when None,
@@ -484,7 +535,39 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     newest ``keep``, and resumes from the newest one when the folder holds any: the first
     ``run.step`` loads it and ``run.loader`` continues at its step. ``async_save=True`` writes in
     the background. Bad values and an unwritable folder are refused here, before any work.
+
+    ``accelerator``: "cpu", "cuda", "tpu" (TorchTPU), "xla" (PyTorch/XLA), ...; when None, the
+    script's ``--accelerator`` argument, else the best one present. On XLA the plan's degrees
+    count the slice's devices, ``finish()`` reports recompilations, CPU fallbacks and host
+    syncs, and ``strict=True`` raises at the step where one appears instead.
+
+    Bad input raises ValueError before any work starts; when it came from the script's command
+    line (``--plan``, ``--accelerator``) the process ends as argparse ends it: one line on
+    stderr, exit status 2, no traceback.
     """
+    from_argv = False
+    if accelerator is None:
+        accelerator = accelerator_from_argv()
+        from_argv = accelerator is not None
+    if plan is None:
+        plan = plan_from_argv()
+        from_argv = from_argv or plan is not None
+    try:
+        return _init(plan, accelerator, seed=seed, log_every=log_every, quiet=quiet,
+                     ledger=ledger, checkpoint=checkpoint, every=every, keep=keep,
+                     async_save=async_save, cluster=cluster, global_batch=global_batch,
+                     seq=seq, strict=strict)
+    except ValueError as exc:
+        if not from_argv:
+            raise
+        print(f"plait: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: int, quiet: bool,
+          ledger: bool, checkpoint: str | Path | None, every: int | None, keep: int | None,
+          async_save: bool, cluster: Any, global_batch: int | None, seq: int | None,
+          strict: bool) -> Run:
     checkpointing = None
     if checkpoint is not None:
         from .checkpoint.schedule import Checkpointing
@@ -497,10 +580,18 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if plan is None:
-        plan = plan_from_argv()
     auto = isinstance(plan, str) and plan.strip() == "auto"
-    if auto:
+    layout = None
+    if acc.spmd:  # PyTorch/XLA: one process per host, the plan spans the slice's devices
+        if ledger or checkpointing is not None or auto:
+            raise ValueError("ledger=, checkpoint= and plan='auto' are not built on XLA SPMD "
+                             "(its collectives are inside the compiled program); drop them "
+                             "with --accelerator xla")
+        from .parallel.xla_spmd import build_layout
+
+        layout = build_layout(Plan.load(plan) if plan is not None else None)  # before tensors
+        resolved = layout.plan
+    elif auto:
         if ledger:
             raise ValueError("ledger=True needs the plan up front, not plan='auto'; run "
                              "`plait comm --plan P` with the plan auto chose")
@@ -526,13 +617,17 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     if auto:
         from .auto import AutoRequest
 
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        name = acc.device_name() if device.type == "cuda" else ""
         request = AutoRequest(world_size=world_size, device_type=device.type, device_name=name,
                               cluster=cluster, global_batch=global_batch, seq=seq)
-    mesh = None if auto else build_mesh(resolved, device.type, world_size)
+    mesh = None if auto or layout is not None else build_mesh(resolved, device.type, world_size)
     run = Run(plan=resolved, mesh=mesh, accelerator=acc, device=device, rank=rank,
               world_size=world_size, local_rank=local_rank, seed=seed, log_every=log_every,
-              quiet=quiet, owns_group=owns_group, auto=request)
+              quiet=quiet, owns_group=owns_group, auto=request, spmd=layout)
+    if layout is not None:
+        from .diagnostics.xla import XLADiagnostics
+
+        run.xla = XLADiagnostics(strict=strict)
     if checkpointing is not None:
         run.checkpointing = checkpointing
         run.first_step = checkpointing.resume_step

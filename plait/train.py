@@ -212,7 +212,8 @@ def reduce_totals(totals: torch.Tensor, *, dp_group: dist.ProcessGroup | None,
 
 
 def apply_update(optimizer: torch.optim.Optimizer, totals: torch.Tensor, *, plan: Plan,
-                 pp_group: dist.ProcessGroup | None = None) -> None:
+                 pp_group: dist.ProcessGroup | None = None,
+                 data_replicas: int | None = None) -> None:
     """Scale the gradients to the global mean (``dp / count``), clip, step, zero the gradients.
 
     ``totals`` is the global ``[loss sum, count]`` from :func:`reduce_totals`. Data parallelism
@@ -221,7 +222,10 @@ def apply_update(optimizer: torch.optim.Optimizer, totals: torch.Tensor, *, plan
     (every label ignored) leaves the gradients zero instead of NaN.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    scale_gradients(params, plan.dp / totals[1].clamp_min(1))
+    # data_replicas: how many replicas' gradients were averaged (plan.dp; 1 under XLA SPMD,
+    # whose one program computes the global batch's gradients).
+    replicas = plan.dp if data_replicas is None else data_replicas
+    scale_gradients(params, replicas / totals[1].clamp_min(1))
     if plan.grad_clip:
         clip_grad_norm(params, plan.grad_clip, pp_group)
     optimizer.step()

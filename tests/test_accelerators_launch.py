@@ -14,7 +14,7 @@ def test_cpu_is_always_there_and_default_here():
     assert acc.name == "cpu" and acc.backend == "gloo"
     assert acc.device() == torch.device("cpu")
     names = [a.name for a in all_accelerators()]
-    assert names == ["cuda", "xla", "hpu", "mps", "cpu"]
+    assert names == ["cuda", "tpu", "xla", "hpu", "mps", "cpu"]
     for a in all_accelerators():
         info = a.describe()  # must not raise, even for absent kinds
         assert info["name"] == a.name
@@ -48,8 +48,8 @@ def test_device_specific_calls_live_in_the_accelerators():
 
 
 def test_unknown_or_absent_accelerator():
-    with pytest.raises(ValueError, match="unknown accelerator 'tpu'"):
-        get_accelerator("tpu")
+    with pytest.raises(ValueError, match="unknown accelerator 'npu'"):
+        get_accelerator("npu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="not available"):
             get_accelerator("cuda")

@@ -21,11 +21,20 @@ class Accelerator(abc.ABC):
     device_type: str = ""
     #: default torch.distributed backend for this kind
     backend: str = ""
+    #: True where one process drives every device of its host and the compiler partitions one
+    #: program over the mesh (PyTorch/XLA SPMD); False for one process per device
+    spmd: bool = False
 
     @staticmethod
     @abc.abstractmethod
     def is_available() -> bool:
         """True when this kind of device can be used in this process."""
+
+    def unavailable_reason(self) -> str | None:
+        """Why this kind cannot be used here, with the fix, in one line; None when it can."""
+        if self.is_available():
+            return None
+        return f"no {self.name} device is visible to this process"
 
     @abc.abstractmethod
     def device_count(self) -> int:

@@ -1,0 +1,178 @@
+"""PyTorch/XLA on the XLA CPU device (``PJRT_DEVICE=CPU``): plans and diagnostics.
+
+Runs in ``.venv-xla`` (torch 2.9 + torch-xla 2.9) through ``make test-xla``; skipped where
+torch_xla is absent. Each case runs in its own process (see ``workers.py``): one XLA device for
+training against eager CPU and for each diagnostic, four (``CPU_NUM_DEVICES=4``) for the SPMD
+layouts. Multi-process XLA collectives hang on the CPU device (torch_xla issue 9089), so nothing
+here starts more than one XLA process at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plait.accelerators.base import module_present
+
+pytestmark = pytest.mark.skipif(
+    not module_present("torch_xla"),
+    reason="torch_xla is not installed here; `make test-xla` runs these in .venv-xla")
+
+ROOT = Path(__file__).resolve().parents[2]
+CASE_TIMEOUT = 1500  # seconds; compiling on a loaded 2-core machine is slow, a hang still fails
+
+
+def run_case(case: str, devices: int) -> dict:
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices),
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "tests.xla.workers", case], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=CASE_TIMEOUT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return run_case("single", 1)
+
+
+@pytest.fixture(scope="module")
+def diagnostics() -> dict:
+    return run_case("diagnostics", 1)
+
+
+@pytest.fixture(scope="module")
+def spmd() -> dict:
+    return run_case("spmd", 4)
+
+
+def _matches(result: dict, rtol: float = 1e-4, atol: float = 2e-4, param_atol: float = 5e-4
+             ) -> None:
+    assert result["missing"] == [] and result["params"] > 0
+    assert result["losses"] == pytest.approx(result["ref_losses"], rel=rtol, abs=atol)
+    assert result["max_param_diff"] < param_atol  # Adam at lr 1e-2 magnifies rounding
+
+
+# ------------------------------------------------------------------------- one device
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_single_device_trains_what_eager_cpu_trains(single):
+    _matches(single["transformer"])
+    _matches(single["mlp"])
+
+
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_a_clean_run_reports_nothing(single):
+    assert single["transformer"]["findings"] == []
+    report = single["mlp"]["report"]
+    assert report["findings"] == [] and report["compilations_after_warmup"] == 0
+    assert report["executions_per_step"] == 1  # the step boundary's graph, nothing else
+    assert report["compile_ms_per_step"] == 0 and report["execute_ms_per_step"] > 0
+
+
+# ------------------------------------------------------------------------- diagnostics
+def _kinds(report: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for f in report["findings"]:
+        out.setdefault(f["kind"], []).append(f)
+    return out
+
+
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_partial_last_batch_is_named_with_the_fix(diagnostics):
+    kinds = _kinds(diagnostics["partial"])
+    assert list(kinds) == ["partial_batch"], diagnostics["partial"]["findings"]
+    finding = kinds["partial_batch"][0]
+    assert "4 rows instead of 8" in finding["what"] and "drop_last=True" in finding["fix"]
+    assert finding["steps"] == [3]  # the second short batch (step 6) reuses the compilation
+
+
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_recompilation_fires_on_a_new_shape_and_stays_quiet_on_a_steady_one(diagnostics):
+    kinds = _kinds(diagnostics["shape"])
+    assert list(kinds) == ["recompilation"], diagnostics["shape"]["findings"]
+    assert "(4, 6, 8), (4, 6, 4) to (4, 8, 8), (4, 8, 4)" in kinds["recompilation"][0]["what"]
+    assert kinds["recompilation"][0]["steps"] == [4]
+    assert diagnostics["steady"]["findings"] == []
+    assert diagnostics["steady"]["compilations_after_warmup"] == 0
+
+
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_cpu_fallback_is_named_with_its_count(diagnostics):
+    kinds = _kinds(diagnostics["fallback"])
+    ops = {f["what"].split()[0]: f["count"] for f in kinds["fallback"]}
+    assert ops.get("aten::digamma", 0) >= 4, ops  # once per step, 4 steps
+    assert "host_sync" not in kinds or all("digamma" in f["what"] for f in kinds["host_sync"])
+
+
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_host_sync_names_the_item_call_and_its_line(diagnostics):
+    syncs = _kinds(diagnostics["host_sync"])["host_sync"]
+    named = [f for f in syncs if f["what"].startswith("Tensor.item at ")]
+    assert named, syncs
+    assert "workers.py:" in named[0]["what"]
+    # Unnamed on the first step it appears, named from the next one on (the watch starts then).
+    assert diagnostics["host_sync"]["unexplained_syncs_at_steps"] == [1]
+    assert named[0]["steps"] == [2, 3, 4]
+
+
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_strict_mode_raises_at_the_first_step_with_what_to_change(diagnostics):
+    strict = diagnostics["strict"]
+    assert strict["steps_run"] == 0
+    assert "step 1: Tensor.item at" in strict["error"] and "keep the value on the device" in \
+        strict["error"]
+
+
+# ------------------------------------------------------------------------- SPMD, 4 devices
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_spmd_layouts_train_what_one_cpu_trains(spmd):
+    for plan, result in spmd.items():
+        try:
+            _matches(result)
+        except AssertionError as exc:
+            raise AssertionError(f"{plan}: {exc}") from exc
+
+
+# ------------------------------------------------------------------------- bad input
+SCRIPT = "import plait\nplait.init()\nprint('STARTED')\n"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("args, expected", [
+    (["--accelerator", "xla", "--plan", "pp=2,dp_replicate=2"],
+     "pp=2: pipeline parallelism is not built on XLA"),
+    (["--accelerator", "xla", "--plan", "dp_replicate=2"], "!= 4 XLA devices"),
+])
+def test_a_plan_xla_cannot_express_is_one_line(tmp_path, args, expected):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
+                          text=True, timeout=600)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("plait: error:")]
+    assert proc.returncode == 2 and "STARTED" not in proc.stdout
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_stack_versions_and_doctor_where_torch_xla_is_installed():
+    from plait.accelerators.versions import stack_mismatch
+    from plait.diagnostics import doctor
+
+    assert stack_mismatch("torch_xla") is None  # this environment's pair matches
+    line = stack_mismatch("torch_xla", torch_version="2.13.0")
+    assert line.startswith("torch-xla 2.9.0 needs torch==2.9.*, but torch 2.13.0 is installed")
+    assert "pip install torch==2.9.0 torch-xla==2.9.0" in line
+    assert doctor.check_versions("torch_xla").status == "pass"
+    assert doctor.check_pjrt_device({"PJRT_DEVICE": "CPU"}).status == "pass"
+    assert doctor.check_pjrt_device({}).status == "warn"
+    wrong = doctor.check_pjrt_device({"PJRT_DEVICE": "GPU"})
+    assert wrong.status == "fail" and wrong.fix == "export PJRT_DEVICE=CPU"
+    if not doctor.tpu_device_files():
+        assert doctor.check_pjrt_device({"PJRT_DEVICE": "TPU"}).status == "fail"

@@ -1,0 +1,155 @@
+"""The XLA test cases, each run in a fresh process (``python -m tests.xla.workers CASE``).
+
+A process has one XLA runtime: its device count (``CPU_NUM_DEVICES``) and SPMD mode are fixed
+when it starts, so the single-device cases and the 4-device SPMD cases run in separate
+processes. Each case prints one JSON line (``RESULT {...}``) that the tests read.
+
+The XLA run goes first in every process: the autograd engine sizes its per-device queues at the
+first backward pass, and an XLA backward after a CPU one finds no queue for the XLA device.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import plait
+from plait.data import TextDataset
+from plait.diagnostics.xla import XLADiagnosticError
+from plait.models.transformer import build, lm_loss
+
+SPMD_PLANS = ("dp_replicate=4", "dp_shard=4,zero=3", "tp=4", "dp_shard=2,zero=3,tp=2",
+              "dp_replicate=2,dp_shard=2,zero=3")
+STEPS = 3
+
+
+class TwoLayer(nn.Module):
+    """A model written for these tests: an MLP regressor with a user TP plan."""
+
+    def __init__(self, width: int = 32, special: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.up = nn.Linear(8, width)
+        self.down = nn.Linear(width, 4)
+        self.special = special
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.up(x))
+        if self.special:  # digamma has no XLA lowering: it falls back to the CPU
+            h = h + torch.special.digamma(h.abs() + 1.0) * 0.01
+        return self.down(h)
+
+
+class Regression(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x[:, :4] * 2 - self.x[:, 4:]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def _canonical(name: str) -> str:
+    return name.replace("_orig_module.", "")
+
+
+def train(accelerator: str, plan: str | None, model: nn.Module, dataset, loss_fn, *,
+          batch: int = 8, steps: int = STEPS, batches=None, strict: bool = False) -> dict:
+    """Train under plait; losses of every step and the final parameters (on the CPU)."""
+    run = plait.init(plan, accelerator=accelerator, quiet=True, log_every=1, strict=strict)
+    model = run.parallelize(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    source = batches if batches is not None else run.loader(dataset, batch_size=batch,
+                                                             steps=steps)
+    losses, error = [], None
+    try:
+        for b in source:
+            losses.append(run.step(model, b, loss_fn, opt))
+    except XLADiagnosticError as exc:
+        error = str(exc)
+    params = {_canonical(n): p.detach().cpu() for n, p in model.named_parameters()}
+    info = run.finish(print_summary=False)
+    return {"losses": losses, "params": params, "xla": info.get("xla"), "error": error}
+
+
+def _compare(got: dict, ref: dict) -> dict:
+    diffs = {n: float((got["params"][n] - p).abs().max()) for n, p in ref["params"].items()}
+    return {"losses": got["losses"], "ref_losses": ref["losses"],
+            "max_param_diff": max(diffs.values()), "params": len(diffs),
+            "missing": sorted(set(ref["params"]) - set(got["params"]))}
+
+
+def _text():
+    return TextDataset(seq_len=16)
+
+
+def case_single() -> dict:
+    """One XLA device vs eager CPU: the reference transformer and a test-written model."""
+    out = {}
+    xla = train("xla", None, build("test"), _text(), lm_loss)
+    out["transformer"] = _compare(xla, train("cpu", None, build("test"), _text(), lm_loss))
+    out["transformer"]["findings"] = xla["xla"]["findings"]
+    xla = train("xla", None, TwoLayer(), Regression(), F.mse_loss, steps=6)
+    cpu = train("cpu", None, TwoLayer(), Regression(), F.mse_loss, steps=6)
+    out["mlp"] = _compare(xla, cpu)
+    out["mlp"]["report"] = {k: v for k, v in xla["xla"].items() if k != "per_step"}
+    return out
+
+
+def case_diagnostics() -> dict:
+    """Each diagnostic firing on a model made to trigger it, on one XLA device."""
+    out = {}
+    # A DataLoader without drop_last: 20 rows in batches of 8 leave a last batch of 4.
+    loader = torch.utils.data.DataLoader(Regression(20), batch_size=8, shuffle=False)
+    batches = [b for _ in range(2) for b in loader]
+    out["partial"] = train("xla", None, TwoLayer(), None, F.mse_loss, batches=batches)["xla"]
+    # The sequence length growing mid-run (steps 4-5): a new shape, not a short batch.
+    seqs = [(torch.randn(4, 6 + 2 * (k >= 3), 8), torch.randn(4, 6 + 2 * (k >= 3), 4))
+            for k in range(5)]
+    out["shape"] = train("xla", None, TwoLayer(), None, F.mse_loss, batches=seqs)["xla"]
+    steady = [(torch.randn(4, 6, 8), torch.randn(4, 6, 4)) for _ in range(5)]
+    out["steady"] = train("xla", None, TwoLayer(), None, F.mse_loss, batches=steady)["xla"]
+    out["fallback"] = train("xla", None, TwoLayer(special=True), Regression(), F.mse_loss,
+                            steps=4)["xla"]
+
+    def loss_with_item(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(pred, target)
+        if loss.item() > 1e6:  # a host read inside the step
+            print("diverged")
+        return loss
+
+    out["host_sync"] = train("xla", None, TwoLayer(), Regression(), loss_with_item,
+                             steps=4)["xla"]
+    strict = train("xla", None, TwoLayer(), Regression(), loss_with_item, steps=4, strict=True)
+    out["strict"] = {"error": strict["error"], "steps_run": len(strict["losses"])}
+    return out
+
+
+def case_spmd() -> dict:
+    """4 XLA devices under SPMD, one plan at a time, vs the eager CPU reference."""
+    runs = {plan: train("xla", plan, build("test"), _text(), lm_loss) for plan in SPMD_PLANS}
+    mlp_plan = {"dp_replicate": 2, "tp": 2,
+                "options": {"tp_plan": {"up": "colwise", "down": "rowwise"}}}
+    mlp = train("xla", mlp_plan, TwoLayer(), Regression(), F.mse_loss, steps=4)
+    ref = train("cpu", None, build("test"), _text(), lm_loss)
+    out = {plan: _compare(got, ref) for plan, got in runs.items()}
+    out["mlp dp_replicate=2,tp=2"] = _compare(
+        mlp, train("cpu", None, TwoLayer(), Regression(), F.mse_loss, steps=4))
+    return out
+
+
+def main(case: str) -> None:
+    result = globals()[f"case_{case}"]()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
