@@ -56,13 +56,13 @@ class Run:
 
     plan: Plan
     mesh: Mesh | None  # None only while plan="auto" waits for the model (see plait.auto)
-    # PyTorch/XLA: the SPMD layout (the XLA mesh); mesh is then None and never built.
-    spmd: SPMDLayout | None = None
     accelerator: Accelerator
     device: torch.device
     rank: int
     world_size: int
     local_rank: int
+    # PyTorch/XLA: the SPMD layout (the XLA mesh); mesh is then None and never built.
+    spmd: SPMDLayout | None = None
     seed: int = 0
     log_every: int = 10
     quiet: bool = False
