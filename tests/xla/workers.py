@@ -72,7 +72,7 @@ def train(accelerator: str, plan: str | None, model: nn.Module, dataset, loss_fn
     losses, error = [], None
     try:
         for b in source:
-            losses.append(run.step(model, b, loss_fn, opt))
+            losses.append(float(run.step(model, b, loss_fn, opt)))
     except XLADiagnosticError as exc:
         error = str(exc)
     params = {_canonical(n): p.detach().cpu() for n, p in model.named_parameters()}
