@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-# The oldest torch plait allows (pyproject: torch>=2.6). Importing this module on an older one
+# The oldest torch plait allows (pyproject: torch>=2.9). Importing this module on an older one
 # raises TorchCompatError.
-TORCH_FLOOR = (2, 6)
+TORCH_FLOOR = (2, 9)
 # torch releases the private names below were checked on (tests/test_torch_compat.py).
 CHECKED_ON = ("2.13",)
 
