@@ -31,7 +31,7 @@ import torch
 # raises TorchCompatError.
 TORCH_FLOOR = (2, 9)
 # torch releases the private names below were checked on (tests/test_torch_compat.py).
-CHECKED_ON = ("2.13",)
+CHECKED_ON = ("2.9", "2.13")
 
 
 class TorchCompatError(ImportError):
