@@ -144,7 +144,7 @@ def test_spmd_layouts_train_what_one_cpu_trains(spmd):
 # ------------------------------------------------------------------------- bad input
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("args, expected", [
-    (["--accelerator", "xla", "--plan", "pp=2,dp_replicate=2"],
+    (["--accelerator", "xla", "--plan", "pp=2,dp_replicate=2,mb=2"],
      "pp=2: pipeline parallelism is not built on XLA"),
     (["--accelerator", "xla", "--plan", "dp_replicate=2"], "!= 4 XLA devices"),
 ])
