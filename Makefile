@@ -15,7 +15,7 @@ XLA_STAMP := $(XLA_VENV)/.installed
 TPU_VENV  := .venv-tpu
 TPU_STAMP := $(TPU_VENV)/.installed
 
-.PHONY: demo test test-xla test-tpu test-slow test-fast lint bench clean help
+.PHONY: demo test test-xla test-tpu test-slow test-fast lint bench bench-env docs clean help
 
 help:
 	@echo "make demo       train the tiny transformer on 2 CPU processes (plan, progress, loss, ledger)"
@@ -24,12 +24,14 @@ help:
 	@echo "make test-xla   the PyTorch/XLA cases on the XLA CPU device (creates .venv-xla once)"
 	@echo "make test-tpu   TorchTPU without a TPU: detection, doctor, refusals (creates .venv-tpu)"
 	@echo "make lint       ruff (pyflakes, pycodestyle, isort, bugbear, naming, pyupgrade) and mypy"
-	@echo "make bench      the side-by-side benchmarks in bench/"
+	@echo "make bench      the side-by-side benchmarks in bench/ (vs_anchors.py needs make bench-env)"
+	@echo "make docs       the documentation site (MkDocs + Material) into site/, warnings and broken links as errors"
+	@echo "make bench-env  .venv-bench: plait beside HF Accelerate and Lightning Fabric, for bench/vs_anchors.py"
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints-dev.txt -e ".[dev,hf,plot]"
+	$(BIN)/python -m pip install -q -c constraints-dev.txt -e ".[dev,hf,plot,tensorboard]"
 	touch $(STAMP)
 
 $(XLA_STAMP): pyproject.toml constraints-xla.txt
@@ -65,8 +67,33 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-bench: $(STAMP)
+bench: $(STAMP) $(BENCH_STAMP)
 	for f in bench/[!_]*.py; do echo "== $$f"; PYTHONPATH=. $(BIN)/python $$f || exit 1; done
 
+# The docs toolchain is the `docs` extra, installed on demand (not part of `make test`'s install).
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -q -c constraints-dev.txt -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+# --strict: any warning fails, and mkdocs.yml's validation turns a link to a missing page or a
+# missing anchor into a warning; the example scripts are embedded, so a moved one fails too.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# The anchors plait is compared with (bench/vs_anchors.py) live in their own environment so
+# that they never become plait's dependencies; torch is pinned the same as in .venv.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
+
+bench-env: $(BENCH_STAMP)
+
+$(BENCH_STAMP): pyproject.toml constraints-dev.txt bench/requirements-anchors.txt
+	test -x $(BENCH_VENV)/bin/python || $(PY) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install -q -c constraints-dev.txt -e . -r bench/requirements-anchors.txt
+	touch $(BENCH_STAMP)
+
 clean:
-	rm -rf $(VENV) $(XLA_VENV) $(TPU_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(XLA_VENV) $(TPU_VENV) $(BENCH_VENV) site build *.egg-info .pytest_cache

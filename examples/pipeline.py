@@ -4,6 +4,7 @@
     plait run --nproc 2 examples/pipeline.py --plan pp=2,schedule=zbv,v=2,mb=4
     plait run --nproc 4 examples/pipeline.py --plan pp=2,dp=2,schedule=gpipe,mb=4
     python examples/pipeline.py            # starts 2 local processes itself
+    plait run --nproc 2 examples/pipeline.py --steps 6     # the short run the tests use
 
 The training loop is the same as on one device; only the plan says "pipeline". Before training
 it prints the schedule as a step x rank grid (no processes needed for that: it is data), and
@@ -70,9 +71,10 @@ def _worker(rank: int, world_size: int, plan: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--plan", default=None)
+    parser.add_argument("--steps", type=int, default=20, help="at least 3")
     args, _ = parser.parse_known_args()
     if "WORLD_SIZE" in os.environ:
-        main(args.plan or DEFAULT_PLAN)
+        main(args.plan or DEFAULT_PLAN, steps=max(3, args.steps))
     else:  # plain `python examples/pipeline.py`: start the processes here
         from plait.plan import Plan
         from plait.spawn import run_distributed

@@ -12,6 +12,8 @@ loss_parallel() so the full-vocabulary logits never exist on one rank. A plain A
 parameter is a DTensor after TP.
 """
 
+import argparse
+
 import torch
 
 import plait
@@ -20,11 +22,14 @@ from plait.models.transformer import build, lm_loss
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=40)  # --steps 4: the tests' short run
+    steps = parser.parse_known_args()[0].steps            # (--plan is read by plait.init)
     torch.set_num_threads(1)
     run = plait.init(log_every=10)
     model = run.parallelize(build("tiny", seed=0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for batch in run.loader(TextDataset(seq_len=64), batch_size=8, steps=40):
+    for batch in run.loader(TextDataset(seq_len=64), batch_size=8, steps=steps):
         run.step(model, batch, lm_loss, opt)
     run.finish()
 

@@ -13,15 +13,20 @@ printed beside the closed form for the plan: watch the model-state column fall f
 (DDP) to 16Ψ/d (ZeRO-3), and "gathered" show what ZeRO-2 keeps between forward and backward.
 """
 
+import argparse
+
 import torch
 
 import plait
 from plait.data import TextDataset
 from plait.models.transformer import build, lm_loss
 
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=40)  # --steps 4: the tests' short run
+steps = parser.parse_known_args()[0].steps            # (--plan is read by plait.init)
 run = plait.init(seed=0, log_every=10)
 model = run.parallelize(build("tiny", seed=0))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-for batch in run.loader(TextDataset(seq_len=64), batch_size=16, steps=40):
+for batch in run.loader(TextDataset(seq_len=64), batch_size=16, steps=steps):
     run.step(model, batch, lm_loss, opt)
 run.finish()   # run summary, then the per-rank memory table (plait.memory)

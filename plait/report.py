@@ -18,15 +18,30 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def progress_line(step: int, total: int | None, loss: float, stats: Any) -> str:
-    """``step 50/300 | loss 2.3456 | 12,345 tok/s | 45.6 ms/step``."""
-    recent = stats.step_times[-10:]
-    tokens = stats.tokens[-10:]
+def recent_throughput(stats: Any, window: int = 10) -> tuple[float, float]:
+    """(tokens/s, median ms/step) over the last ``window`` steps."""
+    recent = stats.step_times[-window:]
+    tokens = stats.tokens[-window:]
     tps = sum(tokens) / sum(recent) if recent and sum(recent) > 0 else 0.0
+    return tps, 1000 * _median(recent)
+
+
+def eta(step: int, total: int | None, stats: Any) -> str:
+    """Time left at the recent median step time, as ``H:MM:SS`` (``?`` without a total)."""
+    if not total or not stats.step_times:
+        return "?"
+    left = max(0, total - step) * _median(stats.step_times[-10:])
+    h, rem = divmod(int(round(left)), 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}"
+
+
+def progress_line(step: int, total: int | None, loss: float, stats: Any) -> str:
+    """``step 50/300 | loss 2.3456 | 12,345 tok/s | 45.6 ms/step | ETA 0:00:11``."""
+    tps, ms = recent_throughput(stats)
     width = len(str(total)) if total else 0
     where = f"{step:>{width}}/{total}" if total else f"{step}"
-    return (f"step {where} | loss {loss:.4f} | {tps:,.0f} tok/s | "
-            f"{1000 * _median(recent):.1f} ms/step")
+    line = f"step {where} | loss {loss:.4f} | {tps:,.0f} tok/s | {ms:.1f} ms/step"
+    return line + (f" | ETA {eta(step, total, stats)}" if total else "")
 
 
 def local_memory(accelerator: Any = None) -> dict[str, float]:

@@ -33,6 +33,7 @@ from .data.loader import DistributedLoader
 from .mesh import Mesh, build_mesh
 from .parallelize import parallelize as _parallelize
 from .plan import Plan
+from .progress import Progress, check_extras
 from .train import LossFn, apply_update, forward_backward, reduce_totals
 
 if TYPE_CHECKING:
@@ -74,6 +75,11 @@ class Run:
     # DDP's bucket rebuild, pipeline shape inference).
     ledger: Any = None
     ledger_warmup: int = 2
+    # Rank 0's bar / plain lines and TensorBoard scalars (plait.progress.Progress), made at
+    # the first step unless init() made it; ``plot``: a PNG of loss and per-rank step time
+    # written at finish().
+    progress: Any = None
+    plot: str | None = None
     _batch_shape: tuple[int, ...] | None = None
     _started: float = field(default_factory=time.perf_counter)
     _models: list[nn.Module] = field(default_factory=list)
@@ -243,8 +249,11 @@ class Run:
         self.stats.step_times.append(elapsed)
         self.stats.tokens.append(_count_tokens(batch) * self.dp_size)
         self.stats.losses.append(loss)
-        if step == 1 or step % self.log_every == 0 or step == self.total_steps:
-            self.print(report.progress_line(step, self.total_steps, float(loss), self.stats))
+        if self.progress is None:
+            self.progress = Progress(enabled=self.is_main and not self.quiet,
+                                     log_every=self.log_every)
+        self.progress.total = self.total_steps
+        self.progress.update(step, float(loss), self.stats)
         if ckpt is not None:
             if ckpt.pending is not None and ckpt.pending.done():
                 ckpt.pending.wait()  # rank 0 publishes a finished background save
@@ -423,7 +432,11 @@ class Run:
         if ckpt is not None and self._last_step_args is not None \
                 and ckpt.last_saved != self.steps_done:
             self.save()
+        if self.progress is not None:
+            self.progress.close()
         info = self.summary()
+        if self.plot is not None:
+            info["plot"] = self._plot(self.plot)
         memory = self.memory_report()
         if memory is not None:
             info["model_memory"] = memory
@@ -445,6 +458,18 @@ class Run:
         self.close()
         return info
 
+    def _plot(self, path: str) -> str:
+        """Rank 0 draws every rank's step times (gathered: collective) beside the loss."""
+        from .progress import plot_run
+
+        times: list[Any] = [None] * self.world_size
+        dist.all_gather_object(times, self.stats.step_times)
+        if self.is_main:
+            plot_run(path, [float(v) for v in self.stats.losses], times,
+                     title=f"{self.plan.describe()} on {self.world_size} x {self.accelerator.name}")
+            self.print(f"plot: {path}")
+        return path
+
     def close(self) -> None:
         """Free parallel modules before the group goes: a DDP reducer still alive after
         ``destroy_process_group`` can deadlock on the GIL at exit (its teardown joins a gloo
@@ -454,6 +479,8 @@ class Run:
             self.checkpointing.pending = None
         if self.ledger is not None:
             self.ledger.uninstall()
+        if self.progress is not None:
+            self.progress.close()
         self._models.clear()
         self._sharded_optimizers.clear()
         if self._memory is not None:
@@ -519,7 +546,8 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
          log_every: int = 10, quiet: bool = False, ledger: bool = False,
          checkpoint: str | Path | None = None, every: int | None = None, keep: int | None = 3,
          async_save: bool = False, cluster: Any = None, global_batch: int | None = None,
-         seq: int | None = None, strict: bool = False) -> Run:
+         seq: int | None = None, strict: bool = False, tensorboard: str | None = None,
+         plot: str | None = None) -> Run:
     """Join (or create) the process group, pick the device, build the mesh for ``plan``.
 
     ``plan``: a Plan, a plan string (``"dp=2,tp=2"``), a dict, or a .yaml/.json path; when None,
@@ -544,6 +572,10 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     Bad input raises ValueError before any work starts; when it came from the script's command
     line (``--plan``, ``--accelerator``) the process ends as argparse ends it: one line on
     stderr, exit status 2, no traceback.
+
+    ``tensorboard=DIR`` writes loss, tokens/s and step time there (rank 0); ``plot=PATH`` saves
+    a PNG of the loss and every rank's step time at ``finish()``. On a terminal rank 0 shows a
+    live progress bar, elsewhere a plain line every ``log_every`` steps.
     """
     from_argv = False
     if accelerator is None:
@@ -556,7 +588,7 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
         return _init(plan, accelerator, seed=seed, log_every=log_every, quiet=quiet,
                      ledger=ledger, checkpoint=checkpoint, every=every, keep=keep,
                      async_save=async_save, cluster=cluster, global_batch=global_batch,
-                     seq=seq, strict=strict)
+                     seq=seq, strict=strict, tensorboard=tensorboard, plot=plot)
     except ValueError as exc:
         if not from_argv:
             raise
@@ -567,7 +599,7 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
 def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: int, quiet: bool,
           ledger: bool, checkpoint: str | Path | None, every: int | None, keep: int | None,
           async_save: bool, cluster: Any, global_batch: int | None, seq: int | None,
-          strict: bool) -> Run:
+          strict: bool, tensorboard: str | None = None, plot: str | None = None) -> Run:
     checkpointing = None
     if checkpoint is not None:
         from .checkpoint.schedule import Checkpointing
@@ -599,6 +631,7 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
     else:
         resolved = Plan.load(plan) if plan is not None else Plan(dp_replicate=world_size)
         resolved.validate(world_size)  # before touching the network: a bad plan fails fast
+    check_extras(tensorboard=tensorboard, plot=plot)
     device = acc.device(local_rank)
     acc.set_device(device)
     owns_group = False
@@ -623,11 +656,14 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
     mesh = None if auto or layout is not None else build_mesh(resolved, device.type, world_size)
     run = Run(plan=resolved, mesh=mesh, accelerator=acc, device=device, rank=rank,
               world_size=world_size, local_rank=local_rank, seed=seed, log_every=log_every,
-              quiet=quiet, owns_group=owns_group, auto=request, spmd=layout)
+              quiet=quiet, owns_group=owns_group, auto=request, spmd=layout,
+              plot=plot)
     if layout is not None:
         from .diagnostics.xla import XLADiagnostics
 
         run.xla = XLADiagnostics(strict=strict)
+    run.progress = Progress(enabled=run.is_main and not quiet, log_every=log_every,
+                            tensorboard=tensorboard)
     if checkpointing is not None:
         run.checkpointing = checkpointing
         run.first_step = checkpointing.resume_step

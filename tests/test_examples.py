@@ -21,10 +21,12 @@ def plait_run(nproc, script, *args):
 
 
 @pytest.mark.parametrize("nproc, script, args, expect", [
-    (2, "data_parallel.py", [], "max |param diff| vs one device"),
-    (2, "pipeline.py", ["--plan", "pp=2,schedule=1f1b,mb=4"], "run summary"),
-    (2, "tensor_parallel.py", ["--plan", "tp=2,sp=true"], "run summary"),
-    (2, "zero.py", ["--plan", "dp_shard=2,zero=3"], "memory per rank"),
+    (2, "ddp.py", [], "max |param diff| vs one device"),
+    (2, "pipeline.py", ["--plan", "pp=2,schedule=1f1b,mb=4", "--steps", "4"], "run summary"),
+    (2, "tensor_parallel.py", ["--plan", "tp=2,sp=true", "--steps", "4"], "run summary"),
+    (2, "zero.py", ["--plan", "dp_shard=2,zero=3", "--steps", "4"], "memory per rank"),
+    (4, "nd_parallel.py", ["--steps", "3"], "communication ledger"),
+    (2, "auto_plan.py", ["--steps", "3"], "training under the winner"),
     (2, "hf_model.py", ["--plan", "tp=2,sp", "--steps", "4"], "mean over the real tokens"),
 ])
 def test_example_runs(nproc, script, args, expect):

@@ -7,7 +7,7 @@ on a ring), so every replica takes the same optimizer step and the replicas neve
 This script shows it twice on the same data: first a hand-written loop (all-reduce each gradient
 ourselves), then plait's DDP, and checks both equal one device's training.
 
-    plait run --nproc 2 examples/data_parallel.py
+    plait run --nproc 2 examples/ddp.py
 """
 
 import torch

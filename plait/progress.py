@@ -1,0 +1,137 @@
+"""What rank 0 shows while a run trains, and what it can leave behind.
+
+- On a terminal: a live tqdm bar (step, loss, tokens/s, ms/step, ETA), redrawn every step.
+  Elsewhere (a pipe, a log file, ``plait run``'s tee'd rank-0 output, where a redrawn line
+  would arrive as one long line or not at all): one plain line every ``log_every`` steps.
+- ``tensorboard=DIR``: loss, tokens/s and step time as TensorBoard scalars
+  (``torch.utils.tensorboard``; needs the ``tensorboard`` package, the ``tensorboard`` extra).
+- ``plot=PATH``: at ``finish()``, a PNG of the loss and of every rank's step time (matplotlib,
+  the ``plot`` extra).
+
+Both extras are checked when the run starts, so a missing package fails before any training.
+The loss shown is the global one the runtime already computed for the step: drawing the bar
+adds no communication.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from . import report
+
+
+def check_extras(*, tensorboard: str | None, plot: str | None) -> None:
+    """Fail fast, with the install command, when an output that was asked for cannot be made."""
+    if tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(f"tensorboard={tensorboard!r} needs the tensorboard package; install it "
+                         f"with: pip install 'plait[tensorboard]'")
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(f"plot={plot!r} needs matplotlib; install it with: "
+                         f"pip install 'plait[plot]'")
+
+
+class Progress:
+    """Rank 0's view of training: a bar or plain lines, plus TensorBoard scalars on request.
+
+    Built on every rank; only an ``enabled`` one (rank 0, not quiet) prints or writes.
+    """
+
+    def __init__(self, *, enabled: bool, log_every: int, total: int | None = None,
+                 tensorboard: str | None = None, stream: TextIO | None = None):
+        self.enabled = enabled
+        self.log_every = log_every
+        self.total = total
+        self.stream = stream if stream is not None else sys.stdout
+        self.live = enabled and _is_terminal(self.stream)
+        self._bar: Any = None
+        self._loss = float("nan")
+        self._writer: Any = None
+        if enabled and tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=tensorboard)
+
+    def update(self, step: int, loss: float, stats: Any) -> None:
+        """After step ``step`` (1-based) with its global loss (NaN when unknown)."""
+        if not self.enabled:
+            return
+        if not math.isnan(loss):
+            self._loss = loss
+        if self._writer is not None:
+            self._write_scalars(step, None if math.isnan(loss) else loss, stats)
+        if self.live:
+            self._draw(step, stats)
+        elif step == 1 or step % self.log_every == 0 or step == self.total:
+            print(report.progress_line(step, self.total, self._loss, stats), file=self.stream,
+                  flush=True)
+
+    def _draw(self, step: int, stats: Any) -> None:
+        from tqdm.auto import tqdm
+
+        if self._bar is None:
+            # A pseudo-terminal that reports 0 columns would get an empty bar: use 100.
+            wide = shutil.get_terminal_size((0, 0)).columns > 0
+            self._bar = tqdm(total=self.total, file=self.stream, unit="step",
+                             dynamic_ncols=wide, ncols=None if wide else 100, leave=True)
+        tps, ms = report.recent_throughput(stats)
+        self._bar.set_postfix_str(f"loss {self._loss:.4f} | {tps:,.0f} tok/s | {ms:.1f} ms/step",
+                                  refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def _write_scalars(self, step: int, loss: float | None, stats: Any) -> None:
+        if loss is not None:
+            self._writer.add_scalar("train/loss", loss, step)
+        self._writer.add_scalar("train/step_time_ms", 1000 * stats.step_times[-1], step)
+        if stats.step_times[-1] > 0:
+            self._writer.add_scalar("train/tokens_per_s", stats.tokens[-1] / stats.step_times[-1],
+                                    step)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def plot_run(path: str | Path, losses: list[float], step_times_per_rank: list[list[float]],
+             title: str = "") -> Path:
+    """Loss per logged step (left) and every rank's step time (right), saved as a PNG.
+
+    A rank whose line sits above the others is the straggler the whole job waits for.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    points = [(i + 1, v) for i, v in enumerate(losses) if not math.isnan(v)]
+    if points:
+        steps, values = zip(*points, strict=True)
+        left.plot(steps, values, marker=".")
+    left.set(xlabel="step", ylabel="loss (mean over the global batch)", title="loss")
+    for rank, times in enumerate(step_times_per_rank):
+        right.plot(range(1, len(times) + 1), [1000 * t for t in times], label=f"rank {rank}")
+    right.set(xlabel="step", ylabel="ms", title="step time per rank")
+    if len(step_times_per_rank) <= 16:
+        right.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,143 @@
+"""Rank 0's progress output: plain lines off a terminal, a tqdm bar on one, TensorBoard scalars
+and the end-of-run plot, each checked against the figures the run measured."""
+
+import io
+import math
+
+import pytest
+import torch
+
+from plait import report
+from plait.progress import Progress, check_extras, plot_run
+from plait.runtime import StepStats
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def _stats(n, step_s=0.5, tokens=1000):
+    s = StepStats()
+    s.step_times = [step_s] * n
+    s.tokens = [tokens] * n
+    return s
+
+
+def test_progress_line_has_throughput_and_eta():
+    line = report.progress_line(4, 10, 2.5, _stats(4))
+    assert line == "step  4/10 | loss 2.5000 | 2,000 tok/s | 500.0 ms/step | ETA 0:00:03"
+    assert "ETA" not in report.progress_line(4, None, 2.5, _stats(4))
+    assert report.eta(10, 10, _stats(10)) == "0:00:00"
+    assert report.eta(0, 7300, _stats(1, step_s=1.0)) == "2:01:40"
+
+
+def test_plain_lines_only_on_logged_steps():
+    out = io.StringIO()
+    p = Progress(enabled=True, log_every=2, total=4, stream=out)
+    assert not p.live
+    stats = StepStats()
+    for step, loss in enumerate([3.0, math.nan, 2.0, 1.5], 1):
+        stats.step_times.append(0.1)
+        stats.tokens.append(10)
+        p.update(step, loss, stats)
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert [ln.split("|")[0].strip() for ln in lines] == ["step 1/4", "step 2/4", "step 4/4"]
+    assert "loss 3.0000" in lines[1]  # a step without a loss shows the last one known
+    assert "loss 1.5000" in lines[-1]
+
+
+def test_live_bar_on_a_terminal_keeps_the_last_reduced_loss():
+    out = FakeTerminal()
+    p = Progress(enabled=True, log_every=10, total=3, stream=out)
+    assert p.live
+    stats = StepStats()
+    for step, loss in enumerate([4.25, math.nan, math.nan], 1):
+        stats.step_times.append(0.2)
+        stats.tokens.append(100)
+        p.update(step, loss, stats)
+    p.close()
+    text = out.getvalue()
+    assert "3/3" in text and "loss 4.2500" in text and "500 tok/s" in text
+    assert "\r" in text  # redrawn in place, not one line per step
+
+
+def test_disabled_progress_prints_nothing():
+    out = FakeTerminal()
+    p = Progress(enabled=False, log_every=1, total=2, stream=out)
+    p.update(1, 1.0, _stats(1))
+    p.close()
+    assert out.getvalue() == ""
+
+
+def test_tensorboard_scalars_match_the_run(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    p = Progress(enabled=True, log_every=2, total=3, stream=io.StringIO(),
+                 tensorboard=str(tmp_path))
+    stats = StepStats()
+    for step, (loss, t) in enumerate([(3.0, 0.5), (math.nan, 0.25), (2.0, 0.125)], 1):
+        stats.step_times.append(t)
+        stats.tokens.append(64)
+        p.update(step, loss, stats)
+    p.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert loss == [(1, 3.0), (3, 2.0)]  # only the steps whose loss was reduced
+    ms = [e.value for e in acc.Scalars("train/step_time_ms")]
+    assert ms == pytest.approx([500.0, 250.0, 125.0])
+    tps = [e.value for e in acc.Scalars("train/tokens_per_s")]
+    assert tps == pytest.approx([128.0, 256.0, 512.0])
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = plot_run(tmp_path / "sub" / "run.png", [3.0, math.nan, 2.0],
+                   [[0.1, 0.2, 0.1], [0.1, 0.3, 0.1]], title="dp=2")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_extra_is_named_before_training(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ValueError, match=r"pip install 'plait\[tensorboard\]'"):
+        check_extras(tensorboard="runs", plot=None)
+
+
+def _train_with_outputs(rank, world, tb_dir, png):
+    import plait
+    from plait.data import TextDataset
+    from plait.models.transformer import build, lm_loss
+
+    run = plait.init(f"dp={world}", log_every=2, tensorboard=tb_dir, plot=png)
+    model = run.parallelize(build("test", seed=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in run.loader(TextDataset(seq_len=16), batch_size=4, steps=3):
+        run.step(model, batch, lm_loss, opt)
+    losses = [float(v) for v in run.stats.losses]
+    info = run.finish(print_summary=False)
+    return losses, info["plot"]
+
+
+def test_two_ranks_write_tensorboard_and_plot_on_rank_0(tmp_path):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("matplotlib")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from plait.spawn import run_distributed
+
+    png = tmp_path / "run.png"
+    out = run_distributed(_train_with_outputs, 2, str(tmp_path / "tb"), str(png), timeout=180)
+    losses = out[0][0]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    logged = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert logged == [(i + 1, pytest.approx(v)) for i, v in enumerate(losses) if v == v]
+    assert len(list((tmp_path / "tb").iterdir())) == 1  # rank 0 only

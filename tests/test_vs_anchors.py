@@ -1,0 +1,67 @@
+"""bench/vs_anchors.py: the line counts (pure), and its --smoke run in the anchors' environment.
+
+The smoke run needs Accelerate and Lightning, which live in ``.venv-bench`` (``make bench-env``)
+and never in plait's dependencies; without that environment it skips and says how to make it.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("vs_anchors", ROOT / "bench" / "vs_anchors.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["vs_anchors"] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_lines_changed_counts_a_rewritten_line_once():
+    va = _module()
+    a = ["import torch", "x = 1", "y = 2", "print(x)"]
+    b = ["import torch", "import plait", "x = 10", "y = 2", "print(x)", "done()"]
+    assert va.lines_changed(a, b) == 3  # one added, one rewritten, one appended
+    assert va.lines_changed(a, a) == 0
+
+
+def test_code_lines_skip_docstring_comments_and_blanks(tmp_path):
+    va = _module()
+    f = tmp_path / "s.py"
+    f.write_text('"""Doc\nstring."""\nimport os\n\n# a comment\nx = 1  # trailing\n')
+    assert va.code_lines(f) == ["import os", "x = 1"]
+
+
+def test_lines_table_covers_every_library_and_layout():
+    va = _module()
+    table = va.lines_table()
+    assert set(table) == {"raw PyTorch", "Accelerate", "Fabric", "plait"}
+    for row in table.values():
+        assert set(row) == {"DDP", "FSDP", "pipeline"}
+    # plait runs one file under every plan: the same count for the three layouts.
+    assert table["plait"]["DDP"] == table["plait"]["FSDP"] == table["plait"]["pipeline"]
+    assert table["Fabric"]["pipeline"].startswith("not possible")
+    assert all(isinstance(v, int) and v > 0 for v in table["raw PyTorch"].values())
+
+
+@pytest.mark.timeout(900)  # ten torchrun jobs, each importing its library
+@pytest.mark.skipif(not BENCH_PYTHON.exists(),
+                    reason="no .venv-bench: run `make bench-env` to install Accelerate and "
+                           "Lightning beside plait for bench/vs_anchors.py --smoke")
+def test_vs_anchors_smoke():
+    out = subprocess.run([str(BENCH_PYTHON), "bench/vs_anchors.py", "--smoke"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    for name in ("torch DDP", "Accelerate DDP", "Fabric DDP", "plait DDP", "torch FSDP2",
+                 "Accelerate FSDP", "Fabric FSDP", "plait ZeRO-3", "torch pipeline",
+                 "plait pipeline"):
+        assert name in out.stdout
+    assert "lines of user code changed" in out.stdout
