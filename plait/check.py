@@ -329,6 +329,12 @@ def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float 
 
 
 # ---------------------------------------------------------------------------------------- CLI
+# Bounds of `plait check`'s own batches: it proves equivalence on a few small steps; attention
+# cost grows with the square of the sequence, and 100,000 tokens ran for hours without a word.
+MAX_SEQ_LEN = 4096
+MAX_BATCH = 1024
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True,
                         help="layout to check, e.g. dp=2 or dp=2,tp=2 (world size = product)")
@@ -353,13 +359,19 @@ def command(args: argparse.Namespace) -> int:
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout={args.timeout} must be a positive number of seconds")
+    if args.seq_len > MAX_SEQ_LEN or args.batch_size > MAX_BATCH:
+        raise ValueError(f"--seq-len={args.seq_len} --batch-size={args.batch_size}: check "
+                         f"compares layouts on small batches, at most --seq-len {MAX_SEQ_LEN} "
+                         f"and --batch-size {MAX_BATCH} (time and memory grow with both)")
     factory = args.model if ":" in args.model else None
     if factory is not None:
         load_factory(factory)  # a bad spec fails here, before any process starts
     else:
         from .models.transformer import preset
 
-        preset(args.model)
+        preset(args.model)  # an unknown name: one line here, not a traceback from every rank
     cfg = CheckConfig(model=args.model, steps=args.steps, batch_size=args.batch_size,
                       seq_len=args.seq_len, optimizer=args.optimizer, lr=args.lr,
                       factory=factory)

@@ -8,9 +8,11 @@ started.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 EPILOG = """examples:
   plait env                                   what this machine has
@@ -221,12 +223,44 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args._commands[args.command](args)
+        with _signals_interrupt():
+            return args._commands[args.command](args)
     except ValueError as exc:  # a problem with what the user asked for: one line, exit 2
         print(f"plait {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Interrupted as exc:  # the workers were stopped on the way out (finally blocks)
+        print(f"plait {args.command}: stopped by {signal.Signals(exc.signum).name}",
+              file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
+        print(f"plait {args.command}: stopped by SIGINT", file=sys.stderr)
         return 130
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP, raised in the main thread like KeyboardInterrupt is for SIGINT, so
+    that the commands that start workers (check, comm, bench) stop them on the way out instead
+    of leaving them orphaned (the default action of both signals ends the process at once)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    def raise_interrupted(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            previous[sig] = signal.signal(sig, raise_interrupted)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

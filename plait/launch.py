@@ -18,6 +18,9 @@ Everything else (restarts, multi-node rendezvous, worker monitoring) is torchrun
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.machinery
+import importlib.util
 import json
 import os
 import re
@@ -28,10 +31,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .accelerators import Accelerator
+from .lifecycle import steps_redone
+from .outputs import writable_folder
 from .plan import Plan
 from .runtime import accelerator_from_argv, plan_from_argv
 
@@ -47,6 +53,7 @@ class LaunchConfig:
     max_restarts: int = 0
     module: bool = False           # run `python -m script`
     log_dir: str | None = None     # where per-rank logs go (default: a temporary folder)
+    rdzv_timeout: float = 600.0    # seconds to wait for every node to join (multi-node)
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -91,6 +98,15 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _module_exists(name: str) -> bool:
+    """Whether ``python -m name`` started here finds the top-level package (not imported)."""
+    top = name.split(".")[0]
+    if not top.isidentifier():
+        return False
+    found = importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path])
+    return found is not None or importlib.util.find_spec(top) is not None
+
+
 def validate(cfg: LaunchConfig) -> None:
     """Raise ValueError with one clear line for anything that would fail after launch."""
     if cfg.nproc < 1:
@@ -99,8 +115,16 @@ def validate(cfg: LaunchConfig) -> None:
         raise ValueError(f"--nnodes {cfg.nnodes}: need at least 1 node")
     if not 0 <= cfg.node_rank < cfg.nnodes:
         raise ValueError(f"--node-rank {cfg.node_rank} must be in [0, {cfg.nnodes - 1}]")
+    if not cfg.rdzv_timeout > 0:
+        raise ValueError(f"--rdzv-timeout {cfg.rdzv_timeout} must be a positive number of "
+                         f"seconds")
     if cfg.max_restarts < 0:
         raise ValueError(f"--max-restarts {cfg.max_restarts} must be >= 0")
+    if cfg.module and not _module_exists(cfg.script):
+        raise ValueError(f"-m {cfg.script}: no module named {cfg.script.split('.')[0]!r} here "
+                         f"or on the Python path (check the name, or run from its folder)")
+    if cfg.log_dir is not None:
+        writable_folder(Path(cfg.log_dir), f"--log-dir {cfg.log_dir}", create=True)
     if not cfg.module and not Path(cfg.script).is_file():
         raise ValueError(f"script {cfg.script!r} does not exist (run from the folder that holds "
                          f"it, or give its path; use -m for a module)")
@@ -111,6 +135,9 @@ def validate(cfg: LaunchConfig) -> None:
         host, _, port = cfg.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--rdzv-endpoint {cfg.rdzv_endpoint!r} must be HOST:PORT")
+        if not 0 < int(port) < 65536:
+            raise ValueError(f"--rdzv-endpoint {cfg.rdzv_endpoint}: port {port} is not in "
+                             f"1..65535")
         local = host in ("127.0.0.1", "localhost", socket.gethostname())
         if local and cfg.node_rank == 0 and _port_in_use("127.0.0.1", int(port)):
             raise ValueError(f"port {port} on {host} is already in use; pick another with "
@@ -149,9 +176,10 @@ def torchrun_args(cfg: LaunchConfig, log_dir: str) -> list[str]:
             "--redirects=3", "--tee=3", "--local-ranks-filter=0"]
     if cfg.rdzv_endpoint:
         args += [f"--node-rank={cfg.node_rank}", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint={cfg.rdzv_endpoint}"]
-    else:
-        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}"]
+                 f"--rdzv-endpoint={cfg.rdzv_endpoint}",
+                 f"--rdzv-conf=join_timeout={max(1, round(cfg.rdzv_timeout))}"]
+    else:  # plait.torchrun binds a free loopback port and puts it in place of the 0
+        args += ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
     if cfg.module:
         args.append("-m")
     return args + [cfg.script, *cfg.script_args]
@@ -171,10 +199,19 @@ def _pump(stream, out, keep: list[str]) -> None:
     stream.close()
 
 
+def _attempts(log_dir: str) -> list[Path]:
+    """torchrun's per-attempt log folders (``<run>/attempt_N``), in order."""
+    found = [p for p in Path(log_dir).glob("*/attempt_*") if p.name[8:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[8:]))
+
+
 def _failures(log_dir: str) -> list[tuple[int, str]]:
-    """(global rank, traceback) of each failed worker, from the per-rank error/stderr logs."""
+    """(local rank, traceback) of each failed worker of the last attempt, from the per-rank
+    error/stderr logs."""
+    attempts = _attempts(log_dir)
+    where = attempts[-1] if attempts else Path(log_dir)
     found: dict[int, str] = {}
-    for path in Path(log_dir).rglob("error.json"):
+    for path in where.rglob("error.json"):
         try:
             data = json.loads(path.read_text())
             msg = data["message"]
@@ -182,7 +219,7 @@ def _failures(log_dir: str) -> list[tuple[int, str]]:
             found[int(path.parent.name)] = text or str(msg)
         except (ValueError, KeyError, OSError):
             continue
-    for path in Path(log_dir).rglob("stderr.log"):
+    for path in where.rglob("stderr.log"):
         rank = int(path.parent.name) if path.parent.name.isdigit() else -1
         if rank in found:
             continue
@@ -206,6 +243,101 @@ def root_cause(failures: list[tuple[int, str]]) -> tuple[int, str] | None:
     return failures[0] if failures else None
 
 
+def describe_exit(record: dict) -> str:
+    """``exit code 3`` or ``killed by SIGKILL`` for one of plait.torchrun's failure records."""
+    if record.get("signal"):
+        return f"killed by {record['signal']}"
+    return f"exit code {record.get('exitcode')}"
+
+
+def failure_summary(records: list[dict], tracebacks: dict[int, str]) -> tuple[int | None, str]:
+    """(the rank that failed first, one line naming every failed rank and how it ended).
+
+    torchrun stops the other workers with SIGTERM once one fails: those are listed as stopped,
+    not as failures. A rank without a traceback (``sys.exit(3)``, ``os._exit``, a signal) is
+    named by its exit code or signal.
+    """
+    if not records:
+        return None, ""
+    causes = [r for r in records if r.get("signal") != "SIGTERM"] or records
+    with_tb = [r for r in causes if r["rank"] in tracebacks
+               and not any(m in tracebacks[r["rank"]] for m in _CONSEQUENCES)]
+    first = (with_tb or [r for r in causes if r["rank"] not in tracebacks] or causes)[0]
+    parts = []
+    for r in causes:
+        how = describe_exit(r) + ("" if r["rank"] in tracebacks else ", no traceback")
+        parts.append(f"rank {r['rank']} ({how})")
+    stopped = sorted(r["rank"] for r in records if r not in causes)
+    line = "failed: " + ", ".join(parts)
+    if stopped:
+        line += f"; then stopped: rank(s) {stopped}"
+    return first["rank"], line
+
+
+class _Forwarder:
+    """Ctrl-C, SIGTERM and SIGHUP to ``plait run`` stop the whole job, then it exits.
+
+    torchrun runs in its own session (so a terminal's Ctrl-C reaches only ``plait run``, once):
+    the first signal is passed on to it as SIGTERM, on which torchrun sends SIGTERM to its
+    workers, waits up to 30 s for them (time for a final checkpoint) and exits. If it is still
+    running ``grace`` seconds later, or a second signal arrives, its workers' process groups
+    and torchrun itself are killed. A signal that was ignored when ``plait run`` started
+    (``nohup`` ignores SIGHUP) stays ignored.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, proc: subprocess.Popen, grace: float = 40.0):
+        self.proc = proc
+        self.grace = grace
+        self.signum: int | None = None
+        self.started = 0.0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _Forwarder:
+        for sig in self.SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            self._kill()
+            return
+        self.signum = signum
+        self.started = time.monotonic()
+        try:
+            self.proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        timer = threading.Timer(self.grace, self._kill)
+        timer.daemon = True
+        timer.start()
+
+    def _kill(self) -> None:
+        """SIGKILL torchrun's workers (each in its own session) and torchrun."""
+        for pid in _children(self.proc.pid):
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (Linux /proc; empty elsewhere)."""
+    out = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                out.append(int(entry.parent.name))
+    return out
+
+
 def launch(cfg: LaunchConfig) -> int:
     """Start the job; return its exit code (0 when every worker succeeded)."""
     validate(cfg)
@@ -215,9 +347,11 @@ def launch(cfg: LaunchConfig) -> int:
         TPUAccelerator.prepare_launch(cfg.nnodes, cfg.nproc)
     own_logs = cfg.log_dir is None
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="plait-run-")
+    report = os.path.join(log_dir, f"plait-failures-{os.getpid()}.json")
     env = {**os.environ, **cfg.extra_env, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg, log_dir)]
+    cmd = [sys.executable, "-m", "plait.torchrun", str(os.getpid()), report,
+           *torchrun_args(cfg, log_dir)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, bufsize=1, start_new_session=True)
     kept_out: list[str] = []
@@ -226,33 +360,84 @@ def launch(cfg: LaunchConfig) -> int:
              threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, kept_err))]
     for t in pumps:
         t.start()
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGTERM)  # torchrun forwards it to the workers
+    waiting = None
+    if cfg.nnodes > 1:
+        waiting = threading.Thread(target=_report_waiting, args=(cfg, log_dir, proc),
+                                   daemon=True)
+        waiting.start()
+    with _Forwarder(proc) as forward:
         code = proc.wait()
     for t in pumps:
         t.join()
+    restarts = max(0, len(_attempts(log_dir)) - 1)
+    if forward.signum is not None:
+        name = signal.Signals(forward.signum).name
+        sys.stderr.write(f"plait run: stopped by {name}; every worker ended "
+                         f"{time.monotonic() - forward.started:.1f} s later\n")
+        shutil.rmtree(log_dir, ignore_errors=True) if own_logs else None
+        return 128 + forward.signum
     if code != 0:
-        failures = _failures(log_dir)
-        root = root_cause(failures)
-        if root is not None and root[0] != 0:  # rank 0's traceback was already echoed live
-            rank, tb = root
-            tb = re.sub(r"(?m)^\[rank\d+\]: ?", "", tb)  # torch's per-line rank prefix
-            sys.stderr.write(f"\n--- rank {rank} failed ---\n{tb.rstrip()}\n")
-        ranks = [r for r, _ in failures]
-        if ranks:
-            sys.stderr.write(f"plait run: worker(s) {ranks} failed (exit {code}); "
-                             f"per-rank logs in {log_dir}\n")
-            own_logs = False
-        else:
-            sys.stderr.write("".join(kept_err[-40:]))
-            sys.stderr.write(f"plait run: torchrun exited with {code}; per-rank logs in "
-                             f"{log_dir}\n")
-            own_logs = False
+        _explain_failure(cfg, log_dir, report, kept_err, code)
+        own_logs = False
+    elif restarts:
+        redone = steps_redone(_attempts(log_dir))
+        detail = "" if redone is None else (f"; {redone[0]} step(s) redone ("
+                                            + "; ".join(redone[1]) + ")")
+        sys.stderr.write(f"plait run: finished after {restarts} restart(s){detail}; "
+                         f"per-attempt logs in {log_dir}\n")
+        own_logs = False
     if own_logs:
         shutil.rmtree(log_dir, ignore_errors=True)
     return code
+
+
+def _report_waiting(cfg: LaunchConfig, log_dir: str, proc: subprocess.Popen,
+                    every: float = 15.0) -> None:
+    """Multi-node: say that the job waits for the other nodes, until its workers start."""
+    start = time.monotonic()
+    while proc.poll() is None and not _attempts(log_dir):
+        time.sleep(1.0)
+        waited = time.monotonic() - start
+        if waited >= every and int(waited) % int(every) == 0:
+            sys.stderr.write(f"plait run: node {cfg.node_rank} waits for the other "
+                             f"{cfg.nnodes - 1} node(s) to join at {cfg.rdzv_endpoint} "
+                             f"({waited:.0f} s of --rdzv-timeout {cfg.rdzv_timeout:g})\n")
+            sys.stderr.flush()
+
+
+def _explain_failure(cfg: LaunchConfig, log_dir: str, report: str, kept_err: list[str],
+                     code: int) -> None:
+    """Print the root cause's traceback once (unless rank 0 already showed it live) and one line
+    naming every failed rank."""
+    try:
+        records = json.loads(Path(report).read_text())
+    except (OSError, ValueError):
+        records = []
+    if isinstance(records, dict):  # the launcher itself failed (rendezvous, endpoint)
+        error = str(records.get("launcher_error"))
+        if error.startswith("RendezvousTimeoutError"):
+            error = (f"the other node(s) did not join at {cfg.rdzv_endpoint} within "
+                     f"--rdzv-timeout {cfg.rdzv_timeout:g} s; start the same command on every "
+                     f"node (--nnodes {cfg.nnodes}, --node-rank 0..{cfg.nnodes - 1})")
+        sys.stderr.write(f"plait run: {error.splitlines()[0] if error else error}\n")
+        return
+    tracebacks = dict(_failures(log_dir))
+    first, line = failure_summary(records, tracebacks)
+    if first is None:  # no report: show the end of torchrun's own output
+        root = root_cause(sorted(tracebacks.items()))
+        first = root[0] if root else None
+    if first is not None and first != 0 and first in tracebacks:  # rank 0's was echoed live
+        tb = re.sub(r"(?m)^\[rank\d+\]: ?", "", tracebacks[first])  # torch's per-line prefix
+        sys.stderr.write(f"\n--- rank {first} failed ---\n{tb.rstrip()}\n")
+    if line:
+        sys.stderr.write(f"plait run: {line}; per-rank logs in {log_dir}\n")
+    elif tracebacks:
+        sys.stderr.write(f"plait run: worker(s) {sorted(tracebacks)} failed (exit {code}); "
+                         f"per-rank logs in {log_dir}\n")
+    else:
+        sys.stderr.write("".join(kept_err[-40:]))
+        sys.stderr.write(f"plait run: torchrun exited with {code}; per-rank logs in "
+                         f"{log_dir}\n")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -262,6 +447,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-rank", type=int, default=None, help="this node's index")
     parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                         help="rendezvous address for multi-node jobs (default: local, free port)")
+    parser.add_argument("--rdzv-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="multi-node: how long to wait for every node to join (default: "
+                             "600)")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the whole group this many times on failure (default: 0)")
     parser.add_argument("--log-dir", default=None,
@@ -290,5 +478,6 @@ def command(args: argparse.Namespace) -> int:
                        rdzv_endpoint=args.rdzv_endpoint or (slurm.get("rdzv_endpoint")
                                                              if nnodes > 1 else None),
                        max_restarts=args.max_restarts, module=args.module,
+                       rdzv_timeout=args.rdzv_timeout,
                        log_dir=args.log_dir)
     return launch(cfg)

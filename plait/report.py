@@ -69,6 +69,7 @@ def summarize(plan: Plan, stats: Any, memory: list[dict[str, float]], *, world_s
         "world_size": world_size,
         "accelerator": accelerator,
         "steps": steps,
+        "skipped_steps": list(getattr(stats, "skipped", [])),
         "final_loss": final if final == final else None,
         "step_time_s": _median(times),
         "tokens_per_s": (sum(toks) / sum(times)) if times and sum(times) > 0 else None,
@@ -83,6 +84,10 @@ def format_summary(info: dict[str, Any]) -> str:
     if info["final_loss"] is not None:
         lines.append(f"final loss      {info['final_loss']:.4f}")
     lines.append(f"steps           {info['steps']}")
+    if info.get("skipped_steps"):
+        lines.append(f"skipped (NaN)   {len(info['skipped_steps'])}: steps "
+                     f"{', '.join(map(str, info['skipped_steps'][:10]))}"
+                     + (" ..." if len(info["skipped_steps"]) > 10 else ""))
     if info["tokens_per_s"]:
         lines.append(f"throughput      {info['tokens_per_s']:,.0f} tokens/s")
     lines.append(f"step time       {1000 * info['step_time_s']:.1f} ms (median)")

@@ -19,6 +19,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -49,6 +50,7 @@ class StepStats:
     losses: list[torch.Tensor] = field(default_factory=list)  # 0-dim, read when printed
     step_times: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)  # steps whose update was dropped (NaN/inf)
 
 
 @dataclass
@@ -93,6 +95,15 @@ class Run:
     first_step: int = 0
     _last_step_args: tuple[Any, Any, Any] | None = None  # (model, optimizer, scheduler)
     _loader: DistributedLoader | None = None
+    # What a NaN/inf loss or gradient norm does: "stop" (raise) or "skip" (see plait.guard).
+    nonfinite: str = "stop"
+    _guard: Any = None  # plait.guard.StepGuard, made at the first step
+    timeout: float = 300.0  # the hang watchdog's (plait.diagnostics.watchdog)
+    _watchdog: Any = None  # its thread on this rank, once the mesh exists
+    # SIGTERM handling when a final checkpoint is wanted (see _stop_on_sigterm).
+    _stop: Any = None
+    _final_save: Any = None
+    _attempt: Any = None  # plait.lifecycle.AttemptRecord under torchrun --max-restarts
     auto: Any = None  # plait.auto.AutoRequest until run.parallelize chooses the plan
     # plait.diagnostics.xla.XLADiagnostics on PyTorch/XLA: recompilations, CPU fallbacks and
     # host syncs per step, reported at finish(); strict mode raises at the step instead.
@@ -204,6 +215,9 @@ class Run:
             batch = _to_device(batch, self.device)
         else:  # XLA: the batch goes to the devices already split over the data axes
             batch = self.spmd.place_batch(batch, self.device)
+        self._start_watchdog()
+        if self._watchdog is not None:
+            self._watchdog.step_started(self.first_step + len(self.stats.step_times) + 1)
         self._last_step_args = (model, optimizer, scheduler)
         ckpt = self.checkpointing
         if ckpt is not None and ckpt.resume_path is not None and not ckpt.resumed:
@@ -231,8 +245,10 @@ class Run:
                 totals = self._global_totals(local)
             # Under XLA SPMD the program is the global batch's: its gradients are of the global
             # sum, not an average over replicas.
+            guard = self._step_guard()
             apply_update(optimizer, totals, plan=self.plan, pp_group=pp_group,
-                         data_replicas=1 if self.spmd is not None else None)
+                         data_replicas=1 if self.spmd is not None else None,
+                         guard=lambda norm: guard(local[0], norm))
             loss = (totals[0] / totals[1].clamp_min(1)).detach()
             if scheduler is not None:
                 with warnings.catch_warnings():
@@ -246,6 +262,9 @@ class Run:
             self.xla.step_end()
         elapsed = time.perf_counter() - start
         step = self.first_step + len(self.stats.step_times) + 1
+        self._apply_verdict(step)
+        if self._watchdog is not None:
+            self._watchdog.active = False  # between steps, time spent is the user's
         self.stats.step_times.append(elapsed)
         self.stats.tokens.append(_count_tokens(batch) * self.dp_size)
         self.stats.losses.append(loss)
@@ -259,6 +278,9 @@ class Run:
                 ckpt.pending.wait()  # rank 0 publishes a finished background save
             if ckpt.due(step):
                 self.save()
+        if self._attempt is not None:
+            self._attempt.write(first=self.first_step, last=step)
+        self._stop_if_asked(step)
         return loss
 
     # ------------------------------------------------------------------ checkpoints
@@ -348,6 +370,79 @@ class Run:
         self.print(f"loaded {info.path} (step {info.step}{moved})")
         return info.step
 
+    def _start_watchdog(self) -> None:
+        """The hang watchdog of a multi-rank job, once the mesh exists (plan='auto': after
+        run.parallelize)."""
+        if self._watchdog is None and self.world_size > 1 and self.mesh is not None:
+            from .diagnostics import watchdog
+
+            self._watchdog = watchdog.start(self.rank, self.world_size, self.mesh,
+                                            self.timeout, dict(os.environ))
+
+    def _step_guard(self) -> Any:
+        """The per-step agreement on NaN/inf and stop requests (plait.guard)."""
+        if self._guard is None:
+            from .guard import StepGuard
+
+            holds_loss = True
+            if self.plan.pp > 1:  # only the last pipeline stage computes the loss
+                from .parallel.schedules import stage_to_rank
+
+                last = stage_to_rank(self.plan.pp_schedule, self.plan.pp,
+                                     self.plan.virtual_stages)[-1]
+                holds_loss = self._mesh()["pp"].get_local_rank() == last
+            self._guard = StepGuard(self.nonfinite, self.rank, self.world_size,
+                                    holds_loss=holds_loss, device=self.device,
+                                    stop_request=self._stop,
+                                    pause=self.ledger.paused if self.ledger is not None else None)
+        return self._guard
+
+    def _stop_on_sigterm(self, save: Any) -> None:
+        """On SIGTERM (a cluster's preemption notice), finish the current step on every rank,
+        call ``save()`` (collective: a final checkpoint) and exit with 143. Without this,
+        SIGTERM ends a worker at once, as it does any process."""
+        from .lifecycle import StopRequest
+
+        if self._stop is None:
+            self._stop = StopRequest().install()
+        self._final_save = save
+        if self._guard is not None:
+            self._guard.stop_request = self._stop
+
+    def _final_checkpoint(self) -> None:
+        """The save SIGTERM asks for: the state after the last step (unless just saved),
+        written to the end, not in the background."""
+        ckpt = self.checkpointing
+        if self._last_step_args is not None and ckpt.last_saved != self.steps_done:
+            self.save()
+        if ckpt.pending is not None:
+            ckpt.pending.wait()
+
+    def _stop_if_asked(self, step: int) -> None:
+        """After a step that some rank got SIGTERM during: every rank saves and leaves here."""
+        if self._guard is None or not self._guard.last.stop:
+            return
+        self.print(f"step {step}: stopping on SIGTERM"
+                   + (", saving a final checkpoint" if self._final_save else ""))
+        if self._final_save is not None:
+            self._final_save()
+        self.close()
+        raise SystemExit(143)
+
+    def _apply_verdict(self, step: int) -> None:
+        """Act on what the ranks agreed about this step: raise on NaN/inf under "stop", note a
+        skipped update under "skip"."""
+        from .guard import NonFiniteError
+
+        verdict = self._guard.last
+        if not verdict.nonfinite:
+            return
+        if self.nonfinite == "stop":
+            raise NonFiniteError(f"{verdict.describe(step)}: stopped there (plait.init("
+                                 f"nonfinite='skip') drops such a step's update instead)")
+        self.stats.skipped.append(step)
+        self.print(f"{verdict.describe(step)}: update skipped")
+
     def _optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """ZeRO-1 shards the optimizer state, which needs the optimizer rebuilt as a
         ZeroRedundancyOptimizer; doing it here keeps the user's script unchanged (they create
@@ -434,6 +529,8 @@ class Run:
             self.save()
         if self.progress is not None:
             self.progress.close()
+        if self._watchdog is not None:  # a rank that skipped a collective is caught here too
+            self._watchdog.step_started(self.first_step + len(self.stats.step_times) + 1)
         info = self.summary()
         if self.plot is not None:
             info["plot"] = self._plot(self.plot)
@@ -491,6 +588,10 @@ class Run:
         gc.collect()
         if self.owns_group and dist.is_initialized():
             dist.barrier()
+        if self._watchdog is not None:  # before its process groups go
+            self._watchdog.close()
+            self._watchdog = None
+        if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_group = False
 
@@ -547,7 +648,7 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
          checkpoint: str | Path | None = None, every: int | None = None, keep: int | None = 3,
          async_save: bool = False, cluster: Any = None, global_batch: int | None = None,
          seq: int | None = None, strict: bool = False, tensorboard: str | None = None,
-         plot: str | None = None) -> Run:
+         plot: str | None = None, nonfinite: str = "stop", timeout: float = 300.0) -> Run:
     """Join (or create) the process group, pick the device, build the mesh for ``plan``.
 
     ``plan``: a Plan, a plan string (``"dp=2,tp=2"``), a dict, or a .yaml/.json path; when None,
@@ -576,6 +677,13 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     ``tensorboard=DIR`` writes loss, tokens/s and step time there (rank 0); ``plot=PATH`` saves
     a PNG of the loss and every rank's step time at ``finish()``. On a terminal rank 0 shows a
     live progress bar, elsewhere a plain line every ``log_every`` steps.
+    ``nonfinite``: what a NaN/inf loss or gradient norm does, found on the step it appears on
+    every rank: ``"stop"`` raises ``plait.guard.NonFiniteError`` naming the step and the rank,
+    ``"skip"`` drops that step's update and carries on (the summary lists skipped steps).
+    ``timeout``: seconds a rank may wait in a collective of a step before the hang watchdog
+    (plait.diagnostics.watchdog) ends every rank with a report naming the ranks that did not
+    reach it, the mesh axis and the step; torch's own process-group timeout is set a minute
+    longer, so that its report (which names no rank) does not come first.
     """
     from_argv = False
     if accelerator is None:
@@ -588,7 +696,8 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
         return _init(plan, accelerator, seed=seed, log_every=log_every, quiet=quiet,
                      ledger=ledger, checkpoint=checkpoint, every=every, keep=keep,
                      async_save=async_save, cluster=cluster, global_batch=global_batch,
-                     seq=seq, strict=strict, tensorboard=tensorboard, plot=plot)
+                     seq=seq, strict=strict, tensorboard=tensorboard, plot=plot,
+                     nonfinite=nonfinite, timeout=timeout)
     except ValueError as exc:
         if not from_argv:
             raise
@@ -599,7 +708,11 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
 def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: int, quiet: bool,
           ledger: bool, checkpoint: str | Path | None, every: int | None, keep: int | None,
           async_save: bool, cluster: Any, global_batch: int | None, seq: int | None,
-          strict: bool, tensorboard: str | None = None, plot: str | None = None) -> Run:
+          strict: bool, tensorboard: str | None = None, plot: str | None = None,
+          nonfinite: str = "stop", timeout: float = 300.0) -> Run:
+    from .guard import check_policy
+
+    check_policy(nonfinite)
     checkpointing = None
     if checkpoint is not None:
         from .checkpoint.schedule import Checkpointing
@@ -637,7 +750,13 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
     owns_group = False
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
+            from .lifecycle import die_with_parent, job_store, under_torchrun
+
+            if under_torchrun(os.environ):
+                die_with_parent()  # torchrun killed: no orphaned worker
             dist.init_process_group(acc.backend, rank=rank, world_size=world_size,
+                                    store=job_store(rank, world_size, os.environ),
+                                    timeout=timedelta(seconds=timeout + 60),
                                     **acc.process_group_kwargs(device))
         else:  # plain `python train.py`: a one-rank group keeps every code path the same
             dist.init_process_group(acc.backend if acc.backend != "nccl" else "gloo",
@@ -657,7 +776,7 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
     run = Run(plan=resolved, mesh=mesh, accelerator=acc, device=device, rank=rank,
               world_size=world_size, local_rank=local_rank, seed=seed, log_every=log_every,
               quiet=quiet, owns_group=owns_group, auto=request, spmd=layout,
-              plot=plot)
+              plot=plot, nonfinite=nonfinite, timeout=timeout)
     if layout is not None:
         from .diagnostics.xla import XLADiagnostics
 
@@ -668,6 +787,11 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
         run.checkpointing = checkpointing
         run.first_step = checkpointing.resume_step
         run.print(checkpointing.note)
+        run._stop_on_sigterm(run._final_checkpoint)  # preemption: save, then leave
+    from .lifecycle import AttemptRecord
+
+    run._attempt = AttemptRecord.for_worker(rank, os.environ)
+    run._start_watchdog()
     if ledger:
         from .comm.ledger import Ledger
 

@@ -22,13 +22,18 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-HOST = "127.0.0.1"
+from .lifecycle import die_with_parent
+from .store import loopback_store
+
+HOST = "127.0.0.1"  # the store listens here only (plait.store)
 
 
 class WorkerError(RuntimeError):
@@ -41,9 +46,10 @@ class WorkerError(RuntimeError):
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, backend: str, args: tuple,
-            kwargs: dict, queue: Any, threads: int, env: dict[str, str]) -> None:
+            kwargs: dict, queue: Any, threads: int, env: dict[str, str], parent: int) -> None:
     code = 0
     try:
+        die_with_parent(parent)  # the parent killed (even with SIGKILL): no orphaned rank
         os.environ.update(env)
         # torchrun's variables, so code that reads them (plait.init) sees a normal launch.
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
@@ -72,6 +78,32 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, backend: str, a
     os._exit(code)
 
 
+def _watchdog_report(store: Any) -> str:
+    """The hang watchdog's report, when it is what ended the workers (plait.diagnostics)."""
+    base = "plait/watchdog/0"
+    try:  # the latest Run's keys (see plait.diagnostics.watchdog.start)
+        runs = int(store.get(f"{base}/runs/0")) if store.check([f"{base}/runs/0"]) else 1
+        key = f"{base}/report" if runs <= 1 else f"{base}/run{runs}/report"
+        return "\n" + store.get(key).decode() if store.check([key]) else ""
+    except Exception:  # noqa: BLE001 - no report to add
+        return ""
+
+
+def _start_without_sigint(procs: list[Any]) -> None:
+    """Start the workers with SIGINT ignored (a disposition that survives exec, and under which
+    Python installs no KeyboardInterrupt handler): a terminal's Ctrl-C reaches the whole process
+    group, but only the parent should act on it, by stopping the workers; otherwise every rank
+    prints its own KeyboardInterrupt traceback."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
                     backend: str = "gloo", threads: int = 1, env: dict[str, str] | None = None,
                     **kwargs: Any) -> list[Any]:
@@ -84,19 +116,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    import torch.distributed as dist
 
-    store = dist.TCPStore(HOST, 0, world_size + 1, is_master=True,
-                          timeout=timedelta(seconds=60), wait_for_workers=False)
+    store = loopback_store(0, world_size + 1, timeout=timedelta(seconds=60))
     port = store.port
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, rank, world_size, port, backend, args, kwargs, queue, threads,
-                               dict(env or {})))
+                               dict(env or {}), os.getpid()))
              for rank in range(world_size)]
-    for p in procs:
-        p.start()
+    _start_without_sigint(procs)
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -115,7 +144,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                     time.sleep(0.5)  # let a report that is in flight arrive first
                     if queue.empty():
                         raise WorkerError(dead[0], f"process exited with code "
-                                          f"{procs[dead[0]].exitcode} without reporting") from None
+                                          f"{procs[dead[0]].exitcode} without reporting"
+                                          + _watchdog_report(store)) from None
                 continue
             if status == "error":
                 raise WorkerError(rank, value)

@@ -213,21 +213,29 @@ def reduce_totals(totals: torch.Tensor, *, dp_group: dist.ProcessGroup | None,
 
 def apply_update(optimizer: torch.optim.Optimizer, totals: torch.Tensor, *, plan: Plan,
                  pp_group: dist.ProcessGroup | None = None,
-                 data_replicas: int | None = None) -> None:
+                 data_replicas: int | None = None,
+                 guard: Callable[[torch.Tensor], bool] | None = None) -> None:
     """Scale the gradients to the global mean (``dp / count``), clip, step, zero the gradients.
 
     ``totals`` is the global ``[loss sum, count]`` from :func:`reduce_totals`. Data parallelism
     averaged the gradients of the ``dp`` replicas' sums; ``dp / count`` turns that average into
     the gradient of (sum of every sum) / (sum of every count). A batch with nothing to count
-    (every label ignored) leaves the gradients zero instead of NaN.
+    (every label ignored) leaves the gradients zero instead of NaN. ``guard(grad_norm)`` (see
+    ``plait.guard``) runs before the optimizer step; when it returns False the gradients are
+    dropped and the step is not applied.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     # data_replicas: how many replicas' gradients were averaged (plan.dp; 1 under XLA SPMD,
     # whose one program computes the global batch's gradients).
     replicas = plan.dp if data_replicas is None else data_replicas
     scale_gradients(params, replicas / totals[1].clamp_min(1))
-    if plan.grad_clip:
-        clip_grad_norm(params, plan.grad_clip, pp_group)
+    norm = clip_grad_norm(params, plan.grad_clip, pp_group) if plan.grad_clip else None
+    if guard is not None:
+        from .guard import local_grad_norm
+
+        if not guard(norm if norm is not None else local_grad_norm(optimizer)):
+            optimizer.zero_grad(set_to_none=True)
+            return
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

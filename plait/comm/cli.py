@@ -11,6 +11,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ..outputs import plot_path
 from . import bench
 
 if TYPE_CHECKING:
@@ -36,6 +37,15 @@ def add_bench_comm_arguments(parser: argparse.ArgumentParser) -> None:
 
 def bench_comm_command(args: argparse.Namespace) -> int:
     try:
+        if not args.timeout > 0:
+            raise ValueError(f"--timeout={args.timeout} must be a positive number of seconds")
+        if args.backend == "nccl":
+            import torch
+
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if have < args.nproc:
+                raise ValueError(f"--backend nccl needs one CUDA GPU per rank: --nproc "
+                                 f"{args.nproc}, {have} GPU(s) here; use --backend gloo")
         results = bench.bench_comm(args.ops, args.min_bytes, args.max_bytes, nproc=args.nproc,
                                    iters=args.iters, warmup=args.warmup, backend=args.backend,
                                    timeout=args.timeout)
@@ -109,6 +119,14 @@ def comm_command(args: argparse.Namespace) -> int:
         cfg = preset(args.model)
         if args.steps < 1 or args.warmup < 0:
             raise ValueError(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
+        if args.batch < 1:
+            raise ValueError(f"--batch={args.batch} must be >= 1 (sequences per replica)")
+        if args.seq is not None and not 1 <= args.seq <= 4096:
+            raise ValueError(f"--seq={args.seq} must be in 1..4096 (tokens per sequence)")
+        if not args.timeout > 0:
+            raise ValueError(f"--timeout={args.timeout} must be a positive number of seconds")
+        if args.plot:
+            args.plot = plot_path(args.plot, "--plot", "comm.png")
         if plan.world_size < 2:
             raise ValueError(f"plan {args.plan!r} runs on 1 rank: nothing is communicated; "
                              f"give a plan with a degree > 1, e.g. 'dp_replicate=2'")

@@ -318,8 +318,18 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("text", "json"), default="text")
 
 
+# `plait schedule` draws a grid for people to read; its cost grows faster than the grid.
+MAX_GRID_CELLS = 4096
+
+
 def schedule_command(args: argparse.Namespace) -> int:
     names = list(PP_SCHEDULES) if args.all else [args.schedule]
+    multi = args.all or args.schedule in MULTI_STAGE_SCHEDULES
+    cells = args.pp * args.microbatches * (args.virtual_stages or (2 if multi else 1))
+    if cells > MAX_GRID_CELLS:
+        raise ValueError(f"--pp {args.pp} x --microbatches {args.microbatches} x virtual stages "
+                         f"= {cells:,} is more than plait schedule draws ({MAX_GRID_CELLS:,}); "
+                         f"the shape of a schedule shows at e.g. --pp 8 -m 16")
     out = []
     for name in names:
         v = args.virtual_stages

@@ -14,6 +14,7 @@ import math
 import sys
 from typing import Any
 
+from plait.outputs import plot_path
 from plait.plan import Plan
 
 from .cost import Estimate, Workload, evaluate
@@ -60,7 +61,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def _positive(name: str, value: Any) -> None:
-    if value is not None and (not isinstance(value, (int, float)) or value <= 0):
+    if value is not None and (not isinstance(value, (int, float)) or not 0 < value < math.inf):
         raise ValueError(f"{name}={value!r} must be a positive number")
 
 
@@ -269,6 +270,8 @@ def _plan(args: argparse.Namespace) -> int:
         if not args.model:
             return 0
         args.cluster = args.cluster or str(path)
+    if args.pareto:  # checked before the search: a missing folder must not cost the work
+        args.pareto = plot_path(args.pareto, "--pareto", "pareto.png")
     for name in ("nodes", "devices", "global_batch", "seq", "top", "memory_gb", "efficiency"):
         _positive(name.replace("_", "-"), getattr(args, name))
     if not args.model:

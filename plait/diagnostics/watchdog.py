@@ -1,0 +1,266 @@
+"""The hang watchdog: a rank that does not reach a collective is named, and the job ends.
+
+What torch gives, and what it lacks. A process group's timeout makes the ranks that *wait*
+raise (gloo: "Timed out waiting ... for recv", after 30 minutes by default), naming no peer, so
+the blame falls on a waiting rank; NCCL's own watchdog aborts the communicator and, with
+``TORCH_NCCL_TRACE_BUFFER_SIZE`` set, dumps its flight recorder; torchelastic stops a job once one
+worker exits. None of them says which rank is missing, on which mesh axis, at which step, and a
+rank that skipped a collective goes unnoticed until the job hangs at its end. What torch does
+keep is each process group's *sequence number*: the count of collectives issued on it, taken when
+a collective is issued (gloo and NCCL alike). The watchdog adds the rest from that.
+
+How. A daemon thread per rank publishes a heartbeat to the job's store once per ``interval``:
+the step, each mesh axis's sequence number, and where the main thread is. A rank whose progress
+(step and sequence numbers) has not moved for ``timeout`` seconds while it is in a step or in
+``finish()`` reads all heartbeats and writes one report: on the axis where it waits, the ranks
+whose sequence number is lower did not reach the collective. Every rank's thread watches for a
+report and ends its process with ``EXIT_HANG`` when one appears, so the whole job ends within
+about ``timeout`` + 2 x ``interval``. The process group's own timeout is set longer than
+``timeout`` (see ``plait.init``), so torch's unhelpful error does not come first.
+
+Desync. At the start of every step each rank notes its sequence numbers; rank 0's thread
+compares them with the other ranks' for the same step, per shared group. A rank that skipped (or
+added) a collective differs, and is named with the step, instead of the job hanging at its end.
+Pipeline groups are left out of that comparison: their point-to-point sends and receives differ
+legitimately from stage to stage.
+
+Cost: one small store write per rank per ``interval`` off the training thread, and rank 0 reads
+``world_size`` small keys per ``interval`` (at thousands of ranks, a longer ``interval``).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+EXIT_HANG = 124  # the exit code of every rank of a job the watchdog ended (as timeout(1))
+_TORCH = str(Path(dist.__file__).resolve().parents[1])
+_PLAIT = str(Path(__file__).resolve().parents[1])
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+class HangError(RuntimeError):
+    """A collective was not reached by every rank in time, or ranks issued different ones."""
+
+
+def where(thread_id: int) -> dict[str, str]:
+    """Where a thread is: the innermost Python call (``op``) and the innermost frame of the
+    user's code (``at``), e.g. ``{"op": "all_reduce", "at": "train.py:14"}``."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return {"op": "", "at": ""}
+    stack = traceback.extract_stack(frame)
+    inner = stack[-1]
+    op = inner.name
+    if inner.filename.startswith(_TORCH) and "autograd" in inner.filename:
+        op = "backward"
+    user = next((f for f in reversed(stack)
+                 if not f.filename.startswith((_TORCH, _PLAIT, _STDLIB, "<"))), None)
+    at = f"{Path(user.filename).name}:{user.lineno}" if user else ""
+    return {"op": op, "at": at, "inner": f"{Path(inner.filename).name}:{inner.lineno}"}
+
+
+@dataclass
+class Watchdog:
+    """One rank's watchdog thread. ``groups``: {mesh axis name: process group} to watch."""
+
+    store: Any
+    rank: int
+    world_size: int
+    groups: dict[str, Any]
+    timeout: float = 300.0
+    interval: float = 1.0
+    prefix: str = "plait/watchdog/0"
+    pipeline_axes: tuple[str, ...] = ("pp",)
+    step: int = 0
+    active: bool = False          # inside a step or finish(): waiting there is not idleness
+    _marks: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
+    _main: int = field(default_factory=lambda: threading.main_thread().ident or 0)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _members: dict[str, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._members = {name: dist.get_process_group_ranks(pg)
+                         for name, pg in self.groups.items()}
+
+    # ------------------------------------------------------------------ the training thread
+    def start(self) -> Watchdog:
+        self._thread = threading.Thread(target=self._loop, name="plait-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def step_started(self, step: int) -> None:
+        """Called at the start of every step: note the sequence numbers there."""
+        self.step = step
+        self.active = True
+        self._marks.append((step, self._seqs()))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval + 1)
+
+    # ------------------------------------------------------------------ the watchdog thread
+    def _seqs(self) -> dict[str, int]:
+        return {name: int(pg._get_sequence_number_for_group())
+                for name, pg in self.groups.items()}
+
+    def _key(self, rank: int | str) -> str:
+        return f"{self.prefix}/{rank}"
+
+    def _loop(self) -> None:
+        last: tuple | None = None
+        since = time.monotonic()
+        while not self._stop.wait(self.interval):
+            try:
+                seqs = self._seqs()
+                progress = (self.step, tuple(seqs.values()))
+                now = time.monotonic()
+                if progress != last:
+                    last, since = progress, now
+                beat = {"rank": self.rank, "step": self.step, "seqs": seqs, "time": time.time(),
+                        "waited": now - since if self.active else 0.0,
+                        "where": where(self._main), "marks": list(self._marks)}
+                self.store.set(self._key(self.rank), json.dumps(beat))
+                if self.store.check([self._key("report")]):
+                    self._end(self.store.get(self._key("report")).decode())
+                report = None
+                if self.rank == 0:
+                    report = self._desync()
+                # Rank 0 reports first; the others only if it cannot (dead or frozen).
+                grace = 0.0 if self.rank == 0 else 3 * self.interval
+                if report is None and self.active and now - since >= self.timeout + grace:
+                    report = self._diagnose(seqs, now - since)
+                if report is not None:
+                    winner = self.store.compare_set(self._key("report"), "", report)
+                    self._end(winner.decode() if isinstance(winner, bytes) else str(winner))
+            except Exception:  # noqa: BLE001 - the store went away: the job is ending anyway
+                if self._stop.is_set():
+                    return
+                time.sleep(self.interval)
+
+    def _beats(self) -> dict[int, dict]:
+        keys = [self._key(r) for r in range(self.world_size)]
+        present = [k for k in keys if self.store.check([k])]
+        values = self.store.multi_get(present) if present else []
+        return {int(k.rsplit("/", 1)[1]): json.loads(v)
+                for k, v in zip(present, values, strict=True)}
+
+    def _diagnose(self, seqs: dict[str, int], waited: float) -> str:
+        """The report: on each watched group whose members' collective counts differ, the
+        ranks that issued the latest collective wait in it, and the others never reached it."""
+        beats = self._beats()
+        beats[self.rank] = {**beats.get(self.rank, {}), "seqs": seqs, "step": self.step,
+                            "where": where(self._main), "time": time.time()}
+        me = beats[self.rank]
+        op = me["where"].get("op") or "a collective"
+        groups = []  # (name, {rank: count}) where counts differ, this rank's groups first
+        order = sorted(self.groups, key=lambda n: (n == "world", len(self._members[n])))
+        for name in order:
+            if name in self.pipeline_axes:
+                continue
+            counts = {r: beats[r]["seqs"].get(name) for r in self._members[name] if r in beats}
+            absent = [r for r in self._members[name] if r not in beats]
+            if absent or len(set(counts.values())) > 1:
+                groups.append((name, counts, absent))
+        missing: list[int] = []
+        axis = "?"
+        for name, counts, absent in groups:
+            top = max(counts.values())
+            missing = sorted(absent + [r for r, c in counts.items() if c < top])
+            axis = name
+            if counts.get(self.rank) == top:  # where this rank waits
+                break
+        if not groups:  # equal counts everywhere: the silent ranks, or those not waiting
+            stale = [r for r in range(self.world_size)
+                     if r not in beats or time.time() - beats[r]["time"] > 3 * self.interval]
+            missing = stale or [r for r, b in beats.items()
+                                if b.get("waited", 0.0) < self.timeout / 2]
+        lines = [f"plait watchdog: step {me['step']}: rank(s) {missing} did not reach the "
+                 f"collective on mesh axis {axis} within {self.timeout:g} s; rank {self.rank} "
+                 f"has waited {waited:.0f} s in {op} (at {me['where'].get('at') or '?'})"]
+        for name, counts, absent in groups:
+            lines.append(f"  collectives issued on {name}: " + ", ".join(
+                f"rank {r}: {c}" for r, c in sorted(counts.items()))
+                + (f"; no heartbeat from {absent}" if absent else ""))
+        for r in sorted(beats):
+            b = beats[r]
+            lines.append(f"  rank {r}: step {b['step']}, in {b['where'].get('op')} at "
+                         f"{b['where'].get('at') or b['where'].get('inner')}")
+        return "\n".join(lines)
+
+    def _desync(self) -> str | None:
+        """Rank 0: a step whose start found ranks with different collective counts."""
+        beats = self._beats()
+        mine = {step: seqs for step, seqs in self._marks}
+        for r, beat in sorted(beats.items()):
+            for step, seqs in beat.get("marks", []):
+                if step not in mine:
+                    continue
+                for name, count in seqs.items():
+                    if (name in self.pipeline_axes or name not in mine[step]
+                            or self.rank not in self._members[name]
+                            or r not in self._members[name] or count == mine[step][name]):
+                        continue
+                    fewer = "fewer" if count < mine[step][name] else "more"
+                    return (f"plait watchdog: desync before step {step}: rank {r} had issued "
+                            f"{count} collectives on mesh axis {name}, rank {self.rank} "
+                            f"{mine[step][name]}: rank {r} issued {fewer} collectives than its "
+                            f"peers in step {step - 1} (a collective skipped or added on some "
+                            f"ranks only)")
+        return None
+
+    def _end(self, report: str) -> None:
+        """Print the report, leave it for torchrun's error file, and end this process."""
+        sys.stderr.write(report + "\n")
+        sys.stderr.flush()
+        if "TORCHELASTIC_ERROR_FILE" in os.environ:
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(HangError(report))
+        os._exit(EXIT_HANG)
+
+
+def start(rank: int, world_size: int, mesh: Any, timeout: float, env: dict[str, str],
+          interval: float = 1.0) -> Watchdog | None:
+    """The watchdog of this rank, running; None for a one-rank job or without a TCP store
+    (MASTER_ADDR/MASTER_PORT, as torchrun and plait.spawn define them)."""
+    if world_size < 2 or "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        return None
+    from datetime import timedelta
+
+    from ..store import LOOPBACK
+
+    host = env["MASTER_ADDR"]
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "False" and \
+            env.get("LOCAL_WORLD_SIZE") == str(world_size):
+        host = LOOPBACK  # plait run's single-node store listens there only (plait.lifecycle)
+    store = dist.TCPStore(host, int(env["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timedelta(seconds=max(30.0, 2 * interval)))
+    groups: dict[str, Any] = {}
+    for name in (*mesh.root.mesh_dim_names, *mesh.flat):
+        if mesh.size(name) > 1:
+            pg = mesh[name].get_group()
+            if all(pg is not seen for seen in groups.values()):  # one name per group
+                groups[name] = pg
+    if all(dist.group.WORLD is not seen for seen in groups.values()):
+        groups["world"] = dist.group.WORLD
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # The n-th Run of each rank in one job gets the n-th set of keys: ranks create their Runs
+    # in the same order, and a later Run must not read an earlier one's heartbeats.
+    nth = store.add(f"plait/watchdog/{attempt}/runs/{rank}", 1)
+    prefix = f"plait/watchdog/{attempt}" + (f"/run{nth}" if nth > 1 else "")
+    return Watchdog(store, rank, world_size, groups, timeout=timeout, interval=interval,
+                    prefix=prefix).start()

@@ -1,0 +1,108 @@
+"""The step guard: before the optimizer step, every rank agrees on what happens to it.
+
+Two things can make a step go wrong on some ranks only, and the ranks must still act alike:
+
+* **A non-finite loss or gradient norm** (NaN/inf). Each rank sees only its own loss and its own
+  gradient shards (FSDP, TP and PP split them), so a NaN can be invisible to the other ranks
+  until the next step has spread it into every parameter. The guard finds it on the step it
+  appears, on every rank. Policy ``"stop"`` (the default) raises ``NonFiniteError`` naming the
+  step and the rank; ``"skip"`` drops that step's update (gradients zeroed, optimizer not
+  stepped) on every rank and carries on.
+* **A request to stop** (SIGTERM, the preemption notice of a cluster, see
+  ``plait.lifecycle.StopRequest``). Ranks receive the signal at slightly different times; the
+  guard makes them all stop after the same step, so a final checkpoint is a consistent one.
+
+The agreement is one all-reduce (MAX) of three numbers over the whole job per step, issued
+between backward and the optimizer step: ~1 ms on gloo between processes on one host, tens of
+microseconds on NCCL. A one-rank job pays nothing but the local check.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+class NonFiniteError(RuntimeError):
+    """A step produced a NaN/inf loss or gradient norm under ``nonfinite="stop"``."""
+
+
+def check_policy(policy: str) -> str:
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite={policy!r} must be one of {', '.join(NONFINITE_POLICIES)}: "
+                         f"'stop' ends the job on a NaN/inf step, 'skip' drops its update")
+    return policy
+
+
+def local_grad_norm(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """The norm of this rank's own gradient values (DTensor shards as their local part): no
+    communication; finite exactly when every local gradient value is."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+             if p.grad is not None]
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    if not grads:
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+
+
+@dataclass
+class Verdict:
+    """What every rank agreed about one step."""
+
+    bad_loss_rank: int | None = None   # lowest rank whose loss was NaN/inf
+    bad_grad_rank: int | None = None   # lowest rank whose gradient norm was NaN/inf
+    stop: bool = False                 # some rank was asked to stop
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.bad_loss_rank is not None or self.bad_grad_rank is not None
+
+    def describe(self, step: int) -> str:
+        parts = []
+        if self.bad_loss_rank is not None:
+            parts.append(f"non-finite loss on rank {self.bad_loss_rank}")
+        if self.bad_grad_rank is not None:
+            parts.append(f"non-finite gradient norm on rank {self.bad_grad_rank}")
+        return f"step {step}: " + " and ".join(parts)
+
+
+@dataclass
+class StepGuard:
+    """Called by ``train_step`` between backward and the optimizer step; returns whether the
+    update is applied. ``holds_loss``: whether this rank's loss is a real one (with pipelines
+    only the last stage computes it; the others return NaN by convention)."""
+
+    policy: str
+    rank: int
+    world_size: int
+    holds_loss: bool = True
+    stop_request: Any = None           # plait.lifecycle.StopRequest, or None
+    pause: Any = None                  # context manager factory: the ledger does not count this
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # of the flags
+    last: Verdict = field(default_factory=Verdict)
+
+    def __call__(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        mark = float(self.world_size - self.rank)  # MAX over ranks -> the lowest rank
+        flags = torch.tensor([
+            mark if self.holds_loss and not math.isfinite(float(loss)) else 0.0,
+            mark if not math.isfinite(float(grad_norm)) else 0.0,
+            1.0 if self.stop_request is not None and self.stop_request.requested else 0.0,
+        ], device=self.device)
+        if self.world_size > 1:
+            if self.pause is not None:
+                with self.pause():
+                    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            else:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        loss_mark, grad_mark, stop = (float(x) for x in flags.tolist())
+        self.last = Verdict(
+            bad_loss_rank=self.world_size - int(loss_mark) if loss_mark else None,
+            bad_grad_rank=self.world_size - int(grad_mark) if grad_mark else None,
+            stop=bool(stop))
+        return not self.last.nonfinite

@@ -1,0 +1,162 @@
+"""How a worker process joins a job and leaves it.
+
+* ``die_with_parent``: a worker (or torchrun) whose launcher is killed, even with SIGKILL, gets
+  SIGTERM instead of training on as an orphan.
+* ``job_store``: the store a worker of a single-node torchrun job joins, on 127.0.0.1 only, and
+  one per restart attempt.
+* ``StopRequest``: SIGTERM (a cluster's preemption notice) becomes a request that the training
+  loop honours at the next step boundary, all ranks at the same step, so that a final checkpoint
+  can be written; a second SIGTERM, or the grace period running out, ends the process at once.
+
+Only the variables torchrun defines for its workers are read (``TORCHELASTIC_*``, ``MASTER_*``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from .store import LOOPBACK, loopback_store
+
+_PR_SET_PDEATHSIG = 1
+ATTEMPT_FILE = "plait-steps.json"
+
+
+def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) -> None:
+    """Get ``sig`` when the parent process exits; at once if it already has.
+
+    Linux: ``PR_SET_PDEATHSIG``, delivered by the kernel. Elsewhere a daemon thread polls the
+    parent's pid once a second.
+    """
+    parent = os.getppid() if parent_pid is None else parent_pid
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    else:
+        def poll() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os.kill(os.getpid(), sig)
+
+        threading.Thread(target=poll, name="plait-parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # it died before the watch was set up
+        os.kill(os.getpid(), sig)
+
+
+def under_torchrun(env: Mapping[str, str]) -> bool:
+    return "TORCHELASTIC_RUN_ID" in env
+
+
+def job_store(rank: int, world_size: int, env: Mapping[str, str],
+              timeout: timedelta = timedelta(seconds=300)) -> dist.Store | None:
+    """The store for ``init_process_group`` under torchrun, or None for torch's own env://.
+
+    * torchrun sharing its agent's store with the workers (plain ``torchrun``; torch 2.13 keeps
+      that store across restarts): the keys of each restart attempt get their own prefix, so the
+      ranks of a restarted group do not read the dead ranks' addresses.
+    * worker rank 0 hosting the store (``plait run``) on a single node: it listens on
+      127.0.0.1 only, and every rank connects there whatever name MASTER_ADDR gives the host.
+    """
+    if not under_torchrun(env) or "MASTER_PORT" not in env:
+        return None
+    port = int(env["MASTER_PORT"])
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        client = dist.TCPStore(env["MASTER_ADDR"], port, world_size, is_master=False,
+                               timeout=timeout)
+        return dist.PrefixStore(f"/plait/attempt_{attempt}", client)
+    if env.get("LOCAL_WORLD_SIZE") != str(world_size):
+        return None  # several nodes: the store must be reachable from the others
+    if rank == 0:
+        return loopback_store(port, world_size, timeout=timeout)
+    return dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
+
+
+class AttemptRecord:
+    """The steps one attempt of a restarted job ran: ``{"first": F, "last": L}``, kept by global
+    rank 0 in torchrun's log folder for this attempt (beside the error file torchrun names), so
+    that ``plait run`` can say how many steps a restart redid. Only with ``--max-restarts``."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @classmethod
+    def for_worker(cls, rank: int, env: Mapping[str, str]) -> AttemptRecord | None:
+        if rank != 0 or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1 \
+                or "TORCHELASTIC_ERROR_FILE" not in env:
+            return None
+        return cls(Path(env["TORCHELASTIC_ERROR_FILE"]).parent / ATTEMPT_FILE)
+
+    def write(self, first: int, last: int) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps({"first": first, "last": last}))
+            os.replace(tmp, self.path)  # a kill -9 mid-write leaves the previous record
+        except OSError:
+            pass
+
+
+def steps_redone(attempt_dirs: list[Path]) -> tuple[int, list[str]] | None:
+    """From each attempt's record (global rank 0's local folder ``0``): the steps redone over
+    all restarts, and a phrase per restart; None without records."""
+    records = []
+    for folder in attempt_dirs:
+        try:
+            records.append(json.loads((folder / "0" / ATTEMPT_FILE).read_text()))
+        except (OSError, ValueError):
+            records.append(None)
+    if len(records) < 2 or any(r is None for r in records):
+        return None
+    total, phrases = 0, []
+    for before, after in zip(records, records[1:], strict=False):
+        total += max(0, before["last"] - after["first"])
+        phrases.append(f"attempt reached step {before['last']}, the next resumed at step "
+                       f"{after['first']}")
+    return total, phrases
+
+
+class StopRequest:
+    """A SIGTERM handler that asks the training loop to stop at the next step boundary.
+
+    ``requested`` turns True on the first SIGTERM; a thread then ends the process with exit
+    code 143 (128 + SIGTERM) if it is still alive after ``grace`` seconds (torchrun kills its
+    workers 30 s after its own SIGTERM). A second SIGTERM ends it at once.
+    """
+
+    def __init__(self, grace: float = 25.0):
+        self.grace = grace
+        self.requested = False
+        self._previous: Any = None
+
+    def install(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        if self._previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested:
+            os._exit(128 + signum)
+        self.requested = True
+
+        def deadline() -> None:
+            time.sleep(self.grace)
+            os._exit(128 + signum)
+
+        threading.Thread(target=deadline, name="plait-stop-deadline", daemon=True).start()

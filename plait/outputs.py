@@ -1,0 +1,50 @@
+"""Files a command writes (plots, logs), checked before any work is done.
+
+A report that takes minutes to compute must not fail at the end because its output folder is
+missing or read-only, and an output named after a folder goes into that folder, under the name
+the file would have had (matplotlib would otherwise write ``/tmp`` as ``/tmp.png``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+
+
+def plot_path(value: str, flag: str, default_name: str) -> str:
+    """Where ``flag VALUE`` writes its PNG: VALUE itself, VALUE + ``.png`` without a suffix,
+    or VALUE/``default_name`` for a folder. Raises ValueError (one line) when the folder is
+    missing or not writable, or matplotlib is not installed."""
+    path = Path(value).expanduser()
+    if value.endswith(os.sep) or path.is_dir():
+        path = path / default_name
+    elif not path.suffix:
+        path = path.with_suffix(".png")
+    writable_folder(path.parent, f"{flag} {value}")
+    if path.is_dir():
+        raise ValueError(f"{flag} {value}: {path} is a folder; give a file name")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(f"{flag} needs matplotlib: pip install 'plait[plot]'")
+    return str(path)
+
+
+def writable_folder(folder: Path, what: str, *, create: bool = False) -> None:
+    """Raise ValueError unless ``folder`` is (or, with ``create``, can become) a writable
+    folder."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{what}: {folder} is a file, not a folder")
+    if not folder.exists():
+        parent = next((p for p in folder.parents if p.exists()), None)
+        if not create or parent is None:
+            raise ValueError(f"{what}: folder {folder} does not exist; create it first")
+        folder = parent
+        if not folder.is_dir():
+            raise ValueError(f"{what}: {folder} is a file, not a folder")
+    try:  # a real write: permission bits say nothing for root or on a read-only mount
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{what}: folder {folder} is not writable ({exc.strerror})") from None

@@ -1,0 +1,42 @@
+"""Rendezvous stores that listen on the loopback address only.
+
+torch's ``TCPStore`` server listens on every interface (``*:port``); nothing in its constructor
+names the address to bind. A store is readable and writable by anyone who reaches the port, and
+torch's dynamic rendezvous unpickles state kept there, so a single-node job must not expose one
+to the network. ``TCPStore`` does accept an already-listening socket (``master_listen_fd``): we
+bind that socket to 127.0.0.1 ourselves. With ``multi_tenant=True`` every later
+``TCPStore(..., port, is_master=True, multi_tenant=True)`` in the same process (torchrun's c10d
+rendezvous, ``init_process_group``'s ``env://`` store on rank 0) reuses this server instead of
+opening its own, so torch's code paths run unchanged on top of it.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_store(port: int = 0, world_size: int | None = None, *,
+                   timeout: timedelta = timedelta(seconds=60),
+                   multi_tenant: bool = False) -> dist.TCPStore:
+    """A master ``TCPStore`` on 127.0.0.1:``port`` (0: a free port the OS picks, no race).
+
+    ``.port`` says which one. Raises ``OSError`` when the port is taken.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((LOOPBACK, port))
+        sock.listen(1024)
+        store = dist.TCPStore(LOOPBACK, sock.getsockname()[1], world_size, is_master=True,
+                              timeout=timeout, wait_for_workers=False, multi_tenant=multi_tenant,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store now owns the descriptor (it does not duplicate it)
+    return store

@@ -1,0 +1,65 @@
+"""Bad command-line input: one line naming the value, exit 2, nothing started.
+
+Each case runs ``plait.cli.main`` in this process: the checks come before any work, so a case
+that is not refused would start workers or a long search and fail on time or output."""
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.cli import main
+from plait.outputs import plot_path
+
+PLAN = ["plan", "--model", "llama-7b", "--cluster", "dgx-h100", "--global-batch", "512",
+        "--seq", "4096"]
+READ_ONLY = "/proc"  # no file can be created there, even by root (chmod means nothing to root)
+
+CASES = [
+    (["run", "--rdzv-endpoint", "localhost:99999", "SCRIPT"], "port 99999 is not in 1..65535"),
+    (["run", "--log-dir", f"{READ_ONLY}/logs", "SCRIPT"], "is not writable"),
+    (["run", "--log-dir", "FILE", "SCRIPT"], "is a file, not a folder"),
+    (["run", "-m", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
+    (["run", "--rdzv-timeout", "0", "SCRIPT"], "--rdzv-timeout 0.0"),
+    ([*PLAN, "--pareto", "MISSING/p.png"], "does not exist"),
+    ([*PLAN, "--pareto", f"{READ_ONLY}/p.png"], "is not writable"),
+    (["comm", "--plan", "dp=2", "--plot", "MISSING/c.png"], "does not exist"),
+    (["comm", "--plan", "dp=2", "--plot", f"{READ_ONLY}/c.png"], "is not writable"),
+    (["check", "--plan", "dp=2", "--model", "bogus"], "unknown model preset 'bogus'"),
+    (["comm", "--plan", "dp=2", "--batch", "0"], "--batch=0"),
+    (["comm", "--plan", "dp=2", "--seq", "-1"], "--seq=-1"),
+    (["check", "--plan", "dp=2", "--timeout", "0"], "--timeout=0.0"),
+    (["comm", "--plan", "dp=2", "--timeout", "0"], "--timeout=0.0"),
+    (["bench", "comm", "--timeout", "0"], "--timeout=0.0"),
+    pytest.param(["bench", "comm", "--backend", "nccl"], "needs one CUDA GPU per rank",
+                 marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="has GPUs")),
+    ([*PLAN, "--efficiency", "nan"], "efficiency=nan"),
+    ([*PLAN, "--efficiency", "inf"], "efficiency=inf"),
+    (["schedule", "--pp", "2000", "-m", "4000"], "more than plait schedule draws"),
+    (["check", "--plan", "dp=2", "--seq-len", "100000"], "at most --seq-len 4096"),
+]
+
+
+@pytest.mark.parametrize("argv, fragment", CASES)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, argv, fragment):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("raise SystemExit('the script must not run')\n")
+    (tmp_path / "afile").write_text("")
+    subs = {"SCRIPT": "train.py", "FILE": "afile", "MISSING": str(tmp_path / "missing")}
+    argv = [next((a.replace(k, v) for k, v in subs.items() if a.startswith(k)), a) for a in argv]
+    start = time.monotonic()
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert fragment in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert time.monotonic() - start < 20  # refused up front, not after the work
+
+
+def test_plot_into_a_folder_goes_inside_it(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert plot_path(str(tmp_path), "--pareto", "pareto.png") == str(tmp_path / "pareto.png")
+    assert plot_path(str(tmp_path / "x"), "--plot", "comm.png") == str(tmp_path / "x.png")
+    assert plot_path(str(tmp_path / "x.svg"), "--plot", "c.png") == str(tmp_path / "x.svg")
+    assert not Path(str(tmp_path) + ".png").exists()
