@@ -31,7 +31,7 @@ def train(plan: str, *, steps: int, checkpoint: str | None = None, every: int | 
         run.load(load, model=model, optimizer=opt, scheduler=sched)
     losses = []
     for batch in run.loader(TextDataset(seq_len=SEQ), batch_size=BATCH, steps=steps):
-        losses.append(run.step(model, batch, lm_loss, opt, scheduler=sched))
+        losses.append(float(run.step(model, batch, lm_loss, opt, scheduler=sched)))
     if checkpoint is not None:
         run.finish(print_summary=False)  # waits for a background save
     else:
