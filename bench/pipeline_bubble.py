@@ -83,6 +83,7 @@ class TimedBlock(nn.Module):
 def worker(rank, world_size, configs, block_s, steps):
     import torch.distributed as dist
 
+    from plait.parallel.layout import layout_of
     from plait.parallel.timeline import bubble_fraction, replay_bubble
     from plait.plan import Plan
     from plait.runtime import init
@@ -96,7 +97,7 @@ def worker(rank, world_size, configs, block_s, steps):
         torch.manual_seed(0)
         model = nn.Sequential(*[TimedBlock(block_s) for _ in range(N_BLOCKS)])
         model = run.parallelize(model)
-        pipe = model.plait_pipeline
+        pipe = layout_of(model).pipeline
         x = torch.randn(m * 2, DIM)
         y = torch.randn(m * 2, DIM)
         loss_fn = nn.functional.mse_loss

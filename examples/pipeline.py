@@ -40,11 +40,11 @@ def main(plan: str | None = None, steps: int = 20, png: str = "pipeline_timeline
     cfg = preset("tiny", n_layers=8)
     model = run.parallelize(build(cfg, seed=0))
     specs = ", ".join(f"stage {s.index}: blocks {s.start}-{s.end - 1}"
-                      for s in model.plait_stage_specs)
+                      for s in plait.layout_of(model).stage_specs)
     print(f"rank {run.rank}: {specs}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
-    pipe = model.plait_pipeline
+    pipe = plait.layout_of(model).pipeline
     data = TextDataset(seq_len=64)
     for i, batch in enumerate(run.loader(data, batch_size=8 * p.dp, steps=steps)):
         if i == steps - 3:  # record the last steps (the first ones include shape inference)

@@ -8,9 +8,10 @@
     run.finish()
 """
 
+from .parallel.layout import Layout, layout_of
 from .plan import Plan, PlanOptions
 from .runtime import Run, init
 
 __version__ = "0.1.0"
 
-__all__ = ["Plan", "PlanOptions", "Run", "init", "__version__"]
+__all__ = ["Layout", "Plan", "PlanOptions", "Run", "init", "layout_of", "__version__"]

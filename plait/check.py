@@ -5,9 +5,10 @@ same steps on one process (same seed, same global batches), then compares the lo
 and every parameter after the last step. This is also the harness the test suite uses for each
 parallelism, so "tested against a single-device reference" means exactly this code.
 
-Parameters are compared by their *canonical* names, the names in the user's unwrapped model:
-wrappers (DDP's ``module.``, checkpointing, torch.compile) are stripped, DTensor shards (TP,
-FSDP) are gathered into full tensors, and pipeline stages pool their parameters.
+Parameters are compared by their *canonical* names, the names in the user's unwrapped model
+(``plait.parallel.units.canonical_name``: wrappers such as DDP's ``module.``, checkpointing and
+torch.compile are stripped), DTensor shards (TP, FSDP) are gathered into full tensors, and
+pipeline stages pool their parameters.
 """
 
 from __future__ import annotations
@@ -23,17 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .parallel.layout import local_modules
+from .parallel.units import canonical_name
 from .plan import Plan
 from .spawn import run_distributed
-
-_WRAPPER_PARTS = frozenset({"module", "_checkpoint_wrapped_module", "_orig_mod",
-                            "_fsdp_wrapped_module"})
-
-
-def canonical_name(name: str) -> str:
-    # Whole dotted parts only: a substring replace of "module." would turn
-    # "_checkpoint_wrapped_module." into "_checkpoint_wrapped_".
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
 def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None, *,
@@ -44,9 +38,8 @@ def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None, *,
     Collective: every rank of the job must call it. With pipelines, stages pool their
     parameters over ``pp_group`` so each rank returns the whole model.
     """
-    modules = getattr(model, "plait_stages", None) or [model]
     state: dict[str, torch.Tensor] = {}
-    for module in modules:
+    for module in local_modules(model):
         named = list(module.named_parameters())
         if buffers:
             named += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]

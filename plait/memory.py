@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .parallel.layout import local_modules
 from .plan import Plan
 
 # Mesh dimensions along which parameters are split for data parallelism (not model parallelism).
@@ -82,8 +83,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
-    modules = getattr(model, "plait_stages", None) or [model]
-    return [p for m in modules for p in m.parameters()]
+    return [p for m in local_modules(model) for p in m.parameters()]
 
 
 def peak_process_memory(accelerator: Any = None) -> dict[str, float]:
@@ -129,7 +129,7 @@ class MemoryTracker:
         self._handles = [optimizer.register_step_pre_hook(self._before_step),
                          optimizer.register_step_post_hook(self._after_step)]
         if track_gathered:
-            for m in getattr(model, "plait_stages", None) or [model]:
+            for m in local_modules(model):
                 self._handles.append(m.register_forward_hook(self._after_forward))
 
     def _before_step(self, *_: Any) -> None:

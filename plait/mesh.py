@@ -68,7 +68,7 @@ def build_mesh(plan: Plan, device_type: str, world_size: int) -> Mesh:
         DP_SHARD_CP: flatten_mesh(root["dp_shard", "cp"], DP_SHARD_CP),
     }
     if plan.tp > 1 and plan.dp_shard * plan.dp_replicate > 1:
-        # Data parallelism over TP goes through FSDP2 (plait.parallel.fsdp), whose parameters'
+        # Data parallelism over TP goes through FSDP2 (plait.parallel.zero), whose parameters'
         # gradient norms are partial over dp_shard and tp (dp_shard of size 1 included, under
         # replicated DP); DTensor reduces them in one all-reduce when the root mesh has this
         # flattened view, and in two sequential ones (one latency more per step, and a warning)

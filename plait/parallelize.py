@@ -13,6 +13,8 @@ Order matters and is fixed here:
    or bucket them.
 
 Each step is a plain function in ``plait.parallel``; a step whose axis has degree 1 is skipped.
+What ran is recorded on the returned model as one typed ``Layout``
+(:mod:`plait.parallel.layout`), which the train step and the reports read.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from .mesh import Mesh
+from .parallel.layout import Layout, layout_of, record_layout
 from .plan import Plan
 
 
@@ -43,6 +46,8 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
                       device: torch.device) -> nn.Module:
     """Steps 2-4 (TP/SP, checkpointing, data parallel) on one module or pipeline stage."""
     module = module.to(device)
+    applied: list[str] = []
+    loss_parallel = False
     if plan.dp > 1:
         # BatchNorm first: its replacement keeps the parameters that TP/FSDP then lay out.
         from .parallel.batchnorm import apply_sync_bn, warn_unsynced
@@ -55,23 +60,29 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
         from .parallel.tensor import apply_tensor_parallel
 
         module = apply_tensor_parallel(module, mesh, plan)
+        applied.append("tensor_parallel")
+        loss_parallel = layout_of(module).loss_parallel
     if plan.activation_checkpointing != "none":
         from .parallel.checkpointing import apply_activation_checkpointing
 
         module = apply_activation_checkpointing(module, plan)
+        applied.append("activation_checkpointing")
     if plan.zero > 0:
-        from .parallel.fsdp import apply_fsdp
+        from .parallel.zero import apply_fsdp
 
         module = apply_fsdp(module, mesh, plan)
+        applied.append("zero")
     elif plan.dp_replicate > 1:
         if plan.tp > 1:
             # DDP cannot bucket DTensor parameters; replicated DP over TP shards goes through
             # FSDP2's replicate path instead.
-            from .parallel.fsdp import apply_replicate
+            from .parallel.zero import apply_replicate
 
             module = apply_replicate(module, mesh, plan)
+            applied.append("replicate")
         else:
             from .parallel.data import apply_ddp
 
             module = apply_ddp(module, mesh["dp_replicate"], device=device)
-    return module
+            applied.append("ddp")
+    return record_layout(module, Layout(applied=tuple(applied), loss_parallel=loss_parallel))

@@ -85,7 +85,7 @@ class Run:
     _batch_shape: tuple[int, ...] | None = None
     _started: float = field(default_factory=time.perf_counter)
     _models: list[nn.Module] = field(default_factory=list)
-    # ZeRO-1: the user's optimizer -> its ZeroRedundancyOptimizer (see _optimizer_for).
+    # ZeRO-1: the user's optimizer -> its ZeroRedundancyOptimizer (see zero1_optimizer).
     _sharded_optimizers: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     _memory: Any = None  # plait.memory.MemoryTracker of the first model/optimizer stepped
     # Checkpoints (plait.checkpoint.schedule.Checkpointing) when init(checkpoint=...).
@@ -349,13 +349,13 @@ class Run:
         if model is None:
             raise CheckpointError("run.load() does not know which model to load into: pass "
                                   "model=...")
+        from .parallel.zero import copy_hyperparameters
+
         target = self._optimizer_for(optimizer) if optimizer is not None else None
         info = load(path, model=model, optimizer=target, scheduler=scheduler,
                     device=self.device)
         if optimizer is not None and target is not None and target is not optimizer:
             # ZeRO-1: the loaded settings go back to the user's optimizer too
-            from .parallel.fsdp import copy_hyperparameters
-
             copy_hyperparameters(target, optimizer)
         saved_batch = info.extra.get("batch_size")
         if self._loader is not None and saved_batch not in (None, self._loader.batch_size):
@@ -444,21 +444,11 @@ class Run:
         self.print(f"{verdict.describe(step)}: update skipped")
 
     def _optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """ZeRO-1 shards the optimizer state, which needs the optimizer rebuilt as a
-        ZeroRedundancyOptimizer; doing it here keeps the user's script unchanged (they create
-        ``torch.optim.AdamW(model.parameters())`` as on one device). The user's optimizer stays
-        the source of hyperparameters (a scheduler's lr) and is copied into the sharded one
-        before every step."""
-        if self.plan.zero != 1:
-            return optimizer
-        from .parallel.fsdp import copy_hyperparameters, shard_optimizer
+        """The optimizer that steps: the user's, or its ZeRO-1 sharded twin (see
+        ``plait.parallel.zero.zero1_optimizer``)."""
+        from .parallel.zero import zero1_optimizer
 
-        entry = self._sharded_optimizers.get(id(optimizer))
-        if entry is None:
-            entry = (optimizer, shard_optimizer(optimizer, self._mesh(), self.plan))
-            self._sharded_optimizers[id(optimizer)] = entry
-        copy_hyperparameters(optimizer, entry[1])
-        return entry[1]
+        return zero1_optimizer(optimizer, self._mesh(), self.plan, self._sharded_optimizers)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's parameters and floating-point buffers under the user's own names

@@ -1,8 +1,8 @@
 """The training step: one call for every plan.
 
 ``train_step`` runs forward, backward, gradient clipping and the optimizer step for whatever
-layout the model was parallelized with. Pipelined models carry their schedule (see
-``plait.parallel.pipeline``) and take the pipeline branch; everything else runs gradient
+layout the model was parallelized with. Pipelined models carry their schedule in their
+``Layout`` (see ``plait.parallel.layout``) and take the pipeline branch; everything else runs gradient
 accumulation over ``plan.grad_accum`` micro-steps, with gradient synchronisation switched off on
 all but the last so that accumulation costs no extra communication. Losses are summed per
 micro-batch and divided by the global count of items once per step (``plait.loss``), so a mean
@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .loss import loss_sum_and_count, scale_gradients, shifts_labels
+from .parallel.layout import layout_of
 from .plan import Plan
 
 # loss_fn(output, targets) -> a scalar mean over the counted items, or (sum, count); see
@@ -144,8 +145,9 @@ def _forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch
 
 def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
     """The context forward+loss+backward run in: torch's ``loss_parallel()`` for models whose
-    head keeps vocabulary-sharded logits (tensor parallelism sets ``plait_loss_parallel``)."""
-    if getattr(model, "plait_loss_parallel", False):
+    head keeps vocabulary-sharded logits (tensor parallelism records it in the model's
+    ``Layout.loss_parallel``)."""
+    if layout_of(model).loss_parallel:
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
@@ -180,7 +182,7 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
     mean only once :func:`apply_update` scales them by ``dp / global count``. For pipelined
     models the pair is only meaningful on the last stage (NaN elsewhere).
     """
-    pipeline = getattr(model, "plait_pipeline", None)
+    pipeline = layout_of(model).pipeline
     if pipeline is not None:
         # The schedule returns the mean over this rank's micro-batches, its gradients already
         # those of that mean: one item per data rank weighs the replicas equally.

@@ -30,6 +30,7 @@ def timeline_worker(rank, world_size, schedule, v, m):
     """Run one recorded pipeline step of the deep MLP; return all events and a PNG path."""
     import tempfile
 
+    from plait.parallel.layout import layout_of, local_modules
     from plait.parallel.timeline import plot
     from plait.plan import Plan
     from plait.runtime import init
@@ -37,7 +38,7 @@ def timeline_worker(rank, world_size, schedule, v, m):
     plan = Plan(pp=world_size, pp_schedule=schedule, virtual_stages=v, microbatches=m)
     run = init(plan, quiet=True)
     model = run.parallelize(deep_mlp())
-    pipe = model.plait_pipeline
+    pipe = layout_of(model).pipeline
     x, y = mlp_batch(0, 0)
     with pipe.timeline.record():
         loss = pipe.step((x, y), torch.nn.functional.mse_loss, plan=plan, device=run.device)
@@ -45,7 +46,7 @@ def timeline_worker(rank, world_size, schedule, v, m):
     png = None
     if rank == 0:
         png = plot(events, tempfile.mkstemp(suffix=".png")[1])
-    names = sorted(n for s in model.plait_stages for n, _ in s.named_parameters())
+    names = sorted(n for s in local_modules(model) for n, _ in s.named_parameters())
     run.close()
     return {"events": events, "png": png, "loss": float(loss), "names": names}
 

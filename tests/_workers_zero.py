@@ -73,7 +73,7 @@ def train_memory_many(rank: int, world_size: int, plans: list[Plan], cfg: CheckC
 def grads_after_one_step(rank: int, world_size: int, plan: Plan, cfg: CheckConfig
                          ) -> dict[str, Any]:
     """Loss and every gradient (full, canonical names) after one forward/backward under ``plan``."""
-    from plait.check import canonical_name
+    from plait.parallel.units import canonical_name
     from plait.runtime import init
     from plait.train import _forward_loss
 
@@ -90,7 +90,7 @@ def grads_after_one_step(rank: int, world_size: int, plan: Plan, cfg: CheckConfi
 
 def replicate_run(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) -> dict[str, Any]:
     """Train with ``apply_replicate`` (replicated DP through FSDP2) instead of DDP."""
-    from plait.parallel.fsdp import apply_replicate
+    from plait.parallel.zero import apply_replicate
     from plait.runtime import init
 
     run = init(plan, seed=cfg.seed, quiet=True, log_every=1)

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from plait._torch_compat import checkpoint_wrapper_api
-from plait.check import canonical_name, check
+from plait.check import check
 from plait.models.transformer import build, lm_loss
 from plait.parallel.checkpointing import apply_activation_checkpointing, checkpointed_blocks
+from plait.parallel.units import canonical_name
 from plait.plan import Plan
 from tests._workers_zero import DeepMLP
 

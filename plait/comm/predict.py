@@ -8,7 +8,7 @@ from the strategy, so that the prediction can be compared with the ledger row by
 
 * DDP (``plait.parallel.data``): one all-reduce of the fp32 gradients per optimizer step on
   ``dp_replicate`` (``no_sync`` while accumulating).
-* ZeRO-1 (``plait.parallel.fsdp``): DDP over the flattened ``dp`` axis, then
+* ZeRO-1 (``plait.parallel.zero``): DDP over the flattened ``dp`` axis, then
   ``ZeroRedundancyOptimizer`` broadcasts every parameter from the rank that updated it: one
   broadcast per parameter tensor on ``dp_shard``, the whole model's bytes.
 * ZeRO-2/3 (FSDP2): ``volumes.zero_traffic``. FSDP2 keeps the root unit's parameters
@@ -267,7 +267,9 @@ def _find_config(model: Any) -> Any:
     """The reference TransformerConfig under any wrapper (DDP, pipeline stages), or None."""
     from ..models.transformer import TransformerConfig
 
-    for module in getattr(model, "plait_stages", None) or [model]:
+    from ..parallel.layout import local_modules
+
+    for module in local_modules(model):
         for sub in module.modules():
             cfg = getattr(sub, "config", None)
             if isinstance(cfg, TransformerConfig):
@@ -283,11 +285,12 @@ def local_model(model: Any, plan: Any) -> LocalModel:
     data parallelism undoes).
     """
     from .._torch_compat import checkpoint_wrapper_api
-    from ..check import canonical_name
-    from ..parallel.pipeline import PipelineSkip
+    from ..parallel.layout import layout_of, local_modules
+    from ..parallel.pipeline_split import PipelineSkip
+    from ..parallel.units import canonical_name
 
-    modules = getattr(model, "plait_stages", None) or [model]
-    specs = getattr(model, "plait_stage_specs", None)
+    modules = local_modules(model)
+    specs = layout_of(model).stage_specs
     total = root = tensors = layers = recomputed = 0
     clip: set[str] = set()
     embed = head = False

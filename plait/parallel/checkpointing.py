@@ -14,8 +14,8 @@ Modes (``plan.activation_checkpointing``):
 Built on ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (non-reentrant
 ``torch.utils.checkpoint``; the wrapper FSDP2 and torchtitan compose with) and
 ``torch.utils.checkpoint.create_selective_checkpoint_contexts``. The wrapper adds a
-``_checkpoint_wrapped_module.`` level to parameter names; ``plait.check`` and the sharding units
-strip it, and state dicts load through it.
+``_checkpoint_wrapped_module.`` level to parameter names;
+``plait.parallel.units.canonical_name`` strips it, and state dicts load through it.
 
 Blocks are the model's repeated units (``plait.parallel.units.repeated_blocks``), so any model
 with its layers in a ``ModuleList``/``Sequential`` works.

@@ -1,28 +1,7 @@
-"""Pipeline parallelism for any model whose repeated blocks form a sequence.
+"""Pipeline parallelism, part 3: the stage runtime, and ``apply_pipeline``, its entry point.
 
-The model is taken as it is: no LayerSpec rewrite, no tracing. plait finds the sequence of
-blocks (the ``nn.ModuleList`` / ``nn.Sequential`` holding most of the parameters, e.g.
-``model.layers``), cuts it into ``pp x virtual_stages`` contiguous stages, and builds for each
-stage this rank owns a *stage module*: a shallow copy of the model in which
-
-* blocks of other stages are replaced by ``PipelineSkip`` (a parameter-free pass-through), so the
-  kept blocks keep their canonical names (``layers.3.attention.q_proj.weight``) for checkpoints,
-  TP plans and ``plait check``;
-* modules registered before the block sequence (embeddings) stay on the first stage only, those
-  after it (final norm, head) on the last stage only; elsewhere they are skipped too. Modules
-  without parameters (activations, rotary tables) stay everywhere.
-
-The model's own ``forward`` then runs unchanged on each stage: a skipped embedding passes the
-previous stage's hidden states through, skipped blocks do nothing, a skipped head returns the
-hidden states to send on. This works for any forward that chains its modules (the reference
-transformer, a Sequential MLP or CNN); models whose forward feeds a module something other than
-the running activation (HF decoders' position embeddings and masks) need an adapter.
-
-Stages are cut by parameter count (embedding on the first stage and head on the last count
-too), or by per-block costs (``options.stage_costs``), or at user-named split points
-(``options.split_points = ("layers.4", "layers.8")``: a stage starts at each name), or
-by blocks per stage (``options.pp_stage_layers = (3, 5)``, what the planner emits when
-its cost-balanced split is uneven).
+``apply_pipeline`` cuts the model (:mod:`plait.parallel.pipeline_split`), keeps the stages this
+rank owns, lays each out with ``parallelize_stage`` and runs them with torch's schedules.
 
 Schedules are torch's (``torch.distributed.pipelining``): GPipe, 1F1B, interleaved 1F1B, looped
 BFS, interleaved zero-bubble and ZB-V, with ``PipelineStage`` doing the point-to-point sends.
@@ -33,15 +12,14 @@ the train step accumulates several pipeline steps.
 Each stage module goes through ``parallelize_stage`` (TP/SP, checkpointing, FSDP/DDP) before it
 becomes a PipelineStage, so data parallelism composes per stage: torch's stage runtime keeps DDP
 in ``no_sync`` for all but the last backward of a step, and drives FSDP2's reduction itself.
+The result is a ``PipelinedModel`` whose :class:`plait.parallel.layout.Layout` holds the
+stages, their block ranges and the ``PipelineRunner`` the train step calls.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,313 +27,15 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .._torch_compat import is_view, pipeline_stage_base
+from .._torch_compat import pipeline_stage_base
 from ..mesh import Mesh
 from ..plan import Plan
+from .layout import Layout, layout_of, record_layout
+from .pipeline_split import build_stage_module, check_no_shared_parameters, plan_stages
 from .schedules import check_schedule_args, local_stages
 from .timeline import Timeline, now
 
-Containers = (nn.ModuleList, nn.Sequential)
 
-
-class PipelineZero(nn.Module):
-    """Stands in, on stages after the first, for an HF position embedding whose output the
-    decoder adds to ``inputs_embeds``: the hidden states received already contain it."""
-
-    plait_pipeline_skip = True
-
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return torch.zeros((), device=x.device)
-
-
-class PipelineSkip(nn.Module):
-    """Stands in for a module another stage owns: returns its first input unchanged."""
-
-    # Read by later composition steps (tensor parallelism) to leave it alone: a layer plan's
-    # "output: vocab_head" still names it on stages that do not own the head.
-    plait_pipeline_skip = True
-
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return x
-
-
-# ----------------------------------------------------------------------------- splitting
-@dataclass(frozen=True)
-class StageSpec:
-    """Global stage ``index`` holds blocks ``start`` .. ``end - 1`` of the block sequence."""
-
-    index: int
-    start: int
-    end: int
-    num_stages: int
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
-
-
-def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Module]:
-    """The block sequence: ``name`` if given, else the ModuleList/Sequential with >= 2 children
-    holding the most parameters (the shallowest on ties; the model itself if it is one)."""
-    if name is not None:
-        try:
-            container = model.get_submodule(name)
-        except AttributeError:
-            raise ValueError(f"options.pp_blocks={name!r} is not a submodule of "
-                             f"{type(model).__name__}") from None
-        if not isinstance(container, Containers):
-            raise ValueError(f"options.pp_blocks={name!r} is a {type(container).__name__}, "
-                             f"not an nn.ModuleList or nn.Sequential of blocks")
-        return name, container
-    best: tuple[int, int, str, nn.Module] | None = None
-    for mod_name, module in model.named_modules():
-        if isinstance(module, Containers) and len(module) >= 2:
-            n_params = sum(p.numel() for p in module.parameters())
-            key = (n_params, -mod_name.count(".") - (mod_name != ""))
-            if best is None or key > best[:2]:
-                best = (*key, mod_name, module)
-    if best is None:
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of "
-                         f"blocks to split into pipeline stages; put the repeated blocks in one "
-                         f"(e.g. self.layers = nn.ModuleList(...)) or run with pp=1")
-    return best[2], best[3]
-
-
-def _param_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def _side_modules(model: nn.Module, path: str) -> tuple[list[nn.Module], list[nn.Module]]:
-    """Modules registered before / after the block sequence along its path from the root."""
-    before, after = [], []
-    module = model
-    for part in path.split(".") if path else []:
-        seen = False
-        for child_name, child in module.named_children():
-            if child_name == part:
-                seen = True
-            elif child is not None:
-                (after if seen else before).append(child)
-        module = getattr(module, part)
-    return before, after
-
-
-def partition(costs: list[float], n_stages: int, first_extra: float = 0.0,
-              last_extra: float = 0.0) -> list[tuple[int, int]]:
-    """Contiguous split of ``costs`` into ``n_stages`` non-empty parts minimising the largest
-    part (``first_extra``/``last_extra`` are added to the first/last part)."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def part_cost(k: int, i: int, j: int) -> float:
-        extra = (first_extra if k == 0 else 0.0) + (last_extra if k == n_stages - 1 else 0.0)
-        return prefix[j] - prefix[i] + extra
-
-    # best[k][j]: smallest max-part cost splitting blocks [0, j) into k + 1 parts.
-    inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(n_stages)]
-    cut = [[0] * (n + 1) for _ in range(n_stages)]
-    for j in range(1, n + 1):
-        best[0][j] = part_cost(0, 0, j)
-    for k in range(1, n_stages):
-        for j in range(k + 1, n + 1):
-            for i in range(k, j):
-                value = max(best[k - 1][i], part_cost(k, i, j))
-                if value < best[k][j] - 1e-12:
-                    best[k][j], cut[k][j] = value, i
-    bounds, j = [], n
-    for k in range(n_stages - 1, 0, -1):
-        i = cut[k][j]
-        bounds.append((i, j))
-        j = i
-    bounds.append((0, j))
-    return bounds[::-1]
-
-
-def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
-    """Where to cut: the block sequence's name and every global stage's block range."""
-    n_stages = plan.pp * plan.virtual_stages
-    path, container = find_blocks(model, plan.options.pp_blocks)
-    n_blocks = len(container)
-    where = f"{path or type(model).__name__}"
-    if n_stages > n_blocks:
-        raise ValueError(f"pp={plan.pp} x virtual_stages={plan.virtual_stages} = {n_stages} "
-                         f"stages but {where} has only {n_blocks} blocks; use at most "
-                         f"{n_blocks} stages (lower pp or virtual_stages) or a deeper model")
-    # Plan validation allows at most one of these, with one entry per stage (or cut).
-    split_points = plan.options.split_points
-    stage_costs = plan.options.stage_costs
-    stage_layers = plan.options.pp_stage_layers
-    if stage_layers is not None:
-        bounds = _bounds_from_layers(stage_layers, n_stages, n_blocks, plan, where)
-    elif split_points is not None:
-        names = [f"{path}.{k}" if path else k for k in container._modules]
-        starts = []
-        for point in split_points:
-            if point not in names:
-                raise ValueError(f"split point {point!r} is not a block of {where}; blocks are "
-                                 f"{names[0]} .. {names[-1]}")
-            starts.append(names.index(point))
-        if starts != sorted(set(starts)) or starts[0] == 0:
-            raise ValueError(f"split_points={list(split_points)} must be increasing and start "
-                             f"after {names[0]} (each names the first block of a stage)")
-        edges = [0, *starts, n_blocks]
-        bounds = list(zip(edges[:-1], edges[1:], strict=True))
-    else:
-        if stage_costs is not None:
-            if len(stage_costs) != n_blocks:
-                raise ValueError(f"stage_costs has {len(stage_costs)} entries but {where} has "
-                                 f"{n_blocks} blocks; give one cost per block")
-            costs = [float(c) for c in stage_costs]
-            first_extra = last_extra = 0.0
-        else:
-            costs = [float(_param_count(b)) for b in container]
-            before, after = _side_modules(model, path)
-            first_extra = float(sum(_param_count(m) for m in before))
-            last_extra = float(sum(_param_count(m) for m in after))
-        bounds = partition(costs, n_stages, first_extra, last_extra)
-    return path, [StageSpec(k, i, j, n_stages) for k, (i, j) in enumerate(bounds)]
-
-
-def _even_counts(n_blocks: int, n_stages: int) -> list[int]:
-    return [n_blocks // n_stages + (i < n_blocks % n_stages) for i in range(n_stages)]
-
-
-def _bounds_from_layers(stage_layers: Any, n_stages: int, n_blocks: int, plan: Plan,
-                       where: str) -> list[tuple[int, int]]:
-    """Block ranges from ``options.pp_stage_layers``: blocks per model chunk, in global stage
-    order (the planner writes it when its cost-balanced split is not the even one, so the
-    runtime builds exactly the layout that was priced)."""
-    try:
-        counts = [int(c) for c in stage_layers]
-        exact = all(int(c) == c for c in stage_layers)
-    except (TypeError, ValueError):
-        counts, exact = [], False
-    if not exact or len(counts) != n_stages or sum(counts) != n_blocks or min(counts) < 1:
-        raise ValueError(f"options.pp_stage_layers={stage_layers!r} must list {n_stages} "
-                         f"positive whole block counts (pp={plan.pp} x virtual_stages="
-                         f"{plan.virtual_stages}), one per stage in stage order, summing to the "
-                         f"{n_blocks} blocks of {where}; e.g. "
-                         f"{_even_counts(n_blocks, n_stages)}")
-    edges = [0]
-    for c in counts:
-        edges.append(edges[-1] + c)
-    return list(zip(edges[:-1], edges[1:], strict=True))
-
-
-def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Module:
-    """A shallow copy of ``model`` holding only stage ``spec``'s modules (names unchanged)."""
-    parts = path.split(".") if path else []
-
-    hf_done = False
-    added: set[int] = set()  # HF position embeddings: their skip adds zero
-
-    def rebuild(module: nn.Module, depth: int) -> nn.Module:
-        nonlocal hf_done
-        clone = copy.copy(module)
-        clone._modules = dict(module._modules)  # own registry; children shared, not copied
-        if not hf_done and _is_hf_model(module):
-            hf_done = True  # the outermost HF model on the path is the one that gets called
-            added.update(id(m) for m in _hf_added_embeddings(module, parts[depth:]))
-            _adapt_hf_forward(clone, spec, returns_logits=depth == 0)
-        if depth == len(parts):  # the block sequence
-            for idx, key in enumerate(module._modules):
-                if not spec.start <= idx < spec.end:
-                    clone._modules[key] = PipelineSkip()
-            return clone
-        own = [n for n, p in module.named_parameters(recurse=False)]
-        if own:
-            raise ValueError(f"{type(module).__name__} holds parameters {own} directly, outside "
-                             f"any submodule, on the path to the blocks ({path}); a pipeline "
-                             f"cannot tell which stage owns them: move them into a submodule")
-        seen = False
-        for key, child in module._modules.items():
-            if key == parts[depth]:
-                seen = True
-                clone._modules[key] = rebuild(child, depth + 1)
-            elif child is not None and _param_count(child) > 0:
-                keep = spec.is_last if seen else spec.is_first
-                if not keep:
-                    clone._modules[key] = PipelineZero() if id(child) in added else PipelineSkip()
-        return clone
-
-    return rebuild(model, 0)
-
-
-# ----------------------------------------------------------------------------- HF decoders
-# Hugging Face decoder layers take masks and rotary position embeddings that the decoder's
-# forward computes from its input, so a stage cannot feed its hidden states to a layer alone.
-# What HF offers instead: ``*ForCausalLM.forward(inputs_embeds=h)`` skips the token embedding and
-# builds the mask and positions from ``h``. So a later stage calls the (skip-replaced) model with
-# ``inputs_embeds=`` its input; skipped layers pass the hidden states through, and on stages
-# without the head the skipped final norm and ``lm_head`` make ``.logits`` those hidden states.
-def _is_hf_model(module: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # transformers not installed: no HF models to adapt
-        return False
-    return isinstance(module, PreTrainedModel)
-
-
-def _hf_added_embeddings(hf: nn.Module, parts: list[str]) -> list[nn.Module]:
-    """The embeddings before the layers other than the token embedding (GPT-2's ``wpe``, OPT's
-    learned positions): HF decoders add their output to ``inputs_embeds``, so on later stages
-    (which receive hidden states that already include them) their stand-in must add zero.
-
-    Other parameterised modules there are refused: whether the decoder adds or applies them
-    cannot be told from outside, and a wrong guess trains silently wrong."""
-    embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
-    before, _ = _side_modules(hf, ".".join(parts))
-    other = [m for m in before if m is not embed and _param_count(m) > 0]
-    unknown = [m for m in other if not isinstance(m, nn.Embedding)]
-    if unknown:
-        names = [n for n, m in hf.named_modules() if any(m is u for u in unknown)]
-        raise ValueError(f"{type(hf).__name__} has parameterised modules {names} before its "
-                         f"decoder layers that are neither the token embedding nor an "
-                         f"embedding added to it; plait's HF pipeline adapter cannot tell how "
-                         f"later stages should skip them: run this model with pp=1, or wrap "
-                         f"it so those modules live inside the first block")
-    return other
-
-
-def _adapt_hf_forward(clone: nn.Module, spec: StageSpec, returns_logits: bool) -> None:
-    """Give the stage copy of an HF model a forward that takes hidden states on later stages.
-
-    The user's code calls ``hf(x)`` / ``hf(input_ids=x)`` as usual; on every stage after the
-    first, ``x`` is the previous stage's hidden states and goes in as ``inputs_embeds``. No KV
-    cache (training). When the HF model is the pipelined model itself, stages return
-    ``.logits`` (pipeline stages pass tensors; the loss gets logits).
-    """
-    forward = type(clone).forward
-
-    def stage_forward(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("use_cache", False)
-        if not spec.is_first:
-            if args:
-                hidden, args = args[0], args[1:]
-            else:
-                hidden = kwargs.pop("input_ids", None)
-            if hidden is not None:
-                kwargs["inputs_embeds"] = hidden
-        out = forward(clone, *args, **kwargs)
-        if not spec.is_last and getattr(out, "logits", None) is not None \
-                and is_view(out.logits):
-            # Here ``.logits`` is the hidden states sliced by ``logits_to_keep`` (a view), and
-            # torch's split backward (zero-bubble schedules) frees stage outputs with detach_(),
-            # which views refuse: hand on an owned copy (one activation copy per microbatch).
-            out.logits = out.logits.clone()
-        return out.logits if returns_logits else out
-
-    clone.forward = stage_forward
-
-
-# ----------------------------------------------------------------------------- runtime
 pipeline_stage_base()  # TimedStage overrides a private method: fail clearly if torch changed it
 
 
@@ -419,9 +99,11 @@ def _rows(x: Any) -> int:
 class PipelineRunner:
     """The schedule of this rank's stages; ``step`` runs one optimizer step's worth of it."""
 
-    def __init__(self, stages: list[TimedStage], plan: Plan, rank: int):
+    def __init__(self, stages: list[TimedStage], plan: Plan, rank: int, *,
+                 loss_parallel: bool = False):
         self.stages = stages
         self.plan = plan
+        self.loss_parallel = loss_parallel
         self.timeline = Timeline(rank=rank)
         for s in stages:
             s.timeline = self.timeline
@@ -440,11 +122,11 @@ class PipelineRunner:
         return loss * self._scale
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
-        """torch's ``loss_parallel()`` around the whole schedule step when the last stage's head
-        is vocabulary-parallel (TP marks it ``plait_loss_parallel``): the schedule computes the
-        loss, and runs its backward, inside ``step``, so the train step cannot wrap them apart."""
-        if any(getattr(s.submod, "plait_loss_parallel", False) for s in self.stages
-               if s.is_last):
+        """torch's ``loss_parallel()`` around the whole schedule step when this rank's last
+        stage has a vocabulary-parallel head (its ``Layout.loss_parallel``): the schedule
+        computes the loss, and runs its backward, inside ``step``, so the train step cannot wrap
+        them apart."""
+        if self.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
 
             return loss_parallel()
@@ -503,57 +185,43 @@ class PipelineRunner:
 class PipelinedModel(nn.Module):
     """This rank's pipeline stages, as one module for the optimizer and the train step.
 
-    ``parameters()`` yields every local stage's parameters; ``plait_stages`` lists the stage
-    modules (their parameter names are the full model's); ``plait_pipeline.step(...)`` runs the
+    ``parameters()`` yields every local stage's parameters. Its
+    :func:`~plait.parallel.layout.layout_of` gives the stage modules (their parameter names are
+    the full model's), their block ranges, and the ``pipeline`` whose ``step(...)`` runs the
     schedule. Calling the module directly is not a pipeline step and is refused.
     """
 
-    def __init__(self, stage_modules: list[nn.Module], runner: PipelineRunner,
-                 specs: list[StageSpec]):
+    def __init__(self, stage_modules: list[nn.Module]):
         super().__init__()
         self.stages = nn.ModuleList(stage_modules)
-        self.plait_pipeline = runner
-        self.plait_stage_specs = specs
-
-    @property
-    def plait_stages(self) -> list[nn.Module]:
-        return list(self.stages)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a pipelined model runs through its schedule: call "
-                           "run.step(model, batch, loss_fn, opt) (or "
-                           "model.plait_pipeline.step(batch, loss_fn, plan=..., device=...))")
+                           "run.step(model, batch, loss_fn, opt) (or layout_of(model).pipeline"
+                           ".step(batch, loss_fn, plan=..., device=...), from "
+                           "plait.parallel.layout)")
 
 
 def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device,
                    parallelize_stage: Callable[..., nn.Module]) -> PipelinedModel:
     """Split ``model`` into ``plan.pp x plan.virtual_stages`` stages, keep this rank's, and
-    return them with their schedule (see the module docstring)."""
+    return them with their schedule, recorded in the returned model's ``Layout``."""
     check_schedule_args(plan.pp_schedule, plan.pp, plan.microbatches, plan.virtual_stages)
     path, specs = plan_stages(model, plan)
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     mine = local_stages(plan.pp_schedule, plan.pp, plan.virtual_stages, pp_rank)
     modules = [build_stage_module(model, path, specs[s]) for s in mine]
-    _check_no_shared_parameters(model, path, specs)
+    check_no_shared_parameters(model, path, specs)
     modules = [parallelize_stage(m, mesh, plan, device=device) for m in modules]
     stages = [TimedStage(m, s, len(specs), device, group=pp_mesh.get_group())
               for m, s in zip(modules, mine, strict=True)]
-    runner = PipelineRunner(stages, plan, rank=torch.distributed.get_rank())
-    return PipelinedModel(modules, runner, [specs[s] for s in mine])
-
-
-def _check_no_shared_parameters(model: nn.Module, path: str, specs: list[StageSpec]) -> None:
-    """Tied weights across stages (e.g. embedding = head) would be trained twice, apart."""
-    owner: dict[int, int] = {}
-    for spec in specs:
-        stage = build_stage_module(model, path, spec)
-        for name, p in stage.named_parameters():
-            other = owner.setdefault(id(p), spec.index)
-            if other != spec.index:
-                raise ValueError(f"parameter {name} is shared by stages {other} and "
-                                 f"{spec.index} (tied weights, e.g. tie_embeddings=True, "
-                                 f"or a Hugging Face config's tie_word_embeddings=True); untie "
-                                 f"them "
-                                 f"(tie_word_embeddings=False when building the HF model) or "
-                                 f"put both users on one stage (split_points)")
+    # Only the last stage holds the head, so only it can need loss_parallel().
+    loss_parallel = any(layout_of(m).loss_parallel
+                        for m, s in zip(modules, mine, strict=True) if specs[s].is_last)
+    runner = PipelineRunner(stages, plan, rank=torch.distributed.get_rank(),
+                            loss_parallel=loss_parallel)
+    layout = Layout(applied=("pipeline", *layout_of(modules[0]).applied), stages=tuple(modules),
+                    stage_specs=tuple(specs[s] for s in mine), pipeline=runner,
+                    loss_parallel=loss_parallel)
+    return record_layout(PipelinedModel(modules), layout)

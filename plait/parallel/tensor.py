@@ -50,11 +50,11 @@ from torch.distributed.tensor.parallel import (
 from .._torch_compat import strided_shard, tp_style_bases
 from ..mesh import Mesh
 from ..plan import Plan
+from .layout import Layout, record_layout
+from .pipeline_split import STAND_INS
 from .tp_plans import STYLES, TPPlan, hf_plan, reference_plan
 
 tp_style_bases()  # the styles below override private members: fail clearly if torch changed them
-
-LOSS_PARALLEL_ATTR = "plait_loss_parallel"
 
 
 # ------------------------------------------------------------------------------------ styles
@@ -343,9 +343,10 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
 
     After this every parameter is a DTensor on the tp mesh (unsplit ones ``Replicate``), so a
     plain ``torch.optim.AdamW(model.parameters())`` (foreach) and gradient clipping work, and
-    FSDP2 can shard the result over the data axes. When the head is vocabulary-parallel the
-    module carries ``plait_loss_parallel = True``: the train step then computes the loss, and
-    its backward, inside ``torch.distributed.tensor.parallel.loss_parallel()``.
+    FSDP2 can shard the result over the data axes. The module's recorded
+    :class:`~plait.parallel.layout.Layout` says whether the head is vocabulary-parallel
+    (``loss_parallel``): the train step then computes the loss, and its backward, inside
+    ``torch.distributed.tensor.parallel.loss_parallel()``.
     """
     tp_mesh = mesh["tp"] if isinstance(mesh, Mesh) else mesh
     tp = tp_mesh.size()
@@ -354,9 +355,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
         raise ValueError(f"sp=True: the tensor-parallel plan for {type(module).__name__} "
                          f"({tp_plan.source}) has no sequence-parallel layout; use sp=False, or "
                          f"pass options.tp_plan with 'region' and 'sequence_parallel' entries")
-    # Pipeline stages keep a parameter-free PipelineSkip where another stage owns a module.
+    # Pipeline stages keep a parameter-free stand-in where another stage owns a module.
     matched = {name: style for name, style in match_plan(module, tp_plan.styles).items()
-               if not getattr(module.get_submodule(name), "plait_pipeline_skip", False)}
+               if not isinstance(module.get_submodule(name), STAND_INS)}
     for note in validate(module, tp_plan, matched, tp):
         _print0(note)
     ties = _tied_groups(module)
@@ -372,9 +373,8 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
     _retie(ties)
     replicate_rest(module, tp_mesh)
     _reduce_partial_grads_in_backward(module)
-    if "vocab_head" in matched.values():
-        setattr(module, LOSS_PARALLEL_ATTR, True)
-    return module
+    return record_layout(module, Layout(applied=("tensor_parallel",),
+                                        loss_parallel="vocab_head" in matched.values()))
 
 
 def shard_sequence_in_blocks(module: nn.Module, blocks_glob: str, mesh: DeviceMesh) -> None:

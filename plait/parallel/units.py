@@ -7,8 +7,10 @@ reduce-scatter, and activation checkpointing recomputes whole modules; both want
 transformer's ``layers.*``, an MLP's ``blocks.*`` — and the user can override it with glob
 patterns over the module names (``plan.options.shard_patterns``).
 
-Names are matched in their canonical form (checkpoint/compile wrapper prefixes stripped), so a
-pattern written against the user's model keeps working after checkpointing wrapped the blocks.
+Names are matched in their canonical form (:func:`canonical_name`: wrapper parts stripped), so
+a pattern written against the user's model keeps working after checkpointing wrapped the blocks.
+The same rule names parameters wherever plait shows or compares them (``plait check``, the
+traffic prediction).
 """
 
 from __future__ import annotations
@@ -19,15 +21,21 @@ from collections.abc import Sequence
 import torch.nn as nn
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+# The name parts wrappers insert: DDP's ``module``, activation checkpointing's, torch.compile's
+# and FSDP1's. A user's own submodule named ``module`` is dropped as well (it cannot be told
+# apart from DDP's), identically in every layout, so names still match one device's.
+_WRAPPER_PARTS = frozenset({"module", "_checkpoint_wrapped_module", "_orig_mod",
+                            "_fsdp_wrapped_module"})
 
 
-def canonical(name: str) -> str:
-    """``layers.3._checkpoint_wrapped_module`` -> ``layers.3`` (the user's module name)."""
-    name = name + "."
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name.rstrip(".")
+def canonical_name(name: str) -> str:
+    """The user-facing name of a module or parameter: wrapper parts dropped
+    (``module.layers.3._checkpoint_wrapped_module.w`` -> ``layers.3.w``).
+
+    Whole dotted parts only: a substring replace of ``module.`` would turn
+    ``_checkpoint_wrapped_module.`` into ``_checkpoint_wrapped_``.
+    """
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
 def _glob(pattern: str) -> re.Pattern[str]:
@@ -81,16 +89,16 @@ def select_units(module: nn.Module, patterns: Sequence[str] | None = None
     unmatched = []
     for pattern in patterns:
         regex = _glob(pattern)
-        hits = [(name, m) for name, m in named if regex.match(canonical(name))]
+        hits = [(name, m) for name, m in named if regex.match(canonical_name(name))]
         if not hits:
             unmatched.append(pattern)
         for name, m in hits:
-            key = canonical(name)
+            key = canonical_name(name)
             if key not in chosen or len(name) < len(chosen[key][0]):
                 chosen[key] = (name, m)
     if unmatched:
-        examples = ", ".join(sorted({canonical(n) for n, _ in named})[:8])
+        examples = ", ".join(sorted({canonical_name(n) for n, _ in named})[:8])
         raise ValueError(f"shard_patterns {unmatched} match no module of "
                          f"{type(module).__name__}; module names look like: {examples}")
     units = [u for u in chosen.values() if _numel(u[1]) > 0]
-    return sorted(units, key=lambda u: -canonical(u[0]).count("."))
+    return sorted(units, key=lambda u: -canonical_name(u[0]).count("."))

@@ -272,7 +272,7 @@ def _fsdp_timings(world: int, rounds: int) -> dict:
         for unit in module:
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(module, mesh=mesh, reshard_after_forward=False)
-        use_gloo_collectives(module, mesh.get_group(), "cpu")  # as plait.parallel.fsdp does
+        use_gloo_collectives(module, mesh.get_group(), "cpu")  # as plait.parallel.zero does
         module.set_requires_gradient_sync(sync)
         return module
 

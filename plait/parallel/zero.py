@@ -36,9 +36,9 @@ Why these blocks:
   replicated and shards only the optimizer state, which is DDP (bucketed all-reduce of
   gradients) plus ``torch.distributed.optim.ZeroRedundancyOptimizer`` (each rank runs the
   user's optimizer on its partition of the parameters, then broadcasts the updated parameters
-  from their owners). The optimizer wrapping is done by the runtime (``Run.step``) around the
-  user's ``torch.optim.AdamW(model.parameters())`` — see :func:`shard_optimizer` — so the
-  training script does not change. ZeroRedundancyOptimizer partitions whole parameters
+  from their owners). The optimizer is rebuilt here too, by :func:`zero1_optimizer`, which
+  ``Run.step`` calls on the user's ``torch.optim.AdamW(model.parameters())`` before every step,
+  so the training script does not change. ZeroRedundancyOptimizer partitions whole parameters
   (greedy, largest first), not elements, so per-rank optimizer state is 8Ψ/d only up to that
   granularity.
 * **HSDP** is FSDP2 on a 2-D mesh ``(dp_replicate, dp_shard)``: shard inside a group (a node),
@@ -113,7 +113,7 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     ZeRO-2/3: ``fully_shard`` on each unit (the repeated blocks, or ``plan.options.
     shard_patterns``), then on the root, which groups whatever is left (embeddings, final
     norm, head) and drives the lazy init. ZeRO-1: DDP here; the optimizer is sharded by
-    :func:`shard_optimizer` (called by the runtime on the user's optimizer).
+    :func:`zero1_optimizer` (called by ``Run.step`` on the user's optimizer).
     """
     if plan.zero not in (1, 2, 3):
         raise ValueError(f"apply_fsdp needs zero=1, 2 or 3, got zero={plan.zero!r}")
@@ -177,15 +177,38 @@ def apply_replicate(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------- ZeRO-1
+ShardedOptimizers = dict[int, tuple[torch.optim.Optimizer, torch.optim.Optimizer]]
+
+
+def zero1_optimizer(optimizer: torch.optim.Optimizer, mesh: Mesh, plan: Plan,
+                    cache: ShardedOptimizers) -> torch.optim.Optimizer:
+    """The optimizer a training step steps: ``optimizer`` itself, or under ``zero=1`` its sharded
+    twin (built on first use and kept in ``cache``) with the user's current hyperparameters.
+
+    ZeRO-1 shards the optimizer state, which needs the optimizer rebuilt as a
+    ``ZeroRedundancyOptimizer``; doing it at step time keeps the user's script unchanged (they
+    create ``torch.optim.AdamW(model.parameters())`` as on one device). The user's optimizer stays
+    the source of hyperparameters (a scheduler's lr) and is copied into the sharded one before
+    every step. ``cache`` maps ``id(optimizer)`` to (optimizer, sharded): holding the user's
+    optimizer keeps its id from being reused while the entry lives.
+    """
+    if plan.zero != 1:
+        return optimizer
+    entry = cache.get(id(optimizer))
+    if entry is None:
+        entry = (optimizer, shard_optimizer(optimizer, mesh, plan))
+        cache[id(optimizer)] = entry
+    copy_hyperparameters(optimizer, entry[1])
+    return entry[1]
+
+
 def shard_optimizer(optimizer: torch.optim.Optimizer, mesh: Mesh, plan: Plan
                     ) -> torch.optim.Optimizer:
     """ZeRO-1: the user's optimizer, rebuilt as a ``ZeroRedundancyOptimizer`` over ``dp_shard``.
 
     Same class, same parameter groups and hyperparameters; each rank keeps the state of its
     partition only. Call it before the first step (the user's optimizer must hold no state yet:
-    it would be silently dropped). The runtime does this on the first ``Run.step`` and copies the
-    user's hyperparameters (e.g. a scheduler's learning rate) into it before every step, see
-    :func:`copy_hyperparameters`.
+    it would be silently dropped).
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 

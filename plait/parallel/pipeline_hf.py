@@ -1,0 +1,84 @@
+"""Pipeline parallelism, part 2: stage modules for Hugging Face decoders.
+
+Hugging Face decoder layers take masks and rotary position embeddings that the decoder's
+forward computes from its input, so a stage cannot feed its hidden states to a layer alone.
+What HF offers instead: ``*ForCausalLM.forward(inputs_embeds=h)`` skips the token embedding and
+builds the mask and positions from ``h``. So a later stage calls the (skip-replaced) model with
+``inputs_embeds=`` its input; skipped layers pass the hidden states through, and on stages
+without the head the skipped final norm and ``lm_head`` make ``.logits`` those hidden states.
+
+:func:`plait.parallel.pipeline_split.build_stage_module` calls these on the outermost HF model
+on the path to the blocks; ``transformers`` stays optional (nothing here imports it unless a
+model is checked).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch.nn as nn
+
+from .._torch_compat import is_view
+
+if TYPE_CHECKING:
+    from .pipeline_split import StageSpec
+
+
+def is_hf_model(module: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # transformers not installed: no HF models to adapt
+        return False
+    return isinstance(module, PreTrainedModel)
+
+
+def hf_added_embeddings(hf: nn.Module, before: list[nn.Module]) -> list[nn.Module]:
+    """The embeddings before the layers other than the token embedding (GPT-2's ``wpe``, OPT's
+    learned positions): HF decoders add their output to ``inputs_embeds``, so on later stages
+    (which receive hidden states that already include them) their stand-in must add zero.
+
+    Other parameterised modules there are refused: whether the decoder adds or applies them
+    cannot be told from outside, and a wrong guess trains silently wrong."""
+    embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    other = [m for m in before
+             if m is not embed and any(p.numel() for p in m.parameters())]
+    unknown = [m for m in other if not isinstance(m, nn.Embedding)]
+    if unknown:
+        names = [n for n, m in hf.named_modules() if any(m is u for u in unknown)]
+        raise ValueError(f"{type(hf).__name__} has parameterised modules {names} before its "
+                         f"decoder layers that are neither the token embedding nor an "
+                         f"embedding added to it; plait's HF pipeline adapter cannot tell how "
+                         f"later stages should skip them: run this model with pp=1, or wrap "
+                         f"it so those modules live inside the first block")
+    return other
+
+
+def adapt_hf_forward(clone: nn.Module, spec: StageSpec, returns_logits: bool) -> None:
+    """Give the stage copy of an HF model a forward that takes hidden states on later stages.
+
+    The user's code calls ``hf(x)`` / ``hf(input_ids=x)`` as usual; on every stage after the
+    first, ``x`` is the previous stage's hidden states and goes in as ``inputs_embeds``. No KV
+    cache (training). When the HF model is the pipelined model itself, stages return
+    ``.logits`` (pipeline stages pass tensors; the loss gets logits).
+    """
+    forward = type(clone).forward
+
+    def stage_forward(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("use_cache", False)
+        if not spec.is_first:
+            if args:
+                hidden, args = args[0], args[1:]
+            else:
+                hidden = kwargs.pop("input_ids", None)
+            if hidden is not None:
+                kwargs["inputs_embeds"] = hidden
+        out = forward(clone, *args, **kwargs)
+        if not spec.is_last and getattr(out, "logits", None) is not None \
+                and is_view(out.logits):
+            # Here ``.logits`` is the hidden states sliced by ``logits_to_keep`` (a view), and
+            # torch's split backward (zero-bubble schedules) frees stage outputs with detach_(),
+            # which views refuse: hand on an owned copy (one activation copy per microbatch).
+            out.logits = out.logits.clone()
+        return out.logits if returns_logits else out
+
+    clone.forward = stage_forward

@@ -1,0 +1,290 @@
+"""Pipeline parallelism, part 1: where to cut a model and what each stage keeps.
+
+The model is taken as it is: no LayerSpec rewrite, no tracing. plait finds the sequence of
+blocks (the ``nn.ModuleList`` / ``nn.Sequential`` holding most of the parameters, e.g.
+``model.layers``), cuts it into ``pp x virtual_stages`` contiguous stages, and builds for each
+stage this rank owns a *stage module*: a shallow copy of the model in which
+
+* blocks of other stages are replaced by ``PipelineSkip`` (a parameter-free pass-through), so the
+  kept blocks keep their canonical names (``layers.3.attention.q_proj.weight``) for checkpoints,
+  TP plans and ``plait check``;
+* modules registered before the block sequence (embeddings) stay on the first stage only, those
+  after it (final norm, head) on the last stage only; elsewhere they are skipped too. Modules
+  without parameters (activations, rotary tables) stay everywhere.
+
+The model's own ``forward`` then runs unchanged on each stage: a skipped embedding passes the
+previous stage's hidden states through, skipped blocks do nothing, a skipped head returns the
+hidden states to send on. This works for any forward that chains its modules (the reference
+transformer, a Sequential MLP or CNN); models whose forward feeds a module something other than
+the running activation (HF decoders' position embeddings and masks) need an adapter
+(:mod:`plait.parallel.pipeline_hf`).
+
+Stages are cut by parameter count (embedding on the first stage and head on the last count
+too), or by per-block costs (``options.stage_costs``), or at user-named split points
+(``options.split_points = ("layers.4", "layers.8")``: a stage starts at each name), or
+by blocks per stage (``options.pp_stage_layers = (3, 5)``, what the planner emits when
+its cost-balanced split is uneven).
+
+This part is pure module surgery (no process group): the stage runtime in
+:mod:`plait.parallel.pipeline` turns the stage modules into torch ``PipelineStage``s.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..plan import Plan
+from .pipeline_hf import adapt_hf_forward, hf_added_embeddings, is_hf_model
+
+Containers = (nn.ModuleList, nn.Sequential)
+
+
+class PipelineZero(nn.Module):
+    """Stands in, on stages after the first, for an HF position embedding whose output the
+    decoder adds to ``inputs_embeds``: the hidden states received already contain it."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return torch.zeros((), device=x.device)
+
+
+class PipelineSkip(nn.Module):
+    """Stands in for a module another stage owns: returns its first input unchanged."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
+
+
+# The stand-ins for modules another stage owns. Later composition steps leave them alone: a
+# tensor-parallel layer plan's "output: vocab_head" still names one on stages without the head.
+STAND_INS = (PipelineSkip, PipelineZero)
+
+# ----------------------------------------------------------------------------- splitting
+@dataclass(frozen=True)
+class StageSpec:
+    """Global stage ``index`` holds blocks ``start`` .. ``end - 1`` of the block sequence."""
+
+    index: int
+    start: int
+    end: int
+    num_stages: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Module]:
+    """The block sequence: ``name`` if given, else the ModuleList/Sequential with >= 2 children
+    holding the most parameters (the shallowest on ties; the model itself if it is one)."""
+    if name is not None:
+        try:
+            container = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"options.pp_blocks={name!r} is not a submodule of "
+                             f"{type(model).__name__}") from None
+        if not isinstance(container, Containers):
+            raise ValueError(f"options.pp_blocks={name!r} is a {type(container).__name__}, "
+                             f"not an nn.ModuleList or nn.Sequential of blocks")
+        return name, container
+    best: tuple[int, int, str, nn.Module] | None = None
+    for mod_name, module in model.named_modules():
+        if isinstance(module, Containers) and len(module) >= 2:
+            n_params = sum(p.numel() for p in module.parameters())
+            key = (n_params, -mod_name.count(".") - (mod_name != ""))
+            if best is None or key > best[:2]:
+                best = (*key, mod_name, module)
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of "
+                         f"blocks to split into pipeline stages; put the repeated blocks in one "
+                         f"(e.g. self.layers = nn.ModuleList(...)) or run with pp=1")
+    return best[2], best[3]
+
+
+def _param_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _side_modules(model: nn.Module, path: str) -> tuple[list[nn.Module], list[nn.Module]]:
+    """Modules registered before / after the block sequence along its path from the root."""
+    before, after = [], []
+    module = model
+    for part in path.split(".") if path else []:
+        seen = False
+        for child_name, child in module.named_children():
+            if child_name == part:
+                seen = True
+            elif child is not None:
+                (after if seen else before).append(child)
+        module = getattr(module, part)
+    return before, after
+
+
+def partition(costs: list[float], n_stages: int, first_extra: float = 0.0,
+              last_extra: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous split of ``costs`` into ``n_stages`` non-empty parts minimising the largest
+    part (``first_extra``/``last_extra`` are added to the first/last part)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def part_cost(k: int, i: int, j: int) -> float:
+        extra = (first_extra if k == 0 else 0.0) + (last_extra if k == n_stages - 1 else 0.0)
+        return prefix[j] - prefix[i] + extra
+
+    # best[k][j]: smallest max-part cost splitting blocks [0, j) into k + 1 parts.
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(n_stages)]
+    cut = [[0] * (n + 1) for _ in range(n_stages)]
+    for j in range(1, n + 1):
+        best[0][j] = part_cost(0, 0, j)
+    for k in range(1, n_stages):
+        for j in range(k + 1, n + 1):
+            for i in range(k, j):
+                value = max(best[k - 1][i], part_cost(k, i, j))
+                if value < best[k][j] - 1e-12:
+                    best[k][j], cut[k][j] = value, i
+    bounds, j = [], n
+    for k in range(n_stages - 1, 0, -1):
+        i = cut[k][j]
+        bounds.append((i, j))
+        j = i
+    bounds.append((0, j))
+    return bounds[::-1]
+
+
+def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
+    """Where to cut: the block sequence's name and every global stage's block range."""
+    n_stages = plan.pp * plan.virtual_stages
+    path, container = find_blocks(model, plan.options.pp_blocks)
+    n_blocks = len(container)
+    where = f"{path or type(model).__name__}"
+    if n_stages > n_blocks:
+        raise ValueError(f"pp={plan.pp} x virtual_stages={plan.virtual_stages} = {n_stages} "
+                         f"stages but {where} has only {n_blocks} blocks; use at most "
+                         f"{n_blocks} stages (lower pp or virtual_stages) or a deeper model")
+    # Plan validation allows at most one of these, with one entry per stage (or cut).
+    split_points = plan.options.split_points
+    stage_costs = plan.options.stage_costs
+    stage_layers = plan.options.pp_stage_layers
+    if stage_layers is not None:
+        bounds = _bounds_from_layers(stage_layers, n_stages, n_blocks, plan, where)
+    elif split_points is not None:
+        names = [f"{path}.{k}" if path else k for k in container._modules]
+        starts = []
+        for point in split_points:
+            if point not in names:
+                raise ValueError(f"split point {point!r} is not a block of {where}; blocks are "
+                                 f"{names[0]} .. {names[-1]}")
+            starts.append(names.index(point))
+        if starts != sorted(set(starts)) or starts[0] == 0:
+            raise ValueError(f"split_points={list(split_points)} must be increasing and start "
+                             f"after {names[0]} (each names the first block of a stage)")
+        edges = [0, *starts, n_blocks]
+        bounds = list(zip(edges[:-1], edges[1:], strict=True))
+    else:
+        if stage_costs is not None:
+            if len(stage_costs) != n_blocks:
+                raise ValueError(f"stage_costs has {len(stage_costs)} entries but {where} has "
+                                 f"{n_blocks} blocks; give one cost per block")
+            costs = [float(c) for c in stage_costs]
+            first_extra = last_extra = 0.0
+        else:
+            costs = [float(_param_count(b)) for b in container]
+            before, after = _side_modules(model, path)
+            first_extra = float(sum(_param_count(m) for m in before))
+            last_extra = float(sum(_param_count(m) for m in after))
+        bounds = partition(costs, n_stages, first_extra, last_extra)
+    return path, [StageSpec(k, i, j, n_stages) for k, (i, j) in enumerate(bounds)]
+
+
+def _even_counts(n_blocks: int, n_stages: int) -> list[int]:
+    return [n_blocks // n_stages + (i < n_blocks % n_stages) for i in range(n_stages)]
+
+
+def _bounds_from_layers(stage_layers: Any, n_stages: int, n_blocks: int, plan: Plan,
+                       where: str) -> list[tuple[int, int]]:
+    """Block ranges from ``options.pp_stage_layers``: blocks per model chunk, in global stage
+    order (the planner writes it when its cost-balanced split is not the even one, so the
+    runtime builds exactly the layout that was priced)."""
+    try:
+        counts = [int(c) for c in stage_layers]
+        exact = all(int(c) == c for c in stage_layers)
+    except (TypeError, ValueError):
+        counts, exact = [], False
+    if not exact or len(counts) != n_stages or sum(counts) != n_blocks or min(counts) < 1:
+        raise ValueError(f"options.pp_stage_layers={stage_layers!r} must list {n_stages} "
+                         f"positive whole block counts (pp={plan.pp} x virtual_stages="
+                         f"{plan.virtual_stages}), one per stage in stage order, summing to the "
+                         f"{n_blocks} blocks of {where}; e.g. "
+                         f"{_even_counts(n_blocks, n_stages)}")
+    edges = [0]
+    for c in counts:
+        edges.append(edges[-1] + c)
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Module:
+    """A shallow copy of ``model`` holding only stage ``spec``'s modules (names unchanged)."""
+    parts = path.split(".") if path else []
+
+    hf_done = False
+    added: set[int] = set()  # HF position embeddings: their skip adds zero
+
+    def rebuild(module: nn.Module, depth: int) -> nn.Module:
+        nonlocal hf_done
+        clone = copy.copy(module)
+        clone._modules = dict(module._modules)  # own registry; children shared, not copied
+        if not hf_done and is_hf_model(module):
+            hf_done = True  # the outermost HF model on the path is the one that gets called
+            before, _ = _side_modules(module, ".".join(parts[depth:]))
+            added.update(id(m) for m in hf_added_embeddings(module, before))
+            adapt_hf_forward(clone, spec, returns_logits=depth == 0)
+        if depth == len(parts):  # the block sequence
+            for idx, key in enumerate(module._modules):
+                if not spec.start <= idx < spec.end:
+                    clone._modules[key] = PipelineSkip()
+            return clone
+        own = [n for n, p in module.named_parameters(recurse=False)]
+        if own:
+            raise ValueError(f"{type(module).__name__} holds parameters {own} directly, outside "
+                             f"any submodule, on the path to the blocks ({path}); a pipeline "
+                             f"cannot tell which stage owns them: move them into a submodule")
+        seen = False
+        for key, child in module._modules.items():
+            if key == parts[depth]:
+                seen = True
+                clone._modules[key] = rebuild(child, depth + 1)
+            elif child is not None and _param_count(child) > 0:
+                keep = spec.is_last if seen else spec.is_first
+                if not keep:
+                    clone._modules[key] = PipelineZero() if id(child) in added else PipelineSkip()
+        return clone
+
+    return rebuild(model, 0)
+
+
+def check_no_shared_parameters(model: nn.Module, path: str, specs: list[StageSpec]) -> None:
+    """Tied weights across stages (e.g. embedding = head) would be trained twice, apart."""
+    owner: dict[int, int] = {}
+    for spec in specs:
+        stage = build_stage_module(model, path, spec)
+        for name, p in stage.named_parameters():
+            other = owner.setdefault(id(p), spec.index)
+            if other != spec.index:
+                raise ValueError(f"parameter {name} is shared by stages {other} and "
+                                 f"{spec.index} (tied weights, e.g. tie_embeddings=True, "
+                                 f"or a Hugging Face config's tie_word_embeddings=True); untie "
+                                 f"them "
+                                 f"(tie_word_embeddings=False when building the HF model) or "
+                                 f"put both users on one stage (split_points)")
