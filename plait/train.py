@@ -2,11 +2,11 @@
 
 ``train_step`` runs forward, backward, gradient clipping and the optimizer step for whatever
 layout the model was parallelized with. Pipelined models carry their schedule in their
-``Layout`` (see ``plait.parallel.layout``) and take the pipeline branch; everything else runs gradient
-accumulation over ``plan.grad_accum`` micro-steps, with gradient synchronisation switched off on
-all but the last so that accumulation costs no extra communication. Losses are summed per
-micro-batch and divided by the global count of items once per step (``plait.loss``), so a mean
-over a variable number of tokens is the mean one device computes.
+``Layout`` (see ``plait.parallel.layout``) and take the pipeline branch; everything else runs
+gradient accumulation over ``plan.grad_accum`` micro-steps, with gradient synchronisation
+switched off on all but the last so that accumulation costs no extra communication. Losses are
+summed per micro-batch and divided by the global count of items once per step (``plait.loss``),
+so a mean over a variable number of tokens is the mean one device computes.
 """
 
 from __future__ import annotations

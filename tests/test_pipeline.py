@@ -16,12 +16,24 @@ import torch.nn as nn
 from plait.check import CheckConfig, check
 from plait.models.transformer import build, preset
 from plait.parallel.pipeline import PipelineRunner
-from plait.parallel.pipeline_split import (PipelineSkip, PipelineZero, build_stage_module,
-                                           check_no_shared_parameters, find_blocks, partition,
-                                           plan_stages)
-from plait.parallel.schedules import (check_schedule_args, format_schedule, peak_in_flight,
-                                      rank_orders, schedule_grid, stage_to_rank,
-                                      theoretical_bubble)
+from plait.parallel.pipeline_split import (
+    PipelineSkip,
+    PipelineZero,
+    build_stage_module,
+    check_no_shared_parameters,
+    find_blocks,
+    partition,
+    plan_stages,
+)
+from plait.parallel.schedules import (
+    check_schedule_args,
+    format_schedule,
+    peak_in_flight,
+    rank_orders,
+    schedule_grid,
+    stage_to_rank,
+    theoretical_bubble,
+)
 from plait.plan import Plan
 from plait.spawn import run_distributed
 from tests._pipeline_models import deep_mlp, mlp_batch, timeline_worker, transformer8
@@ -103,7 +115,8 @@ def test_grid_has_no_idle_row_and_1f1b_text():
     assert "rank 1  .  F0 B0 F1 B1 F2 B2 F3 B3" in text
     grid = schedule_grid("gpipe", 2, 2)
     assert grid == [["F0", "F1", ".", ".", "B0", "B1"], [".", "F0", "F1", "B0", "B1", "."]]
-    assert rank_orders("zbv", 2, 4, 2)[0][0].stage == 0 and stage_to_rank("zbv", 2, 2) == [0, 1, 1, 0]
+    assert rank_orders("zbv", 2, 4, 2)[0][0].stage == 0
+    assert stage_to_rank("zbv", 2, 2) == [0, 1, 1, 0]
 
 
 @pytest.mark.parametrize("args,match", [
@@ -148,7 +161,8 @@ def test_split_keeps_canonical_names_and_only_own_parameters():
     first = build_stage_module(model, path, specs[0])
     last = build_stage_module(model, path, specs[1])
     assert isinstance(first.output, PipelineSkip) and isinstance(last.tok_embeddings, PipelineSkip)
-    assert isinstance(first.layers[3], PipelineSkip) and not isinstance(model.layers[3], PipelineSkip)
+    assert isinstance(first.layers[3], PipelineSkip)
+    assert not isinstance(model.layers[3], PipelineSkip)
     # the stages chained reproduce the full model's forward
     tokens = torch.randint(0, 256, (2, 8))
     with torch.no_grad():

@@ -266,7 +266,6 @@ def by_axis_op(traffic: list[Traffic]) -> dict[tuple[str, str], float]:
 def _find_config(model: Any) -> Any:
     """The reference TransformerConfig under any wrapper (DDP, pipeline stages), or None."""
     from ..models.transformer import TransformerConfig
-
     from ..parallel.layout import local_modules
 
     for module in local_modules(model):

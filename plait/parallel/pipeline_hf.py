@@ -39,7 +39,8 @@ def hf_added_embeddings(hf: nn.Module, before: list[nn.Module]) -> list[nn.Modul
 
     Other parameterised modules there are refused: whether the decoder adds or applies them
     cannot be told from outside, and a wrong guess trains silently wrong."""
-    embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    get_embeddings = getattr(hf, "get_input_embeddings", None)
+    embed = get_embeddings() if callable(get_embeddings) else None
     other = [m for m in before
              if m is not embed and any(p.numel() for p in m.parameters())]
     unknown = [m for m in other if not isinstance(m, nn.Embedding)]

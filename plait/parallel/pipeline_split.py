@@ -43,6 +43,7 @@ from ..plan import Plan
 from .pipeline_hf import adapt_hf_forward, hf_added_embeddings, is_hf_model
 
 Containers = (nn.ModuleList, nn.Sequential)
+BlockSequence = nn.ModuleList | nn.Sequential
 
 
 class PipelineZero(nn.Module):
@@ -83,7 +84,7 @@ class StageSpec:
         return self.index == self.num_stages - 1
 
 
-def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Module]:
+def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, BlockSequence]:
     """The block sequence: ``name`` if given, else the ModuleList/Sequential with >= 2 children
     holding the most parameters (the shallowest on ties; the model itself if it is one)."""
     if name is not None:
@@ -96,7 +97,7 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Modu
             raise ValueError(f"options.pp_blocks={name!r} is a {type(container).__name__}, "
                              f"not an nn.ModuleList or nn.Sequential of blocks")
         return name, container
-    best: tuple[int, int, str, nn.Module] | None = None
+    best: tuple[int, int, str, BlockSequence] | None = None
     for mod_name, module in model.named_modules():
         if isinstance(module, Containers) and len(module) >= 2:
             n_params = sum(p.numel() for p in module.parameters())
@@ -116,7 +117,8 @@ def _param_count(module: nn.Module) -> int:
 
 def _side_modules(model: nn.Module, path: str) -> tuple[list[nn.Module], list[nn.Module]]:
     """Modules registered before / after the block sequence along its path from the root."""
-    before, after = [], []
+    before: list[nn.Module] = []
+    after: list[nn.Module] = []
     module = model
     for part in path.split(".") if path else []:
         seen = False
@@ -262,7 +264,7 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                              f"cannot tell which stage owns them: move them into a submodule")
         seen = False
         for key, child in module._modules.items():
-            if key == parts[depth]:
+            if key == parts[depth] and child is not None:
                 seen = True
                 clone._modules[key] = rebuild(child, depth + 1)
             elif child is not None and _param_count(child) > 0:
