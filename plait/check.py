@@ -40,7 +40,7 @@ def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None, *,
     """
     state: dict[str, torch.Tensor] = {}
     for module in local_modules(model):
-        named = list(module.named_parameters())
+        named: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
         if buffers:
             named += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
         for name, p in named:

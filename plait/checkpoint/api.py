@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from ..parallel.layout import local_modules
 from . import state as st
 from . import store
 from .errors import CheckpointError
@@ -94,7 +95,7 @@ def _describe(model: nn.Module) -> dict[str, Any]:
     config.json)."""
     import sys
 
-    stages = st.stage_modules(model)
+    stages = local_modules(model)
     user = st._unwrap(stages[0])
     # FSDP2 swaps the class for a subclass named FSDP<class>.
     info: dict[str, Any] = {"class": type(user).__name__.removeprefix("FSDP")}

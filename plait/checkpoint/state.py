@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ..parallel.layout import local_modules
+
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _GROUPS = "param_groups."
 
@@ -42,11 +44,6 @@ def _unwrap(module: nn.Module) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return module.module if isinstance(module, DDP) else module
-
-
-def stage_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules that hold this rank's parameters: a pipeline's local stages, else the model."""
-    return list(getattr(model, "plait_stages", None) or [model])
 
 
 def _holds_state(module: nn.Module) -> bool:
@@ -79,7 +76,7 @@ def _merge(modules: list[nn.Module]) -> nn.Module:
 def state_module(model: nn.Module) -> nn.Module:
     """One module whose state dict is this rank's whole share of the model, under the names of
     the user's model (a pipeline's local stages merged; see the module docstring)."""
-    stages = stage_modules(model)
+    stages = local_modules(model)
     if len(stages) == 1 and stages[0] is model:
         return model
     return _merge([_unwrap(s) for s in stages])

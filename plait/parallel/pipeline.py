@@ -35,7 +35,6 @@ from .pipeline_split import build_stage_module, check_no_shared_parameters, plan
 from .schedules import check_schedule_args, local_stages
 from .timeline import Timeline, now
 
-
 pipeline_stage_base()  # TimedStage overrides a private method: fail clearly if torch changed it
 
 
