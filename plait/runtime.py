@@ -246,9 +246,12 @@ class Run:
             # Under XLA SPMD the program is the global batch's: its gradients are of the global
             # sum, not an average over replicas.
             guard = self._step_guard()
+            # Not on XLA: the guard reads the loss and the gradient norm on the host, which
+            # there executes the graph mid-step (a host sync every step).
             apply_update(optimizer, totals, plan=self.plan, pp_group=pp_group,
                          data_replicas=1 if self.spmd is not None else None,
-                         guard=lambda norm: guard(local[0], norm))
+                         guard=None if self.spmd is not None
+                         else lambda norm: guard(local[0], norm))
             loss = (totals[0] / totals[1].clamp_min(1)).detach()
             if scheduler is not None:
                 with warnings.catch_warnings():
