@@ -449,6 +449,8 @@ class Run:
     def _optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer that steps: the user's, or its ZeRO-1 sharded twin (see
         ``plait.parallel.zero.zero1_optimizer``)."""
+        if self.spmd is not None:  # XLA refuses ZeRO-1 up front: nothing to shard here
+            return optimizer
         from .parallel.zero import zero1_optimizer
 
         return zero1_optimizer(optimizer, self._mesh(), self.plan, self._sharded_optimizers)
