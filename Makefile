@@ -89,10 +89,10 @@ BENCH_STAMP := $(BENCH_VENV)/.installed
 
 bench-env: $(BENCH_STAMP)
 
-$(BENCH_STAMP): pyproject.toml constraints-dev.txt bench/requirements-anchors.txt
+$(BENCH_STAMP): pyproject.toml constraints-dev.txt requirements-bench.txt
 	test -x $(BENCH_VENV)/bin/python || $(PY) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
-	$(BENCH_VENV)/bin/python -m pip install -q -c constraints-dev.txt -e . -r bench/requirements-anchors.txt
+	$(BENCH_VENV)/bin/python -m pip install -q -c constraints-dev.txt -e . -r requirements-bench.txt
 	touch $(BENCH_STAMP)
 
 clean:
