@@ -183,11 +183,8 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
     models the pair is only meaningful on the last stage (NaN elsewhere).
     """
     pipeline = layout_of(model).pipeline
-    if pipeline is not None:
-        # The schedule returns the mean over this rank's micro-batches, its gradients already
-        # those of that mean: one item per data rank weighs the replicas equally.
-        mean = pipeline.step(batch, loss_fn, plan=plan, device=device)
-        return torch.stack([mean.float(), torch.ones((), device=device)])
+    if pipeline is not None:  # (sum, count) over its microbatches; backward ran on the sums
+        return pipeline.step(batch, loss_fn, plan=plan, device=device)
     micro = split_microbatches(batch, plan.grad_accum)
     totals = torch.zeros(2, device=device)
     for i, part in enumerate(micro):

@@ -48,7 +48,7 @@ def timeline_worker(rank, world_size, schedule, v, m):
         png = plot(events, tempfile.mkstemp(suffix=".png")[1])
     names = sorted(n for s in local_modules(model) for n, _ in s.named_parameters())
     run.close()
-    return {"events": events, "png": png, "loss": float(loss), "names": names}
+    return {"events": events, "png": png, "loss": float(loss[0] / loss[1]), "names": names}
 
 
 class LogitsOf(nn.Module):

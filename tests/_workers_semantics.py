@@ -347,3 +347,51 @@ def hf_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 HF_FACTORIES = [hf_gpt2, hf_llama, hf_bert]
+
+
+# ---------------------------------------------------------------- pipelines
+class Embed(nn.Module):
+    """Token plus position embedding as one module (what runs before the first block)."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = WIDTH):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(SEQ, width)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1]))
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int = WIDTH):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(),
+                                 nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+class StagedMaskedLM(nn.Module):
+    """The masked LM with its residuals inside the blocks: embed, 4 blocks, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = Embed()
+        self.blocks = nn.ModuleList(Residual() for _ in range(4))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def staged_masked_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return StagedMaskedLM()
+
+
+def dict_target_loss(logits: torch.Tensor, targets: dict) -> torch.Tensor:
+    """The masked-LM loss reading its labels from a dict of targets."""
+    return mlm_loss(logits, targets["labels"])

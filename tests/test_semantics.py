@@ -160,3 +160,18 @@ def test_sequence_parallel_on_hf_models():
     got = run_distributed(W.train_jobs, 2, jobs, timeout=300)[0]
     for factory, result in zip(W.HF_FACTORIES, got, strict=True):
         _assert_matches(W.reference(factory, batches, W.mlm_loss), result)
+
+
+# ------------------------------------------------------------------ pipelines
+def test_masked_lm_pipeline_microbatches_and_dict_targets():
+    """pp=2 with 4 microbatches (1F1B and GPipe with accumulation), each microbatch counting a
+    different number of labels; and dict targets, which the schedule cannot split itself."""
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    ref = W.reference(W.staged_masked_lm, batches, W.mlm_loss)
+    dicts = [(x, {"labels": y}) for x, y in batches]
+    jobs = [("pp=2,mb=4", W.staged_masked_lm, batches, W.mlm_loss),
+            ("pp=2,schedule=gpipe,mb=2,grad_accum=2", W.staged_masked_lm, batches, W.mlm_loss),
+            ("pp=2,mb=4", W.staged_masked_lm, dicts, W.dict_target_loss)]
+    got = run_distributed(W.train_jobs, 2, jobs, timeout=300)[0]
+    for result in got:
+        _assert_matches(ref, result)

@@ -5,9 +5,12 @@ rank owns, lays each out with ``parallelize_stage`` and runs them with torch's s
 
 Schedules are torch's (``torch.distributed.pipelining``): GPipe, 1F1B, interleaved 1F1B, looped
 BFS, interleaved zero-bubble and ZB-V, with ``PipelineStage`` doing the point-to-point sends.
-The loss is divided by the number of microbatches inside the schedule's ``loss_fn`` (torch's
-``scale_grads`` is off) so that gradients equal the single-device mean-loss gradients even when
-the train step accumulates several pipeline steps.
+Backward runs on each microbatch's loss *sum* (torch's ``scale_grads`` is off); the step
+returns the (sum, count) of its microbatches and the train step divides the gradients by the
+global count of items once (``plait.loss``), so a mean over a variable number of tokens per
+microbatch is the single-device mean, with accumulation over several pipeline steps too. The
+schedule is given row indices as its target and the real targets (any structure: a tensor, a
+tuple, a dict) are looked up per microbatch, since torch's schedules split tensor targets only.
 
 Each stage module goes through ``parallelize_stage`` (TP/SP, checkpointing, FSDP/DDP) before it
 becomes a PipelineStage, so data parallelism composes per stage: torch's stage runtime keeps DDP
@@ -28,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .._torch_compat import pipeline_stage_base
+from ..loss import loss_sum_and_count
 from ..mesh import Mesh
 from ..plan import Plan
 from .layout import Layout, layout_of, record_layout
@@ -108,17 +112,25 @@ class PipelineRunner:
             s.timeline = self.timeline
         self._schedule: Any = None
         self._loss_fn: Callable | None = None
-        self._scale = 1.0
+        self._targets: Any = None  # this accumulation step's targets (any structure)
+        # [loss sum, count] per (accumulation step, microbatch's first row): torch's stage also
+        # calls the loss once on its shape-inference outputs, which the real call replaces.
+        self._totals: dict[tuple[int, int], torch.Tensor] = {}
+        self._accum_index = 0
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
 
-    def _loss(self, output: Any, target: Any) -> torch.Tensor:
-        # Mean over microbatches (and accumulation steps): each microbatch's mean loss divided
-        # by their number, so the summed gradients are the whole batch's mean-loss gradients.
-        loss = self._loss_fn(output, target)
-        if hasattr(loss, "full_tensor"):  # vocabulary-parallel head: a replicated DTensor loss
-            loss = loss.full_tensor()
-        return loss * self._scale
+    def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss for one microbatch. torch's schedules split a *tensor* target
+        into microbatches, so they are given the row indices and the real targets (a tensor,
+        tuple or dict) are looked up here. Backward runs on the microbatch's loss *sum*; the
+        train step divides the gradients by the global count of items (``plait.loss``)."""
+        assert self._loss_fn is not None
+        target = _take_rows(self._targets, rows)
+        total, count = loss_sum_and_count(self._loss_fn(output, target), target)
+        key = (self._accum_index, int(rows[0]))
+        self._totals[key] = torch.stack([total.detach().float(), count.float()])
+        return total
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         """torch's ``loss_parallel()`` around the whole schedule step when this rank's last
@@ -144,10 +156,18 @@ class PipelineRunner:
              device: torch.device) -> torch.Tensor:
         """Forward and backward of ``batch`` through the pipeline; gradients left in ``.grad``.
 
-        Returns the mean loss over the batch on the rank holding the last stage, NaN elsewhere.
+        Returns ``[loss sum, item count]`` over the batch on the rank holding the last stage,
+        NaN elsewhere (see ``plait.train.forward_backward``).
         """
-        from ..train import autocast
+        from ..train import autocast, split_microbatches
 
+        if loss_fn is None:
+            raise ValueError("a pipeline computes the loss on its last stage from the model's "
+                             "output: pass a loss_fn (the model's own output.loss is not "
+                             "available under pp > 1)")
+        if isinstance(batch, dict) or not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ValueError("a pipeline step takes (inputs, targets); inputs are passed from "
+                             "stage to stage positionally (a tensor or a tuple of tensors)")
         inputs, targets = batch
         if isinstance(inputs, dict):
             raise ValueError("pipeline inputs are passed from stage to stage positionally: give "
@@ -160,25 +180,36 @@ class PipelineRunner:
                              + f" equal parts; make the per-replica batch a multiple of "
                              f"{m * accum}")
         self._loss_fn = loss_fn
-        self._scale = 1.0 / (m * accum)
+        self._totals = {}
         if self._schedule is None:
             self._schedule = self._build_schedule()
         args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        total = torch.zeros((), device=device)
         chunk = rows // accum
-        for a in range(accum):
-            part_args = tuple(x[a * chunk:(a + 1) * chunk] for x in args)
-            part_target = targets[a * chunk:(a + 1) * chunk]
-            losses: list[torch.Tensor] = []
+        for a, (part_args, part_targets) in enumerate(zip(
+                split_microbatches(args, accum), split_microbatches(targets, accum), strict=True)):
+            self._targets, self._accum_index = part_targets, a
+            index = torch.arange(chunk, device=device)
             with self._loss_context(), autocast(plan, device):
                 self._schedule.step(*(part_args if self.has_first else ()),
-                                    target=part_target if self.has_last else None,
-                                    losses=losses if self.has_last else None,
+                                    target=index if self.has_last else None,
+                                    losses=[] if self.has_last else None,
                                     return_outputs=False)
-            if self.has_last:
-                total += sum(loss.detach().float() for loss in losses)
             self.timeline.next_step()
-        return total if self.has_last else torch.full((), float("nan"), device=device)
+        self._targets = None
+        if not self.has_last:
+            return torch.full((2,), float("nan"), device=device)
+        return torch.stack(list(self._totals.values())).sum(0).to(device)
+
+
+def _take_rows(value: Any, rows: torch.Tensor) -> Any:
+    """The rows ``rows`` (dim 0) of every tensor in a tensor/tuple/list/dict structure."""
+    if isinstance(value, torch.Tensor):
+        return value.index_select(0, rows.to(value.device))
+    if isinstance(value, dict):
+        return {k: _take_rows(v, rows) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_take_rows(v, rows) for v in value)
+    return value
 
 
 class PipelinedModel(nn.Module):
