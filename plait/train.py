@@ -162,7 +162,9 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
     pipeline parallelism each rank holds only its stages' gradients, so the squared norms are
     summed over the ``pp`` group before clipping (the same norm as one device computes).
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    # A tied weight held by two pipeline stages counts once (its copies carry the same grad).
+    grads = [p.grad for p in parameters
+             if p.grad is not None and not getattr(p, "_plait_tied_copy", False)]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()

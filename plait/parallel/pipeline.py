@@ -35,8 +35,8 @@ from ..loss import loss_sum_and_count
 from ..mesh import Mesh
 from ..plan import Plan
 from .layout import Layout, layout_of, record_layout
-from .pipeline_split import build_stage_module, check_no_shared_parameters, plan_stages
-from .schedules import check_schedule_args, local_stages
+from .pipeline_split import build_stage_module, plan_stages, shared_parameters
+from .schedules import check_schedule_args, local_stages, stage_to_rank
 from .timeline import Timeline, now
 
 pipeline_stage_base()  # TimedStage overrides a private method: fail clearly if torch changed it
@@ -119,6 +119,9 @@ class PipelineRunner:
         self._accum_index = 0
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
+        # Tied weights held by several stages: (this rank's copy, the group of ranks holding
+        # the copies); see sync_tied_gradients.
+        self.tied: list[tuple[nn.Parameter, Any]] = []
 
     def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one microbatch. torch's schedules split a *tensor* target
@@ -131,6 +134,19 @@ class PipelineRunner:
         key = (self._accum_index, int(rows[0]))
         self._totals[key] = torch.stack([total.detach().float(), count.float()])
         return total
+
+    def sync_tied_gradients(self) -> None:
+        """A weight several stages hold (embedding = head) gets its gradient in pieces, one per
+        stage that uses it; summing them over the ranks holding the copies gives every copy the
+        one-device gradient, so the copies, equal at the start, stay equal (Megatron's
+        embedding group). Copies sharded by TP or FSDP are sharded alike: their local shards
+        are summed."""
+        for param, group in self.tied:
+            grad = param.grad
+            if grad is None:
+                grad = param.grad = torch.zeros_like(param)
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            torch.distributed.all_reduce(local, group=group)
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         """torch's ``loss_parallel()`` around the whole schedule step when this rank's last
@@ -196,6 +212,7 @@ class PipelineRunner:
                                     return_outputs=False)
             self.timeline.next_step()
         self._targets = None
+        self.sync_tied_gradients()
         if not self.has_last:
             return torch.full((2,), float("nan"), device=device)
         return torch.stack(list(self._totals.values())).sum(0).to(device)
@@ -210,6 +227,60 @@ def _take_rows(value: Any, rows: torch.Tensor) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_take_rows(v, rows) for v in value)
     return value
+
+
+def _tie_groups(ties: list[dict[int, str]], mesh: Mesh, plan: Plan) -> list[Any]:
+    """Per tie, the process group of this rank's peers holding the other copies: the pp ranks
+    of the stages involved, at this rank's data/tensor coordinate. ``dist.new_group`` is
+    collective, so every rank creates every coordinate's group, in the same order."""
+    owner = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
+    ranks = mesh.root.mesh  # (pp, dp_replicate, dp_shard, cp, tp) -> global rank
+    me = torch.distributed.get_rank()
+    groups = []
+    for names in ties:
+        pp_ranks = sorted({owner[s] for s in names})
+        if len(pp_ranks) == 1:
+            stages = ", ".join(str(s) for s in sorted(names))
+            raise ValueError(f"weight {next(iter(names.values()))} is tied across stages "
+                             f"{stages}, which schedule {plan.pp_schedule} puts on one rank; "
+                             f"untie it (e.g. tie_word_embeddings=False) or use 1f1b or "
+                             f"interleaved_1f1b")
+        mine = None
+        for coord in ranks[0].reshape(-1).tolist():
+            index = (ranks[0] == coord).nonzero()[0].tolist()
+            members = [int(ranks[(p, *index)]) for p in pp_ranks]
+            group = torch.distributed.new_group(members)
+            if me in members:
+                mine = group
+        groups.append(mine)
+    return groups
+
+
+def _local_ties(ties: list[dict[int, str]], groups: list[Any], local: dict[int, nn.Module]
+                ) -> list[tuple[nn.Parameter, Any]]:
+    """This rank's copies of the tied weights (after parallelize_stage), with their groups.
+    The copies on stages other than the first holding the weight are marked, so the gradient
+    norm counts the weight once."""
+    out = []
+    for names, group in zip(ties, groups, strict=True):
+        first = min(names)
+        for stage, name in names.items():
+            if stage in local and group is not None:
+                param = _param_named(local[stage], name)
+                if stage != first:
+                    param._plait_tied_copy = True  # type: ignore[attr-defined]
+                out.append((param, group))
+    return out
+
+
+def _param_named(module: nn.Module, name: str) -> nn.Parameter:
+    """The parameter ``name`` (a name in the unwrapped stage) of a laid-out stage module."""
+    from ..check import canonical_name
+
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if canonical_name(n) == name:
+            return p
+    raise ValueError(f"tied weight {name} not found in its pipeline stage after layout")
 
 
 class PipelinedModel(nn.Module):
@@ -242,7 +313,8 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     pp_rank = pp_mesh.get_local_rank()
     mine = local_stages(plan.pp_schedule, plan.pp, plan.virtual_stages, pp_rank)
     modules = [build_stage_module(model, path, specs[s]) for s in mine]
-    check_no_shared_parameters(model, path, specs)
+    ties = shared_parameters(model, path, specs)
+    groups = _tie_groups(ties, mesh, plan)  # collective: every rank creates every group
     modules = [parallelize_stage(m, mesh, plan, device=device) for m in modules]
     stages = [TimedStage(m, s, len(specs), device, group=pp_mesh.get_group())
               for m, s in zip(modules, mine, strict=True)]
@@ -251,6 +323,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
                         for m, s in zip(modules, mine, strict=True) if specs[s].is_last)
     runner = PipelineRunner(stages, plan, rank=torch.distributed.get_rank(),
                             loss_parallel=loss_parallel)
+    runner.tied = _local_ties(ties, groups, dict(zip(mine, modules, strict=True)))
     layout = Layout(applied=("pipeline", *layout_of(modules[0]).applied), stages=tuple(modules),
                     stage_specs=tuple(specs[s] for s in mine), pipeline=runner,
                     loss_parallel=loss_parallel)

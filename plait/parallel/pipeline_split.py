@@ -276,17 +276,13 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
     return rebuild(model, 0)
 
 
-def check_no_shared_parameters(model: nn.Module, path: str, specs: list[StageSpec]) -> None:
-    """Tied weights across stages (e.g. embedding = head) would be trained twice, apart."""
-    owner: dict[int, int] = {}
+def shared_parameters(model: nn.Module, path: str, specs: list[StageSpec]
+                      ) -> list[dict[int, str]]:
+    """Parameters that several stages hold (tied weights: an input embedding that is also the
+    output head), each as {stage index: the parameter's name in that stage}."""
+    owners: dict[int, dict[int, str]] = {}
     for spec in specs:
         stage = build_stage_module(model, path, spec)
-        for name, p in stage.named_parameters():
-            other = owner.setdefault(id(p), spec.index)
-            if other != spec.index:
-                raise ValueError(f"parameter {name} is shared by stages {other} and "
-                                 f"{spec.index} (tied weights, e.g. tie_embeddings=True, "
-                                 f"or a Hugging Face config's tie_word_embeddings=True); untie "
-                                 f"them "
-                                 f"(tie_word_embeddings=False when building the HF model) or "
-                                 f"put both users on one stage (split_points)")
+        for name, p in stage.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(p), {}).setdefault(spec.index, name)
+    return [names for names in owners.values() if len(names) > 1]
