@@ -395,3 +395,18 @@ def staged_masked_lm() -> nn.Module:
 def dict_target_loss(logits: torch.Tensor, targets: dict) -> torch.Tensor:
     """The masked-LM loss reading its labels from a dict of targets."""
     return mlm_loss(logits, targets["labels"])
+
+
+def reference_lm() -> nn.Module:
+    """plait's reference transformer (its TP plan has a sequence-parallel layout)."""
+    from plait.models.transformer import build, preset
+
+    return build(preset("test", n_layers=4), seed=0)
+
+
+def token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    tokens = torch.randint(0, 256, (BATCH, 17), generator=g)
+    labels = tokens[:, 1:].clone()
+    labels[torch.rand(labels.shape, generator=g) < 0.3] = -100
+    return tokens[:, :-1].contiguous(), labels

@@ -175,3 +175,27 @@ def test_masked_lm_pipeline_microbatches_and_dict_targets():
     got = run_distributed(W.train_jobs, 2, jobs, timeout=300)[0]
     for result in got:
         _assert_matches(ref, result)
+
+
+# ------------------------------------------------------------------ N-D layouts
+def test_nd_world4_pipeline_with_tp_and_dp():
+    """The cheap form of the world-8 cases below: pp x tp (interleaved 1F1B) and pp x dp."""
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    ref = W.reference(W.staged_masked_lm, batches, W.mlm_loss)
+    jobs = [(p, W.staged_masked_lm, batches, W.mlm_loss)
+            for p in ("pp=2,tp=2,schedule=interleaved_1f1b,v=2,mb=2", "pp=2,dp=2,mb=2")]
+    for result in run_distributed(W.train_jobs, 4, jobs, timeout=400)[0]:
+        _assert_matches(ref, result)
+
+
+@pytest.mark.slow
+def test_nd_world8_layouts_match_one_device():
+    """8 processes: pp2 x dp2 x tp2, pp2 x ZeRO-3(2) x tp2 with SP, HSDP(2x2) x tp2, each 5
+    steps equal to the plain one-process loop (the masked-token loss, SGD)."""
+    batches = [W.token_batch(s) for s in range(5)]
+    ref = W.reference(W.reference_lm, batches, W.mlm_loss)
+    jobs = [(p, W.reference_lm, batches, W.mlm_loss)
+            for p in ("pp=2,dp=2,tp=2,mb=2", "pp=2,dp_shard=2,zero=3,tp=2,sp,mb=2",
+                      "dp_replicate=2,dp_shard=2,zero=3,tp=2")]
+    for result in run_distributed(W.train_jobs, 8, jobs, timeout=900)[0]:
+        _assert_matches(ref, result)
