@@ -177,6 +177,19 @@ def test_masked_lm_pipeline_microbatches_and_dict_targets():
         _assert_matches(ref, result)
 
 
+def test_pipeline_residuals_in_the_parent_and_two_embeddings_and_module_dict():
+    """Models whose forward adds a block's output to its input (``h = h + block(h)``), sums two
+    embeddings before the first block, or keeps its blocks in an nn.ModuleDict: stages that do
+    not own such a module add zero instead of passing their input on (found with torch.fx)."""
+    mlm = [W.mlm_batch(s) for s in range(W.STEPS)]
+    feats = [W.feature_batch(s) for s in range(W.STEPS)]
+    jobs = [("pp=2,mb=4", W.masked_lm, mlm, W.mlm_loss),
+            ("pp=2,mb=4", W.dict_net, feats, W.mse)]
+    got = run_distributed(W.train_jobs, 2, jobs, timeout=300)[0]
+    _assert_matches(W.reference(W.masked_lm, mlm, W.mlm_loss), got[0])
+    _assert_matches(W.reference(W.dict_net, feats, W.mse), got[1])
+
+
 # ------------------------------------------------------------------ N-D layouts
 def test_nd_world4_pipeline_with_tp_and_dp():
     """The cheap form of the world-8 cases below: pp x tp (interleaved 1F1B) and pp x dp."""

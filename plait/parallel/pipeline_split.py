@@ -42,13 +42,15 @@ import torch.nn as nn
 from ..plan import Plan
 from .pipeline_hf import adapt_hf_forward, hf_added_embeddings, is_hf_model
 
-Containers = (nn.ModuleList, nn.Sequential)
-BlockSequence = nn.ModuleList | nn.Sequential
+Containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+BlockSequence = nn.ModuleList | nn.Sequential | nn.ModuleDict
 
 
 class PipelineZero(nn.Module):
-    """Stands in, on stages after the first, for an HF position embedding whose output the
-    decoder adds to ``inputs_embeds``: the hidden states received already contain it."""
+    """Stands in for a module another stage owns whose output the forward *adds* to the running
+    activation (an HF position embedding added to ``inputs_embeds``, a second embedding, a
+    block whose residual is in the parent's forward): the hidden states received already
+    contain its contribution, so here it adds zero."""
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         return torch.zeros((), device=x.device)
@@ -85,7 +87,8 @@ class StageSpec:
 
 
 def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, BlockSequence]:
-    """The block sequence: ``name`` if given, else the ModuleList/Sequential with >= 2 children
+    """The block sequence: ``name`` if given, else the ModuleList/Sequential/ModuleDict with >= 2
+    children
     holding the most parameters (the shallowest on ties; the model itself if it is one)."""
     if name is not None:
         try:
@@ -95,7 +98,7 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, BlockSe
                              f"{type(model).__name__}") from None
         if not isinstance(container, Containers):
             raise ValueError(f"options.pp_blocks={name!r} is a {type(container).__name__}, "
-                             f"not an nn.ModuleList or nn.Sequential of blocks")
+                             f"not an nn.ModuleList, nn.Sequential or nn.ModuleDict of blocks")
         return name, container
     best: tuple[int, int, str, BlockSequence] | None = None
     for mod_name, module in model.named_modules():
@@ -105,9 +108,10 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, BlockSe
             if best is None or key > best[:2]:
                 best = (*key, mod_name, module)
     if best is None:
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of "
-                         f"blocks to split into pipeline stages; put the repeated blocks in one "
-                         f"(e.g. self.layers = nn.ModuleList(...)) or run with pp=1")
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList, nn.Sequential or "
+                         f"nn.ModuleDict of blocks to split into pipeline stages; put the "
+                         f"repeated blocks in one (e.g. self.layers = nn.ModuleList(...)), name "
+                         f"it with options['pp_blocks'], or run with pp=1")
     return best[2], best[3]
 
 
@@ -202,7 +206,7 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
             costs = [float(c) for c in stage_costs]
             first_extra = last_extra = 0.0
         else:
-            costs = [float(_param_count(b)) for b in container]
+            costs = [float(_param_count(b)) for b in container._modules.values() if b is not None]
             before, after = _side_modules(model, path)
             first_extra = float(sum(_param_count(m) for m in before))
             last_extra = float(sum(_param_count(m) for m in after))
@@ -236,9 +240,53 @@ def _bounds_from_layers(stage_layers: Any, n_stages: int, n_blocks: int, plan: P
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
+def additive_modules(model: nn.Module, path: str) -> set[str]:
+    """Modules whose output the model's forward *adds* to the running activation, so that on a
+    stage that does not own them they must contribute zero, not pass their input on: a block
+    whose residual lives in the parent (``h = h + block(h)``), or a second embedding summed
+    with the first (``tok(ids) + pos(positions)``). Found by tracing the module that holds the
+    block sequence with torch.fx, blocks and side modules as leaves; a forward fx cannot trace
+    (Hugging Face models: their adapter handles them) yields nothing."""
+    import operator
+
+    import torch.fx as fx
+
+    parts = path.split(".") if path else []
+    parent_name = ".".join(parts[:-1])
+    parent = model.get_submodule(parent_name) if parent_name else model
+    container = parent.get_submodule(parts[-1]) if parts else parent
+    leaves = {f"{parts[-1]}.{k}" if parts else k for k in container._modules}
+    leaves |= {n for n, m in parent.named_children() if m is not container}
+
+    class Tracer(fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return qualname in leaves or super().is_leaf_module(m, qualname)
+
+    try:
+        graph = Tracer().trace(parent)
+    except Exception:  # noqa: BLE001 - untraceable forward: keep the pass-through stand-ins
+        return set()
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    adds = (operator.add, operator.iadd, torch.add)
+    out = set()
+    for node in graph.nodes:
+        if node.op != "call_module" or node.target not in leaves:
+            continue
+        carrier = bool(node.args) and node.args[0] in inputs[:1]  # reads the model input
+        for user in node.users:
+            if user.op in ("call_function", "call_method") and (
+                    user.target in adds or user.target in ("add", "add_")):
+                others = [a for a in user.args if a is not node]
+                if (node.args and node.args[0] in others) or not carrier:
+                    prefix = f"{parent_name}." if parent_name else ""
+                    out.add(prefix + str(node.target))
+    return out
+
+
 def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Module:
     """A shallow copy of ``model`` holding only stage ``spec``'s modules (names unchanged)."""
     parts = path.split(".") if path else []
+    zero = additive_modules(model, path)
 
     hf_done = False
     added: set[int] = set()  # HF position embeddings: their skip adds zero
@@ -255,7 +303,8 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
         if depth == len(parts):  # the block sequence
             for idx, key in enumerate(module._modules):
                 if not spec.start <= idx < spec.end:
-                    clone._modules[key] = PipelineSkip()
+                    name = f"{path}.{key}" if path else key
+                    clone._modules[key] = PipelineZero() if name in zero else PipelineSkip()
             return clone
         own = [n for n, p in module.named_parameters(recurse=False)]
         if own:
@@ -269,8 +318,10 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                 clone._modules[key] = rebuild(child, depth + 1)
             elif child is not None and _param_count(child) > 0:
                 keep = spec.is_last if seen else spec.is_first
+                name = ".".join([*parts[:depth], key])
                 if not keep:
-                    clone._modules[key] = PipelineZero() if id(child) in added else PipelineSkip()
+                    clone._modules[key] = (PipelineZero() if id(child) in added or name in zero
+                                           else PipelineSkip())
         return clone
 
     return rebuild(model, 0)
