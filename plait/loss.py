@@ -7,9 +7,7 @@ when the ranks count different numbers of items. plait therefore works with the 
 
     sum of every micro-batch's sum, over every data rank  /  sum of their counts
 
-which is exactly the mean one device computes over the whole global batch. (Pipelines, pp > 1,
-still hand back the mean of their microbatches' means, so there it is exact only when every
-microbatch counts as many items.) The count is
+which is exactly the mean one device computes over the whole global batch. The count is
 all-reduced over the data axes once per step (with the loss sum: one 2-element all-reduce),
 and the gradients, which backward computed for the sums, are scaled by ``dp / count`` (data
 parallelism averages gradients over its ``dp`` replicas) before clipping and the optimizer step.

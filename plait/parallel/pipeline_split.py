@@ -111,7 +111,7 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, BlockSe
         raise ValueError(f"{type(model).__name__} has no nn.ModuleList, nn.Sequential or "
                          f"nn.ModuleDict of blocks to split into pipeline stages; put the "
                          f"repeated blocks in one (e.g. self.layers = nn.ModuleList(...)), name "
-                         f"it with options['pp_blocks'], or run with pp=1")
+                         f"it with options.pp_blocks, or run with pp=1")
     return best[2], best[3]
 
 
