@@ -198,7 +198,8 @@ def test_bad_splits_name_numbers_and_way_out():
             super().__init__()
             self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
 
-    with pytest.raises(ValueError, match=r"Flat has no nn.ModuleList, nn.Sequential or nn.ModuleDict.*pp=1"):
+    with pytest.raises(ValueError,
+                       match=r"Flat has no nn.ModuleList, nn.Sequential or nn.ModuleDict.*pp=1"):
         plan_stages(Flat(), Plan(pp=2, microbatches=2))
     tied = build(preset("test", tie_embeddings=True), seed=0)
     ties = shared_parameters(tied, *plan_stages(tied, Plan(pp=2, microbatches=2)))
