@@ -10,6 +10,7 @@ weights vs bf16 casts inside autocast), so the tolerance is BF16_TOLERANCE below
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn as nn
 
 from plait.check import CheckConfig, check, compare
@@ -187,3 +188,19 @@ def test_pattern_matching_nothing_fails_before_training():
     plan = Plan(dp_shard=2, zero=3, options={"shard_patterns": ["decoder.layers.*"]})
     messages = run_distributed(parallelize_error, 2, plan, timeout=60)
     assert all("decoder.layers.*" in m and "layers.0" in m for m in messages), messages
+
+
+def test_check_tolerance_floor_for_barely_moving_tensors():
+    """A tensor the reference moved by almost nothing is held to fp32 rounding of its own
+    norm, not to a ratio over a near-zero displacement; a real mismatch still fails."""
+    w0 = torch.full((64, 64), 0.02)
+    ref = w0 + 1e-9                       # moved by ~6e-8 in norm: pure rounding
+    rounding = ref.clone()
+    rounding[0, 0] += 2e-9                # one fp32 step at this magnitude
+    wrong = ref * 1.001                   # off by 0.1%: a wrong layout
+    reference = {"state": {"w": ref}, "initial": {"w": w0}, "losses": [1.0]}
+    plan = Plan.from_string("dp=2")
+    ok = compare(plan, reference, {"state": {"w": rounding}, "losses": [1.0]}, 1, None, "sgd")
+    bad = compare(plan, reference, {"state": {"w": wrong}, "losses": [1.0]}, 1, None, "sgd")
+    assert ok.ok, ok.format()
+    assert not bad.ok and bad.worst_param_rel == "w"
