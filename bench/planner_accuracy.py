@@ -154,6 +154,40 @@ def published_runs() -> list[dict]:
     return out
 
 
+def picks() -> list[dict]:
+    """The planner's pick for every published model, cluster and batch beside the publication:
+    its speed-up split into work it skips (recomputation) and a faster chip rate (HFU), and the
+    published run that achieved that speed where the pick is faster."""
+    from plait.planner.published import check_pick, published_cases
+
+    print("\n== the planner's picks beside the publications (tokens/s per GPU) ==")
+    head = (f"{'case':<36} {'published':>9} {'pick':>9} {'ratio':>6} = {'work':>5} x "
+            f"{'HFU (published -> pick)':>23} | named run that achieved it")
+    print(head)
+    print("-" * len(head))
+    out = []
+    for case in published_cases():
+        k = check_pick(case)
+        ratio = k.tokens_per_s_per_gpu / case.tokens_per_s_per_gpu
+        run = k.achieved
+        named = "-" if not k.faster else (
+            f"{run.name}: {run.tokens_per_s_per_gpu:,.0f} tokens/s" if run.tokens_per_s_per_gpu
+            else f"{run.name}: HFU {run.hfu:.1%}") if run else "NONE"
+        broken = f"  (RULE BROKEN: {k.problem()})" if k.problem() else ""
+        print(f"{case.name:<36} {case.tokens_per_s_per_gpu:>9,.0f} "
+              f"{k.tokens_per_s_per_gpu:>9,.0f} {ratio:>5.2f}x = {k.work_ratio:>4.2f}x x "
+              f"{k.published_hfu:>10.1%} -> {k.hfu:>6.1%}    | {named}{broken}")
+        out.append({"case": case.name, "published": case.tokens_per_s_per_gpu,
+                    "pick": k.pick.plan.to_string() if k.pick else None,
+                    "pick_tokens_per_s_per_gpu": k.tokens_per_s_per_gpu,
+                    "work_ratio": k.work_ratio, "published_hfu": k.published_hfu,
+                    "pick_hfu": k.hfu, "named_run": run.name if (run and k.faster) else None,
+                    "rule_holds": not k.problem()})
+    print("work: FLOPs per token of the published layout over the pick's (recomputation the "
+          "pick skips); HFU: FLOPs executed per second over the datasheet peak (plait's count)")
+    return out
+
+
 def speed() -> dict:
     print("\n== search speed (plans every layout; one core of this machine) ==")
     out = {}
@@ -398,6 +432,7 @@ def main(argv=None) -> int:
     if args.published:
         out["published"] = published()
         out["published_runs"] = published_runs()
+        out["picks"] = picks()
     if args.speed:
         out["speed"] = speed()
     if args.calibrate:

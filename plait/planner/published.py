@@ -14,6 +14,7 @@ in 16-bit, no overlap of that all-reduce in their system is *not* assumed (plait
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 SEQ = 2048
 VOCAB = 51200
@@ -34,6 +35,16 @@ class MegatronRow:
     @property
     def dp(self) -> int:
         return self.gpus // (self.tp * self.pp)
+
+    @property
+    def name(self) -> str:
+        return f"GPT {self.params_b}B, {self.gpus} A100"
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """The published speed as tokens per second per GPU (their TFLOP/s, their FLOP count)."""
+        flops = megatron_flops(self.batch, SEQ, self.layers, self.hidden, VOCAB)
+        return self.batch * SEQ * self.tflops * 1e12 / flops
 
 
 NARAYANAN_2021 = (
@@ -140,3 +151,136 @@ def run_setup(run: PublishedRun):
         model = load_model(run.model)
     cluster = load_cluster(run.cluster, devices=run.devices).with_memory(run.memory_gb * 1e9)
     return model, cluster, Workload(run.global_batch, run.seq), Plan.from_string(run.layout)
+
+
+# ------------------------------------------------------------------------------------------
+# The planner's pick for a published model, cluster and batch may be predicted faster than the
+# publication only where a published run achieved that speed: the same model, cluster and
+# batch at ``tokens_per_s_per_gpu``, or the same chip at a hardware FLOP utilization (FLOPs
+# executed, recomputation included, over the datasheet peak) ``hfu`` at least the pick's.
+@dataclass(frozen=True)
+class AchievedRun:
+    name: str
+    source: str
+    cluster: str              # the preset of its chip
+    hfu: float | None = None
+    tokens_per_s_per_gpu: float | None = None
+
+
+LLAMA2_13B_NO_AC = AchievedRun(
+    "Llama 2 13B, 64 A100, FSDP2, no recomputation",
+    "torchtitan docs/performance.md, Llama 2 table: 64 A100 80GB, local batch 2 x 4096, "
+    "2,162 tokens/s per GPU, MFU 61.1% (= HFU: nothing recomputed)", "dgx-a100-80gb", hfu=0.611)
+GPT3_175B = AchievedRun(
+    "GPT-3 175B, 64 A100, TP 8 x PP 8, SP + selective recomputation",
+    "Korthikanti et al. 2022, table 5: HFU 52.8%", "dgx-a100-80gb", hfu=0.528)
+MTNLG_530B = AchievedRun(
+    "GPT 530B, 280 A100, TP 8 x PP 35, SP + selective recomputation",
+    "Korthikanti et al. 2022, table 5: HFU 57.0% (MFU 54.2% with 8-way data parallelism on "
+    "2,240 GPUs)", "dgx-a100-80gb", hfu=0.570)
+GPT_1T = AchievedRun(
+    "GPT 1T, 512 A100, TP 8 x PP 64, SP + selective recomputation",
+    "Korthikanti et al. 2022, table 5: HFU 57.0%", "dgx-a100-80gb", hfu=0.570)
+LLAMA31_8B_COMPILE = AchievedRun(
+    "Llama 3.1 8B, 8 H100, FSDP2 + torch.compile",
+    "torchtitan docs/performance.md, table 1: same model, GPUs and batch, 6,667 tokens/s per GPU",
+    "dgx-h100", tokens_per_s_per_gpu=6667)
+
+PICK_ACHIEVED_BY = {
+    "GPT 1.7B, 32 A100": LLAMA2_13B_NO_AC,
+    "GPT 3.6B, 64 A100": LLAMA2_13B_NO_AC,
+    "GPT 7.5B, 128 A100": LLAMA2_13B_NO_AC,
+    "GPT 18.4B, 256 A100": LLAMA2_13B_NO_AC,
+    "GPT 39.1B, 512 A100": LLAMA2_13B_NO_AC,
+    "GPT 76.1B, 1024 A100": LLAMA2_13B_NO_AC,
+    "GPT 145.6B, 1536 A100": GPT3_175B,
+    "GPT 310.1B, 1920 A100": GPT3_175B,
+    "GPT 529.6B, 2520 A100": MTNLG_530B,
+    "GPT 1008.0B, 3072 A100": GPT_1T,
+    "Llama 3 8B, 64 A100, FSDP": LLAMA2_13B_NO_AC,
+    "Llama 3.1 8B, 8 H100, FSDP": LLAMA31_8B_COMPILE,
+}
+
+
+@dataclass(frozen=True)
+class PublishedCase:
+    """One published model, cluster and batch, ready to price."""
+
+    name: str
+    cluster_preset: str
+    devices: int
+    tokens_per_s_per_gpu: float
+    setup: Any                # (ModelStats, Cluster, Workload, Plan)
+
+
+def published_cases() -> list[PublishedCase]:
+    """Megatron's table rows and the published runs, each at its published layout."""
+    cases = [PublishedCase(r.name, "dgx-a100-80gb", r.gpus, r.tokens_per_s_per_gpu,
+                           row_setup(r)) for r in NARAYANAN_2021]
+    cases += [PublishedCase(r.name, r.cluster, r.devices, r.tokens_per_s_per_gpu, run_setup(r))
+              for r in PUBLISHED_RUNS]
+    return cases
+
+
+@dataclass
+class PickCheck:
+    """The planner's pick for a published case beside the publication."""
+
+    case: PublishedCase
+    pick: Any                 # Estimate (None: nothing fits)
+    tokens_per_s_per_gpu: float
+    hfu: float                # predicted: hardware FLOPs per second over the datasheet peak
+    achieved: AchievedRun | None
+    # the publication's HFU: its speed x the FLOPs per token its layout executes (recomputation
+    # included, plait's count) over the datasheet peak
+    published_hfu: float
+
+    @property
+    def work_ratio(self) -> float:
+        """How much of the pick's speed-up is work it skips (recomputation): the published
+        layout's FLOPs per token over the pick's. speed-up = work_ratio x hfu/published_hfu."""
+        return self.tokens_per_s_per_gpu / self.case.tokens_per_s_per_gpu / (
+            self.hfu / self.published_hfu) if self.hfu else 0.0
+
+    @property
+    def faster(self) -> bool:
+        return self.tokens_per_s_per_gpu > self.case.tokens_per_s_per_gpu
+
+    def problem(self) -> str:
+        """Why the rule does not hold ("" when it does): a pick faster than the publication
+        needs a named run that achieved its speed."""
+        if not self.faster:
+            return ""
+        run = self.achieved
+        if run is None:
+            return (f"{self.case.name}: pick {self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU "
+                    f"> published {self.case.tokens_per_s_per_gpu:,.0f}, no published run named")
+        if run.cluster != self.case.cluster_preset:
+            return (f"{self.case.name}: {run.name} ran on {run.cluster}, not "
+                    f"{self.case.cluster_preset}")
+        if run.tokens_per_s_per_gpu is not None and \
+                self.tokens_per_s_per_gpu > run.tokens_per_s_per_gpu:
+            return (f"{self.case.name}: pick {self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU "
+                    f"> {run.name}'s {run.tokens_per_s_per_gpu:,.0f}")
+        if run.hfu is not None and self.hfu > run.hfu:
+            return f"{self.case.name}: pick's HFU {self.hfu:.1%} > {run.name}'s {run.hfu:.1%}"
+        return ""
+
+
+def check_pick(case: PublishedCase) -> PickCheck:
+    """Search the case's model, cluster and batch with the cluster's constants."""
+    from . import constants_for
+    from .cost import evaluate
+    from .search import search
+
+    model, cluster, work, plan = case.setup
+    k = constants_for(cluster)
+    pick = search(model, cluster, work, top=1, constants=k).best
+    tps = pick.tokens_per_s / case.devices if pick else 0.0
+    hfu = pick.tflops_per_device_hw * 1e12 / cluster.peak(pick.plan.mixed_precision) \
+        if pick else 0.0
+    paper = evaluate(plan, model, cluster, work, k)
+    flops_per_token = paper.tflops_per_device_hw * 1e12 * case.devices / paper.tokens_per_s
+    published_hfu = case.tokens_per_s_per_gpu * flops_per_token / cluster.peak(
+        plan.mixed_precision)
+    return PickCheck(case, pick, tps, hfu, PICK_ACHIEVED_BY.get(case.name), published_hfu)
