@@ -14,6 +14,10 @@ plait's dependencies; ``accelerate launch --cpu`` is not used because it starts 
 
     make bench-env && .venv-bench/bin/python bench/vs_anchors.py [--reps 5] [--model tiny]
     .venv-bench/bin/python bench/vs_anchors.py --smoke       # one repetition, tiny model
+
+``--smoke`` proves that every script trains (the pipelines too) and measures nothing: its jobs
+start from one launcher process (``anchors/_smoke_launch.py``) so that it takes seconds, not
+minutes.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ANCHORS = ROOT / "bench" / "anchors"
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
+BENCH_STAMP = ROOT / ".venv-bench" / ".installed"  # written last by `make bench-env`
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,37 @@ def run_one(c: Contestant, python: Path, nproc: int, shape: list[str], timeout: 
                            + "\n".join(errors + ["..."] + text[-10:]))
 
 
+def run_smoke(contestants: list[Contestant], python: Path, nproc: int, shape: list[str],
+              timeout: float) -> dict[str, dict]:
+    """Every contestant once, from one launcher process (``anchors/_smoke_launch.py``: torch and
+    the libraries imported once, each job's ranks forked by torchelastic)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = {c.name: Path(tmp) / f"{i}.json" for i, c in enumerate(contestants)}
+        jobs = [{"name": c.name, "script": str(ANCHORS / c.script),
+                 "argv": [*shape, *(arg.format(world=nproc) for arg in c.args),
+                          "--out", str(outs[c.name])]} for c in contestants]
+        spec = Path(tmp) / "jobs.json"
+        spec.write_text(json.dumps(jobs))
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run([str(python), str(ANCHORS / "_smoke_launch.py"), str(nproc),
+                               str(spec)], capture_output=True, text=True, timeout=timeout,
+                              env=env, cwd=ROOT)
+        results = {}
+        for line in proc.stdout.splitlines():
+            if line.startswith('{"name"'):
+                r = json.loads(line)
+                results[r["name"]] = r
+        figures = {}
+        for c in contestants:
+            r = results.get(c.name)
+            if r is None or not r["ok"] or not outs[c.name].exists():
+                why = r["error"] if r else "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
+                raise RuntimeError(f"{c.name} ({c.script}) failed under --smoke:\n{why}")
+            figures[c.name] = {**json.loads(outs[c.name].read_text()), "exit_code": 0}
+        return figures
+
+
 def _ratio_range(values: list[float]) -> str:
     return f"{min(values):.2f}..{max(values):.2f}" if values else "-"
 
@@ -253,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=["table", "json"], default="table")
     a = p.parse_args(argv)
     python = Path(a.python)
-    if not python.exists():
-        print(f"vs_anchors: skipped: {python} does not exist; run `make bench-env` to install "
-              f"Accelerate and Lightning beside plait")
+    if not python.exists() or (python == BENCH_PYTHON and not BENCH_STAMP.exists()):
+        print(f"vs_anchors: skipped: {python} is missing or half-built; run `make bench-env` to "
+              f"install Accelerate and Lightning beside plait")
         return 0
     if a.smoke:
         a.reps, a.steps, a.warmup, a.batch, a.seq, a.model = 1, 4, 1, 4, 32, "tiny"
@@ -264,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
              "--batch", str(a.batch), "--seq", str(a.seq)]
     runs: dict[str, list[dict]] = {c.name: [] for c in contestants}
     started = time.perf_counter()
-    for rep in range(a.reps):
+    if a.smoke:
+        for name, r in run_smoke(contestants, python, a.nproc, shape, a.timeout).items():
+            runs[name].append(r)
+    for rep in range(0 if a.smoke else a.reps):
         for c in contestants:  # interleaved: A B C ... then again
             runs[c.name].append(run_one(c, python, a.nproc, shape, a.timeout))
             if a.format == "table":
@@ -274,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(runs, contestants)
     targets = [] if a.smoke else check_targets(runs)
     lines = lines_table()
-    header = (f"vs anchors: {a.model} model, {a.nproc} processes (torchrun), global batch "
+    launcher = "torchelastic, ranks forked" if a.smoke else "torchrun"
+    header = (f"vs anchors: {a.model} model, {a.nproc} processes ({launcher}), global batch "
               f"{a.batch} x {a.seq} tokens, AdamW, clip 1.0, {a.steps} steps per run "
               f"({a.warmup} untimed), {a.reps} interleaved repetitions, "
               f"{time.perf_counter() - started:.0f} s")

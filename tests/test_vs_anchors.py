@@ -5,6 +5,8 @@ and never in plait's dependencies; without that environment it skips and says ho
 """
 
 import importlib.util
+import json
+import math
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
+BENCH_STAMP = ROOT / ".venv-bench" / ".installed"  # written last by `make bench-env`
 
 
 def _module():
@@ -51,17 +54,34 @@ def test_lines_table_covers_every_library_and_layout():
     assert all(isinstance(v, int) and v > 0 for v in table["raw PyTorch"].values())
 
 
-@pytest.mark.timeout(900)  # ten torchrun jobs, each importing its library
-@pytest.mark.skipif(not BENCH_PYTHON.exists(),
+# Contestants that draw the same batches (DistributedSampler's order, which plait's loader
+# follows) from the same initial weights: their losses after the smoke run's steps must agree.
+# Accelerate shards its own loader and the raw pipeline shuffles one device's loader: another
+# order, so another (finite) loss.
+SAME_DATA = ("torch DDP", "Fabric DDP", "plait DDP", "torch FSDP2", "Fabric FSDP",
+             "plait ZeRO-3", "plait pipeline")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not BENCH_STAMP.exists(),
                     reason="no .venv-bench: run `make bench-env` to install Accelerate and "
                            "Lightning beside plait for bench/vs_anchors.py --smoke")
 def test_vs_anchors_smoke():
-    out = subprocess.run([str(BENCH_PYTHON), "bench/vs_anchors.py", "--smoke"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=900,
+    """Every anchor script trains (one repetition, tiny model), and those that see the same
+    data reach the same loss."""
+    out = subprocess.run([str(BENCH_PYTHON), "bench/vs_anchors.py", "--smoke", "--format",
+                          "json"], cwd=ROOT, capture_output=True, text=True, timeout=280,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    for name in ("torch DDP", "Accelerate DDP", "Fabric DDP", "plait DDP", "torch FSDP2",
-                 "Accelerate FSDP", "Fabric FSDP", "plait ZeRO-3", "torch pipeline",
-                 "plait pipeline"):
-        assert name in out.stdout
-    assert "lines of user code changed" in out.stdout
+    result = json.loads(out.stdout)
+    rows = {r["name"]: r for r in result["rows"]}
+    assert set(rows) == {"torch DDP", "Accelerate DDP", "Fabric DDP", "plait DDP", "torch FSDP2",
+                         "Accelerate FSDP", "Fabric FSDP", "plait ZeRO-3", "torch pipeline",
+                         "plait pipeline"}
+    for name, row in rows.items():
+        assert row["reps"] == 1 and row["step_s"] > 0, name
+        assert row["final_loss"] is not None and math.isfinite(row["final_loss"]), name
+    reference = rows["torch DDP"]["final_loss"]
+    for name in SAME_DATA:
+        assert rows[name]["final_loss"] == pytest.approx(reference, rel=1e-4), name
+    assert result["lines_changed"]["plait"]["DDP"] > 0
