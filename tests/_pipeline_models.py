@@ -2,6 +2,7 @@
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from plait.models.transformer import build, preset
 
@@ -84,3 +85,222 @@ def hf_gpt2(tie=True):
 
 def hf_gpt2_untied():
     return hf_gpt2(tie=False)
+
+
+# ---------------------------------------------------------------- models people have (pp=2)
+# Dict batches in the Hugging Face convention, keyword inputs every stage needs, extra
+# outputs, pre-block modules that are more than a token embedding. Each is compared with
+# ``reference_loop`` (a plain one-process loop) by tests/test_pipeline_models.py.
+SEQ, VOCAB, WIDTH, ROWS, STEPS, LR = 8, 32, 16, 8, 3, 0.1
+
+
+class MixBlock(nn.Module):
+    """A residual MLP plus the mean of the *unmasked* positions (so the mask changes the
+    result on every block, and a stage that did not get the mask would train differently)."""
+
+    def __init__(self, width: int = WIDTH):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(),
+                                 nn.Linear(2 * width, width))
+        self.mix = nn.Linear(width, width)
+
+    def forward(self, h, attention_mask=None):
+        m = torch.ones(h.shape[:2]) if attention_mask is None else attention_mask.float()
+        m = m.unsqueeze(-1)
+        pooled = (h * m).sum(1) / m.sum(1).clamp_min(1)
+        return h + self.mlp(h) + self.mix(pooled).unsqueeze(1)
+
+
+class MaskedMixer(nn.Module):
+    """``forward(input_ids, attention_mask=None)`` -> ``(logits, aux)`` or a dict of both;
+    ``aux`` is each token's mean squared final hidden state, which the loss adds."""
+
+    def __init__(self, returns: str = "tuple"):
+        super().__init__()
+        self.returns = returns
+        self.tok, self.pos = nn.Embedding(VOCAB, WIDTH), nn.Embedding(SEQ, WIDTH)
+        self.blocks = nn.ModuleList(MixBlock() for _ in range(4))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1]))
+        for block in self.blocks:
+            h = block(h, attention_mask)
+        logits, aux = self.head(h), h.pow(2).mean(-1)
+        return {"logits": logits, "aux": aux} if self.returns == "dict" else (logits, aux)
+
+
+def mixer_tuple():
+    torch.manual_seed(0)
+    return MaskedMixer("tuple")
+
+
+def mixer_dict():
+    torch.manual_seed(0)
+    return MaskedMixer("dict")
+
+
+def mixer_loss(out, labels):
+    """(sum, count): cross-entropy of the counted tokens plus 0.1 x their ``aux``."""
+    logits, aux = (out["logits"], out["aux"]) if isinstance(out, dict) else out
+    counted = labels != -100
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                         reduction="sum")
+    return ce + 0.1 * (aux * counted).sum(), counted.sum()
+
+
+def padded_batch(step, vocab=VOCAB, token_types=False):
+    """A dict batch: rows of 2..SEQ real tokens, left-padded (attention_mask 0, label -100);
+    labels are the next token (already shifted), so the loss reads logits and labels as is."""
+    g = torch.Generator().manual_seed(600 + step)
+    ids = torch.randint(0, vocab, (ROWS, SEQ + 1), generator=g)
+    lengths = torch.randint(2, SEQ + 1, (ROWS,), generator=g)
+    mask = (torch.arange(SEQ) >= SEQ - lengths[:, None]).long()
+    labels = ids[:, 1:].masked_fill(mask == 0, -100)
+    batch = {"input_ids": ids[:, :-1].masked_fill(mask == 0, 0), "attention_mask": mask,
+             "labels": labels}
+    if token_types:
+        batch["token_type_ids"] = (torch.arange(SEQ) >= SEQ // 2).long().expand(ROWS, -1)
+    return batch
+
+
+def logits_loss(out, labels):
+    """Mean cross-entropy over the labels that are not -100, read from ``out.logits``."""
+    return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), labels.reshape(-1))
+
+
+def gpt2_lm():
+    """Hugging Face GPT-2 itself (returns a ModelOutput), tied embeddings, from a tiny config."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def bert_mlm():
+    """Hugging Face BERT for masked LM: its ``embeddings`` (word + position + token type +
+    LayerNorm + dropout) before the layers, the head tied to the word embedding. Dropout 0:
+    random masks differ between layouts."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
+                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=SEQ,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForMaskedLM(cfg)
+
+
+def bert_batch(step):
+    return padded_batch(step, token_types=True)
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, ch: int = 8):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(ch, ch, 3, padding=1), nn.Conv2d(ch, ch, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv2(torch.relu(self.conv1(x)))
+
+
+class SmallConvNet(nn.Module):
+    """A vision model: a conv stem (3 -> ``stem_ch`` channels, stride 2), residual conv blocks,
+    a head (pool, flatten, linear). ``stem_ch=192`` gives the stem more parameters than the
+    blocks, so the largest-container rule picks the stem: split points name the blocks."""
+
+    def __init__(self, stem_ch: int = 8):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, stem_ch, 3, stride=2, padding=1), nn.ReLU(),
+                                  nn.Conv2d(stem_ch, 8, 1))
+        self.blocks = nn.Sequential(*[ConvBlock() for _ in range(4)])
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)))
+
+
+def convnet():
+    torch.manual_seed(0)
+    return SmallConvNet()
+
+
+def convnet_wide_stem():
+    torch.manual_seed(0)
+    return SmallConvNet(stem_ch=192)
+
+
+def image_batch(step):
+    g = torch.Generator().manual_seed(700 + step)
+    return torch.randn(ROWS, 3, 8, 8, generator=g), torch.randint(0, 5, (ROWS,), generator=g)
+
+
+def reference_loop(factory, batches, loss_fn, clip=1.0):
+    """A plain one-process loop (SGD, torch's clipping) over whole batches, in the train step's
+    batch conventions: ``(inputs, targets)``, or a dict whose ``labels`` go to ``loss_fn`` (or,
+    with ``loss_fn=None``, to the model, which returns ``.loss``); a ``(sum, count)`` loss is
+    divided out."""
+    model = factory()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for batch in batches:
+        if isinstance(batch, dict) and loss_fn is None:
+            loss = model(**batch).loss
+        else:
+            if isinstance(batch, dict):
+                inputs, targets = {k: v for k, v in batch.items() if k != "labels"}, \
+                    batch["labels"]
+                out = model(**inputs)
+            else:
+                inputs, targets = batch
+                out = model(inputs)
+            loss = loss_fn(out, targets)
+            if isinstance(loss, tuple):
+                loss = loss[0] / loss[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "state": state}
+
+
+class ScaledLogits(nn.Module):
+    """Returns ``(head(h) / 2, aux)``: on a stage without the head the hidden state would be
+    halved before it is sent on, so plait refuses to split it (what to send cannot be told)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(MixBlock() for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.tok(input_ids)
+        for block in self.blocks:
+            h = block(h, attention_mask)
+        return self.head(h) / 2, h.mean()
+
+
+def scaled_logits():
+    torch.manual_seed(0)
+    return ScaledLogits()
+
+
+def refusal_worker(rank, world_size):
+    """pp=2 on ScaledLogits: every rank gets the one-line refusal on its first step."""
+    from plait.runtime import init
+
+    run = init("pp=2,mb=2", quiet=True)
+    model = run.parallelize(scaled_logits())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    try:
+        run.step(model, padded_batch(0), mixer_loss, opt)
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    run.close()
+    return message

@@ -345,11 +345,13 @@ def test_hf_llama_stages_chain_to_the_full_model():
         assert hidden.shape == (2, 8, 64) and hidden.is_floating_point()
         torch.testing.assert_close(last(hidden), model(tokens))
         torch.testing.assert_close(model(tokens), hf_llama()(tokens))  # the original is intact
-    # a bare HF model (no wrapper): its stages hand on tensors, the last one the logits
+    # a bare HF model (no wrapper): its first stage hands on a tensor, the last one returns
+    # the model's own output (a ModelOutput, which the loss gets as on one device)
     bare = model.hf
     first, last = (build_stage_module(bare, "model.layers", s) for s in specs)
     with torch.no_grad():
-        torch.testing.assert_close(last(first(tokens)), bare(tokens).logits)
+        assert isinstance(first(tokens), torch.Tensor)
+        torch.testing.assert_close(last(first(tokens)).logits, bare(tokens).logits)
     # GPT-2: tied wte/lm_head is found on both stages (their gradients are summed, see
     # test_hf_gpt2_tied_pp2_matches_single_device); the later stage's stand-in for the learned
     # position embedding (added to inputs_embeds) adds zero

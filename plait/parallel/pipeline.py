@@ -22,7 +22,10 @@ stages, their block ranges and the ``PipelineRunner`` the train step calls.
 from __future__ import annotations
 
 import contextlib
+import copy
+import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,11 +34,17 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .._torch_compat import pipeline_stage_base
-from ..loss import loss_sum_and_count
+from ..loss import loss_sum_and_count, shifts_labels
 from ..mesh import Mesh
 from ..plan import Plan
 from .layout import Layout, layout_of, record_layout
-from .pipeline_split import build_stage_module, plan_stages, shared_parameters
+from .pipeline_split import (
+    StageOutputError,
+    StageSpec,
+    build_stage_module,
+    plan_stages,
+    shared_parameters,
+)
 from .schedules import check_schedule_args, local_stages, stage_to_rank
 from .timeline import Timeline, now
 
@@ -93,20 +102,165 @@ _SCHEDULE_CLASSES = {
 def _rows(x: Any) -> int:
     if isinstance(x, torch.Tensor):
         return x.shape[0]
-    if isinstance(x, (tuple, list)) and x:
-        return _rows(x[0])
-    raise ValueError(f"pipeline inputs must be a tensor or a tuple of tensors, got "
-                     f"{type(x).__name__}")
+    raise ValueError(f"a pipeline's first-stage input must be a tensor with the batch in dim "
+                     f"0, got {type(x).__name__}")
+
+
+# torch's schedule.step takes these keywords itself: a model input of that name cannot pass.
+_STEP_KEYWORDS = ("target", "losses", "return_outputs", "loss_kwargs")
+
+
+@dataclass(frozen=True)
+class StageInputs:
+    """One step's batch laid out for the stages: ``first`` goes positionally to the first stage
+    (later stages receive the hidden states there instead), ``every`` as keywords to every
+    stage (an attention mask, token type ids), ``last_only`` as keywords to the last stage only
+    (``labels`` when the model computes its own loss), ``targets`` to the loss."""
+
+    first: torch.Tensor
+    every: dict[str, Any]
+    last_only: dict[str, Any]
+    targets: Any
+
+
+def stage_inputs(batch: Any, loss_fn: Callable | None, signature: inspect.Signature,
+                 model_name: str) -> StageInputs:
+    """Lay out a batch in any of the train step's conventions (``plait.train.call_model``):
+    ``(inputs, targets)`` with inputs a tensor, a tuple of positional arguments or a dict of
+    keyword arguments, or one Hugging Face dict (``labels`` held back for the loss, or, with
+    ``loss_fn=None``, given to the last stage, whose model computes ``output.loss``).
+
+    The forward's first parameter is what the stages chain (the first stage gets the batch's
+    value, later stages the hidden states); every other argument is passed by name to every
+    stage. Raises ValueError (one line) for a batch the stages cannot be given."""
+    last_only: dict[str, Any] = {}
+    if isinstance(batch, dict):
+        if "labels" not in batch:
+            raise ValueError(f"a dict batch under pp > 1 needs a 'labels' entry (keys: "
+                             f"{sorted(batch)}): the last stage's loss reads it")
+        targets = batch["labels"]
+        inputs: Any = {k: v for k, v in batch.items() if k != "labels"}
+        if loss_fn is None:
+            last_only["labels"] = targets
+    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+        if loss_fn is None:
+            raise ValueError("loss_fn=None under pp > 1 needs the Hugging Face dict batch "
+                             "({'input_ids': ..., 'labels': ...}) so that the last stage's "
+                             "model gets the labels; or pass a loss_fn")
+        inputs, targets = batch
+    else:
+        raise ValueError(f"a pipeline step takes (inputs, targets) or a dict batch with "
+                         f"'labels'; got {type(batch).__name__}")
+    params = [p for p in signature.parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
+    if isinstance(inputs, torch.Tensor):
+        first, every = inputs, {}
+    elif isinstance(inputs, (tuple, list)):
+        if not inputs:
+            raise ValueError("pipeline inputs are an empty tuple; give the model's input")
+        if len(inputs) > len(params):
+            raise ValueError(f"{model_name}.forward names {len(params)} positional "
+                             f"parameters but the batch gives {len(inputs)} inputs: later "
+                             f"stages get the extra inputs by name, so give them as a dict "
+                             f"of keyword arguments")
+        first = inputs[0]
+        every = {p.name: v for p, v in zip(params[1:], inputs[1:], strict=False)}
+    elif isinstance(inputs, dict):
+        name = params[0].name if params else None
+        if name not in inputs:
+            raise ValueError(f"a pipeline chains {model_name}.forward's first parameter "
+                             f"({name or 'none: it takes *args'}) from stage to stage, and the "
+                             f"batch has no {name!r} entry (keys: {sorted(inputs)}); name the "
+                             f"model's first input in the batch")
+        first = inputs[name]
+        every = {k: v for k, v in inputs.items() if k != name}
+    else:
+        raise ValueError(f"pipeline inputs are a tensor, a tuple or a dict; got "
+                         f"{type(inputs).__name__}")
+    if not isinstance(first, torch.Tensor):
+        raise ValueError(f"the first-stage input of {model_name} must be a tensor with the "
+                         f"batch in dim 0, got {type(first).__name__}")
+    named = {p.name for p in signature.parameters.values()}
+    for key in [*every, *last_only]:
+        if key in _STEP_KEYWORDS:
+            raise ValueError(f"model input {key!r} has the name of a keyword of torch's "
+                             f"pipeline schedule step ({', '.join(_STEP_KEYWORDS)}); rename "
+                             f"that argument of {model_name}.forward")
+        if key not in named and not takes_any and key in last_only:
+            raise ValueError(f"loss_fn=None: the model computes its own loss from the batch's "
+                             f"labels, but {model_name}.forward has no parameter {key!r}; "
+                             f"pass a loss_fn")
+        if key not in named and not takes_any:
+            raise ValueError(f"{model_name}.forward has no parameter {key!r} (a batch "
+                             f"entry); remove it from the batch or add it to the forward")
+    return StageInputs(first, every, last_only, targets)
+
+
+_TENSOR = object()  # OutputPacker's placeholder for a tensor leaf
+
+
+class OutputPacker:
+    """The last stage's output as torch's stages take it, and back for the loss.
+
+    torch's ``PipelineStage`` accepts a tensor or a tuple of tensors from a stage (it infers
+    their shapes before the first step), while models return ``(logits, aux)``, dicts or
+    Hugging Face ``ModelOutput``s. The last stage therefore returns the tensors of its output
+    (a pytree flattening) and the loss gets the structure rebuilt, the same object one
+    device's loss gets. Non-tensor leaves are kept from the latest forward."""
+
+    def __init__(self) -> None:
+        self._spec: Any = None
+        self._template: list[Any] = []  # non-tensor leaves; _TENSOR where a tensor goes
+
+    def pack(self, out: Any) -> Any:
+        from torch.utils._pytree import tree_flatten
+
+        if isinstance(out, torch.Tensor):
+            self._spec = None
+            return out
+        leaves, self._spec = tree_flatten(out)
+        self._template = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
+        return tuple(v for v in leaves if isinstance(v, torch.Tensor))
+
+    def unpack(self, output: Any) -> Any:
+        from torch.utils._pytree import tree_unflatten
+
+        if self._spec is None:
+            return output
+        tensors = iter([output] if isinstance(output, torch.Tensor) else output)
+        leaves = [next(tensors) if v is _TENSOR else v for v in self._template]
+        return tree_unflatten(leaves, self._spec)
+
+    def install(self, stage: nn.Module) -> None:
+        """Make ``stage``'s forward return its output packed."""
+        forward = stage.forward
+
+        def packed(*args: Any, **kwargs: Any) -> Any:
+            return self.pack(forward(*args, **kwargs))
+
+        stage.forward = packed
 
 
 class PipelineRunner:
     """The schedule of this rank's stages; ``step`` runs one optimizer step's worth of it."""
 
     def __init__(self, stages: list[TimedStage], plan: Plan, rank: int, *,
-                 loss_parallel: bool = False):
+                 loss_parallel: bool = False, signature: inspect.Signature | None = None,
+                 model_name: str = "model", shifts_labels: bool = False,
+                 packer: OutputPacker | None = None):
         self.stages = stages
         self.plan = plan
         self.loss_parallel = loss_parallel
+        # The model's forward signature (how a batch maps onto the stages' arguments), its
+        # name for messages, and whether its own loss skips each row's first label.
+        self.signature = signature or inspect.Signature(
+            [inspect.Parameter("x", inspect.Parameter.POSITIONAL_OR_KEYWORD)])
+        self.model_name = model_name
+        self.shifts_labels = shifts_labels
+        self.packer = packer or OutputPacker()
+        # Runs once, on the first step's inputs, before the schedule (see check_split).
+        self.check_split: Callable[[StageInputs], None] | None = None
         self.timeline = Timeline(rank=rank)
         for s in stages:
             s.timeline = self.timeline
@@ -126,11 +280,16 @@ class PipelineRunner:
     def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one microbatch. torch's schedules split a *tensor* target
         into microbatches, so they are given the row indices and the real targets (a tensor,
-        tuple or dict) are looked up here. Backward runs on the microbatch's loss *sum*; the
-        train step divides the gradients by the global count of items (``plait.loss``)."""
-        assert self._loss_fn is not None
+        tuple or dict) are looked up here. The loss gets the model's output as the model
+        returned it (:class:`OutputPacker`), or with ``loss_fn=None`` the model's own
+        ``output.loss``. Backward runs on the microbatch's loss *sum*; the train step divides
+        the gradients by the global count of items (``plait.loss``)."""
+        from ..train import model_loss
+
         target = _take_rows(self._targets, rows)
-        total, count = loss_sum_and_count(self._loss_fn(output, target), target)
+        value = model_loss(self.packer.unpack(output), self._loss_fn, target)
+        total, count = loss_sum_and_count(value, target,
+                                          shift=self._loss_fn is None and self.shifts_labels)
         key = (self._accum_index, int(rows[0]))
         self._totals[key] = torch.stack([total.detach().float(), count.float()])
         return total
@@ -168,7 +327,7 @@ class PipelineRunner:
             return cls(self.stages[0], m, loss_fn=self._loss, scale_grads=False)
         return cls(self.stages, m, loss_fn=self._loss, scale_grads=False)
 
-    def step(self, batch: Any, loss_fn: Callable, *, plan: Plan,
+    def step(self, batch: Any, loss_fn: Callable | None, *, plan: Plan,
              device: torch.device) -> torch.Tensor:
         """Forward and backward of ``batch`` through the pipeline; gradients left in ``.grad``.
 
@@ -177,39 +336,33 @@ class PipelineRunner:
         """
         from ..train import autocast, split_microbatches
 
-        if loss_fn is None:
-            raise ValueError("a pipeline computes the loss on its last stage from the model's "
-                             "output: pass a loss_fn (the model's own output.loss is not "
-                             "available under pp > 1)")
-        if isinstance(batch, dict) or not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ValueError("a pipeline step takes (inputs, targets); inputs are passed from "
-                             "stage to stage positionally (a tensor or a tuple of tensors)")
-        inputs, targets = batch
-        if isinstance(inputs, dict):
-            raise ValueError("pipeline inputs are passed from stage to stage positionally: give "
-                             "the model a tensor or a tuple of tensors, not a dict")
-        rows = _rows(inputs)
+        laid_out = stage_inputs(batch, loss_fn, self.signature, self.model_name)
+        rows = _rows(laid_out.first)
         m, accum = plan.microbatches, plan.grad_accum
         if rows % (m * accum):
             raise ValueError(f"batch of {rows} rows does not split into microbatches={m}"
                              + (f" x grad_accum={accum}" if accum > 1 else "")
                              + f" equal parts; make the per-replica batch a multiple of "
                              f"{m * accum}")
+        if self.check_split is not None:  # the first step: every rank, before any sends
+            self.check_split(laid_out)
+            self.check_split = None
         self._loss_fn = loss_fn
         self._totals = {}
         if self._schedule is None:
             self._schedule = self._build_schedule()
-        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         chunk = rows // accum
-        for a, (part_args, part_targets) in enumerate(zip(
-                split_microbatches(args, accum), split_microbatches(targets, accum), strict=True)):
+        kwargs = {**laid_out.every, **(laid_out.last_only if self.has_last else {})}
+        for a, (first, part_kwargs, part_targets) in enumerate(zip(
+                split_microbatches(laid_out.first, accum), split_microbatches(kwargs, accum),
+                split_microbatches(laid_out.targets, accum), strict=True)):
             self._targets, self._accum_index = part_targets, a
             index = torch.arange(chunk, device=device)
             with self._loss_context(), autocast(plan, device):
-                self._schedule.step(*(part_args if self.has_first else ()),
+                self._schedule.step(*((first,) if self.has_first else ()),
                                     target=index if self.has_last else None,
                                     losses=[] if self.has_last else None,
-                                    return_outputs=False)
+                                    return_outputs=False, **part_kwargs)
             self.timeline.next_step()
         self._targets = None
         self.sync_tied_gradients()
@@ -227,6 +380,59 @@ def _take_rows(value: Any, rows: torch.Tensor) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_take_rows(v, rows) for v in value)
     return value
+
+
+def _signature(model: nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward without a readable signature (a C builtin)
+        return None
+
+
+def meta_replica(model: nn.Module) -> nn.Module | None:
+    """A copy of ``model`` whose parameters and buffers are on the meta device (no memory),
+    or None when the model cannot be deep-copied."""
+    memo: dict[int, Any] = {}
+    for t in model.parameters():
+        memo[id(t)] = nn.Parameter(t.detach().to("meta"), requires_grad=t.requires_grad)
+    for t in model.buffers():
+        memo[id(t)] = t.detach().to("meta")
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:  # noqa: BLE001 - uncopyable model: the split is not checked up front
+        return None
+
+
+def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
+                  ) -> Callable[[StageInputs], None] | None:
+    """A check that the stages chain, run by every rank on the first step's inputs before the
+    schedule sends anything: the stage modules of a meta-device replica, each fed what the
+    previous one hands on. A forward whose output hides the hidden state
+    (:func:`~plait.parallel.pipeline_split.hand_on`) is then refused on every rank with one
+    line, instead of failing on the first stage's rank inside torch's runtime while the other
+    ranks wait for it. Written here because torch's stages infer shapes rank by rank, through
+    sends. A forward that does not run on the meta device (data-dependent code) is not
+    checked."""
+    replica = meta_replica(model)
+    if replica is None:
+        return None
+
+    def check(inputs: StageInputs) -> None:
+        def meta(v: Any) -> Any:
+            return v.to("meta") if isinstance(v, torch.Tensor) else v
+
+        x, kwargs = meta(inputs.first), {k: meta(v) for k, v in inputs.every.items()}
+        for spec in specs[:-1]:
+            stage = build_stage_module(replica, path, spec)
+            try:
+                with torch.no_grad():
+                    x = stage(x, **kwargs)
+            except StageOutputError:
+                raise
+            except Exception:  # noqa: BLE001 - not runnable on meta: left to the real run
+                return
+
+    return check
 
 
 def _tie_groups(ties: list[dict[int, str]], mesh: Mesh, plan: Plan) -> list[Any]:
@@ -313,6 +519,10 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     pp_rank = pp_mesh.get_local_rank()
     mine = local_stages(plan.pp_schedule, plan.pp, plan.virtual_stages, pp_rank)
     modules = [build_stage_module(model, path, specs[s]) for s in mine]
+    packer = OutputPacker()
+    for m, s in zip(modules, mine, strict=True):
+        if specs[s].is_last:
+            packer.install(m)  # before the layout: DDP/FSDP call the packed forward
     ties = shared_parameters(model, path, specs)
     groups = _tie_groups(ties, mesh, plan)  # collective: every rank creates every group
     modules = [parallelize_stage(m, mesh, plan, device=device) for m in modules]
@@ -322,7 +532,10 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     loss_parallel = any(layout_of(m).loss_parallel
                         for m, s in zip(modules, mine, strict=True) if specs[s].is_last)
     runner = PipelineRunner(stages, plan, rank=torch.distributed.get_rank(),
-                            loss_parallel=loss_parallel)
+                            loss_parallel=loss_parallel, signature=_signature(model),
+                            model_name=type(model).__name__,
+                            shifts_labels=shifts_labels(model), packer=packer)
+    runner.check_split = split_checker(model, path, specs)
     runner.tied = _local_ties(ties, groups, dict(zip(mine, modules, strict=True)))
     layout = Layout(applied=("pipeline", *layout_of(modules[0]).applied), stages=tuple(modules),
                     stage_specs=tuple(specs[s] for s in mine), pipeline=runner,

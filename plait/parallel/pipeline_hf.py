@@ -1,11 +1,13 @@
-"""Pipeline parallelism, part 2: stage modules for Hugging Face decoders.
+"""Pipeline parallelism, part 2: stage modules for Hugging Face models.
 
-Hugging Face decoder layers take masks and rotary position embeddings that the decoder's
-forward computes from its input, so a stage cannot feed its hidden states to a layer alone.
-What HF offers instead: ``*ForCausalLM.forward(inputs_embeds=h)`` skips the token embedding and
-builds the mask and positions from ``h``. So a later stage calls the (skip-replaced) model with
-``inputs_embeds=`` its input; skipped layers pass the hidden states through, and on stages
-without the head the skipped final norm and ``lm_head`` make ``.logits`` those hidden states.
+Hugging Face layers take masks and rotary position embeddings that the model's forward
+computes from its input, so a stage cannot feed its hidden states to a layer alone. What HF
+offers instead: ``forward(inputs_embeds=h)`` skips the token embedding and builds the mask and
+positions from ``h``. So a later stage calls the (skip-replaced) model with ``inputs_embeds=``
+its input and the batch's keyword inputs (``attention_mask``, ``token_type_ids``); skipped
+layers pass the hidden states through, and on stages without the head the skipped final norm
+and ``lm_head`` make ``.logits`` those hidden states. An embedding module that adds positions
+and types to the token embedding (BERT's ``embeddings``) is skipped whole on later stages.
 
 :func:`plait.parallel.pipeline_split.build_stage_module` calls these on the outermost HF model
 on the path to the blocks; ``transformers`` stays optional (nothing here imports it unless a
@@ -17,8 +19,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
-
-from .._torch_compat import is_view
 
 if TYPE_CHECKING:
     from .pipeline_split import StageSpec
@@ -41,8 +41,13 @@ def hf_added_embeddings(hf: nn.Module, before: list[nn.Module]) -> list[nn.Modul
     cannot be told from outside, and a wrong guess trains silently wrong."""
     get_embeddings = getattr(hf, "get_input_embeddings", None)
     embed = get_embeddings() if callable(get_embeddings) else None
+    # A module that holds the token embedding (BERT's ``embeddings``: word, position and
+    # token-type embeddings, LayerNorm, dropout) is the embedding stem: HF models call it
+    # with ``inputs_embeds=`` and it adds positions and types to them, so on later stages its
+    # stand-in passes ``inputs_embeds`` through (the hidden states already went through it).
     other = [m for m in before
-             if m is not embed and any(p.numel() for p in m.parameters())]
+             if not any(sub is embed for sub in m.modules())
+             and any(p.numel() for p in m.parameters())]
     unknown = [m for m in other if not isinstance(m, nn.Embedding)]
     if unknown:
         names = [n for n, m in hf.named_modules() if any(m is u for u in unknown)]
@@ -54,13 +59,15 @@ def hf_added_embeddings(hf: nn.Module, before: list[nn.Module]) -> list[nn.Modul
     return other
 
 
-def adapt_hf_forward(clone: nn.Module, spec: StageSpec, returns_logits: bool) -> None:
+def adapt_hf_forward(clone: nn.Module, spec: StageSpec) -> None:
     """Give the stage copy of an HF model a forward that takes hidden states on later stages.
 
-    The user's code calls ``hf(x)`` / ``hf(input_ids=x)`` as usual; on every stage after the
-    first, ``x`` is the previous stage's hidden states and goes in as ``inputs_embeds``. No KV
-    cache (training). When the HF model is the pipelined model itself, stages return
-    ``.logits`` (pipeline stages pass tensors; the loss gets logits).
+    The user's code calls ``hf(x)`` / ``hf(input_ids=x, attention_mask=m)`` as usual; on every
+    stage after the first, ``x`` is the previous stage's hidden states and goes in as
+    ``inputs_embeds`` (the keyword inputs, such as the attention mask, reach every stage). No
+    KV cache (training). The output is the model's own (a ``ModelOutput``); on stages without
+    the head its ``.logits`` (or ``.last_hidden_state``) holds the hidden states, which the
+    stage sends on (:func:`plait.parallel.pipeline_split.hand_on`).
     """
     forward = type(clone).forward
 
@@ -73,13 +80,7 @@ def adapt_hf_forward(clone: nn.Module, spec: StageSpec, returns_logits: bool) ->
                 hidden = kwargs.pop("input_ids", None)
             if hidden is not None:
                 kwargs["inputs_embeds"] = hidden
-        out = forward(clone, *args, **kwargs)
-        if not spec.is_last and getattr(out, "logits", None) is not None \
-                and is_view(out.logits):
-            # Here ``.logits`` is the hidden states sliced by ``logits_to_keep`` (a view), and
-            # torch's split backward (zero-bubble schedules) frees stage outputs with detach_(),
-            # which views refuse: hand on an owned copy (one activation copy per microbatch).
-            out.logits = out.logits.clone()
-        return out.logits if returns_logits else out
+                kwargs.pop("input_ids", None)
+        return forward(clone, *args, **kwargs)
 
     clone.forward = stage_forward

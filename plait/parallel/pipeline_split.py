@@ -12,16 +12,21 @@ stage this rank owns a *stage module*: a shallow copy of the model in which
   after it (final norm, head) on the last stage only; elsewhere they are skipped too. Modules
   without parameters (activations, rotary tables) stay everywhere.
 
-The model's own ``forward`` then runs unchanged on each stage: a skipped embedding passes the
-previous stage's hidden states through, skipped blocks do nothing, a skipped head returns the
-hidden states to send on. This works for any forward that chains its modules (the reference
-transformer, a Sequential MLP or CNN); models whose forward feeds a module something other than
-the running activation (HF decoders' position embeddings and masks) need an adapter
+The model's own ``forward`` then runs unchanged on each stage: a skipped embedding (or vision
+stem) passes the previous stage's hidden states through, skipped blocks do nothing, a skipped
+head returns the hidden states to send on. Its first argument is what the stages chain; its
+other arguments (an attention mask) reach every stage by keyword, so each block gets them as
+on one device. On a stage without the head, the one tensor of the output that is the hidden
+state is sent on (:func:`hand_on`; extra outputs beside it are dropped there); the last stage
+returns whatever the model returns. This works for any forward that chains its modules (the
+reference transformer, a Sequential MLP or CNN); models whose forward feeds a module something
+other than the running activation (HF models' position embeddings and masks) need an adapter
 (:mod:`plait.parallel.pipeline_hf`).
 
 Stages are cut by parameter count (embedding on the first stage and head on the last count
 too), or by per-block costs (``options.stage_costs``), or at user-named split points
-(``options.split_points = ("layers.4", "layers.8")``: a stage starts at each name), or
+(``options.split_points = ("layers.4", "layers.8")``: a stage starts at each name, and the
+container they name is the block sequence, whichever holds the most parameters), or
 by blocks per stage (``options.pp_stage_layers = (3, 5)``, what the planner emits when
 its cost-balanced split is uneven).
 
@@ -39,11 +44,37 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .._torch_compat import is_view
 from ..plan import Plan
 from .pipeline_hf import adapt_hf_forward, hf_added_embeddings, is_hf_model
 
 Containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 BlockSequence = nn.ModuleList | nn.Sequential | nn.ModuleDict
+
+
+def _carried(args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The running activation a stand-in receives: its first positional input, or the
+    ``inputs_embeds`` keyword (Hugging Face models call their embedding module with keywords
+    only: BERT's ``self.embeddings(input_ids=None, inputs_embeds=h, ...)``)."""
+    if args:
+        return args[0]
+    if kwargs.get("inputs_embeds") is not None:
+        return kwargs["inputs_embeds"]
+    raise TypeError("a pipeline stand-in was called without a positional input or "
+                    "inputs_embeds; keywords: " + ", ".join(sorted(kwargs)))
+
+
+class StageOutputError(ValueError):
+    """A stage's output from which the hidden state to send on cannot be told."""
+
+
+class HandedOn:
+    """What the stand-ins of one stage passed through last (reset per stage forward): on a
+    stage without the head, the model's output must contain that very tensor, which is then
+    what the stage sends on (see :func:`hand_on`)."""
+
+    def __init__(self) -> None:
+        self.last: Any = None
 
 
 class PipelineZero(nn.Module):
@@ -52,14 +83,21 @@ class PipelineZero(nn.Module):
     block whose residual is in the parent's forward): the hidden states received already
     contain its contribution, so here it adds zero."""
 
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return torch.zeros((), device=x.device)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return torch.zeros((), device=_carried(args, kwargs).device)
 
 
 class PipelineSkip(nn.Module):
     """Stands in for a module another stage owns: returns its first input unchanged."""
 
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+    def __init__(self, handed_on: HandedOn | None = None):
+        super().__init__()
+        self._handed_on = handed_on
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        x = _carried(args, kwargs)
+        if self._handed_on is not None:
+            self._handed_on.last = x
         return x
 
 
@@ -172,7 +210,7 @@ def partition(costs: list[float], n_stages: int, first_extra: float = 0.0,
 def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
     """Where to cut: the block sequence's name and every global stage's block range."""
     n_stages = plan.pp * plan.virtual_stages
-    path, container = find_blocks(model, plan.options.pp_blocks)
+    path, container = find_blocks(model, _blocks_name(model, plan))
     n_blocks = len(container)
     where = f"{path or type(model).__name__}"
     if n_stages > n_blocks:
@@ -212,6 +250,34 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
             last_extra = float(sum(_param_count(m) for m in after))
         bounds = partition(costs, n_stages, first_extra, last_extra)
     return path, [StageSpec(k, i, j, n_stages) for k, (i, j) in enumerate(bounds)]
+
+
+def _blocks_name(model: nn.Module, plan: Plan) -> str | None:
+    """The block sequence the plan names: ``options.pp_blocks``, else the container the split
+    points name blocks of (``split_points=["blocks.2"]`` -> ``blocks``), else None (the
+    largest container is taken)."""
+    points = plan.options.split_points
+    if plan.options.pp_blocks is not None or not points:
+        return plan.options.pp_blocks
+    parents = sorted({p.rpartition(".")[0] for p in points})
+    if len(parents) > 1:
+        raise ValueError(f"split_points={list(points)} name blocks of different containers "
+                         f"({', '.join(parents)}); every split point names the first block of "
+                         f"a stage in one nn.ModuleList, nn.Sequential or nn.ModuleDict")
+    parent = parents[0]
+    where = parent or type(model).__name__
+    try:
+        container = model.get_submodule(parent)
+    except AttributeError:
+        raise ValueError(f"split point {points[0]!r}: {where} is not a submodule of "
+                         f"{type(model).__name__}; name the first block of a stage by its "
+                         f"module name (e.g. layers.4, as in model.named_modules())") from None
+    if not isinstance(container, Containers):
+        raise ValueError(f"split point {points[0]!r}: {where} is a "
+                         f"{type(container).__name__}, not an nn.ModuleList, nn.Sequential "
+                         f"or nn.ModuleDict of blocks; name the first block of a stage inside "
+                         f"the model's block sequence (e.g. layers.4)")
+    return parent
 
 
 def _even_counts(n_blocks: int, n_stages: int) -> list[int]:
@@ -284,12 +350,19 @@ def additive_modules(model: nn.Module, path: str) -> set[str]:
 
 
 def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Module:
-    """A shallow copy of ``model`` holding only stage ``spec``'s modules (names unchanged)."""
+    """A shallow copy of ``model`` holding only stage ``spec``'s modules (names unchanged).
+
+    Its forward is the model's own; on a stage without the head it returns only the hidden
+    state to send on (:func:`hand_on`), on the last stage whatever the model returns."""
     parts = path.split(".") if path else []
     zero = additive_modules(model, path)
+    handed_on = HandedOn()
 
     hf_done = False
     added: set[int] = set()  # HF position embeddings: their skip adds zero
+
+    def stand_in(additive: bool) -> nn.Module:
+        return PipelineZero() if additive else PipelineSkip(handed_on)
 
     def rebuild(module: nn.Module, depth: int) -> nn.Module:
         nonlocal hf_done
@@ -299,12 +372,12 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
             hf_done = True  # the outermost HF model on the path is the one that gets called
             before, _ = _side_modules(module, ".".join(parts[depth:]))
             added.update(id(m) for m in hf_added_embeddings(module, before))
-            adapt_hf_forward(clone, spec, returns_logits=depth == 0)
+            adapt_hf_forward(clone, spec)
         if depth == len(parts):  # the block sequence
             for idx, key in enumerate(module._modules):
                 if not spec.start <= idx < spec.end:
                     name = f"{path}.{key}" if path else key
-                    clone._modules[key] = PipelineZero() if name in zero else PipelineSkip()
+                    clone._modules[key] = stand_in(name in zero)
             return clone
         own = [n for n, p in module.named_parameters(recurse=False)]
         if own:
@@ -320,11 +393,52 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                 keep = spec.is_last if seen else spec.is_first
                 name = ".".join([*parts[:depth], key])
                 if not keep:
-                    clone._modules[key] = (PipelineZero() if id(child) in added or name in zero
-                                           else PipelineSkip())
+                    clone._modules[key] = stand_in(id(child) in added or name in zero)
         return clone
 
-    return rebuild(model, 0)
+    stage = rebuild(model, 0)
+    if not spec.is_last:
+        forward = stage.forward  # the model's, or the HF adapter's
+
+        def send_on(*args: Any, **kwargs: Any) -> torch.Tensor:
+            handed_on.last = None
+            # Labels go to the model on the last stage only (a model given labels computes its
+            # loss from its output, here the hidden states).
+            kwargs.pop("labels", None)
+            out = forward(*args, **kwargs)
+            return hand_on(out, handed_on.last, type(model).__name__, spec)
+
+        stage.forward = send_on
+    return stage
+
+
+def hand_on(out: Any, passed: Any, model_name: str, spec: StageSpec) -> torch.Tensor:
+    """The tensor a stage without the head sends to the next stage.
+
+    The model's forward runs with the head (and the later blocks) replaced by pass-through
+    stand-ins, so its output holds the hidden state where one device has the logits: a tensor,
+    or one entry of a tuple, dict or Hugging Face ``ModelOutput`` (``(logits, aux)``,
+    ``{"logits": ...}``, ``.logits``). That entry is found by identity, as the tensor the last
+    stand-in passed through; extra outputs beside it (computed from partial hidden states on
+    this stage) are dropped, the last stage computes them again from the real ones. A view is
+    copied: torch's split backward frees stage outputs with ``detach_()``, which views refuse.
+    """
+    from torch.utils._pytree import tree_leaves
+
+    if isinstance(out, torch.Tensor):
+        hidden = out
+    else:
+        found = [t for t in tree_leaves(out) if passed is not None and t is passed]
+        if not found:
+            raise StageOutputError(
+                f"{model_name}'s forward returns a {type(out).__name__} on pipeline stage "
+                f"{spec.index}, and none of its tensors is the hidden state the stage's "
+                f"skipped modules passed on, so plait cannot tell what to send to stage "
+                f"{spec.index + 1}: return the head's output as it is, beside any extra "
+                f"outputs (e.g. (self.head(h), aux)), with no operation applied to it after "
+                f"the head, or run with pp=1")
+        hidden = found[0]
+    return hidden.clone() if is_view(hidden) else hidden
 
 
 def shared_parameters(model: nn.Module, path: str, specs: list[StageSpec]

@@ -1,0 +1,199 @@
+"""Pipelines for the models people have, each under pp=2 against a plain one-process loop.
+
+Dict batches in the Hugging Face convention (``{"input_ids", "attention_mask", "labels"}``),
+a keyword input every stage needs (the attention mask: the test model's blocks mix the
+unmasked positions, and GPT-2/BERT attend only to them), extra outputs (a tuple
+``(logits, aux)``, a dict, a Hugging Face ``ModelOutput``, which the loss gets as one device's
+loss does), pre-block modules that are more than a token embedding (BERT's embeddings, a
+vision stem), and a split given by module names. Models and data: tests/_pipeline_models.py.
+
+The reference is a plain loop (SGD, lr 0.1, torch's clipping at 1.0) over the same batches
+from the same seed. Tolerance: 1e-6 relative on every step's loss, and on every parameter
+after the last step 1e-6 relative to the tensor's largest entry (at least 1e-2): fp32 sums
+taken in a different order, nothing more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plait.plan import Plan
+from plait.spawn import run_distributed
+from tests import _pipeline_models as M
+from tests._workers_semantics import train_jobs
+
+REL, FLOOR = 1e-6, 1e-2
+
+pytest.importorskip("transformers")
+
+
+def _assert_matches(ref: dict, got: dict) -> None:
+    for step, (a, b) in enumerate(zip(ref["losses"], got["losses"], strict=True)):
+        assert abs(a - b) <= REL * abs(a), (got["plan"], step, a, b)
+    assert set(got["state"]) >= set(ref["state"]), (got["plan"], sorted(got["state"]))
+    for name, want in ref["state"].items():
+        diff = (got["state"][name] - want).abs().max().item()
+        assert diff <= REL * max(want.abs().max().item(), FLOOR), (got["plan"], name, diff)
+
+
+def test_the_mask_matters_and_the_data_counts_unevenly():
+    """Without the attention mask the models compute something else (so a stage that missed it
+    would fail the comparisons below), and microbatches count different numbers of labels."""
+    batch = M.padded_batch(0)
+    with torch.no_grad():
+        for factory in (M.mixer_tuple, M.gpt2_lm):
+            model = factory()
+            with_mask = model(batch["input_ids"], attention_mask=batch["attention_mask"])
+            without = model(batch["input_ids"])
+            a, b = (with_mask[0], without[0]) if isinstance(with_mask, tuple) else \
+                (with_mask.logits, without.logits)
+            assert (a - b).abs().max() > 1e-2
+    counts = (batch["labels"] != -100).reshape(4, -1).sum(1)
+    assert len(set(counts.tolist())) > 1
+
+
+def test_dict_batches_masks_and_extra_outputs_pp2():
+    """1F1B and GPipe: the test model returning (logits, aux) and a dict; Hugging Face GPT-2
+    (tied embeddings) returning its ModelOutput, with a loss_fn reading .logits and with its
+    own loss (loss_fn=None: the labels go to the last stage's model)."""
+    batches = [M.padded_batch(s) for s in range(M.STEPS)]
+    jobs = [("pp=2,mb=4", M.mixer_tuple, batches, M.mixer_loss),
+            ("pp=2,schedule=gpipe,mb=2", M.mixer_dict, batches, M.mixer_loss),
+            ("pp=2,mb=4", M.gpt2_lm, batches, M.logits_loss),
+            ("pp=2,schedule=gpipe,mb=2", M.gpt2_lm, batches, None)]
+    got = run_distributed(train_jobs, 2, jobs, timeout=300)[0]
+    for (_, factory, _, loss_fn), result in zip(jobs, got, strict=True):
+        _assert_matches(M.reference_loop(factory, batches, loss_fn), result)
+
+
+def test_pre_block_modules_and_named_split_pp2():
+    """BERT's embeddings (word + position + token type + LayerNorm + dropout) and its head tied
+    to the word embedding; a ConvNet's stem; a ConvNet whose stem outweighs its blocks, split
+    by name (split_points=["blocks.2"] also names the block sequence)."""
+    berts = [M.bert_batch(s) for s in range(M.STEPS)]
+    images = [M.image_batch(s) for s in range(M.STEPS)]
+    named = Plan(pp=2, microbatches=4, options={"split_points": ["blocks.2"]})
+    jobs = [("pp=2,mb=2", M.bert_mlm, berts, M.logits_loss),
+            ("pp=2,mb=4", M.convnet, images, F.cross_entropy),
+            (named, M.convnet_wide_stem, images, F.cross_entropy)]
+    got = run_distributed(train_jobs, 2, jobs, timeout=300)[0]
+    for (_, factory, batches, loss_fn), result in zip(jobs, got, strict=True):
+        _assert_matches(M.reference_loop(factory, batches, loss_fn), result)
+
+
+# ------------------------------------------------------------------ splits and bad input (pure)
+def test_split_points_name_the_block_sequence():
+    """The largest container of the wide-stem ConvNet is its stem; split points in ``blocks``
+    make ``blocks`` the block sequence. BERT's layers are split by name as well."""
+    from plait.parallel.pipeline_split import plan_stages
+
+    wide = M.convnet_wide_stem()
+    assert plan_stages(wide, Plan(pp=2, microbatches=2))[0] == "stem"
+    path, specs = plan_stages(wide, Plan(pp=2, microbatches=2,
+                                         options={"split_points": ["blocks.3"]}))
+    assert path == "blocks" and [(s.start, s.end) for s in specs] == [(0, 3), (3, 4)]
+    path, specs = plan_stages(M.bert_mlm(), Plan(pp=2, microbatches=2, options={
+        "split_points": ["bert.encoder.layer.1"]}))
+    assert path == "bert.encoder.layer" and [(s.start, s.end) for s in specs] == [(0, 1), (1, 4)]
+
+
+@pytest.mark.parametrize("points,match", [
+    (["blocks.2", "stem.1"], r"name blocks of different containers \(blocks, stem\)"),
+    (["head.linear.0"], r"'head.linear.0': head.linear is not a submodule of SmallConvNet"),
+    (["blocks.1.conv1"], r"blocks.1 is a ConvBlock, not an nn.ModuleList.*e.g. layers.4"),
+    (["blocks.9"], r"split point 'blocks.9' is not a block of blocks; blocks are blocks.0 .. "
+                   r"blocks.3"),
+])
+def test_bad_split_points_name_the_module_and_the_fix(points, match):
+    from plait.parallel.pipeline_split import plan_stages
+
+    plan = Plan(pp=1 + len(points), pp_schedule="gpipe", microbatches=2,
+                options={"split_points": points})
+    with pytest.raises(ValueError, match=match) as info:
+        plan_stages(M.convnet(), plan)
+    assert "\n" not in str(info.value)
+
+
+def _forward(input_ids, attention_mask=None, *, token_type_ids=None, labels=None):
+    pass
+
+
+def _no_labels(input_ids, attention_mask=None):
+    pass
+
+
+def _star(*args):
+    pass
+
+
+_IDS = torch.zeros(4, 3, dtype=torch.long)
+
+
+@pytest.mark.parametrize("batch,loss_fn,forward,match", [
+    ({"input_ids": _IDS}, F.cross_entropy, _forward,
+     r"a dict batch under pp > 1 needs a 'labels' entry \(keys: \['input_ids'\]\)"),
+    ({"attention_mask": _IDS, "labels": _IDS}, F.cross_entropy, _forward,
+     r"chains Net.forward's first parameter \(input_ids\).*no 'input_ids' entry"),
+    ({"x": _IDS, "labels": _IDS}, F.cross_entropy, _star,
+     r"first parameter \(none: it takes \*args\)"),
+    (((_IDS, _IDS, _IDS, _IDS), _IDS), F.cross_entropy, _forward,
+     r"names 2 positional parameters but the batch gives 4 inputs.*as a dict"),
+    ({"input_ids": _IDS, "mask": _IDS, "labels": _IDS}, F.cross_entropy, _forward,
+     r"Net.forward has no parameter 'mask'"),
+    ((_IDS, _IDS), None, _forward, r"loss_fn=None under pp > 1 needs the Hugging Face dict"),
+    ({"input_ids": _IDS, "labels": _IDS}, None, _no_labels,
+     r"loss_fn=None: .*Net.forward has no parameter 'labels'; pass a loss_fn"),
+    ({"input_ids": _IDS, "target": _IDS, "labels": _IDS}, F.cross_entropy, _forward,
+     r"model input 'target' has the name of a keyword of torch's pipeline schedule step"),
+    ((("text", _IDS), _IDS), F.cross_entropy, _forward, r"must be a tensor.*got str"),
+    ((_IDS, _IDS, _IDS), F.cross_entropy, _forward, r"takes \(inputs, targets\) or a dict"),
+])
+def test_batches_the_stages_cannot_take_are_refused_in_one_line(batch, loss_fn, forward, match):
+    import inspect
+
+    from plait.parallel.pipeline import stage_inputs
+
+    with pytest.raises(ValueError, match=match) as info:
+        stage_inputs(batch, loss_fn, inspect.signature(forward), "Net")
+    assert "\n" not in str(info.value)
+
+
+def test_batch_layout_positional_dict_and_own_loss():
+    import inspect
+
+    from plait.parallel.pipeline import stage_inputs
+
+    sig = inspect.signature(_forward)
+    laid = stage_inputs(((_IDS, _IDS + 1), _IDS + 2), F.cross_entropy, sig, "Net")
+    assert laid.first is _IDS and set(laid.every) == {"attention_mask"}
+    hf = {"input_ids": _IDS, "token_type_ids": _IDS + 1, "labels": _IDS + 2}
+    laid = stage_inputs(hf, None, sig, "Net")
+    assert laid.first is _IDS and set(laid.every) == {"token_type_ids"}
+    assert laid.last_only["labels"] is hf["labels"] and laid.targets is hf["labels"]
+    assert stage_inputs(hf, F.cross_entropy, sig, "Net").last_only == {}
+
+
+def test_an_output_that_hides_the_hidden_state_is_refused_before_the_schedule():
+    """The split check runs on a meta-device replica (no memory, no sends)."""
+    from plait.parallel.pipeline import stage_inputs, split_checker
+    from plait.parallel.pipeline_split import plan_stages
+
+    model = M.scaled_logits()
+    path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
+    check = split_checker(model, path, specs)
+    laid = stage_inputs(M.padded_batch(0), M.mixer_loss, __import__("inspect").signature(
+        model.forward), "ScaledLogits")
+    with pytest.raises(ValueError, match=r"ScaledLogits's forward returns a tuple on pipeline "
+                                         r"stage 0.*\(self.head\(h\), aux\).*or run with pp=1"):
+        check(laid)
+    assert all(p.device.type == "cpu" for p in model.parameters())  # the model is untouched
+    good = M.mixer_tuple()
+    split_checker(good, *plan_stages(good, Plan(pp=2, microbatches=2)))(laid)
+
+
+def test_every_rank_refuses_on_its_first_step():
+    """No rank waits on another inside torch's runtime: both get the one line."""
+    messages = run_distributed(M.refusal_worker, 2, timeout=120)
+    assert all(m and "ScaledLogits's forward returns a tuple" in m for m in messages), messages
