@@ -15,6 +15,8 @@ taken in a different order, nothing more.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -151,8 +153,6 @@ _IDS = torch.zeros(4, 3, dtype=torch.long)
     ((_IDS, _IDS, _IDS), F.cross_entropy, _forward, r"takes \(inputs, targets\) or a dict"),
 ])
 def test_batches_the_stages_cannot_take_are_refused_in_one_line(batch, loss_fn, forward, match):
-    import inspect
-
     from plait.parallel.pipeline import stage_inputs
 
     with pytest.raises(ValueError, match=match) as info:
@@ -161,8 +161,6 @@ def test_batches_the_stages_cannot_take_are_refused_in_one_line(batch, loss_fn, 
 
 
 def test_batch_layout_positional_dict_and_own_loss():
-    import inspect
-
     from plait.parallel.pipeline import stage_inputs
 
     sig = inspect.signature(_forward)
@@ -177,14 +175,14 @@ def test_batch_layout_positional_dict_and_own_loss():
 
 def test_an_output_that_hides_the_hidden_state_is_refused_before_the_schedule():
     """The split check runs on a meta-device replica (no memory, no sends)."""
-    from plait.parallel.pipeline import stage_inputs, split_checker
+    from plait.parallel.pipeline import split_checker, stage_inputs
     from plait.parallel.pipeline_split import plan_stages
 
     model = M.scaled_logits()
     path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
     check = split_checker(model, path, specs)
-    laid = stage_inputs(M.padded_batch(0), M.mixer_loss, __import__("inspect").signature(
-        model.forward), "ScaledLogits")
+    laid = stage_inputs(M.padded_batch(0), M.mixer_loss, inspect.signature(model.forward),
+                        "ScaledLogits")
     with pytest.raises(ValueError, match=r"ScaledLogits's forward returns a tuple on pipeline "
                                          r"stage 0.*\(self.head\(h\), aux\).*or run with pp=1"):
         check(laid)
