@@ -15,6 +15,7 @@ import torch
 import plait
 from plait.data import TextDataset, load_corpus, unigram_entropy
 from plait.models.transformer import build, lm_loss, preset
+from plait.parallel.layout import layout_of
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
     corpus = load_corpus()
     entropy = unigram_entropy(corpus)
     model = run.parallelize(build(cfg, seed=args.seed))
+    steps_run = layout_of(model).applied
+    run.print(f"layout: {' -> '.join(steps_run) if steps_run else 'one device, unchanged'}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps,
                                                 pct_start=0.1)

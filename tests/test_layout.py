@@ -1,0 +1,64 @@
+"""The ``Layout`` record: what ``parallelize`` did to a model, in the order it did it.
+
+The train step, ``plait.check`` and the memory tracker read this record instead of inspecting the
+model, so a wrong record silently changes what they do; each plan's record is checked here on
+real processes.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from plait.mesh import build_mesh
+from plait.models.transformer import build
+from plait.parallel.layout import Layout, layout_of, local_modules, record_layout
+from plait.parallelize import parallelize
+from plait.plan import Plan
+from plait.spawn import run_distributed
+
+PLANS = {
+    "dp=2": ("ddp",),
+    "zero=3,dp_shard=2": ("zero",),
+    "tp=2,ac=full": ("tensor_parallel", "activation_checkpointing"),
+    "pp=2,mb=2": ("pipeline",),
+}
+
+
+def _layouts(rank: int, world_size: int) -> dict[str, tuple]:
+    import torch
+
+    out = {}
+    for text in PLANS:
+        plan = Plan.from_string(text)
+        model = build("test", seed=0)
+        laid = parallelize(model, build_mesh(plan, "cpu", world_size), plan,
+                           device=torch.device("cpu"))
+        layout = layout_of(laid)
+        names = sorted({n for m in local_modules(laid) for n, _ in m.named_parameters()})
+        out[text] = (layout.applied, len(layout.stages), layout.pipeline is not None,
+                     layout.loss_parallel, names[:1], len(names))
+    return out
+
+
+def test_layout_records_what_ran_in_order():
+    results = run_distributed(_layouts, 2, timeout=180)
+    for rank, got in enumerate(results):
+        for text, applied in PLANS.items():
+            rec_applied, n_stages, has_runner, _, _, n_names = got[text]
+            assert rec_applied == applied, (rank, text, rec_applied)
+            assert (n_stages > 0) == has_runner == (text.startswith("pp")), (rank, text)
+            assert n_names > 0
+    # the two pipeline ranks hold different blocks; together they hold the whole model
+    full = {n for n, _ in build("test", seed=0).named_parameters()}
+    assert results[0]["pp=2,mb=2"][5] + results[1]["pp=2,mb=2"][5] >= len(full)
+
+
+def test_layout_of_untouched_model_is_empty_and_record_replaces():
+    model = nn.Linear(2, 2)
+    assert layout_of(model) == Layout()
+    assert local_modules(model) == [model]
+    record_layout(model, Layout(applied=("ddp",)))
+    record_layout(model, Layout(applied=("zero",)))
+    assert layout_of(model).applied == ("zero",)
+    # the record is not a submodule or parameter: state_dict and parameters are unchanged
+    assert list(model.state_dict()) == ["weight", "bias"]
