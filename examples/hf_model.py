@@ -10,6 +10,7 @@ from a config (no download), its embedding tied to its head as GPT-2 ships.
     plait run --nproc 2 examples/hf_model.py --plan dp=2
     plait run --nproc 2 examples/hf_model.py --plan tp=2,sp        # tensor + sequence parallel
     plait run --nproc 2 examples/hf_model.py --plan dp_shard=2,zero=3,grad_accum=2
+    plait run --nproc 2 examples/hf_model.py --plan pp=2   # labels go to the last stage
 """
 
 from __future__ import annotations

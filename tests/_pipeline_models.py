@@ -180,7 +180,19 @@ def gpt2_lm():
     return GPT2LMHeadModel(cfg)
 
 
-def bert_mlm():
+def gpt2_lm_untied():
+    """GPT-2 with its head untied (schedules that put the first and last stage on one rank
+    refuse a weight tied across them)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, tie_word_embeddings=False)
+    return GPT2LMHeadModel(cfg)
+
+
+def bert_mlm(tie=True):
     """Hugging Face BERT for masked LM: its ``embeddings`` (word + position + token type +
     LayerNorm + dropout) before the layers, the head tied to the word embedding. Dropout 0:
     random masks differ between layouts."""
@@ -189,8 +201,13 @@ def bert_mlm():
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
                      num_attention_heads=4, intermediate_size=64, max_position_embeddings=SEQ,
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                     tie_word_embeddings=tie)
     return BertForMaskedLM(cfg)
+
+
+def bert_mlm_untied():
+    return bert_mlm(tie=False)
 
 
 def bert_batch(step):

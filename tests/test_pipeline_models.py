@@ -195,3 +195,32 @@ def test_every_rank_refuses_on_its_first_step():
     """No rank waits on another inside torch's runtime: both get the one line."""
     messages = run_distributed(M.refusal_worker, 2, timeout=120)
     assert all(m and "ScaledLogits's forward returns a tuple" in m for m in messages), messages
+
+
+# ------------------------------------------------------------------ other schedules (slow)
+@pytest.mark.slow
+def test_dict_batches_under_multi_stage_schedules():
+    """Two stages per rank: interleaved 1F1B and ZB-V (rank 0 holds the first and the last
+    stage, so the labels for the model's own loss reach it and its first stage drops them)."""
+    batches = [M.padded_batch(s) for s in range(M.STEPS)]
+    jobs = [("pp=2,schedule=interleaved_1f1b,v=2,mb=2", M.mixer_dict, batches, M.mixer_loss),
+            ("pp=2,schedule=zbv,v=2,mb=2", M.mixer_tuple, batches, M.mixer_loss),
+            ("pp=2,schedule=interleaved_1f1b,v=2,mb=2", M.gpt2_lm_untied, batches, None),
+            ("pp=2,schedule=zbv,v=2,mb=2", M.bert_mlm_untied, [M.bert_batch(s) for s in
+                                                              range(M.STEPS)], M.logits_loss)]
+    got = run_distributed(train_jobs, 2, jobs, timeout=600)[0]
+    for (_, factory, data, loss_fn), result in zip(jobs, got, strict=True):
+        _assert_matches(M.reference_loop(factory, data, loss_fn), result)
+
+
+@pytest.mark.slow
+def test_dict_batches_pp2_with_data_and_tensor_parallel():
+    """World 4 on dict batches: pp=2 x dp=2 (the test model; GPT-2 with its own loss) and
+    pp=2 x tp=2 (GPT-2, its tied embedding vocabulary-parallel on both stages)."""
+    batches = [M.padded_batch(s) for s in range(M.STEPS)]
+    jobs = [("pp=2,dp=2,mb=2", M.mixer_tuple, batches, M.mixer_loss),
+            ("pp=2,dp=2,mb=2", M.gpt2_lm, batches, None),
+            ("pp=2,tp=2,mb=2", M.gpt2_lm, batches, M.logits_loss)]
+    got = run_distributed(train_jobs, 4, jobs, timeout=600)[0]
+    for (_, factory, data, loss_fn), result in zip(jobs, got, strict=True):
+        _assert_matches(M.reference_loop(factory, data, loss_fn), result)

@@ -304,6 +304,12 @@ class PipelineRunner:
             grad = param.grad
             if grad is None:
                 grad = param.grad = torch.zeros_like(param)
+            placements = getattr(param, "placements", None)
+            if placements is not None and grad.placements != placements:
+                # A vocabulary-parallel embedding's gradient can come back in another layout
+                # than its weight's (Partial or Replicate where the weight is Shard(0)): lay it
+                # out as the weight is, so the copies' local pieces line up.
+                grad = param.grad = grad.redistribute(placements=placements)
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             torch.distributed.all_reduce(local, group=group)
 
