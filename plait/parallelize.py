@@ -33,6 +33,14 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.devic
     The model must be built identically on every rank (same seed): plait does not broadcast
     initial weights except where DDP does so itself.
     """
+    parts = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
+    if parts > 1:
+        from .parallel.batchnorm import warn_microbatched
+
+        why = " x ".join(f"{k}={v}" for k, v in (("microbatches", plan.microbatches),
+                                                   ("grad_accum", plan.grad_accum))
+                         if v > 1 and (k != "microbatches" or plan.pp > 1))
+        warn_microbatched(model, parts, why)
     if plan.pp > 1:
         from .parallel.pipeline import apply_pipeline
 

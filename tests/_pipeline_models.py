@@ -228,10 +228,11 @@ class SmallConvNet(nn.Module):
     a head (pool, flatten, linear). ``stem_ch=192`` gives the stem more parameters than the
     blocks, so the largest-container rule picks the stem: split points name the blocks."""
 
-    def __init__(self, stem_ch: int = 8):
+    def __init__(self, stem_ch: int = 8, batchnorm: bool = False):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, stem_ch, 3, stride=2, padding=1), nn.ReLU(),
-                                  nn.Conv2d(stem_ch, 8, 1))
+        norm = [nn.BatchNorm2d(stem_ch)] if batchnorm else []
+        self.stem = nn.Sequential(nn.Conv2d(3, stem_ch, 3, stride=2, padding=1), *norm,
+                                  nn.ReLU(), nn.Conv2d(stem_ch, 8, 1))
         self.blocks = nn.Sequential(*[ConvBlock() for _ in range(4)])
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
 
@@ -321,3 +322,20 @@ def refusal_worker(rank, world_size):
         message = str(exc)
     run.close()
     return message
+
+
+def batchnorm_warnings(rank, world_size, plans):
+    """The warnings ``run.parallelize`` gives, per plan, for a ConvNet with BatchNorm."""
+    import warnings
+
+    from plait.runtime import init
+
+    out = []
+    for text in plans:
+        run = init(text, quiet=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run.parallelize(SmallConvNet(batchnorm=True))
+        run.close()
+        out.append([str(w.message) for w in caught if "BatchNorm" in str(w.message)])
+    return out

@@ -197,6 +197,16 @@ def test_every_rank_refuses_on_its_first_step():
     assert all(m and "ScaledLogits's forward returns a tuple" in m for m in messages), messages
 
 
+def test_batchnorm_in_microbatches_is_named():
+    """BatchNorm normalises each microbatch (or accumulation step) by itself: a warning names
+    the layer; with one piece per step there is none."""
+    plans = ["pp=2,mb=2", "pp=2,schedule=gpipe,mb=1", "dp=2,sync_bn,grad_accum=2"]
+    piped, whole, accum = run_distributed(M.batchnorm_warnings, 2, plans, timeout=120)[0]
+    assert len(piped) == 1 and "stem.1" in piped[0] and "microbatches=2" in piped[0]
+    assert whole == []
+    assert len(accum) == 1 and "grad_accum=2" in accum[0] and "GroupNorm" in accum[0]
+
+
 # ------------------------------------------------------------------ other schedules (slow)
 @pytest.mark.slow
 def test_dict_batches_under_multi_stage_schedules():

@@ -6,7 +6,8 @@ every rank normalises with different, noisier statistics and the layout trains a
 than one device does. ``Plan.sync_bn`` replaces every BatchNorm by one whose statistics are
 taken over the data axes (``dp_replicate x dp_shard``): the same mean, variance, running
 averages and gradients as one device on the global batch. Without it, plait warns once, naming
-the modules.
+the modules. Pipeline microbatches and gradient accumulation cut a step's batch into pieces that
+BatchNorm normalises one by one; plait warns about that too (nothing synchronises it away).
 
 Building blocks: ``torch.nn.SyncBatchNorm`` where torch runs it (CUDA, XPU, HPU). torch refuses
 it for CPU tensors ("SyncBatchNorm expected input tensor to be on GPU"), so on other devices
@@ -45,6 +46,21 @@ def warn_unsynced(module: nn.Module, dp: int) -> None:
                   f"1/{dp} of the global batch), which is not what one device trains; add "
                   f"sync_bn to the plan (e.g. 'dp={dp},sync_bn') to take them over the data "
                   f"axes", UserWarning, stacklevel=3)
+
+
+def warn_microbatched(module: nn.Module, parts: int, why: str) -> None:
+    """Warn (rank 0) when BatchNorm layers will see each step's batch in ``parts`` pieces
+    (pipeline microbatches, gradient accumulation): each piece is normalised by its own
+    statistics, which no synchronisation over the data axes repairs."""
+    names = batchnorm_modules(module)
+    if not names or parts == 1 or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    warnings.warn(f"plait: BatchNorm {shown} will normalise each of the {parts} pieces of a "
+                  f"step's batch ({why}) with its own statistics, which is not what one device "
+                  f"trains on the whole batch; use GroupNorm or LayerNorm, or one piece "
+                  f"(microbatches=1 with schedule=gpipe, grad_accum=1)", UserWarning,
+                  stacklevel=3)
 
 
 class _AllReduce(torch.autograd.Function):
