@@ -36,31 +36,35 @@ def batchnorm_modules(module: nn.Module) -> list[str]:
             and not isinstance(m, (nn.SyncBatchNorm, DataSyncBatchNorm))]
 
 
+def _named_on_rank0(module: nn.Module) -> str | None:
+    """The BatchNorm layers of ``module`` as a short list for a warning, on rank 0 only."""
+    names = batchnorm_modules(module)
+    if not names or (dist.is_initialized() and dist.get_rank() != 0):
+        return None
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
 def warn_unsynced(module: nn.Module, dp: int) -> None:
     """Warn (rank 0) when BatchNorm layers will train on per-rank statistics."""
-    names = batchnorm_modules(module)
-    if not names or dp == 1 or (dist.is_initialized() and dist.get_rank() != 0):
-        return
-    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-    warnings.warn(f"plait: BatchNorm {shown} will normalise with per-rank statistics (each over "
-                  f"1/{dp} of the global batch), which is not what one device trains; add "
-                  f"sync_bn to the plan (e.g. 'dp={dp},sync_bn') to take them over the data "
-                  f"axes", UserWarning, stacklevel=3)
+    shown = _named_on_rank0(module) if dp > 1 else None
+    if shown:
+        warnings.warn(f"plait: BatchNorm {shown} will normalise with per-rank statistics (each "
+                      f"over 1/{dp} of the global batch), which is not what one device trains; "
+                      f"add sync_bn to the plan (e.g. 'dp={dp},sync_bn') to take them over the "
+                      f"data axes", UserWarning, stacklevel=3)
 
 
 def warn_microbatched(module: nn.Module, parts: int, why: str) -> None:
     """Warn (rank 0) when BatchNorm layers will see each step's batch in ``parts`` pieces
     (pipeline microbatches, gradient accumulation): each piece is normalised by its own
     statistics, which no synchronisation over the data axes repairs."""
-    names = batchnorm_modules(module)
-    if not names or parts == 1 or (dist.is_initialized() and dist.get_rank() != 0):
-        return
-    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-    warnings.warn(f"plait: BatchNorm {shown} will normalise each of the {parts} pieces of a "
-                  f"step's batch ({why}) with its own statistics, which is not what one device "
-                  f"trains on the whole batch; use GroupNorm or LayerNorm, or one piece "
-                  f"(microbatches=1 with schedule=gpipe, grad_accum=1)", UserWarning,
-                  stacklevel=3)
+    shown = _named_on_rank0(module) if parts > 1 else None
+    if shown:
+        warnings.warn(f"plait: BatchNorm {shown} will normalise each of the {parts} pieces of a "
+                      f"step's batch ({why}) with its own statistics, which is not what one "
+                      f"device trains on the whole batch; use GroupNorm or LayerNorm, or one "
+                      f"piece (microbatches=1 with schedule=gpipe, grad_accum=1)", UserWarning,
+                      stacklevel=3)
 
 
 class _AllReduce(torch.autograd.Function):
