@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from plait.lifecycle import descendants, running
+
 LOOP = """
 import time, torch, torch.distributed as dist, plait
 run = plait.init()
@@ -53,32 +55,6 @@ def _plait(*args: str, cwd: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(entry.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry.parent.name))
-    out, todo = [], [root]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
-def _alive(pids: list[int]) -> bool:
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                return True
-        except OSError:
-            continue
-    return False
-
-
 def signal_round(sig: int, folder: str) -> float:
     script = Path(folder) / "loop.py"
     script.write_text(LOOP)
@@ -95,11 +71,11 @@ def signal_round(sig: int, folder: str) -> float:
         proc.kill()
         raise RuntimeError("the job did not start")
     time.sleep(1.0)
-    job = [proc.pid, *_descendants(proc.pid)]
+    job = [proc.pid, *descendants(proc.pid)]
     sent = time.monotonic()
     os.kill(proc.pid, sig)
     proc.wait(timeout=120)
-    while _alive(job):
+    while running(job):
         time.sleep(0.02)
     return time.monotonic() - sent
 

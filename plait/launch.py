@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .accelerators import Accelerator
-from .lifecycle import steps_redone
+from .lifecycle import children, steps_redone
 from .outputs import writable_folder
 from .plan import Plan
 from .runtime import accelerator_from_argv, plan_from_argv
+from .store import loopback_interface
 
 
 @dataclass(frozen=True)
@@ -320,22 +321,11 @@ class _Forwarder:
 
     def _kill(self) -> None:
         """SIGKILL torchrun's workers (each in its own session) and torchrun."""
-        for pid in _children(self.proc.pid):
+        for pid in children(self.proc.pid):
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-
-
-def _children(pid: int) -> list[int]:
-    """Pids whose parent is ``pid`` (Linux /proc; empty elsewhere)."""
-    out = []
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                out.append(int(entry.parent.name))
-    return out
 
 
 def launch(cfg: LaunchConfig) -> int:
@@ -349,6 +339,11 @@ def launch(cfg: LaunchConfig) -> int:
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="plait-run-")
     report = os.path.join(log_dir, f"plait-failures-{os.getpid()}.json")
     env = {**os.environ, **cfg.extra_env, "PYTHONUNBUFFERED": "1"}
+    lo = loopback_interface()
+    if cfg.nnodes == 1 and lo is not None:
+        # One node: gloo's sockets listen on 127.0.0.1 only (torch's one way to say so, see
+        # plait.store.loopback_interface).
+        env["GLOO_SOCKET_IFNAME"] = lo
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     cmd = [sys.executable, "-m", "plait.torchrun", str(os.getpid()), report,
            *torchrun_args(cfg, log_dir)]

@@ -7,6 +7,8 @@
 * ``StopRequest``: SIGTERM (a cluster's preemption notice) becomes a request that the training
   loop honours at the next step boundary, all ranks at the same step, so that a final checkpoint
   can be written; a second SIGTERM, or the grace period running out, ends the process at once.
+* ``children`` / ``descendants`` / ``running``: a job's process tree, to stop it and to check
+  that nothing of it outlived a stop (Linux ``/proc``).
 
 Only the variables torchrun defines for its workers are read (``TORCHELASTIC_*``, ``MASTER_*``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``).
@@ -53,6 +55,48 @@ def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) ->
         threading.Thread(target=poll, name="plait-parent-watch", daemon=True).start()
     if os.getppid() != parent:  # it died before the watch was set up
         os.kill(os.getpid(), sig)
+
+
+def _parents() -> dict[int, int]:
+    """{pid: parent pid} of every process (Linux /proc; empty elsewhere)."""
+    out = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            out[int(entry.parent.name)] = int(entry.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (Linux /proc; empty elsewhere)."""
+    return [child for child, parent in _parents().items() if parent == pid]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process started under ``pid``, at any depth (Linux /proc; empty elsewhere)."""
+    kids: dict[int, list[int]] = {}
+    for child, parent in _parents().items():
+        kids.setdefault(parent, []).append(child)
+    out, todo = [], [pid]
+    while todo:
+        found = kids.get(todo.pop(), [])
+        out += found
+        todo += found
+    return out
+
+
+def running(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running: neither gone nor a zombie (Linux /proc)."""
+    out = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            out.append(pid)
+    return out
 
 
 def under_torchrun(env: Mapping[str, str]) -> bool:

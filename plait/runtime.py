@@ -370,6 +370,9 @@ class Run:
             self._loader.load_state_dict(info.loader)
         plan = Plan.from_dict(info.plan) if info.plan else None
         moved = f", resharded from {plan.to_string()}" if plan and plan != self.plan else ""
+        if info.rng_restored and info.world_size != self.world_size:
+            moved += (f"; saved by {info.world_size} rank(s): every rank continues rank 0's "
+                      f"random states")
         self.print(f"loaded {info.path} (step {info.step}{moved})")
         return info.step
 

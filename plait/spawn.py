@@ -31,7 +31,7 @@ from datetime import timedelta
 from typing import Any
 
 from .lifecycle import die_with_parent
-from .store import loopback_store
+from .store import loopback_interface, loopback_store
 
 HOST = "127.0.0.1"  # the store listens here only (plait.store)
 
@@ -55,6 +55,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, backend: str, a
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
                            "MASTER_ADDR": HOST, "MASTER_PORT": str(port)})
+        lo = loopback_interface()
+        if lo is not None:  # gloo's sockets on 127.0.0.1 only (see loopback_interface)
+            os.environ["GLOO_SOCKET_IFNAME"] = lo
         import torch
         import torch.distributed as dist
 

@@ -13,7 +13,9 @@ opening its own, so torch's code paths run unchanged on top of it.
 from __future__ import annotations
 
 import socket
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -40,3 +42,24 @@ def loopback_store(port: int = 0, world_size: int | None = None, *,
         raise
     sock.detach()  # the store now owns the descriptor (it does not duplicate it)
     return store
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS), or None.
+
+    For ``GLOO_SOCKET_IFNAME``: torch builds every gloo process group (the default one, and
+    those DeviceMesh and ``new_group`` create) with ``ProcessGroupGloo(store, rank, size,
+    timeout)``, whose device is the interface that variable names, else the address the host
+    name resolves to, often a routable one; ``init_process_group`` ignores ``pg_options`` for
+    gloo (torch 2.13), so a launcher of a single-node job names the interface in its workers'
+    environment (plait.launch, plait.spawn).
+    """
+    if sys.platform.startswith("linux"):
+        for flags in sorted(Path("/sys/class/net").glob("*/flags")):
+            try:
+                if int(flags.read_text(), 16) & 0x8:  # IFF_LOOPBACK
+                    return flags.parent.name
+            except (OSError, ValueError):
+                continue
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), None)

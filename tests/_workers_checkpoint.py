@@ -125,3 +125,21 @@ def killed_during_second_save(rank: int, world: int, folder: str) -> None:
 
     _FileSystemWriter.write_data = write_then_die
     train(f"dp={world}", steps=6, checkpoint=folder, every=2)
+
+
+def rng_world2(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
+    """At world 2: load ``root/one`` (saved by one process); draw a different count of numbers
+    on each rank and save to ``root/two``; draw more and load ``root/two`` back. Returns the
+    torch CPU random state after the first load, at the save, and after the second load."""
+    run = plait.init("dp=2", quiet=True)
+    model = run.parallelize(_model(0.0))
+    run.load(Path(root) / "one", model=model)
+    after_one = torch.get_rng_state()
+    torch.rand(1 + rank)  # the ranks' streams apart
+    saved = torch.get_rng_state()
+    run.save(Path(root) / "two", model=model)
+    torch.rand(5)
+    run.load(Path(root) / "two", model=model)
+    back = torch.get_rng_state()
+    run.close()
+    return {"after_one": after_one, "saved": saved, "back": back}

@@ -31,24 +31,13 @@ def nan_on_step(rank, world_size, plan, policy, bad_rank, bad_step, steps=5):
     return {"history": history, "skipped": skipped, "losses": losses}
 
 
-def sleeps_in_step(rank, world_size, timeout, stamp):
-    """Rank 1 sleeps inside step 3's loss function, past the watchdog's timeout."""
-    import time
-    from pathlib import Path
+def listening_sockets(rank, world_size):
+    """{port: address} of the TCP sockets this worker listens on, after one all-reduce."""
+    import os
 
-    import plait
+    import torch.distributed as dist
 
-    run = plait.init("dp=2", quiet=True, timeout=timeout)
-    model = run.parallelize(_model())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = 0
+    from tests._ranks import listening
 
-    def loss_fn(out, y):
-        if rank == 1 and step == 3:
-            Path(stamp).write_text(str(time.time()))
-            time.sleep(300)
-        return nn.functional.mse_loss(out, y)
-
-    for step in range(1, 6):  # noqa: B007 - read by loss_fn
-        run.step(model, (torch.randn(4, 8), torch.randn(4, 8)), loss_fn, opt)
-    run.close()
+    dist.all_reduce(torch.ones(1))
+    return listening([os.getpid()])

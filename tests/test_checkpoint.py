@@ -105,6 +105,30 @@ def test_reshard_world1_world2(tmp_path, no_group):
         assert worst < 1e-4, (other, worst)
 
 
+def test_random_states_across_world_sizes(tmp_path, no_group, capsys):
+    """The same world size: each rank resumes its own random states. Another: every rank
+    resumes saved rank 0's (plait.checkpoint.api.rng_source), and the load says so."""
+    run = plait.init("single", quiet=True)
+    model = run.parallelize(w._model(0.0))
+    torch.rand(3)
+    one = torch.get_rng_state()
+    run.save(tmp_path / "one", model=model)
+    run.close()
+    out = run_distributed(w.rng_world2, 2, str(tmp_path), timeout=180)
+    for r in out:
+        assert torch.equal(r["after_one"], one)  # 1 -> 2: rank 0's (the only one) everywhere
+        assert torch.equal(r["back"], r["saved"])  # 2 -> 2: its own
+    assert not torch.equal(out[0]["saved"], out[1]["saved"])
+    run = plait.init("single")
+    model = run.parallelize(w._model(0.0))
+    torch.rand(7)
+    run.load(tmp_path / "two", model=model)
+    assert torch.equal(torch.get_rng_state(), out[0]["saved"])  # 2 -> 1: rank 0's
+    run.close()
+    assert "saved by 2 rank(s): every rank continues rank 0's random states" in \
+        capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_reshard_and_resume_world4(tmp_path, no_group):
     reference = w.train("single", steps=6)

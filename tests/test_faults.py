@@ -12,6 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from plait.lifecycle import descendants
+from plait.lifecycle import running as alive
+from plait.spawn import run_distributed
+from tests import _workers_faults as w
+from tests._ranks import free_port, listening, routable_interface
+
 ROOT = Path(__file__).resolve().parents[1]
 
 LONG = """
@@ -56,8 +62,8 @@ run.close()
 """
 
 
-def start(*args, cwd):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def start(*args, cwd, env=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "plait.cli", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -78,60 +84,6 @@ def wait_for_line(proc, word, timeout=150.0):
         proc.kill()
         raise AssertionError(f"no {word!r} from the job: {''.join(lines)[-500:]}")
     return lines  # the reader keeps appending the job's later lines
-
-
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(entry.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry.parent.name))
-    out, todo = [], [root]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
-def alive(pids):
-    out = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            out.append(pid)
-    return out
-
-
-def listening(pids) -> dict[int, str]:
-    """{port: local address} of the TCP sockets the given processes listen on (from /proc)."""
-    inodes = set()
-    for pid in pids:
-        for fd in Path(f"/proc/{pid}/fd").glob("*"):
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    out = {}
-    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
-                continue
-            addr, port = fields[1].split(":")
-            if width == 8:
-                host = ".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0))
-            else:
-                host = "::" if int(addr, 16) == 0 else addr
-            out[int(port, 16)] = host
-    return out
 
 
 def store_sockets(pids) -> dict[int, str]:
@@ -157,13 +109,20 @@ linux_only = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="re
 def _signal_job(tmp_path, sig, check_sockets=False):
     script = tmp_path / "long.py"
     script.write_text(LONG)
-    proc = start("run", "--nproc", "2", str(script), cwd=tmp_path)
+    # Where torch's default would put gloo's sockets on a routable address (the interface
+    # GLOO_SOCKET_IFNAME names, else the host name's address), a single-node job keeps them on
+    # loopback all the same.
+    routable = routable_interface() if check_sockets else None
+    proc = start("run", "--nproc", "2", str(script), cwd=tmp_path,
+                 env={"GLOO_SOCKET_IFNAME": routable} if routable else None)
     wait_for_line(proc, "ready")
     job = descendants(proc.pid)
     if check_sockets:
         stores = store_sockets(job)
         assert len(stores) >= 2, stores  # torchrun's store and the workers' store
-        assert set(stores.values()) == {"127.0.0.1"}, stores
+        every = listening(job)  # the stores, and each worker's gloo pairs
+        assert len(every) > len(stores), every
+        assert set(every.values()) == {"127.0.0.1"}, every
     sent = time.monotonic()
     os.kill(proc.pid, sig)
     proc.wait(timeout=60)
@@ -187,6 +146,16 @@ def test_signal_to_plait_run_stops_every_worker(tmp_path, sig, code):
     rc, err = _signal_job(tmp_path, sig, check_sockets=sig == signal.SIGTERM)
     assert rc == code, err
     assert err.strip().splitlines() == [err.strip()] and "stopped by" in err, err
+
+
+@linux_only
+@pytest.mark.skipif(routable_interface() is None, reason="no interface outside 127.0.0.0/8")
+def test_spawned_workers_listen_on_loopback_only(monkeypatch):
+    """plait check/comm/bench workers: gloo's sockets on 127.0.0.1 although the environment
+    names a routable interface (as torch's default, the host name's address, often is)."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", routable_interface())
+    for socks in run_distributed(w.listening_sockets, 2, timeout=120):
+        assert socks and set(socks.values()) == {"127.0.0.1"}, socks
 
 
 @linux_only
@@ -240,21 +209,13 @@ def test_second_node_that_never_comes_is_one_line(tmp_path):
     script = tmp_path / "long.py"
     script.write_text(LONG)
     proc = start("run", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
-                 "127.0.0.1:0".replace(":0", f":{_free_port()}"), "--rdzv-timeout", "5",
+                 f"127.0.0.1:{free_port()}", "--rdzv-timeout", "5",
                  str(script), cwd=tmp_path)
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 1
     last = err.strip().splitlines()[-1]
     assert "did not join" in last and "--rdzv-timeout 5 s" in last, err
     assert "Traceback" not in err
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PREEMPT = """

@@ -1,14 +1,18 @@
 """NaN/inf found on the step it appears, on every rank: stop naming the step and rank, or skip
-the update everywhere. Real process groups (gloo)."""
+the update everywhere; the hang watchdog: a rank that sleeps, skips or adds a collective is
+named, and every rank exits. Real process groups (gloo)."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from plait.diagnostics.watchdog import EXIT_HANG, desync_report
 from plait.guard import StepGuard, check_policy
 from plait.spawn import WorkerError, run_distributed
 from tests import _workers_faults as w
+from tests._ranks import run_ranks
 
 
 def test_policy_is_checked():
@@ -46,40 +50,97 @@ def test_nan_step_is_skipped_on_every_rank(plan):
         assert torch.equal(value, out[1]["history"][-1][name]), name
 
 
+HANGS = """
+import sys, time, torch, torch.nn as nn, torch.distributed as dist
+from pathlib import Path
+import plait
+case, timeout, stamp = sys.argv[1], float(sys.argv[2]), Path(sys.argv[3])
+run = plait.init("dp=2", quiet=True, timeout=timeout)
+torch.manual_seed(0)
+model = run.parallelize(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+step = 0
+def loss_fn(out, y):
+    if case == "sleep" and run.rank == 1 and step == 3:
+        stamp.write_text(str(time.time()))
+        time.sleep(300)
+    return nn.functional.mse_loss(out, y)
+for step in range(1, 8):
+    loss = run.step(model, (torch.randn(4, 8), torch.randn(4, 8)), loss_fn, opt)
+    if case == "skip" and run.rank == 1 and step == 3:   # a metric all-reduce rank 1 skips
+        stamp.write_text(str(time.time()))
+    elif case == "extra" and run.rank == 0 and step == 3:  # one rank only, never waited for
+        stamp.write_text(str(time.time()))
+        dist.all_reduce(loss.clone(), async_op=True)
+    elif case == "skip":
+        dist.all_reduce(loss.clone())
+run.finish()
+"""
+
+
+def _hang_job(tmp_path, case, timeout=3.0):
+    """Every rank's own exit code and time, from the moment the fault happened; the report."""
+    script, stamp = tmp_path / "hangs.py", tmp_path / "fault_at"
+    script.write_text(HANGS)
+    ended = run_ranks(script, case, str(timeout), str(stamp), timeout=120)
+    assert stamp.exists(), ended[0].stderr[-2000:]
+    fault = float(stamp.read_text())
+    for e in ended:
+        print(f"{case}: rank {e.rank} ended {e.at - fault:.1f} s after the fault, code {e.code}")
+    return ended, [e.at - fault for e in ended]
+
+
 def test_rank_sleeping_past_the_timeout_is_named(tmp_path):
-    """Every rank ends within the watchdog's timeout plus a few seconds (not torch's 30 min),
-    and the report names the sleeping rank, the mesh axis and the step."""
-    import time
-
-    stamp = tmp_path / "slept_at"
-    with pytest.raises(WorkerError) as err:
-        run_distributed(w.sleeps_in_step, 2, 3.0, str(stamp), timeout=120)
-    detected = time.time() - float(stamp.read_text())
-    report = err.value.traceback
-    print(f"watchdog timeout 3 s: every rank ended {detected:.1f} s after the stall")
-    assert "exited with code 124" in report
-    assert "step 3: rank(s) [1] did not reach the collective on mesh axis dp" in report, report
-    assert detected < 3.0 + 15
+    """Every rank ends by itself with the watchdog's exit code within its timeout plus a few
+    seconds (not torch's 30 min), and every rank's report names the sleeping rank, the mesh
+    axis and the step."""
+    ended, after = _hang_job(tmp_path, "sleep")
+    for e in ended:
+        assert e.code == EXIT_HANG, e.stderr[-3000:]
+        assert "step 3: rank(s) [1] did not reach the collective on mesh axis dp" in e.stderr, \
+            e.stderr[-3000:]
+    assert max(after) < 3.0 + 15
 
 
-def test_desync_is_named_from_step_start_counts():
-    """A rank that skipped a collective starts the next step with a lower count on that axis;
-    rank 0's watchdog names it (the comparison, on the heartbeats as ranks publish them)."""
-    import json
+def test_rank_that_skips_a_collective_is_named(tmp_path):
+    """Rank 1 skips one all-reduce between steps 3 and 4: rank 0 waits in it, rank 1 in the
+    step-start check of step 4 (not in a collective that gloo would pair with rank 0's, which
+    aborts a process when the sizes differ and mixes data when they match). Every rank exits
+    with the watchdog's code, and the report names the rank, the collective, axis and step."""
+    ended, after = _hang_job(tmp_path, "skip")
+    line = HANGS.splitlines().index("        dist.all_reduce(loss.clone())") + 1
+    for e in ended:
+        assert e.code == EXIT_HANG, e.stderr[-3000:]
+        assert "desync after step 3: rank(s) [1] issued fewer collectives on mesh axis " \
+            f"dp_replicate than rank(s) [0], which wait in all_reduce (at hangs.py:{line})" \
+            in e.stderr, e.stderr[-3000:]
+    assert max(after) < 3.0 + 15
 
-    import torch.distributed as dist
 
-    from plait.diagnostics.watchdog import Watchdog
+def test_rank_that_adds_a_collective_is_named_at_the_next_step():
+    """Rank 0 issues one all-reduce it never waits for: nothing hangs, and the step-start check
+    of step 4 finds the counts apart at once."""
+    import tempfile
 
-    store = dist.HashStore()
-    dog = Watchdog(store, rank=0, world_size=2, groups={}, prefix="w")
-    dog._members = {"dp": [0, 1], "pp": [0, 1]}
-    dog._marks.extend([(3, {"dp": 10, "pp": 4}), (4, {"dp": 14, "pp": 6})])
-    peer = {"marks": [[3, {"dp": 10, "pp": 5}], [4, {"dp": 13, "pp": 9}]]}
-    store.set("w/1", json.dumps(peer))
-    report = dog._desync()
-    assert report is not None and "desync before step 4: rank 1 had issued 13 collectives on " \
-        "mesh axis dp, rank 0 14" in report, report
-    peer["marks"][1][1]["dp"] = 14  # equal counts; pipeline sends may differ legitimately
-    store.set("w/1", json.dumps(peer))
-    assert dog._desync() is None
+    with tempfile.TemporaryDirectory() as folder:
+        ended, after = _hang_job(Path(folder), "extra", timeout=60.0)
+    for e in ended:
+        assert e.code == EXIT_HANG, e.stderr[-3000:]
+        assert "desync before step 4: rank(s) [1] issued fewer collectives on mesh axis " \
+            "dp_replicate than rank(s) [0] (rank 0: " in e.stderr, e.stderr[-3000:]
+    assert max(after) < 15  # well before the 60 s timeout
+
+
+def test_desync_report_names_ranks_axis_and_step():
+    """The comparison behind the step-start check, on every rank's counts; pipeline axes, whose
+    sends and receives differ legitimately from stage to stage, are left out."""
+    members = {"dp": [0, 1], "pp": [0, 1]}
+    counts = {0: {"dp": 14, "pp": 6}, 1: {"dp": 13, "pp": 9}}
+    report = desync_report(4, counts, members)
+    assert report is not None and report.startswith(
+        "plait watchdog: desync before step 4: rank(s) [1] issued fewer collectives on mesh "
+        "axis dp than rank(s) [0] (rank 0: 14, rank 1: 13) in step 3 or after it"), report
+    counts[1]["dp"] = 14
+    assert desync_report(4, counts, members) is None
+    # a rank outside this rank's group is not compared with it
+    assert desync_report(4, {**counts, 2: {"dp": 2}}, members) is None

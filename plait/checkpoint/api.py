@@ -185,6 +185,7 @@ class Loaded:
     loader: dict[str, Any] | None
     extra: dict[str, Any]
     rng_restored: bool
+    rng_rank: int | None = None  # the saved rank whose random states this rank now has
 
 
 def _shape(value: Any) -> list[int]:
@@ -227,8 +228,8 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
     """Load the checkpoint at ``path`` (a step folder, or the latest in a checkpoint folder)
     into ``model`` (any layout) and ``optimizer`` (collective: every rank).
 
-    Random states are restored only when the world size is the one saved (each rank gets its
-    own); under another layout they keep their seeded values.
+    Random states: at the world size saved, each rank gets its own back; at another, every
+    rank gets saved rank 0's (see :func:`rng_source`). ``restore_rng=False`` leaves them alone.
     """
     device = device or torch.device("cpu")
     step_dir = manifest = metadata = None
@@ -271,10 +272,26 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
         scheduler.load_state_dict(store.from_plain(manifest["scheduler"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     rngs = manifest.get("rng") or []
-    restored = restore_rng and manifest.get("world_size") == world and rank < len(rngs)
-    if restored:
-        st.set_rng_state(rngs[rank], device)
+    source = rng_source(rank, world, len(rngs)) if restore_rng else None
+    if source is not None:
+        st.set_rng_state(rngs[source], device)
     return Loaded(path=step_dir, step=int(manifest["step"]), plan=manifest.get("plan"),
                   world_size=int(manifest.get("world_size", 0)),
                   loader=store.from_plain(manifest.get("loader")),
-                  extra=store.from_plain(manifest.get("extra") or {}), rng_restored=restored)
+                  extra=store.from_plain(manifest.get("extra") or {}),
+                  rng_restored=source is not None, rng_rank=source)
+
+
+def rng_source(rank: int, world: int, saved_world: int) -> int | None:
+    """Which saved rank's random states rank ``rank`` of a ``world``-rank job resumes with.
+
+    The same world size: its own (an exact resume). Another: rank 0's, on every rank. Why that
+    one: ``plait.init(seed=)`` gives every rank the same seed, and a saved rank's states are
+    where its stream had got to; rank 0's continues that stream on every rank, as a fresh
+    start would begin it on every rank, instead of replaying the seed's first numbers (dropout
+    masks of step 1 again) or inventing per-rank streams that a layout sharing random numbers
+    across ranks (tensor-parallel dropout on replicated activations) would then see differ.
+    None when the checkpoint holds no states."""
+    if saved_world == 0:
+        return None
+    return rank if saved_world == world else 0

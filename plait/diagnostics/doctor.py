@@ -236,7 +236,8 @@ def check_gloo_interface(env: Mapping[str, str]) -> Check:
         return Check("gloo interface on one node", "launch", "warn",
                      f"gloo binds to the hostname's address {ip}, not loopback: a firewall or "
                      f"a stale DNS entry there hangs a one-node job at its first collective",
-                     "export GLOO_SOCKET_IFNAME=lo on a single node")
+                     "plait run sets GLOO_SOCKET_IFNAME=lo for a one-node job; under torchrun, "
+                     "export GLOO_SOCKET_IFNAME=lo")
     return Check("gloo interface on one node", "launch", "pass", f"hostname resolves to {ip}")
 
 

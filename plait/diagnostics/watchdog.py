@@ -18,19 +18,24 @@ report and ends its process with ``EXIT_HANG`` when one appears, so the whole jo
 about ``timeout`` + 2 x ``interval``. The process group's own timeout is set longer than
 ``timeout`` (see ``plait.init``), so torch's unhelpful error does not come first.
 
-Desync. At the start of every step each rank notes its sequence numbers; rank 0's thread
-compares them with the other ranks' for the same step, per shared group. A rank that skipped (or
-added) a collective differs, and is named with the step, instead of the job hanging at its end.
-Pipeline groups are left out of that comparison: their point-to-point sends and receives differ
-legitimately from stage to stage.
+Desync. At the start of every step (and in ``finish()``) the ranks all-gather their sequence
+numbers on a private gloo group that only the watchdog uses, so its collectives cannot be paired
+with the user's. A rank that skipped (or added) a collective on some axis is then named there,
+with the axis and the step, before the next collective on that axis can pair with the wrong
+one: on gloo such a pairing aborts the process (``Received data size doesn't match``) when the
+sizes differ, and silently mixes data when they match. When the skipped collective leaves its
+peers waiting in it, the ranks that skipped it wait in the check, and the timeout report says
+which ranks issued fewer collectives on which axis, and where the others wait. Pipeline groups
+are left out of the comparison: their point-to-point sends and receives differ legitimately
+from stage to stage. A mismatched collective *inside* a step is not caught before gloo sees it.
 
 Cost: one small store write per rank per ``interval`` off the training thread, and rank 0 reads
-``world_size`` small keys per ``interval`` (at thousands of ranks, a longer ``interval``).
+``world_size`` small keys per ``interval`` (at thousands of ranks, a longer ``interval``); per
+step, one all-gather of a few integers per rank on the private group (bench/guard_cost.py).
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import sys
@@ -83,9 +88,10 @@ class Watchdog:
     interval: float = 1.0
     prefix: str = "plait/watchdog/0"
     pipeline_axes: tuple[str, ...] = ("pp",)
+    check_group: Any = None       # the private gloo group of the step-start check (None: none)
     step: int = 0
     active: bool = False          # inside a step or finish(): waiting there is not idleness
-    _marks: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
+    checking: bool = False        # in the step-start check
     _main: int = field(default_factory=lambda: threading.main_thread().ident or 0)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -102,10 +108,25 @@ class Watchdog:
         return self
 
     def step_started(self, step: int) -> None:
-        """Called at the start of every step: note the sequence numbers there."""
+        """Called at the start of every step (and in ``finish()``, as step N + 1): every rank
+        compares its collective counts with its peers' (a collective; see the module's doc)."""
         self.step = step
         self.active = True
-        self._marks.append((step, self._seqs()))
+        if self.check_group is None:
+            return
+        import torch
+
+        names = list(self.groups)
+        seqs = self._seqs()
+        mine = torch.tensor([seqs[n] for n in names], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self.checking = True
+        dist.all_gather(every, mine, group=self.check_group)
+        self.checking = False
+        counts = {r: dict(zip(names, t.tolist(), strict=True)) for r, t in enumerate(every)}
+        report = desync_report(step, counts, self._members, self.pipeline_axes)
+        if report is not None:
+            self._report(report)
 
     def close(self) -> None:
         self._stop.set()
@@ -131,21 +152,16 @@ class Watchdog:
                 if progress != last:
                     last, since = progress, now
                 beat = {"rank": self.rank, "step": self.step, "seqs": seqs, "time": time.time(),
-                        "waited": now - since if self.active else 0.0,
-                        "where": where(self._main), "marks": list(self._marks)}
+                        "waited": now - since if self.active else 0.0, "active": self.active,
+                        "checking": self.checking, "where": where(self._main)}
                 self.store.set(self._key(self.rank), json.dumps(beat))
                 if self.store.check([self._key("report")]):
                     self._end(self.store.get(self._key("report")).decode())
-                report = None
-                if self.rank == 0:
-                    report = self._desync()
-                # Rank 0 reports first; the others only if it cannot (dead or frozen).
+                # Rank 0 reports first; the others only if it cannot (dead, frozen, or not in
+                # a step).
                 grace = 0.0 if self.rank == 0 else 3 * self.interval
-                if report is None and self.active and now - since >= self.timeout + grace:
-                    report = self._diagnose(seqs, now - since)
-                if report is not None:
-                    winner = self.store.compare_set(self._key("report"), "", report)
-                    self._end(winner.decode() if isinstance(winner, bytes) else str(winner))
+                if self.active and now - since >= self.timeout + grace:
+                    self._report(self._diagnose(seqs, now - since))
             except Exception:  # noqa: BLE001 - the store went away: the job is ending anyway
                 if self._stop.is_set():
                     return
@@ -163,7 +179,8 @@ class Watchdog:
         ranks that issued the latest collective wait in it, and the others never reached it."""
         beats = self._beats()
         beats[self.rank] = {**beats.get(self.rank, {}), "seqs": seqs, "step": self.step,
-                            "where": where(self._main), "time": time.time()}
+                            "where": where(self._main), "time": time.time(),
+                            "checking": self.checking}
         me = beats[self.rank]
         op = me["where"].get("op") or "a collective"
         groups = []  # (name, {rank: count}) where counts differ, this rank's groups first
@@ -188,39 +205,51 @@ class Watchdog:
                      if r not in beats or time.time() - beats[r]["time"] > 3 * self.interval]
             missing = stale or [r for r, b in beats.items()
                                 if b.get("waited", 0.0) < self.timeout / 2]
-        lines = [f"plait watchdog: step {me['step']}: rank(s) {missing} did not reach the "
-                 f"collective on mesh axis {axis} within {self.timeout:g} s; rank {self.rank} "
-                 f"has waited {waited:.0f} s in {op} (at {me['where'].get('at') or '?'})"]
+        if self.checking:
+            head = self._at_check(beats, groups, waited)
+        else:
+            head = (f"plait watchdog: step {me['step']}: rank(s) {missing} did not reach the "
+                    f"collective on mesh axis {axis} within {self.timeout:g} s; rank {self.rank} "
+                    f"has waited {waited:.0f} s in {op} (at {me['where'].get('at') or '?'})")
+        lines = [head]
         for name, counts, absent in groups:
             lines.append(f"  collectives issued on {name}: " + ", ".join(
                 f"rank {r}: {c}" for r, c in sorted(counts.items()))
                 + (f"; no heartbeat from {absent}" if absent else ""))
         for r in sorted(beats):
             b = beats[r]
-            lines.append(f"  rank {r}: step {b['step']}, in {b['where'].get('op')} at "
+            op = "the step-start check" if b.get("checking") else b["where"].get("op")
+            lines.append(f"  rank {r}: step {b['step']}, in {op} at "
                          f"{b['where'].get('at') or b['where'].get('inner')}")
         return "\n".join(lines)
 
-    def _desync(self) -> str | None:
-        """Rank 0: a step whose start found ranks with different collective counts."""
-        beats = self._beats()
-        mine = {step: seqs for step, seqs in self._marks}
-        for r, beat in sorted(beats.items()):
-            for step, seqs in beat.get("marks", []):
-                if step not in mine:
-                    continue
-                for name, count in seqs.items():
-                    if (name in self.pipeline_axes or name not in mine[step]
-                            or self.rank not in self._members[name]
-                            or r not in self._members[name] or count == mine[step][name]):
-                        continue
-                    fewer = "fewer" if count < mine[step][name] else "more"
-                    return (f"plait watchdog: desync before step {step}: rank {r} had issued "
-                            f"{count} collectives on mesh axis {name}, rank {self.rank} "
-                            f"{mine[step][name]}: rank {r} issued {fewer} collectives than its "
-                            f"peers in step {step - 1} (a collective skipped or added on some "
-                            f"ranks only)")
-        return None
+    def _at_check(self, beats: dict[int, dict], groups: list, waited: float) -> str:
+        """The first line of a report from a rank that waits in the step-start check: the
+        ranks there issued fewer collectives than the others, which wait in one they skipped
+        (a desync), or the others have not come back from the previous step."""
+        step = self.step
+        there = sorted({self.rank} | {r for r, b in beats.items()
+                                      if b.get("checking") and b.get("step") == step})
+        away = [r for r in range(self.world_size) if r not in there]
+        for name, counts, _ in groups:
+            top = max(counts.values())
+            fewer = sorted(r for r, c in counts.items() if c < top)
+            ahead = [r for r, c in counts.items() if c == top and r in away]
+            if fewer and set(fewer) <= set(there) and ahead:
+                at = beats[ahead[0]]["where"]
+                return (f"plait watchdog: desync after step {step - 1}: rank(s) {fewer} issued "
+                        f"fewer collectives on mesh axis {name} than rank(s) {sorted(ahead)}, "
+                        f"which wait in {at.get('op') or 'a collective'} (at "
+                        f"{at.get('at') or at.get('inner') or '?'}): a collective rank(s) "
+                        f"{fewer} skipped; they have waited {waited:.0f} s at the start of step "
+                        f"{step}")
+        return (f"plait watchdog: rank(s) {away} did not reach the start of step {step} within "
+                f"{self.timeout:g} s; rank(s) {there} wait there")
+
+    def _report(self, report: str) -> None:
+        """Publish ``report`` unless another rank's came first, and end with the first one."""
+        winner = self.store.compare_set(self._key("report"), "", report)
+        self._end(winner.decode() if isinstance(winner, bytes) else str(winner))
 
     def _end(self, report: str) -> None:
         """Print the report, leave it for torchrun's error file, and end this process."""
@@ -230,7 +259,48 @@ class Watchdog:
             from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
             ErrorHandler().record_exception(HangError(report))
+        # Leave once every rank has read the report (or after two heartbeats): the first to
+        # leave breaks its peers' collectives, and their main threads would end with gloo's
+        # "Connection closed by peer" (exit code 1, a traceback) instead of the report. An error
+        # the main thread raises from now on ends the process the same way, quietly.
+        sys.excepthook = _exit_hang
+        try:
+            self.store.add(self._key("ended"), 1)
+            deadline = time.monotonic() + 2 * self.interval + 1.0
+            while time.monotonic() < deadline \
+                    and self.store.add(self._key("ended"), 0) < self.world_size:
+                time.sleep(0.01)
+            if self.rank == 0:  # it may host the store: the others' last read comes first
+                time.sleep(0.2)
+        except Exception:  # noqa: BLE001 - the store went away: leave now
+            pass
         os._exit(EXIT_HANG)
+
+
+def _exit_hang(*_: object) -> None:
+    os._exit(EXIT_HANG)
+
+
+def desync_report(step: int, counts: dict[int, dict[str, int]],
+                  members: dict[str, list[int]], pipeline_axes: tuple[str, ...] = ("pp",)
+                  ) -> str | None:
+    """The report of a step-start check whose counts differ, or None: ``counts`` holds every
+    rank's ``{mesh axis: collectives issued}``, ``members`` this rank's ranks per axis."""
+    for name, ranks in members.items():
+        if name in pipeline_axes:
+            continue
+        seen = {r: counts[r][name] for r in ranks if name in counts.get(r, {})}
+        if len(set(seen.values())) < 2:
+            continue
+        top = max(seen.values())
+        fewer = sorted(r for r, c in seen.items() if c < top)
+        more = sorted(r for r, c in seen.items() if c == top)
+        listed = ", ".join(f"rank {r}: {c}" for r, c in sorted(seen.items()))
+        return (f"plait watchdog: desync before step {step}: rank(s) {fewer} issued fewer "
+                f"collectives on mesh axis {name} than rank(s) {more} ({listed}) in step "
+                f"{step - 1} or after it: a collective skipped on some ranks, or added on "
+                f"others")
+    return None
 
 
 def start(rank: int, world_size: int, mesh: Any, timeout: float, env: dict[str, str],
@@ -262,5 +332,7 @@ def start(rank: int, world_size: int, mesh: Any, timeout: float, env: dict[str, 
     # in the same order, and a later Run must not read an earlier one's heartbeats.
     nth = store.add(f"plait/watchdog/{attempt}/runs/{rank}", 1)
     prefix = f"plait/watchdog/{attempt}" + (f"/run{nth}" if nth > 1 else "")
+    # The step-start check's own group: its all-gathers never pair with the user's collectives.
+    check = dist.new_group(backend="gloo")
     return Watchdog(store, rank, world_size, groups, timeout=timeout, interval=interval,
-                    prefix=prefix).start()
+                    prefix=prefix, check_group=check).start()

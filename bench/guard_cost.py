@@ -1,0 +1,118 @@
+"""What the per-step agreements cost: the NaN/inf guard and the watchdog's step-start check.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/guard_cost.py [--world 2] [--plan dp=2]
+        [--models test,tiny] [--rounds 5] [--steps 8]
+
+One job of ``--world`` processes (gloo) trains the reference transformer under ``--plan`` with
+plait's own step (``plait.train``: forward and backward, the loss totals' all-reduce, the
+update), three ways, in blocks of ``--steps`` steps that alternate within every round:
+
+* ``off``: no guard, no check;
+* ``guard``: the NaN/inf guard (``plait.guard.StepGuard``: the local gradient norm, two host
+  reads, one all-reduce of three numbers over the job) before the optimizer step;
+* ``guard+check``: that and the watchdog's step-start check (one all-gather of each rank's
+  collective counts on its own gloo group), which is what ``run.step`` does.
+
+Each step's time is its slowest rank's (a barrier before each step, outside the timing; the
+time runs to the end of the step on every rank). Prints the median step of each way and the
+ratios to ``off``; the rounds' spread says how far to trust them (gloo on a shared machine
+varies by 10-20% from run to run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+WAYS = ("off", "guard", "guard+check")
+
+
+def job(rank: int, world: int, plan: str, model_name: str, rounds: int, steps: int,
+        batch: int, seq: int) -> dict[str, list[float]]:
+    """Every block's step times on this rank, per way."""
+    import torch
+    import torch.distributed as dist
+
+    import plait
+    from plait.guard import StepGuard
+    from plait.models.transformer import build, lm_loss, preset
+    from plait.train import apply_update, forward_backward, reduce_totals
+
+    run = plait.init(plan, quiet=True, log_every=10**9)
+    model = run.parallelize(build(model_name))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    vocab = preset(model_name).vocab_size
+    gen = torch.Generator().manual_seed(rank)
+    dp_group = run.mesh["dp"].get_group() if run.mesh is not None and run.dp_size > 1 else None
+    guard = StepGuard("stop", rank, world)
+    dog = run._watchdog  # started by plait.init for a multi-rank job
+
+    def one_step(way: str, step: int) -> float:
+        tokens = torch.randint(0, vocab, (batch // run.dp_size, seq + 1), generator=gen)
+        dist.barrier()
+        start = time.perf_counter()
+        if way == "guard+check" and dog is not None:
+            dog.step_started(step)
+        local = forward_backward(model, (tokens[:, :-1], tokens[:, 1:]), lm_loss,
+                                 plan=run.plan, device=run.device)
+        totals = reduce_totals(local, dp_group=dp_group, pp_group=None)
+        check = None if way == "off" else (lambda norm: guard(local[0], norm))
+        apply_update(opt, totals, plan=run.plan, guard=check)
+        return time.perf_counter() - start
+
+    for step in range(3):  # warm-up: allocator, DDP buckets
+        one_step("guard+check", step)
+    times: dict[str, list[float]] = {way: [] for way in WAYS}
+    step = 3
+    for r in range(rounds):
+        order = WAYS if r % 2 == 0 else WAYS[::-1]
+        for way in order:
+            for _ in range(steps):
+                step += 1
+                times[way].append(one_step(way, step))
+    if dog is not None:
+        dog.active = False
+    run.close()
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    from plait.spawn import run_distributed
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--plan", default=None, help="default: dp=WORLD")
+    ap.add_argument("--models", default="test,tiny")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8, help="steps per block")
+    ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    ap.add_argument("--seq", type=int, default=64)
+    args = ap.parse_args(argv)
+    plan = args.plan or f"dp={args.world}"
+    print(f"world {args.world}, plan {plan}, gloo on CPU, global batch {args.batch} x seq "
+          f"{args.seq}, {args.rounds} rounds x {args.steps} steps per way, interleaved")
+    print(f"{'model':<6} {'off ms':>8} {'guard ms':>9} {'guard+check ms':>15} "
+          f"{'guard/off':>10} {'guard+check/off':>16} {'round spread guard/off':>23}")
+    for name in args.models.split(","):
+        ranks = run_distributed(job, args.world, plan, name, args.rounds, args.steps,
+                                args.batch, args.seq, timeout=900)
+        # a step's time is its slowest rank's
+        steps = {way: [max(ts) for ts in zip(*(r[way] for r in ranks), strict=True)]
+                 for way in WAYS}
+        med = {way: statistics.median(v) * 1e3 for way, v in steps.items()}
+        per_round = [statistics.median(steps["guard"][i:i + args.steps])
+                     / statistics.median(steps["off"][i:i + args.steps])
+                     for i in range(0, len(steps["off"]), args.steps)]
+        print(f"{name:<6} {med['off']:>8.2f} {med['guard']:>9.2f} {med['guard+check']:>15.2f} "
+              f"{med['guard'] / med['off']:>10.3f} {med['guard+check'] / med['off']:>16.3f} "
+              f"{min(per_round):>11.3f} - {max(per_round):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
