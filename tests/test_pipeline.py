@@ -21,20 +21,22 @@ from plait.parallel.pipeline_split import (
     PipelineZero,
     build_stage_module,
     find_blocks,
-    partition,
     plan_stages,
     shared_parameters,
 )
 from plait.parallel.schedules import (
+    TORCH_SCHEDULE_NAMES,
     check_schedule_args,
     format_schedule,
     peak_in_flight,
     rank_orders,
+    schedule_class,
     schedule_grid,
     stage_to_rank,
     theoretical_bubble,
 )
-from plait.plan import Plan
+from plait.partition import balanced_partition, bounds
+from plait.plan import PP_SCHEDULES, Plan
 from plait.spawn import run_distributed
 from tests._pipeline_models import deep_mlp, mlp_batch, timeline_worker, transformer8
 
@@ -170,9 +172,9 @@ def test_split_keeps_canonical_names_and_only_own_parameters():
 
 
 def test_split_balances_costs_and_honours_split_points():
-    assert partition([1, 1, 1, 1, 1, 1, 1, 1], 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert partition([4, 1, 1, 1, 1], 2) == [(0, 1), (1, 5)]
-    assert partition([1, 1, 1, 1], 2, last_extra=2) == [(0, 3), (3, 4)]
+    assert bounds(balanced_partition([1] * 8, 4)) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert balanced_partition([4, 1, 1, 1, 1], 2) == [1, 4]
+    assert balanced_partition([1, 1, 1, 1], 2, last_extra=2) == [3, 1]
     model = transformer8()
     plan = Plan(pp=2, microbatches=2, options={"split_points": ["layers.5"]})
     assert [(s.start, s.end) for s in plan_stages(model, plan)[1]] == [(0, 5), (5, 8)]
@@ -180,6 +182,34 @@ def test_split_balances_costs_and_honours_split_points():
     assert [(s.start, s.end) for s in plan_stages(model, plan)[1]] == [(0, 6), (6, 8)]
     path, container = find_blocks(deep_mlp())
     assert path == "" and len(container) == 10
+
+
+@pytest.mark.parametrize("cfg_kw,pp,v", [({}, 2, 1), ({}, 2, 2), ({"tie_embeddings": True}, 3, 1),
+                                         ({"vocab_size": 4096}, 2, 2)])
+def test_runtime_builds_the_stages_the_planner_prices(cfg_kw, pp, v):
+    """A plan without a given split: the planner prices the split the runtime builds (both
+    through plait.partition: parameters balanced, embedding first, head last)."""
+    from plait.models.transformer import TransformerConfig
+    from plait.planner.cost import Workload, evaluate
+    from plait.planner.hardware import load_cluster
+    from plait.planner.model_stats import from_transformer_config
+
+    cfg = TransformerConfig(**{"vocab_size": 256, "dim": 32, "n_layers": 7, "n_heads": 4,
+                               "max_seq_len": 16, **cfg_kw})
+    plan = Plan(pp=pp, microbatches=2 * pp, virtual_stages=v,
+                pp_schedule="interleaved_1f1b" if v > 1 else "1f1b")
+    _, specs = plan_stages(build(cfg), plan)
+    est = evaluate(plan, from_transformer_config(cfg), load_cluster("cpu", devices=pp),
+                   Workload(2 * pp, 16))
+    assert list(est.stage_layers) == [s.end - s.start for s in specs]
+
+
+def test_one_schedule_name_map_reaches_torch():
+    from torch.distributed.pipelining import schedules as S
+
+    assert set(TORCH_SCHEDULE_NAMES) == set(PP_SCHEDULES)
+    assert schedule_class("zbv") is S.ScheduleZBVZeroBubble
+    assert schedule_class("1f1b") is S.Schedule1F1B
 
 
 def test_bad_splits_name_numbers_and_way_out():

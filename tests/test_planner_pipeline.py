@@ -5,11 +5,11 @@ import random
 
 import pytest
 
+from plait.partition import balanced_partition
 from plait.plan import Plan
 from plait.planner.cost import Constants, Workload, evaluate
 from plait.planner.hardware import load_cluster
 from plait.planner.model_stats import load_model
-from plait.planner.pipeline import balanced_partition
 
 
 def test_pipeline_bubble_formula():

@@ -45,7 +45,7 @@ from .pipeline_split import (
     plan_stages,
     shared_parameters,
 )
-from .schedules import check_schedule_args, local_stages, stage_to_rank
+from .schedules import check_schedule_args, local_stages, schedule_class, stage_to_rank
 from .timeline import Timeline, now
 
 pipeline_stage_base()  # TimedStage overrides a private method: fail clearly if torch changed it
@@ -92,11 +92,6 @@ class TimedStage(PipelineStage):
         return out
 
 
-_SCHEDULE_CLASSES = {
-    "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
-    "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
-}
 
 
 def _rows(x: Any) -> int:
@@ -325,9 +320,7 @@ class PipelineRunner:
         return contextlib.nullcontext()
 
     def _build_schedule(self) -> Any:
-        from torch.distributed.pipelining import schedules
-
-        cls = getattr(schedules, _SCHEDULE_CLASSES[self.plan.pp_schedule])
+        cls = schedule_class(self.plan.pp_schedule)
         m = self.plan.microbatches
         if self.plan.virtual_stages == 1 and self.plan.pp_schedule in ("gpipe", "1f1b"):
             return cls(self.stages[0], m, loss_fn=self._loss, scale_grads=False)

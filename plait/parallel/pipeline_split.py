@@ -37,7 +37,6 @@ This part is pure module surgery (no process group): the stage runtime in
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +44,8 @@ import torch
 import torch.nn as nn
 
 from .._torch_compat import is_view
+from ..partition import balanced_partition, even_split
+from ..partition import bounds as block_bounds
 from ..plan import Plan
 from .pipeline_hf import adapt_hf_forward, hf_added_embeddings, is_hf_model
 
@@ -173,40 +174,6 @@ def _side_modules(model: nn.Module, path: str) -> tuple[list[nn.Module], list[nn
     return before, after
 
 
-def partition(costs: list[float], n_stages: int, first_extra: float = 0.0,
-              last_extra: float = 0.0) -> list[tuple[int, int]]:
-    """Contiguous split of ``costs`` into ``n_stages`` non-empty parts minimising the largest
-    part (``first_extra``/``last_extra`` are added to the first/last part)."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def part_cost(k: int, i: int, j: int) -> float:
-        extra = (first_extra if k == 0 else 0.0) + (last_extra if k == n_stages - 1 else 0.0)
-        return prefix[j] - prefix[i] + extra
-
-    # best[k][j]: smallest max-part cost splitting blocks [0, j) into k + 1 parts.
-    inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(n_stages)]
-    cut = [[0] * (n + 1) for _ in range(n_stages)]
-    for j in range(1, n + 1):
-        best[0][j] = part_cost(0, 0, j)
-    for k in range(1, n_stages):
-        for j in range(k + 1, n + 1):
-            for i in range(k, j):
-                value = max(best[k - 1][i], part_cost(k, i, j))
-                if value < best[k][j] - 1e-12:
-                    best[k][j], cut[k][j] = value, i
-    bounds, j = [], n
-    for k in range(n_stages - 1, 0, -1):
-        i = cut[k][j]
-        bounds.append((i, j))
-        j = i
-    bounds.append((0, j))
-    return bounds[::-1]
-
-
 def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
     """Where to cut: the block sequence's name and every global stage's block range."""
     n_stages = plan.pp * plan.virtual_stages
@@ -248,7 +215,8 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
             before, after = _side_modules(model, path)
             first_extra = float(sum(_param_count(m) for m in before))
             last_extra = float(sum(_param_count(m) for m in after))
-        bounds = partition(costs, n_stages, first_extra, last_extra)
+        bounds = block_bounds(balanced_partition(costs, n_stages, first_extra=first_extra,
+                                                 last_extra=last_extra))
     return path, [StageSpec(k, i, j, n_stages) for k, (i, j) in enumerate(bounds)]
 
 
@@ -280,10 +248,6 @@ def _blocks_name(model: nn.Module, plan: Plan) -> str | None:
     return parent
 
 
-def _even_counts(n_blocks: int, n_stages: int) -> list[int]:
-    return [n_blocks // n_stages + (i < n_blocks % n_stages) for i in range(n_stages)]
-
-
 def _bounds_from_layers(stage_layers: Any, n_stages: int, n_blocks: int, plan: Plan,
                        where: str) -> list[tuple[int, int]]:
     """Block ranges from ``options.pp_stage_layers``: blocks per model chunk, in global stage
@@ -299,11 +263,8 @@ def _bounds_from_layers(stage_layers: Any, n_stages: int, n_blocks: int, plan: P
                          f"positive whole block counts (pp={plan.pp} x virtual_stages="
                          f"{plan.virtual_stages}), one per stage in stage order, summing to the "
                          f"{n_blocks} blocks of {where}; e.g. "
-                         f"{_even_counts(n_blocks, n_stages)}")
-    edges = [0]
-    for c in counts:
-        edges.append(edges[-1] + c)
-    return list(zip(edges[:-1], edges[1:], strict=True))
+                         f"{even_split(n_blocks, n_stages)}")
+    return block_bounds(counts)
 
 
 def additive_modules(model: nn.Module, path: str) -> set[str]:

@@ -31,7 +31,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..plan import MULTI_STAGE_SCHEDULES, PP_SCHEDULES
 
@@ -62,6 +62,20 @@ class Timed:
 
 
 # ------------------------------------------------------------------------------ validation
+# plait's schedule names (plait.plan.PP_SCHEDULES) -> torch.distributed.pipelining's, which
+# get_schedule_class turns into the schedule class.
+TORCH_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+                        "looped_bfs": "LoopedBFS", "interleaved_zb": "InterleavedZeroBubble",
+                        "zbv": "ZBVZeroBubble"}
+
+
+def schedule_class(schedule: str) -> Any:
+    """torch's schedule class for one of plait's schedule names."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    return get_schedule_class(TORCH_SCHEDULE_NAMES[schedule])
+
+
 def check_schedule_args(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> None:
     """Raise ValueError naming the numbers and the fix when a schedule cannot run them."""
     if schedule not in PP_SCHEDULES:
@@ -138,11 +152,7 @@ def rank_orders(schedule: str, pp: int, microbatches: int,
 
 
 def _torch_orders(schedule: str, pp: int, m: int, v: int) -> dict[int, list[Action]]:
-    from torch.distributed.pipelining import schedules as S
-
-    cls = {"interleaved_1f1b": S.ScheduleInterleaved1F1B, "looped_bfs": S.ScheduleLoopedBFS,
-           "interleaved_zb": S.ScheduleInterleavedZeroBubble,
-           "zbv": S.ScheduleZBVZeroBubble}[schedule]
+    cls = schedule_class(schedule)
     # The schedule constructors compute pipeline_order for *all* ranks from rank 0's view; they
     # read only these attributes of the stages (no communication happens before step()).
     stages = [SimpleNamespace(group_size=pp, group_rank=0, num_stages=pp * v, stage_index=s,

@@ -11,12 +11,11 @@ instead (:mod:`plait.planner.cpu.sharing`): a stage idle in its bubble hands its
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from plait.comm.volumes import Traffic
+from plait.partition import balanced_partition
 from plait.plan import Plan
 
 from .compute import MicroTimes
@@ -27,61 +26,6 @@ from .traffic import act_dtype_bytes, collective_time, uses_fsdp
 
 if TYPE_CHECKING:
     from .cost import Constants, Workload
-
-
-def balanced_partition(costs: list[float] | tuple[float, ...], parts: int) -> list[int]:
-    """Blocks per chunk splitting ``costs`` into ``parts`` contiguous chunks, largest sum
-    smallest (see :func:`_balanced_partition`)."""
-    return list(_balanced_partition(tuple(costs), parts))
-
-
-@functools.lru_cache(maxsize=4096)
-def _balanced_partition(costs: tuple[float, ...], parts: int) -> tuple[int, ...]:
-    """Split ``costs`` into ``parts`` contiguous non-empty chunks minimising the largest sum.
-
-    Dynamic programming over (chunks, prefix): best[k][j] = min_i max(best[k-1][i], S[j]-S[i]).
-    best[k-1][.] grows with i while S[j]-S[i] shrinks, so the optimal i is where they cross:
-    a bisection instead of a scan (O(parts * n log n)). Returns the chunk sizes; ties go to the
-    earliest split, so the result is deterministic.
-    """
-    n = len(costs)
-    if not 1 <= parts <= n:
-        raise ValueError(f"cannot split {n} blocks into {parts} pipeline chunks")
-    prefix = [0.0]
-    for x in costs:
-        prefix.append(prefix[-1] + x)
-    inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    arg = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        prev, cur, cur_arg = best[k - 1], best[k], arg[k]
-        for j in range(k, n - (parts - k) + 1):
-            lo, hi = k - 1, j - 1  # i in [lo, hi]: chunk (i, j] non-empty
-            while lo < hi:  # first i where prev[i] >= S[j]-S[i]
-                mid = (lo + hi) // 2
-                if prev[mid] >= prefix[j] - prefix[mid]:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            cand = []
-            for i in (lo - 1, lo):
-                if k - 1 <= i <= j - 1 and prev[i] < inf:
-                    cand.append((max(prev[i], prefix[j] - prefix[i]), i))
-            value, i = min(cand)
-            cur[j], cur_arg[j] = value, i
-    sizes, j = [], n
-    for k in range(parts, 0, -1):
-        i = arg[k][j]
-        sizes.append(j - i)
-        j = i
-    return tuple(sizes[::-1])
-
-
-def even_split(n: int, parts: int) -> list[int]:
-    """``n`` blocks over ``parts`` chunks, the first ``n % parts`` one larger."""
-    base, extra = divmod(n, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 def bubble_scale(plan: Plan) -> float:
@@ -109,9 +53,11 @@ def inflight(plan: Plan, rank: int, m: int) -> float:
 
 def stage_sizes(plan: Plan, model: ModelStats, times: MicroTimes, balance: bool
                 ) -> list[int] | str:
-    """Blocks per model chunk: ``plan.options.pp_stage_layers`` when given, the balanced
-    split when ``balance`` (the heavy first/last chunks get fewer blocks), else even. A string
-    is the reason the given split is invalid."""
+    """Blocks per model chunk: ``plan.options.pp_stage_layers`` when given, the split
+    balancing time when ``balance`` (the heavy first/last chunks get fewer blocks), else the
+    pipeline runtime's own default (:func:`plait.parallel.pipeline_split.plan_stages`): the
+    split balancing parameters, the embedding on the first chunk and the head on the last. A
+    string is the reason the given split is invalid."""
     chunks, L = plan.pp * plan.virtual_stages, model.n_layers
     if plan.options.pp_stage_layers is not None:
         given = list(plan.options.pp_stage_layers)
@@ -119,15 +65,20 @@ def stage_sizes(plan: Plan, model: ModelStats, times: MicroTimes, balance: bool
             return (f"options.pp_stage_layers={given} must list {chunks} positive block "
                     f"counts summing to {L}")
         return given
+    weights = model.layer_weights or (1.0,) * L
     if balance and chunks > 1:
         # Relative costs, rounded, so layouts that differ only in batch or tp share one DP run.
-        weights = model.layer_weights or (1.0,) * L
         unit = times.block or 1.0
         rel = [round(w * times.block / unit, 3) for w in weights]
         rel[0] = round(rel[0] + times.embed / unit, 3)
         rel[-1] = round(rel[-1] + times.head / unit, 3)
         return balanced_partition(rel, chunks)
-    return even_split(L, chunks)
+    if chunks == 1:
+        return [L]
+    params = [w * model.block_params for w in weights] if model.layer_weights else \
+        [float(model.block_params)] * L
+    return balanced_partition(params, chunks, first_extra=model.embed_params,
+                              last_extra=model.head_params)
 
 
 @dataclass

@@ -70,6 +70,7 @@ def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -
 def row_setup(row: MegatronRow):
     """(ModelStats, Cluster, Workload, Plan) for a table row, at the paper's layout."""
     from plait.models.transformer import TransformerConfig
+    from plait.partition import even_split
     from plait.plan import Plan
 
     from .cost import Workload
@@ -87,8 +88,10 @@ def row_setup(row: MegatronRow):
     if row.pp > 1:
         per_stage = row.layers // row.pp
         v = next((d for d in range(2, per_stage + 1) if per_stage % d == 0), 1)
+        # Megatron-LM splits the blocks evenly over the model chunks
         fields.update(microbatches=per_rank,
-                      pp_schedule="interleaved_1f1b" if v > 1 else "1f1b", virtual_stages=v)
+                      pp_schedule="interleaved_1f1b" if v > 1 else "1f1b", virtual_stages=v,
+                      options={"pp_stage_layers": even_split(row.layers, row.pp * v)})
     else:
         fields.update(grad_accum=per_rank)  # microbatch size 1
     return model, cluster, work, Plan(**fields)

@@ -16,8 +16,9 @@ Pruned, without losing a winner under the cost model:
     parallelism moves the same bytes as plain TP with less memory. So the search skips the
     dominated ones (GPipe, looped BFS, interleaved ZB, TP without SP); ``--plan`` evaluates them.
 
-Pipeline stages are balanced by the DP partition in :func:`pipeline.balanced_partition`; the plan
-carries the blocks per stage as ``options.pp_stage_layers``, which the runtime's split honours.
+Pipeline stages are balanced by the DP partition in :func:`plait.partition.balanced_partition`;
+the plan carries the blocks per stage as ``options.pp_stage_layers``, which the runtime's split
+honours.
 """
 
 from __future__ import annotations
