@@ -1,11 +1,12 @@
 """What the per-step agreements cost: the NaN/inf guard and the watchdog's step-start check.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python bench/guard_cost.py [--world 2] [--plan dp=2]
-        [--models test,tiny] [--rounds 5] [--steps 8]
+        [--models test,tiny] [--rounds 200]
 
 One job of ``--world`` processes (gloo) trains the reference transformer under ``--plan`` with
 plait's own step (``plait.train``: forward and backward, the loss totals' all-reduce, the
-update), three ways, in blocks of ``--steps`` steps that alternate within every round:
+update), three ways; every round runs one step of each way, in an order that rotates from round
+to round, so that a busy moment of the machine falls on all three alike:
 
 * ``off``: no guard, no check;
 * ``guard``: the NaN/inf guard (``plait.guard.StepGuard``: the local gradient norm, two host
@@ -13,10 +14,10 @@ update), three ways, in blocks of ``--steps`` steps that alternate within every 
 * ``guard+check``: that and the watchdog's step-start check (one all-gather of each rank's
   collective counts on its own gloo group), which is what ``run.step`` does.
 
-Each step's time is its slowest rank's (a barrier before each step, outside the timing; the
-time runs to the end of the step on every rank). Prints the median step of each way and the
-ratios to ``off``; the rounds' spread says how far to trust them (gloo on a shared machine
-varies by 10-20% from run to run).
+Each step's time is its slowest rank's (a barrier before each step, outside the timing). Prints
+the median step of each way, the median over rounds of each way's step over the same round's
+``off`` step, and the quartiles of that ratio (how far to trust it: gloo on a shared machine
+varies by 10-20% from step to step).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 WAYS = ("off", "guard", "guard+check")
 
 
-def job(rank: int, world: int, plan: str, model_name: str, rounds: int, steps: int,
-        batch: int, seq: int) -> dict[str, list[float]]:
-    """Every block's step times on this rank, per way."""
+def job(rank: int, world: int, plan: str, model_name: str, rounds: int, batch: int,
+        seq: int) -> dict[str, list[float]]:
+    """This rank's step time of each way in every round."""
     import torch
     import torch.distributed as dist
 
@@ -70,11 +71,10 @@ def job(rank: int, world: int, plan: str, model_name: str, rounds: int, steps: i
     times: dict[str, list[float]] = {way: [] for way in WAYS}
     step = 3
     for r in range(rounds):
-        order = WAYS if r % 2 == 0 else WAYS[::-1]
-        for way in order:
-            for _ in range(steps):
-                step += 1
-                times[way].append(one_step(way, step))
+        for i in range(len(WAYS)):
+            way = WAYS[(r + i) % len(WAYS)]
+            step += 1
+            times[way].append(one_step(way, step))
     if dog is not None:
         dog.active = False
     run.close()
@@ -88,29 +88,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--plan", default=None, help="default: dp=WORLD")
     ap.add_argument("--models", default="test,tiny")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=8, help="steps per block")
+    ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=64)
     args = ap.parse_args(argv)
     plan = args.plan or f"dp={args.world}"
     print(f"world {args.world}, plan {plan}, gloo on CPU, global batch {args.batch} x seq "
-          f"{args.seq}, {args.rounds} rounds x {args.steps} steps per way, interleaved")
-    print(f"{'model':<6} {'off ms':>8} {'guard ms':>9} {'guard+check ms':>15} "
-          f"{'guard/off':>10} {'guard+check/off':>16} {'round spread guard/off':>23}")
+          f"{args.seq}, {args.rounds} rounds of one step per way, order rotating")
+    print(f"{'model':<6} {'off ms':>7} {'guard ms':>9} {'guard+check ms':>15} "
+          f"{'guard/off':>10} {'(quartiles)':>13} {'guard+check/off':>16} {'(quartiles)':>13}")
     for name in args.models.split(","):
-        ranks = run_distributed(job, args.world, plan, name, args.rounds, args.steps,
-                                args.batch, args.seq, timeout=900)
+        ranks = run_distributed(job, args.world, plan, name, args.rounds, args.batch, args.seq,
+                                timeout=900)
         # a step's time is its slowest rank's
         steps = {way: [max(ts) for ts in zip(*(r[way] for r in ranks), strict=True)]
                  for way in WAYS}
         med = {way: statistics.median(v) * 1e3 for way, v in steps.items()}
-        per_round = [statistics.median(steps["guard"][i:i + args.steps])
-                     / statistics.median(steps["off"][i:i + args.steps])
-                     for i in range(0, len(steps["off"]), args.steps)]
-        print(f"{name:<6} {med['off']:>8.2f} {med['guard']:>9.2f} {med['guard+check']:>15.2f} "
-              f"{med['guard'] / med['off']:>10.3f} {med['guard+check'] / med['off']:>16.3f} "
-              f"{min(per_round):>11.3f} - {max(per_round):.3f}")
+        cols = []
+        for way in ("guard", "guard+check"):
+            paired = [a / b for a, b in zip(steps[way], steps["off"], strict=True)]
+            q1, q2, q3 = statistics.quantiles(paired, n=4)
+            cols.append(f"{q2:>{10 if way == 'guard' else 16}.3f} {f'{q1:.2f}-{q3:.2f}':>13}")
+        print(f"{name:<6} {med['off']:>7.2f} {med['guard']:>9.2f} {med['guard+check']:>15.2f} "
+              + " ".join(cols))
     return 0
 
 
