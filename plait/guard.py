@@ -12,9 +12,14 @@ Two things can make a step go wrong on some ranks only, and the ranks must still
   ``plait.lifecycle.StopRequest``). Ranks receive the signal at slightly different times; the
   guard makes them all stop after the same step, so a final checkpoint is a consistent one.
 
-The agreement is one all-reduce (MAX) of three numbers over the whole job per step, issued
-between backward and the optimizer step: ~1 ms on gloo between processes on one host, tens of
-microseconds on NCCL. A one-rank job pays nothing but the local check.
+The agreement is one all-reduce (MAX) of three numbers over the whole job, issued between
+backward and the optimizer step. When the data replicas are the whole job (DDP, ZeRO, HSDP) and
+gradients are clipped, a clean step needs none of its own: two flags per rank (non-finite loss,
+stop requested) are summed in the step's all-reduce of (loss sum, count), which every step makes
+anyway, and the clipped norm is already the job-wide one; only a step whose sums or norm show a
+problem takes the full agreement, to name the rank. Every other layout pays the one all-reduce
+per step (~1 ms on gloo between processes on one host, tens of microseconds on NCCL). A one-rank
+job pays nothing but the local check.
 """
 
 from __future__ import annotations
@@ -87,7 +92,32 @@ class StepGuard:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # of the flags
     last: Verdict = field(default_factory=Verdict)
 
-    def __call__(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+    def local_flags(self, loss: torch.Tensor) -> torch.Tensor:
+        """``[1 if this rank's loss is NaN/inf, 1 if this rank was asked to stop]``, on the
+        loss's device without reading it on the host; summed over the job they are the
+        ``agreed`` of :meth:`__call__`."""
+        bad = ~torch.isfinite(loss.detach().reshape(()))
+        if not self.holds_loss:
+            bad = torch.zeros_like(bad)
+        stop = self.stop_request is not None and self.stop_request.requested
+        return torch.stack([bad.float(), torch.tensor(float(stop), device=loss.device)])
+
+    def __call__(self, loss: torch.Tensor, grad_norm: torch.Tensor, *,
+                 agreed: torch.Tensor | None = None) -> bool:
+        """The verdict on one step; True when its update is applied.
+
+        ``agreed``: :meth:`local_flags` already summed over every rank of the job (the runtime
+        sends them in the step's all-reduce of (loss sum, count) when that one spans the job),
+        given only when ``grad_norm`` is the job-wide norm (the same on every rank, as gradient
+        clipping computes it). A clean step then costs no collective of its own; when a flag
+        or the norm says something is wrong, every rank sees it alike and all take the full
+        agreement below, which names the lowest bad rank.
+        """
+        if agreed is not None:
+            bad_losses, stops = (float(x) for x in agreed.tolist())
+            if not bad_losses and math.isfinite(float(grad_norm)):
+                self.last = Verdict(stop=stops > 0)
+                return True
         mark = float(self.world_size - self.rank)  # MAX over ranks -> the lowest rank
         flags = torch.tensor([
             mark if self.holds_loss and not math.isfinite(float(loss)) else 0.0,

@@ -35,7 +35,7 @@ from .mesh import Mesh, build_mesh
 from .parallelize import parallelize as _parallelize
 from .plan import Plan
 from .progress import Progress, check_extras
-from .train import LossFn, apply_update, forward_backward, reduce_totals
+from .train import LossFn, TotalsExchange, apply_update, forward_backward, reduce_totals
 
 if TYPE_CHECKING:
     from .parallel.xla_spmd import SPMDLayout
@@ -238,11 +238,21 @@ class Run:
         if self._batch_shape is None:
             self._batch_shape = tuple(getattr(_first_input(batch), "shape", ()))
         watch = self.xla.step(batch) if self.xla is not None else contextlib.nullcontext()
+        exchange, flags_travel = self._totals_exchange()
+        agreed: torch.Tensor | None = None
         with self.ledger if recording else contextlib.nullcontext(), watch:
-            local = forward_backward(model, batch, loss_fn, plan=self.plan, device=self.device)
-            # Not in the ledger: the (sum, count) exchange is the runtime's, not the layout's.
-            with self.ledger.paused() if recording else contextlib.nullcontext():
-                totals = self._global_totals(local)
+            local = forward_backward(model, batch, loss_fn, plan=self.plan, device=self.device,
+                                     exchange=exchange)
+            if exchange is not None:
+                totals, flags = exchange.finish()
+                # The clipped norm is the job-wide one: with the flags summed, a clean step
+                # needs no agreement of its own (plait.guard).
+                agreed = flags if flags_travel and self.plan.grad_clip else None
+            else:
+                # Not in the ledger: the (sum, count) exchange is the runtime's, not the
+                # layout's.
+                with self.ledger.paused() if recording else contextlib.nullcontext():
+                    totals = self._global_totals(local)
             # Under XLA SPMD the program is the global batch's: its gradients are of the global
             # sum, not an average over replicas.
             guard = self._step_guard()
@@ -251,7 +261,7 @@ class Run:
             apply_update(optimizer, totals, plan=self.plan, pp_group=pp_group,
                          data_replicas=1 if self.spmd is not None else None,
                          guard=None if self.spmd is not None
-                         else lambda norm: guard(local[0], norm))
+                         else lambda norm: guard(local[0], norm, agreed=agreed))
             loss = (totals[0] / totals[1].clamp_min(1)).detach()
             if scheduler is not None:
                 with warnings.catch_warnings():
@@ -477,6 +487,23 @@ class Run:
         from .memory import memory_report
 
         return memory_report(self._memory, self.plan, accelerator=self.accelerator)
+
+    def _totals_exchange(self) -> tuple[TotalsExchange | None, bool]:
+        """The step's (loss sum, count) all-reduce, started before the last backward
+        (``plait.train.TotalsExchange``), and whether the step guard's flags travel in it
+        (when the data replicas are the whole job: DDP, ZeRO, HSDP). None with pipelines
+        (their totals exist only once the schedule ends), on XLA SPMD and with one replica:
+        those take :meth:`_global_totals` after backward."""
+        if self.spmd is not None or self.plan.pp > 1:
+            return None, False
+        dp_size = self.dp_size
+        if dp_size == 1:
+            return None, False
+        whole_job = dp_size == self.world_size
+        pause = self.ledger.paused if self.ledger is not None else contextlib.nullcontext
+        return TotalsExchange(self._mesh()["dp"].get_group(),
+                              extra=self._step_guard().local_flags if whole_job else None,
+                              pause=pause), whole_job
 
     def _global_totals(self, local: torch.Tensor) -> torch.Tensor:
         """This rank's ``[loss sum, count]`` summed over the data replicas; with pipelines,

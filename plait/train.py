@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -176,9 +177,47 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
     return norm
 
 
+@dataclass
+class TotalsExchange:
+    """The step's all-reduce (SUM) of ``[loss sum, count]`` over the data replicas, started as
+    soon as the last micro-batch's forward has its loss, so that it runs while backward
+    computes instead of adding a wait after it (it is issued on every rank at the same point,
+    before the gradients' own collectives). ``extra(loss_sum)`` appends values summed alongside:
+    the step guard's flags (``plait.guard.StepGuard.local_flags``). ``pause``: a context in
+    which the ledger does not count it (the runtime's bookkeeping, not the layout's traffic).
+    """
+
+    group: dist.ProcessGroup
+    extra: Callable[[torch.Tensor], torch.Tensor] | None = None
+    pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    _buffer: torch.Tensor | None = None
+    _work: Any = None
+
+    def start(self, totals: torch.Tensor) -> None:
+        parts = [totals.detach().float()]
+        if self.extra is not None:
+            parts.append(self.extra(totals[0]).float().to(totals.device))
+        self._buffer = torch.cat(parts)
+        with self.pause():
+            self._work = dist.all_reduce(self._buffer, group=self.group, async_op=True)
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the global ``[loss sum, count]``, the summed extra values)."""
+        if self._work is None or self._buffer is None:
+            raise RuntimeError("TotalsExchange.finish() before start(): forward_backward "
+                               "did not reach the last micro-batch's backward")
+        self._work.wait()
+        self._work = None
+        return self._buffer[:2], self._buffer[2:]
+
+
 def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, plan: Plan,
-                     device: torch.device) -> torch.Tensor:
+                     device: torch.device, exchange: TotalsExchange | None = None
+                     ) -> torch.Tensor:
     """Forward and backward of this rank's ``batch``; returns ``[loss sum, item count]``.
+
+    ``exchange`` (not with pipelines): started with this rank's totals just before the last
+    backward (see :class:`TotalsExchange`).
 
     Backward runs on each micro-batch's loss *sum*: the gradients become those of the global
     mean only once :func:`apply_update` scales them by ``dp / global count``. For pipelined
@@ -190,13 +229,16 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
     micro = split_microbatches(batch, plan.grad_accum)
     totals = torch.zeros(2, device=device)
     for i, part in enumerate(micro):
+        last = i == len(micro) - 1
         # backward inside grad_sync too: FSDP2 reads the flag in backward (a backward
         # outside it reduce-scattered every micro-step); DDP reads it in forward.
-        with loss_context(model), grad_sync(model, enabled=i == len(micro) - 1):
+        with loss_context(model), grad_sync(model, enabled=last):
             with autocast(plan, device):
                 total, count = forward_loss(model, part, loss_fn)
+            totals += torch.stack([total.detach().float(), count.float().to(device)])
+            if last and exchange is not None:
+                exchange.start(totals)  # the step's totals are known: send them during backward
             total.backward()
-        totals += torch.stack([total.detach().float(), count.float().to(device)])
     return totals
 
 

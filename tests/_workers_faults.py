@@ -41,3 +41,108 @@ def listening_sockets(rank, world_size):
 
     dist.all_reduce(torch.ones(1))
     return listening([os.getpid()])
+
+
+class _InfInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class _Poison(nn.Module):
+    """Identity forward; when ``armed``, an inf gradient flows back through it."""
+
+    armed = False
+
+    def forward(self, x):
+        return _InfInBackward.apply(x) if self.armed else x
+
+
+def inf_grad_on_step(rank, world_size, plan, policy, bad_rank, bad_step, steps=4):
+    """Like ``nan_on_step``, but the loss stays finite: on rank ``bad_rank`` at ``bad_step``
+    the gradient reaching the first layer turns inf in backward."""
+    import plait
+    from plait.check import full_state
+
+    run = plait.init(plan, nonfinite=policy, quiet=True, log_every=1)
+    torch.manual_seed(0)
+    poison = _Poison()
+    model = run.parallelize(nn.Sequential(nn.Linear(8, 16), poison, nn.ReLU(),
+                                          nn.Linear(16, 8)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    history = []
+    for step in range(1, steps + 1):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+        poison.armed = step == bad_step and rank == bad_rank
+        loss = run.step(model, (x, y), nn.functional.mse_loss, opt)
+        assert torch.isfinite(loss)
+        history.append(full_state(model))
+    skipped = list(run.stats.skipped)
+    run.close()
+    return {"history": history, "skipped": skipped}
+
+
+def stop_on_one_rank(rank, world_size, plan, folder, stop_step):
+    """Only rank 1 gets SIGTERM, inside step ``stop_step``'s loss function; returns the exit
+    code and the steps done on this rank."""
+    import os
+    import signal
+
+    import plait
+
+    run = plait.init(plan, checkpoint=folder, quiet=True)
+    model = run.parallelize(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_fn(out, y):
+        if rank == 1 and run.steps_done + 1 == stop_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return nn.functional.mse_loss(out, y)
+
+    try:
+        for _ in range(6):
+            run.step(model, (torch.randn(4, 8), torch.randn(4, 8)), loss_fn, opt)
+    except SystemExit as leave:
+        return {"code": leave.code, "steps": run.steps_done}
+    return {"code": 0, "steps": run.steps_done}
+
+
+def collectives_per_step(rank, world_size):
+    """Collectives one clean step issues: plait's DDP step, and a raw DDP step of the same
+    model (process groups' sequence numbers: each counts the collectives issued on it)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import plait
+
+    run = plait.init(f"dp={world_size}", quiet=True)
+    model = run.parallelize(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    groups = {id(g): g for g in (dist.group.WORLD, run.mesh["dp"].get_group(),
+                                 run.mesh["dp_replicate"].get_group())}
+
+    def issued():
+        return sum(int(g._get_sequence_number_for_group()) for g in groups.values())
+
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+    run.step(model, batch, nn.functional.mse_loss, opt)  # the first step sets DDP up
+    before = issued()
+    run.step(model, batch, nn.functional.mse_loss, opt)
+    ours = issued() - before
+    raw = DDP(_model())
+    raw_opt = torch.optim.SGD(raw.parameters(), lr=0.1)
+    counts = []
+    for _ in range(2):
+        before = issued()
+        nn.functional.mse_loss(raw(batch[0]), batch[1]).backward()
+        torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
+        raw_opt.step()
+        raw_opt.zero_grad()
+        counts.append(issued() - before)
+    run.close()
+    return {"plait": ours, "raw": counts[-1]}

@@ -75,3 +75,12 @@ def test_check_model_spec_that_does_not_import():
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot import 'no_such_module'" in lines[0], out.stderr
+
+
+def test_tpu_example_without_an_accelerator_trains_on_the_cpu():
+    """examples/tpu.py is train.py with the XLA diagnostics' flags; without --accelerator it
+    runs where it is (the XLA CPU device runs it in tests/xla)."""
+    out = _run([sys.executable, "examples/tpu.py", "--steps", "3", "--batch-size", "4",
+                "--seq-len", "32"])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "FINAL" in out.stdout and "on cpu" in out.stdout

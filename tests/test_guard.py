@@ -144,3 +144,38 @@ def test_desync_report_names_ranks_axis_and_step():
     assert desync_report(4, counts, members) is None
     # a rank outside this rank's group is not compared with it
     assert desync_report(4, {**counts, 2: {"dp": 2}}, members) is None
+
+
+def test_inf_gradient_with_a_finite_loss_is_skipped_on_every_rank():
+    """Only rank 1's gradient turns inf; the loss stays finite on both ranks. Under ZeRO-3 the
+    inf may reach only some gradient shards, yet the clipped norm is the job-wide one."""
+    plan = "zero=3,dp_shard=2"
+    out = run_distributed(w.inf_grad_on_step, 2, plan, "skip", 1, 3, timeout=150)
+    for r in out:
+        assert r["skipped"] == [3]
+        before, after = r["history"][1], r["history"][2]
+        for name in before:
+            assert torch.equal(before[name], after[name]), name
+        for name, value in r["history"][-1].items():
+            assert torch.isfinite(value).all(), name
+    with pytest.raises(WorkerError) as err:
+        run_distributed(w.inf_grad_on_step, 2, plan, "stop", 1, 3, timeout=150)
+    assert "NonFiniteError: step 3: non-finite gradient norm on rank" in err.value.traceback
+
+
+def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """The stop request of one rank reaches the others in the step's own all-reduce."""
+    out = run_distributed(w.stop_on_one_rank, 2, "dp=2", str(tmp_path / "ckpt"), 3,
+                          timeout=150)
+    assert [r["code"] for r in out] == [143, 143]
+    assert [r["steps"] for r in out] == [3, 3]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-00000003"]
+
+
+def test_clean_ddp_step_adds_one_collective_to_raw_ddps():
+    """A clean plait DDP step issues raw DDP's collectives plus one: the all-reduce of (loss
+    sum, item count), which also carries the step guard's flags (no agreement of its own)."""
+    out = run_distributed(w.collectives_per_step, 2, timeout=120)
+    for r in out:
+        assert r["raw"] >= 1
+        assert r["plait"] == r["raw"] + 1, r

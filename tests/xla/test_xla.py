@@ -167,3 +167,15 @@ def test_the_stack_versions_and_doctor_where_torch_xla_is_installed():
     assert wrong.status == "fail" and wrong.fix == "export PJRT_DEVICE=CPU"
     if not doctor.tpu_device_files():
         assert doctor.check_pjrt_device({"PJRT_DEVICE": "TPU"}).status == "fail"
+
+
+def test_tpu_example_on_the_xla_cpu_device():
+    """examples/tpu.py as its docstring runs it without a TPU: four XLA CPU devices, one
+    process, an FSDPv2 x TP layout."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "examples/tpu.py", "--accelerator", "xla", "--plan",
+                           "dp_shard=2,zero=3,tp=2", "--steps", "3", "--batch-size", "8",
+                           "--seq-len", "32"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=CASE_TIMEOUT)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "FINAL" in proc.stdout
