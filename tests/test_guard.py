@@ -3,7 +3,6 @@ the update everywhere; the hang watchdog: a rank that sleeps, skips or adds a co
 named, and every rank exits. Real process groups (gloo)."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -79,7 +78,7 @@ run.finish()
 
 
 def _hang_job(tmp_path, case, timeout=3.0):
-    """Every rank's own exit code and time, from the moment the fault happened; the report."""
+    """How each rank ended (its stderr holds the report), and when, in seconds after the fault."""
     script, stamp = tmp_path / "hangs.py", tmp_path / "fault_at"
     script.write_text(HANGS)
     ended = run_ranks(script, case, str(timeout), str(stamp), timeout=120)
@@ -117,13 +116,10 @@ def test_rank_that_skips_a_collective_is_named(tmp_path):
     assert max(after) < 3.0 + 15
 
 
-def test_rank_that_adds_a_collective_is_named_at_the_next_step():
+def test_rank_that_adds_a_collective_is_named_at_the_next_step(tmp_path):
     """Rank 0 issues one all-reduce it never waits for: nothing hangs, and the step-start check
     of step 4 finds the counts apart at once."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as folder:
-        ended, after = _hang_job(Path(folder), "extra", timeout=60.0)
+    ended, after = _hang_job(tmp_path, "extra", timeout=60.0)
     for e in ended:
         assert e.code == EXIT_HANG, e.stderr[-3000:]
         assert "desync before step 4: rank(s) [1] issued fewer collectives on mesh axis " \
