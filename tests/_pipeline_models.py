@@ -228,21 +228,35 @@ class SmallConvNet(nn.Module):
     a head (pool, flatten, linear). ``stem_ch=192`` gives the stem more parameters than the
     blocks, so the largest-container rule picks the stem: split points name the blocks."""
 
-    def __init__(self, stem_ch: int = 8, batchnorm: bool = False):
+    def __init__(self, stem_ch: int = 8, batchnorm: bool = False, pooled: bool = False):
         super().__init__()
+        self.pooled = pooled
         norm = [nn.BatchNorm2d(stem_ch)] if batchnorm else []
         self.stem = nn.Sequential(nn.Conv2d(3, stem_ch, 3, stride=2, padding=1), *norm,
                                   nn.ReLU(), nn.Conv2d(stem_ch, 8, 1))
         self.blocks = nn.Sequential(*[ConvBlock() for _ in range(4)])
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+        if pooled:  # as torchvision's ResNet: a pooling module, then the classifier
+            self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(8, 5)
+        else:
+            self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
 
     def forward(self, x):
-        return self.head(self.blocks(self.stem(x)))
+        x = self.blocks(self.stem(x))
+        if self.pooled:  # the pooling has no parameters: it runs on every stage
+            return self.fc(torch.flatten(self.pool(x), 1)) / 2
+        return self.head(x)
 
 
 def convnet():
     torch.manual_seed(0)
     return SmallConvNet()
+
+
+def convnet_pooled():
+    """Pools and flattens (parameter-free, so on every stage) before its classifier, and
+    scales the logits after it: a stage without the head still sends the feature maps."""
+    torch.manual_seed(0)
+    return SmallConvNet(pooled=True)
 
 
 def convnet_wide_stem():
@@ -286,34 +300,34 @@ def reference_loop(factory, batches, loss_fn, clip=1.0):
     return {"losses": losses, "state": state}
 
 
-class ScaledLogits(nn.Module):
-    """Returns ``(head(h) / 2, aux)``: on a stage without the head the hidden state would be
-    halved before it is sent on, so plait refuses to split it (what to send cannot be told)."""
+class SkipsLastBlock(nn.Module):
+    """A forward that loops over all blocks but the last: on a stage without the last block,
+    what to send on cannot be told, so plait refuses to split it."""
 
     def __init__(self):
         super().__init__()
         self.tok = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(MixBlock() for _ in range(2))
+        self.blocks = nn.ModuleList(MixBlock() for _ in range(3))
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, input_ids, attention_mask=None):
         h = self.tok(input_ids)
-        for block in self.blocks:
+        for block in self.blocks[:-1]:
             h = block(h, attention_mask)
-        return self.head(h) / 2, h.mean()
+        return self.head(h), h.mean()
 
 
-def scaled_logits():
+def skips_last_block():
     torch.manual_seed(0)
-    return ScaledLogits()
+    return SkipsLastBlock()
 
 
 def refusal_worker(rank, world_size):
-    """pp=2 on ScaledLogits: every rank gets the one-line refusal on its first step."""
+    """pp=2 on SkipsLastBlock: every rank gets the one-line refusal on its first step."""
     from plait.runtime import init
 
     run = init("pp=2,mb=2", quiet=True)
-    model = run.parallelize(scaled_logits())
+    model = run.parallelize(skips_last_block())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     try:
         run.step(model, padded_batch(0), mixer_loss, opt)

@@ -73,13 +73,15 @@ def test_dict_batches_masks_and_extra_outputs_pp2():
 def test_pre_block_modules_and_named_split_pp2():
     """BERT's embeddings (word + position + token type + LayerNorm + dropout) and its head tied
     to the word embedding; a ConvNet's stem; a ConvNet whose stem outweighs its blocks, split
-    by name (split_points=["blocks.2"] also names the block sequence)."""
+    by name (split_points=["blocks.2"] also names the block sequence); a ConvNet that pools and
+    flattens between its blocks and its classifier, as torchvision's ResNet does."""
     berts = [M.bert_batch(s) for s in range(M.STEPS)]
     images = [M.image_batch(s) for s in range(M.STEPS)]
     named = Plan(pp=2, microbatches=4, options={"split_points": ["blocks.2"]})
     jobs = [("pp=2,mb=2", M.bert_mlm, berts, M.logits_loss),
             ("pp=2,mb=4", M.convnet, images, F.cross_entropy),
-            (named, M.convnet_wide_stem, images, F.cross_entropy)]
+            (named, M.convnet_wide_stem, images, F.cross_entropy),
+            ("pp=2,schedule=gpipe,mb=2", M.convnet_pooled, images, F.cross_entropy)]
     got = run_distributed(train_jobs, 2, jobs, timeout=300)[0]
     for (_, factory, batches, loss_fn), result in zip(jobs, got, strict=True):
         _assert_matches(M.reference_loop(factory, batches, loss_fn), result)
@@ -173,28 +175,43 @@ def test_batch_layout_positional_dict_and_own_loss():
     assert stage_inputs(hf, F.cross_entropy, sig, "Net").last_only == {}
 
 
-def test_an_output_that_hides_the_hidden_state_is_refused_before_the_schedule():
+def test_a_forward_that_skips_its_last_block_is_refused_before_the_schedule():
     """The split check runs on a meta-device replica (no memory, no sends)."""
     from plait.parallel.pipeline import split_checker, stage_inputs
     from plait.parallel.pipeline_split import plan_stages
 
-    model = M.scaled_logits()
+    model = M.skips_last_block()
     path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
     check = split_checker(model, path, specs)
     laid = stage_inputs(M.padded_batch(0), M.mixer_loss, inspect.signature(model.forward),
-                        "ScaledLogits")
-    with pytest.raises(ValueError, match=r"ScaledLogits's forward returns a tuple on pipeline "
-                                         r"stage 0.*\(self.head\(h\), aux\).*or run with pp=1"):
+                        "SkipsLastBlock")
+    with pytest.raises(ValueError, match=r"SkipsLastBlock's forward did not call its last block "
+                                         r"blocks.2 on pipeline stage 0.*or run with pp=1"):
         check(laid)
     assert all(p.device.type == "cpu" for p in model.parameters())  # the model is untouched
     good = M.mixer_tuple()
     split_checker(good, *plan_stages(good, Plan(pp=2, microbatches=2)))(laid)
 
 
+def test_hf_model_without_inputs_embeds_is_refused():
+    """HF ViT's forward takes pixels only: later stages could not be given hidden states."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from plait.parallel.pipeline_split import build_stage_module, plan_stages
+
+    model = ViTForImageClassification(ViTConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        image_size=8, patch_size=4, num_labels=3))
+    path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
+    with pytest.raises(ValueError, match=r"ViTForImageClassification.forward takes no "
+                                         r"inputs_embeds.*run this model with pp=1"):
+        build_stage_module(model, path, specs[1])
+
+
 def test_every_rank_refuses_on_its_first_step():
     """No rank waits on another inside torch's runtime: both get the one line."""
     messages = run_distributed(M.refusal_worker, 2, timeout=120)
-    assert all(m and "ScaledLogits's forward returns a tuple" in m for m in messages), messages
+    assert all(m and "did not call its last block blocks.2" in m for m in messages), messages
 
 
 def test_batchnorm_in_microbatches_is_named():

@@ -406,11 +406,11 @@ def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
                   ) -> Callable[[StageInputs], None] | None:
     """A check that the stages chain, run by every rank on the first step's inputs before the
     schedule sends anything: the stage modules of a meta-device replica, each fed what the
-    previous one hands on. A forward whose output hides the hidden state
-    (:func:`~plait.parallel.pipeline_split.hand_on`) is then refused on every rank with one
-    line, instead of failing on the first stage's rank inside torch's runtime while the other
-    ranks wait for it. Written here because torch's stages infer shapes rank by rank, through
-    sends. A forward that does not run on the meta device (data-dependent code) is not
+    previous one hands on. A forward that never reaches what a stage sends on (it skips its
+    last block, :func:`~plait.parallel.pipeline_split.hand_on`) is then refused on every rank
+    with one line, instead of failing on the first stage's rank inside torch's runtime while
+    the other ranks wait for it. Written here because torch's stages infer shapes rank by
+    rank, through sends. A forward that does not run on the meta device (data-dependent code) is not
     checked."""
     replica = meta_replica(model)
     if replica is None:

@@ -5,8 +5,8 @@ computes from its input, so a stage cannot feed its hidden states to a layer alo
 offers instead: ``forward(inputs_embeds=h)`` skips the token embedding and builds the mask and
 positions from ``h``. So a later stage calls the (skip-replaced) model with ``inputs_embeds=``
 its input and the batch's keyword inputs (``attention_mask``, ``token_type_ids``); skipped
-layers pass the hidden states through, and on stages without the head the skipped final norm
-and ``lm_head`` make ``.logits`` those hidden states. An embedding module that adds positions
+layers pass the hidden states through, and a stage without the last layer sends on what
+reaches that layer's stand-in. An embedding module that adds positions
 and types to the token embedding (BERT's ``embeddings``) is skipped whole on later stages.
 
 :func:`plait.parallel.pipeline_split.build_stage_module` calls these on the outermost HF model
@@ -16,6 +16,7 @@ model is checked).
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
@@ -65,11 +66,18 @@ def adapt_hf_forward(clone: nn.Module, spec: StageSpec) -> None:
     The user's code calls ``hf(x)`` / ``hf(input_ids=x, attention_mask=m)`` as usual; on every
     stage after the first, ``x`` is the previous stage's hidden states and goes in as
     ``inputs_embeds`` (the keyword inputs, such as the attention mask, reach every stage). No
-    KV cache (training). The output is the model's own (a ``ModelOutput``); on stages without
-    the head its ``.logits`` (or ``.last_hidden_state``) holds the hidden states, which the
-    stage sends on (:func:`plait.parallel.pipeline_split.hand_on`).
+    KV cache (training). The output is the model's own (a ``ModelOutput``); a stage without
+    the last layer sends on what reaches that layer's stand-in
+    (:func:`plait.parallel.pipeline_split.hand_on`). A model whose forward takes no
+    ``inputs_embeds`` (HF ViT) is refused for every stage but the first.
     """
     forward = type(clone).forward
+    if not spec.is_first and "inputs_embeds" not in inspect.signature(forward).parameters:
+        raise ValueError(f"{type(clone).__name__}.forward takes no inputs_embeds, so plait's "
+                         f"Hugging Face pipeline adapter cannot give stage {spec.index} the "
+                         f"hidden states of stage {spec.index - 1}: run this model with pp=1, or "
+                         f"wrap it in a module whose forward chains its embeddings, blocks and "
+                         f"head")
 
     def stage_forward(*args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("use_cache", False)

@@ -13,12 +13,12 @@ stage this rank owns a *stage module*: a shallow copy of the model in which
   without parameters (activations, rotary tables) stay everywhere.
 
 The model's own ``forward`` then runs unchanged on each stage: a skipped embedding (or vision
-stem) passes the previous stage's hidden states through, skipped blocks do nothing, a skipped
-head returns the hidden states to send on. Its first argument is what the stages chain; its
-other arguments (an attention mask) reach every stage by keyword, so each block gets them as
-on one device. On a stage without the head, the one tensor of the output that is the hidden
-state is sent on (:func:`hand_on`; extra outputs beside it are dropped there); the last stage
-returns whatever the model returns. This works for any forward that chains its modules (the
+stem) passes the previous stage's hidden states through, skipped blocks do nothing. Its first
+argument is what the stages chain; its other arguments (an attention mask) reach every stage by
+keyword, so each block gets them as on one device. A stage without the last block sends on
+what reaches the last block's stand-in (:func:`hand_on`): the activation after its own blocks,
+whatever the forward then does (pooling, the head, extra outputs); the last stage returns
+whatever the model returns. This works for any forward that chains its modules (the
 reference transformer, a Sequential MLP or CNN); models whose forward feeds a module something
 other than the running activation (HF models' position embeddings and masks) need an adapter
 (:mod:`plait.parallel.pipeline_hf`).
@@ -66,13 +66,15 @@ def _carried(args: tuple, kwargs: dict[str, Any]) -> Any:
 
 
 class StageOutputError(ValueError):
-    """A stage's output from which the hidden state to send on cannot be told."""
+    """A stage whose forward never reached the point where its hidden state is read."""
 
 
 class HandedOn:
-    """What the stand-ins of one stage passed through last (reset per stage forward): on a
-    stage without the head, the model's output must contain that very tensor, which is then
-    what the stage sends on (see :func:`hand_on`)."""
+    """The running activation where a stage without the last block ends: the input of the
+    stand-in for the sequence's last block (reset per stage forward). It is what the next
+    stage's first own block must receive: later blocks pass it through (or add zero to it),
+    and what the forward does after the blocks (pooling, slicing, the head) belongs to the
+    last stage."""
 
     def __init__(self) -> None:
         self.last: Any = None
@@ -84,8 +86,15 @@ class PipelineZero(nn.Module):
     block whose residual is in the parent's forward): the hidden states received already
     contain its contribution, so here it adds zero."""
 
+    def __init__(self, handed_on: HandedOn | None = None):
+        super().__init__()
+        self._handed_on = handed_on
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return torch.zeros((), device=_carried(args, kwargs).device)
+        x = _carried(args, kwargs)
+        if self._handed_on is not None:
+            self._handed_on.last = x
+        return torch.zeros((), device=x.device)
 
 
 class PipelineSkip(nn.Module):
@@ -313,7 +322,7 @@ def additive_modules(model: nn.Module, path: str) -> set[str]:
 def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Module:
     """A shallow copy of ``model`` holding only stage ``spec``'s modules (names unchanged).
 
-    Its forward is the model's own; on a stage without the head it returns only the hidden
+    Its forward is the model's own; on a stage without the last block it returns the hidden
     state to send on (:func:`hand_on`), on the last stage whatever the model returns."""
     parts = path.split(".") if path else []
     zero = additive_modules(model, path)
@@ -321,9 +330,6 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
 
     hf_done = False
     added: set[int] = set()  # HF position embeddings: their skip adds zero
-
-    def stand_in(additive: bool) -> nn.Module:
-        return PipelineZero() if additive else PipelineSkip(handed_on)
 
     def rebuild(module: nn.Module, depth: int) -> nn.Module:
         nonlocal hf_done
@@ -335,10 +341,14 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
             added.update(id(m) for m in hf_added_embeddings(module, before))
             adapt_hf_forward(clone, spec)
         if depth == len(parts):  # the block sequence
-            for idx, key in enumerate(module._modules):
+            keys = list(module._modules)
+            for idx, key in enumerate(keys):
                 if not spec.start <= idx < spec.end:
                     name = f"{path}.{key}" if path else key
-                    clone._modules[key] = stand_in(name in zero)
+                    # The last block's stand-in reads what this stage hands on.
+                    reads = handed_on if idx == len(keys) - 1 else None
+                    clone._modules[key] = (PipelineZero(reads) if name in zero
+                                           else PipelineSkip(reads))
             return clone
         own = [n for n, p in module.named_parameters(recurse=False)]
         if own:
@@ -354,51 +364,44 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                 keep = spec.is_last if seen else spec.is_first
                 name = ".".join([*parts[:depth], key])
                 if not keep:
-                    clone._modules[key] = stand_in(id(child) in added or name in zero)
+                    clone._modules[key] = (PipelineZero() if id(child) in added or name in zero
+                                           else PipelineSkip())
         return clone
 
     stage = rebuild(model, 0)
     if not spec.is_last:
         forward = stage.forward  # the model's, or the HF adapter's
+        last_block = f"{path}.{list(_container(model, path)._modules)[-1]}".lstrip(".")
 
         def send_on(*args: Any, **kwargs: Any) -> torch.Tensor:
             handed_on.last = None
             # Labels go to the model on the last stage only (a model given labels computes its
             # loss from its output, here the hidden states).
             kwargs.pop("labels", None)
-            out = forward(*args, **kwargs)
-            return hand_on(out, handed_on.last, type(model).__name__, spec)
+            forward(*args, **kwargs)
+            return hand_on(handed_on.last, type(model).__name__, last_block, spec)
 
         stage.forward = send_on
     return stage
 
 
-def hand_on(out: Any, passed: Any, model_name: str, spec: StageSpec) -> torch.Tensor:
-    """The tensor a stage without the head sends to the next stage.
+def _container(model: nn.Module, path: str) -> nn.Module:
+    return model.get_submodule(path) if path else model
 
-    The model's forward runs with the head (and the later blocks) replaced by pass-through
-    stand-ins, so its output holds the hidden state where one device has the logits: a tensor,
-    or one entry of a tuple, dict or Hugging Face ``ModelOutput`` (``(logits, aux)``,
-    ``{"logits": ...}``, ``.logits``). That entry is found by identity, as the tensor the last
-    stand-in passed through; extra outputs beside it (computed from partial hidden states on
-    this stage) are dropped, the last stage computes them again from the real ones. A view is
-    copied: torch's split backward frees stage outputs with ``detach_()``, which views refuse.
-    """
-    from torch.utils._pytree import tree_leaves
 
-    if isinstance(out, torch.Tensor):
-        hidden = out
-    else:
-        found = [t for t in tree_leaves(out) if passed is not None and t is passed]
-        if not found:
-            raise StageOutputError(
-                f"{model_name}'s forward returns a {type(out).__name__} on pipeline stage "
-                f"{spec.index}, and none of its tensors is the hidden state the stage's "
-                f"skipped modules passed on, so plait cannot tell what to send to stage "
-                f"{spec.index + 1}: return the head's output as it is, beside any extra "
-                f"outputs (e.g. (self.head(h), aux)), with no operation applied to it after "
-                f"the head, or run with pp=1")
-        hidden = found[0]
+def hand_on(hidden: Any, model_name: str, last_block: str, spec: StageSpec) -> torch.Tensor:
+    """The tensor a stage without the last block sends to the next stage: the input of the last
+    block's stand-in (:class:`HandedOn`). The model's forward runs whole, so whatever it does
+    after the blocks (a final norm and head, skipped here; pooling, flattening, slicing a
+    token; extra outputs) is computed and dropped: the last stage does it on the real hidden
+    states. A view is copied: torch's split backward frees stage outputs with ``detach_()``,
+    which views refuse."""
+    if not isinstance(hidden, torch.Tensor):
+        raise StageOutputError(
+            f"{model_name}'s forward did not call its last block {last_block} on pipeline "
+            f"stage {spec.index} (stochastic depth, or a loop over part of the blocks), so "
+            f"plait cannot tell what to send to stage {spec.index + 1}: call every block on "
+            f"every step, or run with pp=1")
     return hidden.clone() if is_view(hidden) else hidden
 
 
