@@ -4,14 +4,19 @@
         [--models test,tiny] [--rounds 200]
 
 One job of ``--world`` processes (gloo) trains the reference transformer under ``--plan`` with
-plait's own step (``plait.train``: forward and backward, the loss totals' all-reduce, the
-update), three ways; every round runs one step of each way, in an order that rotates from round
-to round, so that a busy moment of the machine falls on all three alike:
+plait's own step (``plait.train``: forward and backward, the loss totals' all-reduce started
+before the last backward, the update), four ways; every round runs one step of each way, in an
+order that rotates from round to round, so that a busy moment of the machine falls on all alike:
 
 * ``off``: no guard, no check;
-* ``guard``: the NaN/inf guard (``plait.guard.StepGuard``: the local gradient norm, two host
-  reads, one all-reduce of three numbers over the job) before the optimizer step;
-* ``guard+check``: that and the watchdog's step-start check (one all-gather of each rank's
+* ``guard``: the NaN/inf guard as ``run.step`` runs it. When the data replicas are the whole job
+  (``--plan dp=N``, ZeRO) and gradients are clipped, its flags travel in the totals' all-reduce
+  and a clean step issues no collective of its own (two host reads remain); otherwise it is the
+  next way;
+* ``guard-own``: the guard's own agreement, one all-reduce of three numbers over the job, as
+  layouts whose data replicas are not the whole job (TP, pipelines) or runs without clipping
+  pay it;
+* ``guard+check``: ``guard`` and the watchdog's step-start check (one all-gather of each rank's
   collective counts on its own gloo group), which is what ``run.step`` does.
 
 Each step's time is its slowest rank's (a barrier before each step, outside the timing). Prints
@@ -30,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-WAYS = ("off", "guard", "guard+check")
+WAYS = ("off", "guard", "guard-own", "guard+check")
 
 
 def job(rank: int, world: int, plan: str, model_name: str, rounds: int, batch: int,
@@ -42,7 +47,7 @@ def job(rank: int, world: int, plan: str, model_name: str, rounds: int, batch: i
     import plait
     from plait.guard import StepGuard
     from plait.models.transformer import build, lm_loss, preset
-    from plait.train import apply_update, forward_backward, reduce_totals
+    from plait.train import TotalsExchange, apply_update, forward_backward, reduce_totals
 
     run = plait.init(plan, quiet=True, log_every=10**9)
     model = run.parallelize(build(model_name))
@@ -53,16 +58,27 @@ def job(rank: int, world: int, plan: str, model_name: str, rounds: int, batch: i
     guard = StepGuard("stop", rank, world)
     dog = run._watchdog  # started by plait.init for a multi-rank job
 
+    # As run.step: the guard's flags ride in the totals' all-reduce when it spans the job.
+    fused = run.dp_size == world and bool(run.plan.grad_clip)
+
     def one_step(way: str, step: int) -> float:
         tokens = torch.randint(0, vocab, (batch // run.dp_size, seq + 1), generator=gen)
+        flags = fused and way in ("guard", "guard+check")
         dist.barrier()
         start = time.perf_counter()
         if way == "guard+check" and dog is not None:
             dog.step_started(step)
+        exchange = None if dp_group is None else TotalsExchange(
+            dp_group, extra=guard.local_flags if flags else None)
         local = forward_backward(model, (tokens[:, :-1], tokens[:, 1:]), lm_loss,
-                                 plan=run.plan, device=run.device)
-        totals = reduce_totals(local, dp_group=dp_group, pp_group=None)
-        check = None if way == "off" else (lambda norm: guard(local[0], norm))
+                                 plan=run.plan, device=run.device, exchange=exchange)
+        agreed = None
+        if exchange is None:
+            totals = reduce_totals(local, dp_group=None, pp_group=None)
+        else:
+            totals, summed = exchange.finish()
+            agreed = summed if flags else None
+        check = None if way == "off" else (lambda norm: guard(local[0], norm, agreed=agreed))
         apply_update(opt, totals, plan=run.plan, guard=check)
         return time.perf_counter() - start
 
@@ -95,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = args.plan or f"dp={args.world}"
     print(f"world {args.world}, plan {plan}, gloo on CPU, global batch {args.batch} x seq "
           f"{args.seq}, {args.rounds} rounds of one step per way, order rotating")
-    print(f"{'model':<6} {'off ms':>7} {'guard ms':>9} {'guard+check ms':>15} "
-          f"{'guard/off':>10} {'(quartiles)':>13} {'guard+check/off':>16} {'(quartiles)':>13}")
+    shown = WAYS[1:]
+    print(f"{'model':<6} {'off ms':>7} " + " ".join(f"{w + ' ms':>14}" for w in shown) + " "
+          + " ".join(f"{w + '/off (quartiles)':>29}" for w in shown))
     for name in args.models.split(","):
         ranks = run_distributed(job, args.world, plan, name, args.rounds, args.batch, args.seq,
                                 timeout=900)
@@ -105,12 +122,12 @@ def main(argv: list[str] | None = None) -> int:
                  for way in WAYS}
         med = {way: statistics.median(v) * 1e3 for way, v in steps.items()}
         cols = []
-        for way in ("guard", "guard+check"):
+        for way in shown:
             paired = [a / b for a, b in zip(steps[way], steps["off"], strict=True)]
             q1, q2, q3 = statistics.quantiles(paired, n=4)
-            cols.append(f"{q2:>{10 if way == 'guard' else 16}.3f} {f'{q1:.2f}-{q3:.2f}':>13}")
-        print(f"{name:<6} {med['off']:>7.2f} {med['guard']:>9.2f} {med['guard+check']:>15.2f} "
-              + " ".join(cols))
+            cols.append(f"{q2:>15.3f} {f'({q1:.2f}-{q3:.2f})':>13}")
+        print(f"{name:<6} {med['off']:>7.2f} " + " ".join(f"{med[w]:>14.2f}" for w in shown)
+              + " " + " ".join(cols))
     return 0
 
 
