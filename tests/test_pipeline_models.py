@@ -15,6 +15,7 @@ taken in a different order, nothing more.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 
 import pytest
@@ -27,8 +28,9 @@ from tests import _pipeline_models as M
 from tests._workers_semantics import train_jobs
 
 REL, FLOOR = 1e-6, 1e-2
-
-pytest.importorskip("transformers")
+# The Hugging Face cases need the optional `hf` extra; the rest run without it.
+needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                              reason="transformers is not installed (pip install plait[hf])")
 
 
 def _assert_matches(ref: dict, got: dict) -> None:
@@ -40,6 +42,7 @@ def _assert_matches(ref: dict, got: dict) -> None:
         assert diff <= REL * max(want.abs().max().item(), FLOOR), (got["plan"], name, diff)
 
 
+@needs_hf
 def test_the_mask_matters_and_the_data_counts_unevenly():
     """Without the attention mask the models compute something else (so a stage that missed it
     would fail the comparisons below), and microbatches count different numbers of labels."""
@@ -56,6 +59,7 @@ def test_the_mask_matters_and_the_data_counts_unevenly():
     assert len(set(counts.tolist())) > 1
 
 
+@needs_hf
 def test_dict_batches_masks_and_extra_outputs_pp2():
     """1F1B and GPipe: the test model returning (logits, aux) and a dict; Hugging Face GPT-2
     (tied embeddings) returning its ModelOutput, with a loss_fn reading .logits and with its
@@ -70,6 +74,7 @@ def test_dict_batches_masks_and_extra_outputs_pp2():
         _assert_matches(M.reference_loop(factory, batches, loss_fn), result)
 
 
+@needs_hf
 def test_pre_block_modules_and_named_split_pp2():
     """BERT's embeddings (word + position + token type + LayerNorm + dropout) and its head tied
     to the word embedding; a ConvNet's stem; a ConvNet whose stem outweighs its blocks, split
@@ -88,6 +93,7 @@ def test_pre_block_modules_and_named_split_pp2():
 
 
 # ------------------------------------------------------------------ splits and bad input (pure)
+@needs_hf
 def test_split_points_name_the_block_sequence():
     """The largest container of the wide-stem ConvNet is its stem; split points in ``blocks``
     make ``blocks`` the block sequence. BERT's layers are split by name as well."""
@@ -193,6 +199,7 @@ def test_a_forward_that_skips_its_last_block_is_refused_before_the_schedule():
     split_checker(good, *plan_stages(good, Plan(pp=2, microbatches=2)))(laid)
 
 
+@needs_hf
 def test_hf_model_without_inputs_embeds_is_refused():
     """HF ViT's forward takes pixels only: later stages could not be given hidden states."""
     from transformers import ViTConfig, ViTForImageClassification
@@ -226,6 +233,7 @@ def test_batchnorm_in_microbatches_is_named():
 
 # ------------------------------------------------------------------ other schedules (slow)
 @pytest.mark.slow
+@needs_hf
 def test_dict_batches_under_multi_stage_schedules():
     """Two stages per rank: interleaved 1F1B and ZB-V (rank 0 holds the first and the last
     stage, so the labels for the model's own loss reach it and its first stage drops them)."""
@@ -241,6 +249,7 @@ def test_dict_batches_under_multi_stage_schedules():
 
 
 @pytest.mark.slow
+@needs_hf
 def test_dict_batches_pp2_with_data_and_tensor_parallel():
     """World 4 on dict batches: pp=2 x dp=2 (the test model; GPT-2 with its own loss) and
     pp=2 x tp=2 (GPT-2, its tied embedding vocabulary-parallel on both stages)."""
