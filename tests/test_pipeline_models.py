@@ -96,7 +96,8 @@ def test_pre_block_modules_and_named_split_pp2():
 @needs_hf
 def test_split_points_name_the_block_sequence():
     """The largest container of the wide-stem ConvNet is its stem; split points in ``blocks``
-    make ``blocks`` the block sequence. BERT's layers are split by name as well."""
+    make ``blocks`` the block sequence. BERT's, GPT-2's and the test model's blocks are split
+    by name as well."""
     from plait.parallel.pipeline_split import plan_stages
 
     wide = M.convnet_wide_stem()
@@ -107,6 +108,11 @@ def test_split_points_name_the_block_sequence():
     path, specs = plan_stages(M.bert_mlm(), Plan(pp=2, microbatches=2, options={
         "split_points": ["bert.encoder.layer.1"]}))
     assert path == "bert.encoder.layer" and [(s.start, s.end) for s in specs] == [(0, 1), (1, 4)]
+    for factory, point, want in [(M.gpt2_lm, "transformer.h.3", "transformer.h"),
+                                 (M.mixer_tuple, "blocks.3", "blocks")]:
+        path, specs = plan_stages(factory(), Plan(pp=2, microbatches=2,
+                                                  options={"split_points": [point]}))
+        assert path == want and [(s.start, s.end) for s in specs] == [(0, 3), (3, 4)]
 
 
 @pytest.mark.parametrize("points,match", [
