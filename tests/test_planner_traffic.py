@@ -1,9 +1,8 @@
-"""Bytes and collective times (plait.planner.traffic): the planner's traffic is the volume formulas'
-and the runtime's, priced per op."""
+"""Bytes and collective times (plait.planner.traffic): the planner's traffic is the comm ledger's
+prediction of what plait's runtime sends (plait.comm.predict), priced per op."""
 
 import pytest
 
-from plait.comm.volumes import by_axis, ddp_traffic, tp_traffic, zero_traffic
 from plait.models.transformer import PRESETS
 from plait.plan import Plan
 from plait.planner.cost import Constants, Workload, evaluate
@@ -15,20 +14,45 @@ def _tiny():
     return load_model("test")
 
 
-def test_estimate_bytes_come_from_the_volume_formulas():
-    m, c = _tiny(), load_cluster("cpu", devices=4)
-    work = Workload(8, 32)
-    e = evaluate(Plan(dp_replicate=2, tp=2), m, c, work)
-    P = m.num_params // 2  # every parameter is split over tp in the model of the cost
-    expected = by_axis(ddp_traffic(P, 2) + tp_traffic(4, 32, m.hidden, m.n_layers, 2, "fp32"))
-    assert e.comm_bytes_per_step["dp_replicate"] == pytest.approx(expected["dp_replicate"],
-                                                                  rel=1e-6)
-    assert e.comm_bytes_per_step["tp"] == pytest.approx(expected["tp"])
-    z = evaluate(Plan(dp_shard=4, zero=3), m, c, work)
-    # FSDP2's root unit (embedding, final norm, head) is gathered once per micro-step
-    expected = by_axis(zero_traffic(m.num_params, 4, 3, micro_steps=1,
-                                    root_params=m.embed_params + m.head_params))
-    assert z.comm_bytes_per_step["dp_shard"] == pytest.approx(expected["dp_shard"], rel=1e-6)
+LAYOUTS = [
+    dict(dp_replicate=4),
+    dict(dp_shard=4, zero=1),
+    dict(dp_shard=2, zero=2, grad_accum=2),
+    dict(dp_replicate=2, dp_shard=2, zero=3),
+    dict(dp_replicate=2, tp=2),
+    dict(dp_shard=2, tp=2, sp=True, zero=3, activation_checkpointing="full"),
+    dict(pp=2, dp_shard=2, zero=3, microbatches=4, pp_stage_layers=[2, 2]),
+    dict(pp=2, tp=2, sp=True, pp_schedule="interleaved_1f1b", virtual_stages=2,
+         microbatches=4, pp_stage_layers=[1, 1, 1, 1]),
+    dict(pp=2, dp_replicate=2, microbatches=2, grad_accum=2, pp_stage_layers=[2, 2]),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in
+                                                                  d.items()))
+def test_planner_prices_the_bytes_the_ledger_predicts(layout):
+    """The planner's traffic for its busiest rank is the comm ledger's prediction for that rank
+    (plait.comm.predict, which tests/test_comm_ledger.py holds to the measured bytes): one set of
+    rules for DP, TP, PP and clipping, per (axis, op)."""
+    from plait.comm.predict import by_axis_op, predict
+    from plait.models.transformer import TransformerConfig
+    from plait.planner.model_stats import from_transformer_config
+
+    layers = layout.pop("pp_stage_layers", None)
+    plan = Plan(**layout, **({"options": {"pp_stage_layers": layers}} if layers else {}))
+    cfg = TransformerConfig(vocab_size=256, dim=32, n_layers=4, n_heads=4, max_seq_len=16)
+    B, s = 8 * plan.dp * plan.grad_accum, 16
+    est = evaluate(plan, from_transformer_config(cfg), load_cluster("cpu", devices=
+                   plan.world_size).with_memory(1e12), Workload(B, s))
+    assert est.feasible, est.reason
+    want = predict(plan, cfg, B // plan.dp // plan.grad_accum, s, stage=est.busiest_rank)
+    # the config-only prediction does not count parameter tensors (a model's does): the
+    # per-tensor clip norms are the same call with a zero payload there
+    got = by_axis_op([t for t in est.traffic if t.what != "clip: per-tensor norms"])
+    want = by_axis_op([t for t in want if t.what != "clip: per-tensor norms"])
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-6), key
 
 
 def test_collective_time_per_op_factor_and_call_cost():

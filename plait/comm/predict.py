@@ -1,20 +1,24 @@
-"""What the ledger should measure for a plan on the reference transformer: volumes.py, composed.
+"""What one rank sends in one step of a plan, as plait's runtime issues it: the ledger's prediction
+and the planner's traffic.
 
-``plait.comm.volumes`` holds the per-strategy closed forms (shared with the planner). This module
-applies them to one plan and to what one rank holds of the model after ``plait.parallelize``
-(``LocalModel``), and adds the terms that come from *how* plait's runtime trains rather than
-from the strategy, so that the prediction can be compared with the ledger row by row (ratio
-1.000 on the runs tests/test_comm_ledger.py covers):
+``plait.comm.volumes`` holds the per-strategy closed forms. This module applies them to one plan
+and to what one rank holds of the model (``LocalModel``: read off a model ``plait.parallelize``
+returned, built from a config, or the planner's share of a pipeline rank), and adds the terms
+that come from *how* plait's runtime trains rather than from the strategy, so that the
+prediction can be compared with the ledger row by row (ratio 1.000 on the runs
+tests/test_comm_ledger.py covers). The planner prices exactly these collectives
+(``dp_traffic``, ``tp_rank_traffic``, ``pp_rank_traffic``, ``clip_traffic``):
 
 * DDP (``plait.parallel.data``): one all-reduce of the fp32 gradients per optimizer step on
   ``dp_replicate`` (``no_sync`` while accumulating).
 * ZeRO-1 (``plait.parallel.zero``): DDP over the flattened ``dp`` axis, then
   ``ZeroRedundancyOptimizer`` broadcasts every parameter from the rank that updated it: one
   broadcast per parameter tensor on ``dp_shard``, the whole model's bytes.
-* ZeRO-2/3 (FSDP2): ``volumes.zero_traffic``. FSDP2 keeps the root unit's parameters
-  (embeddings, final norm, head) gathered between forward and backward, so under ZeRO-3 the root
-  is all-gathered once per micro-step, the blocks twice. HSDP: the reduce-scattered gradient
-  shard (``1/dp_shard`` of the gradients) is then all-reduced over ``dp_replicate``.
+* ZeRO-2/3 (FSDP2): a reduce-scatter per unit, and the gathers. FSDP2 keeps the root unit's
+  parameters (embeddings, final norm, head) gathered between forward and backward, so under
+  ZeRO-3 the root is all-gathered once per micro-step, the blocks twice. HSDP: the
+  reduce-scattered gradient shard (``1/dp_shard`` of the gradients) is then all-reduced over
+  ``dp_replicate``.
 * Replicated DP over TP shards (``apply_replicate``: FSDP2 with one-rank shard groups): one
   all-reduce of the TP-local gradients on ``dp_replicate``.
 * TP (plait's reference plan): Megatron's 4 all-reduces per block (volumes.tp_traffic), the
@@ -28,8 +32,8 @@ from the strategy, so that the prediction can be compared with the ledger row by
   (FSDP2, TP) all-reduces one fp32 norm per parameter tensor on every mesh axis the gradients
   are sharded on, in one call over the flattened ``dp_shard_tp`` view where they are sharded on
   both (``plait.mesh``); with pipelines the squared norm (one fp32) is all-reduced over ``pp``.
-* PP: per microbatch and boundary one activation sent forward, one gradient sent back
-  (``volumes.pp_traffic`` per stage this rank holds).
+* PP: per microbatch and boundary one activation sent forward, one gradient sent back, per
+  stage this rank holds (a neighbour stage on the same rank is handed over locally).
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..mesh import DP_SHARD_TP
-from .volumes import Traffic, ddp_traffic, dtype_bytes, tp_traffic, zero_traffic
+from .volumes import Traffic, ddp_traffic, dtype_bytes, tp_traffic
 
 FP32 = 4
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 
 
 @dataclass(frozen=True)
@@ -57,8 +62,8 @@ class LocalModel:
     the clip norm is all-reduced).
     """
 
-    params: int
-    root_params: int
+    params: float
+    root_params: float
     tensors: int
     layers: int
     recomputed: int = 0
@@ -67,6 +72,11 @@ class LocalModel:
     stages: tuple[int, ...] = (0,)
     num_stages: int = 1
     clip_axes: tuple[str, ...] = ()
+
+    @property
+    def units(self) -> int:
+        """FSDP2 units on this rank: every block and the stage's root."""
+        return self.layers + 1
 
     @classmethod
     def from_config(cls, plan: Any, cfg: Any, stage: int | None = None) -> LocalModel:
@@ -89,7 +99,15 @@ class LocalModel:
         params = (block * layers + root) // plan.tp
         return cls(params=params, root_params=root // plan.tp, tensors=0, layers=layers,
                    recomputed=recomputed, embed=embed, head=head, stages=stages, num_stages=n,
-                   clip_axes=())
+                   clip_axes=clip_axes(plan))
+
+
+def clip_axes(plan: Any) -> tuple[str, ...]:
+    """Mesh axes plait's runtime shards gradients on (where the clip norm is all-reduced):
+    ``dp_shard`` under FSDP2's ZeRO-2/3 (HSDP too: it replicates over dp_replicate), ``tp``
+    under tensor parallelism."""
+    return tuple(axis for axis, sharded in (("dp_shard", plan.zero >= 2 and plan.dp_shard > 1),
+                                            ("tp", plan.tp > 1)) if sharded)
 
 
 def _dp_axis(plan: Any) -> str:
@@ -110,74 +128,135 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
     """
     if local is None:
         local = LocalModel.from_config(plan, cfg, stage)
-    dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
-    accum, pp, m = plan.grad_accum, plan.pp, plan.microbatches
-    out: list[Traffic] = []
-    # ---------------------------------------------------------------- data parallelism
-    # A pipeline runs one schedule per accumulation step and torch's stage runtime syncs
-    # DDP/FSDP2 on the last backward of each: gradients are reduced ``accum`` times per step.
-    syncs = accum if pp > 1 else 1
-    if plan.zero == 1 and plan.dp_replicate * plan.dp_shard > 1:
-        dp = plan.dp_replicate * plan.dp_shard
-        out += _times(ddp_traffic(local.params, dp, "fp32", axis=_dp_axis(plan)), syncs)
-        if plan.dp_shard > 1:
-            out.append(Traffic("dp_shard", "broadcast", float(local.params) * FP32,
-                               local.tensors, plan.dp_shard, "params (ZeroRedundancyOptimizer)"))
-    elif plan.zero in (2, 3) and plan.dp_shard > 1:
-        z = zero_traffic(local.params, plan.dp_shard, plan.zero, param_dtype=dtype,
-                         micro_steps=accum, root_params=local.root_params)
-        gathers: list[Traffic] | None = [t for t in z if t.op == "all_gather"]
-        z = _times([t for t in z if t.op != "all_gather"], syncs)
-        if plan.zero == 2 and accum > 1:
-            # FSDP2 reshards after every backward, synced or not, so ZeRO-2 gathers again in
-            # each micro-step's forward (volumes.zero_traffic counts one gather per step).
-            gathers = _times(gathers, accum)
-        elif plan.zero == 3 and pp > 1:
-            gathers = _pipelined_zero3_gathers(plan, local, dtype)
-        out += z + (gathers or [])
-        if plan.dp_replicate > 1:
-            out += _times([Traffic("dp_replicate", "all_reduce",
-                                   float(local.params) * FP32 / plan.dp_shard, 1,
-                                   plan.dp_replicate, "grad shards (HSDP)")], syncs)
-    elif plan.dp_replicate > 1:
-        out += _times(ddp_traffic(local.params, plan.dp_replicate, "fp32"), syncs)
-    # ---------------------------------------------------------------- tensor parallelism
-    micro = accum * (m if pp > 1 else 1)
-    mb = batch // m if pp > 1 else batch
-    if plan.tp > 1:
-        if local.layers:
-            per_block = tp_block_traffic(mb, seq, cfg.dim, plan.tp, dtype, plan.sp,
-                                         recomputed=local.recomputed / local.layers)
-            out += _times(per_block, local.layers * micro)
-        out += _times(tp_end_traffic(mb, seq, cfg.dim, plan.tp, dtype, plan.sp,
-                                     embed=local.embed, head=local.head), micro)
-    # ---------------------------------------------------------------- pipeline parallelism
-    if pp > 1:
-        from ..parallel.schedules import stage_to_rank
+    mb = batch // plan.microbatches if plan.pp > 1 else batch
+    return (dp_traffic(plan, local, multi_stage_zero3=False)
+            + tp_rank_traffic(plan, local, mb, seq, cfg.dim)
+            + pp_rank_traffic(plan, local, mb, seq, cfg.dim)
+            + clip_traffic(plan, local))
 
-        owner = stage_to_rank(plan.pp_schedule, pp, plan.virtual_stages)
-        per = float(mb) * seq * cfg.dim * dtype_bytes(dtype) / (plan.tp if plan.sp else 1)
-        sends = 0
-        for s in local.stages:
-            # A neighbour stage on this same rank (the V of ZB-V) is handed over locally.
-            sends += s + 1 < local.num_stages and owner[s + 1] != owner[s]  # activation
-            sends += s > 0 and owner[s - 1] != owner[s]                     # its gradient
-        if sends:
-            n = sends * m * accum
-            out.append(Traffic("pp", "send_recv", per * n, n, 2, "activations and grads"))
-    # ---------------------------------------------------------------- gradient clipping
-    if plan.grad_clip:
-        axes, sizes = list(local.clip_axes), {a: getattr(plan, a) for a in local.clip_axes}
-        if {"dp_shard", "tp"} <= set(axes):
-            # plait.mesh builds the flattened (dp_shard, tp) view, so DTensor reduces norms
-            # partial over both axes in one all-reduce over it, not one per axis
-            axes = [a for a in axes if a not in ("dp_shard", "tp")] + [DP_SHARD_TP]
-            sizes[DP_SHARD_TP] = plan.dp_shard * plan.tp
-        for axis in axes:
-            out.append(Traffic(axis, "all_reduce", float(local.tensors) * FP32, 1,
-                               sizes[axis], "clip: per-tensor norms"))
-        if pp > 1:
-            out.append(Traffic("pp", "all_reduce", float(FP32), 1, pp, "clip: squared norm"))
+
+def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
+               bucket_bytes: float = DDP_BUCKET_BYTES,
+               multi_stage_zero3: bool = True) -> list[Traffic]:
+    """Data-parallel traffic of one rank in one optimizer step, as plait's runtime issues it.
+
+    Gradients are reduced in ``grad_dtype`` (plait: fp32); DDP in ``bucket_bytes`` buckets, FSDP2
+    one call per unit (``local.units``). A pipeline runs one schedule per accumulation step and
+    torch's stage runtime syncs DDP/FSDP2 on the last backward of each: gradients are reduced
+    ``grad_accum`` times per step. ``multi_stage_zero3``: price ZeRO-3's gathers under
+    multi-stage pipeline schedules like one-stage ones (the planner must price them; the ledger
+    leaves them out, their order is not this closed form's)."""
+    R, S, accum = plan.dp_replicate, plan.dp_shard, plan.grad_accum
+    syncs = accum if plan.pp > 1 else 1
+    g = dtype_bytes(grad_dtype)
+    P = float(local.params)
+    out: list[Traffic] = []
+    if plan.zero == 1 and R * S > 1:
+        out += _times(ddp_traffic(P, R * S, grad_dtype, axis=_dp_axis(plan),
+                                  bucket_bytes=bucket_bytes), syncs)
+        if S > 1:
+            # ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it
+            out.append(Traffic("dp_shard", "broadcast", P * FP32, max(1, local.tensors), S,
+                               "params (ZeroRedundancyOptimizer)"))
+    elif plan.zero in (2, 3) and S > 1:
+        out += _times([Traffic("dp_shard", "reduce_scatter", P * g, local.units, S, "grads")],
+                      syncs)
+        if R > 1:  # HSDP: the reduce-scattered shard all-reduced across replicas
+            out += _times([Traffic("dp_replicate", "all_reduce", P / S * g, local.units, R,
+                                   "grads")], syncs)
+        out += _param_gathers(plan, local, multi_stage_zero3)
+    elif R > 1:
+        if plan.tp > 1:  # replicated DP over TP shards: FSDP2, one all-reduce per unit
+            out += _times([Traffic("dp_replicate", "all_reduce", P * g, local.units, R,
+                                   "grads")], syncs)
+        else:
+            out += _times(ddp_traffic(P, R, grad_dtype, bucket_bytes=bucket_bytes), syncs)
+    return out
+
+
+def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traffic]:
+    """FSDP2's parameter all-gathers per optimizer step. It reshards after every backward, so
+    ZeRO-2 gathers once per micro-step; ZeRO-3 before each forward and each backward, the root
+    unit (kept gathered from forward to backward) once. Inside a one-stage-per-rank pipeline
+    (GPipe, 1F1B) FSDP2 reshards each block after every forward and torch's stage runtime keeps
+    it gathered between backwards until the last one: m + 1 gathers per block per schedule."""
+    accum, pp = plan.grad_accum, plan.pp
+    if plan.zero == 2:
+        per_block = per_root = accum
+    elif pp == 1:
+        per_block, per_root = 2 * accum, accum
+    elif multi_stage or (plan.virtual_stages == 1 and plan.pp_schedule in ("gpipe", "1f1b")):
+        per_block, per_root = (plan.microbatches + 1) * accum, accum
+    else:
+        return []
+    b = dtype_bytes("bf16" if plan.mixed_precision == "bf16" else "fp32")
+    root = float(local.root_params)
+    payload = ((float(local.params) - root) * per_block + root * per_root) * b
+    calls = local.layers * per_block + per_root
+    return [Traffic("dp_shard", "all_gather", payload, calls, plan.dp_shard, "params")]
+
+
+def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
+                    ) -> list[Traffic]:
+    """TP collectives of one rank in one optimizer step: its blocks' (``tp_block_traffic``,
+    ``local.recomputed`` of them replayed) and the embedding's / head's (``tp_end_traffic``),
+    per microbatch of ``mb`` sequences."""
+    if plan.tp == 1:
+        return []
+    dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
+    micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
+    out: list[Traffic] = []
+    if local.layers:
+        per_block = tp_block_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp,
+                                     recomputed=local.recomputed / local.layers)
+        out += _times(per_block, local.layers * micro)
+    out += _times(tp_end_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp, embed=local.embed,
+                                 head=local.head), micro)
+    return out
+
+
+def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
+                    ) -> list[Traffic]:
+    """Pipeline sends of one rank in one optimizer step: per microbatch and stage boundary it
+    holds, the activation forward and its gradient back; a neighbour stage on the same rank
+    (the V of ZB-V) is handed over locally. With SP the message is the TP shard."""
+    if plan.pp == 1:
+        return []
+    from ..parallel.schedules import stage_to_rank
+
+    dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
+    owner = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
+    per = float(mb) * seq * hidden * dtype_bytes(dtype) / (plan.tp if plan.sp else 1)
+    sends = 0
+    for s in local.stages:
+        sends += s + 1 < local.num_stages and owner[s + 1] != owner[s]  # activation
+        sends += s > 0 and owner[s - 1] != owner[s]                     # its gradient
+    if not sends:
+        return []
+    n = sends * plan.microbatches * plan.grad_accum
+    return [Traffic("pp", "send_recv", per * n, n, 2, "activations and grads")]
+
+
+def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
+    """Gradient clipping (``plan.grad_clip``): ``get_total_norm`` over DTensor gradients
+    all-reduces one fp32 norm per parameter tensor on every mesh axis they are sharded on, in one
+    call over the flattened ``dp_shard_tp`` view where they are sharded on both; with pipelines
+    each stage holds only its own gradients, so the squared norm (one fp32) is all-reduced over
+    ``pp`` too (``plait.train.clip_grad_norm``): a blocking call every stage waits in."""
+    if not plan.grad_clip:
+        return []
+    out: list[Traffic] = []
+    axes, sizes = list(local.clip_axes), {a: getattr(plan, a) for a in local.clip_axes}
+    if {"dp_shard", "tp"} <= set(axes):
+        # plait.mesh builds the flattened (dp_shard, tp) view, so DTensor reduces norms
+        # partial over both axes in one all-reduce over it, not one per axis
+        axes = [a for a in axes if a not in ("dp_shard", "tp")] + [DP_SHARD_TP]
+        sizes[DP_SHARD_TP] = plan.dp_shard * plan.tp
+    for axis in axes:
+        out.append(Traffic(axis, "all_reduce", float(local.tensors) * FP32, 1, sizes[axis],
+                           "clip: per-tensor norms"))
+    if plan.pp > 1:
+        out.append(Traffic("pp", "all_reduce", float(FP32), 1, plan.pp, "clip: squared norm"))
     return out
 
 
@@ -234,25 +313,6 @@ def _times(traffic: list[Traffic], k: int) -> list[Traffic]:
     if k == 1:
         return traffic
     return [Traffic(t.axis, t.op, t.payload * k, t.calls * k, t.group, t.what) for t in traffic]
-
-
-def _pipelined_zero3_gathers(plan: Any, local: LocalModel, dtype: str) -> list[Traffic] | None:
-    """ZeRO-3 inside a one-stage-per-rank pipeline (GPipe, 1F1B): FSDP2 reshards each block
-    after every forward, and torch's stage runtime keeps it gathered between backwards until
-    the last one, so each block is gathered once per forward that follows a forward and once
-    per backward that follows a forward: m + 1 times per schedule for both schedules; the root
-    once. Multi-stage schedules interleave stages in an order this closed form does not follow:
-    None (the ledger then shows the measured bytes without a ratio)."""
-    if plan.virtual_stages != 1 or plan.pp_schedule not in ("gpipe", "1f1b"):
-        return None
-    b = dtype_bytes(dtype)
-    blocks = float(local.params - local.root_params) * b
-    n = plan.microbatches + 1
-    root = float(local.root_params) * b
-    out = Traffic("dp_shard", "all_gather", (blocks * n + root) * plan.grad_accum,
-                  (local.layers * n + (1 if local.root_params else 0)) * plan.grad_accum,
-                  plan.dp_shard, "params")
-    return [out]
 
 
 def by_axis_op(traffic: list[Traffic]) -> dict[tuple[str, str], float]:

@@ -120,7 +120,7 @@ def _positive(**values: float) -> None:
             raise ValueError(f"{name}={value!r} must be >= 1")
 
 
-def ddp_traffic(params: int, dp: int, grad_dtype: str | torch.dtype = "fp32", *,
+def ddp_traffic(params: float, dp: int, grad_dtype: str | torch.dtype = "fp32", *,
                 axis: str = "dp_replicate", bucket_bytes: float = 25 * 2**20) -> list[Traffic]:
     """DDP: all-reduce of ``params`` gradients once per optimizer step over ``dp`` ranks.
 

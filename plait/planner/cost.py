@@ -19,11 +19,13 @@ CPU cores lives in :mod:`plait.planner.cpu`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait.comm.volumes import Traffic, by_axis, pp_traffic, tp_traffic
+from plait.comm import predict
+from plait.comm.volumes import Traffic, by_axis
 from plait.plan import Plan
 
 from .compute import microbatch_times
@@ -122,6 +124,8 @@ class Estimate:
     time_breakdown: dict[str, float] = field(default_factory=dict)
     microbatch_size: int = 0
     stage_layers: tuple[int, ...] = ()
+    # the pipeline rank whose time and traffic the step is priced by (the busiest)
+    busiest_rank: int = 0
     traffic: list[Traffic] = field(default_factory=list)
     # What the prediction assumes that a reader should know (printed under the table).
     notes: list[str] = field(default_factory=list)
@@ -263,28 +267,24 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     opt_time = owned * 16 * 2 / cluster.hbm_bw  # param, grad, 2 moments: read + write
     dtensors = zero >= 2 or tp > 1
     tensor_time = tensors * (c.dtensor_step_s if dtensors else c.tensor_step_s)
-    clip = clip_traffic(plan)
+    clip = clip_traffic(plan, shares[r_busy])
     clip_time = sum(collective_time(t, cluster, stride, c) for t, stride in clip)
     step = pipe + exposed_grad + gather_time + exposed_ag3 + opt_time + tensor_time + clip_time
 
     # ---- memory on each pipeline rank; the worst one counts
     mem_best, breakdown = peak_memory(plan, model, cluster, b, s, st, shares, c)
 
-    # ---- traffic per axis (busiest rank), from the same closed forms the ledger uses
-    traffic = [t for t, _ in traffic_dp + clip]
+    # ---- traffic of the busiest rank, as the comm ledger predicts it (plait.comm.predict)
     layers_busy = st.rank_layers[r_busy]
-    if tp > 1:
-        ckpt_mode = plan.activation_checkpointing
-        recomputed = layers_busy if ckpt_mode == "full" else (
-            checkpointed(plan, layers_busy)[0] if ckpt_mode == "selective" else 0)
-        traffic += tp_traffic(b, s, model.hidden, layers_busy, tp, plan.mixed_precision,
-                              sp=plan.sp, microbatches=m * steps, recomputed_layers=recomputed)
-    if pp > 1:
-        traffic += pp_traffic(b, s, model.hidden, pp, plan.mixed_precision,
-                              microbatches=m * steps, virtual_stages=plan.virtual_stages, tp=tp,
-                              sp=plan.sp)
+    ckpt_mode = plan.activation_checkpointing
+    busy = dataclasses.replace(shares[r_busy], recomputed=layers_busy if ckpt_mode == "full"
+                               else checkpointed(plan, layers_busy)[0]
+                               if ckpt_mode == "selective" else 0)
+    traffic = [t for t, _ in traffic_dp] + predict.tp_rank_traffic(plan, busy, b, s, model.hidden) \
+        + predict.pp_rank_traffic(plan, busy, b, s, model.hidden) + [t for t, _ in clip]
 
     est.traffic = traffic
+    est.busiest_rank = r_busy
     est.comm_bytes_per_step = by_axis(traffic)
     est.memory_bytes_per_device = mem_best
     est.memory_breakdown = breakdown

@@ -20,12 +20,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from plait.comm.predict import LocalModel
 from plait.plan import Plan
 
 from .hardware import Cluster
 from .model_stats import ModelStats
 from .pipeline import Stages, inflight
-from .traffic import RankShare, act_dtype_bytes
+from .traffic import act_dtype_bytes
 
 if TYPE_CHECKING:
     from .cost import Constants
@@ -66,7 +67,7 @@ def checkpointed(plan: Plan, layers: int) -> tuple[int, float]:
 
 
 def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
-                st: Stages, shares: list[RankShare], c: Constants
+                st: Stages, shares: list[LocalModel], c: Constants
                 ) -> tuple[float, dict[str, float]]:
     """(bytes on the busiest pipeline rank, its breakdown). Peak memory sits on the first rank
     (most microbatches in flight) or the last (logits); rank 1 is checked too for the

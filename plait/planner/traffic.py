@@ -1,8 +1,8 @@
 """Which collectives one step issues, and how long each takes on the cluster's links.
 
-The bytes come from :mod:`plait.comm.volumes` (the closed forms the ledger also uses) and follow
-what plait's runtime issues (:mod:`plait.comm.predict`, whose per-block TP traffic the planner
-prices directly: ``tp_block_traffic``, ``tp_end_traffic``); the time of a collective is
+The collectives are the comm ledger's prediction of what plait's runtime issues
+(:mod:`plait.comm.predict`: data parallelism, TP, pipeline sends and clipping, on each pipeline
+rank's share of the model as a ``LocalModel``); the time of a collective is
 ``calls x (latency x ring steps + per-call cost) + wire bytes / (bandwidth x link efficiency)``
 on the tier its group lives on. Mesh order is (pp, dp_replicate, dp_shard, cp, tp), tp
 innermost, so a group of size n and stride d stays inside a node iff n*d divides the node.
@@ -10,11 +10,12 @@ innermost, so a group of size n and stride d stays inside a node iff n*d divides
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from plait.comm import predict
+from plait.comm.predict import LocalModel, clip_axes
 from plait.comm.volumes import Traffic
+from plait.mesh import DP_SHARD_TP
 from plait.plan import Plan
 
 from .hardware import Cluster
@@ -59,20 +60,18 @@ def collective_time(t: Traffic, cluster: Cluster, stride: int, c: Constants) -> 
 
 
 # ------------------------------------------------------------------------ data parallelism
-@dataclass(frozen=True)
-class RankShare:
-    """What one pipeline rank holds (TP-local): parameters, of which its root's (embedding /
-    head), its FSDP units (blocks + the root unit) and its parameter tensors."""
-
-    params: float
-    root: float
-    units: int
-    tensors: int
+def axis_stride(plan: Plan, axis: str) -> int:
+    """Rank stride of a mesh axis's groups in mesh order (pp, dp_replicate, dp_shard, cp, tp)."""
+    tp, cp, S, R = plan.tp, plan.cp, plan.dp_shard, plan.dp_replicate
+    return {"tp": 1, DP_SHARD_TP: 1, "dp_shard": cp * tp, "dp": cp * tp,
+            "dp_replicate": S * cp * tp, "pp": R * S * cp * tp}[axis]
 
 
 def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
-                rank_chunks: list[range]) -> list[RankShare]:
-    """Every pipeline rank's share of the model, for its optimizer state and its DP traffic."""
+                rank_chunks: list[range]) -> list[LocalModel]:
+    """Every pipeline rank's share of the model (TP-local), for its optimizer state and its
+    traffic, in the form the comm ledger's prediction takes (:class:`plait.comm.predict
+    .LocalModel`)."""
     tp, pp, chunks = plan.tp, plan.pp, len(sizes)
     bounds = [0]
     for n in sizes:
@@ -93,7 +92,9 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
         layers = sum(sizes[i] for i in ids)
         tensors = (layers * model.block_tensors + (model.embed_tensors if first else 0) +
                    (model.head_tensors if last else 0))
-        out.append(RankShare(p / tp, root, layers + 1, tensors))
+        out.append(LocalModel(params=p / tp, root_params=root, tensors=tensors, layers=layers,
+                              embed=first, head=last, stages=tuple(ids), num_stages=chunks,
+                              clip_axes=clip_axes(plan)))
     return out
 
 
@@ -103,56 +104,23 @@ def uses_fsdp(plan: Plan) -> bool:
     return plan.zero >= 2 or (plan.zero == 0 and plan.tp > 1 and plan.dp_replicate > 1)
 
 
-def dp_traffic(plan: Plan, share: RankShare, *, grad_dtype: str, bucket_bytes: float
+def dp_traffic(plan: Plan, share: LocalModel, *, grad_dtype: str, bucket_bytes: float
                ) -> list[tuple[Traffic, int]]:
-    """One pipeline rank's data-parallel traffic per optimizer step, as plait's runtime issues
-    it (see plait.comm.predict), with each op's rank stride in mesh order."""
-    S, R, zero, tp, pp = plan.dp_shard, plan.dp_replicate, plan.zero, plan.tp, plan.pp
-    steps, m = plan.grad_accum, (plan.microbatches if pp > 1 else 1)
-    gbytes, pbytes = act_dtype_bytes(grad_dtype), act_dtype_bytes(plan.mixed_precision)
-    P, root, units = share.params, share.root, share.units
-    # A pipeline syncs gradients at the last backward of each schedule run (once per
-    # accumulation step); without one, once per optimizer step (no_sync while accumulating).
-    syncs = steps if pp > 1 else 1
-    out: list[tuple[Traffic, int]] = []
-
-    def grads(axis: str, op: str, payload: float, calls: int, group: int, stride: int) -> None:
-        if group > 1:
-            out.append((Traffic(axis, op, payload * syncs, calls * syncs, group, "grads"),
-                        stride))
-
-    buckets = max(1, math.ceil(P * gbytes / bucket_bytes))
-    if zero == 0 and R > 1:
-        grads("dp_replicate", "all_reduce", P * gbytes, units if uses_fsdp(plan) else buckets,
-              R, tp * S)
-    elif zero == 1:
-        # DDP over every data rank, then ZeroRedundancyOptimizer broadcasts each parameter
-        # tensor from the rank that updated it.
-        grads("dp", "all_reduce", P * gbytes, buckets, R * S, tp)
-        if S > 1:
-            out.append((Traffic("dp_shard", "broadcast", P * 4, max(1, share.tensors), S,
-                                "params"), tp))
-    elif zero >= 2 and S > 1:
-        grads("dp_shard", "reduce_scatter", P * gbytes, units, S, tp)
-        if R > 1:  # HSDP: the shard's gradients all-reduced across replicas
-            grads("dp_replicate", "all_reduce", P / S * gbytes, units, R, tp * S)
-        # FSDP2 reshards after every backward, so ZeRO-2 gathers once per micro-step
-        # (pipeline: per schedule run); ZeRO-3 before each forward and backward, the root
-        # once (pipeline, 1F1B/GPipe: m + 1 times per block per run, the stage runtime keeps
-        # blocks gathered between backwards).
-        if zero == 2:
-            per_block = per_root = steps
-        elif pp == 1:
-            per_block, per_root = 2 * steps, steps
-        else:
-            per_block, per_root = (m + 1) * steps, steps
-        payload = ((P - root) * per_block + root * per_root) * pbytes
-        calls = (units - 1) * per_block + per_root
-        out.append((Traffic("dp_shard", "all_gather", payload, calls, S, "params"), tp))
-    return out
+    """One pipeline rank's data-parallel traffic per optimizer step, exactly what the comm
+    ledger predicts for it (:func:`plait.comm.predict.dp_traffic`), with each op's rank stride
+    in mesh order."""
+    return [(t, axis_stride(plan, t.axis)) for t in
+            predict.dp_traffic(plan, share, grad_dtype=grad_dtype, bucket_bytes=bucket_bytes)]
 
 
-def fsdp_host_time(plan: Plan, share: RankShare, c: Constants) -> tuple[float, float]:
+def clip_traffic(plan: Plan, share: LocalModel) -> list[tuple[Traffic, int]]:
+    """Gradient clipping's collectives on one pipeline rank (:func:`plait.comm.predict
+    .clip_traffic`): the per-tensor norms over the axes DTensor gradients are sharded on, and
+    with pipelines the squared norm over pp, a blocking call every stage waits in."""
+    return [(t, axis_stride(plan, t.axis)) for t in predict.clip_traffic(plan, share)]
+
+
+def fsdp_host_time(plan: Plan, share: LocalModel, c: Constants) -> tuple[float, float]:
     """FSDP2's per-unit costs beyond the collectives on one pipeline rank, per optimizer step:
     (its gradient reduces, its ZeRO-3 backward re-gathers)."""
     if not (plan.zero >= 2 and plan.dp_shard > 1):
@@ -165,18 +133,7 @@ def fsdp_host_time(plan: Plan, share: RankShare, c: Constants) -> tuple[float, f
     return reduce, c.fsdp_regather_s * (share.units - 1) * per_block
 
 
-def clip_traffic(plan: Plan) -> list[tuple[Traffic, int]]:
-    """Gradient clipping across pipeline stages: each stage holds only its own gradients, so
-    plait's runtime all-reduces the squared norm (one fp32) over pp before every optimizer step
-    (plait.train.clip_grad_norm): a blocking call every stage waits in. (The per-tensor norms
-    of DTensor gradients are inside the measured ``dtensor_step_s``.)"""
-    if not (plan.grad_clip and plan.pp > 1):
-        return []
-    return [(Traffic("pp", "all_reduce", 4.0, 1, plan.pp, "clip: squared norm"),
-             plan.tp * plan.dp_shard * plan.dp_replicate)]
-
-
-def fsdp_exposed(plan: Plan, cluster: Cluster, share: RankShare, layers: int,
+def fsdp_exposed(plan: Plan, cluster: Cluster, share: LocalModel, layers: int,
                  fwd_unit: float, bwd_unit: float, *, grad_dtype: str,
                  c: Constants) -> float:
     """Seconds of FSDP2's gathers and reduce-scatters (ZeRO-2/3) the step waits for on one rank
@@ -194,12 +151,12 @@ def fsdp_exposed(plan: Plan, cluster: Cluster, share: RankShare, layers: int,
     S, tp = plan.dp_shard, plan.tp
     steps = plan.grad_accum
     pbytes, gbytes = act_dtype_bytes(plan.mixed_precision), act_dtype_bytes(grad_dtype)
-    block = (share.params - share.root) / max(layers, 1)
+    block = (share.params - share.root_params) / max(layers, 1)
     gather = collective_time(Traffic("dp_shard", "all_gather", block * pbytes, 1, S), cluster,
                              tp, c)
     scatter = collective_time(Traffic("dp_shard", "reduce_scatter", block * gbytes, 1, S),
                               cluster, tp, c)
-    root = collective_time(Traffic("dp_shard", "all_gather", share.root * pbytes, 1, S),
+    root = collective_time(Traffic("dp_shard", "all_gather", share.root_params * pbytes, 1, S),
                            cluster, tp, c)
     hidden = max(layers - 1, 0)
     regather = gather if plan.zero == 3 else 0.0
