@@ -53,3 +53,20 @@ def test_bad_loader_input():
         DistributedLoader(ds, 0)
     with pytest.raises(ValueError, match="split="):
         TextDataset(split="test")
+
+
+def test_epoch_order_drawn_once_stays_a_function_of_seed_and_step():
+    """The permutation is kept per epoch; a step's batch is still what a fresh loader (or one
+    whose seed a checkpoint changed) computes for it."""
+    ds = TextDataset(seq_len=512)
+    walked = DistributedLoader(ds, batch_size=64, seed=3)
+    per_epoch = walked.batches_per_epoch
+    steps = [0, 1, per_epoch - 1, per_epoch, 2 * per_epoch + 1, 1]
+    for step in steps:  # across epoch boundaries and back
+        fresh = DistributedLoader(ds, batch_size=64, seed=3)
+        assert torch.equal(walked.global_indices(step), fresh.global_indices(step))
+    walked.load_state_dict({"step": 0, "seed": 4})
+    assert torch.equal(walked.global_indices(1),
+                       DistributedLoader(ds, batch_size=64, seed=4).global_indices(1))
+    assert not torch.equal(walked.global_indices(1),
+                           DistributedLoader(ds, batch_size=64, seed=3).global_indices(1))

@@ -42,6 +42,7 @@ class DistributedLoader:
         self.steps = steps
         self.step = start_step
         self.batches_per_epoch = len(dataset) // batch_size  # type: ignore[arg-type]
+        self._cached: tuple[tuple[int, int], torch.Tensor] | None = None  # (seed, epoch), order
 
     def __len__(self) -> int:
         if self.steps is None:
@@ -49,11 +50,18 @@ class DistributedLoader:
         return max(0, self.steps - self.step)
 
     def _order(self, epoch: int) -> torch.Tensor:
+        """The epoch's permutation of the dataset, drawn once per epoch (not once per step)."""
+        key = (self.seed, epoch)
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
         n = len(self.dataset)  # type: ignore[arg-type]
         if not self.shuffle:
-            return torch.arange(n)
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(n, generator=gen)
+            order = torch.arange(n)
+        else:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(n, generator=gen)
+        self._cached = (key, order)
+        return order
 
     def global_indices(self, step: int) -> torch.Tensor:
         """Dataset indices of the whole global batch of ``step`` (all replicas)."""
