@@ -185,6 +185,8 @@ def test_batch_layout_positional_dict_and_own_loss():
     assert laid.first is _IDS and set(laid.every) == {"token_type_ids"}
     assert laid.last_only["labels"] is hf["labels"] and laid.targets is hf["labels"]
     assert stage_inputs(hf, F.cross_entropy, sig, "Net").last_only == {}
+    laid = stage_inputs(((_IDS,), _IDS), F.cross_entropy, inspect.signature(_star), "Net")
+    assert laid.first is _IDS and laid.every == {}
 
 
 def test_a_forward_that_skips_its_last_block_is_refused_before_the_schedule():

@@ -154,7 +154,7 @@ def stage_inputs(batch: Any, loss_fn: Callable | None, signature: inspect.Signat
     elif isinstance(inputs, (tuple, list)):
         if not inputs:
             raise ValueError("pipeline inputs are an empty tuple; give the model's input")
-        if len(inputs) > len(params):
+        if len(inputs) > max(len(params), 1):
             raise ValueError(f"{model_name}.forward names {len(params)} positional "
                              f"parameters but the batch gives {len(inputs)} inputs: later "
                              f"stages get the extra inputs by name, so give them as a dict "
