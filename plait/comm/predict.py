@@ -43,10 +43,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..mesh import DP_SHARD_TP
-from .volumes import Traffic, ddp_traffic, dtype_bytes, tp_traffic
+from .volumes import DDP_BUCKET_BYTES, Traffic, ddp_traffic, dtype_bytes, tp_traffic
 
 FP32 = 4
-DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,12 @@ def _positive(**values: float) -> None:
             raise ValueError(f"{name}={value!r} must be >= 1")
 
 
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
+
+
 def ddp_traffic(params: float, dp: int, grad_dtype: str | torch.dtype = "fp32", *,
-                axis: str = "dp_replicate", bucket_bytes: float = 25 * 2**20) -> list[Traffic]:
+                axis: str = "dp_replicate", bucket_bytes: float = DDP_BUCKET_BYTES
+                ) -> list[Traffic]:
     """DDP: all-reduce of ``params`` gradients once per optimizer step over ``dp`` ranks.
 
     ``params`` is the number of parameters this rank holds (after TP/PP splitting). ``calls`` is

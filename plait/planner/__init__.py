@@ -9,11 +9,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from plait.plan import Plan
 
 from .cost import DEFAULT_CONSTANTS, Constants, Estimate, Workload, evaluate
+from .cpu.overheads import CPU_PROFILE, HostOverheads
 from .hardware import Cluster, load_cluster, presets
 from .model_stats import ModelStats, load_model
 from .search import SearchResult, search
@@ -24,22 +26,15 @@ __all__ = ["auto_plan", "plan_model", "evaluate_plan", "constants_for", "CALIBRA
            "presets", "search", "evaluate"]
 
 
-# Constants a cluster profile may carry under ``extra`` (written by ``plait plan --calibrate``).
-CALIBRATED_KEYS = (("block_overhead_s", float), ("overlap", bool), ("link_efficiency", float),
-                   ("all_gather_factor", float), ("reduce_scatter_factor", float),
-                   ("broadcast_factor", float), ("all_reduce_call_s", float),
-                   ("all_gather_call_s", float), ("reduce_scatter_call_s", float),
-                   ("broadcast_call_s", float), ("micro_overhead_s", float),
-                   ("tensor_step_s", float), ("dtensor_step_s", float), ("fsdp_unit_s", float),
-                   ("fsdp_reduce_s", float), ("fsdp_regather_s", float),
-                   ("tp_block_overhead_s", float), ("tp_micro_overhead_s", float),
-                   ("zb_call_s", float), ("zb_backward_factor", float))
+# Constants a cluster profile may carry under ``extra`` (written by ``plait plan --calibrate``):
+# every host-side constant (plait.planner.cpu.overheads, their one home) and the profile's
+# overlap and link efficiency.
+CALIBRATED_KEYS = tuple([(name, type(value)) for name, value in CPU_PROFILE.items()] + [
+    (f.name, float) for f in dataclasses.fields(HostOverheads)])
 
 
 def constants_for(cluster: Cluster, base: Constants = DEFAULT_CONSTANTS) -> Constants:
     """The cost constants for ``cluster``: a calibrated profile carries its own efficiency."""
-    import dataclasses
-
     extra = dict(cluster.extra or {})
     changes = {}
     eff = extra.get("compute_efficiency")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.comm import predict
-from plait.comm.volumes import Traffic, by_axis
+from plait.comm.volumes import DDP_BUCKET_BYTES, Traffic, by_axis
 from plait.plan import Plan
 
 from .compute import microbatch_times
@@ -54,8 +54,9 @@ class Constants(HostOverheads):
     communication and bubbles were modelled; see docs/planner.md and bench/planner_accuracy.py.
     ``plait plan --calibrate`` measures it for the local machine instead.
     ``link_efficiency``: fraction of link bandwidth NCCL-class collectives reach (busbw/link).
-    The host-side fields (per block, per tensor, per FSDP2 unit...) are inherited from
-    :class:`plait.planner.cpu.overheads.HostOverheads`: 0 on accelerators, measured on CPUs.
+    What ``plait plan --calibrate`` measures on a CPU machine (per block, per tensor, per FSDP2
+    unit, gloo's per-op byte factors and per-call costs) is inherited from
+    :class:`plait.planner.cpu.overheads.HostOverheads`, its one home: neutral on accelerators.
     """
 
     compute_efficiency: float = 0.57
@@ -63,23 +64,9 @@ class Constants(HostOverheads):
     # Whether data-parallel communication can run under compute. False where processes already
     # use every core (CPU + gloo): nothing is left to drive the collective in the background.
     overlap: bool = True
-    # Per-byte cost of each collective relative to the ring ideal at the all-reduce's measured
-    # bus bandwidth (1.0: the ring). gloo has no native reduce-scatter or all-gather into a
-    # tensor and torch emulates them with an all-reduce / per-rank copies, about 2.0 per byte;
-    # --calibrate measures each from the op itself.
-    all_gather_factor: float = 1.0
-    reduce_scatter_factor: float = 1.0
-    broadcast_factor: float = 1.0
-    # Time per call beyond ``latency x ring steps`` (launch, copies, gloo's own work). May be
-    # negative down to minus the latency where calls overlap (ZeroRedundancyOptimizer's burst of
-    # asynchronous broadcasts). 0 on the GPU presets: NCCL's per-call cost is in the latency.
-    all_reduce_call_s: float = 0.0
-    all_gather_call_s: float = 0.0
-    reduce_scatter_call_s: float = 0.0
-    broadcast_call_s: float = 0.0
     flash_attention: bool = True
     activation_dropout_masks: bool = True
-    bucket_bytes: float = 25 * 2**20
+    bucket_bytes: float = DDP_BUCKET_BYTES
 
 
 DEFAULT_CONSTANTS = Constants()

@@ -5,6 +5,10 @@ machine each plait process is one device, several of them share the cores, and a
 takes a core from compute. Everything specific to that lives here, so the accelerator model in
 :mod:`plait.planner.cost` reads without it:
 
+* :mod:`.overheads`: every constant ``--calibrate`` measures on a CPU machine (host-side
+  seconds per event, gloo's per-op byte factors and per-call costs) and what a CPU profile
+  states beside them (``CPU_PROFILE``: no overlap, link efficiency 1): their one home, neutral
+  on accelerators;
 * :mod:`.sharing`: pipeline stages idle in their bubble hand their core to busy ones (a
   schedule simulation with shared cores);
 * :mod:`.probes`: ``plait plan --calibrate`` on a CPU machine: times matmuls, a block, the

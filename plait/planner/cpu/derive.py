@@ -88,6 +88,7 @@ def derive_constants(raw: dict, *, alpha: float, bw: float, rate: float) -> dict
 
     from ..cost import DEFAULT_CONSTANTS
     from ..traffic import collective_time
+    from .overheads import CPU_PROFILE
 
     world = int(raw["world"])
     out: dict[str, float] = {}
@@ -112,7 +113,8 @@ def derive_constants(raw: dict, *, alpha: float, bw: float, rate: float) -> dict
                       memory_bytes=1e12, peak_flops={"fp32": rate}, intra_bw=bw, inter_bw=bw,
                       intra_latency=alpha, inter_latency=alpha)
     changes: dict[str, Any] = dict(out)
-    c = dataclasses.replace(DEFAULT_CONSTANTS, link_efficiency=1.0, **changes)
+    c = dataclasses.replace(DEFAULT_CONSTANTS, link_efficiency=CPU_PROFILE["link_efficiency"],
+                            **changes)
     gather = collective_time(Traffic("dp_shard", "all_gather", raw["fsdp_unit_bytes"], 1, world),
                              cluster, 1, c)
     out["fsdp_unit_s"] = max(0.0, (raw["fsdp_nosync"] - raw["fsdp_plain"]) / FSDP_UNITS - gather)

@@ -21,6 +21,7 @@ from .. import constants_for
 from ..cost import Workload, evaluate
 from ..model_stats import load_model
 from .derive import LARGE_BYTES, SMALL_BYTES, derive_constants, median_of
+from .overheads import CPU_PROFILE
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -65,8 +66,8 @@ def in_group_profile(cluster, cals: list[dict], computes: list[dict], world: int
     eff = min(1.0, med["rate"] / med["peak"])
     derived = derive_constants(med, alpha=alpha, bw=bw, rate=med["peak"] * eff)
     extra = dict(cluster.extra)
-    extra.update(compute_efficiency=eff, block_overhead_s=med["overhead"], overlap=False,
-                 link_efficiency=1.0, **derived)
+    extra.update(compute_efficiency=eff, block_overhead_s=med["overhead"], **CPU_PROFILE,
+                 **derived)
     # Every rank calibrated at once, so the figures are per process with the cores shared; the
     # cost model wants a whole core's peak and the core count, and applies the share itself
     # (it also needs the count to know that a pipeline's idle stages free their cores).

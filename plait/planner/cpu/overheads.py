@@ -12,10 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# What a CPU machine's profile states beside the measured constants: every core computes, so no
+# collective progresses in the background (no overlap), and the bandwidth it records is the
+# achieved bus bandwidth already (link efficiency 1).
+CPU_PROFILE = {"overlap": False, "link_efficiency": 1.0}
+
 
 @dataclass(frozen=True)
 class HostOverheads:
-    """Seconds per event; every default 0 (accelerators)."""
+    """Seconds per event (and per-byte factors of gloo's collectives); every default neutral:
+    0 seconds, factor 1 (accelerators)."""
 
     # Fixed time per block per microbatch (forward + backward): kernel launches and Python.
     block_overhead_s: float = 0.0
@@ -46,3 +52,17 @@ class HostOverheads:
     # extra fraction of a block's backward FLOP time).
     zb_call_s: float = 0.0
     zb_backward_factor: float = 0.0
+    # Per-byte cost of each collective relative to the ring ideal at the all-reduce's measured
+    # bus bandwidth (1.0: the ring). gloo has no native reduce-scatter or all-gather into a
+    # tensor and torch emulates them with an all-reduce / per-rank copies, about 2.0 per byte;
+    # --calibrate measures each from the op itself.
+    all_gather_factor: float = 1.0
+    reduce_scatter_factor: float = 1.0
+    broadcast_factor: float = 1.0
+    # Time per call beyond ``latency x ring steps`` (launch, copies, gloo's own work). May be
+    # negative down to minus the latency where calls overlap (ZeroRedundancyOptimizer's burst of
+    # asynchronous broadcasts). 0 on the GPU presets: NCCL's per-call cost is in the latency.
+    all_reduce_call_s: float = 0.0
+    all_gather_call_s: float = 0.0
+    reduce_scatter_call_s: float = 0.0
+    broadcast_call_s: float = 0.0

@@ -29,6 +29,7 @@ from .derive import (
     derive_constants,
     median_of,
 )
+from .overheads import CPU_PROFILE
 
 
 def _median_time(fn, repeats: int = 5, warmup: int = 1) -> float:
@@ -116,10 +117,7 @@ def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
     extra: dict[str, Any] = {"compute_efficiency": round(eff, 4),
                              "block_overhead_s": overhead,
                              "block_fit_residual": round(fit.residual, 4),
-                             # every core computes: no background progress for collectives
-                             "overlap": False,
-                             # the bandwidth below is the achieved bus bandwidth already
-                             "link_efficiency": 1.0,
+                             **CPU_PROFILE,
                              **{k: float(v) for k, v in derived.items()},
                              "measured": f"matmul 512^2 fp32 1 thread; block fwd+bwd dim=128 "
                                          f"seq=64, 1 and 2 blocks x batch 1/2/4/8, Theil-Sen "
