@@ -55,6 +55,30 @@ def test_planner_prices_the_bytes_the_ledger_predicts(layout):
         assert got[key] == pytest.approx(value, rel=1e-6), key
 
 
+@pytest.mark.parametrize("plan_text", ["pp=2,microbatches=2", "dp_shard=2,zero=3"])
+def test_planner_rank_shares_are_what_the_runtime_lays_out(plan_text):
+    """The planner's share of each pipeline rank (parameters, root, blocks, tensors, clip
+    axes, embedding / head) is what plait's runtime holds on that rank once it parallelized the
+    reference model (read as the ledger reads it), on real processes."""
+    from plait.planner.pipeline import stage_sizes
+    from plait.planner.traffic import rank_shares
+    from plait.spawn import run_distributed
+    from tests import _workers_planner as W
+
+    plan = Plan.from_string(plan_text)
+    m = load_model("tiny")
+    sizes = stage_sizes(plan, m, None, balance=False)  # the runtime's default split
+    chunks = [range(r, len(sizes), plan.pp) for r in range(plan.pp)]
+    ours = rank_shares(plan, m, sizes, chunks)
+    for got in run_distributed(W.local_share, plan.world_size, plan_text, "tiny", timeout=240):
+        want = ours[got["pp_rank"]]
+        assert got["params"] == pytest.approx(want.params, rel=1e-9)
+        assert got["root_params"] == pytest.approx(want.root_params, rel=1e-9)
+        assert (got["layers"], got["tensors"], got["embed"], got["head"]) == \
+            (want.layers, want.tensors, want.embed, want.head)
+        assert tuple(got["clip_axes"]) == want.clip_axes
+
+
 def test_collective_time_per_op_factor_and_call_cost():
     from plait.comm.volumes import Traffic
     from plait.planner.hardware import Cluster
