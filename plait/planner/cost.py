@@ -263,12 +263,10 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
 
     # ---- traffic of the busiest rank, as the comm ledger predicts it (plait.comm.predict)
     layers_busy = st.rank_layers[r_busy]
-    ckpt_mode = plan.activation_checkpointing
-    busy = dataclasses.replace(shares[r_busy], recomputed=layers_busy if ckpt_mode == "full"
-                               else checkpointed(plan, layers_busy)[0]
-                               if ckpt_mode == "selective" else 0)
-    traffic = [t for t, _ in traffic_dp] + predict.tp_rank_traffic(plan, busy, b, s, model.hidden) \
-        + predict.pp_rank_traffic(plan, busy, b, s, model.hidden) + [t for t, _ in clip]
+    busy = dataclasses.replace(shares[r_busy], recomputed=checkpointed(plan, layers_busy)[0])
+    traffic = [t for t, _ in traffic_dp + clip] + \
+        predict.tp_rank_traffic(plan, busy, b, s, model.hidden) + \
+        predict.pp_rank_traffic(plan, busy, b, s, model.hidden)
 
     est.traffic = traffic
     est.busiest_rank = r_busy
