@@ -80,35 +80,36 @@ class HandedOn:
         self.last: Any = None
 
 
-class PipelineZero(nn.Module):
+class StandIn(nn.Module):
+    """A parameter-free module in place of one another stage owns; the one for the sequence's
+    last block also reads what the stage hands on (its ``handed_on``)."""
+
+    def __init__(self, handed_on: HandedOn | None = None):
+        super().__init__()
+        self._handed_on = handed_on
+
+    def _receive(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        x = _carried(args, kwargs)
+        if self._handed_on is not None:
+            self._handed_on.last = x
+        return x
+
+
+class PipelineZero(StandIn):
     """Stands in for a module another stage owns whose output the forward *adds* to the running
     activation (an HF position embedding added to ``inputs_embeds``, a second embedding, a
     block whose residual is in the parent's forward): the hidden states received already
     contain its contribution, so here it adds zero."""
 
-    def __init__(self, handed_on: HandedOn | None = None):
-        super().__init__()
-        self._handed_on = handed_on
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        x = _carried(args, kwargs)
-        if self._handed_on is not None:
-            self._handed_on.last = x
-        return torch.zeros((), device=x.device)
+        return torch.zeros((), device=self._receive(args, kwargs).device)
 
 
-class PipelineSkip(nn.Module):
+class PipelineSkip(StandIn):
     """Stands in for a module another stage owns: returns its first input unchanged."""
 
-    def __init__(self, handed_on: HandedOn | None = None):
-        super().__init__()
-        self._handed_on = handed_on
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        x = _carried(args, kwargs)
-        if self._handed_on is not None:
-            self._handed_on.last = x
-        return x
+        return self._receive(args, kwargs)
 
 
 # The stand-ins for modules another stage owns. Later composition steps leave them alone: a
