@@ -223,6 +223,17 @@ def dcp_set_element() -> Callable[..., Any]:
 
 
 # -------------------------------------------------------------------------------- pipelining
+def pytree() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``torch.utils._pytree.tree_flatten`` and ``tree_unflatten``.
+
+    Why: a pipeline's last stage must hand torch's ``PipelineStage`` tensors only, while models
+    return tuples, dicts or Hugging Face ``ModelOutput``s; torch's pytree knows all of these
+    (transformers registers ``ModelOutput`` with it) and has no public module on torch 2.9-2.13.
+    """
+    return (_resolve("torch.utils._pytree", "tree_flatten"),
+            _resolve("torch.utils._pytree", "tree_unflatten"))
+
+
 def pipeline_stage_base() -> type:
     """``torch.distributed.pipelining.PipelineStage``, checked for ``_prepare_forward_infra``.
 

@@ -204,3 +204,21 @@ def test_check_tolerance_floor_for_barely_moving_tensors():
     bad = compare(plan, reference, {"state": {"w": wrong}, "losses": [1.0]}, 1, None, "sgd")
     assert ok.ok, ok.format()
     assert not bad.ok and bad.worst_param_rel == "w"
+
+
+def test_check_tolerance_floor_for_zero_gradient_tensors():
+    """A zero-initialised bias whose exact gradient is zero (an attention key bias) moves by
+    rounding noise only; it is held to rounding of what the model moved, and the hint for Adam
+    names SGD."""
+    w0, b0 = torch.full((64, 64), 0.02), torch.zeros(64)
+    ref = {"w": w0 - 1e-3, "b": b0 + 1e-10}
+    noisy = {"w": ref["w"].clone(), "b": b0 - 1e-10}
+    wrong = {"w": ref["w"].clone(), "b": b0 + 1e-4}
+    reference = {"state": ref, "initial": {"w": w0, "b": b0}, "losses": [1.0]}
+    plan = Plan.from_string("dp=2")
+    ok = compare(plan, reference, {"state": noisy, "losses": [1.0]}, 1, None, "sgd")
+    bad = compare(plan, reference, {"state": wrong, "losses": [1.0]}, 1, None, "sgd")
+    assert ok.ok, ok.format()
+    assert not bad.ok and bad.worst_param_rel == "b"
+    adam = compare(plan, reference, {"state": wrong, "losses": [1.0]}, 1, None, "adamw")
+    assert not adam.ok and "rerun with --optimizer sgd" in adam.format()

@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .._torch_compat import pipeline_stage_base
+from .._torch_compat import pipeline_stage_base, pytree
 from ..loss import loss_sum_and_count, shifts_labels
 from ..mesh import Mesh
 from ..plan import Plan
@@ -209,8 +209,7 @@ class OutputPacker:
         self._template: list[Any] = []  # non-tensor leaves; _TENSOR where a tensor goes
 
     def pack(self, out: Any) -> Any:
-        from torch.utils._pytree import tree_flatten
-
+        tree_flatten, _ = pytree()
         if isinstance(out, torch.Tensor):
             self._spec = None
             return out
@@ -219,8 +218,7 @@ class OutputPacker:
         return tuple(v for v in leaves if isinstance(v, torch.Tensor))
 
     def unpack(self, output: Any) -> Any:
-        from torch.utils._pytree import tree_unflatten
-
+        _, tree_unflatten = pytree()
         if self._spec is None:
             return output
         tensors = iter([output] if isinstance(output, torch.Tensor) else output)
