@@ -285,9 +285,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default=str(BENCH_PYTHON),
                    help="the interpreter with the anchors installed (make bench-env)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per torchrun job")
+    p.add_argument("--only", default=None,
+                   help="comma-separated contestants to run, e.g. 'torch DDP,Fabric DDP,plait "
+                        "DDP' (each one's raw-PyTorch baseline is added)")
     p.add_argument("--save", default=None, help="also write the report and JSON here (stem)")
     p.add_argument("--format", choices=["table", "json"], default="table")
     a = p.parse_args(argv)
+    contestants = CONTESTANTS + (PIPELINES if a.smoke else [])
+    if a.only:
+        names = {n.strip() for n in a.only.split(",")}
+        unknown = names - {c.name for c in contestants}
+        if unknown:
+            print(f"vs_anchors: --only {', '.join(sorted(unknown))}: no such contestant; "
+                  f"contestants are {', '.join(c.name for c in contestants)}", file=sys.stderr)
+            return 2
+        names |= {c.baseline for c in contestants if c.name in names}
+        contestants = [c for c in contestants if c.name in names]
     python = Path(a.python)
     if not python.exists() or (python == BENCH_PYTHON and not BENCH_STAMP.exists()):
         print(f"vs_anchors: skipped: {python} is missing or half-built; run `make bench-env` to "
@@ -295,7 +308,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.smoke:
         a.reps, a.steps, a.warmup, a.batch, a.seq, a.model = 1, 4, 1, 4, 32, "tiny"
-    contestants = CONTESTANTS + (PIPELINES if a.smoke else [])
     shape = ["--model", a.model, "--steps", str(a.steps), "--warmup", str(a.warmup),
              "--batch", str(a.batch), "--seq", str(a.seq)]
     runs: dict[str, list[dict]] = {c.name: [] for c in contestants}

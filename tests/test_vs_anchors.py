@@ -54,6 +54,17 @@ def test_lines_table_covers_every_library_and_layout():
     assert all(isinstance(v, int) and v > 0 for v in table["raw PyTorch"].values())
 
 
+def test_only_names_a_contestant_or_refuses_in_one_line(capsys):
+    va = _module()
+    assert va.main(["--only", "plait DP", "--python", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--only plait DP: no such contestant" in err[0]
+    assert "plait DDP" in err[0]  # the names it knows
+    # a known name passes the check; without the environment the run then skips
+    assert va.main(["--only", "plait DDP", "--python", "/nonexistent"]) == 0
+    assert "skipped" in capsys.readouterr().out
+
+
 # Contestants that draw the same batches (DistributedSampler's order, which plait's loader
 # follows) from the same initial weights: their losses after the smoke run's steps must agree.
 # Accelerate shards its own loader and the raw pipeline shuffles one device's loader: another
