@@ -489,7 +489,7 @@ class Run:
         return memory_report(self._memory, self.plan, accelerator=self.accelerator)
 
     def _totals_exchange(self) -> tuple[TotalsExchange | None, bool]:
-        """The step's (loss sum, count) all-reduce, started before the last backward
+        """The step's (loss sum, count) all-reduce, started after the last backward
         (``plait.train.TotalsExchange``), and whether the step guard's flags travel in it
         (when the data replicas are the whole job: DDP, ZeRO, HSDP). None with pipelines
         (their totals exist only once the schedule ends), on XLA SPMD and with one replica:
