@@ -146,3 +146,20 @@ def collectives_per_step(rank, world_size):
         counts.append(issued() - before)
     run.close()
     return {"plait": ours, "raw": counts[-1]}
+
+
+def desync_check_switch(rank, world_size, desync_check):
+    """Whether the watchdog runs, and whether it has the step-start check's group, after two
+    steps under ``plait.init(desync_check=...)``."""
+    import plait
+
+    run = plait.init(f"dp={world_size}", quiet=True, desync_check=desync_check)
+    model = run.parallelize(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+    losses = [float(run.step(model, batch, nn.functional.mse_loss, opt)) for _ in range(2)]
+    dog = run._watchdog
+    out = {"watchdog": dog is not None, "check": dog is not None and dog.check_group is not None,
+           "losses": losses}
+    run.close()
+    return out

@@ -175,3 +175,12 @@ def test_clean_ddp_step_adds_one_collective_to_raw_ddps():
     for r in out:
         assert r["raw"] >= 1
         assert r["plait"] == r["raw"] + 1, r
+
+
+def test_desync_check_can_be_turned_off():
+    """``desync_check=False`` keeps the hang watchdog but drops its per-step all-gather."""
+    on = run_distributed(w.desync_check_switch, 2, True, timeout=120)
+    off = run_distributed(w.desync_check_switch, 2, False, timeout=120)
+    assert all(r["watchdog"] and r["check"] for r in on)
+    assert all(r["watchdog"] and not r["check"] for r in off)
+    assert [r["losses"] for r in on] == [r["losses"] for r in off]

@@ -304,9 +304,11 @@ def desync_report(step: int, counts: dict[int, dict[str, int]],
 
 
 def start(rank: int, world_size: int, mesh: Any, timeout: float, env: dict[str, str],
-          interval: float = 1.0) -> Watchdog | None:
+          interval: float = 1.0, desync_check: bool = True) -> Watchdog | None:
     """The watchdog of this rank, running; None for a one-rank job or without a TCP store
-    (MASTER_ADDR/MASTER_PORT, as torchrun and plait.spawn define them)."""
+    (MASTER_ADDR/MASTER_PORT, as torchrun and plait.spawn define them). ``desync_check=False``:
+    no step-start check (hangs are still reported at the timeout, without naming a rank that
+    skipped a collective)."""
     if world_size < 2 or "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
         return None
     from datetime import timedelta
@@ -333,6 +335,6 @@ def start(rank: int, world_size: int, mesh: Any, timeout: float, env: dict[str, 
     nth = store.add(f"plait/watchdog/{attempt}/runs/{rank}", 1)
     prefix = f"plait/watchdog/{attempt}" + (f"/run{nth}" if nth > 1 else "")
     # The step-start check's own group: its all-gathers never pair with the user's collectives.
-    check = dist.new_group(backend="gloo")
+    check = dist.new_group(backend="gloo") if desync_check else None
     return Watchdog(store, rank, world_size, groups, timeout=timeout, interval=interval,
                     prefix=prefix, check_group=check).start()
