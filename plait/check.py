@@ -292,10 +292,12 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
     missing = sorted(set(ref_state) - set(par_state))
     worst, worst_name = 0.0, ""
     worst_rel, worst_rel_name = 0.0, ""
-    moved_sq = sum((ref - initial[n]).float().norm().item() ** 2 for n, ref in ref_state.items()
-                   if n in initial)
-    entries = sum(ref.numel() for n, ref in ref_state.items() if n in initial)
-    moved_per_entry = math.sqrt(moved_sq / entries) if entries else 0.0
+    # How far the reference moved each tensor, computed once: the floor below needs the total.
+    displacement = {n: (ref - initial[n]).float().norm().item()
+                    for n, ref in ref_state.items() if n in initial and ref.numel()}
+    entries = sum(ref_state[n].numel() for n in displacement)
+    moved_per_entry = (math.sqrt(sum(d * d for d in displacement.values()) / entries)
+                       if entries else 0.0)
     for name, ref in ref_state.items():
         if name not in par_state:
             continue
@@ -308,8 +310,7 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
             worst, worst_name = diff, name
         if name in initial and ref.numel():
             typical = moved_per_entry * math.sqrt(ref.numel())
-            moved = max((ref - initial[name]).norm().item(),
-                        DISPLACEMENT_FLOOR * max(ref.norm().item(), typical))
+            moved = max(displacement[name], DISPLACEMENT_FLOOR * max(ref.norm().item(), typical))
             off = (got - ref).norm().item()
             # A tensor that is zero and stayed zero must stay exactly zero.
             rel = off / moved if moved > 0 else (0.0 if off == 0 else math.inf)

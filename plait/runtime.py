@@ -205,8 +205,9 @@ class Run:
         a ``(sum, count)`` pair, see ``plait.loss``.
 
         Returns the step's loss over the *global* batch, the same value on every rank and the
-        value one device computes: a 0-dim tensor on the device, lazy in the sense that nothing
-        waits for it until it is read (``float(loss)``, ``loss.item()``, ``f"{loss:.3f}"``).
+        value one device computes: a 0-dim tensor on the device, already computed when the step
+        returns (the step ends by waiting for the device, to time it), so reading it
+        (``float(loss)``, ``loss.item()``, ``f"{loss:.3f}"``) costs one copy, not a wait.
         It comes from the one 2-element all-reduce of (loss sum, item count) over the data
         replicas that every step makes anyway, since the count scales the gradients. With
         ``init(checkpoint=...)`` the first call loads the checkpoint being resumed, and every
