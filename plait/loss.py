@@ -97,16 +97,16 @@ def shifts_labels(model: nn.Module) -> bool:
 
 
 def scale_gradients(parameters: list[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiply every gradient by ``factor`` (0-dim). A DTensor gradient is scaled through its
-    local shard: the same values, without DTensor's per-call sharding propagation."""
-    on_device: dict[torch.device, torch.Tensor] = {}
+    """Multiply every gradient by ``factor`` (0-dim), one foreach call per device. A DTensor
+    gradient is scaled through its local shard: the same values, without DTensor's per-call
+    sharding propagation."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for p in parameters:
+        g = p.grad
+        if g is None:
+            continue
+        local = g.to_local() if hasattr(g, "to_local") else g
+        by_device.setdefault(local.device, []).append(local)
     with torch.no_grad():
-        for p in parameters:
-            g = p.grad
-            if g is None:
-                continue
-            local = g.to_local() if hasattr(g, "to_local") else g
-            f = on_device.get(local.device)
-            if f is None:
-                f = on_device[local.device] = factor.to(local.device)
-            local.mul_(f)
+        for device, grads in by_device.items():
+            torch._foreach_mul_(grads, factor.to(device))

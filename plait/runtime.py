@@ -17,7 +17,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -245,25 +245,32 @@ class Run:
         with self.ledger if recording else contextlib.nullcontext(), watch:
             local = forward_backward(model, batch, loss_fn, plan=self.plan, device=self.device,
                                      exchange=exchange)
+            totals_in: torch.Tensor | Callable[[], torch.Tensor]
             if exchange is not None:
-                totals, flags = exchange.finish()
-                # The clipped norm is the job-wide one: with the flags summed, a clean step
-                # needs no agreement of its own (plait.guard).
-                agreed = flags if flags_travel and self.plan.grad_clip else None
+                def exchanged() -> torch.Tensor:
+                    """Waited for inside apply_update, once the gradient norm is computed."""
+                    nonlocal agreed
+                    totals, flags = exchange.finish()
+                    # The clipped norm is the job-wide one: with the flags summed, a clean step
+                    # needs no agreement of its own (plait.guard).
+                    agreed = flags if flags_travel and self.plan.grad_clip else None
+                    return totals
+
+                totals_in = exchanged
             else:
                 # Not in the ledger: the (sum, count) exchange is the runtime's, not the
                 # layout's.
                 with self.ledger.paused() if recording else contextlib.nullcontext():
-                    totals = self._global_totals(local)
+                    totals_in = self._global_totals(local)
             # Under XLA SPMD the program is the global batch's: its gradients are of the global
             # sum, not an average over replicas.
             guard = self._step_guard()
             # Not on XLA: the guard reads the loss and the gradient norm on the host, which
             # there executes the graph mid-step (a host sync every step).
-            apply_update(optimizer, totals, plan=self.plan, pp_group=pp_group,
-                         data_replicas=1 if self.spmd is not None else None,
-                         guard=None if self.spmd is not None
-                         else lambda norm: guard(local[0], norm, agreed=agreed))
+            totals = apply_update(optimizer, totals_in, plan=self.plan, pp_group=pp_group,
+                                  data_replicas=1 if self.spmd is not None else None,
+                                  guard=None if self.spmd is not None
+                                  else lambda norm: guard(local[0], norm, agreed=agreed))
             loss = (totals[0] / totals[1].clamp_min(1)).detach()
             if scheduler is not None:
                 with warnings.catch_warnings():

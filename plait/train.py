@@ -155,13 +155,13 @@ def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
-                   pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Clip the global gradient norm, across pipeline stages too.
+def grad_norm(parameters: list[torch.Tensor],
+              pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The global L2 norm of the gradients (a plain 0-dim tensor), across pipeline stages too.
 
-    ``torch.nn.utils.clip_grad_norm_`` already handles DTensor gradients (FSDP/TP shards). With
+    ``torch.nn.utils.get_total_norm`` already handles DTensor gradients (FSDP/TP shards). With
     pipeline parallelism each rank holds only its stages' gradients, so the squared norms are
-    summed over the ``pp`` group before clipping (the same norm as one device computes).
+    summed over the ``pp`` group (the same norm as one device computes).
     """
     # A tied weight held by two pipeline stages counts once (its copies carry the same grad).
     grads = [p.grad for p in parameters
@@ -173,6 +173,13 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
         squared = norm.pow(2)
         dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt()
+    return norm
+
+
+def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
+                   pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Clip the global gradient norm (see :func:`grad_norm`); returns the norm before clipping."""
+    norm = grad_norm(parameters, pp_group)
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm
 
@@ -256,33 +263,47 @@ def reduce_totals(totals: torch.Tensor, *, dp_group: dist.ProcessGroup | None,
     return totals
 
 
-def apply_update(optimizer: torch.optim.Optimizer, totals: torch.Tensor, *, plan: Plan,
+def apply_update(optimizer: torch.optim.Optimizer,
+                 totals: torch.Tensor | Callable[[], torch.Tensor], *, plan: Plan,
                  pp_group: dist.ProcessGroup | None = None,
                  data_replicas: int | None = None,
-                 guard: Callable[[torch.Tensor], bool] | None = None) -> None:
+                 guard: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
     """Scale the gradients to the global mean (``dp / count``), clip, step, zero the gradients.
+    Returns the global ``[loss sum, count]``.
 
-    ``totals`` is the global ``[loss sum, count]`` from :func:`reduce_totals`. Data parallelism
-    averaged the gradients of the ``dp`` replicas' sums; ``dp / count`` turns that average into
-    the gradient of (sum of every sum) / (sum of every count). A batch with nothing to count
-    (every label ignored) leaves the gradients zero instead of NaN. ``guard(grad_norm)`` (see
-    ``plait.guard``) runs before the optimizer step; when it returns False the gradients are
-    dropped and the step is not applied.
+    ``totals`` is the global ``[loss sum, count]`` from :func:`reduce_totals`, or a function
+    that waits for it (``TotalsExchange.finish``): it is called only once the gradient norm has
+    been computed, so that the norm's pass over the gradients hides the all-reduce's latency.
+    Data parallelism averaged the gradients of the ``dp`` replicas' sums; ``dp / count`` turns
+    that average into the gradient of (sum of every sum) / (sum of every count). A batch with
+    nothing to count (every label ignored) leaves the gradients zero instead of NaN. Scaling
+    and clipping are one multiplication: the norm of the scaled gradients is the scale times
+    the norm of the unscaled ones. ``guard(grad_norm)`` (see ``plait.guard``) runs before the
+    optimizer step; when it returns False the gradients are dropped and the step is not applied.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    unscaled = grad_norm(params, pp_group) if plan.grad_clip else None
+    if callable(totals):
+        totals = totals()
     # data_replicas: how many replicas' gradients were averaged (plan.dp; 1 under XLA SPMD,
     # whose one program computes the global batch's gradients).
     replicas = plan.dp if data_replicas is None else data_replicas
-    scale_gradients(params, replicas / totals[1].clamp_min(1))
-    norm = clip_grad_norm(params, plan.grad_clip, pp_group) if plan.grad_clip else None
+    factor = replicas / totals[1].clamp_min(1)
+    norm = None
+    if unscaled is not None:
+        norm = unscaled * factor.to(unscaled.device)
+        # torch.nn.utils.clip_grads_with_norm_'s coefficient, folded into the scale.
+        factor = factor * (plan.grad_clip / (norm + 1e-6)).clamp(max=1.0).to(factor.device)
+    scale_gradients(params, factor)
     if guard is not None:
         from .guard import local_grad_norm
 
         if not guard(norm if norm is not None else local_grad_norm(optimizer)):
             optimizer.zero_grad(set_to_none=True)
-            return
+            return totals
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return totals
 
 
 def train_step(model: nn.Module, batch: Any, loss_fn: LossFn | None,

@@ -41,7 +41,7 @@ import itertools
 import random
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -212,8 +212,13 @@ class _Interceptor:
     ``optimizer.step``). The functional collectives are not intercepted themselves: each one
     runs a c10d op, which is seen here (intercepting both cost a second Python call per
     collective for nothing). Dispatcher registrations are process-wide by nature, so this one
-    object is too; the kernels are removed when the last ledger leaves, so a process that never
-    activates a ledger, or has left it, pays nothing.
+    object is too; the kernels are removed when the last holder leaves (a ledger, or the hang
+    watchdog's check), so a process that holds none pays nothing.
+
+    Gates (``arm_gate``): functions called before the next collective is issued, on any group
+    and from any thread, outside its timing. The hang watchdog's step-start check uses one to
+    wait for its own all-gather just before the step's first collective, not at the step's start
+    (``plait.diagnostics.watchdog``). A gate disarms itself before it waits.
     """
 
     def __init__(self) -> None:
@@ -239,6 +244,8 @@ class _Interceptor:
         self.recently_waited: collections.deque[_TimedWork] = collections.deque(maxlen=256)
         # issued_as(): the logical collective the next c10d op implements (see issued_as).
         self.logical = threading.local()
+        # arm_gate(): called before the next collective, replaced (never mutated) under the lock.
+        self.gates: tuple[Callable[[], None], ...] = ()
 
     def push(self, ledger: Ledger) -> None:
         with self.lock:
@@ -287,6 +294,8 @@ class _Interceptor:
         clock = time.perf_counter
 
         def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+            for gate in self.gates:
+                gate()
             ledgers = self.active
             if not ledgers:
                 return redispatch(keyset & after, *args, **kwargs)
@@ -419,6 +428,29 @@ class _TimedWork(dist.Work):
 
 
 _INTERCEPTOR = _Interceptor()
+
+
+def arm_gate(gate: Callable[[], None]) -> None:
+    """Call ``gate()`` before the next collective this process issues (see ``_Interceptor``);
+    the collective kernels must be held installed (``hold_kernels``)."""
+    with _INTERCEPTOR.lock:
+        if gate not in _INTERCEPTOR.gates:
+            _INTERCEPTOR.gates = _INTERCEPTOR.gates + (gate,)
+
+
+def disarm_gate(gate: Callable[[], None]) -> None:
+    with _INTERCEPTOR.lock:
+        _INTERCEPTOR.gates = tuple(g for g in _INTERCEPTOR.gates if g != gate)
+
+
+def hold_kernels() -> None:
+    """Keep the collective kernels installed (for gates) until the matching ``release_kernels``:
+    one Python call per collective, none per other op."""
+    _INTERCEPTOR.retain()
+
+
+def release_kernels() -> None:
+    _INTERCEPTOR.release()
 
 
 class issued_as:  # noqa: N801 - a context manager used like a function
