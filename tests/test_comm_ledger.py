@@ -200,15 +200,17 @@ def test_collectives_outside_the_block_are_not_counted():
 def test_futureless_ops_are_timed_to_their_wait():
     # gloo's send/recv and reduce-scatter Works have no completion future. Timed at issue only,
     # a 16 MiB transfer looked free; timed to the wait it costs what a stopwatch around the
-    # same call sees. The ledger's interval is the raw one (issue to wait), so half of it is a
-    # wide margin, and 16 MiB outlasts 1 KiB by orders of magnitude.
+    # same call sees. The ledger's interval is the raw one (issue to wait); timed at issue it
+    # would be about 1% of it. The bound is a fifth, not the whole: on a loaded machine one
+    # preemption inside a stopwatch'd call inflates the raw sum of four calls several-fold.
+    # 16 MiB outlasts 1 KiB by orders of magnitude.
     small, big = 1 << 10, 16 << 20
     res = run_distributed(W.futureless_times, 2, [small, big], 4, timeout=180)
     for r in res:
         for op in ("send_recv", "reduce_scatter"):
             lo, hi = r[small][op], r[big][op]
             assert lo["time_s"] > 0 and hi["time_s"] > lo["time_s"], (op, lo, hi)
-            assert hi["time_s"] >= 0.5 * hi["raw_s"], (op, hi)
+            assert hi["time_s"] >= 0.2 * hi["raw_s"], (op, hi)
         assert r[big]["send_recv"]["count"] == r[big]["send_recv"]["recv_count"] == 4
         assert r[big]["send_recv"]["payload_bytes"] == 4 * big
         assert r[big]["reduce_scatter"]["count"] == 4
