@@ -3,7 +3,8 @@
 Every contestant trains the same model (plait's reference transformer) on the same bundled
 corpus with the same global batch, optimizer (AdamW), gradient clipping (1.0) and process count,
 each a training script in ``bench/anchors/`` started by torchrun. Runs are interleaved
-(A B C ... A B C ...) and repeated so that machine noise hits every contestant alike. For each
+(A B C ..., B C ... A, ...: each round rotated by one) and repeated so that machine noise and a
+job's place in the round hit every contestant alike. For each
 it prints the median step time, tokens/s, peak memory per rank and the loss after the last step,
 each beside raw PyTorch (raw DDP for data-parallel contestants, raw FSDP2 for sharded ones) as
 min..max of the per-repetition ratios. Then the lines of user code each library changes to go
@@ -316,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in run_smoke(contestants, python, a.nproc, shape, a.timeout).items():
             runs[name].append(r)
     for rep in range(0 if a.smoke else a.reps):
-        for c in contestants:  # interleaved: A B C ... then again
+        # Interleaved (A B C ..., then again), each round starting one place later (B C ... A):
+        # a job's place in the round (after which job, how long since the machine was idle)
+        # then falls on every contestant alike.
+        shift = rep % len(contestants)
+        for c in contestants[shift:] + contestants[:shift]:
             runs[c.name].append(run_one(c, python, a.nproc, shape, a.timeout))
             if a.format == "table":
                 r = runs[c.name][-1]
