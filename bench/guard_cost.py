@@ -73,6 +73,7 @@ def job(rank: int, world: int, plan: str, model_name: str, rounds: int, batch: i
     def one_step(way: str) -> float:
         tokens = torch.randint(0, vocab, (batch // run.dp_size, seq + 1), generator=gen)
         run._guard = _NoGuard() if way == "off" else guard
+        run._exchange = None  # the step's totals exchange carries the guard's flags: remade
         dog.check_group = check_group if way == "guard+check" else None
         dist.barrier()
         start = time.perf_counter()

@@ -98,6 +98,8 @@ class Run:
     # What a NaN/inf loss or gradient norm does: "stop" (raise) or "skip" (see plait.guard).
     nonfinite: str = "stop"
     _guard: Any = None  # plait.guard.StepGuard, made at the first step
+    _exchange: Any = None  # (TotalsExchange | None, flags travel), made at the first step
+    _data_share: tuple[int, int] | None = None  # (dp rank, dp size), once the mesh exists
     timeout: float = 300.0  # the hang watchdog's (plait.diagnostics.watchdog)
     desync_check: bool = True  # its step-start comparison of the ranks' collective counts
     _watchdog: Any = None  # its thread on this rank, once the mesh exists
@@ -127,9 +129,10 @@ class Run:
     def _data_rank_and_size(self) -> tuple[int, int]:
         """Which share of each global batch this process loads, and of how many (on XLA: this
         host's, every device of the host splitting it)."""
-        if self.spmd is not None:
-            return self.spmd.data_rank_and_size()
-        return self._mesh().data_rank_and_size()
+        if self._data_share is None:
+            self._data_share = (self.spmd.data_rank_and_size() if self.spmd is not None
+                                else self._mesh().data_rank_and_size())
+        return self._data_share
 
     def _mesh(self) -> Mesh:
         if self.mesh is None:
@@ -503,7 +506,12 @@ class Run:
         (``plait.train.TotalsExchange``), and whether the step guard's flags travel in it
         (when the data replicas are the whole job: DDP, ZeRO, HSDP). None with pipelines
         (their totals exist only once the schedule ends), on XLA SPMD and with one replica:
-        those take :meth:`_global_totals` after backward."""
+        those take :meth:`_global_totals` after backward. Made once, reused every step."""
+        if self._exchange is None:
+            self._exchange = self._make_totals_exchange()
+        return self._exchange
+
+    def _make_totals_exchange(self) -> tuple[TotalsExchange | None, bool]:
         if self.spmd is not None or self.plan.pp > 1:
             return None, False
         dp_size = self.dp_size
