@@ -145,8 +145,7 @@ def run_one(c: Contestant, python: Path, nproc: int, shape: list[str], timeout: 
                "--out", str(out)]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                              cwd=ROOT)
+        proc = _run_session(cmd, timeout=timeout, env=env)
         if out.exists():
             figures = json.loads(out.read_text())
             # Rank 0 writes only after every rank's figures arrived, so the run is complete.
@@ -159,6 +158,26 @@ def run_one(c: Contestant, python: Path, nproc: int, shape: list[str], timeout: 
         errors = [ln for ln in text if "Error" in ln or "error:" in ln][:10]
         raise RuntimeError(f"{c.name} ({c.script}) failed, exit {proc.returncode}:\n"
                            + "\n".join(errors + ["..."] + text[-10:]))
+
+
+def _run_session(cmd: list[str], timeout: float, env: dict[str, str]
+                 ) -> subprocess.CompletedProcess:
+    """``cmd`` in a session of its own; past ``timeout`` the whole session is killed (the
+    launcher and the ranks it forked, which would otherwise outlive it holding the output pipes)
+    and the error says how far it got."""
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        done = [json.loads(ln)["name"] for ln in out.splitlines() if ln.startswith('{"name"')]
+        raise RuntimeError(f"{' '.join(cmd[:2])} still running after {timeout:g} s (jobs "
+                           f"finished: {', '.join(done) or 'none'}); killed") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_smoke(contestants: list[Contestant], python: Path, nproc: int, shape: list[str],
@@ -174,9 +193,8 @@ def run_smoke(contestants: list[Contestant], python: Path, nproc: int, shape: li
         spec.write_text(json.dumps(jobs))
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run([str(python), str(ANCHORS / "_smoke_launch.py"), str(nproc),
-                               str(spec)], capture_output=True, text=True, timeout=timeout,
-                              env=env, cwd=ROOT)
+        proc = _run_session([str(python), str(ANCHORS / "_smoke_launch.py"), str(nproc),
+                             str(spec)], timeout=timeout, env=env)
         results = {}
         for line in proc.stdout.splitlines():
             if line.startswith('{"name"'):

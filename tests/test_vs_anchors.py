@@ -80,8 +80,10 @@ SAME_DATA = ("torch DDP", "Fabric DDP", "plait DDP", "torch FSDP2", "Fabric FSDP
 def test_vs_anchors_smoke():
     """Every anchor script trains (one repetition, tiny model), and those that see the same
     data reach the same loss."""
+    # --timeout: the script kills its launcher and every rank itself, before this test's limit.
     out = subprocess.run([str(BENCH_PYTHON), "bench/vs_anchors.py", "--smoke", "--format",
-                          "json"], cwd=ROOT, capture_output=True, text=True, timeout=280,
+                          "json", "--timeout", "240"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=280,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     result = json.loads(out.stdout)

@@ -32,12 +32,18 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 import plait  # noqa: F401
 
+# Each rank's script globals, kept to the end of the forked process, which leaves by os._exit
+# without tearing them down: a script that does not destroy its process group (Accelerate's
+# does not) would otherwise free it as run_path returns, and gloo's destructor, joining its
+# worker threads after the peer has gone, can wait forever.
+_KEPT: list[dict] = []
+
 
 def _rank_main(script: str, argv: list[str]) -> None:
     """One rank: the script as ``__main__``, its folder first on the path (as ``python x.py``)."""
     sys.argv = [script, *argv]
     sys.path.insert(0, str(Path(script).parent))
-    runpy.run_path(script, run_name="__main__")
+    _KEPT.append(runpy.run_path(script, run_name="__main__"))
 
 
 def main(argv: list[str]) -> int:
