@@ -3,8 +3,8 @@
 Every contestant trains the same model (plait's reference transformer) on the same bundled
 corpus with the same global batch, optimizer (AdamW), gradient clipping (1.0) and process count,
 each a training script in ``bench/anchors/`` started by torchrun. Runs are interleaved
-(A B C ..., B C ... A, ...: each round rotated by one) and repeated so that machine noise and a
-job's place in the round hit every contestant alike. For each
+(A B C ..., then the same contestants in another order, seeded) and repeated so that machine
+noise, a job's place in the round and the job before it hit every contestant alike. For each
 it prints the median step time, tokens/s, peak memory per rank and the loss after the last step,
 each beside raw PyTorch (raw DDP for data-parallel contestants, raw FSDP2 for sharded ones) as
 min..max of the per-repetition ratios. Then the lines of user code each library changes to go
@@ -27,6 +27,7 @@ import argparse
 import difflib
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -335,11 +336,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in run_smoke(contestants, python, a.nproc, shape, a.timeout).items():
             runs[name].append(r)
     for rep in range(0 if a.smoke else a.reps):
-        # Interleaved (A B C ..., then again), each round starting one place later (B C ... A):
-        # a job's place in the round (after which job, how long since the machine was idle)
-        # then falls on every contestant alike.
-        shift = rep % len(contestants)
-        for c in contestants[shift:] + contestants[:shift]:
+        # Every round runs each contestant once, the first in the listed order, the others in
+        # an order of their own (seeded): a job's place in the round, and the job before it
+        # (one that leaves the machine busy as it exits), then fall on every contestant alike.
+        order = list(contestants)
+        if rep:
+            random.Random(rep).shuffle(order)
+        for c in order:
             runs[c.name].append(run_one(c, python, a.nproc, shape, a.timeout))
             if a.format == "table":
                 r = runs[c.name][-1]
