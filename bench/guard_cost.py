@@ -7,14 +7,16 @@ One job of ``--world`` processes (gloo) per plan and model trains the reference 
 ``run.step``, three ways; every round runs one step of each way, in an order that rotates from
 round to round, so that a busy moment of the machine falls on all three alike:
 
-* ``off``: neither of the two below (the bench swaps them out of the Run: users have no switch,
-  both are always on in a multi-rank job);
+* ``off``: neither of the two below (the bench swaps them out of the Run; users keep the guard
+  always, and drop the check with ``plait.init(desync_check=False)``);
 * ``guard``: the NaN/inf guard (``plait.guard.StepGuard``). With the data replicas spanning the
   job and gradients clipped (DDP, ZeRO, HSDP with the default ``clip=1.0``) its flags travel in
   the step's (loss sum, count) all-reduce and a clean step costs two host reads; otherwise
   (tensor or pipeline parallel, ``clip=0``) one all-reduce of three numbers over the job;
 * ``guard+check``: that and the watchdog's step-start check (one all-gather of each rank's
-  collective counts on its own gloo group): ``run.step`` as users get it.
+  collective counts on its own gloo group, waited for before the step's first collective):
+  ``run.step`` as users get it. The collective kernels its wait is hooked into stay installed
+  in all three ways (one Python call per collective), so that is not in the difference.
 
 Each step's time is its slowest rank's (a barrier before each step, outside the timing). Prints
 the median step of each way, the median over rounds of each way's step over the same round's

@@ -730,10 +730,11 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     reach it, the mesh axis and the step; torch's own process-group timeout is set a minute
     longer, so that its report (which names no rank) does not come first.
     ``desync_check``: at the start of every step the ranks compare how many collectives each
-    issued (one small all-gather on a gloo group of its own), so that a rank that skipped or
-    added one is named before the next collective pairs with the wrong one. It costs about
-    1.5-3 ms per step on CPU gloo (a few percent of a 100 ms step); ``False`` drops it, and a
-    desynchronised job is then reported at the timeout, without naming the rank at fault.
+    issued (one small all-gather on a gloo group of its own, waited for just before the step's
+    first collective), so that a rank that skipped or added one is named before the next
+    collective pairs with the wrong one. On two CPU processes it costs 0.5-1 ms of a 17 ms DDP
+    step (bench/guard_cost.py); ``False`` drops it, and a desynchronised job is then reported
+    at the timeout, without naming the rank at fault.
     """
     from_argv = False
     if accelerator is None:

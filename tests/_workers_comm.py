@@ -95,3 +95,36 @@ def sampled_counts(rank: int, world: int, calls: int, time_every: int) -> list[d
         for _ in range(calls):
             dist.all_reduce(t)
     return ledger.local_entries()
+
+
+def gate_order(rank: int, world: int) -> list[str]:
+    """What runs, in order, around collectives while a gate is armed (as the watchdog's
+    step-start check arms one): the gate before the first collective only, then never again
+    until it is armed anew; nothing once the kernels are released."""
+    import torch.distributed as dist
+
+    from plait.comm.ledger import arm_gate, disarm_gate, hold_kernels, release_kernels
+
+    events: list[str] = []
+
+    def gate() -> None:
+        disarm_gate(gate)
+        events.append("gate")
+
+    t = torch.ones(2)
+    hold_kernels()
+    arm_gate(gate)
+    events.append("armed")
+    dist.all_reduce(t)
+    events.append("all_reduce")
+    dist.all_reduce(t)
+    events.append("all_reduce")
+    arm_gate(gate)
+    dist.barrier()
+    events.append("barrier")
+    release_kernels()
+    arm_gate(gate)  # armed, but with no kernels installed nothing calls it
+    dist.all_reduce(t)
+    events.append("all_reduce")
+    disarm_gate(gate)
+    return events

@@ -225,3 +225,12 @@ def test_sampled_timing_keeps_counts_and_bytes_exact():
         assert e["time_s"] > 0
     with pytest.raises(ValueError, match="time_every"):
         Ledger(time_every=0)
+
+
+def test_a_gate_runs_once_before_the_next_collective():
+    """The watchdog waits for its step-start check through a gate: called before the first
+    collective after it is armed (a barrier too), not before later ones, and not at all once
+    the collective kernels are released."""
+    for events in run_distributed(W.gate_order, 2, timeout=120):
+        assert events == ["armed", "gate", "all_reduce", "all_reduce", "gate", "barrier",
+                          "all_reduce"]
