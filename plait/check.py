@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from .parallel.layout import local_modules
 from .parallel.units import canonical_name
+from .parallel.tp_infer import quiet_logger
 from .plan import Plan
 from .spawn import run_distributed
 
@@ -46,7 +47,11 @@ def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None, *,
         for name, p in named:
             t = p.detach()
             if hasattr(t, "full_tensor"):
-                t = t.full_tensor()
+                # Gathering a (dp_shard, tp) parameter takes one all-gather per mesh axis, and
+                # torch logs a performance warning on every rank saying so; this path is for
+                # inspection and export, not the step.
+                with quiet_logger("torch.distributed.tensor._redistribute"):
+                    t = t.full_tensor()
             state[canonical_name(name)] = t.float().cpu().clone()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         parts: list[Any] = [None] * dist.get_world_size(pp_group)

@@ -59,10 +59,10 @@ def mlm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Callable,
-              *, clip: float | None = 1.0) -> dict[str, Any]:
+              *, clip: float | None = 1.0, weight_decay: float = 0.0) -> dict[str, Any]:
     """A plain single-process loop: SGD on each whole global batch, torch's own clipping."""
     model = factory()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=weight_decay)
     losses = []
     for inputs, targets in batches:
         loss = loss_fn(model(inputs), targets)
@@ -79,8 +79,8 @@ def reference(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Cal
 
 
 def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any],
-                                                             Callable | None]]
-               ) -> list[dict[str, Any]]:
+                                                             Callable | None]],
+               weight_decay: float = 0.0) -> list[dict[str, Any]]:
     """Train each (plan, model factory, global batches, loss_fn) in one process group (SGD);
     per job the loss of every step as run.step returned it and rank 0's full state."""
     from plait.runtime import init
@@ -91,7 +91,8 @@ def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = run.parallelize(factory())
-        opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False,
+                              weight_decay=weight_decay)
         losses = []
         for batch in batches:
             losses.append(float(run.step(model, _slice(batch, run.dp_rank, run.dp_size),
@@ -168,6 +169,80 @@ def image_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(BATCH, 3, 6, 6, generator=g)
     x[BATCH // 2:] = 2.0 * x[BATCH // 2:] + 1.0
     return x, torch.randint(0, 5, (BATCH,), generator=g)
+
+
+class Shift(nn.Module):
+    """x * scale + offset, the offset a buffer (a constant the module owns, not trained)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+        self.register_buffer("offset", torch.linspace(-0.5, 0.5, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + self.offset
+
+
+class BatchNormMLP(nn.Module):
+    """An input layer, BatchNorm, a module with a buffer, and residual MLP blocks: the blocks
+    are tensor-parallel, the rest replicated over tp with their buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.bn, self.shift = nn.Linear(8, 16), nn.BatchNorm1d(16), Shift(16)
+        self.blocks = nn.ModuleList(_mlp() for _ in range(2))
+        self.out = nn.Linear(16, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shift(self.bn(self.inp(x)))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h)
+
+
+def batchnorm_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return BatchNormMLP()
+
+
+def feature_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose two halves have different statistics (per-rank BatchNorm would show it)."""
+    g = torch.Generator().manual_seed(300 + step)
+    x = torch.randn(BATCH, 8, generator=g)
+    x[BATCH // 2:] = 3.0 * x[BATCH // 2:] - 1.0
+    return x, torch.randint(0, 6, (BATCH,), generator=g)
+
+
+class FrozenTiedLM(nn.Module):
+    """Fine-tuning as users do it: the input embedding, tied to the output head, and the first
+    block are frozen (``requires_grad=False``). Activations are kept in (seq, batch) memory
+    order, as seq-first models keep them, so every block output is strided, not dense. The
+    forward's assert branches on a tensor property, which torch.fx cannot trace: a pipeline
+    finds the residuals this forward adds by running it."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = WIDTH, depth: int = 4):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width),
+                                                  nn.Linear(width, 2 * width), nn.Tanh(),
+                                                  nn.Linear(2 * width, width))
+                                    for _ in range(depth))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tok.weight
+        self.tok.weight.requires_grad_(False)
+        self.blocks[0].requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(input_ids).transpose(0, 1).contiguous().transpose(0, 1)
+        assert not h.is_contiguous()
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def frozen_tied_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return FrozenTiedLM()
 
 
 # ---------------------------------------------------------------- models for TP inference

@@ -19,6 +19,9 @@ from plait.parallel.pipeline import PipelineRunner
 from plait.parallel.pipeline_split import (
     PipelineSkip,
     PipelineZero,
+    add_zero_stand_ins,
+    additive_by_running,
+    additive_modules,
     build_stage_module,
     find_blocks,
     plan_stages,
@@ -167,6 +170,44 @@ def test_split_keeps_canonical_names_and_only_own_parameters():
     assert not isinstance(model.layers[3], PipelineSkip)
     # the stages chained reproduce the full model's forward
     tokens = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(tokens)), model(tokens))
+
+
+class _UntracedParentResidual(nn.Module):
+    """Residuals in the parent's forward (h = h + block(h)) and a second embedding added to
+    the first, in a forward torch.fx cannot trace (it branches on a tensor's shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(16, 8), nn.Embedding(6, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] > 6:
+            raise ValueError("sequence longer than the position table")
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def test_residuals_in_an_untraceable_parent_are_found_by_running_it():
+    """fx cannot trace the forward; running it once on meta tensors finds what adds to the
+    running activation (the blocks, the position embedding; not the token embedding), and the
+    stages with stand-ins that add zero chain to the full model's forward."""
+    torch.manual_seed(0)
+    model = _UntracedParentResidual()
+    path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
+    assert path == "blocks" and additive_modules(model, path) is None
+    tokens = torch.randint(0, 16, (2, 5))
+    found = additive_by_running(model, path, tokens, {})
+    assert found == {"blocks.0", "blocks.1", "blocks.2", "blocks.3", "pos"}
+    first, last = (build_stage_module(model, path, s) for s in specs)
+    assert isinstance(first.blocks[3], PipelineSkip)  # built before the forward ran
+    add_zero_stand_ins([first, last], found)
+    assert isinstance(first.blocks[3], PipelineZero) and isinstance(last.pos, PipelineZero)
     with torch.no_grad():
         torch.testing.assert_close(last(first(tokens)), model(tokens))
 

@@ -96,6 +96,48 @@ def test_batchnorm_sync_bn_matches_one_device_and_warns_without():
     assert abs(plain["losses"][0] - ref["losses"][0]) > 1e-3 * ref["losses"][0]
 
 
+def test_batchnorm_and_buffers_under_tensor_parallelism():
+    """Modules TP leaves whole (BatchNorm, a module adding a buffer) are replicated over tp with
+    their buffers; sync_bn still takes statistics over the data axes when tp shards the blocks.
+    Parameters and running statistics equal one device's."""
+    batches = [W.feature_batch(s) for s in range(W.STEPS)]
+    ref = W.reference(W.batchnorm_mlp, batches, torch.nn.functional.cross_entropy)
+    (tp,) = run_distributed(W.train_jobs, 2, [("tp=2", W.batchnorm_mlp, batches,
+                                               torch.nn.functional.cross_entropy)],
+                            timeout=180)[0]
+    (hybrid,) = run_distributed(W.train_jobs, 4, [("dp=2,tp=2,sync_bn", W.batchnorm_mlp,
+                                                   batches, torch.nn.functional.cross_entropy)],
+                                timeout=240)[0]
+    for result in (tp, hybrid):
+        assert not result["warnings"], result["warnings"]
+        _assert_matches(ref, result)
+    assert {"bn.running_mean", "bn.running_var", "shift.offset"} <= set(ref["state"])
+
+
+def test_frozen_and_tied_weights_under_every_layout():
+    """Frozen parameters (a tied embedding/head and a whole block) stay exactly where they
+    started under DDP, ZeRO-2/3, TP and a pipeline that splits the tie, with weight decay on
+    (a zero gradient where there should be none would move them); the rest trains as one
+    device trains it. The pipeline also sends strided activations between its stages."""
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    ref = W.reference(W.frozen_tied_lm, batches, W.mlm_loss, weight_decay=0.1)
+    start = W.frozen_tied_lm()
+    frozen = {n: p.detach().clone() for n, p in start.named_parameters() if not p.requires_grad}
+    assert set(frozen) == {"tok.weight", "blocks.0.1.weight", "blocks.0.1.bias",
+                           "blocks.0.3.weight", "blocks.0.3.bias", "blocks.0.0.weight",
+                           "blocks.0.0.bias"}
+    moved = [n for n, p in start.named_parameters() if p.requires_grad
+             and (ref["state"][n] - p).abs().max() == 0]
+    assert not moved, moved  # the reference trains everything else
+    plans = ("dp=2", "dp_shard=2,zero=2", "dp_shard=2,zero=3", "tp=2", "pp=2")
+    jobs = [(p, W.frozen_tied_lm, batches, W.mlm_loss) for p in plans]
+    for result in run_distributed(W.train_jobs, 2, jobs, weight_decay=0.1, timeout=300)[0]:
+        _assert_matches(ref, result)
+        state = {k.removeprefix("inner."): v for k, v in result["state"].items()}
+        for name, want in frozen.items():
+            assert torch.equal(state[name], want), (result["plan"], name)
+
+
 # ------------------------------------------------------------------ TP inference: right or refuse
 @pytest.mark.parametrize("factory,expect", [
     (W.flat_stack, {"0": "colwise", "2": "rowwise"}),

@@ -38,9 +38,13 @@ from ..loss import loss_sum_and_count, shifts_labels
 from ..mesh import Mesh
 from ..plan import Plan
 from .layout import Layout, layout_of, record_layout
+from .pipeline_hf import is_hf_model
 from .pipeline_split import (
     StageOutputError,
     StageSpec,
+    add_zero_stand_ins,
+    additive_by_running,
+    additive_modules,
     build_stage_module,
     plan_stages,
     shared_parameters,
@@ -253,7 +257,7 @@ class PipelineRunner:
         self.shifts_labels = shifts_labels
         self.packer = packer or OutputPacker()
         # Runs once, on the first step's inputs, before the schedule (see check_split).
-        self.check_split: Callable[[StageInputs], None] | None = None
+        self.check_split: Callable[[StageInputs], set[str]] | None = None
         self.timeline = Timeline(rank=rank)
         for s in stages:
             s.timeline = self.timeline
@@ -292,8 +296,11 @@ class PipelineRunner:
         stage that uses it; summing them over the ranks holding the copies gives every copy the
         one-device gradient, so the copies, equal at the start, stay equal (Megatron's
         embedding group). Copies sharded by TP or FSDP are sharded alike: their local shards
-        are summed."""
+        are summed. A frozen weight (``requires_grad=False``) is left without a gradient: a
+        zero one would let the optimizer's weight decay move it."""
         for param, group in self.tied:
+            if not param.requires_grad:
+                continue
             grad = param.grad
             if grad is None:
                 grad = param.grad = torch.zeros_like(param)
@@ -342,7 +349,7 @@ class PipelineRunner:
                              + f" equal parts; make the per-replica batch a multiple of "
                              f"{m * accum}")
         if self.check_split is not None:  # the first step: every rank, before any sends
-            self.check_split(laid_out)
+            add_zero_stand_ins([s.submod for s in self.stages], self.check_split(laid_out))
             self.check_split = None
         self._loss_fn = loss_fn
         self._totals = {}
@@ -401,7 +408,7 @@ def meta_replica(model: nn.Module) -> nn.Module | None:
 
 
 def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
-                  ) -> Callable[[StageInputs], None] | None:
+                  ) -> Callable[[StageInputs], set[str]] | None:
     """A check that the stages chain, run by every rank on the first step's inputs before the
     schedule sends anything: the stage modules of a meta-device replica, each fed what the
     previous one hands on. A forward that never reaches what a stage sends on (it skips its
@@ -409,16 +416,25 @@ def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
     with one line, instead of failing on the first stage's rank inside torch's runtime while
     the other ranks wait for it. Written here because torch's stages infer shapes rank by
     rank, through sends. A forward that does not run on the meta device (data-dependent code) is not
-    checked."""
+    checked.
+
+    When torch.fx cannot trace the forward that calls the blocks, the stages were built as if
+    no block's output is added to its input in that forward; the check runs it once and
+    returns the modules whose output is (``h = h + block(h)``: their stand-ins must add zero,
+    not pass the hidden states on, which would double them), for
+    :func:`~plait.parallel.pipeline_split.add_zero_stand_ins`."""
     replica = meta_replica(model)
     if replica is None:
         return None
+    untraced = additive_modules(model, path) is None and not any(
+        is_hf_model(m) for m in model.modules())  # HF forwards: their adapter handles them
 
-    def check(inputs: StageInputs) -> None:
+    def check(inputs: StageInputs) -> set[str]:
         def meta(v: Any) -> Any:
             return v.to("meta") if isinstance(v, torch.Tensor) else v
 
         x, kwargs = meta(inputs.first), {k: meta(v) for k, v in inputs.every.items()}
+        found = additive_by_running(replica, path, x, kwargs) if untraced else set()
         for spec in specs[:-1]:
             stage = build_stage_module(replica, path, spec)
             try:
@@ -427,7 +443,8 @@ def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
             except StageOutputError:
                 raise
             except Exception:  # noqa: BLE001 - not runnable on meta: left to the real run
-                return
+                break
+        return found
 
     return check
 

@@ -37,6 +37,7 @@ This part is pure module surgery (no process group): the stage runtime in
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -277,13 +278,14 @@ def _bounds_from_layers(stage_layers: Any, n_stages: int, n_blocks: int, plan: P
     return block_bounds(counts)
 
 
-def additive_modules(model: nn.Module, path: str) -> set[str]:
+def additive_modules(model: nn.Module, path: str) -> set[str] | None:
     """Modules whose output the model's forward *adds* to the running activation, so that on a
     stage that does not own them they must contribute zero, not pass their input on: a block
     whose residual lives in the parent (``h = h + block(h)``), or a second embedding summed
     with the first (``tok(ids) + pos(positions)``). Found by tracing the module that holds the
-    block sequence with torch.fx, blocks and side modules as leaves; a forward fx cannot trace
-    (Hugging Face models: their adapter handles them) yields nothing."""
+    block sequence with torch.fx, blocks and side modules as leaves. None when fx cannot trace
+    that forward (data-dependent branches; Hugging Face models, whose adapter handles them):
+    :func:`additive_by_running` then checks the first step's forward instead."""
     import operator
 
     import torch.fx as fx
@@ -292,8 +294,7 @@ def additive_modules(model: nn.Module, path: str) -> set[str]:
     parent_name = ".".join(parts[:-1])
     parent = model.get_submodule(parent_name) if parent_name else model
     container = parent.get_submodule(parts[-1]) if parts else parent
-    leaves = {f"{parts[-1]}.{k}" if parts else k for k in container._modules}
-    leaves |= {n for n, m in parent.named_children() if m is not container}
+    leaves = _leaf_names(parent, container, parts)
 
     class Tracer(fx.Tracer):
         def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
@@ -301,8 +302,8 @@ def additive_modules(model: nn.Module, path: str) -> set[str]:
 
     try:
         graph = Tracer().trace(parent)
-    except Exception:  # noqa: BLE001 - untraceable forward: keep the pass-through stand-ins
-        return set()
+    except Exception:  # noqa: BLE001 - untraceable forward: checked at the first step
+        return None
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     adds = (operator.add, operator.iadd, torch.add)
     out = set()
@@ -320,13 +321,94 @@ def additive_modules(model: nn.Module, path: str) -> set[str]:
     return out
 
 
+def _leaf_names(parent: nn.Module, container: nn.Module, parts: list[str]) -> set[str]:
+    """The blocks and the parent's other children, by their names in the parent."""
+    leaves = {f"{parts[-1]}.{k}" if parts else k for k in container._modules}
+    return leaves | {n for n, m in parent.named_children() if m is not container}
+
+
+_ADDS = (torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__,
+         torch.Tensor.__radd__, torch.Tensor.__iadd__)
+
+
+def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[str, Any]
+                        ) -> set[str]:
+    """What :func:`additive_modules` finds, found by running ``model``'s forward once on
+    ``first`` and ``kwargs`` (meta tensors: no memory, no compute) and watching every addition
+    (a ``TorchFunctionMode``) for one that takes a block's or side module's output. The same
+    rule: a module whose output is added to its own input, or added to anything when the
+    module does not read the model's input, is additive. For forwards fx cannot trace; one
+    that does not run at all yields nothing."""
+    from torch.overrides import TorchFunctionMode
+
+    parts = path.split(".") if path else []
+    parent_name = ".".join(parts[:-1])
+    parent = model.get_submodule(parent_name) if parent_name else model
+    container = parent.get_submodule(parts[-1]) if parts else parent
+    prefix = f"{parent_name}." if parent_name else ""
+    # id(output) -> (name, the module's input, whether that input is the model's input); the
+    # tensors are kept alive, so their ids are not reused while the forward runs.
+    outputs: dict[int, tuple[str, Any, bool]] = {}
+    kept: list[Any] = []
+    found: set[str] = set()
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kw: dict, out: Any) -> None:
+            x = args[0] if args else None
+            if isinstance(out, torch.Tensor):
+                outputs[id(out)] = (name, x, x is first)
+                kept.append(out)
+        return hook
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                               kw: dict | None = None) -> Any:
+            if func in _ADDS:
+                operands = [a for a in (*args[:2], (kw or {}).get("other"))
+                            if isinstance(a, torch.Tensor)]
+                for a in operands:
+                    if id(a) not in outputs:
+                        continue
+                    name, x, carrier = outputs[id(a)]
+                    if not carrier or any(o is x for o in operands if o is not a):
+                        found.add(prefix + name)
+            return func(*args, **(kw or {}))
+
+    handles = [parent.get_submodule(n).register_forward_hook(record(n), with_kwargs=True)
+               for n in _leaf_names(parent, container, parts)]
+    try:
+        with torch.no_grad(), Watch():
+            model(first, **kwargs)
+    except Exception:  # noqa: BLE001 - not runnable on meta: left to the real run
+        return set()
+    finally:
+        for h in handles:
+            h.remove()
+    return found
+
+
+def add_zero_stand_ins(stages: list[nn.Module], names: set[str]) -> None:
+    """In each laid-out stage module, the pass-through stand-ins for ``names`` (modules whose
+    output the forward adds to the running activation, found at the first step by
+    :func:`additive_by_running`) become stand-ins that add zero. Parameter-free modules, so
+    DDP, FSDP2 and the optimizer are not affected."""
+    from .units import canonical_name
+
+    for stage in stages:
+        for name, m in list(stage.named_modules()):
+            if isinstance(m, PipelineSkip) and canonical_name(name) in names:
+                parent_name, _, key = name.rpartition(".")
+                parent = stage.get_submodule(parent_name) if parent_name else stage
+                parent._modules[key] = PipelineZero(m._handed_on)
+
+
 def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Module:
     """A shallow copy of ``model`` holding only stage ``spec``'s modules (names unchanged).
 
     Its forward is the model's own; on a stage without the last block it returns the hidden
     state to send on (:func:`hand_on`), on the last stage whatever the model returns."""
     parts = path.split(".") if path else []
-    zero = additive_modules(model, path)
+    zero = additive_modules(model, path) or set()
     handed_on = HandedOn()
 
     hf_done = False
@@ -396,13 +478,17 @@ def hand_on(hidden: Any, model_name: str, last_block: str, spec: StageSpec) -> t
     after the blocks (a final norm and head, skipped here; pooling, flattening, slicing a
     token; extra outputs) is computed and dropped: the last stage does it on the real hidden
     states. A view is copied: torch's split backward frees stage outputs with ``detach_()``,
-    which views refuse."""
+    which views refuse. A strided tensor (a block whose residual reads a transposed input)
+    is made dense: torch allocates the receive buffer for its gradient with the same strides,
+    and gloo refuses a non-contiguous buffer ("input tensor has to be contiguous")."""
     if not isinstance(hidden, torch.Tensor):
         raise StageOutputError(
             f"{model_name}'s forward did not call its last block {last_block} on pipeline "
             f"stage {spec.index} (stochastic depth, or a loop over part of the blocks), so "
             f"plait cannot tell what to send to stage {spec.index + 1}: call every block on "
             f"every step, or run with pp=1")
+    if not hidden.is_contiguous():
+        return hidden.contiguous()  # a dense copy, not a view
     return hidden.clone() if is_view(hidden) else hidden
 
 

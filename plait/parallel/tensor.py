@@ -465,7 +465,9 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
     Why: foreach optimizers and ``clip_grad_norm_`` reject a mix of DTensor and plain tensors
     (``aten._foreach_lerp_.Scalar got mixed torch.Tensor and DTensor``). The owning modules get
     hooks that wrap their tensor inputs as replicated DTensors and hand back local outputs, so
-    code around them keeps seeing plain tensors. No
+    code around them keeps seeing plain tensors. Their own buffers (a BatchNorm's running
+    statistics, a constant a module adds to its input) become replicated DTensors too, since
+    their forward now computes on DTensors and DTensor ops refuse plain tensor operands. No
     communication: every TP rank computes the same values and gradients for these modules.
     """
     done: dict[int, nn.Parameter] = {}
@@ -480,6 +482,12 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
                                                               run_check=False),
                                            requires_grad=p.requires_grad)
             sub.register_parameter(pname, done[id(p)])
+        for bname, b in list(sub.named_buffers(recurse=False)):
+            if b is not None and not isinstance(b, DTensor):
+                persistent = bname not in sub._non_persistent_buffers_set
+                sub.register_buffer(bname, DTensor.from_local(b, mesh, [Replicate()],
+                                                              run_check=False),
+                                    persistent=persistent)
         sub.register_forward_pre_hook(partial(_inputs_to_replicate, mesh), with_kwargs=True)
         sub.register_forward_hook(_outputs_to_local)
 
@@ -526,5 +534,24 @@ def _outputs_to_local(mod: nn.Module, args: tuple, output: Any) -> Any:
             return t
         if t.placements != (Replicate(),):
             t = t.redistribute(placements=[Replicate()])
-        return t.to_local()
+        return _ReplicatedToLocal.apply(t)
     return _map_tensors(output, unwrap)
+
+
+class _ReplicatedToLocal(torch.autograd.Function):
+    """``DTensor.to_local`` for a ``Replicate`` DTensor, returning a tensor that is not a view.
+
+    Why not ``to_local``: it returns ``local.view_as(local)``, and when that is what a module
+    wrapped by FSDP2 returns (a replicated classification head under dp x tp), FSDP2 warns on
+    every forward that an in-place op on the view would skip its backward hook. The local
+    tensor belongs to this DTensor alone, so a detached alias is as safe and is not a view.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, t: DTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh = t.device_mesh
+        return t.to_local().detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
+        return DTensor.from_local(grad, ctx.mesh, [Replicate()], run_check=False)

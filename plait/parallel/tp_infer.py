@@ -80,13 +80,23 @@ def _chain(order: list[fx.Node], nodes: set[fx.Node], source: fx.Node, output: f
     return output in _reaches(order[-1], nodes)
 
 
+class _LinearTracer(fx.Tracer):
+    """Traces into a module only when it holds a linear: what a module without one computes
+    (a norm, a BatchNorm synchronised over the data axes, a rotary table) has no say in where
+    the TP regions are, and its forward may branch on its input, which fx cannot trace."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return (super().is_leaf_module(m, module_qualified_name)
+                or not any(isinstance(sub, nn.Linear) for sub in m.modules()))
+
+
 def analyse_block(block: nn.Module, name: str) -> dict[str, str] | str | None:
     """{child name: style} if ``block`` is a TP region (or a chain of them), the reason it is
     not, or None when it is a container: linears of its sub-blocks sit between its own (an
     input layer and a head around blocks), so its sub-blocks are the regions, not itself."""
     linears = {n for n, m in block.named_children() if isinstance(m, nn.Linear)}
     try:
-        graph = fx.symbolic_trace(block).graph
+        graph = _LinearTracer().trace(block)
     except Exception as exc:  # noqa: BLE001 - fx raises anything; data-dependent control flow, unsupported calls, ...
         return f"torch.fx cannot trace it ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
@@ -260,12 +270,15 @@ def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tu
     """Run one forward of ``model`` on fake tensors (no memory, no compute) with every linear of
     ``matched`` computing its rank's share, and head counts divided by tp; return the error a
     misplaced split raises (a sharded activation read where a full one is expected), or None.
-    Nothing of the model changes: the overrides are removed afterwards."""
+    Nothing of the model changes: the overrides are removed afterwards, and buffers are put
+    back as they were (a training-mode forward may update running statistics in place, and
+    under FakeTensorMode such an update can still reach a real buffer)."""
     from .._torch_compat import fake_tensor_mode
 
     FakeTensorMode = fake_tensor_mode()
 
     overrides, saved = [], []
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         for name, style in matched.items():
             sub = model.get_submodule(name)
@@ -280,7 +293,7 @@ def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tu
                 setattr(sub, attr, getattr(sub, attr) // tp)
         # FakeTensorMode logs the failing op's stack at ERROR level; the error is returned.
         with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), \
-                _quiet("torch._subclasses.fake_tensor"):
+                quiet_logger("torch._subclasses.fake_tensor"):
             model(example)
     except Exception as exc:  # noqa: BLE001 - the error is the answer
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
@@ -289,11 +302,16 @@ def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tu
             del sub.forward
         for sub, attr, value in saved:
             setattr(sub, attr, value)
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
     return None
 
 
 @contextlib.contextmanager
-def _quiet(logger_name: str) -> Iterator[None]:
+def quiet_logger(logger_name: str) -> Iterator[None]:
+    """Raise one of torch's loggers to CRITICAL for the duration (what it would say is
+    expected and not the user's to act on)."""
     logger = logging.getLogger(logger_name)
     level = logger.level
     logger.setLevel(logging.CRITICAL)
