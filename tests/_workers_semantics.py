@@ -205,7 +205,7 @@ def batchnorm_mlp() -> nn.Module:
     return BatchNormMLP()
 
 
-def feature_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def bn_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows whose two halves have different statistics (per-rank BatchNorm would show it)."""
     g = torch.Generator().manual_seed(300 + step)
     x = torch.randn(BATCH, 8, generator=g)

@@ -100,7 +100,7 @@ def test_batchnorm_and_buffers_under_tensor_parallelism():
     """Modules TP leaves whole (BatchNorm, a module adding a buffer) are replicated over tp with
     their buffers; sync_bn still takes statistics over the data axes when tp shards the blocks.
     Parameters and running statistics equal one device's."""
-    batches = [W.feature_batch(s) for s in range(W.STEPS)]
+    batches = [W.bn_batch(s) for s in range(W.STEPS)]
     ref = W.reference(W.batchnorm_mlp, batches, torch.nn.functional.cross_entropy)
     (tp,) = run_distributed(W.train_jobs, 2, [("tp=2", W.batchnorm_mlp, batches,
                                                torch.nn.functional.cross_entropy)],

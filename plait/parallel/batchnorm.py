@@ -20,11 +20,12 @@ version is deprecated in favour of functional collectives that have no backward)
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 _TORCH_SYNC_DEVICES = ("cuda", "xpu", "hpu")
 
@@ -152,15 +153,14 @@ class DataSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return y
 
 
-def _is_dtensor(t: Any) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+def _is_dtensor(t: Any) -> TypeGuard[DTensor]:
+    return isinstance(t, DTensor)
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A DTensor's local tensor (differentiable for parameters, the same storage for buffers)."""
-    if t is None or not _is_dtensor(t):
-        return t
-    return t.to_local() if t.requires_grad else t._local_tensor
+    """A DTensor's local tensor: differentiable for parameters, a view of the same storage for
+    buffers (so the running statistics' in-place updates land in the DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _device(m: nn.Module) -> torch.device | None:
