@@ -20,7 +20,7 @@ version is deprecated in favour of functional collectives that have no backward)
 from __future__ import annotations
 
 import warnings
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,7 +110,7 @@ class DataSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        if _is_dtensor(x):
+        if isinstance(x, DTensor):
             # Under tensor parallelism this layer is replicated over tp: its parameters,
             # buffers and input are Replicate DTensors, identical on every tp rank. The
             # statistics' all-reduces run on plain tensors, so compute on the local copies
@@ -151,10 +151,6 @@ class DataSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             assert weight is not None and bias is not None
             y = y * weight.reshape(shape) + bias.reshape(shape)
         return y
-
-
-def _is_dtensor(t: Any) -> TypeGuard[DTensor]:
-    return isinstance(t, DTensor)
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
