@@ -143,3 +143,27 @@ def rng_world2(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
     back = torch.get_rng_state()
     run.close()
     return {"after_one": after_one, "saved": saved, "back": back}
+
+
+def batchnorm_state(rank: int, world: int, plan: str, folder: str, save: bool
+                    ) -> dict[str, torch.Tensor]:
+    """The BatchNorm model of the semantics tests: trained 3 steps under ``plan`` and saved
+    (``save``), or loaded from ``folder`` under ``plan``; its full state, buffers included."""
+    from plait.check import _slice
+    from tests import _workers_semantics as sem
+
+    run = plait.init(plan, quiet=True, **({"checkpoint": folder, "every": 3} if save else {}))
+    model = run.parallelize(sem.batchnorm_mlp())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if save:
+        for step in range(3):
+            run.step(model, _slice(sem.bn_batch(step), run.dp_rank, run.dp_size),
+                     torch.nn.functional.cross_entropy, opt)
+    else:
+        run.load(folder, model=model, optimizer=opt)
+    state = run.full_state_dict(model)
+    if save:
+        run.finish(print_summary=False)
+    else:
+        run.close()
+    return state

@@ -105,6 +105,21 @@ def test_reshard_world1_world2(tmp_path, no_group):
         assert worst < 1e-4, (other, worst)
 
 
+def test_batchnorm_buffers_move_between_layouts(tmp_path, no_group):
+    """Under TP a BatchNorm's running statistics are replicated DTensors; saved so, they load
+    into one process as plain tensors, and back under tp=2, unchanged."""
+    saved = run_distributed(w.batchnorm_state, 2, "tp=2", str(tmp_path / "tp2"), True,
+                            timeout=180)[0]
+    assert {"bn.running_mean", "bn.running_var", "shift.offset"} <= set(saved)
+    assert saved["bn.running_var"].sub(1).abs().max() > 1e-3  # the statistics moved
+    one = w.batchnorm_state(0, 1, "single", str(tmp_path / "tp2"), False)
+    back = run_distributed(w.batchnorm_state, 2, "tp=2", str(tmp_path / "tp2"), False,
+                           timeout=180)[0]
+    for got in (one, back):
+        assert got.keys() == saved.keys()
+        assert all(torch.equal(got[k], saved[k]) for k in saved)
+
+
 def test_random_states_across_world_sizes(tmp_path, no_group, capsys):
     """The same world size: each rank resumes its own random states. Another: every rank
     resumes saved rank 0's (plait.checkpoint.api.rng_source), and the load says so."""
