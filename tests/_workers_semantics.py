@@ -185,16 +185,19 @@ class Shift(nn.Module):
 
 class BatchNormMLP(nn.Module):
     """An input layer, BatchNorm, a module with a buffer, and residual MLP blocks: the blocks
-    are tensor-parallel, the rest replicated over tp with their buffers."""
+    are tensor-parallel, the rest replicated over tp with their buffers. The root holds a
+    parameter of its own and builds a tensor in forward (ViT's position table, minGPT's)."""
 
     def __init__(self):
         super().__init__()
         self.inp, self.bn, self.shift = nn.Linear(8, 16), nn.BatchNorm1d(16), Shift(16)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 16))
         self.blocks = nn.ModuleList(_mlp() for _ in range(2))
         self.out = nn.Linear(16, 6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.shift(self.bn(self.inp(x)))
+        h = self.shift(self.bn(self.inp(x))) * self.gain
+        h = h + 0.01 * torch.arange(h.shape[-1], dtype=h.dtype)
         for block in self.blocks:
             h = h + block(h)
         return self.out(h)

@@ -97,9 +97,10 @@ def test_batchnorm_sync_bn_matches_one_device_and_warns_without():
 
 
 def test_batchnorm_and_buffers_under_tensor_parallelism():
-    """Modules TP leaves whole (BatchNorm, a module adding a buffer) are replicated over tp with
-    their buffers; sync_bn still takes statistics over the data axes when tp shards the blocks.
-    Parameters and running statistics equal one device's."""
+    """Modules TP leaves whole (BatchNorm, a module adding a buffer, the root with a parameter
+    of its own) are replicated over tp with their buffers and run their forward as written;
+    sync_bn still takes statistics over the data axes when tp shards the blocks. Parameters
+    and running statistics equal one device's."""
     batches = [W.bn_batch(s) for s in range(W.STEPS)]
     ref = W.reference(W.batchnorm_mlp, batches, torch.nn.functional.cross_entropy)
     (tp,) = run_distributed(W.train_jobs, 2, [("tp=2", W.batchnorm_mlp, batches,
@@ -111,7 +112,7 @@ def test_batchnorm_and_buffers_under_tensor_parallelism():
     for result in (tp, hybrid):
         assert not result["warnings"], result["warnings"]
         _assert_matches(ref, result)
-    assert {"bn.running_mean", "bn.running_var", "shift.offset"} <= set(ref["state"])
+    assert {"bn.running_mean", "bn.running_var", "shift.offset", "gain"} <= set(ref["state"])
 
 
 def test_frozen_and_tied_weights_under_every_layout():

@@ -121,7 +121,15 @@ def _packed_output(pack: int, mod: nn.Module, outputs: DTensor, mesh: DeviceMesh
 
 
 class _Rowwise(RowwiseParallel):
-    """RowwiseParallel for Linear, Embedding and HF Conv1D."""
+    """RowwiseParallel for Linear, Embedding and HF Conv1D; its local output is not a view
+    (:class:`_ToLocal`)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module,
+                           outputs: DTensor, device_mesh: DeviceMesh) -> torch.Tensor:
+        outputs = RowwiseParallel._prepare_output_fn(output_layouts, False, mod, outputs,
+                                                     device_mesh)
+        return _ToLocal.apply(outputs) if use_local_output else outputs
 
     def _partition_conv1d(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if module is not self._target:
@@ -463,12 +471,18 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
     """Turn every parameter still a plain tensor into a ``Replicate`` DTensor on ``mesh``.
 
     Why: foreach optimizers and ``clip_grad_norm_`` reject a mix of DTensor and plain tensors
-    (``aten._foreach_lerp_.Scalar got mixed torch.Tensor and DTensor``). The owning modules get
-    hooks that wrap their tensor inputs as replicated DTensors and hand back local outputs, so
-    code around them keeps seeing plain tensors. Their own buffers (a BatchNorm's running
-    statistics, a constant a module adds to its input) become replicated DTensors too, since
-    their forward now computes on DTensors and DTensor ops refuse plain tensor operands. No
-    communication: every TP rank computes the same values and gradients for these modules.
+    (``aten._foreach_lerp_.Scalar got mixed torch.Tensor and DTensor``). The owning modules'
+    own buffers become replicated DTensors too, so that everything such a module owns has
+    one kind. No communication: every TP rank computes the same values and gradients for
+    these modules.
+
+    In forward (:func:`_compute_locally`) such a module computes on plain tensors: its
+    parameters and buffers are swapped for their local tensors for the call (``to_local`` is
+    differentiable, so gradients reach the DTensor parameters). A forward written for one
+    device then works as written: a root module that adds its own position table to what its
+    embedding returns, one that builds ``torch.arange``, a BatchNorm updating running
+    statistics. Only a call that receives a DTensor (inside a TP region) computes on DTensors
+    instead, its plain inputs wrapped as replicated and its outputs handed back local.
     """
     done: dict[int, nn.Parameter] = {}
     for _, sub in list(module.named_modules()):
@@ -482,14 +496,60 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
                                                               run_check=False),
                                            requires_grad=p.requires_grad)
             sub.register_parameter(pname, done[id(p)])
-        for bname, b in list(sub.named_buffers(recurse=False)):
-            if b is not None and not isinstance(b, DTensor):
-                persistent = bname not in sub._non_persistent_buffers_set
-                sub.register_buffer(bname, DTensor.from_local(b, mesh, [Replicate()],
-                                                              run_check=False),
-                                    persistent=persistent)
-        sub.register_forward_pre_hook(partial(_inputs_to_replicate, mesh), with_kwargs=True)
-        sub.register_forward_hook(_outputs_to_local)
+        buffers = [n for n, b in sub.named_buffers(recurse=False)
+                   if b is not None and not isinstance(b, DTensor)]
+        for bname in buffers:
+            persistent = bname not in sub._non_persistent_buffers_set
+            sub.register_buffer(bname, DTensor.from_local(sub._buffers[bname], mesh,
+                                                          [Replicate()], run_check=False),
+                                persistent=persistent)
+        _compute_locally(sub, mesh, [n for n, _ in plain], buffers)
+
+
+def _compute_locally(module: nn.Module, mesh: DeviceMesh, params: list[str],
+                     buffers: list[str]) -> None:
+    """Hooks that run ``module``'s forward on the local tensors of its replicated ``params``
+    and ``buffers`` (restored afterwards, also when the forward raises), or, when a DTensor
+    comes in, on DTensors with local outputs. FSDP2's pre-forward hook is prepended, so the
+    tensors swapped here are the ones it has just gathered."""
+    calls: list[dict[tuple[str, str], torch.Tensor] | None] = []
+
+    def enter(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if _holds_dtensor((args, kwargs)):
+            calls.append(None)
+            return _inputs_to_replicate(mesh, mod, args, kwargs)
+        saved: dict[tuple[str, str], torch.Tensor] = {}
+        for kind, names, registry in (("p", params, mod._parameters),
+                                      ("b", buffers, mod._buffers)):
+            for name in names:
+                t = registry.get(name)
+                if isinstance(t, DTensor):
+                    saved[kind, name] = t
+                    registry[name] = t.to_local()  # type: ignore[assignment]
+        calls.append(saved)
+        return None
+
+    def leave(mod: nn.Module, args: tuple, output: Any) -> Any:
+        saved = calls.pop()
+        if saved is None:
+            return _outputs_to_local(mod, args, output)
+        for (kind, name), t in saved.items():
+            (mod._parameters if kind == "p" else mod._buffers)[name] = t  # type: ignore[assignment]
+        return None
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave, always_call=True)
+
+
+def _holds_dtensor(value: Any) -> bool:
+    found = False
+
+    def see(t: torch.Tensor) -> torch.Tensor:
+        nonlocal found
+        found = found or isinstance(t, DTensor)
+        return t
+    _map_tensors(value, see)
+    return found
 
 
 def _reduce_partial_grads_in_backward(module: nn.Module) -> None:
@@ -534,24 +594,28 @@ def _outputs_to_local(mod: nn.Module, args: tuple, output: Any) -> Any:
             return t
         if t.placements != (Replicate(),):
             t = t.redistribute(placements=[Replicate()])
-        return _ReplicatedToLocal.apply(t)
+        return _ToLocal.apply(t)
     return _map_tensors(output, unwrap)
 
 
-class _ReplicatedToLocal(torch.autograd.Function):
-    """``DTensor.to_local`` for a ``Replicate`` DTensor, returning a tensor that is not a view.
+class _ToLocal(torch.autograd.Function):
+    """``DTensor.to_local``, returning a tensor that is not a view.
 
     Why not ``to_local``: it returns ``local.view_as(local)``, and when that is what a module
-    wrapped by FSDP2 returns (a replicated classification head under dp x tp), FSDP2 warns on
-    every forward that an in-place op on the view would skip its backward hook. The local
-    tensor belongs to this DTensor alone, so a detached alias is as safe and is not a view.
+    wrapped by FSDP2 returns (a block whose last layer is row-parallel, a replicated
+    classification head, under dp x tp), FSDP2 warns on every forward that an in-place op on
+    the view would skip its backward hook. The local tensor belongs to this DTensor alone, so
+    a detached alias is as safe and is not a view. The gradient goes back as ``to_local``'s
+    does: the local gradient laid out as the DTensor was.
     """
 
     @staticmethod
     def forward(ctx: Any, t: DTensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.mesh = t.device_mesh
+        ctx.spec = (t.device_mesh, t.placements, t.shape, t.stride())
         return t.to_local().detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
-        return DTensor.from_local(grad, ctx.mesh, [Replicate()], run_check=False)
+        mesh, placements, shape, stride = ctx.spec
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
