@@ -243,6 +243,31 @@ class FrozenTiedLM(nn.Module):
         return self.head(h)
 
 
+class ParentTiedLM(nn.Module):
+    """GPT-2's head as many write it: the root multiplies by the embedding's weight itself
+    (``F.linear(h, self.tok.weight)``), so no head module owns the tie."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = WIDTH, depth: int = 2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width),
+                                                  nn.Linear(width, 2 * width), nn.Tanh(),
+                                                  nn.Linear(2 * width, width))
+                                    for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(input_ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return F.linear(self.norm(h), self.tok.weight)
+
+
+def parent_tied_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return ParentTiedLM()
+
+
 def frozen_tied_lm() -> nn.Module:
     torch.manual_seed(0)
     return FrozenTiedLM()

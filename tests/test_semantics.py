@@ -115,6 +115,19 @@ def test_batchnorm_and_buffers_under_tensor_parallelism():
     assert {"bn.running_mean", "bn.running_var", "shift.offset", "gain"} <= set(ref["state"])
 
 
+def test_a_weight_read_by_another_module_under_tensor_parallelism():
+    """The root reads the embedding's weight for its head: under TP (and ZeRO-3 x TP, where
+    FSDP2 gathers the root's parameters first) it sees the local tensor, as on one device."""
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    ref = W.reference(W.parent_tied_lm, batches, W.mlm_loss)
+    job = [("tp=2", W.parent_tied_lm, batches, W.mlm_loss)]
+    (tp,) = run_distributed(W.train_jobs, 2, job, timeout=180)[0]
+    job = [("dp_shard=2,zero=3,tp=2", W.parent_tied_lm, batches, W.mlm_loss)]
+    (zero,) = run_distributed(W.train_jobs, 4, job, timeout=240)[0]
+    for result in (tp, zero):
+        _assert_matches(ref, result)
+
+
 def test_frozen_and_tied_weights_under_every_layout():
     """Frozen parameters (a tied embedding/head and a whole block) stay exactly where they
     started under DDP, ZeRO-2/3, TP and a pipeline that splits the tie, with weight decay on

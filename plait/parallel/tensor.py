@@ -476,15 +476,20 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
     one kind. No communication: every TP rank computes the same values and gradients for
     these modules.
 
-    In forward (:func:`_compute_locally`) such a module computes on plain tensors: its
-    parameters and buffers are swapped for their local tensors for the call (``to_local`` is
-    differentiable, so gradients reach the DTensor parameters). A forward written for one
-    device then works as written: a root module that adds its own position table to what its
-    embedding returns, one that builds ``torch.arange``, a BatchNorm updating running
-    statistics. Only a call that receives a DTensor (inside a TP region) computes on DTensors
-    instead, its plain inputs wrapped as replicated and its outputs handed back local.
+    In forward (:func:`_compute_locally`) they compute on plain tensors: parameters and
+    buffers are swapped for their local tensors for the call (``to_local`` is differentiable,
+    so gradients reach the DTensor parameters). A forward written for one device then works as
+    written: a root module that adds its own position table to what its embedding returns,
+    one that builds ``torch.arange``, a BatchNorm updating running statistics, a head that
+    multiplies by the embedding's weight (``F.linear(h, self.tok.weight)``). The swap is made
+    when ``module`` (the model or pipeline stage) is called, for every replicated tensor that
+    is whole on this rank then, and when each owning module is called, for the ones FSDP2
+    gathers only then (its pre-forward hook is prepended, so it runs first). Only a call that
+    receives a DTensor (inside a TP region) computes on DTensors instead, its plain inputs
+    wrapped as replicated and its outputs handed back local.
     """
     done: dict[int, nn.Parameter] = {}
+    every: list[tuple[dict, str]] = []
     for _, sub in list(module.named_modules()):
         plain = [(n, p) for n, p in sub.named_parameters(recurse=False)
                  if not isinstance(p, DTensor)]
@@ -503,29 +508,32 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
             sub.register_buffer(bname, DTensor.from_local(sub._buffers[bname], mesh,
                                                           [Replicate()], run_check=False),
                                 persistent=persistent)
-        _compute_locally(sub, mesh, [n for n, _ in plain], buffers)
+        own = [(sub._parameters, n) for n, _ in plain] + [(sub._buffers, n) for n in buffers]
+        every += own
+        _compute_locally(sub, mesh, own)
+    if every:
+        _compute_locally(module, mesh, every, prepend=True)
 
 
-def _compute_locally(module: nn.Module, mesh: DeviceMesh, params: list[str],
-                     buffers: list[str]) -> None:
-    """Hooks that run ``module``'s forward on the local tensors of its replicated ``params``
-    and ``buffers`` (restored afterwards, also when the forward raises), or, when a DTensor
-    comes in, on DTensors with local outputs. FSDP2's pre-forward hook is prepended, so the
-    tensors swapped here are the ones it has just gathered."""
-    calls: list[dict[tuple[str, str], torch.Tensor] | None] = []
+def _compute_locally(module: nn.Module, mesh: DeviceMesh, entries: list[tuple[dict, str]], *,
+                     prepend: bool = False) -> None:
+    """Hooks that run ``module``'s forward with the tensors ``entries`` name (a registry,
+    ``_parameters`` or ``_buffers``, and a name in it) swapped for their local tensors when they
+    are replicated DTensors on ``mesh`` (not while FSDP2 holds them sharded), restored
+    afterwards, also when the forward raises; or, when a DTensor comes in, on DTensors with
+    local outputs."""
+    calls: list[list[tuple[dict, str, DTensor, torch.Tensor]] | None] = []
 
     def enter(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if _holds_dtensor((args, kwargs)):
             calls.append(None)
             return _inputs_to_replicate(mesh, mod, args, kwargs)
-        saved: dict[tuple[str, str], torch.Tensor] = {}
-        for kind, names, registry in (("p", params, mod._parameters),
-                                      ("b", buffers, mod._buffers)):
-            for name in names:
-                t = registry.get(name)
-                if isinstance(t, DTensor):
-                    saved[kind, name] = t
-                    registry[name] = t.to_local()  # type: ignore[assignment]
+        saved = []
+        for registry, name in entries:
+            t = registry.get(name)
+            if isinstance(t, DTensor) and t.device_mesh == mesh:
+                registry[name] = local = t.to_local()
+                saved.append((registry, name, t, local))
         calls.append(saved)
         return None
 
@@ -533,12 +541,13 @@ def _compute_locally(module: nn.Module, mesh: DeviceMesh, params: list[str],
         saved = calls.pop()
         if saved is None:
             return _outputs_to_local(mod, args, output)
-        for (kind, name), t in saved.items():
-            (mod._parameters if kind == "p" else mod._buffers)[name] = t  # type: ignore[assignment]
+        for registry, name, t, local in reversed(saved):
+            if registry.get(name) is local:  # not re-registered meanwhile (by FSDP2)
+                registry[name] = t
         return None
 
-    module.register_forward_pre_hook(enter, with_kwargs=True)
-    module.register_forward_hook(leave, always_call=True)
+    module.register_forward_pre_hook(enter, with_kwargs=True, prepend=prepend)
+    module.register_forward_hook(leave, always_call=True, prepend=not prepend)
 
 
 def _holds_dtensor(value: Any) -> bool:
