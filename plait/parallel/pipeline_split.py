@@ -290,11 +290,7 @@ def additive_modules(model: nn.Module, path: str) -> set[str] | None:
 
     import torch.fx as fx
 
-    parts = path.split(".") if path else []
-    parent_name = ".".join(parts[:-1])
-    parent = model.get_submodule(parent_name) if parent_name else model
-    container = parent.get_submodule(parts[-1]) if parts else parent
-    leaves = _leaf_names(parent, container, parts)
+    parent, parent_name, leaves = _parent_and_leaves(model, path)
 
     class Tracer(fx.Tracer):
         def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
@@ -321,10 +317,16 @@ def additive_modules(model: nn.Module, path: str) -> set[str] | None:
     return out
 
 
-def _leaf_names(parent: nn.Module, container: nn.Module, parts: list[str]) -> set[str]:
-    """The blocks and the parent's other children, by their names in the parent."""
+def _parent_and_leaves(model: nn.Module, path: str) -> tuple[nn.Module, str, set[str]]:
+    """The module whose forward calls the block sequence at ``path``, its name, and its
+    leaves for the additivity rule: the blocks and its other children, named in it."""
+    parts = path.split(".") if path else []
+    parent_name = ".".join(parts[:-1])
+    parent = model.get_submodule(parent_name) if parent_name else model
+    container = parent.get_submodule(parts[-1]) if parts else parent
     leaves = {f"{parts[-1]}.{k}" if parts else k for k in container._modules}
-    return leaves | {n for n, m in parent.named_children() if m is not container}
+    return parent, parent_name, leaves | {n for n, m in parent.named_children()
+                                          if m is not container}
 
 
 _ADDS = (torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__,
@@ -341,22 +343,23 @@ def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[st
     that does not run at all yields nothing."""
     from torch.overrides import TorchFunctionMode
 
-    parts = path.split(".") if path else []
-    parent_name = ".".join(parts[:-1])
-    parent = model.get_submodule(parent_name) if parent_name else model
-    container = parent.get_submodule(parts[-1]) if parts else parent
+    parent, parent_name, leaves = _parent_and_leaves(model, path)
     prefix = f"{parent_name}." if parent_name else ""
-    # id(output) -> (name, the module's input, whether that input is the model's input); the
-    # tensors are kept alive, so their ids are not reused while the forward runs.
+    # id(output) -> (name, the module's input, whether that input is the parent's own input);
+    # the tensors are kept alive, so their ids are not reused while the forward runs.
     outputs: dict[int, tuple[str, Any, bool]] = {}
     kept: list[Any] = []
     found: set[str] = set()
+    entry: list[Any] = [None]  # the parent's first input, as fx's first placeholder
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        entry[0] = args[0] if args else None
 
     def record(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kw: dict, out: Any) -> None:
             x = args[0] if args else None
             if isinstance(out, torch.Tensor):
-                outputs[id(out)] = (name, x, x is first)
+                outputs[id(out)] = (name, x, x is not None and x is entry[0])
                 kept.append(out)
         return hook
 
@@ -375,7 +378,8 @@ def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[st
             return func(*args, **(kw or {}))
 
     handles = [parent.get_submodule(n).register_forward_hook(record(n), with_kwargs=True)
-               for n in _leaf_names(parent, container, parts)]
+               for n in leaves]
+    handles.append(parent.register_forward_pre_hook(enter))
     try:
         with torch.no_grad(), Watch():
             model(first, **kwargs)
