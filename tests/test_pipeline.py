@@ -212,6 +212,32 @@ def test_residuals_in_an_untraceable_parent_are_found_by_running_it():
         torch.testing.assert_close(last(first(tokens)), model(tokens))
 
 
+def test_a_stage_reading_a_module_it_does_not_hold_says_how_to_fix_it():
+    """GPT-2's head written as F.linear(h, self.tok.weight): the last stage holds no tok, and
+    the error names the module, the attribute and the fix."""
+
+    class ParentTied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(16, 8)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.tok(ids)
+            for block in self.blocks:
+                h = block(h)
+            return torch.nn.functional.linear(h, self.tok.weight)
+
+    model = ParentTied()
+    path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
+    first, last = (build_stage_module(model, path, s) for s in specs)
+    hidden = first(torch.randint(0, 16, (2, 5)))
+    with pytest.raises(AttributeError, match=r"tok\.weight: .*must be a module.*"
+                                             r"self\.head\.weight = self\.tok\.weight"):
+        last(hidden)
+    assert not hasattr(last.tok, "weight")
+
+
 def test_split_balances_costs_and_honours_split_points():
     assert bounds(balanced_partition([1] * 8, 4)) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert balanced_partition([4, 1, 1, 1, 1], 2) == [1, 4]

@@ -85,9 +85,23 @@ class StandIn(nn.Module):
     """A parameter-free module in place of one another stage owns; the one for the sequence's
     last block also reads what the stage hands on (its ``handed_on``)."""
 
-    def __init__(self, handed_on: HandedOn | None = None):
+    def __init__(self, handed_on: HandedOn | None = None, name: str = ""):
         super().__init__()
         self._handed_on = handed_on
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        try:
+            return super().__getattr__(attr)
+        except AttributeError:
+            if attr.startswith("_"):
+                raise
+            raise AttributeError(
+                f"{self._name or 'a module'}.{attr}: this pipeline stage does not hold "
+                f"{self._name or 'that module'} (another stage owns it), and the forward reads "
+                f"its {attr!r} here. A head that multiplies by the embedding's weight must be a "
+                f"module for a pipeline to give the last stage a copy: an nn.Linear whose weight "
+                f"is tied (self.head.weight = self.tok.weight); or run with pp=1") from None
 
     def _receive(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         x = _carried(args, kwargs)
@@ -403,7 +417,7 @@ def add_zero_stand_ins(stages: list[nn.Module], names: set[str]) -> None:
             if isinstance(m, PipelineSkip) and canonical_name(name) in names:
                 parent_name, _, key = name.rpartition(".")
                 parent = stage.get_submodule(parent_name) if parent_name else stage
-                parent._modules[key] = PipelineZero(m._handed_on)
+                parent._modules[key] = PipelineZero(m._handed_on, m._name)
 
 
 def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Module:
@@ -434,8 +448,8 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                     name = f"{path}.{key}" if path else key
                     # The last block's stand-in reads what this stage hands on.
                     reads = handed_on if idx == len(keys) - 1 else None
-                    clone._modules[key] = (PipelineZero(reads) if name in zero
-                                           else PipelineSkip(reads))
+                    clone._modules[key] = (PipelineZero(reads, name) if name in zero
+                                           else PipelineSkip(reads, name))
             return clone
         own = [n for n, p in module.named_parameters(recurse=False)]
         if own:
@@ -451,8 +465,9 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                 keep = spec.is_last if seen else spec.is_first
                 name = ".".join([*parts[:depth], key])
                 if not keep:
-                    clone._modules[key] = (PipelineZero() if id(child) in added or name in zero
-                                           else PipelineSkip())
+                    clone._modules[key] = (PipelineZero(None, name)
+                                           if id(child) in added or name in zero
+                                           else PipelineSkip(None, name))
         return clone
 
     stage = rebuild(model, 0)
