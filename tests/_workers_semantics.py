@@ -216,6 +216,13 @@ def bn_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, 6, (BATCH,), generator=g)
 
 
+def _pre_norm_mlps(width: int, depth: int) -> nn.ModuleList:
+    """``depth`` blocks LayerNorm -> Linear -> Tanh -> Linear (the residual is the caller's)."""
+    return nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width),
+                                       nn.Tanh(), nn.Linear(2 * width, width))
+                         for _ in range(depth))
+
+
 class FrozenTiedLM(nn.Module):
     """Fine-tuning as users do it: the input embedding, tied to the output head, and the first
     block are frozen (``requires_grad=False``). Activations are kept in (seq, batch) memory
@@ -226,10 +233,7 @@ class FrozenTiedLM(nn.Module):
     def __init__(self, vocab: int = VOCAB, width: int = WIDTH, depth: int = 4):
         super().__init__()
         self.tok = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width),
-                                                  nn.Linear(width, 2 * width), nn.Tanh(),
-                                                  nn.Linear(2 * width, width))
-                                    for _ in range(depth))
+        self.blocks = _pre_norm_mlps(width, depth)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.tok.weight
         self.tok.weight.requires_grad_(False)
@@ -250,10 +254,7 @@ class ParentTiedLM(nn.Module):
     def __init__(self, vocab: int = VOCAB, width: int = WIDTH, depth: int = 2):
         super().__init__()
         self.tok = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width),
-                                                  nn.Linear(width, 2 * width), nn.Tanh(),
-                                                  nn.Linear(2 * width, width))
-                                    for _ in range(depth))
+        self.blocks = _pre_norm_mlps(width, depth)
         self.norm = nn.LayerNorm(width)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
