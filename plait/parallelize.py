@@ -61,8 +61,7 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
         from .parallel.batchnorm import apply_sync_bn, warn_unsynced
 
         if plan.sync_bn:
-            module = apply_sync_bn(module, mesh["dp"].get_group(), device.type,
-                                   tensor_parallel=plan.tp > 1)
+            module = apply_sync_bn(module, mesh["dp"].get_group(), device.type)
         else:
             warn_unsynced(module, plan.dp)
     if plan.tp > 1:

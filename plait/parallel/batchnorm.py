@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 _TORCH_SYNC_DEVICES = ("cuda", "xpu", "hpu")
 
@@ -110,24 +109,10 @@ class DataSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        if isinstance(x, DTensor):
-            # Under tensor parallelism this layer is replicated over tp: its parameters,
-            # buffers and input are Replicate DTensors, identical on every tp rank. The
-            # statistics' all-reduces run on plain tensors, so compute on the local copies
-            # (to_local is differentiable; the buffers' local tensors are updated in place).
-            return self._forward(x.to_local(), *(_local(t) for t in (
-                self.weight, self.bias, self.running_mean, self.running_var,
-                self.num_batches_tracked)))
-        return self._forward(x, self.weight, self.bias, self.running_mean, self.running_var,
-                             self.num_batches_tracked)
-
-    def _forward(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
-                 num_batches_tracked: torch.Tensor | None) -> torch.Tensor:
         use_batch = self.training or not self.track_running_stats
         if not use_batch:
-            return nn.functional.batch_norm(x, running_mean, running_var, weight, bias, False,
-                                            0.0, self.eps)
+            return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight,
+                                            self.bias, False, 0.0, self.eps)
         dims = [0] + list(range(2, x.dim()))
         shape = [1, -1] + [1] * (x.dim() - 2)
         count = torch.tensor([x.numel() // x.shape[1]], dtype=x.dtype, device=x.device)
@@ -137,26 +122,22 @@ class DataSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         centred = x - mean.reshape(shape)
         var = all_reduce((centred * centred).sum(dims), self.group) / n
         if self.training and self.track_running_stats:
-            assert running_mean is not None and running_var is not None  # tracked
-            assert num_batches_tracked is not None
-            with torch.no_grad():
-                num_batches_tracked += 1
-                momentum = (1.0 / float(num_batches_tracked) if self.momentum is None
-                            else self.momentum)
-                unbiased = var.detach() * n.detach() / (n.detach() - 1).clamp_min(1)
-                running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
-                running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+            self._update_running(mean.detach(), var.detach(), n.detach())
         y = centred * torch.rsqrt(var + self.eps).reshape(shape)
         if self.affine:
-            assert weight is not None and bias is not None
-            y = y * weight.reshape(shape) + bias.reshape(shape)
+            y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
         return y
 
-
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A DTensor's local tensor: differentiable for parameters, a view of the same storage for
-    buffers (so the running statistics' in-place updates land in the DTensor)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    @torch.no_grad()
+    def _update_running(self, mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor) -> None:
+        assert self.running_mean is not None and self.running_var is not None  # tracked
+        assert self.num_batches_tracked is not None
+        self.num_batches_tracked += 1
+        momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                    else self.momentum)
+        unbiased = var * n / (n - 1).clamp_min(1)
+        self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+        self.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
 
 
 def _device(m: nn.Module) -> torch.device | None:
@@ -169,18 +150,13 @@ def _dtype(m: nn.Module) -> torch.dtype | None:
     return t.dtype if t is not None else None
 
 
-def apply_sync_bn(module: nn.Module, group: dist.ProcessGroup, device_type: str, *,
-                  tensor_parallel: bool = False) -> nn.Module:
+def apply_sync_bn(module: nn.Module, group: dist.ProcessGroup, device_type: str) -> nn.Module:
     """Every BatchNorm in ``module`` synchronised over ``group`` (the data axes); the same
-    parameters and buffers, so names and state dicts do not change. With
-    ``tensor_parallel`` the layers will see replicated DTensors, which torch's SyncBatchNorm
-    does not take (its all-gather has no DTensor rule), so :class:`DataSyncBatchNorm` serves
-    on every device."""
-    if device_type in _TORCH_SYNC_DEVICES and not tensor_parallel:
+    parameters and buffers, so names and state dicts do not change."""
+    if device_type in _TORCH_SYNC_DEVICES:
         return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group=group)
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return DataSyncBatchNorm(module, group)
     for name, child in list(module.named_children()):
-        module.add_module(name, apply_sync_bn(child, group, device_type,
-                                              tensor_parallel=tensor_parallel))
+        module.add_module(name, apply_sync_bn(child, group, device_type))
     return module
