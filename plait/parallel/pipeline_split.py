@@ -81,27 +81,76 @@ class HandedOn:
         self.last: Any = None
 
 
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+class Settings:
+    """The plain settings (flags, sizes, names) of a module another stage owns, and of its
+    children, kept by its stand-in: a forward may read them from a module it does not call
+    (torch's ``nn.TransformerEncoder`` reads ``self.layers[0].self_attn.batch_first`` on
+    every stage). Reading a tensor, or calling a child, names the module and the fix."""
+
+    __slots__ = ("_at", "_owner", "_values", "_children", "_tensors")
+
+    def __init__(self, module: nn.Module, name: str, owner: str = ""):
+        self._at = name
+        self._owner = owner or name  # the module the stage does not hold
+        self._values = {k: v for k, v in vars(module).items()
+                        if isinstance(v, _PLAIN) or (isinstance(v, tuple)
+                                                     and all(isinstance(x, _PLAIN) for x in v))}
+        self._children = {k: Settings(c, f"{name}.{k}", self._owner)
+                          for k, c in module._modules.items() if c is not None}
+        self._tensors = {n for n, _ in module.named_parameters(recurse=False)} | {
+            n for n, _ in module.named_buffers(recurse=False)}
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__") or attr in Settings.__slots__:  # copy, pickle: not settings
+            raise AttributeError(attr)
+        if attr in self._values:
+            return self._values[attr]
+        if attr in self._children:
+            return self._children[attr]
+        owner = self._owner
+        if attr in self._tensors:
+            raise AttributeError(
+                f"{self._at}.{attr}: this pipeline stage does not hold {owner} (another stage "
+                f"owns it), and the forward reads its {attr!r} here. A head that multiplies by "
+                f"the embedding's weight must be a module for a pipeline to give the last stage "
+                f"a copy: an nn.Linear whose weight is tied (self.head.weight = "
+                f"self.tok.weight); or run with pp=1")
+        raise AttributeError(
+            f"{self._at}.{attr}: this pipeline stage does not hold {owner} (another stage owns "
+            f"it), and the forward reads {attr!r} from it here; a stage can read another "
+            f"stage's settings, not its other attributes: read it from a module every stage "
+            f"holds, or run with pp=1")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"{self._at} is called on a pipeline stage that does not hold it (another stage "
+            f"owns it): a forward may call only the modules of its blocks' stages, or run "
+            f"with pp=1")
+
+
 class StandIn(nn.Module):
     """A parameter-free module in place of one another stage owns; the one for the sequence's
-    last block also reads what the stage hands on (its ``handed_on``)."""
+    last block also reads what the stage hands on (its ``handed_on``). The owned module's
+    plain settings stay readable (:class:`Settings`)."""
 
-    def __init__(self, handed_on: HandedOn | None = None, name: str = ""):
+    def __init__(self, handed_on: HandedOn | None = None, name: str = "",
+                 settings: Settings | None = None):
         super().__init__()
         self._handed_on = handed_on
         self._name = name
+        self._settings = settings
 
     def __getattr__(self, attr: str) -> Any:
         try:
             return super().__getattr__(attr)
         except AttributeError:
-            if attr.startswith("_"):
+            settings = self.__dict__.get("_settings")
+            if settings is None or attr.startswith("__"):
                 raise
-            raise AttributeError(
-                f"{self._name or 'a module'}.{attr}: this pipeline stage does not hold "
-                f"{self._name or 'that module'} (another stage owns it), and the forward reads "
-                f"its {attr!r} here. A head that multiplies by the embedding's weight must be a "
-                f"module for a pipeline to give the last stage a copy: an nn.Linear whose weight "
-                f"is tied (self.head.weight = self.tok.weight); or run with pp=1") from None
+            return getattr(settings, attr)
 
     def _receive(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         x = _carried(args, kwargs)
@@ -365,12 +414,19 @@ def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[st
     kept: list[Any] = []
     found: set[str] = set()
     entry: list[Any] = [None]  # the parent's first input, as fx's first placeholder
+    # Calls of leaves under way: additions inside a block (its own residual, reading the
+    # previous block's output) are not the parent's, as fx, keeping the leaves whole, sees.
+    inside = [0]
 
     def enter(module: nn.Module, args: tuple) -> None:
         entry[0] = args[0] if args else None
 
+    def begin(module: nn.Module, args: tuple) -> None:
+        inside[0] += 1
+
     def record(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kw: dict, out: Any) -> None:
+            inside[0] -= 1
             x = args[0] if args else None
             if isinstance(out, torch.Tensor):
                 outputs[id(out)] = (name, x, x is not None and x is entry[0])
@@ -380,7 +436,7 @@ def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[st
     class Watch(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                                kw: dict | None = None) -> Any:
-            if func in _ADDS:
+            if func in _ADDS and not inside[0]:
                 operands = [a for a in (*args[:2], (kw or {}).get("other"))
                             if isinstance(a, torch.Tensor)]
                 for a in operands:
@@ -391,8 +447,10 @@ def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[st
                         found.add(prefix + name)
             return func(*args, **(kw or {}))
 
-    handles = [parent.get_submodule(n).register_forward_hook(record(n), with_kwargs=True)
+    handles = [parent.get_submodule(n).register_forward_hook(record(n), with_kwargs=True,
+                                                             always_call=True)
                for n in leaves]
+    handles += [parent.get_submodule(n).register_forward_pre_hook(begin) for n in leaves]
     handles.append(parent.register_forward_pre_hook(enter))
     try:
         with torch.no_grad(), Watch():
@@ -417,7 +475,7 @@ def add_zero_stand_ins(stages: list[nn.Module], names: set[str]) -> None:
             if isinstance(m, PipelineSkip) and canonical_name(name) in names:
                 parent_name, _, key = name.rpartition(".")
                 parent = stage.get_submodule(parent_name) if parent_name else stage
-                parent._modules[key] = PipelineZero(m._handed_on, m._name)
+                parent._modules[key] = PipelineZero(m._handed_on, m._name, m._settings)
 
 
 def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Module:
@@ -448,8 +506,9 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                     name = f"{path}.{key}" if path else key
                     # The last block's stand-in reads what this stage hands on.
                     reads = handed_on if idx == len(keys) - 1 else None
-                    clone._modules[key] = (PipelineZero(reads, name) if name in zero
-                                           else PipelineSkip(reads, name))
+                    stand_in = PipelineZero if name in zero else PipelineSkip
+                    clone._modules[key] = stand_in(reads, name,
+                                                   Settings(module._modules[key], name))
             return clone
         own = [n for n, p in module.named_parameters(recurse=False)]
         if own:
@@ -465,9 +524,9 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                 keep = spec.is_last if seen else spec.is_first
                 name = ".".join([*parts[:depth], key])
                 if not keep:
-                    clone._modules[key] = (PipelineZero(None, name)
-                                           if id(child) in added or name in zero
-                                           else PipelineSkip(None, name))
+                    stand_in = (PipelineZero if id(child) in added or name in zero
+                                else PipelineSkip)
+                    clone._modules[key] = stand_in(None, name, Settings(child, name))
         return clone
 
     stage = rebuild(model, 0)

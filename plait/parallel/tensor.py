@@ -483,14 +483,14 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
     one that builds ``torch.arange``, a BatchNorm updating running statistics, a head that
     multiplies by the embedding's weight (``F.linear(h, self.tok.weight)``). The swap is made
     when ``module`` (the model or pipeline stage) is called, for every replicated tensor that
-    is whole on this rank then, and when each owning module is called, for the ones FSDP2
+    is whole on this rank then, and when each module above them is called, for the ones FSDP2
     gathers only then (its pre-forward hook is prepended, so it runs first). Only a call that
     receives a DTensor (inside a TP region) computes on DTensors instead, its plain inputs
     wrapped as replicated and its outputs handed back local.
     """
     done: dict[int, nn.Parameter] = {}
-    every: list[tuple[dict, str]] = []
-    for _, sub in list(module.named_modules()):
+    owned: dict[str, list[tuple[dict, str]]] = {}
+    for name, sub in list(module.named_modules()):
         plain = [(n, p) for n, p in sub.named_parameters(recurse=False)
                  if not isinstance(p, DTensor)]
         if not plain:
@@ -508,26 +508,36 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
             sub.register_buffer(bname, DTensor.from_local(sub._buffers[bname], mesh,
                                                           [Replicate()], run_check=False),
                                 persistent=persistent)
-        own = [(sub._parameters, n) for n, _ in plain] + [(sub._buffers, n) for n in buffers]
-        every += own
-        _compute_locally(sub, mesh, own)
-    if every:
-        _compute_locally(module, mesh, every, prepend=True)
+        owned[name] = [(sub._parameters, n) for n, _ in plain] + [(sub._buffers, n)
+                                                                   for n in buffers]
+    if not owned:
+        return
+    # Each module's hooks swap its whole subtree: a forward may read a child's weight without
+    # calling the child (nn.MultiheadAttention reads ``self.out_proj.weight``), and FSDP2
+    # gathers the child's parameters with the parent's unit. Modules that own none of them
+    # only swap (a call with DTensor inputs is left to the owners below).
+    for name, sub in module.named_modules():
+        if name:
+            below = [e for n, own in owned.items()
+                     if n == name or n.startswith(name + ".") for e in own]
+            if below:
+                _compute_locally(sub, mesh, below, on_dtensors=name in owned)
+    _compute_locally(module, mesh, [e for own in owned.values() for e in own], prepend=True)
 
 
 def _compute_locally(module: nn.Module, mesh: DeviceMesh, entries: list[tuple[dict, str]], *,
-                     prepend: bool = False) -> None:
+                     prepend: bool = False, on_dtensors: bool = True) -> None:
     """Hooks that run ``module``'s forward with the tensors ``entries`` name (a registry,
     ``_parameters`` or ``_buffers``, and a name in it) swapped for their local tensors when they
     are replicated DTensors on ``mesh`` (not while FSDP2 holds them sharded), restored
     afterwards, also when the forward raises; or, when a DTensor comes in, on DTensors with
-    local outputs."""
+    local outputs (``on_dtensors``; otherwise such a call is left as it is)."""
     calls: list[list[tuple[dict, str, DTensor, torch.Tensor]] | None] = []
 
     def enter(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if _holds_dtensor((args, kwargs)):
             calls.append(None)
-            return _inputs_to_replicate(mesh, mod, args, kwargs)
+            return _inputs_to_replicate(mesh, mod, args, kwargs) if on_dtensors else None
         saved = []
         for registry, name in entries:
             t = registry.get(name)
@@ -540,7 +550,7 @@ def _compute_locally(module: nn.Module, mesh: DeviceMesh, entries: list[tuple[di
     def leave(mod: nn.Module, args: tuple, output: Any) -> Any:
         saved = calls.pop()
         if saved is None:
-            return _outputs_to_local(mod, args, output)
+            return _outputs_to_local(mod, args, output) if on_dtensors else None
         for registry, name, t, local in reversed(saved):
             if registry.get(name) is local:  # not re-registered meanwhile (by FSDP2)
                 registry[name] = t

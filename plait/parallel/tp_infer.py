@@ -5,7 +5,9 @@ outputs — through element-wise ops, reshapes or attention — feed exactly one
 the block's output (split row-wise). That is what both an MLP (up[, gate] -> act -> down) and an
 attention block (q, k, v -> attention -> o) look like in a dataflow graph, whatever the modules
 are called. So for every module with at least two direct ``nn.Linear`` children, we trace its
-``forward`` with ``torch.fx.symbolic_trace`` and check that shape:
+``forward`` with ``torch.fx.symbolic_trace`` (or, where fx cannot trace it, a forward that
+branches on its input, record the same graph from one fake-tensor forward of the model on a
+guessed input: :mod:`plait.parallel.tp_record`) and check that shape:
 
 * entry linears read the block's (single) input directly; they become ``colwise``;
 * one exit linear reads only values derived from the entry linears and its output reaches the
@@ -37,10 +39,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .tp_plans import TPPlan
+from .tp_record import record_blocks
 
 _ATTENTION_FUNCS = {F.scaled_dot_product_attention, F.softmax, torch.softmax, torch.matmul,
                     torch.bmm, operator.matmul}
-_ATTENTION_METHODS = {"softmax", "matmul", "bmm"}
+_ATTENTION_METHODS = {"softmax", "matmul", "bmm", "__matmul__", "__rmatmul__"}
 _HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads", "n_kv_heads",
                "num_kv_heads", "num_key_value_heads", "heads")
 
@@ -90,15 +93,26 @@ class _LinearTracer(fx.Tracer):
                 or not any(isinstance(sub, nn.Linear) for sub in m.modules()))
 
 
-def analyse_block(block: nn.Module, name: str) -> dict[str, str] | str | None:
-    """{child name: style} if ``block`` is a TP region (or a chain of them), the reason it is
-    not, or None when it is a container: linears of its sub-blocks sit between its own (an
-    input layer and a head around blocks), so its sub-blocks are the regions, not itself."""
-    linears = {n for n, m in block.named_children() if isinstance(m, nn.Linear)}
+def trace_block(block: nn.Module) -> fx.Graph | str:
+    """``block``'s dataflow graph traced by torch.fx, or why fx cannot trace it."""
     try:
-        graph = _LinearTracer().trace(block)
+        return _LinearTracer().trace(block)
     except Exception as exc:  # noqa: BLE001 - fx raises anything; data-dependent control flow, unsupported calls, ...
         return f"torch.fx cannot trace it ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+
+
+def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
+                  ) -> dict[str, str] | str | None:
+    """{child name: style} if ``block`` is a TP region (or a chain of them), the reason it is
+    not, or None when it is a container: linears of its sub-blocks sit between its own (an
+    input layer and a head around blocks), so its sub-blocks are the regions, not itself.
+    ``graph`` is its dataflow (traced by fx when not given)."""
+    linears = {n for n, m in block.named_children() if isinstance(m, nn.Linear)}
+    if graph is None:
+        traced = trace_block(block)
+        if isinstance(traced, str):
+            return traced
+        graph = traced
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     calls = {n: n.target for n in graph.nodes if n.op == "call_module" and n.target in linears}
     if len(set(calls.values())) != len(calls):
@@ -186,11 +200,16 @@ def infer_plan(model: nn.Module) -> TPPlan:
     sizes: dict[str, int] = {}
     refused = []
     in_blocks: set[str] = set()
-    for name, block in model.named_modules():
-        n_lin = sum(isinstance(m, nn.Linear) for m in block.children())
-        if n_lin < 2:
-            continue
-        result = analyse_block(block, name)
+    candidates = {name: block for name, block in model.named_modules()
+                  if sum(isinstance(m, nn.Linear) for m in block.children()) >= 2}
+    graphs = {name: trace_block(block) for name, block in candidates.items()}
+    untraced = {name: candidates[name] for name, g in graphs.items() if isinstance(g, str)}
+    example = example_input(model) if untraced else None
+    if example is not None:  # run the model once instead: branches are taken concretely
+        graphs.update(record_blocks(model, untraced, example))
+    for name, block in candidates.items():
+        graph = graphs[name]
+        result = graph if isinstance(graph, str) else analyse_block(block, name, graph)
         label = name or type(model).__name__
         if result is None:
             continue

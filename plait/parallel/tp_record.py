@@ -1,0 +1,173 @@
+"""The dataflow graph of a block that torch.fx cannot trace, recorded by running it once.
+
+``torch.fx.symbolic_trace`` runs a forward on proxies, so a forward that branches on its input
+(``if src.dim() != 3`` in torch's own ``nn.TransformerEncoderLayer``, mask canonicalisation,
+fast-path checks) cannot be traced. Running the model once on fake tensors (shapes, no memory,
+no compute) takes every branch concretely; this module records what the block's call computed
+as the fx graph symbolic tracing would have produced:
+
+* a placeholder per tensor input of the block;
+* a ``call_module`` node per call of a submodule fx would keep whole: ``nn.Linear`` and the
+  other ``torch.nn`` modules (norms, ``nn.MultiheadAttention``), and any module without a
+  linear; nothing is recorded inside it;
+* a ``call_function`` / ``call_method`` node per torch function or tensor method that returns
+  a tensor, with tensors it read as arguments;
+* the output node.
+
+Only data dependencies are kept: arguments that are not recorded tensors become None. That is
+all :func:`plait.parallel.tp_infer.analyse_graph` reads, so a recorded block gets the same
+verdict its traced graph would get.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from .._torch_compat import fake_tensor_mode
+
+
+def _kept_whole(m: nn.Module) -> bool:
+    """What :class:`torch.fx.Tracer` keeps as one ``call_module`` node by default (torch.nn
+    modules but ``Sequential``), and what plait's tracer also keeps whole: modules without a
+    linear."""
+    torch_nn = m.__module__.startswith(("torch.nn", "torch.ao.nn")) and not isinstance(
+        m, nn.Sequential)
+    return torch_nn or not any(isinstance(sub, nn.Linear) for sub in m.modules())
+
+
+class _Recording:
+    """One block's first call, as an fx graph (``graph`` once the call returned)."""
+
+    def __init__(self, block: nn.Module):
+        self.block = block
+        self.names = {id(m): n for n, m in block.named_modules()}
+        self.graph: fx.Graph | None = None
+        self.done = False
+        self.nodes: dict[int, fx.Node] = {}
+        self.keep: list[torch.Tensor] = []  # ids stay unique while recorded tensors live
+        # Per submodule call: (its ops are not recorded, its inputs when it is one node).
+        self.stack: list[tuple[bool, Any]] = []
+
+    @property
+    def live(self) -> bool:
+        return self.graph is not None and not self.done
+
+    @property
+    def quiet(self) -> bool:
+        """Inside a submodule recorded whole: its own ops are not recorded."""
+        return any(muted for muted, _ in self.stack)
+
+    def arg(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self.nodes.get(id(value))
+        if isinstance(value, list):
+            return [self.arg(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(self.arg(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self.arg(v) for k, v in value.items()}
+        return None
+
+    def bind(self, output: Any, node: fx.Node) -> bool:
+        """Map every tensor in ``output`` to ``node``; False when there is none."""
+        found = False
+        if isinstance(output, torch.Tensor):
+            self.nodes[id(output)] = node
+            self.keep.append(output)
+            return True
+        if isinstance(output, (tuple, list)):
+            for v in output:
+                found = self.bind(v, node) or found
+        elif isinstance(output, dict):
+            for v in output.values():
+                found = self.bind(v, node) or found
+        return found
+
+    def enter(self, m: nn.Module, args: tuple, kwargs: dict) -> None:
+        if m is self.block and self.graph is None:
+            self.graph = fx.Graph()
+            for i, v in enumerate([*args, *kwargs.values()]):
+                if isinstance(v, torch.Tensor):
+                    self.bind(v, self.graph.placeholder(f"input_{i}"))
+            return
+        if self.live and m is not self.block:
+            whole = not self.quiet and _kept_whole(m)
+            self.stack.append((whole or self.quiet, (args, kwargs) if whole else None))
+
+    def leave(self, m: nn.Module, output: Any) -> None:
+        if not self.live:
+            return
+        if m is self.block:
+            assert self.graph is not None
+            self.graph.output(self.arg(output))
+            self.done = True
+            return
+        _, inputs = self.stack.pop()
+        if inputs is not None:
+            assert self.graph is not None
+            args, kwargs = inputs
+            node = self.graph.call_module(self.names[id(m)], self.arg(args), self.arg(kwargs))
+            self.bind(output, node)
+
+    def op(self, func: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self.live or self.quiet:
+            return
+        assert self.graph is not None
+        name = getattr(func, "__name__", "")
+        if getattr(torch.Tensor, name, None) is func:
+            node = self.graph.call_method(name, self.arg(args), self.arg(kwargs))
+        else:
+            node = self.graph.call_function(func, self.arg(args), self.arg(kwargs))
+        if not self.bind(output, node):
+            self.graph.erase_node(node)
+
+
+class _Watch(TorchFunctionMode):
+    def __init__(self, recordings: list[_Recording]):
+        super().__init__()
+        self.recordings = recordings
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        for r in self.recordings:
+            r.op(func, args, kwargs, output)
+        return output
+
+
+def record_blocks(model: nn.Module, blocks: dict[str, nn.Module], example: torch.Tensor
+                  ) -> dict[str, fx.Graph]:
+    """{name: graph} for each of ``blocks`` that ``model(example)`` calls, recorded in one
+    fake-tensor forward (nothing computed, the model left as it was: buffers a training-mode
+    forward updates in place are put back). Blocks the forward does not reach, or all of them
+    when it raises, are left out."""
+    recordings = {name: _Recording(block) for name, block in blocks.items()}
+    handles = []
+    for r in recordings.values():
+        for m in r.block.modules():
+            handles.append(m.register_forward_pre_hook(
+                lambda mod, a, kw, r=r: r.enter(mod, a, kw), with_kwargs=True))
+            handles.append(m.register_forward_hook(
+                lambda mod, a, out, r=r: r.leave(mod, out), always_call=True))
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    from .tp_infer import quiet_logger
+
+    try:
+        with fake_tensor_mode()(allow_non_fake_inputs=True), torch.no_grad(), \
+                quiet_logger("torch._subclasses.fake_tensor"), _Watch(list(recordings.values())):
+            model(example)
+    except Exception:  # noqa: BLE001 - not runnable on the guessed input: nothing recorded
+        return {}
+    finally:
+        for h in handles:
+            h.remove()
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+    return {name: r.graph for name, r in recordings.items() if r.done and r.graph is not None}
