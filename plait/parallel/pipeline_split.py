@@ -501,14 +501,13 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
             adapt_hf_forward(clone, spec)
         if depth == len(parts):  # the block sequence
             keys = list(module._modules)
-            for idx, key in enumerate(keys):
+            for idx, (key, block) in enumerate(module._modules.items()):
                 if not spec.start <= idx < spec.end:
                     name = f"{path}.{key}" if path else key
                     # The last block's stand-in reads what this stage hands on.
                     reads = handed_on if idx == len(keys) - 1 else None
                     stand_in = PipelineZero if name in zero else PipelineSkip
-                    clone._modules[key] = stand_in(reads, name,
-                                                   Settings(module._modules[key], name))
+                    clone._modules[key] = stand_in(reads, name, block and Settings(block, name))
             return clone
         own = [n for n, p in module.named_parameters(recurse=False)]
         if own:
