@@ -507,7 +507,8 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                     # The last block's stand-in reads what this stage hands on.
                     reads = handed_on if idx == len(keys) - 1 else None
                     stand_in = PipelineZero if name in zero else PipelineSkip
-                    clone._modules[key] = stand_in(reads, name, block and Settings(block, name))
+                    settings = None if block is None else Settings(block, name)
+                    clone._modules[key] = stand_in(reads, name, settings)
             return clone
         own = [n for n, p in module.named_parameters(recurse=False)]
         if own:
