@@ -91,6 +91,7 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
         else:
             from .parallel.data import apply_ddp
 
-            module = apply_ddp(module, mesh["dp_replicate"], device=device)
+            module = apply_ddp(module, mesh["dp_replicate"], device=device,
+                               find_unused=plan.find_unused)
             applied.append("ddp")
     return record_layout(module, Layout(applied=tuple(applied), loss_parallel=loss_parallel))

@@ -204,6 +204,10 @@ class Plan:
     grad_clip: float | None = 1.0
     # BatchNorm statistics over the data axes (the global batch) instead of each rank's share.
     sync_bn: bool = False
+    # Parameters a step may leave without a gradient on some ranks (a branch taken for some
+    # batches only, an auxiliary head): DDP finds them each step, FSDP2 reduces zeros for them.
+    # Without it, ranks that disagree run mismatched collectives.
+    find_unused: bool = False
     # Strategy-specific settings (a user TP plan, pipeline cuts, FSDP units); a dict is accepted
     # and checked key by key.
     options: PlanOptions = field(default_factory=PlanOptions)
@@ -308,7 +312,7 @@ class Plan:
                 errors.append(f"{name}={value!r} must be a positive integer, e.g. {name}=2")
         if not isinstance(self.zero, int) or isinstance(self.zero, bool):
             errors.append(f"zero={self.zero!r} must be the integer 0, 1, 2 or 3")
-        for name in ("sp", "offload", "sync_bn"):
+        for name in ("sp", "offload", "sync_bn", "find_unused"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 errors.append(f"{name}={value!r} must be true or false (a boolean, not "
@@ -361,6 +365,8 @@ class Plan:
             extras.append(f"accum={self.grad_accum}")
         if self.sync_bn:
             extras.append("sync-bn")
+        if self.find_unused:
+            extras.append("find-unused")
         return (axes or "single device") + (f" ({', '.join(extras)})" if extras else "")
 
     def replace(self, **changes: Any) -> Plan:
@@ -552,7 +558,7 @@ _BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True,
                "false": False, "0": False, "no": False, "off": False}
 _STRING_FIELDS = {"pp_schedule", "schedule", "activation_checkpointing", "ac", "mixed_precision",
                   "mp", "precision"}
-_BOOL_FIELDS = {"sp", "offload", "sync_bn"}
+_BOOL_FIELDS = {"sp", "offload", "sync_bn", "find_unused"}
 _FLOAT_FIELDS = {"grad_clip", "clip"}
 _FIELD_NAMES = {f.name for f in dataclasses.fields(Plan)}
 

@@ -92,6 +92,43 @@ def _watchdog_report(store: Any) -> str:
         return ""
 
 
+# What a rank raises when a peer died first: its own traceback says nothing of the cause.
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "Socket Timeout", "Timed out waiting", "gloo/transport")
+
+
+def _first_cause(errors: dict[int, str], queue: Any, procs: list[Any], done: set[int],
+                 wait: float = 3.0) -> WorkerError:
+    """The error to show once a rank failed: its peers fail next, with a dropped connection,
+    and the first report to arrive may be one of those. Waits up to ``wait`` seconds for the
+    other ranks' reports and names the rank whose error is not a dropped peer, or one that
+    died without a report (torch aborts a process whose collective received the wrong size:
+    ranks that ran different collectives)."""
+    deadline = time.monotonic() + wait
+    while len(errors) + len(done) < len(procs) and time.monotonic() < deadline:
+        try:
+            status, rank, value = pickle.loads(queue.get(timeout=0.2))
+        except queue_mod.Empty:
+            continue
+        if status == "error":
+            errors[rank] = value
+    for r, p in enumerate(procs):
+        if r not in errors and r not in done and not p.is_alive() and p.exitcode:
+            errors[r] = (f"process exited with code {p.exitcode} without a Python error (torch "
+                         f"printed why on stderr, above). A process that aborts in a collective "
+                         f"ran different collectives than its peers: often a forward that took "
+                         f"a branch on some ranks only, leaving parameters without gradients "
+                         f"there; add find_unused to the plan (e.g. dp=2,find_unused=true)")
+    causes = [r for r, tb in errors.items() if not any(p in tb for p in _PEER_GONE)]
+    rank = min(causes) if causes else min(errors)
+    after = sorted(r for r in errors if r != rank)
+    tb = errors[rank]
+    if after:
+        tb += (f"\n(rank{'s' if len(after) > 1 else ''} {', '.join(map(str, after))} failed "
+               f"too, after rank {rank})")
+    return WorkerError(rank, tb)
+
+
 def _start_without_sigint(procs: list[Any]) -> None:
     """Start the workers with SIGINT ignored (a disposition that survives exec, and under which
     Python installs no KeyboardInterrupt handler): a terminal's Ctrl-C reaches the whole process
@@ -151,7 +188,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                                           + _watchdog_report(store)) from None
                 continue
             if status == "error":
-                raise WorkerError(rank, value)
+                raise _first_cause({rank: value}, queue, procs, set(results))
             results[rank] = value
     finally:
         for p in procs:

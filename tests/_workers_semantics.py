@@ -514,3 +514,102 @@ def token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     labels = tokens[:, 1:].clone()
     labels[torch.rand(labels.shape, generator=g) < 0.3] = -100
     return tokens[:, :-1].contiguous(), labels
+
+
+# ---------------------------------------------------------------- torch's own layers, branches
+class TorchEncoderLM(nn.Module):
+    """torch's ``nn.TransformerEncoder`` between an embedding and a head: fx cannot trace its
+    layers (their forward branches on the input), and its own forward reads the first layer's
+    settings (``self.layers[0].self_attn.batch_first``) on every pipeline stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        layer = nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.tok(input_ids)))
+
+
+class AttentionBlock(nn.Module):
+    """``nn.MultiheadAttention`` (which reads ``out_proj.weight`` without calling ``out_proj``)
+    and an MLP, pre-norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.attn = nn.MultiheadAttention(WIDTH, 2, batch_first=True)
+        self.mlp = _mlp(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class AttentionLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(AttentionBlock() for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(input_ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+AUX_BELOW = 4  # rows whose first token is below this go through the auxiliary layer
+
+
+class AuxBranchLM(MaskedLM):
+    """An auxiliary layer for some rows only (those whose first token is below AUX_BELOW), as
+    one device computes it row by row; a data rank whose rows have none leaves its
+    parameters without gradients in that step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1]))
+        for block in self.blocks:
+            h = h + block(h)
+        rows = input_ids[:, 0] < AUX_BELOW
+        if rows.any():
+            h = h.clone()
+            h[rows] = h[rows] + self.aux(h[rows])
+        return self.head(h)
+
+
+def torch_encoder_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return TorchEncoderLM()
+
+
+def attention_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return AttentionLM()
+
+
+def aux_branch_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return AuxBranchLM()
+
+
+def abort_on_rank0(rank: int, world_size: int) -> None:
+    """Rank 0 dies as torch kills a rank whose collective received the wrong size (SIGABRT, no
+    Python error); rank 1 then loses its peer in the next collective."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        time.sleep(0.5)
+        os.abort()
+    dist.barrier()

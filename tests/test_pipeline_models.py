@@ -16,6 +16,7 @@ taken in a different order, nothing more.
 from __future__ import annotations
 
 import importlib.util
+import sys
 import inspect
 
 import pytest
@@ -268,3 +269,42 @@ def test_dict_batches_pp2_with_data_and_tensor_parallel():
     got = run_distributed(train_jobs, 4, jobs, timeout=600)[0]
     for (_, factory, data, loss_fn), result in zip(jobs, got, strict=True):
         _assert_matches(M.reference_loop(factory, data, loss_fn), result)
+
+
+def test_a_stage_reads_settings_of_blocks_it_does_not_hold():
+    """torch's nn.TransformerEncoder reads its first layer's settings on every stage: the
+    stand-in answers with the layer's own values; its tensors and calls stay refused, naming
+    the layer and the fix."""
+    from plait.parallel.pipeline_split import build_stage_module, plan_stages
+    from tests import _workers_semantics as W
+
+    model = W.torch_encoder_lm()
+    path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
+    assert path == "enc.layers"
+    last = build_stage_module(model, path, specs[1])
+    held_elsewhere = last.get_submodule("enc.layers.0")
+    assert held_elsewhere.self_attn.batch_first is True
+    assert held_elsewhere.self_attn.num_heads == 2 and held_elsewhere.norm1.eps == 1e-5
+    with pytest.raises(AttributeError, match=r"enc\.layers\.0\.self_attn\.in_proj_weight: "
+                                             r".*does not hold enc\.layers\.0 .*pp=1"):
+        _ = held_elsewhere.self_attn.in_proj_weight
+    with pytest.raises(TypeError, match=r"enc\.layers\.0\.self_attn is called .*pp=1"):
+        held_elsewhere.self_attn(torch.zeros(1, 2, 8))
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+def test_a_forward_that_reads_its_input_on_a_later_stage_is_explained():
+    """A forward that computes from its first argument (here, which rows take a branch) fails
+    on the second stage, which passes it hidden states: the error says so and what to do."""
+    from plait.parallel.pipeline_split import build_stage_module, plan_stages
+    from tests import _workers_semantics as W
+
+    model = W.aux_branch_lm()
+    path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
+    last = build_stage_module(model, path, specs[1])
+    hidden = torch.zeros(2, W.SEQ, W.WIDTH)
+    with pytest.raises(Exception) as info:
+        last(hidden)
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert "pipeline stage 1 runs AuxBranchLM's forward with the hidden states" in note, note
+    assert f"(a (2, {W.SEQ}, {W.WIDTH}) torch.float32 tensor)" in note and "pp=1" in note

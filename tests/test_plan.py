@@ -223,3 +223,11 @@ def test_sync_bn_is_a_plan_flag():
     plan = Plan.from_string("dp=2,sync_bn")
     assert plan.sync_bn and Plan.from_string(plan.to_string()) == plan
     assert "sync-bn" in plan.describe()
+
+
+def test_find_unused_is_a_plan_flag():
+    plan = Plan.from_string("dp=2,find_unused")
+    assert plan.find_unused and Plan.from_string(plan.to_string()) == plan
+    assert "find-unused" in plan.describe() and not Plan.from_string("dp=2").find_unused
+    with pytest.raises(ValueError, match="find_unused='maybe'.*true or false"):
+        Plan.from_string("dp=2,find_unused=maybe")

@@ -268,3 +268,53 @@ def test_nd_world8_layouts_match_one_device():
                       "dp_replicate=2,dp_shard=2,zero=3,tp=2")]
     for result in run_distributed(W.train_jobs, 8, jobs, timeout=900)[0]:
         _assert_matches(ref, result)
+
+
+def test_torch_transformer_layers_under_tensor_and_pipeline_parallelism():
+    """torch's own nn.TransformerEncoder: fx cannot trace its layers, so the TP plan (linear1
+    column-, linear2 row-parallel; the attention replicated) comes from a recorded fake
+    forward; a pipeline stage runs its forward, which reads the first layer's settings, with
+    stand-ins for the layers it does not hold. nn.MultiheadAttention reads out_proj.weight
+    without calling out_proj: replicated under DP x TP, where FSDP2 gathers it with the block."""
+    from plait.parallel.tp_infer import infer_plan
+
+    assert infer_plan(W.torch_encoder_lm()).styles == {
+        "enc.layers.*.linear1": "colwise", "enc.layers.*.linear2": "rowwise",
+        "tok": "vocab_embedding", "head": "vocab_head"}
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    ref = W.reference(W.torch_encoder_lm, batches, W.mlm_loss)
+    jobs = [(p, W.torch_encoder_lm, batches, W.mlm_loss) for p in ("tp=2", "pp=2")]
+    for result in run_distributed(W.train_jobs, 2, jobs, timeout=240)[0]:
+        _assert_matches(ref, result)
+    ref = W.reference(W.attention_lm, batches, W.mlm_loss)
+    job = [("dp=2,tp=2", W.attention_lm, batches, W.mlm_loss)]
+    (result,) = run_distributed(W.train_jobs, 4, job, timeout=240)[0]
+    _assert_matches(ref, result)
+
+
+def test_a_branch_some_ranks_skip_trains_with_find_unused():
+    """A layer applied to some rows only: in some step one data rank's rows have none, so its
+    parameters get no gradient there. With find_unused, DDP and ZeRO-3 reduce zeros for them
+    and train what one device trains."""
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    half = W.BATCH // 2
+    used = [[bool((ids[r * half:(r + 1) * half, 0] < W.AUX_BELOW).any()) for r in (0, 1)]
+            for ids, _ in batches]
+    assert [True, False] in used or [False, True] in used, used  # the ranks disagree somewhere
+    assert any(any(u) for u in used), used  # and the layer trains
+    ref = W.reference(W.aux_branch_lm, batches, W.mlm_loss)
+    plans = ("dp=2,find_unused=true", "dp_shard=2,zero=3,find_unused=true")
+    jobs = [(p, W.aux_branch_lm, batches, W.mlm_loss) for p in plans]
+    for result in run_distributed(W.train_jobs, 2, jobs, timeout=240)[0]:
+        _assert_matches(ref, result)
+
+
+def test_a_rank_that_aborts_is_named_before_the_peer_it_took_down():
+    """The rank that died without a Python error is the cause; the peer's dropped connection
+    is not, even when its report arrives first."""
+    from plait.spawn import WorkerError
+
+    with pytest.raises(WorkerError) as info:
+        run_distributed(W.abort_on_rank0, 2, timeout=120)
+    assert info.value.rank == 0
+    assert "find_unused" in str(info.value) and "rank 1 failed too" in str(info.value)

@@ -19,8 +19,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, *, device: torch.device,
-              bucket_cap_mb: float = 25.0) -> nn.Module:
-    """Wrap ``module`` in DDP over the ranks of ``dp_mesh`` (a 1-D mesh)."""
+              bucket_cap_mb: float = 25.0, find_unused: bool = False) -> nn.Module:
+    """Wrap ``module`` in DDP over the ranks of ``dp_mesh`` (a 1-D mesh). ``find_unused``
+    (``Plan.find_unused``): DDP walks each step's autograd graph for parameters without a
+    gradient and reduces zeros for them, so that ranks whose forward took different branches
+    still run the same all-reduces (it costs that walk, every step)."""
     if dp_mesh.ndim != 1:
         raise ValueError(f"DDP needs a 1-D data mesh, got {dp_mesh.ndim}-D {dp_mesh}")
     device_ids = [device.index] if device.type == "cuda" and device.index is not None else None
@@ -28,7 +31,8 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, *, device: torch.device,
     # gradients are not copied into the buckets before the all-reduce and back after it, and
     # are held once instead of twice (torch's default keeps them apart).
     return DDP(module, process_group=dp_mesh.get_group(), device_ids=device_ids,
-               bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
+               bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
+               find_unused_parameters=find_unused)
 
 
 def unwrap(module: nn.Module) -> nn.Module:

@@ -543,7 +543,36 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
             return hand_on(handed_on.last, type(model).__name__, last_block, spec)
 
         stage.forward = send_on
+    if not spec.is_first:
+        _explain_failures(stage, type(model).__name__, spec)
     return stage
+
+
+def _explain_failures(stage: nn.Module, model_name: str, spec: StageSpec) -> None:
+    """An error raised by the forward of a stage after the first gets a note saying what that
+    forward received: the user's forward runs there on hidden states, not on the model input,
+    and a forward that reads its input beyond passing it to the first module (``if ids[0, 0]
+    == bos``, a mask computed from the ids) fails with an error that does not say so."""
+    forward = stage.forward
+
+    def explained(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        except Exception as exc:
+            first = args[0] if args else None
+            got = (f"a {tuple(first.shape)} {first.dtype} tensor"
+                   if isinstance(first, torch.Tensor) else type(first).__name__)
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(
+                    f"plait: pipeline stage {spec.index} runs {model_name}'s forward with the "
+                    f"hidden states stage {spec.index - 1} sent ({got}) as its first argument, "
+                    f"in place of the model input. A forward that reads that argument other "
+                    f"than by passing it to its first module fails here: compute such values "
+                    f"from the input outside the model and pass them by keyword (keywords "
+                    f"reach every stage), or run with pp=1")
+            raise
+
+    stage.forward = explained
 
 
 def _container(model: nn.Module, path: str) -> nn.Module:

@@ -140,7 +140,22 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
         # keep FSDP2's defaults; see plait/parallel/gloo_collectives.py.
         shard_group = (dm["dp_shard"] if dm.ndim == 2 else dm).get_group()
         use_gloo_collectives(module, shard_group, dm.device_type)
+    _reduce_unused(module, plan)
     return module
+
+
+def _reduce_unused(module: nn.Module, plan: Plan) -> None:
+    """``Plan.find_unused``: each unit reduces a zero gradient for a parameter the step left
+    without one, so every rank reduces the same tensors whichever branches its forward took
+    (without it FSDP2 reduces only the parameters with gradients)."""
+    if not plan.find_unused:
+        return
+    reduce_unused = getattr(module, "set_reduce_scatter_unused_params", None)
+    if reduce_unused is None:
+        raise ValueError(f"find_unused with zero={plan.zero} or replicated DP over TP needs "
+                         f"FSDP2's set_reduce_scatter_unused_params (torch {torch.__version__} "
+                         f"has none): upgrade torch, or use zero=0 or 1 (DDP)")
+    reduce_unused(True)
 
 
 def _apply_zero1(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
@@ -152,7 +167,7 @@ def _apply_zero1(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     device = next(module.parameters()).device
     # Gradients are averaged over every data rank (replicate x shard); the optimizer state is
     # partitioned over dp_shard only (shard_optimizer).
-    return apply_ddp(module, mesh["dp"], device=device)
+    return apply_ddp(module, mesh["dp"], device=device, find_unused=plan.find_unused)
 
 
 def apply_replicate(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
@@ -173,6 +188,7 @@ def apply_replicate(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     for _, unit in select_units(module, patterns):
         fully_shard(unit, reshard_after_forward=False, **kwargs)
     fully_shard(module, reshard_after_forward=False, **kwargs)
+    _reduce_unused(module, plan)
     return module
 
 
