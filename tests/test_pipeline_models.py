@@ -16,8 +16,8 @@ taken in a different order, nothing more.
 from __future__ import annotations
 
 import importlib.util
-import sys
 import inspect
+import sys
 
 import pytest
 import torch
