@@ -167,6 +167,54 @@ def test_inference_refuses_what_it_cannot_read(model, reason):
         infer_plan(model)
 
 
+class _ShapeBranch(nn.Module):
+    """A block that branches on its input's rank (fx cannot trace that; a run can)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        if x.dim() == 2:
+            x = x.unsqueeze(0)
+        return self.down(self.up(x).relu())
+
+
+class _Net(nn.Module):
+    def __init__(self, block: nn.Module, head: nn.Module):
+        super().__init__()
+        self.stem, self.block, self.head = nn.Linear(8, 8), block, head
+
+    def forward(self, x):
+        h = self.stem(x)
+        return self.head(h + self.block(h))
+
+
+def test_inference_records_blocks_fx_cannot_trace():
+    """The block's graph comes from a fake-tensor forward on a guessed input instead."""
+    plan = infer_plan(_Net(_ShapeBranch(), nn.Linear(8, 3)))
+    assert plan.styles == {"block.up": "colwise", "block.down": "rowwise"}
+
+
+def test_parametrized_linears_are_not_sharded():
+    """weight_norm computes the weight from two other tensors: inference leaves such a linear
+    replicated, and a plan that names one is refused with the fix."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    model = _Net(mlp, weight_norm(nn.Linear(8, 3)))
+    assert infer_plan(model).styles == {"block.0": "colwise", "block.2": "rowwise"}
+    normed = _Net(nn.Sequential(weight_norm(nn.Linear(8, 16)), nn.ReLU(),
+                                weight_norm(nn.Linear(16, 8))), nn.Linear(8, 3))
+    with pytest.raises(ValueError, match=r"block \(Sequential\): its linear\(s\) \['0', '2'\] "
+                                         r"are parametrized"):
+        infer_plan(normed)
+    plan = TPPlan(styles={"block.0": "colwise", "block.2": "rowwise"})
+    with pytest.raises(ValueError, match=r"block\.0 \(colwise\) is parametrized \(weight: .*"
+                                         r"remove_parametrizations"):
+        validate(normed, plan, match_plan(normed, plan.styles), tp=2)
+
+
 # ------------------------------------------------------------------------------- bad input
 def test_tp_not_dividing_heads_names_module_and_numbers():
     model = build("test")  # 8 heads, 4 kv-heads

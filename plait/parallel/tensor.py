@@ -46,6 +46,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.nn.utils.parametrize import is_parametrized
 
 from .._torch_compat import strided_shard, tp_style_bases
 from ..mesh import Mesh
@@ -300,6 +301,14 @@ def validate(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp: in
             errors.append(f"{label}={value} is not divisible by tp={tp}")
     for name, style in matched.items():
         sub = module.get_submodule(name)
+        if is_parametrized(sub):
+            errors.append(
+                f"{name} ({style}) is parametrized ({', '.join(sub.parametrizations)}: "
+                f"weight_norm or spectral_norm compute its weight from other tensors), which "
+                f"torch's tensor-parallel styles cannot shard; leave it out of the plan (it "
+                f"then runs replicated) or remove the parametrization first "
+                f"(torch.nn.utils.parametrize.remove_parametrizations)")
+            continue
         if style in ("colwise", "colwise_qkv", "rowwise") and _is_linear(sub):
             fan_in, fan_out = _linear_dims(sub)
             if style == "rowwise":

@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils.parametrize import is_parametrized
 
 from .tp_plans import TPPlan
 from .tp_record import record_blocks
@@ -83,6 +84,12 @@ def _chain(order: list[fx.Node], nodes: set[fx.Node], source: fx.Node, output: f
     return output in _reaches(order[-1], nodes)
 
 
+def _shardable(m: nn.Module) -> bool:
+    """A linear TP can split: not parametrized (weight_norm and spectral_norm compute its
+    weight from other tensors, which torch's styles cannot shard; it stays replicated)."""
+    return isinstance(m, nn.Linear) and not is_parametrized(m)
+
+
 class _LinearTracer(fx.Tracer):
     """Traces into a module only when it holds a linear: what a module without one computes
     (a norm, a BatchNorm synchronised over the data axes, a rotary table) has no say in where
@@ -127,6 +134,11 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
               and isinstance(block.get_submodule(n.target), nn.Linear)}
     if nested and any(nested & _reaches(n, nodes) for n in nodes):
         return None
+    fixed = sorted(n for n in linears if not _shardable(block.get_submodule(n)))
+    if fixed:
+        return (f"its linear(s) {fixed} are parametrized (weight_norm or spectral_norm compute "
+                f"the weight from other tensors), which torch's tensor-parallel styles cannot "
+                f"shard")
     # Entries: the linears no other linear feeds. They read one shared value: the block input,
     # or something computed from it without a linear (a pre-norm block's norm(x)).
     entries = [n for n in graph.nodes if n in nodes
@@ -236,14 +248,19 @@ def infer_plan(model: nn.Module) -> TPPlan:
             + "; ".join(refused) + ". Pass Plan(options={'tp_plan': {module glob: style}}) "
             "(styles: colwise, rowwise, region, vocab_embedding, vocab_head, sequence_parallel)")
     if not styles:
+        fixed = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not
+                 _shardable(m)]
+        more = ", ..." if len(fixed) > 3 else ""
+        why = (f"; its parametrized linears ({', '.join(fixed[:3])}{more}: weight_norm or "
+               f"spectral_norm) cannot be sharded" if fixed else "")
         raise ValueError(
             f"cannot infer a tensor-parallel plan for {type(model).__name__}: no module has the "
             f"shape of an MLP or attention block (two or more nn.Linear children, input -> "
-            f"column-parallel linears -> one row-parallel linear -> output). Pass "
+            f"column-parallel linears -> one row-parallel linear -> output){why}. Pass "
             f"Plan(options={{'tp_plan': {{module glob: style}}}})")
     embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     for n, m in model.named_modules():
-        if isinstance(m, nn.Linear) and n not in in_blocks and n not in styles:
+        if _shardable(m) and n not in in_blocks and n not in styles:
             for en, emb in embeddings.items():
                 if emb.num_embeddings == m.out_features and emb.embedding_dim == m.in_features:
                     styles[en], styles[n] = "vocab_embedding", "vocab_head"
