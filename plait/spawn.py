@@ -105,6 +105,7 @@ def _first_cause(errors: dict[int, str], queue: Any, procs: list[Any], done: set
     died without a report (torch aborts a process whose collective received the wrong size:
     ranks that ran different collectives)."""
     deadline = time.monotonic() + wait
+    done = set(done)
     while len(errors) + len(done) < len(procs) and time.monotonic() < deadline:
         try:
             status, rank, value = pickle.loads(queue.get(timeout=0.2))
@@ -112,6 +113,8 @@ def _first_cause(errors: dict[int, str], queue: Any, procs: list[Any], done: set
             continue
         if status == "error":
             errors[rank] = value
+        else:
+            done.add(rank)
     for r, p in enumerate(procs):
         if r not in errors and r not in done and not p.is_alive() and p.exitcode:
             errors[r] = (f"process exited with code {p.exitcode} without a Python error (torch "

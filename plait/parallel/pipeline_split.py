@@ -114,10 +114,10 @@ class Settings:
         if attr in self._tensors:
             raise AttributeError(
                 f"{self._at}.{attr}: this pipeline stage does not hold {owner} (another stage "
-                f"owns it), and the forward reads its {attr!r} here. A head that multiplies by "
-                f"the embedding's weight must be a module for a pipeline to give the last stage "
-                f"a copy: an nn.Linear whose weight is tied (self.head.weight = "
-                f"self.tok.weight); or run with pp=1")
+                f"owns it), and the forward reads its {attr!r} here. Keep such reads inside the "
+                f"module that owns the tensor; a head that multiplies by the embedding's weight "
+                f"must be a module for a pipeline to give the last stage a copy: an nn.Linear "
+                f"whose weight is tied (self.head.weight = self.tok.weight); or run with pp=1")
         raise AttributeError(
             f"{self._at}.{attr}: this pipeline stage does not hold {owner} (another stage owns "
             f"it), and the forward reads {attr!r} from it here; a stage can read another "

@@ -15,7 +15,7 @@ as the fx graph symbolic tracing would have produced:
 * the output node.
 
 Only data dependencies are kept: arguments that are not recorded tensors become None. That is
-all :func:`plait.parallel.tp_infer.analyse_graph` reads, so a recorded block gets the same
+all :func:`plait.parallel.tp_infer.analyse_block` reads, so a recorded block gets the same
 verdict its traced graph would get.
 """
 
