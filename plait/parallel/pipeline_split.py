@@ -254,6 +254,15 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
     path, container = find_blocks(model, _blocks_name(model, plan))
     n_blocks = len(container)
     where = f"{path or type(model).__name__}"
+    uncallable = [(k, m) for k, m in container.named_children()
+                  if isinstance(m, (nn.ModuleDict, nn.ModuleList))]
+    if uncallable:
+        first = f"{path}.{uncallable[0][0]}" if path else uncallable[0][0]
+        raise ValueError(f"the blocks of {where} are {type(uncallable[0][1]).__name__}s, which the "
+                         f"forward indexes ({first}[...]) instead of calling: a pipeline stage "
+                         f"stands in for whole blocks it does not hold, so each block must be a "
+                         f"module with a forward (a class whose forward calls its parts); or "
+                         f"run with pp=1")
     if n_stages > n_blocks:
         raise ValueError(f"pp={plan.pp} x virtual_stages={plan.virtual_stages} = {n_stages} "
                          f"stages but {where} has only {n_blocks} blocks; use at most "
@@ -377,7 +386,7 @@ def additive_modules(model: nn.Module, path: str) -> set[str] | None:
                 if (node.args and node.args[0] in others) or not carrier:
                     prefix = f"{parent_name}." if parent_name else ""
                     out.add(prefix + str(node.target))
-    return out
+    return _with_aliases(parent, parent_name, leaves, out)
 
 
 def _parent_and_leaves(model: nn.Module, path: str) -> tuple[nn.Module, str, set[str]]:
@@ -390,6 +399,16 @@ def _parent_and_leaves(model: nn.Module, path: str) -> tuple[nn.Module, str, set
     leaves = {f"{parts[-1]}.{k}" if parts else k for k in container._modules}
     return parent, parent_name, leaves | {n for n, m in parent.named_children()
                                           if m is not container}
+
+
+def _with_aliases(parent: nn.Module, parent_name: str, leaves: set[str], found: set[str]
+                  ) -> set[str]:
+    """``found`` plus every other name of the same modules: a block applied several times
+    (ALBERT's one layer, ``nn.ModuleList([block] * 4)``) is one module under several names,
+    and fx (and a hook) sees its calls under one of them."""
+    prefix = f"{parent_name}." if parent_name else ""
+    ids = {id(parent.get_submodule(n.removeprefix(prefix))) for n in found}
+    return found | {prefix + n for n in leaves if id(parent.get_submodule(n)) in ids}
 
 
 _ADDS = (torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__,
@@ -460,7 +479,7 @@ def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[st
     finally:
         for h in handles:
             h.remove()
-    return found
+    return _with_aliases(parent, parent_name, leaves, found)
 
 
 def add_zero_stand_ins(stages: list[nn.Module], names: set[str]) -> None:

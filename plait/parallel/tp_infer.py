@@ -71,19 +71,6 @@ def _reaches(start: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _chain(order: list[fx.Node], nodes: set[fx.Node], source: fx.Node, output: fx.Node
-           ) -> bool:
-    """True when the linears, in graph order, form one chain: each reads (through element-wise
-    ops) only the previous one's output, and only the last one reaches the block output."""
-    for prev, nxt in zip(order, order[1:], strict=False):
-        reach = _reaches(prev, nodes)
-        if nxt not in reach or output in reach:
-            return False
-        if nxt in _reaches(source, {prev}):  # a skip from the input past ``prev``
-            return False
-    return output in _reaches(order[-1], nodes)
-
-
 def _shardable(m: nn.Module) -> bool:
     """A linear TP can split: not parametrized (weight_norm and spectral_norm compute its
     weight from other tensors, which torch's styles cannot shard; it stays replicated)."""
@@ -139,40 +126,18 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
         return (f"its linear(s) {fixed} are parametrized (weight_norm or spectral_norm compute "
                 f"the weight from other tensors), which torch's tensor-parallel styles cannot "
                 f"shard")
-    # Entries: the linears no other linear feeds. They read one shared value: the block input,
-    # or something computed from it without a linear (a pre-norm block's norm(x)).
-    entries = [n for n in graph.nodes if n in nodes
-               and not any(n in _reaches(m, nodes) for m in nodes if m is not n)]
-    if not entries or len({n.args[0] if n.args else None for n in entries}) != 1:
-        return "its first linears do not read one shared value"
-    source = entries[0].args[0]
-    if not isinstance(source, fx.Node) or any(m in nodes for m in _ancestors(source)):
-        return "its first linears do not read one shared value"
-    order = [n for n in graph.nodes if n in nodes]
-    exits = [n for n in graph.nodes if n in nodes and output in _reaches(n, nodes)]
-    if len(entries) == 1 and len(order) > 2 and _chain(order, nodes, source, output):
-        # Linear -> act -> Linear -> act -> ...: consecutive pairs are regions (column- then
-        # row-parallel, full activations between pairs); an odd last linear stays replicated.
-        styles = {}
-        for i in range(0, len(order) - 1, 2):
-            styles[calls[order[i]]], styles[calls[order[i + 1]]] = "colwise", "rowwise"
-        styles["__kind__"] = "mlp"
-        return styles
-    if len(exits) != 1 or exits[0] in entries:
-        return (f"{len(exits)} linears produce the block output directly"
-                if len(exits) != 1 else "the output linear reads the block input directly")
-    exit_node = exits[0]
-    middle = nodes - set(entries) - {exit_node}
-    if middle:
-        return f"linear(s) {sorted(calls[n] for n in middle)} sit between the entry and exit"
-    for entry in entries:
-        if exit_node not in _reaches(entry, nodes):
-            return f"{calls[entry]} does not feed the output linear {calls[exit_node]}"
-    if exit_node in _reaches(source, set(entries)):
-        return "the block input reaches the output linear without passing an entry linear"
-    styles = {calls[n]: "colwise" for n in entries}
-    styles[calls[exit_node]] = "rowwise"
-    if len(entries) > 1 and source in inputs:
+    regions = _regions([n for n in graph.nodes if n in nodes], nodes, output, calls)
+    if isinstance(regions, str):
+        return regions
+    styles: dict[str, str] = {}
+    for entries, exit_node in regions:
+        packed = _packing(block, entries, exit_node, calls)
+        if packed not in ("colwise", "colwise_qkv"):
+            return packed  # the reason
+        for n in entries:
+            styles[calls[n]] = packed
+        styles[calls[exit_node]] = "rowwise"
+    if len(regions) == 1 and len(regions[0][0]) > 1 and regions[0][0][0].args[0] in inputs:
         # One replicated input for q/k/v (gate/up): one backward all-reduce. Only when they read
         # the block input itself; after a pre-norm each colwise layer reduces its own.
         styles[""] = "region"
@@ -181,6 +146,73 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
                     for n in graph.nodes)
     styles["__kind__"] = "attention" if attention else "mlp"
     return styles
+
+
+Region = tuple[list[fx.Node], fx.Node]
+
+
+def _regions(order: list[fx.Node], nodes: set[fx.Node], output: fx.Node,
+             calls: dict[fx.Node, str]) -> list[Region] | str:
+    """The block's linears, in graph order, as consecutive TP regions (entries, exit), or why
+    they are not. A region's entries read one shared value (the block input, a norm of it, or
+    what an earlier region produced, which is whole again after its row-parallel exit); their
+    outputs reach exactly one linear, the exit, and nothing else reaches the block output on
+    the way; the shared value reaches the exit only through them. An attention region and an
+    MLP region in one flat block, or Linear -> act -> Linear -> act -> ... pairs, are several
+    regions; an odd last linear after at least one region stays replicated."""
+    left = list(order)
+    regions: list[Region] = []
+    while left:
+        source = left[0].args[0] if left[0].args else None
+        entries = [n for n in left if n.args and n.args[0] is source]
+        if not isinstance(source, fx.Node) or any(m in left for m in _ancestors(source)):
+            return "its first linears do not read one shared value"
+        reach = set().union(*(_reaches(e, nodes) for e in entries))
+        exits = [n for n in left if n in reach]
+        if output in reach:
+            if regions and entries == left and not exits:
+                break  # an odd last linear: replicated
+            direct = [calls[e] for e in entries if output in _reaches(e, nodes)]
+            return (f"{len(direct) + 1} linears produce the block output directly"
+                    if regions or exits else
+                    f"linear(s) {direct} produce the block output directly: no linear "
+                    f"gathers their output")
+        if len(exits) != 1:
+            return (f"linear(s) {sorted(calls[n] for n in exits)} sit between the entry and exit"
+                    if exits else "its first linears do not read one shared value")
+        exit_node = exits[0]
+        for entry in entries:
+            if exit_node not in _reaches(entry, nodes):
+                return f"{calls[entry]} does not feed the output linear {calls[exit_node]}"
+        if exit_node in _reaches(source, set(entries)):
+            return "the block input reaches the output linear without passing an entry linear"
+        regions.append((entries, exit_node))
+        left = [n for n in left if n not in entries and n is not exit_node]
+    return regions
+
+
+def _packing(block: nn.Module, entries: list[fx.Node], exit_node: fx.Node,
+             calls: dict[fx.Node, str]) -> str:
+    """The style of a region's entries: ``colwise``, or ``colwise_qkv`` for one fused q|k|v
+    layer (its output three times what the exit reads: a plain split would give rank 0 all of
+    q and half of k); any other entry wider than what the exit reads packs parts plait cannot
+    tell apart, and the reason is returned instead."""
+    def linear(node: fx.Node) -> nn.Linear:
+        module = block.get_submodule(calls[node])
+        assert isinstance(module, nn.Linear)
+        return module
+
+    width = linear(exit_node).in_features
+    for n in entries:
+        out = linear(n).out_features
+        if out > width:
+            if len(entries) == 1 and out == 3 * width:
+                return "colwise_qkv"
+            return (f"the output of {calls[n]} ({out} features) is wider than what "
+                    f"{calls[exit_node]} reads ({width}): a fused layer whose parts a split "
+                    f"cannot tell apart; name its style in options.tp_plan ('colwise_qkv' for "
+                    f"q|k|v of equal widths)")
+    return "colwise"
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
@@ -290,12 +322,17 @@ def example_input(model: nn.Module) -> torch.Tensor | None:
 
 def _sharded_forward(module: nn.Module, style: str, tp: int):
     """What the module computes on one rank under ``style`` (plain tensors, no collectives):
-    colwise keeps 1/tp of the output features, rowwise reads 1/tp of the input features."""
+    colwise keeps 1/tp of the output features (of each third for a fused q|k|v), rowwise
+    reads 1/tp of the input features."""
     w: torch.Tensor = module.weight  # type: ignore[assignment]
     b: torch.Tensor | None = module.bias  # type: ignore[assignment]
     if style == "colwise":
         out = w.shape[0] // tp
         return lambda x: F.linear(x, w[:out], None if b is None else b[:out])
+    if style == "colwise_qkv":  # the first 1/tp of each third: [q_0, k_0, v_0]
+        third = w.shape[0] // 3
+        rows = torch.cat([torch.arange(i * third, i * third + third // tp) for i in range(3)])
+        return lambda x: F.linear(x, w[rows], None if b is None else b[rows])
     if style == "rowwise":
         return lambda x: F.linear(x, w[:, :w.shape[1] // tp], b)
     return None

@@ -81,7 +81,7 @@ def select_units(module: nn.Module, patterns: Sequence[str] | None = None
     any pattern that matches no module.
     """
     if not patterns:
-        return repeated_blocks(module)
+        return _callable(repeated_blocks(module))
     if isinstance(patterns, str):
         patterns = [patterns]
     named = [(name, m) for name, m in module.named_modules() if name]
@@ -100,5 +100,20 @@ def select_units(module: nn.Module, patterns: Sequence[str] | None = None
         examples = ", ".join(sorted({canonical_name(n) for n, _ in named})[:8])
         raise ValueError(f"shard_patterns {unmatched} match no module of "
                          f"{type(module).__name__}; module names look like: {examples}")
-    units = [u for u in chosen.values() if _numel(u[1]) > 0]
+    units = _callable([u for u in chosen.values() if _numel(u[1]) > 0])
     return sorted(units, key=lambda u: -canonical_name(u[0]).count("."))
+
+
+def _callable(units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Units a forward calls: a block that is an ``nn.ModuleDict`` or ``nn.ModuleList`` (its
+    parent's forward calls the modules it holds, ``block["attn"](h)``) has no forward for
+    FSDP2 to hook, and ``fully_shard`` refuses it; its children with parameters are the
+    units instead."""
+    out = []
+    for name, m in units:
+        if isinstance(m, (nn.ModuleDict, nn.ModuleList)):
+            out += _callable([(f"{name}.{k}", c) for k, c in m.named_children()
+                              if _numel(c) > 0])
+        else:
+            out.append((name, m))
+    return out
