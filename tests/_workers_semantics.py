@@ -613,3 +613,75 @@ def abort_on_rank0(rank: int, world_size: int) -> None:
         time.sleep(0.5)
         os.abort()
     dist.barrier()
+
+
+class FlatBlock(nn.Module):
+    """Attention with one fused q|k|v layer and an MLP, all four linears direct children (as
+    minGPT-style code writes them): two TP regions in one block."""
+
+    def __init__(self, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, -1))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class FlatLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(FlatBlock() for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(input_ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class SharedBlockLM(MaskedLM):
+    """One block applied at every depth (ALBERT): ``nn.ModuleList([block] * 4)``, residual in
+    the parent, so a pipeline stage must add zero for each of its names it does not hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([self.blocks[0]] * 4)
+
+
+class DictBlocksLM(MaskedLM):
+    """Blocks that are nn.ModuleDicts the parent indexes (``block["mlp"](block["norm"](h))``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(norm=nn.LayerNorm(WIDTH), mlp=_mlp(WIDTH)))
+                                    for _ in range(2))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1]))
+        for block in self.blocks:
+            h = h + block["mlp"](block["norm"](h))
+        return self.head(h)
+
+
+def flat_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return FlatLM()
+
+
+def shared_block_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return SharedBlockLM()
+
+
+def dict_blocks_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return DictBlocksLM()

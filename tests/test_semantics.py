@@ -318,3 +318,27 @@ def test_a_rank_that_aborts_is_named_before_the_peer_it_took_down():
         run_distributed(W.abort_on_rank0, 2, timeout=120)
     assert info.value.rank == 0
     assert "find_unused" in str(info.value) and "rank 1 failed too" in str(info.value)
+
+
+def test_fused_qkv_flat_blocks_shared_blocks_and_dict_blocks():
+    """What models written by hand look like: a flat block with a fused q|k|v layer under TP
+    (the plan splits each third, and the block into an attention and an MLP region); one block
+    applied at every depth under a pipeline; blocks that are ModuleDicts under ZeRO-3."""
+    from plait.parallel.pipeline_split import plan_stages
+    from plait.parallel.tp_infer import infer_plan
+    from plait.plan import Plan
+
+    plan = infer_plan(W.flat_lm())
+    assert plan.styles == {"blocks.*.qkv": "colwise_qkv", "blocks.*.proj": "rowwise",
+                           "blocks.*.up": "colwise", "blocks.*.down": "rowwise",
+                           "tok": "vocab_embedding", "head": "vocab_head"}
+    assert plan.divide_attrs == {"blocks.*": ("heads",)}
+    with pytest.raises(ValueError, match=r"ModuleDicts, which the forward indexes .*pp=1"):
+        plan_stages(W.dict_blocks_lm(), Plan(pp=2, microbatches=2))
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    jobs = [("tp=2", W.flat_lm), ("pp=2", W.shared_block_lm),
+            ("dp_shard=2,zero=3", W.dict_blocks_lm)]
+    results = run_distributed(W.train_jobs, 2, [(p, f, batches, W.mlm_loss) for p, f in jobs],
+                              timeout=300)[0]
+    for (_, factory), result in zip(jobs, results, strict=True):
+        _assert_matches(W.reference(factory, batches, W.mlm_loss), result)

@@ -159,7 +159,21 @@ class _Branchy(nn.Module):
         return x
 
 
+class _UnevenFused(nn.Module):
+    """A fused layer of parts of different widths (grouped-query q|k|v): no even split."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(8, 12), nn.Linear(8, 8)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split([8, 2, 2], dim=-1)
+        return self.o(q * (k * v).sum(-1, keepdim=True))
+
+
 @pytest.mark.parametrize("model,reason", [(_Residual(), "produce the block output"),
+                                           (_UnevenFused(), r"output of qkv \(12 features\) is "
+                                                            r"wider than what o reads \(8\)"),
                                            (_Branchy(), "torch.fx cannot trace"),
                                            (nn.Sequential(nn.Conv2d(1, 1, 1)), "no module")])
 def test_inference_refuses_what_it_cannot_read(model, reason):
