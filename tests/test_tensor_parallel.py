@@ -283,3 +283,22 @@ class _FakeMesh:
 
     def size(self):
         return 2
+
+
+class _CrossAttention(nn.Module):
+    """q from the input, k and v from another tensor (the block's second input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x, context):
+        att = (self.q(x) @ self.k(context).transpose(-1, -2)).softmax(-1)
+        return self.o(att @ self.v(context))
+
+
+def test_inference_refuses_a_region_fed_from_two_inputs():
+    """Splitting q alone while k and v stay whole would mix a rank's q heads with all heads."""
+    with pytest.raises(ValueError, match=r"\['k', 'v'\] feed the output linear o from another "
+                                         r"input than \['q'\]"):
+        infer_plan(_CrossAttention())

@@ -170,8 +170,8 @@ def _regions(order: list[fx.Node], nodes: set[fx.Node], output: fx.Node,
         reach = set().union(*(_reaches(e, nodes) for e in entries))
         exits = [n for n in left if n in reach]
         if output in reach:
-            if regions and entries == left and not exits:
-                break  # an odd last linear: replicated
+            if regions and entries == left and not reach & nodes:
+                break  # an odd last linear, feeding no other: replicated
             direct = [calls[e] for e in entries if output in _reaches(e, nodes)]
             return (f"{len(direct) + 1} linears produce the block output directly"
                     if regions or exits else
@@ -184,6 +184,11 @@ def _regions(order: list[fx.Node], nodes: set[fx.Node], output: fx.Node,
         for entry in entries:
             if exit_node not in _reaches(entry, nodes):
                 return f"{calls[entry]} does not feed the output linear {calls[exit_node]}"
+        others = [calls[m] for m in left if m not in entries and m is not exit_node
+                  and exit_node in _reaches(m, nodes)]
+        if others:  # cross-attention: k and v read another input than q
+            return (f"linear(s) {others} feed the output linear {calls[exit_node]} from another "
+                    f"input than {sorted(calls[e] for e in entries)}")
         if exit_node in _reaches(source, set(entries)):
             return "the block input reaches the output linear without passing an entry linear"
         regions.append((entries, exit_node))
