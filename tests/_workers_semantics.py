@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -517,6 +518,13 @@ def token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---------------------------------------------------------------- torch's own layers, branches
+def seeded(cls: Callable[[], nn.Module]) -> nn.Module:
+    """``cls()`` built under seed 0 (``partial(seeded, cls)`` is a factory the spawned ranks
+    can unpickle)."""
+    torch.manual_seed(0)
+    return cls()
+
+
 class TorchEncoderLM(nn.Module):
     """torch's ``nn.TransformerEncoder`` between an embedding and a head: fx cannot trace its
     layers (their forward branches on the input), and its own forward reads the first layer's
@@ -586,19 +594,13 @@ class AuxBranchLM(MaskedLM):
         return self.head(h)
 
 
-def torch_encoder_lm() -> nn.Module:
-    torch.manual_seed(0)
-    return TorchEncoderLM()
+torch_encoder_lm = partial(seeded, TorchEncoderLM)
 
 
-def attention_lm() -> nn.Module:
-    torch.manual_seed(0)
-    return AttentionLM()
+attention_lm = partial(seeded, AttentionLM)
 
 
-def aux_branch_lm() -> nn.Module:
-    torch.manual_seed(0)
-    return AuxBranchLM()
+aux_branch_lm = partial(seeded, AuxBranchLM)
 
 
 def abort_on_rank0(rank: int, world_size: int) -> None:
@@ -672,16 +674,10 @@ class DictBlocksLM(MaskedLM):
         return self.head(h)
 
 
-def flat_lm() -> nn.Module:
-    torch.manual_seed(0)
-    return FlatLM()
+flat_lm = partial(seeded, FlatLM)
 
 
-def shared_block_lm() -> nn.Module:
-    torch.manual_seed(0)
-    return SharedBlockLM()
+shared_block_lm = partial(seeded, SharedBlockLM)
 
 
-def dict_blocks_lm() -> nn.Module:
-    torch.manual_seed(0)
-    return DictBlocksLM()
+dict_blocks_lm = partial(seeded, DictBlocksLM)
