@@ -557,11 +557,13 @@ class AttentionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class AttentionLM(nn.Module):
-    def __init__(self) -> None:
+class BlockLM(nn.Module):
+    """An embedding, two blocks made by ``block``, a head."""
+
+    def __init__(self, block: Callable[[], nn.Module]) -> None:
         super().__init__()
         self.tok = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(AttentionBlock() for _ in range(2))
+        self.blocks = nn.ModuleList(block() for _ in range(2))
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -597,7 +599,7 @@ class AuxBranchLM(MaskedLM):
 torch_encoder_lm = partial(seeded, TorchEncoderLM)
 
 
-attention_lm = partial(seeded, AttentionLM)
+attention_lm = partial(seeded, partial(BlockLM, AttentionBlock))
 
 
 aux_branch_lm = partial(seeded, AuxBranchLM)
@@ -636,20 +638,6 @@ class FlatBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
-class FlatLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(FlatBlock() for _ in range(2))
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.tok(input_ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
 class SharedBlockLM(MaskedLM):
     """One block applied at every depth (ALBERT): ``nn.ModuleList([block] * 4)``, residual in
     the parent, so a pipeline stage must add zero for each of its names it does not hold."""
@@ -674,7 +662,7 @@ class DictBlocksLM(MaskedLM):
         return self.head(h)
 
 
-flat_lm = partial(seeded, FlatLM)
+flat_lm = partial(seeded, partial(BlockLM, FlatBlock))
 
 
 shared_block_lm = partial(seeded, SharedBlockLM)
