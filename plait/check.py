@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .parallel.layout import local_modules
-from .parallel.tp_infer import quiet_logger
+from .parallel.tp_record import quiet_logger
 from .parallel.units import canonical_name
 from .plan import Plan
 from .spawn import run_distributed

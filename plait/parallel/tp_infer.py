@@ -26,12 +26,9 @@ traced or does not have that shape: a wrong guess would train a different model 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import operator
 import re
-from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
@@ -40,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
 from .tp_plans import TPPlan
-from .tp_record import record_blocks
+from .tp_record import fake_forward, record_blocks
 
 _ATTENTION_FUNCS = {F.scaled_dot_product_attention, F.softmax, torch.softmax, torch.matmul,
                     torch.bmm, operator.matmul}
@@ -351,12 +348,7 @@ def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tu
     Nothing of the model changes: the overrides are removed afterwards, and buffers are put
     back as they were (a training-mode forward may update running statistics in place, and
     under FakeTensorMode such an update can still reach a real buffer)."""
-    from .._torch_compat import fake_tensor_mode
-
-    FakeTensorMode = fake_tensor_mode()
-
     overrides, saved = [], []
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         for name, style in matched.items():
             sub = model.get_submodule(name)
@@ -369,9 +361,7 @@ def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tu
             for attr in attrs:
                 saved.append((sub, attr, getattr(sub, attr)))
                 setattr(sub, attr, getattr(sub, attr) // tp)
-        # FakeTensorMode logs the failing op's stack at ERROR level; the error is returned.
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), \
-                quiet_logger("torch._subclasses.fake_tensor"):
+        with fake_forward(model):
             model(example)
     except Exception as exc:  # noqa: BLE001 - the error is the answer
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
@@ -380,23 +370,7 @@ def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tu
             del sub.forward
         for sub, attr, value in saved:
             setattr(sub, attr, value)
-        with torch.no_grad():
-            for b, value in buffers:
-                b.copy_(value)
     return None
-
-
-@contextlib.contextmanager
-def quiet_logger(logger_name: str) -> Iterator[None]:
-    """Raise one of torch's loggers to CRITICAL for the duration (what it would say is
-    expected and not the user's to act on)."""
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def verify_plan(model: nn.Module, plan: TPPlan, tp: int) -> None:

@@ -21,6 +21,9 @@ verdict its traced graph would get.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -127,6 +130,37 @@ class _Recording:
             self.graph.erase_node(node)
 
 
+@contextlib.contextmanager
+def quiet_logger(logger_name: str) -> Iterator[None]:
+    """Raise one of torch's loggers to CRITICAL for the duration (what it would say is
+    expected and not the user's to act on)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def fake_forward(model: nn.Module) -> Iterator[None]:
+    """For the duration, a forward of ``model`` runs on fake tensors (shapes and dtypes, no
+    memory, no compute) without autograd, and leaves the model as it was: under FakeTensorMode
+    a training-mode forward's in-place update of running statistics can still reach a real
+    buffer, so buffers are put back. FakeTensorMode logs a failing op's stack at ERROR level;
+    callers take the error itself, so that log is silenced."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with fake_tensor_mode()(allow_non_fake_inputs=True), torch.no_grad(), \
+                quiet_logger("torch._subclasses.fake_tensor"):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+
+
 class _Watch(TorchFunctionMode):
     def __init__(self, recordings: list[_Recording]):
         super().__init__()
@@ -155,19 +189,12 @@ def record_blocks(model: nn.Module, blocks: dict[str, nn.Module], example: torch
                 lambda mod, a, kw, r=r: r.enter(mod, a, kw), with_kwargs=True))
             handles.append(m.register_forward_hook(
                 lambda mod, a, out, r=r: r.leave(mod, out), always_call=True))
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    from .tp_infer import quiet_logger
-
     try:
-        with fake_tensor_mode()(allow_non_fake_inputs=True), torch.no_grad(), \
-                quiet_logger("torch._subclasses.fake_tensor"), _Watch(list(recordings.values())):
+        with fake_forward(model), _Watch(list(recordings.values())):
             model(example)
     except Exception:  # noqa: BLE001 - not runnable on the guessed input: nothing recorded
         return {}
     finally:
         for h in handles:
             h.remove()
-        with torch.no_grad():
-            for b, value in buffers:
-                b.copy_(value)
     return {name: r.graph for name, r in recordings.items() if r.done and r.graph is not None}
