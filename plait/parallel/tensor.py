@@ -53,7 +53,7 @@ from ..mesh import Mesh
 from ..plan import Plan
 from .layout import Layout, record_layout
 from .pipeline_split import STAND_INS
-from .tp_plans import STYLES, TPPlan, hf_plan, reference_plan
+from .tp_plans import COLWISE, STYLES, TPPlan, hf_plan, reference_plan
 
 tp_style_bases()  # the styles below override private members: fail clearly if torch changed them
 
@@ -196,7 +196,7 @@ def make_style(style: str, module: nn.Module, name: str, *, sp: bool,
     between = seq if sp else Replicate()  # layout of activations between TP regions
     edge = between if sharded_edges else Replicate()
     kind = type(module).__name__
-    if style in ("colwise", "colwise_qkv", "rowwise") and not (
+    if style in ("colwise", "colwise_qkv", "rowwise", "colwise_gather", "rowwise_split") and not (
             _is_linear(module) or (style != "colwise_qkv" and isinstance(module, nn.Embedding))):
         raise ValueError(f"tensor-parallel style {style!r} on {name!r} needs a Linear "
                          f"(or HF Conv1D / Embedding) module, got {kind}")
@@ -210,6 +210,12 @@ def make_style(style: str, module: nn.Module, name: str, *, sp: bool,
         return _Colwise(pack=3)
     if style == "rowwise":
         return _Rowwise(output_layouts=between)
+    if style == "colwise_gather":
+        return _Colwise(input_layouts=between, output_layouts=Replicate())
+    if style == "rowwise_split":
+        return _Rowwise(input_layouts=Replicate(), output_layouts=between)
+    if style == "grad_allreduce":
+        return None  # replicated like every unnamed module; replicate_rest sums its gradients
     if style == "vocab_embedding":
         return _Rowwise(input_layouts=Replicate(), output_layouts=edge)
     if style == "vocab_head":
@@ -301,6 +307,12 @@ def validate(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp: in
             errors.append(f"{label}={value} is not divisible by tp={tp}")
     for name, style in matched.items():
         sub = module.get_submodule(name)
+        if style == "region" and not any(
+                n.startswith(name + ".") and s in COLWISE for n, s in matched.items()):
+            errors.append(f"{name} (region) holds no column-parallel layer (colwise, "
+                          f"colwise_qkv, colwise_gather): a region shares one replicated input "
+                          f"among them; drop the entry, the module then runs replicated")
+            continue
         if is_parametrized(sub):
             errors.append(
                 f"{name} ({style}) is parametrized ({', '.join(sub.parametrizations)}: "
@@ -309,15 +321,17 @@ def validate(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp: in
                 f"then runs replicated) or remove the parametrization first "
                 f"(torch.nn.utils.parametrize.remove_parametrizations)")
             continue
-        if style in ("colwise", "colwise_qkv", "rowwise") and _is_linear(sub):
+        if style in ("colwise", "colwise_qkv", "rowwise", "colwise_gather", "rowwise_split") \
+                and _is_linear(sub):
             fan_in, fan_out = _linear_dims(sub)
-            if style == "rowwise":
+            if style in ("rowwise", "rowwise_split"):
                 if fan_in % tp:
                     errors.append(f"{name} ({style}): in_features={fan_in} is not divisible "
                                   f"by tp={tp}")
                 continue
             parts = 3 if style == "colwise_qkv" else 1
-            head_dim = _head_dim(module, name)
+            # Gathered outputs are whole again: no head is split, only the features.
+            head_dim = _head_dim(module, name) if style != "colwise_gather" else None
             unit = parts * tp * (head_dim or 1)
             if fan_out % unit:
                 what = f"{fan_out // parts // head_dim} heads of {head_dim}" if head_dim and \
@@ -388,7 +402,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
         shard_sequence_in_blocks(module, tp_plan.sp_blocks, tp_mesh)
     _divide_attrs(module, tp_plan.divide_attrs, tp)
     _retie(ties)
-    replicate_rest(module, tp_mesh)
+    summed = {id(p) for name, style in matched.items() if style == "grad_allreduce"
+              for p in module.get_submodule(name).parameters()}
+    replicate_rest(module, tp_mesh, summed)
     _reduce_partial_grads_in_backward(module)
     return record_layout(module, Layout(applied=("tensor_parallel",),
                                         loss_parallel="vocab_head" in matched.values()))
@@ -476,7 +492,8 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
             m.register_parameter(n, keep)
 
 
-def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
+def replicate_rest(module: nn.Module, mesh: DeviceMesh,
+                   summed: set[int] | frozenset[int] = frozenset()) -> None:
     """Turn every parameter still a plain tensor into a ``Replicate`` DTensor on ``mesh``.
 
     Why: foreach optimizers and ``clip_grad_norm_`` reject a mix of DTensor and plain tensors
@@ -496,9 +513,13 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
     gathers only then (its pre-forward hook is prepended, so it runs first). Only a call that
     receives a DTensor (inside a TP region) computes on DTensors instead, its plain inputs
     wrapped as replicated and its outputs handed back local.
+
+    ``summed``: ids of parameters of modules applied to each rank's share of a TP region
+    (style ``grad_allreduce``): computed on the local shard, their gradient covers this rank's
+    heads only, so the swap sums it over ``mesh`` in backward (:class:`_SumGradToLocal`).
     """
     done: dict[int, nn.Parameter] = {}
-    owned: dict[str, list[tuple[dict, str]]] = {}
+    owned: dict[str, list[tuple[dict, str, bool]]] = {}
     for name, sub in list(module.named_modules()):
         plain = [(n, p) for n, p in sub.named_parameters(recurse=False)
                  if not isinstance(p, DTensor)]
@@ -517,8 +538,8 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
             sub.register_buffer(bname, DTensor.from_local(sub._buffers[bname], mesh,
                                                           [Replicate()], run_check=False),
                                 persistent=persistent)
-        owned[name] = [(sub._parameters, n) for n, _ in plain] + [(sub._buffers, n)
-                                                                   for n in buffers]
+        owned[name] = [(sub._parameters, n, id(p) in summed) for n, p in plain] + [
+            (sub._buffers, n, False) for n in buffers]
     if not owned:
         return
     # Each module's hooks swap its whole subtree: a forward may read a child's weight without
@@ -534,13 +555,16 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
     _compute_locally(module, mesh, [e for own in owned.values() for e in own], prepend=True)
 
 
-def _compute_locally(module: nn.Module, mesh: DeviceMesh, entries: list[tuple[dict, str]], *,
-                     prepend: bool = False, on_dtensors: bool = True) -> None:
+def _compute_locally(module: nn.Module, mesh: DeviceMesh,
+                     entries: list[tuple[dict, str, bool]], *, prepend: bool = False,
+                     on_dtensors: bool = True) -> None:
     """Hooks that run ``module``'s forward with the tensors ``entries`` name (a registry,
-    ``_parameters`` or ``_buffers``, and a name in it) swapped for their local tensors when they
-    are replicated DTensors on ``mesh`` (not while FSDP2 holds them sharded), restored
-    afterwards, also when the forward raises; or, when a DTensor comes in, on DTensors with
-    local outputs (``on_dtensors``; otherwise such a call is left as it is)."""
+    ``_parameters`` or ``_buffers``, a name in it, and whether its gradient is summed over
+    ``mesh``) swapped for their local tensors when they are replicated DTensors on ``mesh``
+    (not while FSDP2 holds them sharded), restored afterwards, also when the forward raises;
+    or, when a DTensor comes in, on DTensors with local outputs (``on_dtensors``; otherwise
+    such a call is left as it is). Entries are names, not tensors: FSDP2 registers a new
+    unsharded parameter under the same name each time it gathers one."""
     calls: list[list[tuple[dict, str, DTensor, torch.Tensor]] | None] = []
 
     def enter(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -548,10 +572,10 @@ def _compute_locally(module: nn.Module, mesh: DeviceMesh, entries: list[tuple[di
             calls.append(None)
             return _inputs_to_replicate(mesh, mod, args, kwargs) if on_dtensors else None
         saved = []
-        for registry, name in entries:
+        for registry, name, summed in entries:
             t = registry.get(name)
             if isinstance(t, DTensor) and t.device_mesh == mesh:
-                registry[name] = local = t.to_local()
+                registry[name] = local = _SumGradToLocal.apply(t) if summed else t.to_local()
                 saved.append((registry, name, t, local))
         calls.append(saved)
         return None
@@ -624,6 +648,27 @@ def _outputs_to_local(mod: nn.Module, args: tuple, output: Any) -> Any:
             t = t.redistribute(placements=[Replicate()])
         return _ToLocal.apply(t)
     return _map_tensors(output, unwrap)
+
+
+class _SumGradToLocal(torch.autograd.Function):
+    """``to_local`` of a replicated DTensor whose local use sees this rank's shard only (a
+    per-head norm inside a TP region): backward sums the gradient over the DTensor's mesh, so
+    every rank's copy gets the whole gradient and the copies stay equal. The sum is done here,
+    not left to a Partial placement, because FSDP2 reads the local gradient of the parameter
+    it gathered and would drop a pending reduction."""
+
+    @staticmethod
+    def forward(ctx: Any, t: DTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = (t.device_mesh, t.placements, t.shape, t.stride())
+        return t.to_local().detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
+        mesh, placements, shape, stride = ctx.spec
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=mesh.get_group())
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
 
 
 class _ToLocal(torch.autograd.Function):

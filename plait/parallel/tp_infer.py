@@ -134,6 +134,10 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
         for n in entries:
             styles[calls[n]] = packed
         styles[calls[exit_node]] = "rowwise"
+        inside = _weights_inside(block, graph, entries, exit_node)
+        if isinstance(inside, str):
+            return inside
+        styles.update(dict.fromkeys(inside, "grad_allreduce"))
     if len(regions) == 1 and len(regions[0][0]) > 1 and regions[0][0][0].args[0] in inputs:
         # One replicated input for q/k/v (gate/up): one backward all-reduce. Only when they read
         # the block input itself; after a pre-norm each colwise layer reduces its own.
@@ -191,6 +195,53 @@ def _regions(order: list[fx.Node], nodes: set[fx.Node], output: fx.Node,
         regions.append((entries, exit_node))
         left = [n for n in left if n not in entries and n is not exit_node]
     return regions
+
+
+def _weights_inside(block: nn.Module, graph: fx.Graph, entries: list[fx.Node],
+                    exit_node: fx.Node) -> list[str] | str:
+    """Submodules with parameters that a region applies between its entries and its exit (a
+    per-head q/k norm): on each rank they see that rank's heads only, so their gradients must
+    be summed over the tp ranks (style ``grad_allreduce``); or the reason the block is refused:
+    the block's own parameter used there (no module to name in a plan), or such a module also
+    used outside the region (its gradient would be part summed, part not)."""
+    inside = set().union(*(_reaches(e, {exit_node}) for e in entries)) - {exit_node}
+    owners: dict[str, set[fx.Node]] = {}
+    for node in graph.nodes:
+        reads = [node] if node.op == "call_module" else [
+            a for a in node.all_input_nodes if a.op == "get_attr"]
+        for r in reads:
+            target = str(r.target)
+            owner = target if r.op == "call_module" else target.rpartition(".")[0]
+            held = (any(True for _ in block.get_submodule(owner).parameters())
+                    if r.op == "call_module" else _is_parameter(block, target))
+            if held:
+                owners.setdefault(owner, set()).add(node)
+    found = []
+    for owner, users in owners.items():
+        if not users & inside:
+            continue
+        if not owner:
+            names = sorted({str(a.target) for u in users & inside for a in u.all_input_nodes
+                            if a.op == "get_attr"})
+            return (f"its parameter(s) {names} are applied to each rank's share of a "
+                    f"tensor-parallel region (between {entries[0].target} and "
+                    f"{exit_node.target}), whose gradient then has to be summed over the tp "
+                    f"ranks; put them in a submodule and name it 'grad_allreduce' in "
+                    f"options.tp_plan")
+        if users - inside:
+            return (f"{owner} is used both inside the tensor-parallel region ending at "
+                    f"{exit_node.target} (on each rank's share) and outside it; its gradient "
+                    f"cannot be summed for one use only")
+        found.append(owner)
+    return found
+
+
+def _is_parameter(block: nn.Module, target: str) -> bool:
+    owner, _, name = target.rpartition(".")
+    try:
+        return name in block.get_submodule(owner)._parameters
+    except AttributeError:
+        return False
 
 
 def _packing(block: nn.Module, entries: list[fx.Node], exit_node: fx.Node,

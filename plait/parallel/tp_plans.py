@@ -13,6 +13,17 @@ colwise_qkv         colwise for a *fused* q|k|v layer (GPT-2's ``c_attn``): each
 rowwise             Linear / Conv1D split on its input features (row-parallel, the end of a TP
                     region): partial outputs are all-reduced (reduce-scattered onto the sequence
                     dimension under SP).
+colwise_gather      colwise whose output is all-gathered: every rank gets all features back. For
+                    a fused layer whose output the forward slices or chunks by position (Phi-3's
+                    ``qkv_proj`` with fewer k/v heads than q heads, a fused gate|up); the
+                    attention or activation after it then runs whole on every rank.
+rowwise_split       rowwise that reads a whole input and keeps its rank's share of the features
+                    (no communication): what follows a ``colwise_gather``.
+grad_allreduce      a module applied to each rank's share of a TP region (a per-head q/k norm
+                    after q_proj and k_proj split the heads): its weights stay whole on every
+                    rank, but each rank's gradient covers its heads only, so the gradients are
+                    summed over the tp ranks in backward. Left replicated, the ranks' copies
+                    would drift apart.
 region              a block (attention, MLP) whose input is shared by several colwise layers: its
                     input becomes one replicated DTensor, so q/k/v (or gate/up) share *one*
                     backward all-reduce (Megatron's f operator) instead of one each; under SP this
@@ -39,8 +50,10 @@ from typing import Any
 
 import torch.nn as nn
 
-STYLES = ("colwise", "colwise_qkv", "rowwise", "region", "vocab_embedding", "vocab_head",
-          "sequence_parallel")
+# Styles that start a region: their input is the replicated value a ``region`` shares.
+COLWISE = ("colwise", "colwise_qkv", "colwise_gather")
+STYLES = ("colwise", "colwise_qkv", "rowwise", "colwise_gather", "rowwise_split",
+          "grad_allreduce", "region", "vocab_embedding", "vocab_head", "sequence_parallel")
 
 
 @dataclass(frozen=True)
@@ -136,12 +149,15 @@ def reference_plan(model: nn.Module) -> TPPlan:
 
 
 # --------------------------------------------------------------------------- Hugging Face
-# transformers' own style names (config.base_model_tp_plan, model._tp_plan) -> ours. Their
-# "colwise_gather_output" head gathers full logits on every rank; ours keeps them vocab-sharded.
-HF_STYLE_NAMES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise",
-                  "rowwise_rep": "rowwise", "colwise_gather_output": "vocab_head",
-                  "embedding_rowwise": "vocab_embedding",
-                  "sequence_parallel": "sequence_parallel"}
+# transformers' own style names (config.base_model_tp_plan, model._tp_plan) -> ours; None: a
+# module left replicated, as every module no entry names is. Their "colwise_gather_output" head
+# gathers full logits on every rank; ours keeps them vocab-sharded (see hf_plan).
+HF_STYLE_NAMES: dict[str, str | None] = {
+    "colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "colwise_gather",
+    "colwise_rep": "colwise_gather", "rowwise_split_input": "rowwise_split",
+    "rowwise_rep": "rowwise_split", "replicated_with_grad_allreduce": "grad_allreduce",
+    "embedding_rowwise": "vocab_embedding", "sequence_parallel": "sequence_parallel",
+    "replicate": None}
 
 # GPT-2 declares no tp_plan in transformers; its linears are Conv1D (weight stored (in, out)) and
 # q|k|v are fused in c_attn.
@@ -199,7 +215,9 @@ def _translate_hf(tp_plan: Mapping[str, str], where: str) -> dict[str, str]:
             raise ValueError(f"transformers' {where} uses style {style!r} for {glob!r}, which "
                              f"plait does not translate (known: {', '.join(HF_STYLE_NAMES)}); "
                              f"pass your own plan as options.tp_plan")
-        out[glob] = HF_STYLE_NAMES[style]
+        ours = HF_STYLE_NAMES[style]
+        if ours is not None:
+            out[glob] = ours
     return out
 
 
@@ -245,7 +263,12 @@ def hf_plan(model: nn.Module) -> TPPlan:
                               f"{kind!r}")
         if kind in ("llama", "mistral", "qwen2") or all(
                 k.startswith("layers.") for k in base):
-            base = {**{k: v for k, v in LLAMA_EXTRA.items() if k not in base}, **base}
+            # A region only where column-parallel layers read its input (a mixture-of-experts
+            # MLP that the plan leaves replicated is not one).
+            extra = {k: v for k, v in LLAMA_EXTRA.items() if k not in base and (
+                v != "region" or any(g.startswith(k + ".") and s in COLWISE
+                                     for g, s in base.items()))}
+            base = {**extra, **base}
     # Sequence parallelism inside the block stack, for the families whose blocks plait knows
     # (their norms are sequence_parallel and every linear that reads the residual stream sits
     # in a region); transformers' own plans for other families say nothing about it.
@@ -260,7 +283,8 @@ def hf_plan(model: nn.Module) -> TPPlan:
     head_plan = _translate_hf(declared_head, f"{type(model).__name__}._tp_plan")
     for name in HF_HEAD_NAMES:
         if isinstance(getattr(model, name, None), nn.Linear):
-            styles[name] = "vocab_head" if head_plan.get(name, "vocab_head") == "vocab_head" \
-                else head_plan[name]
+            declared_style = head_plan.get(name, "vocab_head")
+            styles[name] = "vocab_head" if declared_style in ("colwise", "colwise_gather") \
+                else declared_style
     return TPPlan(styles=styles, divide_attrs=plan.divide_attrs, source=plan.source,
                   sizes=plan.sizes, supports_sp=plan.supports_sp, sp_blocks=plan.sp_blocks)

@@ -11,7 +11,8 @@ as the fx graph symbolic tracing would have produced:
   other ``torch.nn`` modules (norms, ``nn.MultiheadAttention``), and any module without a
   linear; nothing is recorded inside it;
 * a ``call_function`` / ``call_method`` node per torch function or tensor method that returns
-  a tensor, with tensors it read as arguments;
+  a tensor, with tensors it read as arguments (a parameter of the block read directly is a
+  ``get_attr`` node, as in a traced graph);
 * the output node.
 
 Only data dependencies are kept: arguments that are not recorded tensors become None. That is
@@ -49,6 +50,7 @@ class _Recording:
     def __init__(self, block: nn.Module):
         self.block = block
         self.names = {id(m): n for n, m in block.named_modules()}
+        self.params = {id(p): n for n, p in block.named_parameters()}
         self.graph: fx.Graph | None = None
         self.done = False
         self.nodes: dict[int, fx.Node] = {}
@@ -67,7 +69,11 @@ class _Recording:
 
     def arg(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return self.nodes.get(id(value))
+            node = self.nodes.get(id(value))
+            if node is None and id(value) in self.params and self.graph is not None:
+                # A parameter read by an op, as fx's get_attr: where a region uses a weight.
+                node = self.nodes[id(value)] = self.graph.get_attr(self.params[id(value)])
+            return node
         if isinstance(value, list):
             return [self.arg(v) for v in value]
         if isinstance(value, tuple):

@@ -45,7 +45,8 @@ DATA_AXES = ("dp_replicate", "fsdp")
 # Style -> which dimension of a Linear weight (out, in) the tp axis splits. The other
 # dimension goes to the fsdp axis under ZeRO-3, so FSDPv2 (which leaves already-annotated
 # parameters alone) and TP compose into one 2-D split.
-_TP_DIM = {"colwise": 0, "colwise_qkv": 0, "vocab_head": 0, "rowwise": 1, "vocab_embedding": 0}
+_TP_DIM = {"colwise": 0, "colwise_qkv": 0, "colwise_gather": 0, "vocab_head": 0, "rowwise": 1,
+           "rowwise_split": 1, "vocab_embedding": 0}
 
 
 def plan_problems(plan: Plan) -> list[str]:
