@@ -8,9 +8,11 @@ stage this rank owns a *stage module*: a shallow copy of the model in which
 * blocks of other stages are replaced by ``PipelineSkip`` (a parameter-free pass-through), so the
   kept blocks keep their canonical names (``layers.3.attention.q_proj.weight``) for checkpoints,
   TP plans and ``plait check``;
-* modules registered before the block sequence (embeddings) stay on the first stage only, those
-  after it (final norm, head) on the last stage only; elsewhere they are skipped too. Modules
-  without parameters (activations, rotary tables) stay everywhere.
+* modules the forward calls before the block sequence (embeddings) stay on the first stage only,
+  those it calls after it (final norm, head) on the last stage only, whatever order the model
+  registers them in (seen in one fake-tensor forward; registration order where none runs);
+  elsewhere they are skipped too. Modules without parameters (activations, rotary tables) stay
+  everywhere.
 
 The model's own ``forward`` then runs unchanged on each stage: a skipped embedding (or vision
 stem) passes the previous stage's hidden states through, skipped blocks do nothing. Its first
@@ -189,6 +191,10 @@ class StageSpec:
     start: int
     end: int
     num_stages: int
+    # The modules beside the blocks, on the path to them, that the forward calls after the
+    # blocks (a final norm, the head), by name: they stay on the last stage, the others on the
+    # first. None: taken from the order the model registers them in.
+    after: frozenset[str] | None = None
 
     @property
     def is_first(self) -> bool:
@@ -232,20 +238,84 @@ def _param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _side_modules(model: nn.Module, path: str) -> tuple[list[nn.Module], list[nn.Module]]:
-    """Modules registered before / after the block sequence along its path from the root."""
+def _side_modules(model: nn.Module, path: str, called_after: frozenset[str] | None = None,
+                  prefix: str = "") -> tuple[list[nn.Module], list[nn.Module]]:
+    """Modules beside the block sequence along its path from the root, called before / after
+    it: those ``called_after`` names (``prefix`` + their name in ``model``) come after, or,
+    when it is None, those registered after it."""
     before: list[nn.Module] = []
     after: list[nn.Module] = []
     module = model
-    for part in path.split(".") if path else []:
+    parts = path.split(".") if path else []
+    for depth, part in enumerate(parts):
         seen = False
         for child_name, child in module.named_children():
             if child_name == part:
                 seen = True
             elif child is not None:
-                (after if seen else before).append(child)
+                name = ".".join(p for p in (prefix, *parts[:depth], child_name) if p)
+                later = seen if called_after is None else name in called_after
+                (after if later else before).append(child)
         module = getattr(module, part)
     return before, after
+
+
+def called_after_blocks(model: nn.Module, path: str) -> frozenset[str] | None:
+    """The names of the modules beside the block sequence (on the path to it) that ``model``'s
+    forward calls after the blocks, seen in one fake-tensor forward (no memory, no compute) on
+    a guessed input: a model may register its final norm and head before its blocks (OPT's
+    decoder does), and the order of calls, not of registration, says which stage owns them.
+    A module the forward does not call goes by registration order. None when no input can be
+    guessed or the forward does not run on it: registration order then, for all."""
+    from .tp_infer import example_input
+    from .tp_record import fake_forward
+
+    parts = path.split(".") if path else []
+    if not parts:
+        return None
+    example = example_input(model)
+    if example is None:
+        return None
+    first: dict[str, int] = {}
+    handles = []
+
+    def seen_first(names: tuple[str, ...]) -> None:
+        for n in names:
+            first.setdefault(n, len(first))
+
+    module = model
+    for depth, part in enumerate(parts):
+        for key, child in module.named_children():
+            name = ".".join([*parts[:depth], key])
+            handles.append(child.register_forward_pre_hook(
+                lambda m, a, names=(name,): seen_first(names)))
+        module = getattr(module, part)
+    # A ModuleList is never called itself: its first block's call is when the path is entered.
+    path_names = tuple(".".join(parts[:d + 1]) for d in range(len(parts)))
+    for block in module.children():
+        handles.append(block.register_forward_pre_hook(
+            lambda m, a: seen_first(path_names)))
+    try:
+        with fake_forward(model):
+            model(example)
+    except Exception:  # noqa: BLE001 - not runnable on the guess: registration order
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    after = set()
+    module = model
+    for depth, part in enumerate(parts):
+        blocks = ".".join(parts[:depth + 1])
+        seen = False
+        for key in module._modules:
+            name = ".".join([*parts[:depth], key])
+            if key == part:
+                seen = True
+            elif (first[name] > first[blocks] if name in first and blocks in first else seen):
+                after.add(name)
+        module = getattr(module, part)
+    return frozenset(after)
 
 
 def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
@@ -263,6 +333,7 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
                          f"stands in for whole blocks it does not hold, so each block must be a "
                          f"module with a forward (a class whose forward calls its parts); or "
                          f"run with pp=1")
+    called = called_after_blocks(model, path)
     if n_stages > n_blocks:
         raise ValueError(f"pp={plan.pp} x virtual_stages={plan.virtual_stages} = {n_stages} "
                          f"stages but {where} has only {n_blocks} blocks; use at most "
@@ -295,12 +366,12 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
             first_extra = last_extra = 0.0
         else:
             costs = [float(_param_count(b)) for b in container._modules.values() if b is not None]
-            before, after = _side_modules(model, path)
+            before, after = _side_modules(model, path, called)
             first_extra = float(sum(_param_count(m) for m in before))
             last_extra = float(sum(_param_count(m) for m in after))
         bounds = block_bounds(balanced_partition(costs, n_stages, first_extra=first_extra,
                                                  last_extra=last_extra))
-    return path, [StageSpec(k, i, j, n_stages) for k, (i, j) in enumerate(bounds)]
+    return path, [StageSpec(k, i, j, n_stages, called) for k, (i, j) in enumerate(bounds)]
 
 
 def _blocks_name(model: nn.Module, plan: Plan) -> str | None:
@@ -515,7 +586,8 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
         clone._modules = dict(module._modules)  # own registry; children shared, not copied
         if not hf_done and is_hf_model(module):
             hf_done = True  # the outermost HF model on the path is the one that gets called
-            before, _ = _side_modules(module, ".".join(parts[depth:]))
+            before, _ = _side_modules(module, ".".join(parts[depth:]), spec.after,
+                                      prefix=".".join(parts[:depth]))
             added.update(id(m) for m in hf_added_embeddings(module, before))
             adapt_hf_forward(clone, spec)
         if depth == len(parts):  # the block sequence
@@ -540,8 +612,9 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                 seen = True
                 clone._modules[key] = rebuild(child, depth + 1)
             elif child is not None and _param_count(child) > 0:
-                keep = spec.is_last if seen else spec.is_first
                 name = ".".join([*parts[:depth], key])
+                later = seen if spec.after is None else name in spec.after
+                keep = spec.is_last if later else spec.is_first
                 if not keep:
                     stand_in = (PipelineZero if id(child) in added or name in zero
                                 else PipelineSkip)

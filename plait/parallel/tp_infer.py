@@ -362,12 +362,15 @@ def format_plan(plan: TPPlan, model: nn.Module) -> str:
 
 
 def example_input(model: nn.Module) -> torch.Tensor | None:
-    """A small input for a shape check, guessed from the first module holding parameters: token
-    ids for an Embedding, features for a Linear; None when it cannot tell (a conv stem)."""
+    """A small input for a shape check: token ids when the model has an ``nn.Embedding`` (a
+    model that embeds tokens starts there, wherever it registers the embedding), else features
+    for the first module holding parameters when it is a Linear; None when it cannot tell (a
+    conv stem)."""
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is not None:
+        return torch.randint(0, embedding.num_embeddings, (2, 4))
     first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))),
                  None)
-    if isinstance(first, nn.Embedding):
-        return torch.randint(0, first.num_embeddings, (2, 4))
     if isinstance(first, nn.Linear):
         return torch.randn(2, first.in_features)
     return None
