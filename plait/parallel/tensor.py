@@ -30,7 +30,6 @@ first tensor input either way.
 
 from __future__ import annotations
 
-import re
 from functools import partial
 from typing import Any
 
@@ -53,7 +52,7 @@ from ..mesh import Mesh
 from ..plan import Plan
 from .layout import Layout, record_layout
 from .pipeline_split import STAND_INS
-from .tp_plans import COLWISE, STYLES, TPPlan, hf_plan, reference_plan
+from .tp_plans import COLWISE, STYLES, TPPlan, glob_regex, hf_plan, reference_plan
 
 tp_style_bases()  # the styles below override private members: fail clearly if torch changed them
 
@@ -230,19 +229,13 @@ def make_style(style: str, module: nn.Module, name: str, *, sp: bool,
 
 
 # ------------------------------------------------------------------------------ plan matching
-def _glob_regex(glob: str) -> re.Pattern:
-    """``*`` matches exactly one dotted name part (``layers.*.mlp`` matches ``layers.3.mlp``)."""
-    return re.compile("^" + ".".join("[^.]+" if part == "*" else re.escape(part).replace(
-        r"\*", "[^.]*") for part in glob.split(".")) + "$")
-
-
 def match_plan(module: nn.Module, styles: dict[str, str]) -> dict[str, str]:
     """{module name: style} for every module a glob matches; every glob must match something."""
     names = [n for n, _ in module.named_modules() if n]
     matched: dict[str, str] = {}
     unmatched = []
     for glob, style in styles.items():
-        regex = _glob_regex(glob)
+        regex = glob_regex(glob)
         hits = [n for n in names if regex.match(n)]
         if not hits:
             unmatched.append(glob)
@@ -389,9 +382,10 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
     # Pipeline stages keep a parameter-free stand-in where another stage owns a module.
     matched = {name: style for name, style in match_plan(module, tp_plan.styles).items()
                if not isinstance(module.get_submodule(name), STAND_INS)}
+    ties = _tied_groups(module)
+    matched.update(_tied_heads(module, ties, matched))
     for note in validate(module, tp_plan, matched, tp):
         _print0(note)
-    ties = _tied_groups(module)
     sharded_edges = not tp_plan.sp_blocks
     for name, style in matched.items():
         sub = module.get_submodule(name)
@@ -416,7 +410,7 @@ def shard_sequence_in_blocks(module: nn.Module, blocks_glob: str, mesh: DeviceMe
     all-gathered (backward keeps this rank's shard of the gradient). Hugging Face models
     compute positions, masks and rotary tables from the sequence length around the stack, so
     the sequence must be whole there. A pipeline stage without blocks has nothing to do."""
-    regex = _glob_regex(blocks_glob)
+    regex = glob_regex(blocks_glob)
     names = [n for n, _ in module.named_modules() if n and regex.match(n)]
     if not names:
         return
@@ -455,7 +449,7 @@ def _divide_attrs(module: nn.Module, divide: dict[str, tuple[str, ...]], tp: int
     for name, _attrs in match_plan(module, {g: "divide" for g in divide}).items():
         sub = module.get_submodule(name)
         for glob, names in divide.items():
-            if not _glob_regex(glob).match(name):
+            if not glob_regex(glob).match(name):
                 continue
             for attr in names:
                 value = getattr(sub, attr, None)
@@ -473,6 +467,24 @@ def _tied_groups(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
             if not any(m is sub and n == pname for m, n in group):
                 group.append((sub, pname))
     return [g for g in owners.values() if len(g) > 1]
+
+
+def _tied_heads(module: nn.Module, groups: list[list[tuple[nn.Module, str]]],
+                matched: dict[str, str]) -> dict[str, str]:
+    """{name: "vocab_head"} for each Linear the plan leaves out whose weight is tied to a
+    ``vocab_embedding`` (a masked-LM head, ``cls.predictions.decoder`` or RoBERTa's
+    ``lm_head.decoder``): sharing the embedding's rows, it must be split like them."""
+    names = {id(m): n for n, m in module.named_modules() if n}
+    out = {}
+    for group in groups:
+        styles = {matched.get(names.get(id(m), "")) for m, _ in group}
+        if "vocab_embedding" not in styles:
+            continue
+        for m, _ in group:
+            name = names.get(id(m))
+            if name is not None and name not in matched and _is_linear(m):
+                out[name] = "vocab_head"
+    return out
 
 
 def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:

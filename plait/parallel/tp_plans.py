@@ -44,6 +44,7 @@ modules that reshape with a stored head count or split size (GPT-2's ``split_siz
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -236,6 +237,18 @@ def _hf_sizes(config: Any) -> dict[str, int]:
     return sizes
 
 
+def glob_regex(glob: str) -> re.Pattern:
+    """``*`` matches exactly one dotted name part (``layers.*.mlp`` matches ``layers.3.mlp``)."""
+    return re.compile("^" + ".".join("[^.]+" if part == "*" else re.escape(part).replace(
+        r"\*", "[^.]*") for part in glob.split(".")) + "$")
+
+
+def _has_modules(model: nn.Module, styles: Mapping[str, str]) -> bool:
+    """Whether every glob of ``styles`` names a module of ``model``."""
+    names = [n for n, _ in model.named_modules() if n]
+    return all(any(glob_regex(g).match(n) for n in names) for g in styles)
+
+
 def hf_plan(model: nn.Module) -> TPPlan:
     """The plan for a transformers ``PreTrainedModel`` (names relative to ``model``)."""
     config = model.config
@@ -245,11 +258,16 @@ def hf_plan(model: nn.Module) -> TPPlan:
     base_prefix = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
     divide: dict[str, tuple[str, ...]] = {}
     blocks = "layers.*"
+    base_model = getattr(model, base_prefix) if base_prefix else model
+    # RoBERTa, XLM-R, ELECTRA, CamemBERT, ... declare no plan and keep BERT's module layout.
+    bert_like = kind == "bert" or (not getattr(config, "base_model_tp_plan", None)
+                                   and _has_modules(base_model, BERT_STYLES))
     if kind == "gpt2":
         base, divide, source = dict(GPT2_STYLES), dict(GPT2_DIVIDE), "plait plan for HF gpt2"
         blocks = "h.*"
-    elif kind == "bert":
-        base, divide, source = dict(BERT_STYLES), dict(BERT_DIVIDE), "plait plan for HF bert"
+    elif bert_like:
+        base, divide = dict(BERT_STYLES), dict(BERT_DIVIDE)
+        source = f"plait plan for HF {kind}" + ("" if kind == "bert" else " (BERT's layout)")
         blocks = "encoder.layer.*"
     else:
         declared = getattr(config, "base_model_tp_plan", None)
@@ -272,7 +290,7 @@ def hf_plan(model: nn.Module) -> TPPlan:
     # Sequence parallelism inside the block stack, for the families whose blocks plait knows
     # (their norms are sequence_parallel and every linear that reads the residual stream sits
     # in a region); transformers' own plans for other families say nothing about it.
-    sp = kind in ("gpt2", "bert", "llama", "mistral", "qwen2")
+    sp = bert_like or kind in ("gpt2", "llama", "mistral", "qwen2")
     plan = TPPlan(styles=base, divide_attrs=divide, source=source, sizes=_hf_sizes(config),
                   supports_sp=sp, sp_blocks=blocks if sp else "")
     plan = plan.with_prefix(base_prefix)
