@@ -60,8 +60,12 @@ def _carried(args: tuple, kwargs: dict[str, Any]) -> Any:
     """The running activation a stand-in receives: its first positional input, or the
     ``inputs_embeds`` keyword (Hugging Face models call their embedding module with keywords
     only: BERT's ``self.embeddings(input_ids=None, inputs_embeds=h, ...)``)."""
-    if args:
+    if args and args[0] is not None:
         return args[0]
+    # DistilBERT calls its embeddings positionally, (input_ids=None, inputs_embeds=h).
+    later = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if later is not None:
+        return later
     if kwargs.get("inputs_embeds") is not None:
         return kwargs["inputs_embeds"]
     raise TypeError("a pipeline stand-in was called without a positional input or "
@@ -139,11 +143,16 @@ class StandIn(nn.Module):
     plain settings stay readable (:class:`Settings`)."""
 
     def __init__(self, handed_on: HandedOn | None = None, name: str = "",
-                 settings: Settings | None = None):
+                 settings: Settings | None = None, returns_tuple: int = 0):
         super().__init__()
         self._handed_on = handed_on
         self._name = name
         self._settings = settings
+        self._tuple = returns_tuple  # the owned module returns (hidden, ...) of this length
+
+    def _shaped(self, x: Any) -> Any:
+        """``x`` as the owned module returns its output: alone, or first of a tuple."""
+        return (x, *[None] * (self._tuple - 1)) if self._tuple else x
 
     def __getattr__(self, attr: str) -> Any:
         try:
@@ -168,14 +177,14 @@ class PipelineZero(StandIn):
     contain its contribution, so here it adds zero."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return torch.zeros((), device=self._receive(args, kwargs).device)
+        return self._shaped(torch.zeros((), device=self._receive(args, kwargs).device))
 
 
 class PipelineSkip(StandIn):
     """Stands in for a module another stage owns: returns its first input unchanged."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._receive(args, kwargs)
+        return self._shaped(self._receive(args, kwargs))
 
 
 # The stand-ins for modules another stage owns. Later composition steps leave them alone: a
@@ -195,6 +204,10 @@ class StageSpec:
     # blocks (a final norm, the head), by name: they stay on the last stage, the others on the
     # first. None: taken from the order the model registers them in.
     after: frozenset[str] | None = None
+    # The length of the tuple a block returns (transformers' Falcon and BLOOM layers return
+    # (hidden states, ...) and the caller takes [0]), 0 when it returns the hidden states: a
+    # block's stand-in returns the same shape of value.
+    block_tuple: int = 0
 
     @property
     def is_first(self) -> bool:
@@ -260,23 +273,23 @@ def _side_modules(model: nn.Module, path: str, called_after: frozenset[str] | No
     return before, after
 
 
-def called_after_blocks(model: nn.Module, path: str) -> frozenset[str] | None:
-    """The names of the modules beside the block sequence (on the path to it) that ``model``'s
-    forward calls after the blocks, seen in one fake-tensor forward (no memory, no compute) on
-    a guessed input: a model may register its final norm and head before its blocks (OPT's
-    decoder does), and the order of calls, not of registration, says which stage owns them.
-    A module the forward does not call goes by registration order. None when no input can be
-    guessed or the forward does not run on it: registration order then, for all."""
+def observe_forward(model: nn.Module, path: str) -> tuple[frozenset[str] | None, int]:
+    """What one fake-tensor forward (no memory, no compute) of ``model`` on a guessed input
+    shows about the blocks at ``path``: the names of the modules beside the block sequence (on
+    the path to it) that the forward calls after the blocks, and the length of the tuple a
+    block returns (0: not a tuple). A model may register its final norm and head before its
+    blocks (OPT's decoder does): the order of calls, not of registration, says which stage owns
+    them. A module the forward does not call goes by registration order; when no input can be
+    guessed or the forward does not run on it, all do (None), and blocks return tensors."""
     from .tp_infer import example_input
     from .tp_record import fake_forward
 
     parts = path.split(".") if path else []
-    if not parts:
-        return None
-    example = example_input(model)
+    example = example_input(model) if parts else None
     if example is None:
-        return None
+        return None, 0
     first: dict[str, int] = {}
+    returned: list[Any] = []
     handles = []
 
     def seen_first(names: tuple[str, ...]) -> None:
@@ -295,14 +308,16 @@ def called_after_blocks(model: nn.Module, path: str) -> frozenset[str] | None:
     for block in module.children():
         handles.append(block.register_forward_pre_hook(
             lambda m, a: seen_first(path_names)))
+        handles.append(block.register_forward_hook(lambda m, a, out: returned.append(out)))
     try:
         with fake_forward(model):
             model(example)
     except Exception:  # noqa: BLE001 - not runnable on the guess: registration order
-        return None
+        return None, 0
     finally:
         for h in handles:
             h.remove()
+    block_tuple = len(returned[0]) if returned and isinstance(returned[0], tuple) else 0
     after = set()
     module = model
     for depth, part in enumerate(parts):
@@ -315,7 +330,7 @@ def called_after_blocks(model: nn.Module, path: str) -> frozenset[str] | None:
             elif (first[name] > first[blocks] if name in first and blocks in first else seen):
                 after.add(name)
         module = getattr(module, part)
-    return frozenset(after)
+    return frozenset(after), block_tuple
 
 
 def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
@@ -333,7 +348,7 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
                          f"stands in for whole blocks it does not hold, so each block must be a "
                          f"module with a forward (a class whose forward calls its parts); or "
                          f"run with pp=1")
-    called = called_after_blocks(model, path)
+    called, block_tuple = observe_forward(model, path)
     if n_stages > n_blocks:
         raise ValueError(f"pp={plan.pp} x virtual_stages={plan.virtual_stages} = {n_stages} "
                          f"stages but {where} has only {n_blocks} blocks; use at most "
@@ -371,7 +386,8 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
             last_extra = float(sum(_param_count(m) for m in after))
         bounds = block_bounds(balanced_partition(costs, n_stages, first_extra=first_extra,
                                                  last_extra=last_extra))
-    return path, [StageSpec(k, i, j, n_stages, called) for k, (i, j) in enumerate(bounds)]
+    return path, [StageSpec(k, i, j, n_stages, called, block_tuple)
+                  for k, (i, j) in enumerate(bounds)]
 
 
 def _blocks_name(model: nn.Module, plan: Plan) -> str | None:
@@ -565,7 +581,8 @@ def add_zero_stand_ins(stages: list[nn.Module], names: set[str]) -> None:
             if isinstance(m, PipelineSkip) and canonical_name(name) in names:
                 parent_name, _, key = name.rpartition(".")
                 parent = stage.get_submodule(parent_name) if parent_name else stage
-                parent._modules[key] = PipelineZero(m._handed_on, m._name, m._settings)
+                parent._modules[key] = PipelineZero(m._handed_on, m._name, m._settings,
+                                                     m._tuple)
 
 
 def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Module:
@@ -599,7 +616,7 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                     reads = handed_on if idx == len(keys) - 1 else None
                     stand_in = PipelineZero if name in zero else PipelineSkip
                     settings = None if block is None else Settings(block, name)
-                    clone._modules[key] = stand_in(reads, name, settings)
+                    clone._modules[key] = stand_in(reads, name, settings, spec.block_tuple)
             return clone
         own = [n for n, p in module.named_parameters(recurse=False)]
         if own:
