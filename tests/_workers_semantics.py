@@ -669,3 +669,123 @@ shared_block_lm = partial(seeded, SharedBlockLM)
 
 
 dict_blocks_lm = partial(seeded, DictBlocksLM)
+
+
+class QKNormBlock(nn.Module):
+    """Attention with a per-head RMSNorm on q and k after the heads are split (Qwen3, OLMo-2,
+    Gemma-3 write it so): under TP each rank's norms see its heads only."""
+
+    def __init__(self, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(WIDTH)
+        self.q, self.k, self.v = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.q_norm, self.k_norm = nn.RMSNorm(WIDTH // heads), nn.RMSNorm(WIDTH // heads)
+        with torch.no_grad():  # not ones: a wrong gradient then shows in the weights
+            self.q_norm.weight.uniform_(0.5, 1.5)
+            self.k_norm.weight.uniform_(0.5, 1.5)
+        self.o = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.norm(x)
+        q = self.q_norm(self.q(h).view(b, s, self.heads, -1)).transpose(1, 2)
+        k = self.k_norm(self.k(h).view(b, s, self.heads, -1)).transpose(1, 2)
+        v = self.v(h).view(b, s, self.heads, -1).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class TupleBlock(nn.Module):
+    """A residual MLP block returning ``(hidden, None)``, as older transformers layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _mlp(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x + self.mlp(x), None
+
+
+class HeadFirstLM(nn.Module):
+    """Registers its final norm and head before the embedding and the blocks (OPT's decoder
+    registers its final norm before its layers); its blocks return tuples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(TupleBlock() for _ in range(4))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(input_ids)
+        for block in self.blocks:
+            h = block(h)[0]
+        return self.head(self.norm(h))
+
+
+qk_norm_lm = partial(seeded, partial(BlockLM, QKNormBlock))
+
+
+head_first_lm = partial(seeded, HeadFirstLM)
+
+
+# ---------------------------------------------------------------- more transformers families
+def _hf(config_cls: str, model_cls: str, **kw: Any) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_cls)(**kw)
+    return Logits(getattr(transformers, model_cls)(cfg))
+
+
+_DECODER = dict(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                num_attention_heads=4, max_position_embeddings=16)
+
+
+def hf_qwen3() -> nn.Module:
+    """Per-head q/k norms: transformers' plan names them replicated_with_grad_allreduce."""
+    return _hf("Qwen3Config", "Qwen3ForCausalLM", num_key_value_heads=2, head_dim=8,
+               tie_word_embeddings=True, **_DECODER)
+
+
+def hf_phi3() -> nn.Module:
+    """Fused qkv_proj and gate_up_proj: transformers' plan gathers them (colwise_gather_output)
+    and splits the next layer's input (rowwise_split_input)."""
+    return _hf("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=2, pad_token_id=0,
+               **_DECODER)
+
+
+def hf_mixtral() -> nn.Module:
+    """A mixture-of-experts MLP that the plan leaves replicated (attention split)."""
+    return _hf("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=2,
+               num_local_experts=4, num_experts_per_tok=2, **_DECODER)
+
+
+def hf_roberta_mlm() -> nn.Module:
+    """BERT's layout without a plan of its own; the masked-LM decoder tied to the embedding."""
+    return _hf("RobertaConfig", "RobertaForMaskedLM", vocab_size=HF_VOCAB, hidden_size=32,
+               num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+               max_position_embeddings=SEQ + 2, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, pad_token_id=1)
+
+
+def hf_opt() -> nn.Module:
+    """Registers the decoder's final norm before its layers."""
+    return _hf("OPTConfig", "OPTForCausalLM", vocab_size=HF_VOCAB, hidden_size=32, ffn_dim=64,
+               num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=16,
+               word_embed_proj_dim=32, dropout=0.0, pad_token_id=1)
+
+
+def hf_falcon() -> nn.Module:
+    """Its decoder layers return tuples."""
+    return _hf("FalconConfig", "FalconForCausalLM", vocab_size=HF_VOCAB, hidden_size=32,
+               num_hidden_layers=4, num_attention_heads=4, hidden_dropout=0.0,
+               attention_dropout=0.0)
+
+
+def hf_distilbert() -> nn.Module:
+    """Calls its embeddings positionally: ``self.embeddings(input_ids, inputs_embeds)``."""
+    return _hf("DistilBertConfig", "DistilBertForMaskedLM", vocab_size=HF_VOCAB, dim=32,
+               n_layers=4, n_heads=4, hidden_dim=64, max_position_embeddings=16, dropout=0.0,
+               attention_dropout=0.0)

@@ -445,7 +445,9 @@ def test_hf_llama_stages_chain_to_the_full_model():
     # a bare HF model (no wrapper): its first stage hands on a tensor, the last one returns
     # the model's own output (a ModelOutput, which the loss gets as on one device)
     bare = model.hf
-    first, last = (build_stage_module(bare, "model.layers", s) for s in specs)
+    bare_path, bare_specs = plan_stages(bare, Plan(pp=2, microbatches=2))
+    assert bare_path == "model.layers"
+    first, last = (build_stage_module(bare, bare_path, s) for s in bare_specs)
     with torch.no_grad():
         assert isinstance(first(tokens), torch.Tensor)
         torch.testing.assert_close(last(first(tokens)).logits, bare(tokens).logits)

@@ -342,3 +342,46 @@ def test_fused_qkv_flat_blocks_shared_blocks_and_dict_blocks():
                               timeout=300)[0]
     for (_, factory), result in zip(jobs, results, strict=True):
         _assert_matches(W.reference(factory, batches, W.mlm_loss), result)
+
+
+def test_per_head_norms_and_side_modules_registered_out_of_order():
+    """Per-head q/k norms inside an attention region: each rank's norms see its heads only, so
+    inference names them grad_allreduce and their gradients are summed over tp (left
+    replicated they trained on half the gradient: 2e-4 of their displacement off after three
+    steps, and the ranks' copies apart); under DP x TP with ZeRO-3 too, where FSDP2 gathers
+    them. A model that registers its head before its blocks, whose blocks return tuples,
+    under a pipeline: the head goes to the last stage, and stand-ins return tuples."""
+    from plait.parallel.pipeline_split import observe_forward
+    from plait.parallel.tp_infer import infer_plan
+
+    styles = infer_plan(W.qk_norm_lm()).styles
+    assert styles["blocks.*.q_norm"] == styles["blocks.*.k_norm"] == "grad_allreduce"
+    assert "blocks.*.norm" not in styles
+    assert observe_forward(W.head_first_lm(), "blocks") == (frozenset({"norm", "head"}), 2)
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    jobs = [("tp=2", W.qk_norm_lm), ("pp=2", W.head_first_lm)]
+    results = run_distributed(W.train_jobs, 2, [(p, f, batches, W.mlm_loss) for p, f in jobs],
+                              timeout=240)[0]
+    job = [("dp_shard=2,zero=3,tp=2", W.qk_norm_lm, batches, W.mlm_loss)]
+    results += run_distributed(W.train_jobs, 4, job, timeout=240)[0]
+    for (_, factory), result in zip([*jobs, job[0][:2]], results, strict=True):
+        _assert_matches(W.reference(factory, batches, W.mlm_loss), result)
+
+
+HF_MORE_TP = [W.hf_qwen3, W.hf_phi3, W.hf_mixtral, W.hf_roberta_mlm]
+HF_MORE_PP = [W.hf_opt, W.hf_falcon, W.hf_distilbert]
+
+
+def test_more_transformers_families():
+    """tp=2 on Qwen3 (per-head norms: transformers' replicated_with_grad_allreduce), Phi-3
+    (fused layers gathered, then split: colwise_gather_output and rowwise_split_input),
+    Mixtral (attention split, the experts replicated, no region over them) and RoBERTa (BERT's
+    layout; the masked-LM decoder tied to the embedding is split with it); pp=2 on OPT (final
+    norm registered before the layers), Falcon (layers return tuples) and DistilBERT
+    (embeddings called positionally)."""
+    batches = [W.hf_batch(s) for s in range(2)]
+    jobs = [("tp=2", f) for f in HF_MORE_TP] + [("pp=2", f) for f in HF_MORE_PP]
+    got = run_distributed(W.train_jobs, 2, [(p, f, batches, W.mlm_loss) for p, f in jobs],
+                          timeout=420)[0]
+    for (_, factory), result in zip(jobs, got, strict=True):
+        _assert_matches(W.reference(factory, batches, W.mlm_loss), result)

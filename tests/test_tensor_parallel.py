@@ -7,6 +7,7 @@ dp x tp, AdamW) are marked slow; tp=2 with and without SP runs unmarked.
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn as nn
 
 from plait.check import CheckConfig, check
@@ -302,3 +303,61 @@ def test_inference_refuses_a_region_fed_from_two_inputs():
     with pytest.raises(ValueError, match=r"\['k', 'v'\] feed the output linear o from another "
                                          r"input than \['q'\]"):
         infer_plan(_CrossAttention())
+
+
+class _ScaledHeads(nn.Module):
+    """A learnable scale of the block's own applied to each rank's share of q, and a norm
+    used both on the shares and on the whole output."""
+
+    def __init__(self, shared_norm: bool):
+        super().__init__()
+        self.shared_norm = shared_norm
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+        self.scale = nn.Parameter(torch.ones(4))
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 2, 4)
+        q = self.norm(q) if self.shared_norm else q * self.scale
+        att = (q.flatten(2) @ self.k(x).transpose(-1, -2)).softmax(-1)
+        out = self.o(att @ self.v(x))
+        return self.norm(out.view(b, s, 2, 4)).flatten(2) if self.shared_norm else out
+
+
+def test_inference_sums_gradients_of_weights_applied_to_shares_or_refuses():
+    """A weight a region applies to each rank's share needs its gradient summed over tp: a
+    submodule gets grad_allreduce; the block's own parameter, or a module also used outside
+    the region, is refused by name (replicated, it would train on part of its gradient)."""
+    with pytest.raises(ValueError, match=r"parameter\(s\) \['scale'\] are applied to each "
+                                         r"rank's share"):
+        infer_plan(_ScaledHeads(shared_norm=False))
+    with pytest.raises(ValueError, match="norm is used both inside the tensor-parallel region"):
+        infer_plan(_ScaledHeads(shared_norm=True))
+
+
+def test_transformers_plans_translate_their_styles():
+    """transformers' replicated_with_grad_allreduce, colwise_gather_output and
+    rowwise_split_input become grad_allreduce, colwise_gather and rowwise_split; a
+    mixture-of-experts MLP the plan leaves replicated gets no region; RoBERTa takes BERT's
+    plan."""
+    from tests._workers_semantics import hf_mixtral, hf_phi3, hf_qwen3, hf_roberta_mlm
+
+    qwen3 = hf_plan(hf_qwen3().hf).styles
+    assert qwen3["model.layers.*.self_attn.q_norm"] == "grad_allreduce"
+    phi3 = hf_plan(hf_phi3().hf).styles
+    assert phi3["model.layers.*.self_attn.qkv_proj"] == "colwise_gather"
+    assert phi3["model.layers.*.mlp.down_proj"] == "rowwise_split"
+    mixtral = hf_plan(hf_mixtral().hf).styles
+    assert mixtral["model.layers.*.self_attn"] == "region"
+    assert "model.layers.*.mlp" not in mixtral
+    roberta = hf_plan(hf_roberta_mlm().hf)
+    assert roberta.source == "plait plan for HF roberta (BERT's layout)"
+    assert roberta.styles["roberta.encoder.layer.*.attention.self.query"] == "colwise"
+
+
+def test_a_region_without_column_parallel_layers_is_refused():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    plan = TPPlan(styles={"0": "region"})
+    with pytest.raises(ValueError, match=r"0 \(region\) holds no column-parallel layer"):
+        validate(model, plan, match_plan(model, plan.styles), 2)
