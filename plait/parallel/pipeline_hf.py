@@ -40,6 +40,10 @@ def hf_added_embeddings(hf: nn.Module, before: list[nn.Module]) -> list[nn.Modul
 
     Other parameterised modules there are refused: whether the decoder adds or applies them
     cannot be told from outside, and a wrong guess trains silently wrong."""
+    if getattr(getattr(hf, "config", None), "is_encoder_decoder", False):
+        raise ValueError(f"{type(hf).__name__} is an encoder-decoder model: plait's pipeline cuts "
+                         f"one stack of blocks, and its decoder's layers read the encoder's "
+                         f"output on every stage; run it with pp=1 (dp and zero scale it)")
     get_embeddings = getattr(hf, "get_input_embeddings", None)
     embed = get_embeddings() if callable(get_embeddings) else None
     # A module that holds the token embedding (BERT's ``embeddings``: word, position and

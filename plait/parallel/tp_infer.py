@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
-from .tp_plans import TPPlan
+from .tp_plans import STYLES, TPPlan
 from .tp_record import fake_forward, record_blocks
 
 _ATTENTION_FUNCS = {F.scaled_dot_product_attention, F.softmax, torch.softmax, torch.matmul,
@@ -80,7 +80,8 @@ class _LinearTracer(fx.Tracer):
     the TP regions are, and its forward may branch on its input, which fx cannot trace."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return (super().is_leaf_module(m, module_qualified_name)
+        # A Linear subclass with a forward of its own (Falcon's FalconLinear) is still a linear.
+        return (super().is_leaf_module(m, module_qualified_name) or isinstance(m, nn.Linear)
                 or not any(isinstance(sub, nn.Linear) for sub in m.modules()))
 
 
@@ -264,7 +265,9 @@ def _packing(block: nn.Module, entries: list[fx.Node], exit_node: fx.Node,
             return (f"the output of {calls[n]} ({out} features) is wider than what "
                     f"{calls[exit_node]} reads ({width}): a fused layer whose parts a split "
                     f"cannot tell apart; name its style in options.tp_plan ('colwise_qkv' for "
-                    f"q|k|v of equal widths)")
+                    f"q|k|v of equal widths one after the other; else 'colwise_gather' on "
+                    f"{calls[n]} and 'rowwise_split' on {calls[exit_node]}, which gathers its "
+                    f"output whole on every rank)")
     return "colwise"
 
 
@@ -295,7 +298,7 @@ def infer_plan(model: nn.Module) -> TPPlan:
     styles: dict[str, str] = {}
     divide: dict[str, tuple[str, ...]] = {}
     sizes: dict[str, int] = {}
-    refused = []
+    refused: dict[str, None] = {}  # "blocks (type): reason", repeated blocks as one glob
     in_blocks: set[str] = set()
     candidates = {name: block for name, block in model.named_modules()
                   if sum(isinstance(m, nn.Linear) for m in block.children()) >= 2}
@@ -311,13 +314,14 @@ def infer_plan(model: nn.Module) -> TPPlan:
         if result is None:
             continue
         if isinstance(result, str):
-            refused.append(f"{label} ({type(block).__name__}): {result}")
+            glob = next(iter(_globs({label: ""}))) if name else label
+            refused[f"{glob} ({type(block).__name__}): {result}"] = None
             continue
         kind = result.pop("__kind__")
         for child, style in result.items():
             full = f"{name}.{child}".strip(".") if child else name
             if not full:
-                refused.append(f"{label}: the model itself is a block; wrap it in a module")
+                refused[f"{label}: the model itself is a block; wrap it in a module"] = None
                 continue
             styles[full] = style
             in_blocks.add(full)
@@ -331,7 +335,7 @@ def infer_plan(model: nn.Module) -> TPPlan:
         raise ValueError(
             f"cannot infer a tensor-parallel plan for {type(model).__name__}: "
             + "; ".join(refused) + ". Pass Plan(options={'tp_plan': {module glob: style}}) "
-            "(styles: colwise, rowwise, region, vocab_embedding, vocab_head, sequence_parallel)")
+            f"(styles: {', '.join(STYLES)})")
     if not styles:
         fixed = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not
                  _shardable(m)]
