@@ -724,7 +724,29 @@ class HeadFirstLM(nn.Module):
         return self.head(self.norm(h))
 
 
+class InterleavedQKVBlock(nn.Module):
+    """Attention whose fused q|k|v layer is laid out head by head, ``[q0 k0 v0 | q1 k1 v1]``
+    (GPT-NeoX stores it so): split in three blocks, rank 0 would get q and k of head 0 and v
+    of head 0 and q of head 1... A plain column split gives it whole heads."""
+
+    def __init__(self, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(WIDTH)
+        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(self.norm(x)).view(b, s, self.heads, -1).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
 qk_norm_lm = partial(seeded, partial(BlockLM, QKNormBlock))
+
+
+interleaved_qkv_lm = partial(seeded, partial(BlockLM, InterleavedQKVBlock))
 
 
 head_first_lm = partial(seeded, HeadFirstLM)

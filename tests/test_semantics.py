@@ -344,22 +344,35 @@ def test_fused_qkv_flat_blocks_shared_blocks_and_dict_blocks():
         _assert_matches(W.reference(factory, batches, W.mlm_loss), result)
 
 
-def test_per_head_norms_and_side_modules_registered_out_of_order():
+def test_per_head_norms_fused_layouts_and_side_modules_registered_out_of_order():
     """Per-head q/k norms inside an attention region: each rank's norms see its heads only, so
     inference names them grad_allreduce and their gradients are summed over tp (left
     replicated they trained on half the gradient: 2e-4 of their displacement off after three
     steps, and the ranks' copies apart); under DP x TP with ZeRO-3 too, where FSDP2 gathers
-    them. A model that registers its head before its blocks, whose blocks return tuples,
-    under a pipeline: the head goes to the last stage, and stand-ins return tuples."""
+    them. A fused q|k|v layer laid out head by head: shapes cannot tell it from three blocks,
+    swapping two ranks' shares can (split in thirds it trained a different model, its loss off
+    by 8e-3 relative at step one); it gets a plain column split. A model that registers its
+    head before its blocks, whose blocks return tuples, under a pipeline: the head goes to the
+    last stage, and stand-ins return tuples."""
     from plait.parallel.pipeline_split import observe_forward
-    from plait.parallel.tp_infer import infer_plan
+    from plait.parallel.tensor import match_plan
+    from plait.parallel.tp_infer import infer_plan, verify_plan
+    from plait.parallel.tp_verify import mixed_blocks
 
     styles = infer_plan(W.qk_norm_lm()).styles
     assert styles["blocks.*.q_norm"] == styles["blocks.*.k_norm"] == "grad_allreduce"
     assert "blocks.*.norm" not in styles
+    model = W.interleaved_qkv_lm()
+    guessed = infer_plan(model)
+    assert guessed.styles["blocks.*.qkv"] == "colwise_qkv"
+    assert mixed_blocks(model, match_plan(model, guessed.styles), 2,
+                        torch.randint(0, W.VOCAB, (2, 4))) == ["blocks.0"]
+    assert verify_plan(model, guessed, 2).styles["blocks.*.qkv"] == "colwise"
+    assert verify_plan(W.flat_lm(), infer_plan(W.flat_lm()), 2).styles["blocks.*.qkv"] == \
+        "colwise_qkv"
     assert observe_forward(W.head_first_lm(), "blocks") == (frozenset({"norm", "head"}), 2)
     batches = [W.mlm_batch(s) for s in range(W.STEPS)]
-    jobs = [("tp=2", W.qk_norm_lm), ("pp=2", W.head_first_lm)]
+    jobs = [("tp=2", W.qk_norm_lm), ("tp=2", W.interleaved_qkv_lm), ("pp=2", W.head_first_lm)]
     results = run_distributed(W.train_jobs, 2, [(p, f, batches, W.mlm_loss) for p, f in jobs],
                               timeout=240)[0]
     job = [("dp_shard=2,zero=3,tp=2", W.qk_norm_lm, batches, W.mlm_loss)]

@@ -270,7 +270,7 @@ def resolve_plan(module: nn.Module, plan: Plan) -> TPPlan:
     from .tp_infer import format_plan, infer_plan, verify_plan
 
     inferred = infer_plan(module)
-    verify_plan(module, inferred, plan.tp)
+    inferred = verify_plan(module, inferred, plan.tp)
     _print0(format_plan(inferred, module))
     return inferred
 

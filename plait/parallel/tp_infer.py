@@ -431,16 +431,22 @@ def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tu
     return None
 
 
-def verify_plan(model: nn.Module, plan: TPPlan, tp: int) -> None:
-    """Refuse an inferred plan that does not fit the model's dataflow, before any sharding: one
-    fake-tensor forward (:func:`check_shapes`) on an input guessed by :func:`example_input`.
-    A model whose unsharded forward already fails on that guess is not checked (the guess is
-    wrong, not the plan)."""
+def verify_plan(model: nn.Module, plan: TPPlan, tp: int) -> TPPlan:
+    """Check an inferred plan before any sharding; return it, or refuse it (ValueError).
+
+    One fake-tensor forward (:func:`check_shapes`) on an input guessed by
+    :func:`example_input` catches a split that changes shapes; then a real forward of each kind
+    of block with two ranks' shares swapped (:func:`plait.parallel.tp_verify.mixed_blocks`)
+    catches one that keeps them but mixes heads. A fused q|k|v layer guessed to be three blocks
+    ``[q | k | v]`` that turns out to be laid out head by head gets a plain column split
+    instead (then whole heads). A model whose unsharded forward already fails on the guessed
+    input is not checked (the guess is wrong, not the plan)."""
     from .tensor import match_plan
+    from .tp_verify import mixed_blocks
 
     example = example_input(model)
     if example is None or check_shapes(model, {}, {}, 1, example) is not None:
-        return
+        return plan
     matched = match_plan(model, plan.styles)
     divide = {n: a for glob, a in plan.divide_attrs.items()
               for n in match_plan(model, {glob: "divide"})}
@@ -451,3 +457,20 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int) -> None:
             f"dataflow at tp={tp} (a forward with it fails: {error}); nothing was sharded. "
             f"Pass Plan(options={{'tp_plan': {{module glob: style}}}}) (the inferred one was "
             f"{json.dumps(plan.styles)})")
+    mixed = mixed_blocks(model, matched, tp, example)
+    if not mixed:
+        return plan
+    fused = {g for g, style in plan.styles.items() if style == "colwise_qkv"}
+    if fused:
+        styles = {g: "colwise" if g in fused else style for g, style in plan.styles.items()}
+        if not mixed_blocks(model, match_plan(model, styles), tp, example):
+            return TPPlan(styles=styles, divide_attrs=plan.divide_attrs, source=plan.source,
+                          sizes=plan.sizes)
+    raise ValueError(
+        f"the tensor-parallel plan inferred for {type(model).__name__} splits "
+        f"{', '.join(mixed)} over tp={tp} into parts that are not whole heads (swapping two "
+        f"ranks' shares changes what the block computes: a fused layer whose parts are laid "
+        f"out some other way, or a weight applied across heads); nothing was sharded. Pass "
+        f"Plan(options={{'tp_plan': {{module glob: style}}}}) ('colwise_gather' on a fused "
+        f"layer and 'rowwise_split' on its output layer keep it whole on every rank; the "
+        f"inferred plan was {json.dumps(plan.styles)})")

@@ -1,0 +1,139 @@
+"""Check numerically that an inferred tensor-parallel plan splits each block into whole heads.
+
+A fake-tensor forward (:func:`plait.parallel.tp_infer.check_shapes`) catches a split that
+changes shapes, not one that keeps them: a fused q|k|v layer laid out head by head
+(``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``, as GPT-NeoX and BLOOM store it) split as three blocks
+(``[q | k | v]``, as minGPT and GPT-2 store it) gives every rank tensors of the right shapes that
+mix one head's queries with another head's keys: a different model, silently.
+
+What a correct split guarantees is that rank r's rows of the column-parallel layers and its
+columns of the row-parallel one are whole heads (or whole hidden units of an MLP), and a block
+computes the same function whatever order its heads are in. So swapping rank 0's share with
+rank 1's in every split layer of a block at once (their rows, and the exit's columns) must leave
+the block's output unchanged, and a split that mixes heads changes it. The check runs each kind
+of block once (the first block of each name pattern) on the inputs it receives in one real
+forward of the model on a small guessed input, in eval mode and without gradients, and puts the
+weights back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+# How a style lays out a linear's weight: the dimension split over tp, and in how many equal
+# parts it is split first (a fused q|k|v layer: each third on its own).
+_SPLIT = {"colwise": (0, 1), "colwise_qkv": (0, 3), "rowwise": (1, 1)}
+
+
+class _CapturedError(Exception):
+    """Raised from a hook once every block to check has its input: the rest of the forward
+    is not needed."""
+
+
+def _swap_index(size: int, parts: int, tp: int) -> torch.Tensor:
+    """A permutation of ``range(size)`` exchanging rank 0's and rank 1's shares of each of
+    ``parts`` equal parts."""
+    index = torch.arange(size)
+    part = size // parts
+    share = part // tp
+    for p in range(parts):
+        a = p * part
+        b = a + share
+        index[a:a + share], index[b:b + share] = (torch.arange(b, b + share),
+                                                 torch.arange(a, a + share))
+    return index
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _block_of(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name)
+
+
+def mixed_blocks(model: nn.Module, matched: dict[str, str], tp: int, example: torch.Tensor
+                 ) -> list[str] | None:
+    """The blocks (one per name pattern) whose output changes when rank 0's and rank 1's
+    shares of their split linears are swapped, i.e. whose split mixes heads; None when the
+    check cannot run (a parameter on the meta device, a forward that fails on the guess)."""
+    if tp < 2 or any(p.is_meta for p in model.parameters()):
+        return None
+    split = {n: s for n, s in matched.items() if s in _SPLIT}
+    blocks: dict[str, str] = {}  # pattern -> the first block of it
+    for name in split:
+        blocks.setdefault(_pattern(_block_of(name)), _block_of(name))
+    inputs: dict[str, tuple[tuple, dict]] = {}
+    handles = []
+
+    def capture(name: str) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            inputs.setdefault(name, (args, kwargs))
+            if len(inputs) == len(blocks):
+                raise _CapturedError
+        return hook
+
+    for name in blocks.values():
+        handles.append(model.get_submodule(name).register_forward_pre_hook(
+            capture(name), with_kwargs=True))
+    training = model.training
+    model.train(False)  # no dropout: the two runs of a block must compute the same thing
+    try:
+        with torch.no_grad():
+            try:
+                model(example)
+            except _CapturedError:
+                pass
+            except Exception:  # noqa: BLE001 - not runnable on the guess: not checked
+                return None
+            finally:
+                for h in handles:
+                    h.remove()
+            return [name for name in blocks.values() if name in inputs and
+                    _changes_when_swapped(model, name, split, tp, *inputs[name])]
+    finally:
+        model.train(training)
+
+
+def _changes_when_swapped(model: nn.Module, block_name: str, split: dict[str, str], tp: int,
+                          args: tuple, kwargs: dict) -> bool:
+    block = model.get_submodule(block_name)
+    before = [t.clone() for t in _tensors(block(*args, **kwargs))]
+    saved = []
+    try:
+        for name, style in split.items():
+            if _block_of(name) != block_name:
+                continue
+            dim, parts = _SPLIT[style]
+            linear = model.get_submodule(name)
+            assert isinstance(linear, nn.Linear)
+            index = _swap_index(linear.weight.shape[dim], parts, tp)
+            saved.append((linear.weight, linear.weight.detach().clone()))
+            linear.weight.data = linear.weight.data.index_select(dim, index)
+            if dim == 0 and linear.bias is not None:
+                saved.append((linear.bias, linear.bias.detach().clone()))
+                linear.bias.data = linear.bias.data.index_select(0, index)
+        after = list(_tensors(block(*args, **kwargs)))
+    finally:
+        for param, value in saved:
+            param.data = value
+    return len(after) != len(before) or any(
+        not torch.allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, b.abs().max().item()))
+        for a, b in zip(after, before, strict=True))
