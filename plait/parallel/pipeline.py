@@ -50,6 +50,7 @@ from .pipeline_split import (
     shared_parameters,
 )
 from .schedules import check_schedule_args, local_stages, schedule_class, stage_to_rank
+from .tensor import plan_for_stages
 from .timeline import Timeline, now
 
 pipeline_stage_base()  # TimedStage overrides a private method: fail clearly if torch changed it
@@ -539,7 +540,8 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
             packer.install(m)  # before the layout: DDP/FSDP call the packed forward
     ties = shared_parameters(model, path, specs)
     groups = _tie_groups(ties, mesh, plan)  # collective: every rank creates every group
-    modules = [parallelize_stage(m, mesh, plan, device=device) for m in modules]
+    stage_plan = plan_for_stages(model, plan)
+    modules = [parallelize_stage(m, mesh, stage_plan, device=device) for m in modules]
     stages = [TimedStage(m, s, len(specs), device, group=pp_mesh.get_group())
               for m, s in zip(modules, mine, strict=True)]
     # Only the last stage holds the head, so only it can need loss_parallel().

@@ -253,11 +253,25 @@ def match_plan(module: nn.Module, styles: dict[str, str]) -> dict[str, str]:
 
 def resolve_plan(module: nn.Module, plan: Plan) -> TPPlan:
     """Which layer plan to use for ``module`` (see the module docstring for the order)."""
-    from ..models.transformer import Transformer
-
     user = plan.options.tp_plan
     if user is not None:
         return user if isinstance(user, TPPlan) else TPPlan.from_option(user)
+    shipped = _shipped_plan(module)
+    if shipped is not None:
+        return shipped
+    from .tp_infer import format_plan, infer_plan, verify_plan
+
+    inferred = infer_plan(module)
+    inferred = verify_plan(module, inferred, plan.tp)
+    _print0(format_plan(inferred, module))
+    return inferred
+
+
+def _shipped_plan(module: nn.Module) -> TPPlan | None:
+    """plait's plan for its reference transformer, or the plan of a transformers model (its
+    own, translated, or plait's for its family); None: the plan is to be inferred."""
+    from ..models.transformer import Transformer
+
     if isinstance(module, Transformer):
         return reference_plan(module)
     hf = _find_hf_model(module)
@@ -267,12 +281,18 @@ def resolve_plan(module: nn.Module, plan: Plan) -> TPPlan:
             return hf_plan(model).with_prefix(prefix)
         except LookupError:
             pass  # an HF architecture without a plan: infer one
-    from .tp_infer import format_plan, infer_plan, verify_plan
+    return None
 
-    inferred = infer_plan(module)
-    inferred = verify_plan(module, inferred, plan.tp)
-    _print0(format_plan(inferred, module))
-    return inferred
+
+def plan_for_stages(model: nn.Module, plan: Plan) -> Plan:
+    """The plan the pipeline stages of ``model`` apply tensor parallelism with: a layer plan
+    that is inferred is inferred once, on the whole model, and handed to every stage as
+    ``options.tp_plan``; the blocks fx cannot trace are recorded, and the plan checked, by
+    running the model's forward on a guessed input, which a later stage's forward (it takes
+    hidden states) cannot do."""
+    if plan.tp == 1 or plan.options.tp_plan is not None or _shipped_plan(model) is not None:
+        return plan
+    return plan.replace(options=plan.options.replace(tp_plan=resolve_plan(model, plan)))
 
 
 def _find_hf_model(module: nn.Module) -> tuple[str, nn.Module] | None:

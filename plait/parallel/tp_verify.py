@@ -18,8 +18,8 @@ weights back.
 
 from __future__ import annotations
 
+import copy
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,16 +49,18 @@ def _swap_index(size: int, parts: int, tp: int) -> torch.Tensor:
     return index
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    """The block's output: its first floating tensor. What follows in a tuple (attention
+    weights, one per head) is permuted with the heads, legitimately."""
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
+        return value if value.is_floating_point() else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(
+        value, (tuple, list)) else ()
+    for v in items:
+        found = _first_tensor(v)
+        if found is not None:
+            return found
+    return None
 
 
 def _block_of(name: str) -> str:
@@ -85,7 +87,7 @@ def mixed_blocks(model: nn.Module, matched: dict[str, str], tp: int, example: to
 
     def capture(name: str) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            inputs.setdefault(name, (args, kwargs))
+            inputs.setdefault(name, _copied((args, kwargs)))
             if len(inputs) == len(blocks):
                 raise _CapturedError
         return hook
@@ -112,10 +114,22 @@ def mixed_blocks(model: nn.Module, matched: dict[str, str], tp: int, example: to
         model.train(training)
 
 
+def _copied(value: Any) -> Any:
+    """A deep copy of a block's inputs: a forward may update one in place (a key/value cache
+    that transformers passes in grows with every call)."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - an input that cannot be copied is used as it is
+        return value
+
+
 def _changes_when_swapped(model: nn.Module, block_name: str, split: dict[str, str], tp: int,
                           args: tuple, kwargs: dict) -> bool:
     block = model.get_submodule(block_name)
-    before = [t.clone() for t in _tensors(block(*args, **kwargs))]
+    before = _first_tensor(block(*_copied(args), **_copied(kwargs)))
+    if before is None:
+        return False
+    before = before.clone()
     saved = []
     try:
         for name, style in split.items():
@@ -130,10 +144,10 @@ def _changes_when_swapped(model: nn.Module, block_name: str, split: dict[str, st
             if dim == 0 and linear.bias is not None:
                 saved.append((linear.bias, linear.bias.detach().clone()))
                 linear.bias.data = linear.bias.data.index_select(0, index)
-        after = list(_tensors(block(*args, **kwargs)))
+        after = _first_tensor(block(*_copied(args), **_copied(kwargs)))
     finally:
         for param, value in saved:
             param.data = value
-    return len(after) != len(before) or any(
-        not torch.allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, b.abs().max().item()))
-        for a, b in zip(after, before, strict=True))
+    scale = max(1.0, before.abs().max().item())
+    return after is None or after.shape != before.shape or not torch.allclose(
+        after, before, rtol=1e-4, atol=1e-5 * scale)
