@@ -806,6 +806,12 @@ def hf_falcon() -> nn.Module:
                attention_dropout=0.0)
 
 
+def hf_bloom() -> nn.Module:
+    """A LayerNorm of the embeddings before its layers (applied, not added); tuple layers."""
+    return _hf("BloomConfig", "BloomForCausalLM", vocab_size=HF_VOCAB, hidden_size=32, n_layer=4,
+               n_head=4, hidden_dropout=0.0, attention_dropout=0.0)
+
+
 def hf_distilbert() -> nn.Module:
     """Calls its embeddings positionally: ``self.embeddings(input_ids, inputs_embeds)``."""
     return _hf("DistilBertConfig", "DistilBertForMaskedLM", vocab_size=HF_VOCAB, dim=32,

@@ -382,7 +382,7 @@ def test_per_head_norms_fused_layouts_and_side_modules_registered_out_of_order()
 
 
 HF_MORE_TP = [W.hf_qwen3, W.hf_phi3, W.hf_mixtral, W.hf_roberta_mlm]
-HF_MORE_PP = [W.hf_opt, W.hf_falcon, W.hf_distilbert]
+HF_MORE_PP = [W.hf_opt, W.hf_falcon, W.hf_bloom, W.hf_distilbert]
 
 
 def test_more_transformers_families():
@@ -390,8 +390,9 @@ def test_more_transformers_families():
     (fused layers gathered, then split: colwise_gather_output and rowwise_split_input),
     Mixtral (attention split, the experts replicated, no region over them) and RoBERTa (BERT's
     layout; the masked-LM decoder tied to the embedding is split with it); pp=2 on OPT (final
-    norm registered before the layers), Falcon (layers return tuples) and DistilBERT
-    (embeddings called positionally)."""
+    norm registered before the layers), Falcon (layers return tuples), BLOOM (a LayerNorm of the
+    embeddings before its layers: applied, so later stages pass it) and DistilBERT (embeddings
+    called positionally)."""
     batches = [W.hf_batch(s) for s in range(2)]
     jobs = [("tp=2", f) for f in HF_MORE_TP] + [("pp=2", f) for f in HF_MORE_PP]
     got = run_distributed(W.train_jobs, 2, [(p, f, batches, W.mlm_loss) for p, f in jobs],

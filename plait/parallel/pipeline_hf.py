@@ -33,13 +33,18 @@ def is_hf_model(module: nn.Module) -> bool:
     return isinstance(module, PreTrainedModel)
 
 
-def hf_added_embeddings(hf: nn.Module, before: list[nn.Module]) -> list[nn.Module]:
-    """The embeddings before the layers other than the token embedding (GPT-2's ``wpe``, OPT's
-    learned positions): HF decoders add their output to ``inputs_embeds``, so on later stages
-    (which receive hidden states that already include them) their stand-in must add zero.
+def hf_added_embeddings(hf: nn.Module, before: list[nn.Module], path: str) -> list[nn.Module]:
+    """The modules before the layers (``path``, the block sequence in ``hf``) other than the
+    token embedding whose output the decoder adds to ``inputs_embeds`` (GPT-2's ``wpe``, OPT's
+    learned positions): on later stages, which receive hidden states that already include them,
+    their stand-in must add zero. Every other one is applied to the hidden states (BLOOM's
+    LayerNorm of the embeddings), so its stand-in passes them on, as they already went through
+    it.
 
-    Other parameterised modules there are refused: whether the decoder adds or applies them
-    cannot be told from outside, and a wrong guess trains silently wrong."""
+    An embedding is taken as added. For any other parameterised module, one forward of the
+    model on fake tensors shows whether its output is added to something
+    (:func:`plait.parallel.pipeline_split.additive_by_running`); where that forward cannot
+    run on a guessed input, the model is refused: a wrong guess trains silently wrong."""
     if getattr(getattr(hf, "config", None), "is_encoder_decoder", False):
         raise ValueError(f"{type(hf).__name__} is an encoder-decoder model: plait's pipeline cuts "
                          f"one stack of blocks, and its decoder's layers read the encoder's "
@@ -54,14 +59,38 @@ def hf_added_embeddings(hf: nn.Module, before: list[nn.Module]) -> list[nn.Modul
              if not any(sub is embed for sub in m.modules())
              and any(p.numel() for p in m.parameters())]
     unknown = [m for m in other if not isinstance(m, nn.Embedding)]
-    if unknown:
-        names = [n for n, m in hf.named_modules() if any(m is u for u in unknown)]
-        raise ValueError(f"{type(hf).__name__} has parameterised modules {names} before its "
+    if not unknown:
+        return other
+    names = {id(m): n for n, m in hf.named_modules()}
+    added = _added_by_running(hf, path)
+    if added is None:
+        listed = [names[id(u)] for u in unknown]
+        raise ValueError(f"{type(hf).__name__} has parameterised modules {listed} before its "
                          f"decoder layers that are neither the token embedding nor an "
-                         f"embedding added to it; plait's HF pipeline adapter cannot tell how "
-                         f"later stages should skip them: run this model with pp=1, or wrap "
-                         f"it so those modules live inside the first block")
-    return other
+                         f"embedding added to it, and its forward does not run on a guessed "
+                         f"input to show whether it adds or applies them; plait's HF pipeline "
+                         f"adapter cannot tell how later stages should skip them: run this "
+                         f"model with pp=1, or wrap it so those modules live inside the first "
+                         f"block")
+    return [m for m in other if isinstance(m, nn.Embedding) or names[id(m)] in added]
+
+
+def _added_by_running(hf: nn.Module, path: str) -> set[str] | None:
+    """The modules beside the blocks whose output ``hf``'s forward adds to something, seen in
+    one forward on fake tensors of a guessed input; None when it cannot run."""
+    from .pipeline_split import additive_by_running
+    from .tp_infer import example_input
+    from .tp_record import fake_forward
+
+    example = example_input(hf)
+    if example is None:
+        return None
+    try:
+        with fake_forward(hf):
+            hf(example)  # the guess runs at all: else additive_by_running finds nothing
+            return additive_by_running(hf, path, example, {})
+    except Exception:  # noqa: BLE001 - not runnable on the guess
+        return None
 
 
 def adapt_hf_forward(clone: nn.Module, spec: StageSpec) -> None:

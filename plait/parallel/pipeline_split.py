@@ -605,7 +605,8 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
             hf_done = True  # the outermost HF model on the path is the one that gets called
             before, _ = _side_modules(module, ".".join(parts[depth:]), spec.after,
                                       prefix=".".join(parts[:depth]))
-            added.update(id(m) for m in hf_added_embeddings(module, before))
+            added.update(id(m) for m in hf_added_embeddings(module, before,
+                                                            ".".join(parts[depth:])))
             adapt_hf_forward(clone, spec)
         if depth == len(parts):  # the block sequence
             keys = list(module._modules)
