@@ -371,6 +371,11 @@ def test_per_head_norms_fused_layouts_and_side_modules_registered_out_of_order()
     assert verify_plan(W.flat_lm(), infer_plan(W.flat_lm()), 2).styles["blocks.*.qkv"] == \
         "colwise_qkv"
     assert observe_forward(W.head_first_lm(), "blocks") == (frozenset({"norm", "head"}), 2)
+    # A block index collapses, a place inside the block does not (one pattern for all blocks,
+    # which every pipeline stage's blocks match).
+    assert infer_plan(W.attention_lm()).styles == {
+        "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise", "tok": "vocab_embedding",
+        "head": "vocab_head"}
     batches = [W.mlm_batch(s) for s in range(W.STEPS)]
     jobs = [("tp=2", W.qk_norm_lm), ("tp=2", W.interleaved_qkv_lm), ("pp=2", W.head_first_lm)]
     results = run_distributed(W.train_jobs, 2, [(p, f, batches, W.mlm_loss) for p, f in jobs],

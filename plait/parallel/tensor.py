@@ -267,6 +267,22 @@ def resolve_plan(module: nn.Module, plan: Plan) -> TPPlan:
     return inferred
 
 
+def _on_stage(module: nn.Module, styles: dict[str, str]) -> dict[str, str]:
+    """``styles`` without the patterns that name only modules inside a pipeline stand-in
+    (``blocks.2.mlp.up`` on a stage that holds blocks 0 and 1)."""
+    stand_ins = [n for n, m in module.named_modules() if isinstance(m, STAND_INS)]
+    if not stand_ins:
+        return styles
+    names = [n for n, _ in module.named_modules() if n]
+
+    def elsewhere(glob: str) -> bool:
+        parts = glob.split(".")
+        return not any(glob_regex(glob).match(n) for n in names) and any(
+            glob_regex(".".join(parts[:k])).match(s) for s in stand_ins
+            for k in range(1, len(parts)))
+    return {g: style for g, style in styles.items() if not elsewhere(g)}
+
+
 def _shipped_plan(module: nn.Module) -> TPPlan | None:
     """plait's plan for its reference transformer, or the plan of a transformers model (its
     own, translated, or plait's for its family); None: the plan is to be inferred."""
@@ -399,8 +415,10 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
         raise ValueError(f"sp=True: the tensor-parallel plan for {type(module).__name__} "
                          f"({tp_plan.source}) has no sequence-parallel layout; use sp=False, or "
                          f"pass options.tp_plan with 'region' and 'sequence_parallel' entries")
-    # Pipeline stages keep a parameter-free stand-in where another stage owns a module.
-    matched = {name: style for name, style in match_plan(module, tp_plan.styles).items()
+    # Pipeline stages keep a parameter-free stand-in where another stage owns a module: what
+    # the plan names inside one (a block's linears) is not on this stage.
+    matched = {name: style for name, style in match_plan(
+                   module, _on_stage(module, tp_plan.styles)).items()
                if not isinstance(module.get_submodule(name), STAND_INS)}
     ties = _tied_groups(module)
     matched.update(_tied_heads(module, ties, matched))
@@ -466,7 +484,8 @@ def shard_sequence_in_blocks(module: nn.Module, blocks_glob: str, mesh: DeviceMe
 def _divide_attrs(module: nn.Module, divide: dict[str, tuple[str, ...]], tp: int) -> None:
     if not divide:
         return
-    for name, _attrs in match_plan(module, {g: "divide" for g in divide}).items():
+    for name, _attrs in match_plan(module, _on_stage(module, dict.fromkeys(divide, "divide"))
+                                   ).items():
         sub = module.get_submodule(name)
         for glob, names in divide.items():
             if not glob_regex(glob).match(name):

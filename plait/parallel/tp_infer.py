@@ -281,15 +281,31 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _globs(entries: dict[str, str]) -> dict[str, str]:
-    """Collapse layer indices (``blocks.3.mlp`` -> ``blocks.*.mlp``) where the styles agree."""
-    grouped: dict[str, set[str]] = {}
+def _glob_levels(name: str) -> list[str]:
+    """Patterns for ``name``, most general first: every index a ``*``; every index but a last
+    one (``blocks.3.ff.0`` -> ``blocks.*.ff.0``: the 0 is a place in the block, not a block);
+    the first index only; the name itself."""
+    parts = name.split(".")
+    numbers = [i for i, p in enumerate(parts) if p.isdigit() and len(parts) > 1]
+
+    def starred(which: set[int]) -> str:
+        return ".".join("*" if i in which else p for i, p in enumerate(parts))
+    return [starred(set(numbers)), starred(set(numbers) - {len(parts) - 1}),
+            starred(set(numbers[:1])), name]
+
+
+def _globs(entries: dict[str, str], names: list[str] | None = None) -> dict[str, str]:
+    """Collapse layer indices (``blocks.3.mlp`` -> ``blocks.*.mlp``) where the styles agree and,
+    given the model's module ``names``, the pattern matches no module outside ``entries``."""
+    out: dict[str, str] = {}
     for name, style in entries.items():
-        grouped.setdefault(re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name), set()).add(style)
-    out = {}
-    for name, style in entries.items():
-        glob = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name)
-        out[glob if len(grouped[glob]) == 1 else name] = style
+        for glob in _glob_levels(name):
+            regex = re.compile("^" + re.escape(glob).replace(r"\*", "[^.]+") + "$")
+            group = [n for n in entries if regex.match(n)]
+            if len({entries[n] for n in group}) == 1 and (
+                    names is None or all(n in entries for n in names if regex.match(n))):
+                out[glob] = style
+                break
     return out
 
 
@@ -353,9 +369,10 @@ def infer_plan(model: nn.Module) -> TPPlan:
             for en, emb in embeddings.items():
                 if emb.num_embeddings == m.out_features and emb.embedding_dim == m.in_features:
                     styles[en], styles[n] = "vocab_embedding", "vocab_head"
-    joined = _globs({k: "|".join(v) for k, v in divide.items()})
+    names = [n for n, _ in model.named_modules() if n]
+    joined = _globs({k: "|".join(v) for k, v in divide.items()}, names)
     divide_globs = {g: tuple(attrs.split("|")) for g, attrs in joined.items()}
-    return TPPlan(styles=_globs(styles), divide_attrs=divide_globs,
+    return TPPlan(styles=_globs(styles, names), divide_attrs=divide_globs,
                   source=f"inferred from {type(model).__name__}'s structure", sizes=sizes)
 
 
