@@ -6,8 +6,9 @@ applied with ``parallelize_module`` on ``mesh["tp"]``. Where the plan comes from
 
 1. ``plan.options.tp_plan`` — the user's {glob: style} for any model;
 2. plait's plan for the reference transformer;
-3. a Hugging Face model: plait's plan for GPT-2 (Conv1D, fused qkv) and BERT, and for the
-   Llama/Mistral/Qwen2 family the ``base_model_tp_plan`` that transformers itself declares;
+3. a Hugging Face model: plait's plan for GPT-2 (Conv1D, fused qkv) and for BERT's layout
+   (BERT, RoBERTa, ELECTRA, ...), else the ``base_model_tp_plan`` that transformers itself
+   declares, translated style by style;
 4. otherwise a plan inferred from the module structure (``plait.parallel.tp_infer``), printed on
    rank 0 so the user can check and save it, or a ValueError where inference cannot decide.
 
@@ -52,7 +53,15 @@ from ..mesh import Mesh
 from ..plan import Plan
 from .layout import Layout, record_layout
 from .pipeline_split import STAND_INS
-from .tp_plans import COLWISE, STYLES, TPPlan, glob_regex, hf_plan, reference_plan
+from .tp_plans import (
+    COLWISE,
+    LINEAR_STYLES,
+    STYLES,
+    TPPlan,
+    glob_regex,
+    hf_plan,
+    reference_plan,
+)
 
 tp_style_bases()  # the styles below override private members: fail clearly if torch changed them
 
@@ -195,7 +204,7 @@ def make_style(style: str, module: nn.Module, name: str, *, sp: bool,
     between = seq if sp else Replicate()  # layout of activations between TP regions
     edge = between if sharded_edges else Replicate()
     kind = type(module).__name__
-    if style in ("colwise", "colwise_qkv", "rowwise", "colwise_gather", "rowwise_split") and not (
+    if style in LINEAR_STYLES and not (
             _is_linear(module) or (style != "colwise_qkv" and isinstance(module, nn.Embedding))):
         raise ValueError(f"tensor-parallel style {style!r} on {name!r} needs a Linear "
                          f"(or HF Conv1D / Embedding) module, got {kind}")
@@ -350,8 +359,7 @@ def validate(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp: in
                 f"then runs replicated) or remove the parametrization first "
                 f"(torch.nn.utils.parametrize.remove_parametrizations)")
             continue
-        if style in ("colwise", "colwise_qkv", "rowwise", "colwise_gather", "rowwise_split") \
-                and _is_linear(sub):
+        if style in LINEAR_STYLES and _is_linear(sub):
             fan_in, fan_out = _linear_dims(sub)
             if style in ("rowwise", "rowwise_split"):
                 if fan_in % tp:

@@ -53,6 +53,8 @@ import torch.nn as nn
 
 # Styles that start a region: their input is the replicated value a ``region`` shares.
 COLWISE = ("colwise", "colwise_qkv", "colwise_gather")
+# Styles that split a Linear (or HF Conv1D) by its weight.
+LINEAR_STYLES = (*COLWISE, "rowwise", "rowwise_split")
 STYLES = ("colwise", "colwise_qkv", "rowwise", "colwise_gather", "rowwise_split",
           "grad_allreduce", "region", "vocab_embedding", "vocab_head", "sequence_parallel")
 
