@@ -155,8 +155,7 @@ def test_frozen_and_tied_weights_under_every_layout():
 # ------------------------------------------------------------------ TP inference: right or refuse
 @pytest.mark.parametrize("factory,expect", [
     (W.flat_stack, {"0": "colwise", "2": "rowwise"}),
-    (W.sequential_blocks, {"1.0": "colwise", "1.2": "rowwise", "3.0": "colwise",
-                           "3.2": "rowwise"}),
+    (W.sequential_blocks, {"*.0": "colwise", "*.2": "rowwise"}),
     (W.pre_norm_net, {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}),
     (W.dict_net, {"blocks.first.0": "colwise", "blocks.first.2": "rowwise",
                   "blocks.second.0": "colwise", "blocks.second.2": "rowwise"}),
