@@ -361,3 +361,35 @@ def test_a_region_without_column_parallel_layers_is_refused():
     plan = TPPlan(styles={"0": "region"})
     with pytest.raises(ValueError, match=r"0 \(region\) holds no column-parallel layer"):
         validate(model, plan, match_plan(model, plan.styles), 2)
+
+
+class _PatchNet(nn.Module):
+    """A vision transformer in miniature: a conv stem, a learned position per patch (so it runs
+    on 16x16 images only), blocks whose fused q|k|v is stored head by head."""
+
+    def __init__(self):
+        super().__init__()
+        from tests._workers_semantics import WIDTH, InterleavedQKVBlock
+
+        self.patch = nn.Conv2d(3, WIDTH, 4, 4)
+        self.pos = nn.Parameter(torch.zeros(1, 16, WIDTH))
+        self.blocks = nn.ModuleList(InterleavedQKVBlock() for _ in range(2))
+        self.head = nn.Linear(WIDTH, 10)
+
+    def forward(self, images):
+        h = self.patch(images).flatten(2).transpose(1, 2) + self.pos
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean(1))
+
+
+def test_a_conv_stem_gets_images_of_a_size_it_runs_on_and_its_plan_is_checked():
+    """Without a guessed input nothing could be checked, and the head-by-head fused layer would
+    be split in thirds; the guess is the first common image size the model runs on."""
+    from plait.parallel.tp_infer import example_input, verify_plan
+
+    model = _PatchNet()
+    assert example_input(model).shape == (2, 3, 16, 16)
+    plan = infer_plan(model)
+    assert plan.styles["blocks.*.qkv"] == "colwise_qkv"
+    assert verify_plan(model, plan, 2).styles["blocks.*.qkv"] == "colwise"

@@ -382,18 +382,34 @@ def format_plan(plan: TPPlan, model: nn.Module) -> str:
             + json.dumps(plan.to_dict(), indent=2))
 
 
+# Image (or signal) sizes a conv stem is tried on, most common first: a model with a learned
+# position table per patch runs on one size only.
+_SPATIAL = (224, 32, 64, 256, 28, 384, 128, 512, 16)
+
+
 def example_input(model: nn.Module) -> torch.Tensor | None:
     """A small input for a shape check: token ids when the model has an ``nn.Embedding`` (a
-    model that embeds tokens starts there, wherever it registers the embedding), else features
-    for the first module holding parameters when it is a Linear; None when it cannot tell (a
-    conv stem)."""
+    model that embeds tokens starts there, wherever it registers the embedding); else, by the
+    first Linear or convolution the model registers: features for a Linear; for a convolution,
+    images (signals, volumes) of the first common size
+    that a forward on fake tensors runs on; None when it cannot tell."""
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is not None:
         return torch.randint(0, embedding.num_embeddings, (2, 4))
-    first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))),
-                 None)
+    convs = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    first = next((m for m in model.modules() if isinstance(m, (nn.Linear, *convs))), None)
     if isinstance(first, nn.Linear):
         return torch.randn(2, first.in_features)
+    if isinstance(first, convs):
+        dims = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[type(first)]
+        for size in _SPATIAL:
+            guess = torch.randn(2, first.in_channels, *[size] * dims)
+            try:
+                with fake_forward(model):
+                    model(guess)
+            except Exception:  # noqa: BLE001 - not this size
+                continue
+            return guess
     return None
 
 
