@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -100,6 +101,10 @@ class CheckResult:
     max_loss_rel: float = 0.0          # max over steps of |loss diff| / |reference loss|
     max_param_rel: float = 0.0         # max over tensors of |diff| / |reference displacement|
     worst_param_rel: str = ""
+    # Tensors whose copies on two ranks differ by more than the parameter bound ("name (ranks
+    # 0 and 1)"): a replicated weight one rank stepped differently, which comparing rank 0's
+    # copy with one device need not show.
+    replicas_differ: list[str] = field(default_factory=list)
 
     @property
     def limits(self) -> dict[str, float]:
@@ -107,7 +112,7 @@ class CheckResult:
 
     @property
     def ok(self) -> bool:
-        if self.missing:
+        if self.missing or self.replicas_differ:
             return False
         if self.tolerance is not None:
             return self.max_loss_diff <= self.tolerance and self.max_param_diff <= self.tolerance
@@ -129,6 +134,10 @@ class CheckResult:
                  f"relative to displacement {self.max_param_rel:.2e} ({self.worst_param_rel})"]
         for i, (a, b) in enumerate(zip(self.losses_reference, self.losses_parallel, strict=True)):
             lines.append(f"  step {i + 1}: reference {a:.6f}  parallel {b:.6f}")
+        if self.replicas_differ:
+            lines.append(f"  ranks hold different copies of {', '.join(self.replicas_differ[:5])}"
+                         + (f" (and {len(self.replicas_differ) - 5} more)"
+                            if len(self.replicas_differ) > 5 else ""))
         if self.missing:
             lines.append(f"  parameters missing from the parallel run: {self.missing[:5]}")
         elif (not self.ok and self.tolerance is None and self.optimizer != "sgd"
@@ -276,7 +285,19 @@ def train_and_collect(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) 
     pp_group = run.mesh["pp"].get_group() if plan.pp > 1 else None
     state = full_state(model, pp_group)
     run.close()
-    return {"losses": losses, "state": state if rank == 0 else None, "initial": initial}
+    return {"losses": losses, "state": state if rank == 0 else None, "initial": initial,
+            "digest": {name: digest(name, t) for name, t in state.items()}}
+
+
+def digest(name: str, t: torch.Tensor) -> tuple[float, float]:
+    """Two random-sign projections of ``t`` (in float64; the signs fixed by ``name``, so every
+    rank draws the same): copies that differ by d project apart by about |d|, so each rank's
+    copy of a tensor is compared at the size of the difference without sending the tensor."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    flat = t.detach().double().flatten()
+    signs = torch.randint(0, 2, (2, flat.numel()), generator=g, dtype=torch.float64) * 2 - 1
+    a, b = (signs @ flat).tolist()
+    return a, b
 
 
 def _slice(batch: Any, index: int, parts: int) -> Any:
@@ -291,7 +312,10 @@ def _slice(batch: Any, index: int, parts: int) -> Any:
 
 
 def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], steps: int,
-            tolerance: float | None, optimizer: str = "adamw") -> CheckResult:
+            tolerance: float | None, optimizer: str = "adamw",
+            digests: list[dict[str, tuple[float, float]]] | None = None) -> CheckResult:
+    """Rank 0's losses and parameters against the reference's; with every rank's ``digests``
+    (:func:`digest`), also each rank's copies against rank 0's."""
     ref_state, par_state = reference["state"], parallel["state"]
     initial = reference.get("initial") or {}
     missing = sorted(set(ref_state) - set(par_state))
@@ -321,6 +345,22 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
             rel = off / moved if moved > 0 else (0.0 if off == 0 else math.inf)
             if rel > worst_rel or math.isnan(rel):
                 worst_rel, worst_rel_name = rel, name
+    bound = tolerance if tolerance is not None else TOLERANCES.get(
+        optimizer, TOLERANCES["adamw"])["param"]
+    differ = []
+    digests = digests or []
+    for name, first in (digests[0] if digests else {}).items():
+        if name not in initial:
+            continue
+        ref = ref_state[name]
+        typical = moved_per_entry * math.sqrt(ref.numel())
+        moved = max(displacement.get(name, 0.0),
+                    DISPLACEMENT_FLOOR * max(ref.norm().item(), typical))
+        scale = 1.0 if tolerance is not None else moved
+        ranks = [r for r, other in enumerate(digests[1:], 1) if name in other and max(
+            abs(x - y) for x, y in zip(other[name], first, strict=True)) > bound * scale]
+        if ranks:
+            differ.append(f"{name} (ranks 0 and {ranks[0]})")
     pairs = list(zip(reference["losses"], parallel["losses"], strict=True))
     loss_diff = max((abs(a - b) for a, b in pairs), default=0.0)
     loss_rel = max((abs(a - b) / max(abs(a), 1e-30) for a, b in pairs), default=0.0)
@@ -331,7 +371,7 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
                        max_loss_diff=loss_diff, max_param_diff=worst, worst_param=worst_name,
                        missing=missing, tolerance=tolerance, optimizer=optimizer,
                        max_loss_rel=loss_rel, max_param_rel=worst_rel,
-                       worst_param_rel=worst_rel_name)
+                       worst_param_rel=worst_rel_name, replicas_differ=differ)
 
 
 def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float | None = None,
@@ -344,8 +384,9 @@ def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float 
     cfg = cfg or CheckConfig()
     single = Plan(mixed_precision=plan.mixed_precision, grad_clip=plan.grad_clip)
     reference = run_distributed(train_and_collect, 1, single, cfg, timeout=timeout)[0]
-    parallel = run_distributed(train_and_collect, plan.world_size, plan, cfg, timeout=timeout)[0]
-    return compare(plan, reference, parallel, cfg.steps, tolerance, cfg.optimizer)
+    ranks = run_distributed(train_and_collect, plan.world_size, plan, cfg, timeout=timeout)
+    return compare(plan, reference, ranks[0], cfg.steps, tolerance, cfg.optimizer,
+                   digests=[r["digest"] for r in ranks])
 
 
 # ---------------------------------------------------------------------------------------- CLI

@@ -817,3 +817,8 @@ def hf_distilbert() -> nn.Module:
     return _hf("DistilBertConfig", "DistilBertForMaskedLM", vocab_size=HF_VOCAB, dim=32,
                n_layers=4, n_heads=4, hidden_dim=64, max_position_embeddings=16, dropout=0.0,
                attention_dropout=0.0)
+
+
+def check_batch(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mlm_batch`` as ``plait.check.CheckConfig.batch_factory`` takes it."""
+    return mlm_batch(step)

@@ -403,3 +403,23 @@ def test_more_transformers_families():
                           timeout=420)[0]
     for (_, factory), result in zip(jobs, got, strict=True):
         _assert_matches(W.reference(factory, batches, W.mlm_loss), result)
+
+
+def test_check_compares_every_ranks_copy_of_replicated_weights():
+    """A plan that leaves per-head norms replicated without summing their gradients: each rank
+    steps its copy differently. plait check names the copies that differ between ranks (rank
+    0's alone is only slightly off), and passes the same model under the inferred plan."""
+    from plait.check import CheckConfig, check
+    from plait.plan import Plan
+
+    cfg = CheckConfig(model_factory=W.qk_norm_lm, batch_factory=W.check_batch, steps=3,
+                      optimizer="sgd", lr=0.1)
+    styles = {"blocks.*.q": "colwise", "blocks.*.k": "colwise", "blocks.*.v": "colwise",
+              "blocks.*.o": "rowwise"}
+    bad = check(Plan(tp=2, options={"tp_plan": {"styles": styles,
+                                                "divide_attrs": {"blocks.*": ["heads"]}}}), cfg)
+    assert not bad.ok
+    assert "blocks.0.q_norm.weight (ranks 0 and 1)" in bad.replicas_differ, bad.format()
+    assert "ranks hold different copies of" in bad.format()
+    good = check(Plan(tp=2), cfg)
+    assert good.ok and not good.replicas_differ, good.format()
