@@ -293,6 +293,7 @@ class _Forwarder:
         self.grace = grace
         self.signum: int | None = None
         self.started = 0.0
+        self.workers: list[int] = []  # torchrun's children when the signal came
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> _Forwarder:
@@ -311,6 +312,7 @@ class _Forwarder:
             return
         self.signum = signum
         self.started = time.monotonic()
+        self.workers = children(self.proc.pid)
         try:
             self.proc.send_signal(signal.SIGTERM)
         except ProcessLookupError:
@@ -321,11 +323,19 @@ class _Forwarder:
 
     def _kill(self) -> None:
         """SIGKILL torchrun's workers (each in its own session) and torchrun."""
-        for pid in children(self.proc.pid):
+        for pid in {*children(self.proc.pid), *self.workers}:
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def reap(self) -> None:
+        """After torchrun ended on a forwarded signal: SIGKILL what is left of the workers it
+        had then (a worker torchrun failed to stop would keep the output pipes open, and
+        ``plait run`` would wait on them for ever)."""
+        for pid in self.workers:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
 
 
 def launch(cfg: LaunchConfig) -> int:
@@ -362,6 +372,8 @@ def launch(cfg: LaunchConfig) -> int:
         waiting.start()
     with _Forwarder(proc) as forward:
         code = proc.wait()
+    if forward.signum is not None:
+        forward.reap()
     for t in pumps:
         t.join()
     restarts = max(0, len(_attempts(log_dir)) - 1)
