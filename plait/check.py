@@ -327,6 +327,13 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
     entries = sum(ref_state[n].numel() for n in displacement)
     moved_per_entry = (math.sqrt(sum(d * d for d in displacement.values()) / entries)
                        if entries else 0.0)
+
+    def moved(name: str) -> float:
+        """How far the reference moved tensor ``name``, at least the floor."""
+        ref = ref_state[name]
+        typical = moved_per_entry * math.sqrt(ref.numel())
+        return max(displacement[name], DISPLACEMENT_FLOOR * max(ref.norm().item(), typical))
+
     for name, ref in ref_state.items():
         if name not in par_state:
             continue
@@ -337,12 +344,11 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
         diff = (got - ref).abs().max().item() if ref.numel() else 0.0
         if diff > worst or math.isnan(diff):
             worst, worst_name = diff, name
-        if name in initial and ref.numel():
-            typical = moved_per_entry * math.sqrt(ref.numel())
-            moved = max(displacement[name], DISPLACEMENT_FLOOR * max(ref.norm().item(), typical))
+        if name in displacement:
+            far = moved(name)
             off = (got - ref).norm().item()
             # A tensor that is zero and stayed zero must stay exactly zero.
-            rel = off / moved if moved > 0 else (0.0 if off == 0 else math.inf)
+            rel = off / far if far > 0 else (0.0 if off == 0 else math.inf)
             if rel > worst_rel or math.isnan(rel):
                 worst_rel, worst_rel_name = rel, name
     bound = tolerance if tolerance is not None else TOLERANCES.get(
@@ -350,13 +356,9 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
     differ = []
     digests = digests or []
     for name, first in (digests[0] if digests else {}).items():
-        if name not in initial:
+        if name not in displacement:
             continue
-        ref = ref_state[name]
-        typical = moved_per_entry * math.sqrt(ref.numel())
-        moved = max(displacement.get(name, 0.0),
-                    DISPLACEMENT_FLOOR * max(ref.norm().item(), typical))
-        scale = 1.0 if tolerance is not None else moved
+        scale = 1.0 if tolerance is not None else moved(name)
         ranks = [r for r, other in enumerate(digests[1:], 1) if name in other and max(
             abs(x - y) for x, y in zip(other[name], first, strict=True)) > bound * scale]
         if ranks:
