@@ -266,12 +266,14 @@ def resolve_plan(module: nn.Module, plan: Plan) -> TPPlan:
     if user is not None:
         return user if isinstance(user, TPPlan) else TPPlan.from_option(user)
     shipped = _shipped_plan(module)
-    if shipped is not None:
-        return shipped
+    return shipped if shipped is not None else _inferred_plan(module, plan.tp)
+
+
+def _inferred_plan(module: nn.Module, tp: int) -> TPPlan:
+    """A plan inferred from ``module``'s structure, checked, and printed on rank 0."""
     from .tp_infer import format_plan, infer_plan, verify_plan
 
-    inferred = infer_plan(module)
-    inferred = verify_plan(module, inferred, plan.tp)
+    inferred = verify_plan(module, infer_plan(module), tp)
     _print0(format_plan(inferred, module))
     return inferred
 
@@ -317,7 +319,7 @@ def plan_for_stages(model: nn.Module, plan: Plan) -> Plan:
     hidden states) cannot do."""
     if plan.tp == 1 or plan.options.tp_plan is not None or _shipped_plan(model) is not None:
         return plan
-    return plan.replace(options=plan.options.replace(tp_plan=resolve_plan(model, plan)))
+    return plan.replace(options=plan.options.replace(tp_plan=_inferred_plan(model, plan.tp)))
 
 
 def _find_hf_model(module: nn.Module) -> tuple[str, nn.Module] | None:
