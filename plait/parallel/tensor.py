@@ -711,27 +711,6 @@ def _outputs_to_local(mod: nn.Module, args: tuple, output: Any) -> Any:
     return _map_tensors(output, unwrap)
 
 
-class _SumGradToLocal(torch.autograd.Function):
-    """``to_local`` of a replicated DTensor whose local use sees this rank's shard only (a
-    per-head norm inside a TP region): backward sums the gradient over the DTensor's mesh, so
-    every rank's copy gets the whole gradient and the copies stay equal. The sum is done here,
-    not left to a Partial placement, because FSDP2 reads the local gradient of the parameter
-    it gathered and would drop a pending reduction."""
-
-    @staticmethod
-    def forward(ctx: Any, t: DTensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.spec = (t.device_mesh, t.placements, t.shape, t.stride())
-        return t.to_local().detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
-        mesh, placements, shape, stride = ctx.spec
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=mesh.get_group())
-        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape,
-                                  stride=stride)
-
-
 class _ToLocal(torch.autograd.Function):
     """``DTensor.to_local``, returning a tensor that is not a view.
 
@@ -753,3 +732,17 @@ class _ToLocal(torch.autograd.Function):
         mesh, placements, shape, stride = ctx.spec
         return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape,
                                   stride=stride)
+
+
+class _SumGradToLocal(_ToLocal):
+    """:class:`_ToLocal` of a replicated DTensor whose local use sees this rank's shard only (a
+    per-head norm inside a TP region): backward sums the gradient over the DTensor's mesh, so
+    every rank's copy gets the whole gradient and the copies stay equal. The sum is done here,
+    not left to a Partial placement, because FSDP2 reads the local gradient of the parameter
+    it gathered and would drop a pending reduction."""
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.spec[0].get_group())
+        return _ToLocal.backward(ctx, grad)
