@@ -19,11 +19,12 @@ weights back.
 from __future__ import annotations
 
 import copy
-import re
 from typing import Any
 
 import torch
 import torch.nn as nn
+
+from .tp_infer import _glob_levels
 
 # How a style lays out a linear's weight: the dimension split over tp, and in how many equal
 # parts it is split first (a fused q|k|v layer: each third on its own).
@@ -67,10 +68,6 @@ def _block_of(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def _pattern(name: str) -> str:
-    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name)
-
-
 def mixed_blocks(model: nn.Module, matched: dict[str, str], tp: int, example: torch.Tensor
                  ) -> list[str] | None:
     """The blocks (one per name pattern) whose output changes when rank 0's and rank 1's
@@ -81,7 +78,8 @@ def mixed_blocks(model: nn.Module, matched: dict[str, str], tp: int, example: to
     split = {n: s for n, s in matched.items() if s in _SPLIT}
     blocks: dict[str, str] = {}  # pattern -> the first block of it
     for name in split:
-        blocks.setdefault(_pattern(_block_of(name)), _block_of(name))
+        # One block per pattern: every index a *, as inference collapses them.
+        blocks.setdefault(_glob_levels(_block_of(name))[0], _block_of(name))
     inputs: dict[str, tuple[tuple, dict]] = {}
     handles = []
 
