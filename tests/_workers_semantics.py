@@ -743,7 +743,46 @@ class InterleavedQKVBlock(nn.Module):
         return x + self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
+class GroupedQueryBlock(nn.Module):
+    """Grouped-query attention as Llama's reference code writes it: head counts stored, the
+    group size computed once, k and v repeated head by head (query head i reads kv head
+    i // n_rep); ``tile=True`` repeats them whole instead (query head i reads i % kv_heads),
+    which replicating kv heads over tp cannot express."""
+
+    def __init__(self, kv_heads: int, heads: int = 4, tile: bool = False) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = heads, kv_heads, WIDTH // heads
+        self.n_rep, self.tile = heads // kv_heads, tile
+        self.norm = nn.LayerNorm(WIDTH)
+        self.wq = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.wk = nn.Linear(WIDTH, kv_heads * self.head_dim)  # a bias: sliced with the rows
+        self.wv = nn.Linear(WIDTH, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.norm(x)
+        q = self.wq(h).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(h).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(h).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.tile:
+            k, v = k.repeat(1, self.n_rep, 1, 1), v.repeat(1, self.n_rep, 1, 1)
+        else:
+            k, v = k.repeat_interleave(self.n_rep, 1), v.repeat_interleave(self.n_rep, 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
 qk_norm_lm = partial(seeded, partial(BlockLM, QKNormBlock))
+
+
+mqa_lm = partial(seeded, partial(BlockLM, partial(GroupedQueryBlock, 1)))
+
+
+gqa_lm = partial(seeded, partial(BlockLM, partial(GroupedQueryBlock, 2)))
+
+
+tiled_gqa_lm = partial(seeded, partial(BlockLM, partial(GroupedQueryBlock, 2, tile=True)))
 
 
 interleaved_qkv_lm = partial(seeded, partial(BlockLM, InterleavedQKVBlock))
@@ -804,6 +843,13 @@ def hf_falcon() -> nn.Module:
     return _hf("FalconConfig", "FalconForCausalLM", vocab_size=HF_VOCAB, hidden_size=32,
                num_hidden_layers=4, num_attention_heads=4, hidden_dropout=0.0,
                attention_dropout=0.0)
+
+
+def hf_gemma_mqa() -> nn.Module:
+    """One kv head (multi-query attention, as Gemma-2B), eager attention: its repeat_kv reads
+    the module's num_key_value_groups."""
+    return _hf("GemmaConfig", "GemmaForCausalLM", num_key_value_heads=1, head_dim=8,
+               attn_implementation="eager", **_DECODER)
 
 
 def hf_bloom() -> nn.Module:

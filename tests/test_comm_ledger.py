@@ -132,6 +132,20 @@ def test_runtime_bytes_match_closed_form(plan, rows):
         assert row["recv_bytes"] == row["payload_bytes"]
 
 
+def test_replicated_kv_heads_gradients_are_predicted():
+    """One kv head at tp=2: k and v stay whole on every rank and their gradients are
+    all-reduced over tp, two calls per block on top of Megatron's four; predicted exactly."""
+    res = run_distributed(comm_worker, 2, "tp=2", W.MODEL, W.STEPS, W.WARMUP, W.BATCH, W.SEQ,
+                          True, {"n_kv_heads": 1}, timeout=300)[0]
+    row = _check(res, {("tp", "all_reduce")})[("tp", "all_reduce")]
+    assert row["count"] == 6 * L + 2 + 3 + 1, row["count"]
+    cfg = preset(W.MODEL, n_kv_heads=1)
+    tp2 = Plan.from_string("tp=2")
+    kv = by_axis_op(predict(tp2, cfg, W.BATCH, W.SEQ))[("tp", "all_reduce")]
+    plain = by_axis_op(predict(tp2, CFG, W.BATCH, W.SEQ))[("tp", "all_reduce")]
+    assert kv - plain == 2 * CFG.dim * CFG.head_dim * L * 4  # fp32 k and v weight gradients
+
+
 # --------------------------------------------------------------------------- pure pieces
 def test_axis_names_cover_single_flat_and_joined_axes():
     # A fake 2x2x2 world seen from rank 5 = coordinate (1, 0, 1) on (pp, dp_shard, tp).

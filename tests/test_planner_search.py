@@ -50,3 +50,26 @@ def test_search_1024_devices_within_bound():
     r = search(m, c, Workload(1536, 2048), top=5)
     assert time.perf_counter() - start <= 5.0
     assert r.best is not None and r.best.plan.world_size == 1024
+
+
+def test_tp_beyond_the_kv_heads_is_planned_with_them_replicated():
+    """One kv head: tp of 2, 4 and 8 are searched (each rank computes the kv head, replicated),
+    each rank holds the whole k/v weights and all-reduces their gradients; 6 kv heads cannot
+    go with tp=4 (neither divides the other), and the reason says so."""
+    from plait.models.transformer import TransformerConfig, preset
+    from plait.planner.cost import evaluate
+
+    mqa = load_model(preset("llama-1b", n_kv_heads=1))
+    gqa = load_model(preset("llama-1b", n_kv_heads=8))
+    cluster, work = load_cluster("dgx-h100", devices=8), Workload(64, 2048)
+    assert {e.plan.tp for e in search(mqa, cluster, work, top=1000).ranked} >= {2, 4, 8}
+    tp8 = Plan(tp=8, mixed_precision="bf16")
+    a, b = (evaluate(tp8, m, cluster, Workload(8, 2048)) for m in (mqa, gqa))
+    assert a.feasible and b.feasible
+    kv = [t for t in a.traffic if t.what == "replicated kv weight grads"]
+    assert kv and not [t for t in b.traffic if t.what == "replicated kv weight grads"]
+    # 2 projections of hidden x one head of 64, bf16, in each of the 16 blocks' backward
+    assert (kv[0].payload, kv[0].calls) == (2 * 2048 * 64 * 2 * 16, 2 * 16)
+    six = load_model(TransformerConfig(dim=1536, n_layers=4, n_heads=24, n_kv_heads=6))
+    bad = evaluate(Plan(tp=4), six, load_cluster("dgx-h100", devices=4), Workload(8, 512))
+    assert not bad.feasible and "neither divides kv heads=6" in bad.reason

@@ -385,6 +385,38 @@ def test_per_head_norms_fused_layouts_and_side_modules_registered_out_of_order()
         _assert_matches(W.reference(factory, batches, W.mlm_loss), result)
 
 
+def test_fewer_kv_heads_than_tp_are_replicated():
+    """Multi-query attention (1 kv head) at tp=2, hand-written and transformers' Gemma (eager
+    attention: it repeats kv heads by the module's stored group size), also under ZeRO-3 x TP;
+    grouped-query attention with 2 kv heads at tp=4. The k/v projections stay whole on every
+    rank, each rank computes the kv head its query heads read, and their gradients are summed
+    over tp. A model whose query head i reads kv head i % kv_heads (``repeat``, not
+    ``repeat_interleave``) cannot be split so: refused by the share-swap check, by name."""
+    from plait.parallel.tensor import match_plan
+    from plait.parallel.tp_infer import infer_plan, verify_plan
+    from plait.parallel.tp_kv import replicated_kv
+
+    model = W.gqa_lm()
+    matched = match_plan(model, infer_plan(model).styles)
+    kv = replicated_kv(model, matched, 4)
+    assert sorted(kv) == ["blocks.0.wk", "blocks.0.wv", "blocks.1.wk", "blocks.1.wv"]
+    assert kv["blocks.0.wk"].rows(3, 4) == slice(4, 8)  # ranks 2 and 3 read kv head 1
+    assert replicated_kv(model, matched, 2) == {}  # tp divides the kv heads: split as usual
+    tiled = W.tiled_gqa_lm()
+    with pytest.raises(ValueError, match="splits blocks.0 over tp=4 into parts that are not "
+                                         "whole heads"):
+        verify_plan(tiled, infer_plan(tiled), 4)
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    jobs = [("tp=2", W.mqa_lm), ("tp=2", W.hf_gemma_mqa)]
+    results = run_distributed(W.train_jobs, 2, [(p, f, batches, W.mlm_loss) for p, f in jobs],
+                              timeout=240)[0]
+    four = [("tp=4", W.gqa_lm), ("dp_shard=2,zero=3,tp=2", W.mqa_lm)]
+    results += run_distributed(W.train_jobs, 4, [(p, f, batches, W.mlm_loss) for p, f in four],
+                               timeout=240)[0]
+    for (_, factory), result in zip(jobs + four, results, strict=True):
+        _assert_matches(W.reference(factory, batches, W.mlm_loss), result)
+
+
 HF_MORE_TP = [W.hf_qwen3, W.hf_phi3, W.hf_mixtral, W.hf_roberta_mlm]
 HF_MORE_PP = [W.hf_opt, W.hf_falcon, W.hf_bloom, W.hf_distilbert]
 

@@ -80,11 +80,13 @@ def add_comm_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def comm_worker(rank: int, world: int, plan: Plan | str, model_name: str, steps: int,
-                warmup: int, batch: int, seq: int, ledger: bool = True) -> dict:
+                warmup: int, batch: int, seq: int, ledger: bool = True,
+                overrides: dict | None = None) -> dict:
     """One rank of ``plait comm``: plait's own runtime (``plait.init(plan, ledger=True)``,
     ``run.parallelize``, ``run.step``) trains the reference model on the bundled corpus for
     ``warmup`` + ``steps`` steps; the ledger records the last ``steps`` and ``run.summary()``
-    puts them beside ``plait.comm.predict``'s closed form."""
+    puts them beside ``plait.comm.predict``'s closed form. ``overrides``: fields of the
+    preset's TransformerConfig to change (``{"n_kv_heads": 1}``)."""
     import torch
 
     from .. import runtime
@@ -95,7 +97,8 @@ def comm_worker(rank: int, world: int, plan: Plan | str, model_name: str, steps:
     run = runtime.init(plan, quiet=True, ledger=ledger)
     run.ledger_warmup = warmup
     try:
-        cfg = tfm.preset(model_name, max_seq_len=max(seq, tfm.preset(model_name).max_seq_len))
+        cfg = tfm.preset(model_name, max_seq_len=max(seq, tfm.preset(model_name).max_seq_len),
+                         **(overrides or {}))
         model = run.parallelize(tfm.build(cfg, seed=run.seed))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         dataset = TextDataset(seq_len=seq, split="train")

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..mesh import DP_SHARD_TP
+from ..parallel.tp_kv import replicated_kv_elements
 from .volumes import DDP_BUCKET_BYTES, Traffic, ddp_traffic, dtype_bytes, tp_traffic
 
 FP32 = 4
@@ -95,7 +96,8 @@ class LocalModel:
                  - cfg.dim) // cfg.n_layers
         root = (cfg.vocab_size * cfg.dim if embed else 0) + \
             (cfg.vocab_size * cfg.dim + cfg.dim if head else 0)
-        params = (block * layers + root) // plan.tp
+        whole = replicated_kv_elements(cfg.dim, cfg.kv_heads, cfg.head_dim, plan.tp)
+        params = (block * layers + root) // plan.tp + whole * layers * (plan.tp - 1) // plan.tp
         return cls(params=params, root_params=root // plan.tp, tensors=0, layers=layers,
                    recomputed=recomputed, embed=embed, head=head, stages=stages, num_stages=n,
                    clip_axes=clip_axes(plan))
@@ -128,8 +130,9 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
     if local is None:
         local = LocalModel.from_config(plan, cfg, stage)
     mb = batch // plan.microbatches if plan.pp > 1 else batch
+    kv_whole = replicated_kv_elements(cfg.dim, cfg.kv_heads, cfg.head_dim, plan.tp)
     return (dp_traffic(plan, local, multi_stage_zero3=False)
-            + tp_rank_traffic(plan, local, mb, seq, cfg.dim)
+            + tp_rank_traffic(plan, local, mb, seq, cfg.dim, kv_whole)
             + pp_rank_traffic(plan, local, mb, seq, cfg.dim)
             + clip_traffic(plan, local))
 
@@ -195,11 +198,13 @@ def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traf
     return [Traffic("dp_shard", "all_gather", payload, calls, plan.dp_shard, "params")]
 
 
-def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
-                    ) -> list[Traffic]:
+def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int,
+                    kv_whole: int = 0) -> list[Traffic]:
     """TP collectives of one rank in one optimizer step: its blocks' (``tp_block_traffic``,
     ``local.recomputed`` of them replayed) and the embedding's / head's (``tp_end_traffic``),
-    per microbatch of ``mb`` sequences."""
+    per microbatch of ``mb`` sequences. ``kv_whole``: weight elements of one block's k and v
+    projections kept whole on every rank (fewer kv heads than tp), whose gradients are
+    all-reduced over tp."""
     if plan.tp == 1:
         return []
     dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
@@ -207,7 +212,8 @@ def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
     out: list[Traffic] = []
     if local.layers:
         per_block = tp_block_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp,
-                                     recomputed=local.recomputed / local.layers)
+                                     recomputed=local.recomputed / local.layers,
+                                     kv_whole=kv_whole)
         out += _times(per_block, local.layers * micro)
     out += _times(tp_end_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp, embed=local.embed,
                                  head=local.head), micro)
@@ -260,19 +266,24 @@ def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
 
 
 def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
-                     recomputed: float = 0.0) -> list[Traffic]:
+                     recomputed: float = 0.0, kv_whole: int = 0) -> list[Traffic]:
     """TP collectives of one block for one microbatch (forward + backward), as plait's runtime
     issues them: Megatron's 4 all-reduces, or with SP 4 all-gathers + 4
     reduce-scatters plus the 2 sequence-parallel norms' weight-gradient all-reduces (h fp32).
     ``recomputed`` (0..1): share of the block replayed by checkpointing; torch's non-reentrant
     checkpoint stops before the last collective, so a replay costs 1 all-reduce (SP: 2
-    all-gathers + 1 reduce-scatter)."""
+    all-gathers + 1 reduce-scatter). ``kv_whole``: elements of k and v weights kept whole on
+    every rank (fewer kv heads than tp); their gradients are all-reduced in each backward,
+    one call each."""
     if tp == 1:
         return []
     out = tp_traffic(b, s, h, 1, tp, dtype, sp=sp)
     act = float(b) * s * h * dtype_bytes(dtype)
     if sp:
         out.append(Traffic("tp", "all_reduce", 2.0 * h * 4, 2, tp, "norm weight grads"))
+    if kv_whole:
+        out.append(Traffic("tp", "all_reduce", float(kv_whole) * dtype_bytes(dtype), 2, tp,
+                           "replicated kv weight grads"))
     if recomputed:
         # calls per block averaged over the blocks (selective checkpointing replays some):
         # fractional, which Traffic's int annotation does not foresee

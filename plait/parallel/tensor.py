@@ -31,14 +31,23 @@ first tensor input either way.
 
 from __future__ import annotations
 
+import re
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -53,6 +62,8 @@ from ..mesh import Mesh
 from ..plan import Plan
 from .layout import Layout, record_layout
 from .pipeline_split import STAND_INS
+from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owner_head_dim, owners
+from .tp_kv import replicated_kv as find_replicated_kv
 from .tp_plans import (
     COLWISE,
     LINEAR_STYLES,
@@ -193,8 +204,48 @@ class _Region(ParallelStyle):
         return module
 
 
+class _ReplicatedKV(ParallelStyle):
+    """A k or v projection with fewer heads than tp (``plait.parallel.tp_kv``): its weights
+    become replicated DTensors (whole, the same on every rank) and its forward computes the
+    rows of the one head this rank's query heads read.
+
+    Own code, not torch's: no ParallelStyle computes part of a replicated weight. The input is
+    handed in as a local tensor whose gradient is a Partial DTensor (as a column-parallel
+    layer's is), so it joins the region's one backward all-reduce; the weights' local
+    gradient, nonzero on this rank's head only, is summed over tp (:class:`_SumGradToLocal`).
+    """
+
+    def __init__(self, kv: KVHeads):
+        super().__init__()
+        self.kv = kv
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, device_mesh, [Replicate()]),
+                requires_grad=param.requires_grad))
+        rows = self.kv.rows(device_mesh.get_local_rank(), device_mesh.size())
+        module.forward = partial(_replicated_kv_forward, module, device_mesh, rows)
+        return module
+
+
+def _replicated_kv_forward(module: nn.Module, mesh: DeviceMesh, rows: slice,
+                           x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    elif x.placements != (Replicate(),):
+        x = x.redistribute(placements=[Replicate()])
+    local = x.to_local(grad_placements=[Partial()])
+
+    def mine(p: torch.Tensor | None) -> torch.Tensor | None:
+        if isinstance(p, DTensor) and p.device_mesh == mesh:
+            p = _SumGradToLocal.apply(p)
+        return None if p is None else p[rows]
+    return F.linear(local, mine(module.weight), mine(module.bias))
+
+
 def make_style(style: str, module: nn.Module, name: str, *, sp: bool,
-               sharded_edges: bool = True) -> ParallelStyle | None:
+               sharded_edges: bool = True, kv: KVHeads | None = None) -> ParallelStyle | None:
     """The torch ParallelStyle for a plan entry (None: nothing to do for this entry).
 
     ``sharded_edges=False`` (SP inside a block stack only): the vocabulary embedding's output
@@ -222,6 +273,13 @@ def make_style(style: str, module: nn.Module, name: str, *, sp: bool,
         return _Colwise(input_layouts=between, output_layouts=Replicate())
     if style == "rowwise_split":
         return _Rowwise(input_layouts=Replicate(), output_layouts=between)
+    if style == "replicated_kv":
+        if kv is None or not isinstance(module, nn.Linear):
+            raise ValueError(f"tensor-parallel style 'replicated_kv' on {name!r} needs an "
+                             f"nn.Linear k or v projection with fewer heads than tp, beside a "
+                             f"larger colwise query projection in a module that stores its "
+                             f"head_dim or head count; got {kind}")
+        return _ReplicatedKV(kv)
     if style == "grad_allreduce":
         return None  # replicated like every unnamed module; replicate_rest sums its gradients
     if style == "vocab_embedding":
@@ -338,12 +396,37 @@ def _print0(text: str) -> None:
         print(text, flush=True)
 
 
+def kv_layers(module: nn.Module, matched: dict[str, str], tp: int) -> dict[str, KVHeads]:
+    """The k/v projections of ``matched`` whose heads are replicated (``plait.parallel.tp_kv``):
+    the ``colwise`` ones with fewer heads than tp, switched to ``replicated_kv`` in ``matched``
+    (printed on rank 0), and those the plan itself names ``replicated_kv``."""
+    as_colwise = {n: "colwise" if s == "replicated_kv" else s for n, s in matched.items()}
+    kv = find_replicated_kv(module, as_colwise, tp)
+    switched = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", n) for n in kv
+                       if matched[n] == "colwise"})
+    for name in kv:
+        matched[name] = "replicated_kv"
+    if switched:
+        heads = sorted({h.heads for h in kv.values()})
+        _print0(f"plait: {', '.join(switched)} hold{'s' if len(switched) == 1 else ''} "
+                f"{'/'.join(map(str, heads))} kv head(s), fewer than tp={tp}: kept whole on "
+                f"every rank (replicated_kv); each rank computes the kv head its query heads "
+                f"read, and their gradients are summed over tp")
+    return kv
+
+
 # ------------------------------------------------------------------------------- validation
 def validate(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp: int) -> list[str]:
     """Raise ValueError naming every module/size tp does not divide; return notes to print."""
     errors, notes = [], []
+    kv_whole = "replicated_kv" in matched.values()
+
+    def fits(label: str, value: int, d: int) -> bool:
+        # kv heads fewer than tp are replicated (tp a multiple of them); more are split.
+        return value % d == 0 or (label.rpartition(".")[2] in KV_COUNT_ATTRS and d % value == 0)
+
     for label, value in tp_plan.sizes.items():
-        if value % tp:
+        if value % tp and not (kv_whole and fits(label, value, tp)):
             errors.append(f"{label}={value} is not divisible by tp={tp}")
     for name, style in matched.items():
         sub = module.get_submodule(name)
@@ -386,7 +469,7 @@ def validate(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp: in
                              f"rows, the last {vocab - (tp - 1) * (padded // tp)}; DTensor pads "
                              f"the short shard in collectives)")
     if errors:
-        ok = [d for d in range(1, 65) if all(v % d == 0 for v in tp_plan.sizes.values())] \
+        ok = [d for d in range(1, 65) if all(fits(k, v, d) for k, v in tp_plan.sizes.items())] \
             if tp_plan.sizes else []
         hint = f"; tp values that divide every size: {ok}" if ok else ""
         raise ValueError(f"cannot apply tensor parallelism tp={tp} to "
@@ -397,14 +480,7 @@ def validate(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp: in
 def _head_dim(root: nn.Module, name: str) -> int | None:
     """head_dim of the attention module holding ``name`` (if it declares one)."""
     parent = name.rpartition(".")[0]
-    if not parent:
-        return None
-    owner = root.get_submodule(parent)
-    for attr in ("head_dim", "attention_head_size"):
-        value = getattr(owner, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    return owner_head_dim(root.get_submodule(parent)) if parent else None
 
 
 # ------------------------------------------------------------------------------- the function
@@ -432,17 +508,23 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
                if not isinstance(module.get_submodule(name), STAND_INS)}
     ties = _tied_groups(module)
     matched.update(_tied_heads(module, ties, matched))
+    kv = kv_layers(module, matched, tp)
     for note in validate(module, tp_plan, matched, tp):
         _print0(note)
     sharded_edges = not tp_plan.sp_blocks
     for name, style in matched.items():
         sub = module.get_submodule(name)
-        parallel_style = make_style(style, sub, name, sp=plan.sp, sharded_edges=sharded_edges)
+        parallel_style = make_style(style, sub, name, sp=plan.sp, sharded_edges=sharded_edges,
+                                    kv=kv.get(name))
         if parallel_style is not None:
             parallelize_module(sub, tp_mesh, parallel_style)
     if plan.sp and tp_plan.sp_blocks:
         shard_sequence_in_blocks(module, tp_plan.sp_blocks, tp_mesh)
-    _divide_attrs(module, tp_plan.divide_attrs, tp)
+    _divide_attrs(module, tp_plan.divide_attrs, tp, keep=set(owners(kv)))
+    for owner, heads in owners(kv).items():
+        sub = module.get_submodule(owner)
+        for attr, value in local_attrs(sub, heads, tp).items():
+            setattr(sub, attr, value)
     _retie(ties)
     summed = {id(p) for name, style in matched.items() if style == "grad_allreduce"
               for p in module.get_submodule(name).parameters()}
@@ -491,7 +573,10 @@ def shard_sequence_in_blocks(module: nn.Module, blocks_glob: str, mesh: DeviceMe
     last.register_forward_hook(gather_output, with_kwargs=True)
 
 
-def _divide_attrs(module: nn.Module, divide: dict[str, tuple[str, ...]], tp: int) -> None:
+def _divide_attrs(module: nn.Module, divide: dict[str, tuple[str, ...]], tp: int,
+                  keep: set[str] | frozenset[str] = frozenset()) -> None:
+    """Divide the plan's ``divide_attrs`` by tp; in the attention modules ``keep`` names (kv
+    heads replicated) the kv-head count and group size are left to :func:`local_attrs`."""
     if not divide:
         return
     for name, _attrs in match_plan(module, _on_stage(module, dict.fromkeys(divide, "divide"))
@@ -501,6 +586,8 @@ def _divide_attrs(module: nn.Module, divide: dict[str, tuple[str, ...]], tp: int
             if not glob_regex(glob).match(name):
                 continue
             for attr in names:
+                if name in keep and attr in KV_COUNT_ATTRS + GROUP_ATTRS:
+                    continue
                 value = getattr(sub, attr, None)
                 if not isinstance(value, int) or value % tp:
                     raise ValueError(f"{name}.{attr}={value!r} must be an int divisible by tp={tp}")

@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
+from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owners, replicated_kv
 from .tp_plans import STYLES, TPPlan
 from .tp_record import fake_forward, record_blocks
 
@@ -413,12 +414,14 @@ def example_input(model: nn.Module) -> torch.Tensor | None:
     return None
 
 
-def _sharded_forward(module: nn.Module, style: str, tp: int):
+def _sharded_forward(module: nn.Module, style: str, tp: int | slice):
     """What the module computes on one rank under ``style`` (plain tensors, no collectives):
     colwise keeps 1/tp of the output features (of each third for a fused q|k|v), rowwise
-    reads 1/tp of the input features."""
+    reads 1/tp of the input features; replicated_kv (``tp`` is then the rows) one kv head."""
     w: torch.Tensor = module.weight  # type: ignore[assignment]
     b: torch.Tensor | None = module.bias  # type: ignore[assignment]
+    if isinstance(tp, slice):
+        return lambda x: F.linear(x, w[tp], None if b is None else b[tp])
     if style == "colwise":
         out = w.shape[0] // tp
         return lambda x: F.linear(x, w[:out], None if b is None else b[:out])
@@ -432,26 +435,40 @@ def _sharded_forward(module: nn.Module, style: str, tp: int):
 
 
 def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tuple[str, ...]],
-                 tp: int, example: torch.Tensor) -> str | None:
+                 tp: int, example: torch.Tensor, kv: dict[str, KVHeads] | None = None
+                 ) -> str | None:
     """Run one forward of ``model`` on fake tensors (no memory, no compute) with every linear of
     ``matched`` computing its rank's share, and head counts divided by tp; return the error a
     misplaced split raises (a sharded activation read where a full one is expected), or None.
     Nothing of the model changes: the overrides are removed afterwards, and buffers are put
     back as they were (a training-mode forward may update running statistics in place, and
-    under FakeTensorMode such an update can still reach a real buffer)."""
+    under FakeTensorMode such an update can still reach a real buffer). ``kv``: the k/v
+    projections whose heads are replicated (:mod:`plait.parallel.tp_kv`); they compute one
+    head, and their attention module's head counts are what one rank sees."""
+    kv = kv or {}
+    kv_owners = owners(kv)
     overrides, saved = [], []
     try:
         for name, style in matched.items():
             sub = model.get_submodule(name)
             fn = _sharded_forward(sub, style, tp) if isinstance(sub, nn.Linear) else None
+            if name in kv:
+                fn = _sharded_forward(sub, "replicated_kv", kv[name].rows(0, tp))
             if fn is not None:
                 sub.forward = fn
                 overrides.append(sub)
         for name, attrs in divide.items():
             sub = model.get_submodule(name)
             for attr in attrs:
+                if name in kv_owners and attr in KV_COUNT_ATTRS + GROUP_ATTRS:
+                    continue
                 saved.append((sub, attr, getattr(sub, attr)))
                 setattr(sub, attr, getattr(sub, attr) // tp)
+        for name, heads in kv_owners.items():
+            sub = model.get_submodule(name)
+            for attr, value in local_attrs(sub, heads, tp).items():
+                saved.append((sub, attr, getattr(sub, attr)))
+                setattr(sub, attr, value)
         with fake_forward(model):
             model(example)
     except Exception as exc:  # noqa: BLE001 - the error is the answer
@@ -483,20 +500,23 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int) -> TPPlan:
     matched = match_plan(model, plan.styles)
     divide = {n: a for glob, a in plan.divide_attrs.items()
               for n in match_plan(model, {glob: "divide"})}
-    error = check_shapes(model, matched, divide, tp, example)
+    kv = replicated_kv(model, matched, tp)
+    matched = {n: "replicated_kv" if n in kv else s for n, s in matched.items()}
+    error = check_shapes(model, matched, divide, tp, example, kv)
     if error is not None:
         raise ValueError(
             f"the tensor-parallel plan inferred for {type(model).__name__} does not fit its "
             f"dataflow at tp={tp} (a forward with it fails: {error}); nothing was sharded. "
             f"Pass Plan(options={{'tp_plan': {{module glob: style}}}}) (the inferred one was "
             f"{json.dumps(plan.styles)})")
-    mixed = mixed_blocks(model, matched, tp, example)
+    mixed = mixed_blocks(model, matched, tp, example, kv)
     if not mixed:
         return plan
     fused = {g for g, style in plan.styles.items() if style == "colwise_qkv"}
     if fused:
         styles = {g: "colwise" if g in fused else style for g, style in plan.styles.items()}
-        if not mixed_blocks(model, match_plan(model, styles), tp, example):
+        if not mixed_blocks(model, {n: "replicated_kv" if n in kv else s for n, s in
+                                    match_plan(model, styles).items()}, tp, example, kv):
             return TPPlan(styles=styles, divide_attrs=plan.divide_attrs, source=plan.source,
                           sizes=plan.sizes)
     raise ValueError(

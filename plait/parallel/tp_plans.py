@@ -19,6 +19,11 @@ colwise_gather      colwise whose output is all-gathered: every rank gets all fe
                     attention or activation after it then runs whole on every rank.
 rowwise_split       rowwise that reads a whole input and keeps its rank's share of the features
                     (no communication): what follows a ``colwise_gather``.
+replicated_kv       a k or v projection with fewer heads than tp (multi-query or grouped-query
+                    attention): its weights stay whole on every rank, each rank computes the one
+                    kv head its query heads read, and the gradients are summed over tp in
+                    backward (``plait.parallel.tp_kv``). plait picks it by itself where a
+                    ``colwise`` k/v layer has fewer heads than tp.
 grad_allreduce      a module applied to each rank's share of a TP region (a per-head q/k norm
                     after q_proj and k_proj split the heads): its weights stay whole on every
                     rank, but each rank's gradient covers its heads only, so the gradients are
@@ -56,7 +61,8 @@ COLWISE = ("colwise", "colwise_qkv", "colwise_gather")
 # Styles that split a Linear (or HF Conv1D) by its weight.
 LINEAR_STYLES = (*COLWISE, "rowwise", "rowwise_split")
 STYLES = ("colwise", "colwise_qkv", "rowwise", "colwise_gather", "rowwise_split",
-          "grad_allreduce", "region", "vocab_embedding", "vocab_head", "sequence_parallel")
+          "replicated_kv", "grad_allreduce", "region", "vocab_embedding", "vocab_head",
+          "sequence_parallel")
 
 
 @dataclass(frozen=True)

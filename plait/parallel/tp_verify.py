@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from .tp_infer import _glob_levels
+from .tp_kv import KVHeads
 
 # How a style lays out a linear's weight: the dimension split over tp, and in how many equal
 # parts it is split first (a fused q|k|v layer: each third on its own).
@@ -36,15 +37,16 @@ class _CapturedError(Exception):
     is not needed."""
 
 
-def _swap_index(size: int, parts: int, tp: int) -> torch.Tensor:
-    """A permutation of ``range(size)`` exchanging rank 0's and rank 1's shares of each of
-    ``parts`` equal parts."""
+def _swap_index(size: int, parts: int, tp: int, ranks: tuple[int, int] = (0, 1)
+                ) -> torch.Tensor:
+    """A permutation of ``range(size)`` exchanging two ranks' shares (rank 0's and rank 1's)
+    of each of ``parts`` equal parts."""
     index = torch.arange(size)
     part = size // parts
     share = part // tp
     for p in range(parts):
-        a = p * part
-        b = a + share
+        a = p * part + ranks[0] * share
+        b = p * part + ranks[1] * share
         index[a:a + share], index[b:b + share] = (torch.arange(b, b + share),
                                                  torch.arange(a, a + share))
     return index
@@ -68,14 +70,22 @@ def _block_of(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def mixed_blocks(model: nn.Module, matched: dict[str, str], tp: int, example: torch.Tensor
-                 ) -> list[str] | None:
+def mixed_blocks(model: nn.Module, matched: dict[str, str], tp: int, example: torch.Tensor,
+                 kv: dict[str, KVHeads] | None = None) -> list[str] | None:
     """The blocks (one per name pattern) whose output changes when rank 0's and rank 1's
     shares of their split linears are swapped, i.e. whose split mixes heads; None when the
-    check cannot run (a parameter on the meta device, a forward that fails on the guess)."""
+    check cannot run (a parameter on the meta device, a forward that fails on the guess).
+
+    ``kv``: k/v projections whose heads are replicated (:mod:`plait.parallel.tp_kv`), each
+    rank computing the kv head its query heads read. Ranks 0 and 1 then read the same kv head,
+    so a block with K >= 2 of them is also checked with its split layers cut in K shares
+    instead of tp, the first two swapped, and kv heads 0 and 1 swapped with them: unchanged
+    only if query head i reads kv head i // (H/K), as the replication assumes
+    (``repeat_interleave``, not ``repeat``)."""
     if tp < 2 or any(p.is_meta for p in model.parameters()):
         return None
-    split = {n: s for n, s in matched.items() if s in _SPLIT}
+    kv = kv or {}
+    split = {n: s for n, s in matched.items() if s in _SPLIT or n in kv}
     blocks: dict[str, str] = {}  # pattern -> the first block of it
     for name in split:
         # One block per pattern: every index a *, as inference collapses them.
@@ -106,8 +116,9 @@ def mixed_blocks(model: nn.Module, matched: dict[str, str], tp: int, example: to
             finally:
                 for h in handles:
                     h.remove()
-            return [name for name in blocks.values() if name in inputs and
-                    _changes_when_swapped(model, name, split, tp, *inputs[name])]
+            return [name for name in blocks.values() if name in inputs and any(
+                _changes_when_swapped(model, name, split, kv, shares, *inputs[name])
+                for shares in _shares(name, kv, tp))]
     finally:
         model.train(training)
 
@@ -121,8 +132,18 @@ def _copied(value: Any) -> Any:
         return value
 
 
-def _changes_when_swapped(model: nn.Module, block_name: str, split: dict[str, str], tp: int,
-                          args: tuple, kwargs: dict) -> bool:
+def _shares(block_name: str, kv: dict[str, KVHeads], tp: int) -> list[int]:
+    """Into how many shares the split layers of ``block_name`` are cut for a swap: tp (the
+    ranks'), and K for K >= 2 replicated kv heads (the groups of ranks reading one kv head)."""
+    heads = {h.heads for n, h in kv.items() if _block_of(n) == block_name}
+    return [tp] + sorted(k for k in heads if k > 1)
+
+
+def _changes_when_swapped(model: nn.Module, block_name: str, split: dict[str, str],
+                          kv: dict[str, KVHeads], shares: int, args: tuple, kwargs: dict
+                          ) -> bool:
+    """Whether ``block_name``'s output changes when the first two of ``shares`` shares of its
+    split layers are swapped (with the kv heads those shares read)."""
     block = model.get_submodule(block_name)
     before = _first_tensor(block(*_copied(args), **_copied(kwargs)))
     if before is None:
@@ -133,10 +154,14 @@ def _changes_when_swapped(model: nn.Module, block_name: str, split: dict[str, st
         for name, style in split.items():
             if _block_of(name) != block_name:
                 continue
-            dim, parts = _SPLIT[style]
             linear = model.get_submodule(name)
             assert isinstance(linear, nn.Linear)
-            index = _swap_index(linear.weight.shape[dim], parts, tp)
+            if name in kv:  # whole on every rank: swap the kv heads the two shares read
+                dim, heads = 0, kv[name].heads
+                index = _swap_index(linear.weight.shape[0], 1, heads, (0, heads // shares))
+            else:
+                dim, parts = _SPLIT[style]
+                index = _swap_index(linear.weight.shape[dim], parts, shares)
             saved.append((linear.weight, linear.weight.detach().clone()))
             linear.weight.data = linear.weight.data.index_select(dim, index)
             if dim == 0 and linear.bias is not None:

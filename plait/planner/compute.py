@@ -80,7 +80,8 @@ def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
         recomputed = {"full": 1.0, "selective": 1.0 / plan.checkpoint_every}.get(
             plan.activation_checkpointing, 0.0)
         tp_comm = sum(collective_time(t, cluster, 1, c) for t in
-                      tp_block_traffic(b, s, model.hidden, tp, dtype, plan.sp, recomputed))
+                      tp_block_traffic(b, s, model.hidden, tp, dtype, plan.sp, recomputed,
+                                       model.kv_whole(tp)))
         block += tp_comm + c.tp_block_overhead_s
     head = 3 * model.head_flops_per_token() * tokens / tp / rate + c.micro_overhead_s
     embed = 0.0

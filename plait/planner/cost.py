@@ -28,6 +28,7 @@ from plait.comm import predict
 from plait.comm.volumes import DDP_BUCKET_BYTES, Traffic, by_axis
 from plait.plan import Plan
 
+from ..parallel.tp_kv import tp_fits_kv
 from .compute import microbatch_times
 from .cpu.overheads import HostOverheads
 from .hardware import Cluster
@@ -149,10 +150,12 @@ def _invalid(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload) ->
     if (B // dp) % (m * plan.grad_accum):
         return (f"batch per dp rank {B // dp} not divisible by microbatches x grad_accum "
                 f"= {m * plan.grad_accum}")
-    for what, value in (("attention heads", model.n_heads), ("kv heads", model.kv_heads),
-                        ("ffn", model.ffn)):
+    for what, value in (("attention heads", model.n_heads), ("ffn", model.ffn)):
         if value % tp:
             return f"tp={tp} does not divide {what}={value}"
+    if not tp_fits_kv(model.kv_heads, tp):
+        return (f"tp={tp} neither divides kv heads={model.kv_heads} nor is a multiple of them "
+                f"(then each rank would compute one, replicated)")
     if plan.zero == 1 and tp > 1:
         # plait's ZeRO-1 is DDP + ZeroRedundancyOptimizer; DDP cannot bucket TP's DTensor
         # parameters, so the runtime refuses this layout.
@@ -265,7 +268,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     layers_busy = st.rank_layers[r_busy]
     busy = dataclasses.replace(shares[r_busy], recomputed=checkpointed(plan, layers_busy)[0])
     traffic = [t for t, _ in traffic_dp + clip] + \
-        predict.tp_rank_traffic(plan, busy, b, s, model.hidden) + \
+        predict.tp_rank_traffic(plan, busy, b, s, model.hidden, model.kv_whole(tp)) + \
         predict.pp_rank_traffic(plan, busy, b, s, model.hidden)
 
     est.traffic = traffic

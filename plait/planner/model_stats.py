@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..parallel.tp_kv import replicated_kv_elements
+
 
 @dataclass(frozen=True)
 class ModelStats:
@@ -64,6 +66,11 @@ class ModelStats:
                           f"n_layers={self.n_layers}")
         if errors:
             raise ValueError(f"invalid model {self.name!r}: " + "; ".join(errors))
+
+    def kv_whole(self, tp: int) -> int:
+        """Weight elements of one block's k and v projections kept whole on every rank at
+        ``tp`` (fewer kv heads than tp; see :mod:`plait.parallel.tp_kv`), else 0."""
+        return replicated_kv_elements(self.hidden, self.kv_heads, self.hidden // self.n_heads, tp)
 
     @property
     def num_params(self) -> int:

@@ -1,6 +1,7 @@
 """The search: every sensible layout for a model on a cluster, ranked by predicted step time.
 
-Enumerated: tp (divisors of the world and of the node size that divide heads, kv-heads and ffn), pp
+Enumerated: tp (divisors of the world and of the node size that divide heads and ffn, and divide
+the kv-heads or are a multiple of them: the kv heads are then replicated), pp
 (divisors of what is left, at most one block per chunk), the data-parallel rest as DDP, ZeRO-1/2/3
 over all of it, or HSDP (ZeRO-3 inside a node, replicated across); microbatch size (divisors of
 the per-rank batch, up to 16); for pp > 1 the schedules 1F1B, interleaved 1F1B (v = 2, 4),
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 from plait.plan import Plan
 
+from ..parallel.tp_kv import tp_fits_kv
 from .cost import DEFAULT_CONSTANTS, Constants, Estimate, Workload, evaluate
 from .hardware import Cluster
 from .model_stats import ModelStats
@@ -90,7 +92,7 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
             break
         if cluster.devices_per_node % tp and tp < world:
             continue  # a tp group would straddle two nodes
-        if model.n_heads % tp or model.kv_heads % tp or model.ffn % tp:
+        if model.n_heads % tp or not tp_fits_kv(model.kv_heads, tp) or model.ffn % tp:
             continue
         for pp in divisors(world // tp):
             if pp > model.n_layers:

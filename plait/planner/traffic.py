@@ -92,6 +92,8 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
         layers = sum(sizes[i] for i in ids)
         tensors = (layers * model.block_tensors + (model.embed_tensors if first else 0) +
                    (model.head_tensors if last else 0))
+        # k/v weights kept whole on every rank when there are fewer kv heads than tp
+        p += layers * model.kv_whole(tp) * (tp - 1)
         out.append(LocalModel(params=p / tp, root_params=root, tensors=tensors, layers=layers,
                               embed=first, head=last, stages=tuple(ids), num_stages=chunks,
                               clip_axes=clip_axes(plan)))

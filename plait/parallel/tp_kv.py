@@ -1,0 +1,113 @@
+"""Grouped-query attention with fewer key/value heads than tp: which layers replicate them.
+
+Column parallelism gives each rank whole heads of every projection, so tp must divide the
+number of kv heads. Models with few of them would cap tp there: multi-query attention (one kv
+head: Gemma-2B, Falcon-7B, PaLM) or small GQA models (Qwen2.5-0.5B has 2). With K kv heads,
+H query heads and tp = g·K, query head i reads kv head i // (H/K) (``repeat_kv``, and SDPA's
+``enable_gqa``), so rank r's H/tp query heads all read kv head r // g. The k and v
+projections then stay whole on every rank and each rank computes only that head (style
+``replicated_kv``, :class:`plait.parallel.tensor._ReplicatedKV`); each rank's gradient covers
+that head's rows as seen from its own query heads, so the gradients are summed over tp in
+backward and every copy stays the same. Megatron-LM and vLLM replicate kv heads the same way.
+Cost: the k/v weights are not divided by tp (2·K·head_dim·hidden per layer on every rank) and
+their gradient is all-reduced over tp once per backward.
+
+The attention module then sees one kv head per rank: its stored kv-head count becomes 1 and
+its stored group size (query heads per kv head, transformers' ``num_key_value_groups``) H/tp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+# Attributes attention modules store their kv-head count in, and their query heads per kv head.
+KV_COUNT_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads", "n_kv_head")
+GROUP_ATTRS = ("num_key_value_groups", "num_kv_groups", "n_rep")
+_Q_COUNT_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "heads")
+
+
+@dataclass(frozen=True)
+class KVHeads:
+    """A k or v projection whose heads are fewer than tp: ``heads`` of ``head_dim`` features."""
+
+    heads: int
+    head_dim: int
+
+    def rows(self, rank: int, tp: int) -> slice:
+        """The output features (weight rows) rank ``rank`` of ``tp`` computes: one head."""
+        head = rank // (tp // self.heads)
+        return slice(head * self.head_dim, (head + 1) * self.head_dim)
+
+
+def owner_head_dim(owner: nn.Module, q_features: int | None = None) -> int | None:
+    """head_dim of an attention module: the attribute it stores, else ``q_features`` over its
+    stored head count; None when it declares neither."""
+    for attr in ("head_dim", "attention_head_size"):
+        value = getattr(owner, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    if q_features is not None:
+        for attr in _Q_COUNT_ATTRS:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and value > 0 and q_features % value == 0:
+                return q_features // value
+    return None
+
+
+def replicated_kv(model: nn.Module, matched: dict[str, str], tp: int) -> dict[str, KVHeads]:
+    """{name: KVHeads} for the ``colwise`` linears of ``matched`` that hold K < tp heads, tp a
+    multiple of K, beside a larger column-parallel linear of the same attention module (the
+    queries) whose heads tp divides. Anything else is left to the usual checks."""
+    by_owner: dict[str, list[str]] = {}
+    for name, style in matched.items():
+        owner, _, _ = name.rpartition(".")
+        if style == "colwise" and owner and isinstance(model.get_submodule(name), nn.Linear):
+            by_owner.setdefault(owner, []).append(name)
+    out: dict[str, KVHeads] = {}
+    for owner, names in by_owner.items():
+        if len(names) < 2:
+            continue
+        features: dict[str, int] = {n: model.get_submodule(n).out_features  # type: ignore[misc]
+                                    for n in names}
+        q_features = max(features.values())
+        head_dim = owner_head_dim(model.get_submodule(owner), q_features)
+        if head_dim is None or q_features % (head_dim * tp):
+            continue
+        for n, f in features.items():
+            heads, rest = divmod(f, head_dim)
+            if not rest and f < q_features and 0 < heads < tp and tp % heads == 0:
+                out[n] = KVHeads(heads, head_dim)
+    return out
+
+
+def local_attrs(owner: nn.Module, kv: KVHeads, tp: int) -> dict[str, int]:
+    """The head-count attributes of ``owner`` (the attention module) as one rank sees them
+    with its kv heads replicated: one kv head, H/tp query heads per kv head."""
+    out = {}
+    for attr in KV_COUNT_ATTRS:
+        if getattr(owner, attr, None) == kv.heads:
+            out[attr] = 1
+    for attr in GROUP_ATTRS:
+        value = getattr(owner, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value * kv.heads % tp == 0:
+            out[attr] = value * kv.heads // tp
+    return out
+
+
+def owners(kv: dict[str, KVHeads]) -> dict[str, KVHeads]:
+    """{attention module name: its KVHeads} for the layers of :func:`replicated_kv`."""
+    return {name.rpartition(".")[0]: heads for name, heads in kv.items()}
+
+
+def tp_fits_kv(kv_heads: int, tp: int) -> bool:
+    """Whether ``tp`` works with ``kv_heads``: it divides them (each rank holds whole kv heads)
+    or is a multiple of them (each rank computes one, replicated)."""
+    return kv_heads % tp == 0 or tp % kv_heads == 0
+
+
+def replicated_kv_elements(hidden: int, kv_heads: int, head_dim: int, tp: int) -> int:
+    """Weight elements of one block's k and v projections that stay whole on every rank at
+    ``tp`` (0 where tp divides the kv heads and they are split like the rest)."""
+    return 2 * hidden * kv_heads * head_dim if 0 < kv_heads < tp else 0
