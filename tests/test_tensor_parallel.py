@@ -233,19 +233,42 @@ def test_parametrized_linears_are_not_sharded():
 # ------------------------------------------------------------------------------- bad input
 def test_tp_not_dividing_heads_names_module_and_numbers():
     model = build("test")  # 8 heads, 4 kv-heads
-    plan = resolve_plan(model, Plan(tp=8))
+    plan = resolve_plan(model, Plan(tp=3))
     with pytest.raises(ValueError) as err:
-        validate(model, plan, match_plan(model, plan.styles), tp=8)
+        validate(model, plan, match_plan(model, plan.styles), tp=3)
     msg = str(err.value)
-    assert "n_kv_heads=4 is not divisible by tp=8" in msg
-    assert "layers.0.attention.k_proj" in msg and "4 heads of 8" in msg
+    assert "n_heads=8 is not divisible by tp=3" in msg
+    assert "n_kv_heads=4 is not divisible by tp=3" in msg
+    # one line per kind of block, not one per layer
+    assert "layers.*.attention.q_proj (colwise): 8 heads of 8" in msg
+    assert msg.count("attention.q_proj") == 1
+    assert "tp values that fit every size: [1, 2, 4, 8]" in msg
 
 
-def test_llama_kv_heads_not_divisible():
-    llama = llama_factory()
+def test_kv_heads_fewer_than_tp_are_replicated_else_refused():
+    """4 kv heads at tp=8: the k/v projections switch to replicated_kv (validation then
+    passes); named so in a user plan they are accepted; 6 kv heads at tp=4 are refused."""
+    from plait.parallel.tensor import kv_layers
+
+    llama = llama_factory()  # 8 heads, 4 kv heads
     plan = resolve_plan(llama, Plan(tp=8))
+    matched = match_plan(llama, plan.styles)
     with pytest.raises(ValueError, match=r"num_key_value_heads=4 is not divisible by tp=8"):
-        validate(llama, plan, match_plan(llama, plan.styles), tp=8)
+        validate(llama, plan, dict(matched), tp=8)
+    kv = kv_layers(llama, matched, 8)
+    assert {n.rpartition(".")[2] for n in kv} == {"k_proj", "v_proj"} and len(kv) == 4
+    assert {matched[n] for n in kv} == {"replicated_kv"}
+    validate(llama, plan, matched, tp=8)
+    user = {n: "replicated_kv" if n in kv else s for n, s in match_plan(llama, plan.styles).items()}
+    assert kv_layers(llama, user, 8) == kv
+    with pytest.raises(ValueError, match="needs an nn.Linear k or v projection"):
+        make_style("replicated_kv", nn.Linear(4, 4), "x.k", sp=False)
+    model = build(preset("test", dim=96, n_heads=12, n_kv_heads=6))
+    plan = resolve_plan(model, Plan(tp=4))
+    matched = match_plan(model, plan.styles)
+    assert kv_layers(model, matched, 4) == {}
+    with pytest.raises(ValueError, match="n_kv_heads=6 is not divisible by tp=4"):
+        validate(model, plan, matched, tp=4)
 
 
 def test_vocab_not_divisible_is_padded_and_said():

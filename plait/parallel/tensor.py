@@ -396,14 +396,19 @@ def _print0(text: str) -> None:
         print(text, flush=True)
 
 
+def _block_pattern(text: str) -> str:
+    """``text`` with the block indices of the module name it starts with made ``*``."""
+    name, sep, rest = text.partition(" ")
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name) + sep + rest
+
+
 def kv_layers(module: nn.Module, matched: dict[str, str], tp: int) -> dict[str, KVHeads]:
     """The k/v projections of ``matched`` whose heads are replicated (``plait.parallel.tp_kv``):
     the ``colwise`` ones with fewer heads than tp, switched to ``replicated_kv`` in ``matched``
     (printed on rank 0), and those the plan itself names ``replicated_kv``."""
     as_colwise = {n: "colwise" if s == "replicated_kv" else s for n, s in matched.items()}
     kv = find_replicated_kv(module, as_colwise, tp)
-    switched = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", n) for n in kv
-                       if matched[n] == "colwise"})
+    switched = sorted({_block_pattern(n) for n in kv if matched[n] == "colwise"})
     for name in kv:
         matched[name] = "replicated_kv"
     if switched:
@@ -471,9 +476,11 @@ def validate(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp: in
     if errors:
         ok = [d for d in range(1, 65) if all(fits(k, v, d) for k, v in tp_plan.sizes.items())] \
             if tp_plan.sizes else []
-        hint = f"; tp values that divide every size: {ok}" if ok else ""
+        hint = f"; tp values that fit every size: {ok}" if ok else ""
+        # One line per kind of block: model.layers.*.self_attn.k_proj, not one per layer.
+        said = dict.fromkeys(_block_pattern(e) for e in errors)
         raise ValueError(f"cannot apply tensor parallelism tp={tp} to "
-                         f"{type(module).__name__} ({tp_plan.source}): " + "; ".join(errors) + hint)
+                         f"{type(module).__name__} ({tp_plan.source}): " + "; ".join(said) + hint)
     return notes
 
 

@@ -491,7 +491,7 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int) -> TPPlan:
     ``[q | k | v]`` that turns out to be laid out head by head gets a plain column split
     instead (then whole heads). A model whose unsharded forward already fails on the guessed
     input is not checked (the guess is wrong, not the plan)."""
-    from .tensor import match_plan
+    from .tensor import match_plan, validate
     from .tp_verify import mixed_blocks
 
     example = example_input(model)
@@ -502,6 +502,7 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int) -> TPPlan:
               for n in match_plan(model, {glob: "divide"})}
     kv = replicated_kv(model, matched, tp)
     matched = {n: "replicated_kv" if n in kv else s for n, s in matched.items()}
+    validate(model, plan, matched, tp)  # sizes tp does not divide, by name, before any forward
     error = check_shapes(model, matched, divide, tp, example, kv)
     if error is not None:
         raise ValueError(
