@@ -396,10 +396,15 @@ def _print0(text: str) -> None:
         print(text, flush=True)
 
 
-def _block_pattern(text: str) -> str:
-    """``text`` with the block indices of the module name it starts with made ``*``."""
-    name, sep, rest = text.partition(" ")
-    return re.sub(r"\.\d+(?=\.|$)", ".*", name) + sep + rest
+def _collapse(texts: list[str]) -> list[str]:
+    """``texts`` that each start with a module name, those that differ only in the indices of
+    that name said once with ``*`` (``model.layers.*.self_attn.k_proj ...``, not one per
+    layer); a text alone in its group keeps its name."""
+    groups: dict[str, list[str]] = {}
+    for text in texts:
+        name, sep, rest = text.partition(" ")
+        groups.setdefault(re.sub(r"\.\d+(?=\.|$)", ".*", name) + sep + rest, []).append(text)
+    return [key if len(same) > 1 else same[0] for key, same in groups.items()]
 
 
 def kv_layers(module: nn.Module, matched: dict[str, str], tp: int) -> dict[str, KVHeads]:
@@ -408,13 +413,13 @@ def kv_layers(module: nn.Module, matched: dict[str, str], tp: int) -> dict[str, 
     (printed on rank 0), and those the plan itself names ``replicated_kv``."""
     as_colwise = {n: "colwise" if s == "replicated_kv" else s for n, s in matched.items()}
     kv = find_replicated_kv(module, as_colwise, tp)
-    switched = sorted({_block_pattern(n) for n in kv if matched[n] == "colwise"})
+    switched = sorted(_collapse([n for n in kv if matched[n] == "colwise"]))
     for name in kv:
         matched[name] = "replicated_kv"
     if switched:
         heads = sorted({h.heads for h in kv.values()})
-        _print0(f"plait: {', '.join(switched)} hold{'s' if len(switched) == 1 else ''} "
-                f"{'/'.join(map(str, heads))} kv head(s), fewer than tp={tp}: kept whole on "
+        count = f"{' or '.join(map(str, heads))} kv head{'s' if heads[-1] > 1 else ''}"
+        _print0(f"plait: {', '.join(switched)}: {count}, fewer than tp={tp}, kept whole on "
                 f"every rank (replicated_kv); each rank computes the kv head its query heads "
                 f"read, and their gradients are summed over tp")
     return kv
@@ -478,7 +483,7 @@ def validate(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp: in
             if tp_plan.sizes else []
         hint = f"; tp values that fit every size: {ok}" if ok else ""
         # One line per kind of block: model.layers.*.self_attn.k_proj, not one per layer.
-        said = dict.fromkeys(_block_pattern(e) for e in errors)
+        said = _collapse(errors)
         raise ValueError(f"cannot apply tensor parallelism tp={tp} to "
                          f"{type(module).__name__} ({tp_plan.source}): " + "; ".join(said) + hint)
     return notes
