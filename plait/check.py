@@ -29,7 +29,7 @@ from .parallel.layout import local_modules
 from .parallel.tp_record import quiet_logger
 from .parallel.units import canonical_name
 from .plan import Plan
-from .spawn import run_distributed
+from .spawn import run_distributed, user_errors
 
 
 def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None, *,
@@ -140,16 +140,24 @@ class CheckResult:
                             if len(self.replicas_differ) > 5 else ""))
         if self.missing:
             lines.append(f"  parameters missing from the parallel run: {self.missing[:5]}")
-        elif (not self.ok and self.tolerance is None and self.optimizer != "sgd"
-              and self.max_loss_rel <= self.limits["loss"]):
-            lines.append(f"  the losses match; {self.worst_param_rel} may follow rounding noise, "
-                         f"which {self.optimizer} scales up: rerun with --optimizer sgd, whose "
-                         f"update keeps rounding at rounding level")
+        elif self.hint:
+            lines.append(f"  {self.hint}")
         return "\n".join(lines)
 
+    @property
+    def hint(self) -> str:
+        """What to try when only the parameters fail under an adaptive optimizer."""
+        if (not self.ok and not self.missing and not self.replicas_differ
+                and self.tolerance is None and self.optimizer != "sgd"
+                and self.max_loss_rel <= self.limits["loss"]):
+            return (f"the losses match; {self.worst_param_rel} may follow rounding noise, which "
+                    f"{self.optimizer} scales up: rerun with --optimizer sgd, whose update keeps "
+                    f"rounding at rounding level")
+        return ""
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok, "limits": None if self.tolerance is not None
-                else self.limits}
+        return {**asdict(self), "ok": self.ok, "hint": self.hint,
+                "limits": None if self.tolerance is not None else self.limits}
 
 
 @dataclass(frozen=True)
@@ -384,11 +392,28 @@ def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float 
     uses the optimizer's relative bounds, ``TOLERANCES`` (see there for why they differ)."""
     plan = Plan.load(plan)
     cfg = cfg or CheckConfig()
+    _refuse_unfit(plan, cfg)
     single = Plan(mixed_precision=plan.mixed_precision, grad_clip=plan.grad_clip)
     reference = run_distributed(train_and_collect, 1, single, cfg, timeout=timeout)[0]
     ranks = run_distributed(train_and_collect, plan.world_size, plan, cfg, timeout=timeout)
     return compare(plan, reference, ranks[0], cfg.steps, tolerance, cfg.optimizer,
                    digests=[r["digest"] for r in ranks])
+
+
+def _refuse_unfit(plan: Plan, cfg: CheckConfig) -> None:
+    """A plan on one rank compares nothing; a global batch the data-parallel ranks (and their
+    micro-steps and micro-batches) cannot split evenly would train the two sides on different
+    rows. Both are refused, as ``plait run``'s loader refuses the second."""
+    if plan.world_size < 2:
+        raise ValueError(f"plan {plan.describe()!r} runs on 1 rank: there is nothing to compare "
+                         f"with one device; give a plan with a degree > 1, e.g. 'dp=2'")
+    parts = plan.dp * plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
+    if cfg.batch_factory is None and cfg.batch_size % parts:
+        micro = f" x {plan.microbatches} microbatches" if plan.pp > 1 else ""
+        raise ValueError(
+            f"--batch-size={cfg.batch_size} does not split over {plan.dp} data-parallel "
+            f"replica(s) x grad_accum={plan.grad_accum}{micro} = {parts}: use a multiple of "
+            f"{parts}, e.g. --batch-size {parts * max(1, cfg.batch_size // parts)}")
 
 
 # ---------------------------------------------------------------------------------------- CLI
@@ -424,6 +449,8 @@ def command(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if not args.timeout > 0:
         raise ValueError(f"--timeout={args.timeout} must be a positive number of seconds")
+    if not args.lr > 0:
+        raise ValueError(f"--lr={args.lr} must be a positive learning rate, e.g. 1e-3")
     if args.seq_len > MAX_SEQ_LEN or args.batch_size > MAX_BATCH:
         raise ValueError(f"--seq-len={args.seq_len} --batch-size={args.batch_size}: check "
                          f"compares layouts on small batches, at most --seq-len {MAX_SEQ_LEN} "
@@ -438,6 +465,7 @@ def command(args: argparse.Namespace) -> int:
     cfg = CheckConfig(model=args.model, steps=args.steps, batch_size=args.batch_size,
                       seq_len=args.seq_len, optimizer=args.optimizer, lr=args.lr,
                       factory=factory)
-    result = check(args.plan, cfg, tolerance=args.tolerance, timeout=args.timeout)
+    with user_errors():
+        result = check(args.plan, cfg, tolerance=args.tolerance, timeout=args.timeout)
     print(json.dumps(result.to_dict(), indent=2) if args.format == "json" else result.format())
     return 0 if result.ok else 1

@@ -56,9 +56,10 @@ def main(argv: list[str] | None = None) -> dict:
     info = run.finish()
     final = info["final_loss"]
     run_print = print if run.is_main else (lambda *a, **k: None)
-    run_print(f"unigram entropy {entropy:.4f} nats/token (a context-free model's loss); "
-              f"final loss {final:.4f} is {entropy - final:.4f} below it" if final is not None
-              else "")
+    if final is not None:
+        side = "below" if final <= entropy else "above"
+        run_print(f"unigram entropy {entropy:.4f} nats/token (a context-free model's loss); "
+                  f"final loss {final:.4f} is {abs(entropy - final):.4f} {side} it")
     return info
 
 

@@ -1,6 +1,7 @@
 """What rank 0 shows while a run trains, and what it can leave behind.
 
-- On a terminal: a live tqdm bar (step, loss, tokens/s, ms/step, ETA), redrawn every step.
+- On a terminal: a live tqdm bar (step, loss, tokens/s, ms/step, ETA), redrawn every step;
+  samples/s instead of tokens/s for inputs that are not token ids or sequences of vectors.
   Elsewhere (a pipe, a log file, ``plait run``'s tee'd rank-0 output, where a redrawn line
   would arrive as one long line or not at all): one plain line every ``log_every`` steps.
 - ``tensorboard=DIR``: loss, tokens/s and step time as TensorBoard scalars
@@ -79,8 +80,9 @@ class Progress:
             self._bar = tqdm(total=self.total, file=self.stream, unit="step",
                              dynamic_ncols=wide, ncols=None if wide else 100, leave=True)
         tps, ms = report.recent_throughput(stats)
-        self._bar.set_postfix_str(f"loss {self._loss:.4f} | {tps:,.0f} tok/s | {ms:.1f} ms/step",
-                                  refresh=False)
+        unit = "tok" if getattr(stats, "unit", "tokens") == "tokens" else "samples"
+        self._bar.set_postfix_str(f"loss {self._loss:.4f} | {tps:,.0f} {unit}/s | {ms:.1f} "
+                                  f"ms/step", refresh=False)
         self._bar.update(step - self._bar.n)
 
     def _write_scalars(self, step: int, loss: float | None, stats: Any) -> None:
@@ -88,7 +90,8 @@ class Progress:
             self._writer.add_scalar("train/loss", loss, step)
         self._writer.add_scalar("train/step_time_ms", 1000 * stats.step_times[-1], step)
         if stats.step_times[-1] > 0:
-            self._writer.add_scalar("train/tokens_per_s", stats.tokens[-1] / stats.step_times[-1],
+            self._writer.add_scalar(f"train/{getattr(stats, 'unit', 'tokens')}_per_s",
+                                    stats.tokens[-1] / stats.step_times[-1],
                                     step)
 
     def close(self) -> None:

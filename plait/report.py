@@ -40,7 +40,8 @@ def progress_line(step: int, total: int | None, loss: float, stats: Any) -> str:
     tps, ms = recent_throughput(stats)
     width = len(str(total)) if total else 0
     where = f"{step:>{width}}/{total}" if total else f"{step}"
-    line = f"step {where} | loss {loss:.4f} | {tps:,.0f} tok/s | {ms:.1f} ms/step"
+    unit = "tok" if getattr(stats, "unit", "tokens") == "tokens" else "samples"
+    line = f"step {where} | loss {loss:.4f} | {tps:,.0f} {unit}/s | {ms:.1f} ms/step"
     return line + (f" | ETA {eta(step, total, stats)}" if total else "")
 
 
@@ -63,6 +64,8 @@ def summarize(plan: Plan, stats: Any, memory: list[dict[str, float]], *, world_s
     times = stats.step_times[1:] if steps > 3 else stats.step_times
     toks = stats.tokens[1:] if steps > 3 else stats.tokens
     final = float(stats.losses[-1]) if stats.losses else None
+    rate = (sum(toks) / sum(times)) if times and sum(times) > 0 else None
+    samples = getattr(stats, "unit", "tokens") == "samples"
     return {
         "plan": plan.to_string(),
         "layout": plan.describe(),
@@ -72,7 +75,8 @@ def summarize(plan: Plan, stats: Any, memory: list[dict[str, float]], *, world_s
         "skipped_steps": list(getattr(stats, "skipped", [])),
         "final_loss": final if final == final else None,
         "step_time_s": _median(times),
-        "tokens_per_s": (sum(toks) / sum(times)) if times and sum(times) > 0 else None,
+        "tokens_per_s": None if samples else rate,
+        "samples_per_s": rate if samples else None,
         "wall_s": wall_s,
         "memory_per_rank": memory,
     }
@@ -90,6 +94,8 @@ def format_summary(info: dict[str, Any]) -> str:
                      + (" ..." if len(info["skipped_steps"]) > 10 else ""))
     if info["tokens_per_s"]:
         lines.append(f"throughput      {info['tokens_per_s']:,.0f} tokens/s")
+    elif info.get("samples_per_s"):
+        lines.append(f"throughput      {info['samples_per_s']:,.0f} samples/s")
     lines.append(f"step time       {1000 * info['step_time_s']:.1f} ms (median)")
     peaks = [m["peak_rss_bytes"] / 2**20 for m in info["memory_per_rank"]]
     lines.append("peak host RSS   " + ", ".join(f"r{i}: {p:,.0f} MiB" for i, p in enumerate(peaks)))

@@ -49,8 +49,9 @@ class StepStats:
 
     losses: list[torch.Tensor] = field(default_factory=list)  # 0-dim, read when printed
     step_times: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # throughput units per step, see ``unit``
     skipped: list[int] = field(default_factory=list)  # steps whose update was dropped (NaN/inf)
+    unit: str = "tokens"  # or "samples" (images, feature rows): see _count_items
 
 
 @dataclass
@@ -291,7 +292,8 @@ class Run:
         if self._watchdog is not None:
             self._watchdog.active = False  # between steps, time spent is the user's
         self.stats.step_times.append(elapsed)
-        self.stats.tokens.append(_count_tokens(batch) * self.dp_size)
+        count, self.stats.unit = _count_items(batch)
+        self.stats.tokens.append(count * self.dp_size)
         self.stats.losses.append(loss)
         if self.progress is None:
             self.progress = Progress(enabled=self.is_main and not self.quiet,
@@ -660,10 +662,19 @@ def _first_input(batch: Any) -> Any:
     return inputs
 
 
-def _count_tokens(batch: Any) -> int:
-    """Tokens (or samples) in the inputs of a local batch, for throughput figures."""
+def _count_items(batch: Any) -> tuple[int, str]:
+    """What throughput counts in a local batch, and its unit: token ids (an integer input of
+    one or two dimensions) count each id; a sequence of vectors (a float input of batch x
+    positions x features) counts its positions; anything else (images, rows of features)
+    counts samples, not the numbers in them."""
     inputs = _first_input(batch)
-    return int(inputs.numel()) if isinstance(inputs, torch.Tensor) else 0
+    if not isinstance(inputs, torch.Tensor) or inputs.ndim == 0:
+        return 0, "tokens"
+    if not inputs.is_floating_point() and inputs.ndim <= 2:
+        return int(inputs.numel()), "tokens"
+    if inputs.is_floating_point() and inputs.ndim == 3:
+        return int(inputs.shape[0] * inputs.shape[1]), "tokens"
+    return int(inputs.shape[0]), "samples"
 
 
 def _from_argv(flag: str, argv: list[str] | None) -> str | None:

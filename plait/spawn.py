@@ -22,11 +22,13 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import re
 import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -43,6 +45,41 @@ class WorkerError(RuntimeError):
         super().__init__(f"rank {rank} failed:\n{tb}")
         self.rank = rank
         self.traceback = tb
+
+    def final(self) -> tuple[str, str] | None:
+        """(exception type, message) of the error the traceback ends with, or None (a rank
+        that died without a Python error)."""
+        lines = self.traceback.rstrip().splitlines()
+        for i in range(len(lines) - 1, -1, -1):
+            match = _FINAL.match(lines[i])
+            if match and match["type"].rpartition(".")[2].endswith(("Error", "Exception")):
+                rest = [ln for ln in lines[i + 1:] if not _NOTE.match(ln)]
+                return match["type"], "\n".join([match["msg"] or "", *rest]).strip()
+        return None
+
+
+# The last line of a Python traceback (``ValueError: ...``), and the line run_distributed adds
+# after it naming the ranks that failed next.
+_FINAL = re.compile(r"^(?P<type>[A-Za-z_][\w.]*)(?::\s(?P<msg>.*))?$")
+_NOTE = re.compile(r"^\(ranks? [\d, ]+ failed")
+# What a worker raises for bad input (a model factory that returns the wrong thing, a plan that
+# does not fit the model): said in one line, like the same mistake caught before the start.
+USER_ERRORS = ("ValueError", "TypeError")
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn a worker's ValueError or TypeError into a ValueError in this process, with the
+    worker's message (and the rank, when not 0): the CLI prints it as one line and exits 2;
+    a worker that crashed in any other way keeps its traceback."""
+    try:
+        yield
+    except WorkerError as exc:
+        final = exc.final()
+        if final is None or final[0].rpartition(".")[2] not in USER_ERRORS:
+            raise
+        where = f" (rank {exc.rank})" if exc.rank else ""
+        raise ValueError(final[1] + where) from None
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, backend: str, args: tuple,

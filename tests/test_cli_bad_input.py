@@ -38,6 +38,12 @@ CASES = [
     ([*PLAN, "--efficiency", "inf"], "efficiency=inf"),
     (["schedule", "--pp", "2000", "-m", "4000"], "more than plait schedule draws"),
     (["check", "--plan", "dp=2", "--seq-len", "100000"], "at most --seq-len 4096"),
+    (["check", "--plan", "dp=2", "--lr", "-1"], "--lr=-1.0 must be a positive"),
+    (["check", "--plan", "dp=1"], "runs on 1 rank: there is nothing to compare"),
+    (["check", "--plan", "dp=2", "--batch-size", "3"], "use a multiple of 2, e.g. --batch-size 2"),
+    (["check", "--plan", "pp=2,microbatches=4,grad_accum=4"],
+     "over 1 data-parallel replica(s) x grad_accum=4 x 4 microbatches = 16"),
+    (["comm", "--plan", "dp=2", "--model", "mymodels:build"], "measures the reference"),
 ]
 
 
@@ -63,3 +69,18 @@ def test_plot_into_a_folder_goes_inside_it(tmp_path):
     assert plot_path(str(tmp_path / "x"), "--plot", "comm.png") == str(tmp_path / "x.png")
     assert plot_path(str(tmp_path / "x.svg"), "--plot", "c.png") == str(tmp_path / "x.svg")
     assert not Path(str(tmp_path) + ".png").exists()
+
+
+def test_errors_raised_in_the_workers_are_one_line_too(tmp_path, capsys, monkeypatch):
+    """A factory that raises, or that returns the wrong thing, fails inside the worker
+    processes: said as the worker's message on one line, exit 2, not two tracebacks."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text(
+        "def boom():\n    raise ValueError('no such checkpoint: weights.pt')\n"
+        "def two():\n    return 1, 2\n")
+    for spec, fragment in (("mine:boom", "no such checkpoint: weights.pt"),
+                           ("mine:two", "must return (model, dataset, loss_fn)")):
+        code = main(["check", "--plan", "dp=2", "--model", spec, "--timeout", "60"])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert fragment in err and len(err.strip().splitlines()) == 1, err

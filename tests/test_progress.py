@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from plait import report
+from plait.plan import Plan
 from plait.progress import Progress, check_extras, plot_run
 from plait.runtime import StepStats
 
@@ -141,3 +142,19 @@ def test_two_ranks_write_tensorboard_and_plot_on_rank_0(tmp_path):
     logged = [(e.step, e.value) for e in acc.Scalars("train/loss")]
     assert logged == [(i + 1, pytest.approx(v)) for i, v in enumerate(losses) if v == v]
     assert len(list((tmp_path / "tb").iterdir())) == 1  # rank 0 only
+
+
+def test_throughput_counts_tokens_positions_or_samples():
+    """Token ids count each id; a float batch x positions x features input counts positions;
+    images and feature rows count samples, shown as samples/s."""
+    from plait.runtime import _count_items
+
+    assert _count_items(torch.zeros(4, 16, dtype=torch.long)) == (64, "tokens")
+    assert _count_items({"input_ids": torch.zeros(2, 8, dtype=torch.long)}) == (16, "tokens")
+    assert _count_items((torch.zeros(4, 16, 12), torch.zeros(4))) == (64, "tokens")
+    assert _count_items(torch.zeros(4, 3, 32, 32)) == (4, "samples")
+    assert _count_items(torch.zeros(4, 12)) == (4, "samples")
+    stats = StepStats(step_times=[0.5, 0.5], tokens=[4, 4], unit="samples")
+    assert "8 samples/s" in report.progress_line(2, 4, 1.0, stats)
+    info = report.summarize(Plan(), stats, [], world_size=1, accelerator="cpu", wall_s=1.0)
+    assert info["samples_per_s"] == 8 and info["tokens_per_s"] is None

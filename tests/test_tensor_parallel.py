@@ -416,3 +416,12 @@ def test_a_conv_stem_gets_images_of_a_size_it_runs_on_and_its_plan_is_checked():
     plan = infer_plan(model)
     assert plan.styles["blocks.*.qkv"] == "colwise_qkv"
     assert verify_plan(model, plan, 2).styles["blocks.*.qkv"] == "colwise"
+
+
+def test_notices_go_to_stderr_so_json_reports_stay_clean(capsys):
+    """The inferred plan (and every other tensor-parallel notice) is printed on stderr: a
+    report's stdout under --format json is the JSON alone."""
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    resolve_plan(mlp, Plan(tp=2))
+    out, err = capsys.readouterr()
+    assert out == "" and "this one was inferred from its structure" in err

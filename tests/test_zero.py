@@ -222,3 +222,4 @@ def test_check_tolerance_floor_for_zero_gradient_tensors():
     assert not bad.ok and bad.worst_param_rel == "b"
     adam = compare(plan, reference, {"state": wrong, "losses": [1.0]}, 1, None, "adamw")
     assert not adam.ok and "rerun with --optimizer sgd" in adam.format()
+    assert "rerun with --optimizer sgd" in adam.to_dict()["hint"] and not bad.to_dict()["hint"]

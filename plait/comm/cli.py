@@ -113,12 +113,17 @@ def comm_worker(rank: int, world: int, plan: Plan | str, model_name: str, steps:
 
 def comm_command(args: argparse.Namespace) -> int:
     from ..plan import Plan
-    from ..spawn import run_distributed
+    from ..spawn import run_distributed, user_errors
     from .report import CommReport
     try:
         plan = Plan.load(args.plan) if args.plan.endswith((".yaml", ".yml", ".json")) \
             else Plan.from_string(args.plan)
-        from ..models.transformer import preset
+        from ..models.transformer import PRESETS, preset
+        if ":" in args.model and args.model not in PRESETS:
+            raise ValueError(f"--model {args.model!r}: plait comm measures the reference "
+                             f"transformer's presets ({', '.join(PRESETS)}), whose traffic it "
+                             f"predicts; for your own model, train it under plait.init(plan, "
+                             f"ledger=True): run.finish() prints the same table")
         cfg = preset(args.model)
         if args.steps < 1 or args.warmup < 0:
             raise ValueError(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
@@ -138,8 +143,9 @@ def comm_command(args: argparse.Namespace) -> int:
         print(f"plait comm: error: {e}", file=sys.stderr)
         return 2
     # The Plan itself, not its string form: that one leaves out plan.options.
-    results = run_distributed(comm_worker, plan.world_size, plan, args.model,
-                              args.steps, args.warmup, args.batch, seq, timeout=args.timeout)
+    with user_errors():
+        results = run_distributed(comm_worker, plan.world_size, plan, args.model,
+                                  args.steps, args.warmup, args.batch, seq, timeout=args.timeout)
     data = results[0]
     if args.format == "json":
         print(json.dumps(data, indent=2))

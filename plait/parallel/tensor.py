@@ -32,6 +32,7 @@ first tensor input either way.
 from __future__ import annotations
 
 import re
+import sys
 from functools import partial
 from typing import Any
 
@@ -392,8 +393,9 @@ def _find_hf_model(module: nn.Module) -> tuple[str, nn.Module] | None:
 
 
 def _print0(text: str) -> None:
+    """A notice on rank 0, on stderr: a report's stdout (``--format json``) stays clean."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(text, flush=True)
+        print(text, file=sys.stderr, flush=True)
 
 
 def _collapse(texts: list[str]) -> list[str]:

@@ -314,6 +314,8 @@ def from_factory(spec: str) -> ModelStats:
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"model factory {spec!r} failed to build on the meta device: "
                          f"{type(exc).__name__}: {exc}") from None
+    if isinstance(model, (tuple, list)) and model and isinstance(model[0], torch.nn.Module):
+        model = model[0]  # plait check's (model, dataset, loss_fn) factories plan as well
     return from_module(model, name=spec)
 
 
