@@ -68,8 +68,17 @@ def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
     """The planner's best plan for ``model`` and the lines that say why (pure: no collectives)."""
     from .planner import load_cluster, load_model, plan_model
     from .planner.cli import explain_nothing_fits, explain_winner
+    from .planner.model_stats import NoBlockStackError
 
-    stats = load_model(model)
+    try:
+        stats = load_model(model)
+    except NoBlockStackError:
+        # Data parallelism needs no blocks: each rank runs the whole model on its rows.
+        plan = Plan(dp_replicate=request.world_size)
+        return plan, [f"plait: plan 'auto' for {type(model).__name__} on {request.world_size} "
+                      f"ranks: {plan.to_string()} ({type(model).__name__} has no stack of "
+                      f"repeated blocks for tensor or pipeline parallelism to split, so data "
+                      f"parallelism it is; the planner did not price it)"]
     seq = request.seq or stats.max_seq or DEFAULT_SEQ
     batch = request.global_batch or ROWS_PER_RANK * request.world_size
     cluster = cluster_for(request)

@@ -75,3 +75,16 @@ def test_yaml_model(tmp_path):
     path.write_text("dim: 64\nn_layers: 2\nn_heads: 4\n")
     assert load_model(str(path)).num_params == TransformerConfig(dim=64, n_layers=2,
                                                                  n_heads=4).num_params()
+
+
+def test_auto_plan_for_a_model_without_a_block_stack_is_data_parallel():
+    """Nothing for tensor or pipeline parallelism to split, nothing per block to price: plan
+    'auto' runs data parallelism and says why, instead of failing."""
+    import torch.nn as nn
+
+    from plait.auto import AutoRequest, choose
+
+    cnn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 30 * 30, 10))
+    plan, why = choose(cnn, AutoRequest(world_size=2, device_type="cpu"))
+    assert plan.to_string() == "dp_replicate=2"
+    assert "no stack of repeated blocks" in why[0]

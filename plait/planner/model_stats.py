@@ -200,6 +200,11 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
                       head_tensors=norm // h + (0 if tied else 1))
 
 
+class NoBlockStackError(ValueError):
+    """The model has no stack of repeated blocks: nothing for tensor or pipeline parallelism
+    to split, and nothing the planner's per-block cost model can price."""
+
+
 def from_module(model: Any, name: str = "module") -> ModelStats:
     """Stats of an ``nn.Module`` (ideally on the meta device) with a stack of repeated blocks."""
     import torch.nn as nn
@@ -216,8 +221,8 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
             if best is None or params > best[0]:
                 best = (params, mod_name, run)
     if best is None:
-        raise ValueError(f"{name}: found no nn.ModuleList/nn.Sequential of repeated blocks to "
-                         f"split into layers; the planner needs a stack of blocks")
+        raise NoBlockStackError(f"{name}: found no nn.ModuleList/nn.Sequential of repeated blocks "
+                           f"to split into layers; the planner needs a stack of blocks")
     _, stack_name, blocks = best
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
     matmul = [sum(m.weight.numel() for m in b.modules() if isinstance(m, nn.Linear))
