@@ -73,3 +73,11 @@ def test_tp_beyond_the_kv_heads_is_planned_with_them_replicated():
     six = load_model(TransformerConfig(dim=1536, n_layers=4, n_heads=24, n_kv_heads=6))
     bad = evaluate(Plan(tp=4), six, load_cluster("dgx-h100", devices=4), Workload(8, 512))
     assert not bad.feasible and "neither divides kv heads=6" in bad.reason
+
+
+def test_at_equal_predicted_time_no_accumulation_comes_first():
+    """Accumulation exists to fit memory: when it predicts no faster, the layout without it
+    wins (a smaller activation footprint alone does not make it the pick)."""
+    r = search(load_model("tiny"), load_cluster("cpu", devices=2), Workload(8, 64), top=50)
+    ties = [e for e in r.ranked if e.step_time_s == r.best.step_time_s]
+    assert len(ties) > 1 and r.best.plan.grad_accum == 1

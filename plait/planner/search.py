@@ -134,13 +134,17 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
 
 
 def _sort_key(e: Estimate):
-    return (round(e.step_time_s, 12), round(e.memory_bytes_per_device), e.plan.to_string())
+    """Fastest first; at the same predicted time, fewer accumulation micro-steps (they exist to
+    fit memory, and each costs a launch the model may not price), then less memory."""
+    return (round(e.step_time_s, 12), e.plan.grad_accum, round(e.memory_bytes_per_device),
+            e.plan.to_string())
 
 
 def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = "bf16",
            top: int = 10, constants: Constants = DEFAULT_CONSTANTS,
            max_microbatch: int = 16) -> SearchResult:
-    """Rank every candidate layout; deterministic (ties broken by memory, then plan string)."""
+    """Rank every candidate layout; deterministic (ties broken by fewer accumulation steps,
+    then memory, then plan string)."""
     start = time.perf_counter()
     feasible: list[Estimate] = []
     rejected: dict[str, int] = {}
