@@ -111,6 +111,13 @@ def strided_shard(dim: int, split_factor: int) -> Any:
         dim, split_factor=split_factor)
 
 
+def is_split(placement: Any) -> bool:
+    """Whether a DTensor placement splits the tensor over its mesh dimension: ``Shard``, and
+    ``_StridedShard`` too, whose ``is_shard()`` is False on torch 2.13 (it is no longer a
+    ``Shard`` subclass there)."""
+    return bool(placement.is_shard()) or type(placement).__name__ == "_StridedShard"
+
+
 # The private members of torch's ParallelStyle classes that plait's styles override or call.
 _STYLE_MEMBERS = ("_apply", "_prepare_input_fn", "_prepare_output_fn")
 _STYLE_ATTRS = ("input_layouts", "output_layouts", "use_local_output", "src_data_rank")

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ._torch_compat import is_split
 from .parallel.layout import local_modules
 from .plan import Plan
 
@@ -57,7 +58,7 @@ def _is_data_sharded(p: torch.Tensor) -> bool:
     if not isinstance(p, DTensor):
         return False
     names = p.device_mesh.mesh_dim_names or ()
-    return any(pl.is_shard() and i < len(names) and names[i] in DATA_AXES
+    return any(is_split(pl) and i < len(names) and names[i] in DATA_AXES
                for i, pl in enumerate(p.placements))
 
 
@@ -69,7 +70,7 @@ def replica_numel(p: torch.Tensor) -> int:
     n = p.numel()
     names = p.device_mesh.mesh_dim_names or ()
     for i, pl in enumerate(p.placements):
-        if pl.is_shard() and not (i < len(names) and names[i] in DATA_AXES):
+        if is_split(pl) and not (i < len(names) and names[i] in DATA_AXES):
             n //= p.device_mesh.size(i)
     return n
 

@@ -119,3 +119,15 @@ def parallelize_error(rank: int, world_size: int, plan: Plan) -> str:
     finally:
         run.close()
     return ""
+
+
+def strided_replica_numel(rank: int, world_size: int) -> int:
+    """``replica_numel`` of a fused q|k|v weight split per third over tp (``_StridedShard``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from plait._torch_compat import strided_shard
+    from plait.memory import replica_numel
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    return replica_numel(distribute_tensor(torch.zeros(12, 4), mesh, [strided_shard(0, 3)]))

@@ -24,6 +24,7 @@ from tests._workers_zero import (
     mlp_factory,
     parallelize_error,
     replicate_run,
+    strided_replica_numel,
     train_memory,
     train_memory_many,
 )
@@ -126,6 +127,18 @@ def _check_memory(plan: Plan, report: dict) -> None:
             assert 0 < measured["gathered"] < 0.25 * 4 * psi
         if plan.zero < 2:
             assert measured["gathered"] == 0
+
+
+def test_memory_under_tensor_parallelism_is_the_closed_form():
+    """tp=2: parameters and gradients per rank are exactly half the model's (the embedding's
+    gradient, replicated by DTensor's embedding backward, is cut to the rank's rows in
+    backward); a fused q|k|v weight split per third counts as split."""
+    report = run_distributed(train_memory, 2, Plan(tp=2), CheckConfig(steps=2), timeout=180)[0]
+    form = report["closed_form"]
+    for rank in report["ranks"]:
+        assert rank["measured"]["params"] == form["params"]
+        assert rank["measured"]["grads"] == form["grads"]
+    assert run_distributed(strided_replica_numel, 2, timeout=60) == [24, 24]
 
 
 @pytest.mark.slow

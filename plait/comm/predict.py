@@ -42,6 +42,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from .._torch_compat import is_split
 from ..mesh import DP_SHARD_TP
 from ..parallel.tp_kv import replicated_kv_elements
 from .volumes import DDP_BUCKET_BYTES, Traffic, ddp_traffic, dtype_bytes, tp_traffic
@@ -370,7 +371,7 @@ def local_model(model: Any, plan: Any) -> LocalModel:
             mesh = getattr(p, "device_mesh", None)
             if mesh is not None and mesh.mesh_dim_names:
                 for dim, placement in zip(mesh.mesh_dim_names, p.placements, strict=True):
-                    if placement.is_shard():
+                    if is_split(placement):
                         clip.add(dim)
                         if dim == "tp":
                             n //= mesh.size(mesh.mesh_dim_names.index(dim))

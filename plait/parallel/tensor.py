@@ -769,11 +769,29 @@ def _holds_dtensor(value: Any) -> bool:
 def _reduce_partial_grads_in_backward(module: nn.Module) -> None:
     """Replicated weights used on sequence shards (SP norms) get *partial* gradients, and DTensor
     leaves them Partial in ``.grad``: every later op on them (clip norm, each optimizer op) would
-    then all-reduce again, at a moment nobody expects. Reduce each once, in backward, instead."""
+    then all-reduce again, at a moment nobody expects. Reduce each once, in backward, instead.
+
+    A vocabulary-parallel embedding's gradient comes out of DTensor's embedding backward
+    *replicated*, every rank holding the whole vocabulary's (a 128k x 4096 fp32 table is 2 GiB
+    per rank); it is cut to this rank's rows in backward, which needs no communication."""
     for p in module.parameters():
-        if isinstance(p, DTensor) and p.requires_grad and all(
-                isinstance(pl, Replicate) for pl in p.placements):
+        if not (isinstance(p, DTensor) and p.requires_grad):
+            continue
+        if all(isinstance(pl, Replicate) for pl in p.placements):
             p.register_hook(_replicate_grad)
+        else:
+            p.register_hook(partial(_grad_like, p.placements))
+
+
+def _grad_like(placements: tuple, grad: torch.Tensor) -> torch.Tensor:
+    """A replicated gradient of a sharded parameter cut to this rank's shard (a copy, so the
+    whole gradient is freed); any other gradient is left as it comes."""
+    if isinstance(grad, DTensor) and grad.placements != placements and all(
+            isinstance(pl, Replicate) for pl in grad.placements):
+        local = grad.redistribute(placements=placements)
+        return DTensor.from_local(local.to_local().clone(), local.device_mesh, placements,
+                                  run_check=False, shape=local.shape, stride=local.stride())
+    return grad
 
 
 def _replicate_grad(grad: torch.Tensor) -> torch.Tensor:
