@@ -14,6 +14,12 @@ import torch.distributed as dist
 WORLD = 4
 
 
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor to all_gather_single and
+# reduce_scatter_single (the old names now warn); older torch has only the old ones.
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def show(rank: int, lines: list, name: str, before: torch.Tensor, after: torch.Tensor) -> None:
     lines.append((name, rank, before.tolist(), after.tolist()))
 
@@ -44,13 +50,13 @@ def demo(rank: int, world: int) -> list:
         # all-gather: each rank contributes one piece; everyone gets all pieces in rank order.
         piece = torch.tensor([float(rank)])
         full = torch.empty(world)
-        dist.all_gather_into_tensor(full, piece)
+        all_gather(full, piece)
         show(rank, out, "all_gather", piece, full)
 
         # reduce-scatter: sum everyone's full tensor, rank r keeps the r-th piece of the sum.
         full = torch.arange(world, dtype=torch.float32) + 10 * rank
         piece = torch.empty(1)
-        dist.reduce_scatter_tensor(piece, full)
+        reduce_scatter(piece, full)
         show(rank, out, "reduce_scatter (sum)", full, piece)
 
         # all-to-all: rank r sends its j-th piece to rank j (a transpose across ranks).

@@ -431,7 +431,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "loss_fn), or a reference-model preset (default: test)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default: 5)")
     parser.add_argument("--batch-size", type=int, default=8, help="global batch (default: 8)")
-    parser.add_argument("--seq-len", type=int, default=16, help="sequence length (default: 16)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="sequence length of a reference preset's batches (default: 16); "
+                        "with your own factory, its dataset decides")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="optimizer both runs use (default: adamw)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
@@ -444,6 +446,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
+    if args.seq_len is not None and ":" in args.model:
+        raise ValueError(f"--seq-len={args.seq_len} sets the length of a reference preset's "
+                         f"batches; with --model {args.model} the sequences are what your "
+                         f"dataset returns: drop --seq-len")
+    args.seq_len = 16 if args.seq_len is None else args.seq_len
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")

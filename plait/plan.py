@@ -54,7 +54,9 @@ _SHORTHANDS = ("dp", "fsdp")
 
 
 def _did_you_mean(key: Any, known: list[str] | tuple[str, ...] | set[str]) -> str:
-    match = difflib.get_close_matches(str(key), sorted(known), n=1)
+    lower = str(key).lower()
+    match = [k for k in sorted(known) if k == lower] or difflib.get_close_matches(
+        lower, sorted(known), n=1)
     return f"did you mean {match[0]!r}? " if match else ""
 
 

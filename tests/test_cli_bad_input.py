@@ -44,6 +44,8 @@ CASES = [
     (["check", "--plan", "pp=2,microbatches=4,grad_accum=4"],
      "over 1 data-parallel replica(s) x grad_accum=4 x 4 microbatches = 16"),
     (["comm", "--plan", "dp=2", "--model", "mymodels:build"], "measures the reference"),
+    (["check", "--plan", "dp=2", "--model", "mymodels:build", "--seq-len", "8"],
+     "drop --seq-len"),
 ]
 
 

@@ -26,6 +26,14 @@ from .uncertainty import with_uncertainty
 GiB = 2**30
 
 
+def _count(n: float) -> str:
+    """1.2B, 345M, 12.3K or 812: a parameter count at a readable scale."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p = parser
     p.add_argument("--model", help="reference preset (e.g. gpt-175b), HF config.json, model YAML, "
@@ -345,7 +353,7 @@ def _plan(args: argparse.Namespace) -> int:
     if not ranked:
         print(explain_nothing_fits(result, model, cluster, work, dtype))
         return 1
-    print(f"{model.name} ({model.num_params / 1e9:.3g}B params) on {cluster.world_size} x "
+    print(f"{model.name} ({_count(model.num_params)} params) on {cluster.world_size} x "
           f"{cluster.name}, global batch {args.global_batch} x seq {seq}, {dtype}: "
           f"{result.evaluated} layouts priced in {result.seconds:.2f}s, {len(ranked)} fit")
     print(format_table(ranked[:args.top]))
