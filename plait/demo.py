@@ -37,8 +37,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     run = plait.init(args.plan, seed=args.seed, log_every=args.log_every, ledger=True)
     cfg = preset(args.model, max_seq_len=max(args.seq_len, preset(args.model).max_seq_len))
-    run.print(f"plan: {run.plan.describe()}  [{run.plan.to_string()}] on {run.world_size} "
-              f"process(es), {run.accelerator.name}/{run.accelerator.backend}")
+    # The layout in words, and the string that reproduces it where the words differ from it.
+    text, words = run.plan.to_string(), run.plan.describe()
+    run.print(f"plan: {words}" + (f"  [{text}]" if text != words else "") + f" on "
+              f"{run.world_size} process(es), {run.accelerator.name}/{run.accelerator.backend}")
     run.print(f"model: {args.model} ({cfg.num_params() / 1e6:.2f}M parameters), "
               f"global batch {args.batch_size} x {args.seq_len} tokens, {args.steps} steps")
     corpus = load_corpus()
