@@ -105,9 +105,14 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[An
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         return model(**inputs), batch["labels"]
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise ValueError(f"a batch is (inputs, targets) or a dict of model arguments; got "
-                         f"{type(batch).__name__}"
-                         + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else ""))
+        got = type(batch).__name__
+        if isinstance(batch, (tuple, list)):
+            kinds = sorted({type(b).__name__ for b in batch})
+            got += f" of {len(batch)} items ({', '.join(kinds)})"
+            if batch and not isinstance(batch[0], (torch.Tensor, tuple, list, dict)):
+                got += (f": the loader collated dataset items that are {kinds[0]}, not "
+                        f"(inputs, targets) tensors or a dict; make __getitem__ return those")
+        raise ValueError(f"a batch is (inputs, targets) or a dict of model arguments; got {got}")
     inputs, targets = batch
     if isinstance(inputs, dict):
         out = model(**inputs)

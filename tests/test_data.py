@@ -70,3 +70,15 @@ def test_epoch_order_drawn_once_stays_a_function_of_seed_and_step():
                        DistributedLoader(ds, batch_size=64, seed=4).global_indices(1))
     assert not torch.equal(walked.global_indices(1),
                            DistributedLoader(ds, batch_size=64, seed=3).global_indices(1))
+
+
+def test_a_batch_of_the_wrong_kind_says_what_the_dataset_returned():
+    import torch.nn as nn
+
+    from plait.train import _forward_loss
+
+    with pytest.raises(ValueError, match=r"got list of 8 items \(str\): the loader collated "
+                                         r"dataset items that are str"):
+        _forward_loss(nn.Linear(2, 2), ["text"] * 8, None)
+    with pytest.raises(ValueError, match=r"got tuple of 3 items \(Tensor\)$"):
+        _forward_loss(nn.Linear(2, 2), (torch.zeros(1),) * 3, None)
