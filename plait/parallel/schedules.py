@@ -314,9 +314,18 @@ def format_schedule(schedule_name: str, pp: int, microbatches: int,
 
 
 # ------------------------------------------------------------------------------ CLI
+def _schedule_name(text: str) -> str:
+    if text in PP_SCHEDULES:
+        return text
+    hint = "; to print every schedule use --all" if text == "all" else ""
+    raise argparse.ArgumentTypeError(f"{text!r} is not a schedule (choose from "
+                                     f"{', '.join(PP_SCHEDULES)}){hint}")
+
+
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``plait schedule`` (print a pipeline schedule without running it)."""
-    parser.add_argument("--schedule", default="1f1b", choices=PP_SCHEDULES,
+    parser.add_argument("--schedule", default="1f1b", type=_schedule_name,
+                        metavar="{" + ",".join(PP_SCHEDULES) + "}",
                         help="pipeline schedule (default: 1f1b); 'all' is not a schedule, "
                              "use --all")
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (default: 4)")
