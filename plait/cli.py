@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a problem with what the user asked for: one line, exit 2
         print(f"plait {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except TimeoutError as exc:  # workers that did not finish in time (already stopped)
+        print(f"plait {args.command}: {exc}", file=sys.stderr)
+        return 1
     except Interrupted as exc:  # the workers were stopped on the way out (finally blocks)
         print(f"plait {args.command}: stopped by {signal.Signals(exc.signum).name}",
               file=sys.stderr)

@@ -214,7 +214,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             if remaining <= 0:
                 stuck = sorted(set(range(world_size)) - set(results))
                 raise TimeoutError(f"ranks {stuck} of {world_size} still running after "
-                                   f"{timeout:.0f}s (hung collective?)")
+                                   f"{timeout:g}s: a hung collective, or work (start-up "
+                                   f"included) that needs longer than the timeout")
             try:
                 status, rank, value = pickle.loads(queue.get(timeout=min(remaining, 1.0)))
             except queue_mod.Empty:  # check for workers that died without reporting
