@@ -91,6 +91,7 @@ def test_plait_comm_reports_measured_beside_expected(capsys):
                               "--warmup", "1", "--format", "json"))
     assert code == 0
     data = json.loads(capsys.readouterr().out)
+    assert (data["plan"], data["model"], data["batch"]) == ("tp=2", "test", 4)
     rows = {(r["axis"], r["op"]): r for r in data["rows"]}
     # plait's TP keeps the logits vocabulary-sharded (loss_parallel): no logits all-gather.
     assert set(rows) == {("tp", "all_reduce")}

@@ -148,7 +148,8 @@ def comm_command(args: argparse.Namespace) -> int:
                                   args.steps, args.warmup, args.batch, seq, timeout=args.timeout)
     data = results[0]
     if args.format == "json":
-        print(json.dumps(data, indent=2))
+        print(json.dumps({"plan": _plan_text(plan), "model": args.model, "batch": args.batch,
+                          "seq": seq, **data}, indent=2))
     else:
         report = _from_dict(CommReport, data)
         print(f"plait comm: plan {_plan_text(plan)}, model {args.model}, batch {args.batch} x "
