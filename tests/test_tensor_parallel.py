@@ -425,3 +425,34 @@ def test_notices_go_to_stderr_so_json_reports_stay_clean(capsys):
     resolve_plan(mlp, Plan(tp=2))
     out, err = capsys.readouterr()
     assert out == "" and "this one was inferred from its structure" in err
+
+
+class _FlatAttentionMLP(nn.Module):
+    """q, k, v, o and the MLP's up/down as direct children of one block, a stored head count
+    and (kv_heads given) a stored kv-head count: two regions in one module."""
+
+    def __init__(self, kv_heads: int | None = None, heads: int = 4, width: int = 32):
+        super().__init__()
+        self.heads, self.head_dim = heads, width // heads
+        if kv_heads is not None:
+            self.n_kv_heads = kv_heads
+        kv = (kv_heads or heads) * self.head_dim
+        self.q, self.k, self.v = (nn.Linear(width, w) for w in (width, kv, kv))
+        self.o = nn.Linear(width, width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+
+def test_kv_replication_reads_the_attention_not_the_widest_layer():
+    """In a block holding attention and MLP linears alike, the MLP's up projection is not the
+    queries: q, k and v of equal heads are split as usual; with a stored kv-head count of 1,
+    k and v alone are replicated."""
+    from plait.parallel.tp_kv import replicated_kv
+
+    styles = {"blk.q": "colwise", "blk.k": "colwise", "blk.v": "colwise", "blk.o": "rowwise",
+              "blk.up": "colwise", "blk.down": "rowwise"}
+    mha = nn.Sequential()
+    mha.add_module("blk", _FlatAttentionMLP())
+    assert replicated_kv(mha, styles, 2) == {}
+    mqa = nn.Sequential()
+    mqa.add_module("blk", _FlatAttentionMLP(kv_heads=1))
+    assert sorted(replicated_kv(mqa, styles, 2)) == ["blk.k", "blk.v"]

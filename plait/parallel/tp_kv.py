@@ -57,9 +57,10 @@ def owner_head_dim(owner: nn.Module, q_features: int | None = None) -> int | Non
 
 
 def replicated_kv(model: nn.Module, matched: dict[str, str], tp: int) -> dict[str, KVHeads]:
-    """{name: KVHeads} for the ``colwise`` linears of ``matched`` that hold K < tp heads, tp a
-    multiple of K, beside a larger column-parallel linear of the same attention module (the
-    queries) whose heads tp divides. Anything else is left to the usual checks."""
+    """{name: KVHeads} for the ``colwise`` linears of ``matched`` that hold K < tp kv heads, tp
+    a multiple of K, in an attention module that says it has grouped kv heads (a stored kv-head
+    count or group size) and whose query projection tp splits into whole heads. Anything else
+    is left to the usual checks."""
     by_owner: dict[str, list[str]] = {}
     for name, style in matched.items():
         owner, _, _ = name.rpartition(".")
@@ -67,19 +68,47 @@ def replicated_kv(model: nn.Module, matched: dict[str, str], tp: int) -> dict[st
             by_owner.setdefault(owner, []).append(name)
     out: dict[str, KVHeads] = {}
     for owner, names in by_owner.items():
-        if len(names) < 2:
-            continue
         features: dict[str, int] = {n: model.get_submodule(n).out_features  # type: ignore[misc]
                                     for n in names}
-        q_features = max(features.values())
-        head_dim = owner_head_dim(model.get_submodule(owner), q_features)
-        if head_dim is None or q_features % (head_dim * tp):
+        found = _grouped_heads(model.get_submodule(owner), set(features.values()))
+        if found is None:
             continue
-        for n, f in features.items():
-            heads, rest = divmod(f, head_dim)
-            if not rest and f < q_features and 0 < heads < tp and tp % heads == 0:
-                out[n] = KVHeads(heads, head_dim)
+        q, k, head_dim = found
+        if k < tp and tp % k == 0 and q % tp == 0:
+            out.update({n: KVHeads(k, head_dim) for n, f in features.items()
+                        if f == k * head_dim})
     return out
+
+
+def _int_attr(owner: nn.Module, names: tuple[str, ...]) -> int | None:
+    for attr in names:
+        value = getattr(owner, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _grouped_heads(owner: nn.Module, widths: set[int]) -> tuple[int, int, int] | None:
+    """(query heads, kv heads, head_dim) of an attention module with fewer kv heads than query
+    heads, read from what it stores (head_dim, head counts, group size) and the widths of its
+    column-parallel layers; None when it does not say so."""
+    q_heads = _int_attr(owner, _Q_COUNT_ATTRS)
+    kv_heads = _int_attr(owner, KV_COUNT_ATTRS)
+    group = _int_attr(owner, GROUP_ATTRS)
+    if kv_heads is None and group is None:
+        return None  # no sign of grouped kv heads
+    stored = owner_head_dim(owner)
+    dims = [stored] if stored else sorted({w // q_heads for w in widths
+                                           if q_heads and w % q_heads == 0})
+    for head_dim in dims:
+        heads = {w // head_dim for w in widths if w % head_dim == 0}
+        if not heads:
+            continue
+        q = q_heads or max(heads)
+        k = kv_heads or (q // group if group and q % group == 0 else None)
+        if k and k < q and q in heads and k in heads:
+            return q, k, head_dim
+    return None
 
 
 def local_attrs(owner: nn.Module, kv: KVHeads, tp: int) -> dict[str, int]:
