@@ -773,7 +773,49 @@ class GroupedQueryBlock(nn.Module):
         return x + self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
+class SelfAttention(nn.Module):
+    """q, k, v read the module's input; heads reshaped with -1 (whatever length comes in)."""
+
+    def __init__(self, heads: int = 4, kv_heads: int = 1) -> None:
+        super().__init__()
+        self.head_dim, self.n_kv_heads = WIDTH // heads, kv_heads
+        self.q = nn.Linear(WIDTH, WIDTH)
+        self.k, self.v = (nn.Linear(WIDTH, kv_heads * self.head_dim) for _ in range(2))
+        self.o = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (p(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).flatten(2))
+
+
+class PositionwiseBlock(nn.Module):
+    """Pre-norm attention (one kv head) and MLP modules with a layer-scale on the block: between
+    its regions everything treats positions one by one (sequence parallelism applies);
+    ``shift=True`` adds the previous position's input, which it does not."""
+
+    def __init__(self, shift: bool = False) -> None:
+        super().__init__()
+        self.shift = shift
+        self.norm1, self.norm2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.attn, self.mlp = SelfAttention(), _mlp(WIDTH)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shift:
+            x = x + F.pad(x, (0, 0, 1, 0))[:, :-1]
+        x = x + self.scale * self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
 qk_norm_lm = partial(seeded, partial(BlockLM, QKNormBlock))
+
+
+positionwise_lm = partial(seeded, partial(BlockLM, PositionwiseBlock))
+
+
+shifted_lm = partial(seeded, partial(BlockLM, partial(PositionwiseBlock, shift=True)))
 
 
 mqa_lm = partial(seeded, partial(BlockLM, partial(GroupedQueryBlock, 1)))

@@ -417,6 +417,31 @@ def test_fewer_kv_heads_than_tp_are_replicated():
         _assert_matches(W.reference(factory, batches, W.mlm_loss), result)
 
 
+def test_sequence_parallelism_on_an_inferred_plan():
+    """tp=2,sp=true on a hand-written model (pre-norm attention with one kv head, an MLP, a
+    layer-scale on each block): the blocks were run to show they treat positions one by one
+    outside their regions, so the sequence is split inside the block stack and the norms' and
+    layer-scales' gradients summed over tp; also under a pipeline, where each stage's own
+    blocks split and gather. A block that adds the previous position's input is refused, by
+    name, before anything is sharded."""
+    from plait.parallel.tp_infer import infer_plan, verify_plan
+
+    plan = verify_plan(W.positionwise_lm(), infer_plan(W.positionwise_lm()), 2, sp=True)
+    assert plan.supports_sp and plan.sp_blocks == "blocks.*"
+    shifted = verify_plan(W.shifted_lm(), infer_plan(W.shifted_lm()), 2, sp=True)
+    assert not shifted.supports_sp and shifted.sp_refused.startswith(
+        "blocks.0 does not treat positions one by one")
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    jobs = [("tp=2,sp=true", W.positionwise_lm)]
+    results = run_distributed(W.train_jobs, 2, [(p, f, batches, W.mlm_loss) for p, f in jobs],
+                              timeout=240)[0]
+    four = [("pp=2,tp=2,sp=true", W.positionwise_lm)]
+    results += run_distributed(W.train_jobs, 4, [(p, f, batches, W.mlm_loss) for p, f in four],
+                               timeout=240)[0]
+    for (_, factory), result in zip(jobs + four, results, strict=True):
+        _assert_matches(W.reference(factory, batches, W.mlm_loss), result)
+
+
 HF_MORE_TP = [W.hf_qwen3, W.hf_phi3, W.hf_mixtral, W.hf_roberta_mlm]
 HF_MORE_PP = [W.hf_opt, W.hf_falcon, W.hf_bloom, W.hf_distilbert]
 

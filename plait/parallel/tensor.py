@@ -216,9 +216,9 @@ class _ReplicatedKV(ParallelStyle):
     gradient, nonzero on this rank's head only, is summed over tp (:class:`_SumGradToLocal`).
     """
 
-    def __init__(self, kv: KVHeads):
+    def __init__(self, kv: KVHeads, input_layout: Any = Replicate()):  # noqa: B008 - immutable
         super().__init__()
-        self.kv = kv
+        self.kv, self.input_layout = kv, input_layout
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for pname, param in list(module.named_parameters(recurse=False)):
@@ -226,15 +226,16 @@ class _ReplicatedKV(ParallelStyle):
                 distribute_tensor(param, device_mesh, [Replicate()]),
                 requires_grad=param.requires_grad))
         rows = self.kv.rows(device_mesh.get_local_rank(), device_mesh.size())
-        module.forward = partial(_replicated_kv_forward, module, device_mesh, rows)
+        module.forward = partial(_replicated_kv_forward, module, device_mesh, rows,
+                                 self.input_layout)
         return module
 
 
-def _replicated_kv_forward(module: nn.Module, mesh: DeviceMesh, rows: slice,
+def _replicated_kv_forward(module: nn.Module, mesh: DeviceMesh, rows: slice, layout: Any,
                            x: torch.Tensor) -> torch.Tensor:
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    elif x.placements != (Replicate(),):
+    if not isinstance(x, DTensor):  # whole, or this rank's sequence shard under SP
+        x = DTensor.from_local(x, mesh, [layout], run_check=False)
+    if x.placements != (Replicate(),):
         x = x.redistribute(placements=[Replicate()])
     local = x.to_local(grad_placements=[Partial()])
 
@@ -246,12 +247,14 @@ def _replicated_kv_forward(module: nn.Module, mesh: DeviceMesh, rows: slice,
 
 
 def make_style(style: str, module: nn.Module, name: str, *, sp: bool,
-               sharded_edges: bool = True, kv: KVHeads | None = None) -> ParallelStyle | None:
+               sharded_edges: bool = True, kv: KVHeads | None = None,
+               gather_input: bool = False) -> ParallelStyle | None:
     """The torch ParallelStyle for a plan entry (None: nothing to do for this entry).
 
     ``sharded_edges=False`` (SP inside a block stack only): the vocabulary embedding's output
     and the head's input stay whole sequences; :func:`shard_sequence_in_blocks` splits and
-    gathers at the stack's ends instead."""
+    gathers at the stack's ends instead. ``gather_input`` (SP): a column-parallel layer no
+    ``region`` holds receives sequence shards and all-gathers them itself."""
     seq = Shard(1)
     between = seq if sp else Replicate()  # layout of activations between TP regions
     edge = between if sharded_edges else Replicate()
@@ -264,10 +267,11 @@ def make_style(style: str, module: nn.Module, name: str, *, sp: bool,
         raise ValueError(f"style 'vocab_embedding' on {name!r} needs nn.Embedding, got {kind}")
     if style == "vocab_head" and not _is_linear(module):
         raise ValueError(f"style 'vocab_head' on {name!r} needs a Linear module, got {kind}")
+    entry = seq if gather_input else Replicate()  # what a column-parallel layer receives
     if style == "colwise":
-        return _Colwise()
+        return _Colwise(input_layouts=entry)
     if style == "colwise_qkv":
-        return _Colwise(pack=3)
+        return _Colwise(pack=3, input_layouts=entry)
     if style == "rowwise":
         return _Rowwise(output_layouts=between)
     if style == "colwise_gather":
@@ -280,7 +284,7 @@ def make_style(style: str, module: nn.Module, name: str, *, sp: bool,
                              f"nn.Linear k or v projection with fewer heads than tp, beside a "
                              f"larger colwise query projection in a module that stores its "
                              f"head_dim or head count; got {kind}")
-        return _ReplicatedKV(kv)
+        return _ReplicatedKV(kv, entry)
     if style == "grad_allreduce":
         return None  # replicated like every unnamed module; replicate_rest sums its gradients
     if style == "vocab_embedding":
@@ -325,14 +329,14 @@ def resolve_plan(module: nn.Module, plan: Plan) -> TPPlan:
     if user is not None:
         return user if isinstance(user, TPPlan) else TPPlan.from_option(user)
     shipped = _shipped_plan(module)
-    return shipped if shipped is not None else _inferred_plan(module, plan.tp)
+    return shipped if shipped is not None else _inferred_plan(module, plan.tp, plan.sp)
 
 
-def _inferred_plan(module: nn.Module, tp: int) -> TPPlan:
+def _inferred_plan(module: nn.Module, tp: int, sp: bool = False) -> TPPlan:
     """A plan inferred from ``module``'s structure, checked, and printed on rank 0."""
     from .tp_infer import format_plan, infer_plan, verify_plan
 
-    inferred = verify_plan(module, infer_plan(module), tp)
+    inferred = verify_plan(module, infer_plan(module), tp, sp)
     _print0(format_plan(inferred, module))
     return inferred
 
@@ -378,7 +382,8 @@ def plan_for_stages(model: nn.Module, plan: Plan) -> Plan:
     hidden states) cannot do."""
     if plan.tp == 1 or plan.options.tp_plan is not None or _shipped_plan(model) is not None:
         return plan
-    return plan.replace(options=plan.options.replace(tp_plan=_inferred_plan(model, plan.tp)))
+    return plan.replace(options=plan.options.replace(
+        tp_plan=_inferred_plan(model, plan.tp, plan.sp)))
 
 
 def _find_hf_model(module: nn.Module) -> tuple[str, nn.Module] | None:
@@ -512,9 +517,11 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
     tp = tp_mesh.size()
     tp_plan = resolve_plan(module, plan)
     if plan.sp and not tp_plan.supports_sp:
+        why = f": {tp_plan.sp_refused}" if tp_plan.sp_refused else ""
         raise ValueError(f"sp=True: the tensor-parallel plan for {type(module).__name__} "
-                         f"({tp_plan.source}) has no sequence-parallel layout; use sp=False, or "
-                         f"pass options.tp_plan with 'region' and 'sequence_parallel' entries")
+                         f"({tp_plan.source}) has no sequence-parallel layout{why}; use "
+                         f"sp=False, or pass options.tp_plan with 'region' and "
+                         f"'sequence_parallel' entries")
     # Pipeline stages keep a parameter-free stand-in where another stage owns a module: what
     # the plan names inside one (a block's linears) is not on this stage.
     matched = {name: style for name, style in match_plan(
@@ -526,10 +533,13 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
     for note in validate(module, tp_plan, matched, tp):
         _print0(note)
     sharded_edges = not tp_plan.sp_blocks
+    regions = [n for n, s in matched.items() if s == "region"]
     for name, style in matched.items():
         sub = module.get_submodule(name)
+        # Under SP a column-parallel layer whose input no region gathers gathers its own.
+        alone = plan.sp and not any(name.startswith(r + ".") for r in regions)
         parallel_style = make_style(style, sub, name, sp=plan.sp, sharded_edges=sharded_edges,
-                                    kv=kv.get(name))
+                                    kv=kv.get(name), gather_input=alone)
         if parallel_style is not None:
             parallelize_module(sub, tp_mesh, parallel_style)
     if plan.sp and tp_plan.sp_blocks:
@@ -542,6 +552,14 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
     _retie(ties)
     summed = {id(p) for name, style in matched.items() if style == "grad_allreduce"
               for p in module.get_submodule(name).parameters()}
+    if plan.sp and tp_plan.sp_summed:
+        # Between its regions an inferred plan's block stack runs on sequence shards: what
+        # no entry names (norms, a layer-scale) gets one rank's positions' gradient.
+        stack = glob_regex(tp_plan.sp_blocks)
+        summed |= {id(p) for name, sub in module.named_modules()
+                   if any(stack.match(".".join(name.split(".")[:k]))
+                          for k in range(1, name.count(".") + 2))
+                   for p in sub.parameters(recurse=False) if not isinstance(p, DTensor)}
     replicate_rest(module, tp_mesh, summed)
     _reduce_partial_grads_in_backward(module)
     return record_layout(module, Layout(applied=("tensor_parallel",),
@@ -555,7 +573,10 @@ def shard_sequence_in_blocks(module: nn.Module, blocks_glob: str, mesh: DeviceMe
     compute positions, masks and rotary tables from the sequence length around the stack, so
     the sequence must be whole there. A pipeline stage without blocks has nothing to do."""
     regex = glob_regex(blocks_glob)
-    names = [n for n, _ in module.named_modules() if n and regex.match(n)]
+    # A pipeline stage's own blocks: those of other stages are stand-ins here, and the sequence
+    # is whole again at the stage's last block, as the next stage expects it.
+    names = [n for n, m in module.named_modules() if n and regex.match(n)
+             and not isinstance(m, STAND_INS)]
     if not names:
         return
     first, last = module.get_submodule(names[0]), module.get_submodule(names[-1])

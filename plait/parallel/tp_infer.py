@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import operator
 import re
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -377,6 +378,37 @@ def infer_plan(model: nn.Module) -> TPPlan:
                   source=f"inferred from {type(model).__name__}'s structure", sizes=sizes)
 
 
+def with_sp(model: nn.Module, plan: TPPlan, matched: dict[str, str], example: torch.Tensor
+            ) -> TPPlan:
+    """``plan`` with sequence parallelism inside the model's block stack, where running the
+    blocks shows it computes the same (:mod:`plait.parallel.tp_sp`), else with the reason."""
+    from .tp_sp import block_stack, mixes_positions
+
+    stack = block_stack(model)
+    if stack is None:
+        return replace(plan, sp_refused="it has no stack of repeated blocks to split the "
+                                        "sequence in")
+    batchnorms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm
+                                                                    ._BatchNorm)]
+    if batchnorms:
+        return replace(plan, sp_refused=f"{batchnorms[0]} is a BatchNorm, whose statistics "
+                                        f"would cover one rank's positions")
+    mixed = mixes_positions(model, matched, stack, example)
+    if mixed is None:
+        return replace(plan, sp_refused=f"its blocks ({stack}) could not be run on a guessed "
+                                        f"input to check that they treat positions one by one")
+    if mixed:
+        return replace(plan, sp_refused=f"{mixed} does not treat positions one by one outside "
+                                        f"its tensor-parallel regions (run on half the "
+                                        f"sequence, with its regions seeing all of it, it "
+                                        f"computes something else or fails: attention left "
+                                        f"replicated, a token shift, a convolution over "
+                                        f"positions, a position table added inside the block, "
+                                        f"or a reshape by the sequence length of its own input "
+                                        f"where the region's is meant; write -1 there)")
+    return replace(plan, supports_sp=True, sp_blocks=stack, sp_summed=True)
+
+
 def format_plan(plan: TPPlan, model: nn.Module) -> str:
     return (f"plait: no tensor-parallel plan ships for {type(model).__name__}; this one was "
             f"inferred from its structure. Check it, then save it as options.tp_plan:\n"
@@ -481,7 +513,7 @@ def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tu
     return None
 
 
-def verify_plan(model: nn.Module, plan: TPPlan, tp: int) -> TPPlan:
+def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False) -> TPPlan:
     """Check an inferred plan before any sharding; return it, or refuse it (ValueError).
 
     One fake-tensor forward (:func:`check_shapes`) on an input guessed by
@@ -490,13 +522,16 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int) -> TPPlan:
     catches one that keeps them but mixes heads. A fused q|k|v layer guessed to be three blocks
     ``[q | k | v]`` that turns out to be laid out head by head gets a plain column split
     instead (then whole heads). A model whose unsharded forward already fails on the guessed
-    input is not checked (the guess is wrong, not the plan)."""
+    input is not checked (the guess is wrong, not the plan).
+    With ``sp``, whether sequence parallelism keeps the model the same
+    (:mod:`plait.parallel.tp_sp`): the returned plan then supports it, or says why not."""
     from .tensor import match_plan, validate
     from .tp_verify import mixed_blocks
 
     example = example_input(model)
     if example is None or check_shapes(model, {}, {}, 1, example) is not None:
-        return plan
+        return replace(plan, sp_refused="no input could be guessed to check its blocks with"
+                       ) if sp else plan
     matched = match_plan(model, plan.styles)
     divide = {n: a for glob, a in plan.divide_attrs.items()
               for n in match_plan(model, {glob: "divide"})}
@@ -512,14 +547,15 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int) -> TPPlan:
             f"{json.dumps(plan.styles)})")
     mixed = mixed_blocks(model, matched, tp, example, kv)
     if not mixed:
-        return plan
+        return with_sp(model, plan, matched, example) if sp else plan
     fused = {g for g, style in plan.styles.items() if style == "colwise_qkv"}
     if fused:
         styles = {g: "colwise" if g in fused else style for g, style in plan.styles.items()}
         if not mixed_blocks(model, {n: "replicated_kv" if n in kv else s for n, s in
                                     match_plan(model, styles).items()}, tp, example, kv):
-            return TPPlan(styles=styles, divide_attrs=plan.divide_attrs, source=plan.source,
-                          sizes=plan.sizes)
+            fixed = TPPlan(styles=styles, divide_attrs=plan.divide_attrs, source=plan.source,
+                           sizes=plan.sizes)
+            return with_sp(model, fixed, match_plan(model, styles), example) if sp else fixed
     raise ValueError(
         f"the tensor-parallel plan inferred for {type(model).__name__} splits "
         f"{', '.join(mixed)} over tp={tp} into parts that are not whole heads (swapping two "

@@ -82,6 +82,10 @@ class TPPlan:
     # norm, the head) sees the whole sequence. Empty: the sequence is split from the embedding
     # to the head (plait's reference transformer).
     sp_blocks: str = ""
+    # An inferred plan's SP: the parameters of modules in ``sp_blocks`` that no entry names run
+    # on sequence shards and get their gradients summed over tp; or why SP is refused for it.
+    sp_summed: bool = False
+    sp_refused: str = ""
 
     def with_prefix(self, prefix: str) -> TPPlan:
         if not prefix:
@@ -89,7 +93,8 @@ class TPPlan:
         return TPPlan(styles={f"{prefix}.{k}": v for k, v in self.styles.items()},
                       divide_attrs={f"{prefix}.{k}": v for k, v in self.divide_attrs.items()},
                       source=self.source, sizes=self.sizes, supports_sp=self.supports_sp,
-                      sp_blocks=f"{prefix}.{self.sp_blocks}" if self.sp_blocks else "")
+                      sp_blocks=f"{prefix}.{self.sp_blocks}" if self.sp_blocks else "",
+                      sp_summed=self.sp_summed, sp_refused=self.sp_refused)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"styles": dict(self.styles)}

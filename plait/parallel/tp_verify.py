@@ -90,37 +90,52 @@ def mixed_blocks(model: nn.Module, matched: dict[str, str], tp: int, example: to
     for name in split:
         # One block per pattern: every index a *, as inference collapses them.
         blocks.setdefault(_glob_levels(_block_of(name))[0], _block_of(name))
+    inputs = block_inputs(model, list(blocks.values()), example)
+    if inputs is None:
+        return None
+    training = model.training
+    model.train(False)  # no dropout: the two runs of a block must compute the same thing
+    try:
+        with torch.no_grad():
+            return [name for name in blocks.values() if name in inputs and any(
+                _changes_when_swapped(model, name, split, kv, shares, *inputs[name])
+                for shares in _shares(name, kv, tp))]
+    finally:
+        model.train(training)
+
+
+def block_inputs(model: nn.Module, names: list[str], example: torch.Tensor
+                 ) -> dict[str, tuple[tuple, dict]] | None:
+    """The (args, kwargs) each named block receives in one forward of ``model`` on ``example``
+    (eval mode, no gradients; stopped once every block has its input), or None when the
+    forward fails on the guess."""
     inputs: dict[str, tuple[tuple, dict]] = {}
     handles = []
 
     def capture(name: str) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             inputs.setdefault(name, _copied((args, kwargs)))
-            if len(inputs) == len(blocks):
+            if len(inputs) == len(names):
                 raise _CapturedError
         return hook
 
-    for name in blocks.values():
+    for name in names:
         handles.append(model.get_submodule(name).register_forward_pre_hook(
             capture(name), with_kwargs=True))
     training = model.training
-    model.train(False)  # no dropout: the two runs of a block must compute the same thing
+    model.train(False)
     try:
         with torch.no_grad():
-            try:
-                model(example)
-            except _CapturedError:
-                pass
-            except Exception:  # noqa: BLE001 - not runnable on the guess: not checked
-                return None
-            finally:
-                for h in handles:
-                    h.remove()
-            return [name for name in blocks.values() if name in inputs and any(
-                _changes_when_swapped(model, name, split, kv, shares, *inputs[name])
-                for shares in _shares(name, kv, tp))]
+            model(example)
+    except _CapturedError:
+        pass
+    except Exception:  # noqa: BLE001 - not runnable on the guess: not checked
+        return None
     finally:
+        for h in handles:
+            h.remove()
         model.train(training)
+    return inputs
 
 
 def _copied(value: Any) -> Any:

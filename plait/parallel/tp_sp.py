@@ -1,0 +1,172 @@
+"""Sequence parallelism for a model whose tensor-parallel plan was inferred.
+
+Under SP the activations between TP regions are split along the sequence (dimension 1) over
+the tp ranks; each region all-gathers its input and reduce-scatters its output. That computes
+the same model only if everything between the regions treats each position on its own (norms,
+residual adds, dropout, per-token gates): a token shift, a causal convolution or a position
+table added inside a block would see only this rank's positions. Hugging Face models compute
+positions, masks and rotary tables around their block stack, so plait splits the sequence at
+the stack's first block and gathers it after the last (``TPPlan.sp_blocks``); it does the same
+here, for the stack of repeated blocks.
+
+Whether a block is per-position outside its regions cannot be read off its code in general, so
+it is run (:func:`mixes_positions`): each kind of block once on the full sequence, then on each
+half of it with every region computing on the full sequence, as SP's gather and scatter make it:
+each region entry (a column-parallel layer) checks that it is handed its half of what it got
+on the full sequence and returns what it returned then, and each exit (row-parallel) returns
+its half. The block's output must be the half of its full output; anything else mixes
+positions outside a region, and SP is refused for it, naming the block.
+
+Parameters of modules in the stack that run between regions (norms, a layer-scale) see one
+rank's positions, so their gradients are summed over tp in backward, like ``grad_allreduce``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .tp_verify import _copied, _first_tensor, block_inputs
+from .units import repeated_blocks
+
+_ENTRIES = ("colwise", "colwise_qkv", "replicated_kv")
+
+
+def block_stack(model: nn.Module) -> str | None:
+    """The glob of the model's stack of repeated blocks (``blocks.*``), or None."""
+    blocks = repeated_blocks(model)
+    if len(blocks) < 2:
+        return None
+    names = {re.sub(r"\.\d+$", ".*", name) for name, _ in blocks}
+    return names.pop() if len(names) == 1 else None
+
+
+def mixes_positions(model: nn.Module, matched: dict[str, str], stack: str,
+                    example: torch.Tensor) -> str | None:
+    """The first block of ``stack`` whose computation outside its TP regions mixes positions
+    (why SP cannot apply), "" when none does, or None when the check cannot run."""
+    first = stack.replace("*", "0")
+    found = block_inputs(model, [first], example)
+    if found is None or first not in found:
+        return None
+    block = model.get_submodule(first)
+    args, kwargs = found[first]
+    x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+    if not isinstance(x, torch.Tensor) or x.ndim < 2 or x.shape[1] < 2:
+        return None
+    prefix = first + "."
+    roles = {n[len(prefix):]: s for n, s in matched.items() if n.startswith(prefix)}
+    regions = [n for n, s in roles.items() if s == "region"]
+
+    def inside(n: str) -> bool:
+        return any(n.startswith(r + ".") for r in regions)
+    # A region gathers the sequence at its input and scatters it at its output; a column-
+    # parallel layer outside any region gathers its own input, its row-parallel exit scatters.
+    entries = [n for n, s in roles.items() if s in _ENTRIES and not inside(n)]
+    exits = [n for n, s in roles.items() if s == "rowwise" and not inside(n)]
+    if not regions and not entries:
+        return ""
+    training = model.training
+    model.train(False)
+    try:
+        with torch.no_grad():
+            full, seen = _run(block, args, kwargs, x, None, regions, entries, exits, {})
+            if full is None:
+                return None
+            half = x.shape[1] // 2
+            for part in (slice(0, half), slice(half, x.shape[1])):
+                got, _ = _run(block, args, kwargs, x, part, regions, entries, exits, seen)
+                if got is None or got.shape != full[:, part].shape or not torch.allclose(
+                        got, full[:, part], rtol=1e-4,
+                        atol=1e-5 * max(1.0, full.abs().max().item())):
+                    return first
+    except _MixedError:
+        return first
+    finally:
+        model.train(training)
+    return ""
+
+
+class _MixedError(Exception):
+    """A region entry was handed something other than its half of the full-sequence input."""
+
+
+def _run(block: nn.Module, args: tuple, kwargs: dict, x: torch.Tensor, part: slice | None,
+         regions: list[str], entries: list[str], exits: list[str],
+         seen: dict[str, list[Any]]) -> tuple[torch.Tensor | None, dict[str, list[Any]]]:
+    """Run ``block`` on ``x`` (``x[:, part]`` when part is given). On the full run, record what
+    each region and each lone entry received (and what an entry returned), per call; on a
+    part, check that each is handed its part of that, give regions the full input and entries
+    their full output back, and cut region and lone exit outputs to the part."""
+    record: dict[str, list[Any]] = {n: [] for n in regions + entries}
+    calls = dict.fromkeys(regions + entries, 0)
+    handles = []
+
+    def recorded(name: str, got: torch.Tensor) -> Any:
+        value = seen[name][calls[name]]
+        calls[name] += 1
+        full_in = value[0]
+        if got.shape != full_in[:, part].shape or not torch.allclose(
+                got, full_in[:, part], rtol=1e-4, atol=1e-5):
+            raise _MixedError
+        return value
+
+    def region_in(name: str) -> Any:
+        def hook(mod: nn.Module, a: tuple, k: dict) -> Any:
+            t = a[0] if a and isinstance(a[0], torch.Tensor) else k.get("hidden_states")
+            if not isinstance(t, torch.Tensor):
+                raise _MixedError
+            if part is None:
+                record[name].append((t.detach().clone(),))
+                return None
+            full_in = recorded(name, t)[0]
+            if a and isinstance(a[0], torch.Tensor):
+                return (full_in, *a[1:]), k
+            return a, {**k, "hidden_states": full_in}
+        return hook
+
+    def entry(name: str) -> Any:
+        def hook(mod: nn.Module, inputs: tuple, output: Any) -> Any:
+            if part is None:
+                record[name].append((inputs[0].detach().clone(), output))
+                return None
+            return recorded(name, inputs[0])[1]
+        return hook
+
+    def cut(mod: nn.Module, inputs: tuple, output: Any) -> Any:
+        if part is None:
+            return None
+        if isinstance(output, tuple):
+            return (output[0][:, part], *output[1:])
+        return output[:, part]
+
+    try:
+        for n in regions:
+            sub = block.get_submodule(n)
+            handles.append(sub.register_forward_pre_hook(region_in(n), with_kwargs=True))
+            handles.append(sub.register_forward_hook(cut))
+        for n in entries:
+            handles.append(block.get_submodule(n).register_forward_hook(entry(n)))
+        for n in exits:
+            handles.append(block.get_submodule(n).register_forward_hook(cut))
+        given = x if part is None else x[:, part]
+        a, k = _copied((args, kwargs))
+        if a and isinstance(a[0], torch.Tensor):
+            a = (given, *a[1:])
+        else:
+            k = {**k, "hidden_states": given}
+        try:
+            out = _first_tensor(block(*a, **k))
+        except _MixedError:
+            raise
+        except Exception:  # noqa: BLE001 - a block that cannot run on half: not per-position
+            if part is None:
+                return None, record
+            raise _MixedError from None
+        return (None if out is None else out.clone()), record
+    finally:
+        for h in handles:
+            h.remove()
