@@ -47,13 +47,29 @@ def block_stack(model: nn.Module) -> str | None:
 def mixes_positions(model: nn.Module, matched: dict[str, str], stack: str,
                     example: torch.Tensor) -> str | None:
     """The first block of ``stack`` whose computation outside its TP regions mixes positions
-    (why SP cannot apply), "" when none does, or None when the check cannot run."""
-    first = stack.replace("*", "0")
-    found = block_inputs(model, [first], example)
-    if found is None or first not in found:
+    (why SP cannot apply), "" when none does, or None when the check cannot run. One block of
+    each kind (class) in the stack is run."""
+    pattern = re.compile("^" + re.escape(stack).replace(r"\*", r"\d+") + "$")
+    kinds: dict[type, str] = {}
+    for name, sub in model.named_modules():
+        if pattern.match(name):
+            kinds.setdefault(type(sub), name)
+    found = block_inputs(model, list(kinds.values()), example)
+    if found is None:
         return None
-    block = model.get_submodule(first)
-    args, kwargs = found[first]
+    for name in kinds.values():
+        if name not in found:
+            return None
+        verdict = _block_mixes(model, model.get_submodule(name), name, matched, *found[name])
+        if verdict != "":
+            return verdict
+    return ""
+
+
+def _block_mixes(model: nn.Module, block: nn.Module, first: str, matched: dict[str, str],
+                 args: tuple, kwargs: dict) -> str | None:
+    """``first`` if this block mixes positions outside its regions, "" if not, None when it
+    cannot be run on its recorded input."""
     x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
     if not isinstance(x, torch.Tensor) or x.ndim < 2 or x.shape[1] < 2:
         return None
