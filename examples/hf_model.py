@@ -11,6 +11,10 @@ from a config (no download), its embedding tied to its head as GPT-2 ships.
     plait run --nproc 2 examples/hf_model.py --plan tp=2,sp        # tensor + sequence parallel
     plait run --nproc 2 examples/hf_model.py --plan dp_shard=2,zero=3,grad_accum=2
     plait run --nproc 2 examples/hf_model.py --plan pp=2   # labels go to the last stage
+
+``factory()`` is what ``plait check`` trains (the loss is None: the model's own):
+
+    plait check --plan dp=2 --model examples.hf_model:factory
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ def build_gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
+def factory() -> tuple[torch.nn.Module, Dataset, None]:
+    """What `plait check --model examples.hf_model:factory` trains; None: the model's loss."""
+    return build_gpt2(), PaddedText(), None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
@@ -61,10 +70,11 @@ def main() -> None:
     args = parser.parse_args()
 
     run = plait.init(log_every=20)
-    model = run.parallelize(build_gpt2())
+    model, dataset, _ = factory()
+    model = run.parallelize(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     first = None
-    for batch in run.loader(PaddedText(), batch_size=args.batch_size, steps=args.steps):
+    for batch in run.loader(dataset, batch_size=args.batch_size, steps=args.steps):
         loss = run.step(model, batch, None, opt)  # None: the model's own output.loss
         first = float(loss) if first is None else first
     run.print(f"loss {first:.3f} -> {float(loss):.3f} (mean over the real tokens of each "

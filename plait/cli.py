@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "check", help="prove a layout trains the same model as one device",
-        description="Train the reference model for a few steps under --plan and on one device "
+        description="Train --model (your pkg.module:function returning (model, dataset, "
+        "loss_fn), or a reference-model preset) for a few steps under --plan and on one device "
         "(same seed, same batches); compare the loss of every step and every parameter.")
     check.add_arguments(p)
     commands["check"] = _check

@@ -325,8 +325,14 @@ def test_export_safetensors_loads_without_plait(saved, tmp_path):
         expected = {k: v.clone() for k, v in model.state_dict().items()}
     finally:
         run.close()
-    out = tmp_path / "out" / "model.safetensors"
-    assert main(["export", str(saved), "--to", str(out)]) == 0
+    out = tmp_path / "model.safetensors"
+    umask = os.umask(0o027)
+    try:
+        assert main(["export", str(saved), "--to", str(out)]) == 0
+    finally:
+        os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o640  # a plain new file's mode, to be shared
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "model.safetensors"]
     tensors = load_file(str(out))
     assert tensors.keys() == expected.keys()
     assert all(torch.equal(tensors[k], expected[k]) for k in expected)
@@ -340,12 +346,18 @@ def test_export_refusals(saved, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert main(["export", str(saved), "--to", str(blocker / "m.safetensors")]) == 2
-    assert "cannot write in" in capsys.readouterr().err
+    assert f"{blocker} is a file, not a folder" in capsys.readouterr().err
     missing = tmp_path / "missing"
     assert main(["export", str(missing), "--to", str(tmp_path / "m.safetensors")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # A missing folder is refused, as --plot refuses one, not created.
+    assert main(["export", str(saved), "--to", str(missing / "m.safetensors")]) == 2
+    assert f"folder {missing} does not exist; create it first" in capsys.readouterr().err
+    assert main(["export", str(saved), "--to", str(missing / "hf")]) == 2
+    assert f"folder {missing} does not exist; create it first" in capsys.readouterr().err
     assert main(["export", str(saved), "--to", str(tmp_path / "hf")]) == 2
     assert "not of a Hugging Face model" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "file"]  # nothing left
 
 
 def test_export_hugging_face_folder(tmp_path, no_group):

@@ -69,6 +69,18 @@ def test_your_own_model_checked_then_trained():
     assert "final loss" in out.stdout and "blocks.0.norm.weight" not in out.stderr
 
 
+def test_hf_model_factory_is_checked():
+    """README names examples/hf_model.py as the Hugging Face form of `--model pkg.mod:factory`."""
+    import json
+
+    pytest.importorskip("transformers")
+    out = _run([sys.executable, "-m", "plait.cli", "check", "--plan", "dp=2", "--model",
+                "examples.hf_model:factory", "--optimizer", "sgd", "--steps", "2",
+                "--format", "json"])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert json.loads(out.stdout)["ok"]
+
+
 def test_check_model_spec_that_does_not_import():
     out = _run([sys.executable, "-m", "plait.cli", "check", "--plan", "dp=2", "--model",
                 "no_such_module:factory"], timeout=60)

@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
+import shutil
+import stat
 import sys
-import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..outputs import writable_folder
 from . import store
 from .errors import CheckpointError
 from .safe import read_metadata, read_tensors
@@ -47,7 +52,7 @@ def model_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
 
 def export(path: str | Path, to: str | Path) -> dict[str, Any]:
     """Write the checkpoint's model to ``to`` (a .safetensors file, or a folder for a Hugging
-    Face model); returns what was written."""
+    Face model); returns what was written. Every refusal comes before anything is created."""
     to = Path(to)
     hf_dir = to.suffix != ".safetensors"
     target = to / "model.safetensors" if hf_dir else to
@@ -56,32 +61,61 @@ def export(path: str | Path, to: str | Path) -> dict[str, Any]:
     except ImportError:
         raise CheckpointError("plait export writes safetensors: pip install safetensors "
                               "(or plait[hf])") from None
-    try:  # the output is checked before any work
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".probe-"):
-            pass
-    except OSError as exc:
-        raise CheckpointError(f"--to {to}: cannot write in {target.parent} ({exc.strerror}); "
-                              f"give a .safetensors path or a folder this user can write to"
-                              ) from None
+    _check_output(to, hf_dir)  # before the minutes a large checkpoint takes to read
     tensors, manifest, step_dir = model_tensors(path)
     config = (manifest.get("model") or {}).get("hf_config")
     if hf_dir and config is None:
         raise CheckpointError(f"--to {to} is a Hugging Face folder, but {step_dir} is not of a "
                               f"Hugging Face model (no config saved); export to a .safetensors "
                               f"file instead, e.g. --to {to}.safetensors")
+    made = hf_dir and not to.exists()
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(target),
-                  metadata={"format": "pt", "plait_step": str(manifest["step"])})
+        if made:
+            to.mkdir()
+        _write_atomically(target, lambda tmp: save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+            metadata={"format": "pt", "plait_step": str(manifest["step"])}))
         if hf_dir:
-            (to / "config.json").write_text(json.dumps(store.from_plain(config), indent=2)
-                                            + "\n")
+            text = json.dumps(store.from_plain(config), indent=2) + "\n"
+            _write_atomically(to / "config.json", lambda tmp: tmp.write_text(text))
     except OSError as exc:
+        if made:  # the folder this call created goes with the failed write
+            shutil.rmtree(to, ignore_errors=True)
         raise CheckpointError(f"cannot write {target}: {exc.strerror}") from None
     return {"checkpoint": str(step_dir), "step": manifest["step"], "to": str(target),
             "config": str(to / "config.json") if hf_dir else None, "tensors": len(tensors),
             "parameters": sum(t.numel() for t in tensors.values()),
             "bytes": target.stat().st_size}
+
+
+def _check_output(to: Path, hf_dir: bool) -> None:
+    """Refuse, in --plot's words, a ``--to`` whose folder is missing, a file or not writable:
+    a Hugging Face folder may be new (its parent must exist), a file's folder must exist."""
+    folder = to if hf_dir and to.exists() else to.parent
+    try:
+        writable_folder(folder, f"--to {to}")
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def _write_atomically(target: Path, write: Callable[[Path], object]) -> None:
+    """``write`` a temporary file beside ``target``, then rename it over ``target``: a failed or
+    killed export leaves no partial file. The file gets the mode a plain new file gets here
+    (0o666 less the umask), not the 0600 of safetensors' own temporary file: it is meant to be
+    shared."""
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
