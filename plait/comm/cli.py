@@ -65,7 +65,7 @@ def bench_comm_command(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------- plait comm
 def add_comm_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--plan", required=True, help="plan string or file, e.g. 'tp=2,sp=1'")
+    parser.add_argument("--plan", required=True, help="plan string or file, e.g. 'tp=2,sp=true'")
     parser.add_argument("--model", default="test", help="reference model preset (default test)")
     parser.add_argument("--steps", type=int, default=2, help="measured steps (default 2)")
     parser.add_argument("--warmup", type=int, default=2,
