@@ -31,7 +31,6 @@ first tensor input either way.
 
 from __future__ import annotations
 
-import re
 import sys
 from functools import partial
 from typing import Any
@@ -407,10 +406,12 @@ def _collapse(texts: list[str]) -> list[str]:
     """``texts`` that each start with a module name, those that differ only in the indices of
     that name said once with ``*`` (``model.layers.*.self_attn.k_proj ...``, not one per
     layer); a text alone in its group keeps its name."""
+    from .tp_infer import _glob_levels
+
     groups: dict[str, list[str]] = {}
     for text in texts:
         name, sep, rest = text.partition(" ")
-        groups.setdefault(re.sub(r"\.\d+(?=\.|$)", ".*", name) + sep + rest, []).append(text)
+        groups.setdefault(_glob_levels(name)[0] + sep + rest, []).append(text)
     return [key if len(same) > 1 else same[0] for key, same in groups.items()]
 
 

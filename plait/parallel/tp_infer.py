@@ -388,8 +388,9 @@ def with_sp(model: nn.Module, plan: TPPlan, matched: dict[str, str], example: to
     if stack is None:
         return replace(plan, sp_refused="it has no stack of repeated blocks to split the "
                                         "sequence in")
-    batchnorms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm
-                                                                    ._BatchNorm)]
+    in_stack = re.compile("^" + re.escape(stack).replace(r"\*", "[^.]+") + r"(\.|$)")
+    batchnorms = [n for n, m in model.named_modules() if in_stack.match(n)
+                  and isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if batchnorms:
         return replace(plan, sp_refused=f"{batchnorms[0]} is a BatchNorm, whose statistics "
                                         f"would cover one rank's positions")

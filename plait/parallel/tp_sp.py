@@ -23,12 +23,13 @@ rank's positions, so their gradients are summed over tp in backward, like ``grad
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from .tp_infer import _glob_levels
+from .tp_plans import glob_regex
 from .tp_verify import _copied, _first_tensor, block_inputs
 from .units import repeated_blocks
 
@@ -40,7 +41,7 @@ def block_stack(model: nn.Module) -> str | None:
     blocks = repeated_blocks(model)
     if len(blocks) < 2:
         return None
-    names = {re.sub(r"\.\d+$", ".*", name) for name, _ in blocks}
+    names = {_glob_levels(name)[0] for name, _ in blocks}
     return names.pop() if len(names) == 1 else None
 
 
@@ -49,7 +50,7 @@ def mixes_positions(model: nn.Module, matched: dict[str, str], stack: str,
     """The first block of ``stack`` whose computation outside its TP regions mixes positions
     (why SP cannot apply), "" when none does, or None when the check cannot run. One block of
     each kind (class) in the stack is run."""
-    pattern = re.compile("^" + re.escape(stack).replace(r"\*", r"\d+") + "$")
+    pattern = glob_regex(stack)
     kinds: dict[type, str] = {}
     for name, sub in model.named_modules():
         if pattern.match(name):
