@@ -293,10 +293,31 @@ def test_style_on_a_module_that_is_not_linear():
 
 
 def test_sp_refused_for_plans_without_it():
+    """A user plan without sequence_parallel entries, and an inferred plan for blocks that
+    leave attention replicated (it mixes positions outside any region)."""
     from plait.parallel.tensor import apply_tensor_parallel
 
-    with pytest.raises(ValueError, match="no sequence-parallel layout"):
-        apply_tensor_parallel(custom_factory(), _FakeMesh(), Plan(tp=2, sp=True))
+    styles = {"blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
+    with pytest.raises(ValueError, match="no sequence-parallel layout; use sp=False"):
+        apply_tensor_parallel(custom_factory(), _FakeMesh(),
+                              Plan(tp=2, sp=True, options={"tp_plan": styles}))
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"no sequence-parallel layout: enc\.layers\.0 does "
+                                         r"not treat positions one by one"):
+        apply_tensor_parallel(_EncoderLM(), _FakeMesh(), Plan(tp=2, sp=True))
+
+
+class _EncoderLM(nn.Module):
+    """torch's TransformerEncoder: its attention stays replicated under an inferred plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(24, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.enc(self.emb(tokens))
 
 
 class _FakeMesh:

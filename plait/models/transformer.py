@@ -155,7 +155,9 @@ class Attention(nn.Module):
         super().__init__()
         bias = cfg.mlp == "gelu"
         kv_dim = cfg.kv_heads * cfg.head_dim
-        self.head_dim = cfg.head_dim
+        # Stored for tensor parallelism, which reads them to split heads (or, with fewer kv
+        # heads than tp, to keep k/v whole); the forward itself reshapes with -1 heads.
+        self.head_dim, self.n_kv_heads = cfg.head_dim, cfg.kv_heads
         self.rope_theta = cfg.rope_theta if cfg.mlp == "swiglu" else None
         self.q_proj = nn.Linear(cfg.dim, cfg.dim, bias=bias)
         self.k_proj = nn.Linear(cfg.dim, kv_dim, bias=bias)
