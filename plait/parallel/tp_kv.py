@@ -41,19 +41,9 @@ class KVHeads:
         return slice(head * self.head_dim, (head + 1) * self.head_dim)
 
 
-def owner_head_dim(owner: nn.Module, q_features: int | None = None) -> int | None:
-    """head_dim of an attention module: the attribute it stores, else ``q_features`` over its
-    stored head count; None when it declares neither."""
-    for attr in ("head_dim", "attention_head_size"):
-        value = getattr(owner, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    if q_features is not None:
-        for attr in _Q_COUNT_ATTRS:
-            value = getattr(owner, attr, None)
-            if isinstance(value, int) and value > 0 and q_features % value == 0:
-                return q_features // value
-    return None
+def owner_head_dim(owner: nn.Module) -> int | None:
+    """head_dim of an attention module, as it stores it (None when it does not)."""
+    return _int_attr(owner, ("head_dim", "attention_head_size"))
 
 
 def replicated_kv(model: nn.Module, matched: dict[str, str], tp: int) -> dict[str, KVHeads]:
