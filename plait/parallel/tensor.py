@@ -72,6 +72,7 @@ from .tp_plans import (
     glob_regex,
     hf_plan,
     reference_plan,
+    under,
 )
 
 tp_style_bases()  # the styles below override private members: fail clearly if torch changed them
@@ -556,10 +557,8 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
     if plan.sp and tp_plan.sp_summed:
         # Between its regions an inferred plan's block stack runs on sequence shards: what
         # no entry names (norms, a layer-scale) gets one rank's positions' gradient.
-        stack = glob_regex(tp_plan.sp_blocks)
         summed |= {id(p) for name, sub in module.named_modules()
-                   if any(stack.match(".".join(name.split(".")[:k]))
-                          for k in range(1, name.count(".") + 2))
+                   if name and under(name, tp_plan.sp_blocks)
                    for p in sub.parameters(recurse=False) if not isinstance(p, DTensor)}
     replicate_rest(module, tp_mesh, summed)
     _reduce_partial_grads_in_backward(module)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
 from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owners, replicated_kv
-from .tp_plans import STYLES, TPPlan
+from .tp_plans import STYLES, TPPlan, under
 from .tp_record import fake_forward, record_blocks
 
 _ATTENTION_FUNCS = {F.scaled_dot_product_attention, F.softmax, torch.softmax, torch.matmul,
@@ -388,8 +388,7 @@ def with_sp(model: nn.Module, plan: TPPlan, matched: dict[str, str], example: to
     if stack is None:
         return replace(plan, sp_refused="it has no stack of repeated blocks to split the "
                                         "sequence in")
-    in_stack = re.compile("^" + re.escape(stack).replace(r"\*", "[^.]+") + r"(\.|$)")
-    batchnorms = [n for n, m in model.named_modules() if in_stack.match(n)
+    batchnorms = [n for n, m in model.named_modules() if n and under(n, stack)
                   and isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if batchnorms:
         return replace(plan, sp_refused=f"{batchnorms[0]} is a BatchNorm, whose statistics "

@@ -256,6 +256,13 @@ def glob_regex(glob: str) -> re.Pattern:
         r"\*", "[^.]*") for part in glob.split(".")) + "$")
 
 
+def under(name: str, glob: str) -> bool:
+    """Whether module ``name`` is one ``glob`` matches or lies inside one (``blocks.0.norm``
+    under ``blocks.*``)."""
+    regex, parts = glob_regex(glob), name.split(".")
+    return any(regex.match(".".join(parts[:k])) for k in range(1, len(parts) + 1))
+
+
 def _has_modules(model: nn.Module, styles: Mapping[str, str]) -> bool:
     """Whether every glob of ``styles`` names a module of ``model``."""
     names = [n for n, _ in model.named_modules() if n]
