@@ -22,7 +22,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
-import re
 import signal
 import threading
 import time
@@ -30,7 +29,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from .lifecycle import die_with_parent
 from .store import loopback_interface, loopback_store
@@ -39,29 +38,32 @@ HOST = "127.0.0.1"  # the store listens here only (plait.store)
 
 
 class WorkerError(RuntimeError):
-    """A worker raised; carries the rank and its formatted traceback."""
+    """A worker raised; carries the rank, its formatted traceback and, when the rank raised a
+    Python exception, that exception's type name and message (sent by the worker beside the
+    traceback, so nothing has to be parsed back out of it)."""
 
-    def __init__(self, rank: int, tb: str):
+    def __init__(self, rank: int, tb: str, kind: str | None = None, message: str = ""):
         super().__init__(f"rank {rank} failed:\n{tb}")
         self.rank = rank
         self.traceback = tb
+        self.kind = kind
+        self.message = message
 
     def final(self) -> tuple[str, str] | None:
-        """(exception type, message) of the error the traceback ends with, or None (a rank
-        that died without a Python error)."""
-        lines = self.traceback.rstrip().splitlines()
-        for i in range(len(lines) - 1, -1, -1):
-            match = _FINAL.match(lines[i])
-            if match and match["type"].rpartition(".")[2].endswith(("Error", "Exception")):
-                rest = [ln for ln in lines[i + 1:] if not _NOTE.match(ln)]
-                return match["type"], "\n".join([match["msg"] or "", *rest]).strip()
-        return None
+        """(exception type, message) of the error the rank raised, or None (a rank that died
+        without a Python error)."""
+        return (self.kind, self.message) if self.kind else None
 
 
-# The last line of a Python traceback (``ValueError: ...``), and the line run_distributed adds
-# after it naming the ranks that failed next.
-_FINAL = re.compile(r"^(?P<type>[A-Za-z_][\w.]*)(?::\s(?P<msg>.*))?$")
-_NOTE = re.compile(r"^\(ranks? [\d, ]+ failed")
+class _Failure(NamedTuple):
+    """What a failed worker sends back: its traceback, and the exception's type name and
+    message (``kind`` None for a rank that died without a Python error)."""
+
+    traceback: str
+    kind: str | None = None
+    message: str = ""
+
+
 # What a worker raises for bad input (a model factory that returns the wrong thing, a plan that
 # does not fit the model): said in one line, like the same mistake caught before the start.
 USER_ERRORS = ("ValueError", "TypeError")
@@ -76,7 +78,7 @@ def user_errors() -> Iterator[None]:
         yield
     except WorkerError as exc:
         final = exc.final()
-        if final is None or final[0].rpartition(".")[2] not in USER_ERRORS:
+        if final is None or final[0] not in USER_ERRORS:
             raise
         where = f" (rank {exc.rank})" if exc.rank else ""
         raise ValueError(final[1] + where) from None
@@ -109,8 +111,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, backend: str, a
         gc.collect()  # free DDP/FSDP modules before the group goes (a live reducer can hang exit)
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        payload = pickle.dumps(("error", rank, traceback.format_exc()))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        error = _Failure(traceback.format_exc(), type(exc).__name__, str(exc))
+        payload = pickle.dumps(("error", rank, error))
         code = 1
     queue.put(payload)
     queue.close()
@@ -134,7 +137,7 @@ _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken p
               "Socket Timeout", "Timed out waiting", "gloo/transport")
 
 
-def _first_cause(errors: dict[int, str], queue: Any, procs: list[Any], done: set[int],
+def _first_cause(errors: dict[int, _Failure], queue: Any, procs: list[Any], done: set[int],
                  wait: float = 3.0) -> WorkerError:
     """The error to show once a rank failed: its peers fail next, with a dropped connection,
     and the first report to arrive may be one of those. Waits up to ``wait`` seconds for the
@@ -154,19 +157,21 @@ def _first_cause(errors: dict[int, str], queue: Any, procs: list[Any], done: set
             done.add(rank)
     for r, p in enumerate(procs):
         if r not in errors and r not in done and not p.is_alive() and p.exitcode:
-            errors[r] = (f"process exited with code {p.exitcode} without a Python error (torch "
-                         f"printed why on stderr, above). A process that aborts in a collective "
-                         f"ran different collectives than its peers: often a forward that took "
-                         f"a branch on some ranks only, leaving parameters without gradients "
-                         f"there; add find_unused to the plan (e.g. dp=2,find_unused=true)")
-    causes = [r for r, tb in errors.items() if not any(p in tb for p in _PEER_GONE)]
+            errors[r] = _Failure(
+                f"process exited with code {p.exitcode} without a Python error (torch printed "
+                f"why on stderr, above). A process that aborts in a collective ran different "
+                f"collectives than its peers: often a forward that took a branch on some ranks "
+                f"only, leaving parameters without gradients there; add find_unused to the plan "
+                f"(e.g. dp=2,find_unused=true)")
+    causes = [r for r, e in errors.items()
+              if not any(p in e.traceback for p in _PEER_GONE)]
     rank = min(causes) if causes else min(errors)
     after = sorted(r for r in errors if r != rank)
-    tb = errors[rank]
+    tb, kind, message = errors[rank]
     if after:
         tb += (f"\n(rank{'s' if len(after) > 1 else ''} {', '.join(map(str, after))} failed "
                f"too, after rank {rank})")
-    return WorkerError(rank, tb)
+    return WorkerError(rank, tb, kind, message)
 
 
 def _start_without_sigint(procs: list[Any]) -> None:

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from plait.spawn import WorkerError, run_distributed
+from plait.spawn import WorkerError, run_distributed, user_errors
 from tests import workers
 
 
@@ -17,6 +17,22 @@ def test_failing_rank_is_reported():
     with pytest.raises(WorkerError) as err:
         run_distributed(workers.fail_on_rank, 2, 1)
     assert err.value.rank == 1 and "boom on rank 1" in err.value.traceback
+
+
+def test_the_error_type_and_message_come_from_the_worker_itself():
+    """The rank sends its exception's type and message beside the traceback: a message that
+    spans lines or reads like a traceback's last line comes back whole, and ``user_errors``
+    turns a worker's ValueError into a one-line ValueError here, naming the rank."""
+    with pytest.raises(WorkerError) as err:
+        run_distributed(workers.bad_value_on_rank, 2, 1)
+    assert err.value.final() == ("ValueError",
+                                 "first line: ValueError: looks like a traceback\nsecond line")
+    with pytest.raises(ValueError, match=r"(?s)first line.*second line \(rank 1\)$"):
+        with user_errors():
+            run_distributed(workers.bad_value_on_rank, 2, 1)
+    with pytest.raises(WorkerError):  # any other error keeps its traceback
+        with user_errors():
+            run_distributed(workers.fail_on_rank, 2, 1)
 
 
 def test_hang_becomes_timeout():

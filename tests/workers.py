@@ -18,6 +18,12 @@ def fail_on_rank(rank, world_size, bad):
     time.sleep(60)  # the parent must kill the survivors
 
 
+def bad_value_on_rank(rank, world_size, bad):
+    if rank == bad:
+        raise ValueError("first line: ValueError: looks like a traceback\nsecond line")
+    time.sleep(60)
+
+
 def hang(rank, world_size):
     if rank == 0:
         dist.barrier()  # rank 1 never joins
