@@ -9,6 +9,10 @@ were to tie differently somewhere.
 
 What the planner is told:
 
+* the model's own refusals: the cost model reads sizes, so before a layout with tensor
+  parallelism is picked the model is asked whether its layer plan takes that tp, and its blocks
+  sequence parallelism (:func:`layout_check`); a refused layout is skipped, and said;
+
 * the cluster: a calibrated profile when one is given (``init("auto", cluster="my.yaml")``,
   written by ``plait plan --calibrate``), else the preset of this accelerator (``cpu`` for CPU
   processes; a CUDA device by its name, e.g. H100 -> ``dgx-h100``, H200 -> ``h200``), resized
@@ -20,6 +24,7 @@ What the planner is told:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +88,7 @@ def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
     batch = request.global_batch or ROWS_PER_RANK * request.world_size
     cluster = cluster_for(request)
     result = plan_model(model, cluster, world_size=request.world_size, global_batch=batch,
-                        seq=seq)
+                        seq=seq, layout_check=layout_check(model))
     resized = load_cluster(cluster, devices=request.world_size)
     if result.best is None:
         raise ValueError("plan='auto': " + explain_nothing_fits(result, stats, resized))
@@ -91,7 +96,28 @@ def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
     why = [f"plait: plan 'auto' for {type(model).__name__} on {request.world_size} x "
            f"{resized.name} (global batch {batch}, seq {seq}): {plan.to_string()}"]
     why += ["  " + line for line in explain_winner(result.ranked, resized)]
+    why += [f"  skipped {n} faster layout{'s' * (n > 1)}: {kind}"
+            for kind, n in sorted(result.rejected.items()) if kind.startswith("refused by")]
     return plan, why
+
+
+def layout_check(model: nn.Module) -> Callable[[Plan], str | None]:
+    """What ``model`` itself refuses of a plan the planner ranks (see
+    :func:`plait.parallel.tensor.tp_refusal`): the cost model reads sizes only, and would
+    propose sequence parallelism for blocks that mix positions, or a tp the model's layer plan
+    cannot take. Each (tp, sp) is checked once."""
+    from .parallel.tensor import tp_refusal
+
+    seen: dict[tuple[int, bool], str | None] = {}
+
+    def check(plan: Plan) -> str | None:
+        if plan.tp == 1:
+            return None
+        key = (plan.tp, plan.sp)
+        if key not in seen:
+            seen[key] = tp_refusal(model, plan.tp, plan.sp)
+        return seen[key]
+    return check
 
 
 def resolve(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:

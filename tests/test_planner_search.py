@@ -81,3 +81,26 @@ def test_at_equal_predicted_time_no_accumulation_comes_first():
     r = search(load_model("tiny"), load_cluster("cpu", devices=2), Workload(8, 64), top=50)
     ties = [e for e in r.ranked if e.step_time_s == r.best.step_time_s]
     assert len(ties) > 1 and r.best.plan.grad_accum == 1
+
+
+def test_layouts_the_model_refuses_are_skipped_in_rank_order():
+    """The cost model reads sizes only; ``layout_check`` is the model's own word (its blocks
+    refuse sequence parallelism, its layer plan does not fit a tp). Without SP the best
+    tensor-parallel layouts come back as plain TP; without TP, none has tp > 1; the check is
+    asked only about layouts that would rank."""
+    m, c, w = load_model("llama-70b"), load_cluster("dgx-h100", devices=64), Workload(64, 4096)
+    free = search(m, c, w, top=3)
+    assert free.best.plan.tp > 1 and free.best.plan.sp
+    asked: list[Plan] = []
+
+    def no_sp(plan: Plan) -> str | None:
+        asked.append(plan)
+        return "blocks.0 mixes positions" if plan.sp else None
+    plain = search(m, c, w, top=3, layout_check=no_sp)
+    assert plain.ranked and all(e.plan.tp > 1 and not e.plan.sp for e in plain.ranked)
+    assert plain.rejected["refused by the model (blocks.0 mixes positions)"] == len(asked) - 3
+    assert plain.best.step_time_s >= free.best.step_time_s
+    # plain TP is what the SP layout was, bar the activation memory SP saves
+    assert plain.best.plan.tp == free.best.plan.tp
+    no_tp = search(m, c, w, top=3, layout_check=lambda p: "tp" if p.tp > 1 else None)
+    assert no_tp.ranked and all(e.plan.tp == 1 for e in no_tp.ranked)

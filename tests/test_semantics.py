@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
+from plait.plan import Plan
 from plait.spawn import run_distributed
 from tests import _workers_semantics as W
 
@@ -415,6 +417,37 @@ def test_fewer_kv_heads_than_tp_are_replicated():
                                timeout=240)[0]
     for (_, factory), result in zip(jobs + four, results, strict=True):
         _assert_matches(W.reference(factory, batches, W.mlm_loss), result)
+
+
+class _Normalised(nn.Module):
+    """A block model whose logits pass a BatchNorm: running statistics the checks' forwards
+    would move."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm, self.bn = lm, nn.BatchNorm1d(W.VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lm(input_ids).transpose(1, 2)).transpose(1, 2)
+
+
+def test_plan_auto_asks_the_model_before_proposing_tensor_or_sequence_parallelism():
+    """The planner prices sizes; whether the model's blocks allow SP, or its layer plan a tp,
+    is the model's to say (``plait.auto.layout_check``): asked without printing, leaving the
+    model's buffers and the RNG as they were."""
+    from plait.auto import layout_check
+
+    ok = layout_check(W.positionwise_lm())
+    assert ok(Plan(tp=2, sp=True)) is None and ok(Plan(tp=1)) is None
+    model = _Normalised(W.shifted_lm())
+    check = layout_check(model)
+    before = model.bn.running_mean.clone(), torch.get_rng_state()
+    why = check(Plan(tp=2, sp=True))  # runs the blocks
+    assert why is not None and "lm.blocks.0 does not treat positions one by one" in why, why
+    assert check(Plan(tp=2)) is None
+    assert torch.equal(model.bn.running_mean, before[0]) and model.bn.num_batches_tracked == 0
+    assert torch.equal(torch.get_rng_state(), before[1])
+    assert check(Plan(tp=3)).startswith("cannot apply tensor parallelism tp=3")
 
 
 def test_sequence_parallelism_on_an_inferred_plan():

@@ -243,6 +243,14 @@ def test_tp_not_dividing_heads_names_module_and_numbers():
     assert "layers.*.attention.q_proj (colwise): 8 heads of 8" in msg
     assert msg.count("attention.q_proj") == 1
     assert "tp values that fit every size: [1, 2, 4, 8]" in msg
+    # A model of one's own: the hint counts its linears' sizes too, not only the stored counts
+    # (4 query heads, 1 kv head, replicated at any tp that splits the queries; MLP width 32).
+    from plait.parallel.tp_infer import verify_plan
+    from tests._workers_semantics import positionwise_lm
+
+    with pytest.raises(ValueError, match=r"blocks\.\*\.attn\.k \(colwise\): 1 head of 4 cannot.*"
+                                         r"tp values that fit every size: \[1, 2, 4\]$"):
+        verify_plan(positionwise_lm(), infer_plan(positionwise_lm()), 3)
 
 
 def test_kv_heads_fewer_than_tp_are_replicated_else_refused():

@@ -332,6 +332,36 @@ def resolve_plan(module: nn.Module, plan: Plan) -> TPPlan:
     return shipped if shipped is not None else _inferred_plan(module, plan.tp, plan.sp)
 
 
+def tp_refusal(module: nn.Module, tp: int, sp: bool) -> str | None:
+    """Why ``module`` cannot take tensor parallelism at ``tp`` (with sequence parallelism if
+    ``sp``), or None; what :func:`apply_tensor_parallel` would refuse, asked before anything
+    is laid out (the planner asks it about the layouts it would pick). Prints nothing and
+    leaves the module as it was: its buffers (a BatchNorm's running statistics) and the RNG
+    are restored after the forwards an inferred plan's checks run. A model on the meta device
+    cannot be run: None, and the checks run when it is laid out."""
+    from .tp_infer import infer_plan, verify_plan
+
+    if any(p.is_meta for p in module.parameters()):
+        return None
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    try:
+        with torch.random.fork_rng(devices=[]):
+            shipped = _shipped_plan(module)
+            plan = shipped if shipped is not None else verify_plan(
+                module, infer_plan(module), tp, sp)
+    except ValueError as exc:
+        return str(exc).split("; ")[0]
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+    if sp and not plan.supports_sp:
+        return "no sequence parallelism: " + (plan.sp_refused or f"its plan ({plan.source}) "
+                                              f"has no sequence-parallel layout")
+    return None
+
+
 def _inferred_plan(module: nn.Module, tp: int, sp: bool = False) -> TPPlan:
     """A plan inferred from ``module``'s structure, checked, and printed on rank 0."""
     from .tp_infer import format_plan, infer_plan, verify_plan
@@ -436,7 +466,25 @@ def kv_layers(module: nn.Module, matched: dict[str, str], tp: int) -> dict[str, 
 
 # ------------------------------------------------------------------------------- validation
 def validate(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp: int) -> list[str]:
-    """Raise ValueError naming every module/size tp does not divide; return notes to print."""
+    """Raise ValueError naming every module/size tp does not divide, and the tp values that
+    fit; return notes to print."""
+    errors, notes = _size_errors(module, tp_plan, matched, tp)
+    if errors:
+        plain = {n: "colwise" if s == "replicated_kv" else s for n, s in matched.items()}
+        ok = [d for d in range(1, 65) if not _size_errors(
+            module, tp_plan, {**plain, **dict.fromkeys(find_replicated_kv(module, plain, d),
+                                                       "replicated_kv")}, d)[0]]
+        hint = f"; tp values that fit every size: {ok}" if ok[1:] else ""
+        # One line per kind of block: model.layers.*.self_attn.k_proj, not one per layer.
+        said = _collapse(errors)
+        raise ValueError(f"cannot apply tensor parallelism tp={tp} to "
+                         f"{type(module).__name__} ({tp_plan.source}): " + "; ".join(said) + hint)
+    return notes
+
+
+def _size_errors(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp: int
+                 ) -> tuple[list[str], list[str]]:
+    """(what tp does not divide, by name; notes to print) for ``matched`` at ``tp``."""
     errors, notes = [], []
     kv_whole = "replicated_kv" in matched.values()
 
@@ -475,9 +523,10 @@ def validate(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp: in
             head_dim = _head_dim(module, name) if style != "colwise_gather" else None
             unit = parts * tp * (head_dim or 1)
             if fan_out % unit:
-                what = f"{fan_out // parts // head_dim} heads of {head_dim}" if head_dim and \
+                heads = fan_out // parts // head_dim if head_dim else 0
+                what = f"{heads} head{'s' * (heads != 1)} of {head_dim}" if head_dim and \
                     fan_out % (parts * head_dim) == 0 else f"out_features={fan_out}"
-                errors.append(f"{name} ({style}): {what} do not split evenly over tp={tp}"
+                errors.append(f"{name} ({style}): {what} cannot split evenly over tp={tp}"
                               + (" (each rank needs whole heads)" if head_dim else ""))
         elif style in ("vocab_embedding", "vocab_head"):
             vocab = sub.num_embeddings if isinstance(sub, nn.Embedding) else _linear_dims(sub)[1]
@@ -487,15 +536,7 @@ def validate(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp: in
                              f"it is padded to {padded} for sharding (shards of {padded // tp} "
                              f"rows, the last {vocab - (tp - 1) * (padded // tp)}; DTensor pads "
                              f"the short shard in collectives)")
-    if errors:
-        ok = [d for d in range(1, 65) if all(fits(k, v, d) for k, v in tp_plan.sizes.items())] \
-            if tp_plan.sizes else []
-        hint = f"; tp values that fit every size: {ok}" if ok else ""
-        # One line per kind of block: model.layers.*.self_attn.k_proj, not one per layer.
-        said = _collapse(errors)
-        raise ValueError(f"cannot apply tensor parallelism tp={tp} to "
-                         f"{type(module).__name__} ({tp_plan.source}): " + "; ".join(said) + hint)
-    return notes
+    return errors, notes
 
 
 def _head_dim(root: nn.Module, name: str) -> int | None:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from plait.plan import Plan
@@ -69,8 +70,10 @@ def _resolve(model: Any, cluster: Any, world_size: int | None) -> tuple[ModelSta
 
 def plan_model(model: Any, cluster: Any = "cpu", *, world_size: int | None = None,
                global_batch: int, seq: int | None = None, dtype: str | None = None,
-               top: int = 10, constants: Constants | None = None) -> SearchResult:
-    """Search layouts for ``model`` on ``cluster`` (resized to ``world_size`` devices)."""
+               top: int = 10, constants: Constants | None = None,
+               layout_check: Callable[[Plan], str | None] | None = None) -> SearchResult:
+    """Search layouts for ``model`` on ``cluster`` (resized to ``world_size`` devices);
+    ``layout_check`` as in :func:`plait.planner.search.search`."""
     stats, c = _resolve(model, cluster, world_size)
     seq = seq or stats.max_seq
     if seq is None:
@@ -82,7 +85,8 @@ def plan_model(model: Any, cluster: Any = "cpu", *, world_size: int | None = Non
 
     k = constants or constants_for(c)
     work = Workload(global_batch, seq)
-    result = search(stats, c, work, dtype=dtype, top=top, constants=k)
+    result = search(stats, c, work, dtype=dtype, top=top, constants=k,
+                    layout_check=layout_check)
     for e in result.ranked[:top or None]:
         with_uncertainty(e, stats, c, work, k)
     return result

@@ -25,6 +25,7 @@ honours.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from plait.plan import Plan
@@ -83,8 +84,9 @@ def _dp_splits(dp: int, tp: int, cluster: Cluster) -> list[tuple[int, int, int]]
 
 
 def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
-                    dtype: str = "bf16", max_microbatch: int = 16):
-    """Yield (plan, balance) groups: each inner list is tried in checkpointing order."""
+                    dtype: str = "bf16", max_microbatch: int = 16, plain_tp: bool = False):
+    """Yield (plan, balance) groups: each inner list is tried in checkpointing order. With
+    ``plain_tp``, TP without SP too (for a model whose blocks may refuse SP)."""
     world = cluster.world_size
     B = work.global_batch
     for tp in divisors(world):
@@ -128,7 +130,8 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
                             layouts.append(dict(base, microbatches=n, virtual_stages=2,
                                                 pp_schedule="zbv"))
                     for layout in layouts:
-                        for sp in ((True,) if tp > 1 and work.seq % tp == 0 else (False,)):
+                        sp_ok = tp > 1 and work.seq % tp == 0
+                        for sp in (True, False) if sp_ok and plain_tp else (sp_ok,):
                             yield [dict(layout, sp=sp, activation_checkpointing=ac)
                                    for ac in AC_ORDER]
 
@@ -142,16 +145,23 @@ def _sort_key(e: Estimate):
 
 def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = "bf16",
            top: int = 10, constants: Constants = DEFAULT_CONSTANTS,
-           max_microbatch: int = 16) -> SearchResult:
+           max_microbatch: int = 16,
+           layout_check: Callable[[Plan], str | None] | None = None) -> SearchResult:
     """Rank every candidate layout; deterministic (ties broken by fewer accumulation steps,
-    then memory, then plan string)."""
+    then memory, then plan string).
+
+    ``layout_check(plan)`` says why the model itself refuses a layout the cost model cannot
+    see (its blocks do not allow sequence parallelism, its layer plan does not fit tp), or
+    None: the ranking then skips what it refuses, asking only about layouts that would rank
+    in the ``top``, in order (the check may run the model)."""
     start = time.perf_counter()
     feasible: list[Estimate] = []
     rejected: dict[str, int] = {}
     closest: Estimate | None = None
     evaluated = 0
     for group in candidate_plans(model, cluster, work, dtype=dtype,
-                                 max_microbatch=max_microbatch):
+                                 max_microbatch=max_microbatch,
+                                 plain_tp=layout_check is not None):
         if group is None:
             rejected["model state does not fit"] = rejected.get("model state does not fit", 0) + 1
             continue
@@ -169,8 +179,26 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
                     or est.memory_bytes_per_device < closest.memory_bytes_per_device):
                 closest = est
     feasible.sort(key=_sort_key)
+    if layout_check is not None:
+        feasible = _accepted(feasible, layout_check, top, rejected)
     return SearchResult(ranked=feasible[:max(top, 1)] if top else feasible, evaluated=evaluated,
                         seconds=time.perf_counter() - start, rejected=rejected, closest=closest)
+
+
+def _accepted(ranked: list[Estimate], check: Callable[[Plan], str | None], top: int,
+              rejected: dict[str, int]) -> list[Estimate]:
+    """``ranked`` without what ``check`` refuses, down to ``top`` kept (0: all)."""
+    kept: list[Estimate] = []
+    for est in ranked:
+        if top and len(kept) >= top:
+            break
+        why = check(est.plan)
+        if why is None:
+            kept.append(est)
+        else:
+            key = f"refused by the model ({why})"
+            rejected[key] = rejected.get(key, 0) + 1
+    return kept
 
 
 def _with_stages(est: Estimate) -> Estimate:
