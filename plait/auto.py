@@ -9,9 +9,9 @@ were to tie differently somewhere.
 
 What the planner is told:
 
-* the model's own refusals: the cost model reads sizes, so before a layout with tensor
-  parallelism is picked the model is asked whether its layer plan takes that tp, and its blocks
-  sequence parallelism (:func:`layout_check`); a refused layout is skipped, and said;
+* the model's own refusals: the cost model reads sizes, so before a layout is picked the model
+  is asked whether its layer plan takes that tp, its blocks sequence parallelism, and its
+  structure that pipeline split (:func:`layout_check`); a refused layout is skipped, and said;
 
 * the cluster: a calibrated profile when one is given (``init("auto", cluster="my.yaml")``,
   written by ``plait plan --calibrate``), else the preset of this accelerator (``cpu`` for CPU
@@ -102,21 +102,30 @@ def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
 
 
 def layout_check(model: nn.Module) -> Callable[[Plan], str | None]:
-    """What ``model`` itself refuses of a plan the planner ranks (see
-    :func:`plait.parallel.tensor.tp_refusal`): the cost model reads sizes only, and would
-    propose sequence parallelism for blocks that mix positions, or a tp the model's layer plan
-    cannot take. Each (tp, sp) is checked once."""
+    """What ``model`` itself refuses of a plan the planner ranks
+    (:func:`plait.parallel.tensor.tp_refusal`, :func:`plait.parallel.pipeline.pp_refusal`):
+    the cost model reads sizes only, and would propose sequence parallelism for blocks that
+    mix positions, a tp the model's layer plan cannot take, or a pipeline for a model that
+    cannot be cut (an encoder-decoder). Each tp/sp and each split is checked once."""
+    from .parallel.pipeline import pp_refusal
     from .parallel.tensor import tp_refusal
 
-    seen: dict[tuple[int, bool], str | None] = {}
+    seen: dict[Any, str | None] = {}
 
     def check(plan: Plan) -> str | None:
-        if plan.tp == 1:
-            return None
-        key = (plan.tp, plan.sp)
-        if key not in seen:
-            seen[key] = tp_refusal(model, plan.tp, plan.sp)
-        return seen[key]
+        keys: list[tuple[Any, ...]] = []
+        if plan.tp > 1:
+            keys.append(("tp", plan.tp, plan.sp))
+        if plan.pp > 1:
+            keys.append(("pp", plan.pp, plan.virtual_stages, plan.pp_schedule,
+                         plan.options.pp_stage_layers))
+        for key in keys:
+            if key not in seen:
+                seen[key] = (tp_refusal(model, plan.tp, plan.sp) if key[0] == "tp"
+                             else pp_refusal(model, plan))
+            if seen[key] is not None:
+                return seen[key]
+        return None
     return check
 
 

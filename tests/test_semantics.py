@@ -450,6 +450,31 @@ def test_plan_auto_asks_the_model_before_proposing_tensor_or_sequence_parallelis
     assert check(Plan(tp=3)).startswith("cannot apply tensor parallelism tp=3")
 
 
+def test_plan_auto_asks_the_model_before_cutting_a_pipeline():
+    """The planner sees a stack of blocks; whether the model can be cut there is the model's
+    to say: an encoder-decoder cannot, nor blocks the forward indexes, nor more stages than
+    blocks, nor a tied weight on two stages one rank holds."""
+    from plait.auto import layout_check
+
+    lm = layout_check(W.positionwise_lm())
+    assert lm(Plan(pp=2, microbatches=2)) is None
+    interleaved = Plan(pp=2, virtual_stages=2, microbatches=4, pp_schedule="interleaved_1f1b")
+    assert "but blocks has only 2 blocks" in lm(interleaved)
+    assert "are ModuleDicts" in layout_check(W.dict_blocks_lm())(Plan(pp=2, microbatches=2))
+    transformers = pytest.importorskip("transformers")
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2,
+        num_heads=4))
+    check = layout_check(t5)
+    assert "is an encoder-decoder model" in check(Plan(pp=2, microbatches=2))
+    assert check(Plan(dp_replicate=2)) is None
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=32, n_embd=16, n_layer=4, n_head=2, n_positions=16))  # tied head
+    zbv = Plan(pp=2, virtual_stages=2, microbatches=2, pp_schedule="zbv")
+    assert "is tied across stages that zbv puts on one rank" in layout_check(gpt2)(zbv)
+    assert layout_check(gpt2)(Plan(pp=2, microbatches=2)) is None
+
+
 def test_sequence_parallelism_on_an_inferred_plan():
     """tp=2,sp=true on a hand-written model (pre-norm attention with one kv head, an MLP, a
     layer-scale on each block): the blocks were run to show they treat positions one by one

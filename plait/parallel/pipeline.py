@@ -524,6 +524,30 @@ class PipelinedModel(nn.Module):
                            "plait.parallel.layout)")
 
 
+def pp_refusal(model: nn.Module, plan: Plan) -> str | None:
+    """Why ``model`` cannot be split as ``plan`` asks, or None: what :func:`apply_pipeline`
+    would refuse before its first step (the split, every stage's module, a weight tied across
+    stages one rank holds), asked before anything is laid out (the planner asks it about the
+    layouts it would pick). Stage modules are shallow copies (the blocks are shared, not
+    copied), built and dropped; the RNG is restored after the fake-tensor forwards. Not
+    covered: what only the real first step shows (a forward that reads a stage's input)."""
+    try:
+        with torch.random.fork_rng(devices=[]):
+            check_schedule_args(plan.pp_schedule, plan.pp, plan.microbatches,
+                                plan.virtual_stages)
+            path, specs = plan_stages(model, plan)
+            for spec in specs:
+                build_stage_module(model, path, spec)
+            owner = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
+            for names in shared_parameters(model, path, specs):
+                if len({owner[s] for s in names}) == 1:
+                    return (f"weight {next(iter(names.values()))} is tied across stages that "
+                            f"{plan.pp_schedule} puts on one rank")
+    except ValueError as exc:
+        return str(exc).split("; ")[0]
+    return None
+
+
 def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device,
                    parallelize_stage: Callable[..., nn.Module]) -> PipelinedModel:
     """Split ``model`` into ``plan.pp x plan.virtual_stages`` stages, keep this rank's, and
