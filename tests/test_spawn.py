@@ -26,8 +26,8 @@ def test_the_error_type_and_message_come_from_the_worker_itself():
     with pytest.raises(WorkerError) as err:
         run_distributed(workers.bad_value_on_rank, 2, 1)
     assert err.value.final() == ("ValueError",
-                                 "first line: ValueError: looks like a traceback\nsecond line")
-    with pytest.raises(ValueError, match=r"(?s)first line.*second line \(rank 1\)$"):
+                                 "bad plan\nKeyError: 'wq' reads like a traceback's last line")
+    with pytest.raises(ValueError, match=r"(?s)^bad plan\nKeyError: .* last line \(rank 1\)$"):
         with user_errors():
             run_distributed(workers.bad_value_on_rank, 2, 1)
     with pytest.raises(WorkerError):  # any other error keeps its traceback

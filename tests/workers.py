@@ -20,7 +20,7 @@ def fail_on_rank(rank, world_size, bad):
 
 def bad_value_on_rank(rank, world_size, bad):
     if rank == bad:
-        raise ValueError("first line: ValueError: looks like a traceback\nsecond line")
+        raise ValueError("bad plan\nKeyError: 'wq' reads like a traceback's last line")
     time.sleep(60)
 
 
