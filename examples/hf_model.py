@@ -56,7 +56,10 @@ def build_gpt2() -> torch.nn.Module:
     cfg = GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                      eos_token_id=0)
-    return GPT2LMHeadModel(cfg)
+    model = GPT2LMHeadModel(cfg)
+    # transformers picks the loss by class name; "GPT2LMHeadModel" names none, so say it.
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def factory() -> tuple[torch.nn.Module, Dataset, None]:
