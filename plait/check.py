@@ -211,13 +211,17 @@ def _user_parts(cfg: CheckConfig) -> tuple[nn.Module, Any, Callable | None]:
 
 
 def _dataset_batches(dataset: Any, cfg: CheckConfig) -> list[Any]:
-    """Global batches of ``cfg.batch_size`` consecutive items (wrapping around), collated as a
-    DataLoader would: the same rows for the reference and for every rank's share."""
+    """Global batches of ``cfg.batch_size`` consecutive items (wrapping around after the last
+    one: steps x batch may exceed the dataset, one batch may not), collated as a DataLoader
+    would: the same rows for the reference and for every rank's share."""
     from torch.utils.data import default_collate
 
     n = len(dataset)
     if n == 0:
         raise ValueError(f"--model {cfg.factory!r}: the dataset is empty")
+    if n < cfg.batch_size:  # as plait.data.loader refuses it for a run
+        raise ValueError(f"--model {cfg.factory!r}: the dataset has {n} items, fewer than one "
+                         f"global batch of {cfg.batch_size}; use --batch-size {n} or less")
     return [default_collate([dataset[(step * cfg.batch_size + i) % n]
                              for i in range(cfg.batch_size)]) for step in range(cfg.steps)]
 

@@ -79,10 +79,16 @@ def test_errors_raised_in_the_workers_are_one_line_too(tmp_path, capsys, monkeyp
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.py").write_text(
         "def boom():\n    raise ValueError('no such checkpoint: weights.pt')\n"
-        "def two():\n    return 1, 2\n")
+        "def two():\n    return 1, 2\n"
+        "import torch\n"
+        "def tiny():\n    return (torch.nn.Linear(2, 2), [(torch.ones(2), torch.ones(2))] * 4,\n"
+        "            torch.nn.functional.mse_loss)\n")
     for spec, fragment in (("mine:boom", "no such checkpoint: weights.pt"),
-                           ("mine:two", "must return (model, dataset, loss_fn)")):
-        code = main(["check", "--plan", "dp=2", "--model", spec, "--timeout", "60"])
+                           ("mine:two", "must return (model, dataset, loss_fn)"),
+                           ("mine:tiny", "the dataset has 4 items, fewer than one global batch "
+                                         "of 8; use --batch-size 4 or less")):
+        code = main(["check", "--plan", "dp=2", "--model", spec, "--timeout", "60",
+                     "--batch-size", "8"])
         err = capsys.readouterr().err
         assert code == 2, err
         assert fragment in err and len(err.strip().splitlines()) == 1, err
