@@ -22,6 +22,7 @@ import torch.distributed as dist
 import plait
 from plait.checkpoint import CheckpointError, resolve
 from plait.checkpoint.store import from_plain, to_plain
+from plait.cli import main as cli_main
 from plait.spawn import WorkerError, run_distributed
 
 from . import _workers_checkpoint as w
@@ -168,7 +169,9 @@ def test_kill_during_save_keeps_previous(tmp_path, no_group, world):
     run = plait.init("single", checkpoint=str(folder), quiet=True)
     try:
         assert run.first_step == 2
-        assert "unfinished" not in run.checkpointing.note  # a complete one exists: resumed
+        # a complete one exists: resumed from it, and the unfinished save is named
+        assert run.checkpointing.note.endswith(
+            "(step 2) (an unfinished save is ignored: .tmp-step-00000004)"), run.checkpointing.note
         model = run.parallelize(w._model(0.0))
         assert run.load(folder, model=model) == 2
     finally:
@@ -245,6 +248,23 @@ def test_another_models_checkpoint_is_refused(saved):
     finally:
         run.close()
     assert _digest(saved) == before
+
+
+def test_a_damaged_newest_checkpoint_stops_the_resume(saved, tmp_path):
+    """A newest step folder without plait.json (saves publish it by a rename after writing
+    it: this one was damaged or copied in part) is refused by name, by a resuming run and by
+    plait export alike; neither falls back to the older step 3 by itself."""
+    shutil.copytree(saved / "step-00000006", saved / "step-00000009")
+    (saved / "step-00000009" / "plait.json").unlink()
+    message = (r"the newest checkpoint in .*, step-00000009, has no plait\.json: .* remove or "
+               r"restore step-00000009 \(then step-00000006 is the newest\)")
+    with pytest.raises(CheckpointError, match=message):
+        plait.init("single", checkpoint=str(saved), quiet=True)
+    assert not dist.is_initialized()
+    with pytest.raises(CheckpointError, match=message):
+        resolve(saved)
+    code = cli_main(["export", str(saved), "--to", str(tmp_path / "w.safetensors")])
+    assert code == 2 and not (tmp_path / "w.safetensors").exists()
 
 
 def test_missing_empty_and_half_written_folders(tmp_path, no_group):

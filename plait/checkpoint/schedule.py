@@ -66,6 +66,8 @@ class Checkpointing:
         step, step_dir = found
         manifest = store.read_manifest(step_dir)  # verified now: a broken newest one stops here
         note = f"checkpoints: resuming from {step_dir} (step {step})"
+        if partial:
+            note += f" (an unfinished save is ignored: {', '.join(p.name for p in partial)})"
         return cls(path, every, keep, bool(async_save), resume_path=step_dir,
                    resume_step=int(manifest["step"]), last_saved=int(manifest["step"]),
                    note=note)

@@ -80,9 +80,9 @@ def resolve(path: str | Path) -> Path:
     if path.name.startswith(_TMP_PREFIX) or _STEP.match(path.name):
         raise CheckpointError(f"checkpoint {path} is half-written (a save that did not finish: "
                               f"no {MANIFEST}); load a complete step-NNNNNNNN folder instead")
-    done = published(path)
-    if done:
-        return done[-1][1]
+    found = latest_step(path)
+    if found is not None:
+        return found[1]
     partial = unfinished(path)
     if partial:
         names = ", ".join(p.name for p in partial)
@@ -98,10 +98,29 @@ def resolve(path: str | Path) -> Path:
 
 
 def latest_step(folder: str | Path) -> tuple[int, Path] | None:
-    """(step, folder) of the newest complete checkpoint in ``folder``, or None when it has none
-    (it does not exist, is empty, or holds only unfinished saves)."""
-    done = published(Path(folder))
-    return done[-1] if done else None
+    """(step, folder) of the newest checkpoint in ``folder``, or None when it has none (it does
+    not exist, is empty, or holds only unfinished ``.tmp-step-*`` saves).
+
+    A save publishes its ``step-*`` folder by a rename after writing ``plait.json``, so a
+    newest ``step-*`` folder without one was damaged or copied in part: refused, never skipped
+    for an older checkpoint (a run would resume from there and later overwrite it)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    steps = sorted((int(m.group(1)), child) for child in folder.iterdir()
+                   if (m := _STEP.match(child.name)))
+    if not steps:
+        return None
+    step, newest = steps[-1]
+    if not (newest / MANIFEST).is_file():
+        older = [p.name for _, p in steps[:-1] if (p / MANIFEST).is_file()]
+        instead = f" (then {older[-1]} is the newest)" if older else ""
+        raise CheckpointError(f"the newest checkpoint in {folder}, {newest.name}, has no "
+                              f"{MANIFEST}: damaged or copied in part (a save writes it before "
+                              f"the folder gets its step-* name); plait does not fall back to an "
+                              f"older one by itself: remove or restore {newest.name}{instead}, "
+                              f"or give another folder")
+    return step, newest
 
 
 def check_writable(folder: str | Path) -> Path:
