@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="global batch")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--accelerator", default=None)  # read by plait.init()
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the planner needs no group
     cfg = preset(args.model, max_seq_len=args.seq_len)

@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--plan", default=None)  # read by plait.init()
+    parser.add_argument("--accelerator", default=None)  # read by plait.init()
     args = parser.parse_args()
 
     run = plait.init(log_every=20)

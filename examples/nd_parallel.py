@@ -39,6 +39,7 @@ def groups(run: plait.Run, axis: str) -> list[list[int]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--plan", default=DEFAULT_PLAN)
+    parser.add_argument("--accelerator", default=None)  # read by plait.init()
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -15,6 +15,7 @@ from plait.models.transformer import build, lm_loss
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--plan", default=None, help="layout, e.g. dp=2,tp=2 (default: dp over all)")
+parser.add_argument("--accelerator", default=None, help="e.g. cuda (read by plait.init())")
 parser.add_argument("--model", default="tiny")
 parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--batch-size", type=int, default=32)

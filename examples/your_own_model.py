@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--plan", default=None)  # read by plait.init()
+    parser.add_argument("--accelerator", default=None)  # read by plait.init()
     args = parser.parse_args()
 
     run = plait.init()

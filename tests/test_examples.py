@@ -25,14 +25,26 @@ def plait_run(nproc, script, *args):
     (2, "pipeline.py", ["--plan", "pp=2,schedule=1f1b,mb=4", "--steps", "4"], "run summary"),
     (2, "tensor_parallel.py", ["--plan", "tp=2,sp=true", "--steps", "4"], "run summary"),
     (2, "zero.py", ["--plan", "dp_shard=2,zero=3", "--steps", "4"], "memory per rank"),
-    (4, "nd_parallel.py", ["--steps", "3"], "communication ledger"),
-    (2, "auto_plan.py", ["--steps", "3"], "training under the winner"),
-    (2, "hf_model.py", ["--plan", "tp=2,sp", "--steps", "4"], "mean over the real tokens"),
+    (4, "nd_parallel.py", ["--steps", "3", "--accelerator", "cpu"], "communication ledger"),
+    (2, "auto_plan.py", ["--steps", "3", "--accelerator", "cpu"], "training under the winner"),
+    (2, "hf_model.py", ["--plan", "tp=2,sp", "--steps", "4", "--accelerator", "cpu"],
+     "mean over the real tokens"),
 ])
 def test_example_runs(nproc, script, args, expect):
     out = plait_run(nproc, script, *args)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert expect in out.stdout
+
+
+def test_examples_take_the_accelerator_flag_plait_init_reads():
+    """--accelerator is read by plait.init() from the script's command line, like --plan: an
+    example whose own parser is strict (parse_args) must declare it, or the documented
+    `--accelerator cuda` stops it with "unrecognized arguments"."""
+    strict = [p for p in sorted((ROOT / "examples").glob("*.py"))
+              if "plait.init(" in p.read_text() and "parse_args()" in p.read_text()]
+    assert len(strict) >= 5
+    for path in strict:
+        assert '"--accelerator"' in path.read_text(), f"{path.name} does not declare it"
 
 
 def test_collectives_example():
