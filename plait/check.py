@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -423,8 +424,8 @@ def _refuse_unfit(plan: Plan, cfg: CheckConfig) -> None:
 # ---------------------------------------------------------------------------------------- CLI
 # Bounds of `plait check`'s own batches: it proves equivalence on a few small steps; attention
 # cost grows with the square of the sequence, and 100,000 tokens ran for hours without a word.
-MAX_SEQ_LEN = 4096
-MAX_BATCH = 1024
+MAX_SEQ_LEN = 1024
+MAX_BATCH = 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -470,12 +471,22 @@ def command(args: argparse.Namespace) -> int:
     if factory is not None:
         load_factory(factory)  # a bad spec fails here, before any process starts
     else:
-        from .models.transformer import preset
+        from .models.transformer import PRESETS, preset
 
+        if args.model not in PRESETS and "." in args.model:  # a module, its factory forgotten
+            raise ValueError(f"--model {args.model!r}: expected a reference preset or "
+                             f"pkg.module:function; name your factory after a colon, e.g. "
+                             f"--model {args.model}:factory")
         preset(args.model)  # an unknown name: one line here, not a traceback from every rank
     cfg = CheckConfig(model=args.model, steps=args.steps, batch_size=args.batch_size,
                       seq_len=args.seq_len, optimizer=args.optimizer, lr=args.lr,
                       factory=factory)
+    # The work is silent until both sides are done: on a terminal, say what runs (on stderr, so
+    # JSON stays clean; in a pipe or a log the error, if any, stays the only line there).
+    if sys.stderr.isatty():
+        print(f"plait check: training {args.model} for {args.steps} steps under {args.plan} and "
+              f"on one device, then comparing (timeout {args.timeout:g}s) ...",
+              file=sys.stderr, flush=True)
     with user_errors():
         result = check(args.plan, cfg, tolerance=args.tolerance, timeout=args.timeout)
     print(json.dumps(result.to_dict(), indent=2) if args.format == "json" else result.format())
