@@ -16,7 +16,8 @@ Sharding is sold on memory, so plait measures it rather than asserting it. A
 
 ``closed_form(plan, psi, ...)`` gives the same four figures from first principles, e.g. Adam in
 fp32 with ZeRO-3 on d shard ranks: 4Ψ/d + 4Ψ/d + 8Ψ/d = 16Ψ/d bytes. Ψ is the number of
-parameters this rank's model replica has (the TP shard's, the pipeline stage's).
+parameters this rank holds before data-parallel sharding (its TP shard's, its pipeline
+stages'); each rank's closed form is computed from its own Ψ.
 
 Tensor bytes are ``numel * element_size`` of each tensor (views into FSDP2's flat buffers are
 counted once each, padding not at all); that is the model state the plan promises, independent
@@ -163,7 +164,7 @@ class MemoryTracker:
                 "model_state": float(self.params + self.grads + self.optimizer_state)}
 
     def psi(self) -> int:
-        """Parameters in this rank's model replica (TP shard / pipeline stage), unsharded by DP."""
+        """Parameters this rank holds before data-parallel sharding (its TP shard, its stages)."""
         return sum(replica_numel(p) for p in _params(self.model))
 
 
@@ -243,8 +244,10 @@ def memory_report(tracker: MemoryTracker, plan: Plan, *, gather: bool = True,
     """
     psi = tracker.psi()
     form = closed_form(plan, psi, optimizer_bytes_per_param(tracker.optimizer))
+    # Each rank's own: pipeline stages hold different parameters (Ψ differs by rank).
     local = {"measured": tracker.measured(), **peak_process_memory(accelerator), "psi": psi,
-             "offloaded": bool(plan.offload)}
+             "offloaded": bool(plan.offload),
+             "closed_form": {**asdict(form), "model_state": form.model_state}}
     ranks = [local]
     if gather and dist.is_initialized() and dist.get_world_size() > 1:
         ranks = [None] * dist.get_world_size()
@@ -262,31 +265,48 @@ def _fmt(x: float | None) -> str:
 
 
 def format_memory_report(report: dict[str, Any]) -> str:
-    """A table: measured bytes per rank beside the closed form, and peak process memory."""
-    form = report["closed_form"]
-    lines = [f"--- memory per rank: {report['plan']} (Ψ = {report['psi']:,} parameters per "
-             f"replica) ---",
-             f"{'':12}{'closed form':>16}" + "".join(f"{'rank ' + str(i):>16}"
-                                                    for i in range(len(report["ranks"])))]
+    """A table: measured bytes per rank beside the closed form, and peak process memory. Where
+    the ranks hold different parameters (pipeline stages), each rank's closed form is shown
+    under its measured figures."""
+    ranks = report["ranks"]
+    forms = [r.get("closed_form", report["closed_form"]) for r in ranks]
+    psis = [r.get("psi", report["psi"]) for r in ranks]
+    same = all(f == forms[0] for f in forms)
+    if len(set(psis)) == 1:
+        held = f"Ψ = {psis[0]:,}"
+    else:
+        held = "Ψ = " + ", ".join(
+            f"{p:,} on rank{'s' * (len(on) > 1)} {', '.join(map(str, on))}"
+            for p, on in sorted({p: [i for i, q in enumerate(psis) if q == p]
+                                 for p in psis}.items(), key=lambda item: item[1][0]))
+    held += ": each rank's parameters before data-parallel sharding"
+    head = f"{'':12}" + (f"{'closed form':>16}" if same else "")
+    lines = [f"--- memory per rank: {report['plan']} ({held}) ---",
+             head + "".join(f"{'rank ' + str(i):>16}" for i in range(len(ranks)))]
     for key, label in (("params", "parameters"), ("grads", "gradients"),
                        ("optimizer", "optimizer"), ("model_state", "model state"),
                        ("gathered", "gathered*")):
-        row = f"{label:<12}{_fmt(form.get(key)):>16}"
-        row += "".join(f"{_fmt(r['measured'][key]):>16}" for r in report["ranks"])
-        lines.append(row)
-    lines.append(f"{'peak RSS':<12}{'':>16}" + "".join(f"{_fmt(r['peak_rss']):>16}"
-                                                      for r in report["ranks"]))
-    if any("peak_device" in r for r in report["ranks"]):
-        lines.append(f"{'peak device':<12}{'':>16}" + "".join(
-            f"{_fmt(r.get('peak_device')):>16}" for r in report["ranks"]))
+        row = f"{label:<12}" + (f"{_fmt(forms[0].get(key)):>16}" if same else "")
+        lines.append(row + "".join(f"{_fmt(r['measured'][key]):>16}" for r in ranks))
+        if not same:
+            lines.append(f"{' closed form':<12}" + "".join(f"{_fmt(f.get(key)):>16}"
+                                                            for f in forms))
+    blank = f"{'':>16}" if same else ""
+    lines.append(f"{'peak RSS':<12}{blank}" + "".join(f"{_fmt(r['peak_rss']):>16}"
+                                                      for r in ranks))
+    if any("peak_device" in r for r in ranks):
+        lines.append(f"{'peak device':<12}{blank}" + "".join(
+            f"{_fmt(r.get('peak_device')):>16}" for r in ranks))
     lines.append("* gathered parameters still held when forward ends (kept for backward)")
     return "\n".join(lines)
 
 
 def model_state_ratio(report: dict[str, Any]) -> list[float]:
-    """Measured / closed-form model-state bytes, per rank (1.0 = exactly as predicted)."""
-    expected = report["closed_form"]["model_state"]
-    return [r["measured"]["model_state"] / expected for r in report["ranks"]]
+    """Measured / closed-form model-state bytes, per rank, each against its own closed form
+    (1.0 = exactly as predicted)."""
+    return [r["measured"]["model_state"]
+            / r.get("closed_form", report["closed_form"])["model_state"]
+            for r in report["ranks"]]
 
 
 def tensors_bytes(tensors: Iterable[torch.Tensor]) -> int:

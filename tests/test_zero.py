@@ -141,6 +141,24 @@ def test_memory_under_tensor_parallelism_is_the_closed_form():
     assert run_distributed(strided_replica_numel, 2, timeout=60) == [24, 24]
 
 
+def test_memory_under_a_pipeline_is_each_stages_closed_form():
+    """pp=2: the stages hold different parameters (the embedding on one, the head on the
+    other), so each rank is held to the closed form of its own Ψ, and the table shows one
+    closed form per rank."""
+    from plait.memory import format_memory_report
+
+    report = run_distributed(train_memory, 2, Plan(pp=2, microbatches=2), CheckConfig(steps=2),
+                             timeout=180)[0]
+    psis = [rank["psi"] for rank in report["ranks"]]
+    assert psis[0] != psis[1] and sum(psis) == 180_800
+    for rank in report["ranks"]:
+        assert rank["measured"]["params"] == rank["closed_form"]["params"] == 4 * rank["psi"]
+    assert all(0.9 <= r <= 1.1 for r in model_state_ratio(report))
+    table = format_memory_report(report)
+    assert f"(Ψ = {psis[0]:,} on rank 0, {psis[1]:,} on rank 1: each rank's parameters" in table
+    assert table.count("\n closed form ") == 5, table
+
+
 @pytest.mark.slow
 def test_memory_hsdp_shards_over_dp_shard_only():
     plan = Plan.from_string("dp_replicate=2,dp_shard=2,zero=3")
