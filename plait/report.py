@@ -58,11 +58,16 @@ def local_memory(accelerator: Any = None) -> dict[str, float]:
 
 
 def summarize(plan: Plan, stats: Any, memory: list[dict[str, float]], *, world_size: int,
-              accelerator: str, wall_s: float) -> dict[str, Any]:
+              accelerator: str, wall_s: float, warmup: int = 1) -> dict[str, Any]:
+    """End-of-run figures. The first ``warmup`` steps (allocation, autotuning, compilation)
+    are left out of the step time and the throughput when at least 3 steps remain. The
+    throughput is the whole rate (items over time) of the steps kept, so it matches their mean
+    step time, given beside the median: a slow step (a recompilation, a checkpoint) moves the
+    mean and the throughput, not the median."""
     steps = len(stats.step_times)
-    # Skip the first step (warm-up: allocation, autotuning) when there are enough steps.
-    times = stats.step_times[1:] if steps > 3 else stats.step_times
-    toks = stats.tokens[1:] if steps > 3 else stats.tokens
+    skip = warmup if steps - warmup >= 3 else 0
+    times = stats.step_times[skip:]
+    toks = stats.tokens[skip:]
     final = float(stats.losses[-1]) if stats.losses else None
     rate = (sum(toks) / sum(times)) if times and sum(times) > 0 else None
     samples = getattr(stats, "unit", "tokens") == "samples"
@@ -75,6 +80,8 @@ def summarize(plan: Plan, stats: Any, memory: list[dict[str, float]], *, world_s
         "skipped_steps": list(getattr(stats, "skipped", [])),
         "final_loss": final if final == final else None,
         "step_time_s": _median(times),
+        "mean_step_time_s": sum(times) / len(times) if times else None,
+        "warmup_steps": skip,
         "tokens_per_s": None if samples else rate,
         "samples_per_s": rate if samples else None,
         "wall_s": wall_s,
@@ -96,7 +103,11 @@ def format_summary(info: dict[str, Any]) -> str:
         lines.append(f"throughput      {info['tokens_per_s']:,.0f} tokens/s")
     elif info.get("samples_per_s"):
         lines.append(f"throughput      {info['samples_per_s']:,.0f} samples/s")
-    lines.append(f"step time       {1000 * info['step_time_s']:.1f} ms (median)")
+    mean = info.get("mean_step_time_s")
+    lines.append(f"step time       {1000 * info['step_time_s']:.1f} ms (median)"
+                 + (f", {1000 * mean:.1f} ms (mean)" if mean else "")
+                 + (f", after {info['warmup_steps']} warm-up step"
+                    f"{'s' * (info['warmup_steps'] > 1)}" if info.get("warmup_steps") else ""))
     peaks = [m["peak_rss_bytes"] / 2**20 for m in info["memory_per_rank"]]
     lines.append("peak host RSS   " + ", ".join(f"r{i}: {p:,.0f} MiB" for i, p in enumerate(peaks)))
     dev = [m.get("peak_device_bytes") for m in info["memory_per_rank"]]

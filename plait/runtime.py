@@ -548,9 +548,12 @@ class Run:
         local = report.local_memory(self.accelerator)
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local)
+        # Warm-up steps left out of the rates: the first (allocation, autotuning), and on
+        # PyTorch/XLA the ones its diagnostics call warm-up (they compile the step).
+        warmup = self.xla.warmup if self.xla is not None else 1
         info = report.summarize(self.plan, self.stats, gathered, world_size=self.world_size,
                                 accelerator=self.accelerator.name,
-                                wall_s=time.perf_counter() - self._started)
+                                wall_s=time.perf_counter() - self._started, warmup=warmup)
         if self.ledger is not None:
             comm = self.ledger.report(expected=self._expected_traffic())
             info["comm"] = comm.to_dict()

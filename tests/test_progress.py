@@ -158,3 +158,22 @@ def test_throughput_counts_tokens_positions_or_samples():
     assert "8 samples/s" in report.progress_line(2, 4, 1.0, stats)
     info = report.summarize(Plan(), stats, [], world_size=1, accelerator="cpu", wall_s=1.0)
     assert info["samples_per_s"] == 8 and info["tokens_per_s"] is None
+
+
+def test_summary_rates_leave_out_the_warm_up_and_agree_with_the_mean_step():
+    """On PyTorch/XLA the first two steps compile: they stay out of the throughput (it was
+    ~18x below what the median step time implied); what is kept is a whole rate, so it is the
+    tokens per step over the mean step time, printed beside the median."""
+    times = [30.0, 25.0, 0.1, 0.1, 0.3, 0.1]  # two compiling steps, one slow step later
+    stats = StepStats(step_times=times, tokens=[128] * 6)
+    info = report.summarize(Plan(), stats, [{"peak_rss_bytes": 1.0}], world_size=1,
+                            accelerator="xla", wall_s=60.0, warmup=2)
+    assert info["warmup_steps"] == 2 and info["mean_step_time_s"] == pytest.approx(0.15)
+    assert info["tokens_per_s"] == pytest.approx(128 / 0.15)
+    assert info["step_time_s"] == pytest.approx(0.1)
+    text = report.format_summary(info)
+    assert "853 tokens/s" in text and "100.0 ms (median), 150.0 ms (mean), after 2 warm-up " \
+                                      "steps" in text, text
+    short = report.summarize(Plan(), StepStats(step_times=times[:4], tokens=[1] * 4), [],
+                             world_size=1, accelerator="xla", wall_s=1.0, warmup=2)
+    assert short["warmup_steps"] == 0  # fewer than 3 steps would remain: all are counted
