@@ -63,6 +63,7 @@ class Verdict:
     bad_loss_rank: int | None = None   # lowest rank whose loss was NaN/inf
     bad_grad_rank: int | None = None   # lowest rank whose gradient norm was NaN/inf
     stop: bool = False                 # some rank was asked to stop
+    job_norm: bool = False             # the gradient norm is the job's (clipping's), one for all
 
     @property
     def nonfinite(self) -> bool:
@@ -73,7 +74,9 @@ class Verdict:
         if self.bad_loss_rank is not None:
             parts.append(f"non-finite loss on rank {self.bad_loss_rank}")
         if self.bad_grad_rank is not None:
-            parts.append(f"non-finite gradient norm on rank {self.bad_grad_rank}")
+            # The job's norm is non-finite on every rank alike: no rank to name.
+            parts.append("non-finite gradient norm" if self.job_norm
+                         else f"non-finite gradient norm on rank {self.bad_grad_rank}")
         return f"step {step}: " + " and ".join(parts)
 
 
@@ -134,5 +137,5 @@ class StepGuard:
         self.last = Verdict(
             bad_loss_rank=self.world_size - int(loss_mark) if loss_mark else None,
             bad_grad_rank=self.world_size - int(grad_mark) if grad_mark else None,
-            stop=bool(stop))
+            stop=bool(stop), job_norm=agreed is not None)
         return not self.last.nonfinite

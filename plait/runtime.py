@@ -12,11 +12,13 @@ is the same) and as ``plait run --nproc 8 train.py --plan dp=2,tp=2,pp=2``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import os
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -616,12 +618,15 @@ class Run:
             self.print(f"plot: {path}")
         return path
 
-    def close(self) -> None:
+    def close(self, *, leaving: bool = False) -> None:
         """Free parallel modules before the group goes: a DDP reducer still alive after
         ``destroy_process_group`` can deadlock on the GIL at exit (its teardown joins a gloo
-        thread that waits for the GIL)."""
+        thread that waits for the GIL). ``leaving``: the process is exiting on an error (see
+        :func:`_close_at_exit`); peers may be gone, so no barrier, and an unfinished
+        asynchronous save is not waited for (the previous checkpoint stays whole)."""
         if self.checkpointing is not None and self.checkpointing.pending is not None:
-            self.checkpointing.pending.wait()
+            if not leaving:
+                self.checkpointing.pending.wait()
             self.checkpointing.pending = None
         if self.ledger is not None:
             self.ledger.uninstall()
@@ -635,7 +640,7 @@ class Run:
         import gc
 
         gc.collect()
-        if self.owns_group and dist.is_initialized():
+        if self.owns_group and dist.is_initialized() and not leaving:
             dist.barrier()
         if self._watchdog is not None:  # before its process groups go
             self._watchdog.close()
@@ -643,6 +648,18 @@ class Run:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_group = False
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    """At interpreter exit, close a Run that still holds its process group: the script ended
+    on an error (a NonFiniteError, a user's exception) before ``finish()``. Left to static
+    destruction, the group's C++ threads were sometimes still joinable and the rank died with
+    SIGABRT ("terminate called without an active exception") after its traceback, which then
+    read as a crash in C++."""
+    run = ref()
+    if run is not None and run.owns_group and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            run.close(leaving=True)
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -856,6 +873,8 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
     from .lifecycle import AttemptRecord
 
     run._attempt = AttemptRecord.for_worker(rank, os.environ)
+    if owns_group:
+        atexit.register(_close_at_exit, weakref.ref(run))
     run._start_watchdog()
     if ledger:
         from .comm.ledger import Ledger
