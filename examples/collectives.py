@@ -45,7 +45,7 @@ def demo(rank: int, world: int) -> list:
         t = torch.full((2,), float(rank))
         b = t.clone()
         dist.reduce(t, dst=0)
-        show(rank, out, "reduce (sum to 0)", b, t)
+        show(rank, out, "reduce (sum to 0; others: scratch)", b, t)
 
         # all-gather: each rank contributes one piece; everyone gets all pieces in rank order.
         piece = torch.tensor([float(rank)])

@@ -1,10 +1,10 @@
 """A Hugging Face model under plait, in the Hugging Face batch convention.
 
 Each batch is one dict, ``{"input_ids": ..., "labels": ...}``, and the model computes its own
-loss (``run.step(model, batch, None, opt)`` uses ``output.loss``). The rows are padded to a
-common length and the padding is labelled -100, so every rank and micro-batch counts a
-different number of tokens; plait all-reduces that count once per step, and the loss is the
-mean over the global batch's real tokens, as one device computes it. The model is GPT-2 built
+loss (``run.step(model, batch, None, opt)`` uses ``output.loss``). Each row counts the labels
+of a random-length prefix only (the rest is labelled -100, as padding is), so every rank and
+micro-batch counts a different number of tokens; plait all-reduces that count once per step,
+and the loss is the mean over the global batch's counted tokens, as one device computes it. The model is GPT-2 built
 from a config (no download), its embedding tied to its head as GPT-2 ships.
 
     plait run --nproc 2 examples/hf_model.py --plan dp=2
@@ -31,7 +31,9 @@ SEQ = 64
 
 
 class PaddedText(Dataset):
-    """Bundled text cut into rows of random length, padded to SEQ; padding labelled -100."""
+    """Bundled text in rows of SEQ tokens, each counting only a random-length prefix: the
+    labels after it are -100, as a padded row's are (the tokens stay text; causal attention
+    never lets the counted positions see them)."""
 
     def __init__(self, seed: int = 0):
         self.text = TextDataset(seq_len=SEQ)

@@ -56,7 +56,9 @@ def main(plan: str | None = None, steps: int = 20, png: str = "pipeline_timeline
     if run.dp_rank == 0 and run.mesh.local_rank("pp") == 0:
         theory = theoretical_bubble(p.pp_schedule, p.pp, p.microbatches, p.virtual_stages)
         print(f"bubble: measured {bubble_fraction(events):.1%} (mean of the last "
-              f"{len({e.step for e in events})} steps), theory {theory:.1%}", flush=True)
+              f"{len({e.step for e in events})} steps), theory {theory:.1%} (the theory counts "
+              f"compute only; the measured idle time also holds the waits on sends and "
+              f"receives, large beside a model this small)", flush=True)
         try:
             print(f"timeline: {plot(events, png)}", flush=True)
         except ImportError as exc:
@@ -64,8 +66,8 @@ def main(plan: str | None = None, steps: int = 20, png: str = "pipeline_timeline
     run.finish()
 
 
-def _worker(rank: int, world_size: int, plan: str) -> None:
-    main(plan)
+def _worker(rank: int, world_size: int, plan: str, steps: int) -> None:
+    main(plan, steps=steps)
 
 
 if __name__ == "__main__":
@@ -80,5 +82,6 @@ if __name__ == "__main__":
         from plait.spawn import run_distributed
 
         plan = args.plan or DEFAULT_PLAN
-        run_distributed(_worker, Plan.load(plan).world_size, plan, timeout=600)
+        run_distributed(_worker, Plan.load(plan).world_size, plan, max(3, args.steps),
+                        timeout=600)
         sys.exit(0)

@@ -592,8 +592,8 @@ class Run:
             self.print(report.format_summary(info))
             if "comm_table" in info:
                 steps = max(0, len(self.stats.step_times) - self.ledger_warmup)
-                self.print(f"--- communication ledger: per rank per step, {steps} steps "
-                           f"measured ---")
+                self.print(f"--- communication ledger: per rank per step, {steps} "
+                           f"step{'s' * (steps != 1)} measured ---")
                 self.print(info["comm_table"])
             if memory is not None:
                 from .memory import format_memory_report

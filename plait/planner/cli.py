@@ -78,7 +78,14 @@ def _gb(x: float) -> str:
 
 
 def _fmt_axes(d: dict[str, float]) -> str:
-    return " ".join(f"{k}:{v / 1e9:.3g}GB" for k, v in sorted(d.items())) or "-"
+    """Bytes per axis in GiB, as the memory column (KiB/MiB where smaller: no 1.2e-05)."""
+    def size(v: float) -> str:
+        for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if v >= scale:
+                x = v / scale
+                return (f"{x:.3g}" if x < 1000 else f"{x:,.0f}") + unit
+        return f"{v:.0f}B"
+    return " ".join(f"{k}:{size(v)}" for k, v in sorted(d.items())) or "-"
 
 
 def estimate_json(e: Estimate) -> dict[str, Any]:
