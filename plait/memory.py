@@ -163,6 +163,20 @@ class MemoryTracker:
                 "optimizer": float(self.optimizer_state), "gathered": float(self.gathered),
                 "model_state": float(self.params + self.grads + self.optimizer_state)}
 
+    def root_psi(self) -> int | None:
+        """Parameters of the root FSDP unit (those no inner ``fully_shard`` unit holds: the
+        embeddings, final norm and head of a transformer), counted as :meth:`psi` counts;
+        ZeRO-3 keeps them gathered from forward to backward. None without FSDP units."""
+        from torch.distributed.fsdp import FSDPModule
+
+        roots = list(local_modules(self.model))
+        inner = {id(p) for root in roots for name, m in root.named_modules()
+                 if name and isinstance(m, FSDPModule) for p in m.parameters()}
+        if not inner:
+            return None
+        return sum(replica_numel(p) for root in roots for p in root.parameters()
+                   if id(p) not in inner)
+
     def psi(self) -> int:
         """Parameters this rank holds before data-parallel sharding (its TP shard, its stages)."""
         return sum(replica_numel(p) for p in _params(self.model))
@@ -202,7 +216,7 @@ class ClosedForm:
 
 
 def closed_form(plan: Plan, psi: int, optimizer_per_param: int | None, *,
-                master_bytes: int = 4) -> ClosedForm:
+                master_bytes: int = 4, root_psi: int | None = None) -> ClosedForm:
     """Model-state bytes per rank for ``plan`` with ``psi`` parameters per replica.
 
     Parameters and gradients are kept in fp32 (``master_bytes``) under every plan — bf16 only
@@ -215,10 +229,12 @@ def closed_form(plan: Plan, psi: int, optimizer_per_param: int | None, *,
     0       4Ψ          4Ψ          KΨ          0 (nothing is sharded)
     1       4Ψ          4Ψ          KΨ/d        0
     2       4Ψ/d        4Ψ/d        KΨ/d        CΨ (every block stays gathered)
-    3       4Ψ/d        4Ψ/d        KΨ/d        transient (one block at a time)
+    3       4Ψ/d        4Ψ/d        KΨ/d        CΨ_root (and one block at a time)
     ======  ==========  ==========  ==========  ===========================
 
-    K = optimizer bytes per parameter (Adam fp32: 8), C = compute bytes (fp32 4, bf16 2).
+    K = optimizer bytes per parameter (Adam fp32: 8), C = compute bytes (fp32 4, bf16 2),
+    Ψ_root = ``root_psi``, the parameters of the root FSDP unit (no inner unit holds them:
+    they are gathered for the whole forward and backward); unknown: None.
     """
     d = plan.dp_shard
     compute = 2 if plan.mixed_precision == "bf16" else master_bytes
@@ -229,7 +245,8 @@ def closed_form(plan: Plan, psi: int, optimizer_per_param: int | None, *,
     opt = None if opt_full is None else opt_full / d
     if plan.zero == 1:
         return ClosedForm(full, full, opt, 0.0)
-    gathered = float(compute * psi) if plan.zero == 2 else None
+    gathered = float(compute * psi) if plan.zero == 2 else \
+        None if root_psi is None else float(compute * root_psi)
     return ClosedForm(full / d, full / d, opt, gathered)
 
 
@@ -243,7 +260,8 @@ def memory_report(tracker: MemoryTracker, plan: Plan, *, gather: bool = True,
     figures under ``"ranks"``.
     """
     psi = tracker.psi()
-    form = closed_form(plan, psi, optimizer_bytes_per_param(tracker.optimizer))
+    form = closed_form(plan, psi, optimizer_bytes_per_param(tracker.optimizer),
+                       root_psi=tracker.root_psi() if plan.zero == 3 else None)
     # Each rank's own: pipeline stages hold different parameters (Ψ differs by rank).
     local = {"measured": tracker.measured(), **peak_process_memory(accelerator), "psi": psi,
              "offloaded": bool(plan.offload),

@@ -125,6 +125,7 @@ def _check_memory(plan: Plan, report: dict) -> None:
             assert abs(measured["gathered"] - form["gathered"]) <= 0.1 * form["gathered"]
         if plan.zero == 3:  # only the root's own parameters (embeddings, norm, head)
             assert 0 < measured["gathered"] < 0.25 * 4 * psi
+            assert measured["gathered"] == form["gathered"], (plan, measured, form)
         if plan.zero < 2:
             assert measured["gathered"] == 0
 
