@@ -809,6 +809,35 @@ class PositionwiseBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class LoRALinear(nn.Module):
+    """A frozen linear plus a trainable low-rank update, the hand-written LoRA:
+    base(x) + scale * B(A(x)). B starts non-zero (LoRA starts it at zero) so that A gets a
+    gradient from the first step."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.A = nn.Linear(base.in_features, rank, bias=False)
+        self.B = nn.Linear(rank, base.out_features, bias=False)
+        self.scale = 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.scale * self.B(self.A(x))
+
+
+class LoRABlock(PositionwiseBlock):
+    """PositionwiseBlock with two kv heads, every linear wrapped in LoRA (only A and B, the
+    norms and the layer-scale train)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = SelfAttention(kv_heads=2)
+        linears = [(parent, name) for parent in self.modules()
+                   for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+        for parent, name in linears:
+            setattr(parent, name, LoRALinear(getattr(parent, name)))
+
+
 qk_norm_lm = partial(seeded, partial(BlockLM, QKNormBlock))
 
 
@@ -816,6 +845,9 @@ positionwise_lm = partial(seeded, partial(BlockLM, PositionwiseBlock))
 
 
 shifted_lm = partial(seeded, partial(BlockLM, partial(PositionwiseBlock, shift=True)))
+
+
+lora_lm = partial(seeded, partial(BlockLM, LoRABlock))
 
 
 mqa_lm = partial(seeded, partial(BlockLM, partial(GroupedQueryBlock, 1)))

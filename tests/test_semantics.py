@@ -500,6 +500,32 @@ def test_sequence_parallelism_on_an_inferred_plan():
         _assert_matches(W.reference(factory, batches, W.mlm_loss), result)
 
 
+def test_lora_layers_under_tensor_parallelism():
+    """A model whose every linear in its blocks is a LoRA layer (frozen base, trainable A and
+    B): the inferred plan splits each as one linear, its side path with it (B column-parallel
+    beside a column-parallel base, A row-parallel beside a row-parallel one, the other whole),
+    and the trained A, B, norms and layer-scales match one device at tp=2, with SP (an A
+    inside a region reads the gathered sequence: its gradient is not summed over tp), with
+    ZeRO-3 on the frozen bases, and at pp=2,tp=2,sp=true."""
+    from plait.parallel.tp_infer import infer_plan
+
+    styles = infer_plan(W.lora_lm()).styles
+    assert styles["blocks.*.attn.q.B"] == "colwise" and styles["blocks.*.attn.o.A"] == "rowwise"
+    assert "blocks.*.attn.q.A" not in styles and "blocks.*.attn.o.B" not in styles
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    jobs = [("tp=2", W.lora_lm), ("tp=2,sp=true", W.lora_lm), ("dp_shard=2,zero=3", W.lora_lm)]
+    results = run_distributed(W.train_jobs, 2, [(p, f, batches, W.mlm_loss) for p, f in jobs],
+                              timeout=240)[0]
+    results += run_distributed(W.train_jobs, 4, [("pp=2,tp=2,sp=true", W.lora_lm, batches,
+                                                  W.mlm_loss)], timeout=240)[0]
+    reference = W.reference(W.lora_lm, batches, W.mlm_loss)
+    for result in results:
+        _assert_matches(reference, result)
+        moved = [k for k, v in result["state"].items()
+                 if not torch.equal(v, W.lora_lm().state_dict()[k])]
+        assert moved and all(".base." not in k for k in moved), (result["plan"], moved)
+
+
 HF_MORE_TP = [W.hf_qwen3, W.hf_phi3, W.hf_mixtral, W.hf_roberta_mlm]
 HF_MORE_PP = [W.hf_opt, W.hf_falcon, W.hf_bloom, W.hf_distilbert]
 

@@ -64,6 +64,7 @@ from .layout import Layout, record_layout
 from .pipeline_split import STAND_INS
 from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owner_head_dim, owners
 from .tp_kv import replicated_kv as find_replicated_kv
+from .tp_lora import reads_gathered
 from .tp_plans import (
     COLWISE,
     LINEAR_STYLES,
@@ -598,8 +599,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
     if plan.sp and tp_plan.sp_summed:
         # Between its regions an inferred plan's block stack runs on sequence shards: what
         # no entry names (norms, a layer-scale) gets one rank's positions' gradient.
+        whole = reads_gathered(module, matched, regions)
         summed |= {id(p) for name, sub in module.named_modules()
-                   if name and under(name, tp_plan.sp_blocks)
+                   if name and under(name, tp_plan.sp_blocks) and name not in whole
                    for p in sub.parameters(recurse=False) if not isinstance(p, DTensor)}
     replicate_rest(module, tp_mesh, summed)
     _reduce_partial_grads_in_backward(module)
@@ -789,11 +791,22 @@ def _compute_locally(module: nn.Module, mesh: DeviceMesh,
     or, when a DTensor comes in, on DTensors with local outputs (``on_dtensors``; otherwise
     such a call is left as it is). Entries are names, not tensors: FSDP2 registers a new
     unsharded parameter under the same name each time it gathers one."""
-    calls: list[list[tuple[dict, str, DTensor, torch.Tensor]] | None] = []
+    calls: list[tuple[bool, list[tuple[dict, str, Any, Any]]]] = []
 
     def enter(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if _holds_dtensor((args, kwargs)):
-            calls.append(None)
+            wrapped = []
+            if on_dtensors:
+                # A module above swapped them for local tensors (its call had plain inputs);
+                # this call computes on DTensors (a LoRA layer's A reads a region's input), so
+                # they go back in as replicated DTensors for it, differentiably.
+                for registry, name, _ in entries:
+                    t = registry.get(name)
+                    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                        registry[name] = d = DTensor.from_local(t, mesh, [Replicate()],
+                                                                run_check=False)
+                        wrapped.append((registry, name, t, d))
+            calls.append((True, wrapped))
             return _inputs_to_replicate(mesh, mod, args, kwargs) if on_dtensors else None
         saved = []
         for registry, name, summed in entries:
@@ -801,12 +814,15 @@ def _compute_locally(module: nn.Module, mesh: DeviceMesh,
             if isinstance(t, DTensor) and t.device_mesh == mesh:
                 registry[name] = local = _SumGradToLocal.apply(t) if summed else t.to_local()
                 saved.append((registry, name, t, local))
-        calls.append(saved)
+        calls.append((False, saved))
         return None
 
     def leave(mod: nn.Module, args: tuple, output: Any) -> Any:
-        saved = calls.pop()
-        if saved is None:
+        on_dtensor_call, saved = calls.pop()
+        if on_dtensor_call:
+            for registry, name, local, wrapped in reversed(saved):
+                if registry.get(name) is wrapped:
+                    registry[name] = local
             return _outputs_to_local(mod, args, output) if on_dtensors else None
         for registry, name, t, local in reversed(saved):
             if registry.get(name) is local:  # not re-registered meanwhile (by FSDP2)

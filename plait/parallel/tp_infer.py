@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
 from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owners, replicated_kv
+from .tp_lora import base_linear, expand, low_rank_parts
 from .tp_plans import STYLES, TPPlan, under
 from .tp_record import fake_forward, record_blocks
 
@@ -76,6 +77,19 @@ def _shardable(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) and not is_parametrized(m)
 
 
+def _linear_like(m: nn.Module) -> bool:
+    """A linear, or a LoRA layer (one linear with a low-rank side path, split as one)."""
+    return isinstance(m, nn.Linear) or low_rank_parts(m) is not None
+
+
+def _shardable_like(m: nn.Module) -> bool:
+    if isinstance(m, nn.Linear):
+        return _shardable(m)
+    parts = low_rank_parts(m)
+    return parts is not None and all(_shardable(m.get_submodule(n))
+                                     for n in (parts.base, parts.a, parts.b))
+
+
 class _LinearTracer(fx.Tracer):
     """Traces into a module only when it holds a linear: what a module without one computes
     (a norm, a BatchNorm synchronised over the data axes, a rotary table) has no say in where
@@ -83,7 +97,7 @@ class _LinearTracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         # A Linear subclass with a forward of its own (Falcon's FalconLinear) is still a linear.
-        return (super().is_leaf_module(m, module_qualified_name) or isinstance(m, nn.Linear)
+        return (super().is_leaf_module(m, module_qualified_name) or _linear_like(m)
                 or not any(isinstance(sub, nn.Linear) for sub in m.modules()))
 
 
@@ -101,7 +115,7 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
     not, or None when it is a container: linears of its sub-blocks sit between its own (an
     input layer and a head around blocks), so its sub-blocks are the regions, not itself.
     ``graph`` is its dataflow (traced by fx when not given)."""
-    linears = {n for n, m in block.named_children() if isinstance(m, nn.Linear)}
+    linears = {n for n, m in block.named_children() if _linear_like(m)}
     if graph is None:
         traced = trace_block(block)
         if isinstance(traced, str):
@@ -118,10 +132,10 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
     output = next(n for n in graph.nodes if n.op == "output")
     # Linears of sub-modules (fx traces through Sequential, ModuleList/Dict and custom modules).
     nested = {n for n in graph.nodes if n.op == "call_module" and n not in nodes
-              and isinstance(block.get_submodule(n.target), nn.Linear)}
+              and _linear_like(block.get_submodule(n.target))}
     if nested and any(nested & _reaches(n, nodes) for n in nodes):
         return None
-    fixed = sorted(n for n in linears if not _shardable(block.get_submodule(n)))
+    fixed = sorted(n for n in linears if not _shardable_like(block.get_submodule(n)))
     if fixed:
         return (f"its linear(s) {fixed} are parametrized (weight_norm or spectral_norm compute "
                 f"the weight from other tensors), which torch's tensor-parallel styles cannot "
@@ -254,8 +268,8 @@ def _packing(block: nn.Module, entries: list[fx.Node], exit_node: fx.Node,
     q and half of k); any other entry wider than what the exit reads packs parts plait cannot
     tell apart, and the reason is returned instead."""
     def linear(node: fx.Node) -> nn.Linear:
-        module = block.get_submodule(calls[node])
-        assert isinstance(module, nn.Linear)
+        module = base_linear(block.get_submodule(calls[node]))
+        assert module is not None
         return module
 
     width = linear(exit_node).in_features
@@ -319,7 +333,8 @@ def infer_plan(model: nn.Module) -> TPPlan:
     refused: dict[str, None] = {}  # "blocks (type): reason", repeated blocks as one glob
     in_blocks: set[str] = set()
     candidates = {name: block for name, block in model.named_modules()
-                  if sum(isinstance(m, nn.Linear) for m in block.children()) >= 2}
+                  if sum(_linear_like(m) for m in block.children()) >= 2
+                  and low_rank_parts(block) is None}
     graphs = {name: trace_block(block) for name, block in candidates.items()}
     untraced = {name: candidates[name] for name, g in graphs.items() if isinstance(g, str)}
     example = example_input(model) if untraced else None
@@ -341,8 +356,18 @@ def infer_plan(model: nn.Module) -> TPPlan:
             if not full:
                 refused[f"{label}: the model itself is a block; wrap it in a module"] = None
                 continue
-            styles[full] = style
-            in_blocks.add(full)
+            parts = low_rank_parts(model.get_submodule(full)) if child else None
+            if parts is None:
+                styles[full] = style
+                in_blocks.add(full)
+                continue
+            split = expand(style, parts)  # a LoRA layer: its base and side path
+            if isinstance(split, str):
+                glob = next(iter(_globs({full: ""})))
+                refused[f"{glob} (a LoRA layer): {split}"] = None
+                continue
+            styles.update({f"{full}.{part}": s for part, s in split.items()})
+            in_blocks.update(f"{full}.{part}" for part in (parts.base, parts.a, parts.b))
         if kind == "attention":
             attrs = tuple(a for a in _HEAD_ATTRS if isinstance(getattr(block, a, None), int))
             if attrs and name:

@@ -38,11 +38,13 @@ from .._torch_compat import fake_tensor_mode
 def _kept_whole(m: nn.Module) -> bool:
     """What :class:`torch.fx.Tracer` keeps as one ``call_module`` node by default (torch.nn
     modules but ``Sequential``), and what plait's tracer also keeps whole: linears (subclasses
-    included) and modules without a linear."""
+    included), LoRA layers (:mod:`plait.parallel.tp_lora`) and modules without a linear."""
+    from .tp_lora import low_rank_parts
+
     torch_nn = m.__module__.startswith(("torch.nn", "torch.ao.nn")) and not isinstance(
         m, nn.Sequential)
     return torch_nn or isinstance(m, nn.Linear) or not any(
-        isinstance(sub, nn.Linear) for sub in m.modules())
+        isinstance(sub, nn.Linear) for sub in m.modules()) or low_rank_parts(m) is not None
 
 
 class _Recording:

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from .tp_infer import _glob_levels
 from .tp_kv import KVHeads
+from .tp_lora import low_rank_parts
 
 # How a style lays out a linear's weight: the dimension split over tp, and in how many equal
 # parts it is split first (a fused q|k|v layer: each third on its own).
@@ -66,8 +67,13 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
-def _block_of(name: str) -> str:
-    return name.rpartition(".")[0]
+def _block_of(name: str, model: nn.Module | None = None) -> str:
+    """The block a split linear belongs to: its parent, or its grandparent when the parent is
+    a LoRA layer (the linear is that layer's base or side path)."""
+    parent = name.rpartition(".")[0]
+    if model is not None and parent and low_rank_parts(model.get_submodule(parent)) is not None:
+        return parent.rpartition(".")[0]
+    return parent
 
 
 def mixed_blocks(model: nn.Module, matched: dict[str, str], tp: int, example: torch.Tensor,
@@ -89,7 +95,8 @@ def mixed_blocks(model: nn.Module, matched: dict[str, str], tp: int, example: to
     blocks: dict[str, str] = {}  # pattern -> the first block of it
     for name in split:
         # One block per pattern: every index a *, as inference collapses them.
-        blocks.setdefault(_glob_levels(_block_of(name))[0], _block_of(name))
+        block = _block_of(name, model)
+        blocks.setdefault(_glob_levels(block)[0], block)
     inputs = block_inputs(model, list(blocks.values()), example)
     if inputs is None:
         return None
@@ -167,7 +174,7 @@ def _changes_when_swapped(model: nn.Module, block_name: str, split: dict[str, st
     saved = []
     try:
         for name, style in split.items():
-            if _block_of(name) != block_name:
+            if _block_of(name, model) != block_name:
                 continue
             linear = model.get_submodule(name)
             assert isinstance(linear, nn.Linear)
