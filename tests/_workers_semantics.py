@@ -838,6 +838,39 @@ class LoRABlock(PositionwiseBlock):
             setattr(parent, name, LoRALinear(getattr(parent, name)))
 
 
+class PeftLayoutLoRA(nn.Module):
+    """A LoRA layer laid out as PEFT lays it out (``base_layer``, ``lora_A["default"]``,
+    ``lora_B["default"]``, ``lora_dropout["default"]``), written here: PEFT is not a
+    dependency."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, rank, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(rank, base.out_features, bias=False)})
+        self.lora_dropout = nn.ModuleDict({"default": nn.Identity()})
+        self.scaling = {"default": 2.0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lora = self.lora_B["default"](self.lora_A["default"](self.lora_dropout["default"](x)))
+        return self.base_layer(x) + lora * self.scaling["default"]
+
+
+def hf_llama_lora() -> nn.Module:
+    """Llama with every projection of its layers a PEFT-layout LoRA layer and everything else
+    frozen (norms, embeddings, head), as PEFT leaves a model: only the A and B train."""
+    model = hf_llama()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    targets = [(parent, name) for parent in model.modules() for name, child in
+               parent.named_children() if isinstance(child, nn.Linear)
+               and name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj")]
+    for parent, name in targets:
+        setattr(parent, name, PeftLayoutLoRA(getattr(parent, name)))
+    return model
+
+
 qk_norm_lm = partial(seeded, partial(BlockLM, QKNormBlock))
 
 

@@ -526,6 +526,25 @@ def test_lora_layers_under_tensor_parallelism():
         assert moved and all(".base." not in k for k in moved), (result["plan"], moved)
 
 
+def test_lora_layers_in_a_transformers_plan():
+    """Llama as PEFT leaves it (its projections LoRA layers in PEFT's layout, everything else
+    frozen): transformers' own plan names q_proj, ..., which are LoRA layers now, split as one;
+    with SP the frozen norms stay frozen (torch's SequenceParallel registers new, trainable
+    parameters: they trained on every rank before) and the B after a row-parallel A, which
+    reads this rank's positions, is summed over tp."""
+    batches = [W.hf_batch(s) for s in range(2)]
+    jobs = [("tp=2", W.hf_llama_lora), ("tp=2,sp=true", W.hf_llama_lora)]
+    got = run_distributed(W.train_jobs, 2, [(p, f, batches, W.mlm_loss) for p, f in jobs],
+                          timeout=240)[0]
+    reference = W.reference(W.hf_llama_lora, batches, W.mlm_loss)
+    start = dict(W.hf_llama_lora().named_parameters())
+    for result in got:
+        _assert_matches(reference, result)
+        moved = {k for k, v in result["state"].items()
+                 if k in start and not torch.equal(v, start[k])}
+        assert moved and all(".lora_" in k for k in moved), (result["plan"], sorted(moved))
+
+
 HF_MORE_TP = [W.hf_qwen3, W.hf_phi3, W.hf_mixtral, W.hf_roberta_mlm]
 HF_MORE_PP = [W.hf_opt, W.hf_falcon, W.hf_bloom, W.hf_distilbert]
 

@@ -64,7 +64,7 @@ from .layout import Layout, record_layout
 from .pipeline_split import STAND_INS
 from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owner_head_dim, owners
 from .tp_kv import replicated_kv as find_replicated_kv
-from .tp_lora import reads_gathered
+from .tp_lora import LORA_STYLES, expand, low_rank_parts, sp_sums
 from .tp_plans import (
     COLWISE,
     LINEAR_STYLES,
@@ -321,6 +321,14 @@ def match_plan(module: nn.Module, styles: dict[str, str]) -> dict[str, str]:
         sample = ", ".join(names[:8])
         raise ValueError(f"tensor-parallel plan pattern(s) {unmatched} match no module of "
                          f"{type(module).__name__} (its modules are named like: {sample}, ...)")
+    # A LoRA layer where the plan names a linear (PEFT wraps q_proj in place): its base and
+    # low-rank path get the styles that split it as one (plait.parallel.tp_lora).
+    for name, style in list(matched.items()):
+        parts = low_rank_parts(module.get_submodule(name)) if style in LORA_STYLES else None
+        if parts is not None:
+            del matched[name]
+            for part, part_style in expand(style, parts).items():  # type: ignore[union-attr]
+                matched.setdefault(f"{name}.{part}", part_style)
     return matched
 
 
@@ -543,6 +551,8 @@ def _size_errors(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp
 def _head_dim(root: nn.Module, name: str) -> int | None:
     """head_dim of the attention module holding ``name`` (if it declares one)."""
     parent = name.rpartition(".")[0]
+    if parent and low_rank_parts(root.get_submodule(parent)) is not None:
+        parent = parent.rpartition(".")[0]  # a LoRA layer's base: the attention holds it
     return owner_head_dim(root.get_submodule(parent)) if parent else None
 
 
@@ -560,6 +570,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
     tp_mesh = mesh["tp"] if isinstance(mesh, Mesh) else mesh
     tp = tp_mesh.size()
     tp_plan = resolve_plan(module, plan)
+    # torch's styles register new Parameters, trainable whatever the old ones were
+    # (SequenceParallel's norms): frozen weights (a LoRA model's base) stay frozen.
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
     if plan.sp and not tp_plan.supports_sp:
         why = f": {tp_plan.sp_refused}" if tp_plan.sp_refused else ""
         raise ValueError(f"sp=True: the tensor-parallel plan for {type(module).__name__} "
@@ -596,14 +609,20 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
     _retie(ties)
     summed = {id(p) for name, style in matched.items() if style == "grad_allreduce"
               for p in module.get_submodule(name).parameters()}
+    if plan.sp:
+        lora_summed, whole = sp_sums(module, matched, regions)
+        summed |= {id(p) for name in lora_summed
+                   for p in module.get_submodule(name).parameters()}
     if plan.sp and tp_plan.sp_summed:
         # Between its regions an inferred plan's block stack runs on sequence shards: what
         # no entry names (norms, a layer-scale) gets one rank's positions' gradient.
-        whole = reads_gathered(module, matched, regions)
         summed |= {id(p) for name, sub in module.named_modules()
                    if name and under(name, tp_plan.sp_blocks) and name not in whole
                    for p in sub.parameters(recurse=False) if not isinstance(p, DTensor)}
     replicate_rest(module, tp_mesh, summed)
+    for name, p in module.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     _reduce_partial_grads_in_backward(module)
     return record_layout(module, Layout(applied=("tensor_parallel",),
                                         loss_parallel="vocab_head" in matched.values()))

@@ -67,6 +67,9 @@ def base_linear(module: nn.Module) -> nn.Linear | None:
     return base
 
 
+LORA_STYLES = ("colwise", "rowwise")  # the places a LoRA layer is split in
+
+
 def expand(style: str, parts: LowRank) -> dict[str, str] | str:
     """The styles of a LoRA layer's parts for the ``style`` its place in a region asks for (see
     the module docstring), or why that style cannot apply to one."""
@@ -78,17 +81,24 @@ def expand(style: str, parts: LowRank) -> dict[str, str] | str:
             f"column- and row-parallel)")
 
 
-def reads_gathered(module: nn.Module, matched: dict[str, str], regions: list[str]) -> set[str]:
-    """Names of the A of each LoRA layer whose base is column-parallel inside a region: under
-    sequence parallelism the region hands it the gathered sequence, so its gradient is whole
-    on every rank and must not be summed over tp like the other modules between regions (an
-    A outside any region reads this rank's positions only, and is summed)."""
-    found = set()
+def sp_sums(module: nn.Module, matched: dict[str, str], regions: list[str]
+            ) -> tuple[set[str], set[str]]:
+    """Under sequence parallelism, the whole-on-every-rank parts of the LoRA layers ``matched``
+    splits, as (summed, whole): names of those that read this rank's positions only, whose
+    gradients are summed over tp like a norm's (the B after a row-parallel A, whose output is
+    reduce-scattered over the sequence; the A of a column-parallel layer outside any region),
+    and of those that read the gathered sequence, whose gradients are whole (the A of a
+    column-parallel layer inside a region, which gathers its input)."""
+    summed: set[str] = set()
+    whole: set[str] = set()
     for name, style in matched.items():
         parent = name.rpartition(".")[0]
-        if style != "colwise" or not any(parent.startswith(r + ".") for r in regions):
-            continue
         parts = low_rank_parts(module.get_submodule(parent)) if parent else None
-        if parts is not None and name == f"{parent}.{parts.base}":
-            found.add(f"{parent}.{parts.a}")
-    return found
+        if parts is None or name != f"{parent}.{parts.base}":
+            continue
+        if style == "rowwise":
+            summed.add(f"{parent}.{parts.b}")
+        elif style == "colwise":
+            inside = any(parent.startswith(r + ".") for r in regions)
+            (whole if inside else summed).add(f"{parent}.{parts.a}")
+    return summed, whole
