@@ -40,7 +40,12 @@ def low_rank_parts(module: nn.Module) -> LowRank | None:
     both in and out; else None."""
     if isinstance(module, nn.Linear):
         return None
-    linears = {n: m for n, m in module.named_modules() if n and isinstance(m, nn.Linear)}
+    linears: dict[str, nn.Linear] = {}
+    for n, m in module.named_modules():
+        if n and isinstance(m, nn.Linear):
+            linears[n] = m
+            if len(linears) > 3:  # asked of every traced module: a block stops here
+                return None
     if len(linears) != 3:
         return None
     for base, lin in linears.items():
