@@ -4,8 +4,9 @@ Each batch is one dict, ``{"input_ids": ..., "labels": ...}``, and the model com
 loss (``run.step(model, batch, None, opt)`` uses ``output.loss``). Each row counts the labels
 of a random-length prefix only (the rest is labelled -100, as padding is), so every rank and
 micro-batch counts a different number of tokens; plait all-reduces that count once per step,
-and the loss is the mean over the global batch's counted tokens, as one device computes it. The model is GPT-2 built
-from a config (no download), its embedding tied to its head as GPT-2 ships.
+and the loss is the mean over the global batch's counted tokens, as one device computes it.
+The model is GPT-2 built from a config (no download), its embedding tied to its head as GPT-2
+ships.
 
     plait run --nproc 2 examples/hf_model.py --plan dp=2
     plait run --nproc 2 examples/hf_model.py --plan tp=2,sp        # tensor + sequence parallel
