@@ -22,6 +22,14 @@ What a loss function may return (``loss_fn(output, targets)``):
   other targets count rows. So ``F.cross_entropy(..., ignore_index=-100)`` (mean reduction),
   Hugging Face's ``output.loss`` and ``F.mse_loss`` are right with no change.
 
+A loss that shifts the labels itself (a causal LM's ``logits[:, :-1]`` against
+``labels[:, 1:]``) averages over every label but each row's first. plait learns this from the
+loss: on the first micro-batch whose two counts differ it computes the loss again, without
+autograd, with each row's first label set to ``IGNORE_INDEX`` (:func:`skips_first_label`). An
+unchanged value (where ignoring every other label instead does change it) means the first
+labels were never read, and from then on they are not counted. The answer is kept per loss
+function for the model's lifetime, so the one or two extra loss calls happen once per run.
+
 What happens otherwise: a scalar that is *not* a mean over those counted items (a sum, or a mean
 over items the targets do not show) is still weighted by the count, so the layout trains a
 differently weighted loss than one device; return ``(sum, count)`` instead. With every
@@ -31,6 +39,7 @@ and a scalar of any kind trains what one device trains on the mean of the micro-
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,11 +57,7 @@ def count_items(targets: Any, *, shift: bool = False) -> torch.Tensor:
     Face's causal-LM loss never reads the first label). A dict: its ``"labels"`` entry if there
     is one, else its first tensor. Anything else: the rows (dim 0) of the first tensor.
     """
-    if isinstance(targets, dict):
-        targets = targets["labels"] if "labels" in targets else next(
-            (v for v in targets.values() if isinstance(v, torch.Tensor)), None)
-    elif isinstance(targets, (tuple, list)):
-        targets = next((v for v in targets if isinstance(v, torch.Tensor)), None)
+    targets = _counted(targets)
     if not isinstance(targets, torch.Tensor):
         return torch.ones(())
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
@@ -60,6 +65,92 @@ def count_items(targets: Any, *, shift: bool = False) -> torch.Tensor:
                             device=targets.device)
     labels = targets[..., 1:] if shift and targets.ndim > 1 else targets
     return (labels != IGNORE_INDEX).sum().float()
+
+
+def _counted(targets: Any) -> Any:
+    """The tensor :func:`count_items` counts: a dict's ``"labels"`` entry (else its first
+    tensor), a sequence's first tensor, or ``targets`` itself."""
+    if isinstance(targets, dict):
+        return targets["labels"] if "labels" in targets else next(
+            (v for v in targets.values() if isinstance(v, torch.Tensor)), None)
+    if isinstance(targets, (tuple, list)):
+        return next((v for v in targets if isinstance(v, torch.Tensor)), None)
+    return targets
+
+
+def _replace_counted(targets: Any, new: torch.Tensor) -> Any:
+    """``targets`` with the tensor :func:`_counted` picks replaced by ``new``."""
+    old = _counted(targets)
+    if isinstance(targets, dict):
+        return {k: new if v is old else v for k, v in targets.items()}
+    if isinstance(targets, (tuple, list)):
+        return type(targets)(new if v is old else v for v in targets)
+    return new
+
+
+def skips_first_label(loss: torch.Tensor, targets: Any,
+                      recompute: Callable[[Any], Any]) -> bool | None:
+    """Whether a scalar mean loss leaves out each row's first label, as a causal-LM loss that
+    shifts (``logits[:, :-1]`` against ``labels[:, 1:]``) does.
+
+    ``recompute(targets)`` computes the same loss on the same outputs, without autograd. With
+    every row's first label set to ``IGNORE_INDEX``, a loss that reads those labels averages
+    over fewer items and changes: False. If it does not change, every label *but* the first
+    ones is ignored instead: a loss that read only those now has nothing left to average (NaN,
+    or 0) and changes: True. None when this micro-batch cannot tell: the targets are not
+    integer labels of two or more dimensions, every first label is already ignored (both counts
+    are then equal), or neither change moves the loss (every item's loss is the same, as under
+    a head initialised to zero, and some first label is read).
+    """
+    labels = _counted(targets)
+    if (not isinstance(labels, torch.Tensor) or labels.ndim < 2 or labels.shape[-1] < 2
+            or labels.is_floating_point() or labels.is_complex()
+            or labels.dtype == torch.bool or labels.device.type == "meta"):
+        return None
+    if not bool((labels[..., 0] != IGNORE_INDEX).any()):
+        return None
+    before = loss.detach().float().reshape(())
+    if before.device.type == "meta" or not bool(before.isfinite()):
+        return None
+
+    def moved(columns: slice) -> bool | None:
+        probe = labels.clone()
+        probe[..., columns] = IGNORE_INDEX
+        with torch.no_grad():
+            again = _full(recompute(_replace_counted(targets, probe)))
+        if not isinstance(again, torch.Tensor) or again.numel() != 1:
+            return None
+        after = again.detach().float().reshape(())
+        return not bool(torch.allclose(after, before.to(after.device), rtol=1e-6, atol=0.0))
+
+    first = moved(slice(0, 1))
+    if first is None or first:
+        return None if first is None else False
+    return True if moved(slice(1, None)) else None
+
+
+def first_label_skipped(value: Any, targets: Any, recompute: Callable[[Any], Any],
+                        known: dict[Any, bool], key: Any) -> bool:
+    """:func:`skips_first_label` for a loss function's scalar ``value``, asked once per
+    ``key`` (the loss function) and kept in ``known``; False for a ``(sum, count)`` pair,
+    whose count is the loss's own."""
+    if isinstance(value, (tuple, list)):
+        return False
+    if key in known:
+        return known[key]
+    verdict = skips_first_label(_full(value), targets, recompute)
+    if verdict is None:  # this micro-batch cannot tell, and its two counts agree
+        return False
+    if len(known) >= 16:  # a loss function made anew every step (a lambda in the loop)
+        known.clear()
+    known[key] = verdict
+    return verdict
+
+
+def loss_function_key(loss_fn: Callable) -> Any:
+    """What identifies a loss function across steps: its code, so that a lambda written in the
+    training loop (a new object every step) is asked once."""
+    return getattr(loss_fn, "__code__", None) or loss_fn
 
 
 def loss_sum_and_count(value: Any, targets: Any, *, shift: bool = False

@@ -21,7 +21,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .loss import loss_sum_and_count, scale_gradients, shifts_labels
+from .loss import (
+    first_label_skipped,
+    loss_function_key,
+    loss_sum_and_count,
+    scale_gradients,
+    shifts_labels,
+)
 from .parallel.layout import layout_of
 from .plan import Plan
 
@@ -139,8 +145,14 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss with autograd, item count) of one micro-batch (see ``plait.loss``)."""
     out, targets = call_model(model, batch, loss_fn)
-    shift = loss_fn is None and shifts_labels(model)
-    return loss_sum_and_count(model_loss(out, loss_fn, targets), targets, shift=shift)
+    value = model_loss(out, loss_fn, targets)
+    if loss_fn is None:
+        shift = shifts_labels(model)
+    else:
+        shift = first_label_skipped(value, targets, lambda t: loss_fn(out, t),
+                                    layout_of(model).first_label_skipped,
+                                    loss_function_key(loss_fn))
+    return loss_sum_and_count(value, targets, shift=shift)
 
 
 def _forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:

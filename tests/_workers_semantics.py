@@ -114,6 +114,13 @@ def sum_count_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return (per_token * weight).sum(), weight.sum()
 
 
+def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A causal-LM loss that shifts the labels itself: position t is scored against label
+    t + 1, so each row's first label is never read (mean over the rest that are not -100)."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                           labels[:, 1:].reshape(-1))
+
+
 class WithLoss(nn.Module):
     """A model in the Hugging Face style: ``forward(input_ids, labels=None)`` returns a dict
     with ``loss`` (mean over the labels that are not -100) and ``logits``."""

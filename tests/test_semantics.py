@@ -82,6 +82,59 @@ def test_masked_lm_data_parallel_zero_and_accumulation(data):
         _assert_matches(ref, result)
 
 
+def test_the_loss_tells_whether_it_reads_each_rows_first_label():
+    """skips_first_label asks the loss with the first (then all other) labels ignored: a
+    shifting loss is unchanged by the first, an ordinary one is not; with logits that give every
+    item the same loss an ordinary loss cannot tell (a shifting one is left with nothing to
+    average, so it still can); dict targets are asked through their "labels"."""
+    from plait.loss import skips_first_label
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 8, W.VOCAB)
+    _, labels = W.mlm_batch(0)
+    labels[:, 0] = 3  # every first label counted, so the two counts differ
+    asks = []
+
+    def ask(loss_fn, out):
+        def recompute(t):
+            asks.append(t)
+            return loss_fn(out, t)
+        return recompute
+
+    lab = labels[:4]
+    assert skips_first_label(W.shifted_loss(logits, lab), lab, ask(W.shifted_loss, logits))
+    assert skips_first_label(W.mlm_loss(logits, lab), lab, ask(W.mlm_loss, logits)) is False
+    flat = torch.zeros_like(logits)
+    assert skips_first_label(W.mlm_loss(flat, lab), lab, ask(W.mlm_loss, flat)) is None
+    assert skips_first_label(W.shifted_loss(flat, lab), lab, ask(W.shifted_loss, flat))
+    as_dict = {"labels": lab, "mask": torch.ones(4)}
+
+    def dict_loss(out, t):
+        return W.shifted_loss(out, t["labels"])
+
+    assert skips_first_label(dict_loss(logits, as_dict), as_dict, ask(dict_loss, logits))
+    assert (asks[-1]["labels"][:, 1:] == -100).all() and (as_dict["labels"][:, 1:] != -100).any()
+    assert skips_first_label(W.mlm_loss(logits[:, 0], lab[:, 0]), lab[:, 0],
+                             ask(W.mlm_loss, logits[:, 0])) is None  # one dim: no rows
+
+
+def test_a_loss_that_shifts_labels_itself_under_every_layout():
+    """A hand-written causal-LM loss (``logits[:, :-1]`` against ``labels[:, 1:]``, mean over
+    the counted labels) trains what one device trains under dp, ZeRO-3 with accumulation, tp
+    (the slice runs on vocabulary-sharded logits) and pp: plait counts the labels the loss
+    reads, not every label in the batch (one more token per row whose first label counts)."""
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    ref = W.reference(W.masked_lm, batches, W.shifted_loss)
+    staged = W.reference(W.staged_masked_lm, batches, W.shifted_loss)
+    jobs = [(p, W.masked_lm, batches, W.shifted_loss)
+            for p in ("dp=2", "dp_shard=2,zero=3,grad_accum=2", "tp=2")]
+    jobs.append(("pp=2,mb=4", W.staged_masked_lm, batches, W.shifted_loss))
+    got = run_distributed(W.train_jobs, 2, jobs, timeout=300)[0]
+    for result in got[:3]:
+        _assert_matches(ref, result)
+    _assert_matches(staged, got[3])
+
+
 def test_batchnorm_sync_bn_matches_one_device_and_warns_without():
     """sync_bn: BatchNorm statistics over the data axes, parameters and running statistics
     equal to one device's (DDP and ZeRO-3). Without it: a warning naming the modules, and

@@ -13,8 +13,8 @@ without a ``Run`` at hand; read it with :func:`layout_of`, never with ``getattr`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.nn as nn
 
@@ -36,6 +36,8 @@ class Layout:
     empty without a pipeline. ``stage_specs``: the block range of each of those stages.
     ``pipeline``: the schedule runner that steps them. ``loss_parallel``: the head is
     vocabulary-parallel, so the loss and its backward run inside ``loss_parallel()``.
+    ``first_label_skipped``: per loss function, whether its scalar mean leaves out each row's
+    first label (``plait.loss.first_label_skipped``); filled in by the first steps.
     """
 
     applied: tuple[str, ...] = ()
@@ -43,6 +45,7 @@ class Layout:
     stage_specs: tuple[StageSpec, ...] = ()
     pipeline: PipelineRunner | None = None
     loss_parallel: bool = False
+    first_label_skipped: dict[Any, bool] = field(default_factory=dict, compare=False)
 
 
 def layout_of(model: nn.Module) -> Layout:

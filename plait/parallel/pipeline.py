@@ -34,7 +34,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .._torch_compat import pipeline_stage_base, pytree
-from ..loss import loss_sum_and_count, shifts_labels
+from ..loss import first_label_skipped, loss_function_key, loss_sum_and_count, shifts_labels
 from ..mesh import Mesh
 from ..plan import Plan
 from .layout import Layout, layout_of, record_layout
@@ -265,6 +265,8 @@ class PipelineRunner:
         self._schedule: Any = None
         self._loss_fn: Callable | None = None
         self._targets: Any = None  # this accumulation step's targets (any structure)
+        # Per loss function: whether its scalar mean skips each row's first label (plait.loss).
+        self._first_label_skipped: dict[Any, bool] = {}
         # [loss sum, count] per (accumulation step, microbatch's first row): torch's stage also
         # calls the loss once on its shape-inference outputs, which the real call replaces.
         self._totals: dict[tuple[int, int], torch.Tensor] = {}
@@ -285,9 +287,15 @@ class PipelineRunner:
         from ..train import model_loss
 
         target = _take_rows(self._targets, rows)
-        value = model_loss(self.packer.unpack(output), self._loss_fn, target)
-        total, count = loss_sum_and_count(value, target,
-                                          shift=self._loss_fn is None and self.shifts_labels)
+        out = self.packer.unpack(output)
+        value = model_loss(out, self._loss_fn, target)
+        loss_fn = self._loss_fn
+        if loss_fn is None:
+            shift = self.shifts_labels
+        else:
+            shift = first_label_skipped(value, target, lambda t: loss_fn(out, t),
+                                        self._first_label_skipped, loss_function_key(loss_fn))
+        total, count = loss_sum_and_count(value, target, shift=shift)
         key = (self._accum_index, int(rows[0]))
         self._totals[key] = torch.stack([total.detach().float(), count.float()])
         return total
