@@ -355,7 +355,7 @@ class Run:
                        optimizer=self._optimizer_for(optimizer) if optimizer else None,
                        scheduler=scheduler, plan=self.plan, device=self.device,
                        loader=loader, keep=ckpt.keep if same else None, async_group=group,
-                       extra={"batch_size": loader.batch_size if loader else None})
+                       extra={"batch_size": loader.batch_size if loader is not None else None})
         if same:
             ckpt.last_saved = self.steps_done
             ckpt.pending = pending if group is not None else None

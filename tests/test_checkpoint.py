@@ -439,3 +439,19 @@ def test_non_tensor_values_load_as_plain_data_only(tmp_path, no_group):
         assert not marker.exists()
     finally:
         run.close()
+
+
+def test_the_save_at_finish_records_the_batch_size(tmp_path, no_group):
+    """finish() saves after the loader is used up (an empty loader is still the run's loader):
+    the checkpoint records the global batch, and a resume with another is refused."""
+    folder = tmp_path / "ckpt"
+    w.train("single", steps=3, checkpoint=str(folder), every=100)
+    assert [p.name for p in folder.iterdir()] == ["step-00000003"]
+    run = plait.init("single", checkpoint=str(folder), quiet=True)
+    model = run.parallelize(w._model(0.0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with pytest.raises(CheckpointError, match=rf"trained with global batch {w.BATCH}, this "
+                                              rf"loader's is {2 * w.BATCH}"):
+        for batch in run.loader(w.TextDataset(seq_len=w.SEQ), batch_size=2 * w.BATCH, steps=6):
+            run.step(model, batch, w.lm_loss, opt)
+    run.close()
