@@ -171,7 +171,22 @@ class Run:
             return out
         out = _parallelize(model, self._mesh(), self.plan, device=self.device)
         self._models.append(out)
+        self._resume_weights(out)
         return out
+
+    def _resume_weights(self, model: nn.Module) -> None:
+        """A resumed run's weights go into the model it is for as soon as it is laid out, so
+        that it is the trained model before the first step too (an evaluation first, or no
+        steps left). Another model (a frozen teacher parallelized first) is left alone: the
+        checkpoint's parameter names or shapes do not match it."""
+        ckpt = self.checkpointing
+        if (ckpt is None or ckpt.resume_path is None or ckpt.resumed
+                or ckpt.weights_in is not None):
+            return
+        from .checkpoint import load_weights
+
+        if load_weights(ckpt.resume_path, model):
+            ckpt.weights_in = model
 
     def loader(self, dataset: Dataset, batch_size: int, *, steps: int | None = None,
                shuffle: bool = True, start_step: int | None = None) -> DistributedLoader:
@@ -231,7 +246,8 @@ class Run:
         if ckpt is not None and ckpt.resume_path is not None and not ckpt.resumed:
             ckpt.resumed = True
             # The loader already started at the saved step (init read it): only the state loads.
-            self._load(ckpt.resume_path, model, optimizer, scheduler, move_loader=False)
+            self._load(ckpt.resume_path, model, optimizer, scheduler, move_loader=False,
+                       read_model=model is not ckpt.weights_in)
         optimizer = self._optimizer_for(optimizer)
         # Not on XLA: an SPMD tensor shows its global size on the host, so per-device bytes
         # cannot be read off the parameters there.
@@ -371,7 +387,7 @@ class Run:
 
     def _load(self, path: str | Path, model: nn.Module | None,
               optimizer: torch.optim.Optimizer | None, scheduler: Any,
-              move_loader: bool) -> int:
+              move_loader: bool, read_model: bool = True) -> int:
         from .checkpoint import CheckpointError, load
 
         model = model or (self._models[0] if len(self._models) == 1 else None)
@@ -382,7 +398,7 @@ class Run:
 
         target = self._optimizer_for(optimizer) if optimizer is not None else None
         info = load(path, model=model, optimizer=target, scheduler=scheduler,
-                    device=self.device)
+                    device=self.device, read_model=read_model)
         if optimizer is not None and target is not None and target is not optimizer:
             # ZeRO-1: the loaded settings go back to the user's optimizer too
             copy_hyperparameters(target, optimizer)

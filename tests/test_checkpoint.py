@@ -455,3 +455,31 @@ def test_the_save_at_finish_records_the_batch_size(tmp_path, no_group):
         for batch in run.loader(w.TextDataset(seq_len=w.SEQ), batch_size=2 * w.BATCH, steps=6):
             run.step(model, batch, w.lm_loss, opt)
     run.close()
+
+
+def test_a_resumed_model_holds_the_saved_weights_before_its_first_step(tmp_path, no_group):
+    """run.parallelize already returns the trained model of a resumed run: an evaluation before
+    the first step, or a run with no steps left, sees the saved weights, not the initial ones.
+    A model the checkpoint does not hold (a teacher laid out first) is left as it is."""
+    folder = tmp_path / "ckpt"
+    run = plait.init("single", checkpoint=str(folder), quiet=True)
+    model = run.parallelize(w._model(0.0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for batch in run.loader(w.TextDataset(seq_len=w.SEQ), batch_size=w.BATCH, steps=3):
+        run.step(model, batch, w.lm_loss, opt)
+    trained = {k: v.clone() for k, v in run.full_state_dict(model).items()}
+    run.finish(print_summary=False)
+
+    run = plait.init("single", checkpoint=str(folder), quiet=True)
+    teacher = run.parallelize(torch.nn.Linear(4, 4))
+    before = teacher.weight.detach().clone()
+    model = run.parallelize(w._model(0.0))
+    assert torch.equal(teacher.weight, before)
+    now = run.full_state_dict(model)
+    assert set(now) == set(trained)
+    for name, value in trained.items():
+        assert torch.equal(now[name], value), name
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    assert list(run.loader(w.TextDataset(seq_len=w.SEQ), batch_size=w.BATCH, steps=3)) == []
+    run.finish(print_summary=False)
+    assert [p.name for p in folder.iterdir()] == ["step-00000003"]

@@ -14,9 +14,10 @@ code from the file (:mod:`.safe`), checks that name the mismatch before any tens
 scheduler, data-loader position and every rank's random states (``plait.json``).
 """
 
-from .api import Loaded, PendingSave, load, save
+from .api import Loaded, PendingSave, load, load_weights, save
 from .errors import CheckpointError
 from .store import check_writable, latest_step, resolve
 
 __all__ = ["CheckpointError", "Loaded", "PendingSave", "check_writable", "latest_step", "load",
+           "load_weights",
            "resolve", "save"]

@@ -224,12 +224,14 @@ def _check_model(path: Path, metadata: Any, model_sd: dict[str, Any]) -> str | N
 
 def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
          scheduler: Any = None, device: torch.device | None = None,
-         restore_rng: bool = True) -> Loaded:
+         restore_rng: bool = True, read_model: bool = True) -> Loaded:
     """Load the checkpoint at ``path`` (a step folder, or the latest in a checkpoint folder)
     into ``model`` (any layout) and ``optimizer`` (collective: every rank).
 
     Random states: at the world size saved, each rank gets its own back; at another, every
     rank gets saved rank 0's (see :func:`rng_source`). ``restore_rng=False`` leaves them alone.
+    ``read_model=False``: the model already holds these weights (:func:`load_weights`); only
+    the rest is read.
     """
     device = device or torch.device("cpu")
     step_dir = manifest = metadata = None
@@ -257,10 +259,11 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
         error = error or (f"checkpoint {step_dir} holds no LR scheduler state; load it without "
                           f"a scheduler")
     _agree(error)
-    request: dict[str, Any] = {MODEL: model_sd}
+    request: dict[str, Any] = {MODEL: model_sd} if read_model else {}
     if optimizer is not None and optim_tensors:
         request[OPTIM] = optim_tensors
-    read_tensors(step_dir, request)
+    if request:
+        read_tensors(step_dir, request)
     settings: dict[str, dict[str, Any]] = {}
     for group in (manifest.get("optimizer") or {}).get("param_groups", []):
         values = store.from_plain(group["settings"])
@@ -280,6 +283,32 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
                   loader=store.from_plain(manifest.get("loader")),
                   extra=store.from_plain(manifest.get("extra") or {}),
                   rng_restored=source is not None, rng_rank=source)
+
+
+def load_weights(path: str | Path, model: nn.Module) -> bool:
+    """Load only the model's weights from the checkpoint at ``path`` when ``model`` is the model
+    it holds (the same parameter names and shapes, any layout); False, with nothing read, when
+    it is another model. Collective: every rank calls it and all get the same answer.
+
+    A resumed run calls this as ``run.parallelize`` returns the model, so that the model holds
+    the checkpoint's weights from then on: an evaluation before the first step, or a run with
+    no steps left, sees the trained model. The optimizer, scheduler and random states wait for
+    the first step (``load(..., read_model=False)``), where the optimizer exists."""
+    step_dir = metadata = None
+    error = None
+    try:
+        step_dir = store.resolve(path)
+        metadata = read_metadata(step_dir)
+    except CheckpointError as exc:
+        error = str(exc)
+    _agree(error)
+    assert step_dir is not None and metadata is not None
+    model_sd, _, _ = st.collect(model, None)
+    if _check_model(step_dir, metadata, model_sd) is not None:
+        return False
+    read_tensors(step_dir, {MODEL: model_sd})
+    st.apply(model, None, model_sd, {}, {}, {})
+    return True
 
 
 def rng_source(rank: int, world: int, saved_world: int) -> int | None:

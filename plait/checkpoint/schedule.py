@@ -38,6 +38,7 @@ class Checkpointing:
     resume_path: Path | None = None  # the newest complete checkpoint found at init
     resume_step: int = 0
     resumed: bool = False         # its state has been loaded into the model
+    weights_in: Any = None        # the model its weights went into at run.parallelize
     last_saved: int | None = None
     pending: PendingSave | None = None
     group: Any = None             # the gloo group async saves run their collectives on
