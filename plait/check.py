@@ -35,18 +35,24 @@ from .spawn import run_distributed, user_errors
 
 def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None, *,
                buffers: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter (and with ``buffers``, every buffer) of ``model`` as a full fp32 CPU
-    tensor under its canonical name.
+    """Every parameter of ``model`` as a full fp32 CPU tensor under its canonical name.
+
+    With ``buffers``: what ``model.state_dict()`` of the one-device model holds, so that the
+    original model's ``load_state_dict`` takes it as it is: the persistent buffers too (integer
+    ones, such as BatchNorm's step count, keep their dtype; a non-persistent one, such as a
+    rotary embedding's frequency table, is left out) and a tied weight under each of its names.
 
     Collective: every rank of the job must call it. With pipelines, stages pool their
     parameters over ``pp_group`` so each rank returns the whole model.
     """
     state: dict[str, torch.Tensor] = {}
     for module in local_modules(model):
-        named: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
-        if buffers:
-            named += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+        named: list[tuple[str, torch.Tensor]] = (
+            list(module.state_dict(keep_vars=True).items()) if buffers
+            else list(module.named_parameters()))
         for name, p in named:
+            if not isinstance(p, torch.Tensor):  # extra state a module keeps in its state_dict
+                continue
             t = p.detach()
             if hasattr(t, "full_tensor"):
                 # Gathering a (dp_shard, tp) parameter takes one all-gather per mesh axis, and
@@ -54,7 +60,8 @@ def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None, *,
                 # inspection and export, not the step.
                 with quiet_logger("torch.distributed.tensor._redistribute"):
                     t = t.full_tensor()
-            state[canonical_name(name)] = t.float().cpu().clone()
+            t = t.float() if t.is_floating_point() else t
+            state[canonical_name(name)] = t.cpu().clone()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         parts: list[Any] = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(parts, state, group=pp_group)

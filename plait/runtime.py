@@ -502,11 +502,13 @@ class Run:
         return zero1_optimizer(optimizer, self._mesh(), self.plan, self._sharded_optimizers)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's parameters and floating-point buffers under the user's own names
-        (wrappers stripped), as full fp32 CPU tensors, on every rank, whatever the layout:
-        TP and FSDP shards are gathered and pipeline stages pooled. Collective: every rank
-        must call it. Every rank holds the whole model for a moment: this is for inspection,
-        export and comparison, not for checkpoints of large models."""
+        """The whole model's ``state_dict()`` under the user's own names (wrappers stripped),
+        as full CPU tensors (floating point in fp32), on every rank, whatever the layout: TP
+        and FSDP shards are gathered and pipeline stages pooled. The one-device model's
+        ``load_state_dict`` takes it as it is (persistent buffers only, tied weights under each
+        name). Collective: every rank must call it. Every rank holds the whole model for a
+        moment: this is for inspection, export and comparison, not for checkpoints of large
+        models."""
         from .check import full_state
 
         pp_group = self._mesh()["pp"].get_group() if self.plan.pp > 1 else None

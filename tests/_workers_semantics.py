@@ -74,7 +74,9 @@ def reference(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Cal
         opt.zero_grad()
         losses.append(float(loss.detach()))
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
-    state.update({n: b.clone() for n, b in model.named_buffers() if b.is_floating_point()})
+    params = dict(model.named_parameters())
+    state.update({n: b.clone() for n, b in model.state_dict().items()
+                  if n not in params and b.is_floating_point()})
     return {"losses": losses, "state": state}
 
 
@@ -982,3 +984,30 @@ def hf_distilbert() -> nn.Module:
 def check_batch(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``mlm_batch`` as ``plait.check.CheckConfig.batch_factory`` takes it."""
     return mlm_batch(step)
+
+
+def full_state_loads_into_the_original(rank: int, world_size: int,
+                                       jobs: list[tuple[str, Callable]]) -> list[str]:
+    """Per (plan, factory): one step, then run.full_state_dict loaded (strict) into a fresh
+    one-device model; returns the keys the two differ in (none expected)."""
+    from plait.runtime import init
+
+    problems = []
+    for text, factory in jobs:
+        run = init(text, quiet=True)
+        model = run.parallelize(factory())
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        batch = bn_batch(0) if factory is batchnorm_mlp else hf_batch(0)
+        loss = F.cross_entropy if factory is batchnorm_mlp else mlm_loss
+        run.step(model, _slice(batch, run.dp_rank, run.dp_size), loss, opt)
+        state = run.full_state_dict(model)
+        run.close()
+        fresh = factory()
+        want = fresh.state_dict()
+        fresh.load_state_dict(state)  # strict: the same keys, no more, no fewer
+        problems += [f"{text}: {k} {state[k].dtype} != {v.dtype}" for k, v in want.items()
+                     if state[k].dtype != v.dtype]
+        problems += [f"{text}: {k} not loaded" for k, v in fresh.state_dict().items()
+                     if not torch.equal(v, state[k])]
+    return problems
+

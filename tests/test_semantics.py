@@ -135,6 +135,17 @@ def test_a_loss_that_shifts_labels_itself_under_every_layout():
     _assert_matches(staged, got[3])
 
 
+def test_full_state_dict_loads_into_the_one_device_model():
+    """run.full_state_dict is the one-device model's state_dict, whatever the layout: GPT-2's
+    tied head under both names, Llama without its non-persistent rotary table, BatchNorm's
+    integer step count in its own dtype; a fresh model's strict load_state_dict takes it."""
+    pytest.importorskip("transformers")
+    jobs = [("tp=2", W.hf_gpt2), ("dp_shard=2,zero=3", W.hf_llama), ("pp=2", W.hf_llama),
+            ("dp=2", W.batchnorm_mlp)]
+    problems = run_distributed(W.full_state_loads_into_the_original, 2, jobs, timeout=300)[0]
+    assert problems == []
+
+
 def test_batchnorm_sync_bn_matches_one_device_and_warns_without():
     """sync_bn: BatchNorm statistics over the data axes, parameters and running statistics
     equal to one device's (DDP and ZeRO-3). Without it: a warning naming the modules, and
