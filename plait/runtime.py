@@ -328,6 +328,34 @@ class Run:
         self._stop_if_asked(step)
         return loss
 
+    def evaluate(self, model: nn.Module, batch: Any, loss_fn: LossFn | None = None
+                 ) -> torch.Tensor:
+        """The loss of ``batch`` without training: the global batch's mean, the value one device
+        computes, under every layout (a pipeline runs its schedule forward only).
+
+        The model runs in eval mode (dropout off) and goes back to the modes it had; no
+        gradients are computed or touched, the optimizer and the step count are left alone.
+        ``batch`` and ``loss_fn`` are as for :meth:`step`: each rank passes its share (a
+        ``run.loader`` batch). Collective: every rank calls it, as it calls ``step``. Returns a
+        0-dim tensor, the same on every rank. For generation or other inference with a layout,
+        take ``run.full_state_dict(model)`` into a one-device copy of the model.
+        """
+        from .train import forward_only
+
+        if self.spmd is None:
+            batch = _to_device(batch, self.device)
+        else:
+            batch = self.spmd.place_batch(batch, self.device)
+        modes = [(m, m.training) for m in model.modules()]
+        model.eval()
+        try:
+            local = forward_only(model, batch, loss_fn, plan=self.plan, device=self.device)
+            totals = self._global_totals(local)
+        finally:
+            for module, training in modes:
+                module.training = training
+        return (totals[0] / totals[1].clamp_min(1)).detach()
+
     # ------------------------------------------------------------------ checkpoints
     @property
     def steps_done(self) -> int:

@@ -268,6 +268,19 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
     return totals
 
 
+def forward_only(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, plan: Plan,
+                 device: torch.device) -> torch.Tensor:
+    """``[loss sum, item count]`` of this rank's ``batch`` with no autograd graph and no
+    gradients touched: the layout's forward (FSDP's gathers, TP's collectives, a pipeline's
+    schedule without backward) and the loss, as :func:`forward_backward` computes them."""
+    pipeline = layout_of(model).pipeline
+    if pipeline is not None:
+        return pipeline.evaluate(batch, loss_fn, plan=plan, device=device)
+    with torch.no_grad(), loss_context(model), autocast(plan, device):
+        total, count = forward_loss(model, batch, loss_fn)
+    return torch.stack([total.detach().float(), count.float().to(total.device)]).to(device)
+
+
 def reduce_totals(totals: torch.Tensor, *, dp_group: dist.ProcessGroup | None,
                   pp_group: dist.ProcessGroup | None, last_pp_rank: int = 0) -> torch.Tensor:
     """``[loss sum, count]`` of the whole global batch, on every rank: one all-reduce over the

@@ -1011,3 +1011,79 @@ def full_state_loads_into_the_original(rank: int, world_size: int,
                      if not torch.equal(v, state[k])]
     return problems
 
+
+
+class DropoutLM(nn.Module):
+    """The masked LM with dropout after its embedding: its loss in train mode is random."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.drop = MaskedLM(), nn.Dropout(0.5)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1])
+        h = self.drop(self.inner.tok(input_ids) + self.inner.pos(positions))
+        for block in self.inner.blocks:
+            h = h + block(h)
+        return self.inner.head(h)
+
+
+def dropout_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return DropoutLM()
+
+
+def reference_with_evals(factory: Callable[[], nn.Module], batches: list[Any],
+                         loss_fn: Callable | None, held_out: Any) -> list[float]:
+    """One device: the held-out batch's loss in eval mode before training and after each
+    step of :func:`reference`'s loop (SGD, clipping at 1.0); dropout, if any, is off in both
+    the evaluations and (for comparability) the steps."""
+    model = factory()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def loss_of(batch: Any) -> torch.Tensor:
+        if loss_fn is None:
+            return model(**batch)["loss"]
+        return loss_fn(model(batch[0]), batch[1])
+
+    model.eval()
+    evals = []
+    for batch in [None, *batches]:
+        if batch is not None:
+            loss_of(batch).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            evals.append(float(loss_of(held_out)))
+    return evals
+
+
+def evaluate_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any],
+                                                                Callable | None, Any]]
+                  ) -> list[dict[str, Any]]:
+    """Per (plan, factory, batches, loss_fn, held-out batch): run.evaluate on the held-out
+    batch before training and after each run.step; whether the model is back in train mode.
+    Dropout models train in eval mode here so that the steps are deterministic."""
+    from plait.runtime import init
+
+    out = []
+    for text, factory, batches, loss_fn, held_out in jobs:
+        run = init(text, quiet=True)
+        model = run.parallelize(factory())
+        if factory is dropout_lm:
+            model.eval()
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        share = _slice(held_out, run.dp_rank, run.dp_size)
+        evals = [float(run.evaluate(model, share, loss_fn))]
+        modes = []
+        for batch in batches:
+            run.step(model, _slice(batch, run.dp_rank, run.dp_size), loss_fn, opt)
+            evals.append(float(run.evaluate(model, share, loss_fn)))
+            modes.append(model.training)
+        model.train()
+        train_mode = [float(run.evaluate(model, share, loss_fn)), model.training]
+        run.close()
+        out.append({"plan": text, "evals": evals, "modes": modes, "train_mode": train_mode,
+                    "mode": factory is not dropout_lm})
+    return out

@@ -146,6 +146,31 @@ def test_full_state_dict_loads_into_the_one_device_model():
     assert problems == []
 
 
+def test_evaluate_gives_one_devices_loss_under_every_layout():
+    """run.evaluate: the held-out global batch's loss in eval mode (dropout off), the value one
+    device computes, before training and after every step, under dp, tp, ZeRO-3, pp and the
+    Hugging Face convention; it leaves the training itself alone (the later evaluations follow
+    one device's training) and puts the model back in the mode it was in."""
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    held_out = W.mlm_batch(99)
+    dicts = [{"input_ids": x, "labels": y} for x, y in batches]
+    held_dict = {"input_ids": held_out[0], "labels": held_out[1]}
+    ref = W.reference_with_evals(W.masked_lm, batches, W.mlm_loss, held_out)
+    jobs = [(p, W.masked_lm, batches, W.mlm_loss, held_out)
+            for p in ("dp=2", "tp=2", "dp_shard=2,zero=3")]
+    jobs += [("pp=2,mb=2", W.staged_masked_lm, batches, W.mlm_loss, held_out),
+             ("dp=2", W.masked_lm_with_loss, dicts, None, held_dict),
+             ("dp=2", W.dropout_lm, batches, W.mlm_loss, held_out)]
+    got = run_distributed(W.evaluate_jobs, 2, jobs, timeout=300)[0]
+    refs = [ref] * 3 + [W.reference_with_evals(W.staged_masked_lm, batches, W.mlm_loss,
+                                               held_out), ref,
+                        W.reference_with_evals(W.dropout_lm, batches, W.mlm_loss, held_out)]
+    for result, want in zip(got, refs, strict=True):
+        assert result["evals"] == pytest.approx(want, rel=REL), result["plan"]
+        assert result["modes"] == [result["mode"]] * W.STEPS, result["plan"]
+        assert result["train_mode"] == [pytest.approx(want[-1], rel=REL), True], result["plan"]
+
+
 def test_batchnorm_sync_bn_matches_one_device_and_warns_without():
     """sync_bn: BatchNorm statistics over the data axes, parameters and running statistics
     equal to one device's (DDP and ZeRO-3). Without it: a warning naming the modules, and

@@ -347,6 +347,17 @@ class PipelineRunner:
         Returns ``[loss sum, item count]`` over the batch on the rank holding the last stage,
         NaN elsewhere (see ``plait.train.forward_backward``).
         """
+        return self._run(batch, loss_fn, plan=plan, device=device, train=True)
+
+    def evaluate(self, batch: Any, loss_fn: Callable | None, *, plan: Plan,
+                 device: torch.device) -> torch.Tensor:
+        """Forward only, through the same schedule (torch's ``schedule.eval``: its
+        microbatches, no backward, no gradients); ``[loss sum, item count]`` as :meth:`step`."""
+        with torch.no_grad():
+            return self._run(batch, loss_fn, plan=plan, device=device, train=False)
+
+    def _run(self, batch: Any, loss_fn: Callable | None, *, plan: Plan, device: torch.device,
+             train: bool) -> torch.Tensor:
         from ..train import autocast, split_microbatches
 
         laid_out = stage_inputs(batch, loss_fn, self.signature, self.model_name)
@@ -372,13 +383,20 @@ class PipelineRunner:
             self._targets, self._accum_index = part_targets, a
             index = torch.arange(chunk, device=device)
             with self._loss_context(), autocast(plan, device):
-                self._schedule.step(*((first,) if self.has_first else ()),
-                                    target=index if self.has_last else None,
-                                    losses=[] if self.has_last else None,
-                                    return_outputs=False, **part_kwargs)
-            self.timeline.next_step()
+                if train:
+                    self._schedule.step(*((first,) if self.has_first else ()),
+                                        target=index if self.has_last else None,
+                                        losses=[] if self.has_last else None,
+                                        return_outputs=False, **part_kwargs)
+                else:  # eval() takes no return_outputs: the last stage's outputs are kept
+                    self._schedule.eval(*((first,) if self.has_first else ()),
+                                        target=index if self.has_last else None,
+                                        losses=[] if self.has_last else None, **part_kwargs)
+            if train:
+                self.timeline.next_step()
         self._targets = None
-        self.sync_tied_gradients()
+        if train:
+            self.sync_tied_gradients()
         if not self.has_last:
             return torch.full((2,), float("nan"), device=device)
         return torch.stack(list(self._totals.values())).sum(0).to(device)
