@@ -88,6 +88,17 @@ def main() -> None:
         first = float(loss) if first is None else first
     run.print(f"loss {first:.3f} -> {float(loss):.3f} (mean over the real tokens of each "
               f"global batch)")
+    # Held-out text: its loss under the same layout (eval mode, no gradients), then generation
+    # on one device from the gathered weights (every rank gathers; rank 0 generates).
+    held_out = run.loader(PaddedText(seed=1), batch_size=args.batch_size, steps=1,
+                          evaluation=True)
+    run.print(f"held-out loss {float(run.evaluate(model, next(iter(held_out)))):.3f}")
+    single = build_gpt2()
+    single.load_state_dict(run.full_state_dict(model))
+    if run.is_main:
+        prompt = torch.tensor([list(b"The ")])
+        out = single.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        run.print("generated:", bytes(out[0].tolist()).decode("latin-1"))
     run.finish()
 
 

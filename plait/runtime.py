@@ -189,19 +189,24 @@ class Run:
             ckpt.weights_in = model
 
     def loader(self, dataset: Dataset, batch_size: int, *, steps: int | None = None,
-               shuffle: bool = True, start_step: int | None = None) -> DistributedLoader:
+               shuffle: bool = True, start_step: int | None = None,
+               evaluation: bool = False) -> DistributedLoader:
         """Iterate this rank's share of each *global* batch of ``batch_size`` items.
 
         Ranks of one data replica (TP/PP peers) get the same rows; one device gets them all.
         ``steps`` counts from step 0: a run resumed from a checkpoint starts at the step saved
         (``start_step`` overrides it).
+
+        ``evaluation=True``: batches for :meth:`evaluate`. Such a loader always starts at its
+        first batch (a resumed run too) and is not the training loader: checkpoints do not
+        record its position, and the progress bar's step total stays the training loader's.
         """
         dp_rank, dp_size = self._data_rank_and_size()
+        first = 0 if evaluation else self.first_step
         loader = DistributedLoader(dataset, batch_size, dp_rank=dp_rank, dp_size=dp_size,
                                    seed=self.seed, steps=steps,
-                                   start_step=self.first_step if start_step is None
-                                   else start_step, shuffle=shuffle)
-        self._loader = loader
+                                   start_step=first if start_step is None else start_step,
+                                   shuffle=shuffle)
         local = batch_size // dp_size
         micro = self.plan.grad_accum * (self.plan.microbatches if self.plan.pp > 1 else 1)
         if local % micro:
@@ -211,6 +216,9 @@ class Run:
                              + (f" x microbatches={self.plan.microbatches}" if self.plan.pp > 1
                                 else "") + f"); use a global batch that is a multiple of "
                              f"{dp_size * micro}")
+        if evaluation:
+            return loader
+        self._loader = loader
         if steps is not None:
             self.total_steps = steps
         return loader

@@ -479,6 +479,17 @@ def test_a_resumed_model_holds_the_saved_weights_before_its_first_step(tmp_path,
     assert set(now) == set(trained)
     for name, value in trained.items():
         assert torch.equal(now[name], value), name
+    # An evaluation loader starts at its first batch on a resumed run too, and run.evaluate
+    # sees the saved weights before any step.
+    held_out = run.loader(w.TextDataset(seq_len=w.SEQ), batch_size=w.BATCH, steps=1,
+                          evaluation=True)
+    (batch,) = list(held_out)
+    fresh = w._model(0.0)
+    fresh.load_state_dict(trained)
+    fresh.eval()
+    with torch.no_grad():
+        want = w.lm_loss(fresh(batch[0]), batch[1])
+    assert float(run.evaluate(model, batch, w.lm_loss)) == pytest.approx(float(want), rel=1e-6)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     assert list(run.loader(w.TextDataset(seq_len=w.SEQ), batch_size=w.BATCH, steps=3)) == []
     run.finish(print_summary=False)

@@ -388,10 +388,11 @@ class PipelineRunner:
                                         target=index if self.has_last else None,
                                         losses=[] if self.has_last else None,
                                         return_outputs=False, **part_kwargs)
-                else:  # eval() takes no return_outputs: the last stage's outputs are kept
+                else:  # eval() passes return_outputs on to step()
                     self._schedule.eval(*((first,) if self.has_first else ()),
                                         target=index if self.has_last else None,
-                                        losses=[] if self.has_last else None, **part_kwargs)
+                                        losses=[] if self.has_last else None,
+                                        return_outputs=False, **part_kwargs)
             if train:
                 self.timeline.next_step()
         self._targets = None
