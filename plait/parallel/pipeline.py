@@ -546,9 +546,10 @@ class PipelinedModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a pipelined model runs through its schedule: call "
-                           "run.step(model, batch, loss_fn, opt) (or layout_of(model).pipeline"
-                           ".step(batch, loss_fn, plan=..., device=...), from "
-                           "plait.parallel.layout)")
+                           "run.step(model, batch, loss_fn, opt) to train, "
+                           "run.evaluate(model, batch, loss_fn) for a loss without training, "
+                           "or load run.full_state_dict(model) into a one-device copy of the "
+                           "model for anything else (generation)")
 
 
 def pp_refusal(model: nn.Module, plan: Plan) -> str | None:
