@@ -187,13 +187,24 @@ def torchrun_args(cfg: LaunchConfig, log_dir: str) -> list[str]:
 
 
 _PREFIX = re.compile(r"^\[[^\]]*\d+\]:")
+# torch's excepthook writes a rank's uncaught exception with this prefix on every line.
+_EXCEPTION_LINE = re.compile(r"^\[rank\d+\]: ?")
 
 
-def _pump(stream, out, keep: list[str]) -> None:
-    """Echo rank 0's tee'd lines without torchrun's ``[default0]:`` prefix; keep the rest."""
+def _pump(stream, out, keep: list[str], held: list[str] | None = None) -> None:
+    """Echo rank 0's tee'd lines without torchrun's ``[default0]:`` prefix; keep the rest.
+
+    ``held``: rank 0's uncaught-exception lines go there instead of the screen. When another
+    rank fails first, rank 0's exception is a consequence (its peer closed the connection),
+    and the failure report shows the rank that caused it; when rank 0 is the cause, the report
+    shows rank 0's traceback."""
     for line in iter(stream.readline, ""):
         if _PREFIX.match(line):
-            out.write(_PREFIX.sub("", line, count=1))
+            text = _PREFIX.sub("", line, count=1)
+            if held is not None and _EXCEPTION_LINE.match(text):
+                held.append(text)
+                continue
+            out.write(text)
             out.flush()
         else:
             keep.append(line)
@@ -251,22 +262,44 @@ def describe_exit(record: dict) -> str:
     return f"exit code {record.get('exitcode')}"
 
 
+def exception_name(traceback: str) -> str | None:
+    """The exception's class name from a traceback's last line (``CheckpointError`` from
+    ``plait.checkpoint.errors.CheckpointError: ...``), or None when it names none."""
+    lines = [_EXCEPTION_LINE.sub("", line).strip() for line in traceback.splitlines()]
+    last = next((line for line in reversed(lines) if line), "")
+    name = last.split(":", 1)[0].rsplit(".", 1)[-1]
+    return name if name.isidentifier() and name[0].isupper() else None
+
+
 def failure_summary(records: list[dict], tracebacks: dict[int, str]) -> tuple[int | None, str]:
     """(the rank that failed first, one line naming every failed rank and how it ended).
 
     torchrun stops the other workers with SIGTERM once one fails: those are listed as stopped,
-    not as failures. A rank without a traceback (``sys.exit(3)``, ``os._exit``, a signal) is
-    named by its exit code or signal.
+    not as failures, unless they had raised an error of their own first (the same error on
+    every rank: a bad checkpoint, a bad argument). Each failed rank is named with its
+    exception and how its process ended (``CheckpointError, exit code 1``; a native abort
+    while exiting after it shows as ``CheckpointError, then killed by SIGABRT``); a rank
+    without a traceback (``sys.exit(3)``, ``os._exit``, a signal) by its exit code or signal.
     """
     if not records:
         return None, ""
-    causes = [r for r in records if r.get("signal") != "SIGTERM"] or records
-    with_tb = [r for r in causes if r["rank"] in tracebacks
-               and not any(m in tracebacks[r["rank"]] for m in _CONSEQUENCES)]
+
+    def own_error(r: dict) -> bool:
+        tb = tracebacks.get(r["rank"])
+        return tb is not None and not any(m in tb for m in _CONSEQUENCES)
+
+    causes = [r for r in records if r.get("signal") != "SIGTERM" or own_error(r)] or records
+    with_tb = [r for r in causes if own_error(r)]
     first = (with_tb or [r for r in causes if r["rank"] not in tracebacks] or causes)[0]
     parts = []
     for r in causes:
-        how = describe_exit(r) + ("" if r["rank"] in tracebacks else ", no traceback")
+        name = exception_name(tracebacks[r["rank"]]) if r["rank"] in tracebacks else None
+        if name is None:
+            how = describe_exit(r) + ("" if r["rank"] in tracebacks else ", no traceback")
+        elif r.get("signal"):
+            how = f"{name}, then {describe_exit(r)}"
+        else:
+            how = f"{name}, {describe_exit(r)}"
         parts.append(f"rank {r['rank']} ({how})")
     stopped = sorted(r["rank"] for r in records if r not in causes)
     line = "failed: " + ", ".join(parts)
@@ -361,8 +394,9 @@ def launch(cfg: LaunchConfig) -> int:
                             text=True, bufsize=1, start_new_session=True)
     kept_out: list[str] = []
     kept_err: list[str] = []
+    held: list[str] = []  # rank 0's uncaught exception, shown by _explain_failure if the cause
     pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, kept_out)),
-             threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, kept_err))]
+             threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, kept_err, held))]
     for t in pumps:
         t.start()
     waiting = None
@@ -384,8 +418,10 @@ def launch(cfg: LaunchConfig) -> int:
         shutil.rmtree(log_dir, ignore_errors=True) if own_logs else None
         return 128 + forward.signum
     if code != 0:
-        _explain_failure(cfg, log_dir, report, kept_err, code)
+        _explain_failure(cfg, log_dir, report, kept_err + held, code, rank0_held=bool(held))
         own_logs = False
+    elif held:  # an exception in rank 0 that did not fail the job (printed by torch's hook)
+        sys.stderr.write("".join(held))
     elif restarts:
         redone = steps_redone(_attempts(log_dir))
         detail = "" if redone is None else (f"; {redone[0]} step(s) redone ("
@@ -413,9 +449,9 @@ def _report_waiting(cfg: LaunchConfig, log_dir: str, proc: subprocess.Popen,
 
 
 def _explain_failure(cfg: LaunchConfig, log_dir: str, report: str, kept_err: list[str],
-                     code: int) -> None:
-    """Print the root cause's traceback once (unless rank 0 already showed it live) and one line
-    naming every failed rank."""
+                     code: int, rank0_held: bool = False) -> None:
+    """Print the root cause's traceback once and one line naming every failed rank. Rank 0's
+    traceback was shown live unless it came through torch's excepthook (``rank0_held``)."""
     try:
         records = json.loads(Path(report).read_text())
     except (OSError, ValueError):
@@ -433,7 +469,7 @@ def _explain_failure(cfg: LaunchConfig, log_dir: str, report: str, kept_err: lis
     if first is None:  # no report: show the end of torchrun's own output
         root = root_cause(sorted(tracebacks.items()))
         first = root[0] if root else None
-    if first is not None and first != 0 and first in tracebacks:  # rank 0's was echoed live
+    if first is not None and first in tracebacks and (first != 0 or rank0_held):
         tb = re.sub(r"(?m)^\[rank\d+\]: ?", "", tracebacks[first])  # torch's per-line prefix
         sys.stderr.write(f"\n--- rank {first} failed ---\n{tb.rstrip()}\n")
     if line:

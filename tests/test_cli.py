@@ -11,8 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def plait(*args, timeout=180, cwd=None):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def plait(*args, timeout=180, cwd=None, env=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run([sys.executable, "-m", "plait.cli", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd, env=env)
 
@@ -36,26 +36,48 @@ def test_help_teaches():
 
 
 FAILING = """
-import time
+import os, signal, time
 import torch.distributed as dist
 import plait
 run = plait.init()
 run.print("started")
 if run.rank == 1:
+    time.sleep(0.5)  # rank 0 waits in the barrier: it loses its peer mid-collective
+    if os.environ.get("HOW") == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError("rank one exploded")
-time.sleep(1)
 dist.barrier()
 """
 
 
-def test_failing_rank_shown_once(tmp_path):
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_failing_rank_shown_once(tmp_path, how):
+    """The rank that failed is the one shown, once; rank 0's consequent 'connection closed'
+    error (its peer went away during the barrier) is not put on the screen."""
     script = tmp_path / "bad.py"
     script.write_text(FAILING)
+    out = plait("run", "--nproc", "2", str(script), env={"HOW": how})
+    assert out.returncode != 0
+    assert "started" in out.stdout
+    for consequence in ("Connection closed", "Connection reset", "[rank0]"):
+        assert consequence not in out.stderr, out.stderr
+    if how == "raise":
+        assert out.stderr.count("RuntimeError: rank one exploded") == 1, out.stderr
+        assert "rank 1 failed" in out.stderr
+        assert "failed: rank 1 (RuntimeError, exit code 1)" in out.stderr, out.stderr
+    else:
+        assert "failed: rank 1 (killed by SIGKILL, no traceback)" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_the_same_error_on_every_rank_is_summarised_alike(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text("import plait\nrun = plait.init()\nrun.print('started')\n"
+                      "raise ValueError('bad setting, the same on every rank')\n")
     out = plait("run", "--nproc", "2", str(script))
     assert out.returncode != 0
-    assert out.stderr.count("RuntimeError: rank one exploded") == 1, out.stderr
-    assert "rank 1 failed" in out.stderr
-    assert "started" in out.stdout
+    assert out.stderr.count("ValueError: bad setting, the same on every rank") == 1, out.stderr
+    assert "rank 0 (ValueError" in out.stderr and "rank 1 (ValueError" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("args, fragment", [
