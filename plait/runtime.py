@@ -255,7 +255,7 @@ class Run:
             ckpt.resumed = True
             # The loader already started at the saved step (init read it): only the state loads.
             self._load(ckpt.resume_path, model, optimizer, scheduler, move_loader=False,
-                       read_model=model is not ckpt.weights_in)
+                       read_model=model is not ckpt.weights_in, resuming=True)
         optimizer = self._optimizer_for(optimizer)
         # Not on XLA: an SPMD tensor shows its global size on the host, so per-device bytes
         # cannot be read off the parameters there.
@@ -423,7 +423,7 @@ class Run:
 
     def _load(self, path: str | Path, model: nn.Module | None,
               optimizer: torch.optim.Optimizer | None, scheduler: Any,
-              move_loader: bool, read_model: bool = True) -> int:
+              move_loader: bool, read_model: bool = True, resuming: bool = False) -> int:
         from .checkpoint import CheckpointError, load
 
         model = model or (self._models[0] if len(self._models) == 1 else None)
@@ -434,7 +434,10 @@ class Run:
 
         target = self._optimizer_for(optimizer) if optimizer is not None else None
         info = load(path, model=model, optimizer=target, scheduler=scheduler,
-                    device=self.device, read_model=read_model)
+                    device=self.device, read_model=read_model, resuming=resuming)
+        if self.is_main:
+            for note in info.notes:
+                warnings.warn(f"plait: {note}", stacklevel=3)
         if optimizer is not None and target is not None and target is not optimizer:
             # ZeRO-1: the loaded settings go back to the user's optimizer too
             copy_hyperparameters(target, optimizer)

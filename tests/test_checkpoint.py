@@ -494,3 +494,21 @@ def test_a_resumed_model_holds_the_saved_weights_before_its_first_step(tmp_path,
     assert list(run.loader(w.TextDataset(seq_len=w.SEQ), batch_size=w.BATCH, steps=3)) == []
     run.finish(print_summary=False)
     assert [p.name for p in folder.iterdir()] == ["step-00000003"]
+
+
+def test_an_lr_scheduler_may_come_or_go_on_resume(tmp_path, no_group):
+    """Resuming without the scheduler that was saved keeps the optimizer's LR and says so;
+    resuming with one that was not saved starts it fresh and says so; an explicit run.load
+    with a scheduler the checkpoint lacks is refused."""
+    with_sched, without = tmp_path / "with", tmp_path / "without"
+    w.train("single", steps=3, checkpoint=str(with_sched), every=3)
+    w.train("single", steps=3, checkpoint=str(without), every=3, scheduler=False)
+    with pytest.warns(UserWarning, match=r"holds an LR scheduler's state \(last step 3\).*"
+                                         r"run.step\(\.\.\., scheduler=sched\)"):
+        assert len(w.train("single", steps=4, checkpoint=str(with_sched), every=100,
+                           scheduler=False)) == 1
+    with pytest.warns(UserWarning, match=r"holds no LR scheduler state: StepLR starts from "
+                                         r"its first step"):
+        assert len(w.train("single", steps=4, checkpoint=str(without), every=100)) == 1
+    with pytest.raises(CheckpointError, match=r"holds no LR scheduler state; load it without"):
+        w.train("single", steps=5, load=str(without / "step-00000003"))

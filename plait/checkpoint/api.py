@@ -186,6 +186,7 @@ class Loaded:
     extra: dict[str, Any]
     rng_restored: bool
     rng_rank: int | None = None  # the saved rank whose random states this rank now has
+    notes: list[str] = field(default_factory=list)  # what was not loaded, and why
 
 
 def _shape(value: Any) -> list[int]:
@@ -224,7 +225,7 @@ def _check_model(path: Path, metadata: Any, model_sd: dict[str, Any]) -> str | N
 
 def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
          scheduler: Any = None, device: torch.device | None = None,
-         restore_rng: bool = True, read_model: bool = True) -> Loaded:
+         restore_rng: bool = True, read_model: bool = True, resuming: bool = False) -> Loaded:
     """Load the checkpoint at ``path`` (a step folder, or the latest in a checkpoint folder)
     into ``model`` (any layout) and ``optimizer`` (collective: every rank).
 
@@ -232,6 +233,12 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
     rank gets saved rank 0's (see :func:`rng_source`). ``restore_rng=False`` leaves them alone.
     ``read_model=False``: the model already holds these weights (:func:`load_weights`); only
     the rest is read.
+
+    ``resuming``: a run continuing from its checkpoint folder, where the LR scheduler may come
+    or go between runs (one added to fine-tune, one dropped to hold the LR): a scheduler with
+    no saved state starts fresh and saved state with no scheduler to take it is not loaded,
+    each said in ``Loaded.notes``. An explicit load with a scheduler the checkpoint lacks is
+    refused instead.
     """
     device = device or torch.device("cpu")
     step_dir = manifest = metadata = None
@@ -255,9 +262,20 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
         elif absent:
             error = (f"checkpoint {step_dir} has no optimizer state {absent[0]!r}: it was saved "
                      f"with a {manifest['optimizer'].get('class')} optimizer; use that class")
-    if scheduler is not None and manifest.get("scheduler") is None:
-        error = error or (f"checkpoint {step_dir} holds no LR scheduler state; load it without "
-                          f"a scheduler")
+    notes = []
+    saved_scheduler = manifest.get("scheduler")
+    if scheduler is not None and saved_scheduler is None:
+        if not resuming:
+            error = error or (f"checkpoint {step_dir} holds no LR scheduler state; load it "
+                              f"without a scheduler")
+        notes.append(f"checkpoint {step_dir} holds no LR scheduler state: "
+                     f"{type(scheduler).__name__} starts from its first step")
+        scheduler = None
+    elif scheduler is None and saved_scheduler is not None and resuming:
+        notes.append(f"checkpoint {step_dir} holds an LR scheduler's state (last step "
+                     f"{saved_scheduler.get('last_epoch', '?')}), and run.step was given no "
+                     f"scheduler: the learning rate stays where the optimizer left it; pass "
+                     f"run.step(..., scheduler=sched) to continue the schedule")
     _agree(error)
     request: dict[str, Any] = {MODEL: model_sd} if read_model else {}
     if optimizer is not None and optim_tensors:
@@ -282,7 +300,7 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
                   world_size=int(manifest.get("world_size", 0)),
                   loader=store.from_plain(manifest.get("loader")),
                   extra=store.from_plain(manifest.get("extra") or {}),
-                  rng_restored=source is not None, rng_rank=source)
+                  rng_restored=source is not None, rng_rank=source, notes=notes)
 
 
 def load_weights(path: str | Path, model: nn.Module) -> bool:
