@@ -69,6 +69,12 @@ def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None, *,
     return state
 
 
+def _named(name: str) -> str:
+    """`` (name)`` after a figure, or `` (every parameter bitwise equal)`` when no parameter
+    differs at all, so none is the worst."""
+    return f" ({name})" if name else " (every parameter bitwise equal)"
+
+
 # Default tolerances (``tolerance=None``), by optimizer. Losses: relative difference per step.
 # Parameters: per tensor, the norm of the difference over the norm of how far the reference
 # moved the tensor from its initial value (a wrong layout moves it elsewhere by a fraction of
@@ -138,8 +144,9 @@ class CheckResult:
                  f"{self.steps} steps ({rule})",
                  f"  max |loss diff|  {self.max_loss_diff:.3e} ({self.max_loss_rel:.2e} "
                  f"relative)",
-                 f"  max |param diff| {self.max_param_diff:.3e} ({self.worst_param}); "
-                 f"relative to displacement {self.max_param_rel:.2e} ({self.worst_param_rel})"]
+                 f"  max |param diff| {self.max_param_diff:.3e}{_named(self.worst_param)}; "
+                 f"relative to displacement {self.max_param_rel:.2e}"
+                 f"{_named(self.worst_param_rel)}"]
         for i, (a, b) in enumerate(zip(self.losses_reference, self.losses_parallel, strict=True)):
             lines.append(f"  step {i + 1}: reference {a:.6f}  parallel {b:.6f}")
         if self.replicas_differ:

@@ -36,3 +36,13 @@ def test_check_detects_a_wrong_layout():
 def test_bf16_autocast_stays_close():
     result = check("dp=2,mp=bf16", CheckConfig(steps=3), tolerance=5e-2)
     assert result.ok, result.format()
+
+
+def test_check_report_when_every_parameter_is_bitwise_equal():
+    """No parameter is 'the worst' when none differs: the report says so instead of '()'."""
+    from plait.check import CheckResult
+
+    text = CheckResult(plan="dp=2", world_size=2, steps=1, losses_reference=[1.0],
+                       losses_parallel=[1.0], max_loss_diff=0.0, max_param_diff=0.0,
+                       worst_param="").format()
+    assert "()" not in text and "0.000e+00 (every parameter bitwise equal)" in text, text
