@@ -227,18 +227,19 @@ def main(argv: list[str] | None = None) -> int:
         with _signals_interrupt():
             return args._commands[args.command](args)
     except ValueError as exc:  # a problem with what the user asked for: one line, exit 2
-        print(f"plait {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return _failed(args, f"error: {exc}", 2)
     except TimeoutError as exc:  # workers that did not finish in time (already stopped)
-        print(f"plait {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return _failed(args, str(exc), 1)
     except Interrupted as exc:  # the workers were stopped on the way out (finally blocks)
-        print(f"plait {args.command}: stopped by {signal.Signals(exc.signum).name}",
-              file=sys.stderr)
-        return 128 + exc.signum
+        return _failed(args, f"stopped by {signal.Signals(exc.signum).name}", 128 + exc.signum)
     except KeyboardInterrupt:
-        print(f"plait {args.command}: stopped by SIGINT", file=sys.stderr)
-        return 130
+        return _failed(args, "stopped by SIGINT", 130)
+
+
+def _failed(args: argparse.Namespace, message: str, code: int) -> int:
+    from .outputs import command_failed
+
+    return command_failed(args.command, message, code, getattr(args, "format", None))
 
 
 class Interrupted(BaseException):

@@ -1,4 +1,5 @@
-"""Files a command writes (plots, logs), checked before any work is done.
+"""What a command writes: files (plots, logs), checked before any work is done, and the
+failure line.
 
 A report that takes minutes to compute must not fail at the end because its output folder is
 missing or read-only, and an output named after a folder goes into that folder, under the name
@@ -8,7 +9,9 @@ the file would have had (matplotlib would otherwise write ``/tmp`` as ``/tmp.png
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -48,3 +51,15 @@ def writable_folder(folder: Path, what: str, *, create: bool = False) -> None:
             pass
     except OSError as exc:
         raise ValueError(f"{what}: folder {folder} is not writable ({exc.strerror})") from None
+
+
+def command_failed(command: str, message: str, code: int, fmt: str | None = None) -> int:
+    """Say why ``plait COMMAND`` failed, one line on stderr, and return ``code``. With
+    ``--format json`` (``fmt="json"``) the same also goes to stdout as a JSON object,
+    ``{"error", "command", "exit_code"}``, so that a program reading the report gets an answer
+    it can parse instead of an empty stream."""
+    print(f"plait {command}: {message}", file=sys.stderr)
+    if fmt == "json":
+        print(json.dumps({"error": message.removeprefix("error: "), "command": command,
+                          "exit_code": code}))
+    return code

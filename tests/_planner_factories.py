@@ -23,3 +23,11 @@ def broken():
 
 def no_blocks():
     return nn.Linear(4, 4)
+
+
+def tiny_gpt2():
+    """A two-layer GPT-2 from a config (Conv1D linears, n_positions 32)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                      n_positions=32))

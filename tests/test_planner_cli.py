@@ -133,3 +133,27 @@ def test_malformed_cluster_extra_fails_in_one_line(tmp_path, capsys, extra, fiel
                    "--global-batch", "8", "--seq", "2048") == 2
     err = capsys.readouterr().err
     assert field in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_json_request_gets_its_error_as_json(tmp_path, capsys):
+    """--format json: a bad request still prints a JSON object on stdout (and the line on
+    stderr), so that a program reading the report can tell why it failed."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10}))
+    assert run_cli("--model", str(cfg), "--cluster", "cpu", "--global-batch", "8",
+                   "--format", "json") == 2
+    out = capsys.readouterr()
+    data = json.loads(out.out)
+    assert data["exit_code"] == 2 and data["command"] == "plan"
+    assert "num_hidden_layers" in data["error"] and "num_hidden_layers" in out.err
+
+
+def test_a_transformers_model_says_its_sequence_length_and_gpt2_linears_count():
+    """A Hugging Face model given as a factory: its config's n_positions is the sequence the
+    planner prices (no --seq needed), and GPT-2's Conv1D layers count as its linears."""
+    pytest.importorskip("transformers")
+    from plait.planner.model_stats import load_model
+
+    stats = load_model("tests._planner_factories:tiny_gpt2")
+    assert stats.max_seq == 32 and stats.hidden == 32 and stats.ffn == 128
+    assert stats.n_layers == 2 and stats.n_heads == 4 and stats.attention

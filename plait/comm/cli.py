@@ -11,7 +11,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ..outputs import plot_path
+from ..outputs import command_failed, plot_path
 from . import bench
 
 if TYPE_CHECKING:
@@ -50,8 +50,7 @@ def bench_comm_command(args: argparse.Namespace) -> int:
                                    iters=args.iters, warmup=args.warmup, backend=args.backend,
                                    timeout=args.timeout)
     except ValueError as e:
-        print(f"plait bench comm: error: {e}", file=sys.stderr)
-        return 2
+        return command_failed("bench comm", f"error: {e}", 2, args.format)
     if args.format == "json":
         print(json.dumps({"world_size": args.nproc, "backend": args.backend,
                           "definitions": "algbw = size/time; busbw = algbw * bus_factor "
@@ -140,8 +139,7 @@ def comm_command(args: argparse.Namespace) -> int:
                              f"give a plan with a degree > 1, e.g. 'dp_replicate=2'")
         seq = args.seq or min(cfg.max_seq_len, 128)
     except ValueError as e:
-        print(f"plait comm: error: {e}", file=sys.stderr)
-        return 2
+        return command_failed("comm", f"error: {e}", 2, args.format)
     # The Plan itself, not its string form: that one leaves out plan.options.
     with user_errors():
         results = run_distributed(comm_worker, plan.world_size, plan, args.model,

@@ -17,6 +17,7 @@ from typing import Any
 from plait.outputs import plot_path
 from plait.plan import Plan
 
+from ..outputs import command_failed
 from .cost import Estimate, Workload, evaluate
 from .hardware import GB, Cluster, load_cluster, presets, save_cluster
 from .model_stats import ModelStats, load_model
@@ -256,8 +257,7 @@ def plan_command(args: argparse.Namespace) -> int:
     try:
         return _plan(args)
     except ValueError as exc:
-        print(f"plait plan: error: {exc}", file=sys.stderr)
-        return 2
+        return command_failed("plan", f"error: {exc}", 2, args.format)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -225,14 +225,14 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                            f"to split into layers; the planner needs a stack of blocks")
     _, stack_name, blocks = best
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    matmul = [sum(m.weight.numel() for m in b.modules() if isinstance(m, nn.Linear))
+    matmul = [sum(m.weight.numel() for m in b.modules() if _dims(m) is not None)
               for b in blocks]
     ref = blocks[max(range(len(blocks)), key=lambda i: block_params[i])]
-    linears = [m for m in ref.modules() if isinstance(m, nn.Linear)]
+    linears = [d for d in map(_dims, ref.modules()) if d is not None]
     if not linears:
         raise ValueError(f"{name}: blocks in {stack_name!r} have no nn.Linear layers")
-    hidden = Counter(m.in_features for m in linears).most_common(1)[0][0]
-    ffn = max(max(m.out_features, m.in_features) for m in linears)
+    hidden = Counter(i for i, _ in linears).most_common(1)[0][0]
+    ffn = max(max(o, i) for i, o in linears)
     heads, kv_heads, attention = 1, None, False
     for m in ref.modules():
         cls = type(m).__name__.lower()
@@ -278,7 +278,34 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                       block_matmul_params=round(mean), embed_params=embed_params,
                       head_params=head_params, attention=attention, layer_weights=weights,
                       block_tensors=tensors, embed_tensors=embed_tensors,
-                      head_tensors=max(outside - embed_tensors, 0))
+                      head_tensors=max(outside - embed_tensors, 0), max_seq=_max_seq(model))
+
+
+def _max_seq(model: Any) -> int | None:
+    """The longest sequence the model takes, when it says: a Hugging Face config's
+    ``max_position_embeddings`` (``n_positions`` for GPT-2), or a ``max_seq_len`` setting, on
+    the model or the first submodule that has one (a wrapper around a transformers model)."""
+    for module in model.modules():
+        for holder in (getattr(module, "config", None), getattr(module, "cfg", None), module):
+            for attr in ("max_position_embeddings", "n_positions", "max_seq_len"):
+                value = getattr(holder, attr, None)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+    return None
+
+
+def _dims(module: Any) -> tuple[int, int] | None:
+    """(in, out) features of a matrix-multiply layer: ``nn.Linear``, or Hugging Face's
+    ``Conv1D`` (GPT-2's linears, weight stored (in, out)); None for anything else."""
+    import torch.nn as nn
+
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int) \
+            and weight is not None and weight.ndim == 2:
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
 
 
 def _signature(module: Any) -> tuple:
