@@ -18,19 +18,30 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _after_warmup(values: list, window: int) -> list:
+    """The last ``window`` values, the first step's left out once there are others (it
+    allocates, compiles and tunes: a one-off, not the rate)."""
+    return (values[1:] if len(values) > 1 else values)[-window:]
+
+
 def recent_throughput(stats: Any, window: int = 10) -> tuple[float, float]:
-    """(tokens/s, median ms/step) over the last ``window`` steps."""
-    recent = stats.step_times[-window:]
-    tokens = stats.tokens[-window:]
+    """(tokens/s, median ms/step) over the last ``window`` steps after the first."""
+    recent = _after_warmup(stats.step_times, window)
+    tokens = _after_warmup(stats.tokens, window)
     tps = sum(tokens) / sum(recent) if recent and sum(recent) > 0 else 0.0
     return tps, 1000 * _median(recent)
 
 
-def eta(step: int, total: int | None, stats: Any) -> str:
-    """Time left at the recent median step time, as ``H:MM:SS`` (``?`` without a total)."""
+def eta(step: int, total: int | None, stats: Any, window: int = 10) -> str:
+    """Time left, as ``H:MM:SS`` (``?`` without a total): the steps left at the recent wall
+    time per step, measured between step ends so that what the loop does between steps
+    (loading data, evaluating) counts; the median step time until two steps have ended."""
     if not total or not stats.step_times:
         return "?"
-    left = max(0, total - step) * _median(stats.step_times[-10:])
+    ends = getattr(stats, "step_ends", [])[-(window + 1):]  # after step 1 ended: no warm-up
+    per_step = ((ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) >= 2
+                else _median(_after_warmup(stats.step_times, window)))
+    left = max(0, total - step) * per_step
     h, rem = divmod(int(round(left)), 3600)
     return f"{h}:{rem // 60:02d}:{rem % 60:02d}"
 

@@ -53,6 +53,9 @@ class StepStats:
     step_times: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # throughput units per step, see ``unit``
     skipped: list[int] = field(default_factory=list)  # steps whose update was dropped (NaN/inf)
+    # time.perf_counter() as each step ended: the wall time per step between them includes what
+    # the loop does outside run.step (loading data, evaluating), which the ETA must count.
+    step_ends: list[float] = field(default_factory=list)
     unit: str = "tokens"  # or "samples" (images, feature rows): see _count_items
 
 
@@ -318,6 +321,7 @@ class Run:
         if self._watchdog is not None:
             self._watchdog.active = False  # between steps, time spent is the user's
         self.stats.step_times.append(elapsed)
+        self.stats.step_ends.append(time.perf_counter())
         count, self.stats.unit = _count_items(batch)
         self.stats.tokens.append(count * self.dp_size)
         self.stats.losses.append(loss)
@@ -743,15 +747,28 @@ def _count_items(batch: Any) -> tuple[int, str]:
     """What throughput counts in a local batch, and its unit: token ids (an integer input of
     one or two dimensions) count each id; a sequence of vectors (a float input of batch x
     positions x features) counts its positions; anything else (images, rows of features)
-    counts samples, not the numbers in them."""
+    counts samples, not the numbers in them. Token ids that come with an ``attention_mask``
+    (the Hugging Face convention) count the positions it keeps: padding is not throughput."""
     inputs = _first_input(batch)
     if not isinstance(inputs, torch.Tensor) or inputs.ndim == 0:
         return 0, "tokens"
     if not inputs.is_floating_point() and inputs.ndim <= 2:
+        mask = _attention_mask(batch)
+        if mask is not None and mask.shape == inputs.shape:
+            return int(mask.count_nonzero()), "tokens"
         return int(inputs.numel()), "tokens"
     if inputs.is_floating_point() and inputs.ndim == 3:
         return int(inputs.shape[0] * inputs.shape[1]), "tokens"
     return int(inputs.shape[0]), "samples"
+
+
+def _attention_mask(batch: Any) -> torch.Tensor | None:
+    """The ``attention_mask`` of a dict batch, or of the dict of inputs in ``(inputs,
+    targets)``; None when there is none."""
+    if isinstance(batch, (tuple, list)) and batch:
+        batch = batch[0]
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    return mask if isinstance(mask, torch.Tensor) else None
 
 
 def _from_argv(flag: str, argv: list[str] | None) -> str | None:

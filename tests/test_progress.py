@@ -33,6 +33,18 @@ def test_progress_line_has_throughput_and_eta():
     assert report.eta(0, 7300, _stats(1, step_s=1.0)) == "2:01:40"
 
 
+def test_rates_leave_the_first_step_out_and_the_eta_counts_time_between_steps():
+    """A slow first step (allocation, compilation) does not drag tokens/s below what ms/step
+    says; the ETA runs on wall time between step ends, which includes what the loop does
+    outside run.step (here 0.5 s of data loading per 0.5 s step)."""
+    stats = _stats(5)
+    stats.step_times[0] = 5.0
+    assert report.recent_throughput(stats) == (2000.0, 500.0)
+    assert report.eta(5, 25, stats) == "0:00:10"  # no step ends recorded: 20 x 0.5 s
+    stats.step_ends = [10.0 + i for i in range(5)]  # one step per second of wall time
+    assert report.eta(5, 25, stats) == "0:00:20"  # 20 steps x 1 s
+
+
 def test_plain_lines_only_on_logged_steps():
     out = io.StringIO()
     p = Progress(enabled=True, log_every=2, total=4, stream=out)
@@ -145,12 +157,18 @@ def test_two_ranks_write_tensorboard_and_plot_on_rank_0(tmp_path):
 
 
 def test_throughput_counts_tokens_positions_or_samples():
-    """Token ids count each id; a float batch x positions x features input counts positions;
+    """Token ids count each id (those an attention_mask keeps, when there is one); a float
+    batch x positions x features input counts positions;
     images and feature rows count samples, shown as samples/s."""
     from plait.runtime import _count_items
 
     assert _count_items(torch.zeros(4, 16, dtype=torch.long)) == (64, "tokens")
     assert _count_items({"input_ids": torch.zeros(2, 8, dtype=torch.long)}) == (16, "tokens")
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, 5:] = 0  # three padding positions are not throughput
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    assert _count_items({"input_ids": ids, "attention_mask": mask}) == (13, "tokens")
+    assert _count_items(({"input_ids": ids, "attention_mask": mask.bool()}, ids)) == (13, "tokens")
     assert _count_items((torch.zeros(4, 16, 12), torch.zeros(4))) == (64, "tokens")
     assert _count_items(torch.zeros(4, 3, 32, 32)) == (4, "samples")
     assert _count_items(torch.zeros(4, 12)) == (4, "samples")
