@@ -641,7 +641,8 @@ class Run:
         if self.progress is not None:
             self.progress.close()
         if self._watchdog is not None:  # a rank that skipped a collective is caught here too
-            self._watchdog.step_started(self.first_step + len(self.stats.step_times) + 1)
+            self._watchdog.step_started(self.first_step + len(self.stats.step_times) + 1,
+                                        finishing=True)
             self._watchdog.await_check()  # now: no collective need follow
         info = self.summary()
         if self.plot is not None:

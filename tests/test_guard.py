@@ -73,6 +73,9 @@ for step in range(1, 8):
         dist.all_reduce(loss.clone(), async_op=True)
     elif case == "skip":
         dist.all_reduce(loss.clone())
+if case == "finish" and run.rank == 0:  # a metric all-reduce after the loop, on rank 0 only
+    stamp.write_text(str(time.time()))
+    dist.all_reduce(torch.ones(1))
 run.finish()
 """
 
@@ -116,6 +119,20 @@ def test_rank_that_skips_a_collective_is_named(tmp_path):
     assert max(after) < 3.0 + 15
 
 
+def test_a_rank_waiting_in_finish_is_said_to_be_there(tmp_path):
+    """Rank 0 issues a collective after the last step that rank 1 skips: rank 1 waits in
+    finish()'s check, and the report says finish(), not a step 8 that does not exist."""
+    ended, after = _hang_job(tmp_path, "finish")
+    for e in ended:
+        assert e.code == EXIT_HANG, e.stderr[-3000:]
+        assert "desync after step 7: rank(s) [1] issued fewer collectives" in e.stderr, \
+            e.stderr[-3000:]
+        assert "in the check in finish() (after step 7)" in e.stderr, e.stderr[-3000:]
+        assert "rank 1: finish() after step 7" in e.stderr and "step 8" not in e.stderr, \
+            e.stderr[-3000:]
+    assert max(after) < 3.0 + 15
+
+
 def test_rank_that_adds_a_collective_is_named_at_the_next_step(tmp_path):
     """Rank 0 issues one all-reduce it never waits for: nothing hangs, and the step-start check
     of step 4 finds the counts apart at once."""
@@ -132,6 +149,8 @@ def test_desync_report_names_ranks_axis_and_step():
     sends and receives differ legitimately from stage to stage, are left out."""
     members = {"dp": [0, 1], "pp": [0, 1]}
     counts = {0: {"dp": 14, "pp": 6}, 1: {"dp": 13, "pp": 9}}
+    assert "desync before finish(): rank(s) [1]" in desync_report(4, counts, members,
+                                                                   finishing=True)
     report = desync_report(4, counts, members)
     assert report is not None and report.startswith(
         "plait watchdog: desync before step 4: rank(s) [1] issued fewer collectives on mesh "

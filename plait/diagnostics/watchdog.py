@@ -97,6 +97,7 @@ class Watchdog:
     step: int = 0
     active: bool = False          # inside a step or finish(): waiting there is not idleness
     checking: bool = False        # waiting for the step-start check
+    finishing: bool = False       # the check is finish()'s (after the last step), not a step's
     _pending: tuple | None = None  # (work, gathered counts, axis names, step) not waited for
     _gate: Any = None             # self.await_check, armed while a check is pending
     _main: int = field(default_factory=lambda: threading.main_thread().ident or 0)
@@ -114,11 +115,13 @@ class Watchdog:
         self._thread.start()
         return self
 
-    def step_started(self, step: int) -> None:
-        """Called at the start of every step (and in ``finish()``, as step N + 1): every rank
-        starts comparing its collective counts with its peers' (an all-gather, waited for by
-        :meth:`await_check` before the step's first collective; see the module's doc)."""
+    def step_started(self, step: int, *, finishing: bool = False) -> None:
+        """Called at the start of every step (and in ``finish()``, as step N + 1 with
+        ``finishing``): every rank starts comparing its collective counts with its peers' (an
+        all-gather, waited for by :meth:`await_check` before the step's first collective; see
+        the module's doc)."""
         self.step = step
+        self.finishing = finishing
         self.active = True
         if self.check_group is None:
             return
@@ -154,7 +157,8 @@ class Watchdog:
         work.wait()
         self.checking = False
         counts = {r: dict(zip(names, t.tolist(), strict=True)) for r, t in enumerate(every)}
-        report = desync_report(step, counts, self._members, self.pipeline_axes)
+        report = desync_report(step, counts, self._members, self.pipeline_axes,
+                               finishing=self.finishing)
         if report is not None:
             self._report(report)
 
@@ -190,7 +194,8 @@ class Watchdog:
                     last, since = progress, now
                 beat = {"rank": self.rank, "step": self.step, "seqs": seqs, "time": time.time(),
                         "waited": now - since if self.active else 0.0, "active": self.active,
-                        "checking": self.checking, "where": where(self._main)}
+                        "checking": self.checking, "finishing": self.finishing,
+                        "where": where(self._main)}
                 self.store.set(self._key(self.rank), json.dumps(beat))
                 if self.store.check([self._key("report")]):
                     self._end(self.store.get(self._key("report")).decode())
@@ -217,7 +222,7 @@ class Watchdog:
         beats = self._beats()
         beats[self.rank] = {**beats.get(self.rank, {}), "seqs": seqs, "step": self.step,
                             "where": where(self._main), "time": time.time(),
-                            "checking": self.checking}
+                            "checking": self.checking, "finishing": self.finishing}
         me = beats[self.rank]
         op = me["where"].get("op") or "a collective"
         groups = []  # (name, {rank: count}) where counts differ, this rank's groups first
@@ -255,8 +260,11 @@ class Watchdog:
                 + (f"; no heartbeat from {absent}" if absent else ""))
         for r in sorted(beats):
             b = beats[r]
-            op = "the step-start check" if b.get("checking") else b["where"].get("op")
-            lines.append(f"  rank {r}: step {b['step']}, in {op} at "
+            op = _check_name(b["step"], b.get("finishing", False)) if b.get("checking") \
+                else b["where"].get("op")
+            phase = f"finish() after step {b['step'] - 1}" if b.get("finishing") \
+                else f"step {b['step']}"
+            lines.append(f"  rank {r}: {phase}, in {op} at "
                          f"{b['where'].get('at') or b['where'].get('inner')}")
         return "\n".join(lines)
 
@@ -278,9 +286,10 @@ class Watchdog:
                         f"fewer collectives on mesh axis {name} than rank(s) {sorted(ahead)}, "
                         f"which wait in {at.get('op') or 'a collective'} (at "
                         f"{at.get('at') or at.get('inner') or '?'}): a collective rank(s) "
-                        f"{fewer} skipped; they have waited {waited:.0f} s in the step-start "
-                        f"check of step {step}")
-        return (f"plait watchdog: rank(s) {away} did not reach the start of step {step} within "
+                        f"{fewer} skipped; they have waited {waited:.0f} s in "
+                        f"{_check_name(step, self.finishing)}")
+        target = "finish()" if self.finishing else f"the start of step {step}"
+        return (f"plait watchdog: rank(s) {away} did not reach {target} within "
                 f"{self.timeout:g} s; rank(s) {there} wait there")
 
     def _report(self, report: str) -> None:
@@ -318,11 +327,18 @@ def _exit_hang(*_: object) -> None:
     os._exit(EXIT_HANG)
 
 
+def _check_name(step: int, finishing: bool) -> str:
+    """How a report names the collective-count check a rank waits in."""
+    return (f"the check in finish() (after step {step - 1})" if finishing
+            else f"the step-start check of step {step}")
+
+
 def desync_report(step: int, counts: dict[int, dict[str, int]],
-                  members: dict[str, list[int]], pipeline_axes: tuple[str, ...] = ("pp",)
-                  ) -> str | None:
+                  members: dict[str, list[int]], pipeline_axes: tuple[str, ...] = ("pp",),
+                  *, finishing: bool = False) -> str | None:
     """The report of a step-start check whose counts differ, or None: ``counts`` holds every
-    rank's ``{mesh axis: collectives issued}``, ``members`` this rank's ranks per axis."""
+    rank's ``{mesh axis: collectives issued}``, ``members`` this rank's ranks per axis;
+    ``finishing``: the check is ``finish()``'s, after the last step (``step - 1``)."""
     for name, ranks in members.items():
         if name in pipeline_axes:
             continue
@@ -333,7 +349,8 @@ def desync_report(step: int, counts: dict[int, dict[str, int]],
         fewer = sorted(r for r, c in seen.items() if c < top)
         more = sorted(r for r, c in seen.items() if c == top)
         listed = ", ".join(f"rank {r}: {c}" for r, c in sorted(seen.items()))
-        return (f"plait watchdog: desync before step {step}: rank(s) {fewer} issued fewer "
+        before = "finish()" if finishing else f"step {step}"
+        return (f"plait watchdog: desync before {before}: rank(s) {fewer} issued fewer "
                 f"collectives on mesh axis {name} than rank(s) {more} ({listed}) in step "
                 f"{step - 1} or after it: a collective skipped on some ranks, or added on "
                 f"others")
