@@ -618,7 +618,13 @@ class Run:
                                 accelerator=self.accelerator.name,
                                 wall_s=time.perf_counter() - self._started, warmup=warmup)
         if self.ledger is not None:
-            comm = self.ledger.report(expected=self._expected_traffic())
+            expected = self._expected_traffic()
+            comm = self.ledger.report(expected=expected)
+            if expected is None and comm.rows:
+                comm.notes.append("no 'expected' column: plait's closed forms are those of its "
+                                  "reference transformer; for this model `plait plan --model "
+                                  "pkg.mod:factory --plan <plan>` gives the planner's bytes per "
+                                  "axis")
             info["comm"] = comm.to_dict()
             info["comm_table"] = comm.table()
         if self.xla is not None:

@@ -1087,3 +1087,15 @@ def evaluate_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, li
         out.append({"plan": text, "evals": evals, "modes": modes, "train_mode": train_mode,
                     "mode": factory is not dropout_lm})
     return out
+
+
+def ledger_table(rank: int, world_size: int, plan: str) -> str:
+    """Two steps of the masked LM with the ledger on; rank 0's communication table."""
+    from plait.runtime import init
+
+    run = init(plan, quiet=True, ledger=True)
+    model = run.parallelize(masked_lm())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(3):
+        run.step(model, _slice(mlm_batch(step), run.dp_rank, run.dp_size), mlm_loss, opt)
+    return run.finish(print_summary=False)["comm_table"]

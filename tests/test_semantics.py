@@ -171,6 +171,14 @@ def test_evaluate_gives_one_devices_loss_under_every_layout():
         assert result["train_mode"] == [pytest.approx(want[-1], rel=REL), True], result["plan"]
 
 
+def test_the_ledger_of_a_model_without_closed_forms_says_where_predictions_are():
+    """Your own model's ledger is measured only: the table says why the expected column is
+    empty and which command prices that layout's bytes per axis."""
+    table = run_distributed(W.ledger_table, 2, "dp=2", timeout=120)[0]
+    assert "all_reduce" in table and "no 'expected' column" in table, table
+    assert "plait plan --model pkg.mod:factory --plan <plan>" in table, table
+
+
 def test_batchnorm_sync_bn_matches_one_device_and_warns_without():
     """sync_bn: BatchNorm statistics over the data axes, parameters and running statistics
     equal to one device's (DDP and ZeRO-3). Without it: a warning naming the modules, and
