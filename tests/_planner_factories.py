@@ -31,3 +31,11 @@ def tiny_gpt2():
 
     return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
                                       n_positions=32))
+
+
+def block_mixing_positions():
+    """A model whose blocks mix positions outside tensor-parallel regions: it refuses
+    sequence parallelism, which the cost model alone would propose."""
+    from tests._workers_semantics import shifted_lm
+
+    return shifted_lm()

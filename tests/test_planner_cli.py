@@ -157,3 +157,22 @@ def test_a_transformers_model_says_its_sequence_length_and_gpt2_linears_count():
     stats = load_model("tests._planner_factories:tiny_gpt2")
     assert stats.max_seq == 32 and stats.hidden == 32 and stats.ffn == 128
     assert stats.n_layers == 2 and stats.n_heads == 4 and stats.attention
+
+
+def test_a_factory_model_is_asked_about_the_layouts_it_would_take(capsys):
+    """plait plan --model pkg:factory builds the model on the host and asks it, as plan='auto'
+    does: a given plan it refuses exits 1 with the reason, and the search leaves such layouts
+    out, saying so."""
+    spec = "tests._planner_factories:block_mixing_positions"
+    common = ("--model", spec, "--cluster", "cpu", "--devices", "2", "--global-batch", "8",
+              "--seq", "8")
+    assert run_cli(*common, "--plan", "tp=2,sp=true") == 1
+    assert "refuses tp=2,sp=true: no sequence parallelism: blocks.0 does not treat positions" \
+        in capsys.readouterr().out
+    assert run_cli(*common, "--plan", "tp=2") == 0
+    capsys.readouterr()
+    assert run_cli(*common, "--top", "40", "--format", "json") == 0
+    data = json.loads(capsys.readouterr().out)
+    assert not any(p["layout"]["sp"] for p in data["plans"]), [p["plan"] for p in data["plans"]]
+    assert any("refused by the model (no sequence parallelism" in line
+               for line in data["model_check"]), data["model_check"]

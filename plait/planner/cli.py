@@ -12,6 +12,8 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from plait.outputs import plot_path
@@ -20,7 +22,7 @@ from plait.plan import Plan
 from ..outputs import command_failed
 from .cost import Estimate, Workload, evaluate
 from .hardware import GB, Cluster, load_cluster, presets, save_cluster
-from .model_stats import ModelStats, load_model
+from .model_stats import ModelStats, build_factory, load_model
 from .search import SearchResult, divisors, search
 from .uncertainty import with_uncertainty
 
@@ -321,10 +323,21 @@ def _plan(args: argparse.Namespace) -> int:
                          f"batch divisible by a factor of the device count, e.g. "
                          f"{cluster.world_size * max(1, args.global_batch // cluster.world_size)}")
 
+    check, not_asked = _ask_the_model(args.model, model)
     if given is not None:
         if given.world_size != cluster.world_size:
             raise ValueError(f"--plan uses {given.world_size} devices, the cluster has "
                              f"{cluster.world_size}; pass --devices {given.world_size}")
+        refused = check(given) if check is not None else None
+        if refused is not None:
+            message = f"{args.model} refuses {given.to_string()}: {refused}"
+            if args.format == "json":
+                print(json.dumps({"model": model.name, "cluster": cluster.name,
+                                  "devices": cluster.world_size, "plans": [],
+                                  "message": message}, indent=2))
+            else:
+                print(message)
+            return 1
         est = with_uncertainty(evaluate(given, model, cluster, work, constants), model, cluster,
                                work, constants)
         if args.format == "json":
@@ -341,8 +354,13 @@ def _plan(args: argparse.Namespace) -> int:
                 _print_schedule(args, given)
         return 0 if est.feasible else 1
 
-    result = search(model, cluster, work, dtype=dtype, top=0, constants=constants)
+    # Asked only about what is shown (or plotted): the check may run the model.
+    result = search(model, cluster, work, dtype=dtype, constants=constants,
+                    top=0 if check is None or args.pareto else args.top, layout_check=check)
     ranked = result.ranked
+    asked = [f"left out {n} layout{'s' * (n > 1)} that would have ranked: {kind}"
+             for kind, n in sorted(result.rejected.items()) if kind.startswith("refused by")]
+    asked += [not_asked] if not_asked else []
     for e in ranked[:args.top]:
         with_uncertainty(e, model, cluster, work, constants)
     if args.pareto and ranked:
@@ -353,6 +371,7 @@ def _plan(args: argparse.Namespace) -> int:
                           "seq": seq, "search_seconds": result.seconds,
                           "evaluated": result.evaluated, "rejected": result.rejected,
                           "plans": [estimate_json(e) for e in ranked[:args.top]],
+                          "model_check": asked,
                           "message": None if ranked else
                           explain_nothing_fits(result, model, cluster, work, dtype)},
                          indent=2))
@@ -365,10 +384,37 @@ def _plan(args: argparse.Namespace) -> int:
           f"{result.evaluated} layouts priced in {result.seconds:.2f}s, {len(ranked)} fit")
     print(format_table(ranked[:args.top]))
     print("\n".join(explain_winner(ranked, cluster)))
+    for line in asked:
+        print(line)
     _print_schedule(args, ranked[0].plan)
     if args.pareto:
         print(f"Pareto plot: {args.pareto}")
     return 0
+
+
+# The largest factory model ``plait plan`` builds on the host to ask it about layouts (fp32:
+# 1.2 GB and a few seconds to initialise); larger ones are priced from their sizes only.
+ASK_LIMIT = 300_000_000
+
+
+def _ask_the_model(spec: Any, stats: ModelStats
+                   ) -> tuple[Callable[[Plan], str | None] | None, str | None]:
+    """For a ``pkg.mod:factory`` model: the check of what the model itself refuses
+    (``plait.auto.layout_check``: sequence parallelism its blocks do not allow, a tp its layer
+    plan cannot take, a pipeline it cannot be cut into), built from a real copy on the host
+    (the stats came from one on the meta device, which cannot be run). None, and a line saying
+    so, for a model above ``ASK_LIMIT`` parameters; None and None for presets and configs,
+    which are plait's reference transformer."""
+    if not isinstance(spec, str) or ":" not in spec or Path(spec).exists():
+        return None, None
+    if stats.num_params > ASK_LIMIT:
+        return None, (f"not asked: {spec} ({_count(stats.num_params)} parameters) is priced "
+                      f"from its sizes only (plait builds models up to "
+                      f"{_count(ASK_LIMIT)} on the host to ask them); plan='auto' asks it "
+                      f"when it is laid out")
+    from ..auto import layout_check
+
+    return layout_check(build_factory(spec, "cpu")), None
 
 
 def _accelerator() -> str | None:

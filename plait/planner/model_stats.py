@@ -327,6 +327,12 @@ def _longest_run(children: list) -> list:
 
 def from_factory(spec: str) -> ModelStats:
     """``"package.module:function"`` -> stats of ``function()`` built on the meta device."""
+    return from_module(build_factory(spec, "meta"), name=spec)
+
+
+def build_factory(spec: str, device: str) -> Any:
+    """The ``nn.Module`` that ``"package.module:function"`` builds, on ``device`` (the first
+    item of a ``(model, dataset, loss_fn)`` factory, as ``plait check`` takes)."""
     import torch
 
     module_name, _, func_name = spec.partition(":")
@@ -341,14 +347,14 @@ def from_factory(spec: str) -> ModelStats:
     if not callable(factory):
         raise ValueError(f"model factory {spec!r}: {module_name!r} has no callable {func_name!r}")
     try:
-        with torch.device("meta"):
+        with torch.device(device):
             model = factory()
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"model factory {spec!r} failed to build on the meta device: "
+        raise ValueError(f"model factory {spec!r} failed to build on the {device} device: "
                          f"{type(exc).__name__}: {exc}") from None
     if isinstance(model, (tuple, list)) and model and isinstance(model[0], torch.nn.Module):
         model = model[0]  # plait check's (model, dataset, loss_fn) factories plan as well
-    return from_module(model, name=spec)
+    return model
 
 
 def from_yaml(path: Path) -> ModelStats:
