@@ -189,7 +189,7 @@ class Run:
         from .checkpoint import load_weights
 
         if load_weights(ckpt.resume_path, model):
-            ckpt.weights_in = model
+            ckpt.weights_in, ckpt.weights_state = model, _tensor_versions(model)
 
     def loader(self, dataset: Dataset, batch_size: int, *, steps: int | None = None,
                shuffle: bool = True, start_step: int | None = None,
@@ -257,8 +257,12 @@ class Run:
         if ckpt is not None and ckpt.resume_path is not None and not ckpt.resumed:
             ckpt.resumed = True
             # The loader already started at the saved step (init read it): only the state loads.
+            # The weights again unless they are the ones loaded at parallelize, untouched
+            # since (a script that loads other weights after parallelize still resumes).
+            untouched = (model is ckpt.weights_in
+                         and _tensor_versions(model) == ckpt.weights_state)
             self._load(ckpt.resume_path, model, optimizer, scheduler, move_loader=False,
-                       read_model=model is not ckpt.weights_in, resuming=True)
+                       read_model=not untouched, resuming=True)
         optimizer = self._optimizer_for(optimizer)
         # Not on XLA: an SPMD tensor shows its global size on the host, so per-device bytes
         # cannot be read off the parameters there.
@@ -767,6 +771,12 @@ def _count_items(batch: Any) -> tuple[int, str]:
     if inputs.is_floating_point() and inputs.ndim == 3:
         return int(inputs.shape[0] * inputs.shape[1]), "tokens"
     return int(inputs.shape[0]), "samples"
+
+
+def _tensor_versions(model: nn.Module) -> list[tuple[int, int]]:
+    """(id, in-place version) of every parameter and buffer: any load or in-place write since
+    changes it (a DTensor's own counter moves with writes through it)."""
+    return [(id(t), t._version) for t in (*model.parameters(), *model.buffers())]
 
 
 def _attention_mask(batch: Any) -> torch.Tensor | None:

@@ -512,3 +512,22 @@ def test_an_lr_scheduler_may_come_or_go_on_resume(tmp_path, no_group):
         assert len(w.train("single", steps=4, checkpoint=str(without), every=100)) == 1
     with pytest.raises(CheckpointError, match=r"holds no LR scheduler state; load it without"):
         w.train("single", steps=5, load=str(without / "step-00000003"))
+
+
+def test_weights_written_after_parallelize_are_still_resumed_over(tmp_path, no_group):
+    """A script that writes the model's weights after run.parallelize (its own init, another
+    load) still resumes the checkpoint's at the first step, as before the weights moved to
+    parallelize: the first loss is the uninterrupted run's."""
+    full = w.train("single", steps=4)
+    folder = tmp_path / "ckpt"
+    w.train("single", steps=3, checkpoint=str(folder), every=3)
+    run = plait.init("single", checkpoint=str(folder), quiet=True, log_every=1)
+    model = run.parallelize(w._model(0.0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    (batch,) = list(run.loader(w.TextDataset(seq_len=w.SEQ), batch_size=w.BATCH, steps=4))
+    assert float(run.step(model, batch, w.lm_loss, opt, scheduler=sched)) == full[3]
+    run.close()

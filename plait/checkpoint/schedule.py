@@ -39,6 +39,7 @@ class Checkpointing:
     resume_step: int = 0
     resumed: bool = False         # its state has been loaded into the model
     weights_in: Any = None        # the model its weights went into at run.parallelize
+    weights_state: Any = None     # its tensors' (id, version) then: unchanged, no re-read
     last_saved: int | None = None
     pending: PendingSave | None = None
     group: Any = None             # the gloo group async saves run their collectives on
