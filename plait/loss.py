@@ -139,8 +139,8 @@ def first_label_skipped(value: Any, targets: Any, recompute: Callable[[Any], Any
     if key in known:
         return known[key]
     verdict = skips_first_label(_full(value), targets, recompute)
-    if verdict is None:  # this micro-batch cannot tell, and its two counts agree
-        return False
+    if verdict is None:  # this micro-batch cannot tell (its two counts agree, or every
+        return False     # item's loss is the same): counted whole, asked again next time
     if len(known) >= 16:  # a loss function made anew every step (a lambda in the loop)
         known.clear()
     known[key] = verdict
