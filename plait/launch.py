@@ -394,7 +394,9 @@ def launch(cfg: LaunchConfig) -> int:
                             text=True, bufsize=1, start_new_session=True)
     kept_out: list[str] = []
     kept_err: list[str] = []
-    held: list[str] = []  # rank 0's uncaught exception, shown by _explain_failure if the cause
+    # Rank 0's uncaught exception: shown by _explain_failure when rank 0 caused the failure;
+    # after a restart that then finished, it was a failed attempt's, kept in that attempt's log.
+    held: list[str] = []
     pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, kept_out)),
              threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, kept_err, held))]
     for t in pumps:
@@ -420,8 +422,6 @@ def launch(cfg: LaunchConfig) -> int:
     if code != 0:
         _explain_failure(cfg, log_dir, report, kept_err + held, code, rank0_held=bool(held))
         own_logs = False
-    elif held:  # an exception in rank 0 that did not fail the job (printed by torch's hook)
-        sys.stderr.write("".join(held))
     elif restarts:
         redone = steps_redone(_attempts(log_dir))
         detail = "" if redone is None else (f"; {redone[0]} step(s) redone ("
