@@ -29,6 +29,8 @@ autograd, with each row's first label set to ``IGNORE_INDEX`` (:func:`skips_firs
 unchanged value (where ignoring every other label instead does change it) means the first
 labels were never read, and from then on they are not counted. The answer is kept per loss
 function for the model's lifetime, so the one or two extra loss calls happen once per run.
+On XLA it is not asked (the answer would be read mid-step, a host sync): there a loss that
+shifts the labels returns ``(sum, count)``.
 
 What happens otherwise: a scalar that is *not* a mean over those counted items (a sum, or a mean
 over items the targets do not show) is still weighted by the count, so the layout trains a
@@ -100,12 +102,14 @@ def skips_first_label(loss: torch.Tensor, targets: Any,
     or 0) and changes: True. None when this micro-batch cannot tell: the targets are not
     integer labels of two or more dimensions, every first label is already ignored (both counts
     are then equal), or neither change moves the loss (every item's loss is the same, as under
-    a head initialised to zero, and some first label is read).
+    a head initialised to zero, and some first label is read). Not asked on XLA, where reading
+    the answer mid-step would execute the graph early (a host sync every step): there a loss
+    that shifts should return ``(sum, count)``.
     """
     labels = _counted(targets)
     if (not isinstance(labels, torch.Tensor) or labels.ndim < 2 or labels.shape[-1] < 2
             or labels.is_floating_point() or labels.is_complex()
-            or labels.dtype == torch.bool or labels.device.type == "meta"):
+            or labels.dtype == torch.bool or labels.device.type in ("meta", "xla")):
         return None
     if not bool((labels[..., 0] != IGNORE_INDEX).any()):
         return None
