@@ -139,6 +139,9 @@ def test_spmd_layouts_train_what_one_cpu_trains(spmd):
             _matches(result)
         except AssertionError as exc:
             raise AssertionError(f"{plan}: {exc}") from exc
+    # run.evaluate under SPMD (dp_replicate=2, tp=2): the held-out loss one CPU computes
+    mlp = spmd["mlp dp_replicate=2,tp=2"]
+    assert mlp["evaluated"] == pytest.approx(mlp["ref_evaluated"], rel=1e-4, abs=2e-4)
 
 
 # ------------------------------------------------------------------------- bad input

@@ -62,8 +62,10 @@ def _canonical(name: str) -> str:
 
 
 def train(accelerator: str, plan: str | None, model: nn.Module, dataset, loss_fn, *,
-          batch: int = 8, steps: int = STEPS, batches=None, strict: bool = False) -> dict:
-    """Train under plait; losses of every step and the final parameters (on the CPU)."""
+          batch: int = 8, steps: int = STEPS, batches=None, strict: bool = False,
+          held_out=None) -> dict:
+    """Train under plait; losses of every step and the final parameters (on the CPU); with
+    ``held_out``, its ``run.evaluate`` loss after training."""
     run = plait.init(plan, accelerator=accelerator, quiet=True, log_every=1, strict=strict)
     model = run.parallelize(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -75,16 +77,19 @@ def train(accelerator: str, plan: str | None, model: nn.Module, dataset, loss_fn
             losses.append(float(run.step(model, b, loss_fn, opt)))
     except XLADiagnosticError as exc:
         error = str(exc)
+    evaluated = None if held_out is None else float(run.evaluate(model, held_out, loss_fn))
     params = {_canonical(n): p.detach().cpu() for n, p in model.named_parameters()}
     info = run.finish(print_summary=False)
-    return {"losses": losses, "params": params, "xla": info.get("xla"), "error": error}
+    return {"losses": losses, "params": params, "xla": info.get("xla"), "error": error,
+            "evaluated": evaluated}
 
 
 def _compare(got: dict, ref: dict) -> dict:
     diffs = {n: float((got["params"][n] - p).abs().max()) for n, p in ref["params"].items()}
     return {"losses": got["losses"], "ref_losses": ref["losses"],
             "max_param_diff": max(diffs.values()), "params": len(diffs),
-            "missing": sorted(set(ref["params"]) - set(got["params"]))}
+            "missing": sorted(set(ref["params"]) - set(got["params"])),
+            "evaluated": got["evaluated"], "ref_evaluated": ref["evaluated"]}
 
 
 def _text():
@@ -138,11 +143,15 @@ def case_spmd() -> dict:
     runs = {plan: train("xla", plan, build("test"), _text(), lm_loss) for plan in SPMD_PLANS}
     mlp_plan = {"dp_replicate": 2, "tp": 2,
                 "options": {"tp_plan": {"up": "colwise", "down": "rowwise"}}}
-    mlp = train("xla", mlp_plan, TwoLayer(), Regression(), F.mse_loss, steps=4)
+    held_out = (torch.randn(8, 8, generator=torch.Generator().manual_seed(7)),
+                torch.randn(8, 4, generator=torch.Generator().manual_seed(8)))
+    mlp = train("xla", mlp_plan, TwoLayer(), Regression(), F.mse_loss, steps=4,
+                held_out=held_out)
     ref = train("cpu", None, build("test"), _text(), lm_loss)
     out = {plan: _compare(got, ref) for plan, got in runs.items()}
     out["mlp dp_replicate=2,tp=2"] = _compare(
-        mlp, train("cpu", None, TwoLayer(), Regression(), F.mse_loss, steps=4))
+        mlp, train("cpu", None, TwoLayer(), Regression(), F.mse_loss, steps=4,
+                   held_out=held_out))
     return out
 
 
