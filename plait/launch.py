@@ -198,12 +198,17 @@ def _pump(stream, out, keep: list[str], held: list[str] | None = None) -> None:
     rank fails first, rank 0's exception is a consequence (its peer closed the connection),
     and the failure report shows the rank that caused it; when rank 0 is the cause, the report
     shows rank 0's traceback."""
+    holding = False  # inside an uncaught exception's lines: from its "[rankN]: Traceback"
     for line in iter(stream.readline, ""):
         if _PREFIX.match(line):
             text = _PREFIX.sub("", line, count=1)
-            if held is not None and _EXCEPTION_LINE.match(text):
-                held.append(text)
-                continue
+            if held is not None:
+                if _EXCEPTION_LINE.sub("", text, count=1).startswith("Traceback ("):
+                    holding = holding or bool(_EXCEPTION_LINE.match(text))
+                holding = holding and (bool(_EXCEPTION_LINE.match(text)) or not text.strip())
+                if holding:
+                    held.append(text)
+                    continue
             out.write(text)
             out.flush()
         else:
@@ -422,6 +427,8 @@ def launch(cfg: LaunchConfig) -> int:
     if code != 0:
         _explain_failure(cfg, log_dir, report, kept_err + held, code, rank0_held=bool(held))
         own_logs = False
+    elif held and not restarts:  # an exception that did not fail the job: shown as it came
+        sys.stderr.write("".join(held))
     elif restarts:
         redone = steps_redone(_attempts(log_dir))
         detail = "" if redone is None else (f"; {redone[0]} step(s) redone ("

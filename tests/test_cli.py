@@ -166,3 +166,23 @@ def test_check_command_json():
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["ok"] and data["world_size"] == 2 and len(data["losses_parallel"]) == 2
+
+
+def test_only_rank_0s_uncaught_exception_is_held_back():
+    """plait run holds back rank 0's uncaught exception (torch's excepthook writes it with a
+    '[rank0]: ' prefix on every line, from its 'Traceback' line) until it knows the cause;
+    the script's own lines, '[rank0]: '-prefixed ones included, are shown as they come."""
+    import io
+
+    from plait.launch import _pump
+
+    stream = io.StringIO("[default0]:[rank0]: step 5 loss 2.0\n[default0]:hello\n"
+                         "[default0]:[rank0]: Traceback (most recent call last):\n"
+                         "[default0]:[rank0]:   File \"x.py\", line 1\n[default0]:\n"
+                         "[default0]:[rank0]: RuntimeError: boom\n[default0]:after\n"
+                         "torchrun's own line\n")
+    out, keep, held = io.StringIO(), [], []
+    _pump(stream, out, keep, held)
+    assert out.getvalue() == "[rank0]: step 5 loss 2.0\nhello\nafter\n"
+    assert held[0].startswith("[rank0]: Traceback") and held[-1] == "[rank0]: RuntimeError: boom\n"
+    assert keep == ["torchrun's own line\n"]
