@@ -273,7 +273,9 @@ def exception_name(traceback: str) -> str | None:
     lines = [_EXCEPTION_LINE.sub("", line).strip() for line in traceback.splitlines()]
     last = next((line for line in reversed(lines) if line), "")
     name = last.split(":", 1)[0].rsplit(".", 1)[-1]
-    return name if name.isidentifier() and name[0].isupper() else None
+    # "NoneType: None" is what a report recorded outside an exception (the watchdog's) holds.
+    ok = name.isidentifier() and name[0].isupper() and name != "NoneType"
+    return name if ok else None
 
 
 def failure_summary(records: list[dict], tracebacks: dict[int, str]) -> tuple[int | None, str]:

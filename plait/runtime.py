@@ -364,12 +364,19 @@ class Run:
             batch = self.spmd.place_batch(batch, self.device)
         modes = [(m, m.training) for m in model.modules()]
         model.eval()
+        # Watched like a step: a rank that skips the call (evaluating on rank 0 only) leaves
+        # the others waiting in its collectives, and the watchdog names them at its timeout.
+        self._start_watchdog()
+        if self._watchdog is not None:
+            self._watchdog.active = True
         try:
             local = forward_only(model, batch, loss_fn, plan=self.plan, device=self.device)
             totals = self._global_totals(local)
         finally:
             for module, training in modes:
                 module.training = training
+            if self._watchdog is not None:
+                self._watchdog.active = False
         return (totals[0] / totals[1].clamp_min(1)).detach()
 
     # ------------------------------------------------------------------ checkpoints

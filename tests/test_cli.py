@@ -186,3 +186,12 @@ def test_only_rank_0s_uncaught_exception_is_held_back():
     assert out.getvalue() == "[rank0]: step 5 loss 2.0\nhello\nafter\n"
     assert held[0].startswith("[rank0]: Traceback") and held[-1] == "[rank0]: RuntimeError: boom\n"
     assert keep == ["torchrun's own line\n"]
+
+
+def test_the_failure_summary_names_exceptions_not_placeholders():
+    from plait.launch import exception_name
+
+    assert exception_name("[rank1]: Traceback ...\n[rank1]: plait.checkpoint.errors."
+                          "CheckpointError: checkpoint x\n") == "CheckpointError"
+    assert exception_name("NoneType: None\n") is None  # a report made outside an exception
+    assert exception_name("killed\n") is None

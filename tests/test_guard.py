@@ -71,6 +71,9 @@ for step in range(1, 8):
     elif case == "extra" and run.rank == 0 and step == 3:  # one rank only, never waited for
         stamp.write_text(str(time.time()))
         dist.all_reduce(loss.clone(), async_op=True)
+    elif case == "evaluate" and run.rank == 0 and step == 3:  # collective, called on one rank
+        stamp.write_text(str(time.time()))
+        run.evaluate(model, (torch.randn(4, 8), torch.randn(4, 8)), nn.functional.mse_loss)
     elif case == "skip":
         dist.all_reduce(loss.clone())
 if case == "finish" and run.rank == 0:  # a metric all-reduce after the loop, on rank 0 only
@@ -130,6 +133,18 @@ def test_a_rank_waiting_in_finish_is_said_to_be_there(tmp_path):
         assert "in the check in finish() (after step 7)" in e.stderr, e.stderr[-3000:]
         assert "rank 1: finish() after step 7" in e.stderr and "step 8" not in e.stderr, \
             e.stderr[-3000:]
+    assert max(after) < 3.0 + 15
+
+
+def test_evaluate_called_on_one_rank_is_reported_not_a_silent_hang(tmp_path):
+    """run.evaluate is collective; called on rank 0 only, rank 0 waits in its all-reduce and
+    the watchdog names rank 1 and rank 0's line instead of the job hanging for good."""
+    ended, after = _hang_job(tmp_path, "evaluate")
+    line = HANGS.splitlines().index("        run.evaluate(model, (torch.randn(4, 8), "
+                                    "torch.randn(4, 8)), nn.functional.mse_loss)") + 1
+    for e in ended:
+        assert e.code == EXIT_HANG, e.stderr[-3000:]
+        assert "rank(s) [1]" in e.stderr and f"hangs.py:{line}" in e.stderr, e.stderr[-3000:]
     assert max(after) < 3.0 + 15
 
 
