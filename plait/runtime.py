@@ -245,6 +245,9 @@ class Run:
         ``init(checkpoint=...)`` the first call loads the checkpoint being resumed, and every
         ``every``-th step saves one.
         """
+        # Counted on the batch as given (host tensors from a loader): an attention mask read
+        # on the device would be one more transfer, and on XLA one more graph, every step.
+        items = _count_items(batch)
         if self.spmd is None:
             batch = _to_device(batch, self.device)
         else:  # XLA: the batch goes to the devices already split over the data axes
@@ -326,7 +329,7 @@ class Run:
             self._watchdog.active = False  # between steps, time spent is the user's
         self.stats.step_times.append(elapsed)
         self.stats.step_ends.append(time.perf_counter())
-        count, self.stats.unit = _count_items(batch)
+        count, self.stats.unit = items
         self.stats.tokens.append(count * self.dp_size)
         self.stats.losses.append(loss)
         if self.progress is None:
