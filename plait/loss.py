@@ -151,10 +151,16 @@ def first_label_skipped(value: Any, targets: Any, recompute: Callable[[Any], Any
     return verdict
 
 
-def loss_function_key(loss_fn: Callable) -> Any:
-    """What identifies a loss function across steps: its code, so that a lambda written in the
-    training loop (a new object every step) is asked once."""
-    return getattr(loss_fn, "__code__", None) or loss_fn
+def label_shift(loss_fn: Callable | None, output: Any, value: Any, targets: Any, *,
+                known: dict[Any, bool], model_shifts: bool) -> bool:
+    """Whether the count leaves out each row's first label: for the model's own loss
+    (``loss_fn`` None) ``model_shifts`` (:func:`shifts_labels`); for a loss function, its
+    answer (:func:`first_label_skipped`, kept in ``known`` under the function's code, so that
+    a lambda written in the training loop, a new object every step, is asked once)."""
+    if loss_fn is None:
+        return model_shifts
+    key = getattr(loss_fn, "__code__", None) or loss_fn
+    return first_label_skipped(value, targets, lambda t: loss_fn(output, t), known, key)
 
 
 def loss_sum_and_count(value: Any, targets: Any, *, shift: bool = False

@@ -21,13 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .loss import (
-    first_label_skipped,
-    loss_function_key,
-    loss_sum_and_count,
-    scale_gradients,
-    shifts_labels,
-)
+from .loss import label_shift, loss_sum_and_count, scale_gradients, shifts_labels
 from .parallel.layout import layout_of
 from .plan import Plan
 
@@ -146,12 +140,8 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None
     """(summed loss with autograd, item count) of one micro-batch (see ``plait.loss``)."""
     out, targets = call_model(model, batch, loss_fn)
     value = model_loss(out, loss_fn, targets)
-    if loss_fn is None:
-        shift = shifts_labels(model)
-    else:
-        shift = first_label_skipped(value, targets, lambda t: loss_fn(out, t),
-                                    layout_of(model).first_label_skipped,
-                                    loss_function_key(loss_fn))
+    shift = label_shift(loss_fn, out, value, targets, known=layout_of(model).first_label_skipped,
+                        model_shifts=loss_fn is None and shifts_labels(model))
     return loss_sum_and_count(value, targets, shift=shift)
 
 

@@ -34,7 +34,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .._torch_compat import pipeline_stage_base, pytree
-from ..loss import first_label_skipped, loss_function_key, loss_sum_and_count, shifts_labels
+from ..loss import label_shift, loss_sum_and_count, shifts_labels
 from ..mesh import Mesh
 from ..plan import Plan
 from .layout import Layout, layout_of, record_layout
@@ -289,12 +289,8 @@ class PipelineRunner:
         target = _take_rows(self._targets, rows)
         out = self.packer.unpack(output)
         value = model_loss(out, self._loss_fn, target)
-        loss_fn = self._loss_fn
-        if loss_fn is None:
-            shift = self.shifts_labels
-        else:
-            shift = first_label_skipped(value, target, lambda t: loss_fn(out, t),
-                                        self._first_label_skipped, loss_function_key(loss_fn))
+        shift = label_shift(self._loss_fn, out, value, target, known=self._first_label_skipped,
+                            model_shifts=self.shifts_labels)
         total, count = loss_sum_and_count(value, target, shift=shift)
         key = (self._accum_index, int(rows[0]))
         self._totals[key] = torch.stack([total.detach().float(), count.float()])
