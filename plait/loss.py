@@ -24,12 +24,11 @@ What a loss function may return (``loss_fn(output, targets)``):
 
 A loss that shifts the labels itself (a causal LM's ``logits[:, :-1]`` against
 ``labels[:, 1:]``) averages over every label but each row's first. plait learns this from the
-loss: on a micro-batch whose two counts differ it computes the loss again, without autograd,
-with each row's first label set to ``IGNORE_INDEX`` (:func:`skips_first_label`). An unchanged
-value (where ignoring every other label instead does change it) means the first labels were
-never read, and they are not counted. Once two micro-batches give the same answer it is kept
-per loss function for the model's lifetime, so the few extra loss calls happen at the start of
-a run only.
+loss: on the first micro-batch whose two counts differ it computes the loss again, without
+autograd, with each row's first label set to ``IGNORE_INDEX`` (:func:`skips_first_label`). An
+unchanged value (where ignoring every other label instead does change it) means the first
+labels were never read, and from then on they are not counted. The answer is kept per loss
+function for the model's lifetime, so the one or two extra loss calls happen once per run.
 On XLA it is not asked (the answer would be read mid-step, a host sync): there a loss that
 shifts the labels returns ``(sum, count)``.
 
@@ -136,13 +135,9 @@ def skips_first_label(loss: torch.Tensor, targets: Any,
 
 def first_label_skipped(value: Any, targets: Any, recompute: Callable[[Any], Any],
                         known: dict[Any, bool], key: Any) -> bool:
-    """:func:`skips_first_label` for a loss function's scalar ``value``, kept in ``known``
-    per ``key`` (the loss function) once two micro-batches have given the same answer; False
-    for a ``(sum, count)`` pair, whose count is the loss's own.
-
-    Until then each micro-batch is counted by its own answer. Why two: torch's pipeline
-    schedules call the loss once on the outputs of their shape inference, whose values are
-    whatever the buffers held, and an answer taken from those must not stand."""
+    """:func:`skips_first_label` for a loss function's scalar ``value``, asked once per
+    ``key`` (the loss function) and kept in ``known``; False for a ``(sum, count)`` pair,
+    whose count is the loss's own."""
     if isinstance(value, (tuple, list)):
         return False
     if key in known:
@@ -150,11 +145,9 @@ def first_label_skipped(value: Any, targets: Any, recompute: Callable[[Any], Any
     verdict = skips_first_label(_full(value), targets, recompute)
     if verdict is None:  # this micro-batch cannot tell (its two counts agree, or every
         return False     # item's loss is the same): counted whole, asked again next time
-    if len(known) >= 32:  # a loss function made anew every step (a lambda in the loop)
+    if len(known) >= 16:  # a loss function made anew every step (a lambda in the loop)
         known.clear()
-    if known.get((key, "once")) is verdict:
-        known[key] = verdict
-    known[(key, "once")] = verdict
+    known[key] = verdict
     return verdict
 
 
