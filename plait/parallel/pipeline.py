@@ -267,6 +267,7 @@ class PipelineRunner:
         self._targets: Any = None  # this accumulation step's targets (any structure)
         # Per loss function: whether its scalar mean skips each row's first label (plait.loss).
         self._first_label_skipped: dict[Any, bool] = {}
+        self._microbatch_rows = 0  # rows of one real microbatch (set by each step)
         # [loss sum, count] per (accumulation step, microbatch's first row): torch's stage also
         # calls the loss once on its shape-inference outputs, which the real call replaces.
         self._totals: dict[tuple[int, int], torch.Tensor] = {}
@@ -289,7 +290,11 @@ class PipelineRunner:
         target = _take_rows(self._targets, rows)
         out = self.packer.unpack(output)
         value = model_loss(out, self._loss_fn, target)
-        shift = label_shift(self._loss_fn, out, value, target, known=self._first_label_skipped,
+        # torch's stage also calls the loss on its shape-inference outputs (the whole chunk's
+        # rows, values whatever the buffers held): an answer taken there is not kept.
+        real = rows.numel() == self._microbatch_rows
+        shift = label_shift(self._loss_fn, out, value, target,
+                            known=self._first_label_skipped if real else {},
                             model_shifts=self.shifts_labels)
         total, count = loss_sum_and_count(value, target, shift=shift)
         key = (self._accum_index, int(rows[0]))
@@ -372,6 +377,7 @@ class PipelineRunner:
         if self._schedule is None:
             self._schedule = self._build_schedule()
         chunk = rows // accum
+        self._microbatch_rows = chunk // m
         kwargs = {**laid_out.every, **(laid_out.last_only if self.has_last else {})}
         for a, (first, part_kwargs, part_targets) in enumerate(zip(
                 split_microbatches(laid_out.first, accum), split_microbatches(kwargs, accum),
