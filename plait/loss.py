@@ -155,12 +155,28 @@ def label_shift(loss_fn: Callable | None, output: Any, value: Any, targets: Any,
                 known: dict[Any, bool], model_shifts: bool) -> bool:
     """Whether the count leaves out each row's first label: for the model's own loss
     (``loss_fn`` None) ``model_shifts`` (:func:`shifts_labels`); for a loss function, its
-    answer (:func:`first_label_skipped`, kept in ``known`` under the function's code, so that
-    a lambda written in the training loop, a new object every step, is asked once)."""
+    answer (:func:`first_label_skipped`, kept in ``known`` under :func:`_loss_key`)."""
     if loss_fn is None:
         return model_shifts
-    key = getattr(loss_fn, "__code__", None) or loss_fn
-    return first_label_skipped(value, targets, lambda t: loss_fn(output, t), known, key)
+    return first_label_skipped(value, targets, lambda t: loss_fn(output, t), known,
+                               _loss_key(loss_fn))
+
+
+def _loss_key(loss_fn: Callable) -> Any:
+    """What identifies a loss across steps: its code with what it closes over and the object
+    a method is bound to, so that a lambda written in the training loop (a new object every
+    step) is asked once, while two closures from one factory (``make(shift=True)``,
+    ``make(shift=False)``) or two instances of one loss class are asked apart."""
+    code = getattr(loss_fn, "__code__", None)
+    if code is None:
+        return loss_fn
+    cells: list[int | None] = []
+    for cell in getattr(loss_fn, "__closure__", None) or ():
+        try:
+            cells.append(id(cell.cell_contents))
+        except ValueError:  # a cell not yet filled
+            cells.append(None)
+    return code, id(getattr(loss_fn, "__self__", None)), tuple(cells)
 
 
 def loss_sum_and_count(value: Any, targets: Any, *, shift: bool = False

@@ -118,6 +118,28 @@ def test_the_loss_tells_whether_it_reads_each_rows_first_label():
                              ask(W.mlm_loss, logits[:, 0])) is None  # one dim: no rows
 
 
+def test_two_closures_from_one_loss_factory_are_asked_apart():
+    """The answer is kept per loss: two closures of one factory share their code but not what
+    they close over, and each is counted by its own answer; a lambda made anew with the same
+    captures is asked once."""
+    from plait.loss import label_shift
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 8, W.VOCAB)
+    labels = W.mlm_batch(0)[1][:4]
+    labels[:, 0] = 3
+
+    def make(shift):
+        return lambda out, y: (W.shifted_loss if shift else W.mlm_loss)(out, y)
+
+    known: dict = {}
+    for shift in (True, False, True, False):
+        f = make(shift)
+        got = label_shift(f, logits, f(logits, labels), labels, known=known, model_shifts=False)
+        assert got is shift
+    assert len(known) == 2
+
+
 def test_a_loss_that_shifts_labels_itself_under_every_layout():
     """A hand-written causal-LM loss (``logits[:, :-1]`` against ``labels[:, 1:]``, mean over
     the counted labels) trains what one device trains under dp, ZeRO-3 with accumulation, tp
