@@ -247,7 +247,7 @@ class Run:
         """
         # Counted on the batch as given (host tensors from a loader): an attention mask read
         # on the device would be one more transfer, and on XLA one more graph, every step.
-        items = _count_items(batch)
+        items, self.stats.unit = _count_items(batch)
         if self.spmd is None:
             batch = _to_device(batch, self.device)
         else:  # XLA: the batch goes to the devices already split over the data axes
@@ -282,6 +282,12 @@ class Run:
         watch = self.xla.step(batch) if self.xla is not None else contextlib.nullcontext()
         exchange, flags_travel = self._totals_exchange()
         agreed: torch.Tensor | None = None
+        # The job's items (tokens or samples) this step, summed over the data ranks inside the
+        # step's (sum, count) all-reduce: ranks can keep different numbers of tokens (padding).
+        # Under XLA SPMD each host's share is counted on its host, outside the program.
+        job_items: torch.Tensor | float = float(items * self.dp_size)
+        if exchange is not None:
+            exchange.items = items
         with self.ledger if recording else contextlib.nullcontext(), watch:
             local = forward_backward(model, batch, loss_fn, plan=self.plan, device=self.device,
                                      exchange=exchange)
@@ -289,8 +295,8 @@ class Run:
             if exchange is not None:
                 def exchanged() -> torch.Tensor:
                     """Waited for inside apply_update, once the gradient norm is computed."""
-                    nonlocal agreed
-                    totals, flags = exchange.finish()
+                    nonlocal agreed, job_items
+                    totals, job_items, flags = exchange.finish()
                     # The clipped norm is the job-wide one: with the flags summed, a clean step
                     # needs no agreement of its own (plait.guard).
                     agreed = flags if flags_travel and self.plan.grad_clip else None
@@ -301,7 +307,12 @@ class Run:
                 # Not in the ledger: the (sum, count) exchange is the runtime's, not the
                 # layout's.
                 with self.ledger.paused() if recording else contextlib.nullcontext():
+                    if self.spmd is None:
+                        local = torch.cat([local.detach().float(),
+                                           torch.tensor([float(items)], device=local.device)])
                     totals_in = self._global_totals(local)
+                    if self.spmd is None:
+                        job_items = totals_in[2]
             # Under XLA SPMD the program is the global batch's: its gradients are of the global
             # sum, not an average over replicas.
             guard = self._step_guard()
@@ -329,8 +340,7 @@ class Run:
             self._watchdog.active = False  # between steps, time spent is the user's
         self.stats.step_times.append(elapsed)
         self.stats.step_ends.append(time.perf_counter())
-        count, self.stats.unit = items
-        self.stats.tokens.append(count * self.dp_size)
+        self.stats.tokens.append(int(job_items))
         self.stats.losses.append(loss)
         if self.progress is None:
             self.progress = Progress(enabled=self.is_main and not self.quiet,

@@ -194,34 +194,41 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
 @dataclass
 class TotalsExchange:
     """The step's all-reduce (SUM) of ``[loss sum, count]`` over the data replicas, started once
-    the last backward has run. ``extra(loss_sum)`` appends values summed alongside: the step
-    guard's flags (``plait.guard.StepGuard.local_flags``), so that the guard needs no
-    collective of its own. ``pause``: a context in
-    which the ledger does not count it (the runtime's bookkeeping, not the layout's traffic).
+    the last backward has run. ``items``: this rank's throughput count for the step (tokens or
+    samples, read off its batch on the host; the runtime sets it before each step), summed as
+    the third value, so that tokens/s is the job's without a collective of its own (data ranks
+    can keep different numbers of tokens: padding). ``extra(loss_sum)`` appends values summed
+    alongside: the step guard's flags (``plait.guard.StepGuard.local_flags``), so that the guard
+    needs no collective of its own either. ``pause``: a context in which the ledger does not
+    count it (the runtime's bookkeeping, not the layout's traffic).
     """
 
     group: dist.ProcessGroup
     extra: Callable[[torch.Tensor], torch.Tensor] | None = None
     pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    items: float = 0.0
     _buffer: torch.Tensor | None = None
     _work: Any = None
 
     def start(self, totals: torch.Tensor) -> None:
-        parts = [totals.detach().float()]
+        parts = [totals.detach().float(),
+                 torch.tensor([float(self.items)], device=totals.device)]
         if self.extra is not None:
             parts.append(self.extra(totals[0]).float().to(totals.device))
         self._buffer = torch.cat(parts)
         with self.pause():
             self._work = dist.all_reduce(self._buffer, group=self.group, async_op=True)
 
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the global ``[loss sum, count]``, the summed extra values)."""
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the global ``[loss sum, count]``, the summed items (a 0-dim tensor on the device,
+        read once the step has ended: reading it here would stall the host), the summed extra
+        values)."""
         if self._work is None or self._buffer is None:
             raise RuntimeError("TotalsExchange.finish() before start(): forward_backward "
                                "did not reach the last micro-batch's backward")
         self._work.wait()
         self._work = None
-        return self._buffer[:2], self._buffer[2:]
+        return self._buffer[:2], self._buffer[2], self._buffer[3:]
 
 
 def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, plan: Plan,

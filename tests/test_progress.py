@@ -195,3 +195,54 @@ def test_summary_rates_leave_out_the_warm_up_and_agree_with_the_mean_step():
     short = report.summarize(Plan(), StepStats(step_times=times[:4], tokens=[1] * 4), [],
                              world_size=1, accelerator="xla", wall_s=1.0, warmup=2)
     assert short["warmup_steps"] == 0  # fewer than 3 steps would remain: all are counted
+
+
+class _MaskedLM(torch.nn.Module):
+    """Token ids with an attention_mask in, logits out (a model written for this test)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(32, 8)
+        self.out = torch.nn.Linear(8, 32)
+
+    def forward(self, input_ids, attention_mask):
+        return self.out(self.emb(input_ids) * attention_mask[..., None])
+
+
+def _masked_batch(step, rank):
+    """Rows of 12 positions; each rank keeps its own number of them (padding differs)."""
+    g = torch.Generator().manual_seed(10 * step + rank)
+    ids = torch.randint(0, 32, (2, 12), generator=g)
+    kept = torch.tensor([3 + 4 * rank + step, 12 - rank])
+    mask = (torch.arange(12) < kept[:, None]).long()
+    return {"input_ids": ids, "attention_mask": mask}, ids.masked_fill(mask == 0, -100)
+
+
+def _tokens_per_step(rank, world, spec):
+    import torch.nn.functional as F
+
+    import plait
+
+    run = plait.init(spec, quiet=True)
+    model = run.parallelize(_MaskedLM())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        run.step(model, _masked_batch(step, rank),
+                 lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), opt)
+    tokens = list(run.stats.tokens)
+    run.finish(print_summary=False)
+    return tokens
+
+
+@pytest.mark.parametrize("spec", ["dp=2", "dp=2,zero=3"])
+def test_tokens_per_step_sum_what_each_data_rank_kept(spec):
+    """Throughput counts the tokens every data rank's attention_mask keeps, not rank 0's times
+    the number of ranks: padding differs from rank to rank."""
+    from plait.spawn import run_distributed
+
+    out = run_distributed(_tokens_per_step, 2, spec, timeout=180)
+    want = [sum(int(_masked_batch(step, r)[0]["attention_mask"].sum()) for r in range(2))
+            for step in range(3)]
+    assert want != [2 * int(_masked_batch(s, 0)[0]["attention_mask"].sum()) for s in range(3)]
+    assert out[0] == want and out[1] == want
