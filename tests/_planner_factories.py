@@ -39,3 +39,31 @@ def block_mixing_positions():
     from tests._workers_semantics import shifted_lm
 
     return shifted_lm()
+
+
+class _LengthsDataset:
+    """A dataset that reads its tensors' values when built (row lengths): that fails on the
+    meta device, where tensors have no values."""
+
+    def __init__(self):
+        import torch
+
+        lengths = torch.randint(4, 9, (16,), generator=torch.Generator().manual_seed(0))
+        self.rows = [torch.zeros(int(n), dtype=torch.long) for n in lengths]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i], self.rows[i]
+
+
+def model_with_eager_dataset():
+    """plait check's (model, dataset, loss_fn) form, the dataset built eagerly."""
+    import torch.nn.functional as F
+
+    return mlp_stack(), _LengthsDataset(), F.cross_entropy
+
+
+def dataset_first():
+    return _LengthsDataset(), mlp_stack(), None

@@ -68,6 +68,25 @@ def test_module_factory_on_meta():
     assert mlp.n_layers == 6 and mlp.block_matmul_params == 2 * 32 * 64 and not mlp.attention
 
 
+def test_factory_whose_dataset_reads_values_plans_with_its_parameters_on_meta():
+    """A (model, dataset, loss_fn) factory whose dataset reads tensor values when built fails
+    under torch.device('meta'); it is built again with only the parameters there, and the
+    dataset's tensors real."""
+    import torch
+
+    from plait.planner.model_stats import build_factory
+
+    stats = load_model("tests._planner_factories:model_with_eager_dataset")
+    assert stats.n_layers == 6 and stats.block_matmul_params == 2 * 32 * 64
+    model = build_factory("tests._planner_factories:model_with_eager_dataset", "meta")
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    # The patch is undone: a module built afterwards has real parameters.
+    assert torch.nn.Linear(2, 2).weight.device.type == "cpu"
+    with pytest.raises(ValueError, match=r"first item is a _LengthsDataset: return the "
+                                         r"nn.Module, or \(model, dataset, loss_fn\)"):
+        load_model("tests._planner_factories:dataset_first")
+
+
 def test_yaml_model(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text("preset: test\nn_layers: 8\n")

@@ -13,11 +13,12 @@ the embedding/head that sit on the first/last pipeline stage. Sources:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -332,7 +333,14 @@ def from_factory(spec: str) -> ModelStats:
 
 def build_factory(spec: str, device: str) -> Any:
     """The ``nn.Module`` that ``"package.module:function"`` builds, on ``device`` (the first
-    item of a ``(model, dataset, loss_fn)`` factory, as ``plait check`` takes)."""
+    item of a ``(model, dataset, loss_fn)`` factory, as ``plait check`` takes).
+
+    On ``"meta"`` the factory runs under ``torch.device("meta")``: nothing is allocated, so a
+    70B model plans on a laptop. A factory that also builds its dataset there fails when the
+    dataset reads a tensor's values (``int(lengths[i])``: a meta tensor has none); it is then
+    built again with only the parameters on the meta device (:func:`_parameters_on_meta`), every
+    other tensor real.
+    """
     import torch
 
     module_name, _, func_name = spec.partition(":")
@@ -348,13 +356,52 @@ def build_factory(spec: str, device: str) -> Any:
         raise ValueError(f"model factory {spec!r}: {module_name!r} has no callable {func_name!r}")
     try:
         with torch.device(device):
-            model = factory()
+            built = factory()
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"model factory {spec!r} failed to build on the {device} device: "
-                         f"{type(exc).__name__}: {exc}") from None
-    if isinstance(model, (tuple, list)) and model and isinstance(model[0], torch.nn.Module):
-        model = model[0]  # plait check's (model, dataset, loss_fn) factories plan as well
+        if device != "meta":
+            raise ValueError(f"model factory {spec!r} failed to build on the {device} device: "
+                             f"{type(exc).__name__}: {exc}") from None
+        try:
+            with _parameters_on_meta():
+                built = factory()
+        except Exception as again:  # noqa: BLE001
+            raise ValueError(
+                f"model factory {spec!r} failed to build under torch.device('meta') "
+                f"({type(exc).__name__}: {exc}) and with only its parameters on the meta device "
+                f"({type(again).__name__}: {again}); the planner needs the model's shapes, not "
+                "its values: give --model a function that returns the model alone") from None
+    model = built
+    if isinstance(built, (tuple, list)) and built:  # plait check's (model, dataset, loss_fn)
+        model = built[0]
+    if not isinstance(model, torch.nn.Module):
+        got = (f"a {type(built).__name__} whose first item is a {type(model).__name__}"
+               if model is not built else f"a {type(built).__name__}")
+        raise ValueError(f"model factory {spec!r} returned {got}: return the nn.Module, or "
+                         "(model, dataset, loss_fn) as plait check takes")
     return model
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Within it, each parameter moves to the meta device as its module registers it; every
+    other tensor (a dataset's, a buffer) is real. The peak host memory is one parameter, not the
+    model. Module-level patch of ``nn.Module.register_parameter``, undone on exit: torch has no
+    device context that spares non-parameter tensors."""
+    import torch
+
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(self: torch.nn.Module, name: str, param: Any) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.detach().to("meta"),
+                                       requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def from_yaml(path: Path) -> ModelStats:
