@@ -176,3 +176,23 @@ def test_a_factory_model_is_asked_about_the_layouts_it_would_take(capsys):
     assert not any(p["layout"]["sp"] for p in data["plans"]), [p["plan"] for p in data["plans"]]
     assert any("refused by the model (no sequence parallelism" in line
                for line in data["model_check"]), data["model_check"]
+
+
+def test_how_many_fit_does_not_depend_on_how_many_are_shown(capsys):
+    """The header's "N fit in memory" counts every layout the cost model fits, not the --top
+    cut shown below it; a cut says so."""
+    common = ("--model", "tests._planner_factories:block_mixing_positions", "--cluster", "cpu",
+              "--devices", "4", "--global-batch", "8", "--seq", "8")
+    headers, fits = [], []
+    for top in ("3", "100"):
+        assert run_cli(*common, "--top", top) == 0
+        headers.append(capsys.readouterr().out.splitlines()[0])
+        assert run_cli(*common, "--top", top, "--format", "json") == 0
+        data = json.loads(capsys.readouterr().out)
+        fits.append(data["fit"])
+        assert len(data["plans"]) == min(int(top), data["fit"]
+                                         - sum(n for k, n in data["rejected"].items()
+                                               if k.startswith("refused by")))
+    assert fits[0] == fits[1] > 3
+    assert headers[0].endswith(f"{fits[0]} fit in memory, the best 3 shown"), headers[0]
+    assert headers[1].endswith(f"{fits[0]} fit in memory"), headers[1]

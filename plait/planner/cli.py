@@ -369,7 +369,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps({"model": model.name, "cluster": cluster.name,
                           "devices": cluster.world_size, "global_batch": args.global_batch,
                           "seq": seq, "search_seconds": result.seconds,
-                          "evaluated": result.evaluated, "rejected": result.rejected,
+                          "evaluated": result.evaluated, "fit": result.fit,
+                          "rejected": result.rejected,
                           "plans": [estimate_json(e) for e in ranked[:args.top]],
                           "model_check": asked,
                           "message": None if ranked else
@@ -381,7 +382,8 @@ def _plan(args: argparse.Namespace) -> int:
         return 1
     print(f"{model.name} ({_count(model.num_params)} params) on {cluster.world_size} x "
           f"{cluster.name}, global batch {args.global_batch} x seq {seq}, {dtype}: "
-          f"{result.evaluated} layouts priced in {result.seconds:.2f}s, {len(ranked)} fit")
+          f"{result.evaluated} layouts priced in {result.seconds:.2f}s, {result.fit} fit in memory"
+          + (f", the best {min(args.top, len(ranked))} shown" if result.fit > args.top else ""))
     print(format_table(ranked[:args.top]))
     print("\n".join(explain_winner(ranked, cluster)))
     for line in asked:

@@ -52,6 +52,8 @@ class SearchResult:
     seconds: float
     rejected: dict[str, int] = field(default_factory=dict)   # reason kind -> count
     closest: Estimate | None = None     # the infeasible plan that came nearest to fitting
+    fit: int = 0                        # layouts the cost model fits in memory (before the cut
+                                        # to ``top`` and before asking the model)
 
     @property
     def best(self) -> Estimate | None:
@@ -179,10 +181,12 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
                     or est.memory_bytes_per_device < closest.memory_bytes_per_device):
                 closest = est
     feasible.sort(key=_sort_key)
+    fit = len(feasible)
     if layout_check is not None:
         feasible = _accepted(feasible, layout_check, top, rejected)
     return SearchResult(ranked=feasible[:max(top, 1)] if top else feasible, evaluated=evaluated,
-                        seconds=time.perf_counter() - start, rejected=rejected, closest=closest)
+                        seconds=time.perf_counter() - start, rejected=rejected, closest=closest,
+                        fit=fit)
 
 
 def _accepted(ranked: list[Estimate], check: Callable[[Plan], str | None], top: int,
