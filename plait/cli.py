@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import signal
 import sys
@@ -219,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, sys.argv[1:] if argv is None else list(argv))
     if not args.command:
         parser.print_help()
         return 2
@@ -234,6 +235,32 @@ def main(argv: list[str] | None = None) -> int:
         return _failed(args, f"stopped by {signal.Signals(exc.signum).name}", 128 + exc.signum)
     except KeyboardInterrupt:
         return _failed(args, "stopped by SIGINT", 130)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``; with ``--format json`` in ``argv``, an error in the
+    arguments themselves (an unknown flag, a bad choice) is also the JSON object
+    ``{"error", "command", "exit_code"}`` on stdout, as errors after parsing are. argparse
+    prints its usage and exits (2) on such errors, before ``args.format`` exists: the request
+    is read off ``argv`` (``plait run``'s are the script's own, and not read)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    asked = any(a == "--format=json" or (a == "--format" and b == "json")
+                for a, b in zip(argv, [*argv[1:], ""], strict=True))
+    if not asked or command == "run":
+        return parser.parse_args(argv)
+    from .outputs import json_error
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            return parser.parse_args(argv)
+    except SystemExit as exc:
+        sys.stderr.write(said.getvalue())
+        if exc.code not in (0, None):
+            lines = said.getvalue().strip().splitlines() or ["invalid arguments"]
+            message = lines[-1].split(" error: ", 1)[-1]
+            print(json_error(command or "", message, int(exc.code)))  # type: ignore[arg-type]
+        raise
 
 
 def _failed(args: argparse.Namespace, message: str, code: int) -> int:

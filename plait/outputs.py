@@ -60,6 +60,11 @@ def command_failed(command: str, message: str, code: int, fmt: str | None = None
     it can parse instead of an empty stream."""
     print(f"plait {command}: {message}", file=sys.stderr)
     if fmt == "json":
-        print(json.dumps({"error": message.removeprefix("error: "), "command": command,
-                          "exit_code": code}))
+        print(json_error(command, message, code))
     return code
+
+
+def json_error(command: str, message: str, code: int) -> str:
+    """The JSON object a failed ``plait COMMAND --format json`` prints on stdout."""
+    return json.dumps({"error": message.removeprefix("error: "), "command": command,
+                       "exit_code": code})

@@ -95,3 +95,32 @@ def test_errors_raised_in_the_workers_are_one_line_too(tmp_path, capsys, monkeyp
         err = capsys.readouterr().err
         assert code == 2, err
         assert fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["schedule", "--schedule", "nope", "--pp", "2", "-m", "4", "--format", "json"],
+     "'nope' is not a schedule"),
+    (["check", "--plan", "dp=2", "--format=json", "--bogus"], "unrecognized arguments: --bogus"),
+    ([*PLAN, "--format", "json", "--top", "x"], "argument --top: invalid int value: 'x'"),
+])
+def test_argument_errors_answer_in_json_when_json_is_asked(capsys, argv, fragment):
+    """An error argparse itself finds (a bad choice, an unknown flag) is a JSON object on
+    stdout too, with the usage and the message on stderr as always."""
+    import json
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    out = capsys.readouterr()
+    data = json.loads(out.out)
+    assert data == {"error": data["error"], "command": argv[0], "exit_code": 2}
+    assert fragment in data["error"] and fragment in out.err and "usage:" in out.err
+
+
+def test_a_scripts_own_format_flag_is_not_read_by_plait_run(capsys):
+    """plait run's arguments after the script are the script's: a --format json there does not
+    turn plait run's own argument errors into JSON."""
+    with pytest.raises(SystemExit):
+        main(["run", "--nproc", "x", "train.py", "--format", "json"])
+    out = capsys.readouterr()
+    assert out.out == "" and "--nproc" in out.err
