@@ -259,7 +259,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
         if exc.code not in (0, None):
             lines = said.getvalue().strip().splitlines() or ["invalid arguments"]
             message = lines[-1].split(" error: ", 1)[-1]
-            print(json_error(command or "", message, int(exc.code)))  # type: ignore[arg-type]
+            print(json_error(command or "", message, int(exc.code)))
         raise
 
 
