@@ -285,7 +285,8 @@ def failure_summary(records: list[dict], tracebacks: dict[int, str]) -> tuple[in
     not as failures, unless they had raised an error of their own first (the same error on
     every rank: a bad checkpoint, a bad argument). Each failed rank is named with its
     exception and how its process ended (``CheckpointError, exit code 1``; a native abort
-    while exiting after it shows as ``CheckpointError, then killed by SIGABRT``); a rank
+    while exiting after it shows as ``CheckpointError, then killed by SIGABRT``, torchrun's
+    SIGTERM reaching it while it exits as ``CheckpointError, stopped while exiting``); a rank
     without a traceback (``sys.exit(3)``, ``os._exit``, a signal) by its exit code or signal.
     """
     if not records:
@@ -303,6 +304,10 @@ def failure_summary(records: list[dict], tracebacks: dict[int, str]) -> tuple[in
         name = exception_name(tracebacks[r["rank"]]) if r["rank"] in tracebacks else None
         if name is None:
             how = describe_exit(r) + ("" if r["rank"] in tracebacks else ", no traceback")
+        elif r.get("signal") == "SIGTERM":
+            # torchrun stopping the job after another rank's failure, while this one exited
+            # on its own error: when it lands is a matter of timing, not a second fault.
+            how = f"{name}, stopped while exiting"
         elif r.get("signal"):
             how = f"{name}, then {describe_exit(r)}"
         else:

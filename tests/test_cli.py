@@ -195,3 +195,20 @@ def test_the_failure_summary_names_exceptions_not_placeholders():
                           "CheckpointError: checkpoint x\n") == "CheckpointError"
     assert exception_name("NoneType: None\n") is None  # a report made outside an exception
     assert exception_name("killed\n") is None
+
+
+def test_every_rank_raising_names_each_exception_whatever_the_timing():
+    """When every rank raises, torchrun's SIGTERM may reach a rank while it exits on its own
+    error: that rank is named with its exception, not as killed."""
+    from plait.launch import failure_summary
+
+    tb = {r: f"[rank{r}]: Traceback ...\n[rank{r}]: ValueError: bad\n" for r in (0, 1)}
+    records = [{"rank": 0, "exitcode": 1}, {"rank": 1, "exitcode": -15, "signal": "SIGTERM"}]
+    assert failure_summary(records, tb) == (
+        0, "failed: rank 0 (ValueError, exit code 1), rank 1 (ValueError, stopped while exiting)")
+    records[1]["signal"] = "SIGABRT"
+    assert failure_summary(records, tb)[1].endswith("rank 1 (ValueError, then killed by SIGABRT)")
+    del tb[1]  # a rank stopped without an error of its own is not a failure
+    records[1]["signal"] = "SIGTERM"
+    assert failure_summary(records, tb)[1] == ("failed: rank 0 (ValueError, exit code 1); "
+                                               "then stopped: rank(s) [1]")
