@@ -364,6 +364,8 @@ class Run:
 
         The model runs in eval mode (dropout off) and goes back to the modes it had; no
         gradients are computed or touched, the optimizer and the step count are left alone.
+        The batch is split into the plan's ``grad_accum`` micro-batches (or a pipeline's
+        ``microbatches``) as a step's is, so that what fits in a step fits here.
         ``batch`` and ``loss_fn`` are as for :meth:`step`: each rank passes its share (a
         ``run.loader`` batch). Collective: every rank calls it, as it calls ``step``. Returns a
         0-dim tensor, the same on every rank. For generation or other inference with a layout,

@@ -269,13 +269,21 @@ def forward_only(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, plan: 
                  device: torch.device) -> torch.Tensor:
     """``[loss sum, item count]`` of this rank's ``batch`` with no autograd graph and no
     gradients touched: the layout's forward (FSDP's gathers, TP's collectives, a pipeline's
-    schedule without backward) and the loss, as :func:`forward_backward` computes them."""
+    schedule without backward) and the loss, as :func:`forward_backward` computes them.
+
+    Split into ``plan.grad_accum`` micro-batches as a training step is: the plan chose that
+    split for memory, and a whole batch's logits (batch x positions x vocabulary) can outgrow
+    it even without an autograd graph."""
     pipeline = layout_of(model).pipeline
     if pipeline is not None:
         return pipeline.evaluate(batch, loss_fn, plan=plan, device=device)
+    totals = torch.zeros(2, device=device)
     with torch.no_grad(), loss_context(model), autocast(plan, device):
-        total, count = forward_loss(model, batch, loss_fn)
-    return torch.stack([total.detach().float(), count.float().to(total.device)]).to(device)
+        for part in split_microbatches(batch, plan.grad_accum):
+            total, count = forward_loss(model, part, loss_fn)
+            totals += torch.stack([total.detach().float(), count.float().to(total.device)]
+                                  ).to(device)
+    return totals
 
 
 def reduce_totals(totals: torch.Tensor, *, dp_group: dist.ProcessGroup | None,

@@ -1075,6 +1075,10 @@ def evaluate_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, li
             model.eval()
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         share = _slice(held_out, run.dp_rank, run.dp_size)
+        rows: set[int] = set()  # the batch sizes the model's forward saw without autograd
+        model.register_forward_pre_hook(
+            lambda m, args: None if torch.is_grad_enabled() or not args
+            else rows.add(int(getattr(args[0], "shape", (0,))[0])))
         evals = [float(run.evaluate(model, share, loss_fn))]
         modes = []
         for batch in batches:
@@ -1085,7 +1089,7 @@ def evaluate_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, li
         train_mode = [float(run.evaluate(model, share, loss_fn)), model.training]
         run.close()
         out.append({"plan": text, "evals": evals, "modes": modes, "train_mode": train_mode,
-                    "mode": factory is not dropout_lm})
+                    "mode": factory is not dropout_lm, "eval_rows": sorted(rows)})
     return out
 
 

@@ -170,8 +170,8 @@ def test_full_state_dict_loads_into_the_one_device_model():
 
 def test_evaluate_gives_one_devices_loss_under_every_layout():
     """run.evaluate: the held-out global batch's loss in eval mode (dropout off), the value one
-    device computes, before training and after every step, under dp, tp, ZeRO-3, pp and the
-    Hugging Face convention; it leaves the training itself alone (the later evaluations follow
+    device computes, before training and after every step, under dp, tp, ZeRO-3, pp, gradient
+    accumulation (in as many micro-batches as a step) and the Hugging Face convention; it leaves the training itself alone (the later evaluations follow
     one device's training) and puts the model back in the mode it was in."""
     batches = [W.mlm_batch(s) for s in range(W.STEPS)]
     held_out = W.mlm_batch(99)
@@ -182,11 +182,14 @@ def test_evaluate_gives_one_devices_loss_under_every_layout():
             for p in ("dp=2", "tp=2", "dp_shard=2,zero=3")]
     jobs += [("pp=2,mb=2", W.staged_masked_lm, batches, W.mlm_loss, held_out),
              ("dp=2", W.masked_lm_with_loss, dicts, None, held_dict),
-             ("dp=2", W.dropout_lm, batches, W.mlm_loss, held_out)]
+             ("dp=2", W.dropout_lm, batches, W.mlm_loss, held_out),
+             ("dp=2,grad_accum=2", W.masked_lm, batches, W.mlm_loss, held_out)]
     got = run_distributed(W.evaluate_jobs, 2, jobs, timeout=300)[0]
     refs = [ref] * 3 + [W.reference_with_evals(W.staged_masked_lm, batches, W.mlm_loss,
                                                held_out), ref,
-                        W.reference_with_evals(W.dropout_lm, batches, W.mlm_loss, held_out)]
+                        W.reference_with_evals(W.dropout_lm, batches, W.mlm_loss, held_out), ref]
+    # With grad_accum the evaluation is split as the step is: the plan's memory holds for it.
+    assert got[-1]["eval_rows"] == [W.BATCH // 4] and got[0]["eval_rows"] == [W.BATCH // 2]
     for result, want in zip(got, refs, strict=True):
         assert result["evals"] == pytest.approx(want, rel=REL), result["plan"]
         assert result["modes"] == [result["mode"]] * W.STEPS, result["plan"]
