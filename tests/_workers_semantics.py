@@ -1059,6 +1059,11 @@ def reference_with_evals(factory: Callable[[], nn.Module], batches: list[Any],
     return evals
 
 
+def _note_rows_without_grad(rows: set[int], module: nn.Module, args: tuple) -> None:
+    if args and not torch.is_grad_enabled():
+        rows.add(int(getattr(args[0], "shape", (0,))[0]))
+
+
 def evaluate_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any],
                                                                 Callable | None, Any]]
                   ) -> list[dict[str, Any]]:
@@ -1076,9 +1081,7 @@ def evaluate_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, li
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         share = _slice(held_out, run.dp_rank, run.dp_size)
         rows: set[int] = set()  # the batch sizes the model's forward saw without autograd
-        model.register_forward_pre_hook(
-            lambda m, args: None if torch.is_grad_enabled() or not args
-            else rows.add(int(getattr(args[0], "shape", (0,))[0])))
+        model.register_forward_pre_hook(partial(_note_rows_without_grad, rows))
         evals = [float(run.evaluate(model, share, loss_fn))]
         modes = []
         for batch in batches:

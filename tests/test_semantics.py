@@ -171,7 +171,8 @@ def test_full_state_dict_loads_into_the_one_device_model():
 def test_evaluate_gives_one_devices_loss_under_every_layout():
     """run.evaluate: the held-out global batch's loss in eval mode (dropout off), the value one
     device computes, before training and after every step, under dp, tp, ZeRO-3, pp, gradient
-    accumulation (in as many micro-batches as a step) and the Hugging Face convention; it leaves the training itself alone (the later evaluations follow
+    accumulation (in as many micro-batches as a step) and the Hugging Face convention; it
+    leaves the training itself alone (the later evaluations follow
     one device's training) and puts the model back in the mode it was in."""
     batches = [W.mlm_batch(s) for s in range(W.STEPS)]
     held_out = W.mlm_batch(99)
