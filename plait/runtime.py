@@ -309,7 +309,7 @@ class Run:
                 with self.ledger.paused() if recording else contextlib.nullcontext():
                     if self.spmd is None:
                         local = torch.cat([local.detach().float(),
-                                           torch.tensor([float(items)], device=local.device)])
+                                           torch.full((1,), float(items), device=local.device)])
                     totals_in = self._global_totals(local)
                     if self.spmd is None:
                         job_items = totals_in[2]

@@ -211,8 +211,10 @@ class TotalsExchange:
     _work: Any = None
 
     def start(self, totals: torch.Tensor) -> None:
+        # torch.full is a fill on the device; torch.tensor([...], device=) a host copy that
+        # waits for the queued backward on a GPU.
         parts = [totals.detach().float(),
-                 torch.tensor([float(self.items)], device=totals.device)]
+                 torch.full((1,), float(self.items), device=totals.device)]
         if self.extra is not None:
             parts.append(self.extra(totals[0]).float().to(totals.device))
         self._buffer = torch.cat(parts)
