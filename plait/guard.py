@@ -103,7 +103,9 @@ class StepGuard:
         if not self.holds_loss:
             bad = torch.zeros_like(bad)
         stop = self.stop_request is not None and self.stop_request.requested
-        return torch.stack([bad.float(), torch.tensor(float(stop), device=loss.device)])
+        # A fill on the device: torch.tensor(x, device=) is a host copy that, on a GPU, waits
+        # for the queued backward.
+        return torch.stack([bad.float(), torch.full((), float(stop), device=loss.device)])
 
     def __call__(self, loss: torch.Tensor, grad_norm: torch.Tensor, *,
                  agreed: torch.Tensor | None = None) -> bool:

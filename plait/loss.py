@@ -63,8 +63,9 @@ def count_items(targets: Any, *, shift: bool = False) -> torch.Tensor:
     if not isinstance(targets, torch.Tensor):
         return torch.ones(())
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-        return torch.tensor(float(targets.shape[0] if targets.ndim else 1),
-                            device=targets.device)
+        # A fill on the device, not a host copy (which waits for queued work on a GPU).
+        return torch.full((), float(targets.shape[0] if targets.ndim else 1),
+                          device=targets.device)
     labels = targets[..., 1:] if shift and targets.ndim > 1 else targets
     return (labels != IGNORE_INDEX).sum().float()
 
