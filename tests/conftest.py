@@ -1,4 +1,23 @@
 import os
+import shutil
+import tempfile
 
 # Multi-process tests spawn processes on a 2-core machine: one thread each keeps them honest.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Every temporary file of the session, this process's and its children's (the log folder a
+# failing `plait run` keeps for its user, checkpoints, stores), goes under one folder: removed
+# when the session passes, kept and named when it fails.
+_SCRATCH = tempfile.mkdtemp(prefix="plait-tests-")
+os.environ["TMPDIR"] = _SCRATCH
+tempfile.tempdir = _SCRATCH
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if exitstatus == 0:
+        shutil.rmtree(_SCRATCH, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus):
+    if exitstatus != 0 and os.path.isdir(_SCRATCH):
+        terminalreporter.write_line(f"temporary files of this session kept in {_SCRATCH}")
