@@ -108,6 +108,8 @@ def skips_first_label(loss: torch.Tensor, targets: Any,
     that shifts should return ``(sum, count)``.
     """
     labels = _counted(targets)
+    if loss.numel() != 1:  # not a scalar: loss_sum_and_count says what to return instead
+        return None
     if (not isinstance(labels, torch.Tensor) or labels.ndim < 2 or labels.shape[-1] < 2
             or labels.is_floating_point() or labels.is_complex()
             or labels.dtype == torch.bool or labels.device.type in ("meta", "xla")):

@@ -118,6 +118,23 @@ def test_the_loss_tells_whether_it_reads_each_rows_first_label():
                              ask(W.mlm_loss, logits[:, 0])) is None  # one dim: no rows
 
 
+def test_a_loss_that_is_not_reduced_is_refused_by_name():
+    """A loss function that returns one value per item (reduction='none') is named with its
+    shape and the fix, not failed inside the first-label probe (which reads a scalar)."""
+    from plait.train import forward_loss
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5)
+    x, y = torch.randn(3, 2, 4), torch.randint(0, 5, (3, 2))
+
+    def per_item(out, t):
+        return nn.functional.cross_entropy(out.flatten(0, 1), t.flatten(),
+                                           reduction="none").view(t.shape)
+
+    with pytest.raises(ValueError, match=r"returned \(3, 2\); return a scalar mean"):
+        forward_loss(model, (x, y), per_item)
+
+
 def test_two_closures_from_one_loss_factory_are_asked_apart():
     """The answer is kept per loss: two closures of one factory share their code but not what
     they close over, and each is counted by its own answer; a lambda made anew with the same
