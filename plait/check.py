@@ -485,13 +485,16 @@ def command(args: argparse.Namespace) -> int:
     if factory is not None:
         load_factory(factory)  # a bad spec fails here, before any process starts
     else:
-        from .models.transformer import PRESETS, preset
+        from .models.transformer import PRESETS
 
         if args.model not in PRESETS and "." in args.model:  # a module, its factory forgotten
             raise ValueError(f"--model {args.model!r}: expected a reference preset or "
                              f"pkg.module:function; name your factory after a colon, e.g. "
                              f"--model {args.model}:factory")
-        preset(args.model)  # an unknown name: one line here, not a traceback from every rank
+        if args.model not in PRESETS:  # one line here, not a traceback from every rank
+            raise ValueError(f"--model {args.model!r} is not a reference preset "
+                             f"({', '.join(PRESETS)}); for a factory of your own give "
+                             f"pkg.module:function, e.g. --model {args.model}:build")
     cfg = CheckConfig(model=args.model, steps=args.steps, batch_size=args.batch_size,
                       seq_len=args.seq_len, optimizer=args.optimizer, lr=args.lr,
                       factory=factory)
