@@ -2,7 +2,7 @@
 
     plait run --nproc 2 examples/auto_plan.py
     plait run --nproc 4 examples/auto_plan.py --model small --batch-size 16
-    plait run --nproc 2 examples/auto_plan.py --steps 4          # the short run the tests use
+    plait run --nproc 2 examples/auto_plan.py --steps 4          # a short run
 
 The planner (``plait.planner``) is pure Python: it needs no process group and no hardware, only
 the model's shape, the cluster's description (a preset such as ``cpu``, ``dgx-h100``,

@@ -4,7 +4,7 @@
     plait run --nproc 4 examples/nd_parallel.py --plan dp=2,tp=2          # DDP-style replicas x TP
     plait run --nproc 8 examples/nd_parallel.py \
         --plan pp=2,dp_shard=2,zero=3,tp=2,mb=4
-    plait run --nproc 4 examples/nd_parallel.py --steps 4      # the short run the tests use
+    plait run --nproc 4 examples/nd_parallel.py --steps 4      # a short run
 
 Every plan becomes one mesh with the axes ``pp, dp_replicate, dp_shard, cp, tp`` (outermost
 first). Ranks that differ only in their ``tp`` coordinate share one copy of each layer, split by

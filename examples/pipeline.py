@@ -4,7 +4,7 @@
     plait run --nproc 2 examples/pipeline.py --plan pp=2,schedule=zbv,v=2,mb=4
     plait run --nproc 4 examples/pipeline.py --plan pp=2,dp=2,schedule=gpipe,mb=4
     python examples/pipeline.py            # starts 2 local processes itself
-    plait run --nproc 2 examples/pipeline.py --steps 6     # the short run the tests use
+    plait run --nproc 2 examples/pipeline.py --steps 6     # a short run
 
 The training loop is the same as on one device; only the plan says "pipeline". Before training
 it prints the schedule as a step x rank grid (no processes needed for that: it is data), and

@@ -9,7 +9,7 @@
 
 (``torchrun --nproc-per-node 2 examples/zero.py --plan ...`` works the same.) The script is
 the plain single-device loop; only ``--plan`` changes. At the end every rank's memory is
-printed beside the closed form for the plan: watch the model-state column fall from 16Ψ
+printed beside the closed form for the plan: watch the model-state row fall from 16Ψ
 (DDP) to 16Ψ/d (ZeRO-3), and "gathered" show what ZeRO-2 keeps between forward and backward.
 """
 
