@@ -230,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a problem with what the user asked for: one line, exit 2
         return _failed(args, f"error: {exc}", 2)
     except TimeoutError as exc:  # workers that did not finish in time (already stopped)
-        return _failed(args, str(exc), 1)
+        limit = getattr(args, "timeout", None)
+        hint = (f"; if they were only slow, raise --timeout (now {limit:g}s)"
+                if isinstance(limit, (int, float)) else "")
+        return _failed(args, f"{exc}{hint}", 1)
     except Interrupted as exc:  # the workers were stopped on the way out (finally blocks)
         return _failed(args, f"stopped by {signal.Signals(exc.signum).name}", 128 + exc.signum)
     except KeyboardInterrupt:

@@ -35,6 +35,15 @@ def test_help_teaches():
     assert "--plan" in plait("run", "--help").stdout
 
 
+def test_a_timeout_names_the_flag_that_raises_it():
+    """Workers stopped by --timeout: one line naming the ranks and the flag, exit 1."""
+    out = plait("check", "--plan", "dp=2", "--steps", "1", "--timeout", "0.5")
+    assert out.returncode == 1, out.stderr
+    assert "still running after" in out.stderr, out.stderr
+    assert "raise --timeout (now 0.5s)" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
 FAILING = """
 import os, signal, time
 import torch.distributed as dist
