@@ -99,6 +99,18 @@ def test_errors_raised_in_the_workers_are_one_line_too(tmp_path, capsys, monkeyp
         assert fragment in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_sequence_tp_does_not_divide_is_refused_under_sp(capsys):
+    """tp=2,sp on the reference model with 15 positions: the ranks refuse the batch at the
+    model's input with one line, not abort in a collective whose shards differ in size."""
+    code = main(["check", "--plan", "tp=2,sp", "--seq-len", "15", "--steps", "1",
+                 "--timeout", "120"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert ("sequence parallelism splits the sequence over tp=2, but the sequence has 15 "
+            "positions; use a multiple of 2 or sp=False") in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["schedule", "--schedule", "nope", "--pp", "2", "-m", "4", "--format", "json"],
      "'nope' is not a schedule"),

@@ -485,3 +485,12 @@ def test_kv_replication_reads_the_attention_not_the_widest_layer():
     mqa = nn.Sequential()
     mqa.add_module("blk", _FlatAttentionMLP(kv_heads=1))
     assert sorted(replicated_kv(mqa, styles, 2)) == ["blk.k", "blk.v"]
+
+
+@pytest.mark.slow
+def test_sp_refuses_an_uneven_sequence_at_the_embedding_only():
+    """The sequence-length check sits on the embedding: a later pipeline stage receives a
+    sequence shard (14 positions over tp=2: 7), which it must not refuse."""
+    result = check("pp=2,tp=2,sp=true", _sgd(steps=1, seq_len=14, batch_size=4),
+                   tolerance=TOL, timeout=300)
+    assert result.ok, result.format()

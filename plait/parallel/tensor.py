@@ -601,6 +601,10 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
             parallelize_module(sub, tp_mesh, parallel_style)
     if plan.sp and tp_plan.sp_blocks:
         shard_sequence_in_blocks(module, tp_plan.sp_blocks, tp_mesh)
+    elif plan.sp:
+        for name, style in matched.items():
+            if style == "vocab_embedding":
+                _refuse_uneven_sequence(module.get_submodule(name), tp)
     _divide_attrs(module, tp_plan.divide_attrs, tp, keep=set(owners(kv)))
     for owner, heads in owners(kv).items():
         sub = module.get_submodule(owner)
@@ -628,6 +632,26 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
                                         loss_parallel="vocab_head" in matched.values()))
 
 
+def _sequence_refusal(positions: int, tp: int) -> str:
+    return (f"sequence parallelism splits the sequence over tp={tp}, but the sequence has "
+            f"{positions} positions; use a multiple of {tp} or sp=False")
+
+
+def _refuse_uneven_sequence(embedding: nn.Module, tp: int) -> None:
+    """SP from the embedding's output on (the sharded edges of a shipped plan): a sequence
+    that tp does not divide is refused at the embedding's input (token ids, batch first), on
+    every tp rank alike (they get the same batch), before the collective that would split it
+    into shards of different sizes (gloo aborts the process there). Later pipeline stages
+    hold no embedding: what they receive is already a shard."""
+    def check(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)),
+                     None)
+        if first is not None and first.ndim >= 2 and first.shape[1] % tp:
+            raise ValueError(_sequence_refusal(first.shape[1], tp))
+
+    embedding.register_forward_pre_hook(check, with_kwargs=True)
+
+
 def shard_sequence_in_blocks(module: nn.Module, blocks_glob: str, mesh: DeviceMesh) -> None:
     """SP inside a stack of blocks: the first block's input is cut to this rank's sequence
     shard (no communication; backward all-gathers the gradient) and the last block's output is
@@ -646,9 +670,7 @@ def shard_sequence_in_blocks(module: nn.Module, blocks_glob: str, mesh: DeviceMe
 
     def to_shard(t: torch.Tensor) -> torch.Tensor:
         if t.shape[1] % tp:
-            raise ValueError(f"sequence parallelism splits the sequence over tp={tp}, but the "
-                             f"sequence has {t.shape[1]} positions; use a multiple of {tp} or "
-                             f"sp=False")
+            raise ValueError(_sequence_refusal(t.shape[1], tp))
         return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(
             placements=[Shard(1)]).to_local()
 
