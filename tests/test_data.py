@@ -51,6 +51,12 @@ def test_bad_loader_input():
         DistributedLoader(ds, 8, dp_size=3)
     with pytest.raises(ValueError, match="batch_size=0"):
         DistributedLoader(ds, 0)
+    few = [torch.zeros(1)] * 5
+    with pytest.raises(ValueError, match=r"5 items, fewer than one global batch of 8; use "
+                                         r"batch_size=4 or less \(a multiple of the 2 data"):
+        DistributedLoader(few, 8, dp_size=2)
+    with pytest.raises(ValueError, match="the 8 data-parallel replicas need at least 8 items"):
+        DistributedLoader(few, 8, dp_size=8)
     with pytest.raises(ValueError, match="split="):
         TextDataset(split="test")
 

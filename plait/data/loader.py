@@ -31,9 +31,14 @@ class DistributedLoader:
         if batch_size % dp_size:
             raise ValueError(f"global batch_size={batch_size} is not divisible by the "
                              f"{dp_size} data-parallel replicas; use a multiple of {dp_size}")
-        if len(dataset) < batch_size:  # type: ignore[arg-type]
-            raise ValueError(f"dataset has {len(dataset)} items, fewer than one global batch "
-                             f"of {batch_size}")
+        n = len(dataset)  # type: ignore[arg-type]
+        if n < batch_size:
+            fits = n // dp_size * dp_size  # the largest global batch the replicas split evenly
+            fix = (f"use batch_size={fits} or less (a multiple of the {dp_size} data-parallel "
+                   f"replicas), or more data" if fits else
+                   f"the {dp_size} data-parallel replicas need at least {dp_size} items")
+            raise ValueError(f"dataset has {n} items, fewer than one global batch of "
+                             f"{batch_size}; {fix}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.local_batch_size = batch_size // dp_size
