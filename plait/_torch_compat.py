@@ -118,6 +118,11 @@ def is_split(placement: Any) -> bool:
     return bool(placement.is_shard()) or type(placement).__name__ == "_StridedShard"
 
 
+def is_strided(placement: Any) -> bool:
+    """Whether a DTensor placement is a ``_StridedShard`` (:func:`strided_shard`)."""
+    return type(placement).__name__ == "_StridedShard"
+
+
 # The private members of torch's ParallelStyle classes that plait's styles override or call.
 _STYLE_MEMBERS = ("_apply", "_prepare_input_fn", "_prepare_output_fn")
 _STYLE_ATTRS = ("input_layouts", "output_layouts", "use_local_output", "src_data_rank")

@@ -284,6 +284,49 @@ def frozen_tied_lm() -> nn.Module:
     return FrozenTiedLM()
 
 
+class FusedAttention(nn.Module):
+    """Causal self-attention as users write it: one fused q|k|v Linear with a bias, split with
+    ``chunk(3)``, heads from a stored count."""
+
+    def __init__(self, width: int = WIDTH, heads: int = 4):
+        super().__init__()
+        self.n_head = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, self.n_head, -1).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class FusedQKVLM(nn.Module):
+    """Pre-norm blocks of fused-qkv attention and an MLP, the head tied to the embedding."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = WIDTH, depth: int = 2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(depth))
+        self.attns = nn.ModuleList(FusedAttention(width) for _ in range(depth))
+        self.mlps = _pre_norm_mlps(width, depth)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(input_ids)
+        for norm, attn, mlp in zip(self.norms, self.attns, self.mlps, strict=True):
+            h = h + attn(norm(h))
+            h = h + mlp(h)
+        return self.head(h)
+
+
+def fused_qkv_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return FusedQKVLM()
+
+
 # ---------------------------------------------------------------- models for TP inference
 def _mlp(width: int = 16) -> nn.Sequential:
     return nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))

@@ -270,6 +270,18 @@ def test_a_weight_read_by_another_module_under_tensor_parallelism():
         _assert_matches(ref, result)
 
 
+def test_a_fused_qkv_layer_under_zero_and_tensor_parallelism():
+    """A fused q|k|v Linear with a bias, split over tp so that each rank holds its own q, k and
+    v, then sharded again by ZeRO-2/3: the weights gathered back (run.full_state_dict) are
+    one device's, in their places, as are the losses."""
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    ref = W.reference(W.fused_qkv_lm, batches, W.mlm_loss)
+    jobs = [(p, W.fused_qkv_lm, batches, W.mlm_loss)
+            for p in ("dp_shard=2,zero=3,tp=2", "dp_shard=2,zero=2,tp=2")]
+    for result in run_distributed(W.train_jobs, 4, jobs, timeout=300)[0]:
+        _assert_matches(ref, result)
+
+
 def test_frozen_and_tied_weights_under_every_layout():
     """Frozen parameters (a tied embedding/head and a whole block) stay exactly where they
     started under DDP, ZeRO-2/3, TP and a pipeline that splits the tie, with weight decay on

@@ -57,7 +57,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.utils.parametrize import is_parametrized
 
-from .._torch_compat import strided_shard, tp_style_bases
+from .._torch_compat import is_split, strided_shard, tp_style_bases
 from ..mesh import Mesh
 from ..plan import Plan
 from .layout import Layout, record_layout
@@ -118,6 +118,12 @@ class _Colwise(ColwiseParallel):
             # _StridedShard(dim, 3): split into q|k|v first, then each third over tp, so rank r
             # holds [q_r, k_r, v_r] and full_tensor() still returns the unpermuted weight.
             placement = Shard(dim) if self.pack == 1 else strided_shard(dim, self.pack)
+            if self.pack > 1 and param.ndim == 1:
+                # A fused bias stays whole on every rank (:func:`_packed_forward` takes this
+                # rank's [q_r, k_r, v_r] of it): FSDP2 shards a parameter's dim 0 again, and
+                # no placement describes that shard of a strided one (its full_tensor(), and
+                # the offsets a checkpoint stores, would put rows in the wrong places).
+                placement = Replicate()
             module.register_parameter(pname, nn.Parameter(
                 distribute_tensor(param, mesh, [placement], src_data_rank=self.src_data_rank),
                 requires_grad=param.requires_grad))
@@ -128,10 +134,25 @@ class _Colwise(ColwiseParallel):
         output_fn = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
         if self.pack > 1:
             output_fn = partial(_packed_output, self.pack)
+            if getattr(module, "bias", None) is not None:
+                module.forward = partial(_packed_forward, module, self.pack)
         return distribute_module(
             module, device_mesh, lambda n, m, d: self._partition(n, m, d) if m is module else None,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             output_fn)
+
+
+def _packed_forward(module: nn.Module, pack: int, x: torch.Tensor) -> torch.Tensor:
+    """A fused layer's forward with its whole (replicated) bias cut to this rank's
+    ``[q_r, k_r, v_r]`` by a redistribute, whose backward all-gathers the bias gradient: every
+    rank's copy gets the whole gradient, as a replicated parameter needs."""
+    bias = module.bias
+    if isinstance(bias, DTensor) and not any(is_split(p) for p in bias.placements):
+        bias = bias.redistribute(placements=[strided_shard(0, pack)])
+    if _is_conv1d(module):  # HF Conv1D: weight (in, out), as its own forward computes it
+        out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), module.weight)
+        return out.view(*x.shape[:-1], out.shape[-1])
+    return F.linear(x, module.weight, bias)
 
 
 def _packed_output(pack: int, mod: nn.Module, outputs: DTensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -58,6 +58,7 @@ On gloo (CPU ranks) the shard group's reduce-scatter and all-gather run as all-t
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,7 +70,9 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import Shard
 
+from .._torch_compat import is_strided
 from ..mesh import Mesh
 from ..plan import Plan
 from .gloo_collectives import use_gloo_collectives
@@ -128,6 +131,8 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     dm = data_mesh(mesh, plan)
     kwargs: dict[str, Any] = dict(mesh=dm, mp_policy=mixed_precision_policy(plan),
                                   offload_policy=offload_policy(plan, dm.device_type))
+    if plan.tp > 1:
+        kwargs["shard_placement_fn"] = _shard_placement(module, plan.dp_shard)
     reshard = plan.zero == 3
     for _, unit in units:
         fully_shard(unit, reshard_after_forward=reshard, **kwargs)
@@ -142,6 +147,33 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
         use_gloo_collectives(module, shard_group, dm.device_type)
     _reduce_unused(module, plan)
     return module
+
+
+def _shard_placement(module: nn.Module, shards: int) -> Callable[[nn.Parameter], Shard | None]:
+    """FSDP2's ``shard_placement_fn`` over tensor parallelism: a parameter TP split with a
+    strided placement on dim 0 (a fused q|k|v weight: rank r holds ``[q_r, k_r, v_r]``) is
+    sharded on another dim; the others on dim 0, FSDP2's default.
+
+    Why: FSDP2 shards dim 0 of the local ``[q_r, k_r, v_r]`` into contiguous pieces and
+    describes them as a strided shard of a strided shard, which they are not: training is
+    right (every rank gathers its own rows back), but ``full_tensor()``, the state a
+    checkpoint or ``run.full_state_dict`` writes, put rows of q, k and v in each other's
+    places."""
+    names = {id(p): n for n, p in module.named_parameters()}
+
+    def place(param: nn.Parameter) -> Shard | None:
+        strided = {pl.dim for pl in getattr(param, "placements", ()) if is_strided(pl)}
+        if 0 not in strided:
+            return None
+        for dim in range(1, param.ndim):
+            if dim not in strided and param.shape[dim] % shards == 0:
+                return Shard(dim)
+        raise ValueError(
+            f"{names.get(id(param), 'a parameter')} (shape {tuple(param.shape)}) is a fused "
+            f"layer split over tp with its parts kept apart; ZeRO-2/3 must shard it on another "
+            f"dim, and dp_shard={shards} divides none of {tuple(param.shape[1:])}: pick a "
+            f"dp_shard that divides its input size, or zero=0 with dp_replicate")
+    return place
 
 
 def _reduce_unused(module: nn.Module, plan: Plan) -> None:
