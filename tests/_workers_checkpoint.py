@@ -13,18 +13,24 @@ from plait.models.transformer import build, lm_loss, preset
 BATCH, SEQ = 8, 16
 
 
-def _model(dropout: float):
+def _model(dropout: float, fused: bool = False):
+    if fused:  # a fused q|k|v Linear with a bias, written by hand, the head tied
+        from tests._workers_semantics import FusedQKVLM
+
+        torch.manual_seed(0)
+        return FusedQKVLM(vocab=256)
     return build(preset("test", dropout=dropout))
 
 
 def train(plan: str, *, steps: int, checkpoint: str | None = None, every: int | None = None,
           dropout: float = 0.0, scheduler: bool = True, load: str | None = None,
-          async_save: bool = False) -> list[float]:
-    """Train the test model under ``plan`` up to global step ``steps``; returns this process's
-    per-step losses (resumed runs return only the steps they ran)."""
+          async_save: bool = False, fused: bool = False) -> list[float]:
+    """Train the test model (``fused``: one with a fused q|k|v layer) under ``plan`` up to
+    global step ``steps``; returns this process's per-step losses (resumed runs return only
+    the steps they ran)."""
     run = plait.init(plan, checkpoint=checkpoint, every=every, log_every=1, quiet=True,
                      async_save=async_save)
-    model = run.parallelize(_model(dropout))
+    model = run.parallelize(_model(dropout, fused))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5) if scheduler else None
     if load is not None:
@@ -74,6 +80,23 @@ def continue_under(rank: int, world: int, plan: str, folder: str, steps: int = 6
                    ) -> list[float]:
     """Resume ``folder``'s newest checkpoint under ``plan`` (any layout) up to ``steps``."""
     return train(plan, steps=steps, load=folder)
+
+
+def fused_qkv_reshard(rank: int, world: int, root: str) -> dict[str, list[float]]:
+    """A fused q|k|v layer's checkpoint moved into and out of tp=2 and ZeRO-3 x tp=2 (whose
+    shards of it are not blocks of the whole); ``root/single`` saved beforehand at step 3.
+    Returns each run's losses (steps 1-3 saving, 4-6 continuing)."""
+    base = Path(root)
+    if world == 4:
+        plan = "dp_shard=2,zero=3,tp=2"
+        return {f"{plan} (saved)": train(plan, steps=3, checkpoint=str(base / "z3tp"),
+                                         every=3, fused=True),
+                f"{plan} -> dp=4": train("dp=4", steps=6, load=str(base / "z3tp"), fused=True),
+                f"single -> {plan}": train(plan, steps=6, load=str(base / "single"),
+                                           fused=True)}
+    return {"single -> tp=2": train("tp=2", steps=6, load=str(base / "single"), fused=True),
+            "tp=2 (saved)": train("tp=2", steps=3, checkpoint=str(base / "tp2"), every=3,
+                                  fused=True)}
 
 
 def reshard_world2(rank: int, world: int, root: str) -> dict[str, list[float]]:

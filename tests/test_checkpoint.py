@@ -106,6 +106,21 @@ def test_reshard_world1_world2(tmp_path, no_group):
         assert worst < 1e-4, (other, worst)
 
 
+def test_a_fused_qkv_layer_moves_between_layouts(tmp_path, no_group):
+    """A fused q|k|v Linear split over tp holds rows of q, k and v on each rank, not one block
+    of the whole: saved under tp=2 and ZeRO-3 x tp=2 and loaded into tp=2, dp=4 and one
+    process, it continues with one device's losses (and optimizer state)."""
+    reference = w.train("single", steps=6, fused=True)
+    w.train("single", steps=3, checkpoint=str(tmp_path / "single"), every=3, fused=True)
+    out = run_distributed(w.fused_qkv_reshard, 2, str(tmp_path), timeout=240)[0]
+    out.update(run_distributed(w.fused_qkv_reshard, 4, str(tmp_path), timeout=300)[0])
+    out["tp=2 -> one process"] = w.train("single", steps=6, load=str(tmp_path / "tp2"),
+                                         fused=True)
+    for name, losses in out.items():
+        expected = reference[:3] if "(saved)" in name else reference[3:]
+        assert _close(losses, expected), f"{name}: {losses} vs one device {expected}"
+
+
 def test_batchnorm_buffers_move_between_layouts(tmp_path, no_group):
     """Under TP a BatchNorm's running statistics are replicated DTensors; saved so, they load
     into one process as plain tensors, and back under tp=2, unchanged."""

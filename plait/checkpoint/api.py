@@ -124,7 +124,7 @@ def save(folder: str | Path, *, step: int, model: nn.Module,
 
     folder = Path(folder)
     device = device or torch.device("cpu")
-    model_sd, optim_tensors, settings = st.collect(model, optimizer)
+    model_sd, optim_tensors, settings, _ = st.collect(model, optimizer)
     local = {"rng": st.rng_state(device), "settings": settings}
     gathered = _gather_to_main(local, None)
     manifest = None
@@ -251,7 +251,7 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
         error = str(exc)
     _agree(error)
     assert step_dir is not None and manifest is not None and metadata is not None
-    model_sd, optim_tensors, wanted = st.collect(model, optimizer)
+    model_sd, optim_tensors, wanted, strided = st.collect(model, optimizer)
     _agree(_check_model(step_dir, metadata, model_sd))
     error = None
     if optimizer is not None:
@@ -288,7 +288,7 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
         for fqn in group["params"]:
             settings[fqn] = values
     st.apply(model, optimizer, model_sd, optim_tensors if optimizer is not None else {},
-             settings, wanted if optimizer is not None else {})
+             settings, wanted if optimizer is not None else {}, strided)
     if scheduler is not None:
         scheduler.load_state_dict(store.from_plain(manifest["scheduler"]))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -321,11 +321,11 @@ def load_weights(path: str | Path, model: nn.Module) -> bool:
         error = str(exc)
     _agree(error)
     assert step_dir is not None and metadata is not None
-    model_sd, _, _ = st.collect(model, None)
+    model_sd, _, _, strided = st.collect(model, None)
     if _check_model(step_dir, metadata, model_sd) is not None:
         return False
     read_tensors(step_dir, {MODEL: model_sd})
-    st.apply(model, None, model_sd, {}, {}, {})
+    st.apply(model, None, model_sd, {}, {}, {}, strided)
     return True
 
 

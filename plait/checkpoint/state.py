@@ -16,6 +16,12 @@ Two things torch's helpers do not cover, done here:
   match a model that is not pipelined.
 * **Optimizer settings** (learning rate, betas, ...) go to ``plait.json`` as plain data, one
   entry per group, instead of one pickled DCP item per parameter per setting.
+* **Fused layers under TP.** A fused q|k|v weight split over tp holds ``[q_r, k_r, v_r]`` on
+  rank r (a ``_StridedShard`` placement), rows that are not one block of the whole: DCP, which
+  stores each rank's shard as one block at one offset, would write overlapping blocks (a save
+  fails) and read the wrong rows (a load trains another model). Such a tensor, and its
+  optimizer state, goes to DCP whole on every rank (:func:`_whole`; saved once, as a replicated
+  tensor is) and is cut back to this rank's rows after a load.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import base64
 import contextlib
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +40,9 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import distribute_tensor
 
+from .._torch_compat import is_strided
 from ..parallel.layout import local_modules
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -110,10 +119,12 @@ def _without_empty_groups(optimizer: torch.optim.Optimizer | None) -> Iterator[N
 
 
 def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None
-            ) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
-    """(model tensors, optimizer tensors, optimizer settings per parameter name) of this rank.
+            ) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]], Strided]:
+    """(model tensors, optimizer tensors, optimizer settings per parameter name, the strided
+    tensors given whole) of this rank.
 
-    The tensors are the live ones (DCP reads them for a save and writes into them for a load).
+    The tensors are the live ones (DCP reads them for a save and writes into them for a load),
+    but for strided ones, given whole (:class:`Strided`; :func:`apply` cuts them back).
     """
     module = state_module(model)
     optim = stateful_optimizer(optimizer) if optimizer is not None else None
@@ -133,16 +144,54 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None
             settings.setdefault(fqn, {})[setting] = value
         else:
             tensors[key] = value
-    return model_sd, tensors, settings
+    model_sd, model_live = _whole(model_sd)
+    tensors, optim_live = _whole(tensors)
+    return model_sd, tensors, settings, Strided(model_live, optim_live)
+
+
+@dataclass
+class Strided:
+    """The tensors :func:`collect` handed to DCP whole (see the module docstring), by key:
+    the live ones they stand for, for :func:`apply` to cut a load back into."""
+
+    model: dict[str, Any] = field(default_factory=dict)
+    optim: dict[str, Any] = field(default_factory=dict)
+
+
+def _whole(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``state`` with every tensor split by a strided placement replaced by its whole value
+    on this rank, {key: the tensor replaced})."""
+    out, live = {}, {}
+    for key, value in state.items():
+        if any(is_strided(p) for p in getattr(value, "placements", ())):
+            live[key] = value
+            value = value.full_tensor()
+        out[key] = value
+    return out, live
+
+
+def _cut(state: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each whole tensor :func:`_whole` made (now holding what DCP read) cut
+    back to this rank's rows, laid out as the tensor it stood for."""
+    out = dict(state)
+    for key, was in live.items():
+        if key in out:
+            out[key] = distribute_tensor(out[key].to(was.device), was.device_mesh,
+                                         was.placements, src_data_rank=None)
+    return out
 
 
 def apply(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict[str, Any],
           optim_tensors: dict[str, Any], settings: dict[str, dict[str, Any]],
-          wanted: dict[str, dict[str, Any]]) -> None:
-    """Set the loaded state: ``model_sd``/``optim_tensors`` (already filled in place by DCP) and
-    the optimizer ``settings`` per parameter name, for the names and keys in ``wanted``."""
+          wanted: dict[str, dict[str, Any]], strided: Strided | None = None) -> None:
+    """Set the loaded state: ``model_sd``/``optim_tensors`` (already filled in place by DCP;
+    the ``strided`` ones whole) and the optimizer ``settings`` per parameter name, for the
+    names and keys in ``wanted``."""
     module = state_module(model)
     optim = stateful_optimizer(optimizer) if optimizer is not None else None
+    if strided is not None:
+        model_sd = _cut(model_sd, strided.model)
+        optim_tensors = _cut(optim_tensors, strided.optim)
     optim_sd: dict[str, Any] = dict(optim_tensors)
     for fqn, current in wanted.items():
         saved = settings.get(fqn, {})
