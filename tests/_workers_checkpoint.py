@@ -84,7 +84,8 @@ def continue_under(rank: int, world: int, plan: str, folder: str, steps: int = 6
 
 def fused_qkv_reshard(rank: int, world: int, root: str) -> dict[str, list[float]]:
     """A fused q|k|v layer's checkpoint moved into and out of tp=2 and ZeRO-3 x tp=2 (whose
-    shards of it are not blocks of the whole); ``root/single`` saved beforehand at step 3.
+    shards of it are not blocks of the whole), and its tied embedding into and out of pp=2;
+    ``root/single`` saved beforehand at step 3.
     Returns each run's losses (steps 1-3 saving, 4-6 continuing)."""
     base = Path(root)
     if world == 4:
@@ -96,6 +97,12 @@ def fused_qkv_reshard(rank: int, world: int, root: str) -> dict[str, list[float]
                                            fused=True)}
     return {"single -> tp=2": train("tp=2", steps=6, load=str(base / "single"), fused=True),
             "tp=2 (saved)": train("tp=2", steps=3, checkpoint=str(base / "tp2"), every=3,
+                                  fused=True),
+            # The last stage holds the tied head's copy of the embedding, and its optimizer
+            # state under the one-device model's name for it.
+            "single -> pp=2": train("pp=2,mb=2", steps=6, load=str(base / "single"),
+                                    fused=True),
+            "pp=2 (saved)": train("pp=2,mb=2", steps=3, checkpoint=str(base / "pp2"), every=3,
                                   fused=True)}
 
 

@@ -302,23 +302,34 @@ class FusedAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
+class FusedBlock(nn.Module):
+    """Pre-norm: attention, then an MLP, each added to the residual."""
+
+    def __init__(self, width: int = WIDTH):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attn = FusedAttention(width)
+        self.mlp = _pre_norm_mlps(width, 1)[0]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.norm(h))
+        return h + self.mlp(h)
+
+
 class FusedQKVLM(nn.Module):
-    """Pre-norm blocks of fused-qkv attention and an MLP, the head tied to the embedding."""
+    """Blocks of fused-qkv attention and an MLP, the head tied to the embedding."""
 
     def __init__(self, vocab: int = VOCAB, width: int = WIDTH, depth: int = 2):
         super().__init__()
         self.tok = nn.Embedding(vocab, width)
-        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(depth))
-        self.attns = nn.ModuleList(FusedAttention(width) for _ in range(depth))
-        self.mlps = _pre_norm_mlps(width, depth)
+        self.blocks = nn.ModuleList(FusedBlock(width) for _ in range(depth))
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.tok.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.tok(input_ids)
-        for norm, attn, mlp in zip(self.norms, self.attns, self.mlps, strict=True):
-            h = h + attn(norm(h))
-            h = h + mlp(h)
+        for block in self.blocks:
+            h = block(h)
         return self.head(h)
 
 

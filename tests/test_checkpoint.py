@@ -109,13 +109,15 @@ def test_reshard_world1_world2(tmp_path, no_group):
 def test_a_fused_qkv_layer_moves_between_layouts(tmp_path, no_group):
     """A fused q|k|v Linear split over tp holds rows of q, k and v on each rank, not one block
     of the whole: saved under tp=2 and ZeRO-3 x tp=2 and loaded into tp=2, dp=4 and one
-    process, it continues with one device's losses (and optimizer state)."""
+    process, it continues with one device's losses (and optimizer state). Its embedding, tied
+    to the head, moves into a pipeline (whose last stage holds a copy) and out of one."""
     reference = w.train("single", steps=6, fused=True)
     w.train("single", steps=3, checkpoint=str(tmp_path / "single"), every=3, fused=True)
     out = run_distributed(w.fused_qkv_reshard, 2, str(tmp_path), timeout=240)[0]
     out.update(run_distributed(w.fused_qkv_reshard, 4, str(tmp_path), timeout=300)[0])
-    out["tp=2 -> one process"] = w.train("single", steps=6, load=str(tmp_path / "tp2"),
-                                         fused=True)
+    for saved in ("tp2", "pp2"):
+        out[f"{saved} -> one process"] = w.train("single", steps=6,
+                                                 load=str(tmp_path / saved), fused=True)
     for name, losses in out.items():
         expected = reference[:3] if "(saved)" in name else reference[3:]
         assert _close(losses, expected), f"{name}: {losses} vs one device {expected}"

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import distribute_tensor
 
 from .._torch_compat import is_strided
-from ..parallel.layout import local_modules
+from ..parallel.layout import layout_of, local_modules
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _GROUPS = "param_groups."
@@ -138,15 +138,25 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None
                                             options=_OPTIONS)
     settings: dict[str, dict[str, Any]] = {}
     tensors: dict[str, Any] = {}
+    own = layout_of(model).tied_names
     for key, value in (optim_sd or {}).items():
         if key.startswith(_GROUPS):
             fqn, _, setting = key[len(_GROUPS):].rpartition(".")
-            settings.setdefault(fqn, {})[setting] = value
+            settings.setdefault(own.get(fqn, fqn), {})[setting] = value
         else:
-            tensors[key] = value
+            tensors[_renamed(key, own)] = value
     model_sd, model_live = _whole(model_sd)
     tensors, optim_live = _whole(tensors)
     return model_sd, tensors, settings, Strided(model_live, optim_live)
+
+
+def _renamed(key: str, names: dict[str, str]) -> str:
+    """A flattened optimizer state key (``state.<parameter name>.<state name>``) with its
+    parameter renamed by ``names``."""
+    if not names or not key.startswith("state."):
+        return key
+    fqn, _, item = key[len("state."):].rpartition(".")
+    return f"state.{names.get(fqn, fqn)}.{item}"
 
 
 @dataclass
@@ -192,11 +202,12 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: d
     if strided is not None:
         model_sd = _cut(model_sd, strided.model)
         optim_tensors = _cut(optim_tensors, strided.optim)
-    optim_sd: dict[str, Any] = dict(optim_tensors)
+    stage = {one: name for name, one in layout_of(model).tied_names.items()}
+    optim_sd: dict[str, Any] = {_renamed(k, stage): v for k, v in optim_tensors.items()}
     for fqn, current in wanted.items():
         saved = settings.get(fqn, {})
         for key, value in current.items():
-            optim_sd[f"{_GROUPS}{fqn}.{key}"] = saved.get(key, value)
+            optim_sd[f"{_GROUPS}{stage.get(fqn, fqn)}.{key}"] = saved.get(key, value)
     with _without_empty_groups(optim):
         set_state_dict(module, [optim] if optim is not None else [],
                        model_state_dict=model_sd, optim_state_dict=optim_sd, options=_OPTIONS)

@@ -523,6 +523,24 @@ def _local_ties(ties: list[dict[int, str]], groups: list[Any], local: dict[int, 
     return out
 
 
+def _one_device_names(model: nn.Module, ties: list[dict[int, str]], mine: list[int]
+                      ) -> dict[str, str]:
+    """{the name a stage of this rank (``mine``) holds a tied weight by: the one-device model's
+    name for it} where they differ (``named_parameters`` names a shared parameter once, by
+    its first name)."""
+    first = {id(p): n for n, p in model.named_parameters()}
+    every = dict(model.named_parameters(remove_duplicate=False))
+    out = {}
+    for names in ties:
+        for stage, name in names.items():
+            if stage not in mine:
+                continue
+            own = first.get(id(every[name])) if name in every else None
+            if own is not None and own != name:
+                out[name] = own
+    return out
+
+
 def _param_named(module: nn.Module, name: str) -> nn.Parameter:
     """The parameter ``name`` (a name in the unwrapped stage) of a laid-out stage module."""
     from ..check import canonical_name
@@ -609,5 +627,5 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     runner.tied = _local_ties(ties, groups, dict(zip(mine, modules, strict=True)))
     layout = Layout(applied=("pipeline", *layout_of(modules[0]).applied), stages=tuple(modules),
                     stage_specs=tuple(specs[s] for s in mine), pipeline=runner,
-                    loss_parallel=loss_parallel)
+                    loss_parallel=loss_parallel, tied_names=_one_device_names(model, ties, mine))
     return record_layout(PipelinedModel(modules), layout)
