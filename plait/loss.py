@@ -30,7 +30,11 @@ unchanged value (where ignoring every other label instead does change it) means 
 labels were never read, and from then on they are not counted. The answer is kept per loss
 function for the model's lifetime, so the one or two extra loss calls happen once per run.
 On XLA it is not asked (the answer would be read mid-step, a host sync): there a loss that
-shifts the labels returns ``(sum, count)``.
+shifts the labels returns ``(sum, count)``. A model's own loss (``loss_fn=None``) cannot be
+asked again without running the model: a Hugging Face causal LM is known to shift
+(:func:`shifts_labels`); any other model's ``output.loss`` is compared with the mean
+cross-entropy of its ``output.logits`` against the labels shifted and unshifted
+(:func:`own_loss_skips_first_label`), once per run.
 
 What happens otherwise: a scalar that is *not* a mean over those counted items (a sum, or a mean
 over items the targets do not show) is still weighted by the count, so the layout trains a
@@ -157,12 +161,66 @@ def first_label_skipped(value: Any, targets: Any, recompute: Callable[[Any], Any
 def label_shift(loss_fn: Callable | None, output: Any, value: Any, targets: Any, *,
                 known: dict[Any, bool], model_shifts: bool) -> bool:
     """Whether the count leaves out each row's first label: for the model's own loss
-    (``loss_fn`` None) ``model_shifts`` (:func:`shifts_labels`); for a loss function, its
-    answer (:func:`first_label_skipped`, kept in ``known`` under :func:`_loss_key`)."""
+    (``loss_fn`` None) ``model_shifts`` (:func:`shifts_labels`), else its output's answer
+    (:func:`own_loss_skips_first_label`, kept in ``known``); for a loss function, its answer
+    (:func:`first_label_skipped`, kept in ``known`` under :func:`_loss_key`)."""
     if loss_fn is None:
-        return model_shifts
+        if model_shifts or isinstance(value, (tuple, list)):
+            return model_shifts
+        if _OWN_LOSS in known:
+            return known[_OWN_LOSS]
+        verdict = own_loss_skips_first_label(value, output, targets)
+        if verdict is None:  # this micro-batch cannot tell: counted whole, asked again
+            return False
+        known[_OWN_LOSS] = verdict
+        return verdict
     return first_label_skipped(value, targets, lambda t: loss_fn(output, t), known,
                                _loss_key(loss_fn))
+
+
+# The key of a model's own loss (``loss_fn=None``) in ``first_label_skipped``'s answers.
+_OWN_LOSS = "output.loss"
+
+
+def own_loss_skips_first_label(value: Any, output: Any, targets: Any) -> bool | None:
+    """Whether a model's own scalar loss (``output.loss``, ``loss_fn=None``) leaves out each
+    row's first label, as a causal LM that shifts its labels inside ``forward`` does: its
+    value is the mean cross-entropy of ``output.logits`` against the labels shifted by one and
+    not against them unshifted (computed here without autograd). None when this micro-batch
+    cannot tell: no logits of the labels' shape, every first label ignored, or the loss is
+    neither (label smoothing, an extra term) or both (every item's loss the same). Not asked on
+    XLA (a host sync mid-step): there such a model's loss should be counted by a ``loss_fn``
+    returning ``(sum, count)``."""
+    labels = _counted(targets)
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits",
+                                                                            None)
+    if (not isinstance(labels, torch.Tensor) or not isinstance(logits, torch.Tensor)
+            or labels.ndim < 2 or labels.shape[-1] < 2 or labels.is_floating_point()
+            or labels.is_complex() or labels.dtype == torch.bool
+            or tuple(logits.shape[:-1]) != tuple(labels.shape)
+            or labels.device.type in ("meta", "xla") or logits.device.type in ("meta", "xla")):
+        return None
+    if not bool((labels[..., 0] != IGNORE_INDEX).any()):
+        return None
+    loss = _full(value)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        return None
+    before = loss.detach().float().reshape(())
+    if not bool(before.isfinite()):
+        return None
+    vocab = logits.shape[-1]
+    with torch.no_grad():
+        shifted = _full(torch.nn.functional.cross_entropy(
+            logits[..., :-1, :].reshape(-1, vocab).float(), labels[..., 1:].reshape(-1)))
+        whole = _full(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, vocab).float(), labels.reshape(-1)))
+
+    def near(t: torch.Tensor) -> bool:
+        return bool(torch.allclose(t.float().reshape(()), before.to(t.device), rtol=1e-4,
+                                   atol=0.0))
+    if near(shifted) != near(whole):
+        return near(shifted)
+    return None
 
 
 def _loss_key(loss_fn: Callable) -> Any:

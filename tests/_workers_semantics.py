@@ -125,22 +125,28 @@ def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class WithLoss(nn.Module):
     """A model in the Hugging Face style: ``forward(input_ids, labels=None)`` returns a dict
-    with ``loss`` (mean over the labels that are not -100) and ``logits``."""
+    with ``loss`` (mean over the labels that are not -100; ``shift``: as a causal LM computes
+    it, :func:`shifted_loss`) and ``logits``."""
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module, shift: bool = False):
         super().__init__()
         self.inner = inner
+        self.shift = shift
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
         logits = self.inner(input_ids)
         out = {"logits": logits}
         if labels is not None:
-            out["loss"] = mlm_loss(logits, labels)
+            out["loss"] = (shifted_loss if self.shift else mlm_loss)(logits, labels)
         return out
 
 
 def masked_lm_with_loss() -> nn.Module:
     return WithLoss(masked_lm())
+
+
+def causal_lm_with_loss() -> nn.Module:
+    return WithLoss(masked_lm(), shift=True)
 
 
 def step_losses_unlogged(rank: int, world_size: int, batches: list[Any]) -> dict[str, Any]:
