@@ -126,13 +126,36 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[An
 def model_loss(out: Any, loss_fn: LossFn | None, targets: Any) -> Any:
     """``loss_fn(out, targets)``, or the model's own loss (``out.loss``) when loss_fn is None."""
     if loss_fn is not None:
-        return loss_fn(out, targets)
+        try:
+            return loss_fn(out, targets)
+        except (RuntimeError, NotImplementedError) as exc:
+            if not _vocab_sharded(out):
+                raise
+            raise type(exc)(
+                f"the loss function failed on the model's logits, which tensor parallelism "
+                f"keeps split over the vocabulary (a DTensor: the head is 'vocab_head', and the "
+                f"loss runs inside torch's loss_parallel()): {str(exc).rstrip('.!')}. "
+                f"F.cross_entropy over the last dimension runs on them as is (reduction "
+                f"'mean', or 'sum' and return (sum, count)); a loss that does more with them "
+                f"(multiplies in a mask, mixes them with plain tensors) needs the head whole: "
+                f"pass options.tp_plan without the 'vocab_embedding' and 'vocab_head' "
+                f"entries") from exc
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
     if loss is None:
         raise ValueError(f"loss_fn=None needs a model that returns its own loss (an output with "
                          f".loss, as Hugging Face models do when the batch holds 'labels'); "
                          f"{type(out).__name__} has none: pass a loss_fn")
     return loss
+
+
+def _vocab_sharded(out: Any) -> bool:
+    """Whether the model's output is (or holds) a DTensor split on its last dimension."""
+    from torch.distributed.tensor import DTensor
+
+    values = out.values() if isinstance(out, dict) else out if isinstance(
+        out, (tuple, list)) else (getattr(out, "logits", out),)
+    return any(isinstance(v, DTensor) and any(
+        p.is_shard() and p.dim in (-1, v.ndim - 1) for p in v.placements) for v in values)
 
 
 def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None

@@ -207,6 +207,19 @@ def test_a_model_whose_own_loss_shifts_the_labels():
         _assert_matches(ref, result)
 
 
+def test_a_loss_that_cannot_run_on_vocabulary_sharded_logits_says_what_to_do():
+    """Under tp the head's logits stay split over the vocabulary; a loss that multiplies a
+    plain mask into cross_entropy(reduction='none') fails on them with torch's words about
+    mixed DTensors, and plait says why and what runs instead."""
+    from plait.spawn import WorkerError
+
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    with pytest.raises(WorkerError, match=r"split over the vocabulary .*mixed torch.Tensor "
+                       r"and DTensor.* options.tp_plan without the 'vocab_embedding'"):
+        run_distributed(W.train_jobs, 2, [("tp=2", W.masked_lm, batches, W.sum_count_loss)],
+                        timeout=120)
+
+
 def test_full_state_dict_loads_into_the_one_device_model():
     """run.full_state_dict is the one-device model's state_dict, whatever the layout: GPT-2's
     tied head under both names, Llama without its non-persistent rotary table, BatchNorm's
