@@ -319,12 +319,20 @@ def test_a_weight_read_by_another_module_under_tensor_parallelism():
 def test_a_fused_qkv_layer_under_zero_and_tensor_parallelism():
     """A fused q|k|v Linear with a bias, split over tp so that each rank holds its own q, k and
     v, then sharded again by ZeRO-2/3: the weights gathered back (run.full_state_dict) are
-    one device's, in their places, as are the losses."""
+    one device's, in their places, as are the losses. Under sequence parallelism too, where
+    the attention takes the sequence length from its input (``b, s, _ = x.shape``): the block
+    is a region, which sees the whole sequence."""
+    from plait.parallel.tp_infer import infer_plan
+
+    assert infer_plan(W.fused_qkv_lm()).styles["blocks.*.attn"] == "region"
     batches = [W.mlm_batch(s) for s in range(W.STEPS)]
     ref = W.reference(W.fused_qkv_lm, batches, W.mlm_loss)
     jobs = [(p, W.fused_qkv_lm, batches, W.mlm_loss)
             for p in ("dp_shard=2,zero=3,tp=2", "dp_shard=2,zero=2,tp=2")]
-    for result in run_distributed(W.train_jobs, 4, jobs, timeout=300)[0]:
+    got = run_distributed(W.train_jobs, 4, jobs, timeout=300)[0]
+    got += run_distributed(W.train_jobs, 2, [("tp=2,sp", W.fused_qkv_lm, batches, W.mlm_loss)],
+                           timeout=300)[0]
+    for result in got:
         _assert_matches(ref, result)
 
 

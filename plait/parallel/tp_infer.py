@@ -155,9 +155,13 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
         if isinstance(inside, str):
             return inside
         styles.update(dict.fromkeys(inside, "grad_allreduce"))
-    if len(regions) == 1 and len(regions[0][0]) > 1 and regions[0][0][0].args[0] in inputs:
+    entries = regions[0][0] if len(regions) == 1 else []
+    if entries and entries[0].args[0] in inputs and (
+            len(entries) > 1 or styles[calls[entries[0]]] == "colwise_qkv"):
         # One replicated input for q/k/v (gate/up): one backward all-reduce. Only when they read
-        # the block input itself; after a pre-norm each colwise layer reduces its own.
+        # the block input itself; after a pre-norm each colwise layer reduces its own. A fused
+        # q|k|v layer too: under SP the block then sees the whole sequence, as attention that
+        # takes its length from its input (``B, T, C = x.shape``) needs.
         styles[""] = "region"
     attention = any((n.op == "call_function" and n.target in _ATTENTION_FUNCS)
                     or (n.op == "call_method" and n.target in _ATTENTION_METHODS)
