@@ -97,7 +97,19 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[An
     """
     if isinstance(batch, dict):
         if loss_fn is None:
-            return model(**batch), batch.get("labels")
+            try:
+                return model(**batch), batch.get("labels")
+            except (RuntimeError, NotImplementedError) as exc:
+                if not (layout_of(model).loss_parallel and "DTensor" in str(exc)):
+                    raise
+                raise type(exc)(
+                    f"the model's forward failed on a DTensor: {str(exc).rstrip('.!')}. Tensor "
+                    f"parallelism keeps its logits split over the vocabulary (the head is "
+                    f"'vocab_head'): a loss the forward computes from them runs as "
+                    f"F.cross_entropy over the last dimension (reduction 'mean'); for one that "
+                    f"does more (multiplies in a mask), keep the head whole: pass "
+                    f"options.tp_plan without the 'vocab_embedding' and 'vocab_head' "
+                    f"entries") from exc
         if "labels" not in batch:
             raise ValueError(f"a dict batch with a loss_fn needs a 'labels' entry for it "
                              f"(keys: {sorted(batch)}); or pass loss_fn=None when the model "

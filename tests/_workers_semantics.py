@@ -125,19 +125,19 @@ def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class WithLoss(nn.Module):
     """A model in the Hugging Face style: ``forward(input_ids, labels=None)`` returns a dict
-    with ``loss`` (mean over the labels that are not -100; ``shift``: as a causal LM computes
-    it, :func:`shifted_loss`) and ``logits``."""
+    with ``loss`` (``loss(logits, labels)``, by default the mean over the labels that are not
+    -100) and ``logits``."""
 
-    def __init__(self, inner: nn.Module, shift: bool = False):
+    def __init__(self, inner: nn.Module, loss: Callable = mlm_loss):
         super().__init__()
         self.inner = inner
-        self.shift = shift
+        self.loss = loss
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
         logits = self.inner(input_ids)
         out = {"logits": logits}
         if labels is not None:
-            out["loss"] = (shifted_loss if self.shift else mlm_loss)(logits, labels)
+            out["loss"] = self.loss(logits, labels)
         return out
 
 
@@ -146,7 +146,17 @@ def masked_lm_with_loss() -> nn.Module:
 
 
 def causal_lm_with_loss() -> nn.Module:
-    return WithLoss(masked_lm(), shift=True)
+    return WithLoss(masked_lm(), shifted_loss)
+
+
+def masked_mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """:func:`sum_count_loss` as one mean."""
+    total, count = sum_count_loss(logits, labels)
+    return total / count
+
+
+def masked_lm_with_masked_loss() -> nn.Module:
+    return WithLoss(masked_lm(), masked_mean_loss)
 
 
 def step_losses_unlogged(rank: int, world_size: int, batches: list[Any]) -> dict[str, Any]:

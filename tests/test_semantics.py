@@ -210,13 +210,19 @@ def test_a_model_whose_own_loss_shifts_the_labels():
 def test_a_loss_that_cannot_run_on_vocabulary_sharded_logits_says_what_to_do():
     """Under tp the head's logits stay split over the vocabulary; a loss that multiplies a
     plain mask into cross_entropy(reduction='none') fails on them with torch's words about
-    mixed DTensors, and plait says why and what runs instead."""
+    mixed DTensors, and plait says why and what runs instead: a loss_fn, or the model's own
+    loss computed in its forward."""
     from plait.spawn import WorkerError
 
     batches = [W.mlm_batch(s) for s in range(W.STEPS)]
     with pytest.raises(WorkerError, match=r"split over the vocabulary .*mixed torch.Tensor "
                        r"and DTensor.* options.tp_plan without the 'vocab_embedding'"):
         run_distributed(W.train_jobs, 2, [("tp=2", W.masked_lm, batches, W.sum_count_loss)],
+                        timeout=120)
+    dicts = [{"input_ids": x, "labels": y} for x, y in batches]  # the model's own loss
+    with pytest.raises(WorkerError, match=r"forward failed on a DTensor: .*mixed torch.Tensor "
+                       r"and DTensor.* options.tp_plan without the 'vocab_embedding'"):
+        run_distributed(W.train_jobs, 2, [("tp=2", W.masked_lm_with_masked_loss, dicts, None)],
                         timeout=120)
 
 
