@@ -105,11 +105,8 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[An
                 raise type(exc)(
                     f"the model's forward failed on a DTensor: {str(exc).rstrip('.!')}. Tensor "
                     f"parallelism keeps its logits split over the vocabulary (the head is "
-                    f"'vocab_head'): a loss the forward computes from them runs as "
-                    f"F.cross_entropy over the last dimension (reduction 'mean'); for one that "
-                    f"does more (multiplies in a mask), keep the head whole: pass "
-                    f"options.tp_plan without the 'vocab_embedding' and 'vocab_head' "
-                    f"entries") from exc
+                    f"'vocab_head'), and the loss it computes from them: "
+                    f"{_SHARDED_LOGITS_FIX}") from exc
         if "labels" not in batch:
             raise ValueError(f"a dict batch with a loss_fn needs a 'labels' entry for it "
                              f"(keys: {sorted(batch)}); or pass loss_fn=None when the model "
@@ -147,17 +144,21 @@ def model_loss(out: Any, loss_fn: LossFn | None, targets: Any) -> Any:
                 f"the loss function failed on the model's logits, which tensor parallelism "
                 f"keeps split over the vocabulary (a DTensor: the head is 'vocab_head', and the "
                 f"loss runs inside torch's loss_parallel()): {str(exc).rstrip('.!')}. "
-                f"F.cross_entropy over the last dimension runs on them as is (reduction "
-                f"'mean', or 'sum' and return (sum, count)); a loss that does more with them "
-                f"(multiplies in a mask, mixes them with plain tensors) needs the head whole: "
-                f"pass options.tp_plan without the 'vocab_embedding' and 'vocab_head' "
-                f"entries") from exc
+                f"{_SHARDED_LOGITS_FIX}") from exc
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
     if loss is None:
         raise ValueError(f"loss_fn=None needs a model that returns its own loss (an output with "
                          f".loss, as Hugging Face models do when the batch holds 'labels'); "
                          f"{type(out).__name__} has none: pass a loss_fn")
     return loss
+
+
+# What runs on logits split over the vocabulary, and the way out for a loss that needs more.
+_SHARDED_LOGITS_FIX = (
+    "F.cross_entropy over the last dimension runs on them as is (reduction 'mean', or 'sum' "
+    "and return (sum, count)); a loss that does more with them (multiplies in a mask, mixes "
+    "them with plain tensors) needs the head whole: pass options.tp_plan without the "
+    "'vocab_embedding' and 'vocab_head' entries")
 
 
 def _vocab_sharded(out: Any) -> bool:
