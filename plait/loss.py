@@ -186,9 +186,11 @@ def own_loss_skips_first_label(value: Any, output: Any, targets: Any) -> bool | 
     """Whether a model's own scalar loss (``output.loss``, ``loss_fn=None``) leaves out each
     row's first label, as a causal LM that shifts its labels inside ``forward`` does: its
     value is the mean cross-entropy of ``output.logits`` against the labels shifted by one and
-    not against them unshifted (computed here without autograd). None when this micro-batch
-    cannot tell: no logits of the labels' shape, every first label ignored, or the loss is
-    neither (label smoothing, an extra term) or both (every item's loss the same). Not asked on
+    not against them unshifted (computed here without autograd). False, for good, when it is
+    neither (label smoothing, an extra term): counted over every label, and not asked again
+    (each asking is two cross-entropies over the vocabulary and a host sync). None when this
+    micro-batch cannot tell: no logits of the labels' shape, every first label ignored, or both
+    match (every item's loss the same). Not asked on
     XLA (a host sync mid-step): there such a model's loss should be counted by a ``loss_fn``
     returning ``(sum, count)``."""
     labels = _counted(targets)
@@ -218,9 +220,10 @@ def own_loss_skips_first_label(value: Any, output: Any, targets: Any) -> bool | 
     def near(t: torch.Tensor) -> bool:
         return bool(torch.allclose(t.float().reshape(()), before.to(t.device), rtol=1e-4,
                                    atol=0.0))
-    if near(shifted) != near(whole):
-        return near(shifted)
-    return None
+    reads_shifted, reads_whole = near(shifted), near(whole)
+    if reads_shifted != reads_whole:
+        return reads_shifted
+    return None if reads_shifted else False
 
 
 def _loss_key(loss_fn: Callable) -> Any:

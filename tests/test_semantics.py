@@ -197,6 +197,12 @@ def test_a_model_whose_own_loss_shifts_the_labels():
     known = {}
     assert label_shift(None, out, out["loss"], labels, known=known, model_shifts=False) is False
     assert known == {}
+    # Neither plain cross-entropy (label smoothing): every label counted, and not asked again.
+    smoothed = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, W.VOCAB),
+                                           labels[:, 1:].reshape(-1), label_smoothing=0.1)
+    out = {"logits": logits, "loss": smoothed}
+    assert label_shift(None, out, smoothed, labels, known=known, model_shifts=False) is False
+    assert list(known.values()) == [False]
 
     batches = [W.mlm_batch(s) for s in range(W.STEPS)]
     ref = W.reference(W.masked_lm, batches, W.shifted_loss)
