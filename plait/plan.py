@@ -248,6 +248,10 @@ class Plan:
                           f"e.g. 'dp_shard=2,zero={self.zero}'")
         elif self.zero == 0 and self.dp_shard > 1:
             errors.append(f"dp_shard={self.dp_shard} needs a ZeRO stage: add zero=1, 2 or 3")
+        if self.zero == 1 and self.tp > 1:
+            errors.append(f"zero=1 with tp={self.tp} is not supported: ZeRO-1 is DDP plus a "
+                          f"sharded optimizer, and DDP cannot bucket the DTensor parameters TP "
+                          f"creates; use zero=2 or zero=3 with tp")
         if self.offload and self.zero != 3:
             errors.append(f"offload=True needs zero=3 (got zero={self.zero})")
         if self.sp and self.tp == 1:

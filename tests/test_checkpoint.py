@@ -421,6 +421,7 @@ def test_export_hugging_face_folder(tmp_path, no_group):
         run.close()
     info = export(tmp_path / "ckpt", tmp_path / "hf")
     assert info["config"] and (tmp_path / "hf" / "config.json").is_file()
+    assert info["values"] == sum(t.numel() for t in model.state_dict().values())
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     with torch.no_grad():
         assert torch.allclose(loaded(tokens).logits, expected, atol=1e-5)

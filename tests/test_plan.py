@@ -46,6 +46,7 @@ def test_world_size_mismatch_names_every_factor():
     ("dp_shard=2", "needs a ZeRO stage"),
     ("dp_shard=2,zero=5", "zero=5"),
     ("dp_shard=2,zero=2,offload", "offload=True needs zero=3"),
+    ("dp_shard=2,zero=1,tp=2", "zero=1 with tp=2 is not supported"),
     ("sp", "needs tp > 1"),
     ("cp=2", "reserved"),
     ("pp=2,schedule=warp", "pp_schedule='warp'"),

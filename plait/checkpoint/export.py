@@ -84,7 +84,10 @@ def export(path: str | Path, to: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"cannot write {target}: {exc.strerror}") from None
     return {"checkpoint": str(step_dir), "step": manifest["step"], "to": str(target),
             "config": str(to / "config.json") if hf_dir else None, "tensors": len(tensors),
-            "parameters": sum(t.numel() for t in tensors.values()),
+            # Every number written: parameters and persistent buffers, and a tied weight once
+            # under each of its names (the file holds no ties), so not the model's parameter
+            # count.
+            "values": sum(t.numel() for t in tensors.values()),
             "bytes": target.stat().st_size}
 
 
@@ -133,6 +136,6 @@ def command(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
     else:
         print(f"exported {info['checkpoint']} (step {info['step']}): {info['tensors']} tensors, "
-              f"{info['parameters']:,} parameters -> {info['to']} ({info['bytes']:,} bytes)"
+              f"{info['values']:,} values -> {info['to']} ({info['bytes']:,} bytes)"
               + (f" + {info['config']}" if info["config"] else ""), file=sys.stdout)
     return 0

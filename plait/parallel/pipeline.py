@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .._torch_compat import pipeline_stage_base, pytree
 from ..loss import label_shift, loss_sum_and_count, shifts_labels
 from ..mesh import Mesh
-from ..plan import Plan
+from ..plan import PP_SCHEDULES, Plan
 from .layout import Layout, layout_of, record_layout
 from .pipeline_hf import is_hf_model
 from .pipeline_split import (
@@ -490,11 +490,12 @@ def _tie_groups(ties: list[dict[int, str]], mesh: Mesh, plan: Plan) -> list[Any]
     for names in ties:
         pp_ranks = sorted({owner[s] for s in names})
         if len(pp_ranks) == 1:
+            looped = [s for s in PP_SCHEDULES if s != "zbv"]  # zbv alone places stages in a V
             stages = ", ".join(str(s) for s in sorted(names))
             raise ValueError(f"weight {next(iter(names.values()))} is tied across stages "
                              f"{stages}, which schedule {plan.pp_schedule} puts on one rank; "
-                             f"untie it (e.g. tie_word_embeddings=False) or use 1f1b or "
-                             f"interleaved_1f1b")
+                             f"untie it (e.g. tie_word_embeddings=False) or use a schedule "
+                             f"that places stages in a loop: {', '.join(looped)}")
         mine = None
         for coord in ranks[0].reshape(-1).tolist():
             index = (ranks[0] == coord).nonzero()[0].tolist()

@@ -191,9 +191,7 @@ def _reduce_unused(module: nn.Module, plan: Plan) -> None:
 
 
 def _apply_zero1(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
-    if plan.tp > 1:
-        raise ValueError("zero=1 with tp>1 is not supported (DDP cannot bucket the DTensor "
-                         "parameters TP creates); use zero=2 or zero=3 with tp")
+    # Plan.validate refuses zero=1 with tp > 1: DDP cannot bucket TP's DTensor parameters.
     from .data import apply_ddp
 
     device = next(module.parameters()).device

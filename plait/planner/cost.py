@@ -156,10 +156,6 @@ def _invalid(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload) ->
     if not tp_fits_kv(model.kv_heads, tp):
         return (f"tp={tp} neither divides kv heads={model.kv_heads} nor is a multiple of them "
                 f"(then each rank would compute one, replicated)")
-    if plan.zero == 1 and tp > 1:
-        # plait's ZeRO-1 is DDP + ZeroRedundancyOptimizer; DDP cannot bucket TP's DTensor
-        # parameters, so the runtime refuses this layout.
-        return "zero=1 with tp>1 is not supported by plait's runtime; use zero=2 or 3"
     if plan.sp and s % tp:
         return f"sequence parallel needs seq={s} divisible by tp={tp}"
     if pp * plan.virtual_stages > model.n_layers:

@@ -77,7 +77,7 @@ def _dp_splits(dp: int, tp: int, cluster: Cluster) -> list[tuple[int, int, int]]
     """(dp_replicate, dp_shard, zero) choices for a data-parallel degree ``dp``."""
     out = [(dp, 1, 0)]
     if dp > 1:
-        out += [(1, dp, z) for z in (1, 2, 3)]
+        out += [(1, dp, z) for z in (1, 2, 3) if z > 1 or tp == 1]  # see Plan.validate
         inner = max((d for d in divisors(dp) if d * tp <= cluster.devices_per_node
                      and cluster.devices_per_node % (d * tp) == 0), default=1)
         if 1 < inner < dp:
