@@ -1,6 +1,8 @@
 """The planner's inputs: model statistics from presets, Hugging Face configs, YAML and module
 factories, and the cluster catalog."""
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -85,6 +87,29 @@ def test_factory_whose_dataset_reads_values_plans_with_its_parameters_on_meta():
     with pytest.raises(ValueError, match=r"first item is a _LengthsDataset: return the "
                                          r"nn.Module, or \(model, dataset, loss_fn\)"):
         load_model("tests._planner_factories:dataset_first")
+
+
+def test_a_factory_dataset_gives_the_sequence_length_to_price():
+    """A (model, dataset, loss_fn) factory's dataset says the sequence that training runs: the
+    longest of its first rows (token rows of 4 to 8 here; (positions, features) rows of 16 in
+    the example), which the CLI prices without --seq and names as the dataset's."""
+    from plait.cli import main
+
+    assert load_model("tests._planner_factories:model_with_eager_dataset").data_seq == 8
+    assert load_model("examples.your_own_model:factory").data_seq == 16
+    assert load_model("tests._planner_factories:mlp_stack").data_seq is None  # no dataset
+    common = ["plan", "--model", "examples.your_own_model:factory", "--cluster", "cpu",
+              "--devices", "2", "--global-batch", "32", "--format", "json"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(common) == 0
+    data = json.loads(out.getvalue())
+    assert (data["seq"], data["seq_from"]) == (16, "dataset")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*common, "--seq", "4"]) == 0
+    data = json.loads(out.getvalue())
+    assert (data["seq"], data["seq_from"]) == (4, "--seq")
 
 
 def test_yaml_model(tmp_path):

@@ -29,6 +29,10 @@ from .uncertainty import with_uncertainty
 GiB = 2**30
 
 
+
+# How the header says where the priced sequence length came from.
+_SEQ_FROM = {"--seq": "", "dataset": " (the dataset's)", "model": " (the model's maximum)"}
+
 def _count(n: float) -> str:
     """1.2B, 345M, 12.3K or 812: a parameter count at a readable scale."""
     for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
@@ -46,7 +50,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     p.add_argument("--nodes", type=int, default=None, help="number of nodes of the preset")
     p.add_argument("--devices", type=int, default=None, help="total devices (instead of --nodes)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="sequence length (default: the longest sample among the first 64 of a "
+                   "factory's dataset, else the model's maximum)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="compute dtype (default bf16; fp32 on cpu)")
     p.add_argument("--top", type=int, default=5, help="how many plans to list")
@@ -307,7 +313,11 @@ def _plan(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster, nodes=args.nodes, devices=devices)
     if args.memory_gb is not None:
         cluster = cluster.with_memory(args.memory_gb * GB)
-    seq = args.seq or model.max_seq
+    # The sequence priced: --seq, else what the factory's dataset holds (what training runs),
+    # else the model's maximum (a Hugging Face config's max_position_embeddings).
+    seq, seq_from = next(((value, source) for value, source in (
+        (args.seq, "--seq"), (model.data_seq, "dataset"), (model.max_seq, "model"))
+        if value), (None, None))
     if seq is None:
         raise ValueError("--seq is required (the model does not say its sequence length)")
     dtype = args.dtype or ("fp32" if cluster.device == "cpu" else "bf16")
@@ -342,8 +352,9 @@ def _plan(args: argparse.Namespace) -> int:
                                work, constants)
         if args.format == "json":
             print(json.dumps({"model": model.name, "cluster": cluster.name,
-                              "devices": cluster.world_size, "plans": [estimate_json(est)]},
-                             indent=2))
+                              "devices": cluster.world_size, "global_batch": args.global_batch,
+                              "seq": seq, "seq_from": seq_from,
+                              "plans": [estimate_json(est)]}, indent=2))
         else:
             if est.step_time_s < math.inf:
                 print(format_table([est]))
@@ -368,7 +379,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps({"model": model.name, "cluster": cluster.name,
                           "devices": cluster.world_size, "global_batch": args.global_batch,
-                          "seq": seq, "search_seconds": result.seconds,
+                          "seq": seq, "seq_from": seq_from, "search_seconds": result.seconds,
                           "evaluated": result.evaluated, "fit": result.fit,
                           "rejected": result.rejected,
                           "plans": [estimate_json(e) for e in ranked[:args.top]],
@@ -381,7 +392,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(explain_nothing_fits(result, model, cluster, work, dtype))
         return 1
     print(f"{model.name} ({_count(model.num_params)} params) on {cluster.world_size} x "
-          f"{cluster.name}, global batch {args.global_batch} x seq {seq}, {dtype}: "
+          f"{cluster.name}, global batch {args.global_batch} x seq {seq}"
+          f"{_SEQ_FROM[seq_from or '--seq']}, {dtype}: "
           f"{result.evaluated} layouts priced in {result.seconds:.2f}s, {result.fit} fit in memory"
           + (f", the best {min(args.top, len(ranked))} shown" if result.fit > args.top else ""))
     print(format_table(ranked[:args.top]))

@@ -45,6 +45,9 @@ class ModelStats:
     attention: bool = True   # add the s^2 attention FLOPs/activations
     tied: bool = False       # head shares the embedding weight
     max_seq: int | None = None
+    # Positions per sample of the dataset a (model, dataset, loss_fn) factory returns: the
+    # sequence that training will run, which a model's max_seq only bounds.
+    data_seq: int | None = None
     # Relative cost of each block when blocks differ (module factories); None = all equal.
     layer_weights: tuple[float, ...] | None = None
     # Parameter tensors (not elements) per block, in the embedding and in the head (final norm
@@ -327,13 +330,57 @@ def _longest_run(children: list) -> list:
 
 
 def from_factory(spec: str) -> ModelStats:
-    """``"package.module:function"`` -> stats of ``function()`` built on the meta device."""
-    return from_module(build_factory(spec, "meta"), name=spec)
+    """``"package.module:function"`` -> stats of ``function()`` built on the meta device, with
+    the sequence length of its dataset's first sample when it returns one."""
+    built = _build(spec, "meta")
+    stats = from_module(_model_of(built, spec), name=spec)
+    if isinstance(built, (tuple, list)) and len(built) > 1:
+        return dataclasses.replace(stats, data_seq=_sample_seq(built[1]))
+    return stats
+
+
+def _sample_seq(dataset: Any, look: int = 64) -> int | None:
+    """Positions per sample of ``dataset``, the longest of its first ``look`` samples (rows of
+    different lengths are padded to the longest of a batch): of a sample's input (a tuple's
+    first item, a dict's ``input_ids`` or first value), the length of a 1-D token row or the
+    first dim of a 2-D float (positions, features) row. None for anything else: an image, a
+    dataset that cannot be indexed."""
+    try:
+        count = min(len(dataset), look)
+    except TypeError:
+        count = 1
+    lengths = [_positions(dataset, i) for i in range(count)]
+    return max((n for n in lengths if n), default=None)
+
+
+def _positions(dataset: Any, i: int) -> int | None:
+    import torch
+
+    try:
+        sample = dataset[i]
+    except Exception:  # noqa: BLE001 - a dataset that cannot be indexed says no length
+        return None
+    if isinstance(sample, dict):
+        x = sample.get("input_ids", next(iter(sample.values()), None))
+    elif isinstance(sample, (tuple, list)):
+        x = sample[0] if sample else None
+    else:
+        x = sample
+    if not isinstance(x, torch.Tensor):
+        return None
+    tokens = x.dim() == 1 and not x.is_floating_point()
+    positions = x.dim() == 2 and x.is_floating_point()
+    return int(x.shape[0]) if tokens or positions else None
 
 
 def build_factory(spec: str, device: str) -> Any:
     """The ``nn.Module`` that ``"package.module:function"`` builds, on ``device`` (the first
-    item of a ``(model, dataset, loss_fn)`` factory, as ``plait check`` takes).
+    item of a ``(model, dataset, loss_fn)`` factory, as ``plait check`` takes)."""
+    return _model_of(_build(spec, device), spec)
+
+
+def _build(spec: str, device: str) -> Any:
+    """What ``"package.module:function"`` returns, built on ``device``.
 
     On ``"meta"`` the factory runs under ``torch.device("meta")``: nothing is allocated, so a
     70B model plans on a laptop. A factory that also builds its dataset there fails when the
@@ -370,6 +417,13 @@ def build_factory(spec: str, device: str) -> Any:
                 f"({type(exc).__name__}: {exc}) and with only its parameters on the meta device "
                 f"({type(again).__name__}: {again}); the planner needs the model's shapes, not "
                 "its values: give --model a function that returns the model alone") from None
+    return built
+
+
+def _model_of(built: Any, spec: str) -> Any:
+    """The ``nn.Module`` of what a factory returned: itself, or a tuple's first item."""
+    import torch
+
     model = built
     if isinstance(built, (tuple, list)) and built:  # plait check's (model, dataset, loss_fn)
         model = built[0]
