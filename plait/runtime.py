@@ -193,23 +193,31 @@ class Run:
 
     def loader(self, dataset: Dataset, batch_size: int, *, steps: int | None = None,
                shuffle: bool = True, start_step: int | None = None,
-               evaluation: bool = False) -> DistributedLoader:
+               evaluation: bool = False,
+               collate_fn: Callable[[list[Any]], Any] | None = None) -> DistributedLoader:
         """Iterate this rank's share of each *global* batch of ``batch_size`` items.
 
         Ranks of one data replica (TP/PP peers) get the same rows; one device gets them all.
-        ``steps`` counts from step 0: a run resumed from a checkpoint starts at the step saved
-        (``start_step`` overrides it).
+        ``dataset`` is map-style (``len`` and ``dataset[i]``). ``steps`` counts from step 0;
+        the loader starts at the run's step (``run.steps_done``: the step saved, in a run
+        resumed from a checkpoint; the next epoch's first batch, for a loader made again after
+        an epoch), ``start_step`` overrides it. ``steps=None`` runs to the end of that epoch.
+        An epoch is ``len(dataset) // batch_size`` global batches, reshuffled each epoch.
+        ``collate_fn`` builds this rank's batch from its list of items (padding
+        variable-length sequences, say); the default stacks them.
 
         ``evaluation=True``: batches for :meth:`evaluate`. Such a loader always starts at its
         first batch (a resumed run too) and is not the training loader: checkpoints do not
         record its position, and the progress bar's step total stays the training loader's.
         """
         dp_rank, dp_size = self._data_rank_and_size()
-        first = 0 if evaluation else self.first_step
+        # The run's step, not the step it started at: a loader made again for each epoch
+        # continues the stream (the next epoch's order) instead of replaying the first epoch.
+        first = 0 if evaluation else self.steps_done
         loader = DistributedLoader(dataset, batch_size, dp_rank=dp_rank, dp_size=dp_size,
                                    seed=self.seed, steps=steps,
                                    start_step=first if start_step is None else start_step,
-                                   shuffle=shuffle)
+                                   shuffle=shuffle, collate_fn=collate_fn)
         local = batch_size // dp_size
         micro = self.plan.grad_accum * (self.plan.microbatches if self.plan.pp > 1 else 1)
         if local % micro:

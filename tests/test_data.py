@@ -88,3 +88,50 @@ def test_a_batch_of_the_wrong_kind_says_what_the_dataset_returned():
         _forward_loss(nn.Linear(2, 2), ["text"] * 8, None)
     with pytest.raises(ValueError, match=r"got tuple of 3 items \(Tensor\)$"):
         _forward_loss(nn.Linear(2, 2), (torch.zeros(1),) * 3, None)
+
+
+def test_what_the_loader_cannot_shard_is_refused_by_name():
+    """An iterable dataset or a DataLoader would yield the same rows on every rank."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(8)
+
+    with pytest.raises(ValueError, match=r"dataset Stream has no len\(\) and dataset\[i\] "
+                                         r"\(an iterable dataset\).*materialize it"):
+        DistributedLoader(Stream(), 4)
+    with pytest.raises(ValueError, match=r"takes the dataset, not a DataLoader \(DataLoader\): "
+                                         r"pass its \.dataset"):
+        DistributedLoader(DataLoader(list(range(8)), batch_size=4), 4)
+    with pytest.raises(ValueError, match=r"dataset list is empty \(len\(\) is 0\); pass one "
+                                         r"with at least 4 items"):
+        DistributedLoader([], 4)
+
+
+def test_variable_length_items_take_a_collate_fn():
+    items = [(torch.arange(n), torch.arange(n)) for n in range(1, 9)]
+    with pytest.raises(ValueError, match=r"items of different shapes do not stack .* pass "
+                                         r"run.loader\(\.\.\., collate_fn=\.\.\.\) that pads"):
+        DistributedLoader(items, 4).batch(0)
+
+    def pad(rows):
+        return torch.nn.utils.rnn.pad_sequence([x for x, _ in rows], batch_first=True)
+
+    whole = DistributedLoader(items, 4, seed=2, collate_fn=pad)
+    mine = DistributedLoader(items, 4, seed=2, collate_fn=pad, dp_rank=1, dp_size=2)
+    want = [len(items[int(i)][0]) for i in whole.global_indices(1)[2:]]
+    got = mine.batch(1)
+    assert got.shape == (2, max(want))
+    assert (got != 0).sum(1).add(1).tolist() == want  # each row's own length, padded
+
+
+def test_steps_none_runs_to_the_end_of_the_epoch_it_starts_in():
+    """An epoch loop resumed mid-epoch finishes that epoch, then starts the next at its first
+    batch (left over items: 10 items make 2 batches of 4)."""
+    loader = DistributedLoader(list(range(10)), 4, start_step=3)
+    assert loader.batches_per_epoch == 2
+    assert len(loader) == 1
+    assert [b.tolist() for b in loader] == [loader.global_indices(3).tolist()]
+    assert len(loader) == 2  # iterated again: the next epoch, whole
+    assert len(list(loader)) == 2

@@ -9,29 +9,37 @@ device gets the whole global batch, and resuming at step k needs nothing but k.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 
 class DistributedLoader:
     """Yields this replica's slice of each global batch, ``steps`` times (cycling epochs).
 
     ``batch_size`` is the global batch (all data replicas together) and must divide by
-    ``dp_size``. ``start_step`` resumes exactly where a previous run stopped.
+    ``dp_size``. ``start_step`` resumes exactly where a previous run stopped. ``steps=None``
+    runs to the end of the epoch that ``start_step`` is in. Each epoch is ``len(dataset) //
+    batch_size`` whole global batches: the items left over are not drawn that epoch (the next
+    epoch's shuffle draws from all of them again). ``collate_fn`` turns this replica's list of
+    items into its batch (default: ``default_collate``, which stacks equal shapes).
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1,
                  seed: int = 0, steps: int | None = None, start_step: int = 0,
-                 shuffle: bool = True):
+                 shuffle: bool = True, collate_fn: Callable[[list[Any]], Any] | None = None):
+        _check_map_style(dataset)
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         if batch_size % dp_size:
             raise ValueError(f"global batch_size={batch_size} is not divisible by the "
                              f"{dp_size} data-parallel replicas; use a multiple of {dp_size}")
         n = len(dataset)  # type: ignore[arg-type]
+        if n == 0:
+            raise ValueError(f"dataset {type(dataset).__name__} is empty (len() is 0); "
+                             f"pass one with at least {batch_size} items (one global batch)")
         if n < batch_size:
             fits = n // dp_size * dp_size  # the largest global batch the replicas split evenly
             fix = (f"use batch_size={fits} or less (a multiple of the {dp_size} data-parallel "
@@ -44,15 +52,23 @@ class DistributedLoader:
         self.local_batch_size = batch_size // dp_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle = seed, shuffle
+        self.collate_fn = collate_fn or default_collate
         self.steps = steps
         self.step = start_step
         self.batches_per_epoch = len(dataset) // batch_size  # type: ignore[arg-type]
         self._cached: tuple[tuple[int, int], torch.Tensor] | None = None  # (seed, epoch), order
 
+    def _end(self) -> int:
+        """The step after the last one this loader yields."""
+        if self.steps is not None:
+            return self.steps
+        # The end of the current epoch, so that an epoch loop (a new loader each epoch, or this
+        # one iterated again) resumed mid-epoch finishes that epoch, then starts the next at
+        # its first batch, as the uninterrupted run does.
+        return (self.step // self.batches_per_epoch + 1) * self.batches_per_epoch
+
     def __len__(self) -> int:
-        if self.steps is None:
-            return self.batches_per_epoch
-        return max(0, self.steps - self.step)
+        return max(0, self._end() - self.step)
 
     def _order(self, epoch: int) -> torch.Tensor:
         """The epoch's permutation of the dataset, drawn once per epoch (not once per step)."""
@@ -78,10 +94,20 @@ class DistributedLoader:
         """This replica's batch at ``step``."""
         idx = self.global_indices(step)
         mine = idx[self.dp_rank * self.local_batch_size:(self.dp_rank + 1) * self.local_batch_size]
-        return default_collate([self.dataset[int(i)] for i in mine])
+        items = [self.dataset[int(i)] for i in mine]
+        if self.collate_fn is not default_collate:
+            return self.collate_fn(items)
+        try:
+            return default_collate(items)
+        except RuntimeError as exc:
+            if "equal size" not in str(exc):
+                raise
+            raise ValueError(f"dataset items of different shapes do not stack into a batch "
+                             f"({str(exc).rstrip('.')}); pass run.loader(..., collate_fn=...) "
+                             f"that pads them to one length") from exc
 
     def __iter__(self) -> Iterator[Any]:
-        end = self.steps if self.steps is not None else self.step + self.batches_per_epoch
+        end = self._end()
         while self.step < end:
             batch = self.batch(self.step)
             self.step += 1
@@ -92,3 +118,21 @@ class DistributedLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step, self.seed = int(state["step"]), int(state["seed"])
+
+
+def _check_map_style(dataset: Any) -> None:
+    """Refuse what the loader cannot index by position: it draws each global batch's indices
+    from (seed, step) and hands each data replica its own rows, which needs ``len`` and
+    ``dataset[i]``. An iterable dataset (or a DataLoader) yields the same stream on every rank,
+    so iterating it per rank would train every replica on the same rows."""
+    name = type(dataset).__name__
+    if isinstance(dataset, DataLoader):
+        raise ValueError(f"run.loader() takes the dataset, not a DataLoader ({name}): pass "
+                         f"its .dataset and the global batch_size, and its collate_fn as "
+                         f"collate_fn=; plait draws and shards the batches itself")
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__")
+                                                    and hasattr(dataset, "__getitem__")):
+        raise ValueError(f"dataset {name} has no len() and dataset[i] (an iterable dataset): "
+                         f"run.loader() needs a map-style dataset to give each data replica "
+                         f"its own rows of each global batch; materialize it (a list, or a "
+                         f"Dataset with __len__ and __getitem__)")

@@ -268,6 +268,10 @@ class PipelineRunner:
         # Per loss function: whether its scalar mean skips each row's first label (plait.loss).
         self._first_label_skipped: dict[Any, bool] = {}
         self._microbatch_rows = 0  # rows of one real microbatch (set by each step)
+        # (training?, input shapes) the stages inferred their activation shapes from: torch's
+        # schedule infers them at its first step and again at each switch between training
+        # and evaluation, never on a change of shape (see _check_shapes).
+        self._built_for: tuple[bool, tuple[Any, ...]] | None = None
         # [loss sum, count] per (accumulation step, microbatch's first row): torch's stage also
         # calls the loss once on its shape-inference outputs, which the real call replaces.
         self._totals: dict[tuple[int, int], torch.Tensor] = {}
@@ -369,6 +373,7 @@ class PipelineRunner:
                              + (f" x grad_accum={accum}" if accum > 1 else "")
                              + f" equal parts; make the per-replica batch a multiple of "
                              f"{m * accum}")
+        self._check_shapes(laid_out, train)
         if self.check_split is not None:  # the first step: every rank, before any sends
             add_zero_stand_ins([s.submod for s in self.stages], self.check_split(laid_out))
             self.check_split = None
@@ -403,6 +408,47 @@ class PipelineRunner:
         if not self.has_last:
             return torch.full((2,), float("nan"), device=device)
         return torch.stack(list(self._totals.values())).sum(0).to(device)
+
+
+    def _check_shapes(self, laid_out: StageInputs, train: bool) -> None:
+        """Refuse a batch whose input shapes differ from those the stages were set up for.
+
+        torch's stages size their receive buffers from the shapes they inferred, and receive
+        into them whatever the previous stage sends: a shorter sequence arrived as the old
+        length's buffer, partly stale, and the loss ran on it (a label count mismatch at best,
+        a silently wrong loss when the sizes happen to agree). Re-inferring on a change is a
+        forward of every stage with collectives inside it (FSDP's gathers), which data replicas
+        that padded to other lengths would enter out of step with each other; so one shape per
+        run, checked on every rank of the pipeline before anything is sent.
+        """
+        shapes = (_shapes(laid_out.first), _shapes(laid_out.every), _shapes(laid_out.last_only))
+        if self._built_for is None or self._built_for[0] != train:
+            self._built_for = (train, shapes)  # torch infers (again) at this call
+            return
+        built = self._built_for[1]
+        if shapes != built:
+            raise ValueError(
+                f"pipeline parallelism (pp={self.plan.pp}) sets its stages up for one input "
+                f"shape: this batch's inputs are {_describe(shapes)}, the stages were set up "
+                f"for {_describe(built)}; give every batch one shape (a collate_fn that pads "
+                f"to a fixed length, the same batch_size for every step)")
+
+
+def _shapes(value: Any) -> Any:
+    """The shapes of every tensor in a tensor/tuple/list/dict structure (None elsewhere)."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, dict):
+        return tuple((k, _shapes(v)) for k, v in sorted(value.items()))
+    if isinstance(value, (tuple, list)):
+        return tuple(_shapes(v) for v in value)
+    return None
+
+
+def _describe(shapes: tuple[Any, ...]) -> str:
+    first, every, last = shapes
+    extra = ", ".join(f"{k} {v}" for k, v in (*every, *last) if v is not None)
+    return f"{first}" + (f" ({extra})" if extra else "")
 
 
 def _take_rows(value: Any, rows: torch.Tensor) -> Any:

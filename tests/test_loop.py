@@ -1,0 +1,40 @@
+"""The loop a user writes around plait, against a plain one-process loop over the same global
+batches: epochs of a variable-length dataset padded by a collate_fn (a new loader each epoch),
+AdamW with parameter groups chosen by name, an LR scheduler, clipping, a save mid-epoch resumed
+under another layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.spawn import WorkerError, run_distributed
+from tests import _workers_loop as L
+
+REL = 1e-6
+
+
+def _assert_losses(want: list[float], got: list[float]) -> None:
+    assert len(got) == len(want), (want, got)
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert abs(a - b) <= REL * abs(a), (step, a, b)
+
+
+def test_epochs_resume_mid_epoch_and_move_layouts(tmp_path):
+    ref = L.reference()
+    _assert_losses(ref, run_distributed(L.epoch_loop, 2, "dp_shard=2,zero=3", timeout=120)[0])
+    folder = str(tmp_path / "ckpt")
+    first = run_distributed(L.epoch_loop, 2, "dp=2", save_after=3, folder=folder,
+                            timeout=120)[0]
+    # Resumed in epoch 1 (of 2 batches each), under a pipeline: its stages take one shape.
+    rest = run_distributed(L.epoch_loop, 2, "pp=2,mb=2", folder=folder, resume=True,
+                           length=L.SEQ, timeout=120)[0]
+    _assert_losses(ref, first + rest)
+
+
+def test_a_pipeline_refuses_a_batch_of_another_shape():
+    """Its stages receive into buffers sized at the first step: a shorter batch read stale
+    rows."""
+    with pytest.raises(WorkerError, match=r"pipeline parallelism \(pp=2\) sets its stages up "
+                                          r"for one input shape: this batch's inputs are "
+                                          r"\(8, \d\), the stages were set up for \(8, 8\)"):
+        run_distributed(L.epoch_loop, 2, "pp=2,mb=2", timeout=120)
