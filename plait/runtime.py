@@ -15,6 +15,7 @@ import argparse
 import atexit
 import contextlib
 import os
+import re
 import sys
 import time
 import warnings
@@ -335,8 +336,9 @@ class Run:
                 with warnings.catch_warnings():
                     # ZeRO-1 steps its sharded copy of the user's optimizer, so the scheduler
                     # sees the user's never step and warns about the call order; nothing is
-                    # skipped.
-                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+                    # skipped. The message is a regular expression: its "()" escaped.
+                    warnings.filterwarnings("ignore", re.escape(
+                        "Detected call of `lr_scheduler.step()` before `optimizer.step()`"))
                     scheduler.step()
             self.accelerator.synchronize(self.device)
         if self.xla is not None:

@@ -6,6 +6,7 @@ over the same global batches."""
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from typing import Any
 
@@ -70,11 +71,11 @@ def reference() -> list[float]:
 
 def epoch_loop(rank: int, world_size: int, plan: str, *, save_after: int | None = None,
                folder: str | None = None, resume: bool = False, length: int | None = None
-               ) -> list[float]:
+               ) -> tuple[list[float], list[str]]:
     """``for epoch ...: for batch in run.loader(...)``: the losses of the steps this process
-    took. ``save_after``: stop after that many steps with a checkpoint in ``folder``;
-    ``resume``: continue from the newest checkpoint there. ``length``: pad every batch to it
-    (a pipeline's stages take one shape)."""
+    took, and the warnings they raised. ``save_after``: stop after that many steps with a
+    checkpoint in ``folder``; ``resume``: continue from the newest checkpoint there.
+    ``length``: pad every batch to it (a pipeline's stages take one shape)."""
     import plait
 
     run = plait.init(f"{plan},clip={CLIP}", quiet=True,
@@ -84,12 +85,14 @@ def epoch_loop(rank: int, world_size: int, plan: str, *, save_after: int | None 
     items = dataset()
     per_epoch = ITEMS // BATCH
     losses: list[float] = []
-    for _epoch in range(run.steps_done // per_epoch, EPOCHS):
-        for batch in run.loader(items, BATCH, collate_fn=partial(pad, length=length)):
-            losses.append(float(run.step(model, batch, mlm_loss, opt, sched)))
-            if run.steps_done == save_after:
-                run.save(folder)
-                run.close()
-                return losses
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _epoch in range(run.steps_done // per_epoch, EPOCHS):
+            for batch in run.loader(items, BATCH, collate_fn=partial(pad, length=length)):
+                losses.append(float(run.step(model, batch, mlm_loss, opt, sched)))
+                if run.steps_done == save_after:
+                    run.save(folder)
+                    run.close()
+                    return losses, [str(w.message) for w in caught]
     run.close()
-    return losses
+    return losses, [str(w.message) for w in caught]

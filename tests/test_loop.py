@@ -20,14 +20,17 @@ def _assert_losses(want: list[float], got: list[float]) -> None:
 
 
 def test_epochs_resume_mid_epoch_and_move_layouts(tmp_path):
+    """ZeRO-1 steps a sharded copy of the optimizer; the scheduler's warning that its own
+    optimizer never stepped is not the user's concern (nothing is skipped: the losses match)."""
     ref = L.reference()
-    _assert_losses(ref, run_distributed(L.epoch_loop, 2, "dp_shard=2,zero=3", timeout=120)[0])
+    _assert_losses(ref, run_distributed(L.epoch_loop, 2, "dp_shard=2,zero=3", timeout=120)[0][0])
     folder = str(tmp_path / "ckpt")
-    first = run_distributed(L.epoch_loop, 2, "dp=2", save_after=3, folder=folder,
-                            timeout=120)[0]
+    first, caught = run_distributed(L.epoch_loop, 2, "dp_shard=2,zero=1", save_after=3,
+                                    folder=folder, timeout=120)[0]
+    assert not [w for w in caught if "lr_scheduler.step()" in w], caught
     # Resumed in epoch 1 (of 2 batches each), under a pipeline: its stages take one shape.
     rest = run_distributed(L.epoch_loop, 2, "pp=2,mb=2", folder=folder, resume=True,
-                           length=L.SEQ, timeout=120)[0]
+                           length=L.SEQ, timeout=120)[0][0]
     _assert_losses(ref, first + rest)
 
 
