@@ -94,6 +94,8 @@ class Run:
     _models: list[nn.Module] = field(default_factory=list)
     # ZeRO-1: the user's optimizer -> its ZeroRedundancyOptimizer (see zero1_optimizer).
     _sharded_optimizers: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    # (id(model), id(optimizer)) pairs whose parameters were checked at their first step.
+    _checked_optimizers: set[tuple[int, int]] = field(default_factory=set)
     _memory: Any = None  # plait.memory.MemoryTracker of the first model/optimizer stepped
     # Checkpoints (plait.checkpoint.schedule.Checkpointing) when init(checkpoint=...).
     checkpointing: Any = None
@@ -256,6 +258,7 @@ class Run:
         """
         # Counted on the batch as given (host tensors from a loader): an attention mask read
         # on the device would be one more transfer, and on XLA one more graph, every step.
+        _check_optimizer(model, optimizer, self._checked_optimizers)
         items, self.stats.unit = _count_items(batch)
         if self.spmd is None:
             batch = _to_device(batch, self.device)
@@ -764,6 +767,32 @@ def _close_at_exit(ref: weakref.ref) -> None:
     if run is not None and run.owns_group and dist.is_initialized():
         with contextlib.suppress(Exception):
             run.close(leaving=True)
+
+
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
+                     checked: set[tuple[int, int]]) -> None:
+    """Refuse an optimizer built on the parameters the layout replaced.
+
+    FSDP2 and tensor parallelism swap a module's parameters for new (DTensor) ones, so an
+    optimizer made before ``run.parallelize`` holds tensors that no longer get gradients while
+    the model's own go unstepped: training silently moves only what the layout left in place.
+    Both signs together (the optimizer holds foreign tensors and misses trainable ones of the
+    model) name that mistake; either alone is a choice (an optimizer for a subset, a learnable
+    parameter of the loss). Checked once per model and optimizer, before the first step."""
+    key = (id(model), id(optimizer))
+    if key in checked:
+        return
+    own = {id(p) for p in model.parameters()}
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    foreign = len(held - own)
+    missing = sum(1 for p in model.parameters() if p.requires_grad and id(p) not in held)
+    if foreign and missing:
+        raise ValueError(f"the optimizer holds {foreign} tensor(s) that are not the model's "
+                         f"parameters and misses {missing} of the model's trainable ones: "
+                         f"run.parallelize replaced them (sharded or split), so an optimizer "
+                         f"built before it trains the old copies; build it after, on the "
+                         f"returned model: opt = torch.optim.AdamW(model.parameters())")
+    checked.add(key)
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -96,3 +96,19 @@ def epoch_loop(rank: int, world_size: int, plan: str, *, save_after: int | None 
                     return losses, [str(w.message) for w in caught]
     run.close()
     return losses, [str(w.message) for w in caught]
+
+
+def optimizer_made_first(rank: int, world_size: int, plan: str) -> list[float]:
+    """The optimizer built on the model's parameters before run.parallelize."""
+    import plait
+    from plait.check import _slice
+    from tests._workers_semantics import mlm_batch
+
+    run = plait.init(plan, quiet=True)
+    model = masked_lm()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model = run.parallelize(model)
+    losses = [float(run.step(model, _slice(mlm_batch(s), run.dp_rank, run.dp_size), mlm_loss,
+                             opt)) for s in range(2)]
+    run.close()
+    return losses

@@ -41,3 +41,12 @@ def test_a_pipeline_refuses_a_batch_of_another_shape():
                                           r"for one input shape: this batch's inputs are "
                                           r"\(8, \d\), the stages were set up for \(8, 8\)"):
         run_distributed(L.epoch_loop, 2, "pp=2,mb=2", timeout=120)
+
+
+def test_an_optimizer_built_before_parallelize_is_refused():
+    """ZeRO-3 and tensor parallelism replace the parameters: it would step the old copies and
+    leave the model as it was."""
+    with pytest.raises(WorkerError, match=r"the optimizer holds 12 tensor\(s\) that are not "
+                                          r"the model's parameters and misses 12 .* build it "
+                                          r"after, on the returned model"):
+        run_distributed(L.optimizer_made_first, 2, "dp_shard=2,zero=3", timeout=120)
