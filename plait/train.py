@@ -136,7 +136,7 @@ def model_loss(out: Any, loss_fn: LossFn | None, targets: Any) -> Any:
     """``loss_fn(out, targets)``, or the model's own loss (``out.loss``) when loss_fn is None."""
     if loss_fn is not None:
         try:
-            return loss_fn(out, targets)
+            return _a_loss(loss_fn(out, targets))
         except (RuntimeError, NotImplementedError) as exc:
             if not _vocab_sharded(out):
                 raise
@@ -151,6 +151,29 @@ def model_loss(out: Any, loss_fn: LossFn | None, targets: Any) -> Any:
                          f".loss, as Hugging Face models do when the batch holds 'labels'); "
                          f"{type(out).__name__} has none: pass a loss_fn")
     return loss
+
+
+def _a_loss(value: Any) -> Any:
+    """``value`` when a loss function may return it (a tensor, or a pair of them or numbers);
+    a number (``loss.item()``) is refused here, before the count and the backward read it."""
+    parts = value if isinstance(value, (tuple, list)) else (value,)
+    if isinstance(parts[0], torch.Tensor):
+        return value
+    shown = f"{parts[0]!r}"[:40]
+    raise ValueError(f"the loss function returned {type(parts[0]).__name__} {shown}, not a "
+                     f"tensor (loss.item() or float(loss) leaves autograd); return the loss "
+                     f"tensor: a scalar mean (reduction='mean') or a (sum, count) pair")
+
+
+def _with_graph(total: torch.Tensor) -> torch.Tensor:
+    """``total`` when backward can run from it; a loss cut from the model's graph (detached,
+    or computed under ``torch.no_grad()``) is refused by name, not by autograd's "element 0 of
+    tensors does not require grad"."""
+    if torch.is_grad_enabled() and not total.requires_grad:
+        raise ValueError("the loss function returned a tensor without an autograd graph "
+                         "(detached, or computed under torch.no_grad()); return the loss as "
+                         "computed from the model's output")
+    return total
 
 
 # What runs on logits split over the vocabulary, and the way out for a loss that needs more.
@@ -178,7 +201,8 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None
     value = model_loss(out, loss_fn, targets)
     shift = label_shift(loss_fn, out, value, targets, known=layout_of(model).first_label_skipped,
                         model_shifts=loss_fn is None and shifts_labels(model))
-    return loss_sum_and_count(value, targets, shift=shift)
+    total, count = loss_sum_and_count(value, targets, shift=shift)
+    return _with_graph(total), count
 
 
 def _forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:

@@ -120,7 +120,8 @@ def test_the_loss_tells_whether_it_reads_each_rows_first_label():
 
 def test_a_loss_that_is_not_reduced_is_refused_by_name():
     """A loss function that returns one value per item (reduction='none') is named with its
-    shape and the fix, not failed inside the first-label probe (which reads a scalar)."""
+    shape and the fix, not failed inside the first-label probe (which reads a scalar); so is
+    one that returns a number or a tensor without an autograd graph."""
     from plait.train import forward_loss
 
     torch.manual_seed(0)
@@ -133,6 +134,18 @@ def test_a_loss_that_is_not_reduced_is_refused_by_name():
 
     with pytest.raises(ValueError, match=r"returned \(3, 2\); return a scalar mean"):
         forward_loss(model, (x, y), per_item)
+
+    def mean(out, t):
+        return nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    # A number, and a tensor cut from the graph: named, not failed in the count or backward.
+    with pytest.raises(ValueError, match=r"returned float 1\.\d+, not a tensor \(loss\.item\(\) "
+                                         r"or float\(loss\) leaves autograd\); return the loss"):
+        forward_loss(model, (x, y), lambda out, t: mean(out, t).item())
+    with pytest.raises(ValueError, match=r"a tensor without an autograd graph \(detached"):
+        forward_loss(model, (x, y), lambda out, t: mean(out, t).detach())
+    with torch.no_grad():  # evaluation: no graph wanted
+        assert forward_loss(model, (x, y), lambda out, t: mean(out, t).detach())[1] == 6
 
 
 def test_two_closures_from_one_loss_factory_are_asked_apart():
