@@ -258,7 +258,6 @@ class Run:
         """
         # Counted on the batch as given (host tensors from a loader): an attention mask read
         # on the device would be one more transfer, and on XLA one more graph, every step.
-        _check_optimizer(model, optimizer, self._checked_optimizers)
         items, self.stats.unit = _count_items(batch)
         if self.spmd is None:
             batch = _to_device(batch, self.device)
@@ -268,6 +267,7 @@ class Run:
         if self._watchdog is not None:
             self._watchdog.step_started(self.first_step + len(self.stats.step_times) + 1)
         self._last_step_args = (model, optimizer, scheduler)
+        user_optimizer = optimizer
         ckpt = self.checkpointing
         if ckpt is not None and ckpt.resume_path is not None and not ckpt.resumed:
             ckpt.resumed = True
@@ -344,6 +344,7 @@ class Run:
                         "Detected call of `lr_scheduler.step()` before `optimizer.step()`"))
                     scheduler.step()
             self.accelerator.synchronize(self.device)
+        _check_optimizer(model, user_optimizer, self._checked_optimizers)
         if self.xla is not None:
             self.xla.step_end()
         elapsed = time.perf_counter() - start
@@ -778,7 +779,10 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
     the model's own go unstepped: training silently moves only what the layout left in place.
     Both signs together (the optimizer holds foreign tensors and misses trainable ones of the
     model) name that mistake; either alone is a choice (an optimizer for a subset, a learnable
-    parameter of the loss). Checked once per model and optimizer, before the first step."""
+    parameter of the loss). Checked once per model and optimizer, at the end of their first
+    step: from a forward to its backward FSDP2 leaves a root module's unsharded parameters
+    registered (after ``run.evaluate``, say), and only its backward puts back the sharded ones
+    that an optimizer built after ``run.parallelize`` holds."""
     key = (id(model), id(optimizer))
     if key in checked:
         return
