@@ -675,6 +675,35 @@ class AuxBranchLM(MaskedLM):
         return self.head(h)
 
 
+class TopOneMoE(nn.Module):
+    """Top-1 routing over four experts, one device's arithmetic: each row goes through the
+    expert its router scores highest, so an expert no row of a data rank picked is not called
+    on that rank. The experts are the model's largest container (FSDP2's default units)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.router = nn.Linear(WIDTH, 4)
+        self.experts = nn.ModuleList(_mlp(WIDTH) for _ in range(4))
+        self.head = nn.Linear(WIDTH, 6)
+
+    def routes(self, x: torch.Tensor) -> torch.Tensor:
+        return self.router(self.inp(x)).argmax(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        gate, pick = self.router(h).softmax(-1).max(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows = pick == e
+            if rows.any():
+                out[rows] = gate[rows, None] * expert(h[rows])
+        return self.head(h + out)
+
+
+top_one_moe = partial(seeded, TopOneMoE)
+
+
 torch_encoder_lm = partial(seeded, TorchEncoderLM)
 
 

@@ -527,7 +527,8 @@ def test_torch_transformer_layers_under_tensor_and_pipeline_parallelism():
 def test_a_branch_some_ranks_skip_trains_with_find_unused():
     """A layer applied to some rows only: in some step one data rank's rows have none, so its
     parameters get no gradient there. With find_unused, DDP and ZeRO-3 reduce zeros for them
-    and train what one device trains."""
+    and train what one device trains; so do ZeRO-2/3 for the experts of a top-1 MoE that a
+    rank's rows did not pick (a module its forward does not call at all)."""
     batches = [W.mlm_batch(s) for s in range(W.STEPS)]
     half = W.BATCH // 2
     used = [[bool((ids[r * half:(r + 1) * half, 0] < W.AUX_BELOW).any()) for r in (0, 1)]
@@ -537,8 +538,17 @@ def test_a_branch_some_ranks_skip_trains_with_find_unused():
     ref = W.reference(W.aux_branch_lm, batches, W.mlm_loss)
     plans = ("dp=2,find_unused=true", "dp_shard=2,zero=3,find_unused=true")
     jobs = [(p, W.aux_branch_lm, batches, W.mlm_loss) for p in plans]
-    for result in run_distributed(W.train_jobs, 2, jobs, timeout=240)[0]:
-        _assert_matches(ref, result)
+    # A top-1 MoE whose experts are FSDP2's default units: a rank none of whose rows picked an
+    # expert does not call it, so it must not be a unit of its own (torch aborted both ranks).
+    features = [W.feature_batch(s) for s in range(W.STEPS)]
+    routes = [W.top_one_moe().routes(x) for x, _ in features]  # at the initial weights
+    assert any(set(r[:half].tolist()) != set(r[half:].tolist()) for r in routes), routes
+    moe_ref = W.reference(W.top_one_moe, features, W.mse)
+    jobs += [(p, W.top_one_moe, features, W.mse)
+             for p in ("dp_shard=2,zero=2,find_unused=true", "dp_shard=2,zero=3,find_unused=true")]
+    for (_, factory, _, _), result in zip(jobs, run_distributed(W.train_jobs, 2, jobs,
+                                                                timeout=240)[0], strict=True):
+        _assert_matches(moe_ref if factory is W.top_one_moe else ref, result)
 
 
 def test_a_rank_that_aborts_is_named_before_the_peer_it_took_down():

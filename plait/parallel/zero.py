@@ -124,8 +124,7 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
         raise ValueError(f"offload=True needs zero=3 (got zero={plan.zero}): only ZeRO-3 keeps "
                          f"parameters sharded between uses, so only it can park them on the CPU")
     _check_mesh(mesh, plan)
-    patterns = plan.options.shard_patterns
-    units = select_units(module, patterns)  # raises on a pattern that matches nothing
+    units = _units(module, plan)  # raises on a pattern that matches nothing
     if plan.zero == 1:
         return _apply_zero1(module, mesh, plan)
     dm = data_mesh(mesh, plan)
@@ -176,6 +175,23 @@ def _shard_placement(module: nn.Module, shards: int) -> Callable[[nn.Parameter],
     return place
 
 
+def _units(module: nn.Module, plan: Plan) -> list[tuple[str, nn.Module]]:
+    """The FSDP2 units of ``module``: ``plan.options.shard_patterns``; without them the
+    repeated blocks, or none under ``find_unused`` (the root's one group then holds all).
+
+    ``find_unused`` says the forward skips some modules on some ranks. FSDP2 gathers and
+    reduces a unit only on the ranks whose forward called it, so a skipped module that is a
+    unit of its own (each expert of an MoE whose experts are the largest container, hence the
+    default units) has its ranks run different collectives, and torch aborts them. The root's
+    group is gathered and reduced on every rank whatever the forward calls, zeros reduced for
+    what it left unused; ``shard_patterns`` naming modules every forward calls shards finer.
+    """
+    patterns = plan.options.shard_patterns
+    if plan.find_unused and patterns is None:
+        return []
+    return select_units(module, patterns)
+
+
 def _reduce_unused(module: nn.Module, plan: Plan) -> None:
     """``Plan.find_unused``: each unit reduces a zero gradient for a parameter the step left
     without one, so every rank reduces the same tensors whichever branches its forward took
@@ -212,10 +228,9 @@ def apply_replicate(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
         raise ValueError(f"apply_replicate is replicated DP (zero=0, dp_shard=1); got "
                          f"zero={plan.zero}, dp_shard={plan.dp_shard}: use apply_fsdp")
     _check_mesh(mesh, plan)
-    patterns = plan.options.shard_patterns
     dm = mesh.root["dp_replicate", "dp_shard"]
     kwargs: dict[str, Any] = dict(mesh=dm, mp_policy=mixed_precision_policy(plan))
-    for _, unit in select_units(module, patterns):
+    for _, unit in _units(module, plan):
         fully_shard(unit, reshard_after_forward=False, **kwargs)
     fully_shard(module, reshard_after_forward=False, **kwargs)
     _reduce_unused(module, plan)
