@@ -300,9 +300,20 @@ class Run:
         job_items: torch.Tensor | float = float(items * self.dp_size)
         if exchange is not None:
             exchange.items = items
+        # Buffers the first step changes (outside BatchNorm) are statistics each data rank
+        # keeps from its own rows: warned about once (a copy of the buffers, first step only).
+        statistics = None
+        if step_index == 0 and self.dp_size > 1 and self.spmd is None:
+            from .parallel.batchnorm import forward_statistics
+
+            statistics = forward_statistics(model)
         with self.ledger if recording else contextlib.nullcontext(), watch:
             local = forward_backward(model, batch, loss_fn, plan=self.plan, device=self.device,
                                      exchange=exchange)
+            if statistics:
+                from .parallel.batchnorm import warn_forward_statistics
+
+                warn_forward_statistics(model, statistics, self.dp_size)
             totals_in: torch.Tensor | Callable[[], torch.Tensor]
             if exchange is not None:
                 def exchanged() -> torch.Tensor:

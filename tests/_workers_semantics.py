@@ -85,7 +85,8 @@ def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[
                                                              Callable | None]],
                weight_decay: float = 0.0) -> list[dict[str, Any]]:
     """Train each (plan, model factory, global batches, loss_fn) in one process group (SGD);
-    per job the loss of every step as run.step returned it and rank 0's full state."""
+    per job the loss of every step as run.step returned it, rank 0's full state and the
+    warnings of parallelize and the steps."""
     from plait.runtime import init
 
     out = []
@@ -94,12 +95,12 @@ def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = run.parallelize(factory())
-        opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False,
-                              weight_decay=weight_decay)
-        losses = []
-        for batch in batches:
-            losses.append(float(run.step(model, _slice(batch, run.dp_rank, run.dp_size),
-                                         loss_fn, opt)))
+            opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False,
+                                  weight_decay=weight_decay)
+            losses = []
+            for batch in batches:
+                losses.append(float(run.step(model, _slice(batch, run.dp_rank, run.dp_size),
+                                             loss_fn, opt)))
         state = run.full_state_dict(model)
         run.close()
         out.append({"plan": text, "losses": losses, "state": state if rank == 0 else None,
@@ -187,6 +188,24 @@ class ConvBN(nn.Module):
 def conv_bn() -> nn.Module:
     torch.manual_seed(0)
     return ConvBN()
+
+
+class RunningFeatures(nn.Module):
+    """An MLP that keeps, in forward, an average of its hidden features (a floating-point
+    buffer, over the rows it sees) and a count of its calls (an integer buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, WIDTH), nn.Linear(WIDTH, 6)
+        self.register_buffer("feature_mean", torch.zeros(WIDTH))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        if self.training:
+            self.calls += 1
+            self.feature_mean.mul_(0.5).add_(0.5 * h.detach().mean(0))
+        return self.fc2(h)
 
 
 def image_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -705,6 +724,9 @@ top_one_moe = partial(seeded, TopOneMoE)
 
 
 torch_encoder_lm = partial(seeded, TorchEncoderLM)
+
+
+running_features = partial(seeded, RunningFeatures)
 
 
 attention_lm = partial(seeded, partial(BlockLM, AttentionBlock))

@@ -296,12 +296,22 @@ def test_the_ledger_of_a_model_without_closed_forms_says_where_predictions_are()
 def test_batchnorm_sync_bn_matches_one_device_and_warns_without():
     """sync_bn: BatchNorm statistics over the data axes, parameters and running statistics
     equal to one device's (DDP and ZeRO-3). Without it: a warning naming the modules, and
-    the per-rank statistics really train something else."""
+    the per-rank statistics really train something else. A statistic the model's own forward
+    keeps in a buffer is each rank's own too: the first step warns, naming it."""
     batches = [W.image_batch(s) for s in range(W.STEPS)]
     ref = W.reference(W.conv_bn, batches, torch.nn.functional.cross_entropy)
     jobs = [(p, W.conv_bn, batches, torch.nn.functional.cross_entropy)
             for p in ("dp=2,sync_bn", "dp_shard=2,zero=3,sync_bn", "dp=2")]
-    synced, synced_zero, plain = run_distributed(W.train_jobs, 2, jobs, timeout=180)[0]
+    features = [W.bn_batch(s) for s in range(W.STEPS)]
+    jobs.append(("dp_shard=2,zero=3", W.running_features, features,
+                 torch.nn.functional.cross_entropy))
+    synced, synced_zero, plain, running = run_distributed(W.train_jobs, 2, jobs,
+                                                          timeout=180)[0]
+    own = W.reference(W.running_features, features, torch.nn.functional.cross_entropy)
+    assert not torch.allclose(running["state"]["feature_mean"], own["state"]["feature_mean"])
+    (warned,) = running["warnings"]
+    assert "feature_mean" in warned and "calls" not in warned, warned
+    assert not any("buffer" in w for w in plain["warnings"]), plain["warnings"]
     for result in (synced, synced_zero):
         assert not result["warnings"], result["warnings"]
         _assert_matches(ref, result)

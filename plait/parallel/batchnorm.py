@@ -160,3 +160,44 @@ def apply_sync_bn(module: nn.Module, group: dist.ProcessGroup, device_type: str)
     for name, child in list(module.named_children()):
         module.add_module(name, apply_sync_bn(child, group, device_type))
     return module
+
+
+def forward_statistics(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of ``module``'s floating-point buffers outside BatchNorm layers (``sync_bn`` and
+    :func:`warn_unsynced` cover those), by user-facing name: what :func:`warn_forward_statistics`
+    compares after a step to find buffers the forward updates."""
+    from torch.distributed.tensor import DTensor
+
+    from .units import canonical_name
+
+    def local(b: torch.Tensor) -> torch.Tensor:
+        # A buffer replicated over tp is a DTensor, and torch.equal on one is a collective:
+        # rank 0 compares alone, so this rank's own copy.
+        return b.to_local() if isinstance(b, DTensor) else b
+
+    norms = {id(m) for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    return {canonical_name(f"{owner}.{name}" if owner else name): local(b).detach().clone()
+            for owner, m in module.named_modules() if id(m) not in norms
+            for name, b in m.named_buffers(recurse=False) if b.is_floating_point()}
+
+
+def warn_forward_statistics(module: nn.Module, before: dict[str, torch.Tensor],
+                            dp: int) -> None:
+    """Warn (rank 0) when a step changed a floating-point buffer of ``module``: a running
+    statistic the forward keeps itself (an EMA of activations, a running mean) is updated on
+    each data rank from that rank's rows only, as BatchNorm's are without sync_bn, and nothing
+    averages it over the data ranks (DDP overwrites the other ranks' copies with rank 0's; ZeRO
+    leaves each rank its own), so it is not what one device computes on the global batch."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    after = forward_statistics(module)
+    changed = [n for n, b in before.items() if n in after and not torch.equal(after[n], b)]
+    if changed:
+        shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more"
+                                          if len(changed) > 6 else "")
+        warnings.warn(f"plait: buffer(s) {shown} changed in a training step: each of the {dp} "
+                      f"data ranks updates them from its own 1/{dp} of the global batch and "
+                      f"keeps its own copy (checkpoints and full_state_dict take rank 0's), which "
+                      f"is not what one device computes; reduce them over the data ranks in "
+                      f"the forward (torch.distributed.all_reduce) if they must match",
+                      UserWarning, stacklevel=3)
