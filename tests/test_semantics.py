@@ -546,7 +546,13 @@ def test_a_branch_some_ranks_skip_trains_with_find_unused():
     assert [True, False] in used or [False, True] in used, used  # the ranks disagree somewhere
     assert any(any(u) for u in used), used  # and the layer trains
     ref = W.reference(W.aux_branch_lm, batches, W.mlm_loss)
-    plans = ("dp=2,find_unused=true", "dp_shard=2,zero=3,find_unused=true")
+    from plait.plan import Plan
+
+    zero3 = Plan.from_string("dp_shard=2,zero=3,find_unused=true")
+    # Its blocks run in every forward (the skipped layer is inside the root), so they may be
+    # units of their own, named by shard_patterns.
+    per_block = zero3.replace(options=zero3.options.replace(shard_patterns=("blocks.*",)))
+    plans = ("dp=2,find_unused=true", zero3, per_block)
     jobs = [(p, W.aux_branch_lm, batches, W.mlm_loss) for p in plans]
     # A top-1 MoE whose experts are FSDP2's default units: a rank none of whose rows picked an
     # expert does not call it, so it must not be a unit of its own (torch aborted both ranks).
@@ -556,9 +562,16 @@ def test_a_branch_some_ranks_skip_trains_with_find_unused():
     moe_ref = W.reference(W.top_one_moe, features, W.mse)
     jobs += [(p, W.top_one_moe, features, W.mse)
              for p in ("dp_shard=2,zero=2,find_unused=true", "dp_shard=2,zero=3,find_unused=true")]
-    for (_, factory, _, _), result in zip(jobs, run_distributed(W.train_jobs, 2, jobs,
-                                                                timeout=240)[0], strict=True):
+    for (given, factory, _, _), result in zip(jobs, run_distributed(W.train_jobs, 2, jobs,
+                                                                    timeout=240)[0], strict=True):
         _assert_matches(moe_ref if factory is W.top_one_moe else ref, result)
+        # ZeRO-3 as one unit is said, with the per-block way out, unless the blocks are named.
+        plan = given if isinstance(given, Plan) else Plan.from_string(given)
+        one_unit = [m for m in result["warnings"] if "find_unused with zero=3 shards" in m]
+        assert bool(one_unit) == (plan.zero == 3 and not plan.options.shard_patterns), \
+            (given, one_unit)
+        if one_unit and factory is W.aux_branch_lm:
+            assert "options={'shard_patterns': ['blocks.*']}" in one_unit[0], one_unit
 
 
 def test_a_rank_that_aborts_is_named_before_the_peer_it_took_down():

@@ -58,6 +58,7 @@ On gloo (CPU ranks) the shard group's reduce-scatter and all-gather run as all-t
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -188,6 +189,17 @@ def _units(module: nn.Module, plan: Plan) -> list[tuple[str, nn.Module]]:
     """
     patterns = plan.options.shard_patterns
     if plan.find_unused and patterns is None:
+        blocks = select_units(module, None)
+        if plan.zero == 3 and blocks:
+            # ZeRO-3 then gathers every parameter at once in the forward, not block by block:
+            # the peak a large model may not fit. The blocks are safe units when every forward
+            # calls each of them (a transformer whose blocks all run, unused parameters inside).
+            names = ", ".join(sorted({name.rsplit(".", 1)[0] + ".*" for name, _ in blocks}))
+            warnings.warn(f"plait: find_unused with zero=3 shards {type(module).__name__} as one "
+                          f"unit, gathered whole in the forward (a unit a forward skips on some "
+                          f"ranks would stall the others); if every forward calls each of its "
+                          f"blocks, shard them one by one with "
+                          f"options={{'shard_patterns': ['{names}']}}", stacklevel=3)
         return []
     return select_units(module, patterns)
 
