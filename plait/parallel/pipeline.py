@@ -409,7 +409,6 @@ class PipelineRunner:
             return torch.full((2,), float("nan"), device=device)
         return torch.stack(list(self._totals.values())).sum(0).to(device)
 
-
     def _check_shapes(self, laid_out: StageInputs, train: bool) -> None:
         """Refuse a batch whose input shapes differ from those the stages were set up for.
 

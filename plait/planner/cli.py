@@ -317,7 +317,7 @@ def _plan(args: argparse.Namespace) -> int:
     # else the model's maximum (a Hugging Face config's max_position_embeddings).
     seq, seq_from = next(((value, source) for value, source in (
         (args.seq, "--seq"), (model.data_seq, "dataset"), (model.max_seq, "model"))
-        if value), (None, None))
+        if value), (None, "--seq"))
     if seq is None:
         raise ValueError("--seq is required (the model does not say its sequence length)")
     dtype = args.dtype or ("fp32" if cluster.device == "cpu" else "bf16")
@@ -393,7 +393,7 @@ def _plan(args: argparse.Namespace) -> int:
         return 1
     print(f"{model.name} ({_count(model.num_params)} params) on {cluster.world_size} x "
           f"{cluster.name}, global batch {args.global_batch} x seq {seq}"
-          f"{_SEQ_FROM[seq_from or '--seq']}, {dtype}: "
+          f"{_SEQ_FROM[seq_from]}, {dtype}: "
           f"{result.evaluated} layouts priced in {result.seconds:.2f}s, {result.fit} fit in memory"
           + (f", the best {min(args.top, len(ranked))} shown" if result.fit > args.top else ""))
     print(format_table(ranked[:args.top]))
