@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import sys
 import threading
@@ -38,23 +39,48 @@ ATTEMPT_FILE = "plait-steps.json"
 def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) -> None:
     """Get ``sig`` when the parent process exits; at once if it already has.
 
-    Linux: ``PR_SET_PDEATHSIG``, delivered by the kernel. Elsewhere a daemon thread polls the
-    parent's pid once a second.
+    ``parent_pid`` is the direct parent by default. Linux delivers the signal itself when the
+    direct parent dies (``PR_SET_PDEATHSIG``). Another process (a worker forked by a fork server
+    watches the caller that asked for it, not the server) is watched by a daemon thread: on
+    Linux it waits on a pidfd, which wakes it the moment that process exits; elsewhere it checks
+    once a second.
     """
-    parent = os.getppid() if parent_pid is None else parent_pid
-    if sys.platform.startswith("linux"):
+    direct = os.getppid()
+    parent = direct if parent_pid is None else parent_pid
+    if parent == direct and sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # it died before the watch was set up
+            os.kill(os.getpid(), sig)
+        return
+    if hasattr(os, "pidfd_open"):
+        try:
+            fd = os.pidfd_open(parent)
+        except ProcessLookupError:  # already gone
+            os.kill(os.getpid(), sig)
+            return
+
+        def wait() -> None:
+            select.select([fd], [], [])  # readable once the process has exited
+            os.kill(os.getpid(), sig)
     else:
-        def poll() -> None:
-            while os.getppid() == parent:
+        def wait() -> None:
+            while _exists(parent):
                 time.sleep(1.0)
             os.kill(os.getpid(), sig)
 
-        threading.Thread(target=poll, name="plait-parent-watch", daemon=True).start()
-    if os.getppid() != parent:  # it died before the watch was set up
-        os.kill(os.getpid(), sig)
+    threading.Thread(target=wait, name="plait-parent-watch", daemon=True).start()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
 
 
 def _parents() -> dict[int, int]:

@@ -1,3 +1,4 @@
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -8,6 +9,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Every temporary file of the session, this process's and its children's (the log folder a
 # failing `plait run` keeps for its user, checkpoints, stores), goes under one folder: removed
 # when the session passes, kept and named when it fails.
+# multiprocessing's own folder (the fork server's socket) stays outside it: multiprocessing
+# removes that folder itself at exit, after the session has removed its scratch folder.
+multiprocessing.util.get_temp_dir()
 _SCRATCH = tempfile.mkdtemp(prefix="plait-tests-")
 os.environ["TMPDIR"] = _SCRATCH
 tempfile.tempdir = _SCRATCH

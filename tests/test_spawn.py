@@ -1,11 +1,21 @@
 """The multi-process helper itself: results, errors and hangs."""
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from plait.lifecycle import descendants
+from plait.lifecycle import running as alive
 from plait.spawn import WorkerError, run_distributed, user_errors
 from tests import workers
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_results_come_back_per_rank():
@@ -40,3 +50,37 @@ def test_hang_becomes_timeout():
     with pytest.raises(TimeoutError, match="still running"):
         run_distributed(workers.hang, 2, timeout=4)
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_workers_see_the_callers_environment_and_die_with_it(tmp_path, monkeypatch):
+    """Workers start from a fork server that outlives one call: each still gets the caller's
+    environment as it is at the call, and SIGKILL of the caller leaves no worker (nor the
+    server) behind."""
+    first = tmp_path / "first"
+    first.mkdir()
+    monkeypatch.setenv("PLAIT_TEST_MARKER", "early")
+    script = (f"import os, sys; sys.path.insert(0, {str(ROOT)!r})\n"
+              "from plait.spawn import run_distributed\n"
+              "from tests import workers\n"
+              "if __name__ == '__main__':\n"
+              "    run_distributed(workers.all_reduce_rank, 2)\n"
+              "    os.environ['PLAIT_TEST_MARKER'] = 'late'\n"
+              f"    run_distributed(workers.report_pid_then_sleep, 2, {str(first)!r}, "
+              "timeout=100)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while len(list(first.glob("*.json"))) < 2 and proc.poll() is None:
+        assert time.monotonic() < deadline, "the workers never started"
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.stderr.read()
+    facts = [json.loads(f.read_text()) for f in sorted(first.glob("*.json"))]
+    assert [f["marker"] for f in facts] == ["late", "late"]
+    job = descendants(proc.pid)
+    assert {f["pid"] for f in facts} <= set(job), job
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    sent = time.monotonic()
+    while alive(job) and time.monotonic() - sent < 30:
+        time.sleep(0.05)
+    assert not alive(job), f"orphans: {alive(job)}"

@@ -28,3 +28,14 @@ def hang(rank, world_size):
     if rank == 0:
         dist.barrier()  # rank 1 never joins
     time.sleep(120)
+
+
+def report_pid_then_sleep(rank, world_size, folder):
+    """Say where this rank runs (its pid and environment), then wait to be killed."""
+    import json
+    import os
+    from pathlib import Path
+
+    facts = {"pid": os.getpid(), "marker": os.environ.get("PLAIT_TEST_MARKER")}
+    Path(folder, f"{rank}.json").write_text(json.dumps(facts))
+    time.sleep(120)

@@ -21,16 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
+from .hf import transformers_class
+
 if TYPE_CHECKING:
     from .pipeline_split import StageSpec
 
 
 def is_hf_model(module: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # transformers not installed: no HF models to adapt
-        return False
-    return isinstance(module, PreTrainedModel)
+    pretrained = transformers_class("", "PreTrainedModel")
+    return pretrained is not None and isinstance(module, pretrained)
 
 
 def hf_added_embeddings(hf: nn.Module, before: list[nn.Module], path: str) -> list[nn.Module]:

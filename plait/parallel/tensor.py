@@ -60,6 +60,7 @@ from torch.nn.utils.parametrize import is_parametrized
 from .._torch_compat import is_split, strided_shard, tp_style_bases
 from ..mesh import Mesh
 from ..plan import Plan
+from .hf import transformers_class
 from .layout import Layout, record_layout
 from .pipeline_split import STAND_INS
 from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owner_head_dim, owners
@@ -81,11 +82,7 @@ tp_style_bases()  # the styles below override private members: fail clearly if t
 
 # ------------------------------------------------------------------------------------ styles
 def _conv1d_type() -> type | None:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # transformers is optional
-        return None
-    return Conv1D
+    return transformers_class("pytorch_utils", "Conv1D")
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -447,12 +444,11 @@ def plan_for_stages(model: nn.Module, plan: Plan) -> Plan:
 
 
 def _find_hf_model(module: nn.Module) -> tuple[str, nn.Module] | None:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # transformers is optional
+    pretrained = transformers_class("", "PreTrainedModel")
+    if pretrained is None:
         return None
     for name, sub in module.named_modules():
-        if isinstance(sub, PreTrainedModel):
+        if isinstance(sub, pretrained):
             return name, sub
     return None
 
