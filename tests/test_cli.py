@@ -37,7 +37,7 @@ def test_help_teaches():
 
 def test_a_timeout_names_the_flag_that_raises_it():
     """Workers stopped by --timeout: one line naming the ranks and the flag, exit 1."""
-    out = plait("check", "--plan", "dp=2", "--steps", "1", "--timeout", "0.5")
+    out = plait("check", "--plan", "dp=2", "--steps", "100000", "--timeout", "0.5")
     assert out.returncode == 1, out.stderr
     assert "still running after" in out.stderr, out.stderr
     assert "raise --timeout (now 0.5s)" in out.stderr, out.stderr
