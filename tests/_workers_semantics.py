@@ -1227,3 +1227,45 @@ def ledger_table(rank: int, world_size: int, plan: str) -> str:
     for step in range(3):
         run.step(model, _slice(mlm_batch(step), run.dp_rank, run.dp_size), mlm_loss, opt)
     return run.finish(print_summary=False)["comm_table"]
+
+
+class ShiftsInShapeInference:
+    """``mlm_loss``, except when torch's pipeline stage calls it during its shape inference
+    (its ``_backward_metadata_inference`` frame on the stack) and on its own recomputations of
+    that output: there it scores fixed logits as a loss that shifts the labels does. That
+    call's outputs come from uninitialised buffers, so any answer is possible there; this one
+    makes the wrong answer certain. ``seen``: whether such a call came."""
+
+    def __init__(self):
+        self.inference_output = None
+        self.seen = False
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        import sys
+
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name == "_backward_metadata_inference":
+                self.inference_output, self.seen = logits, True
+                break
+            frame = frame.f_back
+        if logits is self.inference_output:  # finite logits, still on the autograd path
+            fixed = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))
+            return shifted_loss(logits.nan_to_num(0.0, 0.0, 0.0) * 0 + fixed, labels)
+        return mlm_loss(logits, labels)
+
+
+def shape_inference_loss_job(rank: int, world_size: int, plan: str,
+                             batches: list[Any]) -> dict[str, Any]:
+    """Train the staged masked LM under ``plan`` with :class:`ShiftsInShapeInference`."""
+    from plait.runtime import init
+
+    run = init(plan, quiet=True, log_every=1)
+    model = run.parallelize(staged_masked_lm())
+    opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
+    loss = ShiftsInShapeInference()
+    losses = [float(run.step(model, _slice(batch, run.dp_rank, run.dp_size), loss, opt))
+              for batch in batches]
+    state = run.full_state_dict(model)
+    run.close()
+    return {"plan": plan, "losses": losses, "state": state, "seen": loss.seen}

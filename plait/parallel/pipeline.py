@@ -265,8 +265,11 @@ class PipelineRunner:
         self._schedule: Any = None
         self._loss_fn: Callable | None = None
         self._targets: Any = None  # this accumulation step's targets (any structure)
-        # Per loss function: whether its scalar mean skips each row's first label (plait.loss).
+        # Per loss function: whether its scalar mean skips each row's first label (plait.loss),
+        # as the real microbatches of a finished step answered it; and the answers of this
+        # step's latest real microbatch, kept once the step ends (see _loss).
         self._first_label_skipped: dict[Any, bool] = {}
+        self._step_answers: dict[Any, bool] | None = None
         self._microbatch_rows = 0  # rows of one real microbatch (set by each step)
         # (training?, input shapes) the stages inferred their activation shapes from: torch's
         # schedule infers them at its first step and again at each switch between training
@@ -294,12 +297,20 @@ class PipelineRunner:
         target = _take_rows(self._targets, rows)
         out = self.packer.unpack(output)
         value = model_loss(out, self._loss_fn, target)
-        # torch's stage also calls the loss on its shape-inference outputs (the whole chunk's
-        # rows, values whatever the buffers held): an answer taken there is not kept.
+        # torch's stage may also call the loss during its shape inference (torch 2.13 does, at
+        # the first step and at each switch between training and evaluation), before any real
+        # microbatch, for microbatch 0's rows (or the whole chunk's), on the outputs of
+        # uninitialised buffers: whatever the memory held, often zeros, whose nearly uniform
+        # logits leave a loss unmoved by ignoring the first labels. An answer taken there must
+        # not be kept: each call asks on a copy of the kept answers, and the copy of the last
+        # real call is kept once the step ends. That call's total is overwritten by
+        # microbatch 0's.
         real = rows.numel() == self._microbatch_rows
-        shift = label_shift(self._loss_fn, out, value, target,
-                            known=self._first_label_skipped if real else {},
+        answers = dict(self._first_label_skipped)
+        shift = label_shift(self._loss_fn, out, value, target, known=answers,
                             model_shifts=self.shifts_labels)
+        if real:
+            self._step_answers = answers
         total, count = loss_sum_and_count(value, target, shift=shift)
         key = (self._accum_index, int(rows[0]))
         self._totals[key] = torch.stack([total.detach().float(), count.float()])
@@ -403,6 +414,8 @@ class PipelineRunner:
             if train:
                 self.timeline.next_step()
         self._targets = None
+        if self._step_answers is not None:  # the last real microbatch's (see _loss)
+            self._first_label_skipped, self._step_answers = self._step_answers, None
         if train:
             self.sync_tied_gradients()
         if not self.has_last:
