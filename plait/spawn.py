@@ -9,8 +9,8 @@ stalls it forever. Here the parent hosts the rendezvous store itself (``TCPStore
 the OS picks a free port and there is no race for it), waits with a deadline, and kills the
 whole group when any rank fails or time runs out.
 
-Workers start from a fork server that has imported torch once (``forkserver``, where the platform
-has it; ``spawn`` elsewhere): a fresh interpreter importing torch costs seconds of CPU per rank,
+Workers start from a fork server that has imported torch once (``forkserver`` on Linux;
+``spawn`` elsewhere): a fresh interpreter importing torch costs seconds of CPU per rank,
 which on a 2-core machine is most of a short job. The server is a clean process that has run
 no torch op and started no thread pool, so forking it is as safe as a fresh start; each worker
 is handed the caller's environment as it is at the call, as ``spawn`` would give it.
@@ -29,6 +29,7 @@ import os
 import pickle
 import queue as queue_mod
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -207,10 +208,12 @@ _PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor.parallel",
 
 
 def _context() -> Any:
-    """``forkserver`` with ``_PRELOAD`` imported in the server, where the platform has it; else
-    ``spawn``. The preload list only matters before the server starts (the first call in this
-    process); a module that fails to import there is imported by the worker that needs it."""
-    if "forkserver" not in mp.get_all_start_methods():
+    """``forkserver`` with ``_PRELOAD`` imported in the server, on Linux; else ``spawn``
+    (macOS: a process that has loaded Apple's frameworks, as importing torch does there, is
+    not safe to fork). The preload list only matters before the server starts (the first call
+    in this process); a module that fails to import there is imported by the worker that needs
+    it."""
+    if not sys.platform.startswith("linux") or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))
