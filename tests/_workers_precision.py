@@ -1,0 +1,138 @@
+"""Models, a one-process reference loop and the worker for the precision and memory option
+tests (bf16, CPU offload, activation checkpointing, gradient clipping); spawned processes
+import this module."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from plait.check import _slice
+from tests._workers_semantics import (
+    SEQ,
+    VOCAB,
+    WIDTH,
+    Embed,
+    HeadFirstLM,
+    MaskedLM,
+    Residual,
+    StagedMaskedLM,
+    _pre_norm_mlps,
+    mlm_batch,
+    mlm_loss,
+    seeded,
+)
+
+__all__ = ["SEQ", "VOCAB", "mlm_batch", "mlm_loss"]
+
+
+class TiedClipLM(nn.Module):
+    """Token embedding tied to the head (trainable, so its gradient has two sources), a frozen
+    position embedding and a frozen first block: clipping must count the tie once and skip the
+    frozen parameters."""
+
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Embedding(SEQ, WIDTH)
+        self.blocks = _pre_norm_mlps(WIDTH, depth)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.tok.weight
+        self.pos.weight.requires_grad_(False)
+        self.blocks[0].requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1]))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+class StagedResidualLM(nn.Module):
+    """:class:`StagedMaskedLM` with six blocks (two checkpointed of every stage's three under
+    ``selective``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = Embed()
+        self.blocks = nn.ModuleList(Residual() for _ in range(6))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+masked_lm = partial(seeded, MaskedLM)
+staged_lm = partial(seeded, StagedMaskedLM)
+tied_clip_lm = partial(seeded, TiedClipLM)
+head_first_lm = partial(seeded, HeadFirstLM)
+
+
+def reference(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Callable, *,
+              lr: float = 0.1, clip: float | None = 1.0, bf16: bool = False) -> dict[str, Any]:
+    """A plain one-process loop (SGD on each whole batch, torch's clip_grad_norm_), under
+    torch.autocast(cpu, bfloat16) when ``bf16`` (fp32 weights and gradients). ``norms``: the
+    gradient norm clip_grad_norm_ saw at each step."""
+    model = factory()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=lr)
+    cast = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext())
+    losses, norms = [], []
+    for inputs, targets in batches:
+        with cast:
+            loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "state": state}
+
+
+def _note_dtypes(seen: set[str], optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+                 ) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            seen.add(f"param {p.dtype}")
+            if p.grad is not None:
+                seen.add(f"grad {p.grad.dtype}")
+
+
+def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any], Callable]],
+               lr: float = 0.1) -> list[dict[str, Any]]:
+    """Train each (plan, factory, batches, loss_fn) with SGD (lr ``lr``, frozen parameters left
+    out of the optimizer); per job the losses run.step returned, rank 0's full state, and the
+    dtypes of the parameters and gradients every optimizer step saw (ZeRO-1's inner one
+    too)."""
+    from plait.runtime import init
+
+    out = []
+    for text, factory, batches, loss_fn in jobs:
+        run = init(text, quiet=True, log_every=1)
+        model = run.parallelize(factory())
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr,
+                              foreach=False)
+        seen: set[str] = set()
+        hook = register_optimizer_step_pre_hook(
+            partial(_note_dtypes, seen))
+        try:
+            losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size), loss_fn, opt))
+                      for b in batches]
+        finally:
+            hook.remove()
+        state = run.full_state_dict(model)
+        run.close()
+        out.append({"plan": text, "losses": losses, "dtypes": sorted(seen),
+                    "state": state if rank == 0 else None})
+    return out
