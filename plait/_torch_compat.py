@@ -198,6 +198,37 @@ def checkpoint_wrapper_api() -> tuple[Callable[..., Any], Any, type]:
             _resolve(module, "CheckpointWrapper"))
 
 
+def outside_selective_checkpoint() -> Callable[[], Any]:
+    """A context manager factory: inside it, the dispatch modes of a selective checkpoint
+    (``torch.utils.checkpoint``'s ``_CachingTorchDispatchMode`` in forward,
+    ``_CachedTorchDispatchMode`` in the recompute) are popped off the dispatch-mode stack while
+    they are on top of it, and pushed back on exit.
+
+    Why: selective checkpointing matches each op of the recompute to the forward's call of that
+    op by counting calls per op; bookkeeping that runs in one pass and not the other (tensor
+    parallelism's swap of replicated parameters for their local tensors) must not be counted,
+    or the recompute fails with "invocation index N encountered during backward but not found
+    in storage". Checked on torch 2.13."""
+    import contextlib
+
+    checkpoint = importlib.import_module("torch.utils.checkpoint")
+    stack = _resolve("torch.utils._python_dispatch", "_get_current_dispatch_mode_stack")
+    pop = _resolve("torch.utils._python_dispatch", "_pop_mode_temporarily")
+    kinds = tuple(getattr(checkpoint, n) for n in ("_CachingTorchDispatchMode",
+                                                   "_CachedTorchDispatchMode")
+                  if hasattr(checkpoint, n))
+
+    @contextlib.contextmanager
+    def outside() -> Any:
+        with contextlib.ExitStack() as popped:
+            modes = stack()
+            while modes and isinstance(modes[-1], kinds):
+                popped.enter_context(pop())
+                modes = stack()
+            yield
+    return outside
+
+
 def sdpa_ops() -> set[Any]:
     """The ``aten._scaled_dot_product_*_attention`` overloads this torch registers.
 
@@ -380,7 +411,8 @@ def torch_dispatch_mode() -> type:
 # name(s) or None for an optional one this torch lacks.
 RESOLVERS: tuple[Callable[[], Any], ...] = (
     tp_style_bases, fake_tensor_mode, fsdp_comm_protocol, storage_use_count,
-    checkpoint_wrapper_api, sdpa_ops, dcp_set_element, pipeline_stage_base,
+    checkpoint_wrapper_api, outside_selective_checkpoint, sdpa_ops, dcp_set_element,
+    pipeline_stage_base,
     stage_backward_split, keyset_after_backend_select, functional_collectives,
     torch_dispatch_mode,
 )

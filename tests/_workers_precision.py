@@ -114,7 +114,7 @@ def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[
     """Train each (plan, factory, batches, loss_fn) with SGD (lr ``lr``, frozen parameters left
     out of the optimizer); per job the losses run.step returned, rank 0's full state, and the
     dtypes of the parameters and gradients every optimizer step saw (ZeRO-1's inner one
-    too)."""
+    too), and how many checkpoint-wrapped blocks this rank's model holds."""
     from plait.runtime import init
 
     out = []
@@ -133,6 +133,7 @@ def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[
             hook.remove()
         state = run.full_state_dict(model)
         run.close()
-        out.append({"plan": text, "losses": losses, "dtypes": sorted(seen),
+        wrapped = sum(type(m).__name__.endswith("CheckpointWrapper") for m in model.modules())
+        out.append({"plan": text, "losses": losses, "dtypes": sorted(seen), "wrapped": wrapped,
                     "state": state if rank == 0 else None})
     return out

@@ -71,3 +71,74 @@ def test_bf16_keeps_fp32_master_weights_and_matches_autocast_on_one_device(bf16_
         print(f"{result['plan']}: vs autocast loss {loss:.1e} params {param:.1e}; "
               f"vs fp32 loss {off32[0]:.1e} params {off32[1]:.1e}")
         assert off32[0] > 1e-5, (result["plan"], "bf16 had no effect", off32)
+
+
+# ------------------------------------------------------------------------------ fp32 options
+# fp32 rounding of sums taken in another order, nothing more (as tests/test_semantics.py).
+REL = 1e-6
+
+
+def test_zero3_cpu_offload_changes_nothing():
+    """offload=True (FSDP2's CPUOffloadPolicy) trains what the same ZeRO-3 plan trains without
+    it, in fp32 and bf16, with accumulation, on a model with a tied and frozen weights."""
+    plans = ("dp_shard=2,zero=3", "dp_shard=2,zero=3,grad_accum=2", "dp_shard=2,zero=3,mp=bf16")
+    jobs = [(p + extra, f, BATCHES, W.mlm_loss) for f in (W.masked_lm, W.tied_clip_lm)
+            for p in plans for extra in ("", ",offload=true")]
+    got = run_distributed(W.train_jobs, 2, jobs, timeout=300)[0]
+    for plain, offloaded in zip(got[::2], got[1::2], strict=True):
+        assert offloaded["dtypes"] == ["grad torch.float32", "param torch.float32"], offloaded
+        loss, param = _assert_close(plain, offloaded, REL)
+        print(f"{offloaded['plan']}: loss {loss:.1e} params {param:.1e}")
+
+
+def _ac_jobs(layout: str, flat: object) -> list:
+    return [(f"{layout},ac={mode}", factory, BATCHES, W.mlm_loss)
+            for mode, factory in (("full", W.tied_clip_lm), ("op", W.tied_clip_lm),
+                                  ("op", W.head_first_lm), ("selective", flat),
+                                  ("full", W.head_first_lm))]
+
+
+@pytest.mark.parametrize("world,layout", [(2, "dp=2"), (2, "dp_shard=2,zero=3"), (2, "tp=2"),
+                                          (2, "pp=2,mb=2"), (4, "dp_shard=2,zero=3,tp=2"),
+                                          (4, "pp=2,tp=2,mb=2")])
+def test_activation_checkpointing_changes_nothing(world, layout):
+    """Every checkpointing mode trains what one device trains without it (no dropout): on a
+    model whose head is tied to its embedding, with frozen weights and a LayerNorm in each
+    block, on one whose blocks return a tuple, and on a plain residual stack. Under tensor
+    parallelism op-level checkpointing of the pre-norm blocks failed in backward (the
+    recompute counted the swap of the replicated norm weights for their local tensors, which
+    the forward had made outside the checkpointed region)."""
+    flat = W.staged_lm if layout.startswith("pp") else W.masked_lm
+    jobs = _ac_jobs(layout, flat)
+    refs = {f: W.reference(f, BATCHES, W.mlm_loss) for f in {j[1] for j in jobs}}
+    got = run_distributed(W.train_jobs, world, jobs, timeout=300)[0]
+    for (_, factory, _, _), result in zip(jobs, got, strict=True):
+        assert result["wrapped"] > 0, result["plan"]
+        loss, param = _assert_close(refs[factory], result, REL)
+        print(f"{result['plan']} ({factory.args[0].__name__}): loss {loss:.1e} params {param:.1e}")
+
+
+# Clipping at 0.05 with lr 0.5: active at every step (the one-device norms are 1-3), and a step
+# large enough that a norm counted wrong moves the weights visibly.
+CLIP, CLIP_LR = 0.05, 0.5
+
+
+@pytest.mark.parametrize("world,layouts", [
+    (2, ("dp=2", "dp_shard=2,zero=1", "dp_shard=2,zero=3", "tp=2", "pp=2,mb=2")),
+    (4, ("pp=2,tp=2,mb=2", "dp_shard=2,zero=3,tp=2")),
+])
+def test_clipping_clips_the_norm_one_device_computes(world, layouts):
+    """With clipping active at every step, each layout's clipped update equals torch's
+    clip_grad_norm_ on one device: the tied embedding/head weight counted once, the frozen
+    position embedding and block not at all (they keep their initial values)."""
+    ref = W.reference(W.tied_clip_lm, BATCHES, W.mlm_loss, lr=CLIP_LR, clip=CLIP)
+    assert min(ref["norms"]) > 10 * CLIP, ref["norms"]
+    jobs = [(f"{p},clip={CLIP}", W.tied_clip_lm, BATCHES, W.mlm_loss) for p in layouts]
+    got = run_distributed(W.train_jobs, world, jobs, CLIP_LR, timeout=300)[0]
+    start = W.tied_clip_lm().state_dict()
+    for result in got:
+        loss, param = _assert_close(ref, result, 1e-5)
+        print(f"{result['plan']}: loss {loss:.1e} params {param:.1e}")
+        state = {k.removeprefix("inner."): v for k, v in result["state"].items()}
+        for name in ("pos.weight", "blocks.0.1.weight", "blocks.0.0.weight"):
+            assert (state[name] == start[name]).all(), (result["plan"], name)

@@ -57,7 +57,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.utils.parametrize import is_parametrized
 
-from .._torch_compat import is_split, strided_shard, tp_style_bases
+from .._torch_compat import is_split, outside_selective_checkpoint, strided_shard, tp_style_bases
 from ..mesh import Mesh
 from ..plan import Plan
 from .hf import transformers_class
@@ -839,6 +839,9 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh,
     _compute_locally(module, mesh, [e for own in owned.values() for e in own], prepend=True)
 
 
+_outside_selective_checkpoint = outside_selective_checkpoint()
+
+
 def _compute_locally(module: nn.Module, mesh: DeviceMesh,
                      entries: list[tuple[dict, str, bool]], *, prepend: bool = False,
                      on_dtensors: bool = True) -> None:
@@ -867,11 +870,18 @@ def _compute_locally(module: nn.Module, mesh: DeviceMesh,
             calls.append((True, wrapped))
             return _inputs_to_replicate(mesh, mod, args, kwargs) if on_dtensors else None
         saved = []
-        for registry, name, summed in entries:
-            t = registry.get(name)
-            if isinstance(t, DTensor) and t.device_mesh == mesh:
-                registry[name] = local = _SumGradToLocal.apply(t) if summed else t.to_local()
-                saved.append((registry, name, t, local))
+        # Out of sight of a selective checkpoint (ac=op): in forward the model's call swaps a
+        # block's tensors before the block's checkpointed region runs, in the recompute only
+        # the block's own call does, inside it; counted, those ops made the recompute's op
+        # count differ from the forward's, and backward failed ("aten.view.default invocation
+        # index 7 ... not found in storage": a pre-norm block under tp=2,ac=op).
+        with _outside_selective_checkpoint():
+            for registry, name, summed in entries:
+                t = registry.get(name)
+                if isinstance(t, DTensor) and t.device_mesh == mesh:
+                    registry[name] = local = (_SumGradToLocal.apply(t) if summed
+                                              else t.to_local())
+                    saved.append((registry, name, t, local))
         calls.append((False, saved))
         return None
 
