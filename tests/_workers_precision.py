@@ -71,7 +71,19 @@ class StagedResidualLM(nn.Module):
         return self.head(h)
 
 
+class FrozenStageLM(StagedMaskedLM):
+    """:class:`StagedMaskedLM` with its embedding and first two blocks frozen: under pp=2 the
+    first stage holds no gradient at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed.requires_grad_(False)
+        for block in self.blocks[:2]:
+            block.requires_grad_(False)
+
+
 masked_lm = partial(seeded, MaskedLM)
+frozen_stage_lm = partial(seeded, FrozenStageLM)
 staged_lm = partial(seeded, StagedMaskedLM)
 tied_clip_lm = partial(seeded, TiedClipLM)
 head_first_lm = partial(seeded, HeadFirstLM)
@@ -111,8 +123,8 @@ def _note_dtypes(seen: set[str], optimizer: torch.optim.Optimizer, args: Any, kw
 
 def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any], Callable]],
                lr: float = 0.1) -> list[dict[str, Any]]:
-    """Train each (plan, factory, batches, loss_fn) with SGD (lr ``lr``, frozen parameters left
-    out of the optimizer); per job the losses run.step returned, rank 0's full state, and the
+    """Train each (plan, factory, batches, loss_fn) with SGD (lr ``lr``; frozen parameters in
+    the optimizer too, as ``model.parameters()`` gives them); per job the losses run.step returned, rank 0's full state, and the
     dtypes of the parameters and gradients every optimizer step saw (ZeRO-1's inner one
     too), and how many checkpoint-wrapped blocks this rank's model holds."""
     from plait.runtime import init
@@ -121,8 +133,7 @@ def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[
     for text, factory, batches, loss_fn in jobs:
         run = init(text, quiet=True, log_every=1)
         model = run.parallelize(factory())
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr,
-                              foreach=False)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=False)
         seen: set[str] = set()
         hook = register_optimizer_step_pre_hook(
             partial(_note_dtypes, seen))

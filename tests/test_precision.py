@@ -124,21 +124,30 @@ CLIP, CLIP_LR = 0.05, 0.5
 
 
 @pytest.mark.parametrize("world,layouts", [
-    (2, ("dp=2", "dp_shard=2,zero=1", "dp_shard=2,zero=3", "tp=2", "pp=2,mb=2")),
+    (2, ("dp=2", "dp_shard=2,zero=1", "dp_shard=2,zero=3", "tp=2", "pp=2,mb=2",
+         "dp_shard=2,zero=2,grad_accum=2", "dp_shard=2,zero=3,offload=true")),
     (4, ("pp=2,tp=2,mb=2", "dp_shard=2,zero=3,tp=2")),
 ])
 def test_clipping_clips_the_norm_one_device_computes(world, layouts):
     """With clipping active at every step, each layout's clipped update equals torch's
     clip_grad_norm_ on one device: the tied embedding/head weight counted once, the frozen
-    position embedding and block not at all (they keep their initial values)."""
+    position embedding and block not at all (they keep their initial values). Under pipelines
+    also a model whose first stage holds no gradient at all."""
     ref = W.reference(W.tied_clip_lm, BATCHES, W.mlm_loss, lr=CLIP_LR, clip=CLIP)
     assert min(ref["norms"]) > 10 * CLIP, ref["norms"]
     jobs = [(f"{p},clip={CLIP}", W.tied_clip_lm, BATCHES, W.mlm_loss) for p in layouts]
+    pipelines = [p for p in layouts if p.startswith("pp")]
+    jobs += [(f"{p},clip={CLIP}", W.frozen_stage_lm, BATCHES, W.mlm_loss) for p in pipelines]
     got = run_distributed(W.train_jobs, world, jobs, CLIP_LR, timeout=300)[0]
+    frozen_ref = W.reference(W.frozen_stage_lm, BATCHES, W.mlm_loss, lr=CLIP_LR, clip=CLIP)
+    assert min(frozen_ref["norms"]) > 10 * CLIP, frozen_ref["norms"]
     start = W.tied_clip_lm().state_dict()
-    for result in got:
-        loss, param = _assert_close(ref, result, 1e-5)
-        print(f"{result['plan']}: loss {loss:.1e} params {param:.1e}")
-        state = {k.removeprefix("inner."): v for k, v in result["state"].items()}
-        for name in ("pos.weight", "blocks.0.1.weight", "blocks.0.0.weight"):
-            assert (state[name] == start[name]).all(), (result["plan"], name)
+    for (_, factory, _, _), result in zip(jobs, got, strict=True):
+        loss, param = _assert_close(ref if factory is W.tied_clip_lm else frozen_ref, result,
+                                    1e-5)
+        print(f"{result['plan']} ({factory.args[0].__name__}): loss {loss:.1e} "
+              f"params {param:.1e}")
+        if factory is W.tied_clip_lm:
+            state = {k.removeprefix("inner."): v for k, v in result["state"].items()}
+            for name in ("pos.weight", "blocks.0.1.weight", "blocks.0.0.weight"):
+                assert (state[name] == start[name]).all(), (result["plan"], name)
