@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from plait.check import _slice
@@ -18,6 +19,7 @@ from tests._workers_semantics import (
     SEQ,
     VOCAB,
     WIDTH,
+    ConvBN,
     Embed,
     HeadFirstLM,
     MaskedLM,
@@ -82,7 +84,21 @@ class FrozenStageLM(StagedMaskedLM):
             block.requires_grad_(False)
 
 
+def image_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """8 images of 17 x 17 (each data rank's BatchNorm count, 4 x 289 = 1156 per channel, is
+    not a bf16 number), the two halves with different statistics."""
+    g = torch.Generator().manual_seed(700 + step)
+    x = torch.randn(8, 3, 17, 17, generator=g)
+    x[4:] = 2.0 * x[4:] + 3.0
+    return x, torch.randint(0, 5, (8,), generator=g)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, labels)
+
+
 masked_lm = partial(seeded, MaskedLM)
+conv_bn = partial(seeded, ConvBN)
 frozen_stage_lm = partial(seeded, FrozenStageLM)
 staged_lm = partial(seeded, StagedMaskedLM)
 tied_clip_lm = partial(seeded, TiedClipLM)
@@ -93,7 +109,8 @@ def reference(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Cal
               lr: float = 0.1, clip: float | None = 1.0, bf16: bool = False) -> dict[str, Any]:
     """A plain one-process loop (SGD on each whole batch, torch's clip_grad_norm_), under
     torch.autocast(cpu, bfloat16) when ``bf16`` (fp32 weights and gradients). ``norms``: the
-    gradient norm clip_grad_norm_ saw at each step."""
+    gradient norm clip_grad_norm_ saw at each step; ``state``: the parameters and
+    floating-point buffers after the last."""
     model = factory()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr)
@@ -109,6 +126,7 @@ def reference(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Cal
         opt.zero_grad()
         losses.append(float(loss.detach()))
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state.update({n: b.clone() for n, b in model.named_buffers() if b.is_floating_point()})
     return {"losses": losses, "norms": norms, "state": state}
 
 
@@ -124,9 +142,10 @@ def _note_dtypes(seen: set[str], optimizer: torch.optim.Optimizer, args: Any, kw
 def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any], Callable]],
                lr: float = 0.1) -> list[dict[str, Any]]:
     """Train each (plan, factory, batches, loss_fn) with SGD (lr ``lr``; frozen parameters in
-    the optimizer too, as ``model.parameters()`` gives them); per job the losses run.step returned, rank 0's full state, and the
-    dtypes of the parameters and gradients every optimizer step saw (ZeRO-1's inner one
-    too), and how many checkpoint-wrapped blocks this rank's model holds."""
+    the optimizer too, as ``model.parameters()`` gives them); per job the losses run.step
+    returned, rank 0's full state, the dtypes of the parameters and gradients every optimizer
+    step saw (ZeRO-1's inner one too), and how many checkpoint-wrapped blocks this rank's
+    model holds."""
     from plait.runtime import init
 
     out = []

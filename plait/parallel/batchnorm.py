@@ -113,6 +113,14 @@ class DataSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if not use_batch:
             return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight,
                                             self.bias, False, 0.0, self.eps)
+        # Statistics in fp32 for a bf16/fp16 input (mixed_precision=bf16), as torch's
+        # batch_norm computes them, and the output in the input's dtype, as it returns it: in
+        # bf16 the count (exact only up to 256), the sums and the variance were rounded to 8
+        # bits, and the running statistics took those values (3e-2 of the weights' update off
+        # after 3 steps of a small ConvNet under dp=2).
+        out_dtype = x.dtype
+        if x.dtype in (torch.bfloat16, torch.float16):
+            x = x.float()
         dims = [0] + list(range(2, x.dim()))
         shape = [1, -1] + [1] * (x.dim() - 2)
         count = torch.tensor([x.numel() // x.shape[1]], dtype=x.dtype, device=x.device)
@@ -126,7 +134,7 @@ class DataSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         y = centred * torch.rsqrt(var + self.eps).reshape(shape)
         if self.affine:
             y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
-        return y
+        return y.to(out_dtype)
 
     @torch.no_grad()
     def _update_running(self, mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor) -> None:
