@@ -115,9 +115,8 @@ class DataSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
                                             self.bias, False, 0.0, self.eps)
         # Statistics in fp32 for a bf16/fp16 input (mixed_precision=bf16), as torch's
         # batch_norm computes them, and the output in the input's dtype, as it returns it: in
-        # bf16 the count (exact only up to 256), the sums and the variance were rounded to 8
-        # bits, and the running statistics took those values (3e-2 of the weights' update off
-        # after 3 steps of a small ConvNet under dp=2).
+        # bf16 the count (exact only up to 256), the sums and the variance would be rounded to
+        # 8 bits, and the running statistics would take those values.
         out_dtype = x.dtype
         if x.dtype in (torch.bfloat16, torch.float16):
             x = x.float()

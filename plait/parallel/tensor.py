@@ -872,9 +872,9 @@ def _compute_locally(module: nn.Module, mesh: DeviceMesh,
         saved = []
         # Out of sight of a selective checkpoint (ac=op): in forward the model's call swaps a
         # block's tensors before the block's checkpointed region runs, in the recompute only
-        # the block's own call does, inside it; counted, those ops made the recompute's op
-        # count differ from the forward's, and backward failed ("aten.view.default invocation
-        # index 7 ... not found in storage": a pre-norm block under tp=2,ac=op).
+        # the block's own call does, inside it; counted, those ops would make the recompute's
+        # op count differ from the forward's, and backward fail ("aten.view.default
+        # invocation index 7 ... not found in storage": a pre-norm block under tp=2,ac=op).
         with _outside_selective_checkpoint():
             for registry, name, summed in entries:
                 t = registry.get(name)
