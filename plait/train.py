@@ -54,11 +54,13 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def autocast(plan: Plan, device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 compute with fp32 master weights, or nothing for fp32.
+    """bf16 compute with fp32 master weights, or nothing for fp32; every layout runs its
+    forward under it.
 
-    FSDP2 handles its own casting (MixedPrecisionPolicy) and needs no autocast; DDP and plain
-    modules use autocast so that parameters and their gradients stay fp32 (the all-reduce then
-    runs in fp32, as the plan promises)."""
+    DDP, TP, pipelines and plain modules rely on it: their parameters and gradients stay fp32
+    (the all-reduce then runs in fp32, as the plan promises) and autocast casts each op's
+    inputs. FSDP2 also casts whole parameters to bf16 itself (MixedPrecisionPolicy, reducing
+    in fp32), so under ZeRO the ops autocast would cast already receive bf16."""
     dtype = _AUTOCAST_DTYPES.get(plan.mixed_precision)
     if dtype is None:
         return contextlib.nullcontext()
