@@ -20,10 +20,8 @@ from tests._workers_semantics import (
     VOCAB,
     WIDTH,
     ConvBN,
-    Embed,
     HeadFirstLM,
     MaskedLM,
-    Residual,
     StagedMaskedLM,
     _pre_norm_mlps,
     mlm_batch,
@@ -53,23 +51,6 @@ class TiedClipLM(nn.Module):
         h = self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1]))
         for block in self.blocks:
             h = h + block(h)
-        return self.head(h)
-
-
-class StagedResidualLM(nn.Module):
-    """:class:`StagedMaskedLM` with six blocks (two checkpointed of every stage's three under
-    ``selective``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = Embed()
-        self.blocks = nn.ModuleList(Residual() for _ in range(6))
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(input_ids)
-        for block in self.blocks:
-            h = block(h)
         return self.head(h)
 
 
