@@ -42,8 +42,8 @@ def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) ->
     ``parent_pid`` is the direct parent by default. Linux delivers the signal itself when the
     direct parent dies (``PR_SET_PDEATHSIG``). Another process (a worker forked by a fork server
     watches the caller that asked for it, not the server) is watched by a daemon thread: on
-    Linux it waits on a pidfd, which wakes it the moment that process exits; elsewhere it checks
-    once a second.
+    Linux it waits on a pidfd, which wakes it the moment that process exits; elsewhere (or on a
+    kernel without pidfds) it checks once a second.
     """
     direct = os.getppid()
     parent = direct if parent_pid is None else parent_pid
@@ -54,21 +54,23 @@ def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) ->
         if os.getppid() != parent:  # it died before the watch was set up
             os.kill(os.getpid(), sig)
         return
+    fd = None
     if hasattr(os, "pidfd_open"):
         try:
             fd = os.pidfd_open(parent)
         except ProcessLookupError:  # already gone
             os.kill(os.getpid(), sig)
             return
+        except OSError:  # a kernel without pidfds (Linux before 5.3): poll instead
+            fd = None
 
-        def wait() -> None:
+    def wait() -> None:
+        if fd is not None:
             select.select([fd], [], [])  # readable once the process has exited
-            os.kill(os.getpid(), sig)
-    else:
-        def wait() -> None:
+        else:
             while _exists(parent):
                 time.sleep(1.0)
-            os.kill(os.getpid(), sig)
+        os.kill(os.getpid(), sig)
 
     threading.Thread(target=wait, name="plait-parent-watch", daemon=True).start()
 
