@@ -353,3 +353,63 @@ def batchnorm_warnings(rank, world_size, plans):
         run.close()
         out.append([str(w.message) for w in caught if "BatchNorm" in str(w.message)])
     return out
+
+
+class DenseMoE(nn.Module):
+    """One mixture-of-experts layer and no stack of layers: the experts list is the model's
+    largest container, and every expert reads the same input (a softmax-weighted sum), so the
+    experts are alternatives, not steps. Cut through them, a pipeline would compute another
+    model without any error. ``forward(x, temperature)`` takes a second input that plait cannot
+    guess, so only the first step's real inputs show how the blocks are fed."""
+
+    def __init__(self, needs_temperature: bool = False):
+        super().__init__()
+        self.needs_temperature = needs_temperature
+        self.inp = nn.Linear(8, WIDTH)
+        self.router = nn.Linear(WIDTH, 4)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH))
+            for _ in range(4))
+        self.head = nn.Linear(WIDTH, 6)
+
+    def forward(self, x, temperature=None):
+        if self.needs_temperature and temperature is None:
+            raise TypeError("DenseMoE(needs_temperature=True) needs a temperature")
+        h = self.inp(x)
+        gate = (self.router(h) / (1.0 if temperature is None else temperature)).softmax(-1)
+        mixed = sum(gate[..., e:e + 1] * expert(h) for e, expert in enumerate(self.experts))
+        return self.head(h + mixed)
+
+
+def dense_moe():
+    torch.manual_seed(0)
+    return DenseMoE()
+
+
+class ChainedByTheParent(nn.Module):
+    """Blocks that do form a chain, fed in the ways a check of the chain must not mistake for
+    alternatives: the residual in the parent (``h = h + block(h)``), a frozen embedding (no
+    autograd history before the first block), a block run inside a reentrant checkpoint (its
+    output hides how it was computed) and one whose input is detached."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.tok.weight.requires_grad_(False)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+                                    for _ in range(4))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.tok(input_ids)
+        h = h + self.blocks[0](h)
+        h = h + checkpoint(self.blocks[1], h, use_reentrant=True)
+        h = self.blocks[2](h).detach()
+        return self.head(h + self.blocks[3](h))
+
+
+def chained_by_the_parent():
+    torch.manual_seed(0)
+    return ChainedByTheParent()

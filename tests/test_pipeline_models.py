@@ -208,6 +208,53 @@ def test_a_forward_that_skips_its_last_block_is_refused_before_the_schedule():
     split_checker(good, *plan_stages(good, Plan(pp=2, microbatches=2)))(laid)
 
 
+def test_blocks_that_do_not_form_a_chain_are_refused():
+    """A dense mixture of experts with no stack of layers: plait's default block sequence is
+    its experts list, and every expert reads the same input. Refused when the model is split
+    (a meta-device forward on a guessed input), by the planner's question, on every rank of a
+    real pp=2 job, and, when no input can be guessed, on the first step's real inputs."""
+    from plait.parallel.pipeline import pp_refusal, split_checker, stage_inputs
+    from plait.parallel.pipeline_split import plan_stages
+    from plait.spawn import WorkerError
+
+    plan = Plan(pp=2, microbatches=2)
+    refusal = (r"the blocks of experts do not form a chain: DenseMoE's forward feeds experts.1 "
+               r"an input not computed from experts.0's output .*options.pp_blocks.*pp=1")
+    with pytest.raises(ValueError, match=refusal):
+        plan_stages(M.dense_moe(), plan)
+    assert pp_refusal(M.dense_moe(), plan).startswith("the blocks of experts do not form a chain")
+    features = [(torch.randn(4, 8), torch.randn(4, 6))]
+    with pytest.raises(WorkerError, match=refusal) as caught:
+        run_distributed(train_jobs, 2, [("pp=2,mb=2", M.dense_moe, features, F.mse_loss)],
+                        timeout=120)
+    assert "failed too" in str(caught.value)  # both ranks refused, neither hung
+
+    unguessable = M.DenseMoE(needs_temperature=True)
+    path, specs = plan_stages(unguessable, plan)  # no verdict without the second input
+    laid = stage_inputs(((torch.randn(4, 8), torch.tensor(2.0)), torch.randn(4, 6)),
+                        F.mse_loss, inspect.signature(unguessable.forward), "DenseMoE")
+    with pytest.raises(ValueError, match=refusal):
+        split_checker(unguessable, path, specs)(laid)
+    assert all(p.device.type == "cpu" for p in unguessable.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+def test_blocks_fed_through_the_parent_are_a_chain():
+    """What the chain check must not mistake for alternatives: a residual in the parent, a
+    frozen embedding, a block inside a reentrant checkpoint, a detached input."""
+    from plait.parallel.pipeline_chain import chain_break, meta_replica
+    from plait.parallel.pipeline_split import plan_stages
+
+    model = M.chained_by_the_parent()
+    ids = torch.randint(0, M.VOCAB, (2, M.SEQ))
+    assert chain_break(meta_replica(model), "blocks", ids.to("meta"), {}) is None
+    moe = meta_replica(M.dense_moe())
+    assert chain_break(moe, "experts", torch.randn(2, 8, device="meta"), {}) == (
+        "experts.0", "experts.1")
+    assert moe.experts[0][0]._forward_hooks == {}  # the check leaves no hooks behind
+    plan_stages(model, Plan(pp=2, microbatches=2))
+
+
 @needs_hf
 def test_hf_model_without_inputs_embeds_is_refused():
     """HF ViT's forward takes pixels only: later stages could not be given hidden states."""

@@ -22,7 +22,6 @@ stages, their block ranges and the ``PipelineRunner`` the train step calls.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from ..loss import label_shift, loss_sum_and_count, shifts_labels
 from ..mesh import Mesh
 from ..plan import PP_SCHEDULES, Plan
 from .layout import Layout, layout_of, record_layout
+from .pipeline_chain import chain_break, meta_replica, unchained_message
 from .pipeline_hf import is_hf_model
 from .pipeline_split import (
     StageOutputError,
@@ -481,20 +481,6 @@ def _signature(model: nn.Module) -> inspect.Signature | None:
         return None
 
 
-def meta_replica(model: nn.Module) -> nn.Module | None:
-    """A copy of ``model`` whose parameters and buffers are on the meta device (no memory),
-    or None when the model cannot be deep-copied."""
-    memo: dict[int, Any] = {}
-    for t in model.parameters():
-        memo[id(t)] = nn.Parameter(t.detach().to("meta"), requires_grad=t.requires_grad)
-    for t in model.buffers():
-        memo[id(t)] = t.detach().to("meta")
-    try:
-        return copy.deepcopy(model, memo)
-    except Exception:  # noqa: BLE001 - uncopyable model: the split is not checked up front
-        return None
-
-
 def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
                   ) -> Callable[[StageInputs], set[str]] | None:
     """A check that the stages chain, run by every rank on the first step's inputs before the
@@ -522,6 +508,10 @@ def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
             return v.to("meta") if isinstance(v, torch.Tensor) else v
 
         x, kwargs = meta(inputs.first), {k: meta(v) for k, v in inputs.every.items()}
+        broken = chain_break(replica, path, x, kwargs)
+        if broken is not None:
+            raise ValueError(unchained_message(type(model).__name__, path or
+                                               type(model).__name__, broken))
         found = additive_by_running(replica, path, x, kwargs) if untraced else set()
         for spec in specs[:-1]:
             stage = build_stage_module(replica, path, spec)

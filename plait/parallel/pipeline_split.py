@@ -50,6 +50,7 @@ from .._torch_compat import is_view
 from ..partition import balanced_partition, even_split
 from ..partition import bounds as block_bounds
 from ..plan import Plan
+from .pipeline_chain import chain_break, meta_replica, unchained_message
 from .pipeline_hf import adapt_hf_forward, hf_added_embeddings, is_hf_model
 
 Containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -348,6 +349,9 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
                          f"stands in for whole blocks it does not hold, so each block must be a "
                          f"module with a forward (a class whose forward calls its parts); or "
                          f"run with pp=1")
+    broken = _unchained(model, path)
+    if broken is not None:
+        raise ValueError(unchained_message(type(model).__name__, where, broken))
     called, block_tuple = observe_forward(model, path)
     if n_stages > n_blocks:
         raise ValueError(f"pp={plan.pp} x virtual_stages={plan.virtual_stages} = {n_stages} "
@@ -388,6 +392,21 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
                                                  last_extra=last_extra))
     return path, [StageSpec(k, i, j, n_stages, called, block_tuple)
                   for k, (i, j) in enumerate(bounds)]
+
+
+def _unchained(model: nn.Module, path: str) -> tuple[str, str] | None:
+    """Two consecutive blocks at ``path`` of which the second is not fed by the first, seen in
+    one meta-device forward on a guessed input (:func:`~plait.parallel.pipeline_chain.
+    chain_break`); None when they chain or when no input can be guessed. The first step asks
+    again on the real input's shapes."""
+    from .tp_infer import example_input
+
+    with torch.random.fork_rng(devices=[]):  # the guess draws token ids: leave the RNG as it was
+        example = example_input(model)
+    replica = meta_replica(model) if example is not None else None
+    if example is None or replica is None:
+        return None
+    return chain_break(replica, path, example.to("meta"), {})
 
 
 def _blocks_name(model: nn.Module, plan: Plan) -> str | None:
@@ -701,9 +720,11 @@ def hand_on(hidden: Any, model_name: str, last_block: str, spec: StageSpec) -> t
     if not isinstance(hidden, torch.Tensor):
         raise StageOutputError(
             f"{model_name}'s forward did not call its last block {last_block} on pipeline "
-            f"stage {spec.index} (stochastic depth, or a loop over part of the blocks), so "
+            f"stage {spec.index} (stochastic depth, a loop over part of the blocks, or blocks "
+            f"that are alternatives rather than steps, such as experts that routing skips), so "
             f"plait cannot tell what to send to stage {spec.index + 1}: call every block on "
-            f"every step, or run with pp=1")
+            f"every step, name the container of the model's layers with options.pp_blocks, "
+            f"or run with pp=1")
     if not hidden.is_contiguous():
         return hidden.contiguous()  # a dense copy, not a view
     return hidden.clone() if is_view(hidden) else hidden
