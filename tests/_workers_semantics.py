@@ -671,6 +671,21 @@ class BlockLM(nn.Module):
         return self.head(h)
 
 
+class PositionedLM(BlockLM):
+    """:class:`BlockLM` with a learned position table added at the root, before the blocks:
+    under SP the sequence is split at the first block, so the table meets the whole sequence."""
+
+    def __init__(self, block: Callable[[], nn.Module]) -> None:
+        super().__init__(block)
+        self.pos = nn.Embedding(SEQ, WIDTH)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1]))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
 AUX_BELOW = 4  # rows whose first token is below this go through the auxiliary layer
 
 
@@ -1008,6 +1023,7 @@ positionwise_lm = partial(seeded, partial(BlockLM, PositionwiseBlock))
 
 
 shifted_lm = partial(seeded, partial(BlockLM, partial(PositionwiseBlock, shift=True)))
+positioned_lm = partial(seeded, partial(PositionedLM, PositionwiseBlock))
 
 
 lora_lm = partial(seeded, partial(BlockLM, LoRABlock))

@@ -763,8 +763,11 @@ def test_sequence_parallelism_on_an_inferred_plan():
     layer-scale on each block): the blocks were run to show they treat positions one by one
     outside their regions, so the sequence is split inside the block stack and the norms' and
     layer-scales' gradients summed over tp; also under a pipeline, where each stage's own
-    blocks split and gather. A block that adds the previous position's input is refused, by
-    name, before anything is sharded."""
+    blocks split and gather; a position table added before the blocks meets the whole
+    sequence. A block that adds the previous position's input is refused, by name, before
+    anything is sharded; so is a forward that adds each block's output to its input itself
+    (the residual in the parent meets a whole sequence and a split one), found by torch.fx
+    or, where fx cannot trace the forward, by running it on the meta device."""
     from plait.parallel.tp_infer import infer_plan, verify_plan
 
     plan = verify_plan(W.positionwise_lm(), infer_plan(W.positionwise_lm()), 2, sp=True)
@@ -772,8 +775,13 @@ def test_sequence_parallelism_on_an_inferred_plan():
     shifted = verify_plan(W.shifted_lm(), infer_plan(W.shifted_lm()), 2, sp=True)
     assert not shifted.supports_sp and shifted.sp_refused.startswith(
         "blocks.0 does not treat positions one by one")
+    for factory in (W.masked_lm, W.frozen_tied_lm):  # fx traces the first, not the second
+        parent = verify_plan(factory(), infer_plan(factory()), 2, sp=True)
+        assert not parent.supports_sp and parent.sp_refused.startswith(
+            "its forward adds blocks.0's output to that block's input outside the block"), (
+            factory, parent.sp_refused)
     batches = [W.mlm_batch(s) for s in range(W.STEPS)]
-    jobs = [("tp=2,sp=true", W.positionwise_lm)]
+    jobs = [("tp=2,sp=true", W.positionwise_lm), ("tp=2,sp=true", W.positioned_lm)]
     results = run_distributed(W.train_jobs, 2, [(p, f, batches, W.mlm_loss) for p, f in jobs],
                               timeout=240)[0]
     four = [("pp=2,tp=2,sp=true", W.positionwise_lm)]

@@ -411,7 +411,7 @@ def with_sp(model: nn.Module, plan: TPPlan, matched: dict[str, str], example: to
             ) -> TPPlan:
     """``plan`` with sequence parallelism inside the model's block stack, where running the
     blocks shows it computes the same (:mod:`plait.parallel.tp_sp`), else with the reason."""
-    from .tp_sp import block_stack, mixes_positions
+    from .tp_sp import block_stack, mixes_positions, residual_outside
 
     stack = block_stack(model)
     if stack is None:
@@ -422,6 +422,13 @@ def with_sp(model: nn.Module, plan: TPPlan, matched: dict[str, str], example: to
     if batchnorms:
         return replace(plan, sp_refused=f"{batchnorms[0]} is a BatchNorm, whose statistics "
                                         f"would cover one rank's positions")
+    outside = residual_outside(model, stack, example)
+    if outside is not None:
+        return replace(plan, sp_refused=f"its forward adds {outside}'s output to that block's "
+                                        f"input outside the block (h = h + block(h)), where "
+                                        f"the sequence is whole but the block's output is "
+                                        f"split by position: move the residual into the block "
+                                        f"(its forward returning h + f(h))")
     mixed = mixes_positions(model, matched, stack, example)
     if mixed is None:
         return replace(plan, sp_refused=f"its blocks ({stack}) could not be run on a guessed "

@@ -45,6 +45,27 @@ def block_stack(model: nn.Module) -> str | None:
     return names.pop() if len(names) == 1 else None
 
 
+def residual_outside(model: nn.Module, stack: str, example: torch.Tensor) -> str | None:
+    """The first block of ``stack`` whose output the model's forward adds to the block's input
+    itself (``h = h + block(h)``), or None. Under SP a block's output is split by position
+    while what the forward computed before the stack is whole, so that addition meets half a
+    sequence and a whole one. Found as a pipeline finds the residuals it must not double
+    (torch.fx, else one meta-device forward on ``example``)."""
+    from .pipeline_chain import meta_replica
+    from .pipeline_split import additive_by_running, additive_modules
+
+    blocks = [name for name, _ in repeated_blocks(model) if glob_regex(stack).match(name)]
+    if not blocks:
+        return None
+    path = blocks[0].rpartition(".")[0]
+    found = additive_modules(model, path)
+    if found is None:
+        replica = meta_replica(model)
+        found = set() if replica is None else additive_by_running(
+            replica, path, example.to("meta"), {})
+    return next((name for name in blocks if name in found), None)
+
+
 def mixes_positions(model: nn.Module, matched: dict[str, str], stack: str,
                     example: torch.Tensor) -> str | None:
     """The first block of ``stack`` whose computation outside its TP regions mixes positions
