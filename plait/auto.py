@@ -111,6 +111,7 @@ def layout_check(model: nn.Module) -> Callable[[Plan], str | None]:
     from .parallel.tensor import tp_refusal
 
     seen: dict[Any, str | None] = {}
+    chains: dict[str, Any] = {}  # whether the blocks chain: asked once, whatever the pp
 
     def check(plan: Plan) -> str | None:
         keys: list[tuple[Any, ...]] = []
@@ -122,7 +123,7 @@ def layout_check(model: nn.Module) -> Callable[[Plan], str | None]:
         for key in keys:
             if key not in seen:
                 seen[key] = (tp_refusal(model, plan.tp, plan.sp) if key[0] == "tp"
-                             else pp_refusal(model, plan))
+                             else pp_refusal(model, plan, chains))
             if seen[key] is not None:
                 return seen[key]
         return None

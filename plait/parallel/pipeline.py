@@ -621,18 +621,20 @@ class PipelinedModel(nn.Module):
                            "model for anything else (generation)")
 
 
-def pp_refusal(model: nn.Module, plan: Plan) -> str | None:
+def pp_refusal(model: nn.Module, plan: Plan,
+               chains: dict[str, tuple[str, str] | None] | None = None) -> str | None:
     """Why ``model`` cannot be split as ``plan`` asks, or None: what :func:`apply_pipeline`
     would refuse before its first step (the split, every stage's module, a weight tied across
     stages one rank holds), asked before anything is laid out (the planner asks it about the
     layouts it would pick). Stage modules are shallow copies (the blocks are shared, not
     copied), built and dropped; the RNG is restored after the fake-tensor forwards. Not
-    covered: what only the real first step shows (a forward that reads a stage's input)."""
+    covered: what only the real first step shows (a forward that reads a stage's input).
+    ``chains``: as for :func:`~plait.parallel.pipeline_split.plan_stages`."""
     try:
         with torch.random.fork_rng(devices=[]):
             check_schedule_args(plan.pp_schedule, plan.pp, plan.microbatches,
                                 plan.virtual_stages)
-            path, specs = plan_stages(model, plan)
+            path, specs = plan_stages(model, plan, chains)
             for spec in specs:
                 build_stage_module(model, path, spec)
             owner = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)

@@ -334,8 +334,12 @@ def observe_forward(model: nn.Module, path: str) -> tuple[frozenset[str] | None,
     return frozenset(after), block_tuple
 
 
-def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
-    """Where to cut: the block sequence's name and every global stage's block range."""
+def plan_stages(model: nn.Module, plan: Plan,
+                chains: dict[str, tuple[str, str] | None] | None = None
+                ) -> tuple[str, list[StageSpec]]:
+    """Where to cut: the block sequence's name and every global stage's block range.
+    ``chains`` keeps what :func:`_unchained` found per block sequence, for a caller that asks
+    about several plans of one model (the planner)."""
     n_stages = plan.pp * plan.virtual_stages
     path, container = find_blocks(model, _blocks_name(model, plan))
     n_blocks = len(container)
@@ -349,7 +353,12 @@ def plan_stages(model: nn.Module, plan: Plan) -> tuple[str, list[StageSpec]]:
                          f"stands in for whole blocks it does not hold, so each block must be a "
                          f"module with a forward (a class whose forward calls its parts); or "
                          f"run with pp=1")
-    broken = _unchained(model, path)
+    if chains is not None and path in chains:
+        broken = chains[path]
+    else:
+        broken = _unchained(model, path)
+        if chains is not None:
+            chains[path] = broken
     if broken is not None:
         raise ValueError(unchained_message(type(model).__name__, where, broken))
     called, block_tuple = observe_forward(model, path)
