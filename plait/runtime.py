@@ -304,9 +304,13 @@ class Run:
         # keeps from its own rows: warned about once (a copy of the buffers, first step only).
         statistics = None
         if step_index == 0 and self.dp_size > 1 and self.spmd is None:
+            from .data.replicas import warn_if_replicas_share_rows
             from .parallel.batchnorm import forward_statistics
 
             statistics = forward_statistics(model)
+            with self.ledger.paused() if recording else contextlib.nullcontext():
+                warn_if_replicas_share_rows(batch, self._mesh()["dp"].get_group(),
+                                            self.dp_size, self.device)
         with self.ledger if recording else contextlib.nullcontext(), watch:
             local = forward_backward(model, batch, loss_fn, plan=self.plan, device=self.device,
                                      exchange=exchange)

@@ -112,3 +112,26 @@ def optimizer_made_first(rank: int, world_size: int, plan: str) -> list[float]:
                              opt)) for s in range(2)]
     run.close()
     return losses
+
+
+def own_dataloader(rank: int, world_size: int, plan: str, sampler: bool) -> list[str]:
+    """Two steps over a DataLoader the script iterates itself (each rank loading the batch its
+    replica trains on), with or without a DistributedSampler: the warnings they raised."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import plait
+
+    run = plait.init(plan, quiet=True)
+    model = run.parallelize(masked_lm())
+    opt, _ = optimizer(model)
+    items = dataset()
+    share = (DistributedSampler(items, num_replicas=run.dp_size, rank=run.dp_rank,
+                                shuffle=False) if sampler else None)
+    loader = DataLoader(items, batch_size=BATCH // run.dp_size, sampler=share,
+                        collate_fn=partial(pad, length=SEQ))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _, batch in zip(range(2), loader, strict=False):
+            run.step(model, batch, mlm_loss, opt)
+    run.close()
+    return [str(w.message) for w in caught]
