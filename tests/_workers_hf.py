@@ -38,10 +38,11 @@ def dataset(n: int = 32, seed: int = 0, longest: int = 12) -> list[dict[str, Any
 
 
 def collate(items: list[dict[str, Any]], side: str = "right", fixed: int | None = None,
-            mlm: bool = False) -> dict[str, torch.Tensor]:
+            mlm: bool = False, positions: bool = False) -> dict[str, torch.Tensor]:
     """Pad to the longest row (or ``fixed``) on ``side``; labels -100 on the padding and the
     prompt (causal LM), or on every token but every third answer token (masked LM, whose
-    input has the mask token there)."""
+    input has the mask token there). ``positions``: ``position_ids`` counted from each row's
+    first token (what makes left padding of any length give the same positions)."""
     n = fixed or max(len(it["ids"]) for it in items)
     ids = torch.full((len(items), n), PAD, dtype=torch.long)
     mask = torch.zeros(len(items), n, dtype=torch.long)
@@ -58,7 +59,10 @@ def collate(items: list[dict[str, Any]], side: str = "right", fixed: int | None 
         else:
             lab[:it["prompt"]] = -100
         ids[r, cols], mask[r, cols], labels[r, cols] = tokens, 1, lab
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if positions:
+        batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    return batch
 
 
 def llama(tie: bool = False) -> nn.Module:
@@ -114,7 +118,7 @@ def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler
 
 def _collate(kw: dict[str, Any]) -> Any:
     return partial(collate, side=kw.get("side", "right"), fixed=kw.get("fixed"),
-                   mlm=kw.get("mlm", False))
+                   mlm=kw.get("mlm", False), positions=kw.get("positions", False))
 
 
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor], loss: str) -> torch.Tensor:

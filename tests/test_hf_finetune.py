@@ -18,6 +18,7 @@ steps.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 
@@ -49,10 +50,72 @@ def _check(world: int, jobs: list, timeout: float) -> None:
         _assert_matches(W.reference(model, kw), result)
 
 
+def test_causal_lm_loop_under_two_rank_layouts():
+    """The model's own loss under DDP (left padding, RoPE), ZeRO-1 and ZeRO-3 with gradient
+    accumulation (GPT-2, tied head), the hand-written shifted loss under tensor parallelism
+    (vocabulary-parallel tied head), and a pipeline (left padding to a fixed length, the tied
+    head on the other stage); GPT-2 left-padded per replica with the collate's position_ids."""
+    jobs = [("dp=2", "llama", {"side": "left"}),
+            ("dp_shard=2,zero=1", "gpt2", {}),
+            ("dp_shard=2,zero=3,grad_accum=2", "gpt2", {}),
+            ("tp=2", "llama_tied", {"loss": "shifted"}),
+            ("pp=2,mb=2", "llama_tied", {"fixed": 12, "side": "left"}),
+            ("dp=2", "gpt2", {"side": "left", "positions": True})]
+    _check(2, jobs, timeout=300)
+
+
 def test_data_parallel_tensor_parallel_and_evaluation_between_steps():
     """Replicated data parallelism over tensor-parallel shards (FSDP2's replicate, which keeps
-    the gathered weights after a forward) and ZeRO-2 over them: the blocks' norms, which tensor
-    parallelism leaves whole, get their gradient in the step after an evaluation too."""
-    jobs = [("dp=2,tp=2", "gpt2", {}),
-            ("dp_shard=2,zero=2,tp=2", "llama", {"side": "left"})]
-    _check(4, jobs, timeout=300)
+    the gathered weights after a forward): the blocks' norms, which tensor parallelism leaves
+    whole, get their gradient in the step after an evaluation too."""
+    _check(4, [("dp=2,tp=2", "gpt2", {})], timeout=300)
+
+
+@pytest.mark.slow
+def test_more_layouts_and_a_masked_lm():
+    """ZeRO-2 with accumulation, sequence parallelism (a fixed length tp divides), the pipeline
+    with GPT-2's own loss and 4 microbatches, and BERT's masked LM (left padding with
+    position_ids) under DDP, tensor parallelism and ZeRO-3."""
+    jobs = [("dp_shard=2,zero=2,grad_accum=2", "llama", {}),
+            ("tp=2,sp=true", "gpt2", {"fixed": 12}),
+            ("tp=2,sp=true", "llama", {"fixed": 12, "side": "left"}),
+            ("pp=2,mb=4", "gpt2", {"fixed": 12}),
+            ("dp=2", "bert", {"mlm": True, "side": "left", "positions": True}),
+            ("tp=2", "bert", {"mlm": True}),
+            ("dp_shard=2,zero=3", "bert", {"mlm": True})]
+    _check(2, jobs, timeout=600)
+
+
+@pytest.mark.slow
+def test_four_rank_compositions():
+    """ZeRO-2 and ZeRO-3 over tensor-parallel shards (with SP), and a pipeline over two data
+    replicas."""
+    jobs = [("dp_shard=2,zero=2,tp=2", "llama", {"side": "left"}),
+            ("dp_shard=2,zero=3,tp=2,sp=true", "llama_tied", {"fixed": 12}),
+            ("pp=2,dp=2,mb=2", "gpt2", {"fixed": 12})]
+    _check(4, jobs, timeout=600)
+
+
+def _loader_warnings(collate, dp_size: int = 2) -> list[str]:
+    from plait.data.loader import DistributedLoader
+
+    loader = DistributedLoader(W.dataset(), W.BATCH, dp_size=dp_size, steps=2, collate_fn=collate)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        list(loader)
+    return [str(w.message) for w in caught]
+
+
+def test_left_padding_per_replica_is_named():
+    """Each replica pads its rows to its own longest, so left padding puts a row's tokens at
+    other positions than one device's batch: said once, with the fix. Not said with
+    position_ids, right padding, a fixed length or one replica."""
+    from functools import partial
+
+    (said,) = _loader_warnings(partial(W.collate, side="left"))
+    assert "left-padded without 'position_ids'" in said and "position_ids from the collate_fn" \
+        in said, said
+    for quiet in (partial(W.collate, side="left", positions=True), W.collate,
+                  partial(W.collate, side="left", fixed=12)):
+        assert _loader_warnings(quiet) == []
+    assert _loader_warnings(partial(W.collate, side="left"), dp_size=1) == []
