@@ -181,8 +181,23 @@ def finetune(rank: int, world_size: int, jobs: list[tuple[str, str, dict[str, An
                                   collate_fn=col)
                 evals.append(float(run.evaluate(net, next(iter(held)), loss_fn)))
         state = run.full_state_dict(net)
+        saved = str(run.save(kw["save"])) if "save" in kw else None
+        generated = None
+        if kw.get("generate"):  # the documented way: a one-device copy of the trained model
+            single = MODELS[model]()
+            single.load_state_dict(state)
+            generated = generate(single)
         run.close()
         out.append({"plan": plan, "model": model, "losses": losses, "evals": evals,
-                    "state": state if rank == 0 else None,
-                    "warnings": [str(w.message) for w in caught]})
+                    "state": state if rank == 0 else None, "saved": saved,
+                    "generated": generated, "warnings": [str(w.message) for w in caught]})
     return out
+
+
+def generate(model: nn.Module) -> list[list[int]]:
+    """Greedy continuation of two left-padded prompts of different lengths."""
+    ids = torch.tensor([[PAD, PAD, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = (ids != PAD).long()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                         pad_token_id=PAD)
+    return out.tolist()

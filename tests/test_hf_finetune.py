@@ -21,6 +21,7 @@ import importlib.util
 import warnings
 
 import pytest
+import torch
 
 from plait.spawn import run_distributed
 from tests import _workers_hf as W
@@ -69,6 +70,30 @@ def test_data_parallel_tensor_parallel_and_evaluation_between_steps():
     the gathered weights after a forward): the blocks' norms, which tensor parallelism leaves
     whole, get their gradient in the step after an evaluation too."""
     _check(4, [("dp=2,tp=2", "gpt2", {})], timeout=300)
+
+
+def test_checkpoint_exports_to_a_hugging_face_folder_and_generates(tmp_path):
+    """Trained under ZeRO-3 (GPT-2, its head tied): ``run.save``, then ``plait export`` to a
+    Hugging Face folder, which ``from_pretrained`` loads into the one-device model's weights,
+    tie included; ``model.generate`` on a one-device copy from ``run.full_state_dict`` gives
+    the one-device model's tokens."""
+    import transformers
+
+    from plait.checkpoint.export import export
+
+    kw = {"save": str(tmp_path / "ckpt"), "generate": True}
+    (got,) = run_distributed(W.finetune, 2, [("dp_shard=2,zero=3", "gpt2", kw)],
+                             timeout=300)[0]
+    ref = W.reference("gpt2", kw)
+    _assert_matches(ref, got)
+    export(got["saved"], tmp_path / "hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    held = W.collate(W.dataset(4, seed=3))
+    model = ref["model"].eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**held).logits, model(**held).logits)
+    assert got["generated"] == W.generate(model)
 
 
 @pytest.mark.slow
