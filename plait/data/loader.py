@@ -9,6 +9,7 @@ device gets the whole global batch, and resuming at step k needs nothing but k.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -57,6 +58,7 @@ class DistributedLoader:
         self.step = start_step
         self.batches_per_epoch = len(dataset) // batch_size  # type: ignore[arg-type]
         self._cached: tuple[tuple[int, int], torch.Tensor] | None = None  # (seed, epoch), order
+        self._warned_left_padding = False
 
     def _end(self) -> int:
         """The step after the last one this loader yields."""
@@ -96,7 +98,10 @@ class DistributedLoader:
         mine = idx[self.dp_rank * self.local_batch_size:(self.dp_rank + 1) * self.local_batch_size]
         items = [self.dataset[int(i)] for i in mine]
         if self.collate_fn is not default_collate:
-            return self.collate_fn(items)
+            batch = self.collate_fn(items)
+            if self.dp_size > 1 and not self._warned_left_padding:
+                self._warned_left_padding = _warn_left_padding(batch, self.dp_size)
+            return batch
         try:
             return default_collate(items)
         except RuntimeError as exc:
@@ -118,6 +123,33 @@ class DistributedLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step, self.seed = int(state["step"]), int(state["seed"])
+
+
+def _warn_left_padding(batch: Any, dp_size: int) -> bool:
+    """Warn (and return True) when ``batch`` is left-padded to its own longest row and gives
+    no ``position_ids``: each data replica pads its rows to its own longest, so a row's tokens
+    sit further right than in one device's batch (padded to the global batch's longest). A
+    model that numbers positions from the start of the row (GPT-2's and BERT's learned
+    positions) then sees other positions and trains something else; relative positions (RoPE)
+    do not notice, and ``position_ids`` from the mask make every model agree."""
+    inputs = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    if not isinstance(inputs, dict) or "position_ids" in inputs:
+        return False
+    mask = inputs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[1] < 2:
+        return False
+    first, last = mask[:, 0] != 0, mask[:, -1] != 0
+    # Left padding (every row ends with a token), to this batch's longest row (one row fills
+    # it; a batch padded to a fixed length leaves every row padding, whatever the replica).
+    if not (bool(last.all()) and bool(first.any()) and not bool(first.all())):
+        return False
+    warnings.warn(f"plait: the batches are left-padded without 'position_ids': each of the "
+                  f"{dp_size} data replicas pads its rows to its own longest, so a row's "
+                  f"tokens sit at other positions than in one device's batch, and a model "
+                  f"with absolute positions (GPT-2, BERT) trains something else. Give "
+                  f"position_ids from the collate_fn (attention_mask.cumsum(-1) - 1, "
+                  f"clamped at 0), pad on the right, or pad to a fixed length", stacklevel=4)
+    return True
 
 
 def _check_map_style(dataset: Any) -> None:

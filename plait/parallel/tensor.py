@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import (
     DTensor,
     Partial,
@@ -829,29 +830,50 @@ def replicate_rest(module: nn.Module, mesh: DeviceMesh,
     # Each module's hooks swap its whole subtree: a forward may read a child's weight without
     # calling the child (nn.MultiheadAttention reads ``self.out_proj.weight``), and FSDP2
     # gathers the child's parameters with the parent's unit. Modules that own none of them
-    # only swap (a call with DTensor inputs is left to the owners below).
+    # only swap (a call with DTensor inputs is left to the owners below). Each entry carries
+    # the modules between the hooked module and the owner (see _compute_locally: a tensor
+    # inside an FSDP2 unit below is swapped by that unit's own call).
     for name, sub in module.named_modules():
         if name:
-            below = [e for n, own in owned.items()
+            below = [(*e, _chain(module, name, n)) for n, own in owned.items()
                      if n == name or n.startswith(name + ".") for e in own]
             if below:
                 _compute_locally(sub, mesh, below, on_dtensors=name in owned)
-    _compute_locally(module, mesh, [e for own in owned.values() for e in own], prepend=True)
+    _compute_locally(module, mesh, [(*e, _chain(module, "", n)) for n, own in owned.items()
+                                    for e in own], prepend=True)
+
+
+def _chain(root: nn.Module, above: str, owner: str) -> tuple[nn.Module, ...]:
+    """The modules of ``root`` below ``above`` (a module name, "" for ``root``) down to
+    ``owner`` (inclusive): ``above.a``, ``above.a.b``, ..., ``owner``."""
+    rest = owner[len(above):].lstrip(".") if above else owner
+    parts = rest.split(".") if rest else []
+    prefix = [above] if above else []
+    return tuple(root.get_submodule(".".join(prefix + parts[:i + 1]))
+                 for i in range(len(parts)))
 
 
 _outside_selective_checkpoint = outside_selective_checkpoint()
 
 
 def _compute_locally(module: nn.Module, mesh: DeviceMesh,
-                     entries: list[tuple[dict, str, bool]], *, prepend: bool = False,
-                     on_dtensors: bool = True) -> None:
+                     entries: list[tuple[dict, str, bool, tuple[nn.Module, ...]]], *,
+                     prepend: bool = False, on_dtensors: bool = True) -> None:
     """Hooks that run ``module``'s forward with the tensors ``entries`` name (a registry,
-    ``_parameters`` or ``_buffers``, a name in it, and whether its gradient is summed over
-    ``mesh``) swapped for their local tensors when they are replicated DTensors on ``mesh``
-    (not while FSDP2 holds them sharded), restored afterwards, also when the forward raises;
-    or, when a DTensor comes in, on DTensors with local outputs (``on_dtensors``; otherwise
-    such a call is left as it is). Entries are names, not tensors: FSDP2 registers a new
-    unsharded parameter under the same name each time it gathers one."""
+    ``_parameters`` or ``_buffers``, a name in it, whether its gradient is summed over
+    ``mesh``, and the modules from below ``module`` down to the registry's owner) swapped for
+    their local tensors when they are replicated DTensors on ``mesh`` (not while FSDP2 holds
+    them sharded), restored afterwards, also when the forward raises; or, when a DTensor comes
+    in, on DTensors with local outputs (``on_dtensors``; otherwise such a call is left as it
+    is). Entries are names, not tensors: FSDP2 registers a new unsharded parameter under the
+    same name each time it gathers one.
+
+    A tensor of an FSDP2 unit below ``module`` is left to that unit's own call, also when it
+    is whole already (a forward without backward, an evaluation, leaves units that do not
+    reshard after forward gathered: ZeRO-2, replicated DP over TP). Swapped here, before the
+    unit's pre-forward hook registers its post-backward hook, its gradient would be
+    accumulated after that hook has reduced the unit's gradients: never reduced, the sharded
+    parameter would have none, and the optimizer would skip it that step."""
     calls: list[tuple[bool, list[tuple[dict, str, Any, Any]]]] = []
 
     def enter(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -861,7 +883,7 @@ def _compute_locally(module: nn.Module, mesh: DeviceMesh,
                 # A module above swapped them for local tensors (its call had plain inputs);
                 # this call computes on DTensors (a LoRA layer's A reads a region's input), so
                 # they go back in as replicated DTensors for it, differentiably.
-                for registry, name, _ in entries:
+                for registry, name, *_ in entries:
                     t = registry.get(name)
                     if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
                         registry[name] = d = DTensor.from_local(t, mesh, [Replicate()],
@@ -876,9 +898,10 @@ def _compute_locally(module: nn.Module, mesh: DeviceMesh,
         # op count differ from the forward's, and backward fail ("aten.view.default
         # invocation index 7 ... not found in storage": a pre-norm block under tp=2,ac=op).
         with _outside_selective_checkpoint():
-            for registry, name, summed in entries:
+            for registry, name, summed, inner in entries:
                 t = registry.get(name)
-                if isinstance(t, DTensor) and t.device_mesh == mesh:
+                if (isinstance(t, DTensor) and t.device_mesh == mesh
+                        and not any(isinstance(m, FSDPModule) for m in inner)):
                     registry[name] = local = (_SumGradToLocal.apply(t) if summed
                                               else t.to_local())
                     saved.append((registry, name, t, local))

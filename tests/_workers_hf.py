@@ -1,0 +1,203 @@
+"""A Hugging Face user's fine-tuning loop, under plait and on one device (spawned processes
+import this module; tests/test_hf_finetune.py compares the two).
+
+The data is what a tokenizer and a collate function give: token sequences of different lengths,
+padded on the right or the left to the longest row of the batch (or to a fixed length, which a
+pipeline and sequence parallelism need), an ``attention_mask``, and ``labels`` that are -100 on
+the padding and on each row's prompt (a masked-LM variant labels every third answer token and
+replaces it by the mask token). The models are built from tiny configs (no download). The loop
+is the one the docs give: ``run.loader(dataset, batch_size, collate_fn=...)``,
+``run.step(model, batch, loss_fn, opt, scheduler)`` with the model's own loss
+(``loss_fn=None``) or a loss on its outputs, ``run.evaluate`` on held-out data after every
+step, ``run.full_state_dict`` at the end.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, BATCH, STEPS, LR = 64, 8, 2, 0.1
+PAD, MASK = 0, 1  # token ids the data never draws otherwise
+
+
+def dataset(n: int = 32, seed: int = 0, longest: int = 12) -> list[dict[str, Any]]:
+    """Token sequences of 4..``longest`` tokens, each with a prompt of 1..len-2 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for _ in range(n):
+        length = int(torch.randint(4, longest + 1, (1,), generator=g))
+        prompt = int(torch.randint(1, length - 1, (1,), generator=g))
+        items.append({"ids": torch.randint(2, VOCAB, (length,), generator=g), "prompt": prompt})
+    return items
+
+
+def collate(items: list[dict[str, Any]], side: str = "right", fixed: int | None = None,
+            mlm: bool = False, positions: bool = False) -> dict[str, torch.Tensor]:
+    """Pad to the longest row (or ``fixed``) on ``side``; labels -100 on the padding and the
+    prompt (causal LM), or on every token but every third answer token (masked LM, whose
+    input has the mask token there). ``positions``: ``position_ids`` counted from each row's
+    first token (what makes left padding of any length give the same positions)."""
+    n = fixed or max(len(it["ids"]) for it in items)
+    ids = torch.full((len(items), n), PAD, dtype=torch.long)
+    mask = torch.zeros(len(items), n, dtype=torch.long)
+    labels = torch.full((len(items), n), -100, dtype=torch.long)
+    for r, it in enumerate(items):
+        length = len(it["ids"])
+        cols = slice(0, length) if side == "right" else slice(n - length, n)
+        tokens, lab = it["ids"].clone(), it["ids"].clone()
+        if mlm:
+            picked = torch.zeros(length, dtype=torch.bool)
+            picked[it["prompt"]::3] = True
+            lab[~picked] = -100
+            tokens[picked] = MASK
+        else:
+            lab[:it["prompt"]] = -100
+        ids[r, cols], mask[r, cols], labels[r, cols] = tokens, 1, lab
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if positions:
+        batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    return batch
+
+
+def llama(tie: bool = False) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        tie_word_embeddings=tie, pad_token_id=PAD, bos_token_id=2, eos_token_id=3))
+
+
+def llama_tied() -> nn.Module:
+    return llama(tie=True)
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=PAD, bos_token_id=2, eos_token_id=3))
+
+
+def bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=PAD))
+
+
+MODELS = {"llama": llama, "llama_tied": llama_tied, "gpt2": gpt2, "bert": bert}
+
+
+def shifted_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """The causal-LM loss written by hand on the model's outputs (a lambda in a user's loop)."""
+    logits = out.logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                           labels[:, 1:].reshape(-1))
+
+
+LOSSES = {"own": None, "shifted": shifted_loss}
+
+
+def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """Warm-up over two steps, then decay: every step has another learning rate."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2) * 0.8 ** s)
+
+
+def _collate(kw: dict[str, Any]) -> Any:
+    return partial(collate, side=kw.get("side", "right"), fixed=kw.get("fixed"),
+                   mlm=kw.get("mlm", False), positions=kw.get("positions", False))
+
+
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor], loss: str) -> torch.Tensor:
+    if loss == "own":
+        return model(**batch).loss
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return LOSSES[loss](model(**inputs), batch["labels"])
+
+
+def reference(model: str, kw: dict[str, Any]) -> dict[str, Any]:
+    """One device, no plait: the same global batches (the loader's draw for one replica),
+    forward on the whole batch, torch's clipping at 1.0, SGD and the scheduler; the held-out
+    loss in eval mode under no_grad after every step."""
+    from plait.data.loader import DistributedLoader
+
+    net = MODELS[model]()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    sched = schedule(opt)
+    col, loss = _collate(kw), kw.get("loss", "own")
+    held = next(iter(DistributedLoader(dataset(16, seed=1), BATCH, steps=1, collate_fn=col)))
+    losses, evals = [], []
+    for batch in DistributedLoader(dataset(), BATCH, steps=kw.get("steps", STEPS),
+                                   collate_fn=col):
+        value = _loss(net, batch, loss)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(float(value.detach()))
+        net.eval()
+        with torch.no_grad():
+            evals.append(float(_loss(net, held, loss)))
+        net.train()
+    return {"losses": losses, "evals": evals, "model": net,
+            "state": {k: v.detach().clone() for k, v in net.state_dict().items()}}
+
+
+def finetune(rank: int, world_size: int, jobs: list[tuple[str, str, dict[str, Any]]]
+             ) -> list[dict[str, Any]]:
+    """Each (plan, model name, options) trained as the user's loop does under plait, in one
+    process group; per job the step losses, the held-out losses, rank 0's full state and the
+    warnings."""
+    from plait.runtime import init
+
+    out = []
+    for plan, model, kw in jobs:
+        col, loss_fn = _collate(kw), LOSSES[kw.get("loss", "own")]
+        run = init(plan, quiet=True, log_every=1000)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            net = run.parallelize(MODELS[model]())
+            opt = torch.optim.SGD(net.parameters(), lr=LR)
+            sched = schedule(opt)
+            losses, evals = [], []
+            for batch in run.loader(dataset(), BATCH, steps=kw.get("steps", STEPS),
+                                    collate_fn=col):
+                losses.append(float(run.step(net, batch, loss_fn, opt, sched)))
+                held = run.loader(dataset(16, seed=1), BATCH, steps=1, evaluation=True,
+                                  collate_fn=col)
+                evals.append(float(run.evaluate(net, next(iter(held)), loss_fn)))
+        state = run.full_state_dict(net)
+        saved = str(run.save(kw["save"])) if "save" in kw else None
+        generated = None
+        if kw.get("generate"):  # the documented way: a one-device copy of the trained model
+            single = MODELS[model]()
+            single.load_state_dict(state)
+            generated = generate(single)
+        run.close()
+        out.append({"plan": plan, "model": model, "losses": losses, "evals": evals,
+                    "state": state if rank == 0 else None, "saved": saved,
+                    "generated": generated, "warnings": [str(w.message) for w in caught]})
+    return out
+
+
+def generate(model: nn.Module) -> list[list[int]]:
+    """Greedy continuation of two left-padded prompts of different lengths."""
+    ids = torch.tensor([[PAD, PAD, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = (ids != PAD).long()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                         pad_token_id=PAD)
+    return out.tolist()

@@ -1,0 +1,146 @@
+"""A Hugging Face user's fine-tuning loop under plait equals the same loop on one device.
+
+Causal LMs (Llama with rotary positions, its head untied and tied; GPT-2 with learned positions
+and its head tied) and a BERT masked LM, built from tiny configs; dict batches from a collate
+function (variable lengths padded right or left, ``attention_mask``, labels -100 on padding
+and prompts); the model's own loss (``loss_fn=None``) or a hand-written shifted loss on its
+outputs; an LR scheduler; gradient accumulation; ``run.evaluate`` on held-out data after every
+step. Workers and the one-device loop: tests/_workers_hf.py.
+
+Tolerance: 1e-6 relative on every step's loss and held-out loss, and on every tensor of the
+final state 1e-6 relative to the tensor's largest entry (at least 1e-2): fp32 sums in another
+order, nothing more. SGD: Adam turns gradient rounding noise (an attention key bias, whose
+gradient is zero in exact arithmetic) into steps of +-lr, so it cannot be held to fp32 level;
+one device splitting its own batch in two moves GPT-2's key bias by 2e-4 relative after 3 AdamW
+steps.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import pytest
+import torch
+
+from plait.spawn import run_distributed
+from tests import _workers_hf as W
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason="transformers is not installed (pip install plait[hf])")
+
+REL, FLOOR = 1e-6, 1e-2
+
+
+def _assert_matches(ref: dict, got: dict) -> None:
+    label = (got["plan"], got["model"])
+    for what in ("losses", "evals"):
+        for step, (a, b) in enumerate(zip(ref[what], got[what], strict=True)):
+            assert abs(a - b) <= REL * abs(a), (*label, what, step, a, b)
+    for name, want in ref["state"].items():
+        assert name in got["state"], (*label, name, sorted(got["state"]))
+        if not want.is_floating_point():
+            continue
+        diff = (got["state"][name] - want).abs().max().item()
+        assert diff <= REL * max(want.abs().max().item(), FLOOR), (*label, name, diff)
+
+
+def _check(world: int, jobs: list, timeout: float) -> None:
+    got = run_distributed(W.finetune, world, jobs, timeout=timeout)[0]
+    for (_, model, kw), result in zip(jobs, got, strict=True):
+        _assert_matches(W.reference(model, kw), result)
+
+
+def test_causal_lm_loop_under_two_rank_layouts():
+    """The model's own loss under DDP (left padding, RoPE), ZeRO-1 and ZeRO-3 with gradient
+    accumulation (GPT-2, tied head), the hand-written shifted loss under tensor parallelism
+    (vocabulary-parallel tied head), and a pipeline (left padding to a fixed length, the tied
+    head on the other stage); GPT-2 left-padded per replica with the collate's position_ids."""
+    jobs = [("dp=2", "llama", {"side": "left"}),
+            ("dp_shard=2,zero=1", "gpt2", {}),
+            ("dp_shard=2,zero=3,grad_accum=2", "gpt2", {}),
+            ("tp=2", "llama_tied", {"loss": "shifted"}),
+            ("pp=2,mb=2", "llama_tied", {"fixed": 12, "side": "left"}),
+            ("dp=2", "gpt2", {"side": "left", "positions": True})]
+    _check(2, jobs, timeout=300)
+
+
+def test_data_parallel_tensor_parallel_and_evaluation_between_steps():
+    """Replicated data parallelism over tensor-parallel shards (FSDP2's replicate, which keeps
+    the gathered weights after a forward): the blocks' norms, which tensor parallelism leaves
+    whole, get their gradient in the step after an evaluation too."""
+    _check(4, [("dp=2,tp=2", "gpt2", {})], timeout=300)
+
+
+def test_checkpoint_exports_to_a_hugging_face_folder_and_generates(tmp_path):
+    """Trained under ZeRO-3 (GPT-2, its head tied): ``run.save``, then ``plait export`` to a
+    Hugging Face folder, which ``from_pretrained`` loads into the one-device model's weights,
+    tie included; ``model.generate`` on a one-device copy from ``run.full_state_dict`` gives
+    the one-device model's tokens."""
+    import transformers
+
+    from plait.checkpoint.export import export
+
+    kw = {"save": str(tmp_path / "ckpt"), "generate": True}
+    (got,) = run_distributed(W.finetune, 2, [("dp_shard=2,zero=3", "gpt2", kw)],
+                             timeout=300)[0]
+    ref = W.reference("gpt2", kw)
+    _assert_matches(ref, got)
+    export(got["saved"], tmp_path / "hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    held = W.collate(W.dataset(4, seed=3))
+    model = ref["model"].eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**held).logits, model(**held).logits)
+    assert got["generated"] == W.generate(model)
+
+
+@pytest.mark.slow
+def test_more_layouts_and_a_masked_lm():
+    """ZeRO-2 with accumulation, sequence parallelism (a fixed length tp divides), the pipeline
+    with GPT-2's own loss and 4 microbatches, and BERT's masked LM (left padding with
+    position_ids) under DDP, tensor parallelism and ZeRO-3."""
+    jobs = [("dp_shard=2,zero=2,grad_accum=2", "llama", {}),
+            ("tp=2,sp=true", "gpt2", {"fixed": 12}),
+            ("tp=2,sp=true", "llama", {"fixed": 12, "side": "left"}),
+            ("pp=2,mb=4", "gpt2", {"fixed": 12}),
+            ("dp=2", "bert", {"mlm": True, "side": "left", "positions": True}),
+            ("tp=2", "bert", {"mlm": True}),
+            ("dp_shard=2,zero=3", "bert", {"mlm": True})]
+    _check(2, jobs, timeout=600)
+
+
+@pytest.mark.slow
+def test_four_rank_compositions():
+    """ZeRO-2 and ZeRO-3 over tensor-parallel shards (with SP), and a pipeline over two data
+    replicas."""
+    jobs = [("dp_shard=2,zero=2,tp=2", "llama", {"side": "left"}),
+            ("dp_shard=2,zero=3,tp=2,sp=true", "llama_tied", {"fixed": 12}),
+            ("pp=2,dp=2,mb=2", "gpt2", {"fixed": 12})]
+    _check(4, jobs, timeout=600)
+
+
+def _loader_warnings(collate, dp_size: int = 2) -> list[str]:
+    from plait.data.loader import DistributedLoader
+
+    loader = DistributedLoader(W.dataset(), W.BATCH, dp_size=dp_size, steps=2, collate_fn=collate)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        list(loader)
+    return [str(w.message) for w in caught]
+
+
+def test_left_padding_per_replica_is_named():
+    """Each replica pads its rows to its own longest, so left padding puts a row's tokens at
+    other positions than one device's batch: said once, with the fix. Not said with
+    position_ids, right padding, a fixed length or one replica."""
+    from functools import partial
+
+    (said,) = _loader_warnings(partial(W.collate, side="left"))
+    assert "left-padded without 'position_ids'" in said and "position_ids from the collate_fn" \
+        in said, said
+    for quiet in (partial(W.collate, side="left", positions=True), W.collate,
+                  partial(W.collate, side="left", fixed=12)):
+        assert _loader_warnings(quiet) == []
+    assert _loader_warnings(partial(W.collate, side="left"), dp_size=1) == []
