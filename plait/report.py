@@ -115,10 +115,14 @@ def format_summary(info: dict[str, Any]) -> str:
     elif info.get("samples_per_s"):
         lines.append(f"throughput      {info['samples_per_s']:,.0f} samples/s")
     mean = info.get("mean_step_time_s")
-    lines.append(f"step time       {1000 * info['step_time_s']:.1f} ms (median)"
-                 + (f", {1000 * mean:.1f} ms (mean)" if mean else "")
-                 + (f", after {info['warmup_steps']} warm-up step"
-                    f"{'s' * (info['warmup_steps'] > 1)}" if info.get("warmup_steps") else ""))
+    if not info["steps"]:  # resumed at the last step: nothing was timed
+        lines.append("step time       - (no step ran)")
+    else:
+        lines.append(f"step time       {1000 * info['step_time_s']:.1f} ms (median)"
+                     + (f", {1000 * mean:.1f} ms (mean)" if mean else "")
+                     + (f", after {info['warmup_steps']} warm-up step"
+                        f"{'s' * (info['warmup_steps'] > 1)}" if info.get("warmup_steps")
+                        else ""))
     peaks = [m["peak_rss_bytes"] / 2**20 for m in info["memory_per_rank"]]
     lines.append("peak host RSS   " + ", ".join(f"r{i}: {p:,.0f} MiB" for i, p in enumerate(peaks)))
     dev = [m.get("peak_device_bytes") for m in info["memory_per_rank"]]

@@ -715,9 +715,14 @@ class Run:
             self.print(report.format_summary(info))
             if "comm_table" in info:
                 steps = max(0, len(self.stats.step_times) - self.ledger_warmup)
-                self.print(f"--- communication ledger: per rank per step, {steps} "
-                           f"step{'s' * (steps != 1)} measured ---")
-                self.print(info["comm_table"])
+                if steps:
+                    self.print(f"--- communication ledger: per rank per step, {steps} "
+                               f"step{'s' * (steps != 1)} measured ---")
+                    self.print(info["comm_table"])
+                else:  # a table of zeros beside the expected bytes would read as a fault
+                    self.print(f"--- communication ledger: no step measured (the first "
+                               f"{self.ledger_warmup} carry one-off traffic and are not "
+                               f"counted); train more than {self.ledger_warmup} steps ---")
             if memory is not None:
                 from .memory import format_memory_report
 

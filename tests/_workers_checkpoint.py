@@ -197,3 +197,24 @@ def batchnorm_state(rank: int, world: int, plan: str, folder: str, save: bool
     else:
         run.close()
     return state
+
+
+def torch_warnings_during_save(rank: int, world: int, plan: str, folder: str) -> list[str]:
+    """The warnings torch's DTensor redistribution logs while ``plan`` trains a step and saves:
+    the README's ``plait run --nproc 4 train.py --plan dp=2,tp=2`` with ``checkpoint=``."""
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    keep = Keep(logging.WARNING)
+    logger.addHandler(keep)
+    try:
+        save_under(rank, world, plan, folder, steps=1)
+    finally:
+        logger.removeHandler(keep)
+    return seen

@@ -7,6 +7,9 @@ The exact-bytes tests train through plait's own runtime, via ``plait comm``'s wo
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import torch
 
 from plait.comm.ledger import Ledger
@@ -128,3 +131,21 @@ def gate_order(rank: int, world: int) -> list[str]:
     events.append("all_reduce")
     disarm_gate(gate)
     return events
+
+
+def ledger_summary(rank: int, world: int, steps: int) -> str:
+    """What ``run.finish()`` prints under ``plait.init(ledger=True)`` after ``steps`` steps
+    (rank 0's text; the others print nothing)."""
+    import plait
+    from plait.data import TextDataset
+    from plait.models.transformer import build, lm_loss
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run = plait.init(f"dp={world}", ledger=True)
+        model = run.parallelize(build(MODEL))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for batch in run.loader(TextDataset(seq_len=SEQ), batch_size=BATCH * world, steps=steps):
+            run.step(model, batch, lm_loss, opt)
+        run.finish()
+    return out.getvalue()

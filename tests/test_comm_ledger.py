@@ -248,3 +248,13 @@ def test_a_gate_runs_once_before_the_next_collective():
     for events in run_distributed(W.gate_order, 2, timeout=120):
         assert events == ["armed", "gate", "all_reduce", "all_reduce", "gate", "barrier",
                           "all_reduce"]
+
+
+def test_a_run_shorter_than_the_ledger_warm_up_says_nothing_was_measured():
+    """The ledger counts the steps after its warm-up; a run that ends before (an example run
+    with --steps 2) printed a table of zeros at ratio 0.000 beside the expected bytes."""
+    text = run_distributed(W.ledger_summary, 2, 2, timeout=180)[0]
+    assert "no step measured" in text and "train more than 2 steps" in text, text
+    assert "0.000" not in text, text
+    text = run_distributed(W.ledger_summary, 2, 3, timeout=180)[0]
+    assert "per rank per step, 1 step measured" in text and "1.000" in text, text

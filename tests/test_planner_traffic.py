@@ -112,7 +112,8 @@ def test_tp_traffic_per_block_and_ends():
     assert sum(t.calls for t in full) == 5 and sum(t.payload for t in full) == 5 * act
     ends = tp_end_traffic(2, 8, 16, 2, "fp32", True, embed=True, head=True)
     calls = {(t.op, t.what): t.calls for t in ends}
-    assert calls[("all_gather", "")] == 2 and calls[("reduce_scatter", "")] == 2
+    ends_what = "embedding output + head input grad"
+    assert calls[("all_gather", ends_what)] == 2 and calls[("reduce_scatter", ends_what)] == 2
     assert calls[("all_reduce", "loss_parallel")] == 3
     assert tp_block_traffic(2, 8, 16, 1, "fp32", True) == []
 

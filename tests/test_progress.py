@@ -246,3 +246,13 @@ def test_tokens_per_step_sum_what_each_data_rank_kept(spec):
             for step in range(3)]
     assert want != [2 * int(_masked_batch(s, 0)[0]["attention_mask"].sum()) for s in range(3)]
     assert out[0] == want and out[1] == want
+
+
+def test_a_run_with_no_steps_left_says_so_instead_of_a_nan_step_time():
+    """A run resumed from a checkpoint at its last step trains nothing (the README's commands
+    run one after another on one ckpt/ do): its summary says no step ran, not 'nan ms'."""
+    info = report.summarize(Plan(), StepStats(), [{"peak_rss_bytes": 1.0}], world_size=1,
+                            accelerator="cpu", wall_s=1.0)
+    text = report.format_summary(info)
+    assert "nan" not in text, text
+    assert "step time       - (no step ran)" in text, text

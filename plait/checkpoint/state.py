@@ -44,6 +44,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from .._torch_compat import is_strided
 from ..parallel.layout import layout_of, local_modules
+from ..parallel.tp_record import quiet_logger
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _GROUPS = "param_groups."
@@ -175,7 +176,11 @@ def _whole(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     for key, value in state.items():
         if any(is_strided(p) for p in getattr(value, "placements", ())):
             live[key] = value
-            value = value.full_tensor()
+            # Two all-gathers (one per mesh axis), which torch logs on every rank as
+            # "suboptimal ... may give inconsistent results between ranks due to different
+            # reduction orders": a gather reduces nothing, and a save is not the step.
+            with quiet_logger("torch.distributed.tensor._redistribute"):
+                value = value.full_tensor()
         out[key] = value
     return out, live
 

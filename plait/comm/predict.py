@@ -290,10 +290,10 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
         # fractional, which Traffic's int annotation does not foresee
         r: Any = recomputed
         if sp:
-            out += [Traffic("tp", "all_gather", act * 2 * r, 2 * r, tp),
-                    Traffic("tp", "reduce_scatter", act * r, r, tp)]
+            out += [Traffic("tp", "all_gather", act * 2 * r, 2 * r, tp, "checkpoint replay"),
+                    Traffic("tp", "reduce_scatter", act * r, r, tp, "checkpoint replay")]
         else:
-            out.append(Traffic("tp", "all_reduce", act * r, r, tp))
+            out.append(Traffic("tp", "all_reduce", act * r, r, tp, "checkpoint replay"))
     return out
 
 
@@ -306,13 +306,14 @@ def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, emb
         return []
     act = float(b) * s * h * dtype_bytes(dtype)
     ends = int(embed) + int(head)
+    ends_what = " + ".join(["embedding output"] * embed + ["head input grad"] * head)
     out = []
     if ends:
         if sp:
-            out += [Traffic("tp", "all_gather", act * ends, ends, tp),
-                    Traffic("tp", "reduce_scatter", act * ends, ends, tp)]
+            out += [Traffic("tp", "all_gather", act * ends, ends, tp, ends_what),
+                    Traffic("tp", "reduce_scatter", act * ends, ends, tp, ends_what)]
         else:
-            out.append(Traffic("tp", "all_reduce", act * ends, ends, tp))
+            out.append(Traffic("tp", "all_reduce", act * ends, ends, tp, ends_what))
     if head:
         out.append(Traffic("tp", "all_reduce", 3.0 * b * s * 4, 3, tp, "loss_parallel"))
         if sp:
