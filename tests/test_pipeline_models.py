@@ -231,6 +231,7 @@ def test_blocks_that_do_not_form_a_chain_are_refused():
 
     unguessable = M.DenseMoE(needs_temperature=True)
     path, specs = plan_stages(unguessable, plan)  # no verdict without the second input
+    assert not specs[0].chained
     laid = stage_inputs(((torch.randn(4, 8), torch.tensor(2.0)), torch.randn(4, 6)),
                         F.mse_loss, inspect.signature(unguessable.forward), "DenseMoE")
     with pytest.raises(ValueError, match=refusal):
@@ -247,12 +248,18 @@ def test_blocks_fed_through_the_parent_are_a_chain():
 
     model = M.chained_by_the_parent()
     ids = torch.randint(0, M.VOCAB, (2, M.SEQ))
+    # Not broken; but two of its blocks could not be asked about: no verdict at the split,
+    # so the first step asks again (on the real inputs).
     assert chain_break(meta_replica(model), "blocks", ids.to("meta"), {}) is None
+    assert not plan_stages(model, Plan(pp=2, microbatches=2))[1][0].chained
+    # A plain chain is seen whole at the split, and the first step does not ask again.
+    assert chain_break(meta_replica(M.deep_mlp()), "", torch.randn(2, 12, device="meta"),
+                       {}) is True
+    assert plan_stages(M.deep_mlp(), Plan(pp=2, microbatches=2))[1][0].chained
     moe = meta_replica(M.dense_moe())
     assert chain_break(moe, "experts", torch.randn(2, 8, device="meta"), {}) == (
         "experts.0", "experts.1")
     assert moe.experts[0][0]._forward_hooks == {}  # the check leaves no hooks behind
-    plan_stages(model, Plan(pp=2, microbatches=2))
 
 
 @needs_hf

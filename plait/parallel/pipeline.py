@@ -508,10 +508,11 @@ def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
             return v.to("meta") if isinstance(v, torch.Tensor) else v
 
         x, kwargs = meta(inputs.first), {k: meta(v) for k, v in inputs.every.items()}
-        broken = chain_break(replica, path, x, kwargs)
-        if broken is not None:
-            raise ValueError(unchained_message(type(model).__name__, path or
-                                               type(model).__name__, broken))
+        if not specs[0].chained:  # not seen at the split: asked on the real inputs
+            broken = chain_break(replica, path, x, kwargs)
+            if isinstance(broken, tuple):
+                raise ValueError(unchained_message(type(model).__name__, path or
+                                                   type(model).__name__, broken))
         found = additive_by_running(replica, path, x, kwargs) if untraced else set()
         for spec in specs[:-1]:
             stage = build_stage_module(replica, path, spec)
@@ -622,7 +623,7 @@ class PipelinedModel(nn.Module):
 
 
 def pp_refusal(model: nn.Module, plan: Plan,
-               chains: dict[str, tuple[str, str] | None] | None = None) -> str | None:
+               chains: dict[str, tuple[str, str] | bool | None] | None = None) -> str | None:
     """Why ``model`` cannot be split as ``plan`` asks, or None: what :func:`apply_pipeline`
     would refuse before its first step (the split, every stage's module, a weight tied across
     stages one rank holds), asked before anything is laid out (the planner asks it about the

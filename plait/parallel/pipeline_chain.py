@@ -15,7 +15,8 @@ block is called, whether its input was computed from the previous block's marked
 answers only where it can tell: a block called with autograd off (inside a reentrant
 checkpoint or a custom ``autograd.Function``, whose outputs do not record how they were
 computed), an input without autograd history, or a forward that does not run on meta tensors
-gives no verdict, and the split goes ahead as before.
+gives no verdict, and the split goes ahead as before; what a forward at the split saw chain
+whole is not asked again at the first step.
 """
 
 from __future__ import annotations
@@ -99,23 +100,27 @@ def _reaches(x: torch.Tensor, leaves: list[torch.Tensor]) -> bool | None:
     return False
 
 
-def _ask(outputs: dict[int, list[torch.Tensor]], index: int, module: nn.Module, args: tuple,
-         kwargs: dict[str, Any]) -> None:
+def _ask(outputs: dict[int, list[torch.Tensor]], asked: list[int], index: int,
+         module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     leaves = outputs.get(index - 1)
     if not leaves or not torch.is_grad_enabled():
         return
     x = args[0] if args else kwargs.get("hidden_states")
-    if isinstance(x, torch.Tensor) and _reaches(x, leaves) is False:
+    verdict = _reaches(x, leaves) if isinstance(x, torch.Tensor) else None
+    if verdict is False:
         raise _BrokenChainError(index - 1, index)
+    if verdict:
+        asked.append(index)
 
 
 def chain_break(replica: nn.Module, path: str, x: Any, kwargs: dict[str, Any]
-                ) -> tuple[str, str] | None:
+                ) -> tuple[str, str] | bool | None:
     """The names of the first two consecutive blocks at ``path`` of which the second is not fed
     by the first's output, in one forward of ``replica`` (a :func:`meta_replica`, whose
     parameters this makes trainable so that every activation records its history) on ``x``
-    and ``kwargs`` (meta tensors); None when the blocks chain or it cannot tell. A block
-    under several names (one layer applied several times) is not asked about."""
+    and ``kwargs`` (meta tensors); True when every block after the first was seen fed by the
+    one before; None when it cannot tell (for some block or all). A block under several names
+    (one layer applied several times) is not asked about."""
     container = replica.get_submodule(path) if path else replica
     named = [(k, m) for k, m in container._modules.items() if m is not None]
     names = [k for k, _ in named]
@@ -126,9 +131,10 @@ def chain_break(replica: nn.Module, path: str, x: Any, kwargs: dict[str, Any]
         if p.is_floating_point():
             p.requires_grad_(True)
     outputs: dict[int, list[torch.Tensor]] = {}
+    asked: list[int] = []
     handles = []
     for i, block in enumerate(blocks):
-        handles.append(block.register_forward_pre_hook(partial(_ask, outputs, i),
+        handles.append(block.register_forward_pre_hook(partial(_ask, outputs, asked, i),
                                                        with_kwargs=True))
         handles.append(block.register_forward_hook(partial(_mark, outputs, i)))
     prefix = f"{path}." if path else ""
@@ -142,7 +148,7 @@ def chain_break(replica: nn.Module, path: str, x: Any, kwargs: dict[str, Any]
     finally:
         for h in handles:
             h.remove()
-    return None
+    return True if set(asked) >= set(range(1, len(blocks))) else None
 
 
 def unchained_message(model_name: str, where: str, pair: tuple[str, str]) -> str:

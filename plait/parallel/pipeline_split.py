@@ -209,6 +209,9 @@ class StageSpec:
     # (hidden states, ...) and the caller takes [0]), 0 when it returns the hidden states: a
     # block's stand-in returns the same shape of value.
     block_tuple: int = 0
+    # Whether one meta-device forward at the split saw every block fed by the one before
+    # (:mod:`plait.parallel.pipeline_chain`); if not, the first step asks on its real inputs.
+    chained: bool = False
 
     @property
     def is_first(self) -> bool:
@@ -335,7 +338,7 @@ def observe_forward(model: nn.Module, path: str) -> tuple[frozenset[str] | None,
 
 
 def plan_stages(model: nn.Module, plan: Plan,
-                chains: dict[str, tuple[str, str] | None] | None = None
+                chains: dict[str, tuple[str, str] | bool | None] | None = None
                 ) -> tuple[str, list[StageSpec]]:
     """Where to cut: the block sequence's name and every global stage's block range.
     ``chains`` keeps what :func:`_unchained` found per block sequence, for a caller that asks
@@ -354,13 +357,13 @@ def plan_stages(model: nn.Module, plan: Plan,
                          f"module with a forward (a class whose forward calls its parts); or "
                          f"run with pp=1")
     if chains is not None and path in chains:
-        broken = chains[path]
+        chain = chains[path]
     else:
-        broken = _unchained(model, path)
+        chain = _unchained(model, path)
         if chains is not None:
-            chains[path] = broken
-    if broken is not None:
-        raise ValueError(unchained_message(type(model).__name__, where, broken))
+            chains[path] = chain
+    if isinstance(chain, tuple):
+        raise ValueError(unchained_message(type(model).__name__, where, chain))
     called, block_tuple = observe_forward(model, path)
     if n_stages > n_blocks:
         raise ValueError(f"pp={plan.pp} x virtual_stages={plan.virtual_stages} = {n_stages} "
@@ -399,15 +402,15 @@ def plan_stages(model: nn.Module, plan: Plan,
             last_extra = float(sum(_param_count(m) for m in after))
         bounds = block_bounds(balanced_partition(costs, n_stages, first_extra=first_extra,
                                                  last_extra=last_extra))
-    return path, [StageSpec(k, i, j, n_stages, called, block_tuple)
+    return path, [StageSpec(k, i, j, n_stages, called, block_tuple, chain is True)
                   for k, (i, j) in enumerate(bounds)]
 
 
-def _unchained(model: nn.Module, path: str) -> tuple[str, str] | None:
+def _unchained(model: nn.Module, path: str) -> tuple[str, str] | bool | None:
     """Two consecutive blocks at ``path`` of which the second is not fed by the first, seen in
     one meta-device forward on a guessed input (:func:`~plait.parallel.pipeline_chain.
-    chain_break`); None when they chain or when no input can be guessed. The first step asks
-    again on the real input's shapes."""
+    chain_break`); True when every block was seen fed by the one before; None when it cannot
+    tell (no input can be guessed): the first step then asks on the real inputs."""
     from .tp_infer import example_input
 
     with torch.random.fork_rng(devices=[]):  # the guess draws token ids: leave the RNG as it was
