@@ -15,8 +15,8 @@ block is called, whether its input was computed from the previous block's marked
 answers only where it can tell: a block called with autograd off (inside a reentrant
 checkpoint or a custom ``autograd.Function``, whose outputs do not record how they were
 computed), an input without autograd history, or a forward that does not run on meta tensors
-gives no verdict, and the split goes ahead as before; what a forward at the split saw chain
-whole is not asked again at the first step.
+gives no verdict, and the split goes ahead. Blocks a forward at the split saw chain whole are
+not asked about again at the first step.
 """
 
 from __future__ import annotations
