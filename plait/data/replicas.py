@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves
+
+from .._torch_compat import pytree
 
 
 def fingerprint(batch: Any) -> torch.Tensor:
@@ -24,7 +25,7 @@ def fingerprint(batch: Any) -> torch.Tensor:
     ``batch``, the sum of its values, of their squares, of each value weighted by its position
     (so that reordered rows differ), and the element count. Computed where the batch is."""
     total = torch.zeros(4, dtype=torch.float64)
-    for t in tree_leaves(batch):
+    for t in pytree()[0](batch)[0]:
         if not isinstance(t, torch.Tensor) or t.is_complex():
             continue
         flat = t.detach().reshape(-1).double()
