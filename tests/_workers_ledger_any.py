@@ -56,8 +56,9 @@ class TiedLM(nn.Module):
 
 
 class LoraLM(nn.Module):
-    """LoRA-like fine-tuning: the embedding and every block's ``base`` frozen, the low-rank
-    branches, the odd-sized Linears and the (untied) head train; the blocks in ``stack``."""
+    """LoRA-like fine-tuning: the embedding, the first block and every block's ``base`` frozen,
+    the other low-rank branches, odd-sized Linears and the (untied) head train; the blocks in
+    ``stack``. The first block is an FSDP2 unit with nothing to reduce."""
 
     def __init__(self, depth: int = 3) -> None:
         super().__init__()
@@ -65,6 +66,7 @@ class LoraLM(nn.Module):
         self.stack = nn.ModuleList(Block() for _ in range(depth))
         self.head = nn.Linear(WIDTH, VOCAB)
         self.embed.requires_grad_(False)
+        self.stack[0].requires_grad_(False)
         for block in self.stack:
             block.base.requires_grad_(False)
 

@@ -23,13 +23,12 @@ plait has laid the model out, so it is read off the laid-out model itself (``hel
 * Gradient clipping under ZeRO-2/3: ``get_total_norm`` over the DTensor gradients all-reduces
   one fp32 norm per gradient tensor on ``dp_shard``.
 
-Assumed, as for every closed form here: each forward calls every unit once, and every unit's
-output needs a gradient (it holds a trainable parameter or follows one; a frozen unit that
-only frozen ones precede is not gathered for backward, and the ratio shows it). Collectives the
-model issues itself (``SyncBatchNorm`` under ``sync_bn``, its own ``torch.distributed`` calls)
-are not predicted. Tensor and pipeline parallelism move activations, whose sizes need the
-model's shapes: those layouts are predicted for plait's reference transformer only
-(``plait.comm.predict``).
+Assumed, as for every closed form here: each forward calls every unit once (a unit with
+nothing to train, a frozen first block, is still gathered for backward under ZeRO-3: measured,
+ratio 1.000). Collectives the model issues itself (``SyncBatchNorm`` under ``sync_bn``, its own
+``torch.distributed`` calls) are not predicted. Tensor and pipeline parallelism move
+activations, whose sizes need the model's shapes: those layouts are predicted for plait's
+reference transformer only (``plait.comm.predict``).
 """
 
 from __future__ import annotations
