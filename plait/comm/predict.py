@@ -7,7 +7,8 @@ returned, built from a config, or the planner's share of a pipeline rank), and a
 that come from *how* plait's runtime trains rather than from the strategy, so that the
 prediction can be compared with the ledger row by row (ratio 1.000 on the runs
 tests/test_comm_ledger.py covers). The planner prices exactly these collectives
-(``dp_traffic``, ``tp_rank_traffic``, ``pp_rank_traffic``, ``clip_traffic``):
+(``dp_traffic``, ``tp_rank_traffic``, ``pp_rank_traffic``, ``clip_traffic``). Any other model
+is predicted under data parallelism alone, read off the laid-out model (``plait.comm.held``):
 
 * DDP (``plait.parallel.data``): one all-reduce of the fp32 gradients per optimizer step on
   ``dp_replicate`` (``no_sync`` while accumulating).
