@@ -407,6 +407,46 @@ def torch_dispatch_mode() -> type:
     return _resolve("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
+def fsdp_param_groups(module: Any) -> list[Any]:
+    """The parameter groups (``FSDPParamGroup``) of an ``FSDPModule`` (none for a unit without
+    parameters of its own), each checked for the members the ledger's closed form reads.
+
+    Why: ``plait.comm.held`` predicts the bytes of FSDP2's all-gathers and reduce-scatters from
+    what FSDP2 itself laid out, not from a re-derivation: a group's ``fsdp_params`` (each with
+    ``padded_sharded_param_size``, dim 0 padded to a multiple of the shard count, the size
+    FSDP2's flat buffers use; ``sharded_param``; ``orig_dtype``, ``param_dtype`` and
+    ``reduce_dtype``, the dtypes it gathers and reduces in), its ``mesh_info``
+    (``shard_mesh_size``) and ``post_forward_mesh_info`` (None when the unit stays gathered
+    from forward to backward). Reached through ``FSDPModule._get_fsdp_state()``; torch 2.13
+    keeps a list ``_fsdp_param_groups`` (one per mesh), earlier releases one
+    ``_fsdp_param_group``.
+    Checked on torch 2.13."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        raise _missing("torch.distributed.fsdp.FSDPModule._get_fsdp_state")
+    state = get_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        if not hasattr(state, "_fsdp_param_group"):
+            raise _missing("torch.distributed.fsdp FSDPState._fsdp_param_group")
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    for group in groups:
+        _require_attrs(group, "FSDPParamGroup", ("fsdp_params", "mesh_info",
+                                                 "post_forward_mesh_info"))
+        _require_attrs(group.mesh_info, "FSDPMeshInfo", ("shard_mesh_size",))
+        for param in group.fsdp_params:
+            _require_attrs(param, "FSDPParam", ("padded_sharded_param_size", "sharded_param",
+                                                "orig_dtype", "param_dtype", "reduce_dtype"))
+    return list(groups)
+
+
+def _require_attrs(obj: Any, owner: str, names: tuple[str, ...]) -> None:
+    """Instance attributes ``_require_members`` cannot see on the class."""
+    missing = [n for n in names if not hasattr(obj, n)]
+    if missing:
+        raise _missing(f"torch.distributed.fsdp {owner}.{missing[0]}")
+
+
 # Every resolver that takes no argument, for tests/test_torch_compat.py. Each returns the private
 # name(s) or None for an optional one this torch lacks.
 RESOLVERS: tuple[Callable[[], Any], ...] = (

@@ -676,10 +676,9 @@ class Run:
             expected = self._expected_traffic()
             comm = self.ledger.report(expected=expected)
             if expected is None and comm.rows:
-                comm.notes.append("no 'expected' column: plait's closed forms are those of its "
-                                  "reference transformer; for this model `plait plan --model "
-                                  "pkg.mod:factory --plan <plan>` gives the planner's bytes per "
-                                  "axis")
+                from .comm.predict import NO_EXPECTED_NOTE
+
+                comm.notes.append(NO_EXPECTED_NOTE)
             info["comm"] = comm.to_dict()
             info["comm_table"] = comm.table()
         if self.xla is not None:
@@ -687,10 +686,16 @@ class Run:
         return info
 
     def _expected_traffic(self) -> dict | None:
-        """Closed-form bytes per (axis, op) for the reference transformer, else None."""
+        """Closed-form bytes per (axis, op) (``expected_for_models``), or None where plait has
+        none: tensor or pipeline parallelism on a model other than its reference transformer."""
         from .comm.predict import expected_for_models
 
-        return expected_for_models(self._models, self.plan, self._batch_shape)
+        # ZeRO-1 broadcasts what its optimizer holds, which may differ from the trainable
+        # parameters (frozen ones given to it too)
+        zero1 = [p for _, sharded in self._sharded_optimizers.values()
+                 for group in sharded.param_groups for p in group["params"]]
+        return expected_for_models(self._models, self.plan, self._batch_shape,
+                                   optimizer_params=zero1 or None)
 
     def finish(self, print_summary: bool = True) -> dict[str, Any]:
         """Print the summary on rank 0, free the models and leave the process group; with

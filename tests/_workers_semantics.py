@@ -1233,16 +1233,21 @@ def evaluate_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, li
     return out
 
 
-def ledger_table(rank: int, world_size: int, plan: str) -> str:
-    """Two steps of the masked LM with the ledger on; rank 0's communication table."""
+def ledger_tables(rank: int, world_size: int, plans: list[str]) -> dict[str, dict[str, Any]]:
+    """Three steps of the masked LM with the ledger on under each plan (one ``plait.init``
+    each, in this process); per plan the communication table and its dict."""
     from plait.runtime import init
 
-    run = init(plan, quiet=True, ledger=True)
-    model = run.parallelize(masked_lm())
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(3):
-        run.step(model, _slice(mlm_batch(step), run.dp_rank, run.dp_size), mlm_loss, opt)
-    return run.finish(print_summary=False)["comm_table"]
+    out = {}
+    for plan in plans:
+        run = init(plan, quiet=True, ledger=True)
+        model = run.parallelize(masked_lm())
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for step in range(3):
+            run.step(model, _slice(mlm_batch(step), run.dp_rank, run.dp_size), mlm_loss, opt)
+        info = run.finish(print_summary=False)
+        out[plan] = {"table": info["comm_table"], "comm": info["comm"]}
+    return out
 
 
 class ShiftsInShapeInference:

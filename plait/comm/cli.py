@@ -122,9 +122,10 @@ def comm_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--model {args.model!r}: plait comm measures the reference "
                              f"transformer's presets ({', '.join(PRESETS)}), whose traffic it "
                              f"predicts; for your own model, train it under plait.init(plan, "
-                             f"ledger=True): run.finish() prints the measured table (without "
-                             f"the expected column), and `plait plan --model {args.model} "
-                             f"--plan {args.plan}` the planner's bytes per axis")
+                             f"ledger=True): run.finish() prints the measured table (with "
+                             f"the expected column under data parallelism: DDP, ZeRO, HSDP), "
+                             f"and `plait plan --model {args.model} --plan {args.plan}` the "
+                             f"planner's bytes per axis")
         cfg = preset(args.model)
         if args.steps < 1 or args.warmup < 0:
             raise ValueError(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")

@@ -7,7 +7,8 @@ returned, built from a config, or the planner's share of a pipeline rank), and a
 that come from *how* plait's runtime trains rather than from the strategy, so that the
 prediction can be compared with the ledger row by row (ratio 1.000 on the runs
 tests/test_comm_ledger.py covers). The planner prices exactly these collectives
-(``dp_traffic``, ``tp_rank_traffic``, ``pp_rank_traffic``, ``clip_traffic``):
+(``dp_traffic``, ``tp_rank_traffic``, ``pp_rank_traffic``, ``clip_traffic``). Any other model
+is predicted under data parallelism alone, read off the laid-out model (``plait.comm.held``):
 
 * DDP (``plait.parallel.data``): one all-reduce of the fp32 gradients per optimizer step on
   ``dp_replicate`` (``no_sync`` while accumulating).
@@ -48,6 +49,13 @@ from ..parallel.tp_kv import replicated_kv_elements
 from .volumes import DDP_BUCKET_BYTES, Traffic, ddp_traffic, dtype_bytes, tp_traffic
 
 FP32 = 4
+
+# The ledger table's note where ``expected_for_models`` has no closed form.
+NO_EXPECTED_NOTE = ("no 'expected' column: tensor and pipeline parallelism move activations, "
+                    "whose bytes need the model's shapes (hidden size, blocks, vocabulary), which "
+                    "plait's closed forms know for its reference transformer only; for this model "
+                    "`plait plan --model pkg.mod:factory --plan <plan>` gives the planner's bytes "
+                    "per axis")
 
 
 @dataclass(frozen=True)
@@ -397,27 +405,32 @@ def local_model(model: Any, plan: Any) -> LocalModel:
                       clip_axes=tuple(a for a in order if a in clip and getattr(plan, a) > 1))
 
 
-def expected_for_models(models: list[Any], plan: Any,
-                        batch_shape: tuple[int, ...] | None) -> dict[tuple[str, str], float] | None:
-    """Predicted payload bytes per (axis, op) per step for a run of the reference transformer.
+def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ...] | None,
+                        optimizer_params: list[Any] | None = None
+                        ) -> dict[tuple[str, str], float] | None:
+    """Predicted payload bytes per (axis, op) per step, or None where plait has no closed form.
 
-    ``batch_shape`` is the shape of one rank's input batch (per data replica, all micro-steps).
-    The ledger's report compares each row's busiest rank, and ranks hold different parts of the
-    model (pipeline stages), so each rank predicts its own traffic and the per-(axis, op)
-    maximum over ranks is returned: a collective when a process group is up (call it on every
-    rank, as ``Run.summary`` does). Returns None for models other than the reference transformer
-    (the ledger then reports the measured side alone).
+    The reference transformer: every layout (``predict``); ``batch_shape`` is the shape of one
+    rank's input batch (per data replica, all micro-steps). Any other model: layouts without
+    tensor or pipeline parallelism (``plait.comm.held``: data-parallel traffic depends on the
+    parameters each rank holds, not on the architecture; ``optimizer_params``: what ZeRO-1's
+    optimizer updates and broadcasts). The ledger's report compares each row's busiest rank,
+    and ranks hold different parts of the model (pipeline stages), so each rank predicts its
+    own traffic and the per-(axis, op) maximum over ranks is returned: a collective when a
+    process group is up (call it on every rank, as ``Run.summary`` does).
     """
     import torch.distributed as dist
 
     mine = None
-    if models and batch_shape is not None and len(batch_shape) == 2:
-        model = models[-1]
-        cfg = _find_config(model)
-        if cfg is not None:
-            batch, seq = batch_shape
-            mine = by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq,
-                                      local=local_model(model, plan)))
+    cfg = _find_config(models[-1]) if models else None
+    if cfg is not None and batch_shape is not None and len(batch_shape) == 2:
+        batch, seq = batch_shape
+        mine = by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq,
+                                  local=local_model(models[-1], plan)))
+    elif cfg is None and models and plan.tp == 1 and plan.pp == 1:
+        from .held import held_model, held_traffic
+
+        mine = by_axis_op(held_traffic(plan, held_model(models[-1], optimizer_params)))
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return mine
     everyone: list[Any] = [None] * dist.get_world_size()

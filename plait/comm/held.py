@@ -1,0 +1,162 @@
+"""The ledger's prediction for any model under data parallelism: DDP, ZeRO-1/2/3 and HSDP.
+
+Data-parallel traffic does not depend on the architecture, only on what each rank holds once
+plait has laid the model out, so it is read off the laid-out model itself (``held_model``):
+
+* DDP (``dp_replicate``; ZeRO-1 over the flattened ``dp`` axis) all-reduces the gradients of the
+  parameters that require grad, each tensor once however many names it has (a tied embedding
+  and head), in buckets whose payload is those gradients' bytes, once per optimizer step
+  (``no_sync`` while accumulating). Before the first forward of each step it broadcasts the
+  module's buffers from rank 0 (``broadcast_buffers``, torch's default).
+* ZeRO-1's ``ZeroRedundancyOptimizer`` broadcasts every parameter its optimizer holds from the
+  rank that updated it, on ``dp_shard``: frozen ones too, when the optimizer was given them.
+* FSDP2 (ZeRO-2/3, HSDP) moves flat buffers per unit (a module ``fully_shard`` made an
+  ``FSDPModule``), each parameter at its padded size: dim 0 rounded up to a multiple of the
+  shard count (a Linear with 7 outputs is gathered as 8 rows at ``dp_shard=2`` or 4). The
+  all-gather holds every parameter of the unit, frozen ones too, in the dtype it computes in
+  (``mixed_precision=bf16``: bf16); the reduce-scatter only those that require grad (FSDP2
+  reduces the gradients that exist), in fp32. A unit FSDP2 reshards after forward (ZeRO-3's
+  units, not its root) is gathered again for backward; every unit once per micro-step, the
+  gradients reduced once per optimizer step. HSDP all-reduces the reduce-scattered shard over
+  ``dp_replicate``. The sizes and dtypes are FSDP2's own (``_torch_compat.fsdp_param_groups``),
+  not re-derived.
+* Gradient clipping under ZeRO-2/3: ``get_total_norm`` over the DTensor gradients all-reduces
+  one fp32 norm per gradient tensor on ``dp_shard``.
+
+Assumed, as for every closed form here: each forward calls every unit once (a unit with
+nothing to train, a frozen first block, is still gathered for backward under ZeRO-3: measured,
+ratio 1.000). Collectives the model issues itself (``SyncBatchNorm`` under ``sync_bn``, its own
+``torch.distributed`` calls) are not predicted. Tensor and pipeline parallelism move
+activations, whose sizes need the model's shapes: those layouts are predicted for plait's
+reference transformer only (``plait.comm.predict``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .predict import FP32, _dp_axis
+from .volumes import Traffic
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    """One FSDP2 unit's parameter group as this rank holds it.
+
+    ``gather_bytes``: one all-gather's output, every parameter's padded shard times the shard
+    count in the dtype it is gathered in; ``reduce_bytes``: one reduce-scatter's input, the same
+    padded sizes for the parameters that require grad, in the reduce dtype; ``shards``: the
+    shard count; ``regathered``: resharded after forward, so gathered again for backward.
+    """
+
+    gather_bytes: int
+    reduce_bytes: int
+    shards: int
+    regathered: bool
+
+
+@dataclass(frozen=True)
+class HeldModel:
+    """What one rank holds of any model laid out for data parallelism.
+
+    ``grad_bytes``: bytes of the parameters that require grad, each tensor once (DDP's
+    buckets); ``update_bytes``: bytes of the parameters the optimizer updates (what ZeRO-1
+    broadcasts); ``buffer_bytes``: buffers DDP broadcasts before a step's first forward (0 when
+    it does not); ``grad_tensors``: gradient tensors (clipping reduces one norm each);
+    ``units``: FSDP2's units (empty under DDP).
+    """
+
+    grad_bytes: int
+    update_bytes: int
+    buffer_bytes: int
+    grad_tensors: int
+    units: tuple[ShardUnit, ...] = ()
+
+
+def _nbytes(params: Iterable[torch.Tensor]) -> int:
+    """Bytes of distinct tensors (a tied weight counts once)."""
+    seen: dict[int, int] = {}
+    for p in params:
+        seen.setdefault(id(p), p.numel() * p.element_size())
+    return sum(seen.values())
+
+
+def shard_units(model: nn.Module) -> tuple[ShardUnit, ...]:
+    """FSDP2's units in ``model``, read off FSDP2's own state (padded shard sizes, dtypes,
+    whether it reshards after forward), one per parameter group."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from .._torch_compat import fsdp_param_groups
+
+    units = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in fsdp_param_groups(module):
+            shards = group.mesh_info.shard_mesh_size
+            gather = reduce = 0
+            for fp in group.fsdp_params:
+                numel = fp.padded_sharded_param_size.numel() * shards
+                gather += numel * (fp.param_dtype or fp.orig_dtype).itemsize
+                if fp.sharded_param.requires_grad:
+                    reduce_dtype = fp.reduce_dtype or fp.param_dtype or fp.orig_dtype
+                    reduce += numel * reduce_dtype.itemsize
+            units.append(ShardUnit(gather_bytes=gather, reduce_bytes=reduce, shards=shards,
+                                   regathered=group.post_forward_mesh_info is not None))
+    return tuple(units)
+
+
+def held_model(model: nn.Module, optimizer_params: Iterable[torch.Tensor] | None = None
+               ) -> HeldModel:
+    """Read a ``HeldModel`` off a model ``plait.parallelize`` returned (DDP-wrapped, FSDP2 or
+    plain). ``optimizer_params``: what the optimizer updates (ZeRO-1 broadcasts exactly those);
+    by default the parameters that require grad."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    buffers = 0
+    if isinstance(model, DDP) and model.broadcast_buffers:
+        ignored: set[str] = getattr(model, "parameters_to_ignore", set())
+        buffers = _nbytes(b for n, b in model.module.named_buffers() if n not in ignored)
+    updated = list(optimizer_params) if optimizer_params is not None else trainable
+    return HeldModel(grad_bytes=_nbytes(trainable), update_bytes=_nbytes(updated),
+                     buffer_bytes=buffers, grad_tensors=len({id(p) for p in trainable}),
+                     units=shard_units(model))
+
+
+def held_traffic(plan: Any, held: HeldModel) -> list[Traffic]:
+    """Data-parallel traffic of one rank in one optimizer step of ``plan`` (no tp, no pp)."""
+    if plan.tp > 1 or plan.pp > 1:
+        raise ValueError(f"held_traffic predicts data parallelism alone; tp={plan.tp}, "
+                         f"pp={plan.pp} move activations (plait.comm.predict)")
+    R, S, accum = plan.dp_replicate, plan.dp_shard, plan.grad_accum
+    out: list[Traffic] = []
+    if plan.zero <= 1 and R * S > 1:
+        axis = _dp_axis(plan)
+        out.append(Traffic(axis, "all_reduce", float(held.grad_bytes), 1, R * S, "grads"))
+        if held.buffer_bytes:
+            out.append(Traffic(axis, "broadcast", float(held.buffer_bytes), 1, R * S,
+                               "buffers (DDP)"))
+        if plan.zero == 1:
+            out.append(Traffic("dp_shard", "broadcast", float(held.update_bytes), 1, S,
+                               "params (ZeroRedundancyOptimizer)"))
+    elif plan.zero >= 2:
+        for unit in held.units:
+            if unit.reduce_bytes:
+                out.append(Traffic("dp_shard", "reduce_scatter", float(unit.reduce_bytes), 1, S,
+                                   "grads"))
+                if R > 1:  # HSDP: the reduce-scattered shard, all-reduced across replicas
+                    out.append(Traffic("dp_replicate", "all_reduce",
+                                       float(unit.reduce_bytes) / unit.shards, 1, R, "grads"))
+            gathers = (2 if unit.regathered else 1) * accum
+            out.append(Traffic("dp_shard", "all_gather", float(unit.gather_bytes) * gathers,
+                               gathers, S, "params"))
+        if plan.grad_clip:
+            out.append(Traffic("dp_shard", "all_reduce", float(held.grad_tensors) * FP32, 1, S,
+                               "clip: per-tensor norms"))
+    return out
