@@ -288,6 +288,8 @@ def failure_summary(records: list[dict], tracebacks: dict[int, str]) -> tuple[in
     while exiting after it shows as ``CheckpointError, then killed by SIGABRT``, torchrun's
     SIGTERM reaching it while it exits as ``CheckpointError, stopped while exiting``); a rank
     without a traceback (``sys.exit(3)``, ``os._exit``, a signal) by its exit code or signal.
+    A rank that exited on losing its peer (the failed rank's connection closed under it) is
+    listed after the failure, whichever of the two exited first.
     """
     if not records:
         return None, ""
@@ -296,7 +298,14 @@ def failure_summary(records: list[dict], tracebacks: dict[int, str]) -> tuple[in
         tb = tracebacks.get(r["rank"])
         return tb is not None and not any(m in tb for m in _CONSEQUENCES)
 
-    causes = [r for r in records if r.get("signal") != "SIGTERM" or own_error(r)] or records
+    def lost_peer(r: dict) -> bool:
+        tb = tracebacks.get(r["rank"])
+        return tb is not None and not own_error(r)
+
+    # A rank whose error says its peer went away (gloo's "Connection closed by peer") failed
+    # because another did; when it exits before torchrun stops it is a matter of timing.
+    causes = [r for r in records if (r.get("signal") != "SIGTERM" or own_error(r))
+              and not lost_peer(r)] or records
     with_tb = [r for r in causes if own_error(r)]
     first = (with_tb or [r for r in causes if r["rank"] not in tracebacks] or causes)[0]
     parts = []
@@ -313,8 +322,12 @@ def failure_summary(records: list[dict], tracebacks: dict[int, str]) -> tuple[in
         else:
             how = f"{name}, {describe_exit(r)}"
         parts.append(f"rank {r['rank']} ({how})")
-    stopped = sorted(r["rank"] for r in records if r not in causes)
+    after = sorted(r["rank"] for r in records
+                   if r not in causes and lost_peer(r) and r.get("signal") != "SIGTERM")
+    stopped = sorted(r["rank"] for r in records if r not in causes and r["rank"] not in after)
     line = "failed: " + ", ".join(parts)
+    if after:
+        line += f"; then lost the connection to it: rank(s) {after}"
     if stopped:
         line += f"; then stopped: rank(s) {stopped}"
     return first["rank"], line
