@@ -278,6 +278,12 @@ class Run:
                          and _tensor_versions(model) == ckpt.weights_state)
             self._load(ckpt.resume_path, model, optimizer, scheduler, move_loader=False,
                        read_model=not untouched, resuming=True)
+        if self.plan.pp > 1 and (id(model), id(user_optimizer)) not in self._checked_optimizers:
+            from .parallel.layout import layout_of
+
+            runner = layout_of(model).pipeline
+            if runner is not None:  # the copies of a tied weight in groups alike, or refused
+                runner.check_tied_settings(user_optimizer)
         optimizer = self._optimizer_for(optimizer)
         # Not on XLA: an SPMD tensor shows its global size on the host, so per-device bytes
         # cannot be read off the parameters there.

@@ -1,0 +1,112 @@
+"""Checkpoints as users write their training: their own models (a tied head, LoRA-like frozen
+parameters, BatchNorm and an EMA buffer, blocks not called ``layers``), AdamW with parameter
+groups chosen by name, SGD with momentum, LR schedulers. Saved under one layout and resumed
+under another (and again), each run continues with the losses of one uninterrupted device.
+
+Tolerances: within a layout and across world sizes, fp32 losses differ only by the order of
+reductions (a few 1e-7 relative per step, ``RTOL``); the final parameters are compared with
+SGD (linear in the gradient) at ``RTOL`` of their size, and with AdamW loosely, as Adam's
+1/sqrt(v) turns rounding noise on near-zero gradients into up to a step of lr.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.spawn import WorkerError, run_distributed
+
+from . import _workers_ckpt_users as u
+
+RTOL = 2e-6
+
+
+@pytest.fixture
+def no_group():
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        assert var not in os.environ
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _close(got: list[float], want: list[float], rtol: float = RTOL) -> bool:
+    return len(got) == len(want) and all(abs(a - b) <= rtol * abs(b)
+                                         for a, b in zip(got, want, strict=True))
+
+
+def _state_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float
+                 ) -> str | None:
+    if got.keys() != want.keys():
+        return f"keys differ: {sorted(got.keys() ^ want.keys())}"
+    for k in want:
+        scale = want[k].float().abs().max().clamp_min(1.0)
+        if (got[k].float() - want[k].float()).abs().max() > rtol * scale:
+            return f"{k}: {(got[k].float() - want[k].float()).abs().max():.3g}"
+    return None
+
+
+def test_tied_copies_in_groups_of_different_settings_are_refused(tmp_path):
+    """Under a pipeline the last stage holds the tied embedding as ``head.weight``: AdamW
+    groups chosen by name ("no weight decay for embeddings") put the two copies in groups with
+    another lr and weight decay, so they drift apart (3e-3 relative loss after 3 steps, and a
+    checkpoint holding the weight's settings twice). Refused on every rank at the first step,
+    naming the weight, both names, the settings that differ and the fix."""
+    job = dict(plan="pp=2,mb=2", model="tied", steps=2, opt="adamw")
+    with pytest.raises(WorkerError) as err:
+        run_distributed(u.runs, 2, [job], timeout=120)
+    text = str(err.value)
+    assert ("weight embed.weight is tied across pipeline stages, and the optimizer gives its "
+            "copies different settings (as embed.weight (stage 0): lr=0.002, weight_decay=0.0; "
+            "as head.weight (stage 1): lr=0.004, weight_decay=0.1)") in text, text
+    assert "Put every name of it in the same parameter group" in text
+
+
+def test_buffers_and_frozen_adapters_resume_across_layouts(tmp_path, no_group):
+    """A model whose BatchNorm statistics and EMA buffer change every step, saved under a
+    pipeline (whose shape inference runs the stage's forward on garbage: its buffer updates
+    are put back) and resumed in one process; a LoRA-like model (base frozen) saved under
+    ZeRO-3 with AdamW groups and OneCycle, resumed under tensor parallelism, then resumed again
+    in one process past a save on its last step; each continues one device's losses and
+    learning rates, and ``plait export`` gives the plain model ``run.full_state_dict``."""
+    from safetensors.torch import load_file
+
+    from plait.cli import main
+
+    bn = dict(model="bnema", opt="sgd", sched="lambda", total=4)
+    lora = dict(model="lora", opt="adamw", sched="onecycle", total=8)
+    ref_bn = u.train("single", steps=4, export=True, **bn)
+    ref_lora = u.train("single", steps=8, export=True, **lora)
+    bn_dir, lora_dir = str(tmp_path / "bn"), str(tmp_path / "lora")
+    saved = run_distributed(u.runs, 2, [
+        dict(plan="pp=2,schedule=gpipe,mb=1", steps=2, checkpoint=bn_dir, every=2, **bn),
+        dict(plan="dp_shard=2,zero=3", steps=3, checkpoint=lora_dir, every=3, **lora),
+        dict(plan="tp=2", steps=6, checkpoint=lora_dir, every=3, keep=2, **lora),
+    ], timeout=240)[0]
+    assert _close(saved[0]["losses"], ref_bn["losses"][:2])
+    assert _close(saved[1]["losses"], ref_lora["losses"][:3])
+    assert _close(saved[2]["losses"], ref_lora["losses"][3:6]), (saved[2], ref_lora)
+    assert saved[2]["lrs"] == ref_lora["lrs"][3:6]
+    assert sorted(os.listdir(lora_dir)) == ["step-00000003", "step-00000006"]  # keep=2
+    bn_resumed = u.train("single", steps=4, checkpoint=bn_dir, export=True, **bn)
+    assert bn_resumed["losses"] == ref_bn["losses"][2:]
+    assert _state_close(bn_resumed["state"], ref_bn["state"], RTOL) is None
+    assert "norm.bn.running_var" in ref_bn["state"] and "norm.ema" in ref_bn["state"]
+    # Twice in a row, through a run that stops on its last step: nothing left to do, no save.
+    again = u.train("single", steps=6, checkpoint=lora_dir, **lora)
+    assert again["losses"] == [] and sorted(os.listdir(lora_dir)) == [
+        "step-00000003", "step-00000006"]
+    last = u.train("single", steps=8, checkpoint=lora_dir, export=True, **lora)
+    assert _close(last["losses"], ref_lora["losses"][6:]), (last, ref_lora)
+    assert last["lrs"] == ref_lora["lrs"][6:]
+    assert _state_close(last["state"], ref_lora["state"], 1e-4) is None
+    frozen = [n for n, p in u.MODELS["lora"]().named_parameters() if not p.requires_grad]
+    assert all(torch.equal(last["state"][n], ref_lora["state"][n]) for n in frozen)
+    out = tmp_path / "lora.safetensors"
+    assert main(["export", lora_dir, "--to", str(out)]) == 0
+    plain = u.MODELS["lora"]()
+    plain.load_state_dict(load_file(str(out)), strict=True)
+    assert all(torch.equal(v, last["state"][k]) for k, v in plain.state_dict().items())
