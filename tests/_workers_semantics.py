@@ -671,6 +671,25 @@ class BlockLM(nn.Module):
         return self.head(h)
 
 
+class TransposedNormLM(MaskedLM):
+    """:class:`MaskedLM` with a BatchNorm over the features after the blocks, applied as
+    sequence models do (``bn(h.transpose(1, 2)).transpose(1, 2)``): the gradient reaching the
+    last row-parallel layer's output is laid out transposed, not as its forward output was."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(WIDTH)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1]))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.bn(h.transpose(1, 2)).transpose(1, 2))
+
+
+transposed_norm_lm = partial(seeded, TransposedNormLM)
+
+
 class PositionedLM(BlockLM):
     """:class:`BlockLM` with a learned position table added at the root, before the blocks:
     under SP the sequence is split at the first block, so the table meets the whole sequence."""

@@ -343,6 +343,12 @@ def test_batchnorm_and_buffers_under_tensor_parallelism():
         assert not result["warnings"], result["warnings"]
         _assert_matches(ref, result)
     assert {"bn.running_mean", "bn.running_var", "shift.offset", "gain"} <= set(ref["state"])
+    # A BatchNorm over features through a transpose: the row-parallel output's gradient
+    # arrives strided (its layout restored before the layer's backward views it).
+    lm = [W.mlm_batch(s) for s in range(W.STEPS)]
+    (strided,) = run_distributed(W.train_jobs, 2, [("tp=2", W.transposed_norm_lm, lm,
+                                                    W.mlm_loss)], timeout=180)[0]
+    _assert_matches(W.reference(W.transposed_norm_lm, lm, W.mlm_loss), strided)
 
 
 def test_a_weight_read_by_another_module_under_tensor_parallelism():

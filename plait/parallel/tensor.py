@@ -1012,12 +1012,19 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, t: DTensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.spec = (t.device_mesh, t.placements, t.shape, t.stride())
-        return t.to_local().detach()
+        local = t.to_local()
+        ctx.spec = (t.device_mesh, t.placements, t.shape, t.stride(), local.stride())
+        return local.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
-        mesh, placements, shape, stride = ctx.spec
+        mesh, placements, shape, stride, local_stride = ctx.spec
+        if grad.stride() != local_stride:
+            # The DTensor below is declared with the forward's global stride, which describes
+            # the forward's local layout: a gradient laid out otherwise (a transposed use of
+            # the output, BatchNorm over features) is copied into that layout, or a view taken
+            # of it in the layer's backward fails ("view size is not compatible ...").
+            grad = grad.new_empty_strided(grad.shape, local_stride).copy_(grad)
         return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape,
                                   stride=stride)
 
