@@ -1,0 +1,68 @@
+"""`plait check` and `plait plan` on models a user brings (``--model pkg.module:factory``):
+what a FAIL says, and what a bad factory or model is told.
+
+The factories are written into a temporary folder, as a user's own module sits in their
+project; each case runs ``plait.cli.main`` in this process, as the command line does."""
+
+import json
+
+import pytest
+import torch.nn as nn
+
+from plait.cli import main
+
+MODELS = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+def loss(out, y):
+    return F.cross_entropy(out.reshape(-1, 3), y.reshape(-1))
+
+
+def net(p=0.0):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(p), nn.Linear(16, 3))
+
+
+def dropout():
+    return net(0.3), Rows(), loss
+'''
+
+
+@pytest.fixture
+def mine(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text(MODELS)
+    return tmp_path
+
+
+def test_a_dropout_model_fails_and_the_report_says_why(mine, capsys):
+    """Dropout draws other masks on each data rank than one device draws over the whole batch:
+    the FAIL is honest, and the report names the dropout and what to check instead (before:
+    the numbers only, which read as a broken layout)."""
+    code = main(["check", "--plan", "dp=2", "--model", "mine:dropout", "--steps", "2",
+                 "--format", "json", "--timeout", "120"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 1 and not result["ok"]
+    assert result["random"] == ["1 (Dropout p=0.3)"], result
+    assert "draws random numbers while training (1 (Dropout p=0.3))" in result["hint"]
+    assert "set dropout to 0 in your factory for the check" in result["hint"]
+
+
+def test_random_modules_names_dropout_kept_as_a_number():
+    """nn.MultiheadAttention (and Hugging Face attentions) keep their dropout as a float."""
+    from plait.check import random_modules
+
+    model = nn.Sequential(nn.MultiheadAttention(8, 2, dropout=0.1), nn.Dropout(0.0))
+    assert random_modules(model) == ["0.dropout=0.1"]
