@@ -66,3 +66,4 @@ def test_random_modules_names_dropout_kept_as_a_number():
 
     model = nn.Sequential(nn.MultiheadAttention(8, 2, dropout=0.1), nn.Dropout(0.0))
     assert random_modules(model) == ["0.dropout=0.1"]
+
