@@ -231,10 +231,27 @@ def _user_parts(cfg: CheckConfig) -> tuple[nn.Module, Any, Callable | None]:
     """(model, dataset, loss_fn) from the user's factory, built under the check's seed."""
     torch.manual_seed(cfg.seed)
     out = load_factory(cfg.factory)()  # type: ignore[arg-type]
-    if not isinstance(out, tuple) or len(out) != 3 or not isinstance(out[0], nn.Module):
-        raise ValueError(f"--model {cfg.factory!r} must return (model, dataset, loss_fn), "
-                         f"got {type(out).__name__}")
-    return out
+    spec = f"--model {cfg.factory!r}"
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise ValueError(f"{spec} must return (model, dataset, loss_fn), got "
+                         f"{type(out).__name__}")
+    # Each part is checked here, where its name is known, rather than failing later inside
+    # the step as "'str' object is not callable" or "object of type X has no len()".
+    got = ", ".join(type(x).__name__ for x in out)
+    model, dataset, loss_fn = out
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{spec} must return (model, dataset, loss_fn) in that order, got "
+                         f"({got}): the first item must be the nn.Module")
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ValueError(f"{spec}: the dataset ({type(dataset).__name__}) has no len() and "
+                         f"dataset[i] (an iterable dataset?): plait check draws the same rows "
+                         f"for every layout by index; return a map-style dataset (a list of "
+                         f"items, or a Dataset with __len__ and __getitem__)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"{spec}: loss_fn is {type(loss_fn).__name__} {loss_fn!r:.40}, not a "
+                         f"function; return loss_fn(output, targets) -> scalar, or None when "
+                         f"the model returns its own loss (output.loss)")
+    return model, dataset, loss_fn
 
 
 def _dataset_batches(dataset: Any, cfg: CheckConfig) -> list[Any]:

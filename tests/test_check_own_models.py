@@ -37,6 +37,27 @@ def net(p=0.0):
 
 def dropout():
     return net(0.3), Rows(), loss
+
+
+def swapped():
+    return Rows(), net(), loss
+
+
+def loss_by_name():
+    return net(), Rows(), "cross_entropy"
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(Rows()[i] for i in range(16))
+
+
+def streamed():
+    return net(), Stream(), loss
+
+
+def crashes():
+    raise RuntimeError("weights file missing")
 '''
 
 
@@ -67,3 +88,33 @@ def test_random_modules_names_dropout_kept_as_a_number():
     model = nn.Sequential(nn.MultiheadAttention(8, 2, dropout=0.1), nn.Dropout(0.0))
     assert random_modules(model) == ["0.dropout=0.1"]
 
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("mine:swapped", "in that order, got (Rows, Sequential, function): the first item must be "
+                     "the nn.Module"),
+    ("mine:loss_by_name", "loss_fn is str 'cross_entropy', not a function"),
+    ("mine:streamed", "the dataset (Stream) has no len() and dataset[i]"),
+])
+def test_a_factory_that_returns_the_wrong_parts_is_told_which(mine, capsys, spec, fragment):
+    """Each part of (model, dataset, loss_fn) is checked by name (before: "got tuple", "'str'
+    object is not callable", "object of type 'Stream' has no len()")."""
+    code = main(["check", "--plan", "dp=2", "--model", spec, "--timeout", "60"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_crashing_factory_shows_its_traceback_once_and_one_line(mine, capsys):
+    """A factory (or model) that raises an error other than bad input shows the rank's
+    traceback once, then one line, and a JSON answer when asked (before: the parent's frames
+    around the worker's traceback, printed twice, and nothing on stdout)."""
+    code = main(["check", "--plan", "dp=2", "--model", "mine:crashes", "--timeout", "60",
+                 "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    assert json.loads(out)["error"].startswith(
+        "failed: rank 0 (RuntimeError: weights file missing)"), out
+    assert err.count('mine.py", line') == 1 and err.count("Traceback") == 1, err
+    assert err.strip().splitlines()[-1] == ("plait check: failed: rank 0 (RuntimeError: "
+                                            "weights file missing); its traceback is above"), err
