@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..parallel.tp_kv import replicated_kv_elements
+from ..parallel.tp_kv import replicated_kv_elements, tp_fits_kv
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,22 @@ class ModelStats:
                           f"n_layers={self.n_layers}")
         if errors:
             raise ValueError(f"invalid model {self.name!r}: " + "; ".join(errors))
+
+    def tp_refuses(self, tp: int) -> str:
+        """Why tensor parallelism of degree ``tp`` cannot split these blocks ("" when it can):
+        it splits the ffn, and the attention heads (kv heads divided or replicated). A block
+        without attention (an MLP stack, a model whose mixer is no attention) has no heads to
+        divide: its ``n_heads`` of 1 says nothing, and the model itself, asked by ``plait
+        plan``, refuses a tp its layers cannot take."""
+        if self.attention:
+            if self.n_heads % tp:
+                return f"tp={tp} does not divide attention heads={self.n_heads}"
+            if not tp_fits_kv(self.kv_heads, tp):
+                return (f"tp={tp} neither divides kv heads={self.kv_heads} nor is a multiple "
+                        f"of them (then each rank would compute one, replicated)")
+        if self.ffn % tp:
+            return f"tp={tp} does not divide ffn={self.ffn}"
+        return ""
 
     def kv_whole(self, tp: int) -> int:
         """Weight elements of one block's k and v projections kept whole on every rank at
