@@ -221,8 +221,15 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
 
 
 class NoBlockStackError(ValueError):
-    """The model has no stack of repeated blocks: nothing for tensor or pipeline parallelism
-    to split, and nothing the planner's per-block cost model can price."""
+    """The model has no stack of repeated blocks, or none with matmuls (a ConvNet's): nothing
+    for tensor or pipeline parallelism to split, and nothing the planner's per-block cost
+    model can price. ``plan="auto"`` then takes data parallelism, which needs no blocks."""
+
+
+# What a user of ``plait plan`` does with a model the planner cannot price.
+_BY_HAND = ("; pick the layout by hand: data parallelism needs no blocks (dp=N, or "
+            "dp_shard=N,zero=3 to shard its state), and plait check --plan P --model ... "
+            "proves it trains what one device trains")
 
 
 def from_module(model: Any, name: str = "module") -> ModelStats:
@@ -242,7 +249,8 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                 best = (params, mod_name, run)
     if best is None:
         raise NoBlockStackError(f"{name}: found no nn.ModuleList/nn.Sequential of repeated blocks "
-                           f"to split into layers; the planner needs a stack of blocks")
+                                f"to split into layers; the planner needs a stack of blocks"
+                                + _BY_HAND)
     _, stack_name, blocks = best
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
     matmul = [sum(m.weight.numel() for m in b.modules() if _dims(m) is not None)
@@ -250,7 +258,10 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
     ref = blocks[max(range(len(blocks)), key=lambda i: block_params[i])]
     linears = [d for d in map(_dims, ref.modules()) if d is not None]
     if not linears:
-        raise ValueError(f"{name}: blocks in {stack_name!r} have no nn.Linear layers")
+        where = stack_name or type(model).__name__
+        raise NoBlockStackError(f"{name}: blocks in {where!r} have no nn.Linear layers, "
+                                f"whose matmuls the planner prices (convolutions are not "
+                                f"priced)" + _BY_HAND)
     hidden = Counter(i for i, _ in linears).most_common(1)[0][0]
     ffn = max(max(o, i) for i, o in linears)
     heads, kv_heads, attention = 1, None, False
