@@ -118,3 +118,14 @@ def test_a_crashing_factory_shows_its_traceback_once_and_one_line(mine, capsys):
     assert err.count('mine.py", line') == 1 and err.count("Traceback") == 1, err
     assert err.strip().splitlines()[-1] == ("plait check: failed: rank 0 (RuntimeError: "
                                             "weights file missing); its traceback is above"), err
+
+
+def test_a_model_tp_cannot_infer_is_told_the_plan_file_that_gives_its_layer_plan():
+    """The CLI takes no options in a plan string: the refusal says how to give a layer plan
+    there (a plan file), not only Plan(options=...), which a command-line user cannot pass."""
+    from plait.parallel.tp_infer import infer_plan
+
+    convnet = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
+    with pytest.raises(ValueError, match=r"a plan file \(--plan plan.yaml\) holding tp: 2 and "
+                                         r"options: \{tp_plan: \{module glob: style\}\}"):
+        infer_plan(convnet)
