@@ -58,6 +58,29 @@ def streamed():
 
 def crashes():
     raise RuntimeError("weights file missing")
+
+
+class Branches(nn.Module):
+    # A branch per batch, by the sign of its first row: the data ranks take different ones
+    # (rows 0-1 of each global batch of 4 are positive, rows 2-3 negative).
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return (self.a if x[0, 0, 0] > 0 else self.b)(x)
+
+
+class Signs(Rows):
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x.abs() * (1 if i % 4 < 2 else -1), y
+
+
+def branches():
+    return Branches(), Signs(), loss
 '''
 
 
@@ -129,3 +152,17 @@ def test_a_model_tp_cannot_infer_is_told_the_plan_file_that_gives_its_layer_plan
     with pytest.raises(ValueError, match=r"a plan file \(--plan plan.yaml\) holding tp: 2 and "
                                          r"options: \{tp_plan: \{module glob: style\}\}"):
         infer_plan(convnet)
+
+
+def test_parameters_a_rank_leaves_without_gradients_are_told_find_unused(mine, capsys):
+    """Under dp=2 each rank's forward takes another branch: DDP stops at the next step with
+    torch's advice to pass find_unused_parameters=True to DDP, which a plait user cannot do.
+    Said as plait's fix, the plan's find_unused, with the parameters named."""
+    code = main(["check", "--plan", "dp=2", "--model", "mine:branches", "--steps", "2",
+                 "--batch-size", "4", "--timeout", "120"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert ("parameters of Branches (a.weight, a.bias) got no gradient on this rank" in err
+            or "parameters of Branches (b.weight, b.bias) got no gradient on this rank" in err), err
+    assert "add find_unused to the plan (e.g. 'dp=2,find_unused')" in err, err
+    assert len(err.strip().splitlines()) == 1, err
