@@ -237,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         # one line, also as JSON when asked, so a program reading the report gets an answer.
         sys.stderr.write(exc.traceback.rstrip() + "\n")
         final = exc.final()
-        said = f"{final[0]}: {final[1]}" if final else "no Python error"
+        # The message's first line: torch's run to paragraphs, which the traceback holds.
+        said = (f"{final[0]}: {final[1].strip().splitlines()[0] if final[1].strip() else ''}"
+                if final else "no Python error")
         return _failed(args, f"failed: rank {exc.rank} ({said}); its traceback is above", 1)
     except TimeoutError as exc:  # workers that did not finish in time (already stopped)
         limit = getattr(args, "timeout", None)

@@ -57,7 +57,7 @@ def streamed():
 
 
 def crashes():
-    raise RuntimeError("weights file missing")
+    raise RuntimeError("weights file missing\\nlooked in ./weights and ~/.cache")
 
 
 class Branches(nn.Module):
