@@ -119,6 +119,9 @@ class CheckResult:
     # 0 and 1)"): a replicated weight one rank stepped differently, which comparing rank 0's
     # copy with one device need not show.
     replicas_differ: list[str] = field(default_factory=list)
+    # Modules that draw random numbers while training (dropout with p > 0), as
+    # :func:`random_modules` names them: a reason for a FAIL no layout can remove.
+    random: list[str] = field(default_factory=list)
 
     @property
     def limits(self) -> dict[str, float]:
@@ -161,7 +164,16 @@ class CheckResult:
 
     @property
     def hint(self) -> str:
-        """What to try when only the parameters fail under an adaptive optimizer."""
+        """Why a FAIL is expected and what to run instead: a model that draws random numbers
+        while training, or only the parameters failing under an adaptive optimizer."""
+        if not self.ok and self.random and not self.missing:
+            shown = ", ".join(self.random[:3]) + (
+                f" and {len(self.random) - 3} more" if len(self.random) > 3 else "")
+            return (f"the model draws random numbers while training ({shown}): each rank "
+                    f"draws its own dropout masks for its rows, so a layout that splits the "
+                    f"batch cannot reproduce one device's masks and the runs differ by the "
+                    f"dropout noise; set dropout to 0 in your factory for the check (the "
+                    f"layout's arithmetic is then compared exactly) and train with it")
         if (not self.ok and not self.missing and not self.replicas_differ
                 and self.tolerance is None and self.optimizer != "sgd"
                 and self.max_loss_rel <= self.limits["loss"]):
@@ -219,10 +231,27 @@ def _user_parts(cfg: CheckConfig) -> tuple[nn.Module, Any, Callable | None]:
     """(model, dataset, loss_fn) from the user's factory, built under the check's seed."""
     torch.manual_seed(cfg.seed)
     out = load_factory(cfg.factory)()  # type: ignore[arg-type]
-    if not isinstance(out, tuple) or len(out) != 3 or not isinstance(out[0], nn.Module):
-        raise ValueError(f"--model {cfg.factory!r} must return (model, dataset, loss_fn), "
-                         f"got {type(out).__name__}")
-    return out
+    spec = f"--model {cfg.factory!r}"
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise ValueError(f"{spec} must return (model, dataset, loss_fn), got "
+                         f"{type(out).__name__}")
+    # Each part is checked here, where its name is known, rather than failing later inside
+    # the step as "'str' object is not callable" or "object of type X has no len()".
+    got = ", ".join(type(x).__name__ for x in out)
+    model, dataset, loss_fn = out
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{spec} must return (model, dataset, loss_fn) in that order, got "
+                         f"({got}): the first item must be the nn.Module")
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ValueError(f"{spec}: the dataset ({type(dataset).__name__}) has no len() and "
+                         f"dataset[i] (an iterable dataset?): plait check draws the same rows "
+                         f"for every layout by index; return a map-style dataset (a list of "
+                         f"items, or a Dataset with __len__ and __getitem__)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"{spec}: loss_fn is {type(loss_fn).__name__} {loss_fn!r:.40}, not a "
+                         f"function; return loss_fn(output, targets) -> scalar, or None when "
+                         f"the model returns its own loss (output.loss)")
+    return model, dataset, loss_fn
 
 
 def _dataset_batches(dataset: Any, cfg: CheckConfig) -> list[Any]:
@@ -303,17 +332,40 @@ def train(plan: Plan, cfg: CheckConfig) -> tuple[Any, nn.Module, list[float]]:
 def train_and_collect(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) -> dict[str, Any]:
     """Worker: train ``cfg.steps`` steps under ``plan``; return losses and full parameters
     (and, on one rank, the initial ones: the reference's displacement)."""
-    initial = None
+    initial, random = None, None
     if world_size == 1:
         model, _ = _build(cfg)
         initial = {canonical_name(n): p.detach().float().clone()
                    for n, p in model.named_parameters()}
+        random = random_modules(model)
     run, model, losses = train(plan, cfg)
     pp_group = run.mesh["pp"].get_group() if plan.pp > 1 else None
     state = full_state(model, pp_group)
     run.close()
     return {"losses": losses, "state": state if rank == 0 else None, "initial": initial,
-            "digest": {name: digest(name, t) for name, t in state.items()}}
+            "random": random, "digest": {name: digest(name, t) for name, t in state.items()}}
+
+
+def random_modules(model: nn.Module) -> list[str]:
+    """Where ``model`` draws random numbers in training: dropout modules with ``p > 0``, and
+    modules that keep a dropout probability as a number (``nn.MultiheadAttention.dropout``, a
+    Hugging Face attention's ``attention_dropout``), as ``"name (Dropout p=0.1)"``.
+
+    One device draws one mask over the global batch; a data-parallel rank (or a pipeline
+    microbatch) draws its own over its rows from its own generator state, so no layout that
+    splits the batch reproduces the reference's masks: ``plait check`` says so when it fails."""
+    found = []
+    for name, module in model.named_modules():
+        where = name or type(model).__name__
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                found.append(f"{where} ({type(module).__name__} p={module.p:g})")
+            continue
+        for attr, value in vars(module).items():
+            if (("dropout" in attr or "pdrop" in attr) and isinstance(value, float)
+                    and value > 0):
+                found.append(f"{where}.{attr}={value:g}")
+    return found
 
 
 def digest(name: str, t: torch.Tensor) -> tuple[float, float]:
@@ -391,6 +443,7 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
         if ranks:
             differ.append(f"{name} (ranks 0 and {ranks[0]})")
     pairs = list(zip(reference["losses"], parallel["losses"], strict=True))
+    random = list(reference.get("random") or [])
     loss_diff = max((abs(a - b) for a, b in pairs), default=0.0)
     loss_rel = max((abs(a - b) / max(abs(a), 1e-30) for a, b in pairs), default=0.0)
     if any(math.isnan(b) for _, b in pairs):
@@ -400,7 +453,8 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
                        max_loss_diff=loss_diff, max_param_diff=worst, worst_param=worst_name,
                        missing=missing, tolerance=tolerance, optimizer=optimizer,
                        max_loss_rel=loss_rel, max_param_rel=worst_rel,
-                       worst_param_rel=worst_rel_name, replicas_differ=differ)
+                       worst_param_rel=worst_rel_name, replicas_differ=differ,
+                       random=random)
 
 
 def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float | None = None,

@@ -219,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .spawn import WorkerError
+
     parser = build_parser()
     args = _parse(parser, sys.argv[1:] if argv is None else list(argv))
     if not args.command:
@@ -229,6 +231,16 @@ def main(argv: list[str] | None = None) -> int:
             return args._commands[args.command](args)
     except ValueError as exc:  # a problem with what the user asked for: one line, exit 2
         return _failed(args, f"error: {exc}", 2)
+    except WorkerError as exc:  # a rank crashed (check, comm, bench): its traceback, once
+        # Not the parent's frames around it, which say only that a worker failed, nor the
+        # worker's traceback twice (in this process's and in the exception's message); then
+        # one line, also as JSON when asked, so a program reading the report gets an answer.
+        sys.stderr.write(exc.traceback.rstrip() + "\n")
+        final = exc.final()
+        # The message's first line: torch's run to paragraphs, which the traceback holds.
+        said = (f"{final[0]}: {final[1].strip().splitlines()[0] if final[1].strip() else ''}"
+                if final else "no Python error")
+        return _failed(args, f"failed: rank {exc.rank} ({said}); its traceback is above", 1)
     except TimeoutError as exc:  # workers that did not finish in time (already stopped)
         limit = getattr(args, "timeout", None)
         hint = (f"; if they were only slow, raise --timeout (now {limit:g}s)"

@@ -196,10 +196,38 @@ def _vocab_sharded(out: Any) -> bool:
         p.is_shard() and p.dim in (-1, v.ndim - 1) for p in v.placements) for v in values)
 
 
+# How DDP says, at the next forward, that the last backward left parameters without a gradient
+# on this rank (its all-reduce could not finish); torch's advice names DDP's own argument.
+_DDP_UNUSED = "Expected to have finished reduction in the prior iteration"
+
+
+def _unused_message(model: DDP, torch_message: str) -> str:
+    """DDP's unused-parameter error as plait's fix: the plan's ``find_unused``, with the names
+    of the parameters (torch gives indices into the parameters that require a gradient)."""
+    import re
+
+    names = [n for n, p in model.module.named_parameters() if p.requires_grad]
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", torch_message)
+    index = [int(i) for i in found.group(1).split()] if found else []
+    skipped = [names[i] for i in index if i < len(names)]
+    which = (f" ({', '.join(skipped[:3])}" + (f" and {len(skipped) - 3} more" if len(skipped) > 3
+                                             else "") + ")") if skipped else ""
+    return (f"parameters of {type(model.module).__name__}{which} got no gradient on this rank "
+            f"in the previous step: its forward skipped them for these rows (an expert no token "
+            f"was routed to, a branch for some rows only), so data parallelism could not "
+            f"all-reduce their gradients; add find_unused to the plan (e.g. 'dp=2,find_unused'), "
+            f"which reduces zeros for them")
+
+
 def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss with autograd, item count) of one micro-batch (see ``plait.loss``)."""
-    out, targets = call_model(model, batch, loss_fn)
+    try:
+        out, targets = call_model(model, batch, loss_fn)
+    except RuntimeError as exc:
+        if isinstance(model, DDP) and _DDP_UNUSED in str(exc):
+            raise ValueError(_unused_message(model, str(exc))) from exc
+        raise
     value = model_loss(out, loss_fn, targets)
     shift = label_shift(loss_fn, out, value, targets, known=layout_of(model).first_label_skipped,
                         model_shifts=loss_fn is None and shifts_labels(model))

@@ -145,6 +145,10 @@ def _star(*args):
     pass
 
 
+def _keywords_only(*, feats, scale=1.0):
+    pass
+
+
 _IDS = torch.zeros(4, 3, dtype=torch.long)
 
 
@@ -154,7 +158,12 @@ _IDS = torch.zeros(4, 3, dtype=torch.long)
     ({"attention_mask": _IDS, "labels": _IDS}, F.cross_entropy, _forward,
      r"chains Net.forward's first parameter \(input_ids\).*no 'input_ids' entry"),
     ({"x": _IDS, "labels": _IDS}, F.cross_entropy, _star,
-     r"first parameter \(none: it takes \*args\)"),
+     r"Net.forward names no positional parameter \(it takes \*args\).*\['x'\]"),
+    # torch's stages pass the chained input positionally: a keyword-only forward is told so
+    # and how to change it (was "takes *args" and "the batch has no None entry").
+    ({"feats": _IDS, "labels": _IDS}, F.cross_entropy, _keywords_only,
+     r"Net.forward takes its inputs by keyword only \(feats, scale\).*"
+     r"def forward\(self, feats, \*, ...\)"),
     (((_IDS, _IDS, _IDS, _IDS), _IDS), F.cross_entropy, _forward,
      r"names 2 positional parameters but the batch gives 4 inputs.*as a dict"),
     ({"input_ids": _IDS, "mask": _IDS, "labels": _IDS}, F.cross_entropy, _forward,

@@ -86,3 +86,30 @@ def test_nothing_fits_on_one_gpu_names_the_smallest_cluster():
     text = explain_nothing_fits(result, m, c, work)
     assert "smallest cluster that fits (x2 steps): 16 devices" in text
     assert "nothing fits" not in text
+
+
+def test_no_layout_to_spread_over_the_devices_says_how_many_a_layout_takes():
+    """A small batch on the 64-device cpu preset: no layout exists (dp divides the batch 2, pp
+    at most 4 blocks, tp at most 8 heads), which no memory changes. Said as such, with the
+    device count that plans (was: 'no layout fits ... reduce the sequence length, or use
+    devices with more memory')."""
+    m, c = load_model("test"), load_cluster("cpu")
+    work = Workload(2, 16)
+    result = search(m, c, work, dtype="fp32", top=1)
+    assert result.best is None and result.evaluated == 0
+    text = explain_nothing_fits(result, m, c, work, "fp32")
+    assert "no layout of test spreads over 64 x cpu" in text, text
+    assert "at most 16 devices take part. Plan for --devices 16" in text, text
+    assert "memory" not in text and "bf16" not in text, text
+    assert search(m, load_cluster("cpu", devices=16), work, dtype="fp32", top=1).best is not None
+
+
+def test_blocks_without_attention_take_tensor_parallelism():
+    """An MLP stack has no heads to divide: tp=2 is priced (the model itself, asked by plait
+    plan, refuses what its layers cannot take); was 'tp=2 does not divide attention heads=1'
+    for a layout plait check passes."""
+    mlp = load_model("tests._planner_factories:mlp_stack")
+    assert not mlp.attention and mlp.tp_refuses(2) == ""
+    est = evaluate(Plan(tp=2), mlp, load_cluster("cpu", devices=2), Workload(8, 16))
+    assert est.feasible, est.reason
+    assert load_model("test").tp_refuses(3) == "tp=3 does not divide attention heads=8"

@@ -132,3 +132,23 @@ def test_auto_plan_for_a_model_without_a_block_stack_is_data_parallel():
     plan, why = choose(cnn, AutoRequest(world_size=2, device_type="cpu"))
     assert plan.to_string() == "dp_replicate=2"
     assert "no stack of repeated blocks" in why[0]
+
+
+def test_a_convnet_of_repeated_blocks_is_left_to_data_parallelism_with_what_to_do():
+    """Repeated conv blocks (no nn.Linear to price): plait plan says how to pick a layout by
+    hand and prove it, and plan 'auto' runs data parallelism (was: 'blocks have no nn.Linear
+    layers' with no next step, and plan 'auto' failing on it)."""
+    import torch.nn as nn
+
+    from plait.auto import AutoRequest, choose
+    from plait.planner.model_stats import NoBlockStackError
+
+    cnn = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1),
+                        *[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))
+                          for _ in range(3)],
+                        nn.Flatten(), nn.Linear(8 * 4 * 4, 10))
+    with pytest.raises(NoBlockStackError, match="have no nn.Linear layers.*pick the layout by "
+                                                "hand.*dp=N.*plait check --plan P"):
+        load_model(cnn)
+    plan, why = choose(cnn, AutoRequest(world_size=2, device_type="cpu"))
+    assert plan.to_string() == "dp_replicate=2", why

@@ -198,11 +198,26 @@ def stage_inputs(batch: Any, loss_fn: Callable | None, signature: inspect.Signat
         every = {p.name: v for p, v in zip(params[1:], inputs[1:], strict=False)}
     elif isinstance(inputs, dict):
         name = params[0].name if params else None
+        keyword_only = [p.name for p in signature.parameters.values() if p.kind == p.KEYWORD_ONLY]
+        if name is None and keyword_only:
+            # torch's stages hand the hidden states to the next stage's forward positionally,
+            # so a forward that takes every input by keyword has nothing for them to fill.
+            raise ValueError(
+                f"{model_name}.forward takes its inputs by keyword only ({', '.join(keyword_only)}"
+                f"), and a pipeline passes the input it chains from stage to stage (the hidden "
+                f"states) as the forward's first positional parameter: make the first input "
+                f"positional, e.g. def forward(self, {keyword_only[0]}, *, ...), or run with "
+                f"pp=1")
+        if name is None:
+            raise ValueError(f"{model_name}.forward names no positional parameter (it takes "
+                             f"*args), so a pipeline cannot tell which entry of the dict batch "
+                             f"(keys: {sorted(inputs)}) it chains from stage to stage: name the "
+                             f"first input in the forward, or give (inputs, targets) batches")
         if name not in inputs:
             raise ValueError(f"a pipeline chains {model_name}.forward's first parameter "
-                             f"({name or 'none: it takes *args'}) from stage to stage, and the "
-                             f"batch has no {name!r} entry (keys: {sorted(inputs)}); name the "
-                             f"model's first input in the batch")
+                             f"({name}) from stage to stage, and the batch has no {name!r} "
+                             f"entry (keys: {sorted(inputs)}); name the model's first input "
+                             f"in the batch")
         first = inputs[name]
         every = {k: v for k, v in inputs.items() if k != name}
     else:

@@ -49,6 +49,11 @@ _HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads", "n_kv_he
                "num_kv_heads", "num_key_value_heads", "heads")
 
 
+# The same layer plan from the command line (plait check, plait run: a plan string cannot hold
+# options), said after "Pass Plan(options=...)".
+_ON_THE_COMMAND_LINE = (", or on the command line a plan file (--plan plan.yaml) holding "
+                        "tp: 2 and options: {tp_plan: {module glob: style}}")
+
 def _is_metadata(node: fx.Node) -> bool:
     """Shape/dtype queries: they carry no tensor data (``b, s, h = x.shape`` is not a path)."""
     if node.op == "call_method" and node.target in ("size", "dim", "numel"):
@@ -382,7 +387,7 @@ def infer_plan(model: nn.Module) -> TPPlan:
         raise ValueError(
             f"cannot infer a tensor-parallel plan for {type(model).__name__}: "
             + "; ".join(refused) + ". Pass Plan(options={'tp_plan': {module glob: style}}) "
-            f"(styles: {', '.join(STYLES)})")
+            f"(styles: {', '.join(STYLES)}){_ON_THE_COMMAND_LINE}")
     if not styles:
         fixed = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not
                  _shardable(m)]
@@ -393,7 +398,7 @@ def infer_plan(model: nn.Module) -> TPPlan:
             f"cannot infer a tensor-parallel plan for {type(model).__name__}: no module has the "
             f"shape of an MLP or attention block (two or more nn.Linear children, input -> "
             f"column-parallel linears -> one row-parallel linear -> output){why}. Pass "
-            f"Plan(options={{'tp_plan': {{module glob: style}}}})")
+            f"Plan(options={{'tp_plan': {{module glob: style}}}}){_ON_THE_COMMAND_LINE}")
     embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     for n, m in model.named_modules():
         if _shardable(m) and n not in in_blocks and n not in styles:

@@ -192,8 +192,31 @@ def _tp_critical_path(e: Estimate) -> str:
             f"rank, {e.time_breakdown['tp_comm']:.3g}s ({share:.0%} of the step)")
 
 
+def _most_devices(model: ModelStats, cluster: Cluster, work: Workload) -> int:
+    """The most devices, up to the cluster's, that some dp x tp x pp layout of ``model`` uses
+    for ``work``: dp divides the global batch, pp is at most one stage per block, tp divides
+    what tensor parallelism splits, and a pipeline's microbatches are at least its stages (as
+    :func:`~plait.planner.search.candidate_plans` asks)."""
+    tps = [t for t in range(1, cluster.world_size + 1) if not model.tp_refuses(t)]
+    return max((d * t * p for t in tps for p in range(1, model.n_layers + 1)
+                for d in divisors(work.global_batch)
+                if d * t * p <= cluster.world_size and (p == 1 or work.global_batch // d >= p)),
+               default=1)
+
+
 def explain_nothing_fits(result: SearchResult, model: ModelStats, cluster: Cluster,
                          work: Workload | None = None, dtype: str = "bf16") -> str:
+    if work is not None and not result.evaluated and not result.rejected:
+        # No layout was priced at all: none splits this many devices, which no amount of
+        # memory changes (a small model, a small batch, a large --devices or preset).
+        most = _most_devices(model, cluster, work)
+        return (f"no layout of {model.name} spreads over {cluster.world_size} x {cluster.name}: "
+                f"the data-parallel degree divides the global batch {work.global_batch}, a "
+                f"pipeline has at most one stage per block ({model.n_layers}), tensor "
+                f"parallelism divides the ffn ({model.ffn})"
+                + (f" and the heads ({model.n_heads})" if model.attention else "") + "; "
+                f"at most {most} devices take part. Plan for --devices {most}, or a larger "
+                f"--global-batch")
     lines = [f"no layout of {model.name} ({model.num_params / 1e9:.3g}B parameters) fits on "
              f"{cluster.world_size} x {cluster.name} ({_gb(cluster.memory_bytes)} GiB each)."]
     if result.rejected:

@@ -28,7 +28,6 @@ from plait.comm import predict
 from plait.comm.volumes import DDP_BUCKET_BYTES, Traffic, by_axis
 from plait.plan import Plan
 
-from ..parallel.tp_kv import tp_fits_kv
 from .compute import microbatch_times
 from .cpu.overheads import HostOverheads
 from .hardware import Cluster
@@ -150,12 +149,8 @@ def _invalid(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload) ->
     if (B // dp) % (m * plan.grad_accum):
         return (f"batch per dp rank {B // dp} not divisible by microbatches x grad_accum "
                 f"= {m * plan.grad_accum}")
-    for what, value in (("attention heads", model.n_heads), ("ffn", model.ffn)):
-        if value % tp:
-            return f"tp={tp} does not divide {what}={value}"
-    if not tp_fits_kv(model.kv_heads, tp):
-        return (f"tp={tp} neither divides kv heads={model.kv_heads} nor is a multiple of them "
-                f"(then each rank would compute one, replicated)")
+    if model.tp_refuses(tp):
+        return model.tp_refuses(tp)
     if plan.sp and s % tp:
         return f"sequence parallel needs seq={s} divisible by tp={tp}"
     if pp * plan.virtual_stages > model.n_layers:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..parallel.tp_kv import replicated_kv_elements
+from ..parallel.tp_kv import replicated_kv_elements, tp_fits_kv
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,22 @@ class ModelStats:
                           f"n_layers={self.n_layers}")
         if errors:
             raise ValueError(f"invalid model {self.name!r}: " + "; ".join(errors))
+
+    def tp_refuses(self, tp: int) -> str:
+        """Why tensor parallelism of degree ``tp`` cannot split these blocks ("" when it can):
+        it splits the ffn, and the attention heads (kv heads divided or replicated). A block
+        without attention (an MLP stack, a model whose mixer is no attention) has no heads to
+        divide: its ``n_heads`` of 1 says nothing, and the model itself, asked by ``plait
+        plan``, refuses a tp its layers cannot take."""
+        if self.attention:
+            if self.n_heads % tp:
+                return f"tp={tp} does not divide attention heads={self.n_heads}"
+            if not tp_fits_kv(self.kv_heads, tp):
+                return (f"tp={tp} neither divides kv heads={self.kv_heads} nor is a multiple "
+                        f"of them (then each rank would compute one, replicated)")
+        if self.ffn % tp:
+            return f"tp={tp} does not divide ffn={self.ffn}"
+        return ""
 
     def kv_whole(self, tp: int) -> int:
         """Weight elements of one block's k and v projections kept whole on every rank at
@@ -205,8 +221,15 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
 
 
 class NoBlockStackError(ValueError):
-    """The model has no stack of repeated blocks: nothing for tensor or pipeline parallelism
-    to split, and nothing the planner's per-block cost model can price."""
+    """The model has no stack of repeated blocks, or none with matmuls (a ConvNet's): nothing
+    for tensor or pipeline parallelism to split, and nothing the planner's per-block cost
+    model can price. ``plan="auto"`` then takes data parallelism, which needs no blocks."""
+
+
+# What a user of ``plait plan`` does with a model the planner cannot price.
+_BY_HAND = ("; pick the layout by hand: data parallelism needs no blocks (dp=N, or "
+            "dp_shard=N,zero=3 to shard its state), and plait check --plan P --model ... "
+            "proves it trains what one device trains")
 
 
 def from_module(model: Any, name: str = "module") -> ModelStats:
@@ -226,7 +249,8 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                 best = (params, mod_name, run)
     if best is None:
         raise NoBlockStackError(f"{name}: found no nn.ModuleList/nn.Sequential of repeated blocks "
-                           f"to split into layers; the planner needs a stack of blocks")
+                                f"to split into layers; the planner needs a stack of blocks"
+                                + _BY_HAND)
     _, stack_name, blocks = best
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
     matmul = [sum(m.weight.numel() for m in b.modules() if _dims(m) is not None)
@@ -234,7 +258,10 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
     ref = blocks[max(range(len(blocks)), key=lambda i: block_params[i])]
     linears = [d for d in map(_dims, ref.modules()) if d is not None]
     if not linears:
-        raise ValueError(f"{name}: blocks in {stack_name!r} have no nn.Linear layers")
+        where = stack_name or type(model).__name__
+        raise NoBlockStackError(f"{name}: blocks in {where!r} have no nn.Linear layers, "
+                                f"whose matmuls the planner prices (convolutions are not "
+                                f"priced)" + _BY_HAND)
     hidden = Counter(i for i, _ in linears).most_common(1)[0][0]
     ffn = max(max(o, i) for i, o in linears)
     heads, kv_heads, attention = 1, None, False

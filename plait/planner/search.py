@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 from plait.plan import Plan
 
-from ..parallel.tp_kv import tp_fits_kv
 from .cost import DEFAULT_CONSTANTS, Constants, Estimate, Workload, evaluate
 from .hardware import Cluster
 from .model_stats import ModelStats
@@ -96,7 +95,7 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
             break
         if cluster.devices_per_node % tp and tp < world:
             continue  # a tp group would straddle two nodes
-        if model.n_heads % tp or not tp_fits_kv(model.kv_heads, tp) or model.ffn % tp:
+        if model.tp_refuses(tp):
             continue
         for pp in divisors(world // tp):
             if pp > model.n_layers:
