@@ -5,6 +5,7 @@ The factories are written into a temporary folder, as a user's own module sits i
 project; each case runs ``plait.cli.main`` in this process, as the command line does."""
 
 import json
+import sys
 
 import pytest
 import torch.nn as nn
@@ -86,9 +87,14 @@ def branches():
 
 @pytest.fixture
 def mine(tmp_path, monkeypatch):
+    """``mine.py`` in a fresh directory, imported afresh: ``plait check`` imports the factory
+    in this process too, and another test's ``mine`` must not be the one found."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_factory adds the directory
+    sys.modules.pop("mine", None)
     (tmp_path / "mine.py").write_text(MODELS)
-    return tmp_path
+    yield tmp_path
+    sys.modules.pop("mine", None)
 
 
 def test_a_dropout_model_fails_and_the_report_says_why(mine, capsys):

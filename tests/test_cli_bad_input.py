@@ -3,6 +3,7 @@
 Each case runs ``plait.cli.main`` in this process: the checks come before any work, so a case
 that is not refused would start workers or a long search and fail on time or output."""
 
+import sys
 import time
 from pathlib import Path
 
@@ -82,6 +83,8 @@ def test_errors_raised_in_the_workers_are_one_line_too(tmp_path, capsys, monkeyp
     """A factory that raises, or that returns the wrong thing, fails inside the worker
     processes: said as the worker's message on one line, exit 2, not two tracebacks."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_factory adds the directory
+    monkeypatch.delitem(sys.modules, "mine", raising=False)  # another test's mine.py
     (tmp_path / "mine.py").write_text(
         "def boom():\n    raise ValueError('no such checkpoint: weights.pt')\n"
         "def two():\n    return 1, 2\n"
