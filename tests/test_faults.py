@@ -62,10 +62,18 @@ run.close()
 """
 
 
+def _as_a_terminal_starts_it() -> None:
+    """SIGINT at its default in the child, as a shell's foreground job has it: a suite run as a
+    background job (``cmd &`` in a script) inherits SIGINT ignored, which ``plait run`` keeps
+    ignored on purpose, and the Ctrl-C case would then wait for nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(*args, cwd, env=None):
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "plait.cli", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_a_terminal_starts_it)
 
 
 def wait_for_line(proc, word, timeout=150.0):
