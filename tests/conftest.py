@@ -3,6 +3,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # Multi-process tests spawn processes on a 2-core machine: one thread each keeps them honest.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -25,3 +27,15 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter, exitstatus):
     if exitstatus != 0 and os.path.isdir(_SCRATCH):
         terminalreporter.write_line(f"temporary files of this session kept in {_SCRATCH}")
+
+
+@pytest.fixture
+def no_group():
+    """In-process single-rank runs: never leave a process group behind for the next test."""
+    import torch.distributed as dist
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        assert var not in os.environ
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -30,16 +30,6 @@ from . import _workers_checkpoint as w
 RESHARD_RTOL = 2e-5
 
 
-@pytest.fixture
-def no_group():
-    """In-process single-rank runs: never leave a process group behind for the next test."""
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        assert var not in os.environ
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _digest(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}

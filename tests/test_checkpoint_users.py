@@ -15,22 +15,12 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from plait.spawn import WorkerError, run_distributed
 
 from . import _workers_ckpt_users as u
 
 RTOL = 2e-6
-
-
-@pytest.fixture
-def no_group():
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        assert var not in os.environ
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _close(got: list[float], want: list[float], rtol: float = RTOL) -> bool:
