@@ -9,6 +9,7 @@ folder, and returns its per-step losses, learning rates and (rank 0) the final f
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 import plait
 from plait.data import TextDataset
 from tests._workers_ledger_any import VOCAB, WIDTH, Block, LoraLM, TiedLM
+from tests._workers_semantics import seeded
 
 SEQ, BATCH = 8, 8
 
@@ -58,13 +60,6 @@ class BnEmaLM(nn.Module):
         return self.head(self.norm(h))
 
 
-def _seeded(cls: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        return cls()
-    return make
-
-
 def _hf(kind: str) -> nn.Module:
     import transformers
 
@@ -82,7 +77,8 @@ def _hf(kind: str) -> nn.Module:
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
-    "tied": _seeded(TiedLM), "lora": _seeded(LoraLM), "bnema": _seeded(BnEmaLM),
+    "tied": partial(seeded, TiedLM), "lora": partial(seeded, LoraLM),
+    "bnema": partial(seeded, BnEmaLM),
     "llama": lambda: _hf("llama"), "gpt2": lambda: _hf("gpt2")}
 HF = ("llama", "gpt2")
 

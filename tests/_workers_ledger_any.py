@@ -10,11 +10,14 @@ buffers DDP broadcasts, blocks in a container not called ``layers``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from tests._workers_semantics import seeded
 
 VOCAB, WIDTH, SEQ, BATCH = 51, 16, 8, 4  # 51: FSDP2 pads the embedding's rows at dp_shard 2, 4
 WARMUP, STEPS = 2, 2
@@ -77,14 +80,8 @@ class LoraLM(nn.Module):
         return self.head(h)
 
 
-def tied_lm() -> nn.Module:
-    torch.manual_seed(0)
-    return TiedLM()
-
-
-def lora_lm() -> nn.Module:
-    torch.manual_seed(0)
-    return LoraLM()
+tied_lm = partial(seeded, TiedLM)
+lora_lm = partial(seeded, LoraLM)
 
 
 def hf_gpt2() -> nn.Module:
