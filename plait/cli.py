@@ -123,7 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         "port unless --rdzv-endpoint is given; SLURM's variables are honoured. The script's own "
         "--plan is checked against the world size before anything starts. Rank 0's output is "
         "shown live; a failing rank's traceback is shown once.",
-        epilog="example: plait run --nproc 4 train.py --plan dp=2,tp=2",
+        epilog="examples:\n"
+        "  plait run --nproc 4 train.py --plan dp=2,tp=2\n"
+        "  two machines, 8 processes each, the same command on both but --node-rank:\n"
+        "  plait run --nproc 8 --nnodes 2 --node-rank 0 --rdzv-endpoint gpu01:29400 train.py\n"
+        "  (torchrun picks the node that holds rank 0, by host name; the other node prints\n"
+        "  where rank 0's progress is)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     launch.add_arguments(p)
     commands["run"] = _run

@@ -7,6 +7,8 @@
 * ``StopRequest``: SIGTERM (a cluster's preemption notice) becomes a request that the training
   loop honours at the next step boundary, all ranks at the same step, so that a final checkpoint
   can be written; a second SIGTERM, or the grace period running out, ends the process at once.
+* ``node_note``: on a multi-node job, the line a node whose workers do not include rank 0
+  prints, so that its terminal does not look hung.
 * ``children`` / ``descendants`` / ``running``: a job's process tree, to stop it and to check
   that nothing of it outlived a stop (Linux ``/proc``).
 
@@ -154,6 +156,22 @@ def job_store(rank: int, world_size: int, env: Mapping[str, str],
     if rank == 0:
         return loopback_store(port, world_size, timeout=timeout)
     return dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
+
+
+def node_note(rank: int, world_size: int, env: Mapping[str, str], host: str) -> str | None:
+    """What the first worker of a node without rank 0 says once at start, else None.
+
+    Only rank 0 prints progress, the run summary and the ledger, and torchrun's c10d rendezvous
+    numbers the nodes by host name and process id, not by ``--node-rank``: the terminal a user
+    watches may hold no rank 0 and would stay silent for the whole run."""
+    local = int(env.get("LOCAL_WORLD_SIZE", str(world_size)))
+    if rank == 0 or local >= world_size or int(env.get("LOCAL_RANK", "0")) != 0:
+        return None
+    where = env.get("MASTER_ADDR", "another node")
+    ranks = f"rank {rank}" if local == 1 else f"ranks {rank}..{rank + local - 1}"
+    return (f"plait: this node ({host}) runs {ranks} of {world_size}; "
+            f"rank 0 runs on {where} and prints the progress, the run summary and the ledger "
+            f"there (torchrun numbers the nodes by host name, not by --node-rank)")
 
 
 class AttemptRecord:

@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import os
 import re
+import socket
 import sys
 import time
 import warnings
@@ -1057,9 +1058,12 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
         run.first_step = checkpointing.resume_step
         run.print(checkpointing.note)
         run._stop_on_sigterm(run._final_checkpoint)  # preemption: save, then leave
-    from .lifecycle import AttemptRecord
+    from .lifecycle import AttemptRecord, node_note
 
     run._attempt = AttemptRecord.for_worker(rank, os.environ)
+    note = node_note(rank, world_size, os.environ, socket.gethostname()) if owns_group else None
+    if note and not quiet:
+        print(note, flush=True)
     if owns_group:
         atexit.register(_close_at_exit, weakref.ref(run))
     run._start_watchdog()

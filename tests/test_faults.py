@@ -226,6 +226,49 @@ def test_second_node_that_never_comes_is_one_line(tmp_path):
     assert "Traceback" not in err
 
 
+TWO_NODES = """
+import torch, torch.nn as nn
+import plait
+run = plait.init(plan="dp=2", log_every=1)
+model = run.parallelize(nn.Linear(8, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randn(16, 8))
+for x, y in run.loader(data, batch_size=4):
+    loss = run.step(model, (x, y), nn.functional.mse_loss, opt)
+print(f"rank {run.rank} of {run.world_size} loss {loss:.6f}", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_host_train_together(tmp_path):
+    """Two `plait run` agents, one process each, meet at one rendezvous endpoint and train one
+    dp=2 job; the node whose worker is not rank 0 says where rank 0 prints (torchrun's c10d
+    rendezvous numbers nodes by host and process id, so which node that is is not chosen)."""
+    script = tmp_path / "two.py"
+    script.write_text(TWO_NODES)
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [start("run", "--nnodes", "2", "--node-rank", str(n), "--rdzv-endpoint", endpoint,
+                   str(script), cwd=tmp_path) for n in (0, 1)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    lines = [out for out, _ in outs]
+    losses = {m.group(1) for out in lines for m in re.finditer(r"of 2 loss (\S+)", out)}
+    assert len(losses) == 1, lines  # one job: both ranks hold the same averaged loss
+    silent = [out for out in lines if "step 1 |" not in out]
+    assert len(silent) == 1 and "runs rank 1 of 2; rank 0 runs on" in silent[0], lines
+
+
+def test_node_note_only_where_rank_0_is_not():
+    from plait.lifecycle import node_note
+
+    env = {"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "gpu01"}
+    assert node_note(0, 8, env, "gpu01") is None
+    assert node_note(4, 8, {**env, "LOCAL_RANK": "1"}, "gpu02") is None
+    assert node_note(4, 4, env, "gpu01") is None  # one node
+    note = node_note(4, 8, env, "gpu02")
+    assert note is not None and "gpu02) runs ranks 4..7 of 8; rank 0 runs on gpu01" in note
+
+
 PREEMPT = """
 import sys, time, torch, torch.nn as nn
 import plait
