@@ -120,53 +120,92 @@ def published() -> dict:
 
 
 # ----------------------------------------------------------------------------- speed
-def published_runs() -> list[dict]:
+def published_runs(held_back: bool = False) -> list[dict]:
     """Every published run beyond Megatron's table: prediction at the published layout beside
-    the publication, and the planner's own pick for the same model, cluster and batch."""
-    from plait.planner.published import PUBLISHED_RUNS, run_setup
+    the publication, and the planner's own pick for the same model, cluster and batch. Rows
+    flagged ``held_back`` only with ``held_back=True``, in a section of their own."""
+    from plait.planner.published import PUBLISHED_RUNS
 
-    print("\n== published runs (tokens/s per GPU; 'held out': nothing was fitted to it) ==")
-    head = (f"{'run':<38} {'':>8} {'published':>9} {'predicted':>9} {'error':>7} {'range':>13} | "
-            f"{'planner pick':<60} {'pick/published':>14}")
+    runs = [r for r in PUBLISHED_RUNS if not r.held_back]
+    out = _runs_table("published runs (tokens/s per GPU; 'held out': nothing was fitted to it)",
+                      runs)
+    if held_back:
+        out += _runs_table("held back (chosen before any new row was priced; priced only after "
+                           "every change to the cost model)",
+                           [r for r in PUBLISHED_RUNS if r.held_back])
+    for role in ("fitted", "held out", "held back"):
+        errs = [abs(r["error"]) for r in out if r["role"] == role and r["error"] is not None]
+        if errs:
+            print(f"{role:>9}: {len(errs)} rows, median |error| {statistics.median(errs):.1%}, "
+                  f"max {max(errs):.1%}")
+    print("'pick/paper': predicted step time at the published layout / the pick's (>= 1: the "
+          "planner predicts its pick no slower); 'pick/published': the pick's predicted speed "
+          "over the published one")
+    return out
+
+
+def _runs_table(title: str, runs: list) -> list[dict]:
+    from plait.planner.published import MISS_BAND, published_tokens_per_s_per_gpu, run_setup
+
+    print(f"\n== {title} ==")
+    head = (f"{'run':<48} {'':>9} {'published':>9} {'predicted':>9} {'error':>7} "
+            f"{'range':>13} {'mem GiB':>7} | {'planner pick':<60} {'pick/paper':>10} "
+            f"{'pick/published':>14}")
     print(head)
     print("-" * len(head))
     out = []
-    for run in PUBLISHED_RUNS:
+    for run in runs:
         model, cluster, work, plan = run_setup(run)
+        published = published_tokens_per_s_per_gpu(run)
         k = constants_for(cluster)
         e = evaluate(plan, model, cluster, work, k)
+        role = "fitted" if run.fitted else "held back" if run.held_back else "held out"
+        pick = search(model, cluster, work, top=1, constants=k).best
+        pick_tps = pick.tokens_per_s / run.devices if pick else float("nan")
+        if not e.feasible:
+            print(f"{run.name:<48} {role:>9} {published:>9,.0f} {'-':>9} {'-':>7} {'':>13} "
+                  f"{e.memory_bytes_per_device / 2**30:>7.1f} | NOT FEASIBLE: {e.reason}")
+            out.append({"run": run.name, "role": role, "published": published,
+                        "predicted": None, "error": None, "reason": e.reason,
+                        "pick": pick.plan.to_string() if pick else None,
+                        "pick_predicted": pick_tps})
+            continue
         tps = e.tokens_per_s / run.devices
         lo = evaluate(plan, model, cluster, work, dataclasses.replace(
             k, compute_efficiency=cluster.extra["compute_efficiency_range"][0]))
         hi = evaluate(plan, model, cluster, work, dataclasses.replace(
             k, compute_efficiency=cluster.extra["compute_efficiency_range"][1]))
-        pick = search(model, cluster, work, top=1, constants=k).best
-        pick_tps = pick.tokens_per_s / run.devices if pick else float("nan")
-        span = f"{lo.tokens_per_s / run.devices:.0f}-{hi.tokens_per_s / run.devices:.0f}"
-        print(f"{run.name:<38} {'fitted' if run.fitted else 'held out':>8} "
-              f"{run.tokens_per_s_per_gpu:>9,.0f} {tps:>9,.0f} "
-              f"{tps / run.tokens_per_s_per_gpu - 1:>+7.1%} {span:>13} | "
+        span = f"{lo.tokens_per_s / run.devices:,.0f}-{hi.tokens_per_s / run.devices:,.0f}"
+        err = tps / published - 1
+        print(f"{run.name:<48} {role:>9} {published:>9,.0f} {tps:>9,.0f} {err:>+7.1%} "
+              f"{span:>13} {e.memory_bytes_per_device / 2**30:>7.1f} | "
               f"{pick.plan.describe()[:60] if pick else '-':<60} "
-              f"{pick_tps / run.tokens_per_s_per_gpu:>13.2f}x")
-        out.append({"run": run.name, "fitted": run.fitted, "published": run.tokens_per_s_per_gpu,
-                    "predicted": tps, "pick": pick.plan.to_string() if pick else None,
+              f"{e.step_time_s / pick.step_time_s if pick else float('nan'):>9.2f}x "
+              f"{pick_tps / published:>13.2f}x")
+        if run.miss:
+            print(f"    miss (outside the stated +-{MISS_BAND:.0%}): {run.miss}")
+        out.append({"run": run.name, "role": role, "published": published, "predicted": tps,
+                    "error": err, "miss": run.miss, "bubble": e.bubble_fraction,
+                    "memory_gib": e.memory_bytes_per_device / 2**30,
+                    "time_breakdown": e.time_breakdown,
+                    "pick": pick.plan.to_string() if pick else None,
                     "pick_predicted": pick_tps})
     return out
 
 
-def picks() -> list[dict]:
+def picks(held_back: bool = False) -> list[dict]:
     """The planner's pick for every published model, cluster and batch beside the publication:
     its speed-up split into work it skips (recomputation) and a faster chip rate (HFU), and the
     published run that achieved that speed where the pick is faster."""
     from plait.planner.published import check_pick, published_cases
 
     print("\n== the planner's picks beside the publications (tokens/s per GPU) ==")
-    head = (f"{'case':<36} {'published':>9} {'pick':>9} {'ratio':>6} = {'work':>5} x "
+    head = (f"{'case':<48} {'published':>9} {'pick':>9} {'ratio':>6} = {'work':>5} x "
             f"{'HFU (published -> pick)':>23} | named run that achieved it")
     print(head)
     print("-" * len(head))
     out = []
-    for case in published_cases():
+    for case in published_cases(include_held_back=held_back):
         k = check_pick(case)
         ratio = k.tokens_per_s_per_gpu / case.tokens_per_s_per_gpu
         run = k.achieved
@@ -174,7 +213,7 @@ def picks() -> list[dict]:
             f"{run.name}: {run.tokens_per_s_per_gpu:,.0f} tokens/s" if run.tokens_per_s_per_gpu
             else f"{run.name}: HFU {run.hfu:.1%}") if run else "NONE"
         broken = f"  (RULE BROKEN: {k.problem()})" if k.problem() else ""
-        print(f"{case.name:<36} {case.tokens_per_s_per_gpu:>9,.0f} "
+        print(f"{case.name:<48} {case.tokens_per_s_per_gpu:>9,.0f} "
               f"{k.tokens_per_s_per_gpu:>9,.0f} {ratio:>5.2f}x = {k.work_ratio:>4.2f}x x "
               f"{k.published_hfu:>10.1%} -> {k.hfu:>6.1%}    | {named}{broken}")
         out.append({"case": case.name, "published": case.tokens_per_s_per_gpu,
@@ -394,6 +433,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--published", action="store_true")
+    ap.add_argument("--held-back", action="store_true",
+                    help="with --published: also price the runs flagged held_back in "
+                         "plait/planner/published.py")
     ap.add_argument("--speed", action="store_true")
     ap.add_argument("--calibrate", action="store_true")
     ap.add_argument("--profile", default=None, help="reuse/save the calibrated cluster YAML")
@@ -431,8 +473,8 @@ def main(argv=None) -> int:
     out = {}
     if args.published:
         out["published"] = published()
-        out["published_runs"] = published_runs()
-        out["picks"] = picks()
+        out["published_runs"] = published_runs(args.held_back)
+        out["picks"] = picks(args.held_back)
     if args.speed:
         out["speed"] = speed()
     if args.calibrate:

@@ -18,6 +18,7 @@ import pytest
 from plait.planner import constants_for
 from plait.planner.cost import evaluate
 from plait.planner.published import (
+    MISS_BAND,
     NARAYANAN_2021,
     PICK_ACHIEVED_BY,
     PUBLISHED_RUNS,
@@ -26,6 +27,7 @@ from plait.planner.published import (
     check_pick,
     megatron_flops,
     published_cases,
+    published_tokens_per_s_per_gpu,
     row_setup,
     run_setup,
 )
@@ -42,22 +44,41 @@ def test_megatron_table1_median_within_10_percent():
     assert statistics.median(errors) <= 0.10, errors
 
 
-@pytest.mark.parametrize("run", PUBLISHED_RUNS, ids=lambda r: r.name)
+def _stated_miss(run):
+    """A row whose diagnosed miss is stated (``miss``) is expected outside the band; strict, so
+    the statement fails once the row comes within it."""
+    marks = [pytest.mark.xfail(strict=True, reason=run.miss)] if run.miss else []
+    return pytest.param(run, marks=marks, id=run.name)
+
+
+@pytest.mark.parametrize("run", [_stated_miss(r) for r in PUBLISHED_RUNS])
 def test_published_runs_repriced(run):
-    """The fitted run within 5%; held-out runs within 20% at their published layout (the
-    errors are in docs/planner.md)."""
+    """The fitted run within 5%; held-out (and held-back) runs within the band the planner
+    states, MISS_BAND (20%), at their published layout, unless the row states its miss and
+    why (the errors are in docs/planner.md)."""
     model, cluster, work, plan = run_setup(run)
     k = constants_for(cluster)
     e = evaluate(plan, model, cluster, work, k)
     assert e.feasible, e.reason
-    error = e.tokens_per_s / run.devices / run.tokens_per_s_per_gpu - 1
-    assert abs(error) <= (0.05 if run.fitted else 0.20), error
+    error = e.tokens_per_s / run.devices / published_tokens_per_s_per_gpu(run) - 1
+    assert abs(error) <= (0.05 if run.fitted else MISS_BAND), error
+
+
+def test_only_held_out_rows_state_a_miss():
+    assert not any(r.miss and r.fitted for r in PUBLISHED_RUNS)
 
 
 DOCS = (Path(__file__).resolve().parents[1] / "docs" / "planner.md").read_text()
 
 
-@pytest.mark.parametrize("case", published_cases(), ids=lambda c: c.name)
+def _case_param(case):
+    """Searching a published run of 256 or more GPUs costs seconds: those run in the slow
+    suite (test_published_runs_repriced prices every row in the default one)."""
+    slow = case.devices >= 256 and case.name in {r.name for r in PUBLISHED_RUNS}
+    return pytest.param(case, marks=[pytest.mark.slow] if slow else [], id=case.name)
+
+
+@pytest.mark.parametrize("case", [_case_param(c) for c in published_cases()])
 def test_pick_never_faster_than_published_unless_a_named_run_achieved_it(case):
     """The planner's pick for a published model, cluster and batch is predicted no faster than
     the publication, or a published run named in docs/planner.md achieved its speed: the same
