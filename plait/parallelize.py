@@ -8,6 +8,7 @@ Order matters and is fixed here:
    axis, inside each stage.
 3. **Activation checkpointing** wraps whole blocks after TP so that recomputation replays the
    TP collectives too (and before FSDP, so FSDP's hooks stay outside the checkpointed region).
+   **Compile** (``plan.compile``) then compiles each block's forward, the hooks left eager.
 4. **Data parallel last** — FSDP2 (ZeRO / HSDP) over ``dp_shard`` (x ``dp_replicate``), or DDP
    over ``dp_replicate``: it must see the final parameters (DTensors from TP included) to shard
    or bucket them.
@@ -75,6 +76,11 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
 
         module = apply_activation_checkpointing(module, plan)
         applied.append("activation_checkpointing")
+    if plan.compile:
+        from .parallel.compile import apply_compile
+
+        module = apply_compile(module, plan)  # blocks laid out, data-parallel hooks not yet
+        applied.append("compile")
     if plan.zero > 0:
         from .parallel.zero import apply_fsdp
 

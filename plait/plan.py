@@ -210,6 +210,8 @@ class Plan:
     # batches only, an auxiliary head): DDP finds them each step, FSDP2 reduces zeros for them.
     # Without it, ranks that disagree run mismatched collectives.
     find_unused: bool = False
+    # torch.compile each repeated block's forward after the layout (``plait.parallel.compile``).
+    compile: bool = False
     # Strategy-specific settings (a user TP plan, pipeline cuts, FSDP units); a dict is accepted
     # and checked key by key.
     options: PlanOptions = field(default_factory=PlanOptions)
@@ -256,6 +258,13 @@ class Plan:
             errors.append(f"offload=True needs zero=3 (got zero={self.zero})")
         if self.sp and self.tp == 1:
             errors.append("sp=True (sequence parallel) needs tp > 1")
+        if self.compile is True and self.tp > 1:
+            # torch 2.13: a compiled block hands its input's gradient back to a DTensor layer's
+            # output as zero (a vocabulary-parallel embedding stops training, nothing fails).
+            errors.append(f"compile with tp={self.tp} is refused: a compiled block returns a "
+                          f"zero gradient to the tensor-parallel layer before it, which would "
+                          f"stop training; drop compile, or drop tp (compile runs with data, "
+                          f"sharded and pipeline parallelism)")
         if self.cp != 1:
             errors.append(f"cp={self.cp}: context parallelism is reserved and must be 1")
         if self.pp_schedule not in PP_SCHEDULES:
@@ -318,7 +327,7 @@ class Plan:
                 errors.append(f"{name}={value!r} must be a positive integer, e.g. {name}=2")
         if not isinstance(self.zero, int) or isinstance(self.zero, bool):
             errors.append(f"zero={self.zero!r} must be the integer 0, 1, 2 or 3")
-        for name in ("sp", "offload", "sync_bn", "find_unused"):
+        for name in ("sp", "offload", "sync_bn", "find_unused", "compile"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 errors.append(f"{name}={value!r} must be true or false (a boolean, not "
@@ -373,6 +382,8 @@ class Plan:
             extras.append("sync-bn")
         if self.find_unused:
             extras.append("find-unused")
+        if self.compile:
+            extras.append("compiled")
         return (axes or "single device") + (f" ({', '.join(extras)})" if extras else "")
 
     def replace(self, **changes: Any) -> Plan:
@@ -564,7 +575,7 @@ _BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True,
                "false": False, "0": False, "no": False, "off": False}
 _STRING_FIELDS = {"pp_schedule", "schedule", "activation_checkpointing", "ac", "mixed_precision",
                   "mp", "precision"}
-_BOOL_FIELDS = {"sp", "offload", "sync_bn", "find_unused"}
+_BOOL_FIELDS = {"sp", "offload", "sync_bn", "find_unused", "compile"}
 _FLOAT_FIELDS = {"grad_clip", "clip"}
 _FIELD_NAMES = {f.name for f in dataclasses.fields(Plan)}
 

@@ -161,6 +161,11 @@ class Run:
 
         With ``plan="auto"`` the first call asks the planner for this model's layout, prints the
         choice and why (rank 0), and builds the mesh for it (see ``plait.auto``)."""
+        from .parallel.compile import compiled_original
+
+        original = compiled_original(model)
+        if original is not None:  # torch.compile(model): lay out the model, compile its blocks
+            model = original
         if self.auto is not None:
             from .auto import resolve
 
@@ -169,6 +174,16 @@ class Run:
                 self.print(line)
             self.mesh = build_mesh(self.plan, self.device.type, self.world_size)
             self.auto = None
+        if original is not None and not self.plan.compile and self.spmd is None:
+            if self.plan.tp > 1:
+                raise ValueError(f"torch.compile(model) with tp={self.plan.tp}: a compiled "
+                                 f"block returns a zero gradient to the tensor-parallel layer "
+                                 f"before it, which would stop training; pass the model to "
+                                 f"run.parallelize without torch.compile")
+            self.plan = self.plan.replace(compile=True)
+            self.print("plait: the model came through torch.compile; plait lays out the model "
+                       "and compiles each block's forward instead (compile in the plan), the "
+                       "way compile composes with data, sharded and pipeline parallelism")
         torch.manual_seed(self.seed)
         if self.spmd is not None:
             from .parallel.xla_spmd import apply_spmd
@@ -257,6 +272,7 @@ class Run:
         ``init(checkpoint=...)`` the first call loads the checkpoint being resumed, and every
         ``every``-th step saves one.
         """
+        _refuse_compiled_wrapper(model)
         # Counted on the batch as given (host tensors from a loader): an attention mask read
         # on the device would be one more transfer, and on XLA one more graph, every step.
         items, self.stats.unit = _count_items(batch)
@@ -409,6 +425,7 @@ class Run:
         """
         from .train import forward_only
 
+        _refuse_compiled_wrapper(model)
         if self.spmd is None:
             batch = _to_device(batch, self.device)
         else:
@@ -849,6 +866,14 @@ def _first_input(batch: Any) -> Any:
     if isinstance(inputs, (tuple, list)):
         inputs = inputs[0]
     return inputs
+
+
+def _refuse_compiled_wrapper(model: nn.Module) -> None:
+    from .parallel.compile import wrapped_after_layout
+
+    why = wrapped_after_layout(model)
+    if why is not None:
+        raise ValueError(why)
 
 
 def _count_items(batch: Any) -> tuple[int, str]:

@@ -68,6 +68,8 @@ def plan_problems(plan: Plan) -> list[str]:
                         f"torch_xla has its own); use 'none'")
     if plan.offload:
         problems.append("offload=True: not built on XLA; drop offload")
+    if plan.compile:
+        problems.append("compile=True: XLA compiles the whole step already; drop compile")
     return problems
 
 

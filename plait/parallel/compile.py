@@ -1,0 +1,62 @@
+"""``Plan.compile``: ``torch.compile`` on each repeated block, once the layout is in place.
+
+Why per block: a graph of the whole model breaks at every FSDP2 unit, DDP bucket and pipeline
+stage boundary, while a block's forward is one graph that every block of the same class shares
+(torch guards on the class and takes parameters as inputs), so it compiles once. Why the
+forward only, not ``nn.Module.compile`` (which also traces the module's hooks): FSDP2, DDP and
+plait's own hooks move parameters in and out of the module around each call, state that a
+compiled graph would otherwise have to guard on; left eager, they run as they do without
+compile. The state dict keeps its names (no ``_orig_mod.`` part), so checkpoints move between
+compiled and eager runs.
+
+Refused with tensor parallelism (``Plan.validate``): under torch 2.13 a compiled block hands
+the gradient of its input back to the vocabulary-parallel embedding's output as zero, so the
+embedding stops training with nothing failing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..plan import Plan
+from .units import repeated_blocks
+
+
+def apply_compile(module: nn.Module, plan: Plan) -> nn.Module:
+    """Compile the forward of each repeated block of ``module`` (the root's when it has
+    none); in place, returns ``module``."""
+    if not plan.compile:
+        return module
+    blocks = [block for _, block in repeated_blocks(module)] or [module]
+    for block in blocks:
+        inner = getattr(block, "_checkpoint_wrapped_module", block)  # activation checkpointing
+        inner.forward = torch.compile(inner.forward)
+    return module
+
+
+def compiled_original(model: nn.Module) -> nn.Module | None:
+    """The module ``torch.compile(module)`` wrapped, for a wrapper it returned; else None."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return model._orig_mod if isinstance(model, OptimizedModule) else None
+
+
+def wrapped_after_layout(model: nn.Module) -> str | None:
+    """Why ``model``, ``torch.compile`` of a model plait laid out, cannot be stepped; else None.
+
+    plait reads the layout recorded on the module it returned (a pipeline's schedule, DDP's
+    gradient sync, the ledger, checkpoints); the wrapper hides it, and a pipeline or a
+    tensor-parallel model fails inside the compiled call."""
+    from .layout import layout_of
+
+    inner = compiled_original(model)
+    if inner is None or not layout_of(inner).applied:
+        return None
+    return ("the model is torch.compile(...) of the model run.parallelize returned: compile "
+            "the one-device model before run.parallelize (plait then compiles each block after "
+            "laying it out), or add compile to the plan ('dp=2,compile'), and pass "
+            "run.parallelize's model to run.step")
+
+
+__all__ = ["apply_compile", "compiled_original", "wrapped_after_layout"]

@@ -1,0 +1,61 @@
+"""torch.compile with plait: a model compiled on one device (``torch.compile(model)`` before
+``run.parallelize``, or ``compile`` in the plan) trains what the eager one-device loop trains,
+its blocks compiled after the layout; a torch.compile of the laid-out model and compile with
+tensor parallelism are refused with the fix.
+
+The model is the masked LM of the semantics tests (rows counting 1 to 8 labels). Tolerance:
+1e-5 relative per step and on the final parameters (inductor's kernels round differently
+from eager's; a wrong gradient is orders of magnitude more, see tests/test_semantics.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.plan import Plan
+from plait.spawn import run_distributed
+from tests import _workers_compile as C
+from tests import _workers_semantics as W
+
+REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def data():
+    batches = [W.mlm_batch(s) for s in range(W.STEPS)]
+    return batches, W.reference(W.masked_lm, batches, W.mlm_loss)
+
+
+def _assert_matches(ref: dict, got: dict) -> None:
+    assert got["losses"] == pytest.approx(ref["losses"], rel=REL), got["plan"]
+    for name, want in ref["state"].items():
+        diff = (got["state"][name] - want).abs().max().item()
+        assert diff <= REL * max(want.abs().max().item(), 1e-2), (got["plan"], name, diff)
+
+
+def test_a_compiled_model_trains_the_one_device_model_under_dp(data):
+    batches, ref = data
+    got = run_distributed(C.train_compiled, 2, "dp=2", C.compiled_masked_lm, batches,
+                          timeout=300)[0]
+    assert got["plan"] == "dp_replicate=2,compile=true"
+    assert got["graphs"] >= 1  # the blocks did run compiled
+    _assert_matches(ref, got)
+    assert "torch.compile(...) of the model run.parallelize returned" in got["refused"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["dp_shard=2,zero=3,compile", "pp=2,compile",
+                                  "dp=2,ac=full,compile"])
+def test_compile_in_the_plan_trains_the_one_device_model(data, plan):
+    batches, ref = data
+    got = run_distributed(C.train_compiled, 2, plan, W.masked_lm, batches, timeout=400)[0]
+    assert got["graphs"] >= 1
+    _assert_matches(ref, got)
+
+
+def test_compile_is_parsed_and_refused_with_tensor_parallelism():
+    assert Plan.load("dp=2,compile").compile is True
+    assert Plan.load("dp=2,compile=false").compile is False
+    assert "compiled" in Plan.load("dp=2,compile").describe()
+    with pytest.raises(ValueError, match="compile with tp=2 is refused.*drop compile, or drop tp"):
+        Plan.load("tp=2,compile")
