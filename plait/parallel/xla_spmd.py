@@ -155,11 +155,46 @@ def build_layout(plan: Plan | None) -> SPMDLayout:
 def apply_spmd(model: nn.Module, layout: SPMDLayout, *, device: torch.device) -> nn.Module:
     """``model`` on the XLA device with the plan's sharding annotations (TP, then FSDPv2)."""
     plan = layout.plan
-    model = model.to(device)
+    model = to_device_keeping_ties(model, device)
     if plan.tp > 1:
         mark_tensor_parallel(model, layout)
     if plan.zero == 3:
         model = wrap_fsdpv2(model, layout)
+    return model
+
+
+def _shared(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Each parameter or buffer held under more than one name (a tied embedding and output
+    head), as its [(module name, attribute), ...], first name first."""
+    seen: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attr, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None:
+                seen.setdefault(id(t), []).append((module_name, attr))
+    return [names for names in seen.values() if len(set(names)) > 1]
+
+
+def to_device_keeping_ties(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model.to(device)`` with its shared parameters and buffers still shared.
+
+    ``Module.to`` moves a tensor in place only where the old and new tensors can swap storage;
+    a CPU tensor and an XLA tensor cannot, so each module gets a new Parameter of its own and a
+    tied weight becomes two independent ones (each trained on half the gradient). The first
+    name's moved tensor is put back under every other name."""
+    shared = _shared(model)
+    model = model.to(device)
+    for names in shared:
+        first_module, first_attr = names[0]
+        owner = model.get_submodule(first_module)
+        tensor = owner._parameters.get(first_attr)
+        if tensor is None:
+            tensor = owner._buffers[first_attr]
+        for module_name, attr in names[1:]:
+            module = model.get_submodule(module_name)
+            if attr in module._parameters:
+                module._parameters[attr] = tensor
+            else:
+                module._buffers[attr] = tensor
     return model
 
 
