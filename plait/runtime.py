@@ -446,6 +446,8 @@ class Run:
         """
         from .checkpoint import CheckpointError, save
 
+        if self.spmd is not None:
+            raise CheckpointError(_NO_XLA_CHECKPOINT.format(call="run.save()"))
         ckpt = self.checkpointing
         if path is None and ckpt is None:
             raise CheckpointError("run.save() needs a folder: run.save('ckpt/') or "
@@ -484,6 +486,10 @@ class Run:
         run's model and optimizer, whatever plan and world size it was saved under; later
         ``run.loader(...)`` calls and step numbers continue from its step, which is returned.
         Collective: every rank calls it."""
+        if self.spmd is not None:
+            from .checkpoint import CheckpointError
+
+            raise CheckpointError(_NO_XLA_CHECKPOINT.format(call="run.load()"))
         return self._load(path, model, optimizer, scheduler, move_loader=True)
 
     def _load(self, path: str | Path, model: nn.Module | None,
@@ -848,6 +854,14 @@ def _first_input(batch: Any) -> Any:
     if isinstance(inputs, (tuple, list)):
         inputs = inputs[0]
     return inputs
+
+
+# run.save() / run.load() under PyTorch/XLA SPMD: what to do instead.
+_NO_XLA_CHECKPOINT = (
+    "{call} is not built on XLA SPMD (the compiler shards its tensors, which "
+    "torch.distributed.checkpoint does not read); keep the weights with "
+    "torch.save(run.full_state_dict(model), 'model.pt') and give them to the model's "
+    "load_state_dict before run.parallelize")
 
 
 def _count_items(batch: Any) -> tuple[int, str]:

@@ -154,8 +154,11 @@ def build_layout(plan: Plan | None) -> SPMDLayout:
 # ------------------------------------------------------------------------------ the layout
 def apply_spmd(model: nn.Module, layout: SPMDLayout, *, device: torch.device) -> nn.Module:
     """``model`` on the XLA device with the plan's sharding annotations (TP, then FSDPv2)."""
+    from .xla_batchnorm import keep_unbiased_running_var
+
     plan = layout.plan
     model = to_device_keeping_ties(model, device)
+    keep_unbiased_running_var(model, device)
     if plan.tp > 1:
         mark_tensor_parallel(model, layout)
     if plan.zero == 3:
