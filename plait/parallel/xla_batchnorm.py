@@ -25,7 +25,9 @@ def updates_biased_variance(device: torch.device) -> bool:
     probe = nn.BatchNorm1d(1, momentum=1.0).to(device)
     with torch.no_grad():
         probe(torch.tensor([[0.0], [2.0]], device=device))
-    return float(probe.running_var.cpu()[0]) < 1.5
+    running_var = probe.running_var
+    assert running_var is not None
+    return float(running_var.cpu()[0]) < 1.5
 
 
 def _tracks(module: nn.Module) -> bool:
@@ -42,9 +44,11 @@ def _before(module: _BatchNorm, args: tuple[Any, ...]) -> None:
     if values < 2:  # eager torch refuses one value per channel itself
         return
     dims = [0, *range(2, x.ndim)]
+    running_var = module.running_var
+    assert running_var is not None
     with torch.no_grad():
-        module._plait_var = (module.running_var.detach().clone(),  # type: ignore[union-attr]
-                             x.float().var(dim=dims, correction=1))
+        module.__dict__["_plait_var"] = (running_var.detach().clone(),
+                                         x.float().var(dim=dims, correction=1))
 
 
 def _after(module: _BatchNorm, args: tuple[Any, ...], output: Any) -> None:

@@ -182,22 +182,15 @@ def to_device_keeping_ties(model: nn.Module, device: torch.device) -> nn.Module:
 
     ``Module.to`` moves a tensor in place only where the old and new tensors can swap storage;
     a CPU tensor and an XLA tensor cannot, so each module gets a new Parameter of its own and a
-    tied weight becomes two independent ones (each trained on half the gradient). The first
-    name's moved tensor is put back under every other name."""
+    tied weight becomes two independent ones (each trained only on the gradient of its own
+    use). The first name's moved tensor is put back under every other name."""
     shared = _shared(model)
     model = model.to(device)
     for names in shared:
         first_module, first_attr = names[0]
-        owner = model.get_submodule(first_module)
-        tensor = owner._parameters.get(first_attr)
-        if tensor is None:
-            tensor = owner._buffers[first_attr]
+        tensor = getattr(model.get_submodule(first_module), first_attr)
         for module_name, attr in names[1:]:
-            module = model.get_submodule(module_name)
-            if attr in module._parameters:
-                module._parameters[attr] = tensor
-            else:
-                module._buffers[attr] = tensor
+            setattr(model.get_submodule(module_name), attr, tensor)
     return model
 
 
