@@ -10,7 +10,8 @@ plan                XLA mesh axis    what plait annotates
 ==================  ===============  ==========================================================
 dp_replicate        ``dp_replicate``  the batch's first dimension (with ``fsdp``)
 dp_shard, zero=3    ``fsdp``          FSDPv2 (torch_xla's ``SpmdFullyShardedDataParallel``) on
-                                      every repeated block and on the root: each parameter is
+                                      every repeated block (or each module the plan's
+                                      ``shard_patterns`` names) and on the root: each parameter is
                                       split on its largest dimension; the batch's first
                                       dimension. The axis is called ``fsdp`` because FSDPv2
                                       looks it up by that name.
@@ -240,17 +241,18 @@ def _shard_output(layout: SPMDLayout) -> Any:
 
 
 def wrap_fsdpv2(model: nn.Module, layout: SPMDLayout) -> nn.Module:
-    """FSDPv2 on each repeated block (so each block's parameters are gathered when it runs, not
-    all at once) and on the root for the rest."""
+    """FSDPv2 on each sharding unit (so each unit's parameters are gathered when it runs, not
+    all at once) and on the root for the rest. The units are FSDP2's on other devices: the
+    repeated blocks, or the modules ``plan.options.shard_patterns`` names (deepest first)."""
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
         SpmdFullyShardedDataParallel as FSDPv2,
     )
 
-    from .units import repeated_blocks
+    from .units import select_units
 
     kwargs = {"mesh": layout.mesh, "shard_output": _shard_output(layout),
               "extra_data_axis": "dp_replicate"}
-    for name, block in repeated_blocks(model):
+    for name, block in select_units(model, layout.plan.options.shard_patterns):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, FSDPv2(block, **kwargs))

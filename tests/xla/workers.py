@@ -21,6 +21,7 @@ import plait
 from plait.data import TextDataset
 from plait.diagnostics.xla import XLADiagnosticError
 from plait.models.transformer import build, lm_loss
+from plait.parallel.units import canonical_name
 
 SPMD_PLANS = ("dp_replicate=4", "dp_shard=4,zero=3", "tp=4", "dp_shard=2,zero=3,tp=2",
               "dp_replicate=2,dp_shard=2,zero=3")
@@ -335,9 +336,30 @@ def _user_runs(runs: dict) -> dict:
     return out
 
 
+def _fsdpv2_units(plan: dict) -> list[str] | str:
+    """The modules FSDPv2 wraps (the root left out) under ``plan``, or the refusal."""
+    run = plait.init(plan, accelerator="xla", quiet=True)
+    try:
+        model = run.parallelize(LoRA())
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        run.finish(print_summary=False)
+    return sorted(canonical_name(n) for n, m in model.named_modules()
+                  if n and type(m).__name__ == "SpmdFullyShardedDataParallel")
+
+
 def case_users() -> dict:
-    """Models users bring, 4 XLA devices under SPMD, each against one CPU."""
-    return _user_runs(USER_RUNS)
+    """Models users bring, 4 XLA devices under SPMD, each against one CPU; and which modules
+    FSDPv2 wraps, by default and with shard_patterns."""
+    out = _user_runs(USER_RUNS)
+    zero3 = {"dp_shard": 4, "zero": 3}
+    out["units"] = {
+        "default": _fsdpv2_units(zero3),
+        "layers.0": _fsdpv2_units({**zero3, "options": {"shard_patterns": ["layers.0"]}}),
+        "nothing.*": _fsdpv2_units({**zero3, "options": {"shard_patterns": ["nothing.*"]}}),
+    }
+    return out
 
 
 def case_users_slow() -> dict:
