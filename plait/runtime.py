@@ -368,6 +368,10 @@ class Run:
         _check_optimizer(model, user_optimizer, self._checked_optimizers)
         if self.xla is not None:
             self.xla.step_end()
+            from .loss import settle_answers
+            from .parallel.layout import layout_of
+
+            settle_answers(layout_of(model).first_label_skipped)  # read now the graph ran
         elapsed = time.perf_counter() - start
         step = self.first_step + len(self.stats.step_times) + 1
         self._apply_verdict(step)

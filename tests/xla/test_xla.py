@@ -160,6 +160,7 @@ def _user_matches(name: str, result: dict) -> None:
             assert result["evaluated"] == pytest.approx(result["ref_evaluated"], rel=1e-4)
         worst = max(result["diffs"], key=result["diffs"].get)
         assert result["diffs"][worst] < 5e-4, (worst, result["diffs"][worst])
+        assert result["findings"] == []  # no host sync, recompilation or fallback added
     except AssertionError as exc:
         raise AssertionError(f"{name}: {exc}") from exc
 
@@ -167,7 +168,8 @@ def _user_matches(name: str, result: dict) -> None:
 @pytest.mark.timeout(CASE_TIMEOUT)
 def test_users_models_train_what_one_cpu_trains(users):
     """A tied embedding (one parameter, not two), dict batches padded by a collate_fn with a
-    masked loss, frozen base weights, BatchNorm's running statistics and an EMA buffer."""
+    masked loss that shifts the labels under grad_accum, frozen base weights, BatchNorm's
+    running statistics and an EMA buffer."""
     for name, result in users.items():
         if name != "units":
             _user_matches(name, result)
