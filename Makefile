@@ -55,7 +55,7 @@ test: $(STAMP)
 # One XLA CPU device for training vs eager CPU and the diagnostics, four (CPU_NUM_DEVICES, set
 # per case) for the SPMD layouts.
 test-xla: $(XLA_STAMP)
-	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/xla
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q -m "not slow" tests/xla
 
 test-tpu: $(TPU_STAMP)
 	$(TPU_VENV)/bin/python -m pytest -q -p no:warnings tests/tpu

@@ -29,12 +29,14 @@ autograd, with each row's first label set to ``IGNORE_INDEX`` (:func:`skips_firs
 unchanged value (where ignoring every other label instead does change it) means the first
 labels were never read, and from then on they are not counted. The answer is kept per loss
 function for the model's lifetime, so the one or two extra loss calls happen once per run.
-On XLA it is not asked (the answer would be read mid-step, a host sync): there a loss that
-shifts the labels returns ``(sum, count)``. A model's own loss (``loss_fn=None``) cannot be
-asked again without running the model: a Hugging Face causal LM is known to shift
-(:func:`shifts_labels`); any other model's ``output.loss`` is compared with the mean
-cross-entropy of its ``output.logits`` against the labels shifted and unshifted
-(:func:`own_loss_skips_first_label`), once per run.
+On XLA the answer is not read mid-step (that would execute the graph early, a host sync):
+the first step computes it on the device and picks the count there (``torch.where``), and it
+is read once that step's graph has run (:func:`settle_answers`). A model's own loss
+(``loss_fn=None``) cannot be asked again without running the model: a Hugging Face causal LM
+is known to shift (:func:`shifts_labels`); any other model's ``output.loss`` is compared with
+the mean cross-entropy of its ``output.logits`` against the labels shifted and unshifted
+(:func:`own_loss_skips_first_label`), once per run (not on XLA: there such a model's loss is
+counted over every label, so under ``grad_accum`` > 1 it should be computed by a ``loss_fn``).
 
 What happens otherwise: a scalar that is *not* a mean over those counted items (a sum, or a mean
 over items the targets do not show) is still weighted by the count, so the layout trains a
@@ -107,9 +109,8 @@ def skips_first_label(loss: torch.Tensor, targets: Any,
     or 0) and changes: True. None when this micro-batch cannot tell: the targets are not
     integer labels of two or more dimensions, every first label is already ignored (both counts
     are then equal), or neither change moves the loss (every item's loss is the same, as under
-    a head initialised to zero, and some first label is read). Not asked on XLA, where reading
-    the answer mid-step would execute the graph early (a host sync every step): there a loss
-    that shifts should return ``(sum, count)``.
+    a head initialised to zero, and some first label is read). On XLA
+    :func:`skips_first_label_on_device` asks it instead, without reading the answer mid-step.
     """
     labels = _counted(targets)
     if loss.numel() != 1:  # not a scalar: loss_sum_and_count says what to return instead
@@ -141,14 +142,22 @@ def skips_first_label(loss: torch.Tensor, targets: Any,
 
 
 def first_label_skipped(value: Any, targets: Any, recompute: Callable[[Any], Any],
-                        known: dict[Any, bool], key: Any) -> bool:
+                        known: dict[Any, Any], key: Any) -> bool | torch.Tensor:
     """:func:`skips_first_label` for a loss function's scalar ``value``, asked once per
     ``key`` (the loss function) and kept in ``known``; False for a ``(sum, count)`` pair,
-    whose count is the loss's own."""
+    whose count is the loss's own. On XLA: a 0-dim bool tensor on the device
+    (:func:`skips_first_label_on_device`), kept in ``known`` until :func:`settle_answers`."""
     if isinstance(value, (tuple, list)):
         return False
     if key in known:
         return known[key]
+    labels = _counted(targets)
+    if isinstance(labels, torch.Tensor) and labels.device.type == "xla":
+        on_device = skips_first_label_on_device(_full(value), targets, recompute)
+        if on_device is None:
+            return False
+        known[key] = on_device  # read by settle_answers once the step's graph has run
+        return on_device == 1
     verdict = skips_first_label(_full(value), targets, recompute)
     if verdict is None:  # this micro-batch cannot tell (its two counts agree, or every
         return False     # item's loss is the same): counted whole, asked again next time
@@ -158,8 +167,52 @@ def first_label_skipped(value: Any, targets: Any, recompute: Callable[[Any], Any
     return verdict
 
 
+def skips_first_label_on_device(loss: torch.Tensor, targets: Any,
+                                recompute: Callable[[Any], Any]) -> torch.Tensor | None:
+    """:func:`skips_first_label`'s answer as a 0-dim integer tensor on the loss's device (1:
+    skips, 0: reads them, -1: this micro-batch cannot tell), computed without reading a value
+    on the host, for XLA, where a read mid-step executes the graph early. None when the
+    targets' shapes or types already say it cannot tell."""
+    labels = _counted(targets)
+    if (loss.numel() != 1 or not isinstance(labels, torch.Tensor) or labels.ndim < 2
+            or labels.shape[-1] < 2 or labels.is_floating_point() or labels.is_complex()
+            or labels.dtype == torch.bool):
+        return None
+    before = loss.detach().float().reshape(())
+
+    def moved(columns: slice) -> torch.Tensor | None:
+        probe = labels.clone()
+        probe[..., columns] = IGNORE_INDEX
+        with torch.no_grad():
+            again = _full(recompute(_replace_counted(targets, probe)))
+        if not isinstance(again, torch.Tensor) or again.numel() != 1:
+            return None
+        after = again.detach().float().reshape(())
+        return ~torch.isclose(after, before.to(after.device), rtol=1e-6, atol=0.0)
+
+    first, rest = moved(slice(0, 1)), moved(slice(1, None))
+    if first is None or rest is None:
+        return None
+    known = (labels[..., 0] != IGNORE_INDEX).any() & before.isfinite()
+    verdict = torch.where(first, 0, torch.where(rest, 1, -1))
+    return torch.where(known.to(verdict.device), verdict, -1)
+
+
+def settle_answers(known: dict[Any, Any]) -> None:
+    """Read the answers :func:`first_label_skipped` left on the device (XLA) once the step's
+    graph has run (a copy, no execution): 1 or 0 is kept for the rest of the run, -1 (this
+    step's micro-batch could not tell) asked again."""
+    for key, answer in list(known.items()):
+        if isinstance(answer, torch.Tensor):
+            value = int(answer.cpu())
+            if value < 0:
+                del known[key]
+            else:
+                known[key] = value == 1
+
+
 def label_shift(loss_fn: Callable | None, output: Any, value: Any, targets: Any, *,
-                known: dict[Any, bool], model_shifts: bool) -> bool:
+                known: dict[Any, Any], model_shifts: bool) -> bool | torch.Tensor:
     """Whether the count leaves out each row's first label: for the model's own loss
     (``loss_fn`` None) ``model_shifts`` (:func:`shifts_labels`), else its output's answer
     (:func:`own_loss_skips_first_label`, kept in ``known``); for a loss function, its answer
@@ -243,7 +296,7 @@ def _loss_key(loss_fn: Callable) -> Any:
     return code, id(getattr(loss_fn, "__self__", None)), tuple(cells)
 
 
-def loss_sum_and_count(value: Any, targets: Any, *, shift: bool = False
+def loss_sum_and_count(value: Any, targets: Any, *, shift: bool | torch.Tensor = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss with autograd, count) from what a loss function returned (module docs)."""
     if isinstance(value, (tuple, list)):
@@ -259,7 +312,11 @@ def loss_sum_and_count(value: Any, targets: Any, *, shift: bool = False
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"the loss function returned {shape}; return a scalar mean "
                          f"(reduction='mean') or a (sum, count) pair")
-    count = count_items(targets, shift=shift).to(loss.device)
+    if isinstance(shift, torch.Tensor):  # answered on the device (XLA): chosen there
+        count = torch.where(shift.to(loss.device), count_items(targets, shift=True).to(
+            loss.device), count_items(targets).to(loss.device))
+    else:
+        count = count_items(targets, shift=shift).to(loss.device)
     return loss.reshape(()) * count, count
 
 

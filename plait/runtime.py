@@ -385,6 +385,10 @@ class Run:
         _check_optimizer(model, user_optimizer, self._checked_optimizers)
         if self.xla is not None:
             self.xla.step_end()
+            from .loss import settle_answers
+            from .parallel.layout import layout_of
+
+            settle_answers(layout_of(model).first_label_skipped)  # read now the graph ran
         elapsed = time.perf_counter() - start
         step = self.first_step + len(self.stats.step_times) + 1
         self._apply_verdict(step)
@@ -464,6 +468,8 @@ class Run:
         """
         from .checkpoint import CheckpointError, save
 
+        if self.spmd is not None:
+            raise CheckpointError(_NO_XLA_CHECKPOINT.format(call="run.save()"))
         ckpt = self.checkpointing
         if path is None and ckpt is None:
             raise CheckpointError("run.save() needs a folder: run.save('ckpt/') or "
@@ -502,6 +508,10 @@ class Run:
         run's model and optimizer, whatever plan and world size it was saved under; later
         ``run.loader(...)`` calls and step numbers continue from its step, which is returned.
         Collective: every rank calls it."""
+        if self.spmd is not None:
+            from .checkpoint import CheckpointError
+
+            raise CheckpointError(_NO_XLA_CHECKPOINT.format(call="run.load()"))
         return self._load(path, model, optimizer, scheduler, move_loader=True)
 
     def _load(self, path: str | Path, model: nn.Module | None,
@@ -874,6 +884,14 @@ def _refuse_compiled_wrapper(model: nn.Module) -> None:
     why = wrapped_after_layout(model)
     if why is not None:
         raise ValueError(why)
+
+
+# run.save() / run.load() under PyTorch/XLA SPMD: what to do instead.
+_NO_XLA_CHECKPOINT = (
+    "{call} is not built on XLA SPMD (the compiler shards its tensors, which "
+    "torch.distributed.checkpoint does not read); keep the weights with "
+    "torch.save(run.full_state_dict(model), 'model.pt') and give them to the model's "
+    "load_state_dict before run.parallelize")
 
 
 def _count_items(batch: Any) -> tuple[int, str]:

@@ -21,11 +21,12 @@ from collections.abc import Sequence
 import torch.nn as nn
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-# The name parts wrappers insert: DDP's ``module``, activation checkpointing's, torch.compile's
-# and FSDP1's. A user's own submodule named ``module`` is dropped as well (it cannot be told
-# apart from DDP's), identically in every layout, so names still match one device's.
+# The name parts wrappers insert: DDP's ``module``, activation checkpointing's, torch.compile's,
+# FSDP1's and torch_xla's FSDPv2's (``_orig_module``). A user's own submodule named ``module``
+# is dropped as well (it cannot be told apart from DDP's), identically in every layout, so
+# names still match one device's.
 _WRAPPER_PARTS = frozenset({"module", "_checkpoint_wrapped_module", "_orig_mod",
-                            "_fsdp_wrapped_module"})
+                            "_fsdp_wrapped_module", "_orig_module"})
 
 
 def canonical_name(name: str) -> str:

@@ -10,7 +10,8 @@ plan                XLA mesh axis    what plait annotates
 ==================  ===============  ==========================================================
 dp_replicate        ``dp_replicate``  the batch's first dimension (with ``fsdp``)
 dp_shard, zero=3    ``fsdp``          FSDPv2 (torch_xla's ``SpmdFullyShardedDataParallel``) on
-                                      every repeated block and on the root: each parameter is
+                                      every repeated block (or each module the plan's
+                                      ``shard_patterns`` names) and on the root: each parameter is
                                       split on its largest dimension; the batch's first
                                       dimension. The axis is called ``fsdp`` because FSDPv2
                                       looks it up by that name.
@@ -156,12 +157,43 @@ def build_layout(plan: Plan | None) -> SPMDLayout:
 # ------------------------------------------------------------------------------ the layout
 def apply_spmd(model: nn.Module, layout: SPMDLayout, *, device: torch.device) -> nn.Module:
     """``model`` on the XLA device with the plan's sharding annotations (TP, then FSDPv2)."""
+    from .xla_batchnorm import keep_unbiased_running_var
+
     plan = layout.plan
-    model = model.to(device)
+    model = to_device_keeping_ties(model, device)
+    keep_unbiased_running_var(model, device)
     if plan.tp > 1:
         mark_tensor_parallel(model, layout)
     if plan.zero == 3:
         model = wrap_fsdpv2(model, layout)
+    return model
+
+
+def _shared(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Each parameter or buffer held under more than one name (a tied embedding and output
+    head), as its [(module name, attribute), ...], first name first."""
+    seen: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attr, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None:
+                seen.setdefault(id(t), []).append((module_name, attr))
+    return [names for names in seen.values() if len(set(names)) > 1]
+
+
+def to_device_keeping_ties(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model.to(device)`` with its shared parameters and buffers still shared.
+
+    ``Module.to`` moves a tensor in place only where the old and new tensors can swap storage;
+    a CPU tensor and an XLA tensor cannot, so each module gets a new Parameter of its own and a
+    tied weight becomes two independent ones (each trained only on the gradient of its own
+    use). The first name's moved tensor is put back under every other name."""
+    shared = _shared(model)
+    model = model.to(device)
+    for names in shared:
+        first_module, first_attr = names[0]
+        tensor = getattr(model.get_submodule(first_module), first_attr)
+        for module_name, attr in names[1:]:
+            setattr(model.get_submodule(module_name), attr, tensor)
     return model
 
 
@@ -211,17 +243,18 @@ def _shard_output(layout: SPMDLayout) -> Any:
 
 
 def wrap_fsdpv2(model: nn.Module, layout: SPMDLayout) -> nn.Module:
-    """FSDPv2 on each repeated block (so each block's parameters are gathered when it runs, not
-    all at once) and on the root for the rest."""
+    """FSDPv2 on each sharding unit (so each unit's parameters are gathered when it runs, not
+    all at once) and on the root for the rest. The units are FSDP2's on other devices: the
+    repeated blocks, or the modules ``plan.options.shard_patterns`` names (deepest first)."""
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
         SpmdFullyShardedDataParallel as FSDPv2,
     )
 
-    from .units import repeated_blocks
+    from .units import select_units
 
     kwargs = {"mesh": layout.mesh, "shard_output": _shard_output(layout),
               "extra_data_axis": "dp_replicate"}
-    for name, block in repeated_blocks(model):
+    for name, block in select_units(model, layout.plan.options.shard_patterns):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, FSDPv2(block, **kwargs))

@@ -144,6 +144,60 @@ def test_spmd_layouts_train_what_one_cpu_trains(spmd):
     assert mlp["evaluated"] == pytest.approx(mlp["ref_evaluated"], rel=1e-4, abs=2e-4)
 
 
+# ------------------------------------------------------------------------- users' models
+@pytest.fixture(scope="module")
+def users() -> dict:
+    return run_case("users", 4)
+
+
+def _user_matches(name: str, result: dict) -> None:
+    try:
+        # full_state_dict: the one-device model's state_dict names (FSDPv2's wrappers gone),
+        # a tied weight under each of its names, the buffers too
+        assert result["names"] == result["ref_names"]
+        assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-4, abs=2e-4)
+        if result["ref_evaluated"] is not None:
+            assert result["evaluated"] == pytest.approx(result["ref_evaluated"], rel=1e-4)
+        worst = max(result["diffs"], key=result["diffs"].get)
+        assert result["diffs"][worst] < 5e-4, (worst, result["diffs"][worst])
+        assert result["findings"] == []  # no host sync, recompilation or fallback added
+    except AssertionError as exc:
+        raise AssertionError(f"{name}: {exc}") from exc
+
+
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_users_models_train_what_one_cpu_trains(users):
+    """A tied embedding (one parameter, not two), dict batches padded by a collate_fn with a
+    masked loss that shifts the labels under grad_accum, frozen base weights, BatchNorm's
+    running statistics and an EMA buffer."""
+    for name, result in users.items():
+        if name != "units":
+            _user_matches(name, result)
+    assert users["lora, frozen base"]["diffs"]["layers.0.base.weight"] == 0.0
+
+
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_fsdpv2_wraps_the_units_shard_patterns_name(users):
+    units = users["units"]
+    assert units["default"] == ["layers.0", "layers.1"]
+    assert units["layers.0"] == ["layers.0"]
+    assert "shard_patterns ['nothing.*'] match no module of LoRA" in units["nothing.*"]
+
+
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_run_save_on_xla_is_refused_with_what_to_do_instead(users):
+    refusal = users["lora, frozen base"]["refusal"]
+    assert refusal.startswith("run.save() is not built on XLA SPMD"), refusal
+    assert "torch.save(run.full_state_dict(model)" in refusal
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_users_models_with_accumulation_and_clipping():
+    for name, result in run_case("users_slow", 4).items():
+        _user_matches(name, result)
+
+
 # ------------------------------------------------------------------------- bad input
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("args, expected", [

@@ -21,6 +21,7 @@ import plait
 from plait.data import TextDataset
 from plait.diagnostics.xla import XLADiagnosticError
 from plait.models.transformer import build, lm_loss
+from plait.parallel.units import canonical_name
 
 SPMD_PLANS = ("dp_replicate=4", "dp_shard=4,zero=3", "tp=4", "dp_shard=2,zero=3,tp=2",
               "dp_replicate=2,dp_shard=2,zero=3")
@@ -153,6 +154,229 @@ def case_spmd() -> dict:
         mlp, train("cpu", None, TwoLayer(), Regression(), F.mse_loss, steps=4,
                    held_out=held_out))
     return out
+
+
+# ------------------------------------------------------------------ models users bring
+V, S = 32, 8  # vocabulary, longest sequence
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class TiedLM(nn.Module):
+    """A language model whose output head is its embedding (one parameter, two names), reading
+    an attention mask."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = nn.Embedding(V, width)
+        self.blocks = nn.ModuleList([Block(width), Block(width)])
+        self.head = nn.Linear(width, V, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids) * attention_mask.unsqueeze(-1).to(torch.float32)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class Sentences(torch.utils.data.Dataset):
+    """Rows of 1..S tokens: a collate_fn pads them (labels -100), so rows count different
+    numbers of real tokens and a wrongly normalised loss shows."""
+
+    def __init__(self, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, V, (n, S), generator=g)
+        self.lens = torch.randint(1, S + 1, (n,), generator=g).tolist()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.ids[i, :self.lens[i]]
+
+
+def pad(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    ids = torch.zeros(len(rows), S, dtype=torch.long)
+    mask = torch.zeros(len(rows), S, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+    labels = torch.where(mask.bool(), (ids * 7 + 3) % V, torch.full_like(ids, -100))
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100)
+
+
+def token_loss_shifted(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A causal LM's loss that shifts the labels itself: each row's first label is never read,
+    so the mean is over one label fewer per row than the targets count."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1),
+                           ignore_index=-100)
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor):
+    total = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100,
+                            reduction="sum")
+    return total, (labels != -100).sum()
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, n_in: int, n_out: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(n_in, n_out)
+        self.base.requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(rank, n_in) * 0.1)
+        self.b = nn.Parameter(torch.randn(n_out, rank) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+class LoRA(nn.Module):
+    """Frozen base weights, trainable low-rank adapters (only they go to the optimizer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.layers = nn.ModuleList([LoRALinear(8, 32), LoRALinear(32, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](F.gelu(self.layers[0](x)))
+
+
+class Normed(nn.Module):
+    """BatchNorm's running statistics and an EMA buffer, both updated in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.fc1 = nn.Linear(8, 32, bias=False)  # BatchNorm follows: a bias has no gradient
+        self.bn = nn.BatchNorm1d(32)
+        self.fc2 = nn.Linear(32, 4)
+        self.register_buffer("ema", torch.zeros(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return self.fc2(F.relu(self.bn(h)))
+
+
+def train_user(accelerator: str, plan, make, dataset, loss_fn, *, steps: int = 4,
+               collate_fn=None, held_out=None) -> dict:
+    """Train a user's model under plait (only the parameters that require a gradient go to
+    the optimizer); every step's loss, ``run.full_state_dict`` (parameters and buffers) after
+    training, and ``run.evaluate`` of ``held_out``."""
+    run = plait.init(plan, accelerator=accelerator, quiet=True, log_every=1)
+    model = run.parallelize(make())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = [float(run.step(model, b, loss_fn, opt)) for b in run.loader(
+        dataset, batch_size=8, steps=steps, collate_fn=collate_fn)]
+    evaluated = None if held_out is None else float(run.evaluate(model, held_out, loss_fn))
+    state = run.full_state_dict(model)
+    refusal, findings = None, None
+    if accelerator == "xla":
+        try:
+            run.save("unused-checkpoint-folder")
+        except ValueError as exc:
+            refusal = str(exc)
+    info = run.finish(print_summary=False)
+    if accelerator == "xla":
+        findings = info["xla"]["findings"]
+    return {"losses": losses, "state": state, "evaluated": evaluated, "refusal": refusal,
+            "findings": findings}
+
+
+def _compare_user(got: dict, ref: dict) -> dict:
+    """What the tests check: losses, the evaluated loss, and every tensor of the full state
+    (names as the one-device model's ``state_dict``) against the one-CPU run."""
+    one_device = ref["state"]
+    diffs = {n: float((got["state"][n].float() - t.float()).abs().max())
+             for n, t in one_device.items() if n in got["state"]}
+    return {"losses": got["losses"], "ref_losses": ref["losses"],
+            "evaluated": got["evaluated"], "ref_evaluated": ref["evaluated"],
+            "names": sorted(got["state"]), "ref_names": sorted(one_device), "diffs": diffs,
+            "refusal": got["refusal"], "findings": got["findings"]}
+
+
+USER_RUNS = {
+    # name: (plan, model, dataset, loss, collate_fn, held out)
+    # the loss shifts the labels and grad_accum splits each batch: the micro-batches are
+    # weighted by the labels the loss reads, a question plait answers on the device on XLA
+    "tied lm, dict batches, masked shifted loss, grad_accum=2": (
+        {"dp_shard": 2, "zero": 3, "tp": 2, "grad_accum": 2}, TiedLM, Sentences,
+        token_loss_shifted, pad, True),
+    "lora, frozen base": ("dp_shard=4,zero=3", LoRA, Regression, F.mse_loss, None, False),
+    "batchnorm and an ema buffer": ("dp_replicate=4", Normed, Regression, F.mse_loss, None,
+                                    False),
+}
+SLOW_USER_RUNS = {
+    "tied lm, (sum, count), grad_accum=2, clip": (
+        {"dp_replicate": 4, "grad_accum": 2, "grad_clip": 0.05}, TiedLM, Sentences,
+        token_loss_sum, pad, True),
+    "tied lm, (sum, count), grad_accum=2, clip, fsdp x tp": (
+        {"dp_shard": 2, "zero": 3, "tp": 2, "grad_accum": 2, "grad_clip": 0.05}, TiedLM,
+        Sentences, token_loss_sum, pad, True),
+    "batchnorm and an ema buffer, fsdp": ("dp_shard=4,zero=3", Normed, Regression, F.mse_loss,
+                                          None, False),
+}
+
+
+def _user_runs(runs: dict) -> dict:
+    held = pad([Sentences(8)[i] for i in range(8)])
+    xla = {name: train_user("xla", plan, make, data(), loss, collate_fn=collate,
+                            held_out=held if with_held else None)
+           for name, (plan, make, data, loss, collate, with_held) in runs.items()}
+    out = {}
+    for name, (plan, make, data, loss, collate, with_held) in runs.items():
+        reference = {k: v for k, v in plan.items() if k in ("grad_accum", "grad_clip")
+                     } if isinstance(plan, dict) else None
+        ref = train_user("cpu", reference or None, make, data(), loss, collate_fn=collate,
+                         held_out=held if with_held else None)
+        out[name] = _compare_user(xla[name], ref)
+    return out
+
+
+def _fsdpv2_units(plan: dict) -> list[str] | str:
+    """The modules FSDPv2 wraps (the root left out) under ``plan``, or the refusal."""
+    run = plait.init(plan, accelerator="xla", quiet=True)
+    try:
+        model = run.parallelize(LoRA())
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        run.finish(print_summary=False)
+    return sorted(canonical_name(n) for n, m in model.named_modules()
+                  if n and type(m).__name__ == "SpmdFullyShardedDataParallel")
+
+
+def case_users() -> dict:
+    """Models users bring, 4 XLA devices under SPMD, each against one CPU; and which modules
+    FSDPv2 wraps, by default and with shard_patterns."""
+    out = _user_runs(USER_RUNS)
+    zero3 = {"dp_shard": 4, "zero": 3}
+    out["units"] = {
+        "default": _fsdpv2_units(zero3),
+        "layers.0": _fsdpv2_units({**zero3, "options": {"shard_patterns": ["layers.0"]}}),
+        "nothing.*": _fsdpv2_units({**zero3, "options": {"shard_patterns": ["nothing.*"]}}),
+    }
+    return out
+
+
+def case_users_slow() -> dict:
+    return _user_runs(SLOW_USER_RUNS)
 
 
 def main(case: str) -> None:
