@@ -1,4 +1,4 @@
-"""plait's step beside hand-written PyTorch on models users bring, not plait's reference transformer.
+"""plait's step beside hand-written PyTorch on models users bring (not the reference model).
 
 Four models written for the bench, each with what plait adds checks or bookkeeping for:
 
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vs_anchors import _ratio_range  # noqa: E402
+from vs_anchors import _ratio_range
 
 # ------------------------------------------------------------------ the models
 
@@ -295,8 +295,11 @@ class RawTensorParallel:
 
     def __init__(self, spec: ModelSpec, rank: int, world: int):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         self.spec = spec
         model = built(spec)
