@@ -11,23 +11,26 @@ Four models written for the bench, each with what plait adds checks or bookkeepi
 * ``gpt2``: a tiny Hugging Face GPT-2 built from a config (no download), its own ``output.loss``
   (``loss_fn=None`` in plait).
 
-Each (model, layout) is one job of ``--nproc`` processes (gloo on 127.0.0.1, started by
-``plait.spawn.run_distributed``) that builds the model twice from one seed: once laid out by
-hand with torch's own building blocks (``DistributedDataParallel``; ``fully_shard`` on each block
-then the root; ``parallelize_module`` with the same plan as plait's ``options.tp_plan``;
-``torch.distributed.pipelining``'s ``PipelineStage`` and ``Schedule1F1B`` cut at the same block),
-once by ``run.parallelize`` with the matching plan (``dp=N``, ``dp_shard=N,zero=3``, ``tp=N``,
-``pp=N,schedule=1f1b,mb=4``). Both train on the same batches with AdamW and gradient clipping
-at 1.0 (plait's default), taking the global mean loss (the raw loop all-reduces the masked
-count itself, as a correct hand-written loop must). Rounds alternate the two (raw then plait,
-plait then raw, ...), a few untimed warm-up steps of each first; each step is timed between a
-barrier and its end on every rank, and a step's time is its slowest rank's. Per round the
-ratio is plait's median step over raw's; the figure to judge is the median of those ratios.
-The last step's global loss of each must agree: the two trained the same model.
+Each (model, layout) is trained by each contestant from one seed: laid out by hand with
+torch's own building blocks (``DistributedDataParallel``; ``fully_shard`` on each block then
+the root; ``parallelize_module`` with the same styles as plait's ``options.tp_plan``;
+``torch.distributed.pipelining``'s ``PipelineStage`` and ``Schedule1F1B`` cut at the same
+block), and by ``run.parallelize`` with the matching plan (``dp=N``, ``dp_shard=N,zero=3``,
+``tp=N``, ``pp=N,schedule=1f1b,mb=4``). Both train on the same batches with AdamW and gradient
+clipping at 1.0 (plait's default), on the global mean loss (the raw loop all-reduces the
+masked count itself, as a correct hand-written loop must). The global loss after the last step
+of each must agree: the two trained the same model.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/own_models_overhead.py [--rounds 20] [--steps 5]
-        [--models tied_lm,lora] [--layouts ddp,zero3]
-    PYTHONPATH=. python bench/own_models_overhead.py --smoke   # one round of 2 steps; no timing
+Each contestant's run is a job of its own (``--nproc`` processes, gloo on 127.0.0.1, started by
+``plait.spawn.run_distributed``): a process holding a plait Run has a hook in front of every
+collective, which a raw step must not pay. A round is one job of each, raw first in odd rounds
+and plait first in even ones; each step is timed from a barrier to its end on every rank, a
+step's time being its slowest rank's, and a job's figure is its median step. Per round the
+ratio is plait's over raw's; the figure to judge is the median of those ratios.
+
+    PYTHONPATH=. python bench/own_models_overhead.py [--rounds 8] [--steps 12]
+        [--models tied_lm,lora] [--layouts ddp,zero3] [--profile cprofile]
+    PYTHONPATH=. python bench/own_models_overhead.py --smoke   # one job, 3 steps; no timing
 """
 
 from __future__ import annotations
@@ -406,91 +409,82 @@ class PlaitContestant:
 
 # ------------------------------------------------------------------ the job
 
-def job(rank: int, world: int, cases: list[tuple[str, str]], rounds: int, steps: int,
+def job(rank: int, world: int, cases: list[tuple[str, str]], names: list[str], steps: int,
         warmup: int, profile: str | None = None) -> list[dict[str, Any]]:
-    """Each case in turn on these processes (the bench gives each its own job, --smoke one
-    job for all)."""
+    """Each case in turn, each of ``names`` ("raw", "plait") trained ``warmup`` + ``steps``
+    steps from the seed: this rank's time of each timed step and each one's final loss.
+
+    The timed runs give each contestant a job of its own (a process with a plait Run in it
+    installs a hook in front of every collective, which a raw step must not pay); ``--smoke``
+    runs both, and every case, in one job."""
     warnings.filterwarnings("ignore")  # plait's BatchNorm note: both train per-rank statistics
-    return [one_case(rank, world, model, layout, rounds, steps, warmup, profile)
-            for model, layout in cases]
+    out = []
+    for model, layout in cases:
+        spec = MODELS[model]
+        times: dict[str, list[float]] = {}
+        losses: dict[str, float] = {}
+        for name in names:
+            who = (PlaitContestant(spec, layout, rank, world) if name == "plait"
+                   else raw_contestant(spec, layout, rank, world))
+            times[name], losses[name] = _train(who, name, steps, warmup, profile, rank == 0)
+            if name == "plait":
+                who.run.close()
+        out.append({"times": times, "losses": losses})
+    return out
 
 
-def one_case(rank: int, world: int, model: str, layout: str, rounds: int, steps: int,
-             warmup: int, profile: str | None) -> dict[str, Any]:
-    """This rank's step times of each contestant per round, and each one's final loss."""
-    spec = MODELS[model]
-    who = {"raw": raw_contestant(spec, layout, rank, world),
-           "plait": PlaitContestant(spec, layout, rank, world)}
-    done = {"raw": 0, "plait": 0}  # each contestant draws the same batches in the same order
-    last: dict[str, Any] = {}
+def _train(who: Any, name: str, steps: int, warmup: int, profile: str | None, show: bool
+           ) -> tuple[list[float], float]:
+    """``warmup`` + ``steps`` steps from the first batch: the timed steps' times and the
+    global loss after the last; then ``steps`` more profiled, with ``profile``."""
+    state: dict[str, Any] = {"done": 0, "last": None}
 
-    def one(name: str) -> float:
+    def one() -> float:
         dist.barrier()
         start = time.perf_counter()
-        last[name] = who[name].step(done[name])
+        state["last"] = who.step(state["done"])
         elapsed = time.perf_counter() - start
-        done[name] += 1
+        state["done"] += 1
         return elapsed
 
-    for name in ("raw", "plait"):
-        for _ in range(warmup):
-            one(name)
-    times: dict[str, list[list[float]]] = {"raw": [], "plait": []}
-    for r in range(rounds):
-        for name in ("raw", "plait") if r % 2 == 0 else ("plait", "raw"):
-            times[name].append([one(name) for _ in range(steps)])
-    if profile and rank == 0:
-        _profile(one, profile, steps)
-    elif profile:
-        for name in ("raw", "plait"):
+    for _ in range(warmup):
+        one()
+    times = [one() for _ in range(steps)]
+    loss = who.global_loss(state["last"])
+    if profile:
+        _profile(name, one, profile, steps, show)
+    return times, loss
+
+
+def _profile(name: str, one: Callable[[], float], kind: str, steps: int, show: bool) -> None:
+    """``steps`` more steps, profiled (cProfile or torch.profiler); rank 0 prints the top."""
+    if kind == "cprofile":
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            one()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(50)
+        table = text.getvalue()
+    else:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as tprof:
             for _ in range(steps):
-                one(name)
-    losses = {name: c.global_loss(last[name]) for name, c in who.items()}
-    who["plait"].run.close()
-    return {"times": times, "losses": losses, "steps": done}
+                one()
+        table = tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    if show:
+        print(f"==== {name}: {kind}, {steps} steps\n{table}", flush=True)
 
 
-def _profile(one: Callable[[str], float], kind: str, steps: int) -> None:
-    """Rank 0 profiles ``steps`` more steps of each contestant (cProfile or torch.profiler)
-    and prints the top of each."""
-    for name in ("raw", "plait"):
-        if kind == "cprofile":
-            import cProfile
-            import io
-            import pstats
-
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(steps):
-                one(name)
-            prof.disable()
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(45)
-            print(f"==== {name}: cProfile, {steps} steps\n{out.getvalue()}", flush=True)
-        else:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(steps):
-                    one(name)
-            print(f"==== {name}: torch.profiler, {steps} steps\n"
-                  + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30),
-                  flush=True)
-
-
-def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per round: each contestant's median step (a step's time is its slowest rank's) and the
-    ratio plait / raw."""
-    rounds = len(ranks[0]["times"]["raw"])
-    med: dict[str, list[float]] = {"raw": [], "plait": []}
-    for name in med:
-        for r in range(rounds):
-            steps = [max(ts) for ts in zip(*(rk["times"][name][r] for rk in ranks), strict=True)]
-            med[name].append(statistics.median(steps))
-    ratios = [p / b for p, b in zip(med["plait"], med["raw"], strict=True)]
-    return {"raw_s": statistics.median(med["raw"]), "plait_s": statistics.median(med["plait"]),
-            "ratios": ratios, "ratio": statistics.median(ratios),
-            "losses": ranks[0]["losses"]}
+def slowest_rank_median(ranks: list[list[float]]) -> float:
+    """The median step, a step's time being its slowest rank's."""
+    return statistics.median(max(ts) for ts in zip(*ranks, strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -502,50 +496,72 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--layouts", default="ddp,zero3,tp,pp",
                    help="run each model under those of these it has (tp: tied_lm, pp: lora)")
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per contestant per round")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps of each first")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12, help="timed steps per job")
+    p.add_argument("--warmup", type=int, default=4, help="untimed steps first, in each job")
     p.add_argument("--profile", choices=["cprofile", "torch"], default=None,
-                   help="rank 0 profiles --steps more steps of each after the rounds")
+                   help="in the first round, rank 0 profiles --steps more steps of each")
     p.add_argument("--smoke", action="store_true",
-                   help="one round of 2 steps after 1 warm-up: the losses agree, no timing")
-    p.add_argument("--json", action="store_true", help="one JSON line per job as well")
+                   help="both contestants and every case in one job, 2 steps after 1 warm-up: "
+                        "the losses agree; the times mean nothing")
+    p.add_argument("--json", action="store_true", help="one JSON line per case as well")
     a = p.parse_args(argv)
     if a.smoke:
         a.rounds, a.steps, a.warmup = 1, 2, 1
     layouts = a.layouts.split(",")
     cases = [(m, lay) for m in a.models.split(",") for lay in LAYOUTS[m] if lay in layouts]
-    torch.set_num_threads(1)
     load = os.getloadavg()
     started = time.perf_counter()
-    print(f"own models: {a.nproc} processes (gloo, 1 thread each), {a.rounds} rounds of "
-          f"{a.steps} steps per contestant (raw/plait order alternating), {a.warmup} warm-up "
-          f"steps each; load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
-          flush=True)
+    print(f"own models: {a.nproc} processes (gloo, 1 thread each), {a.rounds} rounds per case, "
+          f"a round one job of each contestant (raw first in odd rounds, plait first in even "
+          f"ones), {a.steps} timed steps per job after {a.warmup} untimed; load average at "
+          f"start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     print(f"{'model':<8} {'layout':<6} {'raw ms':>8} {'plait ms':>9} {'raw st/s':>9} "
           f"{'plait st/s':>10} {'plait/raw':>10} {'(rounds)':>11}  {'raw loss':>9} "
           f"{'plait loss':>10}", flush=True)
     worst = 0.0
-    # --smoke: every case in one job (seconds, not a process start per case).
-    jobs = [cases] if a.smoke else [[case] for case in cases]
-    for group in jobs:
-        ranks = run_distributed(job, a.nproc, group, a.rounds, a.steps, a.warmup, a.profile,
-                                timeout=1800, env={"OMP_NUM_THREADS": "1"})
-        for i, (model, layout) in enumerate(group):
-            s = summarize([r[i] for r in ranks])
-            raw_loss, plait_loss = s["losses"]["raw"], s["losses"]["plait"]
-            worst = max(worst, abs(plait_loss - raw_loss) / abs(raw_loss))
-            print(f"{model:<8} {layout:<6} {1e3 * s['raw_s']:>8.2f} {1e3 * s['plait_s']:>9.2f} "
-                  f"{1 / s['raw_s']:>9.1f} {1 / s['plait_s']:>10.1f} {s['ratio']:>10.3f} "
-                  f"{_ratio_range(s['ratios']):>11}  {raw_loss:>9.5f} {plait_loss:>10.5f}",
+
+    def ran(group: list[tuple[str, str]], names: list[str], profile: str | None
+            ) -> list[list[dict[str, Any]]]:
+        return run_distributed(job, a.nproc, group, names, a.steps, a.warmup, profile,
+                               timeout=1800, env={"OMP_NUM_THREADS": "1"})
+
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    if a.smoke:
+        ranks = ran(cases, ["raw", "plait"], a.profile)
+        for i, case in enumerate(cases):
+            results[case] = {
+                "medians": {n: [slowest_rank_median([r[i]["times"][n] for r in ranks])]
+                            for n in ("raw", "plait")},
+                "losses": ranks[0][i]["losses"]}
+    for case in [] if a.smoke else cases:
+        medians: dict[str, list[float]] = {"raw": [], "plait": []}
+        losses: dict[str, float] = {}
+        for r in range(a.rounds):
+            for name in ("raw", "plait") if r % 2 == 0 else ("plait", "raw"):
+                ranks = ran([case], [name], a.profile if r == 0 else None)
+                medians[name].append(slowest_rank_median([rk[0]["times"][name]
+                                                          for rk in ranks]))
+                losses[name] = ranks[0][0]["losses"][name]
+        results[case] = {"medians": medians, "losses": losses}
+    for (model, layout), res in results.items():
+        med = res["medians"]
+        ratios = [pl / rw for pl, rw in zip(med["plait"], med["raw"], strict=True)]
+        raw_s, plait_s = statistics.median(med["raw"]), statistics.median(med["plait"])
+        raw_loss, plait_loss = res["losses"]["raw"], res["losses"]["plait"]
+        worst = max(worst, abs(plait_loss - raw_loss) / abs(raw_loss))
+        print(f"{model:<8} {layout:<6} {1e3 * raw_s:>8.2f} {1e3 * plait_s:>9.2f} "
+              f"{1 / raw_s:>9.1f} {1 / plait_s:>10.1f} {statistics.median(ratios):>10.3f} "
+              f"{_ratio_range(ratios):>11}  {raw_loss:>9.5f} {plait_loss:>10.5f}", flush=True)
+        if a.json:
+            print(json.dumps({"model": model, "layout": layout, "raw_s": raw_s,
+                              "plait_s": plait_s, "ratios": ratios, "losses": res["losses"]}),
                   flush=True)
-            if a.json:
-                print(json.dumps({"model": model, "layout": layout, **s}), flush=True)
     load = os.getloadavg()
-    print(f"(ms: median over rounds of each round's median step, a step timed on its slowest "
+    print(f"(ms: median over rounds of each job's median step, a step timed on its slowest "
           f"rank; plait/raw: median of the per-round ratios, min..max beside it; losses: the "
-          f"global batch's after the last step; largest relative loss difference {worst:.1e}; "
-          f"load average at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+          f"global batch's after the last timed step; largest relative loss difference "
+          f"{worst:.1e}; load average at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
           f"{time.perf_counter() - started:.0f} s)")
     return 0
 
