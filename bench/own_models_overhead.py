@@ -526,14 +526,27 @@ def main(argv: list[str] | None = None) -> int:
         return run_distributed(job, a.nproc, group, names, a.steps, a.warmup, profile,
                                timeout=1800, env={"OMP_NUM_THREADS": "1"})
 
-    results: dict[tuple[str, str], dict[str, Any]] = {}
+    def show(case: tuple[str, str], medians: dict[str, list[float]],
+             losses: dict[str, float]) -> float:
+        """Print the case's line; return the relative difference of the losses."""
+        ratios = [pl / rw for pl, rw in zip(medians["plait"], medians["raw"], strict=True)]
+        raw_s, plait_s = statistics.median(medians["raw"]), statistics.median(medians["plait"])
+        raw_loss, plait_loss = losses["raw"], losses["plait"]
+        print(f"{case[0]:<8} {case[1]:<6} {1e3 * raw_s:>8.2f} {1e3 * plait_s:>9.2f} "
+              f"{1 / raw_s:>9.1f} {1 / plait_s:>10.1f} {statistics.median(ratios):>10.3f} "
+              f"{_ratio_range(ratios):>11}  {raw_loss:>9.5f} {plait_loss:>10.5f}", flush=True)
+        if a.json:
+            print(json.dumps({"model": case[0], "layout": case[1], "raw_s": raw_s,
+                              "plait_s": plait_s, "ratios": ratios, "losses": losses}),
+                  flush=True)
+        return abs(plait_loss - raw_loss) / abs(raw_loss)
+
     if a.smoke:
         ranks = ran(cases, ["raw", "plait"], a.profile)
         for i, case in enumerate(cases):
-            results[case] = {
-                "medians": {n: [slowest_rank_median([r[i]["times"][n] for r in ranks])]
-                            for n in ("raw", "plait")},
-                "losses": ranks[0][i]["losses"]}
+            worst = max(worst, show(case, {n: [slowest_rank_median([r[i]["times"][n]
+                                                                    for r in ranks])]
+                                           for n in ("raw", "plait")}, ranks[0][i]["losses"]))
     for case in [] if a.smoke else cases:
         medians: dict[str, list[float]] = {"raw": [], "plait": []}
         losses: dict[str, float] = {}
@@ -543,20 +556,7 @@ def main(argv: list[str] | None = None) -> int:
                 medians[name].append(slowest_rank_median([rk[0]["times"][name]
                                                           for rk in ranks]))
                 losses[name] = ranks[0][0]["losses"][name]
-        results[case] = {"medians": medians, "losses": losses}
-    for (model, layout), res in results.items():
-        med = res["medians"]
-        ratios = [pl / rw for pl, rw in zip(med["plait"], med["raw"], strict=True)]
-        raw_s, plait_s = statistics.median(med["raw"]), statistics.median(med["plait"])
-        raw_loss, plait_loss = res["losses"]["raw"], res["losses"]["plait"]
-        worst = max(worst, abs(plait_loss - raw_loss) / abs(raw_loss))
-        print(f"{model:<8} {layout:<6} {1e3 * raw_s:>8.2f} {1e3 * plait_s:>9.2f} "
-              f"{1 / raw_s:>9.1f} {1 / plait_s:>10.1f} {statistics.median(ratios):>10.3f} "
-              f"{_ratio_range(ratios):>11}  {raw_loss:>9.5f} {plait_loss:>10.5f}", flush=True)
-        if a.json:
-            print(json.dumps({"model": model, "layout": layout, "raw_s": raw_s,
-                              "plait_s": plait_s, "ratios": ratios, "losses": res["losses"]}),
-                  flush=True)
+        worst = max(worst, show(case, medians, losses))
     load = os.getloadavg()
     print(f"(ms: median over rounds of each job's median step, a step timed on its slowest "
           f"rank; plait/raw: median of the per-round ratios, min..max beside it; losses: the "
