@@ -433,6 +433,37 @@ def job(rank: int, world: int, cases: list[tuple[str, str]], names: list[str], s
     return out
 
 
+def job_together(rank: int, world: int, case: tuple[str, str], rounds: int, steps: int,
+                 warmup: int) -> dict[str, Any]:
+    """``--together``: both contestants in these processes, ``rounds`` rounds of ``steps``
+    steps of each (raw first in odd rounds): this rank's step times per round, and the losses.
+    The raw steps then pay plait's hook in front of each collective too."""
+    warnings.filterwarnings("ignore")
+    spec = MODELS[case[0]]
+    who = {"raw": raw_contestant(spec, case[1], rank, world),
+           "plait": PlaitContestant(spec, case[1], rank, world)}
+    state: dict[str, Any] = {n: {"done": 0, "last": None} for n in who}
+
+    def one(name: str) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        state[name]["last"] = who[name].step(state[name]["done"])
+        elapsed = time.perf_counter() - start
+        state[name]["done"] += 1
+        return elapsed
+
+    for name in who:
+        for _ in range(warmup):
+            one(name)
+    times: dict[str, list[list[float]]] = {"raw": [], "plait": []}
+    for r in range(rounds):
+        for name in ("raw", "plait") if r % 2 == 0 else ("plait", "raw"):
+            times[name].append([one(name) for _ in range(steps)])
+    losses = {n: c.global_loss(state[n]["last"]) for n, c in who.items()}
+    who["plait"].run.close()
+    return {"times": times, "losses": losses}
+
+
 def _train(who: Any, name: str, steps: int, warmup: int, profile: str | None, show: bool
            ) -> tuple[list[float], float]:
     """``warmup`` + ``steps`` steps from the first batch: the timed steps' times and the
@@ -504,6 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="both contestants and every case in one job, 2 steps after 1 warm-up: "
                         "the losses agree; the times mean nothing")
+    p.add_argument("--together", action="store_true",
+                   help="both contestants in one job per case, alternating every --steps "
+                        "steps (steadier on a busy machine; the raw steps then pay plait's "
+                        "per-collective hook too)")
     p.add_argument("--json", action="store_true", help="one JSON line per case as well")
     a = p.parse_args(argv)
     if a.smoke:
@@ -512,10 +547,12 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(m, lay) for m in a.models.split(",") for lay in LAYOUTS[m] if lay in layouts]
     load = os.getloadavg()
     started = time.perf_counter()
+    how = ("both contestants in one job per case, a round " f"{a.steps} steps of each"
+           if a.together else f"a round one job of each contestant, {a.steps} timed steps")
     print(f"own models: {a.nproc} processes (gloo, 1 thread each), {a.rounds} rounds per case, "
-          f"a round one job of each contestant (raw first in odd rounds, plait first in even "
-          f"ones), {a.steps} timed steps per job after {a.warmup} untimed; load average at "
-          f"start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+          f"{how} (raw first in odd rounds, plait first in even ones) after {a.warmup} "
+          f"untimed; load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+          flush=True)
     print(f"{'model':<8} {'layout':<6} {'raw ms':>8} {'plait ms':>9} {'raw st/s':>9} "
           f"{'plait st/s':>10} {'plait/raw':>10} {'(rounds)':>11}  {'raw loss':>9} "
           f"{'plait loss':>10}", flush=True)
@@ -547,7 +584,14 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(worst, show(case, {n: [slowest_rank_median([r[i]["times"][n]
                                                                     for r in ranks])]
                                            for n in ("raw", "plait")}, ranks[0][i]["losses"]))
-    for case in [] if a.smoke else cases:
+    for case in cases if a.together and not a.smoke else []:
+        ranks = run_distributed(job_together, a.nproc, case, a.rounds, a.steps, a.warmup,
+                                timeout=1800, env={"OMP_NUM_THREADS": "1"})
+        worst = max(worst, show(case, {n: [slowest_rank_median([rk["times"][n][r]
+                                                                for rk in ranks])
+                                           for r in range(a.rounds)] for n in ("raw", "plait")},
+                                ranks[0]["losses"]))
+    for case in [] if a.smoke or a.together else cases:
         medians: dict[str, list[float]] = {"raw": [], "plait": []}
         losses: dict[str, float] = {}
         for r in range(a.rounds):
