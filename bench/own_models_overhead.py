@@ -489,7 +489,7 @@ def _train(who: Any, name: str, steps: int, warmup: int, profile: str | None, sh
 
 def _profile(name: str, one: Callable[[], float], kind: str, steps: int, show: bool) -> None:
     """``steps`` more steps, profiled (cProfile or torch.profiler); rank 0 prints the top."""
-    if kind == "cprofile":
+    if kind.startswith("cprofile"):
         import cProfile
         import io
         import pstats
@@ -500,7 +500,8 @@ def _profile(name: str, one: Callable[[], float], kind: str, steps: int, show: b
             one()
         prof.disable()
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(50)
+        order = "tottime" if kind == "cprofile-self" else "cumulative"
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(50)
         table = text.getvalue()
     else:
         from torch.profiler import ProfilerActivity, profile
@@ -530,8 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=12, help="timed steps per job")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps first, in each job")
-    p.add_argument("--profile", choices=["cprofile", "torch"], default=None,
-                   help="in the first round, rank 0 profiles --steps more steps of each")
+    p.add_argument("--profile", choices=["cprofile", "cprofile-self", "torch"], default=None,
+                   help="in the first round, rank 0 profiles --steps more steps of each "
+                        "(cProfile by cumulative or own time, or torch.profiler)")
     p.add_argument("--smoke", action="store_true",
                    help="both contestants and every case in one job, 2 steps after 1 warm-up: "
                         "the losses agree; the times mean nothing")
