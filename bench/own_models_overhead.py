@@ -389,11 +389,13 @@ def raw_contestant(spec: ModelSpec, layout: str, rank: int, world: int) -> Any:
 
 
 class PlaitContestant:
-    def __init__(self, spec: ModelSpec, layout: str, rank: int, world: int):
+    def __init__(self, spec: ModelSpec, layout: str, rank: int, world: int,
+                 init: dict[str, Any] | None = None):
         import plait
 
         self.spec = spec
-        self.run = plait.init(plait_plan(layout, world), quiet=True, log_every=10**9)
+        self.run = plait.init(plait_plan(layout, world), quiet=True, log_every=10**9,
+                              **(init or {}))
         self.model = self.run.parallelize(built(spec))
         self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
                                      lr=1e-3)
@@ -410,7 +412,8 @@ class PlaitContestant:
 # ------------------------------------------------------------------ the job
 
 def job(rank: int, world: int, cases: list[tuple[str, str]], names: list[str], steps: int,
-        warmup: int, profile: str | None = None) -> list[dict[str, Any]]:
+        warmup: int, profile: str | None = None, init: dict[str, Any] | None = None
+        ) -> list[dict[str, Any]]:
     """Each case in turn, each of ``names`` ("raw", "plait") trained ``warmup`` + ``steps``
     steps from the seed: this rank's time of each timed step and each one's final loss.
 
@@ -424,7 +427,7 @@ def job(rank: int, world: int, cases: list[tuple[str, str]], names: list[str], s
         times: dict[str, list[float]] = {}
         losses: dict[str, float] = {}
         for name in names:
-            who = (PlaitContestant(spec, layout, rank, world) if name == "plait"
+            who = (PlaitContestant(spec, layout, rank, world, init) if name == "plait"
                    else raw_contestant(spec, layout, rank, world))
             times[name], losses[name] = _train(who, name, steps, warmup, profile, rank == 0)
             if name == "plait":
@@ -434,14 +437,14 @@ def job(rank: int, world: int, cases: list[tuple[str, str]], names: list[str], s
 
 
 def job_together(rank: int, world: int, case: tuple[str, str], rounds: int, steps: int,
-                 warmup: int) -> dict[str, Any]:
+                 warmup: int, init: dict[str, Any] | None = None) -> dict[str, Any]:
     """``--together``: both contestants in these processes, ``rounds`` rounds of ``steps``
     steps of each (raw first in odd rounds): this rank's step times per round, and the losses.
     The raw steps then pay plait's hook in front of each collective too."""
     warnings.filterwarnings("ignore")
     spec = MODELS[case[0]]
     who = {"raw": raw_contestant(spec, case[1], rank, world),
-           "plait": PlaitContestant(spec, case[1], rank, world)}
+           "plait": PlaitContestant(spec, case[1], rank, world, init)}
     state: dict[str, Any] = {n: {"done": 0, "last": None} for n in who}
 
     def one(name: str) -> float:
@@ -541,8 +544,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="both contestants in one job per case, alternating every --steps "
                         "steps (steadier on a busy machine; the raw steps then pay plait's "
                         "per-collective hook too)")
+    p.add_argument("--no-desync-check", action="store_true",
+                   help="plait.init(desync_check=False): plait without the watchdog's "
+                        "step-start all-gather, to see what it costs")
     p.add_argument("--json", action="store_true", help="one JSON line per case as well")
     a = p.parse_args(argv)
+    init = {"desync_check": not a.no_desync_check}
     if a.smoke:
         a.rounds, a.steps, a.warmup = 1, 2, 1
     layouts = a.layouts.split(",")
@@ -562,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def ran(group: list[tuple[str, str]], names: list[str], profile: str | None
             ) -> list[list[dict[str, Any]]]:
-        return run_distributed(job, a.nproc, group, names, a.steps, a.warmup, profile,
+        return run_distributed(job, a.nproc, group, names, a.steps, a.warmup, profile, init,
                                timeout=1800, env={"OMP_NUM_THREADS": "1"})
 
     def show(case: tuple[str, str], medians: dict[str, list[float]],
@@ -587,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                     for r in ranks])]
                                            for n in ("raw", "plait")}, ranks[0][i]["losses"]))
     for case in cases if a.together and not a.smoke else []:
-        ranks = run_distributed(job_together, a.nproc, case, a.rounds, a.steps, a.warmup,
+        ranks = run_distributed(job_together, a.nproc, case, a.rounds, a.steps, a.warmup, init,
                                 timeout=1800, env={"OMP_NUM_THREADS": "1"})
         worst = max(worst, show(case, {n: [slowest_rank_median([rk["times"][n][r]
                                                                 for rk in ranks])
