@@ -30,7 +30,7 @@ def _assert_same_training(rows: list[dict], cases: set[tuple[str, str]]) -> None
     for r in rows:
         raw, ours = r["losses"]["raw"], r["losses"]["plait"]
         assert raw == raw and 0 < raw < 50, r  # a finite cross-entropy, not a placeholder
-        assert ours == pytest.approx(raw, rel=1e-4), (r["model"], r["layout"], raw, ours)
+        assert ours == pytest.approx(raw, rel=1e-6), (r["model"], r["layout"], raw, ours)
 
 
 def test_smoke_raw_and_plait_train_the_same():
