@@ -268,12 +268,14 @@ class RawDataParallel:
             weight = torch.ones(())
         elif isinstance(batch, dict):
             labels = batch["labels"]
+            # The global count, all-reduced while the forward runs (the labels are known).
+            weight = (labels != -100).sum().float()
+            count = weight.clone()
+            counted = dist.all_reduce(count, async_op=True)
             logits = self.model(input_ids=batch["input_ids"])
             total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                     reduction="sum")
-            weight = (labels != -100).sum().float()
-            count = weight.clone()
-            dist.all_reduce(count)
+            counted.wait()
             # DDP and FSDP average the ranks' gradients: times world, over the global count.
             loss = total * self.world / count.clamp_min(1)
         else:
