@@ -613,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
                 losses[name] = ranks[0][0]["losses"][name]
         worst = max(worst, show(case, medians, losses))
     load = os.getloadavg()
-    print(f"(ms: median over rounds of each job's median step, a step timed on its slowest "
+    print(f"(ms: median over rounds of each round's median step, a step timed on its slowest "
           f"rank; plait/raw: median of the per-round ratios, min..max beside it; losses: the "
           f"global batch's after the last timed step; largest relative loss difference "
           f"{worst:.1e}; load average at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
