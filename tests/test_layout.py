@@ -53,6 +53,24 @@ def test_layout_records_what_ran_in_order():
     assert results[0]["pp=2,mb=2"][5] + results[1]["pp=2,mb=2"][5] >= len(full)
 
 
+def _mesh_slices(rank: int, world_size: int) -> tuple[bool, bool, bool, list[int]]:
+    import torch.distributed as dist
+
+    mesh = build_mesh(Plan.from_string("pp=2"), "cpu", world_size)
+    pp = mesh["pp"]
+    return (mesh["pp"] is pp, mesh["dp_shard", "tp"] is mesh["dp_shard", "tp"],
+            mesh["dp"] is mesh["dp"], [pp.size(), pp.get_local_rank(),
+                                       len(dist.get_process_group_ranks(pp.get_group()))])
+
+
+def test_mesh_slices_are_built_once():
+    """The train step asks for mesh["pp"] every step: the same slice each time, not a new
+    DeviceMesh (whose construction costs about a millisecond), with the same ranks."""
+    for rank, (pp, pair, dp, shape) in enumerate(run_distributed(_mesh_slices, 2, timeout=120)):
+        assert pp and pair and dp, rank
+        assert shape == [2, rank, 2]
+
+
 def test_layout_of_untouched_model_is_empty_and_record_replaces():
     model = nn.Linear(2, 2)
     assert layout_of(model) == Layout()
