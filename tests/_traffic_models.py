@@ -82,7 +82,7 @@ class AttentionBlock(nn.Module):
 class StackLM(nn.Module):
     """Embedding, ``depth`` blocks from ``block``, final norm, an untied head."""
 
-    def __init__(self, block: Callable[[], nn.Module], depth: int = 2) -> None:
+    def __init__(self, block: Callable[[], nn.Module], depth: int = 4) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.blocks = nn.ModuleList(block() for _ in range(depth))
@@ -135,7 +135,7 @@ def hf_llama() -> nn.Module:
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=32,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0)
     return any_model._Logits(LlamaForCausalLM(cfg))
 
@@ -145,7 +145,7 @@ def hf_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=VOCAB, n_embd=WIDTH, n_layer=2, n_head=2, n_positions=SEQ,
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=WIDTH, n_layer=4, n_head=2, n_positions=SEQ,
                      bos_token_id=0, eos_token_id=0)
     return any_model._Logits(GPT2LMHeadModel(cfg))
 
@@ -184,4 +184,35 @@ def ledger_rows(rank: int, world_size: int, plan: str, models: list[str]) -> dic
             del model, opt
         finally:
             run.close()
+    return out
+
+
+def measured_rows(comm: dict[str, Any]) -> dict[tuple[str, str], tuple[float, float]]:
+    """The ledger's rows as {(axis, op): (bytes, calls)} per step of the busiest rank."""
+    return {(r["axis"], r["op"]): (r["payload_bytes"], r["count"])
+            for r in comm["rows"] if r["ranks"]}
+
+
+def planner_rows(name: str, plan: str, global_batch: int
+                 ) -> dict[tuple[str, str], tuple[float, float]]:
+    """The planner's traffic of the busiest rank for model ``name`` under ``plan``, as
+    ``plait plan --model pkg.mod:factory --plan <plan>`` prices it (the model's stats, then
+    ``evaluate``): {(axis, op): (bytes, calls)} per optimizer step."""
+    from plait.plan import Plan
+    from plait.planner import constants_for
+    from plait.planner.cost import Workload, evaluate
+    from plait.planner.hardware import load_cluster
+    from plait.planner.model_stats import load_model
+
+    p = Plan.from_string(plan)
+    with torch.device("meta"):  # as plait plan builds a factory's model
+        stats = load_model(MODELS[name]())
+    cluster = load_cluster("cpu", devices=p.world_size)
+    est = evaluate(p, stats, cluster, Workload(global_batch, SEQ), constants_for(cluster))
+    if not est.traffic:
+        raise ValueError(f"the planner prices no traffic for {name} under {plan}: {est.reason}")
+    out: dict[tuple[str, str], tuple[float, float]] = {}
+    for t in est.traffic:
+        b, c = out.get((t.axis, t.op), (0.0, 0.0))
+        out[(t.axis, t.op)] = (b + t.payload, c + t.calls)
     return out
