@@ -46,7 +46,7 @@ from typing import Any
 from .._torch_compat import is_split
 from ..mesh import DP_SHARD_TP
 from ..parallel.tp_kv import replicated_kv_elements
-from .volumes import DDP_BUCKET_BYTES, Traffic, ddp_traffic, dtype_bytes, tp_traffic
+from .volumes import DDP_BUCKET_BYTES, Traffic, ddp_traffic, dtype_bytes
 
 FP32 = 4
 
@@ -59,6 +59,42 @@ NO_EXPECTED_NOTE = ("no 'expected' column: tensor and pipeline parallelism move 
 
 
 @dataclass(frozen=True)
+class TPBlock:
+    """The tensor-parallel collectives one block issues, in features per token, read off the
+    layer plan plait lays the block out with (``plait.planner.tp_block``).
+
+    ``forward``: each row-parallel layer's output, all-reduced in forward; ``backward``: each
+    region's input and each column-parallel layer's input outside a region, all-reduced in
+    backward (with SP a reduce-scatter and an all-gather in place of each, same bytes).
+    ``bias_gathers``: elements of fused q|k|v biases whose gradients are all-gathered in
+    backward (``colwise_qkv``); ``sp_norms``: elements of each trainable parameter tensor that
+    runs on sequence shards under SP (the norms), whose gradients are all-reduced once per
+    backward, one call each; ``summed``: the same for layers whose gradients are all-reduced
+    in every backward (``grad_allreduce``). A LoRA layer is its base and its low-rank parts: a
+    row-parallel A adds a forward all-reduce of its rank, a column-parallel B a backward one.
+    ``sp_in_blocks``: under SP the sequence is split at the first block and gathered after the
+    last (transformers models, inferred plans) rather than from the embedding to the head
+    (plait's reference transformer); ``input_grad``: whether the first block's input needs a
+    gradient (a frozen embedding: no all-gather of it under SP).
+    """
+
+    forward: tuple[int, ...]
+    backward: tuple[int, ...]
+    bias_gathers: tuple[int, ...] = ()
+    sp_norms: tuple[int, ...] = ()
+    summed: tuple[int, ...] = ()
+    sp_in_blocks: bool = False
+    input_grad: bool = True
+
+    @classmethod
+    def reference(cls, hidden: int) -> TPBlock:
+        """plait's reference block: attention and an MLP, each a region ending in a row-parallel
+        layer (Megatron's 4 all-reduces), two RMSNorms of ``hidden`` weights."""
+        return cls(forward=(hidden, hidden), backward=(hidden, hidden),
+                   sp_norms=(hidden, hidden))
+
+
+@dataclass(frozen=True)
 class LocalModel:
     """What one rank holds of the reference model once plait has laid it out.
 
@@ -68,7 +104,9 @@ class LocalModel:
     this rank runs, ``recomputed`` of them under activation checkpointing; ``embed``/``head``:
     whether this rank runs the embedding / the head; ``stages``: the global pipeline stages it
     holds, out of ``num_stages``; ``clip_axes``: mesh axes its gradients are sharded on (where
-    the clip norm is all-reduced).
+    the clip norm is all-reduced); ``tied``: elements (TP-local) of a trainable weight the
+    embedding and the head share that this rank holds a copy of while another pipeline rank
+    holds the other (their gradients are summed over the two each step).
     """
 
     params: float
@@ -81,6 +119,7 @@ class LocalModel:
     stages: tuple[int, ...] = (0,)
     num_stages: int = 1
     clip_axes: tuple[str, ...] = ()
+    tied: float = 0.0
 
     @property
     def units(self) -> int:
@@ -208,12 +247,13 @@ def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traf
 
 
 def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int,
-                    kv_whole: int = 0) -> list[Traffic]:
+                    kv_whole: int = 0, block: TPBlock | None = None) -> list[Traffic]:
     """TP collectives of one rank in one optimizer step: its blocks' (``tp_block_traffic``,
     ``local.recomputed`` of them replayed) and the embedding's / head's (``tp_end_traffic``),
     per microbatch of ``mb`` sequences. ``kv_whole``: weight elements of one block's k and v
     projections kept whole on every rank (fewer kv heads than tp), whose gradients are
-    all-reduced over tp."""
+    all-reduced over tp. ``block``: the collectives of one block (default: the reference
+    block's)."""
     if plan.tp == 1:
         return []
     dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
@@ -222,10 +262,10 @@ def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
     if local.layers:
         per_block = tp_block_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp,
                                      recomputed=local.recomputed / local.layers,
-                                     kv_whole=kv_whole)
+                                     kv_whole=kv_whole, block=block)
         out += _times(per_block, local.layers * micro)
     out += _times(tp_end_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp, embed=local.embed,
-                                 head=local.head), micro)
+                                 head=local.head, block=block), micro)
     return out
 
 
@@ -245,10 +285,13 @@ def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
     for s in local.stages:
         sends += s + 1 < local.num_stages and owner[s + 1] != owner[s]  # activation
         sends += s > 0 and owner[s - 1] != owner[s]                     # its gradient
-    if not sends:
-        return []
-    n = sends * plan.microbatches * plan.grad_accum
-    return [Traffic("pp", "send_recv", per * n, n, 2, "activations and grads")]
+    out = []
+    if sends:
+        n = sends * plan.microbatches * plan.grad_accum
+        out.append(Traffic("pp", "send_recv", per * n, n, 2, "activations and grads"))
+    if local.tied:  # plait.parallel.pipeline sync_tied_gradients: once per optimizer step
+        out.append(Traffic("pp", "all_reduce", local.tied * FP32, 1, 2, "tied weight grads"))
+    return out
 
 
 def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
@@ -275,47 +318,83 @@ def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
 
 
 def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
-                     recomputed: float = 0.0, kv_whole: int = 0) -> list[Traffic]:
+                     recomputed: float = 0.0, kv_whole: int = 0,
+                     block: TPBlock | None = None) -> list[Traffic]:
     """TP collectives of one block for one microbatch (forward + backward), as plait's runtime
-    issues them: Megatron's 4 all-reduces, or with SP 4 all-gathers + 4
-    reduce-scatters plus the 2 sequence-parallel norms' weight-gradient all-reduces (h fp32).
+    issues them for ``block`` (default: the reference block, Megatron's 4 all-reduces of
+    b*s*h; with SP 4 all-gathers + 4 reduce-scatters plus the 2 sequence-parallel norms'
+    weight-gradient all-reduces, h fp32 each). A block with an MLP only issues half of that:
+    the count follows the block's row- and column-parallel layers, not a fixed 4.
     ``recomputed`` (0..1): share of the block replayed by checkpointing; torch's non-reentrant
-    checkpoint stops before the last collective, so a replay costs 1 all-reduce (SP: 2
-    all-gathers + 1 reduce-scatter). ``kv_whole``: elements of k and v weights kept whole on
-    every rank (fewer kv heads than tp); their gradients are all-reduced in each backward,
-    one call each."""
+    checkpoint stops before the last collective, so a replay costs the forward's collectives
+    but the last one (the reference block: 1 all-reduce; SP: 2 all-gathers + 1
+    reduce-scatter). ``kv_whole``: elements of k and v weights kept whole on every rank (fewer
+    kv heads than tp); their gradients are all-reduced in each backward, one call each."""
     if tp == 1:
         return []
-    out = tp_traffic(b, s, h, 1, tp, dtype, sp=sp)
-    act = float(b) * s * h * dtype_bytes(dtype)
-    if sp:
-        out.append(Traffic("tp", "all_reduce", 2.0 * h * 4, 2, tp, "norm weight grads"))
+    block = block or TPBlock.reference(h)
+    e = dtype_bytes(dtype)
+    tokens = float(b) * s
+    fwd, bwd = [tokens * f * e for f in block.forward], [tokens * f * e for f in block.backward]
+    out: list[Traffic] = []
+    if fwd or bwd:
+        n = len(fwd) + len(bwd)
+        if sp:
+            out += [Traffic("tp", "all_gather", sum(fwd) + sum(bwd), n, tp, "activations"),
+                    Traffic("tp", "reduce_scatter", sum(fwd) + sum(bwd), n, tp, "activations")]
+        else:
+            out.append(Traffic("tp", "all_reduce", sum(fwd) + sum(bwd), n, tp, "activations"))
+    if sp and block.sp_norms:
+        out.append(Traffic("tp", "all_reduce", float(sum(block.sp_norms)) * FP32,
+                           len(block.sp_norms), tp, "norm weight grads"))
+    if block.summed:
+        out.append(Traffic("tp", "all_reduce", float(sum(block.summed)) * FP32,
+                           len(block.summed), tp, "grad_allreduce weight grads"))
+    if block.bias_gathers:
+        out.append(Traffic("tp", "all_gather", float(sum(block.bias_gathers)) * FP32,
+                           len(block.bias_gathers), tp, "fused qkv bias grads"))
     if kv_whole:
-        out.append(Traffic("tp", "all_reduce", float(kv_whole) * dtype_bytes(dtype), 2, tp,
+        out.append(Traffic("tp", "all_reduce", float(kv_whole) * e, 2, tp,
                            "replicated kv weight grads"))
-    if recomputed:
+    if recomputed and fwd:
         # calls per block averaged over the blocks (selective checkpointing replays some):
         # fractional, which Traffic's int annotation does not foresee
         r: Any = recomputed
         if sp:
-            out += [Traffic("tp", "all_gather", act * 2 * r, 2 * r, tp, "checkpoint replay"),
-                    Traffic("tp", "reduce_scatter", act * r, r, tp, "checkpoint replay")]
+            out += [Traffic("tp", "all_gather", sum(bwd) * r, len(bwd) * r, tp,
+                            "checkpoint replay"),
+                    Traffic("tp", "reduce_scatter", sum(fwd[:-1]) * r, (len(fwd) - 1) * r, tp,
+                            "checkpoint replay")]
         else:
-            out.append(Traffic("tp", "all_reduce", act * r, r, tp, "checkpoint replay"))
-    return out
+            out.append(Traffic("tp", "all_reduce", sum(fwd[:-1]) * r, (len(fwd) - 1) * r, tp,
+                               "checkpoint replay"))
+    return [t for t in out if t.calls]
 
 
 def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, embed: bool,
-                   head: bool) -> list[Traffic]:
+                   head: bool, block: TPBlock | None = None) -> list[Traffic]:
     """TP collectives outside the blocks per microbatch: the vocabulary-parallel embedding and
     the head each an all-reduce of b*s*h (SP: all-gather + reduce-scatter), loss_parallel's 3
-    fp32 values per token, and with SP the final norm's weight-gradient all-reduce."""
+    fp32 values per token, and with SP the final norm's weight-gradient all-reduce. Where the
+    sequence is split inside the block stack only (``block.sp_in_blocks``), the embedding and
+    head keep their all-reduces under SP, and the stack's output is all-gathered in forward,
+    the gradient of its input in backward (where the input needs one)."""
     if tp == 1:
         return []
     act = float(b) * s * h * dtype_bytes(dtype)
     ends = int(embed) + int(head)
     ends_what = " + ".join(["embedding output"] * embed + ["head input grad"] * head)
     out = []
+    if sp and block is not None and block.sp_in_blocks:
+        if ends:
+            out.append(Traffic("tp", "all_reduce", act * ends, ends, tp, ends_what))
+        edges = int(head) + int(embed and block.input_grad)
+        if edges:
+            out.append(Traffic("tp", "all_gather", act * edges, edges, tp,
+                               "block stack output + input grad"))
+        if head:
+            out.append(Traffic("tp", "all_reduce", 3.0 * b * s * 4, 3, tp, "loss_parallel"))
+        return out
     if ends:
         if sp:
             out += [Traffic("tp", "all_gather", act * ends, ends, tp, ends_what),

@@ -259,7 +259,8 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     layers_busy = st.rank_layers[r_busy]
     busy = dataclasses.replace(shares[r_busy], recomputed=checkpointed(plan, layers_busy)[0])
     traffic = [t for t, _ in traffic_dp + clip] + \
-        predict.tp_rank_traffic(plan, busy, b, s, model.hidden, model.kv_whole(tp)) + \
+        predict.tp_rank_traffic(plan, busy, b, s, model.hidden, model.kv_whole(tp),
+                                model.tp_block) + \
         predict.pp_rank_traffic(plan, busy, b, s, model.hidden)
 
     est.traffic = traffic

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..comm.predict import TPBlock
 from ..parallel.tp_kv import replicated_kv_elements, tp_fits_kv
 
 
@@ -56,6 +57,14 @@ class ModelStats:
     block_tensors: int = 0
     embed_tensors: int = 0
     head_tensors: int = 0
+    # The tensor-parallel collectives of one block, read off the layer plan plait lays a
+    # module's blocks out with (module factories); None: plait's reference block (attention
+    # and an MLP, 4 all-reduces).
+    tp_block: TPBlock | None = None
+    # Elements of a trainable weight the embedding and the head share (module factories: the
+    # head's copy is not in head_params); under pipelines the first and last stages each hold
+    # a copy and sum their gradients every step.
+    tied_params: int = 0
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -89,7 +98,10 @@ class ModelStats:
 
     def kv_whole(self, tp: int) -> int:
         """Weight elements of one block's k and v projections kept whole on every rank at
-        ``tp`` (fewer kv heads than tp; see :mod:`plait.parallel.tp_kv`), else 0."""
+        ``tp`` (fewer kv heads than tp; see :mod:`plait.parallel.tp_kv`), else 0. A block
+        without attention has none (its ``kv_heads`` of 1 says nothing)."""
+        if not self.attention:
+            return 0
         return replicated_kv_elements(self.hidden, self.kv_heads, self.hidden // self.n_heads, tp)
 
     @property
@@ -302,6 +314,12 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
     tensors = round(sum(len(list(b.parameters())) for b in blocks) / len(blocks))
     outside = len(seen) - sum(len(list(b.parameters())) for b in blocks)
     embed_tensors = sum(len(list(m.parameters())) for m in embeds)
+    from .tp_block import tp_block
+
+    ref_path = next(n for n, m in model.named_modules() if m is ref)
+    shared = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    tied_params = sum(p.numel() for e in embeds for p in e.parameters()
+                      if shared[id(p)] > 1 and p.requires_grad)
     return ModelStats(name=name, n_layers=len(blocks), hidden=hidden, n_heads=heads,
                       kv_heads=kv_heads or heads, ffn=ffn, vocab=vocab,
                       mlp="swiglu" if gated else ("gelu" if attention else "other"),
@@ -309,7 +327,8 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                       block_matmul_params=round(mean), embed_params=embed_params,
                       head_params=head_params, attention=attention, layer_weights=weights,
                       block_tensors=tensors, embed_tensors=embed_tensors,
-                      head_tensors=max(outside - embed_tensors, 0), max_seq=_max_seq(model))
+                      head_tensors=max(outside - embed_tensors, 0), max_seq=_max_seq(model),
+                      tp_block=tp_block(model, ref_path), tied_params=tied_params)
 
 
 def _max_seq(model: Any) -> int | None:

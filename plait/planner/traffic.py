@@ -94,9 +94,14 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
                    (model.head_tensors if last else 0))
         # k/v weights kept whole on every rank when there are fewer kv heads than tp
         p += layers * model.kv_whole(tp) * (tp - 1)
+        # a weight the embedding and the head share: a copy on each rank that holds one of them
+        # alone (a module's head_params leave the copy out)
+        tied = model.tied_params if first != last else 0
+        if last and not first and not model.tied:
+            p += tied
         out.append(LocalModel(params=p / tp, root_params=root, tensors=tensors, layers=layers,
                               embed=first, head=last, stages=tuple(ids), num_stages=chunks,
-                              clip_axes=clip_axes(plan)))
+                              clip_axes=clip_axes(plan), tied=tied / tp))
     return out
 
 

@@ -1,0 +1,93 @@
+"""Which tensor-parallel collectives one block of a user's model issues, read off the layer plan
+plait lays it out with (the plan a transformers model ships, else the one inferred from the
+model's structure), so the planner prices the block the runtime builds rather than plait's
+reference block (attention + MLP: 4 all-reduces). An MLP-only block issues 2, a LoRA layer adds
+the all-reduces of its low-rank path, a fused q|k|v bias an all-gather of its gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from plait.comm.predict import TPBlock
+
+# Styles whose collectives TPBlock describes; a plan with any other style in the block
+# (colwise_gather, rowwise_split, replicated_kv named by hand) is priced as the reference block.
+_KNOWN = {"colwise", "colwise_qkv", "rowwise", "region", "sequence_parallel", "grad_allreduce"}
+
+
+def tp_block(model: nn.Module, block: str) -> TPBlock | None:
+    """The collectives of the block at module path ``block`` of ``model`` (on any device, the
+    meta device included), or None where plait has no layer plan for it (inference refuses)
+    or the plan uses styles TPBlock does not describe. The first block's input needs a
+    gradient unless every embedding is frozen."""
+    from plait.parallel.tensor import _shipped_plan
+    from plait.parallel.tp_infer import infer_plan
+    from plait.parallel.tp_plans import glob_regex
+
+    try:
+        shipped = _shipped_plan(model)
+        plan = shipped or infer_plan(model)
+    except Exception:  # noqa: BLE001 - no plan: the planner prices the reference block
+        return None
+    # An inferred plan splits the sequence inside the block stack under SP, and sums the
+    # gradients of every parameter there that no entry names (plait.parallel.tp_infer).
+    in_blocks = bool(plan.sp_blocks) if shipped is not None else True
+    summed_unnamed = plan.sp_summed if shipped is not None else True
+    patterns = [(glob_regex(g), style) for g, style in plan.styles.items()]
+
+    def style_of(name: str) -> str | None:
+        return next((style for regex, style in patterns if regex.match(name)), None)
+
+    root = model.get_submodule(block)
+    styled = {f"{block}.{n}" if n else block: (style_of(f"{block}.{n}" if n else block), m)
+              for n, m in root.named_modules()}
+    styled = {n: sm for n, sm in styled.items() if sm[0] is not None}
+    if any(style not in _KNOWN for style, _ in styled.values()):
+        return None
+    regions = [n for n, (style, _) in styled.items() if style == "region"]
+    forward: list[int] = []
+    backward: list[int] = []
+    gathers: list[int] = []
+    norms: list[int] = []
+    summed: list[int] = []
+    for name, (style, module) in styled.items():
+        dims = _in_out(module)
+        inside = any(name.startswith(r + ".") for r in regions)
+        if style == "rowwise" and dims:
+            forward.append(dims[1])
+        elif style in ("colwise", "colwise_qkv") and dims and not inside:
+            backward.append(dims[0])
+        elif style == "region":
+            entry = next((_in_out(m) for n, (s, m) in styled.items()
+                          if n.startswith(name + ".") and s in ("colwise", "colwise_qkv")
+                          and _in_out(m)), None)
+            if entry is None:
+                return None
+            backward.append(entry[0])
+        elif style == "sequence_parallel":
+            norms += [p.numel() for p in module.parameters() if p.requires_grad]
+        elif style == "grad_allreduce":
+            summed += [p.numel() for p in module.parameters() if p.requires_grad]
+        if style == "colwise_qkv" and getattr(module, "bias", None) is not None:
+            gathers.append(module.bias.numel())
+    if summed_unnamed:  # parameters of modules no entry names (nor one above them)
+        for name, module in root.named_modules():
+            full = f"{block}.{name}" if name else block
+            if not any(full == n or full.startswith(n + ".") for n in styled
+                       if styled[n][0] != "region"):
+                norms += [p.numel() for p in module.parameters(recurse=False)
+                          if p.requires_grad]
+    embeds = [p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()]
+    return TPBlock(forward=tuple(forward), backward=tuple(backward),
+                   bias_gathers=tuple(gathers), sp_norms=tuple(norms),
+                   summed=tuple(summed), sp_in_blocks=in_blocks,
+                   input_grad=any(p.requires_grad for p in embeds) or not embeds)
+
+
+def _in_out(module: Any) -> tuple[int, int] | None:
+    from .model_stats import _dims
+
+    return _dims(module)
