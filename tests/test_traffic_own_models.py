@@ -30,20 +30,25 @@ def _same(name: str, plan: str, comm: dict, global_batch: int) -> None:
                                                                      predicted)
 
 
-CASES = [("tp=2", ["mlp", "lora", "gpt2", "mqa"])]
+# The default case: an MLP-only block (2 all-reduces, no attention), LoRA layers (their rank's
+# collectives, a frozen embedding, frozen bases), GPT-2 (fused q|k|v bias, LayerNorms), under SP.
+CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2"])]
 SLOW_CASES = [
-    ("tp=2", ["attention", "gqa", "tied", "llama"]),
-    ("tp=2,sp=1", ["gpt2", "llama"]),
-    ("dp=2,tp=2", ["mlp", "lora", "gpt2"]),
+    ("tp=2", ["mlp", "attention", "gqa", "mqa", "tied", "lora", "gpt2", "llama"]),
+    ("tp=2,sp=1", ["attention", "gqa", "mqa", "tied", "llama"]),
+    ("pp=2,microbatches=2", ["mlp", "tied", "gpt2", "llama"]),
+    ("pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,microbatches=2", ["tied", "lora"]),
+    ("dp=2,tp=2", ["mlp", "attention", "lora", "gpt2", "llama"]),
+    ("pp=2,tp=2,microbatches=2", ["mlp", "tied", "lora", "gpt2", "mqa"]),
 ]
 
 
 @pytest.mark.parametrize("plan,models", CASES + [
     pytest.param(*case, marks=pytest.mark.slow) for case in SLOW_CASES],
-    ids=[f"{c[0]}-{'-'.join(c[1])}" for c in CASES + SLOW_CASES])
+    ids=[c[0] for c in CASES] + [f"{c[0]}-slow" for c in SLOW_CASES])
 def test_planner_prices_what_the_ledger_measures(plan, models):
     world = Plan.from_string(plan).world_size
-    runs = run_distributed(T.ledger_rows, world, plan, models, timeout=240)[0]
+    runs = run_distributed(T.ledger_rows, world, plan, models, timeout=300)[0]
     for name in models:
         _same(name, plan, runs[name]["comm"], runs[name]["global_batch"])
 
@@ -70,6 +75,19 @@ def test_block_collectives_follow_the_layer_plan():
                for t in tp_block_traffic(2, 8, 16, 2, "fp32", False,
                                          block=_stats("mlp").tp_block)}
     assert traffic == {"all_reduce": (2 * 2 * 8 * 16 * 4, 2)}
+
+
+def test_tied_weight_and_frozen_parameters():
+    """A head tied to the embedding: under pipelines its copy on the last stage is held there
+    and its gradient summed with the first stage's. LoRA: data parallelism reduces only the
+    trainable parameters (the low-rank paths, norms, head), and tensor parallelism keeps the
+    norms, row-parallel biases and the whole halves of the low-rank paths whole."""
+    assert _stats("tied").tied_params == T.VOCAB * T.WIDTH
+    assert _stats("lora").tied_params == 0
+    block, embed, _ = _stats("lora").held
+    assert embed.grads(2) == 0 and embed.local(2) == T.VOCAB * T.WIDTH / 2
+    rank = 2
+    assert block.grads(2) == (2 * rank * 4 * T.WIDTH) / 2 + 2 * T.WIDTH + 2 * rank * T.WIDTH
 
 
 def test_no_attention_no_replicated_kv():

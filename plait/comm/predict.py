@@ -106,7 +106,8 @@ class LocalModel:
     holds, out of ``num_stages``; ``clip_axes``: mesh axes its gradients are sharded on (where
     the clip norm is all-reduced); ``tied``: elements (TP-local) of a trainable weight the
     embedding and the head share that this rank holds a copy of while another pipeline rank
-    holds the other (their gradients are summed over the two each step).
+    holds the other (their gradients are summed over the two each step); ``grad_params`` /
+    ``grad_tensors``: the trainable ones among ``params`` / ``tensors`` (None: all of them).
     """
 
     params: float
@@ -120,6 +121,18 @@ class LocalModel:
     num_stages: int = 1
     clip_axes: tuple[str, ...] = ()
     tied: float = 0.0
+    grad_params: float | None = None
+    grad_tensors: int | None = None
+
+    @property
+    def grads(self) -> float:
+        """Gradient elements data parallelism reduces: the trainable ``params``."""
+        return self.params if self.grad_params is None else self.grad_params
+
+    @property
+    def clip_tensors(self) -> int:
+        """Parameter tensors with a gradient (gradient clipping reduces one norm each)."""
+        return self.tensors if self.grad_tensors is None else self.grad_tensors
 
     @property
     def units(self) -> int:
@@ -199,28 +212,28 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
     R, S, accum = plan.dp_replicate, plan.dp_shard, plan.grad_accum
     syncs = accum if plan.pp > 1 else 1
     g = dtype_bytes(grad_dtype)
-    P = float(local.params)
+    P, G = float(local.params), float(local.grads)
     out: list[Traffic] = []
     if plan.zero == 1 and R * S > 1:
-        out += _times(ddp_traffic(P, R * S, grad_dtype, axis=_dp_axis(plan),
+        out += _times(ddp_traffic(G, R * S, grad_dtype, axis=_dp_axis(plan),
                                   bucket_bytes=bucket_bytes), syncs)
         if S > 1:
             # ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it
             out.append(Traffic("dp_shard", "broadcast", P * FP32, max(1, local.tensors), S,
                                "params (ZeroRedundancyOptimizer)"))
     elif plan.zero in (2, 3) and S > 1:
-        out += _times([Traffic("dp_shard", "reduce_scatter", P * g, local.units, S, "grads")],
+        out += _times([Traffic("dp_shard", "reduce_scatter", G * g, local.units, S, "grads")],
                       syncs)
         if R > 1:  # HSDP: the reduce-scattered shard all-reduced across replicas
-            out += _times([Traffic("dp_replicate", "all_reduce", P / S * g, local.units, R,
+            out += _times([Traffic("dp_replicate", "all_reduce", G / S * g, local.units, R,
                                    "grads")], syncs)
         out += _param_gathers(plan, local, multi_stage_zero3)
     elif R > 1:
         if plan.tp > 1:  # replicated DP over TP shards: FSDP2, one all-reduce per unit
-            out += _times([Traffic("dp_replicate", "all_reduce", P * g, local.units, R,
+            out += _times([Traffic("dp_replicate", "all_reduce", G * g, local.units, R,
                                    "grads")], syncs)
         else:
-            out += _times(ddp_traffic(P, R, grad_dtype, bucket_bytes=bucket_bytes), syncs)
+            out += _times(ddp_traffic(G, R, grad_dtype, bucket_bytes=bucket_bytes), syncs)
     return out
 
 
@@ -310,7 +323,7 @@ def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
         axes = [a for a in axes if a not in ("dp_shard", "tp")] + [DP_SHARD_TP]
         sizes[DP_SHARD_TP] = plan.dp_shard * plan.tp
     for axis in axes:
-        out.append(Traffic(axis, "all_reduce", float(local.tensors) * FP32, 1, sizes[axis],
+        out.append(Traffic(axis, "all_reduce", float(local.clip_tensors) * FP32, 1, sizes[axis],
                            "clip: per-tensor norms"))
     if plan.pp > 1:
         out.append(Traffic("pp", "all_reduce", float(FP32), 1, plan.pp, "clip: squared norm"))
@@ -449,7 +462,7 @@ def local_model(model: Any, plan: Any) -> LocalModel:
 
     modules = local_modules(model)
     specs = layout_of(model).stage_specs
-    total = root = tensors = layers = recomputed = 0
+    total = root = tensors = layers = recomputed = grads = grad_tensors = 0
     clip: set[str] = set()
     embed = head = False
     for module in modules:
@@ -465,6 +478,9 @@ def local_model(model: Any, plan: Any) -> LocalModel:
                             n //= mesh.size(mesh.mesh_dim_names.index(dim))
             total += n
             tensors += 1
+            if p.requires_grad:
+                grads += n
+                grad_tensors += 1
             if not canonical_name(name).startswith("layers."):
                 root += n
         for block in getattr(inner, "layers", []):
@@ -481,7 +497,8 @@ def local_model(model: Any, plan: Any) -> LocalModel:
     return LocalModel(params=total, root_params=root, tensors=tensors, layers=layers,
                       recomputed=recomputed, embed=embed, head=head, stages=stages,
                       num_stages=num_stages,
-                      clip_axes=tuple(a for a in order if a in clip and getattr(plan, a) > 1))
+                      clip_axes=tuple(a for a in order if a in clip and getattr(plan, a) > 1),
+                      grad_params=grads, grad_tensors=grad_tensors)
 
 
 def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ...] | None,

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..comm.predict import TPBlock
 from ..parallel.tp_kv import replicated_kv_elements, tp_fits_kv
+from .tp_block import Held
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,10 @@ class ModelStats:
     # head's copy is not in head_params); under pipelines the first and last stages each hold
     # a copy and sum their gradients every step.
     tied_params: int = 0
+    # Parameters of (a block, the embeddings, the rest outside the blocks) as tensor
+    # parallelism lays them out, trainable or not (module factories); None: all split over
+    # tp and trainable, as plait's reference transformer.
+    held: tuple[Held, Held, Held] | None = None
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -314,7 +319,7 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
     tensors = round(sum(len(list(b.parameters())) for b in blocks) / len(blocks))
     outside = len(seen) - sum(len(list(b.parameters())) for b in blocks)
     embed_tensors = sum(len(list(m.parameters())) for m in embeds)
-    from .tp_block import tp_block
+    from .tp_block import held_parts, tp_block
 
     ref_path = next(n for n, m in model.named_modules() if m is ref)
     shared = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
@@ -328,7 +333,8 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                       head_params=head_params, attention=attention, layer_weights=weights,
                       block_tensors=tensors, embed_tensors=embed_tensors,
                       head_tensors=max(outside - embed_tensors, 0), max_seq=_max_seq(model),
-                      tp_block=tp_block(model, ref_path), tied_params=tied_params)
+                      tp_block=tp_block(model, ref_path), tied_params=tied_params,
+                      held=held_parts(model, stack_name))
 
 
 def _max_seq(model: Any) -> int | None:
