@@ -97,3 +97,11 @@ def test_no_attention_no_replicated_kv():
     assert not stats.attention and stats.kv_whole(2) == 0
     assert _stats("mqa").kv_whole(2) > 0  # one kv head of 4 query heads: whole at tp=2
 
+
+def test_kv_heads_from_a_transformers_config():
+    """transformers' Llama attention keeps its kv-head count in its config only: 2 kv heads
+    of 4 (whole on every rank at tp=4), not 4."""
+    stats = _stats("llama")
+    assert (stats.n_heads, stats.kv_heads) == (4, 2)
+    assert stats.kv_whole(4) > 0 and stats.kv_whole(2) == 0
+

@@ -300,6 +300,11 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
              if isinstance(getattr(m, "head_dim", None), int)), None)
         if head_dim:
             heads = max(1, hidden // head_dim)
+    if kv_heads is None and attention:
+        # transformers' attention modules keep the count in their config only (Llama, Qwen2)
+        kv_heads = next((m.config.num_key_value_heads for m in ref.modules()
+                         if isinstance(getattr(getattr(m, "config", None),
+                                               "num_key_value_heads", None), int)), None)
     embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     vocab = max((m.num_embeddings for m in embeds), default=1)
     embed_params = sum(m.weight.numel() for m in embeds)
