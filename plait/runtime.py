@@ -84,6 +84,9 @@ class Run:
     # DDP's bucket rebuild, pipeline shape inference).
     ledger: Any = None
     ledger_warmup: int = 2
+    # The planner's view of the model given to parallelize (plait.planner.model_stats), taken
+    # before layout when the ledger is on under tp or pp: its expected column for that model.
+    _stats: Any = None
     # Rank 0's bar / plain lines and TensorBoard scalars (plait.progress.Progress), made at
     # the first step unless init() made it; ``plot``: a PNG of loss and per-rank step time
     # written at finish().
@@ -175,6 +178,10 @@ class Run:
             out = apply_spmd(model, self.spmd, device=self.device)
             self._models.append(out)
             return out
+        if self.ledger is not None and (self.plan.tp > 1 or self.plan.pp > 1):
+            from .comm.predict import planner_stats
+
+            self._stats = planner_stats(model)
         out = _parallelize(model, self._mesh(), self.plan, device=self.device)
         self._models.append(out)
         self._resume_weights(out)
@@ -700,8 +707,10 @@ class Run:
         # parameters (frozen ones given to it too)
         zero1 = [p for _, sharded in self._sharded_optimizers.values()
                  for group in sharded.param_groups for p in group["params"]]
+        pp_rank = self._mesh()["pp"].get_local_rank() if self.plan.pp > 1 else 0
         return expected_for_models(self._models, self.plan, self._batch_shape,
-                                   optimizer_params=zero1 or None)
+                                   optimizer_params=zero1 or None, stats=self._stats,
+                                   pp_rank=pp_rank)
 
     def finish(self, print_summary: bool = True) -> dict[str, Any]:
         """Print the summary on rank 0, free the models and leave the process group; with

@@ -5,7 +5,8 @@ when plait's runtime trains them: per (axis, op), the same bytes and calls per s
 
 The planner reads the model as ``plait plan --model pkg.mod:factory`` does (on the meta device)
 and prices each block from the layer plan plait lays it out with, not from plait's reference
-block (attention + MLP, 4 all-reduces)."""
+block (attention + MLP, 4 all-reduces). The ledger's expected column under these layouts is
+the same prediction, taken on the model ``run.parallelize`` was given."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ from tests import _traffic_models as T
 
 
 def _same(name: str, plan: str, comm: dict, global_batch: int) -> None:
+    """The planner's rows equal the ledger's, and so does the ledger's own expected column
+    (taken from the same planner on the model before layout)."""
+    for row in comm["rows"]:
+        assert row["ratio"] == pytest.approx(1.0, abs=1e-12), (name, row)
+    assert not any("no 'expected' column" in n for n in comm["notes"]), comm["notes"]
     measured = T.measured_rows(comm)
     predicted = T.planner_rows(name, plan, global_batch)
     assert set(measured) == set(predicted), (name, sorted(measured), sorted(predicted))

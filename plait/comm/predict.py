@@ -501,19 +501,37 @@ def local_model(model: Any, plan: Any) -> LocalModel:
                       grad_params=grads, grad_tensors=grad_tensors)
 
 
+def planner_stats(model: Any) -> Any:
+    """The planner's stats of ``model`` (``plait.planner.model_stats.from_module``), taken
+    before it is laid out; None for plait's reference transformer (its closed form is exact)
+    and for a model the planner cannot read (no stack of blocks)."""
+    from ..planner.model_stats import from_module
+
+    if _find_config(model) is not None:
+        return None
+    try:
+        return from_module(model, name=type(model).__name__)
+    except ValueError:
+        return None
+
+
 def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ...] | None,
-                        optimizer_params: list[Any] | None = None
-                        ) -> dict[tuple[str, str], float] | None:
+                        optimizer_params: list[Any] | None = None, stats: Any = None,
+                        pp_rank: int = 0) -> dict[tuple[str, str], float] | None:
     """Predicted payload bytes per (axis, op) per step, or None where plait has no closed form.
 
     The reference transformer: every layout (``predict``); ``batch_shape`` is the shape of one
     rank's input batch (per data replica, all micro-steps). Any other model: layouts without
     tensor or pipeline parallelism (``plait.comm.held``: data-parallel traffic depends on the
     parameters each rank holds, not on the architecture; ``optimizer_params``: what ZeRO-1's
-    optimizer updates and broadcasts). The ledger's report compares each row's busiest rank,
-    and ranks hold different parts of the model (pipeline stages), so each rank predicts its
-    own traffic and the per-(axis, op) maximum over ranks is returned: a collective when a
-    process group is up (call it on every rank, as ``Run.summary`` does).
+    optimizer updates and broadcasts); under tensor or pipeline parallelism, the planner's
+    traffic for pipeline rank ``pp_rank`` of the model ``stats`` describes
+    (``planner_stats``, taken before layout; ``plait.planner.cost.rank_traffic``), whose
+    blocks it prices from the layer plan plait lays them out with. The ledger's report
+    compares each row's busiest rank, and ranks hold different parts of the model (pipeline
+    stages), so each rank predicts its own traffic and the per-(axis, op) maximum over ranks is
+    returned: a collective when a process group is up (call it on every rank, as
+    ``Run.summary`` does).
     """
     import torch.distributed as dist
 
@@ -523,6 +541,12 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
         batch, seq = batch_shape
         mine = by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq,
                                   local=local_model(models[-1], plan)))
+    elif cfg is None and stats is not None and batch_shape is not None and \
+            len(batch_shape) == 2 and (plan.tp > 1 or plan.pp > 1):
+        from ..planner.cost import rank_traffic
+
+        per_rank = rank_traffic(plan, stats, batch_shape[0] * plan.dp, batch_shape[1])
+        mine = by_axis_op(per_rank[pp_rank]) if per_rank else None
     elif cfg is None and models and plan.tp == 1 and plan.pp == 1:
         from .held import held_model, held_traffic
 
