@@ -303,7 +303,12 @@ class Run:
         step_index = len(self.stats.step_times)
         recording = self.ledger is not None and step_index >= self.ledger_warmup
         if self._batch_shape is None:
-            self._batch_shape = tuple(getattr(_first_input(batch), "shape", ()))
+            first = _first_input(batch)
+            self._batch_shape = tuple(getattr(first, "shape", ()))
+            if not (isinstance(first, torch.Tensor) and not first.is_floating_point()):
+                # the planner prices sequences of token ids (b, s) at the blocks' width, not
+                # this input: no expected column under tp/pp
+                self._stats = None
         watch = self.xla.step(batch) if self.xla is not None else contextlib.nullcontext()
         exchange, flags_travel = self._totals_exchange()
         agreed: torch.Tensor | None = None

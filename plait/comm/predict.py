@@ -52,10 +52,10 @@ FP32 = 4
 
 # The ledger table's note where ``expected_for_models`` has no closed form.
 NO_EXPECTED_NOTE = ("no 'expected' column: tensor and pipeline parallelism move activations, "
-                    "whose bytes need the model's shapes (hidden size, blocks, vocabulary), which "
-                    "plait's closed forms know for its reference transformer only; for this model "
-                    "`plait plan --model pkg.mod:factory --plan <plan>` gives the planner's bytes "
-                    "per axis")
+                    "whose bytes need the model's shapes (hidden size, blocks, sequence), which "
+                    "plait reads off a stack of repeated blocks fed token ids (b, s); this model "
+                    "or its input is not one; `plait plan --model pkg.mod:factory --plan <plan>` "
+                    "gives the planner's bytes per axis")
 
 
 @dataclass(frozen=True)
