@@ -324,7 +324,9 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
     tensors = round(sum(len(list(b.parameters())) for b in blocks) / len(blocks))
     outside = len(seen) - sum(len(list(b.parameters())) for b in blocks)
     embed_tensors = sum(len(list(m.parameters())) for m in embeds)
-    from .tp_block import held_parts, tp_block
+    from .tp_block import held_parts, plan_of, tp_block
+
+    found = plan_of(model)  # the layer plan plait lays the blocks out with
 
     ref_path = next(n for n, m in model.named_modules() if m is ref)
     shared = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
@@ -338,8 +340,8 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                       head_params=head_params, attention=attention, layer_weights=weights,
                       block_tensors=tensors, embed_tensors=embed_tensors,
                       head_tensors=max(outside - embed_tensors, 0), max_seq=_max_seq(model),
-                      tp_block=tp_block(model, ref_path), tied_params=tied_params,
-                      held=held_parts(model, stack_name))
+                      tp_block=tp_block(model, ref_path, found), tied_params=tied_params,
+                      held=held_parts(model, stack_name, found))
 
 
 def _max_seq(model: Any) -> int | None:

@@ -43,7 +43,7 @@ class Held:
 _KNOWN = {"colwise", "colwise_qkv", "rowwise", "region", "sequence_parallel", "grad_allreduce"}
 
 
-def _plan_of(model: nn.Module) -> tuple[Any, bool] | None:
+def plan_of(model: nn.Module) -> tuple[Any, bool] | None:
     """plait's layer plan for ``model`` and whether it ships (transformers, plait's reference)
     rather than being inferred; None where inference refuses."""
     from plait.parallel.tensor import _shipped_plan
@@ -61,14 +61,14 @@ _SPLIT_WEIGHT = {"colwise", "colwise_qkv", "rowwise", "vocab_embedding", "vocab_
 _SPLIT_BIAS = {"colwise"}
 
 
-def held_parts(model: nn.Module, stack: str) -> tuple[Held, Held, Held] | None:
+def held_parts(model: nn.Module, stack: str, found: tuple[Any, bool] | None
+               ) -> tuple[Held, Held, Held] | None:
     """How tensor parallelism lays out the parameters of one block of the stack at ``stack``
     (their mean over the blocks), of the embeddings and of the rest outside the stack (final
     norm, head): elements split over tp or kept whole, trainable or not. None where plait has
-    no layer plan for the model."""
+    no layer plan for the model (``found``: :func:`plan_of` the model)."""
     from plait.parallel.tp_plans import glob_regex
 
-    found = _plan_of(model)
     if found is None:
         return None
     patterns = [(glob_regex(g), style) for g, style in found[0].styles.items()]
@@ -90,14 +90,13 @@ def held_parts(model: nn.Module, stack: str) -> tuple[Held, Held, Held] | None:
     return block, Held(*parts[1]), Held(*parts[2])
 
 
-def tp_block(model: nn.Module, block: str) -> TPBlock | None:
+def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None) -> TPBlock | None:
     """The collectives of the block at module path ``block`` of ``model`` (on any device, the
     meta device included), or None where plait has no layer plan for it (inference refuses)
     or the plan uses styles TPBlock does not describe. The first block's input needs a
-    gradient unless every embedding is frozen."""
+    gradient unless every embedding is frozen. ``found``: :func:`plan_of` the model."""
     from plait.parallel.tp_plans import glob_regex
 
-    found = _plan_of(model)
     if found is None:
         return None
     plan, ships = found
