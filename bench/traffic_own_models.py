@@ -33,8 +33,8 @@ def compare(layouts: list[str], models: list[str]) -> tuple[list[str], int]:
              f"{'pred. bytes':>12} {'ratio':>6} {'meas. calls':>11} {'pred. calls':>11}"]
     bad = 0
     for plan in layouts:
-        world = Plan.from_string(plan).world_size
         try:
+            world = Plan.from_string(plan).world_size
             runs = run_distributed(ledger_rows, world, plan, models, timeout=600)[0]
         except Exception as exc:  # noqa: BLE001 - a layout that fails is a row of the table
             lines.append(f"{plan:44} failed: {str(exc).strip().splitlines()[-1]}")

@@ -46,6 +46,8 @@ SLOW_CASES = [
     ("pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,microbatches=2", ["tied", "lora"]),
     ("dp=2,tp=2", ["mlp", "attention", "lora", "gpt2", "llama"]),
     ("pp=2,tp=2,microbatches=2", ["mlp", "tied", "lora", "gpt2", "mqa"]),
+    ("dp_shard=2,zero=3,tp=2", ["mlp", "lora", "gpt2"]),  # FSDP2's root unit: norms whole
+    ("pp=2,pp_schedule=zbv,virtual_stages=2,microbatches=2", ["mlp", "llama"]),
 ]
 
 

@@ -53,9 +53,10 @@ FP32 = 4
 # The ledger table's note where ``expected_for_models`` has no closed form.
 NO_EXPECTED_NOTE = ("no 'expected' column: tensor and pipeline parallelism move activations, "
                     "whose bytes need the model's shapes (hidden size, blocks, sequence), which "
-                    "plait reads off a stack of repeated blocks fed token ids (b, s); this model "
-                    "or its input is not one; `plait plan --model pkg.mod:factory --plan <plan>` "
-                    "gives the planner's bytes per axis")
+                    "plait reads off a stack of repeated blocks fed token ids (b, s), in fp32 "
+                    "without activation checkpointing; this model, its input or the plan is "
+                    "not that; `plait plan --model pkg.mod:factory --plan <plan>` gives the "
+                    "planner's bytes per axis")
 
 
 @dataclass(frozen=True)
@@ -542,7 +543,11 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
         mine = by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq,
                                   local=local_model(models[-1], plan)))
     elif cfg is None and stats is not None and batch_shape is not None and \
-            len(batch_shape) == 2 and (plan.tp > 1 or plan.pp > 1):
+            len(batch_shape) == 2 and (plan.tp > 1 or plan.pp > 1) and \
+            plan.mixed_precision == "fp32" and plan.activation_checkpointing == "none":
+        # bf16 and checkpointing are left out: under autocast a model's own residual stream
+        # stays fp32 (the planner prices every activation at the compute dtype), and what a
+        # checkpointed block replays depends on what it saves after its last collective
         from ..planner.cost import rank_traffic
 
         per_rank = rank_traffic(plan, stats, batch_shape[0] * plan.dp, batch_shape[1])

@@ -106,6 +106,8 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
             kv = layers * model.kv_whole(tp) * (tp - 1) / tp
             copy = tied / tp if last and not first else 0.0
             local = sum(h.local(tp) * k for h, k in parts) + kv + copy
+            # FSDP2's root unit: the embeddings and the head at their tp-local size, norms whole
+            root = sum(h.local(tp) * k for h, k in parts[1:]) + copy
             grads = sum(h.grads(tp) * k for h, k in parts) + kv + copy
             # the copy on the last stage is left out of the clip norm (counted once, on the first)
             grad_tensors = round(sum(h.trained_tensors * k for h, k in parts))
