@@ -544,10 +544,12 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
                                   local=local_model(models[-1], plan)))
     elif cfg is None and stats is not None and batch_shape is not None and \
             len(batch_shape) == 2 and (plan.tp > 1 or plan.pp > 1) and \
-            plan.mixed_precision == "fp32" and plan.activation_checkpointing == "none":
+            plan.mixed_precision == "fp32" and plan.activation_checkpointing == "none" and \
+            (plan.tp == 1 or plan.options.tp_plan is None):
         # bf16 and checkpointing are left out: under autocast a model's own residual stream
         # stays fp32 (the planner prices every activation at the compute dtype), and what a
-        # checkpointed block replays depends on what it saves after its last collective
+        # checkpointed block replays depends on what it saves after its last collective; so
+        # is a layer plan given by hand (the planner reads the one plait ships or infers)
         from ..planner.cost import rank_traffic
 
         per_rank = rank_traffic(plan, stats, batch_shape[0] * plan.dp, batch_shape[1])
