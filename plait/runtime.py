@@ -85,6 +85,9 @@ class Run:
     # DDP's bucket rebuild, pipeline shape inference).
     ledger: Any = None
     ledger_warmup: int = 2
+    # The planner's view of the model given to parallelize (plait.planner.model_stats), taken
+    # before layout when the ledger is on under tp or pp: its expected column for that model.
+    _stats: Any = None
     # Rank 0's bar / plain lines and TensorBoard scalars (plait.progress.Progress), made at
     # the first step unless init() made it; ``plot``: a PNG of loss and per-rank step time
     # written at finish().
@@ -191,6 +194,10 @@ class Run:
             out = apply_spmd(model, self.spmd, device=self.device)
             self._models.append(out)
             return out
+        if self.ledger is not None and (self.plan.tp > 1 or self.plan.pp > 1):
+            from .comm.predict import planner_stats
+
+            self._stats = planner_stats(model)
         out = _parallelize(model, self._mesh(), self.plan, device=self.device)
         self._models.append(out)
         self._resume_weights(out)
@@ -313,7 +320,12 @@ class Run:
         step_index = len(self.stats.step_times)
         recording = self.ledger is not None and step_index >= self.ledger_warmup
         if self._batch_shape is None:
-            self._batch_shape = tuple(getattr(_first_input(batch), "shape", ()))
+            first = _first_input(batch)
+            self._batch_shape = tuple(getattr(first, "shape", ()))
+            if not (isinstance(first, torch.Tensor) and not first.is_floating_point()):
+                # the planner prices sequences of token ids (b, s) at the blocks' width, not
+                # this input: no expected column under tp/pp
+                self._stats = None
         watch = self.xla.step(batch) if self.xla is not None else contextlib.nullcontext()
         exchange, flags_travel = self._totals_exchange()
         agreed: torch.Tensor | None = None
@@ -728,8 +740,10 @@ class Run:
         # parameters (frozen ones given to it too)
         zero1 = [p for _, sharded in self._sharded_optimizers.values()
                  for group in sharded.param_groups for p in group["params"]]
+        pp_rank = self._mesh()["pp"].get_local_rank() if self.plan.pp > 1 else 0
         return expected_for_models(self._models, self.plan, self._batch_shape,
-                                   optimizer_params=zero1 or None)
+                                   optimizer_params=zero1 or None, stats=self._stats,
+                                   pp_rank=pp_rank)
 
     def finish(self, print_summary: bool = True) -> dict[str, Any]:
         """Print the summary on rank 0, free the models and leave the process group; with

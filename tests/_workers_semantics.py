@@ -1252,18 +1252,22 @@ def evaluate_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, li
     return out
 
 
-def ledger_tables(rank: int, world_size: int, plans: list[str]) -> dict[str, dict[str, Any]]:
-    """Three steps of the masked LM with the ledger on under each plan (one ``plait.init``
-    each, in this process); per plan the communication table and its dict."""
+def ledger_tables(rank: int, world_size: int, plans: list[str], features: bool = False
+                  ) -> dict[str, dict[str, Any]]:
+    """Three steps of the masked LM (``features``: of ``pre_norm_net`` on feature vectors) with
+    the ledger on under each plan (one ``plait.init`` each, in this process); per plan the
+    communication table and its dict."""
     from plait.runtime import init
 
+    factory, batch_of, loss_fn = ((pre_norm_net, feature_batch, mse) if features else
+                                  (masked_lm, mlm_batch, mlm_loss))
     out = {}
     for plan in plans:
         run = init(plan, quiet=True, ledger=True)
-        model = run.parallelize(masked_lm())
+        model = run.parallelize(factory())
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         for step in range(3):
-            run.step(model, _slice(mlm_batch(step), run.dp_rank, run.dp_size), mlm_loss, opt)
+            run.step(model, _slice(batch_of(step), run.dp_rank, run.dp_size), loss_fn, opt)
         info = run.finish(print_summary=False)
         out[plan] = {"table": info["comm_table"], "comm": info["comm"]}
     return out

@@ -285,16 +285,20 @@ def test_evaluate_gives_one_devices_loss_under_every_layout():
         assert result["train_mode"] == [pytest.approx(want[-1], rel=REL), True], result["plan"]
 
 
-def test_the_ledger_of_your_own_model_predicts_data_parallelism_and_says_where_the_rest_is():
+def test_the_ledger_of_your_own_model_predicts_every_layout_and_says_where_it_cannot():
     """Your own model's ledger: under data parallelism the expected column is read off the
-    laid-out model (ratio 1.000); tensor parallelism moves activations, whose bytes need the
-    model's shapes: the table says so and which command prices that layout's bytes per axis."""
+    laid-out model, under tensor parallelism it is the planner's prediction for the model
+    given to parallelize (ratio 1.000 both). A model fed feature vectors, not token ids, has
+    no sequence the planner prices: the table says so and which command prices the layout."""
     got = run_distributed(W.ledger_tables, 2, ["dp=2", "tp=2"], timeout=120)[0]
     dp, tp = got["dp=2"], got["tp=2"]
     assert [(r["axis"], r["op"], r["ratio"]) for r in dp["comm"]["rows"]] == [
         ("dp_replicate", "all_reduce", 1.0)], dp["table"]
     assert "1.000" in dp["table"] and "no 'expected' column" not in dp["table"], dp["table"]
-    table = tp["table"]
+    assert [(r["axis"], r["op"], r["ratio"]) for r in tp["comm"]["rows"]] == [
+        ("tp", "all_reduce", 1.0)], tp["table"]
+    assert "no 'expected' column" not in tp["table"], tp["table"]
+    table = run_distributed(W.ledger_tables, 2, ["tp=2"], True, timeout=120)[0]["tp=2"]["table"]
     assert "all_reduce" in table and "no 'expected' column" in table, table
     assert "activations" in table and "model's shapes" in table, table
     assert "plait plan --model pkg.mod:factory --plan <plan>" in table, table

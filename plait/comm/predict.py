@@ -46,16 +46,53 @@ from typing import Any
 from .._torch_compat import is_split
 from ..mesh import DP_SHARD_TP
 from ..parallel.tp_kv import replicated_kv_elements
-from .volumes import DDP_BUCKET_BYTES, Traffic, ddp_traffic, dtype_bytes, tp_traffic
+from .volumes import DDP_BUCKET_BYTES, Traffic, ddp_traffic, dtype_bytes
 
 FP32 = 4
 
 # The ledger table's note where ``expected_for_models`` has no closed form.
 NO_EXPECTED_NOTE = ("no 'expected' column: tensor and pipeline parallelism move activations, "
-                    "whose bytes need the model's shapes (hidden size, blocks, vocabulary), which "
-                    "plait's closed forms know for its reference transformer only; for this model "
-                    "`plait plan --model pkg.mod:factory --plan <plan>` gives the planner's bytes "
-                    "per axis")
+                    "whose bytes need the model's shapes (hidden size, blocks, sequence), which "
+                    "plait reads off a stack of repeated blocks fed token ids (b, s), in fp32 "
+                    "without activation checkpointing; this model, its input or the plan is "
+                    "not that; `plait plan --model pkg.mod:factory --plan <plan>` gives the "
+                    "planner's bytes per axis")
+
+
+@dataclass(frozen=True)
+class TPBlock:
+    """The tensor-parallel collectives one block issues, in features per token, read off the
+    layer plan plait lays the block out with (``plait.planner.tp_block``).
+
+    ``forward``: each row-parallel layer's output, all-reduced in forward; ``backward``: each
+    region's input and each column-parallel layer's input outside a region, all-reduced in
+    backward (with SP a reduce-scatter and an all-gather in place of each, same bytes).
+    ``bias_gathers``: elements of fused q|k|v biases whose gradients are all-gathered in
+    backward (``colwise_qkv``); ``sp_norms``: elements of each trainable parameter tensor that
+    runs on sequence shards under SP (the norms), whose gradients are all-reduced once per
+    backward, one call each; ``summed``: the same for layers whose gradients are all-reduced
+    in every backward (``grad_allreduce``). A LoRA layer is its base and its low-rank parts: a
+    row-parallel A adds a forward all-reduce of its rank, a column-parallel B a backward one.
+    ``sp_in_blocks``: under SP the sequence is split at the first block and gathered after the
+    last (transformers models, inferred plans) rather than from the embedding to the head
+    (plait's reference transformer); ``input_grad``: whether the first block's input needs a
+    gradient (a frozen embedding: no all-gather of it under SP).
+    """
+
+    forward: tuple[int, ...]
+    backward: tuple[int, ...]
+    bias_gathers: tuple[int, ...] = ()
+    sp_norms: tuple[int, ...] = ()
+    summed: tuple[int, ...] = ()
+    sp_in_blocks: bool = False
+    input_grad: bool = True
+
+    @classmethod
+    def reference(cls, hidden: int) -> TPBlock:
+        """plait's reference block: attention and an MLP, each a region ending in a row-parallel
+        layer (Megatron's 4 all-reduces), two RMSNorms of ``hidden`` weights."""
+        return cls(forward=(hidden, hidden), backward=(hidden, hidden),
+                   sp_norms=(hidden, hidden))
 
 
 @dataclass(frozen=True)
@@ -68,7 +105,10 @@ class LocalModel:
     this rank runs, ``recomputed`` of them under activation checkpointing; ``embed``/``head``:
     whether this rank runs the embedding / the head; ``stages``: the global pipeline stages it
     holds, out of ``num_stages``; ``clip_axes``: mesh axes its gradients are sharded on (where
-    the clip norm is all-reduced).
+    the clip norm is all-reduced); ``tied``: elements (TP-local) of a trainable weight the
+    embedding and the head share that this rank holds a copy of while another pipeline rank
+    holds the other (their gradients are summed over the two each step); ``grad_params`` /
+    ``grad_tensors``: the trainable ones among ``params`` / ``tensors`` (None: all of them).
     """
 
     params: float
@@ -81,6 +121,19 @@ class LocalModel:
     stages: tuple[int, ...] = (0,)
     num_stages: int = 1
     clip_axes: tuple[str, ...] = ()
+    tied: float = 0.0
+    grad_params: float | None = None
+    grad_tensors: int | None = None
+
+    @property
+    def grads(self) -> float:
+        """Gradient elements data parallelism reduces: the trainable ``params``."""
+        return self.params if self.grad_params is None else self.grad_params
+
+    @property
+    def clip_tensors(self) -> int:
+        """Parameter tensors with a gradient (gradient clipping reduces one norm each)."""
+        return self.tensors if self.grad_tensors is None else self.grad_tensors
 
     @property
     def units(self) -> int:
@@ -160,28 +213,28 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
     R, S, accum = plan.dp_replicate, plan.dp_shard, plan.grad_accum
     syncs = accum if plan.pp > 1 else 1
     g = dtype_bytes(grad_dtype)
-    P = float(local.params)
+    P, G = float(local.params), float(local.grads)
     out: list[Traffic] = []
     if plan.zero == 1 and R * S > 1:
-        out += _times(ddp_traffic(P, R * S, grad_dtype, axis=_dp_axis(plan),
+        out += _times(ddp_traffic(G, R * S, grad_dtype, axis=_dp_axis(plan),
                                   bucket_bytes=bucket_bytes), syncs)
         if S > 1:
             # ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it
             out.append(Traffic("dp_shard", "broadcast", P * FP32, max(1, local.tensors), S,
                                "params (ZeroRedundancyOptimizer)"))
     elif plan.zero in (2, 3) and S > 1:
-        out += _times([Traffic("dp_shard", "reduce_scatter", P * g, local.units, S, "grads")],
+        out += _times([Traffic("dp_shard", "reduce_scatter", G * g, local.units, S, "grads")],
                       syncs)
         if R > 1:  # HSDP: the reduce-scattered shard all-reduced across replicas
-            out += _times([Traffic("dp_replicate", "all_reduce", P / S * g, local.units, R,
+            out += _times([Traffic("dp_replicate", "all_reduce", G / S * g, local.units, R,
                                    "grads")], syncs)
         out += _param_gathers(plan, local, multi_stage_zero3)
     elif R > 1:
         if plan.tp > 1:  # replicated DP over TP shards: FSDP2, one all-reduce per unit
-            out += _times([Traffic("dp_replicate", "all_reduce", P * g, local.units, R,
+            out += _times([Traffic("dp_replicate", "all_reduce", G * g, local.units, R,
                                    "grads")], syncs)
         else:
-            out += _times(ddp_traffic(P, R, grad_dtype, bucket_bytes=bucket_bytes), syncs)
+            out += _times(ddp_traffic(G, R, grad_dtype, bucket_bytes=bucket_bytes), syncs)
     return out
 
 
@@ -208,12 +261,13 @@ def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traf
 
 
 def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int,
-                    kv_whole: int = 0) -> list[Traffic]:
+                    kv_whole: int = 0, block: TPBlock | None = None) -> list[Traffic]:
     """TP collectives of one rank in one optimizer step: its blocks' (``tp_block_traffic``,
     ``local.recomputed`` of them replayed) and the embedding's / head's (``tp_end_traffic``),
     per microbatch of ``mb`` sequences. ``kv_whole``: weight elements of one block's k and v
     projections kept whole on every rank (fewer kv heads than tp), whose gradients are
-    all-reduced over tp."""
+    all-reduced over tp. ``block``: the collectives of one block (default: the reference
+    block's)."""
     if plan.tp == 1:
         return []
     dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
@@ -222,10 +276,10 @@ def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
     if local.layers:
         per_block = tp_block_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp,
                                      recomputed=local.recomputed / local.layers,
-                                     kv_whole=kv_whole)
+                                     kv_whole=kv_whole, block=block)
         out += _times(per_block, local.layers * micro)
     out += _times(tp_end_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp, embed=local.embed,
-                                 head=local.head), micro)
+                                 head=local.head, block=block), micro)
     return out
 
 
@@ -245,10 +299,13 @@ def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
     for s in local.stages:
         sends += s + 1 < local.num_stages and owner[s + 1] != owner[s]  # activation
         sends += s > 0 and owner[s - 1] != owner[s]                     # its gradient
-    if not sends:
-        return []
-    n = sends * plan.microbatches * plan.grad_accum
-    return [Traffic("pp", "send_recv", per * n, n, 2, "activations and grads")]
+    out = []
+    if sends:
+        n = sends * plan.microbatches * plan.grad_accum
+        out.append(Traffic("pp", "send_recv", per * n, n, 2, "activations and grads"))
+    if local.tied:  # plait.parallel.pipeline sync_tied_gradients: once per optimizer step
+        out.append(Traffic("pp", "all_reduce", local.tied * FP32, 1, 2, "tied weight grads"))
+    return out
 
 
 def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
@@ -267,7 +324,7 @@ def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
         axes = [a for a in axes if a not in ("dp_shard", "tp")] + [DP_SHARD_TP]
         sizes[DP_SHARD_TP] = plan.dp_shard * plan.tp
     for axis in axes:
-        out.append(Traffic(axis, "all_reduce", float(local.tensors) * FP32, 1, sizes[axis],
+        out.append(Traffic(axis, "all_reduce", float(local.clip_tensors) * FP32, 1, sizes[axis],
                            "clip: per-tensor norms"))
     if plan.pp > 1:
         out.append(Traffic("pp", "all_reduce", float(FP32), 1, plan.pp, "clip: squared norm"))
@@ -275,47 +332,83 @@ def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
 
 
 def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
-                     recomputed: float = 0.0, kv_whole: int = 0) -> list[Traffic]:
+                     recomputed: float = 0.0, kv_whole: int = 0,
+                     block: TPBlock | None = None) -> list[Traffic]:
     """TP collectives of one block for one microbatch (forward + backward), as plait's runtime
-    issues them: Megatron's 4 all-reduces, or with SP 4 all-gathers + 4
-    reduce-scatters plus the 2 sequence-parallel norms' weight-gradient all-reduces (h fp32).
+    issues them for ``block`` (default: the reference block, Megatron's 4 all-reduces of
+    b*s*h; with SP 4 all-gathers + 4 reduce-scatters plus the 2 sequence-parallel norms'
+    weight-gradient all-reduces, h fp32 each). A block with an MLP only issues half of that:
+    the count follows the block's row- and column-parallel layers, not a fixed 4.
     ``recomputed`` (0..1): share of the block replayed by checkpointing; torch's non-reentrant
-    checkpoint stops before the last collective, so a replay costs 1 all-reduce (SP: 2
-    all-gathers + 1 reduce-scatter). ``kv_whole``: elements of k and v weights kept whole on
-    every rank (fewer kv heads than tp); their gradients are all-reduced in each backward,
-    one call each."""
+    checkpoint stops before the last collective, so a replay costs the forward's collectives
+    but the last one (the reference block: 1 all-reduce; SP: 2 all-gathers + 1
+    reduce-scatter). ``kv_whole``: elements of k and v weights kept whole on every rank (fewer
+    kv heads than tp); their gradients are all-reduced in each backward, one call each."""
     if tp == 1:
         return []
-    out = tp_traffic(b, s, h, 1, tp, dtype, sp=sp)
-    act = float(b) * s * h * dtype_bytes(dtype)
-    if sp:
-        out.append(Traffic("tp", "all_reduce", 2.0 * h * 4, 2, tp, "norm weight grads"))
+    block = block or TPBlock.reference(h)
+    e = dtype_bytes(dtype)
+    tokens = float(b) * s
+    fwd, bwd = [tokens * f * e for f in block.forward], [tokens * f * e for f in block.backward]
+    out: list[Traffic] = []
+    if fwd or bwd:
+        n = len(fwd) + len(bwd)
+        if sp:
+            out += [Traffic("tp", "all_gather", sum(fwd) + sum(bwd), n, tp, "activations"),
+                    Traffic("tp", "reduce_scatter", sum(fwd) + sum(bwd), n, tp, "activations")]
+        else:
+            out.append(Traffic("tp", "all_reduce", sum(fwd) + sum(bwd), n, tp, "activations"))
+    if sp and block.sp_norms:
+        out.append(Traffic("tp", "all_reduce", float(sum(block.sp_norms)) * FP32,
+                           len(block.sp_norms), tp, "norm weight grads"))
+    if block.summed:
+        out.append(Traffic("tp", "all_reduce", float(sum(block.summed)) * FP32,
+                           len(block.summed), tp, "grad_allreduce weight grads"))
+    if block.bias_gathers:
+        out.append(Traffic("tp", "all_gather", float(sum(block.bias_gathers)) * FP32,
+                           len(block.bias_gathers), tp, "fused qkv bias grads"))
     if kv_whole:
-        out.append(Traffic("tp", "all_reduce", float(kv_whole) * dtype_bytes(dtype), 2, tp,
+        out.append(Traffic("tp", "all_reduce", float(kv_whole) * e, 2, tp,
                            "replicated kv weight grads"))
-    if recomputed:
+    if recomputed and fwd:
         # calls per block averaged over the blocks (selective checkpointing replays some):
         # fractional, which Traffic's int annotation does not foresee
         r: Any = recomputed
         if sp:
-            out += [Traffic("tp", "all_gather", act * 2 * r, 2 * r, tp, "checkpoint replay"),
-                    Traffic("tp", "reduce_scatter", act * r, r, tp, "checkpoint replay")]
+            out += [Traffic("tp", "all_gather", sum(bwd) * r, len(bwd) * r, tp,
+                            "checkpoint replay"),
+                    Traffic("tp", "reduce_scatter", sum(fwd[:-1]) * r, (len(fwd) - 1) * r, tp,
+                            "checkpoint replay")]
         else:
-            out.append(Traffic("tp", "all_reduce", act * r, r, tp, "checkpoint replay"))
-    return out
+            out.append(Traffic("tp", "all_reduce", sum(fwd[:-1]) * r, (len(fwd) - 1) * r, tp,
+                               "checkpoint replay"))
+    return [t for t in out if t.calls]
 
 
 def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, embed: bool,
-                   head: bool) -> list[Traffic]:
+                   head: bool, block: TPBlock | None = None) -> list[Traffic]:
     """TP collectives outside the blocks per microbatch: the vocabulary-parallel embedding and
     the head each an all-reduce of b*s*h (SP: all-gather + reduce-scatter), loss_parallel's 3
-    fp32 values per token, and with SP the final norm's weight-gradient all-reduce."""
+    fp32 values per token, and with SP the final norm's weight-gradient all-reduce. Where the
+    sequence is split inside the block stack only (``block.sp_in_blocks``), the embedding and
+    head keep their all-reduces under SP, and the stack's output is all-gathered in forward,
+    the gradient of its input in backward (where the input needs one)."""
     if tp == 1:
         return []
     act = float(b) * s * h * dtype_bytes(dtype)
     ends = int(embed) + int(head)
     ends_what = " + ".join(["embedding output"] * embed + ["head input grad"] * head)
     out = []
+    if sp and block is not None and block.sp_in_blocks:
+        if ends:
+            out.append(Traffic("tp", "all_reduce", act * ends, ends, tp, ends_what))
+        edges = int(head) + int(embed and block.input_grad)
+        if edges:
+            out.append(Traffic("tp", "all_gather", act * edges, edges, tp,
+                               "block stack output + input grad"))
+        if head:
+            out.append(Traffic("tp", "all_reduce", 3.0 * b * s * 4, 3, tp, "loss_parallel"))
+        return out
     if ends:
         if sp:
             out += [Traffic("tp", "all_gather", act * ends, ends, tp, ends_what),
@@ -370,7 +463,7 @@ def local_model(model: Any, plan: Any) -> LocalModel:
 
     modules = local_modules(model)
     specs = layout_of(model).stage_specs
-    total = root = tensors = layers = recomputed = 0
+    total = root = tensors = layers = recomputed = grads = grad_tensors = 0
     clip: set[str] = set()
     embed = head = False
     for module in modules:
@@ -386,6 +479,9 @@ def local_model(model: Any, plan: Any) -> LocalModel:
                             n //= mesh.size(mesh.mesh_dim_names.index(dim))
             total += n
             tensors += 1
+            if p.requires_grad:
+                grads += n
+                grad_tensors += 1
             if not canonical_name(name).startswith("layers."):
                 root += n
         for block in getattr(inner, "layers", []):
@@ -402,22 +498,41 @@ def local_model(model: Any, plan: Any) -> LocalModel:
     return LocalModel(params=total, root_params=root, tensors=tensors, layers=layers,
                       recomputed=recomputed, embed=embed, head=head, stages=stages,
                       num_stages=num_stages,
-                      clip_axes=tuple(a for a in order if a in clip and getattr(plan, a) > 1))
+                      clip_axes=tuple(a for a in order if a in clip and getattr(plan, a) > 1),
+                      grad_params=grads, grad_tensors=grad_tensors)
+
+
+def planner_stats(model: Any) -> Any:
+    """The planner's stats of ``model`` (``plait.planner.model_stats.from_module``), taken
+    before it is laid out; None for plait's reference transformer (its closed form is exact)
+    and for a model the planner cannot read (no stack of blocks)."""
+    from ..planner.model_stats import from_module
+
+    if _find_config(model) is not None:
+        return None
+    try:
+        return from_module(model, name=type(model).__name__)
+    except ValueError:
+        return None
 
 
 def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ...] | None,
-                        optimizer_params: list[Any] | None = None
-                        ) -> dict[tuple[str, str], float] | None:
+                        optimizer_params: list[Any] | None = None, stats: Any = None,
+                        pp_rank: int = 0) -> dict[tuple[str, str], float] | None:
     """Predicted payload bytes per (axis, op) per step, or None where plait has no closed form.
 
     The reference transformer: every layout (``predict``); ``batch_shape`` is the shape of one
     rank's input batch (per data replica, all micro-steps). Any other model: layouts without
     tensor or pipeline parallelism (``plait.comm.held``: data-parallel traffic depends on the
     parameters each rank holds, not on the architecture; ``optimizer_params``: what ZeRO-1's
-    optimizer updates and broadcasts). The ledger's report compares each row's busiest rank,
-    and ranks hold different parts of the model (pipeline stages), so each rank predicts its
-    own traffic and the per-(axis, op) maximum over ranks is returned: a collective when a
-    process group is up (call it on every rank, as ``Run.summary`` does).
+    optimizer updates and broadcasts); under tensor or pipeline parallelism, the planner's
+    traffic for pipeline rank ``pp_rank`` of the model ``stats`` describes
+    (``planner_stats``, taken before layout; ``plait.planner.cost.rank_traffic``), whose
+    blocks it prices from the layer plan plait lays them out with. The ledger's report
+    compares each row's busiest rank, and ranks hold different parts of the model (pipeline
+    stages), so each rank predicts its own traffic and the per-(axis, op) maximum over ranks is
+    returned: a collective when a process group is up (call it on every rank, as
+    ``Run.summary`` does).
     """
     import torch.distributed as dist
 
@@ -427,6 +542,18 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
         batch, seq = batch_shape
         mine = by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq,
                                   local=local_model(models[-1], plan)))
+    elif cfg is None and stats is not None and batch_shape is not None and \
+            len(batch_shape) == 2 and (plan.tp > 1 or plan.pp > 1) and \
+            plan.mixed_precision == "fp32" and plan.activation_checkpointing == "none" and \
+            (plan.tp == 1 or plan.options.tp_plan is None):
+        # bf16 and checkpointing are left out: under autocast a model's own residual stream
+        # stays fp32 (the planner prices every activation at the compute dtype), and what a
+        # checkpointed block replays depends on what it saves after its last collective; so
+        # is a layer plan given by hand (the planner reads the one plait ships or infers)
+        from ..planner.cost import rank_traffic
+
+        per_rank = rank_traffic(plan, stats, batch_shape[0] * plan.dp, batch_shape[1])
+        mine = by_axis_op(per_rank[pp_rank]) if per_rank else None
     elif cfg is None and models and plan.tp == 1 and plan.pp == 1:
         from .held import held_model, held_traffic
 

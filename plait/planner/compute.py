@@ -81,7 +81,7 @@ def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
             plan.activation_checkpointing, 0.0)
         tp_comm = sum(collective_time(t, cluster, 1, c) for t in
                       tp_block_traffic(b, s, model.hidden, tp, dtype, plan.sp, recomputed,
-                                       model.kv_whole(tp)))
+                                       model.kv_whole(tp), model.tp_block))
         block += tp_comm + c.tp_block_overhead_s
     head = 3 * model.head_flops_per_token() * tokens / tp / rate + c.micro_overhead_s
     embed = 0.0

@@ -259,7 +259,8 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     layers_busy = st.rank_layers[r_busy]
     busy = dataclasses.replace(shares[r_busy], recomputed=checkpointed(plan, layers_busy)[0])
     traffic = [t for t, _ in traffic_dp + clip] + \
-        predict.tp_rank_traffic(plan, busy, b, s, model.hidden, model.kv_whole(tp)) + \
+        predict.tp_rank_traffic(plan, busy, b, s, model.hidden, model.kv_whole(tp),
+                                model.tp_block) + \
         predict.pp_rank_traffic(plan, busy, b, s, model.hidden)
 
     est.traffic = traffic
@@ -303,3 +304,34 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         return est
     est.feasible = True
     return est
+
+
+def rank_traffic(plan: Plan, model: ModelStats, global_batch: int, seq: int
+                 ) -> list[list[Traffic]] | None:
+    """The collectives each pipeline rank issues per optimizer step (index: pp rank), as
+    :func:`evaluate` prices its busiest rank's: what the comm ledger's expected column shows for
+    a model other than plait's reference transformer under tp or pp. None where the plan
+    cannot run the model (a tp its blocks cannot take, a batch it cannot split)."""
+    from . import constants_for
+    from .hardware import load_cluster
+
+    cluster = load_cluster("cpu", devices=plan.world_size)
+    c = constants_for(cluster)
+    work = Workload(global_batch, seq)
+    est = evaluate(plan, model, cluster, work, c)
+    if est.traffic is None or not est.stage_layers:
+        return None
+    b = est.microbatch_size
+    times = microbatch_times(plan, model, cluster, b, seq, c)
+    sizes = list(est.stage_layers)
+    st = stage_times(plan, model, cluster, work, b, times, sizes, c)
+    out = []
+    for r, share in enumerate(rank_shares(plan, model, sizes, st.rank_chunks)):
+        share = dataclasses.replace(share, recomputed=checkpointed(plan, st.rank_layers[r])[0])
+        out.append([t for t, _ in dp_traffic(plan, share, grad_dtype=work.grad_reduce_dtype,
+                                             bucket_bytes=c.bucket_bytes)]
+                   + [t for t, _ in clip_traffic(plan, share)]
+                   + predict.tp_rank_traffic(plan, share, b, seq, model.hidden,
+                                             model.kv_whole(plan.tp), model.tp_block)
+                   + predict.pp_rank_traffic(plan, share, b, seq, model.hidden))
+    return out

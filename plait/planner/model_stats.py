@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..comm.predict import TPBlock
 from ..parallel.tp_kv import replicated_kv_elements, tp_fits_kv
+from .tp_block import Held
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,18 @@ class ModelStats:
     block_tensors: int = 0
     embed_tensors: int = 0
     head_tensors: int = 0
+    # The tensor-parallel collectives of one block, read off the layer plan plait lays a
+    # module's blocks out with (module factories); None: plait's reference block (attention
+    # and an MLP, 4 all-reduces).
+    tp_block: TPBlock | None = None
+    # Elements of a trainable weight the embedding and the head share (module factories: the
+    # head's copy is not in head_params); under pipelines the first and last stages each hold
+    # a copy and sum their gradients every step.
+    tied_params: int = 0
+    # Parameters of (a block, the embeddings, the rest outside the blocks) as tensor
+    # parallelism lays them out, trainable or not (module factories); None: all split over
+    # tp and trainable, as plait's reference transformer.
+    held: tuple[Held, Held, Held] | None = None
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -89,7 +103,10 @@ class ModelStats:
 
     def kv_whole(self, tp: int) -> int:
         """Weight elements of one block's k and v projections kept whole on every rank at
-        ``tp`` (fewer kv heads than tp; see :mod:`plait.parallel.tp_kv`), else 0."""
+        ``tp`` (fewer kv heads than tp; see :mod:`plait.parallel.tp_kv`), else 0. A block
+        without attention has none (its ``kv_heads`` of 1 says nothing)."""
+        if not self.attention:
+            return 0
         return replicated_kv_elements(self.hidden, self.kv_heads, self.hidden // self.n_heads, tp)
 
     @property
@@ -283,6 +300,11 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
              if isinstance(getattr(m, "head_dim", None), int)), None)
         if head_dim:
             heads = max(1, hidden // head_dim)
+    if kv_heads is None and attention:
+        # transformers' attention modules keep the count in their config only (Llama, Qwen2)
+        kv_heads = next((m.config.num_key_value_heads for m in ref.modules()
+                         if isinstance(getattr(getattr(m, "config", None),
+                                               "num_key_value_heads", None), int)), None)
     embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     vocab = max((m.num_embeddings for m in embeds), default=1)
     embed_params = sum(m.weight.numel() for m in embeds)
@@ -302,6 +324,14 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
     tensors = round(sum(len(list(b.parameters())) for b in blocks) / len(blocks))
     outside = len(seen) - sum(len(list(b.parameters())) for b in blocks)
     embed_tensors = sum(len(list(m.parameters())) for m in embeds)
+    from .tp_block import held_parts, plan_of, tp_block
+
+    found = plan_of(model)  # the layer plan plait lays the blocks out with
+
+    ref_path = next(n for n, m in model.named_modules() if m is ref)
+    shared = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    tied_params = sum(p.numel() for e in embeds for p in e.parameters()
+                      if shared[id(p)] > 1 and p.requires_grad)
     return ModelStats(name=name, n_layers=len(blocks), hidden=hidden, n_heads=heads,
                       kv_heads=kv_heads or heads, ffn=ffn, vocab=vocab,
                       mlp="swiglu" if gated else ("gelu" if attention else "other"),
@@ -309,7 +339,9 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                       block_matmul_params=round(mean), embed_params=embed_params,
                       head_params=head_params, attention=attention, layer_weights=weights,
                       block_tensors=tensors, embed_tensors=embed_tensors,
-                      head_tensors=max(outside - embed_tensors, 0), max_seq=_max_seq(model))
+                      head_tensors=max(outside - embed_tensors, 0), max_seq=_max_seq(model),
+                      tp_block=tp_block(model, ref_path, found), tied_params=tied_params,
+                      held=held_parts(model, stack_name, found))
 
 
 def _max_seq(model: Any) -> int | None:

@@ -94,9 +94,27 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
                    (model.head_tensors if last else 0))
         # k/v weights kept whole on every rank when there are fewer kv heads than tp
         p += layers * model.kv_whole(tp) * (tp - 1)
-        out.append(LocalModel(params=p / tp, root_params=root, tensors=tensors, layers=layers,
+        # a weight the embedding and the head share: a copy on each rank that holds one of them
+        # alone (a module's head_params leave the copy out)
+        tied = model.tied_params if first != last else 0
+        if last and not first and not model.tied:
+            p += tied
+        local, grads, grad_tensors = p / tp, None, None
+        if model.held is not None:  # what tensor parallelism keeps whole, what trains
+            block, embed, head = model.held
+            parts = [(block, layers)] + [(embed, 1)] * first + [(head, 1)] * last
+            kv = layers * model.kv_whole(tp) * (tp - 1) / tp
+            copy = tied / tp if last and not first else 0.0
+            local = sum(h.local(tp) * k for h, k in parts) + kv + copy
+            # FSDP2's root unit: the embeddings and the head at their tp-local size, norms whole
+            root = sum(h.local(tp) * k for h, k in parts[1:]) + copy
+            grads = sum(h.grads(tp) * k for h, k in parts) + kv + copy
+            # the copy on the last stage is left out of the clip norm (counted once, on the first)
+            grad_tensors = round(sum(h.trained_tensors * k for h, k in parts))
+        out.append(LocalModel(params=local, root_params=root, tensors=tensors, layers=layers,
                               embed=first, head=last, stages=tuple(ids), num_stages=chunks,
-                              clip_axes=clip_axes(plan)))
+                              clip_axes=clip_axes(plan), tied=tied / tp, grad_params=grads,
+                              grad_tensors=grad_tensors))
     return out
 
 

@@ -1,0 +1,162 @@
+"""Which tensor-parallel collectives one block of a user's model issues, read off the layer plan
+plait lays it out with (the plan a transformers model ships, else the one inferred from the
+model's structure), so the planner prices the block the runtime builds rather than plait's
+reference block (attention + MLP: 4 all-reduces). An MLP-only block issues 2, a LoRA layer adds
+the all-reduces of its low-rank path, a fused q|k|v bias an all-gather of its gradient. The same
+plan says which parameters each rank holds whole (norms, row-parallel biases) and, with their
+``requires_grad``, which it reduces over data parallelism (``Held``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+from plait.comm.predict import TPBlock
+
+
+@dataclass(frozen=True)
+class Held:
+    """Parameter elements split over tp (``split``) or kept whole on every rank (``whole``:
+    norms, row-parallel biases, low-rank paths), the trainable ones among each, and the
+    number of trainable tensors (gradient clipping reduces one norm each)."""
+
+    split: float = 0.0
+    whole: float = 0.0
+    split_trained: float = 0.0
+    whole_trained: float = 0.0
+    trained_tensors: float = 0.0
+
+    def local(self, tp: int) -> float:
+        """Elements one rank holds at ``tp``."""
+        return self.split / tp + self.whole
+
+    def grads(self, tp: int) -> float:
+        """Gradient elements one rank reduces over data parallelism at ``tp``."""
+        return self.split_trained / tp + self.whole_trained
+
+
+# Styles whose collectives TPBlock describes; a plan with any other style in the block
+# (colwise_gather, rowwise_split, replicated_kv named by hand) is priced as the reference block.
+_KNOWN = {"colwise", "colwise_qkv", "rowwise", "region", "sequence_parallel", "grad_allreduce"}
+
+
+def plan_of(model: nn.Module) -> tuple[Any, bool] | None:
+    """plait's layer plan for ``model`` and whether it ships (transformers, plait's reference)
+    rather than being inferred; None where inference refuses."""
+    from plait.parallel.tensor import _shipped_plan
+    from plait.parallel.tp_infer import infer_plan
+
+    try:
+        shipped = _shipped_plan(model)
+        return (shipped, True) if shipped is not None else (infer_plan(model), False)
+    except Exception:  # noqa: BLE001 - no plan: the planner prices the reference block
+        return None
+
+
+# Styles whose module's weight tensor parallelism splits, and those whose bias it splits too.
+_SPLIT_WEIGHT = {"colwise", "colwise_qkv", "rowwise", "vocab_embedding", "vocab_head"}
+_SPLIT_BIAS = {"colwise"}
+
+
+def held_parts(model: nn.Module, stack: str, found: tuple[Any, bool] | None
+               ) -> tuple[Held, Held, Held] | None:
+    """How tensor parallelism lays out the parameters of one block of the stack at ``stack``
+    (their mean over the blocks), of the embeddings and of the rest outside the stack (final
+    norm, head): elements split over tp or kept whole, trainable or not. None where plait has
+    no layer plan for the model (``found``: :func:`plan_of` the model)."""
+    from plait.parallel.tp_plans import glob_regex
+
+    if found is None:
+        return None
+    patterns = [(glob_regex(g), style) for g, style in found[0].styles.items()]
+    embeds = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
+              for p in m.parameters()}
+    parts: list[list[int]] = [[0] * 5 for _ in range(3)]  # split, whole, trained x2, tensors
+    blocks = len(model.get_submodule(stack)) if stack else 1  # type: ignore[arg-type]
+    for name, p in model.named_parameters():
+        owner, _, kind = name.rpartition(".")
+        style = next((st for regex, st in patterns if regex.match(owner)), None)
+        split = style in _SPLIT_WEIGHT and (kind == "weight" or style in _SPLIT_BIAS)
+        part = parts[0 if stack and name.startswith(stack + ".") else
+                     1 if id(p) in embeds else 2]
+        part[0 if split else 1] += p.numel()
+        if p.requires_grad:
+            part[2 if split else 3] += p.numel()
+            part[4] += 1
+    block = Held(*(n / blocks for n in parts[0]))
+    return block, Held(*parts[1]), Held(*parts[2])
+
+
+def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None) -> TPBlock | None:
+    """The collectives of the block at module path ``block`` of ``model`` (on any device, the
+    meta device included), or None where plait has no layer plan for it (inference refuses)
+    or the plan uses styles TPBlock does not describe. The first block's input needs a
+    gradient unless every embedding is frozen. ``found``: :func:`plan_of` the model."""
+    from plait.parallel.tp_plans import glob_regex
+
+    if found is None:
+        return None
+    plan, ships = found
+    shipped = plan if ships else None
+    # An inferred plan splits the sequence inside the block stack under SP, and sums the
+    # gradients of every parameter there that no entry names (plait.parallel.tp_infer).
+    in_blocks = bool(plan.sp_blocks) if shipped is not None else True
+    summed_unnamed = plan.sp_summed if shipped is not None else True
+    patterns = [(glob_regex(g), style) for g, style in plan.styles.items()]
+
+    def style_of(name: str) -> str | None:
+        return next((style for regex, style in patterns if regex.match(name)), None)
+
+    root = model.get_submodule(block)
+    styled = {f"{block}.{n}" if n else block: (style_of(f"{block}.{n}" if n else block), m)
+              for n, m in root.named_modules()}
+    styled = {n: sm for n, sm in styled.items() if sm[0] is not None}
+    if any(style not in _KNOWN for style, _ in styled.values()):
+        return None
+    regions = [n for n, (style, _) in styled.items() if style == "region"]
+    forward: list[int] = []
+    backward: list[int] = []
+    gathers: list[int] = []
+    norms: list[int] = []
+    summed: list[int] = []
+    for name, (style, module) in styled.items():
+        dims = _in_out(module)
+        inside = any(name.startswith(r + ".") for r in regions)
+        if style == "rowwise" and dims:
+            forward.append(dims[1])
+        elif style in ("colwise", "colwise_qkv") and dims and not inside:
+            backward.append(dims[0])
+        elif style == "region":
+            entry = next((_in_out(m) for n, (s, m) in styled.items()
+                          if n.startswith(name + ".") and s in ("colwise", "colwise_qkv")
+                          and _in_out(m)), None)
+            if entry is None:
+                return None
+            backward.append(entry[0])
+        elif style == "sequence_parallel":
+            norms += [p.numel() for p in module.parameters() if p.requires_grad]
+        elif style == "grad_allreduce":
+            summed += [p.numel() for p in module.parameters() if p.requires_grad]
+        if style == "colwise_qkv" and getattr(module, "bias", None) is not None:
+            gathers.append(module.bias.numel())
+    if summed_unnamed:  # parameters of modules no entry names (nor one above them)
+        for name, module in root.named_modules():
+            full = f"{block}.{name}" if name else block
+            if not any(full == n or full.startswith(n + ".") for n in styled
+                       if styled[n][0] != "region"):
+                norms += [p.numel() for p in module.parameters(recurse=False)
+                          if p.requires_grad]
+    embeds = [p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()]
+    return TPBlock(forward=tuple(forward), backward=tuple(backward),
+                   bias_gathers=tuple(gathers), sp_norms=tuple(norms),
+                   summed=tuple(summed), sp_in_blocks=in_blocks,
+                   input_grad=any(p.requires_grad for p in embeds) or not embeds)
+
+
+def _in_out(module: Any) -> tuple[int, int] | None:
+    from .model_stats import _dims
+
+    return _dims(module)

@@ -1,0 +1,218 @@
+"""Models written for the traffic tests (tests/test_traffic_own_models.py and
+bench/traffic_own_models.py): each has blocks of a different make, so the tensor-parallel
+collectives a block issues differ from plait's reference block (attention + MLP), and a worker
+that trains one under a plan with the ledger on (module-level so spawned ranks import it).
+
+* ``mlp_lm``: residual pre-norm MLP blocks, no attention (one TP region per block);
+* ``attention_lm``: attention-only blocks, separate q/k/v/o projections (one region per block);
+* ``gqa_lm``: attention (4 query heads, 2 kv heads: k and v a half the size of q) + MLP;
+* ``mqa_lm``: the same with one kv head (at tp=2 the k/v projections stay whole on each rank);
+* ``tied_lm``: MLP blocks, the head tied to the embedding (under pp on different stages);
+* ``lora_lm``: MLP blocks whose linears are LoRA layers (frozen base, trainable low-rank side
+  path), embedding frozen;
+* ``hf_gpt2``, ``hf_llama`` (2 kv heads of 4) of tests/_workers_ledger_any.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests import _workers_ledger_any as any_model
+from tests._workers_semantics import seeded
+
+VOCAB, WIDTH, SEQ, BATCH = 32, 16, 8, 4
+WARMUP, STEPS = 1, 2
+
+
+class MLPBlock(nn.Module):
+    """x + down(gelu(up(norm(x)))), biases on."""
+
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Attention(nn.Module):
+    """Causal self-attention with ``n_kv_heads`` key/value heads shared by ``n_heads`` query
+    heads (grouped-query attention where fewer)."""
+
+    def __init__(self, width: int = WIDTH, n_heads: int = 4, n_kv_heads: int = 4) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        head_dim = width // n_heads
+        self.q = nn.Linear(width, width, bias=False)
+        self.k = nn.Linear(width, n_kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(width, n_kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.n_heads, -1).transpose(1, 2)
+        k = self.k(x).view(b, s, self.n_kv_heads, -1).transpose(1, 2)
+        v = self.v(x).view(b, s, self.n_kv_heads, -1).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class AttentionBlock(nn.Module):
+    """x + attn(norm(x)), and where ``mlp`` an MLP block after it."""
+
+    def __init__(self, width: int = WIDTH, n_kv_heads: int = 4, mlp: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attn = Attention(width, n_kv_heads=n_kv_heads)
+        self.mlp = MLPBlock(width) if mlp else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x + self.attn(self.norm(x)))
+
+
+class StackLM(nn.Module):
+    """Embedding, ``depth`` blocks from ``block``, final norm, an untied head."""
+
+    def __init__(self, block: Callable[[], nn.Module], depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(block() for _ in range(depth))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+class LoraLinear(nn.Module):
+    """base(x) + b(a(x)): a frozen linear and a trainable rank-``rank`` side path."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int = 2) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.a = nn.Linear(d_in, rank, bias=False)
+        self.b = nn.Linear(rank, d_out, bias=False)
+        self.base.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.b(self.a(x))
+
+
+class LoraMLPBlock(MLPBlock):
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__(width)
+        self.up = LoraLinear(width, 4 * width)
+        self.down = LoraLinear(4 * width, width)
+
+
+class TiedLM(StackLM):
+    def __init__(self) -> None:
+        super().__init__(MLPBlock)
+        self.head.weight = self.embed.weight
+
+
+class LoraLM(StackLM):
+    def __init__(self) -> None:
+        super().__init__(LoraMLPBlock)
+        self.embed.requires_grad_(False)
+
+
+def hf_llama() -> nn.Module:
+    """Tiny Llama, 4 query heads sharing 2 kv heads, built locally."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=32,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0)
+    return any_model._Logits(LlamaForCausalLM(cfg))
+
+
+def hf_gpt2() -> nn.Module:
+    """Tiny GPT-2 (tied wte / lm_head, Conv1D linears with biases), built locally."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=WIDTH, n_layer=4, n_head=2, n_positions=SEQ,
+                     bos_token_id=0, eos_token_id=0)
+    return any_model._Logits(GPT2LMHeadModel(cfg))
+
+
+mlp_lm = partial(seeded, partial(StackLM, MLPBlock))
+attention_lm = partial(seeded, partial(StackLM, AttentionBlock))
+gqa_lm = partial(seeded, partial(StackLM, partial(AttentionBlock, n_kv_heads=2, mlp=True)))
+mqa_lm = partial(seeded, partial(StackLM, partial(AttentionBlock, n_kv_heads=1, mlp=True)))
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "mlp": mlp_lm, "attention": attention_lm, "gqa": gqa_lm, "mqa": mqa_lm,
+    "tied": partial(seeded, TiedLM), "lora": partial(seeded, LoraLM), "gpt2": hf_gpt2,
+    "llama": hf_llama}
+
+
+def ledger_rows(rank: int, world_size: int, plan: str, models: list[str]) -> dict[str, Any]:
+    """Train each named model WARMUP + STEPS steps under ``plan`` with the ledger on; per model
+    the ledger's rows (``run.summary()["comm"]``) and the global batch each step took."""
+    from plait.runtime import init
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for name in models:
+        run = init(plan, quiet=True, ledger=True)
+        run.ledger_warmup = WARMUP
+        try:
+            model = run.parallelize(MODELS[name]())
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(1000 + run.dp_rank)
+            rows = BATCH * run.plan.grad_accum
+            for _ in range(WARMUP + STEPS):
+                tokens = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+                run.step(model, (tokens, tokens.roll(-1, 1)), any_model.lm_loss, opt)
+            out[name] = {"comm": run.summary()["comm"],
+                         "global_batch": rows * run.plan.dp_replicate * run.plan.dp_shard}
+            del model, opt
+        finally:
+            run.close()
+    return out
+
+
+def measured_rows(comm: dict[str, Any]) -> dict[tuple[str, str], tuple[float, float]]:
+    """The ledger's rows as {(axis, op): (bytes, calls)} per step of the busiest rank."""
+    return {(r["axis"], r["op"]): (r["payload_bytes"], r["count"])
+            for r in comm["rows"] if r["ranks"]}
+
+
+def planner_rows(name: str, plan: str, global_batch: int
+                 ) -> dict[tuple[str, str], tuple[float, float]]:
+    """The planner's traffic of the busiest rank for model ``name`` under ``plan``, as
+    ``plait plan --model pkg.mod:factory --plan <plan>`` prices it (the model's stats, then
+    ``evaluate``): {(axis, op): (bytes, calls)} per optimizer step."""
+    from plait.plan import Plan
+    from plait.planner import constants_for
+    from plait.planner.cost import Workload, evaluate
+    from plait.planner.hardware import load_cluster
+    from plait.planner.model_stats import load_model
+
+    p = Plan.from_string(plan)
+    with torch.device("meta"):  # as plait plan builds a factory's model
+        stats = load_model(MODELS[name]())
+    cluster = load_cluster("cpu", devices=p.world_size)
+    est = evaluate(p, stats, cluster, Workload(global_batch, SEQ), constants_for(cluster))
+    if not est.traffic:
+        raise ValueError(f"the planner prices no traffic for {name} under {plan}: {est.reason}")
+    out: dict[tuple[str, str], tuple[float, float]] = {}
+    for t in est.traffic:
+        b, c = out.get((t.axis, t.op), (0.0, 0.0))
+        out[(t.axis, t.op)] = (b + t.payload, c + t.calls)
+    return out

@@ -1,0 +1,115 @@
+"""The planner's tensor/sequence/pipeline-parallel traffic for models written for the test
+(tests/_traffic_models.py: MLP-only and attention-only blocks, grouped-query and multi-query
+attention, a tied head, LoRA layers, tiny GPT-2 and Llama) against what the comm ledger measures
+when plait's runtime trains them: per (axis, op), the same bytes and calls per step.
+
+The planner reads the model as ``plait plan --model pkg.mod:factory`` does (on the meta device)
+and prices each block from the layer plan plait lays it out with, not from plait's reference
+block (attention + MLP, 4 all-reduces). The ledger's expected column under these layouts is
+the same prediction, taken on the model ``run.parallelize`` was given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.comm.predict import TPBlock, tp_block_traffic
+from plait.plan import Plan
+from plait.planner.model_stats import load_model
+from plait.spawn import run_distributed
+from tests import _traffic_models as T
+
+
+def _same(name: str, plan: str, comm: dict, global_batch: int) -> None:
+    """The planner's rows equal the ledger's, and so does the ledger's own expected column
+    (taken from the same planner on the model before layout)."""
+    for row in comm["rows"]:
+        assert row["ratio"] == pytest.approx(1.0, abs=1e-12), (name, row)
+    assert not any("no 'expected' column" in n for n in comm["notes"]), comm["notes"]
+    measured = T.measured_rows(comm)
+    predicted = T.planner_rows(name, plan, global_batch)
+    assert set(measured) == set(predicted), (name, sorted(measured), sorted(predicted))
+    for key, (nbytes, calls) in measured.items():
+        assert predicted[key][0] == pytest.approx(nbytes, rel=1e-9), (name, key, measured,
+                                                                      predicted)
+        assert predicted[key][1] == pytest.approx(calls, rel=1e-9), (name, key, measured,
+                                                                     predicted)
+
+
+# The default case: an MLP-only block (2 all-reduces, no attention), LoRA layers (their rank's
+# collectives, a frozen embedding, frozen bases), GPT-2 (fused q|k|v bias, LayerNorms), under SP.
+CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2"])]
+SLOW_CASES = [
+    ("tp=2", ["mlp", "attention", "gqa", "mqa", "tied", "lora", "gpt2", "llama"]),
+    ("tp=2,sp=1", ["attention", "gqa", "mqa", "tied", "llama"]),
+    ("pp=2,microbatches=2", ["mlp", "tied", "gpt2", "llama"]),
+    ("pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,microbatches=2", ["tied", "lora"]),
+    ("dp=2,tp=2", ["mlp", "attention", "lora", "gpt2", "llama"]),
+    ("pp=2,tp=2,microbatches=2", ["mlp", "tied", "lora", "gpt2", "mqa"]),
+    ("dp_shard=2,zero=3,tp=2", ["mlp", "lora", "gpt2"]),  # FSDP2's root unit: norms whole
+    ("pp=2,pp_schedule=zbv,virtual_stages=2,microbatches=2", ["mlp", "llama"]),
+]
+
+
+@pytest.mark.parametrize("plan,models", CASES + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in SLOW_CASES],
+    ids=[c[0] for c in CASES] + [f"{c[0]}-slow" for c in SLOW_CASES])
+def test_planner_prices_what_the_ledger_measures(plan, models):
+    world = Plan.from_string(plan).world_size
+    runs = run_distributed(T.ledger_rows, world, plan, models, timeout=300)[0]
+    for name in models:
+        _same(name, plan, runs[name]["comm"], runs[name]["global_batch"])
+
+
+def _stats(name: str):
+    with torch.device("meta"):
+        return load_model(T.MODELS[name]())
+
+
+def test_block_collectives_follow_the_layer_plan():
+    """An MLP-only block: one region, 2 all-reduces (not the reference block's 4); LoRA layers
+    add their rank's all-reduces; GPT-2's fused q|k|v bias its gradient's all-gather."""
+    one = (T.WIDTH,)
+    for name in ("mlp", "attention"):  # LayerNorm weight and bias: summed under SP
+        assert _stats(name).tp_block == TPBlock(forward=one, backward=one, sp_norms=one * 2,
+                                                sp_in_blocks=True)
+    lora = _stats("lora").tp_block  # frozen embedding: the stack's input needs no gradient
+    assert lora is not None and (lora.forward, lora.backward) == ((T.WIDTH, 2), (T.WIDTH, 2))
+    assert not lora.input_grad
+    gpt2 = _stats("gpt2").tp_block
+    assert gpt2 is not None and gpt2.bias_gathers == (3 * T.WIDTH,)
+    assert gpt2.sp_norms == (T.WIDTH,) * 4  # two LayerNorms: weight and bias, one call each
+    traffic = {t.op: (t.payload, t.calls)
+               for t in tp_block_traffic(2, 8, 16, 2, "fp32", False,
+                                         block=_stats("mlp").tp_block)}
+    assert traffic == {"all_reduce": (2 * 2 * 8 * 16 * 4, 2)}
+
+
+def test_tied_weight_and_frozen_parameters():
+    """A head tied to the embedding: under pipelines its copy on the last stage is held there
+    and its gradient summed with the first stage's. LoRA: data parallelism reduces only the
+    trainable parameters (the low-rank paths, norms, head), and tensor parallelism keeps the
+    norms, row-parallel biases and the whole halves of the low-rank paths whole."""
+    assert _stats("tied").tied_params == T.VOCAB * T.WIDTH
+    assert _stats("lora").tied_params == 0
+    block, embed, _ = _stats("lora").held
+    assert embed.grads(2) == 0 and embed.local(2) == T.VOCAB * T.WIDTH / 2
+    rank = 2
+    assert block.grads(2) == (2 * rank * 4 * T.WIDTH) / 2 + 2 * T.WIDTH + 2 * rank * T.WIDTH
+
+
+def test_no_attention_no_replicated_kv():
+    """A block without attention reports one head and one kv head (nothing to count): at tp=2
+    that must not price k/v weights kept whole on every rank."""
+    stats = _stats("mlp")
+    assert not stats.attention and stats.kv_whole(2) == 0
+    assert _stats("mqa").kv_whole(2) > 0  # one kv head of 4 query heads: whole at tp=2
+
+
+def test_kv_heads_from_a_transformers_config():
+    """transformers' Llama attention keeps its kv-head count in its config only: 2 kv heads
+    of 4 (whole on every rank at tp=4), not 4."""
+    stats = _stats("llama")
+    assert (stats.n_heads, stats.kv_heads) == (4, 2)
+    assert stats.kv_whole(4) > 0 and stats.kv_whole(2) == 0
+
