@@ -407,6 +407,28 @@ def torch_dispatch_mode() -> type:
     return _resolve("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
+def compiled_module_class() -> type:
+    """``torch._dynamo.eval_frame.OptimizedModule``, the wrapper ``torch.compile(module)``
+    returns (its ``_orig_mod`` is the module). ``run.parallelize`` lays out the module inside
+    it and compiles its blocks instead; ``run.step`` refuses one around a laid-out model.
+    Checked on torch 2.13."""
+    return _resolve("torch._dynamo.eval_frame", "OptimizedModule")
+
+
+def dynamo_graph_count() -> int:
+    """How many distinct graphs torch.compile has built in this process
+    (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``): tests read it to show that
+    compiled blocks really ran compiled. Checked on torch 2.13."""
+    counters = _resolve("torch._dynamo.utils", "counters")
+    return int(counters["stats"]["unique_graphs"])
+
+
+def reset_dynamo() -> None:
+    """``torch._dynamo.reset()``: forget compiled code and counters (tests, one per job).
+    Checked on torch 2.13."""
+    _resolve("torch._dynamo", "reset")()
+
+
 def fsdp_param_groups(module: Any) -> list[Any]:
     """The parameter groups (``FSDPParamGroup``) of an ``FSDPModule`` (none for a unit without
     parameters of its own), each checked for the members the ledger's closed form reads.
@@ -454,5 +476,5 @@ RESOLVERS: tuple[Callable[[], Any], ...] = (
     checkpoint_wrapper_api, outside_selective_checkpoint, sdpa_ops, dcp_set_element,
     pipeline_stage_base,
     stage_backward_split, keyset_after_backend_select, functional_collectives,
-    torch_dispatch_mode,
+    torch_dispatch_mode, compiled_module_class,
 )

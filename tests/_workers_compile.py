@@ -19,17 +19,16 @@ def train_compiled(rank: int, world_size: int, plan: str, factory: Any,
                    batches: list[Any]) -> dict[str, Any]:
     """Train like ``W.train_jobs``; also report whether torch compiled anything and what a
     torch.compile of the laid-out model is told at run.step."""
-    import torch._dynamo
-
+    from plait._torch_compat import dynamo_graph_count, reset_dynamo
     from plait.runtime import init
 
-    torch._dynamo.reset()
+    reset_dynamo()
     run = init(plan, quiet=True, log_every=1)
     model = run.parallelize(factory())
     opt = torch.optim.SGD(model.parameters(), lr=W.LR, foreach=False)
     losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size), W.mlm_loss, opt))
               for b in batches]
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs = dynamo_graph_count()
     refused = None
     try:
         run.step(torch.compile(model), _slice(batches[0], run.dp_rank, run.dp_size), W.mlm_loss,

@@ -37,9 +37,12 @@ def apply_compile(module: nn.Module, plan: Plan) -> nn.Module:
 
 def compiled_original(model: nn.Module) -> nn.Module | None:
     """The module ``torch.compile(module)`` wrapped, for a wrapper it returned; else None."""
-    from torch._dynamo.eval_frame import OptimizedModule
+    from .._torch_compat import compiled_module_class
 
-    return model._orig_mod if isinstance(model, OptimizedModule) else None
+    if not isinstance(model, compiled_module_class()):
+        return None
+    inner = model._orig_mod
+    return inner if isinstance(inner, nn.Module) else None
 
 
 def wrapped_after_layout(model: nn.Module) -> str | None:
