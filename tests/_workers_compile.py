@@ -15,6 +15,12 @@ def compiled_masked_lm() -> torch.nn.Module:
     return torch.compile(W.masked_lm())
 
 
+def compiled_reference_lm() -> torch.nn.Module:
+    """plait's reference transformer (a TP plan with a vocabulary-parallel embedding before
+    the blocks), torch.compile'd on one device."""
+    return torch.compile(W.reference_lm())
+
+
 def train_compiled(rank: int, world_size: int, plan: str, factory: Any,
                    batches: list[Any]) -> dict[str, Any]:
     """Train like ``W.train_jobs``; also report whether torch compiled anything and what a
