@@ -16,8 +16,9 @@ reduce-scatter) hands it the local tensor of an asynchronous redistribute, an
 torch 2.13's AOTAutograd replaces such an input by its waited inner tensor before tracing
 (pytorch/pytorch#179849), so the graph is traced as if the input needed no gradient: its
 backward returns None for it, and the layer before the block gets no gradient (torch's
-``to_local`` then fails in DTensor's redistribute backward, plait's layers read it as zero and
-the embedding stops training with nothing failing; the upstream fix is pytorch/pytorch#191113).
+``to_local`` then fails in DTensor's redistribute backward; plait's ``_ToLocal`` gets it as
+autograd's zeros, and the embedding stops training with nothing failing; the upstream fix is
+pytorch/pytorch#191113).
 Waiting the collective in an autograd function before the compiled call hands the block a plain
 tensor that requires grad, whose gradient goes back unchanged. The wait costs no overlap: the
 block's first op would wait for it anyway.
@@ -26,7 +27,8 @@ block's first op would wait for it anyway.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -52,11 +54,11 @@ class _Waited(torch.autograd.Function):
     """An ``AsyncCollectiveTensor`` waited, as a plain tensor whose gradient passes through."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
         return t.wait().detach()  # type: ignore[attr-defined]  # an alias, not a view of it
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
 
