@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import (
@@ -1013,6 +1014,11 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: DTensor) -> torch.Tensor:  # type: ignore[override]
         local = t.to_local()
+        if isinstance(local, AsyncCollectiveTensor):
+            # An asynchronous redistribute's tensor (a row-parallel layer's all-reduce or
+            # reduce-scatter) waited here: a block compiled by hand that takes it would build no
+            # gradient for it (see ``plait.parallel.compile``).
+            local = local.wait()
         ctx.spec = (t.device_mesh, t.placements, t.shape, t.stride(), local.stride())
         return local.detach()
 
