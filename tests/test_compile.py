@@ -86,6 +86,50 @@ def test_compile_with_tensor_parallelism_in_more_layouts(lm_data, plan, factory,
     _assert_matches(ref, got)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["tp=2", "tp=2,sp=true"])
+def test_blocks_compiled_by_hand_after_the_tensor_parallel_layout(lm_data, plan):
+    """A user who compiles each block of the laid-out model: the row-parallel embedding's
+    local output is a waited tensor, so its gradient comes back through the compiled block."""
+    batches, ref = lm_data
+    got = run_distributed(C.train_compiled, 2, plan, W.reference_lm, batches, True,
+                          timeout=400)[0]
+    assert got["graphs"] >= 1
+    _assert_matches(ref, got)
+
+
+def test_a_compiled_block_hands_back_the_gradient_of_an_async_collectives_tensor():
+    """The mechanism of the tensor-parallel cases in one process: a block's input that is an
+    ``AsyncCollectiveTensor`` (what an eager layer's asynchronous redistribute hands on, the
+    autograd edge on the wrapper, none on its inner tensor) gets its gradient back through the
+    compiled block. torch 2.13 alone traces it as needing none (the backward fails here, the
+    gradient is lost inside a model). AOTAutograd is where it happens, so its eager backend
+    shows it without inductor's compile time."""
+    import torch
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from plait.parallel.compile import _wait_collectives
+
+    class AsyncOut(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return AsyncCollectiveTensor(x.clone())
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    torch.manual_seed(0)
+    block = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+    block(x).pow(2).sum().backward()
+    want, x.grad = x.grad, None
+    block.forward = _wait_collectives(torch.compile(block.forward, backend="aot_eager"))
+    block(AsyncOut.apply(x)).pow(2).sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, want)
+
+
 def test_compile_is_parsed():
     assert Plan.load("dp=2,compile").compile is True
     assert Plan.load("dp=2,compile=false").compile is False
