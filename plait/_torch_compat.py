@@ -407,6 +407,20 @@ def torch_dispatch_mode() -> type:
     return _resolve("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
+def async_collective_tensor() -> type:
+    """``torch.distributed._functional_collectives.AsyncCollectiveTensor``: the local tensor of
+    an asynchronous redistribute (a row-parallel layer's all-reduce or reduce-scatter) before it
+    is waited. plait waits it where a compiled block would take it as an input (its gradient
+    would be lost, see ``plait.parallel.compile``). Checked on torch 2.13."""
+    return _resolve("torch.distributed._functional_collectives", "AsyncCollectiveTensor")
+
+
+def tree_map_only() -> Callable[..., Any]:
+    """``torch.utils._pytree.tree_map_only``: apply a function to the tensors of one type in
+    nested arguments (a block's args and kwargs). Checked on torch 2.13."""
+    return _resolve("torch.utils._pytree", "tree_map_only")
+
+
 def compiled_module_class() -> type:
     """``torch._dynamo.eval_frame.OptimizedModule``, the wrapper ``torch.compile(module)``
     returns (its ``_orig_mod`` is the module). ``run.parallelize`` lays out the module inside
@@ -476,5 +490,5 @@ RESOLVERS: tuple[Callable[[], Any], ...] = (
     checkpoint_wrapper_api, outside_selective_checkpoint, sdpa_ops, dcp_set_element,
     pipeline_stage_base,
     stage_backward_split, keyset_after_backend_select, functional_collectives,
-    torch_dispatch_mode, compiled_module_class,
+    torch_dispatch_mode, compiled_module_class, async_collective_tensor, tree_map_only,
 )

@@ -258,13 +258,6 @@ class Plan:
             errors.append(f"offload=True needs zero=3 (got zero={self.zero})")
         if self.sp and self.tp == 1:
             errors.append("sp=True (sequence parallel) needs tp > 1")
-        if self.compile is True and self.tp > 1:
-            # torch 2.13: a compiled block hands its input's gradient back to a DTensor layer's
-            # output as zero (a vocabulary-parallel embedding stops training, nothing fails).
-            errors.append(f"compile with tp={self.tp} is refused: a compiled block returns a "
-                          f"zero gradient to the tensor-parallel layer before it, which would "
-                          f"stop training; drop compile, or drop tp (compile runs with data, "
-                          f"sharded and pipeline parallelism)")
         if self.cp != 1:
             errors.append(f"cp={self.cp}: context parallelism is reserved and must be 1")
         if self.pp_schedule not in PP_SCHEDULES:

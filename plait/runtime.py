@@ -178,11 +178,6 @@ class Run:
             self.mesh = build_mesh(self.plan, self.device.type, self.world_size)
             self.auto = None
         if original is not None and not self.plan.compile and self.spmd is None:
-            if self.plan.tp > 1:
-                raise ValueError(f"torch.compile(model) with tp={self.plan.tp}: a compiled "
-                                 f"block returns a zero gradient to the tensor-parallel layer "
-                                 f"before it, which would stop training; pass the model to "
-                                 f"run.parallelize without torch.compile")
             self.plan = self.plan.replace(compile=True)
             self.print("plait: the model came through torch.compile; plait lays out the model "
                        "and compiles each block's forward instead (compile in the plan), the "

@@ -15,16 +15,28 @@ def compiled_masked_lm() -> torch.nn.Module:
     return torch.compile(W.masked_lm())
 
 
+def compiled_reference_lm() -> torch.nn.Module:
+    """plait's reference transformer (a TP plan with a vocabulary-parallel embedding before
+    the blocks), torch.compile'd on one device."""
+    return torch.compile(W.reference_lm())
+
+
 def train_compiled(rank: int, world_size: int, plan: str, factory: Any,
-                   batches: list[Any]) -> dict[str, Any]:
+                   batches: list[Any], by_hand: bool = False) -> dict[str, Any]:
     """Train like ``W.train_jobs``; also report whether torch compiled anything and what a
-    torch.compile of the laid-out model is told at run.step."""
+    torch.compile of the laid-out model is told at run.step. ``by_hand``: the user compiles
+    each block's forward of the laid-out model, plait is not told."""
     from plait._torch_compat import dynamo_graph_count, reset_dynamo
     from plait.runtime import init
 
     reset_dynamo()
     run = init(plan, quiet=True, log_every=1)
     model = run.parallelize(factory())
+    if by_hand:
+        from plait.parallel.units import repeated_blocks
+
+        for _, block in repeated_blocks(model):
+            block.forward = torch.compile(block.forward)
     opt = torch.optim.SGD(model.parameters(), lr=W.LR, foreach=False)
     losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size), W.mlm_loss, opt))
               for b in batches]

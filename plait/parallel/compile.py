@@ -9,12 +9,26 @@ compiled graph would otherwise have to guard on; left eager, they run as they do
 compile. The state dict keeps its names (no ``_orig_mod.`` part), so checkpoints move between
 compiled and eager runs.
 
-Refused with tensor parallelism (``Plan.validate``): under torch 2.13 a compiled block hands
-the gradient of its input back to the vocabulary-parallel embedding's output as zero, so the
-embedding stops training with nothing failing.
+Why each block's inputs are waited first (:func:`_wait_collectives`): a tensor-parallel layer
+that runs eager before a block (the vocabulary-parallel embedding, a sequence-parallel
+reduce-scatter) hands it the local tensor of an asynchronous redistribute, an
+``AsyncCollectiveTensor`` that carries the autograd edge while its inner tensor does not.
+torch 2.13's AOTAutograd replaces such an input by its waited inner tensor before tracing
+(pytorch/pytorch#179849), so the graph is traced as if the input needed no gradient: its
+backward returns None for it, and the layer before the block gets no gradient (torch's
+``to_local`` then fails in DTensor's redistribute backward; plait's ``_ToLocal`` gets it as
+autograd's zeros, and the embedding stops training with nothing failing; the upstream fix is
+pytorch/pytorch#191113).
+Waiting the collective in an autograd function before the compiled call hands the block a plain
+tensor that requires grad, whose gradient goes back unchanged. The wait costs no overlap: the
+block's first op would wait for it anyway.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -31,8 +45,35 @@ def apply_compile(module: nn.Module, plan: Plan) -> nn.Module:
     blocks = [block for _, block in repeated_blocks(module)] or [module]
     for block in blocks:
         inner = getattr(block, "_checkpoint_wrapped_module", block)  # activation checkpointing
-        inner.forward = torch.compile(inner.forward)
+        inner.forward = _wait_collectives(torch.compile(inner.forward))
     return module
+
+
+class _Waited(torch.autograd.Function):
+    """An ``AsyncCollectiveTensor`` waited, as a plain tensor whose gradient passes through."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.wait().detach()  # type: ignore[attr-defined]  # an alias, not a view of it
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _wait_collectives(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` called with every ``AsyncCollectiveTensor`` in its arguments waited by
+    :class:`_Waited` (see the module's docstring for why)."""
+    from .._torch_compat import async_collective_tensor, tree_map_only
+
+    waiting, tree_map = async_collective_tensor(), tree_map_only()
+
+    @functools.wraps(forward)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = tree_map(waiting, _Waited.apply, (args, kwargs))
+        return forward(*args, **kwargs)
+
+    return call
 
 
 def compiled_original(model: nn.Module) -> nn.Module | None:

@@ -58,7 +58,13 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.utils.parametrize import is_parametrized
 
-from .._torch_compat import is_split, outside_selective_checkpoint, strided_shard, tp_style_bases
+from .._torch_compat import (
+    async_collective_tensor,
+    is_split,
+    outside_selective_checkpoint,
+    strided_shard,
+    tp_style_bases,
+)
 from ..mesh import Mesh
 from ..plan import Plan
 from .hf import transformers_class
@@ -854,6 +860,7 @@ def _chain(root: nn.Module, above: str, owner: str) -> tuple[nn.Module, ...]:
 
 
 _outside_selective_checkpoint = outside_selective_checkpoint()
+_ASYNC_COLLECTIVE_TENSOR = async_collective_tensor()
 
 
 def _compute_locally(module: nn.Module, mesh: DeviceMesh,
@@ -1013,6 +1020,11 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: DTensor) -> torch.Tensor:  # type: ignore[override]
         local = t.to_local()
+        if isinstance(local, _ASYNC_COLLECTIVE_TENSOR):
+            # An asynchronous redistribute's tensor (a row-parallel layer's all-reduce or
+            # reduce-scatter) waited here: a block compiled by hand that takes it would build no
+            # gradient for it (see ``plait.parallel.compile``).
+            local = local.wait()
         ctx.spec = (t.device_mesh, t.placements, t.shape, t.stride(), local.stride())
         return local.detach()
 
