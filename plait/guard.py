@@ -17,9 +17,12 @@ backward and the optimizer step. When the data replicas are the whole job (DDP, 
 gradients are clipped, a clean step needs none of its own: two flags per rank (non-finite loss,
 stop requested) are summed in the step's all-reduce of (loss sum, count), which every step makes
 anyway, and the clipped norm is already the job-wide one; only a step whose sums or norm show a
-problem takes the full agreement, to name the rank. Every other layout pays the one all-reduce
-per step (~1 ms on gloo between processes on one host, tens of microseconds on NCCL). A one-rank
-job pays nothing but the local check.
+problem takes the full agreement, to name the rank. Pipelines (alone or with data replicas) do
+the same: their totals travel from the last stage as a sum over ``pp`` in which the other stages
+add zeros (``plait.train.pipeline_totals``), and the flags ride along. Every other layout (tensor
+parallel, or a pipeline beside it) pays the one all-reduce per step (~0.1 ms on gloo between
+processes on one host once both have arrived, bench/rendezvous_cost.py; tens of microseconds on
+NCCL). A one-rank job pays nothing but the local check.
 """
 
 from __future__ import annotations

@@ -39,7 +39,14 @@ from .mesh import Mesh, build_mesh
 from .parallelize import parallelize as _parallelize
 from .plan import Plan
 from .progress import Progress, check_extras
-from .train import LossFn, TotalsExchange, apply_update, forward_backward, reduce_totals
+from .train import (
+    LossFn,
+    TotalsExchange,
+    apply_update,
+    forward_backward,
+    pipeline_totals,
+    reduce_totals,
+)
 
 if TYPE_CHECKING:
     from .parallel.xla_spmd import SPMDLayout
@@ -367,7 +374,10 @@ class Run:
                     if self.spmd is None:
                         local = torch.cat([local.detach().float(),
                                            torch.full((1,), float(items), device=local.device)])
-                    totals_in = self._global_totals(local)
+                    if self.spmd is None and self.plan.pp > 1:
+                        totals_in, agreed = self._pipeline_totals(local)
+                    else:
+                        totals_in = self._global_totals(local)
                     if self.spmd is None:
                         job_items = totals_in[2]
             # Under XLA SPMD the program is the global batch's: its gradients are of the global
@@ -700,6 +710,20 @@ class Run:
                                     self.plan.virtual_stages)[-1]
         dp_group = self._mesh()["dp"].get_group() if self.dp_size > 1 else None
         return reduce_totals(local, dp_group=dp_group, pp_group=pp_group, last_pp_rank=last_pp)
+
+    def _pipeline_totals(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """With pipelines: the global ``[loss sum, count, items]`` and the step guard's flags in
+        the same collectives (``plait.train.pipeline_totals``), and those flags as the guard's
+        ``agreed`` when they were summed over the whole job and the gradient norm is the
+        job's (clipping): a clean step then needs no agreement of its own (``plait.guard``)."""
+        guard = self._step_guard()  # it knows which rank holds the last stage's loss
+        pp_group = self._mesh()["pp"].get_group()
+        dp_group = self._mesh()["dp"].get_group() if self.dp_size > 1 else None
+        totals, flags = pipeline_totals(local, guard.local_flags(local[0]),
+                                        holds_loss=guard.holds_loss,
+                                        pp_group=pp_group, dp_group=dp_group)
+        whole_job = self.plan.pp * self.dp_size == self.world_size
+        return totals, flags if whole_job and self.plan.grad_clip else None
 
     # ------------------------------------------------------------------ end of run
     def summary(self) -> dict[str, Any]:

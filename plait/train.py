@@ -390,6 +390,27 @@ def reduce_totals(totals: torch.Tensor, *, dp_group: dist.ProcessGroup | None,
     return totals
 
 
+def pipeline_totals(totals: torch.Tensor, flags: torch.Tensor, *, holds_loss: bool,
+                    pp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """With pipelines: the global ``totals`` (``[loss sum, count, ...]``, real only on the last
+    stage, which ``holds_loss``) and ``flags`` (the step guard's ``local_flags``) summed, in one
+    all-reduce (SUM) over ``pp`` and, with data replicas, one over ``dp``.
+
+    Why a sum and not a broadcast from the last stage: the other stages add zeros, so the
+    totals arrive as the last stage's, exactly, and the guard's flags travel in the same
+    collective instead of an agreement of their own (one rendezvous per step fewer, which on a
+    small step between processes is milliseconds). Returns (the summed totals, the summed
+    flags)."""
+    values = totals.detach().float() if holds_loss else torch.zeros_like(totals, dtype=torch.float)
+    buffer = torch.cat([values, flags.float().to(values.device)])
+    if dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(buffer, group=pp_group)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(buffer, group=dp_group)
+    return buffer[:totals.numel()], buffer[totals.numel():]
+
+
 def apply_update(optimizer: torch.optim.Optimizer,
                  totals: torch.Tensor | Callable[[], torch.Tensor], *, plan: Plan,
                  pp_group: dist.ProcessGroup | None = None,

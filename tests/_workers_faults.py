@@ -19,16 +19,37 @@ def nan_on_step(rank, world_size, plan, policy, bad_rank, bad_step, steps=5):
     model = run.parallelize(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
-    history, losses = [], []
+    history, losses, issued = [], [], []
+    groups = _job_groups(run)
     for step in range(1, steps + 1):
         x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
         if step == bad_step and rank == bad_rank:
             x[0, 0] = float("nan")
+        before = _issued(groups)
         losses.append(run.step(model, (x, y), nn.functional.mse_loss, opt))
+        issued.append(_issued(groups) - before)
         history.append(full_state(model))
     skipped = list(run.stats.skipped)
     run.close()
-    return {"history": history, "skipped": skipped, "losses": losses}
+    return {"history": history, "skipped": skipped, "losses": losses, "issued": issued}
+
+
+def _job_groups(run):
+    """The job's process groups: the default one and each mesh axis's (the watchdog's private
+    group is left out)."""
+    import torch.distributed as dist
+
+    groups = {id(dist.group.WORLD): dist.group.WORLD}
+    for name in run.mesh.root.mesh_dim_names:
+        if run.mesh.size(name) > 1:
+            group = run.mesh[name].get_group()
+            groups[id(group)] = group
+    return list(groups.values())
+
+
+def _issued(groups):
+    """Collectives issued so far on ``groups`` (their sequence numbers)."""
+    return sum(int(g._get_sequence_number_for_group()) for g in groups)
 
 
 def listening_sockets(rank, world_size):

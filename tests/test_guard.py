@@ -49,6 +49,27 @@ def test_nan_step_is_skipped_on_every_rank(plan):
         assert torch.equal(value, out[1]["history"][-1][name]), name
 
 
+def test_pipeline_nan_step_is_skipped_and_clean_steps_need_no_agreement():
+    """The NaN enters the first stage's input and reaches the loss on the last stage only. The
+    guard's flags travel in the pipeline's (loss sum, count) all-reduce: a clean step takes no
+    agreement of its own, the bad one takes it (to name the rank) on every rank alike."""
+    out = run_distributed(w.nan_on_step, 2, "pp=2", "skip", 0, 3, timeout=150)
+    for r in out:
+        assert r["skipped"] == [3]
+        before, after = r["history"][1], r["history"][2]
+        for name in before:
+            assert torch.equal(before[name], after[name]), name
+        assert all(math.isfinite(v) for v in r["losses"][3:])
+        clean = r["issued"][1]
+        assert r["issued"][3] == r["issued"][4] == clean, r["issued"]  # the first sets up
+        assert r["issued"][2] == clean + 1, r["issued"]  # the full agreement, on step 3 only
+        for name, value in r["history"][-1].items():  # this rank's stage
+            assert torch.isfinite(value).all(), name
+    with pytest.raises(WorkerError) as err:
+        run_distributed(w.nan_on_step, 2, "pp=2", "stop", 0, 3, timeout=150)
+    assert "NonFiniteError: step 3: non-finite loss on rank 1" in err.value.traceback
+
+
 HANGS = """
 import sys, time, torch, torch.nn as nn, torch.distributed as dist
 from pathlib import Path
