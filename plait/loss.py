@@ -126,19 +126,28 @@ def skips_first_label(loss: torch.Tensor, targets: Any,
         return None
 
     def moved(columns: slice) -> bool | None:
-        probe = labels.clone()
-        probe[..., columns] = IGNORE_INDEX
-        with torch.no_grad():
-            again = _full(recompute(_replace_counted(targets, probe)))
-        if not isinstance(again, torch.Tensor) or again.numel() != 1:
+        after = _loss_without(labels, columns, targets, recompute)
+        if after is None:
             return None
-        after = again.detach().float().reshape(())
         return not bool(torch.allclose(after, before.to(after.device), rtol=1e-6, atol=0.0))
 
     first = moved(slice(0, 1))
     if first is None or first:
         return None if first is None else False
     return True if moved(slice(1, None)) else None
+
+
+def _loss_without(labels: torch.Tensor, columns: slice, targets: Any,
+                  recompute: Callable[[Any], Any]) -> torch.Tensor | None:
+    """The loss asked again with ``labels``' ``columns`` ignored (a 0-dim float tensor, no
+    gradient), or None when the answer is not one number."""
+    probe = labels.clone()
+    probe[..., columns] = IGNORE_INDEX
+    with torch.no_grad():
+        again = _full(recompute(_replace_counted(targets, probe)))
+    if not isinstance(again, torch.Tensor) or again.numel() != 1:
+        return None
+    return again.detach().float().reshape(())
 
 
 def first_label_skipped(value: Any, targets: Any, recompute: Callable[[Any], Any],
@@ -181,13 +190,9 @@ def skips_first_label_on_device(loss: torch.Tensor, targets: Any,
     before = loss.detach().float().reshape(())
 
     def moved(columns: slice) -> torch.Tensor | None:
-        probe = labels.clone()
-        probe[..., columns] = IGNORE_INDEX
-        with torch.no_grad():
-            again = _full(recompute(_replace_counted(targets, probe)))
-        if not isinstance(again, torch.Tensor) or again.numel() != 1:
+        after = _loss_without(labels, columns, targets, recompute)
+        if after is None:
             return None
-        after = again.detach().float().reshape(())
         return ~torch.isclose(after, before.to(after.device), rtol=1e-6, atol=0.0)
 
     first, rest = moved(slice(0, 1)), moved(slice(1, None))
