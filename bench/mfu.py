@@ -7,8 +7,9 @@ s x s attention square, backward twice the forward (no recomputation counted), t
 included, the embedding lookup not. Target: MFU >= 45% with ``torch.compile``.
 
 The model trains through plait's own step (``plait.init`` with ``mixed_precision=bf16``: fp32
-master weights, bf16 autocast; fused AdamW), each transformer block compiled separately as
-torchtitan does, so the figure is what a plait user gets.
+master weights, bf16 autocast; fused AdamW) with ``compile`` in the plan (each transformer
+block compiled separately after the layout, as torchtitan does), so the figure is what a plait
+user gets from ``--plan mixed_precision=bf16,compile``.
 
     python bench/mfu.py                          # llama-1b, seq 2048, batch 4, compiled
     python bench/mfu.py --no-compile             # eager, for the compile speed-up
@@ -49,13 +50,10 @@ def measure(model_name: str, seq: int, batch: int, steps: int, warmup: int, comp
     from plait.models.transformer import build, lm_loss, preset
 
     cfg = preset(model_name, max_seq_len=seq)
-    run = plait.init("mixed_precision=bf16" if device_type == "cuda" else None, quiet=True,
-                     accelerator=device_type)
-    model = build(cfg, device=run.device, seed=0)
-    if compile_:
-        for i, block in enumerate(model.layers):
-            model.layers[i] = torch.compile(block)
-    model = run.parallelize(model)
+    plan = [p for p, on in (("mixed_precision=bf16", device_type == "cuda"),
+                            ("compile", compile_)) if on]
+    run = plait.init(",".join(plan) or None, quiet=True, accelerator=device_type)
+    model = run.parallelize(build(cfg, device=run.device, seed=0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device_type == "cuda")
     data = TextDataset(seq_len=seq)
     times = []

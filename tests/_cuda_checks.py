@@ -96,6 +96,28 @@ def compiled(rank: int, world: int, device_type: str) -> dict:
     return {"logit_diff": (out_e - out_c).abs().max().item(), "grad_diff": grad_diff}
 
 
+def plan_compile_bf16(rank: int, world: int, device_type: str) -> dict:
+    """``compile`` in the plan with bf16 autocast, as bench/mfu.py trains: each block compiled
+    after the layout, graphs really built, and the losses of the same plan run eagerly."""
+    import plait
+    from plait._torch_compat import dynamo_graph_count, reset_dynamo
+
+    def losses(plan: str) -> list[float]:
+        run = plait.init(plan, accelerator=device_type, quiet=True, log_every=1)
+        model = run.parallelize(build(CFG, seed=0).to(run.device))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        out = [float(run.step(model, b, lm_loss, opt)) for b in
+               run.loader(TextDataset(seq_len=SEQ), batch_size=BATCH, steps=STEPS)]
+        run.close()
+        return out
+
+    reset_dynamo()
+    compiled_losses = losses("mixed_precision=bf16,compile")
+    graphs = dynamo_graph_count()
+    return {"losses": compiled_losses, "reference": losses("mixed_precision=bf16"),
+            "graphs": graphs}
+
+
 def fsdp2_one_rank(rank: int, world: int, device_type: str) -> dict:
     """FSDP2 (fully_shard per block, then the root) on a one-rank mesh, trained through plait's
     train_step (gradient sync switch, clipping of DTensor gradients): the same losses as one

@@ -1,5 +1,6 @@
 """What only a GPU can show: device placement, bf16 autocast, torch.compile of the reference
-model, FSDP2 and DTensor TP on a one-rank CUDA mesh, the ledger on NCCL.
+model and the plan's ``compile`` under bf16, FSDP2 and DTensor TP on a one-rank CUDA mesh, the
+ledger on NCCL.
 
 Marked ``cuda``; every test skips without a CUDA device, so CI never needs one.
 ``bench/gpu.sh`` runs them (``pytest -m cuda``) with bench/mfu.py.
@@ -37,6 +38,12 @@ def test_compile_matches_eager():
     out = _run(C.compiled)
     assert out["logit_diff"] < 1e-3
     assert out["grad_diff"] < 1e-3
+
+
+def test_plan_compile_with_bf16():
+    out = _run(C.plan_compile_bf16)
+    assert out["graphs"] > 0
+    assert out["losses"] == pytest.approx(out["reference"], rel=1e-2)
 
 
 def test_fsdp2_on_a_one_rank_cuda_mesh():
