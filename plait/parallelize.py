@@ -54,7 +54,9 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.devic
 def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
                       device: torch.device) -> nn.Module:
     """Steps 2-4 (TP/SP, checkpointing, data parallel) on one module or pipeline stage."""
-    module = module.to(device)
+    from .parallel.placement import to_device_keeping_ties
+
+    module = to_device_keeping_ties(module, device)
     applied: list[str] = []
     loss_parallel = False
     if plan.dp > 1:

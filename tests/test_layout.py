@@ -80,3 +80,22 @@ def test_layout_of_untouched_model_is_empty_and_record_replaces():
     assert layout_of(model).applied == ("zero",)
     # the record is not a submodule or parameter: state_dict and parameters are unchanged
     assert list(model.state_dict()) == ["weight", "bias"]
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_tie_survives_a_device_whose_tensors_cannot_swap_storage():
+    """``Module.to`` gives each module a new Parameter where the CPU tensor and the device's
+    cannot share an implementation (XLA, meta, PrivateUse1 devices such as TorchTPU's): a tied
+    head would train as a second weight. parallelize puts the tie back (meta stands in here)."""
+    import torch
+
+    model = parallelize(_TiedLM(), None, Plan(), device=torch.device("meta"))
+    assert model.head.weight is model.embed.weight
+    assert len(list(model.parameters())) == 1

@@ -157,6 +157,7 @@ def build_layout(plan: Plan | None) -> SPMDLayout:
 # ------------------------------------------------------------------------------ the layout
 def apply_spmd(model: nn.Module, layout: SPMDLayout, *, device: torch.device) -> nn.Module:
     """``model`` on the XLA device with the plan's sharding annotations (TP, then FSDPv2)."""
+    from .placement import to_device_keeping_ties
     from .xla_batchnorm import keep_unbiased_running_var
 
     plan = layout.plan
@@ -166,34 +167,6 @@ def apply_spmd(model: nn.Module, layout: SPMDLayout, *, device: torch.device) ->
         mark_tensor_parallel(model, layout)
     if plan.zero == 3:
         model = wrap_fsdpv2(model, layout)
-    return model
-
-
-def _shared(model: nn.Module) -> list[list[tuple[str, str]]]:
-    """Each parameter or buffer held under more than one name (a tied embedding and output
-    head), as its [(module name, attribute), ...], first name first."""
-    seen: dict[int, list[tuple[str, str]]] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for attr, t in [*module._parameters.items(), *module._buffers.items()]:
-            if t is not None:
-                seen.setdefault(id(t), []).append((module_name, attr))
-    return [names for names in seen.values() if len(set(names)) > 1]
-
-
-def to_device_keeping_ties(model: nn.Module, device: torch.device) -> nn.Module:
-    """``model.to(device)`` with its shared parameters and buffers still shared.
-
-    ``Module.to`` moves a tensor in place only where the old and new tensors can swap storage;
-    a CPU tensor and an XLA tensor cannot, so each module gets a new Parameter of its own and a
-    tied weight becomes two independent ones (each trained only on the gradient of its own
-    use). The first name's moved tensor is put back under every other name."""
-    shared = _shared(model)
-    model = model.to(device)
-    for names in shared:
-        first_module, first_attr = names[0]
-        tensor = getattr(model.get_submodule(first_module), first_attr)
-        for module_name, attr in names[1:]:
-            setattr(model.get_submodule(module_name), attr, tensor)
     return model
 
 
