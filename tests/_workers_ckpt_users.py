@@ -70,7 +70,7 @@ class RootStatsLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
         self.head = nn.Linear(WIDTH, VOCAB)
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
         self.register_buffer("ema_in", torch.zeros(WIDTH))
