@@ -75,6 +75,8 @@ class RootStatsLM(nn.Module):
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
         self.register_buffer("ema_in", torch.zeros(WIDTH))
         self.register_buffer("ema_out", torch.zeros(WIDTH))
+        # not saved (persistent=False), written on every stage too
+        self.register_buffer("last_norm", torch.zeros(()), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
@@ -87,6 +89,7 @@ class RootStatsLM(nn.Module):
         if self.training:
             with torch.no_grad():
                 self.ema_out.mul_(0.9).add_(0.1 * h.mean((0, 1)))
+                self.last_norm.copy_(h.norm())
         return self.head(h)
 
 

@@ -129,6 +129,7 @@ def test_buffers_every_stage_holds_are_saved_as_the_stage_that_writes_them(tmp_p
         assert _state_close({k: got[k] for k in names}, {k: want[k] for k in names},
                             RTOL) is None, {k: (got[k], want[k]) for k in names}
     assert int(ref["state"]["tokens_seen"]) == 4 * BATCH_TOKENS
+    assert "last_norm" not in model_tensors(zbv)[0]  # a non-persistent buffer is not saved
     resumed = u.train("grad_accum=2", steps=4, checkpoint=one, export=True, **job)
     assert _close(resumed["losses"], ref["losses"][2:]), (resumed["losses"], ref["losses"])
     assert _state_close(resumed["state"], ref["state"], RTOL) is None

@@ -247,6 +247,24 @@ def test_fx_traces_leave_a_forward_that_assigns_to_its_module_unchanged():
     assert model.tokens_seen.dtype == torch.long and block.calls.item() == 0
 
 
+def test_buffers_a_step_changes_are_named_as_the_model_names_them():
+    """The data-parallel warning about buffers a training step changed named a pipeline's
+    buffers by the pipelined model's ``stages.0.ema_in``, a name the user's model lacks."""
+    from plait.parallel.batchnorm import forward_statistics
+    from plait.parallel.layout import Layout, record_layout
+    from plait.parallel.pipeline import PipelinedModel
+    from tests._workers_ckpt_users import MODELS
+
+    model = MODELS["rootstats"]()
+    path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
+    stages = [build_stage_module(model, path, s) for s in specs]
+    piped = record_layout(PipelinedModel(stages), Layout(applied=("pipeline",),
+                                                         stages=tuple(stages)))
+    floating = {n for n, b in model.named_buffers() if b.is_floating_point()}
+    assert set(forward_statistics(piped)) == floating
+    assert {"ema_in", "ema_out", "blocks.3.scale"} <= floating
+
+
 def test_a_stage_reading_a_module_it_does_not_hold_says_how_to_fix_it():
     """GPT-2's head written as F.linear(h, self.tok.weight): the last stage holds no tok, and
     the error names the module, the attribute and the fix."""
