@@ -111,7 +111,7 @@ def test_buffers_every_stage_holds_are_saved_as_the_stage_that_writes_them(tmp_p
     the last: the EMA of the features 1.8 relative away from one device's, the count 16 times
     it. Saved under 1F1B and ZB-V (rank 0 holds the first and the last stage) at step 2,
     exported, and resumed in one process, each matches one device with the microbatches as
-    accumulation steps."""
+    accumulation steps; resumed under dp=2, the losses and parameters do."""
     from plait.checkpoint.export import model_tensors
 
     job = dict(model="rootstats", opt="sgd", total=4)
@@ -122,7 +122,8 @@ def test_buffers_every_stage_holds_are_saved_as_the_stage_that_writes_them(tmp_p
         dict(plan="pp=2,schedule=1f1b,mb=2", steps=2, checkpoint=one, every=2, export=True,
              **job),
         dict(plan="pp=2,schedule=zbv,v=2,mb=2", steps=4, checkpoint=zbv, every=2, export=True,
-             **job)], timeout=240)[0]
+             **job),
+        dict(plan="dp=2", steps=4, load=one, export=True, **job)], timeout=240)[0]
     names = ("tokens_seen", "ema_in", "ema_out")
     for got, want in ((saved[0]["state"], ref2["state"]), (model_tensors(one)[0], ref2["state"]),
                       (saved[1]["state"], ref["state"]), (model_tensors(zbv)[0], ref["state"])):
@@ -130,6 +131,12 @@ def test_buffers_every_stage_holds_are_saved_as_the_stage_that_writes_them(tmp_p
                             RTOL) is None, {k: (got[k], want[k]) for k in names}
     assert int(ref["state"]["tokens_seen"]) == 4 * BATCH_TOKENS
     assert "last_norm" not in model_tensors(zbv)[0]  # a non-persistent buffer is not saved
+    # Into data parallelism: each replica keeps its own statistics of its rows (as the first
+    # step warns), the parameters are one device's.
+    params = {n for n, _ in u.MODELS["rootstats"]().named_parameters()}
+    assert _close(saved[2]["losses"], ref["losses"][2:]), (saved[2]["losses"], ref["losses"])
+    assert _state_close({k: saved[2]["state"][k] for k in params},
+                        {k: ref["state"][k] for k in params}, RTOL) is None
     resumed = u.train("grad_accum=2", steps=4, checkpoint=one, export=True, **job)
     assert _close(resumed["losses"], ref["losses"][2:]), (resumed["losses"], ref["losses"])
     assert _state_close(resumed["state"], ref["state"], RTOL) is None
