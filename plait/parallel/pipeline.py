@@ -659,18 +659,16 @@ def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
 def owner_finder(model: nn.Module, path: str, specs: list[StageSpec]
                  ) -> Callable[[StageInputs], dict[str, int]] | None:
     """Which stage's part of the forward writes each buffer every stage holds, asked on the
-    first step's inputs (:func:`~plait.parallel.pipeline_buffers.buffer_owners`); None when
-    no buffer is on every stage."""
+    first step's inputs (:func:`~plait.parallel.pipeline_buffers.buffer_owners`) of a
+    meta-device replica; None when no buffer is on every stage (or the model cannot be
+    copied: then each rank keeps what its stages wrote, as without this)."""
     names = every_stage_buffers([build_stage_module(model, path, s) for s in specs])
-    if not names:
+    replica = meta_replica(model) if names else None
+    if replica is None:
         return None
     bounds = [(s.start, s.end) for s in specs]
 
     def find(inputs: StageInputs) -> dict[str, int]:
-        replica = meta_replica(model)
-        if replica is None:
-            return {}
-
         def meta(v: Any) -> Any:
             return v.to("meta") if isinstance(v, torch.Tensor) else v
 
