@@ -60,6 +60,39 @@ class BnEmaLM(nn.Module):
         return self.head(self.norm(h))
 
 
+class RootStatsLM(nn.Module):
+    """Statistics the model's own forward keeps in buffers of the root module (not in a block,
+    so every pipeline stage holds them): a count of the tokens seen and an EMA of the embedded
+    features, written before the blocks; an EMA of the last block's output, written after them.
+    One stage's forward computes each from the real activations, the others' from another
+    stage's hidden states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema_in", torch.zeros(WIDTH))
+        self.register_buffer("ema_out", torch.zeros(WIDTH))
+        # not saved (persistent=False), written on every stage too
+        self.register_buffer("last_norm", torch.zeros(()), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        if self.training:
+            with torch.no_grad():
+                self.tokens_seen += tokens.numel()
+                self.ema_in.mul_(0.9).add_(0.1 * h.mean((0, 1)))
+        for block in self.blocks:
+            h = block(h)
+        if self.training:
+            with torch.no_grad():
+                self.ema_out.mul_(0.9).add_(0.1 * h.mean((0, 1)))
+                self.last_norm.copy_(h.norm())
+        return self.head(h)
+
+
 def _hf(kind: str) -> nn.Module:
     import transformers
 
@@ -78,7 +111,7 @@ def _hf(kind: str) -> nn.Module:
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "tied": partial(seeded, TiedLM), "lora": partial(seeded, LoraLM),
-    "bnema": partial(seeded, BnEmaLM),
+    "bnema": partial(seeded, BnEmaLM), "rootstats": partial(seeded, RootStatsLM),
     "llama": lambda: _hf("llama"), "gpt2": lambda: _hf("gpt2")}
 HF = ("llama", "gpt2")
 
@@ -142,7 +175,7 @@ def scheduler(kind: str | None, opt: torch.optim.Optimizer, total: int) -> Any:
 
 
 # The blocks' tensor-parallel layer plan (plait infers one for its own and Hugging Face models).
-BLOCKS = {"tied": "blocks", "lora": "stack", "bnema": "trunk"}
+BLOCKS = {"tied": "blocks", "lora": "stack", "bnema": "trunk", "rootstats": "blocks"}
 
 
 def _plan(plan: str, model: str) -> Any:

@@ -21,6 +21,7 @@ from plait.spawn import WorkerError, run_distributed
 from . import _workers_ckpt_users as u
 
 RTOL = 2e-6
+BATCH_TOKENS = u.BATCH * u.SEQ
 
 
 def _close(got: list[float], want: list[float], rtol: float = RTOL) -> bool:
@@ -100,3 +101,42 @@ def test_buffers_and_frozen_adapters_resume_across_layouts(tmp_path, no_group):
     plain = u.MODELS["lora"]()
     plain.load_state_dict(load_file(str(out)), strict=True)
     assert all(torch.equal(v, last["state"][k]) for k, v in plain.state_dict().items())
+
+
+def test_buffers_every_stage_holds_are_saved_as_the_stage_that_writes_them(tmp_path, no_group):
+    """The root's own buffers are on every pipeline stage, and the forward writes them on
+    every stage: a token count and an EMA of the embedded features (written before the blocks:
+    right on the first stage only), an EMA of the last block's output (on the last stage only).
+    A checkpoint took each from the rank DCP's balancing picked, ``run.full_state_dict`` from
+    the last: the EMA of the features 1.8 relative away from one device's, the count 16 times
+    it. Saved under 1F1B and ZB-V (rank 0 holds the first and the last stage) at step 2,
+    exported, and resumed in one process, each matches one device with the microbatches as
+    accumulation steps; resumed under dp=2, the losses and parameters do."""
+    from plait.checkpoint.export import model_tensors
+
+    job = dict(model="rootstats", opt="sgd", total=4)
+    ref2 = u.train("grad_accum=2", steps=2, export=True, **job)
+    ref = u.train("grad_accum=2", steps=4, export=True, **job)
+    one, zbv = str(tmp_path / "1f1b"), str(tmp_path / "zbv")
+    saved = run_distributed(u.runs, 2, [
+        dict(plan="pp=2,schedule=1f1b,mb=2", steps=2, checkpoint=one, every=2, export=True,
+             **job),
+        dict(plan="pp=2,schedule=zbv,v=2,mb=2", steps=4, checkpoint=zbv, every=2, export=True,
+             **job),
+        dict(plan="dp=2", steps=4, load=one, export=True, **job)], timeout=240)[0]
+    names = ("tokens_seen", "ema_in", "ema_out")
+    for got, want in ((saved[0]["state"], ref2["state"]), (model_tensors(one)[0], ref2["state"]),
+                      (saved[1]["state"], ref["state"]), (model_tensors(zbv)[0], ref["state"])):
+        assert _state_close({k: got[k] for k in names}, {k: want[k] for k in names},
+                            RTOL) is None, {k: (got[k], want[k]) for k in names}
+    assert int(ref["state"]["tokens_seen"]) == 4 * BATCH_TOKENS
+    assert "last_norm" not in model_tensors(zbv)[0]  # a non-persistent buffer is not saved
+    # Into data parallelism: each replica keeps its own statistics of its rows (as the first
+    # step warns), the parameters are one device's.
+    params = {n for n, _ in u.MODELS["rootstats"]().named_parameters()}
+    assert _close(saved[2]["losses"], ref["losses"][2:]), (saved[2]["losses"], ref["losses"])
+    assert _state_close({k: saved[2]["state"][k] for k in params},
+                        {k: ref["state"][k] for k in params}, RTOL) is None
+    resumed = u.train("grad_accum=2", steps=4, checkpoint=one, export=True, **job)
+    assert _close(resumed["losses"], ref["losses"][2:]), (resumed["losses"], ref["losses"])
+    assert _state_close(resumed["state"], ref["state"], RTOL) is None

@@ -212,6 +212,59 @@ def test_residuals_in_an_untraceable_parent_are_found_by_running_it():
         torch.testing.assert_close(last(first(tokens)), model(tokens))
 
 
+class _CountingBlock(nn.Module):
+    """A block that counts its calls in a buffer it reassigns (``+=`` on a 0-dim tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 8)
+        self.down = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return h + self.down(torch.relu(self.up(h)))
+
+
+def test_fx_traces_leave_a_forward_that_assigns_to_its_module_unchanged():
+    """fx runs a forward on proxies: ``self.tokens_seen += n`` stored an fx Proxy in the
+    user's model in place of the buffer (at the pipeline split and in TP plan inference), and
+    ``model.to(device)`` then failed with fx's "symbolically traced variables cannot be used as
+    inputs to control flow". The traces put every module back as it was."""
+    from plait.parallel.tp_infer import trace_block
+    from tests._workers_ckpt_users import MODELS
+
+    model = MODELS["rootstats"]()
+    before = dict(model.named_buffers())
+    assert additive_modules(model, "blocks") == set()
+    for spec in plan_stages(model, Plan(pp=2, microbatches=2))[1]:
+        build_stage_module(model, "blocks", spec)
+    block = _CountingBlock()
+    calls = block.calls
+    assert not isinstance(trace_block(block), str)
+    assert dict(model.named_buffers()) == before and block.calls is calls
+    model.to(torch.float64)  # what failed
+    assert model.tokens_seen.dtype == torch.long and block.calls.item() == 0
+
+
+def test_buffers_a_step_changes_are_named_as_the_model_names_them():
+    """The data-parallel warning about buffers a training step changed named a pipeline's
+    buffers by the pipelined model's ``stages.0.ema_in``, a name the user's model lacks."""
+    from plait.parallel.batchnorm import forward_statistics
+    from plait.parallel.layout import Layout, record_layout
+    from plait.parallel.pipeline import PipelinedModel
+    from tests._workers_ckpt_users import MODELS
+
+    model = MODELS["rootstats"]()
+    path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
+    stages = [build_stage_module(model, path, s) for s in specs]
+    piped = record_layout(PipelinedModel(stages), Layout(applied=("pipeline",),
+                                                         stages=tuple(stages)))
+    floating = {n for n, b in model.named_buffers() if b.is_floating_point()}
+    assert set(forward_statistics(piped)) == floating
+    assert {"ema_in", "ema_out", "blocks.3.scale"} <= floating
+
+
 def test_a_stage_reading_a_module_it_does_not_hold_says_how_to_fix_it():
     """GPT-2's head written as F.linear(h, self.tok.weight): the last stage holds no tok, and
     the error names the module, the attribute and the fix."""

@@ -175,6 +175,7 @@ def forward_statistics(module: nn.Module) -> dict[str, torch.Tensor]:
     compares after a step to find buffers the forward updates."""
     from torch.distributed.tensor import DTensor
 
+    from .layout import local_modules
     from .units import canonical_name
 
     def local(b: torch.Tensor) -> torch.Tensor:
@@ -183,8 +184,10 @@ def forward_statistics(module: nn.Module) -> dict[str, torch.Tensor]:
         return b.to_local() if isinstance(b, DTensor) else b
 
     norms = {id(m) for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    # A pipeline's stage modules name their buffers as the user's model does.
     return {canonical_name(f"{owner}.{name}" if owner else name): local(b).detach().clone()
-            for owner, m in module.named_modules() if id(m) not in norms
+            for stage in local_modules(module)
+            for owner, m in stage.named_modules() if id(m) not in norms
             for name, b in m.named_buffers(recurse=False) if b.is_floating_point()}
 
 

@@ -37,6 +37,13 @@ from ..loss import label_shift, loss_sum_and_count, shifts_labels
 from ..mesh import Mesh
 from ..plan import PP_SCHEDULES, Plan
 from .layout import Layout, layout_of, record_layout
+from .pipeline_buffers import (
+    broadcast_owned,
+    buffer_owners,
+    every_stage_buffers,
+    foreign_kept,
+    named_buffer,
+)
 from .pipeline_chain import chain_break, meta_replica, unchained_message
 from .pipeline_hf import is_hf_model
 from .pipeline_split import (
@@ -89,6 +96,9 @@ class TimedStage(PipelineStage):
     """A PipelineStage that reports each forward/backward to a Timeline while one records."""
 
     timeline: Timeline | None = None
+    # The buffers this stage holds that another stage's part of the forward writes: what this
+    # stage's forward writes to them is put back (plait.parallel.pipeline_buffers).
+    foreign: list[torch.Tensor] = []
 
     def _prepare_forward_infra(self, *args, **kwargs):  # type: ignore[override]
         # torch 2.13 infers stage shapes by running the submodule once, outside DDP's no_sync.
@@ -104,7 +114,8 @@ class TimedStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):  # type: ignore[override]
         start = now()
-        out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        with foreign_kept(self.foreign):
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         if self.timeline is not None:
             self.timeline.add(self.stage_index, "F", fwd_chunk_id, start, now())
         return out
@@ -333,6 +344,13 @@ class PipelineRunner:
         # copies by (one-device name, stage, name in the stage, copy): see check_tied_settings.
         self.has_ties = False
         self.tied_copies: list[tuple[str, int, str, nn.Parameter]] = []
+        # Buffers every stage holds: which stage writes each, asked once on the first step's
+        # inputs (find_owners), then this rank's copies with their owners' pp ranks, broadcast
+        # after each training step over pp_group (plait.parallel.pipeline_buffers).
+        self.find_owners: Callable[[StageInputs], dict[str, int]] | None = None
+        self.stage_rank: list[int] = []
+        self.pp_group: Any = None
+        self.owned: list[tuple[torch.Tensor, int]] = []
 
     def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one microbatch. torch's schedules split a *tensor* target
@@ -386,6 +404,17 @@ class PipelineRunner:
                 grad = param.grad = grad.redistribute(placements=placements)
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             torch.distributed.all_reduce(local, group=group)
+
+    def own_buffers(self, owners: dict[str, int]) -> None:
+        """Set up the buffers every stage holds that the forward writes, ``owners`` giving the
+        stage that writes each: the other local stages put back their writes, and
+        :func:`~plait.parallel.pipeline_buffers.broadcast_owned` gives every rank the owner's."""
+        for stage in self.stages:
+            stage.foreign = [named_buffer(stage.submod, n) for n, s in sorted(owners.items())
+                             if s != stage.stage_index]
+        holder = self.stages[0].submod
+        self.owned = [(named_buffer(holder, n), self.stage_rank[s])
+                      for n, s in sorted(owners.items())]
 
     def check_tied_settings(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer that gives the copies of a weight tied across stages different
@@ -482,6 +511,9 @@ class PipelineRunner:
         if self.check_split is not None:  # the first step: every rank, before any sends
             add_zero_stand_ins([s.submod for s in self.stages], self.check_split(laid_out))
             self.check_split = None
+        if self.find_owners is not None:
+            self.own_buffers(self.find_owners(laid_out))
+            self.find_owners = None
         self._loss_fn = loss_fn
         self._totals = {}
         if self._schedule is None:
@@ -512,6 +544,8 @@ class PipelineRunner:
             self._first_label_skipped, self._step_answers = self._step_answers, None
         if train:
             self.sync_tied_gradients()
+            if self.owned:
+                broadcast_owned(self.owned, self.pp_group)
         if not self.has_last:
             return torch.full((2,), float("nan"), device=device)
         return torch.stack(list(self._totals.values())).sum(0).to(device)
@@ -620,6 +654,28 @@ def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
         return found
 
     return check
+
+
+def owner_finder(model: nn.Module, path: str, specs: list[StageSpec]
+                 ) -> Callable[[StageInputs], dict[str, int]] | None:
+    """Which stage's part of the forward writes each buffer every stage holds, asked on the
+    first step's inputs (:func:`~plait.parallel.pipeline_buffers.buffer_owners`) of a
+    meta-device replica; None when no buffer is on every stage (or the model cannot be
+    copied: then each rank keeps what its stages wrote, as without this)."""
+    names = every_stage_buffers([build_stage_module(model, path, s) for s in specs])
+    replica = meta_replica(model) if names else None
+    if replica is None:
+        return None
+    bounds = [(s.start, s.end) for s in specs]
+
+    def find(inputs: StageInputs) -> dict[str, int]:
+        def meta(v: Any) -> Any:
+            return v.to("meta") if isinstance(v, torch.Tensor) else v
+
+        return buffer_owners(replica, path, bounds, names, meta(inputs.first),
+                             {k: meta(v) for k, v in inputs.every.items()})
+
+    return find
 
 
 def _tie_groups(ties: list[dict[int, str]], mesh: Mesh, plan: Plan) -> list[Any]:
@@ -785,6 +841,9 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
                             model_name=type(model).__name__,
                             shifts_labels=shifts_labels(model), packer=packer)
     runner.check_split = split_checker(model, path, specs)
+    runner.find_owners = owner_finder(model, path, specs)
+    runner.stage_rank = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
+    runner.pp_group = pp_mesh.get_group()
     runner.tied = _local_ties(ties, groups, dict(zip(mine, modules, strict=True)))
     runner.has_ties = bool(ties)
     runner.tied_copies = _named_copies(model, ties, dict(zip(mine, modules, strict=True)))

@@ -50,6 +50,7 @@ from .._torch_compat import is_view
 from ..partition import balanced_partition, even_split
 from ..partition import bounds as block_bounds
 from ..plan import Plan
+from .fx_trace import trace_kept
 from .pipeline_chain import chain_break, meta_replica, unchained_message
 from .pipeline_hf import adapt_hf_forward, hf_added_embeddings, is_hf_model
 
@@ -487,7 +488,7 @@ def additive_modules(model: nn.Module, path: str) -> set[str] | None:
             return qualname in leaves or super().is_leaf_module(m, qualname)
 
     try:
-        graph = Tracer().trace(parent)
+        graph = trace_kept(Tracer(), parent)
     except Exception:  # noqa: BLE001 - untraceable forward: checked at the first step
         return None
     inputs = [n for n in graph.nodes if n.op == "placeholder"]

@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
+from .fx_trace import trace_kept
 from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owners, replicated_kv
 from .tp_lora import base_linear, expand, low_rank_parts
 from .tp_plans import STYLES, TPPlan, under
@@ -109,7 +110,7 @@ class _LinearTracer(fx.Tracer):
 def trace_block(block: nn.Module) -> fx.Graph | str:
     """``block``'s dataflow graph traced by torch.fx, or why fx cannot trace it."""
     try:
-        return _LinearTracer().trace(block)
+        return trace_kept(_LinearTracer(), block)
     except Exception as exc:  # noqa: BLE001 - fx raises anything; data-dependent control flow, unsupported calls, ...
         return f"torch.fx cannot trace it ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
 
