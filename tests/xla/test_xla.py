@@ -220,9 +220,10 @@ def test_checkpoints_on_one_xla_device_resume_exactly_and_load_on_cpu(cpu_checkp
     result = run_case("checkpoint_single", 1, str(cpu_checkpoint))
     for name in ("one device", "cpu -> xla", "xla -> cpu"):
         _resumes(name, result[name])
-    # init(checkpoint=, every=2): saved at step 2 and as the run finished at step 3
+    # init(checkpoint=, every=2): the first run saved at step 2 and as it finished at step 3,
+    # the resumed one at step 4
     every = result["init(checkpoint=)"]
-    assert every["saved"] == ["step-00000002", "step-00000003"]
+    assert every["saved"] == ["step-00000002", "step-00000003", "step-00000004"]
     _resumes("init(checkpoint=)", every, start=3)
     refusal = result["async refusal"]
     assert refusal.startswith("async_save=True is not built on XLA SPMD") and "drop it" in refusal
