@@ -50,7 +50,7 @@ def save_planner() -> Any:
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
-    class OnceSPMDSavePlanner(SPMDSavePlanner):  # type: ignore[misc]
+    class OnceSPMDSavePlanner(SPMDSavePlanner):
         def create_local_plan(self) -> Any:
             plan = super().create_local_plan()
             seen, items = set(), []
@@ -72,7 +72,7 @@ def load_planner() -> Any:
 
     from .errors import CheckpointError
 
-    class SafeSPMDLoadPlanner(SPMDLoadPlanner):  # type: ignore[misc]
+    class SafeSPMDLoadPlanner(SPMDLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             try:
                 obj = torch.load(value, weights_only=True)
