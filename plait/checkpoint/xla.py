@@ -12,7 +12,7 @@ plan) and the reverse. What differs from the other layouts, and is done here:
   it, so the file holds the user's parameter names (``blocks.0.fc1.weight``).
 * **Loading in place.** ``SPMDLoadPlanner`` writes each chunk into the device shard it belongs
   to; it reads non-tensor values with ``torch.load``, which here goes through
-  ``weights_only=True`` as every other plait load does (:class:`SafeSPMDLoadPlanner`).
+  ``weights_only=True`` as every other plait load does (:func:`load_planner`).
 * **Random state.** torch_xla keeps its generator's state as one integer per device
   (``xm.get_rng_state``), not in ``torch.get_device_module``.
 """
