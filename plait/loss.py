@@ -35,8 +35,8 @@ is read once that step's graph has run (:func:`settle_answers`). A model's own l
 (``loss_fn=None``) cannot be asked again without running the model: a Hugging Face causal LM
 is known to shift (:func:`shifts_labels`); any other model's ``output.loss`` is compared with
 the mean cross-entropy of its ``output.logits`` against the labels shifted and unshifted
-(:func:`own_loss_skips_first_label`), once per run (not on XLA: there such a model's loss is
-counted over every label, so under ``grad_accum`` > 1 it should be computed by a ``loss_fn``).
+(:func:`own_loss_skips_first_label`), once per run (on XLA on the device, as for a loss
+function, :func:`own_loss_skips_first_label_on_device`).
 
 What happens otherwise: a scalar that is *not* a mean over those counted items (a sum, or a mean
 over items the targets do not show) is still weighted by the count, so the layout trains a
@@ -158,15 +158,12 @@ def first_label_skipped(value: Any, targets: Any, recompute: Callable[[Any], Any
     (:func:`skips_first_label_on_device`), kept in ``known`` until :func:`settle_answers`."""
     if isinstance(value, (tuple, list)):
         return False
-    if key in known:
+    if key in known and not isinstance(known[key], torch.Tensor):
         return known[key]
     labels = _counted(targets)
     if isinstance(labels, torch.Tensor) and labels.device.type == "xla":
-        on_device = skips_first_label_on_device(_full(value), targets, recompute)
-        if on_device is None:
-            return False
-        known[key] = on_device  # read by settle_answers once the step's graph has run
-        return on_device == 1
+        return _answer_on_device(known, key, skips_first_label_on_device(_full(value), targets,
+                                                                          recompute))
     verdict = skips_first_label(_full(value), targets, recompute)
     if verdict is None:  # this micro-batch cannot tell (its two counts agree, or every
         return False     # item's loss is the same): counted whole, asked again next time
@@ -203,6 +200,21 @@ def skips_first_label_on_device(loss: torch.Tensor, targets: Any,
     return torch.where(known.to(verdict.device), verdict, -1)
 
 
+def _answer_on_device(known: dict[Any, Any], key: Any, answer: torch.Tensor | None
+                      ) -> torch.Tensor | bool:
+    """Keep this micro-batch's on-device ``answer`` (1, 0, -1) under ``key`` until
+    :func:`settle_answers` reads it, the step's earlier micro-batches' answer first where they
+    could tell (as one device asks again after a micro-batch that could not); return whether
+    this micro-batch's count leaves the first labels out (a 0-dim bool tensor, or False)."""
+    pending = known.get(key)
+    if answer is None:
+        return pending == 1 if isinstance(pending, torch.Tensor) else False
+    if isinstance(pending, torch.Tensor):
+        answer = torch.where(pending >= 0, pending, answer.to(pending.device))
+    known[key] = answer
+    return answer == 1
+
+
 def settle_answers(known: dict[Any, Any]) -> None:
     """Read the answers :func:`first_label_skipped` left on the device (XLA) once the step's
     graph has run (a copy, no execution): 1 or 0 is kept for the rest of the run, -1 (this
@@ -225,8 +237,12 @@ def label_shift(loss_fn: Callable | None, output: Any, value: Any, targets: Any,
     if loss_fn is None:
         if model_shifts or isinstance(value, (tuple, list)):
             return model_shifts
-        if _OWN_LOSS in known:
+        if _OWN_LOSS in known and not isinstance(known[_OWN_LOSS], torch.Tensor):
             return known[_OWN_LOSS]
+        labels = _counted(targets)
+        if isinstance(labels, torch.Tensor) and labels.device.type == "xla":
+            return _answer_on_device(known, _OWN_LOSS,
+                                     own_loss_skips_first_label_on_device(value, output, targets))
         verdict = own_loss_skips_first_label(value, output, targets)
         if verdict is None:  # this micro-batch cannot tell: counted whole, asked again
             return False
@@ -248,9 +264,48 @@ def own_loss_skips_first_label(value: Any, output: Any, targets: Any) -> bool | 
     neither (label smoothing, an extra term): counted over every label, and not asked again
     (each asking is two cross-entropies over the vocabulary and a host sync). None when this
     micro-batch cannot tell: no logits of the labels' shape, every first label ignored, or both
-    match (every item's loss the same). Not asked on
-    XLA (a host sync mid-step): there such a model's loss should be counted by a ``loss_fn``
-    returning ``(sum, count)``."""
+    match (every item's loss the same). On XLA
+    :func:`own_loss_skips_first_label_on_device` asks it instead, without reading the answer
+    mid-step."""
+    probe = _own_loss_probe(value, output, targets)
+    if probe is None or probe[0].device.type in ("meta", "xla"):
+        return None
+    labels, before, shifted, whole = probe
+    if not bool((labels[..., 0] != IGNORE_INDEX).any()) or not bool(before.isfinite()):
+        return None
+
+    def near(t: torch.Tensor) -> bool:
+        return bool(torch.allclose(t, before.to(t.device), rtol=1e-4, atol=0.0))
+    reads_shifted, reads_whole = near(shifted), near(whole)
+    if reads_shifted != reads_whole:
+        return reads_shifted
+    return None if reads_shifted else False
+
+
+def own_loss_skips_first_label_on_device(value: Any, output: Any, targets: Any
+                                         ) -> torch.Tensor | None:
+    """:func:`own_loss_skips_first_label`'s answer as a 0-dim integer tensor on the device (1:
+    skips, 0: reads them or is neither, -1: this micro-batch cannot tell), computed without
+    reading a value on the host, for XLA. None when shapes or types already say it cannot
+    tell."""
+    probe = _own_loss_probe(value, output, targets)
+    if probe is None:
+        return None
+    labels, before, shifted, whole = probe
+    reads_shifted = torch.isclose(shifted, before, rtol=1e-4, atol=0.0)
+    reads_whole = torch.isclose(whole, before, rtol=1e-4, atol=0.0)
+    verdict = torch.where(reads_shifted != reads_whole, reads_shifted.int(),
+                          torch.where(reads_shifted, -1, 0))
+    known = (labels[..., 0] != IGNORE_INDEX).any() & before.isfinite()
+    return torch.where(known, verdict, -1)
+
+
+def _own_loss_probe(value: Any, output: Any, targets: Any
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(labels, the model's loss, the mean cross-entropy of ``output.logits`` against the
+    labels shifted by one, and against them unshifted), each loss a 0-dim float tensor
+    without gradient; None when the output has no logits of the labels' shape or the loss is
+    not one number."""
     labels = _counted(targets)
     logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits",
                                                                             None)
@@ -258,15 +313,10 @@ def own_loss_skips_first_label(value: Any, output: Any, targets: Any) -> bool | 
             or labels.ndim < 2 or labels.shape[-1] < 2 or labels.is_floating_point()
             or labels.is_complex() or labels.dtype == torch.bool
             or tuple(logits.shape[:-1]) != tuple(labels.shape)
-            or labels.device.type in ("meta", "xla") or logits.device.type in ("meta", "xla")):
-        return None
-    if not bool((labels[..., 0] != IGNORE_INDEX).any()):
+            or labels.device.type == "meta" or logits.device.type == "meta"):
         return None
     loss = _full(value)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        return None
-    before = loss.detach().float().reshape(())
-    if not bool(before.isfinite()):
         return None
     vocab = logits.shape[-1]
     with torch.no_grad():
@@ -274,14 +324,9 @@ def own_loss_skips_first_label(value: Any, output: Any, targets: Any) -> bool | 
             logits[..., :-1, :].reshape(-1, vocab).float(), labels[..., 1:].reshape(-1)))
         whole = _full(torch.nn.functional.cross_entropy(
             logits.reshape(-1, vocab).float(), labels.reshape(-1)))
-
-    def near(t: torch.Tensor) -> bool:
-        return bool(torch.allclose(t.float().reshape(()), before.to(t.device), rtol=1e-4,
-                                   atol=0.0))
-    reads_shifted, reads_whole = near(shifted), near(whole)
-    if reads_shifted != reads_whole:
-        return reads_shifted
-    return None if reads_shifted else False
+    before = loss.detach().float().reshape(())
+    return (labels, before.to(shifted.device), shifted.float().reshape(()),
+            whole.float().reshape(()))
 
 
 def _loss_key(loss_fn: Callable) -> Any:

@@ -195,6 +195,7 @@ class Run:
 
             out = apply_spmd(model, self.spmd, device=self.device)
             self._models.append(out)
+            self._resume_weights(out)
             return out
         if self.ledger is not None and (self.plan.tp > 1 or self.plan.pp > 1):
             from .comm.predict import planner_stats
@@ -216,7 +217,7 @@ class Run:
             return
         from .checkpoint import load_weights
 
-        if load_weights(ckpt.resume_path, model):
+        if load_weights(ckpt.resume_path, model, device=self.device):
             ckpt.weights_in, ckpt.weights_state = model, _tensor_versions(model)
 
     def loader(self, dataset: Dataset, batch_size: int, *, steps: int | None = None,
@@ -485,8 +486,6 @@ class Run:
         """
         from .checkpoint import CheckpointError, save
 
-        if self.spmd is not None:
-            raise CheckpointError(_NO_XLA_CHECKPOINT.format(call="run.save()"))
         ckpt = self.checkpointing
         if path is None and ckpt is None:
             raise CheckpointError("run.save() needs a folder: run.save('ckpt/') or "
@@ -525,10 +524,6 @@ class Run:
         run's model and optimizer, whatever plan and world size it was saved under; later
         ``run.loader(...)`` calls and step numbers continue from its step, which is returned.
         Collective: every rank calls it."""
-        if self.spmd is not None:
-            from .checkpoint import CheckpointError
-
-            raise CheckpointError(_NO_XLA_CHECKPOINT.format(call="run.load()"))
         return self._load(path, model, optimizer, scheduler, move_loader=True)
 
     def _load(self, path: str | Path, model: nn.Module | None,
@@ -919,14 +914,6 @@ def _refuse_compiled_wrapper(model: nn.Module) -> None:
         raise ValueError(why)
 
 
-# run.save() / run.load() under PyTorch/XLA SPMD: what to do instead.
-_NO_XLA_CHECKPOINT = (
-    "{call} is not built on XLA SPMD (the compiler shards its tensors, which "
-    "torch.distributed.checkpoint does not read); keep the weights with "
-    "torch.save(run.full_state_dict(model), 'model.pt') and give them to the model's "
-    "load_state_dict before run.parallelize")
-
-
 def _count_items(batch: Any) -> tuple[int, str]:
     """What throughput counts in a local batch, and its unit: token ids (an integer input of
     one or two dimensions) count each id; a sequence of vectors (a float input of batch x
@@ -1074,10 +1061,14 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
     auto = isinstance(plan, str) and plan.strip() == "auto"
     layout = None
     if acc.spmd:  # PyTorch/XLA: one process per host, the plan spans the slice's devices
-        if ledger or checkpointing is not None or auto:
-            raise ValueError("ledger=, checkpoint= and plan='auto' are not built on XLA SPMD "
-                             "(its collectives are inside the compiled program); drop them "
-                             "with --accelerator xla")
+        if ledger or auto:
+            raise ValueError("ledger= and plan='auto' are not built on XLA SPMD (its "
+                             "collectives are inside the compiled program); drop them with "
+                             "--accelerator xla")
+        if checkpointing is not None and checkpointing.async_save:
+            raise ValueError("async_save=True is not built on XLA SPMD (a background save "
+                             "would read the device while the next step runs); drop it: "
+                             "checkpoints on XLA are written before the next step starts")
         from .parallel.xla_spmd import build_layout
 
         layout = build_layout(Plan.load(plan) if plan is not None else None)  # before tensors
@@ -1133,7 +1124,8 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
         run.checkpointing = checkpointing
         run.first_step = checkpointing.resume_step
         run.print(checkpointing.note)
-        run._stop_on_sigterm(run._final_checkpoint)  # preemption: save, then leave
+        if layout is None:  # XLA: no per-step agreement between hosts to stop on, see docs
+            run._stop_on_sigterm(run._final_checkpoint)  # preemption: save, then leave
     from .lifecycle import AttemptRecord, node_note
 
     run._attempt = AttemptRecord.for_worker(rank, os.environ)

@@ -1,5 +1,6 @@
-"""``plait.loss.skips_first_label_on_device`` (the question XLA asks without a host read), run
-on the CPU beside the host version it stands in for, and ``settle_answers``."""
+"""``plait.loss.skips_first_label_on_device`` and ``own_loss_skips_first_label_on_device`` (the
+questions XLA asks without a host read), run on the CPU beside the host versions they stand in
+for, and how the answers of a step's micro-batches are kept and settled."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import torch.nn.functional as F
 
 from plait.loss import (
     IGNORE_INDEX,
+    _answer_on_device,
     loss_sum_and_count,
+    own_loss_skips_first_label,
+    own_loss_skips_first_label_on_device,
     settle_answers,
     skips_first_label,
     skips_first_label_on_device,
@@ -55,3 +59,32 @@ def test_a_micro_batch_that_cannot_tell_is_asked_again():
     known = {"a": answer, "b": torch.tensor(1), "c": torch.tensor(0), "d": True}
     settle_answers(known)
     assert known == {"b": True, "c": False, "d": True}
+
+
+def test_a_models_own_loss_device_answer_is_the_host_answer():
+    """A model's ``output.loss`` against its ``output.logits``: shifted (1), unshifted (0),
+    neither (label smoothing: 0, for good), and a micro-batch that cannot tell (-1)."""
+    logits, labels = _batch()
+    smoothed = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), label_smoothing=0.1)
+    ignored = labels.clone()
+    ignored[:, 0] = IGNORE_INDEX
+    cases = ((shifted(logits, labels), labels, 1, True), (whole(logits, labels), labels, 0, False),
+             (smoothed, labels, 0, False), (shifted(logits, ignored), ignored, -1, None))
+    for value, targets, expected, host in cases:
+        output = {"loss": value, "logits": logits}
+        assert int(own_loss_skips_first_label_on_device(value, output, targets)) == expected
+        assert own_loss_skips_first_label(value, output, targets) is host
+
+
+def test_a_later_micro_batch_answers_where_the_first_could_not():
+    """Within the first step, micro-batch 1 cannot tell (-1) and micro-batch 2 can: the count
+    of micro-batch 2 follows its own answer, and the step keeps it; an answer already given is
+    kept over a later one."""
+    known: dict = {}
+    assert not bool(_answer_on_device(known, "k", torch.tensor(-1)))
+    assert bool(_answer_on_device(known, "k", torch.tensor(1)))
+    assert not bool(_answer_on_device(known, "j", torch.tensor(0)))
+    assert not bool(_answer_on_device(known, "j", torch.tensor(1)))
+    assert not _answer_on_device(known, "none", None)
+    settle_answers(known)
+    assert known == {"k": True, "j": False}

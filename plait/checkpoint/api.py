@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from ..parallel.layout import local_modules
 from . import state as st
-from . import store
+from . import store, xla
 from .errors import CheckpointError
 from .safe import read_metadata, read_tensors
 
@@ -124,6 +124,12 @@ def save(folder: str | Path, *, step: int, model: nn.Module,
 
     folder = Path(folder)
     device = device or torch.device("cpu")
+    on_xla = xla.is_xla(device)
+    if on_xla:
+        if async_group is not None:
+            raise CheckpointError("a background save (async_save) is not built on XLA; save "
+                                  "with async_save=False")
+        xla.materialize()  # every tensor read below holds its value and its sharding
     model_sd, optim_tensors, settings, _ = st.collect(model, optimizer)
     local = {"rng": st.rng_state(device), "settings": settings}
     gathered = _gather_to_main(local, None)
@@ -162,7 +168,7 @@ def save(folder: str | Path, *, step: int, model: nn.Module,
     if async_group is not None:
         pending.future = dcp.async_save(state, storage_writer=writer, process_group=async_group)
         return pending
-    dcp.save(state, storage_writer=writer)
+    dcp.save(state, storage_writer=writer, planner=xla.save_planner() if on_xla else None)
     error = None
     if manifest is not None:
         try:
@@ -241,6 +247,7 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
     refused instead.
     """
     device = device or torch.device("cpu")
+    on_xla = xla.is_xla(device)
     step_dir = manifest = metadata = None
     error = None
     try:
@@ -252,6 +259,8 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
     _agree(error)
     assert step_dir is not None and manifest is not None and metadata is not None
     model_sd, optim_tensors, wanted, strided = st.collect(model, optimizer)
+    if on_xla:  # the optimizer state collect made for a fresh optimizer, computed and
+        xla.materialize()  # sharded as the parameters are, so DCP writes into each shard
     _agree(_check_model(step_dir, metadata, model_sd))
     error = None
     if optimizer is not None:
@@ -281,7 +290,7 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
     if optimizer is not None and optim_tensors:
         request[OPTIM] = optim_tensors
     if request:
-        read_tensors(step_dir, request)
+        read_tensors(step_dir, request, planner=xla.load_planner() if on_xla else None)
     settings: dict[str, dict[str, Any]] = {}
     for group in (manifest.get("optimizer") or {}).get("param_groups", []):
         values = store.from_plain(group["settings"])
@@ -291,6 +300,8 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
              settings, wanted if optimizer is not None else {}, strided)
     if scheduler is not None:
         scheduler.load_state_dict(store.from_plain(manifest["scheduler"]))
+    if on_xla:
+        xla.materialize()  # the loaded values in place before the next step's graph
     rank, world = dist.get_rank(), dist.get_world_size()
     rngs = manifest.get("rng") or []
     source = rng_source(rank, world, len(rngs)) if restore_rng else None
@@ -303,7 +314,8 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
                   rng_restored=source is not None, rng_rank=source, notes=notes)
 
 
-def load_weights(path: str | Path, model: nn.Module) -> bool:
+def load_weights(path: str | Path, model: nn.Module, device: torch.device | None = None
+                 ) -> bool:
     """Load only the model's weights from the checkpoint at ``path`` when ``model`` is the model
     it holds (the same parameter names and shapes, any layout); False, with nothing read, when
     it is another model. Collective: every rank calls it and all get the same answer.
@@ -321,11 +333,16 @@ def load_weights(path: str | Path, model: nn.Module) -> bool:
         error = str(exc)
     _agree(error)
     assert step_dir is not None and metadata is not None
+    on_xla = xla.is_xla(device)
+    if on_xla:
+        xla.materialize()
     model_sd, _, _, strided = st.collect(model, None)
     if _check_model(step_dir, metadata, model_sd) is not None:
         return False
-    read_tensors(step_dir, {MODEL: model_sd})
+    read_tensors(step_dir, {MODEL: model_sd}, planner=xla.load_planner() if on_xla else None)
     st.apply(model, None, model_sd, {}, {}, {}, strided)
+    if on_xla:
+        xla.materialize()
     return True
 
 

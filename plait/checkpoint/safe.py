@@ -92,8 +92,12 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def read_tensors(step_dir: Path, state: dict[str, Any], *, no_dist: bool = False) -> None:
+def read_tensors(step_dir: Path, state: dict[str, Any], *, no_dist: bool = False,
+                 planner: Any = None) -> None:
     """Fill ``state`` in place from the checkpoint folder ``step_dir`` with DCP, safely.
+
+    ``planner``: a load planner that reads non-tensor values safely too (PyTorch/XLA's, see
+    :mod:`plait.checkpoint.xla`); default :class:`SafeLoadPlanner`.
 
     DCP reports any rank's failure as a ``CheckpointException`` (a BaseException carrying each
     rank's exception); it becomes one CheckpointError: ours as raised (a refused value), any
@@ -102,7 +106,7 @@ def read_tensors(step_dir: Path, state: dict[str, Any], *, no_dist: bool = False
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(state, storage_reader=SafeReader(step_dir), planner=SafeLoadPlanner(),
+        dcp.load(state, storage_reader=SafeReader(step_dir), planner=planner or SafeLoadPlanner(),
                  no_dist=no_dist)
     except CheckpointError:
         raise

@@ -146,9 +146,25 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None
             settings.setdefault(own.get(fqn, fqn), {})[setting] = value
         else:
             tensors[_renamed(key, own)] = value
+    names = _wrapped_names(module)
+    if names:
+        back = {one: name for name, one in names.items()}
+        model_sd = {back.get(k, k): v for k, v in model_sd.items()}
+        tensors = {_renamed(k, back): v for k, v in tensors.items()}
+        settings = {back.get(k, k): v for k, v in settings.items()}
     model_sd, model_live = _whole(model_sd)
     tensors, optim_live = _whole(tensors)
-    return model_sd, tensors, settings, Strided(model_live, optim_live)
+    return model_sd, tensors, settings, Strided(model_live, optim_live, names)
+
+
+def _wrapped_names(module: nn.Module) -> dict[str, str]:
+    """{the user's name: the live name} of each parameter and buffer whose live name holds
+    FSDPv2's wrapper part (PyTorch/XLA), which ``get_state_dict`` keeps; empty elsewhere."""
+    if not any(type(m).__name__ == "SpmdFullyShardedDataParallel" for m in module.modules()):
+        return {}
+    from .xla import user_name
+
+    return {user_name(k): k for k in module.state_dict(keep_vars=True) if user_name(k) != k}
 
 
 def _renamed(key: str, names: dict[str, str]) -> str:
@@ -167,6 +183,9 @@ class Strided:
 
     model: dict[str, Any] = field(default_factory=dict)
     optim: dict[str, Any] = field(default_factory=dict)
+    # {the user's name: the live one} where a wrapper torch's helpers do not strip (FSDPv2 on
+    # PyTorch/XLA) is in the live name: the checkpoint holds the user's, the model the live one.
+    names: dict[str, str] = field(default_factory=dict)
 
 
 def _whole(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -208,11 +227,15 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: d
         model_sd = _cut(model_sd, strided.model)
         optim_tensors = _cut(optim_tensors, strided.optim)
     stage = {one: name for name, one in layout_of(model).tied_names.items()}
-    optim_sd: dict[str, Any] = {_renamed(k, stage): v for k, v in optim_tensors.items()}
+    live = strided.names if strided is not None else {}
+    model_sd = {live.get(k, k): v for k, v in model_sd.items()}
+    optim_sd: dict[str, Any] = {_renamed(_renamed(k, stage), live): v
+                                for k, v in optim_tensors.items()}
     for fqn, current in wanted.items():
         saved = settings.get(fqn, {})
+        name = stage.get(fqn, fqn)
         for key, value in current.items():
-            optim_sd[f"{_GROUPS}{stage.get(fqn, fqn)}.{key}"] = saved.get(key, value)
+            optim_sd[f"{_GROUPS}{live.get(name, name)}.{key}"] = saved.get(key, value)
     with _without_empty_groups(optim):
         set_state_dict(module, [optim] if optim is not None else [],
                        model_state_dict=model_sd, optim_state_dict=optim_sd, options=_OPTIONS)
@@ -237,7 +260,11 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 
     state: dict[str, Any] = {"torch": _b64(torch.get_rng_state()),
                              "python": to_plain(random.getstate(), "random state")}
-    if device.type not in ("cpu", "meta"):
+    if device.type == "xla":  # torch_xla's generator: one integer, not a device module's
+        from .xla import rng_state as xla_rng_state
+
+        state["xla"] = xla_rng_state()
+    elif device.type not in ("cpu", "meta"):
         module = torch.get_device_module(device)
         if hasattr(module, "get_rng_state"):
             state["accelerator"] = _b64(module.get_rng_state(device).cpu())
@@ -255,7 +282,11 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
     torch.set_rng_state(_tensor(state["torch"]))
     random.setstate(from_plain(state["python"]))
-    if "accelerator" in state and device.type not in ("cpu", "meta"):
+    if "xla" in state and device.type == "xla":
+        from .xla import set_rng_state as set_xla_rng_state
+
+        set_xla_rng_state(state["xla"])
+    if "accelerator" in state and device.type not in ("cpu", "meta", "xla"):
         torch.get_device_module(device).set_rng_state(_tensor(state["accelerator"]), device)
     if "numpy" in state:
         try:

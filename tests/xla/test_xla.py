@@ -29,10 +29,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CASE_TIMEOUT = 1500  # seconds; compiling on a loaded 2-core machine is slow, a hang still fails
 
 
-def run_case(case: str, devices: int) -> dict:
+def run_case(case: str, devices: int, *args: str) -> dict:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices),
            "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "tests.xla.workers", case], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.xla.workers", case, *args], cwd=ROOT,
+                          env=env,
                           capture_output=True, text=True, timeout=CASE_TIMEOUT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-3000:])
@@ -184,18 +185,63 @@ def test_fsdpv2_wraps_the_units_shard_patterns_name(users):
     assert "shard_patterns ['nothing.*'] match no module of LoRA" in units["nothing.*"]
 
 
-@pytest.mark.timeout(CASE_TIMEOUT)
-def test_run_save_on_xla_is_refused_with_what_to_do_instead(users):
-    refusal = users["lora, frozen base"]["refusal"]
-    assert refusal.startswith("run.save() is not built on XLA SPMD"), refusal
-    assert "torch.save(run.full_state_dict(model)" in refusal
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(CASE_TIMEOUT)
 def test_users_models_with_accumulation_and_clipping():
     for name, result in run_case("users_slow", 4).items():
         _user_matches(name, result)
+
+
+# ------------------------------------------------------------------------- checkpoints
+@pytest.fixture(scope="module")
+def cpu_checkpoint(tmp_path_factory) -> Path:
+    """A folder holding ``cpu/``: one CPU's checkpoint at step 2, for the XLA runs to load."""
+    folder = tmp_path_factory.mktemp("checkpoints")
+    run_case("checkpoint_cpu", 1, str(folder))
+    return folder
+
+
+def _resumes(name: str, result: dict, start: int = 2) -> None:
+    """A run loaded from a checkpoint into a model that differs in every value goes on as the
+    uninterrupted run: the same losses from the step saved, and at the end every parameter
+    and buffer (a tied weight under each name, BatchNorm's statistics, a buffer of its own)."""
+    try:
+        assert result["start"] == start
+        assert len(result["losses"]) == 4 - start
+        assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-5, abs=1e-5)
+        assert result["names"] == result["ref_names"]
+        assert result["max_diff"] < 1e-5
+    except AssertionError as exc:
+        raise AssertionError(f"{name}: {exc}") from exc
+
+
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_checkpoints_on_one_xla_device_resume_exactly_and_load_on_cpu(cpu_checkpoint):
+    result = run_case("checkpoint_single", 1, str(cpu_checkpoint))
+    for name in ("one device", "cpu -> xla", "xla -> cpu"):
+        _resumes(name, result[name])
+    # init(checkpoint=, every=2): the first run saved at step 2 and as it finished at step 3,
+    # the resumed one at step 4
+    every = result["init(checkpoint=)"]
+    assert every["saved"] == ["step-00000002", "step-00000003", "step-00000004"]
+    _resumes("init(checkpoint=)", every, start=3)
+    refusal = result["async refusal"]
+    assert refusal.startswith("async_save=True is not built on XLA SPMD") and "drop it" in refusal
+
+
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_checkpoints_under_fsdpv2_and_tp_resume_exactly_and_load_on_cpu(cpu_checkpoint):
+    """``dp_shard=2,zero=3,tp=2``: weights split on both axes, biases split on one and
+    replicated on the other (each value written once), the optimizer state as its parameter."""
+    for name, result in run_case("checkpoint_spmd", 4, str(cpu_checkpoint)).items():
+        _resumes(name, result)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_checkpoints_under_each_spmd_layout(cpu_checkpoint):
+    for name, result in run_case("checkpoint_spmd_slow", 4, str(cpu_checkpoint)).items():
+        _resumes(name, result)
 
 
 # ------------------------------------------------------------------------- bad input

@@ -1,0 +1,107 @@
+"""Checkpoints of a PyTorch/XLA SPMD run, in the format every other layout writes.
+
+Under SPMD one process holds each tensor at its global shape, split over the devices by a
+sharding annotation. torch_xla's DCP planners (``SPMDSavePlanner`` / ``SPMDLoadPlanner``, in
+``torch_xla.experimental.distributed_checkpoint``) turn such a tensor into the chunks its
+devices hold, each at its offset in the global tensor: the same ``.metadata`` and ``.distcp``
+files a DTensor shard makes, so a checkpoint saved on XLA loads on a CPU or GPU job (under any
+plan) and the reverse. What differs from the other layouts, and is done here:
+
+* **Names.** FSDPv2 wraps each unit in a module that keeps the user's one as
+  ``_orig_module``, and ``get_state_dict`` does not know that wrapper: :func:`user_name` drops
+  it, so the file holds the user's parameter names (``blocks.0.fc1.weight``).
+* **Loading in place.** ``SPMDLoadPlanner`` writes each chunk into the device shard it belongs
+  to; it reads non-tensor values with ``torch.load``, which here goes through
+  ``weights_only=True`` as every other plait load does (:func:`load_planner`).
+* **Random state.** torch_xla keeps its generator's state as one integer per device
+  (``xm.get_rng_state``), not in ``torch.get_device_module``.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+#: the attribute FSDPv2 keeps the wrapped module under
+_WRAPPER = "_orig_module"
+
+
+def user_name(name: str) -> str:
+    """``name`` without FSDPv2's wrapper parts (whole dotted parts only)."""
+    return ".".join(part for part in name.split(".") if part != _WRAPPER)
+
+
+def is_xla(device: torch.device | None) -> bool:
+    return device is not None and device.type == "xla"
+
+
+def save_planner() -> Any:
+    """A ``SPMDSavePlanner`` that writes each chunk of a tensor once.
+
+    A tensor split over some mesh axes and replicated over others (a bias under
+    ``dp_shard=2,zero=3,tp=2``: split on ``fsdp``, whole on each ``tp`` device) has two local
+    shards at each offset, and ``SPMDSavePlanner`` plans a write for each; with torch 2.9 the
+    tensor is then missing from the checkpoint's metadata altogether (so it would not load
+    anywhere). Keeping the first write at each offset stores every value once."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+    class OnceSPMDSavePlanner(SPMDSavePlanner):
+        def create_local_plan(self) -> Any:
+            plan = super().create_local_plan()
+            seen, items = set(), []
+            for item in plan.items:
+                where = (item.index.fqn, tuple(item.index.offset or ()))
+                if item.type == WriteItemType.SHARD and where in seen:
+                    continue
+                seen.add(where)
+                items.append(item)
+            return dataclasses.replace(plan, items=items)
+
+    return OnceSPMDSavePlanner()
+
+
+def load_planner() -> Any:
+    """A ``SPMDLoadPlanner`` that reads non-tensor values without running code from the file."""
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
+    from torch_xla.experimental.distributed_checkpoint._helpers import set_element
+
+    from .errors import CheckpointError
+
+    class SafeSPMDLoadPlanner(SPMDLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - torch's refusal or a corrupt value alike
+                raise CheckpointError(f"checkpoint value {read_item.dest_index.fqn!r} is not "
+                                      f"plain data ({exc.__class__.__name__}); refusing to "
+                                      f"load it") from None
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+
+    return SafeSPMDLoadPlanner()
+
+
+def materialize() -> None:
+    """Run what is pending on the device, so that every tensor a save reads (or a load wrote
+    into) holds its value and its sharding, and the next step's graph starts clean."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    torch_xla.sync()
+    xm.wait_device_ops()
+
+
+def rng_state() -> int:
+    import torch_xla.core.xla_model as xm
+
+    return int(xm.get_rng_state())
+
+
+def set_rng_state(seed: int) -> None:
+    import torch_xla.core.xla_model as xm
+
+    xm.set_rng_state(int(seed))
