@@ -293,6 +293,10 @@ def hf_plan(model: nn.Module) -> TPPlan:
         declared = getattr(config, "base_model_tp_plan", None)
         if declared:
             base = _translate_hf(declared, f"{type(config).__name__}.base_model_tp_plan")
+            # transformers' plan covers every variant of its config: Qwen2-MoE's names the
+            # dense MLP of layers that `mlp_only_layers` or `decoder_sparse_step` leave
+            # without experts, which a model whose every layer routes does not have.
+            base = {g: s for g, s in base.items() if _has_modules(base_model, {g: s})}
             source = f"transformers' base_model_tp_plan for {kind}"
         elif kind in ("llama", "mistral", "qwen2"):
             base, source = dict(LLAMA_FALLBACK), f"plait plan for HF {kind}"
