@@ -160,3 +160,21 @@ def hf_mixtral() -> nn.Module:
                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                         num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16)
     return HFLogits(MixtralForCausalLM(cfg))
+
+
+def hf_mixtral_router_loss() -> nn.Module:
+    """Mixtral returning its own loss with the router's balance loss added
+    (``output_router_logits``), over the router logits of every layer."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
+                        output_router_logits=True, router_aux_loss_coef=0.5)
+    return MixtralForCausalLM(cfg)
+
+
+def dict_batch(step: int) -> dict[str, torch.Tensor]:
+    tokens, _ = batch(step)
+    return {"input_ids": tokens, "labels": tokens.clone()}
