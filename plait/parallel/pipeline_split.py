@@ -675,7 +675,7 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
     last_block = f"{path}.{keys[-1]}".lstrip(".")
     if spec.is_last:
         # Whether the stage's forward got past its blocks, for an error raised after them.
-        _container(stage, path)._modules[keys[-1]].register_forward_hook(
+        _container(stage, path).get_submodule(keys[-1]).register_forward_hook(
             lambda *_: setattr(handed_on, "last", True))
     _explain_after_blocks(stage, type(model).__name__, spec, handed_on,
                           [f"{path}.{k}".lstrip(".") for k in keys])
