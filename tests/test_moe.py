@@ -38,6 +38,23 @@ def test_tp_trains_an_auxiliary_loss_beside_vocabulary_split_logits():
     _assert_matches(W.reference(M.mixtral_like_aux, batches, M.aux_loss), got)
 
 
+def test_tp_splits_each_expert_and_sequence_parallelism_is_refused_by_cause():
+    """The inferred plan splits each expert as an MLP of its own (a region per expert, the
+    router replicated); sp=True is refused naming why: a routing forward picks tokens by value
+    and does not run on fake tensors (it said "no input could be guessed")."""
+    from plait.parallel.tp_infer import infer_plan, verify_plan
+
+    model = M.mixtral_like()
+    plan = infer_plan(model)
+    assert plan.styles["blocks.*.moe.experts.*"] == "region"
+    assert plan.styles["blocks.*.moe.experts.*.w2"] == "rowwise"
+    assert not any("router" in g for g in plan.styles), plan.styles
+    refused = verify_plan(model, plan, 2, sp=True).sp_refused
+    assert refused.startswith("its forward does not run on fake tensors "
+                              "(DynamicOutputShapeException: aten.nonzero"), refused
+    assert "routing tokens to experts" in refused, refused
+
+
 def test_transformers_plan_entries_for_absent_modules_are_dropped():
     """Qwen2-MoE's plan in transformers names the dense MLP (mlp.gate_proj, ...) of layers
     without experts; a model whose every layer routes has none, and tp=2 refused it ("match no
