@@ -178,3 +178,15 @@ def hf_mixtral_router_loss() -> nn.Module:
 def dict_batch(step: int) -> dict[str, torch.Tensor]:
     tokens, _ = batch(step)
     return {"input_ids": tokens, "labels": tokens.clone()}
+
+
+def planner_factory() -> tuple[nn.Module, list, Any]:
+    """(model, dataset, loss_fn) for ``plait plan --model tests._moe_models:planner_factory``."""
+    rows = [batch(s) for s in range(4)]
+    data = [(x[i], y[i]) for x, y in rows for i in range(BATCH)]
+    return mixtral_like(), data, lm_loss
+
+
+def planner_factory_aux() -> tuple[nn.Module, list, Any]:
+    model, data, _ = planner_factory()
+    return mixtral_like_aux(), data, aux_loss

@@ -178,3 +178,14 @@ def test_hf_router_loss_trains_under_tp():
     with pytest.raises(WorkerError, match="routers' logits"):
         run_distributed(W.train_jobs, 2, [("pp=2", M.hf_mixtral_router_loss, batches, None)],
                         timeout=300)
+
+
+def test_the_planner_reads_heads_from_the_layer_plan():
+    """The planner priced tp=2 as refused for the Mixtral-like LM ("does not divide attention
+    heads=1"): its attention keeps the count as ``self.heads``, a name it did not read. The
+    layer plan divides that attribute, so the planner takes the count from there."""
+    from plait.planner.model_stats import from_module
+
+    stats = from_module(M.mixtral_like(), "mixtral-like")
+    assert stats.attention and stats.n_heads == 4
+    assert stats.tp_refuses(2) == ""
