@@ -345,7 +345,7 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                       held=held_parts(model, stack_name, found))
 
 
-def _divided_heads(block: nn.Module, path: str, plan: Any) -> int | None:
+def _divided_heads(block: Any, path: str, plan: Any) -> int | None:
     """The head count of ``block``'s attention as its layer plan divides it over tp (an
     attention module whose count has a name of its own, ``self.heads``, that the planner does
     not read): the smallest count the plan divides there, kv head counts aside (the others are
