@@ -12,6 +12,7 @@ so a mean over a variable number of tokens is the mean one device computes.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -217,8 +218,11 @@ def _beside_sharded_logits(out: Any) -> Any:
             return DTensor.from_local(v, mesh, [Replicate()] * mesh.ndim, run_check=False)
         return v
 
-    if isinstance(out, dict):
-        return {k: lift(v) for k, v in out.items()}
+    if isinstance(out, dict):  # a Hugging Face ModelOutput too: its type and attributes kept
+        lifted_map = copy.copy(out)
+        for k, v in out.items():
+            lifted_map[k] = lift(v)
+        return lifted_map
     lifted = [lift(v) for v in out]
     return type(out)(*lifted) if hasattr(out, "_fields") else type(out)(lifted)
 

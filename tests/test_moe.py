@@ -118,8 +118,9 @@ def test_an_output_gathered_from_every_block_is_explained_under_a_pipeline():
 @pytest.mark.slow
 def test_moe_lm_under_every_layout():
     """The Mixtral-like LM under dp, ZeRO-1/2/3, tp (each expert split as an MLP, the router
-    replicated), pp (1F1B) and dp x tp; with its balance loss under tp. Qwen2-MoE (shared
-    expert, fused experts) under dp, ZeRO-3, tp and pp."""
+    replicated), pp (1F1B), dp x tp and pp x tp; with its balance loss under tp. Qwen2-MoE
+    (fused experts, a shared expert) under dp, ZeRO-3, tp and pp; Mixtral (fused experts)
+    under ZeRO-3 and pp (its tp=2 is in tests/test_semantics.py)."""
     batches = _batches(3)
     plans = ("dp=2", "dp_shard=2,zero=1", "dp_shard=2,zero=2", "dp_shard=2,zero=3", "tp=2",
              "pp=2,schedule=1f1b,mb=4")
@@ -127,10 +128,11 @@ def test_moe_lm_under_every_layout():
     jobs += [("tp=2", M.mixtral_like_aux, batches, M.aux_loss)]
     jobs += [(p, M.hf_qwen2_moe, batches, M.lm_loss)
              for p in ("dp=2", "dp_shard=2,zero=3", "tp=2", "pp=2")]
+    jobs += [(p, M.hf_mixtral, batches, M.lm_loss) for p in ("dp_shard=2,zero=3", "pp=2")]
     got = run_distributed(W.train_jobs, 2, jobs, timeout=600)[0]
-    got += run_distributed(W.train_jobs, 4, [("dp=2,tp=2", M.mixtral_like, batches,
-                                              M.lm_loss)], timeout=600)[0]
-    jobs += [("dp=2,tp=2", M.mixtral_like, batches, M.lm_loss)]
+    four = [(p, M.mixtral_like, batches, M.lm_loss) for p in ("dp=2,tp=2", "pp=2,tp=2")]
+    got += run_distributed(W.train_jobs, 4, four, timeout=600)[0]
+    jobs += four
     refs: dict = {}
     for (_, factory, _, loss), result in zip(jobs, got, strict=True):
         key = (factory, loss)
