@@ -191,3 +191,16 @@ def test_the_planner_reads_heads_from_the_layer_plan():
     stats = from_module(M.mixtral_like(), "mixtral-like")
     assert stats.attention and stats.n_heads == 4
     assert stats.tp_refuses(2) == ""
+
+
+def test_a_workers_error_reaches_the_user_with_its_notes():
+    """plait check turns a rank's TypeError into one line of its message: the note that says
+    why a pipeline stage failed after its blocks was dropped (it printed only "unsupported
+    operand type(s) for +: 'Tensor' and 'NoneType'")."""
+    from plait.spawn import user_errors
+
+    with pytest.raises(ValueError) as info, user_errors():
+        run_distributed(M.first_stage_forward, 1, timeout=120)
+    said = str(info.value)
+    assert said.startswith("unsupported operand type(s) for +: 'Tensor' and 'NoneType'"), said
+    assert "MixtralLike's forward failed after its last block, on pipeline stage 0" in said, said
