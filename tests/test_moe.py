@@ -32,7 +32,7 @@ def test_tp_trains_an_auxiliary_loss_beside_vocabulary_split_logits():
     """tp=2 splits the head over the vocabulary; the model's balance loss, a plain tensor
     beside those logits, is added to the cross-entropy by the user's loss (it failed in the
     backward: "got mixed torch.Tensor and DTensor")."""
-    batches = _batches()
+    batches = _batches(1)
     (got,) = run_distributed(W.train_jobs, 2, [("tp=2", M.mixtral_like_aux, batches,
                                                  M.aux_loss)], timeout=240)[0]
     _assert_matches(W.reference(M.mixtral_like_aux, batches, M.aux_loss), got)
