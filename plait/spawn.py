@@ -123,7 +123,10 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, backend: str, a
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-        error = _Failure(traceback.format_exc(), type(exc).__name__, str(exc))
+        # The notes plait adds to an error (what a pipeline stage received, ...) go with its
+        # message: a ValueError or TypeError reaches the user as that message alone.
+        said = "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+        error = _Failure(traceback.format_exc(), type(exc).__name__, said)
         payload = pickle.dumps(("error", rank, error))
         code = 1
     queue.put(payload)

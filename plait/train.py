@@ -12,6 +12,7 @@ so a mean over a variable number of tokens is the mean one device computes.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +138,8 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[An
 def model_loss(out: Any, loss_fn: LossFn | None, targets: Any) -> Any:
     """``loss_fn(out, targets)``, or the model's own loss (``out.loss``) when loss_fn is None."""
     if loss_fn is not None:
+        if _vocab_sharded(out):
+            out = _beside_sharded_logits(out)
         try:
             return _a_loss(loss_fn(out, targets))
         except (RuntimeError, NotImplementedError) as exc:
@@ -194,6 +197,34 @@ def _vocab_sharded(out: Any) -> bool:
         out, (tuple, list)) else (getattr(out, "logits", out),)
     return any(isinstance(v, DTensor) and any(
         p.is_shard() and p.dim in (-1, v.ndim - 1) for p in v.placements) for v in values)
+
+
+def _beside_sharded_logits(out: Any) -> Any:
+    """``out`` with each plain floating-point tensor beside the vocabulary-split logits (an
+    auxiliary loss the model returns, such as a mixture of experts' balance loss) made a
+    replicated DTensor on the logits' mesh, so a loss that adds it to the cross-entropy stays
+    in DTensor arithmetic: a plain tensor mixed with the DTensor loss fails in the backward
+    ("got mixed torch.Tensor and DTensor"). Every tensor-parallel rank holds the same plain
+    values, which is what Replicate states; the backward hands each rank its gradient as is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(out, (tuple, list, dict)):
+        return out
+    mesh = next(v for v in (out.values() if isinstance(out, dict) else out)
+                if isinstance(v, DTensor)).device_mesh
+
+    def lift(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.is_floating_point():
+            return DTensor.from_local(v, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return v
+
+    if isinstance(out, dict):  # a Hugging Face ModelOutput too: its type and attributes kept
+        lifted_map = copy.copy(out)
+        for k, v in out.items():
+            lifted_map[k] = lift(v)
+        return lifted_map
+    lifted = [lift(v) for v in out]
+    return type(out)(*lifted) if hasattr(out, "_fields") else type(out)(lifted)
 
 
 # How DDP says, at the next forward, that the last backward left parameters without a gradient

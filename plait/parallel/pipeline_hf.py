@@ -92,6 +92,17 @@ def _added_by_running(hf: nn.Module, path: str) -> set[str] | None:
         return None
 
 
+def router_loss_refusal(model: str, given: str, stages: int) -> str:
+    """Why a mixture-of-experts model asked for its routers' logits is refused under a
+    pipeline: its balance loss is computed from the router logits of every layer, and the
+    last stage, which computes the loss, runs only its own layers (the others stand in)."""
+    return (f"{model} is asked for its routers' logits ({given}), from which it adds a "
+            f"balance loss over every layer's router; under pp={stages} the stage that computes "
+            f"the loss holds only its own layers, so that loss would count their routers alone "
+            f"and train another model: run with pp=1 (zero=3 or tp split the model instead), "
+            f"or set output_router_logits=False under a pipeline")
+
+
 def adapt_hf_forward(clone: nn.Module, spec: StageSpec) -> None:
     """Give the stage copy of an HF model a forward that takes hidden states on later stages.
 
@@ -104,6 +115,10 @@ def adapt_hf_forward(clone: nn.Module, spec: StageSpec) -> None:
     ``inputs_embeds`` (HF ViT) is refused for every stage but the first.
     """
     forward = type(clone).forward
+    if spec.num_stages > 1 and getattr(getattr(clone, "config", None), "output_router_logits",
+                                       False):
+        raise ValueError(router_loss_refusal(type(clone).__name__, "config.output_router_logits"
+                                             "=True", spec.num_stages))
     if not spec.is_first and "inputs_embeds" not in inspect.signature(forward).parameters:
         raise ValueError(f"{type(clone).__name__}.forward takes no inputs_embeds, so plait's "
                          f"Hugging Face pipeline adapter cannot give stage {spec.index} the "
@@ -112,6 +127,9 @@ def adapt_hf_forward(clone: nn.Module, spec: StageSpec) -> None:
                          f"head")
 
     def stage_forward(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("output_router_logits"):
+            raise ValueError(router_loss_refusal(type(clone).__name__,
+                                                 "output_router_logits=True", spec.num_stages))
         kwargs.setdefault("use_cache", False)
         if not spec.is_first:
             if args:

@@ -672,9 +672,16 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
         return clone
 
     stage = rebuild(model, 0)
+    keys = list(_container(model, path)._modules)
+    last_block = f"{path}.{keys[-1]}".lstrip(".")
+    if spec.is_last:
+        # Whether the stage's forward got past its blocks, for an error raised after them.
+        _container(stage, path).get_submodule(keys[-1]).register_forward_hook(
+            lambda *_: setattr(handed_on, "last", True))
+    _explain_after_blocks(stage, type(model).__name__, spec, handed_on,
+                          [f"{path}.{k}".lstrip(".") for k in keys])
     if not spec.is_last:
         forward = stage.forward  # the model's, or the HF adapter's
-        last_block = f"{path}.{list(_container(model, path)._modules)[-1]}".lstrip(".")
 
         def send_on(*args: Any, **kwargs: Any) -> torch.Tensor:
             handed_on.last = None
@@ -686,11 +693,46 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
 
         stage.forward = send_on
     if not spec.is_first:
-        _explain_failures(stage, type(model).__name__, spec)
+        _explain_failures(stage, type(model).__name__, spec, handed_on)
     return stage
 
 
-def _explain_failures(stage: nn.Module, model_name: str, spec: StageSpec) -> None:
+def _explain_after_blocks(stage: nn.Module, model_name: str, spec: StageSpec,
+                          handed_on: HandedOn, blocks: list[str]) -> None:
+    """An error raised by the forward's code after its last block gets a note: on a pipeline
+    stage the blocks other stages hold are stand-ins that compute nothing, so an output that
+    forward gathers from every block (a mixture-of-experts balance loss each block keeps or
+    returns) cannot be computed there, and the error it raises (``None`` added to a tensor, a
+    stand-in's attribute) does not say so."""
+    forward = stage.forward
+
+    def explained(*args: Any, **kwargs: Any) -> Any:
+        handed_on.last = None
+        try:
+            return forward(*args, **kwargs)
+        except Exception as exc:
+            if handed_on.last is not None and hasattr(exc, "add_note"):
+                own = blocks[spec.start:spec.end]
+                others = [b for b in blocks if b not in own]
+                exc.add_note(
+                    f"plait: {model_name}'s forward failed after its last block, on pipeline "
+                    f"stage {spec.index}, which holds {_span(own)}; {_span(others)} are held by "
+                    f"other stages and stand in here without computing anything, so what they "
+                    f"leave or return is missing. An output gathered from every block (such as "
+                    f"a mixture-of-experts balance loss) cannot be computed on one stage under "
+                    f"a pipeline: run with pp=1 (zero=3 or tp split the model instead), or "
+                    f"leave that output out of the forward when pp > 1")
+            raise
+
+    stage.forward = explained
+
+
+def _span(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+
+
+def _explain_failures(stage: nn.Module, model_name: str, spec: StageSpec,
+                      handed_on: HandedOn) -> None:
     """An error raised by the forward of a stage after the first gets a note saying what that
     forward received: the user's forward runs there on hidden states, not on the model input,
     and a forward that reads its input beyond passing it to the first module (``if ids[0, 0]
@@ -704,7 +746,7 @@ def _explain_failures(stage: nn.Module, model_name: str, spec: StageSpec) -> Non
             first = args[0] if args else None
             got = (f"a {tuple(first.shape)} {first.dtype} tensor"
                    if isinstance(first, torch.Tensor) else type(first).__name__)
-            if hasattr(exc, "add_note"):  # Python 3.11+
+            if handed_on.last is None and hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(
                     f"plait: pipeline stage {spec.index} runs {model_name}'s forward with the "
                     f"hidden states stage {spec.index - 1} sent ({got}) as its first argument, "

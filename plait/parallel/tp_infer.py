@@ -571,9 +571,17 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False) -> TP
     from .tp_verify import mixed_blocks
 
     example = example_input(model)
-    if example is None or check_shapes(model, {}, {}, 1, example) is not None:
+    if example is None:
         return replace(plan, sp_refused="no input could be guessed to check its blocks with"
                        ) if sp else plan
+    unrun = check_shapes(model, {}, {}, 1, example)
+    if unrun is not None:
+        # A routed mixture of experts picks its tokens by value (nonzero, where): no
+        # fake-tensor forward, so no check that a sequence split keeps the model the same.
+        return replace(plan, sp_refused=(
+            f"its forward does not run on fake tensors ({unrun}; a forward that reads values, "
+            f"such as one routing tokens to experts by index), so whether splitting the "
+            f"sequence keeps the model the same cannot be checked")) if sp else plan
     matched = match_plan(model, plan.styles)
     divide = {n: a for glob, a in plan.divide_attrs.items()
               for n in match_plan(model, {glob: "divide"})}

@@ -293,6 +293,10 @@ def hf_plan(model: nn.Module) -> TPPlan:
         declared = getattr(config, "base_model_tp_plan", None)
         if declared:
             base = _translate_hf(declared, f"{type(config).__name__}.base_model_tp_plan")
+            # transformers' plan covers every variant of its config: Qwen2-MoE's names the
+            # dense MLP of layers that `mlp_only_layers` or `decoder_sparse_step` leave
+            # without experts, which a model whose every layer routes does not have.
+            base = {g: s for g, s in base.items() if _has_modules(base_model, {g: s})}
             source = f"transformers' base_model_tp_plan for {kind}"
         elif kind in ("llama", "mistral", "qwen2"):
             base, source = dict(LLAMA_FALLBACK), f"plait plan for HF {kind}"
@@ -322,7 +326,13 @@ def hf_plan(model: nn.Module) -> TPPlan:
     for name in HF_HEAD_NAMES:
         if isinstance(getattr(model, name, None), nn.Linear):
             declared_style = head_plan.get(name, "vocab_head")
-            styles[name] = "vocab_head" if declared_style in ("colwise", "colwise_gather") \
+            style = "vocab_head" if declared_style in ("colwise", "colwise_gather") \
                 else declared_style
+            # A model that adds its routers' balance loss to its own loss (Mixtral's
+            # output_router_logits) adds a plain tensor to the loss over vocabulary-split
+            # logits, which DTensor refuses in the backward: its logits are gathered whole.
+            if style == "vocab_head" and getattr(config, "output_router_logits", False):
+                style = "colwise_gather"
+            styles[name] = style
     return TPPlan(styles=styles, divide_attrs=plan.divide_attrs, source=plan.source,
                   sizes=plan.sizes, supports_sp=plan.supports_sp, sp_blocks=plan.sp_blocks)

@@ -294,12 +294,18 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
         for attr in ("num_key_value_heads", "n_kv_heads", "num_kv_heads"):
             if isinstance(getattr(m, attr, None), int):
                 kv_heads = getattr(m, attr)
+    from .tp_block import held_parts, plan_of, tp_block
+
+    found = plan_of(model)  # the layer plan plait lays the blocks out with
+    ref_path = next(n for n, m in model.named_modules() if m is ref)
     if heads == 1 and attention:
         head_dim = getattr(ref, "head_dim", None) or next(
             (m.head_dim for m in ref.modules()
              if isinstance(getattr(m, "head_dim", None), int)), None)
         if head_dim:
             heads = max(1, hidden // head_dim)
+    if heads == 1 and attention and found is not None:
+        heads = _divided_heads(ref, ref_path, found[0]) or heads
     if kv_heads is None and attention:
         # transformers' attention modules keep the count in their config only (Llama, Qwen2)
         kv_heads = next((m.config.num_key_value_heads for m in ref.modules()
@@ -324,11 +330,6 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
     tensors = round(sum(len(list(b.parameters())) for b in blocks) / len(blocks))
     outside = len(seen) - sum(len(list(b.parameters())) for b in blocks)
     embed_tensors = sum(len(list(m.parameters())) for m in embeds)
-    from .tp_block import held_parts, plan_of, tp_block
-
-    found = plan_of(model)  # the layer plan plait lays the blocks out with
-
-    ref_path = next(n for n, m in model.named_modules() if m is ref)
     shared = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     tied_params = sum(p.numel() for e in embeds for p in e.parameters()
                       if shared[id(p)] > 1 and p.requires_grad)
@@ -342,6 +343,24 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                       head_tensors=max(outside - embed_tensors, 0), max_seq=_max_seq(model),
                       tp_block=tp_block(model, ref_path, found), tied_params=tied_params,
                       held=held_parts(model, stack_name, found))
+
+
+def _divided_heads(block: Any, path: str, plan: Any) -> int | None:
+    """The head count of ``block``'s attention as its layer plan divides it over tp (an
+    attention module whose count has a name of its own, ``self.heads``, that the planner does
+    not read): the smallest count the plan divides there, kv head counts aside (the others are
+    sizes, such as GPT-2's ``split_size``). None where the plan divides none."""
+    from plait.parallel.tp_plans import glob_regex
+
+    counts = []
+    for name, module in block.named_modules():
+        full = f"{path}.{name}".strip(".")
+        for glob, attrs in plan.divide_attrs.items():
+            if glob_regex(glob).match(full):
+                counts += [v for v in (getattr(module, a, None) for a in attrs
+                                       if "kv" not in a and "key_value" not in a)
+                           if isinstance(v, int) and not isinstance(v, bool) and v > 1]
+    return min(counts) if counts else None
 
 
 def _max_seq(model: Any) -> int | None:
