@@ -40,7 +40,7 @@ is predicted under data parallelism alone, read off the laid-out model (``plait.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._torch_compat import is_split
@@ -86,6 +86,21 @@ class TPBlock:
     summed: tuple[int, ...] = ()
     sp_in_blocks: bool = False
     input_grad: bool = True
+    trace: Any = field(default=None, compare=False)  # plait.planner.tp_trace.Trace
+
+    def sizes(self, dtype: str, cast_params: bool = False) -> Any:
+        """Bytes per element of each collective (``plait.planner.tp_trace.Sizes``): fp32 all
+        4; bf16 as the traced forward pass showed (``cast_params``: FSDP2 casts the parameters
+        to bf16), or every activation at 2 bytes where there is no trace (the reference
+        block: the planner's estimate)."""
+        from ..planner.tp_trace import Sizes
+
+        n, m = len(self.forward), len(self.backward)
+        if dtype != "bf16":
+            return Sizes.uniform(FP32, n, m)
+        if self.trace is None:
+            return Sizes.uniform(2, n, m)
+        return self.trace.bf16_params if cast_params else self.trace.bf16
 
     @classmethod
     def reference(cls, hidden: int) -> TPBlock:
@@ -271,20 +286,29 @@ def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
     if plan.tp == 1:
         return []
     dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
+    cast = casts_params(plan)
     micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
     out: list[Traffic] = []
     if local.layers:
         per_block = tp_block_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp,
                                      recomputed=local.recomputed / local.layers,
-                                     kv_whole=kv_whole, block=block)
+                                     kv_whole=kv_whole, block=block, cast_params=cast)
         out += _times(per_block, local.layers * micro)
     out += _times(tp_end_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp, embed=local.embed,
-                                 head=local.head, block=block), micro)
+                                 head=local.head, block=block, cast_params=cast), micro)
     return out
 
 
-def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
-                    ) -> list[Traffic]:
+def casts_params(plan: Any) -> bool:
+    """Whether FSDP2 holds the parameters in bf16 during compute (``MixedPrecisionPolicy``):
+    bf16 under ZeRO-2/3, and under replicated DP over TP shards (FSDP2 too); elsewhere plait
+    computes under autocast over fp32 parameters."""
+    fsdp = plan.zero >= 2 or (plan.zero == 0 and plan.tp > 1 and plan.dp_replicate > 1)
+    return plan.mixed_precision == "bf16" and fsdp
+
+
+def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int,
+                    block: TPBlock | None = None) -> list[Traffic]:
     """Pipeline sends of one rank in one optimizer step: per microbatch and stage boundary it
     holds, the activation forward and its gradient back; a neighbour stage on the same rank
     (the V of ZB-V) is handed over locally. With SP the message is the TP shard."""
@@ -294,7 +318,10 @@ def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
 
     dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
     owner = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
-    per = float(mb) * seq * hidden * dtype_bytes(dtype) / (plan.tp if plan.sp else 1)
+    # a block's output: the dtype the traced forward showed (``block.trace``), else the plan's
+    e = (block.sizes(dtype, casts_params(plan)).stack_out if block is not None
+         else dtype_bytes(dtype))
+    per = float(mb) * seq * hidden * e / (plan.tp if plan.sp else 1)
     sends = 0
     for s in local.stages:
         sends += s + 1 < local.num_stages and owner[s + 1] != owner[s]  # activation
@@ -333,23 +360,30 @@ def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
 
 def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
                      recomputed: float = 0.0, kv_whole: int = 0,
-                     block: TPBlock | None = None) -> list[Traffic]:
+                     block: TPBlock | None = None, cast_params: bool = False) -> list[Traffic]:
     """TP collectives of one block for one microbatch (forward + backward), as plait's runtime
     issues them for ``block`` (default: the reference block, Megatron's 4 all-reduces of
     b*s*h; with SP 4 all-gathers + 4 reduce-scatters plus the 2 sequence-parallel norms'
     weight-gradient all-reduces, h fp32 each). A block with an MLP only issues half of that:
     the count follows the block's row- and column-parallel layers, not a fixed 4.
-    ``recomputed`` (0..1): share of the block replayed by checkpointing; torch's non-reentrant
-    checkpoint stops before the last collective, so a replay costs the forward's collectives
-    but the last one (the reference block: 1 all-reduce; SP: 2 all-gathers + 1
-    reduce-scatter). ``kv_whole``: elements of k and v weights kept whole on every rank (fewer
-    kv heads than tp); their gradients are all-reduced in each backward, one call each."""
+    ``recomputed`` (0..1): share of the block replayed by checkpointing. torch's non-reentrant
+    checkpoint stops once the last tensor the block saves is recomputed: a traced block
+    (``block.trace``) replays the forward collectives followed by a save; otherwise every
+    forward collective but the last (the reference block: 1 all-reduce; SP: 2 all-gathers + 1
+    reduce-scatter). Under bf16 each collective travels in the dtype the traced forward showed
+    (``block.sizes``; ``cast_params``: FSDP2 holds the parameters in bf16). ``kv_whole``:
+    elements of k and v weights kept whole on every rank (fewer kv heads than tp); their
+    gradients are all-reduced in each backward, one call each."""
     if tp == 1:
         return []
     block = block or TPBlock.reference(h)
-    e = dtype_bytes(dtype)
+    e = block.sizes(dtype, cast_params)
     tokens = float(b) * s
-    fwd, bwd = [tokens * f * e for f in block.forward], [tokens * f * e for f in block.backward]
+    fwd = [tokens * f * k for f, k in zip(block.forward, e.forward, strict=True)]
+    bwd = [tokens * f * k for f, k in zip(block.backward, e.backward, strict=True)]
+    # the reference block's parameter gradients: at the activations' size (the planner's
+    # estimate); a traced block's: as the trace showed
+    g = e.grads if block.trace is not None else FP32
     out: list[Traffic] = []
     if fwd or bwd:
         n = len(fwd) + len(bwd)
@@ -359,62 +393,73 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
         else:
             out.append(Traffic("tp", "all_reduce", sum(fwd) + sum(bwd), n, tp, "activations"))
     if sp and block.sp_norms:
-        out.append(Traffic("tp", "all_reduce", float(sum(block.sp_norms)) * FP32,
+        out.append(Traffic("tp", "all_reduce", float(sum(block.sp_norms)) * g,
                            len(block.sp_norms), tp, "norm weight grads"))
     if block.summed:
-        out.append(Traffic("tp", "all_reduce", float(sum(block.summed)) * FP32,
+        out.append(Traffic("tp", "all_reduce", float(sum(block.summed)) * g,
                            len(block.summed), tp, "grad_allreduce weight grads"))
     if block.bias_gathers:
-        out.append(Traffic("tp", "all_gather", float(sum(block.bias_gathers)) * FP32,
+        out.append(Traffic("tp", "all_gather", float(sum(block.bias_gathers)) * g,
                            len(block.bias_gathers), tp, "fused qkv bias grads"))
     if kv_whole:
-        out.append(Traffic("tp", "all_reduce", float(kv_whole) * e, 2, tp,
+        kv = e.grads if block.trace is not None else dtype_bytes(dtype)
+        out.append(Traffic("tp", "all_reduce", float(kv_whole) * kv, 2, tp,
                            "replicated kv weight grads"))
     if recomputed and fwd:
         # calls per block averaged over the blocks (selective checkpointing replays some):
         # fractional, which Traffic's int annotation does not foresee
         r: Any = recomputed
+        trace = block.trace
+        again = [x for x, y in zip(fwd, trace.replayed, strict=True) if y] if trace else fwd[:-1]
+        gathers = [x for x, y in zip(bwd, trace.replayed_gathers, strict=True) if y] \
+            if trace else bwd
         if sp:
-            out += [Traffic("tp", "all_gather", sum(bwd) * r, len(bwd) * r, tp,
+            out += [Traffic("tp", "all_gather", sum(gathers) * r, len(gathers) * r, tp,
                             "checkpoint replay"),
-                    Traffic("tp", "reduce_scatter", sum(fwd[:-1]) * r, (len(fwd) - 1) * r, tp,
+                    Traffic("tp", "reduce_scatter", sum(again) * r, len(again) * r, tp,
                             "checkpoint replay")]
         else:
-            out.append(Traffic("tp", "all_reduce", sum(fwd[:-1]) * r, (len(fwd) - 1) * r, tp,
+            out.append(Traffic("tp", "all_reduce", sum(again) * r, len(again) * r, tp,
                                "checkpoint replay"))
     return [t for t in out if t.calls]
 
 
 def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, embed: bool,
-                   head: bool, block: TPBlock | None = None) -> list[Traffic]:
+                   head: bool, block: TPBlock | None = None,
+                   cast_params: bool = False) -> list[Traffic]:
     """TP collectives outside the blocks per microbatch: the vocabulary-parallel embedding and
     the head each an all-reduce of b*s*h (SP: all-gather + reduce-scatter), loss_parallel's 3
     fp32 values per token, and with SP the final norm's weight-gradient all-reduce. Where the
     sequence is split inside the block stack only (``block.sp_in_blocks``), the embedding and
     head keep their all-reduces under SP, and the stack's output is all-gathered in forward,
-    the gradient of its input in backward (where the input needs one)."""
+    the gradient of its input in backward (where the input needs one). Under bf16 each in the
+    dtype a traced block showed (``TPBlock.sizes``)."""
     if tp == 1:
         return []
-    act = float(b) * s * h * dtype_bytes(dtype)
+    e = (block or TPBlock.reference(h)).sizes(dtype, cast_params)
+    tokens = float(b) * s * h
     ends = int(embed) + int(head)
+    act = tokens * (e.embed_out * embed + e.head_in * head)
     ends_what = " + ".join(["embedding output"] * embed + ["head input grad"] * head)
     out = []
     if sp and block is not None and block.sp_in_blocks:
         if ends:
-            out.append(Traffic("tp", "all_reduce", act * ends, ends, tp, ends_what))
-        edges = int(head) + int(embed and block.input_grad)
+            out.append(Traffic("tp", "all_reduce", act, ends, tp, ends_what))
+        into = embed and block.input_grad
+        edges = int(head) + int(into)
         if edges:
-            out.append(Traffic("tp", "all_gather", act * edges, edges, tp,
+            out.append(Traffic("tp", "all_gather",
+                               tokens * (e.stack_out * head + e.stack_in * into), edges, tp,
                                "block stack output + input grad"))
         if head:
             out.append(Traffic("tp", "all_reduce", 3.0 * b * s * 4, 3, tp, "loss_parallel"))
         return out
     if ends:
         if sp:
-            out += [Traffic("tp", "all_gather", act * ends, ends, tp, ends_what),
-                    Traffic("tp", "reduce_scatter", act * ends, ends, tp, ends_what)]
+            out += [Traffic("tp", "all_gather", act, ends, tp, ends_what),
+                    Traffic("tp", "reduce_scatter", act, ends, tp, ends_what)]
         else:
-            out.append(Traffic("tp", "all_reduce", act * ends, ends, tp, ends_what))
+            out.append(Traffic("tp", "all_reduce", act, ends, tp, ends_what))
     if head:
         out.append(Traffic("tp", "all_reduce", 3.0 * b * s * 4, 3, tp, "loss_parallel"))
         if sp:

@@ -340,8 +340,14 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                       head_params=head_params, attention=attention, layer_weights=weights,
                       block_tensors=tensors, embed_tensors=embed_tensors,
                       head_tensors=max(outside - embed_tensors, 0), max_seq=_max_seq(model),
-                      tp_block=tp_block(model, ref_path, found), tied_params=tied_params,
+                      tp_block=tp_block(model, ref_path, found, (
+                          _path(model, blocks[0]), _path(model, blocks[-1]))),
+                      tied_params=tied_params,
                       held=held_parts(model, stack_name, found))
+
+
+def _path(model: Any, module: Any) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
 
 
 def _max_seq(model: Any) -> int | None:
