@@ -289,7 +289,8 @@ def test_the_ledger_of_your_own_model_predicts_every_layout_and_says_where_it_ca
     """Your own model's ledger: under data parallelism the expected column is read off the
     laid-out model, under tensor parallelism it is the planner's prediction for the model
     given to parallelize (ratio 1.000 both). A model fed feature vectors, not token ids, has
-    no sequence the planner prices: the table says so and which command prices the layout."""
+    no sequence the planner prices: the table says so, why, and which command prices the
+    layout."""
     got = run_distributed(W.ledger_tables, 2, ["dp=2", "tp=2"], timeout=120)[0]
     dp, tp = got["dp=2"], got["tp=2"]
     assert [(r["axis"], r["op"], r["ratio"]) for r in dp["comm"]["rows"]] == [
@@ -300,7 +301,7 @@ def test_the_ledger_of_your_own_model_predicts_every_layout_and_says_where_it_ca
     assert "no 'expected' column" not in tp["table"], tp["table"]
     table = run_distributed(W.ledger_tables, 2, ["tp=2"], True, timeout=120)[0]["tp=2"]["table"]
     assert "all_reduce" in table and "no 'expected' column" in table, table
-    assert "activations" in table and "model's shapes" in table, table
+    assert "not a batch of token ids" in table and "activations" in table, table
     assert "plait plan --model pkg.mod:factory --plan <plan>" in table, table
 
 

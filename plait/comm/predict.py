@@ -51,12 +51,62 @@ from .volumes import DDP_BUCKET_BYTES, Traffic, ddp_traffic, dtype_bytes
 FP32 = 4
 
 # The ledger table's note where ``expected_for_models`` has no closed form.
+_BY_PLAN = "`plait plan --model pkg.mod:factory --plan <plan>` gives the planner's bytes per axis"
 NO_EXPECTED_NOTE = ("no 'expected' column: tensor and pipeline parallelism move activations, "
                     "whose bytes need the model's shapes (hidden size, blocks, sequence), which "
-                    "plait reads off a stack of repeated blocks fed token ids (b, s), in fp32 "
-                    "without activation checkpointing; this model, its input or the plan is "
-                    "not that; `plait plan --model pkg.mod:factory --plan <plan>` gives the "
-                    "planner's bytes per axis")
+                    "plait reads off a stack of repeated blocks fed token ids (b, s); this "
+                    "model, its input or the plan is not that; " + _BY_PLAN)
+
+
+def no_expected_note(models: list[Any], plan: Any, stats: Any,
+                     batch_shape: tuple[int, ...] | None, tokens: bool = True) -> str:
+    """The ledger table's note where :func:`expected_for_models` returned None: for a model
+    other than plait's reference transformer under tensor or pipeline parallelism, naming
+    the reason (:func:`why_no_expected`)."""
+    reason = None
+    if (plan.tp > 1 or plan.pp > 1) and not (models and _find_config(models[-1])):
+        reason = why_no_expected(plan, stats, batch_shape, tokens)
+    if reason is None:
+        return NO_EXPECTED_NOTE
+    return f"no 'expected' column: {reason}; {_BY_PLAN}"
+
+
+def why_no_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | None,
+                    tokens: bool = True) -> str | None:
+    """Why the ledger cannot predict tensor- or pipeline-parallel traffic for a model other than
+    plait's reference transformer (``stats``: ``planner_stats`` of the model given to
+    parallelize; ``batch_shape``, ``tokens``: the first input's shape and whether it held
+    integer token ids), or None where it can. Activations' bytes need the model's shapes; bf16
+    needs the dtype each collective travels in and checkpointing what a block replays, both
+    read off a traced forward pass (``TPBlock.trace``)."""
+    if stats is None:
+        return ("tensor and pipeline parallelism move activations, whose bytes need the "
+                "model's shapes, which plait reads off a stack of repeated blocks (an "
+                "nn.ModuleList/Sequential of alike blocks with nn.Linear layers); this model "
+                "has none")
+    if not tokens or batch_shape is None or len(batch_shape) != 2:
+        shape = "?" if batch_shape is None else tuple(batch_shape)
+        return (f"the first input is not a batch of token ids (b, s) but of shape {shape}; "
+                "plait prices activations per token of a sequence of ids")
+    if plan.tp > 1 and plan.options.tp_plan is not None:
+        return ("options.tp_plan is given by hand; plait predicts the blocks it ships or "
+                "infers a layer plan for")
+    block = stats.tp_block
+    traced = block is not None and block.trace is not None
+    if plan.mixed_precision != "fp32" and not traced:
+        return (f"under mixed_precision={plan.mixed_precision} each collective travels in "
+                "the dtype the model's own code leaves its input in, read off a forward pass "
+                "on token ids, and that pass did not run on this model")
+    if plan.tp > 1 and plan.activation_checkpointing != "none":
+        if plan.activation_checkpointing == "op":
+            return ("activation_checkpointing=op under tensor parallelism: torch's "
+                    "selective-checkpoint policy decides which collectives replay")
+        if not traced:
+            return (f"activation_checkpointing={plan.activation_checkpointing} under tensor "
+                    "parallelism replays the forward collectives a block saves a tensor "
+                    "after, read off a forward pass on token ids, and that pass did not run "
+                    "on this model")
+    return None
 
 
 @dataclass(frozen=True)
@@ -563,7 +613,8 @@ def planner_stats(model: Any) -> Any:
 
 def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ...] | None,
                         optimizer_params: list[Any] | None = None, stats: Any = None,
-                        pp_rank: int = 0) -> dict[tuple[str, str], float] | None:
+                        pp_rank: int = 0, tokens: bool = True
+                        ) -> dict[tuple[str, str], float] | None:
     """Predicted payload bytes per (axis, op) per step, or None where plait has no closed form.
 
     The reference transformer: every layout (``predict``); ``batch_shape`` is the shape of one
@@ -573,7 +624,8 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     optimizer updates and broadcasts); under tensor or pipeline parallelism, the planner's
     traffic for pipeline rank ``pp_rank`` of the model ``stats`` describes
     (``planner_stats``, taken before layout; ``plait.planner.cost.rank_traffic``), whose
-    blocks it prices from the layer plan plait lays them out with. The ledger's report
+    blocks it prices from the layer plan plait lays them out with (``tokens``: the first input
+    was integer token ids; :func:`why_no_expected` says where it cannot). The ledger's report
     compares each row's busiest rank, and ranks hold different parts of the model (pipeline
     stages), so each rank predicts its own traffic and the per-(axis, op) maximum over ranks is
     returned: a collective when a process group is up (call it on every rank, as
@@ -587,18 +639,12 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
         batch, seq = batch_shape
         mine = by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq,
                                   local=local_model(models[-1], plan)))
-    elif cfg is None and stats is not None and batch_shape is not None and \
-            len(batch_shape) == 2 and (plan.tp > 1 or plan.pp > 1) and \
-            plan.mixed_precision == "fp32" and plan.activation_checkpointing == "none" and \
-            (plan.tp == 1 or plan.options.tp_plan is None):
-        # bf16 and checkpointing are left out: under autocast a model's own residual stream
-        # stays fp32 (the planner prices every activation at the compute dtype), and what a
-        # checkpointed block replays depends on what it saves after its last collective; so
-        # is a layer plan given by hand (the planner reads the one plait ships or infers)
-        from ..planner.cost import rank_traffic
+    elif cfg is None and (plan.tp > 1 or plan.pp > 1):
+        if batch_shape is not None and why_no_expected(plan, stats, batch_shape, tokens) is None:
+            from ..planner.cost import rank_traffic
 
-        per_rank = rank_traffic(plan, stats, batch_shape[0] * plan.dp, batch_shape[1])
-        mine = by_axis_op(per_rank[pp_rank]) if per_rank else None
+            per_rank = rank_traffic(plan, stats, batch_shape[0] * plan.dp, batch_shape[1])
+            mine = by_axis_op(per_rank[pp_rank]) if per_rank else None
     elif cfg is None and models and plan.tp == 1 and plan.pp == 1:
         from .held import held_model, held_traffic
 
