@@ -154,9 +154,10 @@ def test_traced_forward_reads_dtypes_and_replays():
 
 def test_no_expected_column_says_why():
     """Where the ledger shows no expected column for a model of the user's, its note names the
-    reason: no stack of blocks, an input that is not token ids, a layer plan given by hand,
-    op-level checkpointing under tp, or bf16 / checkpointing on a model the traced forward
-    cannot run (this one takes feature vectors, not token ids)."""
+    reason: no stack of blocks, an input that is neither token ids nor feature vectors fed
+    through plain layers, a layer plan given by hand, op-level checkpointing under tp, or
+    bf16 / checkpointing on a model the traced forward cannot run (this one takes feature
+    vectors, not token ids)."""
     from plait.comm.predict import why_no_expected
     from tests._workers_semantics import pre_norm_net
 
@@ -167,6 +168,7 @@ def test_no_expected_column_says_why():
                            mlp, (4, 8)) is None
     assert "stack of repeated blocks" in why_no_expected(plan("tp=2"), None, (4, 8))
     assert "(4, 8, 3)" in why_no_expected(plan("tp=2"), mlp, (4, 8, 3), tokens=False)
+    assert "(4,)" in why_no_expected(plan("tp=2"), mlp, (4,))
     by_hand = Plan.from_string("tp=2").replace(options=Plan.from_string("tp=2").options.replace(
         tp_plan={"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}))
     assert "options.tp_plan" in why_no_expected(by_hand, mlp, (4, 8))
@@ -175,7 +177,11 @@ def test_no_expected_column_says_why():
     with torch.device("meta"):
         features = load_model(pre_norm_net())
     assert features.tp_block is not None and features.tp_block.trace is None
-    assert why_no_expected(plan("tp=2"), features, (4, 8)) is None
+    # feature vectors through plain layers (no vocabulary ends): a token per row, not under SP
+    assert features.tp_block.vocab_ends == (False, False)
+    assert why_no_expected(plan("tp=2"), features, (4, 8), tokens=False) is None
+    assert "sequence parallelism" in why_no_expected(plan("tp=2,sp=1"), features, (4, 8),
+                                                     tokens=False)
     assert "mixed_precision=bf16" in why_no_expected(plan("tp=2,mixed_precision=bf16"),
                                                      features, (4, 8))
     assert "activation_checkpointing=full" in why_no_expected(

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any
 
 from .._torch_compat import is_split
@@ -84,14 +85,19 @@ def why_no_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | None,
                 "model's shapes, which plait reads off a stack of repeated blocks (an "
                 "nn.ModuleList/Sequential of alike blocks with nn.Linear layers); this model "
                 "has none")
-    if not tokens or batch_shape is None or len(batch_shape) != 2:
-        shape = "?" if batch_shape is None else tuple(batch_shape)
+    block = stats.tp_block
+    shape = "?" if batch_shape is None else tuple(batch_shape)
+    if batch_shape is None or len(batch_shape) < 2 or (tokens and len(batch_shape) != 2):
+        return (f"the first input has shape {shape}, neither token ids (b, s) nor feature "
+                "vectors (b, [s,] features)")
+    if not tokens and (block is None or any(block.vocab_ends) or plan.sp):
         return (f"the first input is not a batch of token ids (b, s) but of shape {shape}; "
-                "plait prices activations per token of a sequence of ids")
+                "plait prices activations per token of a sequence of ids, or per row of "
+                "feature vectors fed through plain layers (no vocabulary embedding or head, "
+                "no sequence parallelism)")
     if plan.tp > 1 and plan.options.tp_plan is not None:
         return ("options.tp_plan is given by hand; plait predicts the blocks it ships or "
                 "infers a layer plan for")
-    block = stats.tp_block
     traced = block is not None and block.trace is not None
     if plan.mixed_precision != "fp32" and not traced:
         return (f"under mixed_precision={plan.mixed_precision} each collective travels in "
@@ -126,7 +132,9 @@ class TPBlock:
     ``sp_in_blocks``: under SP the sequence is split at the first block and gathered after the
     last (transformers models, inferred plans) rather than from the embedding to the head
     (plait's reference transformer); ``input_grad``: whether the first block's input needs a
-    gradient (a frozen embedding: no all-gather of it under SP).
+    gradient (a frozen embedding: no all-gather of it under SP); ``vocab_ends``: whether the
+    plan splits a vocabulary embedding and a vocabulary head (a model fed feature vectors
+    through plain layers has neither: no collectives outside the blocks).
     """
 
     forward: tuple[int, ...]
@@ -136,6 +144,7 @@ class TPBlock:
     summed: tuple[int, ...] = ()
     sp_in_blocks: bool = False
     input_grad: bool = True
+    vocab_ends: tuple[bool, bool] = (True, True)
     trace: Any = field(default=None, compare=False)  # plait.planner.tp_trace.Trace
 
     def sizes(self, dtype: str, cast_params: bool = False) -> Any:
@@ -487,6 +496,8 @@ def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, emb
     if tp == 1:
         return []
     e = (block or TPBlock.reference(h)).sizes(dtype, cast_params)
+    if block is not None and not sp:  # plain input and output layers: nothing at the ends
+        embed, head = embed and block.vocab_ends[0], head and block.vocab_ends[1]
     tokens = float(b) * s * h
     ends = int(embed) + int(head)
     act = tokens * (e.embed_out * embed + e.head_in * head)
@@ -643,7 +654,9 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
         if batch_shape is not None and why_no_expected(plan, stats, batch_shape, tokens) is None:
             from ..planner.cost import rank_traffic
 
-            per_rank = rank_traffic(plan, stats, batch_shape[0] * plan.dp, batch_shape[1])
+            # token ids (b, s); feature vectors (b, [s, ...,] features): a token per row
+            seq = batch_shape[1] if tokens else prod(batch_shape[1:-1])
+            per_rank = rank_traffic(plan, stats, batch_shape[0] * plan.dp, seq)
             mine = by_axis_op(per_rank[pp_rank]) if per_rank else None
     elif cfg is None and models and plan.tp == 1 and plan.pp == 1:
         from .held import held_model, held_traffic

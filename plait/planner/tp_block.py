@@ -173,6 +173,7 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
                    bias_gathers=tuple(gathers), sp_norms=tuple(norms),
                    summed=tuple(summed), sp_in_blocks=in_blocks,
                    input_grad=any(p.requires_grad for p in embeds) or not embeds,
+                   vocab_ends=("embed" in ends, "head" in ends),
                    trace=trace(model, block, fwd_at, bwd_at, ends, seq=TRACE_SEQ))
 
 

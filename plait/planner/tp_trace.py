@@ -22,6 +22,7 @@ it shows no expected column under bf16 or checkpointing.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +110,10 @@ def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str
         saved[0] += 1
         return t
 
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # logs each failed op
+    level = quiet.level
     try:
+        quiet.setLevel(logging.CRITICAL)
         for name, module in names.items():
             hooks.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
             hooks.append(module.register_forward_hook(post(name), with_kwargs=True))
@@ -127,6 +131,7 @@ def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str
     except Exception:  # noqa: BLE001 - a forward the fake pass cannot run: no trace
         return None
     finally:
+        quiet.setLevel(level)
         for h in hooks:
             h.remove()
     return {n: (v[0], v[1], v[2], v[3]) for n, v in seen.items()}, saved[0]
