@@ -300,11 +300,14 @@ def test_the_ledger_of_your_own_model_predicts_every_layout_and_says_where_it_ca
     assert [(r["axis"], r["op"], r["ratio"]) for r in tp["comm"]["rows"]] == [
         ("tp", "all_reduce", 1.0)], tp["table"]
     assert "no 'expected' column" not in tp["table"], tp["table"]
-    fed = run_distributed(W.ledger_tables, 2, ["tp=2", "tp=2,mixed_precision=bf16"], True,
-                          timeout=120)[0]
+    fed = run_distributed(W.ledger_tables, 2, ["tp=2", "pp=2,mb=2", "tp=2,mixed_precision=bf16"],
+                          True, timeout=120)[0]
     rows = fed["tp=2"]["comm"]["rows"]
     assert [(r["axis"], r["op"], r["ratio"]) for r in rows] == [
         ("tp", "all_reduce", 1.0)], fed["tp=2"]["table"]
+    rows = fed["pp=2,mb=2"]["comm"]["rows"]
+    assert {(r["axis"], r["op"], r["ratio"]) for r in rows} == {
+        ("pp", "all_reduce", 1.0), ("pp", "send_recv", 1.0)}, fed["pp=2,mb=2"]["table"]
     table = fed["tp=2,mixed_precision=bf16"]["table"]
     assert "all_reduce" in table and "no 'expected' column" in table, table
     assert "mixed_precision=bf16" in table and "forward pass on token ids" in table, table
