@@ -15,7 +15,7 @@ import torch
 
 from plait.comm.predict import TPBlock, tp_block_traffic
 from plait.plan import Plan
-from plait.planner.model_stats import load_model
+from plait.planner.model_stats import from_module, load_model
 from plait.spawn import run_distributed
 from tests import _traffic_models as T
 
@@ -143,6 +143,8 @@ def test_traced_forward_reads_dtypes_and_replays():
     assert (lora.bf16_params.backward, lora.bf16_params.grads) == ((2, 2), 2)
     assert (mlp.replayed, lora.replayed, gpt2.replayed) == ((False,), (True, True),
                                                             (True, True))
+    with torch.device("meta"):  # autocast rules torch cannot run here: no trace
+        assert from_module(T.MODELS["mlp"](), device_type="xla").tp_block.trace is None
     # what tp_block_traffic makes of it: bf16 all-reduces 2 bytes forward, 4/2 backward
     block = _stats("lora").tp_block
     got = {t.what: (t.payload, t.calls) for t in tp_block_traffic(

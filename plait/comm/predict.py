@@ -102,7 +102,8 @@ def why_no_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | None,
     if plan.mixed_precision != "fp32" and not traced:
         return (f"under mixed_precision={plan.mixed_precision} each collective travels in "
                 "the dtype the model's own code leaves its input in, read off a forward pass "
-                "on token ids, and that pass did not run on this model")
+                "on token ids under the device's autocast rules (CPU, CUDA), and that pass "
+                "did not run on this model or device")
     if plan.tp > 1 and plan.activation_checkpointing != "none":
         if plan.activation_checkpointing == "op":
             return ("activation_checkpointing=op under tensor parallelism: torch's "
@@ -110,8 +111,8 @@ def why_no_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | None,
         if not traced:
             return (f"activation_checkpointing={plan.activation_checkpointing} under tensor "
                     "parallelism replays the forward collectives a block saves a tensor "
-                    "after, read off a forward pass on token ids, and that pass did not run "
-                    "on this model")
+                    "after, read off a forward pass on token ids (CPU, CUDA), and that pass "
+                    "did not run on this model or device")
     return None
 
 
@@ -608,16 +609,17 @@ def local_model(model: Any, plan: Any) -> LocalModel:
                       grad_params=grads, grad_tensors=grad_tensors)
 
 
-def planner_stats(model: Any) -> Any:
+def planner_stats(model: Any, device_type: str = "cpu") -> Any:
     """The planner's stats of ``model`` (``plait.planner.model_stats.from_module``), taken
-    before it is laid out; None for plait's reference transformer (its closed form is exact)
-    and for a model the planner cannot read (no stack of blocks)."""
+    before it is laid out, its forward traced under ``device_type``'s autocast rules; None for
+    plait's reference transformer (its closed form is exact) and for a model the planner
+    cannot read (no stack of blocks)."""
     from ..planner.model_stats import from_module
 
     if _find_config(model) is not None:
         return None
     try:
-        return from_module(model, name=type(model).__name__)
+        return from_module(model, name=type(model).__name__, device_type=device_type)
     except ValueError:
         return None
 

@@ -96,14 +96,14 @@ def held_parts(model: nn.Module, stack: str, found: tuple[Any, bool] | None
 
 
 def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
-             stack: tuple[str, str] | None = None) -> TPBlock | None:
+             stack: tuple[str, str] | None = None, device_type: str = "cpu") -> TPBlock | None:
     """The collectives of the block at module path ``block`` of ``model`` (on any device, the
     meta device included), or None where plait has no layer plan for it (inference refuses)
     or the plan uses styles TPBlock does not describe. The first block's input needs a
     gradient unless every embedding is frozen. ``found``: :func:`plan_of` the model;
     ``stack``: the paths of the stack's first and last blocks. The dtypes the collectives
     travel in under bf16 and what a checkpointed block replays are read off a forward pass on
-    fake tensors (:mod:`plait.planner.tp_trace`)."""
+    fake tensors under ``device_type``'s autocast rules (:mod:`plait.planner.tp_trace`)."""
     from plait.parallel.tp_plans import glob_regex
 
     if found is None:
@@ -174,7 +174,8 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
                    summed=tuple(summed), sp_in_blocks=in_blocks,
                    input_grad=any(p.requires_grad for p in embeds) or not embeds,
                    vocab_ends=("embed" in ends, "head" in ends),
-                   trace=trace(model, block, fwd_at, bwd_at, ends, seq=TRACE_SEQ))
+                   trace=trace(model, block, fwd_at, bwd_at, ends, seq=TRACE_SEQ,
+                               device_type=device_type))
 
 
 def _in_out(module: Any) -> tuple[int, int] | None:

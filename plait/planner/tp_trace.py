@@ -15,9 +15,10 @@ forward collectives a checkpointed block issues again in backward.
   row-parallel A, a dropout mask after a row-parallel projection), not otherwise.
 
 The pass runs on fake tensors (no memory, no compute: ``FakeTensorMode``) with the model's own
-parameter shapes, on token ids of shape (1, ``seq``); it works on the meta device too. Where it
-fails (the model's forward wants something else), nothing is returned and the ledger says why
-it shows no expected column under bf16 or checkpointing.
+parameter shapes, on token ids of shape (1, ``seq``), under the autocast rules of the device the
+model trains on; it works on the meta device too. Where it fails (the model's forward wants
+something else), nothing is returned and the ledger says why it shows no expected column under
+bf16 or checkpointing.
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ def _size(t: torch.Tensor | None) -> int:
     return t.element_size() if t is not None else FP32
 
 
-def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str
+def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str, device: str
           ) -> tuple[dict[str, tuple[int, int, int, int]], int] | None:
-    """One forward on fake tensors under ``mode`` (``fp32``, ``autocast``, ``params``): per
+    """One forward on fake tensors on ``device`` under ``mode`` (``fp32``, ``autocast``,
+    ``params``): per
     module in ``names`` (input bytes/element, output bytes/element, tensors saved for backward
     before its input, before its output), and the number saved in all."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -120,12 +122,12 @@ def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str
         with FakeTensorMode():
             cast = torch.bfloat16 if mode == "params" else None
             state = {n: torch.empty(p.shape, dtype=cast if cast and p.is_floating_point()
-                                    else p.dtype, device="cpu").requires_grad_(p.requires_grad)
+                                    else p.dtype, device=device).requires_grad_(p.requires_grad)
                      for n, p in model.named_parameters()}
-            state.update({n: torch.empty(b.shape, dtype=b.dtype, device="cpu")
+            state.update({n: torch.empty(b.shape, dtype=b.dtype, device=device)
                           for n, b in model.named_buffers()})
-            tokens = torch.zeros((1, seq), dtype=torch.long, device="cpu")
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode != "fp32")
+            tokens = torch.zeros((1, seq), dtype=torch.long, device=device)
+            autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=mode != "fp32")
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
                 functional_call(model, state, (tokens,))
     except Exception:  # noqa: BLE001 - a forward the fake pass cannot run: no trace
@@ -138,14 +140,20 @@ def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str
 
 
 def trace(model: nn.Module, block: str, forward: list[str], backward: list[str],
-          ends: dict[str, str], seq: int) -> Trace | None:
+          ends: dict[str, str], seq: int, device_type: str = "cpu") -> Trace | None:
     """Trace the block at ``block`` whose forward collectives follow the layers ``forward``
     (row-parallel: their outputs) and whose backward ones precede ``backward`` (column-parallel
     layers and regions: their inputs); ``ends``: module paths of the ``embed`` (vocabulary
     embedding), ``head`` (vocabulary head), ``first`` and ``last`` blocks of the stack, where the
-    model has them. None where the forward cannot run on fake token ids."""
+    model has them; ``device_type``: whose autocast rules apply (they differ: CUDA runs norms
+    and softmax in fp32, the CPU in bf16), where torch can run them (CPU; CUDA where a GPU is
+    present). None where the forward cannot run on fake token ids."""
+    if device_type not in ("cpu", "cuda") or (
+            device_type == "cuda" and not torch.cuda.is_available()):
+        return None
     names = {n: model.get_submodule(n) for n in {block, *forward, *backward, *ends.values()}}
-    runs = {mode: _pass(model, names, seq, mode) for mode in ("fp32", "autocast", "params")}
+    runs = {mode: _pass(model, names, seq, mode, device_type)
+            for mode in ("fp32", "autocast", "params")}
     if any(r is None for r in runs.values()):
         return None
     got = {mode: r[0] for mode, r in runs.items() if r is not None}
