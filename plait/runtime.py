@@ -95,6 +95,7 @@ class Run:
     # The planner's view of the model given to parallelize (plait.planner.model_stats), taken
     # before layout when the ledger is on under tp or pp: its expected column for that model.
     _stats: Any = None
+    _tokens: bool = True  # whether the first input held integer token ids
     # Rank 0's bar / plain lines and TensorBoard scalars (plait.progress.Progress), made at
     # the first step unless init() made it; ``plot``: a PNG of loss and per-rank step time
     # written at finish().
@@ -200,7 +201,7 @@ class Run:
         if self.ledger is not None and (self.plan.tp > 1 or self.plan.pp > 1):
             from .comm.predict import planner_stats
 
-            self._stats = planner_stats(model)
+            self._stats = planner_stats(model, self.device.type)
         out = _parallelize(model, self._mesh(), self.plan, device=self.device)
         self._models.append(out)
         self._resume_weights(out)
@@ -325,10 +326,9 @@ class Run:
         if self._batch_shape is None:
             first = _first_input(batch)
             self._batch_shape = tuple(getattr(first, "shape", ()))
-            if not (isinstance(first, torch.Tensor) and not first.is_floating_point()):
-                # the planner prices sequences of token ids (b, s) at the blocks' width, not
-                # this input: no expected column under tp/pp
-                self._stats = None
+            # the planner prices sequences of token ids (b, s) at the blocks' width, not
+            # another input: no expected column under tp/pp (why_no_expected)
+            self._tokens = isinstance(first, torch.Tensor) and not first.is_floating_point()
         watch = self.xla.step(batch) if self.xla is not None else contextlib.nullcontext()
         exchange, flags_travel = self._totals_exchange()
         agreed: torch.Tensor | None = None
@@ -736,9 +736,10 @@ class Run:
             expected = self._expected_traffic()
             comm = self.ledger.report(expected=expected)
             if expected is None and comm.rows:
-                from .comm.predict import NO_EXPECTED_NOTE
+                from .comm.predict import no_expected_note
 
-                comm.notes.append(NO_EXPECTED_NOTE)
+                comm.notes.append(no_expected_note(self._models, self.plan, self._stats,
+                                                   self._batch_shape, self._tokens))
             info["comm"] = comm.to_dict()
             info["comm_table"] = comm.table()
         if self.xla is not None:
@@ -757,7 +758,7 @@ class Run:
         pp_rank = self._mesh()["pp"].get_local_rank() if self.plan.pp > 1 else 0
         return expected_for_models(self._models, self.plan, self._batch_shape,
                                    optimizer_params=zero1 or None, stats=self._stats,
-                                   pp_rank=pp_rank)
+                                   pp_rank=pp_rank, tokens=self._tokens)
 
     def finish(self, print_summary: bool = True) -> dict[str, Any]:
         """Print the summary on rank 0, free the models and leave the process group; with

@@ -288,8 +288,10 @@ def test_evaluate_gives_one_devices_loss_under_every_layout():
 def test_the_ledger_of_your_own_model_predicts_every_layout_and_says_where_it_cannot():
     """Your own model's ledger: under data parallelism the expected column is read off the
     laid-out model, under tensor parallelism it is the planner's prediction for the model
-    given to parallelize (ratio 1.000 both). A model fed feature vectors, not token ids, has
-    no sequence the planner prices: the table says so and which command prices the layout."""
+    given to parallelize (ratio 1.000 both). A model fed feature vectors through plain layers
+    too, a token per row; under bf16 the dtypes its collectives travel in are read off a
+    forward pass on token ids, which it cannot run: the table says so, why, and which command
+    prices the layout."""
     got = run_distributed(W.ledger_tables, 2, ["dp=2", "tp=2"], timeout=120)[0]
     dp, tp = got["dp=2"], got["tp=2"]
     assert [(r["axis"], r["op"], r["ratio"]) for r in dp["comm"]["rows"]] == [
@@ -298,9 +300,17 @@ def test_the_ledger_of_your_own_model_predicts_every_layout_and_says_where_it_ca
     assert [(r["axis"], r["op"], r["ratio"]) for r in tp["comm"]["rows"]] == [
         ("tp", "all_reduce", 1.0)], tp["table"]
     assert "no 'expected' column" not in tp["table"], tp["table"]
-    table = run_distributed(W.ledger_tables, 2, ["tp=2"], True, timeout=120)[0]["tp=2"]["table"]
+    fed = run_distributed(W.ledger_tables, 2, ["tp=2", "pp=2,mb=2", "tp=2,mixed_precision=bf16"],
+                          True, timeout=120)[0]
+    rows = fed["tp=2"]["comm"]["rows"]
+    assert [(r["axis"], r["op"], r["ratio"]) for r in rows] == [
+        ("tp", "all_reduce", 1.0)], fed["tp=2"]["table"]
+    rows = fed["pp=2,mb=2"]["comm"]["rows"]
+    assert {(r["axis"], r["op"], r["ratio"]) for r in rows} == {
+        ("pp", "all_reduce", 1.0), ("pp", "send_recv", 1.0)}, fed["pp=2,mb=2"]["table"]
+    table = fed["tp=2,mixed_precision=bf16"]["table"]
     assert "all_reduce" in table and "no 'expected' column" in table, table
-    assert "activations" in table and "model's shapes" in table, table
+    assert "mixed_precision=bf16" in table and "forward pass on token ids" in table, table
     assert "plait plan --model pkg.mod:factory --plan <plan>" in table, table
 
 

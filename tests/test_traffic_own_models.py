@@ -15,7 +15,7 @@ import torch
 
 from plait.comm.predict import TPBlock, tp_block_traffic
 from plait.plan import Plan
-from plait.planner.model_stats import load_model
+from plait.planner.model_stats import from_module, load_model
 from plait.spawn import run_distributed
 from tests import _traffic_models as T
 
@@ -36,9 +36,13 @@ def _same(name: str, plan: str, comm: dict, global_batch: int) -> None:
                                                                      predicted)
 
 
-# The default case: an MLP-only block (2 all-reduces, no attention), LoRA layers (their rank's
-# collectives, a frozen embedding, frozen bases), GPT-2 (fused q|k|v bias, LayerNorms), under SP.
-CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2"])]
+# The default cases: an MLP-only block (2 all-reduces, no attention), LoRA layers (their rank's
+# collectives, a frozen embedding, frozen bases), GPT-2 (fused q|k|v bias, LayerNorms), under SP;
+# LoRA under bf16 and checkpointing: its row-parallel outputs travel in bf16, its base's input
+# gradient in fp32 (a norm's output) and its B's in bf16 (A's output), and a replay issues
+# both row-parallel all-reduces again (B saves A's all-reduced output), not all but the last.
+CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2"]),
+         ("tp=2,mixed_precision=bf16,activation_checkpointing=full", ["lora"])]
 SLOW_CASES = [
     ("tp=2", ["mlp", "attention", "gqa", "mqa", "tied", "lora", "gpt2", "llama"]),
     ("tp=2,sp=1", ["attention", "gqa", "mqa", "tied", "llama"]),
@@ -48,6 +52,17 @@ SLOW_CASES = [
     ("pp=2,tp=2,microbatches=2", ["mlp", "tied", "lora", "gpt2", "mqa"]),
     ("dp_shard=2,zero=3,tp=2", ["mlp", "lora", "gpt2"]),  # FSDP2's root unit: norms whole
     ("pp=2,pp_schedule=zbv,virtual_stages=2,microbatches=2", ["mlp", "llama"]),
+    # bf16: autocast over fp32 parameters; FSDP2's bf16 parameters (dp over tp, ZeRO-3 x tp)
+    ("tp=2,sp=1,mixed_precision=bf16,grad_accum=2", ["mlp", "lora", "gpt2", "llama"]),
+    ("dp=2,tp=2,mixed_precision=bf16", ["mlp", "mqa", "tied", "gpt2"]),
+    ("dp_shard=2,zero=3,tp=2,mixed_precision=bf16", ["lora", "llama"]),
+    ("pp=2,tp=2,microbatches=2,mixed_precision=bf16", ["tied", "lora", "gpt2"]),
+    # checkpointing: GPT-2's dropout after a row-parallel projection replays its all-reduce
+    ("tp=2,activation_checkpointing=full", ["mlp", "gpt2", "llama"]),
+    ("tp=2,sp=1,mixed_precision=bf16,activation_checkpointing=full", ["lora", "gpt2"]),
+    ("dp=2,tp=2,activation_checkpointing=selective", ["lora", "gpt2"]),
+    ("pp=2,microbatches=2,mixed_precision=bf16,activation_checkpointing=full",
+     ["mlp", "gpt2"]),
 ]
 
 
@@ -113,3 +128,64 @@ def test_kv_heads_from_a_transformers_config():
     assert (stats.n_heads, stats.kv_heads) == (4, 2)
     assert stats.kv_whole(4) > 0 and stats.kv_whole(2) == 0
 
+
+
+def test_traced_forward_reads_dtypes_and_replays():
+    """The traced forward pass (fake tensors, no compute): under bf16 autocast a row-parallel
+    layer's output is bf16 and a column-parallel layer's input keeps the dtype the model's code
+    leaves it in (a LayerNorm's output on the fp32 residual stream: fp32; a LoRA B reading A's
+    output: bf16); with FSDP2's bf16 parameters everything is bf16. A checkpoint replay issues a
+    forward collective again only where the block saves a tensor after it: not the MLP block's
+    last projection, both of LoRA's (B saves A's output), GPT-2's (a dropout mask after each)."""
+    mlp, lora, gpt2 = (_stats(n).tp_block.trace for n in ("mlp", "lora", "gpt2"))
+    assert (mlp.bf16.forward, mlp.bf16.backward, mlp.bf16.stack_out) == ((2,), (4,), 4)
+    assert (lora.bf16.forward, lora.bf16.backward, lora.bf16.grads) == ((2, 2), (4, 2), 4)
+    assert (lora.bf16_params.backward, lora.bf16_params.grads) == ((2, 2), 2)
+    assert (mlp.replayed, lora.replayed, gpt2.replayed) == ((False,), (True, True),
+                                                            (True, True))
+    with torch.device("meta"):  # autocast rules torch cannot run here: no trace
+        assert from_module(T.MODELS["mlp"](), device_type="xla").tp_block.trace is None
+    # what tp_block_traffic makes of it: bf16 all-reduces 2 bytes forward, 4/2 backward
+    block = _stats("lora").tp_block
+    got = {t.what: (t.payload, t.calls) for t in tp_block_traffic(
+        1, 8, T.WIDTH, 2, "bf16", False, recomputed=1.0, block=block)}
+    tokens = 8
+    assert got["activations"] == (tokens * (T.WIDTH * 2 + 2 * 2 + T.WIDTH * 4 + 2 * 2), 4)
+    assert got["checkpoint replay"] == (tokens * (T.WIDTH * 2 + 2 * 2), 2)
+
+
+def test_no_expected_column_says_why():
+    """Where the ledger shows no expected column for a model of the user's, its note names the
+    reason: no stack of blocks, an input that is neither token ids nor feature vectors fed
+    through plain layers, a layer plan given by hand, op-level checkpointing under tp, or
+    bf16 / checkpointing on a model the traced forward cannot run (this one takes feature
+    vectors, not token ids)."""
+    from plait.comm.predict import why_no_expected
+    from tests._workers_semantics import pre_norm_net
+
+    plan = Plan.from_string
+    mlp = _stats("mlp")
+    assert why_no_expected(plan("tp=2"), mlp, (4, 8)) is None
+    assert why_no_expected(plan("tp=2,mixed_precision=bf16,activation_checkpointing=full"),
+                           mlp, (4, 8)) is None
+    assert "stack of repeated blocks" in why_no_expected(plan("tp=2"), None, (4, 8))
+    assert "(4, 8, 3)" in why_no_expected(plan("tp=2"), mlp, (4, 8, 3), tokens=False)
+    assert "(4,)" in why_no_expected(plan("tp=2"), mlp, (4,))
+    by_hand = Plan.from_string("tp=2").replace(options=Plan.from_string("tp=2").options.replace(
+        tp_plan={"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}))
+    assert "options.tp_plan" in why_no_expected(by_hand, mlp, (4, 8))
+    assert "selective-checkpoint policy" in why_no_expected(
+        plan("tp=2,activation_checkpointing=op"), mlp, (4, 8))
+    with torch.device("meta"):
+        features = load_model(pre_norm_net())
+    assert features.tp_block is not None and features.tp_block.trace is None
+    # feature vectors through plain layers (no vocabulary ends): a token per row, not under SP
+    assert features.tp_block.vocab_ends == (False, False)
+    assert why_no_expected(plan("tp=2"), features, (4, 8), tokens=False) is None
+    assert "sequence parallelism" in why_no_expected(plan("tp=2,sp=1"), features, (4, 8),
+                                                     tokens=False)
+    assert "mixed_precision=bf16" in why_no_expected(plan("tp=2,mixed_precision=bf16"),
+                                                     features, (4, 8))
+    assert "activation_checkpointing=full" in why_no_expected(
+        plan("tp=2,activation_checkpointing=full"), features, (4, 8))
+    assert why_no_expected(plan("pp=2,activation_checkpointing=full"), features, (4, 8)) is None

@@ -40,7 +40,8 @@ is predicted under data parallelism alone, read off the laid-out model (``plait.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from math import prod
 from typing import Any
 
 from .._torch_compat import is_split
@@ -51,12 +52,68 @@ from .volumes import DDP_BUCKET_BYTES, Traffic, ddp_traffic, dtype_bytes
 FP32 = 4
 
 # The ledger table's note where ``expected_for_models`` has no closed form.
+_BY_PLAN = "`plait plan --model pkg.mod:factory --plan <plan>` gives the planner's bytes per axis"
 NO_EXPECTED_NOTE = ("no 'expected' column: tensor and pipeline parallelism move activations, "
                     "whose bytes need the model's shapes (hidden size, blocks, sequence), which "
-                    "plait reads off a stack of repeated blocks fed token ids (b, s), in fp32 "
-                    "without activation checkpointing; this model, its input or the plan is "
-                    "not that; `plait plan --model pkg.mod:factory --plan <plan>` gives the "
-                    "planner's bytes per axis")
+                    "plait reads off a stack of repeated blocks fed token ids (b, s); this "
+                    "model, its input or the plan is not that; " + _BY_PLAN)
+
+
+def no_expected_note(models: list[Any], plan: Any, stats: Any,
+                     batch_shape: tuple[int, ...] | None, tokens: bool = True) -> str:
+    """The ledger table's note where :func:`expected_for_models` returned None: for a model
+    other than plait's reference transformer under tensor or pipeline parallelism, naming
+    the reason (:func:`why_no_expected`)."""
+    reason = None
+    if (plan.tp > 1 or plan.pp > 1) and not (models and _find_config(models[-1])):
+        reason = why_no_expected(plan, stats, batch_shape, tokens)
+    if reason is None:
+        return NO_EXPECTED_NOTE
+    return f"no 'expected' column: {reason}; {_BY_PLAN}"
+
+
+def why_no_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | None,
+                    tokens: bool = True) -> str | None:
+    """Why the ledger cannot predict tensor- or pipeline-parallel traffic for a model other than
+    plait's reference transformer (``stats``: ``planner_stats`` of the model given to
+    parallelize; ``batch_shape``, ``tokens``: the first input's shape and whether it held
+    integer token ids), or None where it can. Activations' bytes need the model's shapes; bf16
+    needs the dtype each collective travels in and checkpointing what a block replays, both
+    read off a traced forward pass (``TPBlock.trace``)."""
+    if stats is None:
+        return ("tensor and pipeline parallelism move activations, whose bytes need the "
+                "model's shapes, which plait reads off a stack of repeated blocks (an "
+                "nn.ModuleList/Sequential of alike blocks with nn.Linear layers); this model "
+                "has none")
+    block = stats.tp_block
+    shape = "?" if batch_shape is None else tuple(batch_shape)
+    if batch_shape is None or len(batch_shape) < 2 or (tokens and len(batch_shape) != 2):
+        return (f"the first input has shape {shape}, neither token ids (b, s) nor feature "
+                "vectors (b, [s,] features)")
+    if not tokens and (block is None or any(block.vocab_ends) or plan.sp):
+        return (f"the first input is not a batch of token ids (b, s) but of shape {shape}; "
+                "plait prices activations per token of a sequence of ids, or per row of "
+                "feature vectors fed through plain layers (no vocabulary embedding or head, "
+                "no sequence parallelism)")
+    if plan.tp > 1 and plan.options.tp_plan is not None:
+        return ("options.tp_plan is given by hand; plait predicts the blocks it ships or "
+                "infers a layer plan for")
+    traced = block is not None and block.trace is not None
+    if plan.mixed_precision != "fp32" and not traced:
+        return (f"under mixed_precision={plan.mixed_precision} each collective travels in "
+                "the dtype the model's own code leaves its input in, read off a forward pass "
+                "on token ids under the device's autocast rules (CPU, CUDA), and that pass "
+                "did not run on this model or device")
+    if plan.tp > 1 and plan.activation_checkpointing != "none":
+        if plan.activation_checkpointing == "op":
+            return ("activation_checkpointing=op under tensor parallelism: torch's "
+                    "selective-checkpoint policy decides which collectives replay")
+        if not traced:
+            return (f"activation_checkpointing={plan.activation_checkpointing} under tensor "
+                    "parallelism replays the forward collectives a block saves a tensor "
+                    "after, read off a forward pass on token ids (CPU, CUDA), and that pass "
+                    "did not run on this model or device")
+    return None
 
 
 @dataclass(frozen=True)
@@ -76,7 +133,9 @@ class TPBlock:
     ``sp_in_blocks``: under SP the sequence is split at the first block and gathered after the
     last (transformers models, inferred plans) rather than from the embedding to the head
     (plait's reference transformer); ``input_grad``: whether the first block's input needs a
-    gradient (a frozen embedding: no all-gather of it under SP).
+    gradient (a frozen embedding: no all-gather of it under SP); ``vocab_ends``: whether the
+    plan splits a vocabulary embedding and a vocabulary head (a model fed feature vectors
+    through plain layers has neither: no collectives outside the blocks).
     """
 
     forward: tuple[int, ...]
@@ -86,6 +145,22 @@ class TPBlock:
     summed: tuple[int, ...] = ()
     sp_in_blocks: bool = False
     input_grad: bool = True
+    vocab_ends: tuple[bool, bool] = (True, True)
+    trace: Any = field(default=None, compare=False)  # plait.planner.tp_trace.Trace
+
+    def sizes(self, dtype: str, cast_params: bool = False) -> Any:
+        """Bytes per element of each collective (``plait.planner.tp_trace.Sizes``): fp32 all
+        4; bf16 as the traced forward pass showed (``cast_params``: FSDP2 casts the parameters
+        to bf16), or every activation at 2 bytes where there is no trace (the reference
+        block: the planner's estimate)."""
+        from ..planner.tp_trace import Sizes
+
+        n, m = len(self.forward), len(self.backward)
+        if dtype != "bf16":
+            return Sizes.uniform(FP32, n, m)
+        if self.trace is None:
+            return Sizes.uniform(2, n, m)
+        return self.trace.bf16_params if cast_params else self.trace.bf16
 
     @classmethod
     def reference(cls, hidden: int) -> TPBlock:
@@ -271,20 +346,29 @@ def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
     if plan.tp == 1:
         return []
     dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
+    cast = casts_params(plan)
     micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
     out: list[Traffic] = []
     if local.layers:
         per_block = tp_block_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp,
                                      recomputed=local.recomputed / local.layers,
-                                     kv_whole=kv_whole, block=block)
+                                     kv_whole=kv_whole, block=block, cast_params=cast)
         out += _times(per_block, local.layers * micro)
     out += _times(tp_end_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp, embed=local.embed,
-                                 head=local.head, block=block), micro)
+                                 head=local.head, block=block, cast_params=cast), micro)
     return out
 
 
-def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
-                    ) -> list[Traffic]:
+def casts_params(plan: Any) -> bool:
+    """Whether FSDP2 holds the parameters in bf16 during compute (``MixedPrecisionPolicy``):
+    bf16 under ZeRO-2/3, and under replicated DP over TP shards (FSDP2 too); elsewhere plait
+    computes under autocast over fp32 parameters."""
+    fsdp = plan.zero >= 2 or (plan.zero == 0 and plan.tp > 1 and plan.dp_replicate > 1)
+    return plan.mixed_precision == "bf16" and fsdp
+
+
+def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int,
+                    block: TPBlock | None = None) -> list[Traffic]:
     """Pipeline sends of one rank in one optimizer step: per microbatch and stage boundary it
     holds, the activation forward and its gradient back; a neighbour stage on the same rank
     (the V of ZB-V) is handed over locally. With SP the message is the TP shard."""
@@ -294,7 +378,10 @@ def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
 
     dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
     owner = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
-    per = float(mb) * seq * hidden * dtype_bytes(dtype) / (plan.tp if plan.sp else 1)
+    # a block's output: the dtype the traced forward showed (``block.trace``), else the plan's
+    e = (block.sizes(dtype, casts_params(plan)).stack_out if block is not None
+         else dtype_bytes(dtype))
+    per = float(mb) * seq * hidden * e / (plan.tp if plan.sp else 1)
     sends = 0
     for s in local.stages:
         sends += s + 1 < local.num_stages and owner[s + 1] != owner[s]  # activation
@@ -333,23 +420,30 @@ def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
 
 def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
                      recomputed: float = 0.0, kv_whole: int = 0,
-                     block: TPBlock | None = None) -> list[Traffic]:
+                     block: TPBlock | None = None, cast_params: bool = False) -> list[Traffic]:
     """TP collectives of one block for one microbatch (forward + backward), as plait's runtime
     issues them for ``block`` (default: the reference block, Megatron's 4 all-reduces of
     b*s*h; with SP 4 all-gathers + 4 reduce-scatters plus the 2 sequence-parallel norms'
     weight-gradient all-reduces, h fp32 each). A block with an MLP only issues half of that:
     the count follows the block's row- and column-parallel layers, not a fixed 4.
-    ``recomputed`` (0..1): share of the block replayed by checkpointing; torch's non-reentrant
-    checkpoint stops before the last collective, so a replay costs the forward's collectives
-    but the last one (the reference block: 1 all-reduce; SP: 2 all-gathers + 1
-    reduce-scatter). ``kv_whole``: elements of k and v weights kept whole on every rank (fewer
-    kv heads than tp); their gradients are all-reduced in each backward, one call each."""
+    ``recomputed`` (0..1): share of the block replayed by checkpointing. torch's non-reentrant
+    checkpoint stops once the last tensor the block saves is recomputed: a traced block
+    (``block.trace``) replays the forward collectives followed by a save; otherwise every
+    forward collective but the last (the reference block: 1 all-reduce; SP: 2 all-gathers + 1
+    reduce-scatter). Under bf16 each collective travels in the dtype the traced forward showed
+    (``block.sizes``; ``cast_params``: FSDP2 holds the parameters in bf16). ``kv_whole``:
+    elements of k and v weights kept whole on every rank (fewer kv heads than tp); their
+    gradients are all-reduced in each backward, one call each."""
     if tp == 1:
         return []
     block = block or TPBlock.reference(h)
-    e = dtype_bytes(dtype)
+    e = block.sizes(dtype, cast_params)
     tokens = float(b) * s
-    fwd, bwd = [tokens * f * e for f in block.forward], [tokens * f * e for f in block.backward]
+    fwd = [tokens * f * k for f, k in zip(block.forward, e.forward, strict=True)]
+    bwd = [tokens * f * k for f, k in zip(block.backward, e.backward, strict=True)]
+    # the reference block's parameter gradients: at the activations' size (the planner's
+    # estimate); a traced block's: as the trace showed
+    g = e.grads if block.trace is not None else FP32
     out: list[Traffic] = []
     if fwd or bwd:
         n = len(fwd) + len(bwd)
@@ -359,62 +453,75 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
         else:
             out.append(Traffic("tp", "all_reduce", sum(fwd) + sum(bwd), n, tp, "activations"))
     if sp and block.sp_norms:
-        out.append(Traffic("tp", "all_reduce", float(sum(block.sp_norms)) * FP32,
+        out.append(Traffic("tp", "all_reduce", float(sum(block.sp_norms)) * g,
                            len(block.sp_norms), tp, "norm weight grads"))
     if block.summed:
-        out.append(Traffic("tp", "all_reduce", float(sum(block.summed)) * FP32,
+        out.append(Traffic("tp", "all_reduce", float(sum(block.summed)) * g,
                            len(block.summed), tp, "grad_allreduce weight grads"))
     if block.bias_gathers:
-        out.append(Traffic("tp", "all_gather", float(sum(block.bias_gathers)) * FP32,
+        out.append(Traffic("tp", "all_gather", float(sum(block.bias_gathers)) * g,
                            len(block.bias_gathers), tp, "fused qkv bias grads"))
     if kv_whole:
-        out.append(Traffic("tp", "all_reduce", float(kv_whole) * e, 2, tp,
+        kv = e.grads if block.trace is not None else dtype_bytes(dtype)
+        out.append(Traffic("tp", "all_reduce", float(kv_whole) * kv, 2, tp,
                            "replicated kv weight grads"))
     if recomputed and fwd:
         # calls per block averaged over the blocks (selective checkpointing replays some):
         # fractional, which Traffic's int annotation does not foresee
         r: Any = recomputed
+        trace = block.trace
+        again = [x for x, y in zip(fwd, trace.replayed, strict=True) if y] if trace else fwd[:-1]
+        gathers = [x for x, y in zip(bwd, trace.replayed_gathers, strict=True) if y] \
+            if trace else bwd
         if sp:
-            out += [Traffic("tp", "all_gather", sum(bwd) * r, len(bwd) * r, tp,
+            out += [Traffic("tp", "all_gather", sum(gathers) * r, len(gathers) * r, tp,
                             "checkpoint replay"),
-                    Traffic("tp", "reduce_scatter", sum(fwd[:-1]) * r, (len(fwd) - 1) * r, tp,
+                    Traffic("tp", "reduce_scatter", sum(again) * r, len(again) * r, tp,
                             "checkpoint replay")]
         else:
-            out.append(Traffic("tp", "all_reduce", sum(fwd[:-1]) * r, (len(fwd) - 1) * r, tp,
+            out.append(Traffic("tp", "all_reduce", sum(again) * r, len(again) * r, tp,
                                "checkpoint replay"))
     return [t for t in out if t.calls]
 
 
 def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, embed: bool,
-                   head: bool, block: TPBlock | None = None) -> list[Traffic]:
+                   head: bool, block: TPBlock | None = None,
+                   cast_params: bool = False) -> list[Traffic]:
     """TP collectives outside the blocks per microbatch: the vocabulary-parallel embedding and
     the head each an all-reduce of b*s*h (SP: all-gather + reduce-scatter), loss_parallel's 3
     fp32 values per token, and with SP the final norm's weight-gradient all-reduce. Where the
     sequence is split inside the block stack only (``block.sp_in_blocks``), the embedding and
     head keep their all-reduces under SP, and the stack's output is all-gathered in forward,
-    the gradient of its input in backward (where the input needs one)."""
+    the gradient of its input in backward (where the input needs one). Under bf16 each in the
+    dtype a traced block showed (``TPBlock.sizes``)."""
     if tp == 1:
         return []
-    act = float(b) * s * h * dtype_bytes(dtype)
+    e = (block or TPBlock.reference(h)).sizes(dtype, cast_params)
+    if block is not None and not sp:  # plain input and output layers: nothing at the ends
+        embed, head = embed and block.vocab_ends[0], head and block.vocab_ends[1]
+    tokens = float(b) * s * h
     ends = int(embed) + int(head)
+    act = tokens * (e.embed_out * embed + e.head_in * head)
     ends_what = " + ".join(["embedding output"] * embed + ["head input grad"] * head)
     out = []
     if sp and block is not None and block.sp_in_blocks:
         if ends:
-            out.append(Traffic("tp", "all_reduce", act * ends, ends, tp, ends_what))
-        edges = int(head) + int(embed and block.input_grad)
+            out.append(Traffic("tp", "all_reduce", act, ends, tp, ends_what))
+        into = embed and block.input_grad
+        edges = int(head) + int(into)
         if edges:
-            out.append(Traffic("tp", "all_gather", act * edges, edges, tp,
+            out.append(Traffic("tp", "all_gather",
+                               tokens * (e.stack_out * head + e.stack_in * into), edges, tp,
                                "block stack output + input grad"))
         if head:
             out.append(Traffic("tp", "all_reduce", 3.0 * b * s * 4, 3, tp, "loss_parallel"))
         return out
     if ends:
         if sp:
-            out += [Traffic("tp", "all_gather", act * ends, ends, tp, ends_what),
-                    Traffic("tp", "reduce_scatter", act * ends, ends, tp, ends_what)]
+            out += [Traffic("tp", "all_gather", act, ends, tp, ends_what),
+                    Traffic("tp", "reduce_scatter", act, ends, tp, ends_what)]
         else:
-            out.append(Traffic("tp", "all_reduce", act * ends, ends, tp, ends_what))
+            out.append(Traffic("tp", "all_reduce", act, ends, tp, ends_what))
     if head:
         out.append(Traffic("tp", "all_reduce", 3.0 * b * s * 4, 3, tp, "loss_parallel"))
         if sp:
@@ -502,23 +609,25 @@ def local_model(model: Any, plan: Any) -> LocalModel:
                       grad_params=grads, grad_tensors=grad_tensors)
 
 
-def planner_stats(model: Any) -> Any:
+def planner_stats(model: Any, device_type: str = "cpu") -> Any:
     """The planner's stats of ``model`` (``plait.planner.model_stats.from_module``), taken
-    before it is laid out; None for plait's reference transformer (its closed form is exact)
-    and for a model the planner cannot read (no stack of blocks)."""
+    before it is laid out, its forward traced under ``device_type``'s autocast rules; None for
+    plait's reference transformer (its closed form is exact) and for a model the planner
+    cannot read (no stack of blocks)."""
     from ..planner.model_stats import from_module
 
     if _find_config(model) is not None:
         return None
     try:
-        return from_module(model, name=type(model).__name__)
+        return from_module(model, name=type(model).__name__, device_type=device_type)
     except ValueError:
         return None
 
 
 def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ...] | None,
                         optimizer_params: list[Any] | None = None, stats: Any = None,
-                        pp_rank: int = 0) -> dict[tuple[str, str], float] | None:
+                        pp_rank: int = 0, tokens: bool = True
+                        ) -> dict[tuple[str, str], float] | None:
     """Predicted payload bytes per (axis, op) per step, or None where plait has no closed form.
 
     The reference transformer: every layout (``predict``); ``batch_shape`` is the shape of one
@@ -528,7 +637,8 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     optimizer updates and broadcasts); under tensor or pipeline parallelism, the planner's
     traffic for pipeline rank ``pp_rank`` of the model ``stats`` describes
     (``planner_stats``, taken before layout; ``plait.planner.cost.rank_traffic``), whose
-    blocks it prices from the layer plan plait lays them out with. The ledger's report
+    blocks it prices from the layer plan plait lays them out with (``tokens``: the first input
+    was integer token ids; :func:`why_no_expected` says where it cannot). The ledger's report
     compares each row's busiest rank, and ranks hold different parts of the model (pipeline
     stages), so each rank predicts its own traffic and the per-(axis, op) maximum over ranks is
     returned: a collective when a process group is up (call it on every rank, as
@@ -542,18 +652,14 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
         batch, seq = batch_shape
         mine = by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq,
                                   local=local_model(models[-1], plan)))
-    elif cfg is None and stats is not None and batch_shape is not None and \
-            len(batch_shape) == 2 and (plan.tp > 1 or plan.pp > 1) and \
-            plan.mixed_precision == "fp32" and plan.activation_checkpointing == "none" and \
-            (plan.tp == 1 or plan.options.tp_plan is None):
-        # bf16 and checkpointing are left out: under autocast a model's own residual stream
-        # stays fp32 (the planner prices every activation at the compute dtype), and what a
-        # checkpointed block replays depends on what it saves after its last collective; so
-        # is a layer plan given by hand (the planner reads the one plait ships or infers)
-        from ..planner.cost import rank_traffic
+    elif cfg is None and (plan.tp > 1 or plan.pp > 1):
+        if batch_shape is not None and why_no_expected(plan, stats, batch_shape, tokens) is None:
+            from ..planner.cost import rank_traffic
 
-        per_rank = rank_traffic(plan, stats, batch_shape[0] * plan.dp, batch_shape[1])
-        mine = by_axis_op(per_rank[pp_rank]) if per_rank else None
+            # token ids (b, s); feature vectors (b, [s, ...,] features): a token per row
+            seq = batch_shape[1] if tokens else prod(batch_shape[1:-1])
+            per_rank = rank_traffic(plan, stats, batch_shape[0] * plan.dp, seq)
+            mine = by_axis_op(per_rank[pp_rank]) if per_rank else None
     elif cfg is None and models and plan.tp == 1 and plan.pp == 1:
         from .held import held_model, held_traffic
 

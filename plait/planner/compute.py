@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from plait.comm.predict import tp_block_traffic, tp_end_traffic
+from plait.comm.predict import casts_params, tp_block_traffic, tp_end_traffic
 from plait.plan import ZERO_BUBBLE_SCHEDULES, Plan
 
 from .hardware import Cluster
@@ -81,7 +81,8 @@ def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
             plan.activation_checkpointing, 0.0)
         tp_comm = sum(collective_time(t, cluster, 1, c) for t in
                       tp_block_traffic(b, s, model.hidden, tp, dtype, plan.sp, recomputed,
-                                       model.kv_whole(tp), model.tp_block))
+                                       model.kv_whole(tp), model.tp_block,
+                                       casts_params(plan)))
         block += tp_comm + c.tp_block_overhead_s
     head = 3 * model.head_flops_per_token() * tokens / tp / rate + c.micro_overhead_s
     embed = 0.0

@@ -261,7 +261,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     traffic = [t for t, _ in traffic_dp + clip] + \
         predict.tp_rank_traffic(plan, busy, b, s, model.hidden, model.kv_whole(tp),
                                 model.tp_block) + \
-        predict.pp_rank_traffic(plan, busy, b, s, model.hidden)
+        predict.pp_rank_traffic(plan, busy, b, s, model.hidden, model.tp_block)
 
     est.traffic = traffic
     est.busiest_rank = r_busy
@@ -333,5 +333,6 @@ def rank_traffic(plan: Plan, model: ModelStats, global_batch: int, seq: int
                    + [t for t, _ in clip_traffic(plan, share)]
                    + predict.tp_rank_traffic(plan, share, b, seq, model.hidden,
                                              model.kv_whole(plan.tp), model.tp_block)
-                   + predict.pp_rank_traffic(plan, share, b, seq, model.hidden))
+                   + predict.pp_rank_traffic(plan, share, b, seq, model.hidden,
+                                             model.tp_block))
     return out

@@ -249,8 +249,10 @@ _BY_HAND = ("; pick the layout by hand: data parallelism needs no blocks (dp=N, 
             "proves it trains what one device trains")
 
 
-def from_module(model: Any, name: str = "module") -> ModelStats:
-    """Stats of an ``nn.Module`` (ideally on the meta device) with a stack of repeated blocks."""
+def from_module(model: Any, name: str = "module", device_type: str = "cpu") -> ModelStats:
+    """Stats of an ``nn.Module`` (ideally on the meta device) with a stack of repeated blocks.
+    ``device_type``: where it trains, whose autocast rules the traced forward pass follows
+    (:mod:`plait.planner.tp_trace`)."""
     import torch.nn as nn
 
     if not isinstance(model, nn.Module):
@@ -341,7 +343,9 @@ def from_module(model: Any, name: str = "module") -> ModelStats:
                       head_params=head_params, attention=attention, layer_weights=weights,
                       block_tensors=tensors, embed_tensors=embed_tensors,
                       head_tensors=max(outside - embed_tensors, 0), max_seq=_max_seq(model),
-                      tp_block=tp_block(model, ref_path, found), tied_params=tied_params,
+                      tp_block=tp_block(model, ref_path, found, (
+                          _path(model, blocks[0]), _path(model, blocks[-1])), device_type),
+                      tied_params=tied_params,
                       held=held_parts(model, stack_name, found))
 
 
@@ -361,6 +365,10 @@ def _divided_heads(block: Any, path: str, plan: Any) -> int | None:
                                        if "kv" not in a and "key_value" not in a)
                            if isinstance(v, int) and not isinstance(v, bool) and v > 1]
     return min(counts) if counts else None
+
+
+def _path(model: Any, module: Any) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
 
 
 def _max_seq(model: Any) -> int | None:

@@ -16,6 +16,11 @@ import torch.nn as nn
 
 from plait.comm.predict import TPBlock
 
+from .tp_trace import trace
+
+# Tokens per sequence of the traced forward pass: any length the model accepts will do
+TRACE_SEQ = 4
+
 
 @dataclass(frozen=True)
 class Held:
@@ -90,11 +95,15 @@ def held_parts(model: nn.Module, stack: str, found: tuple[Any, bool] | None
     return block, Held(*parts[1]), Held(*parts[2])
 
 
-def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None) -> TPBlock | None:
+def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
+             stack: tuple[str, str] | None = None, device_type: str = "cpu") -> TPBlock | None:
     """The collectives of the block at module path ``block`` of ``model`` (on any device, the
     meta device included), or None where plait has no layer plan for it (inference refuses)
     or the plan uses styles TPBlock does not describe. The first block's input needs a
-    gradient unless every embedding is frozen. ``found``: :func:`plan_of` the model."""
+    gradient unless every embedding is frozen. ``found``: :func:`plan_of` the model;
+    ``stack``: the paths of the stack's first and last blocks. The dtypes the collectives
+    travel in under bf16 and what a checkpointed block replays are read off a forward pass on
+    fake tensors under ``device_type``'s autocast rules (:mod:`plait.planner.tp_trace`)."""
     from plait.parallel.tp_plans import glob_regex
 
     if found is None:
@@ -119,6 +128,8 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None) -> TP
     regions = [n for n, (style, _) in styled.items() if style == "region"]
     forward: list[int] = []
     backward: list[int] = []
+    fwd_at: list[str] = []  # the module each collective follows / precedes
+    bwd_at: list[str] = []
     gathers: list[int] = []
     norms: list[int] = []
     summed: list[int] = []
@@ -127,8 +138,10 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None) -> TP
         inside = any(name.startswith(r + ".") for r in regions)
         if style == "rowwise" and dims:
             forward.append(dims[1])
+            fwd_at.append(name)
         elif style in ("colwise", "colwise_qkv") and dims and not inside:
             backward.append(dims[0])
+            bwd_at.append(name)
         elif style == "region":
             entry = next((_in_out(m) for n, (s, m) in styled.items()
                           if n.startswith(name + ".") and s in ("colwise", "colwise_qkv")
@@ -136,6 +149,7 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None) -> TP
             if entry is None:
                 return None
             backward.append(entry[0])
+            bwd_at.append(name)
         elif style == "sequence_parallel":
             norms += [p.numel() for p in module.parameters() if p.requires_grad]
         elif style == "grad_allreduce":
@@ -150,10 +164,18 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None) -> TP
                 norms += [p.numel() for p in module.parameters(recurse=False)
                           if p.requires_grad]
     embeds = [p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()]
+    ends = {key: name for name, _ in model.named_modules()
+            for key, want in (("embed", "vocab_embedding"), ("head", "vocab_head"))
+            if style_of(name) == want}
+    if stack is not None:
+        ends.update(first=stack[0], last=stack[1])
     return TPBlock(forward=tuple(forward), backward=tuple(backward),
                    bias_gathers=tuple(gathers), sp_norms=tuple(norms),
                    summed=tuple(summed), sp_in_blocks=in_blocks,
-                   input_grad=any(p.requires_grad for p in embeds) or not embeds)
+                   input_grad=any(p.requires_grad for p in embeds) or not embeds,
+                   vocab_ends=("embed" in ends, "head" in ends),
+                   trace=trace(model, block, fwd_at, bwd_at, ends, seq=TRACE_SEQ,
+                               device_type=device_type))
 
 
 def _in_out(module: Any) -> tuple[int, int] | None:

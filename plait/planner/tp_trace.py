@@ -1,0 +1,181 @@
+"""What one forward pass of a user's model shows about the tensor-parallel collectives of its
+blocks, beyond the layer plan: the dtype each collective travels in under bf16, and which
+forward collectives a checkpointed block issues again in backward.
+
+* bf16: plait trains under autocast over fp32 parameters (``plait.train.autocast``), so a
+  row-parallel layer's output (a matmul's) is all-reduced in bf16, but the gradient of a
+  column-parallel layer's input is all-reduced in that input's dtype, often fp32 (a norm's
+  output on the fp32 residual stream), and parameter gradients stay fp32. Where FSDP2 casts the
+  parameters to bf16 (``MixedPrecisionPolicy``: ZeRO-2/3, data parallelism over TP shards) the
+  residual stream and the parameter gradients are bf16 too. Which is which depends on the
+  model's own code, so it is read off a forward pass under each.
+* Activation checkpointing (torch's non-reentrant checkpoint) replays a block's forward in
+  backward only until the last tensor the block saves for backward is recomputed: a forward
+  collective is issued again when the block saves a tensor after it (a LoRA B after a
+  row-parallel A, a dropout mask after a row-parallel projection), not otherwise.
+
+The pass runs on fake tensors (no memory, no compute: ``FakeTensorMode``) with the model's own
+parameter shapes, on token ids of shape (1, ``seq``), under the autocast rules of the device the
+model trains on; it works on the meta device too. Where it fails (the model's forward wants
+something else), nothing is returned and the ledger says why it shows no expected column under
+bf16 or checkpointing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Bytes per element of each tensor-parallel collective of one block and of the model's
+    ends under one precision: ``forward`` (each row-parallel layer's output), ``backward``
+    (each column-parallel layer's or region's input), ``embed_out`` (the vocabulary-parallel
+    embedding's output), ``head_in`` (the vocabulary-parallel head's input), ``stack_in`` /
+    ``stack_out`` (the first block's input, a block's output: what a pipeline stage sends),
+    ``grads`` (parameter gradients all-reduced over tp)."""
+
+    forward: tuple[int, ...]
+    backward: tuple[int, ...]
+    embed_out: int = FP32
+    head_in: int = FP32
+    stack_in: int = FP32
+    stack_out: int = FP32
+    grads: int = FP32
+
+    @classmethod
+    def uniform(cls, e: int, forward: int, backward: int) -> Sizes:
+        """Every activation at ``e`` bytes, parameter gradients at ``e`` too."""
+        return cls((e,) * forward, (e,) * backward, e, e, e, e, e)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What one forward pass showed (:func:`trace`): ``bf16`` under autocast over fp32
+    parameters, ``bf16_params`` with the parameters cast to bf16 as FSDP2 does; ``replayed`` /
+    ``replayed_gathers``: whether a checkpoint replay issues each forward collective again
+    (row-parallel outputs; column-parallel and region inputs' all-gathers under SP)."""
+
+    bf16: Sizes
+    bf16_params: Sizes
+    replayed: tuple[bool, ...]
+    replayed_gathers: tuple[bool, ...]
+
+
+def _first_tensor(values: Any) -> torch.Tensor | None:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return v
+        if isinstance(v, (tuple, list)) and v and isinstance(v[0], torch.Tensor):
+            return v[0]
+    return None
+
+
+def _size(t: torch.Tensor | None) -> int:
+    return t.element_size() if t is not None else FP32
+
+
+def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str, device: str
+          ) -> tuple[dict[str, tuple[int, int, int, int]], int] | None:
+    """One forward on fake tensors on ``device`` under ``mode`` (``fp32``, ``autocast``,
+    ``params``): per
+    module in ``names`` (input bytes/element, output bytes/element, tensors saved for backward
+    before its input, before its output), and the number saved in all."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    seen: dict[str, list[int]] = {}
+    saved = [0]
+    hooks = []
+
+    def pre(name: str):
+        def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+            t = _first_tensor(list(args) + list(kwargs.values()))
+            seen.setdefault(name, [_size(t), FP32, saved[0], saved[0], 0])
+        return hook
+
+    def post(name: str):
+        def hook(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> None:
+            t = _first_tensor([out])
+            if name in seen and not seen[name][4]:  # the first call only
+                seen[name][1], seen[name][3], seen[name][4] = _size(t), saved[0], 1
+        return hook
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += 1
+        return t
+
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # logs each failed op
+    level = quiet.level
+    try:
+        quiet.setLevel(logging.CRITICAL)
+        for name, module in names.items():
+            hooks.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
+            hooks.append(module.register_forward_hook(post(name), with_kwargs=True))
+        with FakeTensorMode():
+            cast = torch.bfloat16 if mode == "params" else None
+            state = {n: torch.empty(p.shape, dtype=cast if cast and p.is_floating_point()
+                                    else p.dtype, device=device).requires_grad_(p.requires_grad)
+                     for n, p in model.named_parameters()}
+            state.update({n: torch.empty(b.shape, dtype=b.dtype, device=device)
+                          for n, b in model.named_buffers()})
+            tokens = torch.zeros((1, seq), dtype=torch.long, device=device)
+            autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=mode != "fp32")
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+                functional_call(model, state, (tokens,))
+    except Exception:  # noqa: BLE001 - a forward the fake pass cannot run: no trace
+        return None
+    finally:
+        quiet.setLevel(level)
+        for h in hooks:
+            h.remove()
+    return {n: (v[0], v[1], v[2], v[3]) for n, v in seen.items()}, saved[0]
+
+
+def trace(model: nn.Module, block: str, forward: list[str], backward: list[str],
+          ends: dict[str, str], seq: int, device_type: str = "cpu") -> Trace | None:
+    """Trace the block at ``block`` whose forward collectives follow the layers ``forward``
+    (row-parallel: their outputs) and whose backward ones precede ``backward`` (column-parallel
+    layers and regions: their inputs); ``ends``: module paths of the ``embed`` (vocabulary
+    embedding), ``head`` (vocabulary head), ``first`` and ``last`` blocks of the stack, where the
+    model has them; ``device_type``: whose autocast rules apply (they differ: CUDA runs norms
+    and softmax in fp32, the CPU in bf16), where torch can run them (CPU; CUDA where a GPU is
+    present). None where the forward cannot run on fake token ids."""
+    if device_type not in ("cpu", "cuda") or (
+            device_type == "cuda" and not torch.cuda.is_available()):
+        return None
+    names = {n: model.get_submodule(n) for n in {block, *forward, *backward, *ends.values()}}
+    runs = {mode: _pass(model, names, seq, mode, device_type)
+            for mode in ("fp32", "autocast", "params")}
+    if any(r is None for r in runs.values()):
+        return None
+    got = {mode: r[0] for mode, r in runs.items() if r is not None}
+    if any(n not in seen for seen in got.values() for n in names):
+        return None  # a layer the forward never called: not the block the plan describes
+
+    def sizes(mode: str) -> Sizes:
+        seen = got[mode]
+
+        def end(key: str, index: int, default: int) -> int:
+            return seen[ends[key]][index] if key in ends else default
+
+        grads = 2 if mode == "params" else FP32
+        return Sizes(forward=tuple(seen[n][1] for n in forward),
+                     backward=tuple(seen[n][0] for n in backward),
+                     embed_out=end("embed", 1, seen[block][0]),
+                     head_in=end("head", 0, seen[block][1]),
+                     stack_in=end("first", 0, seen[block][0]),
+                     stack_out=seen[block][1], grads=grads)
+
+    seen = got["fp32"]
+    last = seen[block][3]  # tensors saved by the end of the block's forward
+    return Trace(bf16=sizes("autocast"), bf16_params=sizes("params"),
+                 replayed=tuple(seen[n][3] < last for n in forward),
+                 replayed_gathers=tuple(seen[n][2] < last for n in backward))
