@@ -641,12 +641,12 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                                                             ".".join(parts[depth:])))
             adapt_hf_forward(clone, spec)
         if depth == len(parts):  # the block sequence
-            keys = list(module._modules)
             for idx, (key, block) in enumerate(module._modules.items()):
                 if not spec.start <= idx < spec.end:
                     name = f"{path}.{key}" if path else key
-                    # The last block's stand-in reads what this stage hands on.
-                    reads = handed_on if idx == len(keys) - 1 else None
+                    # The stand-in of the first block after this stage's reads what the
+                    # stage hands on: the input that block takes on one device.
+                    reads = handed_on if idx == spec.end else None
                     stand_in = PipelineZero if name in zero else PipelineSkip
                     settings = None if block is None else Settings(block, name)
                     clone._modules[key] = stand_in(reads, name, settings, spec.block_tuple)
@@ -673,7 +673,8 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
 
     stage = rebuild(model, 0)
     keys = list(_container(model, path)._modules)
-    last_block = f"{path}.{keys[-1]}".lstrip(".")
+    if not spec.is_first:
+        _feed_first_block(stage, path, keys[spec.start], zero, type(model).__name__, spec)
     if spec.is_last:
         # Whether the stage's forward got past its blocks, for an error raised after them.
         _container(stage, path).get_submodule(keys[-1]).register_forward_hook(
@@ -682,6 +683,7 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                           [f"{path}.{k}".lstrip(".") for k in keys])
     if not spec.is_last:
         forward = stage.forward  # the model's, or the HF adapter's
+        next_block = f"{path}.{keys[spec.end]}".lstrip(".")
 
         def send_on(*args: Any, **kwargs: Any) -> torch.Tensor:
             handed_on.last = None
@@ -689,12 +691,82 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
             # loss from its output, here the hidden states).
             kwargs.pop("labels", None)
             forward(*args, **kwargs)
-            return hand_on(handed_on.last, type(model).__name__, last_block, spec)
+            return hand_on(handed_on.last, type(model).__name__, next_block, spec)
 
         stage.forward = send_on
     if not spec.is_first:
         _explain_failures(stage, type(model).__name__, spec, handed_on)
     return stage
+
+
+class _Fed:
+    """What :func:`_feed_first_block` keeps between calls: the tensor the stage received (set
+    for the length of one forward), and whether the first real forward was checked."""
+
+    __slots__ = ("received", "checked")
+
+    def __init__(self) -> None:
+        self.received: torch.Tensor | None = None
+        self.checked = False
+
+
+def _feed_first_block(stage: nn.Module, path: str, key: str, additive: set[str],
+                      model_name: str, spec: StageSpec) -> None:
+    """On a stage after the first, the stage's first own block takes the tensor the previous
+    stage sent, whatever the model's forward did to it on the way there.
+
+    Why: the forward runs whole on every stage, so what it does to the running activation
+    before the blocks (an activation or dropout after the embedding, a scale such as
+    ``embed(x) * sqrt(d)``, Gemma's normaliser, a transpose of a patch grid) or between them
+    (``h = act(block(h))``) would run again on hidden states that already went through it: a
+    scale applied twice trains another model with no error. The previous stage sends what its
+    next block takes on one device (the input of that block's stand-in), so that is exactly
+    what this block must get. A forward pre-hook, put on the module in the block's place at
+    each call (the activation-checkpointing wrapper, when there is one, so that recomputation
+    sees the same input) and first among its hooks (before FSDP2 casts the inputs), swaps it in.
+
+    Refused: a forward that changes the hidden states before this block and also adds the
+    block's output to them (a residual in the parent's forward, ``h = h + block(h)``); the
+    residual would read the changed tensor, and only moving the change (or the residual)
+    makes it right."""
+    name = f"{path}.{key}".lstrip(".")
+    fed = _Fed()
+    forward = stage.forward
+
+    def feed(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        received = fed.received
+        x = args[0] if args else kwargs.get("hidden_states")
+        if received is None or x is received or not isinstance(x, torch.Tensor):
+            return None
+        if not fed.checked and not (x.is_meta or received.is_meta):
+            fed.checked = True
+            same = x.shape == received.shape and bool(torch.equal(x, received))
+            if not same and name in additive:
+                raise ValueError(
+                    f"{model_name}'s forward changes the hidden states on their way to {name} "
+                    f"(the first block of pipeline stage {spec.index}) and adds {name}'s output "
+                    f"to them (a residual outside the block): on this stage the change would "
+                    f"run again on hidden states stage {spec.index - 1} already changed. Move "
+                    f"the change into the embedding module (or the block before), or the "
+                    f"residual into the block; or run with pp=1")
+        if args:
+            return (received, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": received}
+
+    def fed_forward(*args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args else kwargs.get("inputs_embeds")
+        if not isinstance(first, torch.Tensor):
+            return forward(*args, **kwargs)
+        occupant = _container(stage, path).get_submodule(key)
+        handle = occupant.register_forward_pre_hook(feed, prepend=True, with_kwargs=True)
+        fed.received = first
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            fed.received = None
+            handle.remove()
+
+    stage.forward = fed_forward
 
 
 def _explain_after_blocks(stage: nn.Module, model_name: str, spec: StageSpec,
@@ -763,18 +835,19 @@ def _container(model: nn.Module, path: str) -> nn.Module:
     return model.get_submodule(path) if path else model
 
 
-def hand_on(hidden: Any, model_name: str, last_block: str, spec: StageSpec) -> torch.Tensor:
-    """The tensor a stage without the last block sends to the next stage: the input of the last
-    block's stand-in (:class:`HandedOn`). The model's forward runs whole, so whatever it does
-    after the blocks (a final norm and head, skipped here; pooling, flattening, slicing a
-    token; extra outputs) is computed and dropped: the last stage does it on the real hidden
+def hand_on(hidden: Any, model_name: str, next_block: str, spec: StageSpec) -> torch.Tensor:
+    """The tensor a stage without the last block sends to the next stage: the input of the
+    stand-in of the first block after its own (:class:`HandedOn`), which the next stage feeds
+    to that block. The model's forward runs whole, so whatever it does after that (later
+    blocks' stand-ins, a final norm and head, skipped here; pooling, flattening, slicing a
+    token; extra outputs) is computed and dropped: later stages do it on the real hidden
     states. A view is copied: torch's split backward frees stage outputs with ``detach_()``,
     which views refuse. A strided tensor (a block whose residual reads a transposed input)
     is made dense: torch allocates the receive buffer for its gradient with the same strides,
     and gloo refuses a non-contiguous buffer ("input tensor has to be contiguous")."""
     if not isinstance(hidden, torch.Tensor):
         raise StageOutputError(
-            f"{model_name}'s forward did not call its last block {last_block} on pipeline "
+            f"{model_name}'s forward did not call its block {next_block} on pipeline "
             f"stage {spec.index} (stochastic depth, a loop over part of the blocks, or blocks "
             f"that are alternatives rather than steps, such as experts that routing skips), so "
             f"plait cannot tell what to send to stage {spec.index + 1}: call every block on "
