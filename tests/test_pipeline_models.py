@@ -209,7 +209,7 @@ def test_a_forward_that_skips_its_last_block_is_refused_before_the_schedule():
     check = split_checker(model, path, specs)
     laid = stage_inputs(M.padded_batch(0), M.mixer_loss, inspect.signature(model.forward),
                         "SkipsLastBlock")
-    with pytest.raises(ValueError, match=r"SkipsLastBlock's forward did not call its last block "
+    with pytest.raises(ValueError, match=r"SkipsLastBlock's forward did not call its block "
                                          r"blocks.2 on pipeline stage 0.*or run with pp=1"):
         check(laid)
     assert all(p.device.type == "cpu" for p in model.parameters())  # the model is untouched
@@ -290,7 +290,7 @@ def test_hf_model_without_inputs_embeds_is_refused():
 def test_every_rank_refuses_on_its_first_step():
     """No rank waits on another inside torch's runtime: both get the one line."""
     messages = run_distributed(M.refusal_worker, 2, timeout=120)
-    assert all(m and "did not call its last block blocks.2" in m for m in messages), messages
+    assert all(m and "did not call its block blocks.2" in m for m in messages), messages
 
 
 def test_batchnorm_in_microbatches_is_named():
