@@ -95,10 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                                         args.seq, timeout=900)
                 steps = [max(ts) for ts in zip(*(r["times"] for r in ranks), strict=True)]
                 later = statistics.median(steps[1:]) * 1e3
-                per = lambda key: "/".join(str(r[key]) for r in ranks)  # noqa: E731
+                per = {key: "/".join(str(r[key]) for r in ranks)
+                       for key in ("graphs", "frames", "failed")}
                 print(f"{spec:<34} {kind if 'compile' in spec else '-':<5} {steps[0]:>8.2f} "
-                      f"{later:>9.2f} {per('graphs'):>12} {per('frames'):>12} "
-                      f"{per('failed'):>7}", flush=True)
+                      f"{later:>9.2f} {per['graphs']:>12} {per['frames']:>12} "
+                      f"{per['failed']:>7}", flush=True)
     return 0
 
 
