@@ -14,9 +14,11 @@ that failed, e.g. one called on the meta device), and whether a graph took a dyn
 
 Why pipeline parallel pays more at the first step than data parallel: the ranks of data
 parallel compile at once, while a later stage cannot compile its block before the earlier
-stage has compiled and run its own and sent the shapes on (torch's stage shape inference), so
-the stages' compile times add up; a later stage compiling the same block graph at the same
-shape finds what the earlier one left in the on-disk cache.
+stage has compiled and run its own and sent the shapes on (torch's stage shape inference), and
+the backward runs the other way, so the stages' compile times add up. Each stage's blocks
+compile to the same graphs at the same shapes: cold, the first stage compiles the forward and
+finds the backward the last stage left in the on-disk cache, the last stage the other way
+round (one hit of two on each rank).
 """
 
 from __future__ import annotations
@@ -54,9 +56,11 @@ def job(rank: int, world: int, plan: str, model_name: str, steps: int, batch: in
         start = time.perf_counter()
         run.step(model, (tokens[:, :-1], tokens[:, 1:]), lm_loss, opt)
         times.append(time.perf_counter() - start)
+    from torch._dynamo.utils import counters  # the bench reads torch's own counters
+
     frames, compiled = dynamo_frames()
     out = {"times": times, "graphs": dynamo_graph_count(), "frames": frames,
-           "failed": frames - compiled}
+           "failed": frames - compiled, "hits": int(counters["inductor"]["fxgraph_cache_hit"])}
     run.close()
     return out
 
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"world {w}, gloo on CPU, model {args.model}, global batch {args.batch} x seq "
           f"{args.seq}, {args.steps} steps, pipeline microbatches {args.microbatches}")
     print(f"{'plan':<34} {'cache':<5} {'first s':>8} {'later ms':>9} "
-          f"{'graphs/rank':>12} {'frames/rank':>12} {'failed':>7}")
+          f"{'graphs/rank':>12} {'frames/rank':>12} {'failed':>7} {'cache hits':>11}")
     for plan in plans:
         spec = plan.replace("+", ",")
         if spec.startswith("pp=") or ",pp=" in spec:
@@ -96,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
                 steps = [max(ts) for ts in zip(*(r["times"] for r in ranks), strict=True)]
                 later = statistics.median(steps[1:]) * 1e3
                 per = {key: "/".join(str(r[key]) for r in ranks)
-                       for key in ("graphs", "frames", "failed")}
+                       for key in ("graphs", "frames", "failed", "hits")}
                 print(f"{spec:<34} {kind if 'compile' in spec else '-':<5} {steps[0]:>8.2f} "
                       f"{later:>9.2f} {per['graphs']:>12} {per['frames']:>12} "
-                      f"{per['failed']:>7}", flush=True)
+                      f"{per['failed']:>7} {per['hits']:>11}", flush=True)
     return 0
 
 

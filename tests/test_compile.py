@@ -60,9 +60,9 @@ def test_the_pipeline_split_check_runs_on_a_copy_of_the_eager_blocks():
     residuals of a forward torch.fx cannot trace (a later stage's stand-in for an earlier block
     must then add zero, not pass the hidden states on). Under compile the copy's blocks are
     eager: were they the laid-out blocks' compiled forwards (bound to the real blocks), the
-    copy would run real blocks on meta tensors, fail (no residual found, the hidden states
-    doubled at the stand-ins) and leave torch.compile a failed frame at the whole batch's
-    shape, after which the microbatches compile with a dynamic batch size."""
+    copy would run real blocks on meta tensors, fail (no residual found: the stand-ins pass on
+    what they get) and leave torch.compile a failed frame at the whole batch's shape, after
+    which the microbatches compile with a dynamic batch size."""
     batch = W.mlm_batch(0)
     got = run_distributed(C.first_step_check, 2, "pp=2,compile", C.untraced_residual_lm,
                           batch, timeout=120)
