@@ -437,6 +437,14 @@ def dynamo_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def dynamo_frames() -> tuple[int, int]:
+    """How many frames torch.compile was asked to compile in this process, and how many of them
+    it compiled (``torch._dynamo.utils.counters["frames"]``): more asked than graphs built is a
+    recompile, fewer compiled than asked a frame that failed. Checked on torch 2.13."""
+    frames = _resolve("torch._dynamo.utils", "counters")["frames"]
+    return int(frames["total"]), int(frames["ok"])
+
+
 def reset_dynamo() -> None:
     """``torch._dynamo.reset()``: forget compiled code and counters (tests, one per job).
     Checked on torch 2.13."""

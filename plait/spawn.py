@@ -132,7 +132,21 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, backend: str, a
     queue.put(payload)
     queue.close()
     queue.join_thread()
+    _run_exit_finalizers()
     os._exit(code)
+
+
+def _run_exit_finalizers() -> None:
+    """What a multiprocessing child runs as it returns and ``os._exit`` skips: its finalizers
+    (``multiprocessing.util``'s, those of priority 0 and up; object teardown, where a live
+    reducer can hang, stays skipped). Among them the unlinking of the named semaphores the rank
+    created, which it shares with the caller's resource tracker: torch.compile's kernel wait
+    creates one (the lock of its progress bar, tqdm's, made even when the bar is off), and
+    without this the caller's tracker warns "There appear to be N leaked semaphore objects" at
+    its exit, one per rank; and the shutdown of inductor's compile-worker pool."""
+    from multiprocessing import util
+
+    util._run_finalizers(0)  # type: ignore[attr-defined]
 
 
 def _watchdog_report(store: Any) -> str:

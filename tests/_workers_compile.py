@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from plait.check import _slice
 from tests import _workers_semantics as W
@@ -21,12 +22,59 @@ def compiled_reference_lm() -> torch.nn.Module:
     return torch.compile(W.reference_lm())
 
 
+class UntracedResidualLM(nn.Module):
+    """Residuals in the parent's forward (``h = h + block(h)``), in a forward torch.fx cannot
+    trace (it branches on a tensor's shape): the pipeline finds the residuals by running the
+    forward once on a meta-device copy at the first step, and a later stage's stand-in for an
+    earlier block then adds zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(W.VOCAB, W.WIDTH), nn.Embedding(W.SEQ, W.WIDTH)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(W.WIDTH, W.WIDTH), nn.Tanh())
+                                    for _ in range(4))
+        self.head = nn.Linear(W.WIDTH, W.VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > W.SEQ:
+            raise ValueError("sequence longer than the position table")
+        h = self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1]))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def untraced_residual_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return UntracedResidualLM()
+
+
+def first_step_check(rank: int, world_size: int, plan: str, factory: Any,
+                     batch: Any) -> dict[str, Any]:
+    """The pipeline's first-step check of the split, run on ``batch`` laid out for the stages:
+    the residual modules it found, and what torch.compile was asked to compile meanwhile."""
+    from plait._torch_compat import dynamo_frames, reset_dynamo
+    from plait.parallel.layout import layout_of
+    from plait.parallel.pipeline import stage_inputs
+    from plait.runtime import init
+
+    reset_dynamo()
+    run = init(plan, quiet=True)
+    model = run.parallelize(factory())
+    runner = layout_of(model).pipeline
+    laid_out = stage_inputs(batch, W.mlm_loss, runner.signature, runner.model_name)
+    found = sorted(runner.check_split(laid_out))
+    out = {"found": found, "frames": dynamo_frames()}
+    run.close()
+    return out
+
+
 def train_compiled(rank: int, world_size: int, plan: str, factory: Any,
                    batches: list[Any], by_hand: bool = False) -> dict[str, Any]:
     """Train like ``W.train_jobs``; also report whether torch compiled anything and what a
     torch.compile of the laid-out model is told at run.step. ``by_hand``: the user compiles
     each block's forward of the laid-out model, plait is not told."""
-    from plait._torch_compat import dynamo_graph_count, reset_dynamo
+    from plait._torch_compat import dynamo_frames, dynamo_graph_count, reset_dynamo
     from plait.runtime import init
 
     reset_dynamo()
@@ -40,7 +88,7 @@ def train_compiled(rank: int, world_size: int, plan: str, factory: Any,
     opt = torch.optim.SGD(model.parameters(), lr=W.LR, foreach=False)
     losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size), W.mlm_loss, opt))
               for b in batches]
-    graphs = dynamo_graph_count()
+    graphs, frames = dynamo_graph_count(), dynamo_frames()
     refused = None
     try:
         run.step(torch.compile(model), _slice(batches[0], run.dp_rank, run.dp_size), W.mlm_loss,
@@ -48,7 +96,7 @@ def train_compiled(rank: int, world_size: int, plan: str, factory: Any,
     except ValueError as exc:
         refused = str(exc)
     state = run.full_state_dict(model)
-    out = {"plan": run.plan.to_string(), "losses": losses, "graphs": graphs,
+    out = {"plan": run.plan.to_string(), "losses": losses, "graphs": graphs, "frames": frames,
            "refused": refused, "state": state if rank == 0 else None}
     run.close()
     return out

@@ -131,3 +131,24 @@ def strided_replica_numel(rank: int, world_size: int) -> int:
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     return replica_numel(distribute_tensor(torch.zeros(12, 4), mesh, [strided_shard(0, 3)]))
+
+
+def warnings_of_a_step(rank: int, world_size: int, plan: str) -> list[str]:
+    """The warnings one step of the semantics tests' masked LM raises under ``plan``: its
+    blocks end in an ``nn.Linear`` with a bias on a 3-D input, whose output is a view, as is
+    its head's (what FSDP2 warns about when a unit returns it)."""
+    import warnings
+
+    from plait.check import _slice
+    from plait.runtime import init
+    from tests import _workers_semantics as W
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run = init(plan, quiet=True)
+        model = run.parallelize(W.masked_lm())
+        opt = torch.optim.SGD(model.parameters(), lr=W.LR)
+        batch = W.mlm_batch(0)
+        run.step(model, _slice(batch, run.dp_rank, run.dp_size), W.mlm_loss, opt)
+        run.close()
+    return [str(w.message) for w in seen]

@@ -55,6 +55,37 @@ def test_compile_in_the_plan_trains_the_one_device_model(data, plan):
     _assert_matches(ref, got)
 
 
+def test_the_pipeline_split_check_runs_on_a_copy_of_the_eager_blocks():
+    """At the first step the pipeline runs a meta-device copy of the model to find the
+    residuals of a forward torch.fx cannot trace (a later stage's stand-in for an earlier block
+    must then add zero, not pass the hidden states on). Under compile the copy's blocks are
+    eager: were they the laid-out blocks' compiled forwards (bound to the real blocks), the
+    copy would run real blocks on meta tensors, fail (no residual found: the stand-ins pass on
+    what they get) and leave torch.compile a failed frame at the whole batch's shape, after
+    which the microbatches compile with a dynamic batch size."""
+    batch = W.mlm_batch(0)
+    got = run_distributed(C.first_step_check, 2, "pp=2,compile", C.untraced_residual_lm,
+                          batch, timeout=120)
+    for rank in got:
+        assert rank["found"] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "pos"]
+        assert rank["frames"] == (0, 0)  # nothing compiled before the first real microbatch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factory", [W.masked_lm, C.untraced_residual_lm])
+def test_each_pipeline_stage_compiles_its_block_once(data, factory):
+    """Every microbatch of every stage runs the one graph compiled at the first: one frame
+    asked, one compiled, one graph on each rank (a recompile, e.g. for a dynamic batch size,
+    or a frame that failed would ask for more)."""
+    batches, _ = data
+    ref = W.reference(factory, batches, W.mlm_loss)
+    got = run_distributed(C.train_compiled, 2, "pp=2,microbatches=4,compile", factory, batches,
+                          timeout=400)
+    for rank in got:
+        assert (rank["graphs"], rank["frames"]) == (1, (1, 1)), rank
+    _assert_matches(ref, got[0])
+
+
 @pytest.fixture(scope="module")
 def lm_data():
     batches = [W.token_batch(s) for s in range(3)]

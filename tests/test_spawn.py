@@ -84,3 +84,20 @@ def test_workers_see_the_callers_environment_and_die_with_it(tmp_path, monkeypat
     while alive(job) and time.monotonic() - sent < 30:
         time.sleep(0.05)
     assert not alive(job), f"orphans: {alive(job)}"
+
+
+def test_a_rank_leaves_no_semaphore_for_the_callers_tracker():
+    """A rank leaves with os._exit, which skips its exit finalizers: a named semaphore it held
+    (torch.compile creates one in every rank that compiled) would stay registered with the
+    resource tracker it shares with the caller, which then warns of leaked semaphores at the
+    caller's exit. The caller here is its own process, so its exit's stderr can be read."""
+    script = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+              "from plait.spawn import run_distributed\n"
+              "from tests import workers\n"
+              "if __name__ == '__main__':\n"
+              "    print(run_distributed(workers.hold_a_process_lock, 2))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0, 1]"
+    assert "leaked semaphore" not in done.stderr, done.stderr

@@ -255,3 +255,14 @@ def test_check_tolerance_floor_for_zero_gradient_tensors():
     adam = compare(plan, reference, {"state": wrong, "losses": [1.0]}, 1, None, "adamw")
     assert not adam.ok and "rerun with --optimizer sgd" in adam.format()
     assert "rerun with --optimizer sgd" in adam.to_dict()["hint"] and not bad.to_dict()["hint"]
+
+
+@pytest.mark.parametrize("plan", ["dp_shard=2,zero=3", "dp_shard=2,zero=2"])
+def test_a_unit_that_returns_a_view_trains_without_torchs_warning(plan):
+    """A block ending in nn.Linear (bias, 3-D input) returns a view; FSDP2 warns of in-place
+    writes to such outputs on every rank whether or not any happens; plait silences that
+    warning alone (pytorch/pytorch#181832)."""
+    from tests._workers_zero import warnings_of_a_step
+
+    for seen in run_distributed(warnings_of_a_step, 2, plan, timeout=120):
+        assert not [m for m in seen if "returned a view tensor" in m], seen

@@ -39,3 +39,15 @@ def report_pid_then_sleep(rank, world_size, folder):
     facts = {"pid": os.getpid(), "marker": os.environ.get("PLAIT_TEST_MARKER")}
     Path(folder, f"{rank}.json").write_text(json.dumps(facts))
     time.sleep(120)
+
+
+_LOCKS: list = []
+
+
+def hold_a_process_lock(rank, world_size):
+    """Keep a multiprocessing lock (a named semaphore) alive to the end, as a library's class
+    attribute does (tqdm's lock, which torch.compile's kernel wait creates)."""
+    import multiprocessing
+
+    _LOCKS.append(multiprocessing.get_context().RLock())
+    return rank

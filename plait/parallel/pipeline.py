@@ -830,6 +830,14 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     ties = shared_parameters(model, path, specs)
     groups = _tie_groups(ties, mesh, plan)  # collective: every rank creates every group
     stage_plan = plan_for_stages(model, plan)
+    # The split's check copies the model to the meta device before the layout changes its
+    # blocks in place: a compiled block's forward is bound to the real block, so a copy taken
+    # after it would run the real (compiled) block on meta tensors, which fails (the check then
+    # skipped, residual stand-ins not found) and leaves torch.compile a frame at the whole
+    # batch's shape, after which the microbatches compile with a dynamic batch size. The
+    # buffer owners' replica is copied then too, for the same reason.
+    check_split = split_checker(model, path, specs)
+    find_owners = owner_finder(model, path, specs)
     modules = [parallelize_stage(m, mesh, stage_plan, device=device) for m in modules]
     stages = [TimedStage(m, s, len(specs), device, group=pp_mesh.get_group())
               for m, s in zip(modules, mine, strict=True)]
@@ -840,8 +848,8 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
                             loss_parallel=loss_parallel, signature=_signature(model),
                             model_name=type(model).__name__,
                             shifts_labels=shifts_labels(model), packer=packer)
-    runner.check_split = split_checker(model, path, specs)
-    runner.find_owners = owner_finder(model, path, specs)
+    runner.check_split = check_split
+    runner.find_owners = find_owners
     runner.stage_rank = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
     runner.pp_group = pp_mesh.get_group()
     runner.tied = _local_ties(ties, groups, dict(zip(mine, modules, strict=True)))

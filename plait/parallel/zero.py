@@ -111,6 +111,22 @@ def offload_policy(plan: Plan, device_type: str) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=device_type not in ("cpu", "meta"))
 
 
+def quiet_view_output_warning() -> None:
+    """Silence FSDP2's forward-time warning that a unit "returned a view tensor", for this
+    process (warning filters are per process), and only that warning, only from FSDP2.
+
+    torch 2.13 warns whenever an FSDP2 unit's output is a view (pytorch/pytorch#181850, for
+    #181832: an in-place op on such a view drops the unit's pre-backward hook). Ordinary
+    models return views: ``nn.Linear`` with a bias on an input of more than two dims computes
+    on the flattened input and views the result back, so every block or model ending in one
+    warns on every rank, whether anything writes to the output in place or not (torch's
+    pytorch/pytorch#197154 moves the warning to the in-place write itself). plait's step does
+    not write to a model's output in place, and a user's forward that does is what
+    ``plait check`` catches: its gradients differ from the one-device run's."""
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
+                            category=UserWarning, module=r"torch\.distributed\.fsdp")
+
+
 def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     """Shard ``module`` for ``plan.zero`` (1, 2 or 3) over the data axes of ``mesh``.
 
@@ -134,6 +150,7 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     if plan.tp > 1:
         kwargs["shard_placement_fn"] = _shard_placement(module, plan.dp_shard)
     reshard = plan.zero == 3
+    quiet_view_output_warning()
     for _, unit in units:
         fully_shard(unit, reshard_after_forward=reshard, **kwargs)
     # Root last. ZeRO-3: None lets FSDP2 keep the root's own parameters gathered from forward to
@@ -244,6 +261,7 @@ def apply_replicate(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     kwargs: dict[str, Any] = dict(mesh=dm, mp_policy=mixed_precision_policy(plan))
     for _, unit in _units(module, plan):
         fully_shard(unit, reshard_after_forward=False, **kwargs)
+    quiet_view_output_warning()
     fully_shard(module, reshard_after_forward=False, **kwargs)
     _reduce_unused(module, plan)
     return module
