@@ -89,6 +89,9 @@ def summarize(plan: Plan, stats: Any, memory: list[dict[str, float]], *, world_s
         "accelerator": accelerator,
         "steps": steps,
         "skipped_steps": list(getattr(stats, "skipped", [])),
+        # fp16: steps a gradient overflow skipped, and the loss scale at the end
+        "overflow_steps": list(getattr(stats, "overflows", [])),
+        "loss_scale": getattr(stats, "loss_scale", None),
         "final_loss": final if final == final else None,
         "step_time_s": _median(times),
         "mean_step_time_s": sum(times) / len(times) if times else None,
@@ -110,6 +113,12 @@ def format_summary(info: dict[str, Any]) -> str:
         lines.append(f"skipped (NaN)   {len(info['skipped_steps'])}: steps "
                      f"{', '.join(map(str, info['skipped_steps'][:10]))}"
                      + (" ..." if len(info["skipped_steps"]) > 10 else ""))
+    if info.get("loss_scale") is not None:
+        over = info.get("overflow_steps") or []
+        lines.append(f"loss scale      {info['loss_scale']:g} (fp16), {len(over)} overflow"
+                     f"{'s' * (len(over) != 1)} skipped"
+                     + (": steps " + ", ".join(map(str, over[:10])) if over else "")
+                     + (" ..." if len(over) > 10 else ""))
     if info["tokens_per_s"]:
         lines.append(f"throughput      {info['tokens_per_s']:,.0f} tokens/s")
     elif info.get("samples_per_s"):

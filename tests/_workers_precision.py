@@ -148,3 +148,71 @@ def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[
         out.append({"plan": text, "losses": losses, "dtypes": sorted(seen), "wrapped": wrapped,
                     "state": state if rank == 0 else None})
     return out
+
+
+# ------------------------------------------------------------------------------ fp16
+def reference_fp16(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Callable, *,
+                   init_scale: float, growth_interval: int, lr: float = 0.1,
+                   clip: float | None = 1.0) -> dict[str, Any]:
+    """A plain one-process loop under torch.autocast(cpu, float16) with torch.amp.GradScaler
+    (its other settings at their defaults), as its documentation writes one: scale(loss)
+    .backward(), unscale_, clip_grad_norm_, step (skipped on inf/NaN gradients), update.
+    ``scales``: the scale after each step; ``skipped``: the steps (from 1) whose update the
+    scaler skipped."""
+    model = factory()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=lr)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    losses, scales, skipped = [], [], []
+    for step, (inputs, targets) in enumerate(batches, 1):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model(inputs), targets)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if scaler.get_scale() < before:
+            skipped.append(step)
+        losses.append(float(loss.detach()))
+        scales.append(scaler.get_scale())
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state.update({n: b.clone() for n, b in model.named_buffers() if b.is_floating_point()})
+    return {"losses": losses, "scales": scales, "skipped": skipped, "state": state}
+
+
+def fp16_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any], Callable]],
+              init_scale: float, growth_interval: int, lr: float = 0.1) -> list[dict[str, Any]]:
+    """Train each (plan, factory, batches, loss_fn) under mixed_precision=fp16 with the given
+    loss-scaler settings; per job the losses, the scale after each step, the steps an overflow
+    skipped (as this rank saw them), the dtypes the optimizer saw and rank 0's full state."""
+    from plait.loss_scale import LossScaler
+    from plait.runtime import init
+
+    out = []
+    for text, factory, batches, loss_fn in jobs:
+        run = init(text, quiet=True, log_every=1)
+        run.loss_scaler = LossScaler(scale=init_scale, growth_interval=growth_interval)
+        model = run.parallelize(factory())
+        opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=False)
+        seen: set[str] = set()
+        hook = register_optimizer_step_pre_hook(partial(_note_dtypes, seen))
+        losses, scales = [], []
+        try:
+            for b in batches:
+                losses.append(float(run.step(model, _slice(b, run.dp_rank, run.dp_size),
+                                             loss_fn, opt)))
+                scales.append(run.loss_scaler.scale)
+        finally:
+            hook.remove()
+        state = run.full_state_dict(model)
+        summary = run.summary()
+        run.close()
+        out.append({"plan": text, "losses": losses, "scales": scales,
+                    "skipped": list(run.stats.overflows), "dtypes": sorted(seen),
+                    "summary_scale": summary["loss_scale"],
+                    "state": state if rank == 0 else None})
+    return out

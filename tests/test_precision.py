@@ -177,3 +177,67 @@ def test_clipping_clips_the_norm_one_device_computes(world, layouts):
             state = {k.removeprefix("inner."): v for k, v in result["state"].items()}
             for name in ("pos.weight", "blocks.0.1.weight", "blocks.0.0.weight"):
                 assert (state[name] == start[name]).all(), (result["plan"], name)
+
+
+# ------------------------------------------------------------------------------ fp16
+# fp16 keeps 10 bits of mantissa (relative spacing 2**-11 = 5e-4 per value), four times bf16's;
+# plait's layouts cast and sum in other places and orders than autocast on one device, so they
+# agree with torch.amp.GradScaler's loop to a fraction of that, not bit for bit.
+FP16_REL = 5e-4
+# Six steps at 1.25 * 2**16 doubling after every clean step (growth_interval=1): both models
+# overflow at step 3 (attempting 327680) and step 5, and the scale halves there and grows back.
+# The pattern is the reference's from 0.85x to 1.5x this scale (masked LM) and from 1.02x to
+# 1.5x (staged LM): an overflow decided by fp16 rounding would not hold over that range.
+FP16_STEPS = 6
+FP16_BATCHES = [W.mlm_batch(s) for s in range(FP16_STEPS)]
+FP16_SCALE, FP16_GROWTH = 1.25 * 2.0 ** 16, 1
+
+
+@pytest.fixture(scope="module")
+def fp16_refs():
+    return {kind: W.reference_fp16(factory, FP16_BATCHES, W.mlm_loss, init_scale=FP16_SCALE,
+                                   growth_interval=FP16_GROWTH)
+            for kind, factory in (("flat", W.masked_lm), ("staged", W.staged_lm))}
+
+
+def _check_fp16(refs: dict, got: list[dict]) -> None:
+    """Every rank's scales and skipped steps are the reference's; rank 0's losses and weights
+    (the others hold no state) within fp16 rounding of it."""
+    for result in got:
+        kind = "staged" if result["plan"].startswith("pp") else "flat"
+        ref = refs[kind]
+        assert ref["skipped"] == [3, 5], ref["skipped"]  # the overflows the test is about
+        assert result["dtypes"] == ["grad torch.float32", "param torch.float32"], result
+        assert result["skipped"] == ref["skipped"], (result["plan"], result["skipped"])
+        assert result["scales"] == ref["scales"], (result["plan"], result["scales"])
+        assert result["summary_scale"] == ref["scales"][-1], result["plan"]
+        if result["state"] is None:
+            continue
+        loss, param = _assert_close(ref, result, FP16_REL)
+        print(f"{result['plan']}: scales {[f'{s:g}' for s in result['scales']]}, skipped "
+              f"{result['skipped']}; vs GradScaler loss {loss:.1e} params {param:.1e}")
+
+
+def test_fp16_scales_the_loss_as_gradscaler_does_and_skips_overflows_on_every_rank(fp16_refs):
+    """mixed_precision=fp16 under dp=2 and ZeRO-3 trains what one device trains with
+    torch.autocast(float16) and torch.amp.GradScaler: the same losses and weights (fp32 master
+    weights and gradients), the same scale after every step, and the steps whose scaled
+    gradients overflowed skipped on both ranks (each rank reports the agreed verdict)."""
+    jobs = [(p + ",mp=fp16", W.masked_lm, FP16_BATCHES, W.mlm_loss)
+            for p in ("dp=2", "dp_shard=2,zero=3")]
+    got = run_distributed(W.fp16_jobs, 2, jobs, FP16_SCALE, FP16_GROWTH, timeout=300)
+    for rank_results in got:
+        _check_fp16(fp16_refs, rank_results)
+
+
+@pytest.mark.slow
+def test_fp16_matches_gradscaler_under_every_layout(fp16_refs):
+    """The same under ZeRO-1/2, accumulation, tensor and pipeline parallelism, and without
+    clipping (the guard's own agreement then finds the overflow)."""
+    flat = ("dp_shard=2,zero=1", "dp_shard=2,zero=2", "dp_shard=2,zero=3,grad_accum=2", "tp=2",
+            "dp=2,clip=0")
+    jobs = [(p + ",mp=fp16", W.masked_lm, FP16_BATCHES, W.mlm_loss) for p in flat]
+    jobs.append(("pp=2,mb=2,mp=fp16", W.staged_lm, FP16_BATCHES, W.mlm_loss))
+    got = run_distributed(W.fp16_jobs, 2, jobs, FP16_SCALE, FP16_GROWTH, timeout=300)
+    for rank_results in got:
+        _check_fp16(fp16_refs, rank_results)

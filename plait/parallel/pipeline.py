@@ -324,6 +324,7 @@ class PipelineRunner:
         # calls the loss once on its shape-inference outputs, which the real call replaces.
         self._totals: dict[tuple[int, int], torch.Tensor] = {}
         self._accum_index = 0
+        self._loss_scale = 1.0  # fp16: the step's loss scale, see step()
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         # Tied weights held by several stages: (this rank's copy, the group of ranks holding
@@ -363,7 +364,7 @@ class PipelineRunner:
         total, count = loss_sum_and_count(value, target, shift=shift)
         key = (self._accum_index, int(rows[0]))
         self._totals[key] = torch.stack([total.detach().float(), count.float()])
-        return total
+        return total * self._loss_scale if self._loss_scale != 1.0 else total
 
     def sync_tied_gradients(self) -> None:
         """A weight several stages hold (embedding = head) gets its gradient in pieces, one per
@@ -451,13 +452,18 @@ class PipelineRunner:
         return cls(self.stages, m, loss_fn=self._loss, scale_grads=False)
 
     def step(self, batch: Any, loss_fn: Callable | None, *, plan: Plan,
-             device: torch.device) -> torch.Tensor:
+             device: torch.device, loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of ``batch`` through the pipeline; gradients left in ``.grad``.
 
         Returns ``[loss sum, item count]`` over the batch on the rank holding the last stage,
-        NaN elsewhere (see ``plait.train.forward_backward``).
+        NaN elsewhere (see ``plait.train.forward_backward``). ``loss_scale`` (fp16): what the
+        loss the schedule runs backward on is multiplied by; the totals stay unscaled.
         """
-        return self._run(batch, loss_fn, plan=plan, device=device, train=True)
+        self._loss_scale = loss_scale
+        try:
+            return self._run(batch, loss_fn, plan=plan, device=device, train=True)
+        finally:
+            self._loss_scale = 1.0
 
     def evaluate(self, batch: Any, loss_fn: Callable | None, *, plan: Plan,
                  device: torch.device) -> torch.Tensor:
