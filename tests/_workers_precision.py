@@ -216,3 +216,79 @@ def fp16_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[A
                     "summary_scale": summary["loss_scale"],
                     "state": state if rank == 0 else None})
     return out
+
+
+class NaNLossOnce:
+    """``mlm_loss``, but NaN during step ``at`` (the worker sets ``step``) on rank ``rank``
+    only: a user's bug in the loss, which fp16's loss scaling must not take for an overflow."""
+
+    def __init__(self, rank: int, at: int) -> None:
+        self.rank, self.at, self.step = rank, at, 0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        loss = mlm_loss(logits, labels)
+        if dist.get_rank() == self.rank and self.step == self.at:
+            return loss * float("nan")
+        return loss
+
+
+def fp16_nan_loss(rank: int, world_size: int, batches: list[Any], nonfinite: str,
+                  init_scale: float) -> dict[str, Any]:
+    """Three dp=2 fp16 steps whose second has a NaN loss on rank 1: what run.step raised (its
+    message) or the steps the guard and the scaler skipped, and the scale after each step."""
+    from plait.guard import NonFiniteError
+    from plait.loss_scale import LossScaler
+    from plait.runtime import init
+
+    run = init("dp=2,mp=fp16", quiet=True, nonfinite=nonfinite)
+    run.loss_scaler = LossScaler(scale=init_scale)
+    model = run.parallelize(masked_lm())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = NaNLossOnce(rank=1, at=2)
+    scales, error = [], None
+    try:
+        for loss_fn.step, b in enumerate(batches, 1):
+            run.step(model, _slice(b, run.dp_rank, run.dp_size), loss_fn, opt)
+            scales.append(run.loss_scaler.scale)
+    except NonFiniteError as exc:
+        error = str(exc)
+    out = {"error": error, "scales": scales, "skipped": list(run.stats.skipped),
+           "overflows": list(run.stats.overflows)}
+    run.close()
+    return out
+
+
+def fp16_resume(rank: int, world_size: int, folder: str, batches: list[Any], split: int,
+                init_scale: float, growth_interval: int) -> dict[str, Any]:
+    """dp=2 fp16: ``split`` steps, run.save, then a fresh run that run.loads the checkpoint
+    and trains the remaining batches. The loss-scaler state each run ended with (the second
+    right after loading too), the losses and scales of both parts, and rank 0's final state."""
+    from plait.loss_scale import LossScaler
+    from plait.runtime import init
+
+    parts: list[dict[str, Any]] = []
+    state = None
+    for part, todo in enumerate((batches[:split], batches[split:])):
+        run = init("dp=2,mp=fp16", quiet=True)
+        run.loss_scaler = LossScaler(scale=init_scale, growth_interval=growth_interval)
+        model = run.parallelize(masked_lm())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+        loaded = None
+        if part:
+            run.load(folder, model=model, optimizer=opt)
+            loaded = run.loss_scaler.state_dict()
+        losses, scales = [], []
+        for b in todo:
+            losses.append(float(run.step(model, _slice(b, run.dp_rank, run.dp_size),
+                                         mlm_loss, opt)))
+            scales.append(run.loss_scaler.scale)
+        if not part:
+            run.save(folder, model=model, optimizer=opt)
+        else:
+            state = run.full_state_dict(model)
+        parts.append({"loaded": loaded, "end": run.loss_scaler.state_dict(), "losses": losses,
+                      "scales": scales})
+        run.close()
+    return {"parts": parts, "state": state if rank == 0 else None}

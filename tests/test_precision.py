@@ -204,7 +204,8 @@ def _check_fp16(refs: dict, got: list[dict]) -> None:
     """Every rank's scales and skipped steps are the reference's; rank 0's losses and weights
     (the others hold no state) within fp16 rounding of it."""
     for result in got:
-        kind = "staged" if result["plan"].startswith("pp") else "flat"
+        kind = ("staged" if result["plan"].startswith("pp") else
+                "unclipped" if "clip=0" in result["plan"] else "flat")
         ref = refs[kind]
         assert ref["skipped"] == [3, 5], ref["skipped"]  # the overflows the test is about
         assert result["dtypes"] == ["grad torch.float32", "param torch.float32"], result
@@ -232,12 +233,93 @@ def test_fp16_scales_the_loss_as_gradscaler_does_and_skips_overflows_on_every_ra
 
 @pytest.mark.slow
 def test_fp16_matches_gradscaler_under_every_layout(fp16_refs):
-    """The same under ZeRO-1/2, accumulation, tensor and pipeline parallelism, and without
-    clipping (the guard's own agreement then finds the overflow)."""
-    flat = ("dp_shard=2,zero=1", "dp_shard=2,zero=2", "dp_shard=2,zero=3,grad_accum=2", "tp=2",
-            "dp=2,clip=0")
+    """The same under ZeRO-1/2, tensor and pipeline parallelism, and without clipping (the
+    guard's own agreement then finds the overflow). With accumulation each fp16 backward sums
+    half the rows one device's does, so the scale it overflows at is not the reference's (it
+    skipped steps 4 and 6 here): it is compared on a scale that never overflows."""
+    flat = ("dp_shard=2,zero=1", "dp_shard=2,zero=2", "tp=2", "dp=2,clip=0")
     jobs = [(p + ",mp=fp16", W.masked_lm, FP16_BATCHES, W.mlm_loss) for p in flat]
     jobs.append(("pp=2,mb=2,mp=fp16", W.staged_lm, FP16_BATCHES, W.mlm_loss))
     got = run_distributed(W.fp16_jobs, 2, jobs, FP16_SCALE, FP16_GROWTH, timeout=300)
+    refs = {**fp16_refs, "unclipped": W.reference_fp16(
+        W.masked_lm, FP16_BATCHES, W.mlm_loss, init_scale=FP16_SCALE,
+        growth_interval=FP16_GROWTH, clip=None)}
     for rank_results in got:
-        _check_fp16(fp16_refs, rank_results)
+        _check_fp16(refs, rank_results)
+    ref = W.reference_fp16(W.masked_lm, FP16_BATCHES, W.mlm_loss, init_scale=2.0 ** 10,
+                           growth_interval=2000)
+    jobs = [(p + ",mp=fp16", W.masked_lm, FP16_BATCHES, W.mlm_loss)
+            for p in ("dp_shard=2,zero=3,grad_accum=2", "dp=2,grad_accum=2")]
+    got = run_distributed(W.fp16_jobs, 2, jobs, 2.0 ** 10, 2000, timeout=300)
+    for result in got[0]:
+        assert result["skipped"] == [] and result["scales"] == [2.0 ** 10] * FP16_STEPS, result
+        loss, param = _assert_close(ref, result, FP16_REL)
+        print(f"{result['plan']}: vs GradScaler loss {loss:.1e} params {param:.1e}")
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_fp16_nan_loss_is_the_guards_not_an_overflow(policy):
+    """A NaN loss (a bug in the loss, on rank 1 only) under fp16 is not taken for an overflow
+    of the scaled gradients: the default policy stops at that step on every rank, naming the
+    rank; "skip" drops the update and leaves the scale where it was."""
+    got = run_distributed(W.fp16_nan_loss, 2, FP16_BATCHES[:3], policy, 2.0 ** 10, timeout=120)
+    for result in got:
+        assert result["overflows"] == [], result
+        if policy == "stop":
+            assert "step 2: non-finite loss on rank 1" in (result["error"] or ""), result
+            assert result["scales"] == [2.0 ** 10], result
+        else:
+            assert result["error"] is None and result["skipped"] == [2], result
+            assert result["scales"] == [2.0 ** 10] * 3, result
+
+
+def test_fp16_checkpoint_keeps_the_loss_scale(tmp_path, fp16_refs):
+    """run.save keeps the scale, its growth count and the count the next step scales by;
+    run.load gives them back, so that a run resumed after step 3 (its first overflow) goes on
+    with the reference's scales, skips step 5 as it does and ends on its weights. A resumed
+    run that started the scale afresh would try 327680 at step 4 and skip it."""
+    split = 3
+    got = run_distributed(W.fp16_resume, 2, str(tmp_path / "ckpt"), FP16_BATCHES, split,
+                          FP16_SCALE, FP16_GROWTH, timeout=300)
+    ref = fp16_refs["flat"]
+    for result in got:
+        first, second = result["parts"]
+        assert second["loaded"] == first["end"], (first["end"], second["loaded"])
+        assert first["scales"] + second["scales"] == ref["scales"], result["parts"]
+        assert second["end"]["skipped"] == ref["skipped"], second["end"]
+    resumed = {"plan": "dp=2,mp=fp16 resumed",
+               "losses": got[0]["parts"][0]["losses"] + got[0]["parts"][1]["losses"],
+               "state": got[0]["state"]}
+    loss, param = _assert_close(ref, resumed, FP16_REL)
+    print(f"resumed after step {split}: loss {loss:.1e} params {param:.1e}")
+
+
+def test_fp16_is_a_plan_precision_and_its_scaler_follows_gradscaler():
+    """'mp=fp16' parses (it was refused as not one of fp32, bf16), and the scaler's own
+    sequence is torch.amp.GradScaler's: halve on an overflow, double after growth_interval
+    clean steps, a NaN-loss step (neither) leaving it alone."""
+    import torch
+
+    from plait.loss_scale import LossScaler
+    from plait.plan import Plan
+
+    assert Plan.from_string("dp=2,mp=fp16").mixed_precision == "fp16"
+    assert "fp16" in Plan.from_string("dp=2,mp=fp16").describe()
+    ours = LossScaler(scale=8.0, growth_interval=2)
+    theirs = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
+    param = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([param], lr=0.0)
+    for step, overflow in enumerate([False, False, True, False, False, False, True, True], 1):
+        theirs.scale(torch.ones(()))
+        param.grad = torch.full((1,), float("inf") if overflow else 1.0)
+        theirs.unscale_(opt)
+        theirs.step(opt)
+        theirs.update()
+        ours.update(step, overflow=overflow, clean=not overflow, count=4.0)
+        assert ours.scale == theirs.get_scale(), (step, ours.scale, theirs.get_scale())
+    assert ours.skipped == [3, 7, 8] and ours.reference == 4.0
+    ours.update(9, overflow=False, clean=False, count=5.0)  # the guard's policy skipped it
+    assert (ours.scale, ours.growth_tracker, ours.reference) == (theirs.get_scale(), 0, 5.0)
+    again = LossScaler(growth_interval=2)
+    again.load_state_dict(ours.state_dict())
+    assert again == ours
