@@ -196,8 +196,10 @@ FP16_SCALE, FP16_GROWTH = 1.25 * 2.0 ** 16, 1
 @pytest.fixture(scope="module")
 def fp16_refs():
     return {kind: W.reference_fp16(factory, FP16_BATCHES, W.mlm_loss, init_scale=FP16_SCALE,
-                                   growth_interval=FP16_GROWTH)
-            for kind, factory in (("flat", W.masked_lm), ("staged", W.staged_lm))}
+                                   growth_interval=FP16_GROWTH, clip=clip)
+            for kind, factory, clip in (("flat", W.masked_lm, 1.0),
+                                        ("unclipped", W.masked_lm, None),
+                                        ("staged", W.staged_lm, 1.0))}
 
 
 def _check_fp16(refs: dict, got: list[dict]) -> None:
@@ -220,12 +222,14 @@ def _check_fp16(refs: dict, got: list[dict]) -> None:
 
 
 def test_fp16_scales_the_loss_as_gradscaler_does_and_skips_overflows_on_every_rank(fp16_refs):
-    """mixed_precision=fp16 under dp=2 and ZeRO-3 trains what one device trains with
-    torch.autocast(float16) and torch.amp.GradScaler: the same losses and weights (fp32 master
-    weights and gradients), the same scale after every step, and the steps whose scaled
-    gradients overflowed skipped on both ranks (each rank reports the agreed verdict)."""
+    """mixed_precision=fp16 under ZeRO-3 (gradients clipped: the overflow is the job's norm)
+    and dp=2 without clipping (the guard's agreement finds it; clipping would also hide
+    gradients left scaled) trains what one device trains with torch.autocast(float16) and
+    torch.amp.GradScaler: the same losses and weights (fp32 master weights and gradients),
+    the same scale after every step, and the steps whose scaled gradients overflowed skipped
+    on both ranks (each rank reports the agreed verdict)."""
     jobs = [(p + ",mp=fp16", W.masked_lm, FP16_BATCHES, W.mlm_loss)
-            for p in ("dp=2", "dp_shard=2,zero=3")]
+            for p in ("dp_shard=2,zero=3", "dp=2,clip=0")]
     got = run_distributed(W.fp16_jobs, 2, jobs, FP16_SCALE, FP16_GROWTH, timeout=300)
     for rank_results in got:
         _check_fp16(fp16_refs, rank_results)
@@ -233,19 +237,16 @@ def test_fp16_scales_the_loss_as_gradscaler_does_and_skips_overflows_on_every_ra
 
 @pytest.mark.slow
 def test_fp16_matches_gradscaler_under_every_layout(fp16_refs):
-    """The same under ZeRO-1/2, tensor and pipeline parallelism, and without clipping (the
-    guard's own agreement then finds the overflow). With accumulation each fp16 backward sums
+    """The same under DDP with clipping, ZeRO-1/2, tensor parallelism (with and without
+    clipping) and pipeline parallelism. With accumulation each fp16 backward sums
     half the rows one device's does, so the scale it overflows at is not the reference's (it
     skipped steps 4 and 6 here): it is compared on a scale that never overflows."""
-    flat = ("dp_shard=2,zero=1", "dp_shard=2,zero=2", "tp=2", "dp=2,clip=0")
+    flat = ("dp=2", "dp_shard=2,zero=1", "dp_shard=2,zero=2", "tp=2", "tp=2,clip=0")
     jobs = [(p + ",mp=fp16", W.masked_lm, FP16_BATCHES, W.mlm_loss) for p in flat]
     jobs.append(("pp=2,mb=2,mp=fp16", W.staged_lm, FP16_BATCHES, W.mlm_loss))
     got = run_distributed(W.fp16_jobs, 2, jobs, FP16_SCALE, FP16_GROWTH, timeout=300)
-    refs = {**fp16_refs, "unclipped": W.reference_fp16(
-        W.masked_lm, FP16_BATCHES, W.mlm_loss, init_scale=FP16_SCALE,
-        growth_interval=FP16_GROWTH, clip=None)}
     for rank_results in got:
-        _check_fp16(refs, rank_results)
+        _check_fp16(fp16_refs, rank_results)
     ref = W.reference_fp16(W.masked_lm, FP16_BATCHES, W.mlm_loss, init_scale=2.0 ** 10,
                            growth_interval=2000)
     jobs = [(p + ",mp=fp16", W.masked_lm, FP16_BATCHES, W.mlm_loss)
