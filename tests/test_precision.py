@@ -277,8 +277,8 @@ def test_fp16_nan_loss_is_the_guards_not_an_overflow(policy):
 def test_fp16_checkpoint_keeps_the_loss_scale(tmp_path, fp16_refs):
     """run.save keeps the scale, its growth count and the count the next step scales by;
     run.load gives them back, so that a run resumed after step 3 (its first overflow) goes on
-    with the reference's scales, skips step 5 as it does and ends on its weights. A resumed
-    run that started the scale afresh would try 327680 at step 4 and skip it."""
+    with the reference's scales, skips step 5 as it does and ends on its weights (a resumed
+    run that started its scale afresh would go on from 81920 instead of 163840)."""
     split = 3
     got = run_distributed(W.fp16_resume, 2, str(tmp_path / "ckpt"), FP16_BATCHES, split,
                           FP16_SCALE, FP16_GROWTH, timeout=300)
@@ -302,10 +302,20 @@ def test_fp16_is_a_plan_precision_and_its_scaler_follows_gradscaler():
     import torch
 
     from plait.loss_scale import LossScaler
+    from plait.parallel.zero import mixed_precision_policy
     from plait.plan import Plan
+    from plait.report import format_summary, summarize
+    from plait.runtime import StepStats
 
-    assert Plan.from_string("dp=2,mp=fp16").mixed_precision == "fp16"
-    assert "fp16" in Plan.from_string("dp=2,mp=fp16").describe()
+    plan = Plan.from_string("dp_shard=2,zero=3,mp=fp16")
+    assert plan.mixed_precision == "fp16" and "fp16" in plan.describe()
+    policy = mixed_precision_policy(plan)  # FSDP2 gathers fp16, reduces in fp32
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.float16, torch.float32)
+    stats = StepStats(losses=[torch.tensor(1.0)], step_times=[0.1], tokens=[8],
+                      overflows=[3, 5], loss_scale=163840.0)
+    text = format_summary(summarize(plan, stats, [{"peak_rss_bytes": 1.0}], world_size=2,
+                                    accelerator="cpu", wall_s=1.0))
+    assert "loss scale      163840 (fp16), 2 overflows skipped: steps 3, 5" in text, text
     ours = LossScaler(scale=8.0, growth_interval=2)
     theirs = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
     param = torch.nn.Parameter(torch.ones(1))
