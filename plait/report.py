@@ -47,12 +47,16 @@ def eta(step: int, total: int | None, stats: Any, window: int = 10) -> str:
 
 
 def progress_line(step: int, total: int | None, loss: float, stats: Any) -> str:
-    """``step 50/300 | loss 2.3456 | 12,345 tok/s | 45.6 ms/step | ETA 0:00:11``."""
+    """``step 50/300 | loss 2.3456 | 12,345 tok/s | 45.6 ms/step | ETA 0:00:11``; under fp16
+    the loss scale after the step follows the step time (``| scale 65536``)."""
     tps, ms = recent_throughput(stats)
     width = len(str(total)) if total else 0
     where = f"{step:>{width}}/{total}" if total else f"{step}"
     unit = "tok" if getattr(stats, "unit", "tokens") == "tokens" else "samples"
     line = f"step {where} | loss {loss:.4f} | {tps:,.0f} {unit}/s | {ms:.1f} ms/step"
+    scale = getattr(stats, "loss_scale", None)
+    if scale is not None:
+        line += f" | scale {scale:g}"
     return line + (f" | ETA {eta(step, total, stats)}" if total else "")
 
 

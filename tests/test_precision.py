@@ -237,11 +237,13 @@ def test_fp16_scales_the_loss_as_gradscaler_does_and_skips_overflows_on_every_ra
 
 @pytest.mark.slow
 def test_fp16_matches_gradscaler_under_every_layout(fp16_refs):
-    """The same under DDP with clipping, ZeRO-1/2, tensor parallelism (with and without
-    clipping) and pipeline parallelism. With accumulation each fp16 backward sums
-    half the rows one device's does, so the scale it overflows at is not the reference's (it
-    skipped steps 4 and 6 here): it is compared on a scale that never overflows."""
-    flat = ("dp=2", "dp_shard=2,zero=1", "dp_shard=2,zero=2", "tp=2", "tp=2,clip=0")
+    """The same under DDP with clipping, ZeRO-1/2, ZeRO-3 with CPU offload, tensor
+    parallelism (with and without clipping) and pipeline parallelism. With accumulation each
+    fp16 backward sums half the rows one device's does, so the scale it overflows at is not
+    the reference's (it skipped steps 4 and 6 here): it is compared on a scale that never
+    overflows."""
+    flat = ("dp=2", "dp_shard=2,zero=1", "dp_shard=2,zero=2", "dp_shard=2,zero=3,offload=true",
+            "tp=2", "tp=2,clip=0")
     jobs = [(p + ",mp=fp16", W.masked_lm, FP16_BATCHES, W.mlm_loss) for p in flat]
     jobs.append(("pp=2,mb=2,mp=fp16", W.staged_lm, FP16_BATCHES, W.mlm_loss))
     got = run_distributed(W.fp16_jobs, 2, jobs, FP16_SCALE, FP16_GROWTH, timeout=300)
@@ -304,7 +306,7 @@ def test_fp16_is_a_plan_precision_and_its_scaler_follows_gradscaler():
     from plait.loss_scale import LossScaler
     from plait.parallel.zero import mixed_precision_policy
     from plait.plan import Plan
-    from plait.report import format_summary, summarize
+    from plait.report import format_summary, progress_line, summarize
     from plait.runtime import StepStats
 
     plan = Plan.from_string("dp_shard=2,zero=3,mp=fp16")
@@ -316,6 +318,7 @@ def test_fp16_is_a_plan_precision_and_its_scaler_follows_gradscaler():
     text = format_summary(summarize(plan, stats, [{"peak_rss_bytes": 1.0}], world_size=2,
                                     accelerator="cpu", wall_s=1.0))
     assert "loss scale      163840 (fp16), 2 overflows skipped: steps 3, 5" in text, text
+    assert progress_line(1, None, 1.0, stats).endswith(" ms/step | scale 163840")
     ours = LossScaler(scale=8.0, growth_interval=2)
     theirs = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
     param = torch.nn.Parameter(torch.ones(1))
