@@ -5,7 +5,8 @@ rank owns, lays each out with ``parallelize_stage`` and runs them with torch's s
 
 Schedules are torch's (``torch.distributed.pipelining``): GPipe, 1F1B, interleaved 1F1B, looped
 BFS, interleaved zero-bubble and ZB-V, with ``PipelineStage`` doing the point-to-point sends.
-Backward runs on each microbatch's loss *sum* (torch's ``scale_grads`` is off); the step
+Backward runs on each microbatch's loss *sum* (torch's ``scale_grads`` is off; under fp16 times
+the loss scale, ``plait.loss_scale``); the step
 returns the (sum, count) of its microbatches and the train step divides the gradients by the
 global count of items once (``plait.loss``), so a mean over a variable number of tokens per
 microbatch is the single-device mean, with accumulation over several pipeline steps too. The
