@@ -23,6 +23,11 @@ add zeros (``plait.train.pipeline_totals``), and the flags ride along. Every oth
 parallel, or a pipeline beside it) pays the one all-reduce per step (~0.1 ms on gloo between
 processes on one host once both have arrived, bench/rendezvous_cost.py; tens of microseconds on
 NCCL). A one-rank job pays nothing but the local check.
+
+Under ``mixed_precision=fp16`` a non-finite gradient norm with a finite loss is the loss
+scale's overflow, not an error: the runtime skips that update on every rank (this agreement's
+verdict) and halves the scale, whatever the policy (``plait.loss_scale``). A non-finite loss
+follows the policy as under fp32.
 """
 
 from __future__ import annotations

@@ -237,7 +237,7 @@ def closed_form(plan: Plan, psi: int, optimizer_per_param: int | None, *,
     they are gathered for the whole forward and backward); unknown: None.
     """
     d = plan.dp_shard
-    compute = 2 if plan.mixed_precision == "bf16" else master_bytes
+    compute = 2 if plan.mixed_precision in ("bf16", "fp16") else master_bytes
     full = master_bytes * psi
     opt_full = None if optimizer_per_param is None else optimizer_per_param * psi
     if plan.zero == 0:

@@ -36,7 +36,7 @@ MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zb", "zb
 # after 5 steps); plait refuses that combination rather than train it wrongly.
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zb", "zbv")
 CHECKPOINTING = ("none", "full", "selective", "op")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 # Short names accepted in plan strings, mapped to fields.
 _ALIASES = {
@@ -198,7 +198,8 @@ class Plan:
     # (torch's selective-checkpoint policy: keep matmul outputs, recompute the cheap ops).
     activation_checkpointing: str = "none"
     checkpoint_every: int = 2
-    # Compute dtype. bf16 keeps fp32 master weights and reduces gradients in fp32.
+    # Compute dtype. bf16 and fp16 keep fp32 master weights and reduce gradients in fp32;
+    # fp16 (GPUs without bf16: T4, V100) also scales the loss dynamically (plait.loss_scale).
     mixed_precision: str = "fp32"
     # Micro-steps accumulated per optimizer step (no gradient sync until the last one).
     grad_accum: int = 1

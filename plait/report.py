@@ -47,12 +47,16 @@ def eta(step: int, total: int | None, stats: Any, window: int = 10) -> str:
 
 
 def progress_line(step: int, total: int | None, loss: float, stats: Any) -> str:
-    """``step 50/300 | loss 2.3456 | 12,345 tok/s | 45.6 ms/step | ETA 0:00:11``."""
+    """``step 50/300 | loss 2.3456 | 12,345 tok/s | 45.6 ms/step | ETA 0:00:11``; under fp16
+    the loss scale after the step follows the step time (``| scale 65536``)."""
     tps, ms = recent_throughput(stats)
     width = len(str(total)) if total else 0
     where = f"{step:>{width}}/{total}" if total else f"{step}"
     unit = "tok" if getattr(stats, "unit", "tokens") == "tokens" else "samples"
     line = f"step {where} | loss {loss:.4f} | {tps:,.0f} {unit}/s | {ms:.1f} ms/step"
+    scale = getattr(stats, "loss_scale", None)
+    if scale is not None:
+        line += f" | scale {scale:g}"
     return line + (f" | ETA {eta(step, total, stats)}" if total else "")
 
 
@@ -89,6 +93,9 @@ def summarize(plan: Plan, stats: Any, memory: list[dict[str, float]], *, world_s
         "accelerator": accelerator,
         "steps": steps,
         "skipped_steps": list(getattr(stats, "skipped", [])),
+        # fp16: steps a gradient overflow skipped, and the loss scale at the end
+        "overflow_steps": list(getattr(stats, "overflows", [])),
+        "loss_scale": getattr(stats, "loss_scale", None),
         "final_loss": final if final == final else None,
         "step_time_s": _median(times),
         "mean_step_time_s": sum(times) / len(times) if times else None,
@@ -110,6 +117,12 @@ def format_summary(info: dict[str, Any]) -> str:
         lines.append(f"skipped (NaN)   {len(info['skipped_steps'])}: steps "
                      f"{', '.join(map(str, info['skipped_steps'][:10]))}"
                      + (" ..." if len(info["skipped_steps"]) > 10 else ""))
+    if info.get("loss_scale") is not None:
+        over = info.get("overflow_steps") or []
+        lines.append(f"loss scale      {info['loss_scale']:g} (fp16), {len(over)} overflow"
+                     f"{'s' * (len(over) != 1)} skipped"
+                     + (": steps " + ", ".join(map(str, over[:10])) if over else "")
+                     + (" ..." if len(over) > 10 else ""))
     if info["tokens_per_s"]:
         lines.append(f"throughput      {info['tokens_per_s']:,.0f} tokens/s")
     elif info.get("samples_per_s"):

@@ -62,6 +62,9 @@ class StepStats:
     step_times: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # throughput units per step, see ``unit``
     skipped: list[int] = field(default_factory=list)  # steps whose update was dropped (NaN/inf)
+    # fp16: steps whose update a gradient overflow dropped, and the loss scale after the last.
+    overflows: list[int] = field(default_factory=list)
+    loss_scale: float | None = None
     # time.perf_counter() as each step ended: the wall time per step between them includes what
     # the loop does outside run.step (loading data, evaluating), which the ETA must count.
     step_ends: list[float] = field(default_factory=list)
@@ -119,6 +122,10 @@ class Run:
     # What a NaN/inf loss or gradient norm does: "stop" (raise) or "skip" (see plait.guard).
     nonfinite: str = "stop"
     _guard: Any = None  # plait.guard.StepGuard, made at the first step
+    # mixed_precision=fp16: the dynamic loss scale (plait.loss_scale.LossScaler), made at the
+    # first step with torch.amp.GradScaler's defaults; set it before then for other settings.
+    # Checkpoints keep it.
+    loss_scaler: Any = None
     _exchange: Any = None  # (TotalsExchange | None, flags travel), made at the first step
     _data_share: tuple[int, int] | None = None  # (dp rank, dp size), once the mesh exists
     timeout: float = 300.0  # the hang watchdog's (plait.diagnostics.watchdog)
@@ -350,8 +357,13 @@ class Run:
                 warn_if_replicas_share_rows(batch, self._mesh()["dp"].get_group(),
                                             self.dp_size, self.device)
         with self.ledger if recording else contextlib.nullcontext(), watch:
+            scaler = self._loss_scaler()
+            if scaler is not None and scaler.reference is None:
+                with self.ledger.paused() if recording else contextlib.nullcontext():
+                    scaler.reference = self._first_reference(items)
+            loss_scale = scaler.backward_factor() if scaler is not None else 1.0
             local = forward_backward(model, batch, loss_fn, plan=self.plan, device=self.device,
-                                     exchange=exchange)
+                                     exchange=exchange, loss_scale=loss_scale)
             if statistics:
                 from .parallel.batchnorm import warn_forward_statistics
 
@@ -389,7 +401,8 @@ class Run:
             totals = apply_update(optimizer, totals_in, plan=self.plan, pp_group=pp_group,
                                   data_replicas=1 if self.spmd is not None else None,
                                   guard=None if self.spmd is not None
-                                  else lambda norm: guard(local[0], norm, agreed=agreed))
+                                  else lambda norm: guard(local[0], norm, agreed=agreed),
+                                  loss_scale=loss_scale)
             loss = (totals[0] / totals[1].clamp_min(1)).detach()
             if scheduler is not None:
                 with warnings.catch_warnings():
@@ -409,6 +422,8 @@ class Run:
             settle_answers(layout_of(model).first_label_skipped)  # read now the graph ran
         elapsed = time.perf_counter() - start
         step = self.first_step + len(self.stats.step_times) + 1
+        if scaler is not None:
+            self._update_loss_scale(scaler, step, float(totals[1]))
         self._apply_verdict(step)
         if self._watchdog is not None:
             self._watchdog.active = False  # between steps, time spent is the user's
@@ -508,11 +523,15 @@ class Run:
                 ckpt.group = dist.new_group(backend="gloo")
             group = ckpt.group
         loader = self._loader
+        extra: dict[str, Any] = {"batch_size": loader.batch_size if loader is not None else None}
+        scaler = self._loss_scaler()
+        if scaler is not None:  # fp16: a resumed run goes on with the scale it had
+            extra["loss_scale"] = scaler.state_dict()
         pending = save(folder, step=self.steps_done, model=cast(nn.Module, chosen),
                        optimizer=self._optimizer_for(optimizer) if optimizer else None,
                        scheduler=scheduler, plan=self.plan, device=self.device,
                        loader=loader, keep=ckpt.keep if same else None, async_group=group,
-                       extra={"batch_size": loader.batch_size if loader is not None else None})
+                       extra=extra)
         if same:
             ckpt.last_saved = self.steps_done
             ckpt.pending = pending if group is not None else None
@@ -552,6 +571,9 @@ class Run:
                                   f"{saved_batch}, this loader's is {self._loader.batch_size}; "
                                   f"resume with batch_size={saved_batch}")
         self.first_step = info.step - len(self.stats.step_times)
+        scaler = self._loss_scaler()
+        if scaler is not None and info.extra.get("loss_scale"):
+            scaler.load_state_dict(info.extra["loss_scale"])
         if move_loader and self._loader is not None and info.loader is not None:
             self._loader.load_state_dict(info.loader)
         plan = Plan.from_dict(info.plan) if info.plan else None
@@ -622,13 +644,49 @@ class Run:
         self.close()
         raise SystemExit(143)
 
+    def _loss_scaler(self) -> Any:
+        """The fp16 loss scale (``plait.loss_scale.LossScaler``), None under fp32 and bf16."""
+        if self.plan.mixed_precision != "fp16":
+            return None
+        if self.loss_scaler is None:
+            from .loss_scale import LossScaler
+
+            self.loss_scaler = LossScaler()
+        return self.loss_scaler
+
+    def _first_reference(self, items: int) -> float:
+        """The first fp16 step's reference count (``plait.loss_scale``): the job's throughput
+        count, the largest rank's times the data replicas, one number on every rank (one
+        all-reduce, once per run)."""
+        value = torch.full((1,), float(max(items, 1)), device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value) * self.dp_size
+
+    def _update_loss_scale(self, scaler: Any, step: int, count: float) -> None:
+        """fp16: a non-finite gradient norm with a finite loss is an overflow of the scaled
+        gradients, not an error: every rank skipped the update (the guard's verdict, agreed on
+        every rank) and the scale halves. A non-finite loss is left to the guard's policy."""
+        verdict = self._guard.last
+        overflow = verdict.bad_grad_rank is not None and verdict.bad_loss_rank is None
+        before = scaler.scale
+        scaler.update(step, overflow=overflow, clean=not verdict.nonfinite, count=count)
+        self.stats.loss_scale = scaler.scale
+        if overflow:
+            self.stats.overflows.append(step)
+            self.print(f"step {step}: fp16 gradients overflowed at loss scale {before:g}: "
+                       f"update skipped, scale now {scaler.scale:g}")
+
     def _apply_verdict(self, step: int) -> None:
         """Act on what the ranks agreed about this step: raise on NaN/inf under "stop", note a
-        skipped update under "skip"."""
+        skipped update under "skip". Under fp16 a non-finite gradient norm with a finite loss
+        is the loss scale's overflow (:meth:`_update_loss_scale`), not an error."""
         from .guard import NonFiniteError
 
         verdict = self._guard.last
         if not verdict.nonfinite:
+            return
+        if self._loss_scaler() is not None and verdict.bad_loss_rank is None:
             return
         if self.nonfinite == "stop":
             raise NonFiniteError(f"{verdict.describe(step)}: stopped there (plait.init("
@@ -1082,6 +1140,9 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
     else:
         resolved = Plan.load(plan) if plan is not None else Plan(dp_replicate=world_size)
         resolved.validate(world_size)  # before touching the network: a bad plan fails fast
+        if acc.name == "tpu" and resolved.mixed_precision == "fp16":
+            raise ValueError("mixed_precision=fp16 on a TPU: TPUs compute in bf16, which keeps "
+                             "fp32's range and needs no loss scaling; use mixed_precision=bf16")
     check_extras(tensorboard=tensorboard, plot=plot)
     device = acc.device(local_rank)
     acc.set_device(device)

@@ -30,7 +30,7 @@ from .plan import Plan
 # plait.loss. None: the model returns its own loss (Hugging Face's output.loss).
 LossFn = Callable[[Any, Any], Any]
 
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @contextlib.contextmanager
@@ -55,13 +55,14 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def autocast(plan: Plan, device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 compute with fp32 master weights, or nothing for fp32; every layout runs its
-    forward under it.
+    """bf16 or fp16 compute with fp32 master weights, or nothing for fp32; every layout runs
+    its forward under it.
 
     DDP, TP, pipelines and plain modules rely on it: their parameters and gradients stay fp32
     (the all-reduce then runs in fp32, as the plan promises) and autocast casts each op's
-    inputs. FSDP2 also casts whole parameters to bf16 itself (MixedPrecisionPolicy, reducing
-    in fp32), so under ZeRO the ops autocast would cast already receive bf16."""
+    inputs. FSDP2 also casts whole parameters to bf16/fp16 itself (MixedPrecisionPolicy,
+    reducing in fp32), so under ZeRO the ops autocast would cast already receive them so.
+    fp16 also needs its loss scaled (``plait.loss_scale``): see :func:`forward_backward`."""
     dtype = _AUTOCAST_DTYPES.get(plan.mixed_precision)
     if dtype is None:
         return contextlib.nullcontext()
@@ -355,8 +356,8 @@ class TotalsExchange:
 
 
 def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, plan: Plan,
-                     device: torch.device, exchange: TotalsExchange | None = None
-                     ) -> torch.Tensor:
+                     device: torch.device, exchange: TotalsExchange | None = None,
+                     loss_scale: float = 1.0) -> torch.Tensor:
     """Forward and backward of this rank's ``batch``; returns ``[loss sum, item count]``.
 
     ``exchange`` (not with pipelines): started with this rank's totals after the last
@@ -365,10 +366,14 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
     Backward runs on each micro-batch's loss *sum*: the gradients become those of the global
     mean only once :func:`apply_update` scales them by ``dp / global count``. For pipelined
     models the pair is only meaningful on the last stage (NaN elsewhere).
+
+    ``loss_scale`` (fp16, ``plait.loss_scale.LossScaler.backward_factor``): backward runs on
+    each sum times it, so that small gradients survive fp16's range; the totals returned are
+    the unscaled sums, and :func:`apply_update` divides the gradients by it again.
     """
     pipeline = layout_of(model).pipeline
     if pipeline is not None:  # (sum, count) over its microbatches; backward ran on the sums
-        return pipeline.step(batch, loss_fn, plan=plan, device=device)
+        return pipeline.step(batch, loss_fn, plan=plan, device=device, loss_scale=loss_scale)
     micro = split_microbatches(batch, plan.grad_accum)
     totals = torch.zeros(2, device=device)
     for i, part in enumerate(micro):
@@ -379,7 +384,7 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
             with autocast(plan, device):
                 total, count = forward_loss(model, part, loss_fn)
             totals += torch.stack([total.detach().float(), count.float().to(device)])
-            total.backward()
+            (total * loss_scale if loss_scale != 1.0 else total).backward()
     if exchange is not None:
         # After backward, not during it: on gloo a collective in flight beside DDP's bucket
         # all-reduces slowed backward by more than the wait it would hide (10-15 ms of a
@@ -446,7 +451,8 @@ def apply_update(optimizer: torch.optim.Optimizer,
                  totals: torch.Tensor | Callable[[], torch.Tensor], *, plan: Plan,
                  pp_group: dist.ProcessGroup | None = None,
                  data_replicas: int | None = None,
-                 guard: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
+                 guard: Callable[[torch.Tensor], bool] | None = None,
+                 loss_scale: float = 1.0) -> torch.Tensor:
     """Scale the gradients to the global mean (``dp / count``), clip, step, zero the gradients.
     Returns the global ``[loss sum, count]``.
 
@@ -459,6 +465,9 @@ def apply_update(optimizer: torch.optim.Optimizer,
     and clipping are one multiplication: the norm of the scaled gradients is the scale times
     the norm of the unscaled ones. ``guard(grad_norm)`` (see ``plait.guard``) runs before the
     optimizer step; when it returns False the gradients are dropped and the step is not applied.
+    ``loss_scale``: what :func:`forward_backward` multiplied the sums by (fp16), divided out in
+    the same factor; a gradient it made overflow makes the norm non-finite, which the guard
+    sees (the clipped norm is the job's; without clipping the guard agrees on it).
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     unscaled = grad_norm(params, pp_group) if plan.grad_clip else None
@@ -467,7 +476,7 @@ def apply_update(optimizer: torch.optim.Optimizer,
     # data_replicas: how many replicas' gradients were averaged (plan.dp; 1 under XLA SPMD,
     # whose one program computes the global batch's gradients).
     replicas = plan.dp if data_replicas is None else data_replicas
-    factor = replicas / totals[1].clamp_min(1)
+    factor = replicas / (totals[1].clamp_min(1) * loss_scale)
     norm = None
     if unscaled is not None:
         norm = unscaled * factor.to(unscaled.device)

@@ -148,3 +148,147 @@ def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[
         out.append({"plan": text, "losses": losses, "dtypes": sorted(seen), "wrapped": wrapped,
                     "state": state if rank == 0 else None})
     return out
+
+
+# ------------------------------------------------------------------------------ fp16
+def reference_fp16(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Callable, *,
+                   init_scale: float, growth_interval: int, lr: float = 0.1,
+                   clip: float | None = 1.0) -> dict[str, Any]:
+    """A plain one-process loop under torch.autocast(cpu, float16) with torch.amp.GradScaler
+    (its other settings at their defaults), as its documentation writes one: scale(loss)
+    .backward(), unscale_, clip_grad_norm_, step (skipped on inf/NaN gradients), update.
+    ``scales``: the scale after each step; ``skipped``: the steps (from 1) whose update the
+    scaler skipped."""
+    model = factory()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=lr)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    losses, scales, skipped = [], [], []
+    for step, (inputs, targets) in enumerate(batches, 1):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model(inputs), targets)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if scaler.get_scale() < before:
+            skipped.append(step)
+        losses.append(float(loss.detach()))
+        scales.append(scaler.get_scale())
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state.update({n: b.clone() for n, b in model.named_buffers() if b.is_floating_point()})
+    return {"losses": losses, "scales": scales, "skipped": skipped, "state": state}
+
+
+def fp16_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any], Callable]],
+              init_scale: float, growth_interval: int, lr: float = 0.1) -> list[dict[str, Any]]:
+    """Train each (plan, factory, batches, loss_fn) under mixed_precision=fp16 with the given
+    loss-scaler settings; per job the losses, the scale after each step, the steps an overflow
+    skipped (as this rank saw them), the dtypes the optimizer saw and rank 0's full state."""
+    from plait.loss_scale import LossScaler
+    from plait.runtime import init
+
+    out = []
+    for text, factory, batches, loss_fn in jobs:
+        run = init(text, quiet=True, log_every=1)
+        run.loss_scaler = LossScaler(scale=init_scale, growth_interval=growth_interval)
+        model = run.parallelize(factory())
+        opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=False)
+        seen: set[str] = set()
+        hook = register_optimizer_step_pre_hook(partial(_note_dtypes, seen))
+        losses, scales = [], []
+        try:
+            for b in batches:
+                losses.append(float(run.step(model, _slice(b, run.dp_rank, run.dp_size),
+                                             loss_fn, opt)))
+                scales.append(run.loss_scaler.scale)
+        finally:
+            hook.remove()
+        state = run.full_state_dict(model)
+        summary = run.summary()
+        run.close()
+        out.append({"plan": text, "losses": losses, "scales": scales,
+                    "skipped": list(run.stats.overflows), "dtypes": sorted(seen),
+                    "summary_scale": summary["loss_scale"],
+                    "state": state if rank == 0 else None})
+    return out
+
+
+class NaNLossOnce:
+    """``mlm_loss``, but NaN during step ``at`` (the worker sets ``step``) on rank ``rank``
+    only: a user's bug in the loss, which fp16's loss scaling must not take for an overflow."""
+
+    def __init__(self, rank: int, at: int) -> None:
+        self.rank, self.at, self.step = rank, at, 0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        loss = mlm_loss(logits, labels)
+        if dist.get_rank() == self.rank and self.step == self.at:
+            return loss * float("nan")
+        return loss
+
+
+def fp16_nan_loss(rank: int, world_size: int, batches: list[Any], nonfinite: str,
+                  init_scale: float) -> dict[str, Any]:
+    """Three dp=2 fp16 steps whose second has a NaN loss on rank 1: what run.step raised (its
+    message) or the steps the guard and the scaler skipped, and the scale after each step."""
+    from plait.guard import NonFiniteError
+    from plait.loss_scale import LossScaler
+    from plait.runtime import init
+
+    run = init("dp=2,mp=fp16", quiet=True, nonfinite=nonfinite)
+    run.loss_scaler = LossScaler(scale=init_scale)
+    model = run.parallelize(masked_lm())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = NaNLossOnce(rank=1, at=2)
+    scales, error = [], None
+    try:
+        for loss_fn.step, b in enumerate(batches, 1):
+            run.step(model, _slice(b, run.dp_rank, run.dp_size), loss_fn, opt)
+            scales.append(run.loss_scaler.scale)
+    except NonFiniteError as exc:
+        error = str(exc)
+    out = {"error": error, "scales": scales, "skipped": list(run.stats.skipped),
+           "overflows": list(run.stats.overflows)}
+    run.close()
+    return out
+
+
+def fp16_resume(rank: int, world_size: int, folder: str, batches: list[Any], split: int,
+                init_scale: float, growth_interval: int) -> dict[str, Any]:
+    """dp=2 fp16: ``split`` steps, run.save, then a fresh run that run.loads the checkpoint
+    and trains the remaining batches. The loss-scaler state each run ended with (the second
+    right after loading too), the losses and scales of both parts, and rank 0's final state."""
+    from plait.loss_scale import LossScaler
+    from plait.runtime import init
+
+    parts: list[dict[str, Any]] = []
+    state = None
+    for part, todo in enumerate((batches[:split], batches[split:])):
+        run = init("dp=2,mp=fp16", quiet=True)
+        run.loss_scaler = LossScaler(scale=init_scale, growth_interval=growth_interval)
+        model = run.parallelize(masked_lm())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+        loaded = None
+        if part:
+            run.load(folder, model=model, optimizer=opt)
+            loaded = run.loss_scaler.state_dict()
+        losses, scales = [], []
+        for b in todo:
+            losses.append(float(run.step(model, _slice(b, run.dp_rank, run.dp_size),
+                                         mlm_loss, opt)))
+            scales.append(run.loss_scaler.scale)
+        if not part:
+            run.save(folder, model=model, optimizer=opt)
+        else:
+            state = run.full_state_dict(model)
+        parts.append({"loaded": loaded, "end": run.loss_scaler.state_dict(), "losses": losses,
+                      "scales": scales})
+        run.close()
+    return {"parts": parts, "state": state if rank == 0 else None}

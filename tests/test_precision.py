@@ -177,3 +177,163 @@ def test_clipping_clips_the_norm_one_device_computes(world, layouts):
             state = {k.removeprefix("inner."): v for k, v in result["state"].items()}
             for name in ("pos.weight", "blocks.0.1.weight", "blocks.0.0.weight"):
                 assert (state[name] == start[name]).all(), (result["plan"], name)
+
+
+# ------------------------------------------------------------------------------ fp16
+# fp16 keeps 10 bits of mantissa (relative spacing 2**-11 = 5e-4 per value), four times bf16's;
+# plait's layouts cast and sum in other places and orders than autocast on one device, so they
+# agree with torch.amp.GradScaler's loop to a fraction of that, not bit for bit.
+FP16_REL = 5e-4
+# Six steps at 1.25 * 2**16 doubling after every clean step (growth_interval=1): both models
+# overflow at step 3 (attempting 327680) and step 5, and the scale halves there and grows back.
+# The pattern is the reference's from 0.85x to 1.5x this scale (masked LM) and from 1.02x to
+# 1.5x (staged LM): an overflow decided by fp16 rounding would not hold over that range.
+FP16_STEPS = 6
+FP16_BATCHES = [W.mlm_batch(s) for s in range(FP16_STEPS)]
+FP16_SCALE, FP16_GROWTH = 1.25 * 2.0 ** 16, 1
+
+
+@pytest.fixture(scope="module")
+def fp16_refs():
+    return {kind: W.reference_fp16(factory, FP16_BATCHES, W.mlm_loss, init_scale=FP16_SCALE,
+                                   growth_interval=FP16_GROWTH, clip=clip)
+            for kind, factory, clip in (("flat", W.masked_lm, 1.0),
+                                        ("unclipped", W.masked_lm, None),
+                                        ("staged", W.staged_lm, 1.0))}
+
+
+def _check_fp16(refs: dict, got: list[dict]) -> None:
+    """Every rank's scales and skipped steps are the reference's; rank 0's losses and weights
+    (the others hold no state) within fp16 rounding of it."""
+    for result in got:
+        kind = ("staged" if result["plan"].startswith("pp") else
+                "unclipped" if "clip=0" in result["plan"] else "flat")
+        ref = refs[kind]
+        assert ref["skipped"] == [3, 5], ref["skipped"]  # the overflows the test is about
+        assert result["dtypes"] == ["grad torch.float32", "param torch.float32"], result
+        assert result["skipped"] == ref["skipped"], (result["plan"], result["skipped"])
+        assert result["scales"] == ref["scales"], (result["plan"], result["scales"])
+        assert result["summary_scale"] == ref["scales"][-1], result["plan"]
+        if result["state"] is None:
+            continue
+        loss, param = _assert_close(ref, result, FP16_REL)
+        print(f"{result['plan']}: scales {[f'{s:g}' for s in result['scales']]}, skipped "
+              f"{result['skipped']}; vs GradScaler loss {loss:.1e} params {param:.1e}")
+
+
+def test_fp16_scales_the_loss_as_gradscaler_does_and_skips_overflows_on_every_rank(fp16_refs):
+    """mixed_precision=fp16 under ZeRO-3 (gradients clipped: the overflow is the job's norm)
+    and dp=2 without clipping (the guard's agreement finds it; clipping would also hide
+    gradients left scaled) trains what one device trains with torch.autocast(float16) and
+    torch.amp.GradScaler: the same losses and weights (fp32 master weights and gradients),
+    the same scale after every step, and the steps whose scaled gradients overflowed skipped
+    on both ranks (each rank reports the agreed verdict)."""
+    jobs = [(p + ",mp=fp16", W.masked_lm, FP16_BATCHES, W.mlm_loss)
+            for p in ("dp_shard=2,zero=3", "dp=2,clip=0")]
+    got = run_distributed(W.fp16_jobs, 2, jobs, FP16_SCALE, FP16_GROWTH, timeout=300)
+    for rank_results in got:
+        _check_fp16(fp16_refs, rank_results)
+
+
+@pytest.mark.slow
+def test_fp16_matches_gradscaler_under_every_layout(fp16_refs):
+    """The same under DDP with clipping, ZeRO-1/2, ZeRO-3 with CPU offload, tensor
+    parallelism (with and without clipping) and pipeline parallelism. With accumulation each
+    fp16 backward sums half the rows one device's does, so the scale it overflows at is not
+    the reference's (it skipped steps 4 and 6 here): it is compared on a scale that never
+    overflows."""
+    flat = ("dp=2", "dp_shard=2,zero=1", "dp_shard=2,zero=2", "dp_shard=2,zero=3,offload=true",
+            "tp=2", "tp=2,clip=0")
+    jobs = [(p + ",mp=fp16", W.masked_lm, FP16_BATCHES, W.mlm_loss) for p in flat]
+    jobs.append(("pp=2,mb=2,mp=fp16", W.staged_lm, FP16_BATCHES, W.mlm_loss))
+    got = run_distributed(W.fp16_jobs, 2, jobs, FP16_SCALE, FP16_GROWTH, timeout=300)
+    for rank_results in got:
+        _check_fp16(fp16_refs, rank_results)
+    ref = W.reference_fp16(W.masked_lm, FP16_BATCHES, W.mlm_loss, init_scale=2.0 ** 10,
+                           growth_interval=2000)
+    jobs = [(p + ",mp=fp16", W.masked_lm, FP16_BATCHES, W.mlm_loss)
+            for p in ("dp_shard=2,zero=3,grad_accum=2", "dp=2,grad_accum=2")]
+    got = run_distributed(W.fp16_jobs, 2, jobs, 2.0 ** 10, 2000, timeout=300)
+    for result in got[0]:
+        assert result["skipped"] == [] and result["scales"] == [2.0 ** 10] * FP16_STEPS, result
+        loss, param = _assert_close(ref, result, FP16_REL)
+        print(f"{result['plan']}: vs GradScaler loss {loss:.1e} params {param:.1e}")
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_fp16_nan_loss_is_the_guards_not_an_overflow(policy):
+    """A NaN loss (a bug in the loss, on rank 1 only) under fp16 is not taken for an overflow
+    of the scaled gradients: the default policy stops at that step on every rank, naming the
+    rank; "skip" drops the update and leaves the scale where it was."""
+    got = run_distributed(W.fp16_nan_loss, 2, FP16_BATCHES[:3], policy, 2.0 ** 10, timeout=120)
+    for result in got:
+        assert result["overflows"] == [], result
+        if policy == "stop":
+            assert "step 2: non-finite loss on rank 1" in (result["error"] or ""), result
+            assert result["scales"] == [2.0 ** 10], result
+        else:
+            assert result["error"] is None and result["skipped"] == [2], result
+            assert result["scales"] == [2.0 ** 10] * 3, result
+
+
+def test_fp16_checkpoint_keeps_the_loss_scale(tmp_path, fp16_refs):
+    """run.save keeps the scale, its growth count and the count the next step scales by;
+    run.load gives them back, so that a run resumed after step 3 (its first overflow) goes on
+    with the reference's scales, skips step 5 as it does and ends on its weights (a resumed
+    run that started its scale afresh would go on from 81920 instead of 163840)."""
+    split = 3
+    got = run_distributed(W.fp16_resume, 2, str(tmp_path / "ckpt"), FP16_BATCHES, split,
+                          FP16_SCALE, FP16_GROWTH, timeout=300)
+    ref = fp16_refs["flat"]
+    for result in got:
+        first, second = result["parts"]
+        assert second["loaded"] == first["end"], (first["end"], second["loaded"])
+        assert first["scales"] + second["scales"] == ref["scales"], result["parts"]
+        assert second["end"]["skipped"] == ref["skipped"], second["end"]
+    resumed = {"plan": "dp=2,mp=fp16 resumed",
+               "losses": got[0]["parts"][0]["losses"] + got[0]["parts"][1]["losses"],
+               "state": got[0]["state"]}
+    loss, param = _assert_close(ref, resumed, FP16_REL)
+    print(f"resumed after step {split}: loss {loss:.1e} params {param:.1e}")
+
+
+def test_fp16_is_a_plan_precision_and_its_scaler_follows_gradscaler():
+    """'mp=fp16' parses (it was refused as not one of fp32, bf16), and the scaler's own
+    sequence is torch.amp.GradScaler's: halve on an overflow, double after growth_interval
+    clean steps, a NaN-loss step (neither) leaving it alone."""
+    import torch
+
+    from plait.loss_scale import LossScaler
+    from plait.parallel.zero import mixed_precision_policy
+    from plait.plan import Plan
+    from plait.report import format_summary, progress_line, summarize
+    from plait.runtime import StepStats
+
+    plan = Plan.from_string("dp_shard=2,zero=3,mp=fp16")
+    assert plan.mixed_precision == "fp16" and "fp16" in plan.describe()
+    policy = mixed_precision_policy(plan)  # FSDP2 gathers fp16, reduces in fp32
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.float16, torch.float32)
+    stats = StepStats(losses=[torch.tensor(1.0)], step_times=[0.1], tokens=[8],
+                      overflows=[3, 5], loss_scale=163840.0)
+    text = format_summary(summarize(plan, stats, [{"peak_rss_bytes": 1.0}], world_size=2,
+                                    accelerator="cpu", wall_s=1.0))
+    assert "loss scale      163840 (fp16), 2 overflows skipped: steps 3, 5" in text, text
+    assert progress_line(1, None, 1.0, stats).endswith(" ms/step | scale 163840")
+    ours = LossScaler(scale=8.0, growth_interval=2)
+    theirs = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
+    param = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([param], lr=0.0)
+    for step, overflow in enumerate([False, False, True, False, False, False, True, True], 1):
+        theirs.scale(torch.ones(()))
+        param.grad = torch.full((1,), float("inf") if overflow else 1.0)
+        theirs.unscale_(opt)
+        theirs.step(opt)
+        theirs.update()
+        ours.update(step, overflow=overflow, clean=not overflow, count=4.0)
+        assert ours.scale == theirs.get_scale(), (step, ours.scale, theirs.get_scale())
+    assert ours.skipped == [3, 7, 8] and ours.reference == 4.0
+    ours.update(9, overflow=False, clean=False, count=5.0)  # the guard's policy skipped it
+    assert (ours.scale, ours.growth_tracker, ours.reference) == (theirs.get_scale(), 0, 5.0)
+    again = LossScaler(growth_interval=2)
+    again.load_state_dict(ours.state_dict())
+    assert again == ours

@@ -64,6 +64,9 @@ def test_plan_axes_xla_cannot_express_are_refused_with_the_reason():
     problems = plan_problems(Plan(pp=2, dp_shard=2, zero=1, microbatches=2))
     assert [p.split(":")[0] for p in problems] == ["pp=2", "zero=1"]
     assert "no pipeline schedule" in problems[0] and "use zero=3" in problems[1]
+    assert plan_problems(Plan(dp_shard=4, zero=3, mixed_precision="bf16")) == []
+    fp16 = plan_problems(Plan(dp_shard=4, zero=3, mixed_precision="fp16"))
+    assert len(fp16) == 1 and "use mixed_precision=bf16" in fp16[0], fp16
 
 
 @pytest.mark.skipif(not (NO_XLA and NO_TPU), reason="a TPU stack is installed here")

@@ -5,7 +5,8 @@ rank owns, lays each out with ``parallelize_stage`` and runs them with torch's s
 
 Schedules are torch's (``torch.distributed.pipelining``): GPipe, 1F1B, interleaved 1F1B, looped
 BFS, interleaved zero-bubble and ZB-V, with ``PipelineStage`` doing the point-to-point sends.
-Backward runs on each microbatch's loss *sum* (torch's ``scale_grads`` is off); the step
+Backward runs on each microbatch's loss *sum* (torch's ``scale_grads`` is off; under fp16 times
+the loss scale, ``plait.loss_scale``); the step
 returns the (sum, count) of its microbatches and the train step divides the gradients by the
 global count of items once (``plait.loss``), so a mean over a variable number of tokens per
 microbatch is the single-device mean, with accumulation over several pipeline steps too. The
@@ -335,6 +336,7 @@ class PipelineRunner:
         # calls the loss once on its shape-inference outputs, which the real call replaces.
         self._totals: dict[tuple[int, int], torch.Tensor] = {}
         self._accum_index = 0
+        self._loss_scale = 1.0  # fp16: the step's loss scale, see step()
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         # Tied weights held by several stages: (this rank's copy, the group of ranks holding
@@ -381,7 +383,7 @@ class PipelineRunner:
         total, count = loss_sum_and_count(value, target, shift=shift)
         key = (self._accum_index, int(rows[0]))
         self._totals[key] = torch.stack([total.detach().float(), count.float()])
-        return total
+        return total * self._loss_scale if self._loss_scale != 1.0 else total
 
     def sync_tied_gradients(self) -> None:
         """A weight several stages hold (embedding = head) gets its gradient in pieces, one per
@@ -480,13 +482,18 @@ class PipelineRunner:
         return cls(self.stages, m, loss_fn=self._loss, scale_grads=False)
 
     def step(self, batch: Any, loss_fn: Callable | None, *, plan: Plan,
-             device: torch.device) -> torch.Tensor:
+             device: torch.device, loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of ``batch`` through the pipeline; gradients left in ``.grad``.
 
         Returns ``[loss sum, item count]`` over the batch on the rank holding the last stage,
-        NaN elsewhere (see ``plait.train.forward_backward``).
+        NaN elsewhere (see ``plait.train.forward_backward``). ``loss_scale`` (fp16): what the
+        loss the schedule runs backward on is multiplied by; the totals stay unscaled.
         """
-        return self._run(batch, loss_fn, plan=plan, device=device, train=True)
+        self._loss_scale = loss_scale
+        try:
+            return self._run(batch, loss_fn, plan=plan, device=device, train=True)
+        finally:
+            self._loss_scale = 1.0
 
     def evaluate(self, batch: Any, loss_fn: Callable | None, *, plan: Plan,
                  device: torch.device) -> torch.Tensor:

@@ -57,6 +57,9 @@ def plan_problems(plan: Plan) -> list[str]:
         problems.append(f"pp={plan.pp}: pipeline parallelism is not built on XLA (GSPMD "
                         f"partitions one program over the mesh and plait has no pipeline "
                         f"schedule for it); use dp_shard/tp on XLA, pipelines on GPUs")
+    if plan.mixed_precision == "fp16":
+        problems.append("mixed_precision=fp16: TPUs compute in bf16, which keeps fp32's range "
+                        "and needs no loss scaling; use mixed_precision=bf16")
     if plan.zero in (1, 2):
         problems.append(f"zero={plan.zero}: ZeRO-1/2 have no SPMD form in plait; use zero=3 "
                         f"(FSDPv2: parameters, gradients and optimizer state split on fsdp)")

@@ -79,7 +79,7 @@ from ..plan import Plan
 from .gloo_collectives import use_gloo_collectives
 from .units import select_units
 
-_PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+_PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def data_mesh(mesh: Mesh, plan: Plan) -> DeviceMesh:
@@ -98,7 +98,9 @@ def _check_mesh(mesh: Mesh, plan: Plan) -> None:
 
 
 def mixed_precision_policy(plan: Plan) -> MixedPrecisionPolicy:
-    """bf16: gathered parameters and compute in bf16, gradient reduction in fp32; fp32: no casts."""
+    """bf16/fp16: gathered parameters and compute in bf16/fp16, gradient reduction in fp32 (an
+    fp16 gradient that overflowed arrives as inf, which the loss scaler sees); fp32: no
+    casts."""
     return MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[plan.mixed_precision],
                                 reduce_dtype=torch.float32 if plan.mixed_precision != "fp32"
                                 else None)

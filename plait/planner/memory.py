@@ -95,7 +95,7 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
             # reshard_after_forward=False: the whole stage is gathered in the compute dtype
             # from forward to backward (docs/zero.md: 16 Psi / d + C Psi)
             copy = Pr * act_dtype_bytes(dtype)
-        elif dtype == "bf16" and zero < 2:
+        elif dtype in ("bf16", "fp16") and zero < 2:
             copy = 2 * Pr
         if zero == 3:
             copy += 2 * 2 * model.block_params / tp * ab / 2 * (2 if dtype == "fp32" else 1)

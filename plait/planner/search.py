@@ -66,8 +66,8 @@ def _state_bytes(model: ModelStats, tp: int, pp: int, shard: int, zero: int, dty
     total = 4 * p / (s if zero >= 2 else 1) + 4 * p / (s if zero >= 2 else 1) + \
         8 * p / (s if zero >= 1 else 1)
     if zero == 2:
-        total += p * (2 if dtype == "bf16" else 4)
-    elif dtype == "bf16" and zero < 2:
+        total += p * (2 if dtype in ("bf16", "fp16") else 4)
+    elif dtype in ("bf16", "fp16") and zero < 2:
         total += 2 * p
     return total
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 def act_dtype_bytes(dtype: str) -> int:
-    return 2 if dtype == "bf16" else 4
+    return 2 if dtype in ("bf16", "fp16") else 4
 
 
 def tier(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
