@@ -140,6 +140,44 @@ def mixer_dict():
     return MaskedMixer("dict")
 
 
+class ChangedOnTheWay(MaskedMixer):
+    """A forward that changes the running activation outside its blocks, three ways a stage
+    after the first would change again what it received: ``"module"``, a parameter-free module
+    after the embedding (an activation); ``"scale"``, an operation in the forward (the
+    embedding scaled by sqrt(width)); ``"between"``, an activation after each block in the
+    forward's loop. ``"residual"``: the scale, and each block's output added in the forward (a
+    residual outside the block), which a pipeline refuses."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.act = nn.Tanh()
+        if how == "residual":  # blocks that return their branch only
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH))
+                for _ in range(4))
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1]))
+        if self.how == "module":
+            h = self.act(h)
+        if self.how in ("scale", "residual"):
+            h = h * WIDTH ** 0.5
+        for block in self.blocks:
+            if self.how == "residual":
+                h = h + block(h)
+            else:
+                h = block(h, attention_mask)
+            if self.how == "between":
+                h = self.act(h)
+        return self.head(h), h.pow(2).mean(-1)
+
+
+def changed_on_the_way(how):
+    torch.manual_seed(0)
+    return ChangedOnTheWay(how)
+
+
 def mixer_loss(out, labels):
     """(sum, count): cross-entropy of the counted tokens plus 0.1 x their ``aux``."""
     logits, aux = (out["logits"], out["aux"]) if isinstance(out, dict) else out

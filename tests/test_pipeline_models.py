@@ -93,6 +93,38 @@ def test_pre_block_modules_and_named_split_pp2():
         _assert_matches(M.reference_loop(factory, batches, loss_fn), result)
 
 
+def test_what_the_forward_does_outside_the_blocks_runs_once():
+    """Every stage runs the model's whole forward; what it does to the running activation
+    outside the blocks (an activation module after the embedding, a scale, an activation
+    between blocks) must not run again on hidden states a stage received. 1F1B and an
+    interleaved schedule (a rank's second stage starts mid-sequence), against one device."""
+    from functools import partial
+
+    batches = [M.padded_batch(s) for s in range(M.STEPS)]
+    jobs = [(plan, partial(M.changed_on_the_way, how), batches, M.mixer_loss)
+            for how, plan in (("module", "pp=2,mb=4"), ("scale", "pp=2,mb=4"),
+                              ("between", "pp=2,mb=4"),
+                              ("scale", "pp=2,mb=4,pp_schedule=interleaved_1f1b,"
+                                        "virtual_stages=2"))]
+    got = run_distributed(train_jobs, 2, jobs, timeout=300)[0]
+    for (_, factory, _, loss_fn), result in zip(jobs, got, strict=True):
+        _assert_matches(M.reference_loop(factory, batches, loss_fn), result)
+
+
+def test_a_change_before_a_residual_outside_the_block_is_refused():
+    """The scale, then ``h = h + block.mlp(h)`` in the forward: a later stage's residual would
+    read the scaled-again tensor; refused with where to move the change."""
+    from functools import partial
+
+    from plait.spawn import WorkerError
+
+    batches = [M.padded_batch(0)]
+    job = ("pp=2,mb=2", partial(M.changed_on_the_way, "residual"), batches, M.mixer_loss)
+    with pytest.raises(WorkerError, match=r"ChangedOnTheWay's forward changes the hidden states "
+                                          r"on their way to blocks.\d .*residual into the block"):
+        run_distributed(train_jobs, 2, [job], timeout=300)
+
+
 # ------------------------------------------------------------------ splits and bad input (pure)
 @needs_hf
 def test_split_points_name_the_block_sequence():

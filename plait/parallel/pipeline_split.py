@@ -18,9 +18,12 @@ The model's own ``forward`` then runs unchanged on each stage: a skipped embeddi
 stem) passes the previous stage's hidden states through, skipped blocks do nothing. Its first
 argument is what the stages chain; its other arguments (an attention mask) reach every stage by
 keyword, so each block gets them as on one device. A stage without the last block sends on
-what reaches the last block's stand-in (:func:`hand_on`): the activation after its own blocks,
-whatever the forward then does (pooling, the head, extra outputs); the last stage returns
-whatever the model returns. This works for any forward that chains its modules (the
+what reaches the stand-in of the block after its own (:func:`hand_on`): the input that block
+takes on one device, whatever the forward then does (pooling, the head, extra outputs); the
+next stage feeds exactly that to the block (:func:`_feed_first_block`), whatever the forward
+did to it on the way (an activation or a scale after the embedding, an activation between
+blocks: done once, on the stage that computed it). The last stage returns whatever the model
+returns. This works for any forward that chains its modules (the
 reference transformer, a Sequential MLP or CNN); models whose forward feeds a module something
 other than the running activation (HF models' position embeddings and masks) need an adapter
 (:mod:`plait.parallel.pipeline_hf`).
