@@ -162,29 +162,11 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 
 
 def ledger_rows(rank: int, world_size: int, plan: str, models: list[str]) -> dict[str, Any]:
-    """Train each named model WARMUP + STEPS steps under ``plan`` with the ledger on; per model
-    the ledger's rows (``run.summary()["comm"]``) and the global batch each step took."""
-    from plait.runtime import init
-
-    torch.set_num_threads(1)
-    out: dict[str, Any] = {}
-    for name in models:
-        run = init(plan, quiet=True, ledger=True)
-        run.ledger_warmup = WARMUP
-        try:
-            model = run.parallelize(MODELS[name]())
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            g = torch.Generator().manual_seed(1000 + run.dp_rank)
-            rows = BATCH * run.plan.grad_accum
-            for _ in range(WARMUP + STEPS):
-                tokens = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
-                run.step(model, (tokens, tokens.roll(-1, 1)), any_model.lm_loss, opt)
-            out[name] = {"comm": run.summary()["comm"],
-                         "global_batch": rows * run.plan.dp_replicate * run.plan.dp_shard}
-            del model, opt
-        finally:
-            run.close()
-    return out
+    """Train each named model of this module WARMUP + STEPS steps under ``plan`` with the ledger
+    on; per model the ledger's rows (``run.summary()["comm"]``) and the global batch each step
+    took (tests/_workers_ledger_any.py's loop, with this module's models and sizes)."""
+    return any_model.ledger_runs(rank, world_size, plan, models, table=MODELS, vocab=VOCAB,
+                                 seq=SEQ, batch=BATCH, warmup=WARMUP, steps=STEPS)
 
 
 def measured_rows(comm: dict[str, Any]) -> dict[tuple[str, str], tuple[float, float]]:

@@ -124,26 +124,32 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def ledger_runs(rank: int, world_size: int, plan: str, models: list[str]) -> dict[str, Any]:
-    """Train each named model for WARMUP + STEPS steps under ``plan`` with the ledger on (one
-    ``plait.init`` each, in this process); each model's ``run.summary()["comm"]``. The
-    optimizer is given every parameter, frozen ones included (as ``model.parameters()``
-    usually is): ZeRO-1 then broadcasts the frozen ones too."""
+def ledger_runs(rank: int, world_size: int, plan: str, models: list[str], *,
+                table: dict[str, Callable[[], nn.Module]] | None = None, vocab: int = VOCAB,
+                seq: int = SEQ, batch: int = BATCH, warmup: int = WARMUP, steps: int = STEPS
+                ) -> dict[str, Any]:
+    """Train each named model of ``table`` (default: this module's) for ``warmup + steps``
+    steps of ``batch`` rows of ``seq`` token ids per micro-batch under ``plan`` with the ledger
+    on (one ``plait.init`` each, in this process); per model ``run.summary()["comm"]`` and the
+    global batch each step took. The optimizer is given every parameter, frozen ones included
+    (as ``model.parameters()`` usually is): ZeRO-1 then broadcasts the frozen ones too."""
     from plait.runtime import init
 
     torch.set_num_threads(1)
-    out = {}
+    out: dict[str, Any] = {}
     for name in models:
         run = init(plan, quiet=True, ledger=True)
-        run.ledger_warmup = WARMUP
+        run.ledger_warmup = warmup
         try:
-            model = run.parallelize(MODELS[name]())
+            model = run.parallelize((table or MODELS)[name]())
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             g = torch.Generator().manual_seed(1000 + run.dp_rank)
-            for _ in range(WARMUP + STEPS):
-                tokens = torch.randint(0, VOCAB, (BATCH * run.plan.grad_accum, SEQ), generator=g)
+            rows = batch * run.plan.grad_accum
+            for _ in range(warmup + steps):
+                tokens = torch.randint(0, vocab, (rows, seq), generator=g)
                 run.step(model, (tokens, tokens.roll(-1, 1)), lm_loss, opt)
-            out[name] = run.summary()["comm"]
+            out[name] = {"comm": run.summary()["comm"],
+                         "global_batch": rows * run.plan.dp_replicate * run.plan.dp_shard}
             del model, opt
         finally:
             run.close()

@@ -67,7 +67,7 @@ def test_any_model_matches_its_closed_form(plan, models, rows):
     world = Plan.from_string(plan).world_size
     comms = run_distributed(W.ledger_runs, world, plan, models, timeout=240)[0]
     for name in models:
-        _check(comms[name], rows, world)
+        _check(comms[name]["comm"], rows, world)
 
 
 def test_held_traffic_counts_each_collective_once():
