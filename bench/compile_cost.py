@@ -41,7 +41,7 @@ def job(rank: int, world: int, plan: str, model_name: str, steps: int, batch: in
     import torch.distributed as dist
 
     import plait
-    from plait._torch_compat import dynamo_frames, dynamo_graph_count
+    from plait._torch_compat import dynamo_frames, dynamo_graph_count, inductor_cache_hits
     from plait.models.transformer import build, lm_loss, preset
 
     run = plait.init(plan, quiet=True, log_every=10**9)
@@ -56,11 +56,10 @@ def job(rank: int, world: int, plan: str, model_name: str, steps: int, batch: in
         start = time.perf_counter()
         run.step(model, (tokens[:, :-1], tokens[:, 1:]), lm_loss, opt)
         times.append(time.perf_counter() - start)
-    from torch._dynamo.utils import counters  # the bench reads torch's own counters
 
     frames, compiled = dynamo_frames()
     out = {"times": times, "graphs": dynamo_graph_count(), "frames": frames,
-           "failed": frames - compiled, "hits": int(counters["inductor"]["fxgraph_cache_hit"])}
+           "failed": frames - compiled, "hits": inductor_cache_hits()}
     run.close()
     return out
 

@@ -445,6 +445,23 @@ def dynamo_frames() -> tuple[int, int]:
     return int(frames["total"]), int(frames["ok"])
 
 
+def inductor_cache_hits() -> int:
+    """How many graphs inductor took from its FX graph cache in this process
+    (``torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]``): a warm compile.
+    Checked on torch 2.13."""
+    return int(_resolve("torch._dynamo.utils", "counters")["inductor"]["fxgraph_cache_hit"])
+
+
+def xla_set_element() -> Any:
+    """``torch_xla.experimental.distributed_checkpoint._helpers.set_element``: puts a loaded
+    value at a dotted path of a state dict, as torch_xla's own load planner does.
+
+    Why: plait's XLA load planner (``plait.checkpoint.xla``) reads non-tensor values itself
+    (without running code from the file) and stores them where torch_xla's would. Checked on
+    torch_xla 2.9."""
+    return _resolve("torch_xla.experimental.distributed_checkpoint._helpers", "set_element")
+
+
 def reset_dynamo() -> None:
     """``torch._dynamo.reset()``: forget compiled code and counters (tests, one per job).
     Checked on torch 2.13."""

@@ -68,9 +68,11 @@ def save_planner() -> Any:
 def load_planner() -> Any:
     """A ``SPMDLoadPlanner`` that reads non-tensor values without running code from the file."""
     from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
-    from torch_xla.experimental.distributed_checkpoint._helpers import set_element
 
+    from .._torch_compat import xla_set_element
     from .errors import CheckpointError
+
+    set_element = xla_set_element()
 
     class SafeSPMDLoadPlanner(SPMDLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:

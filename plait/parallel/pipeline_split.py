@@ -737,7 +737,9 @@ def _feed_first_block(stage: nn.Module, path: str, key: str, additive: set[str],
     forward = stage.forward
 
     def feed(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
-        received = fed.received
+        # Its first call in this forward only: one module may be every block (a block shared
+        # across depths, as ALBERT's), and only the first call takes what was received.
+        received, fed.received = fed.received, None
         x = args[0] if args else kwargs.get("hidden_states")
         if received is None or x is received or not isinstance(x, torch.Tensor):
             return None

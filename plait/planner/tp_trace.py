@@ -88,8 +88,9 @@ def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str, de
     ``params``): per
     module in ``names`` (input bytes/element, output bytes/element, tensors saved for backward
     before its input, before its output), and the number saved in all."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
+
+    from .._torch_compat import fake_tensor_mode
 
     seen: dict[str, list[int]] = {}
     saved = [0]
@@ -119,7 +120,7 @@ def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str, de
         for name, module in names.items():
             hooks.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
             hooks.append(module.register_forward_hook(post(name), with_kwargs=True))
-        with FakeTensorMode():
+        with fake_tensor_mode()():
             cast = torch.bfloat16 if mode == "params" else None
             state = {n: torch.empty(p.shape, dtype=cast if cast and p.is_floating_point()
                                     else p.dtype, device=device).requires_grad_(p.requires_grad)
