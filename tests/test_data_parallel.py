@@ -38,6 +38,28 @@ def test_bf16_autocast_stays_close():
     assert result.ok, result.format()
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_mixed_precision_bounds_pass_its_rounding_and_fail_a_wrong_update(optimizer):
+    """Under bf16 the split batch rounds different partial sums (AdamW's parameters 1.3e-2 of
+    their displacement apart at dp=2, above the fp32 bound of 1e-3): the default bounds are
+    bf16's. A wrong update (twice the step, as a gradient summed and not averaged gives SGD)
+    still fails them."""
+    from plait.check import compare, tolerances, train_and_collect
+    from plait.plan import Plan
+    from plait.spawn import run_distributed
+
+    cfg = CheckConfig(steps=3, optimizer=optimizer, lr=0.05 if optimizer == "sgd" else 1e-3)
+    result = check("dp=2,mp=bf16", cfg)
+    assert result.ok and result.limits == tolerances(optimizer, "bf16"), result.format()
+    assert f"{optimizer}, bf16: loss within" in result.format()
+    plan = Plan(dp_replicate=2, mixed_precision="bf16")
+    ref = run_distributed(train_and_collect, 1, Plan(mixed_precision="bf16"), cfg)[0]
+    doubled = CheckConfig(steps=3, optimizer=optimizer, lr=2 * cfg.lr)
+    wrong = run_distributed(train_and_collect, 2, plan, doubled)[0]
+    result = compare(plan, ref, wrong, 3, None, optimizer)
+    assert not result.ok and result.max_param_rel > 5 * result.limits["param"], result.format()
+
+
 def test_check_report_when_every_parameter_is_bitwise_equal():
     """No parameter is 'the worst' when none differs: the report says so instead of '()'."""
     from plait.check import CheckResult
