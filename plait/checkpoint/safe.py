@@ -120,15 +120,21 @@ def read_tensors(step_dir: Path, state: dict[str, Any], *, no_dist: bool = False
                               f"{first}): a file is corrupt or holds other values") from None
 
 
+def load_plain(read_item: ReadItem, value: io.BytesIO) -> Any:
+    """A checkpoint's non-tensor value (step, loader position, random states) read with
+    ``weights_only=True``: plain data only, no code run from the file."""
+    try:
+        return torch.load(value, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch's refusal or a corrupt value alike
+        raise CheckpointError(f"checkpoint value {read_item.dest_index.fqn!r} is not plain "
+                              f"data ({exc.__class__.__name__}); refusing to load it") from None
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that reads non-tensor values with ``weights_only=True``."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - torch's refusal or a corrupt value alike
-            raise CheckpointError(f"checkpoint value {read_item.dest_index.fqn!r} is not plain "
-                                  f"data ({exc.__class__.__name__}); refusing to load it") from None
+        obj = load_plain(read_item, value)
         if self.flatten_state_dict:
             from .._torch_compat import dcp_set_element
 

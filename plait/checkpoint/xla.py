@@ -70,18 +70,13 @@ def load_planner() -> Any:
     from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
     from .._torch_compat import xla_set_element
-    from .errors import CheckpointError
+    from .safe import load_plain
 
     set_element = xla_set_element()
 
     class SafeSPMDLoadPlanner(SPMDLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            try:
-                obj = torch.load(value, weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - torch's refusal or a corrupt value alike
-                raise CheckpointError(f"checkpoint value {read_item.dest_index.fqn!r} is not "
-                                      f"plain data ({exc.__class__.__name__}); refusing to "
-                                      f"load it") from None
+            obj = load_plain(read_item, value)
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
 
     return SafeSPMDLoadPlanner()

@@ -765,12 +765,10 @@ def _one_device_names(model: nn.Module, ties: list[dict[int, str]], mine: list[i
 
 def _param_named(module: nn.Module, name: str) -> nn.Parameter:
     """The parameter ``name`` (a name in the unwrapped stage) of a laid-out stage module."""
-    from ..check import canonical_name
+    from .units import by_canonical_name
 
-    for n, p in module.named_parameters(remove_duplicate=False):
-        if canonical_name(n) == name:
-            return p
-    raise ValueError(f"tied weight {name} not found in its pipeline stage after layout")
+    return by_canonical_name(module.named_parameters(remove_duplicate=False), name,
+                             "tied weight")  # type: ignore[return-value]
 
 
 class PipelinedModel(nn.Module):

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from .units import canonical_name
+from .units import by_canonical_name
 
 
 def every_stage_buffers(stages: list[nn.Module]) -> list[str]:
@@ -125,10 +125,7 @@ def buffer_owners(replica: nn.Module, path: str, bounds: list[tuple[int, int]],
 
 def named_buffer(module: nn.Module, name: str) -> torch.Tensor:
     """The buffer ``name`` (the model's name for it) of a laid-out stage module."""
-    for n, b in module.named_buffers(remove_duplicate=False):
-        if canonical_name(n) == name:
-            return b
-    raise ValueError(f"buffer {name} not found in its pipeline stage after layout")
+    return by_canonical_name(module.named_buffers(remove_duplicate=False), name, "buffer")
 
 
 @contextlib.contextmanager

@@ -16,8 +16,9 @@ traffic prediction).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+import torch
 import torch.nn as nn
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -37,6 +38,17 @@ def canonical_name(name: str) -> str:
     ``_checkpoint_wrapped_module.`` into ``_checkpoint_wrapped_``.
     """
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def by_canonical_name(named: Iterable[tuple[str, torch.Tensor]], name: str,
+                      what: str) -> torch.Tensor:
+    """The tensor of ``named`` (a laid-out module's ``named_parameters`` or ``named_buffers``,
+    duplicates kept) whose name is ``name`` once wrapper parts are dropped; ``what`` names it
+    in the error."""
+    for n, t in named:
+        if canonical_name(n) == name:
+            return t
+    raise ValueError(f"{what} {name} not found in its pipeline stage after layout")
 
 
 def _glob(pattern: str) -> re.Pattern[str]:
