@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests._workers_ledger_any import _Logits
+
 VOCAB, WIDTH, SEQ, BATCH, EXPERTS, TOP_K, DEPTH = 24, 16, 8, 8, 4, 2, 4
 AUX_WEIGHT = 0.1  # large enough that the balance loss moves the routers visibly
 
@@ -130,15 +132,6 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-class HFLogits(nn.Module):
-    def __init__(self, hf: nn.Module) -> None:
-        super().__init__()
-        self.hf = hf
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=input_ids).logits
-
-
 def hf_qwen2_moe() -> nn.Module:
     """Qwen2-MoE: routed top-2 experts plus a gated shared expert in every layer."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
@@ -149,7 +142,7 @@ def hf_qwen2_moe() -> nn.Module:
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
                          decoder_sparse_step=1, mlp_only_layers=[])
-    return HFLogits(Qwen2MoeForCausalLM(cfg))
+    return _Logits(Qwen2MoeForCausalLM(cfg))
 
 
 def hf_mixtral() -> nn.Module:
@@ -159,7 +152,7 @@ def hf_mixtral() -> nn.Module:
     cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                         num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16)
-    return HFLogits(MixtralForCausalLM(cfg))
+    return _Logits(MixtralForCausalLM(cfg))
 
 
 def hf_mixtral_router_loss() -> nn.Module:
