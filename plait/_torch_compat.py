@@ -421,6 +421,23 @@ def tree_map_only() -> Callable[..., Any]:
     return _resolve("torch.utils._pytree", "tree_map_only")
 
 
+def meta_nonzero_patch() -> Callable[[], Any] | None:
+    """A context in which ``torch.nonzero`` (and so ``torch.where(mask)``, boolean indexing)
+    runs on meta tensors, returning every index as if no element were zero; None when this
+    torch lacks the switch (``torch.fx.experimental._config.meta_nonzero_assume_all_nonzero``).
+
+    Why: a mixture-of-experts layer gathers each expert's tokens with ``torch.where``, whose
+    output size depends on the data, so a meta-device forward of such a model fails without it.
+    plait's meta forwards ask only which tensors an output is computed from, which taking every
+    index cannot hide. Checked on torch 2.13."""
+    config = _resolve("torch.fx.experimental._config", "patch", required=False)
+    flag = _resolve("torch.fx.experimental._config", "meta_nonzero_assume_all_nonzero",
+                    required=False)
+    if config is None or flag is None:
+        return None
+    return lambda: config(meta_nonzero_assume_all_nonzero=True)
+
+
 def compiled_module_class() -> type:
     """``torch._dynamo.eval_frame.OptimizedModule``, the wrapper ``torch.compile(module)``
     returns (its ``_orig_mod`` is the module). ``run.parallelize`` lays out the module inside
@@ -516,4 +533,5 @@ RESOLVERS: tuple[Callable[[], Any], ...] = (
     pipeline_stage_base,
     stage_backward_split, keyset_after_backend_select, functional_collectives,
     torch_dispatch_mode, compiled_module_class, async_collective_tensor, tree_map_only,
+    meta_nonzero_patch,
 )

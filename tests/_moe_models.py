@@ -108,6 +108,30 @@ class MixtralLike(nn.Module):
         return logits, sum(block.moe.balance for block in self.blocks)
 
 
+class GuardedBalance(MixtralLike):
+    """The balance loss gathered as many training scripts do: skipping a block with none
+    (``if ... is not None``), or walking ``self.modules()``. Under a pipeline neither fails on
+    the stand-ins of other stages' blocks; each would sum the last stage's blocks only."""
+
+    def __init__(self, walk: bool) -> None:
+        super().__init__(aux=True)
+        self.walk = walk
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        h = self.tok(input_ids)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(self.norm(h))
+        if self.walk:
+            return logits, sum(m.balance for m in self.modules() if isinstance(m, RoutedMoE))
+        return logits, sum(b.moe.balance for b in self.blocks if b.moe.balance is not None)
+
+
+def guarded_balance(walk: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return GuardedBalance(walk)
+
+
 def _seeded(aux: bool) -> nn.Module:
     torch.manual_seed(0)
     return MixtralLike(aux)
@@ -115,6 +139,7 @@ def _seeded(aux: bool) -> nn.Module:
 
 mixtral_like = partial(_seeded, False)
 mixtral_like_aux = partial(_seeded, True)
+guarded_balance_walk = partial(guarded_balance, True)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -182,6 +182,40 @@ def test_hf_router_loss_trains_under_tp():
                         timeout=300)
 
 
+@pytest.mark.parametrize("walk", [False, True], ids=["if-not-none", "modules"])
+def test_a_balance_loss_the_last_stage_cannot_see_is_refused(walk):
+    """A forward that skips the blocks without a balance loss, or sums it over
+    ``self.modules()``, runs on the last pipeline stage over that stage's blocks only: pp=2
+    trained at 3.595 where one device's first loss is 3.799. The first step's check (a meta
+    forward and loss: the loss reads blocks.0 and blocks.1 besides the hidden states they
+    hand on) refuses it, naming those blocks; the model without the term is not refused."""
+    from plait.parallel.pipeline import StageInputs, loss_checker
+    from plait.parallel.pipeline_split import plan_stages
+
+    tokens, labels = M.batch(0)
+    inputs = StageInputs(first=tokens, every={}, last_only={}, targets=labels)
+    model = M.guarded_balance(walk)
+    path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
+    check = loss_checker(model, path, specs)
+    assert check is not None
+    with pytest.raises(ValueError, match=r"the loss reads what blocks\.0 \.\. blocks\.1 compute "
+                       r"besides the hidden states .* under pp=2 .*Run with pp=1"):
+        check(inputs, M.aux_loss)
+    check(inputs, M.lm_loss)  # the logits alone: computed on the last stage
+    plain = M.mixtral_like()
+    loss_checker(plain, *plan_stages(plain, Plan(pp=2, microbatches=2)))(inputs, M.lm_loss)
+    # A residual in the forward (h = h + block(h)) reads every block through the input of the
+    # last stage's first block: not refused.
+    residual = W.masked_lm()
+    ids, mlm = W.mlm_batch(0)
+    loss_checker(residual, *plan_stages(residual, Plan(pp=2, microbatches=2)))(
+        StageInputs(first=ids, every={}, last_only={}, targets=mlm), W.mlm_loss)
+    if walk:  # the refusal reaches the user from a real pipeline's first step
+        with pytest.raises(WorkerError, match="the loss reads what blocks.0 .. blocks.1"):
+            run_distributed(W.train_jobs, 2, [("pp=2", M.guarded_balance_walk, _batches(1),
+                                               M.aux_loss)], timeout=300)
+
+
 def test_the_planner_reads_heads_from_the_layer_plan():
     """The planner priced tp=2 as refused for the Mixtral-like LM ("does not divide attention
     heads=1"): its attention keeps the count as ``self.heads``, a name it did not read. The

@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .._torch_compat import pipeline_stage_base, pytree
+from .._torch_compat import pipeline_stage_base, pytree, tree_map_only
 from ..loss import label_shift, loss_sum_and_count, shifts_labels
 from ..mesh import Mesh
 from ..plan import PP_SCHEDULES, Plan
@@ -45,7 +45,7 @@ from .pipeline_buffers import (
     foreign_kept,
     named_buffer,
 )
-from .pipeline_chain import chain_break, meta_replica, unchained_message
+from .pipeline_chain import chain_break, loss_reads_before, meta_replica, unchained_message
 from .pipeline_hf import is_hf_model
 from .pipeline_split import (
     StageOutputError,
@@ -316,6 +316,8 @@ class PipelineRunner:
         self.packer = packer or OutputPacker()
         # Runs once, on the first step's inputs, before the schedule (see check_split).
         self.check_split: Callable[[StageInputs], set[str]] | None = None
+        # Runs once, on the first step's inputs and loss (see loss_checker).
+        self.check_loss: Callable[[StageInputs, Callable | None], None] | None = None
         self.timeline = Timeline(rank=rank)
         for s in stages:
             s.timeline = self.timeline
@@ -521,6 +523,9 @@ class PipelineRunner:
         if self.find_owners is not None:
             self.own_buffers(self.find_owners(laid_out))
             self.find_owners = None
+        if self.check_loss is not None:
+            self.check_loss(laid_out, loss_fn)
+            self.check_loss = None
         self._loss_fn = loss_fn
         self._totals = {}
         if self._schedule is None:
@@ -659,6 +664,45 @@ def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
             except Exception:  # noqa: BLE001 - not runnable on meta: left to the real run
                 break
         return found
+
+    return check
+
+
+def loss_checker(model: nn.Module, path: str, specs: list[StageSpec]
+                 ) -> Callable[[StageInputs, Callable | None], None] | None:
+    """A check, run by every rank on the first step's inputs and loss before the schedule sends
+    anything, that the loss can be computed on the last stage: one forward and loss of a
+    meta-device replica (:func:`~plait.parallel.pipeline_chain.loss_reads_before`). A loss that
+    reads what earlier stages' blocks compute besides the hidden states they hand on (a
+    balance loss gathered from every block) is refused on every rank, naming those blocks;
+    without the check, a forward that skips what a stand-in lacks trains on the last stage's
+    part of that term, silently."""
+    replica = meta_replica(model)
+    if replica is None:
+        return None
+    last = specs[-1]
+    name = type(model).__name__
+
+    def check(inputs: StageInputs, loss_fn: Callable | None) -> None:
+        from ..train import model_loss
+
+        def meta(v: Any) -> Any:
+            return tree_map_only()(torch.Tensor, lambda t: t.to("meta"), v)
+
+        kwargs = {k: meta(v) for k, v in {**inputs.every, **inputs.last_only}.items()}
+        targets = meta(inputs.targets)
+        read = loss_reads_before(replica, path, last.start, meta(inputs.first), kwargs,
+                                 lambda out: model_loss(out, loss_fn, targets))
+        if not read:
+            return
+        held = f"{read[0]}" if len(read) == 1 else f"{read[0]} .. {read[-1]}"
+        raise ValueError(
+            f"the loss reads what {held} compute besides the hidden states they pass on "
+            f"(e.g. a mixture-of-experts balance loss each block keeps or returns): under "
+            f"pp={last.num_stages} the loss is computed on the last stage, where those blocks "
+            f"(held by earlier stages) compute nothing, so {name} would train on the last "
+            f"stage's part of that term only. Run with pp=1 (dp_shard/zero or tp split the "
+            f"model instead), or leave that term out of the loss under a pipeline")
 
     return check
 
@@ -843,6 +887,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     # buffer owners' replica is copied then too, for the same reason.
     check_split = split_checker(model, path, specs)
     find_owners = owner_finder(model, path, specs)
+    check_loss = loss_checker(model, path, specs)
     modules = [parallelize_stage(m, mesh, stage_plan, device=device) for m in modules]
     stages = [TimedStage(m, s, len(specs), device, group=pp_mesh.get_group())
               for m, s in zip(modules, mine, strict=True)]
@@ -855,6 +900,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
                             shifts_labels=shifts_labels(model), packer=packer)
     runner.check_split = check_split
     runner.find_owners = find_owners
+    runner.check_loss = check_loss
     runner.stage_rank = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
     runner.pp_group = pp_mesh.get_group()
     runner.tied = _local_ties(ties, groups, dict(zip(mine, modules, strict=True)))

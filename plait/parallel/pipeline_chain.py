@@ -21,12 +21,16 @@ not asked about again at the first step.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 import torch.nn as nn
+
+from .._torch_compat import meta_nonzero_patch
 
 
 def meta_replica(model: nn.Module) -> nn.Module | None:
@@ -41,6 +45,13 @@ def meta_replica(model: nn.Module) -> nn.Module | None:
         return copy.deepcopy(model, memo)
     except Exception:  # noqa: BLE001 - uncopyable model: the split is not checked up front
         return None
+
+
+def _data_dependent_on_meta() -> contextlib.AbstractContextManager:
+    """Indexing by a mask (a mixture-of-experts layer's ``torch.where``) taking every index on
+    the meta device, where this torch can (:func:`plait._torch_compat.meta_nonzero_patch`)."""
+    patch = meta_nonzero_patch()
+    return patch() if patch is not None else contextlib.nullcontext()
 
 
 class _BrokenChainError(Exception):
@@ -79,25 +90,31 @@ def _mark(outputs: dict[int, list[torch.Tensor]], index: int, module: nn.Module,
     return new
 
 
+def _leaves_reached(x: torch.Tensor, cut: Any = None) -> set[int]:
+    """The ids of the leaf tensors (parameters, marked block outputs) in ``x``'s history, not
+    looking past the autograd node ``cut``."""
+    reached: set[int] = set()
+    seen: set[int] = set()
+    stack: list[Any] = [x.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node is cut or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(n for n, _ in node.next_functions)
+    return reached
+
+
 def _reaches(x: torch.Tensor, leaves: list[torch.Tensor]) -> bool | None:
     """Whether ``x`` was computed from one of ``leaves``; None when ``x`` has no history."""
     if any(x is leaf for leaf in leaves):
         return True
     if x.grad_fn is None:
         return None
-    targets = {id(leaf) for leaf in leaves}
-    seen: set[int] = set()
-    stack: list[Any] = [x.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
-        if variable is not None and id(variable) in targets:
-            return True
-        stack.extend(n for n, _ in node.next_functions)
-    return False
+    return not {id(leaf) for leaf in leaves}.isdisjoint(_leaves_reached(x))
 
 
 def _ask(outputs: dict[int, list[torch.Tensor]], asked: list[int], index: int,
@@ -139,7 +156,7 @@ def chain_break(replica: nn.Module, path: str, x: Any, kwargs: dict[str, Any]
         handles.append(block.register_forward_hook(partial(_mark, outputs, i)))
     prefix = f"{path}." if path else ""
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), _data_dependent_on_meta():
             replica(x, **kwargs)
     except _BrokenChainError as broken:
         return prefix + names[broken.before], prefix + names[broken.after]
@@ -149,6 +166,67 @@ def chain_break(replica: nn.Module, path: str, x: Any, kwargs: dict[str, Any]
         for h in handles:
             h.remove()
     return True if set(asked) >= set(range(1, len(blocks))) else None
+
+
+def loss_reads_before(replica: nn.Module, path: str, start: int, x: Any,
+                      kwargs: dict[str, Any], loss_of: Callable[[Any], Any]) -> list[str] | None:
+    """The names of the blocks before block ``start`` (the last stage's first) whose work the
+    loss reads other than through the input of block ``start``, in one forward of ``replica``
+    (a :func:`meta_replica`) on ``x`` and ``kwargs`` (meta tensors) followed by
+    ``loss_of(output)``: an empty list when none is; None when it cannot tell.
+
+    The last stage computes the loss from what it receives (the input of its first block) and
+    its own modules; the blocks other stages hold are stand-ins there that compute nothing. A
+    term the forward gathers from every block (a mixture-of-experts balance loss each block
+    keeps or returns) is therefore computed from the last stage's blocks only, and a forward
+    that skips what is missing (``if block.aux is not None``) or gathers it through
+    ``self.modules()`` trains on it silently. The loss's history is walked without looking
+    past block ``start``'s input (so a residual in the forward, ``h = h + block(h)``, which
+    reads that input, is fine), and each block's outputs are replaced by marked copies, as in
+    :func:`chain_break`: an earlier block's parameters or marked outputs reached all the same
+    are read besides the hidden states handed on. No verdict when a block before ``start``
+    returns an output that cannot be marked (a dict, or from inside a reentrant checkpoint),
+    when blocks repeat, or when the forward or the loss does not run on meta tensors."""
+    container = replica.get_submodule(path) if path else replica
+    blocks = [m for m in container._modules.values() if m is not None]
+    names = [k for k, m in container._modules.items() if m is not None]
+    if len({id(b) for b in blocks}) < len(blocks) or not 0 < start < len(blocks):
+        return None
+    for p in replica.parameters():
+        if p.is_floating_point():
+            p.requires_grad_(True)
+    outputs: dict[int, list[torch.Tensor]] = {}
+    handed_on: list[Any] = []
+
+    def received(module: nn.Module, args: tuple, kw: dict[str, Any]) -> None:
+        h = args[0] if args else kw.get("hidden_states")
+        if not handed_on:
+            handed_on.append(h)
+
+    handles = [block.register_forward_hook(partial(_mark, outputs, i))
+               for i, block in enumerate(blocks)]
+    handles.append(blocks[start].register_forward_pre_hook(received, with_kwargs=True))
+    try:
+        with torch.enable_grad(), _data_dependent_on_meta():
+            loss = loss_of(replica(x, **kwargs))
+    except Exception:  # noqa: BLE001 - not runnable on meta: no verdict
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    if isinstance(loss, (tuple, list)):  # (sum, count)
+        loss = loss[0] if loss else None
+    cut = handed_on[0].grad_fn if handed_on and isinstance(handed_on[0], torch.Tensor) else None
+    if (not isinstance(loss, torch.Tensor) or loss.grad_fn is None or cut is None
+            or any(i not in outputs for i in range(start))):
+        return None
+    reached = _leaves_reached(loss, cut)
+    held_later = {id(p) for b in blocks[start:] for p in b.parameters()}
+    before = [i for i in range(start)
+              if any(id(leaf) in reached for leaf in outputs[i])
+              or any(id(p) in reached and id(p) not in held_later for p in blocks[i].parameters())]
+    prefix = f"{path}." if path else ""
+    return [prefix + names[i] for i in before]
 
 
 def unchained_message(model_name: str, where: str, pair: tuple[str, str]) -> str:
