@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from plait.models.transformer import build, lm_loss
 from plait.parallel.checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from plait.parallel.units import canonical_name
 from plait.plan import Plan
+from tests import _workers_semantics as W
 from tests._workers_zero import DeepMLP
 
 
@@ -91,3 +93,55 @@ def test_op_level_checkpointing_under_zero3_matches_single_device():
 def test_full_checkpointing_under_zero2_matches_single_device():
     result = check("dp_shard=2,zero=2,ac=full")
     assert result.ok, result.format()
+
+
+# ------------------------------------------- transformers models: their key/value cache
+HF = {"gpt2": W.hf_gpt2, "llama": W.hf_llama}
+
+
+def _cache_of(output) -> object:
+    return output.past_key_values if hasattr(output, "past_key_values") else output.cache
+
+
+def _hf_run(name: str, mode: str) -> tuple[float, dict, int]:
+    """Loss, gradients by canonical name, and the tokens the model's own key/value cache holds
+    after backward (transformers builds one in every forward: ``use_cache`` defaults on)."""
+    model = apply_activation_checkpointing(HF[name](), Plan(activation_checkpointing=mode))
+    tokens, labels = W.hf_batch(0)
+    out = model.hf(input_ids=tokens)
+    cache = _cache_of(out)
+    W.mlm_loss(out.logits, labels).backward()
+    grads = {canonical_name(n): p.grad.clone() for n, p in model.named_parameters()}
+    return out.logits.detach(), grads, cache.get_seq_length()
+
+
+@pytest.mark.parametrize("mode", ["full", "op"])
+@pytest.mark.parametrize("name", sorted(HF))
+def test_transformers_blocks_are_checkpointed_without_their_kv_cache(name, mode):
+    """The blocks would update the cache in forward and again in the recompute (op: torch's
+    "aten.slice.Tensor encountered during backward but not found in storage"; full: a cache
+    of twice the sequence); they run without it, as under transformers' own checkpointing."""
+    pytest.importorskip("transformers")
+    ref_logits, ref_grads, ref_cached = _hf_run(name, "none")
+    logits, grads, cached = _hf_run(name, mode)
+    assert ref_cached == W.SEQ  # the model does build and fill a cache
+    assert cached == 0
+    assert torch.equal(logits, ref_logits)
+    assert grads.keys() == ref_grads.keys()
+    worst = max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)
+    assert worst < 1e-6, worst
+
+
+def test_transformers_cache_is_kept_without_gradients_and_a_filled_one_refused():
+    """Without gradients nothing is recomputed, so the cache fills as usual (generation); a
+    cache that already holds tokens (a prefix) cannot be left out without changing the result."""
+    pytest.importorskip("transformers")
+    model = apply_activation_checkpointing(W.hf_llama(), Plan(activation_checkpointing="op"))
+    tokens, _ = W.hf_batch(0)
+    with torch.no_grad():
+        cache = _cache_of(model.hf(input_ids=tokens[:, :5], use_cache=True))
+    assert cache.get_seq_length() == 5
+    name = next(n for n in ("cache", "past_key_values")
+                if n in inspect.signature(model.hf.forward).parameters)
+    with pytest.raises(ValueError, match=r"LlamaDecoderLayer .* already holds 5 tokens.*ac=none"):
+        model.hf(input_ids=tokens[:, 5:], use_cache=True, **{name: cache})

@@ -17,6 +17,7 @@ from plait.parallel.tp_infer import infer_plan
 from plait.parallel.tp_plans import TPPlan, hf_plan
 from plait.plan import Plan
 from plait.spawn import run_distributed
+from tests import _workers_semantics as W
 from tests._workers_tp import (
     LAYER_CASES,
     CustomLM,
@@ -80,6 +81,25 @@ def test_hf_models_train_like_one_device(factory):
     cfg = _sgd(steps=2, model_factory=factory, batch_factory=token_batches)
     result = check("tp=2", cfg, tolerance=TOL, timeout=240)
     assert result.ok, result.format()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plans, world", [(("tp=2,ac=op", "tp=2,sp=true,ac=op"), 2),
+                                          (("dp=2,tp=2,ac=op",), 4)], ids=["tp", "dp_x_tp"])
+def test_hf_models_with_op_level_checkpointing_train_like_one_device(plans, world):
+    """ac=op recomputes each block in backward; transformers' blocks get a key/value cache they
+    update, so they run without it (tests/test_checkpointing.py has the one-process form)."""
+    pytest.importorskip("transformers")
+    batches = [W.hf_batch(s) for s in range(2)]
+    factories = (W.hf_gpt2, W.hf_llama)
+    jobs = [(p, f, batches, W.mlm_loss) for p in plans for f in factories]
+    results = run_distributed(W.train_jobs, world, jobs, timeout=300)[0]
+    for (_, factory, _, _), got in zip(jobs, results, strict=True):
+        ref = W.reference(factory, batches, W.mlm_loss)
+        assert got["losses"] == pytest.approx(ref["losses"], rel=TOL), got["plan"]
+        for name, want in ref["state"].items():
+            diff = (got["state"][name] - want).abs().max().item()
+            assert diff < TOL, (got["plan"], factory.__name__, name, diff)
 
 
 @pytest.mark.slow

@@ -19,16 +19,31 @@ Built on ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (non-re
 
 Blocks are the model's repeated units (``plait.parallel.units.repeated_blocks``), so any model
 with its layers in a ``ModuleList``/``Sequential`` works.
+
+A Hugging Face key/value cache (``transformers.Cache``) that reaches a checkpointed block is left
+out of its call, as transformers' own gradient checkpointing does: the block updates the cache
+in place, so the recompute in backward would find the keys of the forward already in it and run
+other ops (``ac=op`` then fails: "aten.slice.Tensor encountered during backward but not found in
+storage"; ``full`` recomputes against a cache twice its length). Transformers models build an
+empty one in every training forward (``use_cache`` defaults on); one that already holds tokens
+(a prefix) is refused rather than dropped, since leaving it out would change the result.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from .._torch_compat import checkpoint_wrapper_api, sdpa_ops
 from ..plan import Plan
+from .hf import transformers_class
 from .units import repeated_blocks
 
 checkpoint_wrapper, CheckpointImpl, _ = checkpoint_wrapper_api()
@@ -64,6 +79,45 @@ def checkpointed_blocks(n_blocks: int, plan: Plan) -> list[int]:
     raise ValueError(f"activation_checkpointing={mode!r} is not one of none, full, selective, op")
 
 
+def _without_kv_cache(block: nn.Module, args: tuple, kwargs: dict[str, Any]
+                      ) -> tuple[tuple, dict[str, Any]]:
+    """``args``/``kwargs`` of a checkpointed ``block``'s call with each transformers cache
+    replaced by None (and ``use_cache`` off): the block would update the cache in forward and
+    again in the recompute. Unchanged without gradients (nothing is recomputed), for layers that
+    only read the cache (transformers' ``_can_checkpoint_with_cache``) and for calls that carry
+    no cache."""
+    cache_type = transformers_class("cache_utils", "Cache")
+    if (cache_type is None or not torch.is_grad_enabled()
+            or getattr(block, "_can_checkpoint_with_cache", False)):
+        return args, kwargs
+    found: list[Any] = [v for v in (*args, *kwargs.values()) if isinstance(v, cache_type)]
+    if not found:
+        return args, kwargs
+    for cache in found:
+        held = cache.get_seq_length()
+        if held:
+            raise ValueError(
+                f"{type(block).__name__} is activation-checkpointed and gets a transformers "
+                f"{type(cache).__name__} that already holds {held} tokens: the recompute in "
+                f"backward would add them to it a second time, and leaving the cache out would "
+                f"change the result. Train with activation_checkpointing='none' (ac=none), or "
+                f"without the filled cache (past_key_values)")
+    args = tuple(None if isinstance(v, cache_type) else v for v in args)
+    kwargs = {k: None if isinstance(v, cache_type) else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint`` (non-reentrant) of ``block`` on its call without a
+    key/value cache (:func:`_without_kv_cache`); ``kwargs`` mixes the block's keyword arguments
+    with checkpoint's own (``context_fn``, ``preserve_rng_state``), as ``checkpoint_wrapper``
+    passes them."""
+    args, kwargs = _without_kv_cache(block, args, kwargs)
+    return checkpoint(block, *args, use_reentrant=False, **kwargs)
+
+
 def apply_activation_checkpointing(module: nn.Module, plan: Plan) -> nn.Module:
     """Wrap the blocks of ``module`` that ``plan`` checkpoints; returns ``module`` (in place)."""
     if plan.activation_checkpointing == "none":
@@ -79,7 +133,8 @@ def apply_activation_checkpointing(module: nn.Module, plan: Plan) -> nn.Module:
     for i in checkpointed_blocks(len(blocks), plan):
         name, block = blocks[i]
         wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                     preserve_rng_state=True, **kwargs)
+                                     checkpoint_fn=_checkpoint_block, preserve_rng_state=True,
+                                     **kwargs)
         module.set_submodule(name, wrapped)
     return module
 
