@@ -186,15 +186,22 @@ def planner_rows(name: str, plan: str, global_batch: int
     plan`` shows) must be one pipeline rank's of ``rank_traffic``; ranks hold different stages,
     so a row's busiest rank can be another one (the first stage's data-parallel gradients
     where its embeddings outweigh the last stage's head)."""
+    from plait.planner.model_stats import load_model
+
+    with torch.device("meta"):  # as plait plan builds a factory's model
+        stats = load_model(MODELS[name]())
+    return busiest_rows(stats, plan, global_batch)
+
+
+def busiest_rows(stats: Any, plan: str, global_batch: int
+                 ) -> dict[tuple[str, str], tuple[float, float]]:
+    """:func:`planner_rows` for the model ``stats`` describes (``load_model``)."""
     from plait.plan import Plan
     from plait.planner import constants_for
     from plait.planner.cost import Workload, evaluate, rank_traffic
     from plait.planner.hardware import load_cluster
-    from plait.planner.model_stats import load_model
 
-    p = Plan.from_string(plan)
-    with torch.device("meta"):  # as plait plan builds a factory's model
-        stats = load_model(MODELS[name]())
+    p, name = Plan.from_string(plan), stats.name
     cluster = load_cluster("cpu", devices=p.world_size)
     est = evaluate(p, stats, cluster, Workload(global_batch, SEQ), constants_for(cluster))
     per_rank = rank_traffic(p, stats, global_batch, SEQ)

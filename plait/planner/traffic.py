@@ -98,10 +98,14 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
         # a weight the embedding and the head share: a copy on each rank that holds one of them
         # alone (a module's head_params leave the copy out)
         tied = model.tied_params if first != last else 0
+        copies = 0
         if last and not first and not model.tied:
             p += tied
-            tensors += len(model.tied_shapes)  # the copy: one more tensor to step, to broadcast
-        local, grads, grad_tensors = p / tp, None, None
+            # one more tensor to step and to broadcast (ZeRO-1), left out of the clip norm
+            # (counted once, on the first stage)
+            copies = len(model.tied_shapes)
+            tensors += copies
+        local, grads, grad_tensors = p / tp, None, tensors - copies if copies else None
         if model.held is not None:  # what tensor parallelism keeps whole, what trains
             block, embed, head = model.held
             parts = [(block, layers)] + [(embed, 1)] * first + [(head, 1)] * last
