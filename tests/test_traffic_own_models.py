@@ -63,6 +63,13 @@ SLOW_CASES = [
     ("dp=2,tp=2,activation_checkpointing=selective", ["lora", "gpt2"]),
     ("pp=2,microbatches=2,mixed_precision=bf16,activation_checkpointing=full",
      ["mlp", "gpt2"]),
+    # data parallelism beside a pipeline: DDP, ZeRO-1's broadcasts (the last stage's copy of a
+    # tied weight one more), FSDP2 (a tied weight's gradient summed across stages as its
+    # dp_shard shard); a row's busiest rank is the first stage's under GPT-2 (its embeddings)
+    ("dp=2,pp=2,microbatches=2", ["mlp", "tied", "gpt2"]),
+    ("dp_shard=2,zero=1,pp=2,microbatches=2", ["tied", "gpt2", "lora"]),
+    ("dp_shard=2,zero=2,pp=2,microbatches=2", ["mlp", "tied", "gpt2", "lora"]),
+    ("dp_shard=2,zero=3,pp=2,microbatches=2", ["tied", "gpt2", "llama"]),
 ]
 
 
@@ -74,6 +81,67 @@ def test_planner_prices_what_the_ledger_measures(plan, models):
     runs = run_distributed(T.ledger_rows, world, plan, models, timeout=300)[0]
     for name in models:
         _same(name, plan, runs[name]["comm"], runs[name]["global_batch"])
+
+
+def test_tied_weight_beside_data_parallelism_and_a_pipeline():
+    """The two stages holding a tied weight sum its gradient's local piece each step: the
+    whole copy under DDP and ZeRO-1, FSDP2's shard of it under ZeRO-2/3 (dim 0 cut as
+    torch.chunk cuts it, the first piece the largest: 33 rows in 2 are 17 and 16). The copy is
+    one more parameter tensor on the last stage (ZeRO-1 broadcasts it, the optimizer steps it)
+    but not in the clip norm (counted on the first stage)."""
+    import dataclasses
+
+    from plait.comm.predict import pp_rank_traffic
+    from plait.planner.pipeline import stage_sizes
+    from plait.planner.traffic import rank_shares
+
+    with torch.device("meta"):
+        model = T.MODELS["tied"]()
+    stats = load_model(model)
+    weight = model.embed.weight
+    last_stage = [*model.blocks[len(model.blocks) // 2:], model.norm, model.head]
+    last_tensors = sum(len(list(m.parameters())) for m in last_stage)  # head.weight: the copy
+    for plan_text, piece in [("dp=2,pp=2,microbatches=2", weight.numel()),
+                             ("dp_shard=2,zero=1,pp=2,microbatches=2", weight.numel()),
+                             ("dp_shard=2,zero=2,pp=2,microbatches=2",
+                              torch.chunk(weight, 2)[0].numel()),
+                             ("dp_shard=2,zero=3,pp=2,microbatches=2",
+                              torch.chunk(weight, 2)[0].numel()),
+                             ("dp_shard=2,zero=2,pp=2,tp=2,microbatches=2",
+                              torch.chunk(torch.chunk(weight, 2)[0], 2)[0].numel())]:
+        plan = Plan.from_string(plan_text)
+        sizes = stage_sizes(plan, stats, None, balance=False)
+        first, last = rank_shares(plan, stats, sizes, [range(0, 1), range(1, 2)])
+        assert first.tied == last.tied == piece, plan_text
+        tied = [t for t in pp_rank_traffic(plan, last, 1, T.SEQ, T.WIDTH)
+                if t.what == "tied weight grads"]
+        assert [(t.payload, t.calls) for t in tied] == [(piece * 4, 1)], plan_text
+        assert last.tensors == last_tensors and last.clip_tensors == last_tensors - 1
+    odd = dataclasses.replace(stats, tied_params=33 * T.WIDTH, tied_shapes=((33, T.WIDTH),))
+    plan = Plan.from_string("dp_shard=2,zero=2,pp=2,microbatches=2")
+    shares = rank_shares(plan, odd, [2, 2], [range(0, 1), range(1, 2)])
+    assert shares[1].tied == torch.chunk(torch.empty(33, T.WIDTH, device="meta"), 2)[0].numel()
+
+
+def test_busiest_rank_of_each_row_beside_a_pipeline():
+    """A ledger row shows its busiest rank, which need not be the one the planner times as
+    busiest: under DDP beside a pipeline GPT-2's first stage (the token and position
+    embeddings) all-reduces more gradient bytes than its last (the final norm and the tied
+    head's copy). The comparison takes each row's largest pipeline rank, as the ledger does."""
+    from plait.planner import constants_for
+    from plait.planner.cost import Workload, evaluate, rank_traffic
+    from plait.planner.hardware import load_cluster
+
+    text = "dp=2,pp=2,microbatches=2"
+    plan = Plan.from_string(text)
+    stats = _stats("gpt2")
+    batch = 2 * T.BATCH
+    cluster = load_cluster("cpu", devices=plan.world_size)
+    est = evaluate(plan, stats, cluster, Workload(batch, T.SEQ), constants_for(cluster))
+    grads = [sum(t.payload for t in traffic if t.axis == "dp_replicate")
+             for traffic in rank_traffic(plan, stats, batch, T.SEQ)]
+    assert grads[0] > grads[1] and est.busiest_rank == 1
+    assert T.busiest_rows(stats, text, batch)[("dp_replicate", "all_reduce")] == (grads[0], 1)
 
 
 def _stats(name: str):

@@ -180,9 +180,11 @@ class LocalModel:
     this rank runs, ``recomputed`` of them under activation checkpointing; ``embed``/``head``:
     whether this rank runs the embedding / the head; ``stages``: the global pipeline stages it
     holds, out of ``num_stages``; ``clip_axes``: mesh axes its gradients are sharded on (where
-    the clip norm is all-reduced); ``tied``: elements (TP-local) of a trainable weight the
-    embedding and the head share that this rank holds a copy of while another pipeline rank
-    holds the other (their gradients are summed over the two each step); ``grad_params`` /
+    the clip norm is all-reduced); ``tied``: elements of a trainable weight the embedding and
+    the head share that this rank holds a copy of while another pipeline rank holds the other:
+    the piece of its gradient summed over the two each step (TP-local, and under ZeRO-2/3 the
+    FSDP2 shard: ``plait.planner.traffic.tied_piece``), ``tied_tensors`` tensors (one
+    all-reduce each); ``grad_params`` /
     ``grad_tensors``: the trainable ones among ``params`` / ``tensors`` (None: all of them).
     """
 
@@ -197,6 +199,7 @@ class LocalModel:
     num_stages: int = 1
     clip_axes: tuple[str, ...] = ()
     tied: float = 0.0
+    tied_tensors: int = 1
     grad_params: float | None = None
     grad_tensors: int | None = None
 
@@ -391,7 +394,8 @@ def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
         n = sends * plan.microbatches * plan.grad_accum
         out.append(Traffic("pp", "send_recv", per * n, n, 2, "activations and grads"))
     if local.tied:  # plait.parallel.pipeline sync_tied_gradients: once per optimizer step
-        out.append(Traffic("pp", "all_reduce", local.tied * FP32, 1, 2, "tied weight grads"))
+        out.append(Traffic("pp", "all_reduce", local.tied * FP32, local.tied_tensors, 2,
+                           "tied weight grads"))
     return out
 
 

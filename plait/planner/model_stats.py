@@ -66,6 +66,10 @@ class ModelStats:
     # head's copy is not in head_params); under pipelines the first and last stages each hold
     # a copy and sum their gradients every step.
     tied_params: int = 0
+    # The shape of each such weight: a copy is one more parameter tensor on the last stage, and
+    # FSDP2 shards it on dim 0, so under ZeRO-2/3 each copy's gradient is summed across stages
+    # in dp_shard pieces of whole rows (empty: not read, an even split).
+    tied_shapes: tuple[tuple[int, ...], ...] = ()
     # Parameters of (a block, the embeddings, the rest outside the blocks) as tensor
     # parallelism lays them out, trainable or not (module factories); None: all split over
     # tp and trainable, as plait's reference transformer.
@@ -333,8 +337,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu") -> M
     outside = len(seen) - sum(len(list(b.parameters())) for b in blocks)
     embed_tensors = sum(len(list(m.parameters())) for m in embeds)
     shared = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    tied_params = sum(p.numel() for e in embeds for p in e.parameters()
-                      if shared[id(p)] > 1 and p.requires_grad)
+    tied = [p for e in embeds for p in e.parameters() if shared[id(p)] > 1 and p.requires_grad]
+    tied_params = sum(p.numel() for p in tied)
     return ModelStats(name=name, n_layers=len(blocks), hidden=hidden, n_heads=heads,
                       kv_heads=kv_heads or heads, ffn=ffn, vocab=vocab,
                       mlp="swiglu" if gated else ("gelu" if attention else "other"),
@@ -346,6 +350,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu") -> M
                       tp_block=tp_block(model, ref_path, found, (
                           _path(model, blocks[0]), _path(model, blocks[-1])), device_type),
                       tied_params=tied_params,
+                      tied_shapes=tuple(tuple(p.shape) for p in tied),
                       held=held_parts(model, stack_name, found))
 
 

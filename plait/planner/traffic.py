@@ -10,6 +10,7 @@ innermost, so a group of size n and stride d stays inside a node iff n*d divides
 
 from __future__ import annotations
 
+from math import prod
 from typing import TYPE_CHECKING
 
 from plait.comm import predict
@@ -97,9 +98,14 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
         # a weight the embedding and the head share: a copy on each rank that holds one of them
         # alone (a module's head_params leave the copy out)
         tied = model.tied_params if first != last else 0
+        copies = 0
         if last and not first and not model.tied:
             p += tied
-        local, grads, grad_tensors = p / tp, None, None
+            # one more tensor to step and to broadcast (ZeRO-1), left out of the clip norm
+            # (counted once, on the first stage)
+            copies = len(model.tied_shapes)
+            tensors += copies
+        local, grads, grad_tensors = p / tp, None, tensors - copies if copies else None
         if model.held is not None:  # what tensor parallelism keeps whole, what trains
             block, embed, head = model.held
             parts = [(block, layers)] + [(embed, 1)] * first + [(head, 1)] * last
@@ -113,8 +119,25 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
             grad_tensors = round(sum(h.trained_tensors * k for h, k in parts))
         out.append(LocalModel(params=local, root_params=root, tensors=tensors, layers=layers,
                               embed=first, head=last, stages=tuple(ids), num_stages=chunks,
-                              clip_axes=clip_axes(plan), tied=tied / tp, grad_params=grads,
+                              clip_axes=clip_axes(plan),
+                              tied=tied_piece(plan, model) if tied else 0.0,
+                              tied_tensors=max(1, len(model.tied_shapes)), grad_params=grads,
                               grad_tensors=grad_tensors))
+    return out
+
+
+def tied_piece(plan: Plan, model: ModelStats) -> float:
+    """Elements of the tied weights' gradients the busiest rank sums with the other stage's
+    copies (``plait.parallel.pipeline`` sums each copy's local piece over the two stages): the
+    tensor-parallel shard, and under FSDP2's ZeRO-2/3 its ``dp_shard`` shard of that. Both cut
+    dim 0 (the vocabulary rows) as ``torch.chunk`` does, the first chunk the largest."""
+    shards = plan.dp_shard if plan.zero >= 2 else 1
+    if not model.tied_shapes:  # shapes not read: an even split
+        return model.tied_params / (plan.tp * shards)
+    out = 0.0
+    for rows, *rest in model.tied_shapes:
+        local = -(-rows // plan.tp)
+        out += -(-local // shards) * prod(rest)
     return out
 
 
