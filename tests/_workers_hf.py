@@ -114,8 +114,20 @@ def llama_classifier() -> nn.Module:
         pad_token_id=PAD, bos_token_id=2, eos_token_id=3))
 
 
+def llama_checkpointed(reentrant: bool = False) -> nn.Module:
+    """Llama with transformers' gradient checkpointing turned on by the user before plait
+    (and ``use_cache`` left on in its config)."""
+    net = llama()
+    net.config.use_cache = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the method's newer name is 5.x only
+        net.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return net
+
+
 MODELS = {"llama": llama, "llama_tied": llama_tied, "gpt2": gpt2, "bert": bert,
-          "llama_classifier": llama_classifier}
+          "llama_classifier": llama_classifier, "llama_checkpointed": llama_checkpointed}
 
 
 def shifted_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:

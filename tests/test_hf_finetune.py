@@ -105,14 +105,16 @@ def test_checkpoint_exports_to_a_hugging_face_folder_and_generates(tmp_path):
 def test_more_layouts_and_a_masked_lm():
     """ZeRO-2 with accumulation, sequence parallelism (a fixed length tp divides), the pipeline
     with GPT-2's own loss and 4 microbatches, and BERT's masked LM (left padding with
-    position_ids) under DDP, tensor parallelism and ZeRO-3."""
+    position_ids) under DDP, tensor parallelism and ZeRO-3; a pipeline over Llama with the
+    user's own (non-reentrant) gradient checkpointing on."""
     jobs = [("dp_shard=2,zero=2,grad_accum=2", "llama", {}),
             ("tp=2,sp=true", "gpt2", {"fixed": 12}),
             ("tp=2,sp=true", "llama", {"fixed": 12, "side": "left"}),
             ("pp=2,mb=4", "gpt2", {"fixed": 12}),
             ("dp=2", "bert", {"mlm": True, "side": "left", "positions": True}),
             ("tp=2", "bert", {"mlm": True}),
-            ("dp_shard=2,zero=3", "bert", {"mlm": True})]
+            ("dp_shard=2,zero=3", "bert", {"mlm": True}),
+            ("pp=2", "llama_checkpointed", {"fixed": 12})]
     _check(2, jobs, timeout=600)
 
 
@@ -147,6 +149,26 @@ def test_a_classifier_pooling_by_token_ids_inside_a_wrapper_is_refused_under_a_p
         build_stage_module(model, path, specs[1])
     path, specs = plan_stages(model.inner, Plan(pp=2))
     build_stage_module(model.inner, path, specs[1])  # the classifier itself: accepted
+
+
+def test_reentrant_gradient_checkpointing_is_refused_under_a_pipeline():
+    """transformers' gradient checkpointing with use_reentrant=True cannot give a stage's input
+    its gradient through torch.autograd.grad, which torch's pipeline stages take: the last
+    stage raised in its first backward and the first stage waited for that gradient until the
+    timeout. Refused when the stages are built, naming the fix; use_reentrant=False builds."""
+    from plait.parallel.pipeline_split import build_stage_module, plan_stages
+    from plait.plan import Plan
+
+    model = W.llama_checkpointed(reentrant=True)
+    path, specs = plan_stages(model, Plan(pp=2))
+    for spec in specs:
+        with pytest.raises(ValueError, match=r"use_reentrant=True \(model, model.layers.0, "
+                                             r"model.layers.1\); under pp=2 .*'use_reentrant': "
+                                             r"False"):
+            build_stage_module(model, path, spec)
+    model = W.llama_checkpointed(reentrant=False)
+    for spec in specs:
+        build_stage_module(model, path, spec)
 
 
 def _loader_warnings(collate, dp_size: int = 2) -> list[str]:

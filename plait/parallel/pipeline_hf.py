@@ -122,6 +122,23 @@ def _drop_ids_beside_embeds(module: nn.Module, args: tuple, kwargs: dict) -> tup
     return ((None, *args[1:]) if args else args), kwargs
 
 
+def reentrant_checkpointing(hf: nn.Module) -> list[str]:
+    """The modules of ``hf`` whose Hugging Face gradient checkpointing is on with
+    ``use_reentrant=True`` (``gradient_checkpointing_enable(gradient_checkpointing_kwargs=
+    {"use_reentrant": True})``, or torch's default when not given). Reentrant checkpointing
+    cannot give a stage's input its gradient through ``torch.autograd.grad``, which torch's
+    pipeline stages call: the later stage raises in its first backward, the earlier one
+    waits for that gradient until the timeout."""
+    found = []
+    for name, module in hf.named_modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if not getattr(module, "gradient_checkpointing", False) or func is None:
+            continue
+        if getattr(func, "keywords", {}).get("use_reentrant") is not False:
+            found.append(name or type(module).__name__)
+    return found
+
+
 def router_loss_refusal(model: str, given: str, stages: int) -> str:
     """Why a mixture-of-experts model asked for its routers' logits is refused under a
     pipeline: its balance loss is computed from the router logits of every layer, and the
@@ -154,6 +171,16 @@ def adapt_hf_forward(clone: nn.Module, spec: StageSpec, *, is_root: bool = True)
                                        False):
         raise ValueError(router_loss_refusal(type(clone).__name__, "config.output_router_logits"
                                              "=True", spec.num_stages))
+    reentrant = reentrant_checkpointing(clone) if spec.num_stages > 1 else []
+    if reentrant:
+        shown = ", ".join(reentrant[:3]) + (f" (+{len(reentrant) - 3} more)"
+                                            if len(reentrant) > 3 else "")
+        raise ValueError(f"{type(clone).__name__} has gradient checkpointing on with "
+                         f"use_reentrant=True ({shown}); under pp={spec.num_stages} each stage "
+                         f"takes its input's gradient with torch.autograd.grad, which reentrant "
+                         f"checkpointing cannot give: call model.gradient_checkpointing_enable("
+                         f"gradient_checkpointing_kwargs={{'use_reentrant': False}}) (the same "
+                         f"gradients), or put activation_checkpointing=full in the plan instead")
     pools = spec.num_stages > 1 and pools_by_pad_token(clone)
     if pools and not is_root:
         raise ValueError(f"{type(clone).__name__} pools its logits at each row's last token that "
