@@ -38,10 +38,12 @@ def dataset(n: int = 32, seed: int = 0, longest: int = 12) -> list[dict[str, Any
 
 
 def collate(items: list[dict[str, Any]], side: str = "right", fixed: int | None = None,
-            mlm: bool = False, positions: bool = False) -> dict[str, torch.Tensor]:
+            mlm: bool = False, positions: bool = False, classes: int = 0
+            ) -> dict[str, torch.Tensor]:
     """Pad to the longest row (or ``fixed``) on ``side``; labels -100 on the padding and the
     prompt (causal LM), or on every token but every third answer token (masked LM, whose
-    input has the mask token there). ``positions``: ``position_ids`` counted from each row's
+    input has the mask token there), or one class per row (``classes`` > 0: the sum of its
+    tokens modulo ``classes``). ``positions``: ``position_ids`` counted from each row's
     first token (what makes left padding of any length give the same positions)."""
     n = fixed or max(len(it["ids"]) for it in items)
     ids = torch.full((len(items), n), PAD, dtype=torch.long)
@@ -59,6 +61,8 @@ def collate(items: list[dict[str, Any]], side: str = "right", fixed: int | None 
         else:
             lab[:it["prompt"]] = -100
         ids[r, cols], mask[r, cols], labels[r, cols] = tokens, 1, lab
+    if classes:
+        labels = torch.tensor([int(it["ids"].sum()) % classes for it in items])
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if positions:
         batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -98,7 +102,32 @@ def bert() -> nn.Module:
         attention_probs_dropout_prob=0.0, pad_token_id=PAD))
 
 
-MODELS = {"llama": llama, "llama_tied": llama_tied, "gpt2": gpt2, "bert": bert}
+def llama_classifier() -> nn.Module:
+    """Llama with a 3-way sequence-classification head: it pools the logits at each row's last
+    token that is not ``pad_token_id``, found in ``input_ids``."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    return LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, num_labels=3,
+        pad_token_id=PAD, bos_token_id=2, eos_token_id=3))
+
+
+def llama_checkpointed(reentrant: bool = False) -> nn.Module:
+    """Llama with transformers' gradient checkpointing turned on by the user before plait
+    (and ``use_cache`` left on in its config)."""
+    net = llama()
+    net.config.use_cache = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the method's newer name is 5.x only
+        net.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return net
+
+
+MODELS = {"llama": llama, "llama_tied": llama_tied, "gpt2": gpt2, "bert": bert,
+          "llama_classifier": llama_classifier, "llama_checkpointed": llama_checkpointed}
 
 
 def shifted_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
@@ -118,7 +147,8 @@ def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler
 
 def _collate(kw: dict[str, Any]) -> Any:
     return partial(collate, side=kw.get("side", "right"), fixed=kw.get("fixed"),
-                   mlm=kw.get("mlm", False), positions=kw.get("positions", False))
+                   mlm=kw.get("mlm", False), positions=kw.get("positions", False),
+                   classes=kw.get("classes", 0))
 
 
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor], loss: str) -> torch.Tensor:

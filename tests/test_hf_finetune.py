@@ -55,13 +55,18 @@ def test_causal_lm_loop_under_two_rank_layouts():
     """The model's own loss under DDP (left padding, RoPE), ZeRO-1 and ZeRO-3 with gradient
     accumulation (GPT-2, tied head), the hand-written shifted loss under tensor parallelism
     (vocabulary-parallel tied head), and a pipeline (left padding to a fixed length, the tied
-    head on the other stage); GPT-2 left-padded per replica with the collate's position_ids."""
+    head on the other stage); GPT-2 left-padded per replica with the collate's position_ids.
+    Llama's sequence classifier in a pipeline: it pools at each row's last token that is not
+    the pad token, found in ``input_ids``; its last stage gets hidden states, and the batch's
+    token ids too, so right-padded rows are pooled where one device pools them (at the last
+    position, a pad, without them: 3e-2 off in the first step's loss)."""
     jobs = [("dp=2", "llama", {"side": "left"}),
             ("dp_shard=2,zero=1", "gpt2", {}),
             ("dp_shard=2,zero=3,grad_accum=2", "gpt2", {}),
             ("tp=2", "llama_tied", {"loss": "shifted"}),
             ("pp=2,mb=2", "llama_tied", {"fixed": 12, "side": "left"}),
-            ("dp=2", "gpt2", {"side": "left", "positions": True})]
+            ("dp=2", "gpt2", {"side": "left", "positions": True}),
+            ("pp=2", "llama_classifier", {"fixed": 12, "classes": 3})]
     _check(2, jobs, timeout=300)
 
 
@@ -100,14 +105,16 @@ def test_checkpoint_exports_to_a_hugging_face_folder_and_generates(tmp_path):
 def test_more_layouts_and_a_masked_lm():
     """ZeRO-2 with accumulation, sequence parallelism (a fixed length tp divides), the pipeline
     with GPT-2's own loss and 4 microbatches, and BERT's masked LM (left padding with
-    position_ids) under DDP, tensor parallelism and ZeRO-3."""
+    position_ids) under DDP, tensor parallelism and ZeRO-3; a pipeline over Llama with the
+    user's own (non-reentrant) gradient checkpointing on."""
     jobs = [("dp_shard=2,zero=2,grad_accum=2", "llama", {}),
             ("tp=2,sp=true", "gpt2", {"fixed": 12}),
             ("tp=2,sp=true", "llama", {"fixed": 12, "side": "left"}),
             ("pp=2,mb=4", "gpt2", {"fixed": 12}),
             ("dp=2", "bert", {"mlm": True, "side": "left", "positions": True}),
             ("tp=2", "bert", {"mlm": True}),
-            ("dp_shard=2,zero=3", "bert", {"mlm": True})]
+            ("dp_shard=2,zero=3", "bert", {"mlm": True}),
+            ("pp=2", "llama_checkpointed", {"fixed": 12})]
     _check(2, jobs, timeout=600)
 
 
@@ -119,6 +126,49 @@ def test_four_rank_compositions():
             ("dp_shard=2,zero=3,tp=2,sp=true", "llama_tied", {"fixed": 12}),
             ("pp=2,dp=2,mb=2", "gpt2", {"fixed": 12})]
     _check(4, jobs, timeout=600)
+
+
+def test_a_classifier_pooling_by_token_ids_inside_a_wrapper_is_refused_under_a_pipeline():
+    """Inside a module of the user's, the pipeline's first input need not be the token ids the
+    classifier pools by: refused when the stage is built, with the value and the fix."""
+    from plait.parallel.pipeline_split import build_stage_module, plan_stages
+    from plait.plan import Plan
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = W.llama_classifier()
+
+        def forward(self, input_ids, attention_mask=None, labels=None):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+    model = Wrapper()
+    path, specs = plan_stages(model, Plan(pp=2))
+    with pytest.raises(ValueError, match="pad_token_id=0.*pass LlamaForSequenceClassification "
+                                         "itself to run.parallelize, or run with pp=1"):
+        build_stage_module(model, path, specs[1])
+    path, specs = plan_stages(model.inner, Plan(pp=2))
+    build_stage_module(model.inner, path, specs[1])  # the classifier itself: accepted
+
+
+def test_reentrant_gradient_checkpointing_is_refused_under_a_pipeline():
+    """transformers' gradient checkpointing with use_reentrant=True cannot give a stage's input
+    its gradient through torch.autograd.grad, which torch's pipeline stages take: the last
+    stage raised in its first backward and the first stage waited for that gradient until the
+    timeout. Refused when the stages are built, naming the fix; use_reentrant=False builds."""
+    from plait.parallel.pipeline_split import build_stage_module, plan_stages
+    from plait.plan import Plan
+
+    model = W.llama_checkpointed(reentrant=True)
+    path, specs = plan_stages(model, Plan(pp=2))
+    for spec in specs:
+        with pytest.raises(ValueError, match=r"use_reentrant=True \(model, model.layers.0, "
+                                             r"model.layers.1\); under pp=2 .*'use_reentrant': "
+                                             r"False"):
+            build_stage_module(model, path, spec)
+    model = W.llama_checkpointed(reentrant=False)
+    for spec in specs:
+        build_stage_module(model, path, spec)
 
 
 def _loader_warnings(collate, dp_size: int = 2) -> list[str]:

@@ -46,7 +46,7 @@ from .pipeline_buffers import (
     named_buffer,
 )
 from .pipeline_chain import chain_break, loss_reads_before, meta_replica, unchained_message
-from .pipeline_hf import is_hf_model
+from .pipeline_hf import TOKEN_IDS, is_hf_model, pools_by_pad_token
 from .pipeline_split import (
     StageOutputError,
     StageSpec,
@@ -355,6 +355,9 @@ class PipelineRunner:
         self.stage_rank: list[int] = []
         self.pp_group: Any = None
         self.owned: list[tuple[torch.Tensor, int]] = []
+        # A Hugging Face model that pools at its last non-pad token: its last stage reads the
+        # first stage's input (the token ids) too (plait.parallel.pipeline_hf.TOKEN_IDS).
+        self.token_ids_to_last = False
 
     def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one microbatch. torch's schedules split a *tensor* target
@@ -533,6 +536,8 @@ class PipelineRunner:
         chunk = rows // accum
         self._microbatch_rows = chunk // m
         kwargs = {**laid_out.every, **(laid_out.last_only if self.has_last else {})}
+        if self.has_last and self.token_ids_to_last:
+            kwargs[TOKEN_IDS] = laid_out.first
         for a, (first, part_kwargs, part_targets) in enumerate(zip(
                 split_microbatches(laid_out.first, accum), split_microbatches(kwargs, accum),
                 split_microbatches(laid_out.targets, accum), strict=True)):
@@ -899,6 +904,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
                             model_name=type(model).__name__,
                             shifts_labels=shifts_labels(model), packer=packer)
     runner.check_split = check_split
+    runner.token_ids_to_last = is_hf_model(model) and pools_by_pad_token(model)
     runner.find_owners = find_owners
     runner.check_loss = check_loss
     runner.stage_rank = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)

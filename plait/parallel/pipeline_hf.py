@@ -92,6 +92,53 @@ def _added_by_running(hf: nn.Module, path: str) -> set[str] | None:
         return None
 
 
+# The keyword under which the last stage of a model that pools at its last non-pad token gets
+# the batch's token ids (see :func:`pools_by_pad_token`); popped before the model's forward.
+TOKEN_IDS = "_plait_token_ids"
+
+
+def pools_by_pad_token(hf: nn.Module) -> bool:
+    """Whether ``hf``'s forward reads its token ids after the embedding: a decoder's sequence
+    classifier (Llama's, GPT-2's, Qwen2's ``...ForSequenceClassification``) pools the logits
+    at each row's last token that is not ``config.pad_token_id``, found in ``input_ids``.
+    Given ``inputs_embeds`` instead, as a later pipeline stage is, it pools at the last
+    position, a padding token under right padding, and trains on another model's output."""
+    config = getattr(hf, "config", None)
+    if getattr(config, "pad_token_id", None) is None:
+        return False
+    try:
+        source = inspect.getsource(type(hf).forward)
+    except (OSError, TypeError):
+        return False
+    return "pad_token_id" in source and "input_ids" in source
+
+
+def _drop_ids_beside_embeds(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """Forward pre-hook: given ``inputs_embeds``, the token ids the model reads for its pooling
+    are not given to its base model too (HF models take exactly one of the two)."""
+    if kwargs.get("inputs_embeds") is None:
+        return args, kwargs
+    kwargs.pop("input_ids", None)
+    return ((None, *args[1:]) if args else args), kwargs
+
+
+def reentrant_checkpointing(hf: nn.Module) -> list[str]:
+    """The modules of ``hf`` whose Hugging Face gradient checkpointing is on with
+    ``use_reentrant=True`` (``gradient_checkpointing_enable(gradient_checkpointing_kwargs=
+    {"use_reentrant": True})``, or torch's default when not given). Reentrant checkpointing
+    cannot give a stage's input its gradient through ``torch.autograd.grad``, which torch's
+    pipeline stages call: the later stage raises in its first backward, the earlier one
+    waits for that gradient until the timeout."""
+    found = []
+    for name, module in hf.named_modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if not getattr(module, "gradient_checkpointing", False) or func is None:
+            continue
+        if getattr(func, "keywords", {}).get("use_reentrant") is not False:
+            found.append(name or type(module).__name__)
+    return found
+
+
 def router_loss_refusal(model: str, given: str, stages: int) -> str:
     """Why a mixture-of-experts model asked for its routers' logits is refused under a
     pipeline: its balance loss is computed from the router logits of every layer, and the
@@ -103,7 +150,7 @@ def router_loss_refusal(model: str, given: str, stages: int) -> str:
             f"or set output_router_logits=False under a pipeline")
 
 
-def adapt_hf_forward(clone: nn.Module, spec: StageSpec) -> None:
+def adapt_hf_forward(clone: nn.Module, spec: StageSpec, *, is_root: bool = True) -> None:
     """Give the stage copy of an HF model a forward that takes hidden states on later stages.
 
     The user's code calls ``hf(x)`` / ``hf(input_ids=x, attention_mask=m)`` as usual; on every
@@ -113,12 +160,36 @@ def adapt_hf_forward(clone: nn.Module, spec: StageSpec) -> None:
     the last layer sends on what reaches that layer's stand-in
     (:func:`plait.parallel.pipeline_split.hand_on`). A model whose forward takes no
     ``inputs_embeds`` (HF ViT) is refused for every stage but the first.
+
+    A model that pools at its last non-pad token (:func:`pools_by_pad_token`) gets the batch's
+    token ids on its last stage under :data:`TOKEN_IDS` (the pipeline runner adds them when
+    this model is the one it runs) and reads them for its pooling, its base model the hidden
+    states; inside a model of the user's, whose input need not be the token ids, it is refused.
     """
     forward = type(clone).forward
     if spec.num_stages > 1 and getattr(getattr(clone, "config", None), "output_router_logits",
                                        False):
         raise ValueError(router_loss_refusal(type(clone).__name__, "config.output_router_logits"
                                              "=True", spec.num_stages))
+    reentrant = reentrant_checkpointing(clone) if spec.num_stages > 1 else []
+    if reentrant:
+        shown = ", ".join(reentrant[:3]) + (f" (+{len(reentrant) - 3} more)"
+                                            if len(reentrant) > 3 else "")
+        raise ValueError(f"{type(clone).__name__} has gradient checkpointing on with "
+                         f"use_reentrant=True ({shown}); under pp={spec.num_stages} each stage "
+                         f"takes its input's gradient with torch.autograd.grad, which reentrant "
+                         f"checkpointing cannot give: call model.gradient_checkpointing_enable("
+                         f"gradient_checkpointing_kwargs={{'use_reentrant': False}}) (the same "
+                         f"gradients), or put activation_checkpointing=full in the plan instead")
+    pools = spec.num_stages > 1 and pools_by_pad_token(clone)
+    if pools and not is_root:
+        raise ValueError(f"{type(clone).__name__} pools its logits at each row's last token that "
+                         f"is not pad_token_id={getattr(clone.config, 'pad_token_id', None)}, "
+                         f"which it finds in "
+                         f"input_ids; inside another module under pp={spec.num_stages}, its last "
+                         f"stage gets hidden states only and would pool at the last position "
+                         f"(padding, under right padding): pass {type(clone).__name__} itself "
+                         f"to run.parallelize, or run with pp=1")
     if not spec.is_first and "inputs_embeds" not in inspect.signature(forward).parameters:
         raise ValueError(f"{type(clone).__name__}.forward takes no inputs_embeds, so plait's "
                          f"Hugging Face pipeline adapter cannot give stage {spec.index} the "
@@ -126,11 +197,14 @@ def adapt_hf_forward(clone: nn.Module, spec: StageSpec) -> None:
                          f"wrap it in a module whose forward chains its embeddings, blocks and "
                          f"head")
 
+    hooked: list[nn.Module] = []  # the base model, once its pre-hook is registered
+
     def stage_forward(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("output_router_logits"):
             raise ValueError(router_loss_refusal(type(clone).__name__,
                                                  "output_router_logits=True", spec.num_stages))
         kwargs.setdefault("use_cache", False)
+        token_ids = kwargs.pop(TOKEN_IDS, None)
         if not spec.is_first:
             if args:
                 hidden, args = args[0], args[1:]
@@ -139,6 +213,12 @@ def adapt_hf_forward(clone: nn.Module, spec: StageSpec) -> None:
             if hidden is not None:
                 kwargs["inputs_embeds"] = hidden
                 kwargs.pop("input_ids", None)
+            if pools and spec.is_last and token_ids is not None and not args:
+                base = getattr(clone, getattr(clone, "base_model_prefix", ""), None)
+                if isinstance(base, nn.Module) and not hooked:
+                    base.register_forward_pre_hook(_drop_ids_beside_embeds, with_kwargs=True)
+                    hooked.append(base)
+                kwargs["input_ids"] = token_ids
         return forward(clone, *args, **kwargs)
 
     clone.forward = stage_forward

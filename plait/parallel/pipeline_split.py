@@ -642,7 +642,7 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                                       prefix=".".join(parts[:depth]))
             added.update(id(m) for m in hf_added_embeddings(module, before,
                                                             ".".join(parts[depth:])))
-            adapt_hf_forward(clone, spec)
+            adapt_hf_forward(clone, spec, is_root=depth == 0)
         if depth == len(parts):  # the block sequence
             for idx, (key, block) in enumerate(module._modules.items()):
                 if not spec.start <= idx < spec.end:
