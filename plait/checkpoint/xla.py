@@ -15,11 +15,17 @@ plan) and the reverse. What differs from the other layouts, and is done here:
   ``weights_only=True`` as every other plait load does (:func:`load_planner`).
 * **Random state.** torch_xla keeps its generator's state as one integer per device
   (``xm.get_rng_state``), not in ``torch.get_device_module``.
+* **Saving in the background** (``async_save``). DCP's own ``async_save`` stages a state dict
+  by copying each tensor whole: an XLA tensor split over the devices would come to the host
+  at its global size, and its sharding would be lost to the planner. Instead each host copies
+  the shards it holds (:func:`save_in_background`), as torch_xla's ``CheckpointManager``
+  does, and a thread writes them with the same planner as a blocking save.
 """
 
 from __future__ import annotations
 
 import io
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -63,6 +69,29 @@ def save_planner() -> Any:
             return dataclasses.replace(plan, items=items)
 
     return OnceSPMDSavePlanner()
+
+
+def save_in_background(state: dict[str, Any], writer: Any, group: Any) -> Future[Any]:
+    """Copy ``state``'s tensors to host memory now, then write them in a thread; returns the
+    write's future (``result()`` raises what the write raised).
+
+    The copy is what training waits for: once it returns, the next step may change every
+    device tensor without touching what is written. Each sharded tensor comes over as the
+    shards this host holds, at their offsets, so the files are those a blocking save writes
+    and the host never holds more than its share. ``group``: a gloo process group used only
+    by checkpoints, so that the write's collectives (DCP's plan exchange between hosts) run
+    beside training's. Call after :func:`materialize`."""
+    import torch.distributed.checkpoint as dcp
+
+    from .._torch_compat import xla_sharded_cpu_state_dict
+
+    host = xla_sharded_cpu_state_dict()(state)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-xla-save")
+    try:
+        return pool.submit(dcp.save, host, storage_writer=writer, planner=save_planner(),
+                           process_group=group)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with the write
 
 
 def load_planner() -> Any:
