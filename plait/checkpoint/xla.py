@@ -16,10 +16,11 @@ plan) and the reverse. What differs from the other layouts, and is done here:
 * **Random state.** torch_xla keeps its generator's state as one integer per device
   (``xm.get_rng_state``), not in ``torch.get_device_module``.
 * **Saving in the background** (``async_save``). DCP's own ``async_save`` stages a state dict
-  by copying each tensor whole: an XLA tensor split over the devices would come to the host
-  at its global size, and its sharding would be lost to the planner. Instead each host copies
-  the shards it holds (:func:`save_in_background`), as torch_xla's ``CheckpointManager``
-  does, and a thread writes them with the same planner as a blocking save.
+  for CPU and CUDA tensors: with XLA tensors its write fails (torch 2.9: "Attempted to access
+  the data pointer on an invalid python storage"), and its staging allocates every tensor at
+  its global size, sharding lost. Instead each host copies the shards it holds
+  (:func:`save_in_background`), as torch_xla's ``CheckpointManager`` does, and a thread writes
+  them with the same planner as a blocking save.
 """
 
 from __future__ import annotations
