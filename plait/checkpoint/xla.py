@@ -86,13 +86,27 @@ def save_in_background(state: dict[str, Any], writer: Any, group: Any) -> Future
 
     from .._torch_compat import xla_sharded_cpu_state_dict
 
-    host = xla_sharded_cpu_state_dict()(state)
+    host = xla_sharded_cpu_state_dict()(_own_host_tensors(state))
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-xla-save")
     try:
         return pool.submit(dcp.save, host, storage_writer=writer, planner=save_planner(),
                            process_group=group)
     finally:
         pool.shutdown(wait=False)  # the thread ends with the write
+
+
+def _own_host_tensors(value: Any) -> Any:
+    """``value`` with its CPU tensors cloned. torch_xla's host copy hands a tensor that is
+    already on the host back sharing its memory, and some change in place at the next step (an
+    optimizer's step count: AdamW's ``step`` is a CPU tensor beside XLA parameters), so the
+    write would store a later step's count with this step's weights."""
+    if isinstance(value, torch.Tensor):
+        return value if is_xla(value.device) else value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _own_host_tensors(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_own_host_tensors(v) for v in value)
+    return value
 
 
 def load_planner() -> Any:
