@@ -479,6 +479,20 @@ def xla_set_element() -> Any:
     return _resolve("torch_xla.experimental.distributed_checkpoint._helpers", "set_element")
 
 
+def xla_sharded_cpu_state_dict() -> Any:
+    """``torch_xla.experimental.distributed_checkpoint._helpers._sharded_cpu_state_dict``: a
+    state dict with every XLA tensor copied to host memory, a sharded one as the shards this
+    host holds with their offsets (``_CpuShards``, which torch_xla's ``SPMDSavePlanner`` plans
+    and writes like the device tensor it came from).
+
+    Why: a background save on XLA (``plait.checkpoint.xla.save_in_background``) must not read
+    the device while the next step runs; this is the copy torch_xla's own
+    ``CheckpointManager.save_async`` makes before it hands the write to a thread. Checked on
+    torch_xla 2.9."""
+    return _resolve("torch_xla.experimental.distributed_checkpoint._helpers",
+                    "_sharded_cpu_state_dict")
+
+
 def reset_dynamo() -> None:
     """``torch._dynamo.reset()``: forget compiled code and counters (tests, one per job).
     Checked on torch 2.13."""

@@ -11,6 +11,8 @@ Two things can make a step go wrong on some ranks only, and the ranks must still
 * **A request to stop** (SIGTERM, the preemption notice of a cluster, see
   ``plait.lifecycle.StopRequest``). Ranks receive the signal at slightly different times; the
   guard makes them all stop after the same step, so a final checkpoint is a consistent one.
+  On PyTorch/XLA, where the NaN/inf check does not run, the hosts agree on this flag alone
+  after each step (``StepGuard.agree_stop``).
 
 The agreement is one all-reduce (MAX) of three numbers over the whole job, issued between
 backward and the optimizer step. When the data replicas are the whole job (DDP, ZeRO, HSDP) and
@@ -114,6 +116,22 @@ class StepGuard:
         # A fill on the device: torch.tensor(x, device=) is a host copy that, on a GPU, waits
         # for the queued backward.
         return torch.stack([bad.float(), torch.full((), float(stop), device=loss.device)])
+
+    def agree_stop(self) -> bool:
+        """The stop request alone, agreed on the host: where the NaN/inf check does not run.
+
+        On PyTorch/XLA the loss and the gradient norm stay on the device (reading them would
+        execute the graph mid-step), so only the stop flag is agreed, after the step, as a CPU
+        tensor on the job's process group (gloo between the hosts there, which carries host
+        objects only). One host reads its own flag; without a stop handler there is nothing to
+        agree and no collective. Every host calls it at every step, as ``__call__``."""
+        stop = self.stop_request is not None and self.stop_request.requested
+        if self.stop_request is not None and self.world_size > 1:
+            flag = torch.tensor([1.0 if stop else 0.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        self.last = Verdict(stop=stop)
+        return stop
 
     def __call__(self, loss: torch.Tensor, grad_norm: torch.Tensor, *,
                  agreed: torch.Tensor | None = None) -> bool:

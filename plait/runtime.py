@@ -413,6 +413,8 @@ class Run:
                         "Detected call of `lr_scheduler.step()` before `optimizer.step()`"))
                     scheduler.step()
             self.accelerator.synchronize(self.device)
+        if self.spmd is not None:  # XLA: no NaN/inf check there; the stop request alone
+            guard.agree_stop()
         _check_optimizer(model, user_optimizer, self._checked_optimizers)
         if self.xla is not None:
             self.xla.step_end()
@@ -1124,10 +1126,6 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
             raise ValueError("ledger= and plan='auto' are not built on XLA SPMD (its "
                              "collectives are inside the compiled program); drop them with "
                              "--accelerator xla")
-        if checkpointing is not None and checkpointing.async_save:
-            raise ValueError("async_save=True is not built on XLA SPMD (a background save "
-                             "would read the device while the next step runs); drop it: "
-                             "checkpoints on XLA are written before the next step starts")
         from .parallel.xla_spmd import build_layout
 
         layout = build_layout(Plan.load(plan) if plan is not None else None)  # before tensors
@@ -1186,8 +1184,7 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
         run.checkpointing = checkpointing
         run.first_step = checkpointing.resume_step
         run.print(checkpointing.note)
-        if layout is None:  # XLA: no per-step agreement between hosts to stop on, see docs
-            run._stop_on_sigterm(run._final_checkpoint)  # preemption: save, then leave
+        run._stop_on_sigterm(run._final_checkpoint)  # preemption: save, then leave
     from .lifecycle import AttemptRecord, node_note
 
     run._attempt = AttemptRecord.for_worker(rank, os.environ)

@@ -108,6 +108,27 @@ def inf_grad_on_step(rank, world_size, plan, policy, bad_rank, bad_step, steps=4
     return {"history": history, "skipped": skipped}
 
 
+def agree_stop_between_hosts(rank, world_size):
+    """The agreement XLA hosts make after each step (``StepGuard.agree_stop``, a CPU tensor on
+    gloo): rank 1 alone gets SIGTERM between two steps. Returns what each step agreed."""
+    import os
+    import signal
+
+    from plait.guard import StepGuard
+    from plait.lifecycle import StopRequest
+
+    stop = StopRequest(grace=120).install()
+    guard = StepGuard("stop", rank, world_size, stop_request=stop)
+    try:
+        before = guard.agree_stop()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        after = guard.agree_stop()
+    finally:
+        stop.uninstall()
+    return [before, after, guard.last.stop]
+
+
 def stop_on_one_rank(rank, world_size, plan, folder, stop_step):
     """Only rank 1 gets SIGTERM, inside step ``stop_step``'s loss function; returns the exit
     code and the steps done on this rank."""

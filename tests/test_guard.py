@@ -224,6 +224,12 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-00000003"]
 
 
+def test_sigterm_on_one_host_stops_every_host_where_only_the_stop_is_agreed():
+    """PyTorch/XLA's hosts agree on the stop request alone after each step, on the host."""
+    out = run_distributed(w.agree_stop_between_hosts, 2, timeout=120)
+    assert out == [[False, True, True], [False, True, True]]
+
+
 def test_clean_ddp_step_adds_one_collective_to_raw_ddps():
     """A clean plait DDP step issues raw DDP's collectives plus one: the all-reduce of (loss
     sum, item count), which also carries the step guard's flags (no agreement of its own)."""

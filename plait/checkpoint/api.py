@@ -116,8 +116,9 @@ def save(folder: str | Path, *, step: int, model: nn.Module,
     """Save this job's training state as ``folder/step-NNNNNNNN`` (collective: every rank).
 
     Returns a ``PendingSave``: with ``async_group`` (a gloo group used only for checkpoints)
-    the shards are copied to host memory now and written in the background; call ``wait()``
-    before the next save and before exit. Without it the checkpoint is published on return.
+    the shards are copied to host memory now and written in the background (on XLA too, see
+    :func:`plait.checkpoint.xla.save_in_background`); call ``wait()`` before the next save and
+    before exit. Without it the checkpoint is published on return.
     ``keep`` deletes all but the newest ``keep`` checkpoints after publishing.
     """
     from .. import __version__
@@ -126,9 +127,6 @@ def save(folder: str | Path, *, step: int, model: nn.Module,
     device = device or torch.device("cpu")
     on_xla = xla.is_xla(device)
     if on_xla:
-        if async_group is not None:
-            raise CheckpointError("a background save (async_save) is not built on XLA; save "
-                                  "with async_save=False")
         xla.materialize()  # every tensor read below holds its value and its sharding
     model_sd, optim_tensors, settings, _ = st.collect(model, optimizer)
     local = {"rng": st.rng_state(device), "settings": settings}
@@ -166,7 +164,9 @@ def save(folder: str | Path, *, step: int, model: nn.Module,
                                   thread_count=1)
     pending = PendingSave(folder=folder, tmp=tmp, step=step, manifest=manifest, keep=keep)
     if async_group is not None:
-        pending.future = dcp.async_save(state, storage_writer=writer, process_group=async_group)
+        pending.future = (xla.save_in_background(state, writer, async_group) if on_xla
+                          else dcp.async_save(state, storage_writer=writer,
+                                              process_group=async_group))
         return pending
     dcp.save(state, storage_writer=writer, planner=xla.save_planner() if on_xla else None)
     error = None

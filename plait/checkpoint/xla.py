@@ -15,11 +15,18 @@ plan) and the reverse. What differs from the other layouts, and is done here:
   ``weights_only=True`` as every other plait load does (:func:`load_planner`).
 * **Random state.** torch_xla keeps its generator's state as one integer per device
   (``xm.get_rng_state``), not in ``torch.get_device_module``.
+* **Saving in the background** (``async_save``). DCP's own ``async_save`` stages a state dict
+  for CPU and CUDA tensors: with XLA tensors its write fails (torch 2.9: "Attempted to access
+  the data pointer on an invalid python storage"), and its staging allocates every tensor at
+  its global size, sharding lost. Instead each host copies the shards it holds
+  (:func:`save_in_background`), as torch_xla's ``CheckpointManager`` does, and a thread writes
+  them with the same planner as a blocking save.
 """
 
 from __future__ import annotations
 
 import io
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -63,6 +70,43 @@ def save_planner() -> Any:
             return dataclasses.replace(plan, items=items)
 
     return OnceSPMDSavePlanner()
+
+
+def save_in_background(state: dict[str, Any], writer: Any, group: Any) -> Future[Any]:
+    """Copy ``state``'s tensors to host memory now, then write them in a thread; returns the
+    write's future (``result()`` raises what the write raised).
+
+    The copy is what training waits for: once it returns, the next step may change every
+    device tensor without touching what is written. Each sharded tensor comes over as the
+    shards this host holds, at their offsets, so the files are those a blocking save writes
+    and the host never holds more than its share. ``group``: a gloo process group used only
+    by checkpoints, so that the write's collectives (DCP's plan exchange between hosts) run
+    beside training's. Call after :func:`materialize`."""
+    import torch.distributed.checkpoint as dcp
+
+    from .._torch_compat import xla_sharded_cpu_state_dict
+
+    host = xla_sharded_cpu_state_dict()(_own_host_tensors(state))
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-xla-save")
+    try:
+        return pool.submit(dcp.save, host, storage_writer=writer, planner=save_planner(),
+                           process_group=group)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with the write
+
+
+def _own_host_tensors(value: Any) -> Any:
+    """``value`` with its CPU tensors cloned. torch_xla's host copy hands a tensor that is
+    already on the host back sharing its memory, and some change in place at the next step (an
+    optimizer's step count: AdamW's ``step`` is a CPU tensor beside XLA parameters), so the
+    write would store a later step's count with this step's weights."""
+    if isinstance(value, torch.Tensor):
+        return value if is_xla(value.device) else value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _own_host_tensors(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_own_host_tensors(v) for v in value)
+    return value
 
 
 def load_planner() -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -490,11 +491,6 @@ def case_checkpoint_single(folder: str) -> dict:
     resumed["saved"] = sorted(os.listdir(resume))
     out = _ckpt_plans(["one device"], folder)
     out["init(checkpoint=)"] = resumed
-    try:
-        plait.init(checkpoint=os.path.join(folder, "every"), every=2, async_save=True,
-                   accelerator="xla", quiet=True)
-    except ValueError as exc:
-        out["async refusal"] = str(exc)
     return out
 
 
@@ -504,6 +500,98 @@ def case_checkpoint_spmd(folder: str) -> dict:
 
 def case_checkpoint_spmd_slow(folder: str) -> dict:
     return _ckpt_plans(["dp_replicate=4", "dp_shard=4,zero=3", "tp=4"], folder)
+
+
+# ------------------------------------------------------------------ preemption (SIGTERM)
+PREEMPT_EVERY = 2  # saves during the run, besides the final one
+
+
+def _preempt_init(plan: str, folder: str | None, async_save: bool) -> plait.Run:
+    return plait.init(None if plan == "one device" else plan, accelerator="xla",
+                      log_every=1000, checkpoint=folder,
+                      every=PREEMPT_EVERY if folder else None, keep=None if folder else 3,
+                      async_save=async_save)
+
+
+def _train_to(run: plait.Run, model: nn.Module, steps: int, *, announce: int | None = None,
+              opt: torch.optim.Optimizer | None = None, save: str | None = None
+              ) -> tuple[list[float], dict]:
+    """Steps ``run.steps_done + 1 .. steps``; every step's loss and the full state at the end.
+    ``announce``: print ``ready`` after that step (the graphs are compiled by then) and slow
+    the steps down, for a SIGTERM to arrive mid-run. ``save``: a folder for a blocking
+    ``run.save`` after step ``PREEMPT_EVERY``."""
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for b in run.loader(Sentences(), batch_size=8, steps=steps, collate_fn=pad):
+        losses.append(float(run.step(model, b, token_loss, opt)))
+        if save is not None and run.steps_done == PREEMPT_EVERY:
+            run.save(save)
+        if announce is not None and run.steps_done >= announce:
+            if run.steps_done == announce:
+                print("ready", flush=True)
+            time.sleep(0.05)
+    return losses, run.full_state_dict(model)
+
+
+def case_preempted(folder: str, plan: str, mode: str) -> dict:
+    """Trains with ``init(checkpoint=folder, every=2)`` until a SIGTERM stops it (the test
+    sends one once ``ready`` is printed, after step 3); ``mode`` "async": ``async_save=True``."""
+    run = _preempt_init(plan, folder, mode == "async")
+    model = run.parallelize(NormedLM())
+    _train_to(run, model, 10_000, announce=3)
+    return {"error": "not stopped"}
+
+
+def case_preempt_resumed(folder: str, plan: str, mode: str) -> dict:
+    """After ``case_preempted``: the run resumed from its newest checkpoint (the final one,
+    step K) to step K + 2, against the uninterrupted run to K + 2; under "async" also a run
+    loaded from the step-2 checkpoint, written in the background while steps 3.. changed the
+    weights it was saved from."""
+    newest = max(int(p[len("step-"):]) for p in os.listdir(folder) if p.startswith("step-"))
+    end = newest + 2
+    run = _preempt_init(plan, folder, False)
+    model = run.parallelize(NormedLM(seed=11))
+    start = run.steps_done
+    resumed = _train_to(run, model, end)
+    run.finish(print_summary=False)
+    run = _preempt_init(plan, None, False)
+    blocking = os.path.join(folder, "..", "blocking")
+    whole = _train_to(run, run.parallelize(NormedLM()), end, save=blocking)
+    run.finish(print_summary=False)
+    out = {"newest": newest, "start": start, "resumed": _preempt_compare(resumed, whole, start)}
+    if mode == "async":
+        # what the background save wrote at step 2 is what a blocking save writes: each
+        # tensor's chunks (a device's shard each), not whole tensors
+        out["chunks"] = _chunks(os.path.join(folder, f"step-{PREEMPT_EVERY:08d}"))
+        out["blocking_chunks"] = _chunks(os.path.join(blocking, f"step-{PREEMPT_EVERY:08d}"))
+        run = _preempt_init(plan, None, False)
+        model = run.parallelize(NormedLM(seed=11))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        early = run.load(os.path.join(folder, f"step-{PREEMPT_EVERY:08d}"), model=model,
+                         optimizer=opt)
+        out["early"] = _preempt_compare(_train_to(run, model, end, opt=opt), whole, early)
+        out["early_start"] = early
+        run.finish(print_summary=False)
+    return out
+
+
+def _chunks(step_dir: str) -> dict[str, list[list[int]]]:
+    """{name: the offsets of its chunks} of a checkpoint's tensors, from DCP's metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    return {name: sorted(list(c.offsets) for c in m.chunks) for name, m in meta.items()
+            if isinstance(m, TensorStorageMetadata)}
+
+
+def _preempt_compare(got: tuple[list[float], dict], whole: tuple[list[float], dict],
+                     start: int) -> dict:
+    (losses, state), (ref_losses, ref_state) = got, whole
+    return {"losses": losses, "ref_losses": ref_losses[start:],
+            "names": sorted(state) == sorted(ref_state),
+            "max_diff": max(float((state[n].float() - t.float()).abs().max())
+                            for n, t in ref_state.items())}
 
 
 def main(case: str, *args: str) -> None:
