@@ -41,7 +41,12 @@ def job(rank: int, world: int, plan: str, model_name: str, steps: int, batch: in
     import torch.distributed as dist
 
     import plait
-    from plait._torch_compat import dynamo_frames, dynamo_graph_count, inductor_cache_hits
+    from plait._torch_compat import (
+        compile_seconds,
+        dynamo_frames,
+        dynamo_graph_count,
+        inductor_cache_hits,
+    )
     from plait.models.transformer import build, lm_loss, preset
 
     run = plait.init(plan, quiet=True, log_every=10**9)
@@ -59,7 +64,8 @@ def job(rank: int, world: int, plan: str, model_name: str, steps: int, batch: in
 
     frames, compiled = dynamo_frames()
     out = {"times": times, "graphs": dynamo_graph_count(), "frames": frames,
-           "failed": frames - compiled, "hits": inductor_cache_hits()}
+           "failed": frames - compiled, "hits": inductor_cache_hits(),
+           "compile": compile_seconds()}
     run.close()
     return out
 
@@ -83,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"world {w}, gloo on CPU, model {args.model}, global batch {args.batch} x seq "
           f"{args.seq}, {args.steps} steps, pipeline microbatches {args.microbatches}")
     print(f"{'plan':<34} {'cache':<5} {'first s':>8} {'later ms':>9} "
-          f"{'graphs/rank':>12} {'frames/rank':>12} {'failed':>7} {'cache hits':>11}")
+          f"{'graphs/rank':>12} {'frames/rank':>12} {'failed':>7} {'cache hits':>11} "
+          f"{'compile s/rank':>15}")
     for plan in plans:
         spec = plan.replace("+", ",")
         if spec.startswith("pp=") or ",pp=" in spec:
@@ -100,9 +107,10 @@ def main(argv: list[str] | None = None) -> int:
                 later = statistics.median(steps[1:]) * 1e3
                 per = {key: "/".join(str(r[key]) for r in ranks)
                        for key in ("graphs", "frames", "failed", "hits")}
+                per["compile"] = "/".join(f"{r['compile']:.1f}" for r in ranks)
                 print(f"{spec:<34} {kind if 'compile' in spec else '-':<5} {steps[0]:>8.2f} "
                       f"{later:>9.2f} {per['graphs']:>12} {per['frames']:>12} "
-                      f"{per['failed']:>7} {per['hits']:>11}", flush=True)
+                      f"{per['failed']:>7} {per['hits']:>11} {per['compile']:>15}", flush=True)
     return 0
 
 
