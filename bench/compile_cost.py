@@ -10,15 +10,18 @@ what a user's first run on a machine pays) and ``warm`` with the cache the cold 
 rerun). Prints, per plan and cache, the first step (slowest rank), the median of the later
 steps, and what torch.compile did on each rank: the graphs it built (``unique_graphs``) and the
 frames it was asked to compile (``frames``: more than the graphs means a recompile or a frame
-that failed, e.g. one called on the meta device), and whether a graph took a dynamic batch size.
+that failed, e.g. one called on the meta device), the graphs inductor took from its cache, and
+the seconds torch.compile spent on each rank (``compile s/rank``).
 
-Why pipeline parallel pays more at the first step than data parallel: the ranks of data
-parallel compile at once, while a later stage cannot compile its block before the earlier
-stage has compiled and run its own and sent the shapes on (torch's stage shape inference), and
-the backward runs the other way, so the stages' compile times add up. Each stage's blocks
-compile to the same graphs at the same shapes: cold, the first stage compiles the forward and
-finds the backward the last stage left in the on-disk cache, the last stage the other way
-round (one hit of two on each rank).
+The first step is about the sum of the ranks' compile seconds where the stages compile one
+after another (torch's stage shape inference runs through the sends: a later stage's blocks
+meet torch.compile only once the earlier stage has compiled and sent its shapes on, and the
+backward the other way), and about their maximum where they compile at once (data parallel;
+pipeline parallel since each rank compiles its stages before the schedule's sends,
+``plait.parallel.pipeline_warmup``). Each stage's blocks compile to the same graphs at the same
+shapes: one after another, cold, the first stage compiles the forward and finds the backward the
+last stage left in the on-disk cache, the last stage the other way round (one hit of two on each
+rank); at once, cold, every rank compiles both, as under data parallel.
 """
 
 from __future__ import annotations

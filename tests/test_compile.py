@@ -72,8 +72,12 @@ def test_the_pipeline_split_check_runs_on_a_copy_of_the_eager_blocks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("factory", [W.masked_lm, C.untraced_residual_lm])
-def test_each_pipeline_stage_compiles_its_block_once(data, factory):
+@pytest.mark.parametrize(("plan", "factory"), [
+    ("pp=2,microbatches=4,compile", W.masked_lm),
+    ("pp=2,microbatches=4,compile", C.untraced_residual_lm),
+    ("pp=2,microbatches=4,ac=full,compile", W.masked_lm),  # the compiled forward run again
+])
+def test_each_pipeline_stage_compiles_its_block_once(data, plan, factory):
     """Every stage compiles its block before torch's schedule starts the shape inference that
     runs through the sends (so the stages compile at once, not one after another), and every
     microbatch then runs that graph: one frame asked, one compiled, one graph on each rank (a
@@ -81,12 +85,26 @@ def test_each_pipeline_stage_compiles_its_block_once(data, factory):
     would ask for more)."""
     batches, _ = data
     ref = W.reference(factory, batches, W.mlm_loss)
-    got = run_distributed(C.train_pipeline_compiled, 2, "pp=2,microbatches=4,compile", factory,
-                          batches, timeout=400)
+    got = run_distributed(C.train_pipeline_compiled, 2, plan, factory, batches, timeout=400)
     for rank in got:
         assert rank["at_inference"] == (1, 1), rank
         assert (rank["graphs"], rank["frames"]) == (1, (1, 1)), rank
+    got[0]["plan"] = plan
     _assert_matches(ref, got[0])
+
+
+@pytest.mark.slow
+def test_the_stages_compile_ahead_under_autocast(data):
+    """Under bf16 autocast the stages compile ahead in the autocast the schedule runs in: the
+    microbatches reuse the graph (a graph built outside it would be recompiled), and the losses
+    are the fp32 one-device losses within bf16's rounding."""
+    batches, ref = data
+    got = run_distributed(C.train_pipeline_compiled, 2, "pp=2,microbatches=4,mp=bf16,compile",
+                          W.masked_lm, batches, timeout=400)
+    for rank in got:
+        assert rank["at_inference"] == (1, 1), rank
+        assert (rank["graphs"], rank["frames"]) == (1, (1, 1)), rank
+    assert got[0]["losses"] == pytest.approx(ref["losses"], rel=2e-2)
 
 
 @pytest.mark.slow
