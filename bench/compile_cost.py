@@ -10,15 +10,18 @@ what a user's first run on a machine pays) and ``warm`` with the cache the cold 
 rerun). Prints, per plan and cache, the first step (slowest rank), the median of the later
 steps, and what torch.compile did on each rank: the graphs it built (``unique_graphs``) and the
 frames it was asked to compile (``frames``: more than the graphs means a recompile or a frame
-that failed, e.g. one called on the meta device), and whether a graph took a dynamic batch size.
+that failed, e.g. one called on the meta device), the graphs inductor took from its cache, and
+the seconds torch.compile spent on each rank (``compile s/rank``).
 
-Why pipeline parallel pays more at the first step than data parallel: the ranks of data
-parallel compile at once, while a later stage cannot compile its block before the earlier
-stage has compiled and run its own and sent the shapes on (torch's stage shape inference), and
-the backward runs the other way, so the stages' compile times add up. Each stage's blocks
-compile to the same graphs at the same shapes: cold, the first stage compiles the forward and
-finds the backward the last stage left in the on-disk cache, the last stage the other way
-round (one hit of two on each rank).
+The first step is about the sum of the ranks' compile seconds where the stages compile one
+after another (torch's stage shape inference runs through the sends: a later stage's blocks
+meet torch.compile only once the earlier stage has compiled and sent its shapes on, and the
+backward the other way), and about their maximum where they compile at once (data parallel;
+pipeline parallel since each rank compiles its stages before the schedule's sends,
+``plait.parallel.pipeline_warmup``). Each stage's blocks compile to the same graphs at the same
+shapes: one after another, cold, the first stage compiles the forward and finds the backward the
+last stage left in the on-disk cache, the last stage the other way round (one hit of two on each
+rank); at once, cold, every rank compiles both, as under data parallel.
 """
 
 from __future__ import annotations
@@ -41,7 +44,12 @@ def job(rank: int, world: int, plan: str, model_name: str, steps: int, batch: in
     import torch.distributed as dist
 
     import plait
-    from plait._torch_compat import dynamo_frames, dynamo_graph_count, inductor_cache_hits
+    from plait._torch_compat import (
+        compile_seconds,
+        dynamo_frames,
+        dynamo_graph_count,
+        inductor_cache_hits,
+    )
     from plait.models.transformer import build, lm_loss, preset
 
     run = plait.init(plan, quiet=True, log_every=10**9)
@@ -59,7 +67,8 @@ def job(rank: int, world: int, plan: str, model_name: str, steps: int, batch: in
 
     frames, compiled = dynamo_frames()
     out = {"times": times, "graphs": dynamo_graph_count(), "frames": frames,
-           "failed": frames - compiled, "hits": inductor_cache_hits()}
+           "failed": frames - compiled, "hits": inductor_cache_hits(),
+           "compile": compile_seconds()}
     run.close()
     return out
 
@@ -83,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"world {w}, gloo on CPU, model {args.model}, global batch {args.batch} x seq "
           f"{args.seq}, {args.steps} steps, pipeline microbatches {args.microbatches}")
     print(f"{'plan':<34} {'cache':<5} {'first s':>8} {'later ms':>9} "
-          f"{'graphs/rank':>12} {'frames/rank':>12} {'failed':>7} {'cache hits':>11}")
+          f"{'graphs/rank':>12} {'frames/rank':>12} {'failed':>7} {'cache hits':>11} "
+          f"{'compile s/rank':>15}")
     for plan in plans:
         spec = plan.replace("+", ",")
         if spec.startswith("pp=") or ",pp=" in spec:
@@ -100,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                 later = statistics.median(steps[1:]) * 1e3
                 per = {key: "/".join(str(r[key]) for r in ranks)
                        for key in ("graphs", "frames", "failed", "hits")}
+                per["compile"] = "/".join(f"{r['compile']:.1f}" for r in ranks)
                 print(f"{spec:<34} {kind if 'compile' in spec else '-':<5} {steps[0]:>8.2f} "
                       f"{later:>9.2f} {per['graphs']:>12} {per['frames']:>12} "
-                      f"{per['failed']:>7} {per['hits']:>11}", flush=True)
+                      f"{per['failed']:>7} {per['hits']:>11} {per['compile']:>15}", flush=True)
     return 0
 
 

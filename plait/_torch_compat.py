@@ -469,6 +469,14 @@ def inductor_cache_hits() -> int:
     return int(_resolve("torch._dynamo.utils", "counters")["inductor"]["fxgraph_cache_hit"])
 
 
+def compile_seconds() -> float:
+    """Seconds torch.compile spent in this process compiling frames and their backwards
+    (``torch._dynamo.utils.calculate_time_spent()["total_wall_time"]``): what
+    ``bench/compile_cost.py`` reports per rank. Checked on torch 2.13."""
+    return float(_resolve("torch._dynamo.utils", "calculate_time_spent")()
+                 .get("total_wall_time", 0.0))
+
+
 def xla_set_element() -> Any:
     """``torch_xla.experimental.distributed_checkpoint._helpers.set_element``: puts a loaded
     value at a dotted path of a state dict, as torch_xla's own load planner does.

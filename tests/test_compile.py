@@ -72,18 +72,94 @@ def test_the_pipeline_split_check_runs_on_a_copy_of_the_eager_blocks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("factory", [W.masked_lm, C.untraced_residual_lm])
-def test_each_pipeline_stage_compiles_its_block_once(data, factory):
-    """Every microbatch of every stage runs the one graph compiled at the first: one frame
-    asked, one compiled, one graph on each rank (a recompile, e.g. for a dynamic batch size,
-    or a frame that failed would ask for more)."""
+@pytest.mark.parametrize(("plan", "factory"), [
+    ("pp=2,microbatches=4,compile", W.masked_lm),
+    ("pp=2,microbatches=4,compile", C.untraced_residual_lm),
+    ("pp=2,microbatches=4,ac=full,compile", W.masked_lm),  # the compiled forward run again
+])
+def test_each_pipeline_stage_compiles_its_block_once(data, plan, factory):
+    """Every stage compiles its block before torch's schedule starts the shape inference that
+    runs through the sends (so the stages compile at once, not one after another), and every
+    microbatch then runs that graph: one frame asked, one compiled, one graph on each rank (a
+    recompile, e.g. for a dynamic batch size or another grad mode, or a frame that failed
+    would ask for more)."""
     batches, _ = data
     ref = W.reference(factory, batches, W.mlm_loss)
-    got = run_distributed(C.train_compiled, 2, "pp=2,microbatches=4,compile", factory, batches,
-                          timeout=400)
+    got = run_distributed(C.train_pipeline_compiled, 2, plan, factory, batches, timeout=400)
     for rank in got:
+        assert rank["at_inference"] == (1, 1), rank
         assert (rank["graphs"], rank["frames"]) == (1, (1, 1)), rank
+    got[0]["plan"] = plan
     _assert_matches(ref, got[0])
+
+
+@pytest.mark.slow
+def test_the_stages_compile_ahead_under_autocast(data):
+    """Under bf16 autocast the stages compile ahead in the autocast the schedule runs in: the
+    microbatches reuse the graph (a graph built outside it would be recompiled), and the losses
+    are the fp32 one-device losses within bf16's rounding."""
+    batches, ref = data
+    got = run_distributed(C.train_pipeline_compiled, 2, "pp=2,microbatches=4,mp=bf16,compile",
+                          W.masked_lm, batches, timeout=400)
+    for rank in got:
+        assert rank["at_inference"] == (1, 1), rank
+        assert (rank["graphs"], rank["frames"]) == (1, (1, 1)), rank
+    assert got[0]["losses"] == pytest.approx(ref["losses"], rel=2e-2)
+
+
+@pytest.mark.slow
+def test_compiling_the_stages_ahead_leaves_batchnorm_and_buffers_as_one_device_has_them():
+    """Blocks with a BatchNorm and a buffer counting their calls, both written in the compiled
+    forward: the stages' compile run before the first step writes neither, so the running
+    statistics and counts after 2 steps are one device's (microbatch by microbatch, eager),
+    and so are the losses and parameters."""
+    batches = [W.mlm_batch(s) for s in range(2)]
+    ref = C.microbatched_reference(C.batchnorm_block_lm, batches, 4)
+    got = run_distributed(C.train_pipeline_compiled, 2, "pp=2,microbatches=4,compile",
+                          C.batchnorm_block_lm, batches, timeout=400)
+    for rank in got:
+        assert rank["at_inference"] == (1, 1), rank
+        assert (rank["graphs"], rank["frames"]) == (1, (1, 1)), rank
+    got[0]["plan"] = "pp=2,microbatches=4,compile"
+    assert ref["state"]["blocks.0.calls"] == 2 * 4
+    _assert_matches(ref, got[0])
+
+
+def test_a_stage_run_ahead_of_the_schedule_leaves_the_model_and_the_rng_as_they_were():
+    """What runs each stage once before the first step (for torch.compile to build its graphs
+    on every rank at once): on one process and without compile, the parameters, their
+    gradients, the buffers (BatchNorm's running statistics, a count) and the RNG (dropout)
+    are as they were before, and the hidden states it made for a later stage have the shapes
+    the schedule will hand over."""
+    import torch
+
+    from plait.parallel.pipeline import _buffers_kept
+    from plait.parallel.pipeline_split import build_stage_module, plan_stages
+    from plait.parallel.pipeline_warmup import first_microbatch, stage_input_finder, warm_stages
+
+    model = C.BatchNormBlockLM(dropout=0.5)
+    path, specs = plan_stages(model, Plan.load("pp=2,microbatches=4"))
+    tokens, _ = W.mlm_batch(0)
+    find = stage_input_finder(model, path, specs)
+    assert find is not None
+    first, kwargs = first_microbatch(tokens, {}, 2)
+    metas = find(first, kwargs, True)
+    assert [(m[0].shape, m[0].dtype, m[0].requires_grad) for m in metas] == [
+        ((2, W.SEQ), torch.int64, False), ((2, W.SEQ, W.WIDTH), torch.float32, True)]
+    stages = [(i, build_stage_module(model, path, s)) for i, s in enumerate(specs)]
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    rng = torch.get_rng_state()
+    for train in (True, False):
+        warm_stages(stages, find(first, kwargs, train), first, kwargs, train=train,
+                    device=torch.device("cpu"), buffers_kept=_buffers_kept)
+        assert torch.equal(torch.get_rng_state(), rng)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), k
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, grads[n]), n
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,7 @@ from .pipeline_split import (
     plan_stages,
     shared_parameters,
 )
+from .pipeline_warmup import first_microbatch, stage_input_finder, warm_stages, warms_locally
 from .schedules import check_schedule_args, local_stages, schedule_class, stage_to_rank
 from .tensor import plan_for_stages
 from .timeline import Timeline, now
@@ -358,6 +359,11 @@ class PipelineRunner:
         # A Hugging Face model that pools at its last non-pad token: its last stage reads the
         # first stage's input (the token ids) too (plait.parallel.pipeline_hf.TOKEN_IDS).
         self.token_ids_to_last = False
+        # Under compile: each stage's input shapes, asked on the first inputs of training and of
+        # evaluation (``_warmed``: the modes done), for every stage of this rank to compile
+        # before the schedule runs (plait.parallel.pipeline_warmup).
+        self.find_inputs: Callable[..., Any] | None = None
+        self._warmed: set[bool] = set()
 
     def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one microbatch. torch's schedules split a *tensor* target
@@ -529,6 +535,9 @@ class PipelineRunner:
         if self.check_loss is not None:
             self.check_loss(laid_out, loss_fn)
             self.check_loss = None
+        if self.find_inputs is not None and train not in self._warmed:
+            self._warm(laid_out, train, plan=plan, device=device)
+            self._warmed.add(train)
         self._loss_fn = loss_fn
         self._totals = {}
         if self._schedule is None:
@@ -566,6 +575,27 @@ class PipelineRunner:
         if not self.has_last:
             return torch.full((2,), float("nan"), device=device)
         return torch.stack(list(self._totals.values())).sum(0).to(device)
+
+    def _warm(self, laid_out: StageInputs, train: bool, *, plan: Plan,
+              device: torch.device) -> None:
+        """Compile this rank's stages on their first microbatch's shapes, every rank at once,
+        before the schedule's sends would make them compile one after another
+        (:mod:`plait.parallel.pipeline_warmup`)."""
+        from ..train import autocast
+
+        assert self.find_inputs is not None
+        rows = _rows(laid_out.first) // (plan.microbatches * plan.grad_accum)
+        every = {**laid_out.every, **(laid_out.last_only if self.has_last else {})}
+        first, kwargs = first_microbatch(laid_out.first, every, rows)
+        metas = self.find_inputs(first, {k: kwargs[k] for k in laid_out.every}, train)
+        if metas is None:  # shapes not known before the sends: torch's order
+            return
+        try:
+            with autocast(plan, device):
+                warm_stages([(s.stage_index, s.submod) for s in self.stages], metas, first,
+                            kwargs, train=train, device=device, buffers_kept=_buffers_kept)
+        except Exception:  # noqa: BLE001 - e.g. a forward that needs real hidden states: the
+            pass  # schedule compiles on them (a real error shows there, on the real inputs)
 
     def _check_shapes(self, laid_out: StageInputs, train: bool) -> None:
         """Refuse a batch whose input shapes differ from those the stages were set up for.
@@ -893,6 +923,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     check_split = split_checker(model, path, specs)
     find_owners = owner_finder(model, path, specs)
     check_loss = loss_checker(model, path, specs)
+    find_inputs = stage_input_finder(model, path, specs) if plan.compile else None
     modules = [parallelize_stage(m, mesh, stage_plan, device=device) for m in modules]
     stages = [TimedStage(m, s, len(specs), device, group=pp_mesh.get_group())
               for m, s in zip(modules, mine, strict=True)]
@@ -907,6 +938,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     runner.token_ids_to_last = is_hf_model(model) and pools_by_pad_token(model)
     runner.find_owners = find_owners
     runner.check_loss = check_loss
+    runner.find_inputs = find_inputs if warms_locally(modules) else None
     runner.stage_rank = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
     runner.pp_group = pp_mesh.get_group()
     runner.tied = _local_ties(ties, groups, dict(zip(mine, modules, strict=True)))
