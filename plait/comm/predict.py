@@ -50,6 +50,14 @@ from ..parallel.tp_kv import replicated_kv_elements
 from .volumes import DDP_BUCKET_BYTES, Traffic, ddp_traffic, dtype_bytes
 
 FP32 = 4
+# Compute dtypes of 16 bits: bf16 and fp16 cast and autocast alike (FSDP2's param_dtype, the
+# same autocast op lists), so their collectives carry the same bytes.
+HALF = ("bf16", "fp16")
+
+
+def _compute_dtype(plan: Any) -> str:
+    """The dtype a plan's activations and cast parameters travel in."""
+    return plan.mixed_precision if plan.mixed_precision in HALF else "fp32"
 
 # The ledger table's note where ``expected_for_models`` has no closed form.
 _BY_PLAN = "`plait plan --model pkg.mod:factory --plan <plan>` gives the planner's bytes per axis"
@@ -156,7 +164,7 @@ class TPBlock:
         from ..planner.tp_trace import Sizes
 
         n, m = len(self.forward), len(self.backward)
-        if dtype != "bf16":
+        if dtype not in HALF:
             return Sizes.uniform(FP32, n, m)
         if self.trace is None:
             return Sizes.uniform(2, n, m)
@@ -328,7 +336,7 @@ def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traf
         per_block, per_root = (plan.microbatches + 1) * accum, accum
     else:
         return []
-    b = dtype_bytes("bf16" if plan.mixed_precision == "bf16" else "fp32")
+    b = dtype_bytes(_compute_dtype(plan))
     root = float(local.root_params)
     payload = ((float(local.params) - root) * per_block + root * per_root) * b
     calls = local.layers * per_block + per_root
@@ -345,7 +353,7 @@ def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
     block's)."""
     if plan.tp == 1:
         return []
-    dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
+    dtype = _compute_dtype(plan)
     cast = casts_params(plan)
     micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
     out: list[Traffic] = []
@@ -364,7 +372,7 @@ def casts_params(plan: Any) -> bool:
     bf16 under ZeRO-2/3, and under replicated DP over TP shards (FSDP2 too); elsewhere plait
     computes under autocast over fp32 parameters."""
     fsdp = plan.zero >= 2 or (plan.zero == 0 and plan.tp > 1 and plan.dp_replicate > 1)
-    return plan.mixed_precision == "bf16" and fsdp
+    return plan.mixed_precision in HALF and fsdp
 
 
 def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int,
@@ -376,7 +384,7 @@ def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
         return []
     from ..parallel.schedules import stage_to_rank
 
-    dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
+    dtype = _compute_dtype(plan)
     owner = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
     # a block's output: the dtype the traced forward showed (``block.trace``), else the plan's
     e = (block.sizes(dtype, casts_params(plan)).stack_out if block is not None

@@ -63,8 +63,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     p.add_argument("--seq", type=int, default=None,
                    help="sequence length (default: the longest sample among the first 64 of a "
                    "factory's dataset, else the model's maximum)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
-                   help="compute dtype (default bf16; fp32 on cpu)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="compute dtype (default bf16; fp32 on cpu); fp16 for GPUs without "
+                   "bf16 (T4, V100): mixed_precision=fp16, the loss scaled dynamically")
     p.add_argument("--top", type=int, default=5, help="how many plans to list")
     p.add_argument("--plan", default=None, help="evaluate this layout only, e.g. 'dp=24,tp=8,pp=8'")
     p.add_argument("--memory-gb", type=float, default=None, help="override memory per device")
