@@ -106,8 +106,10 @@ def why_no_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | None,
     if plan.tp > 1 and plan.options.tp_plan is not None:
         return ("options.tp_plan is given by hand; plait predicts the blocks it ships or "
                 "infers a layer plan for")
-    traced = block is not None and block.trace is not None
-    if plan.mixed_precision != "fp32" and not traced:
+    def traced() -> bool:  # the forward pass runs only where its answer is needed
+        return block is not None and block.trace is not None
+
+    if plan.mixed_precision != "fp32" and not traced():
         return (f"under mixed_precision={plan.mixed_precision} each collective travels in "
                 "the dtype the model's own code leaves its input in, read off a forward pass "
                 "on token ids under the device's autocast rules (CPU, CUDA), and that pass "
@@ -116,7 +118,7 @@ def why_no_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | None,
         if plan.activation_checkpointing == "op":
             return ("activation_checkpointing=op under tensor parallelism: torch's "
                     "selective-checkpoint policy decides which collectives replay")
-        if not traced:
+        if not traced():
             return (f"activation_checkpointing={plan.activation_checkpointing} under tensor "
                     "parallelism replays the forward collectives a block saves a tensor "
                     "after, read off a forward pass on token ids (CPU, CUDA), and that pass "
@@ -154,7 +156,18 @@ class TPBlock:
     sp_in_blocks: bool = False
     input_grad: bool = True
     vocab_ends: tuple[bool, bool] = (True, True)
-    trace: Any = field(default=None, compare=False)  # plait.planner.tp_trace.Trace
+    # plait.planner.tp_trace.Trace, or a callable that makes it (or None) on first use: the
+    # forward pass behind it costs seconds on a 7B model and only a 16-bit dtype or
+    # checkpointing under tp read it (:attr:`trace`)
+    traced: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def trace(self) -> Any:
+        """What the forward pass on fake tensors showed (None: no pass, or it did not run),
+        made on first use and kept."""
+        if callable(self.traced):
+            object.__setattr__(self, "traced", self.traced())
+        return self.traced
 
     def sizes(self, dtype: str, cast_params: bool = False) -> Any:
         """Bytes per element of each collective (``plait.planner.tp_trace.Sizes``): fp32 all
@@ -164,7 +177,7 @@ class TPBlock:
         from ..planner.tp_trace import Sizes
 
         n, m = len(self.forward), len(self.backward)
-        if dtype not in HALF:
+        if dtype not in HALF:  # the trace is not made: fp32 moves 4 bytes whatever it shows
             return Sizes.uniform(FP32, n, m)
         if self.trace is None:
             return Sizes.uniform(2, n, m)
@@ -450,8 +463,9 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
     fwd = [tokens * f * k for f, k in zip(block.forward, e.forward, strict=True)]
     bwd = [tokens * f * k for f, k in zip(block.backward, e.backward, strict=True)]
     # the reference block's parameter gradients: at the activations' size (the planner's
-    # estimate); a traced block's: as the trace showed
-    g = e.grads if block.trace is not None else FP32
+    # estimate); a traced block's: as the trace showed (fp32: 4 bytes either way, no trace)
+    half = dtype in HALF
+    g = e.grads if half and block.trace is not None else FP32
     out: list[Traffic] = []
     if fwd or bwd:
         n = len(fwd) + len(bwd)
@@ -470,7 +484,7 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
         out.append(Traffic("tp", "all_gather", float(sum(block.bias_gathers)) * g,
                            len(block.bias_gathers), tp, "fused qkv bias grads"))
     if kv_whole:
-        kv = e.grads if block.trace is not None else dtype_bytes(dtype)
+        kv = e.grads if half and block.trace is not None else dtype_bytes(dtype)
         out.append(Traffic("tp", "all_reduce", float(kv_whole) * kv, 2, tp,
                            "replicated kv weight grads"))
     if recomputed and fwd:
