@@ -69,3 +69,21 @@ def test_16_bit_or_checkpointing_under_tp_runs_it_once(layout, passes):
     assert _price(stats, layout) == first
     _price(stats, "tp=2,mp=bf16")
     assert len(passes) == 3  # kept: not run again
+
+
+def test_the_ledger_traces_before_layout_only_where_the_plan_reads_it(passes):
+    """The runtime takes the planner's stats of the model before laying it out: the pass runs
+    then (on the model as built) for a plan that reads it, and never for one that does not
+    (no trace of a model already laid out)."""
+    from plait.comm.predict import planner_stats, reads_trace
+
+    model = T.MODELS["lora"]()
+    fp32 = Plan.from_string("tp=2")
+    assert not reads_trace(fp32)
+    stats = planner_stats(model, "cpu", fp32)
+    assert passes == [] and stats.tp_block.trace is None and passes == []
+    bf16 = Plan.from_string("tp=2,mp=bf16")
+    assert reads_trace(bf16) and reads_trace(Plan.from_string("tp=2,ac=full"))
+    stats = planner_stats(model, "cpu", bf16)
+    assert passes == ["fp32", "autocast", "params"]
+    assert stats.tp_block.trace is not None and why_no_expected(bf16, stats, (2, 16)) is None

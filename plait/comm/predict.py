@@ -631,19 +631,36 @@ def local_model(model: Any, plan: Any) -> LocalModel:
                       grad_params=grads, grad_tensors=grad_tensors)
 
 
-def planner_stats(model: Any, device_type: str = "cpu") -> Any:
+def reads_trace(plan: Any) -> bool:
+    """Whether ``plan``'s predicted traffic reads the traced forward pass (``TPBlock.trace``):
+    a 16-bit dtype, or checkpointing under tensor parallelism. Otherwise fp32 moves 4 bytes
+    per element and nothing is replayed, whatever the pass would show."""
+    return plan.mixed_precision in HALF or (
+        plan.tp > 1 and plan.activation_checkpointing != "none")
+
+
+def planner_stats(model: Any, device_type: str = "cpu", plan: Any = None) -> Any:
     """The planner's stats of ``model`` (``plait.planner.model_stats.from_module``), taken
-    before it is laid out, its forward traced under ``device_type``'s autocast rules; None for
-    plait's reference transformer (its closed form is exact) and for a model the planner
-    cannot read (no stack of blocks)."""
+    before it is laid out; None for plait's reference transformer (its closed form is exact)
+    and for a model the planner cannot read (no stack of blocks). Its forward is traced under
+    ``device_type``'s autocast rules now, while the model is as the user built it, where
+    ``plan`` reads the trace (:func:`reads_trace`) or no plan is given; otherwise not at
+    all."""
     from ..planner.model_stats import from_module
 
     if _find_config(model) is not None:
         return None
     try:
-        return from_module(model, name=type(model).__name__, device_type=device_type)
+        stats = from_module(model, name=type(model).__name__, device_type=device_type)
     except ValueError:
         return None
+    block = stats.tp_block
+    if block is not None:
+        if plan is None or reads_trace(plan):
+            block.trace  # noqa: B018 - made before layout changes the model
+        elif callable(block.traced):
+            object.__setattr__(block, "traced", None)  # never made on a laid-out model
+    return stats
 
 
 def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ...] | None,
