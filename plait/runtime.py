@@ -208,7 +208,7 @@ class Run:
         if self.ledger is not None and (self.plan.tp > 1 or self.plan.pp > 1):
             from .comm.predict import planner_stats
 
-            self._stats = planner_stats(model, self.device.type)
+            self._stats = planner_stats(model, self.device.type, self.plan)
         out = _parallelize(model, self._mesh(), self.plan, device=self.device)
         self._models.append(out)
         self._resume_weights(out)

@@ -54,6 +54,7 @@ class RoutedMoE(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
+        self.top_k = TOP_K
         self.router = nn.Linear(WIDTH, EXPERTS, bias=False)
         self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
         self.balance: torch.Tensor | None = None
@@ -61,13 +62,13 @@ class RoutedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         probs = self.router(flat).softmax(-1)
-        weight, pick = probs.topk(TOP_K, dim=-1)
+        weight, pick = probs.topk(self.top_k, dim=-1)
         weight = weight / weight.sum(-1, keepdim=True)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(pick == e)
             out = out.index_add(0, token, weight[token, slot, None] * expert(flat[token]))
-        routed = F.one_hot(pick, EXPERTS).sum(1).float().mean(0) / TOP_K
+        routed = F.one_hot(pick, EXPERTS).sum(1).float().mean(0) / self.top_k
         self.balance = EXPERTS * (routed * probs.mean(0)).sum()
         return out.reshape(x.shape)
 

@@ -69,6 +69,10 @@ SLOW_CASES = [
     ("dp_shard=2,zero=3,mixed_precision=bf16", {("dp_shard", "all_gather"),
                                                 ("dp_shard", "reduce_scatter"),
                                                 ("dp_shard", "all_reduce")}),
+    # fp16 casts the gathered parameters as bf16 does (FSDP2's param_dtype): 2 bytes each
+    ("dp_shard=2,zero=3,mixed_precision=fp16", {("dp_shard", "all_gather"),
+                                                ("dp_shard", "reduce_scatter"),
+                                                ("dp_shard", "all_reduce")}),
     ("dp_replicate=2,dp_shard=2,zero=3", {("dp_replicate", "all_reduce"),
                                           ("dp_shard", "all_gather"),
                                           ("dp_shard", "reduce_scatter"),

@@ -50,6 +50,14 @@ from ..parallel.tp_kv import replicated_kv_elements
 from .volumes import DDP_BUCKET_BYTES, Traffic, ddp_traffic, dtype_bytes
 
 FP32 = 4
+# Compute dtypes of 16 bits: bf16 and fp16 cast and autocast alike (FSDP2's param_dtype, the
+# same autocast op lists), so their collectives carry the same bytes.
+HALF = ("bf16", "fp16")
+
+
+def _compute_dtype(plan: Any) -> str:
+    """The dtype a plan's activations and cast parameters travel in."""
+    return plan.mixed_precision if plan.mixed_precision in HALF else "fp32"
 
 # The ledger table's note where ``expected_for_models`` has no closed form.
 _BY_PLAN = "`plait plan --model pkg.mod:factory --plan <plan>` gives the planner's bytes per axis"
@@ -98,8 +106,10 @@ def why_no_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | None,
     if plan.tp > 1 and plan.options.tp_plan is not None:
         return ("options.tp_plan is given by hand; plait predicts the blocks it ships or "
                 "infers a layer plan for")
-    traced = block is not None and block.trace is not None
-    if plan.mixed_precision != "fp32" and not traced:
+    def traced() -> bool:  # the forward pass runs only where its answer is needed
+        return block is not None and block.trace is not None
+
+    if plan.mixed_precision != "fp32" and not traced():
         return (f"under mixed_precision={plan.mixed_precision} each collective travels in "
                 "the dtype the model's own code leaves its input in, read off a forward pass "
                 "on token ids under the device's autocast rules (CPU, CUDA), and that pass "
@@ -108,7 +118,7 @@ def why_no_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | None,
         if plan.activation_checkpointing == "op":
             return ("activation_checkpointing=op under tensor parallelism: torch's "
                     "selective-checkpoint policy decides which collectives replay")
-        if not traced:
+        if not traced():
             return (f"activation_checkpointing={plan.activation_checkpointing} under tensor "
                     "parallelism replays the forward collectives a block saves a tensor "
                     "after, read off a forward pass on token ids (CPU, CUDA), and that pass "
@@ -146,7 +156,18 @@ class TPBlock:
     sp_in_blocks: bool = False
     input_grad: bool = True
     vocab_ends: tuple[bool, bool] = (True, True)
-    trace: Any = field(default=None, compare=False)  # plait.planner.tp_trace.Trace
+    # plait.planner.tp_trace.Trace, or a callable that makes it (or None) on first use: the
+    # forward pass behind it costs seconds on a 7B model and only a 16-bit dtype or
+    # checkpointing under tp read it (:attr:`trace`)
+    traced: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def trace(self) -> Any:
+        """What the forward pass on fake tensors showed (None: no pass, or it did not run),
+        made on first use and kept."""
+        if callable(self.traced):
+            object.__setattr__(self, "traced", self.traced())
+        return self.traced
 
     def sizes(self, dtype: str, cast_params: bool = False) -> Any:
         """Bytes per element of each collective (``plait.planner.tp_trace.Sizes``): fp32 all
@@ -156,7 +177,7 @@ class TPBlock:
         from ..planner.tp_trace import Sizes
 
         n, m = len(self.forward), len(self.backward)
-        if dtype != "bf16":
+        if dtype not in HALF:  # the trace is not made: fp32 moves 4 bytes whatever it shows
             return Sizes.uniform(FP32, n, m)
         if self.trace is None:
             return Sizes.uniform(2, n, m)
@@ -331,7 +352,7 @@ def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traf
         per_block, per_root = (plan.microbatches + 1) * accum, accum
     else:
         return []
-    b = dtype_bytes("bf16" if plan.mixed_precision == "bf16" else "fp32")
+    b = dtype_bytes(_compute_dtype(plan))
     root = float(local.root_params)
     payload = ((float(local.params) - root) * per_block + root * per_root) * b
     calls = local.layers * per_block + per_root
@@ -348,7 +369,7 @@ def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
     block's)."""
     if plan.tp == 1:
         return []
-    dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
+    dtype = _compute_dtype(plan)
     cast = casts_params(plan)
     micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
     out: list[Traffic] = []
@@ -367,7 +388,7 @@ def casts_params(plan: Any) -> bool:
     bf16 under ZeRO-2/3, and under replicated DP over TP shards (FSDP2 too); elsewhere plait
     computes under autocast over fp32 parameters."""
     fsdp = plan.zero >= 2 or (plan.zero == 0 and plan.tp > 1 and plan.dp_replicate > 1)
-    return plan.mixed_precision == "bf16" and fsdp
+    return plan.mixed_precision in HALF and fsdp
 
 
 def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int,
@@ -379,7 +400,7 @@ def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
         return []
     from ..parallel.schedules import stage_to_rank
 
-    dtype = "bf16" if plan.mixed_precision == "bf16" else "fp32"
+    dtype = _compute_dtype(plan)
     owner = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
     # a block's output: the dtype the traced forward showed (``block.trace``), else the plan's
     e = (block.sizes(dtype, casts_params(plan)).stack_out if block is not None
@@ -446,8 +467,9 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
     fwd = [tokens * f * k for f, k in zip(block.forward, e.forward, strict=True)]
     bwd = [tokens * f * k for f, k in zip(block.backward, e.backward, strict=True)]
     # the reference block's parameter gradients: at the activations' size (the planner's
-    # estimate); a traced block's: as the trace showed
-    g = e.grads if block.trace is not None else FP32
+    # estimate); a traced block's: as the trace showed (fp32: 4 bytes either way, no trace)
+    half = dtype in HALF
+    g = e.grads if half and block.trace is not None else FP32
     out: list[Traffic] = []
     if fwd or bwd:
         n = len(fwd) + len(bwd)
@@ -466,7 +488,7 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
         out.append(Traffic("tp", "all_gather", float(sum(block.bias_gathers)) * g,
                            len(block.bias_gathers), tp, "fused qkv bias grads"))
     if kv_whole:
-        kv = e.grads if block.trace is not None else dtype_bytes(dtype)
+        kv = e.grads if half and block.trace is not None else dtype_bytes(dtype)
         out.append(Traffic("tp", "all_reduce", float(kv_whole) * kv, 2, tp,
                            "replicated kv weight grads"))
     if recomputed and fwd:
@@ -613,19 +635,36 @@ def local_model(model: Any, plan: Any) -> LocalModel:
                       grad_params=grads, grad_tensors=grad_tensors)
 
 
-def planner_stats(model: Any, device_type: str = "cpu") -> Any:
+def reads_trace(plan: Any) -> bool:
+    """Whether ``plan``'s predicted traffic reads the traced forward pass (``TPBlock.trace``):
+    a 16-bit dtype, or checkpointing under tensor parallelism. Otherwise fp32 moves 4 bytes
+    per element and nothing is replayed, whatever the pass would show."""
+    return plan.mixed_precision in HALF or (
+        plan.tp > 1 and plan.activation_checkpointing != "none")
+
+
+def planner_stats(model: Any, device_type: str = "cpu", plan: Any = None) -> Any:
     """The planner's stats of ``model`` (``plait.planner.model_stats.from_module``), taken
-    before it is laid out, its forward traced under ``device_type``'s autocast rules; None for
-    plait's reference transformer (its closed form is exact) and for a model the planner
-    cannot read (no stack of blocks)."""
+    before it is laid out; None for plait's reference transformer (its closed form is exact)
+    and for a model the planner cannot read (no stack of blocks). Its forward is traced under
+    ``device_type``'s autocast rules now, while the model is as the user built it, where
+    ``plan`` reads the trace (:func:`reads_trace`) or no plan is given; otherwise not at
+    all."""
     from ..planner.model_stats import from_module
 
     if _find_config(model) is not None:
         return None
     try:
-        return from_module(model, name=type(model).__name__, device_type=device_type)
+        stats = from_module(model, name=type(model).__name__, device_type=device_type)
     except ValueError:
         return None
+    block = stats.tp_block
+    if block is not None:
+        if plan is None or reads_trace(plan):
+            block.trace  # noqa: B018 - made before layout changes the model
+        elif callable(block.traced):
+            object.__setattr__(block, "traced", None)  # never made on a laid-out model
+    return stats
 
 
 def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ...] | None,

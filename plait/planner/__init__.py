@@ -79,8 +79,8 @@ def plan_model(model: Any, cluster: Any = "cpu", *, world_size: int | None = Non
     if seq is None:
         raise ValueError("seq is required (the model does not say its sequence length)")
     dtype = dtype or ("fp32" if c.device == "cpu" else "bf16")
-    if dtype not in ("fp32", "bf16"):
-        raise ValueError(f"dtype={dtype!r} must be 'fp32' or 'bf16'")
+    if dtype not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"dtype={dtype!r} must be 'fp32', 'bf16' or 'fp16'")
     from .uncertainty import with_uncertainty
 
     k = constants or constants_for(c)

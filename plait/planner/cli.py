@@ -41,6 +41,16 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _params(model: ModelStats) -> str:
+    """"47B params", or for a routed mixture of experts "46.7B params, 12.9B active: top-2 of
+    8 experts)": compute is priced on the active ones, memory on all."""
+    text = f"{_count(model.num_params)} params"
+    if model.experts:
+        k, count = model.experts
+        text += f", {_count(model.active_params)} active: top-{k} of {count} experts"
+    return text
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p = parser
     p.add_argument("--model", help="reference preset (e.g. gpt-175b), HF config.json, model YAML, "
@@ -53,8 +63,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     p.add_argument("--seq", type=int, default=None,
                    help="sequence length (default: the longest sample among the first 64 of a "
                    "factory's dataset, else the model's maximum)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
-                   help="compute dtype (default bf16; fp32 on cpu)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="compute dtype (default bf16; fp32 on cpu); fp16 for GPUs without "
+                   "bf16 (T4, V100): mixed_precision=fp16, the loss scaled dynamically")
     p.add_argument("--top", type=int, default=5, help="how many plans to list")
     p.add_argument("--plan", default=None, help="evaluate this layout only, e.g. 'dp=24,tp=8,pp=8'")
     p.add_argument("--memory-gb", type=float, default=None, help="override memory per device")
@@ -414,7 +425,7 @@ def _plan(args: argparse.Namespace) -> int:
     if not ranked:
         print(explain_nothing_fits(result, model, cluster, work, dtype))
         return 1
-    print(f"{model.name} ({_count(model.num_params)} params) on {cluster.world_size} x "
+    print(f"{model.name} ({_params(model)}) on {cluster.world_size} x "
           f"{cluster.name}, global batch {args.global_batch} x seq {seq}"
           f"{_SEQ_FROM[seq_from]}, {dtype}: "
           f"{result.evaluated} layouts priced in {result.seconds:.2f}s, {result.fit} fit in memory"

@@ -76,10 +76,16 @@ class Cluster:
         return self.nodes * self.devices_per_node
 
     def peak(self, dtype: str) -> float:
-        """Peak FLOP/s for the compute dtype (fp32 falls back to tf32 when listed)."""
+        """Peak FLOP/s for the compute dtype (fp32 falls back to tf32 when listed). fp16 only
+        where the chip lists it: TPUs have no fp16 matmul units (bf16 is their 16-bit type)."""
         for key in ((dtype, "tf32") if dtype == "fp32" else (dtype, "fp16")):
             if key in self.peak_flops:
                 return float(self.peak_flops[key])
+        if dtype == "fp16":
+            raise ValueError(f"fp16: {self.device} (cluster {self.name!r}) lists no fp16 peak "
+                             f"(has {', '.join(self.peak_flops)}); TPUs and CPUs train in bf16, "
+                             f"not fp16: use --dtype bf16 (mixed_precision=bf16), which needs "
+                             f"no loss scaling")
         raise ValueError(f"cluster {self.name!r} lists no peak FLOP/s for dtype {dtype!r} "
                          f"(has {', '.join(self.peak_flops)})")
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..comm.predict import TPBlock
 from ..parallel.tp_kv import replicated_kv_elements, tp_fits_kv
+from .moe import config_top_k, routed_layers, summary
 from .tp_block import Held
 
 
@@ -74,6 +75,13 @@ class ModelStats:
     # parallelism lays them out, trainable or not (module factories); None: all split over
     # tp and trainable, as plait's reference transformer.
     held: tuple[Held, Held, Held] | None = None
+    # Routed mixture-of-experts blocks: (experts each token is routed to, experts per layer).
+    # ``block_matmul_params`` then counts the k routed experts a token passes through (and the
+    # router), ``block_params`` every expert: compute follows the active parameters, memory and
+    # gradient traffic all of them. None: a dense model.
+    experts: tuple[int, int] | None = None
+    # Parameters of one block a token passes through (routed MoE: k of E experts); None: all.
+    block_active_params: int | None = None
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -118,8 +126,19 @@ class ModelStats:
         head = self.head_params - (self.embed_params if self.tied else 0)
         return self.n_layers * self.block_params + self.embed_params + max(head, 0)
 
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: all of them, but k of E experts in a routed
+        mixture-of-experts block."""
+        if self.block_active_params is None:
+            return self.num_params
+        return self.num_params - self.n_layers * (self.block_params - self.block_active_params)
+
     def block_flops_per_token(self, seq: int) -> float:
         """Forward FLOPs of one block per token: 2 per matmul weight + 4*s*h attention.
+
+        A routed mixture-of-experts block counts the weights of the k experts each token is
+        routed to and the router's, not all E experts' (``block_matmul_params``).
 
         Attention is counted over the full s x s square (QK^T and AV), as Megatron-LM's formula
         does, so TFLOP/s figures are comparable with published ones.
@@ -228,17 +247,67 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
     bias = bool(data.get("attention_bias", False)) or model_type in ("gpt2", "gpt_neox")
     matmul = h * q + 2 * h * kv + q * h + (3 if gated else 2) * h * ffn
     biases = (q + 2 * kv + h + (ffn + h)) if bias else 0
+    # Qwen2's q, k and v projections carry a bias (its config says so as qkv_bias, or not at all)
+    qkv_bias = not bias and bool(data.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))
+    biases += (q + 2 * kv) if qkv_bias else 0
     norm = 2 * h if model_type in ("gpt2", "gpt_neox", "opt") else h
     tied = bool(data.get("tie_word_embeddings", model_type == "gpt2"))
+    block_tensors = (4 + (3 if gated else 2)) * (2 if bias else 1) + 2 * (norm // h) + \
+        (3 if qkv_bias else 0)
+    block, active, experts = matmul + biases + 2 * norm, matmul, None
+    count = k = expert = 0
+    routed = _hf_experts(data, name, h, gated)
+    if routed is not None:
+        # every layer routed (Mixtral, Qwen-MoE): the MLP's weights become E experts, a router
+        # and a shared expert; a token passes through k experts
+        count, k, expert, shared = routed
+        mlp_weights = (3 if gated else 2) * h * ffn
+        attn = matmul - mlp_weights
+        block = block - mlp_weights + count * expert + h * count + shared
+        active = attn + k * expert + h * count + shared
+        # the MLP's linears become two stacked tensors (transformers' fused experts) and a
+        # router; a shared expert adds its linears and its gate
+        block_tensors += 2 + 1 - (3 if gated else 2) + ((4 if gated else 3) if shared else 0)
+        experts = (k, count)
     return ModelStats(name=name, n_layers=got["n_layers"], hidden=h, n_heads=heads,
                       kv_heads=kv_heads, ffn=ffn, vocab=got["vocab"], mlp=mlp,
-                      block_params=matmul + biases + 2 * norm, block_matmul_params=matmul,
+                      block_params=block, block_matmul_params=active,
                       embed_params=got["vocab"] * h, head_params=norm + got["vocab"] * h,
                       tied=tied,
                       max_seq=data.get("max_position_embeddings") or data.get("n_positions"),
-                      block_tensors=(4 + (3 if gated else 2)) * (2 if bias else 1) +
-                      2 * (norm // h), embed_tensors=1,
-                      head_tensors=norm // h + (0 if tied else 1))
+                      block_tensors=block_tensors, embed_tensors=1,
+                      head_tensors=norm // h + (0 if tied else 1), experts=experts,
+                      block_active_params=block - (count - k) * expert if experts else None)
+
+
+def _hf_experts(data: Mapping[str, Any], name: str, h: int, gated: bool
+                ) -> tuple[int, int, int, int] | None:
+    """(experts E, top-k, weights of one expert, weights of the shared expert and its gate) of
+    a config whose every layer is a routed MoE (Mixtral's ``num_local_experts``, Qwen-MoE's
+    ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+    ``shared_expert_intermediate_size``); None for a dense config. A config that mixes dense
+    and routed layers is refused: the planner prices one kind of block."""
+    count = data.get("num_local_experts") or data.get("num_experts")
+    if not count:
+        return None
+    k = data.get("num_experts_per_tok")
+    for key, value in (("num_experts", count), ("num_experts_per_tok", k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: field {key}={value!r} must be a positive integer")
+    assert isinstance(k, int)
+    if k > count:
+        raise ValueError(f"{name}: num_experts_per_tok={k} is more than the {count} experts")
+    step = data.get("decoder_sparse_step") or 1
+    if step != 1 or data.get("mlp_only_layers"):
+        raise ValueError(f"{name}: decoder_sparse_step={step}, mlp_only_layers="
+                         f"{data.get('mlp_only_layers')!r} mix dense and routed layers, which "
+                         "the planner does not price from a config; give --model a factory "
+                         "'package.module:function' that builds the model")
+    ffn = data.get("moe_intermediate_size") or data.get("intermediate_size") or 4 * h
+    expert = (3 if gated else 2) * h * ffn
+    shared_ffn = data.get("shared_expert_intermediate_size") or 0
+    shared = (3 if gated else 2) * h * shared_ffn + h if shared_ffn else 0
+    return count, k, expert, shared
 
 
 class NoBlockStackError(ValueError):
@@ -276,8 +345,16 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu") -> M
                                 + _BY_HAND)
     _, stack_name, blocks = best
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    # Matmul weights a token passes through: a routed MoE layer's k of E experts (plait.planner
+    # .moe); parameters (memory, traffic) keep all E.
+    default_k = config_top_k(model)
+    routed = [routed_layers(b, lambda m: _dims(m) is not None, default_k, name) for b in blocks]
     matmul = [sum(m.weight.numel() for m in b.modules() if _dims(m) is not None)
-              for b in blocks]
+              + sum(r.extra_matmul - r.idle_fraction * r.expert_matmul for r in layers)
+              for b, layers in zip(blocks, routed, strict=True)]
+    active = [p - sum(r.idle_fraction * r.expert_params for r in layers)
+              for p, layers in zip(block_params, routed, strict=True)]
+    experts = summary(r for layers in routed for r in layers)
     ref = blocks[max(range(len(blocks)), key=lambda i: block_params[i])]
     linears = [d for d in map(_dims, ref.modules()) if d is not None]
     if not linears:
@@ -351,7 +428,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu") -> M
                           _path(model, blocks[0]), _path(model, blocks[-1])), device_type),
                       tied_params=tied_params,
                       tied_shapes=tuple(tuple(p.shape) for p in tied),
-                      held=held_parts(model, stack_name, found))
+                      held=held_parts(model, stack_name, found), experts=experts,
+                      block_active_params=round(sum(active) / len(blocks)) if experts else None)
 
 
 def _divided_heads(block: Any, path: str, plan: Any) -> int | None:

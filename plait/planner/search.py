@@ -155,6 +155,7 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
     see (its blocks do not allow sequence parallelism, its layer plan does not fit tp), or
     None: the ranking then skips what it refuses, asking only about layouts that would rank
     in the ``top``, in order (the check may run the model)."""
+    cluster.peak(dtype)  # a dtype the chip cannot compute in is refused before any layout
     start = time.perf_counter()
     feasible: list[Estimate] = []
     rejected: dict[str, int] = {}

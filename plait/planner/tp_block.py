@@ -10,6 +10,7 @@ plan says which parameters each rank holds whole (norms, row-parallel biases) an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch.nn as nn
@@ -174,8 +175,8 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
                    summed=tuple(summed), sp_in_blocks=in_blocks,
                    input_grad=any(p.requires_grad for p in embeds) or not embeds,
                    vocab_ends=("embed" in ends, "head" in ends),
-                   trace=trace(model, block, fwd_at, bwd_at, ends, seq=TRACE_SEQ,
-                               device_type=device_type))
+                   traced=partial(trace, model, block, fwd_at, bwd_at, ends, seq=TRACE_SEQ,
+                                  device_type=device_type))
 
 
 def _in_out(module: Any) -> tuple[int, int] | None:
