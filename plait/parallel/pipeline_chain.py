@@ -130,6 +130,21 @@ def _ask(outputs: dict[int, list[torch.Tensor]], asked: list[int], index: int,
         asked.append(index)
 
 
+def _distinct_blocks(replica: nn.Module, path: str) -> tuple[list[str], list[nn.Module]]:
+    """The names and modules of the blocks at ``path`` of ``replica``, whose floating
+    parameters this makes trainable (so that every activation records its history); empty
+    when a module is more than one block (one layer applied several times), whose calls
+    cannot be told apart."""
+    container = replica.get_submodule(path) if path else replica
+    named = [(k, m) for k, m in container._modules.items() if m is not None]
+    if len({id(m) for _, m in named}) < len(named):
+        return [], []
+    for p in replica.parameters():
+        if p.is_floating_point():
+            p.requires_grad_(True)
+    return [k for k, _ in named], [m for _, m in named]
+
+
 def chain_break(replica: nn.Module, path: str, x: Any, kwargs: dict[str, Any]
                 ) -> tuple[str, str] | bool | None:
     """The names of the first two consecutive blocks at ``path`` of which the second is not fed
@@ -138,15 +153,9 @@ def chain_break(replica: nn.Module, path: str, x: Any, kwargs: dict[str, Any]
     and ``kwargs`` (meta tensors); True when every block after the first was seen fed by the
     one before; None when it cannot tell (for some block or all). A block under several names
     (one layer applied several times) is not asked about."""
-    container = replica.get_submodule(path) if path else replica
-    named = [(k, m) for k, m in container._modules.items() if m is not None]
-    names = [k for k, _ in named]
-    blocks = [m for _, m in named]
-    if len({id(b) for b in blocks}) < len(blocks):
+    names, blocks = _distinct_blocks(replica, path)
+    if not blocks:
         return None
-    for p in replica.parameters():
-        if p.is_floating_point():
-            p.requires_grad_(True)
     outputs: dict[int, list[torch.Tensor]] = {}
     asked: list[int] = []
     handles = []
@@ -187,14 +196,9 @@ def loss_reads_before(replica: nn.Module, path: str, start: int, x: Any,
     are read besides the hidden states handed on. No verdict when a block before ``start``
     returns an output that cannot be marked (a dict, or from inside a reentrant checkpoint),
     when blocks repeat, or when the forward or the loss does not run on meta tensors."""
-    container = replica.get_submodule(path) if path else replica
-    blocks = [m for m in container._modules.values() if m is not None]
-    names = [k for k, m in container._modules.items() if m is not None]
-    if len({id(b) for b in blocks}) < len(blocks) or not 0 < start < len(blocks):
+    names, blocks = _distinct_blocks(replica, path)
+    if not 0 < start < len(blocks):
         return None
-    for p in replica.parameters():
-        if p.is_floating_point():
-            p.requires_grad_(True)
     outputs: dict[int, list[torch.Tensor]] = {}
     handed_on: list[Any] = []
 
