@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .._torch_compat import pipeline_stage_base, pytree, tree_map_only
+from .._torch_compat import pipeline_stage_base, pytree
 from ..loss import label_shift, loss_sum_and_count, shifts_labels
 from ..mesh import Mesh
 from ..plan import PP_SCHEDULES, Plan
@@ -45,7 +45,13 @@ from .pipeline_buffers import (
     foreign_kept,
     named_buffer,
 )
-from .pipeline_chain import chain_break, loss_reads_before, meta_replica, unchained_message
+from .pipeline_chain import (
+    chain_break,
+    loss_reads_before,
+    meta_replica,
+    on_meta,
+    unchained_message,
+)
 from .pipeline_hf import TOKEN_IDS, is_hf_model, pools_by_pad_token
 from .pipeline_split import (
     StageOutputError,
@@ -679,10 +685,7 @@ def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
         is_hf_model(m) for m in model.modules())  # HF forwards: their adapter handles them
 
     def check(inputs: StageInputs) -> set[str]:
-        def meta(v: Any) -> Any:
-            return v.to("meta") if isinstance(v, torch.Tensor) else v
-
-        x, kwargs = meta(inputs.first), {k: meta(v) for k, v in inputs.every.items()}
+        x, kwargs = on_meta(inputs.first), {k: on_meta(v) for k, v in inputs.every.items()}
         if not specs[0].chained:  # not seen at the split: asked on the real inputs
             broken = chain_break(replica, path, x, kwargs)
             if isinstance(broken, tuple):
@@ -721,12 +724,9 @@ def loss_checker(model: nn.Module, path: str, specs: list[StageSpec]
     def check(inputs: StageInputs, loss_fn: Callable | None) -> None:
         from ..train import model_loss
 
-        def meta(v: Any) -> Any:
-            return tree_map_only()(torch.Tensor, lambda t: t.to("meta"), v)
-
-        kwargs = {k: meta(v) for k, v in {**inputs.every, **inputs.last_only}.items()}
-        targets = meta(inputs.targets)
-        read = loss_reads_before(replica, path, last.start, meta(inputs.first), kwargs,
+        kwargs = {k: on_meta(v) for k, v in {**inputs.every, **inputs.last_only}.items()}
+        targets = on_meta(inputs.targets)
+        read = loss_reads_before(replica, path, last.start, on_meta(inputs.first), kwargs,
                                  lambda out: model_loss(out, loss_fn, targets))
         if not read:
             return
@@ -755,11 +755,8 @@ def owner_finder(model: nn.Module, path: str, specs: list[StageSpec]
     bounds = [(s.start, s.end) for s in specs]
 
     def find(inputs: StageInputs) -> dict[str, int]:
-        def meta(v: Any) -> Any:
-            return v.to("meta") if isinstance(v, torch.Tensor) else v
-
-        return buffer_owners(replica, path, bounds, names, meta(inputs.first),
-                             {k: meta(v) for k, v in inputs.every.items()})
+        return buffer_owners(replica, path, bounds, names, on_meta(inputs.first),
+                             {k: on_meta(v) for k, v in inputs.every.items()})
 
     return find
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .._torch_compat import meta_nonzero_patch
+from .._torch_compat import meta_nonzero_patch, tree_map_only
 
 
 def meta_replica(model: nn.Module) -> nn.Module | None:
@@ -45,6 +45,12 @@ def meta_replica(model: nn.Module) -> nn.Module | None:
         return copy.deepcopy(model, memo)
     except Exception:  # noqa: BLE001 - uncopyable model: the split is not checked up front
         return None
+
+
+def on_meta(value: Any) -> Any:
+    """``value`` (a tensor, or tensors nested in tuples, lists and dicts) on the meta device:
+    the first step's inputs as the meta-device checks of a :func:`meta_replica` take them."""
+    return tree_map_only()(torch.Tensor, lambda t: t.to("meta"), value)
 
 
 def _data_dependent_on_meta() -> contextlib.AbstractContextManager:

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from .layout import layout_of
-from .pipeline_chain import meta_replica
+from .pipeline_chain import meta_replica, on_meta
 from .pipeline_split import StageSpec, build_stage_module
 
 # What a stage's layout may hold for the warm-up to add no collective to its forward.
@@ -90,12 +90,9 @@ def stage_input_finder(model: nn.Module, path: str, specs: list[StageSpec]
 
     def find(first: torch.Tensor, kwargs: dict[str, Any], train: bool
              ) -> list[tuple[InputMeta, ...]] | None:
-        def meta(v: Any) -> Any:
-            return v.to("meta") if isinstance(v, torch.Tensor) else v
-
-        x: tuple[Any, ...] = (meta(first),)
+        x: tuple[Any, ...] = (on_meta(first),)
         metas = [tuple(InputMeta(tuple(t.shape), t.dtype, False) for t in x)]
-        kw = {k: meta(v) for k, v in kwargs.items()}
+        kw = {k: on_meta(v) for k, v in kwargs.items()}
         with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(train):
             for stage in stages:
                 try:
