@@ -451,3 +451,42 @@ class ChainedByTheParent(nn.Module):
 def chained_by_the_parent():
     torch.manual_seed(0)
     return ChainedByTheParent()
+
+
+
+class InputLog(nn.Module):
+    """Passes its input on and keeps, for each call on a real device, the sum of its absolute
+    values (meta-device calls, plait's own checks, are not kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[float] = []
+
+    def forward(self, x):
+        if x.device.type != "meta":
+            self.seen.append(float(x.detach().abs().sum()))
+        return x
+
+
+def logged_mlp():
+    """deep_mlp with an InputLog at the front of every hidden block."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(12, 32)]
+    for _ in range(8):
+        layers += [nn.Sequential(InputLog(), nn.Linear(32, 32), nn.Tanh())]
+    layers.append(nn.Linear(32, 3))
+    return nn.Sequential(*layers)
+
+
+def first_inputs_seen(rank, world_size, plan, batches, loss_fn):
+    """Train logged_mlp; return the losses and, for the first block this rank holds, what its
+    InputLog kept."""
+    from plait.runtime import init
+
+    run = init(plan, quiet=True, log_every=1)
+    model = run.parallelize(logged_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = [float(run.step(model, batch, loss_fn, opt)) for batch in batches]
+    logs = [m for m in model.modules() if isinstance(m, InputLog)]
+    run.close()
+    return {"losses": losses, "seen": logs[0].seen}

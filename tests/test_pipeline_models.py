@@ -403,3 +403,18 @@ def test_a_forward_that_reads_its_input_on_a_later_stage_is_explained():
     note = "\n".join(getattr(info.value, "__notes__", []))
     assert "pipeline stage 1 runs AuxBranchLM's forward with the hidden states" in note, note
     assert f"(a (2, {W.SEQ}, {W.WIDTH}) torch.float32 tensor)" in note and "pp=1" in note
+
+
+def test_the_shape_inference_forward_sees_zeros_on_every_rank():
+    """torch 2.13 infers a later stage's shapes by running its forward once on uninitialised
+    tensors; each rank's garbage differs, so a forward whose collectives depend on values (a
+    routed MoE under tp) ran different collectives on tp peers and aborted. The later stage's
+    first forward must see zeros, and training still equals one device."""
+    batches = [M.mlp_batch(s, 0) for s in range(M.STEPS)]
+    got = run_distributed(M.first_inputs_seen, 2, "pp=2,mb=4", batches, F.mse_loss,
+                          timeout=300)
+    assert got[1]["seen"][0] == 0.0, got[1]["seen"][:2]
+    assert min(got[1]["seen"][1:]) > 0.0  # the microbatches themselves were real
+    want = M.reference_loop(M.logged_mlp, batches, F.mse_loss)["losses"]
+    for rank in (0, 1):
+        assert got[rank]["losses"] == pytest.approx(want, rel=1e-6)

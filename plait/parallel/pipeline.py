@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .._torch_compat import pipeline_stage_base, pytree
@@ -119,6 +120,21 @@ class TimedStage(PipelineStage):
                 with self.submod.no_sync():
                     return super()._prepare_forward_infra(*args, **kwargs)
             return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _to_tensor(self, arg):  # type: ignore[no-untyped-def]
+        # torch 2.13 infers a later stage's shapes by running its forward once on tensors it
+        # makes with torch.empty_strided from the previous stage's metadata: uninitialised
+        # memory, different on each rank (torch 2.9 used zeros). A forward whose collectives
+        # depend on values then runs different collectives on ranks that must agree: a routed
+        # MoE under tp picks its experts by value, so the tp ranks' all-reduces differ in size
+        # and gloo aborts ("Received data size doesn't match expected size") or hangs. A
+        # forward that checks its input (NaN, a range) may raise. Zeros are the same on every
+        # rank. Torch versions without this method never call it.
+        out = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor):
+            with torch.no_grad():
+                (out.to_local() if isinstance(out, DTensor) else out).zero_()
+        return out
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):  # type: ignore[override]
         start = now()
