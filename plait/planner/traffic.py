@@ -19,6 +19,7 @@ from plait.comm.volumes import Traffic
 from plait.mesh import DP_SHARD_TP
 from plait.plan import Plan
 
+from .fsdp_rows import Padding, copy_padding, padding
 from .hardware import Cluster
 from .model_stats import ModelStats
 
@@ -80,6 +81,7 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
     weights = model.layer_weights or (1.0,) * model.n_layers
     block_params = [w * model.block_params for w in weights] if model.layer_weights else \
         [float(model.block_params)] * model.n_layers
+    pad = fsdp_pads(plan, model)
     out = []
     for ids in rank_chunks:
         p = sum(sum(block_params[bounds[i]:bounds[i + 1]]) for i in ids)
@@ -117,6 +119,15 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
             grads = sum(h.grads(tp) * k for h, k in parts) + kv + copy
             # the copy on the last stage is left out of the clip norm (counted once, on the first)
             grad_tensors = round(sum(h.trained_tensors * k for h, k in parts))
+        if pad is not None:  # FSDP2's padded rows: what ZeRO-2/3 gathers, reduces and holds
+            block_pad, embed_pad, rest_pad, copy_pad = pad
+            ends = [(embed_pad, first), (rest_pad, last)]
+            copy_extra = copy_pad if copies else 0.0  # the last stage's copy of a tied weight
+            root += sum(e.all for e, on in ends if on) + copy_extra
+            local += layers * block_pad.all + sum(e.all for e, on in ends if on) + copy_extra
+            if grads is not None:
+                grads += (layers * block_pad.trained + sum(e.trained for e, on in ends if on)
+                          + copy_extra)
         out.append(LocalModel(params=local, root_params=root, tensors=tensors, layers=layers,
                               embed=first, head=last, stages=tuple(ids), num_stages=chunks,
                               clip_axes=clip_axes(plan),
@@ -124,6 +135,20 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
                               tied_tensors=max(1, len(model.tied_shapes)), grad_params=grads,
                               grad_tensors=grad_tensors))
     return out
+
+
+def fsdp_pads(plan: Plan, model: ModelStats) -> tuple[Padding, Padding, Padding, float] | None:
+    """FSDP2's padding under ``plan`` (:mod:`plait.planner.fsdp_rows`) of one block, of the
+    embeddings, of the rest and of a tied weight's copy on the last stage; None where FSDP2
+    does not shard over dp_shard (ZeRO-0/1, dp_shard=1) or the model's shapes were not read
+    (a config: element counts), or tensor parallelism splits a model without a layer plan
+    (every tensor priced as split evenly)."""
+    if plan.zero < 2 or plan.dp_shard == 1 or model.rows is None:
+        return None
+    if plan.tp > 1 and model.held is None:
+        return None
+    block, embed, rest = padding(model.rows, plan.tp, plan.dp_shard)
+    return block, embed, rest, copy_padding(model.tied_shapes, plan.tp, plan.dp_shard)
 
 
 def tied_piece(plan: Plan, model: ModelStats) -> float:
