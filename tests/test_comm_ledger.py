@@ -150,6 +150,22 @@ def test_replicated_kv_heads_gradients_are_predicted():
     assert kv - plain == 2 * CFG.dim * CFG.head_dim * L * 4  # fp32 k and v weight gradients
 
 
+def test_fsdp2_padded_rows_are_predicted():
+    """A vocabulary of 257 at dp_shard=2: FSDP2 cuts dim 0 with torch.chunk and pads every
+    shard to the first, so the embedding and the output head (257 rows each) are gathered and
+    reduce-scattered as 258 rows; predicted exactly, one row of each more than elements."""
+    res = run_distributed(comm_worker, 2, "dp_shard=2,zero=3", W.MODEL, W.STEPS, W.WARMUP,
+                          W.BATCH, W.SEQ, True, {"vocab_size": 257}, timeout=300)[0]
+    rows = _check(res, {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
+                        ("dp_shard", "all_reduce")})
+    cfg = preset(W.MODEL, vocab_size=257)
+    assert not cfg.tie_embeddings
+    elements = by_axis_op(predict(Plan.from_string("dp_shard=2,zero=3"), cfg, W.BATCH, W.SEQ))
+    extra = rows[("dp_shard", "reduce_scatter")]["payload_bytes"] - \
+        elements[("dp_shard", "reduce_scatter")]
+    assert extra == 2 * cfg.dim * 4  # one fp32 row of the embedding and one of the head
+
+
 # --------------------------------------------------------------------------- pure pieces
 def test_axis_names_cover_single_flat_and_joined_axes():
     # A fake 2x2x2 world seen from rank 5 = coordinate (1, 0, 1) on (pp, dp_shard, tp).

@@ -587,8 +587,11 @@ def local_model(model: Any, plan: Any) -> LocalModel:
 
     Parameters are counted at their tensor-parallel-local size: a DTensor's global numel divided
     by the degree of every ``tp`` mesh dimension it is sharded on (FSDP's own sharding is what
-    data parallelism undoes).
+    data parallelism undoes); under ZeRO-2/3 at the padded size FSDP2 gathers and
+    reduce-scatters them (``plait.comm.held.fsdp_padded_numels``: dim 0 rounded up to a
+    multiple of dp_shard).
     """
+    from .held import fsdp_padded_numels
     from .._torch_compat import checkpoint_wrapper_api
     from ..parallel.layout import layout_of, local_modules
     from ..parallel.pipeline_split import PipelineSkip
@@ -601,6 +604,7 @@ def local_model(model: Any, plan: Any) -> LocalModel:
     embed = head = False
     for module in modules:
         inner = getattr(module, "module", module)  # DDP
+        padded = fsdp_padded_numels(module) if plan.zero >= 2 else {}
         for name, p in module.named_parameters():
             n = p.numel()
             mesh = getattr(p, "device_mesh", None)
@@ -610,6 +614,7 @@ def local_model(model: Any, plan: Any) -> LocalModel:
                         clip.add(dim)
                         if dim == "tp":
                             n //= mesh.size(mesh.mesh_dim_names.index(dim))
+            n = padded.get(id(p), n)
             total += n
             tensors += 1
             if p.requires_grad:
