@@ -591,11 +591,11 @@ def local_model(model: Any, plan: Any) -> LocalModel:
     reduce-scatters them (``plait.comm.held.fsdp_padded_numels``: dim 0 rounded up to a
     multiple of dp_shard).
     """
-    from .held import fsdp_padded_numels
     from .._torch_compat import checkpoint_wrapper_api
     from ..parallel.layout import layout_of, local_modules
     from ..parallel.pipeline_split import PipelineSkip
     from ..parallel.units import canonical_name
+    from .held import fsdp_padded_numels
 
     modules = local_modules(model)
     specs = layout_of(model).stage_specs
