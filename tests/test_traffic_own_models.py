@@ -302,7 +302,8 @@ def test_zero_prices_the_rows_fsdp2_pads():
 
 def test_zero_memory_holds_fsdp2s_padded_shard():
     """The planner's parameters, gradients and optimizer state per rank under ZeRO-3 are
-    FSDP2's padded shard (the first chunk, the largest, on rank 0), not elements / dp_shard."""
+    FSDP2's padded shard (the first chunk, the largest, on rank 0), not elements / dp_shard,
+    and the blocks it gathers are at their padded rows."""
     from plait.planner import constants_for
     from plait.planner.cost import Workload, evaluate
     from plait.planner.hardware import load_cluster
@@ -317,4 +318,7 @@ def test_zero_memory_holds_fsdp2s_padded_shard():
     assert est.memory_breakdown["params"] == 4 * shard
     assert est.memory_breakdown["grads"] == 4 * shard
     assert est.memory_breakdown["optimizer"] == 8 * shard
+    # ZeRO-3's two gathered blocks (fp32 parameters and their gradients), at the padded rows
+    block = sum(torch.chunk(p, 4)[0].numel() * 4 for p in model.blocks[0].parameters())
+    assert est.memory_breakdown["compute_copy"] == 2 * 2 * block * 4
 
