@@ -1,12 +1,16 @@
 """The rows FSDP2 pads: each parameter's shape, so the planner prices ZeRO-2/3 at the sizes
-FSDP2 gathers, reduce-scatters and allocates rather than at the model's element count.
+FSDP2 gathers, reduce-scatters and allocates rather than at the model's element count, and a
+dim tensor parallelism splits unevenly at the piece its first rank holds.
 
 FSDP2 (``fully_shard``) cuts dim 0 of each parameter (its tensor-parallel-local piece beside
 tp) with ``torch.chunk`` and pads every shard to the first, the largest: a parameter of ``r``
 rows moves as ``ceil(r / dp_shard) * dp_shard`` rows (``plait.comm.volumes.fsdp_padded_numel``),
-a vocabulary of 51 as 52 at dp_shard 2 or 4, a Linear with 7 outputs as 8. That depends on
-the plan, so the model's stats keep the shapes (``ParamRows``, read off a module) and the
-planner adds the padding for the plan it prices (:func:`padding`).
+a vocabulary of 51 as 52 at dp_shard 2 or 4, a Linear with 7 outputs as 8. Tensor
+parallelism cuts its dim as ``torch.chunk`` does too (DTensor's ``Shard``): 51 vocabulary
+rows at tp=2 are 26 on the first rank and 25 on the second, not 25.5, and data parallelism
+reduces each rank's own piece. Both depend on the plan, so the model's stats keep the shapes
+(``ParamRows``, read off a module) and the planner adds what they change for the plan it
+prices (:func:`padding`).
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ class Rows:
     trained: bool = True
 
     def padding(self, tp: int, shards: int) -> float:
-        """Elements FSDP2 gathers beyond this tensor's tp-local element count (``numel / tp``
-        split, ``numel`` whole: what the planner's ``Held`` counts), on the tp rank holding
-        the largest piece (``torch.chunk``: the first, ``ceil(n / tp)`` of a split dim)."""
+        """Elements the tp rank holding the largest piece (``torch.chunk``: the first,
+        ``ceil(n / tp)`` of a split dim) holds beyond this tensor's even tp-local count
+        (``numel / tp`` split, ``numel`` whole: what the planner's ``Held`` counts), padded as
+        FSDP2 pads it over ``shards`` ranks (1: not sharded, no padding)."""
         local = list(self.shape)
         numel = 1
         for n in self.shape:

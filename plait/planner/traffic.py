@@ -119,7 +119,7 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
             grads = sum(h.grads(tp) * k for h, k in parts) + kv + copy
             # the copy on the last stage is left out of the clip norm (counted once, on the first)
             grad_tensors = round(sum(h.trained_tensors * k for h, k in parts))
-        if pad is not None:  # FSDP2's padded rows: what ZeRO-2/3 gathers, reduces and holds
+        if pad is not None:  # uneven tp pieces, FSDP2's padded rows: what each rank holds
             block_pad, embed_pad, rest_pad, copy_pad = pad
             ends = [(embed_pad, first), (rest_pad, last)]
             copy_extra = copy_pad if copies else 0.0  # the last stage's copy of a tied weight
@@ -138,17 +138,20 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
 
 
 def fsdp_pads(plan: Plan, model: ModelStats) -> tuple[Padding, Padding, Padding, float] | None:
-    """FSDP2's padding under ``plan`` (:mod:`plait.planner.fsdp_rows`) of one block, of the
-    embeddings, of the rest and of a tied weight's copy on the last stage; None where FSDP2
-    does not shard over dp_shard (ZeRO-0/1, dp_shard=1) or the model's shapes were not read
-    (a config: element counts), or tensor parallelism splits a model without a layer plan
-    (every tensor priced as split evenly)."""
-    if plan.zero < 2 or plan.dp_shard == 1 or model.rows is None:
+    """Elements each rank holds beyond the even split the planner's element counts assume, of
+    one block, of the embeddings, of the rest and of a tied weight's copy on the last stage
+    (:mod:`plait.planner.fsdp_rows`): a dim tensor parallelism splits unevenly is cut as
+    ``torch.chunk`` cuts it (the first tp rank holds the most), and under ZeRO-2/3 FSDP2 pads
+    that piece's dim 0 to a multiple of dp_shard. None where neither applies (tp=1 without
+    FSDP2's sharding), the model's shapes were not read (a config: element counts), or tensor
+    parallelism splits a model without a layer plan (every tensor priced as split evenly)."""
+    shards = plan.dp_shard if plan.zero >= 2 else 1
+    if model.rows is None or (plan.tp == 1 and shards == 1):
         return None
     if plan.tp > 1 and model.held is None:
         return None
-    block, embed, rest = padding(model.rows, plan.tp, plan.dp_shard)
-    return block, embed, rest, copy_padding(model.tied_shapes, plan.tp, plan.dp_shard)
+    block, embed, rest = padding(model.rows, plan.tp, shards)
+    return block, embed, rest, copy_padding(model.tied_shapes, plan.tp, shards)
 
 
 def tied_piece(plan: Plan, model: ModelStats) -> float:
