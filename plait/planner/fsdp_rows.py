@@ -76,14 +76,14 @@ def _sum(rows: tuple[Rows, ...], tp: int, shards: int, per: int = 1) -> Padding:
 
 
 def padding(rows: ParamRows, tp: int, shards: int) -> tuple[Padding, Padding, Padding]:
-    """FSDP2's padding at ``tp`` and ``shards`` (dp_shard) of one block, of the embeddings
-    and of the rest."""
+    """Elements beyond an even split (:meth:`Rows.padding`) at ``tp`` and ``shards`` (FSDP2's
+    dp_shard; 1: not sharded) of one block, of the embeddings and of the rest."""
     return (_sum(rows.block, tp, shards, max(rows.blocks, 1)), _sum(rows.embed, tp, shards),
             _sum(rows.rest, tp, shards))
 
 
 def copy_padding(shapes: tuple[tuple[int, ...], ...], tp: int, shards: int) -> float:
-    """FSDP2's padding of the copy of a tied weight on the last pipeline stage (the head's,
+    """:func:`padding` of the copy of a tied weight on the last pipeline stage (the head's,
     split over tp on its rows as the embedding's is)."""
     return sum(Rows(shape, 0).padding(tp, shards) for shape in shapes)
 

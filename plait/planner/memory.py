@@ -27,7 +27,7 @@ from plait.plan import Plan
 from .hardware import Cluster
 from .model_stats import ModelStats
 from .pipeline import Stages, inflight
-from .traffic import act_dtype_bytes, fsdp_pads
+from .traffic import act_dtype_bytes, uneven_pieces
 
 if TYPE_CHECKING:
     from .cost import Constants
@@ -81,7 +81,7 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
     tokens = b * s
     act_full = activation_bytes_per_block(model, b, s, tp, plan.sp, ab, c)
     act_input = tokens * model.hidden * ab / (tp if plan.sp else 1)
-    pads = fsdp_pads(plan, model)
+    pads = uneven_pieces(plan, model)
     best, breakdown = -1.0, {}
     for r in sorted({0, min(1, pp - 1), pp - 1}):
         ids = st.rank_chunks[r]

@@ -81,7 +81,7 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
     weights = model.layer_weights or (1.0,) * model.n_layers
     block_params = [w * model.block_params for w in weights] if model.layer_weights else \
         [float(model.block_params)] * model.n_layers
-    pad = fsdp_pads(plan, model)
+    pad = uneven_pieces(plan, model)
     out = []
     for ids in rank_chunks:
         p = sum(sum(block_params[bounds[i]:bounds[i + 1]]) for i in ids)
@@ -137,7 +137,7 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
     return out
 
 
-def fsdp_pads(plan: Plan, model: ModelStats) -> tuple[Padding, Padding, Padding, float] | None:
+def uneven_pieces(plan: Plan, model: ModelStats) -> tuple[Padding, Padding, Padding, float] | None:
     """Elements each rank holds beyond the even split the planner's element counts assume, of
     one block, of the embeddings, of the rest and of a tied weight's copy on the last stage
     (:mod:`plait.planner.fsdp_rows`): a dim tensor parallelism splits unevenly is cut as
