@@ -507,7 +507,7 @@ def reset_dynamo() -> None:
     _resolve("torch._dynamo", "reset")()
 
 
-def fsdp_param_groups(module: Any) -> list[Any]:
+def fsdp_param_groups(module: Any, dtypes: bool = True) -> list[Any]:
     """The parameter groups (``FSDPParamGroup``) of an ``FSDPModule`` (none for a unit without
     parameters of its own), each checked for the members the ledger's closed form reads.
 
@@ -519,7 +519,8 @@ def fsdp_param_groups(module: Any) -> list[Any]:
     (``shard_mesh_size``) and ``post_forward_mesh_info`` (None when the unit stays gathered
     from forward to backward). Reached through ``FSDPModule._get_fsdp_state()``; torch 2.13
     keeps a list ``_fsdp_param_groups`` (one per mesh), earlier releases one
-    ``_fsdp_param_group``.
+    ``_fsdp_param_group``. ``dtypes=False``: the sizes alone, which FSDP2 sets in
+    ``fully_shard`` (the dtypes only at its first forward).
     Checked on torch 2.13."""
     get_state = getattr(module, "_get_fsdp_state", None)
     if get_state is None:
@@ -535,8 +536,8 @@ def fsdp_param_groups(module: Any) -> list[Any]:
                                                  "post_forward_mesh_info"))
         _require_attrs(group.mesh_info, "FSDPMeshInfo", ("shard_mesh_size",))
         for param in group.fsdp_params:
-            _require_attrs(param, "FSDPParam", ("padded_sharded_param_size", "sharded_param",
-                                                "orig_dtype", "param_dtype", "reduce_dtype"))
+            _require_attrs(param, "FSDPParam", ("padded_sharded_param_size", "sharded_param")
+                           + (("orig_dtype", "param_dtype", "reduce_dtype") if dtypes else ()))
     return list(groups)
 
 

@@ -10,7 +10,11 @@ that trains one under a plan with the ledger on (module-level so spawned ranks i
 * ``tied_lm``: MLP blocks, the head tied to the embedding (under pp on different stages);
 * ``lora_lm``: MLP blocks whose linears are LoRA layers (frozen base, trainable low-rank side
   path), embedding frozen;
-* ``hf_gpt2``, ``hf_llama`` (2 kv heads of 4) of tests/_workers_ledger_any.py.
+* ``odd_lm``: sizes FSDP2 pads under ZeRO-2/3 (dim 0 cut by ``torch.chunk`` and every shard
+  padded to the first): a vocabulary of 51, blocks whose Linear has 7 outputs (a 7-row weight,
+  a bias of 7) and a 1-D gain of 7;
+* ``hf_gpt2``, ``hf_llama`` (2 kv heads of 4) of tests/_workers_ledger_any.py, and
+  ``hf_gpt2_51``: tiny GPT-2 with a vocabulary of 51 (FSDP2 pads its tied embedding).
 """
 
 from __future__ import annotations
@@ -131,6 +135,41 @@ class LoraLM(StackLM):
         self.embed.requires_grad_(False)
 
 
+ODD_VOCAB = 51  # FSDP2 pads it to 52 rows at dp_shard 2 and 4
+
+
+class OddBlock(nn.Module):
+    """x + back(gain * gelu(odd(norm(x)))): ``odd`` has 7 outputs (a 7-row weight and a bias
+    of 7), ``gain`` is a 1-D parameter of 7; none of them divides dp_shard 2 or 4."""
+
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.odd = nn.Linear(width, 7)
+        self.gain = nn.Parameter(torch.ones(7))
+        self.back = nn.Linear(7, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.back(self.gain * F.gelu(self.odd(self.norm(x))))
+
+
+class OddLM(nn.Module):
+    """Embedding and untied head over a vocabulary of 51, four ``OddBlock``s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(ODD_VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(OddBlock() for _ in range(4))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, ODD_VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
 def hf_llama() -> nn.Module:
     """Tiny Llama, 4 query heads sharing 2 kv heads, built locally."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -152,6 +191,16 @@ def hf_gpt2() -> nn.Module:
     return any_model._Logits(GPT2LMHeadModel(cfg))
 
 
+def hf_gpt2_51() -> nn.Module:
+    """Tiny GPT-2 as ``hf_gpt2`` with a vocabulary of 51 (tied wte / lm_head: 51 rows)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=ODD_VOCAB, n_embd=WIDTH, n_layer=4, n_head=2, n_positions=SEQ,
+                     bos_token_id=0, eos_token_id=0)
+    return any_model._Logits(GPT2LMHeadModel(cfg))
+
+
 mlp_lm = partial(seeded, partial(StackLM, MLPBlock))
 attention_lm = partial(seeded, partial(StackLM, AttentionBlock))
 gqa_lm = partial(seeded, partial(StackLM, partial(AttentionBlock, n_kv_heads=2, mlp=True)))
@@ -160,7 +209,7 @@ mqa_lm = partial(seeded, partial(StackLM, partial(AttentionBlock, n_kv_heads=1, 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": mlp_lm, "attention": attention_lm, "gqa": gqa_lm, "mqa": mqa_lm,
     "tied": partial(seeded, TiedLM), "lora": partial(seeded, LoraLM), "gpt2": hf_gpt2,
-    "llama": hf_llama}
+    "llama": hf_llama, "odd": partial(seeded, OddLM), "gpt2_51": hf_gpt2_51}
 
 
 def ledger_rows(rank: int, world_size: int, plan: str, models: list[str]) -> dict[str, Any]:

@@ -150,6 +150,31 @@ def test_replicated_kv_heads_gradients_are_predicted():
     assert kv - plain == 2 * CFG.dim * CFG.head_dim * L * 4  # fp32 k and v weight gradients
 
 
+@pytest.mark.parametrize("plan_text", [
+    "dp_shard=2,zero=3",
+    pytest.param("dp_shard=2,zero=3,tp=2", marks=pytest.mark.slow),
+    pytest.param("dp_replicate=2,tp=2", marks=pytest.mark.slow)])
+def test_uneven_rows_are_predicted(plan_text):
+    """A vocabulary of 257: FSDP2 cuts dim 0 with torch.chunk and pads every shard to the
+    first, so at dp_shard=2 the embedding and the output head are gathered and reduce-scattered
+    as 258 rows; tensor parallelism cuts them as torch.chunk does too, 129 rows on the first tp
+    rank and 128 on the second, and data parallelism reduces each rank's own piece (padded
+    to 130 at dp_shard=2). Predicted exactly."""
+    plan = Plan.from_string(plan_text)
+    res = run_distributed(comm_worker, plan.world_size, plan_text, W.MODEL, W.STEPS, W.WARMUP,
+                          W.BATCH, W.SEQ, True, {"vocab_size": 257}, timeout=300)[0]
+    rows = {(r["axis"], r["op"]): r for r in res["rows"]}
+    _check(res, set(rows))
+    assert {("dp_shard", "reduce_scatter"), ("dp_replicate", "all_reduce")} & set(rows)
+    if plan_text == "dp_shard=2,zero=3":
+        cfg = preset(W.MODEL, vocab_size=257)
+        assert not cfg.tie_embeddings
+        elements = by_axis_op(predict(plan, cfg, W.BATCH, W.SEQ))
+        extra = rows[("dp_shard", "reduce_scatter")]["payload_bytes"] - \
+            elements[("dp_shard", "reduce_scatter")]
+        assert extra == 2 * cfg.dim * 4  # one fp32 row of the embedding and one of the head
+
+
 # --------------------------------------------------------------------------- pure pieces
 def test_axis_names_cover_single_flat_and_joined_axes():
     # A fake 2x2x2 world seen from rank 5 = coordinate (1, 0, 1) on (pp, dp_shard, tp).

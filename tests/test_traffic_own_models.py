@@ -41,16 +41,23 @@ def _same(name: str, plan: str, comm: dict, global_batch: int) -> None:
 # LoRA under bf16 and checkpointing: its row-parallel outputs travel in bf16, its base's input
 # gradient in fp32 (a norm's output) and its B's in bf16 (A's output), and a replay issues
 # both row-parallel all-reduces again (B saves A's all-reduced output), not all but the last.
+# FSDP2's padded rows beside a pipeline: a vocabulary of 51, a 7-row weight, a bias and a 1-D
+# gain of 7 are gathered and reduce-scattered as 52 and 8 rows (the ledger's column here is
+# the planner's; the slow cases below add ZeRO without a pipeline, ZeRO-3 and dp_shard=4).
 CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2"]),
-         ("tp=2,mixed_precision=bf16,activation_checkpointing=full", ["lora"])]
+         ("tp=2,mixed_precision=bf16,activation_checkpointing=full", ["lora"]),
+         ("dp_shard=2,zero=2,pp=2,microbatches=2", ["odd", "gpt2_51"])]
 SLOW_CASES = [
     ("tp=2", ["mlp", "attention", "gqa", "mqa", "tied", "lora", "gpt2", "llama"]),
     ("tp=2,sp=1", ["attention", "gqa", "mqa", "tied", "llama"]),
     ("pp=2,microbatches=2", ["mlp", "tied", "gpt2", "llama"]),
     ("pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,microbatches=2", ["tied", "lora"]),
-    ("dp=2,tp=2", ["mlp", "attention", "lora", "gpt2", "llama"]),
+    # GPT-2 with 51 tokens: each rank reduces its own vocabulary rows, 26 on the first tp rank
+    ("dp=2,tp=2", ["mlp", "attention", "lora", "gpt2", "llama", "gpt2_51"]),
     ("pp=2,tp=2,microbatches=2", ["mlp", "tied", "lora", "gpt2", "mqa"]),
-    ("dp_shard=2,zero=3,tp=2", ["mlp", "lora", "gpt2"]),  # FSDP2's root unit: norms whole
+    # FSDP2's root unit: norms whole; FSDP2 pads the largest tp-local piece (GPT-2 with 51
+    # tokens: 26 vocabulary rows on the first tp rank, 25 on the second)
+    ("dp_shard=2,zero=3,tp=2", ["mlp", "lora", "gpt2", "gpt2_51"]),
     ("pp=2,pp_schedule=zbv,virtual_stages=2,microbatches=2", ["mlp", "llama"]),
     # bf16: autocast over fp32 parameters; FSDP2's bf16 parameters (dp over tp, ZeRO-3 x tp)
     ("tp=2,sp=1,mixed_precision=bf16,grad_accum=2", ["mlp", "lora", "gpt2", "llama"]),
@@ -69,7 +76,13 @@ SLOW_CASES = [
     ("dp=2,pp=2,microbatches=2", ["mlp", "tied", "gpt2"]),
     ("dp_shard=2,zero=1,pp=2,microbatches=2", ["tied", "gpt2", "lora"]),
     ("dp_shard=2,zero=2,pp=2,microbatches=2", ["mlp", "tied", "gpt2", "lora"]),
-    ("dp_shard=2,zero=3,pp=2,microbatches=2", ["tied", "gpt2", "llama"]),
+    ("dp_shard=2,zero=3,pp=2,microbatches=2", ["tied", "gpt2", "llama", "odd", "gpt2_51"]),
+    # sizes FSDP2 pads (dim 0 rounded up to a multiple of dp_shard) without a pipeline, and
+    # ZeRO-1, whose broadcasts move the parameters unpadded
+    ("dp_shard=2,zero=1", ["odd", "gpt2_51"]),
+    ("dp_shard=2,zero=2", ["odd", "gpt2_51"]),
+    ("dp_shard=2,zero=3,mixed_precision=bf16", ["odd", "gpt2_51"]),
+    ("dp_shard=4,zero=3", ["odd", "gpt2_51"]),
 ]
 
 
@@ -257,3 +270,56 @@ def test_no_expected_column_says_why():
     assert "activation_checkpointing=full" in why_no_expected(
         plan("tp=2,activation_checkpointing=full"), features, (4, 8))
     assert why_no_expected(plan("pp=2,activation_checkpointing=full"), features, (4, 8)) is None
+
+
+def test_zero_prices_the_rows_fsdp2_pads():
+    """FSDP2 cuts each parameter's dim 0 with torch.chunk and pads every shard to the first:
+    under ZeRO-2/3 the planner's gathers, reduce-scatters and memory per rank count
+    ``torch.chunk(p, dp_shard)[0]`` times dp_shard for every parameter (51 rows as 52, 7 as 8),
+    under ZeRO-1 (ZeroRedundancyOptimizer's broadcasts of whole parameters) the elements."""
+    from plait.comm.volumes import fsdp_padded_numel
+    from plait.planner.traffic import rank_shares
+
+    with torch.device("meta"):
+        model = T.MODELS["odd"]()
+    stats = load_model(model)
+    elements = sum(p.numel() for p in model.parameters())
+    for shards in (2, 3, 4, 8):
+        padded = sum(torch.chunk(p, shards)[0].numel() * shards for p in model.parameters())
+        assert padded == sum(fsdp_padded_numel(tuple(p.shape), shards)
+                             for p in model.parameters())
+        assert padded > elements, shards
+        for zero in (2, 3):
+            plan = Plan.from_string(f"dp_shard={shards},zero={zero}")
+            (share,) = rank_shares(plan, stats, [len(model.blocks)], [range(1)])
+            assert share.params == share.grads == padded, (shards, zero)
+            outside = [model.embed, model.norm, model.head]
+            assert share.root_params == sum(torch.chunk(p, shards)[0].numel() * shards
+                                            for m in outside for p in m.parameters())
+        plan = Plan.from_string(f"dp_shard={shards},zero=1")
+        (share,) = rank_shares(plan, stats, [len(model.blocks)], [range(1)])
+        assert share.params == elements
+
+
+def test_zero_memory_holds_fsdp2s_padded_shard():
+    """The planner's parameters, gradients and optimizer state per rank under ZeRO-3 are
+    FSDP2's padded shard (the first chunk, the largest, on rank 0), not elements / dp_shard,
+    and the blocks it gathers are at their padded rows."""
+    from plait.planner import constants_for
+    from plait.planner.cost import Workload, evaluate
+    from plait.planner.hardware import load_cluster
+
+    with torch.device("meta"):
+        model = T.MODELS["odd"]()
+    stats = load_model(model)
+    plan = Plan.from_string("dp_shard=4,zero=3")
+    cluster = load_cluster("cpu", devices=4)
+    est = evaluate(plan, stats, cluster, Workload(8, T.SEQ), constants_for(cluster))
+    shard = sum(torch.chunk(p, 4)[0].numel() for p in model.parameters())
+    assert est.memory_breakdown["params"] == 4 * shard
+    assert est.memory_breakdown["grads"] == 4 * shard
+    assert est.memory_breakdown["optimizer"] == 8 * shard
+    # ZeRO-3's two gathered blocks (fp32 parameters and their gradients), at the padded rows
+    block = sum(torch.chunk(p, 4)[0].numel() * 4 for p in model.blocks[0].parameters())
+    assert est.memory_breakdown["compute_copy"] == 2 * 2 * block * 4
+

@@ -86,6 +86,25 @@ def _nbytes(params: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def fsdp_padded_numels(model: nn.Module) -> dict[int, int]:
+    """Elements FSDP2 gathers and reduce-scatters for each parameter it shards in ``model``,
+    by ``id`` of the parameter as ``model.parameters()`` yields it: FSDP2's own padded shard
+    (dim 0 cut by ``torch.chunk``, every shard padded to the first) times the shard count,
+    the tensor-parallel-local piece beside tp."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from .._torch_compat import fsdp_param_groups
+
+    out = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in fsdp_param_groups(module, dtypes=False):
+                shards = group.mesh_info.shard_mesh_size
+                for fp in group.fsdp_params:
+                    out[id(fp.sharded_param)] = fp.padded_sharded_param_size.numel() * shards
+    return out
+
+
 def shard_units(model: nn.Module) -> tuple[ShardUnit, ...]:
     """FSDP2's units in ``model``, read off FSDP2's own state (padded shard sizes, dtypes,
     whether it reshards after forward), one per parameter group."""

@@ -585,14 +585,19 @@ def _find_config(model: Any) -> Any:
 def local_model(model: Any, plan: Any) -> LocalModel:
     """Read a ``LocalModel`` off a model ``plait.parallelize`` returned.
 
-    Parameters are counted at their tensor-parallel-local size: a DTensor's global numel divided
-    by the degree of every ``tp`` mesh dimension it is sharded on (FSDP's own sharding is what
-    data parallelism undoes).
+    Parameters are counted at their tensor-parallel-local size, the piece this rank holds (a
+    dim tp does not divide is cut as ``torch.chunk`` cuts it, the first piece the largest):
+    where FSDP2 holds them (ZeRO-2/3, replicated DP over tp) at the size FSDP2 gathers and
+    reduces, its padded shard of the tp-local tensor times the shard count
+    (``plait.comm.held.fsdp_padded_numels``: dim 0 rounded up to a multiple of dp_shard);
+    a DTensor split on tp alone, its local tensor (FSDP's own sharding is what data
+    parallelism undoes).
     """
     from .._torch_compat import checkpoint_wrapper_api
     from ..parallel.layout import layout_of, local_modules
     from ..parallel.pipeline_split import PipelineSkip
     from ..parallel.units import canonical_name
+    from .held import fsdp_padded_numels
 
     modules = local_modules(model)
     specs = layout_of(model).stage_specs
@@ -601,15 +606,19 @@ def local_model(model: Any, plan: Any) -> LocalModel:
     embed = head = False
     for module in modules:
         inner = getattr(module, "module", module)  # DDP
+        padded = fsdp_padded_numels(module)  # FSDP2's own sizes, where it holds parameters
         for name, p in module.named_parameters():
             n = p.numel()
             mesh = getattr(p, "device_mesh", None)
             if mesh is not None and mesh.mesh_dim_names:
-                for dim, placement in zip(mesh.mesh_dim_names, p.placements, strict=True):
-                    if is_split(placement):
-                        clip.add(dim)
-                        if dim == "tp":
-                            n //= mesh.size(mesh.mesh_dim_names.index(dim))
+                split = [dim for dim, placement in zip(mesh.mesh_dim_names, p.placements,
+                                                       strict=True) if is_split(placement)]
+                clip.update(split)
+                if split == ["tp"]:  # this rank's piece, as torch.chunk cuts an uneven dim
+                    n = p.to_local().numel()
+                elif "tp" in split:
+                    n //= mesh.size(mesh.mesh_dim_names.index("tp"))
+            n = padded.get(id(p), n)
             total += n
             tensors += 1
             if p.requires_grad:

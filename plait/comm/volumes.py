@@ -59,6 +59,25 @@ def wire_bytes(op: str, payload: float, n: int) -> float:
     return payload * bus_factor(op, n)
 
 
+def fsdp_shard_rows(rows: int, shards: int) -> int:
+    """Rows of dim 0 each of ``shards`` ranks holds of a parameter FSDP2 shards, padding
+    included: FSDP2 (``fully_shard``) cuts dim 0 with ``torch.chunk`` and pads every shard to
+    the first, the largest, so each holds ``ceil(rows / shards)`` rows and its all-gather and
+    reduce-scatter move ``shards`` times that (51 rows at dp_shard=2 or 4 move as 52)."""
+    return -(-rows // shards)
+
+
+def fsdp_padded_numel(shape: tuple[int, ...], shards: int) -> int:
+    """Elements FSDP2 gathers and reduce-scatters for a parameter of ``shape`` sharded over
+    ``shards`` ranks: dim 0 rounded up to a multiple of ``shards`` (:func:`fsdp_shard_rows`)."""
+    if not shape:  # a 0-d tensor has no dim 0 to cut: its one element
+        return 1
+    rest = 1
+    for n in shape[1:]:
+        rest *= n
+    return fsdp_shard_rows(shape[0], shards) * shards * rest
+
+
 # =============================================================================================
 # Per-strategy closed forms: the bytes one training step moves, per rank, per mesh axis.
 #

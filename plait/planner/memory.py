@@ -1,10 +1,11 @@
 """Memory per device: model state by ZeRO stage, activations by schedule, logits, buffers.
 
 * Parameters (fp32), gradients (fp32), AdamW state (2 x fp32). FSDP2 (ZeRO-2/3) shards
-  parameters and gradients over dp_shard; ZeRO-1 is DDP + ZeroRedundancyOptimizer in plait's
-  runtime, so only AdamW's state is sharded. A compute-dtype copy of the parameters under bf16;
-  ZeRO-2 keeps the whole stage gathered from forward to backward (docs/zero.md: 16 Psi / d +
-  C Psi), ZeRO-3 two gathered blocks.
+  parameters and gradients over dp_shard, each rank holding its padded shard (dim 0 rounded
+  up to a multiple of dp_shard: ``plait.planner.fsdp_rows``, in each rank's share); ZeRO-1 is
+  DDP + ZeroRedundancyOptimizer in plait's runtime, so only AdamW's state is sharded. A
+  compute-dtype copy of the parameters under bf16; ZeRO-2 keeps the whole stage gathered from
+  forward to backward (docs/zero.md: 16 Psi / d + C Psi), ZeRO-3 two gathered blocks.
 * Activations per block after Korthikanti et al. 2022 (table 2), generalised to GQA, SwiGLU and
   any ffn size: 2-byte figures scaled to the compute dtype; the replicated part (norm inputs,
   inputs of QKV/MLP, dropout masks: 10sbh for GPT) is not divided by tp unless sp; attention
@@ -26,7 +27,7 @@ from plait.plan import Plan
 from .hardware import Cluster
 from .model_stats import ModelStats
 from .pipeline import Stages, inflight
-from .traffic import act_dtype_bytes
+from .traffic import act_dtype_bytes, uneven_pieces
 
 if TYPE_CHECKING:
     from .cost import Constants
@@ -80,6 +81,7 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
     tokens = b * s
     act_full = activation_bytes_per_block(model, b, s, tp, plan.sp, ab, c)
     act_input = tokens * model.hidden * ab / (tp if plan.sp else 1)
+    pads = uneven_pieces(plan, model)
     best, breakdown = -1.0, {}
     for r in sorted({0, min(1, pp - 1), pp - 1}):
         ids = st.rank_chunks[r]
@@ -97,8 +99,9 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
             copy = Pr * act_dtype_bytes(dtype)
         elif dtype in ("bf16", "fp16") and zero < 2:
             copy = 2 * Pr
-        if zero == 3:
-            copy += 2 * 2 * model.block_params / tp * ab / 2 * (2 if dtype == "fp32" else 1)
+        if zero == 3:  # two blocks gathered, at FSDP2's padded rows
+            block = model.block_params / tp + (pads[0].all if pads else 0.0)
+            copy += 2 * 2 * block * ab / 2 * (2 if dtype == "fp32" else 1)
         dropped, _ = checkpointed(plan, layers)
         per_mb = (layers - dropped) * act_full + dropped * act_input
         if plan.activation_checkpointing == "op":

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..comm.predict import TPBlock
 from ..parallel.tp_kv import replicated_kv_elements, tp_fits_kv
+from .fsdp_rows import ParamRows, param_rows
 from .moe import config_top_k, routed_layers, summary
 from .tp_block import Held
 
@@ -75,6 +76,10 @@ class ModelStats:
     # parallelism lays them out, trainable or not (module factories); None: all split over
     # tp and trainable, as plait's reference transformer.
     held: tuple[Held, Held, Held] | None = None
+    # Every parameter tensor's shape, the dim tensor parallelism splits and whether it trains
+    # (module factories): FSDP2 pads dim 0 to a multiple of dp_shard under ZeRO-2/3, which
+    # element counts cannot show (plait.planner.fsdp_rows). None: not read, no padding priced.
+    rows: ParamRows | None = None
     # Routed mixture-of-experts blocks: (experts each token is routed to, experts per layer).
     # ``block_matmul_params`` then counts the k routed experts a token passes through (and the
     # router), ``block_params`` every expert: compute follows the active parameters, memory and
@@ -428,7 +433,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu") -> M
                           _path(model, blocks[0]), _path(model, blocks[-1])), device_type),
                       tied_params=tied_params,
                       tied_shapes=tuple(tuple(p.shape) for p in tied),
-                      held=held_parts(model, stack_name, found), experts=experts,
+                      held=held_parts(model, stack_name, found),
+                      rows=param_rows(model, stack_name, found), experts=experts,
                       block_active_params=round(sum(active) / len(blocks)) if experts else None)
 
 

@@ -67,6 +67,23 @@ _SPLIT_WEIGHT = {"colwise", "colwise_qkv", "rowwise", "vocab_embedding", "vocab_
 _SPLIT_BIAS = {"colwise"}
 
 
+def split_dim(module: nn.Module, kind: str, style: str | None) -> int | None:
+    """The dim of ``module``'s parameter ``kind`` ("weight", "bias") that tensor parallelism
+    splits under ``style`` (``plait.parallel.tensor``), or None where it keeps it whole: a
+    column-parallel layer's output features (dim 1 of an HF Conv1D weight, stored (in, out)),
+    a row-parallel layer's input features (dim 0 of a Conv1D weight), an embedding's rows."""
+    from .model_stats import _dims
+
+    if style not in _SPLIT_WEIGHT or (kind != "weight" and style not in _SPLIT_BIAS):
+        return None
+    conv = kind == "weight" and _dims(module) is not None and not isinstance(module, nn.Linear)
+    if style == "rowwise" and isinstance(module, nn.Linear):
+        return 1
+    if style in ("colwise", "colwise_qkv", "vocab_head"):
+        return 1 if conv else 0
+    return 0  # rowwise Conv1D weight, an embedding's rows
+
+
 def held_parts(model: nn.Module, stack: str, found: tuple[Any, bool] | None
                ) -> tuple[Held, Held, Held] | None:
     """How tensor parallelism lays out the parameters of one block of the stack at ``stack``
@@ -85,7 +102,7 @@ def held_parts(model: nn.Module, stack: str, found: tuple[Any, bool] | None
     for name, p in model.named_parameters():
         owner, _, kind = name.rpartition(".")
         style = next((st for regex, st in patterns if regex.match(owner)), None)
-        split = style in _SPLIT_WEIGHT and (kind == "weight" or style in _SPLIT_BIAS)
+        split = split_dim(model.get_submodule(owner), kind, style) is not None
         part = parts[0 if stack and name.startswith(stack + ".") else
                      1 if id(p) in embeds else 2]
         part[0 if split else 1] += p.numel()

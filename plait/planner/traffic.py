@@ -19,6 +19,7 @@ from plait.comm.volumes import Traffic
 from plait.mesh import DP_SHARD_TP
 from plait.plan import Plan
 
+from .fsdp_rows import Padding, copy_padding, padding
 from .hardware import Cluster
 from .model_stats import ModelStats
 
@@ -80,6 +81,7 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
     weights = model.layer_weights or (1.0,) * model.n_layers
     block_params = [w * model.block_params for w in weights] if model.layer_weights else \
         [float(model.block_params)] * model.n_layers
+    pad = uneven_pieces(plan, model)
     out = []
     for ids in rank_chunks:
         p = sum(sum(block_params[bounds[i]:bounds[i + 1]]) for i in ids)
@@ -117,6 +119,15 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
             grads = sum(h.grads(tp) * k for h, k in parts) + kv + copy
             # the copy on the last stage is left out of the clip norm (counted once, on the first)
             grad_tensors = round(sum(h.trained_tensors * k for h, k in parts))
+        if pad is not None:  # uneven tp pieces, FSDP2's padded rows: what each rank holds
+            block_pad, embed_pad, rest_pad, copy_pad = pad
+            ends = [(embed_pad, first), (rest_pad, last)]
+            copy_extra = copy_pad if copies else 0.0  # the last stage's copy of a tied weight
+            root += sum(e.all for e, on in ends if on) + copy_extra
+            local += layers * block_pad.all + sum(e.all for e, on in ends if on) + copy_extra
+            if grads is not None:
+                grads += (layers * block_pad.trained + sum(e.trained for e, on in ends if on)
+                          + copy_extra)
         out.append(LocalModel(params=local, root_params=root, tensors=tensors, layers=layers,
                               embed=first, head=last, stages=tuple(ids), num_stages=chunks,
                               clip_axes=clip_axes(plan),
@@ -124,6 +135,23 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
                               tied_tensors=max(1, len(model.tied_shapes)), grad_params=grads,
                               grad_tensors=grad_tensors))
     return out
+
+
+def uneven_pieces(plan: Plan, model: ModelStats) -> tuple[Padding, Padding, Padding, float] | None:
+    """Elements each rank holds beyond the even split the planner's element counts assume, of
+    one block, of the embeddings, of the rest and of a tied weight's copy on the last stage
+    (:mod:`plait.planner.fsdp_rows`): a dim tensor parallelism splits unevenly is cut as
+    ``torch.chunk`` cuts it (the first tp rank holds the most), and under ZeRO-2/3 FSDP2 pads
+    that piece's dim 0 to a multiple of dp_shard. None where neither applies (tp=1 without
+    FSDP2's sharding), the model's shapes were not read (a config: element counts), or tensor
+    parallelism splits a model without a layer plan (every tensor priced as split evenly)."""
+    shards = plan.dp_shard if plan.zero >= 2 else 1
+    if model.rows is None or (plan.tp == 1 and shards == 1):
+        return None
+    if plan.tp > 1 and model.held is None:
+        return None
+    block, embed, rest = padding(model.rows, plan.tp, shards)
+    return block, embed, rest, copy_padding(model.tied_shapes, plan.tp, shards)
 
 
 def tied_piece(plan: Plan, model: ModelStats) -> float:
