@@ -117,3 +117,14 @@ def one_device_losses(batches: list[list[int]]) -> list[float]:
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return losses
+
+
+if __name__ == "__main__":
+    # One rank of a job started as plain processes (tests._ranks.run_ranks): loader workers
+    # are child processes, which plait.spawn's daemonic ranks may not start.
+    import json
+    import sys
+
+    folder, plan, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.save(trace(rank, world, plan, **args), os.path.join(folder, f"{rank}.pt"))

@@ -5,6 +5,8 @@ workers, and a script's own DataLoader. Real processes on gloo, each run under a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from plait.spawn import WorkerError, run_distributed
@@ -71,3 +73,86 @@ def test_every_layout_trains_one_devices_global_batches():
         for r in ranks:
             assert all(abs(a - b) <= REL * abs(a)
                        for a, b in zip(plain, r["losses"], strict=True)), (plan, r["losses"])
+
+
+def test_loader_workers_hand_out_the_same_batches(tmp_path):
+    """num_workers=2 with persistent workers and pin_memory (left off on CPU, silently) under
+    dp=2, the loader iterated once per epoch: the rows are loaded in the workers, the same
+    workers both epochs, and the global batches and losses are one device's. The ranks are
+    plain processes (as under torchrun): a daemonic process may not start loader workers."""
+    import json
+
+    import torch
+
+    from plait.data import DistributedLoader
+    from tests._ranks import run_ranks
+
+    order = DistributedLoader(D.Numbered(), D.BATCH)
+    want = [order.rows(step) for step in range(2 * order.batches_per_epoch)]
+    plain = D.one_device_losses(want)
+    args = {"steps": None, "epochs": 2, "num_workers": 2, "persistent_workers": True,
+            "pin_memory": True}
+    ended = run_ranks(Path(D.__file__), str(tmp_path), "dp=2", json.dumps(args), timeout=120)
+    assert [e.code for e in ended] == [0, 0], [e.stderr[-2000:] for e in ended]
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    assert _global_batches(ranks) == want
+    for r in ranks:
+        assert {w for step in r["workers"] for w in step} == {0, 1}
+        half = len(r["pids"]) // 2
+        assert ({p for step in r["pids"][:half] for p in step}
+                == {p for step in r["pids"][half:] for p in step})  # persistent
+        assert all(abs(a - b) <= REL * abs(a) for a, b in zip(plain, r["losses"], strict=True))
+        assert not [w for w in r["warnings"] if "pin" in w], r["warnings"]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_loader_with_workers_resumes_at_the_next_batch_it_did_not_hand_out(persistent):
+    """The workers fetch batches ahead; the position counts those handed out. A pass stopped
+    after 3 steps continues at step 4, in a new loader (a resume) or the same one (persistent
+    workers drop what they fetched ahead)."""
+    from plait.data import DistributedLoader
+
+    def ids(batches):
+        return [b["id"].tolist() for b in batches]
+
+    def make(**kw):
+        return DistributedLoader(D.Numbered(), D.BATCH, dp_rank=1, dp_size=2, steps=6,
+                                 collate_fn=D.pad, **kw)
+
+    whole = ids(make())
+    loader = make(num_workers=2, persistent_workers=persistent)
+    first = ids(b for _, b in zip(range(3), loader, strict=False))
+    assert first == whole[:3] and loader.state_dict()["step"] == 3
+    resumed = make(num_workers=2)
+    resumed.load_state_dict(loader.state_dict())
+    assert ids(resumed) == whole[3:]
+    assert ids(loader) == whole[3:]  # the same loader, iterated again
+
+
+def test_items_a_loader_in_order_never_draws_are_named():
+    """Without shuffling, the items after the last whole global batch are never drawn, in any
+    epoch: 22 items, batches of 8, items 16 to 21. A shuffled loader (other epochs draw them)
+    or a batch size that divides the dataset says nothing."""
+    from plait.data import DistributedLoader
+
+    with pytest.warns(UserWarning, match=r"shuffle=False and 22 items make 2 global batches of "
+                                         r"8: the last 6 items \(indices 16 to 21\) are never "
+                                         r"drawn.*batch_size that divides 22, or shuffle=True"):
+        loader = DistributedLoader(list(range(22)), 8, shuffle=False)
+    drawn = {int(i) for step in range(4) for i in loader.global_indices(step)}
+    assert drawn == set(range(16))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DistributedLoader(list(range(22)), 8)
+        DistributedLoader(list(range(24)), 8, shuffle=False)
+
+
+def test_bad_worker_settings_are_refused():
+    from plait.data import DistributedLoader
+
+    with pytest.raises(ValueError, match="num_workers=-1 must be >= 0"):
+        DistributedLoader(list(range(8)), 4, num_workers=-1)
+    with pytest.raises(ValueError, match="persistent_workers=True .* give num_workers > 0"):
+        DistributedLoader(list(range(8)), 4, persistent_workers=True)
