@@ -103,6 +103,20 @@ def own_sampler(rank: int, world_size: int, plan: str, sampler_args: dict[str, s
     return losses
 
 
+def check_batches(rank: int, world_size: int, batches: list[Any], dp_ranks: list[int]
+                  ) -> list[str]:
+    """plait's first-step batch check on ``batches[rank]``, this rank in data replica
+    ``dp_ranks[rank]`` (the others its tensor-parallel peers): the warnings it raised."""
+    from plait.data.replicas import check_rank_batches
+
+    dp = len(set(dp_ranks))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_rank_batches(batches[rank], dp_ranks[rank], dp, {"tp": world_size // dp},
+                           torch.device("cpu"))
+    return [str(w.message) for w in caught]
+
+
 def one_device_losses(batches: list[list[int]]) -> list[float]:
     """No plait, one process: SGD on each global batch (rows by index), the model's own loss."""
     data, model = Numbered(), WithLoss(masked_lm())

@@ -47,6 +47,28 @@ def test_peers_of_one_replica_loading_other_rows_are_refused():
     assert tp[0] == tp[1] and pp[0] == pp[1]
 
 
+def test_the_batch_check_compares_peers_and_replicas_alike():
+    """Peers holding one batch pass, NaN (missing values) included; peers holding batches that
+    differ in one value, or only in the order of their rows, are refused; replicas holding the
+    same rows are warned about (world 4: 2 replicas of 2 tensor-parallel ranks)."""
+    import torch
+
+    x = torch.arange(12.0).reshape(4, 3)
+    x[1, 2] = float("nan")
+    swapped, nudged = x[[1, 0, 2, 3]], x.clone()
+    nudged[3, 0] += 1
+    y = x + 100
+    assert run_distributed(D.check_batches, 4, [(x, 1), (x, 1), (y, 2), (y, 2)], [0, 0, 1, 1],
+                           timeout=60) == [[]] * 4
+    for other in (swapped, nudged):
+        with pytest.raises(WorkerError, match=r"the 2 ranks of data replica 1 \(ranks \[2, 3\], "
+                                              r"its tensor-parallel peers\) got different"):
+            run_distributed(D.check_batches, 4, [x, x, y, other], [0, 0, 1, 1], timeout=60)
+    warned = run_distributed(D.check_batches, 4, [x] * 4, [0, 0, 1, 1], timeout=60)
+    assert ["the 2 data replicas got the same batch" in w for w in warned[0]] == [True]
+    assert warned[1:] == [[]] * 3  # rank 0 only
+
+
 STEPS = 5  # epochs 0 and 1 whole (2 global batches of 8 out of 22 items), then half of epoch 2
 
 

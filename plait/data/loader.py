@@ -234,8 +234,9 @@ def _check_map_style(dataset: Any) -> None:
     name = type(dataset).__name__
     if isinstance(dataset, DataLoader):
         raise ValueError(f"run.loader() takes the dataset, not a DataLoader ({name}): pass "
-                         f"its .dataset and the global batch_size, and its collate_fn as "
-                         f"collate_fn=; plait draws and shards the batches itself")
+                         f"its .dataset and the global batch_size, and its collate_fn, "
+                         f"num_workers and pin_memory as those arguments; plait draws and "
+                         f"shards the batches itself")
     if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__")
                                                     and hasattr(dataset, "__getitem__")):
         raise ValueError(f"dataset {name} has no len() and dataset[i] (an iterable dataset): "

@@ -36,7 +36,10 @@ def fingerprint(batch: Any) -> torch.Tensor:
     for t in pytree()[0](batch)[0]:
         if not isinstance(t, torch.Tensor) or t.is_complex():
             continue
-        flat = t.detach().reshape(-1).double()
+        # NaN and infinities as numbers of their own: a NaN would make every sum NaN, and
+        # every batch holding one alike.
+        flat = torch.nan_to_num(t.detach().reshape(-1).double(), nan=-1.5, posinf=-2.5,
+                                neginf=-3.5)
         weight = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64) % 97 + 1
         parts = torch.stack([flat.sum(), (flat * flat).sum(), (flat * weight).sum(),
                              torch.tensor(float(flat.numel()), device=flat.device,
@@ -65,7 +68,7 @@ def check_rank_batches(batch: Any, dp_rank: int, dp: int, peer_axes: dict[str, i
     for rank, row in enumerate(rows):
         replicas.setdefault(int(row[4]), []).append(rank)
     for replica, ranks in sorted(replicas.items()):
-        if any(not torch.equal(rows[r, :4], rows[ranks[0], :4]) for r in ranks[1:]):
+        if any(not _same(rows[r, :4], rows[ranks[0], :4]) for r in ranks[1:]):
             peers = " and ".join(_PEERS[a] for a in _PEERS if peer_axes.get(a, 1) > 1)
             raise ValueError(
                 f"plait: the {len(ranks)} ranks of data replica {replica} (ranks {ranks}, its "
@@ -81,7 +84,7 @@ def check_rank_batches(batch: Any, dp_rank: int, dp: int, peer_axes: dict[str, i
                 f"process's generator")
     heads = [rows[ranks[0]] for _, ranks in sorted(replicas.items())]
     same = (dp > 1 and bool(heads[0][3] > 0)
-            and all(torch.equal(h[:4], heads[0][:4]) for h in heads[1:]))
+            and all(_same(h[:4], heads[0][:4]) for h in heads[1:]))
     if same and dist.get_rank() == 0:
         warnings.warn(f"plait: the {dp} data replicas got the same batch at the first step: "
                       f"each trains on the rows the others do, so the job sees 1/{dp} of the "
@@ -91,3 +94,9 @@ def check_rank_batches(batch: Any, dp_rank: int, dp: int, peer_axes: dict[str, i
                       f"num_replicas=run.dp_size, rank=run.dp_rank))",
                       UserWarning, stacklevel=3)
     return same
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal fingerprints, a NaN equal to a NaN (sums that overflowed to both infinities):
+    the same batch gives the same fingerprint on every rank that loaded it."""
+    return bool(torch.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True).all())
