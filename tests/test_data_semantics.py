@@ -28,23 +28,24 @@ def _global_batches(ranks: list[dict]) -> list[list[int]]:
     return [sum((by_replica[d]["ids"][s] for d in sorted(by_replica)), []) for s in range(steps)]
 
 
-def test_peers_of_one_replica_loading_other_rows_are_refused():
+@pytest.mark.parametrize("plan,peers", [("tp=2", "tensor-parallel"),
+                                        pytest.param("pp=2,mb=2", "pipeline",
+                                                     marks=pytest.mark.slow)])
+def test_peers_of_one_replica_loading_other_rows_are_refused(plan, peers):
     """A DistributedSampler left at torch's defaults splits the data over the world, so the
     tensor-parallel (or pipeline) peers of one replica train on other rows than each other:
     TP then sums partial products of different inputs, a pipeline scores one row's outputs
     against another's labels, and nothing fails. The first step refuses it on every rank;
-    the sampler over the data ranks is accepted."""
-    for plan, peers in (("tp=2", "tensor-parallel"), ("pp=2,mb=2", "pipeline")):
-        with pytest.raises(WorkerError, match=rf"the 2 ranks of data replica 0 \(ranks \[0, 1\], "
-                                              rf"its {peers} peers\) got different batches at "
-                                              rf"the first step.*over all 2 ranks, not the 1 "
-                                              rf"data replica: give it num_replicas=run\.dp_size, "
-                                              rf"rank=run\.dp_rank"):
-            run_distributed(D.own_sampler, 2, plan, {}, timeout=120)
+    the sampler over the data ranks is accepted (both ranks report one loss)."""
+    with pytest.raises(WorkerError, match=rf"the 2 ranks of data replica 0 \(ranks \[0, 1\], "
+                                          rf"its {peers} peers\) got different batches at the "
+                                          rf"first step.*over all 2 ranks, not the 1 data "
+                                          rf"replica: give it num_replicas=run\.dp_size, "
+                                          rf"rank=run\.dp_rank"):
+        run_distributed(D.own_sampler, 2, plan, {}, timeout=120)
     right = {"num_replicas": "dp_size", "rank": "dp_rank"}
-    tp, pp = (run_distributed(D.own_sampler, 2, plan, right, timeout=120)
-              for plan in ("tp=2", "pp=2,mb=2"))
-    assert tp[0] == tp[1] and pp[0] == pp[1]
+    losses = run_distributed(D.own_sampler, 2, plan, right, timeout=120)
+    assert losses[0] == losses[1]
 
 
 def test_the_batch_check_compares_peers_and_replicas_alike():
@@ -72,13 +73,10 @@ def test_the_batch_check_compares_peers_and_replicas_alike():
 STEPS = 5  # epochs 0 and 1 whole (2 global batches of 8 out of 22 items), then half of epoch 2
 
 
-def test_every_layout_trains_one_devices_global_batches():
-    """``batch_size`` is the global batch: one device takes all of it, dp=2 (with gradient
-    accumulation) splits it between the replicas in order, tensor- and pipeline-parallel peers
-    hold the same rows (dict batches of variable-length rows padded by the user's collate_fn).
-    Each epoch draws 16 distinct items and leaves 6 over, in a new order each epoch: no item
-    counts twice in an epoch. The losses are one device's (the same script, and a plain torch
-    loop over the same rows)."""
+@pytest.fixture(scope="module")
+def one_device() -> tuple[list[list[int]], list[float]]:
+    """The script on one device: its global batches (checked to be whole epochs of distinct
+    items in a new order each epoch) and its losses (checked against a plain torch loop)."""
     one = run_distributed(D.trace, 1, "single", STEPS, timeout=120)
     want = _global_batches(one)
     epochs = [sum(want[e * 2:e * 2 + 2], []) for e in range(2)]
@@ -89,12 +87,24 @@ def test_every_layout_trains_one_devices_global_batches():
     plain = D.one_device_losses(want)
     for a, b in zip(plain, one[0]["losses"], strict=True):
         assert abs(a - b) <= REL * abs(a), (plain, one[0]["losses"])
-    for plan, length in (("dp=2,accum=2", None), ("tp=2", None), ("pp=2,mb=2", 8)):
-        ranks = run_distributed(D.trace, 2, plan, STEPS, length=length, timeout=120)
-        assert _global_batches(ranks) == want, plan
-        for r in ranks:
-            assert all(abs(a - b) <= REL * abs(a)
-                       for a, b in zip(plain, r["losses"], strict=True)), (plan, r["losses"])
+    return want, plain
+
+
+@pytest.mark.parametrize("plan,length", [("dp=2,accum=2", None), ("tp=2", None),
+                                         pytest.param("pp=2,mb=2", 8, marks=pytest.mark.slow)])
+def test_every_layout_trains_one_devices_global_batches(one_device, plan, length):
+    """``batch_size`` is the global batch: one device takes all of it, dp=2 (with gradient
+    accumulation) splits it between the replicas in order, tensor- and pipeline-parallel peers
+    hold the same rows (dict batches of variable-length rows padded by the user's collate_fn;
+    a pipeline's to one length). Each epoch draws 16 distinct items of 22 and leaves 6 over,
+    in a new order each epoch: no item counts twice in an epoch. The losses are one device's
+    (the same script, and a plain torch loop over the same rows)."""
+    want, plain = one_device
+    ranks = run_distributed(D.trace, 2, plan, STEPS, length=length, timeout=120)
+    assert _global_batches(ranks) == want
+    for r in ranks:
+        assert all(abs(a - b) <= REL * abs(a)
+                   for a, b in zip(plain, r["losses"], strict=True)), r["losses"]
 
 
 def test_loader_workers_hand_out_the_same_batches(tmp_path):
