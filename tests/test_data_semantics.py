@@ -182,7 +182,16 @@ def test_items_a_loader_in_order_never_draws_are_named():
 
 
 def test_bad_worker_settings_are_refused():
+    """Out of range, contradictory, or workers in a process that may not start any (plait.spawn's
+    ranks are daemonic: torch's own message there is an AssertionError about daemonic
+    processes)."""
     from plait.data import DistributedLoader
+
+    with pytest.raises(WorkerError, match=r"num_workers=2 starts loader worker processes, which "
+                                          r"this process may not: it is daemonic .* Use "
+                                          r"num_workers=0 here, or start the ranks with plait "
+                                          r"run or torchrun"):
+        run_distributed(D.trace, 1, "single", 1, num_workers=2, timeout=60)
 
     with pytest.raises(ValueError, match="num_workers=-1 must be >= 0"):
         DistributedLoader(list(range(8)), 4, num_workers=-1)

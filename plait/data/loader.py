@@ -9,6 +9,7 @@ device gets the whole global batch, and resuming at step k needs nothing but k.
 
 from __future__ import annotations
 
+import multiprocessing
 import warnings
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -46,6 +47,12 @@ class DistributedLoader:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers} must be >= 0 (0 loads in this process)")
+        if num_workers and multiprocessing.current_process().daemon:
+            raise ValueError(f"num_workers={num_workers} starts loader worker processes, which "
+                             f"this process may not: it is daemonic (plait.spawn."
+                             f"run_distributed starts its ranks so, to end them with the "
+                             f"caller). Use num_workers=0 here, or start the ranks with "
+                             f"plait run or torchrun")
         if persistent_workers and num_workers == 0:
             raise ValueError("persistent_workers=True keeps worker processes alive, and "
                              "num_workers=0 starts none: give num_workers > 0 or drop "
