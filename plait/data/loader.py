@@ -26,8 +26,9 @@ class DistributedLoader:
     ``dp_size``. ``start_step`` resumes exactly where a previous run stopped. ``steps=None``
     runs to the end of the epoch that ``start_step`` is in. Each epoch is ``len(dataset) //
     batch_size`` whole global batches: the items left over are not drawn that epoch (the next
-    epoch's shuffle draws from all of them again). ``collate_fn`` turns this replica's list of
-    items into its batch (default: ``default_collate``, which stacks equal shapes).
+    epoch's shuffle draws from all of them again; without shuffling they are never drawn, which
+    is warned about). No item is drawn twice in an epoch. ``collate_fn`` turns this replica's
+    list of items into its batch (default: ``default_collate``, which stacks equal shapes).
 
     ``num_workers`` > 0 loads and collates the batches in that many worker processes (a torch
     ``DataLoader`` over this replica's rows of each step, so the batches are the same as with
