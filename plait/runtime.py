@@ -231,7 +231,9 @@ class Run:
     def loader(self, dataset: Dataset, batch_size: int, *, steps: int | None = None,
                shuffle: bool = True, start_step: int | None = None,
                evaluation: bool = False,
-               collate_fn: Callable[[list[Any]], Any] | None = None) -> DistributedLoader:
+               collate_fn: Callable[[list[Any]], Any] | None = None, num_workers: int = 0,
+               persistent_workers: bool = False,
+               pin_memory: bool = False) -> DistributedLoader:
         """Iterate this rank's share of each *global* batch of ``batch_size`` items.
 
         Ranks of one data replica (TP/PP peers) get the same rows; one device gets them all.
@@ -241,7 +243,10 @@ class Run:
         an epoch), ``start_step`` overrides it. ``steps=None`` runs to the end of that epoch.
         An epoch is ``len(dataset) // batch_size`` global batches, reshuffled each epoch.
         ``collate_fn`` builds this rank's batch from its list of items (padding
-        variable-length sequences, say); the default stacks them.
+        variable-length sequences, say); the default stacks them. ``num_workers``,
+        ``persistent_workers`` and ``pin_memory`` are torch DataLoader's: the same batches,
+        loaded in worker processes; pinning applies on CUDA only (elsewhere it is left off,
+        with nothing to speed up).
 
         ``evaluation=True``: batches for :meth:`evaluate`. Such a loader always starts at its
         first batch (a resumed run too) and is not the training loader: checkpoints do not
@@ -254,7 +259,9 @@ class Run:
         loader = DistributedLoader(dataset, batch_size, dp_rank=dp_rank, dp_size=dp_size,
                                    seed=self.seed, steps=steps,
                                    start_step=first if start_step is None else start_step,
-                                   shuffle=shuffle, collate_fn=collate_fn)
+                                   shuffle=shuffle, collate_fn=collate_fn,
+                                   num_workers=num_workers, persistent_workers=persistent_workers,
+                                   pin_memory=pin_memory and self.device.type == "cuda")
         local = batch_size // dp_size
         micro = self.plan.grad_accum * (self.plan.microbatches if self.plan.pp > 1 else 1)
         if local % micro:
@@ -348,14 +355,15 @@ class Run:
         # Buffers the first step changes (outside BatchNorm) are statistics each data rank
         # keeps from its own rows: warned about once (a copy of the buffers, first step only).
         statistics = None
-        if step_index == 0 and self.dp_size > 1 and self.spmd is None:
-            from .data.replicas import warn_if_replicas_share_rows
+        if step_index == 0 and self.world_size > 1 and self.spmd is None:
+            from .data.replicas import check_rank_batches
             from .parallel.batchnorm import forward_statistics
 
-            statistics = forward_statistics(model)
+            if self.dp_size > 1:
+                statistics = forward_statistics(model)
+            sizes = self._mesh().axis_sizes()
             with self.ledger.paused() if recording else contextlib.nullcontext():
-                warn_if_replicas_share_rows(batch, self._mesh()["dp"].get_group(),
-                                            self.dp_size, self.device)
+                check_rank_batches(batch, self.dp_rank, self.dp_size, sizes, self.device)
         with self.ledger if recording else contextlib.nullcontext(), watch:
             scaler = self._loss_scaler()
             if scaler is not None and scaler.reference is None:

@@ -9,12 +9,14 @@ device gets the whole global batch, and resuming at step k needs nothing but k.
 
 from __future__ import annotations
 
+import multiprocessing
 import warnings
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
 
 class DistributedLoader:
@@ -24,16 +26,38 @@ class DistributedLoader:
     ``dp_size``. ``start_step`` resumes exactly where a previous run stopped. ``steps=None``
     runs to the end of the epoch that ``start_step`` is in. Each epoch is ``len(dataset) //
     batch_size`` whole global batches: the items left over are not drawn that epoch (the next
-    epoch's shuffle draws from all of them again). ``collate_fn`` turns this replica's list of
-    items into its batch (default: ``default_collate``, which stacks equal shapes).
+    epoch's shuffle draws from all of them again; without shuffling they are never drawn, which
+    is warned about). No item is drawn twice in an epoch. ``collate_fn`` turns this replica's
+    list of items into its batch (default: ``default_collate``, which stacks equal shapes).
+
+    ``num_workers`` > 0 loads and collates the batches in that many worker processes (a torch
+    ``DataLoader`` over this replica's rows of each step, so the batches are the same as with
+    none); ``persistent_workers`` keeps them alive from one pass over the loader to the next,
+    ``pin_memory`` puts the batches in page-locked memory for a faster copy to a GPU. The
+    position (``state_dict``) counts the batches handed out, not those the workers fetched
+    ahead.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1,
                  seed: int = 0, steps: int | None = None, start_step: int = 0,
-                 shuffle: bool = True, collate_fn: Callable[[list[Any]], Any] | None = None):
+                 shuffle: bool = True, collate_fn: Callable[[list[Any]], Any] | None = None,
+                 num_workers: int = 0, persistent_workers: bool = False,
+                 pin_memory: bool = False):
         _check_map_style(dataset)
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if num_workers < 0:
+            raise ValueError(f"num_workers={num_workers} must be >= 0 (0 loads in this process)")
+        if num_workers and multiprocessing.current_process().daemon:
+            raise ValueError(f"num_workers={num_workers} starts loader worker processes, which "
+                             f"this process may not: it is daemonic (plait.spawn."
+                             f"run_distributed starts its ranks so, to end them with the "
+                             f"caller). Use num_workers=0 here, or start the ranks with "
+                             f"plait run or torchrun")
+        if persistent_workers and num_workers == 0:
+            raise ValueError("persistent_workers=True keeps worker processes alive, and "
+                             "num_workers=0 starts none: give num_workers > 0 or drop "
+                             "persistent_workers")
         if batch_size % dp_size:
             raise ValueError(f"global batch_size={batch_size} is not divisible by the "
                              f"{dp_size} data-parallel replicas; use a multiple of {dp_size}")
@@ -59,6 +83,16 @@ class DistributedLoader:
         self.batches_per_epoch = len(dataset) // batch_size  # type: ignore[arg-type]
         self._cached: tuple[tuple[int, int], torch.Tensor] | None = None  # (seed, epoch), order
         self._warned_left_padding = False
+        self.num_workers, self.persistent_workers = num_workers, persistent_workers
+        self.pin_memory = pin_memory
+        self._workers: DataLoader | None = None  # made at the first pass that needs it
+        left = n % batch_size
+        if left and not shuffle:
+            warnings.warn(f"plait: shuffle=False and {n} items make {n // batch_size} global "
+                          f"batches of {batch_size}: the last {left} items (indices {n - left} "
+                          f"to {n - 1}) are never drawn, in any epoch (a shuffled loader "
+                          f"draws them in other epochs). Use a batch_size that divides {n}, "
+                          f"or shuffle=True", UserWarning, stacklevel=3)
 
     def _end(self) -> int:
         """The step after the last one this loader yields."""
@@ -92,37 +126,85 @@ class DistributedLoader:
         order = self._order(epoch)
         return order[k * self.batch_size:(k + 1) * self.batch_size]
 
+    def rows(self, step: int) -> list[int]:
+        """Dataset indices of this replica's rows at ``step``."""
+        idx = self.global_indices(step)
+        lo = self.dp_rank * self.local_batch_size
+        return [int(i) for i in idx[lo:lo + self.local_batch_size]]
+
     def batch(self, step: int) -> Any:
         """This replica's batch at ``step``."""
-        idx = self.global_indices(step)
-        mine = idx[self.dp_rank * self.local_batch_size:(self.dp_rank + 1) * self.local_batch_size]
-        items = [self.dataset[int(i)] for i in mine]
-        if self.collate_fn is not default_collate:
-            batch = self.collate_fn(items)
-            if self.dp_size > 1 and not self._warned_left_padding:
-                self._warned_left_padding = _warn_left_padding(batch, self.dp_size)
-            return batch
-        try:
-            return default_collate(items)
-        except RuntimeError as exc:
-            if "equal size" not in str(exc):
-                raise
-            raise ValueError(f"dataset items of different shapes do not stack into a batch "
-                             f"({str(exc).rstrip('.')}); pass run.loader(..., collate_fn=...) "
-                             f"that pads them to one length") from exc
+        return self._checked(_collate(self.collate_fn, [self.dataset[i] for i in self.rows(step)]))
+
+    def _checked(self, batch: Any) -> Any:
+        if (self.collate_fn is not default_collate and self.dp_size > 1
+                and not self._warned_left_padding):
+            self._warned_left_padding = _warn_left_padding(batch, self.dp_size)
+        return batch
 
     def __iter__(self) -> Iterator[Any]:
-        end = self._end()
-        while self.step < end:
-            batch = self.batch(self.step)
+        if self.num_workers == 0 and not self.pin_memory:
+            end = self._end()
+            while self.step < end:
+                batch = self.batch(self.step)
+                self.step += 1
+                yield batch
+            return
+        for batch in self._loader():  # its sampler stops at ``end``
             self.step += 1
-            yield batch
+            yield self._checked(batch)
+
+    def _loader(self) -> DataLoader:
+        """torch's DataLoader for the workers and pinning: its batch sampler hands out this
+        replica's rows from the current step to the end of the pass, so the workers fetch the
+        batches the in-process path would build. Its generator seeds the workers from (seed,
+        data rank), the same on every rank of a replica, so that randomness drawn in the workers
+        agrees between tensor- and pipeline-parallel peers."""
+        if self._workers is None:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.dp_rank)
+            self._workers = DataLoader(
+                self.dataset, batch_sampler=_ReplicaRows(self),  # type: ignore[arg-type]
+                collate_fn=partial(_collate, self.collate_fn), num_workers=self.num_workers,
+                persistent_workers=self.persistent_workers, pin_memory=self.pin_memory,
+                generator=gen)
+        return self._workers
 
     def state_dict(self) -> dict[str, int]:
         return {"step": self.step, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step, self.seed = int(state["step"]), int(state["seed"])
+
+
+class _ReplicaRows(Sampler[list[int]]):
+    """A batch sampler over a DistributedLoader's rows, from its step at the start of each pass
+    to the end of that pass (torch's samplers split the dataset per rank; this one follows the
+    loader's global batches)."""
+
+    def __init__(self, loader: DistributedLoader):
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.loader.step, self.loader._end()):
+            yield self.loader.rows(step)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def _collate(collate_fn: Callable[[list[Any]], Any], items: list[Any]) -> Any:
+    """``collate_fn(items)``; items of different shapes under the default collate are refused
+    with the fix (a module-level function: loader workers receive it pickled)."""
+    if collate_fn is not default_collate:
+        return collate_fn(items)
+    try:
+        return default_collate(items)
+    except RuntimeError as exc:
+        if "equal size" not in str(exc):
+            raise
+        raise ValueError(f"dataset items of different shapes do not stack into a batch "
+                         f"({str(exc).rstrip('.')}); pass run.loader(..., collate_fn=...) "
+                         f"that pads them to one length") from exc
 
 
 def _warn_left_padding(batch: Any, dp_size: int) -> bool:
@@ -160,8 +242,9 @@ def _check_map_style(dataset: Any) -> None:
     name = type(dataset).__name__
     if isinstance(dataset, DataLoader):
         raise ValueError(f"run.loader() takes the dataset, not a DataLoader ({name}): pass "
-                         f"its .dataset and the global batch_size, and its collate_fn as "
-                         f"collate_fn=; plait draws and shards the batches itself")
+                         f"its .dataset and the global batch_size, and its collate_fn, "
+                         f"num_workers and pin_memory as those arguments; plait draws and "
+                         f"shards the batches itself")
     if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__")
                                                     and hasattr(dataset, "__getitem__")):
         raise ValueError(f"dataset {name} has no len() and dataset[i] (an iterable dataset): "

@@ -1,0 +1,144 @@
+"""What each rank's loader hands the training loop (spawned processes import this module): a
+map-style dataset of variable-length sequences whose items carry their own index, collated into
+dict batches padded to the longest row, trained by a Hugging Face style model (its own loss).
+Each rank returns the indices, tensors and losses of every step, so that a test puts the data
+replicas' rows side by side with one device's."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, get_worker_info
+
+from tests._workers_semantics import SEQ, VOCAB, WithLoss, masked_lm, mlm_loss
+
+ITEMS, BATCH, LR = 22, 8, 0.05  # 2 global batches an epoch, 6 items left over
+
+
+class Numbered(Dataset):
+    """Item i: 2 to SEQ tokens and labels drawn from i alone (some labels -100), its index,
+    and where it was loaded (worker id, -1 in the main process; the process id)."""
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 + i)
+        n = 2 + i % (SEQ - 1)
+        tokens = torch.randint(0, VOCAB, (n,), generator=g)
+        labels = torch.randint(0, VOCAB, (n,), generator=g)
+        labels[torch.rand(n, generator=g) < 0.3] = -100
+        info = get_worker_info()
+        return {"input_ids": tokens, "labels": labels, "id": torch.tensor(i),
+                "worker": torch.tensor(-1 if info is None else info.id),
+                "pid": torch.tensor(os.getpid())}
+
+
+def pad(items: list[dict[str, torch.Tensor]], length: int | None = None
+        ) -> dict[str, torch.Tensor]:
+    """A dict batch padded to ``length`` or to this list's longest row (-100: not a label)."""
+    n = length or max(len(it["input_ids"]) for it in items)
+    return {"input_ids": torch.stack([F.pad(it["input_ids"], (0, n - len(it["input_ids"])))
+                                      for it in items]),
+            "labels": torch.stack([F.pad(it["labels"], (0, n - len(it["labels"])), value=-100)
+                                   for it in items]),
+            **{k: torch.stack([it[k] for it in items]) for k in ("id", "worker", "pid")}}
+
+
+def trace(rank: int, world_size: int, plan: str, steps: int | None = None, *,
+          epochs: int = 1, length: int | None = None, **loader_args: Any) -> dict[str, Any]:
+    """``steps`` steps over ``run.loader(Numbered(), BATCH, ...)`` (``steps=None``: that
+    loader iterated ``epochs`` times, an epoch each): this rank's data rank, and per step the
+    indices of its rows, its input tensor, the loss, where the rows were loaded."""
+    import plait
+
+    run = plait.init(plan, quiet=True)
+    model = run.parallelize(WithLoss(masked_lm()))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out: dict[str, Any] = {"dp_rank": run.dp_rank, "ids": [], "inputs": [], "losses": [],
+                           "workers": [], "pids": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = run.loader(Numbered(), BATCH, steps=steps,
+                            collate_fn=partial(pad, length=length), **loader_args)
+        for _ in range(epochs):
+            for batch in loader:
+                out["ids"].append(batch.pop("id").tolist())
+                out["workers"].append(batch.pop("worker").tolist())
+                out["pids"].append(batch.pop("pid").tolist())
+                out["inputs"].append(batch["input_ids"].clone())
+                out["losses"].append(float(run.step(model, batch, None, opt)))
+    out["warnings"] = [str(w.message) for w in caught]
+    run.close()
+    return out
+
+
+def own_sampler(rank: int, world_size: int, plan: str, sampler_args: dict[str, str]
+                ) -> list[float]:
+    """Two steps over the script's own DataLoader with a ``DistributedSampler`` given
+    ``sampler_args`` ({"num_replicas": "dp_size", "rank": "dp_rank"} names run attributes; {}
+    leaves torch's defaults, the world size and global rank)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import plait
+
+    run = plait.init(plan, quiet=True)
+    model = run.parallelize(WithLoss(masked_lm()))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data = Numbered()
+    sampler = DistributedSampler(data, shuffle=False,
+                                 **{k: getattr(run, v) for k, v in sampler_args.items()})
+    losses = []
+    for _, batch in zip(range(2), DataLoader(data, batch_size=BATCH // run.dp_size,
+                                             sampler=sampler,
+                                             collate_fn=partial(pad, length=SEQ)), strict=False):
+        inputs = {k: batch[k] for k in ("input_ids", "labels")}
+        losses.append(float(run.step(model, inputs, None, opt)))
+    run.close()
+    return losses
+
+
+def check_batches(rank: int, world_size: int, batches: list[Any], dp_ranks: list[int]
+                  ) -> list[str]:
+    """plait's first-step batch check on ``batches[rank]``, this rank in data replica
+    ``dp_ranks[rank]`` (the others its tensor-parallel peers): the warnings it raised."""
+    from plait.data.replicas import check_rank_batches
+
+    dp = len(set(dp_ranks))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_rank_batches(batches[rank], dp_ranks[rank], dp, {"tp": world_size // dp},
+                           torch.device("cpu"))
+    return [str(w.message) for w in caught]
+
+
+def one_device_losses(batches: list[list[int]]) -> list[float]:
+    """No plait, one process: SGD on each global batch (rows by index), the model's own loss."""
+    data, model = Numbered(), WithLoss(masked_lm())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for ids in batches:
+        batch = pad([data[i] for i in ids])
+        loss = mlm_loss(model.inner(batch["input_ids"]), batch["labels"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+if __name__ == "__main__":
+    # One rank of a job started as plain processes (tests._ranks.run_ranks): loader workers
+    # are child processes, which plait.spawn's daemonic ranks may not start.
+    import json
+    import sys
+
+    folder, plan, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.save(trace(rank, world, plan, **args), os.path.join(folder, f"{rank}.pt"))
