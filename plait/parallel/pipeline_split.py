@@ -743,7 +743,9 @@ def _feed_first_block(stage: nn.Module, path: str, key: str, additive: set[str],
         x = args[0] if args else kwargs.get("hidden_states")
         if received is None or x is received or not isinstance(x, torch.Tensor):
             return None
-        if not fed.checked and not (x.is_meta or received.is_meta):
+        # All zeros: torch's shape inference (plait's stage hands it zeros), where a scale or
+        # an activation that maps zero to zero hides the change; the first microbatch shows it.
+        if not fed.checked and not (x.is_meta or received.is_meta) and bool(received.any()):
             fed.checked = True
             # nan_to_num: the first call can receive a buffer not yet written (NaN in it).
             same = x.shape == received.shape and bool(torch.equal(x.nan_to_num(),
