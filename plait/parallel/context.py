@@ -1,0 +1,168 @@
+"""Context parallelism (the ``cp`` mesh axis): each rank of a cp group holds a slice of every
+sequence, and attention still sees the whole sequence.
+
+The form is the all-gather one (as Llama 3 was trained): every rank keeps its own queries,
+all-gathers keys and values over the cp group in the forward (their gradients are
+reduce-scattered back in the backward) and runs the ordinary
+``F.scaled_dot_product_attention`` of its queries against every key, with a boolean mask built
+from the global token positions. Everything outside attention is per token, so it runs on the
+local slice unchanged.
+
+Why not ``torch.distributed.tensor.experimental.context_parallel``: in torch 2.13 it swaps in
+ring attention for the CUDA kernels only (its handler table holds the flash, efficient and
+cuDNN SDPA ops); on a CPU, SDPA dispatches ``_scaled_dot_product_flash_attention_for_cpu``,
+which it does not handle, so it cannot run where plait's default backend (gloo on CPUs) runs.
+The all-gather form is plain tensor code on any device, its only collective is an all-gather
+(counted by plait's ledger like any other), and a long sequence's K/V (2 x tokens x kv_heads x
+head_dim per layer) is small next to the activations it saves.
+
+Load balance under a causal mask: each sequence is cut into ``2 * cp`` chunks and rank ``r``
+keeps chunks ``r`` and ``2 * cp - 1 - r`` (head and tail), so every rank's queries see the
+same number of unmasked keys. The mask is ``query position >= key position`` on the global
+positions, so the split never changes what attends to what.
+
+How a model is run: :func:`cp_attention` patches ``torch.nn.functional.
+scaled_dot_product_attention`` (the module attribute, which is what ``F.scaled_dot_product_
+attention(...)`` and Hugging Face's SDPA attention look up at call time) for the duration of a
+forward and its backward, as torch's own context_parallel does; the patch is undone on exit.
+What it cannot compute the whole-sequence answer for (an explicit mask, dropout, keys of
+another length than the queries) is refused by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def head_tail_positions(seq: int, cp: int, rank: int, device: Any = None) -> torch.Tensor:
+    """The global positions (1-D int64) of rank ``rank``'s slice of a sequence of ``seq``
+    tokens: chunks ``rank`` and ``2*cp - 1 - rank`` of ``2*cp`` equal chunks."""
+    check_divisible(seq, cp)
+    chunk = seq // (2 * cp)
+    head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    tail_start = (2 * cp - 1 - rank) * chunk
+    tail = torch.arange(tail_start, tail_start + chunk, device=device)
+    return torch.cat([head, tail])
+
+
+def check_divisible(seq: int, cp: int) -> None:
+    if seq % (2 * cp):
+        raise ValueError(
+            f"a sequence of {seq} tokens does not split across cp={cp}: context parallelism "
+            f"cuts each sequence into 2*cp={2 * cp} equal chunks (head and tail per rank, to "
+            f"balance causal attention); pad or crop sequences to a multiple of {2 * cp}")
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0 over ``group`` in forward; reduce-scatter (sum) of the gradient in
+    backward: each rank's keys and values are used by every rank's queries, so their gradient
+    is the sum of every rank's contribution to them (Megatron's all-gather/reduce-scatter
+    pair, applied to the sequence)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        n = dist.get_world_size(group)
+        local = local.contiguous()
+        out = local.new_empty((n * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(out, local, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        n = dist.get_world_size(ctx.group)
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // n, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+def gather_sequence(t: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """``t`` with its dim ``dim`` all-gathered over ``group`` (rank order), differentiably."""
+    moved = t.movedim(dim, 0)
+    return _GatherSequence.apply(moved, group).movedim(0, dim)
+
+
+@dataclass(frozen=True)
+class ContextGroup:
+    """The cp group of this rank: what the train step needs to split batches and run
+    attention. ``rank``/``size``: this rank's index in the group and the group's size."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+    def positions(self, seq: int, device: Any = None) -> torch.Tensor:
+        """Global positions of this rank's slice of a ``seq``-token sequence."""
+        return head_tail_positions(seq, self.size, self.rank, device)
+
+    def key_positions(self, seq: int, device: Any = None) -> torch.Tensor:
+        """Global positions of the gathered keys, in the all-gather's order (rank 0's slice,
+        then rank 1's, ...): no reordering is needed, the mask reads positions."""
+        return torch.cat([head_tail_positions(seq, self.size, r, device)
+                          for r in range(self.size)])
+
+
+def shard_sequence(t: torch.Tensor, positions: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """This rank's slice of ``t`` along its sequence dim ``dim`` (``positions`` from
+    :meth:`ContextGroup.positions`)."""
+    return t.index_select(dim, positions.to(t.device))
+
+
+@contextlib.contextmanager
+def cp_attention(cp: ContextGroup, seq: int) -> Iterator[None]:
+    """While inside: ``F.scaled_dot_product_attention`` of this rank's queries (its slice of a
+    ``seq``-token sequence) attends to the whole sequence. Keep the backward inside too
+    (activation checkpointing recomputes attention there)."""
+    original = F.scaled_dot_product_attention
+    q_pos = cp.positions(seq)
+    k_pos = cp.key_positions(seq)
+    local = q_pos.numel()
+    masks: dict[torch.device, torch.Tensor] = {}
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                  is_causal: bool = False, scale: float | None = None,
+                  **kwargs: Any) -> torch.Tensor:
+        if attn_mask is not None:
+            raise ValueError(
+                f"scaled_dot_product_attention got an explicit attn_mask "
+                f"(shape {tuple(attn_mask.shape)}) under context parallelism (cp={cp.size}): "
+                f"each rank holds a slice of the sequence, so a mask over local positions "
+                f"would be wrong; use is_causal=True (or no mask) and leave out padding masks "
+                f"(pack or pad sequences with labels set to -100 instead), or train with cp=1")
+        if dropout_p > 0:
+            raise ValueError(
+                f"scaled_dot_product_attention got dropout_p={dropout_p} under context "
+                f"parallelism (cp={cp.size}), which does not reproduce one device's dropout; "
+                f"set the attention dropout to 0 (e.g. config.attention_dropout=0.0), or "
+                f"train with cp=1")
+        if query.shape[-2] != local or key.shape[-2] != local:
+            raise ValueError(
+                f"scaled_dot_product_attention got {query.shape[-2]} queries and "
+                f"{key.shape[-2]} keys under context parallelism (cp={cp.size}), but this "
+                f"rank's slice of the {seq}-token sequence has {local}: attention over "
+                f"anything but the sequence the batch carried (cross-attention, added tokens, "
+                f"a KV cache) cannot be split this way; train such a model with cp=1")
+        full_k = gather_sequence(key, cp.group, key.ndim - 2)
+        full_v = gather_sequence(value, cp.group, value.ndim - 2)
+        mask = None
+        if is_causal:
+            mask = masks.get(query.device)
+            if mask is None:
+                mask = masks[query.device] = (q_pos[:, None] >= k_pos[None, :]).to(query.device)
+        return original(query, full_k, full_v, attn_mask=mask, dropout_p=0.0, is_causal=False,
+                        scale=scale, **kwargs)
+
+    F.scaled_dot_product_attention = attention  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original  # type: ignore[assignment]
