@@ -51,3 +51,83 @@ def test_attention_refuses_what_it_cannot_compute():
 def test_positions_refuse_a_length_that_does_not_split():
     with pytest.raises(ValueError, match="multiple of 4"):
         head_tail_positions(10, 2, 0)
+
+
+# ------------------------------------------------------------------------------ training
+REL = 1e-5  # loss and parameters after the last step (as tests/test_semantics.py, fp32 sums
+FLOOR = 1e-2  # in another order; a wrong position or a miscounted token is off by >1e-3)
+
+
+def _assert_matches(ref: dict, got: dict) -> None:
+    for step, (a, b) in enumerate(zip(ref["losses"], got["losses"], strict=True)):
+        assert abs(a - b) <= REL * abs(a), (got["plan"], step, a, b)
+    state = {k.removeprefix("module."): v for k, v in got["state"].items()}
+    assert set(state) >= set(ref["state"]), (got["plan"], sorted(state))
+    for name, want in ref["state"].items():
+        diff = (state[name] - want).abs().max().item()
+        assert diff <= REL * max(want.abs().max().item(), FLOOR), (got["plan"], name, diff)
+
+
+@pytest.fixture(scope="module")
+def lm_data():
+    batches = [W.lm_batch(s) for s in range(W.STEPS)]
+    return batches, {name: W.reference(f, batches, W.lm_loss)
+                     for name, f in (("causal", W.causal_lm), ("reference", W.reference_lm))}
+
+
+def test_the_cp_ranks_count_different_numbers_of_tokens(lm_data):
+    """The data makes a mean of the two slices' means visibly wrong."""
+    from plait.parallel.context import head_tail_positions
+
+    batches, _ = lm_data
+    _, labels = batches[0]
+    counts = [int((labels[:, head_tail_positions(W.SEQ, 2, r)] != -100).sum()) for r in (0, 1)]
+    assert counts[0] != counts[1], counts
+
+
+def test_training_at_cp2_matches_one_device(lm_data):
+    """cp=2 (and with grad_accum=2) trains what one device trains: every step's loss and the
+    parameters after three SGD steps, on a model written for the test (learned positions from
+    position_ids, GQA through enable_gqa) and on plait's reference transformer (rotary)."""
+    batches, ref = lm_data
+    jobs = [("cp=2", W.causal_lm, batches, W.lm_loss),
+            ("cp=2,grad_accum=2", W.causal_lm, batches, W.lm_loss),
+            ("cp=2", W.reference_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train, 2, jobs, timeout=240)[0]
+    for result, which in zip(got, ("causal", "causal", "reference"), strict=True):
+        _assert_matches(ref[which], result)
+
+
+def test_cp_refuses_what_it_would_train_wrongly(lm_data):
+    """A model without position_ids, a loss that shifts the labels itself, a sequence that does
+    not split into 2*cp chunks, per-row targets: each refused with the fix."""
+    batches, _ = lm_data
+    got = run_distributed(W.refusals, 2, batches, timeout=240)[0]
+    assert "MaskedLM.forward must be told" in got[0] and "position_ids" in got[0], got[0]
+    assert "shift the labels in the data" in got[1], got[1]
+    assert "6 tokens" in got[2] and "multiple of 4" in got[2], got[2]
+    assert "shape (4,)" in got[3] and "per-token labels" in got[3], got[3]
+
+
+def test_the_ledger_shows_the_all_gathers_on_the_cp_axis(lm_data):
+    """Forward all-gathers K and V per layer (2 layers x 2), backward reduce-scatters their
+    gradients; payload: the full gathered buffer, batch x kv_heads x seq x head_dim fp32."""
+    batches, _ = lm_data
+    got = run_distributed(W.ledger_axes, 2, batches, timeout=240)[0]
+    gather = got["cp/all_gather"]
+    kv_bytes = W.BATCH * 2 * W.SEQ * 4 * 4  # 2 kv heads of 4 dims, fp32
+    assert (gather["count"], gather["payload_bytes"]) == (4, 4 * kv_bytes), gather
+    scatter = got["cp/reduce_scatter"]
+    assert (scatter["count"], scatter["payload_bytes"]) == (4, 4 * kv_bytes), scatter
+
+
+@pytest.mark.slow
+def test_training_at_dp2_x_cp2_matches_one_device(lm_data):
+    """World 4: FSDP (ZeRO-3) over dp_shard x cp, and DDP over dp_replicate x cp."""
+    batches, ref = lm_data
+    jobs = [("dp_shard=2,zero=3,cp=2", W.causal_lm, batches, W.lm_loss),
+            ("dp=2,cp=2", W.causal_lm, batches, W.lm_loss),
+            ("dp_shard=2,zero=2,cp=2", W.reference_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train, 4, jobs, timeout=480)[0]
+    for result, which in zip(got, ("causal", "causal", "reference"), strict=True):
+        _assert_matches(ref[which], result)

@@ -32,13 +32,18 @@ another length than the queries) is refused by name.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from ..mesh import Mesh
 
 
 def head_tail_positions(seq: int, cp: int, rank: int, device: Any = None) -> torch.Tensor:
@@ -72,7 +77,7 @@ class _GatherSequence(torch.autograd.Function):
         n = dist.get_world_size(group)
         local = local.contiguous()
         out = local.new_empty((n * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(out, local, group=group)
+        dist.all_gather_single(out, local, group=group)
         return out
 
     @staticmethod
@@ -80,7 +85,7 @@ class _GatherSequence(torch.autograd.Function):
         n = dist.get_world_size(ctx.group)
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // n, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        dist.reduce_scatter_single(out, grad, group=ctx.group)
         return out, None
 
 
@@ -165,4 +170,105 @@ def cp_attention(cp: ContextGroup, seq: int) -> Iterator[None]:
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = original  # type: ignore[assignment]
+        F.scaled_dot_product_attention = original
+
+
+# ------------------------------------------------------------------------------ the train step
+POSITIONS_KWARG = "position_ids"
+
+
+def context_group(module: nn.Module, mesh: Mesh) -> ContextGroup:
+    """This rank's cp group for ``module``, once the module is known to take the positions of
+    its slice: a model that numbers positions from its input's length (``arange(seq)`` for
+    rotary or a position embedding) would number a slice 0..seq/cp and train a different
+    model, silently; one that takes ``position_ids`` is given the slice's global positions."""
+    inner = module.module if hasattr(module, "module") and isinstance(
+        module.module, nn.Module) else module
+    if not takes_positions(inner):
+        raise ValueError(
+            f"context parallelism (cp={mesh.size('cp')}) gives each rank a slice of every "
+            f"sequence, so {type(inner).__name__}.forward must be told the slice's global "
+            f"positions: add a '{POSITIONS_KWARG}' keyword argument (a (batch, local_seq) int64 "
+            f"tensor; use it wherever positions are computed, e.g. rotary embeddings or a "
+            f"position embedding; a model without positional encodings may ignore it), or "
+            f"train with cp=1")
+    return ContextGroup(mesh["cp"].get_group(), mesh.local_rank("cp"), mesh.size("cp"))
+
+
+def takes_positions(module: nn.Module) -> bool:
+    """Whether ``module.forward`` accepts ``position_ids`` (by name, or through ``**kwargs``,
+    as Hugging Face models do)."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return POSITIONS_KWARG in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def split_batch(batch: Any, cp: ContextGroup) -> tuple[Any, int, dict[str, torch.Tensor]]:
+    """This rank's slice of every sequence in ``batch``: (the sliced batch, the whole sequence
+    length, the keyword arguments to add to the model call).
+
+    The sequence length is dim 1 of the first input tensor; every tensor in the batch is cut
+    along its dim 1 (inputs, labels, masks, given position ids), so each must have that length
+    there. The positions go to the model as ``position_ids``: in the batch when it is a dict
+    (and holds none already), else as a keyword argument."""
+    first = _first_tensor(batch[0] if isinstance(batch, (tuple, list)) else batch)
+    if first is None or first.ndim < 2:
+        shape = None if first is None else tuple(first.shape)
+        raise ValueError(f"context parallelism (cp={cp.size}) splits each sequence along dim 1 "
+                         f"of the inputs, but the first input has shape {shape}; give "
+                         f"(batch, seq, ...) inputs, or train with cp=1")
+    seq = first.shape[1]
+    check_divisible(seq, cp.size)
+    positions = cp.positions(seq, first.device)
+
+    def cut(t: Any, where: str) -> Any:
+        if isinstance(t, dict):
+            return {k: cut(v, f"{where}[{k!r}]") for k, v in t.items()}
+        if isinstance(t, (tuple, list)):
+            return type(t)(cut(v, f"{where}[{i}]") for i, v in enumerate(t))
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.ndim < 2 or t.shape[1] != seq:
+            raise ValueError(
+                f"context parallelism (cp={cp.size}) splits every tensor of the batch along "
+                f"its sequence dim (1), but {where} has shape {tuple(t.shape)} where the "
+                f"inputs have {seq} positions: per-row targets (a class per sequence) are not "
+                f"per-token, and cannot be split; give per-token labels (-100 where none), or "
+                f"train with cp=1")
+        return shard_sequence(t, positions, 1)
+
+    local = cut(batch, "batch")
+    given = positions.expand(first.shape[0], -1)
+    if isinstance(local, dict):
+        if POSITIONS_KWARG not in local:
+            local = {**local, POSITIONS_KWARG: given}
+        return local, seq, {}
+    inputs = local[0]
+    if isinstance(inputs, dict):
+        if POSITIONS_KWARG not in inputs:
+            local = type(local)([{**inputs, POSITIONS_KWARG: given}, *local[1:]])
+        return local, seq, {}
+    return local, seq, {POSITIONS_KWARG: given}
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    items = value.values() if isinstance(value, dict) else value if isinstance(
+        value, (tuple, list)) else ()
+    for v in items:
+        found = _first_tensor(v)
+        if found is not None:
+            return found
+    return None
+
+
+SHIFTED_LABELS = (
+    "the loss leaves out each row's first label (it shifts logits[:, :-1] against "
+    "labels[:, 1:], as Hugging Face causal LMs do with loss_fn=None), which under context "
+    "parallelism (cp={cp}) would shift each rank's slice, not the sequence: shift the labels "
+    "in the data instead (labels[t] = token t+1, -100 at the end) and pass a loss_fn that "
+    "does not shift, e.g. F.cross_entropy(logits.flatten(0, 1), labels.flatten())")

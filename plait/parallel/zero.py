@@ -83,7 +83,10 @@ _PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def data_mesh(mesh: Mesh, plan: Plan) -> DeviceMesh:
-    """The mesh FSDP2 shards over: 1-D ``dp_shard``, or 2-D ``(dp_replicate, dp_shard)`` (HSDP)."""
+    """The mesh FSDP2 shards over: 1-D ``dp_shard``, 2-D ``(dp_replicate, dp_shard)`` (HSDP),
+    or with context parallelism the flattened ``dp_shard x cp``."""
+    if plan.cp > 1:  # cp ranks hold the same parameters: FSDP2 shards over them too
+        return mesh["dp_shard_cp"]
     if plan.dp_replicate > 1:
         return mesh.root["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
