@@ -198,3 +198,19 @@ def ledger_axes(rank: int, world_size: int, batches: list[Any]) -> dict[str, Any
         run.step(model, batches[1], lm_loss, opt)
     run.close()
     return {f"{e['axis']}/{e['op']}": e for e in ledger.local_entries()}
+
+
+def hf_llama() -> nn.Module:
+    """A tiny Hugging Face Llama built from a config (no download), SDPA attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=SEQ, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)
+
+
+def logits_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """lm_loss on a Hugging Face output's logits (labels come shifted in the data)."""
+    return lm_loss(out.logits, labels)

@@ -131,3 +131,13 @@ def test_training_at_dp2_x_cp2_matches_one_device(lm_data):
     got = run_distributed(W.train, 4, jobs, timeout=480)[0]
     for result, which in zip(got, ("causal", "causal", "reference"), strict=True):
         _assert_matches(ref[which], result)
+
+
+def test_hf_llama_at_cp2_matches_one_device(lm_data):
+    """A tiny Hugging Face Llama (SDPA attention, rotary from position_ids): cp=2 trains what
+    one device trains, with labels shifted in the data and a loss on output.logits."""
+    batches, _ = lm_data
+    ref = W.reference(W.hf_llama, batches, W.logits_loss)
+    got = run_distributed(W.train, 2, [("cp=2", W.hf_llama, batches, W.logits_loss)],
+                          timeout=240)[0]
+    _assert_matches(ref, got[0])
