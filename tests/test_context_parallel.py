@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plait.comm.volumes import cp_traffic
 from plait.parallel.context import head_tail_positions
 from plait.spawn import run_distributed
 from tests import _workers_cp as W
@@ -119,6 +120,25 @@ def test_the_ledger_shows_the_all_gathers_on_the_cp_axis(lm_data):
     assert (gather["count"], gather["payload_bytes"]) == (4, 4 * kv_bytes), gather
     scatter = got["cp/reduce_scatter"]
     assert (scatter["count"], scatter["payload_bytes"]) == (4, 4 * kv_bytes), scatter
+    # the closed form says the same
+    closed = {t.op: t for t in cp_traffic(W.BATCH, W.SEQ, kv_dim=8, layers=2, cp=2)}
+    for op, measured in (("all_gather", gather), ("reduce_scatter", scatter)):
+        assert (closed[op].calls, closed[op].payload) == (measured["count"],
+                                                         measured["payload_bytes"])
+        assert closed[op].wire == measured["wire_bytes"]
+
+
+def test_cp_traffic_closed_form():
+    """Recomputed layers gather again; cp=1 moves nothing; bf16 halves the bytes."""
+    base = {t.op: t for t in cp_traffic(2, 1024, 256, 4, 4)}
+    assert base["all_gather"].payload == 2 * 4 * 2 * 1024 * 256 * 4
+    assert base["all_gather"].wire == base["all_gather"].payload * 3 / 4
+    again = {t.op: t for t in cp_traffic(2, 1024, 256, 4, 4, recomputed_layers=4)}
+    assert again["all_gather"].calls == 2 * base["all_gather"].calls
+    assert again["reduce_scatter"] == base["reduce_scatter"]
+    assert cp_traffic(2, 1024, 256, 4, 1) == []
+    half = {t.op: t for t in cp_traffic(2, 1024, 256, 4, 4, "bf16")}
+    assert half["all_gather"].payload == base["all_gather"].payload / 2
 
 
 @pytest.mark.slow
@@ -141,3 +161,37 @@ def test_hf_llama_at_cp2_matches_one_device(lm_data):
     got = run_distributed(W.train, 2, [("cp=2", W.hf_llama, batches, W.logits_loss)],
                           timeout=240)[0]
     _assert_matches(ref, got[0])
+
+
+def test_the_ledger_report_says_why_cp_has_no_expected_column():
+    from plait.comm.predict import CP_NOTE, expected_for_models, no_expected_note
+    from plait.plan import Plan
+
+    plan = Plan(cp=2)
+    assert expected_for_models([W.causal_lm()], plan, (4, 16)) is None
+    assert no_expected_note([], plan, None, (4, 16)) == CP_NOTE
+
+
+def test_the_planner_does_not_propose_cp_and_refuses_to_price_it():
+    """`plait plan` searches as before (every ranked plan keeps cp=1) and refuses --plan with
+    cp>1, which it cannot price, naming the fix."""
+    import json
+
+    from plait.cli import main
+
+    args = ["plan", "--model", "tiny", "--cluster", "cpu", "--devices", "4",
+            "--global-batch", "8", "--seq", "128", "--top", "100"]
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        code = main([*args, "--format", "json"])
+    ranked = json.loads(buffer.getvalue())
+    assert code == 0 and len(ranked["plans"]) == ranked["fit"] > 1, ranked
+    assert all(p["layout"]["cp"] == 1 for p in ranked["plans"])
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(io.StringIO()):
+        code = main([*args, "--plan", "cp=4", "--format", "json"])
+    refused = json.loads(buffer.getvalue())
+    assert code == 2 and "does not price context parallelism (cp=4)" in refused["error"], refused

@@ -11,7 +11,9 @@ local slice unchanged.
 Why not ``torch.distributed.tensor.experimental.context_parallel``: in torch 2.13 it swaps in
 ring attention for the CUDA kernels only (its handler table holds the flash, efficient and
 cuDNN SDPA ops); on a CPU, SDPA dispatches ``_scaled_dot_product_flash_attention_for_cpu``,
-which it does not handle, so it cannot run where plait's default backend (gloo on CPUs) runs.
+which it does not handle ("NotImplementedError: Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+registered"), so it cannot run where plait's default backend (gloo on CPUs) runs.
 The all-gather form is plain tensor code on any device, its only collective is an all-gather
 (counted by plait's ledger like any other), and a long sequence's K/V (2 x tokens x kv_heads x
 head_dim per layer) is small next to the activations it saves.
