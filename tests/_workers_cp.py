@@ -214,3 +214,14 @@ def hf_llama() -> nn.Module:
 def logits_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
     """lm_loss on a Hugging Face output's logits (labels come shifted in the data)."""
     return lm_loss(out.logits, labels)
+
+
+def evaluate(rank: int, world_size: int, batches: list[Any]) -> float:
+    """run.evaluate of the causal LM on the first batch under cp=2."""
+    from plait.runtime import init
+
+    run = init("cp=2", quiet=True)
+    model = run.parallelize(causal_lm())
+    loss = float(run.evaluate(model, batches[0], lm_loss))
+    run.close()
+    return loss

@@ -87,16 +87,24 @@ def test_the_cp_ranks_count_different_numbers_of_tokens(lm_data):
 
 
 def test_training_at_cp2_matches_one_device(lm_data):
-    """cp=2 (and with grad_accum=2) trains what one device trains: every step's loss and the
-    parameters after three SGD steps, on a model written for the test (learned positions from
-    position_ids, GQA through enable_gqa) and on plait's reference transformer (rotary)."""
+    """cp=2 (with grad_accum=2, with full activation checkpointing, whose recomputed attention
+    runs in backward) trains what one device trains: every step's loss and the parameters after
+    three SGD steps, on a model written for the test (learned positions from position_ids, GQA
+    through enable_gqa) and on plait's reference transformer (rotary); run.evaluate's loss is
+    one device's too."""
     batches, ref = lm_data
     jobs = [("cp=2", W.causal_lm, batches, W.lm_loss),
             ("cp=2,grad_accum=2", W.causal_lm, batches, W.lm_loss),
-            ("cp=2", W.reference_lm, batches, W.lm_loss)]
+            ("cp=2", W.reference_lm, batches, W.lm_loss),
+            ("cp=2,ac=full", W.reference_lm, batches, W.lm_loss)]
     got = run_distributed(W.train, 2, jobs, timeout=240)[0]
-    for result, which in zip(got, ("causal", "causal", "reference"), strict=True):
+    for result, which in zip(got, ("causal", "causal", "reference", "reference"), strict=True):
         _assert_matches(ref[which], result)
+    inputs, labels = batches[0]
+    with torch.no_grad():
+        want = float(W.lm_loss(W.causal_lm()(inputs), labels))
+    got_eval = run_distributed(W.evaluate, 2, batches, timeout=120)
+    assert got_eval[0] == got_eval[1] == pytest.approx(want, rel=REL)
 
 
 def test_cp_refuses_what_it_would_train_wrongly(lm_data):
