@@ -323,6 +323,10 @@ class Plan:
         if self.zero == 1:
             errors.append(f"cp={self.cp} with zero=1 is not supported: use zero=2 or zero=3 "
                           f"(FSDP shards over dp_shard x cp), or zero=0 with dp_replicate")
+        if self.compile:
+            errors.append(f"cp={self.cp} with compile is not supported: the cp attention "
+                          f"issues its all-gather from Python inside each block's forward; "
+                          f"drop compile")
         if self.dp_replicate > 1 and self.dp_shard > 1:
             errors.append(f"cp={self.cp} with both dp_replicate={self.dp_replicate} and "
                           f"dp_shard={self.dp_shard} (HSDP) is not supported: give one of them")
