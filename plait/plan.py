@@ -187,7 +187,7 @@ class Plan:
     sp: bool = False
     # Context parallelism: each sequence is split over cp ranks (head and tail chunks), which
     # all-gather keys and values for attention (plait.parallel.context). Composes with
-    # dp_replicate or dp_shard (FSDP then shards over dp_shard x cp), not yet with tp or pp.
+    # dp_replicate and dp_shard (FSDP then shards over dp_shard x cp), not yet with tp or pp.
     cp: int = 1
     # Pipeline parallelism: stages, schedule, microbatches per step, stages per rank.
     # microbatches=0 (the default) means one per pipeline rank (``pp``): the fewest that keep
@@ -327,9 +327,6 @@ class Plan:
             errors.append(f"cp={self.cp} with compile is not supported: the cp attention "
                           f"issues its all-gather from Python inside each block's forward; "
                           f"drop compile")
-        if self.dp_replicate > 1 and self.dp_shard > 1:
-            errors.append(f"cp={self.cp} with both dp_replicate={self.dp_replicate} and "
-                          f"dp_shard={self.dp_shard} (HSDP) is not supported: give one of them")
         return errors
 
     def _type_errors(self) -> list[str]:

@@ -225,3 +225,12 @@ def evaluate(rank: int, world_size: int, batches: list[Any]) -> float:
     loss = float(run.evaluate(model, batches[0], lm_loss))
     run.close()
     return loss
+
+
+def response_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels on the last 4 positions only (a prompt masked out, the response counted): at
+    cp=2 rank 1 (positions 4-11) holds no counted token at all."""
+    tokens, labels = lm_batch(step)
+    labels = tokens.roll(-1, dims=1)
+    labels[:, :SEQ - 4] = -100
+    return tokens, labels

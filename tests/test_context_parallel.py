@@ -149,6 +149,21 @@ def test_cp_traffic_closed_form():
     assert half["all_gather"].payload == base["all_gather"].payload / 2
 
 
+def test_a_cp_rank_that_counts_no_token_adds_nothing():
+    """Prompt masked, response counted: one cp rank holds no counted token (its mean is 0/0);
+    its share is 0 and training still equals one device. The same for a data rank whose rows
+    are all ignored (dp=2, the second half of each batch)."""
+    batches = [W.response_batch(s) for s in range(W.STEPS)]
+    ref = W.reference(W.causal_lm, batches, W.lm_loss)
+    unlabelled = [(x, torch.cat([y[:2], torch.full_like(y[2:], -100)])) for x, y in batches]
+    ref_dp = W.reference(W.causal_lm, unlabelled, W.lm_loss)
+    got = run_distributed(W.train, 2, [("cp=2", W.causal_lm, batches, W.lm_loss),
+                                       ("dp=2", W.causal_lm, unlabelled, W.lm_loss)],
+                          timeout=240)[0]
+    _assert_matches(ref, got[0])
+    _assert_matches(ref_dp, got[1])
+
+
 @pytest.mark.slow
 def test_training_at_dp2_x_cp2_matches_one_device(lm_data):
     """World 4: FSDP (ZeRO-3) over dp_shard x cp, and DDP over dp_replicate x cp."""
@@ -203,3 +218,13 @@ def test_the_planner_does_not_propose_cp_and_refuses_to_price_it():
         code = main([*args, "--plan", "cp=4", "--format", "json"])
     refused = json.loads(buffer.getvalue())
     assert code == 2 and "does not price context parallelism (cp=4)" in refused["error"], refused
+
+
+@pytest.mark.slow
+def test_training_under_hsdp_x_cp2_matches_one_device(lm_data):
+    """World 8: FSDP2's HSDP with cp, sharded over dp_shard x cp and replicated over
+    dp_replicate."""
+    batches, ref = lm_data
+    jobs = [("dp_replicate=2,dp_shard=2,zero=3,cp=2", W.causal_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train, 8, jobs, timeout=480)[0]
+    _assert_matches(ref["causal"], got[0])

@@ -52,7 +52,6 @@ def test_world_size_mismatch_names_every_factor():
     ("cp=2,pp=2", "cp=2 with pp=2 is not supported"),
     ("cp=2,dp_shard=2,zero=1", "cp=2 with zero=1 is not supported"),
     ("cp=2,compile", "cp=2 with compile is not supported"),
-    ("cp=2,dp_replicate=2,dp_shard=2,zero=3", "(HSDP) is not supported"),
     ("pp=2,schedule=warp", "pp_schedule='warp'"),
     ("pp=4,mb=2", "microbatches=2 < pp=4"),
     ("pp=2,mb=2,v=2", "needs a multi-stage schedule"),
