@@ -367,7 +367,12 @@ def loss_sum_and_count(value: Any, targets: Any, *, shift: bool | torch.Tensor =
             loss.device), count_items(targets).to(loss.device))
     else:
         count = count_items(targets, shift=shift).to(loss.device)
-    return loss.reshape(()) * count, count
+    # A micro-batch that counts nothing (every label of this rank's rows ignored, as on a
+    # context-parallel rank holding only prompt tokens) has a mean of 0/0 = NaN: its sum is 0,
+    # as one device summing over the global batch sees it (chosen on the device: no host read).
+    # Its gradients are zero either way (a loss over no items reads no logits).
+    total = loss.reshape(()) * count
+    return torch.where(count > 0, total, torch.zeros_like(total)), count
 
 
 def _full(t: Any) -> Any:

@@ -19,7 +19,8 @@ from .plan import MESH_AXES, Plan
 
 # Flattened views built on every mesh.
 DP = "dp"                    # dp_replicate x dp_shard: ranks that see different batches
-DP_SHARD_CP = "dp_shard_cp"  # what FSDP shards over (cp is reserved and 1 today)
+DP_SHARD_CP = "dp_shard_cp"  # what FSDP shards over: cp ranks hold the same model, too
+DP_CP = "dp_cp"              # dp x cp: ranks whose gradients and loss totals are reduced together
 DP_SHARD_TP = "dp_shard_tp"  # FSDP x TP: the gradient norm's one all-reduce (see build_mesh)
 
 
@@ -76,6 +77,11 @@ def build_mesh(plan: Plan, device_type: str, world_size: int) -> Mesh:
         DP: flatten_mesh(root["dp_replicate", "dp_shard"], DP),
         DP_SHARD_CP: flatten_mesh(root["dp_shard", "cp"], DP_SHARD_CP),
     }
+    if plan.cp > 1:
+        # Context-parallel ranks hold the same parameters and compute partial gradients (their
+        # slices of each sequence): gradients and the step's (loss sum, count) are reduced
+        # over the data and cp ranks together. Built only there: it creates process groups.
+        flat[DP_CP] = flatten_mesh(root["dp_replicate", "dp_shard", "cp"], DP_CP)
     if plan.tp > 1 and plan.dp_shard * plan.dp_replicate > 1:
         # Data parallelism over TP goes through FSDP2 (plait.parallel.zero), whose parameters'
         # gradient norms are partial over dp_shard and tp (dp_shard of size 1 included, under

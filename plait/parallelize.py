@@ -11,7 +11,9 @@ Order matters and is fixed here:
    **Compile** (``plan.compile``) then compiles each block's forward, the hooks left eager.
 4. **Data parallel last** — FSDP2 (ZeRO / HSDP) over ``dp_shard`` (x ``dp_replicate``), or DDP
    over ``dp_replicate``: it must see the final parameters (DTensors from TP included) to shard
-   or bucket them.
+   or bucket them. Context parallelism (``cp``) changes no module: its ranks join the data
+   ranks here (FSDP2 over ``dp_shard x cp``, DDP over ``dp x cp``), and the train step splits
+   each sequence over them (``plait.parallel.context``).
 
 Each step is a plain function in ``plait.parallel``; a step whose axis has degree 1 is skipped.
 What ran is recorded on the returned model as one typed ``Layout``
@@ -88,6 +90,14 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
 
         module = apply_fsdp(module, mesh, plan)
         applied.append("zero")
+    elif plan.cp > 1:
+        # Context-parallel ranks compute partial gradients of the same parameters: DDP sums
+        # them over the data and cp ranks together (dp_cp), as it averages over replicas.
+        from .mesh import DP_CP
+        from .parallel.data import apply_ddp
+
+        module = apply_ddp(module, mesh[DP_CP], device=device, find_unused=plan.find_unused)
+        applied.append("ddp")
     elif plan.dp_replicate > 1:
         if plan.tp > 1:
             # DDP cannot bucket DTensor parameters; replicated DP over TP shards goes through
@@ -102,4 +112,11 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
             module = apply_ddp(module, mesh["dp_replicate"], device=device,
                                find_unused=plan.find_unused)
             applied.append("ddp")
-    return record_layout(module, Layout(applied=tuple(applied), loss_parallel=loss_parallel))
+    context = None
+    if plan.cp > 1:
+        from .parallel.context import context_group
+
+        context = context_group(module, mesh)
+        applied.append("context_parallel")
+    return record_layout(module, Layout(applied=tuple(applied), loss_parallel=loss_parallel,
+                                        context=context))

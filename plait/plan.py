@@ -185,7 +185,9 @@ class Plan:
     # which also shards norms/dropout activations along the sequence between TP regions.
     tp: int = 1
     sp: bool = False
-    # Context parallelism: reserved, must be 1 for now (the axis exists so plans stay stable).
+    # Context parallelism: each sequence is split over cp ranks (head and tail chunks), which
+    # all-gather keys and values for attention (plait.parallel.context). Composes with
+    # dp_replicate and dp_shard (FSDP then shards over dp_shard x cp), not yet with tp or pp.
     cp: int = 1
     # Pipeline parallelism: stages, schedule, microbatches per step, stages per rank.
     # microbatches=0 (the default) means one per pipeline rank (``pp``): the fewest that keep
@@ -259,8 +261,8 @@ class Plan:
             errors.append(f"offload=True needs zero=3 (got zero={self.zero})")
         if self.sp and self.tp == 1:
             errors.append("sp=True (sequence parallel) needs tp > 1")
-        if self.cp != 1:
-            errors.append(f"cp={self.cp}: context parallelism is reserved and must be 1")
+        if self.cp > 1:
+            errors.extend(self._cp_errors())
         if self.pp_schedule not in PP_SCHEDULES:
             errors.append(f"pp_schedule={self.pp_schedule!r} is not one of "
                           f"{', '.join(PP_SCHEDULES)}")
@@ -309,6 +311,23 @@ class Plan:
         if errors:
             raise ValueError("invalid plan: " + "; ".join(errors))
         return self
+
+    def _cp_errors(self) -> list[str]:
+        """What context parallelism does not compose with yet (plait.parallel.context)."""
+        errors = []
+        for name, fix in (("pp", "pp=1"), ("tp", "tp=1 (use dp_shard with cp instead)")):
+            if getattr(self, name) > 1:
+                errors.append(f"cp={self.cp} with {name}={getattr(self, name)} is not supported: "
+                              f"context parallelism composes with dp_replicate and dp_shard "
+                              f"only; use {fix}, or cp=1")
+        if self.zero == 1:
+            errors.append(f"cp={self.cp} with zero=1 is not supported: use zero=2 or zero=3 "
+                          f"(FSDP shards over dp_shard x cp), or zero=0 with dp_replicate")
+        if self.compile:
+            errors.append(f"cp={self.cp} with compile is not supported: the cp attention "
+                          f"issues its all-gather from Python inside each block's forward; "
+                          f"drop compile")
+        return errors
 
     def _type_errors(self) -> list[str]:
         """A field of the wrong type (a JSON/YAML "no" where a boolean belongs) is refused, never

@@ -351,7 +351,8 @@ class Run:
         # Under XLA SPMD each host's share is counted on its host, outside the program.
         job_items: torch.Tensor | float = float(items * self.dp_size)
         if exchange is not None:
-            exchange.items = items
+            # cp ranks count the same rows (each holds a slice of them): counted once
+            exchange.items = items / self.plan.cp
         # Buffers the first step changes (outside BatchNorm) are statistics each data rank
         # keeps from its own rows: warned about once (a copy of the buffers, first step only).
         statistics = None
@@ -748,12 +749,12 @@ class Run:
     def _make_totals_exchange(self) -> tuple[TotalsExchange | None, bool]:
         if self.spmd is not None or self.plan.pp > 1:
             return None, False
-        dp_size = self.dp_size
-        if dp_size == 1:
+        group, size = self._totals_group()
+        if group is None:
             return None, False
-        whole_job = dp_size == self.world_size
+        whole_job = size == self.world_size
         pause = self.ledger.paused if self.ledger is not None else contextlib.nullcontext
-        return TotalsExchange(self._mesh()["dp"].get_group(),
+        return TotalsExchange(group,
                               extra=self._step_guard().local_flags if whole_job else None,
                               pause=pause), whole_job
 
@@ -771,8 +772,20 @@ class Run:
             # The last stage's pp rank: pp - 1, except for V schedules (ZB-V) where it is 0.
             last_pp = stage_to_rank(self.plan.pp_schedule, self.plan.pp,
                                     self.plan.virtual_stages)[-1]
-        dp_group = self._mesh()["dp"].get_group() if self.dp_size > 1 else None
+        dp_group, _ = self._totals_group()
         return reduce_totals(local, dp_group=dp_group, pp_group=pp_group, last_pp_rank=last_pp)
+
+    def _totals_group(self) -> tuple[Any, int]:
+        """The group the step's (loss sum, count) is summed over, and its size: the data
+        replicas, and with context parallelism their cp ranks too (each holds the loss of its
+        slice of the sequences); None for one rank."""
+        if self.plan.cp > 1:
+            from .mesh import DP_CP
+
+            return self._mesh()[DP_CP].get_group(), self.dp_size * self.plan.cp
+        if self.dp_size > 1:
+            return self._mesh()["dp"].get_group(), self.dp_size
+        return None, 1
 
     def _pipeline_totals(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """With pipelines: the global ``[loss sum, count, items]`` and the step guard's flags in

@@ -87,7 +87,8 @@ def split_microbatches(batch: Any, n: int) -> list[Any]:
     raise TypeError(f"cannot split a batch of type {type(batch).__name__} into micro-batches")
 
 
-def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[Any, Any]:
+def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None,
+               extra: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """Run the model on one (micro-)batch; return (what the loss reads, its targets).
 
     Batch conventions:
@@ -98,7 +99,11 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[An
       ``loss_fn=None`` the model gets every key and computes its own loss (``output.loss``);
       with a ``loss_fn`` the ``labels`` entry is held back from the model and given to
       ``loss_fn(output, labels)``, as the Hugging Face Trainer does.
+
+    ``extra``: keyword arguments added to a non-dict model call (context parallelism's
+    ``position_ids``, see ``plait.parallel.context.split_batch``).
     """
+    extra = extra or {}
     if isinstance(batch, dict):
         if loss_fn is None:
             try:
@@ -128,11 +133,11 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[An
         raise ValueError(f"a batch is (inputs, targets) or a dict of model arguments; got {got}")
     inputs, targets = batch
     if isinstance(inputs, dict):
-        out = model(**inputs)
+        out = model(**inputs, **extra)
     elif isinstance(inputs, (tuple, list)):
-        out = model(*inputs)
+        out = model(*inputs, **extra)
     else:
-        out = model(inputs)
+        out = model(inputs, **extra)
     return out, targets
 
 
@@ -251,11 +256,11 @@ def _unused_message(model: DDP, torch_message: str) -> str:
             f"which reduces zeros for them")
 
 
-def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None,
+                 extra: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss with autograd, item count) of one micro-batch (see ``plait.loss``)."""
     try:
-        out, targets = call_model(model, batch, loss_fn)
+        out, targets = call_model(model, batch, loss_fn, extra)
     except RuntimeError as exc:
         if isinstance(model, DDP) and _DDP_UNUSED in str(exc):
             raise ValueError(_unused_message(model, str(exc))) from exc
@@ -263,6 +268,11 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None
     value = model_loss(out, loss_fn, targets)
     shift = label_shift(loss_fn, out, value, targets, known=layout_of(model).first_label_skipped,
                         model_shifts=loss_fn is None and shifts_labels(model))
+    context = layout_of(model).context
+    if context is not None and shift is True:
+        from .parallel.context import SHIFTED_LABELS
+
+        raise ValueError(SHIFTED_LABELS.format(cp=context.size))
     total, count = loss_sum_and_count(value, targets, shift=shift)
     return _with_graph(total), count
 
@@ -271,6 +281,20 @@ def _forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch
     """The micro-batch's mean loss (sum / count), for callers that want one scalar."""
     total, count = forward_loss(model, batch, loss_fn)
     return total / count.clamp_min(1)
+
+
+def sequence_part(model: nn.Module, part: Any
+                  ) -> tuple[Any, dict[str, Any], contextlib.AbstractContextManager]:
+    """Under context parallelism: this rank's slice of every sequence in ``part``, the
+    keyword arguments the model call gets (``position_ids``) and the context its forward and
+    backward run in (attention over the whole sequence); else ``part`` unchanged."""
+    context = layout_of(model).context
+    if context is None:
+        return part, {}, contextlib.nullcontext()
+    from .parallel.context import cp_attention, split_batch
+
+    local, seq, extra = split_batch(part, context)
+    return local, extra, cp_attention(context, seq)
 
 
 def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
@@ -378,11 +402,13 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
     totals = torch.zeros(2, device=device)
     for i, part in enumerate(micro):
         last = i == len(micro) - 1
+        part, extra, sequence = sequence_part(model, part)
         # backward inside grad_sync too: FSDP2 reads the flag in backward (a backward
-        # outside it reduce-scattered every micro-step); DDP reads it in forward.
-        with loss_context(model), grad_sync(model, enabled=last):
+        # outside it reduce-scattered every micro-step); DDP reads it in forward. And inside
+        # the cp attention: activation checkpointing recomputes attention in backward.
+        with loss_context(model), grad_sync(model, enabled=last), sequence:
             with autocast(plan, device):
-                total, count = forward_loss(model, part, loss_fn)
+                total, count = forward_loss(model, part, loss_fn, extra)
             totals += torch.stack([total.detach().float(), count.float().to(device)])
             (total * loss_scale if loss_scale != 1.0 else total).backward()
     if exchange is not None:
@@ -408,7 +434,9 @@ def forward_only(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, plan: 
     totals = torch.zeros(2, device=device)
     with torch.no_grad(), loss_context(model), autocast(plan, device):
         for part in split_microbatches(batch, plan.grad_accum):
-            total, count = forward_loss(model, part, loss_fn)
+            part, extra, sequence = sequence_part(model, part)
+            with sequence:
+                total, count = forward_loss(model, part, loss_fn, extra)
             totals += torch.stack([total.detach().float(), count.float().to(total.device)]
                                   ).to(device)
     return totals
@@ -474,8 +502,9 @@ def apply_update(optimizer: torch.optim.Optimizer,
     if callable(totals):
         totals = totals()
     # data_replicas: how many replicas' gradients were averaged (plan.dp; 1 under XLA SPMD,
-    # whose one program computes the global batch's gradients).
-    replicas = plan.dp if data_replicas is None else data_replicas
+    # whose one program computes the global batch's gradients). Context-parallel ranks' partial
+    # gradients are averaged with them (their sum is a sequence's gradient): dp x cp.
+    replicas = plan.dp * plan.cp if data_replicas is None else data_replicas
     factor = replicas / (totals[1].clamp_min(1) * loss_scale)
     norm = None
     if unscaled is not None:

@@ -25,6 +25,7 @@ def plait_run(nproc, script, *args):
     (2, "pipeline.py", ["--plan", "pp=2,schedule=1f1b,mb=4", "--steps", "4"], "run summary"),
     (2, "tensor_parallel.py", ["--plan", "tp=2,sp=true", "--steps", "4"], "run summary"),
     (2, "zero.py", ["--plan", "dp_shard=2,zero=3", "--steps", "4"], "memory per rank"),
+    (2, "context_parallel.py", ["--plan", "cp=2", "--steps", "3"], "each rank holds 128"),
     (4, "nd_parallel.py", ["--steps", "3", "--accelerator", "cpu"], "communication ledger"),
     (2, "auto_plan.py", ["--steps", "3", "--accelerator", "cpu"], "training under the winner"),
     (2, "hf_model.py", ["--plan", "tp=2,sp", "--steps", "4", "--accelerator", "cpu"],

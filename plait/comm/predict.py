@@ -66,12 +66,18 @@ NO_EXPECTED_NOTE = ("no 'expected' column: tensor and pipeline parallelism move 
                     "plait reads off a stack of repeated blocks fed token ids (b, s); this "
                     "model, its input or the plan is not that; " + _BY_PLAN)
 
+CP_NOTE = ("no 'expected' column: context parallelism (cp) is not priced per run yet; "
+           "plait.comm.volumes.cp_traffic gives its all-gathers' bytes and "
+           "docs/context_parallel.md the whole step's")
+
 
 def no_expected_note(models: list[Any], plan: Any, stats: Any,
                      batch_shape: tuple[int, ...] | None, tokens: bool = True) -> str:
     """The ledger table's note where :func:`expected_for_models` returned None: for a model
     other than plait's reference transformer under tensor or pipeline parallelism, naming
     the reason (:func:`why_no_expected`)."""
+    if plan.cp > 1:
+        return CP_NOTE
     reason = None
     if (plan.tp > 1 or plan.pp > 1) and not (models and _find_config(models[-1])):
         reason = why_no_expected(plan, stats, batch_shape, tokens)
@@ -698,6 +704,8 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     """
     import torch.distributed as dist
 
+    if plan.cp > 1:  # every rank returns here alike: no collective is left unpaired
+        return None
     mine = None
     cfg = _find_config(models[-1]) if models else None
     if cfg is not None and batch_shape is not None and len(batch_shape) == 2:

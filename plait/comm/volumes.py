@@ -96,6 +96,10 @@ def fsdp_padded_numel(shape: tuple[int, ...], shards: int) -> int:
 #   in forward (after attention and MLP) and 2 in backward; a fully recomputed layer repeats its
 #   2 forward ones. With sequence parallelism each all-reduce becomes an all-gather plus a
 #   reduce-scatter of the same full size: the same wire bytes, twice the calls.
+# * CP (all-gather context parallelism, plait.parallel.context): per attention layer and
+#   micro-step, the keys and values are all-gathered over the cp group in forward (again for
+#   each recomputed layer) and their gradients reduce-scattered in backward; each call's
+#   payload is the whole sequence's K (or V): batch*seq*kv_dim elements.
 # * PP: per microbatch and stage boundary, the b*s*h activation goes forward and its gradient
 #   comes back; an interleaved schedule with v stages per rank crosses v times more boundaries.
 #
@@ -210,6 +214,30 @@ def tp_traffic(batch: int, seq: int, hidden: int, layers: int, tp: int,
         return [Traffic(axis, "all_reduce", per * n, n, tp, "activations")]
     return [Traffic(axis, "all_gather", per * n, n, tp, "activations"),
             Traffic(axis, "reduce_scatter", per * n, n, tp, "activations")]
+
+
+def cp_traffic(batch: int, seq: int, kv_dim: int, layers: int, cp: int,
+               dtype: str | torch.dtype = "fp32", *, micro_steps: int = 1,
+               recomputed_layers: int = 0, axis: str = "cp") -> list[Traffic]:
+    """All-gather context parallelism on ``layers`` attention layers, ``micro_steps`` micro-steps
+    of ``batch`` rows of ``seq`` tokens (the whole sequence, before the split), keys and values
+    of ``kv_dim`` = kv_heads x head_dim features each.
+
+    Per layer and micro-step: 2 all-gathers (K and V) in forward, 2 more per recomputed layer,
+    and 2 reduce-scatters of their gradients in backward, each of ``batch*seq*kv_dim``
+    elements (the gathered size). Per rank on the wire: ``(cp-1)/cp`` of that per call.
+    """
+    _positive(batch=batch, seq=seq, kv_dim=kv_dim, layers=layers, cp=cp,
+              micro_steps=micro_steps)
+    if not 0 <= recomputed_layers <= layers:
+        raise ValueError(f"recomputed_layers={recomputed_layers} must be in [0, layers={layers}]")
+    if cp == 1:
+        return []
+    per = float(batch) * seq * kv_dim * dtype_bytes(dtype)
+    gathers = 2 * (layers + recomputed_layers) * micro_steps
+    scatters = 2 * layers * micro_steps
+    return [Traffic(axis, "all_gather", per * gathers, gathers, cp, "keys, values"),
+            Traffic(axis, "reduce_scatter", per * scatters, scatters, cp, "key, value grads")]
 
 
 def pp_traffic(batch: int, seq: int, hidden: int, pp: int, dtype: str | torch.dtype = "fp32",

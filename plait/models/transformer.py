@@ -135,17 +135,24 @@ def _norm(cfg: TransformerConfig) -> nn.Module:
     return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
 
 
-def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
+def rotary(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """Rotary position embedding on ``x`` of shape (batch, seq, heads, head_dim).
 
     Computed on the fly rather than from a buffer: buffers complicate meta-device init, FSDP and
-    pipeline splitting, and the table is cheap next to attention.
+    pipeline splitting, and the table is cheap next to attention. ``positions`` ((batch, seq)
+    or (seq,)): each token's position, 0..seq-1 when None; context parallelism gives a rank's
+    slice of the sequence its global positions here.
     """
     seq, half = x.shape[1], x.shape[-1] // 2
     freqs = 1.0 / (theta ** (torch.arange(0, half, device=x.device, dtype=torch.float32) / half))
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), freqs)
-    cos = angles.cos()[None, :, None, :].to(x.dtype)
-    sin = angles.sin()[None, :, None, :].to(x.dtype)
+    if positions is None:
+        positions = torch.arange(seq, device=x.device)
+    angles = positions.to(x.device, torch.float32)[..., None] * freqs  # (..., seq, half)
+    if angles.ndim == 2:
+        angles = angles[None]
+    cos = angles.cos()[:, :, None, :].to(x.dtype)
+    sin = angles.sin()[:, :, None, :].to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -164,14 +171,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, kv_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.dim, cfg.dim, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism this rank holds heads/tp of them.
         q = self.q_proj(x).view(b, s, -1, self.head_dim)
         k = self.k_proj(x).view(b, s, -1, self.head_dim)
         v = self.v_proj(x).view(b, s, -1, self.head_dim)
         if self.rope_theta is not None:
-            q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
+            q = rotary(q, self.rope_theta, position_ids)
+            k = rotary(k, self.rope_theta, position_ids)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                              enable_gqa=q.shape[1] != k.shape[1])
@@ -203,8 +211,10 @@ class Block(nn.Module):
         self.feed_forward = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.attention_norm(x)))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.attention_norm(x)
+        h = self.attention(h) if position_ids is None else self.attention(h, position_ids)
+        x = x + self.dropout(h)
         return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
@@ -241,10 +251,13 @@ class Transformer(nn.Module):
                     std = std_out if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
                     p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``position_ids`` (batch, seq): each token's position (0..seq-1 when None), which
+        context parallelism sets to a slice's global positions."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h) if position_ids is None else layer(h, position_ids)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

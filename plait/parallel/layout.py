@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch.nn as nn
 
 if TYPE_CHECKING:
+    from .context import ContextGroup
     from .pipeline import PipelineRunner
     from .pipeline_split import StageSpec
 
@@ -41,6 +42,9 @@ class Layout:
     ``tied_names``: a weight tied across pipeline stages, under the name a stage holds it by
     where the one-device model names it otherwise (the last stage's ``head.weight``:
     ``embed.weight``); checkpoints name its optimizer state as the one-device model does.
+    ``context``: under context parallelism, this rank's cp group
+    (``plait.parallel.context.ContextGroup``): the train step splits each batch's sequences
+    over it and runs attention over the whole sequence.
     """
 
     applied: tuple[str, ...] = ()
@@ -50,6 +54,7 @@ class Layout:
     loss_parallel: bool = False
     first_label_skipped: dict[Any, bool] = field(default_factory=dict, compare=False)
     tied_names: dict[str, str] = field(default_factory=dict, compare=False)
+    context: ContextGroup | None = None
 
 
 def layout_of(model: nn.Module) -> Layout:

@@ -83,7 +83,12 @@ _PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def data_mesh(mesh: Mesh, plan: Plan) -> DeviceMesh:
-    """The mesh FSDP2 shards over: 1-D ``dp_shard``, or 2-D ``(dp_replicate, dp_shard)`` (HSDP)."""
+    """The mesh FSDP2 shards over: 1-D ``dp_shard``, 2-D ``(dp_replicate, dp_shard)`` (HSDP);
+    with context parallelism ``dp_shard x cp`` flattened in place of ``dp_shard``."""
+    if plan.cp > 1:  # cp ranks hold the same parameters: FSDP2 shards over them too
+        if plan.dp_replicate > 1:
+            return mesh.root["dp_replicate", "dp_shard_cp"]
+        return mesh["dp_shard_cp"]
     if plan.dp_replicate > 1:
         return mesh.root["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
@@ -162,7 +167,8 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
         # On gloo (CPU), FSDP2's reduce-scatter/all-gather become all-to-alls: gloo's own are
         # ~2x slower (reduce-scatter is a full all-reduce there). NCCL and every other backend
         # keep FSDP2's defaults; see plait/parallel/gloo_collectives.py.
-        shard_group = (dm["dp_shard"] if dm.ndim == 2 else dm).get_group()
+        # HSDP: the inner dim (dp_shard, or dp_shard_cp under context parallelism)
+        shard_group = dm.get_group(1) if dm.ndim == 2 else dm.get_group()
         use_gloo_collectives(module, shard_group, dm.device_type)
     _reduce_unused(module, plan)
     return module

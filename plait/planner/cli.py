@@ -341,6 +341,12 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--efficiency={args.efficiency} must be a fraction of peak in (0, 1]")
     model = load_model(args.model)
     given = Plan.load(args.plan) if args.plan else None
+    if given is not None and given.cp > 1:
+        raise ValueError(f"--plan {args.plan}: the planner does not price context parallelism "
+                         f"(cp={given.cp}) yet: its step time, memory and bytes would leave out "
+                         f"the split sequence and the K/V all-gathers; evaluate the plan with "
+                         f"cp=1, and see docs/context_parallel.md for cp's bytes and memory in "
+                         f"closed form")
     devices = args.devices
     if given is not None and devices is None and args.nodes is None:
         devices = given.world_size

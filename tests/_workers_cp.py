@@ -1,0 +1,236 @@
+"""Workers for tests/test_context_parallel.py (spawned processes import them from here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from plait.parallel.context import ContextGroup, cp_attention, shard_sequence
+
+
+def _qkv(seq: int, heads: int, kv_heads: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, heads, seq, 8, generator=g)
+    k = torch.randn(2, kv_heads, seq, 8, generator=g)
+    v = torch.randn(2, kv_heads, seq, 8, generator=g)
+    return [q, k, v]
+
+
+def attention_matches(rank: int, world_size: int, seq: int) -> list[dict[str, Any]]:
+    """For each case: the largest difference between this rank's attention output and
+    gradients (q, k, v) under cp and its slice of one-device SDPA's on the same q/k/v."""
+    cp = ContextGroup(dist.group.WORLD, rank, world_size)
+    pos = cp.positions(seq)
+    out = []
+    cases = [("causal", 4, 4, dict(is_causal=True)),
+             ("full", 4, 4, {}),
+             ("gqa_causal", 4, 2, dict(is_causal=True, enable_gqa=True)),
+             ("causal_scaled", 4, 4, dict(is_causal=True, scale=0.3))]
+    for i, (name, heads, kv_heads, kwargs) in enumerate(cases):
+        full = [t.requires_grad_() for t in _qkv(seq, heads, kv_heads, i)]
+        weight = torch.randn(2, heads, seq, 8, generator=torch.Generator().manual_seed(99))
+        ref = F.scaled_dot_product_attention(*full, **kwargs)
+        (ref * weight).sum().backward()
+        local = [shard_sequence(t.detach(), pos, dim=2).requires_grad_() for t in full]
+        with cp_attention(cp, seq):
+            got = F.scaled_dot_product_attention(*local, **kwargs)
+            (got * shard_sequence(weight, pos, dim=2)).sum().backward()
+        diffs = {"out": (got - shard_sequence(ref.detach(), pos, dim=2)).abs().max().item()}
+        for label, a, b in zip("qkv", local, full, strict=True):
+            diffs[label] = (a.grad - shard_sequence(b.grad, pos, dim=2)).abs().max().item()
+        out.append({"case": name, **diffs,
+                    "scale": ref.abs().max().item(), "restored":
+                    F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention})
+    return out
+
+
+def attention_refusals(rank: int, world_size: int) -> list[str]:
+    """The messages the cp attention raises for what it cannot compute."""
+    cp = ContextGroup(dist.group.WORLD, rank, world_size)
+    seq = 8
+    q, k, v = (shard_sequence(t, cp.positions(seq), dim=2) for t in _qkv(seq, 2, 2, 0))
+    messages = []
+    for kwargs in (dict(attn_mask=torch.ones(4, 4, dtype=torch.bool)), dict(dropout_p=0.1)):
+        try:
+            with cp_attention(cp, seq):
+                F.scaled_dot_product_attention(q, k, v, **kwargs)
+        except ValueError as exc:
+            messages.append(str(exc))
+    try:
+        cp.positions(6)
+    except ValueError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+# ------------------------------------------------------------------------------ training
+VOCAB, WIDTH, SEQ, BATCH, STEPS = 32, 16, 16, 4, 3
+
+
+class CausalLM(nn.Module):
+    """Written for the test: token and learned position embeddings, blocks of grouped-query
+    causal self-attention through F.scaled_dot_product_attention(is_causal=True) and an MLP,
+    a vocabulary head. Positions come from ``position_ids`` (0..seq-1 when not given)."""
+
+    def __init__(self, heads: int = 4, kv_heads: int = 2, depth: int = 2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, WIDTH // heads
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Embedding(SEQ, WIDTH)
+        self.qkv = nn.ModuleList(nn.Linear(WIDTH, WIDTH + 2 * kv_heads * self.head_dim)
+                                 for _ in range(depth))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(),
+                                               nn.Linear(2 * WIDTH, WIDTH))
+                                 for _ in range(depth))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s).expand(b, -1)
+        h = self.tok(input_ids) + self.pos(position_ids)
+        kv = self.kv_heads * self.head_dim
+        for qkv, mlp in zip(self.qkv, self.mlp, strict=True):
+            q, k, v = qkv(h).split([WIDTH, kv, kv], dim=-1)
+            q = q.view(b, s, self.heads, -1).transpose(1, 2)
+            k = k.view(b, s, self.kv_heads, -1).transpose(1, 2)
+            v = v.view(b, s, self.kv_heads, -1).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            h = h + a.transpose(1, 2).reshape(b, s, WIDTH)
+            h = h + mlp(h)
+        return self.head(h)
+
+
+def causal_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return CausalLM()
+
+
+def reference_lm() -> nn.Module:
+    """plait's reference transformer (rotary positions, GQA, SwiGLU), tiny."""
+    from plait.models.transformer import TransformerConfig, build
+
+    return build(TransformerConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4,
+                                   n_kv_heads=2, max_seq_len=SEQ), seed=0)
+
+
+def no_positions_lm() -> nn.Module:
+    """A model that numbers positions from its input's length: cp must refuse it."""
+    from tests._workers_semantics import MaskedLM
+
+    torch.manual_seed(0)
+    return MaskedLM()
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the labels that are not -100; labels come shifted in the data."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def shifting_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A loss that shifts itself (logits[:, :-1] against labels[:, 1:]): cp must refuse it."""
+    return lm_loss(logits[:, :-1], labels[:, 1:])
+
+
+def lm_batch(step: int, batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and next-token labels; row i keeps only its first 2 + 3i labels (the rest -100),
+    so the two cp ranks' slices (positions 0-3 and 12-15, 4-11 at cp=2) count different
+    numbers of tokens, and the data ranks too."""
+    g = torch.Generator().manual_seed(200 + step)
+    tokens = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
+    labels = tokens[:, 1:].clone()
+    for i in range(batch):
+        labels[i, 2 + 3 * i:] = -100
+    return tokens[:, :-1].contiguous(), labels
+
+
+def reference(factory: Any, batches: list[Any], loss_fn: Any) -> dict[str, Any]:
+    from tests._workers_semantics import reference as one_device
+
+    return one_device(factory, batches, loss_fn)
+
+
+def train(rank: int, world_size: int, jobs: list[Any]) -> list[dict[str, Any]]:
+    from tests._workers_semantics import train_jobs
+
+    return train_jobs(rank, world_size, jobs)
+
+
+def refusals(rank: int, world_size: int, batches: list[Any]) -> list[str]:
+    """What run.parallelize / run.step refuse under cp=2."""
+    from plait.runtime import init
+
+    out = []
+    for factory, loss_fn, batch in ((no_positions_lm, lm_loss, batches[0]),
+                                     (causal_lm, shifting_loss, batches[0]),
+                                     (causal_lm, lm_loss, (batches[0][0][:, :6],
+                                                           batches[0][1][:, :6])),
+                                     (causal_lm, lm_loss, (batches[0][0], batches[0][1][:, 0]))):
+        run = init("cp=2", quiet=True)
+        try:
+            model = run.parallelize(factory())
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            run.step(model, batch, loss_fn, opt)
+            out.append("")
+        except ValueError as exc:
+            out.append(str(exc))
+        run.close()
+    return out
+
+
+def ledger_axes(rank: int, world_size: int, batches: list[Any]) -> dict[str, Any]:
+    """The ledger's entries by "axis/op" for the second cp=2 step of the causal LM."""
+    from plait.comm.ledger import Ledger
+    from plait.runtime import init
+
+    # desync_check off: the watchdog's step-start all-gather runs on a group of the same
+    # ranks, which a user's own Ledger would count on the cp axis too
+    run = init("cp=2", quiet=True, desync_check=False)
+    model = run.parallelize(causal_lm())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.step(model, batches[0], lm_loss, opt)  # DDP's first step sets up its buckets
+    with Ledger(run.mesh) as ledger:
+        run.step(model, batches[1], lm_loss, opt)
+    run.close()
+    return {f"{e['axis']}/{e['op']}": e for e in ledger.local_entries()}
+
+
+def hf_llama() -> nn.Module:
+    """A tiny Hugging Face Llama built from a config (no download), SDPA attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=SEQ, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)
+
+
+def logits_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """lm_loss on a Hugging Face output's logits (labels come shifted in the data)."""
+    return lm_loss(out.logits, labels)
+
+
+def evaluate(rank: int, world_size: int, batches: list[Any]) -> float:
+    """run.evaluate of the causal LM on the first batch under cp=2."""
+    from plait.runtime import init
+
+    run = init("cp=2", quiet=True)
+    model = run.parallelize(causal_lm())
+    loss = float(run.evaluate(model, batches[0], lm_loss))
+    run.close()
+    return loss
+
+
+def response_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels on the last 4 positions only (a prompt masked out, the response counted): at
+    cp=2 rank 1 (positions 4-11) holds no counted token at all."""
+    tokens, labels = lm_batch(step)
+    labels = tokens.roll(-1, dims=1)
+    labels[:, :SEQ - 4] = -100
+    return tokens, labels

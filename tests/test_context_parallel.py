@@ -1,0 +1,230 @@
+"""Context parallelism (``cp``): each rank holds a slice of every sequence; attention, the loss
+and the gradients equal one device's.
+
+Tolerance: 1e-5 absolute on attention outputs and gradients of unit-scale random q/k/v (fp32
+sums taken in another order, nothing more; a wrong mask or a missing gradient term is off by
+0.1 or more).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.comm.volumes import cp_traffic
+from plait.parallel.context import head_tail_positions
+from plait.spawn import run_distributed
+from tests import _workers_cp as W
+
+TOL = 1e-5
+
+
+def test_head_tail_positions_cover_the_sequence_once_and_balance_causal_work():
+    seq, cp = 16, 4
+    parts = [head_tail_positions(seq, cp, r) for r in range(cp)]
+    assert parts[0].tolist() == [0, 1, 14, 15]
+    assert parts[3].tolist() == [6, 7, 8, 9]
+    assert sorted(torch.cat(parts).tolist()) == list(range(seq))
+    # causal work: keys at or before each query, summed per rank: the same on every rank
+    work = {int((p + 1).sum()) for p in parts}
+    assert len(work) == 1
+
+
+def test_attention_matches_one_device_at_cp2():
+    """Causal, unmasked, GQA (enable_gqa) and a given scale: outputs and the gradients of q, k
+    and v on each rank equal its slice of one-device SDPA's, and the patch is undone."""
+    got = run_distributed(W.attention_matches, 2, 16, timeout=120)
+    for rank in got:
+        for case in rank:
+            assert case["restored"], case
+            for key in ("out", "q", "k", "v"):
+                assert case[key] <= TOL, case
+
+
+def test_attention_refuses_what_it_cannot_compute():
+    messages = run_distributed(W.attention_refusals, 2, timeout=120)[0]
+    assert len(messages) == 3, messages
+    assert "attn_mask" in messages[0] and "is_causal=True" in messages[0]
+    assert "dropout_p=0.1" in messages[1] and "0" in messages[1]
+    assert "6 tokens" in messages[2] and "multiple of 4" in messages[2]
+
+
+def test_positions_refuse_a_length_that_does_not_split():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        head_tail_positions(10, 2, 0)
+
+
+# ------------------------------------------------------------------------------ training
+REL = 1e-5  # loss and parameters after the last step (as tests/test_semantics.py, fp32 sums
+FLOOR = 1e-2  # in another order; a wrong position or a miscounted token is off by >1e-3)
+
+
+def _assert_matches(ref: dict, got: dict) -> None:
+    for step, (a, b) in enumerate(zip(ref["losses"], got["losses"], strict=True)):
+        assert abs(a - b) <= REL * abs(a), (got["plan"], step, a, b)
+    state = {k.removeprefix("module."): v for k, v in got["state"].items()}
+    assert set(state) >= set(ref["state"]), (got["plan"], sorted(state))
+    for name, want in ref["state"].items():
+        diff = (state[name] - want).abs().max().item()
+        assert diff <= REL * max(want.abs().max().item(), FLOOR), (got["plan"], name, diff)
+
+
+@pytest.fixture(scope="module")
+def lm_data():
+    batches = [W.lm_batch(s) for s in range(W.STEPS)]
+    return batches, {name: W.reference(f, batches, W.lm_loss)
+                     for name, f in (("causal", W.causal_lm), ("reference", W.reference_lm))}
+
+
+def test_the_cp_ranks_count_different_numbers_of_tokens(lm_data):
+    """The data makes a mean of the two slices' means visibly wrong."""
+    from plait.parallel.context import head_tail_positions
+
+    batches, _ = lm_data
+    _, labels = batches[0]
+    counts = [int((labels[:, head_tail_positions(W.SEQ, 2, r)] != -100).sum()) for r in (0, 1)]
+    assert counts[0] != counts[1], counts
+
+
+def test_training_at_cp2_matches_one_device(lm_data):
+    """cp=2 (with grad_accum=2, with full activation checkpointing, whose recomputed attention
+    runs in backward) trains what one device trains: every step's loss and the parameters after
+    three SGD steps, on a model written for the test (learned positions from position_ids, GQA
+    through enable_gqa) and on plait's reference transformer (rotary); run.evaluate's loss is
+    one device's too."""
+    batches, ref = lm_data
+    jobs = [("cp=2", W.causal_lm, batches, W.lm_loss),
+            ("cp=2,grad_accum=2", W.causal_lm, batches, W.lm_loss),
+            ("cp=2", W.reference_lm, batches, W.lm_loss),
+            ("cp=2,ac=full", W.reference_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train, 2, jobs, timeout=240)[0]
+    for result, which in zip(got, ("causal", "causal", "reference", "reference"), strict=True):
+        _assert_matches(ref[which], result)
+    inputs, labels = batches[0]
+    with torch.no_grad():
+        want = float(W.lm_loss(W.causal_lm()(inputs), labels))
+    got_eval = run_distributed(W.evaluate, 2, batches, timeout=120)
+    assert got_eval[0] == got_eval[1] == pytest.approx(want, rel=REL)
+
+
+def test_cp_refuses_what_it_would_train_wrongly(lm_data):
+    """A model without position_ids, a loss that shifts the labels itself, a sequence that does
+    not split into 2*cp chunks, per-row targets: each refused with the fix."""
+    batches, _ = lm_data
+    got = run_distributed(W.refusals, 2, batches, timeout=240)[0]
+    assert "MaskedLM.forward must be told" in got[0] and "position_ids" in got[0], got[0]
+    assert "shift the labels in the data" in got[1], got[1]
+    assert "6 tokens" in got[2] and "multiple of 4" in got[2], got[2]
+    assert "shape (4,)" in got[3] and "per-token labels" in got[3], got[3]
+
+
+def test_the_ledger_shows_the_all_gathers_on_the_cp_axis(lm_data):
+    """Forward all-gathers K and V per layer (2 layers x 2), backward reduce-scatters their
+    gradients; payload: the full gathered buffer, batch x kv_heads x seq x head_dim fp32."""
+    batches, _ = lm_data
+    got = run_distributed(W.ledger_axes, 2, batches, timeout=240)[0]
+    gather = got["cp/all_gather"]
+    kv_bytes = W.BATCH * 2 * W.SEQ * 4 * 4  # 2 kv heads of 4 dims, fp32
+    assert (gather["count"], gather["payload_bytes"]) == (4, 4 * kv_bytes), gather
+    scatter = got["cp/reduce_scatter"]
+    assert (scatter["count"], scatter["payload_bytes"]) == (4, 4 * kv_bytes), scatter
+    # the closed form says the same
+    closed = {t.op: t for t in cp_traffic(W.BATCH, W.SEQ, kv_dim=8, layers=2, cp=2)}
+    for op, measured in (("all_gather", gather), ("reduce_scatter", scatter)):
+        assert (closed[op].calls, closed[op].payload) == (measured["count"],
+                                                         measured["payload_bytes"])
+        assert closed[op].wire == measured["wire_bytes"]
+
+
+def test_cp_traffic_closed_form():
+    """Recomputed layers gather again; cp=1 moves nothing; bf16 halves the bytes."""
+    base = {t.op: t for t in cp_traffic(2, 1024, 256, 4, 4)}
+    assert base["all_gather"].payload == 2 * 4 * 2 * 1024 * 256 * 4
+    assert base["all_gather"].wire == base["all_gather"].payload * 3 / 4
+    again = {t.op: t for t in cp_traffic(2, 1024, 256, 4, 4, recomputed_layers=4)}
+    assert again["all_gather"].calls == 2 * base["all_gather"].calls
+    assert again["reduce_scatter"] == base["reduce_scatter"]
+    assert cp_traffic(2, 1024, 256, 4, 1) == []
+    half = {t.op: t for t in cp_traffic(2, 1024, 256, 4, 4, "bf16")}
+    assert half["all_gather"].payload == base["all_gather"].payload / 2
+
+
+def test_a_cp_rank_that_counts_no_token_adds_nothing():
+    """Prompt masked, response counted: one cp rank holds no counted token (its mean is 0/0);
+    its share is 0 and training still equals one device. The same for a data rank whose rows
+    are all ignored (dp=2, the second half of each batch)."""
+    batches = [W.response_batch(s) for s in range(W.STEPS)]
+    ref = W.reference(W.causal_lm, batches, W.lm_loss)
+    unlabelled = [(x, torch.cat([y[:2], torch.full_like(y[2:], -100)])) for x, y in batches]
+    ref_dp = W.reference(W.causal_lm, unlabelled, W.lm_loss)
+    got = run_distributed(W.train, 2, [("cp=2", W.causal_lm, batches, W.lm_loss),
+                                       ("dp=2", W.causal_lm, unlabelled, W.lm_loss)],
+                          timeout=240)[0]
+    _assert_matches(ref, got[0])
+    _assert_matches(ref_dp, got[1])
+
+
+@pytest.mark.slow
+def test_training_at_dp2_x_cp2_matches_one_device(lm_data):
+    """World 4: FSDP (ZeRO-3) over dp_shard x cp, and DDP over dp_replicate x cp."""
+    batches, ref = lm_data
+    jobs = [("dp_shard=2,zero=3,cp=2", W.causal_lm, batches, W.lm_loss),
+            ("dp=2,cp=2", W.causal_lm, batches, W.lm_loss),
+            ("dp_shard=2,zero=2,cp=2", W.reference_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train, 4, jobs, timeout=480)[0]
+    for result, which in zip(got, ("causal", "causal", "reference"), strict=True):
+        _assert_matches(ref[which], result)
+
+
+def test_hf_llama_at_cp2_matches_one_device(lm_data):
+    """A tiny Hugging Face Llama (SDPA attention, rotary from position_ids): cp=2 trains what
+    one device trains, with labels shifted in the data and a loss on output.logits."""
+    batches, _ = lm_data
+    ref = W.reference(W.hf_llama, batches, W.logits_loss)
+    got = run_distributed(W.train, 2, [("cp=2", W.hf_llama, batches, W.logits_loss)],
+                          timeout=240)[0]
+    _assert_matches(ref, got[0])
+
+
+def test_the_ledger_report_says_why_cp_has_no_expected_column():
+    from plait.comm.predict import CP_NOTE, expected_for_models, no_expected_note
+    from plait.plan import Plan
+
+    plan = Plan(cp=2)
+    assert expected_for_models([W.causal_lm()], plan, (4, 16)) is None
+    assert no_expected_note([], plan, None, (4, 16)) == CP_NOTE
+
+
+def test_the_planner_does_not_propose_cp_and_refuses_to_price_it():
+    """`plait plan` searches as before (every ranked plan keeps cp=1) and refuses --plan with
+    cp>1, which it cannot price, naming the fix."""
+    import json
+
+    from plait.cli import main
+
+    args = ["plan", "--model", "tiny", "--cluster", "cpu", "--devices", "4",
+            "--global-batch", "8", "--seq", "128", "--top", "100"]
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        code = main([*args, "--format", "json"])
+    ranked = json.loads(buffer.getvalue())
+    assert code == 0 and len(ranked["plans"]) == ranked["fit"] > 1, ranked
+    assert all(p["layout"]["cp"] == 1 for p in ranked["plans"])
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(io.StringIO()):
+        code = main([*args, "--plan", "cp=4", "--format", "json"])
+    refused = json.loads(buffer.getvalue())
+    assert code == 2 and "does not price context parallelism (cp=4)" in refused["error"], refused
+
+
+@pytest.mark.slow
+def test_training_under_hsdp_x_cp2_matches_one_device(lm_data):
+    """World 8: FSDP2's HSDP with cp, sharded over dp_shard x cp and replicated over
+    dp_replicate."""
+    batches, ref = lm_data
+    jobs = [("dp_replicate=2,dp_shard=2,zero=3,cp=2", W.causal_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train, 8, jobs, timeout=480)[0]
+    _assert_matches(ref["causal"], got[0])
