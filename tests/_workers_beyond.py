@@ -134,8 +134,13 @@ def _state(run: Any, model: nn.Module) -> dict[str, torch.Tensor]:
     return run.full_state_dict(model)
 
 
-def train(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any], Any]]
-          ) -> list[dict[str, Any]]:
+def _optimizer(params: Any, adam: bool) -> torch.optim.Optimizer:
+    return (torch.optim.Adam(params, lr=1e-2, foreach=False) if adam
+            else torch.optim.SGD(params, lr=LR, foreach=False))
+
+
+def train(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any], Any]],
+          adam: bool = False) -> list[dict[str, Any]]:
     """Train each (plan, factory, global batches, loss) in one process group with SGD, as
     tests/_workers_semantics.train_jobs does; a loss given as the string "info_nce" is
     :func:`info_nce` over ``run.all_gather``, "info_nce_local" over this rank's rows only."""
@@ -151,7 +156,7 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any],
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = run.parallelize(factory())
-            opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
+            opt = _optimizer(model.parameters(), adam)
             losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size), loss_fn, opt))
                       for b in batches[:STEPS]]
         state = _state(run, model)
@@ -161,12 +166,12 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any],
     return out
 
 
-def reference(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Callable
-              ) -> dict[str, Any]:
+def reference(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Callable,
+              adam: bool = False) -> dict[str, Any]:
     """One process on each whole global batch: SGD, torch's clipping at 1.0 (plait's default),
     inputs given as a dict passed by keyword."""
     model = factory()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = _optimizer(model.parameters(), adam)
     losses = []
     for inputs, targets in batches[:STEPS]:
         out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
@@ -207,3 +212,64 @@ def resume(rank: int, world_size: int, factory: Callable[[], nn.Module], batches
         out[phase] = {"losses": losses, "state": state if rank == 0 else None}
         run.close()
     return out
+
+
+class ConvBlock(nn.Module):
+    """A residual 3x3 convolution block with GroupNorm."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = nn.GroupNorm(2, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.relu(self.norm(self.conv(x)))
+
+
+def conv_stack() -> nn.Module:
+    """A CNN as one nn.Sequential: stem, four residual blocks, pooling, a class head."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *(ConvBlock(8) for _ in range(4)),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+
+
+class TwoHeads(nn.Module):
+    """Two inputs (features and a tag) and two outputs: a class head every step, and a
+    regression head only on the steps whose batch carries regression targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features, self.tags = nn.Linear(10, 16), nn.Embedding(4, 16)
+        self.classes, self.value = nn.Linear(16, 5), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, tag: torch.Tensor, with_value: torch.Tensor
+                ) -> dict[str, torch.Tensor]:
+        h = torch.tanh(self.features(x) + self.tags(tag))
+        out = {"classes": self.classes(h)}
+        if bool(with_value.all()):
+            out["value"] = self.value(h).squeeze(-1)
+        return out
+
+
+def two_heads() -> nn.Module:
+    torch.manual_seed(0)
+    return TwoHeads()
+
+
+def two_head_batch(step: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every other step carries regression targets (the value head is used on those only)."""
+    g = torch.Generator().manual_seed(800 + step)
+    with_value = step % 2 == 0
+    return ({"x": torch.randn(BATCH, 10, generator=g),
+             "tag": torch.randint(0, 4, (BATCH,), generator=g),
+             "with_value": torch.full((BATCH,), with_value)},
+            {"labels": torch.randint(0, 5, (BATCH,), generator=g),
+             "value": torch.randn(BATCH, generator=g)})
+
+
+def two_head_loss(out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]
+                  ) -> torch.Tensor:
+    loss = F.cross_entropy(out["classes"], targets["labels"])
+    if "value" in out:
+        loss = loss + 0.5 * F.mse_loss(out["value"], targets["value"])
+    return loss

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch.nn.functional as F
 
-from plait.spawn import run_distributed
+from plait.spawn import WorkerError, run_distributed
 from tests import _workers_beyond as B
 
 REL, FLOOR = 1e-6, 1e-2
@@ -84,3 +84,21 @@ def test_resume_and_load_into_another_layout(tmp_path, factory, batches, saved_a
     if saved_as != loaded_as:
         for a, b in zip(straight["losses"][1:], resumed["losses"], strict=True):
             assert abs(a - b) <= REL * abs(a), (a, b)
+
+
+def test_a_head_some_steps_skip_keeps_no_gradient_under_find_unused():
+    """Two inputs, two heads, the second used only on every other step: on the others one
+    device leaves its parameters without a gradient and Adam leaves them (and their moments)
+    as they are. Under find_unused DDP does the same; ZeRO-2/3 must not hand Adam a zero
+    gradient for them either (Adam would move them by its momentum). Without find_unused DDP
+    stops and names the plan's fix."""
+    batches = [B.two_head_batch(s) for s in range(3)]
+    ref = B.reference(B.two_heads, batches, B.two_head_loss, adam=True)
+    plans = ("dp=2,find_unused", "dp_shard=2,zero=2,find_unused",
+             "dp_shard=2,zero=3,find_unused", "dp_shard=2,zero=3")
+    jobs = [(p, B.two_heads, batches, B.two_head_loss) for p in plans]
+    for got in run_distributed(B.train, 2, jobs, True, timeout=240)[0]:
+        _assert_matches(ref, got)
+    with pytest.raises(WorkerError, match=r"got no gradient.*'dp_shard=2,zero=1,find_unused'"):
+        run_distributed(B.train, 2, [("dp_shard=2,zero=1", B.two_heads, batches,
+                                      B.two_head_loss)], True, timeout=120)
