@@ -273,3 +273,36 @@ def two_head_loss(out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]
     if "value" in out:
         loss = loss + 0.5 * F.mse_loss(out["value"], targets["value"])
     return loss
+
+
+def batchnorm_buffers(rank: int, world_size: int, plans: list[str], batches: list[Any]
+                      ) -> list[dict[str, Any]]:
+    """Train tests/_workers_semantics.conv_bn under each plan (SGD), then run one evaluation:
+    this rank's own BatchNorm running statistics after training and after the evaluation,
+    the state the run saves (``full_state_dict``) and the losses."""
+    from plait.parallel.data import unwrap
+    from plait.runtime import init
+    from tests._workers_semantics import conv_bn
+
+    def running(model: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: b.detach().clone() for n, b in unwrap(model).named_buffers()
+                if "running" in n}
+
+    out = []
+    for plan in plans:
+        run = init(plan, quiet=True, log_every=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = run.parallelize(conv_bn())
+            opt = _optimizer(model.parameters(), False)
+            losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size),
+                                     F.cross_entropy, opt)) for b in batches]
+        trained = running(model)
+        model.eval()
+        run.evaluate(model, _slice(batches[0], run.dp_rank, run.dp_size), F.cross_entropy)
+        evaluated = running(model)
+        state = _state(run, model)
+        run.close()
+        out.append({"plan": plan, "losses": losses, "trained": trained, "evaluated": evaluated,
+                    "saved": {k: v for k, v in state.items() if "running" in k}})
+    return out

@@ -13,6 +13,7 @@ taken in another order.
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 from plait.spawn import WorkerError, run_distributed
@@ -102,3 +103,39 @@ def test_a_head_some_steps_skip_keeps_no_gradient_under_find_unused():
     with pytest.raises(WorkerError, match=r"got no gradient.*'dp_shard=2,zero=1,find_unused'"):
         run_distributed(B.train, 2, [("dp_shard=2,zero=1", B.two_heads, batches,
                                       B.two_head_loss)], True, timeout=120)
+
+
+def test_what_batchnorm_running_statistics_become_without_sync_bn():
+    """The rule docs/data_parallel.md states for BatchNorm without sync_bn (per-rank
+    statistics, a warning at parallelize): DDP broadcasts rank 0's buffers before every
+    forward (torch's broadcast_buffers), so an evaluation on every rank uses rank 0's running
+    statistics; ZeRO leaves each rank its own, also in evaluation; what the run saves is rank
+    0's. None of them is one device's (sync_bn's are, see tests/test_semantics.py)."""
+    from tests import _workers_semantics as W
+
+    batches = [W.image_batch(s) for s in range(3)]
+    ref = W.reference(W.conv_bn, batches, F.cross_entropy)
+    ranks = run_distributed(B.batchnorm_buffers, 2, ["dp=2", "dp_shard=2,zero=3"], batches,
+                            timeout=180)
+    (ddp0, zero0), (ddp1, zero1) = ranks
+    for rank0, rank1 in ((ddp0, ddp1), (zero0, zero1)):
+        for name, mine in rank0["trained"].items():
+            assert torch.equal(rank0["saved"][name], mine), (rank0["plan"], name)
+            assert not torch.equal(rank1["trained"][name], mine), (rank0["plan"], name)
+            assert (mine - ref["state"][name]).abs().max() > 1e-3, (rank0["plan"], name)
+    for name, mine in ddp0["evaluated"].items():
+        assert torch.equal(ddp1["evaluated"][name], mine), name
+        assert not torch.equal(zero1["evaluated"][name], zero0["evaluated"][name]), name
+
+
+def test_a_cnn_as_a_sequence_of_blocks_under_pipeline_and_checkpointing():
+    """A CNN written as one nn.Sequential (stem, residual GroupNorm blocks, pooling, head):
+    split into two pipeline stages (GPipe and 1F1B microbatches) and with its blocks
+    checkpointed under DDP and ZeRO-3, the same losses and parameters as one device."""
+    batches = [B.image_batch(s) for s in range(3)]
+    ref = B.reference(B.conv_stack, batches, F.cross_entropy)
+    plans = ("pp=2,microbatches=2", "pp=2,microbatches=4,schedule=1f1b", "dp=2,ac=full",
+             "dp_shard=2,zero=3,ac=selective")
+    jobs = [(p, B.conv_stack, batches, F.cross_entropy) for p in plans]
+    for got in run_distributed(B.train, 2, jobs, timeout=240)[0]:
+        _assert_matches(ref, got)
