@@ -306,3 +306,25 @@ def batchnorm_buffers(rank: int, world_size: int, plans: list[str], batches: lis
         out.append({"plan": plan, "losses": losses, "trained": trained, "evaluated": evaluated,
                     "saved": {k: v for k, v in state.items() if "running" in k}})
     return out
+
+
+def gathered_rows(rank: int, world_size: int, plans: list[str]) -> list[dict[str, Any]]:
+    """Under each plan: ``run.all_gather`` of a row holding this rank's data rank (which data
+    rank's rows come where), and of ``dp_rank + 1`` rows of a tensor with a gradient (uneven
+    counts, as the last batch of an epoch may leave them), with the gradient that a weighted
+    sum of the gathered rows sends back to this rank's rows."""
+    from plait.runtime import init
+
+    out = []
+    for plan in plans:
+        run = init(plan, quiet=True)
+        order = run.all_gather(torch.tensor([[float(run.dp_rank)]]))
+        rows = torch.full((run.dp_rank + 1, 2), float(run.dp_rank), requires_grad=True)
+        gathered = run.all_gather(rows)
+        weights = torch.arange(gathered.numel(), dtype=torch.float).reshape(gathered.shape)
+        (weights * gathered * (run.dp_rank + 1)).sum().backward()
+        out.append({"plan": plan, "dp_rank": run.dp_rank, "dp_size": run.dp_size,
+                    "order": order.flatten().tolist(), "gathered": gathered.detach(),
+                    "grad": rows.grad})
+        run.close()
+    return out

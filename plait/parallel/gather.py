@@ -14,9 +14,10 @@ with a sum). Data parallelism then averages the parameter gradients over the ran
 loss scaling accounts for: the summed gradient is what one device's backward gives.
 
 torch's differentiable collectives (``torch.distributed.nn.functional.all_gather``) are
-deprecated in favour of the functional collectives, which have no backward; and gloo has no
-reduce-scatter, so on gloo the backward all-reduces the gathered gradient and keeps this rank's
-rows (twice the bytes of a reduce-scatter, the same values).
+deprecated in favour of the functional collectives, which have no backward. The backward
+all-reduces the gathered gradient and keeps this rank's rows: twice the bytes of the
+reduce-scatter it stands for, but one path on every backend (gloo has no reduce-scatter) and for
+uneven row counts; the embeddings a contrastive loss gathers are small beside the gradients.
 """
 
 from __future__ import annotations
@@ -55,10 +56,6 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         start = sum(ctx.sizes[:ctx.rank])
         rows = slice(start, start + ctx.sizes[ctx.rank])
-        if dist.get_backend(ctx.group) != "gloo" and len(set(ctx.sizes)) == 1:
-            out = grad.new_empty((ctx.sizes[ctx.rank], *grad.shape[1:]))
-            dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
-            return out, None
         total = grad.contiguous().clone()
         dist.all_reduce(total, group=ctx.group)
         return total[rows].clone(), None
