@@ -312,7 +312,8 @@ def gathered_rows(rank: int, world_size: int, plans: list[str]) -> list[dict[str
     """Under each plan: ``run.all_gather`` of a row holding this rank's data rank (which data
     rank's rows come where), and of ``dp_rank + 1`` rows of a tensor with a gradient (uneven
     counts, as the last batch of an epoch may leave them), with the gradient that a weighted
-    sum of the gathered rows sends back to this rank's rows."""
+    sum of the gathered rows sends back to this rank's rows; and the shape it gives a meta
+    tensor (a shape check, which runs the loss with no other rank taking part)."""
     from plait.runtime import init
 
     out = []
@@ -323,8 +324,10 @@ def gathered_rows(rank: int, world_size: int, plans: list[str]) -> list[dict[str
         gathered = run.all_gather(rows)
         weights = torch.arange(gathered.numel(), dtype=torch.float).reshape(gathered.shape)
         (weights * gathered * (run.dp_rank + 1)).sum().backward()
+        shape = tuple(run.all_gather(torch.empty(2, 3, device="meta")).shape)
         out.append({"plan": plan, "dp_rank": run.dp_rank, "dp_size": run.dp_size,
                     "order": order.flatten().tolist(), "gathered": gathered.detach(),
+                    "meta_shape": shape,
                     "grad": rows.grad})
         run.close()
     return out

@@ -145,13 +145,15 @@ def test_all_gather_orders_rows_by_data_rank_and_sends_each_rank_its_gradient():
     """World 4: over dp_replicate x dp_shard (HSDP) the rows come in data-rank order, under
     dp=2,tp=2 only the data ranks are gathered (tp peers hold the same rows), and with
     uneven row counts the gradient of a rank's rows is the sum over ranks of what their
-    losses send back to them."""
+    losses send back to them. A meta tensor (a shape check) gets the gathered shape without
+    communication."""
     ranks = run_distributed(B.gathered_rows, 4, ["dp_replicate=2,dp_shard=2,zero=3",
                                                  "dp=2,tp=2"], timeout=180)
     for per_rank in ranks:
         for got in per_rank:
             size, me = got["dp_size"], got["dp_rank"]
             assert got["order"] == [float(r) for r in range(size)], got
+            assert got["meta_shape"] == (2 * size, 3), got
             counts = [r + 1 for r in range(size)]
             want = torch.cat([torch.full((n, 2), float(r)) for r, n in enumerate(counts)])
             assert torch.equal(got["gathered"], want), got

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 
 def _sizes(rows: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
@@ -69,4 +70,8 @@ def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     if t.ndim == 0:
         raise ValueError("all_gather needs a tensor with rows (dim 0 is the batch), got a "
                          "0-dim tensor; gather the per-row values the loss compares")
+    if t.device.type == "meta" or is_fake(t):
+        # A shape check (a pipeline's first-step shape inference, plait's fake-tensor passes)
+        # runs the loss without the other ranks: the gathered shape, no communication.
+        return torch.cat([t] * dist.get_world_size(group))
     return _AllGather.apply(t, group)
