@@ -154,6 +154,23 @@ class Run:
     def dp_size(self) -> int:
         return self._data_rank_and_size()[1]
 
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s rows from every data rank, concatenated in data-rank order (the order of
+        the global batch's slices), with a gradient that flows back to the rank that computed
+        each row: for a loss that compares every row with the whole batch (contrastive,
+        InfoNCE, CLIP), which on one rank's slice alone is not one device's loss. Call it
+        inside the loss function, on every data rank; ``t`` itself on one data rank. See
+        docs/data_parallel.md, "A loss over the whole batch"."""
+        if self.spmd is not None:
+            raise ValueError("run.all_gather is not available on XLA (SPMD): there the loss "
+                             "already sees the global batch of each host, so pass the "
+                             "tensor as it is")
+        if self.dp_size == 1:
+            return t
+        from .parallel.gather import all_gather_rows
+
+        return all_gather_rows(t, self._mesh()["dp"].get_group())
+
     def _data_rank_and_size(self) -> tuple[int, int]:
         """Which share of each global batch this process loads, and of how many (on XLA: this
         host's, every device of the host splitting it)."""

@@ -238,7 +238,7 @@ def _beside_sharded_logits(out: Any) -> Any:
 _DDP_UNUSED = "Expected to have finished reduction in the prior iteration"
 
 
-def _unused_message(model: DDP, torch_message: str) -> str:
+def _unused_message(model: DDP, torch_message: str, plan: Plan | None = None) -> str:
     """DDP's unused-parameter error as plait's fix: the plan's ``find_unused``, with the names
     of the parameters (torch gives indices into the parameters that require a gradient)."""
     import re
@@ -247,23 +247,28 @@ def _unused_message(model: DDP, torch_message: str) -> str:
     found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", torch_message)
     index = [int(i) for i in found.group(1).split()] if found else []
     skipped = [names[i] for i in index if i < len(names)]
+    example = (f"{plan.to_string()},find_unused" if plan is not None
+               else "dp=2,find_unused")
     which = (f" ({', '.join(skipped[:3])}" + (f" and {len(skipped) - 3} more" if len(skipped) > 3
                                              else "") + ")") if skipped else ""
     return (f"parameters of {type(model.module).__name__}{which} got no gradient on this rank "
             f"in the previous step: its forward skipped them for these rows (an expert no token "
             f"was routed to, a branch for some rows only), so data parallelism could not "
-            f"all-reduce their gradients; add find_unused to the plan (e.g. 'dp=2,find_unused'), "
+            f"all-reduce their gradients; add find_unused to the plan (e.g. '{example}'), "
             f"which reduces zeros for them")
 
 
 def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None,
-                 extra: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed loss with autograd, item count) of one micro-batch (see ``plait.loss``)."""
+                 extra: dict[str, Any] | None = None, plan: Plan | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss with autograd, item count) of one micro-batch (see ``plait.loss``);
+    ``extra``: keyword arguments for the model call (context parallelism's ``position_ids``);
+    ``plan``: the one an error's suggested fix is written for."""
     try:
         out, targets = call_model(model, batch, loss_fn, extra)
     except RuntimeError as exc:
         if isinstance(model, DDP) and _DDP_UNUSED in str(exc):
-            raise ValueError(_unused_message(model, str(exc))) from exc
+            raise ValueError(_unused_message(model, str(exc), plan)) from exc
         raise
     value = model_loss(out, loss_fn, targets)
     shift = label_shift(loss_fn, out, value, targets, known=layout_of(model).first_label_skipped,
@@ -400,6 +405,11 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
         return pipeline.step(batch, loss_fn, plan=plan, device=device, loss_scale=loss_scale)
     micro = split_microbatches(batch, plan.grad_accum)
     totals = torch.zeros(2, device=device)
+    unused = None
+    if plan.find_unused and (plan.zero >= 2 or plan.tp > 1):  # FSDP2 reduces zeros for them
+        from .parallel.unused import UnusedTracker
+
+        unused = UnusedTracker(model)
     for i, part in enumerate(micro):
         last = i == len(micro) - 1
         part, extra, sequence = sequence_part(model, part)
@@ -408,9 +418,14 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
         # the cp attention: activation checkpointing recomputes attention in backward.
         with loss_context(model), grad_sync(model, enabled=last), sequence:
             with autocast(plan, device):
-                total, count = forward_loss(model, part, loss_fn, extra)
+                total, count = forward_loss(model, part, loss_fn, extra, plan)
             totals += torch.stack([total.detach().float(), count.float().to(device)])
+            if unused is not None:
+                unused.note(total)
             (total * loss_scale if loss_scale != 1.0 else total).backward()
+    if unused is not None:
+        # Every rank runs this step (no pipeline here): the mask is reduced over all of them.
+        unused.finish()
     if exchange is not None:
         # After backward, not during it: on gloo a collective in flight beside DDP's bucket
         # all-reduces slowed backward by more than the wait it would hide (10-15 ms of a

@@ -170,5 +170,5 @@ def test_parameters_a_rank_leaves_without_gradients_are_told_find_unused(mine, c
     assert code == 2, err
     assert ("parameters of Branches (a.weight, a.bias) got no gradient on this rank" in err
             or "parameters of Branches (b.weight, b.bias) got no gradient on this rank" in err), err
-    assert "add find_unused to the plan (e.g. 'dp=2,find_unused')" in err, err
+    assert "add find_unused to the plan (e.g. 'dp_replicate=2,find_unused')" in err, err
     assert len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,333 @@
+"""Models that are not transformers, written for tests/test_models_beyond.py: a recurrent
+sequence classifier (LSTM over packed sequences, then a GRU), a CNN that applies one convolution
+twice with a frozen stem and a non-persistent buffer, and a two-tower model trained with a
+contrastive (InfoNCE) loss over the whole global batch. Each is trained under plait in spawned
+processes and compared with the plain one-process loop of tests/_workers_semantics.py."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from plait.check import _slice
+from tests._workers_semantics import LR, STEPS
+
+BATCH, SEQ, VOCAB, WIDTH = 8, 6, 20, 12
+
+
+class Recurrent(nn.Module):
+    """Embedding, an LSTM over packed sequences of different lengths, a GRU, a class head
+    read at each row's last real position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.lstm = nn.LSTM(WIDTH, WIDTH, batch_first=True)
+        self.gru = nn.GRU(WIDTH, WIDTH, batch_first=True)
+        self.head = nn.Linear(WIDTH, 4)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = pack_padded_sequence(self.embed(tokens), lengths.cpu(), batch_first=True,
+                                      enforce_sorted=False)
+        h, _ = pad_packed_sequence(self.lstm(packed)[0], batch_first=True,
+                                   total_length=tokens.shape[1])
+        h, _ = self.gru(h)
+        last = h[torch.arange(h.shape[0]), lengths - 1]
+        return self.head(last)
+
+
+def recurrent() -> nn.Module:
+    torch.manual_seed(0)
+    return Recurrent()
+
+
+def sequence_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Token rows of lengths 1..SEQ (padded with 0) and one class per row."""
+    g = torch.Generator().manual_seed(500 + step)
+    tokens = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    lengths = torch.randint(1, SEQ + 1, (BATCH,), generator=g)
+    tokens[torch.arange(SEQ)[None, :] >= lengths[:, None]] = 0
+    return {"tokens": tokens, "lengths": lengths}, torch.randint(0, 4, (BATCH,), generator=g)
+
+
+class SharedConv(nn.Module):
+    """A frozen stem, one convolution applied twice (a weight used twice in a step), GroupNorm,
+    and a per-channel input normalisation held in a non-persistent buffer (not in the state
+    dict, not in checkpoints)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pixel_mean", torch.tensor([0.1, -0.2, 0.3]).reshape(1, 3, 1, 1),
+                             persistent=False)
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.stem.requires_grad_(False)
+        self.shared = nn.Conv2d(8, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.stem(x - self.pixel_mean))
+        h = F.relu(self.norm(self.shared(h)))
+        h = F.relu(self.shared(h)) + h
+        return self.head(h.mean((2, 3)))
+
+
+def shared_conv() -> nn.Module:
+    torch.manual_seed(0)
+    return SharedConv()
+
+
+def image_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(600 + step)
+    return torch.randn(BATCH, 3, 6, 6, generator=g), torch.randint(0, 5, (BATCH,), generator=g)
+
+
+class TwoTower(nn.Module):
+    """Image and text encoders projecting into one embedding space (CLIP's shape, tiny)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.text = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Flatten(), nn.Linear(16 * 4, 8))
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.normalize(self.image(image), dim=-1), F.normalize(self.text(text), dim=-1)
+
+
+def two_tower() -> nn.Module:
+    torch.manual_seed(0)
+    return TwoTower()
+
+
+def pair_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(image features, caption tokens) pairs; the targets are each row's index in the
+    global batch (what the contrastive loss reads as the matching column)."""
+    g = torch.Generator().manual_seed(700 + step)
+    return ({"image": torch.randn(BATCH, 10, generator=g),
+             "text": torch.randint(0, VOCAB, (BATCH, 4), generator=g)},
+            torch.arange(BATCH))
+
+
+def info_nce(gather: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The symmetric InfoNCE loss (CLIP's), each row against every column ``gather`` gives:
+    the identity for one device, ``run.all_gather`` under data parallelism; ``targets`` are
+    the rows' indices among those columns."""
+
+    def loss(out: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        image, text = out
+        all_image, all_text = gather(image), gather(text)
+        local = targets - targets[0] if all_text.shape[0] == image.shape[0] else targets
+        return 0.5 * (F.cross_entropy(image @ all_text.T / 0.1, local)
+                      + F.cross_entropy(text @ all_image.T / 0.1, local))
+
+    return loss
+
+
+def _state(run: Any, model: nn.Module) -> dict[str, torch.Tensor]:
+    return run.full_state_dict(model)
+
+
+def _optimizer(params: Any, adam: bool) -> torch.optim.Optimizer:
+    return (torch.optim.Adam(params, lr=1e-2, foreach=False) if adam
+            else torch.optim.SGD(params, lr=LR, foreach=False))
+
+
+def train(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any], Any]],
+          adam: bool = False) -> list[dict[str, Any]]:
+    """Train each (plan, factory, global batches, loss) in one process group with SGD, as
+    tests/_workers_semantics.train_jobs does; a loss given as the string "info_nce" is
+    :func:`info_nce` over ``run.all_gather``, "info_nce_local" over this rank's rows only."""
+    from plait.runtime import init
+
+    out = []
+    for text, factory, batches, loss_fn in jobs:
+        run = init(text, quiet=True, log_every=1)
+        if loss_fn == "info_nce":
+            loss_fn = info_nce(run.all_gather)
+        elif loss_fn == "info_nce_local":
+            loss_fn = info_nce(lambda t: t)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = run.parallelize(factory())
+            opt = _optimizer(model.parameters(), adam)
+            losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size), loss_fn, opt))
+                      for b in batches[:STEPS]]
+        state = _state(run, model)
+        run.close()
+        out.append({"plan": text, "losses": losses, "state": state if rank == 0 else None,
+                    "warnings": [str(w.message) for w in caught]})
+    return out
+
+
+def reference(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Callable,
+              adam: bool = False) -> dict[str, Any]:
+    """One process on each whole global batch: SGD, torch's clipping at 1.0 (plait's default),
+    inputs given as a dict passed by keyword."""
+    model = factory()
+    opt = _optimizer(model.parameters(), adam)
+    losses = []
+    for inputs, targets in batches[:STEPS]:
+        out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+        loss = loss_fn(out, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "state": {k: v.detach().clone()
+                                        for k, v in model.state_dict().items()}}
+
+
+def resume(rank: int, world_size: int, factory: Callable[[], nn.Module], batches: list[Any],
+           loss_fn: Callable, saved_as: str, loaded_as: str, root: str) -> dict[str, Any]:
+    """Adam for len(batches) steps under ``saved_as``, saving after the first; then a fresh
+    model and optimizer under ``loaded_as`` load that checkpoint and take the remaining steps.
+    Rank 0's full state after both, and the steps' losses."""
+    from plait.runtime import init
+
+    def steps(run: Any, model: nn.Module, opt: Any, todo: list[Any]) -> list[float]:
+        return [float(run.step(model, _slice(b, run.dp_rank, run.dp_size), loss_fn, opt))
+                for b in todo]
+
+    out: dict[str, Any] = {}
+    for phase, plan in (("straight", saved_as), ("resumed", loaded_as)):
+        run = init(plan, quiet=True, log_every=1)
+        model = run.parallelize(factory())
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+        if phase == "straight":
+            losses = steps(run, model, opt, batches[:1])
+            run.save(root, model=model, optimizer=opt)
+        else:
+            run.load(root, model=model, optimizer=opt)
+            losses = []
+        losses += steps(run, model, opt, batches[1:])
+        state = _state(run, model)  # collective: every rank gathers
+        out[phase] = {"losses": losses, "state": state if rank == 0 else None}
+        run.close()
+    return out
+
+
+class ConvBlock(nn.Module):
+    """A residual 3x3 convolution block with GroupNorm."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = nn.GroupNorm(2, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.relu(self.norm(self.conv(x)))
+
+
+def conv_stack() -> nn.Module:
+    """A CNN as one nn.Sequential: stem, four residual blocks, pooling, a class head."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *(ConvBlock(8) for _ in range(4)),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+
+
+class TwoHeads(nn.Module):
+    """Two inputs (features and a tag) and two outputs: a class head every step, and a
+    regression head only on the steps whose batch carries regression targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features, self.tags = nn.Linear(10, 16), nn.Embedding(4, 16)
+        self.classes, self.value = nn.Linear(16, 5), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, tag: torch.Tensor, with_value: torch.Tensor
+                ) -> dict[str, torch.Tensor]:
+        h = torch.tanh(self.features(x) + self.tags(tag))
+        out = {"classes": self.classes(h)}
+        if bool(with_value.all()):
+            out["value"] = self.value(h).squeeze(-1)
+        return out
+
+
+def two_heads() -> nn.Module:
+    torch.manual_seed(0)
+    return TwoHeads()
+
+
+def two_head_batch(step: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every other step carries regression targets (the value head is used on those only)."""
+    g = torch.Generator().manual_seed(800 + step)
+    with_value = step % 2 == 0
+    return ({"x": torch.randn(BATCH, 10, generator=g),
+             "tag": torch.randint(0, 4, (BATCH,), generator=g),
+             "with_value": torch.full((BATCH,), with_value)},
+            {"labels": torch.randint(0, 5, (BATCH,), generator=g),
+             "value": torch.randn(BATCH, generator=g)})
+
+
+def two_head_loss(out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]
+                  ) -> torch.Tensor:
+    loss = F.cross_entropy(out["classes"], targets["labels"])
+    if "value" in out:
+        loss = loss + 0.5 * F.mse_loss(out["value"], targets["value"])
+    return loss
+
+
+def batchnorm_buffers(rank: int, world_size: int, plans: list[str], batches: list[Any]
+                      ) -> list[dict[str, Any]]:
+    """Train tests/_workers_semantics.conv_bn under each plan (SGD), then run one evaluation:
+    this rank's own BatchNorm running statistics after training and after the evaluation,
+    the state the run saves (``full_state_dict``) and the losses."""
+    from plait.parallel.data import unwrap
+    from plait.runtime import init
+    from tests._workers_semantics import conv_bn
+
+    def running(model: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: b.detach().clone() for n, b in unwrap(model).named_buffers()
+                if "running" in n}
+
+    out = []
+    for plan in plans:
+        run = init(plan, quiet=True, log_every=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = run.parallelize(conv_bn())
+            opt = _optimizer(model.parameters(), False)
+            losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size),
+                                     F.cross_entropy, opt)) for b in batches]
+        trained = running(model)
+        model.eval()
+        run.evaluate(model, _slice(batches[0], run.dp_rank, run.dp_size), F.cross_entropy)
+        evaluated = running(model)
+        state = _state(run, model)
+        run.close()
+        out.append({"plan": plan, "losses": losses, "trained": trained, "evaluated": evaluated,
+                    "saved": {k: v for k, v in state.items() if "running" in k}})
+    return out
+
+
+def gathered_rows(rank: int, world_size: int, plans: list[str]) -> list[dict[str, Any]]:
+    """Under each plan: ``run.all_gather`` of a row holding this rank's data rank (which data
+    rank's rows come where), and of ``dp_rank + 1`` rows of a tensor with a gradient (uneven
+    counts, as the last batch of an epoch may leave them), with the gradient that a weighted
+    sum of the gathered rows sends back to this rank's rows; and the shape it gives a meta
+    tensor (a shape check, which runs the loss with no other rank taking part)."""
+    from plait.runtime import init
+
+    out = []
+    for plan in plans:
+        run = init(plan, quiet=True)
+        order = run.all_gather(torch.tensor([[float(run.dp_rank)]]))
+        rows = torch.full((run.dp_rank + 1, 2), float(run.dp_rank), requires_grad=True)
+        gathered = run.all_gather(rows)
+        weights = torch.arange(gathered.numel(), dtype=torch.float).reshape(gathered.shape)
+        (weights * gathered * (run.dp_rank + 1)).sum().backward()
+        shape = tuple(run.all_gather(torch.empty(2, 3, device="meta")).shape)
+        out.append({"plan": plan, "dp_rank": run.dp_rank, "dp_size": run.dp_size,
+                    "order": order.flatten().tolist(), "gathered": gathered.detach(),
+                    "meta_shape": shape,
+                    "grad": rows.grad})
+        run.close()
+    return out

@@ -1,0 +1,165 @@
+"""Models that are not transformers, under every data layout, against one device.
+
+Models written for the test (tests/_workers_beyond.py): a recurrent classifier (LSTM over
+packed sequences, then a GRU, dict inputs), a CNN with a frozen stem, one convolution applied
+twice and a non-persistent buffer, and a two-tower model trained with a contrastive (InfoNCE)
+loss over the whole global batch through ``run.all_gather``. The reference is a plain
+one-process loop (SGD, lr 0.1, torch's clipping at 1.0) on the whole global batch. Tolerance:
+1e-6 relative on every step's loss, and on every parameter and persistent buffer after the
+last step 1e-6 relative to the tensor's largest entry (at least 1e-2): fp32 rounding of sums
+taken in another order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plait.spawn import WorkerError, run_distributed
+from tests import _workers_beyond as B
+
+REL, FLOOR = 1e-6, 1e-2
+
+
+def _assert_matches(ref: dict, got: dict) -> None:
+    for step, (a, b) in enumerate(zip(ref["losses"], got["losses"], strict=True)):
+        assert abs(a - b) <= REL * abs(a), (got["plan"], step, a, b)
+    assert set(got["state"]) == set(ref["state"]), (got["plan"], sorted(got["state"]))
+    for name, want in ref["state"].items():
+        diff = (got["state"][name].float() - want.float()).abs().max().item()
+        assert diff <= REL * max(want.abs().max().item(), FLOOR), (got["plan"], name, diff)
+
+
+def test_a_contrastive_loss_over_the_global_batch_with_all_gather():
+    """InfoNCE compares each row with every row of the batch. With ``run.all_gather`` the
+    loss and the parameters equal one device's under DDP and ZeRO-3; over each rank's rows
+    alone the loss is another one (fewer negatives), which the last job shows."""
+    batches = [B.pair_batch(s) for s in range(3)]
+    ref = B.reference(B.two_tower, batches, B.info_nce(lambda t: t))
+    jobs = [(p, B.two_tower, batches, loss) for p, loss in
+            (("dp=2", "info_nce"), ("dp_shard=2,zero=3", "info_nce"), ("dp=2", "info_nce_local"))]
+    ddp, zero3, local = run_distributed(B.train, 2, jobs, timeout=180)[0]
+    _assert_matches(ref, ddp)
+    _assert_matches(ref, zero3)
+    assert abs(local["losses"][0] - ref["losses"][0]) > 1e-2 * ref["losses"][0]
+
+
+def test_recurrent_and_shared_weight_models_under_ddp_and_zero():
+    """An LSTM over packed sequences and a GRU (dict inputs), and a CNN applying one
+    convolution twice with a frozen stem and a non-persistent buffer: the same losses and
+    parameters as one device under DDP and ZeRO-1/2/3 (ZeRO-3 with gradient accumulation),
+    and the non-persistent buffer is in no state dict, as on one device."""
+    rnn_batches = [B.sequence_batch(s) for s in range(3)]
+    conv_batches = [B.image_batch(s) for s in range(3)]
+    refs = {"rnn": B.reference(B.recurrent, rnn_batches, F.cross_entropy),
+            "conv": B.reference(B.shared_conv, conv_batches, F.cross_entropy)}
+    jobs = [(p, B.recurrent, rnn_batches, F.cross_entropy)
+            for p in ("dp=2", "dp_shard=2,zero=1", "dp_shard=2,zero=3,grad_accum=2")]
+    jobs += [(p, B.shared_conv, conv_batches, F.cross_entropy)
+             for p in ("dp=2", "dp_shard=2,zero=2", "dp_shard=2,zero=3")]
+    results = run_distributed(B.train, 2, jobs, timeout=240)[0]
+    for (_, factory, _, _), got in zip(jobs, results, strict=True):
+        _assert_matches(refs["rnn" if factory is B.recurrent else "conv"], got)
+        assert not got["warnings"] or all("jit" in w for w in got["warnings"]), got
+    assert "pixel_mean" not in refs["conv"]["state"]
+
+
+@pytest.mark.parametrize("factory,batches,saved_as,loaded_as", [
+    (B.shared_conv, [B.image_batch(s) for s in range(3)], "dp=2", "dp=2"),
+    (B.recurrent, [B.sequence_batch(s) for s in range(3)], "dp_shard=2,zero=3", "dp=2"),
+])
+def test_resume_and_load_into_another_layout(tmp_path, factory, batches, saved_as, loaded_as):
+    """Saved after one Adam step and loaded by a fresh model and optimizer: the remaining
+    steps give bitwise the same losses and parameters under the same plan (the frozen stem
+    and the non-persistent buffer, which no checkpoint holds, included), and the same to fp32
+    rounding under another."""
+    (got,) = run_distributed(B.resume, 2, factory, batches, F.cross_entropy, saved_as,
+                             loaded_as, str(tmp_path / "ckpt"), timeout=240)[:1]
+    straight, resumed = got["straight"], got["resumed"]
+    assert resumed["losses"] == straight["losses"][1:] or saved_as != loaded_as
+    for name, want in straight["state"].items():
+        diff = (resumed["state"][name].float() - want.float()).abs().max().item()
+        limit = 0.0 if saved_as == loaded_as else REL * max(want.abs().max().item(), FLOOR)
+        assert diff <= limit, (saved_as, loaded_as, name, diff)
+    if saved_as != loaded_as:
+        for a, b in zip(straight["losses"][1:], resumed["losses"], strict=True):
+            assert abs(a - b) <= REL * abs(a), (a, b)
+
+
+def test_a_head_some_steps_skip_keeps_no_gradient_under_find_unused():
+    """Two inputs, two heads, the second used only on every other step: on the others one
+    device leaves its parameters without a gradient and Adam leaves them (and their moments)
+    as they are. Under find_unused DDP does the same; ZeRO-2/3 must not hand Adam a zero
+    gradient for them either (Adam would move them by its momentum). Without find_unused DDP
+    stops and names the plan's fix."""
+    batches = [B.two_head_batch(s) for s in range(3)]
+    ref = B.reference(B.two_heads, batches, B.two_head_loss, adam=True)
+    plans = ("dp=2,find_unused", "dp_shard=2,zero=2,find_unused",
+             "dp_shard=2,zero=3,find_unused", "dp_shard=2,zero=3")
+    jobs = [(p, B.two_heads, batches, B.two_head_loss) for p in plans]
+    for got in run_distributed(B.train, 2, jobs, True, timeout=240)[0]:
+        _assert_matches(ref, got)
+    with pytest.raises(WorkerError, match=r"got no gradient.*'dp_shard=2,zero=1,find_unused'"):
+        run_distributed(B.train, 2, [("dp_shard=2,zero=1", B.two_heads, batches,
+                                      B.two_head_loss)], True, timeout=120)
+
+
+def test_what_batchnorm_running_statistics_become_without_sync_bn():
+    """The rule docs/data_parallel.md states for BatchNorm without sync_bn (per-rank
+    statistics, a warning at parallelize): DDP broadcasts rank 0's buffers before every
+    forward (torch's broadcast_buffers), so an evaluation on every rank uses rank 0's running
+    statistics; ZeRO leaves each rank its own, also in evaluation; what the run saves is rank
+    0's. None of them is one device's (sync_bn's are, see tests/test_semantics.py)."""
+    from tests import _workers_semantics as W
+
+    batches = [W.image_batch(s) for s in range(3)]
+    ref = W.reference(W.conv_bn, batches, F.cross_entropy)
+    ranks = run_distributed(B.batchnorm_buffers, 2, ["dp=2", "dp_shard=2,zero=3"], batches,
+                            timeout=180)
+    (ddp0, zero0), (ddp1, zero1) = ranks
+    for rank0, rank1 in ((ddp0, ddp1), (zero0, zero1)):
+        for name, mine in rank0["trained"].items():
+            assert torch.equal(rank0["saved"][name], mine), (rank0["plan"], name)
+            assert not torch.equal(rank1["trained"][name], mine), (rank0["plan"], name)
+            assert (mine - ref["state"][name]).abs().max() > 1e-3, (rank0["plan"], name)
+    for name, mine in ddp0["evaluated"].items():
+        assert torch.equal(ddp1["evaluated"][name], mine), name
+        assert not torch.equal(zero1["evaluated"][name], zero0["evaluated"][name]), name
+
+
+def test_a_cnn_as_a_sequence_of_blocks_under_pipeline_and_checkpointing():
+    """A CNN written as one nn.Sequential (stem, residual GroupNorm blocks, pooling, head):
+    split into two pipeline stages (GPipe and 1F1B microbatches) and with its blocks
+    checkpointed under DDP and ZeRO-3, the same losses and parameters as one device."""
+    batches = [B.image_batch(s) for s in range(3)]
+    ref = B.reference(B.conv_stack, batches, F.cross_entropy)
+    plans = ("pp=2,microbatches=2", "pp=2,microbatches=4,schedule=1f1b", "dp=2,ac=full",
+             "dp_shard=2,zero=3,ac=selective")
+    jobs = [(p, B.conv_stack, batches, F.cross_entropy) for p in plans]
+    for got in run_distributed(B.train, 2, jobs, timeout=240)[0]:
+        _assert_matches(ref, got)
+
+
+def test_all_gather_orders_rows_by_data_rank_and_sends_each_rank_its_gradient():
+    """World 4: over dp_replicate x dp_shard (HSDP) the rows come in data-rank order, under
+    dp=2,tp=2 only the data ranks are gathered (tp peers hold the same rows), and with
+    uneven row counts the gradient of a rank's rows is the sum over ranks of what their
+    losses send back to them. A meta tensor (a shape check) gets the gathered shape without
+    communication."""
+    ranks = run_distributed(B.gathered_rows, 4, ["dp_replicate=2,dp_shard=2,zero=3",
+                                                 "dp=2,tp=2"], timeout=180)
+    for per_rank in ranks:
+        for got in per_rank:
+            size, me = got["dp_size"], got["dp_rank"]
+            assert got["order"] == [float(r) for r in range(size)], got
+            assert got["meta_shape"] == (2 * size, 3), got
+            counts = [r + 1 for r in range(size)]
+            want = torch.cat([torch.full((n, 2), float(r)) for r, n in enumerate(counts)])
+            assert torch.equal(got["gathered"], want), got
+            start = sum(counts[:me])
+            weights = torch.arange(want.numel(), dtype=torch.float).reshape(want.shape)
+            # data rank r's loss is (r + 1) * sum(weights * gathered): summed over the data
+            # ranks (tp peers gather in groups of their own)
+            factor = sum(r + 1 for r in range(size))
+            assert torch.equal(got["grad"], factor * weights[start:start + counts[me]]), got
