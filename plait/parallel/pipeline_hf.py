@@ -207,8 +207,9 @@ def pad_token_of(hf: nn.Module) -> Any:
     """``hf``'s pad token id, from its config or the text sub-config a multimodal one nests."""
     config = getattr(hf, "config", None)
     found = getattr(config, "pad_token_id", None)
-    if found is None and callable(getattr(config, "get_text_config", None)):
-        found = getattr(config.get_text_config(), "pad_token_id", None)
+    text_config = getattr(config, "get_text_config", None)
+    if found is None and callable(text_config):
+        found = getattr(text_config(), "pad_token_id", None)
     return found
 
 
@@ -280,7 +281,9 @@ def adapt_hf_forward(clone: nn.Module, spec: StageSpec, *, is_root: bool = True)
                          f"checkpointing cannot give: call model.gradient_checkpointing_enable("
                          f"gradient_checkpointing_kwargs={{'use_reentrant': False}}) (the same "
                          f"gradients), or put activation_checkpointing=full in the plan instead")
-    pools = spec.num_stages > 1 and pools_by_pad_token(clone)
+    # Only the last stage pools; a model inside the user's is refused on every stage.
+    pools = (spec.num_stages > 1 and (spec.is_last or not is_root)
+             and pools_by_pad_token(clone))
     if pools and not is_root:
         raise ValueError(f"{type(clone).__name__} pools its logits at each row's last token that "
                          f"is not pad_token_id={pad_token_of(clone)}, "
