@@ -144,8 +144,9 @@ def _reads_ids_outside_base(hf: nn.Module) -> bool | None:
     if not isinstance(embed, nn.Embedding):
         return None
     # Token ids below the embedding's size (example_input's guess takes the first embedding,
-    # which in a multimodal model may be the vision tower's positions).
-    example = torch.randint(0, embed.num_embeddings, (2, 4), device=embed.weight.device)
+    # which in a multimodal model may be the vision tower's positions). Fake tensors carry no
+    # values, so any ids do; not drawn at random, which would move this rank's generator alone.
+    example = torch.arange(8, device=embed.weight.device).reshape(2, 4) % embed.num_embeddings
     metadata = {"__get__", "size", "dim", "numel", "stride", "__len__", "is_floating_point",
                 "get_device", "is_contiguous"}
     inside = [0]  # depth of calls into the modules that embed the ids
