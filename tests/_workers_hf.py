@@ -114,6 +114,89 @@ def llama_classifier() -> nn.Module:
         pad_token_id=PAD, bos_token_id=2, eos_token_id=3))
 
 
+def gemma3_classifier() -> nn.Module:
+    """Gemma 3's image-and-text sequence classifier, text only: its forward hands the call on
+    to transformers' shared classifier forward, which pools at each row's last token that is
+    not the text config's ``pad_token_id`` (the outer config has none of its own)."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForSequenceClassification,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    torch.manual_seed(0)
+    text = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+        sliding_window=4, pad_token_id=PAD, bos_token_id=2, eos_token_id=3)
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=8, patch_size=4)
+    return Gemma3ForSequenceClassification(Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, num_labels=3,
+        image_token_id=VOCAB - 1, boi_token_id=VOCAB - 2, eoi_token_id=VOCAB - 3))
+
+
+def qwen3_5_classifier() -> nn.Module:
+    """Qwen 3.5's image-and-text sequence classifier (a linear-attention layer and a full
+    attention layer), text only: like Gemma 3's, it pools through the shared forward by the
+    text config's ``pad_token_id``."""
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForSequenceClassification,
+        Qwen3_5TextConfig,
+        Qwen3_5VisionConfig,
+    )
+
+    torch.manual_seed(0)
+    text = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
+        pad_token_id=PAD, bos_token_id=2, eos_token_id=3)
+    vision = Qwen3_5VisionConfig(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                 patch_size=2, out_hidden_size=32, num_position_embeddings=16)
+    return Qwen3_5ForSequenceClassification(Qwen3_5Config(
+        text_config=text, vision_config=vision, num_labels=3))
+
+
+def own_classifier() -> nn.Module:
+    """A sequence classifier written for the test on a Llama base: its pooling helper reads the
+    pad token from an attribute of its own, so neither its forward's source nor its config
+    names ``pad_token_id`` beside ``input_ids``."""
+    from transformers import LlamaConfig, LlamaModel, LlamaPreTrainedModel
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    def last_real(tokens: torch.Tensor, pad: int) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[-1], device=tokens.device)
+        return (positions * (tokens != pad)).argmax(-1)
+
+    class OwnClassifier(LlamaPreTrainedModel):
+        def __init__(self, config: LlamaConfig) -> None:
+            super().__init__(config)
+            self.model = LlamaModel(config)
+            self.head = nn.Linear(config.hidden_size, 3)
+            self.pad = PAD
+            self.post_init()
+
+        def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None,
+                    labels=None, **kwargs):
+            hidden = self.model(input_ids, attention_mask=attention_mask,
+                                inputs_embeds=inputs_embeds, **kwargs).last_hidden_state
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
+            last = last_real(input_ids, self.pad) if input_ids is not None else -1
+            logits = self.head(hidden[rows, last])
+            loss = None if labels is None else F.cross_entropy(logits, labels)
+            return SequenceClassifierOutput(loss=loss, logits=logits)
+
+    torch.manual_seed(0)
+    return OwnClassifier(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        bos_token_id=2, eos_token_id=3))
+
+
 def llama_checkpointed(reentrant: bool = False) -> nn.Module:
     """Llama with transformers' gradient checkpointing turned on by the user before plait
     (and ``use_cache`` left on in its config)."""
@@ -127,7 +210,9 @@ def llama_checkpointed(reentrant: bool = False) -> nn.Module:
 
 
 MODELS = {"llama": llama, "llama_tied": llama_tied, "gpt2": gpt2, "bert": bert,
-          "llama_classifier": llama_classifier, "llama_checkpointed": llama_checkpointed}
+          "llama_classifier": llama_classifier, "llama_checkpointed": llama_checkpointed,
+          "gemma3_classifier": gemma3_classifier, "qwen3_5_classifier": qwen3_5_classifier,
+          "own_classifier": own_classifier}
 
 
 def shifted_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:

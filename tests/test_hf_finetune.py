@@ -59,14 +59,17 @@ def test_causal_lm_loop_under_two_rank_layouts():
     Llama's sequence classifier in a pipeline: it pools at each row's last token that is not
     the pad token, found in ``input_ids``; its last stage gets hidden states, and the batch's
     token ids too, so right-padded rows are pooled where one device pools them (at the last
-    position, a pad, without them: 3e-2 off in the first step's loss)."""
+    position, a pad, without them: 3e-2 off in the first step's loss). The same for a
+    classifier written for the test, whose pooling reads the pad token from an attribute of
+    its own (5e-2 off without the token ids)."""
     jobs = [("dp=2", "llama", {"side": "left"}),
             ("dp_shard=2,zero=1", "gpt2", {}),
             ("dp_shard=2,zero=3,grad_accum=2", "gpt2", {}),
             ("tp=2", "llama_tied", {"loss": "shifted"}),
             ("pp=2,mb=2", "llama_tied", {"fixed": 12, "side": "left"}),
             ("dp=2", "gpt2", {"side": "left", "positions": True}),
-            ("pp=2", "llama_classifier", {"fixed": 12, "classes": 3})]
+            ("pp=2", "llama_classifier", {"fixed": 12, "classes": 3}),
+            ("pp=2", "own_classifier", {"fixed": 12, "classes": 3})]
     _check(2, jobs, timeout=300)
 
 
@@ -128,6 +131,69 @@ def test_four_rank_compositions():
     _check(4, jobs, timeout=600)
 
 
+@pytest.mark.slow
+def test_multimodal_classifiers_that_hand_their_forward_on():
+    """Gemma 3's and Qwen 3.5's image-and-text sequence classifiers on text, right-padded
+    under a pipeline: their forward calls transformers' shared one, which pools by the text
+    config's pad token; the last stage gets the token ids, as for Llama's (without them,
+    4e-2 and 2e-2 off in the first step's loss)."""
+    jobs = [("pp=2", "gemma3_classifier", {"fixed": 12, "classes": 3}),
+            ("pp=2", "qwen3_5_classifier", {"fixed": 12, "classes": 3})]
+    _check(2, jobs, timeout=600)
+
+
+def _xglm() -> torch.nn.Module:
+    from transformers import XGLMConfig, XGLMForCausalLM
+
+    return XGLMForCausalLM(XGLMConfig(vocab_size=W.VOCAB, d_model=32, ffn_dim=64, num_layers=2,
+                                      attention_heads=4, max_position_embeddings=32,
+                                      pad_token_id=W.PAD))
+
+
+def _trocr() -> torch.nn.Module:
+    from transformers import TrOCRConfig, TrOCRForCausalLM
+
+    return TrOCRForCausalLM(TrOCRConfig(vocab_size=W.VOCAB, d_model=32, decoder_ffn_dim=64,
+                                        decoder_layers=2, decoder_attention_heads=4,
+                                        max_position_embeddings=32, pad_token_id=W.PAD))
+
+
+def _checked_classifier() -> torch.nn.Module:
+    """Llama's classifier with a forward that first branches on its token ids' values, which
+    a forward on fake tensors cannot do."""
+    from transformers import LlamaForSequenceClassification
+
+    class Checked(LlamaForSequenceClassification):
+        def forward(self, input_ids=None, **kwargs):
+            if input_ids is not None and bool((input_ids < 0).any()):
+                raise ValueError("negative token ids")
+            return super().forward(input_ids=input_ids, **kwargs)
+
+    return Checked(W.llama_classifier().config)
+
+
+POOLING = {"llama_classifier": W.llama_classifier, "gemma3_classifier": W.gemma3_classifier,
+           "qwen3_5_classifier": W.qwen3_5_classifier, "own_classifier": W.own_classifier,
+           "checked_classifier": _checked_classifier}
+NOT_POOLING = {"llama": W.llama, "gpt2": W.gpt2, "bert": W.bert, "xglm": _xglm,
+               "trocr": _trocr}
+
+
+@pytest.mark.parametrize("name", [*POOLING, *NOT_POOLING])
+def test_which_models_read_their_token_ids_beside_their_embedding(name):
+    """A model whose head reads ``input_ids`` outside the modules that embed them (a pooling
+    at the last non-pad token) gets them on its last stage, seen in one forward on fake
+    tensors: also where the class hands its forward on (Gemma 3, Qwen 3.5) or keeps the pad
+    token elsewhere (the test's own classifier). XGLM and TrOCR name ``pad_token_id`` in
+    their forward (their labels' shift) but read the ids only to embed them. Where the fake
+    forward cannot run (a branch on the ids' values), every forward in the class's MRO is
+    read for ``pad_token_id`` and ``input_ids``."""
+    from plait.parallel.pipeline_hf import pools_by_pad_token
+
+    model = {**POOLING, **NOT_POOLING}[name]()
+    assert pools_by_pad_token(model) == (name in POOLING)
+
+
 def test_a_classifier_pooling_by_token_ids_inside_a_wrapper_is_refused_under_a_pipeline():
     """Inside a module of the user's, the pipeline's first input need not be the token ids the
     classifier pools by: refused when the stage is built, with the value and the fix."""
@@ -149,6 +215,32 @@ def test_a_classifier_pooling_by_token_ids_inside_a_wrapper_is_refused_under_a_p
         build_stage_module(model, path, specs[1])
     path, specs = plan_stages(model.inner, Plan(pp=2))
     build_stage_module(model.inner, path, specs[1])  # the classifier itself: accepted
+
+
+@pytest.mark.parametrize("build, refused", [(W.gemma3_classifier, True), (_xglm, False),
+                                             (_trocr, False)])
+def test_inside_a_wrapper_only_a_model_that_reads_its_ids_is_refused(build, refused):
+    """Gemma 3's classifier, whose pooling is found through the forward it hands on to, is
+    refused inside a module of the user's under a pipeline; XGLM and TrOCR causal LMs, which
+    read their ids only to embed them, are accepted."""
+    from plait.parallel.pipeline_split import build_stage_module, plan_stages
+    from plait.plan import Plan
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = build()
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    model = Wrapper()
+    path, specs = plan_stages(model, Plan(pp=2))
+    if refused:
+        with pytest.raises(ValueError, match="pad_token_id=0.*run with pp=1"):
+            build_stage_module(model, path, specs[1])
+    else:
+        build_stage_module(model, path, specs[1])
 
 
 def test_reentrant_gradient_checkpointing_is_refused_under_a_pipeline():

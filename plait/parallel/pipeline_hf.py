@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.nn as nn
 
 from .hf import transformers_class
@@ -98,19 +99,119 @@ TOKEN_IDS = "_plait_token_ids"
 
 
 def pools_by_pad_token(hf: nn.Module) -> bool:
-    """Whether ``hf``'s forward reads its token ids after the embedding: a decoder's sequence
-    classifier (Llama's, GPT-2's, Qwen2's ``...ForSequenceClassification``) pools the logits
-    at each row's last token that is not ``config.pad_token_id``, found in ``input_ids``.
-    Given ``inputs_embeds`` instead, as a later pipeline stage is, it pools at the last
-    position, a padding token under right padding, and trains on another model's output."""
-    config = getattr(hf, "config", None)
-    if getattr(config, "pad_token_id", None) is None:
-        return False
+    """Whether ``hf``'s head reads its token ids after its base model: a decoder's sequence
+    classifier (Llama's, GPT-2's, Gemma 3's, Qwen 3.5's ``...ForSequenceClassification``)
+    pools the logits at each row's last token that is not the pad token, found in
+    ``input_ids``. Given ``inputs_embeds`` instead, as a later pipeline stage is, it pools at
+    the last position, a padding token under right padding, and trains on another model's
+    output.
+
+    Seen in one forward on fake tensors of a guessed input (:func:`_reads_ids_outside_base`):
+    what the forward does, however its class hands the call on (Gemma 3's forward calls the
+    shared one of its base class) and wherever it keeps the pad token (a text sub-config).
+    Where that forward cannot run, read from the source of every ``forward`` in the class's
+    MRO (:func:`_pad_pooling_in_source`)."""
+    seen = _reads_ids_outside_base(hf)
+    return _pad_pooling_in_source(hf) if seen is None else seen
+
+
+def _embedding_holders(hf: nn.Module) -> list[nn.Module]:
+    """The modules of ``hf`` (not ``hf`` itself) that hold its token embedding: the base model
+    and the stack inside it (TrOCR calls its ``model.decoder`` directly), which a later
+    pipeline stage gives ``inputs_embeds`` in place of the token ids."""
+    get_embeddings = getattr(hf, "get_input_embeddings", None)
     try:
-        source = inspect.getsource(type(hf).forward)
-    except (OSError, TypeError):
+        embed = get_embeddings() if callable(get_embeddings) else None
+    except (NotImplementedError, AttributeError):
+        embed = None
+    if not isinstance(embed, nn.Module):
+        return []
+    return [m for m in hf.modules() if m is not hf and any(sub is embed for sub in m.modules())]
+
+
+def _reads_ids_outside_base(hf: nn.Module) -> bool | None:
+    """Whether a forward of ``hf`` on a guessed input of token ids runs an op on them outside
+    the modules that embed them (the head's pooling); metadata (shape, device) does not
+    count. None when ``hf`` has no token embedding or the forward cannot run on fake tensors
+    (with and without an attention mask: HF checks unmasked ids for padding, and some
+    models check a given mask for it, reads of values fake tensors do not have)."""
+    from torch.overrides import TorchFunctionMode
+
+    from .tp_record import fake_forward
+
+    holders = _embedding_holders(hf)
+    embed = holders[-1] if holders else None
+    if not isinstance(embed, nn.Embedding):
+        return None
+    # Token ids below the embedding's size (example_input's guess takes the first embedding,
+    # which in a multimodal model may be the vision tower's positions). Fake tensors carry no
+    # values, so any ids do; not drawn at random, which would move this rank's generator alone.
+    example = torch.arange(8, device=embed.weight.device).reshape(2, 4) % embed.num_embeddings
+    metadata = {"__get__", "size", "dim", "numel", "stride", "__len__", "is_floating_point",
+                "get_device", "is_contiguous"}
+    inside = [0]  # depth of calls into the modules that embed the ids
+    read: list[str] = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                               kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            flat = [*args, *kwargs.values()]
+            flat += [x for a in flat if isinstance(a, (list, tuple)) for x in a]
+            if (not inside[0] and getattr(func, "__name__", "") not in metadata
+                    and any(a is example for a in flat)):
+                read.append(getattr(func, "__name__", str(func)))
+            return func(*args, **kwargs)
+
+    def enter(*_: Any, **__: Any) -> None:
+        inside[0] += 1
+
+    def leave(*_: Any, **__: Any) -> None:
+        inside[0] -= 1
+
+    handles = [h for m in holders
+               for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        for extra in ({}, {"attention_mask": torch.ones_like(example)}):
+            read.clear()
+            inside[0] = 0
+            try:
+                with fake_forward(hf), Watch():
+                    hf(input_ids=example, **extra)
+            except Exception:  # noqa: BLE001 - not runnable on this guess
+                continue
+            return bool(read)
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _pad_pooling_in_source(hf: nn.Module) -> bool:
+    """The fallback of :func:`pools_by_pad_token`: some ``forward`` in the class's MRO (the
+    one the class calls, or a base class's it hands on to) names both ``input_ids`` and
+    ``pad_token_id``, and the config (or its text sub-config) sets a pad token."""
+    if pad_token_of(hf) is None:
         return False
-    return "pad_token_id" in source and "input_ids" in source
+    for cls in type(hf).__mro__:
+        forward = vars(cls).get("forward")
+        try:
+            source = inspect.getsource(forward) if forward is not None else ""
+        except (OSError, TypeError):
+            continue
+        if "pad_token_id" in source and "input_ids" in source:
+            return True
+    return False
+
+
+def pad_token_of(hf: nn.Module) -> Any:
+    """``hf``'s pad token id, from its config or the text sub-config a multimodal one nests."""
+    config = getattr(hf, "config", None)
+    found = getattr(config, "pad_token_id", None)
+    text_config = getattr(config, "get_text_config", None)
+    if found is None and callable(text_config):
+        found = getattr(text_config(), "pad_token_id", None)
+    return found
 
 
 def _drop_ids_beside_embeds(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -181,10 +282,12 @@ def adapt_hf_forward(clone: nn.Module, spec: StageSpec, *, is_root: bool = True)
                          f"checkpointing cannot give: call model.gradient_checkpointing_enable("
                          f"gradient_checkpointing_kwargs={{'use_reentrant': False}}) (the same "
                          f"gradients), or put activation_checkpointing=full in the plan instead")
-    pools = spec.num_stages > 1 and pools_by_pad_token(clone)
+    # Only the last stage pools; a model inside the user's is refused on every stage.
+    pools = (spec.num_stages > 1 and (spec.is_last or not is_root)
+             and pools_by_pad_token(clone))
     if pools and not is_root:
         raise ValueError(f"{type(clone).__name__} pools its logits at each row's last token that "
-                         f"is not pad_token_id={getattr(clone.config, 'pad_token_id', None)}, "
+                         f"is not pad_token_id={pad_token_of(clone)}, "
                          f"which it finds in "
                          f"input_ids; inside another module under pp={spec.num_stages}, its last "
                          f"stage gets hidden states only and would pool at the last position "
