@@ -135,6 +135,25 @@ class LoraLM(StackLM):
         self.embed.requires_grad_(False)
 
 
+class FrozenStageLM(StackLM):
+    """MLP blocks, the embedding and the first two of four blocks frozen: under pp=2 the whole
+    first stage has nothing to train."""
+
+    def __init__(self) -> None:
+        super().__init__(MLPBlock)
+        self.embed.requires_grad_(False)
+        for block in self.blocks[:2]:
+            block.requires_grad_(False)
+
+
+class FrozenTiedLM(TiedLM):
+    """The head tied to a frozen embedding: under pp the last stage holds a frozen copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed.requires_grad_(False)
+
+
 ODD_VOCAB = 51  # FSDP2 pads it to 52 rows at dp_shard 2 and 4
 
 
@@ -209,7 +228,9 @@ mqa_lm = partial(seeded, partial(StackLM, partial(AttentionBlock, n_kv_heads=1, 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": mlp_lm, "attention": attention_lm, "gqa": gqa_lm, "mqa": mqa_lm,
     "tied": partial(seeded, TiedLM), "lora": partial(seeded, LoraLM), "gpt2": hf_gpt2,
-    "llama": hf_llama, "odd": partial(seeded, OddLM), "gpt2_51": hf_gpt2_51}
+    "llama": hf_llama, "odd": partial(seeded, OddLM), "gpt2_51": hf_gpt2_51,
+    "lora_block": any_model.lora_lm, "frozen_stage": partial(seeded, FrozenStageLM),
+    "frozen_tied": partial(seeded, FrozenTiedLM)}
 
 
 def ledger_rows(rank: int, world_size: int, plan: str, models: list[str]) -> dict[str, Any]:
