@@ -14,7 +14,12 @@ that trains one under a plan with the ledger on (module-level so spawned ranks i
   padded to the first): a vocabulary of 51, blocks whose Linear has 7 outputs (a 7-row weight,
   a bias of 7) and a 1-D gain of 7;
 * ``hf_gpt2``, ``hf_llama`` (2 kv heads of 4) of tests/_workers_ledger_any.py, and
-  ``hf_gpt2_51``: tiny GPT-2 with a vocabulary of 51 (FSDP2 pads its tied embedding).
+  ``hf_gpt2_51``: tiny GPT-2 with a vocabulary of 51 (FSDP2 pads its tied embedding);
+* frozen parameters beside a pipeline: ``lora_block``, tests/_workers_ledger_any.py's LoRA-like
+  model (no layer plan: its blocks' outputs come from two linears; the embedding and the first
+  block frozen, odd-sized linears), ``FrozenStageLM`` (the embedding and the first two of four
+  blocks frozen: the whole first stage at pp=2) and ``FrozenTiedLM`` (the head tied to a frozen
+  embedding).
 """
 
 from __future__ import annotations
