@@ -136,10 +136,10 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
         grad_units = None
         if model.rows is not None and model.rows.blocks == model.n_layers:
             blocks = [j for i in ids for j in range(bounds[i], bounds[i + 1])]
-            trained, grad_units = trained_share(plan, model, model.rows, blocks, first, last,
+            reduced, grad_units = trained_share(plan, model, model.rows, blocks, first, last,
                                                 bool(copies))
-            grads = trained.elements + kv / tp
-            grad_tensors = trained.tensors
+            grads = reduced.elements + kv / tp
+            grad_tensors = reduced.tensors
         out.append(LocalModel(params=local, root_params=root, tensors=tensors, layers=layers,
                               embed=first, head=last, stages=tuple(ids), num_stages=chunks,
                               clip_axes=clip_axes(plan),
@@ -235,7 +235,7 @@ def fsdp_host_time(plan: Plan, share: LocalModel, c: Constants) -> tuple[float, 
         return 0.0, 0.0
     pp, steps = plan.pp, plan.grad_accum
     syncs = steps if pp > 1 else 1
-    reduce = c.fsdp_reduce_s * share.units * syncs
+    reduce = c.fsdp_reduce_s * share.reducing_units * syncs  # a frozen unit reduces nothing
     # ZeRO-3 gathers each block once more per backward than ZeRO-2 (the root never)
     per_block = (plan.microbatches if pp > 1 else 1) * steps if plan.zero == 3 else 0
     return reduce, c.fsdp_regather_s * (share.units - 1) * per_block
