@@ -14,7 +14,12 @@ that trains one under a plan with the ledger on (module-level so spawned ranks i
   padded to the first): a vocabulary of 51, blocks whose Linear has 7 outputs (a 7-row weight,
   a bias of 7) and a 1-D gain of 7;
 * ``hf_gpt2``, ``hf_llama`` (2 kv heads of 4) of tests/_workers_ledger_any.py, and
-  ``hf_gpt2_51``: tiny GPT-2 with a vocabulary of 51 (FSDP2 pads its tied embedding).
+  ``hf_gpt2_51``: tiny GPT-2 with a vocabulary of 51 (FSDP2 pads its tied embedding);
+* frozen parameters beside a pipeline: ``lora_block``, tests/_workers_ledger_any.py's LoRA-like
+  model (no layer plan: its blocks' outputs come from two linears; the embedding and the first
+  block frozen, odd-sized linears), ``FrozenStageLM`` (the embedding and the first two of four
+  blocks frozen: the whole first stage at pp=2) and ``FrozenTiedLM`` (the head tied to a frozen
+  embedding).
 """
 
 from __future__ import annotations
@@ -135,6 +140,25 @@ class LoraLM(StackLM):
         self.embed.requires_grad_(False)
 
 
+class FrozenStageLM(StackLM):
+    """MLP blocks, the embedding and the first two of four blocks frozen: under pp=2 the whole
+    first stage has nothing to train."""
+
+    def __init__(self) -> None:
+        super().__init__(MLPBlock)
+        self.embed.requires_grad_(False)
+        for block in self.blocks[:2]:
+            block.requires_grad_(False)
+
+
+class FrozenTiedLM(TiedLM):
+    """The head tied to a frozen embedding: under pp the last stage holds a frozen copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed.requires_grad_(False)
+
+
 ODD_VOCAB = 51  # FSDP2 pads it to 52 rows at dp_shard 2 and 4
 
 
@@ -209,7 +233,9 @@ mqa_lm = partial(seeded, partial(StackLM, partial(AttentionBlock, n_kv_heads=1, 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": mlp_lm, "attention": attention_lm, "gqa": gqa_lm, "mqa": mqa_lm,
     "tied": partial(seeded, TiedLM), "lora": partial(seeded, LoraLM), "gpt2": hf_gpt2,
-    "llama": hf_llama, "odd": partial(seeded, OddLM), "gpt2_51": hf_gpt2_51}
+    "llama": hf_llama, "odd": partial(seeded, OddLM), "gpt2_51": hf_gpt2_51,
+    "lora_block": any_model.lora_lm, "frozen_stage": partial(seeded, FrozenStageLM),
+    "frozen_tied": partial(seeded, FrozenTiedLM)}
 
 
 def ledger_rows(rank: int, world_size: int, plan: str, models: list[str]) -> dict[str, Any]:

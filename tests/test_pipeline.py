@@ -408,6 +408,27 @@ def test_pp2_x_dp2_matches_single_device():
     _assert_ok(check("pp=2,dp=2,schedule=1f1b,mb=2", CheckConfig()))
 
 
+def _frozen_stage_batch(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from tests._traffic_models import SEQ, VOCAB
+
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    tokens = torch.randint(0, VOCAB, (8, SEQ), generator=g)
+    return tokens, tokens.roll(-1, 1)
+
+
+@pytest.mark.parametrize("plan", ["pp=2,dp=2,mb=2", pytest.param(
+    "pp=2,dp_shard=2,zero=1,mb=2", marks=pytest.mark.slow)])
+def test_a_frozen_first_stage_beside_ddp_matches_single_device(plan):
+    """The embedding and the first two of four blocks frozen: under pp=2 the first stage has
+    nothing to train, which DDP refuses to wrap; its replicas start equal and train nothing,
+    the second stage's gradients are averaged as usual."""
+    from tests._traffic_models import MODELS
+
+    cfg = CheckConfig(model_factory=MODELS["frozen_stage"], batch_factory=_frozen_stage_batch,
+                      steps=3)
+    _assert_ok(check(plan, cfg))
+
+
 def test_timeline_records_every_action_once_and_draws():
     out = run_distributed(timeline_worker, 2, "gpipe", 1, 4, timeout=120)
     events = out[0]["events"]

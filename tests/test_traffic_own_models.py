@@ -44,9 +44,14 @@ def _same(name: str, plan: str, comm: dict, global_batch: int) -> None:
 # FSDP2's padded rows beside a pipeline: a vocabulary of 51, a 7-row weight, a bias and a 1-D
 # gain of 7 are gathered and reduce-scattered as 52 and 8 rows (the ledger's column here is
 # the planner's; the slow cases below add ZeRO without a pipeline, ZeRO-3 and dp_shard=4).
+# Frozen parameters beside a pipeline: FSDP2 gathers them but reduce-scatters only the
+# gradients that exist (none for a frozen block, nor for a stage whose embedding and blocks
+# are all frozen), and clipping takes one norm per gradient (the slow cases add ZeRO-1/3,
+# DDP, ZeRO-2 alone and a frozen tied embedding).
 CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2"]),
          ("tp=2,mixed_precision=bf16,activation_checkpointing=full", ["lora"]),
-         ("dp_shard=2,zero=2,pp=2,microbatches=2", ["odd", "gpt2_51"])]
+         ("dp_shard=2,zero=2,pp=2,microbatches=2", ["odd", "gpt2_51", "lora_block",
+                                                    "frozen_stage"])]
 SLOW_CASES = [
     ("tp=2", ["mlp", "attention", "gqa", "mqa", "tied", "lora", "gpt2", "llama"]),
     ("tp=2,sp=1", ["attention", "gqa", "mqa", "tied", "llama"]),
@@ -73,14 +78,18 @@ SLOW_CASES = [
     # data parallelism beside a pipeline: DDP, ZeRO-1's broadcasts (the last stage's copy of a
     # tied weight one more), FSDP2 (a tied weight's gradient summed across stages as its
     # dp_shard shard); a row's busiest rank is the first stage's under GPT-2 (its embeddings)
-    ("dp=2,pp=2,microbatches=2", ["mlp", "tied", "gpt2"]),
-    ("dp_shard=2,zero=1,pp=2,microbatches=2", ["tied", "gpt2", "lora"]),
-    ("dp_shard=2,zero=2,pp=2,microbatches=2", ["mlp", "tied", "gpt2", "lora"]),
-    ("dp_shard=2,zero=3,pp=2,microbatches=2", ["tied", "gpt2", "llama", "odd", "gpt2_51"]),
+    ("dp=2,pp=2,microbatches=2", ["mlp", "tied", "gpt2", "lora_block", "frozen_stage",
+                                  "frozen_tied"]),
+    ("dp_shard=2,zero=1,pp=2,microbatches=2", ["tied", "gpt2", "lora", "lora_block",
+                                               "frozen_stage", "frozen_tied"]),
+    ("dp_shard=2,zero=2,pp=2,microbatches=2", ["mlp", "tied", "gpt2", "lora", "frozen_tied"]),
+    ("dp_shard=2,zero=3,pp=2,microbatches=2", ["tied", "gpt2", "llama", "odd", "gpt2_51",
+                                               "lora", "lora_block", "frozen_stage",
+                                               "frozen_tied"]),
     # sizes FSDP2 pads (dim 0 rounded up to a multiple of dp_shard) without a pipeline, and
     # ZeRO-1, whose broadcasts move the parameters unpadded
     ("dp_shard=2,zero=1", ["odd", "gpt2_51"]),
-    ("dp_shard=2,zero=2", ["odd", "gpt2_51"]),
+    ("dp_shard=2,zero=2", ["odd", "gpt2_51", "lora_block", "frozen_stage"]),
     ("dp_shard=2,zero=3,mixed_precision=bf16", ["odd", "gpt2_51"]),
     ("dp_shard=4,zero=3", ["odd", "gpt2_51"]),
 ]
@@ -270,6 +279,70 @@ def test_no_expected_column_says_why():
     assert "activation_checkpointing=full" in why_no_expected(
         plan("tp=2,activation_checkpointing=full"), features, (4, 8))
     assert why_no_expected(plan("pp=2,activation_checkpointing=full"), features, (4, 8)) is None
+
+
+def test_frozen_parameters_are_gathered_never_reduced():
+    """Each pipeline rank's share, counted off the model by hand: FSDP2 gathers every
+    parameter of a unit (frozen ones too) but reduce-scatters only those that train, and a unit
+    with none (a frozen block, a root holding only a frozen embedding) not at all; clipping
+    takes one norm per trainable tensor. The blocks need not train alike (LoRA with a frozen
+    first block, a frozen first stage), so nothing is a mean over the blocks."""
+    from plait.planner.pipeline import stage_sizes
+    from plait.planner.traffic import rank_shares
+
+    for name in ("lora_block", "frozen_stage", "lora"):
+        with torch.device("meta"):
+            model = T.MODELS[name]()
+        stats = load_model(model)
+        stack = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+        inside = {id(p) for p in stack.parameters()}
+        outside = [p for p in model.parameters() if id(p) not in inside]
+        embeds = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding)
+                  for p in m.parameters()}
+        for zero in (2, 3):
+            plan = Plan.from_string(f"dp_shard=2,zero={zero},pp=2,microbatches=2")
+            sizes = stage_sizes(plan, stats, None, balance=False)
+            shares = rank_shares(plan, stats, sizes, [range(0, 1), range(1, 2)])
+            for stage, share in enumerate(shares):
+                blocks = list(stack)[sum(sizes[:stage]):sum(sizes[:stage + 1])]
+                root = [p for p in outside if (id(p) in embeds) == (stage == 0)]
+                units = [list(b.parameters()) for b in blocks] + [root]
+                held = [p for unit in units for p in unit]
+
+                def padded(ps):
+                    return sum(torch.chunk(p, 2)[0].numel() * 2 for p in ps)
+
+                assert share.params == padded(held), (name, zero, stage)
+                assert share.grads == padded(p for p in held if p.requires_grad), (name, stage)
+                assert share.clip_tensors == sum(p.requires_grad for p in held), (name, stage)
+                assert share.reducing_units == sum(any(p.requires_grad for p in u)
+                                                   for u in units), (name, stage)
+    frozen = rank_shares(Plan.from_string("dp_shard=2,zero=2,pp=2,microbatches=2"),
+                         _stats("frozen_stage"), [2, 2], [range(0, 1), range(1, 2)])[0]
+    assert frozen.grads == frozen.reducing_units == frozen.clip_tensors == 0
+
+
+def test_a_frozen_tied_embedding_beside_a_pipeline():
+    """A head tied to a frozen embedding: the last stage holds a copy, gathered (and broadcast
+    by ZeRO-1, whose optimizer holds it) but never reduced, summed across stages or clipped."""
+    from plait.comm.predict import pp_rank_traffic
+    from plait.planner.traffic import rank_shares
+
+    stats = _stats("frozen_tied")
+    weight = T.VOCAB * T.WIDTH
+    assert stats.tied_params == 0 and stats.frozen_tied_shapes == ((T.VOCAB, T.WIDTH),)
+    trained = _stats("tied")
+    for text in ("dp=2,pp=2,microbatches=2", "dp_shard=2,zero=2,pp=2,microbatches=2"):
+        plan = Plan.from_string(text)
+        frozen_last = rank_shares(plan, stats, [2, 2], [range(0, 1), range(1, 2)])[1]
+        trained_last = rank_shares(plan, trained, [2, 2], [range(0, 1), range(1, 2)])[1]
+        assert frozen_last.params == trained_last.params  # the copy is held either way
+        assert frozen_last.tensors == trained_last.tensors
+        assert frozen_last.grads == trained_last.grads - weight
+        assert frozen_last.clip_tensors == trained_last.clip_tensors
+        assert frozen_last.tied == 0
+        assert not any(t.what == "tied weight grads"
+                       for t in pp_rank_traffic(plan, frozen_last, 1, T.SEQ, T.WIDTH))
 
 
 def test_zero_prices_the_rows_fsdp2_pads():

@@ -212,7 +212,9 @@ class LocalModel:
     the piece of its gradient summed over the two each step (TP-local, and under ZeRO-2/3 the
     FSDP2 shard: ``plait.planner.traffic.tied_piece``), ``tied_tensors`` tensors (one
     all-reduce each); ``grad_params`` /
-    ``grad_tensors``: the trainable ones among ``params`` / ``tensors`` (None: all of them).
+    ``grad_tensors``: the trainable ones among ``params`` / ``tensors`` (None: all of them);
+    ``grad_units``: FSDP2 units with a gradient to reduce (None: all ``units``; FSDP2 issues
+    no reduce-scatter for a unit whose parameters are all frozen).
     """
 
     params: float
@@ -229,6 +231,7 @@ class LocalModel:
     tied_tensors: int = 1
     grad_params: float | None = None
     grad_tensors: int | None = None
+    grad_units: int | None = None
 
     @property
     def grads(self) -> float:
@@ -244,6 +247,11 @@ class LocalModel:
     def units(self) -> int:
         """FSDP2 units on this rank: every block and the stage's root."""
         return self.layers + 1
+
+    @property
+    def reducing_units(self) -> int:
+        """FSDP2 units on this rank that reduce gradients (one reduce-scatter each)."""
+        return self.units if self.grad_units is None else self.grad_units
 
     @classmethod
     def from_config(cls, plan: Any, cfg: Any, stage: int | None = None) -> LocalModel:
@@ -320,25 +328,30 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
     g = dtype_bytes(grad_dtype)
     P, G = float(local.params), float(local.grads)
     out: list[Traffic] = []
+    # DDP wraps nothing where nothing trains (a frozen pipeline stage: plait.parallel.data)
     if plan.zero == 1 and R * S > 1:
-        out += _times(ddp_traffic(G, R * S, grad_dtype, axis=_dp_axis(plan),
-                                  bucket_bytes=bucket_bytes), syncs)
+        if G:
+            out += _times(ddp_traffic(G, R * S, grad_dtype, axis=_dp_axis(plan),
+                                      bucket_bytes=bucket_bytes), syncs)
         if S > 1:
             # ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it
             out.append(Traffic("dp_shard", "broadcast", P * FP32, max(1, local.tensors), S,
                                "params (ZeroRedundancyOptimizer)"))
     elif plan.zero in (2, 3) and S > 1:
-        out += _times([Traffic("dp_shard", "reduce_scatter", G * g, local.units, S, "grads")],
-                      syncs)
-        if R > 1:  # HSDP: the reduce-scattered shard all-reduced across replicas
-            out += _times([Traffic("dp_replicate", "all_reduce", G / S * g, local.units, R,
+        units = local.reducing_units  # a unit with nothing to train reduces nothing
+        if units:
+            out += _times([Traffic("dp_shard", "reduce_scatter", G * g, units, S, "grads")],
+                          syncs)
+        if R > 1 and units:  # HSDP: the reduce-scattered shard all-reduced across replicas
+            out += _times([Traffic("dp_replicate", "all_reduce", G / S * g, units, R,
                                    "grads")], syncs)
         out += _param_gathers(plan, local, multi_stage_zero3)
     elif R > 1:
         if plan.tp > 1:  # replicated DP over TP shards: FSDP2, one all-reduce per unit
-            out += _times([Traffic("dp_replicate", "all_reduce", G * g, local.units, R,
-                                   "grads")], syncs)
-        else:
+            if local.reducing_units:
+                out += _times([Traffic("dp_replicate", "all_reduce", G * g,
+                                       local.reducing_units, R, "grads")], syncs)
+        elif G:
             out += _times(ddp_traffic(G, R, grad_dtype, bucket_bytes=bucket_bytes), syncs)
     return out
 

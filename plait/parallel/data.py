@@ -26,6 +26,8 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, *, device: torch.device,
     still run the same all-reduces (it costs that walk, every step)."""
     if dp_mesh.ndim != 1:
         raise ValueError(f"DDP needs a 1-D data mesh, got {dp_mesh.ndim}-D {dp_mesh}")
+    if not any(p.requires_grad for p in module.parameters()):
+        return _frozen_replica(module, dp_mesh)
     device_ids = [device.index] if device.type == "cuda" and device.index is not None else None
     # gradient_as_bucket_view: each gradient is a view into DDP's all-reduce bucket, so the
     # gradients are not copied into the buckets before the all-reduce and back after it, and
@@ -33,6 +35,24 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, *, device: torch.device,
     return DDP(module, process_group=dp_mesh.get_group(), device_ids=device_ids,
                bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
                find_unused_parameters=find_unused)
+
+
+def _frozen_replica(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """``module`` unwrapped, its parameters and buffers broadcast from the first rank of
+    ``dp_mesh``, where none of its parameters trains (a pipeline stage whose embedding and
+    blocks are all frozen). DDP refuses such a module ("DistributedDataParallel is not needed
+    when a module doesn't have any parameter that requires a gradient"); there is no gradient
+    to average, and the replicas only need to start equal, which DDP's constructor would have
+    done with the same broadcast. DDP's per-step buffer broadcast is not kept: a frozen module
+    whose forward writes its buffers (BatchNorm's running statistics in train mode) lets them
+    drift apart across replicas."""
+    import torch.distributed as dist
+
+    group = dp_mesh.get_group()
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor, group=group, group_src=0)
+    return module
 
 
 def unwrap(module: nn.Module) -> nn.Module:

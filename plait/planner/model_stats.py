@@ -72,6 +72,10 @@ class ModelStats:
     # FSDP2 shards it on dim 0, so under ZeRO-2/3 each copy's gradient is summed across stages
     # in dp_shard pieces of whole rows (empty: not read, an even split).
     tied_shapes: tuple[tuple[int, ...], ...] = ()
+    # The shapes of frozen weights the embedding and the head share: under pipelines the last
+    # stage holds a copy too (gathered, broadcast by ZeRO-1 when the optimizer holds it), whose
+    # gradient nobody reduces or sums across stages.
+    frozen_tied_shapes: tuple[tuple[int, ...], ...] = ()
     # Parameters of (a block, the embeddings, the rest outside the blocks) as tensor
     # parallelism lays them out, trainable or not (module factories); None: all split over
     # tp and trainable, as plait's reference transformer.
@@ -419,7 +423,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu") -> M
     outside = len(seen) - sum(len(list(b.parameters())) for b in blocks)
     embed_tensors = sum(len(list(m.parameters())) for m in embeds)
     shared = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    tied = [p for e in embeds for p in e.parameters() if shared[id(p)] > 1 and p.requires_grad]
+    both = [p for e in embeds for p in e.parameters() if shared[id(p)] > 1]
+    tied = [p for p in both if p.requires_grad]
     tied_params = sum(p.numel() for p in tied)
     return ModelStats(name=name, n_layers=len(blocks), hidden=hidden, n_heads=heads,
                       kv_heads=kv_heads or heads, ffn=ffn, vocab=vocab,
@@ -433,8 +438,10 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu") -> M
                           _path(model, blocks[0]), _path(model, blocks[-1])), device_type),
                       tied_params=tied_params,
                       tied_shapes=tuple(tuple(p.shape) for p in tied),
+                      frozen_tied_shapes=tuple(tuple(p.shape) for p in both
+                                               if not p.requires_grad),
                       held=held_parts(model, stack_name, found),
-                      rows=param_rows(model, stack_name, found), experts=experts,
+                      rows=param_rows(model, blocks, found), experts=experts,
                       block_active_params=round(sum(active) / len(blocks)) if experts else None)
 
 

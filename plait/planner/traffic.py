@@ -19,7 +19,7 @@ from plait.comm.volumes import Traffic
 from plait.mesh import DP_SHARD_TP
 from plait.plan import Plan
 
-from .fsdp_rows import Padding, copy_padding, padding
+from .fsdp_rows import Padding, ParamRows, Rows, Trained, copy_padding, padding, trained
 from .hardware import Cluster
 from .model_stats import ModelStats
 
@@ -73,7 +73,8 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
                 rank_chunks: list[range]) -> list[LocalModel]:
     """Every pipeline rank's share of the model (TP-local), for its optimizer state and its
     traffic, in the form the comm ledger's prediction takes (:class:`plait.comm.predict
-    .LocalModel`)."""
+    .LocalModel`). What trains is read block by block where the model's shapes were read
+    (:func:`trained_share`): frozen parameters are gathered, never reduced."""
     tp, pp, chunks = plan.tp, plan.pp, len(sizes)
     bounds = [0]
     for n in sizes:
@@ -82,6 +83,7 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
     block_params = [w * model.block_params for w in weights] if model.layer_weights else \
         [float(model.block_params)] * model.n_layers
     pad = uneven_pieces(plan, model)
+    frozen_copy = float(sum(prod(shape) for shape in model.frozen_tied_shapes))
     out = []
     for ids in rank_chunks:
         p = sum(sum(block_params[bounds[i]:bounds[i + 1]]) for i in ids)
@@ -96,48 +98,81 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
         tensors = (layers * model.block_tensors + (model.embed_tensors if first else 0) +
                    (model.head_tensors if last else 0))
         # k/v weights kept whole on every rank when there are fewer kv heads than tp
-        p += layers * model.kv_whole(tp) * (tp - 1)
+        kv = layers * model.kv_whole(tp) * (tp - 1)
+        p += kv
         # a weight the embedding and the head share: a copy on each rank that holds one of them
         # alone (a module's head_params leave the copy out)
         tied = model.tied_params if first != last else 0
-        copies = 0
+        copies = frozen = 0
         if last and not first and not model.tied:
-            p += tied
+            p += tied + frozen_copy
             # one more tensor to step and to broadcast (ZeRO-1), left out of the clip norm
-            # (counted once, on the first stage)
-            copies = len(model.tied_shapes)
-            tensors += copies
-        local, grads, grad_tensors = p / tp, None, tensors - copies if copies else None
+            # (counted once, on the first stage); a frozen copy is stepped by nobody
+            copies, frozen = len(model.tied_shapes), len(model.frozen_tied_shapes)
+            tensors += copies + frozen
+        held_copy = (tied + frozen_copy) / tp if last and not first else 0.0
+        local, grads = p / tp, None
+        grad_tensors = tensors - copies - frozen if copies or frozen else None
         if model.held is not None:  # what tensor parallelism keeps whole, what trains
             block, embed, head = model.held
             parts = [(block, layers)] + [(embed, 1)] * first + [(head, 1)] * last
-            kv = layers * model.kv_whole(tp) * (tp - 1) / tp
-            copy = tied / tp if last and not first else 0.0
-            local = sum(h.local(tp) * k for h, k in parts) + kv + copy
+            local = sum(h.local(tp) * k for h, k in parts) + kv / tp + held_copy
             # FSDP2's root unit: the embeddings and the head at their tp-local size, norms whole
-            root = sum(h.local(tp) * k for h, k in parts[1:]) + copy
-            grads = sum(h.grads(tp) * k for h, k in parts) + kv + copy
+            root = sum(h.local(tp) * k for h, k in parts[1:]) + held_copy
+            grads = sum(h.grads(tp) * k for h, k in parts) + kv / tp + \
+                (tied / tp if last and not first else 0.0)
             # the copy on the last stage is left out of the clip norm (counted once, on the first)
             grad_tensors = round(sum(h.trained_tensors * k for h, k in parts))
         if pad is not None:  # uneven tp pieces, FSDP2's padded rows: what each rank holds
             block_pad, embed_pad, rest_pad, copy_pad = pad
             ends = [(embed_pad, first), (rest_pad, last)]
-            copy_extra = copy_pad if copies else 0.0  # the last stage's copy of a tied weight
-            root += sum(e.all for e, on in ends if on) + copy_extra
-            local += layers * block_pad.all + sum(e.all for e, on in ends if on) + copy_extra
+            # the last stage's copy of a tied weight, frozen or not
+            copy_all = copy_pad.all if copies or frozen else 0.0
+            root += sum(e.all for e, on in ends if on) + copy_all
+            local += layers * block_pad.all + sum(e.all for e, on in ends if on) + copy_all
             if grads is not None:
                 grads += (layers * block_pad.trained + sum(e.trained for e, on in ends if on)
-                          + copy_extra)
+                          + (copy_pad.trained if copies else 0.0))
+        grad_units = None
+        if model.rows is not None and model.rows.blocks == model.n_layers:
+            blocks = [j for i in ids for j in range(bounds[i], bounds[i + 1])]
+            reduced, grad_units = trained_share(plan, model, model.rows, blocks, first, last,
+                                                bool(copies))
+            grads = reduced.elements + kv / tp
+            grad_tensors = reduced.tensors
         out.append(LocalModel(params=local, root_params=root, tensors=tensors, layers=layers,
                               embed=first, head=last, stages=tuple(ids), num_stages=chunks,
                               clip_axes=clip_axes(plan),
                               tied=tied_piece(plan, model) if tied else 0.0,
                               tied_tensors=max(1, len(model.tied_shapes)), grad_params=grads,
-                              grad_tensors=grad_tensors))
+                              grad_tensors=grad_tensors, grad_units=grad_units))
     return out
 
 
-def uneven_pieces(plan: Plan, model: ModelStats) -> tuple[Padding, Padding, Padding, float] | None:
+def trained_share(plan: Plan, model: ModelStats, rows: ParamRows, blocks: list[int],
+                  first: bool, last: bool, copy: bool) -> tuple[Trained, int]:
+    """What data parallelism reduces on a pipeline rank holding the blocks ``blocks`` (indices
+    into the stack), the embeddings where ``first``, the rest where ``last`` and a trainable
+    tied weight's copy where ``copy``, read off the model's shapes (``rows``: ``model.rows``,
+    which say what trains): the gradients (elements, tensors; the copy is left out of the clip norm,
+    counted once on the first stage) and how many FSDP2 units have one (FSDP2 reduce-scatters
+    a unit's existing gradients, and nothing for a unit with none: a frozen block, a root with
+    a frozen embedding)."""
+    tp = plan.tp
+    shards = plan.dp_shard if plan.zero >= 2 else 1
+    even = tp > 1 and model.held is None  # no layer plan: every tensor priced as split evenly
+    per_block = [trained(rows.stack[j], tp, shards, even=even) for j in blocks]
+    root = sum((trained(part, tp, shards, even=even)
+                for part, on in ((rows.embed, first), (rows.rest, last)) if on), Trained())
+    copies = trained(tuple(Rows(shape, 0) for shape in model.tied_shapes), tp, shards,
+                     even=even) if copy else Trained()
+    total = sum(per_block, root)
+    units = sum(1 for t in per_block if t.tensors) + (1 if root.tensors or copies.tensors else 0)
+    return Trained(total.elements + copies.elements, total.tensors), units
+
+
+def uneven_pieces(plan: Plan, model: ModelStats
+                  ) -> tuple[Padding, Padding, Padding, Padding] | None:
     """Elements each rank holds beyond the even split the planner's element counts assume, of
     one block, of the embeddings, of the rest and of a tied weight's copy on the last stage
     (:mod:`plait.planner.fsdp_rows`): a dim tensor parallelism splits unevenly is cut as
@@ -151,7 +186,9 @@ def uneven_pieces(plan: Plan, model: ModelStats) -> tuple[Padding, Padding, Padd
     if plan.tp > 1 and model.held is None:
         return None
     block, embed, rest = padding(model.rows, plan.tp, shards)
-    return block, embed, rest, copy_padding(model.tied_shapes, plan.tp, shards)
+    trained = copy_padding(model.tied_shapes, plan.tp, shards)
+    return block, embed, rest, Padding(
+        all=trained + copy_padding(model.frozen_tied_shapes, plan.tp, shards), trained=trained)
 
 
 def tied_piece(plan: Plan, model: ModelStats) -> float:
@@ -198,7 +235,7 @@ def fsdp_host_time(plan: Plan, share: LocalModel, c: Constants) -> tuple[float, 
         return 0.0, 0.0
     pp, steps = plan.pp, plan.grad_accum
     syncs = steps if pp > 1 else 1
-    reduce = c.fsdp_reduce_s * share.units * syncs
+    reduce = c.fsdp_reduce_s * share.reducing_units * syncs  # a frozen unit reduces nothing
     # ZeRO-3 gathers each block once more per backward than ZeRO-2 (the root never)
     per_block = (plan.microbatches if pp > 1 else 1) * steps if plan.zero == 3 else 0
     return reduce, c.fsdp_regather_s * (share.units - 1) * per_block
