@@ -181,6 +181,10 @@ class MemoryTracker:
         """Parameters this rank holds before data-parallel sharding (its TP shard, its stages)."""
         return sum(replica_numel(p) for p in _params(self.model))
 
+    def trained_psi(self) -> int:
+        """The trainable ones among :meth:`psi` (what holds gradients and optimizer state)."""
+        return sum(replica_numel(p) for p in _params(self.model) if p.requires_grad)
+
 
 # ---------------------------------------------------------------------------- closed form
 def optimizer_bytes_per_param(optimizer: torch.optim.Optimizer, dtype_bytes: int = 4
@@ -216,7 +220,8 @@ class ClosedForm:
 
 
 def closed_form(plan: Plan, psi: int, optimizer_per_param: int | None, *,
-                master_bytes: int = 4, root_psi: int | None = None) -> ClosedForm:
+                master_bytes: int = 4, root_psi: int | None = None,
+                trained: int | None = None) -> ClosedForm:
     """Model-state bytes per rank for ``plan`` with ``psi`` parameters per replica.
 
     Parameters and gradients are kept in fp32 (``master_bytes``) under every plan — bf16 only
@@ -234,20 +239,23 @@ def closed_form(plan: Plan, psi: int, optimizer_per_param: int | None, *,
 
     K = optimizer bytes per parameter (Adam fp32: 8), C = compute bytes (fp32 4, bf16 2),
     Ψ_root = ``root_psi``, the parameters of the root FSDP unit (no inner unit holds them:
-    they are gathered for the whole forward and backward); unknown: None.
+    they are gathered for the whole forward and backward); unknown: None. Gradients and
+    optimizer state are those of the ``trained`` parameters among Ψ (all of them when None):
+    a frozen parameter (a LoRA base) holds neither.
     """
     d = plan.dp_shard
     compute = 2 if plan.mixed_precision in ("bf16", "fp16") else master_bytes
-    full = master_bytes * psi
-    opt_full = None if optimizer_per_param is None else optimizer_per_param * psi
+    trained = psi if trained is None else trained
+    full, grads = master_bytes * psi, master_bytes * trained
+    opt_full = None if optimizer_per_param is None else optimizer_per_param * trained
     if plan.zero == 0:
-        return ClosedForm(full, full, opt_full, 0.0)
+        return ClosedForm(full, grads, opt_full, 0.0)
     opt = None if opt_full is None else opt_full / d
     if plan.zero == 1:
-        return ClosedForm(full, full, opt, 0.0)
+        return ClosedForm(full, grads, opt, 0.0)
     gathered = float(compute * psi) if plan.zero == 2 else \
         None if root_psi is None else float(compute * root_psi)
-    return ClosedForm(full / d, full / d, opt, gathered)
+    return ClosedForm(full / d, grads / d, opt, gathered)
 
 
 # ---------------------------------------------------------------------------------- report
@@ -261,7 +269,8 @@ def memory_report(tracker: MemoryTracker, plan: Plan, *, gather: bool = True,
     """
     psi = tracker.psi()
     form = closed_form(plan, psi, optimizer_bytes_per_param(tracker.optimizer),
-                       root_psi=tracker.root_psi() if plan.zero == 3 else None)
+                       root_psi=tracker.root_psi() if plan.zero == 3 else None,
+                       trained=tracker.trained_psi())
     # Each rank's own: pipeline stages hold different parameters (Ψ differs by rank).
     local = {"measured": tracker.measured(), **peak_process_memory(accelerator), "psi": psi,
              "offloaded": bool(plan.offload),

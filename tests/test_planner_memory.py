@@ -1,6 +1,7 @@
 """Memory per device (plait.planner.memory) against hand-computed values and published figures."""
 
 import pytest
+import torch
 
 from plait.models.transformer import TransformerConfig
 from plait.plan import Plan
@@ -68,3 +69,29 @@ def test_zero2_memory_matches_the_zero_paper():
     assert z1.memory_breakdown["params"] == 4 * psi  # plait's runtime: DDP + ZeRO optimizer
     assert any("every rank" in n for n in z1.notes)
     assert not e.notes
+
+
+@pytest.mark.parametrize("name", ["lora", "frozen_stage"])
+def test_frozen_parameters_hold_no_gradient_and_no_optimizer_state(name):
+    """A LoRA-style model (frozen base, small adapters) and one with its first blocks frozen:
+    gradients and AdamW state per rank are those of the trainable parameters, as torch holds
+    them after a real step on one process (they were priced for every parameter)."""
+    from plait.planner.model_stats import from_module
+    from tests import _traffic_models as T
+
+    model = T.MODELS[name]()
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 8, (2, 8))
+    out = model(ids)
+    (out if isinstance(out, torch.Tensor) else out[0]).float().square().mean().backward()
+    opt.step()
+    grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    state = sum(t.nbytes for s in opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0)
+    params = sum(p.nbytes for p in model.parameters())
+    assert grads < params / 1.5  # the model is mostly frozen
+    stats = from_module(T.MODELS[name]())
+    for layout, shard in (("dp=2", 1), ("dp_shard=2,zero=1", 2)):
+        plan = Plan.from_string(layout + ",mp=fp32")
+        bd = evaluate(plan, stats, load_cluster("cpu", devices=2), Workload(4, 8)).memory_breakdown
+        assert (bd["params"], bd["grads"], bd["optimizer"]) == (params, grads, state / shard)

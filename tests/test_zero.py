@@ -266,3 +266,26 @@ def test_a_unit_that_returns_a_view_trains_without_torchs_warning(plan):
 
     for seen in run_distributed(warnings_of_a_step, 2, plan, timeout=120):
         assert not [m for m in seen if "returned a view tensor" in m], seen
+
+
+def test_the_memory_report_counts_gradients_and_state_of_trainable_parameters_only():
+    """A LoRA-style model (a frozen base, small adapters) on one process: the closed form's
+    gradients and AdamW state are those of the adapters, as measured (they were 4Ψ and 8Ψ,
+    five to six times what the run holds)."""
+    from plait.memory import MemoryTracker, memory_report
+    from tests import _traffic_models as T
+
+    model = T.MODELS["lora"]()
+    opt = torch.optim.AdamW(model.parameters())
+    tracker = MemoryTracker(model, opt)
+    for _ in range(2):
+        model(torch.randint(0, 8, (2, 8))).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    report = memory_report(tracker, Plan(), gather=False)
+    measured, form = report["ranks"][0]["measured"], report["closed_form"]
+    assert measured["grads"] < measured["params"] / 4  # mostly frozen
+    for key in ("params", "grads"):
+        assert measured[key] == form[key], (key, measured, form)
+    steps = 4 * sum(p.requires_grad for p in model.parameters())  # AdamW's fp32 step counters
+    assert measured["optimizer"] == form["optimizer"] + steps, (measured, form)

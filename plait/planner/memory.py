@@ -1,6 +1,7 @@
 """Memory per device: model state by ZeRO stage, activations by schedule, logits, buffers.
 
-* Parameters (fp32), gradients (fp32), AdamW state (2 x fp32). FSDP2 (ZeRO-2/3) shards
+* Parameters (fp32), gradients (fp32), AdamW state (2 x fp32), the last two for trainable
+  parameters only. FSDP2 (ZeRO-2/3) shards
   parameters and gradients over dp_shard, each rank holding its padded shard (dim 0 rounded
   up to a multiple of dp_shard: ``plait.planner.fsdp_rows``, in each rank's share); ZeRO-1 is
   DDP + ZeroRedundancyOptimizer in plait's runtime, so only AdamW's state is sharded. A
@@ -86,12 +87,13 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
     for r in sorted({0, min(1, pp - 1), pp - 1}):
         ids = st.rank_chunks[r]
         layers = st.rank_layers[r]
-        Pr = shares[r].params
+        Pr, Gr = shares[r].params, shares[r].grads
         # fp32 master parameters and gradients: sharded under FSDP2 (ZeRO-2/3). ZeRO-1 is
         # DDP + ZeroRedundancyOptimizer in plait's runtime, so only AdamW's state is sharded.
+        # Frozen parameters (a LoRA base) hold no gradient and no AdamW state.
         params = 4 * Pr / (S if zero >= 2 else 1)
-        grads = 4 * Pr / (S if zero >= 2 else 1)
-        optim = 8 * Pr / (S if zero >= 1 else 1)
+        grads = 4 * Gr / (S if zero >= 2 else 1)
+        optim = 8 * Gr / (S if zero >= 1 else 1)
         copy = 0.0
         if zero == 2:
             # reshard_after_forward=False: the whole stage is gathered in the compute dtype
