@@ -71,7 +71,7 @@ def test_zero2_memory_matches_the_zero_paper():
     assert not e.notes
 
 
-@pytest.mark.parametrize("name", ["lora", "frozen_stage"])
+@pytest.mark.parametrize("name", ["lora", "lora_block", "frozen_stage"])
 def test_frozen_parameters_hold_no_gradient_and_no_optimizer_state(name):
     """A LoRA-style model (frozen base, small adapters) and one with its first blocks frozen:
     gradients and AdamW state per rank are those of the trainable parameters, as torch holds
