@@ -228,3 +228,24 @@ def test_training_under_hsdp_x_cp2_matches_one_device(lm_data):
     jobs = [("dp_replicate=2,dp_shard=2,zero=3,cp=2", W.causal_lm, batches, W.lm_loss)]
     got = run_distributed(W.train, 8, jobs, timeout=480)[0]
     _assert_matches(ref["causal"], got[0])
+
+
+def test_checkpoints_resume_exactly_and_move_in_and_out_of_cp(tmp_path, no_group):
+    """A cp=2 run stopped at step 6 and resumed gives bitwise the uninterrupted run's losses;
+    a cp=2 checkpoint continues with one device's losses in one process and under ZeRO-3 over
+    2, and ZeRO-3's and one process's continue so under cp=2 (within the checkpoint tests'
+    resharding tolerance: only summation order differs)."""
+    from tests import _workers_checkpoint as ck
+    from tests.test_checkpoint import RESHARD_RTOL
+
+    reference = ck.train("single", steps=6)
+    ck.save_under(0, 1, "single", str(tmp_path / "single"))
+    out = run_distributed(W.checkpoints, 2, str(tmp_path), timeout=420)[0]
+    uninterrupted, resumed = out.pop("resume")
+    assert len(resumed) == 6 and resumed == uninterrupted, (resumed, uninterrupted)
+    out["cp=2 -> one process"] = ck.continue_under(0, 1, "single", str(tmp_path / "cp2"))
+    for name, losses in out.items():
+        want = reference[:3] if "(saved)" in name else reference[3:]
+        assert len(losses) == len(want), (name, losses)
+        for got, expected in zip(losses, want, strict=True):
+            assert abs(got - expected) <= RESHARD_RTOL * abs(expected), (name, losses, want)
