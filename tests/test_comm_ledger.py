@@ -28,7 +28,7 @@ CFG = preset(W.MODEL)
 def _measure(plan_text: str) -> dict:
     plan = Plan.from_string(plan_text)
     return run_distributed(comm_worker, plan.world_size, plan_text, W.MODEL, W.STEPS, W.WARMUP,
-                           W.BATCH, W.SEQ, timeout=300)[0]
+                           W.BATCH, W.SEQ, timeout=300 if plan.world_size <= 4 else 600)[0]
 
 
 def _check(result: dict, want: set[tuple[str, str]]) -> dict[tuple[str, str], dict]:
@@ -102,6 +102,12 @@ SLOW_CASES = [
                                 ("dp_shard_cp", "all_reduce"), ("cp", "all_gather"),
                                 ("cp", "reduce_scatter")}),
     ("dp=2,cp=2", {("dp_cp", "all_reduce"), ("cp", "all_gather"), ("cp", "reduce_scatter")}),
+    # HSDP with cp: the dp_shard_cp shard of the gradients all-reduced over dp_replicate
+    ("dp_replicate=2,dp_shard=2,zero=3,cp=2", {("dp_replicate", "all_reduce"),
+                                               ("dp_shard_cp", "all_gather"),
+                                               ("dp_shard_cp", "reduce_scatter"),
+                                               ("dp_shard_cp", "all_reduce"),
+                                               ("cp", "all_gather"), ("cp", "reduce_scatter")}),
     # recomputed attention gathers K and V again; two micro-steps gather and scatter twice
     ("cp=2,activation_checkpointing=full,grad_accum=2",
      {("cp", "all_gather"), ("cp", "reduce_scatter"), ("cp", "all_reduce")}),
