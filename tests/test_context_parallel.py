@@ -249,3 +249,31 @@ def test_checkpoints_resume_exactly_and_move_in_and_out_of_cp(tmp_path, no_group
         assert len(losses) == len(want), (name, losses)
         for got, expected in zip(losses, want, strict=True):
             assert abs(got - expected) <= RESHARD_RTOL * abs(expected), (name, losses, want)
+
+
+def test_the_predicted_rows_sit_on_the_axes_the_ledger_names():
+    """The closed form behind the ledger's expected column under cp (no process group): K/V on
+    cp as cp_traffic gives them, gradients on the data x cp group under the name the ledger
+    gives its ranks (cp itself at dp=1, dp_cp, dp_shard_cp), HSDP's shard all-reduce on
+    dp_replicate at 1/(dp_shard*cp) of the gradients."""
+    from plait.comm.predict import by_axis_op, predict
+    from plait.models.transformer import preset
+    from plait.plan import Plan
+
+    cfg = preset("test")
+    kv = {(t.axis, t.op): t.payload for t in cp_traffic(4, 32, cfg.kv_heads * cfg.head_dim,
+                                                          cfg.n_layers, 2)}
+    cases = {"cp=2": {("cp", "all_reduce")},
+             "dp=2,cp=2": {("dp_cp", "all_reduce")},
+             "dp_shard=2,zero=3,cp=2": {("dp_shard_cp", op)
+                                        for op in ("all_gather", "reduce_scatter", "all_reduce")},
+             "dp_replicate=2,dp_shard=2,zero=3,cp=2": {
+                 ("dp_replicate", "all_reduce"),
+                 *{("dp_shard_cp", op) for op in ("all_gather", "reduce_scatter", "all_reduce")}}}
+    for text, grads in cases.items():
+        rows = by_axis_op(predict(Plan.from_string(text), cfg, 4, 32))
+        assert set(rows) == grads | set(kv), (text, sorted(rows))
+        assert all(rows[key] == kv[key] for key in kv), text
+    hsdp = by_axis_op(predict(Plan.from_string("dp_replicate=2,dp_shard=2,zero=3,cp=2"), cfg,
+                              4, 32))
+    assert hsdp[("dp_replicate", "all_reduce")] == hsdp[("dp_shard_cp", "reduce_scatter")] / 4
