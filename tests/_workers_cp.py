@@ -254,3 +254,17 @@ def checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["dp_shard=2,zero=3 -> cp=2"] = ck.continue_under(rank, world_size, "cp=2", base + "z3")
     out["one process -> cp=2"] = ck.continue_under(rank, world_size, "cp=2", base + "single")
     return out
+
+
+def checkpoints_tp(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """At world 4, cp=2 x tp=2: exact resume (the step-6 checkpoint of an uninterrupted run
+    loaded), its step-3 checkpoint saved to ``root/cptp``, and one process's
+    (``root/single``) continued under it."""
+    from tests import _workers_checkpoint as ck
+
+    plan = "cp=2,tp=2"
+    return {"resume": ck.exact_resume(rank, world_size, [plan], root + "/resume",
+                                      stop=False)[plan],
+            f"{plan} (saved)": ck.save_under(rank, world_size, plan, root + "/cptp"),
+            f"one process -> {plan}": ck.continue_under(rank, world_size, plan,
+                                                         root + "/single")}

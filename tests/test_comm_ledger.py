@@ -108,6 +108,12 @@ SLOW_CASES = [
                                                ("dp_shard_cp", "reduce_scatter"),
                                                ("dp_shard_cp", "all_reduce"),
                                                ("cp", "all_gather"), ("cp", "reduce_scatter")}),
+    # tp shards the heads: cp gathers the local heads' K/V; tp's collectives move the cp slice;
+    # the TP shards' gradients all-reduced over dp x cp once per unit (FSDP2's replicate)
+    ("cp=2,tp=2", {("cp", "all_gather"), ("cp", "reduce_scatter"), ("cp", "all_reduce"),
+                   ("tp", "all_reduce")}),
+    ("cp=2,tp=2,sp=1", {("cp", "all_gather"), ("cp", "reduce_scatter"), ("cp", "all_reduce"),
+                        ("tp", "all_gather"), ("tp", "reduce_scatter"), ("tp", "all_reduce")}),
     # recomputed attention gathers K and V again; two micro-steps gather and scatter twice
     ("cp=2,activation_checkpointing=full,grad_accum=2",
      {("cp", "all_gather"), ("cp", "reduce_scatter"), ("cp", "all_reduce")}),

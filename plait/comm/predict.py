@@ -332,10 +332,12 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
         local = LocalModel.from_config(plan, cfg, stage)
     mb = batch // plan.microbatches if plan.pp > 1 else batch
     kv_whole = replicated_kv_elements(cfg.dim, cfg.kv_heads, cfg.head_dim, plan.tp)
+    # tp's collectives move this rank's tokens: its cp slice of each sequence
     return (dp_traffic(plan, local, multi_stage_zero3=False)
-            + tp_rank_traffic(plan, local, mb, seq, cfg.dim, kv_whole)
+            + tp_rank_traffic(plan, local, mb, seq // plan.cp, cfg.dim, kv_whole)
             + pp_rank_traffic(plan, local, mb, seq, cfg.dim)
-            + cp_rank_traffic(plan, local, batch, seq, cfg.kv_heads * cfg.head_dim)
+            + cp_rank_traffic(plan, local, batch, seq,
+                              max(1, cfg.kv_heads // plan.tp) * cfg.head_dim)
             + clip_traffic(plan, local))
 
 
@@ -345,7 +347,8 @@ def cp_rank_traffic(plan: Any, local: LocalModel, batch: int, seq: int, kv_dim: 
     (``plait.parallel.context``): per attention layer and micro-step of ``batch`` whole
     sequences of ``seq`` tokens, K and V all-gathered in forward (again in each recomputed
     layer) and their gradients reduce-scattered in backward, in the dtype attention runs in
-    (``volumes.cp_traffic``). Gradients are reduced over dp x cp in :func:`dp_traffic`."""
+    (``volumes.cp_traffic``); ``kv_dim``: the K (or V) features this rank holds per token,
+    its tp share of the kv heads. Gradients are reduced over dp x cp in :func:`dp_traffic`."""
     if plan.cp == 1 or not local.layers:
         return []
     return cp_traffic(batch, seq, kv_dim, local.layers, plan.cp, _compute_dtype(plan),
@@ -397,7 +400,8 @@ def _dp_cp_traffic(plan: Any, local: LocalModel, g: int, grad_dtype: str,
                    bucket_bytes: float) -> list[Traffic]:
     """:func:`dp_traffic` under context parallelism (no pipeline, no tp, no ZeRO-1: refused
     there): the cp ranks compute partial gradients of the same parameters, so they join the
-    data ranks. DDP all-reduces over dp x cp (``dp_cp``); FSDP2 shards and reduce-scatters over
+    data ranks. DDP all-reduces over dp x cp (``dp_cp``), and with tp FSDP2's replicate one
+    all-reduce per unit; FSDP2 shards and reduce-scatters over
     dp_shard x cp (``dp_shard_cp``), HSDP all-reducing that shard over dp_replicate."""
     G = float(local.grads)
     if plan.zero in (2, 3):
@@ -408,6 +412,9 @@ def _dp_cp_traffic(plan: Any, local: LocalModel, g: int, grad_dtype: str,
             out.append(Traffic("dp_replicate", "all_reduce", G / n * g, local.units,
                                plan.dp_replicate, "grads"))
         return out + _param_gathers(plan, local, False)
+    if plan.tp > 1:  # TP shards replicated over dp x cp (apply_replicate_cp): one per unit
+        return [Traffic(_ledger_axis(plan, ("dp_replicate", "dp_shard", "cp")), "all_reduce",
+                        G * g, local.units, _axis_size(plan, DP_CP), "grads")]
     return ddp_traffic(G, _axis_size(plan, DP_CP), grad_dtype,
                        axis=_ledger_axis(plan, ("dp_replicate", "dp_shard", "cp")),
                        bucket_bytes=bucket_bytes)
