@@ -186,7 +186,9 @@ def test_hf_llama_at_cp2_matches_one_device(lm_data):
     _assert_matches(ref, got[0])
 
 
-def test_the_ledger_report_says_why_cp_has_no_expected_column():
+def test_the_ledger_report_says_why_a_model_under_cp_has_no_expected_column():
+    """Under cp the widths of keys and values are read off the reference transformer's config
+    only: another model gets the note instead of the column."""
     from plait.comm.predict import CP_NOTE, expected_for_models, no_expected_note
     from plait.plan import Plan
 
