@@ -516,7 +516,8 @@ def fsdp_param_groups(module: Any, dtypes: bool = True) -> list[Any]:
     ``padded_sharded_param_size``, dim 0 padded to a multiple of the shard count, the size
     FSDP2's flat buffers use; ``sharded_param``; ``orig_dtype``, ``param_dtype`` and
     ``reduce_dtype``, the dtypes it gathers and reduces in), its ``mesh_info``
-    (``shard_mesh_size``) and ``post_forward_mesh_info`` (None when the unit stays gathered
+    (``shard_mesh_size``; none in torch's FSDP2-based ``replicate``, whose ``DDPMeshInfo``
+    shards nothing) and ``post_forward_mesh_info`` (None when the unit stays gathered
     from forward to backward). Reached through ``FSDPModule._get_fsdp_state()``; torch 2.13
     keeps a list ``_fsdp_param_groups`` (one per mesh), earlier releases one
     ``_fsdp_param_group``. ``dtypes=False``: the sizes alone, which FSDP2 sets in
@@ -534,7 +535,8 @@ def fsdp_param_groups(module: Any, dtypes: bool = True) -> list[Any]:
     for group in groups:
         _require_attrs(group, "FSDPParamGroup", ("fsdp_params", "mesh_info",
                                                  "post_forward_mesh_info"))
-        _require_attrs(group.mesh_info, "FSDPMeshInfo", ("shard_mesh_size",))
+        if type(group.mesh_info).__name__ != "DDPMeshInfo":  # replicate's: no shard dim
+            _require_attrs(group.mesh_info, "FSDPMeshInfo", ("shard_mesh_size",))
         for param in group.fsdp_params:
             _require_attrs(param, "FSDPParam", ("padded_sharded_param_size", "sharded_param")
                            + (("orig_dtype", "param_dtype", "reduce_dtype") if dtypes else ()))

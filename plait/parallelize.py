@@ -12,8 +12,9 @@ Order matters and is fixed here:
 4. **Data parallel last** — FSDP2 (ZeRO / HSDP) over ``dp_shard`` (x ``dp_replicate``), or DDP
    over ``dp_replicate``: it must see the final parameters (DTensors from TP included) to shard
    or bucket them. Context parallelism (``cp``) changes no module: its ranks join the data
-   ranks here (FSDP2 over ``dp_shard x cp``, DDP over ``dp x cp``), and the train step splits
-   each sequence over them (``plait.parallel.context``).
+   ranks here (FSDP2 over ``dp_shard x cp``, DDP over ``dp x cp``, or for TP's DTensors
+   FSDP2's replicate over ``dp x cp``), and the train step splits each sequence over them
+   (``plait.parallel.context``).
 
 Each step is a plain function in ``plait.parallel``; a step whose axis has degree 1 is skipped.
 What ran is recorded on the returned model as one typed ``Layout``
@@ -90,6 +91,12 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
 
         module = apply_fsdp(module, mesh, plan)
         applied.append("zero")
+    elif plan.cp > 1 and plan.tp > 1:
+        # The same sum over dp x cp for TP's DTensor parameters, which DDP cannot take.
+        from .parallel.zero import apply_replicate_cp
+
+        module = apply_replicate_cp(module, mesh, plan)
+        applied.append("replicate")
     elif plan.cp > 1:
         # Context-parallel ranks compute partial gradients of the same parameters: DDP sums
         # them over the data and cp ranks together (dp_cp), as it averages over replicas.

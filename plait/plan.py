@@ -187,7 +187,7 @@ class Plan:
     sp: bool = False
     # Context parallelism: each sequence is split over cp ranks (head and tail chunks), which
     # all-gather keys and values for attention (plait.parallel.context). Composes with
-    # dp_replicate and dp_shard (FSDP then shards over dp_shard x cp), not yet with tp or pp.
+    # dp_replicate and dp_shard (FSDP then shards over dp_shard x cp) and with tp (zero=0), not pp.
     cp: int = 1
     # Pipeline parallelism: stages, schedule, microbatches per step, stages per rank.
     # microbatches=0 (the default) means one per pipeline rank (``pp``): the fewest that keep
@@ -315,11 +315,15 @@ class Plan:
     def _cp_errors(self) -> list[str]:
         """What context parallelism does not compose with yet (plait.parallel.context)."""
         errors = []
-        for name, fix in (("pp", "pp=1"), ("tp", "tp=1 (use dp_shard with cp instead)")):
-            if getattr(self, name) > 1:
-                errors.append(f"cp={self.cp} with {name}={getattr(self, name)} is not supported: "
-                              f"context parallelism composes with dp_replicate and dp_shard "
-                              f"only; use {fix}, or cp=1")
+        if self.pp > 1:
+            errors.append(f"cp={self.cp} with pp={self.pp} is not supported: context "
+                          f"parallelism composes with dp_replicate, dp_shard and tp; use pp=1, "
+                          f"or cp=1")
+        if self.tp > 1 and self.zero >= 2:
+            errors.append(f"cp={self.cp} with tp={self.tp} and zero={self.zero} is not "
+                          f"supported yet: with tp, cp composes with replicated data "
+                          f"parallelism (zero=0, dp_replicate); use zero=0, or tp=1 with "
+                          f"dp_shard")
         if self.zero == 1:
             errors.append(f"cp={self.cp} with zero=1 is not supported: use zero=2 or zero=3 "
                           f"(FSDP shards over dp_shard x cp), or zero=0 with dp_replicate")

@@ -234,3 +234,37 @@ def response_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     labels = tokens.roll(-1, dims=1)
     labels[:, :SEQ - 4] = -100
     return tokens, labels
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Checkpoints under cp=2 (plait's test transformer on TextDataset, AdamW and an LR
+    scheduler): exact resume (stopped at step 6 of 12, resumed), and moves cp=2 -> ZeRO-3
+    over 2, ZeRO-3 -> cp=2 and one process (``root/single``, saved beforehand) -> cp=2.
+    Returns the resume's (uninterrupted, resumed) losses and each move's losses of steps 4-6."""
+    from tests import _workers_checkpoint as ck
+
+    base = root + "/"
+    out: dict[str, Any] = {"resume": ck.exact_resume(rank, world_size, ["cp=2"],
+                                                     base + "resume")["cp=2"]}
+    out["cp=2 (saved)"] = ck.save_under(rank, world_size, "cp=2", base + "cp2")
+    out["cp=2 -> dp_shard=2,zero=3"] = ck.continue_under(rank, world_size,
+                                                         "dp_shard=2,zero=3", base + "cp2")
+    ck.save_under(rank, world_size, "dp_shard=2,zero=3", base + "z3")
+    out["dp_shard=2,zero=3 -> cp=2"] = ck.continue_under(rank, world_size, "cp=2", base + "z3")
+    out["one process -> cp=2"] = ck.continue_under(rank, world_size, "cp=2", base + "single")
+    return out
+
+
+def checkpoints_tp(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """At world 4, cp=2 x tp=2: exact resume (the step-6 checkpoint of an uninterrupted run
+    loaded), its step-3 checkpoint saved to ``root/cptp``, and one process's
+    (``root/single``) continued under it."""
+    from tests import _workers_checkpoint as ck
+
+    plan = "cp=2,tp=2"
+    return {"resume": ck.exact_resume(rank, world_size, [plan], root + "/resume",
+                                      stop=False)[plan],
+            f"{plan} (saved)": ck.save_under(rank, world_size, plan, root + "/cptp"),
+            f"one process -> {plan}": ck.continue_under(rank, world_size, plan,
+                                                         root + "/single")}

@@ -28,7 +28,7 @@ CFG = preset(W.MODEL)
 def _measure(plan_text: str) -> dict:
     plan = Plan.from_string(plan_text)
     return run_distributed(comm_worker, plan.world_size, plan_text, W.MODEL, W.STEPS, W.WARMUP,
-                           W.BATCH, W.SEQ, timeout=300)[0]
+                           W.BATCH, W.SEQ, timeout=300 if plan.world_size <= 4 else 600)[0]
 
 
 def _check(result: dict, want: set[tuple[str, str]]) -> dict[tuple[str, str], dict]:
@@ -60,6 +60,9 @@ CASES = [
     # the clip norms partial over dp_shard and tp: one all-reduce over the flattened view
     ("dp_shard=2,zero=3,tp=2", {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
                                 ("dp_shard_tp", "all_reduce"), ("tp", "all_reduce")}),
+    # K/V all-gathers and their gradients' reduce-scatters on cp; DDP over dp x cp, which at
+    # dp=1 is the cp group
+    ("cp=2", {("cp", "all_gather"), ("cp", "reduce_scatter"), ("cp", "all_reduce")}),
 ]
 SLOW_CASES = [
     ("dp_replicate=2,grad_accum=2", {("dp_replicate", "all_reduce")}),
@@ -93,6 +96,27 @@ SLOW_CASES = [
                                                               ("pp", "all_reduce")}),
     ("pp=2,dp_replicate=2,microbatches=2", {("dp_replicate", "all_reduce"), ("pp", "send_recv"),
                                             ("pp", "all_reduce")}),
+    # FSDP2 over dp_shard x cp: its gathers, reduce-scatters and clip norms on dp_shard_cp
+    ("dp_shard=2,zero=3,cp=2", {("dp_shard_cp", "all_gather"),
+                                ("dp_shard_cp", "reduce_scatter"),
+                                ("dp_shard_cp", "all_reduce"), ("cp", "all_gather"),
+                                ("cp", "reduce_scatter")}),
+    ("dp=2,cp=2", {("dp_cp", "all_reduce"), ("cp", "all_gather"), ("cp", "reduce_scatter")}),
+    # HSDP with cp: the dp_shard_cp shard of the gradients all-reduced over dp_replicate
+    ("dp_replicate=2,dp_shard=2,zero=3,cp=2", {("dp_replicate", "all_reduce"),
+                                               ("dp_shard_cp", "all_gather"),
+                                               ("dp_shard_cp", "reduce_scatter"),
+                                               ("dp_shard_cp", "all_reduce"),
+                                               ("cp", "all_gather"), ("cp", "reduce_scatter")}),
+    # tp shards the heads: cp gathers the local heads' K/V; tp's collectives move the cp slice;
+    # the TP shards' gradients all-reduced over dp x cp once per unit (FSDP2's replicate)
+    ("cp=2,tp=2", {("cp", "all_gather"), ("cp", "reduce_scatter"), ("cp", "all_reduce"),
+                   ("tp", "all_reduce")}),
+    ("cp=2,tp=2,sp=1", {("cp", "all_gather"), ("cp", "reduce_scatter"), ("cp", "all_reduce"),
+                        ("tp", "all_gather"), ("tp", "reduce_scatter"), ("tp", "all_reduce")}),
+    # recomputed attention gathers K and V again; two micro-steps gather and scatter twice
+    ("cp=2,activation_checkpointing=full,grad_accum=2",
+     {("cp", "all_gather"), ("cp", "reduce_scatter"), ("cp", "all_reduce")}),
     ("pp=2,dp_shard=2,zero=3,microbatches=2", {("dp_shard", "all_gather"),
                                                ("dp_shard", "reduce_scatter"),
                                                ("dp_shard", "all_reduce"), ("pp", "send_recv"),
@@ -109,6 +133,15 @@ COUNTS = {
                   ("tp", "all_reduce"): (2 * L + 1) + 3 + 1},
     "dp_shard=2,zero=3": {("dp_shard", "all_gather"): 2 * L + 1,  # root gathered once
                           ("dp_shard", "reduce_scatter"): L + 1},
+    # K and V per layer; DDP's gradients in one bucket
+    "cp=2": {("cp", "all_gather"): 2 * L, ("cp", "reduce_scatter"): 2 * L,
+             ("cp", "all_reduce"): 1},
+    "dp_shard=2,zero=3,cp=2": {("dp_shard_cp", "all_gather"): 2 * L + 1,
+                               ("dp_shard_cp", "reduce_scatter"): L + 1,
+                               ("dp_shard_cp", "all_reduce"): 1,
+                               ("cp", "all_gather"): 2 * L, ("cp", "reduce_scatter"): 2 * L},
+    "cp=2,activation_checkpointing=full,grad_accum=2": {("cp", "all_gather"): 2 * 2 * 2 * L,
+                                                        ("cp", "reduce_scatter"): 2 * 2 * L},
 }
 
 
@@ -123,7 +156,8 @@ def test_runtime_bytes_match_closed_form(plan, rows):
     for key, r in measured.items():
         # On gloo, FSDP2's reduce-scatter/all-gather run as all-to-alls (gloo_collectives) and
         # are recorded as the logical op; TP's (DTensor) keep gloo's own.
-        fsdp = key[0] == "dp_shard" and key[1] in ("all_gather", "reduce_scatter")
+        fsdp = key[0] in ("dp_shard", "dp_shard_cp") and key[1] in ("all_gather",
+                                                                    "reduce_scatter")
         assert r["via"] == ("all_to_all" if fsdp else ""), (key, r["via"])
     if plan.startswith("pp=2,microbatches=2") and "grad_accum" not in plan:
         # Each stage sends its own share (stage 0 activations, stage 1 gradients), and

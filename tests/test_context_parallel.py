@@ -186,7 +186,9 @@ def test_hf_llama_at_cp2_matches_one_device(lm_data):
     _assert_matches(ref, got[0])
 
 
-def test_the_ledger_report_says_why_cp_has_no_expected_column():
+def test_the_ledger_report_says_why_a_model_under_cp_has_no_expected_column():
+    """Under cp the widths of keys and values are read off the reference transformer's config
+    only: another model gets the note instead of the column."""
     from plait.comm.predict import CP_NOTE, expected_for_models, no_expected_note
     from plait.plan import Plan
 
@@ -228,3 +230,96 @@ def test_training_under_hsdp_x_cp2_matches_one_device(lm_data):
     jobs = [("dp_replicate=2,dp_shard=2,zero=3,cp=2", W.causal_lm, batches, W.lm_loss)]
     got = run_distributed(W.train, 8, jobs, timeout=480)[0]
     _assert_matches(ref["causal"], got[0])
+
+
+def _check_checkpoints(out: dict, reference: list[float]) -> None:
+    from tests.test_checkpoint import RESHARD_RTOL
+
+    uninterrupted, resumed = out.pop("resume")
+    assert len(resumed) == 6 and resumed == uninterrupted, (resumed, uninterrupted)
+    for name, losses in out.items():
+        want = reference[:3] if "(saved)" in name else reference[3:]
+        assert len(losses) == len(want), (name, losses)
+        for got, expected in zip(losses, want, strict=True):
+            assert abs(got - expected) <= RESHARD_RTOL * abs(expected), (name, losses, want)
+
+
+def test_checkpoints_resume_exactly_and_move_in_and_out_of_cp(tmp_path, no_group):
+    """A cp=2 run stopped at step 6 and resumed gives bitwise the uninterrupted run's losses;
+    a cp=2 checkpoint continues with one device's losses in one process and under ZeRO-3 over
+    2, and ZeRO-3's and one process's continue so under cp=2 (within the checkpoint tests'
+    resharding tolerance: only summation order differs)."""
+    from tests import _workers_checkpoint as ck
+
+    reference = ck.train("single", steps=6)
+    ck.save_under(0, 1, "single", str(tmp_path / "single"))
+    out = run_distributed(W.checkpoints, 2, str(tmp_path), timeout=420)[0]
+    out["cp=2 -> one process"] = ck.continue_under(0, 1, "single", str(tmp_path / "cp2"))
+    _check_checkpoints(out, reference)
+
+
+@pytest.mark.slow
+def test_checkpoints_under_cp2_x_tp2(tmp_path, no_group):
+    """World 4: cp=2 x tp=2 resumes bitwise, and its checkpoints move to and from one
+    process with one device's losses."""
+    from tests import _workers_checkpoint as ck
+
+    reference = ck.train("single", steps=6)
+    ck.save_under(0, 1, "single", str(tmp_path / "single"))
+    out = run_distributed(W.checkpoints_tp, 4, str(tmp_path), timeout=480)[0]
+    out["cp=2,tp=2 -> one process"] = ck.continue_under(0, 1, "single",
+                                                        str(tmp_path / "cptp"))
+    _check_checkpoints(out, reference)
+
+
+def test_the_predicted_rows_sit_on_the_axes_the_ledger_names():
+    """The closed form behind the ledger's expected column under cp (no process group): K/V on
+    cp as cp_traffic gives them, gradients on the data x cp group under the name the ledger
+    gives its ranks (cp itself at dp=1, dp_cp, dp_shard_cp), HSDP's shard all-reduce on
+    dp_replicate at 1/(dp_shard*cp) of the gradients."""
+    from plait.comm.predict import by_axis_op, predict
+    from plait.models.transformer import preset
+    from plait.plan import Plan
+
+    cfg = preset("test")
+    kv = {(t.axis, t.op): t.payload for t in cp_traffic(4, 32, cfg.kv_heads * cfg.head_dim,
+                                                          cfg.n_layers, 2)}
+    cases = {"cp=2": {("cp", "all_reduce")},
+             "dp=2,cp=2": {("dp_cp", "all_reduce")},
+             "dp_shard=2,zero=3,cp=2": {("dp_shard_cp", op)
+                                        for op in ("all_gather", "reduce_scatter", "all_reduce")},
+             "dp_replicate=2,dp_shard=2,zero=3,cp=2": {
+                 ("dp_replicate", "all_reduce"),
+                 *{("dp_shard_cp", op) for op in ("all_gather", "reduce_scatter", "all_reduce")}}}
+    for text, grads in cases.items():
+        rows = by_axis_op(predict(Plan.from_string(text), cfg, 4, 32))
+        assert set(rows) == grads | set(kv), (text, sorted(rows))
+        assert all(rows[key] == kv[key] for key in kv), text
+    hsdp = by_axis_op(predict(Plan.from_string("dp_replicate=2,dp_shard=2,zero=3,cp=2"), cfg,
+                              4, 32))
+    assert hsdp[("dp_replicate", "all_reduce")] == hsdp[("dp_shard_cp", "reduce_scatter")] / 4
+
+
+@pytest.mark.slow
+def test_training_at_cp2_x_tp2_matches_one_device(lm_data):
+    """World 4: tp shards the heads, cp all-gathers each rank's local heads' keys and values
+    over the cp group; the TP shards are replicated over cp by FSDP2's replicate (DDP cannot
+    take DTensors). plait's transformer with and without sequence parallelism and a tiny
+    Hugging Face Llama (tp plan inferred) train what one device trains."""
+    batches, ref = lm_data
+    hf = W.reference(W.hf_llama, batches, W.logits_loss)
+    jobs = [("cp=2,tp=2", W.reference_lm, batches, W.lm_loss),
+            ("cp=2,tp=2,sp", W.reference_lm, batches, W.lm_loss),
+            ("cp=2,tp=2", W.hf_llama, batches, W.logits_loss)]
+    got = run_distributed(W.train, 4, jobs, timeout=480)[0]
+    for result, want in zip(got, (ref["reference"], ref["reference"], hf), strict=True):
+        _assert_matches(want, result)
+
+
+@pytest.mark.slow
+def test_training_at_dp2_x_cp2_x_tp2_matches_one_device(lm_data):
+    """World 8: the TP shards replicated over dp x cp."""
+    batches, ref = lm_data
+    got = run_distributed(W.train, 8, [("dp=2,cp=2,tp=2", W.reference_lm, batches, W.lm_loss)],
+                          timeout=480)[0]
+    _assert_matches(ref["reference"], got[0])

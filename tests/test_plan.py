@@ -48,7 +48,7 @@ def test_world_size_mismatch_names_every_factor():
     ("dp_shard=2,zero=2,offload", "offload=True needs zero=3"),
     ("dp_shard=2,zero=1,tp=2", "zero=1 with tp=2 is not supported"),
     ("sp", "needs tp > 1"),
-    ("cp=2,tp=2", "cp=2 with tp=2 is not supported"),
+    ("cp=2,tp=2,dp_shard=2,zero=3", "cp=2 with tp=2 and zero=3 is not supported"),
     ("cp=2,pp=2", "cp=2 with pp=2 is not supported"),
     ("cp=2,dp_shard=2,zero=1", "cp=2 with zero=1 is not supported"),
     ("cp=2,compile", "cp=2 with compile is not supported"),

@@ -99,7 +99,7 @@ def fsdp_padded_numels(model: nn.Module) -> dict[int, int]:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             for group in fsdp_param_groups(module, dtypes=False):
-                shards = group.mesh_info.shard_mesh_size
+                shards = getattr(group.mesh_info, "shard_mesh_size", 1)  # replicate: 1
                 for fp in group.fsdp_params:
                     out[id(fp.sharded_param)] = fp.padded_sharded_param_size.numel() * shards
     return out

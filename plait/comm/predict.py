@@ -45,9 +45,9 @@ from math import prod
 from typing import Any
 
 from .._torch_compat import is_split
-from ..mesh import DP_SHARD_TP
+from ..mesh import DP, DP_CP, DP_SHARD_CP, DP_SHARD_TP
 from ..parallel.tp_kv import replicated_kv_elements
-from .volumes import DDP_BUCKET_BYTES, Traffic, ddp_traffic, dtype_bytes
+from .volumes import DDP_BUCKET_BYTES, Traffic, cp_traffic, ddp_traffic, dtype_bytes
 
 FP32 = 4
 # Compute dtypes of 16 bits: bf16 and fp16 cast and autocast alike (FSDP2's param_dtype, the
@@ -66,9 +66,10 @@ NO_EXPECTED_NOTE = ("no 'expected' column: tensor and pipeline parallelism move 
                     "plait reads off a stack of repeated blocks fed token ids (b, s); this "
                     "model, its input or the plan is not that; " + _BY_PLAN)
 
-CP_NOTE = ("no 'expected' column: context parallelism (cp) is not priced per run yet; "
-           "plait.comm.volumes.cp_traffic gives its all-gathers' bytes and "
-           "docs/context_parallel.md the whole step's")
+CP_NOTE = ("no 'expected' column: under context parallelism (cp) plait prices its reference "
+           "transformer only (the keys' and values' widths and the attention layers are read "
+           "off its config); plait.comm.volumes.cp_traffic gives the all-gathers' bytes for "
+           "given widths and docs/context_parallel.md the whole step's")
 
 
 def no_expected_note(models: list[Any], plan: Any, stats: Any,
@@ -76,7 +77,7 @@ def no_expected_note(models: list[Any], plan: Any, stats: Any,
     """The ledger table's note where :func:`expected_for_models` returned None: for a model
     other than plait's reference transformer under tensor or pipeline parallelism, naming
     the reason (:func:`why_no_expected`)."""
-    if plan.cp > 1:
+    if plan.cp > 1 and not (models and _find_config(models[-1])):
         return CP_NOTE
     reason = None
     if (plan.tp > 1 or plan.pp > 1) and not (models and _find_config(models[-1])):
@@ -281,9 +282,11 @@ class LocalModel:
 def clip_axes(plan: Any) -> tuple[str, ...]:
     """Mesh axes plait's runtime shards gradients on (where the clip norm is all-reduced):
     ``dp_shard`` under FSDP2's ZeRO-2/3 (HSDP too: it replicates over dp_replicate), ``tp``
-    under tensor parallelism."""
-    return tuple(axis for axis, sharded in (("dp_shard", plan.zero >= 2 and plan.dp_shard > 1),
-                                            ("tp", plan.tp > 1)) if sharded)
+    under tensor parallelism; under context parallelism FSDP2 shards over ``dp_shard_cp``."""
+    fsdp = plan.zero >= 2
+    return tuple(axis for axis, sharded in (
+        ("dp_shard", fsdp and plan.cp == 1 and plan.dp_shard > 1),
+        (DP_SHARD_CP, fsdp and plan.cp > 1), ("tp", plan.tp > 1)) if sharded)
 
 
 def _dp_axis(plan: Any) -> str:
@@ -291,6 +294,37 @@ def _dp_axis(plan: Any) -> str:
     if plan.dp_replicate > 1 and plan.dp_shard > 1:
         return "dp"
     return "dp_replicate" if plan.dp_replicate > 1 else "dp_shard"
+
+
+# plait.mesh's flattened views, by the axes they join: the ledger names a group of those ranks
+# so where no single axis of size > 1 holds the same ranks (plait.comm.ledger
+# axis_names_by_ranks: single axes first, then these views in this order).
+_FLAT = ((DP, ("dp_replicate", "dp_shard")), (DP_SHARD_CP, ("dp_shard", "cp")),
+         (DP_CP, ("dp_replicate", "dp_shard", "cp")), (DP_SHARD_TP, ("dp_shard", "tp")))
+
+
+def _ledger_axis(plan: Any, axes: tuple[str, ...]) -> str:
+    """The ledger's name for the group of ranks that the mesh axes ``axes`` span together:
+    the one axis of size > 1 among them, else plait's flattened view of the same ranks."""
+    big = tuple(a for a in axes if getattr(plan, a) > 1)
+    if len(big) == 1:
+        return big[0]
+    for name, joined in _FLAT:
+        if tuple(a for a in joined if getattr(plan, a) > 1) == big:
+            return name
+    return "+".join(big)
+
+
+def _axis_size(plan: Any, axis: str) -> int:
+    """Ranks in mesh axis ``axis``, a flattened view (``dp_shard_cp``...) included."""
+    joined = dict(_FLAT).get(axis, (axis,))
+    return prod(getattr(plan, a) for a in joined)
+
+
+def _shard_axes(plan: Any) -> tuple[str, ...]:
+    """What FSDP2 shards over (``plait.parallel.zero.data_mesh``): dp_shard, and with context
+    parallelism dp_shard x cp (cp ranks hold the same parameters)."""
+    return ("dp_shard", "cp") if plan.cp > 1 else ("dp_shard",)
 
 
 def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | None = None,
@@ -306,10 +340,27 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
         local = LocalModel.from_config(plan, cfg, stage)
     mb = batch // plan.microbatches if plan.pp > 1 else batch
     kv_whole = replicated_kv_elements(cfg.dim, cfg.kv_heads, cfg.head_dim, plan.tp)
+    # tp's collectives move this rank's tokens: its cp slice of each sequence
     return (dp_traffic(plan, local, multi_stage_zero3=False)
-            + tp_rank_traffic(plan, local, mb, seq, cfg.dim, kv_whole)
+            + tp_rank_traffic(plan, local, mb, seq // plan.cp, cfg.dim, kv_whole)
             + pp_rank_traffic(plan, local, mb, seq, cfg.dim)
+            + cp_rank_traffic(plan, local, batch, seq,
+                              max(1, cfg.kv_heads // plan.tp) * cfg.head_dim)
             + clip_traffic(plan, local))
+
+
+def cp_rank_traffic(plan: Any, local: LocalModel, batch: int, seq: int, kv_dim: int
+                    ) -> list[Traffic]:
+    """Context parallelism's collectives of one rank in one optimizer step
+    (``plait.parallel.context``): per attention layer and micro-step of ``batch`` whole
+    sequences of ``seq`` tokens, K and V all-gathered in forward (again in each recomputed
+    layer) and their gradients reduce-scattered in backward, in the dtype attention runs in
+    (``volumes.cp_traffic``); ``kv_dim``: the K (or V) features this rank holds per token,
+    its tp share of the kv heads. Gradients are reduced over dp x cp in :func:`dp_traffic`."""
+    if plan.cp == 1 or not local.layers:
+        return []
+    return cp_traffic(batch, seq, kv_dim, local.layers, plan.cp, _compute_dtype(plan),
+                      micro_steps=plan.grad_accum, recomputed_layers=local.recomputed)
 
 
 def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
@@ -328,6 +379,8 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
     g = dtype_bytes(grad_dtype)
     P, G = float(local.params), float(local.grads)
     out: list[Traffic] = []
+    if plan.cp > 1:  # the cp ranks reduce gradients with the data ranks (plait.parallelize)
+        return _dp_cp_traffic(plan, local, g, grad_dtype, bucket_bytes)
     # DDP wraps nothing where nothing trains (a frozen pipeline stage: plait.parallel.data)
     if plan.zero == 1 and R * S > 1:
         if G:
@@ -356,6 +409,30 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
     return out
 
 
+def _dp_cp_traffic(plan: Any, local: LocalModel, g: int, grad_dtype: str,
+                   bucket_bytes: float) -> list[Traffic]:
+    """:func:`dp_traffic` under context parallelism (no pipeline, no tp, no ZeRO-1: refused
+    there): the cp ranks compute partial gradients of the same parameters, so they join the
+    data ranks. DDP all-reduces over dp x cp (``dp_cp``), and with tp FSDP2's replicate one
+    all-reduce per unit; FSDP2 shards and reduce-scatters over
+    dp_shard x cp (``dp_shard_cp``), HSDP all-reducing that shard over dp_replicate."""
+    G = float(local.grads)
+    if plan.zero in (2, 3):
+        shard = _ledger_axis(plan, _shard_axes(plan))
+        n = _axis_size(plan, DP_SHARD_CP)
+        out = [Traffic(shard, "reduce_scatter", G * g, local.units, n, "grads")]
+        if plan.dp_replicate > 1:
+            out.append(Traffic("dp_replicate", "all_reduce", G / n * g, local.units,
+                               plan.dp_replicate, "grads"))
+        return out + _param_gathers(plan, local, False)
+    if plan.tp > 1:  # TP shards replicated over dp x cp (apply_replicate_cp): one per unit
+        return [Traffic(_ledger_axis(plan, ("dp_replicate", "dp_shard", "cp")), "all_reduce",
+                        G * g, local.units, _axis_size(plan, DP_CP), "grads")]
+    return ddp_traffic(G, _axis_size(plan, DP_CP), grad_dtype,
+                       axis=_ledger_axis(plan, ("dp_replicate", "dp_shard", "cp")),
+                       bucket_bytes=bucket_bytes)
+
+
 def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traffic]:
     """FSDP2's parameter all-gathers per optimizer step. It reshards after every backward, so
     ZeRO-2 gathers once per micro-step; ZeRO-3 before each forward and each backward, the root
@@ -375,7 +452,9 @@ def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traf
     root = float(local.root_params)
     payload = ((float(local.params) - root) * per_block + root * per_root) * b
     calls = local.layers * per_block + per_root
-    return [Traffic("dp_shard", "all_gather", payload, calls, plan.dp_shard, "params")]
+    axes = _shard_axes(plan)
+    return [Traffic(_ledger_axis(plan, axes), "all_gather", payload, calls,
+                    prod(getattr(plan, a) for a in axes), "params")]
 
 
 def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int,
@@ -448,14 +527,15 @@ def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
     if not plan.grad_clip:
         return []
     out: list[Traffic] = []
-    axes, sizes = list(local.clip_axes), {a: getattr(plan, a) for a in local.clip_axes}
+    axes, sizes = list(local.clip_axes), {a: _axis_size(plan, a) for a in local.clip_axes}
     if {"dp_shard", "tp"} <= set(axes):
         # plait.mesh builds the flattened (dp_shard, tp) view, so DTensor reduces norms
         # partial over both axes in one all-reduce over it, not one per axis
         axes = [a for a in axes if a not in ("dp_shard", "tp")] + [DP_SHARD_TP]
         sizes[DP_SHARD_TP] = plan.dp_shard * plan.tp
     for axis in axes:
-        out.append(Traffic(axis, "all_reduce", float(local.clip_tensors) * FP32, 1, sizes[axis],
+        name = _ledger_axis(plan, dict(_FLAT).get(axis, (axis,)))  # dp_shard_cp at dp_shard=1: cp
+        out.append(Traffic(name, "all_reduce", float(local.clip_tensors) * FP32, 1, sizes[axis],
                            "clip: per-tensor norms"))
     if plan.pp > 1:
         out.append(Traffic("pp", "all_reduce", float(FP32), 1, plan.pp, "clip: squared norm"))
@@ -654,12 +734,13 @@ def local_model(model: Any, plan: Any) -> LocalModel:
         head |= not isinstance(getattr(inner, "output", None), (PipelineSkip, type(None)))
     stages = tuple(s.index for s in specs) if specs else (0,)
     num_stages = specs[0].num_stages if specs else 1
-    # Flattened names: FSDP2 over (dp_replicate, dp_shard) shards on dp_shard only.
-    order = ("dp_replicate", "dp_shard", "tp")
+    # Flattened names: FSDP2 over (dp_replicate, dp_shard) shards on dp_shard only (on
+    # dp_shard_cp under context parallelism).
+    order = ("dp_replicate", "dp_shard", DP_SHARD_CP, "tp")
     return LocalModel(params=total, root_params=root, tensors=tensors, layers=layers,
                       recomputed=recomputed, embed=embed, head=head, stages=stages,
                       num_stages=num_stages,
-                      clip_axes=tuple(a for a in order if a in clip and getattr(plan, a) > 1),
+                      clip_axes=tuple(a for a in order if a in clip and _axis_size(plan, a) > 1),
                       grad_params=grads, grad_tensors=grad_tensors)
 
 
@@ -717,10 +798,10 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     """
     import torch.distributed as dist
 
-    if plan.cp > 1:  # every rank returns here alike: no collective is left unpaired
-        return None
     mine = None
     cfg = _find_config(models[-1]) if models else None
+    if plan.cp > 1 and cfg is None:  # every rank returns here alike: no collective unpaired
+        return None
     if cfg is not None and batch_shape is not None and len(batch_shape) == 2:
         batch, seq = batch_shape
         mine = by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq,

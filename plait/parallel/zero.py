@@ -275,6 +275,31 @@ def apply_replicate(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     return module
 
 
+def apply_replicate_cp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
+    """Replicated data parallelism over the data x cp ranks (``dp_cp``) for a tensor-parallel
+    model under context parallelism (zero=0): the cp ranks compute partial gradients of the
+    same TP shards, summed with the data replicas' in one all-reduce per unit.
+
+    DDP cannot take DTensor parameters (its broadcast of the module states has no DTensor
+    rule), and :func:`apply_replicate`'s 2-D (dp_replicate, dp_shard) mesh leaves the cp ranks
+    out; torch's FSDP2-based ``replicate`` takes the flattened 1-D ``dp_cp`` mesh (gradients,
+    parameters and optimizer state replicated, as under DDP)."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+    except ImportError as exc:  # older torch: no FSDP2-based replicate
+        raise ValueError(f"cp={plan.cp} with tp={plan.tp} replicates the TP shards with "
+                         f"torch's FSDP2-based replicate, which torch {torch.__version__} "
+                         f"lacks: upgrade torch, or use tp=1 with cp") from exc
+    from ..mesh import DP_CP
+
+    kwargs: dict[str, Any] = dict(mesh=mesh[DP_CP], mp_policy=mixed_precision_policy(plan))
+    for _, unit in _units(module, plan):
+        replicate(unit, **kwargs)
+    quiet_view_output_warning()
+    replicate(module, **kwargs)
+    return module
+
+
 # ---------------------------------------------------------------------------------- ZeRO-1
 ShardedOptimizers = dict[int, tuple[torch.optim.Optimizer, torch.optim.Optimizer]]
 
