@@ -253,6 +253,29 @@ def fake_tensor_mode() -> type:
     return _resolve("torch._subclasses.fake_tensor", "FakeTensorMode")
 
 
+def is_fake(t: Any) -> bool:
+    """``torch._subclasses.fake_tensor.is_fake(t)``: whether ``t`` is a fake tensor (shapes,
+    no data), however it is wrapped.
+
+    Why: ``run.all_gather`` called inside a fake-tensor forward (plait's checks of a layout run
+    the model on fake tensors) returns the gathered shape without communicating. Checked on
+    torch 2.13.
+    """
+    return bool(_resolve("torch._subclasses.fake_tensor", "is_fake")(t))
+
+
+def fsdp_replicate() -> Callable[..., Any] | None:
+    """``torch.distributed._composable.replicate_with_fsdp.replicate`` (None when missing):
+    data parallelism built on FSDP2 with every parameter replicated.
+
+    Why: context parallelism with tensor parallelism replicates the TP shards over the
+    flattened data x cp mesh; DDP cannot take DTensor parameters (its broadcast of the module
+    states has no DTensor rule). Checked on torch 2.13.
+    """
+    return _resolve("torch.distributed._composable.replicate_with_fsdp", "replicate",
+                    required=False)
+
+
 # ------------------------------------------------------------------------------ checkpoints
 def dcp_set_element() -> Callable[..., Any]:
     """``torch.distributed.checkpoint._traverse.set_element(root, path, value)``: put a value
@@ -558,5 +581,5 @@ RESOLVERS: tuple[Callable[[], Any], ...] = (
     pipeline_stage_base,
     stage_backward_split, keyset_after_backend_select, functional_collectives,
     torch_dispatch_mode, compiled_module_class, async_collective_tensor, tree_map_only,
-    meta_nonzero_patch,
+    meta_nonzero_patch, fsdp_replicate,
 )

@@ -23,6 +23,7 @@ def _qkv(seq: int, heads: int, kv_heads: int, seed: int) -> list[torch.Tensor]:
 def attention_matches(rank: int, world_size: int, seq: int) -> list[dict[str, Any]]:
     """For each case: the largest difference between this rank's attention output and
     gradients (q, k, v) under cp and its slice of one-device SDPA's on the same q/k/v."""
+    original = F.scaled_dot_product_attention
     cp = ContextGroup(dist.group.WORLD, rank, world_size)
     pos = cp.positions(seq)
     out = []
@@ -44,7 +45,7 @@ def attention_matches(rank: int, world_size: int, seq: int) -> list[dict[str, An
             diffs[label] = (a.grad - shard_sequence(b.grad, pos, dim=2)).abs().max().item()
         out.append({"case": name, **diffs,
                     "scale": ref.abs().max().item(), "restored":
-                    F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention})
+                    F.scaled_dot_product_attention is original})
     return out
 
 

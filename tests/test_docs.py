@@ -91,7 +91,7 @@ def _code_strings() -> str:
 
 # torch's own words: a message of torch's quoted beside plait's line, and torch's error text that
 # plait's message carries in parentheses
-NOT_PLAITS = ("Received data size doesn't match",)
+NOT_PLAITS = ("Received data size doesn't match", "[transformers]")
 TORCH_TEXT = ("stack expects each tensor to be equal size",)
 PROSE = re.compile(r"[a-z][a-z-]*$")
 SEP = r"[^\w\x00\x01]*\s[^\w\x00\x01]*"  # punctuation and a space between two words

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import is_fake
+
+from .._torch_compat import is_fake
 
 
 def _sizes(rows: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:

@@ -284,12 +284,13 @@ def apply_replicate_cp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     rule), and :func:`apply_replicate`'s 2-D (dp_replicate, dp_shard) mesh leaves the cp ranks
     out; torch's FSDP2-based ``replicate`` takes the flattened 1-D ``dp_cp`` mesh (gradients,
     parameters and optimizer state replicated, as under DDP)."""
-    try:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-    except ImportError as exc:  # older torch: no FSDP2-based replicate
+    from .._torch_compat import fsdp_replicate
+
+    replicate = fsdp_replicate()
+    if replicate is None:  # older torch: no FSDP2-based replicate
         raise ValueError(f"cp={plan.cp} with tp={plan.tp} replicates the TP shards with "
                          f"torch's FSDP2-based replicate, which torch {torch.__version__} "
-                         f"lacks: upgrade torch, or use tp=1 with cp") from exc
+                         f"lacks: upgrade torch, or use tp=1 with cp")
     from ..mesh import DP_CP
 
     kwargs: dict[str, Any] = dict(mesh=mesh[DP_CP], mp_policy=mixed_precision_policy(plan))
