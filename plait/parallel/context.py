@@ -44,6 +44,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._torch_compat import pytree
+
 if TYPE_CHECKING:
     from ..mesh import Mesh
 
@@ -257,15 +259,8 @@ def split_batch(batch: Any, cp: ContextGroup) -> tuple[Any, int, dict[str, torch
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    items = value.values() if isinstance(value, dict) else value if isinstance(
-        value, (tuple, list)) else ()
-    for v in items:
-        found = _first_tensor(v)
-        if found is not None:
-            return found
-    return None
+    flatten, _ = pytree()
+    return next((v for v in flatten(value)[0] if isinstance(v, torch.Tensor)), None)
 
 
 SHIFTED_LABELS = (

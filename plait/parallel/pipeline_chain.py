@@ -96,7 +96,7 @@ def _mark(outputs: dict[int, list[torch.Tensor]], index: int, module: nn.Module,
     return new
 
 
-def _leaves_reached(x: torch.Tensor, cut: Any = None) -> set[int]:
+def leaves_reached(x: torch.Tensor, cut: Any = None) -> set[int]:
     """The ids of the leaf tensors (parameters, marked block outputs) in ``x``'s history, not
     looking past the autograd node ``cut``."""
     reached: set[int] = set()
@@ -120,7 +120,7 @@ def _reaches(x: torch.Tensor, leaves: list[torch.Tensor]) -> bool | None:
         return True
     if x.grad_fn is None:
         return None
-    return not {id(leaf) for leaf in leaves}.isdisjoint(_leaves_reached(x))
+    return not {id(leaf) for leaf in leaves}.isdisjoint(leaves_reached(x))
 
 
 def _ask(outputs: dict[int, list[torch.Tensor]], asked: list[int], index: int,
@@ -230,7 +230,7 @@ def loss_reads_before(replica: nn.Module, path: str, start: int, x: Any,
     if (not isinstance(loss, torch.Tensor) or loss.grad_fn is None or cut is None
             or any(i not in outputs for i in range(start))):
         return None
-    reached = _leaves_reached(loss, cut)
+    reached = leaves_reached(loss, cut)
     held_later = {id(p) for b in blocks[start:] for p in b.parameters()}
     before = [i for i in range(start)
               if any(id(leaf) in reached for leaf in outputs[i])

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .._torch_compat import pytree
 from .tp_infer import _glob_levels
 from .tp_kv import KVHeads
 from .tp_lora import low_rank_parts
@@ -56,15 +57,9 @@ def _swap_index(size: int, parts: int, tp: int, ranks: tuple[int, int] = (0, 1)
 def _first_tensor(value: Any) -> torch.Tensor | None:
     """The block's output: its first floating tensor. What follows in a tuple (attention
     weights, one per head) is permuted with the heads, legitimately."""
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    items = value.values() if isinstance(value, dict) else value if isinstance(
-        value, (tuple, list)) else ()
-    for v in items:
-        found = _first_tensor(v)
-        if found is not None:
-            return found
-    return None
+    flatten, _ = pytree()
+    return next((v for v in flatten(value)[0]
+                 if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
 
 
 def _block_of(name: str, model: nn.Module | None = None) -> str:

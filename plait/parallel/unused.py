@@ -22,22 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-
-def _leaves(loss: torch.Tensor) -> set[int]:
-    """ids of the leaf tensors whose gradients ``loss.backward()`` would accumulate."""
-    seen: set[int] = set()
-    found: set[int] = set()
-    todo: list[Any] = [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node
-        if variable is not None:
-            found.add(id(variable))
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return found
+from .pipeline_chain import leaves_reached
 
 
 def _fsdp_params(model: nn.Module) -> list[Any]:
@@ -62,7 +47,7 @@ class UnusedTracker:
     def note(self, loss: torch.Tensor) -> None:
         """Before ``loss.backward()``: remember the parameters it reaches."""
         if loss.grad_fn is not None:
-            self.used |= _leaves(loss)
+            self.used |= leaves_reached(loss)
 
     def finish(self, group: dist.ProcessGroup | None = None) -> None:
         """After the last backward (every rank of ``group`` calls it): a parameter no rank
