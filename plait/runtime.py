@@ -21,7 +21,7 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -34,7 +34,8 @@ from torch.utils.data import Dataset
 
 from . import report
 from .accelerators import Accelerator, get_accelerator
-from .data.loader import DistributedLoader
+from .data.loader import DistributedLoader, is_stream
+from .data.stream import StreamLoader
 from .mesh import Mesh, build_mesh
 from .parallelize import parallelize as _parallelize
 from .plan import Plan
@@ -118,7 +119,7 @@ class Run:
     # loader's position and saving every N steps count from here.
     first_step: int = 0
     _last_step_args: tuple[Any, Any, Any] | None = None  # (model, optimizer, scheduler)
-    _loader: DistributedLoader | None = None
+    _loader: DistributedLoader | StreamLoader | None = None
     # What a NaN/inf loss or gradient norm does: "stop" (raise) or "skip" (see plait.guard).
     nonfinite: str = "stop"
     _guard: Any = None  # plait.guard.StepGuard, made at the first step
@@ -245,12 +246,12 @@ class Run:
         if load_weights(ckpt.resume_path, model, device=self.device):
             ckpt.weights_in, ckpt.weights_state = model, _tensor_versions(model)
 
-    def loader(self, dataset: Dataset, batch_size: int, *, steps: int | None = None,
-               shuffle: bool = True, start_step: int | None = None,
-               evaluation: bool = False,
+    def loader(self, dataset: Dataset | Iterable[Any], batch_size: int, *,
+               steps: int | None = None, shuffle: bool | None = None,
+               start_step: int | None = None, evaluation: bool = False,
                collate_fn: Callable[[list[Any]], Any] | None = None, num_workers: int = 0,
                persistent_workers: bool = False,
-               pin_memory: bool = False) -> DistributedLoader:
+               pin_memory: bool = False) -> DistributedLoader | StreamLoader:
         """Iterate this rank's share of each *global* batch of ``batch_size`` items.
 
         Ranks of one data replica (TP/PP peers) get the same rows; one device gets them all.
@@ -263,7 +264,17 @@ class Run:
         variable-length sequences, say); the default stacks them. ``num_workers``,
         ``persistent_workers`` and ``pin_memory`` are torch DataLoader's: the same batches,
         loaded in worker processes; pinning applies on CUDA only (elsewhere it is left off,
-        with nothing to speed up).
+        with nothing to speed up). Randomness drawn in ``dataset[i]`` comes from (seed, epoch,
+        i): the same with or without workers, on every peer, and after a resume.
+
+        An iterable ``dataset`` (``IterableDataset``, a streaming ``datasets`` dataset, a
+        generator's iterable) is read in its own order by a :class:`StreamLoader`: step k's
+        global batch is the stream's items [k*B, (k+1)*B) of the epoch, split over the data
+        replicas as above; an epoch ends where the stream does, on every replica at the same
+        step (a last incomplete global batch is dropped). ``shuffle`` is the stream's own
+        business there (``shuffle=True`` is refused). A loader made again after an epoch
+        continues with the next one, and a resumed run at the step it saved, under any data
+        parallel size.
 
         ``evaluation=True``: batches for :meth:`evaluate`. Such a loader always starts at its
         first batch (a resumed run too) and is not the training loader: checkpoints do not
@@ -273,12 +284,24 @@ class Run:
         # The run's step, not the step it started at: a loader made again for each epoch
         # continues the stream (the next epoch's order) instead of replaying the first epoch.
         first = 0 if evaluation else self.steps_done
-        loader = DistributedLoader(dataset, batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                                   seed=self.seed, steps=steps,
-                                   start_step=first if start_step is None else start_step,
-                                   shuffle=shuffle, collate_fn=collate_fn,
-                                   num_workers=num_workers, persistent_workers=persistent_workers,
-                                   pin_memory=pin_memory and self.device.type == "cuda")
+        common: dict[str, Any] = dict(
+            dp_rank=dp_rank, dp_size=dp_size, seed=self.seed, steps=steps,
+            start_step=first if start_step is None else start_step, collate_fn=collate_fn,
+            num_workers=num_workers, persistent_workers=persistent_workers,
+            pin_memory=pin_memory and self.device.type == "cuda")
+        loader: DistributedLoader | StreamLoader
+        if is_stream(dataset):
+            if shuffle:
+                raise ValueError(f"shuffle=True: dataset {type(dataset).__name__} is a stream, "
+                                 f"read in its own order; shuffle it in the stream (a shuffle "
+                                 f"buffer, e.g. datasets' .shuffle(seed=..., buffer_size=...)) "
+                                 f"and leave shuffle out")
+            epoch, epoch_start = self._stream_epoch(common["start_step"], evaluation)
+            loader = StreamLoader(dataset, batch_size, epoch=epoch, epoch_start=epoch_start,
+                                  **common)
+        else:
+            loader = DistributedLoader(dataset, batch_size,  # type: ignore[arg-type]
+                                       shuffle=shuffle is not False, **common)
         local = batch_size // dp_size
         micro = self.plan.grad_accum * (self.plan.microbatches if self.plan.pp > 1 else 1)
         if local % micro:
@@ -294,6 +317,24 @@ class Run:
         if steps is not None:
             self.total_steps = steps
         return loader
+
+    def _stream_epoch(self, start: int, evaluation: bool) -> tuple[int, int]:
+        """(epoch, the step it began at) for a stream loader starting at ``start``: a stream's
+        epochs have no length known in advance, so they come from the training loader before
+        this one (a loader made again for each epoch) or from the checkpoint resumed from."""
+        if evaluation:
+            return 0, 0
+        before = self._loader
+        ckpt = self.checkpointing
+        saved = ckpt.resume_loader if ckpt is not None and not ckpt.resumed else None
+        state: dict[str, Any]
+        if isinstance(before, StreamLoader) and before.step == start:
+            state = dict(before.state_dict())
+        elif saved is not None and int(saved.get("step", -1)) == start:
+            state = saved
+        else:
+            return 0, 0
+        return int(state.get("epoch", 0)), int(state.get("epoch_start", 0))
 
     def step(self, model: nn.Module, batch: Any, loss_fn: LossFn | None,
              optimizer: torch.optim.Optimizer, scheduler: Any = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from tests._workers_semantics import SEQ, VOCAB, WithLoss, masked_lm, mlm_loss
 
@@ -39,6 +39,50 @@ class Numbered(Dataset):
                 "pid": torch.tensor(os.getpid())}
 
 
+class Blocks(IterableDataset):
+    """A generator of token blocks written for the test: ``Numbered``'s items 0 to ``items``-1
+    in order, one pass per ``iter``. ``noise``: each block also gets a mask drawn from the
+    global generators (torch, ``random``, NumPy) as it is generated, randomness of the stream
+    itself."""
+
+    def __init__(self, items: int = ITEMS, noise: bool = False):
+        self.items, self.noise = items, noise
+
+    def __iter__(self):
+        data = Numbered()
+        for p in range(self.items):
+            item = data[p]
+            if self.noise:
+                import random
+
+                import numpy as np
+
+                item["input_ids"] = (item["input_ids"] + torch.randint(0, 3, (1,))
+                                     + random.randrange(3) + int(np.random.randint(3))) % VOCAB
+            yield item
+
+
+class Augmented(Dataset):
+    """``Numbered`` with a random crop and a random mask drawn in ``dataset[i]`` from the global
+    generators, as an augmentation does (torch, ``random`` and NumPy)."""
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        import random
+
+        import numpy as np
+
+        item = Numbered()[i]
+        keep = 1 + random.randrange(len(item["input_ids"]))
+        flip = torch.rand(keep) < 0.5
+        shift = int(np.random.randint(1, 4))
+        item["input_ids"] = torch.where(flip, 0, item["input_ids"][:keep] + shift) % VOCAB
+        item["labels"] = item["labels"][:keep]
+        return item
+
+
 def pad(items: list[dict[str, torch.Tensor]], length: int | None = None
         ) -> dict[str, torch.Tensor]:
     """A dict batch padded to ``length`` or to this list's longest row (-100: not a label)."""
@@ -50,30 +94,51 @@ def pad(items: list[dict[str, torch.Tensor]], length: int | None = None
             **{k: torch.stack([it[k] for it in items]) for k in ("id", "worker", "pid")}}
 
 
+DATA = {"numbered": Numbered, "blocks": Blocks, "augmented": Augmented}
+
+
 def trace(rank: int, world_size: int, plan: str, steps: int | None = None, *,
-          epochs: int = 1, length: int | None = None, **loader_args: Any) -> dict[str, Any]:
-    """``steps`` steps over ``run.loader(Numbered(), BATCH, ...)`` (``steps=None``: that
-    loader iterated ``epochs`` times, an epoch each): this rank's data rank, and per step the
-    indices of its rows, its input tensor, the loss, where the rows were loaded."""
+          epochs: int = 1, length: int | None = None, data: str = "numbered",
+          loader_each_epoch: bool = False, checkpoint: str | None = None,
+          stop_after: int | None = None, **loader_args: Any) -> dict[str, Any]:
+    """``steps`` steps over ``run.loader(DATA[data](), BATCH, ...)`` (``steps=None``: that
+    loader iterated ``epochs`` times, an epoch each; ``loader_each_epoch``: a new loader each
+    epoch): this rank's data rank, and per step the indices of its rows, its input tensor, the
+    loss, where the rows were loaded; and the model's full state at the end. ``checkpoint``:
+    resume from that folder if it holds a checkpoint; ``stop_after``: save there and stop once
+    the run has done that many steps."""
     import plait
 
-    run = plait.init(plan, quiet=True)
+    run = plait.init(plan, quiet=True, checkpoint=checkpoint)
     model = run.parallelize(WithLoss(masked_lm()))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out: dict[str, Any] = {"dp_rank": run.dp_rank, "ids": [], "inputs": [], "losses": [],
                            "workers": [], "pids": []}
+    dataset = DATA[data]()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loader = run.loader(Numbered(), BATCH, steps=steps,
-                            collate_fn=partial(pad, length=length), **loader_args)
-        for _ in range(epochs):
+
+        def make() -> Any:
+            return run.loader(dataset, BATCH, steps=steps,
+                              collate_fn=partial(pad, length=length), **loader_args)
+
+        loader = make()
+        for epoch in range(epochs):
+            if loader_each_epoch and epoch:
+                loader = make()
             for batch in loader:
                 out["ids"].append(batch.pop("id").tolist())
                 out["workers"].append(batch.pop("worker").tolist())
                 out["pids"].append(batch.pop("pid").tolist())
                 out["inputs"].append(batch["input_ids"].clone())
                 out["losses"].append(float(run.step(model, batch, None, opt)))
+                if stop_after is not None and run.steps_done == stop_after:
+                    break
+            if stop_after is not None and run.steps_done == stop_after:
+                run.save()
+                break
     out["warnings"] = [str(w.message) for w in caught]
+    out["state"] = run.full_state_dict(model)
     run.close()
     return out
 
@@ -117,9 +182,11 @@ def check_batches(rank: int, world_size: int, batches: list[Any], dp_ranks: list
     return [str(w.message) for w in caught]
 
 
-def one_device_losses(batches: list[list[int]]) -> list[float]:
-    """No plait, one process: SGD on each global batch (rows by index), the model's own loss."""
-    data, model = Numbered(), WithLoss(masked_lm())
+def one_device_run(batches: list[list[int]], data: Dataset | None = None
+                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """No plait, one process: SGD on each global batch (rows by index into ``data``, default
+    ``Numbered``), the model's own loss; the losses and the parameters at the end."""
+    data, model = data or Numbered(), WithLoss(masked_lm())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for ids in batches:
@@ -130,7 +197,11 @@ def one_device_losses(batches: list[list[int]]) -> list[float]:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return losses
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def one_device_losses(batches: list[list[int]]) -> list[float]:
+    return one_device_run(batches)[0]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Bundled corpus, tokenizer and the distributed loader (pure, no process group)."""
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -91,19 +92,27 @@ def test_a_batch_of_the_wrong_kind_says_what_the_dataset_returned():
 
 
 def test_what_the_loader_cannot_shard_is_refused_by_name():
-    """An iterable dataset or a DataLoader would yield the same rows on every rank."""
+    """A DataLoader would yield the same rows on every rank; DistributedLoader indexes, so a
+    stream goes to StreamLoader (run.loader picks it), and StreamLoader reads streams only."""
     from torch.utils.data import DataLoader, IterableDataset
+
+    from plait.data import StreamLoader
 
     class Stream(IterableDataset):
         def __iter__(self):
             yield from range(8)
 
     with pytest.raises(ValueError, match=r"dataset Stream has no len\(\) and dataset\[i\] "
-                                         r"\(an iterable dataset\).*materialize it"):
+                                         r"\(an iterable dataset\).*load a stream with "
+                                         r"plait.data.StreamLoader"):
         DistributedLoader(Stream(), 4)
-    with pytest.raises(ValueError, match=r"takes the dataset, not a DataLoader \(DataLoader\): "
-                                         r"pass its \.dataset"):
-        DistributedLoader(DataLoader(list(range(8)), batch_size=4), 4)
+    with pytest.raises(ValueError, match=r"dataset list is map-style .* load it with "
+                                         r"DistributedLoader"):
+        StreamLoader(list(range(8)), 4)
+    for loader in (DistributedLoader, StreamLoader):
+        with pytest.raises(ValueError, match=r"takes the dataset, not a DataLoader "
+                                             r"\(DataLoader\): pass its \.dataset"):
+            loader(DataLoader(list(range(8)), batch_size=4), 4)
     with pytest.raises(ValueError, match=r"dataset list is empty \(len\(\) is 0\); pass one "
                                          r"with at least 4 items"):
         DistributedLoader([], 4)
@@ -135,3 +144,136 @@ def test_steps_none_runs_to_the_end_of_the_epoch_it_starts_in():
     assert [b.tolist() for b in loader] == [loader.global_indices(3).tolist()]
     assert len(loader) == 2  # iterated again: the next epoch, whole
     assert len(list(loader)) == 2
+
+
+def _ids(batches) -> list[list[int]]:
+    return [b["id"].tolist() for b in batches]
+
+
+def _stream(dp_rank: int = 0, dp_size: int = 1, **kw):
+    from plait.data import StreamLoader
+    from tests import _workers_data as D
+
+    data = kw.pop("data", None) or D.Blocks()
+    return StreamLoader(data, 8, dp_rank=dp_rank, dp_size=dp_size,
+                        collate_fn=partial(D.pad, length=D.SEQ), **kw)
+
+
+def test_a_stream_splits_into_the_global_batches_one_device_reads():
+    """22 items in batches of 8: each replica takes its consecutive rows of each global batch,
+    and every replica ends the epoch after 2 steps. At dp=2 replica 0's rows of a third batch
+    (items 16 to 19) exist, but the batch is not whole (it would need items up to 23): a
+    replica that took them would wait in the step's collective for the other forever."""
+    one = _ids(_stream())
+    assert one == [list(range(8)), list(range(8, 16))]
+    for dp in (2, 4, 8):
+        parts = [_ids(_stream(r, dp)) for r in range(dp)]
+        assert [sum((p[s] for p in parts), []) for s in range(2)] == one, (dp, parts)
+    assert _ids(_stream(steps=5)) == one + one + one[:1]  # epochs cycle: the stream again
+
+
+def test_a_stream_resumes_at_its_position_under_any_data_parallel_size():
+    """Stopped after 3 steps (in its second epoch), the state (step, epoch, the step it began
+    at) continues the global batches exactly, at the same dp size, at 1 and at 4 replicas."""
+    whole = _ids(_stream(steps=7))
+    first = _stream(0, 2, steps=7)
+    taken = [b for _, b in zip(range(3), first, strict=False)]
+    state = first.state_dict()
+    assert len(taken) == 3 and state == {"step": 3, "seed": 0, "epoch": 1, "epoch_start": 2}
+    for dp in (2, 1, 4):
+        parts = []
+        for r in range(dp):
+            resumed = _stream(r, dp, steps=7)
+            resumed.load_state_dict(state)
+            parts.append(_ids(resumed))
+        assert [sum((p[s] for p in parts), []) for s in range(4)] == whole[3:], dp
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_stream_workers_each_build_their_own_batches(persistent):
+    """Two loader workers (each builds every other batch, reading the stream itself) hand out
+    what the loader without workers does, across epochs, and resume at the next batch not
+    handed out: no batch twice, none missing."""
+    whole = _ids(_stream(1, 2, steps=7))
+    loader = _stream(1, 2, steps=7, num_workers=2, persistent_workers=persistent)
+    got = [b for _, b in zip(range(3), loader, strict=False)]
+    assert {w for b in got for w in b["worker"].tolist()} == {0, 1}
+    assert _ids(got) == whole[:3]
+    assert _ids(loader) == whole[3:]  # the same loader, iterated again
+    resumed = _stream(1, 2, steps=7, num_workers=2)
+    resumed.load_state_dict({"step": 3, "seed": 0, "epoch": 1, "epoch_start": 2})
+    assert _ids(resumed) == whole[3:]
+    ended = _stream(1, 2, num_workers=2)  # steps=None: to the end of the epoch
+    assert _ids(ended) == whole[:2] and ended.state_dict()["epoch"] == 1
+
+
+def test_a_streams_own_randomness_is_the_same_for_every_reader():
+    """A generator drawing from the global generators as it yields: one device, the replicas,
+    loader workers and a resumed loader see the same draws, and loading leaves the training
+    process's random states as they were."""
+    from tests import _workers_data as D
+
+    def inputs(batches):
+        return [b["input_ids"] for b in batches]
+
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    whole = inputs(_stream(steps=5, data=D.Blocks(noise=True)))
+    assert torch.equal(torch.get_rng_state(), before)
+    plain = inputs(_stream(steps=5, data=D.Blocks()))
+    assert any(not torch.equal(a, b) for a, b in zip(whole, plain, strict=True))  # it draws
+    halves = [inputs(_stream(r, 2, steps=5, data=D.Blocks(noise=True), num_workers=2))
+              for r in range(2)]
+    for s, want in enumerate(whole):
+        assert torch.equal(torch.cat([halves[0][s], halves[1][s]]), want)
+    resumed = _stream(steps=5, data=D.Blocks(noise=True), num_workers=2)
+    resumed.load_state_dict({"step": 3, "seed": 0, "epoch": 1, "epoch_start": 2})
+    assert all(torch.equal(a, b) for a, b in zip(inputs(resumed), whole[3:], strict=True))
+
+
+def test_a_stream_too_short_or_read_once_is_named():
+    from tests import _workers_data as D
+
+    with pytest.raises(ValueError, match=r"dataset Blocks yielded fewer than one global batch "
+                                         r"of 8 items in epoch 0: give more data or a smaller "
+                                         r"batch_size$"):
+        list(_stream(data=D.Blocks(items=7)))
+    once = (item for item in D.Blocks())  # a generator object: read once
+    loader = _stream(data=once, steps=3)
+    with pytest.raises(ValueError, match=r"dataset generator yielded fewer than one global "
+                                         r"batch of 8 items in epoch 1.* not a generator object, "
+                                         r"which is read once"):
+        list(loader)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_randomness_in_dataset_items_is_the_items_own(num_workers):
+    """Random crops and masks drawn in dataset[i] (torch, random, NumPy) are a function of
+    (seed, epoch, i): the same with workers or without, split over replicas or not, and in a
+    loader resumed at step 3, as in the run that went on; the loading process's own random
+    states are left as they were."""
+    from tests import _workers_data as D
+
+    def inputs(loader):
+        return [(b["id"].tolist(), b["input_ids"]) for b in loader]
+
+    def make(**kw):
+        return DistributedLoader(D.Augmented(), D.BATCH, steps=6, collate_fn=D.pad, **kw)
+
+    def same(got, want):
+        return all(a[0] == b[0] and torch.equal(a[1], b[1])
+                   for a, b in zip(got, want, strict=True))
+
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    whole = inputs(make())
+    assert torch.equal(torch.get_rng_state(), before)
+    assert same(inputs(make(num_workers=num_workers)), whole)
+    resumed = make(num_workers=num_workers)
+    resumed.load_state_dict({"step": 3, "seed": 0})
+    assert same(inputs(resumed), whole[3:])
+    half = inputs(make(dp_rank=1, dp_size=2, num_workers=num_workers))
+    for (ids, x), (want_ids, want) in zip(half, whole, strict=True):
+        n = x.shape[1]  # replica 1 pads to its own longest row, one device to the batch's
+        assert ids == want_ids[4:]
+        assert torch.equal(x, want[4:, :n]) and not want[4:, n:].any()

@@ -37,6 +37,7 @@ class Checkpointing:
     async_save: bool = False      # write in the background (DCP async_save on a gloo group)
     resume_path: Path | None = None  # the newest complete checkpoint found at init
     resume_step: int = 0
+    resume_loader: dict[str, Any] | None = None  # its loader position (a stream's epoch)
     resumed: bool = False         # its state has been loaded into the model
     weights_in: Any = None        # the model its weights went into at run.parallelize
     weights_state: Any = None     # its tensors' (id, version) then: unchanged, no re-read
@@ -72,7 +73,7 @@ class Checkpointing:
             note += f" (an unfinished save is ignored: {', '.join(p.name for p in partial)})"
         return cls(path, every, keep, bool(async_save), resume_path=step_dir,
                    resume_step=int(manifest["step"]), last_saved=int(manifest["step"]),
-                   note=note)
+                   resume_loader=store.from_plain(manifest.get("loader")), note=note)
 
     def due(self, step: int) -> bool:
         return self.every is not None and step % self.every == 0 and step != self.last_saved

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .loader import DistributedLoader
+from .stream import StreamLoader
 
 CORPUS = "tinyshakespeare.txt"
 VOCAB_SIZE = 256
@@ -75,4 +76,4 @@ class TextDataset(Dataset):
 
 
 __all__ = ["CORPUS", "VOCAB_SIZE", "DistributedLoader", "TextDataset", "decode", "encode",
-           "load_corpus", "unigram_entropy"]
+           "StreamLoader", "load_corpus", "unigram_entropy"]

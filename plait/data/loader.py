@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
+from .rng import seeded_item
+
 
 class DistributedLoader:
     """Yields this replica's slice of each global batch, ``steps`` times (cycling epochs).
@@ -36,6 +38,11 @@ class DistributedLoader:
     ``pin_memory`` puts the batches in page-locked memory for a faster copy to a GPU. The
     position (``state_dict``) counts the batches handed out, not those the workers fetched
     ahead.
+
+    ``dataset[i]`` runs with the global random generators (torch, ``random``, NumPy) seeded from
+    (seed, epoch, i) and the loading process's own states put back after it: randomness drawn
+    there (random crops, masking) is a function of the item, the same on every rank of a
+    replica, with or without workers, and after a resume (``plait.data.rng``).
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1,
@@ -44,23 +51,7 @@ class DistributedLoader:
                  num_workers: int = 0, persistent_workers: bool = False,
                  pin_memory: bool = False):
         _check_map_style(dataset)
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
-        if num_workers < 0:
-            raise ValueError(f"num_workers={num_workers} must be >= 0 (0 loads in this process)")
-        if num_workers and multiprocessing.current_process().daemon:
-            raise ValueError(f"num_workers={num_workers} starts loader worker processes, which "
-                             f"this process may not: it is daemonic (plait.spawn."
-                             f"run_distributed starts its ranks so, to end them with the "
-                             f"caller). Use num_workers=0 here, or start the ranks with "
-                             f"plait run or torchrun")
-        if persistent_workers and num_workers == 0:
-            raise ValueError("persistent_workers=True keeps worker processes alive, and "
-                             "num_workers=0 starts none: give num_workers > 0 or drop "
-                             "persistent_workers")
-        if batch_size % dp_size:
-            raise ValueError(f"global batch_size={batch_size} is not divisible by the "
-                             f"{dp_size} data-parallel replicas; use a multiple of {dp_size}")
+        check_loader_args(batch_size, dp_size, num_workers, persistent_workers)
         n = len(dataset)  # type: ignore[arg-type]
         if n == 0:
             raise ValueError(f"dataset {type(dataset).__name__} is empty (len() is 0); "
@@ -132,9 +123,16 @@ class DistributedLoader:
         lo = self.dp_rank * self.local_batch_size
         return [int(i) for i in idx[lo:lo + self.local_batch_size]]
 
+    def keys(self, step: int) -> list[tuple[int, int]]:
+        """(epoch, dataset index) of this replica's rows at ``step``: what an item's random
+        draws are seeded from."""
+        epoch = step // self.batches_per_epoch
+        return [(epoch, i) for i in self.rows(step)]
+
     def batch(self, step: int) -> Any:
         """This replica's batch at ``step``."""
-        return self._checked(_collate(self.collate_fn, [self.dataset[i] for i in self.rows(step)]))
+        items = SeededItems(self.dataset, self.seed)
+        return self._checked(_collate(self.collate_fn, [items[k] for k in self.keys(step)]))
 
     def _checked(self, batch: Any) -> Any:
         if (self.collate_fn is not default_collate and self.dp_size > 1
@@ -157,13 +155,15 @@ class DistributedLoader:
     def _loader(self) -> DataLoader:
         """torch's DataLoader for the workers and pinning: its batch sampler hands out this
         replica's rows from the current step to the end of the pass, so the workers fetch the
-        batches the in-process path would build. Its generator seeds the workers from (seed,
-        data rank), the same on every rank of a replica, so that randomness drawn in the workers
-        agrees between tensor- and pipeline-parallel peers."""
+        batches the in-process path would build. Each item draws from (seed, epoch, index)
+        (``SeededItems``), whichever worker loads it; the generator that seeds the workers
+        themselves is (seed, data rank)'s, the same on every rank of a replica, for what a
+        ``collate_fn`` draws."""
         if self._workers is None:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.dp_rank)
             self._workers = DataLoader(
-                self.dataset, batch_sampler=_ReplicaRows(self),  # type: ignore[arg-type]
+                SeededItems(self.dataset, self.seed),  # type: ignore[arg-type]
+                batch_sampler=_ReplicaRows(self),
                 collate_fn=partial(_collate, self.collate_fn), num_workers=self.num_workers,
                 persistent_workers=self.persistent_workers, pin_memory=self.pin_memory,
                 generator=gen)
@@ -173,10 +173,47 @@ class DistributedLoader:
         return {"step": self.step, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if int(state["seed"]) != self.seed:
+            self._workers = None  # its workers hold the items of the old seed
         self.step, self.seed = int(state["step"]), int(state["seed"])
 
 
-class _ReplicaRows(Sampler[list[int]]):
+def check_loader_args(batch_size: int, dp_size: int, num_workers: int,
+                      persistent_workers: bool) -> None:
+    """Refuse a global batch the replicas cannot split and worker settings that cannot work
+    (any loader, map-style or stream)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    if num_workers < 0:
+        raise ValueError(f"num_workers={num_workers} must be >= 0 (0 loads in this process)")
+    if num_workers and multiprocessing.current_process().daemon:
+        raise ValueError(f"num_workers={num_workers} starts loader worker processes, which "
+                         f"this process may not: it is daemonic (plait.spawn."
+                         f"run_distributed starts its ranks so, to end them with the "
+                         f"caller). Use num_workers=0 here, or start the ranks with "
+                         f"plait run or torchrun")
+    if persistent_workers and num_workers == 0:
+        raise ValueError("persistent_workers=True keeps worker processes alive, and "
+                         "num_workers=0 starts none: give num_workers > 0 or drop "
+                         "persistent_workers")
+    if batch_size % dp_size:
+        raise ValueError(f"global batch_size={batch_size} is not divisible by the "
+                         f"{dp_size} data-parallel replicas; use a multiple of {dp_size}")
+
+
+class SeededItems:
+    """``dataset[i]`` for a key (epoch, i), drawing its randomness from (seed, epoch, i) (a
+    class at module level: loader workers receive it pickled)."""
+
+    def __init__(self, dataset: Any, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        return seeded_item(self.dataset, self.seed, epoch, index)
+
+
+class _ReplicaRows(Sampler[list[tuple[int, int]]]):
     """A batch sampler over a DistributedLoader's rows, from its step at the start of each pass
     to the end of that pass (torch's samplers split the dataset per rank; this one follows the
     loader's global batches)."""
@@ -184,9 +221,9 @@ class _ReplicaRows(Sampler[list[int]]):
     def __init__(self, loader: DistributedLoader):
         self.loader = loader
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         for step in range(self.loader.step, self.loader._end()):
-            yield self.loader.rows(step)
+            yield self.loader.keys(step)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -234,20 +271,33 @@ def _warn_left_padding(batch: Any, dp_size: int) -> bool:
     return True
 
 
-def _check_map_style(dataset: Any) -> None:
-    """Refuse what the loader cannot index by position: it draws each global batch's indices
-    from (seed, step) and hands each data replica its own rows, which needs ``len`` and
-    ``dataset[i]``. An iterable dataset (or a DataLoader) yields the same stream on every rank,
-    so iterating it per rank would train every replica on the same rows."""
-    name = type(dataset).__name__
+def refuse_data_loader(dataset: Any) -> None:
+    """A DataLoader is not a dataset: plait draws and shards the batches itself."""
     if isinstance(dataset, DataLoader):
-        raise ValueError(f"run.loader() takes the dataset, not a DataLoader ({name}): pass "
-                         f"its .dataset and the global batch_size, and its collate_fn, "
-                         f"num_workers and pin_memory as those arguments; plait draws and "
-                         f"shards the batches itself")
-    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__")
-                                                    and hasattr(dataset, "__getitem__")):
+        raise ValueError(f"run.loader() takes the dataset, not a DataLoader "
+                         f"({type(dataset).__name__}): pass its .dataset and the global "
+                         f"batch_size, and its collate_fn, num_workers and pin_memory as those "
+                         f"arguments; plait draws and shards the batches itself")
+
+
+def is_stream(dataset: Any) -> bool:
+    """An iterable dataset (``IterableDataset``, a ``datasets`` streaming dataset, any object
+    with ``__iter__`` but not both ``len`` and ``dataset[i]``): read in order, by
+    ``plait.data.stream.StreamLoader``."""
+    if isinstance(dataset, IterableDataset):
+        return True
+    return hasattr(dataset, "__iter__") and not (hasattr(dataset, "__len__")
+                                                 and hasattr(dataset, "__getitem__"))
+
+
+def _check_map_style(dataset: Any) -> None:
+    """Refuse what this loader cannot index by position: it draws each global batch's indices
+    from (seed, step) and hands each data replica its own rows, which needs ``len`` and
+    ``dataset[i]``. An iterable dataset goes to ``StreamLoader``, which ``run.loader`` picks."""
+    refuse_data_loader(dataset)
+    name = type(dataset).__name__
+    if is_stream(dataset) or not (hasattr(dataset, "__len__")
+                                  and hasattr(dataset, "__getitem__")):
         raise ValueError(f"dataset {name} has no len() and dataset[i] (an iterable dataset): "
-                         f"run.loader() needs a map-style dataset to give each data replica "
-                         f"its own rows of each global batch; materialize it (a list, or a "
-                         f"Dataset with __len__ and __getitem__)")
+                         f"DistributedLoader indexes a map-style dataset; load a stream with "
+                         f"plait.data.StreamLoader, or run.loader(), which picks it")
