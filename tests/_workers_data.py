@@ -115,6 +115,11 @@ def trace(rank: int, world_size: int, plan: str, steps: int | None = None, *,
     out: dict[str, Any] = {"dp_rank": run.dp_rank, "ids": [], "inputs": [], "losses": [],
                            "workers": [], "pids": []}
     dataset = DATA[data]()
+    if data == "blocks":
+        try:
+            run.loader(dataset, BATCH, shuffle=True)
+        except ValueError as exc:
+            out["refused"] = str(exc)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
 

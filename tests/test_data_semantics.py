@@ -197,3 +197,63 @@ def test_bad_worker_settings_are_refused():
         DistributedLoader(list(range(8)), 4, num_workers=-1)
     with pytest.raises(ValueError, match="persistent_workers=True .* give num_workers > 0"):
         DistributedLoader(list(range(8)), 4, persistent_workers=True)
+
+
+@pytest.fixture(scope="module")
+def stream_one_device() -> dict:
+    """A generator of token blocks (22 items, batches of 8) on one device, a new loader for
+    each of 2 epochs: its global batches are the stream's first 16 items in order, each epoch
+    (the 6 that do not fill a batch dropped), and a plain torch loop over them gives its
+    losses and parameters."""
+    one = run_distributed(D.trace, 1, "single", None, data="blocks", epochs=2,
+                          loader_each_epoch=True, timeout=120)
+    want = _global_batches(one)
+    assert want == [list(range(8)), list(range(8, 16))] * 2
+    assert one[0]["refused"].startswith("shuffle=True: dataset Blocks is a stream, read in its "
+                                        "own order; shuffle it in the stream")
+    losses, state = D.one_device_run(want)
+    _assert_trains(one[0]["losses"], one[0]["state"], losses, state)
+    return {"batches": want, "losses": losses, "state": state}
+
+
+def _assert_trains(got_losses: list[float], got_state: dict, losses: list[float],
+                   state: dict) -> None:
+    """A rank's losses and final parameters are one device's."""
+    assert all(abs(a - b) <= REL * abs(a)
+               for a, b in zip(losses, got_losses, strict=True)), (losses, got_losses)
+    for name, want in state.items():
+        assert (got_state[name] - want).abs().max() <= 1e-6, name
+
+
+@pytest.mark.parametrize("plan,length", [("dp=2", None), ("tp=2", None),
+                                         pytest.param("pp=2,mb=2", 8, marks=pytest.mark.slow)])
+def test_a_stream_trains_one_devices_global_batches(stream_one_device, plan, length):
+    """An IterableDataset under dp=2 (each replica its consecutive rows of each global batch),
+    tensor- and pipeline-parallel peers (the same rows): the global batches, losses and
+    parameters of one device. At dp=2 replica 0's rows of a third batch exist (items 16 to
+    19) but the batch is not whole: both replicas end each epoch after 2 steps (one taking a
+    third step would wait in its gradient all-reduce until the timeout)."""
+    ranks = run_distributed(D.trace, 2, plan, None, data="blocks", epochs=2,
+                            loader_each_epoch=True, length=length, timeout=120)
+    assert _global_batches(ranks) == stream_one_device["batches"]
+    for r in ranks:
+        _assert_trains(r["losses"], r["state"], stream_one_device["losses"],
+                       stream_one_device["state"])
+
+
+def test_a_stream_resumes_from_a_checkpoint_under_another_data_parallel_size(
+        stream_one_device, tmp_path):
+    """Saved at step 3 under dp=2 (in the second epoch, which began at step 2) and resumed
+    under tp=2 (one data replica): steps 3 and 4 train one device's batches (the second
+    epoch's second, the third epoch's first), and the parameters end as one device's."""
+    folder = str(tmp_path / "ckpt")
+    first = run_distributed(D.trace, 2, "dp=2", 5, data="blocks", checkpoint=folder,
+                            stop_after=3, timeout=120)
+    assert [len(r["ids"]) for r in first] == [3, 3]
+    resumed = run_distributed(D.trace, 2, "tp=2", 5, data="blocks", checkpoint=folder,
+                              timeout=120)
+    want = stream_one_device["batches"] + stream_one_device["batches"][:1]
+    assert _global_batches(resumed) == want[3:5]
+    losses, state = D.one_device_run(want)
+    for r in resumed:
+        _assert_trains(r["losses"], r["state"], losses[3:], state)
