@@ -97,6 +97,15 @@ def pad(items: list[dict[str, torch.Tensor]], length: int | None = None
 DATA = {"numbered": Numbered, "blocks": Blocks, "augmented": Augmented}
 
 
+def masking_pad(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``pad`` to SEQ, then a masked-LM collator's random masking: 30% of the tokens, drawn
+    from torch's global generator, become token 1."""
+    batch = pad(items, SEQ)
+    batch["input_ids"] = batch["input_ids"].masked_fill(torch.rand(batch["input_ids"].shape)
+                                                        < 0.3, 1)
+    return batch
+
+
 def trace(rank: int, world_size: int, plan: str, steps: int | None = None, *,
           epochs: int = 1, length: int | None = None, data: str = "numbered",
           loader_each_epoch: bool = False, checkpoint: str | None = None,

@@ -277,3 +277,30 @@ def test_randomness_in_dataset_items_is_the_items_own(num_workers):
         n = x.shape[1]  # replica 1 pads to its own longest row, one device to the batch's
         assert ids == want_ids[4:]
         assert torch.equal(x, want[4:, :n]) and not want[4:, n:].any()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_randomness_in_the_collate_is_the_batches_own(stream):
+    """A collate_fn that masks at random (a masked-LM collator) draws the same with two
+    workers as without, and in a loader resumed at step 3 as in the run that went on."""
+    from tests import _workers_data as D
+
+    def make(**kw):
+        if stream:
+            from plait.data import StreamLoader
+
+            return StreamLoader(D.Blocks(), D.BATCH, dp_rank=1, dp_size=2, steps=6,
+                                collate_fn=D.masking_pad, **kw)
+        return DistributedLoader(D.Numbered(), D.BATCH, dp_rank=1, dp_size=2, steps=6,
+                                 collate_fn=D.masking_pad, **kw)
+
+    whole = [b["input_ids"] for b in make()]
+    assert any((x == 1).any() for x in whole)
+    workers = [b["input_ids"] for b in make(num_workers=2)]
+    assert all(torch.equal(a, b) for a, b in zip(workers, whole, strict=True))
+    resumed = make(num_workers=2)
+    state = make().state_dict()
+    state.update(step=3, **({"epoch": 1, "epoch_start": 2} if stream else {}))
+    resumed.load_state_dict(state)
+    assert all(torch.equal(b["input_ids"], want)
+               for b, want in zip(resumed, whole[3:], strict=True))

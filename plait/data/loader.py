@@ -12,13 +12,12 @@ from __future__ import annotations
 import multiprocessing
 import warnings
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
-from .rng import seeded_item
+from .rng import batch_seed, run_seeded, seeded_item
 
 
 class DistributedLoader:
@@ -42,7 +41,9 @@ class DistributedLoader:
     ``dataset[i]`` runs with the global random generators (torch, ``random``, NumPy) seeded from
     (seed, epoch, i) and the loading process's own states put back after it: randomness drawn
     there (random crops, masking) is a function of the item, the same on every rank of a
-    replica, with or without workers, and after a resume (``plait.data.rng``).
+    replica, with or without workers, and after a resume (``plait.data.rng``). ``collate_fn``
+    draws from (seed, epoch, batch, data rank): the same on the peers of a replica, with or
+    without workers and after a resume at the same number of replicas.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1,
@@ -129,15 +130,21 @@ class DistributedLoader:
         epoch = step // self.batches_per_epoch
         return [(epoch, i) for i in self.rows(step)]
 
+    def _key(self, step: int) -> tuple[int, int, list[tuple[int, int]]]:
+        epoch, k = divmod(step, self.batches_per_epoch)
+        return epoch, k, self.keys(step)
+
+    def _builder(self) -> ReplicaBatch:
+        return ReplicaBatch(self.dataset, self.seed, self.dp_rank, self.collate_fn)
+
     def batch(self, step: int) -> Any:
         """This replica's batch at ``step``."""
-        items = SeededItems(self.dataset, self.seed)
-        return self._checked(_collate(self.collate_fn, [items[k] for k in self.keys(step)]))
+        return self._checked(self._builder()[self._key(step)])
 
     def _checked(self, batch: Any) -> Any:
         if (self.collate_fn is not default_collate and self.dp_size > 1
                 and not self._warned_left_padding):
-            self._warned_left_padding = _warn_left_padding(batch, self.dp_size)
+            self._warned_left_padding = warn_left_padding(batch, self.dp_size)
         return batch
 
     def __iter__(self) -> Iterator[Any]:
@@ -153,20 +160,18 @@ class DistributedLoader:
             yield self._checked(batch)
 
     def _loader(self) -> DataLoader:
-        """torch's DataLoader for the workers and pinning: its batch sampler hands out this
-        replica's rows from the current step to the end of the pass, so the workers fetch the
-        batches the in-process path would build. Each item draws from (seed, epoch, index)
-        (``SeededItems``), whichever worker loads it; the generator that seeds the workers
-        themselves is (seed, data rank)'s, the same on every rank of a replica, for what a
-        ``collate_fn`` draws."""
+        """torch's DataLoader for the workers and pinning: its sampler hands out this replica's
+        batches (their keys) from the current step to the end of the pass, and each worker
+        builds whole batches with ``ReplicaBatch``, as the in-process path does, so the items
+        and the collate draw what they would there. The generator that seeds the workers
+        themselves is (seed, data rank)'s, the same on every rank of a replica."""
         if self._workers is None:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.dp_rank)
             self._workers = DataLoader(
-                SeededItems(self.dataset, self.seed),  # type: ignore[arg-type]
-                batch_sampler=_ReplicaRows(self),
-                collate_fn=partial(_collate, self.collate_fn), num_workers=self.num_workers,
-                persistent_workers=self.persistent_workers, pin_memory=self.pin_memory,
-                generator=gen)
+                self._builder(),  # type: ignore[arg-type]
+                sampler=_ReplicaSteps(self), batch_size=None, collate_fn=as_is,
+                num_workers=self.num_workers, persistent_workers=self.persistent_workers,
+                pin_memory=self.pin_memory, generator=gen)
         return self._workers
 
     def state_dict(self) -> dict[str, int]:
@@ -201,32 +206,50 @@ def check_loader_args(batch_size: int, dp_size: int, num_workers: int,
                          f"{dp_size} data-parallel replicas; use a multiple of {dp_size}")
 
 
-class SeededItems:
-    """``dataset[i]`` for a key (epoch, i), drawing its randomness from (seed, epoch, i) (a
+class ReplicaBatch:
+    """Builds one replica's batch from its key (epoch, k, [(epoch, index), ...]): each item
+    drawing its randomness from (seed, epoch, index), the collate from (seed, epoch, k, data
+    rank), so that what it draws is the same with or without workers and after a resume (a
     class at module level: loader workers receive it pickled)."""
 
-    def __init__(self, dataset: Any, seed: int):
-        self.dataset, self.seed = dataset, seed
+    def __init__(self, dataset: Any, seed: int, dp_rank: int,
+                 collate_fn: Callable[[list[Any]], Any]):
+        self.dataset, self.seed, self.dp_rank = dataset, seed, dp_rank
+        self.collate_fn = collate_fn
 
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        epoch, index = key
-        return seeded_item(self.dataset, self.seed, epoch, index)
+    def __getitem__(self, key: tuple[int, int, list[tuple[int, int]]]) -> Any:
+        epoch, k, items = key
+        rows = [seeded_item(self.dataset, self.seed, e, i) for e, i in items]
+        return seeded_collate(self.collate_fn, rows, self.seed, epoch, k, self.dp_rank)
 
 
-class _ReplicaRows(Sampler[list[tuple[int, int]]]):
-    """A batch sampler over a DistributedLoader's rows, from its step at the start of each pass
-    to the end of that pass (torch's samplers split the dataset per rank; this one follows the
+def seeded_collate(collate_fn: Callable[[list[Any]], Any], rows: list[Any], seed: int,
+                   epoch: int, k: int, dp_rank: int) -> Any:
+    """``collate_fn(rows)`` for batch k of ``epoch`` of data replica ``dp_rank``, drawing from
+    (seed, epoch, k, dp_rank): random masking in a collate (a masked-LM collator) is the same
+    on every peer of a replica, with or without workers, and after a resume."""
+    return run_seeded(lambda: _collate(collate_fn, rows), batch_seed(seed, epoch, k, dp_rank))
+
+
+class _ReplicaSteps(Sampler[tuple[int, int, list[tuple[int, int]]]]):
+    """The keys of a DistributedLoader's batches, from its step at the start of each pass to
+    the end of that pass (torch's samplers split the dataset per rank; this one follows the
     loader's global batches)."""
 
     def __init__(self, loader: DistributedLoader):
         self.loader = loader
 
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+    def __iter__(self) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
         for step in range(self.loader.step, self.loader._end()):
-            yield self.loader.keys(step)
+            yield self.loader._key(step)
 
     def __len__(self) -> int:
         return len(self.loader)
+
+
+def as_is(batch: Any) -> Any:
+    """The DataLoader's collate when the batch is built whole already."""
+    return batch
 
 
 def _collate(collate_fn: Callable[[list[Any]], Any], items: list[Any]) -> Any:
@@ -244,7 +267,7 @@ def _collate(collate_fn: Callable[[list[Any]], Any], items: list[Any]) -> Any:
                          f"that pads them to one length") from exc
 
 
-def _warn_left_padding(batch: Any, dp_size: int) -> bool:
+def warn_left_padding(batch: Any, dp_size: int) -> bool:
     """Warn (and return True) when ``batch`` is left-padded to its own longest row and gives
     no ``position_ids``: each data replica pads its rows to its own longest, so a row's tokens
     sit further right than in one device's batch (padded to the global batch's longest). A

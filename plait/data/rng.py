@@ -35,6 +35,11 @@ def item_seed(seed: int, epoch: int, index: int) -> int:
     return ((seed * _MIX + epoch) * _MIX + index) % (2**63)
 
 
+def batch_seed(seed: int, epoch: int, k: int, dp_rank: int) -> int:
+    """The seed of data replica ``dp_rank``'s collate of batch ``k`` in ``epoch``."""
+    return item_seed(seed, epoch, k) ^ (dp_rank + 1) * 0x9E3779B97F4A7C15 % (2**63)
+
+
 def stream_seed(seed: int, epoch: int) -> int:
     """The seed of an iterable dataset's iterator in ``epoch``."""
     return (seed * _MIX + epoch) * _MIX % (2**63) ^ 0x5DEECE66D

@@ -30,7 +30,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler, default_collate
 
-from .loader import _collate, check_loader_args, is_stream, refuse_data_loader
+from .loader import (
+    as_is,
+    check_loader_args,
+    is_stream,
+    refuse_data_loader,
+    seeded_collate,
+    warn_left_padding,
+)
 from .rng import seeded_stream
 
 
@@ -75,7 +82,7 @@ class ReplicaStream:
             if lo <= self._next < lo + self.local:
                 rows.append(item)
             self._next += 1
-        return _collate(self.collate_fn, rows)
+        return seeded_collate(self.collate_fn, rows, self.seed, epoch, k, self.dp_rank)
 
 
 class StreamLoader:
@@ -120,6 +127,7 @@ class StreamLoader:
         self.pin_memory = pin_memory
         self._reader = self._new_reader()
         self._workers: DataLoader | None = None
+        self._warned_left_padding = False
 
     def _new_reader(self) -> ReplicaStream:
         return ReplicaStream(self.dataset, self.batch_size, self.local_batch_size, self.dp_rank,
@@ -130,6 +138,12 @@ class StreamLoader:
             raise TypeError("a stream's length is known once it ends: give run.loader(..., "
                             "steps=N) for a loader with a length")
         return max(0, self.steps - self.step)
+
+    def _checked(self, batch: Any) -> Any:
+        if (self.collate_fn is not default_collate and self.dp_size > 1
+                and not self._warned_left_padding):
+            self._warned_left_padding = warn_left_padding(batch, self.dp_size)
+        return batch
 
     def _key(self) -> tuple[int, int]:
         return self.epoch, self.step - self.epoch_start
@@ -157,14 +171,14 @@ class StreamLoader:
                         continue
                     return
                 self.step += 1
-                yield batch
+                yield self._checked(batch)
             return
         while True:
             for batch in self._loader():  # its sampler stops at ``steps``
                 if isinstance(batch, EpochEnd):
                     break
                 self.step += 1
-                yield batch
+                yield self._checked(batch)
             else:
                 return
             if not self._epoch_ended():
@@ -178,7 +192,7 @@ class StreamLoader:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.dp_rank)
             self._workers = DataLoader(
                 self._reader,  # type: ignore[arg-type]
-                sampler=_Keys(self), batch_size=None, collate_fn=_as_is,
+                sampler=_Keys(self), batch_size=None, collate_fn=as_is,
                 num_workers=self.num_workers, persistent_workers=self.persistent_workers,
                 pin_memory=self.pin_memory, generator=gen)
         return self._workers
@@ -210,10 +224,6 @@ class _Keys(Sampler[tuple[int, int]]):
         while stop is None or self.loader.epoch_start + k < stop:
             yield epoch, k
             k += 1
-
-
-def _as_is(batch: Any) -> Any:
-    return batch
 
 
 __all__ = ["EpochEnd", "ReplicaStream", "StreamLoader"]
