@@ -234,6 +234,16 @@ def test_a_streams_own_randomness_is_the_same_for_every_reader():
 def test_a_stream_too_short_or_read_once_is_named():
     from tests import _workers_data as D
 
+    class HubStream(D.Blocks):  # named as datasets' own class is (datasets is not installed)
+        pass
+
+    HubStream.__module__ = "datasets.iterable_dataset"
+    with pytest.raises(ValueError, match=r"num_workers=2 with datasets' HubStream: in a loader "
+                                         r"worker it reads only that worker's share of its "
+                                         r"files.* use num_workers=0"):
+        _stream(data=HubStream(), num_workers=2)
+    assert _ids(_stream(data=HubStream())) == _ids(_stream())
+
     with pytest.raises(ValueError, match=r"dataset Blocks yielded fewer than one global batch "
                                          r"of 8 items in epoch 0: give more data or a smaller "
                                          r"batch_size$"):

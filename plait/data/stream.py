@@ -112,6 +112,15 @@ class StreamLoader:
             raise ValueError(f"dataset {type(dataset).__name__} is map-style (len() and "
                              f"dataset[i]): load it with DistributedLoader (run.loader() "
                              f"picks the loader itself)")
+        name = type(dataset).__name__
+        if num_workers and type(dataset).__module__.split(".")[0] == "datasets":
+            # Its __iter__ in a DataLoader worker reads only that worker's share of its files
+            # (datasets' _iter_pytorch), where plait needs every worker to read the whole stream.
+            raise ValueError(f"num_workers={num_workers} with datasets' {name}: in a loader "
+                             f"worker it reads only that worker's share of its files, and "
+                             f"plait splits the whole stream by position; use num_workers=0 "
+                             f"(the stream is read as training goes), or load it without "
+                             f"streaming=True (a map-style Dataset)")
         if epoch_start > start_step:
             raise ValueError(f"epoch_start={epoch_start} is after start_step={start_step}: "
                              f"the epoch a loader starts in began at or before its first step")
