@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from plait.spawn import WorkerError, run_distributed
 from tests import _workers_data as D
@@ -243,17 +244,27 @@ def test_a_stream_trains_one_devices_global_batches(stream_one_device, plan, len
 
 def test_a_stream_resumes_from_a_checkpoint_under_another_data_parallel_size(
         stream_one_device, tmp_path):
-    """Saved at step 3 under dp=2 (in the second epoch, which began at step 2) and resumed
-    under tp=2 (one data replica): steps 3 and 4 train one device's batches (the second
-    epoch's second, the third epoch's first), and the parameters end as one device's."""
-    folder = str(tmp_path / "ckpt")
-    first = run_distributed(D.trace, 2, "dp=2", 5, data="blocks", checkpoint=folder,
+    """Saved at step 3 under dp=2 (in the second epoch, which began at step 2). Resumed under
+    tp=2 (one data replica), steps 3 and 4 train one device's batches (the second epoch's
+    second, the third epoch's first) and the parameters end as one device's; resumed under
+    dp=2, the losses and parameters are bitwise those of the dp=2 run that did not stop."""
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    first = run_distributed(D.trace, 2, "dp=2", 5, data="blocks", checkpoint=str(folder),
                             stop_after=3, timeout=120)
     assert [len(r["ids"]) for r in first] == [3, 3]
-    resumed = run_distributed(D.trace, 2, "tp=2", 5, data="blocks", checkpoint=folder,
+    shutil.copytree(folder, tmp_path / "same")
+    resumed = run_distributed(D.trace, 2, "tp=2", 5, data="blocks", checkpoint=str(folder),
                               timeout=120)
     want = stream_one_device["batches"] + stream_one_device["batches"][:1]
     assert _global_batches(resumed) == want[3:5]
     losses, state = D.one_device_run(want)
     for r in resumed:
         _assert_trains(r["losses"], r["state"], losses[3:], state)
+    again = run_distributed(D.trace, 2, "dp=2", 5, data="blocks",
+                            checkpoint=str(tmp_path / "same"), timeout=120)
+    whole = run_distributed(D.trace, 2, "dp=2", 5, data="blocks", timeout=120)
+    for a, b in zip(again, whole, strict=True):
+        assert a["ids"] == b["ids"][3:] and a["losses"] == b["losses"][3:]
+        assert all(torch.equal(a["state"][n], t) for n, t in b["state"].items())
