@@ -134,13 +134,17 @@ def _state(run: Any, model: nn.Module) -> dict[str, torch.Tensor]:
     return run.full_state_dict(model)
 
 
-def _optimizer(params: Any, adam: bool) -> torch.optim.Optimizer:
+def _optimizer(params: Any, adam: bool | str) -> torch.optim.Optimizer:
+    """SGD; Adam when ``adam``; AdamW with weight decay 0.1 when ``adam == "adamw"`` (a zero
+    gradient moves a parameter there even without momentum: the decay)."""
+    if adam == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
     return (torch.optim.Adam(params, lr=1e-2, foreach=False) if adam
             else torch.optim.SGD(params, lr=LR, foreach=False))
 
 
 def train(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any], Any]],
-          adam: bool = False) -> list[dict[str, Any]]:
+          adam: bool | str = False) -> list[dict[str, Any]]:
     """Train each (plan, factory, global batches, loss) in one process group with SGD, as
     tests/_workers_semantics.train_jobs does; a loss given as the string "info_nce" is
     :func:`info_nce` over ``run.all_gather``, "info_nce_local" over this rank's rows only."""
@@ -167,7 +171,7 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any],
 
 
 def reference(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Callable,
-              adam: bool = False) -> dict[str, Any]:
+              adam: bool | str = False) -> dict[str, Any]:
     """One process on each whole global batch: SGD, torch's clipping at 1.0 (plait's default),
     inputs given as a dict passed by keyword."""
     model = factory()
@@ -273,6 +277,52 @@ def two_head_loss(out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]
     if "value" in out:
         loss = loss + 0.5 * F.mse_loss(out["value"], targets["value"])
     return loss
+
+
+class GatedBlock(nn.Module):
+    """A residual MLP, and a second branch that runs only when the batch's ``gate`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp, self.branch = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = h + torch.tanh(self.mlp(h))
+        if bool(gate.all()):
+            h = h + torch.tanh(self.branch(h))
+        return h
+
+
+class Gated(nn.Module):
+    """Four :class:`GatedBlock` between an input layer and a class head, and an auxiliary
+    head after the blocks that also runs only when ``gate`` is set (a pipeline's first stage
+    holds gated branches, its last gated branches and the gated head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(10, WIDTH)
+        self.blocks = nn.ModuleList(GatedBlock() for _ in range(4))
+        self.head, self.aux = nn.Linear(WIDTH, 5), nn.Linear(WIDTH, 5)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h, gate)
+        out = self.head(h)
+        return out + self.aux(h) if bool(gate.all()) else out
+
+
+def gated() -> nn.Module:
+    torch.manual_seed(0)
+    return Gated()
+
+
+def gated_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The gate is set on the even steps only: on the odd ones no rank uses the branches."""
+    g = torch.Generator().manual_seed(900 + step)
+    return ({"x": torch.randn(BATCH, 10, generator=g),
+             "gate": torch.full((BATCH,), step % 2 == 0)},
+            torch.randint(0, 5, (BATCH,), generator=g))
 
 
 def batchnorm_buffers(rank: int, world_size: int, plans: list[str], batches: list[Any]
