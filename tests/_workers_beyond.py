@@ -130,6 +130,81 @@ def info_nce(gather: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., to
     return loss
 
 
+class Twin(nn.Module):
+    """One encoder for two views of each row (SimCLR's shape, tiny): an input layer, residual
+    MLP blocks (what tensor parallelism splits), a projection; ``(rows, 2 views, 8)``
+    normalised embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(10, WIDTH)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(),
+                                                  nn.Linear(2 * WIDTH, WIDTH))
+                                    for _ in range(4))
+        self.proj = nn.Linear(WIDTH, 8)
+
+    def forward(self, views: torch.Tensor) -> torch.Tensor:
+        h = self.embed(views)
+        for block in self.blocks:
+            h = h + block(h)
+        return F.normalize(self.proj(h), dim=-1)
+
+
+def twin() -> nn.Module:
+    torch.manual_seed(0)
+    return Twin()
+
+
+def views_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two noisy views of each row's features; the targets are unused (the contrastive
+    labels are each row's place among the gathered rows)."""
+    g = torch.Generator().manual_seed(750 + step)
+    base = torch.randn(BATCH, 1, 10, generator=g)
+    return base + 0.3 * torch.randn(BATCH, 2, 10, generator=g), torch.zeros(BATCH)
+
+
+def views_nce(gather: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """Symmetric InfoNCE between the two views, each row against the gathered rows of the
+    other view, labelled with its place there: ``gather(t, return_index=True)`` is
+    ``run.all_gather``, or for one device :func:`no_gather`."""
+
+    def loss(out: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        a, b = out[:, 0], out[:, 1]
+        all_a, labels = gather(a, return_index=True)
+        all_b = gather(b)
+        return 0.5 * (F.cross_entropy(a @ all_b.T / 0.1, labels)
+                      + F.cross_entropy(b @ all_a.T / 0.1, labels))
+
+    return loss
+
+
+def no_gather(t: torch.Tensor, return_index: bool = False) -> Any:
+    """One device's ``run.all_gather``: the rows themselves, at their own places."""
+    return (t, torch.arange(t.shape[0])) if return_index else t
+
+
+def accumulated_reference(factory: Callable[[], nn.Module], batches: list[Any],
+                          loss_fn: Callable, data_ranks: int, micro: int) -> dict[str, Any]:
+    """One device with gradient accumulation over ``micro`` chunks per step, chunk j holding
+    micro-batch j of every data rank's slice (what a loss over ``run.all_gather`` compares
+    under grad_accum or a pipeline's microbatches); the step's loss is the chunks' mean."""
+    model = factory()
+    opt = _optimizer(model.parameters(), False)
+    losses = []
+    for inputs, targets in batches[:STEPS]:
+        n = inputs.shape[0] // (data_ranks * micro)
+        chunks = [torch.cat([inputs[(r * micro + j) * n:(r * micro + j + 1) * n]
+                             for r in range(data_ranks)]) for j in range(micro)]
+        loss = sum(loss_fn(model(c), targets) for c in chunks) / micro
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "state": {k: v.detach().clone()
+                                        for k, v in model.state_dict().items()}}
+
+
 def _state(run: Any, model: nn.Module) -> dict[str, torch.Tensor]:
     return run.full_state_dict(model)
 
@@ -157,6 +232,8 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any],
             loss_fn = info_nce(run.all_gather)
         elif loss_fn == "info_nce_local":
             loss_fn = info_nce(lambda t: t)
+        elif loss_fn == "views_nce":
+            loss_fn = views_nce(run.all_gather)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = run.parallelize(factory())
@@ -361,9 +438,14 @@ def batchnorm_buffers(rank: int, world_size: int, plans: list[str], batches: lis
 def gathered_rows(rank: int, world_size: int, plans: list[str]) -> list[dict[str, Any]]:
     """Under each plan: ``run.all_gather`` of a row holding this rank's data rank (which data
     rank's rows come where), and of ``dp_rank + 1`` rows of a tensor with a gradient (uneven
-    counts, as the last batch of an epoch may leave them), with the gradient that a weighted
-    sum of the gathered rows sends back to this rank's rows; and the shape it gives a meta
-    tensor (a shape check, which runs the loss with no other rank taking part)."""
+    counts, as the last batch of an epoch may leave them), with the places of this rank's rows
+    among the gathered ones and the gradient that a weighted sum of the gathered rows sends
+    back to this rank's rows; the shape it gives a meta tensor (a shape check, which runs the
+    loss with no other rank taking part). Under tp also a DTensor sharded over tp on its last
+    dim (a tensor-parallel output), gathered whole and with its gradient, and the refusal of
+    one sharded over tp on its rows."""
+    from torch.distributed.tensor import DTensor, Shard
+
     from plait.runtime import init
 
     out = []
@@ -371,13 +453,29 @@ def gathered_rows(rank: int, world_size: int, plans: list[str]) -> list[dict[str
         run = init(plan, quiet=True)
         order = run.all_gather(torch.tensor([[float(run.dp_rank)]]))
         rows = torch.full((run.dp_rank + 1, 2), float(run.dp_rank), requires_grad=True)
-        gathered = run.all_gather(rows)
+        gathered, index = run.all_gather(rows, return_index=True)
         weights = torch.arange(gathered.numel(), dtype=torch.float).reshape(gathered.shape)
         (weights * gathered * (run.dp_rank + 1)).sum().backward()
         shape = tuple(run.all_gather(torch.empty(2, 3, device="meta")).shape)
-        out.append({"plan": plan, "dp_rank": run.dp_rank, "dp_size": run.dp_size,
-                    "order": order.flatten().tolist(), "gathered": gathered.detach(),
-                    "meta_shape": shape,
-                    "grad": rows.grad})
+        got: dict[str, Any] = {"plan": plan, "dp_rank": run.dp_rank, "dp_size": run.dp_size,
+                               "order": order.flatten().tolist(), "gathered": gathered.detach(),
+                               "index": index, "meta_shape": shape, "grad": rows.grad}
+        if run.plan.tp > 1:
+            tp_mesh = run._mesh()["tp"]
+            tp_rank = tp_mesh.get_local_rank()
+            piece = torch.full((2, 1), 10.0 * run.dp_rank + tp_rank, requires_grad=True)
+            sharded = DTensor.from_local(piece, tp_mesh, [Shard(1)], run_check=False)
+            whole = run.all_gather(sharded)
+            (whole.full_tensor() * torch.arange(whole.shape[0] * 2.0).reshape(-1, 2)).sum(
+                ).backward()
+            got["dtensor"] = (whole.placements == sharded.placements,
+                              whole.full_tensor().detach(), piece.grad, tp_rank)
+            try:
+                run.all_gather(DTensor.from_local(piece.detach(), tp_mesh, [Shard(0)],
+                                                  run_check=False))
+                got["rows_sharded"] = None
+            except ValueError as exc:
+                got["rows_sharded"] = str(exc)
+        out.append(got)
         run.close()
     return out
