@@ -571,6 +571,9 @@ class Run:
         scaler = self._loss_scaler()
         if scaler is not None:  # fp16: a resumed run goes on with the scale it had
             extra["loss_scale"] = scaler.state_dict()
+        from .parallel.bn_running import average_running_stats
+
+        average_running_stats(cast(nn.Module, chosen))  # FSDP2 without sync_bn: one value
         pending = save(folder, step=self.steps_done, model=cast(nn.Module, chosen),
                        optimizer=self._optimizer_for(optimizer) if optimizer else None,
                        scheduler=scheduler, plan=self.plan, device=self.device,
@@ -756,7 +759,9 @@ class Run:
         moment: this is for inspection, export and comparison, not for checkpoints of large
         models."""
         from .check import full_state
+        from .parallel.bn_running import average_running_stats
 
+        average_running_stats(model)  # FSDP2 without sync_bn: one value on every data rank
         pp_group = self._mesh()["pp"].get_group() if self.plan.pp > 1 else None
         return full_state(model, pp_group, buffers=True)
 

@@ -402,37 +402,94 @@ def gated_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
             torch.randint(0, 5, (BATCH,), generator=g))
 
 
-def batchnorm_buffers(rank: int, world_size: int, plans: list[str], batches: list[Any]
-                      ) -> list[dict[str, Any]]:
-    """Train tests/_workers_semantics.conv_bn under each plan (SGD), then run one evaluation:
-    this rank's own BatchNorm running statistics after training and after the evaluation,
-    the state the run saves (``full_state_dict``) and the losses."""
+def conv_bn_frozen_stem() -> nn.Module:
+    """tests/_workers_semantics.conv_bn with its first convolution frozen: the first
+    BatchNorm's input is then the same under every layout and on one device."""
+    from tests._workers_semantics import conv_bn
+
+    model = conv_bn()
+    model.stem[0].requires_grad_(False)
+    return model
+
+
+def batchnorm_buffers(rank: int, world_size: int, jobs: list[tuple[str, str]],
+                      batches: list[Any]) -> list[dict[str, Any]]:
+    """Train :func:`conv_bn_frozen_stem` under each (plan, read) with SGD, then read the
+    model: ``read`` "evaluate" (``run.evaluate``), "forward" (the user's own ``model.eval()``
+    and forward), or "state" (``run.full_state_dict`` alone). This rank's own BatchNorm
+    running statistics after training and after the read, the state the run saves, and the
+    losses."""
     from plait.parallel.data import unwrap
     from plait.runtime import init
-    from tests._workers_semantics import conv_bn
 
     def running(model: nn.Module) -> dict[str, torch.Tensor]:
         return {n: b.detach().clone() for n, b in unwrap(model).named_buffers()
                 if "running" in n}
 
     out = []
-    for plan in plans:
+    for plan, read in jobs:
         run = init(plan, quiet=True, log_every=1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = run.parallelize(conv_bn())
-            opt = _optimizer(model.parameters(), False)
+            model = run.parallelize(conv_bn_frozen_stem())
+            opt = _optimizer([p for p in model.parameters() if p.requires_grad], False)
             losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size),
                                      F.cross_entropy, opt)) for b in batches]
         trained = running(model)
-        model.eval()
-        run.evaluate(model, _slice(batches[0], run.dp_rank, run.dp_size), F.cross_entropy)
+        if read == "evaluate":
+            model.eval()
+            run.evaluate(model, _slice(batches[0], run.dp_rank, run.dp_size), F.cross_entropy)
+        elif read == "forward":
+            model.eval()
+            with torch.no_grad():
+                model(_slice(batches[0], run.dp_rank, run.dp_size)[0])
         evaluated = running(model)
         state = _state(run, model)
         run.close()
-        out.append({"plan": plan, "losses": losses, "trained": trained, "evaluated": evaluated,
+        out.append({"plan": plan, "read": read, "losses": losses, "trained": trained,
+                    "evaluated": evaluated,
                     "saved": {k: v for k, v in state.items() if "running" in k}})
     return out
+
+
+def batchnorm_reads(rank: int, world_size: int, plan: str, model_name: str
+                    ) -> dict[str, Any]:
+    """Train a model with BatchNorm under ``plan`` (SGD): "convnet",
+    tests/_pipeline_models.SmallConvNet with BatchNorm in its stem (a pipeline's first
+    stage), or "mlp", tests/_workers_semantics.batchnorm_mlp (tensor-parallel blocks, the
+    BatchNorm replicated over tp); evaluate, take one more step and evaluate again. This
+    rank's running statistics (its local copy) after each step and each evaluation, and the
+    state the run saves."""
+    from plait.parallel.layout import local_modules
+    from plait.runtime import init
+    from tests import _pipeline_models as M
+    from tests import _workers_semantics as W
+
+    def running(model: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: (b.to_local() if hasattr(b, "to_local") else b).detach().clone()
+                for m in local_modules(model) for n, b in m.named_buffers() if "running" in n}
+
+    run = init(plan, quiet=True, log_every=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = run.parallelize(M.SmallConvNet(batchnorm=True) if model_name == "convnet"
+                                else W.batchnorm_mlp())
+    batch = M.image_batch if model_name == "convnet" else W.bn_batch
+    opt = _optimizer(model.parameters(), False)
+    read: list[dict[str, torch.Tensor]] = []
+    for steps in (range(3), range(3, 4)):
+        for s in steps:
+            run.step(model, _slice(batch(s), run.dp_rank, run.dp_size), F.cross_entropy, opt)
+        read.append(running(model))
+        model.eval()
+        run.evaluate(model, _slice(batch(0), run.dp_rank, run.dp_size), F.cross_entropy)
+        model.train()
+        read.append(running(model))
+    state = _state(run, model)
+    run.close()
+    return {"dp_rank": run.dp_rank, "read": read,
+            "saved": {k: v for k, v in state.items() if "running" in k}}
 
 
 def gathered_rows(rank: int, world_size: int, plans: list[str]) -> list[dict[str, Any]]:
