@@ -17,8 +17,9 @@ the same on every rank and is left as it is.
 
 torch has no hook for "the model is about to be read": a forward pre-hook on the laid-out
 module notes training forwards and averages at the first forward that trains no BatchNorm.
-That forward is a collective on every data rank already (FSDP2 gathers the parameters), so the
-all-reduce adds no new way to hang. A pipeline's evaluation averages before its schedule runs:
+That forward is a collective on every data rank already where FSDP2 shards the parameters (it
+gathers them), so the all-reduce adds no new way to hang; see :func:`track_running_stats` for
+the replicated layout. A pipeline's evaluation averages before its schedule runs:
 torch's shape inference runs a stage's forward whose buffer writes plait undoes
 (``plait.parallel.pipeline._buffers_kept``), an average there included.
 """
@@ -67,6 +68,10 @@ class RunningStats:
                     start += t.numel()
         self.changed = False
 
+    def note_training(self, module: nn.Module, args: Any) -> None:
+        if self.training():
+            self.changed = True
+
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         if self.training():
             self.changed = True
@@ -74,16 +79,25 @@ class RunningStats:
             self.average()
 
 
-def track_running_stats(module: nn.Module, group: dist.ProcessGroup) -> RunningStats | None:
+def track_running_stats(module: nn.Module, group: dist.ProcessGroup, *, sharded: bool
+                        ) -> RunningStats | None:
     """The :class:`RunningStats` of ``module``'s BatchNorm layers that track running
-    statistics, averaged at the first forward that trains none of them after one that trained
-    some; None when it has none."""
+    statistics, or None when it has none. ``sharded``: FSDP2 shards the parameters over the
+    data ranks, so every forward gathers them over those ranks, and the statistics are also
+    averaged at the first forward that trains none of them after one that trained some.
+    Without sharding (replicated DP over tp) a forward has no collective over the data ranks:
+    one rank may evaluate alone, and an all-reduce there would wait for the others forever;
+    the statistics are then averaged only by the calls every rank makes (``run.evaluate``,
+    ``run.save``, ``run.full_state_dict``)."""
     norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
              and m.track_running_stats]
     if not norms:
         return None
     stats = RunningStats(norms, group)
-    module.register_forward_pre_hook(stats.pre_forward)
+    if sharded:
+        module.register_forward_pre_hook(stats.pre_forward)
+    else:
+        module.register_forward_pre_hook(stats.note_training)
     return stats
 
 
