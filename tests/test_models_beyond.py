@@ -147,12 +147,14 @@ def test_what_batchnorm_running_statistics_become_without_sync_bn():
 @pytest.mark.parametrize("plan,model", [
     ("pp=2,dp_shard=2,zero=3,mb=1,schedule=gpipe", "convnet"),
     pytest.param("dp_shard=2,zero=2,tp=2", "mlp", marks=pytest.mark.slow),
+    pytest.param("dp=2,tp=2", "mlp", marks=pytest.mark.slow),
 ])
 def test_batchnorm_running_statistics_under_pipeline_and_tp_with_zero(plan, model):
-    """World 4. pp=2 over ZeRO-3 data replicas (BatchNorm on the first stage), and ZeRO-2
-    over tp=2 (BatchNorm replicated over tp, its statistics DTensors): after training each
-    data rank holds its own statistics; run.evaluate gives every rank their mean (again after
-    a further step), and that is what the run saves."""
+    """World 4. pp=2 over ZeRO-3 data replicas (BatchNorm on the first stage), and ZeRO-2 or
+    replicated DP (FSDP2's replicate path) over tp=2 (BatchNorm replicated over tp, its
+    statistics DTensors): after training each data rank holds its own statistics;
+    run.evaluate gives every rank their mean (again after a further step), and that is what
+    the run saves."""
     ranks = run_distributed(B.batchnorm_reads, 4, plan, model, timeout=240)
     holders = [r for r in ranks if r["read"][0]]  # under pp, the ranks of the first stage
     assert len(holders) == (2 if "pp" in plan else 4)
