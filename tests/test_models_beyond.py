@@ -223,14 +223,17 @@ def test_all_gather_orders_rows_by_data_rank_and_sends_each_rank_its_gradient():
 @pytest.mark.parametrize("plans", [
     ("pp=2,dp_shard=2,zero=2,find_unused,mb=2",
      "pp=2,dp_shard=2,zero=3,find_unused,mb=2,schedule=gpipe"),
-    pytest.param(("pp=2,dp=2,find_unused,mb=2",), marks=pytest.mark.slow),
+    pytest.param(("pp=2,dp=2,find_unused,mb=2",
+                  "pp=2,dp_shard=2,zero=2,find_unused,mb=2,schedule=interleaved_1f1b,v=2,"
+                  "grad_accum=2"), marks=pytest.mark.slow),
 ])
 def test_branches_some_steps_skip_keep_no_gradient_in_a_pipeline_under_find_unused(plans):
     """A pipeline (pp=2) whose stages hold branches, and a head, that run only on every
     other step, with data replicas over ZeRO-2/3 and find_unused: on the steps that skip
     them their parameters get no gradient on any rank, and AdamW (weight decay 0.1) leaves
     them as one device does, rather than decaying and moving them by a zero gradient. DDP
-    (find_unused_parameters) leaves them so too."""
+    (find_unused_parameters) leaves them so too; so does an interleaved schedule (two stages
+    per rank) with gradient accumulation."""
     batches = [B.gated_batch(s) for s in range(3)]
     ref = B.reference(B.gated, batches, F.cross_entropy, adam="adamw")
     jobs = [(p, B.gated, batches, F.cross_entropy) for p in plans]
