@@ -1,8 +1,9 @@
 """Models that are not transformers, written for tests/test_models_beyond.py: a recurrent
 sequence classifier (LSTM over packed sequences, then a GRU), a CNN that applies one convolution
-twice with a frozen stem and a non-persistent buffer, and a two-tower model trained with a
-contrastive (InfoNCE) loss over the whole global batch. Each is trained under plait in spawned
-processes and compared with the plain one-process loop of tests/_workers_semantics.py."""
+twice with a frozen stem and a non-persistent buffer, a two-tower model and a two-view encoder
+with blocks trained with a contrastive (InfoNCE) loss over the whole global batch, and a model
+whose blocks and head hold branches that run on some steps only. Each is trained under plait in
+spawned processes and compared with a plain one-process loop."""
 
 from __future__ import annotations
 

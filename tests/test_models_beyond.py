@@ -2,9 +2,12 @@
 
 Models written for the test (tests/_workers_beyond.py): a recurrent classifier (LSTM over
 packed sequences, then a GRU, dict inputs), a CNN with a frozen stem, one convolution applied
-twice and a non-persistent buffer, and a two-tower model trained with a contrastive (InfoNCE)
-loss over the whole global batch through ``run.all_gather``. The reference is a plain
-one-process loop (SGD, lr 0.1, torch's clipping at 1.0) on the whole global batch. Tolerance:
+twice and a non-persistent buffer, a two-tower model and a two-view encoder with blocks (under
+pp and tp) trained with a contrastive (InfoNCE) loss over the whole global batch through
+``run.all_gather``, models with heads or branches some steps skip (find_unused, under pp too),
+and CNNs with BatchNorm (what their running statistics become without sync_bn). The reference
+is a plain one-process loop (SGD, lr 0.1, torch's clipping at 1.0; Adam or AdamW where a test
+says so) on the whole global batch. Tolerance:
 1e-6 relative on every step's loss, and on every parameter and persistent buffer after the
 last step 1e-6 relative to the tensor's largest entry (at least 1e-2): fp32 rounding of sums
 taken in another order.
