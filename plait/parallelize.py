@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .mesh import Mesh
 from .parallel.layout import Layout, layout_of, record_layout
@@ -125,5 +126,15 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
 
         context = context_group(module, mesh)
         applied.append("context_parallel")
+    running_stats = None
+    if (plan.dp > 1 or plan.cp > 1) and not plan.sync_bn and not isinstance(
+            module, DistributedDataParallel):
+        # FSDP2 keeps each data (and cp) rank's BatchNorm statistics; DDP broadcasts rank 0's.
+        from .mesh import DP_CP
+        from .parallel.bn_running import track_running_stats
+
+        running_stats = track_running_stats(
+            module, mesh[DP_CP if plan.cp > 1 else "dp"].get_group(),
+            sharded=plan.dp_shard * plan.cp > 1)
     return record_layout(module, Layout(applied=tuple(applied), loss_parallel=loss_parallel,
-                                        context=context))
+                                        context=context, running_stats=running_stats))

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -155,22 +155,38 @@ class Run:
     def dp_size(self) -> int:
         return self._data_rank_and_size()[1]
 
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+    @overload
+    def all_gather(self, t: torch.Tensor, *, return_index: Literal[False] = ...
+                   ) -> torch.Tensor: ...
+
+    @overload
+    def all_gather(self, t: torch.Tensor, *, return_index: Literal[True]
+                   ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def all_gather(self, t: torch.Tensor, *, return_index: bool = False
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``t``'s rows from every data rank, concatenated in data-rank order (the order of
         the global batch's slices), with a gradient that flows back to the rank that computed
         each row: for a loss that compares every row with the whole batch (contrastive,
         InfoNCE, CLIP), which on one rank's slice alone is not one device's loss. Call it
-        inside the loss function, on every data rank; ``t`` itself on one data rank. See
-        docs/data_parallel.md, "A loss over the whole batch"."""
+        inside the loss function, on every data rank; ``t`` itself on one data rank.
+
+        ``return_index=True`` returns ``(gathered, index)``, ``index`` the places of this
+        rank's rows among the gathered ones: a contrastive loss's labels. Under
+        ``grad_accum`` and a pipeline's microbatches each call gathers the micro-batch's rows
+        of every data rank (one device's gradient accumulation over those chunks), so a row's
+        index in the global batch is not its place there. Under a pipeline call it where the
+        loss runs, on the last stage. See docs/data_parallel.md, "A loss over the whole
+        batch"."""
         if self.spmd is not None:
             raise ValueError("run.all_gather is not available on XLA (SPMD): there the loss "
                              "already sees the global batch of each host, so pass the "
                              "tensor as it is")
-        if self.dp_size == 1:
-            return t
         from .parallel.gather import all_gather_rows
 
-        return all_gather_rows(t, self._mesh()["dp"].get_group())
+        group = self._mesh()["dp"].get_group() if self.dp_size > 1 else None
+        gathered, index = all_gather_rows(t, group)
+        return (gathered, index) if return_index else gathered
 
     def _data_rank_and_size(self) -> tuple[int, int]:
         """Which share of each global batch this process loads, and of how many (on XLA: this
@@ -596,6 +612,9 @@ class Run:
         scaler = self._loss_scaler()
         if scaler is not None:  # fp16: a resumed run goes on with the scale it had
             extra["loss_scale"] = scaler.state_dict()
+        from .parallel.bn_running import average_running_stats
+
+        average_running_stats(cast(nn.Module, chosen))  # FSDP2 without sync_bn: one value
         pending = save(folder, step=self.steps_done, model=cast(nn.Module, chosen),
                        optimizer=self._optimizer_for(optimizer) if optimizer else None,
                        scheduler=scheduler, plan=self.plan, device=self.device,
@@ -781,7 +800,9 @@ class Run:
         moment: this is for inspection, export and comparison, not for checkpoints of large
         models."""
         from .check import full_state
+        from .parallel.bn_running import average_running_stats
 
+        average_running_stats(model)  # FSDP2 without sync_bn: one value on every data rank
         pp_group = self._mesh()["pp"].get_group() if self.plan.pp > 1 else None
         return full_state(model, pp_group, buffers=True)
 

@@ -443,6 +443,9 @@ def forward_only(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, plan: 
     Split into ``plan.grad_accum`` micro-batches as a training step is: the plan chose that
     split for memory, and a whole batch's logits (batch x positions x vocabulary) can outgrow
     it even without an autograd graph."""
+    from .parallel.bn_running import average_running_stats
+
+    average_running_stats(model)  # FSDP2 without sync_bn: one value on every data rank
     pipeline = layout_of(model).pipeline
     if pipeline is not None:
         return pipeline.evaluate(batch, loss_fn, plan=plan, device=device)

@@ -1,8 +1,9 @@
 """Models that are not transformers, written for tests/test_models_beyond.py: a recurrent
 sequence classifier (LSTM over packed sequences, then a GRU), a CNN that applies one convolution
-twice with a frozen stem and a non-persistent buffer, and a two-tower model trained with a
-contrastive (InfoNCE) loss over the whole global batch. Each is trained under plait in spawned
-processes and compared with the plain one-process loop of tests/_workers_semantics.py."""
+twice with a frozen stem and a non-persistent buffer, a two-tower model and a two-view encoder
+with blocks trained with a contrastive (InfoNCE) loss over the whole global batch, and a model
+whose blocks and head hold branches that run on some steps only. Each is trained under plait in
+spawned processes and compared with a plain one-process loop."""
 
 from __future__ import annotations
 
@@ -130,17 +131,96 @@ def info_nce(gather: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., to
     return loss
 
 
+class Twin(nn.Module):
+    """One encoder for two views of each row (SimCLR's shape, tiny): an input layer, residual
+    MLP blocks (what tensor parallelism splits), a projection; ``(rows, 2 views, 8)``
+    normalised embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(10, WIDTH)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(),
+                                                  nn.Linear(2 * WIDTH, WIDTH))
+                                    for _ in range(4))
+        self.proj = nn.Linear(WIDTH, 8)
+
+    def forward(self, views: torch.Tensor) -> torch.Tensor:
+        h = self.embed(views)
+        for block in self.blocks:
+            h = h + block(h)
+        return F.normalize(self.proj(h), dim=-1)
+
+
+def twin() -> nn.Module:
+    torch.manual_seed(0)
+    return Twin()
+
+
+def views_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two noisy views of each row's features; the targets are unused (the contrastive
+    labels are each row's place among the gathered rows)."""
+    g = torch.Generator().manual_seed(750 + step)
+    base = torch.randn(BATCH, 1, 10, generator=g)
+    return base + 0.3 * torch.randn(BATCH, 2, 10, generator=g), torch.zeros(BATCH)
+
+
+def views_nce(gather: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """Symmetric InfoNCE between the two views, each row against the gathered rows of the
+    other view, labelled with its place there: ``gather(t, return_index=True)`` is
+    ``run.all_gather``, or for one device :func:`no_gather`."""
+
+    def loss(out: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        a, b = out[:, 0], out[:, 1]
+        all_a, labels = gather(a, return_index=True)
+        all_b = gather(b)
+        return 0.5 * (F.cross_entropy(a @ all_b.T / 0.1, labels)
+                      + F.cross_entropy(b @ all_a.T / 0.1, labels))
+
+    return loss
+
+
+def no_gather(t: torch.Tensor, return_index: bool = False) -> Any:
+    """One device's ``run.all_gather``: the rows themselves, at their own places."""
+    return (t, torch.arange(t.shape[0])) if return_index else t
+
+
+def accumulated_reference(factory: Callable[[], nn.Module], batches: list[Any],
+                          loss_fn: Callable, data_ranks: int, micro: int) -> dict[str, Any]:
+    """One device with gradient accumulation over ``micro`` chunks per step, chunk j holding
+    micro-batch j of every data rank's slice (what a loss over ``run.all_gather`` compares
+    under grad_accum or a pipeline's microbatches); the step's loss is the chunks' mean."""
+    model = factory()
+    opt = _optimizer(model.parameters(), False)
+    losses = []
+    for inputs, targets in batches[:STEPS]:
+        n = inputs.shape[0] // (data_ranks * micro)
+        chunks = [torch.cat([inputs[(r * micro + j) * n:(r * micro + j + 1) * n]
+                             for r in range(data_ranks)]) for j in range(micro)]
+        loss = sum(loss_fn(model(c), targets) for c in chunks) / micro
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "state": {k: v.detach().clone()
+                                        for k, v in model.state_dict().items()}}
+
+
 def _state(run: Any, model: nn.Module) -> dict[str, torch.Tensor]:
     return run.full_state_dict(model)
 
 
-def _optimizer(params: Any, adam: bool) -> torch.optim.Optimizer:
+def _optimizer(params: Any, adam: bool | str) -> torch.optim.Optimizer:
+    """SGD; Adam when ``adam``; AdamW with weight decay 0.1 when ``adam == "adamw"`` (a zero
+    gradient moves a parameter there even without momentum: the decay)."""
+    if adam == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
     return (torch.optim.Adam(params, lr=1e-2, foreach=False) if adam
             else torch.optim.SGD(params, lr=LR, foreach=False))
 
 
 def train(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any], Any]],
-          adam: bool = False) -> list[dict[str, Any]]:
+          adam: bool | str = False) -> list[dict[str, Any]]:
     """Train each (plan, factory, global batches, loss) in one process group with SGD, as
     tests/_workers_semantics.train_jobs does; a loss given as the string "info_nce" is
     :func:`info_nce` over ``run.all_gather``, "info_nce_local" over this rank's rows only."""
@@ -153,6 +233,8 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any],
             loss_fn = info_nce(run.all_gather)
         elif loss_fn == "info_nce_local":
             loss_fn = info_nce(lambda t: t)
+        elif loss_fn == "views_nce":
+            loss_fn = views_nce(run.all_gather)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = run.parallelize(factory())
@@ -167,7 +249,7 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any],
 
 
 def reference(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Callable,
-              adam: bool = False) -> dict[str, Any]:
+              adam: bool | str = False) -> dict[str, Any]:
     """One process on each whole global batch: SGD, torch's clipping at 1.0 (plait's default),
     inputs given as a dict passed by keyword."""
     model = factory()
@@ -275,45 +357,153 @@ def two_head_loss(out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]
     return loss
 
 
-def batchnorm_buffers(rank: int, world_size: int, plans: list[str], batches: list[Any]
-                      ) -> list[dict[str, Any]]:
-    """Train tests/_workers_semantics.conv_bn under each plan (SGD), then run one evaluation:
-    this rank's own BatchNorm running statistics after training and after the evaluation,
-    the state the run saves (``full_state_dict``) and the losses."""
+class GatedBlock(nn.Module):
+    """A residual MLP, and a second branch that runs only when the batch's ``gate`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp, self.branch = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = h + torch.tanh(self.mlp(h))
+        if bool(gate.all()):
+            h = h + torch.tanh(self.branch(h))
+        return h
+
+
+class Gated(nn.Module):
+    """Four :class:`GatedBlock` between an input layer and a class head, and an auxiliary
+    head after the blocks that also runs only when ``gate`` is set (a pipeline's first stage
+    holds gated branches, its last gated branches and the gated head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(10, WIDTH)
+        self.blocks = nn.ModuleList(GatedBlock() for _ in range(4))
+        self.head, self.aux = nn.Linear(WIDTH, 5), nn.Linear(WIDTH, 5)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h, gate)
+        out = self.head(h)
+        return out + self.aux(h) if bool(gate.all()) else out
+
+
+def gated() -> nn.Module:
+    torch.manual_seed(0)
+    return Gated()
+
+
+def gated_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The gate is set on the even steps only: on the odd ones no rank uses the branches."""
+    g = torch.Generator().manual_seed(900 + step)
+    return ({"x": torch.randn(BATCH, 10, generator=g),
+             "gate": torch.full((BATCH,), step % 2 == 0)},
+            torch.randint(0, 5, (BATCH,), generator=g))
+
+
+def conv_bn_frozen_stem() -> nn.Module:
+    """tests/_workers_semantics.conv_bn with its first convolution frozen: the first
+    BatchNorm's input is then the same under every layout and on one device."""
+    from tests._workers_semantics import conv_bn
+
+    model = conv_bn()
+    model.stem[0].requires_grad_(False)
+    return model
+
+
+def batchnorm_buffers(rank: int, world_size: int, jobs: list[tuple[str, str]],
+                      batches: list[Any]) -> list[dict[str, Any]]:
+    """Train :func:`conv_bn_frozen_stem` under each (plan, read) with SGD, then read the
+    model: ``read`` "evaluate" (``run.evaluate``), "forward" (the user's own ``model.eval()``
+    and forward), or "state" (``run.full_state_dict`` alone). This rank's own BatchNorm
+    running statistics after training and after the read, the state the run saves, and the
+    losses."""
     from plait.parallel.data import unwrap
     from plait.runtime import init
-    from tests._workers_semantics import conv_bn
 
     def running(model: nn.Module) -> dict[str, torch.Tensor]:
         return {n: b.detach().clone() for n, b in unwrap(model).named_buffers()
                 if "running" in n}
 
     out = []
-    for plan in plans:
+    for plan, read in jobs:
         run = init(plan, quiet=True, log_every=1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = run.parallelize(conv_bn())
-            opt = _optimizer(model.parameters(), False)
+            model = run.parallelize(conv_bn_frozen_stem())
+            opt = _optimizer([p for p in model.parameters() if p.requires_grad], False)
             losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size),
                                      F.cross_entropy, opt)) for b in batches]
         trained = running(model)
-        model.eval()
-        run.evaluate(model, _slice(batches[0], run.dp_rank, run.dp_size), F.cross_entropy)
+        if read == "evaluate":
+            model.eval()
+            run.evaluate(model, _slice(batches[0], run.dp_rank, run.dp_size), F.cross_entropy)
+        elif read == "forward":
+            model.eval()
+            with torch.no_grad():
+                model(_slice(batches[0], run.dp_rank, run.dp_size)[0])
         evaluated = running(model)
         state = _state(run, model)
         run.close()
-        out.append({"plan": plan, "losses": losses, "trained": trained, "evaluated": evaluated,
+        out.append({"plan": plan, "read": read, "losses": losses, "trained": trained,
+                    "evaluated": evaluated,
                     "saved": {k: v for k, v in state.items() if "running" in k}})
     return out
+
+
+def batchnorm_reads(rank: int, world_size: int, plan: str, model_name: str
+                    ) -> dict[str, Any]:
+    """Train a model with BatchNorm under ``plan`` (SGD): "convnet",
+    tests/_pipeline_models.SmallConvNet with BatchNorm in its stem (a pipeline's first
+    stage), or "mlp", tests/_workers_semantics.batchnorm_mlp (tensor-parallel blocks, the
+    BatchNorm replicated over tp); evaluate, take one more step and evaluate again. This
+    rank's running statistics (its local copy) after each step and each evaluation, and the
+    state the run saves."""
+    from plait.parallel.layout import local_modules
+    from plait.runtime import init
+    from tests import _pipeline_models as M
+    from tests import _workers_semantics as W
+
+    def running(model: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: (b.to_local() if hasattr(b, "to_local") else b).detach().clone()
+                for m in local_modules(model) for n, b in m.named_buffers() if "running" in n}
+
+    run = init(plan, quiet=True, log_every=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = run.parallelize(M.SmallConvNet(batchnorm=True) if model_name == "convnet"
+                                else W.batchnorm_mlp())
+    batch = M.image_batch if model_name == "convnet" else W.bn_batch
+    opt = _optimizer(model.parameters(), False)
+    read: list[dict[str, torch.Tensor]] = []
+    for steps in (range(3), range(3, 4)):
+        for s in steps:
+            run.step(model, _slice(batch(s), run.dp_rank, run.dp_size), F.cross_entropy, opt)
+        read.append(running(model))
+        model.eval()
+        run.evaluate(model, _slice(batch(0), run.dp_rank, run.dp_size), F.cross_entropy)
+        model.train()
+        read.append(running(model))
+    state = _state(run, model)
+    run.close()
+    return {"dp_rank": run.dp_rank, "read": read,
+            "saved": {k: v for k, v in state.items() if "running" in k}}
 
 
 def gathered_rows(rank: int, world_size: int, plans: list[str]) -> list[dict[str, Any]]:
     """Under each plan: ``run.all_gather`` of a row holding this rank's data rank (which data
     rank's rows come where), and of ``dp_rank + 1`` rows of a tensor with a gradient (uneven
-    counts, as the last batch of an epoch may leave them), with the gradient that a weighted
-    sum of the gathered rows sends back to this rank's rows; and the shape it gives a meta
-    tensor (a shape check, which runs the loss with no other rank taking part)."""
+    counts, as the last batch of an epoch may leave them), with the places of this rank's rows
+    among the gathered ones and the gradient that a weighted sum of the gathered rows sends
+    back to this rank's rows; the shape it gives a meta tensor (a shape check, which runs the
+    loss with no other rank taking part). Under tp also a DTensor sharded over tp on its last
+    dim (a tensor-parallel output), gathered whole and with its gradient, and the refusal of
+    one sharded over tp on its rows."""
+    from torch.distributed.tensor import DTensor, Shard
+
     from plait.runtime import init
 
     out = []
@@ -321,13 +511,29 @@ def gathered_rows(rank: int, world_size: int, plans: list[str]) -> list[dict[str
         run = init(plan, quiet=True)
         order = run.all_gather(torch.tensor([[float(run.dp_rank)]]))
         rows = torch.full((run.dp_rank + 1, 2), float(run.dp_rank), requires_grad=True)
-        gathered = run.all_gather(rows)
+        gathered, index = run.all_gather(rows, return_index=True)
         weights = torch.arange(gathered.numel(), dtype=torch.float).reshape(gathered.shape)
         (weights * gathered * (run.dp_rank + 1)).sum().backward()
         shape = tuple(run.all_gather(torch.empty(2, 3, device="meta")).shape)
-        out.append({"plan": plan, "dp_rank": run.dp_rank, "dp_size": run.dp_size,
-                    "order": order.flatten().tolist(), "gathered": gathered.detach(),
-                    "meta_shape": shape,
-                    "grad": rows.grad})
+        got: dict[str, Any] = {"plan": plan, "dp_rank": run.dp_rank, "dp_size": run.dp_size,
+                               "order": order.flatten().tolist(), "gathered": gathered.detach(),
+                               "index": index, "meta_shape": shape, "grad": rows.grad}
+        if run.plan.tp > 1:
+            tp_mesh = run._mesh()["tp"]
+            tp_rank = tp_mesh.get_local_rank()
+            piece = torch.full((2, 1), 10.0 * run.dp_rank + tp_rank, requires_grad=True)
+            sharded = DTensor.from_local(piece, tp_mesh, [Shard(1)], run_check=False)
+            whole = run.all_gather(sharded)
+            (whole.full_tensor() * torch.arange(whole.shape[0] * 2.0).reshape(-1, 2)).sum(
+                ).backward()
+            got["dtensor"] = (whole.placements == sharded.placements,
+                              whole.full_tensor().detach(), piece.grad, tp_rank)
+            try:
+                run.all_gather(DTensor.from_local(piece.detach(), tp_mesh, [Shard(0)],
+                                                  run_check=False))
+                got["rows_sharded"] = None
+            except ValueError as exc:
+                got["rows_sharded"] = str(exc)
+        out.append(got)
         run.close()
     return out

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from .._torch_compat import is_fake
 
@@ -39,12 +40,12 @@ def _sizes(rows: int, group: dist.ProcessGroup, device: torch.device) -> list[in
 
 
 class _AllGather(torch.autograd.Function):
-    """Concatenate every rank's ``t`` along dim 0; backward: the sum over ranks of the
-    gradient of this rank's rows."""
+    """Concatenate every rank's ``t`` (``sizes``: every rank's row count) along dim 0;
+    backward: the sum over ranks of the gradient of this rank's rows."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        sizes = _sizes(t.shape[0], group, t.device)
+    def forward(ctx: Any, t: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]
+                ) -> torch.Tensor:
         ctx.group, ctx.sizes, ctx.rank = group, sizes, dist.get_rank(group)
         longest = max(sizes)
         padded = t.contiguous()
@@ -55,24 +56,50 @@ class _AllGather(torch.autograd.Function):
         return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         start = sum(ctx.sizes[:ctx.rank])
         rows = slice(start, start + ctx.sizes[ctx.rank])
         total = grad.contiguous().clone()
         dist.all_reduce(total, group=ctx.group)
-        return total[rows].clone(), None
+        return total[rows].clone(), None, None
 
 
-def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` (rows first) from every rank of ``group`` concatenated in rank order, with a
-    gradient; ``t`` itself when there is no group or one rank."""
-    if group is None or dist.get_world_size(group) == 1:
-        return t
+    gradient, and the places of this rank's rows among them (a long tensor: the labels of a
+    contrastive loss that matches each row with itself); ``t`` itself when there is no group
+    or one rank.
+
+    Under gradient accumulation and a pipeline's microbatches each call gathers the
+    micro-batch's rows of every rank, not the global batch's, so a row's place is not its
+    index in the global batch: the returned places are right in every layout.
+
+    A DTensor (a tensor-parallel output, e.g. sharded over tp on its last dim) is gathered
+    over ``group`` shard by shard and keeps its layout over tp; one sharded over tp on its
+    rows cannot be (its rows' order would interleave the two axes)."""
     if t.ndim == 0:
         raise ValueError("all_gather needs a tensor with rows (dim 0 is the batch), got a "
                          "0-dim tensor; gather the per-row values the loss compares")
+    if isinstance(t, DTensor):
+        if any(isinstance(p, Shard) and p.dim % t.ndim == 0 for p in t.placements):
+            raise ValueError(f"all_gather got a DTensor sharded on its rows over tp "
+                             f"(placements {t.placements}): its rows' order over the data ranks "
+                             f"would interleave the tp shards; gather t.full_tensor() or "
+                             f"t.redistribute(placements=[Replicate()]) instead")
+        local, index = all_gather_rows(t.to_local(), group)
+        return (DTensor.from_local(local, t.device_mesh, t.placements, run_check=False),
+                index)
+    rows = t.shape[0]
+    if group is None or dist.get_world_size(group) == 1:
+        return t, torch.arange(rows, device=t.device)
+    ranks = dist.get_world_size(group)
     if t.device.type == "meta" or is_fake(t):
         # A shape check (a pipeline's first-step shape inference, plait's fake-tensor passes)
         # runs the loss without the other ranks: the gathered shape, no communication.
-        return torch.cat([t] * dist.get_world_size(group))
-    return _AllGather.apply(t, group)
+        start = dist.get_rank(group) * rows
+        return torch.cat([t] * ranks), torch.arange(start, start + rows, device=t.device)
+    sizes = _sizes(rows, group, t.device)
+    start = sum(sizes[:dist.get_rank(group)])
+    return (_AllGather.apply(t, group, sizes),
+            torch.arange(start, start + rows, device=t.device))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch.nn as nn
 
 if TYPE_CHECKING:
+    from .bn_running import RunningStats
     from .context import ContextGroup
     from .pipeline import PipelineRunner
     from .pipeline_split import StageSpec
@@ -45,6 +46,9 @@ class Layout:
     ``context``: under context parallelism, this rank's cp group
     (``plait.parallel.context.ContextGroup``): the train step splits each batch's sequences
     over it and runs attention over the whole sequence.
+    ``running_stats``: under FSDP2 without ``sync_bn``, the BatchNorm running statistics that
+    are averaged over the data ranks before the model is read
+    (``plait.parallel.bn_running``).
     """
 
     applied: tuple[str, ...] = ()
@@ -55,6 +59,7 @@ class Layout:
     first_label_skipped: dict[Any, bool] = field(default_factory=dict, compare=False)
     tied_names: dict[str, str] = field(default_factory=dict, compare=False)
     context: ContextGroup | None = None
+    running_stats: RunningStats | None = None
 
 
 def layout_of(model: nn.Module) -> Layout:

@@ -68,6 +68,7 @@ from .pipeline_warmup import first_microbatch, stage_input_finder, warm_stages, 
 from .schedules import check_schedule_args, local_stages, schedule_class, stage_to_rank
 from .tensor import plan_for_stages
 from .timeline import Timeline, now
+from .unused import UnusedTracker
 
 pipeline_stage_base()  # TimedStage overrides a private method: fail clearly if torch changed it
 
@@ -108,6 +109,9 @@ class TimedStage(PipelineStage):
     # The buffers this stage holds that another stage's part of the forward writes: what this
     # stage's forward writes to them is put back (plait.parallel.pipeline_buffers).
     foreign: list[torch.Tensor] = []
+    # find_unused under ZeRO-2/3: notes the parameters each training forward's outputs reach
+    # (plait.parallel.unused), set by the runner for the step.
+    unused: UnusedTracker | None = None
 
     def _prepare_forward_infra(self, *args, **kwargs):  # type: ignore[override]
         # torch 2.13 infers stage shapes by running the submodule once, outside DDP's no_sync.
@@ -140,6 +144,10 @@ class TimedStage(PipelineStage):
         start = now()
         with foreign_kept(self.foreign):
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if self.unused is not None and torch.is_grad_enabled():
+            for leaf in pytree()[0](out)[0]:
+                if isinstance(leaf, torch.Tensor):
+                    self.unused.note(leaf)
         if self.timeline is not None:
             self.timeline.add(self.stage_index, "F", fwd_chunk_id, start, now())
         return out
@@ -386,6 +394,10 @@ class PipelineRunner:
         # before the schedule runs (plait.parallel.pipeline_warmup).
         self.find_inputs: Callable[..., Any] | None = None
         self._warmed: set[bool] = set()
+        # find_unused under ZeRO-2/3: the ranks holding this rank's stages (their data
+        # replicas), over which the parameters no rank used are found after each training step
+        # (plait.parallel.unused); None without find_unused or FSDP2.
+        self.unused_group: Any = None
 
     def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one microbatch. torch's schedules split a *tensor* target
@@ -569,6 +581,11 @@ class PipelineRunner:
         kwargs = {**laid_out.every, **(laid_out.last_only if self.has_last else {})}
         if self.has_last and self.token_ids_to_last:
             kwargs[TOKEN_IDS] = laid_out.first
+        unused = None
+        if train and self.unused_group is not None:
+            unused = UnusedTracker(nn.ModuleList([s.submod for s in self.stages]))
+        for stage in self.stages:
+            stage.unused = unused
         for a, (first, part_kwargs, part_targets) in enumerate(zip(
                 split_microbatches(laid_out.first, accum), split_microbatches(kwargs, accum),
                 split_microbatches(laid_out.targets, accum), strict=True)):
@@ -590,6 +607,10 @@ class PipelineRunner:
         self._targets = None
         if self._step_answers is not None:  # the last real microbatch's (see _loss)
             self._first_label_skipped, self._step_answers = self._step_answers, None
+        for stage in self.stages:
+            stage.unused = None
+        if unused is not None:  # before the tied sum, which gives its copies a gradient
+            unused.finish(self.unused_group)
         if train:
             self.sync_tied_gradients()
             if self.owned:
@@ -954,6 +975,12 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     runner.find_inputs = find_inputs if warms_locally(modules) else None
     runner.stage_rank = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
     runner.pp_group = pp_mesh.get_group()
+    if plan.find_unused and (plan.zero >= 2 or plan.tp > 1):  # FSDP2 reduces zeros for them
+        # The data replicas of these stages (and their cp ranks, which read other positions
+        # of the same rows); tp peers read the same rows and take the same branches.
+        from ..mesh import DP_CP
+
+        runner.unused_group = mesh[DP_CP if plan.cp > 1 else "dp"].get_group()
     runner.tied = _local_ties(ties, groups, dict(zip(mine, modules, strict=True)))
     runner.has_ties = bool(ties)
     runner.tied_copies = _named_copies(model, ties, dict(zip(mine, modules, strict=True)))

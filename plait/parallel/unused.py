@@ -12,6 +12,12 @@ So, as DDP does, each rank notes which parameters its step's autograd graph reac
 the graph before backward), one all-reduce of that mask over the ranks finds those no rank
 used, and their gradients go back to None after backward. FSDP2 has no hook for it: the leaf
 its forward reads is each parameter's unsharded copy, reached through its param group.
+
+Under pipeline parallelism torch's schedule runs each microbatch's backward itself, from the
+stage's outputs (and on the last stage from the loss of those outputs), so each stage notes
+the parameters its outputs reach as it makes them (``plait.parallel.pipeline.TimedStage``),
+and the mask is reduced over the ranks holding the same stages (their data replicas) once the
+schedule has run.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ class UnusedTracker:
         self.used: set[int] = set()
 
     def note(self, loss: torch.Tensor) -> None:
-        """Before ``loss.backward()``: remember the parameters it reaches."""
+        """Before ``loss.backward()`` (or, in a pipeline, on each output a stage's backward
+        starts from): remember the parameters it reaches."""
         if loss.grad_fn is not None:
             self.used |= leaves_reached(loss)
 
@@ -62,3 +69,4 @@ class UnusedTracker:
         for record, used in zip(self.records, mask.tolist(), strict=True):
             if not used:
                 record.sharded_param.grad = None
+        self.used = set()
