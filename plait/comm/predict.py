@@ -78,13 +78,38 @@ def no_expected_note(models: list[Any], plan: Any, stats: Any,
     other than plait's reference transformer under tensor or pipeline parallelism, naming
     the reason (:func:`why_no_expected`)."""
     if plan.cp > 1 and not (models and _find_config(models[-1])):
-        return CP_NOTE
+        why = why_no_cp_expected(plan, stats, batch_shape, tokens)
+        return f"no 'expected' column: {why}; {_BY_PLAN}" if why else CP_NOTE
     reason = None
     if (plan.tp > 1 or plan.pp > 1) and not (models and _find_config(models[-1])):
         reason = why_no_expected(plan, stats, batch_shape, tokens)
     if reason is None:
         return NO_EXPECTED_NOTE
     return f"no 'expected' column: {reason}; {_BY_PLAN}"
+
+
+def why_no_cp_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | None,
+                       tokens: bool = True) -> str | None:
+    """Why the ledger cannot predict context parallelism's traffic for a model other than
+    plait's reference transformer, or None where it can: the K/V all-gathers' widths are
+    read off the model's attention (kv heads x head dim, ``planner_stats``), per token of a
+    batch of token ids, in fp32, without tensor or pipeline parallelism."""
+    if stats is None:
+        return ("context parallelism gathers keys and values, whose widths plait reads off a "
+                "stack of repeated blocks (an nn.ModuleList/Sequential of alike blocks with "
+                "nn.Linear layers); this model has none")
+    if batch_shape is None or len(batch_shape) != 2 or not tokens:
+        shape = "?" if batch_shape is None else tuple(batch_shape)
+        return (f"the first input has shape {shape}, not token ids (b, s), whose sequence "
+                "context parallelism splits")
+    if plan.tp > 1 or plan.pp > 1:
+        return (f"context parallelism beside tp={plan.tp}, pp={plan.pp} is predicted for "
+                "plait's reference transformer only")
+    if plan.mixed_precision != "fp32":
+        return (f"under mixed_precision={plan.mixed_precision} the keys and values travel in "
+                "the dtype the model's own code hands attention (a rotary embedding in fp32 "
+                "promotes them), which plait does not read off the model")
+    return None
 
 
 def why_no_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | None,
@@ -801,8 +826,16 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     mine = None
     cfg = _find_config(models[-1]) if models else None
     if plan.cp > 1 and cfg is None:  # every rank returns here alike: no collective unpaired
-        return None
-    if cfg is not None and batch_shape is not None and len(batch_shape) == 2:
+        if not models or why_no_cp_expected(plan, stats, batch_shape, tokens) is not None:
+            return None
+        from ..planner.cost import cp_step_traffic
+        from .held import held_model, held_traffic
+
+        assert batch_shape is not None  # why_no_cp_expected said so
+        batch, seq = batch_shape
+        mine = by_axis_op(held_traffic(plan, held_model(models[-1], optimizer_params))
+                          + cp_step_traffic(plan, stats, batch // plan.grad_accum, seq))
+    elif cfg is not None and batch_shape is not None and len(batch_shape) == 2:
         batch, seq = batch_shape
         mine = by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq,
                                   local=local_model(models[-1], plan)))
