@@ -66,12 +66,6 @@ NO_EXPECTED_NOTE = ("no 'expected' column: tensor and pipeline parallelism move 
                     "plait reads off a stack of repeated blocks fed token ids (b, s); this "
                     "model, its input or the plan is not that; " + _BY_PLAN)
 
-CP_NOTE = ("no 'expected' column: under context parallelism (cp) plait prices its reference "
-           "transformer only (the keys' and values' widths and the attention layers are read "
-           "off its config); plait.comm.volumes.cp_traffic gives the all-gathers' bytes for "
-           "given widths and docs/context_parallel.md the whole step's")
-
-
 def no_expected_note(models: list[Any], plan: Any, stats: Any,
                      batch_shape: tuple[int, ...] | None, tokens: bool = True) -> str:
     """The ledger table's note where :func:`expected_for_models` returned None: for a model
@@ -79,7 +73,7 @@ def no_expected_note(models: list[Any], plan: Any, stats: Any,
     the reason (:func:`why_no_expected`)."""
     if plan.cp > 1 and not (models and _find_config(models[-1])):
         why = why_no_cp_expected(plan, stats, batch_shape, tokens)
-        return f"no 'expected' column: {why}; {_BY_PLAN}" if why else CP_NOTE
+        return f"no 'expected' column: {why}; {_BY_PLAN}" if why else NO_EXPECTED_NOTE
     reason = None
     if (plan.tp > 1 or plan.pp > 1) and not (models and _find_config(models[-1])):
         reason = why_no_expected(plan, stats, batch_shape, tokens)
@@ -98,6 +92,10 @@ def why_no_cp_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | Non
         return ("context parallelism gathers keys and values, whose widths plait reads off a "
                 "stack of repeated blocks (an nn.ModuleList/Sequential of alike blocks with "
                 "nn.Linear layers); this model has none")
+    if not stats.attention:
+        return ("context parallelism gathers the keys and values of each block's attention, "
+                "and the stack of repeated blocks plait found in this model has none (its "
+                "attention lives outside that stack, or nowhere)")
     if batch_shape is None or len(batch_shape) != 2 or not tokens:
         shape = "?" if batch_shape is None else tuple(batch_shape)
         return (f"the first input has shape {shape}, not token ids (b, s), whose sequence "

@@ -355,7 +355,7 @@ def activation_traffic(plan: Plan, model: ModelStats, share: LocalModel, b: int,
     local = seq // plan.cp
     return (predict.tp_rank_traffic(plan, share, b, local, model.hidden,
                                     model.kv_whole(plan.tp), model.tp_block)
-            + predict.pp_rank_traffic(plan, share, b, seq, model.hidden, model.tp_block)
+            + predict.pp_rank_traffic(plan, share, b, local, model.hidden, model.tp_block)
             + cp_rank_traffic(plan, model, share, b, seq))
 
 

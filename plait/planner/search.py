@@ -128,9 +128,9 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
                 continue
             per_rank = B // dp
             for R, S, zero in _dp_splits(dp, tp, cluster, cp):
-                layout = dict(tp=tp, cp=cp, pp=pp, dp_replicate=R, dp_shard=S, zero=zero,
-                              mixed_precision=dtype, microbatches=pp)
-                why = _refused(layout) if cp > 1 else None
+                probe = dict(tp=tp, cp=cp, pp=pp, dp_replicate=R, dp_shard=S, zero=zero,
+                             mixed_precision=dtype, microbatches=pp)
+                why = _refused(probe) if cp > 1 else None
                 if why is not None:
                     yield why  # counted as refused
                     continue
