@@ -161,3 +161,26 @@ def test_plait_plan_says_why_cp_wins():
     why = " ".join(out["explain"])
     assert out["plans"][0]["layout"]["cp"] > 1, out["plans"][0]
     assert "no layout without context parallelism fits" in why and "GiB" in why, why
+
+
+def test_plan_auto_asks_the_model_before_proposing_cp():
+    """The planner prices sizes; whether the model can be told its slice's positions is the
+    model's to say (``plait.auto.layout_check``): a forward without ``position_ids`` is
+    refused before plan='auto' picks cp for it, naming the fix."""
+    import torch.nn as nn
+
+    from plait.auto import layout_check
+    from tests import _traffic_models as T
+
+    class NoPositions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, tokens):  # no position_ids
+            return tokens
+
+    why = layout_check(NoPositions())(Plan(cp=2))
+    assert why is not None and "position_ids" in why and "NoPositions.forward" in why, why
+    assert layout_check(NoPositions())(Plan(dp_replicate=2)) is None
+    assert layout_check(T.gqa_lm())(Plan(cp=2)) is None
