@@ -100,9 +100,14 @@ def _refused(layout: dict) -> str | None:
     try:
         Plan(**layout)
     except ValueError as exc:
-        first = str(exc).removeprefix("invalid plan: ").split(":")[0]
-        return "plan does not compose: " + re.sub(r"=\d+", "", first)
+        return _refusal_kind(exc)
     return None
+
+
+def _refusal_kind(exc: ValueError) -> str:
+    """``Plan.validate``'s first reason, without the degrees: one rejection kind per rule."""
+    first = str(exc).removeprefix("invalid plan: ").split(":")[0]
+    return "plan does not compose: " + re.sub(r"=\d+", "", first)
 
 
 def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
@@ -211,11 +216,12 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
             rejected[kind] = rejected.get(kind, 0) + 1
             continue
         for fields in group:
-            why = _refused(fields) if fields.get("cp", 1) > 1 else None
-            if why is not None:  # a rule of Plan.validate beyond the degrees (a schedule)
+            try:
+                plan = Plan(**fields)
+            except ValueError as exc:  # a rule of Plan.validate beyond the degrees (cp's)
+                why = _refusal_kind(exc)
                 rejected[why] = rejected.get(why, 0) + 1
                 break
-            plan = Plan(**fields)
             est = evaluate(plan, model, cluster, work, constants, balance=True)
             evaluated += 1
             if est.feasible:
