@@ -184,3 +184,10 @@ def test_plan_auto_asks_the_model_before_proposing_cp():
     assert why is not None and "position_ids" in why and "NoPositions.forward" in why, why
     assert layout_check(NoPositions())(Plan(dp_replicate=2)) is None
     assert layout_check(T.gqa_lm())(Plan(cp=2)) is None
+
+
+def test_a_sequence_cp_cannot_split_is_refused_naming_the_fix():
+    model, cluster, c = _setup(8)
+    est = evaluate(Plan(cp=4, dp_replicate=2), model, cluster, Workload(2, 100), c)
+    assert not est.feasible
+    assert "seq=100" in est.reason and "multiple of 8" in est.reason, est.reason

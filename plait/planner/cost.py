@@ -155,7 +155,8 @@ def _invalid(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload) ->
         return model.tp_refuses(tp)
     if plan.cp > 1 and s % (2 * plan.cp):
         return (f"context parallelism needs seq={s} divisible by 2 x cp={2 * plan.cp} (each "
-                f"rank keeps a head and a tail chunk of every sequence)")
+                f"rank keeps a head and a tail chunk of every sequence): pad or crop the "
+                f"sequence to a multiple of {2 * plan.cp}, or pick another cp")
     if plan.sp and (s // plan.cp) % tp:
         return f"sequence parallel needs seq={s} / cp={plan.cp} divisible by tp={tp}"
     if pp * plan.virtual_stages > model.n_layers:
