@@ -134,6 +134,25 @@ def test_cp_gathers_the_kv_heads_of_a_transformers_llama():
             2 * layers * rows * T.SEQ * kv * 4, 2 * layers), (op, measured, predicted)
 
 
+def test_cp_under_bf16_gathers_keys_in_the_dtype_the_model_hands_attention():
+    """Under bf16 (autocast over fp32 parameters) the tiny Llama's rotary embedding, computed
+    in fp32, promotes its keys to fp32 and leaves its values bf16, while the test model's are
+    both bf16: read off a forward pass on fake tensors before layout, the ledger's expected
+    column is exact for both (every row, ratio 1), the Llama's K/V rows at 4 + 2 bytes a
+    key-value pair of elements, the other's at 2 + 2."""
+    plan = "cp=2,mixed_precision=bf16"
+    runs = run_distributed(T.ledger_rows, 2, plan, ["llama", "gqa"], timeout=300)[0]
+    for name, e in (("llama", 3), ("gqa", 2)):
+        comm = runs[name]["comm"]
+        assert not any("no 'expected' column" in n for n in comm["notes"]), comm["notes"]
+        for row in comm["rows"]:
+            assert row["ratio"] == pytest.approx(1.0, abs=1e-12), (name, row)
+        measured = T.measured_rows(comm)
+        kv, layers = 2 * (T.WIDTH // 4), 4
+        assert measured[("cp", "all_gather")] == (2 * layers * T.BATCH * T.SEQ * kv * e,
+                                                  2 * layers), (name, measured)
+
+
 def test_tied_weight_beside_data_parallelism_and_a_pipeline():
     """The two stages holding a tied weight sum its gradient's local piece each step: the
     whole copy under DDP and ZeRO-1, FSDP2's shard of it under ZeRO-2/3 (dim 0 cut as

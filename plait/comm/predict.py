@@ -103,10 +103,12 @@ def why_no_cp_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | Non
     if plan.tp > 1 or plan.pp > 1:
         return (f"context parallelism beside tp={plan.tp}, pp={plan.pp} is predicted for "
                 "plait's reference transformer only")
-    if plan.mixed_precision != "fp32":
+    if plan.mixed_precision != "fp32" and stats.kv_element_bytes(casts_params(plan)) is None:
         return (f"under mixed_precision={plan.mixed_precision} the keys and values travel in "
                 "the dtype the model's own code hands attention (a rotary embedding in fp32 "
-                "promotes them), which plait does not read off the model")
+                "promotes them), read off a forward pass on token ids under the device's "
+                "autocast rules, and that pass did not run on this model or device, or its "
+                "attention calls are not one per block at the kv heads' width")
     return None
 
 
@@ -372,18 +374,21 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
             + clip_traffic(plan, local))
 
 
-def cp_rank_traffic(plan: Any, local: LocalModel, batch: int, seq: int, kv_dim: int
-                    ) -> list[Traffic]:
+def cp_rank_traffic(plan: Any, local: LocalModel, batch: int, seq: int, kv_dim: int,
+                    element_bytes: float | None = None) -> list[Traffic]:
     """Context parallelism's collectives of one rank in one optimizer step
     (``plait.parallel.context``): per attention layer and micro-step of ``batch`` whole
     sequences of ``seq`` tokens, K and V all-gathered in forward (again in each recomputed
     layer) and their gradients reduce-scattered in backward, in the dtype attention runs in
     (``volumes.cp_traffic``); ``kv_dim``: the K (or V) features this rank holds per token,
-    its tp share of the kv heads. Gradients are reduced over dp x cp in :func:`dp_traffic`."""
+    its tp share of the kv heads; ``element_bytes``: a key's and a value's mean bytes per
+    element where the model's code decides them (a traced forward), else the plan's compute
+    dtype's. Gradients are reduced over dp x cp in :func:`dp_traffic`."""
     if plan.cp == 1 or not local.layers:
         return []
     return cp_traffic(batch, seq, kv_dim, local.layers, plan.cp, _compute_dtype(plan),
-                      micro_steps=plan.grad_accum, recomputed_layers=local.recomputed)
+                      micro_steps=plan.grad_accum, recomputed_layers=local.recomputed,
+                      element_bytes=element_bytes)
 
 
 def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
@@ -790,6 +795,13 @@ def planner_stats(model: Any, device_type: str = "cpu", plan: Any = None) -> Any
         stats = from_module(model, name=type(model).__name__, device_type=device_type)
     except ValueError:
         return None
+    if plan is not None and plan.cp > 1 and plan.mixed_precision in HALF and stats.attention:
+        from dataclasses import replace
+
+        from ..planner.tp_trace import attention_keys
+
+        # the dtype K and V reach attention in, read now, before layout changes the model
+        stats = replace(stats, attention_keys=attention_keys(model, device_type=device_type))
     block = stats.tp_block
     if block is not None:
         if plan is None or reads_trace(plan):

@@ -380,4 +380,8 @@ def cp_rank_traffic(plan: Plan, model: ModelStats, share: LocalModel, b: int, se
     not the query heads. Where the model's blocks have no attention, nothing."""
     if plan.cp == 1 or not model.attention:
         return []
-    return predict.cp_rank_traffic(plan, share, b, seq, model.kv_dim(plan.tp))
+    e = None
+    if plan.mixed_precision != "fp32" and plan.tp == 1:
+        # the dtypes the model's own code hands attention, where a forward pass read them
+        e = model.kv_element_bytes(predict.casts_params(plan))
+    return predict.cp_rank_traffic(plan, share, b, seq, model.kv_dim(plan.tp), e)

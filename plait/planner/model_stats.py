@@ -94,6 +94,11 @@ class ModelStats:
     # Features of one attention head's key (and value); None: hidden / n_heads. Context
     # parallelism all-gathers kv_heads x head_dim features per token and layer.
     head_dim: int | None = None
+    # What each F.scaled_dot_product_attention call of one forward receives (plait.planner
+    # .tp_trace.attention_keys: key features, bytes of a key and a value element under
+    # autocast, the same with bf16 parameters), read where the ledger needs cp's dtypes under
+    # bf16; None: not read.
+    attention_keys: tuple[tuple[int, int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -143,6 +148,18 @@ class ModelStats:
             return 0
         head_dim = self.head_dim or self.hidden // self.n_heads
         return max(1, self.kv_heads // tp) * head_dim
+
+    def kv_element_bytes(self, fsdp_params: bool) -> float | None:
+        """Bytes per element of the keys and values attention receives under bf16 (autocast
+        over fp32 parameters, or ``fsdp_params``: FSDP2's bf16 parameters), the mean of a key's
+        and a value's (fp32 keys beside bf16 values: 3), where a forward pass read them
+        (``attention_keys``), one call per block at the kv heads' width, every call alike;
+        None otherwise."""
+        keys = self.attention_keys
+        if not keys or len(keys) != self.n_layers or any(k[0] != self.kv_dim() for k in keys):
+            return None
+        sizes = {k[2] if fsdp_params else k[1] for k in keys}
+        return sizes.pop() / 2 if len(sizes) == 1 else None
 
     @property
     def num_params(self) -> int:
