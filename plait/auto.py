@@ -105,8 +105,11 @@ def layout_check(model: nn.Module) -> Callable[[Plan], str | None]:
     """What ``model`` itself refuses of a plan the planner ranks
     (:func:`plait.parallel.tensor.tp_refusal`, :func:`plait.parallel.pipeline.pp_refusal`):
     the cost model reads sizes only, and would propose sequence parallelism for blocks that
-    mix positions, a tp the model's layer plan cannot take, or a pipeline for a model that
-    cannot be cut (an encoder-decoder). Each tp/sp and each split is checked once."""
+    mix positions, a tp the model's layer plan cannot take, a pipeline for a model that
+    cannot be cut (an encoder-decoder), or context parallelism for a model whose forward is
+    not told its positions (:func:`plait.parallel.context.cp_refusal`). Each tp/sp, each split
+    and each cp is checked once."""
+    from .parallel.context import cp_refusal
     from .parallel.pipeline import pp_refusal
     from .parallel.tensor import tp_refusal
 
@@ -120,9 +123,12 @@ def layout_check(model: nn.Module) -> Callable[[Plan], str | None]:
         if plan.pp > 1:
             keys.append(("pp", plan.pp, plan.virtual_stages, plan.pp_schedule,
                          plan.options.pp_stage_layers))
+        if plan.cp > 1:
+            keys.append(("cp", plan.cp))
         for key in keys:
             if key not in seen:
                 seen[key] = (tp_refusal(model, plan.tp, plan.sp) if key[0] == "tp"
+                             else cp_refusal(model, plan.cp) if key[0] == "cp"
                              else pp_refusal(model, plan, chains))
             if seen[key] is not None:
                 return seen[key]

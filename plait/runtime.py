@@ -239,7 +239,8 @@ class Run:
             self._models.append(out)
             self._resume_weights(out)
             return out
-        if self.ledger is not None and (self.plan.tp > 1 or self.plan.pp > 1):
+        if self.ledger is not None and (self.plan.tp > 1 or self.plan.pp > 1
+                                        or self.plan.cp > 1):
             from .comm.predict import planner_stats
 
             self._stats = planner_stats(model, self.device.type, self.plan)

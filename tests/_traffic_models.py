@@ -100,7 +100,10 @@ class StackLM(nn.Module):
         self.norm = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        # position_ids: taken (context parallelism gives each rank's slice its global
+        # positions) and unused: the blocks have no positional encoding
         h = self.embed(tokens)
         for block in self.blocks:
             h = block(h)

@@ -112,8 +112,10 @@ class _Logits(nn.Module):
         super().__init__()
         self.hf = hf
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=tokens).logits
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        # position_ids: the global positions of a rank's slice under context parallelism
+        return self.hf(input_ids=tokens, position_ids=position_ids).logits
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {

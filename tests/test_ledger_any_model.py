@@ -57,6 +57,15 @@ SLOW_CASES = [
      FSDP | CLIP | {("dp_replicate", AR)}),
     ("dp_replicate=2,dp_shard=2,zero=1", ["tied", "lora"], {("dp", AR), ("dp", BC),
                                                             ("dp_shard", BC)}),
+    # context parallelism: the cp ranks reduce gradients with the data ranks (DDP over
+    # dp x cp with the rotary buffers it broadcasts; FSDP2 over dp_shard x cp); K and V of
+    # the kv heads all-gathered on cp, their gradients reduce-scattered
+    ("dp=2,cp=2", ["llama"], {("dp_cp", AR), ("dp_cp", BC), ("cp", AG), ("cp", RS)}),
+    ("dp_shard=2,zero=3,cp=2", ["llama"], {("dp_shard_cp", AG), ("dp_shard_cp", RS),
+                                           ("dp_shard_cp", AR), ("cp", AG), ("cp", RS)}),
+    # FSDP2's bf16 parameters: the rotary tables, and so the keys, are bf16 too
+    ("dp_shard=2,zero=3,cp=2,mixed_precision=bf16,grad_clip=0", ["llama"],
+     {("dp_shard_cp", AG), ("dp_shard_cp", RS), ("cp", AG), ("cp", RS)}),
 ]
 
 

@@ -23,7 +23,7 @@ def test_every_plan_validates_and_search_is_deterministic():
         assert e.feasible and e.memory_bytes_per_device <= c.memory_bytes
         # the mesh axes and plait.mesh's flattened views the ledger names
         assert set(e.comm_bytes_per_step) <= {"dp_replicate", "dp_shard", "dp", "dp_shard_tp",
-                                              "tp", "pp"}
+                                              "tp", "pp", "cp", "dp_cp", "dp_shard_cp"}
     times = [e.step_time_s for e in a.ranked]
     assert times == sorted(times)
 

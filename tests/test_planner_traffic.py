@@ -25,6 +25,15 @@ LAYOUTS = [
     dict(pp=2, tp=2, sp=True, pp_schedule="interleaved_1f1b", virtual_stages=2,
          microbatches=4, pp_stage_layers=[1, 1, 1, 1]),
     dict(pp=2, dp_replicate=2, microbatches=2, grad_accum=2, pp_stage_layers=[2, 2]),
+    # context parallelism (grouped-query attention: 2 kv heads of 4): K/V on cp, gradients
+    # over dp x cp, tp's collectives on each rank's s/cp tokens
+    dict(cp=2),
+    dict(dp_replicate=2, cp=2),
+    dict(dp_shard=2, zero=3, cp=2),
+    dict(dp_replicate=2, dp_shard=2, zero=3, cp=2),
+    dict(cp=2, activation_checkpointing="full", grad_accum=2),
+    dict(cp=2, tp=2),
+    dict(cp=2, tp=2, sp=True),
 ]
 
 
@@ -40,7 +49,8 @@ def test_planner_prices_the_bytes_the_ledger_predicts(layout):
 
     layers = layout.pop("pp_stage_layers", None)
     plan = Plan(**layout, **({"options": {"pp_stage_layers": layers}} if layers else {}))
-    cfg = TransformerConfig(vocab_size=256, dim=32, n_layers=4, n_heads=4, max_seq_len=16)
+    cfg = TransformerConfig(vocab_size=256, dim=32, n_layers=4, n_heads=4, max_seq_len=16,
+                            n_kv_heads=2 if plan.cp > 1 else None)
     B, s = 8 * plan.dp * plan.grad_accum, 16
     est = evaluate(plan, from_transformer_config(cfg), load_cluster("cpu", devices=
                    plan.world_size).with_memory(1e12), Workload(B, s))

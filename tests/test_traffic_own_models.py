@@ -49,6 +49,10 @@ def _same(name: str, plan: str, comm: dict, global_batch: int) -> None:
 # are all frozen), and clipping takes one norm per gradient (the slow cases add ZeRO-1/3,
 # DDP, ZeRO-2 alone and a frozen tied embedding).
 CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2"]),
+         # context parallelism: each block's K and V (2 kv heads of 4 query heads: half of
+         # q's width) all-gathered over cp in forward, their gradients reduce-scattered in
+         # backward; DDP over cp (at dp=1, the cp group) reduces the gradients
+         ("cp=2", ["gqa"]),
          ("tp=2,mixed_precision=bf16,activation_checkpointing=full", ["lora"]),
          ("dp_shard=2,zero=2,pp=2,microbatches=2", ["odd", "gpt2_51", "lora_block",
                                                     "frozen_stage"])]
@@ -92,6 +96,11 @@ SLOW_CASES = [
     ("dp_shard=2,zero=2", ["odd", "gpt2_51", "lora_block", "frozen_stage"]),
     ("dp_shard=2,zero=3,mixed_precision=bf16", ["odd", "gpt2_51"]),
     ("dp_shard=4,zero=3", ["odd", "gpt2_51"]),
+    # context parallelism: multi-query attention (one kv head), checkpointing (each replayed
+    # block gathers K and V again), FSDP2 over dp_shard x cp, DDP over dp x cp
+    ("cp=2,activation_checkpointing=full,grad_accum=2", ["gqa", "mqa", "attention"]),
+    ("dp_shard=2,zero=3,cp=2", ["gqa", "llama", "mqa"]),
+    ("dp=2,cp=2", ["gqa", "attention"]),
 ]
 
 
@@ -103,6 +112,45 @@ def test_planner_prices_what_the_ledger_measures(plan, models):
     runs = run_distributed(T.ledger_rows, world, plan, models, timeout=300)[0]
     for name in models:
         _same(name, plan, runs[name]["comm"], runs[name]["global_batch"])
+
+
+def test_cp_gathers_the_kv_heads_of_a_transformers_llama():
+    """A tiny Hugging Face Llama (4 query heads sharing 2 kv heads) under cp=2: the planner's
+    K/V all-gathers and their gradients' reduce-scatters equal what the ledger measures,
+    bytes and calls: 2 per block each way of batch x seq x (2 kv heads x head_dim 4) fp32,
+    half of what gathering the query heads' width would move. Every row of the ledger's own
+    expected column (DDP's gradients and the rotary buffers it broadcasts, over cp) is exact."""
+    runs = run_distributed(T.ledger_rows, 2, "cp=2", ["llama"], timeout=300)[0]
+    comm = runs["llama"]["comm"]
+    for row in comm["rows"]:
+        assert row["ratio"] == pytest.approx(1.0, abs=1e-12), row
+    assert not any("no 'expected' column" in n for n in comm["notes"]), comm["notes"]
+    measured = T.measured_rows(comm)
+    predicted = T.planner_rows("llama", "cp=2", runs["llama"]["global_batch"])
+    layers, rows = 4, T.BATCH  # hf_llama: 4 blocks; BATCH rows of SEQ tokens per rank
+    kv = 2 * (T.WIDTH // 4)
+    for op in ("all_gather", "reduce_scatter"):
+        assert measured[("cp", op)] == predicted[("cp", op)] == (
+            2 * layers * rows * T.SEQ * kv * 4, 2 * layers), (op, measured, predicted)
+
+
+def test_cp_under_bf16_gathers_keys_in_the_dtype_the_model_hands_attention():
+    """Under bf16 (autocast over fp32 parameters) the tiny Llama's rotary embedding, computed
+    in fp32, promotes its keys to fp32 and leaves its values bf16, while the test model's are
+    both bf16: read off a forward pass on fake tensors before layout, the ledger's expected
+    column is exact for both (every row, ratio 1), the Llama's K/V rows at 4 + 2 bytes a
+    key-value pair of elements, the other's at 2 + 2."""
+    plan = "cp=2,mixed_precision=bf16"
+    runs = run_distributed(T.ledger_rows, 2, plan, ["llama", "gqa"], timeout=300)[0]
+    for name, e in (("llama", 3), ("gqa", 2)):
+        comm = runs[name]["comm"]
+        assert not any("no 'expected' column" in n for n in comm["notes"]), comm["notes"]
+        for row in comm["rows"]:
+            assert row["ratio"] == pytest.approx(1.0, abs=1e-12), (name, row)
+        measured = T.measured_rows(comm)
+        kv, layers = 2 * (T.WIDTH // 4), 4
+        assert measured[("cp", "all_gather")] == (2 * layers * T.BATCH * T.SEQ * kv * e,
+                                                  2 * layers), (name, measured)
 
 
 def test_tied_weight_beside_data_parallelism_and_a_pipeline():

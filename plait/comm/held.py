@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .predict import FP32, _dp_axis
+from .predict import FP32, _dp_axis, _ledger_axis
 from .volumes import Traffic
 
 
@@ -149,33 +149,39 @@ def held_model(model: nn.Module, optimizer_params: Iterable[torch.Tensor] | None
 
 
 def held_traffic(plan: Any, held: HeldModel) -> list[Traffic]:
-    """Data-parallel traffic of one rank in one optimizer step of ``plan`` (no tp, no pp)."""
+    """Data-parallel traffic of one rank in one optimizer step of ``plan`` (no tp, no pp).
+    Under context parallelism the cp ranks reduce gradients with the data ranks: DDP over
+    dp x cp (``dp_cp``, or ``cp`` itself at dp=1), FSDP2 over dp_shard x cp
+    (``dp_shard_cp``); the K/V collectives are the model's shapes' to say
+    (``plait.planner.cost.cp_step_traffic``)."""
     if plan.tp > 1 or plan.pp > 1:
         raise ValueError(f"held_traffic predicts data parallelism alone; tp={plan.tp}, "
                          f"pp={plan.pp} move activations (plait.comm.predict)")
-    R, S, accum = plan.dp_replicate, plan.dp_shard, plan.grad_accum
+    R, S, cp, accum = plan.dp_replicate, plan.dp_shard, plan.cp, plan.grad_accum
     out: list[Traffic] = []
-    if plan.zero <= 1 and R * S > 1:
-        axis = _dp_axis(plan)
-        out.append(Traffic(axis, "all_reduce", float(held.grad_bytes), 1, R * S, "grads"))
+    if plan.zero <= 1 and R * S * cp > 1:
+        axis = _ledger_axis(plan, ("dp_replicate", "dp_shard", "cp")) if cp > 1 else \
+            _dp_axis(plan)
+        out.append(Traffic(axis, "all_reduce", float(held.grad_bytes), 1, R * S * cp, "grads"))
         if held.buffer_bytes:
-            out.append(Traffic(axis, "broadcast", float(held.buffer_bytes), 1, R * S,
+            out.append(Traffic(axis, "broadcast", float(held.buffer_bytes), 1, R * S * cp,
                                "buffers (DDP)"))
         if plan.zero == 1:
             out.append(Traffic("dp_shard", "broadcast", float(held.update_bytes), 1, S,
                                "params (ZeroRedundancyOptimizer)"))
     elif plan.zero >= 2:
+        shard = _ledger_axis(plan, ("dp_shard", "cp"))
         for unit in held.units:
             if unit.reduce_bytes:
-                out.append(Traffic("dp_shard", "reduce_scatter", float(unit.reduce_bytes), 1, S,
-                                   "grads"))
+                out.append(Traffic(shard, "reduce_scatter", float(unit.reduce_bytes), 1,
+                                   S * cp, "grads"))
                 if R > 1:  # HSDP: the reduce-scattered shard, all-reduced across replicas
                     out.append(Traffic("dp_replicate", "all_reduce",
                                        float(unit.reduce_bytes) / unit.shards, 1, R, "grads"))
             gathers = (2 if unit.regathered else 1) * accum
-            out.append(Traffic("dp_shard", "all_gather", float(unit.gather_bytes) * gathers,
-                               gathers, S, "params"))
+            out.append(Traffic(shard, "all_gather", float(unit.gather_bytes) * gathers,
+                               gathers, S * cp, "params"))
         if plan.grad_clip:
-            out.append(Traffic("dp_shard", "all_reduce", float(held.grad_tensors) * FP32, 1, S,
+            out.append(Traffic(shard, "all_reduce", float(held.grad_tensors) * FP32, 1, S * cp,
                                "clip: per-tensor norms"))
     return out

@@ -66,25 +66,50 @@ NO_EXPECTED_NOTE = ("no 'expected' column: tensor and pipeline parallelism move 
                     "plait reads off a stack of repeated blocks fed token ids (b, s); this "
                     "model, its input or the plan is not that; " + _BY_PLAN)
 
-CP_NOTE = ("no 'expected' column: under context parallelism (cp) plait prices its reference "
-           "transformer only (the keys' and values' widths and the attention layers are read "
-           "off its config); plait.comm.volumes.cp_traffic gives the all-gathers' bytes for "
-           "given widths and docs/context_parallel.md the whole step's")
-
-
 def no_expected_note(models: list[Any], plan: Any, stats: Any,
                      batch_shape: tuple[int, ...] | None, tokens: bool = True) -> str:
     """The ledger table's note where :func:`expected_for_models` returned None: for a model
     other than plait's reference transformer under tensor or pipeline parallelism, naming
     the reason (:func:`why_no_expected`)."""
     if plan.cp > 1 and not (models and _find_config(models[-1])):
-        return CP_NOTE
+        why = why_no_cp_expected(plan, stats, batch_shape, tokens)
+        return f"no 'expected' column: {why}; {_BY_PLAN}" if why else NO_EXPECTED_NOTE
     reason = None
     if (plan.tp > 1 or plan.pp > 1) and not (models and _find_config(models[-1])):
         reason = why_no_expected(plan, stats, batch_shape, tokens)
     if reason is None:
         return NO_EXPECTED_NOTE
     return f"no 'expected' column: {reason}; {_BY_PLAN}"
+
+
+def why_no_cp_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | None,
+                       tokens: bool = True) -> str | None:
+    """Why the ledger cannot predict context parallelism's traffic for a model other than
+    plait's reference transformer, or None where it can: the K/V all-gathers' widths are
+    read off the model's attention (kv heads x head dim, ``planner_stats``), per token of a
+    batch of token ids, in fp32, without tensor or pipeline parallelism."""
+    if stats is None:
+        return ("context parallelism gathers keys and values, whose widths plait reads off a "
+                "stack of repeated blocks (an nn.ModuleList/Sequential of alike blocks with "
+                "nn.Linear layers); this model has none")
+    if not stats.attention:
+        return ("context parallelism gathers the keys and values of each block's attention, "
+                "and the stack of repeated blocks plait found in this model has none (its "
+                "attention lives outside that stack, or nowhere)")
+    if batch_shape is None or len(batch_shape) != 2 or not tokens:
+        shape = "?" if batch_shape is None else tuple(batch_shape)
+        return (f"the first input has shape {shape}, not token ids (b, s), whose sequence "
+                "context parallelism splits")
+    if plan.tp > 1 or plan.pp > 1:
+        return (f"context parallelism beside tp={plan.tp}, pp={plan.pp} is predicted for "
+                "plait's reference transformer only")
+    if plan.mixed_precision != "fp32" and stats.kv_element_bytes(casts_params(plan)) is None:
+        return (f"under mixed_precision={plan.mixed_precision} the keys and values travel in "
+                "the dtype the model's own code hands attention (a rotary embedding in fp32 "
+                "promotes them), read off a forward pass on token ids under the device's "
+                "autocast rules, and that pass did not run on this model or device, or its "
+                "attention calls are not one per block at the kv heads' width")
+    return None
 
 
 def why_no_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | None,
@@ -349,18 +374,21 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
             + clip_traffic(plan, local))
 
 
-def cp_rank_traffic(plan: Any, local: LocalModel, batch: int, seq: int, kv_dim: int
-                    ) -> list[Traffic]:
+def cp_rank_traffic(plan: Any, local: LocalModel, batch: int, seq: int, kv_dim: int,
+                    element_bytes: float | None = None) -> list[Traffic]:
     """Context parallelism's collectives of one rank in one optimizer step
     (``plait.parallel.context``): per attention layer and micro-step of ``batch`` whole
     sequences of ``seq`` tokens, K and V all-gathered in forward (again in each recomputed
     layer) and their gradients reduce-scattered in backward, in the dtype attention runs in
     (``volumes.cp_traffic``); ``kv_dim``: the K (or V) features this rank holds per token,
-    its tp share of the kv heads. Gradients are reduced over dp x cp in :func:`dp_traffic`."""
+    its tp share of the kv heads; ``element_bytes``: a key's and a value's mean bytes per
+    element where the model's code decides them (a traced forward), else the plan's compute
+    dtype's. Gradients are reduced over dp x cp in :func:`dp_traffic`."""
     if plan.cp == 1 or not local.layers:
         return []
     return cp_traffic(batch, seq, kv_dim, local.layers, plan.cp, _compute_dtype(plan),
-                      micro_steps=plan.grad_accum, recomputed_layers=local.recomputed)
+                      micro_steps=plan.grad_accum, recomputed_layers=local.recomputed,
+                      element_bytes=element_bytes)
 
 
 def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
@@ -767,6 +795,13 @@ def planner_stats(model: Any, device_type: str = "cpu", plan: Any = None) -> Any
         stats = from_module(model, name=type(model).__name__, device_type=device_type)
     except ValueError:
         return None
+    if plan is not None and plan.cp > 1 and plan.mixed_precision in HALF and stats.attention:
+        from dataclasses import replace
+
+        from ..planner.tp_trace import attention_keys
+
+        # the dtype K and V reach attention in, read now, before layout changes the model
+        stats = replace(stats, attention_keys=attention_keys(model, device_type=device_type))
     block = stats.tp_block
     if block is not None:
         if plan is None or reads_trace(plan):
@@ -801,8 +836,16 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     mine = None
     cfg = _find_config(models[-1]) if models else None
     if plan.cp > 1 and cfg is None:  # every rank returns here alike: no collective unpaired
-        return None
-    if cfg is not None and batch_shape is not None and len(batch_shape) == 2:
+        if not models or why_no_cp_expected(plan, stats, batch_shape, tokens) is not None:
+            return None
+        from ..planner.cost import cp_step_traffic
+        from .held import held_model, held_traffic
+
+        assert batch_shape is not None  # why_no_cp_expected said so
+        batch, seq = batch_shape
+        mine = by_axis_op(held_traffic(plan, held_model(models[-1], optimizer_params))
+                          + cp_step_traffic(plan, stats, batch // plan.grad_accum, seq))
+    elif cfg is not None and batch_shape is not None and len(batch_shape) == 2:
         batch, seq = batch_shape
         mine = by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq,
                                   local=local_model(models[-1], plan)))

@@ -218,7 +218,8 @@ def tp_traffic(batch: int, seq: int, hidden: int, layers: int, tp: int,
 
 def cp_traffic(batch: int, seq: int, kv_dim: int, layers: int, cp: int,
                dtype: str | torch.dtype = "fp32", *, micro_steps: int = 1,
-               recomputed_layers: int = 0, axis: str = "cp") -> list[Traffic]:
+               recomputed_layers: int = 0, axis: str = "cp",
+               element_bytes: float | None = None) -> list[Traffic]:
     """All-gather context parallelism on ``layers`` attention layers, ``micro_steps`` micro-steps
     of ``batch`` rows of ``seq`` tokens (the whole sequence, before the split), keys and values
     of ``kv_dim`` = kv_heads x head_dim features each.
@@ -226,6 +227,8 @@ def cp_traffic(batch: int, seq: int, kv_dim: int, layers: int, cp: int,
     Per layer and micro-step: 2 all-gathers (K and V) in forward, 2 more per recomputed layer,
     and 2 reduce-scatters of their gradients in backward, each of ``batch*seq*kv_dim``
     elements (the gathered size). Per rank on the wire: ``(cp-1)/cp`` of that per call.
+    ``element_bytes``: the mean bytes of a key's and a value's element where they differ
+    (fp32 keys out of a rotary embedding beside bf16 values: 3); else ``dtype``'s.
     """
     _positive(batch=batch, seq=seq, kv_dim=kv_dim, layers=layers, cp=cp,
               micro_steps=micro_steps)
@@ -233,7 +236,7 @@ def cp_traffic(batch: int, seq: int, kv_dim: int, layers: int, cp: int,
         raise ValueError(f"recomputed_layers={recomputed_layers} must be in [0, layers={layers}]")
     if cp == 1:
         return []
-    per = float(batch) * seq * kv_dim * dtype_bytes(dtype)
+    per = float(batch) * seq * kv_dim * (element_bytes or dtype_bytes(dtype))
     gathers = 2 * (layers + recomputed_layers) * micro_steps
     scatters = 2 * layers * micro_steps
     return [Traffic(axis, "all_gather", per * gathers, gathers, cp, "keys, values"),

@@ -186,17 +186,25 @@ def context_group(module: nn.Module, mesh: Mesh) -> ContextGroup:
     its slice: a model that numbers positions from its input's length (``arange(seq)`` for
     rotary or a position embedding) would number a slice 0..seq/cp and train a different
     model, silently; one that takes ``position_ids`` is given the slice's global positions."""
+    why = cp_refusal(module, mesh.size("cp"))
+    if why is not None:
+        raise ValueError(why)
+    return ContextGroup(mesh["cp"].get_group(), mesh.local_rank("cp"), mesh.size("cp"))
+
+
+def cp_refusal(module: nn.Module, cp: int) -> str | None:
+    """Why ``module`` cannot be laid out with context parallelism of degree ``cp``, as far as
+    its signature says (None: it takes ``position_ids``); what only a batch shows (an
+    explicit attention mask, a loss that shifts labels) is refused at the step."""
     inner = module.module if hasattr(module, "module") and isinstance(
         module.module, nn.Module) else module
-    if not takes_positions(inner):
-        raise ValueError(
-            f"context parallelism (cp={mesh.size('cp')}) gives each rank a slice of every "
-            f"sequence, so {type(inner).__name__}.forward must be told the slice's global "
-            f"positions: add a '{POSITIONS_KWARG}' keyword argument (a (batch, local_seq) int64 "
-            f"tensor; use it wherever positions are computed, e.g. rotary embeddings or a "
-            f"position embedding; a model without positional encodings may ignore it), or "
-            f"train with cp=1")
-    return ContextGroup(mesh["cp"].get_group(), mesh.local_rank("cp"), mesh.size("cp"))
+    if takes_positions(inner):
+        return None
+    return (f"context parallelism (cp={cp}) gives each rank a slice of every sequence, so "
+            f"{type(inner).__name__}.forward must be told the slice's global positions: add a "
+            f"'{POSITIONS_KWARG}' keyword argument (a (batch, local_seq) int64 tensor; use it "
+            f"wherever positions are computed, e.g. rotary embeddings or a position embedding; "
+            f"a model without positional encodings may ignore it), or train with cp=1")
 
 
 def takes_positions(module: nn.Module) -> bool:

@@ -132,8 +132,10 @@ def format_table(estimates: list[Estimate]) -> str:
     return "\n".join(lines)
 
 
-def explain_winner(ranked: list[Estimate], cluster: Cluster) -> list[str]:
-    """A few lines on why the best plan wins and what limits it."""
+def explain_winner(ranked: list[Estimate], cluster: Cluster,
+                   result: SearchResult | None = None) -> list[str]:
+    """A few lines on why the best plan wins and what limits it (``result``: the search it
+    won, which says what a context-parallel winner was chosen over)."""
     best = ranked[0]
     tb = best.time_breakdown
     step = best.step_time_s
@@ -141,7 +143,12 @@ def explain_winner(ranked: list[Estimate], cluster: Cluster) -> list[str]:
            f"{_gb(best.memory_bytes_per_device)} of {_gb(cluster.memory_bytes)} GiB"]
     if best.stage_layers and best.plan.pp > 1:
         out.append(f"  stages (blocks per chunk): {list(best.stage_layers)}")
+    if best.plan.cp > 1:
+        out += _why_cp(best, result)
+    flat = result.best_without_cp if result is not None and best.plan.cp > 1 else None
     for other in ranked[1:]:
+        if other is flat:
+            break  # said by _why_cp
         if other.plan.degrees() != best.plan.degrees() or other.plan.zero != best.plan.zero:
             gain = other.step_time_s / step - 1
             out.append(f"  beats {other.plan.describe()} by {gain:.1%}: " + _diff(best, other))
@@ -168,6 +175,36 @@ def explain_winner(ranked: list[Estimate], cluster: Cluster) -> list[str]:
     return out
 
 
+def _why_cp(best: Estimate, result: SearchResult | None) -> list[str]:
+    """Why a context-parallel layout won: what the best layout without cp costs, or why none
+    fits; and what cp's own collectives cost."""
+    out = []
+    flat = result.best_without_cp if result is not None else None
+    near = result.closest_without_cp if result is not None else None
+    act = best.memory_breakdown.get("activations", 0.0)
+    if result is not None and flat is None:
+        detail = f": the closest, {near.plan.describe()}, {near.reason}" if near else ""
+        out.append(f"  why cp={best.plan.cp}: no layout without context parallelism fits"
+                   f"{detail}; cp={best.plan.cp} splits each sequence, {_gb(act)} GiB of "
+                   f"activations per device here")
+    elif flat is not None:
+        gain = flat.step_time_s / best.step_time_s - 1
+        out.append(f"  why cp={best.plan.cp}: {gain:.1%} faster than the best layout without "
+                   f"it, {flat.plan.describe()} ({flat.step_time_s:.4g} s/step, "
+                   f"{_gb(flat.memory_bytes_per_device)} GiB): " + _diff(best, flat))
+    calls: dict[str, tuple[float, float]] = {}
+    for t in best.traffic:
+        if t.axis == "cp" and t.what in ("keys, values", "key, value grads") and t.calls:
+            n, payload = calls.get(t.op, (0, 0.0))
+            calls[t.op] = (n + t.calls, payload + t.payload)
+    sizes = ", ".join(f"{n:,.0f} {op.replace('_', '-')}s of {payload / n / 2**20:.3g} MiB"
+                      for op, (n, payload) in calls.items())
+    cp_time = best.time_breakdown.get("cp_comm", 0.0)
+    out.append(f"  cp's K/V collectives, waited for inside attention: {sizes} per step, "
+               f"{cp_time:.3g}s ({cp_time / best.step_time_s:.0%} of the step)")
+    return out
+
+
 def _diff(a: Estimate, b: Estimate) -> str:
     ta, tb = a.time_breakdown, b.time_breakdown
     parts = []
@@ -180,6 +217,9 @@ def _diff(a: Estimate, b: Estimate) -> str:
     if b.tflops_per_device_hw / max(b.tflops_per_device, 1e-12) > \
             a.tflops_per_device_hw / max(a.tflops_per_device, 1e-12) + 0.01:
         parts.append("less recomputation")
+    cp_a, cp_b = ta.get("cp_comm", 0.0), tb.get("cp_comm", 0.0)
+    if cp_b - cp_a > 0.01 * a.step_time_s:
+        parts.append(f"less context-parallel traffic ({cp_a:.3g}s vs {cp_b:.3g}s per step)")
     tp_a, tp_b = a.comm_bytes_per_step.get("tp", 0.0), b.comm_bytes_per_step.get("tp", 0.0)
     if tb.get("tp_comm", 0.0) - ta.get("tp_comm", 0.0) > 0.01 * a.step_time_s:
         what = "less tensor-parallel traffic" if tp_a < 0.99 * tp_b else \
@@ -204,15 +244,18 @@ def _tp_critical_path(e: Estimate) -> str:
 
 
 def _most_devices(model: ModelStats, cluster: Cluster, work: Workload) -> int:
-    """The most devices, up to the cluster's, that some dp x tp x pp layout of ``model`` uses
-    for ``work``: dp divides the global batch, pp is at most one stage per block, tp divides
-    what tensor parallelism splits, and a pipeline's microbatches are at least its stages (as
+    """The most devices, up to the cluster's, that some dp x cp x tp x pp layout of ``model``
+    uses for ``work``: dp divides the global batch, pp is at most one stage per block, tp
+    divides what tensor parallelism splits, 2 x cp divides the sequence (a model with
+    attention), and a pipeline's microbatches are at least its stages (as
     :func:`~plait.planner.search.candidate_plans` asks)."""
     tps = [t for t in range(1, cluster.world_size + 1) if not model.tp_refuses(t)]
-    return max((d * t * p for t in tps for p in range(1, model.n_layers + 1)
+    cps = [c for c in range(1, cluster.world_size + 1)
+           if c == 1 or (model.attention and work.seq % (2 * c) == 0)]
+    return max((d * t * p * c for t in tps for c in cps for p in range(1, model.n_layers + 1)
                 for d in divisors(work.global_batch)
-                if d * t * p <= cluster.world_size and (p == 1 or work.global_batch // d >= p)),
-               default=1)
+                if d * t * p * c <= cluster.world_size
+                and (p == 1 or work.global_batch // d >= p)), default=1)
 
 
 def explain_nothing_fits(result: SearchResult, model: ModelStats, cluster: Cluster,
@@ -225,7 +268,8 @@ def explain_nothing_fits(result: SearchResult, model: ModelStats, cluster: Clust
                 f"the data-parallel degree divides the global batch {work.global_batch}, a "
                 f"pipeline has at most one stage per block ({model.n_layers}), tensor "
                 f"parallelism divides the ffn ({model.ffn})"
-                + (f" and the heads ({model.n_heads})" if model.attention else "") + "; "
+                + (f" and the heads ({model.n_heads}), 2 x cp the sequence ({work.seq})"
+                   if model.attention else "") + "; "
                 f"at most {most} devices take part. Plan for --devices {most}, or a larger "
                 f"--global-batch")
     lines = [f"no layout of {model.name} ({model.num_params / 1e9:.3g}B parameters) fits on "
@@ -341,12 +385,6 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--efficiency={args.efficiency} must be a fraction of peak in (0, 1]")
     model = load_model(args.model)
     given = Plan.load(args.plan) if args.plan else None
-    if given is not None and given.cp > 1:
-        raise ValueError(f"--plan {args.plan}: the planner does not price context parallelism "
-                         f"(cp={given.cp}) yet: its step time, memory and bytes would leave out "
-                         f"the split sequence and the K/V all-gathers; evaluate the plan with "
-                         f"cp=1, and see docs/context_parallel.md for cp's bytes and memory in "
-                         f"closed form")
     devices = args.devices
     if given is not None and devices is None and args.nodes is None:
         devices = given.world_size
@@ -423,6 +461,7 @@ def _plan(args: argparse.Namespace) -> int:
                           "evaluated": result.evaluated, "fit": result.fit,
                           "rejected": result.rejected,
                           "plans": [estimate_json(e) for e in ranked[:args.top]],
+                          "explain": explain_winner(ranked, cluster, result) if ranked else [],
                           "model_check": asked,
                           "message": None if ranked else
                           explain_nothing_fits(result, model, cluster, work, dtype)},
@@ -437,7 +476,7 @@ def _plan(args: argparse.Namespace) -> int:
           f"{result.evaluated} layouts priced in {result.seconds:.2f}s, {result.fit} fit in memory"
           + (f", the best {min(args.top, len(ranked))} shown" if result.fit > args.top else ""))
     print(format_table(ranked[:args.top]))
-    print("\n".join(explain_winner(ranked, cluster)))
+    print("\n".join(explain_winner(ranked, cluster, result)))
     for line in asked:
         print(line)
     _print_schedule(args, ranked[0].plan)

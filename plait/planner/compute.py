@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from plait.comm.predict import casts_params, tp_block_traffic, tp_end_traffic
+from plait.comm.volumes import Traffic
 from plait.plan import ZERO_BUBBLE_SCHEDULES, Plan
 
 from .hardware import Cluster
 from .model_stats import ModelStats
-from .traffic import collective_time
+from .traffic import act_dtype_bytes, collective_time
 
 if TYPE_CHECKING:
     from .cost import Constants
@@ -30,6 +31,7 @@ class MicroTimes:
     replay: float        # blocks' forwards replayed by checkpointing, per block
     block: float         # one block, forward + backward, its TP collectives and overheads
     tp_comm: float       # of which TP collectives
+    cp_comm: float       # of which context parallelism's K/V all-gathers and reduce-scatters
     embed: float         # outside the blocks on the first chunk (TP embedding collectives)
     head: float          # outside the blocks on the last chunk (head matmul, loss, overheads)
     zero_bubble: bool    # backward split into input- and weight-gradient passes
@@ -63,11 +65,19 @@ def replay_per_block(plan: Plan, model: ModelStats) -> float:
 
 def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
                      c: Constants) -> MicroTimes:
-    """Per-block and outside-block times of one microbatch of ``b`` sequences of ``s`` tokens."""
-    tp, dtype = plan.tp, plan.mixed_precision
+    """Per-block and outside-block times of one microbatch of ``b`` sequences of ``s`` tokens.
+
+    Under context parallelism each rank computes ``s / cp`` tokens of every sequence: their
+    matmuls, and their queries against all ``s`` keys. The head-tail split
+    (:mod:`plait.parallel.context`) gives every rank the same unmasked attention work, so each
+    rank's share of a block is exactly 1/cp of it. The K/V all-gathers (forward, again per
+    replayed block) and their gradients' reduce-scatters (backward) are issued inside
+    attention and waited for there: on the critical path, like TP's."""
+    tp, cp, dtype = plan.tp, plan.cp, plan.mixed_precision
     share = core_share(cluster)
     rate = cluster.peak(dtype) * c.compute_efficiency * share
-    tokens = b * s
+    tokens = b * s / cp
+    local_s = s // cp  # the tokens of each sequence TP's collectives move on this rank
     fwd_block = model.block_flops_per_token(s) * tokens / tp
     replay = replay_per_block(plan, model)
     block = fwd_block * (3 + replay) / rate + c.block_overhead_s * (1 + replay / 3)
@@ -80,18 +90,28 @@ def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
         recomputed = {"full": 1.0, "selective": 1.0 / plan.checkpoint_every}.get(
             plan.activation_checkpointing, 0.0)
         tp_comm = sum(collective_time(t, cluster, 1, c) for t in
-                      tp_block_traffic(b, s, model.hidden, tp, dtype, plan.sp, recomputed,
-                                       model.kv_whole(tp), model.tp_block,
+                      tp_block_traffic(b, local_s, model.hidden, tp, dtype, plan.sp,
+                                       recomputed, model.kv_whole(tp), model.tp_block,
                                        casts_params(plan)))
         block += tp_comm + c.tp_block_overhead_s
+    cp_comm = 0.0
+    if cp > 1 and model.attention:
+        # per block and microbatch: K and V gathered (again in a replayed forward), their
+        # gradients reduce-scattered, each call b x s x kv_dim elements gathered
+        # (plait.comm.volumes.cp_traffic); the cp group's ranks are tp apart in mesh order
+        size = float(b) * s * model.kv_dim(tp) * act_dtype_bytes(dtype)
+        one = {op: collective_time(Traffic("cp", op, size, 1, cp), cluster, tp, c)
+               for op in ("all_gather", "reduce_scatter")}
+        cp_comm = 2 * (1 + replay) * one["all_gather"] + 2 * one["reduce_scatter"]
+        block += cp_comm
     head = 3 * model.head_flops_per_token() * tokens / tp / rate + c.micro_overhead_s
     embed = 0.0
     if tp > 1:
         split = plan.pp * plan.virtual_stages > 1  # embedding and head on different chunks
         embed = sum(collective_time(t, cluster, 1, c) for t in tp_end_traffic(
-            b, s, model.hidden, tp, dtype, plan.sp, embed=True, head=not split))
+            b, local_s, model.hidden, tp, dtype, plan.sp, embed=True, head=not split))
         head += c.tp_micro_overhead_s
         if split:
             head += sum(collective_time(t, cluster, 1, c) for t in tp_end_traffic(
-                b, s, model.hidden, tp, dtype, plan.sp, embed=False, head=True))
-    return MicroTimes(rate, share, replay, block, tp_comm, embed, head, zero_bubble)
+                b, local_s, model.hidden, tp, dtype, plan.sp, embed=False, head=True))
+    return MicroTimes(rate, share, replay, block, tp_comm, cp_comm, embed, head, zero_bubble)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.comm import predict
+from plait.comm.predict import LocalModel
 from plait.comm.volumes import DDP_BUCKET_BYTES, Traffic, by_axis
 from plait.plan import Plan
 
@@ -40,6 +41,7 @@ from .traffic import (
     dp_traffic,
     fsdp_exposed,
     fsdp_host_time,
+    fsdp_shards,
     rank_shares,
 )
 
@@ -151,8 +153,12 @@ def _invalid(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload) ->
                 f"= {m * plan.grad_accum}")
     if model.tp_refuses(tp):
         return model.tp_refuses(tp)
-    if plan.sp and s % tp:
-        return f"sequence parallel needs seq={s} divisible by tp={tp}"
+    if plan.cp > 1 and s % (2 * plan.cp):
+        return (f"context parallelism needs seq={s} divisible by 2 x cp={2 * plan.cp} (each "
+                f"rank keeps a head and a tail chunk of every sequence): pad or crop the "
+                f"sequence to a multiple of {2 * plan.cp}, or pick another cp")
+    if plan.sp and (s // plan.cp) % tp:
+        return f"sequence parallel needs seq={s} / cp={plan.cp} divisible by tp={tp}"
     if pp * plan.virtual_stages > model.n_layers:
         return f"pp x virtual_stages = {pp * plan.virtual_stages} chunks > {model.n_layers} blocks"
     return ""
@@ -169,7 +175,8 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     c = constants
     est = Estimate(plan=plan, feasible=False)
     B, s, world = work.global_batch, work.seq, cluster.world_size
-    tp, pp, S, zero = plan.tp, plan.pp, plan.dp_shard, plan.zero
+    tp, pp, zero = plan.tp, plan.pp, plan.zero
+    S = fsdp_shards(plan) if zero >= 2 else plan.dp_shard  # what ZeRO shards state over
     m = plan.microbatches if pp > 1 else 1
     steps = plan.grad_accum
     b = B // plan.dp // (m * steps)
@@ -259,9 +266,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     layers_busy = st.rank_layers[r_busy]
     busy = dataclasses.replace(shares[r_busy], recomputed=checkpointed(plan, layers_busy)[0])
     traffic = [t for t, _ in traffic_dp + clip] + \
-        predict.tp_rank_traffic(plan, busy, b, s, model.hidden, model.kv_whole(tp),
-                                model.tp_block) + \
-        predict.pp_rank_traffic(plan, busy, b, s, model.hidden, model.tp_block)
+        activation_traffic(plan, model, busy, b, s)
 
     est.traffic = traffic
     est.busiest_rank = r_busy
@@ -282,6 +287,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
                           "tp_comm_per_block": times.tp_comm + c.tp_block_overhead_s
                           if tp > 1 else 0.0,
                           "tp_comm": times.tp_comm * layers_busy * m * steps,
+                          "cp_comm": times.cp_comm * layers_busy * m * steps,
                           "dp_grad_exposed": exposed_grad,
                           "dp_grad_total": grad_time, "param_gather": gather_time,
                           "zero3_gather_exposed": exposed_ag3, "optimizer": opt_time,
@@ -297,6 +303,11 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
                          "zero=3 inside a pipeline assumes full overlap: parameter all-gathers "
                          "are prefetched under compute, exposed only for the first unit and "
                          "where a microbatch's gathers outlast its compute")
+    if plan.cp > 1:
+        est.notes.append("cp: plait's all-gather form (K and V of the whole sequence gathered "
+                         "in each attention, their gradients reduce-scattered), waited for "
+                         "inside attention: not overlapped with compute, unlike ring attention; "
+                         "attention FLOPs counted over the whole s x s square")
     if mem_best > cluster.memory_bytes:
         est.reason = (f"needs {mem_best / 2**30:.1f} GiB per device (of which activations "
                       f"{breakdown['activations'] / 2**30:.1f} GiB), has "
@@ -331,8 +342,46 @@ def rank_traffic(plan: Plan, model: ModelStats, global_batch: int, seq: int
         out.append([t for t, _ in dp_traffic(plan, share, grad_dtype=work.grad_reduce_dtype,
                                              bucket_bytes=c.bucket_bytes)]
                    + [t for t, _ in clip_traffic(plan, share)]
-                   + predict.tp_rank_traffic(plan, share, b, seq, model.hidden,
-                                             model.kv_whole(plan.tp), model.tp_block)
-                   + predict.pp_rank_traffic(plan, share, b, seq, model.hidden,
-                                             model.tp_block))
+                   + activation_traffic(plan, model, share, b, seq))
     return out
+
+
+def activation_traffic(plan: Plan, model: ModelStats, share: LocalModel, b: int, seq: int
+                       ) -> list[Traffic]:
+    """The collectives that move activations on one pipeline rank holding ``share``, per
+    optimizer step of micro-batches of ``b`` sequences of ``seq`` tokens, as the comm ledger
+    predicts them (:mod:`plait.comm.predict`): tensor parallelism's (on the rank's ``seq /
+    cp`` tokens of each sequence), the pipeline's sends, and context parallelism's K/V
+    all-gathers and reduce-scatters (:func:`cp_rank_traffic`)."""
+    local = seq // plan.cp
+    return (predict.tp_rank_traffic(plan, share, b, local, model.hidden,
+                                    model.kv_whole(plan.tp), model.tp_block)
+            + predict.pp_rank_traffic(plan, share, b, local, model.hidden, model.tp_block)
+            + cp_rank_traffic(plan, model, share, b, seq))
+
+
+def cp_step_traffic(plan: Plan, model: ModelStats, b: int, seq: int) -> list[Traffic]:
+    """Context parallelism's K/V collectives of one rank per optimizer step without a
+    pipeline: every block of ``model``, those the plan's checkpointing drops replayed, on
+    micro-batches of ``b`` whole sequences of ``seq`` tokens (what the comm ledger's expected
+    column shows for a model other than plait's reference transformer)."""
+    layers = model.n_layers
+    share = LocalModel(params=0.0, root_params=0.0, tensors=0, layers=layers,
+                       recomputed=checkpointed(plan, layers)[0])
+    return cp_rank_traffic(plan, model, share, b, seq)
+
+
+def cp_rank_traffic(plan: Plan, model: ModelStats, share: LocalModel, b: int, seq: int
+                    ) -> list[Traffic]:
+    """Context parallelism's collectives on a rank holding ``share`` (its blocks, those
+    checkpointing replays): per attention block and micro-step of ``b`` whole sequences, K and
+    V all-gathered (again per replayed block) and their gradients reduce-scattered, each of
+    ``b x seq x kv_dim`` elements: the rank's share of the kv heads (``ModelStats.kv_dim``),
+    not the query heads. Where the model's blocks have no attention, nothing."""
+    if plan.cp == 1 or not model.attention:
+        return []
+    e = None
+    if plan.mixed_precision != "fp32" and plan.tp == 1:
+        # the dtypes the model's own code hands attention, where a forward pass read them
+        e = model.kv_element_bytes(predict.casts_params(plan))
+    return predict.cp_rank_traffic(plan, share, b, seq, model.kv_dim(plan.tp), e)

@@ -13,6 +13,10 @@
   scores (5as^2b) only without flash attention. Full recomputation keeps the block input (plus
   one block being recomputed); "selective" checkpoints every k-th block; "op" is approximated as
   keeping 60% of a block's activations and replaying 5% of its forward.
+* Context parallelism: the activations of each rank's ``s / cp`` tokens, plus per block the
+  whole sequence's keys and values that attention gathered and saves for backward
+  (``2 b s kv_heads head_dim``, not kept by a checkpointed block) and one ``(s/cp) x s``
+  boolean mask; FSDP2 shards the model state over dp_shard x cp.
 * Microbatches in flight per schedule (:func:`plait.planner.pipeline.inflight`).
 * fp32 logits (and their gradient) on the last stage; a reserve from the cluster description.
 """
@@ -28,15 +32,18 @@ from plait.plan import Plan
 from .hardware import Cluster
 from .model_stats import ModelStats
 from .pipeline import Stages, inflight
-from .traffic import act_dtype_bytes, uneven_pieces
+from .traffic import act_dtype_bytes, fsdp_shards, uneven_pieces
 
 if TYPE_CHECKING:
     from .cost import Constants
 
 
 def activation_bytes_per_block(m: ModelStats, b: int, s: int, tp: int, sp: bool, dtype_bytes: int,
-                               c: Constants) -> float:
-    """Korthikanti et al. 2022 activation memory of one block and microbatch (no recompute)."""
+                               c: Constants, keys: int | None = None) -> float:
+    """Korthikanti et al. 2022 activation memory of one block and microbatch (no recompute),
+    of ``b`` rows of ``s`` tokens whose queries attend to ``keys`` keys each (``s`` unless
+    context parallelism split the sequence: then ``s`` is the rank's slice, ``keys`` the
+    whole sequence, and the scores without flash attention are (s/cp) x s per head)."""
     h, f, a = m.hidden, m.ffn, m.n_heads
     kv = m.kv_heads * (h // m.n_heads)
     mask = 1 if c.activation_dropout_masks else 0
@@ -49,7 +56,7 @@ def activation_bytes_per_block(m: ModelStats, b: int, s: int, tp: int, sp: bool,
     norms = 4 * h
     replicated = norms + 2 * h + 2 * h + 2 * mask * h  # stays whole under TP without SP
     sharded = attn + mlp + norms - replicated
-    scores = 0.0 if (c.flash_attention or not m.attention) else 5 * a * s  # per token
+    scores = 0.0 if (c.flash_attention or not m.attention) else 5 * a * (keys or s)  # per token
     per_token = (replicated / (tp if sp else 1)) + (sharded + scores) / tp
     return per_token * s * b * dtype_bytes / 2
 
@@ -74,14 +81,21 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
     """(bytes on the busiest pipeline rank, its breakdown). Peak memory sits on the first rank
     (most microbatches in flight) or the last (logits); rank 1 is checked too for the
     interleaved warm-up."""
-    pp, tp, S, R, zero = plan.pp, plan.tp, plan.dp_shard, plan.dp_replicate, plan.zero
+    pp, tp, cp, R, zero = plan.pp, plan.tp, plan.cp, plan.dp_replicate, plan.zero
+    S = fsdp_shards(plan) if zero >= 2 else plan.dp_shard  # ZeRO-1's optimizer: dp_shard
     dtype = plan.mixed_precision
     ab = act_dtype_bytes(dtype)
     m = plan.microbatches if pp > 1 else 1
     chunks = len(st.sizes)
-    tokens = b * s
-    act_full = activation_bytes_per_block(model, b, s, tp, plan.sp, ab, c)
+    local = s // cp  # context parallelism: this rank's tokens of each sequence
+    tokens = b * local
+    act_full = activation_bytes_per_block(model, b, local, tp, plan.sp, ab, c, keys=s)
+    # the whole sequence's keys and values, gathered over cp, which attention saves for backward
+    kv_saved = 2.0 * b * s * model.kv_dim(tp) * ab if cp > 1 else 0.0
+    act_full += kv_saved
     act_input = tokens * model.hidden * ab / (tp if plan.sp else 1)
+    # the boolean mask of the rank's queries against every key, built once per step
+    mask = float(local) * s if cp > 1 and model.attention else 0.0
     pads = uneven_pieces(plan, model)
     best, breakdown = -1.0, {}
     for r in sorted({0, min(1, pp - 1), pp - 1}):
@@ -118,7 +132,8 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
         if chunks - 1 in ids:
             kept = m if (pp > 1 and plan.pp_schedule == "gpipe") else 1
             logits = 2 * tokens * model.vocab / tp * 4 * kept
-        buffers = 2 * c.bucket_bytes if (R > 1 or S > 1) else 0.0
+        buffers = 2 * c.bucket_bytes if (R > 1 or S > 1 or cp > 1) else 0.0
+        acts += mask
         total = params + grads + optim + copy + acts + logits + buffers + cluster.reserve_bytes
         if total > best:
             best = total

@@ -91,6 +91,14 @@ class ModelStats:
     experts: tuple[int, int] | None = None
     # Parameters of one block a token passes through (routed MoE: k of E experts); None: all.
     block_active_params: int | None = None
+    # Features of one attention head's key (and value); None: hidden / n_heads. Context
+    # parallelism all-gathers kv_heads x head_dim features per token and layer.
+    head_dim: int | None = None
+    # What each F.scaled_dot_product_attention call of one forward receives (plait.planner
+    # .tp_trace.attention_keys: key features, bytes of a key and a value element under
+    # autocast, the same with bf16 parameters), read where the ledger needs cp's dtypes under
+    # bf16; None: not read.
+    attention_keys: tuple[tuple[int, int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -129,6 +137,29 @@ class ModelStats:
         if not self.attention:
             return 0
         return replicated_kv_elements(self.hidden, self.kv_heads, self.hidden // self.n_heads, tp)
+
+    def kv_dim(self, tp: int = 1) -> int:
+        """Features of the keys (and of the values) one rank holds per token and attention
+        layer at ``tp``: its share of the kv heads (all of them where there are fewer kv heads
+        than tp, each rank computing one) x head_dim; 0 for a block without attention. What
+        context parallelism all-gathers: the kv heads, not the query heads (grouped-query
+        attention gathers kv_heads / n_heads of the hidden size)."""
+        if not self.attention:
+            return 0
+        head_dim = self.head_dim or self.hidden // self.n_heads
+        return max(1, self.kv_heads // tp) * head_dim
+
+    def kv_element_bytes(self, fsdp_params: bool) -> float | None:
+        """Bytes per element of the keys and values attention receives under bf16 (autocast
+        over fp32 parameters, or ``fsdp_params``: FSDP2's bf16 parameters), the mean of a key's
+        and a value's (fp32 keys beside bf16 values: 3), where a forward pass read them
+        (``attention_keys``), one call per block at the kv heads' width, every call alike;
+        None otherwise."""
+        keys = self.attention_keys
+        if not keys or len(keys) != self.n_layers or any(k[0] != self.kv_dim() for k in keys):
+            return None
+        sizes = {k[2] if fsdp_params else k[1] for k in keys}
+        return sizes.pop() / 2 if len(sizes) == 1 else None
 
     @property
     def num_params(self) -> int:
@@ -185,7 +216,7 @@ def from_transformer_config(cfg: Any, name: str = "transformer") -> ModelStats:
                       mlp=cfg.mlp, block_params=block, block_matmul_params=matmul,
                       embed_params=embed, head_params=head, tied=cfg.tie_embeddings,
                       max_seq=cfg.max_seq_len, block_tensors=block_tensors, embed_tensors=1,
-                      head_tensors=head_tensors)
+                      head_tensors=head_tensors, head_dim=cfg.head_dim)
 
 
 _HF_KEYS = {  # our name -> accepted config.json keys, first found wins
@@ -286,7 +317,8 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
                       max_seq=data.get("max_position_embeddings") or data.get("n_positions"),
                       block_tensors=block_tensors, embed_tensors=1,
                       head_tensors=norm // h + (0 if tied else 1), experts=experts,
-                      block_active_params=block - (count - k) * expert if experts else None)
+                      block_active_params=block - (count - k) * expert if experts else None,
+                      head_dim=head_dim)
 
 
 def _hf_experts(data: Mapping[str, Any], name: str, h: int, gated: bool
@@ -390,12 +422,13 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu") -> M
 
     found = plan_of(model)  # the layer plan plait lays the blocks out with
     ref_path = next(n for n, m in model.named_modules() if m is ref)
-    if heads == 1 and attention:
+    head_dim = None
+    if attention:
         head_dim = getattr(ref, "head_dim", None) or next(
             (m.head_dim for m in ref.modules()
              if isinstance(getattr(m, "head_dim", None), int)), None)
-        if head_dim:
-            heads = max(1, hidden // head_dim)
+    if heads == 1 and head_dim:
+        heads = max(1, hidden // head_dim)
     if heads == 1 and attention and found is not None:
         heads = _divided_heads(ref, ref_path, found[0]) or heads
     if kv_heads is None and attention:
@@ -442,7 +475,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu") -> M
                                                if not p.requires_grad),
                       held=held_parts(model, stack_name, found),
                       rows=param_rows(model, blocks, found), experts=experts,
-                      block_active_params=round(sum(active) / len(blocks)) if experts else None)
+                      block_active_params=round(sum(active) / len(blocks)) if experts else None,
+                      head_dim=head_dim if isinstance(head_dim, int) else None)
 
 
 def _divided_heads(block: Any, path: str, plan: Any) -> int | None:

@@ -117,7 +117,9 @@ def stage_times(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         # Megatron's scatter/gather trick (or SP) sends the tp-shard; plain torch sends it all.
         split = tp if (plan.sp or work.pp_scatter_gather) else 1
         ab = act_dtype_bytes(plan.mixed_precision)
-        msg = Traffic("pp", "send_recv", b * work.seq * model.hidden * ab / split, 1, 2)
+        # each rank sends its cp slice of every sequence
+        msg = Traffic("pp", "send_recv", b * (work.seq // plan.cp) * model.hidden * ab / split,
+                      1, 2)
         p2p = 2 * collective_time(msg, cluster, tp * plan.dp_shard * plan.dp_replicate, c)
     rank_chunks = [range(r, chunks, pp) for r in range(pp)]
     rank_time = [sum(chunk_time[i] for i in ids) + p2p * len(ids) for ids in rank_chunks]

@@ -5,7 +5,10 @@ the kv-heads or are a multiple of them: the kv heads are then replicated), pp
 (divisors of what is left, at most one block per chunk), the data-parallel rest as DDP, ZeRO-1/2/3
 over all of it, or HSDP (ZeRO-3 inside a node, replicated across); microbatch size (divisors of
 the per-rank batch, up to 16); for pp > 1 the schedules 1F1B, interleaved 1F1B (v = 2, 4),
-interleaved zero-bubble and ZB-V (v = 2); sequence parallelism; activation checkpointing.
+interleaved zero-bubble and ZB-V (v = 2); sequence parallelism; activation checkpointing;
+context parallelism (cp: divisors of what tp leaves, where 2 x cp divides the sequence and
+the model has attention), wherever ``Plan.validate`` accepts the layout with cp (what cp
+composes with is read from the plan's own rule, never restated here).
 
 Pruned, without losing a winner under the cost model:
   * layouts whose model state alone (parameters, gradients, optimizer at the ZeRO stage) does not
@@ -24,6 +27,7 @@ honours.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +57,10 @@ class SearchResult:
     closest: Estimate | None = None     # the infeasible plan that came nearest to fitting
     fit: int = 0                        # layouts the cost model fits in memory (before the cut
                                         # to ``top`` and before asking the model)
+    # Without context parallelism: the fastest layout that fits, else the infeasible one that
+    # came nearest to fitting (what ``plait plan`` says a cp winner is chosen over)
+    best_without_cp: Estimate | None = None
+    closest_without_cp: Estimate | None = None
 
     @property
     def best(self) -> Estimate | None:
@@ -60,7 +68,8 @@ class SearchResult:
 
 
 def _state_bytes(model: ModelStats, tp: int, pp: int, shard: int, zero: int, dtype: str) -> float:
-    """Lower bound on model-state bytes per device (even blocks, embedding share ignored)."""
+    """Lower bound on model-state bytes per device (even blocks, embedding share ignored);
+    ``shard``: the ranks FSDP2 shards over (dp_shard, times cp under context parallelism)."""
     p = model.n_layers * model.block_params / (tp * pp)
     s = shard
     total = 4 * p / (s if zero >= 2 else 1) + 4 * p / (s if zero >= 2 else 1) + \
@@ -72,16 +81,33 @@ def _state_bytes(model: ModelStats, tp: int, pp: int, shard: int, zero: int, dty
     return total
 
 
-def _dp_splits(dp: int, tp: int, cluster: Cluster) -> list[tuple[int, int, int]]:
-    """(dp_replicate, dp_shard, zero) choices for a data-parallel degree ``dp``."""
+def _dp_splits(dp: int, tp: int, cluster: Cluster, cp: int = 1) -> list[tuple[int, int, int]]:
+    """(dp_replicate, dp_shard, zero) choices for a data-parallel degree ``dp``; HSDP shards
+    inside a node (dp_shard x cp x tp ranks, cp between dp_shard and tp in mesh order)."""
     out = [(dp, 1, 0)]
     if dp > 1:
         out += [(1, dp, z) for z in (1, 2, 3) if z > 1 or tp == 1]  # see Plan.validate
-        inner = max((d for d in divisors(dp) if d * tp <= cluster.devices_per_node
-                     and cluster.devices_per_node % (d * tp) == 0), default=1)
+        inner = max((d for d in divisors(dp) if d * cp * tp <= cluster.devices_per_node
+                     and cluster.devices_per_node % (d * cp * tp) == 0), default=1)
         if 1 < inner < dp:
             out.append((dp // inner, inner, 3))
     return out
+
+
+def _refused(layout: dict) -> str | None:
+    """Why ``Plan.validate`` refuses the degrees of ``layout`` (None: it accepts them), as the
+    search's rejection kind: what context parallelism composes with is the plan's rule."""
+    try:
+        Plan(**layout)
+    except ValueError as exc:
+        return _refusal_kind(exc)
+    return None
+
+
+def _refusal_kind(exc: ValueError) -> str:
+    """``Plan.validate``'s first reason, without the degrees: one rejection kind per rule."""
+    first = str(exc).removeprefix("invalid plan: ").split(":")[0]
+    return "plan does not compose: " + re.sub(r"=\d+", "", first)
 
 
 def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
@@ -97,15 +123,24 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
             continue  # a tp group would straddle two nodes
         if model.tp_refuses(tp):
             continue
-        for pp in divisors(world // tp):
+        degrees = [(c, p) for c in _cp_degrees(model, work, world // tp)
+                   for p in divisors(world // (tp * c))]
+        for cp, pp in degrees:
             if pp > model.n_layers:
-                break
-            dp = world // (tp * pp)
+                continue
+            dp = world // (tp * cp * pp)
             if B % dp:
                 continue
             per_rank = B // dp
-            for R, S, zero in _dp_splits(dp, tp, cluster):
-                if _state_bytes(model, tp, pp, S, zero, dtype) + cluster.reserve_bytes > \
+            for R, S, zero in _dp_splits(dp, tp, cluster, cp):
+                probe = dict(tp=tp, cp=cp, pp=pp, dp_replicate=R, dp_shard=S, zero=zero,
+                             mixed_precision=dtype, microbatches=pp)
+                why = _refused(probe) if cp > 1 else None
+                if why is not None:
+                    yield why  # counted as refused
+                    continue
+                shards = S * cp if zero >= 2 else S
+                if _state_bytes(model, tp, pp, shards, zero, dtype) + cluster.reserve_bytes > \
                         cluster.memory_bytes:
                     yield None  # counted as pruned
                     continue
@@ -115,6 +150,8 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
                     n = per_rank // b
                     base = dict(tp=tp, pp=pp, dp_replicate=R, dp_shard=S, zero=zero,
                                 mixed_precision=dtype)
+                    if cp > 1:
+                        base["cp"] = cp
                     if pp == 1:
                         layouts = [dict(base, grad_accum=n)]
                     else:
@@ -131,10 +168,19 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
                             layouts.append(dict(base, microbatches=n, virtual_stages=2,
                                                 pp_schedule="zbv"))
                     for layout in layouts:
-                        sp_ok = tp > 1 and work.seq % tp == 0
+                        sp_ok = tp > 1 and (work.seq // cp) % tp == 0
                         for sp in (True, False) if sp_ok and plain_tp else (sp_ok,):
                             yield [dict(layout, sp=sp, activation_checkpointing=ac)
                                    for ac in AC_ORDER]
+
+
+def _cp_degrees(model: ModelStats, work: Workload, devices: int) -> list[int]:
+    """Context-parallel degrees to try on ``devices``: 1, and the divisors that split every
+    sequence into 2 x cp equal chunks (plait.parallel.context), for a model whose blocks
+    have attention (without it, a sequence needs no splitting: data parallelism does it)."""
+    if not model.attention:
+        return [1]
+    return [cp for cp in divisors(devices) if cp == 1 or work.seq % (2 * cp) == 0]
 
 
 def _sort_key(e: Estimate):
@@ -160,15 +206,22 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
     feasible: list[Estimate] = []
     rejected: dict[str, int] = {}
     closest: Estimate | None = None
+    closest_flat: Estimate | None = None  # without context parallelism
     evaluated = 0
     for group in candidate_plans(model, cluster, work, dtype=dtype,
                                  max_microbatch=max_microbatch,
                                  plain_tp=layout_check is not None):
-        if group is None:
-            rejected["model state does not fit"] = rejected.get("model state does not fit", 0) + 1
+        if group is None or isinstance(group, str):
+            kind = group or "model state does not fit"
+            rejected[kind] = rejected.get(kind, 0) + 1
             continue
         for fields in group:
-            plan = Plan(**fields)
+            try:
+                plan = Plan(**fields)
+            except ValueError as exc:  # a rule of Plan.validate beyond the degrees (cp's)
+                why = _refusal_kind(exc)
+                rejected[why] = rejected.get(why, 0) + 1
+                break
             est = evaluate(plan, model, cluster, work, constants, balance=True)
             evaluated += 1
             if est.feasible:
@@ -176,17 +229,25 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
                 break
             kind = "out of memory" if "GiB" in est.reason else est.reason.split(" ")[0]
             rejected[kind] = rejected.get(kind, 0) + 1
-            if est.memory_bytes_per_device and (
-                    closest is None
-                    or est.memory_bytes_per_device < closest.memory_bytes_per_device):
-                closest = est
+            if est.memory_bytes_per_device:
+                closest = _nearer(closest, est)
+                if plan.cp == 1:
+                    closest_flat = _nearer(closest_flat, est)
     feasible.sort(key=_sort_key)
     fit = len(feasible)
+    flat = next((e for e in feasible if e.plan.cp == 1), None)
     if layout_check is not None:
         feasible = _accepted(feasible, layout_check, top, rejected)
     return SearchResult(ranked=feasible[:max(top, 1)] if top else feasible, evaluated=evaluated,
                         seconds=time.perf_counter() - start, rejected=rejected, closest=closest,
-                        fit=fit)
+                        fit=fit, best_without_cp=flat, closest_without_cp=closest_flat)
+
+
+def _nearer(closest: Estimate | None, est: Estimate) -> Estimate:
+    """The one of two infeasible estimates that needs less memory."""
+    if closest is None or est.memory_bytes_per_device < closest.memory_bytes_per_device:
+        return est
+    return closest
 
 
 def _accepted(ranked: list[Estimate], check: Callable[[Plan], str | None], top: int,

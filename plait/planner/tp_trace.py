@@ -88,10 +88,6 @@ def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str, de
     ``params``): per
     module in ``names`` (input bytes/element, output bytes/element, tensors saved for backward
     before its input, before its output), and the number saved in all."""
-    from torch.func import functional_call
-
-    from .._torch_compat import fake_tensor_mode
-
     seen: dict[str, list[int]] = {}
     saved = [0]
     hooks = []
@@ -113,13 +109,33 @@ def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str, de
         saved[0] += 1
         return t
 
+    try:
+        for name, module in names.items():
+            hooks.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
+            hooks.append(module.register_forward_hook(post(name), with_kwargs=True))
+        if not _fake_forward(model, seq, mode, device,
+                             lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
+            return None
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: (v[0], v[1], v[2], v[3]) for n, v in seen.items()}, saved[0]
+
+
+def _fake_forward(model: nn.Module, seq: int, mode: str, device: str,
+                  around: Any) -> bool:
+    """One forward of ``model`` on fake token ids (1, ``seq``) on ``device`` under ``mode``
+    (``fp32``; ``autocast`` over fp32 parameters; ``params``: the parameters cast to bf16, as
+    FSDP2's MixedPrecisionPolicy holds them, under autocast), inside the context ``around()``
+    makes; False where the forward cannot run on fake tensors."""
+    from torch.func import functional_call
+
+    from .._torch_compat import fake_tensor_mode
+
     quiet = logging.getLogger("torch._subclasses.fake_tensor")  # logs each failed op
     level = quiet.level
     try:
         quiet.setLevel(logging.CRITICAL)
-        for name, module in names.items():
-            hooks.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
-            hooks.append(module.register_forward_hook(post(name), with_kwargs=True))
         with fake_tensor_mode()():
             cast = torch.bfloat16 if mode == "params" else None
             state = {n: torch.empty(p.shape, dtype=cast if cast and p.is_floating_point()
@@ -129,15 +145,58 @@ def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str, de
                           for n, b in model.named_buffers()})
             tokens = torch.zeros((1, seq), dtype=torch.long, device=device)
             autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=mode != "fp32")
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            with around(), autocast:
                 functional_call(model, state, (tokens,))
     except Exception:  # noqa: BLE001 - a forward the fake pass cannot run: no trace
-        return None
+        return False
     finally:
         quiet.setLevel(level)
-        for h in hooks:
-            h.remove()
-    return {n: (v[0], v[1], v[2], v[3]) for n, v in seen.items()}, saved[0]
+    return True
+
+
+def attention_keys(model: nn.Module, seq: int = 8, device_type: str = "cpu"
+                   ) -> tuple[tuple[int, int, int], ...] | None:
+    """What each ``F.scaled_dot_product_attention`` call of one forward receives as keys and
+    values, in call order: (features per token of the keys: heads x head_dim, bytes per
+    element of a key plus a value under autocast over fp32 parameters, the same with the
+    parameters in bf16 as FSDP2 holds them). Context parallelism all-gathers exactly these, so
+    their dtypes are the model's own code's to say: a rotary embedding computed in fp32
+    promotes autocast's bf16 keys to fp32 and leaves the values bf16 (4 + 2 bytes). None where
+    the forward cannot run on fake token ids or the passes disagree on the calls."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    if device_type not in ("cpu", "cuda") or (
+            device_type == "cuda" and not torch.cuda.is_available()):
+        return None
+    runs: dict[str, list[tuple[int, int]]] = {}
+    for mode in ("autocast", "params"):
+        seen: list[tuple[int, int]] = []
+
+        @contextlib.contextmanager
+        def record(seen: list[tuple[int, int]] = seen) -> Any:
+            original = F.scaled_dot_product_attention
+
+            def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          *args: Any, **kwargs: Any) -> torch.Tensor:
+                seen.append((key.shape[-3] * key.shape[-1] if key.ndim >= 3 else key.shape[-1],
+                             key.element_size() + value.element_size()))
+                return original(query, key, value, *args, **kwargs)
+
+            F.scaled_dot_product_attention = attention
+            try:
+                yield
+            finally:
+                F.scaled_dot_product_attention = original
+
+        if not _fake_forward(model, seq, mode, device_type, record):
+            return None
+        runs[mode] = seen
+    auto, params = runs["autocast"], runs["params"]
+    if len(auto) != len(params) or any(a[0] != p[0] for a, p in zip(auto, params, strict=True)):
+        return None
+    return tuple((a[0], a[1], p[1]) for a, p in zip(auto, params, strict=True))
 
 
 def trace(model: nn.Module, block: str, forward: list[str], backward: list[str],

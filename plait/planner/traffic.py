@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from plait.comm import predict
 from plait.comm.predict import LocalModel, clip_axes
 from plait.comm.volumes import Traffic
-from plait.mesh import DP_SHARD_TP
+from plait.mesh import DP_CP, DP_SHARD_CP, DP_SHARD_TP
 from plait.plan import Plan
 
 from .fsdp_rows import Padding, ParamRows, Rows, Trained, copy_padding, padding, trained
@@ -63,10 +63,20 @@ def collective_time(t: Traffic, cluster: Cluster, stride: int, c: Constants) -> 
 
 # ------------------------------------------------------------------------ data parallelism
 def axis_stride(plan: Plan, axis: str) -> int:
-    """Rank stride of a mesh axis's groups in mesh order (pp, dp_replicate, dp_shard, cp, tp)."""
+    """Rank stride of a mesh axis's groups in mesh order (pp, dp_replicate, dp_shard, cp, tp).
+    The flattened views over cp (``dp_shard_cp``, ``dp_cp``) join neighbouring axes down to
+    cp, so their ranks are tp apart, as cp's own."""
     tp, cp, S, R = plan.tp, plan.cp, plan.dp_shard, plan.dp_replicate
-    return {"tp": 1, DP_SHARD_TP: 1, "dp_shard": cp * tp, "dp": cp * tp,
+    return {"tp": 1, DP_SHARD_TP: 1, "cp": tp, DP_SHARD_CP: tp, DP_CP: tp,
+            "dp_shard": cp * tp, "dp": cp * tp,
             "dp_replicate": S * cp * tp, "pp": R * S * cp * tp}[axis]
+
+
+def fsdp_shards(plan: Plan) -> int:
+    """Ranks FSDP2 shards parameters, gradients and optimizer state over: dp_shard under
+    ZeRO-2/3, times cp under context parallelism (the cp ranks hold the same parameters, so
+    plait shards over dp_shard x cp); 1 otherwise."""
+    return plan.dp_shard * plan.cp if plan.zero >= 2 else 1
 
 
 def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
@@ -159,7 +169,7 @@ def trained_share(plan: Plan, model: ModelStats, rows: ParamRows, blocks: list[i
     a unit's existing gradients, and nothing for a unit with none: a frozen block, a root with
     a frozen embedding)."""
     tp = plan.tp
-    shards = plan.dp_shard if plan.zero >= 2 else 1
+    shards = fsdp_shards(plan)
     even = tp > 1 and model.held is None  # no layer plan: every tensor priced as split evenly
     per_block = [trained(rows.stack[j], tp, shards, even=even) for j in blocks]
     root = sum((trained(part, tp, shards, even=even)
@@ -180,7 +190,7 @@ def uneven_pieces(plan: Plan, model: ModelStats
     that piece's dim 0 to a multiple of dp_shard. None where neither applies (tp=1 without
     FSDP2's sharding), the model's shapes were not read (a config: element counts), or tensor
     parallelism splits a model without a layer plan (every tensor priced as split evenly)."""
-    shards = plan.dp_shard if plan.zero >= 2 else 1
+    shards = fsdp_shards(plan)
     if model.rows is None or (plan.tp == 1 and shards == 1):
         return None
     if plan.tp > 1 and model.held is None:
@@ -196,7 +206,7 @@ def tied_piece(plan: Plan, model: ModelStats) -> float:
     copies (``plait.parallel.pipeline`` sums each copy's local piece over the two stages): the
     tensor-parallel shard, and under FSDP2's ZeRO-2/3 its ``dp_shard`` shard of that. Both cut
     dim 0 (the vocabulary rows) as ``torch.chunk`` does, the first chunk the largest."""
-    shards = plan.dp_shard if plan.zero >= 2 else 1
+    shards = fsdp_shards(plan)
     if not model.tied_shapes:  # shapes not read: an even split
         return model.tied_params / (plan.tp * shards)
     out = 0.0
@@ -208,8 +218,10 @@ def tied_piece(plan: Plan, model: ModelStats) -> float:
 
 def uses_fsdp(plan: Plan) -> bool:
     """FSDP2 wraps every block and the stage root: ZeRO-2/3, and replicated DP over TP shards
-    (plait's runtime replicates DTensor parameters through FSDP2 too)."""
-    return plan.zero >= 2 or (plan.zero == 0 and plan.tp > 1 and plan.dp_replicate > 1)
+    (plait's runtime replicates DTensor parameters through FSDP2 too, over dp x cp under
+    context parallelism)."""
+    return plan.zero >= 2 or (plan.zero == 0 and plan.tp > 1
+                              and plan.dp_replicate * plan.cp > 1)
 
 
 def dp_traffic(plan: Plan, share: LocalModel, *, grad_dtype: str, bucket_bytes: float
@@ -231,7 +243,7 @@ def clip_traffic(plan: Plan, share: LocalModel) -> list[tuple[Traffic, int]]:
 def fsdp_host_time(plan: Plan, share: LocalModel, c: Constants) -> tuple[float, float]:
     """FSDP2's per-unit costs beyond the collectives on one pipeline rank, per optimizer step:
     (its gradient reduces, its ZeRO-3 backward re-gathers)."""
-    if not (plan.zero >= 2 and plan.dp_shard > 1):
+    if fsdp_shards(plan) == 1:
         return 0.0, 0.0
     pp, steps = plan.pp, plan.grad_accum
     syncs = steps if pp > 1 else 1
@@ -256,7 +268,7 @@ def fsdp_exposed(plan: Plan, cluster: Cluster, share: LocalModel, layers: int,
     only on the micro-step that syncs gradients, and the last one is never hidden. Overlap is
     thus capped by the compute of each unit, on the dp_shard group's tier (inter-node bandwidth
     per GPU when the group spans nodes), with the ring's latency per call."""
-    S, tp = plan.dp_shard, plan.tp
+    S, tp = fsdp_shards(plan), plan.tp
     steps = plan.grad_accum
     pbytes, gbytes = act_dtype_bytes(plan.mixed_precision), act_dtype_bytes(grad_dtype)
     block = (share.params - share.root_params) / max(layers, 1)
