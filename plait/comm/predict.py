@@ -31,8 +31,8 @@ is predicted under data parallelism alone, read off the laid-out model (``plait.
   ``plait.parallel.tensor``): 2 per block + the final norm, ``hidden`` fp32 elements each.
 * Gradient clipping (``plan.grad_clip``, default on): ``get_total_norm`` over DTensor gradients
   (FSDP2, TP) all-reduces one fp32 norm per parameter tensor on every mesh axis the gradients
-  are sharded on, in one call over the flattened ``dp_shard_tp`` view where they are sharded on
-  both (``plait.mesh``); with pipelines the squared norm (one fp32) is all-reduced over ``pp``.
+  are sharded on, in one call over the flattened ``dp_shard_tp`` view (``dp_shard_cp_tp``
+  under context parallelism) where they are sharded on both (``plait.mesh``); with pipelines the squared norm (one fp32) is all-reduced over ``pp``.
 * PP: per microbatch and boundary one activation sent forward, one gradient sent back, per
   stage this rank holds (a neighbour stage on the same rank is handed over locally).
 """
@@ -45,7 +45,7 @@ from math import prod
 from typing import Any
 
 from .._torch_compat import is_split
-from ..mesh import DP, DP_CP, DP_SHARD_CP, DP_SHARD_TP
+from ..mesh import DP, DP_CP, DP_SHARD_CP, DP_SHARD_CP_TP, DP_SHARD_TP
 from ..parallel.tp_kv import replicated_kv_elements
 from .volumes import DDP_BUCKET_BYTES, Traffic, cp_traffic, ddp_traffic, dtype_bytes
 
@@ -300,7 +300,8 @@ def _dp_axis(plan: Any) -> str:
 # so where no single axis of size > 1 holds the same ranks (plait.comm.ledger
 # axis_names_by_ranks: single axes first, then these views in this order).
 _FLAT = ((DP, ("dp_replicate", "dp_shard")), (DP_SHARD_CP, ("dp_shard", "cp")),
-         (DP_CP, ("dp_replicate", "dp_shard", "cp")), (DP_SHARD_TP, ("dp_shard", "tp")))
+         (DP_CP, ("dp_replicate", "dp_shard", "cp")), (DP_SHARD_TP, ("dp_shard", "tp")),
+         (DP_SHARD_CP_TP, ("dp_shard", "cp", "tp")))
 
 
 def _ledger_axis(plan: Any, axes: tuple[str, ...]) -> str:
@@ -521,18 +522,20 @@ def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
 def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
     """Gradient clipping (``plan.grad_clip``): ``get_total_norm`` over DTensor gradients
     all-reduces one fp32 norm per parameter tensor on every mesh axis they are sharded on, in one
-    call over the flattened ``dp_shard_tp`` view where they are sharded on both; with pipelines
-    each stage holds only its own gradients, so the squared norm (one fp32) is all-reduced over
+    call over the flattened ``dp_shard_tp`` (``dp_shard_cp_tp``) view where they are sharded
+    on both; with pipelines each stage holds only its own gradients, so the squared norm (one fp32) is all-reduced over
     ``pp`` too (``plait.train.clip_grad_norm``): a blocking call every stage waits in."""
     if not plan.grad_clip:
         return []
     out: list[Traffic] = []
     axes, sizes = list(local.clip_axes), {a: _axis_size(plan, a) for a in local.clip_axes}
-    if {"dp_shard", "tp"} <= set(axes):
-        # plait.mesh builds the flattened (dp_shard, tp) view, so DTensor reduces norms
-        # partial over both axes in one all-reduce over it, not one per axis
-        axes = [a for a in axes if a not in ("dp_shard", "tp")] + [DP_SHARD_TP]
-        sizes[DP_SHARD_TP] = plan.dp_shard * plan.tp
+    for pair, joined in ((("dp_shard", "tp"), DP_SHARD_TP),
+                         ((DP_SHARD_CP, "tp"), DP_SHARD_CP_TP)):
+        if set(pair) <= set(axes):
+            # plait.mesh builds the flattened (dp_shard[, cp], tp) view, so DTensor reduces
+            # norms partial over both axes in one all-reduce over it, not one per axis
+            axes = [a for a in axes if a not in pair] + [joined]
+            sizes[joined] = _axis_size(plan, joined)
     for axis in axes:
         name = _ledger_axis(plan, dict(_FLAT).get(axis, (axis,)))  # dp_shard_cp at dp_shard=1: cp
         out.append(Traffic(name, "all_reduce", float(local.clip_tensors) * FP32, 1, sizes[axis],

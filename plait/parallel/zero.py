@@ -155,7 +155,7 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     kwargs: dict[str, Any] = dict(mesh=dm, mp_policy=mixed_precision_policy(plan),
                                   offload_policy=offload_policy(plan, dm.device_type))
     if plan.tp > 1:
-        kwargs["shard_placement_fn"] = _shard_placement(module, plan.dp_shard)
+        kwargs["shard_placement_fn"] = _shard_placement(module, plan)
     reshard = plan.zero == 3
     quiet_view_output_warning()
     for _, unit in units:
@@ -174,7 +174,7 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     return module
 
 
-def _shard_placement(module: nn.Module, shards: int) -> Callable[[nn.Parameter], Shard | None]:
+def _shard_placement(module: nn.Module, plan: Plan) -> Callable[[nn.Parameter], Shard | None]:
     """FSDP2's ``shard_placement_fn`` over tensor parallelism: a parameter TP split with a
     strided placement on dim 0 (a fused q|k|v weight: rank r holds ``[q_r, k_r, v_r]``) is
     sharded on another dim; the others on dim 0, FSDP2's default.
@@ -185,6 +185,9 @@ def _shard_placement(module: nn.Module, shards: int) -> Callable[[nn.Parameter],
     checkpoint or ``run.full_state_dict`` writes, put rows of q, k and v in each other's
     places."""
     names = {id(p): n for n, p in module.named_parameters()}
+    # FSDP2 shards over dp_shard, and over dp_shard x cp under context parallelism (data_mesh)
+    shards = plan.dp_shard * plan.cp
+    over = f"dp_shard={plan.dp_shard}" + (f" x cp={plan.cp}" if plan.cp > 1 else "")
 
     def place(param: nn.Parameter) -> Shard | None:
         strided = {pl.dim for pl in getattr(param, "placements", ()) if is_strided(pl)}
@@ -196,8 +199,9 @@ def _shard_placement(module: nn.Module, shards: int) -> Callable[[nn.Parameter],
         raise ValueError(
             f"{names.get(id(param), 'a parameter')} (shape {tuple(param.shape)}) is a fused "
             f"layer split over tp with its parts kept apart; ZeRO-2/3 must shard it on another "
-            f"dim, and dp_shard={shards} divides none of {tuple(param.shape[1:])}: pick a "
-            f"dp_shard that divides its input size, or zero=0 with dp_replicate")
+            f"dim, and {over} = {shards} shards divide none of {tuple(param.shape[1:])}: "
+            f"pick a dp_shard (x cp) that divides its input size, or zero=0 with "
+            f"dp_replicate")
     return place
 
 
