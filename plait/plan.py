@@ -320,9 +320,6 @@ class Plan:
             errors.append(f"cp={self.cp} with pp={self.pp} is not supported: context "
                           f"parallelism composes with dp_replicate, dp_shard and tp; use pp=1, "
                           f"or cp=1")
-        if self.zero == 1:
-            errors.append(f"cp={self.cp} with zero=1 is not supported: use zero=2 or zero=3 "
-                          f"(FSDP shards over dp_shard x cp), or zero=0 with dp_replicate")
         if self.compile:
             errors.append(f"cp={self.cp} with compile is not supported: the cp attention "
                           f"issues its all-gather from Python inside each block's forward; "

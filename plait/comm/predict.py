@@ -412,12 +412,20 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
 
 def _dp_cp_traffic(plan: Any, local: LocalModel, g: int, grad_dtype: str,
                    bucket_bytes: float) -> list[Traffic]:
-    """:func:`dp_traffic` under context parallelism (no pipeline, no tp, no ZeRO-1: refused
-    there): the cp ranks compute partial gradients of the same parameters, so they join the
-    data ranks. DDP all-reduces over dp x cp (``dp_cp``), and with tp FSDP2's replicate one
-    all-reduce per unit; FSDP2 shards and reduce-scatters over
-    dp_shard x cp (``dp_shard_cp``), HSDP all-reducing that shard over dp_replicate."""
+    """:func:`dp_traffic` under context parallelism (no pipeline: refused there): the cp
+    ranks compute partial gradients of the same parameters, so they join the data ranks.
+    DDP all-reduces over dp x cp (``dp_cp``), and with tp FSDP2's replicate one all-reduce
+    per unit; FSDP2 shards and reduce-scatters over dp_shard x cp (``dp_shard_cp``), HSDP
+    all-reducing that shard over dp_replicate; ZeRO-1 is DDP over dp x cp, then
+    ZeroRedundancyOptimizer's broadcast of every parameter over dp_shard x cp."""
     G = float(local.grads)
+    if plan.zero == 1:
+        shard = _ledger_axis(plan, _shard_axes(plan))
+        return ddp_traffic(G, _axis_size(plan, DP_CP), grad_dtype,
+                           axis=_ledger_axis(plan, ("dp_replicate", "dp_shard", "cp")),
+                           bucket_bytes=bucket_bytes) + [
+            Traffic(shard, "broadcast", float(local.params) * FP32, max(1, local.tensors),
+                    _axis_size(plan, DP_SHARD_CP), "params (ZeroRedundancyOptimizer)")]
     if plan.zero in (2, 3):
         shard = _ledger_axis(plan, _shard_axes(plan))
         n = _axis_size(plan, DP_SHARD_CP)

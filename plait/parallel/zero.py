@@ -252,9 +252,13 @@ def _apply_zero1(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     from .data import apply_ddp
 
     device = next(module.parameters()).device
-    # Gradients are averaged over every data rank (replicate x shard); the optimizer state is
-    # partitioned over dp_shard only (shard_optimizer).
-    return apply_ddp(module, mesh["dp"], device=device, find_unused=plan.find_unused)
+    # Gradients are averaged over every data rank (replicate x shard), and under context
+    # parallelism over the cp ranks too (they compute partial gradients of the same
+    # parameters); the optimizer state is partitioned over dp_shard (x cp: shard_optimizer).
+    from ..mesh import DP_CP
+
+    return apply_ddp(module, mesh[DP_CP if plan.cp > 1 else "dp"], device=device,
+                     find_unused=plan.find_unused)
 
 
 def apply_replicate(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
@@ -333,7 +337,8 @@ def zero1_optimizer(optimizer: torch.optim.Optimizer, mesh: Mesh, plan: Plan,
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, mesh: Mesh, plan: Plan
                     ) -> torch.optim.Optimizer:
-    """ZeRO-1: the user's optimizer, rebuilt as a ``ZeroRedundancyOptimizer`` over ``dp_shard``.
+    """ZeRO-1: the user's optimizer, rebuilt as a ``ZeroRedundancyOptimizer`` over ``dp_shard``
+    (``dp_shard x cp`` under context parallelism, whose ranks hold the same parameters).
 
     Same class, same parameter groups and hyperparameters; each rank keeps the state of its
     partition only. Call it before the first step (the user's optimizer must hold no state yet:
@@ -351,8 +356,11 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, mesh: Mesh, plan: Plan
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [dict(g) for g in optimizer.param_groups]
+    from ..mesh import DP_SHARD_CP
+
+    shards = mesh[DP_SHARD_CP if plan.cp > 1 else "dp_shard"]
     return ZeroRedundancyOptimizer(groups, optimizer_class=cls,
-                                   process_group=mesh["dp_shard"].get_group(), **defaults)
+                                   process_group=shards.get_group(), **defaults)
 
 
 def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
