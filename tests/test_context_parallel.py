@@ -8,6 +8,8 @@ sums taken in another order, nothing more; a wrong mask or a missing gradient te
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -290,7 +292,13 @@ def test_the_predicted_rows_sit_on_the_axes_the_ledger_names():
                                         for op in ("all_gather", "reduce_scatter", "all_reduce")},
              "dp_replicate=2,dp_shard=2,zero=3,cp=2": {
                  ("dp_replicate", "all_reduce"),
-                 *{("dp_shard_cp", op) for op in ("all_gather", "reduce_scatter", "all_reduce")}}}
+                 *{("dp_shard_cp", op) for op in ("all_gather", "reduce_scatter", "all_reduce")}},
+             # ZeRO-1: DDP's all-reduce over dp x cp, the optimizer's broadcasts over
+             # dp_shard x cp (the same ranks here)
+             "cp=2,zero=1": {("cp", "all_reduce"), ("cp", "broadcast")},
+             "dp_shard=2,cp=2,zero=1": {("dp_shard_cp", "all_reduce"),
+                                        ("dp_shard_cp", "broadcast")},
+             "dp_replicate=2,cp=2,zero=1": {("dp_cp", "all_reduce"), ("cp", "broadcast")}}
     for text, grads in cases.items():
         rows = by_axis_op(predict(Plan.from_string(text), cfg, 4, 32))
         assert set(rows) == grads | set(kv), (text, sorted(rows))
@@ -298,6 +306,21 @@ def test_the_predicted_rows_sit_on_the_axes_the_ledger_names():
     hsdp = by_axis_op(predict(Plan.from_string("dp_replicate=2,dp_shard=2,zero=3,cp=2"), cfg,
                               4, 32))
     assert hsdp[("dp_replicate", "all_reduce")] == hsdp[("dp_shard_cp", "reduce_scatter")] / 4
+
+
+def test_the_clip_norms_under_fsdp_x_cp_x_tp_are_one_all_reduce():
+    """FSDP2 over dp_shard x cp beside tp: the gradient norms are partial over dp_shard_cp
+    and tp, and plait's mesh flattens the two, so the prediction is one all-reduce over all
+    dp_shard x cp x tp ranks (none on dp_shard_tp, which holds other ranks)."""
+    from plait.comm.predict import predict
+    from plait.models.transformer import preset
+    from plait.plan import Plan
+
+    for text, ranks in (("dp_shard=2,cp=2,tp=2,zero=3", 8), ("cp=2,tp=2,zero=2", 4)):
+        clip = [t for t in predict(Plan.from_string(text), preset("test"), 4, 32)
+                if t.what.startswith("clip")]
+        assert [(t.axis, t.op, t.calls, t.group) for t in clip] == [
+            ("dp_shard_cp_tp", "all_reduce", 1, ranks)], (text, clip)
 
 
 @pytest.mark.slow
@@ -323,3 +346,61 @@ def test_training_at_dp2_x_cp2_x_tp2_matches_one_device(lm_data):
     got = run_distributed(W.train, 8, [("dp=2,cp=2,tp=2", W.reference_lm, batches, W.lm_loss)],
                           timeout=480)[0]
     _assert_matches(ref["reference"], got[0])
+
+
+# ------------------------------------------------------------------ cp with tp and ZeRO
+@pytest.fixture(scope="module")
+def adamw_ref(lm_data):
+    """One device under AdamW (tests/_workers_cp.py reference_adamw), by model, computed on
+    first use."""
+    batches, _ = lm_data
+    models = {"block": (W.block_lm, W.lm_loss), "reference": (W.reference_lm, W.lm_loss),
+              "hf": (W.hf_llama, W.logits_loss)}
+
+    @functools.cache
+    def one_device(which: str) -> dict:
+        factory, loss_fn = models[which]
+        return W.reference_adamw(factory, batches, loss_fn)
+    return one_device
+
+
+def test_cp_under_zero3_with_tp_and_under_zero1_matches_one_device(lm_data, adamw_ref):
+    """World 4, AdamW: FSDP2 over the cp ranks beside tp (cp=2,tp=2,zero=3: tp's DTensors
+    sharded over dp_shard x cp, a fused q|k|v layer on another dim), and ZeRO-1 with cp (DDP
+    over dp x cp, the optimizer state partitioned over dp_shard x cp) train what one device
+    trains: every step's loss and every parameter after the last, on a model written for the
+    test."""
+    batches, _ = lm_data
+    jobs = [("cp=2,tp=2,zero=3", W.block_lm, batches, W.lm_loss),
+            ("dp_shard=2,cp=2,zero=1", W.block_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train_adamw, 4, jobs, timeout=300)[0]
+    for result in got:
+        _assert_matches(adamw_ref("block"), result)
+
+
+@pytest.mark.slow
+def test_cp_x_tp_under_zero2_and_zero3_matches_one_device(lm_data, adamw_ref):
+    """World 4, AdamW: plait's transformer under ZeRO-3 and ZeRO-2 with sequence parallelism
+    beside cp=2,tp=2; a tiny Hugging Face Llama (tp plan inferred) under ZeRO-3; ZeRO-1
+    sharding the optimizer over the cp ranks only, replicated over dp_replicate."""
+    batches, _ = lm_data
+    jobs = [("cp=2,tp=2,zero=3", W.reference_lm, batches, W.lm_loss),
+            ("cp=2,tp=2,zero=2,sp", W.reference_lm, batches, W.lm_loss),
+            ("cp=2,tp=2,zero=3", W.hf_llama, batches, W.logits_loss),
+            ("dp_replicate=2,cp=2,zero=1", W.block_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train_adamw, 4, jobs, timeout=480)[0]
+    for result, which in zip(got, ("reference", "reference", "hf", "block"), strict=True):
+        _assert_matches(adamw_ref(which), result)
+
+
+@pytest.mark.slow
+def test_fsdp_over_dp_shard_x_cp_with_tp_at_world8_matches_one_device(lm_data, adamw_ref):
+    """World 8, AdamW: dp_shard=2,cp=2,tp=2 under ZeRO-3 (FSDP2 over the 4 dp_shard x cp
+    ranks of each tp rank) on both models, and HSDP over dp_replicate x cp beside tp."""
+    batches, _ = lm_data
+    jobs = [("dp_shard=2,cp=2,tp=2,zero=3", W.block_lm, batches, W.lm_loss),
+            ("dp_shard=2,cp=2,tp=2,zero=3", W.reference_lm, batches, W.lm_loss),
+            ("dp_replicate=2,cp=2,tp=2,zero=3", W.block_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train_adamw, 8, jobs, timeout=600)[0]
+    for result, which in zip(got, ("block", "reference", "block"), strict=True):
+        _assert_matches(adamw_ref(which), result)
