@@ -361,15 +361,31 @@ def checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
-def checkpoints_tp(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """At world 4, cp=2 x tp=2: exact resume (the step-6 checkpoint of an uninterrupted run
-    loaded), its step-3 checkpoint saved to ``root/cptp``, and one process's
-    (``root/single``) continued under it."""
+def checkpoints_tp(rank: int, world_size: int, root: str, plan: str = "cp=2,tp=2"
+                   ) -> dict[str, Any]:
+    """At world 4, ``plan`` (cp=2 x tp=2, replicated or under ZeRO): exact resume (the
+    step-6 checkpoint of an uninterrupted run loaded), its step-3 checkpoint saved to
+    ``root/cptp``, and one process's (``root/single``) continued under it."""
     from tests import _workers_checkpoint as ck
 
-    plan = "cp=2,tp=2"
     return {"resume": ck.exact_resume(rank, world_size, [plan], root + "/resume",
                                       stop=False)[plan],
             f"{plan} (saved)": ck.save_under(rank, world_size, plan, root + "/cptp"),
             f"one process -> {plan}": ck.continue_under(rank, world_size, plan,
                                                          root + "/single")}
+
+
+def checkpoints_zero1(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """At world 2, cp=2 under ZeRO-1 (the optimizer state partitioned over the cp ranks):
+    exact resume, its step-3 checkpoint saved to ``root/cpz1`` and continued under ZeRO-3
+    over 2, and one process's (``root/single``) continued under it."""
+    from tests import _workers_checkpoint as ck
+
+    plan, base = "cp=2,zero=1", root + "/"
+    out: dict[str, Any] = {"resume": ck.exact_resume(rank, world_size, [plan],
+                                                     base + "resume")[plan]}
+    out[f"{plan} (saved)"] = ck.save_under(rank, world_size, plan, base + "cpz1")
+    out[f"{plan} -> dp_shard=2,zero=3"] = ck.continue_under(rank, world_size,
+                                                            "dp_shard=2,zero=3", base + "cpz1")
+    out[f"one process -> {plan}"] = ck.continue_under(rank, world_size, plan, base + "single")
+    return out

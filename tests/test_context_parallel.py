@@ -261,16 +261,31 @@ def test_checkpoints_resume_exactly_and_move_in_and_out_of_cp(tmp_path, no_group
 
 
 @pytest.mark.slow
-def test_checkpoints_under_cp2_x_tp2(tmp_path, no_group):
-    """World 4: cp=2 x tp=2 resumes bitwise, and its checkpoints move to and from one
-    process with one device's losses."""
+@pytest.mark.parametrize("plan", ["cp=2,tp=2", "cp=2,tp=2,zero=3"])
+def test_checkpoints_under_cp2_x_tp2(tmp_path, no_group, plan):
+    """World 4: cp=2 x tp=2, replicated over cp or sharded over it by ZeRO-3, resumes
+    bitwise, and its checkpoints move to and from one process with one device's losses."""
     from tests import _workers_checkpoint as ck
 
     reference = ck.train("single", steps=6)
     ck.save_under(0, 1, "single", str(tmp_path / "single"))
-    out = run_distributed(W.checkpoints_tp, 4, str(tmp_path), timeout=480)[0]
-    out["cp=2,tp=2 -> one process"] = ck.continue_under(0, 1, "single",
-                                                        str(tmp_path / "cptp"))
+    out = run_distributed(W.checkpoints_tp, 4, str(tmp_path), plan, timeout=480)[0]
+    out[f"{plan} -> one process"] = ck.continue_under(0, 1, "single", str(tmp_path / "cptp"))
+    _check_checkpoints(out, reference)
+
+
+@pytest.mark.slow
+def test_checkpoints_under_cp2_with_zero1(tmp_path, no_group):
+    """World 2: cp=2 with ZeRO-1 resumes bitwise (each rank's partition of the optimizer
+    state saved and loaded); its checkpoint continues in one process and under ZeRO-3 over 2,
+    and one process's under it, with one device's losses."""
+    from tests import _workers_checkpoint as ck
+
+    reference = ck.train("single", steps=6)
+    ck.save_under(0, 1, "single", str(tmp_path / "single"))
+    out = run_distributed(W.checkpoints_zero1, 2, str(tmp_path), timeout=420)[0]
+    out["cp=2,zero=1 -> one process"] = ck.continue_under(0, 1, "single",
+                                                          str(tmp_path / "cpz1"))
     _check_checkpoints(out, reference)
 
 
