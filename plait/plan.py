@@ -314,12 +314,13 @@ class Plan:
         return self
 
     def _cp_errors(self) -> list[str]:
-        """What context parallelism does not compose with yet (plait.parallel.context)."""
+        """What context parallelism does not compose with (plait.parallel.context)."""
         errors = []
-        if self.pp > 1:
-            errors.append(f"cp={self.cp} with pp={self.pp} is not supported: context "
-                          f"parallelism composes with dp_replicate, dp_shard and tp; use pp=1, "
-                          f"or cp=1")
+        if self.pp > 1 and self.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+            errors.append(f"cp={self.cp} with pp_schedule={self.pp_schedule!r} is not "
+                          f"supported: the cp ranks' gradients would be synchronised before "
+                          f"the deferred weight gradients exist; use 1f1b, gpipe or "
+                          f"interleaved_1f1b with cp, or cp=1")
         if self.compile:
             errors.append(f"cp={self.cp} with compile is not supported: the cp attention "
                           f"issues its all-gather from Python inside each block's forward; "

@@ -411,8 +411,10 @@ class Run:
                 # layout's.
                 with self.ledger.paused() if recording else contextlib.nullcontext():
                     if self.spmd is None:
+                        # cp ranks count the same rows (each holds a slice): counted once
+                        share = float(items) / self.plan.cp
                         local = torch.cat([local.detach().float(),
-                                           torch.full((1,), float(items), device=local.device)])
+                                           torch.full((1,), share, device=local.device)])
                     if self.spmd is None and self.plan.pp > 1:
                         totals_in, agreed = self._pipeline_totals(local)
                     else:
@@ -811,11 +813,11 @@ class Run:
         job's (clipping): a clean step then needs no agreement of its own (``plait.guard``)."""
         guard = self._step_guard()  # it knows which rank holds the last stage's loss
         pp_group = self._mesh()["pp"].get_group()
-        dp_group = self._mesh()["dp"].get_group() if self.dp_size > 1 else None
+        dp_group, replicas = self._totals_group()  # the data ranks (x cp)
         totals, flags = pipeline_totals(local, guard.local_flags(local[0]),
                                         holds_loss=guard.holds_loss,
                                         pp_group=pp_group, dp_group=dp_group)
-        whole_job = self.plan.pp * self.dp_size == self.world_size
+        whole_job = self.plan.pp * replicas == self.world_size
         return totals, flags if whole_job and self.plan.grad_clip else None
 
     # ------------------------------------------------------------------ end of run

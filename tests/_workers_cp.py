@@ -181,6 +181,12 @@ def block_lm() -> nn.Module:
     return BlockLM()
 
 
+def deep_block_lm() -> nn.Module:
+    """Four blocks: two stages per rank at pp=2 (interleaved schedules)."""
+    torch.manual_seed(0)
+    return BlockLM(depth=4)
+
+
 def no_positions_lm() -> nn.Module:
     """A model that numbers positions from its input's length: cp must refuse it."""
     from tests._workers_semantics import MaskedLM

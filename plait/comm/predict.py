@@ -341,10 +341,11 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
         local = LocalModel.from_config(plan, cfg, stage)
     mb = batch // plan.microbatches if plan.pp > 1 else batch
     kv_whole = replicated_kv_elements(cfg.dim, cfg.kv_heads, cfg.head_dim, plan.tp)
-    # tp's collectives move this rank's tokens: its cp slice of each sequence
+    # tp's collectives and the stages' sends move this rank's tokens: its cp slice of each
+    # sequence
     return (dp_traffic(plan, local, multi_stage_zero3=False)
             + tp_rank_traffic(plan, local, mb, seq // plan.cp, cfg.dim, kv_whole)
-            + pp_rank_traffic(plan, local, mb, seq, cfg.dim)
+            + pp_rank_traffic(plan, local, mb, seq // plan.cp, cfg.dim)
             + cp_rank_traffic(plan, local, batch, seq,
                               max(1, cfg.kv_heads // plan.tp) * cfg.head_dim)
             + clip_traffic(plan, local))
@@ -357,11 +358,14 @@ def cp_rank_traffic(plan: Any, local: LocalModel, batch: int, seq: int, kv_dim: 
     sequences of ``seq`` tokens, K and V all-gathered in forward (again in each recomputed
     layer) and their gradients reduce-scattered in backward, in the dtype attention runs in
     (``volumes.cp_traffic``); ``kv_dim``: the K (or V) features this rank holds per token,
-    its tp share of the kv heads. Gradients are reduced over dp x cp in :func:`dp_traffic`."""
+    its tp share of the kv heads. Gradients are reduced over dp x cp in :func:`dp_traffic`.
+    Under a pipeline each of this rank's stages gathers per microbatch (``batch`` split into
+    ``plan.microbatches``); ``local.layers``: the attention layers of this rank's stages."""
     if plan.cp == 1 or not local.layers:
         return []
-    return cp_traffic(batch, seq, kv_dim, local.layers, plan.cp, _compute_dtype(plan),
-                      micro_steps=plan.grad_accum, recomputed_layers=local.recomputed)
+    parts = plan.microbatches if plan.pp > 1 else 1
+    return cp_traffic(batch // parts, seq, kv_dim, local.layers, plan.cp, _compute_dtype(plan),
+                      micro_steps=plan.grad_accum * parts, recomputed_layers=local.recomputed)
 
 
 def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
@@ -381,7 +385,8 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
     P, G = float(local.params), float(local.grads)
     out: list[Traffic] = []
     if plan.cp > 1:  # the cp ranks reduce gradients with the data ranks (plait.parallelize)
-        return _dp_cp_traffic(plan, local, g, grad_dtype, bucket_bytes)
+        return _dp_cp_traffic(plan, local, g, grad_dtype, bucket_bytes, syncs,
+                              multi_stage_zero3)
     # DDP wraps nothing where nothing trains (a frozen pipeline stage: plait.parallel.data)
     if plan.zero == 1 and R * S > 1:
         if G:
@@ -411,35 +416,34 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
 
 
 def _dp_cp_traffic(plan: Any, local: LocalModel, g: int, grad_dtype: str,
-                   bucket_bytes: float) -> list[Traffic]:
-    """:func:`dp_traffic` under context parallelism (no pipeline: refused there): the cp
-    ranks compute partial gradients of the same parameters, so they join the data ranks.
-    DDP all-reduces over dp x cp (``dp_cp``), and with tp FSDP2's replicate one all-reduce
-    per unit; FSDP2 shards and reduce-scatters over dp_shard x cp (``dp_shard_cp``), HSDP
-    all-reducing that shard over dp_replicate; ZeRO-1 is DDP over dp x cp, then
-    ZeroRedundancyOptimizer's broadcast of every parameter over dp_shard x cp."""
+                   bucket_bytes: float, syncs: int, multi_stage_zero3: bool) -> list[Traffic]:
+    """:func:`dp_traffic` under context parallelism: the cp ranks compute partial gradients
+    of the same parameters, so they join the data ranks. DDP all-reduces over dp x cp
+    (``dp_cp``), and with tp FSDP2's replicate one all-reduce per unit; FSDP2 shards and
+    reduce-scatters over dp_shard x cp (``dp_shard_cp``), HSDP all-reducing that shard over
+    dp_replicate; ZeRO-1 is DDP over dp x cp, then ZeroRedundancyOptimizer's broadcast of
+    every parameter over dp_shard x cp. A pipeline's stages reduce ``syncs`` times a step."""
     G = float(local.grads)
-    if plan.zero == 1:
-        shard = _ledger_axis(plan, _shard_axes(plan))
-        return ddp_traffic(G, _axis_size(plan, DP_CP), grad_dtype,
-                           axis=_ledger_axis(plan, ("dp_replicate", "dp_shard", "cp")),
-                           bucket_bytes=bucket_bytes) + [
-            Traffic(shard, "broadcast", float(local.params) * FP32, max(1, local.tensors),
-                    _axis_size(plan, DP_SHARD_CP), "params (ZeroRedundancyOptimizer)")]
+    dp_cp = _ledger_axis(plan, ("dp_replicate", "dp_shard", "cp"))
+    units = local.reducing_units  # a unit with nothing to train reduces nothing
     if plan.zero in (2, 3):
-        shard = _ledger_axis(plan, _shard_axes(plan))
         n = _axis_size(plan, DP_SHARD_CP)
-        out = [Traffic(shard, "reduce_scatter", G * g, local.units, n, "grads")]
-        if plan.dp_replicate > 1:
-            out.append(Traffic("dp_replicate", "all_reduce", G / n * g, local.units,
-                               plan.dp_replicate, "grads"))
-        return out + _param_gathers(plan, local, False)
+        grads = [Traffic(_ledger_axis(plan, _shard_axes(plan)), "reduce_scatter", G * g,
+                         units, n, "grads")] if units else []
+        if plan.dp_replicate > 1 and units:
+            grads.append(Traffic("dp_replicate", "all_reduce", G / n * g, units,
+                                 plan.dp_replicate, "grads"))
+        return _times(grads, syncs) + _param_gathers(plan, local, multi_stage_zero3)
     if plan.tp > 1:  # TP shards replicated over dp x cp (apply_replicate_cp): one per unit
-        return [Traffic(_ledger_axis(plan, ("dp_replicate", "dp_shard", "cp")), "all_reduce",
-                        G * g, local.units, _axis_size(plan, DP_CP), "grads")]
-    return ddp_traffic(G, _axis_size(plan, DP_CP), grad_dtype,
-                       axis=_ledger_axis(plan, ("dp_replicate", "dp_shard", "cp")),
-                       bucket_bytes=bucket_bytes)
+        return _times([Traffic(dp_cp, "all_reduce", G * g, units, _axis_size(plan, DP_CP),
+                               "grads")] if units else [], syncs)
+    out = _times(ddp_traffic(G, _axis_size(plan, DP_CP), grad_dtype, axis=dp_cp,
+                             bucket_bytes=bucket_bytes) if G else [], syncs)
+    if plan.zero == 1:
+        out.append(Traffic(_ledger_axis(plan, _shard_axes(plan)), "broadcast",
+                           float(local.params) * FP32, max(1, local.tensors),
+                           _axis_size(plan, DP_SHARD_CP), "params (ZeroRedundancyOptimizer)"))
+    return out
 
 
 def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traffic]:

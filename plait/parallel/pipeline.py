@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from .._torch_compat import pipeline_stage_base, pytree
 from ..loss import label_shift, loss_sum_and_count, shifts_labels
 from ..mesh import Mesh
 from ..plan import PP_SCHEDULES, Plan
+from .context import ContextGroup, context_group
 from .layout import Layout, layout_of, record_layout
 from .pipeline_buffers import (
     broadcast_owned,
@@ -386,6 +387,10 @@ class PipelineRunner:
         # before the schedule runs (plait.parallel.pipeline_warmup).
         self.find_inputs: Callable[..., Any] | None = None
         self._warmed: set[bool] = set()
+        # Context parallelism: this rank's cp group (the ranks of its stage that split each
+        # sequence); the step gives the stages its slice of each sequence, and their
+        # attention runs over the whole sequence (plait.parallel.context).
+        self.context: ContextGroup | None = None
 
     def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one microbatch. torch's schedules split a *tensor* target
@@ -413,6 +418,10 @@ class PipelineRunner:
                             model_shifts=self.shifts_labels)
         if real:
             self._step_answers = answers
+        if self.context is not None and shift is True:
+            from .context import SHIFTED_LABELS
+
+            raise ValueError(SHIFTED_LABELS.format(cp=self.context.size))
         total, count = loss_sum_and_count(value, target, shift=shift)
         key = (self._accum_index, int(rows[0]))
         self._totals[key] = torch.stack([total.detach().float(), count.float()])
@@ -539,7 +548,17 @@ class PipelineRunner:
              train: bool) -> torch.Tensor:
         from ..train import autocast, split_microbatches
 
+        seq, extra = 0, {}
+        if self.context is not None:
+            # Every stage runs on this rank's slice of each sequence (its activations are
+            # what the stages send): cut before the layout; attention over the whole
+            # sequence while the schedule runs (forward and backward)
+            from .context import split_batch
+
+            batch, seq, extra = split_batch(batch, self.context)
         laid_out = stage_inputs(batch, loss_fn, self.signature, self.model_name)
+        if extra:  # position_ids beside a tensor input: every stage computes positions
+            laid_out = replace(laid_out, every={**laid_out.every, **extra})
         rows = _rows(laid_out.first)
         m, accum = plan.microbatches, plan.grad_accum
         if rows % (m * accum):
@@ -574,7 +593,7 @@ class PipelineRunner:
                 split_microbatches(laid_out.targets, accum), strict=True)):
             self._targets, self._accum_index = part_targets, a
             index = torch.arange(chunk, device=device)
-            with self._loss_context(), autocast(plan, device):
+            with self._loss_context(), autocast(plan, device), self._sequence(seq):
                 if train:
                     self._schedule.step(*((first,) if self.has_first else ()),
                                         target=index if self.has_last else None,
@@ -597,6 +616,14 @@ class PipelineRunner:
         if not self.has_last:
             return torch.full((2,), float("nan"), device=device)
         return torch.stack(list(self._totals.values())).sum(0).to(device)
+
+    def _sequence(self, seq: int) -> contextlib.AbstractContextManager:
+        """Under context parallelism: attention over the whole ``seq``-token sequence."""
+        if self.context is None:
+            return contextlib.nullcontext()
+        from .context import cp_attention
+
+        return cp_attention(self.context, seq)
 
     def _warm(self, laid_out: StageInputs, train: bool, *, plan: Plan,
               device: torch.device) -> None:
@@ -957,6 +984,8 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     runner.tied = _local_ties(ties, groups, dict(zip(mine, modules, strict=True)))
     runner.has_ties = bool(ties)
     runner.tied_copies = _named_copies(model, ties, dict(zip(mine, modules, strict=True)))
+    if plan.cp > 1:  # the whole model must take the slice's positions (context_group)
+        runner.context = context_group(model, mesh)
     layout = Layout(applied=("pipeline", *layout_of(modules[0]).applied), stages=tuple(modules),
                     stage_specs=tuple(specs[s] for s in mine), pipeline=runner,
                     loss_parallel=loss_parallel, tied_names=_one_device_names(model, ties, mine))
