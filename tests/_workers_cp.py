@@ -272,17 +272,20 @@ def train_adamw(rank: int, world_size: int, jobs: list[Any]) -> list[dict[str, A
     return out
 
 
-def refusals(rank: int, world_size: int, batches: list[Any]) -> list[str]:
-    """What run.parallelize / run.step refuse under cp=2."""
+def refusals(rank: int, world_size: int, batches: list[Any], plan: str = "cp=2",
+             model: Any = None) -> list[str]:
+    """What run.parallelize / run.step refuse under ``plan`` (cp=2), ``model`` (the causal
+    LM) standing for a model that takes positions."""
     from plait.runtime import init
 
+    model = model or causal_lm
     out = []
     for factory, loss_fn, batch in ((no_positions_lm, lm_loss, batches[0]),
-                                     (causal_lm, shifting_loss, batches[0]),
-                                     (causal_lm, lm_loss, (batches[0][0][:, :6],
-                                                           batches[0][1][:, :6])),
-                                     (causal_lm, lm_loss, (batches[0][0], batches[0][1][:, 0]))):
-        run = init("cp=2", quiet=True)
+                                     (model, shifting_loss, batches[0]),
+                                     (model, lm_loss, (batches[0][0][:, :6],
+                                                       batches[0][1][:, :6])),
+                                     (model, lm_loss, (batches[0][0], batches[0][1][:, 0]))):
+        run = init(plan, quiet=True)
         try:
             model = run.parallelize(factory())
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -327,12 +330,14 @@ def logits_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
     return lm_loss(out.logits, labels)
 
 
-def evaluate(rank: int, world_size: int, batches: list[Any]) -> float:
-    """run.evaluate of the causal LM on the first batch under cp=2."""
+def evaluate(rank: int, world_size: int, batches: list[Any], plan: str = "cp=2",
+             factory: Any = None) -> float:
+    """run.evaluate of ``factory``'s model (the causal LM) on the first batch under
+    ``plan``."""
     from plait.runtime import init
 
-    run = init("cp=2", quiet=True)
-    model = run.parallelize(causal_lm())
+    run = init(plan, quiet=True)
+    model = run.parallelize((factory or causal_lm)())
     loss = float(run.evaluate(model, batches[0], lm_loss))
     run.close()
     return loss

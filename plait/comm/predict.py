@@ -32,7 +32,8 @@ is predicted under data parallelism alone, read off the laid-out model (``plait.
 * Gradient clipping (``plan.grad_clip``, default on): ``get_total_norm`` over DTensor gradients
   (FSDP2, TP) all-reduces one fp32 norm per parameter tensor on every mesh axis the gradients
   are sharded on, in one call over the flattened ``dp_shard_tp`` view (``dp_shard_cp_tp``
-  under context parallelism) where they are sharded on both (``plait.mesh``); with pipelines the squared norm (one fp32) is all-reduced over ``pp``.
+  under context parallelism) where they are sharded on both (``plait.mesh``); with pipelines
+  the squared norm (one fp32) is all-reduced over ``pp``.
 * PP: per microbatch and boundary one activation sent forward, one gradient sent back, per
   stage this rank holds (a neighbour stage on the same rank is handed over locally).
 """
@@ -535,8 +536,9 @@ def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
     """Gradient clipping (``plan.grad_clip``): ``get_total_norm`` over DTensor gradients
     all-reduces one fp32 norm per parameter tensor on every mesh axis they are sharded on, in one
     call over the flattened ``dp_shard_tp`` (``dp_shard_cp_tp``) view where they are sharded
-    on both; with pipelines each stage holds only its own gradients, so the squared norm (one fp32) is all-reduced over
-    ``pp`` too (``plait.train.clip_grad_norm``): a blocking call every stage waits in."""
+    on both; with pipelines each stage holds only its own gradients, so the squared norm (one
+    fp32) is all-reduced over ``pp`` too (``plait.train.clip_grad_norm``): a blocking call
+    every stage waits in."""
     if not plan.grad_clip:
         return []
     out: list[Traffic] = []

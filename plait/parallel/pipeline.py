@@ -391,6 +391,12 @@ class PipelineRunner:
         # sequence); the step gives the stages its slice of each sequence, and their
         # attention runs over the whole sequence (plait.parallel.context).
         self.context: ContextGroup | None = None
+        # Under cp, whether this step's loss (on the last stage) shifted the labels, which
+        # cp refuses (it would shift each rank's slice). Only the last stage sees it, and a
+        # raise there mid-schedule would leave the other stages waiting on their sends: the
+        # train step sums it over the job with the step's totals and refuses on every rank
+        # (see take_refusal).
+        self.shift_seen = False
 
     def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one microbatch. torch's schedules split a *tensor* target
@@ -419,9 +425,7 @@ class PipelineRunner:
         if real:
             self._step_answers = answers
         if self.context is not None and shift is True:
-            from .context import SHIFTED_LABELS
-
-            raise ValueError(SHIFTED_LABELS.format(cp=self.context.size))
+            self.shift_seen = True
         total, count = loss_sum_and_count(value, target, shift=shift)
         key = (self._accum_index, int(rows[0]))
         self._totals[key] = torch.stack([total.detach().float(), count.float()])
@@ -617,6 +621,14 @@ class PipelineRunner:
             return torch.full((2,), float("nan"), device=device)
         return torch.stack(list(self._totals.values())).sum(0).to(device)
 
+    def take_refusal(self) -> float:
+        """1.0 when this rank's last step computed a loss that context parallelism refuses
+        (one that shifts the labels itself), else 0.0; reset for the next step. Summed over
+        the pipeline and data ranks, it lets every rank refuse together
+        (:func:`refuse_if_seen`)."""
+        seen, self.shift_seen = self.shift_seen, False
+        return 1.0 if seen else 0.0
+
     def _sequence(self, seq: int) -> contextlib.AbstractContextManager:
         """Under context parallelism: attention over the whole ``seq``-token sequence."""
         if self.context is None:
@@ -668,6 +680,15 @@ class PipelineRunner:
                 f"shape: this batch's inputs are {_describe(shapes)}, the stages were set up "
                 f"for {_describe(built)}; give every batch one shape (a collate_fn that pads "
                 f"to a fixed length, the same batch_size for every step)")
+
+
+def refuse_if_seen(flag: float, cp: int) -> None:
+    """Raise, on every rank, when the summed :meth:`PipelineRunner.take_refusal` flags say a
+    last stage computed a loss that shifts the labels under context parallelism."""
+    if flag > 0:
+        from .context import SHIFTED_LABELS
+
+        raise ValueError(SHIFTED_LABELS.format(cp=cp))
 
 
 def _shapes(value: Any) -> Any:
