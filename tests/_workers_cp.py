@@ -297,15 +297,17 @@ def refusals(rank: int, world_size: int, batches: list[Any], plan: str = "cp=2",
     return out
 
 
-def ledger_axes(rank: int, world_size: int, batches: list[Any]) -> dict[str, Any]:
-    """The ledger's entries by "axis/op" for the second cp=2 step of the causal LM."""
+def ledger_axes(rank: int, world_size: int, batches: list[Any], plan: str = "cp=2",
+                factory: Any = None) -> dict[str, Any]:
+    """The ledger's entries by "axis/op" for the second step of ``factory``'s model (the
+    causal LM) under ``plan``."""
     from plait.comm.ledger import Ledger
     from plait.runtime import init
 
     # desync_check off: the watchdog's step-start all-gather runs on a group of the same
     # ranks, which a user's own Ledger would count on the cp axis too
-    run = init("cp=2", quiet=True, desync_check=False)
-    model = run.parallelize(causal_lm())
+    run = init(plan, quiet=True, desync_check=False)
+    model = run.parallelize((factory or causal_lm)())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run.step(model, batches[0], lm_loss, opt)  # DDP's first step sets up its buckets
     with Ledger(run.mesh) as ledger:

@@ -419,3 +419,72 @@ def test_fsdp_over_dp_shard_x_cp_with_tp_at_world8_matches_one_device(lm_data, a
     got = run_distributed(W.train_adamw, 8, jobs, timeout=600)[0]
     for result, which in zip(got, ("block", "reference", "block"), strict=True):
         _assert_matches(adamw_ref(which), result)
+
+
+# ------------------------------------------------------------------------ cp with pp
+@pytest.fixture(scope="module")
+def block_ref(lm_data):
+    """One device (SGD, as tests/_workers_semantics.py's reference) on the block models."""
+    batches, _ = lm_data
+    return {f.__name__: W.reference(f, batches, W.lm_loss)
+            for f in (W.block_lm, W.deep_block_lm)}
+
+
+def test_cp_with_pp_matches_one_device_and_refuses_on_every_stage(lm_data, block_ref):
+    """World 4, cp=2 x pp=2 (1F1B): each stage runs on its rank's slice of every sequence
+    (the stages send slices), its attention over the whole sequence with the cp ranks of its
+    stage; the loss of every step and every parameter after three SGD steps (which, unlike
+    AdamW's, show a wrong gradient scale) match one device. What cp refuses is refused on
+    every rank, the loss that shifts labels too, which only the last stage computes."""
+    batches, _ = lm_data
+    plan = "cp=2,pp=2,microbatches=2"
+    got = run_distributed(W.train, 4, [(plan, W.block_lm, batches, W.lm_loss)],
+                          timeout=300)[0]
+    _assert_matches(block_ref["block_lm"], got[0])
+    # the stages run on slices: K and V gathered per block and microbatch (one block per
+    # stage, two microbatches), the activations sent are half the sequence's
+    ledger = run_distributed(W.ledger_axes, 4, batches, plan, W.block_lm, timeout=300)[0]
+    assert ledger["cp/all_gather"]["count"] == 2 * 2, ledger["cp/all_gather"]
+    sent = 2 * (W.BATCH // 2) * (W.SEQ // 2) * W.WIDTH * 4  # 2 microbatches of the slice
+    assert ledger["pp/send_recv"]["payload_bytes"] == sent, ledger["pp/send_recv"]
+    refused = run_distributed(W.refusals, 4, batches, plan, W.block_lm, timeout=300)
+    for messages in refused:  # every rank
+        assert "MaskedLM.forward must be told" in messages[0], messages[0]
+        assert "shift the labels in the data" in messages[1], messages[1]
+        assert "multiple of 4" in messages[2] and "per-token labels" in messages[3], messages
+
+
+@pytest.mark.slow
+def test_cp_with_pp_schedules_and_accumulation_match_one_device(lm_data, block_ref):
+    """World 4: GPipe on plait's transformer (rotary positions on every stage), interleaved
+    1F1B with two stages per rank and 1F1B with grad_accum=2 under cp=2 x pp=2 train what
+    one device trains; run.evaluate's loss is one device's."""
+    batches, ref = lm_data
+    jobs = [("cp=2,pp=2,microbatches=2,pp_schedule=gpipe", W.reference_lm, batches, W.lm_loss),
+            ("cp=2,pp=2,microbatches=4,pp_schedule=interleaved_1f1b,virtual_stages=2",
+             W.deep_block_lm, batches, W.lm_loss),
+            ("cp=2,pp=2,microbatches=2,grad_accum=2", W.block_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train, 4, jobs, timeout=480)[0]
+    for result, want in zip(got, (ref["reference"], block_ref["deep_block_lm"],
+                                  block_ref["block_lm"]), strict=True):
+        _assert_matches(want, result)
+    inputs, labels = batches[0]
+    with torch.no_grad():
+        want_eval = float(W.lm_loss(W.block_lm()(inputs), labels))
+    evals = run_distributed(W.evaluate, 4, batches, "cp=2,pp=2,microbatches=2", W.block_lm,
+                            timeout=240)
+    assert all(e == pytest.approx(want_eval, rel=REL) for e in evals), (evals, want_eval)
+
+
+@pytest.mark.slow
+def test_cp_with_pp_and_data_or_tensor_parallelism_at_world8(lm_data, block_ref):
+    """World 8: FSDP2 (ZeRO-3) over dp_shard x cp in each stage, DDP over dp x cp, and tp
+    inside cp x pp."""
+    batches, ref = lm_data
+    jobs = [("dp_shard=2,cp=2,pp=2,zero=3,microbatches=2", W.block_lm, batches, W.lm_loss),
+            ("dp_replicate=2,cp=2,pp=2,microbatches=2", W.block_lm, batches, W.lm_loss),
+            ("cp=2,tp=2,pp=2,microbatches=2", W.reference_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train, 8, jobs, timeout=600)[0]
+    for result, want in zip(got, (block_ref["block_lm"], block_ref["block_lm"],
+                                  ref["reference"]), strict=True):
+        _assert_matches(want, result)
