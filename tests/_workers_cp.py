@@ -376,7 +376,7 @@ def checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 def checkpoints_tp(rank: int, world_size: int, root: str, plan: str = "cp=2,tp=2"
                    ) -> dict[str, Any]:
-    """At world 4, ``plan`` (cp=2 x tp=2, replicated or under ZeRO): exact resume (the
+    """At world 4, ``plan`` (cp=2 with tp=2 or pp=2): exact resume (the
     step-6 checkpoint of an uninterrupted run loaded), its step-3 checkpoint saved to
     ``root/cptp``, and one process's (``root/single``) continued under it."""
     from tests import _workers_checkpoint as ck

@@ -129,6 +129,20 @@ SLOW_CASES = [
                                 ("cp", "all_gather"), ("cp", "reduce_scatter")}),
     ("dp_replicate=2,cp=2,zero=1", {("dp_cp", "all_reduce"), ("cp", "broadcast"),
                                     ("cp", "all_gather"), ("cp", "reduce_scatter")}),
+    # cp inside each pipeline stage: K/V of the stage's blocks per microbatch, the stages
+    # send the slice of each sequence; gradients over dp x cp as without pp
+    ("cp=2,pp=2,microbatches=2", {("cp", "all_gather"), ("cp", "reduce_scatter"),
+                                  ("cp", "all_reduce"), ("pp", "send_recv"),
+                                  ("pp", "all_reduce")}),
+    ("cp=2,pp=2,microbatches=2,grad_accum=2", {("cp", "all_gather"), ("cp", "reduce_scatter"),
+                                               ("cp", "all_reduce"), ("pp", "send_recv"),
+                                               ("pp", "all_reduce")}),
+    ("dp_shard=2,cp=2,pp=2,zero=3,microbatches=2", {("dp_shard_cp", "all_gather"),
+                                                    ("dp_shard_cp", "reduce_scatter"),
+                                                    ("dp_shard_cp", "all_reduce"),
+                                                    ("cp", "all_gather"),
+                                                    ("cp", "reduce_scatter"),
+                                                    ("pp", "send_recv"), ("pp", "all_reduce")}),
     # recomputed attention gathers K and V again; two micro-steps gather and scatter twice
     ("cp=2,activation_checkpointing=full,grad_accum=2",
      {("cp", "all_gather"), ("cp", "reduce_scatter"), ("cp", "all_reduce")}),
@@ -159,6 +173,12 @@ COUNTS = {
                                     ("dp_shard_cp", "reduce_scatter"): L + 1,
                                     ("dp_shard_cp_tp", "all_reduce"): 1,
                                     ("cp", "all_gather"): 2 * L, ("cp", "reduce_scatter"): 2 * L},
+    # each stage's 2 blocks x K, V x 2 microbatches (x 2 accumulation steps); DDP once per
+    # schedule
+    "cp=2,pp=2,microbatches=2": {("cp", "all_gather"): L // 2 * 2 * 2,
+                                 ("pp", "send_recv"): 2},
+    "cp=2,pp=2,microbatches=2,grad_accum=2": {("cp", "all_gather"): L // 2 * 2 * 2 * 2,
+                                              ("cp", "all_reduce"): 2},
     "cp=2,activation_checkpointing=full,grad_accum=2": {("cp", "all_gather"): 2 * 2 * 2 * L,
                                                         ("cp", "reduce_scatter"): 2 * 2 * L},
 }

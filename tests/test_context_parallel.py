@@ -261,10 +261,11 @@ def test_checkpoints_resume_exactly_and_move_in_and_out_of_cp(tmp_path, no_group
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", ["cp=2,tp=2", "cp=2,tp=2,zero=3"])
-def test_checkpoints_under_cp2_x_tp2(tmp_path, no_group, plan):
-    """World 4: cp=2 x tp=2, replicated over cp or sharded over it by ZeRO-3, resumes
-    bitwise, and its checkpoints move to and from one process with one device's losses."""
+@pytest.mark.parametrize("plan", ["cp=2,tp=2", "cp=2,tp=2,zero=3", "cp=2,pp=2,microbatches=2"])
+def test_checkpoints_under_cp2_at_world4(tmp_path, no_group, plan):
+    """World 4: cp=2 x tp=2, replicated over cp or sharded over it by ZeRO-3, and cp=2 x
+    pp=2 resume bitwise, and their checkpoints move to and from one process with one
+    device's losses."""
     from tests import _workers_checkpoint as ck
 
     reference = ck.train("single", steps=6)
