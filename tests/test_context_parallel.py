@@ -459,7 +459,8 @@ def test_cp_with_pp_matches_one_device_and_refuses_on_every_stage(lm_data, block
 def test_cp_with_pp_schedules_and_accumulation_match_one_device(lm_data, block_ref):
     """World 4: GPipe on plait's transformer (rotary positions on every stage), interleaved
     1F1B with two stages per rank and 1F1B with grad_accum=2 under cp=2 x pp=2 train what
-    one device trains; run.evaluate's loss is one device's."""
+    one device trains; run.evaluate's loss is one device's; a Hugging Face model is refused
+    up front."""
     batches, ref = lm_data
     jobs = [("cp=2,pp=2,microbatches=2,pp_schedule=gpipe", W.reference_lm, batches, W.lm_loss),
             ("cp=2,pp=2,microbatches=4,pp_schedule=interleaved_1f1b,virtual_stages=2",
@@ -475,6 +476,9 @@ def test_cp_with_pp_schedules_and_accumulation_match_one_device(lm_data, block_r
     evals = run_distributed(W.evaluate, 4, batches, "cp=2,pp=2,microbatches=2", W.block_lm,
                             timeout=240)
     assert all(e == pytest.approx(want_eval, rel=REL) for e in evals), (evals, want_eval)
+    # a Hugging Face model is refused on every rank at parallelize (see docs)
+    for message in run_distributed(W.hf_refused, 4, "cp=2,pp=2,microbatches=2", timeout=240):
+        assert "use_cache=False" in message and "pp=1" in message, message
 
 
 @pytest.mark.slow
