@@ -22,6 +22,7 @@ DP = "dp"                    # dp_replicate x dp_shard: ranks that see different
 DP_SHARD_CP = "dp_shard_cp"  # what FSDP shards over: cp ranks hold the same model, too
 DP_CP = "dp_cp"              # dp x cp: ranks whose gradients and loss totals are reduced together
 DP_SHARD_TP = "dp_shard_tp"  # FSDP x TP: the gradient norm's one all-reduce (see build_mesh)
+DP_SHARD_CP_TP = "dp_shard_cp_tp"  # the same under context parallelism (FSDP over dp_shard x cp)
 
 
 @dataclass
@@ -89,4 +90,9 @@ def build_mesh(plan: Plan, device_type: str, world_size: int) -> Mesh:
         # flattened view, and in two sequential ones (one latency more per step, and a warning)
         # when it does not. Built only there: a flattened view creates process groups.
         flat[DP_SHARD_TP] = flatten_mesh(root["dp_shard", "tp"], DP_SHARD_TP)
+    if plan.tp > 1 and plan.cp > 1 and plan.zero >= 2:
+        # Under cp, FSDP2 shards over dp_shard x cp (plait.parallel.zero.data_mesh): the
+        # gradient norms are partial over dp_shard_cp and tp, reduced in one all-reduce when
+        # this view exists (DTensor finds it by its ranks' layout).
+        flat[DP_SHARD_CP_TP] = flatten_mesh(root["dp_shard", "cp", "tp"], DP_SHARD_CP_TP)
     return Mesh(plan=plan, root=root, flat=flat)

@@ -12,9 +12,10 @@ Order matters and is fixed here:
 4. **Data parallel last** — FSDP2 (ZeRO / HSDP) over ``dp_shard`` (x ``dp_replicate``), or DDP
    over ``dp_replicate``: it must see the final parameters (DTensors from TP included) to shard
    or bucket them. Context parallelism (``cp``) changes no module: its ranks join the data
-   ranks here (FSDP2 over ``dp_shard x cp``, DDP over ``dp x cp``, or for TP's DTensors
-   FSDP2's replicate over ``dp x cp``), and the train step splits each sequence over them
-   (``plait.parallel.context``).
+   ranks here (FSDP2 over ``dp_shard x cp``, beside TP too; DDP over ``dp x cp``, under ZeRO-1
+   with the optimizer state over ``dp_shard x cp``; or for TP's DTensors FSDP2's replicate over
+   ``dp x cp``), and the train step (a pipeline's runner, for every stage) splits each sequence
+   over them (``plait.parallel.context``).
 
 Each step is a plain function in ``plait.parallel``; a step whose axis has degree 1 is skipped.
 What ran is recorded on the returned model as one typed ``Layout``

@@ -248,7 +248,8 @@ class Plan:
             raise ValueError("invalid plan: " + "; ".join(errors))
         if self.zero not in (0, 1, 2, 3):
             errors.append(f"zero={self.zero!r} must be 0, 1, 2 or 3")
-        elif self.zero > 0 and self.dp_shard == 1:
+        elif self.zero > 0 and self.dp_shard == 1 and self.cp == 1:
+            # under cp the cp ranks hold the same parameters: ZeRO shards over dp_shard x cp
             errors.append(f"zero={self.zero} needs dp_shard > 1 (the axis it shards over); "
                           f"e.g. 'dp_shard=2,zero={self.zero}'")
         elif self.zero == 0 and self.dp_shard > 1:
@@ -313,20 +314,13 @@ class Plan:
         return self
 
     def _cp_errors(self) -> list[str]:
-        """What context parallelism does not compose with yet (plait.parallel.context)."""
+        """What context parallelism does not compose with (plait.parallel.context)."""
         errors = []
-        if self.pp > 1:
-            errors.append(f"cp={self.cp} with pp={self.pp} is not supported: context "
-                          f"parallelism composes with dp_replicate, dp_shard and tp; use pp=1, "
-                          f"or cp=1")
-        if self.tp > 1 and self.zero >= 2:
-            errors.append(f"cp={self.cp} with tp={self.tp} and zero={self.zero} is not "
-                          f"supported yet: with tp, cp composes with replicated data "
-                          f"parallelism (zero=0, dp_replicate); use zero=0, or tp=1 with "
-                          f"dp_shard")
-        if self.zero == 1:
-            errors.append(f"cp={self.cp} with zero=1 is not supported: use zero=2 or zero=3 "
-                          f"(FSDP shards over dp_shard x cp), or zero=0 with dp_replicate")
+        if self.pp > 1 and self.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+            errors.append(f"cp={self.cp} with pp_schedule={self.pp_schedule!r} is not "
+                          f"supported: the cp ranks' gradients would be synchronised before "
+                          f"the deferred weight gradients exist; use 1f1b, gpipe or "
+                          f"interleaved_1f1b with cp, or cp=1")
         if self.compile:
             errors.append(f"cp={self.cp} with compile is not supported: the cp attention "
                           f"issues its all-gather from Python inside each block's forward; "

@@ -37,6 +37,7 @@ from .accelerators import Accelerator, get_accelerator
 from .data.loader import DistributedLoader, is_stream
 from .data.stream import StreamLoader
 from .mesh import Mesh, build_mesh
+from .parallel.layout import layout_of
 from .parallelize import parallelize as _parallelize
 from .plan import Plan
 from .progress import Progress, check_extras
@@ -469,10 +470,12 @@ class Run:
                 # layout's.
                 with self.ledger.paused() if recording else contextlib.nullcontext():
                     if self.spmd is None:
+                        # cp ranks count the same rows (each holds a slice): counted once
+                        share = float(items) / self.plan.cp
                         local = torch.cat([local.detach().float(),
-                                           torch.full((1,), float(items), device=local.device)])
+                                           torch.full((1,), share, device=local.device)])
                     if self.spmd is None and self.plan.pp > 1:
-                        totals_in, agreed = self._pipeline_totals(local)
+                        totals_in, agreed = self._pipeline_totals(local, model)
                     else:
                         totals_in = self._global_totals(local)
                     if self.spmd is None:
@@ -562,7 +565,15 @@ class Run:
             self._watchdog.active = True
         try:
             local = forward_only(model, batch, loss_fn, plan=self.plan, device=self.device)
+            runner = layout_of(model).pipeline if self.plan.cp > 1 else None
+            if runner is not None:  # the last stage's refusal, with the totals it sends
+                local = torch.cat([local.float(), torch.full((1,), runner.take_refusal(),
+                                                             device=local.device)])
             totals = self._global_totals(local)
+            if runner is not None:
+                from .parallel.pipeline import refuse_if_seen
+
+                refuse_if_seen(float(totals[2]), self.plan.cp)
         finally:
             for module, training in modes:
                 module.training = training
@@ -867,18 +878,30 @@ class Run:
             return self._mesh()["dp"].get_group(), self.dp_size
         return None, 1
 
-    def _pipeline_totals(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _pipeline_totals(self, local: torch.Tensor, model: nn.Module
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """With pipelines: the global ``[loss sum, count, items]`` and the step guard's flags in
         the same collectives (``plait.train.pipeline_totals``), and those flags as the guard's
         ``agreed`` when they were summed over the whole job and the gradient norm is the
-        job's (clipping): a clean step then needs no agreement of its own (``plait.guard``)."""
+        job's (clipping): a clean step then needs no agreement of its own (``plait.guard``).
+        Under cp the last stage's refusal of its loss travels with the flags too
+        (``PipelineRunner.take_refusal``), refused on every rank before the update."""
+        from .parallel.pipeline import refuse_if_seen
+
         guard = self._step_guard()  # it knows which rank holds the last stage's loss
         pp_group = self._mesh()["pp"].get_group()
-        dp_group = self._mesh()["dp"].get_group() if self.dp_size > 1 else None
-        totals, flags = pipeline_totals(local, guard.local_flags(local[0]),
-                                        holds_loss=guard.holds_loss,
+        dp_group, replicas = self._totals_group()  # the data ranks (x cp)
+        own = guard.local_flags(local[0])
+        runner = layout_of(model).pipeline if self.plan.cp > 1 else None
+        if runner is not None:
+            own = torch.cat([own.float(), torch.full((1,), runner.take_refusal(),
+                                                     device=own.device)])
+        totals, flags = pipeline_totals(local, own, holds_loss=guard.holds_loss,
                                         pp_group=pp_group, dp_group=dp_group)
-        whole_job = self.plan.pp * self.dp_size == self.world_size
+        if runner is not None:
+            refuse_if_seen(float(flags[-1]), self.plan.cp)
+            flags = flags[:-1]
+        whole_job = self.plan.pp * replicas == self.world_size
         return totals, flags if whole_job and self.plan.grad_clip else None
 
     # ------------------------------------------------------------------ end of run

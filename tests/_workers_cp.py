@@ -120,6 +120,73 @@ def reference_lm() -> nn.Module:
                                    n_kv_heads=2, max_seq_len=SEQ), seed=0)
 
 
+class FusedAttention(nn.Module):
+    """Causal self-attention with one fused q|k|v Linear split by ``chunk(3)`` and the head
+    count stored on the module: tensor parallelism infers its plan (q, k and v each split by
+    heads: a strided layout FSDP2 must shard on another dim). No bias: the key bias's
+    gradient is zero up to rounding (softmax ignores a constant added to a query's scores),
+    which AdamW would turn into steps of lr either way."""
+
+    def __init__(self, heads: int = 4):
+        super().__init__()
+        self.n_head = heads
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH, bias=False)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, self.n_head, -1).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.attn = FusedAttention()
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(),
+                                 nn.Linear(2 * WIDTH, WIDTH))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.norm(h))
+        return h + self.mlp(h)
+
+
+class BlockLM(nn.Module):
+    """Written for the test, for layouts with tensor parallelism (which lays it out by an
+    inferred plan): token and learned position embeddings (positions from ``position_ids``),
+    pre-norm blocks of fused-qkv attention and an MLP, a vocabulary head."""
+
+    def __init__(self, depth: int = 2):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Embedding(SEQ, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1)
+        h = self.tok(input_ids) + self.pos(position_ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def block_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return BlockLM()
+
+
+def deep_block_lm() -> nn.Module:
+    """Four blocks: two stages per rank at pp=2 (interleaved schedules)."""
+    torch.manual_seed(0)
+    return BlockLM(depth=4)
+
+
 def no_positions_lm() -> nn.Module:
     """A model that numbers positions from its input's length: cp must refuse it."""
     from tests._workers_semantics import MaskedLM
@@ -162,17 +229,63 @@ def train(rank: int, world_size: int, jobs: list[Any]) -> list[dict[str, Any]]:
     return train_jobs(rank, world_size, jobs)
 
 
-def refusals(rank: int, world_size: int, batches: list[Any]) -> list[str]:
-    """What run.parallelize / run.step refuse under cp=2."""
+# eps 1e-6, not torch's 1e-8: Adam divides each gradient element by its own magnitude, so
+# an element whose gradient is near eps turns a 1e-7 rounding difference (fp32 sums in another
+# order) into 1e-5 of the weights' scale; at 1e-6 that amplification stays below 1e-6.
+ADAM_LR, ADAM_EPS = 1e-3, 1e-6
+
+
+def reference_adamw(factory: Any, batches: list[Any], loss_fn: Any) -> dict[str, Any]:
+    """One device: AdamW on each whole global batch, torch's clipping at 1.0 (run.step's
+    default); every step's loss and the parameters after the last."""
+    model = factory()
+    opt = torch.optim.AdamW(model.parameters(), lr=ADAM_LR, eps=ADAM_EPS, weight_decay=0.1)
+    losses = []
+    for inputs, labels in batches:
+        loss = loss_fn(model(inputs), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses,
+            "state": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def train_adamw(rank: int, world_size: int, jobs: list[Any]) -> list[dict[str, Any]]:
+    """Each (plan, factory, global batches, loss_fn) trained with AdamW through run.step (the
+    optimizer made as on one device; under zero=1 run.step shards it); rank 0's full state
+    after the last step."""
+    from plait.check import _slice
     from plait.runtime import init
 
     out = []
+    for text, factory, batches, loss_fn in jobs:
+        run = init(text, quiet=True, log_every=1)
+        model = run.parallelize(factory())
+        opt = torch.optim.AdamW(model.parameters(), lr=ADAM_LR, eps=ADAM_EPS, weight_decay=0.1)
+        losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size), loss_fn, opt))
+                  for b in batches]
+        state = run.full_state_dict(model)
+        run.close()
+        out.append({"plan": text, "losses": losses, "state": state if rank == 0 else None})
+    return out
+
+
+def refusals(rank: int, world_size: int, batches: list[Any], plan: str = "cp=2",
+             model: Any = None) -> list[str]:
+    """What run.parallelize / run.step refuse under ``plan`` (cp=2), ``model`` (the causal
+    LM) standing for a model that takes positions."""
+    from plait.runtime import init
+
+    model = model or causal_lm
+    out = []
     for factory, loss_fn, batch in ((no_positions_lm, lm_loss, batches[0]),
-                                     (causal_lm, shifting_loss, batches[0]),
-                                     (causal_lm, lm_loss, (batches[0][0][:, :6],
-                                                           batches[0][1][:, :6])),
-                                     (causal_lm, lm_loss, (batches[0][0], batches[0][1][:, 0]))):
-        run = init("cp=2", quiet=True)
+                                     (model, shifting_loss, batches[0]),
+                                     (model, lm_loss, (batches[0][0][:, :6],
+                                                       batches[0][1][:, :6])),
+                                     (model, lm_loss, (batches[0][0], batches[0][1][:, 0]))):
+        run = init(plan, quiet=True)
         try:
             model = run.parallelize(factory())
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -184,15 +297,17 @@ def refusals(rank: int, world_size: int, batches: list[Any]) -> list[str]:
     return out
 
 
-def ledger_axes(rank: int, world_size: int, batches: list[Any]) -> dict[str, Any]:
-    """The ledger's entries by "axis/op" for the second cp=2 step of the causal LM."""
+def ledger_axes(rank: int, world_size: int, batches: list[Any], plan: str = "cp=2",
+                factory: Any = None) -> dict[str, Any]:
+    """The ledger's entries by "axis/op" for the second step of ``factory``'s model (the
+    causal LM) under ``plan``."""
     from plait.comm.ledger import Ledger
     from plait.runtime import init
 
     # desync_check off: the watchdog's step-start all-gather runs on a group of the same
     # ranks, which a user's own Ledger would count on the cp axis too
-    run = init("cp=2", quiet=True, desync_check=False)
-    model = run.parallelize(causal_lm())
+    run = init(plan, quiet=True, desync_check=False)
+    model = run.parallelize((factory or causal_lm)())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run.step(model, batches[0], lm_loss, opt)  # DDP's first step sets up its buckets
     with Ledger(run.mesh) as ledger:
@@ -217,12 +332,14 @@ def logits_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
     return lm_loss(out.logits, labels)
 
 
-def evaluate(rank: int, world_size: int, batches: list[Any]) -> float:
-    """run.evaluate of the causal LM on the first batch under cp=2."""
+def evaluate(rank: int, world_size: int, batches: list[Any], plan: str = "cp=2",
+             factory: Any = None) -> float:
+    """run.evaluate of ``factory``'s model (the causal LM) on the first batch under
+    ``plan``."""
     from plait.runtime import init
 
-    run = init("cp=2", quiet=True)
-    model = run.parallelize(causal_lm())
+    run = init(plan, quiet=True)
+    model = run.parallelize((factory or causal_lm)())
     loss = float(run.evaluate(model, batches[0], lm_loss))
     run.close()
     return loss
@@ -257,15 +374,45 @@ def checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
-def checkpoints_tp(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """At world 4, cp=2 x tp=2: exact resume (the step-6 checkpoint of an uninterrupted run
-    loaded), its step-3 checkpoint saved to ``root/cptp``, and one process's
-    (``root/single``) continued under it."""
+def checkpoints_tp(rank: int, world_size: int, root: str, plan: str = "cp=2,tp=2"
+                   ) -> dict[str, Any]:
+    """At world 4, ``plan`` (cp=2 with tp=2 or pp=2): exact resume (the
+    step-6 checkpoint of an uninterrupted run loaded), its step-3 checkpoint saved to
+    ``root/cptp``, and one process's (``root/single``) continued under it."""
     from tests import _workers_checkpoint as ck
 
-    plan = "cp=2,tp=2"
     return {"resume": ck.exact_resume(rank, world_size, [plan], root + "/resume",
                                       stop=False)[plan],
             f"{plan} (saved)": ck.save_under(rank, world_size, plan, root + "/cptp"),
             f"one process -> {plan}": ck.continue_under(rank, world_size, plan,
                                                          root + "/single")}
+
+
+def checkpoints_zero1(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """At world 2, cp=2 under ZeRO-1 (the optimizer state partitioned over the cp ranks):
+    exact resume, its step-3 checkpoint saved to ``root/cpz1`` and continued under ZeRO-3
+    over 2, and one process's (``root/single``) continued under it."""
+    from tests import _workers_checkpoint as ck
+
+    plan, base = "cp=2,zero=1", root + "/"
+    out: dict[str, Any] = {"resume": ck.exact_resume(rank, world_size, [plan],
+                                                     base + "resume")[plan]}
+    out[f"{plan} (saved)"] = ck.save_under(rank, world_size, plan, base + "cpz1")
+    out[f"{plan} -> dp_shard=2,zero=3"] = ck.continue_under(rank, world_size,
+                                                            "dp_shard=2,zero=3", base + "cpz1")
+    out[f"one process -> {plan}"] = ck.continue_under(rank, world_size, plan, base + "single")
+    return out
+
+
+def hf_refused(rank: int, world_size: int, plan: str) -> str:
+    """run.parallelize's refusal of the tiny Hugging Face Llama under ``plan``."""
+    from plait.runtime import init
+
+    run = init(plan, quiet=True)
+    try:
+        run.parallelize(hf_llama())
+        return ""
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        run.close()

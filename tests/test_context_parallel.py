@@ -8,6 +8,8 @@ sums taken in another order, nothing more; a wrong mask or a missing gradient te
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -277,16 +279,32 @@ def test_checkpoints_resume_exactly_and_move_in_and_out_of_cp(tmp_path, no_group
 
 
 @pytest.mark.slow
-def test_checkpoints_under_cp2_x_tp2(tmp_path, no_group):
-    """World 4: cp=2 x tp=2 resumes bitwise, and its checkpoints move to and from one
-    process with one device's losses."""
+@pytest.mark.parametrize("plan", ["cp=2,tp=2", "cp=2,tp=2,zero=3", "cp=2,pp=2,microbatches=2"])
+def test_checkpoints_under_cp2_at_world4(tmp_path, no_group, plan):
+    """World 4: cp=2 x tp=2, replicated over cp or sharded over it by ZeRO-3, and cp=2 x
+    pp=2 resume bitwise, and their checkpoints move to and from one process with one
+    device's losses."""
     from tests import _workers_checkpoint as ck
 
     reference = ck.train("single", steps=6)
     ck.save_under(0, 1, "single", str(tmp_path / "single"))
-    out = run_distributed(W.checkpoints_tp, 4, str(tmp_path), timeout=480)[0]
-    out["cp=2,tp=2 -> one process"] = ck.continue_under(0, 1, "single",
-                                                        str(tmp_path / "cptp"))
+    out = run_distributed(W.checkpoints_tp, 4, str(tmp_path), plan, timeout=480)[0]
+    out[f"{plan} -> one process"] = ck.continue_under(0, 1, "single", str(tmp_path / "cptp"))
+    _check_checkpoints(out, reference)
+
+
+@pytest.mark.slow
+def test_checkpoints_under_cp2_with_zero1(tmp_path, no_group):
+    """World 2: cp=2 with ZeRO-1 resumes bitwise (each rank's partition of the optimizer
+    state saved and loaded); its checkpoint continues in one process and under ZeRO-3 over 2,
+    and one process's under it, with one device's losses."""
+    from tests import _workers_checkpoint as ck
+
+    reference = ck.train("single", steps=6)
+    ck.save_under(0, 1, "single", str(tmp_path / "single"))
+    out = run_distributed(W.checkpoints_zero1, 2, str(tmp_path), timeout=420)[0]
+    out["cp=2,zero=1 -> one process"] = ck.continue_under(0, 1, "single",
+                                                          str(tmp_path / "cpz1"))
     _check_checkpoints(out, reference)
 
 
@@ -308,7 +326,13 @@ def test_the_predicted_rows_sit_on_the_axes_the_ledger_names():
                                         for op in ("all_gather", "reduce_scatter", "all_reduce")},
              "dp_replicate=2,dp_shard=2,zero=3,cp=2": {
                  ("dp_replicate", "all_reduce"),
-                 *{("dp_shard_cp", op) for op in ("all_gather", "reduce_scatter", "all_reduce")}}}
+                 *{("dp_shard_cp", op) for op in ("all_gather", "reduce_scatter", "all_reduce")}},
+             # ZeRO-1: DDP's all-reduce over dp x cp, the optimizer's broadcasts over
+             # dp_shard x cp (the same ranks here)
+             "cp=2,zero=1": {("cp", "all_reduce"), ("cp", "broadcast")},
+             "dp_shard=2,cp=2,zero=1": {("dp_shard_cp", "all_reduce"),
+                                        ("dp_shard_cp", "broadcast")},
+             "dp_replicate=2,cp=2,zero=1": {("dp_cp", "all_reduce"), ("cp", "broadcast")}}
     for text, grads in cases.items():
         rows = by_axis_op(predict(Plan.from_string(text), cfg, 4, 32))
         assert set(rows) == grads | set(kv), (text, sorted(rows))
@@ -316,6 +340,21 @@ def test_the_predicted_rows_sit_on_the_axes_the_ledger_names():
     hsdp = by_axis_op(predict(Plan.from_string("dp_replicate=2,dp_shard=2,zero=3,cp=2"), cfg,
                               4, 32))
     assert hsdp[("dp_replicate", "all_reduce")] == hsdp[("dp_shard_cp", "reduce_scatter")] / 4
+
+
+def test_the_clip_norms_under_fsdp_x_cp_x_tp_are_one_all_reduce():
+    """FSDP2 over dp_shard x cp beside tp: the gradient norms are partial over dp_shard_cp
+    and tp, and plait's mesh flattens the two, so the prediction is one all-reduce over all
+    dp_shard x cp x tp ranks (none on dp_shard_tp, which holds other ranks)."""
+    from plait.comm.predict import predict
+    from plait.models.transformer import preset
+    from plait.plan import Plan
+
+    for text, ranks in (("dp_shard=2,cp=2,tp=2,zero=3", 8), ("cp=2,tp=2,zero=2", 4)):
+        clip = [t for t in predict(Plan.from_string(text), preset("test"), 4, 32)
+                if t.what.startswith("clip")]
+        assert [(t.axis, t.op, t.calls, t.group) for t in clip] == [
+            ("dp_shard_cp_tp", "all_reduce", 1, ranks)], (text, clip)
 
 
 @pytest.mark.slow
@@ -341,3 +380,134 @@ def test_training_at_dp2_x_cp2_x_tp2_matches_one_device(lm_data):
     got = run_distributed(W.train, 8, [("dp=2,cp=2,tp=2", W.reference_lm, batches, W.lm_loss)],
                           timeout=480)[0]
     _assert_matches(ref["reference"], got[0])
+
+
+# ------------------------------------------------------------------ cp with tp and ZeRO
+@pytest.fixture(scope="module")
+def adamw_ref(lm_data):
+    """One device under AdamW (tests/_workers_cp.py reference_adamw), by model, computed on
+    first use."""
+    batches, _ = lm_data
+    models = {"block": (W.block_lm, W.lm_loss), "reference": (W.reference_lm, W.lm_loss),
+              "hf": (W.hf_llama, W.logits_loss)}
+
+    @functools.cache
+    def one_device(which: str) -> dict:
+        factory, loss_fn = models[which]
+        return W.reference_adamw(factory, batches, loss_fn)
+    return one_device
+
+
+def test_cp_under_zero3_with_tp_and_under_zero1_matches_one_device(lm_data, adamw_ref):
+    """World 4, AdamW: FSDP2 over the cp ranks beside tp (cp=2,tp=2,zero=3: tp's DTensors
+    sharded over dp_shard x cp, a fused q|k|v layer on another dim), and ZeRO-1 with cp (DDP
+    over dp x cp, the optimizer state partitioned over dp_shard x cp) train what one device
+    trains: every step's loss and every parameter after the last, on a model written for the
+    test."""
+    batches, _ = lm_data
+    jobs = [("cp=2,tp=2,zero=3", W.block_lm, batches, W.lm_loss),
+            ("dp_shard=2,cp=2,zero=1", W.block_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train_adamw, 4, jobs, timeout=300)[0]
+    for result in got:
+        _assert_matches(adamw_ref("block"), result)
+
+
+@pytest.mark.slow
+def test_cp_x_tp_under_zero2_and_zero3_matches_one_device(lm_data, adamw_ref):
+    """World 4, AdamW: plait's transformer under ZeRO-3 and ZeRO-2 with sequence parallelism
+    beside cp=2,tp=2; a tiny Hugging Face Llama (tp plan inferred) under ZeRO-3; ZeRO-1
+    sharding the optimizer over the cp ranks only, replicated over dp_replicate."""
+    batches, _ = lm_data
+    jobs = [("cp=2,tp=2,zero=3", W.reference_lm, batches, W.lm_loss),
+            ("cp=2,tp=2,zero=2,sp", W.reference_lm, batches, W.lm_loss),
+            ("cp=2,tp=2,zero=3", W.hf_llama, batches, W.logits_loss),
+            ("dp_replicate=2,cp=2,zero=1", W.block_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train_adamw, 4, jobs, timeout=480)[0]
+    for result, which in zip(got, ("reference", "reference", "hf", "block"), strict=True):
+        _assert_matches(adamw_ref(which), result)
+
+
+@pytest.mark.slow
+def test_fsdp_over_dp_shard_x_cp_with_tp_at_world8_matches_one_device(lm_data, adamw_ref):
+    """World 8, AdamW: dp_shard=2,cp=2,tp=2 under ZeRO-3 (FSDP2 over the 4 dp_shard x cp
+    ranks of each tp rank) on both models, and HSDP over dp_replicate x cp beside tp."""
+    batches, _ = lm_data
+    jobs = [("dp_shard=2,cp=2,tp=2,zero=3", W.block_lm, batches, W.lm_loss),
+            ("dp_shard=2,cp=2,tp=2,zero=3", W.reference_lm, batches, W.lm_loss),
+            ("dp_replicate=2,cp=2,tp=2,zero=3", W.block_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train_adamw, 8, jobs, timeout=600)[0]
+    for result, which in zip(got, ("block", "reference", "block"), strict=True):
+        _assert_matches(adamw_ref(which), result)
+
+
+# ------------------------------------------------------------------------ cp with pp
+@pytest.fixture(scope="module")
+def block_ref(lm_data):
+    """One device (SGD, as tests/_workers_semantics.py's reference) on the block models."""
+    batches, _ = lm_data
+    return {f.__name__: W.reference(f, batches, W.lm_loss)
+            for f in (W.block_lm, W.deep_block_lm)}
+
+
+def test_cp_with_pp_matches_one_device_and_refuses_on_every_stage(lm_data, block_ref):
+    """World 4, cp=2 x pp=2 (1F1B): each stage runs on its rank's slice of every sequence
+    (the stages send slices), its attention over the whole sequence with the cp ranks of its
+    stage; the loss of every step and every parameter after three SGD steps (which, unlike
+    AdamW's, show a wrong gradient scale) match one device. What cp refuses is refused on
+    every rank, the loss that shifts labels too, which only the last stage computes."""
+    batches, _ = lm_data
+    plan = "cp=2,pp=2,microbatches=2"
+    got = run_distributed(W.train, 4, [(plan, W.block_lm, batches, W.lm_loss)],
+                          timeout=300)[0]
+    _assert_matches(block_ref["block_lm"], got[0])
+    # the stages run on slices: K and V gathered per block and microbatch (one block per
+    # stage, two microbatches), the activations sent are half the sequence's
+    ledger = run_distributed(W.ledger_axes, 4, batches, plan, W.block_lm, timeout=300)[0]
+    assert ledger["cp/all_gather"]["count"] == 2 * 2, ledger["cp/all_gather"]
+    sent = 2 * (W.BATCH // 2) * (W.SEQ // 2) * W.WIDTH * 4  # 2 microbatches of the slice
+    assert ledger["pp/send_recv"]["payload_bytes"] == sent, ledger["pp/send_recv"]
+    refused = run_distributed(W.refusals, 4, batches, plan, W.block_lm, timeout=300)
+    for messages in refused:  # every rank
+        assert "MaskedLM.forward must be told" in messages[0], messages[0]
+        assert "shift the labels in the data" in messages[1], messages[1]
+        assert "multiple of 4" in messages[2] and "per-token labels" in messages[3], messages
+
+
+@pytest.mark.slow
+def test_cp_with_pp_schedules_and_accumulation_match_one_device(lm_data, block_ref):
+    """World 4: GPipe on plait's transformer (rotary positions on every stage), interleaved
+    1F1B with two stages per rank and 1F1B with grad_accum=2 under cp=2 x pp=2 train what
+    one device trains; run.evaluate's loss is one device's; a Hugging Face model is refused
+    up front."""
+    batches, ref = lm_data
+    jobs = [("cp=2,pp=2,microbatches=2,pp_schedule=gpipe", W.reference_lm, batches, W.lm_loss),
+            ("cp=2,pp=2,microbatches=4,pp_schedule=interleaved_1f1b,virtual_stages=2",
+             W.deep_block_lm, batches, W.lm_loss),
+            ("cp=2,pp=2,microbatches=2,grad_accum=2", W.block_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train, 4, jobs, timeout=480)[0]
+    for result, want in zip(got, (ref["reference"], block_ref["deep_block_lm"],
+                                  block_ref["block_lm"]), strict=True):
+        _assert_matches(want, result)
+    inputs, labels = batches[0]
+    with torch.no_grad():
+        want_eval = float(W.lm_loss(W.block_lm()(inputs), labels))
+    evals = run_distributed(W.evaluate, 4, batches, "cp=2,pp=2,microbatches=2", W.block_lm,
+                            timeout=240)
+    assert all(e == pytest.approx(want_eval, rel=REL) for e in evals), (evals, want_eval)
+    # a Hugging Face model is refused on every rank at parallelize (see docs)
+    for message in run_distributed(W.hf_refused, 4, "cp=2,pp=2,microbatches=2", timeout=240):
+        assert "use_cache=False" in message and "pp=1" in message, message
+
+
+@pytest.mark.slow
+def test_cp_with_pp_and_data_or_tensor_parallelism_at_world8(lm_data, block_ref):
+    """World 8: FSDP2 (ZeRO-3) over dp_shard x cp in each stage, DDP over dp x cp, and tp
+    inside cp x pp."""
+    batches, ref = lm_data
+    jobs = [("dp_shard=2,cp=2,pp=2,zero=3,microbatches=2", W.block_lm, batches, W.lm_loss),
+            ("dp_replicate=2,cp=2,pp=2,microbatches=2", W.block_lm, batches, W.lm_loss),
+            ("cp=2,tp=2,pp=2,microbatches=2", W.reference_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train, 8, jobs, timeout=600)[0]
+    for result, want in zip(got, (block_ref["block_lm"], block_ref["block_lm"],
+                                  ref["reference"]), strict=True):
+        _assert_matches(want, result)

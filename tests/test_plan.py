@@ -48,9 +48,8 @@ def test_world_size_mismatch_names_every_factor():
     ("dp_shard=2,zero=2,offload", "offload=True needs zero=3"),
     ("dp_shard=2,zero=1,tp=2", "zero=1 with tp=2 is not supported"),
     ("sp", "needs tp > 1"),
-    ("cp=2,tp=2,dp_shard=2,zero=3", "cp=2 with tp=2 and zero=3 is not supported"),
-    ("cp=2,pp=2", "cp=2 with pp=2 is not supported"),
-    ("cp=2,dp_shard=2,zero=1", "cp=2 with zero=1 is not supported"),
+    ("cp=2,pp=2,mb=2,schedule=zbv,v=2", "cp=2 with pp_schedule='zbv' is not supported"),
+    ("cp=2,tp=2,zero=1", "zero=1 with tp=2 is not supported"),
     ("cp=2,compile", "cp=2 with compile is not supported"),
     ("pp=2,schedule=warp", "pp_schedule='warp'"),
     ("pp=4,mb=2", "microbatches=2 < pp=4"),
@@ -67,11 +66,20 @@ def test_invalid_plans_raise_with_the_factor(text, fragment):
     assert fragment in str(err.value)
 
 
+@pytest.mark.parametrize("text", ["cp=2,tp=2,zero=3", "dp_shard=2,cp=2,tp=2,zero=2",
+                                  "cp=2,zero=1", "dp_shard=2,cp=2,zero=1", "cp=2,zero=3",
+                                  "cp=2,pp=2,mb=2", "cp=2,tp=2,pp=2,mb=2,schedule=gpipe"])
+def test_cp_composes_with_zero_and_pp(text):
+    """ZeRO shards over dp_shard x cp under context parallelism: cp alone gives it ranks to
+    shard over, beside tp (stages 2 and 3) or not; pipelines run cp inside each stage."""
+    assert Plan.from_string(text).cp == 2
+
+
 def test_all_errors_reported_at_once():
     with pytest.raises(ValueError) as err:
-        Plan(sp=True, cp=2, tp=1, pp=2, mixed_precision="fp64")
+        Plan(sp=True, cp=2, tp=1, compile=True, mixed_precision="fp64")
     msg = str(err.value)
-    assert "sp=True" in msg and "cp=2 with pp=2" in msg and "fp64" in msg
+    assert "sp=True" in msg and "cp=2 with compile" in msg and "fp64" in msg
 
 
 @pytest.mark.parametrize("text, fragment", [

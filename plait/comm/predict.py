@@ -31,8 +31,9 @@ is predicted under data parallelism alone, read off the laid-out model (``plait.
   ``plait.parallel.tensor``): 2 per block + the final norm, ``hidden`` fp32 elements each.
 * Gradient clipping (``plan.grad_clip``, default on): ``get_total_norm`` over DTensor gradients
   (FSDP2, TP) all-reduces one fp32 norm per parameter tensor on every mesh axis the gradients
-  are sharded on, in one call over the flattened ``dp_shard_tp`` view where they are sharded on
-  both (``plait.mesh``); with pipelines the squared norm (one fp32) is all-reduced over ``pp``.
+  are sharded on, in one call over the flattened ``dp_shard_tp`` view (``dp_shard_cp_tp``
+  under context parallelism) where they are sharded on both (``plait.mesh``); with pipelines
+  the squared norm (one fp32) is all-reduced over ``pp``.
 * PP: per microbatch and boundary one activation sent forward, one gradient sent back, per
   stage this rank holds (a neighbour stage on the same rank is handed over locally).
 """
@@ -45,7 +46,7 @@ from math import prod
 from typing import Any
 
 from .._torch_compat import is_split
-from ..mesh import DP, DP_CP, DP_SHARD_CP, DP_SHARD_TP
+from ..mesh import DP, DP_CP, DP_SHARD_CP, DP_SHARD_CP_TP, DP_SHARD_TP
 from ..parallel.tp_kv import replicated_kv_elements
 from .volumes import DDP_BUCKET_BYTES, Traffic, cp_traffic, ddp_traffic, dtype_bytes
 
@@ -325,7 +326,8 @@ def _dp_axis(plan: Any) -> str:
 # so where no single axis of size > 1 holds the same ranks (plait.comm.ledger
 # axis_names_by_ranks: single axes first, then these views in this order).
 _FLAT = ((DP, ("dp_replicate", "dp_shard")), (DP_SHARD_CP, ("dp_shard", "cp")),
-         (DP_CP, ("dp_replicate", "dp_shard", "cp")), (DP_SHARD_TP, ("dp_shard", "tp")))
+         (DP_CP, ("dp_replicate", "dp_shard", "cp")), (DP_SHARD_TP, ("dp_shard", "tp")),
+         (DP_SHARD_CP_TP, ("dp_shard", "cp", "tp")))
 
 
 def _ledger_axis(plan: Any, axes: tuple[str, ...]) -> str:
@@ -365,10 +367,11 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
         local = LocalModel.from_config(plan, cfg, stage)
     mb = batch // plan.microbatches if plan.pp > 1 else batch
     kv_whole = replicated_kv_elements(cfg.dim, cfg.kv_heads, cfg.head_dim, plan.tp)
-    # tp's collectives move this rank's tokens: its cp slice of each sequence
+    # tp's collectives and the stages' sends move this rank's tokens: its cp slice of each
+    # sequence
     return (dp_traffic(plan, local, multi_stage_zero3=False)
             + tp_rank_traffic(plan, local, mb, seq // plan.cp, cfg.dim, kv_whole)
-            + pp_rank_traffic(plan, local, mb, seq, cfg.dim)
+            + pp_rank_traffic(plan, local, mb, seq // plan.cp, cfg.dim)
             + cp_rank_traffic(plan, local, batch, seq,
                               max(1, cfg.kv_heads // plan.tp) * cfg.head_dim)
             + clip_traffic(plan, local))
@@ -383,11 +386,14 @@ def cp_rank_traffic(plan: Any, local: LocalModel, batch: int, seq: int, kv_dim: 
     (``volumes.cp_traffic``); ``kv_dim``: the K (or V) features this rank holds per token,
     its tp share of the kv heads; ``element_bytes``: a key's and a value's mean bytes per
     element where the model's code decides them (a traced forward), else the plan's compute
-    dtype's. Gradients are reduced over dp x cp in :func:`dp_traffic`."""
+    dtype's. Gradients are reduced over dp x cp in :func:`dp_traffic`. Under a pipeline each
+    of this rank's stages gathers per microbatch (``batch`` split into ``plan.microbatches``);
+    ``local.layers``: the attention layers of this rank's stages."""
     if plan.cp == 1 or not local.layers:
         return []
-    return cp_traffic(batch, seq, kv_dim, local.layers, plan.cp, _compute_dtype(plan),
-                      micro_steps=plan.grad_accum, recomputed_layers=local.recomputed,
+    parts = plan.microbatches if plan.pp > 1 else 1
+    return cp_traffic(batch // parts, seq, kv_dim, local.layers, plan.cp, _compute_dtype(plan),
+                      micro_steps=plan.grad_accum * parts, recomputed_layers=local.recomputed,
                       element_bytes=element_bytes)
 
 
@@ -408,7 +414,8 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
     P, G = float(local.params), float(local.grads)
     out: list[Traffic] = []
     if plan.cp > 1:  # the cp ranks reduce gradients with the data ranks (plait.parallelize)
-        return _dp_cp_traffic(plan, local, g, grad_dtype, bucket_bytes)
+        return _dp_cp_traffic(plan, local, g, grad_dtype, bucket_bytes, syncs,
+                              multi_stage_zero3)
     # DDP wraps nothing where nothing trains (a frozen pipeline stage: plait.parallel.data)
     if plan.zero == 1 and R * S > 1:
         if G:
@@ -438,27 +445,34 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
 
 
 def _dp_cp_traffic(plan: Any, local: LocalModel, g: int, grad_dtype: str,
-                   bucket_bytes: float) -> list[Traffic]:
-    """:func:`dp_traffic` under context parallelism (no pipeline, no tp, no ZeRO-1: refused
-    there): the cp ranks compute partial gradients of the same parameters, so they join the
-    data ranks. DDP all-reduces over dp x cp (``dp_cp``), and with tp FSDP2's replicate one
-    all-reduce per unit; FSDP2 shards and reduce-scatters over
-    dp_shard x cp (``dp_shard_cp``), HSDP all-reducing that shard over dp_replicate."""
+                   bucket_bytes: float, syncs: int, multi_stage_zero3: bool) -> list[Traffic]:
+    """:func:`dp_traffic` under context parallelism: the cp ranks compute partial gradients
+    of the same parameters, so they join the data ranks. DDP all-reduces over dp x cp
+    (``dp_cp``), and with tp FSDP2's replicate one all-reduce per unit; FSDP2 shards and
+    reduce-scatters over dp_shard x cp (``dp_shard_cp``), HSDP all-reducing that shard over
+    dp_replicate; ZeRO-1 is DDP over dp x cp, then ZeroRedundancyOptimizer's broadcast of
+    every parameter over dp_shard x cp. A pipeline's stages reduce ``syncs`` times a step."""
     G = float(local.grads)
+    dp_cp = _ledger_axis(plan, ("dp_replicate", "dp_shard", "cp"))
+    units = local.reducing_units  # a unit with nothing to train reduces nothing
     if plan.zero in (2, 3):
-        shard = _ledger_axis(plan, _shard_axes(plan))
         n = _axis_size(plan, DP_SHARD_CP)
-        out = [Traffic(shard, "reduce_scatter", G * g, local.units, n, "grads")]
-        if plan.dp_replicate > 1:
-            out.append(Traffic("dp_replicate", "all_reduce", G / n * g, local.units,
-                               plan.dp_replicate, "grads"))
-        return out + _param_gathers(plan, local, False)
+        grads = [Traffic(_ledger_axis(plan, _shard_axes(plan)), "reduce_scatter", G * g,
+                         units, n, "grads")] if units else []
+        if plan.dp_replicate > 1 and units:
+            grads.append(Traffic("dp_replicate", "all_reduce", G / n * g, units,
+                                 plan.dp_replicate, "grads"))
+        return _times(grads, syncs) + _param_gathers(plan, local, multi_stage_zero3)
     if plan.tp > 1:  # TP shards replicated over dp x cp (apply_replicate_cp): one per unit
-        return [Traffic(_ledger_axis(plan, ("dp_replicate", "dp_shard", "cp")), "all_reduce",
-                        G * g, local.units, _axis_size(plan, DP_CP), "grads")]
-    return ddp_traffic(G, _axis_size(plan, DP_CP), grad_dtype,
-                       axis=_ledger_axis(plan, ("dp_replicate", "dp_shard", "cp")),
-                       bucket_bytes=bucket_bytes)
+        return _times([Traffic(dp_cp, "all_reduce", G * g, units, _axis_size(plan, DP_CP),
+                               "grads")] if units else [], syncs)
+    out = _times(ddp_traffic(G, _axis_size(plan, DP_CP), grad_dtype, axis=dp_cp,
+                             bucket_bytes=bucket_bytes) if G else [], syncs)
+    if plan.zero == 1:
+        out.append(Traffic(_ledger_axis(plan, _shard_axes(plan)), "broadcast",
+                           float(local.params) * FP32, max(1, local.tensors),
+                           _axis_size(plan, DP_SHARD_CP), "params (ZeroRedundancyOptimizer)"))
+    return out
 
 
 def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traffic]:
@@ -549,18 +563,21 @@ def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
 def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
     """Gradient clipping (``plan.grad_clip``): ``get_total_norm`` over DTensor gradients
     all-reduces one fp32 norm per parameter tensor on every mesh axis they are sharded on, in one
-    call over the flattened ``dp_shard_tp`` view where they are sharded on both; with pipelines
-    each stage holds only its own gradients, so the squared norm (one fp32) is all-reduced over
-    ``pp`` too (``plait.train.clip_grad_norm``): a blocking call every stage waits in."""
+    call over the flattened ``dp_shard_tp`` (``dp_shard_cp_tp``) view where they are sharded
+    on both; with pipelines each stage holds only its own gradients, so the squared norm (one
+    fp32) is all-reduced over ``pp`` too (``plait.train.clip_grad_norm``): a blocking call
+    every stage waits in."""
     if not plan.grad_clip:
         return []
     out: list[Traffic] = []
     axes, sizes = list(local.clip_axes), {a: _axis_size(plan, a) for a in local.clip_axes}
-    if {"dp_shard", "tp"} <= set(axes):
-        # plait.mesh builds the flattened (dp_shard, tp) view, so DTensor reduces norms
-        # partial over both axes in one all-reduce over it, not one per axis
-        axes = [a for a in axes if a not in ("dp_shard", "tp")] + [DP_SHARD_TP]
-        sizes[DP_SHARD_TP] = plan.dp_shard * plan.tp
+    for pair, joined in ((("dp_shard", "tp"), DP_SHARD_TP),
+                         ((DP_SHARD_CP, "tp"), DP_SHARD_CP_TP)):
+        if set(pair) <= set(axes):
+            # plait.mesh builds the flattened (dp_shard[, cp], tp) view, so DTensor reduces
+            # norms partial over both axes in one all-reduce over it, not one per axis
+            axes = [a for a in axes if a not in pair] + [joined]
+            sizes[joined] = _axis_size(plan, joined)
     for axis in axes:
         name = _ledger_axis(plan, dict(_FLAT).get(axis, (axis,)))  # dp_shard_cp at dp_shard=1: cp
         out.append(Traffic(name, "all_reduce", float(local.clip_tensors) * FP32, 1, sizes[axis],

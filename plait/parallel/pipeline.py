@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from .._torch_compat import pipeline_stage_base, pytree
 from ..loss import label_shift, loss_sum_and_count, shifts_labels
 from ..mesh import Mesh
 from ..plan import PP_SCHEDULES, Plan
+from .context import ContextGroup, context_group
 from .layout import Layout, layout_of, record_layout
 from .pipeline_buffers import (
     broadcast_owned,
@@ -398,6 +399,16 @@ class PipelineRunner:
         # replicas), over which the parameters no rank used are found after each training step
         # (plait.parallel.unused); None without find_unused or FSDP2.
         self.unused_group: Any = None
+        # Context parallelism: this rank's cp group (the ranks of its stage that split each
+        # sequence); the step gives the stages its slice of each sequence, and their
+        # attention runs over the whole sequence (plait.parallel.context).
+        self.context: ContextGroup | None = None
+        # Under cp, whether this step's loss (on the last stage) shifted the labels, which
+        # cp refuses (it would shift each rank's slice). Only the last stage sees it, and a
+        # raise there mid-schedule would leave the other stages waiting on their sends: the
+        # train step sums it over the job with the step's totals and refuses on every rank
+        # (see take_refusal).
+        self.shift_seen = False
 
     def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one microbatch. torch's schedules split a *tensor* target
@@ -425,6 +436,8 @@ class PipelineRunner:
                             model_shifts=self.shifts_labels)
         if real:
             self._step_answers = answers
+        if self.context is not None and shift is True:
+            self.shift_seen = True
         total, count = loss_sum_and_count(value, target, shift=shift)
         key = (self._accum_index, int(rows[0]))
         self._totals[key] = torch.stack([total.detach().float(), count.float()])
@@ -551,7 +564,17 @@ class PipelineRunner:
              train: bool) -> torch.Tensor:
         from ..train import autocast, split_microbatches
 
+        seq, extra = 0, {}
+        if self.context is not None:
+            # Every stage runs on this rank's slice of each sequence (its activations are
+            # what the stages send): cut before the layout; attention over the whole
+            # sequence while the schedule runs (forward and backward)
+            from .context import split_batch
+
+            batch, seq, extra = split_batch(batch, self.context)
         laid_out = stage_inputs(batch, loss_fn, self.signature, self.model_name)
+        if extra:  # position_ids beside a tensor input: every stage computes positions
+            laid_out = replace(laid_out, every={**laid_out.every, **extra})
         rows = _rows(laid_out.first)
         m, accum = plan.microbatches, plan.grad_accum
         if rows % (m * accum):
@@ -591,7 +614,7 @@ class PipelineRunner:
                 split_microbatches(laid_out.targets, accum), strict=True)):
             self._targets, self._accum_index = part_targets, a
             index = torch.arange(chunk, device=device)
-            with self._loss_context(), autocast(plan, device):
+            with self._loss_context(), autocast(plan, device), self._sequence(seq):
                 if train:
                     self._schedule.step(*((first,) if self.has_first else ()),
                                         target=index if self.has_last else None,
@@ -618,6 +641,22 @@ class PipelineRunner:
         if not self.has_last:
             return torch.full((2,), float("nan"), device=device)
         return torch.stack(list(self._totals.values())).sum(0).to(device)
+
+    def take_refusal(self) -> float:
+        """1.0 when this rank's last step computed a loss that context parallelism refuses
+        (one that shifts the labels itself), else 0.0; reset for the next step. Summed over
+        the pipeline and data ranks, it lets every rank refuse together
+        (:func:`refuse_if_seen`)."""
+        seen, self.shift_seen = self.shift_seen, False
+        return 1.0 if seen else 0.0
+
+    def _sequence(self, seq: int) -> contextlib.AbstractContextManager:
+        """Under context parallelism: attention over the whole ``seq``-token sequence."""
+        if self.context is None:
+            return contextlib.nullcontext()
+        from .context import cp_attention
+
+        return cp_attention(self.context, seq)
 
     def _warm(self, laid_out: StageInputs, train: bool, *, plan: Plan,
               device: torch.device) -> None:
@@ -662,6 +701,15 @@ class PipelineRunner:
                 f"shape: this batch's inputs are {_describe(shapes)}, the stages were set up "
                 f"for {_describe(built)}; give every batch one shape (a collate_fn that pads "
                 f"to a fixed length, the same batch_size for every step)")
+
+
+def refuse_if_seen(flag: float, cp: int) -> None:
+    """Raise, on every rank, when the summed :meth:`PipelineRunner.take_refusal` flags say a
+    last stage computed a loss that shifts the labels under context parallelism."""
+    if flag > 0:
+        from .context import SHIFTED_LABELS
+
+        raise ValueError(SHIFTED_LABELS.format(cp=cp))
 
 
 def _shapes(value: Any) -> Any:
@@ -936,6 +984,15 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     """Split ``model`` into ``plan.pp x plan.virtual_stages`` stages, keep this rank's, and
     return them with their schedule, recorded in the returned model's ``Layout``."""
     check_schedule_args(plan.pp_schedule, plan.pp, plan.microbatches, plan.virtual_stages)
+    if plan.cp > 1 and is_hf_model(model):
+        # refused on every rank before anything is sent: at the first step only the cp
+        # ranks holding a sequence's head and tail would raise, inside the schedule
+        raise ValueError(
+            f"{type(model).__name__} under cp={plan.cp} with pp={plan.pp}: plait's pipeline "
+            f"calls a Hugging Face model's stages with use_cache=False, and transformers then "
+            f"reads the head-and-tail position_ids of a cp slice as packed sequences and "
+            f"builds an explicit attention mask, which context parallelism cannot split; "
+            f"train it with pp=1 (cp with dp_shard/zero or tp), or cp=1")
     path, specs = plan_stages(model, plan)
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
@@ -984,6 +1041,8 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     runner.tied = _local_ties(ties, groups, dict(zip(mine, modules, strict=True)))
     runner.has_ties = bool(ties)
     runner.tied_copies = _named_copies(model, ties, dict(zip(mine, modules, strict=True)))
+    if plan.cp > 1:  # the whole model must take the slice's positions (context_group)
+        runner.context = context_group(model, mesh)
     layout = Layout(applied=("pipeline", *layout_of(modules[0]).applied), stages=tuple(modules),
                     stage_specs=tuple(specs[s] for s in mine), pipeline=runner,
                     loss_parallel=loss_parallel, tied_names=_one_device_names(model, ties, mine))

@@ -155,7 +155,7 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     kwargs: dict[str, Any] = dict(mesh=dm, mp_policy=mixed_precision_policy(plan),
                                   offload_policy=offload_policy(plan, dm.device_type))
     if plan.tp > 1:
-        kwargs["shard_placement_fn"] = _shard_placement(module, plan.dp_shard)
+        kwargs["shard_placement_fn"] = _shard_placement(module, plan)
     reshard = plan.zero == 3
     quiet_view_output_warning()
     for _, unit in units:
@@ -174,7 +174,7 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     return module
 
 
-def _shard_placement(module: nn.Module, shards: int) -> Callable[[nn.Parameter], Shard | None]:
+def _shard_placement(module: nn.Module, plan: Plan) -> Callable[[nn.Parameter], Shard | None]:
     """FSDP2's ``shard_placement_fn`` over tensor parallelism: a parameter TP split with a
     strided placement on dim 0 (a fused q|k|v weight: rank r holds ``[q_r, k_r, v_r]``) is
     sharded on another dim; the others on dim 0, FSDP2's default.
@@ -185,6 +185,9 @@ def _shard_placement(module: nn.Module, shards: int) -> Callable[[nn.Parameter],
     checkpoint or ``run.full_state_dict`` writes, put rows of q, k and v in each other's
     places."""
     names = {id(p): n for n, p in module.named_parameters()}
+    # FSDP2 shards over dp_shard, and over dp_shard x cp under context parallelism (data_mesh)
+    shards = plan.dp_shard * plan.cp
+    over = f"dp_shard={plan.dp_shard}" + (f" x cp={plan.cp}" if plan.cp > 1 else "")
 
     def place(param: nn.Parameter) -> Shard | None:
         strided = {pl.dim for pl in getattr(param, "placements", ()) if is_strided(pl)}
@@ -196,8 +199,9 @@ def _shard_placement(module: nn.Module, shards: int) -> Callable[[nn.Parameter],
         raise ValueError(
             f"{names.get(id(param), 'a parameter')} (shape {tuple(param.shape)}) is a fused "
             f"layer split over tp with its parts kept apart; ZeRO-2/3 must shard it on another "
-            f"dim, and dp_shard={shards} divides none of {tuple(param.shape[1:])}: pick a "
-            f"dp_shard that divides its input size, or zero=0 with dp_replicate")
+            f"dim, and {over} = {shards} shards divide none of {tuple(param.shape[1:])}: "
+            f"pick a dp_shard (x cp) that divides its input size, or zero=0 with "
+            f"dp_replicate")
     return place
 
 
@@ -248,9 +252,13 @@ def _apply_zero1(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     from .data import apply_ddp
 
     device = next(module.parameters()).device
-    # Gradients are averaged over every data rank (replicate x shard); the optimizer state is
-    # partitioned over dp_shard only (shard_optimizer).
-    return apply_ddp(module, mesh["dp"], device=device, find_unused=plan.find_unused)
+    # Gradients are averaged over every data rank (replicate x shard), and under context
+    # parallelism over the cp ranks too (they compute partial gradients of the same
+    # parameters); the optimizer state is partitioned over dp_shard (x cp: shard_optimizer).
+    from ..mesh import DP_CP
+
+    return apply_ddp(module, mesh[DP_CP if plan.cp > 1 else "dp"], device=device,
+                     find_unused=plan.find_unused)
 
 
 def apply_replicate(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
@@ -329,7 +337,8 @@ def zero1_optimizer(optimizer: torch.optim.Optimizer, mesh: Mesh, plan: Plan,
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, mesh: Mesh, plan: Plan
                     ) -> torch.optim.Optimizer:
-    """ZeRO-1: the user's optimizer, rebuilt as a ``ZeroRedundancyOptimizer`` over ``dp_shard``.
+    """ZeRO-1: the user's optimizer, rebuilt as a ``ZeroRedundancyOptimizer`` over ``dp_shard``
+    (``dp_shard x cp`` under context parallelism, whose ranks hold the same parameters).
 
     Same class, same parameter groups and hyperparameters; each rank keeps the state of its
     partition only. Call it before the first step (the user's optimizer must hold no state yet:
@@ -347,8 +356,11 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, mesh: Mesh, plan: Plan
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [dict(g) for g in optimizer.param_groups]
+    from ..mesh import DP_SHARD_CP
+
+    shards = mesh[DP_SHARD_CP if plan.cp > 1 else "dp_shard"]
     return ZeroRedundancyOptimizer(groups, optimizer_class=cls,
-                                   process_group=mesh["dp_shard"].get_group(), **defaults)
+                                   process_group=shards.get_group(), **defaults)
 
 
 def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
