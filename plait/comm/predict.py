@@ -372,27 +372,29 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
     return (dp_traffic(plan, local, multi_stage_zero3=False)
             + tp_rank_traffic(plan, local, mb, seq // plan.cp, cfg.dim, kv_whole)
             + pp_rank_traffic(plan, local, mb, seq // plan.cp, cfg.dim)
-            + cp_rank_traffic(plan, local, batch, seq,
+            + cp_rank_traffic(plan, local, mb, seq,
                               max(1, cfg.kv_heads // plan.tp) * cfg.head_dim)
             + clip_traffic(plan, local))
 
 
-def cp_rank_traffic(plan: Any, local: LocalModel, batch: int, seq: int, kv_dim: int,
+def cp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, kv_dim: int,
                     element_bytes: float | None = None) -> list[Traffic]:
     """Context parallelism's collectives of one rank in one optimizer step
-    (``plait.parallel.context``): per attention layer and micro-step of ``batch`` whole
-    sequences of ``seq`` tokens, K and V all-gathered in forward (again in each recomputed
-    layer) and their gradients reduce-scattered in backward, in the dtype attention runs in
+    (``plait.parallel.context``): per attention layer and microbatch of ``mb`` whole
+    sequences of ``seq`` tokens (``plan.grad_accum`` micro-steps, each split into
+    ``plan.microbatches`` under a pipeline), K and V all-gathered in forward (again in each
+    recomputed layer) and their gradients reduce-scattered in backward, in the dtype attention
+    runs in
     (``volumes.cp_traffic``); ``kv_dim``: the K (or V) features this rank holds per token,
     its tp share of the kv heads; ``element_bytes``: a key's and a value's mean bytes per
     element where the model's code decides them (a traced forward), else the plan's compute
     dtype's. Gradients are reduced over dp x cp in :func:`dp_traffic`. Under a pipeline each
-    of this rank's stages gathers per microbatch (``batch`` split into ``plan.microbatches``);
-    ``local.layers``: the attention layers of this rank's stages."""
+    of this rank's stages gathers per microbatch; ``local.layers``: the attention layers of
+    this rank's stages."""
     if plan.cp == 1 or not local.layers:
         return []
     parts = plan.microbatches if plan.pp > 1 else 1
-    return cp_traffic(batch // parts, seq, kv_dim, local.layers, plan.cp, _compute_dtype(plan),
+    return cp_traffic(mb, seq, kv_dim, local.layers, plan.cp, _compute_dtype(plan),
                       micro_steps=plan.grad_accum * parts, recomputed_layers=local.recomputed,
                       element_bytes=element_bytes)
 

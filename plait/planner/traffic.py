@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from plait.comm import predict
 from plait.comm.predict import LocalModel, clip_axes
 from plait.comm.volumes import Traffic
-from plait.mesh import DP_CP, DP_SHARD_CP, DP_SHARD_TP
+from plait.mesh import DP_CP, DP_SHARD_CP, DP_SHARD_CP_TP, DP_SHARD_TP
 from plait.plan import Plan
 
 from .fsdp_rows import Padding, ParamRows, Rows, Trained, copy_padding, padding, trained
@@ -67,7 +67,7 @@ def axis_stride(plan: Plan, axis: str) -> int:
     The flattened views over cp (``dp_shard_cp``, ``dp_cp``) join neighbouring axes down to
     cp, so their ranks are tp apart, as cp's own."""
     tp, cp, S, R = plan.tp, plan.cp, plan.dp_shard, plan.dp_replicate
-    return {"tp": 1, DP_SHARD_TP: 1, "cp": tp, DP_SHARD_CP: tp, DP_CP: tp,
+    return {"tp": 1, DP_SHARD_TP: 1, DP_SHARD_CP_TP: 1, "cp": tp, DP_SHARD_CP: tp, DP_CP: tp,
             "dp_shard": cp * tp, "dp": cp * tp,
             "dp_replicate": S * cp * tp, "pp": R * S * cp * tp}[axis]
 
