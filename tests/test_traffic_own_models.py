@@ -10,6 +10,8 @@ the same prediction, taken on the model ``run.parallelize`` was given."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -48,7 +50,11 @@ def _same(name: str, plan: str, comm: dict, global_batch: int) -> None:
 # gradients that exist (none for a frozen block, nor for a stage whose embedding and blocks
 # are all frozen), and clipping takes one norm per gradient (the slow cases add ZeRO-1/3,
 # DDP, ZeRO-2 alone and a frozen tied embedding).
+# Leading frozen blocks after a frozen embedding: the backward pass never reaches them, so
+# they issue no backward collective over tp, and under ZeRO-3 FSDP2 gathers again only the
+# last of them (the next block's pre-backward hook prefetches it), not the others.
 CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2"]),
+         ("dp_shard=2,zero=3", ["frozen_lead"]), ("tp=2", ["frozen_lead"]),
          ("tp=2,mixed_precision=bf16,activation_checkpointing=full", ["lora"]),
          ("dp_shard=2,zero=2,pp=2,microbatches=2", ["odd", "gpt2_51", "lora_block",
                                                     "frozen_stage"])]
@@ -92,6 +98,12 @@ SLOW_CASES = [
     ("dp_shard=2,zero=2", ["odd", "gpt2_51", "lora_block", "frozen_stage"]),
     ("dp_shard=2,zero=3,mixed_precision=bf16", ["odd", "gpt2_51"]),
     ("dp_shard=4,zero=3", ["odd", "gpt2_51"]),
+    ("dp_shard=2,zero=3", ["frozen_stage", "llama_frozen"]),
+    ("tp=2", ["frozen_stage", "llama_frozen"]),
+    ("tp=2,sp=1", ["frozen_lead", "frozen_stage", "llama_frozen"]),
+    ("dp_shard=2,zero=3,tp=2", ["frozen_lead", "frozen_stage", "llama_frozen"]),
+    ("dp_replicate=2,dp_shard=2,zero=3,grad_accum=2", ["frozen_lead"]),
+    ("tp=2,activation_checkpointing=full", ["frozen_lead"]),
 ]
 
 
@@ -396,3 +408,41 @@ def test_zero_memory_holds_fsdp2s_padded_shard():
     block = sum(torch.chunk(p, 4)[0].numel() * 4 for p in model.blocks[0].parameters())
     assert est.memory_breakdown["compute_copy"] == 2 * 2 * block * 4
 
+
+
+def test_backward_reaches_the_blocks_after_the_first_that_trains():
+    """The blocks a gradient flows through, counted off each model by hand: from the first
+    block that trains on, or all of them where the embedding trains; under ZeRO-3 FSDP2
+    gathers again each block whose own pre-backward hook or the next unit's fires (the root's
+    always), so of k leading frozen blocks k - 1 are gathered in forward alone."""
+    from plait.comm.predict import LocalModel, dp_traffic
+    from plait.comm.reach import reached, regathered
+    from plait.planner.traffic import rank_shares
+
+    assert reached(False, [False, False, True, False]) == (False, False, True, True)
+    assert reached(True, [False, False]) == (True, True)
+    assert regathered((False, False, False, True)) == (False, False, True, True)
+    for name, frozen in (("frozen_lead", 3), ("frozen_stage", 2), ("llama_frozen", 2),
+                         ("lora_block", 1), ("mlp", 0), ("lora", 0)):
+        with torch.device("meta"):
+            model = T.MODELS[name]()
+        stats = load_model(model)
+        stack = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+        n = len(stack)
+        by_hand = sum(not any(p.requires_grad for b in list(stack)[:i + 1]
+                              for p in b.parameters()) for i in range(n))
+        assert by_hand == frozen, name
+        assert stats.rows.reached == (False,) * frozen + (True,) * (n - frozen), name
+        plan = Plan.from_string("dp_shard=2,zero=3")
+        (share,) = rank_shares(plan, stats, [n], [range(1)])
+        assert share.layers_reached == n - frozen
+        assert share.layers_regathered == n - max(frozen - 1, 0)
+        gathers = next(t for t in dp_traffic(plan, share) if t.op == "all_gather")
+        everything = dataclasses.replace(share, regathered_layers=None)
+        every = next(t for t in dp_traffic(plan, everything) if t.op == "all_gather")
+        block = (share.params - share.root_params) / n
+        assert every.calls - gathers.calls == max(frozen - 1, 0)
+        assert every.payload - gathers.payload == pytest.approx(
+            max(frozen - 1, 0) * block * 4, abs=1e-6)
+    # the closed form for plait's reference transformer reads no frozen blocks: all reached
+    assert LocalModel(params=1.0, root_params=0.0, tensors=1, layers=3).layers_regathered == 3
