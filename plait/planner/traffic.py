@@ -92,11 +92,11 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
         if first:
             p += model.embed_params
         # a config's head_params hold the tied weight, which one stage holds once
-        head = model.head_params if not (model.tied and pp == 1) else \
+        head_part = model.head_params if not (model.tied and pp == 1) else \
             model.head_params - model.embed_params
         if last:
-            p += head
-        root = ((model.embed_params if first else 0) + (head if last else 0)) / tp
+            p += head_part
+        root = ((model.embed_params if first else 0) + (head_part if last else 0)) / tp
         layers = sum(sizes[i] for i in ids)
         tensors = (layers * model.block_tensors + (model.embed_tensors if first else 0) +
                    (model.head_tensors if last else 0))
