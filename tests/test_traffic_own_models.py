@@ -59,8 +59,10 @@ CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2"]),
          ("dp_shard=2,zero=2,pp=2,microbatches=2", ["odd", "gpt2_51", "lora_block",
                                                     "frozen_stage"])]
 SLOW_CASES = [
-    ("tp=2", ["mlp", "attention", "gqa", "mqa", "tied", "lora", "gpt2", "llama"]),
-    ("tp=2,sp=1", ["attention", "gqa", "mqa", "tied", "llama"]),
+    ("tp=2", ["mlp", "attention", "gqa", "mqa", "tied", "lora", "gpt2", "llama",
+              "frozen_stage", "llama_frozen"]),
+    ("tp=2,sp=1", ["attention", "gqa", "mqa", "tied", "llama", "frozen_lead", "frozen_stage",
+                   "llama_frozen"]),
     ("pp=2,microbatches=2", ["mlp", "tied", "gpt2", "llama"]),
     ("pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,microbatches=2", ["tied", "lora"]),
     # GPT-2 with 51 tokens: each rank reduces its own vocabulary rows, 26 on the first tp rank
@@ -68,7 +70,8 @@ SLOW_CASES = [
     ("pp=2,tp=2,microbatches=2", ["mlp", "tied", "lora", "gpt2", "mqa"]),
     # FSDP2's root unit: norms whole; FSDP2 pads the largest tp-local piece (GPT-2 with 51
     # tokens: 26 vocabulary rows on the first tp rank, 25 on the second)
-    ("dp_shard=2,zero=3,tp=2", ["mlp", "lora", "gpt2", "gpt2_51"]),
+    ("dp_shard=2,zero=3,tp=2", ["mlp", "lora", "gpt2", "gpt2_51", "frozen_lead",
+                                "frozen_stage", "llama_frozen"]),
     ("pp=2,pp_schedule=zbv,virtual_stages=2,microbatches=2", ["mlp", "llama"]),
     # bf16: autocast over fp32 parameters; FSDP2's bf16 parameters (dp over tp, ZeRO-3 x tp)
     ("tp=2,sp=1,mixed_precision=bf16,grad_accum=2", ["mlp", "lora", "gpt2", "llama"]),
@@ -76,7 +79,7 @@ SLOW_CASES = [
     ("dp_shard=2,zero=3,tp=2,mixed_precision=bf16", ["lora", "llama"]),
     ("pp=2,tp=2,microbatches=2,mixed_precision=bf16", ["tied", "lora", "gpt2"]),
     # checkpointing: GPT-2's dropout after a row-parallel projection replays its all-reduce
-    ("tp=2,activation_checkpointing=full", ["mlp", "gpt2", "llama"]),
+    ("tp=2,activation_checkpointing=full", ["mlp", "gpt2", "llama", "frozen_lead"]),
     ("tp=2,sp=1,mixed_precision=bf16,activation_checkpointing=full", ["lora", "gpt2"]),
     ("dp=2,tp=2,activation_checkpointing=selective", ["lora", "gpt2"]),
     ("pp=2,microbatches=2,mixed_precision=bf16,activation_checkpointing=full",
@@ -98,12 +101,9 @@ SLOW_CASES = [
     ("dp_shard=2,zero=2", ["odd", "gpt2_51", "lora_block", "frozen_stage"]),
     ("dp_shard=2,zero=3,mixed_precision=bf16", ["odd", "gpt2_51"]),
     ("dp_shard=4,zero=3", ["odd", "gpt2_51"]),
+    # leading frozen blocks (tp, SP, ZeRO-3 x tp and checkpointing with the cases above)
     ("dp_shard=2,zero=3", ["frozen_stage", "llama_frozen"]),
-    ("tp=2", ["frozen_stage", "llama_frozen"]),
-    ("tp=2,sp=1", ["frozen_lead", "frozen_stage", "llama_frozen"]),
-    ("dp_shard=2,zero=3,tp=2", ["frozen_lead", "frozen_stage", "llama_frozen"]),
     ("dp_replicate=2,dp_shard=2,zero=3,grad_accum=2", ["frozen_lead"]),
-    ("tp=2,activation_checkpointing=full", ["frozen_lead"]),
 ]
 
 

@@ -480,8 +480,9 @@ def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traf
         return []
     b = dtype_bytes(_compute_dtype(plan))
     root = float(local.root_params)
-    block = (float(local.params) - root) / local.layers if local.layers else 0.0
-    payload = (block * blocks * per_block + root * per_root) * b
+    # the blocks are alike (a stack of repeated blocks): each the mean of the rank's blocks
+    gathered = (float(local.params) - root) * blocks / local.layers if local.layers else 0.0
+    payload = (gathered * per_block + root * per_root) * b
     calls = blocks * per_block + per_root
     axes = _shard_axes(plan)
     return [Traffic(_ledger_axis(plan, axes), "all_gather", payload, calls,
@@ -507,7 +508,10 @@ def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
         # sum over tp); leading frozen ones it never reaches (forward collectives only)
         trained, reached = local.layers_trained, local.layers_reached
         ref = block or TPBlock.reference(hidden)
-        frozen = dataclasses.replace(ref, sp_norms=(), summed=(), bias_gathers=())
+        # the same block without parameter gradients; its trace is the block's, made once
+        frozen = dataclasses.replace(ref, sp_norms=(), summed=(), bias_gathers=(),
+                                     traced=lambda: ref.trace) if trained < local.layers \
+            else ref
         for kind, count, kv, backward in ((ref, trained, kv_whole, True),
                                           (frozen, reached - trained, 0, True),
                                           (frozen, local.layers - reached, 0, False)):
