@@ -10,6 +10,7 @@ innermost, so a group of size n and stride d stays inside a node iff n*d divides
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import prod
 from typing import TYPE_CHECKING
 
@@ -138,7 +139,9 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
                           + (copy_pad.trained if copies else 0.0))
         grad_units = trained_layers = reached_layers = regathered_layers = None
         if model.rows is not None and model.rows.blocks == model.n_layers:
-            blocks = [j for i in ids for j in range(bounds[i], bounds[i + 1])]
+            # a config's blocks are one tuple: their count will do
+            blocks: Sequence[int] = range(layers) if model.rows.one_block else \
+                [j for i in ids for j in range(bounds[i], bounds[i + 1])]
             reduced, grad_units = trained_share(plan, model, model.rows, blocks, first, last,
                                                 bool(copies), memo)
             grads = reduced.elements + kv / tp
@@ -157,7 +160,7 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
     return out
 
 
-def trained_share(plan: Plan, model: ModelStats, rows: ParamRows, blocks: list[int],
+def trained_share(plan: Plan, model: ModelStats, rows: ParamRows, blocks: Sequence[int],
                   first: bool, last: bool, copy: bool,
                   memo: dict[int, Trained] | None = None) -> tuple[Trained, int]:
     """What data parallelism reduces on a pipeline rank holding the blocks ``blocks`` (indices
@@ -185,10 +188,13 @@ def trained_share(plan: Plan, model: ModelStats, rows: ParamRows, blocks: list[i
         block = rows.stack[j]
         got, count = held.get(id(block)) or (of(block), 0)
         held[id(block)] = (got, count + 1)
-    root = sum((of(part) for part, on in ((rows.embed, first), (rows.rest, last)) if on),
-               Trained())
+    root = Trained()
+    if first:
+        root += of(rows.embed)
+    if last:
+        root += of(rows.rest)
     copies = trained(tuple(Rows(shape, 0) for shape in model.tied_shapes), tp, shards,
-                     even=even) if copy else Trained()
+                     even=even) if copy and model.tied_shapes else Trained()
     elements = root.elements + copies.elements + sum(t.elements * n for t, n in held.values())
     tensors = root.tensors + sum(t.tensors * n for t, n in held.values())
     units = sum(n for t, n in held.values() if t.tensors) + \
