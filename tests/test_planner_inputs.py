@@ -162,12 +162,16 @@ def _by_config_and_by_module(kind: str, vocab: int):
 
     from plait.planner.model_stats import from_hf_config, from_module
 
-    config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-                             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
-    cfg = getattr(transformers, config_cls)(
-        vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=False)
+    if kind == "gpt2":  # fused q|k|v, Conv1D linears, position embeddings, a tied head
+        config_cls, model_cls = "GPT2Config", "GPT2LMHeadModel"
+        sizes = dict(n_embd=64, n_layer=4, n_head=4, n_positions=128)
+    else:
+        config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
+        sizes = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                     tie_word_embeddings=False)
+    cfg = getattr(transformers, config_cls)(vocab_size=vocab, **sizes)
     with torch.device("meta"):
         model = getattr(transformers, model_cls)(cfg)
     data = json.loads(cfg.to_json_string())
@@ -191,10 +195,11 @@ ODD_PLANS = ["dp_shard=8,zero=3", "dp_shard=8,zero=2", "dp_shard=8,zero=3,pp=2,m
              "tp=2", "dp_shard=4,zero=3,tp=2", "dp_replicate=2,dp_shard=4,zero=2"]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
 def test_a_config_prices_the_rows_fsdp2_pads_as_the_built_model(kind):
     """A vocabulary of 50257 at dp_shard=8: FSDP2 pads each shard of the embedding and the
-    head to 6283 rows (50264 in all), and at tp=2 the first rank holds 25129 of them. The
+    head to 6283 rows (50264 in all), and at tp=2 the first rank holds 25129 of them (GPT-2:
+    its tied head one tensor with the embedding, beside the pipeline a copy on the last stage). The
     planner prices a config.json as it prices the model built from it, byte for byte: memory
     per rank and every collective of every pipeline rank."""
     import torch

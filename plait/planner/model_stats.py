@@ -25,7 +25,7 @@ from typing import Any
 
 from ..comm.predict import TPBlock
 from ..parallel.tp_kv import replicated_kv_elements, tp_fits_kv
-from .fsdp_rows import ParamRows, config_rows, param_rows
+from .fsdp_rows import ParamRows, Rows, config_rows, param_rows
 from .moe import config_top_k, routed_layers, summary
 from .tp_block import Held, rows_held
 
@@ -294,16 +294,49 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
     rows = None if experts or model_type not in _SEPARATE_QKV else config_rows(
         layers=got["n_layers"], hidden=h, q=q, kv=kv, ffn=ffn, gated=gated, vocab=got["vocab"],
         tied=tied, bias=bias, qkv_bias=qkv_bias, norm_tensors=norm // h)
-    return ModelStats(name=name, n_layers=got["n_layers"], hidden=h, n_heads=heads,
-                      kv_heads=kv_heads, ffn=ffn, vocab=got["vocab"], mlp=mlp,
-                      block_params=block, block_matmul_params=active,
-                      embed_params=got["vocab"] * h, head_params=norm + got["vocab"] * h,
-                      tied=tied,
-                      max_seq=data.get("max_position_embeddings") or data.get("n_positions"),
-                      block_tensors=block_tensors, embed_tensors=1,
-                      head_tensors=norm // h + (0 if tied else 1), experts=experts, rows=rows,
-                      held=None if rows is None else rows_held(rows),
-                      block_active_params=block - (count - k) * expert if experts else None)
+    stats = ModelStats(name=name, n_layers=got["n_layers"], hidden=h, n_heads=heads,
+                       kv_heads=kv_heads, ffn=ffn, vocab=got["vocab"], mlp=mlp,
+                       block_params=block, block_matmul_params=active,
+                       embed_params=got["vocab"] * h, head_params=norm + got["vocab"] * h,
+                       tied=tied,
+                       max_seq=data.get("max_position_embeddings") or data.get("n_positions"),
+                       block_tensors=block_tensors, embed_tensors=1,
+                       head_tensors=norm // h + (0 if tied else 1), experts=experts, rows=rows,
+                       held=None if rows is None else rows_held(rows),
+                       block_active_params=block - (count - k) * expert if experts else None)
+    if model_type == "gpt2" and q == h and kv == h and not experts:
+        return _gpt2(stats, data.get("n_positions") or data.get("max_position_embeddings"))
+    return stats
+
+
+def _gpt2(stats: ModelStats, positions: Any) -> ModelStats:
+    """A GPT-2 config laid out as transformers builds it: fused q|k|v (``c_attn``) and the
+    other linears as ``Conv1D`` (weights stored (in, out)), each with a bias; two LayerNorms per
+    block and a final one; a position embedding of ``n_positions`` rows beside the token
+    embedding, and a head tied to the latter (its copy is the one weight under two names, as
+    :func:`from_module` reads it). The tensor-parallel dims are GPT-2's layer plan's: ``c_attn``
+    and ``c_fc`` split by output columns (``c_fc``'s bias with them, ``c_attn``'s gathered
+    whole), both ``c_proj`` by input rows, the token embedding by rows; so are its
+    collectives over tp (the ones plait's layer plan for GPT-2 issues: the reference block's,
+    the fused bias's gradient all-gathered, the LayerNorms' weight and bias summed under SP
+    inside the block stack)."""
+    h, ffn, vocab = stats.hidden, stats.ffn, stats.vocab
+    positions = positions if isinstance(positions, int) and positions > 0 else 1024
+    norm = (Rows((h,)), Rows((h,)))
+    block = (Rows((h, 3 * h), 1), Rows((3 * h,)), Rows((h, h), 0), Rows((h,)),
+             Rows((h, ffn), 1), Rows((ffn,), 0), Rows((ffn, h), 0), Rows((h,)), *norm, *norm)
+    tied = stats.tied
+    rows = ParamRows(stack=(block,) * stats.n_layers,
+                     embed=(Rows((vocab, h), 0), Rows((positions, h))),
+                     rest=norm if tied else (*norm, Rows((vocab, h), 0)))
+    return dataclasses.replace(
+        stats, embed_params=(vocab + positions) * h,
+        head_params=2 * h + (0 if tied else vocab * h), tied=False, embed_tensors=2,
+        block_tensors=len(block), head_tensors=2 + (0 if tied else 1),
+        tied_params=vocab * h if tied else 0, tied_shapes=((vocab, h),) if tied else (),
+        rows=rows, held=rows_held(rows),
+        tp_block=TPBlock(forward=(h, h), backward=(h, h), bias_gathers=(3 * h,),
+                         sp_norms=(h,) * 4, sp_in_blocks=True))
 
 
 def _hf_experts(data: Mapping[str, Any], name: str, h: int, gated: bool
