@@ -210,9 +210,9 @@ _NON_GATED_TYPES = ("gpt2", "gpt_neox", "gptj", "gpt_neo", "opt", "bloom", "falc
 
 
 # Families whose decoder layers are q, k, v and o projections, a gated MLP and two RMSNorm
-# weights, as from_hf_config counts them (plait.planner.fsdp_rows.config_rows); others fuse
-# q|k|v (GPT-2, GPT-NeoX), add position embeddings (GPT-2) or per-head norms (Qwen3), which
-# the config's counts do not follow tensor by tensor: their padding is not priced.
+# weights, as from_hf_config counts them (plait.planner.fsdp_rows.config_rows); GPT-2 has a
+# layout of its own (_gpt2); others fuse q|k|v (GPT-NeoX) or add per-head norms (Qwen3),
+# which the config's counts do not follow tensor by tensor: their padding is not priced.
 _SEPARATE_QKV = ("llama", "mistral", "qwen2")
 
 
