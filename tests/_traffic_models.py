@@ -19,7 +19,11 @@ that trains one under a plan with the ledger on (module-level so spawned ranks i
   model (no layer plan: its blocks' outputs come from two linears; the embedding and the first
   block frozen, odd-sized linears), ``FrozenStageLM`` (the embedding and the first two of four
   blocks frozen: the whole first stage at pp=2) and ``FrozenTiedLM`` (the head tied to a frozen
-  embedding).
+  embedding);
+* leading frozen blocks without a pipeline: ``FrozenLeadLM`` (the embedding and the first
+  three of four attention + MLP blocks frozen), ``FrozenStageLM`` and ``hf_llama_frozen``
+  (tiny Llama, its token embedding and first two layers frozen): the backward pass never
+  reaches those blocks.
 """
 
 from __future__ import annotations
@@ -154,6 +158,19 @@ class FrozenStageLM(StackLM):
             block.requires_grad_(False)
 
 
+class FrozenLeadLM(StackLM):
+    """Attention + MLP blocks (2 kv heads of 4), the embedding and the first three of four
+    blocks frozen: the backward pass reaches the last block only, so the first three issue no
+    backward collective over tp, and under ZeRO-3 FSDP2 gathers only the third of them again
+    (the fourth's pre-backward hook prefetches it)."""
+
+    def __init__(self) -> None:
+        super().__init__(partial(AttentionBlock, n_kv_heads=2, mlp=True))
+        self.embed.requires_grad_(False)
+        for block in self.blocks[:3]:
+            block.requires_grad_(False)
+
+
 class FrozenTiedLM(TiedLM):
     """The head tied to a frozen embedding: under pp the last stage holds a frozen copy."""
 
@@ -208,6 +225,17 @@ def hf_llama() -> nn.Module:
     return any_model._Logits(LlamaForCausalLM(cfg))
 
 
+def hf_llama_frozen() -> nn.Module:
+    """``hf_llama`` fine-tuned from its third layer on: the token embedding and the first two
+    of four decoder layers frozen (the head, final norm and last two layers train)."""
+    model = hf_llama()
+    inner = model.hf.model
+    inner.embed_tokens.requires_grad_(False)
+    for layer in inner.layers[:2]:
+        layer.requires_grad_(False)
+    return model
+
+
 def hf_gpt2() -> nn.Module:
     """Tiny GPT-2 (tied wte / lm_head, Conv1D linears with biases), built locally."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -238,7 +266,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "tied": partial(seeded, TiedLM), "lora": partial(seeded, LoraLM), "gpt2": hf_gpt2,
     "llama": hf_llama, "odd": partial(seeded, OddLM), "gpt2_51": hf_gpt2_51,
     "lora_block": any_model.lora_lm, "frozen_stage": partial(seeded, FrozenStageLM),
-    "frozen_tied": partial(seeded, FrozenTiedLM)}
+    "frozen_tied": partial(seeded, FrozenTiedLM), "frozen_lead": partial(seeded, FrozenLeadLM),
+    "llama_frozen": hf_llama_frozen}
 
 
 def ledger_rows(rank: int, world_size: int, plan: str, models: list[str]) -> dict[str, Any]:

@@ -152,3 +152,82 @@ def test_a_convnet_of_repeated_blocks_is_left_to_data_parallelism_with_what_to_d
         load_model(cnn)
     plan, why = choose(cnn, AutoRequest(world_size=2, device_type="cpu"))
     assert plan.to_string() == "dp_replicate=2", why
+
+
+def _by_config_and_by_module(kind: str, vocab: int):
+    """The planner's stats of one tiny decoder read from its config.json and off the model
+    built from the same config on the meta device."""
+    import torch
+    import transformers
+
+    from plait.planner.model_stats import from_hf_config, from_module
+
+    if kind == "gpt2":  # fused q|k|v, Conv1D linears, position embeddings, a tied head
+        config_cls, model_cls = "GPT2Config", "GPT2LMHeadModel"
+        sizes = dict(n_embd=64, n_layer=4, n_head=4, n_positions=128)
+    else:
+        config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
+        sizes = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                     tie_word_embeddings=False)
+    cfg = getattr(transformers, config_cls)(vocab_size=vocab, **sizes)
+    with torch.device("meta"):
+        model = getattr(transformers, model_cls)(cfg)
+    data = json.loads(cfg.to_json_string())
+    return from_hf_config(data, name=kind), from_module(model, name=kind), model
+
+
+def _priced(stats, text: str):
+    from plait.plan import Plan
+    from plait.planner import constants_for
+    from plait.planner.cost import Workload, evaluate, rank_traffic
+
+    plan = Plan.from_string(text)
+    cluster = load_cluster("cpu", devices=plan.world_size)
+    est = evaluate(plan, stats, cluster, Workload(16, 64), constants_for(cluster))
+    traffic = [sorted((t.axis, t.op, t.what, t.payload, t.calls) for t in rank)
+               for rank in rank_traffic(plan, stats, 16, 64)]
+    return est.memory_breakdown, traffic
+
+
+ODD_PLANS = ["dp_shard=8,zero=3", "dp_shard=8,zero=2", "dp_shard=8,zero=3,pp=2,microbatches=2",
+             "tp=2", "dp_shard=4,zero=3,tp=2", "dp_replicate=2,dp_shard=4,zero=2"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+def test_a_config_prices_the_rows_fsdp2_pads_as_the_built_model(kind):
+    """A vocabulary of 50257 at dp_shard=8: FSDP2 pads each shard of the embedding and the
+    head to 6283 rows (50264 in all), and at tp=2 the first rank holds 25129 of them (GPT-2:
+    its tied head one tensor with the embedding, beside the pipeline a copy on the last stage). The
+    planner prices a config.json as it prices the model built from it, byte for byte: memory
+    per rank and every collective of every pipeline rank."""
+    import torch
+
+    config, module, model = _by_config_and_by_module(kind, 50257)
+    for text in ODD_PLANS:
+        assert _priced(config, text) == _priced(module, text), (kind, text)
+    memory, _ = _priced(config, "dp_shard=8,zero=3")
+    shard = sum(torch.chunk(p, 8)[0].numel() for p in model.parameters())
+    assert memory["params"] == 4 * shard  # FSDP2's padded shard on rank 0, fp32
+    assert 8 * shard > sum(p.numel() for p in model.parameters())
+
+
+def test_a_preset_prices_the_rows_fsdp2_pads_as_the_built_model():
+    """plait's reference transformer with a vocabulary of 50257, from its config and built on
+    the meta device: the same memory and data-parallel traffic under ZeRO-2/3 at dp_shard=8
+    (untied and tied head), beside a pipeline too (untied)."""
+    import torch
+
+    from plait.models.transformer import Transformer, preset
+    from plait.planner.model_stats import from_module
+
+    for overrides, plans in (
+            ({}, ODD_PLANS[:3]),
+            ({"mlp": "gelu", "norm": "layernorm", "tie_embeddings": True}, ODD_PLANS[:2])):
+        cfg = preset("test", vocab_size=50257, **overrides)
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        for text in plans:
+            assert _priced(from_transformer_config(cfg), text) == \
+                _priced(from_module(model), text), (overrides, text)

@@ -10,6 +10,8 @@ the same prediction, taken on the model ``run.parallelize`` was given."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -48,25 +50,32 @@ def _same(name: str, plan: str, comm: dict, global_batch: int) -> None:
 # gradients that exist (none for a frozen block, nor for a stage whose embedding and blocks
 # are all frozen), and clipping takes one norm per gradient (the slow cases add ZeRO-1/3,
 # DDP, ZeRO-2 alone and a frozen tied embedding).
+# Leading frozen blocks after a frozen embedding: the backward pass never reaches them, so
+# they issue no backward collective over tp, and under ZeRO-3 FSDP2 gathers again only the
+# last of them (the next block's pre-backward hook prefetches it), not the others.
 CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2"]),
          # context parallelism: each block's K and V (2 kv heads of 4 query heads: half of
          # q's width) all-gathered over cp in forward, their gradients reduce-scattered in
          # backward; DDP over cp (at dp=1, the cp group) reduces the gradients
          ("cp=2", ["gqa"]),
+         ("dp_shard=2,zero=3", ["frozen_lead"]), ("tp=2", ["frozen_lead"]),
          ("tp=2,mixed_precision=bf16,activation_checkpointing=full", ["lora"]),
          ("dp_shard=2,zero=2,pp=2,microbatches=2", ["odd", "gpt2_51", "lora_block",
                                                     "frozen_stage"])]
 SLOW_CASES = [
-    ("tp=2", ["mlp", "attention", "gqa", "mqa", "tied", "lora", "gpt2", "llama"]),
-    ("tp=2,sp=1", ["attention", "gqa", "mqa", "tied", "llama"]),
+    ("tp=2", ["mlp", "attention", "gqa", "mqa", "tied", "lora", "gpt2", "llama",
+              "frozen_stage", "llama_frozen"]),
+    ("tp=2,sp=1", ["attention", "gqa", "mqa", "tied", "llama", "frozen_lead", "frozen_stage",
+                   "llama_frozen"]),
     ("pp=2,microbatches=2", ["mlp", "tied", "gpt2", "llama"]),
     ("pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,microbatches=2", ["tied", "lora"]),
     # GPT-2 with 51 tokens: each rank reduces its own vocabulary rows, 26 on the first tp rank
     ("dp=2,tp=2", ["mlp", "attention", "lora", "gpt2", "llama", "gpt2_51"]),
-    ("pp=2,tp=2,microbatches=2", ["mlp", "tied", "lora", "gpt2", "mqa"]),
+    ("pp=2,tp=2,microbatches=2", ["mlp", "tied", "lora", "gpt2", "mqa", "frozen_lead"]),
     # FSDP2's root unit: norms whole; FSDP2 pads the largest tp-local piece (GPT-2 with 51
     # tokens: 26 vocabulary rows on the first tp rank, 25 on the second)
-    ("dp_shard=2,zero=3,tp=2", ["mlp", "lora", "gpt2", "gpt2_51"]),
+    ("dp_shard=2,zero=3,tp=2", ["mlp", "lora", "gpt2", "gpt2_51", "frozen_lead",
+                                "frozen_stage", "llama_frozen"]),
     ("pp=2,pp_schedule=zbv,virtual_stages=2,microbatches=2", ["mlp", "llama"]),
     # bf16: autocast over fp32 parameters; FSDP2's bf16 parameters (dp over tp, ZeRO-3 x tp)
     ("tp=2,sp=1,mixed_precision=bf16,grad_accum=2", ["mlp", "lora", "gpt2", "llama"]),
@@ -74,7 +83,7 @@ SLOW_CASES = [
     ("dp_shard=2,zero=3,tp=2,mixed_precision=bf16", ["lora", "llama"]),
     ("pp=2,tp=2,microbatches=2,mixed_precision=bf16", ["tied", "lora", "gpt2"]),
     # checkpointing: GPT-2's dropout after a row-parallel projection replays its all-reduce
-    ("tp=2,activation_checkpointing=full", ["mlp", "gpt2", "llama"]),
+    ("tp=2,activation_checkpointing=full", ["mlp", "gpt2", "llama", "frozen_lead"]),
     ("tp=2,sp=1,mixed_precision=bf16,activation_checkpointing=full", ["lora", "gpt2"]),
     ("dp=2,tp=2,activation_checkpointing=selective", ["lora", "gpt2"]),
     ("pp=2,microbatches=2,mixed_precision=bf16,activation_checkpointing=full",
@@ -101,6 +110,9 @@ SLOW_CASES = [
     ("cp=2,activation_checkpointing=full,grad_accum=2", ["gqa", "mqa", "attention"]),
     ("dp_shard=2,zero=3,cp=2", ["gqa", "llama", "mqa"]),
     ("dp=2,cp=2", ["gqa", "attention"]),
+    # leading frozen blocks (tp, SP, ZeRO-3 x tp and checkpointing with the cases above)
+    ("dp_shard=2,zero=3", ["frozen_stage", "llama_frozen"]),
+    ("dp_replicate=2,dp_shard=2,zero=3,grad_accum=2", ["frozen_lead"]),
 ]
 
 
@@ -444,3 +456,41 @@ def test_zero_memory_holds_fsdp2s_padded_shard():
     block = sum(torch.chunk(p, 4)[0].numel() * 4 for p in model.blocks[0].parameters())
     assert est.memory_breakdown["compute_copy"] == 2 * 2 * block * 4
 
+
+
+def test_backward_reaches_the_blocks_after_the_first_that_trains():
+    """The blocks a gradient flows through, counted off each model by hand: from the first
+    block that trains on, or all of them where the embedding trains; under ZeRO-3 FSDP2
+    gathers again each block whose own pre-backward hook or the next unit's fires (the root's
+    always), so of k leading frozen blocks k - 1 are gathered in forward alone."""
+    from plait.comm.predict import LocalModel, dp_traffic
+    from plait.comm.reach import reached, regathered
+    from plait.planner.traffic import rank_shares
+
+    assert reached(False, [False, False, True, False]) == (False, False, True, True)
+    assert reached(True, [False, False]) == (True, True)
+    assert regathered((False, False, False, True)) == (False, False, True, True)
+    for name, frozen in (("frozen_lead", 3), ("frozen_stage", 2), ("llama_frozen", 2),
+                         ("lora_block", 1), ("mlp", 0), ("lora", 0)):
+        with torch.device("meta"):
+            model = T.MODELS[name]()
+        stats = load_model(model)
+        stack = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+        n = len(stack)
+        by_hand = sum(not any(p.requires_grad for b in list(stack)[:i + 1]
+                              for p in b.parameters()) for i in range(n))
+        assert by_hand == frozen, name
+        assert stats.rows.reached == (False,) * frozen + (True,) * (n - frozen), name
+        plan = Plan.from_string("dp_shard=2,zero=3")
+        (share,) = rank_shares(plan, stats, [n], [range(1)])
+        assert share.layers_reached == n - frozen
+        assert share.layers_regathered == n - max(frozen - 1, 0)
+        gathers = next(t for t in dp_traffic(plan, share) if t.op == "all_gather")
+        everything = dataclasses.replace(share, regathered_layers=None)
+        every = next(t for t in dp_traffic(plan, everything) if t.op == "all_gather")
+        block = (share.params - share.root_params) / n
+        assert every.calls - gathers.calls == max(frozen - 1, 0)
+        assert every.payload - gathers.payload == pytest.approx(
+            max(frozen - 1, 0) * block * 4, abs=1e-6)
+    # the closed form for plait's reference transformer reads no frozen blocks: all reached
+    assert LocalModel(params=1.0, root_params=0.0, tensors=1, layers=3).layers_regathered == 3

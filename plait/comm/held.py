@@ -16,19 +16,22 @@ plait has laid the model out, so it is read off the laid-out model itself (``hel
   all-gather holds every parameter of the unit, frozen ones too, in the dtype it computes in
   (``mixed_precision=bf16``: bf16); the reduce-scatter only those that require grad (FSDP2
   reduces the gradients that exist), in fp32. A unit FSDP2 reshards after forward (ZeRO-3's
-  units, not its root) is gathered again for backward; every unit once per micro-step, the
-  gradients reduced once per optimizer step. HSDP all-reduces the reduce-scattered shard over
+  units, not its root) is gathered again for backward where the backward pass reaches it or
+  the unit after it; every unit once per micro-step, the gradients reduced once per optimizer
+  step. HSDP all-reduces the reduce-scattered shard over
   ``dp_replicate``. The sizes and dtypes are FSDP2's own (``_torch_compat.fsdp_param_groups``),
   not re-derived.
 * Gradient clipping under ZeRO-2/3: ``get_total_norm`` over the DTensor gradients all-reduces
   one fp32 norm per gradient tensor on ``dp_shard``.
 
-Assumed, as for every closed form here: each forward calls every unit once (a unit with
-nothing to train, a frozen first block, is still gathered for backward under ZeRO-3: measured,
-ratio 1.000). Collectives the model issues itself (``SyncBatchNorm`` under ``sync_bn``, its own
-``torch.distributed`` calls) are not predicted. Tensor and pipeline parallelism move
-activations, whose sizes need the model's shapes: those layouts are predicted for plait's
-reference transformer only (``plait.comm.predict``).
+Assumed, as for every closed form here: each forward calls every unit once, the blocks one
+after the other. Under ZeRO-3 a block the backward pass never reaches (frozen, after a frozen
+embedding and frozen blocks only) is gathered again only when the next one is reached and
+prefetches it (``plait.comm.reach``): a frozen first block after a frozen embedding is, the
+first of two frozen blocks is not. Collectives the model issues itself (``SyncBatchNorm``
+under ``sync_bn``, its own ``torch.distributed`` calls) are not predicted. Tensor and
+pipeline parallelism move activations, whose sizes need the model's shapes: those layouts are
+predicted for plait's reference transformer only (``plait.comm.predict``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch
 import torch.nn as nn
 
 from .predict import FP32, _dp_axis, _ledger_axis
+from .reach import reached, regathered
 from .volumes import Traffic
 
 
@@ -51,7 +55,8 @@ class ShardUnit:
     ``gather_bytes``: one all-gather's output, every parameter's padded shard times the shard
     count in the dtype it is gathered in; ``reduce_bytes``: one reduce-scatter's input, the same
     padded sizes for the parameters that require grad, in the reduce dtype; ``shards``: the
-    shard count; ``regathered``: resharded after forward, so gathered again for backward.
+    shard count; ``regathered``: resharded after forward and gathered again for backward (the
+    backward pass reaches it or prefetches it).
     """
 
     gather_bytes: int
@@ -112,21 +117,27 @@ def shard_units(model: nn.Module) -> tuple[ShardUnit, ...]:
 
     from .._torch_compat import fsdp_param_groups
 
+    groups = [group for module in model.modules() if isinstance(module, FSDPModule)
+              for group in fsdp_param_groups(module)]
+    # the units resharded after forward (ZeRO-3's blocks, in forward order): the backward pass
+    # gathers again those it reaches or prefetches (plait.comm.reach)
+    chain = [g for g in groups if g.post_forward_mesh_info is not None]
+    embeds = [p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()]
+    reach = reached(any(p.requires_grad for p in embeds) or not embeds,
+                    [any(fp.sharded_param.requires_grad for fp in g.fsdp_params) for g in chain])
+    again = {id(g) for g, yes in zip(chain, regathered(reach), strict=True) if yes}
     units = []
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in fsdp_param_groups(module):
-            shards = group.mesh_info.shard_mesh_size
-            gather = reduce = 0
-            for fp in group.fsdp_params:
-                numel = fp.padded_sharded_param_size.numel() * shards
-                gather += numel * (fp.param_dtype or fp.orig_dtype).itemsize
-                if fp.sharded_param.requires_grad:
-                    reduce_dtype = fp.reduce_dtype or fp.param_dtype or fp.orig_dtype
-                    reduce += numel * reduce_dtype.itemsize
-            units.append(ShardUnit(gather_bytes=gather, reduce_bytes=reduce, shards=shards,
-                                   regathered=group.post_forward_mesh_info is not None))
+    for group in groups:
+        shards = group.mesh_info.shard_mesh_size
+        gather = reduce = 0
+        for fp in group.fsdp_params:
+            numel = fp.padded_sharded_param_size.numel() * shards
+            gather += numel * (fp.param_dtype or fp.orig_dtype).itemsize
+            if fp.sharded_param.requires_grad:
+                reduce_dtype = fp.reduce_dtype or fp.param_dtype or fp.orig_dtype
+                reduce += numel * reduce_dtype.itemsize
+        units.append(ShardUnit(gather_bytes=gather, reduce_bytes=reduce, shards=shards,
+                               regathered=id(group) in again))
     return tuple(units)
 
 

@@ -40,6 +40,7 @@ is predicted under data parallelism alone, read off the laid-out model (``plait.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 from math import prod
@@ -241,7 +242,12 @@ class LocalModel:
     all-reduce each); ``grad_params`` /
     ``grad_tensors``: the trainable ones among ``params`` / ``tensors`` (None: all of them);
     ``grad_units``: FSDP2 units with a gradient to reduce (None: all ``units``; FSDP2 issues
-    no reduce-scatter for a unit whose parameters are all frozen).
+    no reduce-scatter for a unit whose parameters are all frozen). Of the ``layers`` blocks,
+    ``trained_layers`` have a parameter that trains (the others issue no collective of a
+    parameter gradient over tp), ``reached_layers`` are reached by the backward pass (the
+    others, leading frozen blocks, issue no backward collective at all) and
+    ``regathered_layers`` are gathered again for backward under ZeRO-3 (``plait.comm.reach``);
+    None: all of them.
     """
 
     params: float
@@ -259,6 +265,9 @@ class LocalModel:
     grad_params: float | None = None
     grad_tensors: int | None = None
     grad_units: int | None = None
+    trained_layers: int | None = None
+    reached_layers: int | None = None
+    regathered_layers: int | None = None
 
     @property
     def grads(self) -> float:
@@ -274,6 +283,21 @@ class LocalModel:
     def units(self) -> int:
         """FSDP2 units on this rank: every block and the stage's root."""
         return self.layers + 1
+
+    @property
+    def layers_trained(self) -> int:
+        """Blocks with a parameter that trains."""
+        return self.layers if self.trained_layers is None else self.trained_layers
+
+    @property
+    def layers_reached(self) -> int:
+        """Blocks the backward pass reaches."""
+        return self.layers if self.reached_layers is None else self.reached_layers
+
+    @property
+    def layers_regathered(self) -> int:
+        """Blocks ZeRO-3 gathers again for backward."""
+        return self.layers if self.regathered_layers is None else self.regathered_layers
 
     @property
     def reducing_units(self) -> int:
@@ -480,22 +504,30 @@ def _dp_cp_traffic(plan: Any, local: LocalModel, g: int, grad_dtype: str,
 def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traffic]:
     """FSDP2's parameter all-gathers per optimizer step. It reshards after every backward, so
     ZeRO-2 gathers once per micro-step; ZeRO-3 before each forward and each backward, the root
-    unit (kept gathered from forward to backward) once. Inside a one-stage-per-rank pipeline
+    unit (kept gathered from forward to backward) once, and a leading frozen block the backward
+    pass never reaches in forward alone unless the block after it prefetches it
+    (``local.regathered_layers``, :mod:`plait.comm.reach`). Inside a one-stage-per-rank pipeline
     (GPipe, 1F1B) FSDP2 reshards each block after every forward and torch's stage runtime keeps
     it gathered between backwards until the last one: m + 1 gathers per block per schedule."""
     accum, pp = plan.grad_accum, plan.pp
+    # blocks gathered per_block times each, the root per_root
+    blocks = local.layers
     if plan.zero == 2:
         per_block = per_root = accum
     elif pp == 1:
-        per_block, per_root = 2 * accum, accum
+        # forward, and backward where the backward pass reaches or prefetches the block
+        per_block, per_root = accum, accum
+        blocks += local.layers_regathered
     elif multi_stage or (plan.virtual_stages == 1 and plan.pp_schedule in ("gpipe", "1f1b")):
         per_block, per_root = (plan.microbatches + 1) * accum, accum
     else:
         return []
     b = dtype_bytes(_compute_dtype(plan))
     root = float(local.root_params)
-    payload = ((float(local.params) - root) * per_block + root * per_root) * b
-    calls = local.layers * per_block + per_root
+    # the blocks are alike (a stack of repeated blocks): each the mean of the rank's blocks
+    gathered = (float(local.params) - root) * blocks / local.layers if local.layers else 0.0
+    payload = (gathered * per_block + root * per_root) * b
+    calls = blocks * per_block + per_root
     axes = _shard_axes(plan)
     return [Traffic(_ledger_axis(plan, axes), "all_gather", payload, calls,
                     prod(getattr(plan, a) for a in axes), "params")]
@@ -516,10 +548,23 @@ def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
     micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
     out: list[Traffic] = []
     if local.layers:
-        per_block = tp_block_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp,
-                                     recomputed=local.recomputed / local.layers,
-                                     kv_whole=kv_whole, block=block, cast_params=cast)
-        out += _times(per_block, local.layers * micro)
+        # blocks that train; frozen ones the backward pass reaches (no parameter gradient to
+        # sum over tp); leading frozen ones it never reaches (forward collectives only)
+        trained, reached = local.layers_trained, local.layers_reached
+        ref = block or TPBlock.reference(hidden)
+        # the same block without parameter gradients; its trace is the block's, made once
+        frozen = dataclasses.replace(ref, sp_norms=(), summed=(), bias_gathers=(),
+                                     traced=lambda: ref.trace) if trained < local.layers \
+            else ref
+        for kind, count, kv, backward in ((ref, trained, kv_whole, True),
+                                          (frozen, reached - trained, 0, True),
+                                          (frozen, local.layers - reached, 0, False)):
+            if count:
+                per_block = tp_block_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp,
+                                             recomputed=local.recomputed / local.layers,
+                                             kv_whole=kv, block=kind, cast_params=cast,
+                                             backward=backward)
+                out += _times(per_block, count * micro)
     out += _times(tp_end_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp, embed=local.embed,
                                  head=local.head, block=block, cast_params=cast), micro)
     return out
@@ -591,7 +636,8 @@ def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
 
 def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
                      recomputed: float = 0.0, kv_whole: int = 0,
-                     block: TPBlock | None = None, cast_params: bool = False) -> list[Traffic]:
+                     block: TPBlock | None = None, cast_params: bool = False,
+                     backward: bool = True) -> list[Traffic]:
     """TP collectives of one block for one microbatch (forward + backward), as plait's runtime
     issues them for ``block`` (default: the reference block, Megatron's 4 all-reduces of
     b*s*h; with SP 4 all-gathers + 4 reduce-scatters plus the 2 sequence-parallel norms'
@@ -604,7 +650,10 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
     reduce-scatter). Under bf16 each collective travels in the dtype the traced forward showed
     (``block.sizes``; ``cast_params``: FSDP2 holds the parameters in bf16). ``kv_whole``:
     elements of k and v weights kept whole on every rank (fewer kv heads than tp); their
-    gradients are all-reduced in each backward, one call each."""
+    gradients are all-reduced in each backward, one call each. ``backward``: whether the
+    backward pass reaches the block (False: a leading frozen block, :mod:`plait.comm.reach`:
+    its forward collectives alone, SP's all-gather of each region's input and reduce-scatter
+    of each row-parallel output)."""
     if tp == 1:
         return []
     block = block or TPBlock.reference(h)
@@ -617,6 +666,13 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
     half = dtype in HALF
     g = e.grads if half and block.trace is not None else FP32
     out: list[Traffic] = []
+    if not backward:
+        if sp:
+            out += [Traffic("tp", "all_gather", sum(bwd), len(bwd), tp, "activations"),
+                    Traffic("tp", "reduce_scatter", sum(fwd), len(fwd), tp, "activations")]
+        else:
+            out.append(Traffic("tp", "all_reduce", sum(fwd), len(fwd), tp, "activations"))
+        return [t for t in out if t.calls]
     if fwd or bwd:
         n = len(fwd) + len(bwd)
         if sp:

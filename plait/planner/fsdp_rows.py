@@ -23,6 +23,7 @@ frozen first block, a frozen first pipeline stage), so these are kept per block,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch.nn as nn
@@ -100,6 +101,46 @@ class ParamRows:
     def blocks(self) -> int:
         return len(self.stack)
 
+    @cached_property
+    def trains(self) -> tuple[bool, ...]:
+        """Per block, whether a parameter of it trains (kept: the planner asks per plan)."""
+        return tuple(any(r.trained for r in block) for block in self.stack)
+
+    @cached_property
+    def reached(self) -> tuple[bool, ...]:
+        """Per block, whether the backward pass reaches it (:func:`plait.comm.reach.reached`):
+        the first block's input needs a gradient where an embedding trains (or there is
+        none)."""
+        from plait.comm.reach import reached
+
+        return reached(any(r.trained for r in self.embed) or not self.embed, self.trains)
+
+    @cached_property
+    def regathered(self) -> tuple[bool, ...]:
+        """Per block, whether ZeRO-3 gathers it again for backward
+        (:func:`plait.comm.reach.regathered`)."""
+        from plait.comm.reach import regathered
+
+        return regathered(self.reached)
+
+    @cached_property
+    def counts(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """Running counts over the stack of the blocks that train, that the backward pass
+        reaches and that ZeRO-3 gathers again: entry i counts blocks 0..i-1, so a pipeline
+        rank's blocks j..k-1 are ``c[k] - c[j]`` (the planner asks per rank of every plan)."""
+        def running(flags: tuple[bool, ...]) -> tuple[int, ...]:
+            out = [0]
+            for f in flags:
+                out.append(out[-1] + f)
+            return tuple(out)
+
+        return running(self.trains), running(self.reached), running(self.regathered)
+
+    @cached_property
+    def one_block(self) -> bool:
+        """Whether every block is the same tuple of tensors (a config's)."""
+        return all(b is self.stack[0] for b in self.stack)
+
 
 def _sum(rows: tuple[Rows, ...], tp: int, shards: int, per: int = 1) -> Padding:
     pads = [(r.padding(tp, shards), r.trained) for r in rows]
@@ -109,8 +150,17 @@ def _sum(rows: tuple[Rows, ...], tp: int, shards: int, per: int = 1) -> Padding:
 
 def padding(rows: ParamRows, tp: int, shards: int) -> tuple[Padding, Padding, Padding]:
     """Elements beyond an even split (:meth:`Rows.padding`) at ``tp`` and ``shards`` (FSDP2's
-    dp_shard; 1: not sharded) of one block, of the embeddings and of the rest."""
-    return (_sum(rows.block, tp, shards, max(rows.blocks, 1)), _sum(rows.embed, tp, shards),
+    dp_shard; 1: not sharded) of one block (their mean), of the embeddings and of the rest.
+    A block the stack holds several times (a config's: one tuple repeated) is summed once."""
+    per_block: dict[int, Padding] = {}
+    total = Padding()
+    for block in rows.stack:
+        if id(block) not in per_block:
+            per_block[id(block)] = _sum(block, tp, shards)
+        got = per_block[id(block)]
+        total = Padding(total.all + got.all, total.trained + got.trained)
+    n = max(rows.blocks, 1)
+    return (Padding(total.all / n, total.trained / n), _sum(rows.embed, tp, shards),
             _sum(rows.rest, tp, shards))
 
 
@@ -133,6 +183,32 @@ def copy_padding(shapes: tuple[tuple[int, ...], ...], tp: int, shards: int) -> f
     """:func:`padding` of the copy of a tied weight on the last pipeline stage (the head's,
     split over tp on its rows as the embedding's is)."""
     return sum(Rows(shape, 0).padding(tp, shards) for shape in shapes)
+
+
+def config_rows(*, layers: int, hidden: int, q: int, kv: int, ffn: int, gated: bool,
+                vocab: int, tied: bool, bias: bool = False, qkv_bias: bool = False,
+                norm_tensors: int = 1) -> ParamRows:
+    """The ``ParamRows`` a decoder built from a config holds, as :func:`param_rows` reads them
+    off the built model: per block separate q, k, v and o projections and a gated (gate, up,
+    down) or plain (up, down) MLP, ``nn.Linear`` weights stored (out, in), split by tensor
+    parallelism as plait's layer plans for these blocks split them (q, k, v, gate, up by
+    output rows, o and down by input columns, a column-parallel bias with its rows; norms
+    whole), every linear with a bias where ``bias``, q, k and v alone where ``qkv_bias``, and
+    two norms of ``norm_tensors`` vectors each (RMSNorm: the weight; LayerNorm: weight and
+    bias); a token embedding (``vocab`` rows, split by rows), a final norm and a head of
+    ``vocab`` rows split by rows (none of its own where ``tied``)."""
+    def linear(d_out: int, d_in: int, split: int, with_bias: bool) -> tuple[Rows, ...]:
+        weight = Rows((d_out, d_in), split)
+        return (weight, Rows((d_out,), 0 if split == 0 else None)) if with_bias else (weight,)
+
+    norms = tuple(Rows((hidden,)) for _ in range(norm_tensors))
+    block = (*linear(q, hidden, 0, bias or qkv_bias), *linear(kv, hidden, 0, bias or qkv_bias),
+             *linear(kv, hidden, 0, bias or qkv_bias), *linear(hidden, q, 1, bias),
+             *(linear(ffn, hidden, 0, bias) if gated else ()), *linear(ffn, hidden, 0, bias),
+             *linear(hidden, ffn, 1, bias), *norms, *norms)
+    head = () if tied else (Rows((vocab, hidden), 0),)
+    return ParamRows(stack=(block,) * layers, embed=(Rows((vocab, hidden), 0),),
+                     rest=(*norms, *head))
 
 
 def param_rows(model: nn.Module, blocks: list[nn.Module], found: tuple[Any, bool] | None

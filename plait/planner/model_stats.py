@@ -25,9 +25,9 @@ from typing import Any
 
 from ..comm.predict import TPBlock
 from ..parallel.tp_kv import replicated_kv_elements, tp_fits_kv
-from .fsdp_rows import ParamRows, param_rows
+from .fsdp_rows import ParamRows, Rows, config_rows, param_rows
 from .moe import config_top_k, routed_layers, summary
-from .tp_block import Held
+from .tp_block import Held, rows_held
 
 
 @dataclass(frozen=True)
@@ -211,12 +211,16 @@ def from_transformer_config(cfg: Any, name: str = "transformer") -> ModelStats:
     norm_tensors = 2 if cfg.norm == "layernorm" else 1
     block_tensors = linears * (2 if cfg.mlp == "gelu" else 1) + 2 * norm_tensors
     head_tensors = norm_tensors + (0 if cfg.tie_embeddings else 1)
+    rows = config_rows(layers=cfg.n_layers, hidden=h, q=h, kv=kv, ffn=cfg.hidden_dim,
+                       gated=cfg.mlp == "swiglu", vocab=cfg.vocab_size,
+                       tied=cfg.tie_embeddings, bias=cfg.mlp == "gelu",
+                       norm_tensors=norm_tensors)
     return ModelStats(name=name, n_layers=cfg.n_layers, hidden=h, n_heads=cfg.n_heads,
                       kv_heads=cfg.kv_heads, ffn=cfg.hidden_dim, vocab=cfg.vocab_size,
                       mlp=cfg.mlp, block_params=block, block_matmul_params=matmul,
                       embed_params=embed, head_params=head, tied=cfg.tie_embeddings,
                       max_seq=cfg.max_seq_len, block_tensors=block_tensors, embed_tensors=1,
-                      head_tensors=head_tensors, head_dim=cfg.head_dim)
+                      head_tensors=head_tensors, head_dim=cfg.head_dim, rows=rows)
 
 
 _HF_KEYS = {  # our name -> accepted config.json keys, first found wins
@@ -234,6 +238,13 @@ _HF_KEYS = {  # our name -> accepted config.json keys, first found wins
 # GPT-NeoX / GPT-J / BLOOM / Falcon: "gelu"). Llama-style configs default to "silu" (SwiGLU).
 _NON_GATED_TYPES = ("gpt2", "gpt_neox", "gptj", "gpt_neo", "opt", "bloom", "falcon",
                     "gpt_bigcode", "codegen")
+
+
+# Families whose decoder layers are q, k, v and o projections, a gated MLP and two RMSNorm
+# weights, as from_hf_config counts them (plait.planner.fsdp_rows.config_rows); GPT-2 has a
+# layout of its own (_gpt2); others fuse q|k|v (GPT-NeoX) or add per-head norms (Qwen3),
+# which the config's counts do not follow tensor by tensor: their padding is not priced.
+_SEPARATE_QKV = ("llama", "mistral", "qwen2")
 
 
 def _model_type(data: Mapping[str, Any]) -> str:
@@ -309,16 +320,55 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
         # router; a shared expert adds its linears and its gate
         block_tensors += 2 + 1 - (3 if gated else 2) + ((4 if gated else 3) if shared else 0)
         experts = (k, count)
-    return ModelStats(name=name, n_layers=got["n_layers"], hidden=h, n_heads=heads,
-                      kv_heads=kv_heads, ffn=ffn, vocab=got["vocab"], mlp=mlp,
-                      block_params=block, block_matmul_params=active,
-                      embed_params=got["vocab"] * h, head_params=norm + got["vocab"] * h,
-                      tied=tied,
-                      max_seq=data.get("max_position_embeddings") or data.get("n_positions"),
-                      block_tensors=block_tensors, embed_tensors=1,
-                      head_tensors=norm // h + (0 if tied else 1), experts=experts,
-                      block_active_params=block - (count - k) * expert if experts else None,
-                      head_dim=head_dim)
+    # the shapes of every tensor, for the rows FSDP2 pads: families whose blocks hold q, k, v
+    # and o apart, their norms a weight each (the counts above are theirs exactly)
+    rows = None if experts or model_type not in _SEPARATE_QKV else config_rows(
+        layers=got["n_layers"], hidden=h, q=q, kv=kv, ffn=ffn, gated=gated, vocab=got["vocab"],
+        tied=tied, bias=bias, qkv_bias=qkv_bias, norm_tensors=norm // h)
+    stats = ModelStats(name=name, n_layers=got["n_layers"], hidden=h, n_heads=heads,
+                       kv_heads=kv_heads, ffn=ffn, vocab=got["vocab"], mlp=mlp,
+                       block_params=block, block_matmul_params=active,
+                       embed_params=got["vocab"] * h, head_params=norm + got["vocab"] * h,
+                       tied=tied,
+                       max_seq=data.get("max_position_embeddings") or data.get("n_positions"),
+                       block_tensors=block_tensors, embed_tensors=1,
+                       head_tensors=norm // h + (0 if tied else 1), experts=experts, rows=rows,
+                       held=None if rows is None else rows_held(rows),
+                       block_active_params=block - (count - k) * expert if experts else None,
+                       head_dim=head_dim)
+    if model_type == "gpt2" and q == h and kv == h and not experts:
+        return _gpt2(stats, data.get("n_positions") or data.get("max_position_embeddings"))
+    return stats
+
+
+def _gpt2(stats: ModelStats, positions: Any) -> ModelStats:
+    """A GPT-2 config laid out as transformers builds it: fused q|k|v (``c_attn``) and the
+    other linears as ``Conv1D`` (weights stored (in, out)), each with a bias; two LayerNorms per
+    block and a final one; a position embedding of ``n_positions`` rows beside the token
+    embedding, and a head tied to the latter (its copy is the one weight under two names, as
+    :func:`from_module` reads it). The tensor-parallel dims are GPT-2's layer plan's: ``c_attn``
+    and ``c_fc`` split by output columns (``c_fc``'s bias with them, ``c_attn``'s gathered
+    whole), both ``c_proj`` by input rows, the token embedding by rows; so are its
+    collectives over tp (the ones plait's layer plan for GPT-2 issues: the reference block's,
+    the fused bias's gradient all-gathered, the LayerNorms' weight and bias summed under SP
+    inside the block stack)."""
+    h, ffn, vocab = stats.hidden, stats.ffn, stats.vocab
+    positions = positions if isinstance(positions, int) and positions > 0 else 1024
+    norm = (Rows((h,)), Rows((h,)))
+    block = (Rows((h, 3 * h), 1), Rows((3 * h,)), Rows((h, h), 0), Rows((h,)),
+             Rows((h, ffn), 1), Rows((ffn,), 0), Rows((ffn, h), 0), Rows((h,)), *norm, *norm)
+    tied = stats.tied
+    rows = ParamRows(stack=(block,) * stats.n_layers,
+                     embed=(Rows((vocab, h), 0), Rows((positions, h))),
+                     rest=norm if tied else (*norm, Rows((vocab, h), 0)))
+    return dataclasses.replace(
+        stats, embed_params=(vocab + positions) * h,
+        head_params=2 * h + (0 if tied else vocab * h), tied=False, embed_tensors=2,
+        block_tensors=len(block), head_tensors=2 + (0 if tied else 1),
+        tied_params=vocab * h if tied else 0, tied_shapes=((vocab, h),) if tied else (),
+        rows=rows, held=rows_held(rows),
+        tp_block=TPBlock(forward=(h, h), backward=(h, h), bias_gathers=(3 * h,),
+                         sp_norms=(h,) * 4, sp_in_blocks=True))
 
 
 def _hf_experts(data: Mapping[str, Any], name: str, h: int, gated: bool
@@ -421,7 +471,11 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu") -> M
     from .tp_block import held_parts, plan_of, tp_block
 
     found = plan_of(model)  # the layer plan plait lays the blocks out with
+    # the tensor-parallel collectives of a block that trains (its parameter gradients'): a
+    # frozen one issues fewer (plait.comm.predict.tp_rank_traffic); the blocks share shapes
+    tp_ref = next((b for b in blocks if any(p.requires_grad for p in b.parameters())), ref)
     ref_path = next(n for n, m in model.named_modules() if m is ref)
+    tp_path = next(n for n, m in model.named_modules() if m is tp_ref)
     head_dim = None
     if attention:
         head_dim = getattr(ref, "head_dim", None) or next(
@@ -467,7 +521,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu") -> M
                       head_params=head_params, attention=attention, layer_weights=weights,
                       block_tensors=tensors, embed_tensors=embed_tensors,
                       head_tensors=max(outside - embed_tensors, 0), max_seq=_max_seq(model),
-                      tp_block=tp_block(model, ref_path, found, (
+                      tp_block=tp_block(model, tp_path, found, (
                           _path(model, blocks[0]), _path(model, blocks[-1])), device_type),
                       tied_params=tied_params,
                       tied_shapes=tuple(tuple(p.shape) for p in tied),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from math import prod
 from typing import Any
 
 import torch.nn as nn
@@ -111,6 +112,23 @@ def held_parts(model: nn.Module, stack: str, found: tuple[Any, bool] | None
             part[4] += 1
     block = Held(*(n / blocks for n in parts[0]))
     return block, Held(*parts[1]), Held(*parts[2])
+
+
+def rows_held(rows: Any) -> tuple[Held, Held, Held]:
+    """:func:`held_parts` from a model's ``ParamRows`` (``plait.planner.fsdp_rows``: a
+    config's, whose tensors carry the dim its layer plan splits): one block (their mean), the
+    embeddings and the rest."""
+    def held(tensors: tuple[Any, ...], per: int = 1) -> Held:
+        part = [0.0] * 5  # split, whole, trained x2, tensors
+        for r in tensors:
+            numel = float(prod(r.shape))
+            part[0 if r.tp_dim is not None else 1] += numel
+            if r.trained:
+                part[2 if r.tp_dim is not None else 3] += numel
+                part[4] += 1
+        return Held(*(n / per for n in part))
+
+    return held(rows.block, max(rows.blocks, 1)), held(rows.embed), held(rows.rest)
 
 
 def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,

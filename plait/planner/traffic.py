@@ -10,6 +10,7 @@ innermost, so a group of size n and stride d stays inside a node iff n*d divides
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import prod
 from typing import TYPE_CHECKING
 
@@ -95,15 +96,18 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
     pad = uneven_pieces(plan, model)
     frozen_copy = float(sum(prod(shape) for shape in model.frozen_tied_shapes))
     out = []
+    memo: dict[int, Trained] = {}  # trained_share's, for every rank of this plan
     for ids in rank_chunks:
         p = sum(sum(block_params[bounds[i]:bounds[i + 1]]) for i in ids)
         first, last = 0 in ids, chunks - 1 in ids
         if first:
             p += model.embed_params
+        # a config's head_params hold the tied weight, which one stage holds once
+        head_part = model.head_params if not (model.tied and pp == 1) else \
+            model.head_params - model.embed_params
         if last:
-            p += model.head_params if not (model.tied and pp == 1) else \
-                model.head_params - model.embed_params
-        root = ((model.embed_params if first else 0) + (model.head_params if last else 0)) / tp
+            p += head_part
+        root = ((model.embed_params if first else 0) + (head_part if last else 0)) / tp
         layers = sum(sizes[i] for i in ids)
         tensors = (layers * model.block_tensors + (model.embed_tensors if first else 0) +
                    (model.head_tensors if last else 0))
@@ -143,42 +147,69 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
             if grads is not None:
                 grads += (layers * block_pad.trained + sum(e.trained for e, on in ends if on)
                           + (copy_pad.trained if copies else 0.0))
-        grad_units = None
+        grad_units = trained_layers = reached_layers = regathered_layers = None
         if model.rows is not None and model.rows.blocks == model.n_layers:
-            blocks = [j for i in ids for j in range(bounds[i], bounds[i + 1])]
+            # a config's blocks are one tuple: their count will do
+            blocks: Sequence[int] = range(layers) if model.rows.one_block else \
+                [j for i in ids for j in range(bounds[i], bounds[i + 1])]
             reduced, grad_units = trained_share(plan, model, model.rows, blocks, first, last,
-                                                bool(copies))
+                                                bool(copies), memo)
             grads = reduced.elements + kv / tp
             grad_tensors = reduced.tensors
+            # leading frozen blocks: no backward collectives, not all gathered again
+            trained_layers, reached_layers, regathered_layers = (
+                sum(c[bounds[i + 1]] - c[bounds[i]] for i in ids) for c in model.rows.counts)
         out.append(LocalModel(params=local, root_params=root, tensors=tensors, layers=layers,
                               embed=first, head=last, stages=tuple(ids), num_stages=chunks,
                               clip_axes=clip_axes(plan),
                               tied=tied_piece(plan, model) if tied else 0.0,
                               tied_tensors=max(1, len(model.tied_shapes)), grad_params=grads,
-                              grad_tensors=grad_tensors, grad_units=grad_units))
+                              grad_tensors=grad_tensors, grad_units=grad_units,
+                              trained_layers=trained_layers, reached_layers=reached_layers,
+                              regathered_layers=regathered_layers))
     return out
 
 
-def trained_share(plan: Plan, model: ModelStats, rows: ParamRows, blocks: list[int],
-                  first: bool, last: bool, copy: bool) -> tuple[Trained, int]:
+def trained_share(plan: Plan, model: ModelStats, rows: ParamRows, blocks: Sequence[int],
+                  first: bool, last: bool, copy: bool,
+                  memo: dict[int, Trained] | None = None) -> tuple[Trained, int]:
     """What data parallelism reduces on a pipeline rank holding the blocks ``blocks`` (indices
     into the stack), the embeddings where ``first``, the rest where ``last`` and a trainable
     tied weight's copy where ``copy``, read off the model's shapes (``rows``: ``model.rows``,
     which say what trains): the gradients (elements, tensors; the copy is left out of the clip norm,
     counted once on the first stage) and how many FSDP2 units have one (FSDP2 reduce-scatters
     a unit's existing gradients, and nothing for a unit with none: a frozen block, a root with
-    a frozen embedding)."""
+    a frozen embedding). ``memo``: what each part of ``rows`` reduces, kept across the ranks
+    of one plan (a block the stack holds several times, a config's, is read once)."""
     tp = plan.tp
     shards = fsdp_shards(plan)
     even = tp > 1 and model.held is None  # no layer plan: every tensor priced as split evenly
-    per_block = [trained(rows.stack[j], tp, shards, even=even) for j in blocks]
-    root = sum((trained(part, tp, shards, even=even)
-                for part, on in ((rows.embed, first), (rows.rest, last)) if on), Trained())
+    memo = {} if memo is None else memo
+
+    def of(part: tuple[Rows, ...]) -> Trained:
+        if id(part) not in memo:
+            memo[id(part)] = trained(part, tp, shards, even=even)
+        return memo[id(part)]
+
+    held: dict[int, tuple[Trained, int]] = {}
+    if rows.one_block and blocks:
+        held[id(rows.stack[0])] = (of(rows.stack[0]), len(blocks))
+    for j in blocks if not rows.one_block else ():
+        block = rows.stack[j]
+        got, count = held.get(id(block)) or (of(block), 0)
+        held[id(block)] = (got, count + 1)
+    root = Trained()
+    if first:
+        root += of(rows.embed)
+    if last:
+        root += of(rows.rest)
     copies = trained(tuple(Rows(shape, 0) for shape in model.tied_shapes), tp, shards,
-                     even=even) if copy else Trained()
-    total = sum(per_block, root)
-    units = sum(1 for t in per_block if t.tensors) + (1 if root.tensors or copies.tensors else 0)
-    return Trained(total.elements + copies.elements, total.tensors), units
+                     even=even) if copy and model.tied_shapes else Trained()
+    elements = root.elements + copies.elements + sum(t.elements * n for t, n in held.values())
+    tensors = root.tensors + sum(t.tensors * n for t, n in held.values())
+    units = sum(n for t, n in held.values() if t.tensors) + \
+        (1 if root.tensors or copies.tensors else 0)
+    return Trained(elements, tensors), units
 
 
 def uneven_pieces(plan: Plan, model: ModelStats
@@ -248,9 +279,11 @@ def fsdp_host_time(plan: Plan, share: LocalModel, c: Constants) -> tuple[float, 
     pp, steps = plan.pp, plan.grad_accum
     syncs = steps if pp > 1 else 1
     reduce = c.fsdp_reduce_s * share.reducing_units * syncs  # a frozen unit reduces nothing
-    # ZeRO-3 gathers each block once more per backward than ZeRO-2 (the root never)
+    # ZeRO-3 gathers each block once more per backward than ZeRO-2 (the root never; a leading
+    # frozen block only where the block after it is reached)
     per_block = (plan.microbatches if pp > 1 else 1) * steps if plan.zero == 3 else 0
-    return reduce, c.fsdp_regather_s * (share.units - 1) * per_block
+    blocks = share.layers_regathered if pp == 1 else share.layers
+    return reduce, c.fsdp_regather_s * blocks * per_block
 
 
 def fsdp_exposed(plan: Plan, cluster: Cluster, share: LocalModel, layers: int,
