@@ -98,6 +98,10 @@ def test_a_factory_dataset_gives_the_sequence_length_to_price():
     assert load_model("tests._planner_factories:model_with_eager_dataset").data_seq == 8
     assert load_model("examples.your_own_model:factory").data_seq == 16
     assert load_model("tests._planner_factories:mlp_stack").data_seq is None  # no dataset
+    # Rows that read a tensor's value when asked for (built on meta, they cannot): the dataset
+    # is built again with real tensors, not priced at the model's maximum (32).
+    lazy = load_model("tests._planner_factories:gpt2_with_lazy_dataset")
+    assert (lazy.data_seq, lazy.max_seq) == (8, 32)
     common = ["plan", "--model", "examples.your_own_model:factory", "--cluster", "cpu",
               "--devices", "2", "--global-batch", "32", "--format", "json"]
     out = io.StringIO()
