@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..plan import Plan
+
 _TORCH_SYNC_DEVICES = ("cuda", "xpu", "hpu")
 
 
@@ -44,14 +46,17 @@ def _named_on_rank0(module: nn.Module) -> str | None:
     return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
 
 
-def warn_unsynced(module: nn.Module, dp: int) -> None:
-    """Warn (rank 0) when BatchNorm layers will train on per-rank statistics."""
+def warn_unsynced(module: nn.Module, plan: Plan) -> None:
+    """Warn (rank 0) when BatchNorm layers will train on per-rank statistics; the fix shown is
+    the run's own plan with ``sync_bn`` added, so that it can be pasted as it is."""
+    dp = plan.dp
     shown = _named_on_rank0(module) if dp > 1 else None
     if shown:
+        fixed = plan.replace(sync_bn=True).to_string()
         warnings.warn(f"plait: BatchNorm {shown} will normalise with per-rank statistics (each "
                       f"over 1/{dp} of the global batch), which is not what one device trains; "
-                      f"add sync_bn to the plan (e.g. 'dp={dp},sync_bn') to take them over the "
-                      f"data axes", UserWarning, stacklevel=3)
+                      f"add sync_bn to the plan ('{fixed}') to take them over the data axes",
+                      UserWarning, stacklevel=3)
 
 
 def warn_microbatched(module: nn.Module, parts: int, why: str) -> None:
