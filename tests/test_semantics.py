@@ -340,6 +340,19 @@ def test_batchnorm_sync_bn_matches_one_device_and_warns_without():
     assert abs(plain["losses"][0] - ref["losses"][0]) > 1e-3 * ref["losses"][0]
 
 
+def test_a_dict_batch_with_its_targets_under_label_is_told_the_rename():
+    """{"pixels", "label"} (torchvision's and Hugging Face image datasets' name) with a loss_fn:
+    the error names the rename; without a label-like key it names none."""
+    from plait.train import call_model
+
+    model = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"\(keys: \['label', 'pixels'\]\); rename 'label' "
+                                         r"to 'labels' \(in the dataset's __getitem__"):
+        call_model(model, {"pixels": torch.ones(2, 4), "label": torch.zeros(2)}, lambda o, t: o)
+    with pytest.raises(ValueError, match=r"\(keys: \['pixels'\]\); or pass loss_fn=None"):
+        call_model(model, {"pixels": torch.ones(2, 4)}, lambda o, t: o)
+
+
 @pytest.mark.parametrize("plan", ["dp=2", "dp_shard=2,zero=3", "pp=2,dp=2,mb=2"])
 def test_unsynced_batchnorm_warning_shows_the_runs_own_plan_with_sync_bn(plan):
     """The fix the warning shows is the run's plan with sync_bn added (under ZeRO-3 it is not
