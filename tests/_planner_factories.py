@@ -93,3 +93,11 @@ def gpt2_with_lazy_dataset():
     import torch.nn.functional as F
 
     return tiny_gpt2(), _LazyLengthsDataset(), F.cross_entropy
+
+
+def mlp_with_images():
+    """A factory whose dataset holds images: no sequence to read, and the model states none."""
+    import torch
+    import torch.nn.functional as F
+
+    return mlp_stack(), [(torch.zeros(3, 8, 8), 0)] * 4, F.cross_entropy

@@ -359,7 +359,11 @@ def _plan(args: argparse.Namespace) -> int:
         (args.seq, "--seq"), (model.data_seq, "dataset"), (model.max_seq, "model"))
         if value), (None, "--seq"))
     if seq is None:
-        raise ValueError("--seq is required (the model does not say its sequence length)")
+        raise ValueError("--seq is required (the model does not say its sequence length: no "
+                         "max_position_embeddings, n_positions or max_seq_len, and no dataset "
+                         "row of token ids or (positions, features) to read it from); pass the "
+                         "positions each block sees per sample, e.g. --seq 196 for a ViT's 14 x "
+                         "14 patches")
     dtype = args.dtype or ("fp32" if cluster.device == "cpu" else "bf16")
     constants = constants_for(cluster)
     if args.efficiency is not None:
