@@ -1047,10 +1047,20 @@ def _attention_mask(batch: Any) -> torch.Tensor | None:
     return mask if isinstance(mask, torch.Tensor) else None
 
 
+_ARGV_EXAMPLES = {"--plan": "--plan dp=2", "--accelerator": "--accelerator cpu"}
+
+
 def _from_argv(flag: str, argv: list[str] | None) -> str | None:
-    parser = argparse.ArgumentParser(add_help=False)
+    """``flag``'s value among the script's arguments; ValueError (one line, the fix) for a flag
+    given without one, where argparse would print a usage line for a parser the script never
+    declared."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     parser.add_argument(flag, default=None)
-    known, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        known, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"the script's {flag} needs a value, e.g. {_ARGV_EXAMPLES[flag]} "
+                         f"({exc.message})") from None
     return getattr(known, flag.lstrip("-").replace("-", "_"))
 
 
@@ -1118,12 +1128,16 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     at the timeout, without naming the rank at fault.
     """
     from_argv = False
-    if accelerator is None:
-        accelerator = accelerator_from_argv()
-        from_argv = accelerator is not None
-    if plan is None:
-        plan = plan_from_argv()
-        from_argv = from_argv or plan is not None
+    try:
+        if accelerator is None:
+            accelerator = accelerator_from_argv()
+            from_argv = accelerator is not None
+        if plan is None:
+            plan = plan_from_argv()
+            from_argv = from_argv or plan is not None
+    except ValueError as exc:
+        print(f"plait: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     try:
         return _init(plan, accelerator, seed=seed, log_every=log_every, quiet=quiet,
                      ledger=ledger, checkpoint=checkpoint, every=every, keep=keep,
