@@ -22,8 +22,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .loss import (label_shift, loss_sum_and_count, missing_labels_fix, scale_gradients,
-                   shifts_labels)
+from .loss import (
+    label_shift,
+    loss_sum_and_count,
+    missing_labels_fix,
+    scale_gradients,
+    shifts_labels,
+)
 from .parallel.layout import layout_of
 from .plan import Plan
 

@@ -233,3 +233,17 @@ def test_every_rank_raising_names_each_exception_whatever_the_timing():
     records[1]["signal"] = "SIGTERM"
     assert failure_summary(records, tb)[1] == ("failed: rank 0 (ValueError, exit code 1); "
                                                "then stopped: rank(s) [1]")
+
+
+@pytest.mark.parametrize("fmt", ["text", "table", "json"])
+def test_every_report_takes_one_spelling_of_format(fmt):
+    """`plait plan` and `plait comm` print tables (`--format table`), `plait check` and the
+    rest text (`--format text`): each takes both spellings and json, so a flag learnt on one
+    report is not refused by another."""
+    from plait.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["env"], ["doctor"], ["check", "--plan", "dp=2"], ["plan"], ["schedule"],
+                 ["comm", "--plan", "dp=2"], ["bench", "comm"],
+                 ["export", "ckpt", "--to", "m.safetensors"]):
+        assert parser.parse_args([*argv, "--format", fmt]).format == fmt, argv

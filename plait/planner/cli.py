@@ -19,7 +19,7 @@ from typing import Any
 from plait.outputs import plot_path
 from plait.plan import Plan
 
-from ..outputs import command_failed
+from ..outputs import FORMATS, command_failed
 from .cost import Estimate, Workload, evaluate
 from .hardware import GB, Cluster, load_cluster, presets, save_cluster
 from .model_stats import ModelStats, build_factory, load_model
@@ -71,7 +71,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     p.add_argument("--memory-gb", type=float, default=None, help="override memory per device")
     p.add_argument("--efficiency", type=float, default=None,
                    help="override the compute efficiency constant (fraction of peak)")
-    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--format", choices=FORMATS, default="table")
     p.add_argument("--show-schedule", action="store_true",
                    help="also print the pipeline schedule of the best (or given) plan as a "
                         "step x rank grid (F0 F1 B0 ...)")
