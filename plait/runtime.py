@@ -1184,8 +1184,9 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
         resolved = layout.plan
     elif auto:
         if ledger:
-            raise ValueError("ledger=True needs the plan up front, not plan='auto'; run "
-                             "`plait comm --plan P` with the plan auto chose")
+            raise ValueError("ledger=True needs the plan up front, not plan='auto'; run the "
+                             "script with the plan auto chose (it prints it: --plan P) and "
+                             "ledger=True")
         resolved = Plan(dp_replicate=world_size)  # replaced by the planner's in parallelize
     else:
         resolved = Plan.load(plan) if plan is not None else Plan(dp_replicate=world_size)
