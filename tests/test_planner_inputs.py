@@ -138,6 +138,23 @@ def test_auto_plan_for_a_model_without_a_block_stack_is_data_parallel():
     assert "no stack of repeated blocks" in why[0]
 
 
+def test_auto_says_where_the_batch_and_sequence_it_planned_for_came_from():
+    """A batch and sequence the script did not give are defaults, said as such with the
+    init() argument that sets them; given ones are shown bare."""
+    from plait.auto import AutoRequest, choose
+
+    from tests._planner_factories import mlp_stack, tiny_gpt2
+
+    _, why = choose(mlp_stack(), AutoRequest(world_size=2, device_type="cpu"))
+    assert ("(global batch 16 (8 rows per rank; plait.init(global_batch=N) for yours), seq 128 "
+            "(a default; plait.init(seq=N) for yours))") in why[0], why[0]
+    _, why = choose(tiny_gpt2(), AutoRequest(world_size=2, device_type="cpu"))
+    assert "seq 32 (the model's maximum)" in why[0], why[0]
+    _, why = choose(mlp_stack(), AutoRequest(world_size=2, device_type="cpu", global_batch=4,
+                                             seq=8))
+    assert "(global batch 4, seq 8)" in why[0], why[0]
+
+
 def test_a_convnet_of_repeated_blocks_is_left_to_data_parallelism_with_what_to_do():
     """Repeated conv blocks (no nn.Linear to price): plait plan says how to pick a layout by
     hand and prove it, and plan 'auto' runs data parallelism (was: 'blocks have no nn.Linear
