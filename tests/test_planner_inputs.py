@@ -142,7 +142,6 @@ def test_auto_says_where_the_batch_and_sequence_it_planned_for_came_from():
     """A batch and sequence the script did not give are defaults, said as such with the
     init() argument that sets them; given ones are shown bare."""
     from plait.auto import AutoRequest, choose
-
     from tests._planner_factories import mlp_stack, tiny_gpt2
 
     _, why = choose(mlp_stack(), AutoRequest(world_size=2, device_type="cpu"))
