@@ -47,6 +47,7 @@ from .train import (
     pipeline_totals,
     reduce_totals,
 )
+from .warn import user_stacklevel
 
 if TYPE_CHECKING:
     from .parallel.xla_spmd import SPMDLayout
@@ -589,7 +590,7 @@ class Run:
                     device=self.device, read_model=read_model, resuming=resuming)
         if self.is_main:
             for note in info.notes:
-                warnings.warn(f"plait: {note}", stacklevel=3)
+                warnings.warn(f"plait: {note}", stacklevel=user_stacklevel())
         if optimizer is not None and target is not None and target is not optimizer:
             # ZeRO-1: the loaded settings go back to the user's optimizer too
             copy_hyperparameters(target, optimizer)

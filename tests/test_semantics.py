@@ -364,6 +364,8 @@ def test_unsynced_batchnorm_warning_shows_the_runs_own_plan_with_sync_bn(plan):
         warn_unsynced(W.conv_bn(), given)
     fixed = str(caught[0].message).split("add sync_bn to the plan ('")[1].split("')")[0]
     assert Plan.from_string(fixed) == given.replace(sync_bn=True), fixed
+    # Shown at the caller's line (here; in a script, its run.parallelize), not plait's.
+    assert caught[0].filename == __file__, caught[0].filename
 
 
 def test_batchnorm_and_buffers_under_tensor_parallelism():

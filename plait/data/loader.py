@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
+from ..warn import user_stacklevel
+
 
 class DistributedLoader:
     """Yields this replica's slice of each global batch, ``steps`` times (cycling epochs).
@@ -92,7 +94,7 @@ class DistributedLoader:
                           f"batches of {batch_size}: the last {left} items (indices {n - left} "
                           f"to {n - 1}) are never drawn, in any epoch (a shuffled loader "
                           f"draws them in other epochs). Use a batch_size that divides {n}, "
-                          f"or shuffle=True", UserWarning, stacklevel=3)
+                          f"or shuffle=True", UserWarning, stacklevel=user_stacklevel())
 
     def _end(self) -> int:
         """The step after the last one this loader yields."""
@@ -230,7 +232,8 @@ def _warn_left_padding(batch: Any, dp_size: int) -> bool:
                   f"tokens sit at other positions than in one device's batch, and a model "
                   f"with absolute positions (GPT-2, BERT) trains something else. Give "
                   f"position_ids from the collate_fn (attention_mask.cumsum(-1) - 1, "
-                  f"clamped at 0), pad on the right, or pad to a fixed length", stacklevel=4)
+                  f"clamped at 0), pad on the right, or pad to a fixed length",
+                  stacklevel=user_stacklevel())
     return True
 
 

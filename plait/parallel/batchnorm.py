@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..plan import Plan
+from ..warn import user_stacklevel
 
 _TORCH_SYNC_DEVICES = ("cuda", "xpu", "hpu")
 
@@ -56,7 +57,7 @@ def warn_unsynced(module: nn.Module, plan: Plan) -> None:
         warnings.warn(f"plait: BatchNorm {shown} will normalise with per-rank statistics (each "
                       f"over 1/{dp} of the global batch), which is not what one device trains; "
                       f"add sync_bn to the plan ('{fixed}') to take them over the data axes",
-                      UserWarning, stacklevel=3)
+                      UserWarning, stacklevel=user_stacklevel())
 
 
 def warn_microbatched(module: nn.Module, parts: int, why: str) -> None:
@@ -69,7 +70,7 @@ def warn_microbatched(module: nn.Module, parts: int, why: str) -> None:
                       f"step's batch ({why}) with its own statistics, which is not what one "
                       f"device trains on the whole batch; use GroupNorm or LayerNorm, or one "
                       f"piece (microbatches=1 with schedule=gpipe, grad_accum=1)", UserWarning,
-                      stacklevel=3)
+                      stacklevel=user_stacklevel())
 
 
 class _AllReduce(torch.autograd.Function):
@@ -215,4 +216,4 @@ def warn_forward_statistics(module: nn.Module, before: dict[str, torch.Tensor],
                       f"keeps its own copy (checkpoints and full_state_dict take rank 0's), which "
                       f"is not what one device computes; reduce them over the data ranks in "
                       f"the forward (torch.distributed.all_reduce) if they must match",
-                      UserWarning, stacklevel=3)
+                      UserWarning, stacklevel=user_stacklevel())
