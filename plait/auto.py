@@ -93,8 +93,15 @@ def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
     if result.best is None:
         raise ValueError("plan='auto': " + explain_nothing_fits(result, stats, resized))
     plan = result.best.plan.validate(request.world_size)
+    # Say where a figure the user did not give came from: a planned-for batch or sequence
+    # other than the run's picks another layout, and init(global_batch=, seq=) is the fix.
+    batch_from = "" if request.global_batch else (
+        f" ({ROWS_PER_RANK} rows per rank; plait.init(global_batch=N) for yours)")
+    seq_from = "" if request.seq else (" (the model's maximum)" if stats.max_seq else
+                                       " (a default; plait.init(seq=N) for yours)")
     why = [f"plait: plan 'auto' for {type(model).__name__} on {request.world_size} x "
-           f"{resized.name} (global batch {batch}, seq {seq}): {plan.to_string()}"]
+           f"{resized.name} (global batch {batch}{batch_from}, seq {seq}{seq_from}): "
+           f"{plan.to_string()}"]
     why += ["  " + line for line in explain_winner(result.ranked, resized)]
     why += [f"  skipped {n} faster layout{'s' * (n > 1)}: {kind}"
             for kind, n in sorted(result.rejected.items()) if kind.startswith("refused by")]

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .outputs import FORMATS
 from .parallel.layout import local_modules
 from .parallel.tp_record import quiet_logger
 from .parallel.units import canonical_name
@@ -537,7 +538,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "their displacement; adamw: 1e-5 and 1e-3; wider under "
                         "mixed_precision=bf16 or fp16, whose rounding is coarser)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds before a hang fails")
-    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument("--format", choices=FORMATS, default="text")
 
 
 def command(args: argparse.Namespace) -> int:

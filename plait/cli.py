@@ -15,6 +15,8 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 
+from .outputs import FORMATS
+
 EPILOG = """examples:
   plait env                                   what this machine has
   plait demo                                  train the tiny model on 2 CPU processes
@@ -96,7 +98,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _add_format(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--format", choices=("text", "json"), default="text",
+    p.add_argument("--format", choices=FORMATS, default="text",
                    help="text for people, json for programs (default: text)")
 
 

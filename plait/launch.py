@@ -200,8 +200,11 @@ def _pump(stream, out, keep: list[str], held: list[str] | None = None) -> None:
     shows rank 0's traceback."""
     holding = False  # inside an uncaught exception's lines: from its "[rankN]: Traceback"
     for line in iter(stream.readline, ""):
-        if _PREFIX.match(line):
-            text = _PREFIX.sub("", line, count=1)
+        found = _PREFIX.match(line)
+        if found:
+            # torchrun's tail reads a log line that is still being written in pieces and heads
+            # each piece ("...ETA 0:00:02[default0]:\n"): the rank's header inside the line goes.
+            text = line[found.end():].replace(found.group(0), "")
             if held is not None:
                 if _EXCEPTION_LINE.sub("", text, count=1).startswith("Traceback ("):
                     holding = holding or bool(_EXCEPTION_LINE.match(text))

@@ -57,6 +57,19 @@ import torch.nn as nn
 IGNORE_INDEX = -100
 
 
+# Keys other conventions give the targets under: torchvision-style and Hugging Face image
+# datasets ("label"), HF's "label_ids" (its default collator renames both to "labels").
+_LABEL_LIKE = ("label", "label_ids", "target", "targets")
+
+
+def missing_labels_fix(keys: Any) -> str:
+    """The end of the error for a dict batch without ``labels``: the rename when a key looks
+    like the targets (``{"pixels", "label"}``), else nothing."""
+    near = [k for k in _LABEL_LIKE if k in keys]
+    return (f"; rename {near[0]!r} to 'labels' (in the dataset's __getitem__ or a collate_fn)"
+            if near else "")
+
+
 def count_items(targets: Any, *, shift: bool = False) -> torch.Tensor:
     """How many items a mean loss over ``targets`` averages over (a float 0-dim tensor).
 

@@ -53,6 +53,11 @@ def writable_folder(folder: Path, what: str, *, create: bool = False) -> None:
         raise ValueError(f"{what}: folder {folder} is not writable ({exc.strerror})") from None
 
 
+# Every report's --format: "text" and "table" are the same human output (commands that print
+# tables said "table", the others "text"; each accepts both, so neither spelling fails).
+FORMATS = ("text", "table", "json")
+
+
 def command_failed(command: str, message: str, code: int, fmt: str | None = None) -> int:
     """Say why ``plait COMMAND`` failed, one line on stderr, and return ``code``. With
     ``--format json`` (``fmt="json"``) the same also goes to stdout as a JSON object,

@@ -71,7 +71,7 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
         if plan.sync_bn:
             module = apply_sync_bn(module, mesh["dp"].get_group(), device.type)
         else:
-            warn_unsynced(module, plan.dp)
+            warn_unsynced(module, plan)
     if plan.tp > 1:
         from .parallel.tensor import apply_tensor_parallel
 

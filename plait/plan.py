@@ -54,10 +54,18 @@ _SHORTHANDS = ("dp", "fsdp")
 
 
 def _did_you_mean(key: Any, known: list[str] | tuple[str, ...] | set[str]) -> str:
+    """The closest known name; on a tie ('dpp' is one edit from 'dp' and from 'pp') the ones
+    that start with the key's first letter (rarely the mistyped one), else all of them."""
     lower = str(key).lower()
-    match = [k for k in sorted(known) if k == lower] or difflib.get_close_matches(
-        lower, sorted(known), n=1)
-    return f"did you mean {match[0]!r}? " if match else ""
+    if lower in known:
+        return f"did you mean {lower!r}? "
+    close = difflib.get_close_matches(lower, sorted(known), n=3)
+    if not close:
+        return ""
+    best = difflib.SequenceMatcher(None, lower, close[0]).ratio()
+    tied = [k for k in close if difflib.SequenceMatcher(None, lower, k).ratio() == best]
+    tied = [k for k in tied if k[0] == lower[0]] or tied
+    return f"did you mean {' or '.join(repr(k) for k in tied)}? "
 
 
 @dataclass(frozen=True)

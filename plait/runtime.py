@@ -49,6 +49,7 @@ from .train import (
     pipeline_totals,
     reduce_totals,
 )
+from .warn import user_stacklevel
 
 if TYPE_CHECKING:
     from .parallel.xla_spmd import SPMDLayout
@@ -661,7 +662,7 @@ class Run:
                     device=self.device, read_model=read_model, resuming=resuming)
         if self.is_main:
             for note in info.notes:
-                warnings.warn(f"plait: {note}", stacklevel=3)
+                warnings.warn(f"plait: {note}", stacklevel=user_stacklevel())
         if optimizer is not None and target is not None and target is not optimizer:
             # ZeRO-1: the loaded settings go back to the user's optimizer too
             copy_hyperparameters(target, optimizer)
@@ -1133,10 +1134,20 @@ def _attention_mask(batch: Any) -> torch.Tensor | None:
     return mask if isinstance(mask, torch.Tensor) else None
 
 
+_ARGV_EXAMPLES = {"--plan": "--plan dp=2", "--accelerator": "--accelerator cpu"}
+
+
 def _from_argv(flag: str, argv: list[str] | None) -> str | None:
-    parser = argparse.ArgumentParser(add_help=False)
+    """``flag``'s value among the script's arguments; ValueError (one line, the fix) for a flag
+    given without one, where argparse would print a usage line for a parser the script never
+    declared."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     parser.add_argument(flag, default=None)
-    known, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        known, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"the script's {flag} needs a value, e.g. {_ARGV_EXAMPLES[flag]} "
+                         f"({exc.message})") from None
     return getattr(known, flag.lstrip("-").replace("-", "_"))
 
 
@@ -1204,12 +1215,16 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     at the timeout, without naming the rank at fault.
     """
     from_argv = False
-    if accelerator is None:
-        accelerator = accelerator_from_argv()
-        from_argv = accelerator is not None
-    if plan is None:
-        plan = plan_from_argv()
-        from_argv = from_argv or plan is not None
+    try:
+        if accelerator is None:
+            accelerator = accelerator_from_argv()
+            from_argv = accelerator is not None
+        if plan is None:
+            plan = plan_from_argv()
+            from_argv = from_argv or plan is not None
+    except ValueError as exc:
+        print(f"plait: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     try:
         return _init(plan, accelerator, seed=seed, log_every=log_every, quiet=quiet,
                      ledger=ledger, checkpoint=checkpoint, every=every, keep=keep,
@@ -1256,8 +1271,9 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
         resolved = layout.plan
     elif auto:
         if ledger:
-            raise ValueError("ledger=True needs the plan up front, not plan='auto'; run "
-                             "`plait comm --plan P` with the plan auto chose")
+            raise ValueError("ledger=True needs the plan up front, not plan='auto'; run the "
+                             "script with the plan auto chose (it prints it: --plan P) and "
+                             "ledger=True")
         resolved = Plan(dp_replicate=world_size)  # replaced by the planner's in parallelize
     else:
         resolved = Plan.load(plan) if plan is not None else Plan(dp_replicate=world_size)

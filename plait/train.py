@@ -22,7 +22,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .loss import label_shift, loss_sum_and_count, scale_gradients, shifts_labels
+from .loss import (
+    label_shift,
+    loss_sum_and_count,
+    missing_labels_fix,
+    scale_gradients,
+    shifts_labels,
+)
 from .parallel.layout import layout_of
 from .plan import Plan
 
@@ -118,8 +124,8 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None,
                     f"{_SHARDED_LOGITS_FIX}") from exc
         if "labels" not in batch:
             raise ValueError(f"a dict batch with a loss_fn needs a 'labels' entry for it "
-                             f"(keys: {sorted(batch)}); or pass loss_fn=None when the model "
-                             f"computes its own loss from the batch")
+                             f"(keys: {sorted(batch)}){missing_labels_fix(batch)}; or pass "
+                             f"loss_fn=None when the model computes its own loss from the batch")
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         return model(**inputs), batch["labels"]
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:

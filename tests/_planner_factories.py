@@ -67,3 +67,37 @@ def model_with_eager_dataset():
 
 def dataset_first():
     return _LengthsDataset(), mlp_stack(), None
+
+
+class _LazyLengthsDataset:
+    """Token rows of 8 whose length is read from a tensor when a row is asked for: built on
+    the meta device, the dataset builds but its rows cannot be read."""
+
+    def __init__(self):
+        import torch
+
+        self.lengths = torch.full((16,), 8)
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        import torch
+
+        row = torch.zeros(int(self.lengths[i]), dtype=torch.long)
+        return row, row
+
+
+def gpt2_with_lazy_dataset():
+    """A model whose maximum sequence (32) is not what its dataset holds (8)."""
+    import torch.nn.functional as F
+
+    return tiny_gpt2(), _LazyLengthsDataset(), F.cross_entropy
+
+
+def mlp_with_images():
+    """A factory whose dataset holds images: no sequence to read, and the model states none."""
+    import torch
+    import torch.nn.functional as F
+
+    return mlp_stack(), [(torch.zeros(3, 8, 8), 0)] * 4, F.cross_entropy

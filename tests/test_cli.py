@@ -201,6 +201,20 @@ def test_only_rank_0s_uncaught_exception_is_held_back():
     assert keep == ["torchrun's own line\n"]
 
 
+def test_a_line_torchrun_tailed_in_pieces_is_shown_without_its_header_inside():
+    """torchrun's tail reads a line rank 0 is still writing as two pieces, each with the
+    '[default0]:' header: the second header is not shown in the middle of the line."""
+    import io
+
+    from plait.launch import _pump
+
+    stream = io.StringIO("[default0]:step 1/5 | loss 4.88 | ETA 0:00:02[default0]:\n"
+                         "[default0]:step 5/5 | lo[default0]:ss 4.85\n")
+    out, keep = io.StringIO(), []
+    _pump(stream, out, keep)
+    assert out.getvalue() == "step 1/5 | loss 4.88 | ETA 0:00:02\nstep 5/5 | loss 4.85\n"
+
+
 def test_the_failure_summary_names_exceptions_not_placeholders():
     from plait.launch import exception_name
 
@@ -233,3 +247,17 @@ def test_every_rank_raising_names_each_exception_whatever_the_timing():
     records[1]["signal"] = "SIGTERM"
     assert failure_summary(records, tb)[1] == ("failed: rank 0 (ValueError, exit code 1); "
                                                "then stopped: rank(s) [1]")
+
+
+@pytest.mark.parametrize("fmt", ["text", "table", "json"])
+def test_every_report_takes_one_spelling_of_format(fmt):
+    """`plait plan` and `plait comm` print tables (`--format table`), `plait check` and the
+    rest text (`--format text`): each takes both spellings and json, so a flag learnt on one
+    report is not refused by another."""
+    from plait.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["env"], ["doctor"], ["check", "--plan", "dp=2"], ["plan"], ["schedule"],
+                 ["comm", "--plan", "dp=2"], ["bench", "comm"],
+                 ["export", "ckpt", "--to", "m.safetensors"]):
+        assert parser.parse_args([*argv, "--format", fmt]).format == fmt, argv

@@ -50,6 +50,10 @@ CASES = [
     (["check", "--plan", "pp=2,microbatches=4,grad_accum=4"],
      "over 1 data-parallel replica(s) x grad_accum=4 x 4 microbatches = 16"),
     (["comm", "--plan", "dp=2", "--model", "mymodels:build"], "measures the reference"),
+    # The script's --plan without a value: one line naming the flag (argparse printed a usage
+    # line for "plait [--plan PLAN]", a parser nobody wrote).
+    (["run", "--nproc", "2", "SCRIPT", "--plan"],
+     "plait run: error: the script's --plan needs a value, e.g. --plan dp=2"),
     (["check", "--plan", "dp=2", "--model", "mymodels:build", "--seq-len", "8"],
      "drop --seq-len"),
 ]

@@ -292,6 +292,16 @@ def test_report_table_json_and_expected_shapes(tmp_path):
         assert (tmp_path / "comm.png").stat().st_size > 0
 
 
+def test_a_ledger_under_plan_auto_is_told_to_run_the_chosen_plan_with_the_ledger():
+    """The fix is the user's own script under the chosen plan: `plait comm` measures the
+    reference model only, not theirs."""
+    import plait
+
+    with pytest.raises(ValueError, match=r"not plan='auto'; run the script with the plan auto "
+                                         r"chose \(it prints it: --plan P\) and ledger=True$"):
+        plait.init("auto", ledger=True)
+
+
 def test_ledger_off_installs_nothing_and_records_nothing():
     def hooked() -> bool:
         return dispatch_has_kernel("c10d::allreduce_", "BackendSelect")

@@ -187,6 +187,8 @@ _IDS = torch.zeros(4, 3, dtype=torch.long)
 @pytest.mark.parametrize("batch,loss_fn,forward,match", [
     ({"input_ids": _IDS}, F.cross_entropy, _forward,
      r"a dict batch under pp > 1 needs a 'labels' entry \(keys: \['input_ids'\]\)"),
+    ({"input_ids": _IDS, "label": _IDS}, F.cross_entropy, _forward,
+     r"needs a 'labels' entry.*rename 'label' to 'labels' \(in the dataset's __getitem__"),
     ({"attention_mask": _IDS, "labels": _IDS}, F.cross_entropy, _forward,
      r"chains Net.forward's first parameter \(input_ids\).*no 'input_ids' entry"),
     ({"x": _IDS, "labels": _IDS}, F.cross_entropy, _star,

@@ -178,6 +178,8 @@ BAD_INPUT = [
     (("p.json", '{"zero": true, "dp_shard": 2}'), "zero=True must be the integer"),
     (("p.json", '{"dp": "2"}'), "dp='2' must be a positive integer"),
     (("p.json", '{"tpp": 2}'), "unknown plan field 'tpp'; did you mean 'tp'?"),
+    # One edit from 'dp' and from 'pp': the one with the key's first letter (was 'pp').
+    (("p.json", '{"dpp": 2}'), "unknown plan field 'dpp'; did you mean 'dp'?"),
     (("p.yaml", "options: {split_point: [layers.1]}\n"), "did you mean 'split_points'?"),
     (("p.yaml", "pp_schedule: 5\n"), "pp_schedule=5 must be a string"),
     ("clip=nan", "grad_clip=nan must be a finite number"),

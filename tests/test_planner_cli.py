@@ -65,6 +65,9 @@ def test_cli_table_and_pareto(tmp_path, capsys):
     (["--model", "tests._planner_factories:no_blocks", "--cluster", "cpu", "--global-batch", "8",
       "--seq", "16"], "repeated blocks"),
     (["--model", "no.such.module:f", "--cluster", "cpu", "--global-batch", "8"], "cannot import"),
+    # An image dataset and a model with no maximum sequence: what --seq means for it.
+    (["--model", "tests._planner_factories:mlp_with_images", "--cluster", "cpu",
+      "--global-batch", "8"], "pass the positions each block sees per sample, e.g. --seq 196"),
 ])
 def test_bad_input_names_the_field(argv, field, capsys):
     assert run_cli(*argv) == 2

@@ -98,6 +98,10 @@ def test_a_factory_dataset_gives_the_sequence_length_to_price():
     assert load_model("tests._planner_factories:model_with_eager_dataset").data_seq == 8
     assert load_model("examples.your_own_model:factory").data_seq == 16
     assert load_model("tests._planner_factories:mlp_stack").data_seq is None  # no dataset
+    # Rows that read a tensor's value when asked for (built on meta, they cannot): the dataset
+    # is built again with real tensors, not priced at the model's maximum (32).
+    lazy = load_model("tests._planner_factories:gpt2_with_lazy_dataset")
+    assert (lazy.data_seq, lazy.max_seq) == (8, 32)
     common = ["plan", "--model", "examples.your_own_model:factory", "--cluster", "cpu",
               "--devices", "2", "--global-batch", "32", "--format", "json"]
     out = io.StringIO()
@@ -132,6 +136,22 @@ def test_auto_plan_for_a_model_without_a_block_stack_is_data_parallel():
     plan, why = choose(cnn, AutoRequest(world_size=2, device_type="cpu"))
     assert plan.to_string() == "dp_replicate=2"
     assert "no stack of repeated blocks" in why[0]
+
+
+def test_auto_says_where_the_batch_and_sequence_it_planned_for_came_from():
+    """A batch and sequence the script did not give are defaults, said as such with the
+    init() argument that sets them; given ones are shown bare."""
+    from plait.auto import AutoRequest, choose
+    from tests._planner_factories import mlp_stack, tiny_gpt2
+
+    _, why = choose(mlp_stack(), AutoRequest(world_size=2, device_type="cpu"))
+    assert ("(global batch 16 (8 rows per rank; plait.init(global_batch=N) for yours), seq 128 "
+            "(a default; plait.init(seq=N) for yours))") in why[0], why[0]
+    _, why = choose(tiny_gpt2(), AutoRequest(world_size=2, device_type="cpu"))
+    assert "seq 32 (the model's maximum)" in why[0], why[0]
+    _, why = choose(mlp_stack(), AutoRequest(world_size=2, device_type="cpu", global_batch=4,
+                                             seq=8))
+    assert "(global batch 4, seq 8)" in why[0], why[0]
 
 
 def test_a_convnet_of_repeated_blocks_is_left_to_data_parallelism_with_what_to_do():

@@ -340,6 +340,34 @@ def test_batchnorm_sync_bn_matches_one_device_and_warns_without():
     assert abs(plain["losses"][0] - ref["losses"][0]) > 1e-3 * ref["losses"][0]
 
 
+def test_a_dict_batch_with_its_targets_under_label_is_told_the_rename():
+    """{"pixels", "label"} (torchvision's and Hugging Face image datasets' name) with a loss_fn:
+    the error names the rename; without a label-like key it names none."""
+    from plait.train import call_model
+
+    model = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"\(keys: \['label', 'pixels'\]\); rename 'label' "
+                                         r"to 'labels' \(in the dataset's __getitem__"):
+        call_model(model, {"pixels": torch.ones(2, 4), "label": torch.zeros(2)}, lambda o, t: o)
+    with pytest.raises(ValueError, match=r"\(keys: \['pixels'\]\); or pass loss_fn=None"):
+        call_model(model, {"pixels": torch.ones(2, 4)}, lambda o, t: o)
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "dp_shard=2,zero=3", "pp=2,dp=2,mb=2"])
+def test_unsynced_batchnorm_warning_shows_the_runs_own_plan_with_sync_bn(plan):
+    """The fix the warning shows is the run's plan with sync_bn added (under ZeRO-3 it is not
+    'dp=2,sync_bn', which would switch ZeRO off), and it parses back to that plan."""
+    from plait.parallel.batchnorm import warn_unsynced
+
+    given = Plan.from_string(plan)
+    with pytest.warns(UserWarning, match="per-rank statistics") as caught:
+        warn_unsynced(W.conv_bn(), given)
+    fixed = str(caught[0].message).split("add sync_bn to the plan ('")[1].split("')")[0]
+    assert Plan.from_string(fixed) == given.replace(sync_bn=True), fixed
+    # Shown at the caller's line (here; in a script, its run.parallelize), not plait's.
+    assert caught[0].filename == __file__, caught[0].filename
+
+
 def test_batchnorm_and_buffers_under_tensor_parallelism():
     """Modules TP leaves whole (BatchNorm, a module adding a buffer, the root with a parameter
     of its own) are replicated over tp with their buffers and run their forward as written;

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from plait.check import CheckConfig, check
 from plait.models.transformer import Transformer, build, preset
@@ -465,6 +466,33 @@ def test_a_conv_stem_gets_images_of_a_size_it_runs_on_and_its_plan_is_checked():
     plan = infer_plan(model)
     assert plan.styles["blocks.*.qkv"] == "colwise_qkv"
     assert verify_plan(model, plan, 2).styles["blocks.*.qkv"] == "colwise"
+
+
+class _WidthFromInput(nn.Module):
+    """nanoGPT's way: q, k, v split by the width read off the block's input."""
+
+    def __init__(self, width=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(a.transpose(1, 2).reshape(b, t, c))
+
+
+def test_a_block_reading_the_whole_width_is_refused_at_its_line_with_the_fix():
+    """The inferred plan fails the fake-tensor forward: the error names the block and the line
+    of the user's forward, and what to write there, not only the plan to pass."""
+    from plait.parallel.tp_infer import verify_plan
+
+    model = nn.Sequential(nn.Embedding(32, 16), *(_WidthFromInput() for _ in range(2)))
+    with pytest.raises(ValueError, match=r"fails in 1 \(test_tensor_parallel.py line \d+\): "
+                                         r"ValueError: .*write -1 or chunk\(3, dim=-1\) there"):
+        verify_plan(model, infer_plan(model), 2)
 
 
 def test_notices_go_to_stderr_so_json_reports_stay_clean(capsys):

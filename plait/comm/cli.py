@@ -11,7 +11,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ..outputs import command_failed, plot_path
+from ..outputs import FORMATS, command_failed, plot_path
 from . import bench
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ def add_bench_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per size first")
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                         help="process-group backend (default gloo)")
-    parser.add_argument("--format", default="table", choices=("table", "json"))
+    parser.add_argument("--format", default="table", choices=FORMATS)
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="seconds before the run is declared hung")
 
@@ -72,7 +72,7 @@ def add_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=4, help="batch per data replica")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: "
                         "the model's max, at most 128)")
-    parser.add_argument("--format", default="table", choices=("table", "json"))
+    parser.add_argument("--format", default="table", choices=FORMATS)
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="write a bar chart (needs the plot extra: matplotlib)")
     parser.add_argument("--timeout", type=float, default=600.0)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
+from ..warn import user_stacklevel
 from .rng import batch_seed, run_seeded, seeded_item
 
 
@@ -84,7 +85,7 @@ class DistributedLoader:
                           f"batches of {batch_size}: the last {left} items (indices {n - left} "
                           f"to {n - 1}) are never drawn, in any epoch (a shuffled loader "
                           f"draws them in other epochs). Use a batch_size that divides {n}, "
-                          f"or shuffle=True", UserWarning, stacklevel=3)
+                          f"or shuffle=True", UserWarning, stacklevel=user_stacklevel())
 
     def _end(self) -> int:
         """The step after the last one this loader yields."""
@@ -290,7 +291,8 @@ def warn_left_padding(batch: Any, dp_size: int) -> bool:
                   f"tokens sit at other positions than in one device's batch, and a model "
                   f"with absolute positions (GPT-2, BERT) trains something else. Give "
                   f"position_ids from the collate_fn (attention_mask.cumsum(-1) - 1, "
-                  f"clamped at 0), pad on the right, or pad to a fixed length", stacklevel=4)
+                  f"clamped at 0), pad on the right, or pad to a fixed length",
+                  stacklevel=user_stacklevel())
     return True
 
 

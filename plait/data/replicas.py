@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .._torch_compat import pytree
+from ..warn import user_stacklevel
 
 
 def fingerprint(batch: Any) -> torch.Tensor:
@@ -92,7 +93,7 @@ def check_rank_batches(batch: Any, dp_rank: int, dp: int, peer_axes: dict[str, i
                       f"batch_size=<global batch>), which gives each replica its own rows (or "
                       f"a DataLoader with torch.utils.data.DistributedSampler(dataset, "
                       f"num_replicas=run.dp_size, rank=run.dp_rank))",
-                      UserWarning, stacklevel=3)
+                      UserWarning, stacklevel=user_stacklevel())
     return same
 
 

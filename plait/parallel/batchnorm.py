@@ -26,6 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..plan import Plan
+from ..warn import user_stacklevel
+
 _TORCH_SYNC_DEVICES = ("cuda", "xpu", "hpu")
 
 
@@ -44,14 +47,17 @@ def _named_on_rank0(module: nn.Module) -> str | None:
     return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
 
 
-def warn_unsynced(module: nn.Module, dp: int) -> None:
-    """Warn (rank 0) when BatchNorm layers will train on per-rank statistics."""
+def warn_unsynced(module: nn.Module, plan: Plan) -> None:
+    """Warn (rank 0) when BatchNorm layers will train on per-rank statistics; the fix shown is
+    the run's own plan with ``sync_bn`` added, so that it can be pasted as it is."""
+    dp = plan.dp
     shown = _named_on_rank0(module) if dp > 1 else None
     if shown:
+        fixed = plan.replace(sync_bn=True).to_string()
         warnings.warn(f"plait: BatchNorm {shown} will normalise with per-rank statistics (each "
                       f"over 1/{dp} of the global batch), which is not what one device trains; "
-                      f"add sync_bn to the plan (e.g. 'dp={dp},sync_bn') to take them over the "
-                      f"data axes", UserWarning, stacklevel=3)
+                      f"add sync_bn to the plan ('{fixed}') to take them over the data axes",
+                      UserWarning, stacklevel=user_stacklevel())
 
 
 def warn_microbatched(module: nn.Module, parts: int, why: str) -> None:
@@ -64,7 +70,7 @@ def warn_microbatched(module: nn.Module, parts: int, why: str) -> None:
                       f"step's batch ({why}) with its own statistics, which is not what one "
                       f"device trains on the whole batch; use GroupNorm or LayerNorm, or one "
                       f"piece (microbatches=1 with schedule=gpipe, grad_accum=1)", UserWarning,
-                      stacklevel=3)
+                      stacklevel=user_stacklevel())
 
 
 class _AllReduce(torch.autograd.Function):
@@ -210,4 +216,4 @@ def warn_forward_statistics(module: nn.Module, before: dict[str, torch.Tensor],
                       f"keeps its own copy (checkpoints and full_state_dict take rank 0's), which "
                       f"is not what one device computes; reduce them over the data ranks in "
                       f"the forward (torch.distributed.all_reduce) if they must match",
-                      UserWarning, stacklevel=3)
+                      UserWarning, stacklevel=user_stacklevel())

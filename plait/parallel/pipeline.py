@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .._torch_compat import pipeline_stage_base, pytree
-from ..loss import label_shift, loss_sum_and_count, shifts_labels
+from ..loss import label_shift, loss_sum_and_count, missing_labels_fix, shifts_labels
 from ..mesh import Mesh
 from ..plan import PP_SCHEDULES, Plan
 from .context import ContextGroup, context_group
@@ -211,7 +211,8 @@ def stage_inputs(batch: Any, loss_fn: Callable | None, signature: inspect.Signat
     if isinstance(batch, dict):
         if "labels" not in batch:
             raise ValueError(f"a dict batch under pp > 1 needs a 'labels' entry (keys: "
-                             f"{sorted(batch)}): the last stage's loss reads it")
+                             f"{sorted(batch)}): the last stage's loss reads it"
+                             f"{missing_labels_fix(batch)}")
         targets = batch["labels"]
         inputs: Any = {k: v for k, v in batch.items() if k != "labels"}
         if loss_fn is None:

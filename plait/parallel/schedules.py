@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
+from ..outputs import FORMATS
 from ..plan import MULTI_STAGE_SCHEDULES, PP_SCHEDULES
 
 # Relative cost of each action kind on a balanced pipeline: a backward costs two forwards (one
@@ -334,7 +335,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--virtual-stages", "-v", type=int, default=None,
                         help="stages per rank (default: 1, or 2 for multi-stage schedules)")
     parser.add_argument("--all", action="store_true", help="print every schedule")
-    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument("--format", choices=FORMATS, default="text")
 
 
 # `plait schedule` draws a grid for people to read; its cost grows faster than the grid.

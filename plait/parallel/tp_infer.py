@@ -546,13 +546,29 @@ def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tu
         with fake_forward(model):
             model(example)
     except Exception as exc:  # noqa: BLE001 - the error is the answer
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        return f"{_where(exc, model)}{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     finally:
         for sub in overrides:
             del sub.forward
         for sub, attr, value in saved:
             setattr(sub, attr, value)
     return None
+
+
+def _where(exc: BaseException, model: nn.Module) -> str:
+    """``"in blocks.0 (train.py line 19): "``: the innermost frame of the traceback that runs a
+    forward of one of ``model``'s modules, so that the user sees which line of theirs reads a
+    full width where it gets a rank's share; empty when no such frame is found."""
+    names = {id(m): name or type(model).__name__ for name, m in model.named_modules()}
+    found = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            file = tb.tb_frame.f_code.co_filename.rsplit("/", 1)[-1]
+            found = f"in {names[id(owner)]} ({file} line {tb.tb_lineno}): "
+        tb = tb.tb_next
+    return found
 
 
 def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False) -> TPPlan:
@@ -592,9 +608,11 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False) -> TP
     if error is not None:
         raise ValueError(
             f"the tensor-parallel plan inferred for {type(model).__name__} does not fit its "
-            f"dataflow at tp={tp} (a forward with it fails: {error}); nothing was sharded. "
-            f"Pass Plan(options={{'tp_plan': {{module glob: style}}}}) (the inferred one was "
-            f"{json.dumps(plan.styles)})")
+            f"dataflow at tp={tp} (a forward with it fails {error}); nothing was sharded. A "
+            f"block that splits or reshapes by a width it reads whole (x.shape[-1], a stored "
+            f"n_embd) gets 1/tp of it from a column-parallel layer: write -1 or chunk(3, "
+            f"dim=-1) there. Or pass Plan(options={{'tp_plan': {{module glob: style}}}}) (the "
+            f"inferred one was {json.dumps(plan.styles)})")
     mixed = mixed_blocks(model, matched, tp, example, kv)
     if not mixed:
         return with_sp(model, plan, matched, example) if sp else plan

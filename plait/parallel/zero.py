@@ -76,6 +76,7 @@ from torch.distributed.tensor import Shard
 from .._torch_compat import is_strided
 from ..mesh import Mesh
 from ..plan import Plan
+from ..warn import user_stacklevel
 from .gloo_collectives import use_gloo_collectives
 from .units import select_units
 
@@ -228,7 +229,8 @@ def _units(module: nn.Module, plan: Plan) -> list[tuple[str, nn.Module]]:
                           f"unit, gathered whole in the forward (a unit a forward skips on some "
                           f"ranks would stall the others); if every forward calls each of its "
                           f"blocks, shard them one by one with "
-                          f"options={{'shard_patterns': ['{names}']}}", stacklevel=3)
+                          f"options={{'shard_patterns': ['{names}']}}",
+                          stacklevel=user_stacklevel())
         return []
     return select_units(module, patterns)
 

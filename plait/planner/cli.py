@@ -19,7 +19,7 @@ from typing import Any
 from plait.outputs import plot_path
 from plait.plan import Plan
 
-from ..outputs import command_failed
+from ..outputs import FORMATS, command_failed
 from .cost import Estimate, Workload, evaluate
 from .hardware import GB, Cluster, load_cluster, presets, save_cluster
 from .model_stats import ModelStats, build_factory, load_model
@@ -71,7 +71,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     p.add_argument("--memory-gb", type=float, default=None, help="override memory per device")
     p.add_argument("--efficiency", type=float, default=None,
                    help="override the compute efficiency constant (fraction of peak)")
-    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--format", choices=FORMATS, default="table")
     p.add_argument("--show-schedule", action="store_true",
                    help="also print the pipeline schedule of the best (or given) plan as a "
                         "step x rank grid (F0 F1 B0 ...)")
@@ -397,7 +397,11 @@ def _plan(args: argparse.Namespace) -> int:
         (args.seq, "--seq"), (model.data_seq, "dataset"), (model.max_seq, "model"))
         if value), (None, "--seq"))
     if seq is None:
-        raise ValueError("--seq is required (the model does not say its sequence length)")
+        raise ValueError("--seq is required (the model does not say its sequence length: no "
+                         "max_position_embeddings, n_positions or max_seq_len, and no dataset "
+                         "row of token ids or (positions, features) to read it from); pass the "
+                         "positions each block sees per sample, e.g. --seq 196 for a ViT's 14 x "
+                         "14 patches")
     dtype = args.dtype or ("fp32" if cluster.device == "cpu" else "bf16")
     constants = constants_for(cluster)
     if args.efficiency is not None:

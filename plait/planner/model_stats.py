@@ -605,8 +605,29 @@ def from_factory(spec: str) -> ModelStats:
     built = _build(spec, "meta")
     stats = from_module(_model_of(built, spec), name=spec)
     if isinstance(built, (tuple, list)) and len(built) > 1:
-        return dataclasses.replace(stats, data_seq=_sample_seq(built[1]))
+        dataset = built[1]
+        if not _indexable(dataset):
+            # Its samples read tensor values (``int(lengths[i])`` in ``__getitem__``), which a
+            # dataset built under torch.device("meta") lacks: built again with only the
+            # parameters on meta, so that the sequence priced is the one training runs.
+            with contextlib.suppress(ValueError, IndexError, TypeError):
+                dataset = _build(spec, "meta", parameters_only=True)[1]
+        return dataclasses.replace(stats, data_seq=_sample_seq(dataset))
     return stats
+
+
+def _indexable(dataset: Any) -> bool:
+    """Whether ``dataset[0]`` can be read (an empty or unsized dataset counts as readable)."""
+    try:
+        if len(dataset) == 0:
+            return True
+    except TypeError:
+        pass
+    try:
+        dataset[0]
+    except Exception:  # noqa: BLE001 - any failure: its values may be on the meta device
+        return False
+    return True
 
 
 def _sample_seq(dataset: Any, look: int = 64) -> int | None:
@@ -649,14 +670,14 @@ def build_factory(spec: str, device: str) -> Any:
     return _model_of(_build(spec, device), spec)
 
 
-def _build(spec: str, device: str) -> Any:
+def _build(spec: str, device: str, *, parameters_only: bool = False) -> Any:
     """What ``"package.module:function"`` returns, built on ``device``.
 
     On ``"meta"`` the factory runs under ``torch.device("meta")``: nothing is allocated, so a
     70B model plans on a laptop. A factory that also builds its dataset there fails when the
     dataset reads a tensor's values (``int(lengths[i])``: a meta tensor has none); it is then
     built again with only the parameters on the meta device (:func:`_parameters_on_meta`), every
-    other tensor real.
+    other tensor real; ``parameters_only`` builds it that way at once.
     """
     import torch
 
@@ -672,7 +693,7 @@ def _build(spec: str, device: str) -> Any:
     if not callable(factory):
         raise ValueError(f"model factory {spec!r}: {module_name!r} has no callable {func_name!r}")
     try:
-        with torch.device(device):
+        with _parameters_on_meta() if parameters_only else torch.device(device):
             built = factory()
     except Exception as exc:  # noqa: BLE001
         if device != "meta":
