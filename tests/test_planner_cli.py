@@ -187,7 +187,7 @@ def test_how_many_fit_does_not_depend_on_how_many_are_shown(capsys):
     common = ("--model", "tests._planner_factories:block_mixing_positions", "--cluster", "cpu",
               "--devices", "4", "--global-batch", "8", "--seq", "8")
     headers, fits = [], []
-    for top in ("3", "100"):
+    for top in ("3", "1000"):
         assert run_cli(*common, "--top", top) == 0
         headers.append(capsys.readouterr().out.splitlines()[0])
         assert run_cli(*common, "--top", top, "--format", "json") == 0

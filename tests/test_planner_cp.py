@@ -103,6 +103,22 @@ def test_memory_per_rank_under_cp():
     assert cp["activations"] < flat["activations"] * 4 / 2  # far below one rank holding s
 
 
+@pytest.mark.parametrize("plan_text", ["cp=2,zero=1", "cp=2,zero=3"])
+def test_zero_shards_the_state_over_the_cp_ranks_as_the_runtime_does(plan_text):
+    """ZeRO shards over dp_shard x cp, ZeroRedundancyOptimizer's AdamW state (zero=1) as
+    FSDP2's (zero=2/3): at dp_shard=1 the cp ranks alone split it. The planner's optimizer
+    bytes per rank are what plait's runtime holds after a step, on real processes (the
+    ranks' mean: ZeroRedundancyOptimizer partitions whole tensors)."""
+    from plait.spawn import run_distributed
+    from tests import _workers_planner as W
+
+    plan = Plan.from_string(plan_text + ",mp=fp32")
+    est = evaluate(plan, load_model("tiny"), load_cluster("cpu", devices=2), Workload(2, 128))
+    got = run_distributed(W.model_state, 2, plan.to_string(), "tiny", timeout=240)
+    mean = sum(r["optimizer"] for r in got) / len(got)
+    assert est.memory_breakdown["optimizer"] == pytest.approx(mean, rel=1e-3)
+
+
 def test_the_search_proposes_cp_for_long_sequences():
     """Llama-3-8B on 8 x 80 GB: at 128k tokens (8 sequences) cp wins, ahead of the best
     layout without it (tp=4, whose per-block collectives move the whole hidden state);

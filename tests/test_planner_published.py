@@ -7,14 +7,12 @@ is a stored prediction.
 
 import pytest
 
-from plait.plan import Plan
 from plait.planner import constants_for
 from plait.planner.cost import evaluate
 from plait.planner.published import (
     MTNLG,
     NARAYANAN_2021,
     PUBLISHED_RUNS,
-    UNEXPRESSED_RUNS,
     megatron_flops,
     per_gpu_from_iteration,
     per_gpu_from_megatron_tflops,
@@ -125,11 +123,3 @@ def test_unit_conversions():
     flops = model.model_flops(work.seq, work.seq) / work.seq
     assert published_tokens_per_s_per_gpu(run) * flops == pytest.approx(run.mfu * 989e12)
 
-
-@pytest.mark.parametrize("run", UNEXPRESSED_RUNS, ids=lambda r: r.name)
-def test_published_cp_runs_the_plan_does_not_express_yet(run):
-    """Recorded with their figure and why they are not priced: Plan.validate refuses their
-    layout. Once it accepts one, the row moves to PUBLISHED_RUNS and is priced like the rest."""
-    assert run.miss
-    with pytest.raises(ValueError, match="invalid plan"):
-        Plan.from_string(run.layout)

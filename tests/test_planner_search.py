@@ -4,6 +4,7 @@ slows the pick, and it stays fast at 1,024 devices."""
 import math
 import time
 
+from plait.mesh import DP, DP_CP, DP_SHARD_CP, DP_SHARD_CP_TP, DP_SHARD_TP
 from plait.plan import Plan
 from plait.planner import auto_plan
 from plait.planner.cost import Workload
@@ -21,9 +22,11 @@ def test_every_plan_validates_and_search_is_deterministic():
     for e in a.ranked:
         assert e.plan.validate(64) is e.plan
         assert e.feasible and e.memory_bytes_per_device <= c.memory_bytes
-        # the mesh axes and plait.mesh's flattened views the ledger names
-        assert set(e.comm_bytes_per_step) <= {"dp_replicate", "dp_shard", "dp", "dp_shard_tp",
-                                              "tp", "pp", "cp", "dp_cp", "dp_shard_cp"}
+        # the mesh axes and plait.mesh's flattened views the ledger names (never a group
+        # joined as "a+b", the ledger's name for ranks no mesh view spans)
+        assert set(e.comm_bytes_per_step) <= {"dp_replicate", "dp_shard", "tp", "pp", "cp",
+                                              DP, DP_CP, DP_SHARD_CP, DP_SHARD_TP,
+                                              DP_SHARD_CP_TP}
     times = [e.step_time_s for e in a.ranked]
     assert times == sorted(times)
 
@@ -87,18 +90,32 @@ def test_layouts_the_model_refuses_are_skipped_in_rank_order():
     """The cost model reads sizes only; ``layout_check`` is the model's own word (its blocks
     refuse sequence parallelism, its layer plan does not fit a tp). Without SP the best
     tensor-parallel layouts come back as plain TP; without TP, none has tp > 1; the check is
-    asked only about layouts that would rank."""
+    asked only about layouts that would rank.
+
+    Llama-3-70B's 8 kv heads make context parallelism's K/V (1/8 of the hidden size per
+    token) cheaper to move than tp's activations, so the search's pick is cp x pp, no tp; a
+    model whose attention refuses cp (here: the check says so) brings tp with sp back."""
     m, c, w = load_model("llama-70b"), load_cluster("dgx-h100", devices=64), Workload(64, 4096)
-    free = search(m, c, w, top=3)
+    assert search(m, c, w, top=1).best.plan.cp > 1
+
+    def no_cp(plan: Plan) -> str | None:
+        return "attention takes no position_ids" if plan.cp > 1 else None
+    free = search(m, c, w, top=3, layout_check=no_cp)
     assert free.best.plan.tp > 1 and free.best.plan.sp
-    asked: list[Plan] = []
+    assert all(e.plan.cp == 1 for e in free.ranked)
+    asked: list[str | None] = []
 
     def no_sp(plan: Plan) -> str | None:
-        asked.append(plan)
-        return "blocks.0 mixes positions" if plan.sp else None
+        why = no_cp(plan) or ("blocks.0 mixes positions" if plan.sp else None)
+        asked.append(why)
+        return why
     plain = search(m, c, w, top=3, layout_check=no_sp)
-    assert plain.ranked and all(e.plan.tp > 1 and not e.plan.sp for e in plain.ranked)
-    assert plain.rejected["refused by the model (blocks.0 mixes positions)"] == len(asked) - 3
+    assert plain.ranked and all(e.plan.tp > 1 and not e.plan.sp and e.plan.cp == 1
+                                for e in plain.ranked)
+    # asked in rank order until 3 were accepted: every refusal counted under its reason
+    assert asked[-1] is None and asked.count(None) == 3
+    assert plain.rejected["refused by the model (blocks.0 mixes positions)"] == \
+        asked.count("blocks.0 mixes positions") > 0
     assert plain.best.step_time_s >= free.best.step_time_s
     # plain TP is what the SP layout was, bar the activation memory SP saves
     assert plain.best.plan.tp == free.best.plan.tp

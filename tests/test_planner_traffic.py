@@ -34,6 +34,26 @@ LAYOUTS = [
     dict(cp=2, activation_checkpointing="full", grad_accum=2),
     dict(cp=2, tp=2),
     dict(cp=2, tp=2, sp=True),
+    # cp with a pipeline (each stage gathers K/V per microbatch, sends s/cp tokens), with tp
+    # under ZeRO-2/3 (FSDP2 over dp_shard x cp, the clip norm over dp_shard x cp x tp) and
+    # with ZeRO-1 (DDP over dp x cp, the optimizer state over dp_shard x cp)
+    dict(cp=2, pp=2, microbatches=2, pp_stage_layers=[2, 2]),
+    dict(cp=2, pp=2, microbatches=2, grad_accum=2, pp_stage_layers=[2, 2]),
+    dict(dp_shard=2, zero=3, cp=2, pp=2, microbatches=4, pp_stage_layers=[2, 2]),
+    dict(dp_replicate=2, cp=2, pp=2, tp=2, sp=True, microbatches=2, pp_stage_layers=[2, 2]),
+    dict(cp=2, pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2, microbatches=4,
+         pp_stage_layers=[1, 1, 1, 1]),
+    dict(cp=2, pp=2, pp_schedule="gpipe", microbatches=2, activation_checkpointing="full",
+         pp_stage_layers=[2, 2]),
+    dict(cp=2, tp=2, zero=3),
+    dict(dp_shard=2, cp=2, tp=2, zero=3),
+    dict(dp_shard=2, cp=2, tp=2, sp=True, zero=2, grad_accum=2),
+    dict(dp_replicate=2, dp_shard=2, cp=2, tp=2, zero=3),
+    dict(cp=2, zero=1),
+    dict(dp_shard=2, cp=2, zero=1),
+    dict(dp_replicate=2, cp=2, zero=1),
+    dict(dp_shard=2, cp=2, zero=1, grad_accum=2),
+    dict(dp_shard=2, cp=2, pp=2, zero=1, microbatches=2, pp_stage_layers=[2, 2]),
 ]
 
 

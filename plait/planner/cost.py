@@ -41,8 +41,8 @@ from .traffic import (
     dp_traffic,
     fsdp_exposed,
     fsdp_host_time,
-    fsdp_shards,
     rank_shares,
+    state_shards,
 )
 
 
@@ -176,7 +176,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     est = Estimate(plan=plan, feasible=False)
     B, s, world = work.global_batch, work.seq, cluster.world_size
     tp, pp, zero = plan.tp, plan.pp, plan.zero
-    S = fsdp_shards(plan) if zero >= 2 else plan.dp_shard  # what ZeRO shards state over
+    S = state_shards(plan)  # what ZeRO shards state over
     m = plan.microbatches if pp > 1 else 1
     steps = plan.grad_accum
     b = B // plan.dp // (m * steps)

@@ -32,7 +32,7 @@ from plait.plan import Plan
 from .hardware import Cluster
 from .model_stats import ModelStats
 from .pipeline import Stages, inflight
-from .traffic import act_dtype_bytes, fsdp_shards, uneven_pieces
+from .traffic import act_dtype_bytes, state_shards, uneven_pieces
 
 if TYPE_CHECKING:
     from .cost import Constants
@@ -82,7 +82,7 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
     (most microbatches in flight) or the last (logits); rank 1 is checked too for the
     interleaved warm-up."""
     pp, tp, cp, R, zero = plan.pp, plan.tp, plan.cp, plan.dp_replicate, plan.zero
-    S = fsdp_shards(plan) if zero >= 2 else plan.dp_shard  # ZeRO-1's optimizer: dp_shard
+    S = state_shards(plan)  # ZeRO-1's optimizer: dp_shard (x cp)
     dtype = plan.mixed_precision
     ab = act_dtype_bytes(dtype)
     m = plan.microbatches if pp > 1 else 1

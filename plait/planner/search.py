@@ -69,7 +69,7 @@ class SearchResult:
 
 def _state_bytes(model: ModelStats, tp: int, pp: int, shard: int, zero: int, dtype: str) -> float:
     """Lower bound on model-state bytes per device (even blocks, embedding share ignored);
-    ``shard``: the ranks FSDP2 shards over (dp_shard, times cp under context parallelism)."""
+    ``shard``: the ranks ZeRO shards over (dp_shard, times cp under context parallelism)."""
     p = model.n_layers * model.block_params / (tp * pp)
     s = shard
     total = 4 * p / (s if zero >= 2 else 1) + 4 * p / (s if zero >= 2 else 1) + \
@@ -83,9 +83,11 @@ def _state_bytes(model: ModelStats, tp: int, pp: int, shard: int, zero: int, dty
 
 def _dp_splits(dp: int, tp: int, cluster: Cluster, cp: int = 1) -> list[tuple[int, int, int]]:
     """(dp_replicate, dp_shard, zero) choices for a data-parallel degree ``dp``; HSDP shards
-    inside a node (dp_shard x cp x tp ranks, cp between dp_shard and tp in mesh order)."""
+    inside a node (dp_shard x cp x tp ranks, cp between dp_shard and tp in mesh order).
+    Under context parallelism ZeRO shards over dp_shard x cp, so it has ranks to shard over
+    at dp_shard=1 too (FSDP2 or ZeroRedundancyOptimizer over the cp ranks alone)."""
     out = [(dp, 1, 0)]
-    if dp > 1:
+    if dp > 1 or cp > 1:
         out += [(1, dp, z) for z in (1, 2, 3) if z > 1 or tp == 1]  # see Plan.validate
         inner = max((d for d in divisors(dp) if d * cp * tp <= cluster.devices_per_node
                      and cluster.devices_per_node % (d * cp * tp) == 0), default=1)
@@ -139,7 +141,7 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
                 if why is not None:
                     yield why  # counted as refused
                     continue
-                shards = S * cp if zero >= 2 else S
+                shards = S * cp if zero >= 1 else S  # ZeRO-1's optimizer too
                 if _state_bytes(model, tp, pp, shards, zero, dtype) + cluster.reserve_bytes > \
                         cluster.memory_bytes:
                     yield None  # counted as pruned

@@ -80,6 +80,13 @@ def fsdp_shards(plan: Plan) -> int:
     return plan.dp_shard * plan.cp if plan.zero >= 2 else 1
 
 
+def state_shards(plan: Plan) -> int:
+    """Ranks AdamW's state is sharded over: FSDP2's (:func:`fsdp_shards`) under ZeRO-2/3, and
+    under ZeRO-1 ZeroRedundancyOptimizer's, dp_shard x cp too (``plait.parallel.zero
+    .shard_optimizer``); 1 without ZeRO."""
+    return plan.dp_shard * plan.cp if plan.zero >= 1 else 1
+
+
 def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
                 rank_chunks: list[range]) -> list[LocalModel]:
     """Every pipeline rank's share of the model (TP-local), for its optimizer state and its
