@@ -42,8 +42,9 @@ def bounds(sizes: list[int]) -> list[tuple[int, int]]:
 def _balanced_partition(costs: tuple[float, ...], parts: int) -> tuple[int, ...]:
     """Dynamic programming over (chunks, prefix): best[k][j] = min_i max(best[k-1][i],
     S[j]-S[i]). best[k-1][.] grows with i while S[j]-S[i] shrinks, so the optimal i is where
-    they cross: a bisection instead of a scan (O(parts * n log n)). Ties go to the earliest
-    split, so the result is deterministic."""
+    they cross, and that crossing only moves right as j grows: one pointer swept once per k
+    instead of a scan (O(parts * n)). Ties go to the earliest split, so the result is
+    deterministic."""
     n = len(costs)
     if not 1 <= parts <= n:
         raise ValueError(f"cannot split {n} blocks into {parts} pipeline chunks")
@@ -56,19 +57,19 @@ def _balanced_partition(costs: tuple[float, ...], parts: int) -> tuple[int, ...]
     best[0][0] = 0.0
     for k in range(1, parts + 1):
         prev, cur, cur_arg = best[k - 1], best[k], arg[k]
+        lo = k - 1
         for j in range(k, n - (parts - k) + 1):
-            lo, hi = k - 1, j - 1  # i in [lo, hi]: chunk (i, j] non-empty
-            while lo < hi:  # first i where prev[i] >= S[j]-S[i]
-                mid = (lo + hi) // 2
-                if prev[mid] >= prefix[j] - prefix[mid]:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            cand = []
-            for i in (lo - 1, lo):
-                if k - 1 <= i <= j - 1 and prev[i] < inf:
-                    cand.append((max(prev[i], prefix[j] - prefix[i]), i))
-            value, i = min(cand)
+            # first i in [k-1, j-1] where prev[i] >= S[j]-S[i] (j-1 if none): the predicate
+            # only gets harder as S[j] grows, so the pointer never moves back
+            top, sj = j - 1, prefix[j]
+            while lo < top and prev[lo] < sj - prefix[lo]:
+                lo += 1
+            value, i = inf, lo
+            for c in (lo - 1, lo):
+                if k - 1 <= c <= top and prev[c] < inf:
+                    v = max(prev[c], sj - prefix[c])
+                    if v < value:  # strict: the earlier split wins a tie
+                        value, i = v, c
             cur[j], cur_arg[j] = value, i
     sizes, j = [], n
     for k in range(parts, 0, -1):

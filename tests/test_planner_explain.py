@@ -90,19 +90,20 @@ def test_nothing_fits_on_one_gpu_names_the_smallest_cluster():
 
 def test_no_layout_to_spread_over_the_devices_says_how_many_a_layout_takes():
     """A small batch on the 64-device cpu preset: no layout exists (dp divides the batch 2, pp
-    at most 4 blocks, tp at most 8 heads, and 2 x cp divides the sequence of 10: cp=5, which
-    divides no device count here), which no memory changes. Said as such, with the device
-    count that plans (was: 'no layout fits ... reduce the sequence length, or use devices with
-    more memory')."""
+    at most 2 stages with 2 sequences, tp at most 8 heads, and a sequence of 10 tokens is too
+    short for the search to split over cp), which no memory changes. Said as such, with the
+    device count that plans (was: 'no layout fits ... reduce the sequence length, or use
+    devices with more memory')."""
     m, c = load_model("test"), load_cluster("cpu")
     work = Workload(2, 10)
     result = search(m, c, work, dtype="fp32", top=1)
     assert result.best is None and result.evaluated == 0
     text = explain_nothing_fits(result, m, c, work, "fp32")
     assert "no layout of test spreads over 64 x cpu" in text, text
-    assert "at most 40 devices take part. Plan for --devices 40" in text, text  # 2 x 4 x cp 5
+    assert "at most 16 devices take part. Plan for --devices 16" in text, text  # 2 x tp 8
+    assert "at least 1,024 tokens" in text, text
     assert "memory" not in text and "bf16" not in text, text
-    assert search(m, load_cluster("cpu", devices=40), work, dtype="fp32", top=1).best is not None
+    assert search(m, load_cluster("cpu", devices=16), work, dtype="fp32", top=1).best is not None
 
 
 def test_blocks_without_attention_take_tensor_parallelism():

@@ -23,7 +23,7 @@ from ..outputs import FORMATS, command_failed
 from .cost import Estimate, Workload, evaluate
 from .hardware import GB, Cluster, load_cluster, presets, save_cluster
 from .model_stats import ModelStats, build_factory, load_model
-from .search import SearchResult, divisors, search
+from .search import MIN_CP_TOKENS, SearchResult, cp_searched, divisors, search
 from .uncertainty import with_uncertainty
 
 GiB = 2**30
@@ -246,12 +246,11 @@ def _tp_critical_path(e: Estimate) -> str:
 def _most_devices(model: ModelStats, cluster: Cluster, work: Workload) -> int:
     """The most devices, up to the cluster's, that some dp x cp x tp x pp layout of ``model``
     uses for ``work``: dp divides the global batch, pp is at most one stage per block, tp
-    divides what tensor parallelism splits, 2 x cp divides the sequence (a model with
-    attention), and a pipeline's microbatches are at least its stages (as
-    :func:`~plait.planner.search.candidate_plans` asks)."""
+    divides what tensor parallelism splits, cp is one the search tries
+    (:func:`~plait.planner.search.cp_searched`), and a pipeline's microbatches are at least its
+    stages (as :func:`~plait.planner.search.candidate_plans` asks)."""
     tps = [t for t in range(1, cluster.world_size + 1) if not model.tp_refuses(t)]
-    cps = [c for c in range(1, cluster.world_size + 1)
-           if c == 1 or (model.attention and work.seq % (2 * c) == 0)]
+    cps = [c for c in range(1, cluster.world_size + 1) if cp_searched(model, work, c)]
     return max((d * t * p * c for t in tps for c in cps for p in range(1, model.n_layers + 1)
                 for d in divisors(work.global_batch)
                 if d * t * p * c <= cluster.world_size
@@ -268,7 +267,8 @@ def explain_nothing_fits(result: SearchResult, model: ModelStats, cluster: Clust
                 f"the data-parallel degree divides the global batch {work.global_batch}, a "
                 f"pipeline has at most one stage per block ({model.n_layers}), tensor "
                 f"parallelism divides the ffn ({model.ffn})"
-                + (f" and the heads ({model.n_heads}), 2 x cp the sequence ({work.seq})"
+                + (f" and the heads ({model.n_heads}), 2 x cp the sequence ({work.seq}) "
+                   f"leaving each cp rank at least {MIN_CP_TOKENS:,} tokens"
                    if model.attention else "") + "; "
                 f"at most {most} devices take part. Plan for --devices {most}, or a larger "
                 f"--global-batch")

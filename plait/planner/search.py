@@ -39,6 +39,12 @@ from .hardware import Cluster
 from .model_stats import ModelStats
 
 AC_ORDER = ("none", "selective", "full")
+# The fewest tokens of a sequence the search gives a context-parallel rank. Each cp rank
+# receives the whole sequence's keys and values per attention block while its compute shrinks
+# with cp, so thinner slices only add traffic; they are left out of the search to keep it fast
+# (a 1,024-device search would otherwise price ~3.7x the layouts). An explicit plan with fewer
+# tokens per rank is still accepted and priced (``plait plan --plan``).
+MIN_CP_TOKENS = 1024
 
 
 def divisors(n: int) -> list[int]:
@@ -176,13 +182,18 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
                                    for ac in AC_ORDER]
 
 
+def cp_searched(model: ModelStats, work: Workload, cp: int) -> bool:
+    """Whether the search tries context-parallel degree ``cp``: 1 always; above it, for a model
+    whose blocks have attention (without it a sequence needs no splitting: data parallelism
+    does it), where 2 x cp equal chunks split every sequence (plait.parallel.context) and each
+    rank keeps at least ``MIN_CP_TOKENS`` tokens."""
+    return cp == 1 or (model.attention and work.seq % (2 * cp) == 0
+                       and work.seq // cp >= MIN_CP_TOKENS)
+
+
 def _cp_degrees(model: ModelStats, work: Workload, devices: int) -> list[int]:
-    """Context-parallel degrees to try on ``devices``: 1, and the divisors that split every
-    sequence into 2 x cp equal chunks (plait.parallel.context), for a model whose blocks
-    have attention (without it, a sequence needs no splitting: data parallelism does it)."""
-    if not model.attention:
-        return [1]
-    return [cp for cp in divisors(devices) if cp == 1 or work.seq % (2 * cp) == 0]
+    """Context-parallel degrees to try on ``devices`` (:func:`cp_searched`)."""
+    return [cp for cp in divisors(devices) if cp_searched(model, work, cp)]
 
 
 def _sort_key(e: Estimate):
