@@ -218,22 +218,29 @@ def _llama_stats():
 
 def test_the_planner_proposes_and_prices_cp():
     """`plait plan` ranks layouts with cp beside the others (here the tiny model on 4 CPU
-    processes at a sequence of 128) and prices --plan with cp>1: the K/V all-gathers on the cp
-    axis, 2 per block each way, and every rank's s/cp tokens."""
+    processes at a sequence of 4,096) and prices --plan with cp>1: the K/V all-gathers on the
+    cp axis, 2 per block each way, and every rank's s/cp tokens. At 128 tokens the search
+    leaves cp out (fewer than 1,024 tokens per rank) and --plan cp=4 is still priced."""
     import contextlib
     import io
     import json
 
     from plait.cli import main
 
+    def ranked_cp(seq: str) -> set[int]:
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            code = main(["plan", "--model", "tiny", "--cluster", "cpu", "--devices", "4",
+                         "--global-batch", "8", "--seq", seq, "--top", "1000",
+                         "--format", "json"])
+        ranked = json.loads(buffer.getvalue())
+        assert code == 0 and len(ranked["plans"]) == ranked["fit"] > 1, ranked
+        return {p["layout"]["cp"] for p in ranked["plans"]}
+
+    assert ranked_cp("4096") == {1, 2, 4}
+    assert ranked_cp("128") == {1}
     args = ["plan", "--model", "tiny", "--cluster", "cpu", "--devices", "4",
-            "--global-batch", "8", "--seq", "128", "--top", "100"]
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        code = main([*args, "--format", "json"])
-    ranked = json.loads(buffer.getvalue())
-    assert code == 0 and len(ranked["plans"]) == ranked["fit"] > 1, ranked
-    assert {p["layout"]["cp"] for p in ranked["plans"]} >= {1, 2, 4}, ranked
+            "--global-batch", "8", "--seq", "128"]
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         code = main([*args, "--plan", "cp=4", "--format", "json"])
