@@ -189,14 +189,25 @@ def accumulated_reference(factory: Callable[[], nn.Module], batches: list[Any],
     """One device with gradient accumulation over ``micro`` chunks per step, chunk j holding
     micro-batch j of every data rank's slice (what a loss over ``run.all_gather`` compares
     under grad_accum or a pipeline's microbatches); the step's loss is the chunks' mean."""
-    model = factory()
-    opt = _optimizer(model.parameters(), False)
-    losses = []
-    for inputs, targets in batches[:STEPS]:
+    def step_loss(model: nn.Module, inputs: torch.Tensor, targets: Any) -> torch.Tensor:
         n = inputs.shape[0] // (data_ranks * micro)
         chunks = [torch.cat([inputs[(r * micro + j) * n:(r * micro + j + 1) * n]
                              for r in range(data_ranks)]) for j in range(micro)]
-        loss = sum(loss_fn(model(c), targets) for c in chunks) / micro
+        return sum(loss_fn(model(c), targets) for c in chunks) / micro
+
+    return _one_device(factory, batches, step_loss, False)
+
+
+def _one_device(factory: Callable[[], nn.Module], batches: list[Any], step_loss: Callable,
+                adam: bool | str) -> dict[str, Any]:
+    """The one-device loop both references run: ``step_loss(model, inputs, targets)`` per
+    batch, backward, torch's clipping at 1.0 (plait's default), a step; the losses and the
+    final state."""
+    model = factory()
+    opt = _optimizer(model.parameters(), adam)
+    losses = []
+    for inputs, targets in batches[:STEPS]:
+        loss = step_loss(model, inputs, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -252,19 +263,11 @@ def reference(factory: Callable[[], nn.Module], batches: list[Any], loss_fn: Cal
               adam: bool | str = False) -> dict[str, Any]:
     """One process on each whole global batch: SGD, torch's clipping at 1.0 (plait's default),
     inputs given as a dict passed by keyword."""
-    model = factory()
-    opt = _optimizer(model.parameters(), adam)
-    losses = []
-    for inputs, targets in batches[:STEPS]:
+    def step_loss(model: nn.Module, inputs: Any, targets: Any) -> torch.Tensor:
         out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
-        loss = loss_fn(out, targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "state": {k: v.detach().clone()
-                                        for k, v in model.state_dict().items()}}
+        return loss_fn(out, targets)
+
+    return _one_device(factory, batches, step_loss, adam)
 
 
 def resume(rank: int, world_size: int, factory: Callable[[], nn.Module], batches: list[Any],
