@@ -193,6 +193,47 @@ def _runs_table(title: str, runs: list) -> list[dict]:
     return out
 
 
+def cp_speedups() -> list[dict]:
+    """Context parallelism's published speed-up over the best layout without it (NeMo's Llama 2
+    7B table) beside the planner's: the published layout priced over plait's best layout
+    without cp, and plait's own pick."""
+    from plait.planner.published import (
+        CP_SEQS_PER_REPLICA,
+        MISS_BAND,
+        NEMO_LLAMA2_7B_CP,
+        check_cp_speedup,
+    )
+
+    print(f"\n== context parallelism's speed-up, Llama 2 7B on H100 (NeMo; held out; "
+          f"{CP_SEQS_PER_REPLICA} sequences per replica) ==")
+    head = (f"{'seq':>6} {'GPUs':>5} {'published layout':<26} {'published':>9} "
+            f"{'predicted':>9} {'error':>7} | {'planner pick':<58} {'best without cp':<50}")
+    print(head)
+    print("-" * len(head))
+    out = []
+    for row in NEMO_LLAMA2_7B_CP:
+        c = check_cp_speedup(row)
+        layout = f"tp={row.tp},pp={row.pp},dp={row.dp},cp={row.cp}"
+        pred = c.predicted_speedup
+        err = pred / row.published_speedup - 1 if pred is not None else None
+        shown = f"{pred:>8.2f}x" if pred is not None else f"{'only cp':>9}"
+        print(f"{row.seq_k:>5}k {row.gpus:>5} {layout:<26} {row.published_speedup:>8.2f}x "
+              f"{shown} {(f'{err:+.1%}' if err is not None else '-'):>7} | "
+              f"{c.pick.plan.describe()[:58] if c.pick else '-':<58} "
+              f"{c.without_cp.plan.describe()[:50] if c.without_cp else 'nothing fits':<50}")
+        if row.note:
+            print(f"    {row.note}")
+        out.append({"seq": row.seq, "gpus": row.gpus, "layout": layout,
+                    "published": row.published_speedup, "predicted": pred, "error": err,
+                    "pick": c.pick.plan.to_string() if c.pick else None,
+                    "without_cp": c.without_cp.plan.to_string() if c.without_cp else None,
+                    "note": row.note})
+    errs = [abs(r["error"]) for r in out if r["error"] is not None]
+    print(f"{len(errs)} rows priced both ways, median |error| {statistics.median(errs):.1%}, "
+          f"max {max(errs):.1%} (band {MISS_BAND:.0%}); 'only cp': no layout without cp fits")
+    return out
+
+
 def picks(held_back: bool = False) -> list[dict]:
     """The planner's pick for every published model, cluster and batch beside the publication:
     its speed-up split into work it skips (recomputation) and a faster chip rate (HFU), and the
@@ -474,6 +515,7 @@ def main(argv=None) -> int:
     if args.published:
         out["published"] = published()
         out["published_runs"] = published_runs(args.held_back)
+        out["cp_speedups"] = cp_speedups()
         out["picks"] = picks(args.held_back)
     if args.speed:
         out["speed"] = speed()

@@ -165,6 +165,8 @@ PUBLISHED_MODELS = {
                    mlp="gelu", norm="layernorm"),
     "bloom-176b": dict(vocab_size=250880, dim=14336, n_layers=70, n_heads=112, max_seq_len=2048,
                        mlp="gelu", norm="layernorm"),
+    "llama2-7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008,
+                      max_seq_len=4096, mlp="swiglu", norm="rmsnorm"),
     "llama-405b": dict(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
                        ffn_dim=53248, max_seq_len=8192, mlp="swiglu", norm="rmsnorm"),
 }
@@ -509,3 +511,135 @@ def check_pick(case: PublishedCase) -> PickCheck:
     published_hfu = case.tokens_per_s_per_gpu * flops_per_token / cluster.peak(
         plan.mixed_precision)
     return PickCheck(case, pick, tps, hfu, PICK_ACHIEVED_BY.get(case.name), published_hfu)
+
+
+# ------------------------------------------------------------------------------------------
+# Context parallelism's speed-up, as published: the same model, GPUs and sequence with and
+# without cp. The ratio of the two TFLOP/s (one FLOP count, one sequence length) is the ratio
+# of tokens/s, so neither the FP8 matmuls of the source nor its FLOP formula enters it; what the
+# planner is held to is the ratio, not either speed. Every row is held out.
+NEMO_CP = ("NVIDIA NeMo Framework user guide 24.12, 'Long Sequence Performance', LLAMA2-7B "
+           "(FP8): DGX H100, TFLOP/s per GPU with cp at the printed TP x PP x DP x CP and "
+           "without cp at 'the most performant model- and data-parallel configuration without "
+           "CP given the memory capacity' (not printed); global batch and recomputation not "
+           "printed")
+
+NEMO_CP_NOTE = (
+    "within the band, but the gain predicted is a quarter (128k) and a third (256k) of the "
+    "published one. The layout without cp NeMo ran is not printed: plait's best without cp "
+    "keeps activations under selective recomputation at 128k (tp=8, 66 of 74.5 GiB); priced "
+    "against its layout that recomputes every block instead, the ratio at 128k is 1.23. At "
+    "256k plait's best without cp already recomputes every block (tp=4 or 8): unexplained")
+
+NEMO_CP_ONLY_CP = (
+    "no layout without cp fits plait's memory model at 8 sequences per replica (at 512k one "
+    "fits at 16: 1.13x); NeMo's runs without cp reached 104 and 26.5 TFLOP/s, a fifth and a "
+    "twentieth of its cp runs, on a configuration not printed")
+
+
+@dataclass(frozen=True)
+class CpSpeedupRow:
+    seq_k: int                 # sequence length in K tokens (x 1,024)
+    gpus: int
+    tflops_without_cp: float
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    tflops_with_cp: float
+    note: str = ""             # what the comparison leaves open, as diagnosed
+
+    @property
+    def seq(self) -> int:
+        return self.seq_k * 1024
+
+    @property
+    def published_speedup(self) -> float:
+        return self.tflops_with_cp / self.tflops_without_cp
+
+
+NEMO_LLAMA2_7B_CP = (
+    CpSpeedupRow(4, 4, 768, 1, 1, 4, 1, 768),
+    CpSpeedupRow(8, 8, 730, 1, 2, 4, 1, 730),
+    CpSpeedupRow(16, 16, 660, 2, 1, 8, 1, 660),
+    CpSpeedupRow(32, 32, 595, 2, 1, 8, 2, 610),
+    CpSpeedupRow(64, 64, 534, 4, 1, 8, 2, 574),
+    CpSpeedupRow(128, 128, 424, 4, 1, 8, 4, 555, note=NEMO_CP_NOTE),
+    CpSpeedupRow(256, 256, 392, 4, 1, 8, 8, 549, note=NEMO_CP_NOTE),
+    CpSpeedupRow(512, 512, 104, 8, 1, 4, 16, 549, note=NEMO_CP_ONLY_CP),
+    CpSpeedupRow(1024, 1024, 26.5, 8, 1, 4, 32, 536, note=NEMO_CP_ONLY_CP),
+)
+
+# The global batch is not printed: priced at this many sequences per data-parallel replica of
+# the published layout, one per microbatch (the ratios move by under 0.03 between 4 and 16).
+CP_SEQS_PER_REPLICA = 8
+
+
+@dataclass
+class CpSpeedupCheck:
+    """A row priced: the published layout, the planner's pick, and its best without cp."""
+
+    row: CpSpeedupRow
+    layout: Any                # Estimate at the published layout (None: fits at no recomputation)
+    pick: Any                  # Estimate | None
+    without_cp: Any            # Estimate | None: nothing without cp fits
+
+    @property
+    def predicted_speedup(self) -> float | None:
+        """With cp over without, as predicted: the published layout over the best layout
+        without cp; on a row whose published layout has no cp (the source found cp no faster),
+        the planner's pick over that best (1.0 where the pick has no cp either). None where no
+        layout without cp fits."""
+        ours = self.layout if self.row.cp > 1 else self.pick
+        if ours is None or self.without_cp is None:
+            return None
+        return float(ours.tokens_per_s / self.without_cp.tokens_per_s)
+
+
+def cp_speedup_setup(row: CpSpeedupRow, seqs_per_replica: int = CP_SEQS_PER_REPLICA):
+    """(ModelStats, Cluster, Workload) of a row: H100 80GB, the Llama 2 7B shape."""
+    from plait.models.transformer import TransformerConfig
+
+    from .cost import Workload
+    from .hardware import load_cluster
+    from .model_stats import from_transformer_config
+
+    model = from_transformer_config(TransformerConfig(**PUBLISHED_MODELS["llama2-7b"]),
+                                    name="llama2-7b")
+    cluster = load_cluster("dgx-h100", devices=row.gpus).with_memory(80e9)
+    return model, cluster, Workload(row.dp * seqs_per_replica, row.seq)
+
+
+def cp_speedup_layout(row: CpSpeedupRow, recompute: str,
+                      seqs_per_replica: int = CP_SEQS_PER_REPLICA) -> Any:
+    """The published layout as a Plan. Megatron's distributed optimizer reduce-scatters the
+    gradients and all-gathers the parameters: plait's zero=2 collectives."""
+    from plait.plan import Plan
+
+    parts = [f"dp_shard={row.dp}", "zero=2", f"tp={row.tp}", f"cp={row.cp}", f"pp={row.pp}",
+             f"ac={recompute}", "mp=bf16"]
+    if row.tp > 1:
+        parts.append("sp=true")
+    parts.append(f"mb={seqs_per_replica}" if row.pp > 1 else f"grad_accum={seqs_per_replica}")
+    return Plan.from_string(",".join(parts))
+
+
+def check_cp_speedup(row: CpSpeedupRow,
+                     seqs_per_replica: int = CP_SEQS_PER_REPLICA) -> CpSpeedupCheck:
+    """Price the published layout at the least recomputation that fits (none, op, selective,
+    full: the source does not print it), and search the same model, GPUs and batch."""
+    from . import constants_for
+    from .cost import evaluate
+    from .search import search
+
+    model, cluster, work = cp_speedup_setup(row, seqs_per_replica)
+    k = constants_for(cluster)
+    layout = None
+    for recompute in ("none", "op", "selective", "full"):
+        est = evaluate(cp_speedup_layout(row, recompute, seqs_per_replica), model, cluster,
+                       work, k, balance=True)
+        if est.feasible:
+            layout = est
+            break
+    result = search(model, cluster, work, top=1, constants=k)
+    return CpSpeedupCheck(row, layout, result.best, result.best_without_cp)
