@@ -23,9 +23,18 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    # Classes the functions below return at run time, named for the type checker only: a class
+    # built on one needs a static base, an isinstance test a static type.
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.fsdp._fully_shard import _fsdp_api
+
+    FSDPAllGather = _fsdp_api.AllGather
+    FSDPReduceScatter = _fsdp_api.ReduceScatter
 
 # The oldest torch plait allows (pyproject: torch>=2.9). Importing this module on an older one
 # raises TorchCompatError.
@@ -430,7 +439,7 @@ def torch_dispatch_mode() -> type:
     return _resolve("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
-def async_collective_tensor() -> type:
+def async_collective_tensor() -> type[AsyncCollectiveTensor]:
     """``torch.distributed._functional_collectives.AsyncCollectiveTensor``: the local tensor of
     an asynchronous redistribute (a row-parallel layer's all-reduce or reduce-scatter) before it
     is waited. plait waits it where a compiled block would take it as an input (its gradient

@@ -32,8 +32,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
+from typing import Any, TypeAlias, TypedDict
 
 from .accelerators import Accelerator
 from .lifecycle import children, steps_redone
@@ -58,12 +61,19 @@ class LaunchConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
-def slurm_defaults(env: dict[str, str]) -> dict[str, object]:
+class SlurmDefaults(TypedDict, total=False):
+    """What a SLURM allocation says about the launch; each key only where SLURM sets it."""
+    nnodes: int
+    node_rank: int
+    rdzv_endpoint: str          # HOST:PORT
+
+
+def slurm_defaults(env: dict[str, str]) -> SlurmDefaults:
     """Nodes, node rank and rendezvous host from a SLURM allocation (empty outside one)."""
     if "SLURM_JOB_ID" not in env or "SLURM_NNODES" not in env:
         return {}
-    out: dict[str, object] = {"nnodes": int(env["SLURM_NNODES"]),
-                              "node_rank": int(env.get("SLURM_NODEID", "0"))}
+    out: SlurmDefaults = {"nnodes": int(env["SLURM_NNODES"]),
+                          "node_rank": int(env.get("SLURM_NODEID", "0"))}
     host = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", ""))
     if host:
         out["rdzv_endpoint"] = f"{host}:{env.get('MASTER_PORT', '29500')}"
@@ -336,6 +346,10 @@ def failure_summary(records: list[dict], tracebacks: dict[int, str]) -> tuple[in
     return first["rank"], line
 
 
+# What signal.signal takes and returns (typeshed's own name for it is private).
+_SignalHandler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
 class _Forwarder:
     """Ctrl-C, SIGTERM and SIGHUP to ``plait run`` stop the whole job, then it exits.
 
@@ -355,7 +369,7 @@ class _Forwarder:
         self.signum: int | None = None
         self.started = 0.0
         self.workers: list[int] = []  # torchrun's children when the signal came
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, _SignalHandler] = {}
 
     def __enter__(self) -> _Forwarder:
         for sig in self.SIGNALS:
@@ -543,11 +557,11 @@ def command(args: argparse.Namespace) -> int:
 
         acc = get_accelerator()
         nproc = acc.device_count() if acc.name != "cpu" else 1
-    nnodes = args.nnodes or int(slurm.get("nnodes", 1))
+    nnodes = args.nnodes or slurm.get("nnodes", 1)
     cfg = LaunchConfig(script=args.script, script_args=tuple(args.script_args), nproc=nproc,
                        nnodes=nnodes,
                        node_rank=(args.node_rank if args.node_rank is not None
-                                  else int(slurm.get("node_rank", 0))),
+                                  else slurm.get("node_rank", 0)),
                        rdzv_endpoint=args.rdzv_endpoint or (slurm.get("rdzv_endpoint")
                                                              if nnodes > 1 else None),
                        max_restarts=args.max_restarts, module=args.module,

@@ -30,7 +30,7 @@ import resource
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -170,8 +170,11 @@ class MemoryTracker:
         from torch.distributed.fsdp import FSDPModule
 
         roots = list(local_modules(self.model))
-        inner = {id(p) for root in roots for name, m in root.named_modules()
-                 if name and isinstance(m, FSDPModule) for p in m.parameters()}
+        # fully_shard swaps in a class that is both FSDPModule and the module's own class; the
+        # isinstance test would narrow ``m`` to FSDPModule alone, which has no parameters().
+        units = [cast(nn.Module, m) for root in roots for name, m in root.named_modules()
+                 if name and isinstance(m, FSDPModule)]
+        inner = {id(p) for unit in units for p in unit.parameters()}
         if not inner:
             return None
         return sum(replica_numel(p) for root in roots for p in root.parameters()
@@ -275,7 +278,7 @@ def memory_report(tracker: MemoryTracker, plan: Plan, *, gather: bool = True,
     local = {"measured": tracker.measured(), **peak_process_memory(accelerator), "psi": psi,
              "offloaded": bool(plan.offload),
              "closed_form": {**asdict(form), "model_state": form.model_state}}
-    ranks = [local]
+    ranks: list[dict[str, object] | None] = [local]
     if gather and dist.is_initialized() and dist.get_world_size() > 1:
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, local)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .base import Accelerator, module_present
+
+
+def _hpu() -> Any:
+    """``torch.hpu``: the habana_frameworks plug-in attaches it at import, so torch's own type
+    hints do not declare it."""
+    return torch.hpu  # type: ignore[attr-defined]  # added at run time by habana_frameworks
 
 
 class HPUAccelerator(Accelerator):
@@ -20,13 +28,13 @@ class HPUAccelerator(Accelerator):
         return bool(hpu and hpu.is_available())
 
     def device_count(self) -> int:
-        return torch.hpu.device_count() if self.is_available() else 0
+        return _hpu().device_count() if self.is_available() else 0
 
     def set_device(self, device: torch.device) -> None:
-        torch.hpu.set_device(device)
+        _hpu().set_device(device)
 
     def synchronize(self, device: torch.device | None = None) -> None:
-        torch.hpu.synchronize()
+        _hpu().synchronize()
 
     def device_name(self) -> str:
-        return torch.hpu.get_device_name()
+        return _hpu().get_device_name()

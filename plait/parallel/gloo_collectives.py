@@ -37,8 +37,8 @@ forms.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,11 @@ from .._torch_compat import fsdp_comm_protocol, storage_use_count
 from ..comm.ledger import issued_as
 
 # FSDP2's Comm protocol for custom collectives; without it use_gloo_collectives installs nothing.
-AllGather, ReduceScatter = fsdp_comm_protocol() or (object, object)
+if TYPE_CHECKING:
+    from .._torch_compat import FSDPAllGather as AllGather
+    from .._torch_compat import FSDPReduceScatter as ReduceScatter
+else:
+    AllGather, ReduceScatter = fsdp_comm_protocol() or (object, object)
 
 
 def _reduce_kind(op: Any) -> tuple[Any, Any]:
@@ -59,9 +63,9 @@ def _reduce_kind(op: Any) -> tuple[Any, Any]:
     return kind, factor
 
 
-_COMBINE_PAIR = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PREMUL_SUM: torch.add,
-                 ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum,
-                 ReduceOp.PRODUCT: torch.mul}
+_COMBINE_PAIR: dict[Any, Callable[..., torch.Tensor]] = {
+    ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PREMUL_SUM: torch.add,
+    ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum, ReduceOp.PRODUCT: torch.mul}
 
 
 def _combine_rows(rows: torch.Tensor, kind: Any, out: torch.Tensor) -> None:
@@ -110,7 +114,7 @@ class BufferPool:
 
     def _free(self, buf: torch.Tensor) -> bool:
         # The pool's own tensor plus the temporary storage object of this call: 2.
-        return self.use_count(buf) <= 2
+        return self.use_count is not None and self.use_count(buf) <= 2
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:

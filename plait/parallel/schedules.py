@@ -350,7 +350,8 @@ def schedule_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--pp {args.pp} x --microbatches {args.microbatches} x virtual stages "
                          f"= {cells:,} is more than plait schedule draws ({MAX_GRID_CELLS:,}); "
                          f"the shape of a schedule shows at e.g. --pp 8 -m 16")
-    out = []
+    rows: list[dict[str, Any]] = []
+    texts: list[str] = []
     for name in names:
         v = args.virtual_stages
         if v is None:
@@ -358,12 +359,12 @@ def schedule_command(args: argparse.Namespace) -> int:
         elif args.all and name not in MULTI_STAGE_SCHEDULES:
             v = 1
         if args.format == "json":
-            out.append({"schedule": name, "pp": args.pp, "microbatches": args.microbatches,
-                        "virtual_stages": v,
-                        "grid": schedule_grid(name, args.pp, args.microbatches, v),
-                        "bubble": theoretical_bubble(name, args.pp, args.microbatches, v),
-                        "in_flight": peak_in_flight(name, args.pp, args.microbatches, v)})
+            rows.append({"schedule": name, "pp": args.pp, "microbatches": args.microbatches,
+                         "virtual_stages": v,
+                         "grid": schedule_grid(name, args.pp, args.microbatches, v),
+                         "bubble": theoretical_bubble(name, args.pp, args.microbatches, v),
+                         "in_flight": peak_in_flight(name, args.pp, args.microbatches, v)})
         else:
-            out.append(format_schedule(name, args.pp, args.microbatches, v))
-    print(json.dumps(out, indent=2) if args.format == "json" else "\n\n".join(out))
+            texts.append(format_schedule(name, args.pp, args.microbatches, v))
+    print(json.dumps(rows, indent=2) if args.format == "json" else "\n\n".join(texts))
     return 0

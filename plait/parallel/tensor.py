@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import sys
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -105,7 +105,7 @@ def _linear_dims(module: nn.Module) -> tuple[int, int]:
     """(in_features, out_features) of a Linear or Conv1D."""
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
-    return module.nx, module.nf
+    return cast(int, module.nx), cast(int, module.nf)  # HF Conv1D's sizes
 
 
 class _Colwise(ColwiseParallel):
@@ -150,13 +150,14 @@ def _packed_forward(module: nn.Module, pack: int, x: torch.Tensor) -> torch.Tens
     """A fused layer's forward with its whole (replicated) bias cut to this rank's
     ``[q_r, k_r, v_r]`` by a redistribute, whose backward all-gathers the bias gradient: every
     rank's copy gets the whole gradient, as a replicated parameter needs."""
-    bias = module.bias
+    weight, bias = cast(torch.Tensor, module.weight), cast("torch.Tensor | None", module.bias)
     if isinstance(bias, DTensor) and not any(is_split(p) for p in bias.placements):
         bias = bias.redistribute(placements=[strided_shard(0, pack)])
     if _is_conv1d(module):  # HF Conv1D: weight (in, out), as its own forward computes it
-        out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), module.weight)
+        # (and it always has a bias)
+        out = torch.addmm(cast(torch.Tensor, bias), x.reshape(-1, x.shape[-1]), weight)
         return out.view(*x.shape[:-1], out.shape[-1])
-    return F.linear(x, module.weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _packed_output(pack: int, mod: nn.Module, outputs: DTensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -181,13 +182,14 @@ class _Rowwise(RowwiseParallel):
     def _partition_conv1d(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if module is not self._target:
             return
+        weight, bias = cast(torch.Tensor, module.weight), cast("torch.Tensor | None", module.bias)
         module.register_parameter("weight", nn.Parameter(distribute_tensor(
-            module.weight, mesh, [Shard(0)], src_data_rank=self.src_data_rank),
-            requires_grad=module.weight.requires_grad))
-        if module.bias is not None:
+            weight, mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+            requires_grad=weight.requires_grad))
+        if bias is not None:
             module.register_parameter("bias", nn.Parameter(distribute_tensor(
-                module.bias, mesh, [Replicate()], src_data_rank=self.src_data_rank),
-                requires_grad=module.bias.requires_grad))
+                bias, mesh, [Replicate()], src_data_rank=self.src_data_rank),
+                requires_grad=bias.requires_grad))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not _is_conv1d(module):
@@ -197,7 +199,9 @@ class _Rowwise(RowwiseParallel):
         return distribute_module(
             module, device_mesh, self._partition_conv1d,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+            # torch types output_fn as returning None; distribute_module uses what it returns
+            partial(self._prepare_output_fn, self.output_layouts,  # type: ignore[arg-type]
+                    self.use_local_output))
 
 
 class _Region(ParallelStyle):
@@ -265,11 +269,12 @@ def _replicated_kv_forward(module: nn.Module, mesh: DeviceMesh, rows: slice, lay
         x = x.redistribute(placements=[Replicate()])
     local = x.to_local(grad_placements=[Partial()])
 
-    def mine(p: torch.Tensor | None) -> torch.Tensor | None:
+    def mine(p: torch.Tensor) -> torch.Tensor:
         if isinstance(p, DTensor) and p.device_mesh == mesh:
             p = _SumGradToLocal.apply(p)
-        return None if p is None else p[rows]
-    return F.linear(local, mine(module.weight), mine(module.bias))
+        return p[rows]
+    weight, bias = cast(torch.Tensor, module.weight), cast("torch.Tensor | None", module.bias)
+    return F.linear(local, mine(weight), None if bias is None else mine(bias))
 
 
 def make_style(style: str, module: nn.Module, name: str, *, sp: bool,
@@ -455,8 +460,8 @@ def _find_hf_model(module: nn.Module) -> tuple[str, nn.Module] | None:
     if pretrained is None:
         return None
     for name, sub in module.named_modules():
-        if isinstance(sub, pretrained):
-            return name, sub
+        if isinstance(sub, pretrained):  # a bare ``type``: mypy narrows ``sub`` to object
+            return name, cast(nn.Module, sub)
     return None
 
 
@@ -538,7 +543,8 @@ def _size_errors(module: nn.Module, tp_plan: TPPlan, matched: dict[str, str], tp
             continue
         if is_parametrized(sub):
             errors.append(
-                f"{name} ({style}) is parametrized ({', '.join(sub.parametrizations)}: "
+                f"{name} ({style}) is parametrized "
+                f"({', '.join(cast(nn.ModuleDict, sub.parametrizations))}: "
                 f"weight_norm or spectral_norm compute its weight from other tensors), which "
                 f"torch's tensor-parallel styles cannot shard; leave it out of the plan (it "
                 f"then runs replicated) or remove the parametrization first "
@@ -779,8 +785,8 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
                 raise ValueError(f"tied parameter shared by {[type(m).__name__ for m, _ in group]}"
                                  f" gets two layouts, {keep.placements} and {p.placements}; give "
                                  f"both modules matching styles (vocab_embedding + vocab_head)")
-        for m, n in group:
-            m.register_parameter(n, keep)
+        for m, n in group:  # keep is what a style registered: an nn.Parameter
+            m.register_parameter(n, cast(nn.Parameter, keep))
 
 
 def replicate_rest(module: nn.Module, mesh: DeviceMesh,
@@ -1018,7 +1024,7 @@ class _ToLocal(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, t: DTensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, t: DTensor) -> torch.Tensor:
         local = t.to_local()
         if isinstance(local, _ASYNC_COLLECTIVE_TENSOR):
             # An asynchronous redistribute's tensor (a row-parallel layer's all-reduce or
@@ -1029,7 +1035,7 @@ class _ToLocal(torch.autograd.Function):
         return local.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:
         mesh, placements, shape, stride, local_stride = ctx.spec
         if grad.stride() != local_stride:
             # The DTensor below is declared with the forward's global stride, which describes
@@ -1049,7 +1055,7 @@ class _SumGradToLocal(_ToLocal):
     it gathered and would drop a pending reduction."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.spec[0].get_group())
         return _ToLocal.backward(ctx, grad)

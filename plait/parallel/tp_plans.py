@@ -52,9 +52,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from ..models.transformer import TransformerConfig
 
 # Styles that start a region: their input is the replicated value a ``region`` shares.
 COLWISE = ("colwise", "colwise_qkv", "colwise_gather")
@@ -148,7 +151,7 @@ REFERENCE_STYLES: dict[str, str] = {
 
 def reference_plan(model: nn.Module) -> TPPlan:
     """The plan for ``plait.models.transformer.Transformer`` (any preset, any pipeline stage)."""
-    cfg = model.config
+    cfg = cast("TransformerConfig", model.config)
     sizes = {"n_heads": cfg.n_heads, "n_kv_heads": cfg.kv_heads, "dim": cfg.dim,
              "ffn_dim": cfg.hidden_dim}
     styles = dict(REFERENCE_STYLES)

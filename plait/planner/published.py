@@ -83,8 +83,8 @@ def row_setup(row: MegatronRow):
     cluster = load_cluster("dgx-a100-80gb", devices=row.gpus)
     work = Workload(row.batch, SEQ, grad_reduce_dtype="bf16", pp_scatter_gather=True)
     per_rank = row.batch // row.dp
-    fields = dict(tp=row.tp, pp=row.pp, dp_replicate=row.dp, mixed_precision="bf16",
-                  activation_checkpointing="full")
+    fields: dict[str, Any] = dict(tp=row.tp, pp=row.pp, dp_replicate=row.dp,
+                                  mixed_precision="bf16", activation_checkpointing="full")
     if row.pp > 1:
         per_stage = row.layers // row.pp
         v = next((d for d in range(2, per_stage + 1) if per_stage % d == 0), 1)
@@ -155,8 +155,9 @@ LLAMA3_CP_MISS = (
     "0.57 under Megatron. The MFU is converted with plait's FLOP count, attention over the "
     "whole s x s square (57% of the FLOPs at 131k); Meta's count is not printed")
 
-# Transformer shapes of the published runs that are not plait model presets.
-PUBLISHED_MODELS = {
+# Transformer shapes of the published runs that are not plait model presets (TransformerConfig's
+# keyword arguments).
+PUBLISHED_MODELS: dict[str, dict[str, Any]] = {
     "gpt-22b": dict(vocab_size=51200, dim=6144, n_layers=48, n_heads=64, max_seq_len=2048,
                     mlp="gelu", norm="layernorm"),
     "gpt-530b": dict(vocab_size=51200, dim=20480, n_layers=105, n_heads=128, max_seq_len=2048,

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ..block_probe import measure_block
@@ -110,6 +112,7 @@ def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
         raw[f"all_reduce@{LARGE_BYTES}"] - raw[f"all_reduce@{SMALL_BYTES}"], 1e-9)
     derived = derive_constants(raw, alpha=alpha, bw=bw, rate=peak * eff)
     cores = os.cpu_count() or 1
+    ram: float
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
@@ -172,22 +175,24 @@ def _collective_timings(world: int, rounds: int) -> dict:
     )
 
     group = dist.group.WORLD
+    gather: Callable[[torch.Tensor, torch.Tensor], Any]
+    scatter: Callable[[torch.Tensor, torch.Tensor], Any]
     # Time the all-gather / reduce-scatter the runtime really issues: on gloo, FSDP2's are
     # replaced by all-to-all ones (plait.parallel.gloo_collectives), 2-3x faster than gloo's own.
-    if gloo_collectives_apply(group, "cpu"):
+    if group is not None and gloo_collectives_apply(group, "cpu"):
         ag, rs = GlooAllGather(), GlooReduceScatter()
         gather = lambda full, part: ag(full, part, group)  # noqa: E731
         scatter = lambda part, full: rs(part, full, group)  # noqa: E731
     else:
         gather, scatter = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
-    fns = {}
+    fns: dict[tuple[str, int], Callable[[], Any]] = {}
     for size in (SMALL_BYTES, LARGE_BYTES):
         n = max(world, size // 4 // world * world)
         full, part = torch.ones(n), torch.ones(n // world)
-        fns[("all_reduce", size)] = lambda full=full: dist.all_reduce(full)
-        fns[("all_gather", size)] = lambda full=full, part=part: gather(full, part)
-        fns[("reduce_scatter", size)] = lambda full=full, part=part: scatter(part, full)
-        fns[("broadcast", size)] = lambda full=full: dist.broadcast(full, src=0)
+        fns[("all_reduce", size)] = partial(dist.all_reduce, full)
+        fns[("all_gather", size)] = partial(gather, full, part)
+        fns[("reduce_scatter", size)] = partial(scatter, part, full)
+        fns[("broadcast", size)] = partial(dist.broadcast, full, src=0)
     burst = [torch.ones(SMALL_BYTES // 4) for _ in range(16)]
 
     def async_broadcasts():
@@ -283,8 +288,8 @@ def _fsdp_timings(world: int, rounds: int) -> dict:
     def step(module: torch.nn.Module) -> None:
         module(x).sum().backward()
         module.zero_grad(set_to_none=True)  # as a training step leaves them
-    fns = {"fsdp_plain": lambda: step(plain)}
-    fns.update({k: (lambda m=m: step(m)) for k, m in mods.items()})
+    fns: dict[str, Callable[[], Any]] = {"fsdp_plain": lambda: step(plain)}
+    fns.update({k: partial(step, m) for k, m in mods.items()})
     out = _interleaved(fns, rounds)
     out["fsdp_unit_bytes"] = unit_bytes
     return out
@@ -311,7 +316,7 @@ def _probe_timings(world: int, rounds: int) -> dict:
         for n in (1, 2):
             cfg = TransformerConfig(vocab_size=p["vocab"], dim=p["dim"], n_layers=n,
                                     n_heads=p["n_heads"], max_seq_len=p["seq"])
-            model = build(cfg, seed=0)
+            model: torch.nn.Module = build(cfg, seed=0)
             if kind == "tp":
                 plan = Plan(tp=2, sp=True, dp_replicate=world // 2)
                 model = apply_tensor_parallel(model, build_mesh(plan, "cpu", world), plan)
@@ -338,10 +343,10 @@ def _zero_bubble_timings(rounds: int) -> dict:
 
     from plait._torch_compat import stage_backward_split
 
-    split = stage_backward_split()
-    if split is None:  # pragma: no cover - another torch
+    pair = stage_backward_split()
+    if pair is None:  # pragma: no cover - another torch
         return {}
-    stage_backward_input, stage_backward_weight = split
+    stage_backward_input, stage_backward_weight = pair
     from plait.models.transformer import Block, TransformerConfig
 
     p = PROBE
