@@ -49,8 +49,11 @@ class Blocks(IterableDataset):
         self.items, self.noise = items, noise
 
     def __iter__(self):
+        return self._items(0)
+
+    def _items(self, start: int):
         data = Numbered()
-        for p in range(self.items):
+        for p in range(start, self.items):
             item = data[p]
             if self.noise:
                 import random
@@ -60,6 +63,26 @@ class Blocks(IterableDataset):
                 item["input_ids"] = (item["input_ids"] + torch.randint(0, 3, (1,))
                                      + random.randrange(3) + int(np.random.randint(3))) % VOCAB
             yield item
+
+
+class SeekableBlocks(Blocks):
+    """``Blocks`` with plait's seek protocol: ``iter_from(p)`` starts at item p. It counts the
+    items its iterators produced and the positions it was asked to start at (in the process
+    that reads it)."""
+
+    def __init__(self, items: int = ITEMS, noise: bool = False):
+        super().__init__(items, noise)
+        self.produced = 0
+        self.starts: list[int] = []
+
+    def _items(self, start: int):
+        self.starts.append(start)
+        for item in super()._items(start):
+            self.produced += 1
+            yield item
+
+    def iter_from(self, position: int):
+        return self._items(position)
 
 
 class Augmented(Dataset):

@@ -231,6 +231,44 @@ def test_a_streams_own_randomness_is_the_same_for_every_reader():
     assert all(torch.equal(a, b) for a, b in zip(inputs(resumed), whole[3:], strict=True))
 
 
+def test_a_stream_with_iter_from_jumps_to_its_position_instead_of_reading_there():
+    """A dataset with ``iter_from`` resumed at step 3 (its second epoch's second batch, items
+    8 to 15) is asked to start at each replica's first row and produces only the items from
+    there: 8 of the 22 on one device, not 16; under dp=2 replica 1 starts at item 12. The
+    batches and the draws of a stream drawing as it yields are those of the run that walked
+    the stream from its start, with and without loader workers; an epoch's end is found the
+    same way (steps=7 crosses two epoch ends), and a seek past the end ends the epoch."""
+    from tests import _workers_data as D
+
+    def batches(loader):
+        return [(b["id"].tolist(), b["input_ids"]) for b in loader]
+
+    state = {"step": 3, "seed": 0, "epoch": 1, "epoch_start": 2}
+    whole = batches(_stream(steps=7, data=D.Blocks(noise=True)))
+    for dp in (1, 2):
+        parts = []
+        for r in range(dp):
+            data = D.SeekableBlocks(noise=True)
+            resumed = _stream(r, dp, steps=4, data=data)
+            resumed.load_state_dict(state)
+            parts.append(batches(resumed))
+            assert data.starts[0] == 8 + r * 8 // dp, (dp, r, data.starts)
+            assert data.produced == 8 - r * 8 // dp, (dp, r, data.produced)
+        for s, (ids, inputs) in enumerate(whole[3:4]):
+            assert sum((p[s][0] for p in parts), []) == ids
+            assert torch.equal(torch.cat([p[s][1] for p in parts]), inputs)
+    for workers in (0, 2):
+        resumed = _stream(steps=7, data=D.SeekableBlocks(noise=True), num_workers=workers)
+        resumed.load_state_dict(state)
+        got = batches(resumed)
+        assert [ids for ids, _ in got] == [ids for ids, _ in whole[3:]]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, whole[3:], strict=True))
+    past = D.SeekableBlocks()
+    loader = _stream(steps=3, data=past)
+    loader.load_state_dict({"step": 2, "seed": 0, "epoch": 0, "epoch_start": 0})
+    assert _ids(loader) == [list(range(8))] and past.starts == [16, 0]
+
+
 def test_a_stream_too_short_or_read_once_is_named():
     from tests import _workers_data as D
 

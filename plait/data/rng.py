@@ -10,7 +10,15 @@ get other draws in each. plait gives the data its own states instead:
   draws are a function of the item alone, whichever worker or rank loads it, and whenever;
 * an iterable dataset's iterator is stepped to its item at position p with them seeded from
   (seed, epoch, p), so every reader of the stream (each replica, each worker, a resumed run
-  reading from the start of the epoch) sees the same draws.
+  reading from the start of the epoch or jumping to its position) sees the same draws.
+
+A dataset that keeps a generator object of its own (``self.g = torch.Generator()`` drawn from
+in ``__getitem__``) is outside this: plait cannot know that object, so its draws depend on what
+that copy of the dataset loaded before, which differs between one device, the replicas, the
+loader workers and a resumed run (the loader warns when it sees one change while an item
+loads: ``own_generators_drawn``). Draw from the global generators (``torch.rand(...)`` with no
+``generator=``), or make the generator for the item from the seed plait gives it:
+``torch.Generator().manual_seed(torch.initial_seed())`` inside ``__getitem__``.
 
 torch's CPU state is put back after each item: dropout and initialisation in the training
 process draw what they would without loading (torch's ``fork_rng`` would do that too, but it
@@ -76,16 +84,25 @@ def seeded_item(dataset: Any, seed: int, epoch: int, index: int) -> Any:
     return run_seeded(lambda: dataset[index], item_seed(seed, epoch, index))
 
 
-def seeded_stream(iterable: Any, seed: int, epoch: int) -> Iterator[Any]:
-    """``iter(iterable)``, the step that yields the item at position p drawing from (seed,
-    epoch, p): every reader of the stream steps it from the start of the epoch, so each sees
-    the same draws."""
-    it = run_seeded(lambda: iter(iterable), stream_seed(seed, epoch))
+def seeded_stream(iterable: Any, seed: int, epoch: int, start: int = 0) -> Iterator[Any]:
+    """The items of ``iterable`` from position ``start`` of ``epoch`` on, the step that yields
+    the item at position p drawing from (seed, epoch, p), so every reader of the stream sees
+    the same draws.
+
+    A dataset with ``iter_from(position)`` (``plait.data.stream``'s seek protocol) is asked
+    for an iterator that starts at ``start``; any other is iterated from the start of the
+    epoch and the items before ``start`` are dropped, each still stepped with its own seed."""
+    jump = start > 0 and callable(getattr(iterable, "iter_from", None))
+    if jump:
+        it = run_seeded(lambda: iter(iterable.iter_from(start)), stream_seed(seed, epoch))
+    else:
+        it = run_seeded(lambda: iter(iterable), stream_seed(seed, epoch))
     end = object()
-    position = 0
+    position = start if jump else 0
     while True:
         item = run_seeded(lambda: next(it, end), item_seed(seed, epoch, position))
         if item is end:
             return
-        yield item
+        if position >= start:
+            yield item
         position += 1

@@ -14,7 +14,23 @@ reading it (``datasets``' ``split_dataset_by_node`` does the same, keeping one i
 ``world_size``, when its files do not divide among the ranks), and a split by files gives each
 replica other items than one device reads in its order, so neither the one-device batches nor a
 resume under another data-parallel size would hold. The cost is that every reader produces
-every item of the stream and drops the ones that are not its own.
+every item of the stream and drops the ones that are not its own, and that a resumed run reads
+the epoch from its start up to where it stopped.
+
+The seek protocol removes the second cost, and most of the first for loader workers: a dataset
+that can start part-way (records of known size in a file, shards of known length, an index)
+defines ``iter_from(position)``, returning an iterator whose first item is the one ``iter()``
+yields at ``position`` (counted from 0 at the start of the epoch), and the same items after it.
+plait calls it where a reader would otherwise read items only to drop them: when it starts
+(the first batch after a resume, a loader worker's first batch, each epoch's start for a
+replica other than the first) and when a loader worker's next batch is a global batch or more
+ahead. Like ``iter()``, it runs with the global generators seeded from (seed, epoch), and each
+item is stepped seeded from (seed, epoch, its position), so items that draw from them draw what
+a reader that walked there draws. A position at or past the end returns an empty iterator.
+Nothing else is asked of the dataset: plait's checkpoint holds the position, not the dataset's
+state (torchdata's ``StatefulDataLoader`` and ``datasets``' ``IterableDataset.state_dict``
+save the dataset's own state instead, which ties a checkpoint to one reader's place, where
+plait's readers each hold another).
 
 An epoch ends when the stream does. Its last global batch is dropped if the stream ends inside
 it (no padding with repeated items, which would count twice), and every replica ends the
@@ -60,6 +76,7 @@ class ReplicaStream:
         self._items: Iterator[Any] | None = None
         self._next = 0  # the position the iterator yields next
         self._length: int | None = None  # the epoch's item count, once the stream ended
+        self._seeks = callable(getattr(dataset, "iter_from", None))
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         epoch, k = key
@@ -67,10 +84,15 @@ class ReplicaStream:
         last = first + self.batch_size - 1  # the global batch is whole once this one exists
         if epoch == self._epoch and self._length is not None and last >= self._length:
             return EpochEnd()
-        if epoch != self._epoch or first < self._next:
-            self._epoch, self._next, self._length = epoch, 0, None
-            self._items = seeded_stream(self.dataset, self.seed, epoch)
         lo = first + self.dp_rank * self.local
+        if (epoch != self._epoch or first < self._next
+                or (self._seeks and lo - self._next >= self.batch_size)):
+            # A fresh reader starts at its first row: a dataset with ``iter_from`` jumps there,
+            # any other is read from the start of the epoch (seeded_stream drops the rest).
+            if epoch != self._epoch:
+                self._length = None
+            self._epoch, self._next = epoch, lo
+            self._items = seeded_stream(self.dataset, self.seed, epoch, start=lo)
         rows = []
         end = object()
         assert self._items is not None
