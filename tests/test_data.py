@@ -269,6 +269,73 @@ def test_a_stream_with_iter_from_jumps_to_its_position_instead_of_reading_there(
     assert _ids(loader) == [list(range(8))] and past.starts == [16, 0]
 
 
+def test_a_datasets_own_generator_is_named_and_the_items_seed_is_the_fix():
+    """A dataset drawing from a generator it holds (``self.g``) is not reseeded per item, so a
+    run resumed at step 3 draws other masks than the run that went on: the loader warns on
+    its first batch, naming the attribute and the fix, with workers too. The fix, the
+    generator made in ``dataset[i]`` from ``torch.initial_seed()`` (the item's seed under
+    plait), gives one device's draws to a resumed loader, to dp=2 and to loader workers,
+    without a warning. A generator that drew only in ``__init__`` is not named, nor is a
+    stream's own generator missed."""
+    import warnings
+
+    from plait.data import DistributedLoader
+    from tests import _workers_data as D
+
+    def inputs(loader):
+        return [(b["id"].tolist(), b["input_ids"]) for b in loader]
+
+    def make(data, **kw):
+        return DistributedLoader(data, D.BATCH, steps=5, collate_fn=partial(D.pad, length=D.SEQ),
+                                 **kw)
+
+    def resumed(data, **kw):
+        loader = make(data, **kw)
+        loader.load_state_dict({"step": 3, "seed": 0})
+        return inputs(loader)
+
+    own = "plait: dataset OwnGenerator drew from a generator of its own while loading"
+    fix = r"torch.Generator\(\).manual_seed\(torch.initial_seed\(\)\)"
+    with pytest.warns(UserWarning, match=rf"{own} \(self.g \(Generator\)\).*{fix}"):
+        whole = inputs(make(D.OwnGenerator()))
+    with pytest.warns(UserWarning, match=own):
+        again = resumed(D.OwnGenerator())
+    assert [i for i, _ in again] == [i for i, _ in whole[3:]]
+    assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(again, whole[3:], strict=True))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        whole = inputs(make(D.OwnGenerator(per_item=True)))
+        assert all(torch.equal(a, b) for (_, a), (_, b)
+                   in zip(resumed(D.OwnGenerator(per_item=True)), whole[3:], strict=True))
+        halves = [inputs(make(D.OwnGenerator(per_item=True), dp_rank=r, dp_size=2,
+                              num_workers=w)) for r, w in ((0, 0), (1, 2))]
+        for s, (_, want) in enumerate(whole):
+            assert torch.equal(torch.cat([halves[0][s][1], halves[1][s][1]]), want)
+        inputs(make(D.OwnGenerator(draws=False)))
+    with pytest.warns(UserWarning, match=r"dataset OwnGeneratorBlocks drew from a generator "
+                                         r"of its own while loading \(self.g"):
+        list(_stream(data=D.OwnGeneratorBlocks()))
+
+
+def test_a_stream_with_set_epoch_is_told_each_epoch_on_every_reader():
+    """A stream whose order comes from its epoch (``set_epoch``, as ``datasets``' shuffled
+    streams): a loader running across epochs gives each epoch a new order, the same split over
+    dp=2, in loader workers and after a resume in the second epoch."""
+    from tests import _workers_data as D
+
+    whole = _ids(_stream(steps=4, data=D.EpochBlocks()))
+    assert whole[:2] != whole[2:]
+    for epoch in (whole[:2], whole[2:]):
+        assert len(set(sum(epoch, []))) == 16 and set(sum(epoch, [])) <= set(range(D.ITEMS))
+    halves = [_ids(_stream(r, 2, steps=4, data=D.EpochBlocks(), num_workers=2 * r))
+              for r in range(2)]
+    assert [a + b for a, b in zip(*halves, strict=True)] == whole
+    resumed = _stream(steps=4, data=D.EpochBlocks())
+    resumed.load_state_dict({"step": 3, "seed": 0, "epoch": 1, "epoch_start": 2})
+    assert _ids(resumed) == whole[3:]
+
+
 def test_a_stream_too_short_or_read_once_is_named():
     from tests import _workers_data as D
 

@@ -27,11 +27,15 @@ forks the accelerators' states as well, which loading never touches, at a cost p
 
 from __future__ import annotations
 
+import pickle
 import random
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
+
+from ..warn import user_stacklevel
 
 T = TypeVar("T")
 
@@ -77,6 +81,61 @@ def run_seeded(fn: Callable[[], T], seed: int) -> T:
         return fn()
     finally:
         torch.set_rng_state(saved)
+
+
+def _generator_state(obj: Any) -> bytes | None:
+    """The state of a random generator object (torch's, Python's ``random.Random``, NumPy's
+    ``RandomState`` or ``Generator``) as bytes; None for anything else."""
+    if isinstance(obj, torch.Generator):
+        return bytes(obj.get_state().numpy().tobytes())
+    if isinstance(obj, random.Random):
+        return pickle.dumps(obj.getstate())
+    np = _numpy()
+    if np is not None and isinstance(obj, np.random.RandomState):
+        return pickle.dumps(obj.get_state())
+    if np is not None and isinstance(obj, np.random.Generator):
+        return pickle.dumps(obj.bit_generator.state)
+    return None
+
+
+def _generators(dataset: Any) -> dict[str, tuple[Any, bytes]]:
+    """The generator objects ``dataset`` holds as attributes, by name, with their states."""
+    states = {}
+    for name, value in getattr(dataset, "__dict__", {}).items():
+        state = _generator_state(value)
+        if state is not None:
+            states[name] = (value, state)
+    return states
+
+
+def watch_own_generators(dataset: Any, load: Callable[[], T]) -> T:
+    """``load()``, warning when a generator object the dataset holds (``self.g =
+    torch.Generator()``) changed state while it ran: plait seeds the global generators for
+    each item, not objects of the dataset's own, whose draws then depend on what this copy of
+    the dataset loaded before (other on one device, each replica, each loader worker and after
+    a resume). A generator that only drew in ``__init__`` (a fixed split), or one made again
+    while loading (from the item's seed), is left alone: only the same object drawn from is
+    named."""
+    before = _generators(dataset)
+    result = load()
+    if not before:
+        return result
+    after = _generators(dataset)
+    drawn = sorted(name for name, (held, state) in before.items()
+                   if name in after and after[name][0] is held and after[name][1] != state)
+    if drawn:
+        name = type(dataset).__name__
+        held = ", ".join(f"self.{a} ({type(getattr(dataset, a)).__name__})" for a in drawn)
+        warnings.warn(
+            f"plait: dataset {name} drew from a generator of its own while loading ({held}): "
+            f"plait seeds the global generators for each item, not one a dataset holds, so "
+            f"its draws depend on what this copy of the dataset loaded before and differ "
+            f"between one device, the data replicas, loader workers and a resumed run. Draw "
+            f"from the global generators (torch.rand(...) without generator=, random, "
+            f"np.random), or make the generator while loading from the seed plait gives the "
+            f"item: torch.Generator().manual_seed(torch.initial_seed())",
+            UserWarning, stacklevel=user_stacklevel())
+    return result
 
 
 def seeded_item(dataset: Any, seed: int, epoch: int, index: int) -> Any:

@@ -32,6 +32,12 @@ state (torchdata's ``StatefulDataLoader`` and ``datasets``' ``IterableDataset.st
 save the dataset's own state instead, which ties a checkpoint to one reader's place, where
 plait's readers each hold another).
 
+A dataset with ``set_epoch(epoch)`` (``datasets``' ``IterableDataset``, whose shuffle buffer
+and shard order are drawn from its seed and epoch) is told the epoch before each reader
+iterates it, so each epoch is shuffled anew on every reader alike, as ``DistributedSampler``'s
+``set_epoch`` does for a map-style dataset; a loader running across epochs (``steps=N``)
+leaves the script no place to call it.
+
 An epoch ends when the stream does. Its last global batch is dropped if the stream ends inside
 it (no padding with repeated items, which would count twice), and every replica ends the
 epoch at the same step: each one sees the last position of each global batch, its own or not,
@@ -54,7 +60,7 @@ from .loader import (
     seeded_collate,
     warn_left_padding,
 )
-from .rng import seeded_stream
+from .rng import seeded_stream, watch_own_generators
 
 
 class EpochEnd:
@@ -77,8 +83,15 @@ class ReplicaStream:
         self._next = 0  # the position the iterator yields next
         self._length: int | None = None  # the epoch's item count, once the stream ended
         self._seeks = callable(getattr(dataset, "iter_from", None))
+        self._watch = True  # the first batch looks for generators of the dataset's own
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
+        if self._watch:
+            self._watch = False
+            return watch_own_generators(self.dataset, lambda: self._batch(key))
+        return self._batch(key)
+
+    def _batch(self, key: tuple[int, int]) -> Any:
         epoch, k = key
         first = k * self.batch_size
         last = first + self.batch_size - 1  # the global batch is whole once this one exists
@@ -91,6 +104,9 @@ class ReplicaStream:
             # any other is read from the start of the epoch (seeded_stream drops the rest).
             if epoch != self._epoch:
                 self._length = None
+            set_epoch = getattr(self.dataset, "set_epoch", None)
+            if callable(set_epoch):  # a stream that shuffles anew each epoch (datasets')
+                set_epoch(epoch)
             self._epoch, self._next = epoch, lo
             self._items = seeded_stream(self.dataset, self.seed, epoch, start=lo)
         rows = []
