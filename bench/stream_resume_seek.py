@@ -9,8 +9,13 @@ its ``iter_from`` is a file seek. This times the first batch after a resume at `
 (dp=1, the loader's own reader, no workers) both ways, interleaved rounds, best of each, and
 checks that both hand out the same batch.
 
+``--datasets`` (needs Hugging Face ``datasets``) times the same for a ``datasets`` stream
+(``Dataset.to_iterable_dataset`` of the records, torch format, 8 shards, not shuffled),
+walked, and through an ``iter_from`` that is its ``skip(position)`` (right for a stream that is
+not shuffled only: a shuffled one's ``skip`` forgets the epoch's shuffle), one round each.
+
     python bench/stream_resume_seek.py [--position 100000] [--batch 32] [--rounds 3]
-                                       [--format json]
+                                       [--datasets] [--format json]
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
@@ -51,6 +57,28 @@ class SeekableRecords(Records):
         return self._read(position)
 
 
+class Skipping(IterableDataset):
+    """A ``datasets`` stream whose ``iter_from`` is its ``skip``."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.stream)
+
+    def iter_from(self, position: int) -> Iterator[Any]:
+        return iter(self.stream.skip(position))
+
+
+def _hf_streams(path: str, seq_len: int) -> tuple[Any, Any]:
+    import datasets
+
+    windows = [window.tolist() for window, _ in Records(path, seq_len)]
+    stream = datasets.Dataset.from_dict({"input_ids": windows}).with_format(
+        "torch").to_iterable_dataset(num_shards=8)
+    return stream, Skipping(stream)
+
+
 def _write(path: str, items: int, seq_len: int) -> None:
     corpus = load_corpus()
     want = items * (seq_len + 1)
@@ -62,12 +90,13 @@ def _write(path: str, items: int, seq_len: int) -> None:
             written += len(chunk)
 
 
-def _first_batch(data: Records, position: int, batch: int) -> tuple[float, torch.Tensor]:
+def _first_batch(data: Any, position: int, batch: int) -> tuple[float, torch.Tensor]:
     loader = StreamLoader(data, batch, steps=position // batch + 1)
     loader.load_state_dict({"step": position // batch, "seed": 0, "epoch": 0,
                             "epoch_start": 0})
     start = time.perf_counter()
-    inputs, _ = next(iter(loader))
+    got = next(iter(loader))
+    inputs = got["input_ids"] if isinstance(got, dict) else got[0]
     return time.perf_counter() - start, inputs
 
 
@@ -77,6 +106,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--datasets", action="store_true")
     parser.add_argument("--format", choices=["table", "json"], default="table")
     args = parser.parse_args()
     position = args.position // args.batch * args.batch
@@ -91,8 +121,17 @@ def main() -> None:
                 raise SystemExit("the seeking reader handed out another batch than the walk")
             walk.append(t_walk)
             seek.append(t_seek)
+        hf = {}
+        if args.datasets:
+            walked, skipping = _hf_streams(path, args.seq_len)
+            t_walk, a = _first_batch(walked, position, args.batch)
+            t_seek, b = _first_batch(skipping, position, args.batch)
+            if not torch.equal(a, b):
+                raise SystemExit("datasets' skip handed out another batch than the walk")
+            hf = {"datasets_walk_s": t_walk, "datasets_skip_s": t_seek,
+                  "datasets_ratio": t_walk / t_seek}
     out = {"position": position, "batch": args.batch, "walk_s": min(walk),
-           "seek_s": min(seek), "ratio": min(walk) / min(seek)}
+           "seek_s": min(seek), "ratio": min(walk) / min(seek), **hf}
     if args.format == "json":
         print(json.dumps(out))
         return
@@ -100,6 +139,10 @@ def main() -> None:
     print(f"{'read from the start':<24}{out['walk_s']:>10.4f} s")
     print(f"{'iter_from (file seek)':<24}{out['seek_s']:>10.4f} s")
     print(f"{'ratio':<24}{out['ratio']:>10.0f} x")
+    if hf:
+        print(f"{'datasets, read':<24}{hf['datasets_walk_s']:>10.4f} s")
+        print(f"{'datasets, skip':<24}{hf['datasets_skip_s']:>10.4f} s")
+        print(f"{'ratio':<24}{hf['datasets_ratio']:>10.0f} x")
 
 
 if __name__ == "__main__":

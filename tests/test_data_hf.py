@@ -120,3 +120,38 @@ def test_a_datasets_dataset_splits_and_resumes_as_one_device_loads_it():
         assert torch.equal(torch.cat([halves[0][s]["id"], halves[1][s]["id"]]), want["id"])
     assert [b["id"].tolist() for b in batches(start=3)] == [b["id"].tolist()
                                                            for b in whole[3:]]
+
+
+class _Skipping(torch.utils.data.IterableDataset):
+    """The documented seek for a ``datasets`` stream: ``iter_from`` is its ``skip``."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __iter__(self):
+        return iter(self.stream)
+
+    def iter_from(self, position: int):
+        return iter(self.stream.skip(position))
+
+
+def test_a_datasets_streams_skip_is_a_seek_unless_it_is_shuffled():
+    """Resumed at step 3 (the second epoch, its second batch; dp=2, so replica 1 jumps to item
+    12), the unshuffled stream's ``skip`` hands out the batches of the loader that read from
+    the start. A shuffled stream's ``skip`` forgets the epoch: in the second epoch it hands
+    out other items, which is why the docs say not to use it there."""
+    from plait.data import StreamLoader
+
+    def ids(stream, dp_rank: int = 0, dp_size: int = 1, resume: bool = False):
+        loader = StreamLoader(stream, D.BATCH, dp_rank=dp_rank, dp_size=dp_size, steps=5,
+                              collate_fn=partial(D.pad, length=D.SEQ))
+        if resume:
+            loader.load_state_dict({"step": 3, "seed": 0, "epoch": 1, "epoch_start": 2})
+        return [b["id"].tolist() for b in loader]
+
+    plain = D.hf_stream()
+    whole = ids(plain)
+    halves = [ids(_Skipping(plain), r, 2, resume=True) for r in range(2)]
+    assert [a + b for a, b in zip(*halves, strict=True)] == whole[3:]
+    shuffled = plain.shuffle(seed=3, buffer_size=8)
+    assert ids(_Skipping(shuffled), resume=True) != ids(shuffled)[3:]
