@@ -336,6 +336,44 @@ def test_a_stream_with_set_epoch_is_told_each_epoch_on_every_reader():
     assert _ids(resumed) == whole[3:]
 
 
+def test_python_and_numpy_generators_a_dataset_holds_are_named_too():
+    """``random.Random``, NumPy's ``Generator`` and ``RandomState`` held by a dataset and drawn
+    from while loading are named, each; one made again while loading is not."""
+    import random
+    import warnings
+
+    import numpy as np
+
+    from plait.data import DistributedLoader
+
+    class Held(torch.utils.data.Dataset):
+        def __init__(self):
+            self.py, self.npg = random.Random(1), np.random.default_rng(1)
+            self.legacy = np.random.RandomState(1)
+
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.tensor([self.py.random(), self.npg.random(), self.legacy.rand()])
+
+    class Remade(Held):
+        def __getitem__(self, i: int) -> torch.Tensor:
+            self.py = random.Random(torch.initial_seed())
+            return torch.tensor([self.py.random()])
+
+    def first(data: torch.utils.data.Dataset) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            next(iter(DistributedLoader(data, 4)))
+        return [str(w.message) for w in caught]
+
+    [message] = first(Held())
+    assert ("(self.legacy (RandomState), self.npg (Generator), self.py (Random))"
+            in message), message
+    assert first(Remade()) == []
+
+
 def test_a_stream_too_short_or_read_once_is_named():
     from tests import _workers_data as D
 
