@@ -135,7 +135,8 @@ class StreamLoader:
     ``state_dict`` holds them.
 
     ``num_workers`` > 0: worker w of W builds every W-th batch (torch's DataLoader hands the
-    batches out in order), each worker reading the stream from the epoch's start.
+    batches out in order), each worker reading the stream from the epoch's start, or jumping
+    to its next batch where the dataset has ``iter_from`` (the seek protocol above).
     """
 
     def __init__(self, dataset: Any, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1,
