@@ -49,8 +49,11 @@ class Blocks(IterableDataset):
         self.items, self.noise = items, noise
 
     def __iter__(self):
+        return self._items(0)
+
+    def _items(self, start: int):
         data = Numbered()
-        for p in range(self.items):
+        for p in range(start, self.items):
             item = data[p]
             if self.noise:
                 import random
@@ -59,6 +62,65 @@ class Blocks(IterableDataset):
 
                 item["input_ids"] = (item["input_ids"] + torch.randint(0, 3, (1,))
                                      + random.randrange(3) + int(np.random.randint(3))) % VOCAB
+            yield item
+
+
+class SeekableBlocks(Blocks):
+    """``Blocks`` with plait's seek protocol: ``iter_from(p)`` starts at item p. It counts the
+    items its iterators produced and the positions it was asked to start at (in the process
+    that reads it)."""
+
+    def __init__(self, items: int = ITEMS, noise: bool = False):
+        super().__init__(items, noise)
+        self.produced = 0
+        self.starts: list[int] = []
+
+    def _items(self, start: int):
+        self.starts.append(start)
+        for item in super()._items(start):
+            self.produced += 1
+            yield item
+
+    def iter_from(self, position: int):
+        return self._items(position)
+
+
+class OwnGenerator(Dataset):
+    """``Numbered`` with a random mask drawn from a generator the dataset holds
+    (``self.g``), made once (``per_item=False``: plait does not reseed it) or made again in
+    each ``dataset[i]`` from the seed plait gives the item (``per_item=True``).
+    ``draws=False``: the generator only drew in ``__init__`` (a fixed split) and loading
+    draws nothing."""
+
+    def __init__(self, per_item: bool = False, draws: bool = True):
+        self.g = torch.Generator().manual_seed(7)
+        self.split = torch.randperm(ITEMS, generator=self.g)
+        self.per_item, self.draws = per_item, draws
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = Numbered()[i]
+        if self.draws:
+            if self.per_item:
+                self.g = torch.Generator().manual_seed(torch.initial_seed())
+            keep = torch.rand(len(item["input_ids"]), generator=self.g) < 0.5
+            item["input_ids"] = torch.where(keep, item["input_ids"], 0)
+        return item
+
+
+class OwnGeneratorBlocks(Blocks):
+    """``Blocks`` shifting each block by a draw of a generator it holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = torch.Generator().manual_seed(7)
+
+    def _items(self, start: int):
+        for item in super()._items(start):
+            item["input_ids"] = (item["input_ids"]
+                                 + torch.randint(0, 3, (1,), generator=self.g)) % VOCAB
             yield item
 
 
@@ -94,7 +156,41 @@ def pad(items: list[dict[str, torch.Tensor]], length: int | None = None
             **{k: torch.stack([it[k] for it in items]) for k in ("id", "worker", "pid")}}
 
 
-DATA = {"numbered": Numbered, "blocks": Blocks, "augmented": Augmented}
+class EpochBlocks(Blocks):
+    """``Blocks`` in an order drawn from its epoch, which ``set_epoch`` sets (as ``datasets``'
+    shuffled streams do): without it every epoch has epoch 0's order."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _items(self, start: int):
+        data = Numbered()
+        order = torch.randperm(self.items, generator=torch.Generator().manual_seed(self.epoch))
+        for p in order[start:].tolist():
+            yield data[p]
+
+
+def hf_numbered() -> Any:
+    """``Numbered`` as a ``datasets.Dataset`` in torch format (columns from a dict)."""
+    import datasets
+
+    items = [Numbered()[i] for i in range(ITEMS)]
+    columns = {k: [it[k].tolist() for it in items] for k in ("input_ids", "labels", "id")}
+    columns["worker"], columns["pid"] = [-1] * ITEMS, [0] * ITEMS
+    return datasets.Dataset.from_dict(columns).with_format("torch")
+
+
+def hf_stream() -> Any:
+    """``hf_numbered`` as ``datasets``' ``IterableDataset`` (2 shards, in order)."""
+    return hf_numbered().to_iterable_dataset(num_shards=2)
+
+
+DATA = {"numbered": Numbered, "blocks": Blocks, "augmented": Augmented, "hf": hf_numbered,
+        "hf_stream": hf_stream}
 
 
 def masking_pad(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -231,6 +231,149 @@ def test_a_streams_own_randomness_is_the_same_for_every_reader():
     assert all(torch.equal(a, b) for a, b in zip(inputs(resumed), whole[3:], strict=True))
 
 
+def test_a_stream_with_iter_from_jumps_to_its_position_instead_of_reading_there():
+    """A dataset with ``iter_from`` resumed at step 3 (its second epoch's second batch, items
+    8 to 15) is asked to start at each replica's first row and produces only the items from
+    there: 8 of the 22 on one device, not 16; under dp=2 replica 1 starts at item 12. The
+    batches and the draws of a stream drawing as it yields are those of the run that walked
+    the stream from its start, with and without loader workers; an epoch's end is found the
+    same way (steps=7 crosses two epoch ends), and a seek past the end ends the epoch."""
+    from tests import _workers_data as D
+
+    def batches(loader):
+        return [(b["id"].tolist(), b["input_ids"]) for b in loader]
+
+    state = {"step": 3, "seed": 0, "epoch": 1, "epoch_start": 2}
+    whole = batches(_stream(steps=7, data=D.Blocks(noise=True)))
+    for dp in (1, 2):
+        parts = []
+        for r in range(dp):
+            data = D.SeekableBlocks(noise=True)
+            resumed = _stream(r, dp, steps=4, data=data)
+            resumed.load_state_dict(state)
+            parts.append(batches(resumed))
+            assert data.starts[0] == 8 + r * 8 // dp, (dp, r, data.starts)
+            assert data.produced == 8 - r * 8 // dp, (dp, r, data.produced)
+        for s, (ids, inputs) in enumerate(whole[3:4]):
+            assert sum((p[s][0] for p in parts), []) == ids
+            assert torch.equal(torch.cat([p[s][1] for p in parts]), inputs)
+    for workers in (0, 2):
+        resumed = _stream(steps=7, data=D.SeekableBlocks(noise=True), num_workers=workers)
+        resumed.load_state_dict(state)
+        got = batches(resumed)
+        assert [ids for ids, _ in got] == [ids for ids, _ in whole[3:]]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, whole[3:], strict=True))
+    past = D.SeekableBlocks()
+    loader = _stream(steps=3, data=past)
+    loader.load_state_dict({"step": 2, "seed": 0, "epoch": 0, "epoch_start": 0})
+    assert _ids(loader) == [list(range(8))] and past.starts == [16, 0]
+
+
+def test_a_datasets_own_generator_is_named_and_the_items_seed_is_the_fix():
+    """A dataset drawing from a generator it holds (``self.g``) is not reseeded per item, so a
+    run resumed at step 3 draws other masks than the run that went on: the loader warns on
+    its first batch, naming the attribute and the fix, with workers too. The fix, the
+    generator made in ``dataset[i]`` from ``torch.initial_seed()`` (the item's seed under
+    plait), gives one device's draws to a resumed loader, to dp=2 and to loader workers,
+    without a warning. A generator that drew only in ``__init__`` is not named, nor is a
+    stream's own generator missed."""
+    import warnings
+
+    from plait.data import DistributedLoader
+    from tests import _workers_data as D
+
+    def inputs(loader):
+        return [(b["id"].tolist(), b["input_ids"]) for b in loader]
+
+    def make(data, **kw):
+        return DistributedLoader(data, D.BATCH, steps=5, collate_fn=partial(D.pad, length=D.SEQ),
+                                 **kw)
+
+    def resumed(data, **kw):
+        loader = make(data, **kw)
+        loader.load_state_dict({"step": 3, "seed": 0})
+        return inputs(loader)
+
+    own = "plait: dataset OwnGenerator drew from a generator of its own while loading"
+    fix = r"torch.Generator\(\).manual_seed\(torch.initial_seed\(\)\)"
+    with pytest.warns(UserWarning, match=rf"{own} \(self.g \(Generator\)\).*{fix}"):
+        whole = inputs(make(D.OwnGenerator()))
+    with pytest.warns(UserWarning, match=own):
+        again = resumed(D.OwnGenerator())
+    assert [i for i, _ in again] == [i for i, _ in whole[3:]]
+    assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(again, whole[3:], strict=True))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        whole = inputs(make(D.OwnGenerator(per_item=True)))
+        assert all(torch.equal(a, b) for (_, a), (_, b)
+                   in zip(resumed(D.OwnGenerator(per_item=True)), whole[3:], strict=True))
+        halves = [inputs(make(D.OwnGenerator(per_item=True), dp_rank=r, dp_size=2,
+                              num_workers=w)) for r, w in ((0, 0), (1, 2))]
+        for s, (_, want) in enumerate(whole):
+            assert torch.equal(torch.cat([halves[0][s][1], halves[1][s][1]]), want)
+        inputs(make(D.OwnGenerator(draws=False)))
+    with pytest.warns(UserWarning, match=r"dataset OwnGeneratorBlocks drew from a generator "
+                                         r"of its own while loading \(self.g"):
+        list(_stream(data=D.OwnGeneratorBlocks()))
+
+
+def test_a_stream_with_set_epoch_is_told_each_epoch_on_every_reader():
+    """A stream whose order comes from its epoch (``set_epoch``, as ``datasets``' shuffled
+    streams): a loader running across epochs gives each epoch a new order, the same split over
+    dp=2, in loader workers and after a resume in the second epoch."""
+    from tests import _workers_data as D
+
+    whole = _ids(_stream(steps=4, data=D.EpochBlocks()))
+    assert whole[:2] != whole[2:]
+    for epoch in (whole[:2], whole[2:]):
+        assert len(set(sum(epoch, []))) == 16 and set(sum(epoch, [])) <= set(range(D.ITEMS))
+    halves = [_ids(_stream(r, 2, steps=4, data=D.EpochBlocks(), num_workers=2 * r))
+              for r in range(2)]
+    assert [a + b for a, b in zip(*halves, strict=True)] == whole
+    resumed = _stream(steps=4, data=D.EpochBlocks())
+    resumed.load_state_dict({"step": 3, "seed": 0, "epoch": 1, "epoch_start": 2})
+    assert _ids(resumed) == whole[3:]
+
+
+def test_python_and_numpy_generators_a_dataset_holds_are_named_too():
+    """``random.Random``, NumPy's ``Generator`` and ``RandomState`` held by a dataset and drawn
+    from while loading are named, each; one made again while loading is not."""
+    import random
+    import warnings
+
+    import numpy as np
+
+    from plait.data import DistributedLoader
+
+    class Held(torch.utils.data.Dataset):
+        def __init__(self):
+            self.py, self.npg = random.Random(1), np.random.default_rng(1)
+            self.legacy = np.random.RandomState(1)
+
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.tensor([self.py.random(), self.npg.random(), self.legacy.rand()])
+
+    class Remade(Held):
+        def __getitem__(self, i: int) -> torch.Tensor:
+            self.py = random.Random(torch.initial_seed())
+            return torch.tensor([self.py.random()])
+
+    def first(data: torch.utils.data.Dataset) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            next(iter(DistributedLoader(data, 4)))
+        return [str(w.message) for w in caught]
+
+    [message] = first(Held())
+    assert ("(self.legacy (RandomState), self.npg (Generator), self.py (Random))"
+            in message), message
+    assert first(Remade()) == []
+
+
 def test_a_stream_too_short_or_read_once_is_named():
     from tests import _workers_data as D
 

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
 from ..warn import user_stacklevel
-from .rng import batch_seed, run_seeded, seeded_item
+from .rng import batch_seed, run_seeded, seeded_item, watch_own_generators
 
 
 class DistributedLoader:
@@ -79,6 +79,7 @@ class DistributedLoader:
         self.num_workers, self.persistent_workers = num_workers, persistent_workers
         self.pin_memory = pin_memory
         self._workers: DataLoader | None = None  # made at the first pass that needs it
+        self._build: ReplicaBatch | None = None
         left = n % batch_size
         if left and not shuffle:
             warnings.warn(f"plait: shuffle=False and {n} items make {n // batch_size} global "
@@ -136,7 +137,9 @@ class DistributedLoader:
         return epoch, k, self.keys(step)
 
     def _builder(self) -> ReplicaBatch:
-        return ReplicaBatch(self.dataset, self.seed, self.dp_rank, self.collate_fn)
+        if self._build is None or self._build.seed != self.seed:
+            self._build = ReplicaBatch(self.dataset, self.seed, self.dp_rank, self.collate_fn)
+        return self._build
 
     def batch(self, step: int) -> Any:
         """This replica's batch at ``step``."""
@@ -217,8 +220,15 @@ class ReplicaBatch:
                  collate_fn: Callable[[list[Any]], Any]):
         self.dataset, self.seed, self.dp_rank = dataset, seed, dp_rank
         self.collate_fn = collate_fn
+        self.watch = True  # the first batch looks for generators of the dataset's own
 
     def __getitem__(self, key: tuple[int, int, list[tuple[int, int]]]) -> Any:
+        if self.watch:
+            self.watch = False
+            return watch_own_generators(self.dataset, lambda: self._build(key))
+        return self._build(key)
+
+    def _build(self, key: tuple[int, int, list[tuple[int, int]]]) -> Any:
         epoch, k, items = key
         rows = [seeded_item(self.dataset, self.seed, e, i) for e, i in items]
         return seeded_collate(self.collate_fn, rows, self.seed, epoch, k, self.dp_rank)

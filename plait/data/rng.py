@@ -10,7 +10,15 @@ get other draws in each. plait gives the data its own states instead:
   draws are a function of the item alone, whichever worker or rank loads it, and whenever;
 * an iterable dataset's iterator is stepped to its item at position p with them seeded from
   (seed, epoch, p), so every reader of the stream (each replica, each worker, a resumed run
-  reading from the start of the epoch) sees the same draws.
+  reading from the start of the epoch or jumping to its position) sees the same draws.
+
+A dataset that keeps a generator object of its own (``self.g = torch.Generator()`` drawn from
+in ``__getitem__``) is outside this: plait cannot know that object, so its draws depend on what
+that copy of the dataset loaded before, which differs between one device, the replicas, the
+loader workers and a resumed run (the loader warns when it sees one change while an item
+loads: ``own_generators_drawn``). Draw from the global generators (``torch.rand(...)`` with no
+``generator=``), or make the generator for the item from the seed plait gives it:
+``torch.Generator().manual_seed(torch.initial_seed())`` inside ``__getitem__``.
 
 torch's CPU state is put back after each item: dropout and initialisation in the training
 process draw what they would without loading (torch's ``fork_rng`` would do that too, but it
@@ -19,11 +27,15 @@ forks the accelerators' states as well, which loading never touches, at a cost p
 
 from __future__ import annotations
 
+import pickle
 import random
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
+
+from ..warn import user_stacklevel
 
 T = TypeVar("T")
 
@@ -71,21 +83,85 @@ def run_seeded(fn: Callable[[], T], seed: int) -> T:
         torch.set_rng_state(saved)
 
 
+def _generator_state(obj: Any) -> bytes | None:
+    """The state of a random generator object (torch's, Python's ``random.Random``, NumPy's
+    ``RandomState`` or ``Generator``) as bytes; None for anything else."""
+    if isinstance(obj, torch.Generator):
+        return bytes(obj.get_state().numpy().tobytes())
+    if isinstance(obj, random.Random):
+        return pickle.dumps(obj.getstate())
+    np = _numpy()
+    if np is not None and isinstance(obj, np.random.RandomState):
+        return pickle.dumps(obj.get_state())
+    if np is not None and isinstance(obj, np.random.Generator):
+        return pickle.dumps(obj.bit_generator.state)
+    return None
+
+
+def _generators(dataset: Any) -> dict[str, tuple[Any, bytes]]:
+    """The generator objects ``dataset`` holds as attributes, by name, with their states."""
+    states = {}
+    for name, value in getattr(dataset, "__dict__", {}).items():
+        state = _generator_state(value)
+        if state is not None:
+            states[name] = (value, state)
+    return states
+
+
+def watch_own_generators(dataset: Any, load: Callable[[], T]) -> T:
+    """``load()``, warning when a generator object the dataset holds (``self.g =
+    torch.Generator()``) changed state while it ran: plait seeds the global generators for
+    each item, not objects of the dataset's own, whose draws then depend on what this copy of
+    the dataset loaded before (other on one device, each replica, each loader worker and after
+    a resume). A generator that only drew in ``__init__`` (a fixed split), or one made again
+    while loading (from the item's seed), is left alone: only the same object drawn from is
+    named."""
+    before = _generators(dataset)
+    result = load()
+    if not before:
+        return result
+    after = _generators(dataset)
+    drawn = sorted(name for name, (held, state) in before.items()
+                   if name in after and after[name][0] is held and after[name][1] != state)
+    if drawn:
+        name = type(dataset).__name__
+        held = ", ".join(f"self.{a} ({type(getattr(dataset, a)).__name__})" for a in drawn)
+        warnings.warn(
+            f"plait: dataset {name} drew from a generator of its own while loading ({held}): "
+            f"plait seeds the global generators for each item, not one a dataset holds, so "
+            f"its draws depend on what this copy of the dataset loaded before and differ "
+            f"between one device, the data replicas, loader workers and a resumed run. Draw "
+            f"from the global generators (torch.rand(...) without generator=, random, "
+            f"np.random), or make the generator while loading from the seed plait gives the "
+            f"item: torch.Generator().manual_seed(torch.initial_seed())",
+            UserWarning, stacklevel=user_stacklevel())
+    return result
+
+
 def seeded_item(dataset: Any, seed: int, epoch: int, index: int) -> Any:
     """``dataset[index]`` drawing from (seed, epoch, index)."""
     return run_seeded(lambda: dataset[index], item_seed(seed, epoch, index))
 
 
-def seeded_stream(iterable: Any, seed: int, epoch: int) -> Iterator[Any]:
-    """``iter(iterable)``, the step that yields the item at position p drawing from (seed,
-    epoch, p): every reader of the stream steps it from the start of the epoch, so each sees
-    the same draws."""
-    it = run_seeded(lambda: iter(iterable), stream_seed(seed, epoch))
+def seeded_stream(iterable: Any, seed: int, epoch: int, start: int = 0) -> Iterator[Any]:
+    """The items of ``iterable`` from position ``start`` of ``epoch`` on, the step that yields
+    the item at position p drawing from (seed, epoch, p), so every reader of the stream sees
+    the same draws.
+
+    A dataset with ``iter_from(position)`` (``plait.data.stream``'s seek protocol) is asked
+    for an iterator that starts at ``start``; any other is iterated from the start of the
+    epoch and the items before ``start`` are dropped, each still stepped with its own seed."""
+    jump = start > 0 and callable(getattr(iterable, "iter_from", None))
+    if jump:
+        it = run_seeded(lambda: iter(iterable.iter_from(start)), stream_seed(seed, epoch))
+    else:
+        it = run_seeded(lambda: iter(iterable), stream_seed(seed, epoch))
     end = object()
-    position = 0
+    position = start if jump else 0
     while True:
         item = run_seeded(lambda: next(it, end), item_seed(seed, epoch, position))
         if item is end:
             return
-        yield item
+        if position >= start:
+            yield item
         position += 1

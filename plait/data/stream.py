@@ -14,7 +14,29 @@ reading it (``datasets``' ``split_dataset_by_node`` does the same, keeping one i
 ``world_size``, when its files do not divide among the ranks), and a split by files gives each
 replica other items than one device reads in its order, so neither the one-device batches nor a
 resume under another data-parallel size would hold. The cost is that every reader produces
-every item of the stream and drops the ones that are not its own.
+every item of the stream and drops the ones that are not its own, and that a resumed run reads
+the epoch from its start up to where it stopped.
+
+The seek protocol removes the second cost, and most of the first for loader workers: a dataset
+that can start part-way (records of known size in a file, shards of known length, an index)
+defines ``iter_from(position)``, returning an iterator whose first item is the one ``iter()``
+yields at ``position`` (counted from 0 at the start of the epoch), and the same items after it.
+plait calls it where a reader would otherwise read items only to drop them: when it starts
+(the first batch after a resume, a loader worker's first batch, each epoch's start for a
+replica other than the first) and when a loader worker's next batch is a global batch or more
+ahead. Like ``iter()``, it runs with the global generators seeded from (seed, epoch), and each
+item is stepped seeded from (seed, epoch, its position), so items that draw from them draw what
+a reader that walked there draws. A position at or past the end returns an empty iterator.
+Nothing else is asked of the dataset: plait's checkpoint holds the position, not the dataset's
+state (torchdata's ``StatefulDataLoader`` and ``datasets``' ``IterableDataset.state_dict``
+save the dataset's own state instead, which ties a checkpoint to one reader's place, where
+plait's readers each hold another).
+
+A dataset with ``set_epoch(epoch)`` (``datasets``' ``IterableDataset``, whose shuffle buffer
+and shard order are drawn from its seed and epoch) is told the epoch before each reader
+iterates it, so each epoch is shuffled anew on every reader alike, as ``DistributedSampler``'s
+``set_epoch`` does for a map-style dataset; a loader running across epochs (``steps=N``)
+leaves the script no place to call it.
 
 An epoch ends when the stream does. Its last global batch is dropped if the stream ends inside
 it (no padding with repeated items, which would count twice), and every replica ends the
@@ -38,7 +60,7 @@ from .loader import (
     seeded_collate,
     warn_left_padding,
 )
-from .rng import seeded_stream
+from .rng import seeded_stream, watch_own_generators
 
 
 class EpochEnd:
@@ -60,17 +82,33 @@ class ReplicaStream:
         self._items: Iterator[Any] | None = None
         self._next = 0  # the position the iterator yields next
         self._length: int | None = None  # the epoch's item count, once the stream ended
+        self._seeks = callable(getattr(dataset, "iter_from", None))
+        self._watch = True  # the first batch looks for generators of the dataset's own
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
+        if self._watch:
+            self._watch = False
+            return watch_own_generators(self.dataset, lambda: self._batch(key))
+        return self._batch(key)
+
+    def _batch(self, key: tuple[int, int]) -> Any:
         epoch, k = key
         first = k * self.batch_size
         last = first + self.batch_size - 1  # the global batch is whole once this one exists
         if epoch == self._epoch and self._length is not None and last >= self._length:
             return EpochEnd()
-        if epoch != self._epoch or first < self._next:
-            self._epoch, self._next, self._length = epoch, 0, None
-            self._items = seeded_stream(self.dataset, self.seed, epoch)
         lo = first + self.dp_rank * self.local
+        if (epoch != self._epoch or first < self._next
+                or (self._seeks and lo - self._next >= self.batch_size)):
+            # A fresh reader starts at its first row: a dataset with ``iter_from`` jumps there,
+            # any other is read from the start of the epoch (seeded_stream drops the rest).
+            if epoch != self._epoch:
+                self._length = None
+            set_epoch = getattr(self.dataset, "set_epoch", None)
+            if callable(set_epoch):  # a stream that shuffles anew each epoch (datasets')
+                set_epoch(epoch)
+            self._epoch, self._next = epoch, lo
+            self._items = seeded_stream(self.dataset, self.seed, epoch, start=lo)
         rows = []
         end = object()
         assert self._items is not None
@@ -97,7 +135,8 @@ class StreamLoader:
     ``state_dict`` holds them.
 
     ``num_workers`` > 0: worker w of W builds every W-th batch (torch's DataLoader hands the
-    batches out in order), each worker reading the stream from the epoch's start.
+    batches out in order), each worker reading the stream from the epoch's start, or jumping
+    to its next batch where the dataset has ``iter_from`` (the seek protocol above).
     """
 
     def __init__(self, dataset: Any, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1,
