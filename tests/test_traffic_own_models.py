@@ -151,7 +151,8 @@ def test_cp_under_bf16_gathers_keys_in_the_dtype_the_model_hands_attention():
     in fp32, promotes its keys to fp32 and leaves its values bf16, while the test model's are
     both bf16: read off a forward pass on fake tensors before layout, the ledger's expected
     column is exact for both (every row, ratio 1), the Llama's K/V rows at 4 + 2 bytes a
-    key-value pair of elements, the other's at 2 + 2."""
+    key-value pair of elements, the other's at 2 + 2. ``plait plan`` of the Llama's factory
+    prices the same K/V bytes and calls as the ledger measures."""
     plan = "cp=2,mixed_precision=bf16"
     runs = run_distributed(T.ledger_rows, 2, plan, ["llama", "gqa"], timeout=300)[0]
     for name, e in (("llama", 3), ("gqa", 2)):
@@ -163,6 +164,33 @@ def test_cp_under_bf16_gathers_keys_in_the_dtype_the_model_hands_attention():
         kv, layers = 2 * (T.WIDTH // 4), 4
         assert measured[("cp", "all_gather")] == (2 * layers * T.BATCH * T.SEQ * kv * e,
                                                   2 * layers), (name, measured)
+    # plait plan prices the factory's K/V in the same dtypes (read off its forward pass)
+    planned = _plan_cli_rows("tests._traffic_models:hf_llama", plan,
+                             runs["llama"]["global_batch"])
+    measured = T.measured_rows(runs["llama"]["comm"])
+    for op in ("all_gather", "reduce_scatter"):
+        assert planned[("cp", op)] == measured[("cp", op)], (op, planned, measured)
+
+
+def _plan_cli_rows(factory: str, plan: str, global_batch: int
+                   ) -> dict[tuple[str, str], tuple[float, float]]:
+    """``plait plan --model <factory> --plan <plan> --format json``'s traffic as the ledger's
+    rows show it: {(axis, op): (bytes, calls)} per step."""
+    import contextlib
+    import io
+    import json
+
+    from plait.planner.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["--model", factory, "--cluster", "cpu", "--plan", plan, "--seq", str(T.SEQ),
+              "--global-batch", str(global_batch), "--format", "json"])
+    rows: dict[tuple[str, str], tuple[float, float]] = {}
+    for t in json.loads(out.getvalue())["plans"][0]["traffic"]:
+        b, c = rows.get((t["axis"], t["op"]), (0.0, 0.0))
+        rows[(t["axis"], t["op"])] = (b + t["payload_bytes"], c + t["calls"])
+    return rows
 
 
 def test_tied_weight_beside_data_parallelism_and_a_pipeline():

@@ -866,17 +866,14 @@ def planner_stats(model: Any, device_type: str = "cpu", plan: Any = None) -> Any
 
     if _find_config(model) is not None:
         return None
+    # under cp and bf16: the dtypes K and V reach attention in, read now, before layout
+    # changes the model (as ``plait plan`` reads them)
+    dtypes = plan is not None and plan.cp > 1 and plan.mixed_precision in HALF
     try:
-        stats = from_module(model, name=type(model).__name__, device_type=device_type)
+        stats = from_module(model, name=type(model).__name__, device_type=device_type,
+                            attention_dtypes=dtypes)
     except ValueError:
         return None
-    if plan is not None and plan.cp > 1 and plan.mixed_precision in HALF and stats.attention:
-        from dataclasses import replace
-
-        from ..planner.tp_trace import attention_keys
-
-        # the dtype K and V reach attention in, read now, before layout changes the model
-        stats = replace(stats, attention_keys=attention_keys(model, device_type=device_type))
     block = stats.tp_block
     if block is not None:
         if plan is None or reads_trace(plan):
