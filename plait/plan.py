@@ -326,9 +326,13 @@ class Plan:
         errors = []
         if self.pp > 1 and self.pp_schedule in ZERO_BUBBLE_SCHEDULES:
             errors.append(f"cp={self.cp} with pp_schedule={self.pp_schedule!r} is not "
-                          f"supported: the cp ranks' gradients would be synchronised before "
-                          f"the deferred weight gradients exist; use 1f1b, gpipe or "
-                          f"interleaved_1f1b with cp, or cp=1")
+                          f"supported: the cp ranks' partial gradients are summed by DDP, "
+                          f"whose reducer never sees the weight gradients torch's zero-bubble "
+                          f"stages compute later with autograd.grad (every parameter ends off "
+                          f"one device's, as with data parallelism), and summing them with "
+                          f"FSDP2's replicate after the last weight step still leaves a "
+                          f"middle stage's off; use 1f1b, gpipe or interleaved_1f1b with cp, "
+                          f"or cp=1")
         if self.compile:
             errors.append(f"cp={self.cp} with compile is not supported: the cp attention "
                           f"issues its all-gather from Python inside each block's forward; "

@@ -49,6 +49,7 @@ def test_world_size_mismatch_names_every_factor():
     ("dp_shard=2,zero=1,tp=2", "zero=1 with tp=2 is not supported"),
     ("sp", "needs tp > 1"),
     ("cp=2,pp=2,mb=2,schedule=zbv,v=2", "cp=2 with pp_schedule='zbv' is not supported"),
+    ("cp=2,pp=2,mb=2,schedule=interleaved_zb,v=2", "reducer never sees the weight gradients"),
     ("cp=2,tp=2,zero=1", "zero=1 with tp=2 is not supported"),
     ("cp=2,compile", "cp=2 with compile is not supported"),
     ("pp=2,schedule=warp", "pp_schedule='warp'"),
