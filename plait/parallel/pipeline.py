@@ -985,16 +985,9 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     """Split ``model`` into ``plan.pp x plan.virtual_stages`` stages, keep this rank's, and
     return them with their schedule, recorded in the returned model's ``Layout``."""
     check_schedule_args(plan.pp_schedule, plan.pp, plan.microbatches, plan.virtual_stages)
-    if plan.cp > 1 and is_hf_model(model):
-        # refused on every rank before anything is sent: at the first step only the cp
-        # ranks holding a sequence's head and tail would raise, inside the schedule
-        raise ValueError(
-            f"{type(model).__name__} under cp={plan.cp} with pp={plan.pp}: plait's pipeline "
-            f"calls a Hugging Face model's stages with use_cache=False, and transformers then "
-            f"reads the head-and-tail position_ids of a cp slice as packed sequences and "
-            f"builds an explicit attention mask, which context parallelism cannot split; "
-            f"train it with pp=1 (cp with dp_shard/zero or tp), or cp=1")
     path, specs = plan_stages(model, plan)
+    if plan.cp > 1:
+        specs = [replace(s, context_parallel=True) for s in specs]
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     mine = local_stages(plan.pp_schedule, plan.pp, plan.virtual_stages, pp_rank)
