@@ -331,9 +331,9 @@ class Plan:
                           f"zero-bubble stages compute the weight gradients in a later step "
                           f"with autograd.grad, which DDP's reducer (zero=1) never sees, and "
                           f"under FSDP2 (zero>=2, or its replicate over tp's shards) one stage "
-                          f"ended off one device where measured; plait averages them over the cp ranks itself at "
-                          f"zero=0 and tp=1: use those, or 1f1b, gpipe or interleaved_1f1b "
-                          f"with cp, or cp=1")
+                          f"ended off one device where measured; plait averages them over "
+                          f"the cp ranks itself at zero=0 and tp=1: use those, or 1f1b, gpipe "
+                          f"or interleaved_1f1b with cp, or cp=1")
         if self.compile:
             errors.append(f"cp={self.cp} with compile is not supported: the cp attention "
                           f"issues its all-gather from Python inside each block's forward; "
