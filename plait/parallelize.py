@@ -56,6 +56,14 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.devic
     return parallelize_stage(model, mesh, plan, device=device)
 
 
+def zero_bubble_stage(plan: Plan) -> bool:
+    """Whether the modules laid out are stages of a zero-bubble pipeline schedule (their
+    backward split into input- and weight-gradient steps)."""
+    from .plan import ZERO_BUBBLE_SCHEDULES
+
+    return plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES
+
+
 def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
                       device: torch.device) -> nn.Module:
     """Steps 2-4 (TP/SP, checkpointing, data parallel) on one module or pipeline stage."""
@@ -99,6 +107,8 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
 
         module = apply_replicate_cp(module, mesh, plan)
         applied.append("replicate")
+    elif plan.cp > 1 and zero_bubble_stage(plan):
+        pass  # the pipeline averages them after the schedule (sync_cp_gradients)
     elif plan.cp > 1:
         # Context-parallel ranks compute partial gradients of the same parameters: DDP sums
         # them over the data and cp ranks together (dp_cp), as it averages over replicas.

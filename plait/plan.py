@@ -324,11 +324,16 @@ class Plan:
     def _cp_errors(self) -> list[str]:
         """What context parallelism does not compose with (plait.parallel.context)."""
         errors = []
-        if self.pp > 1 and self.pp_schedule in ZERO_BUBBLE_SCHEDULES:
-            errors.append(f"cp={self.cp} with pp_schedule={self.pp_schedule!r} is not "
-                          f"supported: the cp ranks' gradients would be synchronised before "
-                          f"the deferred weight gradients exist; use 1f1b, gpipe or "
-                          f"interleaved_1f1b with cp, or cp=1")
+        if self.pp > 1 and self.pp_schedule in ZERO_BUBBLE_SCHEDULES and (
+                self.zero > 0 or self.tp > 1):
+            errors.append(f"cp={self.cp} with pp_schedule={self.pp_schedule!r} and "
+                          f"zero={self.zero}, tp={self.tp} is not supported: torch's "
+                          f"zero-bubble stages compute the weight gradients in a later step "
+                          f"with autograd.grad, which DDP's reducer (zero=1) never sees, and "
+                          f"under FSDP2 (zero>=2, or its replicate over tp's shards) one stage "
+                          f"ended off one device where measured; plait averages them over "
+                          f"the cp ranks itself at zero=0 and tp=1: use those, or 1f1b, gpipe "
+                          f"or interleaved_1f1b with cp, or cp=1")
         if self.compile:
             errors.append(f"cp={self.cp} with compile is not supported: the cp attention "
                           f"issues its all-gather from Python inside each block's forward; "

@@ -402,17 +402,3 @@ def checkpoints_zero1(rank: int, world_size: int, root: str) -> dict[str, Any]:
                                                             "dp_shard=2,zero=3", base + "cpz1")
     out[f"one process -> {plan}"] = ck.continue_under(rank, world_size, plan, base + "single")
     return out
-
-
-def hf_refused(rank: int, world_size: int, plan: str) -> str:
-    """run.parallelize's refusal of the tiny Hugging Face Llama under ``plan``."""
-    from plait.runtime import init
-
-    run = init(plan, quiet=True)
-    try:
-        run.parallelize(hf_llama())
-        return ""
-    except ValueError as exc:
-        return str(exc)
-    finally:
-        run.close()

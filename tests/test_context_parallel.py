@@ -460,13 +460,21 @@ def test_cp_with_pp_matches_one_device_and_refuses_on_every_stage(lm_data, block
     """World 4, cp=2 x pp=2 (1F1B): each stage runs on its rank's slice of every sequence
     (the stages send slices), its attention over the whole sequence with the cp ranks of its
     stage; the loss of every step and every parameter after three SGD steps (which, unlike
-    AdamW's, show a wrong gradient scale) match one device. What cp refuses is refused on
-    every rank, the loss that shifts labels too, which only the last stage computes."""
+    AdamW's, show a wrong gradient scale) match one device, on a model written for the test
+    and on a tiny Hugging Face Llama. What cp refuses is refused on every rank, the loss that
+    shifts labels too, which only the last stage computes."""
     batches, _ = lm_data
     plan = "cp=2,pp=2,microbatches=2"
-    got = run_distributed(W.train, 4, [(plan, W.block_lm, batches, W.lm_loss)],
+    zbv = "cp=2,pp=2,microbatches=2,pp_schedule=zbv,virtual_stages=2"
+    got = run_distributed(W.train, 4, [(plan, W.block_lm, batches, W.lm_loss),
+                                       (plan, W.hf_llama, batches, W.logits_loss),
+                                       (zbv, W.deep_block_lm, batches, W.lm_loss)],
                           timeout=300)[0]
     _assert_matches(block_ref["block_lm"], got[0])
+    # a Hugging Face model: its stages are told the slice's positions are no packed sequences
+    _assert_matches(W.reference(W.hf_llama, batches, W.logits_loss), got[1])
+    # ZB-V: the weight gradients come after the last input-gradient step, then the cp sum
+    _assert_matches(block_ref["deep_block_lm"], got[2])
     # the stages run on slices: K and V gathered per block and microbatch (one block per
     # stage, two microbatches), the activations sent are half the sequence's
     ledger = run_distributed(W.ledger_axes, 4, batches, plan, W.block_lm, timeout=300)[0]
@@ -483,17 +491,20 @@ def test_cp_with_pp_matches_one_device_and_refuses_on_every_stage(lm_data, block
 @pytest.mark.slow
 def test_cp_with_pp_schedules_and_accumulation_match_one_device(lm_data, block_ref):
     """World 4: GPipe on plait's transformer (rotary positions on every stage), interleaved
-    1F1B with two stages per rank and 1F1B with grad_accum=2 under cp=2 x pp=2 train what
-    one device trains; run.evaluate's loss is one device's; a Hugging Face model is refused
-    up front."""
+    1F1B with two stages per rank, 1F1B with grad_accum=2 and interleaved zero-bubble with
+    grad_accum=2 under cp=2 x pp=2 train what one device trains; run.evaluate's loss is one
+    device's."""
     batches, ref = lm_data
     jobs = [("cp=2,pp=2,microbatches=2,pp_schedule=gpipe", W.reference_lm, batches, W.lm_loss),
             ("cp=2,pp=2,microbatches=4,pp_schedule=interleaved_1f1b,virtual_stages=2",
              W.deep_block_lm, batches, W.lm_loss),
-            ("cp=2,pp=2,microbatches=2,grad_accum=2", W.block_lm, batches, W.lm_loss)]
+            ("cp=2,pp=2,microbatches=2,grad_accum=2", W.block_lm, batches, W.lm_loss),
+            ("cp=2,pp=2,microbatches=2,pp_schedule=interleaved_zb,virtual_stages=2,"
+             "grad_accum=2", W.deep_block_lm, batches, W.lm_loss)]
     got = run_distributed(W.train, 4, jobs, timeout=480)[0]
     for result, want in zip(got, (ref["reference"], block_ref["deep_block_lm"],
-                                  block_ref["block_lm"]), strict=True):
+                                  block_ref["block_lm"], block_ref["deep_block_lm"]),
+                            strict=True):
         _assert_matches(want, result)
     inputs, labels = batches[0]
     with torch.no_grad():
@@ -501,9 +512,6 @@ def test_cp_with_pp_schedules_and_accumulation_match_one_device(lm_data, block_r
     evals = run_distributed(W.evaluate, 4, batches, "cp=2,pp=2,microbatches=2", W.block_lm,
                             timeout=240)
     assert all(e == pytest.approx(want_eval, rel=REL) for e in evals), (evals, want_eval)
-    # a Hugging Face model is refused on every rank at parallelize (see docs)
-    for message in run_distributed(W.hf_refused, 4, "cp=2,pp=2,microbatches=2", timeout=240):
-        assert "use_cache=False" in message and "pp=1" in message, message
 
 
 @pytest.mark.slow

@@ -110,6 +110,11 @@ SLOW_CASES = [
     ("cp=2,activation_checkpointing=full,grad_accum=2", ["gqa", "mqa", "attention"]),
     ("dp_shard=2,zero=3,cp=2", ["gqa", "llama", "mqa"]),
     ("dp=2,cp=2", ["gqa", "attention"]),
+    # context parallelism beside tensor parallelism: tp's all-reduces (or SP's gathers and
+    # reduce-scatters) on each rank's seq / cp tokens, K and V of the rank's share of the kv
+    # heads gathered over cp, the gradients all-reduced over cp
+    ("cp=2,tp=2", ["llama", "gqa"]),
+    ("cp=2,tp=2,sp=1", ["llama"]),
     # leading frozen blocks (tp, SP, ZeRO-3 x tp and checkpointing with the cases above)
     ("dp_shard=2,zero=3", ["frozen_stage", "llama_frozen"]),
     ("dp_replicate=2,dp_shard=2,zero=3,grad_accum=2", ["frozen_lead"]),
@@ -151,7 +156,8 @@ def test_cp_under_bf16_gathers_keys_in_the_dtype_the_model_hands_attention():
     in fp32, promotes its keys to fp32 and leaves its values bf16, while the test model's are
     both bf16: read off a forward pass on fake tensors before layout, the ledger's expected
     column is exact for both (every row, ratio 1), the Llama's K/V rows at 4 + 2 bytes a
-    key-value pair of elements, the other's at 2 + 2."""
+    key-value pair of elements, the other's at 2 + 2. ``plait plan`` of the Llama's factory
+    prices the same K/V bytes and calls as the ledger measures."""
     plan = "cp=2,mixed_precision=bf16"
     runs = run_distributed(T.ledger_rows, 2, plan, ["llama", "gqa"], timeout=300)[0]
     for name, e in (("llama", 3), ("gqa", 2)):
@@ -163,6 +169,50 @@ def test_cp_under_bf16_gathers_keys_in_the_dtype_the_model_hands_attention():
         kv, layers = 2 * (T.WIDTH // 4), 4
         assert measured[("cp", "all_gather")] == (2 * layers * T.BATCH * T.SEQ * kv * e,
                                                   2 * layers), (name, measured)
+    # plait plan prices the factory's K/V in the same dtypes (read off its forward pass)
+    planned = _plan_cli_rows("tests._traffic_models:hf_llama", plan,
+                             runs["llama"]["global_batch"])
+    measured = T.measured_rows(runs["llama"]["comm"])
+    for op in ("all_gather", "reduce_scatter"):
+        assert planned[("cp", op)] == measured[("cp", op)], (op, planned, measured)
+
+
+def _plan_cli_rows(factory: str, plan: str, global_batch: int
+                   ) -> dict[tuple[str, str], tuple[float, float]]:
+    """``plait plan --model <factory> --plan <plan> --format json``'s traffic as the ledger's
+    rows show it: {(axis, op): (bytes, calls)} per step."""
+    import contextlib
+    import io
+    import json
+
+    from plait.planner.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["--model", factory, "--cluster", "cpu", "--plan", plan, "--seq", str(T.SEQ),
+              "--global-batch", str(global_batch), "--format", "json"])
+    rows: dict[tuple[str, str], tuple[float, float]] = {}
+    for t in json.loads(out.getvalue())["plans"][0]["traffic"]:
+        b, c = rows.get((t["axis"], t["op"]), (0.0, 0.0))
+        rows[(t["axis"], t["op"])] = (b + t["payload_bytes"], c + t["calls"])
+    return rows
+
+
+def test_cp_beside_tp_is_predicted_for_any_model_in_fp32():
+    """The ledger's expected column under cp x tp for a model other than plait's transformer
+    (the world-4 measurements are the slow cases ``cp=2,tp=2`` above): there in fp32, with
+    the reason in its place under bf16 and beside a pipeline."""
+    from plait.comm.predict import why_no_cp_expected
+
+    with torch.device("meta"):
+        stats = load_model(T.MODELS["llama"]())
+    shape = (T.BATCH, T.SEQ)
+    for plan in ("cp=2,tp=2", "cp=2,tp=2,sp=1", "dp=2,cp=2,tp=2"):
+        assert why_no_cp_expected(Plan.from_string(plan), stats, shape) is None, plan
+    bf16 = why_no_cp_expected(Plan.from_string("cp=2,tp=2,mixed_precision=bf16"), stats, shape)
+    assert bf16 is not None and "mixed_precision=bf16" in bf16 and "tp=2" in bf16
+    pp = why_no_cp_expected(Plan.from_string("cp=2,pp=2,microbatches=2"), stats, shape)
+    assert pp is not None and "pp=2" in pp
 
 
 def test_tied_weight_beside_data_parallelism_and_a_pipeline():

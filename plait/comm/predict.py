@@ -89,7 +89,8 @@ def why_no_cp_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | Non
     """Why the ledger cannot predict context parallelism's traffic for a model other than
     plait's reference transformer, or None where it can: the K/V all-gathers' widths are
     read off the model's attention (kv heads x head dim, ``planner_stats``), per token of a
-    batch of token ids, in fp32, without tensor or pipeline parallelism."""
+    batch of token ids, without pipeline parallelism; beside tensor parallelism where its
+    traffic is predicted too (:func:`why_no_expected`), in fp32."""
     if stats is None:
         return ("context parallelism gathers keys and values, whose widths plait reads off a "
                 "stack of repeated blocks (an nn.ModuleList/Sequential of alike blocks with "
@@ -102,9 +103,18 @@ def why_no_cp_expected(plan: Any, stats: Any, batch_shape: tuple[int, ...] | Non
         shape = "?" if batch_shape is None else tuple(batch_shape)
         return (f"the first input has shape {shape}, not token ids (b, s), whose sequence "
                 "context parallelism splits")
-    if plan.tp > 1 or plan.pp > 1:
-        return (f"context parallelism beside tp={plan.tp}, pp={plan.pp} is predicted for "
-                "plait's reference transformer only")
+    if plan.pp > 1:
+        return (f"context parallelism beside pp={plan.pp} is predicted for plait's reference "
+                "transformer only")
+    if plan.tp > 1:
+        why = why_no_expected(plan, stats, batch_shape, tokens)
+        if why is not None:
+            return why
+        if plan.mixed_precision != "fp32":
+            return (f"context parallelism beside tp={plan.tp} under "
+                    f"mixed_precision={plan.mixed_precision} is predicted for plait's "
+                    "reference transformer only (the dtypes of a tp rank's keys and values "
+                    "are read in fp32 only)")
     if plan.mixed_precision != "fp32" and stats.kv_element_bytes(casts_params(plan)) is None:
         return (f"under mixed_precision={plan.mixed_precision} the keys and values travel in "
                 "the dtype the model's own code hands attention (a rotary embedding in fp32 "
@@ -866,17 +876,14 @@ def planner_stats(model: Any, device_type: str = "cpu", plan: Any = None) -> Any
 
     if _find_config(model) is not None:
         return None
+    # under cp and bf16: the dtypes K and V reach attention in, read now, before layout
+    # changes the model (as ``plait plan`` reads them)
+    dtypes = plan is not None and plan.cp > 1 and plan.mixed_precision in HALF
     try:
-        stats = from_module(model, name=type(model).__name__, device_type=device_type)
+        stats = from_module(model, name=type(model).__name__, device_type=device_type,
+                            attention_dtypes=dtypes)
     except ValueError:
         return None
-    if plan is not None and plan.cp > 1 and plan.mixed_precision in HALF and stats.attention:
-        from dataclasses import replace
-
-        from ..planner.tp_trace import attention_keys
-
-        # the dtype K and V reach attention in, read now, before layout changes the model
-        stats = replace(stats, attention_keys=attention_keys(model, device_type=device_type))
     block = stats.tp_block
     if block is not None:
         if plan is None or reads_trace(plan):
@@ -918,8 +925,16 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
 
         assert batch_shape is not None  # why_no_cp_expected said so
         batch, seq = batch_shape
-        mine = by_axis_op(held_traffic(plan, held_model(models[-1], optimizer_params))
-                          + cp_step_traffic(plan, stats, batch // plan.grad_accum, seq))
+        if plan.tp > 1:
+            from ..planner.cost import rank_traffic
+
+            # tp's rows on the rank's seq / cp tokens, cp's K/V rows of its share of the kv
+            # heads, the gradients over dp x cp: the planner's, as under tp alone
+            per_rank = rank_traffic(plan, stats, batch * plan.dp, seq)
+            mine = by_axis_op(per_rank[0]) if per_rank else None
+        else:
+            mine = by_axis_op(held_traffic(plan, held_model(models[-1], optimizer_params))
+                              + cp_step_traffic(plan, stats, batch // plan.grad_accum, seq))
     elif cfg is not None and batch_shape is not None and len(batch_shape) == 2:
         batch, seq = batch_shape
         mine = by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq,

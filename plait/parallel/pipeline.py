@@ -377,6 +377,10 @@ class PipelineRunner:
         # Tied weights held by several stages: (this rank's copy, the group of ranks holding
         # the copies); see sync_tied_gradients.
         self.tied: list[tuple[nn.Parameter, Any]] = []
+        # The group whose ranks' gradients the step averages after the schedule (the cp
+        # ranks of a zero-bubble schedule's stages, see sync_cp_gradients); None: DDP or
+        # FSDP2 reduce them.
+        self.grad_group: Any = None
         # Whether the model has weights tied across stages (on any rank), and this rank's
         # copies by (one-device name, stage, name in the stage, copy): see check_tied_settings.
         self.has_ties = False
@@ -465,6 +469,24 @@ class PipelineRunner:
                 grad = param.grad = grad.redistribute(placements=placements)
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             torch.distributed.all_reduce(local, group=group)
+
+    def sync_cp_gradients(self) -> None:
+        """Average every gradient over ``grad_group`` once the schedule has run, as DDP would
+        over the cp ranks. A zero-bubble schedule's stages compute the weight gradients in a
+        later step with ``torch.autograd.grad``, outside DDP's reducer (which would reduce
+        only what exists at the last input-gradient step), so their stages are not wrapped in
+        DDP and reduce here instead."""
+        if self.grad_group is None:
+            return
+        size = torch.distributed.get_world_size(self.grad_group)
+        for stage in self.stages:
+            for param in stage.submod.parameters():
+                if not param.requires_grad:
+                    continue
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                torch.distributed.all_reduce(param.grad, group=self.grad_group)
+                param.grad.div_(size)
 
     def own_buffers(self, owners: dict[str, int]) -> None:
         """Set up the buffers every stage holds that the forward writes, ``owners`` giving the
@@ -636,6 +658,7 @@ class PipelineRunner:
         if unused is not None:  # before the tied sum, which gives its copies a gradient
             unused.finish(self.unused_group)
         if train:
+            self.sync_cp_gradients()
             self.sync_tied_gradients()
             if self.owned:
                 broadcast_owned(self.owned, self.pp_group)
@@ -980,21 +1003,24 @@ def pp_refusal(model: nn.Module, plan: Plan,
     return None
 
 
+def zero_bubble_cp(plan: Plan) -> bool:
+    """Whether the stages' cp ranks reduce their gradients after the schedule
+    (:meth:`PipelineRunner.sync_cp_gradients`), not in DDP: cp under a zero-bubble schedule,
+    without data parallelism, ZeRO or tensor parallelism (which plan validation refuses)."""
+    from ..plan import ZERO_BUBBLE_SCHEDULES
+
+    return (plan.cp > 1 and plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES
+            and plan.zero == 0 and plan.tp == 1)
+
+
 def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device,
                    parallelize_stage: Callable[..., nn.Module]) -> PipelinedModel:
     """Split ``model`` into ``plan.pp x plan.virtual_stages`` stages, keep this rank's, and
     return them with their schedule, recorded in the returned model's ``Layout``."""
     check_schedule_args(plan.pp_schedule, plan.pp, plan.microbatches, plan.virtual_stages)
-    if plan.cp > 1 and is_hf_model(model):
-        # refused on every rank before anything is sent: at the first step only the cp
-        # ranks holding a sequence's head and tail would raise, inside the schedule
-        raise ValueError(
-            f"{type(model).__name__} under cp={plan.cp} with pp={plan.pp}: plait's pipeline "
-            f"calls a Hugging Face model's stages with use_cache=False, and transformers then "
-            f"reads the head-and-tail position_ids of a cp slice as packed sequences and "
-            f"builds an explicit attention mask, which context parallelism cannot split; "
-            f"train it with pp=1 (cp with dp_shard/zero or tp), or cp=1")
     path, specs = plan_stages(model, plan)
+    if plan.cp > 1:
+        specs = [replace(s, context_parallel=True) for s in specs]
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     mine = local_stages(plan.pp_schedule, plan.pp, plan.virtual_stages, pp_rank)
@@ -1044,6 +1070,10 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     runner.tied_copies = _named_copies(model, ties, dict(zip(mine, modules, strict=True)))
     if plan.cp > 1:  # the whole model must take the slice's positions (context_group)
         runner.context = context_group(model, mesh)
+    if zero_bubble_cp(plan):
+        from ..mesh import DP_CP
+
+        runner.grad_group = mesh[DP_CP].get_group()
     layout = Layout(applied=("pipeline", *layout_of(modules[0]).applied), stages=tuple(modules),
                     stage_specs=tuple(specs[s] for s in mine), pipeline=runner,
                     loss_parallel=loss_parallel, tied_names=_one_device_names(model, ties, mine))

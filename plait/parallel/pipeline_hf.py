@@ -307,6 +307,15 @@ def adapt_hf_forward(clone: nn.Module, spec: StageSpec, *, is_root: bool = True)
             raise ValueError(router_loss_refusal(type(clone).__name__,
                                                  "output_router_logits=True", spec.num_stages))
         kwargs.setdefault("use_cache", False)
+        positions = kwargs.get("position_ids")
+        if spec.context_parallel and positions is not None and kwargs.get(
+                "attention_mask") is None:
+            # Without a KV cache (use_cache=False) and without a mask, transformers reads
+            # position ids that jump (a cp slice's head and tail chunks) as packed sequences
+            # and builds a mask of its own, which cp's attention cannot split; an all-ones
+            # padding mask says there is none to build (SDPA then runs causal, unmasked).
+            kwargs["attention_mask"] = torch.ones(positions.shape, dtype=torch.long,
+                                                  device=positions.device)
         token_ids = kwargs.pop(TOKEN_IDS, None)
         if not spec.is_first:
             if args:

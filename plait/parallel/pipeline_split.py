@@ -216,6 +216,9 @@ class StageSpec:
     # Whether one meta-device forward at the split saw every block fed by the one before
     # (:mod:`plait.parallel.pipeline_chain`); if not, the first step asks on its real inputs.
     chained: bool = False
+    # Whether every stage runs on its rank's context-parallel slice of each sequence (cp > 1):
+    # the position ids it is given are then the slice's global ones, not packed sequences.
+    context_parallel: bool = False
 
     @property
     def is_first(self) -> bool:

@@ -383,7 +383,6 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("--global-batch is required (sequences per optimizer step)")
     if args.efficiency is not None and args.efficiency > 1:
         raise ValueError(f"--efficiency={args.efficiency} must be a fraction of peak in (0, 1]")
-    model = load_model(args.model)
     given = Plan.load(args.plan) if args.plan else None
     devices = args.devices
     if given is not None and devices is None and args.nodes is None:
@@ -391,6 +390,12 @@ def _plan(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster, nodes=args.nodes, devices=devices)
     if args.memory_gb is not None:
         cluster = cluster.with_memory(args.memory_gb * GB)
+    dtype = args.dtype or ("fp32" if cluster.device == "cpu" else "bf16")
+    # under 16-bit compute, context parallelism gathers K and V in the dtypes the model's own
+    # code hands attention (a rotary embedding in fp32 promotes the keys): read off a factory's
+    # forward pass, as the ledger reads them
+    half = (given.mixed_precision if given is not None else dtype) != "fp32"
+    model = load_model(args.model, attention_dtypes=half)
     # The sequence priced: --seq, else what the factory's dataset holds (what training runs),
     # else the model's maximum (a Hugging Face config's max_position_embeddings).
     seq, seq_from = next(((value, source) for value, source in (
@@ -402,7 +407,6 @@ def _plan(args: argparse.Namespace) -> int:
                          "row of token ids or (positions, features) to read it from); pass the "
                          "positions each block sees per sample, e.g. --seq 196 for a ViT's 14 x "
                          "14 patches")
-    dtype = args.dtype or ("fp32" if cluster.device == "cpu" else "bf16")
     constants = constants_for(cluster)
     if args.efficiency is not None:
         import dataclasses

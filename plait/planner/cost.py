@@ -134,6 +134,9 @@ class Estimate:
                 "bubble_fraction": self.bubble_fraction, "time_breakdown": self.time_breakdown,
                 "microbatch_size": self.microbatch_size, "stage_layers": list(self.stage_layers),
                 "notes": list(self.notes),
+                "traffic": [{"axis": t.axis, "op": t.op, "what": t.what,
+                             "payload_bytes": t.payload, "calls": t.calls, "group": t.group}
+                            for t in self.traffic],
                 "step_time_range_s": list(self.step_time_range_s)
                 if self.step_time_range_s else None}
 

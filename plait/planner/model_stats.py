@@ -413,10 +413,14 @@ _BY_HAND = ("; pick the layout by hand: data parallelism needs no blocks (dp=N, 
             "proves it trains what one device trains")
 
 
-def from_module(model: Any, name: str = "module", device_type: str = "cpu") -> ModelStats:
+def from_module(model: Any, name: str = "module", device_type: str = "cpu",
+                attention_dtypes: bool = False) -> ModelStats:
     """Stats of an ``nn.Module`` (ideally on the meta device) with a stack of repeated blocks.
     ``device_type``: where it trains, whose autocast rules the traced forward pass follows
-    (:mod:`plait.planner.tp_trace`)."""
+    (:mod:`plait.planner.tp_trace`). ``attention_dtypes``: also read the dtypes keys and values
+    reach attention in under bf16 (``attention_keys``, two forward passes on fake tensors),
+    what context parallelism gathers under mixed precision; the ledger and ``plait plan`` ask
+    for them alike, so both price the same bytes."""
     import torch.nn as nn
 
     if not isinstance(model, nn.Module):
@@ -530,7 +534,15 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu") -> M
                       held=held_parts(model, stack_name, found),
                       rows=param_rows(model, blocks, found), experts=experts,
                       block_active_params=round(sum(active) / len(blocks)) if experts else None,
-                      head_dim=head_dim if isinstance(head_dim, int) else None)
+                      head_dim=head_dim if isinstance(head_dim, int) else None,
+                      attention_keys=_attention_keys(model, device_type)
+                      if attention and attention_dtypes else None)
+
+
+def _attention_keys(model: Any, device_type: str) -> tuple[tuple[int, int, int], ...] | None:
+    from .tp_trace import attention_keys
+
+    return attention_keys(model, device_type=device_type)
 
 
 def _divided_heads(block: Any, path: str, plan: Any) -> int | None:
@@ -599,11 +611,12 @@ def _longest_run(children: list) -> list:
     return best
 
 
-def from_factory(spec: str) -> ModelStats:
+def from_factory(spec: str, attention_dtypes: bool = False) -> ModelStats:
     """``"package.module:function"`` -> stats of ``function()`` built on the meta device, with
-    the sequence length of its dataset's first sample when it returns one."""
+    the sequence length of its dataset's first sample when it returns one
+    (``attention_dtypes``: as :func:`from_module`)."""
     built = _build(spec, "meta")
-    stats = from_module(_model_of(built, spec), name=spec)
+    stats = from_module(_model_of(built, spec), name=spec, attention_dtypes=attention_dtypes)
     if isinstance(built, (tuple, list)) and len(built) > 1:
         dataset = built[1]
         if not _indexable(dataset):
@@ -780,9 +793,10 @@ def from_yaml(path: Path) -> ModelStats:
                      f"({', '.join(sorted(fields))}), 'preset:' or Hugging Face config keys")
 
 
-def load_model(spec: Any) -> ModelStats:
+def load_model(spec: Any, attention_dtypes: bool = False) -> ModelStats:
     """A preset name, TransformerConfig, ModelStats, nn.Module, config.json/YAML path, or
-    ``module:function`` factory -> ModelStats."""
+    ``module:function`` factory -> ModelStats. ``attention_dtypes``: for a module or a factory,
+    read the dtypes its keys and values reach attention in under bf16 (:func:`from_module`)."""
     from plait.models.transformer import PRESETS, TransformerConfig
 
     if isinstance(spec, ModelStats):
@@ -794,7 +808,8 @@ def load_model(spec: Any) -> ModelStats:
     try:
         import torch.nn as nn
         if isinstance(spec, nn.Module):
-            return from_module(spec, name=type(spec).__name__)
+            return from_module(spec, name=type(spec).__name__,
+                               attention_dtypes=attention_dtypes)
     except ImportError:  # pragma: no cover
         pass
     if not isinstance(spec, (str, Path)):
@@ -818,6 +833,6 @@ def load_model(spec: Any) -> ModelStats:
             raise ValueError(f"model file {text!r} does not exist")
         return from_yaml(path)
     if ":" in text:
-        return from_factory(text)
+        return from_factory(text, attention_dtypes=attention_dtypes)
     raise ValueError(f"unknown model {text!r}: give a preset ({', '.join(PRESETS)}), a "
                      f"config.json, a model YAML, or a factory 'package.module:function'")
