@@ -303,6 +303,45 @@ def hf_from_config(name: str) -> nn.Module:
     return any_model._Logits(getattr(transformers, HF_CONFIGS[name][1])(hf_config(name)))
 
 
+# plait's reference transformer from a preset: a tied head (beside a pipeline on the first and
+# last stage), and GPT-style LayerNorms (weight and bias) with biased linears
+PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
+    "tied": dict(tie_embeddings=True),
+    "ln_tied": dict(mlp="gelu", norm="layernorm", tie_embeddings=True)}
+
+
+def preset_config(name: str) -> Any:
+    """The ``TransformerConfig`` of ``PRESET_OVERRIDES[name]`` at this module's sizes."""
+    from plait.models.transformer import preset
+
+    return preset("test", vocab_size=VOCAB, dim=WIDTH, n_heads=4, n_kv_heads=2, ffn_dim=32,
+                  max_seq_len=SEQ, **PRESET_OVERRIDES[name])
+
+
+def preset_model(name: str) -> nn.Module:
+    from plait.models.transformer import Transformer
+
+    torch.manual_seed(0)
+    return Transformer(preset_config(name))
+
+
+def config_rows(name: str, plan: str, global_batch: int
+                ) -> dict[tuple[str, str], tuple[float, float]]:
+    """:func:`planner_rows` for a model of ``HF_CONFIGS`` (``hf_<name>``) or
+    ``PRESET_OVERRIDES`` (``preset_<name>``), priced from its config alone, as ``plait plan
+    --model config.json`` (or a preset) prices it: the model is never built."""
+    import json
+
+    from plait.planner.model_stats import from_hf_config, from_transformer_config
+
+    kind, _, which = name.partition("_")
+    if kind == "hf":
+        stats = from_hf_config(json.loads(hf_config(which).to_json_string()), name=name)
+    else:
+        stats = from_transformer_config(preset_config(which), name=name)
+    return busiest_rows(stats, plan, global_batch)
+
+
 mlp_lm = partial(seeded, partial(StackLM, MLPBlock))
 attention_lm = partial(seeded, partial(StackLM, AttentionBlock))
 gqa_lm = partial(seeded, partial(StackLM, partial(AttentionBlock, n_kv_heads=2, mlp=True)))
@@ -315,7 +354,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "lora_block": any_model.lora_lm, "frozen_stage": partial(seeded, FrozenStageLM),
     "frozen_tied": partial(seeded, FrozenTiedLM), "frozen_lead": partial(seeded, FrozenLeadLM),
     "llama_frozen": hf_llama_frozen,
-    **{f"hf_{name}": partial(hf_from_config, name) for name in HF_CONFIGS}}
+    **{f"hf_{name}": partial(hf_from_config, name) for name in HF_CONFIGS},
+    **{f"preset_{name}": partial(preset_model, name) for name in PRESET_OVERRIDES}}
 
 
 def ledger_rows(rank: int, world_size: int, plan: str, models: list[str]) -> dict[str, Any]:
