@@ -24,7 +24,7 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from ..comm.predict import TPBlock
+from ..comm.predict import TPBlock, reference_block
 from ..parallel.tp_kv import replicated_kv_elements, tp_fits_kv
 from .fsdp_rows import ParamRows, Rows, config_rows, param_rows
 from .hf_layout import Dims, Layout, layout
@@ -230,8 +230,7 @@ def from_transformer_config(cfg: Any, name: str = "transformer") -> ModelStats:
                       max_seq=cfg.max_seq_len, block_tensors=block_tensors, embed_tensors=1,
                       head_tensors=head_tensors, head_dim=cfg.head_dim, rows=rows,
                       held=rows_held(rows),
-                      tp_block=TPBlock(forward=(h, h), backward=(h, h),
-                                       sp_norms=(h,) * (2 * norm_tensors)),
+                      tp_block=reference_block(cfg),
                       tied_params=embed if tied else 0,
                       tied_shapes=((cfg.vocab_size, h),) if tied else ())
 
