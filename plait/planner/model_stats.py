@@ -252,13 +252,6 @@ _NON_GATED_TYPES = ("gpt2", "gpt_neox", "gptj", "gpt_neo", "opt", "bloom", "falc
                     "gpt_bigcode", "codegen")
 
 
-# Families whose decoder layers are q, k, v and o projections, a gated MLP and two RMSNorm
-# weights, as from_hf_config counts them (plait.planner.fsdp_rows.config_rows); GPT-2 has a
-# layout of its own (_gpt2); others fuse q|k|v (GPT-NeoX) or add per-head norms (Qwen3),
-# which the config's counts do not follow tensor by tensor: their padding is not priced.
-_SEPARATE_QKV = ("llama", "mistral", "qwen2")
-
-
 def _model_type(data: Mapping[str, Any]) -> str:
     """``model_type``; a config without one that uses GPT-2's key names (``n_embd``,
     ``n_layer``, ``n_head``) is a GPT-2 config."""
@@ -332,11 +325,6 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
         # router; a shared expert adds its linears and its gate
         block_tensors += 2 + 1 - (3 if gated else 2) + ((4 if gated else 3) if shared else 0)
         experts = (k, count)
-    # the shapes of every tensor, for the rows FSDP2 pads: families whose blocks hold q, k, v
-    # and o apart, their norms a weight each (the counts above are theirs exactly)
-    rows = None if experts or model_type not in _SEPARATE_QKV else config_rows(
-        layers=got["n_layers"], hidden=h, q=q, kv=kv, ffn=ffn, gated=gated, vocab=got["vocab"],
-        tied=tied, bias=bias, qkv_bias=qkv_bias, norm_tensors=norm // h)
     stats = ModelStats(name=name, n_layers=got["n_layers"], hidden=h, n_heads=heads,
                        kv_heads=kv_heads, ffn=ffn, vocab=got["vocab"], mlp=mlp,
                        block_params=block, block_matmul_params=active,
@@ -344,12 +332,13 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
                        tied=tied,
                        max_seq=data.get("max_position_embeddings") or data.get("n_positions"),
                        block_tensors=block_tensors, embed_tensors=1,
-                       head_tensors=norm // h + (0 if tied else 1), experts=experts, rows=rows,
-                       held=None if rows is None else rows_held(rows),
+                       head_tensors=norm // h + (0 if tied else 1), experts=experts,
                        block_active_params=block - (count - k) * expert if experts else None,
                        head_dim=head_dim)
     if model_type == "gpt2" and q == h and kv == h and not experts:
         return _gpt2(stats, data.get("n_positions") or data.get("max_position_embeddings"))
+    # the families laid out tensor by tensor (plait.planner.hf_layout): the shapes FSDP2 pads,
+    # what tp keeps whole and the block's tp collectives; the others are counted in elements
     expert_ffn = data.get("moe_intermediate_size") or ffn
     laid = layout(model_type, Dims(
         hidden=h, q=q, kv=kv, head_dim=head_dim, ffn=expert_ffn if experts else ffn,
