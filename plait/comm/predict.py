@@ -861,6 +861,18 @@ def local_model(model: Any, plan: Any) -> LocalModel:
         head |= not isinstance(getattr(inner, "output", None), (PipelineSkip, type(None)))
     stages = tuple(s.index for s in specs) if specs else (0,)
     num_stages = specs[0].num_stages if specs else 1
+    # A tied head on a rank that holds the embedding or the head alone: its copy's local
+    # piece (TP-local, FSDP2's shard) is summed with the other stage's every step
+    # (plait.parallel.pipeline sync_tied_gradients); a frozen one is not.
+    cfg = _find_config(model)
+    tied = 0
+    if cfg is not None and cfg.tie_embeddings and embed != head:
+        for module in modules:
+            inner = getattr(module, "module", module)
+            owner = getattr(inner, "tok_embeddings" if embed else "output", None)
+            weight = getattr(owner, "weight", None)
+            if weight is not None and weight.requires_grad:
+                tied += (weight.to_local() if hasattr(weight, "to_local") else weight).numel()
     # Flattened names: FSDP2 over (dp_replicate, dp_shard) shards on dp_shard only (on
     # dp_shard_cp under context parallelism).
     order = ("dp_replicate", "dp_shard", DP_SHARD_CP, "tp")
@@ -868,7 +880,7 @@ def local_model(model: Any, plan: Any) -> LocalModel:
                       recomputed=recomputed, embed=embed, head=head, stages=stages,
                       num_stages=num_stages,
                       clip_axes=tuple(a for a in order if a in clip and _axis_size(plan, a) > 1),
-                      grad_params=grads, grad_tensors=grad_tensors)
+                      grad_params=grads, grad_tensors=grad_tensors, tied=float(tied))
 
 
 def reads_trace(plan: Any) -> bool:
