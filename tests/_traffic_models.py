@@ -256,6 +256,92 @@ def hf_gpt2_51() -> nn.Module:
     return any_model._Logits(GPT2LMHeadModel(cfg))
 
 
+# Tiny transformers decoders of the families ``plait plan --model config.json`` lays out tensor
+# by tensor (plait.planner.hf_layout), as (config class, model class, sizes): the planner
+# prices them from their config.json alone, the ledger measures the built model.
+HF_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # parallel attention, LayerNorms with biases, fused q|k|v with a bias, untied embed_out
+    "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+        hidden_size=WIDTH, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        tie_word_embeddings=False)),
+    # an RMSNorm over each head's queries and keys (4 features each)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        hidden_size=WIDTH, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=4, tie_word_embeddings=False)),
+    # 4 experts, 2 per token: router and fused experts, kept whole under tp
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        hidden_size=WIDTH, intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False)),
+    # a shared expert and its gate beside 4 routed ones; q, k, v with biases
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        hidden_size=WIDTH, intermediate_size=32, moe_intermediate_size=8,
+        shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=False)),
+    # Llama with its head tied to the embedding (beside a pipeline: on the first and last stage)
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=WIDTH, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True)),
+}
+
+
+def hf_config(name: str) -> Any:
+    """The transformers config of ``HF_CONFIGS[name]``."""
+    import transformers
+
+    config_cls, _, sizes = HF_CONFIGS[name]
+    return getattr(transformers, config_cls)(vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                             bos_token_id=0, eos_token_id=0, **sizes)
+
+
+def hf_from_config(name: str) -> nn.Module:
+    """The model ``HF_CONFIGS[name]`` describes, built locally."""
+    import transformers
+
+    torch.manual_seed(0)
+    return any_model._Logits(getattr(transformers, HF_CONFIGS[name][1])(hf_config(name)))
+
+
+# plait's reference transformer from a preset: a tied head (beside a pipeline on the first and
+# last stage), and GPT-style LayerNorms (weight and bias) with biased linears
+PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
+    "tied": dict(tie_embeddings=True),
+    "ln_tied": dict(mlp="gelu", norm="layernorm", tie_embeddings=True)}
+
+
+def preset_config(name: str) -> Any:
+    """The ``TransformerConfig`` of ``PRESET_OVERRIDES[name]`` at this module's sizes."""
+    from plait.models.transformer import preset
+
+    return preset("test", vocab_size=VOCAB, dim=WIDTH, n_heads=4, n_kv_heads=2, ffn_dim=32,
+                  max_seq_len=SEQ, **PRESET_OVERRIDES[name])
+
+
+def preset_model(name: str) -> nn.Module:
+    from plait.models.transformer import Transformer
+
+    torch.manual_seed(0)
+    return Transformer(preset_config(name))
+
+
+def config_rows(name: str, plan: str, global_batch: int
+                ) -> dict[tuple[str, str], tuple[float, float]]:
+    """:func:`planner_rows` for a model of ``HF_CONFIGS`` (``hf_<name>``) or
+    ``PRESET_OVERRIDES`` (``preset_<name>``), priced from its config alone, as ``plait plan
+    --model config.json`` (or a preset) prices it: the model is never built."""
+    import json
+
+    from plait.planner.model_stats import from_hf_config, from_transformer_config
+
+    kind, _, which = name.partition("_")
+    if kind == "hf":
+        stats = from_hf_config(json.loads(hf_config(which).to_json_string()), name=name)
+    else:
+        stats = from_transformer_config(preset_config(which), name=name)
+    return busiest_rows(stats, plan, global_batch)
+
+
 mlp_lm = partial(seeded, partial(StackLM, MLPBlock))
 attention_lm = partial(seeded, partial(StackLM, AttentionBlock))
 gqa_lm = partial(seeded, partial(StackLM, partial(AttentionBlock, n_kv_heads=2, mlp=True)))
@@ -267,7 +353,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "llama": hf_llama, "odd": partial(seeded, OddLM), "gpt2_51": hf_gpt2_51,
     "lora_block": any_model.lora_lm, "frozen_stage": partial(seeded, FrozenStageLM),
     "frozen_tied": partial(seeded, FrozenTiedLM), "frozen_lead": partial(seeded, FrozenLeadLM),
-    "llama_frozen": hf_llama_frozen}
+    "llama_frozen": hf_llama_frozen,
+    **{f"hf_{name}": partial(hf_from_config, name) for name in HF_CONFIGS},
+    **{f"preset_{name}": partial(preset_model, name) for name in PRESET_OVERRIDES}}
 
 
 def ledger_rows(rank: int, world_size: int, plan: str, models: list[str]) -> dict[str, Any]:

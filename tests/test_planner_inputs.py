@@ -251,3 +251,91 @@ def test_a_preset_prices_the_rows_fsdp2_pads_as_the_built_model():
         for text in plans:
             assert _priced(from_transformer_config(cfg), text) == \
                 _priced(from_module(model), text), (overrides, text)
+
+
+# Layouts whose traffic depends on what tensor parallelism keeps whole (norms, row-parallel
+# biases, a mixture-of-experts block's router and experts), on the collectives one block
+# issues under tp and SP, and on a tied head beside a pipeline.
+SPLIT_PLANS = ["tp=2", "dp_shard=2,zero=3,tp=2", "dp=2,tp=2", "pp=2,microbatches=2",
+               "pp=2,tp=2,microbatches=2", "dp_shard=2,zero=3,pp=2,microbatches=2",
+               "dp_shard=2,zero=1,pp=2,microbatches=2"]
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": True},
+                                       {"mlp": "gelu", "norm": "layernorm",
+                                        "tie_embeddings": True}],
+                         ids=["rmsnorm", "tied", "layernorm-tied"])
+def test_a_preset_prices_tp_sp_and_a_tied_pipeline_as_the_built_model(overrides):
+    """plait's reference transformer from its config and built on the meta device: under tp
+    its norms (LayerNorm: weight and bias) and row-parallel biases are whole on every rank,
+    reduced whole over data parallelism and, under SP, each tensor's gradient all-reduced over
+    tp; a tied head beside a pipeline is a copy of the embedding on the last stage whose
+    gradient is summed with the first stage's (ZeRO-1 broadcasts it, ZeRO-3 gathers it)."""
+    import torch
+
+    from plait.models.transformer import Transformer, preset
+    from plait.planner.model_stats import from_module
+
+    cfg = preset("test", vocab_size=1000, **overrides)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    config, module = from_transformer_config(cfg), from_module(model)
+    assert config.num_params == sum(p.numel() for p in model.parameters())
+    for text in [*SPLIT_PLANS, "tp=2,sp=1", "dp=2,tp=2,sp=1"]:
+        assert _priced(config, text) == _priced(module, text), (overrides, text)
+
+
+@pytest.mark.parametrize("kind", ["gpt_neox", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+                                  "llama_tied"])
+def test_a_config_of_each_family_prices_every_layout_as_the_built_model(kind):
+    """A config.json of each family plait lays out tensor by tensor (GPT-NeoX's fused q|k|v
+    and LayerNorms with biases, Qwen3's per-head q/k norms, Mixtral's, Qwen2-MoE's and
+    Qwen3-MoE's router and fused experts, a Llama with a tied head) priced as the model built
+    from it on the meta device: the same parameters per block, memory and every collective of
+    every pipeline rank, under tp, ZeRO x tp, a pipeline and SP where the family's layer plan
+    has a sequence-parallel layout (Llama's)."""
+    import torch
+    import transformers
+
+    from plait.planner.model_stats import from_hf_config, from_module
+
+    config_cls, model_cls, sizes = {
+        "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+            intermediate_size=256, num_attention_heads=4, tie_word_embeddings=False)),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+            intermediate_size=176, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            tie_word_embeddings=False)),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+            intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+            intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+            num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+            tie_word_embeddings=False)),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+            intermediate_size=176, moe_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            tie_word_embeddings=False)),
+        "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(
+            intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,
+            tie_word_embeddings=True)),
+    }[kind]
+    cfg = getattr(transformers, config_cls)(vocab_size=1001, hidden_size=64, num_hidden_layers=2,
+                                            max_position_embeddings=128, **sizes)
+    with torch.device("meta"):
+        model = getattr(transformers, model_cls)(cfg)
+    config = from_hf_config(json.loads(cfg.to_json_string()), name=kind)
+    module = from_module(model, name=kind)
+    assert config.num_params == sum(p.numel() for p in model.parameters())
+    for name in ("block_params", "block_tensors", "head_params", "head_tensors", "tied_params",
+                 "block_active_params", "experts", "n_heads", "kv_heads", "held"):
+        assert getattr(config, name) == getattr(module, name), name
+    plans = [*SPLIT_PLANS, "dp_shard=2,zero=2"] + (["tp=2,sp=1"] if kind == "llama_tied" else [])
+    for text in plans:
+        (memory, traffic), (want_memory, want_traffic) = \
+            _priced(config, text), _priced(module, text)
+        assert traffic == want_traffic, (kind, text)
+        if config.experts:  # the activations of a routed block are an estimate either way
+            memory, want_memory = ({k: v for k, v in m.items() if k != "activations"}
+                                   for m in (memory, want_memory))
+        assert memory == want_memory, (kind, text)

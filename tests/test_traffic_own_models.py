@@ -544,3 +544,42 @@ def test_backward_reaches_the_blocks_after_the_first_that_trains():
             max(frozen - 1, 0) * block * 4, abs=1e-6)
     # the closed form for plait's reference transformer reads no frozen blocks: all reached
     assert LocalModel(params=1.0, root_params=0.0, tensors=1, layers=3).layers_regathered == 3
+
+
+def _priced_from_config(name: str, plan: str, comm: dict, global_batch: int) -> None:
+    """The planner's rows for a model priced from its config alone (a transformers config.json,
+    a preset) equal the ledger's for the model built from it, bytes and calls."""
+    for row in comm["rows"]:
+        assert row["ratio"] == pytest.approx(1.0, abs=1e-12), (name, row)
+    measured = T.measured_rows(comm)
+    predicted = T.config_rows(name, plan, global_batch)
+    assert set(measured) == set(predicted), (name, sorted(measured), sorted(predicted))
+    for key, (nbytes, calls) in measured.items():
+        assert predicted[key] == (pytest.approx(nbytes, rel=1e-9), pytest.approx(calls)), \
+            (name, key, measured, predicted)
+
+
+# Models priced from their config: a default case (Qwen3's q/k norms summed over tp in every
+# backward, Mixtral's router and experts whole on each tp rank: only attention's all-reduces);
+# the slow ones add what ZeRO x tp reduces whole (NeoX's LayerNorm biases, q/k norms, experts),
+# FSDP2's padded rows, and a tied head beside a pipeline (its gradient summed across stages).
+CONFIG_CASES = [("tp=2", ["hf_qwen3", "hf_mixtral"])]
+SLOW_CONFIG_CASES = [
+    ("tp=2", ["hf_neox", "hf_qwen2_moe", "preset_ln_tied"]),
+    ("dp_shard=2,zero=3,tp=2", ["hf_neox", "hf_qwen3", "hf_mixtral", "hf_qwen2_moe"]),
+    ("dp_shard=2,zero=2", ["hf_neox", "hf_qwen3", "hf_qwen2_moe"]),
+    ("tp=2,sp=1", ["preset_ln_tied", "hf_llama_tied"]),
+    ("pp=2,microbatches=2", ["hf_llama_tied", "preset_tied", "preset_ln_tied"]),
+    ("dp_shard=2,zero=1,pp=2,microbatches=2", ["hf_llama_tied", "preset_tied"]),
+    ("pp=2,tp=2,microbatches=2", ["hf_llama_tied", "hf_qwen3"]),
+]
+
+
+@pytest.mark.parametrize("plan,models", CONFIG_CASES + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in SLOW_CONFIG_CASES],
+    ids=[c[0] for c in CONFIG_CASES] + [f"{c[0]}-slow" for c in SLOW_CONFIG_CASES])
+def test_a_config_priced_model_matches_what_the_ledger_measures(plan, models):
+    world = Plan.from_string(plan).world_size
+    runs = run_distributed(T.ledger_rows, world, plan, models, timeout=300)[0]
+    for name in models:
+        _priced_from_config(name, plan, runs[name]["comm"], runs[name]["global_batch"])

@@ -200,6 +200,11 @@ class TPBlock:
     sp_in_blocks: bool = False
     input_grad: bool = True
     vocab_ends: tuple[bool, bool] = (True, True)
+    # Elements of each trainable tensor of the norm after the stack that runs on sequence
+    # shards (a LayerNorm: weight and bias), its gradients all-reduced once per backward under
+    # SP; None: one weight of ``hidden`` (the reference's RMSNorm). Read where the sequence is
+    # split from the embedding to the head (not ``sp_in_blocks``).
+    end_norms: tuple[int, ...] | None = None
     # plait.planner.tp_trace.Trace, or a callable that makes it (or None) on first use: the
     # forward pass behind it costs seconds on a 7B model and only a 16-bit dtype or
     # checkpointing under tp read it (:attr:`trace`)
@@ -316,8 +321,10 @@ class LocalModel:
 
     @classmethod
     def from_config(cls, plan: Any, cfg: Any, stage: int | None = None) -> LocalModel:
-        """The closed form without a model: blocks split evenly over stages, every parameter
-        tensor divided by ``tp`` (an approximation for ``params``; the runtime counts)."""
+        """The closed form without a model: blocks split evenly over stages, the linears and
+        embeddings divided by ``tp``, the norms and row-parallel biases (GPT-style blocks)
+        whole on every rank, as plait's layer plan lays them out; a tied head's weight counted
+        once where one stage holds the embedding and the head."""
         from ..parallel.checkpointing import checkpointed_blocks
         from ..parallel.schedules import local_stages
 
@@ -328,13 +335,18 @@ class LocalModel:
         layers = per * len(stages)
         recomputed = len(checkpointed_blocks(per, plan)) * len(stages)
         embed, head = 0 in stages, n - 1 in stages
-        block = (cfg.num_params() - cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
-                 - cfg.dim) // cfg.n_layers
-        root = (cfg.vocab_size * cfg.dim if embed else 0) + \
-            (cfg.vocab_size * cfg.dim + cfg.dim if head else 0)
+        norm = cfg.dim * (2 if cfg.norm == "layernorm" else 1)  # LayerNorm: weight and bias
+        block = (cfg.num_params(embeddings=False) - norm) // cfg.n_layers
+        block_whole = 2 * norm + (2 * cfg.dim if cfg.mlp == "gelu" else 0)  # o, down biases
+        table = cfg.vocab_size * cfg.dim
+        root = (table if embed else 0) + \
+            (table if head and not (cfg.tie_embeddings and embed) else 0)
+        root_whole = norm if head else 0
         whole = replicated_kv_elements(cfg.dim, cfg.kv_heads, cfg.head_dim, plan.tp)
-        params = (block * layers + root) // plan.tp + whole * layers * (plan.tp - 1) // plan.tp
-        return cls(params=params, root_params=root // plan.tp, tensors=0, layers=layers,
+        params = ((block - block_whole) * layers + root) // plan.tp + block_whole * layers + \
+            root_whole + whole * layers * (plan.tp - 1) // plan.tp
+        return cls(params=params, root_params=root // plan.tp + root_whole, tensors=0,
+                   layers=layers,
                    recomputed=recomputed, embed=embed, head=head, stages=stages, num_stages=n,
                    clip_axes=clip_axes(plan))
 
@@ -388,6 +400,15 @@ def _shard_axes(plan: Any) -> tuple[str, ...]:
     return ("dp_shard", "cp") if plan.cp > 1 else ("dp_shard",)
 
 
+def reference_block(cfg: Any) -> TPBlock:
+    """The tensor-parallel collectives of one block of plait's reference transformer ``cfg``:
+    Megatron's 4 all-reduces, and under SP each norm tensor's gradient summed, a LayerNorm's
+    weight and bias one call each (two norms per block and the final one)."""
+    norms = (cfg.dim,) * (2 if cfg.norm == "layernorm" else 1)
+    return TPBlock(forward=(cfg.dim, cfg.dim), backward=(cfg.dim, cfg.dim),
+                   sp_norms=norms * 2, end_norms=norms)
+
+
 def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | None = None,
             stage: int | None = None) -> list[Traffic]:
     """Traffic one rank should see in one optimizer step of ``plan`` on the model ``cfg``.
@@ -404,7 +425,8 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
     # tp's collectives and the stages' sends move this rank's tokens: its cp slice of each
     # sequence
     return (dp_traffic(plan, local, multi_stage_zero3=False)
-            + tp_rank_traffic(plan, local, mb, seq // plan.cp, cfg.dim, kv_whole)
+            + tp_rank_traffic(plan, local, mb, seq // plan.cp, cfg.dim, kv_whole,
+                              reference_block(cfg))
             + pp_rank_traffic(plan, local, mb, seq // plan.cp, cfg.dim)
             + cp_rank_traffic(plan, local, mb, seq,
                               max(1, cfg.kv_heads // plan.tp) * cfg.head_dim)
@@ -762,8 +784,10 @@ def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, emb
             out.append(Traffic("tp", "all_reduce", act, ends, tp, ends_what))
     if head:
         out.append(Traffic("tp", "all_reduce", 3.0 * b * s * 4, 3, tp, "loss_parallel"))
-        if sp:
-            out.append(Traffic("tp", "all_reduce", float(h) * 4, 1, tp, "final norm grad"))
+        norms = (h,) if block is None or block.end_norms is None else block.end_norms
+        if sp and norms:
+            out.append(Traffic("tp", "all_reduce", float(sum(norms)) * 4, len(norms), tp,
+                               "final norm grad"))
     return out
 
 
@@ -847,6 +871,18 @@ def local_model(model: Any, plan: Any) -> LocalModel:
         head |= not isinstance(getattr(inner, "output", None), (PipelineSkip, type(None)))
     stages = tuple(s.index for s in specs) if specs else (0,)
     num_stages = specs[0].num_stages if specs else 1
+    # A tied head on a rank that holds the embedding or the head alone: its copy's local
+    # piece (TP-local, FSDP2's shard) is summed with the other stage's every step
+    # (plait.parallel.pipeline sync_tied_gradients); a frozen one is not.
+    cfg = _find_config(model)
+    tied = 0
+    if cfg is not None and cfg.tie_embeddings and embed != head:
+        for module in modules:
+            inner = getattr(module, "module", module)
+            owner = getattr(inner, "tok_embeddings" if embed else "output", None)
+            weight = getattr(owner, "weight", None)
+            if weight is not None and weight.requires_grad:
+                tied += (weight.to_local() if hasattr(weight, "to_local") else weight).numel()
     # Flattened names: FSDP2 over (dp_replicate, dp_shard) shards on dp_shard only (on
     # dp_shard_cp under context parallelism).
     order = ("dp_replicate", "dp_shard", DP_SHARD_CP, "tp")
@@ -854,7 +890,7 @@ def local_model(model: Any, plan: Any) -> LocalModel:
                       recomputed=recomputed, embed=embed, head=head, stages=stages,
                       num_stages=num_stages,
                       clip_axes=tuple(a for a in order if a in clip and _axis_size(plan, a) > 1),
-                      grad_params=grads, grad_tensors=grad_tensors)
+                      grad_params=grads, grad_tensors=grad_tensors, tied=float(tied))
 
 
 def reads_trace(plan: Any) -> bool:

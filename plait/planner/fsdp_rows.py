@@ -152,6 +152,9 @@ def padding(rows: ParamRows, tp: int, shards: int) -> tuple[Padding, Padding, Pa
     """Elements beyond an even split (:meth:`Rows.padding`) at ``tp`` and ``shards`` (FSDP2's
     dp_shard; 1: not sharded) of one block (their mean), of the embeddings and of the rest.
     A block the stack holds several times (a config's: one tuple repeated) is summed once."""
+    if rows.stack and rows.one_block:  # the planner asks per plan: one block's sum will do
+        return (_sum(rows.stack[0], tp, shards), _sum(rows.embed, tp, shards),
+                _sum(rows.rest, tp, shards))
     per_block: dict[int, Padding] = {}
     total = Padding()
     for block in rows.stack:

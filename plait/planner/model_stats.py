@@ -20,12 +20,14 @@ import json
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 from typing import Any
 
-from ..comm.predict import TPBlock
+from ..comm.predict import TPBlock, reference_block
 from ..parallel.tp_kv import replicated_kv_elements, tp_fits_kv
 from .fsdp_rows import ParamRows, Rows, config_rows, param_rows
+from .hf_layout import Dims, Layout, layout
 from .moe import config_top_k, routed_layers, summary
 from .tp_block import Held, rows_held
 
@@ -210,17 +212,27 @@ def from_transformer_config(cfg: Any, name: str = "transformer") -> ModelStats:
     linears = 4 + (3 if cfg.mlp == "swiglu" else 2)
     norm_tensors = 2 if cfg.norm == "layernorm" else 1
     block_tensors = linears * (2 if cfg.mlp == "gelu" else 1) + 2 * norm_tensors
-    head_tensors = norm_tensors + (0 if cfg.tie_embeddings else 1)
+    tied = cfg.tie_embeddings
+    head_tensors = norm_tensors + (0 if tied else 1)
     rows = config_rows(layers=cfg.n_layers, hidden=h, q=h, kv=kv, ffn=cfg.hidden_dim,
                        gated=cfg.mlp == "swiglu", vocab=cfg.vocab_size,
-                       tied=cfg.tie_embeddings, bias=cfg.mlp == "gelu",
+                       tied=tied, bias=cfg.mlp == "gelu",
                        norm_tensors=norm_tensors)
+    # Tensor parallelism keeps the norms (and the row-parallel biases) whole on every rank:
+    # data parallelism reduces them whole (``held``); under SP each norm tensor's gradient is
+    # all-reduced over tp once per backward, a LayerNorm's weight and bias one call each. A
+    # tied head is the embedding's weight under a second name: beside a pipeline the last
+    # stage holds a copy whose gradient is summed with the first stage's every step.
     return ModelStats(name=name, n_layers=cfg.n_layers, hidden=h, n_heads=cfg.n_heads,
                       kv_heads=cfg.kv_heads, ffn=cfg.hidden_dim, vocab=cfg.vocab_size,
                       mlp=cfg.mlp, block_params=block, block_matmul_params=matmul,
-                      embed_params=embed, head_params=head, tied=cfg.tie_embeddings,
+                      embed_params=embed, head_params=head - (embed if tied else 0),
                       max_seq=cfg.max_seq_len, block_tensors=block_tensors, embed_tensors=1,
-                      head_tensors=head_tensors, head_dim=cfg.head_dim, rows=rows)
+                      head_tensors=head_tensors, head_dim=cfg.head_dim, rows=rows,
+                      held=rows_held(rows),
+                      tp_block=reference_block(cfg),
+                      tied_params=embed if tied else 0,
+                      tied_shapes=((cfg.vocab_size, h),) if tied else ())
 
 
 _HF_KEYS = {  # our name -> accepted config.json keys, first found wins
@@ -238,13 +250,6 @@ _HF_KEYS = {  # our name -> accepted config.json keys, first found wins
 # GPT-NeoX / GPT-J / BLOOM / Falcon: "gelu"). Llama-style configs default to "silu" (SwiGLU).
 _NON_GATED_TYPES = ("gpt2", "gpt_neox", "gptj", "gpt_neo", "opt", "bloom", "falcon",
                     "gpt_bigcode", "codegen")
-
-
-# Families whose decoder layers are q, k, v and o projections, a gated MLP and two RMSNorm
-# weights, as from_hf_config counts them (plait.planner.fsdp_rows.config_rows); GPT-2 has a
-# layout of its own (_gpt2); others fuse q|k|v (GPT-NeoX) or add per-head norms (Qwen3),
-# which the config's counts do not follow tensor by tensor: their padding is not priced.
-_SEPARATE_QKV = ("llama", "mistral", "qwen2")
 
 
 def _model_type(data: Mapping[str, Any]) -> str:
@@ -320,11 +325,6 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
         # router; a shared expert adds its linears and its gate
         block_tensors += 2 + 1 - (3 if gated else 2) + ((4 if gated else 3) if shared else 0)
         experts = (k, count)
-    # the shapes of every tensor, for the rows FSDP2 pads: families whose blocks hold q, k, v
-    # and o apart, their norms a weight each (the counts above are theirs exactly)
-    rows = None if experts or model_type not in _SEPARATE_QKV else config_rows(
-        layers=got["n_layers"], hidden=h, q=q, kv=kv, ffn=ffn, gated=gated, vocab=got["vocab"],
-        tied=tied, bias=bias, qkv_bias=qkv_bias, norm_tensors=norm // h)
     stats = ModelStats(name=name, n_layers=got["n_layers"], hidden=h, n_heads=heads,
                        kv_heads=kv_heads, ffn=ffn, vocab=got["vocab"], mlp=mlp,
                        block_params=block, block_matmul_params=active,
@@ -332,13 +332,37 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
                        tied=tied,
                        max_seq=data.get("max_position_embeddings") or data.get("n_positions"),
                        block_tensors=block_tensors, embed_tensors=1,
-                       head_tensors=norm // h + (0 if tied else 1), experts=experts, rows=rows,
-                       held=None if rows is None else rows_held(rows),
+                       head_tensors=norm // h + (0 if tied else 1), experts=experts,
                        block_active_params=block - (count - k) * expert if experts else None,
                        head_dim=head_dim)
     if model_type == "gpt2" and q == h and kv == h and not experts:
         return _gpt2(stats, data.get("n_positions") or data.get("max_position_embeddings"))
-    return stats
+    # the families laid out tensor by tensor (plait.planner.hf_layout): the shapes FSDP2 pads,
+    # what tp keeps whole and the block's tp collectives; the others are counted in elements
+    expert_ffn = data.get("moe_intermediate_size") or ffn
+    laid = layout(model_type, Dims(
+        hidden=h, q=q, kv=kv, head_dim=head_dim, ffn=expert_ffn if experts else ffn,
+        vocab=got["vocab"], tied=tied, experts=count,
+        shared_ffn=data.get("shared_expert_intermediate_size") or 0 if experts else 0,
+        attention_bias=bool(data.get("attention_bias", True))))
+    return stats if laid is None else _laid_out(stats, laid, expert if experts else 0)
+
+
+def _laid_out(stats: ModelStats, laid: Layout, expert: int) -> ModelStats:
+    """``stats`` of a config whose family :mod:`plait.planner.hf_layout` lays out tensor by
+    tensor: its counts, padded rows, what tp keeps whole and the block's tp collectives as
+    the built model's; a tied head is the embedding's weight under a second name (beside a
+    pipeline a copy on the last stage, whose gradient is summed with the first stage's)."""
+    rows = ParamRows(stack=(laid.block,) * stats.n_layers, embed=laid.embed, rest=laid.rest)
+    block = sum(prod(r.shape) for r in laid.block)
+    shapes = tuple(r.shape for r in laid.embed) if stats.tied else ()
+    routed = stats.experts
+    return dataclasses.replace(
+        stats, block_params=block, block_tensors=len(laid.block),
+        head_params=sum(prod(r.shape) for r in laid.rest), head_tensors=len(laid.rest),
+        tied=False, tied_params=sum(prod(s) for s in shapes), tied_shapes=shapes, rows=rows,
+        held=rows_held(rows), tp_block=laid.tp_block,
+        block_active_params=block - (routed[1] - routed[0]) * expert if routed else None)
 
 
 def _gpt2(stats: ModelStats, positions: Any) -> ModelStats:
@@ -482,9 +506,10 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     tp_path = next(n for n, m in model.named_modules() if m is tp_ref)
     head_dim = None
     if attention:
+        # transformers names it head_dim, GPT-NeoX head_size
         head_dim = getattr(ref, "head_dim", None) or next(
-            (m.head_dim for m in ref.modules()
-             if isinstance(getattr(m, "head_dim", None), int)), None)
+            (getattr(m, a) for m in ref.modules() for a in ("head_dim", "head_size")
+             if isinstance(getattr(m, a, None), int)), None)
     if heads == 1 and head_dim:
         heads = max(1, hidden // head_dim)
     if heads == 1 and attention and found is not None:

@@ -205,11 +205,18 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
             if style_of(name) == want}
     if stack is not None:
         ends.update(first=stack[0], last=stack[1])
+    # the norms after the stack that run on sequence shards, read where the sequence is split
+    # from the embedding to the head: their trainable tensors' gradients are summed over tp
+    within = block.rpartition(".")[0] + "."
+    end_norms = tuple(p.numel() for name, m in model.named_modules()
+                      if style_of(name) == "sequence_parallel" and not name.startswith(within)
+                      for p in m.parameters() if p.requires_grad)
     return TPBlock(forward=tuple(forward), backward=tuple(backward),
                    bias_gathers=tuple(gathers), sp_norms=tuple(norms),
                    summed=tuple(summed), sp_in_blocks=in_blocks,
                    input_grad=any(p.requires_grad for p in embeds) or not embeds,
                    vocab_ends=("embed" in ends, "head" in ends),
+                   end_norms=None if in_blocks else end_norms,
                    traced=partial(trace, model, block, fwd_at, bwd_at, ends, seq=TRACE_SEQ,
                                   device_type=device_type))
 
