@@ -49,9 +49,10 @@ def test_auto_plan_small_world():
 
 def test_search_1024_devices_within_bound():
     m, c = load_model("gpt-175b"), load_cluster("dgx-a100-80gb", devices=1024)
-    start = time.perf_counter()
+    # CPU time of this process: the bound is the search's own work, not the machine's load
+    start = time.process_time()
     r = search(m, c, Workload(1536, 2048), top=5)
-    assert time.perf_counter() - start <= 5.0
+    assert time.process_time() - start <= 5.0
     assert r.best is not None and r.best.plan.world_size == 1024
 
 
