@@ -20,7 +20,7 @@ def plait_run(nproc, script, *args):
                  f"examples/{script}", *args])
 
 
-@pytest.mark.parametrize("nproc, script, args, expect", [
+EXAMPLES = [
     (2, "ddp.py", [], "max |param diff| vs one device"),
     (2, "pipeline.py", ["--plan", "pp=2,schedule=1f1b,mb=4", "--steps", "4"], "run summary"),
     (2, "tensor_parallel.py", ["--plan", "tp=2,sp=true", "--steps", "4"], "run summary"),
@@ -30,11 +30,33 @@ def plait_run(nproc, script, *args):
     (2, "auto_plan.py", ["--steps", "3", "--accelerator", "cpu"], "training under the winner"),
     (2, "hf_model.py", ["--plan", "tp=2,sp", "--steps", "4", "--accelerator", "cpu"],
      "mean over the real tokens"),
-])
+]
+# ddp.py runs under `plait run` in the default suite (the command its docstring gives); the
+# others run there too under -m slow, and by default as the body of plait.spawn's ranks.
+LAUNCHED = "ddp.py"
+
+
+@pytest.mark.parametrize("nproc, script, args, expect", [
+    case if case[1] == LAUNCHED else pytest.param(*case, marks=pytest.mark.slow)
+    for case in EXAMPLES])
 def test_example_runs(nproc, script, args, expect):
     out = plait_run(nproc, script, *args)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert expect in out.stdout
+
+
+@pytest.mark.parametrize("nproc, script, args, expect",
+                         [case for case in EXAMPLES if case[1] != LAUNCHED])
+def test_example_runs_on_spawned_ranks(nproc, script, args, expect):
+    """The same script, arguments and expected output as under `plait run`, rank 0's stdout,
+    on ranks forked from a server that has imported torch, without the launcher, torchrun's
+    agent and a fresh interpreter per rank (seconds of CPU each on a 2-core machine)."""
+    from plait.spawn import run_distributed
+
+    from ._workers_examples import run_example
+
+    printed = run_distributed(run_example, nproc, script, args, timeout=240)
+    assert expect in printed[0], printed[0][-2000:]
 
 
 def test_examples_take_the_accelerator_flag_plait_init_reads():
