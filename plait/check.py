@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .outputs import FORMATS
 from .parallel.layout import local_modules
 from .parallel.tp_record import quiet_logger
 from .parallel.units import canonical_name
@@ -516,29 +515,6 @@ def _refuse_unfit(plan: Plan, cfg: CheckConfig) -> None:
 # cost grows with the square of the sequence, and 100,000 tokens ran for hours without a word.
 MAX_SEQ_LEN = 1024
 MAX_BATCH = 256
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--plan", required=True,
-                        help="layout to check, e.g. dp=2 or dp=2,tp=2 (world size = product)")
-    parser.add_argument("--model", default="test",
-                        help="your model as pkg.module:function returning (model, dataset, "
-                        "loss_fn), or a reference-model preset (default: test)")
-    parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default: 5)")
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch (default: 8)")
-    parser.add_argument("--seq-len", type=int, default=None,
-                        help="sequence length of a reference preset's batches (default: 16); "
-                        "with your own factory, its dataset decides")
-    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
-                        help="optimizer both runs use (default: adamw)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
-    parser.add_argument("--tolerance", type=float, default=None,
-                        help="an absolute bound on loss and parameter differences; default: "
-                        "the optimizer's relative bounds (sgd: loss 1e-5, parameters 1e-4 of "
-                        "their displacement; adamw: 1e-5 and 1e-3; wider under "
-                        "mixed_precision=bf16 or fp16, whose rounding is coarser)")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds before a hang fails")
-    parser.add_argument("--format", choices=FORMATS, default="text")
 
 
 def command(args: argparse.Namespace) -> int:

@@ -102,8 +102,12 @@ def _add_format(p: argparse.ArgumentParser) -> None:
                    help="text for people, json for programs (default: text)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from . import __version__, check, launch
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; ``only="run"`` stops after ``run`` (and ``check``), whose modules import
+    no torch: the other commands' parsers come from modules that do, and ``plait run``'s
+    launcher would pay seconds of CPU for them before its workers (which import torch
+    themselves) even start."""
+    from . import __version__, check_args, launch
 
     parser = argparse.ArgumentParser(
         prog="plait", description="Scale PyTorch training from one device to many: data, "
@@ -140,8 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train --model (your pkg.module:function returning (model, dataset, "
         "loss_fn), or a reference-model preset) for a few steps under --plan and on one device "
         "(same seed, same batches); compare the loss of every step and every parameter.")
-    check.add_arguments(p)
+    check_args.add_arguments(p)
     commands["check"] = _check
+    if only == "run":
+        parser.set_defaults(_commands=commands)
+        return parser
 
     p = sub.add_parser("demo", help="the main job: tiny transformer on Shakespeare, 2 processes",
                        description="Train the tiny reference transformer on the bundled corpus "
@@ -228,8 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .spawn import WorkerError
 
-    parser = build_parser()
-    args = _parse(parser, sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(only="run" if command == "run" else None)
+    args = _parse(parser, argv)
     if not args.command:
         parser.print_help()
         return 2

@@ -36,14 +36,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeAlias, TypedDict
+from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict
 
-from .accelerators import Accelerator
+from .argv import accelerator_from_argv, plan_from_argv
 from .lifecycle import children, steps_redone
 from .outputs import writable_folder
 from .plan import Plan
-from .runtime import accelerator_from_argv, plan_from_argv
 from .store import loopback_interface
+
+if TYPE_CHECKING:  # the launcher imports torch only for a script's --accelerator
+    from .accelerators import Accelerator
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,12 @@ import time
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from .store import LOOPBACK, loopback_store
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 _PR_SET_PDEATHSIG = 1
 ATTEMPT_FILE = "plait-steps.json"
@@ -145,6 +146,8 @@ def job_store(rank: int, world_size: int, env: Mapping[str, str],
     """
     if not under_torchrun(env) or "MASTER_PORT" not in env:
         return None
+    import torch.distributed as dist  # here: `plait run`'s launcher never imports torch
+
     port = int(env["MASTER_PORT"])
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":

@@ -11,7 +11,6 @@ is the same) and as ``plait run --nproc 8 train.py --plan dp=2,tp=2,pp=2``.
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
 import os
@@ -34,6 +33,7 @@ from torch.utils.data import Dataset
 
 from . import report
 from .accelerators import Accelerator, get_accelerator
+from .argv import accelerator_from_argv, plan_from_argv
 from .data.loader import DistributedLoader, is_stream
 from .data.stream import StreamLoader
 from .mesh import Mesh, build_mesh
@@ -1132,37 +1132,6 @@ def _attention_mask(batch: Any) -> torch.Tensor | None:
         batch = batch[0]
     mask = batch.get("attention_mask") if isinstance(batch, dict) else None
     return mask if isinstance(mask, torch.Tensor) else None
-
-
-_ARGV_EXAMPLES = {"--plan": "--plan dp=2", "--accelerator": "--accelerator cpu"}
-
-
-def _from_argv(flag: str, argv: list[str] | None) -> str | None:
-    """``flag``'s value among the script's arguments; ValueError (one line, the fix) for a flag
-    given without one, where argparse would print a usage line for a parser the script never
-    declared."""
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    parser.add_argument(flag, default=None)
-    try:
-        known, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    except argparse.ArgumentError as exc:
-        raise ValueError(f"the script's {flag} needs a value, e.g. {_ARGV_EXAMPLES[flag]} "
-                         f"({exc.message})") from None
-    return getattr(known, flag.lstrip("-").replace("-", "_"))
-
-
-def plan_from_argv(argv: list[str] | None = None) -> str | None:
-    """The value of ``--plan`` on the script's own command line, if any.
-
-    This is how ``plait run --nproc 8 train.py --plan dp=2,tp=4`` reaches ``plait.init()``
-    without the script declaring the flag: it is the script's argument, read explicitly.
-    """
-    return _from_argv("--plan", argv)
-
-
-def accelerator_from_argv(argv: list[str] | None = None) -> str | None:
-    """The value of ``--accelerator`` on the script's own command line (read like ``--plan``)."""
-    return _from_argv("--accelerator", argv)
 
 
 def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int = 0,

@@ -16,8 +16,10 @@ import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 LOOPBACK = "127.0.0.1"
 
@@ -29,6 +31,8 @@ def loopback_store(port: int = 0, world_size: int | None = None, *,
 
     ``.port`` says which one. Raises ``OSError`` when the port is taken.
     """
+    import torch.distributed as dist  # here: `plait run`'s launcher never imports torch
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -20,7 +20,21 @@ def plait_run(nproc, script, *args):
                  f"examples/{script}", *args])
 
 
-@pytest.mark.parametrize("nproc, script, args, expect", [
+def plait_cli(capsys, monkeypatch, *argv):
+    """``plait ARGV`` run from the repository's root in this process (plait.cli.main, which the
+    ``plait`` command calls): its workers come from this session's fork server instead of a
+    new interpreter that imports torch and starts a fork server of its own. -> (exit code,
+    stdout, stderr)."""
+    from plait.cli import main
+
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+EXAMPLES = [
     (2, "ddp.py", [], "max |param diff| vs one device"),
     (2, "pipeline.py", ["--plan", "pp=2,schedule=1f1b,mb=4", "--steps", "4"], "run summary"),
     (2, "tensor_parallel.py", ["--plan", "tp=2,sp=true", "--steps", "4"], "run summary"),
@@ -30,11 +44,33 @@ def plait_run(nproc, script, *args):
     (2, "auto_plan.py", ["--steps", "3", "--accelerator", "cpu"], "training under the winner"),
     (2, "hf_model.py", ["--plan", "tp=2,sp", "--steps", "4", "--accelerator", "cpu"],
      "mean over the real tokens"),
-])
+]
+# ddp.py runs under `plait run` in the default suite (the command its docstring gives); the
+# others run there too under -m slow, and by default as the body of plait.spawn's ranks.
+LAUNCHED = "ddp.py"
+
+
+@pytest.mark.parametrize("nproc, script, args, expect", [
+    case if case[1] == LAUNCHED else pytest.param(*case, marks=pytest.mark.slow)
+    for case in EXAMPLES])
 def test_example_runs(nproc, script, args, expect):
     out = plait_run(nproc, script, *args)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert expect in out.stdout
+
+
+@pytest.mark.parametrize("nproc, script, args, expect",
+                         [case for case in EXAMPLES if case[1] != LAUNCHED])
+def test_example_runs_on_spawned_ranks(nproc, script, args, expect):
+    """The same script, arguments and expected output as under `plait run`, rank 0's stdout,
+    on ranks forked from a server that has imported torch, without the launcher, torchrun's
+    agent and a fresh interpreter per rank (seconds of CPU each on a 2-core machine)."""
+    from plait.spawn import run_distributed
+
+    from ._workers_examples import run_example
+
+    printed = run_distributed(run_example, nproc, script, args, timeout=240)
+    assert expect in printed[0], printed[0][-2000:]
 
 
 def test_examples_take_the_accelerator_flag_plait_init_reads():
@@ -68,38 +104,39 @@ def test_checkpoint_resume_example(tmp_path):
     assert "FINAL step 8" in second.stdout
 
 
-def test_your_own_model_checked_then_trained():
+def test_your_own_model_checked_then_trained(capsys, monkeypatch):
     """The README's first step on a new model: `plait check --model pkg.module:factory`."""
     import json
 
-    out = _run([sys.executable, "-m", "plait.cli", "check", "--plan", "dp=2,sync_bn", "--model",
-                "examples.your_own_model:factory", "--steps", "2", "--format", "json"])
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    result = json.loads(out.stdout)
+    code, printed, said = plait_cli(capsys, monkeypatch, "check", "--plan", "dp=2,sync_bn",
+                                    "--model", "examples.your_own_model:factory", "--steps", "2",
+                                    "--format", "json")
+    assert code == 0, printed[-2000:] + said[-3000:]
+    result = json.loads(printed)
     assert result["ok"] and result["limits"] == {"loss": 1e-5, "param": 1e-3}
     out = plait_run(2, "your_own_model.py", "--plan", "dp=2,sync_bn", "--steps", "3")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "final loss" in out.stdout and "blocks.0.norm.weight" not in out.stderr
 
 
-def test_hf_model_factory_is_checked():
+def test_hf_model_factory_is_checked(capsys, monkeypatch):
     """README names examples/hf_model.py as the Hugging Face form of `--model pkg.mod:factory`."""
     import json
 
     pytest.importorskip("transformers")
-    out = _run([sys.executable, "-m", "plait.cli", "check", "--plan", "dp=2", "--model",
-                "examples.hf_model:factory", "--optimizer", "sgd", "--steps", "2",
-                "--format", "json"])
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert json.loads(out.stdout)["ok"]
+    code, printed, said = plait_cli(capsys, monkeypatch, "check", "--plan", "dp=2", "--model",
+                                    "examples.hf_model:factory", "--optimizer", "sgd",
+                                    "--steps", "2", "--format", "json")
+    assert code == 0, printed[-2000:] + said[-3000:]
+    assert json.loads(printed)["ok"]
 
 
-def test_check_model_spec_that_does_not_import():
-    out = _run([sys.executable, "-m", "plait.cli", "check", "--plan", "dp=2", "--model",
-                "no_such_module:factory"], timeout=60)
-    assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "cannot import 'no_such_module'" in lines[0], out.stderr
+def test_check_model_spec_that_does_not_import(capsys, monkeypatch):
+    code, _, said = plait_cli(capsys, monkeypatch, "check", "--plan", "dp=2", "--model",
+                              "no_such_module:factory")
+    assert code == 2
+    lines = said.strip().splitlines()
+    assert len(lines) == 1 and "cannot import 'no_such_module'" in lines[0], said
 
 
 def test_tpu_example_without_an_accelerator_trains_on_the_cpu():

@@ -1,0 +1,31 @@
+"""``plait check``'s command line, in a module of its own that imports no torch: the CLI builds
+every subcommand's parser at start, and ``plait run`` must not pay for torch's import there."""
+
+from __future__ import annotations
+
+import argparse
+
+from .outputs import FORMATS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", required=True,
+                        help="layout to check, e.g. dp=2 or dp=2,tp=2 (world size = product)")
+    parser.add_argument("--model", default="test",
+                        help="your model as pkg.module:function returning (model, dataset, "
+                        "loss_fn), or a reference-model preset (default: test)")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default: 5)")
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch (default: 8)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="sequence length of a reference preset's batches (default: 16); "
+                        "with your own factory, its dataset decides")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                        help="optimizer both runs use (default: adamw)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="an absolute bound on loss and parameter differences; default: "
+                        "the optimizer's relative bounds (sgd: loss 1e-5, parameters 1e-4 of "
+                        "their displacement; adamw: 1e-5 and 1e-3; wider under "
+                        "mixed_precision=bf16 or fp16, whose rounding is coarser)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds before a hang fails")
+    parser.add_argument("--format", choices=FORMATS, default="text")
