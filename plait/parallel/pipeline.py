@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .._torch_compat import pipeline_stage_base, pytree
 from ..loss import label_shift, loss_sum_and_count, missing_labels_fix, shifts_labels
 from ..mesh import Mesh
-from ..plan import PP_SCHEDULES, Plan
+from ..plan import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES, Plan
 from .context import ContextGroup, context_group
 from .layout import Layout, layout_of, record_layout
 from .pipeline_buffers import (
@@ -62,6 +62,7 @@ from .pipeline_split import (
     additive_by_running,
     additive_modules,
     build_stage_module,
+    held_on_path,
     plan_stages,
     shared_parameters,
 )
@@ -883,12 +884,19 @@ def _local_ties(ties: list[dict[int, str]], groups: list[Any], local: dict[int, 
     out = []
     for names, group in zip(ties, groups, strict=True):
         first = min(names)
+        # Two stages of this rank (an interleaved schedule) can hold one parameter object (a
+        # parameter of the model's own module, which every stage shares): its gradient already
+        # sums both stages' shares, and it is summed over the ranks once.
+        held: dict[int, tuple[nn.Parameter, bool]] = {}
         for stage, name in names.items():
             if stage in local and group is not None:
                 param = _param_named(local[stage], name)
-                if stage != first:
-                    param._plait_tied_copy = True  # type: ignore[attr-defined]
-                out.append((param, group))
+                copy = held.get(id(param), (param, True))[1] and stage != first
+                held[id(param)] = (param, copy)
+        for param, copy in held.values():
+            if copy:
+                param._plait_tied_copy = True  # type: ignore[attr-defined]
+            out.append((param, group))
     return out
 
 
@@ -995,6 +1003,15 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
             f"builds an explicit attention mask, which context parallelism cannot split; "
             f"train it with pp=1 (cp with dp_shard/zero or tp), or cp=1")
     path, specs = plan_stages(model, plan)
+    held = held_on_path(model, path)
+    if held and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+        # Every stage holding such a parameter, the split backward of a zero-bubble schedule
+        # ran a second backward through a freed graph (a model with layers before and after
+        # its blocks, zbv, pp=2): refused rather than trained on a path that fails.
+        raise ValueError(f"{type(model).__name__} holds parameters {held} directly, outside "
+                         f"any submodule, which every pipeline stage shares: schedule "
+                         f"{plan.pp_schedule} (zero bubble) cannot train them; use 1f1b, gpipe "
+                         f"or interleaved_1f1b, or move each into the submodule that uses it")
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     mine = local_stages(plan.pp_schedule, plan.pp, plan.virtual_stages, pp_rank)
