@@ -164,7 +164,9 @@ def noise_gradients(norms: dict[str, list[float]], sizes: dict[str, int],
         return set()
     per_entry = [math.sqrt(sum(scale_from[n][t] ** 2 for n in names) / entries)
                  for t in range(steps)]
-    return {n for n, v in norms.items() if n in sizes and len(v) >= steps and all(
+    # A gradient exactly zero (or none) in every step is not noise: Adam's step is then exact
+    # (nothing, or the weight decay alone), and the displacement rule holds.
+    return {n for n, v in norms.items() if n in sizes and len(v) >= steps and any(v) and all(
         v[t] <= GRAD_NOISE * per_entry[t] * math.sqrt(sizes[n]) for t in range(steps))}
 
 

@@ -515,3 +515,17 @@ class ScaledMLP(nn.Module):
 def scaled_mlp():
     torch.manual_seed(0)
     return ScaledMLP()
+
+
+class SpareMLP(ScaledMLP):
+    """ScaledMLP with a parameter of its own that its forward never reads: one device leaves
+    it without a gradient, so AdamW leaves it as it is (no weight decay either)."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Parameter(torch.ones(4))
+
+
+def spare_mlp():
+    torch.manual_seed(0)
+    return SpareMLP()

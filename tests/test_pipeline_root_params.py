@@ -6,7 +6,7 @@ parameter, SGD: its update is linear in the gradient, so a missing share shows).
 import pytest
 
 from plait.check import CheckConfig, check
-from tests._pipeline_models import mlp_batch, scaled_mlp
+from tests._pipeline_models import mlp_batch, scaled_mlp, spare_mlp
 
 CFG = CheckConfig(model_factory=scaled_mlp, batch_factory=mlp_batch, optimizer="sgd", lr=0.1,
                   steps=3)
@@ -44,3 +44,13 @@ def test_zero_bubble_schedules_refuse_them_by_name():
                        r"directly.*schedule zbv \(zero bubble\) cannot train them; use 1f1b"):
         result = check("pp=2,pp_schedule=zbv,virtual_stages=2", CFG, timeout=200)
     assert result is None
+
+
+def test_a_tied_weight_no_stage_used_keeps_no_gradient():
+    """Every stage holds ``spare`` (tied), none reads it: its gradient stays None, as on one
+    device, so AdamW's weight decay does not move it (a zero gradient from the tied sum did:
+    1e-4 of it per step at lr 1e-2)."""
+    cfg = CheckConfig(model_factory=spare_mlp, batch_factory=mlp_batch, optimizer="adamw",
+                      lr=1e-2, steps=3)
+    result = check("pp=2", cfg, timeout=200)
+    assert result.ok, result.format()

@@ -451,9 +451,24 @@ class PipelineRunner:
         one-device gradient, so the copies, equal at the start, stay equal (Megatron's
         embedding group). Copies sharded by TP or FSDP are sharded alike: their local shards
         are summed. A frozen weight (``requires_grad=False``) is left without a gradient: a
-        zero one would let the optimizer's weight decay move it."""
-        for param, group in self.tied:
-            if not param.requires_grad:
+        zero one would let the optimizer's weight decay move it. So is a weight no stage used
+        this step (a head a branch skipped, a parameter the forward does not read), as on one
+        device: which copies got a gradient is summed first, one all-reduce of a flag per
+        copy per tie group, which then spares the gradient's all-reduce when none did."""
+        tied = [(param, group) for param, group in self.tied if param.requires_grad]
+        groups: dict[int, list[int]] = {}
+        for i, (_, group) in enumerate(tied):
+            groups.setdefault(id(group), []).append(i)
+        used = [True] * len(tied)
+        for members in groups.values():
+            first = tied[members[0]][0]
+            flags = torch.tensor([float(tied[i][0].grad is not None) for i in members],
+                                 device=_local(first).device)
+            torch.distributed.all_reduce(flags, group=tied[members[0]][1])
+            for i, flag in zip(members, flags.tolist(), strict=True):
+                used[i] = flag > 0
+        for (param, group), any_grad in zip(tied, used, strict=True):
+            if not any_grad:
                 continue
             grad = param.grad
             if grad is None:
@@ -931,6 +946,11 @@ def _one_device_names(model: nn.Module, ties: list[dict[int, str]], mine: list[i
             if own is not None and own != name:
                 out[name] = own
     return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local piece, a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _param_named(module: nn.Module, name: str) -> nn.Parameter:
