@@ -100,7 +100,8 @@ def _named(name: str) -> str:
 # SGD bound such a tensor must match to 1e-6 of that, a few fp32 rounding steps, which a wrong
 # layout does not reach. Adam cannot be held to this for a zero-gradient tensor: it scales the
 # noise up to a sizeable fraction of a real step (m / (sqrt(v) + eps) with m, sqrt(v) ~ noise),
-# differently on each layout, so a FAIL whose losses match names SGD as the check to run.
+# differently on each layout: such tensors are judged by the rule below instead, and a FAIL
+# whose losses match (but not its gradients) names SGD as the check to run.
 DISPLACEMENT_FLOOR = 1e-2
 # Adam's noise, judged where it arises. A tensor whose gradient, before the optimizer step, is
 # at most GRAD_NOISE of the model's gradient per entry (at its size) on one device in every
