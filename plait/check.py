@@ -69,6 +69,12 @@ def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None, *,
     return state
 
 
+def _some(names: list[str]) -> str:
+    """Up to three names, and how many more."""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(names[:3]) + more
+
+
 def _named(name: str) -> str:
     """`` (name)`` after a figure, or `` (every parameter bitwise equal)`` when no parameter
     differs at all, so none is the worst."""
@@ -93,8 +99,26 @@ def _named(name: str) -> str:
 # SGD bound such a tensor must match to 1e-6 of that, a few fp32 rounding steps, which a wrong
 # layout does not reach. Adam cannot be held to this for a zero-gradient tensor: it scales the
 # noise up to a sizeable fraction of a real step (m / (sqrt(v) + eps) with m, sqrt(v) ~ noise),
-# differently on each layout, so a FAIL whose losses match names SGD as the check to run.
+# differently on each layout: such tensors are judged by the rule below instead, and a FAIL
+# whose losses match (but not its gradients) names SGD as the check to run.
 DISPLACEMENT_FLOOR = 1e-2
+# Adam's noise, judged where it arises. A tensor whose gradient, before the optimizer step, is
+# at most GRAD_NOISE of the model's gradient per entry (at its size) on one device in every
+# step has a gradient that is zero in exact arithmetic: what fp32 leaves of a sum that cancels.
+# Measured on stock BERT and ViT from a config (2 layers): their attention key biases sit at
+# 1e-11 to 2e-9 of that; the smallest real gradient (a query or key weight at initialisation)
+# at 3.6e-5. Adam's step on such a tensor follows the noise's sign, differently on each
+# layout, so its parameters have no one-device value to match; instead, (1) the layout's
+# gradient of it must be noise too (a layout that gives it a real gradient FAILs), and (2)
+# its parameters may differ by no more than two runs of Adam's largest steps apart
+# (:func:`adam_reach`), beyond which no noise can take them.
+GRAD_NOISE = 1e-6
+# Gradient norms of one tensor on the two sides, relative to the reference's (at least
+# DISPLACEMENT_FLOOR of the model's per entry, at its size): measured within 3.1e-6 on BERT,
+# ViT and the reference "test" model under tp=2, pp=2 and ZeRO-2/3, 5 steps; gradients summed
+# over dp=2 instead of averaged are 1 apart at the first step.
+GRADIENTS_DIFFER = 1e-3
+ADAM_BETAS = (0.9, 0.999)
 TOLERANCES = {"sgd": {"loss": 1e-5, "param": 1e-4}, "adamw": {"loss": 1e-5, "param": 1e-3}}
 # Under mixed precision each op rounds to 8 (bf16) or 11 (fp16) bits of mantissa, and a layout
 # that splits the batch or a matmul rounds different partial sums: the two runs then differ by
@@ -108,6 +132,42 @@ REDUCED_TOLERANCES = {
     "bf16": {"sgd": {"loss": 2e-3, "param": 1e-2}, "adamw": {"loss": 2e-3, "param": 0.2}},
     "fp16": {"sgd": {"loss": 1e-4, "param": 2e-3}, "adamw": {"loss": 1e-4, "param": 0.1}},
 }
+
+
+def adam_reach(lr: float, steps: int, betas: tuple[float, float] = ADAM_BETAS) -> float:
+    """How far, per entry, two runs of Adam(W) of ``steps`` steps at ``lr`` can take one
+    parameter apart when its gradients are noise of any sign: twice the sum of the largest
+    step of each. Step t moves an entry by lr * |m_t / sqrt(v_t)| (bias-corrected, eps
+    ignored: it only shrinks the step), and by Cauchy-Schwarz, with m_t = sum a_i g_i and
+    v_t = sum b_i g_i^2, |m_t| / sqrt(v_t) <= sqrt(sum a_i^2 / b_i) whatever the gradients
+    (1 at step 1, 1.011 at step 5 for the default betas). Weight decay moves both runs alike."""
+    b1, b2 = betas
+    total = 0.0
+    for t in range(1, steps + 1):
+        total += math.sqrt(sum(
+            ((1 - b1) * b1 ** (t - i) / (1 - b1 ** t)) ** 2
+            / ((1 - b2) * b2 ** (t - i) / (1 - b2 ** t)) for i in range(1, t + 1)))
+    return 2 * lr * total
+
+
+def noise_gradients(norms: dict[str, list[float]], sizes: dict[str, int],
+                    reference: dict[str, list[float]] | None = None) -> set[str]:
+    """The tensors of ``norms`` (each step's gradient norm by name) whose gradient is at most
+    ``GRAD_NOISE`` of the model's per entry (at the tensor's size) in every step: zero but
+    for rounding. ``reference``: the per-entry scale comes from these norms instead (so that
+    a layout's gradients are held to one device's scale)."""
+    scale_from = reference if reference is not None else norms
+    names = [n for n in scale_from if n in sizes]
+    entries = sum(sizes[n] for n in names)
+    steps = min((len(v) for v in scale_from.values()), default=0)
+    if not entries or not steps:
+        return set()
+    per_entry = [math.sqrt(sum(scale_from[n][t] ** 2 for n in names) / entries)
+                 for t in range(steps)]
+    # A gradient exactly zero (or none) in every step is not noise: Adam's step is then exact
+    # (nothing, or the weight decay alone), and the displacement rule holds.
+    return {n for n, v in norms.items() if n in sizes and len(v) >= steps and any(v) and all(
+        v[t] <= GRAD_NOISE * per_entry[t] * math.sqrt(sizes[n]) for t in range(steps))}
 
 
 def tolerances(optimizer: str, precision: str = "fp32") -> dict[str, float]:
@@ -142,6 +202,19 @@ class CheckResult:
     # :func:`random_modules` names them: a reason for a FAIL no layout can remove.
     random: list[str] = field(default_factory=list)
     precision: str = "fp32"            # the plan's mixed_precision: what the bounds allow for
+    # Under Adam: tensors whose gradient is rounding noise on one device (GRAD_NOISE), judged
+    # by adam_reach instead of their displacement; the worst of them as |diff| / reach (<= 1
+    # passes); and those of them the layout gave a real gradient (a FAIL).
+    noise_gradients: list[str] = field(default_factory=list)
+    max_noise_rel: float = 0.0
+    worst_noise: str = ""
+    noise_reach: float = 0.0           # adam_reach: per entry, what noise can move apart
+    real_gradient: list[str] = field(default_factory=list)
+    # Gradients before the optimizer step (their norms, per tensor and step), where both sides
+    # recorded them: the largest relative difference and where. Not a verdict (the parameters
+    # are); it tells a layout's wrong gradient from an optimizer's amplified noise.
+    max_grad_rel: float = 0.0
+    worst_grad: str = ""
 
     @property
     def limits(self) -> dict[str, float]:
@@ -149,7 +222,9 @@ class CheckResult:
 
     @property
     def ok(self) -> bool:
-        if self.missing or self.replicas_differ:
+        if self.missing or self.replicas_differ or self.real_gradient:
+            return False
+        if self.max_noise_rel > 1.0 or math.isnan(self.max_noise_rel):
             return False
         if self.tolerance is not None:
             return self.max_loss_diff <= self.tolerance and self.max_param_diff <= self.tolerance
@@ -173,6 +248,15 @@ class CheckResult:
                  f"{_named(self.worst_param_rel)}"]
         for i, (a, b) in enumerate(zip(self.losses_reference, self.losses_parallel, strict=True)):
             lines.append(f"  step {i + 1}: reference {a:.6f}  parallel {b:.6f}")
+        if self.noise_gradients:
+            lines.append(f"  {_some(self.noise_gradients)}: gradient zero but for rounding on "
+                         f"one device ({self.optimizer} steps them by the noise's sign): held "
+                         f"to the {self.noise_reach:.1e} per entry that {self.optimizer}'s "
+                         f"steps can take two runs apart; at {self.max_noise_rel:.2e} of it "
+                         f"({self.worst_noise})")
+        if self.real_gradient:
+            lines.append(f"  the layout gives {_some(self.real_gradient)} a gradient where one "
+                         f"device's is zero but for rounding")
         if self.replicas_differ:
             lines.append(f"  ranks hold different copies of {', '.join(self.replicas_differ[:5])}"
                          + (f" (and {len(self.replicas_differ) - 5} more)"
@@ -195,6 +279,11 @@ class CheckResult:
                     f"batch cannot reproduce one device's masks and the runs differ by the "
                     f"dropout noise; set dropout to 0 in your factory for the check (the "
                     f"layout's arithmetic is then compared exactly) and train with it")
+        if (not self.ok and not self.missing and not self.replicas_differ
+                and self.max_grad_rel > GRADIENTS_DIFFER):
+            return (f"the gradients differ before the optimizer step ({self.worst_grad}: "
+                    f"norms {self.max_grad_rel:.1e} apart, relative): the layout computes "
+                    f"other gradients than one device, not rounding noise")
         if (not self.ok and not self.missing and not self.replicas_differ
                 and self.tolerance is None and self.optimizer != "sgd"
                 and self.max_loss_rel <= self.limits["loss"]):
@@ -330,24 +419,51 @@ def _make_optimizer(cfg: CheckConfig, params: Any) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, foreach=False)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01, foreach=False)
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=ADAM_BETAS, weight_decay=0.01,
+                                 foreach=False)
     raise ValueError(f"optimizer={cfg.optimizer!r} must be 'adamw' or 'sgd'")
 
 
-def train(plan: Plan, cfg: CheckConfig) -> tuple[Any, nn.Module, list[float]]:
+def train(plan: Plan, cfg: CheckConfig, grad_norms: dict[str, list[float]] | None = None
+          ) -> tuple[Any, nn.Module, list[float]]:
     """Inside a rank: train ``cfg.steps`` steps under ``plan`` on ``cfg``'s model and global
     batches. Returns (the Run, the parallelized model, the loss of every step); the caller
-    closes the Run."""
+    closes the Run. With ``grad_norms``: each step's gradient norm of each of this rank's
+    parameters is appended there (:func:`_record_grad_norms`)."""
     from .runtime import init
 
     run = init(plan, seed=cfg.seed, quiet=True, log_every=1)
     model, loss_fn = _build(cfg)
     model = run.parallelize(model)
     opt = _make_optimizer(cfg, model.parameters())
+    if grad_norms is not None:
+        opt.register_step_pre_hook(_record_grad_norms(model, grad_norms))
     dp_rank, dp_size = run.dp_rank, run.dp_size
     losses = [float(run.step(model, _slice(batch, dp_rank, dp_size), loss_fn, opt))
               for batch in _global_batches(cfg, vocab=256)]
     return run, model, losses
+
+
+def _record_grad_norms(model: nn.Module, into: dict[str, list[float]]) -> Callable[..., None]:
+    """An optimizer step pre-hook appending each parameter's gradient norm (full tensor,
+    canonical name; 0 for no gradient) to ``into``: the gradients the optimizer is about to
+    apply, after averaging, scaling and clipping. Collective under TP/FSDP (a sharded
+    gradient's norm is reduced over its mesh), so every rank steps its optimizer together,
+    as ``run.step`` does."""
+    named = [(canonical_name(n), p) for module in local_modules(model)
+             for n, p in module.named_parameters()]
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for name, p in named:
+            g = p.grad
+            if g is None:
+                norm = 0.0
+            else:
+                n = torch.linalg.vector_norm(g.detach().float())
+                n = n.full_tensor() if hasattr(n, "full_tensor") else n
+                norm = float(n)
+            into.setdefault(name, []).append(norm)
+    return hook
 
 
 def train_and_collect(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) -> dict[str, Any]:
@@ -359,11 +475,17 @@ def train_and_collect(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) 
         initial = {canonical_name(n): p.detach().float().clone()
                    for n, p in model.named_parameters()}
         random = random_modules(model)
-    run, model, losses = train(plan, cfg)
+    norms: dict[str, list[float]] = {}
+    run, model, losses = train(plan, cfg, norms)
     pp_group = run.mesh["pp"].get_group() if plan.pp > 1 else None
     state = full_state(model, pp_group)
+    if pp_group is not None:  # each stage recorded its own parameters: pool them
+        parts: list[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, norms, group=pp_group)
+        norms = {k: v for part in parts for k, v in part.items()}
     run.close()
     return {"losses": losses, "state": state if rank == 0 else None, "initial": initial,
+            "grad_norms": norms,
             "random": random, "digest": {name: digest(name, t) for name, t in state.items()}}
 
 
@@ -413,9 +535,13 @@ def _slice(batch: Any, index: int, parts: int) -> Any:
 
 def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], steps: int,
             tolerance: float | None, optimizer: str = "adamw",
-            digests: list[dict[str, tuple[float, float]]] | None = None) -> CheckResult:
+            digests: list[dict[str, tuple[float, float]]] | None = None,
+            lr: float = 1e-3) -> CheckResult:
     """Rank 0's losses and parameters against the reference's; with every rank's ``digests``
-    (:func:`digest`), also each rank's copies against rank 0's."""
+    (:func:`digest`), also each rank's copies against rank 0's. Where both sides carry
+    ``grad_norms`` (each step's gradient norm by name) and the optimizer is Adam(W) at ``lr``
+    under the relative bounds, tensors whose one-device gradient is rounding noise are judged
+    by :func:`adam_reach` (see ``GRAD_NOISE``)."""
     ref_state, par_state = reference["state"], parallel["state"]
     initial = reference.get("initial") or {}
     missing = sorted(set(ref_state) - set(par_state))
@@ -434,6 +560,20 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
         typical = moved_per_entry * math.sqrt(ref.numel())
         return max(displacement[name], DISPLACEMENT_FLOOR * max(ref.norm().item(), typical))
 
+    noise: set[str] = set()
+    real_gradient: list[str] = []
+    ref_norms, par_norms = reference.get("grad_norms"), parallel.get("grad_norms")
+    if ref_norms and par_norms and tolerance is None and optimizer != "sgd":
+        sizes = {n: t.numel() for n, t in ref_state.items()}
+        noise = noise_gradients(ref_norms, sizes)
+        quiet = noise_gradients(par_norms, sizes, reference=ref_norms)
+        real_gradient = sorted(n for n in noise if n in par_norms and n not in quiet)
+        noise -= set(real_gradient)
+    reach = adam_reach(lr, steps)
+    worst_noise, worst_noise_name = 0.0, ""
+    grad_rel, grad_rel_name = _gradients_apart(ref_norms or {}, par_norms or {}, ref_state,
+                                               skip=noise | set(real_gradient))
+
     for name, ref in ref_state.items():
         if name not in par_state:
             continue
@@ -444,7 +584,11 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
         diff = (got - ref).abs().max().item() if ref.numel() else 0.0
         if diff > worst or math.isnan(diff):
             worst, worst_name = diff, name
-        if name in displacement:
+        if name in noise:
+            rel = diff / reach
+            if rel > worst_noise or math.isnan(rel):
+                worst_noise, worst_noise_name = rel, name
+        elif name in displacement:
             far = moved(name)
             off = (got - ref).norm().item()
             # A tensor that is zero and stayed zero must stay exactly zero.
@@ -475,7 +619,31 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
                        missing=missing, tolerance=tolerance, optimizer=optimizer,
                        max_loss_rel=loss_rel, max_param_rel=worst_rel,
                        worst_param_rel=worst_rel_name, replicas_differ=differ,
-                       random=random, precision=plan.mixed_precision)
+                       random=random, precision=plan.mixed_precision,
+                       noise_gradients=sorted(noise), max_noise_rel=worst_noise,
+                       worst_noise=worst_noise_name, real_gradient=real_gradient,
+                       noise_reach=reach if noise else 0.0, max_grad_rel=grad_rel,
+                       worst_grad=grad_rel_name)
+
+
+def _gradients_apart(ref: dict[str, list[float]], par: dict[str, list[float]],
+                     state: dict[str, torch.Tensor], skip: set[str]) -> tuple[float, str]:
+    """The largest difference of one tensor's gradient norm between the two sides, over
+    steps, relative to the reference's (at least DISPLACEMENT_FLOOR of the model's gradient per
+    entry, at its size: a gradient near zero is not divided by), and the tensor's name."""
+    names = [n for n in ref if n in par and n in state and n not in skip]
+    entries = sum(state[n].numel() for n in names)
+    steps = min((min(len(ref[n]), len(par[n])) for n in names), default=0)
+    worst, worst_name = 0.0, ""
+    for t in range(steps if entries else 0):
+        per_entry = math.sqrt(sum(ref[n][t] ** 2 for n in names) / entries)
+        for n in names:
+            floor = DISPLACEMENT_FLOOR * per_entry * math.sqrt(state[n].numel())
+            scale = max(ref[n][t], floor)
+            rel = abs(par[n][t] - ref[n][t]) / scale if scale > 0 else 0.0
+            if rel > worst or math.isnan(rel):
+                worst, worst_name = rel, n
+    return worst, worst_name
 
 
 def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float | None = None,
@@ -491,7 +659,7 @@ def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float 
     reference = run_distributed(train_and_collect, 1, single, cfg, timeout=timeout)[0]
     ranks = run_distributed(train_and_collect, plan.world_size, plan, cfg, timeout=timeout)
     return compare(plan, reference, ranks[0], cfg.steps, tolerance, cfg.optimizer,
-                   digests=[r["digest"] for r in ranks])
+                   digests=[r["digest"] for r in ranks], lr=cfg.lr)
 
 
 def _refuse_unfit(plan: Plan, cfg: CheckConfig) -> None:

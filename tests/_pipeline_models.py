@@ -490,3 +490,42 @@ def first_inputs_seen(rank, world_size, plan, batches, loss_fn):
     logs = [m for m in model.modules() if isinstance(m, InputLog)]
     run.close()
     return {"losses": losses, "seen": logs[0].seen}
+
+
+class ScaledMLP(nn.Module):
+    """Blocks under a model that holds parameters of its own: a scale used before the blocks
+    and after the head, a shift added before the blocks and after every block. Under a
+    pipeline, each stage's uses give part of their gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(12, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(8))
+        self.out = nn.Linear(32, 3)
+        self.scale = nn.Parameter(torch.tensor([1.5]))  # (1,): FSDP2 refuses a 0-dim one
+        self.shift = nn.Parameter(torch.full((32,), 0.1))
+
+    def forward(self, x):
+        h = self.inp(x) * self.scale + self.shift
+        for block in self.blocks:
+            h = torch.tanh(block(h)) + self.shift
+        return self.out(h) * self.scale
+
+
+def scaled_mlp():
+    torch.manual_seed(0)
+    return ScaledMLP()
+
+
+class SpareMLP(ScaledMLP):
+    """ScaledMLP with a parameter of its own that its forward never reads: one device leaves
+    it without a gradient, so AdamW leaves it as it is (no weight decay either)."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Parameter(torch.ones(4))
+
+
+def spare_mlp():
+    torch.manual_seed(0)
+    return SpareMLP()

@@ -244,6 +244,31 @@ def test_branches_some_steps_skip_keep_no_gradient_in_a_pipeline_under_find_unus
         _assert_matches(ref, got)
 
 
+def _gated_tp(text: str) -> Plan:
+    """``text`` with a tensor-parallel plan for :class:`Gated`'s blocks (fx cannot trace its
+    data-dependent branch, so none is inferred): each Linear column-parallel, its output
+    gathered (the head and the auxiliary head, 5 classes, stay replicated)."""
+    styles = {g: "colwise_gather" for g in ("blocks.*.mlp", "blocks.*.branch")}
+    return Plan.from_string(text).replace(options={"tp_plan": {"styles": styles}})
+
+
+@pytest.mark.parametrize("world,plans", [
+    (4, ("pp=2,tp=2,find_unused,mb=2",)),
+    pytest.param(8, ("pp=2,dp=2,tp=2,find_unused,mb=2",
+                     "pp=2,dp_shard=2,zero=3,tp=2,find_unused,mb=2"), marks=pytest.mark.slow),
+])
+def test_branches_some_steps_skip_under_pipeline_and_tensor_parallelism(world, plans):
+    """find_unused with pp x tp (its unused-parameter pass then runs over the data group,
+    of one rank at world 4): the gated branches and head, which every rank skips on every
+    other step, keep no gradient there, so AdamW (weight decay 0.1) leaves them as one device
+    does; with data replicas (world 8) under DDP and under FSDP2 (ZeRO-3) too."""
+    batches = [B.gated_batch(s) for s in range(3)]
+    ref = B.reference(B.gated, batches, F.cross_entropy, adam="adamw")
+    jobs = [(_gated_tp(p), B.gated, batches, F.cross_entropy) for p in plans]
+    for got in run_distributed(B.train, world, jobs, "adamw", timeout=500)[0]:
+        _assert_matches(ref, got)
+
+
 @pytest.mark.parametrize("plans", [
     ("pp=2,dp_shard=2,zero=3,mb=2", "dp=2,tp=2,grad_accum=2"),
     pytest.param(("pp=2,dp=2,mb=1,schedule=gpipe", "dp_shard=2,zero=3,tp=2",

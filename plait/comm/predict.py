@@ -634,6 +634,9 @@ def pp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
         n = sends * plan.microbatches * plan.grad_accum
         out.append(Traffic("pp", "send_recv", per * n, n, 2, "activations and grads"))
     if local.tied:  # plait.parallel.pipeline sync_tied_gradients: once per optimizer step
+        # First whether any copy got a gradient (one flag per tie), then the gradients.
+        out.append(Traffic("pp", "all_reduce", local.tied_tensors * FP32, local.tied_tensors,
+                           2, "tied weight used flags"))
         out.append(Traffic("pp", "all_reduce", local.tied * FP32, local.tied_tensors, 2,
                            "tied weight grads"))
     return out

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .._torch_compat import pipeline_stage_base, pytree
 from ..loss import label_shift, loss_sum_and_count, missing_labels_fix, shifts_labels
 from ..mesh import Mesh
-from ..plan import PP_SCHEDULES, Plan
+from ..plan import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES, Plan
 from .context import ContextGroup, context_group
 from .layout import Layout, layout_of, record_layout
 from .pipeline_buffers import (
@@ -62,6 +62,7 @@ from .pipeline_split import (
     additive_by_running,
     additive_modules,
     build_stage_module,
+    held_on_path,
     plan_stages,
     shared_parameters,
 )
@@ -454,9 +455,24 @@ class PipelineRunner:
         one-device gradient, so the copies, equal at the start, stay equal (Megatron's
         embedding group). Copies sharded by TP or FSDP are sharded alike: their local shards
         are summed. A frozen weight (``requires_grad=False``) is left without a gradient: a
-        zero one would let the optimizer's weight decay move it."""
-        for param, group in self.tied:
-            if not param.requires_grad:
+        zero one would let the optimizer's weight decay move it. So is a weight no stage used
+        this step (a head a branch skipped, a parameter the forward does not read), as on one
+        device: which copies got a gradient is summed first, one all-reduce of a flag per
+        copy per tie group, which then spares the gradient's all-reduce when none did."""
+        tied = [(param, group) for param, group in self.tied if param.requires_grad]
+        groups: dict[int, list[int]] = {}
+        for i, (_, group) in enumerate(tied):
+            groups.setdefault(id(group), []).append(i)
+        used = [True] * len(tied)
+        for members in groups.values():
+            first = tied[members[0]][0]
+            flags = torch.tensor([float(tied[i][0].grad is not None) for i in members],
+                                 device=_local(first).device)
+            torch.distributed.all_reduce(flags, group=tied[members[0]][1])
+            for i, flag in zip(members, flags.tolist(), strict=True):
+                used[i] = flag > 0
+        for (param, group), any_grad in zip(tied, used, strict=True):
+            if not any_grad:
                 continue
             grad = param.grad
             if grad is None:
@@ -906,12 +922,19 @@ def _local_ties(ties: list[dict[int, str]], groups: list[Any], local: dict[int, 
     out = []
     for names, group in zip(ties, groups, strict=True):
         first = min(names)
+        # Two stages of this rank (an interleaved schedule) can hold one parameter object (a
+        # parameter of the model's own module, which every stage shares): its gradient already
+        # sums both stages' shares, and it is summed over the ranks once.
+        held: dict[int, tuple[nn.Parameter, bool]] = {}
         for stage, name in names.items():
             if stage in local and group is not None:
                 param = _param_named(local[stage], name)
-                if stage != first:
-                    param._plait_tied_copy = True  # type: ignore[attr-defined]
-                out.append((param, group))
+                copy = held.get(id(param), (param, True))[1] and stage != first
+                held[id(param)] = (param, copy)
+        for param, copy in held.values():
+            if copy:
+                param._plait_tied_copy = True  # type: ignore[attr-defined]
+            out.append((param, group))
     return out
 
 
@@ -946,6 +969,11 @@ def _one_device_names(model: nn.Module, ties: list[dict[int, str]], mine: list[i
             if own is not None and own != name:
                 out[name] = own
     return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local piece, a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _param_named(module: nn.Module, name: str) -> nn.Parameter:
@@ -1021,6 +1049,15 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     path, specs = plan_stages(model, plan)
     if plan.cp > 1:
         specs = [replace(s, context_parallel=True) for s in specs]
+    held = held_on_path(model, path)
+    if held and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+        # Every stage holding such a parameter, the split backward of a zero-bubble schedule
+        # ran a second backward through a freed graph (a model with layers before and after
+        # its blocks, zbv, pp=2): refused rather than trained on a path that fails.
+        raise ValueError(f"{type(model).__name__} holds parameters {held} directly, outside "
+                         f"any submodule, which every pipeline stage shares: schedule "
+                         f"{plan.pp_schedule} (zero bubble) cannot train them; use 1f1b, gpipe "
+                         f"or interleaved_1f1b, or move each into the submodule that uses it")
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     mine = local_stages(plan.pp_schedule, plan.pp, plan.virtual_stages, pp_rank)

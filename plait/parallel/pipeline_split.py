@@ -623,6 +623,18 @@ def add_zero_stand_ins(stages: list[nn.Module], names: set[str]) -> None:
                                                      m._tuple)
 
 
+def held_on_path(model: nn.Module, path: str) -> list[str]:
+    """The parameters held directly (not by a submodule) by ``model`` or a module on the path
+    to its blocks, by name: every stage shares them (see :func:`build_stage_module`)."""
+    parts = path.split(".") if path else []
+    held = []
+    for depth in range(len(parts)):
+        prefix = ".".join(parts[:depth])
+        module = model.get_submodule(prefix) if prefix else model
+        held += [f"{prefix}.{n}".lstrip(".") for n, _ in module.named_parameters(recurse=False)]
+    return held
+
+
 def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Module:
     """A shallow copy of ``model`` holding only stage ``spec``'s modules (names unchanged).
 
@@ -657,11 +669,15 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                     settings = None if block is None else Settings(block, name)
                     clone._modules[key] = stand_in(reads, name, settings, spec.block_tuple)
             return clone
-        own = [n for n, p in module.named_parameters(recurse=False)]
-        if own:
-            raise ValueError(f"{type(module).__name__} holds parameters {own} directly, outside "
-                             f"any submodule, on the path to the blocks ({path}); a pipeline "
-                             f"cannot tell which stage owns them: move them into a submodule")
+        # Parameters held directly by a module on the path (a ``logit_scale`` or a gate the
+        # forward uses before, between or after the blocks) stay on every stage: the clone
+        # shares the module's parameter registry. Each stage's forward runs whole, but only
+        # the uses that reach what the stage hands on (or the loss, on the last) get a
+        # gradient: a use before the blocks is replaced on later stages by what they receive
+        # (_feed_first_block), a use after the stage's blocks on a stage before the last is
+        # dropped with its output. So each stage's gradient is its own share, and
+        # shared_parameters ties the copies like an embedding tied to the head: their
+        # gradients are summed over the stages, the one-device gradient.
         seen = False
         for key, child in module._modules.items():
             if key == parts[depth] and child is not None:
