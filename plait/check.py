@@ -287,7 +287,7 @@ def _dataset_batches(dataset: Any, cfg: CheckConfig) -> list[Any]:
         raise ValueError(f"--model {cfg.factory!r}: the dataset is empty")
     if n < cfg.batch_size:  # as plait.data.loader refuses it for a run
         raise ValueError(f"--model {cfg.factory!r}: the dataset has {n} items, fewer than one "
-                         f"global batch of {cfg.batch_size}; use --batch-size {n} or less")
+                         f"global batch of {cfg.batch_size}; use --global-batch {n} or less")
     return [default_collate([dataset[(step * cfg.batch_size + i) % n]
                              for i in range(cfg.batch_size)]) for step in range(cfg.steps)]
 
@@ -506,9 +506,9 @@ def _refuse_unfit(plan: Plan, cfg: CheckConfig) -> None:
     if cfg.batch_factory is None and cfg.batch_size % parts:
         micro = f" x {plan.microbatches} microbatches" if plan.pp > 1 else ""
         raise ValueError(
-            f"--batch-size={cfg.batch_size} does not split over {plan.dp} data-parallel "
+            f"--global-batch={cfg.batch_size} does not split over {plan.dp} data-parallel "
             f"replica(s) x grad_accum={plan.grad_accum}{micro} = {parts}: use a multiple of "
-            f"{parts}, e.g. --batch-size {parts * max(1, cfg.batch_size // parts)}")
+            f"{parts}, e.g. --global-batch {parts * max(1, cfg.batch_size // parts)}")
 
 
 # ---------------------------------------------------------------------------------------- CLI
@@ -525,10 +525,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="your model as pkg.module:function returning (model, dataset, "
                         "loss_fn), or a reference-model preset (default: test)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default: 5)")
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch (default: 8)")
-    parser.add_argument("--seq-len", type=int, default=None,
-                        help="sequence length of a reference preset's batches (default: 16); "
-                        "with your own factory, its dataset decides")
+    parser.add_argument("--global-batch", "--batch-size", "--batch", dest="batch_size",
+                        type=int, default=8, help="sequences per optimizer step (default: 8; "
+                        "also spelt --batch-size, --batch)")
+    parser.add_argument("--seq", "--seq-len", dest="seq_len", type=int, default=None,
+                        help="tokens per sequence of a reference preset's batches (default: "
+                        "16); with your own factory, its dataset decides (also spelt --seq-len)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="optimizer both runs use (default: adamw)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
@@ -543,9 +545,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def command(args: argparse.Namespace) -> int:
     if args.seq_len is not None and ":" in args.model:
-        raise ValueError(f"--seq-len={args.seq_len} sets the length of a reference preset's "
+        raise ValueError(f"--seq={args.seq_len} sets the length of a reference preset's "
                          f"batches; with --model {args.model} the sequences are what your "
-                         f"dataset returns: drop --seq-len")
+                         f"dataset returns: drop --seq")
     args.seq_len = 16 if args.seq_len is None else args.seq_len
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
@@ -555,9 +557,9 @@ def command(args: argparse.Namespace) -> int:
     if not args.lr > 0:
         raise ValueError(f"--lr={args.lr} must be a positive learning rate, e.g. 1e-3")
     if args.seq_len > MAX_SEQ_LEN or args.batch_size > MAX_BATCH:
-        raise ValueError(f"--seq-len={args.seq_len} --batch-size={args.batch_size}: check "
-                         f"compares layouts on small batches, at most --seq-len {MAX_SEQ_LEN} "
-                         f"and --batch-size {MAX_BATCH} (time and memory grow with both)")
+        raise ValueError(f"--seq={args.seq_len} --global-batch={args.batch_size}: check "
+                         f"compares layouts on small batches, at most --seq {MAX_SEQ_LEN} "
+                         f"and --global-batch {MAX_BATCH} (time and memory grow with both)")
     factory = args.model if ":" in args.model else None
     if factory is not None:
         load_factory(factory)  # a bad spec fails here, before any process starts
