@@ -20,7 +20,7 @@ import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from .parallel.layout import local_modules
 from .parallel.tp_record import quiet_logger
 from .parallel.units import canonical_name
 from .plan import Plan
+from .progress import Stages
 from .spawn import run_distributed, user_errors
 
 
@@ -480,19 +481,27 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
 
 
 def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float | None = None,
-          timeout: float = 240.0) -> CheckResult:
+          timeout: float = 240.0, progress: TextIO | None = None) -> CheckResult:
     """Train under ``plan`` and on one device; compare losses and parameters.
 
     ``tolerance``: an absolute bound on loss and parameter differences; None (the default)
-    uses the optimizer's relative bounds, ``TOLERANCES`` (see there for why they differ)."""
+    uses the optimizer's relative bounds, ``TOLERANCES`` (see there for why they differ).
+    ``progress``: where to say which stage runs (:class:`plait.progress.Stages`); None: quiet."""
     plan = Plan.load(plan)
     cfg = cfg or CheckConfig()
     _refuse_unfit(plan, cfg)
-    single = Plan(mixed_precision=plan.mixed_precision, grad_clip=plan.grad_clip)
-    reference = run_distributed(train_and_collect, 1, single, cfg, timeout=timeout)[0]
-    ranks = run_distributed(train_and_collect, plan.world_size, plan, cfg, timeout=timeout)
-    return compare(plan, reference, ranks[0], cfg.steps, tolerance, cfg.optimizer,
-                   digests=[r["digest"] for r in ranks])
+    stages = Stages(3, progress, "plait check")
+    try:
+        single = Plan(mixed_precision=plan.mixed_precision, grad_clip=plan.grad_clip)
+        stages.start(f"{cfg.model}, {cfg.steps} steps on one device (the reference)")
+        reference = run_distributed(train_and_collect, 1, single, cfg, timeout=timeout)[0]
+        stages.start(f"the same steps under {plan.to_string()} on {plan.world_size} processes")
+        ranks = run_distributed(train_and_collect, plan.world_size, plan, cfg, timeout=timeout)
+        stages.start("comparing losses and parameters")
+        return compare(plan, reference, ranks[0], cfg.steps, tolerance, cfg.optimizer,
+                       digests=[r["digest"] for r in ranks])
+    finally:
+        stages.close()
 
 
 def _refuse_unfit(plan: Plan, cfg: CheckConfig) -> None:
@@ -577,13 +586,13 @@ def command(args: argparse.Namespace) -> int:
     cfg = CheckConfig(model=args.model, steps=args.steps, batch_size=args.batch_size,
                       seq_len=args.seq_len, optimizer=args.optimizer, lr=args.lr,
                       factory=factory)
-    # The work is silent until both sides are done: on a terminal, say what runs (on stderr, so
-    # JSON stays clean; in a pipe or a log the error, if any, stays the only line there).
-    if sys.stderr.isatty():
-        print(f"plait check: training {args.model} for {args.steps} steps under {args.plan} and "
-              f"on one device, then comparing (timeout {args.timeout:g}s) ...",
-              file=sys.stderr, flush=True)
+    # Each stage as it starts, with the time so far: a bar on stderr on a terminal; else plain
+    # lines on stdout above the report (stderr keeps the error, if any, as its only line), none
+    # under --format json (stdout is the JSON object).
+    progress = sys.stderr if sys.stderr.isatty() else (
+        sys.stdout if args.format != "json" else None)
     with user_errors():
-        result = check(args.plan, cfg, tolerance=args.tolerance, timeout=args.timeout)
+        result = check(args.plan, cfg, tolerance=args.tolerance, timeout=args.timeout,
+                       progress=progress)
     print(json.dumps(result.to_dict(), indent=2) if args.format == "json" else result.format())
     return 0 if result.ok else 1

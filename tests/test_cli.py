@@ -44,6 +44,9 @@ def test_a_timeout_names_the_flag_that_raises_it():
     assert "still running after" in out.stderr, out.stderr
     assert "raise --timeout (now 0.5s)" in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    # the stage it stopped in, said on stdout as it started (not a terminal: plain lines)
+    assert out.stdout.startswith("plait check: [1/3] test, 100000 steps on one device (the "
+                                 "reference) (0.0s elapsed)\n"), out.stdout
 
 
 FAILING = """
