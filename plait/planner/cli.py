@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -361,6 +362,8 @@ def plan_command(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from . import constants_for
 
+    started = time.perf_counter()  # the header says what "priced in" leaves out
+
     if args.calibrate and _accelerator() is not None:
         from .block_probe import calibrate_accelerator
         if not args.cluster:
@@ -464,6 +467,7 @@ def _plan(args: argparse.Namespace) -> int:
         return 0 if est.feasible else 1
 
     # Asked only about what is shown (or plotted): the check may run the model.
+    reading = time.perf_counter() - started  # the model read (built, traced), its check made
     result = search(model, cluster, work, dtype=dtype, constants=constants,
                     top=0 if check is None or args.pareto else args.top, layout_check=check)
     ranked = result.ranked
@@ -479,7 +483,7 @@ def _plan(args: argparse.Namespace) -> int:
                           "devices": cluster.world_size, "global_batch": args.global_batch,
                           "seq": seq, "seq_from": seq_from,
                           "seq_read_from": model.max_seq_from or None,
-                          "search_seconds": result.seconds,
+                          "search_seconds": result.seconds, "read_seconds": reading,
                           "evaluated": result.evaluated, "fit": result.fit,
                           "rejected": result.rejected,
                           "plans": [estimate_json(e) for e in ranked[:args.top]],
@@ -495,7 +499,8 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"{model.name} ({_params(model)}) on {cluster.world_size} x "
           f"{cluster.name}, global batch {args.global_batch} x seq {seq}"
           f"{_seq_said(seq_from, model)}, {dtype}: "
-          f"{result.evaluated} layouts priced in {result.seconds:.2f}s, {result.fit} fit in memory"
+          f"{result.evaluated} layouts priced in {result.seconds:.2f}s (after {reading:.2f}s "
+          f"reading the model), {result.fit} fit in memory"
           + (f", the best {min(args.top, len(ranked))} shown" if result.fit > args.top else ""))
     print(format_table(ranked[:args.top]))
     print("\n".join(explain_winner(ranked, cluster, result)))
