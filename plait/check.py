@@ -491,6 +491,7 @@ def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float 
     cfg = cfg or CheckConfig()
     _refuse_unfit(plan, cfg)
     stages = Stages(3, progress, "plait check")
+    finished = False
     try:
         single = Plan(mixed_precision=plan.mixed_precision, grad_clip=plan.grad_clip)
         stages.start(f"{cfg.model}, {cfg.steps} steps on one device (the reference)")
@@ -498,10 +499,12 @@ def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float 
         stages.start(f"the same steps under {plan.to_string()} on {plan.world_size} processes")
         ranks = run_distributed(train_and_collect, plan.world_size, plan, cfg, timeout=timeout)
         stages.start("comparing losses and parameters")
-        return compare(plan, reference, ranks[0], cfg.steps, tolerance, cfg.optimizer,
-                       digests=[r["digest"] for r in ranks])
+        result = compare(plan, reference, ranks[0], cfg.steps, tolerance, cfg.optimizer,
+                         digests=[r["digest"] for r in ranks])
+        finished = True
+        return result
     finally:
-        stages.close()
+        stages.close(finished=finished)
 
 
 def _refuse_unfit(plan: Plan, cfg: CheckConfig) -> None:

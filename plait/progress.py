@@ -139,12 +139,13 @@ class Stages:
                   flush=True)
         self._done += 1
 
-    def close(self) -> None:
-        """All stages done (or one failed): the bar goes, a plain log gets the total time."""
+    def close(self, *, finished: bool = True) -> None:
+        """The bar goes; a plain log gets the total time when every stage ``finished`` (after
+        a failure the error is the last word, not "done")."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif self.stream is not None and self._done:
+        elif self.stream is not None and self._done and finished:
             print(f"{self.prefix}: done in {time.monotonic() - self._start:.1f}s",
                   file=self.stream, flush=True)
 

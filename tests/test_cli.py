@@ -47,6 +47,7 @@ def test_a_timeout_names_the_flag_that_raises_it():
     # the stage it stopped in, said on stdout as it started (not a terminal: plain lines)
     assert out.stdout.startswith("plait check: [1/3] test, 100000 steps on one device (the "
                                  "reference) (0.0s elapsed)\n"), out.stdout
+    assert "done in" not in out.stdout  # the error, not "done", is the last word
 
 
 FAILING = """

@@ -290,3 +290,9 @@ def test_stages_are_plain_lines_in_a_log_and_a_bar_on_a_terminal():
     assert "[1/2]" not in tty.getvalue()  # the bar, not the log lines
 
     Stages(2, None, "x").start("nothing")  # no stream: nothing to write to, no error
+
+    failed = io.StringIO()
+    stages = Stages(2, failed, "plait check")
+    stages.start("the reference")
+    stages.close(finished=False)  # a stage failed: its error is the last word, not "done"
+    assert len(failed.getvalue().splitlines()) == 1, failed.getvalue()

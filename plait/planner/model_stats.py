@@ -577,20 +577,26 @@ def _max_seq(model: Any) -> int | None:
 
 def _position_rows(model: Any) -> tuple[int | None, str]:
     """The longest sequence a learned absolute position table allows: the rows of the one
-    ``nn.Embedding`` whose attribute name says positions (``pos``, ``pos_emb``,
-    ``position_embeddings``, GPT-2's ``wpe``), with the words that say so. (None, "") when no
+    ``nn.Embedding`` whose attribute name says positions (:func:`_names_positions`), with the
+    words that say so. (None, "") when no
     embedding's name says positions or several do with different row counts: a count read off
     the wrong table would price the wrong sequence."""
     import torch.nn as nn
 
     found = {(name, m.num_embeddings) for name, m in model.named_modules()
              if isinstance(m, nn.Embedding)
-             and ("pos" in name.rsplit(".", 1)[-1].lower() or name.endswith("wpe"))}
+             and _names_positions(name.rsplit(".", 1)[-1].lower())}
     if len({rows for _, rows in found}) != 1:
         return None, ""
     names = sorted(name for name, _ in found)
     rows = next(iter(found))[1]
     return rows, f"the {rows} rows of its position embedding {', '.join(names)}"
+
+
+def _names_positions(attr: str) -> bool:
+    """``pos``, ``pos_emb``, ``position_embeddings``, BART's ``embed_positions``, GPT-2's
+    ``wpe``: an attribute name that says its table is indexed by position."""
+    return attr.startswith("pos") or "position" in attr or attr == "wpe"
 
 
 def _dims(module: Any) -> tuple[int, int] | None:
