@@ -69,11 +69,12 @@ def add_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=2, help="measured steps (default 2)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="steps before measuring (lazy init, DDP bucket rebuild)")
-    parser.add_argument("--replica-batch", "--batch", dest="batch", type=int, default=4,
+    parser.add_argument("--replica-batch", "--batch", dest="batch", metavar="N",
+                        type=int, default=4,
                         help="sequences per data-parallel replica per step (default 4; the "
                         "global batch is this times the data-parallel degree; also spelt "
                         "--batch)")
-    parser.add_argument("--seq", "--seq-len", dest="seq", type=int, default=None,
+    parser.add_argument("--seq", "--seq-len", dest="seq", metavar="N", type=int, default=None,
                         help="tokens per sequence (default: the model's max, at most 128; also "
                         "spelt --seq-len)")
     parser.add_argument("--format", default="table", choices=FORMATS)

@@ -68,10 +68,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help=f"preset ({', '.join(presets())}) or a cluster YAML")
     p.add_argument("--nodes", type=int, default=None, help="number of nodes of the preset")
     p.add_argument("--devices", type=int, default=None, help="total devices (instead of --nodes)")
-    p.add_argument("--global-batch", "--batch-size", "--batch", dest="global_batch", type=int,
+    p.add_argument("--global-batch", "--batch-size", "--batch", dest="global_batch",
+                   metavar="N", type=int,
                    default=None, help="sequences per optimizer step (also spelt --batch-size, "
                    "--batch)")
-    p.add_argument("--seq", "--seq-len", dest="seq", type=int, default=None,
+    p.add_argument("--seq", "--seq-len", dest="seq", metavar="N", type=int, default=None,
                    help="tokens per sequence (default: the longest sample among the first 64 "
                    "of a factory's dataset, else the model's maximum: a config's "
                    "max_position_embeddings, or the rows of a position nn.Embedding; also "
