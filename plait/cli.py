@@ -152,6 +152,10 @@ class Parser(argparse.ArgumentParser):
             kind = "a whole number" if bad.group(1) == "int" else "a number"
             return f"{flag} {bad.group(2)} is not {kind}; pass one, e.g. {flag} {example}"
         choice = re.fullmatch(r"invalid choice: (\S+) \(choose from (.*)\)", what)
+        if choice and not flag.startswith("-"):  # a command: `plait foo`, `plait bench foo`
+            options = choice.group(2).replace("'", "")
+            return (f"{choice.group(1)} is not a command of {self.prog} ({options}); "
+                    f"`{self.prog} --help` says what each does")
         if choice:
             options = choice.group(2).replace("'", "")
             return f"{flag} {choice.group(1)} is not one of {options}; e.g. {flag} {example}"

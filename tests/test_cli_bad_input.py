@@ -164,6 +164,8 @@ def test_a_scripts_own_format_flag_is_not_read_by_plait_run(capsys):
                 "takes"),
     (["check", "--plan", "dp=2", "--bogus"],
      "plait check: error: unknown argument(s) --bogus; `plait check --help` lists the flags"),
+    (["bench", "nccl"], "plait bench: error: 'nccl' is not a command of plait bench (comm); "
+                        "`plait bench --help` says what each does"),
 ])
 def test_argparse_errors_are_one_plait_line(capsys, argv, line):
     """What argparse refuses (a value of the wrong type, a choice not offered, a missing value,
