@@ -1,7 +1,7 @@
 """Let the planner pick the layout: ranked candidates first, then training under the winner.
 
     plait run --nproc 2 examples/auto_plan.py
-    plait run --nproc 4 examples/auto_plan.py --model small --batch-size 16
+    plait run --nproc 4 examples/auto_plan.py --model small --global-batch 16
     plait run --nproc 2 examples/auto_plan.py --steps 4          # a short run
 
 The planner (``plait.planner``) is pure Python: it needs no process group and no hardware, only
@@ -29,8 +29,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--cluster", default="cpu", help="planner preset or YAML file")
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch")
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=8,
+                        help="global batch")
+    parser.add_argument("--seq", "--seq-len", dest="seq_len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--accelerator", default=None)  # read by plait.init()
     args = parser.parse_args()

@@ -73,7 +73,7 @@ def factory() -> tuple[torch.nn.Module, Dataset, None]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=16)
     parser.add_argument("--plan", default=None)  # read by plait.init()
     parser.add_argument("--accelerator", default=None)  # read by plait.init()
     args = parser.parse_args()

@@ -36,8 +36,8 @@ parser.add_argument("--plan", default=None, help="layout, e.g. dp_shard=4,zero=3
 parser.add_argument("--accelerator", default=None, help="xla (PyTorch/XLA) or tpu (TorchTPU)")
 parser.add_argument("--model", default="tiny")
 parser.add_argument("--steps", type=int, default=100)
-parser.add_argument("--batch-size", type=int, default=16)
-parser.add_argument("--seq-len", type=int, default=64)
+parser.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=16)
+parser.add_argument("--seq", "--seq-len", dest="seq_len", type=int, default=64)
 parser.add_argument("--strict", action="store_true", help="raise at the first recompilation, "
                     "CPU fallback or host sync after warm-up (XLA)")
 parser.add_argument("--host-sync", action="store_true", help="call .item() inside the step")

@@ -18,8 +18,8 @@ parser.add_argument("--plan", default=None, help="layout, e.g. dp=2,tp=2 (defaul
 parser.add_argument("--accelerator", default=None, help="e.g. cuda (read by plait.init())")
 parser.add_argument("--model", default="tiny")
 parser.add_argument("--steps", type=int, default=300)
-parser.add_argument("--batch-size", type=int, default=32)
-parser.add_argument("--seq-len", type=int, default=128)
+parser.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=32)
+parser.add_argument("--seq", "--seq-len", dest="seq_len", type=int, default=128)
 args = parser.parse_args()
 
 run = plait.init(args.plan, log_every=10)              # torchrun env, device, backend, mesh

@@ -87,7 +87,7 @@ def factory() -> tuple[nn.Module, Dataset, object]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=32)
     parser.add_argument("--plan", default=None)  # read by plait.init()
     parser.add_argument("--accelerator", default=None)  # read by plait.init()
     args = parser.parse_args()

@@ -19,7 +19,10 @@ What the planner is told:
   to the world size;
 * the workload: ``global_batch`` and ``seq`` passed to ``init`` (the batch the loader will be
   asked for); by default 8 rows per rank and the model's own maximum sequence length, or 128
-  tokens when the model does not say.
+  tokens when the model does not say. The maximum is a setting of the model or its config
+  (``max_position_embeddings``, ``n_positions``, ``max_seq_len``), else the rows of a learned
+  position table (the one ``nn.Embedding`` named for positions: ``pos``, ``pos_emb``, ``wpe``),
+  which the printed choice then names.
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
     # other than the run's picks another layout, and init(global_batch=, seq=) is the fix.
     batch_from = "" if request.global_batch else (
         f" ({ROWS_PER_RANK} rows per rank; plait.init(global_batch=N) for yours)")
-    seq_from = "" if request.seq else (" (the model's maximum)" if stats.max_seq else
+    read = f": {stats.max_seq_from}" if stats.max_seq_from else ""
+    seq_from = "" if request.seq else (f" (the model's maximum{read})" if stats.max_seq else
                                        " (a default; plait.init(seq=N) for yours)")
     why = [f"plait: plan 'auto' for {type(model).__name__} on {request.world_size} x "
            f"{resized.name} (global batch {batch}{batch_from}, seq {seq}{seq_from}): "
@@ -117,7 +121,6 @@ def layout_check(model: nn.Module) -> Callable[[Plan], str | None]:
     not told its positions (:func:`plait.parallel.context.cp_refusal`). Each tp/sp, each split
     and each cp is checked once."""
     from .parallel.context import cp_refusal
-    from .parallel.pipeline import pp_refusal
     from .parallel.tensor import tp_refusal
 
     seen: dict[Any, str | None] = {}
@@ -134,9 +137,14 @@ def layout_check(model: nn.Module) -> Callable[[Plan], str | None]:
             keys.append(("cp", plan.cp))
         for key in keys:
             if key not in seen:
-                seen[key] = (tp_refusal(model, plan.tp, plan.sp) if key[0] == "tp"
-                             else cp_refusal(model, plan.cp) if key[0] == "cp"
-                             else pp_refusal(model, plan, chains))
+                if key[0] == "pp":
+                    # on first use: torch.distributed.pipelining imports torch._dynamo (seconds)
+                    from .parallel.pipeline import pp_refusal
+
+                    seen[key] = pp_refusal(model, plan, chains)
+                else:
+                    seen[key] = (tp_refusal(model, plan.tp, plan.sp) if key[0] == "tp"
+                                 else cp_refusal(model, plan.cp))
             if seen[key] is not None:
                 return seen[key]
         return None

@@ -20,7 +20,7 @@ import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from .parallel.layout import local_modules
 from .parallel.tp_record import quiet_logger
 from .parallel.units import canonical_name
 from .plan import Plan
+from .progress import Stages
 from .spawn import run_distributed, user_errors
 
 
@@ -375,7 +376,7 @@ def _dataset_batches(dataset: Any, cfg: CheckConfig) -> list[Any]:
         raise ValueError(f"--model {cfg.factory!r}: the dataset is empty")
     if n < cfg.batch_size:  # as plait.data.loader refuses it for a run
         raise ValueError(f"--model {cfg.factory!r}: the dataset has {n} items, fewer than one "
-                         f"global batch of {cfg.batch_size}; use --batch-size {n} or less")
+                         f"global batch of {cfg.batch_size}; use --global-batch {n} or less")
     return [default_collate([dataset[(step * cfg.batch_size + i) % n]
                              for i in range(cfg.batch_size)]) for step in range(cfg.steps)]
 
@@ -647,19 +648,30 @@ def _gradients_apart(ref: dict[str, list[float]], par: dict[str, list[float]],
 
 
 def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float | None = None,
-          timeout: float = 240.0) -> CheckResult:
+          timeout: float = 240.0, progress: TextIO | None = None) -> CheckResult:
     """Train under ``plan`` and on one device; compare losses and parameters.
 
     ``tolerance``: an absolute bound on loss and parameter differences; None (the default)
-    uses the optimizer's relative bounds, ``TOLERANCES`` (see there for why they differ)."""
+    uses the optimizer's relative bounds, ``TOLERANCES`` (see there for why they differ).
+    ``progress``: where to say which stage runs (:class:`plait.progress.Stages`); None: quiet."""
     plan = Plan.load(plan)
     cfg = cfg or CheckConfig()
     _refuse_unfit(plan, cfg)
-    single = Plan(mixed_precision=plan.mixed_precision, grad_clip=plan.grad_clip)
-    reference = run_distributed(train_and_collect, 1, single, cfg, timeout=timeout)[0]
-    ranks = run_distributed(train_and_collect, plan.world_size, plan, cfg, timeout=timeout)
-    return compare(plan, reference, ranks[0], cfg.steps, tolerance, cfg.optimizer,
-                   digests=[r["digest"] for r in ranks], lr=cfg.lr)
+    stages = Stages(3, progress, "plait check")
+    finished = False
+    try:
+        single = Plan(mixed_precision=plan.mixed_precision, grad_clip=plan.grad_clip)
+        stages.start(f"{cfg.model}, {cfg.steps} steps on one device (the reference)")
+        reference = run_distributed(train_and_collect, 1, single, cfg, timeout=timeout)[0]
+        stages.start(f"the same steps under {plan.to_string()} on {plan.world_size} processes")
+        ranks = run_distributed(train_and_collect, plan.world_size, plan, cfg, timeout=timeout)
+        stages.start("comparing losses and parameters")
+        result = compare(plan, reference, ranks[0], cfg.steps, tolerance, cfg.optimizer,
+                         digests=[r["digest"] for r in ranks], lr=cfg.lr)
+        finished = True
+        return result
+    finally:
+        stages.close(finished=finished)
 
 
 def _refuse_unfit(plan: Plan, cfg: CheckConfig) -> None:
@@ -673,9 +685,9 @@ def _refuse_unfit(plan: Plan, cfg: CheckConfig) -> None:
     if cfg.batch_factory is None and cfg.batch_size % parts:
         micro = f" x {plan.microbatches} microbatches" if plan.pp > 1 else ""
         raise ValueError(
-            f"--batch-size={cfg.batch_size} does not split over {plan.dp} data-parallel "
+            f"--global-batch={cfg.batch_size} does not split over {plan.dp} data-parallel "
             f"replica(s) x grad_accum={plan.grad_accum}{micro} = {parts}: use a multiple of "
-            f"{parts}, e.g. --batch-size {parts * max(1, cfg.batch_size // parts)}")
+            f"{parts}, e.g. --global-batch {parts * max(1, cfg.batch_size // parts)}")
 
 
 # ---------------------------------------------------------------------------------------- CLI
@@ -687,9 +699,9 @@ MAX_BATCH = 256
 
 def command(args: argparse.Namespace) -> int:
     if args.seq_len is not None and ":" in args.model:
-        raise ValueError(f"--seq-len={args.seq_len} sets the length of a reference preset's "
+        raise ValueError(f"--seq={args.seq_len} sets the length of a reference preset's "
                          f"batches; with --model {args.model} the sequences are what your "
-                         f"dataset returns: drop --seq-len")
+                         f"dataset returns: drop --seq")
     args.seq_len = 16 if args.seq_len is None else args.seq_len
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
@@ -699,9 +711,9 @@ def command(args: argparse.Namespace) -> int:
     if not args.lr > 0:
         raise ValueError(f"--lr={args.lr} must be a positive learning rate, e.g. 1e-3")
     if args.seq_len > MAX_SEQ_LEN or args.batch_size > MAX_BATCH:
-        raise ValueError(f"--seq-len={args.seq_len} --batch-size={args.batch_size}: check "
-                         f"compares layouts on small batches, at most --seq-len {MAX_SEQ_LEN} "
-                         f"and --batch-size {MAX_BATCH} (time and memory grow with both)")
+        raise ValueError(f"--seq={args.seq_len} --global-batch={args.batch_size}: check "
+                         f"compares layouts on small batches, at most --seq {MAX_SEQ_LEN} "
+                         f"and --global-batch {MAX_BATCH} (time and memory grow with both)")
     factory = args.model if ":" in args.model else None
     if factory is not None:
         load_factory(factory)  # a bad spec fails here, before any process starts
@@ -719,13 +731,13 @@ def command(args: argparse.Namespace) -> int:
     cfg = CheckConfig(model=args.model, steps=args.steps, batch_size=args.batch_size,
                       seq_len=args.seq_len, optimizer=args.optimizer, lr=args.lr,
                       factory=factory)
-    # The work is silent until both sides are done: on a terminal, say what runs (on stderr, so
-    # JSON stays clean; in a pipe or a log the error, if any, stays the only line there).
-    if sys.stderr.isatty():
-        print(f"plait check: training {args.model} for {args.steps} steps under {args.plan} and "
-              f"on one device, then comparing (timeout {args.timeout:g}s) ...",
-              file=sys.stderr, flush=True)
+    # Each stage as it starts, with the time so far: a bar on stderr on a terminal; else plain
+    # lines on stdout above the report (stderr keeps the error, if any, as its only line), none
+    # under --format json (stdout is the JSON object).
+    progress = sys.stderr if sys.stderr.isatty() else (
+        sys.stdout if args.format != "json" else None)
     with user_errors():
-        result = check(args.plan, cfg, tolerance=args.tolerance, timeout=args.timeout)
+        result = check(args.plan, cfg, tolerance=args.tolerance, timeout=args.timeout,
+                       progress=progress)
     print(json.dumps(result.to_dict(), indent=2) if args.format == "json" else result.format())
     return 0 if result.ok else 1

@@ -15,10 +15,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="your model as pkg.module:function returning (model, dataset, "
                         "loss_fn), or a reference-model preset (default: test)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default: 5)")
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch (default: 8)")
-    parser.add_argument("--seq-len", type=int, default=None,
-                        help="sequence length of a reference preset's batches (default: 16); "
-                        "with your own factory, its dataset decides")
+    parser.add_argument("--global-batch", "--batch-size", "--batch", dest="batch_size",
+                        metavar="N", type=int, default=8,
+                        help="sequences per optimizer step (default: 8; also spelt "
+                        "--batch-size, --batch)")
+    parser.add_argument("--seq", "--seq-len", dest="seq_len", metavar="N", type=int,
+                        default=None, help="tokens per sequence of a reference preset's batches "
+                        "(default: 16); with your own factory, its dataset decides (also spelt "
+                        "--seq-len)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="optimizer both runs use (default: adamw)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")

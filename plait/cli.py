@@ -11,9 +11,11 @@ import argparse
 import contextlib
 import io
 import json
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 from .outputs import FORMATS
 
@@ -97,19 +99,101 @@ def _doctor(args: argparse.Namespace) -> int:
     return doctor.command(args)
 
 
+class _CanonicalFirst(argparse.HelpFormatter):
+    """Help that shows a flag by its one canonical spelling (the first long one, with any
+    short form): the others, kept so that commands typed from older docs still run, are named
+    in the flag's help text instead of crowding the listing."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if len(longs) < 2:
+            return super()._format_action_invocation(action)
+        shown = [longs[0], *(o for o in action.option_strings if not o.startswith("--"))]
+        if action.nargs == 0:
+            return ", ".join(shown)
+        metavar = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return ", ".join(f"{o} {metavar}" for o in shown)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, whose own errors (a value of the wrong type, a choice not offered, an unknown
+    flag) are one plait line that names the bad value and the fix, not a usage block above a
+    terse "argument --x/--y: invalid int value"; exit code 2 as before, and, under
+    ``--format json``, the same message as JSON (:func:`_parse`)."""
+
+    def __init__(self, *args: object, **kwargs: object):
+        base = kwargs.get("formatter_class", argparse.HelpFormatter)
+        assert isinstance(base, type)
+        kwargs["formatter_class"] = type("Formatter", (_CanonicalFirst, base), {})
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {self.explain(message)}\n")
+
+    def explain(self, message: str) -> str:
+        """argparse's ``message`` as a sentence with the fix (unchanged when not known)."""
+        said = re.fullmatch(r"argument (\S+): (.*)", message, re.S)
+        if said is None:
+            unknown = re.fullmatch(r"unrecognized arguments: (.*)", message)
+            if unknown:
+                return (f"unknown argument(s) {unknown.group(1)}; `{self.prog} --help` lists "
+                        f"the flags")
+            required = re.fullmatch(r"the following arguments are required: (.*)", message)
+            if required:
+                return (f"{required.group(1)} is required; `{self.prog} --help` says what it "
+                        f"takes")
+            return message
+        names, what = said.group(1).split("/"), said.group(2)
+        action = next((a for a in self._actions if names[0] in a.option_strings), None)
+        flag = names[0]
+        example = self._example(action)
+        bad = re.fullmatch(r"invalid (int|float) value: (.*)", what)
+        if bad:
+            kind = "a whole number" if bad.group(1) == "int" else "a number"
+            return f"{flag} {bad.group(2)} is not {kind}; pass one, e.g. {flag} {example}"
+        choice = re.fullmatch(r"invalid choice: (\S+) \(choose from (.*)\)", what)
+        if choice and not flag.startswith("-"):  # a command: `plait foo`, `plait bench foo`
+            options = choice.group(2).replace("'", "")
+            return (f"{choice.group(1)} is not a command of {self.prog} ({options}); "
+                    f"`{self.prog} --help` says what each does")
+        if choice:
+            options = choice.group(2).replace("'", "")
+            return f"{flag} {choice.group(1)} is not one of {options}; e.g. {flag} {example}"
+        if what.startswith("expected one argument"):
+            return f"{flag} needs a value, e.g. {flag} {example}"
+        return f"{flag}: {what}"
+
+    @staticmethod
+    def _example(action: argparse.Action | None) -> str:
+        """A value the flag takes: its default, else its first choice, else a typical one."""
+        if action is None:
+            return "VALUE"
+        if action.default not in (None, argparse.SUPPRESS) and not isinstance(action.default,
+                                                                              bool):
+            return f"{action.default:g}" if isinstance(action.default, float) \
+                else str(action.default)
+        if action.choices:
+            return str(next(iter(action.choices)))
+        return {int: "8", float: "1.0"}.get(action.type, action.metavar or "VALUE")  # type: ignore[call-overload]
+
+
 def _add_format(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=FORMATS, default="text",
                    help="text for people, json for programs (default: text)")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The CLI's parser; ``only="run"`` stops after ``run`` (and ``check``), whose modules import
-    no torch: the other commands' parsers come from modules that do, and ``plait run``'s
-    launcher would pay seconds of CPU for them before its workers (which import torch
-    themselves) even start."""
-    from . import __version__, check_args, launch
+    """The whole parser; with ``only``, one whose other commands have no arguments.
 
-    parser = argparse.ArgumentParser(
+    Each command's arguments live in the module that runs it, and importing those modules
+    costs seconds (``plait export``'s pulls in torch.distributed.checkpoint, DTensor and
+    sympy): ``main`` builds only the arguments of the command it was given."""
+    from . import __version__
+
+    def wanted(name: str) -> bool:
+        return only is None or only == name
+
+    parser = Parser(
         prog="plait", description="Scale PyTorch training from one device to many: data, "
         "sharded, tensor and pipeline parallelism, planned and measured.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,7 +220,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "  (torchrun picks the node that holds rank 0, by host name; the other node prints\n"
         "  where rank 0's progress is)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    launch.add_arguments(p)
+    if wanted("run"):
+        from . import launch
+
+        launch.add_arguments(p)
     commands["run"] = _run
 
     p = sub.add_parser(
@@ -144,11 +231,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         description="Train --model (your pkg.module:function returning (model, dataset, "
         "loss_fn), or a reference-model preset) for a few steps under --plan and on one device "
         "(same seed, same batches); compare the loss of every step and every parameter.")
-    check_args.add_arguments(p)
+    if wanted("check"):
+        from . import check_args  # no torch, as launch
+
+        check_args.add_arguments(p)
     commands["check"] = _check
-    if only == "run":
-        parser.set_defaults(_commands=commands)
-        return parser
 
     p = sub.add_parser("demo", help="the main job: tiny transformer on Shakespeare, 2 processes",
                        description="Train the tiny reference transformer on the bundled corpus "
@@ -159,8 +246,6 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--plan", default=None, help="layout (default: data parallel over all ranks)")
     commands["demo"] = _demo
 
-    from .planner import cli as planner_cli
-
     p = sub.add_parser(
         "plan", help="rank layouts for a model on a cluster before buying hardware",
         description="Search data, ZeRO, tensor, sequence and pipeline layouts for --model on "
@@ -169,10 +254,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "evaluates one given layout. Exit 1 when nothing fits.",
         epilog="example: plait plan --model llama-7b --cluster dgx-h100 --nodes 2 "
         "--global-batch 512 --seq 4096", formatter_class=argparse.RawDescriptionHelpFormatter)
-    planner_cli.add_plan_arguments(p)
-    commands["plan"] = _plan
+    if wanted("plan"):
+        from .planner import cli as planner_cli
 
-    from .parallel import schedules
+        planner_cli.add_plan_arguments(p)
+    commands["plan"] = _plan
 
     p = sub.add_parser(
         "schedule", help="print a pipeline schedule as a step x rank grid, without running it",
@@ -182,17 +268,21 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "several stages, '.' idle; with the theoretical bubble and microbatches in flight.",
         epilog="example: plait schedule --schedule interleaved_1f1b --pp 4 -m 8 -v 2",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    schedules.add_schedule_arguments(p)
-    commands["schedule"] = _schedule
+    if wanted("schedule"):
+        from .parallel import schedules
 
-    from .comm import cli as comm_cli
+        schedules.add_schedule_arguments(p)
+    commands["schedule"] = _schedule
 
     p = sub.add_parser(
         "comm", help="measure the bytes a plan sends per mesh axis, beside the closed form",
         description="Train the reference model for a few steps under --plan with the "
         "communication ledger on; print per mesh axis and collective the measured bytes per "
         "rank per step, the closed-form prediction, their ratio, counts, time and bandwidth.")
-    comm_cli.add_comm_arguments(p)
+    if wanted("comm"):
+        from .comm import cli as comm_cli
+
+        comm_cli.add_comm_arguments(p)
     commands["comm"] = _comm
 
     p = sub.add_parser("bench", help="benchmarks: `plait bench comm` (collective bandwidth)",
@@ -203,10 +293,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         description="broadcast, reduce, all-reduce, all-gather, reduce-scatter, all-to-all and "
         "send/recv over a size sweep on --nproc local ranks; algbw = size/time, busbw = algbw x "
         "bus factor (nccl-tests' definitions). --format json feeds the planner's calibration.")
-    comm_cli.add_bench_comm_arguments(q)
-    commands["bench"] = _bench
+    if wanted("bench"):
+        from .comm import cli as comm_cli
 
-    from .checkpoint import export
+        comm_cli.add_bench_comm_arguments(q)
+    commands["bench"] = _bench
 
     p = sub.add_parser(
         "export", help="a checkpoint's model as one safetensors file (or a Hugging Face folder)",
@@ -216,7 +307,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "model, --to DIR writes DIR/model.safetensors and DIR/config.json.",
         epilog="example: plait export ckpt/ --to model.safetensors",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    export.add_arguments(p)
+    if wanted("export"):
+        from .checkpoint import export
+
+        export.add_arguments(p)
     commands["export"] = _export
 
     p = sub.add_parser(
@@ -228,7 +322,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     _add_format(p)
     commands["doctor"] = _doctor
 
-    parser.set_defaults(_commands=commands)
+    parser.set_defaults(_commands=commands, _parsers=sub.choices)
     return parser
 
 
@@ -236,8 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     from .spawn import WorkerError
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(only="run" if command == "run" else None)
+    parser = build_parser(only=next((a for a in argv if not a.startswith("-")), None))
     args = _parse(parser, argv)
     if not args.command:
         parser.print_help()
@@ -278,13 +371,13 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     asked = any(a == "--format=json" or (a == "--format" and b == "json")
                 for a, b in zip(argv, [*argv[1:], ""], strict=True))
     if not asked or command == "run":
-        return parser.parse_args(argv)
+        return _parse_all(parser, argv, command)
     from .outputs import json_error
 
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            return parser.parse_args(argv)
+            return _parse_all(parser, argv, command)
     except SystemExit as exc:
         sys.stderr.write(said.getvalue())
         if exc.code not in (0, None):
@@ -292,6 +385,17 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
             message = lines[-1].split(" error: ", 1)[-1]
             print(json_error(command or "", message, int(exc.code)))
         raise
+
+
+def _parse_all(parser: argparse.ArgumentParser, argv: list[str],
+               command: str | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, an unknown flag refused by the command's own parser (whose
+    name and --help the message gives), not by the top-level one."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        own = args._parsers.get(command) if command else None
+        (own or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def _failed(args: argparse.Namespace, message: str, code: int) -> int:

@@ -25,8 +25,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "over every rank)")
     p.add_argument("--model", default="tiny", help="reference-model preset (default: tiny)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
-    p.add_argument("--batch-size", type=int, default=32, help="global batch (default: 32)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
+    p.add_argument("--global-batch", "--batch-size", "--batch", dest="batch_size",
+                   metavar="N", type=int,
+                   default=32, help="sequences per optimizer step (default: 32; also spelt "
+                   "--batch-size, --batch)")
+    p.add_argument("--seq", "--seq-len", dest="seq_len", metavar="N", type=int, default=128,
+                   help="tokens per sequence (default: 128; also spelt --seq-len)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)

@@ -20,6 +20,7 @@ import importlib.util
 import math
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -101,6 +102,52 @@ class Progress:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+class Stages:
+    """A command's few long stages (``plait check``: the one-device run, the layout's run, the
+    comparison), each said as it starts with the time since the first began.
+
+    On a terminal: a tqdm bar over the stages, its description the stage running and its
+    clock the elapsed time, redrawn in place. Elsewhere (a pipe, a log): one plain line per
+    stage as it starts and one when all are done, so a log shows which stage a slow or hung
+    command is in. ``stream=None``: silent.
+    """
+
+    def __init__(self, total: int, stream: TextIO | None, prefix: str):
+        self.total, self.stream, self.prefix = total, stream, prefix
+        self.live = stream is not None and _is_terminal(stream)
+        self._bar: Any = None
+        self._done = 0
+        self._start = time.monotonic()
+
+    def start(self, what: str) -> None:
+        """Stage ``what`` begins (the one before it is done)."""
+        if self.stream is None:
+            return
+        if self._bar is None and self.live:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=self.total, file=self.stream, unit="stage", leave=False,
+                             bar_format="{desc} [{n_fmt}/{total_fmt} stages, {elapsed}]")
+        if self._bar is not None:
+            self._bar.n = self._done
+            self._bar.set_description_str(f"{self.prefix}: {what}", refresh=True)
+        else:
+            print(f"{self.prefix}: [{self._done + 1}/{self.total}] {what} "
+                  f"({time.monotonic() - self._start:.1f}s elapsed)", file=self.stream,
+                  flush=True)
+        self._done += 1
+
+    def close(self, *, finished: bool = True) -> None:
+        """The bar goes; a plain log gets the total time when every stage ``finished`` (after
+        a failure the error is the last word, not "done")."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self.stream is not None and self._done and finished:
+            print(f"{self.prefix}: done in {time.monotonic() - self._start:.1f}s",
+                  file=self.stream, flush=True)
 
 
 def _is_terminal(stream: TextIO) -> bool:

@@ -101,3 +101,44 @@ def mlp_with_images():
     import torch.nn.functional as F
 
     return mlp_stack(), [(torch.zeros(3, 8, 8), 0)] * 4, F.cross_entropy
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(x, x, x, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+class LearnedPositions(nn.Module):
+    """GPT-style: token and learned absolute position tables, nothing that names the maximum
+    sequence (no config, no max_seq_len) but the position table's rows."""
+
+    def __init__(self, max_len: int = 48, d: int = 16, extra_positions: int | None = None):
+        super().__init__()
+        self.tok = nn.Embedding(64, d)
+        self.pos = nn.Embedding(max_len, d)
+        if extra_positions is not None:  # a second table of another size: ambiguous
+            self.pos_2d = nn.Embedding(extra_positions, d)
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(2))
+        self.head = nn.Linear(d, 64)
+
+    def forward(self, idx):
+        import torch
+
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def learned_positions():
+    return LearnedPositions()
+
+
+def two_position_tables():
+    return LearnedPositions(extra_positions=12)

@@ -1,5 +1,6 @@
 """The `plait` command: env, run (failures, bad input), check, and a one-process script."""
 
+import argparse
 import json
 import os
 import re
@@ -43,6 +44,10 @@ def test_a_timeout_names_the_flag_that_raises_it():
     assert "still running after" in out.stderr, out.stderr
     assert "raise --timeout (now 0.5s)" in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    # the stage it stopped in, said on stdout as it started (not a terminal: plain lines)
+    assert out.stdout.startswith("plait check: [1/3] test, 100000 steps on one device (the "
+                                 "reference) (0.0s elapsed)\n"), out.stdout
+    assert "done in" not in out.stdout  # the error, not "done", is the last word
 
 
 FAILING = """
@@ -261,3 +266,35 @@ def test_every_report_takes_one_spelling_of_format(fmt):
                  ["comm", "--plan", "dp=2"], ["bench", "comm"],
                  ["export", "ckpt", "--to", "m.safetensors"]):
         assert parser.parse_args([*argv, "--format", fmt]).format == fmt, argv
+
+
+@pytest.mark.parametrize("command, canonical, aliases, dest", [
+    (["plan"], "--global-batch", ("--batch-size", "--batch"), "global_batch"),
+    (["plan"], "--seq", ("--seq-len",), "seq"),
+    (["check", "--plan", "dp=2"], "--global-batch", ("--batch-size", "--batch"), "batch_size"),
+    (["check", "--plan", "dp=2"], "--seq", ("--seq-len",), "seq_len"),
+    (["comm", "--plan", "dp=2"], "--replica-batch", ("--batch",), "batch"),
+    (["comm", "--plan", "dp=2"], "--seq", ("--seq-len",), "seq"),
+])
+def test_one_spelling_per_flag_and_the_others_as_aliases(command, canonical, aliases, dest):
+    """The global batch is --global-batch and the sequence --seq on every command (plait.init's
+    global_batch= and seq=); the spellings some commands used before still parse to the same
+    value, and the help lists the canonical one, naming the others in its text."""
+    from plait.cli import build_parser
+
+    parser = build_parser()
+    for flag in (canonical, *aliases):
+        assert getattr(parser.parse_args([*command, flag, "48"]), dest) == 48, flag
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    text = sub.choices[command[0]].format_help()
+    listed = re.findall(r"^  (-[-\w]+)", text, re.M)
+    assert canonical in listed and not set(aliases) & set(listed), listed
+    assert all(alias in text for alias in aliases), text
+
+
+def test_demo_takes_the_canonical_flags():
+    from plait.demo import parse_args
+
+    args = parse_args(["--global-batch", "16", "--seq", "64"])
+    assert (args.batch_size, args.seq_len) == (16, 64)
+    assert parse_args(["--batch-size", "16", "--seq-len", "64"]) == args

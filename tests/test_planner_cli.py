@@ -199,3 +199,50 @@ def test_how_many_fit_does_not_depend_on_how_many_are_shown(capsys):
     assert fits[0] == fits[1] > 3
     assert headers[0].endswith(f"{fits[0]} fit in memory, the best 3 shown"), headers[0]
     assert headers[1].endswith(f"{fits[0]} fit in memory"), headers[1]
+
+
+def test_a_learned_position_table_gives_the_sequence_and_the_plan_says_so(capsys):
+    """A factory model whose only word on its maximum sequence is a position nn.Embedding
+    (``self.pos = nn.Embedding(48, d)``): its rows are the sequence priced without --seq, and
+    the header names where the figure came from; two position tables of different sizes say
+    nothing for sure, and --seq is asked for."""
+    from plait.planner.model_stats import load_model
+
+    stats = load_model("tests._planner_factories:learned_positions")
+    assert (stats.max_seq, stats.max_seq_from) == (48, "the 48 rows of its position embedding "
+                                                       "pos")
+    assert load_model("tests._planner_factories:two_position_tables").max_seq is None
+    common = ("--cluster", "cpu", "--devices", "2", "--global-batch", "8")
+    assert run_cli("--model", "tests._planner_factories:learned_positions", *common) == 0
+    out = capsys.readouterr().out
+    assert "global batch 8 x seq 48 (the model's maximum: the 48 rows of its position " \
+           "embedding pos)" in out, out
+    assert run_cli("--model", "tests._planner_factories:two_position_tables", *common) == 2
+    assert "--seq is required" in capsys.readouterr().err
+
+
+def test_plan_auto_says_it_read_the_position_table():
+    """plan='auto' prices the same sequence for the same model and names its source."""
+    from plait.auto import AutoRequest, choose
+    from tests._planner_factories import learned_positions
+
+    _, why = choose(learned_positions(), AutoRequest(world_size=2, device_type="cpu"))
+    assert "seq 48 (the model's maximum: the 48 rows of its position embedding pos)" in why[0]
+
+
+def test_reading_a_factory_on_meta_skips_random_fills_and_torch_dynamo():
+    """An nn.Embedding initialises itself with normal_, whose meta-device form imports
+    torch._dynamo (seconds); the planner's meta build skips the fill, whose values a meta
+    tensor does not hold. Run in a fresh interpreter: this one may hold dynamo already."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from plait.planner.model_stats import load_model; "
+            "s = load_model('tests._planner_factories:learned_positions'); "
+            "print(s.num_params, 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True)
+    from tests._planner_factories import learned_positions
+
+    params = sum(p.numel() for p in learned_positions().parameters())
+    assert out.stdout.split() == [str(params), "False"], out.stderr

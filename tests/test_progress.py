@@ -3,6 +3,7 @@ and the end-of-run plot, each checked against the figures the run measured."""
 
 import io
 import math
+import re
 
 import pytest
 import torch
@@ -256,3 +257,42 @@ def test_a_run_with_no_steps_left_says_so_instead_of_a_nan_step_time():
     text = report.format_summary(info)
     assert "nan" not in text, text
     assert "step time       - (no step ran)" in text, text
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_stages_are_plain_lines_in_a_log_and_a_bar_on_a_terminal():
+    """plait check's stages: elsewhere than a terminal, one line as each starts (numbered,
+    with the time so far) and one at the end; on a terminal a tqdm bar whose description is
+    the stage running; silent without a stream."""
+    from plait.progress import Stages
+
+    log = io.StringIO()
+    stages = Stages(2, log, "plait check")
+    stages.start("the reference")
+    stages.start("comparing")
+    stages.close()
+    lines = log.getvalue().splitlines()
+    assert [re.sub(r"\d+\.\d+s", "Ts", line) for line in lines] == [
+        "plait check: [1/2] the reference (Ts elapsed)",
+        "plait check: [2/2] comparing (Ts elapsed)",
+        "plait check: done in Ts"], lines
+
+    tty = _Terminal()
+    stages = Stages(2, tty, "plait check")
+    stages.start("the reference")
+    drawn = tty.getvalue()
+    stages.close()
+    assert "plait check: the reference [0/2 stages, 00:00]" in drawn, drawn
+    assert "[1/2]" not in tty.getvalue()  # the bar, not the log lines
+
+    Stages(2, None, "x").start("nothing")  # no stream: nothing to write to, no error
+
+    failed = io.StringIO()
+    stages = Stages(2, failed, "plait check")
+    stages.start("the reference")
+    stages.close(finished=False)  # a stage failed: its error is the last word, not "done"
+    assert len(failed.getvalue().splitlines()) == 1, failed.getvalue()

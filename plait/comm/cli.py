@@ -69,9 +69,14 @@ def add_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=2, help="measured steps (default 2)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="steps before measuring (lazy init, DDP bucket rebuild)")
-    parser.add_argument("--batch", type=int, default=4, help="batch per data replica")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: "
-                        "the model's max, at most 128)")
+    parser.add_argument("--replica-batch", "--batch", dest="batch", metavar="N",
+                        type=int, default=4,
+                        help="sequences per data-parallel replica per step (default 4; the "
+                        "global batch is this times the data-parallel degree; also spelt "
+                        "--batch)")
+    parser.add_argument("--seq", "--seq-len", dest="seq", metavar="N", type=int, default=None,
+                        help="tokens per sequence (default: the model's max, at most 128; also "
+                        "spelt --seq-len)")
     parser.add_argument("--format", default="table", choices=FORMATS)
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="write a bar chart (needs the plot extra: matplotlib)")
@@ -130,7 +135,7 @@ def comm_command(args: argparse.Namespace) -> int:
         if args.steps < 1 or args.warmup < 0:
             raise ValueError(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
         if args.batch < 1:
-            raise ValueError(f"--batch={args.batch} must be >= 1 (sequences per replica)")
+            raise ValueError(f"--replica-batch={args.batch} must be >= 1 (sequences per replica)")
         if args.seq is not None and not 1 <= args.seq <= 4096:
             raise ValueError(f"--seq={args.seq} must be in 1..4096 (tokens per sequence)")
         if not args.timeout > 0:

@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,14 @@ GiB = 2**30
 
 # How the header says where the priced sequence length came from.
 _SEQ_FROM = {"--seq": "", "dataset": " (the dataset's)", "model": " (the model's maximum)"}
+
+
+def _seq_said(seq_from: str, model: ModelStats) -> str:
+    """" (the model's maximum: the 512 rows of its position embedding pos)": where the
+    sequence priced came from, read off the model's structure when no setting says it."""
+    if seq_from == "model" and model.max_seq_from:
+        return f" (the model's maximum: {model.max_seq_from})"
+    return _SEQ_FROM[seq_from]
 
 def _count(n: float) -> str:
     """1.2B, 345M, 12.3K or 812: a parameter count at a readable scale."""
@@ -59,10 +68,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help=f"preset ({', '.join(presets())}) or a cluster YAML")
     p.add_argument("--nodes", type=int, default=None, help="number of nodes of the preset")
     p.add_argument("--devices", type=int, default=None, help="total devices (instead of --nodes)")
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
-    p.add_argument("--seq", type=int, default=None,
-                   help="sequence length (default: the longest sample among the first 64 of a "
-                   "factory's dataset, else the model's maximum)")
+    p.add_argument("--global-batch", "--batch-size", "--batch", dest="global_batch",
+                   metavar="N", type=int,
+                   default=None, help="sequences per optimizer step (also spelt --batch-size, "
+                   "--batch)")
+    p.add_argument("--seq", "--seq-len", dest="seq", metavar="N", type=int, default=None,
+                   help="tokens per sequence (default: the longest sample among the first 64 "
+                   "of a factory's dataset, else the model's maximum: a config's "
+                   "max_position_embeddings, or the rows of a position nn.Embedding; also "
+                   "spelt --seq-len)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="compute dtype (default bf16; fp32 on cpu); fp16 for GPUs without "
                    "bf16 (T4, V100): mixed_precision=fp16, the loss scaled dynamically")
@@ -349,6 +363,8 @@ def plan_command(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from . import constants_for
 
+    started = time.perf_counter()  # the header says what "priced in" leaves out
+
     if args.calibrate and _accelerator() is not None:
         from .block_probe import calibrate_accelerator
         if not args.cluster:
@@ -440,8 +456,12 @@ def _plan(args: argparse.Namespace) -> int:
             print(json.dumps({"model": model.name, "cluster": cluster.name,
                               "devices": cluster.world_size, "global_batch": args.global_batch,
                               "seq": seq, "seq_from": seq_from,
+                              "seq_read_from": model.max_seq_from or None,
                               "plans": [estimate_json(est)]}, indent=2))
         else:
+            if seq_from != "--seq":
+                print(f"{given.describe()}: global batch {args.global_batch} x seq {seq}"
+                      f"{_seq_said(seq_from, model)}")
             if est.step_time_s < math.inf:
                 print(format_table([est]))
             if not est.feasible:
@@ -452,6 +472,7 @@ def _plan(args: argparse.Namespace) -> int:
         return 0 if est.feasible else 1
 
     # Asked only about what is shown (or plotted): the check may run the model.
+    reading = time.perf_counter() - started  # the model read (built, traced), its check made
     result = search(model, cluster, work, dtype=dtype, constants=constants,
                     top=0 if check is None or args.pareto else args.top, layout_check=check)
     ranked = result.ranked
@@ -465,7 +486,9 @@ def _plan(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps({"model": model.name, "cluster": cluster.name,
                           "devices": cluster.world_size, "global_batch": args.global_batch,
-                          "seq": seq, "seq_from": seq_from, "search_seconds": result.seconds,
+                          "seq": seq, "seq_from": seq_from,
+                          "seq_read_from": model.max_seq_from or None,
+                          "search_seconds": result.seconds, "read_seconds": reading,
                           "evaluated": result.evaluated, "fit": result.fit,
                           "rejected": result.rejected,
                           "plans": [estimate_json(e) for e in ranked[:args.top]],
@@ -480,8 +503,9 @@ def _plan(args: argparse.Namespace) -> int:
         return 1
     print(f"{model.name} ({_params(model)}) on {cluster.world_size} x "
           f"{cluster.name}, global batch {args.global_batch} x seq {seq}"
-          f"{_SEQ_FROM[seq_from]}, {dtype}: "
-          f"{result.evaluated} layouts priced in {result.seconds:.2f}s, {result.fit} fit in memory"
+          f"{_seq_said(seq_from, model)}, {dtype}: "
+          f"{result.evaluated} layouts priced in {result.seconds:.2f}s (after {reading:.2f}s "
+          f"reading the model), {result.fit} fit in memory"
           + (f", the best {min(args.top, len(ranked))} shown" if result.fit > args.top else ""))
     print(format_table(ranked[:args.top]))
     print("\n".join(explain_winner(ranked, cluster, result)))

@@ -51,6 +51,9 @@ class ModelStats:
     attention: bool = True   # add the s^2 attention FLOPs/activations
     tied: bool = False       # head shares the embedding weight
     max_seq: int | None = None
+    # Where a module's max_seq was read when no setting says it: "the N rows of its position
+    # embedding NAME" (printed beside the sequence it prices); "" when a setting says it.
+    max_seq_from: str = ""
     # Positions per sample of the dataset a (model, dataset, loss_fn) factory returns: the
     # sequence that training will run, which a model's max_seq only bounds.
     data_seq: int | None = None
@@ -542,6 +545,9 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     both = [p for e in embeds for p in e.parameters() if shared[id(p)] > 1]
     tied = [p for p in both if p.requires_grad]
     tied_params = sum(p.numel() for p in tied)
+    max_seq, max_seq_from = _max_seq(model), ""
+    if max_seq is None:
+        max_seq, max_seq_from = _position_rows(model)
     return ModelStats(name=name, n_layers=len(blocks), hidden=hidden, n_heads=heads,
                       kv_heads=kv_heads or heads, ffn=ffn, vocab=vocab,
                       mlp="swiglu" if gated else ("gelu" if attention else "other"),
@@ -549,7 +555,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                       block_matmul_params=round(mean), embed_params=embed_params,
                       head_params=head_params, attention=attention, layer_weights=weights,
                       block_tensors=tensors, embed_tensors=embed_tensors,
-                      head_tensors=max(outside - embed_tensors, 0), max_seq=_max_seq(model),
+                      head_tensors=max(outside - embed_tensors, 0), max_seq=max_seq,
+                      max_seq_from=max_seq_from,
                       tp_block=tp_block(model, tp_path, found, (
                           _path(model, blocks[0]), _path(model, blocks[-1])), device_type),
                       tied_params=tied_params,
@@ -603,6 +610,30 @@ def _max_seq(model: Any) -> int | None:
                 if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                     return value
     return None
+
+
+def _position_rows(model: Any) -> tuple[int | None, str]:
+    """The longest sequence a learned absolute position table allows: the rows of the one
+    ``nn.Embedding`` whose attribute name says positions (:func:`_names_positions`), with the
+    words that say so. (None, "") when no
+    embedding's name says positions or several do with different row counts: a count read off
+    the wrong table would price the wrong sequence."""
+    import torch.nn as nn
+
+    found = {(name, m.num_embeddings) for name, m in model.named_modules()
+             if isinstance(m, nn.Embedding)
+             and _names_positions(name.rsplit(".", 1)[-1].lower())}
+    if len({rows for _, rows in found}) != 1:
+        return None, ""
+    names = sorted(name for name, _ in found)
+    rows = next(iter(found))[1]
+    return rows, f"the {rows} rows of its position embedding {', '.join(names)}"
+
+
+def _names_positions(attr: str) -> bool:
+    """``pos``, ``pos_emb``, ``position_embeddings``, BART's ``embed_positions``, GPT-2's
+    ``wpe``: an attribute name that says its table is indexed by position."""
+    return attr.startswith("pos") or "position" in attr or attr == "wpe"
 
 
 def _dims(module: Any) -> tuple[int, int] | None:
@@ -731,7 +762,8 @@ def _build(spec: str, device: str, *, parameters_only: bool = False) -> Any:
     if not callable(factory):
         raise ValueError(f"model factory {spec!r}: {module_name!r} has no callable {func_name!r}")
     try:
-        with _parameters_on_meta() if parameters_only else torch.device(device):
+        with _parameters_on_meta() if parameters_only else torch.device(device), \
+                _values_skipped() if device == "meta" else contextlib.nullcontext():
             built = factory()
     except Exception as exc:  # noqa: BLE001
         if device != "meta":
@@ -762,6 +794,34 @@ def _model_of(built: Any, spec: str) -> Any:
         raise ValueError(f"model factory {spec!r} returned {got}: return the nn.Module, or "
                          "(model, dataset, loss_fn) as plait check takes")
     return model
+
+
+# In-place random fills whose meta-device form is torch's Python reference, which imports
+# torch._dynamo on first use: seconds of a `plait plan` whose model has an nn.Embedding
+# (normal_ initialises it), for values a meta tensor does not hold anyway.
+_RANDOM_FILLS = ("normal_", "exponential_", "log_normal_", "cauchy_", "geometric_")
+
+
+@contextlib.contextmanager
+def _values_skipped() -> Iterator[None]:
+    """Within it, those fills of a meta tensor return the tensor as it is (a
+    ``TorchFunctionMode``: torch's own hook for intercepting tensor methods)."""
+    from torch.overrides import TorchFunctionMode
+
+    class SkipFills(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            # by name: torch.nn.init.normal_ reaches here as itself, and its inner
+            # Tensor.normal_ call does not (a mode does not see what its own call runs)
+            kwargs = kwargs or {}
+            target = args[0] if args else kwargs.get("tensor")  # nn.init passes keywords
+            if getattr(func, "__name__", "") in _RANDOM_FILLS \
+                    and getattr(target, "is_meta", False):
+                return target
+            return func(*args, **kwargs)
+
+    with SkipFills():
+        yield
 
 
 @contextlib.contextmanager
