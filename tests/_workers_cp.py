@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from plait.parallel.context import ContextGroup, cp_attention, shard_sequence
+from tests._workers_semantics import FusedAttention
 
 
 def _qkv(seq: int, heads: int, kv_heads: int, seed: int) -> list[torch.Tensor]:
@@ -120,32 +121,13 @@ def reference_lm() -> nn.Module:
                                    n_kv_heads=2, max_seq_len=SEQ), seed=0)
 
 
-class FusedAttention(nn.Module):
-    """Causal self-attention with one fused q|k|v Linear split by ``chunk(3)`` and the head
-    count stored on the module: tensor parallelism infers its plan (q, k and v each split by
-    heads: a strided layout FSDP2 must shard on another dim). No bias: the key bias's
-    gradient is zero up to rounding (softmax ignores a constant added to a query's scores),
-    which AdamW would turn into steps of lr either way."""
-
-    def __init__(self, heads: int = 4):
-        super().__init__()
-        self.n_head = heads
-        self.qkv = nn.Linear(WIDTH, 3 * WIDTH, bias=False)
-        self.proj = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = (t.view(b, s, self.n_head, -1).transpose(1, 2)
-                   for t in self.qkv(x).chunk(3, dim=-1))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
-
-
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(WIDTH)
-        self.attn = FusedAttention()
+        # no q|k|v bias: the key bias's gradient is zero up to rounding (softmax ignores a
+        # constant added to a query's scores), which AdamW would turn into steps of lr either way
+        self.attn = FusedAttention(WIDTH, qkv_bias=False)
         self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(),
                                  nn.Linear(2 * WIDTH, WIDTH))
 

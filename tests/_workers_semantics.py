@@ -320,13 +320,13 @@ def frozen_tied_lm() -> nn.Module:
 
 
 class FusedAttention(nn.Module):
-    """Causal self-attention as users write it: one fused q|k|v Linear with a bias, split with
-    ``chunk(3)``, heads from a stored count."""
+    """Causal self-attention as users write it: one fused q|k|v Linear (with a bias unless
+    ``qkv_bias=False``), split with ``chunk(3)``, heads from a stored count."""
 
-    def __init__(self, width: int = WIDTH, heads: int = 4):
+    def __init__(self, width: int = WIDTH, heads: int = 4, qkv_bias: bool = True):
         super().__init__()
         self.n_head = heads
-        self.qkv = nn.Linear(width, 3 * width)
+        self.qkv = nn.Linear(width, 3 * width, bias=qkv_bias)
         self.proj = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
