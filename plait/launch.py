@@ -258,7 +258,25 @@ def _failures(log_dir: str) -> list[tuple[int, str]]:
         text = path.read_text(errors="replace")
         if "Traceback (most recent call last)" in text:
             found[rank] = text[text.rindex("Traceback (most recent call last)"):]
+        elif (crash := native_crash_stack(text)) is not None:
+            found[rank] = crash
     return sorted(found.items())
+
+
+def native_crash_stack(text: str) -> str | None:
+    """The Python stack a rank died in, from the ``faulthandler`` dump in its stderr (a crash
+    in native code leaves no traceback): the ``Fatal Python error`` line and the frames of the
+    thread that crashed, most recent first; None without a dump."""
+    start = text.rfind("Fatal Python error:")
+    if start < 0:
+        return None
+    dump = text[start:]
+    head = dump.splitlines()[0]
+    current = dump.find("Current thread")
+    if current < 0:
+        return head
+    frames = dump[current:].split("\n\n", 1)[0].rstrip()
+    return f"{head}\n{frames}"
 
 
 # Errors a rank raises because *another* rank died (its peer closed the connection): they are
@@ -432,6 +450,9 @@ def launch(cfg: LaunchConfig) -> int:
         # plait.store.loopback_interface).
         env["GLOO_SOCKET_IFNAME"] = lo
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
+    # A rank that dies in native code (a segfault, an abort in a collective) writes the Python
+    # stack it died in to its log, beside the exit code torchrun reports.
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     cmd = [sys.executable, "-m", "plait.torchrun", str(os.getpid()), report,
            *torchrun_args(cfg, log_dir)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

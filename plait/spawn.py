@@ -23,6 +23,7 @@ left to do.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import multiprocessing as mp
 import os
@@ -99,6 +100,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, backend: str, a
         # The caller killed (even with SIGKILL): no orphaned rank. Under the fork server the
         # direct parent is the server, which lives on while any worker does: watch the caller.
         die_with_parent(parent)
+        # A rank that dies in native code (an abort in a collective, a crash in an op) prints
+        # the Python stack it died in, beside torch's own line, instead of only an exit code.
+        faulthandler.enable()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to act on
         os.environ.update(env)
         # torchrun's variables, so code that reads them (plait.init) sees a normal launch.
@@ -185,12 +189,7 @@ def _first_cause(errors: dict[int, _Failure], queue: Any, procs: list[Any], done
             done.add(rank)
     for r, p in enumerate(procs):
         if r not in errors and r not in done and not p.is_alive() and p.exitcode:
-            errors[r] = _Failure(
-                f"process exited with code {p.exitcode} without a Python error (torch printed "
-                f"why on stderr, above). A process that aborts in a collective ran different "
-                f"collectives than its peers: often a forward that took a branch on some ranks "
-                f"only, leaving parameters without gradients there; add find_unused to the plan "
-                f"(e.g. dp=2,find_unused=true)")
+            errors[r] = _Failure(_died_without_error(p.exitcode))
     causes = [r for r, e in errors.items()
               if not any(p in e.traceback for p in _PEER_GONE)]
     rank = min(causes) if causes else min(errors)
@@ -222,6 +221,28 @@ def _start_without_sigint(procs: list[Any]) -> None:
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor.parallel",
             "torch.distributed.fsdp", "torch.distributed.pipelining",
             "torch.distributed.checkpoint", "torch._dynamo", __name__.rpartition(".")[0])
+
+
+def _died_without_error(code: int) -> str:
+    """What a rank that exited with ``code`` and no Python error most likely ran into."""
+    said = f"process exited with code {code} without a Python error"
+    try:
+        name = signal.Signals(-code).name if code < 0 else ""
+    except ValueError:
+        name = ""
+    if name == "SIGABRT":
+        return (f"{said} ({name}; torch printed why on stderr, above, and the Python stack it "
+                f"died in). A process that aborts in a collective ran different collectives "
+                f"than its peers: often a forward that took a branch on some ranks only, "
+                f"leaving parameters without gradients there; add find_unused to the plan "
+                f"(e.g. dp=2,find_unused=true)")
+    if name in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE"):
+        return (f"{said} ({name}: a crash in native code, torch's or an extension's; the "
+                f"Python stack it died in is on stderr, above)")
+    if name == "SIGKILL":
+        return (f"{said} (SIGKILL: killed from outside, most often by the kernel when the "
+                f"machine ran out of memory; see `dmesg`)")
+    return f"{said}{f' ({name})' if name else ''}"
 
 
 def _context() -> Any:
@@ -279,8 +300,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 if dead:
                     time.sleep(0.5)  # let a report that is in flight arrive first
                     if queue.empty():
-                        raise WorkerError(dead[0], f"process exited with code "
-                                          f"{procs[dead[0]].exitcode} without reporting"
+                        raise WorkerError(dead[0], _died_without_error(procs[dead[0]].exitcode)
                                           + _watchdog_report(store)) from None
                 continue
             if status == "error":

@@ -60,12 +60,15 @@ if run.rank == 1:
     time.sleep(0.5)  # rank 0 waits in the barrier: it loses its peer mid-collective
     if os.environ.get("HOW") == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("HOW") == "segv":
+        import ctypes
+        ctypes.string_at(0)  # a crash in native code
     raise RuntimeError("rank one exploded")
 dist.barrier()
 """
 
 
-@pytest.mark.parametrize("how", ["raise", "kill"])
+@pytest.mark.parametrize("how", ["raise", "kill", "segv"])
 def test_failing_rank_shown_once(tmp_path, how):
     """The rank that failed is the one shown, once; rank 0's consequent 'connection closed'
     error (its peer went away during the barrier) is not put on the screen."""
@@ -83,9 +86,14 @@ def test_failing_rank_shown_once(tmp_path, how):
         # connection first: either way rank 1 is the failure named.
         assert re.search(r"failed: rank 1 \(RuntimeError, (exit code 1|stopped while "
                          r"exiting)\)(;|$)", out.stderr, re.M), out.stderr
-    else:
+    elif how == "kill":
         assert "failed: rank 1 (killed by SIGKILL, no traceback)" in out.stderr, out.stderr
         assert "Traceback" not in out.stderr, out.stderr
+    else:  # the Python stack the rank crashed in, from faulthandler, in place of a traceback
+        assert "failed: rank 1 (killed by SIGSEGV)" in out.stderr, out.stderr
+        assert re.search(r"--- rank 1 failed ---\nFatal Python error: Segmentation fault\n"
+                         r"Current thread .*\n.* in string_at\n.*bad.py\", line \d+ in <module>",
+                         out.stderr), out.stderr
 
 
 def test_the_same_error_on_every_rank_is_summarised_alike(tmp_path):

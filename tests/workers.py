@@ -12,6 +12,18 @@ def all_reduce_rank(rank, world_size):
     return t
 
 
+def crash_on_rank(rank, world, bad):
+    """Die of SIGSEGV on rank ``bad`` (a read of address 0, as a crash in native code); the
+    others wait for it in a barrier."""
+    if rank == bad:
+        import ctypes
+
+        ctypes.string_at(0)
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
 def fail_on_rank(rank, world_size, bad):
     if rank == bad:
         raise RuntimeError(f"boom on rank {rank}")
