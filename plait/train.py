@@ -85,11 +85,11 @@ def split_microbatches(batch: Any, n: int) -> list[Any]:
                              f"micro-batches; make the per-replica batch a multiple of {n}")
         return list(batch.chunk(n))
     if isinstance(batch, dict):
-        parts = {k: split_microbatches(v, n) for k, v in batch.items()}
-        return [{k: v[i] for k, v in parts.items()} for i in range(n)]
+        by_key = {k: split_microbatches(v, n) for k, v in batch.items()}
+        return [{k: v[i] for k, v in by_key.items()} for i in range(n)]
     if isinstance(batch, (tuple, list)):
-        parts = [split_microbatches(v, n) for v in batch]
-        return [type(batch)(p[i] for p in parts) for i in range(n)]
+        by_field = [split_microbatches(v, n) for v in batch]
+        return [type(batch)(p[i] for p in by_field) for i in range(n)]
     raise TypeError(f"cannot split a batch of type {type(batch).__name__} into micro-batches")
 
 
@@ -203,12 +203,13 @@ _SHARDED_LOGITS_FIX = (
 
 def _vocab_sharded(out: Any) -> bool:
     """Whether the model's output is (or holds) a DTensor split on its last dimension."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
     values = out.values() if isinstance(out, dict) else out if isinstance(
         out, (tuple, list)) else (getattr(out, "logits", out),)
     return any(isinstance(v, DTensor) and any(
-        p.is_shard() and p.dim in (-1, v.ndim - 1) for p in v.placements) for v in values)
+        isinstance(p, Shard) and p.dim in (-1, v.ndim - 1) for p in v.placements)
+        for v in values)
 
 
 def _beside_sharded_logits(out: Any) -> Any:
@@ -522,7 +523,8 @@ def apply_update(optimizer: torch.optim.Optimizer,
     sees (the clipped norm is the job's; without clipping the guard agrees on it).
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    unscaled = grad_norm(params, pp_group) if plan.grad_clip else None
+    clip = plan.grad_clip
+    unscaled = grad_norm(params, pp_group) if clip else None
     if callable(totals):
         totals = totals()
     # data_replicas: how many replicas' gradients were averaged (plan.dp; 1 under XLA SPMD,
@@ -531,10 +533,10 @@ def apply_update(optimizer: torch.optim.Optimizer,
     replicas = plan.dp * plan.cp if data_replicas is None else data_replicas
     factor = replicas / (totals[1].clamp_min(1) * loss_scale)
     norm = None
-    if unscaled is not None:
+    if clip and unscaled is not None:
         norm = unscaled * factor.to(unscaled.device)
         # torch.nn.utils.clip_grads_with_norm_'s coefficient, folded into the scale.
-        factor = factor * (plan.grad_clip / (norm + 1e-6)).clamp(max=1.0).to(factor.device)
+        factor = factor * (clip / (norm + 1e-6)).clamp(max=1.0).to(factor.device)
     scale_gradients(params, factor)
     if guard is not None:
         from .guard import local_grad_norm

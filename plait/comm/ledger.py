@@ -184,18 +184,18 @@ def axis_names_by_ranks(mesh: Any) -> dict[frozenset[int], str]:
     dim_names = root.mesh_dim_names or tuple(f"dim{i}" for i in range(root.ndim))
     big = [d for d in range(root.ndim) if root.mesh.shape[d] > 1]
     for d in big:
-        ranks = _group_ranks_of_axes(root, (d,))
-        if ranks is not None:
-            names.setdefault(ranks, dim_names[d])
+        group = _group_ranks_of_axes(root, (d,))
+        if group is not None:
+            names.setdefault(group, dim_names[d])
     for name, dm in getattr(mesh, "flat", {}).items():
         ranks = frozenset(int(r) for r in dm.mesh.flatten().tolist())
         if len(ranks) > 1:
             names.setdefault(ranks, name)
     for k in range(2, len(big) + 1):
         for combo in itertools.combinations(big, k):
-            ranks = _group_ranks_of_axes(root, combo)
-            if ranks is not None:
-                names.setdefault(ranks, "+".join(dim_names[d] for d in combo))
+            group = _group_ranks_of_axes(root, combo)
+            if group is not None:
+                names.setdefault(group, "+".join(dim_names[d] for d in combo))
     return names
 
 
@@ -372,7 +372,7 @@ class _TimedWork(dist.Work):
         super().__init__()
         self._inner = inner
         self._t0 = t0
-        self._timers = timers
+        self._timers: list[Any] | None = timers  # None once the completion is noted
         self._owner = owner
 
     def _finished(self) -> None:

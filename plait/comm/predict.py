@@ -832,6 +832,8 @@ def local_model(model: Any, plan: Any) -> LocalModel:
     a DTensor split on tp alone, its local tensor (FSDP's own sharding is what data
     parallelism undoes).
     """
+    from torch.distributed.tensor import DTensor
+
     from .._torch_compat import checkpoint_wrapper_api
     from ..parallel.layout import layout_of, local_modules
     from ..parallel.pipeline_split import PipelineSkip
@@ -848,8 +850,7 @@ def local_model(model: Any, plan: Any) -> LocalModel:
         padded = fsdp_padded_numels(module)  # FSDP2's own sizes, where it holds parameters
         for name, p in module.named_parameters():
             n = p.numel()
-            mesh = getattr(p, "device_mesh", None)
-            if mesh is not None and mesh.mesh_dim_names:
+            if isinstance(p, DTensor) and (mesh := p.device_mesh).mesh_dim_names:
                 split = [dim for dim, placement in zip(mesh.mesh_dim_names, p.placements,
                                                        strict=True) if is_split(placement)]
                 clip.update(split)

@@ -115,7 +115,7 @@ class TimedStage(PipelineStage):
     # (plait.parallel.unused), set by the runner for the step.
     unused: UnusedTracker | None = None
 
-    def _prepare_forward_infra(self, *args, **kwargs):  # type: ignore[override]
+    def _prepare_forward_infra(self, *args, **kwargs):
         # torch 2.13 infers stage shapes by running the submodule once, outside DDP's no_sync.
         # That DDP forward arms the reducer for a backward that never comes, so the first real
         # (no_sync) microbatch backward is recorded for bucket rebuilding too and the second
@@ -127,7 +127,7 @@ class TimedStage(PipelineStage):
                     return super()._prepare_forward_infra(*args, **kwargs)
             return super()._prepare_forward_infra(*args, **kwargs)
 
-    def _to_tensor(self, arg):  # type: ignore[no-untyped-def]
+    def _to_tensor(self, arg):
         # torch 2.13 infers a later stage's shapes by running its forward once on tensors it
         # makes with torch.empty_strided from the previous stage's metadata: uninitialised
         # memory, different on each rank (torch 2.9 used zeros). A forward whose collectives
@@ -142,7 +142,7 @@ class TimedStage(PipelineStage):
                 (out.to_local() if isinstance(out, DTensor) else out).zero_()
         return out
 
-    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):  # type: ignore[override]
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         start = now()
         with foreign_kept(self.foreign):
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
@@ -154,7 +154,7 @@ class TimedStage(PipelineStage):
             self.timeline.add(self.stage_index, "F", fwd_chunk_id, start, now())
         return out
 
-    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,  # type: ignore
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
                            last_backward=False):
         start = now()
         out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
@@ -164,7 +164,7 @@ class TimedStage(PipelineStage):
                               start, now())
         return out
 
-    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):  # type: ignore
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         start = now()
         out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
         if self.timeline is not None:
@@ -478,7 +478,8 @@ class PipelineRunner:
             if grad is None:
                 grad = param.grad = torch.zeros_like(param)
             placements = getattr(param, "placements", None)
-            if placements is not None and grad.placements != placements:
+            if placements is not None and isinstance(grad, DTensor) \
+                    and grad.placements != placements:
                 # A vocabulary-parallel embedding's gradient can come back in another layout
                 # than its weight's (Partial or Replicate where the weight is Shard(0)): lay it
                 # out as the weight is, so the copies' local pieces line up.
@@ -603,7 +604,8 @@ class PipelineRunner:
              train: bool) -> torch.Tensor:
         from ..train import autocast, split_microbatches
 
-        seq, extra = 0, {}
+        seq = 0
+        extra: dict[str, torch.Tensor] = {}
         if self.context is not None:
             # Every stage runs on this rank's slice of each sequence (its activations are
             # what the stages send): cut before the layout; attention over the whole
@@ -906,7 +908,8 @@ def _tie_groups(ties: list[dict[int, str]], mesh: Mesh, plan: Plan) -> list[Any]
         mine = None
         for coord in ranks[0].reshape(-1).tolist():
             index = (ranks[0] == coord).nonzero()[0].tolist()
-            members = [int(ranks[(p, *index)]) for p in pp_ranks]
+            # (p,) + tuple(...): mypy reads a starred subscript as Python 3.11 syntax
+            members = [int(ranks[(p,) + tuple(index)]) for p in pp_ranks]
             group = torch.distributed.new_group(members)
             if me in members:
                 mine = group

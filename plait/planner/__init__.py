@@ -37,7 +37,9 @@ CALIBRATED_KEYS = tuple([(name, type(value)) for name, value in CPU_PROFILE.item
 def constants_for(cluster: Cluster, base: Constants = DEFAULT_CONSTANTS) -> Constants:
     """The cost constants for ``cluster``: a calibrated profile carries its own efficiency."""
     extra = dict(cluster.extra or {})
-    changes = {}
+    # Each value has its field's type (float or bool, as CALIBRATED_KEYS says): Any, because
+    # mypy checks a `**dict` passed to dataclasses.replace against every field at once.
+    changes: dict[str, Any] = {}
     eff = extra.get("compute_efficiency")
     if eff is not None:
         if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < float(eff) <= 1:

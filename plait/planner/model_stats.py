@@ -661,7 +661,7 @@ def _longest_run(children: list) -> list:
     start = 0
     for i in range(1, len(children) + 1):
         if i == len(children) or _signature(children[i]) != _signature(children[start]):
-            if i - start > len(best) and sum(1 for _ in children[start].parameters()):
+            if i - start > len(best) and any(True for _ in children[start].parameters()):
                 best = children[start:i]
             start = i
     return best
