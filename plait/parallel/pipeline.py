@@ -378,9 +378,9 @@ class PipelineRunner:
         # Tied weights held by several stages: (this rank's copy, the group of ranks holding
         # the copies); see sync_tied_gradients.
         self.tied: list[tuple[nn.Parameter, Any]] = []
-        # The group whose ranks' gradients the step averages after the schedule (the cp
-        # ranks of a zero-bubble schedule's stages, see sync_cp_gradients); None: DDP or
-        # FSDP2 reduce them.
+        # The group whose ranks' gradients the step averages after the schedule (the data
+        # and cp ranks of a zero-bubble schedule's stages, see sync_data_gradients); None:
+        # DDP or FSDP2 reduce them, or there are none.
         self.grad_group: Any = None
         # Whether the model has weights tied across stages (on any rank), and this rank's
         # copies by (one-device name, stage, name in the stage, copy): see check_tied_settings.
@@ -486,23 +486,43 @@ class PipelineRunner:
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             torch.distributed.all_reduce(local, group=group)
 
-    def sync_cp_gradients(self) -> None:
-        """Average every gradient over ``grad_group`` once the schedule has run, as DDP would
-        over the cp ranks. A zero-bubble schedule's stages compute the weight gradients in a
-        later step with ``torch.autograd.grad``, outside DDP's reducer (which would reduce
-        only what exists at the last input-gradient step), so their stages are not wrapped in
-        DDP and reduce here instead."""
+    def sync_data_gradients(self) -> None:
+        """Average every gradient over ``grad_group`` (this stage's data and cp ranks) once the
+        schedule has run, as DDP would. A zero-bubble schedule's stages compute the weight
+        gradients in a later step with ``torch.autograd.grad``, outside DDP's reducer (which
+        would reduce only what exists at the last input-gradient step), so their stages are
+        not wrapped in DDP and reduce here instead.
+
+        A parameter no rank of the group used this step (a branch every rank skipped, a head
+        no microbatch reached) keeps no gradient, as on one device, where AdamW then leaves it
+        alone: a zero gradient would let weight decay and momentum move it. Which ranks hold a
+        gradient is summed first (one all-reduce of a flag per parameter, all in one tensor);
+        a parameter some ranks used gets a zero gradient on the others before the average.
+        Tensor-parallel parameters average their local shards (the group's ranks hold the
+        same shard)."""
         if self.grad_group is None:
             return
+        params = [p for stage in self.stages for p in stage.submod.parameters()
+                  if p.requires_grad]
+        if not params:
+            return
+        flags = torch.tensor([float(p.grad is not None) for p in params],
+                             device=_local(params[0]).device)
+        torch.distributed.all_reduce(flags, group=self.grad_group)
         size = torch.distributed.get_world_size(self.grad_group)
-        for stage in self.stages:
-            for param in stage.submod.parameters():
-                if not param.requires_grad:
-                    continue
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                torch.distributed.all_reduce(param.grad, group=self.grad_group)
-                param.grad.div_(size)
+        for param, held in zip(params, flags.tolist(), strict=True):
+            if held == 0:
+                continue  # no rank used it: None, as on one device
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            placements = getattr(param, "placements", None)
+            if placements is not None and param.grad.placements != placements:
+                # a replicated weight's gradient can come back Partial over tp (sequence
+                # parallel): lay it out as the weight is, so every rank's local piece is whole
+                param.grad = param.grad.redistribute(placements=placements)
+            local = _local(param.grad)
+            torch.distributed.all_reduce(local, group=self.grad_group)
+            local.div_(size)
 
     def own_buffers(self, owners: dict[str, int]) -> None:
         """Set up the buffers every stage holds that the forward writes, ``owners`` giving the
@@ -674,7 +694,7 @@ class PipelineRunner:
         if unused is not None:  # before the tied sum, which gives its copies a gradient
             unused.finish(self.unused_group)
         if train:
-            self.sync_cp_gradients()
+            self.sync_data_gradients()
             self.sync_tied_gradients()
             if self.owned:
                 broadcast_owned(self.owned, self.pp_group)
@@ -1031,14 +1051,14 @@ def pp_refusal(model: nn.Module, plan: Plan,
     return None
 
 
-def zero_bubble_cp(plan: Plan) -> bool:
-    """Whether the stages' cp ranks reduce their gradients after the schedule
-    (:meth:`PipelineRunner.sync_cp_gradients`), not in DDP: cp under a zero-bubble schedule,
-    without data parallelism, ZeRO or tensor parallelism (which plan validation refuses)."""
-    from ..plan import ZERO_BUBBLE_SCHEDULES
-
-    return (plan.cp > 1 and plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES
-            and plan.zero == 0 and plan.tp == 1)
+def reduces_after_schedule(plan: Plan) -> bool:
+    """Whether the stages' data and cp ranks average their gradients after the schedule
+    (:meth:`PipelineRunner.sync_data_gradients`), not in DDP or FSDP2's replicate: a
+    zero-bubble schedule with data replicas or cp ranks, without ZeRO-2/3 (which plan
+    validation refuses there). ZeRO-1 shards only the optimizer state, which
+    ``ZeroRedundancyOptimizer`` does without DDP."""
+    return (plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES
+            and (plan.dp > 1 or plan.cp > 1) and plan.zero <= 1)
 
 
 def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device,
@@ -1107,10 +1127,10 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     runner.tied_copies = _named_copies(model, ties, dict(zip(mine, modules, strict=True)))
     if plan.cp > 1:  # the whole model must take the slice's positions (context_group)
         runner.context = context_group(model, mesh)
-    if zero_bubble_cp(plan):
+    if reduces_after_schedule(plan):
         from ..mesh import DP_CP
 
-        runner.grad_group = mesh[DP_CP].get_group()
+        runner.grad_group = mesh[DP_CP if plan.cp > 1 else "dp"].get_group()
     layout = Layout(applied=("pipeline", *layout_of(modules[0]).applied), stages=tuple(modules),
                     stage_specs=tuple(specs[s] for s in mine), pipeline=runner,
                     loss_parallel=loss_parallel, tied_names=_one_device_names(model, ties, mine))

@@ -170,8 +170,10 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
                             if pp * v <= model.n_layers and n % pp == 0:
                                 layouts.append(dict(base, microbatches=n, virtual_stages=v,
                                                     pp_schedule="interleaved_1f1b"))
-                        # Zero-bubble schedules only without data parallelism: see
-                        # plait.plan.ZERO_BUBBLE_SCHEDULES.
+                        # Zero-bubble schedules only without data replicas: with them the
+                        # gradients are averaged after the schedule (PipelineRunner.
+                        # sync_data_gradients), not overlapped with the backward, which the
+                        # cost model does not price.
                         if 2 * pp <= model.n_layers and R * S == 1:
                             layouts.append(dict(base, microbatches=n, virtual_stages=2,
                                                 pp_schedule="zbv"))
