@@ -291,7 +291,7 @@ class Plan:
                 errors.append(f"pp_schedule={self.pp_schedule!r} with zero={self.zero} is not "
                               f"supported: torch's zero-bubble stages compute the weight "
                               f"gradients in a later step with autograd.grad, outside the "
-                              f"backward FSDP2 reduce-scatters them in (one stage ended off one "
+                              f"backward FSDP2 reduce-scatters them in (the stages ended off one "
                               f"device where measured); use zero=1 (the optimizer state sharded, "
                               f"the gradients averaged after the schedule), or 1f1b, gpipe or "
                               f"interleaved_1f1b with zero={self.zero}")
