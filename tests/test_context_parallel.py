@@ -568,8 +568,8 @@ def test_zero_bubble_with_cp_or_data_ranks_keeps_no_gradient_where_no_rank_used_
 def test_zero_bubble_with_cp_and_data_or_tensor_parallelism_at_world8(gated_data, lm_data,
                                                                       block_ref):
     """World 8: ZB-V over dp x cp (two data replicas of two cp ranks each), interleaved
-    zero-bubble under ZeRO-1 over dp_shard x cp, and tp inside cp x pp under ZB-V (each tp
-    shard's gradient averaged over its cp ranks)."""
+    zero-bubble under ZeRO-1 over dp_shard x cp, and tp inside cp x pp, and inside dp x pp
+    without cp, under ZB-V (each tp shard's gradient averaged over the ranks holding it)."""
     batches, ref = gated_data
     jobs = [("dp_replicate=2,cp=2,pp=2,microbatches=2,pp_schedule=zbv,virtual_stages=2",
              W.gated_lm, batches, W.lm_loss),
@@ -580,7 +580,10 @@ def test_zero_bubble_with_cp_and_data_or_tensor_parallelism_at_world8(gated_data
         _assert_matches(ref, result)
         assert _max_diff(ref, result) <= 1e-6, (result["plan"], _max_diff(ref, result))
     lm_batches, _ = lm_data
-    tp = run_distributed(W.train, 8, [("cp=2,tp=2,pp=2,microbatches=2,pp_schedule=zbv,"
-                                       "virtual_stages=2", W.deep_block_lm, lm_batches,
-                                       W.lm_loss)], timeout=600)[0]
-    _assert_matches(block_ref["deep_block_lm"], tp[0])
+    zbv = "pp=2,microbatches=2,pp_schedule=zbv,virtual_stages=2"
+    tp = run_distributed(W.train, 8, [(f"cp=2,tp=2,{zbv}", W.deep_block_lm, lm_batches,
+                                       W.lm_loss),
+                                      (f"dp_replicate=2,tp=2,{zbv}", W.deep_block_lm,
+                                       lm_batches, W.lm_loss)], timeout=600)[0]
+    for result in tp:
+        _assert_matches(block_ref["deep_block_lm"], result)
