@@ -538,7 +538,9 @@ def gated_data():
 
 
 def _max_diff(ref: dict, got: dict) -> float:
-    """The largest gap between any parameter after the last step and one device's."""
+    """The largest gap between any parameter after the last step and one device's: 1e-6 here
+    (fp32 sums in another order, through AdamW's eps of 1e-6); a zero gradient where one
+    device has none moves a branch's weights by 8e-4 over these steps."""
     state = {k.removeprefix("module."): v for k, v in got["state"].items()}
     return max((state[n] - w).abs().max().item() for n, w in ref["state"].items())
 
@@ -561,7 +563,7 @@ def test_zero_bubble_with_cp_or_data_ranks_keeps_no_gradient_where_no_rank_used_
     got = run_distributed(W.train_adamw, 4, jobs, timeout=300)[0]
     for result in got:
         _assert_matches(ref, result)
-        assert _max_diff(ref, result) <= 1e-6, (result["plan"], _max_diff(ref, result))
+        assert _max_diff(ref, result) <= 2e-6, (result["plan"], _max_diff(ref, result))
 
 
 @pytest.mark.slow
@@ -578,7 +580,7 @@ def test_zero_bubble_with_cp_and_data_or_tensor_parallelism_at_world8(gated_data
     got = run_distributed(W.train_adamw, 8, jobs, timeout=600)[0]
     for result in got:
         _assert_matches(ref, result)
-        assert _max_diff(ref, result) <= 1e-6, (result["plan"], _max_diff(ref, result))
+        assert _max_diff(ref, result) <= 2e-6, (result["plan"], _max_diff(ref, result))
     lm_batches, _ = lm_data
     zbv = "pp=2,microbatches=2,pp_schedule=zbv,virtual_stages=2"
     tp = run_distributed(W.train, 8, [(f"cp=2,tp=2,{zbv}", W.deep_block_lm, lm_batches,
