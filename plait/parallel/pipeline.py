@@ -502,14 +502,16 @@ class PipelineRunner:
         same shard)."""
         if self.grad_group is None:
             return
-        params = [p for stage in self.stages for p in stage.submod.parameters()
-                  if p.requires_grad]
+        # once each (two stages of this rank can share a parameter), in the same order on
+        # every rank of the group: they hold the same stages
+        params = list({id(p): p for stage in self.stages for p in stage.submod.parameters()
+                       if p.requires_grad}.values())
         if not params:
             return
         flags = torch.tensor([float(p.grad is not None) for p in params],
                              device=_local(params[0]).device)
         torch.distributed.all_reduce(flags, group=self.grad_group)
-        size = torch.distributed.get_world_size(self.grad_group)
+        grads = []
         for param, held in zip(params, flags.tolist(), strict=True):
             if held == 0:
                 continue  # no rank used it: None, as on one device
@@ -520,9 +522,8 @@ class PipelineRunner:
                 # a replicated weight's gradient can come back Partial over tp (sequence
                 # parallel): lay it out as the weight is, so every rank's local piece is whole
                 param.grad = param.grad.redistribute(placements=placements)
-            local = _local(param.grad)
-            torch.distributed.all_reduce(local, group=self.grad_group)
-            local.div_(size)
+            grads.append(_local(param.grad))
+        average_in_buckets(grads, self.grad_group)
 
     def own_buffers(self, owners: dict[str, int]) -> None:
         """Set up the buffers every stage holds that the forward writes, ``owners`` giving the
@@ -761,6 +762,35 @@ class PipelineRunner:
                 f"shape: this batch's inputs are {_describe(shapes)}, the stages were set up "
                 f"for {_describe(built)}; give every batch one shape (a collate_fn that pads "
                 f"to a fixed length, the same batch_size for every step)")
+
+
+# What one all-reduce of sync_data_gradients carries at most (DDP's default bucket size).
+BUCKET_BYTES = 25 * 2**20
+
+
+def average_in_buckets(grads: list[torch.Tensor], group: Any) -> None:
+    """Average ``grads`` (plain tensors, in the same order on every rank of ``group``) over
+    ``group`` in place, flattened into buckets of up to :data:`BUCKET_BYTES` per dtype and
+    device: one all-reduce per bucket rather than one per parameter, as DDP's reducer does
+    (whose buckets a zero-bubble schedule's deferred weight gradients miss)."""
+    size = torch.distributed.get_world_size(group)
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for grad in grads:
+        kinds.setdefault((grad.dtype, grad.device), []).append(grad)
+    for same in kinds.values():
+        bucket: list[torch.Tensor] = []
+        held = 0
+        for i, grad in enumerate(same):
+            bucket.append(grad)
+            held += grad.numel() * grad.element_size()
+            if held >= BUCKET_BYTES or i == len(same) - 1:
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                torch.distributed.all_reduce(flat, group=group)
+                flat.div_(size)
+                for g, part in zip(bucket, flat.split([g.numel() for g in bucket]),
+                                   strict=True):
+                    g.copy_(part.view_as(g))
+                bucket, held = [], 0
 
 
 def refuse_if_seen(flag: float, cp: int) -> None:
