@@ -56,17 +56,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.devic
     return parallelize_stage(model, mesh, plan, device=device)
 
 
-def zero_bubble_stage(plan: Plan) -> bool:
-    """Whether the modules laid out are stages of a zero-bubble pipeline schedule (their
-    backward split into input- and weight-gradient steps)."""
-    from .plan import ZERO_BUBBLE_SCHEDULES
-
-    return plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES
-
-
 def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
                       device: torch.device) -> nn.Module:
     """Steps 2-4 (TP/SP, checkpointing, data parallel) on one module or pipeline stage."""
+    from .parallel.pipeline import reduces_after_schedule
     from .parallel.placement import to_device_keeping_ties
 
     module = to_device_keeping_ties(module, device)
@@ -96,7 +89,12 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
 
         module = apply_compile(module, plan)  # blocks laid out, data-parallel hooks not yet
         applied.append("compile")
-    if plan.zero > 0:
+    if reduces_after_schedule(plan):
+        # A zero-bubble schedule's weight gradients come in a later autograd.grad that DDP's
+        # reducer never sees: the pipeline averages them over the data (and cp) ranks after
+        # the schedule (sync_data_gradients); ZeRO-1's optimizer is sharded as ever.
+        pass
+    elif plan.zero > 0:
         from .parallel.zero import apply_fsdp
 
         module = apply_fsdp(module, mesh, plan)
@@ -107,8 +105,6 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
 
         module = apply_replicate_cp(module, mesh, plan)
         applied.append("replicate")
-    elif plan.cp > 1 and zero_bubble_stage(plan):
-        pass  # the pipeline averages them after the schedule (sync_cp_gradients)
     elif plan.cp > 1:
         # Context-parallel ranks compute partial gradients of the same parameters: DDP sums
         # them over the data and cp ranks together (dp_cp), as it averages over replicas.

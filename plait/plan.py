@@ -284,11 +284,17 @@ class Plan:
                               f"(virtual_stages={self.virtual_stages})")
             if self.pp_schedule in MULTI_STAGE_SCHEDULES and self.virtual_stages < 2:
                 errors.append(f"pp_schedule={self.pp_schedule!r} needs virtual_stages >= 2")
-            if self.pp_schedule in ZERO_BUBBLE_SCHEDULES and self.dp > 1:
-                errors.append(f"pp_schedule={self.pp_schedule!r} with data parallelism "
-                              f"(dp_replicate*dp_shard={self.dp}) is not supported: gradients "
-                              f"would be synchronised before the deferred weight gradients "
-                              f"exist; use interleaved_1f1b or 1f1b with dp, or dp=1")
+            if self.pp_schedule in ZERO_BUBBLE_SCHEDULES and self.zero >= 2:
+                # The data and cp ranks of zero=0/1 average the gradients after the schedule
+                # (PipelineRunner.sync_data_gradients); FSDP2 reduce-scatters them in its own
+                # backward hooks, which the deferred weight-gradient step runs outside.
+                errors.append(f"pp_schedule={self.pp_schedule!r} with zero={self.zero} is not "
+                              f"supported: torch's zero-bubble stages compute the weight "
+                              f"gradients in a later step with autograd.grad, outside the "
+                              f"backward FSDP2 reduce-scatters them in (the stages ended off one "
+                              f"device where measured); use zero=1 (the optimizer state sharded, "
+                              f"the gradients averaged after the schedule), or 1f1b, gpipe or "
+                              f"interleaved_1f1b with zero={self.zero}")
             if self.microbatches < self.pp and self.pp_schedule != "gpipe":
                 errors.append(f"microbatches={self.microbatches} < pp={self.pp}: "
                               f"{self.pp_schedule} needs at least one microbatch per stage "
@@ -324,16 +330,6 @@ class Plan:
     def _cp_errors(self) -> list[str]:
         """What context parallelism does not compose with (plait.parallel.context)."""
         errors = []
-        if self.pp > 1 and self.pp_schedule in ZERO_BUBBLE_SCHEDULES and (
-                self.zero > 0 or self.tp > 1):
-            errors.append(f"cp={self.cp} with pp_schedule={self.pp_schedule!r} and "
-                          f"zero={self.zero}, tp={self.tp} is not supported: torch's "
-                          f"zero-bubble stages compute the weight gradients in a later step "
-                          f"with autograd.grad, which DDP's reducer (zero=1) never sees, and "
-                          f"under FSDP2 (zero>=2, or its replicate over tp's shards) one stage "
-                          f"ended off one device where measured; plait averages them over "
-                          f"the cp ranks itself at zero=0 and tp=1: use those, or 1f1b, gpipe "
-                          f"or interleaved_1f1b with cp, or cp=1")
         if self.compile:
             errors.append(f"cp={self.cp} with compile is not supported: the cp attention "
                           f"issues its all-gather from Python inside each block's forward; "

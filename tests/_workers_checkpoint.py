@@ -123,15 +123,21 @@ def reshard_world2(rank: int, world: int, root: str) -> dict[str, list[float]]:
 
 
 def reshard_world4(rank: int, world: int, root: str) -> dict[str, list[float]]:
-    """dp=4 -> dp=2,tp=2 and zero=3 over 4 -> pp=2,dp_shard=2, plus pp2 x dp2 exact resume."""
+    """dp=4 -> dp=2,tp=2 and zero=3 over 4 -> pp=2,dp_shard=2, plus pp2 x dp2 exact resume;
+    ZB-V over data replicas (its gradients averaged after the schedule, no DDP) under ZeRO-1
+    saved and moved to dp=4, and dp=4 moved into it without ZeRO."""
     base = Path(root)
+    zbv = "pp=2,schedule=zbv,v=2,mb=2"
     save_under(rank, world, "dp=4", str(base / "dp4"))
     save_under(rank, world, "dp_shard=4,zero=3", str(base / "z3"))
+    save_under(rank, world, f"dp_shard=2,zero=1,{zbv}", str(base / "z1zbv"))
     out = {"dp=4 -> dp=2,tp=2": continue_under(rank, world, "dp=2,tp=2", str(base / "dp4")),
            "zero=3 x4 -> pp=2,dp_shard=2": continue_under(
                rank, world, "pp=2,dp_shard=2,zero=3,schedule=1f1b,mb=2", str(base / "z3")),
            "dp=4 -> HSDP 2x2": continue_under(
-               rank, world, "dp_replicate=2,dp_shard=2,zero=3", str(base / "dp4"))}
+               rank, world, "dp_replicate=2,dp_shard=2,zero=3", str(base / "dp4")),
+           "zero=1 x zbv -> dp=4": continue_under(rank, world, "dp=4", str(base / "z1zbv")),
+           "dp=4 -> dp=2 x zbv": continue_under(rank, world, f"dp=2,{zbv}", str(base / "dp4"))}
     return out
 
 

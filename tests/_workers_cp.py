@@ -169,6 +169,62 @@ def deep_block_lm() -> nn.Module:
     return BlockLM(depth=4)
 
 
+class GatedBlock(Block):
+    """:class:`Block`, then a branch that runs only when some token of its input is gated,
+    adding to the gated tokens alone (a token's result does not depend on which rows or
+    positions share its call, so slices and microbatches compute what one device does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = super().forward(h)
+        if bool(gate.any()):
+            h = h + gate.unsqueeze(-1).to(h.dtype) * torch.tanh(self.branch(h))
+        return h
+
+
+class GatedLM(nn.Module):
+    """Written for the test: :class:`BlockLM` with four :class:`GatedBlock`, whose branches
+    get no gradient on a step, microbatch or slice of the sequence without a gated token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Embedding(SEQ, WIDTH)
+        self.blocks = nn.ModuleList(GatedBlock() for _ in range(4))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, gate: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1)
+        h = self.tok(input_ids) + self.pos(position_ids)
+        for block in self.blocks:
+            h = block(h, gate)
+        return self.head(h)
+
+
+def gated_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return GatedLM()
+
+
+def gated_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """:func:`lm_batch` with a per-token gate: step 0 gates two tokens of row 1 (positions 1
+    and 3: cp rank 0's slice at cp=2, the first data replica, the first microbatch), step 1
+    none (no rank uses a branch), step 2 two of row 3 (positions 6 and 9: cp rank 1's slice,
+    the last replica and microbatch). Every gated token has labelled tokens after it."""
+    tokens, labels = lm_batch(step)
+    gate = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+    if step % 3 == 0:
+        gate[1, [1, 3]] = True
+    elif step % 3 == 2:
+        gate[3, [6, 9]] = True
+    return {"input_ids": tokens, "gate": gate}, labels
+
+
 def no_positions_lm() -> nn.Module:
     """A model that numbers positions from its input's length: cp must refuse it."""
     from tests._workers_semantics import MaskedLM
@@ -224,7 +280,8 @@ def reference_adamw(factory: Any, batches: list[Any], loss_fn: Any) -> dict[str,
     opt = torch.optim.AdamW(model.parameters(), lr=ADAM_LR, eps=ADAM_EPS, weight_decay=0.1)
     losses = []
     for inputs, labels in batches:
-        loss = loss_fn(model(inputs), labels)
+        out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+        loss = loss_fn(out, labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

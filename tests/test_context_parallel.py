@@ -526,3 +526,66 @@ def test_cp_with_pp_and_data_or_tensor_parallelism_at_world8(lm_data, block_ref)
     for result, want in zip(got, (block_ref["block_lm"], block_ref["block_lm"],
                                   ref["reference"]), strict=True):
         _assert_matches(want, result)
+
+
+# ------------------------------------------- zero-bubble schedules: gradients after the schedule
+@pytest.fixture(scope="module")
+def gated_data():
+    """Batches whose gated branches run on some steps, slices and microbatches only, and one
+    device's AdamW (weight decay 0.1) on them."""
+    batches = [W.gated_batch(s) for s in range(W.STEPS)]
+    return batches, W.reference_adamw(W.gated_lm, batches, W.lm_loss)
+
+
+def _max_diff(ref: dict, got: dict) -> float:
+    """The largest gap between any parameter after the last step and one device's: 1e-6 here
+    (fp32 sums in another order, through AdamW's eps of 1e-6); a zero gradient where one
+    device has none moves a branch's weights by 8e-4 over these steps."""
+    state = {k.removeprefix("module."): v for k, v in got["state"].items()}
+    return max((state[n] - w).abs().max().item() for n, w in ref["state"].items())
+
+
+def test_zero_bubble_with_cp_or_data_ranks_keeps_no_gradient_where_no_rank_used_it(gated_data):
+    """World 4, AdamW with weight decay, a model written for the test whose branches run on
+    some tokens only: ZB-V under cp=2 (the gated tokens of a step in one cp rank's slice),
+    interleaved zero-bubble under cp=2 with ZeRO-1, and ZB-V over two data replicas without
+    cp. Their stages reduce the deferred weight gradients over the data and cp ranks after
+    the schedule: a branch no rank used keeps no gradient, so AdamW leaves it as one device
+    does (a zero gradient would move it by weight decay and momentum); one some ranks used
+    gets their sum. Every step's loss and every parameter match one device."""
+    batches, ref = gated_data
+    jobs = [("cp=2,pp=2,microbatches=2,pp_schedule=zbv,virtual_stages=2", W.gated_lm,
+             batches, W.lm_loss),
+            ("cp=2,zero=1,pp=2,microbatches=2,pp_schedule=interleaved_zb,virtual_stages=2",
+             W.gated_lm, batches, W.lm_loss),
+            ("dp_replicate=2,pp=2,microbatches=2,pp_schedule=zbv,virtual_stages=2",
+             W.gated_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train_adamw, 4, jobs, timeout=300)[0]
+    for result in got:
+        _assert_matches(ref, result)
+        assert _max_diff(ref, result) <= 2e-6, (result["plan"], _max_diff(ref, result))
+
+
+@pytest.mark.slow
+def test_zero_bubble_with_cp_and_data_or_tensor_parallelism_at_world8(gated_data, lm_data,
+                                                                      block_ref):
+    """World 8: ZB-V over dp x cp (two data replicas of two cp ranks each), interleaved
+    zero-bubble under ZeRO-1 over dp_shard x cp, and tp inside cp x pp, and inside dp x pp
+    without cp, under ZB-V (each tp shard's gradient averaged over the ranks holding it)."""
+    batches, ref = gated_data
+    jobs = [("dp_replicate=2,cp=2,pp=2,microbatches=2,pp_schedule=zbv,virtual_stages=2",
+             W.gated_lm, batches, W.lm_loss),
+            ("dp_shard=2,zero=1,cp=2,pp=2,microbatches=2,pp_schedule=interleaved_zb,"
+             "virtual_stages=2", W.gated_lm, batches, W.lm_loss)]
+    got = run_distributed(W.train_adamw, 8, jobs, timeout=600)[0]
+    for result in got:
+        _assert_matches(ref, result)
+        assert _max_diff(ref, result) <= 2e-6, (result["plan"], _max_diff(ref, result))
+    lm_batches, _ = lm_data
+    zbv = "pp=2,microbatches=2,pp_schedule=zbv,virtual_stages=2"
+    tp = run_distributed(W.train, 8, [(f"cp=2,tp=2,{zbv}", W.deep_block_lm, lm_batches,
+                                       W.lm_loss),
+                                      (f"dp_replicate=2,tp=2,{zbv}", W.deep_block_lm,
+                                       lm_batches, W.lm_loss)], timeout=600)[0]
+    for result in tp:
+        _assert_matches(block_ref["deep_block_lm"], result)

@@ -378,9 +378,9 @@ class PipelineRunner:
         # Tied weights held by several stages: (this rank's copy, the group of ranks holding
         # the copies); see sync_tied_gradients.
         self.tied: list[tuple[nn.Parameter, Any]] = []
-        # The group whose ranks' gradients the step averages after the schedule (the cp
-        # ranks of a zero-bubble schedule's stages, see sync_cp_gradients); None: DDP or
-        # FSDP2 reduce them.
+        # The group whose ranks' gradients the step averages after the schedule (the data
+        # and cp ranks of a zero-bubble schedule's stages, see sync_data_gradients); None:
+        # DDP or FSDP2 reduce them, or there are none.
         self.grad_group: Any = None
         # Whether the model has weights tied across stages (on any rank), and this rank's
         # copies by (one-device name, stage, name in the stage, copy): see check_tied_settings.
@@ -487,23 +487,44 @@ class PipelineRunner:
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             torch.distributed.all_reduce(local, group=group)
 
-    def sync_cp_gradients(self) -> None:
-        """Average every gradient over ``grad_group`` once the schedule has run, as DDP would
-        over the cp ranks. A zero-bubble schedule's stages compute the weight gradients in a
-        later step with ``torch.autograd.grad``, outside DDP's reducer (which would reduce
-        only what exists at the last input-gradient step), so their stages are not wrapped in
-        DDP and reduce here instead."""
+    def sync_data_gradients(self) -> None:
+        """Average every gradient over ``grad_group`` (this stage's data and cp ranks) once the
+        schedule has run, as DDP would. A zero-bubble schedule's stages compute the weight
+        gradients in a later step with ``torch.autograd.grad``, outside DDP's reducer (which
+        would reduce only what exists at the last input-gradient step), so their stages are
+        not wrapped in DDP and reduce here instead.
+
+        A parameter no rank of the group used this step (a branch every rank skipped, a head
+        no microbatch reached) keeps no gradient, as on one device, where AdamW then leaves it
+        alone: a zero gradient would let weight decay and momentum move it. Which ranks hold a
+        gradient is summed first (one all-reduce of a flag per parameter, all in one tensor);
+        a parameter some ranks used gets a zero gradient on the others before the average.
+        Tensor-parallel parameters average their local shards (the group's ranks hold the
+        same shard)."""
         if self.grad_group is None:
             return
-        size = torch.distributed.get_world_size(self.grad_group)
-        for stage in self.stages:
-            for param in stage.submod.parameters():
-                if not param.requires_grad:
-                    continue
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                torch.distributed.all_reduce(param.grad, group=self.grad_group)
-                param.grad.div_(size)
+        # once each (two stages of this rank can share a parameter), in the same order on
+        # every rank of the group: they hold the same stages
+        params = list({id(p): p for stage in self.stages for p in stage.submod.parameters()
+                       if p.requires_grad}.values())
+        if not params:
+            return
+        flags = torch.tensor([float(p.grad is not None) for p in params],
+                             device=_local(params[0]).device)
+        torch.distributed.all_reduce(flags, group=self.grad_group)
+        grads = []
+        for param, held in zip(params, flags.tolist(), strict=True):
+            if held == 0:
+                continue  # no rank used it: None, as on one device
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            placements = getattr(param, "placements", None)
+            if placements is not None and param.grad.placements != placements:
+                # a replicated weight's gradient can come back Partial over tp (sequence
+                # parallel): lay it out as the weight is, so every rank's local piece is whole
+                param.grad = param.grad.redistribute(placements=placements)
+            grads.append(_local(param.grad))
+        average_in_buckets(grads, self.grad_group)
 
     def own_buffers(self, owners: dict[str, int]) -> None:
         """Set up the buffers every stage holds that the forward writes, ``owners`` giving the
@@ -676,7 +697,7 @@ class PipelineRunner:
         if unused is not None:  # before the tied sum, which gives its copies a gradient
             unused.finish(self.unused_group)
         if train:
-            self.sync_cp_gradients()
+            self.sync_data_gradients()
             self.sync_tied_gradients()
             if self.owned:
                 broadcast_owned(self.owned, self.pp_group)
@@ -743,6 +764,35 @@ class PipelineRunner:
                 f"shape: this batch's inputs are {_describe(shapes)}, the stages were set up "
                 f"for {_describe(built)}; give every batch one shape (a collate_fn that pads "
                 f"to a fixed length, the same batch_size for every step)")
+
+
+# What one all-reduce of sync_data_gradients carries at most (DDP's default bucket size).
+BUCKET_BYTES = 25 * 2**20
+
+
+def average_in_buckets(grads: list[torch.Tensor], group: Any) -> None:
+    """Average ``grads`` (plain tensors, in the same order on every rank of ``group``) over
+    ``group`` in place, flattened into buckets of up to :data:`BUCKET_BYTES` per dtype and
+    device: one all-reduce per bucket rather than one per parameter, as DDP's reducer does
+    (whose buckets a zero-bubble schedule's deferred weight gradients miss)."""
+    size = torch.distributed.get_world_size(group)
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for grad in grads:
+        kinds.setdefault((grad.dtype, grad.device), []).append(grad)
+    for same in kinds.values():
+        bucket: list[torch.Tensor] = []
+        held = 0
+        for i, grad in enumerate(same):
+            bucket.append(grad)
+            held += grad.numel() * grad.element_size()
+            if held >= BUCKET_BYTES or i == len(same) - 1:
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                torch.distributed.all_reduce(flat, group=group)
+                flat.div_(size)
+                for g, part in zip(bucket, flat.split([g.numel() for g in bucket]),
+                                   strict=True):
+                    g.copy_(part.view_as(g))
+                bucket, held = [], 0
 
 
 def refuse_if_seen(flag: float, cp: int) -> None:
@@ -1034,14 +1084,14 @@ def pp_refusal(model: nn.Module, plan: Plan,
     return None
 
 
-def zero_bubble_cp(plan: Plan) -> bool:
-    """Whether the stages' cp ranks reduce their gradients after the schedule
-    (:meth:`PipelineRunner.sync_cp_gradients`), not in DDP: cp under a zero-bubble schedule,
-    without data parallelism, ZeRO or tensor parallelism (which plan validation refuses)."""
-    from ..plan import ZERO_BUBBLE_SCHEDULES
-
-    return (plan.cp > 1 and plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES
-            and plan.zero == 0 and plan.tp == 1)
+def reduces_after_schedule(plan: Plan) -> bool:
+    """Whether the stages' data and cp ranks average their gradients after the schedule
+    (:meth:`PipelineRunner.sync_data_gradients`), not in DDP or FSDP2's replicate: a
+    zero-bubble schedule with data replicas or cp ranks, without ZeRO-2/3 (which plan
+    validation refuses there). ZeRO-1 shards only the optimizer state, which
+    ``ZeroRedundancyOptimizer`` does without DDP."""
+    return (plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES
+            and (plan.dp > 1 or plan.cp > 1) and plan.zero <= 1)
 
 
 def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device,
@@ -1110,10 +1160,10 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     runner.tied_copies = _named_copies(model, ties, dict(zip(mine, modules, strict=True)))
     if plan.cp > 1:  # the whole model must take the slice's positions (context_group)
         runner.context = context_group(model, mesh)
-    if zero_bubble_cp(plan):
+    if reduces_after_schedule(plan):
         from ..mesh import DP_CP
 
-        runner.grad_group = mesh[DP_CP].get_group()
+        runner.grad_group = mesh[DP_CP if plan.cp > 1 else "dp"].get_group()
     layout = Layout(applied=("pipeline", *layout_of(modules[0]).applied), stages=tuple(modules),
                     stage_specs=tuple(specs[s] for s in mine), pipeline=runner,
                     loss_parallel=loss_parallel, tied_names=_one_device_names(model, ties, mine))
