@@ -519,7 +519,8 @@ class PipelineRunner:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             placements = getattr(param, "placements", None)
-            if placements is not None and param.grad.placements != placements:
+            if placements is not None and isinstance(param.grad, DTensor) \
+                    and param.grad.placements != placements:
                 # a replicated weight's gradient can come back Partial over tp (sequence
                 # parallel): lay it out as the weight is, so every rank's local piece is whole
                 param.grad = param.grad.redistribute(placements=placements)
