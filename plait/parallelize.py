@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .mesh import Mesh
 from .parallel.layout import Layout, layout_of, record_layout
-from .plan import Plan
+from .plan import Plan, reduces_after_schedule
 
 
 def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device) -> nn.Module:
@@ -59,7 +59,6 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.devic
 def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
                       device: torch.device) -> nn.Module:
     """Steps 2-4 (TP/SP, checkpointing, data parallel) on one module or pipeline stage."""
-    from .parallel.pipeline import reduces_after_schedule
     from .parallel.placement import to_device_keeping_ties
 
     module = to_device_keeping_ties(module, device)

@@ -527,6 +527,18 @@ class Plan:
             path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
+def reduces_after_schedule(plan: Plan) -> bool:
+    """Whether the stages' data and cp ranks average their gradients after the schedule
+    (``PipelineRunner.sync_data_gradients`` in :mod:`plait.parallel.pipeline`), not in DDP or
+    FSDP2's replicate, once per optimizer step: a
+    zero-bubble schedule with data replicas or cp ranks, without ZeRO-2/3 (which plan
+    validation refuses there). ZeRO-1 shards only the optimizer state, which
+    ``ZeroRedundancyOptimizer`` does without DDP. The communication ledger prices it from
+    here too."""
+    return (plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES
+            and (plan.dp > 1 or plan.cp > 1) and plan.zero <= 1)
+
+
 def _yaml_loader() -> Any:
     """A yaml SafeLoader that refuses a key given twice (PyYAML would keep the last one)."""
     import yaml

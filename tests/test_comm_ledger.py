@@ -56,6 +56,10 @@ CASES = [
                            ("dp_shard", "all_reduce")}),
     ("tp=2", {("tp", "all_reduce")}),
     ("tp=2,sp=1", {("tp", "all_gather"), ("tp", "reduce_scatter"), ("tp", "all_reduce")}),
+    # a zero-bubble schedule's data ranks average after the schedule: one all-reduce of the
+    # used flags, then the gradients in one bucket
+    ("pp=2,dp_replicate=2,microbatches=2,pp_schedule=zbv,virtual_stages=2",
+     {("dp_replicate", "all_reduce"), ("pp", "send_recv"), ("pp", "all_reduce")}),
     ("pp=2,microbatches=2", {("pp", "send_recv"), ("pp", "all_reduce")}),
     # the clip norms partial over dp_shard and tp: one all-reduce over the flattened view
     ("dp_shard=2,zero=3,tp=2", {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
@@ -96,6 +100,17 @@ SLOW_CASES = [
                                                               ("pp", "all_reduce")}),
     ("pp=2,dp_replicate=2,microbatches=2", {("dp_replicate", "all_reduce"), ("pp", "send_recv"),
                                             ("pp", "all_reduce")}),
+    # zero-bubble with cp ranks, and with ZeRO-1 and accumulation: averaged once a step, after
+    # the schedule, then ZeroRedundancyOptimizer's broadcasts
+    ("cp=2,pp=2,microbatches=2,pp_schedule=zbv,virtual_stages=2",
+     {("cp", "all_gather"), ("cp", "reduce_scatter"), ("cp", "all_reduce"), ("pp", "send_recv"),
+      ("pp", "all_reduce")}),
+    ("dp_shard=2,zero=1,pp=2,microbatches=2,grad_accum=2,pp_schedule=interleaved_zb,"
+     "virtual_stages=2", {("dp_shard", "all_reduce"), ("dp_shard", "broadcast"),
+                          ("pp", "send_recv"), ("pp", "all_reduce")}),
+    ("dp_replicate=2,tp=2,pp=2,microbatches=2,pp_schedule=zbv,virtual_stages=2",
+     {("dp_replicate", "all_reduce"), ("tp", "all_reduce"), ("pp", "send_recv"),
+      ("pp", "all_reduce")}),
     # FSDP2 over dp_shard x cp: its gathers, reduce-scatters and clip norms on dp_shard_cp
     ("dp_shard=2,zero=3,cp=2", {("dp_shard_cp", "all_gather"),
                                 ("dp_shard_cp", "reduce_scatter"),
@@ -175,6 +190,10 @@ COUNTS = {
                                     ("cp", "all_gather"): 2 * L, ("cp", "reduce_scatter"): 2 * L},
     # each stage's 2 blocks x K, V x 2 microbatches (x 2 accumulation steps); DDP once per
     # schedule
+    "pp=2,dp_replicate=2,microbatches=2,pp_schedule=zbv,virtual_stages=2": {
+        ("dp_replicate", "all_reduce"): 2},
+    "dp_shard=2,zero=1,pp=2,microbatches=2,grad_accum=2,pp_schedule=interleaved_zb,"
+    "virtual_stages=2": {("dp_shard", "all_reduce"): 2},
     "cp=2,pp=2,microbatches=2": {("cp", "all_gather"): L // 2 * 2 * 2,
                                  ("pp", "send_recv"): 2},
     "cp=2,pp=2,microbatches=2,grad_accum=2": {("cp", "all_gather"): L // 2 * 2 * 2 * 2,

@@ -49,6 +49,7 @@ from typing import Any
 from .._torch_compat import is_split
 from ..mesh import DP, DP_CP, DP_SHARD_CP, DP_SHARD_CP_TP, DP_SHARD_TP
 from ..parallel.tp_kv import replicated_kv_elements
+from ..plan import reduces_after_schedule
 from .volumes import DDP_BUCKET_BYTES, Traffic, cp_traffic, ddp_traffic, dtype_bytes
 
 FP32 = 4
@@ -471,6 +472,8 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
     g = dtype_bytes(grad_dtype)
     P, G = float(local.params), float(local.grads)
     out: list[Traffic] = []
+    if reduces_after_schedule(plan):
+        return _after_schedule_traffic(plan, local, grad_dtype, bucket_bytes)
     if plan.cp > 1:  # the cp ranks reduce gradients with the data ranks (plait.parallelize)
         return _dp_cp_traffic(plan, local, g, grad_dtype, bucket_bytes, syncs,
                               multi_stage_zero3)
@@ -499,6 +502,33 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
                                        local.reducing_units, R, "grads")], syncs)
         elif G:
             out += _times(ddp_traffic(G, R, grad_dtype, bucket_bytes=bucket_bytes), syncs)
+    return out
+
+
+def _after_schedule_traffic(plan: Any, local: LocalModel, grad_dtype: str,
+                            bucket_bytes: float) -> list[Traffic]:
+    """:func:`dp_traffic` where a zero-bubble schedule's data (and cp) ranks average their
+    gradients after the schedule, once per optimizer step whatever ``grad_accum``
+    (``plait.plan.reduces_after_schedule``): first one fp32 flag per trainable tensor (which
+    ranks hold a gradient), then the gradients in DDP-sized buckets, tensor-parallel shards
+    at their local size; ZeRO-1 then broadcasts every parameter as
+    ``ZeroRedundancyOptimizer`` does."""
+    cp = plan.cp > 1
+    axis = _ledger_axis(plan, ("dp_replicate", "dp_shard", "cp")) if cp else _dp_axis(plan)
+    n = _axis_size(plan, DP_CP) if cp else plan.dp_replicate * plan.dp_shard
+    G = float(local.grads)
+    out: list[Traffic] = []
+    if local.clip_tensors:
+        out.append(Traffic(axis, "all_reduce", float(local.clip_tensors) * FP32, 1, n,
+                           "gradient used flags"))
+    if G:
+        out += ddp_traffic(G, n, grad_dtype, axis=axis, bucket_bytes=bucket_bytes)
+    if plan.zero == 1:
+        shard = _axis_size(plan, DP_SHARD_CP) if cp else plan.dp_shard
+        if shard > 1:
+            out.append(Traffic(_ledger_axis(plan, _shard_axes(plan)), "broadcast",
+                               float(local.params) * FP32, max(1, local.tensors), shard,
+                               "params (ZeroRedundancyOptimizer)"))
     return out
 
 

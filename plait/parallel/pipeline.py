@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .._torch_compat import pipeline_stage_base, pytree
 from ..loss import label_shift, loss_sum_and_count, missing_labels_fix, shifts_labels
 from ..mesh import Mesh
-from ..plan import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES, Plan
+from ..plan import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES, Plan, reduces_after_schedule
 from .context import ContextGroup, context_group
 from .layout import Layout, layout_of, record_layout
 from .pipeline_buffers import (
@@ -1083,16 +1083,6 @@ def pp_refusal(model: nn.Module, plan: Plan,
     except ValueError as exc:
         return str(exc).split("; ")[0]
     return None
-
-
-def reduces_after_schedule(plan: Plan) -> bool:
-    """Whether the stages' data and cp ranks average their gradients after the schedule
-    (:meth:`PipelineRunner.sync_data_gradients`), not in DDP or FSDP2's replicate: a
-    zero-bubble schedule with data replicas or cp ranks, without ZeRO-2/3 (which plan
-    validation refuses there). ZeRO-1 shards only the optimizer state, which
-    ``ZeroRedundancyOptimizer`` does without DDP."""
-    return (plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES
-            and (plan.dp > 1 or plan.cp > 1) and plan.zero <= 1)
 
 
 def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device,
