@@ -43,6 +43,7 @@ _ALIASES = {
     "schedule": "pp_schedule",
     "mb": "microbatches",
     "v": "virtual_stages",
+    "vpp": "virtual_stages",  # Megatron's "virtual pipeline" size
     "ac": "activation_checkpointing",
     "mp": "mixed_precision",
     "precision": "mixed_precision",

@@ -18,6 +18,12 @@ def test_string_round_trip(text):
     assert Plan.from_dict(plan.to_dict()) == plan
 
 
+def test_vpp_is_virtual_stages():
+    """Megatron's name for the stages per rank is read as plait's."""
+    assert Plan.from_string("pp=2,schedule=zbv,vpp=2,mb=2") == \
+        Plan.from_string("pp=2,schedule=zbv,virtual_stages=2,mb=2")
+
+
 def test_dp_alias_follows_zero():
     assert Plan.from_string("dp=4").dp_replicate == 4
     plan = Plan.from_string("dp=4,zero=2")
