@@ -14,7 +14,7 @@ step (before the first microbatch's forward; DDP too skips its ``no_sync`` micro
 before the model is read (``run.evaluate``, ``run.save``, ``run.full_state_dict``), for the
 buffers the first training step wrote on any rank (their version counters say which; one
 all-reduce of a byte per buffer after that step, outside the ledger like the run's other
-first-step checks): one broadcast per dtype of those buffers per step, their size in bytes.
+first-step checks): one broadcast of those buffers' bytes per step.
 Buffers nothing writes (a rotary table, a mask) cost nothing per step; DDP broadcasts every
 buffer. A buffer first written in a later step is warned about and left per rank (deciding
 per step which to send would cost a collective every step). BatchNorm's statistics are
@@ -90,19 +90,19 @@ class WrittenBuffers:
                               f"broadcast from rank 0 before each step, as DDP does); write "
                               f"them in the first step too (a no-op update) to have them "
                               f"broadcast", UserWarning, stacklevel=2)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for i in self.chosen:
-            by_dtype.setdefault(tensors[i].dtype, []).append(tensors[i])
+        if not self.chosen:
+            return
+        chosen = [tensors[i] for i in self.chosen]
         with torch.no_grad():
-            for dtype, group in by_dtype.items():
-                # gloo has no bool broadcast: bytes travel as uint8.
-                flat = torch.cat([(t.to(torch.uint8) if dtype == torch.bool else t).reshape(-1)
-                                  for t in group])
-                dist.broadcast(flat, group=self.group, group_src=0)
-                start = 0
-                for t in group:
-                    t.copy_(flat[start:start + t.numel()].view(t.shape).to(dtype))
-                    start += t.numel()
+            # One broadcast of their bytes, whatever their dtypes (gloo has no bool either).
+            flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8)
+                              for t in chosen])
+            dist.broadcast(flat, group=self.group, group_src=0)
+            start = 0
+            for t in chosen:
+                size = t.numel() * t.element_size()
+                t.copy_(flat[start:start + size].clone().view(t.dtype).view(t.shape))
+                start += size
         self.stamps = self._stamps()
 
 
