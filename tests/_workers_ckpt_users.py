@@ -96,8 +96,8 @@ class RootStatsLM(nn.Module):
 class RootParamLM(nn.Module):
     """Parameters of the model's own module, not of a block, so every pipeline stage holds
     them (tied over the stages): a scale applied to the embedding and to the logits, a shift
-    added after the embedding and after every block (through a tanh: a block's output added to
-    directly reads to the pipeline's split as a residual outside the block)."""
+    added after the embedding and to every block's output (not a residual: the split passes
+    the activation through the blocks a stage does not hold)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,7 +110,7 @@ class RootParamLM(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens) * self.scale + self.shift
         for block in self.blocks:
-            h = torch.tanh(block(h)) + self.shift
+            h = block(h) + self.shift
         return self.head(h) * self.scale
 
 
