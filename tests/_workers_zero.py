@@ -193,10 +193,12 @@ def _rows(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 STATE_STEPS = 3
 
 
-def state_read_by_forward(rank: int, world: int, plans: list[str]) -> dict[str, Any]:
-    """Per plan: the step losses, the full state at the end (rank 0's view) and this rank's own
-    copy of the EMA before anything reads the model; rank ``r`` steps on rows ``r`` of each
-    global batch of 16 split in ``world``."""
+def state_read_by_forward(rank: int, world: int, plans: list[str], folder: str
+                          ) -> dict[str, Any]:
+    """Per plan: the step losses, the full state at the end (this rank's view), this rank's own
+    copy of the EMA before anything reads the model, and the folder of a checkpoint saved then
+    (under ``folder``); rank ``r`` steps on rows ``r`` of each global batch of 16 split in
+    ``world``."""
     import torch.nn.functional as F
 
     import plait
@@ -213,9 +215,10 @@ def state_read_by_forward(rank: int, world: int, plans: list[str]) -> dict[str, 
             part = (x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
             losses.append(float(run.step(model, part, F.mse_loss, opt)))
         own = next(b for n, b in model.named_buffers() if n.endswith("ema")).detach().clone()
+        saved = str(run.save(f"{folder}/{plan.replace(',', '_')}"))
         state = run.full_state_dict(model)
         run.close()
-        out[plan] = {"losses": losses, "state": state, "own": own}
+        out[plan] = {"losses": losses, "state": state, "own": own, "saved": saved}
     return out
 
 
