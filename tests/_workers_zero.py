@@ -242,7 +242,7 @@ def ddp_by_hand(world: int) -> dict[str, Any]:
             for n, b in model.named_buffers():
                 b.copy_(start[n])
             loss = F.mse_loss(model(x[r * rows:(r + 1) * rows]), y[r * rows:(r + 1) * rows])
-            total += float(loss) / world
+            total += loss.item() / world
             for g, d in zip(grads, torch.autograd.grad(loss, params), strict=True):
                 g += d / world
             if r == 0:
