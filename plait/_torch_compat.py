@@ -326,7 +326,9 @@ def stage_backward_split() -> tuple[Callable[..., Any], Callable[..., Any]] | No
     ``torch.distributed.pipelining._backward`` (None when missing).
 
     Why: the planner's calibration times a block's input-gradient and weight-gradient backward
-    separately, with the functions the zero-bubble schedules run. Checked on torch 2.13.
+    separately, with the functions the zero-bubble schedules run; a pipeline stage runs the
+    weight step of parameters read at several depths itself, with the graph kept
+    (``plait.parallel.pipeline.TimedStage``). Checked on torch 2.13.
     """
     module = "torch.distributed.pipelining._backward"
     first = _resolve(module, "stage_backward_input", required=False)

@@ -142,5 +142,15 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
         running_stats = track_running_stats(
             module, mesh[DP_CP if plan.cp > 1 else "dp"].get_group(),
             sharded=plan.dp_shard * plan.cp > 1)
+    written_buffers = None
+    if (plan.dp > 1 or plan.cp > 1) and not isinstance(module, DistributedDataParallel):
+        # DDP broadcasts rank 0's buffers before each step's forward (over dp x cp under cp);
+        # FSDP2 keeps each rank's.
+        from .mesh import DP_CP
+        from .parallel.buffer_sync import track_written_buffers
+
+        written_buffers = track_written_buffers(
+            module, mesh[DP_CP if plan.cp > 1 else "dp"].get_group())
     return record_layout(module, Layout(applied=tuple(applied), loss_parallel=loss_parallel,
-                                        context=context, running_stats=running_stats))
+                                        context=context, running_stats=running_stats,
+                                        written_buffers=written_buffers))

@@ -450,6 +450,11 @@ class Run:
             loss_scale = scaler.backward_factor() if scaler is not None else 1.0
             local = forward_backward(model, batch, loss_fn, plan=self.plan, device=self.device,
                                      exchange=exchange, loss_scale=loss_scale)
+            if step_index == 0 and self.world_size > 1 and self.spmd is None:
+                from .parallel.buffer_sync import learn_written_buffers
+
+                with self.ledger.paused() if recording else contextlib.nullcontext():
+                    learn_written_buffers(model)  # FSDP2: which to broadcast from rank 0
             if statistics:
                 from .parallel.batchnorm import warn_forward_statistics
 
@@ -628,6 +633,9 @@ class Run:
         from .parallel.bn_running import average_running_stats
 
         average_running_stats(cast(nn.Module, chosen))  # FSDP2 without sync_bn: one value
+        from .parallel.buffer_sync import broadcast_written_buffers
+
+        broadcast_written_buffers(cast(nn.Module, chosen))  # and rank 0's other buffers
         pending = save(folder, step=self.steps_done, model=cast(nn.Module, chosen),
                        optimizer=self._optimizer_for(optimizer) if optimizer else None,
                        scheduler=scheduler, plan=self.plan, device=self.device,
@@ -814,8 +822,10 @@ class Run:
         models."""
         from .check import full_state
         from .parallel.bn_running import average_running_stats
+        from .parallel.buffer_sync import broadcast_written_buffers
 
         average_running_stats(model)  # FSDP2 without sync_bn: one value on every data rank
+        broadcast_written_buffers(model)  # and rank 0's other buffers, as DDP
         pp_group = self._mesh()["pp"].get_group() if self.plan.pp > 1 else None
         return full_state(model, pp_group, buffers=True)
 

@@ -407,6 +407,9 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
     each sum times it, so that small gradients survive fp16's range; the totals returned are
     the unscaled sums, and :func:`apply_update` divides the gradients by it again.
     """
+    from .parallel.buffer_sync import broadcast_written_buffers
+
+    broadcast_written_buffers(model)  # FSDP2: rank 0's buffers on every data rank, as DDP
     pipeline = layout_of(model).pipeline
     if pipeline is not None:  # (sum, count) over its microbatches; backward ran on the sums
         return pipeline.step(batch, loss_fn, plan=plan, device=device, loss_scale=loss_scale)
@@ -451,8 +454,10 @@ def forward_only(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, plan: 
     split for memory, and a whole batch's logits (batch x positions x vocabulary) can outgrow
     it even without an autograd graph."""
     from .parallel.bn_running import average_running_stats
+    from .parallel.buffer_sync import broadcast_written_buffers
 
     average_running_stats(model)  # FSDP2 without sync_bn: one value on every data rank
+    broadcast_written_buffers(model)  # and rank 0's other buffers, as DDP
     pipeline = layout_of(model).pipeline
     if pipeline is not None:
         return pipeline.evaluate(batch, loss_fn, plan=plan, device=device)

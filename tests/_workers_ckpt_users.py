@@ -93,6 +93,27 @@ class RootStatsLM(nn.Module):
         return self.head(h)
 
 
+class RootParamLM(nn.Module):
+    """Parameters of the model's own module, not of a block, so every pipeline stage holds
+    them (tied over the stages): a scale applied to the embedding and to the logits, a shift
+    added after the embedding and to every block's output (not a residual: the split passes
+    the activation through the blocks a stage does not hold)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.scale = nn.Parameter(torch.tensor([1.5]))  # (1,): FSDP2 refuses a 0-dim one
+        self.shift = nn.Parameter(torch.full((WIDTH,), 0.1))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) * self.scale + self.shift
+        for block in self.blocks:
+            h = block(h) + self.shift
+        return self.head(h) * self.scale
+
+
 def _hf(kind: str) -> nn.Module:
     import transformers
 
@@ -112,6 +133,7 @@ def _hf(kind: str) -> nn.Module:
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "tied": partial(seeded, TiedLM), "lora": partial(seeded, LoraLM),
     "bnema": partial(seeded, BnEmaLM), "rootstats": partial(seeded, RootStatsLM),
+    "rootparams": partial(seeded, RootParamLM),
     "llama": lambda: _hf("llama"), "gpt2": lambda: _hf("gpt2")}
 HF = ("llama", "gpt2")
 
@@ -175,7 +197,8 @@ def scheduler(kind: str | None, opt: torch.optim.Optimizer, total: int) -> Any:
 
 
 # The blocks' tensor-parallel layer plan (plait infers one for its own and Hugging Face models).
-BLOCKS = {"tied": "blocks", "lora": "stack", "bnema": "trunk", "rootstats": "blocks"}
+BLOCKS = {"tied": "blocks", "lora": "stack", "bnema": "trunk", "rootstats": "blocks",
+          "rootparams": "blocks"}
 
 
 def _plan(plan: str, model: str) -> Any:

@@ -152,3 +152,107 @@ def warnings_of_a_step(rank: int, world_size: int, plan: str) -> list[str]:
         run.step(model, _slice(batch, run.dp_rank, run.dp_size), W.mlm_loss, opt)
         run.close()
     return [str(w.message) for w in seen]
+
+
+class ReadsItsState(nn.Module):
+    """A forward that reads state it writes: it centres the features on an EMA of their mean
+    over the rows it sees, updated first, and scales them by a count of its training forwards.
+    Each data rank updates the EMA from its own rows, so which rank's copy the next step starts
+    from changes every rank's gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 32)
+        self.blocks = nn.ModuleList(Block(32) for _ in range(2))
+        self.out = nn.Linear(32, 3)
+        self.register_buffer("ema", torch.zeros(32))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(0.5 * h.mean(0))
+                self.seen += 1
+        h = (h - self.ema) / (1 + 0.1 * self.seen)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def reads_its_state() -> nn.Module:
+    torch.manual_seed(0)
+    return ReadsItsState()
+
+
+def _rows(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(16, 12, generator=g), torch.randn(16, 3, generator=g)
+
+
+STATE_STEPS = 3
+
+
+def state_read_by_forward(rank: int, world: int, plans: list[str], folder: str
+                          ) -> dict[str, Any]:
+    """Per plan: the step losses, the full state at the end (this rank's view), this rank's own
+    copy of the EMA before anything reads the model, and the folder of a checkpoint saved then
+    (under ``folder``); rank ``r`` steps on rows ``r`` of each global batch of 16 split in
+    ``world``."""
+    import torch.nn.functional as F
+
+    import plait
+
+    out: dict[str, Any] = {}
+    for plan in plans:
+        run = plait.init(plan, quiet=True)
+        model = run.parallelize(reads_its_state())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        rows = 16 // world
+        for step in range(STATE_STEPS):
+            x, y = _rows(step)
+            part = (x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
+            losses.append(float(run.step(model, part, F.mse_loss, opt)))
+        own = next(b for n, b in model.named_buffers() if n.endswith("ema")).detach().clone()
+        saved = str(run.save(f"{folder}/{plan.replace(',', '_')}"))
+        state = run.full_state_dict(model)
+        run.close()
+        out[plan] = {"losses": losses, "state": state, "own": own, "saved": saved}
+    return out
+
+
+def ddp_by_hand(world: int) -> dict[str, Any]:
+    """DDP's semantics written out on one device: each step, every rank's forward starts from
+    rank 0's buffers, the gradients are averaged over the ranks and rank 0's buffers are kept."""
+    import torch.nn.functional as F
+
+    model = reads_its_state()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    params = list(model.parameters())
+    rows = 16 // world
+    losses = []
+    for step in range(STATE_STEPS):
+        x, y = _rows(step)
+        start = {n: b.clone() for n, b in model.named_buffers()}
+        grads = [torch.zeros_like(p) for p in params]
+        total = 0.0
+        kept: dict[str, torch.Tensor] = {}
+        for r in range(world):
+            for n, b in model.named_buffers():
+                b.copy_(start[n])
+            loss = F.mse_loss(model(x[r * rows:(r + 1) * rows]), y[r * rows:(r + 1) * rows])
+            total += loss.item() / world
+            for g, d in zip(grads, torch.autograd.grad(loss, params), strict=True):
+                g += d / world
+            if r == 0:
+                kept = {n: b.clone() for n, b in model.named_buffers()}
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(params, 1.0)  # plait's default grad_clip
+        opt.step()
+        opt.zero_grad()
+        for n, b in model.named_buffers():
+            b.copy_(kept[n])
+        losses.append(total)
+    return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}

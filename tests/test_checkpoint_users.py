@@ -140,3 +140,51 @@ def test_buffers_every_stage_holds_are_saved_as_the_stage_that_writes_them(tmp_p
     resumed = u.train("grad_accum=2", steps=4, checkpoint=one, export=True, **job)
     assert _close(resumed["losses"], ref["losses"][2:]), (resumed["losses"], ref["losses"])
     assert _state_close(resumed["state"], ref["state"], RTOL) is None
+
+
+def test_root_parameters_resume_under_a_pipeline_and_into_data_parallelism(tmp_path, no_group):
+    """Parameters of the model's own module (a scale, a shift) are on every pipeline stage,
+    tied over the stages, each with its AdamW state: saved at step 2 under pp=2 and resumed,
+    the run gives bitwise the losses of the uninterrupted one; resumed under dp=2 instead,
+    one device's; each ends on one device's parameters."""
+    job = dict(model="rootparams", opt="adamw", total=4)
+    ref = u.train("single", steps=4, export=True, **job)
+    one = str(tmp_path / "1f1b")
+    pp = "pp=2,schedule=1f1b,mb=2"
+    out = run_distributed(u.runs, 2, [
+        dict(plan=pp, steps=4, export=True, **job),
+        dict(plan=pp, steps=2, checkpoint=one, every=2, **job),
+        dict(plan="dp=2", steps=4, load=one, export=True, **job),
+        dict(plan=pp, steps=4, checkpoint=one, every=2, export=True, **job)], timeout=240)[0]
+    whole, saved, into_dp, resumed = out
+    assert _close(whole["losses"], ref["losses"]), (whole["losses"], ref["losses"])
+    assert saved["losses"] == whole["losses"][:2]
+    assert resumed["losses"] == whole["losses"][2:], (resumed["losses"], whole["losses"])
+    assert _close(into_dp["losses"], ref["losses"][2:]), (into_dp["losses"], ref["losses"])
+    for run in (whole, into_dp, resumed):
+        assert _state_close(run["state"], ref["state"], 1e-5) is None
+    assert {"scale", "shift"} <= ref["state"].keys()
+
+
+@pytest.mark.slow
+def test_root_parameters_resume_across_pipeline_schedules(tmp_path, no_group):
+    """Saved under interleaved 1F1B (two stages per rank, sharing one copy of each root
+    parameter), resumed under it, under ZB-V (rank 0 holds the first and the last stage) and
+    in one process: each continues one device's losses and ends on its parameters."""
+    job = dict(model="rootparams", opt="adamw", total=4)
+    ref = u.train("single", steps=4, export=True, **job)
+    folder, into_zbv = str(tmp_path / "interleaved"), str(tmp_path / "zbv")
+    interleaved = "pp=2,schedule=interleaved_1f1b,v=2,mb=2"
+    out = run_distributed(u.runs, 2, [
+        dict(plan=interleaved, steps=2, checkpoint=folder, every=2, **job),
+        dict(plan="pp=2,schedule=zbv,v=2,mb=2", steps=4, load=folder, checkpoint=into_zbv,
+             every=4, export=True, **job),
+        dict(plan=interleaved, steps=4, checkpoint=folder, every=2, export=True, **job)],
+        timeout=240)[0]
+    single = u.train("single", steps=4, load=into_zbv, export=True, **job)
+    assert _close(out[0]["losses"], ref["losses"][:2])
+    for run in out[1:]:
+        assert _close(run["losses"], ref["losses"][2:]), (run["losses"], ref["losses"])
+        assert _state_close(run["state"], ref["state"], 1e-5) is None
+    assert single["losses"] == []  # the zbv run saved its last step
+    assert _state_close(single["state"], ref["state"], 1e-5) is None

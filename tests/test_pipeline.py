@@ -569,3 +569,15 @@ def test_hf_llama_other_layouts(layout):
 
     cfg = CheckConfig(model_factory=hf_llama, optimizer="sgd" if "tp" in layout else "adamw")
     _assert_ok(check(layout, cfg))
+
+
+def test_a_block_output_added_to_a_parameter_is_not_a_residual():
+    """``h = block(h) + self.shift`` (a parameter of the model's own module): the block's
+    output is not summed with the running activation, so its stand-in passes the activation
+    on; fx and the first step's run agree. Read as a residual in the parent, the split refused
+    the model (a change before the blocks beside it)."""
+    from tests._workers_ckpt_users import MODELS
+
+    model = MODELS["rootparams"]()
+    assert additive_modules(model, "blocks") == set()
+    assert additive_by_running(model, "blocks", torch.randint(0, 16, (2, 5)), {}) == set()

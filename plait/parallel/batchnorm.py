@@ -202,8 +202,9 @@ def warn_forward_statistics(module: nn.Module, before: dict[str, torch.Tensor],
     """Warn (rank 0) when a step changed a floating-point buffer of ``module``: a running
     statistic the forward keeps itself (an EMA of activations, a running mean) is updated on
     each data rank from that rank's rows only, as BatchNorm's are without sync_bn, and nothing
-    averages it over the data ranks (DDP overwrites the other ranks' copies with rank 0's; ZeRO
-    leaves each rank its own), so it is not what one device computes on the global batch."""
+    averages it over the data ranks (each step starts from rank 0's copy: DDP broadcasts it,
+    and plait.parallel.buffer_sync does under ZeRO-2/3), so it is not what one device computes
+    on the global batch."""
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     after = forward_statistics(module)
@@ -213,7 +214,8 @@ def warn_forward_statistics(module: nn.Module, before: dict[str, torch.Tensor],
                                           if len(changed) > 6 else "")
         warnings.warn(f"plait: buffer(s) {shown} changed in a training step: each of the {dp} "
                       f"data ranks updates them from its own 1/{dp} of the global batch and "
-                      f"keeps its own copy (checkpoints and full_state_dict take rank 0's), which "
-                      f"is not what one device computes; reduce them over the data ranks in "
-                      f"the forward (torch.distributed.all_reduce) if they must match",
+                      f"each step starts from rank 0's copy (checkpoints and full_state_dict "
+                      f"take rank 0's too), which is not what one device computes; reduce them "
+                      f"over the data ranks in the forward (torch.distributed.all_reduce) if "
+                      f"they must match",
                       UserWarning, stacklevel=user_stacklevel())

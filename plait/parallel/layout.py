@@ -20,6 +20,7 @@ import torch.nn as nn
 
 if TYPE_CHECKING:
     from .bn_running import RunningStats
+    from .buffer_sync import WrittenBuffers
     from .context import ContextGroup
     from .pipeline import PipelineRunner
     from .pipeline_split import StageSpec
@@ -48,7 +49,9 @@ class Layout:
     over it and runs attention over the whole sequence.
     ``running_stats``: under FSDP2 without ``sync_bn``, the BatchNorm running statistics that
     are averaged over the data ranks before the model is read
-    (``plait.parallel.bn_running``).
+    (``plait.parallel.bn_running``). ``written_buffers``: under FSDP2, the buffers outside
+    BatchNorm whose first data rank's copy is broadcast before each step and before the model
+    is read, as DDP does (``plait.parallel.buffer_sync``).
     """
 
     applied: tuple[str, ...] = ()
@@ -60,6 +63,7 @@ class Layout:
     tied_names: dict[str, str] = field(default_factory=dict, compare=False)
     context: ContextGroup | None = None
     running_stats: RunningStats | None = None
+    written_buffers: WrittenBuffers | None = None
 
 
 def layout_of(model: nn.Module) -> Layout:

@@ -34,10 +34,10 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .._torch_compat import pipeline_stage_base, pytree
+from .._torch_compat import pipeline_stage_base, pytree, stage_backward_split
 from ..loss import label_shift, loss_sum_and_count, missing_labels_fix, shifts_labels
 from ..mesh import Mesh
-from ..plan import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES, Plan, reduces_after_schedule
+from ..plan import PP_SCHEDULES, Plan, reduces_after_schedule
 from .context import ContextGroup, context_group
 from .layout import Layout, layout_of, record_layout
 from .pipeline_buffers import (
@@ -62,7 +62,6 @@ from .pipeline_split import (
     additive_by_running,
     additive_modules,
     build_stage_module,
-    held_on_path,
     plan_stages,
     shared_parameters,
 )
@@ -163,6 +162,32 @@ class TimedStage(PipelineStage):
             self.timeline.add(self.stage_index, "B" if full_backward else "I", bwd_chunk_id,
                               start, now())
         return out
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs,
+                                   last_backward=False):
+        # A zero-bubble schedule's weight step (torch's stage_backward_weight) runs one
+        # autograd.grad per parameter group, from the nodes where the group's parameters meet
+        # the stage's input-dependent graph, and frees the graph as it goes (retain_graph
+        # False). A parameter read at several depths of one stage (a shift the model's own
+        # forward adds after every block, a block reused at several depths) meets that graph
+        # at several nodes, and the walk from the deepest back to the params passes through
+        # the other groups' nodes between those depths (the blocks in between): whichever group
+        # runs second finds its saved tensors freed ("Trying to backward through the graph a
+        # second time"). Those groups run first here with the graph kept (torch's own clamps
+        # on their nodes keep each use counted once), the others after them as torch runs
+        # them. The graph is released when the chunk's weight step ends, as before; the cost
+        # is the walk through the blocks between the uses, once per microbatch.
+        split = stage_backward_split()
+        if backward_type == "weight" and split is not None:
+            groups = bwd_kwargs["param_groups"]
+            spanning = [g for g in groups if len(g["intermediates"]) > 1]
+            if spanning:
+                split[1](self.submod.parameters(), spanning, retain_graph=True)
+                bwd_kwargs = {**bwd_kwargs,
+                              "param_groups": [g for g in groups
+                                               if all(g is not s for s in spanning)]}
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
+                                                  last_backward=last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         start = now()
@@ -1093,15 +1118,6 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     path, specs = plan_stages(model, plan)
     if plan.cp > 1:
         specs = [replace(s, context_parallel=True) for s in specs]
-    held = held_on_path(model, path)
-    if held and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES:
-        # Every stage holding such a parameter, the split backward of a zero-bubble schedule
-        # ran a second backward through a freed graph (a model with layers before and after
-        # its blocks, zbv, pp=2): refused rather than trained on a path that fails.
-        raise ValueError(f"{type(model).__name__} holds parameters {held} directly, outside "
-                         f"any submodule, which every pipeline stage shares: schedule "
-                         f"{plan.pp_schedule} (zero bubble) cannot train them; use 1f1b, gpipe "
-                         f"or interleaved_1f1b, or move each into the submodule that uses it")
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     mine = local_stages(plan.pp_schedule, plan.pp, plan.virtual_stages, pp_rank)

@@ -508,7 +508,11 @@ def additive_modules(model: nn.Module, path: str) -> set[str] | None:
             if user.op in ("call_function", "call_method") and (
                     user.target in adds or user.target in ("add", "add_")):
                 others = [a for a in user.args if a is not node]
-                if (node.args and node.args[0] in others) or not carrier:
+                # Added to a parameter or buffer of the model only (a shift the forward adds
+                # after each block), the output is not summed with the running activation: a
+                # stand-in that passes its input on keeps the stages' chain.
+                summed = [a for a in others if isinstance(a, fx.Node) and a.op != "get_attr"]
+                if (node.args and node.args[0] in others) or (not carrier and summed):
                     prefix = f"{parent_name}." if parent_name else ""
                     out.add(prefix + str(node.target))
     return _with_aliases(parent, parent_name, leaves, out)
@@ -545,8 +549,9 @@ def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[st
     """What :func:`additive_modules` finds, found by running ``model``'s forward once on
     ``first`` and ``kwargs`` (meta tensors: no memory, no compute) and watching every addition
     (a ``TorchFunctionMode``) for one that takes a block's or side module's output. The same
-    rule: a module whose output is added to its own input, or added to anything when the
-    module does not read the model's input, is additive. For forwards fx cannot trace; one
+    rule: a module whose output is added to its own input, or added to an activation (not
+    only to the model's parameters and buffers) when the module does not read the model's
+    input, is additive. For forwards fx cannot trace; one
     that does not run at all yields nothing."""
     from torch.overrides import TorchFunctionMode
 
@@ -557,6 +562,7 @@ def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[st
     outputs: dict[int, tuple[str, Any, bool]] = {}
     kept: list[Any] = []
     found: set[str] = set()
+    state = {id(t) for t in (*model.parameters(), *model.buffers())}
     entry: list[Any] = [None]  # the parent's first input, as fx's first placeholder
     # Calls of leaves under way: additions inside a block (its own residual, reading the
     # previous block's output) are not the parent's, as fx, keeping the leaves whole, sees.
@@ -587,7 +593,8 @@ def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[st
                     if id(a) not in outputs:
                         continue
                     name, x, carrier = outputs[id(a)]
-                    if not carrier or any(o is x for o in operands if o is not a):
+                    summed = [o for o in operands if o is not a and id(o) not in state]
+                    if (not carrier and summed) or any(o is x for o in operands if o is not a):
                         found.add(prefix + name)
             return func(*args, **(kw or {}))
 
@@ -621,18 +628,6 @@ def add_zero_stand_ins(stages: list[nn.Module], names: set[str]) -> None:
                 parent = stage.get_submodule(parent_name) if parent_name else stage
                 parent._modules[key] = PipelineZero(m._handed_on, m._name, m._settings,
                                                      m._tuple)
-
-
-def held_on_path(model: nn.Module, path: str) -> list[str]:
-    """The parameters held directly (not by a submodule) by ``model`` or a module on the path
-    to its blocks, by name: every stage shares them (see :func:`build_stage_module`)."""
-    parts = path.split(".") if path else []
-    held = []
-    for depth in range(len(parts)):
-        prefix = ".".join(parts[:depth])
-        module = model.get_submodule(prefix) if prefix else model
-        held += [f"{prefix}.{n}".lstrip(".") for n, _ in module.named_parameters(recurse=False)]
-    return held
 
 
 def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Module:
