@@ -33,11 +33,14 @@ _RERUN: list[tuple[str, str]] = []
 def _native_crash(reports) -> str | None:
     for report in reports:
         if report.failed and report.when == "call":
-            text = str(report.longrepr)
-            if any(s in text for s in _NATIVE_CRASH):
-                said = next(line for line in text.splitlines()
+            # the error the test ended on (not text elsewhere in the report, such as a
+            # test's own assertion that names these messages)
+            crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", "")
+            if crash.startswith("plait.spawn.WorkerError") and \
+                    any(s in crash for s in _NATIVE_CRASH):
+                said = next(line for line in crash.splitlines()
                             if any(s in line for s in _NATIVE_CRASH))
-                return said.lstrip("E ").split(";")[0].split(":")[0] + ")"
+                return said.split(";")[0].split(":")[0] + ")"
     return None
 
 

@@ -12,6 +12,12 @@ def all_reduce_rank(rank, world_size):
     return t
 
 
+def faulthandler_on(rank, world):
+    import faulthandler
+
+    return faulthandler.is_enabled()
+
+
 def crash_on_rank(rank, world, bad):
     """Die of SIGSEGV on rank ``bad`` (a read of address 0, as a crash in native code); the
     others wait for it in a barrier."""
