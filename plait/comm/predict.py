@@ -190,6 +190,12 @@ class TPBlock:
     gradient (a frozen embedding: no all-gather of it under SP); ``vocab_ends``: whether the
     plan splits a vocabulary embedding and a vocabulary head (a model fed feature vectors
     through plain layers has neither: no collectives outside the blocks).
+    ``fwd_grad`` / ``bwd_grad``: per ``forward`` / ``backward`` entry, whether the backward
+    pass issues its collective's counterpart (the row-parallel output's gradient all-gathered
+    under SP; the input's gradient all-reduced, under SP reduce-scattered): the tensor needs a
+    gradient (``plait.planner.tp_trace.needs_grad``); None: every one, as in a block the
+    backward pass enters whole. ``trains``: a parameter of the block trains (replicated k/v
+    weights' gradients are summed).
     """
 
     forward: tuple[int, ...]
@@ -205,6 +211,9 @@ class TPBlock:
     # SP; None: one weight of ``hidden`` (the reference's RMSNorm). Read where the sequence is
     # split from the embedding to the head (not ``sp_in_blocks``).
     end_norms: tuple[int, ...] | None = None
+    fwd_grad: tuple[bool, ...] | None = None
+    bwd_grad: tuple[bool, ...] | None = None
+    trains: bool = True
     # plait.planner.tp_trace.Trace, or a callable that makes it (or None) on first use: the
     # forward pass behind it costs seconds on a 7B model and only a 16-bit dtype or
     # checkpointing under tp read it (:attr:`trace`)
@@ -262,7 +271,9 @@ class LocalModel:
     parameter gradient over tp), ``reached_layers`` are reached by the backward pass (the
     others, leading frozen blocks, issue no backward collective at all) and
     ``regathered_layers`` are gathered again for backward under ZeRO-3 (``plait.comm.reach``);
-    None: all of them.
+    None: all of them. ``tp_blocks``: each of this rank's blocks' own tensor-parallel
+    collectives where the blocks differ in what trains and what the backward pass reaches
+    (``plait.planner.tp_block.tp_blocks``); None: the counts above say it.
     """
 
     params: float
@@ -283,6 +294,7 @@ class LocalModel:
     trained_layers: int | None = None
     reached_layers: int | None = None
     regathered_layers: int | None = None
+    tp_blocks: tuple[TPBlock, ...] | None = None
 
     @property
     def grads(self) -> float:
@@ -579,7 +591,19 @@ def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
     cast = casts_params(plan)
     micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
     out: list[Traffic] = []
-    if local.layers:
+    if local.layers and local.tp_blocks is not None:
+        # each block as its own parameters and the gradients reaching it make it
+        kinds: dict[TPBlock, int] = {}
+        for one in local.tp_blocks:
+            kinds[one] = kinds.get(one, 0) + 1
+        for kind, count in kinds.items():
+            live = kind.fwd_grad is None or any(kind.fwd_grad) or any(kind.bwd_grad or ())
+            per_block = tp_block_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp,
+                                         recomputed=local.recomputed / local.layers,
+                                         kv_whole=kv_whole if kind.trains else 0, block=kind,
+                                         cast_params=cast, backward=live)
+            out += _times(per_block, count * micro)
+    elif local.layers:
         # blocks that train; frozen ones the backward pass reaches (no parameter gradient to
         # sum over tp); leading frozen ones it never reaches (forward collectives only)
         trained, reached = local.layers_trained, local.layers_reached
@@ -696,25 +720,27 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
     tokens = float(b) * s
     fwd = [tokens * f * k for f, k in zip(block.forward, e.forward, strict=True)]
     bwd = [tokens * f * k for f, k in zip(block.backward, e.backward, strict=True)]
+    # the backward counterparts the backward pass issues: those whose tensor needs a gradient
+    fwd_back = [x for x, y in zip(fwd, block.fwd_grad or (backward,) * len(fwd), strict=True)
+                if y and backward]
+    bwd_back = [x for x, y in zip(bwd, block.bwd_grad or (backward,) * len(bwd), strict=True)
+                if y and backward]
     # the reference block's parameter gradients: at the activations' size (the planner's
     # estimate); a traced block's: as the trace showed (fp32: 4 bytes either way, no trace)
     half = dtype in HALF
     g = e.grads if half and block.trace is not None else FP32
     out: list[Traffic] = []
-    if not backward:
-        if sp:
-            out += [Traffic("tp", "all_gather", sum(bwd), len(bwd), tp, "activations"),
-                    Traffic("tp", "reduce_scatter", sum(fwd), len(fwd), tp, "activations")]
-        else:
-            out.append(Traffic("tp", "all_reduce", sum(fwd), len(fwd), tp, "activations"))
-        return [t for t in out if t.calls]
     if fwd or bwd:
-        n = len(fwd) + len(bwd)
-        if sp:
-            out += [Traffic("tp", "all_gather", sum(fwd) + sum(bwd), n, tp, "activations"),
-                    Traffic("tp", "reduce_scatter", sum(fwd) + sum(bwd), n, tp, "activations")]
+        if sp:  # forward: each input gathered, each output scattered; backward the reverse
+            out += [Traffic("tp", "all_gather", sum(bwd) + sum(fwd_back),
+                            len(bwd) + len(fwd_back), tp, "activations"),
+                    Traffic("tp", "reduce_scatter", sum(fwd) + sum(bwd_back),
+                            len(fwd) + len(bwd_back), tp, "activations")]
         else:
-            out.append(Traffic("tp", "all_reduce", sum(fwd) + sum(bwd), n, tp, "activations"))
+            out.append(Traffic("tp", "all_reduce", sum(fwd) + sum(bwd_back),
+                               len(fwd) + len(bwd_back), tp, "activations"))
+    if not backward:  # no parameter gradient, nothing replayed
+        return [t for t in out if t.calls]
     if sp and block.sp_norms:
         out.append(Traffic("tp", "all_reduce", float(sum(block.sp_norms)) * g,
                            len(block.sp_norms), tp, "norm weight grads"))

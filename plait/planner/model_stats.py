@@ -69,6 +69,10 @@ class ModelStats:
     # module's blocks out with (module factories); None: plait's reference block (attention
     # and an MLP, 4 all-reduces).
     tp_block: TPBlock | None = None
+    # Each block's own, where the blocks differ in what trains (frozen norms in one block, a
+    # frozen attention the backward pass never enters): per block in forward order; None: all
+    # as ``tp_block``, or the counts of trained and reached blocks say it.
+    tp_blocks: tuple[TPBlock, ...] | None = None
     # Elements of a trainable weight the embedding and the head share (module factories: the
     # head's copy is not in head_params); under pipelines the first and last stages each hold
     # a copy and sum their gradients every step.
@@ -499,7 +503,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
         for attr in ("num_key_value_heads", "n_kv_heads", "num_kv_heads"):
             if isinstance(getattr(m, attr, None), int):
                 kv_heads = getattr(m, attr)
-    from .tp_block import held_parts, plan_of, tp_block
+    from .tp_block import held_parts, plan_of, tp_block, tp_blocks
 
     found = plan_of(model)  # the layer plan plait lays the blocks out with
     # the tensor-parallel collectives of a block that trains (its parameter gradients'): a
@@ -545,6 +549,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     both = [p for e in embeds for p in e.parameters() if shared[id(p)] > 1]
     tied = [p for p in both if p.requires_grad]
     tied_params = sum(p.numel() for p in tied)
+    block_tp = tp_block(model, tp_path, found, (_path(model, blocks[0]),
+                                                _path(model, blocks[-1])), device_type)
     max_seq, max_seq_from = _max_seq(model), ""
     if max_seq is None:
         max_seq, max_seq_from = _position_rows(model)
@@ -557,8 +563,9 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                       block_tensors=tensors, embed_tensors=embed_tensors,
                       head_tensors=max(outside - embed_tensors, 0), max_seq=max_seq,
                       max_seq_from=max_seq_from,
-                      tp_block=tp_block(model, tp_path, found, (
-                          _path(model, blocks[0]), _path(model, blocks[-1])), device_type),
+                      tp_block=block_tp, tp_blocks=tp_blocks(
+                          model, [_path(model, b) for b in blocks], found, block_tp,
+                          device_type),
                       tied_params=tied_params,
                       tied_shapes=tuple(tuple(p.shape) for p in tied),
                       frozen_tied_shapes=tuple(tuple(p.shape) for p in both

@@ -155,6 +155,9 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
                 grads += (layers * block_pad.trained + sum(e.trained for e, on in ends if on)
                           + (copy_pad.trained if copies else 0.0))
         grad_units = trained_layers = reached_layers = regathered_layers = None
+        own = None  # each block's own tensor-parallel collectives, where they differ
+        if model.tp_blocks is not None and len(model.tp_blocks) == model.n_layers:
+            own = tuple(model.tp_blocks[j] for i in ids for j in range(bounds[i], bounds[i + 1]))
         if model.rows is not None and model.rows.blocks == model.n_layers:
             # a config's blocks are one tuple: their count will do
             blocks: Sequence[int] = range(layers) if model.rows.one_block else \
@@ -173,7 +176,7 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
                               tied_tensors=max(1, len(model.tied_shapes)), grad_params=grads,
                               grad_tensors=grad_tensors, grad_units=grad_units,
                               trained_layers=trained_layers, reached_layers=reached_layers,
-                              regathered_layers=regathered_layers))
+                              regathered_layers=regathered_layers, tp_blocks=own))
     return out
 
 
