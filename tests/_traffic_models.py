@@ -23,7 +23,11 @@ that trains one under a plan with the ledger on (module-level so spawned ranks i
 * leading frozen blocks without a pipeline: ``FrozenLeadLM`` (the embedding and the first
   three of four attention + MLP blocks frozen), ``FrozenStageLM`` and ``hf_llama_frozen``
   (tiny Llama, its token embedding and first two layers frozen): the backward pass never
-  reaches those blocks.
+  reaches those blocks;
+* blocks that differ in what trains: ``hf_llama_mid_norms`` (the second layer's norms frozen)
+  and ``hf_llama_frozen_attention`` (the backward pass enters the second layer's MLP, never
+  its attention); ``ScaledLM``: a parameter of the root module, which every pipeline stage
+  holds.
 """
 
 from __future__ import annotations

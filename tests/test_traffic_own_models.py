@@ -11,6 +11,7 @@ the same prediction, taken on the model ``run.parallelize`` was given."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -53,7 +54,11 @@ def _same(name: str, plan: str, comm: dict, global_batch: int) -> None:
 # Leading frozen blocks after a frozen embedding: the backward pass never reaches them, so
 # they issue no backward collective over tp, and under ZeRO-3 FSDP2 gathers again only the
 # last of them (the next block's pre-backward hook prefetches it), not the others.
-CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2"]),
+# Blocks that differ in what trains, each priced as itself: frozen norms in a middle layer
+# (no norm gradient summed there under SP), a frozen attention behind frozen layers (the
+# backward pass enters the MLP only). A parameter of the root module beside a pipeline: every
+# stage holds it and sums its gradient (its dp_shard piece under ZeRO-2) over pp.
+CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2", "llama_mid_norms", "llama_frozen_attention"]),
          # context parallelism: each block's K and V (2 kv heads of 4 query heads: half of
          # q's width) all-gathered over cp in forward, their gradients reduce-scattered in
          # backward; DDP over cp (at dp=1, the cp group) reduces the gradients
@@ -61,7 +66,7 @@ CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2"]),
          ("dp_shard=2,zero=3", ["frozen_lead"]), ("tp=2", ["frozen_lead"]),
          ("tp=2,mixed_precision=bf16,activation_checkpointing=full", ["lora"]),
          ("dp_shard=2,zero=2,pp=2,microbatches=2", ["odd", "gpt2_51", "lora_block",
-                                                    "frozen_stage"])]
+                                                    "frozen_stage", "scaled"])]
 SLOW_CASES = [
     ("tp=2", ["mlp", "attention", "gqa", "mqa", "tied", "lora", "gpt2", "llama",
               "frozen_stage", "llama_frozen"]),
@@ -118,6 +123,11 @@ SLOW_CASES = [
     # leading frozen blocks (tp, SP, ZeRO-3 x tp and checkpointing with the cases above)
     ("dp_shard=2,zero=3", ["frozen_stage", "llama_frozen"]),
     ("dp_replicate=2,dp_shard=2,zero=3,grad_accum=2", ["frozen_lead"]),
+    # blocks that differ in what trains; a root parameter summed over the stages
+    ("tp=2", ["llama_mid_norms", "llama_frozen_attention"]),
+    ("pp=2,microbatches=2", ["scaled"]),
+    ("pp=2,tp=2,microbatches=2,sp=1", ["scaled"]),
+    ("dp_shard=2,zero=3,pp=2,microbatches=2", ["scaled"]),
 ]
 
 
@@ -298,6 +308,105 @@ def test_block_collectives_follow_the_layer_plan():
                for t in tp_block_traffic(2, 8, 16, 2, "fp32", False,
                                          block=_stats("mlp").tp_block)}
     assert traffic == {"all_reduce": (2 * 2 * 8 * 16 * 4, 2)}
+
+
+def _grad_flow_by_hand(model: torch.nn.Module, regions: list[str], rows: list[str]
+                       ) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """One real forward (CPU, the model's own tensors): whether each region's input and each
+    row-parallel layer's output requires grad, as autograd will see them."""
+    seen: dict[str, bool] = {}
+
+    def into(name: str) -> Any:
+        def hook(_m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            seen.setdefault(name, any(t.requires_grad for t in tensors))
+        return hook
+
+    def out_of(name: str) -> Any:
+        def hook(_m: torch.nn.Module, _args: tuple, out: torch.Tensor) -> None:
+            seen.setdefault(name, out.requires_grad)
+        return hook
+
+    hooks = [model.get_submodule(n).register_forward_pre_hook(into(n), with_kwargs=True)
+             for n in regions]
+    hooks += [model.get_submodule(n).register_forward_hook(out_of(n)) for n in rows]
+    model(torch.zeros((1, T.SEQ), dtype=torch.long))
+    for h in hooks:
+        h.remove()
+    return tuple(seen[n] for n in regions), tuple(seen[n] for n in rows)
+
+
+def test_each_block_prices_its_own_gradients():
+    """Blocks that differ in what trains, each priced as itself rather than as the first block
+    that trains: a layer whose two RMSNorms are frozen sums no norm gradient over tp under SP
+    (the others two each); in a layer whose attention and the norm before it are frozen,
+    behind a frozen embedding and a frozen first layer, the backward pass enters the MLP only
+    (no gradient of attention's input reduced, none of its output gathered). What a block
+    issues is checked against the model's own parameters and a real forward's
+    ``requires_grad``; the ledger measures the same (``test_planner_prices_what_the_ledger
+    _measures``)."""
+    from plait.comm.predict import tp_rank_traffic
+    from plait.planner.traffic import rank_shares
+
+    plan = Plan.from_string("tp=2,sp=1")
+    for name in ("llama_mid_norms", "llama_frozen_attention"):
+        model = T.MODELS[name]()
+        layers = model.hf.model.layers
+        stats = _stats(name)
+        assert stats.tp_blocks is not None and len(stats.tp_blocks) == len(layers)
+        paths = [f"hf.model.layers.{i}" for i in range(len(layers))]
+        calls = 0
+        for path, layer, block in zip(paths, layers, stats.tp_blocks, strict=True):
+            norms = tuple(p.numel() for m in (layer.input_layernorm,
+                                              layer.post_attention_layernorm)
+                          for p in m.parameters() if p.requires_grad)
+            assert block.sp_norms == norms, (name, path)
+            calls += len(norms)
+            into, out = _grad_flow_by_hand(model, [f"{path}.self_attn", f"{path}.mlp"],
+                                           [f"{path}.self_attn.o_proj", f"{path}.mlp.down_proj"])
+            assert (block.bwd_grad, block.fwd_grad) == (into, out), (name, path)
+        (share,) = rank_shares(plan, stats, [len(layers)], [range(1)])
+        traffic = tp_rank_traffic(plan, share, 1, T.SEQ, T.WIDTH, block=stats.tp_block)
+        norm_calls = sum(t.calls for t in traffic if t.what == "norm weight grads")
+        assert norm_calls == calls, name
+    # the frozen attention: one region's input and one row-parallel output without a gradient
+    flow = _stats("llama_frozen_attention").tp_blocks
+    assert flow is not None and (flow[1].bwd_grad, flow[1].fwd_grad) == ((False, True),) * 2
+    # blocks that all train whole are priced as one
+    assert _stats("llama").tp_blocks is None
+
+
+def test_root_parameter_is_summed_over_the_stages():
+    """A parameter of the root module (``ScaledLM.scale``): every pipeline stage holds it, each
+    sums its gradient with the others' (one flag and one gradient all-reduce over pp, like a
+    tied weight), the ranks without the last stage hold it beside their blocks, and the clip
+    norm counts it once, on the first stage. Under ZeRO-2 each rank sums its dp_shard piece."""
+    from plait.comm.predict import pp_rank_traffic
+    from plait.planner.traffic import rank_shares
+
+    model = T.MODELS["scaled"]()
+    stats = _stats("scaled")
+    assert stats.shared_shapes == (tuple(model.scale.shape),)
+    width = model.scale.numel()
+    for plan, piece in (("pp=2,microbatches=2", width),
+                        ("dp_shard=2,zero=2,pp=2,microbatches=2", width // 2)):
+        p = Plan.from_string(plan)
+        first, last = rank_shares(p, stats, [2, 2], [range(0, 1), range(1, 2)])
+        for share in (first, last):
+            assert (share.tied, share.tied_tensors) == (piece, 1), plan
+            sums = {t.what: (t.payload, t.calls) for t in pp_rank_traffic(p, share, 1, T.SEQ,
+                                                                          T.WIDTH)}
+            assert sums["tied weight grads"] == (piece * 4, 1), plan
+            assert sums["tied weight used flags"] == (4, 1), plan
+        # held on both ranks: the first holds its embedding, blocks and the scale
+        own = sum(p.numel() for p in (*model.embed.parameters(),
+                                      *(q for b in model.blocks[:2] for q in b.parameters()),
+                                      model.scale))
+        if p.zero < 2:
+            assert first.params == own and first.grads == own
+            assert first.clip_tensors == len(list(model.embed.parameters())) + 1 + sum(
+                len(list(b.parameters())) for b in model.blocks[:2])
+            assert last.clip_tensors == last.tensors - 1
 
 
 def test_tied_weight_and_frozen_parameters():

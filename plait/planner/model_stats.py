@@ -85,6 +85,12 @@ class ModelStats:
     # stage holds a copy too (gathered, broadcast by ZeRO-1 when the optimizer holds it), whose
     # gradient nobody reduces or sums across stages.
     frozen_tied_shapes: tuple[tuple[int, ...], ...] = ()
+    # The shapes of the trainable (``shared_shapes``) and frozen parameters held by the root
+    # module or a module on the path to the blocks (a ``logit_scale``), counted among the head's
+    # (module factories): under pipelines every stage holds them, and each trainable one's
+    # gradient is summed over the stages like a tied weight's (plait.parallel.pipeline_split).
+    shared_shapes: tuple[tuple[int, ...], ...] = ()
+    frozen_shared_shapes: tuple[tuple[int, ...], ...] = ()
     # Parameters of (a block, the embeddings, the rest outside the blocks) as tensor
     # parallelism lays them out, trainable or not (module factories); None: all split over
     # tp and trainable, as plait's reference transformer.
@@ -549,6 +555,10 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     both = [p for e in embeds for p in e.parameters() if shared[id(p)] > 1]
     tied = [p for p in both if p.requires_grad]
     tied_params = sum(p.numel() for p in tied)
+    from plait.parallel.pipeline_split import held_on_path
+
+    every = dict(model.named_parameters())
+    shared = [every[n] for n in held_on_path(model, stack_name) if n in every]
     block_tp = tp_block(model, tp_path, found, (_path(model, blocks[0]),
                                                 _path(model, blocks[-1])), device_type)
     max_seq, max_seq_from = _max_seq(model), ""
@@ -570,6 +580,9 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                       tied_shapes=tuple(tuple(p.shape) for p in tied),
                       frozen_tied_shapes=tuple(tuple(p.shape) for p in both
                                                if not p.requires_grad),
+                      shared_shapes=tuple(tuple(p.shape) for p in shared if p.requires_grad),
+                      frozen_shared_shapes=tuple(tuple(p.shape) for p in shared
+                                                 if not p.requires_grad),
                       held=held_parts(model, stack_name, found),
                       rows=param_rows(model, blocks, found), experts=experts,
                       block_active_params=round(sum(active) / len(blocks)) if experts else None,

@@ -169,11 +169,38 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
             # leading frozen blocks: no backward collectives, not all gathered again
             trained_layers, reached_layers, regathered_layers = (
                 sum(c[bounds[i + 1]] - c[bounds[i]] for i in ids) for c in model.rows.counts)
+        tied_elements = tied_piece(plan, model) if tied else 0.0
+        tied_tensors = max(1, len(model.tied_shapes)) if tied else 0
+        if pp > 1 and (model.shared_shapes or model.frozen_shared_shapes):
+            # parameters of the root module (and of those on the path to the blocks): every
+            # stage holds them, the last one among "the rest"; a rank without the last stage
+            # holds a copy. Each is summed over the stages like a tied weight, and counted in
+            # the clip norm on the first stage alone.
+            shards = fsdp_shards(plan)
+            trains = tuple(Rows(shape) for shape in model.shared_shapes)
+            frozen_rows = tuple(Rows(shape, None, False) for shape in model.frozen_shared_shapes)
+            if not last:
+                held_all = float(sum(r.held(1, shards) for r in trains + frozen_rows))
+                held_trained = float(sum(r.held(1, shards) for r in trains))
+                grads = (local if grads is None else grads) + held_trained
+                grad_tensors = (tensors if grad_tensors is None else grad_tensors) + \
+                    (len(trains) if first else 0)
+                local += held_all
+                root += held_all
+                tensors += len(trains) + len(frozen_rows)
+                if grad_units is not None and trains and model.rows is not None and not any(
+                        r.trained for r in model.rows.embed if first):
+                    grad_units += 1  # the stage root now has a gradient to reduce
+            elif not first and trains:
+                grad_tensors = (tensors if grad_tensors is None else grad_tensors) - len(trains)
+            tied_elements += sum(-(-r.shape[0] // shards) * prod(r.shape[1:]) if r.shape else 1
+                                 for r in trains)
+            tied_tensors += len(trains)
         out.append(LocalModel(params=local, root_params=root, tensors=tensors, layers=layers,
                               embed=first, head=last, stages=tuple(ids), num_stages=chunks,
                               clip_axes=clip_axes(plan),
-                              tied=tied_piece(plan, model) if tied else 0.0,
-                              tied_tensors=max(1, len(model.tied_shapes)), grad_params=grads,
+                              tied=tied_elements,
+                              tied_tensors=max(1, tied_tensors), grad_params=grads,
                               grad_tensors=grad_tensors, grad_units=grad_units,
                               trained_layers=trained_layers, reached_layers=reached_layers,
                               regathered_layers=regathered_layers, tp_blocks=own))
