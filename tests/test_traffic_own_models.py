@@ -58,7 +58,7 @@ def _same(name: str, plan: str, comm: dict, global_batch: int) -> None:
 # (no norm gradient summed there under SP), a frozen attention behind frozen layers (the
 # backward pass enters the MLP only). A parameter of the root module beside a pipeline: every
 # stage holds it and sums its gradient (its dp_shard piece under ZeRO-2) over pp.
-CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2", "llama_mid_norms", "llama_frozen_attention"]),
+CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2", "llama_frozen_attention"]),
          # context parallelism: each block's K and V (2 kv heads of 4 query heads: half of
          # q's width) all-gathered over cp in forward, their gradients reduce-scattered in
          # backward; DDP over cp (at dp=1, the cp group) reduces the gradients
@@ -80,15 +80,17 @@ SLOW_CASES = [
     # FSDP2's root unit: norms whole; FSDP2 pads the largest tp-local piece (GPT-2 with 51
     # tokens: 26 vocabulary rows on the first tp rank, 25 on the second)
     ("dp_shard=2,zero=3,tp=2", ["mlp", "lora", "gpt2", "gpt2_51", "frozen_lead",
-                                "frozen_stage", "llama_frozen"]),
+                                "frozen_stage", "llama_frozen", "llama_frozen_attention"]),
     ("pp=2,pp_schedule=zbv,virtual_stages=2,microbatches=2", ["mlp", "llama"]),
     # bf16: autocast over fp32 parameters; FSDP2's bf16 parameters (dp over tp, ZeRO-3 x tp)
-    ("tp=2,sp=1,mixed_precision=bf16,grad_accum=2", ["mlp", "lora", "gpt2", "llama"]),
+    ("tp=2,sp=1,mixed_precision=bf16,grad_accum=2", ["mlp", "lora", "gpt2", "llama",
+                                                     "llama_frozen_attention"]),
     ("dp=2,tp=2,mixed_precision=bf16", ["mlp", "mqa", "tied", "gpt2"]),
     ("dp_shard=2,zero=3,tp=2,mixed_precision=bf16", ["lora", "llama"]),
     ("pp=2,tp=2,microbatches=2,mixed_precision=bf16", ["tied", "lora", "gpt2"]),
     # checkpointing: GPT-2's dropout after a row-parallel projection replays its all-reduce
-    ("tp=2,activation_checkpointing=full", ["mlp", "gpt2", "llama", "frozen_lead"]),
+    ("tp=2,activation_checkpointing=full", ["mlp", "gpt2", "llama", "frozen_lead",
+                                            "llama_frozen_attention"]),
     ("tp=2,sp=1,mixed_precision=bf16,activation_checkpointing=full", ["lora", "gpt2"]),
     ("dp=2,tp=2,activation_checkpointing=selective", ["lora", "gpt2"]),
     ("pp=2,microbatches=2,mixed_precision=bf16,activation_checkpointing=full",
@@ -124,9 +126,11 @@ SLOW_CASES = [
     ("dp_shard=2,zero=3", ["frozen_stage", "llama_frozen"]),
     ("dp_replicate=2,dp_shard=2,zero=3,grad_accum=2", ["frozen_lead"]),
     # blocks that differ in what trains; a root parameter summed over the stages
+    ("tp=2,sp=1", ["llama_mid_norms"]),
     ("tp=2", ["llama_mid_norms", "llama_frozen_attention"]),
     ("pp=2,microbatches=2", ["scaled"]),
-    ("pp=2,tp=2,microbatches=2,sp=1", ["scaled"]),
+    ("pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,microbatches=2", ["scaled"]),
+    ("pp=2,tp=2,microbatches=2", ["scaled"]),
     ("dp_shard=2,zero=3,pp=2,microbatches=2", ["scaled"]),
 ]
 

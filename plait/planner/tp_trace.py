@@ -23,6 +23,7 @@ bf16 or checkpointing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -281,8 +282,6 @@ def needs_grad(model: nn.Module, inputs: list[str], outputs: list[str], seq: int
         def hook(_m: nn.Module, _args: tuple, out: Any) -> None:
             out_of.setdefault(name, _any_grad(out))
         return hook
-
-    import contextlib
 
     try:
         for name in dict.fromkeys(inputs):
