@@ -69,14 +69,16 @@ CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2", "llama_frozen_attention"]),
                                                     "frozen_stage", "scaled"])]
 SLOW_CASES = [
     ("tp=2", ["mlp", "attention", "gqa", "mqa", "tied", "lora", "gpt2", "llama",
-              "frozen_stage", "llama_frozen"]),
+              "frozen_stage", "llama_frozen", "llama_mid_norms", "llama_frozen_attention"]),
     ("tp=2,sp=1", ["attention", "gqa", "mqa", "tied", "llama", "frozen_lead", "frozen_stage",
-                   "llama_frozen"]),
-    ("pp=2,microbatches=2", ["mlp", "tied", "gpt2", "llama"]),
-    ("pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,microbatches=2", ["tied", "lora"]),
+                   "llama_frozen", "llama_mid_norms"]),
+    ("pp=2,microbatches=2", ["mlp", "tied", "gpt2", "llama", "scaled"]),
+    ("pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,microbatches=2", ["tied", "lora",
+                                                                            "scaled"]),
     # GPT-2 with 51 tokens: each rank reduces its own vocabulary rows, 26 on the first tp rank
     ("dp=2,tp=2", ["mlp", "attention", "lora", "gpt2", "llama", "gpt2_51"]),
-    ("pp=2,tp=2,microbatches=2", ["mlp", "tied", "lora", "gpt2", "mqa", "frozen_lead"]),
+    ("pp=2,tp=2,microbatches=2", ["mlp", "tied", "lora", "gpt2", "mqa", "frozen_lead",
+                                  "scaled"]),
     # FSDP2's root unit: norms whole; FSDP2 pads the largest tp-local piece (GPT-2 with 51
     # tokens: 26 vocabulary rows on the first tp rank, 25 on the second)
     ("dp_shard=2,zero=3,tp=2", ["mlp", "lora", "gpt2", "gpt2_51", "frozen_lead",
@@ -105,7 +107,7 @@ SLOW_CASES = [
     ("dp_shard=2,zero=2,pp=2,microbatches=2", ["mlp", "tied", "gpt2", "lora", "frozen_tied"]),
     ("dp_shard=2,zero=3,pp=2,microbatches=2", ["tied", "gpt2", "llama", "odd", "gpt2_51",
                                                "lora", "lora_block", "frozen_stage",
-                                               "frozen_tied"]),
+                                               "frozen_tied", "scaled"]),
     # sizes FSDP2 pads (dim 0 rounded up to a multiple of dp_shard) without a pipeline, and
     # ZeRO-1, whose broadcasts move the parameters unpadded
     ("dp_shard=2,zero=1", ["odd", "gpt2_51"]),
@@ -125,13 +127,6 @@ SLOW_CASES = [
     # leading frozen blocks (tp, SP, ZeRO-3 x tp and checkpointing with the cases above)
     ("dp_shard=2,zero=3", ["frozen_stage", "llama_frozen"]),
     ("dp_replicate=2,dp_shard=2,zero=3,grad_accum=2", ["frozen_lead"]),
-    # blocks that differ in what trains; a root parameter summed over the stages
-    ("tp=2,sp=1", ["llama_mid_norms"]),
-    ("tp=2", ["llama_mid_norms", "llama_frozen_attention"]),
-    ("pp=2,microbatches=2", ["scaled"]),
-    ("pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,microbatches=2", ["scaled"]),
-    ("pp=2,tp=2,microbatches=2", ["scaled"]),
-    ("dp_shard=2,zero=3,pp=2,microbatches=2", ["scaled"]),
 ]
 
 
