@@ -11,6 +11,7 @@ innermost, so a group of size n and stride d stays inside a node iff n*d divides
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING
 
@@ -172,30 +173,17 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
         tied_elements = tied_piece(plan, model) if tied else 0.0
         tied_tensors = max(1, len(model.tied_shapes)) if tied else 0
         if pp > 1 and (model.shared_shapes or model.frozen_shared_shapes):
-            # parameters of the root module (and of those on the path to the blocks): every
-            # stage holds them, the last one among "the rest"; a rank without the last stage
-            # holds a copy. Each is summed over the stages like a tied weight, and counted in
-            # the clip norm on the first stage alone.
-            shards = fsdp_shards(plan)
-            trains = tuple(Rows(shape) for shape in model.shared_shapes)
-            frozen_rows = tuple(Rows(shape, None, False) for shape in model.frozen_shared_shapes)
-            if not last:
-                held_all = float(sum(r.held(1, shards) for r in trains + frozen_rows))
-                held_trained = float(sum(r.held(1, shards) for r in trains))
-                grads = (local if grads is None else grads) + held_trained
-                grad_tensors = (tensors if grad_tensors is None else grad_tensors) + \
-                    (len(trains) if first else 0)
-                local += held_all
-                root += held_all
-                tensors += len(trains) + len(frozen_rows)
-                if grad_units is not None and trains and model.rows is not None and not any(
-                        r.trained for r in model.rows.embed if first):
-                    grad_units += 1  # the stage root now has a gradient to reduce
-            elif not first and trains:
-                grad_tensors = (tensors if grad_tensors is None else grad_tensors) - len(trains)
-            tied_elements += sum(-(-r.shape[0] // shards) * prod(r.shape[1:]) if r.shape else 1
-                                 for r in trains)
-            tied_tensors += len(trains)
+            extra = shared_share(plan, model, first=first, last=last)
+            grads = (local if grads is None else grads) + extra.trained
+            grad_tensors = (tensors if grad_tensors is None else grad_tensors) + extra.clip
+            local += extra.held
+            root += extra.held
+            tensors += extra.tensors
+            if grad_units is not None and extra.trained and not any(
+                    r.trained for r in (model.rows.embed if model.rows and first else ())):
+                grad_units += 1  # a stage root with no other gradient now reduces one
+            tied_elements += extra.summed
+            tied_tensors += len(model.shared_shapes)
         out.append(LocalModel(params=local, root_params=root, tensors=tensors, layers=layers,
                               embed=first, head=last, stages=tuple(ids), num_stages=chunks,
                               clip_axes=clip_axes(plan),
@@ -205,6 +193,40 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
                               trained_layers=trained_layers, reached_layers=reached_layers,
                               regathered_layers=regathered_layers, tp_blocks=own))
     return out
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What the parameters every pipeline stage holds (``ModelStats.shared_shapes``: the root
+    module's, a ``logit_scale``) add to one rank beyond its blocks, embeddings and head:
+    elements held and their trainable ones (FSDP2's padded size under ZeRO-2/3; whole on every
+    tp rank), parameter tensors held and gradient tensors in its clip norm, and the elements
+    of their gradients it sums over the stages (its dp_shard piece)."""
+
+    held: float = 0.0
+    trained: float = 0.0
+    tensors: int = 0
+    clip: int = 0
+    summed: float = 0.0
+
+
+def shared_share(plan: Plan, model: ModelStats, *, first: bool, last: bool) -> Shared:
+    """:class:`Shared` for a pipeline rank holding the first stage (``first``) and/or the last
+    (``last``). The last stage counts them among the rest (``head_params``), so a rank without
+    it holds a copy; each copy's gradient is summed over the stages like a tied weight's
+    (``plait.parallel.pipeline`` ``sync_tied_gradients``), and the clip norm counts it on the
+    first stage alone (the others are marked copies)."""
+    shards = fsdp_shards(plan)
+    trains = tuple(Rows(shape) for shape in model.shared_shapes)
+    frozen = tuple(Rows(shape, None, False) for shape in model.frozen_shared_shapes)
+    summed = float(sum(-(-r.shape[0] // shards) * prod(r.shape[1:]) if r.shape else 1
+                       for r in trains))
+    if last:  # held among the rest; a copy unless the rank holds the first stage too
+        return Shared(clip=0 if first else -len(trains), summed=summed)
+    return Shared(held=float(sum(r.held(1, shards) for r in trains + frozen)),
+                  trained=float(sum(r.held(1, shards) for r in trains)),
+                  tensors=len(trains) + len(frozen), clip=len(trains) if first else 0,
+                  summed=summed)
 
 
 def trained_share(plan: Plan, model: ModelStats, rows: ParamRows, blocks: Sequence[int],
