@@ -26,8 +26,9 @@ that trains one under a plan with the ledger on (module-level so spawned ranks i
   reaches those blocks;
 * blocks that differ in what trains: ``hf_llama_mid_norms`` (the second layer's norms frozen)
   and ``hf_llama_frozen_attention`` (the backward pass enters the second layer's MLP, never
-  its attention); ``ScaledLM``: a parameter of the root module, which every pipeline stage
-  holds.
+  its attention); ``GainLeadLM``: a trainable gain on a frozen embedding's output, so the
+  backward pass reaches the frozen blocks after it; ``ScaledLM``: a parameter of the root
+  module, which every pipeline stage holds.
 """
 
 from __future__ import annotations
@@ -264,6 +265,26 @@ def hf_llama_frozen_attention() -> nn.Module:
     return model
 
 
+class GainLeadLM(StackLM):
+    """Attention + MLP blocks (2 kv heads of 4), the embedding and the first two blocks frozen,
+    and a trainable gain on the embedding's output: the first block's input needs a gradient
+    although no embedding trains, so the backward pass reaches every block."""
+
+    def __init__(self) -> None:
+        super().__init__(partial(AttentionBlock, n_kv_heads=2, mlp=True))
+        self.embed.requires_grad_(False)
+        for block in self.blocks[:2]:
+            block.requires_grad_(False)
+        self.gain = nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        h = self.embed(tokens) * self.gain
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
 class ScaledLM(StackLM):
     """MLP blocks and a parameter on the root module, a gain on the final norm's output:
     every pipeline stage keeps it, and its gradient is summed over the stages like a tied
@@ -400,6 +421,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "frozen_tied": partial(seeded, FrozenTiedLM), "frozen_lead": partial(seeded, FrozenLeadLM),
     "llama_frozen": hf_llama_frozen, "llama_mid_norms": hf_llama_mid_norms,
     "llama_frozen_attention": hf_llama_frozen_attention, "scaled": partial(seeded, ScaledLM),
+    "gain_lead": partial(seeded, GainLeadLM),
     **{f"hf_{name}": partial(hf_from_config, name) for name in HF_CONFIGS},
     **{f"preset_{name}": partial(preset_model, name) for name in PRESET_OVERRIDES}}
 

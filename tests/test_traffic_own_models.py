@@ -56,9 +56,11 @@ def _same(name: str, plan: str, comm: dict, global_batch: int) -> None:
 # last of them (the next block's pre-backward hook prefetches it), not the others.
 # Blocks that differ in what trains, each priced as itself: frozen norms in a middle layer
 # (no norm gradient summed there under SP), a frozen attention behind frozen layers (the
-# backward pass enters the MLP only). A parameter of the root module beside a pipeline: every
-# stage holds it and sums its gradient (its dp_shard piece under ZeRO-2) over pp.
-CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2", "llama_frozen_attention"]),
+# backward pass enters the MLP only), a trainable gain on a frozen embedding's output (every
+# block reached, the stack's input gradient gathered under SP). A parameter of the root
+# module beside a pipeline: every stage holds it and sums its gradient (its dp_shard piece
+# under ZeRO-2) over pp.
+CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2", "llama_frozen_attention", "gain_lead"]),
          # context parallelism: each block's K and V (2 kv heads of 4 query heads: half of
          # q's width) all-gathered over cp in forward, their gradients reduce-scattered in
          # backward; DDP over cp (at dp=1, the cp group) reduces the gradients
@@ -82,7 +84,8 @@ SLOW_CASES = [
     # FSDP2's root unit: norms whole; FSDP2 pads the largest tp-local piece (GPT-2 with 51
     # tokens: 26 vocabulary rows on the first tp rank, 25 on the second)
     ("dp_shard=2,zero=3,tp=2", ["mlp", "lora", "gpt2", "gpt2_51", "frozen_lead",
-                                "frozen_stage", "llama_frozen", "llama_frozen_attention"]),
+                                "frozen_stage", "llama_frozen", "llama_frozen_attention",
+                                "gain_lead"]),
     ("pp=2,pp_schedule=zbv,virtual_stages=2,microbatches=2", ["mlp", "llama"]),
     # bf16: autocast over fp32 parameters; FSDP2's bf16 parameters (dp over tp, ZeRO-3 x tp)
     ("tp=2,sp=1,mixed_precision=bf16,grad_accum=2", ["mlp", "lora", "gpt2", "llama",
@@ -616,9 +619,23 @@ def test_zero_memory_holds_fsdp2s_padded_shard():
 
 
 
+def _grad_flow_into(model: torch.nn.Module, block: torch.nn.Module) -> bool:
+    """Whether ``block``'s input requires grad in one real forward of ``model``."""
+    seen: list[bool] = []
+
+    def hook(_m: torch.nn.Module, args: tuple) -> None:
+        seen.append(args[0].requires_grad)
+
+    handle = block.register_forward_pre_hook(hook)
+    model(torch.zeros((1, T.SEQ), dtype=torch.long))
+    handle.remove()
+    return seen[0]
+
+
 def test_backward_reaches_the_blocks_after_the_first_that_trains():
     """The blocks a gradient flows through, counted off each model by hand: from the first
-    block that trains on, or all of them where the embedding trains; under ZeRO-3 FSDP2
+    block that trains on, or all of them where something before the first block trains (the
+    embedding, a gain on its output); under ZeRO-3 FSDP2
     gathers again each block whose own pre-backward hook or the next unit's fires (the root's
     always), so of k leading frozen blocks k - 1 are gathered in forward alone."""
     from plait.comm.predict import LocalModel, dp_traffic
@@ -629,14 +646,18 @@ def test_backward_reaches_the_blocks_after_the_first_that_trains():
     assert reached(True, [False, False]) == (True, True)
     assert regathered((False, False, False, True)) == (False, False, True, True)
     for name, frozen in (("frozen_lead", 3), ("frozen_stage", 2), ("llama_frozen", 2),
-                         ("lora_block", 1), ("mlp", 0), ("lora", 0)):
+                         ("lora_block", 1), ("mlp", 0), ("lora", 0), ("gain_lead", 0)):
         with torch.device("meta"):
             model = T.MODELS[name]()
         stats = load_model(model)
         stack = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
         n = len(stack)
-        by_hand = sum(not any(p.requires_grad for b in list(stack)[:i + 1]
-                              for p in b.parameters()) for i in range(n))
+        # whether the first block's input needs a gradient: one real forward shows it
+        real = T.MODELS[name]()
+        first = next(m for m in real.modules() if isinstance(m, torch.nn.ModuleList))[0]
+        into = _grad_flow_into(real, first)
+        by_hand = 0 if into else sum(not any(p.requires_grad for b in list(stack)[:i + 1]
+                                               for p in b.parameters()) for i in range(n))
         assert by_hand == frozen, name
         assert stats.rows.reached == (False,) * frozen + (True,) * (n - frozen), name
         plan = Plan.from_string("dp_shard=2,zero=3")

@@ -509,7 +509,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
         for attr in ("num_key_value_heads", "n_kv_heads", "num_kv_heads"):
             if isinstance(getattr(m, attr, None), int):
                 kv_heads = getattr(m, attr)
-    from .tp_block import held_parts, plan_of, tp_block, tp_blocks
+    from .tp_block import grad_flow, held_parts, plan_of, tp_block
 
     found = plan_of(model)  # the layer plan plait lays the blocks out with
     # the tensor-parallel collectives of a block that trains (its parameter gradients'): a
@@ -561,6 +561,11 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     shared = [every[n] for n in held_on_path(model, stack_name) if n in every]
     block_tp = tp_block(model, tp_path, found, (_path(model, blocks[0]),
                                                 _path(model, blocks[-1])), device_type)
+    # where gradients flow, where some parameter is frozen: into the stack, through each block
+    flow = grad_flow(model, [_path(model, b) for b in blocks], found, block_tp, device_type)
+    rows = param_rows(model, blocks, found)
+    if flow.input_grad is not None:
+        rows = dataclasses.replace(rows, stack_input_grad=flow.input_grad)
     max_seq, max_seq_from = _max_seq(model), ""
     if max_seq is None:
         max_seq, max_seq_from = _position_rows(model)
@@ -573,9 +578,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                       block_tensors=tensors, embed_tensors=embed_tensors,
                       head_tensors=max(outside - embed_tensors, 0), max_seq=max_seq,
                       max_seq_from=max_seq_from,
-                      tp_block=block_tp, tp_blocks=tp_blocks(
-                          model, [_path(model, b) for b in blocks], found, block_tp,
-                          device_type),
+                      tp_block=flow.block, tp_blocks=flow.blocks,
                       tied_params=tied_params,
                       tied_shapes=tuple(tuple(p.shape) for p in tied),
                       frozen_tied_shapes=tuple(tuple(p.shape) for p in both
@@ -584,7 +587,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                       frozen_shared_shapes=tuple(tuple(p.shape) for p in shared
                                                  if not p.requires_grad),
                       held=held_parts(model, stack_name, found),
-                      rows=param_rows(model, blocks, found), experts=experts,
+                      rows=rows, experts=experts,
                       block_active_params=round(sum(active) / len(blocks)) if experts else None,
                       head_dim=head_dim if isinstance(head_dim, int) else None,
                       attention_keys=_attention_keys(model, device_type)

@@ -241,42 +241,67 @@ def _collectives(model: nn.Module, block: str, style_of: Any, summed_unnamed: bo
     return forward, backward, fwd_at, bwd_at, gathers, norms, summed
 
 
-def tp_blocks(model: nn.Module, blocks: list[str], found: tuple[Any, bool] | None,
-              ref: TPBlock | None, device_type: str = "cpu") -> tuple[TPBlock, ...] | None:
-    """Each block's own collectives where the blocks at ``blocks`` (module paths, in forward
-    order) differ in what trains, else None (``ref``, the block :func:`tp_block` read, stands
-    for all). A block issues the gradient collectives of its own trainable parameters (a
-    frozen norm's gradient is never summed over tp), and its backward collectives only where
-    the tensor they act on needs a gradient (:func:`plait.planner.tp_trace.needs_grad`): a
-    block behind frozen ones whose attention is frozen receives gradients in its MLP only.
-    Where that forward pass cannot run, a block is reached whole or not at all
-    (:func:`plait.comm.reach.reached`). Each is ``ref`` with those parts replaced, sharing
-    its traced dtypes (the blocks are alike)."""
+@dataclass(frozen=True)
+class Flow:
+    """Where gradients flow through a stack whose model has frozen parameters
+    (:func:`grad_flow`): ``input_grad``, whether the first block's input needs one (None: not
+    read); ``block``: the block :func:`tp_block` read with that ``input_grad``; ``blocks``:
+    each block's own collectives where the blocks differ in what trains (None: ``block``
+    stands for all)."""
+
+    input_grad: bool | None
+    block: TPBlock | None
+    blocks: tuple[TPBlock, ...] | None = None
+
+
+def grad_flow(model: nn.Module, blocks: list[str], found: tuple[Any, bool] | None,
+              ref: TPBlock | None, device_type: str = "cpu") -> Flow:
+    """Where gradients flow through the stack of blocks at ``blocks`` (module paths, in
+    forward order), read off one forward pass on fake tensors with the parameters' own
+    ``requires_grad`` (:func:`plait.planner.tp_trace.needs_grad`), run only where some
+    parameter of the model is frozen.
+
+    The first block's input needs a gradient where anything before it trains: an embedding,
+    or a gain the model's own forward applies to it. A block issues the gradient collectives
+    of its own trainable parameters (a frozen norm's gradient is never summed over tp), and
+    its backward collectives only where the tensor they act on needs a gradient: a block
+    behind frozen ones whose attention is frozen receives gradients in its MLP only. Where the
+    pass cannot run, the first block's input needs a gradient where an embedding trains, and
+    a block is reached whole or not at all (:func:`plait.comm.reach.reached`). Each block is
+    ``ref`` (:func:`tp_block`'s) with those parts replaced, sharing its traced dtypes (the
+    blocks are alike)."""
     from plait.comm.reach import reached
     from plait.parallel.tp_plans import glob_regex
 
     from .tp_trace import needs_grad
 
-    if found is None or ref is None:
-        return None
-    if all(p.requires_grad for b in blocks for p in model.get_submodule(b).parameters()):
-        return None  # every block trains whole: ``ref`` is each one's
-    plan, ships = found
-    summed_unnamed = plan.sp_summed if ships else True
-    patterns = [(glob_regex(g), style) for g, style in plan.styles.items()]
+    if all(p.requires_grad for p in model.parameters()):
+        return Flow(None, ref)
+    parts: list[_Parts | None] = []
+    if found is not None and ref is not None:
+        plan, ships = found
+        summed_unnamed = plan.sp_summed if ships else True
+        patterns = [(glob_regex(g), style) for g, style in plan.styles.items()]
 
-    def style_of(name: str) -> str | None:
-        return next((style for regex, style in patterns if regex.match(name)), None)
+        def style_of(name: str) -> str | None:
+            return next((style for regex, style in patterns if regex.match(name)), None)
 
-    parts = [_collectives(model, b, style_of, summed_unnamed) for b in blocks]
-    if any(p is None or len(p[0]) != len(ref.forward) or len(p[1]) != len(ref.backward)
-           for p in parts):
-        return None  # blocks of different makes: priced alike, as the first that trains
-    got = needs_grad(model, [n for p in parts if p for n in p[3]],
+        parts = [_collectives(model, b, style_of, summed_unnamed) for b in blocks]
+        if any(p is None or len(p[0]) != len(ref.forward) or len(p[1]) != len(ref.backward)
+               for p in parts):
+            parts = []  # blocks of different makes: priced alike, as the first that trains
+    got = needs_grad(model, [blocks[0]] + [n for p in parts if p for n in p[3]],
                      [n for p in parts if p for n in p[2]], device_type=device_type)
+    input_grad = got[0][blocks[0]] if got is not None else None
+    if ref is None:
+        return Flow(input_grad, None)
+    block = ref if input_grad is None else dataclasses.replace(ref, input_grad=input_grad)
     trains = [any(p.requires_grad for p in model.get_submodule(b).parameters())
               for b in blocks]
-    whole = reached(ref.input_grad, trains)
+    if not parts or all(p.requires_grad for b in blocks
+                        for p in model.get_submodule(b).parameters()):
+        return Flow(input_grad, block)  # every block trains whole: ``block`` is each one's
+    whole = reached(block.input_grad, trains)
     out = []
     for part, train, reach in zip(parts, trains, whole, strict=True):
         assert part is not None  # refused above
@@ -287,10 +312,10 @@ def tp_blocks(model: nn.Module, blocks: list[str], found: tuple[Any, bool] | Non
             fwd_grad = tuple(got[1][n] for n in fwd_at)
             bwd_grad = tuple(got[0][n] for n in bwd_at)
         out.append(dataclasses.replace(
-            ref, sp_norms=tuple(norms), summed=tuple(summed), bias_gathers=tuple(gathers),
+            block, sp_norms=tuple(norms), summed=tuple(summed), bias_gathers=tuple(gathers),
             fwd_grad=fwd_grad, bwd_grad=bwd_grad, trains=train,
-            traced=lambda: ref.trace))
-    return tuple(out)
+            traced=lambda: block.trace))
+    return Flow(input_grad, block, tuple(out))
 
 
 def _in_out(module: Any) -> tuple[int, int] | None:
