@@ -57,7 +57,8 @@ def _same(name: str, plan: str, comm: dict, global_batch: int) -> None:
 # Blocks that differ in what trains, each priced as itself: frozen norms in a middle layer
 # (no norm gradient summed there under SP), a frozen attention behind frozen layers (the
 # backward pass enters the MLP only), a trainable gain on a frozen embedding's output (every
-# block reached, the stack's input gradient gathered under SP). A parameter of the root
+# block reached, the stack's input gradient gathered under SP, every block gathered again for
+# backward under ZeRO-3). A parameter of the root
 # module beside a pipeline: every stage holds it and sums its gradient (its dp_shard piece
 # under ZeRO-2) over pp.
 CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2", "llama_frozen_attention", "gain_lead"]),
@@ -65,7 +66,7 @@ CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2", "llama_frozen_attention", "gain_l
          # q's width) all-gathered over cp in forward, their gradients reduce-scattered in
          # backward; DDP over cp (at dp=1, the cp group) reduces the gradients
          ("cp=2", ["gqa"]),
-         ("dp_shard=2,zero=3", ["frozen_lead"]), ("tp=2", ["frozen_lead"]),
+         ("dp_shard=2,zero=3", ["frozen_lead", "gain_lead"]), ("tp=2", ["frozen_lead"]),
          ("tp=2,mixed_precision=bf16,activation_checkpointing=full", ["lora"]),
          ("dp_shard=2,zero=2,pp=2,microbatches=2", ["odd", "gpt2_51", "lora_block",
                                                     "frozen_stage", "scaled"])]

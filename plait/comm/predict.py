@@ -960,7 +960,8 @@ def planner_stats(model: Any, device_type: str = "cpu", plan: Any = None) -> Any
 
 def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ...] | None,
                         optimizer_params: list[Any] | None = None, stats: Any = None,
-                        pp_rank: int = 0, tokens: bool = True
+                        pp_rank: int = 0, tokens: bool = True,
+                        input_grad: bool | None = None
                         ) -> dict[tuple[str, str], float] | None:
     """Predicted payload bytes per (axis, op) per step, or None where plait has no closed form.
 
@@ -972,7 +973,9 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     traffic for pipeline rank ``pp_rank`` of the model ``stats`` describes
     (``planner_stats``, taken before layout; ``plait.planner.cost.rank_traffic``), whose
     blocks it prices from the layer plan plait lays them out with (``tokens``: the first input
-    was integer token ids; :func:`why_no_expected` says where it cannot). The ledger's report
+    was integer token ids; :func:`why_no_expected` says where it cannot); ``input_grad``:
+    whether the first block's input needs a gradient (``plait.comm.held.stack_input_grad``,
+    taken before layout; None: where an embedding trains). The ledger's report
     compares each row's busiest rank, and ranks hold different parts of the model (pipeline
     stages), so each rank predicts its own traffic and the per-(axis, op) maximum over ranks is
     returned: a collective when a process group is up (call it on every rank, as
@@ -1015,7 +1018,8 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     elif cfg is None and models and plan.tp == 1 and plan.pp == 1:
         from .held import held_model, held_traffic
 
-        mine = by_axis_op(held_traffic(plan, held_model(models[-1], optimizer_params)))
+        mine = by_axis_op(held_traffic(plan, held_model(models[-1], optimizer_params,
+                                                        input_grad)))
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return mine
     everyone: list[Any] = [None] * dist.get_world_size()
