@@ -273,7 +273,7 @@ class LocalModel:
     ``regathered_layers`` are gathered again for backward under ZeRO-3 (``plait.comm.reach``);
     None: all of them. ``tp_blocks``: each of this rank's blocks' own tensor-parallel
     collectives where the blocks differ in what trains and what the backward pass reaches
-    (``plait.planner.tp_block.tp_blocks``); None: the counts above say it.
+    (``plait.planner.tp_block.grad_flow``); None: the counts above say it.
     """
 
     params: float
@@ -712,7 +712,8 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
     gradients are all-reduced in each backward, one call each. ``backward``: whether the
     backward pass reaches the block (False: a leading frozen block, :mod:`plait.comm.reach`:
     its forward collectives alone, SP's all-gather of each region's input and reduce-scatter
-    of each row-parallel output)."""
+    of each row-parallel output). Of a block the backward pass enters in part, only the
+    counterparts ``block.fwd_grad`` / ``block.bwd_grad`` name are issued in backward."""
     if tp == 1:
         return []
     block = block or TPBlock.reference(h)
