@@ -101,6 +101,10 @@ class Run:
     # The planner's view of the model given to parallelize (plait.planner.model_stats), taken
     # before layout when the ledger is on under tp or pp: its expected column for that model.
     _stats: Any = None
+    # Whether the first block's input needs a gradient (plait.comm.held.stack_input_grad),
+    # read before layout when the ledger is on under ZeRO-3 alone: which blocks FSDP2 gathers
+    # again for backward. None: not read.
+    _input_grad: bool | None = None
     _tokens: bool = True  # whether the first input held integer token ids
     # Rank 0's bar / plain lines and TensorBoard scalars (plait.progress.Progress), made at
     # the first step unless init() made it; ``plot``: a PNG of loss and per-rank step time
@@ -246,6 +250,10 @@ class Run:
             from .comm.predict import planner_stats
 
             self._stats = planner_stats(model, self.device.type, self.plan)
+        elif self.ledger is not None and self.plan.zero == 3:
+            from .comm.held import stack_input_grad
+
+            self._input_grad = stack_input_grad(model, self.device.type)
         out = _parallelize(model, self._mesh(), self.plan, device=self.device)
         self._models.append(out)
         self._resume_weights(out)
@@ -953,7 +961,8 @@ class Run:
         pp_rank = self._mesh()["pp"].get_local_rank() if self.plan.pp > 1 else 0
         return expected_for_models(self._models, self.plan, self._batch_shape,
                                    optimizer_params=zero1 or None, stats=self._stats,
-                                   pp_rank=pp_rank, tokens=self._tokens)
+                                   pp_rank=pp_rank, tokens=self._tokens,
+                                   input_grad=self._input_grad)
 
     def finish(self, print_summary: bool = True) -> dict[str, Any]:
         """Print the summary on rank 0, free the models and leave the process group; with

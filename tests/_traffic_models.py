@@ -23,7 +23,12 @@ that trains one under a plan with the ledger on (module-level so spawned ranks i
 * leading frozen blocks without a pipeline: ``FrozenLeadLM`` (the embedding and the first
   three of four attention + MLP blocks frozen), ``FrozenStageLM`` and ``hf_llama_frozen``
   (tiny Llama, its token embedding and first two layers frozen): the backward pass never
-  reaches those blocks.
+  reaches those blocks;
+* blocks that differ in what trains: ``hf_llama_mid_norms`` (the second layer's norms frozen)
+  and ``hf_llama_frozen_attention`` (the backward pass enters the second layer's MLP, never
+  its attention); ``GainLeadLM``: a trainable gain on a frozen embedding's output, so the
+  backward pass reaches the frozen blocks after it; ``ScaledLM``: a parameter of the root
+  module, which every pipeline stage holds.
 """
 
 from __future__ import annotations
@@ -236,6 +241,67 @@ def hf_llama_frozen() -> nn.Module:
     return model
 
 
+def hf_llama_mid_norms() -> nn.Module:
+    """``hf_llama`` with both RMSNorms of its second decoder layer frozen (everything else
+    trains): under SP each layer sums its own trainable norms' gradients over tp, two in the
+    others, none in that one."""
+    model = hf_llama()
+    layer = model.hf.model.layers[1]
+    layer.input_layernorm.requires_grad_(False)
+    layer.post_attention_layernorm.requires_grad_(False)
+    return model
+
+
+def hf_llama_frozen_attention() -> nn.Module:
+    """``hf_llama`` with its token embedding and first decoder layer frozen, and in the second
+    layer the attention and the norm before it: the backward pass enters that layer's MLP but
+    never its attention, whose input (a frozen norm of a frozen stream) needs no gradient."""
+    model = hf_llama()
+    inner = model.hf.model
+    inner.embed_tokens.requires_grad_(False)
+    inner.layers[0].requires_grad_(False)
+    inner.layers[1].input_layernorm.requires_grad_(False)
+    inner.layers[1].self_attn.requires_grad_(False)
+    return model
+
+
+class GainLeadLM(StackLM):
+    """Attention + MLP blocks (2 kv heads of 4), the embedding and the first two blocks frozen,
+    and a trainable gain on the embedding's output: the first block's input needs a gradient
+    although no embedding trains, so the backward pass reaches every block."""
+
+    def __init__(self) -> None:
+        super().__init__(partial(AttentionBlock, n_kv_heads=2, mlp=True))
+        self.embed.requires_grad_(False)
+        for block in self.blocks[:2]:
+            block.requires_grad_(False)
+        self.gain = nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        h = self.embed(tokens) * self.gain
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+class ScaledLM(StackLM):
+    """MLP blocks and a parameter on the root module, a gain on the final norm's output:
+    every pipeline stage keeps it, and its gradient is summed over the stages like a tied
+    weight's."""
+
+    def __init__(self) -> None:
+        super().__init__(MLPBlock)
+        self.scale = nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h) * self.scale)
+
+
 def hf_gpt2() -> nn.Module:
     """Tiny GPT-2 (tied wte / lm_head, Conv1D linears with biases), built locally."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -353,7 +419,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "llama": hf_llama, "odd": partial(seeded, OddLM), "gpt2_51": hf_gpt2_51,
     "lora_block": any_model.lora_lm, "frozen_stage": partial(seeded, FrozenStageLM),
     "frozen_tied": partial(seeded, FrozenTiedLM), "frozen_lead": partial(seeded, FrozenLeadLM),
-    "llama_frozen": hf_llama_frozen,
+    "llama_frozen": hf_llama_frozen, "llama_mid_norms": hf_llama_mid_norms,
+    "llama_frozen_attention": hf_llama_frozen_attention, "scaled": partial(seeded, ScaledLM),
+    "gain_lead": partial(seeded, GainLeadLM),
     **{f"hf_{name}": partial(hf_from_config, name) for name in HF_CONFIGS},
     **{f"preset_{name}": partial(preset_model, name) for name in PRESET_OVERRIDES}}
 

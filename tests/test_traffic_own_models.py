@@ -11,6 +11,7 @@ the same prediction, taken on the model ``run.parallelize`` was given."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -53,37 +54,49 @@ def _same(name: str, plan: str, comm: dict, global_batch: int) -> None:
 # Leading frozen blocks after a frozen embedding: the backward pass never reaches them, so
 # they issue no backward collective over tp, and under ZeRO-3 FSDP2 gathers again only the
 # last of them (the next block's pre-backward hook prefetches it), not the others.
-CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2"]),
+# Blocks that differ in what trains, each priced as itself: frozen norms in a middle layer
+# (no norm gradient summed there under SP), a frozen attention behind frozen layers (the
+# backward pass enters the MLP only), a trainable gain on a frozen embedding's output (every
+# block reached, the stack's input gradient gathered under SP, every block gathered again for
+# backward under ZeRO-3). A parameter of the root
+# module beside a pipeline: every stage holds it and sums its gradient (its dp_shard piece
+# under ZeRO-2) over pp.
+CASES = [("tp=2,sp=1", ["mlp", "lora", "gpt2", "llama_frozen_attention", "gain_lead"]),
          # context parallelism: each block's K and V (2 kv heads of 4 query heads: half of
          # q's width) all-gathered over cp in forward, their gradients reduce-scattered in
          # backward; DDP over cp (at dp=1, the cp group) reduces the gradients
          ("cp=2", ["gqa"]),
-         ("dp_shard=2,zero=3", ["frozen_lead"]), ("tp=2", ["frozen_lead"]),
+         ("dp_shard=2,zero=3", ["frozen_lead", "gain_lead"]), ("tp=2", ["frozen_lead"]),
          ("tp=2,mixed_precision=bf16,activation_checkpointing=full", ["lora"]),
          ("dp_shard=2,zero=2,pp=2,microbatches=2", ["odd", "gpt2_51", "lora_block",
-                                                    "frozen_stage"])]
+                                                    "frozen_stage", "scaled"])]
 SLOW_CASES = [
     ("tp=2", ["mlp", "attention", "gqa", "mqa", "tied", "lora", "gpt2", "llama",
-              "frozen_stage", "llama_frozen"]),
+              "frozen_stage", "llama_frozen", "llama_mid_norms", "llama_frozen_attention"]),
     ("tp=2,sp=1", ["attention", "gqa", "mqa", "tied", "llama", "frozen_lead", "frozen_stage",
-                   "llama_frozen"]),
-    ("pp=2,microbatches=2", ["mlp", "tied", "gpt2", "llama"]),
-    ("pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,microbatches=2", ["tied", "lora"]),
+                   "llama_frozen", "llama_mid_norms"]),
+    ("pp=2,microbatches=2", ["mlp", "tied", "gpt2", "llama", "scaled"]),
+    ("pp=2,pp_schedule=interleaved_1f1b,virtual_stages=2,microbatches=2", ["tied", "lora",
+                                                                            "scaled"]),
     # GPT-2 with 51 tokens: each rank reduces its own vocabulary rows, 26 on the first tp rank
     ("dp=2,tp=2", ["mlp", "attention", "lora", "gpt2", "llama", "gpt2_51"]),
-    ("pp=2,tp=2,microbatches=2", ["mlp", "tied", "lora", "gpt2", "mqa", "frozen_lead"]),
+    ("pp=2,tp=2,microbatches=2", ["mlp", "tied", "lora", "gpt2", "mqa", "frozen_lead",
+                                  "scaled"]),
     # FSDP2's root unit: norms whole; FSDP2 pads the largest tp-local piece (GPT-2 with 51
     # tokens: 26 vocabulary rows on the first tp rank, 25 on the second)
     ("dp_shard=2,zero=3,tp=2", ["mlp", "lora", "gpt2", "gpt2_51", "frozen_lead",
-                                "frozen_stage", "llama_frozen"]),
+                                "frozen_stage", "llama_frozen", "llama_frozen_attention",
+                                "gain_lead"]),
     ("pp=2,pp_schedule=zbv,virtual_stages=2,microbatches=2", ["mlp", "llama"]),
     # bf16: autocast over fp32 parameters; FSDP2's bf16 parameters (dp over tp, ZeRO-3 x tp)
-    ("tp=2,sp=1,mixed_precision=bf16,grad_accum=2", ["mlp", "lora", "gpt2", "llama"]),
+    ("tp=2,sp=1,mixed_precision=bf16,grad_accum=2", ["mlp", "lora", "gpt2", "llama",
+                                                     "llama_frozen_attention"]),
     ("dp=2,tp=2,mixed_precision=bf16", ["mlp", "mqa", "tied", "gpt2"]),
     ("dp_shard=2,zero=3,tp=2,mixed_precision=bf16", ["lora", "llama"]),
     ("pp=2,tp=2,microbatches=2,mixed_precision=bf16", ["tied", "lora", "gpt2"]),
     # checkpointing: GPT-2's dropout after a row-parallel projection replays its all-reduce
-    ("tp=2,activation_checkpointing=full", ["mlp", "gpt2", "llama", "frozen_lead"]),
+    ("tp=2,activation_checkpointing=full", ["mlp", "gpt2", "llama", "frozen_lead",
+                                            "llama_frozen_attention"]),
     ("tp=2,sp=1,mixed_precision=bf16,activation_checkpointing=full", ["lora", "gpt2"]),
     ("dp=2,tp=2,activation_checkpointing=selective", ["lora", "gpt2"]),
     ("pp=2,microbatches=2,mixed_precision=bf16,activation_checkpointing=full",
@@ -98,7 +111,7 @@ SLOW_CASES = [
     ("dp_shard=2,zero=2,pp=2,microbatches=2", ["mlp", "tied", "gpt2", "lora", "frozen_tied"]),
     ("dp_shard=2,zero=3,pp=2,microbatches=2", ["tied", "gpt2", "llama", "odd", "gpt2_51",
                                                "lora", "lora_block", "frozen_stage",
-                                               "frozen_tied"]),
+                                               "frozen_tied", "scaled"]),
     # sizes FSDP2 pads (dim 0 rounded up to a multiple of dp_shard) without a pipeline, and
     # ZeRO-1, whose broadcasts move the parameters unpadded
     ("dp_shard=2,zero=1", ["odd", "gpt2_51"]),
@@ -298,6 +311,105 @@ def test_block_collectives_follow_the_layer_plan():
                for t in tp_block_traffic(2, 8, 16, 2, "fp32", False,
                                          block=_stats("mlp").tp_block)}
     assert traffic == {"all_reduce": (2 * 2 * 8 * 16 * 4, 2)}
+
+
+def _grad_flow_by_hand(model: torch.nn.Module, regions: list[str], rows: list[str]
+                       ) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """One real forward (CPU, the model's own tensors): whether each region's input and each
+    row-parallel layer's output requires grad, as autograd will see them."""
+    seen: dict[str, bool] = {}
+
+    def into(name: str) -> Any:
+        def hook(_m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            seen.setdefault(name, any(t.requires_grad for t in tensors))
+        return hook
+
+    def out_of(name: str) -> Any:
+        def hook(_m: torch.nn.Module, _args: tuple, out: torch.Tensor) -> None:
+            seen.setdefault(name, out.requires_grad)
+        return hook
+
+    hooks = [model.get_submodule(n).register_forward_pre_hook(into(n), with_kwargs=True)
+             for n in regions]
+    hooks += [model.get_submodule(n).register_forward_hook(out_of(n)) for n in rows]
+    model(torch.zeros((1, T.SEQ), dtype=torch.long))
+    for h in hooks:
+        h.remove()
+    return tuple(seen[n] for n in regions), tuple(seen[n] for n in rows)
+
+
+def test_each_block_prices_its_own_gradients():
+    """Blocks that differ in what trains, each priced as itself rather than as the first block
+    that trains: a layer whose two RMSNorms are frozen sums no norm gradient over tp under SP
+    (the others two each); in a layer whose attention and the norm before it are frozen,
+    behind a frozen embedding and a frozen first layer, the backward pass enters the MLP only
+    (no gradient of attention's input reduced, none of its output gathered). What a block
+    issues is checked against the model's own parameters and a real forward's
+    ``requires_grad``; the ledger measures the same (``test_planner_prices_what_the_ledger
+    _measures``)."""
+    from plait.comm.predict import tp_rank_traffic
+    from plait.planner.traffic import rank_shares
+
+    plan = Plan.from_string("tp=2,sp=1")
+    for name in ("llama_mid_norms", "llama_frozen_attention"):
+        model = T.MODELS[name]()
+        layers = model.hf.model.layers
+        stats = _stats(name)
+        assert stats.tp_blocks is not None and len(stats.tp_blocks) == len(layers)
+        paths = [f"hf.model.layers.{i}" for i in range(len(layers))]
+        calls = 0
+        for path, layer, block in zip(paths, layers, stats.tp_blocks, strict=True):
+            norms = tuple(p.numel() for m in (layer.input_layernorm,
+                                              layer.post_attention_layernorm)
+                          for p in m.parameters() if p.requires_grad)
+            assert block.sp_norms == norms, (name, path)
+            calls += len(norms)
+            into, out = _grad_flow_by_hand(model, [f"{path}.self_attn", f"{path}.mlp"],
+                                           [f"{path}.self_attn.o_proj", f"{path}.mlp.down_proj"])
+            assert (block.bwd_grad, block.fwd_grad) == (into, out), (name, path)
+        (share,) = rank_shares(plan, stats, [len(layers)], [range(1)])
+        traffic = tp_rank_traffic(plan, share, 1, T.SEQ, T.WIDTH, block=stats.tp_block)
+        norm_calls = sum(t.calls for t in traffic if t.what == "norm weight grads")
+        assert norm_calls == calls, name
+    # the frozen attention: one region's input and one row-parallel output without a gradient
+    flow = _stats("llama_frozen_attention").tp_blocks
+    assert flow is not None and (flow[1].bwd_grad, flow[1].fwd_grad) == ((False, True),) * 2
+    # blocks that all train whole are priced as one
+    assert _stats("llama").tp_blocks is None
+
+
+def test_root_parameter_is_summed_over_the_stages():
+    """A parameter of the root module (``ScaledLM.scale``): every pipeline stage holds it, each
+    sums its gradient with the others' (one flag and one gradient all-reduce over pp, like a
+    tied weight), the ranks without the last stage hold it beside their blocks, and the clip
+    norm counts it once, on the first stage. Under ZeRO-2 each rank sums its dp_shard piece."""
+    from plait.comm.predict import pp_rank_traffic
+    from plait.planner.traffic import rank_shares
+
+    model = T.MODELS["scaled"]()
+    stats = _stats("scaled")
+    assert stats.shared_shapes == (tuple(model.scale.shape),)
+    width = model.scale.numel()
+    for plan, piece in (("pp=2,microbatches=2", width),
+                        ("dp_shard=2,zero=2,pp=2,microbatches=2", width // 2)):
+        p = Plan.from_string(plan)
+        first, last = rank_shares(p, stats, [2, 2], [range(0, 1), range(1, 2)])
+        for share in (first, last):
+            assert (share.tied, share.tied_tensors) == (piece, 1), plan
+            sums = {t.what: (t.payload, t.calls) for t in pp_rank_traffic(p, share, 1, T.SEQ,
+                                                                          T.WIDTH)}
+            assert sums["tied weight grads"] == (piece * 4, 1), plan
+            assert sums["tied weight used flags"] == (4, 1), plan
+        # held on both ranks: the first holds its embedding, blocks and the scale
+        own = sum(p.numel() for p in (*model.embed.parameters(),
+                                      *(q for b in model.blocks[:2] for q in b.parameters()),
+                                      model.scale))
+        if p.zero < 2:
+            assert first.params == own and first.grads == own
+            assert first.clip_tensors == len(list(model.embed.parameters())) + 1 + sum(
+                len(list(b.parameters())) for b in model.blocks[:2])
+            assert last.clip_tensors == last.tensors - 1
 
 
 def test_tied_weight_and_frozen_parameters():
@@ -508,9 +620,23 @@ def test_zero_memory_holds_fsdp2s_padded_shard():
 
 
 
+def _grad_flow_into(model: torch.nn.Module, block: torch.nn.Module) -> bool:
+    """Whether ``block``'s input requires grad in one real forward of ``model``."""
+    seen: list[bool] = []
+
+    def hook(_m: torch.nn.Module, args: tuple) -> None:
+        seen.append(args[0].requires_grad)
+
+    handle = block.register_forward_pre_hook(hook)
+    model(torch.zeros((1, T.SEQ), dtype=torch.long))
+    handle.remove()
+    return seen[0]
+
+
 def test_backward_reaches_the_blocks_after_the_first_that_trains():
     """The blocks a gradient flows through, counted off each model by hand: from the first
-    block that trains on, or all of them where the embedding trains; under ZeRO-3 FSDP2
+    block that trains on, or all of them where something before the first block trains (the
+    embedding, a gain on its output); under ZeRO-3 FSDP2
     gathers again each block whose own pre-backward hook or the next unit's fires (the root's
     always), so of k leading frozen blocks k - 1 are gathered in forward alone."""
     from plait.comm.predict import LocalModel, dp_traffic
@@ -521,14 +647,18 @@ def test_backward_reaches_the_blocks_after_the_first_that_trains():
     assert reached(True, [False, False]) == (True, True)
     assert regathered((False, False, False, True)) == (False, False, True, True)
     for name, frozen in (("frozen_lead", 3), ("frozen_stage", 2), ("llama_frozen", 2),
-                         ("lora_block", 1), ("mlp", 0), ("lora", 0)):
+                         ("lora_block", 1), ("mlp", 0), ("lora", 0), ("gain_lead", 0)):
         with torch.device("meta"):
             model = T.MODELS[name]()
         stats = load_model(model)
         stack = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
         n = len(stack)
-        by_hand = sum(not any(p.requires_grad for b in list(stack)[:i + 1]
-                              for p in b.parameters()) for i in range(n))
+        # whether the first block's input needs a gradient: one real forward shows it
+        real = T.MODELS[name]()
+        first = next(m for m in real.modules() if isinstance(m, torch.nn.ModuleList))[0]
+        into = _grad_flow_into(real, first)
+        by_hand = 0 if into else sum(not any(p.requires_grad for b in list(stack)[:i + 1]
+                                               for p in b.parameters()) for i in range(n))
         assert by_hand == frozen, name
         assert stats.rows.reached == (False,) * frozen + (True,) * (n - frozen), name
         plan = Plan.from_string("dp_shard=2,zero=3")

@@ -110,9 +110,32 @@ def fsdp_padded_numels(model: nn.Module) -> dict[int, int]:
     return out
 
 
-def shard_units(model: nn.Module) -> tuple[ShardUnit, ...]:
+def stack_input_grad(model: nn.Module, device_type: str = "cpu") -> bool | None:
+    """Whether the input of the first block of ``model``'s stack (before layout) needs a
+    gradient, read off a forward pass on fake tensors (``plait.planner.tp_trace.needs_grad``):
+    a trainable gain on a frozen embedding's output makes it so although no embedding trains.
+    None where every parameter trains, the model has no stack of blocks or the pass cannot
+    run (then an embedding that trains says it, :func:`shard_units`)."""
+    from ..parallel.pipeline_split import find_blocks
+    from ..planner.tp_trace import needs_grad
+
+    if all(p.requires_grad for p in model.parameters()):
+        return None
+    try:
+        path, stack = find_blocks(model)
+    except ValueError:
+        return None
+    key = next(name for name, _ in stack.named_children())
+    first = f"{path}.{key}" if path else key
+    got = needs_grad(model, [first], [], device_type=device_type)
+    return None if got is None else got[0][first]
+
+
+def shard_units(model: nn.Module, input_grad: bool | None = None) -> tuple[ShardUnit, ...]:
     """FSDP2's units in ``model``, read off FSDP2's own state (padded shard sizes, dtypes,
-    whether it reshards after forward), one per parameter group."""
+    whether it reshards after forward), one per parameter group. ``input_grad``: whether the
+    first block's input needs a gradient (:func:`stack_input_grad`); None: where an embedding
+    trains."""
     from torch.distributed.fsdp import FSDPModule
 
     from .._torch_compat import fsdp_param_groups
@@ -123,7 +146,9 @@ def shard_units(model: nn.Module) -> tuple[ShardUnit, ...]:
     # gathers again those it reaches or prefetches (plait.comm.reach)
     chain = [g for g in groups if g.post_forward_mesh_info is not None]
     embeds = [p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()]
-    reach = reached(any(p.requires_grad for p in embeds) or not embeds,
+    if input_grad is None:
+        input_grad = any(p.requires_grad for p in embeds) or not embeds
+    reach = reached(input_grad,
                     [any(fp.sharded_param.requires_grad for fp in g.fsdp_params) for g in chain])
     again = {id(g) for g, yes in zip(chain, regathered(reach), strict=True) if yes}
     units = []
@@ -141,11 +166,12 @@ def shard_units(model: nn.Module) -> tuple[ShardUnit, ...]:
     return tuple(units)
 
 
-def held_model(model: nn.Module, optimizer_params: Iterable[torch.Tensor] | None = None
-               ) -> HeldModel:
+def held_model(model: nn.Module, optimizer_params: Iterable[torch.Tensor] | None = None,
+               input_grad: bool | None = None) -> HeldModel:
     """Read a ``HeldModel`` off a model ``plait.parallelize`` returned (DDP-wrapped, FSDP2 or
     plain). ``optimizer_params``: what the optimizer updates (ZeRO-1 broadcasts exactly those);
-    by default the parameters that require grad."""
+    by default the parameters that require grad. ``input_grad``: :func:`stack_input_grad` of
+    the model before layout."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -156,7 +182,7 @@ def held_model(model: nn.Module, optimizer_params: Iterable[torch.Tensor] | None
     updated = list(optimizer_params) if optimizer_params is not None else trainable
     return HeldModel(grad_bytes=_nbytes(trainable), update_bytes=_nbytes(updated),
                      buffer_bytes=buffers, grad_tensors=len({id(p) for p in trainable}),
-                     units=shard_units(model))
+                     units=shard_units(model, input_grad))
 
 
 def held_traffic(plan: Any, held: HeldModel) -> list[Traffic]:

@@ -191,6 +191,12 @@ class TPBlock:
     gradient (a frozen embedding: no all-gather of it under SP); ``vocab_ends``: whether the
     plan splits a vocabulary embedding and a vocabulary head (a model fed feature vectors
     through plain layers has neither: no collectives outside the blocks).
+    ``fwd_grad`` / ``bwd_grad``: per ``forward`` / ``backward`` entry, whether the backward
+    pass issues its collective's counterpart (the row-parallel output's gradient all-gathered
+    under SP; the input's gradient all-reduced, under SP reduce-scattered): the tensor needs a
+    gradient (``plait.planner.tp_trace.needs_grad``); None: every one, as in a block the
+    backward pass enters whole. ``trains``: a parameter of the block trains (replicated k/v
+    weights' gradients are summed).
     """
 
     forward: tuple[int, ...]
@@ -206,6 +212,9 @@ class TPBlock:
     # SP; None: one weight of ``hidden`` (the reference's RMSNorm). Read where the sequence is
     # split from the embedding to the head (not ``sp_in_blocks``).
     end_norms: tuple[int, ...] | None = None
+    fwd_grad: tuple[bool, ...] | None = None
+    bwd_grad: tuple[bool, ...] | None = None
+    trains: bool = True
     # plait.planner.tp_trace.Trace, or a callable that makes it (or None) on first use: the
     # forward pass behind it costs seconds on a 7B model and only a 16-bit dtype or
     # checkpointing under tp read it (:attr:`trace`)
@@ -263,7 +272,9 @@ class LocalModel:
     parameter gradient over tp), ``reached_layers`` are reached by the backward pass (the
     others, leading frozen blocks, issue no backward collective at all) and
     ``regathered_layers`` are gathered again for backward under ZeRO-3 (``plait.comm.reach``);
-    None: all of them.
+    None: all of them. ``tp_blocks``: each of this rank's blocks' own tensor-parallel
+    collectives where the blocks differ in what trains and what the backward pass reaches
+    (``plait.planner.tp_block.grad_flow``); None: the counts above say it.
     """
 
     params: float
@@ -284,6 +295,7 @@ class LocalModel:
     trained_layers: int | None = None
     reached_layers: int | None = None
     regathered_layers: int | None = None
+    tp_blocks: tuple[TPBlock, ...] | None = None
 
     @property
     def grads(self) -> float:
@@ -609,7 +621,19 @@ def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
     cast = casts_params(plan)
     micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
     out: list[Traffic] = []
-    if local.layers:
+    if local.layers and local.tp_blocks is not None:
+        # each block as its own parameters and the gradients reaching it make it
+        kinds: dict[TPBlock, int] = {}
+        for one in local.tp_blocks:
+            kinds[one] = kinds.get(one, 0) + 1
+        for kind, count in kinds.items():
+            live = kind.fwd_grad is None or any(kind.fwd_grad) or any(kind.bwd_grad or ())
+            per_block = tp_block_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp,
+                                         recomputed=local.recomputed / local.layers,
+                                         kv_whole=kv_whole if kind.trains else 0, block=kind,
+                                         cast_params=cast, backward=live)
+            out += _times(per_block, count * micro)
+    elif local.layers:
         # blocks that train; frozen ones the backward pass reaches (no parameter gradient to
         # sum over tp); leading frozen ones it never reaches (forward collectives only)
         trained, reached = local.layers_trained, local.layers_reached
@@ -718,7 +742,8 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
     gradients are all-reduced in each backward, one call each. ``backward``: whether the
     backward pass reaches the block (False: a leading frozen block, :mod:`plait.comm.reach`:
     its forward collectives alone, SP's all-gather of each region's input and reduce-scatter
-    of each row-parallel output)."""
+    of each row-parallel output). Of a block the backward pass enters in part, only the
+    counterparts ``block.fwd_grad`` / ``block.bwd_grad`` name are issued in backward."""
     if tp == 1:
         return []
     block = block or TPBlock.reference(h)
@@ -726,25 +751,27 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
     tokens = float(b) * s
     fwd = [tokens * f * k for f, k in zip(block.forward, e.forward, strict=True)]
     bwd = [tokens * f * k for f, k in zip(block.backward, e.backward, strict=True)]
+    # the backward counterparts the backward pass issues: those whose tensor needs a gradient
+    fwd_back = [x for x, y in zip(fwd, block.fwd_grad or (backward,) * len(fwd), strict=True)
+                if y and backward]
+    bwd_back = [x for x, y in zip(bwd, block.bwd_grad or (backward,) * len(bwd), strict=True)
+                if y and backward]
     # the reference block's parameter gradients: at the activations' size (the planner's
     # estimate); a traced block's: as the trace showed (fp32: 4 bytes either way, no trace)
     half = dtype in HALF
     g = e.grads if half and block.trace is not None else FP32
     out: list[Traffic] = []
-    if not backward:
-        if sp:
-            out += [Traffic("tp", "all_gather", sum(bwd), len(bwd), tp, "activations"),
-                    Traffic("tp", "reduce_scatter", sum(fwd), len(fwd), tp, "activations")]
-        else:
-            out.append(Traffic("tp", "all_reduce", sum(fwd), len(fwd), tp, "activations"))
-        return [t for t in out if t.calls]
     if fwd or bwd:
-        n = len(fwd) + len(bwd)
-        if sp:
-            out += [Traffic("tp", "all_gather", sum(fwd) + sum(bwd), n, tp, "activations"),
-                    Traffic("tp", "reduce_scatter", sum(fwd) + sum(bwd), n, tp, "activations")]
+        if sp:  # forward: each input gathered, each output scattered; backward the reverse
+            out += [Traffic("tp", "all_gather", sum(bwd) + sum(fwd_back),
+                            len(bwd) + len(fwd_back), tp, "activations"),
+                    Traffic("tp", "reduce_scatter", sum(fwd) + sum(bwd_back),
+                            len(fwd) + len(bwd_back), tp, "activations")]
         else:
-            out.append(Traffic("tp", "all_reduce", sum(fwd) + sum(bwd), n, tp, "activations"))
+            out.append(Traffic("tp", "all_reduce", sum(fwd) + sum(bwd_back),
+                               len(fwd) + len(bwd_back), tp, "activations"))
+    if not backward:  # no parameter gradient, nothing replayed
+        return [t for t in out if t.calls]
     if sp and block.sp_norms:
         out.append(Traffic("tp", "all_reduce", float(sum(block.sp_norms)) * g,
                            len(block.sp_norms), tp, "norm weight grads"))
@@ -965,7 +992,8 @@ def planner_stats(model: Any, device_type: str = "cpu", plan: Any = None) -> Any
 
 def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ...] | None,
                         optimizer_params: list[Any] | None = None, stats: Any = None,
-                        pp_rank: int = 0, tokens: bool = True
+                        pp_rank: int = 0, tokens: bool = True,
+                        input_grad: bool | None = None
                         ) -> dict[tuple[str, str], float] | None:
     """Predicted payload bytes per (axis, op) per step, or None where plait has no closed form.
 
@@ -977,7 +1005,9 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     traffic for pipeline rank ``pp_rank`` of the model ``stats`` describes
     (``planner_stats``, taken before layout; ``plait.planner.cost.rank_traffic``), whose
     blocks it prices from the layer plan plait lays them out with (``tokens``: the first input
-    was integer token ids; :func:`why_no_expected` says where it cannot). The ledger's report
+    was integer token ids; :func:`why_no_expected` says where it cannot); ``input_grad``:
+    whether the first block's input needs a gradient (``plait.comm.held.stack_input_grad``,
+    taken before layout; None: where an embedding trains). The ledger's report
     compares each row's busiest rank, and ranks hold different parts of the model (pipeline
     stages), so each rank predicts its own traffic and the per-(axis, op) maximum over ranks is
     returned: a collective when a process group is up (call it on every rank, as
@@ -1020,7 +1050,8 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     elif cfg is None and models and plan.tp == 1 and plan.pp == 1:
         from .held import held_model, held_traffic
 
-        mine = by_axis_op(held_traffic(plan, held_model(models[-1], optimizer_params)))
+        mine = by_axis_op(held_traffic(plan, held_model(models[-1], optimizer_params,
+                                                        input_grad)))
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return mine
     everyone: list[Any] = [None] * dist.get_world_size()

@@ -16,8 +16,19 @@ the blocks before the first one that trains, fed by a frozen embedding, are neve
   block. Of the leading blocks that are never reached, all but the last are thus not gathered
   again; the one after them is, once, and reduce-scatters nothing (it has no gradient).
 
-Blocks are taken to run one after the other, each feeding the next, and the first block's
-input to need a gradient exactly when an embedding trains (or the model has none).
+Blocks are taken to run one after the other, each feeding the next. Whether the first
+block's input needs a gradient (``input_grad``) is read, where some parameter is frozen, off a
+forward pass on fake tensors (a trainable gain on a frozen embedding's output makes it so:
+``plait.comm.held.stack_input_grad``, ``plait.planner.tp_block.grad_flow``), else taken to be
+so exactly when an embedding trains (or the model has none).
+
+This is the whole-block view. Inside a reached block the backward pass may still skip part of
+it: a frozen attention behind a frozen norm, on a stream nothing before it trains, gets no
+gradient while the MLP after it does, so the input-gradient collectives of that attention are
+never issued. Where some parameter is frozen, the planner reads which tensor-parallel
+collectives each block issues in backward off a forward pass on fake tensors
+(``plait.planner.tp_trace.needs_grad``, ``plait.planner.tp_block.grad_flow``) and falls back
+to this view where that pass cannot run.
 """
 
 from __future__ import annotations

@@ -630,6 +630,18 @@ def add_zero_stand_ins(stages: list[nn.Module], names: set[str]) -> None:
                                                      m._tuple)
 
 
+def held_on_path(model: nn.Module, path: str) -> list[str]:
+    """The parameters held directly (not by a submodule) by ``model`` or a module on the path
+    to its blocks, by name: every stage shares them (see :func:`build_stage_module`)."""
+    parts = path.split(".") if path else []
+    held = []
+    for depth in range(len(parts)):
+        prefix = ".".join(parts[:depth])
+        module = model.get_submodule(prefix) if prefix else model
+        held += [f"{prefix}.{n}".lstrip(".") for n, _ in module.named_parameters(recurse=False)]
+    return held
+
+
 def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Module:
     """A shallow copy of ``model`` holding only stage ``spec``'s modules (names unchanged).
 

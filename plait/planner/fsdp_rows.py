@@ -90,6 +90,10 @@ class ParamRows:
     stack: tuple[tuple[Rows, ...], ...]
     embed: tuple[Rows, ...]
     rest: tuple[Rows, ...]
+    # Whether the first block's input needs a gradient, as a forward pass showed it
+    # (``plait.planner.tp_block.grad_flow``: a trainable gain on a frozen embedding's output);
+    # None: where an embedding trains, or there is none.
+    stack_input_grad: bool | None = None
 
     @property
     def block(self) -> tuple[Rows, ...]:
@@ -113,7 +117,10 @@ class ParamRows:
         none)."""
         from plait.comm.reach import reached
 
-        return reached(any(r.trained for r in self.embed) or not self.embed, self.trains)
+        flowing = self.stack_input_grad
+        if flowing is None:
+            flowing = any(r.trained for r in self.embed) or not self.embed
+        return reached(flowing, self.trains)
 
     @cached_property
     def regathered(self) -> tuple[bool, ...]:

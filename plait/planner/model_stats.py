@@ -69,6 +69,10 @@ class ModelStats:
     # module's blocks out with (module factories); None: plait's reference block (attention
     # and an MLP, 4 all-reduces).
     tp_block: TPBlock | None = None
+    # Each block's own, where the blocks differ in what trains (frozen norms in one block, a
+    # frozen attention the backward pass never enters): per block in forward order; None: all
+    # as ``tp_block``, or the counts of trained and reached blocks say it.
+    tp_blocks: tuple[TPBlock, ...] | None = None
     # Elements of a trainable weight the embedding and the head share (module factories: the
     # head's copy is not in head_params); under pipelines the first and last stages each hold
     # a copy and sum their gradients every step.
@@ -81,6 +85,12 @@ class ModelStats:
     # stage holds a copy too (gathered, broadcast by ZeRO-1 when the optimizer holds it), whose
     # gradient nobody reduces or sums across stages.
     frozen_tied_shapes: tuple[tuple[int, ...], ...] = ()
+    # The shapes of the trainable (``shared_shapes``) and frozen parameters held by the root
+    # module or a module on the path to the blocks (a ``logit_scale``), counted among the head's
+    # (module factories): under pipelines every stage holds them, and each trainable one's
+    # gradient is summed over the stages like a tied weight's (plait.parallel.pipeline_split).
+    shared_shapes: tuple[tuple[int, ...], ...] = ()
+    frozen_shared_shapes: tuple[tuple[int, ...], ...] = ()
     # Parameters of (a block, the embeddings, the rest outside the blocks) as tensor
     # parallelism lays them out, trainable or not (module factories); None: all split over
     # tp and trainable, as plait's reference transformer.
@@ -499,7 +509,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
         for attr in ("num_key_value_heads", "n_kv_heads", "num_kv_heads"):
             if isinstance(getattr(m, attr, None), int):
                 kv_heads = getattr(m, attr)
-    from .tp_block import held_parts, plan_of, tp_block
+    from .tp_block import grad_flow, held_parts, plan_of, tp_block
 
     found = plan_of(model)  # the layer plan plait lays the blocks out with
     # the tensor-parallel collectives of a block that trains (its parameter gradients'): a
@@ -545,6 +555,17 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     both = [p for e in embeds for p in e.parameters() if shared[id(p)] > 1]
     tied = [p for p in both if p.requires_grad]
     tied_params = sum(p.numel() for p in tied)
+    from plait.parallel.pipeline_split import held_on_path
+
+    every = dict(model.named_parameters())
+    on_path = [every[n] for n in held_on_path(model, stack_name) if n in every]
+    block_tp = tp_block(model, tp_path, found, (_path(model, blocks[0]),
+                                                _path(model, blocks[-1])), device_type)
+    # where gradients flow, where some parameter is frozen: into the stack, through each block
+    flow = grad_flow(model, [_path(model, b) for b in blocks], found, block_tp, device_type)
+    rows = param_rows(model, blocks, found)
+    if flow.input_grad is not None:
+        rows = dataclasses.replace(rows, stack_input_grad=flow.input_grad)
     max_seq, max_seq_from = _max_seq(model), ""
     if max_seq is None:
         max_seq, max_seq_from = _position_rows(model)
@@ -557,14 +578,16 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                       block_tensors=tensors, embed_tensors=embed_tensors,
                       head_tensors=max(outside - embed_tensors, 0), max_seq=max_seq,
                       max_seq_from=max_seq_from,
-                      tp_block=tp_block(model, tp_path, found, (
-                          _path(model, blocks[0]), _path(model, blocks[-1])), device_type),
+                      tp_block=flow.block, tp_blocks=flow.blocks,
                       tied_params=tied_params,
                       tied_shapes=tuple(tuple(p.shape) for p in tied),
                       frozen_tied_shapes=tuple(tuple(p.shape) for p in both
                                                if not p.requires_grad),
+                      shared_shapes=tuple(tuple(p.shape) for p in on_path if p.requires_grad),
+                      frozen_shared_shapes=tuple(tuple(p.shape) for p in on_path
+                                                 if not p.requires_grad),
                       held=held_parts(model, stack_name, found),
-                      rows=param_rows(model, blocks, found), experts=experts,
+                      rows=rows, experts=experts,
                       block_active_params=round(sum(active) / len(blocks)) if experts else None,
                       head_dim=head_dim if isinstance(head_dim, int) else None,
                       attention_keys=_attention_keys(model, device_type)

@@ -9,6 +9,7 @@ plan says which parameters each rank holds whole (norms, row-parallel biases) an
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from math import prod
@@ -155,6 +156,43 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
     def style_of(name: str) -> str | None:
         return next((style for regex, style in patterns if regex.match(name)), None)
 
+    parts = _collectives(model, block, style_of, summed_unnamed)
+    if parts is None:
+        return None
+    forward, backward, fwd_at, bwd_at, gathers, norms, summed = parts
+    embeds = [p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()]
+    ends = {key: name for name, _ in model.named_modules()
+            for key, want in (("embed", "vocab_embedding"), ("head", "vocab_head"))
+            if style_of(name) == want}
+    if stack is not None:
+        ends.update(first=stack[0], last=stack[1])
+    # the norms after the stack that run on sequence shards, read where the sequence is split
+    # from the embedding to the head: their trainable tensors' gradients are summed over tp
+    within = block.rpartition(".")[0] + "."
+    end_norms = tuple(p.numel() for name, m in model.named_modules()
+                      if style_of(name) == "sequence_parallel" and not name.startswith(within)
+                      for p in m.parameters() if p.requires_grad)
+    return TPBlock(forward=tuple(forward), backward=tuple(backward),
+                   bias_gathers=tuple(gathers), sp_norms=tuple(norms),
+                   summed=tuple(summed), sp_in_blocks=in_blocks,
+                   input_grad=any(p.requires_grad for p in embeds) or not embeds,
+                   vocab_ends=("embed" in ends, "head" in ends),
+                   end_norms=None if in_blocks else end_norms,
+                   traced=partial(trace, model, block, fwd_at, bwd_at, ends, seq=TRACE_SEQ,
+                                  device_type=device_type))
+
+
+_Parts = tuple[list[int], list[int], list[str], list[str], list[int], list[int], list[int]]
+
+
+def _collectives(model: nn.Module, block: str, style_of: Any, summed_unnamed: bool
+                 ) -> _Parts | None:
+    """The block at ``block``'s collectives as :class:`TPBlock` counts them (``style_of``:
+    a module path's style in the layer plan): features of each row-parallel output and each
+    column-parallel or region input, the modules they follow / precede, and the elements of
+    the trainable fused q|k|v biases, sequence-parallel norms and gradient-summed parameters
+    (their gradients are the ones issued: a frozen tensor has none). None where the plan uses
+    a style TPBlock does not describe."""
     root = model.get_submodule(block)
     styled = {f"{block}.{n}" if n else block: (style_of(f"{block}.{n}" if n else block), m)
               for n, m in root.named_modules()}
@@ -190,8 +228,9 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
             norms += [p.numel() for p in module.parameters() if p.requires_grad]
         elif style == "grad_allreduce":
             summed += [p.numel() for p in module.parameters() if p.requires_grad]
-        if style == "colwise_qkv" and getattr(module, "bias", None) is not None:
-            gathers.append(module.bias.numel())
+        bias = getattr(module, "bias", None)
+        if style == "colwise_qkv" and bias is not None and bias.requires_grad:
+            gathers.append(bias.numel())
     if summed_unnamed:  # parameters of modules no entry names (nor one above them)
         for name, module in root.named_modules():
             full = f"{block}.{name}" if name else block
@@ -199,26 +238,84 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
                        if styled[n][0] != "region"):
                 norms += [p.numel() for p in module.parameters(recurse=False)
                           if p.requires_grad]
-    embeds = [p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()]
-    ends = {key: name for name, _ in model.named_modules()
-            for key, want in (("embed", "vocab_embedding"), ("head", "vocab_head"))
-            if style_of(name) == want}
-    if stack is not None:
-        ends.update(first=stack[0], last=stack[1])
-    # the norms after the stack that run on sequence shards, read where the sequence is split
-    # from the embedding to the head: their trainable tensors' gradients are summed over tp
-    within = block.rpartition(".")[0] + "."
-    end_norms = tuple(p.numel() for name, m in model.named_modules()
-                      if style_of(name) == "sequence_parallel" and not name.startswith(within)
-                      for p in m.parameters() if p.requires_grad)
-    return TPBlock(forward=tuple(forward), backward=tuple(backward),
-                   bias_gathers=tuple(gathers), sp_norms=tuple(norms),
-                   summed=tuple(summed), sp_in_blocks=in_blocks,
-                   input_grad=any(p.requires_grad for p in embeds) or not embeds,
-                   vocab_ends=("embed" in ends, "head" in ends),
-                   end_norms=None if in_blocks else end_norms,
-                   traced=partial(trace, model, block, fwd_at, bwd_at, ends, seq=TRACE_SEQ,
-                                  device_type=device_type))
+    return forward, backward, fwd_at, bwd_at, gathers, norms, summed
+
+
+@dataclass(frozen=True)
+class Flow:
+    """Where gradients flow through a stack whose model has frozen parameters
+    (:func:`grad_flow`): ``input_grad``, whether the first block's input needs one (None: not
+    read); ``block``: the block :func:`tp_block` read with that ``input_grad``; ``blocks``:
+    each block's own collectives where the blocks differ in what trains (None: ``block``
+    stands for all)."""
+
+    input_grad: bool | None
+    block: TPBlock | None
+    blocks: tuple[TPBlock, ...] | None = None
+
+
+def grad_flow(model: nn.Module, blocks: list[str], found: tuple[Any, bool] | None,
+              ref: TPBlock | None, device_type: str = "cpu") -> Flow:
+    """Where gradients flow through the stack of blocks at ``blocks`` (module paths, in
+    forward order), read off one forward pass on fake tensors with the parameters' own
+    ``requires_grad`` (:func:`plait.planner.tp_trace.needs_grad`), run only where some
+    parameter of the model is frozen.
+
+    The first block's input needs a gradient where anything before it trains: an embedding,
+    or a gain the model's own forward applies to it. A block issues the gradient collectives
+    of its own trainable parameters (a frozen norm's gradient is never summed over tp), and
+    its backward collectives only where the tensor they act on needs a gradient: a block
+    behind frozen ones whose attention is frozen receives gradients in its MLP only. Where the
+    pass cannot run, the first block's input needs a gradient where an embedding trains, and
+    a block is reached whole or not at all (:func:`plait.comm.reach.reached`). Each block is
+    ``ref`` (:func:`tp_block`'s) with those parts replaced, sharing its traced dtypes (the
+    blocks are alike)."""
+    from plait.comm.reach import reached
+    from plait.parallel.tp_plans import glob_regex
+
+    from .tp_trace import needs_grad
+
+    if all(p.requires_grad for p in model.parameters()):
+        return Flow(None, ref)
+    parts: list[_Parts | None] = []
+    if found is not None and ref is not None:
+        plan, ships = found
+        summed_unnamed = plan.sp_summed if ships else True
+        patterns = [(glob_regex(g), style) for g, style in plan.styles.items()]
+
+        def style_of(name: str) -> str | None:
+            return next((style for regex, style in patterns if regex.match(name)), None)
+
+        parts = [_collectives(model, b, style_of, summed_unnamed) for b in blocks]
+        if any(p is None or len(p[0]) != len(ref.forward) or len(p[1]) != len(ref.backward)
+               for p in parts):
+            parts = []  # blocks of different makes: priced alike, as the first that trains
+    got = needs_grad(model, [blocks[0]] + [n for p in parts if p for n in p[3]],
+                     [n for p in parts if p for n in p[2]], device_type=device_type)
+    input_grad = got[0][blocks[0]] if got is not None else None
+    if ref is None:
+        return Flow(input_grad, None)
+    block = ref if input_grad is None else dataclasses.replace(ref, input_grad=input_grad)
+    trains = [any(p.requires_grad for p in model.get_submodule(b).parameters())
+              for b in blocks]
+    if not parts or all(p.requires_grad for b in blocks
+                        for p in model.get_submodule(b).parameters()):
+        return Flow(input_grad, block)  # every block trains whole: ``block`` is each one's
+    whole = reached(block.input_grad, trains)
+    out = []
+    for part, train, reach in zip(parts, trains, whole, strict=True):
+        assert part is not None  # refused above
+        _, _, fwd_at, bwd_at, gathers, norms, summed = part
+        if got is None:
+            fwd_grad, bwd_grad = (reach,) * len(fwd_at), (reach,) * len(bwd_at)
+        else:
+            fwd_grad = tuple(got[1][n] for n in fwd_at)
+            bwd_grad = tuple(got[0][n] for n in bwd_at)
+        out.append(dataclasses.replace(
+            block, sp_norms=tuple(norms), summed=tuple(summed), bias_gathers=tuple(gathers),
+            fwd_grad=fwd_grad, bwd_grad=bwd_grad, trains=train,
+            traced=lambda: block.trace))
+    return Flow(input_grad, block, tuple(out))
 
 
 def _in_out(module: Any) -> tuple[int, int] | None:

@@ -23,6 +23,7 @@ bf16 or checkpointing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -239,3 +240,60 @@ def trace(model: nn.Module, block: str, forward: list[str], backward: list[str],
     return Trace(bf16=sizes("autocast"), bf16_params=sizes("params"),
                  replayed=tuple(seen[n][3] < last for n in forward),
                  replayed_gathers=tuple(seen[n][2] < last for n in backward))
+
+
+def _any_grad(value: Any) -> bool:
+    """Whether a tensor in ``value`` (args, kwargs, nested tuples and lists) requires grad."""
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, dict):
+        return any(_any_grad(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return any(_any_grad(v) for v in value)
+    return False
+
+
+def needs_grad(model: nn.Module, inputs: list[str], outputs: list[str], seq: int = 4,
+               device_type: str = "cpu") -> tuple[dict[str, bool], dict[str, bool]] | None:
+    """Which tensor-parallel collectives the backward pass issues, read off one fp32 forward
+    on fake tensors with the parameters' own ``requires_grad``: per module of ``inputs``
+    (column-parallel layers and regions: their input's gradient is all-reduced, under SP
+    reduce-scattered) whether its input requires grad, and per module of ``outputs``
+    (row-parallel layers: under SP their output's gradient is all-gathered) whether its output
+    does, at each one's first call.
+
+    Autograd records a collective's backward only where its input requires grad, which the
+    model's own code decides: a frozen attention behind a frozen norm, on a stream nothing
+    before it trains, receives no gradient while the MLP after it does. None where the
+    forward cannot run on fake token ids or does not call every module named."""
+    if device_type not in ("cpu", "cuda") or (
+            device_type == "cuda" and not torch.cuda.is_available()):
+        device_type = "cpu"  # requires_grad follows no device's rules: any will do
+    into: dict[str, bool] = {}
+    out_of: dict[str, bool] = {}
+    hooks = []
+
+    def pre(name: str) -> Any:
+        def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+            into.setdefault(name, _any_grad(args) or _any_grad(kwargs))
+        return hook
+
+    def post(name: str) -> Any:
+        def hook(_m: nn.Module, _args: tuple, out: Any) -> None:
+            out_of.setdefault(name, _any_grad(out))
+        return hook
+
+    try:
+        for name in dict.fromkeys(inputs):
+            hooks.append(model.get_submodule(name).register_forward_pre_hook(
+                pre(name), with_kwargs=True))
+        for name in dict.fromkeys(outputs):
+            hooks.append(model.get_submodule(name).register_forward_hook(post(name)))
+        if not _fake_forward(model, seq, "fp32", device_type, contextlib.nullcontext):
+            return None
+    finally:
+        for h in hooks:
+            h.remove()
+    if any(n not in into for n in inputs) or any(n not in out_of for n in outputs):
+        return None
+    return into, out_of

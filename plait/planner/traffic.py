@@ -11,6 +11,7 @@ innermost, so a group of size n and stride d stays inside a node iff n*d divides
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING
 
@@ -155,6 +156,9 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
                 grads += (layers * block_pad.trained + sum(e.trained for e, on in ends if on)
                           + (copy_pad.trained if copies else 0.0))
         grad_units = trained_layers = reached_layers = regathered_layers = None
+        own = None  # each block's own tensor-parallel collectives, where they differ
+        if model.tp_blocks is not None and len(model.tp_blocks) == model.n_layers:
+            own = tuple(model.tp_blocks[j] for i in ids for j in range(bounds[i], bounds[i + 1]))
         if model.rows is not None and model.rows.blocks == model.n_layers:
             # a config's blocks are one tuple: their count will do
             blocks: Sequence[int] = range(layers) if model.rows.one_block else \
@@ -166,15 +170,63 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
             # leading frozen blocks: no backward collectives, not all gathered again
             trained_layers, reached_layers, regathered_layers = (
                 sum(c[bounds[i + 1]] - c[bounds[i]] for i in ids) for c in model.rows.counts)
+        tied_elements = tied_piece(plan, model) if tied else 0.0
+        tied_tensors = max(1, len(model.tied_shapes)) if tied else 0
+        if pp > 1 and (model.shared_shapes or model.frozen_shared_shapes):
+            extra = shared_share(plan, model, first=first, last=last)
+            grads = (local if grads is None else grads) + extra.trained
+            grad_tensors = (tensors if grad_tensors is None else grad_tensors) + extra.clip
+            local += extra.held
+            root += extra.held
+            tensors += extra.tensors
+            if grad_units is not None and extra.trained and not any(
+                    r.trained for r in (model.rows.embed if model.rows and first else ())):
+                grad_units += 1  # a stage root with no other gradient now reduces one
+            tied_elements += extra.summed
+            tied_tensors += len(model.shared_shapes)
         out.append(LocalModel(params=local, root_params=root, tensors=tensors, layers=layers,
                               embed=first, head=last, stages=tuple(ids), num_stages=chunks,
                               clip_axes=clip_axes(plan),
-                              tied=tied_piece(plan, model) if tied else 0.0,
-                              tied_tensors=max(1, len(model.tied_shapes)), grad_params=grads,
+                              tied=tied_elements,
+                              tied_tensors=max(1, tied_tensors), grad_params=grads,
                               grad_tensors=grad_tensors, grad_units=grad_units,
                               trained_layers=trained_layers, reached_layers=reached_layers,
-                              regathered_layers=regathered_layers))
+                              regathered_layers=regathered_layers, tp_blocks=own))
     return out
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What the parameters every pipeline stage holds (``ModelStats.shared_shapes``: the root
+    module's, a ``logit_scale``) add to one rank beyond its blocks, embeddings and head:
+    elements held and their trainable ones (FSDP2's padded size under ZeRO-2/3; whole on every
+    tp rank), parameter tensors held and gradient tensors in its clip norm, and the elements
+    of their gradients it sums over the stages (its dp_shard piece)."""
+
+    held: float = 0.0
+    trained: float = 0.0
+    tensors: int = 0
+    clip: int = 0
+    summed: float = 0.0
+
+
+def shared_share(plan: Plan, model: ModelStats, *, first: bool, last: bool) -> Shared:
+    """:class:`Shared` for a pipeline rank holding the first stage (``first``) and/or the last
+    (``last``). The last stage counts them among the rest (``head_params``), so a rank without
+    it holds a copy; each copy's gradient is summed over the stages like a tied weight's
+    (``plait.parallel.pipeline`` ``sync_tied_gradients``), and the clip norm counts it on the
+    first stage alone (the others are marked copies)."""
+    shards = fsdp_shards(plan)
+    trains = tuple(Rows(shape) for shape in model.shared_shapes)
+    frozen = tuple(Rows(shape, None, False) for shape in model.frozen_shared_shapes)
+    summed = float(sum(-(-r.shape[0] // shards) * prod(r.shape[1:]) if r.shape else 1
+                       for r in trains))
+    if last:  # held among the rest; a copy unless the rank holds the first stage too
+        return Shared(clip=0 if first else -len(trains), summed=summed)
+    return Shared(held=float(sum(r.held(1, shards) for r in trains + frozen)),
+                  trained=float(sum(r.held(1, shards) for r in trains)),
+                  tensors=len(trains) + len(frozen), clip=len(trains) if first else 0,
+                  summed=summed)
 
 
 def trained_share(plan: Plan, model: ModelStats, rows: ParamRows, blocks: Sequence[int],
