@@ -517,6 +517,29 @@ def scaled_mlp():
     return ScaledMLP()
 
 
+class HeadGainMLP(nn.Module):
+    """Blocks under a model whose own parameter, a gain on the output, is read after the
+    blocks only: under a pipeline every stage holds it and only the last one uses it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(12, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.out = nn.Linear(32, 3)
+        self.gain = nn.Parameter(torch.full((3,), 1.5))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.out(h) * self.gain
+
+
+def head_gain_mlp():
+    torch.manual_seed(0)
+    return HeadGainMLP()
+
+
 class SpareMLP(ScaledMLP):
     """ScaledMLP with a parameter of its own that its forward never reads: one device leaves
     it without a gradient, so AdamW leaves it as it is (no weight decay either)."""

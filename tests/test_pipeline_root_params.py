@@ -6,7 +6,7 @@ parameter, SGD: its update is linear in the gradient, so a missing share shows).
 import pytest
 
 from plait.check import CheckConfig, check
-from tests._pipeline_models import mlp_batch, scaled_mlp, spare_mlp
+from tests._pipeline_models import head_gain_mlp, mlp_batch, scaled_mlp, spare_mlp
 
 CFG = CheckConfig(model_factory=scaled_mlp, batch_factory=mlp_batch, optimizer="sgd", lr=0.1,
                   steps=3)
@@ -36,6 +36,19 @@ def test_root_parameters_train_as_on_one_device(plan):
 ])
 def test_root_parameters_under_other_layouts(plan):
     _ok(plan)
+
+
+@pytest.mark.parametrize("plan", ["dp=2,pp=2", pytest.param("dp_shard=2,zero=1,pp=2",
+                                                             marks=pytest.mark.slow)])
+def test_a_root_parameter_only_the_last_stage_uses_trains_under_ddp(plan):
+    """The first stage holds the output's gain and never uses it: DDP's reducer waited for
+    that copy's gradient and failed the second step ("Expected to have finished reduction in
+    the prior iteration"); the stages now let DDP reduce a zero for it."""
+    cfg = CheckConfig(model_factory=head_gain_mlp, batch_factory=mlp_batch, optimizer="adamw",
+                      lr=1e-2, steps=3)
+    result = check(plan, cfg, timeout=200)
+    assert result.ok, result.format()
+    assert not result.missing
 
 
 # AdamW: its update is not linear in the gradient, but a missing or doubled share still moves

@@ -62,6 +62,7 @@ from .pipeline_split import (
     additive_by_running,
     additive_modules,
     build_stage_module,
+    held_on_path,
     plan_stages,
     shared_parameters,
 )
@@ -1129,6 +1130,15 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     ties = shared_parameters(model, path, specs)
     groups = _tie_groups(ties, mesh, plan)  # collective: every rank creates every group
     stage_plan = plan_for_stages(model, plan)
+    if stage_plan.zero <= 1 and stage_plan.tp == 1 and not stage_plan.find_unused and any(
+            model.get_parameter(n).requires_grad for n in held_on_path(model, path)):
+        # Every stage holds the parameters on the root module (and on the modules on the path
+        # to the blocks), and a stage may not use them (a gain applied after the blocks): DDP's
+        # reducer would wait for that copy's gradient and fail the next step ("Expected to have
+        # finished reduction in the prior iteration"). find_unused makes DDP reduce a zero for
+        # it there; the sum over the stages is unchanged. Costs DDP's walk of the graph each
+        # forward, on such models only.
+        stage_plan = replace(stage_plan, find_unused=True)
     # The split's check copies the model to the meta device before the layout changes its
     # blocks in place: a compiled block's forward is bound to the real block, so a copy taken
     # after it would run the real (compiled) block on meta tensors, which fails (the check then

@@ -90,6 +90,15 @@ class HandedOn:
 
     def __init__(self) -> None:
         self.last: Any = None
+        self.stop = False  # end the forward once ``last`` is set (a stage before the last)
+
+
+class _HandedOnReached(BaseException):
+    """Ends a stage's forward at the first block after its own, once it holds what the stage
+    hands on: what the forward computes after that (later blocks' stand-ins, the head, a
+    gain on the logits) would be dropped, and may not even run on the stand-ins' outputs
+    (``self.out(h) * self.gain`` with the head a pass-through). A BaseException, so that the
+    error notes that wrap the forward (``except Exception``) let it through."""
 
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
@@ -172,6 +181,8 @@ class StandIn(nn.Module):
         x = _carried(args, kwargs)
         if self._handed_on is not None:
             self._handed_on.last = x
+            if self._handed_on.stop:
+                raise _HandedOnReached
         return x
 
 
@@ -678,11 +689,11 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
             return clone
         # Parameters held directly by a module on the path (a ``logit_scale`` or a gate the
         # forward uses before, between or after the blocks) stay on every stage: the clone
-        # shares the module's parameter registry. Each stage's forward runs whole, but only
-        # the uses that reach what the stage hands on (or the loss, on the last) get a
-        # gradient: a use before the blocks is replaced on later stages by what they receive
-        # (_feed_first_block), a use after the stage's blocks on a stage before the last is
-        # dropped with its output. So each stage's gradient is its own share, and
+        # shares the module's parameter registry. Only the uses that reach what the stage
+        # hands on (or the loss, on the last) get a gradient: a use before the blocks is
+        # replaced on later stages by what they receive (_feed_first_block), and a stage before
+        # the last ends its forward at the first block after its own (_HandedOnReached), so a
+        # use after that is not computed there. So each stage's gradient is its own share, and
         # shared_parameters ties the copies like an embedding tied to the head: their
         # gradients are summed over the stages, the one-device gradient.
         seen = False
@@ -719,7 +730,13 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
             # Labels go to the model on the last stage only (a model given labels computes its
             # loss from its output, here the hidden states).
             kwargs.pop("labels", None)
-            forward(*args, **kwargs)
+            handed_on.stop = True
+            try:
+                forward(*args, **kwargs)
+            except _HandedOnReached:
+                pass
+            finally:
+                handed_on.stop = False
             return hand_on(handed_on.last, type(model).__name__, next_block, spec)
 
         stage.forward = send_on
@@ -873,13 +890,13 @@ def _container(model: nn.Module, path: str) -> nn.Module:
 def hand_on(hidden: Any, model_name: str, next_block: str, spec: StageSpec) -> torch.Tensor:
     """The tensor a stage without the last block sends to the next stage: the input of the
     stand-in of the first block after its own (:class:`HandedOn`), which the next stage feeds
-    to that block. The model's forward runs whole, so whatever it does after that (later
-    blocks' stand-ins, a final norm and head, skipped here; pooling, flattening, slicing a
-    token; extra outputs) is computed and dropped: later stages do it on the real hidden
-    states. A view is copied: torch's split backward frees stage outputs with ``detach_()``,
-    which views refuse. A strided tensor (a block whose residual reads a transposed input)
-    is made dense: torch allocates the receive buffer for its gradient with the same strides,
-    and gloo refuses a non-contiguous buffer ("input tensor has to be contiguous")."""
+    to that block. The forward ends there, so whatever it does after that (later blocks, a
+    final norm and head; pooling, flattening, slicing a token; extra outputs) is not computed
+    on this stage: later stages do it on the real hidden states. A view is copied: torch's
+    split backward frees stage outputs with ``detach_()``, which views refuse. A strided
+    tensor (a block whose residual reads a transposed input) is made dense: torch allocates
+    the receive buffer for its gradient with the same strides, and gloo refuses a
+    non-contiguous buffer ("input tensor has to be contiguous")."""
     if not isinstance(hidden, torch.Tensor):
         raise StageOutputError(
             f"{model_name}'s forward did not call its block {next_block} on pipeline "
