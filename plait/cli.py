@@ -140,12 +140,16 @@ class Parser(argparse.ArgumentParser):
                         f"the flags")
             required = re.fullmatch(r"the following arguments are required: (.*)", message)
             if required:
-                return (f"{required.group(1)} is required; `{self.prog} --help` says what it "
-                        f"takes")
+                return self._required(required.group(1).split(", "))
             return message
         names, what = said.group(1).split("/"), said.group(2)
         action = next((a for a in self._actions if names[0] in a.option_strings), None)
         flag = names[0]
+        both = re.fullmatch(r"not allowed with argument (\S+)", what)
+        if both:
+            other = both.group(1).split("/")[0]
+            return (f"{flag} and {other} set the same thing two ways; give one of them "
+                    f"(`{self.prog} --help` says what each means)")
         example = self._example(action)
         bad = re.fullmatch(r"invalid (int|float) value: (.*)", what)
         if bad:
@@ -162,6 +166,22 @@ class Parser(argparse.ArgumentParser):
         if what.startswith("expected one argument"):
             return f"{flag} needs a value, e.g. {flag} {example}"
         return f"{flag}: {what}"
+
+    def _required(self, names: list[str]) -> str:
+        """What is missing, by name: a command (``plait bench`` with none), else the arguments
+        (not the script's own arguments after ``plait run``'s script, which may be none)."""
+        def action(name: str) -> argparse.Action | None:
+            return next((a for a in self._actions if name in (a.metavar, a.dest)
+                         or name == "/".join(a.option_strings)), None)
+
+        for name in names:
+            found = action(name)
+            if isinstance(found, argparse._SubParsersAction):
+                return (f"a command is required, one of {', '.join(found.choices)}; "
+                        f"`{self.prog} --help` says what each does")
+        names = [n for n in names if (a := action(n)) is None or a.nargs != argparse.REMAINDER]
+        verb = "is" if len(names) == 1 else "are"
+        return f"{', '.join(names)} {verb} required; `{self.prog} --help` says what it takes"
 
     @staticmethod
     def _example(action: argparse.Action | None) -> str:
@@ -335,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    # "bench comm", as the failure line names it (`plait bench comm: failed: ...`)
+    args._named = command_parsers(parser, args)[-1].prog.removeprefix(f"{parser.prog} ")
     try:
         with _signals_interrupt():
             return args._commands[args.command](args)
@@ -382,8 +404,11 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
         sys.stderr.write(said.getvalue())
         if exc.code not in (0, None):
             lines = said.getvalue().strip().splitlines() or ["invalid arguments"]
-            message = lines[-1].split(" error: ", 1)[-1]
-            print(json_error(command or "", message, int(exc.code)))
+            # "plait bench comm: error: ...": the parser that refused names the command
+            prog, _, message = lines[-1].rpartition(": error: ")
+            named = prog.removeprefix(f"{parser.prog} ") if prog.startswith(parser.prog) \
+                else command or ""
+            print(json_error(named, message or lines[-1], int(exc.code)))
         raise
 
 
@@ -393,15 +418,29 @@ def _parse_all(parser: argparse.ArgumentParser, argv: list[str],
     name and --help the message gives), not by the top-level one."""
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        own = args._parsers.get(command) if command else None
-        (own or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        command_parsers(parser, args)[-1].error(f"unrecognized arguments: {' '.join(unknown)}")
     return args
+
+
+def command_parsers(parser: argparse.ArgumentParser,
+                    args: argparse.Namespace) -> list[argparse.ArgumentParser]:
+    """The parsers ``args`` went through: ``plait``, ``plait bench``, ``plait bench comm``.
+    The last one's ``prog`` is the full command, which its errors and help name."""
+    chain = [parser]
+    while True:
+        sub = next((a for a in chain[-1]._actions
+                    if isinstance(a, argparse._SubParsersAction)), None)
+        name = getattr(args, sub.dest, None) if sub is not None else None
+        if sub is None or name not in sub.choices:
+            return chain
+        chain.append(sub.choices[name])
 
 
 def _failed(args: argparse.Namespace, message: str, code: int) -> int:
     from .outputs import command_failed
 
-    return command_failed(args.command, message, code, getattr(args, "format", None))
+    return command_failed(getattr(args, "_named", args.command), message, code,
+                          getattr(args, "format", None))
 
 
 class Interrupted(BaseException):
