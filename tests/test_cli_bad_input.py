@@ -263,3 +263,14 @@ def test_a_bad_value_after_a_good_parse_is_still_one_line(capsys):
     assert main(["check", "--plan", "dp=2", "--steps", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "plait check: error: --steps=-1 must be >= 1", err
+
+
+def test_the_failure_line_names_the_nested_command():
+    """A worker's failure or a timeout under `plait bench comm` is said as `plait bench comm:
+    failed: ...`: the name is the last parser's, the one the arguments went through."""
+    from plait.cli import build_parser, command_parsers
+
+    parser = build_parser()
+    for argv, prog in ((["bench", "comm"], "plait bench comm"), (["env"], "plait env"),
+                       (["comm", "--plan", "dp=2"], "plait comm")):
+        assert command_parsers(parser, parser.parse_args(argv))[-1].prog == prog
