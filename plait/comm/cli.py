@@ -11,7 +11,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ..outputs import FORMATS, command_failed, plot_path
+from ..outputs import add_format, command_failed, plot_path
 from . import bench
 
 if TYPE_CHECKING:
@@ -23,16 +23,22 @@ def add_bench_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", default="all",
                         help="comma list of collectives (default all: "
                              f"{','.join(bench.BENCH_OPS)})")
-    parser.add_argument("--min-bytes", default="1K", help="smallest message (default 1K)")
-    parser.add_argument("--max-bytes", default="256M", help="largest message (default 256M)")
-    parser.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2)")
-    parser.add_argument("--iters", type=int, default=10, help="timed calls per size (default 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per size first")
+    parser.add_argument("--min-bytes", default="1K", metavar="BYTES",
+                        help="smallest message in bytes; K, M, G are powers of 1024 (default: "
+                        "1K)")
+    parser.add_argument("--max-bytes", default="256M", metavar="BYTES",
+                        help="largest message in bytes, as --min-bytes (default: 256M)")
+    parser.add_argument("--nproc", type=int, default=2, metavar="N",
+                        help="local ranks (processes) to spawn (default: 2)")
+    parser.add_argument("--iters", type=int, default=10, metavar="N",
+                        help="timed calls per size (default: 10)")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N",
+                        help="untimed calls per size before the timed ones (default: 2)")
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                         help="process-group backend (default gloo)")
-    parser.add_argument("--format", default="table", choices=FORMATS)
-    parser.add_argument("--timeout", type=float, default=3600.0,
-                        help="seconds before the run is declared hung")
+    add_format(parser, "table")
+    parser.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS",
+                        help="seconds before the run is declared hung (default: 3600)")
 
 
 def bench_comm_command(args: argparse.Namespace) -> int:
@@ -80,10 +86,13 @@ class _Spelled(argparse.Action):
 
 def add_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="plan string or file, e.g. 'tp=2,sp=true'")
-    parser.add_argument("--model", default="test", help="reference model preset (default test)")
-    parser.add_argument("--steps", type=int, default=2, help="measured steps (default 2)")
-    parser.add_argument("--warmup", type=int, default=2,
-                        help="steps before measuring (lazy init, DDP bucket rebuild)")
+    parser.add_argument("--model", default="test",
+                        help="reference model preset (default: test)")
+    parser.add_argument("--steps", type=int, default=2, metavar="N",
+                        help="measured training steps (default: 2)")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N",
+                        help="training steps before measuring, not counted: lazy init, DDP "
+                        "bucket rebuild (default: 2)")
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument("--global-batch", "--batch-size", "--batch", dest="global_batch",
                        metavar="N", type=int, default=None, action=_Spelled,
@@ -97,10 +106,11 @@ def add_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", "--seq-len", dest="seq", metavar="N", type=int, default=None,
                         help="tokens per sequence (default: the model's max, at most 128; also "
                         "spelt --seq-len)")
-    parser.add_argument("--format", default="table", choices=FORMATS)
+    add_format(parser, "table")
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="write a bar chart (needs the plot extra: matplotlib)")
-    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="seconds before the run is declared hung (default: 600)")
 
 
 def comm_worker(rank: int, world: int, plan: Plan | str, model_name: str, steps: int,
