@@ -448,8 +448,8 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
             lines = said.getvalue().strip().splitlines() or ["invalid arguments"]
             # "plait bench comm: error: ...": the parser that refused names the command
             prog, _, message = lines[-1].rpartition(": error: ")
-            named = prog.removeprefix(f"{parser.prog} ") if prog.startswith(parser.prog) \
-                else command or ""
+            named = prog.removeprefix(f"{parser.prog} ") \
+                if prog.startswith(f"{parser.prog} ") else command or ""
             print(json_error(named, message or lines[-1], int(exc.code)))
         raise
 

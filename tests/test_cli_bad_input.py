@@ -247,14 +247,20 @@ def test_every_commands_argparse_errors_name_the_full_command(capsys, argv, comm
     assert len(out.err.strip().splitlines()) == 1 and out.out == "", out.err
 
 
-def test_a_nested_commands_json_error_names_it(capsys):
+@pytest.mark.parametrize("argv, command, error", [
+    (["bench", "comm", "--format", "json", "--bogus"], "bench comm",
+     "unknown argument(s) --bogus; `plait bench comm --help` lists the flags"),
+    (["bench", "comm", "--format", "json", "--nproc", "x"], "bench comm",
+     "--nproc 'x' is not a whole number; pass one, e.g. --nproc 2"),
+    (["bogus", "--format", "json"], "bogus", "'bogus' is not a command of plait (env, run, "),
+])
+def test_a_json_error_names_the_command_that_refused(capsys, argv, command, error):
     with pytest.raises(SystemExit):
-        main(["bench", "comm", "--format", "json", "--bogus"])
+        main(argv)
     import json
 
     data = json.loads(capsys.readouterr().out)
-    assert data["command"] == "bench comm", data
-    assert data["error"] == "unknown argument(s) --bogus; `plait bench comm --help` lists the flags"
+    assert data["command"] == command and data["error"].startswith(error), data
 
 
 def test_a_bad_value_after_a_good_parse_is_still_one_line(capsys):
