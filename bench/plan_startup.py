@@ -9,6 +9,11 @@ CPU seconds (user + system: steadier than wall time on a shared machine) and wal
 * the model read on the meta device: a plain ``torch.device("meta")`` build vs the planner's,
   which skips the random fills (``nn.Embedding``'s ``normal_``) whose meta form imports
   torch._dynamo;
+* a seeded dataset read on the meta device (``torch.randn(..., generator=g)``, whose meta
+  form with a generator imports torch._dynamo too): plain vs the planner's, which draws
+  without the generator there;
+* the modules the layout check of a plan without tensor parallelism needs: the layer-plan
+  lookup beside plait.parallel.tensor (DTensor, FSDP), which it imported before;
 * the whole command, with the "priced in" and "reading the model" figures it prints.
 
     python bench/plan_startup.py [--repeats 3]
@@ -61,6 +66,14 @@ def model():  # type: ignore[no-untyped-def]
     return Model()
 
 
+def seeded():  # type: ignore[no-untyped-def]
+    """A synthetic dataset drawn from its own generator, as a factory's dataset often is."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(512, 16, 8, generator=g), torch.randint(0, 4, (512, 16), generator=g)
+
+
 CASES = {
     "parser, every command": "import plait.cli as c; c.build_parser()",
     "parser, plan only": "import plait.cli as c; c.build_parser('plan')",
@@ -68,6 +81,14 @@ CASES = {
     "meta build, fills skipped": "import torch, plan_startup as m\n"
                                  "from plait.planner.model_stats import _values_skipped\n"
                                  "with torch.device('meta'), _values_skipped(): m.model()",
+    "seeded data on meta, plain": "import torch, plan_startup as m\n"
+                                  "with torch.device('meta'): m.seeded()",
+    "seeded data, draws unseeded": "import torch, plan_startup as m\n"
+                                   "from plait.planner.model_stats import _values_skipped\n"
+                                   "with torch.device('meta'), _values_skipped(): m.seeded()",
+    "plait.parallel.tensor": "import plait.parallel.tensor",
+    "layer-plan lookup alone": "import plait.auto, plait.parallel.tp_plans, "
+                               "plait.parallel.tp_infer, plait.planner.tp_block",
     "import torch alone": "import torch",
 }
 
@@ -102,6 +123,12 @@ def main() -> None:
           f"{statistics.median(r[1] for r in runs):7.2f}   it prints: priced in "
           f"{said.group(1) if said else '?'}s after {said.group(2) if said else '?'}s reading "
           f"the model")
+    print("  " + " ".join(command[2:]))
+    # one given layout without tp or pp: the model is asked about neither
+    command = [*command[:8], "--global-batch", "8", "--plan", "dp=4"]
+    runs = [timed(command) for _ in range(args.repeats)]
+    print(f"{'plait plan --plan dp=4':<28} {statistics.median(r[0] for r in runs):7.2f} "
+          f"{statistics.median(r[1] for r in runs):7.2f}")
     print("  " + " ".join(command[2:]))
 
 

@@ -121,7 +121,6 @@ def layout_check(model: nn.Module) -> Callable[[Plan], str | None]:
     not told its positions (:func:`plait.parallel.context.cp_refusal`). Each tp/sp, each split
     and each cp is checked once."""
     from .parallel.context import cp_refusal
-    from .parallel.tensor import tp_refusal
 
     seen: dict[Any, str | None] = {}
     chains: dict[str, Any] = {}  # whether the blocks chain: asked once, whatever the pp
@@ -137,14 +136,19 @@ def layout_check(model: nn.Module) -> Callable[[Plan], str | None]:
             keys.append(("cp", plan.cp))
         for key in keys:
             if key not in seen:
+                # On first use: torch.distributed.pipelining imports torch._dynamo (seconds),
+                # plait.parallel.tensor DTensor and FSDP (a CPU second), which a plan without
+                # a pipeline or tensor parallelism does not need.
                 if key[0] == "pp":
-                    # on first use: torch.distributed.pipelining imports torch._dynamo (seconds)
                     from .parallel.pipeline import pp_refusal
 
                     seen[key] = pp_refusal(model, plan, chains)
+                elif key[0] == "tp":
+                    from .parallel.tensor import tp_refusal
+
+                    seen[key] = tp_refusal(model, plan.tp, plan.sp)
                 else:
-                    seen[key] = (tp_refusal(model, plan.tp, plan.sp) if key[0] == "tp"
-                                 else cp_refusal(model, plan.cp))
+                    seen[key] = cp_refusal(model, plan.cp)
             if seen[key] is not None:
                 return seen[key]
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .outputs import FORMATS
+from .outputs import add_format
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="test",
                         help="your model as pkg.module:function returning (model, dataset, "
                         "loss_fn), or a reference-model preset (default: test)")
-    parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default: 5)")
+    parser.add_argument("--steps", type=int, default=5, metavar="N",
+                        help="optimizer steps, on each side (default: 5)")
     parser.add_argument("--global-batch", "--batch-size", "--batch", dest="batch_size",
                         metavar="N", type=int, default=8,
                         help="sequences per optimizer step (default: 8; also spelt "
@@ -25,11 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--seq-len)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="optimizer both runs use (default: adamw)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
-    parser.add_argument("--tolerance", type=float, default=None,
+    parser.add_argument("--lr", type=float, default=1e-3, metavar="LR",
+                        help="learning rate both runs use (default: 1e-3)")
+    parser.add_argument("--tolerance", type=float, default=None, metavar="BOUND",
                         help="an absolute bound on loss and parameter differences; default: "
                         "the optimizer's relative bounds (sgd: loss 1e-5, parameters 1e-4 of "
                         "their displacement; adamw: 1e-5 and 1e-3; wider under "
                         "mixed_precision=bf16 or fp16, whose rounding is coarser)")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds before a hang fails")
-    parser.add_argument("--format", choices=FORMATS, default="text")
+    parser.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
+                        help="seconds before a hang fails (default: 300)")
+    add_format(parser)

@@ -14,10 +14,11 @@ import json
 import re
 import signal
 import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 
-from .outputs import FORMATS
+from .outputs import add_format
 
 EPILOG = """examples:
   plait env                                   what this machine has
@@ -115,6 +116,22 @@ class _CanonicalFirst(argparse.HelpFormatter):
         return ", ".join(f"{o} {metavar}" for o in shown)
 
 
+class _Paragraphs(argparse.HelpFormatter):
+    """Prose filled to the terminal's width, paragraph by paragraph (a blank line between
+    them); a block of lines written one per line (examples, commands to copy) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n\n".join(block if "\n" in block.strip("\n")
+                           else "\n".join(self._split_lines(block, width - len(indent), indent))
+                           for block in text.split("\n\n"))
+
+    def _split_lines(self, text: str, width: int, indent: str = "") -> list[str]:
+        # Never inside a flag or a name (--rdzv-endpoint, all_gather): they are copied.
+        text = " ".join(text.split())
+        return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False, break_long_words=False)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, whose own errors (a value of the wrong type, a choice not offered, an unknown
     flag) are one plait line that names the bad value and the fix, not a usage block above a
@@ -122,7 +139,7 @@ class Parser(argparse.ArgumentParser):
     ``--format json``, the same message as JSON (:func:`_parse`)."""
 
     def __init__(self, *args: object, **kwargs: object):
-        base = kwargs.get("formatter_class", argparse.HelpFormatter)
+        base = kwargs.get("formatter_class", _Paragraphs)
         assert isinstance(base, type)
         kwargs["formatter_class"] = type("Formatter", (_CanonicalFirst, base), {})
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -140,12 +157,16 @@ class Parser(argparse.ArgumentParser):
                         f"the flags")
             required = re.fullmatch(r"the following arguments are required: (.*)", message)
             if required:
-                return (f"{required.group(1)} is required; `{self.prog} --help` says what it "
-                        f"takes")
+                return self._required(required.group(1).split(", "))
             return message
         names, what = said.group(1).split("/"), said.group(2)
         action = next((a for a in self._actions if names[0] in a.option_strings), None)
         flag = names[0]
+        both = re.fullmatch(r"not allowed with argument (\S+)", what)
+        if both:
+            other = both.group(1).split("/")[0]
+            return (f"{flag} and {other} set the same thing two ways; give one of them "
+                    f"(`{self.prog} --help` says what each means)")
         example = self._example(action)
         bad = re.fullmatch(r"invalid (int|float) value: (.*)", what)
         if bad:
@@ -163,6 +184,22 @@ class Parser(argparse.ArgumentParser):
             return f"{flag} needs a value, e.g. {flag} {example}"
         return f"{flag}: {what}"
 
+    def _required(self, names: list[str]) -> str:
+        """What is missing, by name: a command (``plait bench`` with none), else the arguments
+        (not the script's own arguments after ``plait run``'s script, which may be none)."""
+        def action(name: str) -> argparse.Action | None:
+            return next((a for a in self._actions if name in (a.metavar, a.dest)
+                         or name == "/".join(a.option_strings)), None)
+
+        for name in names:
+            found = action(name)
+            if isinstance(found, argparse._SubParsersAction):
+                return (f"a command is required, one of {', '.join(found.choices)}; "
+                        f"`{self.prog} --help` says what each does")
+        names = [n for n in names if (a := action(n)) is None or a.nargs != argparse.REMAINDER]
+        verb = "is" if len(names) == 1 else "are"
+        return f"{', '.join(names)} {verb} required; `{self.prog} --help` says what it takes"
+
     @staticmethod
     def _example(action: argparse.Action | None) -> str:
         """A value the flag takes: its default, else its first choice, else a typical one."""
@@ -175,11 +212,6 @@ class Parser(argparse.ArgumentParser):
         if action.choices:
             return str(next(iter(action.choices)))
         return {int: "8", float: "1.0"}.get(action.type, action.metavar or "VALUE")  # type: ignore[call-overload]
-
-
-def _add_format(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--format", choices=FORMATS, default="text",
-                   help="text for people, json for programs (default: text)")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -195,134 +227,164 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     parser = Parser(
         prog="plait", description="Scale PyTorch training from one device to many: data, "
-        "sharded, tensor and pipeline parallelism, planned and measured.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "sharded, tensor and pipeline parallelism, planned and measured.", epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"plait {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands: dict[str, Callable[[argparse.Namespace], int]] = {}
 
-    p = sub.add_parser("env", help="accelerators, backends and versions on this machine",
-                       description="List accelerators (with memory and peak FLOP/s where "
-                       "known), process-group backends and package versions.")
-    _add_format(p)
+    p = _command(sub, "env", "accelerators, backends and versions on this machine",
+                 "List accelerators (with memory and peak FLOP/s where known), process-group "
+                 "backends and package versions.",
+                 ["plait env", "plait env --format json"])
+    add_format(p)
     commands["env"] = _env
 
-    p = sub.add_parser(
-        "run", help="launch a training script on N processes (torchrun underneath)",
-        description="Launch SCRIPT on N processes per node. Standalone on 127.0.0.1 with a free "
-        "port unless --rdzv-endpoint is given; SLURM's variables are honoured. The script's own "
-        "--plan is checked against the world size before anything starts. Rank 0's output is "
-        "shown live; a failing rank's traceback is shown once.",
-        epilog="examples:\n"
-        "  plait run --nproc 4 train.py --plan dp=2,tp=2\n"
-        "  two machines, 8 processes each, the same command on both but --node-rank:\n"
-        "  plait run --nproc 8 --nnodes 2 --node-rank 0 --rdzv-endpoint gpu01:29400 train.py\n"
-        "  (torchrun picks the node that holds rank 0, by host name; the other node prints\n"
-        "  where rank 0's progress is)",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _command(
+        sub, "run", "launch a training script on N processes (torchrun underneath)",
+        "Launch SCRIPT on N processes per node. Standalone on 127.0.0.1 with a free port unless "
+        "--rdzv-endpoint is given; SLURM's variables are honoured. The script's own --plan is "
+        "checked against the world size before anything starts. Rank 0's output is shown live; "
+        "a failing rank's traceback is shown once.",
+        ["plait run --nproc 4 train.py --plan dp=2,tp=2",
+         "plait run --nproc 2 -m mypkg.train --plan dp=2",
+         "# two machines, 8 processes each, the same command on both but --node-rank:",
+         "plait run --nproc 8 --nnodes 2 --node-rank 0 --rdzv-endpoint gpu01:29400 train.py",
+         "# (torchrun picks the node that holds rank 0, by host name; the other node prints",
+         "# where rank 0's progress is)"])
     if wanted("run"):
         from . import launch
 
         launch.add_arguments(p)
     commands["run"] = _run
 
-    p = sub.add_parser(
-        "check", help="prove a layout trains the same model as one device",
-        description="Train --model (your pkg.module:function returning (model, dataset, "
-        "loss_fn), or a reference-model preset) for a few steps under --plan and on one device "
-        "(same seed, same batches); compare the loss of every step and every parameter.")
+    p = _command(
+        sub, "check", "prove a layout trains the same model as one device",
+        "Train --model (your pkg.module:function returning (model, dataset, loss_fn), or a "
+        "reference-model preset) for a few steps under --plan and on one device (same seed, "
+        "same batches); compare the loss of every step and every parameter. Exit 1 when they "
+        "differ.",
+        ["plait check --plan dp=2,tp=2",
+         "plait check --plan dp=2,sync_bn --model examples.your_own_model:factory",
+         "plait check --plan pp=2,microbatches=4 --steps 3 --format json"])
     if wanted("check"):
         from . import check_args  # no torch, as launch
 
         check_args.add_arguments(p)
     commands["check"] = _check
 
-    p = sub.add_parser("demo", help="the main job: tiny transformer on Shakespeare, 2 processes",
-                       description="Train the tiny reference transformer on the bundled corpus "
-                       "with N processes on CPU; prints the plan, progress, final loss vs the "
-                       "corpus's unigram entropy, throughput and the run summary.")
-    p.add_argument("--nproc", type=int, default=2, help="processes (default: 2)")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
-    p.add_argument("--plan", default=None, help="layout (default: data parallel over all ranks)")
+    p = _command(sub, "demo", "the main job: tiny transformer on Shakespeare, 2 processes",
+                 "Train the tiny reference transformer on the bundled corpus with N processes "
+                 "on CPU; prints the plan, progress, final loss vs the corpus's unigram entropy, "
+                 "throughput and the run summary.",
+                 ["plait demo", "plait demo --nproc 4 --plan dp=2,tp=2 --steps 100"])
+    p.add_argument("--nproc", type=int, default=2, metavar="N",
+                   help="processes to start (default: 2)")
+    p.add_argument("--steps", type=int, default=300, metavar="N",
+                   help="optimizer steps (default: 300)")
+    p.add_argument("--plan", default=None, help="layout, e.g. dp=2,tp=2 (default: data "
+                   "parallel over all processes)")
     commands["demo"] = _demo
 
-    p = sub.add_parser(
-        "plan", help="rank layouts for a model on a cluster before buying hardware",
-        description="Search data, ZeRO, tensor, sequence and pipeline layouts for --model on "
-        "--cluster; print a ranked table (step time, tokens/s, TFLOP/s and MFU per device, "
-        "memory per device, bytes per mesh axis, bubble) and why the winner wins. --plan "
-        "evaluates one given layout. Exit 1 when nothing fits.",
-        epilog="example: plait plan --model llama-7b --cluster dgx-h100 --nodes 2 "
-        "--global-batch 512 --seq 4096", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _command(
+        sub, "plan", "rank layouts for a model on a cluster before buying hardware",
+        "Search data, ZeRO, tensor, sequence and pipeline layouts for --model on --cluster; "
+        "print a ranked table (step time, tokens/s, TFLOP/s and MFU per device, memory per "
+        "device, bytes per mesh axis, bubble) and why the winner wins. --plan evaluates one "
+        "given layout. Exit 1 when nothing fits.",
+        ["plait plan --model llama-7b --cluster dgx-h100 --nodes 2 --global-batch 512 "
+         "--seq 4096",
+         "plait plan --model llama-7b --cluster dgx-h100 --global-batch 64 --seq 2048 "
+         "--plan dp_shard=8,zero=3,mp=bf16,accum=2",
+         "plait plan --model examples.your_own_model:factory --cluster cpu --devices 4 "
+         "--global-batch 32"])
     if wanted("plan"):
         from .planner import cli as planner_cli
 
         planner_cli.add_plan_arguments(p)
     commands["plan"] = _plan
 
-    p = sub.add_parser(
-        "schedule", help="print a pipeline schedule as a step x rank grid, without running it",
-        description="Print a pipeline schedule (gpipe, 1f1b, interleaved_1f1b, looped_bfs, "
-        "interleaved_zb, zbv) as a step x rank grid: F<mb> forward, B<mb> backward (I/W: the "
-        "input- and weight-gradient halves of zero-bubble schedules), @<stage> when a rank holds "
-        "several stages, '.' idle; with the theoretical bubble and microbatches in flight.",
-        epilog="example: plait schedule --schedule interleaved_1f1b --pp 4 -m 8 -v 2",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _command(
+        sub, "schedule", "print a pipeline schedule as a step x rank grid, without running it",
+        "Print a pipeline schedule (gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, "
+        "zbv) as a step x rank grid: F<mb> forward, B<mb> backward (I/W: the input- and "
+        "weight-gradient halves of zero-bubble schedules), @<stage> when a rank holds several "
+        "stages, '.' idle; with the theoretical bubble and microbatches in flight.",
+        ["plait schedule --schedule interleaved_1f1b --pp 4 -m 8 -v 2",
+         "plait schedule --all --pp 2 -m 4 --format json"])
     if wanted("schedule"):
         from .parallel import schedules
 
         schedules.add_schedule_arguments(p)
     commands["schedule"] = _schedule
 
-    p = sub.add_parser(
-        "comm", help="measure the bytes a plan sends per mesh axis, beside the closed form",
-        description="Train the reference model for a few steps under --plan with the "
-        "communication ledger on; print per mesh axis and collective the measured bytes per "
-        "rank per step, the closed-form prediction, their ratio, counts, time and bandwidth.")
+    p = _command(
+        sub, "comm", "measure the bytes a plan sends per mesh axis, beside the closed form",
+        "Train the reference model for a few steps under --plan with the communication ledger "
+        "on; print per mesh axis and collective the measured bytes per rank per step, the "
+        "closed-form prediction, their ratio, counts, time and bandwidth.",
+        ["plait comm --plan tp=2,sp=true --steps 1",
+         "plait comm --plan dp_shard=2,zero=3 --model tiny --global-batch 8 --format json",
+         "plait comm --plan dp=2 --plot comm.png"])
     if wanted("comm"):
         from .comm import cli as comm_cli
 
         comm_cli.add_comm_arguments(p)
     commands["comm"] = _comm
 
-    p = sub.add_parser("bench", help="benchmarks: `plait bench comm` (collective bandwidth)",
-                       description="Benchmarks that print measured figures.")
+    p = _command(sub, "bench", "benchmarks that print measured figures",
+                 "Benchmarks that print measured figures: `plait bench comm`, collective "
+                 "bandwidth over a size sweep.",
+                 ["plait bench comm --ops all_reduce --max-bytes 16M"])
     bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
-    q = bench_sub.add_parser(
-        "comm", help="collective bandwidth over a size sweep (algbw, busbw as nccl-tests)",
-        description="broadcast, reduce, all-reduce, all-gather, reduce-scatter, all-to-all and "
-        "send/recv over a size sweep on --nproc local ranks; algbw = size/time, busbw = algbw x "
-        "bus factor (nccl-tests' definitions). --format json feeds the planner's calibration.")
+    q = _command(
+        bench_sub, "comm", "collective bandwidth over a size sweep (algbw, busbw as nccl-tests)",
+        "Broadcast, reduce, all-reduce, all-gather, reduce-scatter, all-to-all and send/recv "
+        "over a size sweep on --nproc local ranks; algbw = size/time, busbw = algbw x bus "
+        "factor (nccl-tests' definitions). --format json feeds the planner's calibration.",
+        ["plait bench comm --ops all_reduce,all_gather --max-bytes 16M --nproc 4",
+         "plait bench comm --backend nccl --nproc 8 --format json"])
     if wanted("bench"):
         from .comm import cli as comm_cli
 
         comm_cli.add_bench_comm_arguments(q)
     commands["bench"] = _bench
 
-    p = sub.add_parser(
-        "export", help="a checkpoint's model as one safetensors file (or a Hugging Face folder)",
-        description="Read the model tensors of CHECKPOINT (saved under any plan and world size) "
-        "at full size and write them, under the model's own parameter names, to one "
-        ".safetensors file usable without plait or torch.distributed; for a Hugging Face "
-        "model, --to DIR writes DIR/model.safetensors and DIR/config.json.",
-        epilog="example: plait export ckpt/ --to model.safetensors",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _command(
+        sub, "export", "a checkpoint's model as one safetensors file (or a Hugging Face folder)",
+        "Read the model tensors of CHECKPOINT (saved under any plan and world size) at full "
+        "size and write them, under the model's own parameter names, to one .safetensors file "
+        "usable without plait or torch.distributed; for a Hugging Face model, --to DIR writes "
+        "DIR/model.safetensors and DIR/config.json.",
+        ["plait export ckpt/ --to model.safetensors",
+         "plait export ckpt/step-00000300 --to model.safetensors --format json"])
     if wanted("export"):
         from .checkpoint import export
 
         export.add_arguments(p)
     commands["export"] = _export
 
-    p = sub.add_parser(
-        "doctor", help="check this machine for what usually breaks a start (TPU, GPU, network)",
-        description="Pass/warn/fail checks, each with its fix: torch vs torch-xla / torch-tpu "
-        "versions, PJRT_DEVICE, a TPU held by another process, libtpu, NCCL peer-to-peer between "
-        "GPUs, InfiniBand for multi-node jobs, the master address and port, the gloo interface "
-        "on one node, the world-size variables. Exit 1 when a check fails.")
-    _add_format(p)
+    p = _command(
+        sub, "doctor", "check this machine for what usually breaks a start (TPU, GPU, network)",
+        "Pass/warn/fail checks, each with its fix: torch vs torch-xla / torch-tpu versions, "
+        "PJRT_DEVICE, a TPU held by another process, libtpu, NCCL peer-to-peer between GPUs, "
+        "InfiniBand for multi-node jobs, the master address and port, the gloo interface on one "
+        "node, the world-size variables. Exit 1 when a check fails.",
+        ["plait doctor", "plait doctor --format json"])
+    add_format(p)
     commands["doctor"] = _doctor
 
     parser.set_defaults(_commands=commands, _parsers=sub.choices)
+    return parser
+
+
+def _command(sub: argparse._SubParsersAction, name: str, summary: str, details: str,
+             examples: list[str]) -> argparse.ArgumentParser:
+    """A command's parser whose help opens with the one line `plait --help` lists for it,
+    then what it does, and ends with commands to copy (``# `` lines are comments)."""
+    lines = "\n".join(f"  {e}" for e in examples)
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, help=summary, description=f"{summary[0].upper()}{summary[1:]}.\n\n{details}",
+        epilog=f"example{'s' if len(examples) > 1 else ''}:\n{lines}")
     return parser
 
 
@@ -335,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    # "bench comm", as the failure line names it (`plait bench comm: failed: ...`)
+    args._named = command_parsers(parser, args)[-1].prog.removeprefix(f"{parser.prog} ")
     try:
         with _signals_interrupt():
             return args._commands[args.command](args)
@@ -382,8 +446,11 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
         sys.stderr.write(said.getvalue())
         if exc.code not in (0, None):
             lines = said.getvalue().strip().splitlines() or ["invalid arguments"]
-            message = lines[-1].split(" error: ", 1)[-1]
-            print(json_error(command or "", message, int(exc.code)))
+            # "plait bench comm: error: ...": the parser that refused names the command
+            prog, _, message = lines[-1].rpartition(": error: ")
+            named = prog.removeprefix(f"{parser.prog} ") \
+                if prog.startswith(f"{parser.prog} ") else command or ""
+            print(json_error(named, message or lines[-1], int(exc.code)))
         raise
 
 
@@ -393,15 +460,29 @@ def _parse_all(parser: argparse.ArgumentParser, argv: list[str],
     name and --help the message gives), not by the top-level one."""
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        own = args._parsers.get(command) if command else None
-        (own or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        command_parsers(parser, args)[-1].error(f"unrecognized arguments: {' '.join(unknown)}")
     return args
+
+
+def command_parsers(parser: argparse.ArgumentParser,
+                    args: argparse.Namespace) -> list[argparse.ArgumentParser]:
+    """The parsers ``args`` went through: ``plait``, ``plait bench``, ``plait bench comm``.
+    The last one's ``prog`` is the full command, which its errors and help name."""
+    chain = [parser]
+    while True:
+        sub = next((a for a in chain[-1]._actions
+                    if isinstance(a, argparse._SubParsersAction)), None)
+        name = getattr(args, sub.dest, None) if sub is not None else None
+        if sub is None or name not in sub.choices:
+            return chain
+        chain.append(sub.choices[name])
 
 
 def _failed(args: argparse.Namespace, message: str, code: int) -> int:
     from .outputs import command_failed
 
-    return command_failed(args.command, message, code, getattr(args, "format", None))
+    return command_failed(getattr(args, "_named", args.command), message, code,
+                          getattr(args, "format", None))
 
 
 class Interrupted(BaseException):

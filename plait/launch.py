@@ -551,18 +551,20 @@ def _explain_failure(cfg: LaunchConfig, log_dir: str, report: str, kept_err: lis
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", type=int, default=None,
+    parser.add_argument("--nproc", type=int, default=None, metavar="N",
                         help="processes per node (default: the number of GPUs, else 1)")
-    parser.add_argument("--nnodes", type=int, default=None, help="nodes (default: 1, or SLURM's)")
-    parser.add_argument("--node-rank", type=int, default=None, help="this node's index")
+    parser.add_argument("--nnodes", type=int, default=None, metavar="N",
+                        help="nodes (machines) in the job (default: 1, or SLURM's)")
+    parser.add_argument("--node-rank", type=int, default=None, metavar="I",
+                        help="this node's index, 0 to --nnodes - 1 (default: 0, or SLURM's)")
     parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                         help="rendezvous address for multi-node jobs (default: local, free port)")
     parser.add_argument("--rdzv-timeout", type=float, default=600.0, metavar="SECONDS",
-                        help="multi-node: how long to wait for every node to join (default: "
+                        help="multi-node: seconds to wait for every node to join (default: "
                              "600)")
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="restart the whole group this many times on failure (default: 0)")
-    parser.add_argument("--log-dir", default=None,
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="times to restart the whole group on failure (default: 0)")
+    parser.add_argument("--log-dir", default=None, metavar="DIR",
                         help="keep every rank's stdout/stderr here (default: temporary, removed "
                              "after a successful run)")
     parser.add_argument("-m", dest="module", action="store_true",

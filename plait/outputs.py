@@ -8,6 +8,7 @@ the file would have had (matplotlib would otherwise write ``/tmp`` as ``/tmp.png
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -56,6 +57,13 @@ def writable_folder(folder: Path, what: str, *, create: bool = False) -> None:
 # Every report's --format: "text" and "table" are the same human output (commands that print
 # tables said "table", the others "text"; each accepts both, so neither spelling fails).
 FORMATS = ("text", "table", "json")
+
+
+def add_format(parser: argparse.ArgumentParser, default: str = "text") -> None:
+    """Every report's ``--format``, said alike in every command's help."""
+    parser.add_argument("--format", choices=FORMATS, default=default,
+                        help=f"text (or table) for people, json for programs (default: "
+                        f"{default})")
 
 
 def command_failed(command: str, message: str, code: int, fmt: str | None = None) -> int:

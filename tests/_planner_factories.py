@@ -142,3 +142,29 @@ def learned_positions():
 
 def two_position_tables():
     return LearnedPositions(extra_positions=12)
+
+
+
+class _SeededData:
+    """Tokens and their next-token targets, drawn from the dataset's own generator."""
+
+    def __init__(self):
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, 64, (32, 17), generator=g)
+        self.scale = torch.randn(32, generator=g)  # a float draw too (randn's own meta path)
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return self.tokens[i, :-1], self.tokens[i, 1:]
+
+
+def with_seeded_data():
+    """plait check's (model, dataset, loss_fn), the dataset drawn from its own generator (whose
+    meta-device form imports torch._dynamo)."""
+    import torch.nn.functional as F
+
+    return LearnedPositions(), _SeededData(), F.cross_entropy

@@ -340,6 +340,15 @@ def test_keep_last_k(tmp_path, no_group):
 
 
 # ------------------------------------------------------------------------------ export
+def test_export_answers_in_json(saved, tmp_path, capsys):
+    """`plait export --format json`: what was written, as JSON on stdout alone."""
+    out = tmp_path / "m.safetensors"
+    assert cli_main(["export", str(saved), "--to", str(out), "--format", "json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["step"] == 6 and info["to"] == str(out) and info["config"] is None
+    assert info["bytes"] == out.stat().st_size and info["tensors"] > 0
+
+
 def test_export_safetensors_loads_without_plait(saved, tmp_path):
     from safetensors.torch import load_file
 

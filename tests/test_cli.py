@@ -281,7 +281,8 @@ def test_every_report_takes_one_spelling_of_format(fmt):
     (["plan"], "--seq", ("--seq-len",), "seq"),
     (["check", "--plan", "dp=2"], "--global-batch", ("--batch-size", "--batch"), "batch_size"),
     (["check", "--plan", "dp=2"], "--seq", ("--seq-len",), "seq_len"),
-    (["comm", "--plan", "dp=2"], "--replica-batch", ("--batch",), "batch"),
+    (["comm", "--plan", "dp=2"], "--global-batch", ("--batch-size", "--batch"), "global_batch"),
+    (["comm", "--plan", "dp=2"], "--replica-batch", (), "replica_batch"),
     (["comm", "--plan", "dp=2"], "--seq", ("--seq-len",), "seq"),
 ])
 def test_one_spelling_per_flag_and_the_others_as_aliases(command, canonical, aliases, dest):

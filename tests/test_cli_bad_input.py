@@ -31,7 +31,15 @@ CASES = [
     (["check", "--plan", "dp=2", "--model", "bogus"],
      "--model 'bogus' is not a reference preset (tiny, test, small"),
     (["check", "--plan", "dp=2", "--model", "bogus"], "e.g. --model bogus:build"),
-    (["comm", "--plan", "dp=2", "--batch", "0"], "--replica-batch=0"),
+    (["comm", "--plan", "dp=2", "--batch", "0"], "--batch=0 must be >= 1"),
+    (["comm", "--plan", "dp=2", "--replica-batch", "0"], "--replica-batch=0 must be >= 1"),
+    (["comm", "--plan", "dp=2", "--global-batch", "6", "--batch-size", "3"],
+     "--batch-size=3 does not split over 2 data-parallel replica(s): use a multiple of 2, "
+     "e.g. --global-batch 2, or --replica-batch N"),
+    (["comm", "--plan", "dp=2,grad_accum=2", "--global-batch", "6"],
+     "over 2 data-parallel replica(s) x grad_accum=2 = 4: use a multiple of 4"),
+    (["comm", "--plan", "pp=2,microbatches=4", "--replica-batch", "6"],
+     "--replica-batch=6 does not split into 4 microbatches = 4 micro-batches"),
     (["comm", "--plan", "dp=2", "--seq", "-1"], "--seq=-1"),
     (["check", "--plan", "dp=2", "--timeout", "0"], "--timeout=0.0"),
     (["comm", "--plan", "dp=2", "--timeout", "0"], "--timeout=0.0"),
@@ -188,9 +196,87 @@ def test_argparse_errors_are_one_plait_line(capsys, argv, line):
     assert out.err.strip() == line and out.out == "", out.err
 
 
+# Every command (`plait --help` lists them) with a flag it does not take and a value of the
+# wrong kind: the line names the full command, `plait bench comm` included.
+EVERY_COMMAND = [
+    (["env", "--bogus"], "env", "unknown argument(s) --bogus; `plait env --help` lists the flags"),
+    (["env", "--format", "x"], "env", "--format 'x' is not one of text, table, json"),
+    (["run", "--bogus", "train.py"], "run", "unknown argument(s) --bogus"),
+    (["run", "--nproc", "x", "train.py"], "run", "--nproc 'x' is not a whole number"),
+    (["run"], "run", "script is required; `plait run --help` says what it takes"),
+    (["check", "--plan", "dp=2", "--bogus"], "check", "unknown argument(s) --bogus"),
+    (["check", "--plan", "dp=2", "--steps", "x"], "check", "--steps 'x' is not a whole number"),
+    (["demo", "--bogus"], "demo", "unknown argument(s) --bogus; `plait demo --help`"),
+    (["demo", "--steps", "1.5"], "demo", "--steps '1.5' is not a whole number; pass one, e.g. "
+                                         "--steps 300"),
+    (["plan", "--bogus"], "plan", "unknown argument(s) --bogus; `plait plan --help`"),
+    (["plan", "--memory-gb", "lots"], "plan", "--memory-gb 'lots' is not a number"),
+    (["schedule", "--bogus"], "schedule", "unknown argument(s) --bogus"),
+    (["schedule", "--pp", "x"], "schedule", "--pp 'x' is not a whole number; pass one, e.g. "
+                                            "--pp 4"),
+    (["comm", "--plan", "dp=2", "--bogus"], "comm", "unknown argument(s) --bogus"),
+    (["comm", "--plan", "dp=2", "--replica-batch", "x"], "comm",
+     "--replica-batch 'x' is not a whole number"),
+    (["comm", "--plan", "dp=2", "--batch", "4", "--replica-batch", "2"], "comm",
+     "--replica-batch and --global-batch set the same thing two ways; give one of them"),
+    (["bench"], "bench", "a command is required, one of comm; `plait bench --help` says what "
+                         "each does"),
+    (["bench", "comm", "--bogus"], "bench comm",
+     "unknown argument(s) --bogus; `plait bench comm --help` lists the flags"),
+    (["bench", "comm", "--nproc", "x"], "bench comm", "--nproc 'x' is not a whole number"),
+    (["bench", "comm", "--backend", "mpi"], "bench comm",
+     "--backend 'mpi' is not one of gloo, nccl; e.g. --backend gloo"),
+    (["export", "ckpt", "--to", "m.safetensors", "--bogus"], "export",
+     "unknown argument(s) --bogus; `plait export --help`"),
+    (["export", "ckpt"], "export", "--to is required"),
+    (["export"], "export", "checkpoint, --to are required"),
+    (["doctor", "--bogus"], "doctor", "unknown argument(s) --bogus; `plait doctor --help`"),
+    (["doctor", "--format", "x"], "doctor", "--format 'x' is not one of text, table, json"),
+    (["bogus"], "", "'bogus' is not a command of plait (env, run, check"),
+]
+
+
+@pytest.mark.parametrize("argv, command, fragment", EVERY_COMMAND)
+def test_every_commands_argparse_errors_name_the_full_command(capsys, argv, command, fragment):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    out = capsys.readouterr()
+    prefix = f"plait {command}: error: " if command else "plait: error: "
+    assert out.err.startswith(prefix) and fragment in out.err, out.err
+    assert len(out.err.strip().splitlines()) == 1 and out.out == "", out.err
+
+
+@pytest.mark.parametrize("argv, command, error", [
+    (["bench", "comm", "--format", "json", "--bogus"], "bench comm",
+     "unknown argument(s) --bogus; `plait bench comm --help` lists the flags"),
+    (["bench", "comm", "--format", "json", "--nproc", "x"], "bench comm",
+     "--nproc 'x' is not a whole number; pass one, e.g. --nproc 2"),
+    (["bogus", "--format", "json"], "bogus", "'bogus' is not a command of plait (env, run, "),
+])
+def test_a_json_error_names_the_command_that_refused(capsys, argv, command, error):
+    with pytest.raises(SystemExit):
+        main(argv)
+    import json
+
+    data = json.loads(capsys.readouterr().out)
+    assert data["command"] == command and data["error"].startswith(error), data
+
+
 def test_a_bad_value_after_a_good_parse_is_still_one_line(capsys):
     """Values of the right type that are out of range are refused after parsing, as before:
     the two kinds of refusal read alike (one line, exit 2)."""
     assert main(["check", "--plan", "dp=2", "--steps", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "plait check: error: --steps=-1 must be >= 1", err
+
+
+def test_the_failure_line_names_the_nested_command():
+    """A worker's failure or a timeout under `plait bench comm` is said as `plait bench comm:
+    failed: ...`: the name is the last parser's, the one the arguments went through."""
+    from plait.cli import build_parser, command_parsers
+
+    parser = build_parser()
+    for argv, prog in ((["bench", "comm"], "plait bench comm"), (["env"], "plait env"),
+                       (["comm", "--plan", "dp=2"], "plait comm")):
+        assert command_parsers(parser, parser.parse_args(argv))[-1].prog == prog

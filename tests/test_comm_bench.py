@@ -15,9 +15,12 @@ from plait.comm import bench
 from plait.comm.cli import (
     add_bench_comm_arguments,
     add_comm_arguments,
+    batch_warning,
     bench_comm_command,
     comm_command,
+    replica_batch,
 )
+from plait.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,8 +94,48 @@ def test_plait_comm_reports_measured_beside_expected(capsys):
                               "--warmup", "1", "--format", "json"))
     assert code == 0
     data = json.loads(capsys.readouterr().out)
-    assert (data["plan"], data["model"], data["batch"]) == ("tp=2", "test", 4)
+    assert (data["plan"], data["model"]) == ("tp=2", "test")
+    assert (data["global_batch"], data["replica_batch"]) == (4, 4)  # one replica, 4 per replica
     rows = {(r["axis"], r["op"]): r for r in data["rows"]}
     # plait's TP keeps the logits vocabulary-sharded (loss_parallel): no logits all-gather.
     assert set(rows) == {("tp", "all_reduce")}
     assert all(r["ratio"] == 1.0 for r in rows.values())
+
+
+@pytest.mark.parametrize("argv, plan, replica, warned", [
+    # --global-batch, as on every command, and its two other spellings: over all replicas
+    (["--global-batch", "8"], "dp=2", 4, False),
+    (["--batch-size", "8"], "dp=2", 4, False),
+    (["--batch", "8"], "dp=2", 4, True),  # meant 8 per replica before: said once, on stderr
+    (["--batch", "8"], "tp=2", 8, False),  # one replica: both meanings are 8 per replica
+    (["--global-batch", "8"], "dp_shard=2,zero=3,tp=2", 4, False),
+    (["--replica-batch", "8"], "dp=2", 8, False),
+    ([], "dp=2", 4, False),  # default: 4 per replica
+    ([], "pp=2,microbatches=8", 8, False),  # the default split into the plan's micro-batches
+])
+def test_comm_batch_spellings(argv, plan, replica, warned):
+    args = _args(add_comm_arguments, "--plan", plan, *argv)
+    parsed = Plan.from_string(plan)
+    assert replica_batch(args, parsed) == replica
+    warning = batch_warning(args, parsed)
+    assert (warning is not None) == warned, warning
+    if warned:
+        assert warning == ("--batch 8 is the global batch, as on every plait command: 4 "
+                           "sequences per replica over 2 replicas (plait comm read it per "
+                           "replica before; for that, --replica-batch 8)")
+
+
+def test_comm_batch_is_the_global_batch_end_to_end(capsys):
+    """`plait comm --plan dp=2 --batch 4`: 2 sequences per replica, the warning one line on
+    stderr ahead of the report, the JSON report on stdout untouched."""
+    from plait.cli import main
+
+    assert main(["comm", "--plan", "dp=2", "--batch", "4", "--steps", "1", "--warmup", "0",
+                 "--timeout", "120", "--format", "json"]) == 0
+    out = capsys.readouterr()
+    data = json.loads(out.out)
+    assert (data["global_batch"], data["replica_batch"]) == (4, 2), data
+    assert out.err.strip().splitlines() == [
+        "plait comm: warning: --batch 4 is the global batch, as on every plait command: 2 "
+        "sequences per replica over 2 replicas (plait comm read it per replica before; for "
+        "that, --replica-batch 4)"], out.err

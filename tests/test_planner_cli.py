@@ -246,3 +246,38 @@ def test_reading_a_factory_on_meta_skips_random_fills_and_torch_dynamo():
 
     params = sum(p.numel() for p in learned_positions().parameters())
     assert out.stdout.split() == [str(params), "False"], out.stderr
+
+
+def test_a_seeded_dataset_on_meta_draws_without_torch_dynamo():
+    """A factory's dataset drawn from its own generator (``torch.randn(..., generator=g)``)
+    reaches torch's Python reference on the meta device, which imports torch._dynamo; the
+    planner's meta build draws there without the generator (a meta tensor holds no values)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from plait.planner.model_stats import load_model; "
+            "s = load_model('tests._planner_factories:with_seeded_data'); "
+            "print(s.num_params, 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True)
+    from tests._planner_factories import learned_positions
+
+    params = sum(p.numel() for p in learned_positions().parameters())
+    assert out.stdout.split() == [str(params), "False"], out.stderr
+
+
+def test_a_plan_without_tp_or_pp_does_not_import_their_machinery():
+    """`plait plan --model pkg:factory --plan dp=2` asks the model about the layout, and a
+    layout with neither tensor parallelism nor a pipeline needs neither DTensor (which
+    plait.parallel.tensor imports, with FSDP) nor torch.distributed.pipelining."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from plait.cli import main; "
+            "code = main(['plan', '--model', 'tests._planner_factories:learned_positions', "
+            "'--cluster', 'cpu', '--global-batch', '8', '--plan', 'dp=2', '--format', 'json']); "
+            "print(code, *(m in sys.modules for m in ('torch.distributed.tensor', "
+            "'torch.distributed.pipelining', 'plait.parallel.tensor')), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True)
+    assert out.stderr.split()[-4:] == ["0", "False", "False", "False"], out.stderr

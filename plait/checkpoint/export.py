@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..outputs import FORMATS, writable_folder
+from ..outputs import add_format, writable_folder
 from . import store
 from .errors import CheckpointError
 from .safe import read_metadata, read_tensors
@@ -126,8 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--to", required=True,
                    help="model.safetensors, or a folder (Hugging Face models: safetensors and "
                    "config.json)")
-    p.add_argument("--format", choices=FORMATS, default="text",
-                   help="text for people, json for programs (default: text)")
+    add_format(p)
 
 
 def command(args: argparse.Namespace) -> int:

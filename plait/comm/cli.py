@@ -11,7 +11,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ..outputs import FORMATS, command_failed, plot_path
+from ..outputs import add_format, command_failed, plot_path
 from . import bench
 
 if TYPE_CHECKING:
@@ -23,16 +23,22 @@ def add_bench_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", default="all",
                         help="comma list of collectives (default all: "
                              f"{','.join(bench.BENCH_OPS)})")
-    parser.add_argument("--min-bytes", default="1K", help="smallest message (default 1K)")
-    parser.add_argument("--max-bytes", default="256M", help="largest message (default 256M)")
-    parser.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2)")
-    parser.add_argument("--iters", type=int, default=10, help="timed calls per size (default 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per size first")
+    parser.add_argument("--min-bytes", default="1K", metavar="BYTES",
+                        help="smallest message in bytes; K, M, G are powers of 1024 (default: "
+                        "1K)")
+    parser.add_argument("--max-bytes", default="256M", metavar="BYTES",
+                        help="largest message in bytes, as --min-bytes (default: 256M)")
+    parser.add_argument("--nproc", type=int, default=2, metavar="N",
+                        help="local ranks (processes) to spawn (default: 2)")
+    parser.add_argument("--iters", type=int, default=10, metavar="N",
+                        help="timed calls per size (default: 10)")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N",
+                        help="untimed calls per size before the timed ones (default: 2)")
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                         help="process-group backend (default gloo)")
-    parser.add_argument("--format", default="table", choices=FORMATS)
-    parser.add_argument("--timeout", type=float, default=3600.0,
-                        help="seconds before the run is declared hung")
+    add_format(parser, "table")
+    parser.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS",
+                        help="seconds before the run is declared hung (default: 3600)")
 
 
 def bench_comm_command(args: argparse.Namespace) -> int:
@@ -63,24 +69,48 @@ def bench_comm_command(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------- plait comm
+# Sequences per data-parallel replica when neither --global-batch nor --replica-batch is given.
+REPLICA_BATCH = 4
+
+
+class _Spelled(argparse.Action):
+    """Store the value and the spelling typed (``args.global_batch_flag``): ``--batch`` meant
+    sequences per replica on ``plait comm`` before it meant the global batch, as on every other
+    command, and a user who typed it is told when the two meanings differ."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_flag", option_string)
+
+
 def add_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="plan string or file, e.g. 'tp=2,sp=true'")
-    parser.add_argument("--model", default="test", help="reference model preset (default test)")
-    parser.add_argument("--steps", type=int, default=2, help="measured steps (default 2)")
-    parser.add_argument("--warmup", type=int, default=2,
-                        help="steps before measuring (lazy init, DDP bucket rebuild)")
-    parser.add_argument("--replica-batch", "--batch", dest="batch", metavar="N",
-                        type=int, default=4,
-                        help="sequences per data-parallel replica per step (default 4; the "
-                        "global batch is this times the data-parallel degree; also spelt "
-                        "--batch)")
+    parser.add_argument("--model", default="test",
+                        help="reference model preset (default: test)")
+    parser.add_argument("--steps", type=int, default=2, metavar="N",
+                        help="measured training steps (default: 2)")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N",
+                        help="training steps before measuring, not counted: lazy init, DDP "
+                        "bucket rebuild (default: 2)")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--global-batch", "--batch-size", "--batch", dest="global_batch",
+                       metavar="N", type=int, default=None, action=_Spelled,
+                       help="sequences per step over all data-parallel replicas, as on every "
+                       "plait command; a multiple of the plan's data-parallel degree (default: "
+                       f"{REPLICA_BATCH} per replica; also spelt --batch-size, --batch)")
+    sizes.add_argument("--replica-batch", dest="replica_batch", metavar="N", type=int,
+                       default=None, help="sequences per data-parallel replica per step, "
+                       "instead of --global-batch: the global batch is this times the "
+                       f"data-parallel degree (default: {REPLICA_BATCH})")
     parser.add_argument("--seq", "--seq-len", dest="seq", metavar="N", type=int, default=None,
                         help="tokens per sequence (default: the model's max, at most 128; also "
                         "spelt --seq-len)")
-    parser.add_argument("--format", default="table", choices=FORMATS)
+    add_format(parser, "table")
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="write a bar chart (needs the plot extra: matplotlib)")
-    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="seconds before the run is declared hung (default: 600)")
 
 
 def comm_worker(rank: int, world: int, plan: Plan | str, model_name: str, steps: int,
@@ -134,8 +164,7 @@ def comm_command(args: argparse.Namespace) -> int:
         cfg = preset(args.model)
         if args.steps < 1 or args.warmup < 0:
             raise ValueError(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
-        if args.batch < 1:
-            raise ValueError(f"--replica-batch={args.batch} must be >= 1 (sequences per replica)")
+        replica = replica_batch(args, plan)
         if args.seq is not None and not 1 <= args.seq <= 4096:
             raise ValueError(f"--seq={args.seq} must be in 1..4096 (tokens per sequence)")
         if not args.timeout > 0:
@@ -148,18 +177,22 @@ def comm_command(args: argparse.Namespace) -> int:
         seq = args.seq or min(cfg.max_seq_len, 128)
     except ValueError as e:
         return command_failed("comm", f"error: {e}", 2, args.format)
+    warning = batch_warning(args, plan)
+    if warning:
+        print(f"plait comm: warning: {warning}", file=sys.stderr)
     # The Plan itself, not its string form: that one leaves out plan.options.
     with user_errors():
         results = run_distributed(comm_worker, plan.world_size, plan, args.model,
-                                  args.steps, args.warmup, args.batch, seq, timeout=args.timeout)
+                                  args.steps, args.warmup, replica, seq, timeout=args.timeout)
     data = results[0]
     if args.format == "json":
-        print(json.dumps({"plan": _plan_text(plan), "model": args.model, "batch": args.batch,
+        print(json.dumps({"plan": _plan_text(plan), "model": args.model,
+                          "global_batch": replica * plan.dp, "replica_batch": replica,
                           "seq": seq, **data}, indent=2))
     else:
         report = _from_dict(CommReport, data)
-        print(f"plait comm: plan {_plan_text(plan)}, model {args.model}, batch {args.batch} x "
-              f"seq {seq} per replica")
+        print(f"plait comm: plan {_plan_text(plan)}, model {args.model}, global batch "
+              f"{replica * plan.dp} ({replica} per replica) x seq {seq}")
         print(report.table())
     if args.plot:
         written = _from_dict(CommReport, data).plot(args.plot)
@@ -169,6 +202,52 @@ def comm_command(args: argparse.Namespace) -> int:
         else:
             print(f"wrote {written}", file=sys.stderr if args.format == "json" else sys.stdout)
     return 0
+
+
+def replica_batch(args: argparse.Namespace, plan: Plan) -> int:
+    """Sequences per data-parallel replica per step, from ``--global-batch`` or
+    ``--replica-batch`` (or the default); ValueError (the value and a fix) when it is not
+    positive or does not split evenly over the replicas and their micro-batches."""
+    micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
+    split = " x ".join([*([f"grad_accum={plan.grad_accum}"] if plan.grad_accum > 1 else []),
+                        *([f"{plan.microbatches} microbatches"] if plan.pp > 1 else [])])
+    if args.global_batch is not None:
+        flag = getattr(args, "global_batch_flag", None) or "--global-batch"
+        parts = plan.dp * micro
+        if args.global_batch < 1:
+            raise ValueError(f"{flag}={args.global_batch} must be >= 1 (sequences per step over "
+                             f"all replicas)")
+        if args.global_batch % parts:
+            raise ValueError(
+                f"{flag}={args.global_batch} does not split over {plan.dp} data-parallel "
+                f"replica(s){f' x {split} = {parts}' if micro > 1 else ''}: use a multiple "
+                f"of {parts}, e.g. "
+                f"--global-batch {parts * max(1, args.global_batch // parts)}, or "
+                f"--replica-batch N for N sequences per replica")
+        return int(args.global_batch // plan.dp)
+    if args.replica_batch is None:  # the default, made to split into the micro-batches
+        return -(-REPLICA_BATCH // micro) * micro
+    if args.replica_batch < 1:
+        raise ValueError(f"--replica-batch={args.replica_batch} must be >= 1 (sequences per "
+                         f"replica)")
+    if args.replica_batch % micro:
+        raise ValueError(f"--replica-batch={args.replica_batch} does not split into {split} "
+                         f"= {micro} micro-batches: use a multiple of {micro}, e.g. "
+                         f"--replica-batch {micro * max(1, args.replica_batch // micro)}")
+    return int(args.replica_batch)
+
+
+def batch_warning(args: argparse.Namespace, plan: Plan) -> str | None:
+    """The line a user of ``--batch`` is shown where its earlier meaning on ``plait comm``
+    (sequences per replica) differs from its meaning now (the global batch): with more than
+    one data-parallel replica; else None. ``--global-batch`` and ``--batch-size`` never meant
+    anything else and say nothing."""
+    if getattr(args, "global_batch_flag", None) != "--batch" or plan.dp == 1:
+        return None
+    return (f"--batch {args.global_batch} is the global batch, as on every plait command: "
+            f"{args.global_batch // plan.dp} sequences per replica over {plan.dp} replicas "
+            f"(plait comm read it per replica before; for that, --replica-batch "
+            f"{args.global_batch})")
 
 
 def _plan_text(plan: Any) -> str:

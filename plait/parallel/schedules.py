@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from ..outputs import FORMATS
+from ..outputs import add_format
 from ..plan import MULTI_STAGE_SCHEDULES, PP_SCHEDULES
 
 # Relative cost of each action kind on a balanced pipeline: a backward costs two forwards (one
@@ -329,13 +329,14 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="{" + ",".join(PP_SCHEDULES) + "}",
                         help="pipeline schedule (default: 1f1b); 'all' is not a schedule, "
                              "use --all")
-    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (default: 4)")
-    parser.add_argument("--microbatches", "-m", type=int, default=8,
+    parser.add_argument("--pp", type=int, default=4, metavar="N",
+                        help="pipeline ranks (default: 4)")
+    parser.add_argument("--microbatches", "-m", type=int, default=8, metavar="N",
                         help="microbatches per step (default: 8)")
-    parser.add_argument("--virtual-stages", "-v", type=int, default=None,
+    parser.add_argument("--virtual-stages", "-v", type=int, default=None, metavar="N",
                         help="stages per rank (default: 1, or 2 for multi-stage schedules)")
     parser.add_argument("--all", action="store_true", help="print every schedule")
-    parser.add_argument("--format", choices=FORMATS, default="text")
+    add_format(parser)
 
 
 # `plait schedule` draws a grid for people to read; its cost grows faster than the grid.

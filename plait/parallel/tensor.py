@@ -79,8 +79,7 @@ from .tp_plans import (
     STYLES,
     TPPlan,
     glob_regex,
-    hf_plan,
-    reference_plan,
+    shipped_plan,
     under,
 )
 
@@ -367,7 +366,7 @@ def resolve_plan(module: nn.Module, plan: Plan) -> TPPlan:
     user = plan.options.tp_plan
     if user is not None:
         return user if isinstance(user, TPPlan) else TPPlan.from_option(user)
-    shipped = _shipped_plan(module)
+    shipped = shipped_plan(module)
     return shipped if shipped is not None else _inferred_plan(module, plan.tp, plan.sp)
 
 
@@ -385,7 +384,7 @@ def tp_refusal(module: nn.Module, tp: int, sp: bool) -> str | None:
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     try:
         with torch.random.fork_rng(devices=[]):
-            shipped = _shipped_plan(module)
+            shipped = shipped_plan(module)
             plan = shipped if shipped is not None else verify_plan(
                 module, infer_plan(module), tp, sp)
     except ValueError as exc:
@@ -426,43 +425,16 @@ def _on_stage(module: nn.Module, styles: dict[str, str]) -> dict[str, str]:
     return {g: style for g, style in styles.items() if not elsewhere(g)}
 
 
-def _shipped_plan(module: nn.Module) -> TPPlan | None:
-    """plait's plan for its reference transformer, or the plan of a transformers model (its
-    own, translated, or plait's for its family); None: the plan is to be inferred."""
-    from ..models.transformer import Transformer
-
-    if isinstance(module, Transformer):
-        return reference_plan(module)
-    hf = _find_hf_model(module)
-    if hf is not None:
-        prefix, model = hf
-        try:
-            return hf_plan(model).with_prefix(prefix)
-        except LookupError:
-            pass  # an HF architecture without a plan: infer one
-    return None
-
-
 def plan_for_stages(model: nn.Module, plan: Plan) -> Plan:
     """The plan the pipeline stages of ``model`` apply tensor parallelism with: a layer plan
     that is inferred is inferred once, on the whole model, and handed to every stage as
     ``options.tp_plan``; the blocks fx cannot trace are recorded, and the plan checked, by
     running the model's forward on a guessed input, which a later stage's forward (it takes
     hidden states) cannot do."""
-    if plan.tp == 1 or plan.options.tp_plan is not None or _shipped_plan(model) is not None:
+    if plan.tp == 1 or plan.options.tp_plan is not None or shipped_plan(model) is not None:
         return plan
     return plan.replace(options=plan.options.replace(
         tp_plan=_inferred_plan(model, plan.tp, plan.sp)))
-
-
-def _find_hf_model(module: nn.Module) -> tuple[str, nn.Module] | None:
-    pretrained = transformers_class("", "PreTrainedModel")
-    if pretrained is None:
-        return None
-    for name, sub in module.named_modules():
-        if isinstance(sub, pretrained):  # a bare ``type``: mypy narrows ``sub`` to object
-            return name, cast(nn.Module, sub)
-    return None
 
 
 def _print0(text: str) -> None:

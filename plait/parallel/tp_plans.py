@@ -339,3 +339,34 @@ def hf_plan(model: nn.Module) -> TPPlan:
             styles[name] = style
     return TPPlan(styles=styles, divide_attrs=plan.divide_attrs, source=plan.source,
                   sizes=plan.sizes, supports_sp=plan.supports_sp, sp_blocks=plan.sp_blocks)
+
+
+def shipped_plan(module: nn.Module) -> TPPlan | None:
+    """plait's plan for its reference transformer, or the plan of a transformers model (its
+    own, translated, or plait's for its family); None: the plan is to be inferred. Here, not
+    in :mod:`plait.parallel.tensor`, because the planner asks it of every model it prices, and
+    that module imports DTensor and FSDP (a CPU second) to lay models out."""
+    from ..models.transformer import Transformer
+
+    if isinstance(module, Transformer):
+        return reference_plan(module)
+    hf = _find_hf_model(module)
+    if hf is not None:
+        prefix, model = hf
+        try:
+            return hf_plan(model).with_prefix(prefix)
+        except LookupError:
+            pass  # an HF architecture without a plan: infer one
+    return None
+
+
+def _find_hf_model(module: nn.Module) -> tuple[str, nn.Module] | None:
+    from .hf import transformers_class
+
+    pretrained = transformers_class("", "PreTrainedModel")
+    if pretrained is None:
+        return None
+    for name, sub in module.named_modules():
+        if isinstance(sub, pretrained):  # a bare ``type``: mypy narrows ``sub`` to object
+            return name, cast(nn.Module, sub)
+    return None

@@ -20,7 +20,7 @@ from typing import Any
 from plait.outputs import plot_path
 from plait.plan import Plan
 
-from ..outputs import FORMATS, command_failed
+from ..outputs import add_format, command_failed
 from .cost import Estimate, Workload, evaluate
 from .hardware import GB, Cluster, load_cluster, presets, save_cluster
 from .model_stats import ModelStats, build_factory, load_model
@@ -66,12 +66,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                                     "or 'package.module:factory'")
     p.add_argument("--cluster", default=None,
                    help=f"preset ({', '.join(presets())}) or a cluster YAML")
-    p.add_argument("--nodes", type=int, default=None, help="number of nodes of the preset")
-    p.add_argument("--devices", type=int, default=None, help="total devices (instead of --nodes)")
+    p.add_argument("--nodes", type=int, default=None, metavar="N",
+                   help="nodes of the --cluster preset (default: its own count, or what --plan "
+                   "needs)")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="devices in all, instead of --nodes")
     p.add_argument("--global-batch", "--batch-size", "--batch", dest="global_batch",
-                   metavar="N", type=int,
-                   default=None, help="sequences per optimizer step (also spelt --batch-size, "
-                   "--batch)")
+                   metavar="N", type=int, default=None,
+                   help="sequences per optimizer step, over all devices (required; also spelt "
+                   "--batch-size, --batch)")
     p.add_argument("--seq", "--seq-len", dest="seq", metavar="N", type=int, default=None,
                    help="tokens per sequence (default: the longest sample among the first 64 "
                    "of a factory's dataset, else the model's maximum: a config's "
@@ -80,12 +83,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="compute dtype (default bf16; fp32 on cpu); fp16 for GPUs without "
                    "bf16 (T4, V100): mixed_precision=fp16, the loss scaled dynamically")
-    p.add_argument("--top", type=int, default=5, help="how many plans to list")
+    p.add_argument("--top", type=int, default=5, metavar="N",
+                   help="plans to list (default: 5)")
     p.add_argument("--plan", default=None, help="evaluate this layout only, e.g. 'dp=24,tp=8,pp=8'")
-    p.add_argument("--memory-gb", type=float, default=None, help="override memory per device")
-    p.add_argument("--efficiency", type=float, default=None,
-                   help="override the compute efficiency constant (fraction of peak)")
-    p.add_argument("--format", choices=FORMATS, default="table")
+    p.add_argument("--memory-gb", type=float, default=None, metavar="GB",
+                   help="memory per device in GB (10^9 bytes), instead of the cluster's")
+    p.add_argument("--efficiency", type=float, default=None, metavar="FRACTION",
+                   help="compute efficiency, a fraction of peak FLOP/s in (0, 1], instead of the "
+                   "cluster's")
+    add_format(p, "table")
     p.add_argument("--show-schedule", action="store_true",
                    help="also print the pipeline schedule of the best (or given) plan as a "
                         "step x rank grid (F0 F1 B0 ...)")
@@ -95,10 +101,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="measure this machine and save a cluster profile: on a GPU/TPU the "
                         "compute efficiency of a block against --cluster's peak; on a CPU "
                         "matmul, block efficiency, gloo collectives")
-    p.add_argument("--calibrate-world", type=int, default=2,
-                   help="processes for the collective measurement")
-    p.add_argument("--profile-out", default="plait-cluster.yaml",
-                   help="where --calibrate writes the profile")
+    p.add_argument("--calibrate-world", type=int, default=2, metavar="N",
+                   help="processes for --calibrate's collective measurement (default: 2)")
+    p.add_argument("--profile-out", default="plait-cluster.yaml", metavar="YAML",
+                   help="where --calibrate writes the profile (default: plait-cluster.yaml)")
     return p
 
 

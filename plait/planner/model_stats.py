@@ -820,16 +820,28 @@ def _model_of(built: Any, spec: str) -> Any:
 
 
 # In-place random fills whose meta-device form is torch's Python reference, which imports
-# torch._dynamo on first use: seconds of a `plait plan` whose model has an nn.Embedding
-# (normal_ initialises it), for values a meta tensor does not hold anyway.
+# torch._dynamo (and with it DTensor, FSDP and torch.export) on first use: seconds of a `plait
+# plan` whose model has an nn.Embedding (normal_ initialises it), for values a meta tensor does
+# not hold anyway. A random draw given its own ``generator=`` (a seeded dataset's
+# ``torch.randn(n, d, generator=g)``) takes the same path on the meta device.
 _RANDOM_FILLS = ("normal_", "exponential_", "log_normal_", "cauchy_", "geometric_")
 
 
 @contextlib.contextmanager
 def _values_skipped() -> Iterator[None]:
-    """Within it, those fills of a meta tensor return the tensor as it is (a
-    ``TorchFunctionMode``: torch's own hook for intercepting tensor methods)."""
+    """Within it (the factory runs under ``torch.device("meta")``), those fills of a meta tensor
+    return the tensor as it is, and a draw that lands on the meta device is made without its
+    generator: the same shape and dtype, no values either way (a ``TorchFunctionMode``: torch's
+    own hook for intercepting tensor methods)."""
+    import torch
     from torch.overrides import TorchFunctionMode
+
+    def on_meta(args: Any, kwargs: dict[str, Any]) -> bool:
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if tensors:
+            return all(t.is_meta for t in tensors)
+        device = kwargs.get("device")  # none given: the meta device of the context
+        return device is None or torch.device(device).type == "meta"
 
     class SkipFills(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (),
@@ -841,6 +853,8 @@ def _values_skipped() -> Iterator[None]:
             if getattr(func, "__name__", "") in _RANDOM_FILLS \
                     and getattr(target, "is_meta", False):
                 return target
+            if kwargs.get("generator") is not None and on_meta(args, kwargs):
+                kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
             return func(*args, **kwargs)
 
     with SkipFills():

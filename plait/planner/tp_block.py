@@ -54,11 +54,11 @@ _KNOWN = {"colwise", "colwise_qkv", "rowwise", "region", "sequence_parallel", "g
 def plan_of(model: nn.Module) -> tuple[Any, bool] | None:
     """plait's layer plan for ``model`` and whether it ships (transformers, plait's reference)
     rather than being inferred; None where inference refuses."""
-    from plait.parallel.tensor import _shipped_plan
     from plait.parallel.tp_infer import infer_plan
+    from plait.parallel.tp_plans import shipped_plan
 
     try:
-        shipped = _shipped_plan(model)
+        shipped = shipped_plan(model)
         return (shipped, True) if shipped is not None else (infer_plan(model), False)
     except Exception:  # noqa: BLE001 - no plan: the planner prices the reference block
         return None
