@@ -211,12 +211,13 @@ def planner_factory_aux() -> tuple[nn.Module, list, Any]:
     return mixtral_like_aux(), data, aux_loss
 
 
-def first_stage_forward(rank: int, world_size: int) -> None:
-    """Pipeline stage 0 of the Mixtral-like LM with its balance loss, run on one batch: the
-    forward's sum over every block's balance loss fails after the stage's blocks."""
+def last_stage_forward(rank: int, world_size: int) -> None:
+    """The last pipeline stage of the Mixtral-like LM with its balance loss, run on hidden
+    states: the forward's sum over every block's balance loss fails after the stage's blocks
+    (the earlier stages end their forward at the next stage's first block)."""
     from plait.parallel.pipeline_split import build_stage_module, plan_stages
     from plait.plan import Plan
 
     model = mixtral_like_aux()
     path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
-    build_stage_module(model, path, specs[0])(batch(0)[0])
+    build_stage_module(model, path, specs[-1])(torch.randn(BATCH, SEQ, WIDTH))

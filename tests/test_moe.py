@@ -94,25 +94,24 @@ def test_a_router_loss_is_refused_under_a_pipeline():
 
 
 def test_an_output_gathered_from_every_block_is_explained_under_a_pipeline():
-    """A forward that sums the balance loss each block keeps reads the stand-ins of the blocks
-    other stages hold: the error names the stage, its blocks and the fix."""
+    """A forward that sums the balance loss each block keeps reads, on the last stage, the
+    stand-ins of the blocks other stages hold: the error names the stage, its blocks and the
+    fix. The first stage ends its forward at the last stage's first block, before the sum, and
+    hands on that block's input."""
     from plait.parallel.pipeline_split import build_stage_module, plan_stages
 
     model = M.mixtral_like_aux()
     path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
     first, last = (build_stage_module(model, path, spec) for spec in specs)
     tokens, _ = M.batch(0)
-    with pytest.raises(TypeError) as info:
-        first(tokens)
-    note = "\n".join(getattr(info.value, "__notes__", []))
-    assert ("MixtralLike's forward failed after its last block, on pipeline stage 0, which holds "
-            "blocks.0 .. blocks.1; blocks.2 .. blocks.3 are held by other stages") in note, note
-    assert "run with pp=1" in note, note
+    assert first(tokens).shape == (M.BATCH, M.SEQ, M.WIDTH)
     hidden = torch.randn(M.BATCH, M.SEQ, M.WIDTH)
     with pytest.raises(TypeError) as info:
         last(hidden)
     note = "\n".join(getattr(info.value, "__notes__", []))
-    assert "on pipeline stage 1, which holds blocks.2 .. blocks.3" in note, note
+    assert ("MixtralLike's forward failed after its last block, on pipeline stage 1, which holds "
+            "blocks.2 .. blocks.3; blocks.0 .. blocks.1 are held by other stages") in note, note
+    assert "run with pp=1" in note, note
     assert "in place of the model input" not in note, note  # not the first-argument note
 
 
@@ -229,13 +228,13 @@ def test_the_planner_reads_heads_from_the_layer_plan():
 
 
 def test_a_workers_error_reaches_the_user_with_its_notes():
-    """plait check turns a rank's TypeError into one line of its message: the note that says
-    why a pipeline stage failed after its blocks was dropped (it printed only "unsupported
-    operand type(s) for +: 'Tensor' and 'NoneType'")."""
+    """plait check turns a rank's TypeError into its message and the note that says why a
+    pipeline stage failed after its blocks: the message alone ("unsupported operand type(s)
+    for +: 'int' and 'NoneType'") does not say."""
     from plait.spawn import user_errors
 
     with pytest.raises(ValueError) as info, user_errors():
-        run_distributed(M.first_stage_forward, 1, timeout=120)
+        run_distributed(M.last_stage_forward, 1, timeout=120)
     said = str(info.value)
-    assert said.startswith("unsupported operand type(s) for +: 'Tensor' and 'NoneType'"), said
-    assert "MixtralLike's forward failed after its last block, on pipeline stage 0" in said, said
+    assert said.startswith("unsupported operand type(s) for +: 'int' and 'NoneType'"), said
+    assert "MixtralLike's forward failed after its last block, on pipeline stage 1" in said, said
