@@ -761,7 +761,7 @@ def _feed_first_block(stage: nn.Module, path: str, key: str, additive: set[str],
     """On a stage after the first, the stage's first own block takes the tensor the previous
     stage sent, whatever the model's forward did to it on the way there.
 
-    Why: the forward runs whole on every stage, so what it does to the running activation
+    Why: the forward runs from its start on every stage, so what it does to the running activation
     before the blocks (an activation or dropout after the embedding, a scale such as
     ``embed(x) * sqrt(d)``, Gemma's normaliser, a transpose of a patch grid) or between them
     (``h = act(block(h))``) would run again on hidden states that already went through it: a
