@@ -1,0 +1,99 @@
+"""Encoder-decoder (T5, BART) and two-tower contrastive (CLIP) models: each layout trains what
+one device trains, or plait refuses it before training, naming the cause and the fix.
+
+The default run: the contrastive guard on its own (no process group), and a two-tower model
+written for the test with CLIP's ``logit_scale`` under dp=2: its loss over ``run.all_gather``
+matches one device, a loss over each replica's rows alone is refused at the first step. The
+grid over Hugging Face models built from configs is ``slow``: ``plait check`` (AdamW, 3 steps,
+losses and every parameter) under each layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from plait.cli import main
+from plait.parallel.contrastive import contrastive_parameters, guard_loss
+from plait.spawn import run_distributed
+from tests import _workers_beyond as B
+from tests import _workers_encdec as E
+from tests.test_models_beyond import _assert_matches
+
+
+def test_the_guard_refuses_a_contrastive_loss_that_does_not_gather():
+    """Under dp=2 a model with a ``logit_scale`` refuses its own loss (loss_fn=None) up front
+    and a loss function that returns without ``run.all_gather``; one that gathers, dp=1, and
+    a model without a temperature pass as they are."""
+    model, calls = E.scaled_two_tower(), [0]
+    assert contrastive_parameters(model) == ["logit_scale"]
+    local = E.scaled_nce(B.no_gather)
+    out = model(**B.pair_batch(0)[0])
+    assert guard_loss(model, local, 1, lambda: calls[0]) is local
+    assert guard_loss(B.two_tower(), local, 2, lambda: calls[0]) is local
+    with pytest.raises(ValueError, match=r"ScaledTwoTower has logit_scale.*loss_fn=None.*"
+                                         r"run.all_gather"):
+        guard_loss(model, None, 2, lambda: calls[0])
+    with pytest.raises(ValueError, match=r"1/2 of the global batch.*returned without calling "
+                                         r"run.all_gather"):
+        guard_loss(model, local, 2, lambda: calls[0])(out, None)
+
+    def counted(t, return_index=False):
+        calls[0] += 1
+        return B.no_gather(t, return_index)
+
+    loss = guard_loss(model, E.scaled_nce(counted), 2, lambda: calls[0])(out, None)
+    assert torch.equal(loss, E.scaled_nce(B.no_gather)(out, None))
+
+
+def test_a_two_tower_model_with_logit_scale_under_dp_gathers_or_is_refused():
+    """dp=2: the loss over ``run.all_gather`` trains what one device trains (logit_scale
+    included); the same loss over each replica's rows alone is refused at the first step (it
+    would train another model: fewer negatives per row)."""
+    batches = [B.pair_batch(s) for s in range(3)]
+    ref = B.reference(E.scaled_two_tower, batches, E.scaled_nce(B.no_gather))
+    gathered = run_distributed(E.train_contrastive, 2, "dp=2", True, timeout=180)[0]
+    _assert_matches(ref, gathered)
+    refused = run_distributed(E.train_contrastive, 2, "dp=2", False, timeout=180)[0]
+    assert "returned without calling run.all_gather" in refused["refused"], refused
+
+
+def _check(capsys, model: str, plan: str) -> tuple[int, str]:
+    code = main(["check", "--model", f"tests._workers_encdec:{model}", "--plan", plan,
+                 "--steps", "3", "--format", "json"])
+    return code, capsys.readouterr()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["t5", "bart"])
+@pytest.mark.parametrize("plan", ["dp=2", "dp_shard=2,zero=3"])
+def test_encoder_decoders_train_as_one_device_under_data_parallelism(capsys, model, plan):
+    code, out = _check(capsys, model, plan)
+    result = json.loads(out.out)
+    assert code == 0 and result["ok"], result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["t5", "bart"])
+@pytest.mark.parametrize("plan,says", [
+    ("pp=2", "is an encoder-decoder model: plait's pipeline cuts one stack of blocks"),
+    ("pp=2,tp=2", "is an encoder-decoder model: plait's pipeline cuts one stack of blocks"),
+    ("tp=2", "cannot infer a tensor-parallel plan for"),
+    ("tp=2,sp", "cannot infer a tensor-parallel plan for"),
+])
+def test_encoder_decoders_are_refused_where_a_layout_cannot_split_them(capsys, model, plan,
+                                                                       says):
+    code, out = _check(capsys, model, plan)
+    assert code == 2 and says in out.err, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan,says", [
+    ("dp=2", "returned without calling run.all_gather"),
+    ("dp_shard=2,zero=3", "returned without calling run.all_gather"),
+    ("tp=2", "cannot infer a tensor-parallel plan for CLIPModel"),
+])
+def test_clip_with_a_loss_over_local_rows_is_refused(capsys, plan, says):
+    code, out = _check(capsys, "clip", plan)
+    assert code == 2 and says in out.err, out
