@@ -143,3 +143,32 @@ def clip_model() -> nn.Module:
 def clip() -> tuple[nn.Module, Any, Any]:
     """CLIP with the loss a one-device script computes from ``logits_per_text``."""
     return clip_model(), Pairs(), local_clip_loss
+
+
+class Tagged(torch.utils.data.Dataset):
+    """Token ids and one tag (of 32) per token."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(100 + i)
+        return {"input_ids": torch.randint(4, 64, (8,), generator=g),
+                "labels": torch.randint(0, 32, (8,), generator=g)}
+
+
+def hidden_as_tags(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy reading the 32 hidden features of each token as its tag's logits."""
+    h = out.last_hidden_state
+    return F.cross_entropy(h.reshape(-1, h.shape[-1]), labels.reshape(-1))
+
+
+def t5_encoder() -> tuple[nn.Module, Any, Any]:
+    """T5's encoder alone: one stack, whose block 0 computes the relative position bias that
+    every later block reads (``position_bias``)."""
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=4, num_heads=4,
+                   relative_attention_num_buckets=8, dropout_rate=0.0)
+    return T5EncoderModel(cfg), Tagged(), hidden_as_tags

@@ -16,6 +16,7 @@ import torch
 
 from plait.cli import main
 from plait.parallel.contrastive import contrastive_parameters, guard_loss
+from plait.parallel.pipeline_hf import bias_holder, other_block_stacks
 from plait.spawn import run_distributed
 from tests import _workers_beyond as B
 from tests import _workers_encdec as E
@@ -59,6 +60,45 @@ def test_a_two_tower_model_with_logit_scale_under_dp_gathers_or_is_refused():
     assert "returned without calling run.all_gather" in refused["refused"], refused
 
 
+def test_a_second_tower_is_found_beside_the_stack_a_pipeline_cuts():
+    """Two towers (CLIP's text and vision encoders): the pipeline's stack and the other one;
+    lists inside a block (a mixture of experts) and lists of mixed modules are not stacks."""
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    class Tower(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block() for _ in range(2))
+            self.mixed = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)])
+
+    two, one = torch.nn.Module(), torch.nn.Module()
+    two.text, two.vision, one.text = Tower(), Tower(), Tower()
+    assert other_block_stacks(two, "text.layers") == ["vision.layers"]
+    assert other_block_stacks(two, "vision.layers") == ["text.layers"]
+    assert other_block_stacks(one, "text.layers") == []
+
+
+def test_a_relative_bias_computed_in_one_block_is_found():
+    """T5's shape: only block 0's attention has ``has_relative_attention_bias`` (the others
+    read what it computed); a stack where every block computes its own has no holder."""
+    class Attention(torch.nn.Module):
+        def __init__(self, bias: bool) -> None:
+            super().__init__()
+            self.has_relative_attention_bias = bias
+
+    def stack(*flags: bool) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.block = torch.nn.ModuleList(torch.nn.Sequential(Attention(f)) for f in flags)
+        return m
+
+    assert bias_holder(stack(True, False, False), "block") == "block.0.0"
+    assert bias_holder(stack(True, True), "block") == ""
+    assert bias_holder(stack(False, False), "block") == ""
+
+
 def _check(capsys, model: str, plan: str) -> tuple[int, str]:
     code = main(["check", "--model", f"tests._workers_encdec:{model}", "--plan", plan,
                  "--steps", "3", "--format", "json"])
@@ -89,10 +129,23 @@ def test_encoder_decoders_are_refused_where_a_layout_cannot_split_them(capsys, m
 
 
 @pytest.mark.slow
+def test_t5s_encoder_trains_as_one_device_under_dp_and_is_refused_under_pp(capsys):
+    """One stack whose block 0 computes the position bias every later block reads: dp=2
+    matches one device; pp=2 is refused, naming the block that holds the bias."""
+    code, out = _check(capsys, "t5_encoder", "dp=2")
+    assert code == 0 and json.loads(out.out)["ok"], out
+    code, out = _check(capsys, "t5_encoder", "pp=2")
+    assert code == 2 and ("encoder.block.0.layer.0.SelfAttention computes the relative "
+                          "position bias") in out.err, out
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("plan,says", [
     ("dp=2", "returned without calling run.all_gather"),
     ("dp_shard=2,zero=3", "returned without calling run.all_gather"),
     ("tp=2", "cannot infer a tensor-parallel plan for CLIPModel"),
+    ("pp=2", "CLIPModel has more than one stack of blocks (text_model.encoder.layers and "
+             "vision_model.encoder.layers"),
 ])
 def test_clip_with_a_loss_over_local_rows_is_refused(capsys, plan, says):
     code, out = _check(capsys, "clip", plan)
