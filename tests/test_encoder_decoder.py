@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from plait.cli import main
+from plait.loss import _loss_key
 from plait.parallel.contrastive import contrastive_parameters, guard_loss
 from plait.parallel.pipeline_hf import bias_holder, other_block_stacks
 from plait.spawn import run_distributed
@@ -44,8 +45,13 @@ def test_the_guard_refuses_a_contrastive_loss_that_does_not_gather():
         calls[0] += 1
         return B.no_gather(t, return_index)
 
-    loss = guard_loss(model, E.scaled_nce(counted), 2, lambda: calls[0])(out, None)
-    assert torch.equal(loss, E.scaled_nce(B.no_gather)(out, None))
+    gathering = E.scaled_nce(counted)
+    guarded = guard_loss(model, gathering, 2, lambda: calls[0])
+    assert torch.equal(guarded(out, None), E.scaled_nce(B.no_gather)(out, None))
+    # answers kept per loss (the label-shift verdict) stay keyed on the user's loss, though
+    # each step wraps it anew
+    assert _loss_key(guarded) == _loss_key(gathering) == _loss_key(
+        guard_loss(model, gathering, 2, lambda: calls[0]))
 
 
 def test_a_two_tower_model_with_logit_scale_under_dp_gathers_or_is_refused():

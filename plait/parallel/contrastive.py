@@ -75,4 +75,7 @@ def guard_loss(model: nn.Module, loss_fn: Any, dp: int, gathers: Callable[[], in
             raise ValueError(ungathered_refusal(model, found, dp))
         return value
 
+    # What plait keys per-loss answers on (plait.loss._loss_key): the user's loss, not this
+    # wrapper, which is made anew each step.
+    gathered.guarded_loss = loss_fn  # type: ignore[attr-defined]
     return gathered
