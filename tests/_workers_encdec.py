@@ -48,15 +48,15 @@ def scaled_nce(gather: Any) -> Any:
 
 def train_contrastive(rank: int, world_size: int, plan: str, gathers: bool) -> dict[str, Any]:
     """SGD on :func:`scaled_two_tower` under ``plan``, the loss gathering through
-    ``run.all_gather`` or not; the refusal's message when the step refuses."""
+    ``run.all_gather`` or not; the refusal's message when the layout or the step refuses."""
     from plait.runtime import init
 
     run = init(plan, quiet=True)
     loss_fn = scaled_nce(run.all_gather if gathers else B.no_gather)
-    model = run.parallelize(scaled_two_tower())
-    opt = B._optimizer(model.parameters(), False)
     batches = [B.pair_batch(s) for s in range(STEPS)]
     try:
+        model = run.parallelize(scaled_two_tower())
+        opt = B._optimizer(model.parameters(), False)
         losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size), loss_fn, opt))
                   for b in batches]
     except ValueError as exc:

@@ -18,6 +18,8 @@ from plait.cli import main
 from plait.loss import _loss_key
 from plait.parallel.contrastive import contrastive_parameters, guard_loss
 from plait.parallel.pipeline_hf import bias_holder, other_block_stacks
+from plait.parallel.zero import apply_fsdp
+from plait.plan import Plan
 from plait.spawn import run_distributed
 from tests import _workers_beyond as B
 from tests import _workers_encdec as E
@@ -105,6 +107,26 @@ def test_a_relative_bias_computed_in_one_block_is_found():
     assert bias_holder(stack(False, False), "block") == ""
 
 
+def test_zero_2_and_3_refuse_a_0_dim_parameter_by_name():
+    """fully_shard cannot shard a 0-dim parameter (CLIP's logit_scale): refused before any
+    unit is sharded (no mesh is read), naming it and zero=1."""
+    for zero in (2, 3):
+        with pytest.raises(ValueError, match=r"logit_scale has none \(a 0-dim parameter.*"
+                                             r"use zero=1"):
+            apply_fsdp(E.scaled_two_tower(), None, Plan.load(f"dp_shard=2,zero={zero}"))
+
+
+@pytest.mark.slow
+def test_a_two_tower_model_gathers_under_zero_1_and_zero_3_is_refused():
+    batches = [B.pair_batch(s) for s in range(3)]
+    ref = B.reference(E.scaled_two_tower, batches, E.scaled_nce(B.no_gather))
+    _assert_matches(ref, run_distributed(E.train_contrastive, 2, "dp_shard=2,zero=1", True,
+                                         timeout=180)[0])
+    refused = run_distributed(E.train_contrastive, 2, "dp_shard=2,zero=3", True,
+                              timeout=180)[0]
+    assert "logit_scale has none (a 0-dim parameter" in refused["refused"], refused
+
+
 def _check(capsys, model: str, plan: str) -> tuple[int, str]:
     code = main(["check", "--model", f"tests._workers_encdec:{model}", "--plan", plan,
                  "--steps", "3", "--format", "json"])
@@ -148,7 +170,8 @@ def test_t5s_encoder_trains_as_one_device_under_dp_and_is_refused_under_pp(capsy
 @pytest.mark.slow
 @pytest.mark.parametrize("plan,says", [
     ("dp=2", "returned without calling run.all_gather"),
-    ("dp_shard=2,zero=3", "returned without calling run.all_gather"),
+    ("dp_shard=2,zero=1", "returned without calling run.all_gather"),
+    ("dp_shard=2,zero=3", "logit_scale has none (a 0-dim parameter"),
     ("tp=2", "cannot infer a tensor-parallel plan for CLIPModel"),
     ("pp=2", "CLIPModel has more than one stack of blocks (text_model.encoder.layers and "
              "vision_model.encoder.layers"),
