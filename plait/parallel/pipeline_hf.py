@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from .contrastive import contrastive_parameters
 from .hf import transformers_class
 
 if TYPE_CHECKING:
@@ -49,7 +50,9 @@ def hf_added_embeddings(hf: nn.Module, before: list[nn.Module], path: str) -> li
         raise ValueError(f"{type(hf).__name__} is an encoder-decoder model: plait's pipeline cuts "
                          f"one stack of blocks, and its decoder's layers read the encoder's "
                          f"output on every stage; run it with pp=1 (dp and zero scale it)")
-    others = other_block_stacks(hf, path)
+    # A two-tower contrastive model runs both stacks on every step; a vision-and-language
+    # model whose image tower a text-only batch never calls keeps its pipeline.
+    others = other_block_stacks(hf, path) if contrastive_parameters(hf) else []
     if others:
         raise ValueError(f"{type(hf).__name__} has more than one stack of blocks ({path} and "
                          f"{', '.join(others)}: two towers, as CLIP's text and vision "
