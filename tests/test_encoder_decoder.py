@@ -18,6 +18,7 @@ from plait.cli import main
 from plait.loss import _loss_key
 from plait.parallel.contrastive import contrastive_parameters, guard_loss
 from plait.parallel.pipeline_hf import bias_holder, other_block_stacks
+from plait.parallel.tp_infer import infer_plan
 from plait.parallel.zero import apply_fsdp
 from plait.plan import Plan
 from plait.spawn import run_distributed
@@ -127,6 +128,55 @@ def test_a_two_tower_model_gathers_under_zero_1_and_zero_3_is_refused():
     assert "logit_scale has none (a 0-dim parameter" in refused["refused"], refused
 
 
+class CrossAttention(torch.nn.Module):
+    """Queries from the block input, keys and values from the encoder's output (``memory``)."""
+
+    def __init__(self, width: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.num_heads = heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.num_heads, -1).transpose(1, 2)
+        k = self.k(memory).view(b, memory.shape[1], self.num_heads, -1).transpose(1, 2)
+        v = self.v(memory).view(b, memory.shape[1], self.num_heads, -1).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class Seq2SeqLM(torch.nn.Module):
+    """Token embedding, one cross-attention over an encoded memory, a head tied to nothing;
+    with ``logits_bias``, a vector added to the logits on the model (BART's
+    ``final_logits_bias``)."""
+
+    def __init__(self, logits_bias: bool) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 8)
+        self.cross = CrossAttention()
+        self.head = torch.nn.Linear(8, 20)
+        if logits_bias:
+            self.register_buffer("final_logits_bias", torch.zeros(1, 20))
+
+    def forward(self, ids: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.cross(self.embed(ids), memory))
+        bias = getattr(self, "final_logits_bias", None)
+        return logits if bias is None else logits + bias
+
+
+def test_cross_attention_is_one_tensor_parallel_region_and_a_logits_bias_keeps_the_head():
+    """k and v reading the encoder's output beside q reading the block input are one region
+    (colwise q, k, v; rowwise o; heads divided), not the single-input 'region' style; a
+    vocabulary-sized vector the model adds to the logits keeps the head whole."""
+    plan = infer_plan(Seq2SeqLM(logits_bias=False))
+    assert {k: plan.styles[k] for k in ("cross.q", "cross.k", "cross.v", "cross.o")} == {
+        "cross.q": "colwise", "cross.k": "colwise", "cross.v": "colwise", "cross.o": "rowwise"}
+    assert "cross" not in plan.styles and plan.divide_attrs == {"cross": ("num_heads",)}
+    assert plan.styles["head"] == "vocab_head" and plan.styles["embed"] == "vocab_embedding"
+    biased = infer_plan(Seq2SeqLM(logits_bias=True))
+    assert "head" not in biased.styles and "embed" not in biased.styles, biased.styles
+
+
 def _check(capsys, model: str, plan: str) -> tuple[int, str]:
     code = main(["check", "--model", f"tests._workers_encdec:{model}", "--plan", plan,
                  "--steps", "3", "--format", "json"])
@@ -134,8 +184,10 @@ def _check(capsys, model: str, plan: str) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["t5", "bart"])
-@pytest.mark.parametrize("plan", ["dp=2", "dp_shard=2,zero=3"])
+@pytest.mark.parametrize("model,plan", [
+    ("t5", "dp=2"), ("t5", "dp_shard=2,zero=3"), ("bart", "dp=2"), ("bart", "dp_shard=2,zero=3"),
+    ("bart", "tp=2"),  # the plan inferred: cross-attention a region, the head whole
+])
 def test_encoder_decoders_train_as_one_device_under_data_parallelism(capsys, model, plan):
     code, out = _check(capsys, model, plan)
     result = json.loads(out.out)
@@ -143,12 +195,12 @@ def test_encoder_decoders_train_as_one_device_under_data_parallelism(capsys, mod
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["t5", "bart"])
-@pytest.mark.parametrize("plan,says", [
-    ("pp=2", "is an encoder-decoder model: plait's pipeline cuts one stack of blocks"),
-    ("pp=2,tp=2", "is an encoder-decoder model: plait's pipeline cuts one stack of blocks"),
-    ("tp=2", "cannot infer a tensor-parallel plan for"),
-    ("tp=2,sp", "cannot infer a tensor-parallel plan for"),
+@pytest.mark.parametrize("model,plan,says", [
+    (m, p, "is an encoder-decoder model: plait's pipeline cuts one stack of blocks")
+    for m in ("t5", "bart") for p in ("pp=2", "pp=2,tp=2")] + [
+    ("t5", "tp=2", "cannot infer a tensor-parallel plan for T5ForConditionalGeneration"),
+    ("t5", "tp=2,sp", "cannot infer a tensor-parallel plan for T5ForConditionalGeneration"),
+    ("bart", "tp=2,sp", "has no sequence-parallel layout"),
 ])
 def test_encoder_decoders_are_refused_where_a_layout_cannot_split_them(capsys, model, plan,
                                                                        says):
