@@ -66,6 +66,8 @@ def test_a_two_tower_model_with_logit_scale_under_dp_gathers_or_is_refused():
     gathered = run_distributed(E.train_contrastive, 2, "dp=2", True, timeout=180)[0]
     _assert_matches(ref, gathered)
     refused = run_distributed(E.train_contrastive, 2, "dp=2", False, timeout=180)[0]
+    # named as the user's model holds it, not as DDP's wrapper does (module.logit_scale)
+    assert refused["refused"].startswith("ScaledTwoTower has logit_scale: "), refused
     assert "returned without calling run.all_gather" in refused["refused"], refused
 
 

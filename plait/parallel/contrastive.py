@@ -25,13 +25,15 @@ from typing import Any
 
 import torch.nn as nn
 
+from .units import canonical_name
+
 _TEMPERATURES = ("logit_scale", "logit_bias")
 
 
 def contrastive_parameters(model: nn.Module) -> list[str]:
-    """Names (as ``model`` holds them) of its parameters that are a contrastive loss's
-    temperature or bias."""
-    return [name for name, _ in model.named_parameters()
+    """Names (without wrappers such as DDP's ``module.``) of ``model``'s parameters that are
+    a contrastive loss's temperature or bias."""
+    return [canonical_name(name) for name, _ in model.named_parameters()
             if name.rsplit(".", 1)[-1] in _TEMPERATURES]
 
 
