@@ -210,6 +210,38 @@ def test_encoder_decoders_are_refused_where_a_layout_cannot_split_them(capsys, m
     assert code == 2 and says in out.err, out
 
 
+# T5's layer plan by hand (torch.fx cannot trace T5Attention, so none is inferred): q, k, v
+# column-parallel, o row-parallel, the relative attention bias (one column per head) split by
+# head like q, and each attention's n_heads divided by tp.
+T5_TP_PLAN = """tp: 2
+options:
+  tp_plan:
+    styles:
+      "*.block.*.layer.0.SelfAttention.q": colwise
+      "*.block.*.layer.0.SelfAttention.k": colwise
+      "*.block.*.layer.0.SelfAttention.v": colwise
+      "*.block.*.layer.0.SelfAttention.o": rowwise
+      "decoder.block.*.layer.1.EncDecAttention.q": colwise
+      "decoder.block.*.layer.1.EncDecAttention.k": colwise
+      "decoder.block.*.layer.1.EncDecAttention.v": colwise
+      "decoder.block.*.layer.1.EncDecAttention.o": rowwise
+      "*.block.*.layer.*.DenseReluDense.wi": colwise
+      "*.block.*.layer.*.DenseReluDense.wo": rowwise
+      "*.block.0.layer.0.SelfAttention.relative_attention_bias": colwise
+    divide_attrs:
+      "*.block.*.layer.0.SelfAttention": [n_heads]
+      "decoder.block.*.layer.1.EncDecAttention": [n_heads]
+"""
+
+
+@pytest.mark.slow
+def test_t5_trains_as_one_device_under_tp_with_its_layer_plan_given(capsys, tmp_path):
+    plan = tmp_path / "t5_tp.yaml"
+    plan.write_text(T5_TP_PLAN)
+    code, out = _check(capsys, "t5", str(plan))
+    assert code == 0 and json.loads(out.out)["ok"], out
+
+
 @pytest.mark.slow
 def test_t5s_encoder_trains_as_one_device_under_dp_and_is_refused_under_pp(capsys):
     """One stack whose block 0 computes the position bias every later block reads: dp=2
