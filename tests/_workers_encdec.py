@@ -172,3 +172,42 @@ def t5_encoder() -> tuple[nn.Module, Any, Any]:
     cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=4, num_heads=4,
                    relative_attention_num_buckets=8, dropout_rate=0.0)
     return T5EncoderModel(cfg), Tagged(), hidden_as_tags
+
+
+class Clip(nn.Module):
+    """CLIPModel returning its embeddings and temperature, for a loss that gathers them (the
+    wrapper the docs show)."""
+
+    def __init__(self, clip: nn.Module) -> None:
+        super().__init__()
+        self.clip = clip
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> Any:
+        out = self.clip(input_ids=input_ids, pixel_values=pixel_values)
+        return out.image_embeds, out.text_embeds, self.clip.logit_scale.exp()
+
+
+def wrapped_clip() -> nn.Module:
+    return Clip(clip_model())
+
+
+def clip_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    items = [Pairs()[(step * 8 + i) % 16] for i in range(8)]
+    return ({"input_ids": torch.stack([it["input_ids"] for it in items]),
+             "pixel_values": torch.stack([it["pixel_values"] for it in items])},
+            torch.arange(8))
+
+
+def train_wrapped_clip(rank: int, world_size: int, plan: str) -> dict[str, Any]:
+    """SGD on :func:`wrapped_clip` under ``plan``, its loss over ``run.all_gather``."""
+    from plait.runtime import init
+
+    run = init(plan, quiet=True)
+    model = run.parallelize(wrapped_clip())
+    opt = B._optimizer(model.parameters(), False)
+    loss_fn = scaled_nce(run.all_gather)
+    losses = [float(run.step(model, _slice(clip_batch(s), run.dp_rank, run.dp_size), loss_fn,
+                             opt)) for s in range(STEPS)]
+    state = B._state(run, model)
+    run.close()
+    return {"plan": plan, "losses": losses, "state": state if rank == 0 else None}

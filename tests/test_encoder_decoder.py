@@ -265,3 +265,16 @@ def test_t5s_encoder_trains_as_one_device_under_dp_and_is_refused_under_pp(capsy
 def test_clip_with_a_loss_over_local_rows_is_refused(capsys, plan, says):
     code, out = _check(capsys, "clip", plan)
     assert code == 2 and says in out.err, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["dp=2", "dp_shard=2,zero=1"])
+def test_clip_with_its_embeddings_gathered_trains_as_one_device(plan):
+    """Hugging Face CLIP in the wrapper the docs show (embeddings and temperature out of the
+    forward), its loss over run.all_gather: one device's losses and parameters, logit_scale
+    included."""
+    batches = [E.clip_batch(s) for s in range(3)]
+    ref = B.reference(E.wrapped_clip, batches, E.scaled_nce(B.no_gather))
+    got = run_distributed(E.train_wrapped_clip, 2, plan, timeout=240)[0]
+    _assert_matches(ref, got)
+    assert "clip.logit_scale" in got["state"]
