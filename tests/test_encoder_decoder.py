@@ -147,6 +147,20 @@ class CrossAttention(torch.nn.Module):
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
 
 
+class LeakyCrossAttention(CrossAttention):
+    """Cross-attention whose key projection also reaches the block output beside ``o``: split
+    column-wise, that sum would mix a rank's share of k into a whole tensor."""
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.num_heads, -1).transpose(1, 2)
+        key = self.k(memory)
+        k = key.view(b, memory.shape[1], self.num_heads, -1).transpose(1, 2)
+        v = self.v(memory).view(b, memory.shape[1], self.num_heads, -1).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1)) + key.mean(1, keepdim=True)
+
+
 class Seq2SeqLM(torch.nn.Module):
     """Token embedding, one cross-attention over an encoded memory, a head tied to nothing;
     with ``logits_bias``, a vector added to the logits on the model (BART's
@@ -177,6 +191,11 @@ def test_cross_attention_is_one_tensor_parallel_region_and_a_logits_bias_keeps_t
     assert plan.styles["head"] == "vocab_head" and plan.styles["embed"] == "vocab_embedding"
     biased = infer_plan(Seq2SeqLM(logits_bias=True))
     assert "head" not in biased.styles and "embed" not in biased.styles, biased.styles
+    leaky = Seq2SeqLM(logits_bias=False)
+    leaky.cross = LeakyCrossAttention()
+    with pytest.raises(ValueError, match=r"cross \(LeakyCrossAttention\): linear\(s\) \['k', "
+                                         r"'v'\] feed the output linear o from another input"):
+        infer_plan(leaky)
 
 
 def _check(capsys, model: str, plan: str) -> tuple[int, str]:

@@ -217,7 +217,7 @@ def _regions(order: list[fx.Node], nodes: set[fx.Node], output: fx.Node,
         others = [m for m in left if m not in entries and m is not exit_node
                   and exit_node in _reaches(m, nodes)]
         if others:  # cross-attention: k and v read another input than q
-            second = _second_input(others, left, nodes, exit_node)
+            second = _second_input(others, left, nodes, exit_node, output)
             if second is None:
                 return (f"linear(s) {[calls[m] for m in others]} feed the output linear "
                         f"{calls[exit_node]} from another input than "
@@ -231,18 +231,23 @@ def _regions(order: list[fx.Node], nodes: set[fx.Node], output: fx.Node,
 
 
 def _second_input(others: list[fx.Node], left: list[fx.Node], nodes: set[fx.Node],
-                  exit_node: fx.Node) -> fx.Node | None:
+                  exit_node: fx.Node, output: fx.Node) -> fx.Node | None:
     """The one value ``others`` (linears beside a region's entries that also feed its exit)
     all read, when it makes them entries of the same region: cross-attention, whose keys and
     values come from the encoder's output while the queries come from the block input. The
     value must not depend on the block's linears (it is whole on every tensor-parallel rank,
-    as the block input is), and reach the exit only through them. None otherwise."""
+    as the block input is), and reach the exit only through them; their outputs must reach
+    no linear but the exit, and the block output only through it. None otherwise."""
     sources = {m.args[0] if m.args else None for m in others}
     second = next(iter(sources)) if len(sources) == 1 else None
     if not isinstance(second, fx.Node) or any(m in left for m in _ancestors(second)):
         return None
     if exit_node in _reaches(second, set(others)):
         return None
+    for m in others:
+        reach = _reaches(m, nodes)
+        if reach & nodes != {exit_node} or output in reach:
+            return None
     return second
 
 
