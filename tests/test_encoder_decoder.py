@@ -182,8 +182,10 @@ class Seq2SeqLM(torch.nn.Module):
 
 def test_cross_attention_is_one_tensor_parallel_region_and_a_logits_bias_keeps_the_head():
     """k and v reading the encoder's output beside q reading the block input are one region
-    (colwise q, k, v; rowwise o; heads divided), not the single-input 'region' style; a
-    vocabulary-sized vector the model adds to the logits keeps the head whole."""
+    (colwise q, k, v; rowwise o; heads divided), not the single-input 'region' style, in a
+    block that names its head count (one without is refused: tests/test_tensor_parallel.py);
+    k reaching the block output beside o is refused; a vocabulary-sized vector the model adds
+    to the logits keeps the head whole."""
     plan = infer_plan(Seq2SeqLM(logits_bias=False))
     assert {k: plan.styles[k] for k in ("cross.q", "cross.k", "cross.v", "cross.o")} == {
         "cross.q": "colwise", "cross.k": "colwise", "cross.v": "colwise", "cross.o": "rowwise"}

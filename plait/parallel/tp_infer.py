@@ -147,7 +147,11 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
         return (f"its linear(s) {fixed} are parametrized (weight_norm or spectral_norm compute "
                 f"the weight from other tensors), which torch's tensor-parallel styles cannot "
                 f"shard")
-    regions = _regions([n for n in graph.nodes if n in nodes], nodes, output, calls)
+    # Cross-attention is split by heads: only a block that names its head count (divided by
+    # tp below) says its projections' columns are whole heads.
+    headed = any(isinstance(getattr(block, a, None), int) for a in _HEAD_ATTRS)
+    regions = _regions([n for n in graph.nodes if n in nodes], nodes, output, calls,
+                       cross=headed)
     if isinstance(regions, str):
         return regions
     styles: dict[str, str] = {}
@@ -182,14 +186,16 @@ Region = tuple[list[fx.Node], fx.Node]
 
 
 def _regions(order: list[fx.Node], nodes: set[fx.Node], output: fx.Node,
-             calls: dict[fx.Node, str]) -> list[Region] | str:
+             calls: dict[fx.Node, str], cross: bool = False) -> list[Region] | str:
     """The block's linears, in graph order, as consecutive TP regions (entries, exit), or why
     they are not. A region's entries read one shared value (the block input, a norm of it, or
     what an earlier region produced, which is whole again after its row-parallel exit); their
     outputs reach exactly one linear, the exit, and nothing else reaches the block output on
     the way; the shared value reaches the exit only through them. An attention region and an
     MLP region in one flat block, or Linear -> act -> Linear -> act -> ... pairs, are several
-    regions; an odd last linear after at least one region stays replicated."""
+    regions; an odd last linear after at least one region stays replicated. With ``cross``
+    (a block that names its head count), linears reading a second value whole on every rank
+    (cross-attention's keys and values) join the region of the entries beside them."""
     left = list(order)
     regions: list[Region] = []
     while left:
@@ -217,7 +223,7 @@ def _regions(order: list[fx.Node], nodes: set[fx.Node], output: fx.Node,
         others = [m for m in left if m not in entries and m is not exit_node
                   and exit_node in _reaches(m, nodes)]
         if others:  # cross-attention: k and v read another input than q
-            second = _second_input(others, left, nodes, exit_node, output)
+            second = _second_input(others, left, nodes, exit_node, output) if cross else None
             if second is None:
                 return (f"linear(s) {[calls[m] for m in others]} feed the output linear "
                         f"{calls[exit_node]} from another input than "
