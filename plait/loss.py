@@ -347,6 +347,7 @@ def _loss_key(loss_fn: Callable) -> Any:
     a method is bound to, so that a lambda written in the training loop (a new object every
     step) is asked once, while two closures from one factory (``make(shift=True)``,
     ``make(shift=False)``) or two instances of one loss class are asked apart."""
+    loss_fn = getattr(loss_fn, "guarded_loss", loss_fn)  # plait.parallel.contrastive's guard
     code = getattr(loss_fn, "__code__", None)
     if code is None:
         return loss_fn

@@ -114,6 +114,7 @@ class Run:
     _batch_shape: tuple[int, ...] | None = None
     _started: float = field(default_factory=time.perf_counter)
     _models: list[nn.Module] = field(default_factory=list)
+    _gathers: int = 0  # run.all_gather calls so far (a contrastive loss must make some)
     # ZeRO-1: the user's optimizer -> its ZeroRedundancyOptimizer (see zero1_optimizer).
     _sharded_optimizers: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     # (id(model), id(optimizer)) pairs whose parameters were checked at their first step.
@@ -191,6 +192,7 @@ class Run:
         from .parallel.gather import all_gather_rows
 
         group = self._mesh()["dp"].get_group() if self.dp_size > 1 else None
+        self._gathers += 1
         gathered, index = all_gather_rows(t, group)
         return (gathered, index) if return_index else gathered
 
@@ -383,6 +385,10 @@ class Run:
         ``every``-th step saves one.
         """
         _refuse_compiled_wrapper(model)
+        if self.spmd is None:  # on XLA each host's loss already reads its whole share
+            from .parallel.contrastive import guard_loss
+
+            loss_fn = guard_loss(model, loss_fn, self.dp_size, lambda: self._gathers)
         # Counted on the batch as given (host tensors from a loader): an attention mask read
         # on the device would be one more transfer, and on XLA one more graph, every step.
         items, self.stats.unit = _count_items(batch)

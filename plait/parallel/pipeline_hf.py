@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from .contrastive import contrastive_parameters
 from .hf import transformers_class
 
 if TYPE_CHECKING:
@@ -49,6 +50,20 @@ def hf_added_embeddings(hf: nn.Module, before: list[nn.Module], path: str) -> li
         raise ValueError(f"{type(hf).__name__} is an encoder-decoder model: plait's pipeline cuts "
                          f"one stack of blocks, and its decoder's layers read the encoder's "
                          f"output on every stage; run it with pp=1 (dp and zero scale it)")
+    # A two-tower contrastive model runs both stacks on every step; a vision-and-language
+    # model whose image tower a text-only batch never calls keeps its pipeline.
+    others = other_block_stacks(hf, path) if contrastive_parameters(hf) else []
+    if others:
+        raise ValueError(f"{type(hf).__name__} has more than one stack of blocks ({path} and "
+                         f"{', '.join(others)}: two towers, as CLIP's text and vision "
+                         f"encoders): plait's pipeline cuts one stack into stages and cannot cut "
+                         f"a forward that runs two; run it with pp=1 (dp and zero scale it)")
+    holder = bias_holder(hf, path)
+    if holder:
+        raise ValueError(f"{type(hf).__name__}'s {holder} computes the relative position bias "
+                         f"that every later block of {path} reads (T5's position_bias, handed "
+                         f"on by the stack's forward): a stage without that block would run "
+                         f"its blocks without the bias; run it with pp=1 (dp and zero scale it)")
     get_embeddings = getattr(hf, "get_input_embeddings", None)
     embed = get_embeddings() if callable(get_embeddings) else None
     # A module that holds the token embedding (BERT's ``embeddings``: word, position and
@@ -73,6 +88,33 @@ def hf_added_embeddings(hf: nn.Module, before: list[nn.Module], path: str) -> li
                          f"model with pp=1, or wrap it so those modules live inside the first "
                          f"block")
     return [m for m in other if isinstance(m, nn.Embedding) or names[id(m)] in added]
+
+
+def other_block_stacks(hf: nn.Module, path: str) -> list[str]:
+    """Names of ``hf``'s module lists of two or more blocks of one class, with parameters,
+    other than the stack at ``path`` and outside it (a second tower's encoder layers; a
+    mixture of experts' list inside a block is not one)."""
+    found: list[str] = []
+    for name, m in hf.named_modules():
+        if (not isinstance(m, nn.ModuleList) or len(m) < 2 or name == path
+                or name.startswith(path + ".") or path.startswith(name + ".")
+                or any(name.startswith(f + ".") for f in found)):
+            continue
+        kinds = {type(c) for c in m}
+        if len(kinds) == 1 and any(p.numel() for p in m.parameters()):
+            found.append(name)
+    return found
+
+
+def bias_holder(hf: nn.Module, path: str) -> str:
+    """The name of the module in the stack at ``path`` that alone computes a relative
+    attention bias the others reuse (T5's ``relative_attention_bias``, in block 0 only:
+    ``has_relative_attention_bias``), or ``""``."""
+    stack = hf.get_submodule(path) if path else hf
+    holders = [f"{path}.{name}" for name, m in stack.named_modules()
+               if getattr(m, "has_relative_attention_bias", False) is True]
+    with_flag = [m for m in stack.modules() if hasattr(m, "has_relative_attention_bias")]
+    return holders[0] if holders and len(holders) < len(with_flag) else ""
 
 
 def _added_by_running(hf: nn.Module, path: str) -> set[str] | None:

@@ -30,6 +30,7 @@ import json
 import operator
 import re
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -146,7 +147,11 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
         return (f"its linear(s) {fixed} are parametrized (weight_norm or spectral_norm compute "
                 f"the weight from other tensors), which torch's tensor-parallel styles cannot "
                 f"shard")
-    regions = _regions([n for n in graph.nodes if n in nodes], nodes, output, calls)
+    # Cross-attention is split by heads: only a block that names its head count (divided by
+    # tp below) says its projections' columns are whole heads.
+    headed = any(isinstance(getattr(block, a, None), int) for a in _HEAD_ATTRS)
+    regions = _regions([n for n in graph.nodes if n in nodes], nodes, output, calls,
+                       cross=headed)
     if isinstance(regions, str):
         return regions
     styles: dict[str, str] = {}
@@ -162,7 +167,8 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
             return inside
         styles.update(dict.fromkeys(inside, "grad_allreduce"))
     entries = regions[0][0] if len(regions) == 1 else []
-    if entries and entries[0].args[0] in inputs and (
+    if entries and entries[0].args[0] in inputs and all(
+            e.args[0] is entries[0].args[0] for e in entries) and (
             len(entries) > 1 or styles[calls[entries[0]]] == "colwise_qkv"):
         # One replicated input for q/k/v (gate/up): one backward all-reduce. Only when they read
         # the block input itself; after a pre-norm each colwise layer reduces its own. A fused
@@ -180,14 +186,16 @@ Region = tuple[list[fx.Node], fx.Node]
 
 
 def _regions(order: list[fx.Node], nodes: set[fx.Node], output: fx.Node,
-             calls: dict[fx.Node, str]) -> list[Region] | str:
+             calls: dict[fx.Node, str], cross: bool = False) -> list[Region] | str:
     """The block's linears, in graph order, as consecutive TP regions (entries, exit), or why
     they are not. A region's entries read one shared value (the block input, a norm of it, or
     what an earlier region produced, which is whole again after its row-parallel exit); their
     outputs reach exactly one linear, the exit, and nothing else reaches the block output on
     the way; the shared value reaches the exit only through them. An attention region and an
     MLP region in one flat block, or Linear -> act -> Linear -> act -> ... pairs, are several
-    regions; an odd last linear after at least one region stays replicated."""
+    regions; an odd last linear after at least one region stays replicated. With ``cross``
+    (a block that names its head count), linears reading a second value whole on every rank
+    (cross-attention's keys and values) join the region of the entries beside them."""
     left = list(order)
     regions: list[Region] = []
     while left:
@@ -212,16 +220,41 @@ def _regions(order: list[fx.Node], nodes: set[fx.Node], output: fx.Node,
         for entry in entries:
             if exit_node not in _reaches(entry, nodes):
                 return f"{calls[entry]} does not feed the output linear {calls[exit_node]}"
-        others = [calls[m] for m in left if m not in entries and m is not exit_node
+        others = [m for m in left if m not in entries and m is not exit_node
                   and exit_node in _reaches(m, nodes)]
         if others:  # cross-attention: k and v read another input than q
-            return (f"linear(s) {others} feed the output linear {calls[exit_node]} from another "
-                    f"input than {sorted(calls[e] for e in entries)}")
+            second = _second_input(others, left, nodes, exit_node, output) if cross else None
+            if second is None:
+                return (f"linear(s) {[calls[m] for m in others]} feed the output linear "
+                        f"{calls[exit_node]} from another input than "
+                        f"{sorted(calls[e] for e in entries)}")
+            entries = entries + others
         if exit_node in _reaches(source, set(entries)):
             return "the block input reaches the output linear without passing an entry linear"
         regions.append((entries, exit_node))
         left = [n for n in left if n not in entries and n is not exit_node]
     return regions
+
+
+def _second_input(others: list[fx.Node], left: list[fx.Node], nodes: set[fx.Node],
+                  exit_node: fx.Node, output: fx.Node) -> fx.Node | None:
+    """The one value ``others`` (linears beside a region's entries that also feed its exit)
+    all read, when it makes them entries of the same region: cross-attention, whose keys and
+    values come from the encoder's output while the queries come from the block input. The
+    value must not depend on the block's linears (it is whole on every tensor-parallel rank,
+    as the block input is), and reach the exit only through them; their outputs must reach
+    no linear but the exit, and the block output only through it. None otherwise."""
+    sources = {m.args[0] if m.args else None for m in others}
+    second = next(iter(sources)) if len(sources) == 1 else None
+    if not isinstance(second, fx.Node) or any(m in left for m in _ancestors(second)):
+        return None
+    if exit_node in _reaches(second, set(others)):
+        return None
+    for m in others:
+        reach = _reaches(m, nodes)
+        if reach & nodes != {exit_node} or output in reach:
+            return None
+    return second
 
 
 def _weights_inside(block: nn.Module, graph: fx.Graph, entries: list[fx.Node],
@@ -335,6 +368,23 @@ def _globs(entries: dict[str, str], names: list[str] | None = None) -> dict[str,
     return out
 
 
+def _beside_logits(model: nn.Module, head: nn.Module, embeddings: Any) -> list[str]:
+    """Vectors of the head's output size (``(vocab,)`` or ``(1, vocab)``) that a module with
+    children holds itself (BART's ``final_logits_bias`` on the model, added to the logits in
+    its forward; a layer's own bias or norm weight is not one): a forward that combines them
+    with the logits fails on logits split over the vocabulary (a plain tensor beside a
+    DTensor), so such a head stays whole."""
+    vocab = head.out_features
+    found = []
+    for owner, m in model.named_modules():
+        if m is head or any(m is e for e in embeddings) or not any(True for _ in m.children()):
+            continue
+        for name, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)):
+            if t is not None and t.ndim and t.shape[-1] == vocab and t.numel() == vocab:
+                found.append(f"{owner}.{name}".strip("."))
+    return found
+
+
 def infer_plan(model: nn.Module) -> TPPlan:
     """Propose a TP plan for ``model``; ValueError where it cannot decide (see module docs)."""
     styles: dict[str, str] = {}
@@ -402,7 +452,8 @@ def infer_plan(model: nn.Module) -> TPPlan:
             f"Plan(options={{'tp_plan': {{module glob: style}}}}){_ON_THE_COMMAND_LINE}")
     embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     for n, m in model.named_modules():
-        if _shardable(m) and n not in in_blocks and n not in styles:
+        if _shardable(m) and n not in in_blocks and n not in styles and not _beside_logits(
+                model, m, embeddings.values()):
             for en, emb in embeddings.items():
                 if emb.num_embeddings == m.out_features and emb.embedding_dim == m.in_features:
                     styles[en], styles[n] = "vocab_embedding", "vocab_head"

@@ -135,6 +135,22 @@ def quiet_view_output_warning() -> None:
                             category=UserWarning, module=r"torch\.distributed\.fsdp")
 
 
+def _refuse_scalar_parameters(module: nn.Module, plan: Plan) -> None:
+    """FSDP2 shards each parameter on its first dimension and refuses a 0-dim one (a learned
+    temperature such as CLIP's ``logit_scale``) with a traceback on every rank; refused here
+    by name, with the layouts that do train it, before any unit is sharded."""
+    scalars = [name for name, p in module.named_parameters() if p.ndim == 0]
+    if scalars:
+        shown = ", ".join(scalars[:3]) + (f" and {len(scalars) - 3} more"
+                                          if len(scalars) > 3 else "")
+        raise ValueError(
+            f"zero={plan.zero} shards every parameter of {type(module).__name__} over dp_shard "
+            f"on its first dimension, and {shown} has none (a 0-dim parameter, which torch's "
+            f"fully_shard refuses); use zero=1 (dp_shard=N,zero=1: optimizer state sharded, "
+            f"parameters whole) or dp_replicate, or make it a 1-element tensor "
+            f"(nn.Parameter(t.reshape(1)))")
+
+
 def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     """Shard ``module`` for ``plan.zero`` (1, 2 or 3) over the data axes of ``mesh``.
 
@@ -148,6 +164,8 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     if plan.offload and plan.zero != 3:
         raise ValueError(f"offload=True needs zero=3 (got zero={plan.zero}): only ZeRO-3 keeps "
                          f"parameters sharded between uses, so only it can park them on the CPU")
+    if plan.zero != 1:
+        _refuse_scalar_parameters(module, plan)
     _check_mesh(mesh, plan)
     units = _units(module, plan)  # raises on a pattern that matches nothing
     if plan.zero == 1:
