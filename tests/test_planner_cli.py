@@ -230,33 +230,19 @@ def test_plan_auto_says_it_read_the_position_table():
     assert "seq 48 (the model's maximum: the 48 rows of its position embedding pos)" in why[0]
 
 
-def test_reading_a_factory_on_meta_skips_random_fills_and_torch_dynamo():
-    """An nn.Embedding initialises itself with normal_, whose meta-device form imports
-    torch._dynamo (seconds); the planner's meta build skips the fill, whose values a meta
-    tensor does not hold. Run in a fresh interpreter: this one may hold dynamo already."""
+@pytest.mark.parametrize("factory", ["learned_positions", "with_seeded_data"])
+def test_reading_a_factory_on_meta_does_not_import_torch_dynamo(factory):
+    """The planner builds a factory's model (and reads its dataset) on the meta device, where
+    torch's Python references import torch._dynamo (seconds): an nn.Embedding's ``normal_``
+    fill (``learned_positions``), a dataset drawn from its own generator
+    (``torch.randn(..., generator=g)``, ``with_seeded_data``). The meta build skips the fills
+    and draws without the generator: a meta tensor holds no values. Run in a fresh
+    interpreter: this one may hold dynamo already."""
     import subprocess
     import sys
 
     code = ("import sys; from plait.planner.model_stats import load_model; "
-            "s = load_model('tests._planner_factories:learned_positions'); "
-            "print(s.num_params, 'torch._dynamo' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, check=True)
-    from tests._planner_factories import learned_positions
-
-    params = sum(p.numel() for p in learned_positions().parameters())
-    assert out.stdout.split() == [str(params), "False"], out.stderr
-
-
-def test_a_seeded_dataset_on_meta_draws_without_torch_dynamo():
-    """A factory's dataset drawn from its own generator (``torch.randn(..., generator=g)``)
-    reaches torch's Python reference on the meta device, which imports torch._dynamo; the
-    planner's meta build draws there without the generator (a meta tensor holds no values)."""
-    import subprocess
-    import sys
-
-    code = ("import sys; from plait.planner.model_stats import load_model; "
-            "s = load_model('tests._planner_factories:with_seeded_data'); "
+            f"s = load_model('tests._planner_factories:{factory}'); "
             "print(s.num_params, 'torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, check=True)
