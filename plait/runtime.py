@@ -115,6 +115,9 @@ class Run:
     _started: float = field(default_factory=time.perf_counter)
     _models: list[nn.Module] = field(default_factory=list)
     _gathers: int = 0  # run.all_gather calls so far (a contrastive loss must make some)
+    # id(model) -> its contrastive temperature parameters (plait.parallel.contrastive), read
+    # once per model rather than every step.
+    _contrastive: dict[int, list[str]] = field(default_factory=dict)
     # ZeRO-1: the user's optimizer -> its ZeroRedundancyOptimizer (see zero1_optimizer).
     _sharded_optimizers: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     # (id(model), id(optimizer)) pairs whose parameters were checked at their first step.
@@ -386,9 +389,12 @@ class Run:
         """
         _refuse_compiled_wrapper(model)
         if self.spmd is None:  # on XLA each host's loss already reads its whole share
-            from .parallel.contrastive import guard_loss
+            from .parallel.contrastive import contrastive_parameters, guard_loss
 
-            loss_fn = guard_loss(model, loss_fn, self.dp_size, lambda: self._gathers)
+            if id(model) not in self._contrastive:
+                self._contrastive[id(model)] = contrastive_parameters(model)
+            loss_fn = guard_loss(model, loss_fn, self.dp_size, lambda: self._gathers,
+                                 self._contrastive[id(model)])
         # Counted on the batch as given (host tensors from a loader): an attention mask read
         # on the device would be one more transfer, and on XLA one more graph, every step.
         items, self.stats.unit = _count_items(batch)

@@ -35,26 +35,28 @@ def test_the_guard_refuses_a_contrastive_loss_that_does_not_gather():
     assert contrastive_parameters(model) == ["logit_scale"]
     local = E.scaled_nce(B.no_gather)
     out = model(**B.pair_batch(0)[0])
-    assert guard_loss(model, local, 1, lambda: calls[0]) is local
-    assert guard_loss(B.two_tower(), local, 2, lambda: calls[0]) is local
+    found = contrastive_parameters(model)
+    assert guard_loss(model, local, 1, lambda: calls[0], found) is local
+    other = B.two_tower()
+    assert guard_loss(other, local, 2, lambda: calls[0], contrastive_parameters(other)) is local
     with pytest.raises(ValueError, match=r"ScaledTwoTower has logit_scale.*loss_fn=None.*"
                                          r"run.all_gather"):
-        guard_loss(model, None, 2, lambda: calls[0])
+        guard_loss(model, None, 2, lambda: calls[0], found)
     with pytest.raises(ValueError, match=r"1/2 of the global batch.*returned without calling "
                                          r"run.all_gather"):
-        guard_loss(model, local, 2, lambda: calls[0])(out, None)
+        guard_loss(model, local, 2, lambda: calls[0], found)(out, None)
 
     def counted(t, return_index=False):
         calls[0] += 1
         return B.no_gather(t, return_index)
 
     gathering = E.scaled_nce(counted)
-    guarded = guard_loss(model, gathering, 2, lambda: calls[0])
+    guarded = guard_loss(model, gathering, 2, lambda: calls[0], found)
     assert torch.equal(guarded(out, None), E.scaled_nce(B.no_gather)(out, None))
     # answers kept per loss (the label-shift verdict) stay keyed on the user's loss, though
     # each step wraps it anew
     assert _loss_key(guarded) == _loss_key(gathering) == _loss_key(
-        guard_loss(model, gathering, 2, lambda: calls[0]))
+        guard_loss(model, gathering, 2, lambda: calls[0], found))
 
 
 def test_a_two_tower_model_with_logit_scale_under_dp_gathers_or_is_refused():

@@ -62,12 +62,13 @@ def ungathered_refusal(model: nn.Module, found: list[str], dp: int) -> str:
             f"contrastive by the parameter's name: give the parameter another name)")
 
 
-def guard_loss(model: nn.Module, loss_fn: Any, dp: int, gathers: Callable[[], int]) -> Any:
+def guard_loss(model: nn.Module, loss_fn: Any, dp: int, gathers: Callable[[], int],
+               found: list[str]) -> Any:
     """``loss_fn`` as the step should call it: refused (ValueError, before any backward) on a
     contrastive model under ``dp`` > 1 data replicas unless each call gathers; ``gathers()``
-    counts the run's ``run.all_gather`` calls so far. Anything else passes as it is."""
-    found = contrastive_parameters(model) if dp > 1 else []
-    if not found:
+    counts the run's ``run.all_gather`` calls so far; ``found``: the model's
+    :func:`contrastive_parameters`. Anything else passes as it is."""
+    if dp <= 1 or not found:
         return loss_fn
     if loss_fn is None:
         raise ValueError(own_loss_refusal(model, found, dp))
