@@ -43,7 +43,7 @@ def test_root_parameters_under_other_layouts(plan):
 def test_a_root_parameter_only_the_last_stage_uses_trains_under_ddp(plan):
     """The first stage holds the output's gain and never uses it: DDP's reducer waited for
     that copy's gradient and failed the second step ("Expected to have finished reduction in
-    the prior iteration"); the stages now let DDP reduce a zero for it."""
+    the prior iteration"); the stages let DDP reduce a zero for it."""
     cfg = CheckConfig(model_factory=head_gain_mlp, batch_factory=mlp_batch, optimizer="adamw",
                       lr=1e-2, steps=3)
     result = check(plan, cfg, timeout=200)

@@ -181,7 +181,7 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
             tensors += extra.tensors
             if grad_units is not None and extra.trained and not any(
                     r.trained for r in (model.rows.embed if model.rows and first else ())):
-                grad_units += 1  # a stage root with no other gradient now reduces one
+                grad_units += 1  # a stage root with no other gradient reduces these
             tied_elements += extra.summed
             tied_tensors += len(model.shared_shapes)
         out.append(LocalModel(params=local, root_params=root, tensors=tensors, layers=layers,
