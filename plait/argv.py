@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-_ARGV_EXAMPLES = {"--plan": "--plan dp=2", "--accelerator": "--accelerator cpu"}
+_ARGV_EXAMPLES = {"--plan": "--plan dp=2", "--accelerator": "--accelerator cpu",
+                  "--format": "--format json"}
 
 
 def _from_argv(flag: str, argv: list[str] | None) -> str | None:
@@ -38,3 +39,19 @@ def plan_from_argv(argv: list[str] | None = None) -> str | None:
 def accelerator_from_argv(argv: list[str] | None = None) -> str | None:
     """The value of ``--accelerator`` on the script's own command line (read like ``--plan``)."""
     return _from_argv("--accelerator", argv)
+
+
+# The outputs plait.init and plait run make of a run (plait.outputs.FORMATS, repeated here to
+# keep this module free of imports): "table" is "text".
+_FORMATS = ("text", "table", "json")
+
+
+def format_from_argv(argv: list[str] | None = None) -> str | None:
+    """The value of ``--format`` on the script's own command line when it is one of plait's
+    (text, table, json); None without one. Another value is the script's own flag for
+    something else (``--format parquet``), which plait leaves to the script."""
+    try:
+        value = _from_argv("--format", argv)
+    except ValueError:  # `--format` without a value: the script's own argparse says so
+        return None
+    return value if value in _FORMATS else None

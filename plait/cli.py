@@ -15,7 +15,7 @@ import re
 import signal
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from .outputs import add_format
@@ -56,11 +56,13 @@ def _check(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from . import launch
 
+    if args.steps < 1:  # the demo's learning-rate schedule needs a step to schedule
+        raise ValueError(f"--steps {args.steps} must be >= 1, e.g. --steps 300")
     script_args = ["--steps", str(args.steps)]
     if args.plan:
         script_args += ["--plan", args.plan]
     cfg = launch.LaunchConfig(script="plait.demo", module=True, nproc=args.nproc,
-                              script_args=tuple(script_args))
+                              script_args=tuple(script_args), format=args.format)
     return launch.launch(cfg)
 
 
@@ -144,8 +146,49 @@ class Parser(argparse.ArgumentParser):
         kwargs["formatter_class"] = type("Formatter", (_CanonicalFirst, base), {})
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
+    # Set on `plait run`'s parser: what follows its script is the script's, and a flag typed
+    # before the script that plait run does not take is most often the script's own.
+    script_flags_after: str | None = None
+    _given: list[str] | None = None  # the words this parser was given (parse_known_args)
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {self.explain(message)}\n")
+
+    def _unknown(self) -> list[str]:
+        """The flags among the words given that this parser does not take (argparse reports a
+        missing command or script first and would never name them)."""
+        longs = [o for a in self._actions for o in a.option_strings]
+        takes_value = {o for a in self._actions if a.nargs != 0 for o in a.option_strings}
+        out: list[str] = []
+        words = iter(self._given or [])
+        for word in words:
+            if word == "--":
+                break
+            if not word.startswith("-") or word == "-":
+                if self.script_flags_after is not None:
+                    break  # plait run's script: the rest is the script's
+                continue
+            name = word.split("=", 1)[0]
+            known = [o for o in longs if o == name or (name.startswith("--") and
+                                                       self.allow_abbrev and o.startswith(name))]
+            if not known:
+                out.append(word)
+            elif "=" not in word and known[0] in takes_value:
+                next(words, None)  # its value
+        return out
+
+    def _unknown_said(self, unknown: str) -> str:
+        where = ""
+        if self.script_flags_after is not None:
+            where = (f" (not flags of {self.prog}; the script's own flags go after the script: "
+                     f"`{self.script_flags_after}`)")
+        return f"unknown argument(s) {unknown}{where}"
 
     def explain(self, message: str) -> str:
         """argparse's ``message`` as a sentence with the fix (unchanged when not known)."""
@@ -153,11 +196,13 @@ class Parser(argparse.ArgumentParser):
         if said is None:
             unknown = re.fullmatch(r"unrecognized arguments: (.*)", message)
             if unknown:
-                return (f"unknown argument(s) {unknown.group(1)}; `{self.prog} --help` lists "
+                return (f"{self._unknown_said(unknown.group(1))}; `{self.prog} --help` lists "
                         f"the flags")
             required = re.fullmatch(r"the following arguments are required: (.*)", message)
             if required:
-                return self._required(required.group(1).split(", "))
+                stray = self._unknown()
+                missing = self._required(required.group(1).split(", "))
+                return f"{self._unknown_said(' '.join(stray))}; {missing}" if stray else missing
             return message
         names, what = said.group(1).split("/"), said.group(2)
         action = next((a for a in self._actions if names[0] in a.option_strings), None)
@@ -175,6 +220,11 @@ class Parser(argparse.ArgumentParser):
         choice = re.fullmatch(r"invalid choice: (\S+) \(choose from (.*)\)", what)
         if choice and not flag.startswith("-"):  # a command: `plait foo`, `plait bench foo`
             options = choice.group(2).replace("'", "")
+            stray = self._unknown()
+            if stray:  # `plait bench --format json`: the flag's value was read as the command
+                return (f"{self._unknown_said(' '.join(stray))}; the command comes first, one "
+                        f"of {options}, then its flags: `{self.prog} COMMAND --help` lists "
+                        f"them")
             return (f"{choice.group(1)} is not a command of {self.prog} ({options}); "
                     f"`{self.prog} --help` says what each does")
         if choice:
@@ -242,10 +292,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p = _command(
         sub, "run", "launch a training script on N processes (torchrun underneath)",
         "Launch SCRIPT on N processes per node. Standalone on 127.0.0.1 with a free port unless "
-        "--rdzv-endpoint is given; SLURM's variables are honoured. The script's own --plan is "
-        "checked against the world size before anything starts. Rank 0's output is shown live; "
-        "a failing rank's traceback is shown once.",
+        "--rdzv-endpoint is given; SLURM's variables are honoured. plait run's flags go before "
+        "SCRIPT; everything after it is the script's own (--plan, --accelerator, your flags). "
+        "The script's --plan is checked against the world size before anything starts. Rank "
+        "0's output is shown live; a failing rank's traceback is shown once.\n\n"
+        "--format json: JSON Lines on stdout, one event per line (plan, progress, ledger, "
+        "summary; the script's own prints as output events; error last when the run fails); "
+        "tracebacks and warnings stay on stderr.",
         ["plait run --nproc 4 train.py --plan dp=2,tp=2",
+         "plait run --nproc 2 --format json train.py --plan dp=2",
          "plait run --nproc 2 -m mypkg.train --plan dp=2",
          "# two machines, 8 processes each, the same command on both but --node-rank:",
          "plait run --nproc 8 --nnodes 2 --node-rank 0 --rdzv-endpoint gpu01:29400 train.py",
@@ -255,6 +310,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         from . import launch
 
         launch.add_arguments(p)
+    assert isinstance(p, Parser)
+    p.script_flags_after = "plait run --nproc 2 train.py --plan dp=2"
     commands["run"] = _run
 
     p = _command(
@@ -275,14 +332,17 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p = _command(sub, "demo", "the main job: tiny transformer on Shakespeare, 2 processes",
                  "Train the tiny reference transformer on the bundled corpus with N processes "
                  "on CPU; prints the plan, progress, final loss vs the corpus's unigram entropy, "
-                 "throughput and the run summary.",
-                 ["plait demo", "plait demo --nproc 4 --plan dp=2,tp=2 --steps 100"])
+                 "throughput, the run summary and the communication ledger (with --format "
+                 "json: as JSON Lines, one event per line, as plait run does).",
+                 ["plait demo", "plait demo --nproc 4 --plan dp=2,tp=2 --steps 100",
+                  "plait demo --steps 20 --format json"])
     p.add_argument("--nproc", type=int, default=2, metavar="N",
                    help="processes to start (default: 2)")
     p.add_argument("--steps", type=int, default=300, metavar="N",
                    help="optimizer steps (default: 300)")
     p.add_argument("--plan", default=None, help="layout, e.g. dp=2,tp=2 (default: data "
                    "parallel over all processes)")
+    add_format(p)
     commands["demo"] = _demo
 
     p = _command(
@@ -332,8 +392,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     commands["comm"] = _comm
 
     p = _command(sub, "bench", "benchmarks that print measured figures",
-                 "Benchmarks that print measured figures: `plait bench comm`, collective "
-                 "bandwidth over a size sweep.",
+                 "One benchmark so far, `plait bench comm`: collective bandwidth over a size "
+                 "sweep. Its flags go after its name; `plait bench comm --help` lists them.",
                  ["plait bench comm --ops all_reduce --max-bytes 16M"])
     bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     q = _command(
@@ -428,13 +488,15 @@ def main(argv: list[str] | None = None) -> int:
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """``parser.parse_args(argv)``; with ``--format json`` in ``argv``, an error in the
     arguments themselves (an unknown flag, a bad choice) is also the JSON object
-    ``{"error", "command", "exit_code"}`` on stdout, as errors after parsing are. argparse
-    prints its usage and exits (2) on such errors, before ``args.format`` exists: the request
-    is read off ``argv`` (``plait run``'s are the script's own, and not read)."""
+    ``{"event": "error", "error", "command", "exit_code"}`` on stdout, as errors after parsing
+    are. argparse prints its usage and exits (2) on such errors, before ``args.format``
+    exists: the request is read off ``argv`` (after ``plait run``'s script, the script's own
+    arguments, not read)."""
     command = next((a for a in argv if not a.startswith("-")), None)
+    own = _before_script(parser, argv) if command == "run" else argv
     asked = any(a == "--format=json" or (a == "--format" and b == "json")
-                for a, b in zip(argv, [*argv[1:], ""], strict=True))
-    if not asked or command == "run":
+                for a, b in zip(own, [*own[1:], ""], strict=True))
+    if not asked:
         return _parse_all(parser, argv, command)
     from .outputs import json_error
 
@@ -452,6 +514,18 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
                 if prog.startswith(f"{parser.prog} ") else command or ""
             print(json_error(named, message or lines[-1], int(exc.code)))
         raise
+
+
+def _before_script(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``plait run``'s own arguments: those before the script (the first word that is neither
+    a flag nor a flag's value); the rest are the script's."""
+    run = command_parsers(parser, argparse.Namespace(command="run"))[-1]
+    takes_value = {o for a in run._actions if a.nargs != 0 for o in a.option_strings}
+    start = argv.index("run") + 1
+    i = start
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 2 if argv[i] in takes_value else 1
+    return argv[:i]
 
 
 def _parse_all(parser: argparse.ArgumentParser, argv: list[str],

@@ -34,24 +34,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--format", choices=("text", "table", "json"), default="text",
+                   help="text for people, json for programs: JSON Lines on stdout, one event "
+                   "per line (default: text)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    run = plait.init(args.plan, seed=args.seed, log_every=args.log_every, ledger=True)
+    run = plait.init(args.plan, seed=args.seed, log_every=args.log_every, ledger=True,
+                     format=args.format)
     cfg = preset(args.model, max_seq_len=max(args.seq_len, preset(args.model).max_seq_len))
     # The layout in words, and the string that reproduces it where the words differ from it.
     text, words = run.plan.to_string(), run.plan.describe()
-    run.print(f"plan: {words}" + (f"  [{text}]" if text != words else "") + f" on "
-              f"{run.world_size} process(es), {run.accelerator.name}/{run.accelerator.backend}")
-    run.print(f"model: {args.model} ({cfg.num_params() / 1e6:.2f}M parameters), "
-              f"global batch {args.batch_size} x {args.seq_len} tokens, {args.steps} steps")
+    if run.format != "json":  # in JSON, plait.init's own "plan" event says it
+        run.print(f"plan: {words}" + (f"  [{text}]" if text != words else "") + f" on "
+                  f"{run.world_size} process(es), {run.accelerator.name}/"
+                  f"{run.accelerator.backend}")
+    run.say(f"model: {args.model} ({cfg.num_params() / 1e6:.2f}M parameters), "
+            f"global batch {args.batch_size} x {args.seq_len} tokens, {args.steps} steps",
+            "model", model=args.model, parameters=cfg.num_params(),
+            global_batch=args.batch_size, seq=args.seq_len, steps=args.steps)
     corpus = load_corpus()
     entropy = unigram_entropy(corpus)
     model = run.parallelize(build(cfg, seed=args.seed))
     steps_run = layout_of(model).applied
-    run.print(f"layout: {' -> '.join(steps_run) if steps_run else 'one device, unchanged'}")
+    run.say(f"layout: {' -> '.join(steps_run) if steps_run else 'one device, unchanged'}",
+            "layout", applied=list(steps_run))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps,
                                                 pct_start=0.1)
@@ -61,11 +70,11 @@ def main(argv: list[str] | None = None) -> dict:
         sched.step()
     info = run.finish()
     final = info["final_loss"]
-    run_print = print if run.is_main else (lambda *a, **k: None)
     if final is not None:
         side = "below" if final <= entropy else "above"
-        run_print(f"unigram entropy {entropy:.4f} nats/token (a context-free model's loss); "
-                  f"final loss {final:.4f} is {abs(entropy - final):.4f} {side} it")
+        run.say(f"unigram entropy {entropy:.4f} nats/token (a context-free model's loss); "
+                f"final loss {final:.4f} is {abs(entropy - final):.4f} {side} it", "result",
+                final_loss=final, unigram_entropy=entropy, below_entropy=final <= entropy)
     return info
 
 

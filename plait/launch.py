@@ -11,6 +11,11 @@ What it adds, and why:
 * **One traceback, once**: workers' output is written per rank to a log folder; rank 0's is
   echoed live (progress), and when a worker fails its traceback is printed once — the first
   failing rank's — instead of once per rank interleaved with torchrun's own report.
+* **JSON Lines for programs** (``--format json``): the script gets ``--format json`` on its
+  command line, which ``plait.init`` reads as it reads ``--plan``, and then writes one event
+  per line; the launcher keeps stdout one JSON object per line (the script's own prints become
+  ``output`` events) and ends a failed run with an ``error`` event. Tracebacks, warnings and
+  the launcher's notes stay on stderr.
 
 Everything else (restarts, multi-node rendezvous, worker monitoring) is torchrun's.
 """
@@ -38,9 +43,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict
 
-from .argv import accelerator_from_argv, plan_from_argv
+from .argv import accelerator_from_argv, format_from_argv, plan_from_argv
 from .lifecycle import children, steps_redone
-from .outputs import writable_folder
+from .outputs import FORMATS, as_event, json_error, writable_folder
 from .plan import Plan
 from .store import loopback_interface
 
@@ -61,6 +66,8 @@ class LaunchConfig:
     log_dir: str | None = None     # where per-rank logs go (default: a temporary folder)
     rdzv_timeout: float = 600.0    # seconds to wait for every node to join (multi-node)
     extra_env: dict[str, str] = field(default_factory=dict)
+    # "json": JSON Lines on stdout (see the module docstring); "text" (or "table"): as printed.
+    format: str = "text"
 
 
 class SlurmDefaults(TypedDict, total=False):
@@ -195,7 +202,23 @@ def torchrun_args(cfg: LaunchConfig, log_dir: str) -> list[str]:
         args += ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
     if cfg.module:
         args.append("-m")
-    return args + [cfg.script, *cfg.script_args]
+    return args + [cfg.script, *script_argv(cfg)]
+
+
+def script_argv(cfg: LaunchConfig) -> list[str]:
+    """The script's arguments: the user's, and ``--format json`` when the launch asks for
+    JSON and they do not already say it (how ``plait.init`` in the script learns it: an
+    argument, as ``--plan`` is)."""
+    args = list(cfg.script_args)
+    if cfg.format == "json" and format_from_argv(args) != "json":
+        args += ["--format", "json"]
+    return args
+
+
+def output_format(own: str | None, script_args: list[str]) -> str:
+    """The format of a run: ``plait run``'s own ``--format``, else the script's (``plait run
+    train.py --format json`` asks for JSON as ``plait run --format json train.py`` does)."""
+    return own or format_from_argv(script_args) or "text"
 
 
 _PREFIX = re.compile(r"^\[[^\]]*\d+\]:")
@@ -203,8 +226,12 @@ _PREFIX = re.compile(r"^\[[^\]]*\d+\]:")
 _EXCEPTION_LINE = re.compile(r"^\[rank\d+\]: ?")
 
 
-def _pump(stream, out, keep: list[str], held: list[str] | None = None) -> None:
+def _pump(stream, out, keep: list[str], held: list[str] | None = None,
+          events: bool = False) -> None:
     """Echo rank 0's tee'd lines without torchrun's ``[default0]:`` prefix; keep the rest.
+
+    ``events`` (``--format json``, on stdout): each line as an event (plait.outputs.as_event),
+    so that what the script prints itself does not break the JSON Lines.
 
     ``held``: rank 0's uncaught-exception lines go there instead of the screen. When another
     rank fails first, rank 0's exception is a consequence (its peer closed the connection),
@@ -224,7 +251,7 @@ def _pump(stream, out, keep: list[str], held: list[str] | None = None) -> None:
                 if holding:
                     held.append(text)
                     continue
-            out.write(text)
+            out.write(as_event(text) + "\n" if events else text)
             out.flush()
         else:
             keep.append(line)
@@ -462,7 +489,8 @@ def launch(cfg: LaunchConfig) -> int:
     # Rank 0's uncaught exception: shown by _explain_failure when rank 0 caused the failure;
     # after a restart that then finished, it was a failed attempt's, kept in that attempt's log.
     held: list[str] = []
-    pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, kept_out)),
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, kept_out, None,
+                                                  cfg.format == "json")),
              threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, kept_err, held))]
     for t in pumps:
         t.start()
@@ -482,10 +510,13 @@ def launch(cfg: LaunchConfig) -> int:
         name = signal.Signals(forward.signum).name
         sys.stderr.write(f"plait run: stopped by {name}; every worker ended "
                          f"{time.monotonic() - forward.started:.1f} s later\n")
+        _error_event(cfg, f"stopped by {name}", 128 + forward.signum)
         shutil.rmtree(log_dir, ignore_errors=True) if own_logs else None
         return 128 + forward.signum
     if code != 0:
-        _explain_failure(cfg, log_dir, report, kept_err + held, code, rank0_held=bool(held))
+        said, rank = _explain_failure(cfg, log_dir, report, kept_err + held, code,
+                                      rank0_held=bool(held))
+        _error_event(cfg, said, code, rank=rank, log_dir=log_dir)
         own_logs = False
     elif held and not restarts:  # an exception that did not fail the job: shown as it came
         sys.stderr.write("".join(held))
@@ -515,10 +546,20 @@ def _report_waiting(cfg: LaunchConfig, log_dir: str, proc: subprocess.Popen,
             sys.stderr.flush()
 
 
+def _error_event(cfg: LaunchConfig, message: str, code: int, **fields: object) -> None:
+    """``--format json``: the run's last line, an ``error`` event (exit code, and where known
+    the rank that failed first and the per-rank logs)."""
+    if cfg.format == "json":
+        command = "demo" if cfg.script == "plait.demo" and cfg.module else "run"
+        print(json_error(command, message, code, **fields), flush=True)
+
+
 def _explain_failure(cfg: LaunchConfig, log_dir: str, report: str, kept_err: list[str],
-                     code: int, rank0_held: bool = False) -> None:
+                     code: int, rank0_held: bool = False) -> tuple[str, int | None]:
     """Print the root cause's traceback once and one line naming every failed rank. Rank 0's
-    traceback was shown live unless it came through torch's excepthook (``rank0_held``)."""
+    traceback was shown live unless it came through torch's excepthook (``rank0_held``).
+    Returns that line (without ``plait run: ``) and the rank that failed first (None when
+    none is known)."""
     try:
         records = json.loads(Path(report).read_text())
     except (OSError, ValueError):
@@ -529,8 +570,9 @@ def _explain_failure(cfg: LaunchConfig, log_dir: str, report: str, kept_err: lis
             error = (f"the other node(s) did not join at {cfg.rdzv_endpoint} within "
                      f"--rdzv-timeout {cfg.rdzv_timeout:g} s; start the same command on every "
                      f"node (--nnodes {cfg.nnodes}, --node-rank 0..{cfg.nnodes - 1})")
-        sys.stderr.write(f"plait run: {error.splitlines()[0] if error else error}\n")
-        return
+        said = error.splitlines()[0] if error else error
+        sys.stderr.write(f"plait run: {said}\n")
+        return said, None
     tracebacks = dict(_failures(log_dir))
     first, line = failure_summary(records, tracebacks)
     if first is None:  # no report: show the end of torchrun's own output
@@ -539,15 +581,13 @@ def _explain_failure(cfg: LaunchConfig, log_dir: str, report: str, kept_err: lis
     if first is not None and first in tracebacks and (first != 0 or rank0_held):
         tb = re.sub(r"(?m)^\[rank\d+\]: ?", "", tracebacks[first])  # torch's per-line prefix
         sys.stderr.write(f"\n--- rank {first} failed ---\n{tb.rstrip()}\n")
-    if line:
-        sys.stderr.write(f"plait run: {line}; per-rank logs in {log_dir}\n")
-    elif tracebacks:
-        sys.stderr.write(f"plait run: worker(s) {sorted(tracebacks)} failed (exit {code}); "
-                         f"per-rank logs in {log_dir}\n")
-    else:
+    if not line and tracebacks:
+        line = f"worker(s) {sorted(tracebacks)} failed (exit {code})"
+    elif not line:
         sys.stderr.write("".join(kept_err[-40:]))
-        sys.stderr.write(f"plait run: torchrun exited with {code}; per-rank logs in "
-                         f"{log_dir}\n")
+        line = f"torchrun exited with {code}"
+    sys.stderr.write(f"plait run: {line}; per-rank logs in {log_dir}\n")
+    return line, first
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -569,6 +609,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "after a successful run)")
     parser.add_argument("-m", dest="module", action="store_true",
                         help="treat the script as a Python module (like python -m)")
+    parser.add_argument("--format", choices=FORMATS, default=None,
+                        help="text for people, json for programs: JSON Lines on stdout, one "
+                        "event per line; the script gets --format json, which plait.init "
+                        "reads (default: text, or the script's own --format)")
     parser.add_argument("script", help="training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER,
                         help="arguments for the script, e.g. --plan dp=2,tp=2")
@@ -582,7 +626,9 @@ def command(args: argparse.Namespace) -> int:
 
         acc = get_accelerator()
         nproc = acc.device_count() if acc.name != "cpu" else 1
-    nnodes = args.nnodes or slurm.get("nnodes", 1)
+    nnodes = args.nnodes if args.nnodes is not None else slurm.get("nnodes", 1)
+    # said by the failure line of plait.cli too, in JSON when either asks for it
+    args.format = output_format(args.format, list(args.script_args))
     cfg = LaunchConfig(script=args.script, script_args=tuple(args.script_args), nproc=nproc,
                        nnodes=nnodes,
                        node_rank=(args.node_rank if args.node_rank is not None
@@ -591,5 +637,5 @@ def command(args: argparse.Namespace) -> int:
                                                              if nnodes > 1 else None),
                        max_restarts=args.max_restarts, module=args.module,
                        rdzv_timeout=args.rdzv_timeout,
-                       log_dir=args.log_dir)
+                       log_dir=args.log_dir, format=args.format)
     return launch(cfg)

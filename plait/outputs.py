@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def plot_path(value: str, flag: str, default_name: str) -> str:
@@ -77,7 +79,42 @@ def command_failed(command: str, message: str, code: int, fmt: str | None = None
     return code
 
 
-def json_error(command: str, message: str, code: int) -> str:
-    """The JSON object a failed ``plait COMMAND --format json`` prints on stdout."""
-    return json.dumps({"error": message.removeprefix("error: "), "command": command,
-                       "exit_code": code})
+def json_error(command: str, message: str, code: int, **fields: Any) -> str:
+    """The JSON object a failed ``plait COMMAND --format json`` prints on stdout: an event
+    like those of ``plait run`` and ``plait demo`` (:func:`json_event`), so that one reader
+    handles every command's failure."""
+    return json_event("error", error=message.removeprefix("error: "), command=command,
+                      exit_code=code, **fields)
+
+
+# ``plait run --format json`` and ``plait demo --format json`` write JSON Lines: one object per
+# event, each with an "event" key naming its kind (docs/getting_started.md lists them).
+def json_event(event: str, **fields: Any) -> str:
+    """One event as one line of strict JSON: NaN and infinities (a diverged loss, a rate over
+    no time) are null, which every JSON reader takes, where Python's ``NaN`` is not JSON."""
+    return json.dumps(_finite({"event": event, **fields}), default=str, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def as_event(line: str) -> str:
+    """A line of a training script's standard output as an event line: a plait event (a JSON
+    object with an "event" key) as it is, anything else (the script's own print) as
+    ``{"event": "output", "text": ...}``, so that the stream stays one JSON object per line."""
+    text = line.rstrip("\n")
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and "event" in data:
+            return text
+    return json_event("output", text=text)

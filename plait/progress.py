@@ -4,6 +4,8 @@
   samples/s instead of tokens/s for inputs that are not token ids or sequences of vectors.
   Elsewhere (a pipe, a log file, ``plait run``'s tee'd rank-0 output, where a redrawn line
   would arrive as one long line or not at all): one plain line every ``log_every`` steps.
+- ``events=True`` (``--format json``): at the same steps, one JSON object per line instead
+  (``{"event": "progress", "step": ..., "loss": ...}``), never a bar.
 - ``tensorboard=DIR``: loss, tokens/s and step time as TensorBoard scalars
   (``torch.utils.tensorboard``; needs the ``tensorboard`` package, the ``tensorboard`` extra).
 - ``plot=PATH``: at ``finish()``, a PNG of the loss and of every rank's step time (matplotlib,
@@ -44,12 +46,14 @@ class Progress:
     """
 
     def __init__(self, *, enabled: bool, log_every: int, total: int | None = None,
-                 tensorboard: str | None = None, stream: TextIO | None = None):
+                 tensorboard: str | None = None, stream: TextIO | None = None,
+                 events: bool = False):
         self.enabled = enabled
         self.log_every = log_every
         self.total = total
         self.stream = stream if stream is not None else sys.stdout
-        self.live = enabled and _is_terminal(self.stream)
+        self.events = events
+        self.live = enabled and not events and _is_terminal(self.stream)
         self._bar: Any = None
         self._loss = float("nan")
         self._writer: Any = None
@@ -69,8 +73,9 @@ class Progress:
         if self.live:
             self._draw(step, stats)
         elif step == 1 or step % self.log_every == 0 or step == self.total:
-            print(report.progress_line(step, self.total, self._loss, stats), file=self.stream,
-                  flush=True)
+            line = (report.progress_event(step, self.total, self._loss, stats) if self.events
+                    else report.progress_line(step, self.total, self._loss, stats))
+            print(line, file=self.stream, flush=True)
 
     def _draw(self, step: int, stats: Any) -> None:
         from tqdm.auto import tqdm

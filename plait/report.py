@@ -36,14 +36,21 @@ def eta(step: int, total: int | None, stats: Any, window: int = 10) -> str:
     """Time left, as ``H:MM:SS`` (``?`` without a total): the steps left at the recent wall
     time per step, measured between step ends so that what the loop does between steps
     (loading data, evaluating) counts; the median step time until two steps have ended."""
-    if not total or not stats.step_times:
+    left = eta_seconds(step, total, stats, window)
+    if left is None:
         return "?"
+    h, rem = divmod(int(round(left)), 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}"
+
+
+def eta_seconds(step: int, total: int | None, stats: Any, window: int = 10) -> float | None:
+    """Seconds left (see :func:`eta`); None without a total or a timed step."""
+    if not total or not stats.step_times:
+        return None
     ends = getattr(stats, "step_ends", [])[-(window + 1):]  # after step 1 ended: no warm-up
     per_step = ((ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) >= 2
                 else _median(_after_warmup(stats.step_times, window)))
-    left = max(0, total - step) * per_step
-    h, rem = divmod(int(round(left)), 3600)
-    return f"{h}:{rem // 60:02d}:{rem % 60:02d}"
+    return float(max(0, total - step) * per_step)
 
 
 def progress_line(step: int, total: int | None, loss: float, stats: Any) -> str:
@@ -58,6 +65,24 @@ def progress_line(step: int, total: int | None, loss: float, stats: Any) -> str:
     if scale is not None:
         line += f" | scale {scale:g}"
     return line + (f" | ETA {eta(step, total, stats)}" if total else "")
+
+
+def progress_event(step: int, total: int | None, loss: float, stats: Any) -> str:
+    """The progress line's figures as one JSON event (``--format json``): ``step``, ``total``
+    (null without one), ``loss`` (null until a step's loss is known), ``tokens_per_s`` or
+    ``samples_per_s`` and ``step_time_ms`` (the recent rate and median, as the line shows),
+    ``eta_s`` and, under fp16, ``loss_scale``."""
+    from .outputs import json_event
+
+    tps, ms = recent_throughput(stats)
+    unit = "tokens" if getattr(stats, "unit", "tokens") == "tokens" else "samples"
+    fields: dict[str, Any] = {"step": step, "total": total, "loss": loss,
+                              f"{unit}_per_s": tps, "step_time_ms": ms,
+                              "eta_s": eta_seconds(step, total, stats)}
+    scale = getattr(stats, "loss_scale", None)
+    if scale is not None:
+        fields["loss_scale"] = scale
+    return json_event("progress", **fields)
 
 
 def local_memory(accelerator: Any = None) -> dict[str, float]:

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 
 from . import report
 from .accelerators import Accelerator, get_accelerator
-from .argv import accelerator_from_argv, plan_from_argv
+from .argv import accelerator_from_argv, format_from_argv, plan_from_argv
 from .data.loader import DistributedLoader, is_stream
 from .data.stream import StreamLoader
 from .mesh import Mesh, build_mesh
@@ -90,6 +90,9 @@ class Run:
     seed: int = 0
     log_every: int = 10
     quiet: bool = False
+    # What rank 0 writes on stdout: "text" for people, or "json" for programs: one JSON
+    # object per line, each an event (plan, message, progress, ledger, summary), see say().
+    format: str = "text"
     owns_group: bool = False
     total_steps: int | None = None
     stats: StepStats = field(default_factory=StepStats)
@@ -214,9 +217,34 @@ class Run:
         return self.mesh
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """print() on rank 0 only (and not at all when quiet)."""
-        if self.is_main and not self.quiet:
+        """print() on rank 0 only (and not at all when quiet); under ``format="json"`` the
+        text is a ``{"event": "message", "text": ...}`` line."""
+        if self.format == "json":
+            self.say(kwargs.get("sep", " ").join(map(str, args)))
+        elif self.is_main and not self.quiet:
             print(*args, **kwargs, flush=True)
+
+    def say(self, text: str, event: str = "message", **fields: Any) -> None:
+        """Tell the user something on rank 0 (nothing when quiet): ``text`` for people, or,
+        under ``format="json"``, ``{"event": event, "text": text, **fields}`` on one line,
+        so that a program reads the figures without parsing the sentence."""
+        if not self.is_main or self.quiet:
+            return
+        if self.format == "json":
+            from .outputs import json_event
+
+            print(json_event(event, text=text, **fields), flush=True)
+        else:
+            print(text, flush=True)
+
+    def _say_plan(self) -> None:
+        """Under ``format="json"``, the plan in force as a ``plan`` event (in text, a script
+        prints its plan as it likes: ``plait demo`` says it in words)."""
+        if self.format == "json":
+            self.say(f"plan: {self.plan.describe()} on {self.world_size} process(es)", "plan",
+                     plan=self.plan.to_string(), layout=self.plan.describe(),
+                     world_size=self.world_size, accelerator=self.accelerator.name,
+                     backend=self.accelerator.backend)
 
     # ------------------------------------------------------------------ the four calls
     def parallelize(self, model: nn.Module) -> nn.Module:
@@ -237,6 +265,7 @@ class Run:
                 self.print(line)
             self.mesh = build_mesh(self.plan, self.device.type, self.world_size)
             self.auto = None
+            self._say_plan()
         if original is not None and not self.plan.compile and self.spmd is None:
             self.plan = self.plan.replace(compile=True)
             self.print("plait: the model came through torch.compile; plait lays out the model "
@@ -548,7 +577,7 @@ class Run:
         self.stats.losses.append(loss)
         if self.progress is None:
             self.progress = Progress(enabled=self.is_main and not self.quiet,
-                                     log_every=self.log_every)
+                                     log_every=self.log_every, events=self.format == "json")
         self.progress.total = self.total_steps
         self.progress.update(step, float(loss), self.stats)
         if ckpt is not None:
@@ -995,7 +1024,9 @@ class Run:
         memory = self.memory_report()
         if memory is not None:
             info["model_memory"] = memory
-        if print_summary:
+        if print_summary and self.format == "json":
+            self._say_summary(info)
+        elif print_summary:
             self.print(report.format_summary(info))
             if "comm_table" in info:
                 steps = max(0, len(self.stats.step_times) - self.ledger_warmup)
@@ -1017,6 +1048,22 @@ class Run:
                 self.print(format_report(info["xla"]))
         self.close()
         return info
+
+    def _say_summary(self, info: dict[str, Any]) -> None:
+        """``format="json"``: one ``ledger`` event per row of the communication ledger, then
+        the ``summary`` event: every figure of the text summary (and the ledger's totals and
+        notes under "comm", without its rows)."""
+        if not self.is_main or self.quiet:
+            return
+        from .outputs import json_event
+
+        data = {k: v for k, v in info.items() if k != "comm_table"}
+        comm = data.get("comm")
+        if comm is not None:
+            for row in comm["rows"]:
+                print(json_event("ledger", **row, steps=comm["steps"]), flush=True)
+            data["comm"] = {k: v for k, v in comm.items() if k != "rows"}
+        print(json_event("summary", **data), flush=True)
 
     def _plot(self, path: str) -> str:
         """Rank 0 draws every rank's step times (gathered: collective) beside the loss."""
@@ -1171,7 +1218,7 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
          async_save: bool = False, cluster: Any = None, global_batch: int | None = None,
          seq: int | None = None, strict: bool = False, tensorboard: str | None = None,
          plot: str | None = None, nonfinite: str = "stop", timeout: float = 300.0,
-         desync_check: bool = True) -> Run:
+         desync_check: bool = True, format: str | None = None) -> Run:
     """Join (or create) the process group, pick the device, build the mesh for ``plan``.
 
     ``plan``: a Plan, a plan string (``"dp=2,tp=2"``), a dict, or a .yaml/.json path; when None,
@@ -1200,6 +1247,10 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     ``tensorboard=DIR`` writes loss, tokens/s and step time there (rank 0); ``plot=PATH`` saves
     a PNG of the loss and every rank's step time at ``finish()``. On a terminal rank 0 shows a
     live progress bar, elsewhere a plain line every ``log_every`` steps.
+    ``format``: ``"text"`` for people, ``"json"`` for programs: rank 0 then writes JSON Lines
+    on stdout, one event per line (plan, message, progress, ledger, summary; see
+    ``Run.say``); when None, the script's ``--format`` argument (as ``plait run --format json``
+    passes it), else text.
     ``nonfinite``: what a NaN/inf loss or gradient norm does, found on the step it appears on
     every rank: ``"stop"`` raises ``plait.guard.NonFiniteError`` naming the step and the rank,
     ``"skip"`` drops that step's update and carries on (the summary lists skipped steps).
@@ -1216,6 +1267,8 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     """
     from_argv = False
     try:
+        if format is None:
+            format = format_from_argv() or "text"
         if accelerator is None:
             accelerator = accelerator_from_argv()
             from_argv = accelerator is not None
@@ -1230,7 +1283,8 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
                      ledger=ledger, checkpoint=checkpoint, every=every, keep=keep,
                      async_save=async_save, cluster=cluster, global_batch=global_batch,
                      seq=seq, strict=strict, tensorboard=tensorboard, plot=plot,
-                     nonfinite=nonfinite, timeout=timeout, desync_check=desync_check)
+                     nonfinite=nonfinite, timeout=timeout, desync_check=desync_check,
+                     format=format)
     except ValueError as exc:
         if not from_argv:
             raise
@@ -1242,10 +1296,14 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
           ledger: bool, checkpoint: str | Path | None, every: int | None, keep: int | None,
           async_save: bool, cluster: Any, global_batch: int | None, seq: int | None,
           strict: bool, tensorboard: str | None = None, plot: str | None = None,
-          nonfinite: str = "stop", timeout: float = 300.0, desync_check: bool = True) -> Run:
+          nonfinite: str = "stop", timeout: float = 300.0, desync_check: bool = True,
+          format: str = "text") -> Run:
     from .guard import check_policy
 
     check_policy(nonfinite)
+    if format not in ("text", "table", "json"):
+        raise ValueError(f"format={format!r}: use 'text' (for people) or 'json' (JSON Lines, "
+                         f"for programs)")
     checkpointing = None
     if checkpoint is not None:
         from .checkpoint.schedule import Checkpointing
@@ -1313,13 +1371,14 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
     run = Run(plan=resolved, mesh=mesh, accelerator=acc, device=device, rank=rank,
               world_size=world_size, local_rank=local_rank, seed=seed, log_every=log_every,
               quiet=quiet, owns_group=owns_group, auto=request, spmd=layout,
-              plot=plot, nonfinite=nonfinite, timeout=timeout, desync_check=desync_check)
+              plot=plot, nonfinite=nonfinite, timeout=timeout, desync_check=desync_check,
+              format="json" if format == "json" else "text")
     if layout is not None:
         from .diagnostics.xla import XLADiagnostics
 
         run.xla = XLADiagnostics(strict=strict)
     run.progress = Progress(enabled=run.is_main and not quiet, log_every=log_every,
-                            tensorboard=tensorboard)
+                            tensorboard=tensorboard, events=run.format == "json")
     if checkpointing is not None:
         run.checkpointing = checkpointing
         run.first_step = checkpointing.resume_step
@@ -1329,7 +1388,11 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
 
     run._attempt = AttemptRecord.for_worker(rank, os.environ)
     note = node_note(rank, world_size, os.environ, socket.gethostname()) if owns_group else None
-    if note and not quiet:
+    if note and not quiet and run.format == "json":
+        from .outputs import json_event
+
+        print(json_event("message", text=note), flush=True)  # every node's rank 0 says it
+    elif note and not quiet:
         print(note, flush=True)
     if owns_group:
         atexit.register(_close_at_exit, weakref.ref(run))
@@ -1339,6 +1402,8 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
 
         run.ledger = Ledger(mesh)
         run.ledger.install()
+    if not auto:  # plan="auto": said once the planner chose, in parallelize
+        run._say_plan()
     return run
 
 

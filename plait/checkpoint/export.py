@@ -123,7 +123,7 @@ def _write_atomically(target: Path, write: Callable[[Path], object]) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint folder (its newest step) or a step folder")
-    p.add_argument("--to", required=True,
+    p.add_argument("--to", required=True, metavar="PATH",
                    help="model.safetensors, or a folder (Hugging Face models: safetensors and "
                    "config.json)")
     add_format(p)

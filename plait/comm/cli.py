@@ -35,7 +35,7 @@ def add_bench_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, metavar="N",
                         help="untimed calls per size before the timed ones (default: 2)")
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
-                        help="process-group backend (default gloo)")
+                        help="process-group backend (default: gloo)")
     add_format(parser, "table")
     parser.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS",
                         help="seconds before the run is declared hung (default: 3600)")

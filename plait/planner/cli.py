@@ -81,7 +81,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    "max_position_embeddings, or the rows of a position nn.Embedding; also "
                    "spelt --seq-len)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
-                   help="compute dtype (default bf16; fp32 on cpu); fp16 for GPUs without "
+                   help="compute dtype (default: bf16; fp32 on cpu); fp16 for GPUs without "
                    "bf16 (T4, V100): mixed_precision=fp16, the loss scaled dynamically")
     p.add_argument("--top", type=int, default=5, metavar="N",
                    help="plans to list (default: 5)")
