@@ -221,7 +221,12 @@ class Parser(argparse.ArgumentParser):
         if choice and not flag.startswith("-"):  # a command: `plait foo`, `plait bench foo`
             options = choice.group(2).replace("'", "")
             stray = self._unknown()
-            if stray:  # `plait bench --format json`: the flag's value was read as the command
+            given = self._given or []
+            word = choice.group(1).strip("'")
+            at = given.index(word) if word in given else 0
+            if at and given[at - 1] in stray:
+                # `plait bench --format json`: the value of a flag that belongs to the command
+                # (`plait bench comm --format json`) was read as the command
                 return (f"{self._unknown_said(' '.join(stray))}; the command comes first, one "
                         f"of {options}, then its flags: `{self.prog} COMMAND --help` lists "
                         f"them")
@@ -252,7 +257,8 @@ class Parser(argparse.ArgumentParser):
 
     @staticmethod
     def _example(action: argparse.Action | None) -> str:
-        """A value the flag takes: its default, else its first choice, else a typical one."""
+        """A value the flag takes: its default, else its first choice, else the one its help
+        gives ("e.g. dp=2,tp=2"), else a typical one."""
         if action is None:
             return "VALUE"
         if action.default not in (None, argparse.SUPPRESS) and not isinstance(action.default,
@@ -261,6 +267,9 @@ class Parser(argparse.ArgumentParser):
                 else str(action.default)
         if action.choices:
             return str(next(iter(action.choices)))
+        given = re.search(r"\be\.g\. '?([^\s';)]+)", action.help or "")
+        if given:
+            return given.group(1).rstrip(",.")
         return {int: "8", float: "1.0"}.get(action.type, action.metavar or "VALUE")  # type: ignore[call-overload]
 
 

@@ -134,7 +134,8 @@ def validate(cfg: LaunchConfig) -> None:
     if cfg.nnodes < 1:
         raise ValueError(f"--nnodes {cfg.nnodes}: need at least 1 node")
     if not 0 <= cfg.node_rank < cfg.nnodes:
-        raise ValueError(f"--node-rank {cfg.node_rank} must be in [0, {cfg.nnodes - 1}]")
+        raise ValueError(f"--node-rank {cfg.node_rank} must be in [0, {cfg.nnodes - 1}]: "
+                         f"--nnodes {cfg.nnodes} numbers the nodes 0 to {cfg.nnodes - 1}")
     if not cfg.rdzv_timeout > 0:
         raise ValueError(f"--rdzv-timeout {cfg.rdzv_timeout} must be a positive number of "
                          f"seconds")
@@ -154,7 +155,8 @@ def validate(cfg: LaunchConfig) -> None:
     if cfg.rdzv_endpoint:
         host, _, port = cfg.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"--rdzv-endpoint {cfg.rdzv_endpoint!r} must be HOST:PORT")
+            raise ValueError(f"--rdzv-endpoint {cfg.rdzv_endpoint!r} must be HOST:PORT, e.g. "
+                             f"--rdzv-endpoint gpu01:29400 (the same on every node)")
         if not 0 < int(port) < 65536:
             raise ValueError(f"--rdzv-endpoint {cfg.rdzv_endpoint}: port {port} is not in "
                              f"1..65535")

@@ -66,6 +66,27 @@ CASES = [
      "plait run: error: the script's --plan needs a value, e.g. --plan dp=2"),
     (["check", "--plan", "dp=2", "--model", "mymodels:build", "--seq", "8"],
      "drop --seq"),
+    # plait demo and plait run's own values, refused before a worker starts
+    (["demo", "--steps", "0"], "--steps 0 must be >= 1, e.g. --steps 300"),
+    (["demo", "--nproc", "0"], "--nproc 0: need at least 1 process per node"),
+    (["demo", "--plan", "dp=2,tp=2"], "= 4 != world size 2"),
+    (["run", "--nnodes", "0", "SCRIPT"], "--nnodes 0: need at least 1 node"),
+    (["run", "--node-rank", "1", "SCRIPT"], "--node-rank 1 must be in [0, 0]: --nnodes 1 "
+                                            "numbers the nodes 0 to 0"),
+    (["run", "--max-restarts", "-1", "SCRIPT"], "--max-restarts -1 must be >= 0"),
+    (["run", "--nnodes", "2", "SCRIPT"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["run", "--rdzv-endpoint", "nohost", "SCRIPT"],
+     "--rdzv-endpoint 'nohost' must be HOST:PORT, e.g. --rdzv-endpoint gpu01:29400"),
+    (["run", "--nproc", "2", "SCRIPT", "--accelerator", "nope"], "unknown accelerator 'nope'"),
+    (["run", "--nproc", "2", "SCRIPT", "--plan", "tp=2,sp=maybe"], "must be true or false"),
+    (["bench", "comm", "--nproc", "1"], "a collective needs at least 2 ranks"),
+    (["bench", "comm", "--min-bytes", "1M", "--max-bytes", "1K"], "swap them"),
+    (["bench", "comm", "--ops", "all_sum"], "unknown collective 'all_sum'; known: "),
+    (["bench", "comm", "--max-bytes", "12Q"], "cannot read size '12Q'"),
+    (["schedule", "--pp", "2", "-m", "0"], "microbatches=0 must be a positive integer"),
+    ([*PLAN[:3], "--cluster", "nope", *PLAN[5:]], "unknown cluster preset 'nope'; known: "),
+    (["export", "MISSING", "--to", "m.safetensors"], "does not exist; expected a folder "
+                                                    "written by plait's run.save()"),
 ]
 
 
@@ -154,7 +175,8 @@ def test_argument_errors_answer_in_json_when_json_is_asked(capsys, argv, fragmen
     assert exit_.value.code == 2
     out = capsys.readouterr()
     data = json.loads(out.out)
-    assert data == {"error": data["error"], "command": argv[0], "exit_code": 2}
+    assert data == {"event": "error", "error": data["error"], "command": argv[0],
+                    "exit_code": 2}
     assert fragment in data["error"] and fragment in out.err
 
 
@@ -233,6 +255,25 @@ EVERY_COMMAND = [
     (["doctor", "--bogus"], "doctor", "unknown argument(s) --bogus; `plait doctor --help`"),
     (["doctor", "--format", "x"], "doctor", "--format 'x' is not one of text, table, json"),
     (["bogus"], "", "'bogus' is not a command of plait (env, run, check"),
+    # a flag the command does not take is named, also when a command or a script is missing
+    (["bench", "--bogus"], "bench", "unknown argument(s) --bogus; a command is required, one "
+                                    "of comm"),
+    (["bench", "--ops", "all_reduce"], "bench", "unknown argument(s) --ops; the command comes "
+                                                "first, one of comm, then its flags"),
+    (["run", "--bogus"], "run", "unknown argument(s) --bogus (not flags of plait run; the "
+                                "script's own flags go after the script"),
+    (["run", "--nproc", "2", "--bogus=3"], "run", "unknown argument(s) --bogus=3"),
+    (["run", "--plan", "dp=2", "train.py"], "run",
+     "unknown argument(s) --plan (not flags of plait run; the script's own flags go after the "
+     "script: `plait run --nproc 2 train.py --plan dp=2`)"),
+    (["run", "--format", "yaml", "train.py"], "run", "--format 'yaml' is not one of text, "
+                                                     "table, json"),
+    (["demo", "--format", "yaml"], "demo", "--format 'yaml' is not one of text, table, json"),
+    (["demo", "--plan"], "demo", "--plan needs a value, e.g. --plan dp=2,tp=2"),
+    (["check", "--plan"], "check", "--plan needs a value, e.g. --plan dp=2"),
+    (["export", "ckpt", "--to"], "export", "--to needs a value, e.g. --to PATH"),
+    (["plan", "--dtype", "int8"], "plan", "--dtype 'int8' is not one of bf16, fp16, fp32"),
+    (["schedule", "--schedule", "zb"], "schedule", "'zb' is not a schedule"),
 ]
 
 
@@ -253,6 +294,9 @@ def test_every_commands_argparse_errors_name_the_full_command(capsys, argv, comm
     (["bench", "comm", "--format", "json", "--nproc", "x"], "bench comm",
      "--nproc 'x' is not a whole number; pass one, e.g. --nproc 2"),
     (["bogus", "--format", "json"], "bogus", "'bogus' is not a command of plait (env, run, "),
+    (["run", "--format", "json", "--bogus"], "run", "unknown argument(s) --bogus (not flags "
+                                                    "of plait run"),
+    (["demo", "--format", "json", "--steps", "x"], "demo", "--steps 'x' is not a whole number"),
 ])
 def test_a_json_error_names_the_command_that_refused(capsys, argv, command, error):
     with pytest.raises(SystemExit):

@@ -14,9 +14,9 @@ from plait.cli import build_parser, main
 UNITS = re.compile(r"\b(seconds|steps|sequences|tokens|processes|ranks|nodes|devices|bytes|GB|"
                    r"fraction|calls|microbatches|stages|plans|times|index|learning rate|"
                    r"absolute bound)\b")
-# Commands that print no report of their own: `run` and `demo` start a training script (whose
-# output is its own), `bench` only groups benchmarks.
-NO_REPORT = {"run", "demo", "bench"}
+# Commands that print no report of their own: `bench` only groups benchmarks. (`run` and
+# `demo` train: their --format json is the run's events, tests/test_cli_json.py.)
+NO_REPORT = {"bench"}
 
 
 def _commands() -> list[tuple[str, argparse.ArgumentParser, str]]:
