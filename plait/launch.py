@@ -516,9 +516,9 @@ def launch(cfg: LaunchConfig) -> int:
         shutil.rmtree(log_dir, ignore_errors=True) if own_logs else None
         return 128 + forward.signum
     if code != 0:
-        said, rank = _explain_failure(cfg, log_dir, report, kept_err + held, code,
-                                      rank0_held=bool(held))
-        _error_event(cfg, said, code, rank=rank, log_dir=log_dir)
+        said, rank, tb = _explain_failure(cfg, log_dir, report, kept_err + held, code,
+                                          rank0_held=bool(held))
+        _error_event(cfg, said, code, rank=rank, traceback=tb, log_dir=log_dir)
         own_logs = False
     elif held and not restarts:  # an exception that did not fail the job: shown as it came
         sys.stderr.write("".join(held))
@@ -557,11 +557,12 @@ def _error_event(cfg: LaunchConfig, message: str, code: int, **fields: object) -
 
 
 def _explain_failure(cfg: LaunchConfig, log_dir: str, report: str, kept_err: list[str],
-                     code: int, rank0_held: bool = False) -> tuple[str, int | None]:
+                     code: int, rank0_held: bool = False
+                     ) -> tuple[str, int | None, str | None]:
     """Print the root cause's traceback once and one line naming every failed rank. Rank 0's
     traceback was shown live unless it came through torch's excepthook (``rank0_held``).
-    Returns that line (without ``plait run: ``) and the rank that failed first (None when
-    none is known)."""
+    Returns that line (without ``plait run: ``), the rank that failed first and its traceback
+    (each None when not known)."""
     try:
         records = json.loads(Path(report).read_text())
     except (OSError, ValueError):
@@ -574,14 +575,16 @@ def _explain_failure(cfg: LaunchConfig, log_dir: str, report: str, kept_err: lis
                      f"node (--nnodes {cfg.nnodes}, --node-rank 0..{cfg.nnodes - 1})")
         said = error.splitlines()[0] if error else error
         sys.stderr.write(f"plait run: {said}\n")
-        return said, None
+        return said, None, None
     tracebacks = dict(_failures(log_dir))
     first, line = failure_summary(records, tracebacks)
     if first is None:  # no report: show the end of torchrun's own output
         root = root_cause(sorted(tracebacks.items()))
         first = root[0] if root else None
-    if first is not None and first in tracebacks and (first != 0 or rank0_held):
-        tb = re.sub(r"(?m)^\[rank\d+\]: ?", "", tracebacks[first])  # torch's per-line prefix
+    tb = None
+    if first is not None and first in tracebacks:
+        tb = re.sub(r"(?m)^\[rank\d+\]: ?", "", tracebacks[first]).rstrip()  # torch's prefix
+    if tb is not None and (first != 0 or rank0_held):
         sys.stderr.write(f"\n--- rank {first} failed ---\n{tb.rstrip()}\n")
     if not line and tracebacks:
         line = f"worker(s) {sorted(tracebacks)} failed (exit {code})"
@@ -589,7 +592,7 @@ def _explain_failure(cfg: LaunchConfig, log_dir: str, report: str, kept_err: lis
         sys.stderr.write("".join(kept_err[-40:]))
         line = f"torchrun exited with {code}"
     sys.stderr.write(f"plait run: {line}; per-rank logs in {log_dir}\n")
-    return line, first
+    return line, first, tb
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

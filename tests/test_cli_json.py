@@ -114,6 +114,7 @@ def test_a_failed_run_ends_with_an_error_event(tmp_path):
     assert error["event"] == "error" and error["command"] == "run", error
     assert error["exit_code"] == out.returncode and error["rank"] == 1, error
     assert "rank 1 (RuntimeError" in error["error"], error
+    assert error["traceback"].endswith("RuntimeError: rank one exploded"), error
     assert "RuntimeError: rank one exploded" in out.stderr
 
 
