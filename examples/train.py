@@ -3,6 +3,7 @@
     python examples/train.py --steps 50
     plait run --nproc 2 examples/train.py --plan dp=2 --steps 50
     plait run --nproc 4 examples/train.py --plan dp=2,tp=2 --steps 50
+    plait run --nproc 2 --format json examples/train.py --plan dp=2 --steps 50
 """
 
 import argparse
@@ -16,6 +17,8 @@ from plait.models.transformer import build, lm_loss
 parser = argparse.ArgumentParser()
 parser.add_argument("--plan", default=None, help="layout, e.g. dp=2,tp=2 (default: dp over all)")
 parser.add_argument("--accelerator", default=None, help="e.g. cuda (read by plait.init())")
+parser.add_argument("--format", default="text", help="json: JSON Lines events on stdout, as "
+                    "plait run --format json passes it (read by plait.init())")
 parser.add_argument("--model", default="tiny")
 parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=32)
