@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--seq", "--seq-len", dest="seq_len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--accelerator", default=None)  # read by plait.init()
+    parser.add_argument("--format", default="text")  # json: events, read by plait.init()
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the planner needs no group
     cfg = preset(args.model, max_seq_len=args.seq_len)

@@ -23,6 +23,7 @@ from plait.models.transformer import build, lm_loss
 parser = argparse.ArgumentParser()
 parser.add_argument("--plan", default=None, help="layout, e.g. dp=2 (default: dp over all)")
 parser.add_argument("--accelerator", default=None, help="e.g. cuda (read by plait.init())")
+parser.add_argument("--format", default="text")  # json: events, read by plait.init()
 parser.add_argument("--model", default="tiny")
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--stop-at", type=int, default=None, help="stop early (as if preempted)")

@@ -40,6 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--plan", default=DEFAULT_PLAN)
     parser.add_argument("--accelerator", default=None)  # read by plait.init()
+    parser.add_argument("--format", default="text")  # json: events, read by plait.init()
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -34,6 +34,7 @@ parser = argparse.ArgumentParser()
 # line and exit status 2); they are declared here for --help.
 parser.add_argument("--plan", default=None, help="layout, e.g. dp_shard=4,zero=3")
 parser.add_argument("--accelerator", default=None, help="xla (PyTorch/XLA) or tpu (TorchTPU)")
+parser.add_argument("--format", default="text")  # json: events, read by plait.init()
 parser.add_argument("--model", default="tiny")
 parser.add_argument("--steps", type=int, default=100)
 parser.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=16)

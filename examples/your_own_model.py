@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=32)
     parser.add_argument("--plan", default=None)  # read by plait.init()
     parser.add_argument("--accelerator", default=None)  # read by plait.init()
+    parser.add_argument("--format", default="text")  # json: events, read by plait.init()
     args = parser.parse_args()
 
     run = plait.init()

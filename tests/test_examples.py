@@ -74,14 +74,16 @@ def test_example_runs_on_spawned_ranks(nproc, script, args, expect):
 
 
 def test_examples_take_the_accelerator_flag_plait_init_reads():
-    """--accelerator is read by plait.init() from the script's command line, like --plan: an
-    example whose own parser is strict (parse_args) must declare it, or the documented
-    `--accelerator cuda` stops it with "unrecognized arguments"."""
+    """--accelerator and --format are read by plait.init() from the script's command line, like
+    --plan: an example whose own parser is strict (parse_args) must declare them, or the
+    documented `--accelerator cuda` (or `plait run --format json`, which passes --format json
+    to the script) stops it with "unrecognized arguments"."""
     strict = [p for p in sorted((ROOT / "examples").glob("*.py"))
               if "plait.init(" in p.read_text() and "parse_args()" in p.read_text()]
     assert len(strict) >= 5
     for path in strict:
-        assert '"--accelerator"' in path.read_text(), f"{path.name} does not declare it"
+        for flag in ("--accelerator", "--format"):
+            assert f'"{flag}"' in path.read_text(), f"{path.name} does not declare {flag}"
 
 
 def test_collectives_example():
