@@ -500,11 +500,15 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     ``{"event": "error", "error", "command", "exit_code"}`` on stdout, as errors after parsing
     are. argparse prints its usage and exits (2) on such errors, before ``args.format``
     exists: the request is read off ``argv`` (after ``plait run``'s script, the script's own
-    arguments, not read)."""
+    ``--format``, which asks plait run for JSON too)."""
     command = next((a for a in argv if not a.startswith("-")), None)
     own = _before_script(parser, argv) if command == "run" else argv
     asked = any(a == "--format=json" or (a == "--format" and b == "json")
                 for a, b in zip(own, [*own[1:], ""], strict=True))
+    if command == "run" and not asked:  # the script's --format json asks plait run too
+        from .argv import format_from_argv
+
+        asked = format_from_argv(argv[len(own) + 1:]) == "json"
     if not asked:
         return _parse_all(parser, argv, command)
     from .outputs import json_error

@@ -180,11 +180,18 @@ def test_argument_errors_answer_in_json_when_json_is_asked(capsys, argv, fragmen
     assert fragment in data["error"] and fragment in out.err
 
 
-def test_a_scripts_own_format_flag_is_not_read_by_plait_run(capsys):
-    """plait run's arguments after the script are the script's: a --format json there does not
-    turn plait run's own argument errors into JSON."""
+def test_a_scripts_format_json_asks_plait_run_too(capsys):
+    """The script's --format json (read by plait.init, as --plan) asks plait run for JSON as
+    its own --format does, its argument errors included; a script's --format of another value
+    is the script's own flag, not read."""
+    import json
+
     with pytest.raises(SystemExit):
         main(["run", "--nproc", "x", "train.py", "--format", "json"])
+    out = capsys.readouterr()
+    assert json.loads(out.out)["error"].startswith("--nproc 'x' is not a whole number")
+    with pytest.raises(SystemExit):
+        main(["run", "--nproc", "x", "train.py", "--format", "parquet"])
     out = capsys.readouterr()
     assert out.out == "" and "--nproc" in out.err
 
