@@ -289,7 +289,18 @@ def _failures(log_dir: str) -> list[tuple[int, str]]:
             found[rank] = text[text.rindex("Traceback (most recent call last)"):]
         elif (crash := native_crash_stack(text)) is not None:
             found[rank] = crash
+        elif (said := _error_line(text)) is not None:
+            found[rank] = said
     return sorted(found.items())
+
+
+def _error_line(text: str) -> str | None:
+    """The one-line refusal a rank ended with instead of a traceback: its argparse's
+    (``train.py: error: unrecognized arguments: --format json``) or plait.init's (``plait:
+    error: ...``), when that is the last line of its stderr; else None."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    last = _EXCEPTION_LINE.sub("", lines[-1]) if lines else ""
+    return last if re.match(r"[\w./-]+: error: ", last) else None
 
 
 def native_crash_stack(text: str) -> str | None:

@@ -118,6 +118,19 @@ def test_a_failed_run_ends_with_an_error_event(tmp_path):
     assert "RuntimeError: rank one exploded" in out.stderr
 
 
+def test_a_script_that_refuses_its_arguments_says_why_in_the_error_event(tmp_path):
+    """A strict argparse that does not declare --format refuses the --format json plait run
+    hands it: each rank exits 2 without a traceback, and the error event carries the line
+    that says why (it was only on stderr)."""
+    script = tmp_path / "strict.py"
+    script.write_text("import argparse\nargparse.ArgumentParser().parse_args()\n")
+    out = plait("run", "--nproc", "2", "--format", "json", str(script))
+    assert out.returncode != 0
+    [error] = events(out.stdout)
+    assert error["event"] == "error" and error["exit_code"] == out.returncode, error
+    assert error["traceback"].endswith("error: unrecognized arguments: --format json"), error
+
+
 def test_bad_input_to_run_json_is_an_error_event(tmp_path):
     """Refused before anything starts (a plan that does not fit): one error event, exit 2."""
     script = tmp_path / "ok.py"
