@@ -146,8 +146,9 @@ class Parser(argparse.ArgumentParser):
         kwargs["formatter_class"] = type("Formatter", (_CanonicalFirst, base), {})
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
-    # Set on `plait run`'s parser: what follows its script is the script's, and a flag typed
-    # before the script that plait run does not take is most often the script's own.
+    # Set on `plait run`'s parser, to a command that shows where a script's own flags go: what
+    # follows its script is the script's, and a flag typed before the script that plait run
+    # does not take is most often the script's own (--plan).
     script_flags_after: str | None = None
     _given: list[str] | None = None  # the words this parser was given (parse_known_args)
 
