@@ -7,7 +7,8 @@ attention block (q, k, v -> attention -> o) look like in a dataflow graph, whate
 are called. So for every module with at least two direct ``nn.Linear`` children, we trace its
 ``forward`` with ``torch.fx.symbolic_trace`` (or, where fx cannot trace it, a forward that
 branches on its input, record the same graph from one fake-tensor forward of the model on a
-guessed input: :mod:`plait.parallel.tp_record`) and check that shape:
+guessed input: :mod:`plait.parallel.tp_record`, :mod:`plait.parallel.tp_example`) and check
+that shape:
 
 * entry linears read the block's (single) input directly; they become ``colwise``;
 * one exit linear reads only values derived from the entry linears and its output reaches the
@@ -16,7 +17,10 @@ guessed input: :mod:`plait.parallel.tp_record`) and check that shape:
 
 Several entries sharing the input also make the block a ``region`` (one backward all-reduce).
 An attention block (softmax/SDPA/matmul in the graph) with an integer head-count attribute gets
-that attribute divided by tp (``divide_attrs``), since its reshape must use the local count.
+that attribute divided by tp (``divide_attrs``), since its reshape must use the local count,
+and an ``nn.Embedding`` child one column per head wide (a relative position bias) is split by
+its columns with the heads. Linears that each read a value of their own and feed no other
+(projection heads side by side, one per tower) are no region and stay whole.
 An ``nn.Embedding`` with a Linear of the same vocabulary size outside any block becomes
 ``vocab_embedding`` + ``vocab_head``.
 
