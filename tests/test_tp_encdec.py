@@ -127,7 +127,8 @@ def test_linears_sharing_an_input_without_an_output_linear_are_still_refused():
         infer_plan(Net())
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["relu", "gated-gelu"])
+@pytest.mark.parametrize("gated", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["relu", "gated-gelu"])
 def test_hugging_face_t5_gets_a_plan_checked_before_any_sharding(gated):
     """fx cannot trace T5Attention: the blocks are recorded from one fake-tensor forward on
     guessed ``input_ids`` and ``decoder_input_ids``; block 0's relative_attention_bias is split
