@@ -94,6 +94,19 @@ def t5() -> tuple[nn.Module, Any, None]:
     return T5ForConditionalGeneration(cfg), Seq2Seq(), None
 
 
+def t5_gated() -> tuple[nn.Module, Any, None]:
+    """T5 v1.1's shape: a gated feed-forward (``wi_0``, ``wi_1``, ``wo``) and a head not tied
+    to the embeddings."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                   num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+                   feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+    return T5ForConditionalGeneration(cfg), Seq2Seq(), None
+
+
 def bart() -> tuple[nn.Module, Any, None]:
     """BART: learned positions, embeddings tied across encoder, decoder and head."""
     from transformers import BartConfig, BartForConditionalGeneration

@@ -212,8 +212,11 @@ def _check(capsys, model: str, plan: str) -> tuple[int, str]:
 @pytest.mark.parametrize("model,plan", [
     ("t5", "dp=2"), ("t5", "dp_shard=2,zero=3"), ("bart", "dp=2"), ("bart", "dp_shard=2,zero=3"),
     ("bart", "tp=2"),  # the plan inferred: cross-attention a region, the head whole
+    # inferred from a recorded forward (fx cannot trace T5Attention or CLIPAttention): block
+    # 0's relative_attention_bias split by head; CLIP's projections whole
+    ("t5", "tp=2"), ("t5_gated", "tp=2"), ("t5_encoder", "tp=2,sp"), ("clip", "tp=2"),
 ])
-def test_encoder_decoders_train_as_one_device_under_data_parallelism(capsys, model, plan):
+def test_encoder_decoders_train_as_one_device(capsys, model, plan):
     code, out = _check(capsys, model, plan)
     result = json.loads(out.out)
     assert code == 0 and result["ok"], result
@@ -223,8 +226,7 @@ def test_encoder_decoders_train_as_one_device_under_data_parallelism(capsys, mod
 @pytest.mark.parametrize("model,plan,says", [
     (m, p, "is an encoder-decoder model: plait's pipeline cuts one stack of blocks")
     for m in ("t5", "bart") for p in ("pp=2", "pp=2,tp=2")] + [
-    ("t5", "tp=2", "cannot infer a tensor-parallel plan for T5ForConditionalGeneration"),
-    ("t5", "tp=2,sp", "cannot infer a tensor-parallel plan for T5ForConditionalGeneration"),
+    ("t5", "tp=2,sp", "it has a second stack of blocks (encoder.block, beside decoder.block"),
     ("bart", "tp=2,sp", "has no sequence-parallel layout"),
 ])
 def test_encoder_decoders_are_refused_where_a_layout_cannot_split_them(capsys, model, plan,
@@ -233,9 +235,9 @@ def test_encoder_decoders_are_refused_where_a_layout_cannot_split_them(capsys, m
     assert code == 2 and says in out.err, out
 
 
-# T5's layer plan by hand (torch.fx cannot trace T5Attention, so none is inferred): q, k, v
-# column-parallel, o row-parallel, the relative attention bias (one column per head) split by
-# head like q, and each attention's n_heads divided by tp.
+# T5's layer plan by hand, as a user passes one: q, k, v column-parallel, o row-parallel, the
+# relative attention bias (one column per head) split by head like q, and each attention's
+# n_heads divided by tp (what inference finds, as one plan file).
 T5_TP_PLAN = """tp: 2
 options:
   tp_plan:
@@ -281,11 +283,12 @@ def test_t5s_encoder_trains_as_one_device_under_dp_and_is_refused_under_pp(capsy
     ("dp=2", "returned without calling run.all_gather"),
     ("dp_shard=2,zero=1", "returned without calling run.all_gather"),
     ("dp_shard=2,zero=3", "logit_scale has none (a 0-dim parameter"),
-    ("tp=2", "cannot infer a tensor-parallel plan for CLIPModel"),
+    ("tp=2,sp", "it has a second stack of blocks (vision_model.encoder.layers, beside "
+                "text_model.encoder.layers"),
     ("pp=2", "CLIPModel has more than one stack of blocks (text_model.encoder.layers and "
              "vision_model.encoder.layers"),
 ])
-def test_clip_with_a_loss_over_local_rows_is_refused(capsys, plan, says):
+def test_clip_is_refused_where_its_loss_or_a_layout_cannot_split_it(capsys, plan, says):
     code, out = _check(capsys, "clip", plan)
     assert code == 2 and says in out.err, out
 

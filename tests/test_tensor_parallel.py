@@ -459,7 +459,8 @@ class _PatchNet(nn.Module):
 def test_a_conv_stem_gets_images_of_a_size_it_runs_on_and_its_plan_is_checked():
     """Without a guessed input nothing could be checked, and the head-by-head fused layer would
     be split in thirds; the guess is the first common image size the model runs on."""
-    from plait.parallel.tp_infer import example_input, verify_plan
+    from plait.parallel.tp_example import example_input
+    from plait.parallel.tp_infer import verify_plan
 
     model = _PatchNet()
     assert example_input(model).shape == (2, 3, 16, 16)

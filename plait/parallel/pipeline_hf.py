@@ -121,7 +121,7 @@ def _added_by_running(hf: nn.Module, path: str) -> set[str] | None:
     """The modules beside the blocks whose output ``hf``'s forward adds to something, seen in
     one forward on fake tensors of a guessed input; None when it cannot run."""
     from .pipeline_split import additive_by_running
-    from .tp_infer import example_input
+    from .tp_example import example_input
     from .tp_record import fake_forward
 
     example = example_input(hf)

@@ -303,7 +303,7 @@ def observe_forward(model: nn.Module, path: str) -> tuple[frozenset[str] | None,
     blocks (OPT's decoder does): the order of calls, not of registration, says which stage owns
     them. A module the forward does not call goes by registration order; when no input can be
     guessed or the forward does not run on it, all do (None), and blocks return tensors."""
-    from .tp_infer import example_input
+    from .tp_example import example_input
     from .tp_record import fake_forward
 
     parts = path.split(".") if path else []
@@ -429,7 +429,7 @@ def _unchained(model: nn.Module, path: str) -> tuple[str, str] | bool | None:
     one meta-device forward on a guessed input (:func:`~plait.parallel.pipeline_chain.
     chain_break`); True when every block was seen fed by the one before; None when it cannot
     tell (no input can be guessed): the first step then asks on the real inputs."""
-    from .tp_infer import example_input
+    from .tp_example import example_input
 
     with torch.random.fork_rng(devices=[]):  # the guess draws token ids: leave the RNG as it was
         example = example_input(model)
@@ -563,7 +563,7 @@ def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[st
     rule: a module whose output is added to its own input, or added to an activation (not
     only to the model's parameters and buffers) when the module does not read the model's
     input, is additive. For forwards fx cannot trace; one
-    that does not run at all yields nothing."""
+    that does not run at all yields nothing. ``first`` None: the inputs are all keywords."""
     from torch.overrides import TorchFunctionMode
 
     parent, parent_name, leaves = _parent_and_leaves(model, path)
@@ -616,7 +616,7 @@ def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[st
     handles.append(parent.register_forward_pre_hook(enter))
     try:
         with torch.no_grad(), Watch():
-            model(first, **kwargs)
+            model(*(() if first is None else (first,)), **kwargs)
     except Exception:  # noqa: BLE001 - not runnable on meta: left to the real run
         return set()
     finally:

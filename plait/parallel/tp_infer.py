@@ -7,7 +7,8 @@ attention block (q, k, v -> attention -> o) look like in a dataflow graph, whate
 are called. So for every module with at least two direct ``nn.Linear`` children, we trace its
 ``forward`` with ``torch.fx.symbolic_trace`` (or, where fx cannot trace it, a forward that
 branches on its input, record the same graph from one fake-tensor forward of the model on a
-guessed input: :mod:`plait.parallel.tp_record`) and check that shape:
+guessed input: :mod:`plait.parallel.tp_record`, :mod:`plait.parallel.tp_example`) and check
+that shape:
 
 * entry linears read the block's (single) input directly; they become ``colwise``;
 * one exit linear reads only values derived from the entry linears and its output reaches the
@@ -16,7 +17,10 @@ guessed input: :mod:`plait.parallel.tp_record`) and check that shape:
 
 Several entries sharing the input also make the block a ``region`` (one backward all-reduce).
 An attention block (softmax/SDPA/matmul in the graph) with an integer head-count attribute gets
-that attribute divided by tp (``divide_attrs``), since its reshape must use the local count.
+that attribute divided by tp (``divide_attrs``), since its reshape must use the local count,
+and an ``nn.Embedding`` child one column per head wide (a relative position bias) is split by
+its columns with the heads. Linears that each read a value of their own and feed no other
+(projection heads side by side, one per tower) are no region and stay whole.
 An ``nn.Embedding`` with a Linear of the same vocabulary size outside any block becomes
 ``vocab_embedding`` + ``vocab_head``.
 
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
 from .fx_trace import trace_kept
+from .tp_example import Example, example_call, run_on
 from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owners, replicated_kv
 from .tp_lora import base_linear, expand, low_rank_parts
 from .tp_plans import STYLES, TPPlan, under
@@ -142,6 +147,8 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
               and _linear_like(block.get_submodule(n.target))}
     if nested and any(nested & _reaches(n, nodes) for n in nodes):
         return None
+    if _side_by_side(nodes, output):
+        return None
     fixed = sorted(n for n in linears if not _shardable_like(block.get_submodule(n)))
     if fixed:
         return (f"its linear(s) {fixed} are parametrized (weight_norm or spectral_norm compute "
@@ -180,6 +187,19 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
                     for n in graph.nodes)
     styles["__kind__"] = "attention" if attention else "mlp"
     return styles
+
+
+def _side_by_side(nodes: set[fx.Node], output: fx.Node) -> bool:
+    """Whether the linears ``nodes`` each read a value of their own and reach the output
+    without feeding one another: heads side by side (a two-tower model's projection of each
+    tower's output), not a tensor-parallel region. Nothing of a split would be gathered by
+    another linear, so they stay replicated; linears sharing an input (an attention block
+    missing its output projection) are still a block plait cannot read."""
+    sources = [n.args[0] if n.args else None for n in nodes]
+    if any(s is None for s in sources) or len(set(sources)) != len(sources):
+        return False
+    return all(not (_reaches(n, nodes) & nodes) and output in _reaches(n, nodes)
+               for n in nodes)
 
 
 Region = tuple[list[fx.Node], fx.Node]
@@ -385,6 +405,17 @@ def _beside_logits(model: nn.Module, head: nn.Module, embeddings: Any) -> list[s
     return found
 
 
+def _per_head_tables(block: nn.Module, attrs: tuple[str, ...]) -> list[str]:
+    """The ``nn.Embedding`` children of an attention block one column per head wide (a relative
+    position bias: T5's ``relative_attention_bias`` looks up a bias per head for each offset
+    and adds it to that head's scores). Each rank computes its own heads' scores, so the table
+    is split by its columns with them (``colwise``); left whole, its bias would not fit the
+    scores of a rank's heads, and later blocks that read it would get every head."""
+    heads = {getattr(block, a) for a in attrs}
+    return [n for n, m in block.named_children()
+            if isinstance(m, nn.Embedding) and m.embedding_dim in heads]
+
+
 def infer_plan(model: nn.Module) -> TPPlan:
     """Propose a TP plan for ``model``; ValueError where it cannot decide (see module docs)."""
     styles: dict[str, str] = {}
@@ -397,7 +428,7 @@ def infer_plan(model: nn.Module) -> TPPlan:
                   and low_rank_parts(block) is None}
     graphs = {name: trace_block(block) for name, block in candidates.items()}
     untraced = {name: candidates[name] for name, g in graphs.items() if isinstance(g, str)}
-    example = example_input(model) if untraced else None
+    example = example_call(model) if untraced else None
     if example is not None:  # run the model once instead: branches are taken concretely
         graphs.update(record_blocks(model, untraced, example))
     for name, block in candidates.items():
@@ -434,6 +465,9 @@ def infer_plan(model: nn.Module) -> TPPlan:
                 divide[name] = attrs
             for a in attrs:
                 sizes[f"{type(block).__name__}.{a}"] = getattr(block, a)
+            for child in _per_head_tables(block, attrs):
+                styles[f"{name}.{child}".strip(".")] = "colwise"
+                in_blocks.add(f"{name}.{child}".strip("."))
     if refused:
         raise ValueError(
             f"cannot infer a tensor-parallel plan for {type(model).__name__}: "
@@ -455,7 +489,8 @@ def infer_plan(model: nn.Module) -> TPPlan:
         if _shardable(m) and n not in in_blocks and n not in styles and not _beside_logits(
                 model, m, embeddings.values()):
             for en, emb in embeddings.items():
-                if emb.num_embeddings == m.out_features and emb.embedding_dim == m.in_features:
+                if emb.num_embeddings == m.out_features and emb.embedding_dim == m.in_features \
+                        and en not in styles:
                     styles[en], styles[n] = "vocab_embedding", "vocab_head"
     names = [n for n, _ in model.named_modules() if n]
     joined = _globs({k: "|".join(v) for k, v in divide.items()}, names)
@@ -464,8 +499,8 @@ def infer_plan(model: nn.Module) -> TPPlan:
                   source=f"inferred from {type(model).__name__}'s structure", sizes=sizes)
 
 
-def with_sp(model: nn.Module, plan: TPPlan, matched: dict[str, str], example: torch.Tensor
-            ) -> TPPlan:
+def with_sp(model: nn.Module, plan: TPPlan, matched: dict[str, str],
+            example: torch.Tensor | Example) -> TPPlan:
     """``plan`` with sequence parallelism inside the model's block stack, where running the
     blocks shows it computes the same (:mod:`plait.parallel.tp_sp`), else with the reason."""
     from .tp_sp import block_stack, mixes_positions, residual_outside
@@ -474,6 +509,13 @@ def with_sp(model: nn.Module, plan: TPPlan, matched: dict[str, str], example: to
     if stack is None:
         return replace(plan, sp_refused="it has no stack of repeated blocks to split the "
                                         "sequence in")
+    second = _split_in_another_stack(model, stack, matched)
+    if second is not None:
+        return replace(plan, sp_refused=(
+            f"it has a second stack of blocks ({second[0]}, beside {stack.removesuffix('.*')}: "
+            f"an encoder-decoder's other stack or a two-tower model's other tower) whose "
+            f"layers the plan splits ({second[1]}), and plait splits the sequence in one stack "
+            f"only; the other's regions would take its whole sequence for one rank's part"))
     batchnorms = [n for n, m in model.named_modules() if n and under(n, stack)
                   and isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if batchnorms:
@@ -502,41 +544,24 @@ def with_sp(model: nn.Module, plan: TPPlan, matched: dict[str, str], example: to
     return replace(plan, supports_sp=True, sp_blocks=stack, sp_summed=True)
 
 
+def _split_in_another_stack(model: nn.Module, stack: str, matched: dict[str, str]
+                            ) -> tuple[str, str] | None:
+    """(a stack of blocks other than ``stack``, a module in it the plan splits), or None. The
+    sequence is split at the first block of one stack (``TPPlan.sp_blocks``) and gathered
+    after its last; a region outside it would read a whole sequence as one rank's part."""
+    from .pipeline_hf import other_block_stacks
+
+    for other in other_block_stacks(model, stack.removesuffix(".*")):
+        inside = next((n for n in matched if n.startswith(other + ".")), None)
+        if inside is not None:
+            return other, inside
+    return None
+
+
 def format_plan(plan: TPPlan, model: nn.Module) -> str:
     return (f"plait: no tensor-parallel plan ships for {type(model).__name__}; this one was "
             f"inferred from its structure. Check it, then save it as options.tp_plan:\n"
             + json.dumps(plan.to_dict(), indent=2))
-
-
-# Image (or signal) sizes a conv stem is tried on, most common first: a model with a learned
-# position table per patch runs on one size only.
-_SPATIAL = (224, 32, 64, 256, 28, 384, 128, 512, 16)
-
-
-def example_input(model: nn.Module) -> torch.Tensor | None:
-    """A small input for a shape check: token ids when the model has an ``nn.Embedding`` (a
-    model that embeds tokens starts there, wherever it registers the embedding); else, by the
-    first Linear or convolution the model registers: features for a Linear; for a convolution,
-    images (signals, volumes) of the first common size
-    that a forward on fake tensors runs on; None when it cannot tell."""
-    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    if embedding is not None:
-        return torch.randint(0, embedding.num_embeddings, (2, 4))
-    convs = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-    first = next((m for m in model.modules() if isinstance(m, (nn.Linear, *convs))), None)
-    if isinstance(first, nn.Linear):
-        return torch.randn(2, first.in_features)
-    if isinstance(first, convs):
-        dims = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[type(first)]
-        for size in _SPATIAL:
-            guess = torch.randn(2, first.in_channels, *[size] * dims)
-            try:
-                with fake_forward(model):
-                    model(guess)
-            except Exception:  # noqa: BLE001 - not this size
-                continue
-            return guess
-    return None
 
 
 def _sharded_forward(module: nn.Module, style: str, tp: int | slice):
@@ -544,6 +569,9 @@ def _sharded_forward(module: nn.Module, style: str, tp: int | slice):
     colwise keeps 1/tp of the output features (of each third for a fused q|k|v), rowwise
     reads 1/tp of the input features; replicated_kv (``tp`` is then the rows) one kv head."""
     w: torch.Tensor = module.weight  # type: ignore[assignment]
+    if isinstance(module, nn.Embedding):  # colwise: 1/tp of the columns (a per-head table's)
+        cols = w[:, :w.shape[1] // tp] if style == "colwise" and isinstance(tp, int) else None
+        return None if cols is None else lambda ids: F.embedding(ids, cols, module.padding_idx)
     b: torch.Tensor | None = module.bias  # type: ignore[assignment]
     if isinstance(tp, slice):
         return lambda x: F.linear(x, w[tp], None if b is None else b[tp])
@@ -560,8 +588,8 @@ def _sharded_forward(module: nn.Module, style: str, tp: int | slice):
 
 
 def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tuple[str, ...]],
-                 tp: int, example: torch.Tensor, kv: dict[str, KVHeads] | None = None
-                 ) -> str | None:
+                 tp: int, example: torch.Tensor | Example,
+                 kv: dict[str, KVHeads] | None = None) -> str | None:
     """Run one forward of ``model`` on fake tensors (no memory, no compute) with every linear of
     ``matched`` computing its rank's share, and head counts divided by tp; return the error a
     misplaced split raises (a sharded activation read where a full one is expected), or None.
@@ -576,7 +604,8 @@ def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tu
     try:
         for name, style in matched.items():
             sub = model.get_submodule(name)
-            fn = _sharded_forward(sub, style, tp) if isinstance(sub, nn.Linear) else None
+            fn = (_sharded_forward(sub, style, tp) if isinstance(sub, (nn.Linear, nn.Embedding))
+                  else None)
             if name in kv:
                 fn = _sharded_forward(sub, "replicated_kv", kv[name].rows(0, tp))
             if fn is not None:
@@ -595,7 +624,7 @@ def check_shapes(model: nn.Module, matched: dict[str, str], divide: dict[str, tu
                 saved.append((sub, attr, getattr(sub, attr)))
                 setattr(sub, attr, value)
         with fake_forward(model):
-            model(example)
+            run_on(model, example)
     except Exception as exc:  # noqa: BLE001 - the error is the answer
         return f"{_where(exc, model)}{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     finally:
@@ -637,7 +666,7 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False) -> TP
     from .tensor import match_plan, validate
     from .tp_verify import mixed_blocks
 
-    example = example_input(model)
+    example = example_call(model)
     if example is None:
         return replace(plan, sp_refused="no input could be guessed to check its blocks with"
                        ) if sp else plan

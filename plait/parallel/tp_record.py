@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -33,6 +33,9 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from .._torch_compat import fake_tensor_mode
+
+if TYPE_CHECKING:
+    from .tp_example import Example
 
 
 def _kept_whole(m: nn.Module) -> bool:
@@ -184,12 +187,14 @@ class _Watch(TorchFunctionMode):
         return output
 
 
-def record_blocks(model: nn.Module, blocks: dict[str, nn.Module], example: torch.Tensor
-                  ) -> dict[str, fx.Graph]:
+def record_blocks(model: nn.Module, blocks: dict[str, nn.Module],
+                  example: torch.Tensor | Example) -> dict[str, fx.Graph]:
     """{name: graph} for each of ``blocks`` that ``model(example)`` calls, recorded in one
     fake-tensor forward (nothing computed, the model left as it was: buffers a training-mode
     forward updates in place are put back). Blocks the forward does not reach, or all of them
     when it raises, are left out."""
+    from .tp_example import run_on
+
     recordings = {name: _Recording(block) for name, block in blocks.items()}
     handles = []
     for r in recordings.values():
@@ -200,7 +205,7 @@ def record_blocks(model: nn.Module, blocks: dict[str, nn.Module], example: torch
                 lambda mod, a, out, r=r: r.leave(mod, out), always_call=True))
     try:
         with fake_forward(model), _Watch(list(recordings.values())):
-            model(example)
+            run_on(model, example)
     except Exception:  # noqa: BLE001 - not runnable on the guessed input: nothing recorded
         return {}
     finally:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .tp_example import Example
 from .tp_infer import _glob_levels
 from .tp_plans import glob_regex
 from .tp_verify import _copied, _first_tensor, block_inputs
@@ -45,14 +46,15 @@ def block_stack(model: nn.Module) -> str | None:
     return names.pop() if len(names) == 1 else None
 
 
-def residual_outside(model: nn.Module, stack: str, example: torch.Tensor) -> str | None:
+def residual_outside(model: nn.Module, stack: str, example: torch.Tensor | Example
+                     ) -> str | None:
     """The first block of ``stack`` whose output the model's forward adds to the block's input
     itself (``h = h + block(h)``), or None. Under SP a block's output is split by position
     while what the forward computed before the stack is whole, so that addition meets half a
     sequence and a whole one. Found as a pipeline finds the residuals it must not double
     (torch.fx, else one meta-device forward on ``example``)."""
     from .pipeline_chain import meta_replica
-    from .pipeline_split import additive_by_running, additive_modules
+    from .pipeline_split import additive_modules
 
     blocks = [name for name, _ in repeated_blocks(model) if glob_regex(stack).match(name)]
     if not blocks:
@@ -61,13 +63,25 @@ def residual_outside(model: nn.Module, stack: str, example: torch.Tensor) -> str
     found = additive_modules(model, path)
     if found is None:
         replica = meta_replica(model)
-        found = set() if replica is None else additive_by_running(
-            replica, path, example.to("meta"), {})
+        found = set() if replica is None else _additive_on_meta(replica, path, example)
     return next((name for name in blocks if name in found), None)
 
 
+def _additive_on_meta(replica: nn.Module, path: str, example: torch.Tensor | Example
+                      ) -> set[str]:
+    """:func:`plait.parallel.pipeline_split.additive_by_running` on ``example`` moved to the
+    meta device (``replica``'s)."""
+    from .pipeline_split import additive_by_running
+
+    if isinstance(example, torch.Tensor):
+        return additive_by_running(replica, path, example.to("meta"), {})
+    on_meta = example.to("meta")
+    return additive_by_running(replica, path, on_meta.args[0] if on_meta.args else None,
+                               on_meta.kwargs) if len(on_meta.args) <= 1 else set()
+
+
 def mixes_positions(model: nn.Module, matched: dict[str, str], stack: str,
-                    example: torch.Tensor) -> str | None:
+                    example: torch.Tensor | Example) -> str | None:
     """The first block of ``stack`` whose computation outside its TP regions mixes positions
     (why SP cannot apply), "" when none does, or None when the check cannot run. One block of
     each kind (class) in the stack is run."""

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from .._torch_compat import pytree
+from .tp_example import Example, run_on
 from .tp_infer import _glob_levels
 from .tp_kv import KVHeads
 from .tp_lora import low_rank_parts
@@ -71,7 +72,8 @@ def _block_of(name: str, model: nn.Module | None = None) -> str:
     return parent
 
 
-def mixed_blocks(model: nn.Module, matched: dict[str, str], tp: int, example: torch.Tensor,
+def mixed_blocks(model: nn.Module, matched: dict[str, str], tp: int,
+                 example: torch.Tensor | Example,
                  kv: dict[str, KVHeads] | None = None) -> list[str] | None:
     """The blocks (one per name pattern) whose output changes when rank 0's and rank 1's
     shares of their split linears are swapped, i.e. whose split mixes heads; None when the
@@ -106,7 +108,7 @@ def mixed_blocks(model: nn.Module, matched: dict[str, str], tp: int, example: to
         model.train(training)
 
 
-def block_inputs(model: nn.Module, names: list[str], example: torch.Tensor
+def block_inputs(model: nn.Module, names: list[str], example: torch.Tensor | Example
                  ) -> dict[str, tuple[tuple, dict]] | None:
     """The (args, kwargs) each named block receives in one forward of ``model`` on ``example``
     (eval mode, no gradients; stopped once every block has its input), or None when the
@@ -128,7 +130,7 @@ def block_inputs(model: nn.Module, names: list[str], example: torch.Tensor
     model.train(False)
     try:
         with torch.no_grad():
-            model(example)
+            run_on(model, example)
     except _CapturedError:
         pass
     except Exception:  # noqa: BLE001 - not runnable on the guess: not checked
@@ -172,8 +174,10 @@ def _changes_when_swapped(model: nn.Module, block_name: str, split: dict[str, st
             if _block_of(name, model) != block_name:
                 continue
             linear = model.get_submodule(name)
-            assert isinstance(linear, nn.Linear)
-            if name in kv:  # whole on every rank: swap the kv heads the two shares read
+            assert isinstance(linear, (nn.Linear, nn.Embedding))
+            if isinstance(linear, nn.Embedding):  # a per-head table: its columns are heads
+                dim, index = 1, _swap_index(linear.weight.shape[1], 1, shares)
+            elif name in kv:  # whole on every rank: swap the kv heads the two shares read
                 dim, heads = 0, kv[name].heads
                 index = _swap_index(linear.weight.shape[0], 1, heads, (0, heads // shares))
             else:
@@ -181,9 +185,10 @@ def _changes_when_swapped(model: nn.Module, block_name: str, split: dict[str, st
                 index = _swap_index(linear.weight.shape[dim], parts, shares)
             saved.append((linear.weight, linear.weight.detach().clone()))
             linear.weight.data = linear.weight.data.index_select(dim, index)
-            if dim == 0 and linear.bias is not None:
-                saved.append((linear.bias, linear.bias.detach().clone()))
-                linear.bias.data = linear.bias.data.index_select(0, index)
+            bias = linear.bias if isinstance(linear, nn.Linear) else None
+            if dim == 0 and bias is not None:
+                saved.append((bias, bias.detach().clone()))
+                bias.data = bias.data.index_select(0, index)
         after = _first_tensor(block(*_copied(args), **_copied(kwargs)))
     finally:
         for param, value in saved:

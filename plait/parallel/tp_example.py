@@ -1,0 +1,135 @@
+"""A small input a model's forward runs on, guessed from the model: what plait runs to record
+the blocks torch.fx cannot trace and to check an inferred tensor-parallel plan.
+
+One tensor is enough for most models: token ids for a model with an embedding, features for
+one that starts with a linear, images for a convolution stem (:func:`example_input`). A model
+that needs more than one input fails on it: an encoder-decoder that does not derive its
+decoder's input from its labels (T5 asks for ``decoder_input_ids``), a two-tower model that
+encodes text and images in one forward (CLIP asks for ``pixel_values``). Such a model then gets
+one value per input its forward names the way Hugging Face names them
+(:func:`example_call`): token ids for a parameter ending in ``input_ids``, images for
+``pixel_values``. Nothing is inferred from a class name.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .tp_record import fake_forward
+
+# Image (or signal) sizes a conv stem is tried on, most common first: a model with a learned
+# position table per patch runs on one size only.
+_SPATIAL = (224, 32, 64, 256, 28, 384, 128, 512, 16)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+@dataclass(frozen=True)
+class Example:
+    """The inputs of one forward: ``model(*args, **kwargs)``."""
+
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def to(self, device: str | torch.device) -> Example:
+        def moved(v: Any) -> Any:
+            return v.to(device) if isinstance(v, torch.Tensor) else v
+        return Example(tuple(moved(a) for a in self.args),
+                       {k: moved(v) for k, v in self.kwargs.items()})
+
+
+def run_on(model: nn.Module, example: torch.Tensor | Example) -> Any:
+    """``model``'s forward on ``example`` (one tensor, or an :class:`Example`)."""
+    if isinstance(example, Example):
+        return model(*example.args, **example.kwargs)
+    return model(example)
+
+
+def _runs(model: nn.Module, example: torch.Tensor | Example) -> bool:
+    """Whether ``model``'s forward runs on ``example``, tried on fake tensors."""
+    try:
+        with fake_forward(model):
+            run_on(model, example)
+    except Exception:  # noqa: BLE001 - not this input
+        return False
+    return True
+
+
+def _token_ids(model: nn.Module) -> torch.Tensor | None:
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        return None
+    return torch.randint(0, embedding.num_embeddings, (2, 4))
+
+
+def _first_conv(model: nn.Module) -> nn.Conv1d | nn.Conv2d | nn.Conv3d | None:
+    return next((m for m in model.modules() if isinstance(m, _CONVS)), None)
+
+
+def _images(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, size: int) -> torch.Tensor:
+    """Images (signals, volumes) of ``size`` per side for ``conv``'s channels, a batch of 2."""
+    dims = 1 if isinstance(conv, nn.Conv1d) else 2 if isinstance(conv, nn.Conv2d) else 3
+    return torch.randn(2, conv.in_channels, *[size] * dims)
+
+
+def example_input(model: nn.Module) -> torch.Tensor | None:
+    """A small input for a shape check: token ids when the model has an ``nn.Embedding`` (a
+    model that embeds tokens starts there, wherever it registers the embedding); else, by the
+    first Linear or convolution the model registers: features for a Linear; for a convolution,
+    images (signals, volumes) of the first common size
+    that a forward on fake tensors runs on; None when it cannot tell."""
+    ids = _token_ids(model)
+    if ids is not None:
+        return ids
+    first = next((m for m in model.modules() if isinstance(m, (nn.Linear, *_CONVS))), None)
+    if isinstance(first, nn.Linear):
+        return torch.randn(2, first.in_features)
+    if isinstance(first, _CONVS):
+        for size in _SPATIAL:
+            guess = _images(first, size)
+            if _runs(model, guess):
+                return guess
+    return None
+
+
+def example_call(model: nn.Module) -> Example | None:
+    """Inputs ``model``'s forward runs on (on fake tensors): :func:`example_input` when one
+    tensor is enough; else one value per input the forward names as Hugging Face names them
+    (token ids for ``*input_ids``, images of the first size that runs for ``pixel_values``).
+    When neither runs, :func:`example_input`'s guess (whose error says why the model cannot be
+    checked); None when there is none."""
+    single = example_input(model)
+    if single is not None and _runs(model, single):
+        return Example((single,))
+    guess = _named_inputs(model, single)
+    if guess is not None:
+        return guess
+    return None if single is None else Example((single,))
+
+
+def _named_inputs(model: nn.Module, single: torch.Tensor | None) -> Example | None:
+    """Token ids (``single`` when it is token ids) for every input of ``model``'s forward
+    whose name ends in ``input_ids`` and images for ``pixel_values``, when the forward runs on
+    them; else None."""
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    embeds = any(isinstance(m, nn.Embedding) for m in model.modules())
+    ids = single if embeds else None
+    tokens = {n: ids for n in names if n.endswith("input_ids")} if ids is not None else {}
+    conv = _first_conv(model)
+    sizes: tuple[int | None, ...] = (
+        _SPATIAL if "pixel_values" in names and conv is not None else (None,))
+    if not tokens and sizes == (None,):
+        return None
+    for size in sizes:
+        images = {} if size is None or conv is None else {"pixel_values": _images(conv, size)}
+        guess = Example(kwargs={**tokens, **images})
+        if _runs(model, guess):
+            return guess
+    return None

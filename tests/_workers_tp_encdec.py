@@ -1,0 +1,250 @@
+"""Models written for tests/test_tp_encdec.py: an encoder-decoder with T5's shape and a
+two-tower model with CLIP's, each with attention torch.fx cannot trace (it branches on its
+input's rank), and a forward that needs two inputs (so that one guessed tensor does not run).
+
+``RelBiasSeq2Seq``: a shared token embedding tied to the head; an encoder and a decoder
+stack; block 0 of each stack computes a relative position bias (a table with one column per
+head) that the stack hands to every later block; the decoder's blocks attend to the encoder's
+output (cross-attention); MLPs named ``wi``/``wo`` (gated ``wi_0``/``wi_1`` with ``gated``).
+``ProjectedTowers``: a text tower and an image tower (a convolution stem), each a stack of
+blocks, projection heads side by side on the root and a learned temperature
+(``logit_scale``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests._workers_beyond import _optimizer, _state
+
+VOCAB, WIDTH, HEADS, BUCKETS, FF = 32, 16, 4, 8, 32
+BATCH, SRC, TGT, STEPS = 4, 6, 4, 3
+
+
+class Attention(nn.Module):
+    """Multi-head attention; with ``bias``, a relative position bias per head (T5's)."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.n_heads = HEADS
+        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4))
+        if bias:
+            self.relative_attention_bias = nn.Embedding(BUCKETS, HEADS)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None,
+                position_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        if x.dim() == 2:  # fx cannot trace a branch on the input's rank
+            x = x.unsqueeze(0)
+        kv = x if memory is None else memory
+        b, t, s = x.shape[0], x.shape[1], kv.shape[1]
+        q = self.q(x).view(b, t, self.n_heads, -1).transpose(1, 2)
+        k = self.k(kv).view(b, s, self.n_heads, -1).transpose(1, 2)
+        v = self.v(kv).view(b, s, self.n_heads, -1).transpose(1, 2)
+        scores = q @ k.transpose(-1, -2)
+        if position_bias is None and hasattr(self, "relative_attention_bias"):
+            offset = torch.arange(s)[None, :] - torch.arange(t)[:, None]
+            bucket = offset.clamp(-BUCKETS // 2, BUCKETS // 2 - 1) + BUCKETS // 2
+            position_bias = self.relative_attention_bias(bucket).permute(2, 0, 1)[None]
+        if position_bias is not None:
+            scores = scores + position_bias
+        out = scores.softmax(-1) @ v
+        return self.o(out.transpose(1, 2).reshape(b, t, -1)), position_bias
+
+
+class FeedForward(nn.Module):
+    def __init__(self, gated: bool) -> None:
+        super().__init__()
+        self.gated = gated
+        if gated:
+            self.wi_0, self.wi_1 = nn.Linear(WIDTH, FF, bias=False), nn.Linear(WIDTH, FF,
+                                                                               bias=False)
+        else:
+            self.wi = nn.Linear(WIDTH, FF, bias=False)
+        self.wo = nn.Linear(FF, WIDTH, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.wi_0(x)) * self.wi_1(x) if self.gated else F.relu(self.wi(x))
+        return self.wo(h)
+
+
+class Block(nn.Module):
+    def __init__(self, first: bool, cross: bool, gated: bool) -> None:
+        super().__init__()
+        self.norm_1, self.norm_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.attn = Attention(bias=first)
+        self.cross = Attention(bias=False) if cross else None
+        self.norm_c = nn.LayerNorm(WIDTH) if cross else None
+        self.ff = FeedForward(gated)
+
+    def forward(self, h: torch.Tensor, bias: torch.Tensor | None,
+                memory: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        a, bias = self.attn(self.norm_1(h), position_bias=bias)
+        h = h + a
+        if self.cross is not None and self.norm_c is not None:
+            h = h + self.cross(self.norm_c(h), memory)[0]
+        return h + self.ff(self.norm_2(h)), bias
+
+
+class Stack(nn.Module):
+    def __init__(self, cross: bool, gated: bool) -> None:
+        super().__init__()
+        self.block = nn.ModuleList(Block(i == 0, cross, gated) for i in range(2))
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, h: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        bias = None
+        for block in self.block:
+            h, bias = block(h, bias, memory)
+        return self.norm(h)
+
+
+class RelBiasSeq2Seq(nn.Module):
+    def __init__(self, gated: bool = False) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(VOCAB, WIDTH)
+        self.encoder, self.decoder = Stack(False, gated), Stack(True, gated)
+        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.lm_head.weight = self.shared.weight  # tied, as T5's
+
+    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor
+                ) -> torch.Tensor:
+        memory = self.encoder(self.shared(input_ids))
+        h = self.decoder(self.shared(decoder_input_ids), memory)
+        return self.lm_head(h * WIDTH ** -0.5)
+
+
+def seq2seq() -> nn.Module:
+    torch.manual_seed(0)
+    return RelBiasSeq2Seq()
+
+
+def gated_seq2seq() -> nn.Module:
+    torch.manual_seed(0)
+    return RelBiasSeq2Seq(gated=True)
+
+
+def seq2seq_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(800 + step)
+    return ({"input_ids": torch.randint(0, VOCAB, (BATCH, SRC), generator=g),
+             "decoder_input_ids": torch.randint(0, VOCAB, (BATCH, TGT), generator=g)},
+            torch.randint(0, VOCAB, (BATCH, TGT), generator=g))
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+class Tower(nn.Module):
+    """A stack of two blocks (self-attention only) and a final norm, pooled at position 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(False, False, False) for _ in range(2))
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = layer(h, None)[0]
+        return self.norm(h)[:, 0]
+
+
+class ProjectedTowers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.token_embedding = nn.Embedding(VOCAB, WIDTH)
+        self.patch_embedding = nn.Conv2d(3, WIDTH, 4, stride=4)
+        self.text_model, self.vision_model = Tower(), Tower()
+        self.text_projection = nn.Linear(WIDTH, 8, bias=False)
+        self.visual_projection = nn.Linear(WIDTH, 8, bias=False)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
+        text = self.text_projection(self.text_model(self.token_embedding(input_ids)))
+        patches = self.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
+        image = self.visual_projection(self.vision_model(patches))
+        text, image = F.normalize(text, dim=-1), F.normalize(image, dim=-1)
+        return self.logit_scale.exp() * text @ image.T  # logits per text
+
+
+def towers() -> nn.Module:
+    torch.manual_seed(0)
+    return ProjectedTowers()
+
+
+def towers_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(900 + step)
+    return ({"input_ids": torch.randint(0, VOCAB, (BATCH, 5), generator=g),
+             "pixel_values": torch.randn(BATCH, 3, 8, 8, generator=g)}, torch.arange(BATCH))
+
+
+def clip_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """CLIP's symmetric loss over the rows the model saw (tensor parallelism sees them all)."""
+    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+
+
+def hf_t5() -> nn.Module:
+    from tests._workers_encdec import t5
+
+    return t5()[0]
+
+
+def hf_t5_gated() -> nn.Module:
+    from tests._workers_encdec import t5_gated
+
+    return t5_gated()[0]
+
+
+def logits_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """:func:`token_loss` on a Hugging Face output's ``logits``."""
+    return token_loss(out.logits, labels)
+
+
+MODELS = {"seq2seq": (seq2seq, seq2seq_batch, token_loss),
+          "gated_seq2seq": (gated_seq2seq, seq2seq_batch, token_loss),
+          "towers": (towers, towers_batch, clip_loss),
+          "hf_t5": (hf_t5, seq2seq_batch, logits_loss),
+          "hf_t5_gated": (hf_t5_gated, seq2seq_batch, logits_loss)}
+
+
+def reference(name: str) -> dict[str, Any]:
+    """One device, AdamW (weight decay 0.1), STEPS steps, clipping at 1.0 (plait's default)."""
+    factory, batch, loss_fn = MODELS[name]
+    model = factory()
+    opt = _optimizer(model.parameters(), "adamw")
+    losses = []
+    for step in range(STEPS):
+        inputs, target = batch(step)
+        loss = loss_fn(model(**inputs), target)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "state": {k: v.detach().clone()
+                                        for k, v in model.state_dict().items()}}
+
+
+def train(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Each (plan, model name) under tensor parallelism with AdamW, as :func:`reference`
+    trains it; the losses and rank 0's full state, or the message of a refusal."""
+    from plait.runtime import init
+
+    out: list[dict[str, Any]] = []
+    for plan, name in jobs:
+        factory, batch, loss_fn = MODELS[name]
+        run = init(plan, quiet=True)
+        try:
+            model = run.parallelize(factory())
+        except ValueError as exc:
+            run.close()
+            out.append({"plan": plan, "refused": str(exc)})
+            continue
+        opt = _optimizer(model.parameters(), "adamw")
+        losses = [float(run.step(model, batch(s), loss_fn, opt)) for s in range(STEPS)]
+        state = _state(run, model)
+        run.close()
+        out.append({"plan": plan, "losses": losses, "state": state if rank == 0 else None})
+    return out

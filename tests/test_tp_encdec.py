@@ -1,0 +1,161 @@
+"""Tensor-parallel plans inferred for models torch.fx cannot trace, of T5's and CLIP's shapes.
+
+A forward that needs two inputs (an encoder-decoder's ``decoder_input_ids``, a two-tower
+model's ``pixel_values``) gets them guessed from its parameters' names, so that the blocks
+fx cannot trace are recorded from one run; a table with one column per head in an attention
+block (T5's relative position bias) is split with the heads; projection heads side by side
+on the root stay whole; sequence parallelism is refused with a second stack of split blocks.
+
+Default run: inference on Hugging Face T5 and CLIP built from configs (no process group), and
+models written for the test trained under tp=2 (AdamW) against one device, in one process
+group. ``plait check`` on the Hugging Face models is in tests/test_encoder_decoder.py (slow).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from plait.parallel.tp_example import Example, example_call
+from plait.parallel.tp_infer import infer_plan, verify_plan
+from plait.spawn import run_distributed
+from tests import _workers_encdec as E
+from tests import _workers_tp_encdec as T
+
+TOL = 1e-5  # fp32: losses and every parameter after AdamW steps
+SECOND_STACK = "it has a second stack of blocks"
+
+
+def _assert_as_one_device(ref: dict, got: dict) -> None:
+    assert "refused" not in got, got
+    for step, (a, b) in enumerate(zip(ref["losses"], got["losses"], strict=True)):
+        assert abs(a - b) <= TOL, (got["plan"], step, a, b)
+    assert set(got["state"]) == set(ref["state"]), (got["plan"], sorted(got["state"]))
+    for name, want in ref["state"].items():
+        diff = (got["state"][name] - want).abs().max().item()
+        assert diff <= TOL, (got["plan"], name, diff)
+
+
+def test_models_fx_cannot_trace_train_as_one_device_under_tp_and_refuse_sp():
+    """An encoder-decoder with a relative position bias in block 0 of each stack (and
+    cross-attention, a head tied to the embedding) and two towers with projection heads and a
+    temperature: tp=2 trains what one device trains; tp=2,sp is refused before training,
+    naming the second stack."""
+    jobs = [("tp=2", "seq2seq"), ("tp=2", "towers"), ("tp=2,sp", "seq2seq"),
+            ("tp=2,sp", "towers")]
+    got = run_distributed(T.train, 2, jobs, timeout=240)[0]
+    _assert_as_one_device(T.reference("seq2seq"), got[0])
+    _assert_as_one_device(T.reference("towers"), got[1])
+    assert SECOND_STACK + " (encoder.block, beside decoder.block" in got[2]["refused"], got[2]
+    assert SECOND_STACK + " (vision_model.layers, beside text_model.layers" in got[3][
+        "refused"], got[3]
+
+
+@pytest.mark.slow
+def test_gated_feed_forwards_and_hugging_face_t5_train_as_one_device_under_tp():
+    """The gated form (``wi_0``, ``wi_1``), and T5 from configs (T5 v1.1's gated-gelu with an
+    untied head too): their inferred plans under tp=2, AdamW, against one device."""
+    names = ["gated_seq2seq", "hf_t5", "hf_t5_gated"]
+    got = run_distributed(T.train, 2, [("tp=2", n) for n in names], timeout=300)[0]
+    for name, result in zip(names, got, strict=True):
+        _assert_as_one_device(T.reference(name), result)
+
+
+def test_the_inferred_plans_of_the_models_written_for_the_test():
+    """The relative bias table is split by its columns (heads) in block 0 only; the towers'
+    projections and temperature are not in the plan (whole on every rank)."""
+    seq = infer_plan(T.seq2seq())
+    for stack in ("encoder", "decoder"):
+        assert seq.styles[f"{stack}.block.*.attn.relative_attention_bias"] == "colwise"
+        assert seq.styles[f"{stack}.block.*.attn.o"] == "rowwise"
+        assert seq.divide_attrs[f"{stack}.block.*.attn"] == ("n_heads",)
+    assert seq.styles["decoder.block.*.cross.k"] == "colwise"
+    assert seq.styles["shared"] == "vocab_embedding" and seq.styles["lm_head"] == "vocab_head"
+    gated = infer_plan(T.gated_seq2seq()).styles
+    assert [gated[f"encoder.block.*.ff.{n}"] for n in ("wi_0", "wi_1", "wo")] == [
+        "colwise", "colwise", "rowwise"]
+    towers = infer_plan(T.towers()).styles
+    assert not [g for g in towers if "projection" in g], towers
+    assert towers["vision_model.layers.*.attn.q"] == "colwise"
+
+
+def test_inputs_are_guessed_by_the_names_of_the_forwards_parameters():
+    """One tensor when it runs; else token ids for each ``*input_ids`` and images of the
+    first size that runs for ``pixel_values``; else the one-tensor guess."""
+    guess = example_call(T.seq2seq())
+    assert isinstance(guess, Example) and not guess.args
+    assert set(guess.kwargs) == {"input_ids", "decoder_input_ids"}
+    images = example_call(T.towers())
+    assert images is not None and images.kwargs["pixel_values"].shape[:2] == (2, 3)
+    one = example_call(nn.Sequential(nn.Linear(4, 4)))
+    assert one is not None and one.args[0].shape == (2, 4) and not one.kwargs
+
+    class Unnamed(nn.Module):  # two inputs named otherwise: nothing runs, the guess stays
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(5, 4)
+
+        def forward(self, ids: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+            return self.emb(ids) + other
+
+    fallback = example_call(Unnamed())
+    assert fallback is not None and len(fallback.args) == 1 and not fallback.kwargs
+
+
+def test_linears_sharing_an_input_without_an_output_linear_are_still_refused():
+    """Heads side by side stay whole only when each reads a value of its own: q, k, v of one
+    input with no output projection are a block inference cannot read."""
+    class NoOutput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.q(x) @ self.k(x).transpose(-1, -2)).softmax(-1) @ self.v(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = NoOutput()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x)
+
+    with pytest.raises(ValueError, match=r"attn \(NoOutput\): linear\(s\) .* produce the block "
+                                         r"output directly"):
+        infer_plan(Net())
+
+
+@pytest.mark.parametrize("gated", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["relu", "gated-gelu"])
+def test_hugging_face_t5_gets_a_plan_checked_before_any_sharding(gated):
+    """fx cannot trace T5Attention: the blocks are recorded from one fake-tensor forward on
+    guessed ``input_ids`` and ``decoder_input_ids``; block 0's relative_attention_bias is split
+    with the heads; the plan passes the shape and head-swap checks; SP is refused by name."""
+    model = E.t5_gated()[0] if gated else E.t5()[0]
+    plan = verify_plan(model, infer_plan(model), 2)
+    ff = ("wi_0", "wi_1", "wo") if gated else ("wi", "wo")
+    for stack in ("encoder", "decoder"):
+        attn = f"{stack}.block.*.layer.*.SelfAttention"
+        assert [plan.styles[f"{attn}.{n}"] for n in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
+        assert plan.styles[f"{attn}.relative_attention_bias"] == "colwise"
+        assert plan.divide_attrs[attn] == ("n_heads",)
+        assert [plan.styles[f"{stack}.block.*.layer.*.DenseReluDense.{n}"] for n in ff] == [
+            "colwise"] * (len(ff) - 1) + ["rowwise"]
+    assert plan.styles["decoder.block.*.layer.*.EncDecAttention.k"] == "colwise"
+    sp = verify_plan(model, infer_plan(model), 2, sp=True)
+    assert not sp.supports_sp and sp.sp_refused.startswith(
+        SECOND_STACK + " (encoder.block, beside decoder.block"), sp.sp_refused
+
+
+def test_hugging_face_clip_gets_a_plan_with_its_projections_whole():
+    model = E.clip_model()
+    plan = verify_plan(model, infer_plan(model), 2)
+    for tower in ("text_model", "vision_model"):
+        layer = f"{tower}.encoder.layers.*"
+        assert plan.styles[f"{layer}.self_attn.out_proj"] == "rowwise"
+        assert plan.styles[f"{layer}.mlp.fc1"] == "colwise"
+    assert not [g for g in plan.styles if "projection" in g or "logit" in g], plan.styles
+    sp = verify_plan(model, infer_plan(model), 2, sp=True)
+    assert not sp.supports_sp and SECOND_STACK in sp.sp_refused, sp.sp_refused
