@@ -202,6 +202,9 @@ class CheckResult:
     # Modules that draw random numbers while training (dropout with p > 0), as
     # :func:`random_modules` names them: a reason for a FAIL no layout can remove.
     random: list[str] = field(default_factory=list)
+    # Why BatchNorm layers train otherwise under this plan ("" when they do not): per-rank
+    # statistics without sync_bn, or a step's batch normalised piece by piece.
+    batchnorm: str = ""
     precision: str = "fp32"            # the plan's mixed_precision: what the bounds allow for
     # Under Adam: tensors whose gradient is rounding noise on one device (GRAD_NOISE), judged
     # by adam_reach instead of their displacement; the worst of them as |diff| / reach (<= 1
@@ -286,6 +289,8 @@ class CheckResult:
     def hint(self) -> str:
         """Why a FAIL is expected and what to run instead: a model that draws random numbers
         while training, or only the parameters failing under an adaptive optimizer."""
+        if not self.ok and self.batchnorm:
+            return self.batchnorm
         if not self.ok and self.random and not self.missing:
             shown = ", ".join(self.random[:3]) + (
                 f" and {len(self.random) - 3} more" if len(self.random) > 3 else "")
@@ -484,7 +489,7 @@ def _record_grad_norms(model: nn.Module, into: dict[str, list[float]]) -> Callab
 def train_and_collect(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) -> dict[str, Any]:
     """Worker: train ``cfg.steps`` steps under ``plan``; return losses and full parameters
     (and, on one rank, the initial ones: the reference's displacement)."""
-    initial, initial_buffers, random = None, None, None
+    initial, initial_buffers, random, batchnorm = None, None, None, None
     if world_size == 1:
         model, _ = _build(cfg)
         initial = {canonical_name(n): p.detach().float().clone()
@@ -492,6 +497,9 @@ def train_and_collect(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) 
         initial_buffers = {canonical_name(n): b.detach().float().clone()
                            for n, b in model.named_buffers() if b.is_floating_point()}
         random = random_modules(model)
+        from .parallel.batchnorm import batchnorm_modules
+
+        batchnorm = batchnorm_modules(model)
     norms: dict[str, list[float]] = {}
     run, model, losses = train(plan, cfg, norms)
     pp_group = run.mesh["pp"].get_group() if plan.pp > 1 else None
@@ -508,7 +516,8 @@ def train_and_collect(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) 
     return {"losses": losses, "state": state if rank == 0 else None, "initial": initial,
             "buffers": buffers if rank == 0 else None, "initial_buffers": initial_buffers,
             "grad_norms": norms,
-            "random": random, "digest": {name: digest(name, t) for name, t in state.items()}}
+            "random": random, "batchnorm": batchnorm,
+            "digest": {name: digest(name, t) for name, t in state.items()}}
 
 
 def random_modules(model: nn.Module) -> list[str]:
@@ -644,12 +653,33 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
                        missing=missing, tolerance=tolerance, optimizer=optimizer,
                        max_loss_rel=loss_rel, max_param_rel=worst_rel,
                        worst_param_rel=worst_rel_name, replicas_differ=differ,
-                       random=random, precision=plan.mixed_precision,
+                       random=random, batchnorm=_batchnorm_cause(
+                           plan, reference.get("batchnorm") or []),
+                       precision=plan.mixed_precision,
                        noise_gradients=sorted(noise), max_noise_rel=worst_noise,
                        worst_noise=worst_noise_name, real_gradient=real_gradient,
                        noise_reach=reach if noise else 0.0, max_grad_rel=grad_rel,
                        worst_grad=grad_rel_name, max_buffer_rel=buffer_rel,
                        worst_buffer=worst_buffer, buffers_differ=buffers_differ)
+
+
+def _batchnorm_cause(plan: Plan, names: list[str]) -> str:
+    """Why the BatchNorm layers ``names`` train otherwise under ``plan`` than on one device,
+    with the fix, or "": a FAIL's likely cause, which the runtime also warns of."""
+    if not names:
+        return ""
+    shown = f"BatchNorm {_some(names)}"
+    parts = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
+    if parts > 1:
+        return (f"{shown} normalise each of the {parts} pieces of a step's batch (pipeline "
+                f"microbatches, grad_accum) with its own statistics: use GroupNorm or "
+                f"LayerNorm, or one piece per step (microbatches=1 with pp_schedule=gpipe, "
+                f"no grad_accum)")
+    if plan.dp > 1 and not plan.sync_bn:
+        return (f"{shown} normalise each rank's rows with their own statistics: add sync_bn "
+                f"to the plan ('{plan.replace(sync_bn=True).to_string()}') to take them over "
+                f"the data axes")
+    return ""
 
 
 def _buffers_apart(ref: dict[str, torch.Tensor], par: dict[str, torch.Tensor],

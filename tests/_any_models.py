@@ -198,7 +198,7 @@ class DictModel(nn.Module):
         self.out = nn.Linear(width, CLASSES)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        h = self.inp(batch["features"] * batch["mask"][..., None])
+        h = self.inp(batch["features"] * batch["mask"].unsqueeze(-1))
         logits = self.out(self.blocks(h))
         loss = F.cross_entropy(logits.reshape(-1, CLASSES), batch["labels"].reshape(-1))
         return {"loss": loss, "logits": logits}

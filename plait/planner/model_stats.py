@@ -477,8 +477,10 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
         raise ValueError(f"{name}: expected an nn.Module, got {type(model).__name__}")
     best = None
     for mod_name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
-            run = _longest_run(list(mod))
+        if isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and len(mod) >= 2:
+            # a ModuleDict's blocks in their order, as a pipeline splits them
+            run = _longest_run(list(mod.values()) if isinstance(mod, nn.ModuleDict)
+                               else list(mod))
             if len(run) < 2:
                 continue
             params = sum(p.numel() for b in run for p in b.parameters())
@@ -486,9 +488,9 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                 best = (params, mod_name, run)
     by_hand = _BY_HAND + _with_batchnorm(model)
     if best is None:
-        raise NoBlockStackError(f"{name}: found no nn.ModuleList/nn.Sequential of repeated blocks "
-                                f"to split into layers; the planner needs a stack of blocks"
-                                + by_hand)
+        raise NoBlockStackError(f"{name}: found no nn.ModuleList/nn.Sequential/nn.ModuleDict of "
+                                f"repeated blocks to split into layers; the planner needs a "
+                                f"stack of blocks" + by_hand)
     _, stack_name, blocks = best
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
     # Matmul weights a token passes through: a routed MoE layer's k of E experts (plait.planner
