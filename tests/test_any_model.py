@@ -153,8 +153,8 @@ def test_check_compares_buffers():
 def test_a_dict_in_dict_out_model_trains_as_one_device_and_a_pipeline_refuses_it():
     """``forward(self, batch)`` reading a dict and returning {"loss", "logits"}: under dp=2 the
     loss (a mean over the labels that are not -100, counted over the global batch) and every
-    parameter match one device; a pipeline refuses the forward by name when it lays out the first step's batch (the slow
-    grid runs it under pp=2)."""
+    parameter match one device; a pipeline refuses the forward by name when it lays out the
+    first step's batch (the slow grid runs it under pp=2)."""
     from plait.parallel.pipeline import stage_inputs
 
     result = _check("dict_io", "dp=2", steps=2)
