@@ -63,6 +63,37 @@ def test_tensor_parallelism_names_the_layers_it_leaves_whole(factory, named):
     assert "dp=N or dp_shard=N,zero=3" in message, message
 
 
+class Normed(torch.nn.Module):
+    """Linear blocks the planner prices, then a BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(torch.nn.Sequential(
+            torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+            for _ in range(4)))
+        self.bn = torch.nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return self.bn(self.blocks(x))
+
+
+def test_the_planner_syncs_batchnorm_and_keeps_each_steps_batch_whole():
+    """Every layout the planner ranks for a model with BatchNorm has sync_bn where it has
+    data parallelism, no pipeline and no gradient accumulation (each would normalise the
+    batch piece by piece), even where the batch per rank (32) exceeds the microbatch the
+    search otherwise stops at (16); pipelines are counted as refused, with the reason."""
+    from plait.planner import plan_model
+
+    result = plan_model(Normed(), "cpu", world_size=4, global_batch=128, seq=4)
+    assert result.ranked
+    for est in result.ranked:
+        plan = est.plan
+        assert plan.pp == 1 and plan.grad_accum == 1, plan
+        assert plan.sync_bn == (plan.dp > 1), plan
+    assert any(k.startswith("BatchNorm normalises each pipeline microbatch")
+               for k in result.rejected), result.rejected
+
+
 def test_plan_auto_takes_batchnorm_statistics_over_the_data_axes():
     """plan="auto" for a CNN with BatchNorm: data parallelism with sync_bn (per-rank
     statistics would train another model), for a model the planner prices and one it
@@ -71,17 +102,6 @@ def test_plan_auto_takes_batchnorm_statistics_over_the_data_axes():
 
     plan, why = choose(A.ResNet(), AutoRequest(world_size=2, device_type="cpu"))
     assert plan.sync_bn and plan.dp_replicate == 2, (plan, why)
-
-    class Normed(torch.nn.Module):  # linear blocks the planner prices, then a BatchNorm
-        def __init__(self):
-            super().__init__()
-            self.blocks = torch.nn.Sequential(*(torch.nn.Sequential(
-                torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
-                for _ in range(4)))
-            self.bn = torch.nn.BatchNorm1d(16)
-
-        def forward(self, x):
-            return self.bn(self.blocks(x))
 
     plan, why = choose(Normed(), AutoRequest(world_size=2, device_type="cpu",
                                              global_batch=8, seq=4))

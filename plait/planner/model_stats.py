@@ -114,6 +114,10 @@ class ModelStats:
     # autocast, the same with bf16 parameters), read where the ledger needs cp's dtypes under
     # bf16; None: not read.
     attention_keys: tuple[tuple[int, int, int], ...] | None = None
+    # The first BatchNorm layer of the model ("" for none; module factories): its statistics
+    # are the batch's, so the search takes them over the data axes (sync_bn) and never cuts a
+    # step's batch into pieces (pipeline microbatches, gradient accumulation).
+    batchnorm: str = ""
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -450,14 +454,20 @@ _BY_HAND = ("; pick the layout by hand: data parallelism needs no blocks (dp=N, 
             "proves it trains what one device trains")
 
 
-def _with_batchnorm(model: Any) -> str:
-    """The end of ``_BY_HAND`` for a model with BatchNorm: its statistics must be taken over
-    the data axes (``sync_bn``) for data parallelism to train what one device trains."""
+def _first_batchnorm(model: Any) -> str:
+    """The name of ``model``'s first BatchNorm layer, "" if it has none."""
     import torch.nn as nn
 
     kinds = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-    first = next((n for n, m in model.named_modules() if isinstance(m, kinds)), None)
-    if first is None:
+    return next((n or type(model).__name__ for n, m in model.named_modules()
+                 if isinstance(m, kinds)), "")
+
+
+def _with_batchnorm(model: Any) -> str:
+    """The end of ``_BY_HAND`` for a model with BatchNorm: its statistics must be taken over
+    the data axes (``sync_bn``) for data parallelism to train what one device trains."""
+    first = _first_batchnorm(model)
+    if not first:
         return ""
     return (f"; its BatchNorm layers ({first}, ...) need sync_bn under data parallelism "
             f"(dp=N,sync_bn) and one piece per step (no grad_accum, no pipeline)")
@@ -607,7 +617,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                       block_active_params=round(sum(active) / len(blocks)) if experts else None,
                       head_dim=head_dim if isinstance(head_dim, int) else None,
                       attention_keys=_attention_keys(model, device_type)
-                      if attention and attention_dtypes else None)
+                      if attention and attention_dtypes else None,
+                      batchnorm=_first_batchnorm(model))
 
 
 def _attention_keys(model: Any, device_type: str) -> tuple[tuple[int, int, int], ...] | None:
