@@ -143,8 +143,7 @@ def test_plan_for_a_dict_model_leaves_out_pipelines(capsys):
 
     out = json.loads(capsys.readouterr().out)
     assert code == 0
-    plans = [Plan.from_dict(p["plan"]) if isinstance(p["plan"], dict)
-             else Plan.from_string(p["plan"]) for p in out["plans"]]
+    plans = [Plan.from_dict(p["layout"]) for p in out["plans"]]
     assert plans and all(p.pp == 1 for p in plans), out["plans"]
     assert any("takes the whole dict batch" in k for k in out["rejected"]), out["rejected"]
 
@@ -253,7 +252,7 @@ def test_the_planners_first_choices_train_as_one_device(model, extra, capsys):
     assert main(["plan", "--model", f"tests._any_models:{model}", "--cluster", "cpu",
                  "--devices", "4", "--global-batch", "8", "--top", "10", "--format", "json",
                  *extra]) == 0
-    plans = [p["plan"] for p in json.loads(capsys.readouterr().out)["plans"]]
-    piped = next(Plan.from_dict(p) for p in plans if Plan.from_dict(p).pp > 1)
+    plans = [Plan.from_dict(p["layout"]) for p in json.loads(capsys.readouterr().out)["plans"]]
+    piped = next(p for p in plans if p.pp > 1)
     result = _check(model, piped.replace(mixed_precision="fp32"))
     assert result.ok, result.format()
