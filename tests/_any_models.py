@@ -149,6 +149,30 @@ def gru_packed() -> tuple[nn.Module, Dataset, object]:
     return GRULM(), Tokens(), next_token
 
 
+class RecurrentThenMLP(nn.Module):
+    """An LSTM, then residual MLP blocks: tensor parallelism splits the blocks and leaves the
+    LSTM whole on every rank; a pipeline cuts the blocks, the LSTM on the first stage."""
+
+    def __init__(self, vocab: int = 32, width: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.rnn = nn.LSTM(width, width, batch_first=True)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width),
+                                                  nn.GELU(), nn.Linear(4 * width, width))
+                                    for _ in range(4))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(self.embed(tokens))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def lstm_mlp() -> tuple[nn.Module, Dataset, object]:
+    return RecurrentThenMLP(), Tokens(), next_token
+
+
 # ------------------------------------------------------------------------------- MLP-Mixer
 class MixerBlock(nn.Module):
     """Token mixing (an MLP across patches) then channel mixing (an MLP across features)."""
@@ -297,4 +321,5 @@ def module_dict() -> tuple[nn.Module, Dataset, object]:
     return Routed(), Rows(), classify
 
 
-FACTORIES = ("resnet", "lstm_lm", "gru_packed", "mixer", "dict_io", "unet", "module_dict")
+FACTORIES = ("resnet", "lstm_lm", "gru_packed", "lstm_mlp", "mixer", "dict_io", "unet",
+             "module_dict")

@@ -195,6 +195,14 @@ def test_a_resnet_with_batchnorm_needs_sync_bn_and_then_matches_with_its_buffers
     assert good.ok and good.worst_buffer.startswith(("stem", "layers")), good.format()
 
 
+def test_an_lstm_before_the_blocks_under_a_pipeline():
+    """An LSTM, then MLP blocks: under pp=2 the stage without the LSTM stands in for it with a
+    pair, as ``h, _ = self.rnn(x)`` unpacks (it stood in with the bare hidden states: "too
+    many values to unpack"), and trains as one device."""
+    result = _check("lstm_mlp", "pp=2", steps=2)
+    assert result.ok, result.format()
+
+
 # ------------------------------------------------------------------------------ the grid
 # (model, plan) -> what happens: "ok" (trains as one device) or a fragment of the refusal.
 GRID = {
@@ -206,6 +214,9 @@ GRID = {
     ("lstm_lm", "dp_shard=2,zero=3"): "ok",
     ("lstm_lm", "tp=2"): "its recurrent layers (rnn)",
     ("lstm_lm", "pp=2"): "has no nn.ModuleList, nn.Sequential or nn.ModuleDict of blocks",
+    ("lstm_mlp", "dp=2"): "ok",
+    ("lstm_mlp", "tp=2"): "ok",  # the blocks split, the LSTM whole on every rank
+    ("lstm_mlp", "pp=2,dp=2"): "ok",
     ("gru_packed", "dp=2"): "ok",
     ("gru_packed", "dp_shard=2,zero=3"): "ok",
     ("mixer", "dp=2"): "ok",
