@@ -217,6 +217,7 @@ GRID = {
     ("lstm_mlp", "dp=2"): "ok",
     ("lstm_mlp", "tp=2"): "ok",  # the blocks split, the LSTM whole on every rank
     ("lstm_mlp", "pp=2,dp=2"): "ok",
+    ("lstm_mlp", "pp=2,dp=2,pp_schedule=interleaved_1f1b,virtual_stages=2"): "ok",
     ("gru_packed", "dp=2"): "ok",
     ("gru_packed", "dp_shard=2,zero=3"): "ok",
     ("mixer", "dp=2"): "ok",
@@ -252,7 +253,8 @@ def test_every_model_under_every_layout_trains_as_one_device_or_is_refused(model
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,extra", [("mixer", ["--seq", "16"]), ("module_dict", [])])
+@pytest.mark.parametrize("model,extra", [("mixer", ["--seq", "16"]), ("module_dict", []),
+                                         ("lstm_mlp", [])])
 def test_the_planners_first_choices_train_as_one_device(model, extra, capsys):
     """The best pipelined layout ``plait plan`` ranks for a model it prices (pp=2 x dp=2 on
     four ranks) trains what one device trains."""
