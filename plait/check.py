@@ -506,8 +506,11 @@ def train_and_collect(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) 
     state = full_state(model, pp_group)
     # The persistent buffers (BatchNorm's running statistics and step count): what the model
     # computes from its batches, which the parameters alone do not show (per-rank statistics).
+    # A tied weight's second name is in the state dict too: a parameter, not a buffer.
+    aliases = {canonical_name(n) for module in local_modules(model)
+               for n, _ in module.named_parameters(remove_duplicate=False)}
     buffers = {k: v for k, v in full_state(model, pp_group, buffers=True).items()
-               if k not in state}
+               if k not in state and k not in aliases}
     if pp_group is not None:  # each stage recorded its own parameters: pool them
         parts: list[Any] = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(parts, norms, group=pp_group)
