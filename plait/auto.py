@@ -78,11 +78,13 @@ def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
     from .planner.cli import explain_nothing_fits, explain_winner
     from .planner.model_stats import NoBlockStackError
 
+    # BatchNorm trains what one device trains only with its statistics over the data axes.
+    sync_bn = _has_batchnorm(model) and request.world_size > 1
     try:
         stats = load_model(model)
     except NoBlockStackError:
         # Data parallelism needs no blocks: each rank runs the whole model on its rows.
-        plan = Plan(dp_replicate=request.world_size)
+        plan = Plan(dp_replicate=request.world_size, sync_bn=sync_bn)
         return plan, [f"plait: plan 'auto' for {type(model).__name__} on {request.world_size} "
                       f"ranks: {plan.to_string()} ({type(model).__name__} has no stack of "
                       f"repeated blocks for tensor or pipeline parallelism to split, so data "
@@ -96,6 +98,8 @@ def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
     if result.best is None:
         raise ValueError("plan='auto': " + explain_nothing_fits(result, stats, resized))
     plan = result.best.plan.validate(request.world_size)
+    if sync_bn and plan.dp > 1:
+        plan = plan.replace(sync_bn=True)
     # Say where a figure the user did not give came from: a planned-for batch or sequence
     # other than the run's picks another layout, and init(global_batch=, seq=) is the fix.
     batch_from = "" if request.global_batch else (
@@ -112,20 +116,51 @@ def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
     return plan, why
 
 
-def layout_check(model: nn.Module) -> Callable[[Plan], str | None]:
+def _has_batchnorm(model: nn.Module) -> bool:
+    from .parallel.batchnorm import batchnorm_modules
+
+    return bool(batchnorm_modules(model))
+
+
+def batchnorm_pieces_refusal(model: nn.Module, plan: Plan) -> str | None:
+    """Why a plan that cuts each step's batch into pieces (pipeline microbatches, gradient
+    accumulation) is refused for a model with BatchNorm, or None: each piece is normalised
+    with its own statistics, which no synchronisation repairs (plait warns when a user asks
+    for it; the planner does not pick it)."""
+    from .parallel.batchnorm import batchnorm_modules
+
+    parts = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
+    names = batchnorm_modules(model) if parts > 1 else []
+    if not names:
+        return None
+    return (f"BatchNorm {names[0]} would normalise each of the {parts} pieces of a step's "
+            f"batch (pipeline microbatches, grad_accum) with its own statistics, not the "
+            f"whole batch's as on one device")
+
+
+def layout_check(model: nn.Module, dict_keys: Any = None) -> Callable[[Plan], str | None]:
     """What ``model`` itself refuses of a plan the planner ranks
     (:func:`plait.parallel.tensor.tp_refusal`, :func:`plait.parallel.pipeline.pp_refusal`):
     the cost model reads sizes only, and would propose sequence parallelism for blocks that
     mix positions, a tp the model's layer plan cannot take, a pipeline for a model that
     cannot be cut (an encoder-decoder), or context parallelism for a model whose forward is
     not told its positions (:func:`plait.parallel.context.cp_refusal`). Each tp/sp, each split
-    and each cp is checked once."""
+    and each cp is checked once. ``dict_keys``: the keys of the model's dict batch, where the
+    caller has a sample: a forward that takes that dict whole refuses every pipeline
+    (:func:`plait.parallel.pipeline.whole_dict_refusal`)."""
+    from .dict_batch import signature_of, whole_dict_parameter
     from .parallel.context import cp_refusal
+
+    whole = (whole_dict_parameter(signature_of(model.forward), dict_keys)
+             if dict_keys is not None else None)
 
     seen: dict[Any, str | None] = {}
     chains: dict[str, Any] = {}  # whether the blocks chain: asked once, whatever the pp
 
     def check(plan: Plan) -> str | None:
+        pieces = batchnorm_pieces_refusal(model, plan)
+        if pieces is not None:
+            return pieces
         keys: list[tuple[Any, ...]] = []
         if plan.tp > 1:
             keys.append(("tp", plan.tp, plan.sp))
@@ -140,9 +175,10 @@ def layout_check(model: nn.Module) -> Callable[[Plan], str | None]:
                 # plait.parallel.tensor DTensor and FSDP (a CPU second), which a plan without
                 # a pipeline or tensor parallelism does not need.
                 if key[0] == "pp":
-                    from .parallel.pipeline import pp_refusal
+                    from .parallel.pipeline import pp_refusal, whole_dict_refusal
 
-                    seen[key] = pp_refusal(model, plan, chains)
+                    seen[key] = (whole_dict_refusal(type(model).__name__, whole, dict_keys)
+                                 if whole is not None else pp_refusal(model, plan, chains))
                 elif key[0] == "tp":
                     from .parallel.tensor import tp_refusal
 

@@ -202,6 +202,9 @@ class CheckResult:
     # Modules that draw random numbers while training (dropout with p > 0), as
     # :func:`random_modules` names them: a reason for a FAIL no layout can remove.
     random: list[str] = field(default_factory=list)
+    # Why BatchNorm layers train otherwise under this plan ("" when they do not): per-rank
+    # statistics without sync_bn, or a step's batch normalised piece by piece.
+    batchnorm: str = ""
     precision: str = "fp32"            # the plan's mixed_precision: what the bounds allow for
     # Under Adam: tensors whose gradient is rounding noise on one device (GRAD_NOISE), judged
     # by adam_reach instead of their displacement; the worst of them as |diff| / reach (<= 1
@@ -216,6 +219,13 @@ class CheckResult:
     # are); it tells a layout's wrong gradient from an optimizer's amplified noise.
     max_grad_rel: float = 0.0
     worst_grad: str = ""
+    # Persistent buffers (BatchNorm's running statistics): the worst floating one as the norm of
+    # its difference over how far the reference moved it (at least DISPLACEMENT_FLOOR of its
+    # norm), held to the parameter bound; integer ones (a step count) must be equal, and are
+    # listed where they are not.
+    max_buffer_rel: float = 0.0
+    worst_buffer: str = ""
+    buffers_differ: list[str] = field(default_factory=list)
 
     @property
     def limits(self) -> dict[str, float]:
@@ -223,9 +233,11 @@ class CheckResult:
 
     @property
     def ok(self) -> bool:
-        if self.missing or self.replicas_differ or self.real_gradient:
+        if self.missing or self.replicas_differ or self.real_gradient or self.buffers_differ:
             return False
         if self.max_noise_rel > 1.0 or math.isnan(self.max_noise_rel):
+            return False
+        if not self.max_buffer_rel <= self.limits["param"]:
             return False
         if self.tolerance is not None:
             return self.max_loss_diff <= self.tolerance and self.max_param_diff <= self.tolerance
@@ -247,8 +259,13 @@ class CheckResult:
                  f"  max |param diff| {self.max_param_diff:.3e}{_named(self.worst_param)}; "
                  f"relative to displacement {self.max_param_rel:.2e}"
                  f"{_named(self.worst_param_rel)}"]
+        if self.worst_buffer:
+            lines.append(f"  buffers: relative to displacement {self.max_buffer_rel:.2e} "
+                         f"({self.worst_buffer})")
         for i, (a, b) in enumerate(zip(self.losses_reference, self.losses_parallel, strict=True)):
             lines.append(f"  step {i + 1}: reference {a:.6f}  parallel {b:.6f}")
+        if self.buffers_differ:
+            lines.append(f"  buffers that differ from one device's: {_some(self.buffers_differ)}")
         if self.noise_gradients:
             lines.append(f"  {_some(self.noise_gradients)}: gradient zero but for rounding on "
                          f"one device ({self.optimizer} steps them by the noise's sign): held "
@@ -272,6 +289,8 @@ class CheckResult:
     def hint(self) -> str:
         """Why a FAIL is expected and what to run instead: a model that draws random numbers
         while training, or only the parameters failing under an adaptive optimizer."""
+        if not self.ok and self.batchnorm:
+            return self.batchnorm
         if not self.ok and self.random and not self.missing:
             shown = ", ".join(self.random[:3]) + (
                 f" and {len(self.random) - 3} more" if len(self.random) > 3 else "")
@@ -470,24 +489,38 @@ def _record_grad_norms(model: nn.Module, into: dict[str, list[float]]) -> Callab
 def train_and_collect(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) -> dict[str, Any]:
     """Worker: train ``cfg.steps`` steps under ``plan``; return losses and full parameters
     (and, on one rank, the initial ones: the reference's displacement)."""
-    initial, random = None, None
+    initial, initial_buffers, random, batchnorm = None, None, None, None
     if world_size == 1:
         model, _ = _build(cfg)
         initial = {canonical_name(n): p.detach().float().clone()
                    for n, p in model.named_parameters()}
+        initial_buffers = {canonical_name(n): b.detach().float().clone()
+                           for n, b in model.named_buffers() if b.is_floating_point()}
         random = random_modules(model)
+        from .parallel.batchnorm import batchnorm_modules
+
+        batchnorm = batchnorm_modules(model)
     norms: dict[str, list[float]] = {}
     run, model, losses = train(plan, cfg, norms)
     pp_group = run.mesh["pp"].get_group() if plan.pp > 1 else None
     state = full_state(model, pp_group)
+    # The persistent buffers (BatchNorm's running statistics and step count): what the model
+    # computes from its batches, which the parameters alone do not show (per-rank statistics).
+    # A tied weight's second name is in the state dict too: a parameter, not a buffer.
+    aliases = {canonical_name(n) for module in local_modules(model)
+               for n, _ in module.named_parameters(remove_duplicate=False)}
+    buffers = {k: v for k, v in full_state(model, pp_group, buffers=True).items()
+               if k not in state and k not in aliases}
     if pp_group is not None:  # each stage recorded its own parameters: pool them
         parts: list[Any] = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(parts, norms, group=pp_group)
         norms = {k: v for part in parts for k, v in part.items()}
     run.close()
     return {"losses": losses, "state": state if rank == 0 else None, "initial": initial,
+            "buffers": buffers if rank == 0 else None, "initial_buffers": initial_buffers,
             "grad_norms": norms,
-            "random": random, "digest": {name: digest(name, t) for name, t in state.items()}}
+            "random": random, "batchnorm": batchnorm,
+            "digest": {name: digest(name, t) for name, t in state.items()}}
 
 
 def random_modules(model: nn.Module) -> list[str]:
@@ -614,17 +647,72 @@ def compare(plan: Plan, reference: dict[str, Any], parallel: dict[str, Any], ste
     loss_rel = max((abs(a - b) / max(abs(a), 1e-30) for a, b in pairs), default=0.0)
     if any(math.isnan(b) for _, b in pairs):
         loss_diff = loss_rel = math.nan
+    buffer_rel, worst_buffer, buffers_differ = _buffers_apart(
+        reference.get("buffers") or {}, parallel.get("buffers") or {},
+        reference.get("initial_buffers") or {})
     return CheckResult(plan=plan.to_string(), world_size=plan.world_size, steps=steps,
                        losses_reference=reference["losses"], losses_parallel=parallel["losses"],
                        max_loss_diff=loss_diff, max_param_diff=worst, worst_param=worst_name,
                        missing=missing, tolerance=tolerance, optimizer=optimizer,
                        max_loss_rel=loss_rel, max_param_rel=worst_rel,
                        worst_param_rel=worst_rel_name, replicas_differ=differ,
-                       random=random, precision=plan.mixed_precision,
+                       random=random, batchnorm=_batchnorm_cause(
+                           plan, reference.get("batchnorm") or []),
+                       precision=plan.mixed_precision,
                        noise_gradients=sorted(noise), max_noise_rel=worst_noise,
                        worst_noise=worst_noise_name, real_gradient=real_gradient,
                        noise_reach=reach if noise else 0.0, max_grad_rel=grad_rel,
-                       worst_grad=grad_rel_name)
+                       worst_grad=grad_rel_name, max_buffer_rel=buffer_rel,
+                       worst_buffer=worst_buffer, buffers_differ=buffers_differ)
+
+
+def _batchnorm_cause(plan: Plan, names: list[str]) -> str:
+    """Why the BatchNorm layers ``names`` train otherwise under ``plan`` than on one device,
+    with the fix, or "": a FAIL's likely cause, which the runtime also warns of."""
+    if not names:
+        return ""
+    shown = f"BatchNorm {_some(names)}"
+    parts = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
+    if parts > 1:
+        return (f"{shown} normalise each of the {parts} pieces of a step's batch (pipeline "
+                f"microbatches, grad_accum) with its own statistics: use GroupNorm or "
+                f"LayerNorm, or one piece per step (microbatches=1 with pp_schedule=gpipe, "
+                f"no grad_accum)")
+    if plan.dp > 1 and not plan.sync_bn:
+        return (f"{shown} normalise each rank's rows with their own statistics: add sync_bn "
+                f"to the plan ('{plan.replace(sync_bn=True).to_string()}') to take them over "
+                f"the data axes")
+    return ""
+
+
+def _buffers_apart(ref: dict[str, torch.Tensor], par: dict[str, torch.Tensor],
+                   initial: dict[str, torch.Tensor]) -> tuple[float, str, list[str]]:
+    """The persistent buffers of the two sides: the largest norm of a floating buffer's
+    difference over how far the reference moved it from ``initial`` (at least
+    DISPLACEMENT_FLOOR of its norm, as for a parameter that barely moves), its name, and the
+    buffers missing from the layout or, if integer (a step count), not equal."""
+    worst, worst_name, differ = 0.0, "", []
+    for name, want in ref.items():
+        got = par.get(name)
+        if got is None or got.shape != want.shape:
+            differ.append(f"{name} (missing)" if got is None else
+                          f"{name} (shape {tuple(got.shape)} != {tuple(want.shape)})")
+            continue
+        if not want.is_floating_point():
+            if not torch.equal(got, want):
+                differ.append(f"{name} ({got.tolist()} != {want.tolist()})"
+                              if want.numel() == 1 else name)
+            continue
+        if not want.numel():
+            continue
+        start = initial.get(name)
+        moved = (want - start).norm().item() if start is not None else 0.0
+        far = max(moved, DISPLACEMENT_FLOOR * want.norm().item())
+        off = (got.float() - want).norm().item()
+        rel = off / far if far > 0 else (0.0 if off == 0 else math.inf)
+        if rel > worst or math.isnan(rel):
+            worst, worst_name = rel, name
+    return worst, worst_name, differ
 
 
 def _gradients_apart(ref: dict[str, list[float]], par: dict[str, list[float]],

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .dict_batch import signature_of, whole_dict_parameter
 from .loss import (
     label_shift,
     loss_sum_and_count,
@@ -105,11 +106,15 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None,
       ``loss_fn=None`` the model gets every key and computes its own loss (``output.loss``);
       with a ``loss_fn`` the ``labels`` entry is held back from the model and given to
       ``loss_fn(output, labels)``, as the Hugging Face Trainer does.
+    * a forward that names none of a dict's keys and takes one argument (``forward(self,
+      batch)``) gets the dict whole, ``model(batch)``, in either convention above.
 
     ``extra``: keyword arguments added to a non-dict model call (context parallelism's
     ``position_ids``, see ``plait.parallel.context.split_batch``).
     """
     extra = extra or {}
+    if isinstance(batch, dict) and loss_fn is None and _takes_the_dict(model, batch):
+        return model(batch), batch.get("labels")
     if isinstance(batch, dict):
         if loss_fn is None:
             try:
@@ -127,6 +132,8 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None,
                              f"(keys: {sorted(batch)}){missing_labels_fix(batch)}; or pass "
                              f"loss_fn=None when the model computes its own loss from the batch")
         inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if _takes_the_dict(model, inputs):
+            return model(inputs), batch["labels"]
         return model(**inputs), batch["labels"]
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         got = type(batch).__name__
@@ -138,13 +145,23 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None,
                         f"(inputs, targets) tensors or a dict; make __getitem__ return those")
         raise ValueError(f"a batch is (inputs, targets) or a dict of model arguments; got {got}")
     inputs, targets = batch
-    if isinstance(inputs, dict):
+    if isinstance(inputs, dict) and not extra and _takes_the_dict(model, inputs):
+        out = model(inputs)
+    elif isinstance(inputs, dict):
         out = model(**inputs, **extra)
     elif isinstance(inputs, (tuple, list)):
         out = model(*inputs, **extra)
     else:
         out = model(inputs, **extra)
     return out, targets
+
+
+def _takes_the_dict(model: nn.Module, batch: dict[str, Any]) -> bool:
+    """Whether ``model``'s forward takes a dict batch as its one argument (``forward(self,
+    batch)``) rather than its entries by keyword (:func:`plait.dict_batch.whole_dict_parameter`);
+    read off the user's module under a DDP wrapper, whose own forward takes anything."""
+    inner = model.module if isinstance(model, DDP) else model
+    return whole_dict_parameter(signature_of(inner.forward), batch) is not None
 
 
 def model_loss(out: Any, loss_fn: LossFn | None, targets: Any) -> Any:

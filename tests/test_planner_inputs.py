@@ -168,10 +168,11 @@ def test_a_convnet_of_repeated_blocks_is_left_to_data_parallelism_with_what_to_d
                           for _ in range(3)],
                         nn.Flatten(), nn.Linear(8 * 4 * 4, 10))
     with pytest.raises(NoBlockStackError, match="have no nn.Linear layers.*pick the layout by "
-                                                "hand.*dp=N.*plait check --plan P"):
+                                                "hand.*dp=N.*plait check --plan P.*BatchNorm "
+                                                r"layers \(1.1, ...\) need sync_bn"):
         load_model(cnn)
     plan, why = choose(cnn, AutoRequest(world_size=2, device_type="cpu"))
-    assert plan.to_string() == "dp_replicate=2", why
+    assert plan.to_string() == "dp_replicate=2,sync_bn=true", why  # its BatchNorm synced
 
 
 def _by_config_and_by_module(kind: str, vocab: int):

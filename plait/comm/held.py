@@ -28,8 +28,14 @@ Assumed, as for every closed form here: each forward calls every unit once, the 
 after the other. Under ZeRO-3 a block the backward pass never reaches (frozen, after a frozen
 embedding and frozen blocks only) is gathered again only when the next one is reached and
 prefetches it (``plait.comm.reach``): a frozen first block after a frozen embedding is, the
-first of two frozen blocks is not. Collectives the model issues itself (``SyncBatchNorm``
-under ``sync_bn``, its own ``torch.distributed`` calls) are not predicted. Tensor and
+first of two frozen blocks is not.
+* ``sync_bn`` on a device torch's ``SyncBatchNorm`` does not run on (the CPU:
+  ``plait.parallel.batchnorm.DataSyncBatchNorm``): per layer and micro-step, two fp32
+  all-reduces over the data axes in forward (the channel sums with the row count, C + 1
+  values, then the C sums of squared deviations) and the same two in backward, assuming the
+  layer's input needs a gradient (a BatchNorm on the raw input, with nothing trainable before
+  it, runs no backward all-reduce). Collectives the model issues itself (torch's
+  ``SyncBatchNorm`` on CUDA, its own ``torch.distributed`` calls) are not predicted. Tensor and
 pipeline parallelism move activations, whose sizes need the model's shapes: those layouts are
 predicted for plait's reference transformer only (``plait.comm.predict``).
 """
@@ -81,6 +87,8 @@ class HeldModel:
     buffer_bytes: int
     grad_tensors: int
     units: tuple[ShardUnit, ...] = ()
+    # Channels of each BatchNorm layer plait synchronises itself (DataSyncBatchNorm)
+    sync_bn_features: tuple[int, ...] = ()
 
 
 def _nbytes(params: Iterable[torch.Tensor]) -> int:
@@ -179,10 +187,13 @@ def held_model(model: nn.Module, optimizer_params: Iterable[torch.Tensor] | None
     if isinstance(model, DDP) and model.broadcast_buffers:
         ignored: set[str] = getattr(model, "parameters_to_ignore", set())
         buffers = _nbytes(b for n, b in model.module.named_buffers() if n not in ignored)
+    from ..parallel.batchnorm import DataSyncBatchNorm
+
     updated = list(optimizer_params) if optimizer_params is not None else trainable
+    synced = tuple(m.num_features for m in model.modules() if isinstance(m, DataSyncBatchNorm))
     return HeldModel(grad_bytes=_nbytes(trainable), update_bytes=_nbytes(updated),
                      buffer_bytes=buffers, grad_tensors=len({id(p) for p in trainable}),
-                     units=shard_units(model, input_grad))
+                     units=shard_units(model, input_grad), sync_bn_features=synced)
 
 
 def held_traffic(plan: Any, held: HeldModel) -> list[Traffic]:
@@ -221,4 +232,10 @@ def held_traffic(plan: Any, held: HeldModel) -> list[Traffic]:
         if plan.grad_clip:
             out.append(Traffic(shard, "all_reduce", float(held.grad_tensors) * FP32, 1, S * cp,
                                "clip: per-tensor norms"))
+    if held.sync_bn_features and R * S > 1:
+        # forward and backward each: (C + 1) and C values, per layer and micro-step
+        values = sum(2 * (2 * c + 1) for c in held.sync_bn_features) * accum
+        out.append(Traffic(_ledger_axis(plan, ("dp_replicate", "dp_shard")), "all_reduce",
+                           float(values) * FP32, 4 * len(held.sync_bn_features) * accum, R * S,
+                           "sync_bn statistics"))
     return out

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .._torch_compat import pipeline_stage_base, pytree, stage_backward_split
+from ..dict_batch import whole_dict_parameter
 from ..loss import label_shift, loss_sum_and_count, missing_labels_fix, shifts_labels
 from ..mesh import Mesh
 from ..plan import PP_SCHEDULES, Plan, reduces_after_schedule
@@ -224,6 +225,16 @@ class StageInputs:
     targets: Any
 
 
+def whole_dict_refusal(model_name: str, name: str, keys: Any) -> str:
+    """Why a pipeline cannot run a forward that takes a dict batch whole (``forward(self,
+    batch)``): torch's stages hand one tensor from stage to stage, in the forward's first
+    parameter, where this forward expects the dict."""
+    return (f"{model_name}.forward takes the whole dict batch as one argument ({name}), and a "
+            f"pipeline hands each later stage the previous stage's hidden states in that "
+            f"argument, not a dict: take the entries as parameters, e.g. def forward(self, "
+            f"{', '.join(sorted(keys)[:3])}), or run with pp=1")
+
+
 def stage_inputs(batch: Any, loss_fn: Callable | None, signature: inspect.Signature,
                  model_name: str) -> StageInputs:
     """Lay out a batch in any of the train step's conventions (``plait.train.call_model``):
@@ -285,6 +296,8 @@ def stage_inputs(batch: Any, loss_fn: Callable | None, signature: inspect.Signat
                              f"*args), so a pipeline cannot tell which entry of the dict batch "
                              f"(keys: {sorted(inputs)}) it chains from stage to stage: name the "
                              f"first input in the forward, or give (inputs, targets) batches")
+        if name is not None and whole_dict_parameter(signature, inputs) == name:
+            raise ValueError(whole_dict_refusal(model_name, name, inputs))
         if name not in inputs:
             raise ValueError(f"a pipeline chains {model_name}.forward's first parameter "
                              f"({name}) from stage to stage, and the batch has no {name!r} "

@@ -203,6 +203,16 @@ class PipelineSkip(StandIn):
         return self._shaped(self._receive(args, kwargs))
 
 
+def _returns_tuple(module: nn.Module) -> int:
+    """The length of the tuple ``module`` returns where it is known without running it: 2 for
+    torch's recurrent layers, ``(output, h_n)`` (an LSTM's ``h_n`` is itself a pair); else 0.
+    A stand-in for an LSTM before the blocks must return a pair too: ``h, _ = self.rnn(x)``
+    would otherwise unpack the hidden states it passes on along the batch dimension (an error
+    for most batch sizes; for a microbatch of two rows the unpacking succeeds and the blocks
+    run on one row)."""
+    return 2 if isinstance(module, nn.RNNBase) else 0
+
+
 # The stand-ins for modules another stage owns. Later composition steps leave them alone: a
 # tensor-parallel layer plan's "output: vocab_head" still names one on stages without the head.
 STAND_INS = (PipelineSkip, PipelineZero)
@@ -708,7 +718,8 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                 if not keep:
                     stand_in = (PipelineZero if id(child) in added or name in zero
                                 else PipelineSkip)
-                    clone._modules[key] = stand_in(None, name, Settings(child, name))
+                    clone._modules[key] = stand_in(None, name, Settings(child, name),
+                                                   _returns_tuple(child))
         return clone
 
     stage = rebuild(model, 0)

@@ -416,6 +416,30 @@ def _per_head_tables(block: nn.Module, attrs: tuple[str, ...]) -> list[str]:
             if isinstance(m, nn.Embedding) and m.embedding_dim in heads]
 
 
+# Layers tensor parallelism leaves whole: a convolution's channels and a recurrent layer's
+# gates could be split, but torch's parallel styles (ColwiseParallel, RowwiseParallel) shard
+# nn.Linear and nn.Embedding only, and plait writes no styles of its own for them.
+_WHOLE_KINDS = (((nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                  nn.ConvTranspose3d), "convolutions"), ((nn.RNNBase,), "recurrent layers"))
+
+
+def _not_split(model: nn.Module) -> str:
+    """``"; its convolutions (stem.0, ...) ... are not split over tp: ..."``, naming the layers
+    of ``model`` tensor parallelism has no style for, or "" when it has none of them: what a
+    ConvNet or an RNN is told in place of a plan."""
+    found = []
+    for kind, label in _WHOLE_KINDS:
+        names = [n for n, m in model.named_modules() if isinstance(m, kind)]
+        if names:
+            more = ", ..." if len(names) > 3 else ""
+            found.append(f"{label} ({', '.join(names[:3])}{more})")
+    if not found:
+        return ""
+    return (f"; its {' and '.join(found)} are not split over tp (plait's tensor parallelism "
+            f"shards nn.Linear and nn.Embedding layers only): train it with data parallelism "
+            f"instead, dp=N or dp_shard=N,zero=3 to shard its state")
+
+
 def infer_plan(model: nn.Module) -> TPPlan:
     """Propose a TP plan for ``model``; ValueError where it cannot decide (see module docs)."""
     styles: dict[str, str] = {}
@@ -478,7 +502,7 @@ def infer_plan(model: nn.Module) -> TPPlan:
                  _shardable(m)]
         more = ", ..." if len(fixed) > 3 else ""
         why = (f"; its parametrized linears ({', '.join(fixed[:3])}{more}: weight_norm or "
-               f"spectral_norm) cannot be sharded" if fixed else "")
+               f"spectral_norm) cannot be sharded" if fixed else "") + _not_split(model)
         raise ValueError(
             f"cannot infer a tensor-parallel plan for {type(model).__name__}: no module has the "
             f"shape of an MLP or attention block (two or more nn.Linear children, input -> "

@@ -23,7 +23,7 @@ from plait.plan import Plan
 from ..outputs import add_format, command_failed
 from .cost import Estimate, Workload, evaluate
 from .hardware import GB, Cluster, load_cluster, presets, save_cluster
-from .model_stats import ModelStats, build_factory, load_model
+from .model_stats import ModelStats, build_factory, load_model, sample_keys
 from .search import MIN_CP_TOKENS, SearchResult, cp_searched, divisors, search
 from .uncertainty import with_uncertainty
 
@@ -545,7 +545,7 @@ def _ask_the_model(spec: Any, stats: ModelStats
                       f"when it is laid out")
     from ..auto import layout_check
 
-    return layout_check(build_factory(spec, "cpu")), None
+    return layout_check(build_factory(spec, "cpu"), dict_keys=sample_keys(spec)), None
 
 
 def _accelerator() -> str | None:

@@ -114,6 +114,10 @@ class ModelStats:
     # autocast, the same with bf16 parameters), read where the ledger needs cp's dtypes under
     # bf16; None: not read.
     attention_keys: tuple[tuple[int, int, int], ...] | None = None
+    # The first BatchNorm layer of the model ("" for none; module factories): its statistics
+    # are the batch's, so the search takes them over the data axes (sync_bn) and never cuts a
+    # step's batch into pieces (pipeline microbatches, gradient accumulation).
+    batchnorm: str = ""
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -450,6 +454,25 @@ _BY_HAND = ("; pick the layout by hand: data parallelism needs no blocks (dp=N, 
             "proves it trains what one device trains")
 
 
+def _first_batchnorm(model: Any) -> str:
+    """The name of ``model``'s first BatchNorm layer, "" if it has none."""
+    import torch.nn as nn
+
+    kinds = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+    return next((n or type(model).__name__ for n, m in model.named_modules()
+                 if isinstance(m, kinds)), "")
+
+
+def _with_batchnorm(model: Any) -> str:
+    """The end of ``_BY_HAND`` for a model with BatchNorm: its statistics must be taken over
+    the data axes (``sync_bn``) for data parallelism to train what one device trains."""
+    first = _first_batchnorm(model)
+    if not first:
+        return ""
+    return (f"; its BatchNorm layers ({first}, ...) need sync_bn under data parallelism "
+            f"(dp=N,sync_bn) and one piece per step (no grad_accum, no pipeline)")
+
+
 def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                 attention_dtypes: bool = False) -> ModelStats:
     """Stats of an ``nn.Module`` (ideally on the meta device) with a stack of repeated blocks.
@@ -464,17 +487,20 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
         raise ValueError(f"{name}: expected an nn.Module, got {type(model).__name__}")
     best = None
     for mod_name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
-            run = _longest_run(list(mod))
+        if isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and len(mod) >= 2:
+            # a ModuleDict's blocks in their order, as a pipeline splits them
+            run = _longest_run(list(mod.values()) if isinstance(mod, nn.ModuleDict)
+                               else list(mod))
             if len(run) < 2:
                 continue
             params = sum(p.numel() for b in run for p in b.parameters())
             if best is None or params > best[0]:
                 best = (params, mod_name, run)
+    by_hand = _BY_HAND + _with_batchnorm(model)
     if best is None:
-        raise NoBlockStackError(f"{name}: found no nn.ModuleList/nn.Sequential of repeated blocks "
-                                f"to split into layers; the planner needs a stack of blocks"
-                                + _BY_HAND)
+        raise NoBlockStackError(f"{name}: found no nn.ModuleList/nn.Sequential/nn.ModuleDict of "
+                                f"repeated blocks to split into layers; the planner needs a "
+                                f"stack of blocks" + by_hand)
     _, stack_name, blocks = best
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
     # Matmul weights a token passes through: a routed MoE layer's k of E experts (plait.planner
@@ -493,7 +519,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
         where = stack_name or type(model).__name__
         raise NoBlockStackError(f"{name}: blocks in {where!r} have no nn.Linear layers, "
                                 f"whose matmuls the planner prices (convolutions are not "
-                                f"priced)" + _BY_HAND)
+                                f"priced)" + by_hand)
     hidden = Counter(i for i, _ in linears).most_common(1)[0][0]
     ffn = max(max(o, i) for i, o in linears)
     heads, kv_heads, attention = 1, None, False
@@ -591,7 +617,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                       block_active_params=round(sum(active) / len(blocks)) if experts else None,
                       head_dim=head_dim if isinstance(head_dim, int) else None,
                       attention_keys=_attention_keys(model, device_type)
-                      if attention and attention_dtypes else None)
+                      if attention and attention_dtypes else None,
+                      batchnorm=_first_batchnorm(model))
 
 
 def _attention_keys(model: Any, device_type: str) -> tuple[tuple[int, int, int], ...] | None:
@@ -754,6 +781,19 @@ def _positions(dataset: Any, i: int) -> int | None:
     tokens = x.dim() == 1 and not x.is_floating_point()
     positions = x.dim() == 2 and x.is_floating_point()
     return int(x.shape[0]) if tokens or positions else None
+
+
+def sample_keys(spec: str) -> list[str] | None:
+    """The keys of the first item of the dataset ``"package.module:function"`` returns, when
+    that item is a dict (the batch the model is called with); None otherwise: a model that
+    takes such a dict whole cannot be cut into pipeline stages."""
+    with contextlib.suppress(Exception):  # a dataset that cannot be read says nothing
+        built = _build(spec, "meta", parameters_only=True)
+        if isinstance(built, (tuple, list)) and len(built) > 1:
+            item = built[1][0]
+            if isinstance(item, dict):
+                return [str(k) for k in item]
+    return None
 
 
 def build_factory(spec: str, device: str) -> Any:

@@ -118,6 +118,11 @@ def _refusal_kind(exc: ValueError) -> str:
     return "plan does not compose: " + re.sub(r"=\d+", "", first)
 
 
+# The rejection kind of a pipeline for a model with BatchNorm (ModelStats.batchnorm).
+_BATCHNORM_PIECES = ("BatchNorm normalises each pipeline microbatch on its own, not the step's "
+                     "batch")
+
+
 def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
                     dtype: str = "bf16", max_microbatch: int = 16, plain_tp: bool = False):
     """Yield (plan, balance) groups: each inner list is tried in checkpointing order. With
@@ -136,6 +141,9 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
         for cp, pp in degrees:
             if pp > model.n_layers:
                 continue
+            if pp > 1 and model.batchnorm:
+                yield _BATCHNORM_PIECES
+                continue
             dp = world // (tp * cp * pp)
             if B % dp:
                 continue
@@ -153,11 +161,15 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
                     yield None  # counted as pruned
                     continue
                 for b in divisors(per_rank):
-                    if b > max_microbatch:
+                    if b > max_microbatch and not model.batchnorm:
                         break
                     n = per_rank // b
+                    if n > 1 and model.batchnorm:
+                        continue  # accumulation: BatchNorm would see the batch in pieces
                     base = dict(tp=tp, pp=pp, dp_replicate=R, dp_shard=S, zero=zero,
                                 mixed_precision=dtype)
+                    if model.batchnorm and R * S > 1:
+                        base["sync_bn"] = True  # statistics over the global batch
                     if cp > 1:
                         base["cp"] = cp
                     if pp == 1:
