@@ -27,6 +27,7 @@ from tests._workers_tp import (
     gpt2_factory,
     layers_worker,
     llama_factory,
+    sp_stage_worker,
     token_batches,
 )
 
@@ -542,3 +543,25 @@ def test_sp_refuses_an_uneven_sequence_at_the_embedding_only():
     result = check("pp=2,tp=2,sp=true", _sgd(steps=1, seq_len=14, batch_size=4),
                    tolerance=TOL, timeout=300)
     assert result.ok, result.format()
+
+
+def test_sp_stages_hand_on_their_sequence_shard():
+    """Under sequence parallelism a pipeline stage hands on its rank's sequence shard (1/tp of
+    the hidden states), and the next stage's first block starts from it: both stages of a pp=2
+    split laid out for tp=2,sp=1 and chained by hand, for models whose layer plan is inferred
+    (MLP blocks written for the test) or shipped (tiny Hugging Face Llama, whose later stage
+    computes its causal mask and rotary table from the whole sequence's length; GPT-2, whose
+    position table another stage holds). What stage 0 sends is this rank's half of what one
+    device feeds the next block, and the logits and every gradient are one device's."""
+    pytest.importorskip("transformers")
+    models = ["mlp", "llama", "gpt2"]
+    results = run_distributed(sp_stage_worker, 2, models, timeout=180)
+    for rank, per_model in enumerate(results):
+        for name in models:
+            got = per_model[name]
+            b, s, w = got["whole"]
+            assert got["sent"] == (b, s // 2, w), (rank, name, got["sent"], got["whole"])
+            assert got["sent_diff"] < TOL, (rank, name, got["sent_diff"])
+            assert got["logits"] < TOL, (rank, name, got["logits"])
+            assert len(got["grads"]) == got["params"], (rank, name, sorted(got["grads"]))
+            assert max(got["grads"].values()) < TOL, (rank, name, got["grads"])
