@@ -315,3 +315,65 @@ def sp_stage_worker(rank: int, world_size: int, models: list[str]) -> dict[str, 
         finally:
             run.close()
     return out
+
+
+def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             labels.reshape(-1))
+
+
+def _token_steps(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from tests import _traffic_models as T
+
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, T.VOCAB, (T.BATCH, T.SEQ), generator=gen)
+        out.append((tokens, tokens.roll(-1, 1)))
+    return out
+
+
+def adamw_one_device(name: str, steps: int) -> dict:
+    """tests/_traffic_models.py's model ``name`` trained on one device: AdamW, torch's clipping
+    at 1.0 (plait's default), on :func:`_token_steps`; the loss of each step and the state."""
+    from tests import _traffic_models as T
+
+    model = T.MODELS[name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    losses = []
+    for tokens, labels in _token_steps(steps):
+        loss = _lm_loss(model(tokens), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "state": {k: v.detach().clone()
+                                        for k, v in model.state_dict().items()}}
+
+
+def adamw_layout(rank: int, world_size: int, plan: str, models: list[str], steps: int
+                 ) -> dict[str, dict]:
+    """Each named model trained under ``plan`` as :func:`adamw_one_device` trains it, with the
+    ledger on after the first step: per model the losses, the whole state (rank 0) and the
+    ledger's rows."""
+    from plait.runtime import init
+    from tests import _traffic_models as T
+
+    torch.set_num_threads(1)
+    out = {}
+    for name in models:
+        run = init(plan, quiet=True, ledger=True)
+        run.ledger_warmup = 1
+        try:
+            model = run.parallelize(T.MODELS[name]())
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+            losses = [float(run.step(model, batch, _lm_loss, opt))
+                      for batch in _token_steps(steps)]
+            comm = run.summary()["comm"]
+            state = run.full_state_dict(model)
+            out[name] = {"losses": losses, "state": state if rank == 0 else None,
+                         "comm": comm}
+        finally:
+            run.close()
+    return out

@@ -565,3 +565,36 @@ def test_sp_stages_hand_on_their_sequence_shard():
             assert got["logits"] < TOL, (rank, name, got["logits"])
             assert len(got["grads"]) == got["params"], (rank, name, sorted(got["grads"]))
             assert max(got["grads"].values()) < TOL, (rank, name, got["grads"])
+
+
+@pytest.mark.slow
+def test_pipeline_with_sp_sends_shards_and_trains_like_one_device():
+    """pp=2,tp=2,sp=1 through run.step (two microbatches, 1F1B) on a model written for the test
+    (its plan inferred) and a tiny Hugging Face Llama: the loss and every parameter after three
+    AdamW steps are one device's, and over the steps after the first (whose forward torch's
+    stages run once more to infer their shapes) the ledger measures what it predicts on every
+    row (ratio 1.000), the pipeline's sends included: each carries the rank's sequence shard,
+    batch/2 x seq/2 x width fp32 per microbatch, forward and backward."""
+    pytest.importorskip("transformers")
+    from tests import _traffic_models as T
+    from tests._workers_tp import adamw_layout, adamw_one_device
+
+    models, steps = ["mlp", "llama"], 3
+    got = run_distributed(adamw_layout, 4, "pp=2,tp=2,sp=1,microbatches=2", models, steps,
+                          timeout=400)[0]
+    for name in models:
+        ref = adamw_one_device(name, steps)
+        assert got[name]["losses"] == pytest.approx(ref["losses"], abs=TOL), name
+        state = got[name]["state"]
+        for key, want in ref["state"].items():
+            if want.is_floating_point():
+                diff = (state[key] - want).abs().max().item()
+                assert diff < TOL, (name, key, diff)
+        rows = {(r["axis"], r["op"]): r for r in got[name]["comm"]["rows"]}
+        for key, r in rows.items():
+            assert r["ratio"] == pytest.approx(1.0, abs=1e-12), (name, key, r)
+        sent = rows[("pp", "send_recv")]
+        # per step, each rank sends (stage 0 forward, stage 1 backward) one shard for each of
+        # the 2 microbatches: (batch/2 rows) x (seq/2 positions) x width fp32
+        assert sent["payload_bytes"] == 2 * (T.BATCH // 2) * (T.SEQ // 2) * T.WIDTH * 4, (
+            name, sent)
