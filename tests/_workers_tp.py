@@ -245,3 +245,135 @@ def foreach_adamw_worker(rank: int, world_size: int, plan_string: str) -> dict:
     all_dtensor = all(isinstance(p, DTensor) for p in model.parameters())
     run.close()
     return {"kinds": sorted(kinds), "all_dtensor": all_dtensor, "losses": losses}
+
+
+# ------------------------------------------------------------- SP across a pipeline boundary
+def sp_stage_worker(rank: int, world_size: int, models: list[str]) -> dict[str, dict]:
+    """Both stages of a pp=2 split of each named tests/_traffic_models.py model, laid out for
+    tp=2,sp=1 in this process and chained by hand (stage 0's output fed to stage 1, as the
+    schedule sends it): per model the shape stage 0 hands on, how far it is from this rank's
+    half of the hidden states one device feeds the next stage's first block, and how far the
+    logits, the loss and every gradient are from one device's."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from plait.parallel.pipeline_split import build_stage_module, plan_stages
+    from plait.parallel.tensor import apply_tensor_parallel, plan_for_stages
+    from plait.plan import Plan
+    from plait.runtime import init
+    from tests import _traffic_models as T
+
+    torch.set_num_threads(1)
+    out: dict[str, dict] = {}
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, T.VOCAB, (T.BATCH, T.SEQ), generator=gen)
+    labels = tokens.roll(-1, 1)
+    for name in models:
+        run = init("tp=2,sp=1", quiet=True)
+        try:
+            # eval: no dropout (GPT-2's), so one device draws nothing the stages do not
+            ref, model = T.MODELS[name]().eval(), T.MODELS[name]().eval()
+            path, specs = plan_stages(model, Plan.from_string("pp=2,microbatches=2"))
+            plan = plan_for_stages(model, run.plan)
+            stages = [apply_tensor_parallel(build_stage_module(model, path, s), run.mesh, plan)
+                      for s in specs]
+            fed: list[torch.Tensor] = []
+            block = ref.get_submodule(f"{path}.{specs[1].start}".lstrip("."))
+            hook = block.register_forward_pre_hook(lambda m, a, fed=fed: fed.append(a[0].detach()))
+            want = ref(tokens)
+            hook.remove()
+            torch.nn.functional.cross_entropy(want.reshape(-1, T.VOCAB),
+                                              labels.reshape(-1)).backward()
+            sent = stages[0](tokens)
+            logits = stages[1](sent)
+            with loss_parallel():
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, T.VOCAB),
+                                                         labels.reshape(-1))
+                loss.backward()
+            whole = logits.full_tensor() if isinstance(logits, DTensor) else logits
+            half = fed[0].chunk(2, dim=1)[rank]
+            # A weight tied across the stages (GPT-2's embedding and head) is one copy per
+            # stage, each with its stage's share of the gradient: the pipeline sums them.
+            # Keyed by the one-device parameter (a tied one has two names there).
+            summed: dict[str, torch.Tensor] = {}
+            first = {id(p): n for n, p in reversed(list(
+                ref.named_parameters(remove_duplicate=False)))}
+            seen: set[int] = set()
+            for stage in stages:
+                for n, p in stage.named_parameters(remove_duplicate=False):
+                    if id(p) in seen or p.grad is None:
+                        continue
+                    seen.add(id(p))
+                    key = first[id(ref.get_parameter(n))]
+                    g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                    summed[key] = summed[key] + g if key in summed else g
+            grads = {n: _rel(g, ref.get_parameter(n).grad) for n, g in summed.items()}
+            out[name] = {"sent": tuple(sent.shape), "whole": tuple(fed[0].shape),
+                         "sent_diff": _rel(sent, half) if sent.shape == half.shape else 1.0,
+                         "logits": _rel(whole, want), "grads": grads,
+                         "params": len(list(ref.parameters()))}
+        finally:
+            run.close()
+    return out
+
+
+def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             labels.reshape(-1))
+
+
+def _token_steps(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from tests import _traffic_models as T
+
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, T.VOCAB, (T.BATCH, T.SEQ), generator=gen)
+        out.append((tokens, tokens.roll(-1, 1)))
+    return out
+
+
+def adamw_one_device(name: str, steps: int) -> dict:
+    """tests/_traffic_models.py's model ``name`` trained on one device: AdamW, torch's clipping
+    at 1.0 (plait's default), on :func:`_token_steps`; the loss of each step and the state."""
+    from tests import _traffic_models as T
+
+    model = T.MODELS[name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    losses = []
+    for tokens, labels in _token_steps(steps):
+        loss = _lm_loss(model(tokens), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "state": {k: v.detach().clone()
+                                        for k, v in model.state_dict().items()}}
+
+
+def adamw_layout(rank: int, world_size: int, plan: str, models: list[str], steps: int
+                 ) -> dict[str, dict]:
+    """Each named model trained under ``plan`` as :func:`adamw_one_device` trains it, with the
+    ledger on after the first step: per model the losses, the whole state (rank 0) and the
+    ledger's rows."""
+    from plait.runtime import init
+    from tests import _traffic_models as T
+
+    torch.set_num_threads(1)
+    out = {}
+    for name in models:
+        run = init(plan, quiet=True, ledger=True)
+        run.ledger_warmup = 1
+        try:
+            model = run.parallelize(T.MODELS[name]())
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+            losses = [float(run.step(model, batch, _lm_loss, opt))
+                      for batch in _token_steps(steps)]
+            comm = run.summary()["comm"]
+            state = run.full_state_dict(model)
+            out[name] = {"losses": losses, "state": state if rank == 0 else None,
+                         "comm": comm}
+        finally:
+            run.close()
+    return out

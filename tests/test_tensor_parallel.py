@@ -27,6 +27,7 @@ from tests._workers_tp import (
     gpt2_factory,
     layers_worker,
     llama_factory,
+    sp_stage_worker,
     token_batches,
 )
 
@@ -543,3 +544,58 @@ def test_sp_refuses_an_uneven_sequence_at_the_embedding_only():
     result = check("pp=2,tp=2,sp=true", _sgd(steps=1, seq_len=14, batch_size=4),
                    tolerance=TOL, timeout=300)
     assert result.ok, result.format()
+
+
+def test_sp_stages_hand_on_their_sequence_shard():
+    """Under sequence parallelism a pipeline stage hands on its rank's sequence shard (1/tp of
+    the hidden states), and the next stage's first block starts from it: both stages of a pp=2
+    split laid out for tp=2,sp=1 and chained by hand, for models whose layer plan is inferred
+    (MLP blocks written for the test) or shipped (tiny Hugging Face Llama, whose later stage
+    computes its causal mask and rotary table from the whole sequence's length; GPT-2, whose
+    position table another stage holds). What stage 0 sends is this rank's half of what one
+    device feeds the next block, and the logits and every gradient are one device's."""
+    pytest.importorskip("transformers")
+    models = ["mlp", "llama", "gpt2"]
+    results = run_distributed(sp_stage_worker, 2, models, timeout=180)
+    for rank, per_model in enumerate(results):
+        for name in models:
+            got = per_model[name]
+            b, s, w = got["whole"]
+            assert got["sent"] == (b, s // 2, w), (rank, name, got["sent"], got["whole"])
+            assert got["sent_diff"] < TOL, (rank, name, got["sent_diff"])
+            assert got["logits"] < TOL, (rank, name, got["logits"])
+            assert len(got["grads"]) == got["params"], (rank, name, sorted(got["grads"]))
+            assert max(got["grads"].values()) < TOL, (rank, name, got["grads"])
+
+
+@pytest.mark.slow
+def test_pipeline_with_sp_sends_shards_and_trains_like_one_device():
+    """pp=2,tp=2,sp=1 through run.step (two microbatches, 1F1B) on a model written for the test
+    (its plan inferred) and a tiny Hugging Face Llama: the loss and every parameter after three
+    AdamW steps are one device's, and over the steps after the first (whose forward torch's
+    stages run once more to infer their shapes) the ledger measures what it predicts on every
+    row (ratio 1.000), the pipeline's sends included: each carries the rank's sequence shard,
+    batch/2 x seq/2 x width fp32 per microbatch, forward and backward."""
+    pytest.importorskip("transformers")
+    from tests import _traffic_models as T
+    from tests._workers_tp import adamw_layout, adamw_one_device
+
+    models, steps = ["mlp", "llama"], 3
+    got = run_distributed(adamw_layout, 4, "pp=2,tp=2,sp=1,microbatches=2", models, steps,
+                          timeout=400)[0]
+    for name in models:
+        ref = adamw_one_device(name, steps)
+        assert got[name]["losses"] == pytest.approx(ref["losses"], abs=TOL), name
+        state = got[name]["state"]
+        for key, want in ref["state"].items():
+            if want.is_floating_point():
+                diff = (state[key] - want).abs().max().item()
+                assert diff < TOL, (name, key, diff)
+        rows = {(r["axis"], r["op"]): r for r in got[name]["comm"]["rows"]}
+        for key, r in rows.items():
+            assert r["ratio"] == pytest.approx(1.0, abs=1e-12), (name, key, r)
+        sent = rows[("pp", "send_recv")]
+        # per step, each rank sends (stage 0 forward, stage 1 backward) one shard for each of
+        # the 2 microbatches: (batch/2 rows) x (seq/2 positions) x width fp32
+        assert sent["payload_bytes"] == 2 * (T.BATCH // 2) * (T.SEQ // 2) * T.WIDTH * 4, (
+            name, sent)

@@ -82,6 +82,9 @@ SLOW_CASES = [
     ("dp=2,tp=2", ["mlp", "attention", "lora", "gpt2", "llama", "gpt2_51"]),
     ("pp=2,tp=2,microbatches=2", ["mlp", "tied", "lora", "gpt2", "mqa", "frozen_lead",
                                   "scaled"]),
+    # SP beside a pipeline: each stage sends its rank's sequence shard, and gathers the
+    # sequence only at the stack's ends (stage 0's first block, stage 1's last)
+    ("pp=2,tp=2,sp=1,microbatches=2", ["mlp", "tied", "lora", "gpt2", "llama"]),
     # FSDP2's root unit: norms whole; FSDP2 pads the largest tp-local piece (GPT-2 with 51
     # tokens: 26 vocabulary rows on the first tp rank, 25 on the second)
     ("dp_shard=2,zero=3,tp=2", ["mlp", "lora", "gpt2", "gpt2_51", "frozen_lead",

@@ -756,15 +756,41 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
     return stage
 
 
+# The attribute of a stage module (after the first) holding its :class:`_Fed`.
+_FED = "_plait_fed"
+
+
 class _Fed:
-    """What :func:`_feed_first_block` keeps between calls: the tensor the stage received (set
-    for the length of one forward), and whether the first real forward was checked."""
+    """What :func:`_feed_first_block` keeps between calls: the block it feeds, the tensor the
+    stage received (set for the length of one forward), whether the first real forward was
+    checked, and ``whole``: under sequence parallelism (:func:`receive_sequence_shards`) the
+    whole-sequence tensor the forward runs on in place of the shard received."""
 
-    __slots__ = ("received", "checked")
+    __slots__ = ("block", "received", "checked", "whole")
 
-    def __init__(self) -> None:
+    def __init__(self, block: str) -> None:
+        self.block = block
         self.received: torch.Tensor | None = None
         self.checked = False
+        self.whole: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def receive_sequence_shards(stage: nn.Module, first_block: str,
+                            whole: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Have ``stage`` (after the first) receive its rank's sequence shard and feed it to its
+    first block ``first_block`` as it is; True when that block is the one the stage feeds.
+
+    Under sequence parallelism the hidden states between blocks are split along the sequence
+    over the tp ranks, so a stage can hand on its shard (1/tp of the bytes) rather than gather
+    the whole sequence to send it and cut it again on the next stage. The next stage's forward
+    still runs from its start, where a model computes positions, causal masks and rotary tables
+    from its input's sequence length: it gets ``whole(shard)``, a tensor of the whole
+    sequence's shape, and its first block the shard received."""
+    fed = stage.__dict__.get(_FED)
+    if not isinstance(fed, _Fed) or fed.block != first_block:
+        return False
+    fed.whole = whole
+    return True
 
 
 def _feed_first_block(stage: nn.Module, path: str, key: str, additive: set[str],
@@ -787,7 +813,8 @@ def _feed_first_block(stage: nn.Module, path: str, key: str, additive: set[str],
     residual would read the changed tensor, and only moving the change (or the residual)
     makes it right."""
     name = f"{path}.{key}".lstrip(".")
-    fed = _Fed()
+    fed = _Fed(name)
+    stage.__dict__[_FED] = fed
     forward = stage.forward
 
     def feed(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -799,7 +826,10 @@ def _feed_first_block(stage: nn.Module, path: str, key: str, additive: set[str],
             return None
         # All zeros: torch's shape inference (plait's stage hands it zeros), where a scale or
         # an activation that maps zero to zero hides the change; the first microbatch shows it.
-        if not fed.checked and not (x.is_meta or received.is_meta) and bool(received.any()):
+        # Skipped where the forward ran on a whole-sequence stand-in for a shard received
+        # (receive_sequence_shards): nothing it did to that tells what it does to real states.
+        if (not fed.checked and fed.whole is None and not (x.is_meta or received.is_meta)
+                and bool(received.any())):
             fed.checked = True
             # nan_to_num: the first call can receive a buffer not yet written (NaN in it).
             same = x.shape == received.shape and bool(torch.equal(x.nan_to_num(),
@@ -823,6 +853,12 @@ def _feed_first_block(stage: nn.Module, path: str, key: str, additive: set[str],
         occupant = _container(stage, path).get_submodule(key)
         handle = occupant.register_forward_pre_hook(feed, prepend=True, with_kwargs=True)
         fed.received = first
+        if fed.whole is not None:
+            stand_in = fed.whole(first)
+            if args:
+                args = (stand_in, *args[1:])
+            else:
+                kwargs = {**kwargs, "inputs_embeds": stand_in}
         try:
             return forward(*args, **kwargs)
         finally:

@@ -69,7 +69,7 @@ from ..mesh import Mesh
 from ..plan import Plan
 from .hf import transformers_class
 from .layout import Layout, record_layout
-from .pipeline_split import STAND_INS
+from .pipeline_split import STAND_INS, receive_sequence_shards
 from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owner_head_dim, owners
 from .tp_kv import replicated_kv as find_replicated_kv
 from .tp_lora import LORA_STYLES, expand, low_rank_parts, sp_sums
@@ -659,16 +659,29 @@ def shard_sequence_in_blocks(module: nn.Module, blocks_glob: str, mesh: DeviceMe
     shard (no communication; backward all-gathers the gradient) and the last block's output is
     all-gathered (backward keeps this rank's shard of the gradient). Hugging Face models
     compute positions, masks and rotary tables from the sequence length around the stack, so
-    the sequence must be whole there. A pipeline stage without blocks has nothing to do."""
+    the sequence must be whole there. A pipeline stage without blocks has nothing to do.
+
+    On a pipeline stage the cut and the gather are at the stack's own ends only: a stage whose
+    blocks end before the stack's last hands on its shard as it is (the next stage's first
+    block takes a shard), and a stage after the first receives one
+    (:func:`~plait.parallel.pipeline_split.receive_sequence_shards`): each stage sends 1/tp of
+    the sequence, and no gather and cut runs at the boundary."""
     regex = glob_regex(blocks_glob)
-    # A pipeline stage's own blocks: those of other stages are stand-ins here, and the sequence
-    # is whole again at the stage's last block, as the next stage expects it.
-    names = [n for n, m in module.named_modules() if n and regex.match(n)
-             and not isinstance(m, STAND_INS)]
-    if not names:
+    stack = [(n, m) for n, m in module.named_modules() if n and regex.match(n)]
+    # A pipeline stage's own blocks: those of other stages are stand-ins here.
+    own = [i for i, (_, m) in enumerate(stack) if not isinstance(m, STAND_INS)]
+    if not own:
         return
-    first, last = module.get_submodule(names[0]), module.get_submodule(names[-1])
+    (first_name, first), last = stack[own[0]], stack[own[-1]][1]
     tp = mesh.size()
+    # The stand-in after this stage's blocks is the one that reads what the stage hands on
+    # when the stack is the pipeline's block sequence (HandedOn); a stack of other blocks
+    # (nested inside the pipeline's) keeps its gather, and the stage then sends it whole.
+    after = stack[own[-1] + 1][1] if own[-1] + 1 < len(stack) else None
+    hands_on_shard = isinstance(after, STAND_INS) and after._handed_on is not None
+    receives_shard = own[0] > 0 and receive_sequence_shards(
+        module, first_name, lambda shard: shard.new_zeros(
+            (shard.shape[0], shard.shape[1] * tp, *shard.shape[2:])))
 
     def to_shard(t: torch.Tensor) -> torch.Tensor:
         if t.shape[1] % tp:
@@ -690,8 +703,10 @@ def shard_sequence_in_blocks(module: nn.Module, blocks_glob: str, mesh: DeviceMe
             return to_whole(out)
         return (to_whole(out[0]), *out[1:])
 
-    first.register_forward_pre_hook(split_input, with_kwargs=True)
-    last.register_forward_hook(gather_output, with_kwargs=True)
+    if not receives_shard:
+        first.register_forward_pre_hook(split_input, with_kwargs=True)
+    if not hands_on_shard:
+        last.register_forward_hook(gather_output, with_kwargs=True)
 
 
 def _divide_attrs(module: nn.Module, divide: dict[str, tuple[str, ...]], tp: int,

@@ -82,8 +82,9 @@ class TPPlan:
     # Under SP, the glob of the block stack the sequence shards live in (Hugging Face models):
     # the first block's input is split along the sequence and the last block's output gathered,
     # so everything around the stack (embeddings with their positions and masks, the final
-    # norm, the head) sees the whole sequence. Empty: the sequence is split from the embedding
-    # to the head (plait's reference transformer).
+    # norm, the head) sees the whole sequence; pipeline stages send each other the shards.
+    # Empty: the sequence is split from the embedding to the head (plait's reference
+    # transformer).
     sp_blocks: str = ""
     # An inferred plan's SP: the parameters of modules in ``sp_blocks`` that no entry names run
     # on sequence shards and get their gradients summed over tp; or why SP is refused for it.
