@@ -653,9 +653,10 @@ class Run:
         from .parallel.bn_running import average_running_stats
 
         average_running_stats(cast(nn.Module, chosen))  # FSDP2 without sync_bn: one value
-        from .parallel.buffer_sync import broadcast_written_buffers
+        from .parallel.buffer_sync import broadcast_ddp_buffers, broadcast_written_buffers
 
         broadcast_written_buffers(cast(nn.Module, chosen))  # and rank 0's other buffers
+        broadcast_ddp_buffers(cast(nn.Module, chosen))  # DDP: rank 0's, as its next forward
         pending = save(folder, step=self.steps_done, model=cast(nn.Module, chosen),
                        optimizer=self._optimizer_for(optimizer) if optimizer else None,
                        scheduler=scheduler, plan=self.plan, device=self.device,
@@ -842,10 +843,11 @@ class Run:
         models."""
         from .check import full_state
         from .parallel.bn_running import average_running_stats
-        from .parallel.buffer_sync import broadcast_written_buffers
+        from .parallel.buffer_sync import broadcast_ddp_buffers, broadcast_written_buffers
 
         average_running_stats(model)  # FSDP2 without sync_bn: one value on every data rank
         broadcast_written_buffers(model)  # and rank 0's other buffers, as DDP
+        broadcast_ddp_buffers(model)  # DDP: rank 0's, which its next forward would take
         pp_group = self._mesh()["pp"].get_group() if self.plan.pp > 1 else None
         return full_state(model, pp_group, buffers=True)
 
