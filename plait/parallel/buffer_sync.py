@@ -113,14 +113,17 @@ def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup) 
             start += size
 
 
-def track_written_buffers(module: nn.Module, group: dist.ProcessGroup) -> WrittenBuffers | None:
+def track_written_buffers(module: nn.Module, group: dist.ProcessGroup, *,
+                          norms: bool = False) -> WrittenBuffers | None:
     """The :class:`WrittenBuffers` of ``module`` over ``group``, or None when it holds no
-    buffer outside BatchNorm layers."""
-    norms = {id(m) for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    buffer to track: those outside BatchNorm layers, and with ``norms`` BatchNorm's too (DDP's
+    semantics, for a DDP pipeline stage whose own broadcast never runs)."""
+    skipped = set() if norms else {
+        id(m) for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
     seen: set[int] = set()
     slots = []
     for m in module.modules():
-        if id(m) in norms:
+        if id(m) in skipped:
             continue
         for name, b in m.named_buffers(recurse=False):
             if id(b) not in seen:  # one buffer under two names is broadcast once
