@@ -388,13 +388,7 @@ class Run:
         ``every``-th step saves one.
         """
         _refuse_compiled_wrapper(model)
-        if self.spmd is None:  # on XLA each host's loss already reads its whole share
-            from .parallel.contrastive import contrastive_parameters, guard_loss
-
-            if id(model) not in self._contrastive:
-                self._contrastive[id(model)] = contrastive_parameters(model)
-            loss_fn = guard_loss(model, loss_fn, self.dp_size, lambda: self._gathers,
-                                 self._contrastive[id(model)])
+        loss_fn = self._contrastive_guard(model, loss_fn)
         # Counted on the batch as given (host tensors from a loader): an attention mask read
         # on the device would be one more transfer, and on XLA one more graph, every step.
         items, self.stats.unit = _count_items(batch)
@@ -561,6 +555,19 @@ class Run:
         self._stop_if_asked(step)
         return loss
 
+    def _contrastive_guard(self, model: nn.Module, loss_fn: LossFn | None) -> Any:
+        """``loss_fn`` refused on a contrastive model under data parallelism unless it gathers
+        (:func:`plait.parallel.contrastive.guard_loss`), for a step and an evaluation alike:
+        the mean of the replicas' losses over their own rows is neither's one-device value."""
+        if self.spmd is not None:  # on XLA each host's loss already reads its whole share
+            return loss_fn
+        from .parallel.contrastive import contrastive_parameters, guard_loss
+
+        if id(model) not in self._contrastive:
+            self._contrastive[id(model)] = contrastive_parameters(model)
+        return guard_loss(model, loss_fn, self.dp_size, lambda: self._gathers,
+                          self._contrastive[id(model)])
+
     def evaluate(self, model: nn.Module, batch: Any, loss_fn: LossFn | None = None
                  ) -> torch.Tensor:
         """The loss of ``batch`` without training: the global batch's mean, the value one device
@@ -578,6 +585,7 @@ class Run:
         from .train import forward_only
 
         _refuse_compiled_wrapper(model)
+        loss_fn = self._contrastive_guard(model, loss_fn)  # one device's loss, or refused
         if self.spmd is None:
             batch = _to_device(batch, self.device)
         else:

@@ -67,6 +67,36 @@ def train_contrastive(rank: int, world_size: int, plan: str, gathers: bool) -> d
     return {"plan": plan, "losses": losses, "state": state if rank == 0 else None}
 
 
+HELD_OUT = 100  # the seed of the evaluation batch, apart from the training batches
+
+
+def evaluate_contrastive(rank: int, world_size: int, plan: str) -> dict[str, Any]:
+    """SGD on :func:`scaled_two_tower` under ``plan`` with the loss over ``run.all_gather``,
+    then ``run.evaluate`` on a held-out batch three ways: that loss ("gathered"), the loss
+    over this rank's rows alone ("own") and the model's own output (loss_fn=None, "none");
+    each the loss or the refusal's message."""
+    from plait.runtime import init
+
+    run = init(plan, quiet=True)
+    held = _slice(B.pair_batch(HELD_OUT), run.dp_rank, run.dp_size)
+    out: dict[str, Any] = {}
+    try:
+        model = run.parallelize(scaled_two_tower())
+        opt = B._optimizer(model.parameters(), False)
+        for s in range(STEPS):
+            run.step(model, _slice(B.pair_batch(s), run.dp_rank, run.dp_size),
+                     scaled_nce(run.all_gather), opt)
+        for name, loss_fn in (("gathered", scaled_nce(run.all_gather)),
+                              ("own", scaled_nce(B.no_gather)), ("none", None)):
+            try:
+                out[name] = float(run.evaluate(model, held, loss_fn))
+            except ValueError as exc:
+                out[name] = str(exc)
+    finally:
+        run.close()
+    return out
+
+
 # ------------------------------------------------------------------ Hugging Face, from configs
 class Seq2Seq(torch.utils.data.Dataset):
     """Source ids, and target ids with padding (-100) of a length that varies by row."""

@@ -73,6 +73,29 @@ def test_a_two_tower_model_with_logit_scale_under_dp_gathers_or_is_refused():
     assert "returned without calling run.all_gather" in refused["refused"], refused
 
 
+def test_run_evaluate_of_a_two_tower_model_under_dp_is_one_devices_or_refused():
+    """dp=2 after 3 steps: ``run.evaluate`` with the loss over ``run.all_gather`` gives the
+    held-out loss one device computes on the whole batch (on both ranks); the loss over each
+    replica's rows alone, and the model's own output (loss_fn=None), are refused as in a
+    step, naming the parameter and run.all_gather (the mean of the replicas' losses over
+    their own rows, which evaluate returned, was another number)."""
+    batches = [B.pair_batch(s) for s in range(3)]
+    loss = E.scaled_nce(B.no_gather)
+    ref = B.reference(E.scaled_two_tower, batches, loss)
+    model = E.scaled_two_tower()
+    model.load_state_dict(ref["state"])
+    inputs, targets = B.pair_batch(E.HELD_OUT)
+    with torch.no_grad():
+        want = float(loss(model(**inputs), targets))
+    for got in run_distributed(E.evaluate_contrastive, 2, "dp=2", timeout=180):
+        assert abs(got["gathered"] - want) <= 1e-6 * abs(want), (got, want)
+        assert isinstance(got["own"], str) and got["own"].startswith(
+            "ScaledTwoTower has logit_scale: "), got
+        assert "returned without calling run.all_gather" in got["own"], got
+        assert isinstance(got["none"], str) and "its own output.loss (loss_fn=None)" in \
+            got["none"], got
+
+
 def test_a_second_tower_is_found_beside_the_stack_a_pipeline_cuts():
     """Two towers (CLIP's text and vision encoders): the pipeline's stack and the other one;
     lists inside a block (a mixture of experts) and lists of mixed modules are not stacks."""
