@@ -21,6 +21,12 @@ per step which to send would cost a collective every step). BatchNorm's statisti
 left to :mod:`plait.parallel.bn_running`, which averages them instead (one device's running
 mean, where rank 0's would be a quarter of the rows' at dp=4).
 
+DDP in a pipeline stage is handled here too, BatchNorm's statistics included: torch's stage
+runs every forward under ``no_sync``, and a forward under ``no_sync`` leaves DDP's broadcast
+off for the next one, so it never runs there. After the last step DDP (without a pipeline)
+still holds each rank's own writes until its next forward: :func:`broadcast_ddp_buffers` gives
+every rank rank 0's before the model is read without a forward.
+
 torch has no FSDP2 counterpart of ``broadcast_buffers``; DDP's own broadcast lives in its
 forward and cannot be borrowed without DDP's reducer.
 """
