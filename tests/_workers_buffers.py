@@ -21,8 +21,8 @@ from tests._workers_zero import Block
 def ddp_reads(rank: int, world: int, model: str, folder: str, steps: int = 3
               ) -> dict[str, Any]:
     """Train ``model`` (tests/_workers_ckpt_users.MODELS) under dp=2 for ``steps`` steps with
-    SGD, then read it: this rank's own buffers before the read, ``run.full_state_dict`` and
-    a checkpoint saved to ``folder``."""
+    SGD, then read it: this rank's own buffers before the read, a checkpoint saved to
+    ``folder`` and then ``run.full_state_dict``."""
     torch.set_num_threads(1)
     run = plait.init("dp=2", quiet=True)
     try:
@@ -31,8 +31,8 @@ def ddp_reads(rank: int, world: int, model: str, folder: str, steps: int = 3
         losses = [float(run.step(net, batch, u.lm_loss, opt))
                   for batch in run.loader(u.dataset(model), batch_size=u.BATCH, steps=steps)]
         own = {n: b.detach().clone() for n, b in unwrap(net).named_buffers()}
+        run.save(folder)  # first: a read before it would already have made the ranks agree
         state = run.full_state_dict(net)
-        run.save(folder)
     finally:
         run.close()
     return {"losses": losses, "own": own, "state": state}
