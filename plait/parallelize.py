@@ -143,14 +143,18 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
             module, mesh[DP_CP if plan.cp > 1 else "dp"].get_group(),
             sharded=plan.dp_shard * plan.cp > 1)
     written_buffers = None
-    if (plan.dp > 1 or plan.cp > 1) and not isinstance(module, DistributedDataParallel):
+    ddp = isinstance(module, DistributedDataParallel)
+    if (plan.dp > 1 or plan.cp > 1) and (not ddp or plan.pp > 1):
         # DDP broadcasts rank 0's buffers before each step's forward (over dp x cp under cp);
-        # FSDP2 keeps each rank's.
+        # FSDP2 keeps each rank's. So does DDP in a pipeline stage: torch's stage runs every
+        # forward under no_sync (PipelineStage.forward_maybe_with_nosync), and a forward
+        # under no_sync turns DDP's broadcast off for the next one, so it never runs; plait
+        # broadcasts them instead, BatchNorm's statistics too, as DDP would.
         from .mesh import DP_CP
         from .parallel.buffer_sync import track_written_buffers
 
         written_buffers = track_written_buffers(
-            module, mesh[DP_CP if plan.cp > 1 else "dp"].get_group())
+            module, mesh[DP_CP if plan.cp > 1 else "dp"].get_group(), norms=ddp)
     return record_layout(module, Layout(applied=tuple(applied), loss_parallel=loss_parallel,
                                         context=context, running_stats=running_stats,
                                         written_buffers=written_buffers))

@@ -417,13 +417,7 @@ class Run:
         ``every``-th step saves one.
         """
         _refuse_compiled_wrapper(model)
-        if self.spmd is None:  # on XLA each host's loss already reads its whole share
-            from .parallel.contrastive import contrastive_parameters, guard_loss
-
-            if id(model) not in self._contrastive:
-                self._contrastive[id(model)] = contrastive_parameters(model)
-            loss_fn = guard_loss(model, loss_fn, self.dp_size, lambda: self._gathers,
-                                 self._contrastive[id(model)])
+        loss_fn = self._contrastive_guard(model, loss_fn)
         # Counted on the batch as given (host tensors from a loader): an attention mask read
         # on the device would be one more transfer, and on XLA one more graph, every step.
         items, self.stats.unit = _count_items(batch)
@@ -590,6 +584,19 @@ class Run:
         self._stop_if_asked(step)
         return loss
 
+    def _contrastive_guard(self, model: nn.Module, loss_fn: LossFn | None) -> Any:
+        """``loss_fn`` refused on a contrastive model under data parallelism unless it gathers
+        (:func:`plait.parallel.contrastive.guard_loss`), for a step and an evaluation alike:
+        the mean of the replicas' losses over their own rows is neither's one-device value."""
+        if self.spmd is not None:  # on XLA each host's loss already reads its whole share
+            return loss_fn
+        from .parallel.contrastive import contrastive_parameters, guard_loss
+
+        if id(model) not in self._contrastive:
+            self._contrastive[id(model)] = contrastive_parameters(model)
+        return guard_loss(model, loss_fn, self.dp_size, lambda: self._gathers,
+                          self._contrastive[id(model)])
+
     def evaluate(self, model: nn.Module, batch: Any, loss_fn: LossFn | None = None
                  ) -> torch.Tensor:
         """The loss of ``batch`` without training: the global batch's mean, the value one device
@@ -607,6 +614,7 @@ class Run:
         from .train import forward_only
 
         _refuse_compiled_wrapper(model)
+        loss_fn = self._contrastive_guard(model, loss_fn)  # one device's loss, or refused
         if self.spmd is None:
             batch = _to_device(batch, self.device)
         else:
@@ -682,9 +690,10 @@ class Run:
         from .parallel.bn_running import average_running_stats
 
         average_running_stats(cast(nn.Module, chosen))  # FSDP2 without sync_bn: one value
-        from .parallel.buffer_sync import broadcast_written_buffers
+        from .parallel.buffer_sync import broadcast_ddp_buffers, broadcast_written_buffers
 
         broadcast_written_buffers(cast(nn.Module, chosen))  # and rank 0's other buffers
+        broadcast_ddp_buffers(cast(nn.Module, chosen))  # DDP: rank 0's, as its next forward
         pending = save(folder, step=self.steps_done, model=cast(nn.Module, chosen),
                        optimizer=self._optimizer_for(optimizer) if optimizer else None,
                        scheduler=scheduler, plan=self.plan, device=self.device,
@@ -871,10 +880,11 @@ class Run:
         models."""
         from .check import full_state
         from .parallel.bn_running import average_running_stats
-        from .parallel.buffer_sync import broadcast_written_buffers
+        from .parallel.buffer_sync import broadcast_ddp_buffers, broadcast_written_buffers
 
         average_running_stats(model)  # FSDP2 without sync_bn: one value on every data rank
         broadcast_written_buffers(model)  # and rank 0's other buffers, as DDP
+        broadcast_ddp_buffers(model)  # DDP: rank 0's, which its next forward would take
         pp_group = self._mesh()["pp"].get_group() if self.plan.pp > 1 else None
         return full_state(model, pp_group, buffers=True)
 

@@ -90,19 +90,22 @@ class OwnGenerator(Dataset):
     (``self.g``), made once (``per_item=False``: plait does not reseed it) or made again in
     each ``dataset[i]`` from the seed plait gives the item (``per_item=True``).
     ``draws=False``: the generator only drew in ``__init__`` (a fixed split) and loading
-    draws nothing."""
+    draws nothing. ``draws_from=n``: it draws only from its n-th load on (an augmentation
+    switched on in a later epoch)."""
 
-    def __init__(self, per_item: bool = False, draws: bool = True):
+    def __init__(self, per_item: bool = False, draws: bool = True, draws_from: int = 0):
         self.g = torch.Generator().manual_seed(7)
         self.split = torch.randperm(ITEMS, generator=self.g)
-        self.per_item, self.draws = per_item, draws
+        self.per_item, self.draws, self.draws_from = per_item, draws, draws_from
+        self.loaded = 0
 
     def __len__(self) -> int:
         return ITEMS
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         item = Numbered()[i]
-        if self.draws:
+        self.loaded += 1
+        if self.draws and self.loaded > self.draws_from:
             if self.per_item:
                 self.g = torch.Generator().manual_seed(torch.initial_seed())
             keep = torch.rand(len(item["input_ids"]), generator=self.g) < 0.5

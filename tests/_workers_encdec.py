@@ -67,6 +67,102 @@ def train_contrastive(rank: int, world_size: int, plan: str, gathers: bool) -> d
     return {"plan": plan, "losses": losses, "state": state if rank == 0 else None}
 
 
+class StackedTwoTower(nn.Module):
+    """Two towers, the image one a stack of residual blocks (what a pipeline cuts), the text
+    one an embedding and a projection beside it, CLIP's learned temperature on the root
+    (shape (1,))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image_in = nn.Linear(10, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.Tanh(),
+                                                  nn.Linear(32, 16)) for _ in range(4))
+        self.image_out = nn.Linear(16, 8)
+        self.text = nn.Sequential(nn.Embedding(B.VOCAB, 16), nn.Flatten(), nn.Linear(64, 8))
+        self.logit_scale = nn.Parameter(torch.tensor([2.3]))
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor) -> Any:
+        h = self.image_in(image)
+        for block in self.blocks:
+            h = h + block(h)
+        return (F.normalize(self.image_out(h), dim=-1), F.normalize(self.text(text), dim=-1),
+                self.logit_scale.exp())
+
+
+def stacked_two_tower() -> nn.Module:
+    torch.manual_seed(0)
+    return StackedTwoTower()
+
+
+def train_stacked(rank: int, world_size: int, plans: list[str]) -> list[dict[str, Any]]:
+    """SGD on :func:`stacked_two_tower` under each plan, the loss over ``run.all_gather``:
+    the losses and the full state, or the refusal's message."""
+    from plait.runtime import init
+
+    out: list[dict[str, Any]] = []
+    for plan in plans:
+        run = init(plan, quiet=True)
+        try:
+            model = run.parallelize(stacked_two_tower())
+            opt = B._optimizer(model.parameters(), False)
+            losses = [float(run.step(model, _slice(B.pair_batch(s), run.dp_rank, run.dp_size),
+                                     scaled_nce(run.all_gather), opt)) for s in range(STEPS)]
+            out.append({"plan": plan, "losses": losses, "state": B._state(run, model)})
+        except ValueError as exc:
+            out.append({"plan": plan, "refused": str(exc)})
+        finally:
+            run.close()
+    return out
+
+
+def stacked_reference(data_ranks: int, micro: int) -> dict[str, Any]:
+    """One device on :func:`stacked_two_tower` accumulating over ``micro`` chunks per step,
+    chunk j holding micro-batch j of every data rank's rows (what a loss over
+    ``run.all_gather`` compares in a pipeline's microbatch j); the whole batch at micro=1."""
+    loss = scaled_nce(B.no_gather)
+
+    def step_loss(model: nn.Module, inputs: dict[str, torch.Tensor], targets: Any
+                  ) -> torch.Tensor:
+        n = inputs["image"].shape[0] // (data_ranks * micro)
+        chunks = [torch.cat([torch.arange((r * micro + j) * n, (r * micro + j + 1) * n)
+                             for r in range(data_ranks)]) for j in range(micro)]
+        return sum(loss(model(**{k: v[c] for k, v in inputs.items()}), targets)
+                   for c in chunks) / micro
+
+    return B._one_device(stacked_two_tower, [B.pair_batch(s) for s in range(STEPS)],
+                         step_loss, False)
+
+
+HELD_OUT = 100  # the seed of the evaluation batch, apart from the training batches
+
+
+def evaluate_contrastive(rank: int, world_size: int, plan: str) -> dict[str, Any]:
+    """SGD on :func:`scaled_two_tower` under ``plan`` with the loss over ``run.all_gather``,
+    then ``run.evaluate`` on a held-out batch three ways: that loss ("gathered"), the loss
+    over this rank's rows alone ("own") and the model's own output (loss_fn=None, "none");
+    each the loss or the refusal's message."""
+    from plait.runtime import init
+
+    run = init(plan, quiet=True)
+    held = _slice(B.pair_batch(HELD_OUT), run.dp_rank, run.dp_size)
+    out: dict[str, Any] = {}
+    try:
+        model = run.parallelize(scaled_two_tower())
+        opt = B._optimizer(model.parameters(), False)
+        for s in range(STEPS):
+            run.step(model, _slice(B.pair_batch(s), run.dp_rank, run.dp_size),
+                     scaled_nce(run.all_gather), opt)
+        for name, loss_fn in (("gathered", scaled_nce(run.all_gather)),
+                              ("own", scaled_nce(B.no_gather)), ("none", None)):
+            try:
+                out[name] = float(run.evaluate(model, held, loss_fn))
+            except ValueError as exc:
+                out[name] = str(exc)
+    finally:
+        run.close()
+    return out
+
+
 # ------------------------------------------------------------------ Hugging Face, from configs
 class Seq2Seq(torch.utils.data.Dataset):
     """Source ids, and target ids with padding (-100) of a length that varies by row."""

@@ -318,6 +318,41 @@ def test_a_datasets_own_generator_is_named_and_the_items_seed_is_the_fix():
         list(_stream(data=D.OwnGeneratorBlocks()))
 
 
+def test_a_generator_of_its_own_drawn_only_in_a_later_epoch_is_named_once():
+    """A dataset whose own generator draws only from its second epoch on (an augmentation
+    switched on later) is named when it first draws, not missed because the first batch drew
+    nothing, and once: the batches after it load without another warning. A stream's
+    generator drawn only after its first batch is named too."""
+    import warnings
+
+    from plait.data import DistributedLoader
+    from tests import _workers_data as D
+
+    loader = DistributedLoader(D.OwnGenerator(draws_from=2 * D.BATCH), D.BATCH, steps=4,
+                               collate_fn=partial(D.pad, length=D.SEQ))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        batches = iter(loader)
+        for _ in range(2):  # the first epoch: nothing drawn, nothing said
+            next(batches)
+        assert not seen, [str(w.message) for w in seen]
+        list(batches)
+    own = [w for w in seen if "dataset OwnGenerator drew from a generator of its own" in
+           str(w.message)]
+    assert len(own) == 1 and "(self.g (Generator))" in str(own[0].message), seen
+
+    class LateBlocks(D.OwnGeneratorBlocks):
+        def _items(self, start: int):
+            for n, item in enumerate(D.Blocks._items(self, start)):
+                if n >= 8:
+                    item["input_ids"] = (item["input_ids"]
+                                         + torch.randint(0, 3, (1,), generator=self.g)) % D.VOCAB
+                yield item
+
+    with pytest.warns(UserWarning, match=r"dataset LateBlocks drew from a generator of its own"):
+        list(_stream(steps=2, data=LateBlocks()))
+
+
 def test_a_stream_with_set_epoch_is_told_each_epoch_on_every_reader():
     """A stream whose order comes from its epoch (``set_epoch``, as ``datasets``' shuffled
     streams): a loader running across epochs gives each epoch a new order, the same split over

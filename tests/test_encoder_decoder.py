@@ -73,6 +73,60 @@ def test_a_two_tower_model_with_logit_scale_under_dp_gathers_or_is_refused():
     assert "returned without calling run.all_gather" in refused["refused"], refused
 
 
+def test_run_evaluate_of_a_two_tower_model_under_dp_is_one_devices_or_refused():
+    """dp=2 after 3 steps: ``run.evaluate`` with the loss over ``run.all_gather`` gives the
+    held-out loss one device computes on the whole batch (on both ranks); the loss over each
+    replica's rows alone, and the model's own output (loss_fn=None), are refused as in a
+    step, naming the parameter and run.all_gather (the mean of the replicas' losses over
+    their own rows, which evaluate returned, was another number)."""
+    batches = [B.pair_batch(s) for s in range(3)]
+    loss = E.scaled_nce(B.no_gather)
+    ref = B.reference(E.scaled_two_tower, batches, loss)
+    model = E.scaled_two_tower()
+    model.load_state_dict(ref["state"])
+    inputs, targets = B.pair_batch(E.HELD_OUT)
+    with torch.no_grad():
+        want = float(loss(model(**inputs), targets))
+    for got in run_distributed(E.evaluate_contrastive, 2, "dp=2", timeout=180):
+        assert abs(got["gathered"] - want) <= 1e-6 * abs(want), (got, want)
+        assert isinstance(got["own"], str) and got["own"].startswith(
+            "ScaledTwoTower has logit_scale: "), got
+        assert "returned without calling run.all_gather" in got["own"], got
+        assert isinstance(got["none"], str) and "its own output.loss (loss_fn=None)" in \
+            got["none"], got
+
+
+def _stacked(plans: dict[str, tuple[int, int] | None], world: int) -> None:
+    """Each plan: trains :func:`E.stacked_reference` (data ranks, microbatches per step), or
+    (None) is refused before training, naming the zero-bubble schedule and the way out."""
+    for got in run_distributed(E.train_stacked, world, list(plans), timeout=300)[0]:
+        want = plans[got["plan"]]
+        if want is None:
+            assert "cannot train StackedTwoTower's logit_scale" in got.get("refused", ""), got
+            assert "use pp_schedule='1f1b'" in got["refused"], got
+            continue
+        assert "refused" not in got, got
+        _assert_matches(E.stacked_reference(*want), got)
+
+
+def test_a_two_tower_model_with_logit_scale_under_a_pipeline():
+    """pp=2 on a two-tower model written for the test (the image tower's blocks split, the
+    text tower and logit_scale on the last stage), the loss over run.all_gather: 1F1B trains
+    what one device accumulating over the microbatches trains. ZB-V is refused before
+    training: torch's split backward freed the last stage's output ``logit_scale.exp()`` under
+    its weight step ("Trying to use a saved tensor that has been detached in-place")."""
+    _stacked({"pp=2,mb=2": (1, 2), "pp=2,schedule=zbv,v=2,mb=2": None}, 2)
+
+
+@pytest.mark.slow
+def test_a_two_tower_model_with_logit_scale_under_dp_and_a_pipeline_world_4():
+    """dp=2,pp=2: the loss gathers over the last stage's data replicas; one microbatch per
+    step (gpipe) trains one device's whole-batch model, two (1F1B) one device accumulating
+    over chunk j of every replica's rows; ZB-V is refused before training."""
+    _stacked({"dp=2,pp=2,mb=1,schedule=gpipe": (1, 1), "dp=2,pp=2,mb=2": (2, 2),
+              "dp=2,pp=2,schedule=zbv,v=2,mb=2": None}, 4)
+
+
 def test_a_second_tower_is_found_beside_the_stack_a_pipeline_cuts():
     """Two towers (CLIP's text and vision encoders): the pipeline's stack and the other one;
     lists inside a block (a mixture of experts) and lists of mixed modules are not stacks."""

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
 from ..warn import user_stacklevel
-from .rng import batch_seed, run_seeded, seeded_item, watch_own_generators
+from .rng import GeneratorWatch, batch_seed, run_seeded, seeded_item
 
 
 class DistributedLoader:
@@ -220,13 +220,10 @@ class ReplicaBatch:
                  collate_fn: Callable[[list[Any]], Any]):
         self.dataset, self.seed, self.dp_rank = dataset, seed, dp_rank
         self.collate_fn = collate_fn
-        self.watch = True  # the first batch looks for generators of the dataset's own
+        self.watch = GeneratorWatch()  # every batch looks for generators of the dataset's own
 
     def __getitem__(self, key: tuple[int, int, list[tuple[int, int]]]) -> Any:
-        if self.watch:
-            self.watch = False
-            return watch_own_generators(self.dataset, lambda: self._build(key))
-        return self._build(key)
+        return self.watch(self.dataset, lambda: self._build(key))
 
     def _build(self, key: tuple[int, int, list[tuple[int, int]]]) -> Any:
         epoch, k, items = key

@@ -60,7 +60,7 @@ from .loader import (
     seeded_collate,
     warn_left_padding,
 )
-from .rng import seeded_stream, watch_own_generators
+from .rng import GeneratorWatch, seeded_stream
 
 
 class EpochEnd:
@@ -83,13 +83,10 @@ class ReplicaStream:
         self._next = 0  # the position the iterator yields next
         self._length: int | None = None  # the epoch's item count, once the stream ended
         self._seeks = callable(getattr(dataset, "iter_from", None))
-        self._watch = True  # the first batch looks for generators of the dataset's own
+        self._watch = GeneratorWatch()  # every batch looks for generators of the dataset's own
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
-        if self._watch:
-            self._watch = False
-            return watch_own_generators(self.dataset, lambda: self._batch(key))
-        return self._batch(key)
+        return self._watch(self.dataset, lambda: self._batch(key))
 
     def _batch(self, key: tuple[int, int]) -> Any:
         epoch, k = key

@@ -21,6 +21,12 @@ per step which to send would cost a collective every step). BatchNorm's statisti
 left to :mod:`plait.parallel.bn_running`, which averages them instead (one device's running
 mean, where rank 0's would be a quarter of the rows' at dp=4).
 
+DDP in a pipeline stage is handled here too, BatchNorm's statistics included: torch's stage
+runs every forward under ``no_sync``, and a forward under ``no_sync`` leaves DDP's broadcast
+off for the next one, so it never runs there. After the last step DDP (without a pipeline)
+still holds each rank's own writes until its next forward: :func:`broadcast_ddp_buffers` gives
+every rank rank 0's before the model is read without a forward.
+
 torch has no FSDP2 counterpart of ``broadcast_buffers``; DDP's own broadcast lives in its
 forward and cannot be borrowed without DDP's reducer.
 """
@@ -33,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from .layout import layout_of, local_modules
 
@@ -92,28 +99,37 @@ class WrittenBuffers:
                               f"broadcast", UserWarning, stacklevel=2)
         if not self.chosen:
             return
-        chosen = [tensors[i] for i in self.chosen]
-        with torch.no_grad():
-            # One broadcast of their bytes, whatever their dtypes (gloo has no bool either).
-            flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8)
-                              for t in chosen])
-            dist.broadcast(flat, group=self.group, group_src=0)
-            start = 0
-            for t in chosen:
-                size = t.numel() * t.element_size()
-                t.copy_(flat[start:start + size].clone().view(t.dtype).view(t.shape))
-                start += size
+        broadcast_from_first([tensors[i] for i in self.chosen], self.group)
         self.stamps = self._stamps()
 
 
-def track_written_buffers(module: nn.Module, group: dist.ProcessGroup) -> WrittenBuffers | None:
+def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """The group's first rank's values of ``tensors`` on every rank of it, in place: one
+    broadcast of their bytes, whatever their dtypes (gloo has no bool either)."""
+    if not tensors:
+        return
+    with torch.no_grad():
+        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8)
+                          for t in tensors])
+        dist.broadcast(flat, group=group, group_src=0)
+        start = 0
+        for t in tensors:
+            size = t.numel() * t.element_size()
+            t.copy_(flat[start:start + size].clone().view(t.dtype).view(t.shape))
+            start += size
+
+
+def track_written_buffers(module: nn.Module, group: dist.ProcessGroup, *,
+                          norms: bool = False) -> WrittenBuffers | None:
     """The :class:`WrittenBuffers` of ``module`` over ``group``, or None when it holds no
-    buffer outside BatchNorm layers."""
-    norms = {id(m) for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    buffer to track: those outside BatchNorm layers, and with ``norms`` BatchNorm's too (DDP's
+    semantics, for a DDP pipeline stage whose own broadcast never runs)."""
+    skipped = set() if norms else {
+        id(m) for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
     seen: set[int] = set()
     slots = []
     for m in module.modules():
-        if id(m) in norms:
+        if id(m) in skipped:
             continue
         for name, b in m.named_buffers(recurse=False):
             if id(b) not in seen:  # one buffer under two names is broadcast once
@@ -134,8 +150,22 @@ def learn_written_buffers(model: nn.Module) -> None:
 def broadcast_written_buffers(model: nn.Module) -> None:
     """Before a training step and before the model is read: rank 0's copy of every buffer a
     forward wrote, on every data rank of this rank's modules (the stages of a pipeline).
-    Collective over the data ranks; nothing to do for DDP, which does it itself."""
+    Collective over the data ranks; nothing to do for DDP, which does it itself before each
+    forward (see :func:`broadcast_ddp_buffers` for a read with no forward)."""
     for module in local_modules(model):
         written = layout_of(module).written_buffers
         if written is not None:
             written.broadcast()
+
+
+def broadcast_ddp_buffers(model: nn.Module) -> None:
+    """Before the model is read with no forward (``run.full_state_dict``, ``run.save``): the
+    first data rank's buffers on every data rank of this rank's DDP modules. DDP broadcasts
+    them at the start of each forward, so after the last step every other rank still holds
+    the statistics and EMAs its own rows wrote, which no forward of the run ever reads: one
+    device's model, under DDP's semantics, is rank 0's. Every buffer DDP itself would send
+    (BatchNorm's included), in one broadcast per module. Collective over the data ranks."""
+    for module in local_modules(model):
+        if isinstance(module, DistributedDataParallel) and module.broadcast_buffers:
+            buffers = [b for _, b in module.module.named_buffers()]
+            broadcast_from_first(buffers, module.process_group)

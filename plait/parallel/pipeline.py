@@ -38,7 +38,7 @@ from .._torch_compat import pipeline_stage_base, pytree, stage_backward_split
 from ..dict_batch import whole_dict_parameter
 from ..loss import label_shift, loss_sum_and_count, missing_labels_fix, shifts_labels
 from ..mesh import Mesh
-from ..plan import PP_SCHEDULES, Plan, reduces_after_schedule
+from ..plan import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES, Plan, reduces_after_schedule
 from .context import ContextGroup, context_group
 from .layout import Layout, layout_of, record_layout
 from .pipeline_buffers import (
@@ -1124,11 +1124,37 @@ def pp_refusal(model: nn.Module, plan: Plan,
     return None
 
 
+def refuse_split_backward_temperature(model: nn.Module, plan: Plan) -> None:
+    """Refuse a zero-bubble schedule on a contrastive model (a ``logit_scale`` or
+    ``logit_bias``, :mod:`plait.parallel.contrastive`). Such a model returns its temperature
+    (``self.logit_scale.exp()``) from the last stage beside the embeddings: an output computed
+    from a parameter alone, whose op saved that very output for its backward. torch's split
+    backward (ZB-V, interleaved zero bubble) frees a last stage's outputs with ``detach_()``
+    once their input gradients exist and computes the weight gradients after that, through
+    the freed tensor ("Trying to use a saved tensor that has been detached in-place").
+    Handing the outputs on as views gets past it, but then trains another temperature (1.4e-2
+    off one device's after 3 SGD steps on the tests' two-tower model), so the schedule is
+    refused up front instead."""
+    from .contrastive import contrastive_parameters
+
+    if plan.pp_schedule not in ZERO_BUBBLE_SCHEDULES:
+        return
+    found = contrastive_parameters(model)
+    if found:
+        raise ValueError(
+            f"pp_schedule='{plan.pp_schedule}' cannot train {type(model).__name__}'s "
+            f"{found[0]} (a contrastive temperature the last stage returns): a zero-bubble "
+            f"schedule computes the weight gradients after the last stage's outputs are "
+            f"freed, and an output computed from a parameter alone (logit_scale.exp()) fails "
+            f"there; use pp_schedule='1f1b', 'gpipe' or 'interleaved_1f1b'")
+
+
 def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device,
                    parallelize_stage: Callable[..., nn.Module]) -> PipelinedModel:
     """Split ``model`` into ``plan.pp x plan.virtual_stages`` stages, keep this rank's, and
     return them with their schedule, recorded in the returned model's ``Layout``."""
     check_schedule_args(plan.pp_schedule, plan.pp, plan.microbatches, plan.virtual_stages)
+    refuse_split_backward_temperature(model, plan)
     path, specs = plan_stages(model, plan)
     if plan.cp > 1:
         specs = [replace(s, context_parallel=True) for s in specs]
