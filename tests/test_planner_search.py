@@ -122,3 +122,16 @@ def test_layouts_the_model_refuses_are_skipped_in_rank_order():
     assert plain.best.plan.tp == free.best.plan.tp
     no_tp = search(m, c, w, top=3, layout_check=lambda p: "tp" if p.tp > 1 else None)
     assert no_tp.ranked and all(e.plan.tp == 1 for e in no_tp.ranked)
+
+
+def test_zero_bubble_with_data_replicas_is_offered_and_ranked():
+    """ZB-V is searched beside data replicas at every ZeRO stage: at zero=0/1 its gradient
+    average after the schedule is priced as exposed (plait.planner.cost), at ZeRO-2/3 FSDP2
+    reduce-scatters after each stage's last weight step. Every one validates."""
+    r = search(load_model("llama-8b"), load_cluster("dgx-h100", devices=16),
+               Workload(64, 4096), top=0)
+    zb = [e.plan for e in r.ranked if e.plan.pp_schedule == "zbv" and e.plan.dp > 1]
+    assert {p.zero for p in zb} == {0, 1, 2, 3}
+    assert any(p.dp_replicate > 1 for p in zb)
+    for p in zb:
+        p.validate()  # raises on a plan the runtime refuses
