@@ -170,9 +170,8 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
                             if pp * v <= model.n_layers and n % pp == 0:
                                 layouts.append(dict(base, microbatches=n, virtual_stages=v,
                                                     pp_schedule="interleaved_1f1b"))
-                        # With data replicas at zero=0/1 the gradients are averaged after
-                        # the schedule, exposed (priced in cost.evaluate); ZeRO-2/3
-                        # reduce-scatter after each stage's last weight step, as under 1F1B.
+                        # With data replicas the gradient reduction follows the weight
+                        # passes that end the schedule, exposed (priced in cost.evaluate).
                         if 2 * pp <= model.n_layers:
                             layouts.append(dict(base, microbatches=n, virtual_stages=2,
                                                 pp_schedule="zbv"))
