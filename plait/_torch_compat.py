@@ -343,11 +343,11 @@ def own_hook_registries(clone: torch.nn.Module, module: torch.nn.Module) -> None
     far still run on the clone, and a hook registered later on one of them stays on it.
 
     Why: a shallow copy shares these dicts, so ``fully_shard`` on one pipeline stage's copy of
-    the model's root registered its root hooks on every copy: under two stages per rank
-    (ZB-V, interleaved schedules) each stage's forward ran both stages' FSDP2 root hooks, and
-    one stage's backward fired the other's pre-backward and final callback, which resharded
-    (and could reduce-scatter) it mid-schedule. ``nn.Module`` has no public way to copy a
-    module without its children. Checked on torch 2.13.
+    the model's root would register its root hooks on every copy: under two stages per rank
+    (ZB-V, interleaved schedules) each stage's forward would run both stages' FSDP2 root
+    hooks, and one stage's backward would fire the other's pre-backward and final callback,
+    resharding (and at its sync setting reduce-scattering) it mid-schedule. ``nn.Module``
+    has no public way to copy a module without its children. Checked on torch 2.13.
     """
     for name, value in vars(module).items():
         if "hook" in name and isinstance(value, dict):

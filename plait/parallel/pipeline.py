@@ -173,14 +173,15 @@ class TimedStage(PipelineStage):
         used by their gradient accumulators, reading them off ``self.submod.parameters()``:
         at I to group them (stage_backward_input), at W to hand each its gradient
         (stage_backward_weight). FSDP2 registers the gathered parameters on the module only
-        while the unit is gathered, the sharded ones otherwise, and ZeRO-3 reshards each unit
-        after every forward: an I after another microbatch's forward found the sharded
-        parameters, which the graph never used, and its W computed no weight gradient at all
-        (the stages ended off one device). Gathered here, the module holds the parameters
-        the graph used; FSDP2's own pre-backward would gather them at I anyway, W gathers
-        again where a forward resharded the unit in between. The gradients then accumulate
-        on the gathered parameters, unreduced (torch's stage runs every backward with
-        FSDP2's gradient sync off), and torch's REDUCE_GRAD step (perform_reduce_grad)
+        while the unit is gathered, the sharded ones otherwise. Where torch falls short:
+        its runtime's UNSHARD action gathers the units once, before the stage's first
+        forward, but ZeRO-3 reshards each unit after every forward, so an I after another
+        microbatch's forward would find the sharded parameters, which the graph never used,
+        and its W would compute no weight gradient. Gathered here, the module holds the
+        parameters the graph used; FSDP2's own pre-backward would gather them at I anyway,
+        W gathers again where a forward resharded the unit in between. The gradients
+        accumulate on the gathered parameters, unreduced (torch's stage runs every backward
+        with FSDP2's gradient sync off), and torch's REDUCE_GRAD step (perform_reduce_grad)
         reduce-scatters them once after the stage's last W, as for 1F1B."""
         for module in self.submod.modules():
             if isinstance(module, FSDPModule):
