@@ -65,6 +65,8 @@ LAYOUTS = [
          microbatches=2, pp_stage_layers=[1, 1, 1, 1]),
     dict(dp_shard=2, zero=2, pp=2, pp_schedule="zbv", virtual_stages=2, microbatches=2,
          grad_accum=2, pp_stage_layers=[1, 1, 1, 1]),
+    dict(dp_shard=2, zero=3, pp=2, pp_schedule="zbv", virtual_stages=2, microbatches=4,
+         pp_stage_layers=[1, 1, 1, 1]),
 ]
 
 
