@@ -336,6 +336,24 @@ def stage_backward_split() -> tuple[Callable[..., Any], Callable[..., Any]] | No
     return None if first is None or second is None else (first, second)
 
 
+def own_hook_registries(clone: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Give ``clone`` (a ``copy.copy`` of ``module``) its own copies of the module's hook
+    registries (``_forward_hooks``, ``_forward_pre_hooks``, their ``_with_kwargs`` and
+    ``_always_called`` companions, the backward and state-dict hooks): the hooks registered so
+    far still run on the clone, and a hook registered later on one of them stays on it.
+
+    Why: a shallow copy shares these dicts, so ``fully_shard`` on one pipeline stage's copy of
+    the model's root would register its root hooks on every copy: under two stages per rank
+    (ZB-V, interleaved schedules) each stage's forward would run both stages' FSDP2 root
+    hooks, and one stage's backward would fire the other's pre-backward and final callback,
+    resharding (and at its sync setting reduce-scattering) it mid-schedule. ``nn.Module``
+    has no public way to copy a module without its children. Checked on torch 2.13.
+    """
+    for name, value in vars(module).items():
+        if "hook" in name and isinstance(value, dict):
+            clone.__dict__[name] = type(value)(value)
+
+
 def is_view(t: torch.Tensor) -> bool:
     """``Tensor._is_view()``: whether ``t`` is a view of another tensor's storage.
 

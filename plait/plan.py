@@ -285,17 +285,6 @@ class Plan:
                               f"(virtual_stages={self.virtual_stages})")
             if self.pp_schedule in MULTI_STAGE_SCHEDULES and self.virtual_stages < 2:
                 errors.append(f"pp_schedule={self.pp_schedule!r} needs virtual_stages >= 2")
-            if self.pp_schedule in ZERO_BUBBLE_SCHEDULES and self.zero >= 2:
-                # The data and cp ranks of zero=0/1 average the gradients after the schedule
-                # (PipelineRunner.sync_data_gradients); FSDP2 reduce-scatters them in its own
-                # backward hooks, which the deferred weight-gradient step runs outside.
-                errors.append(f"pp_schedule={self.pp_schedule!r} with zero={self.zero} is not "
-                              f"supported: torch's zero-bubble stages compute the weight "
-                              f"gradients in a later step with autograd.grad, outside the "
-                              f"backward FSDP2 reduce-scatters them in (the stages ended off one "
-                              f"device where measured); use zero=1 (the optimizer state sharded, "
-                              f"the gradients averaged after the schedule), or 1f1b, gpipe or "
-                              f"interleaved_1f1b with zero={self.zero}")
             if self.microbatches < self.pp and self.pp_schedule != "gpipe":
                 errors.append(f"microbatches={self.microbatches} < pp={self.pp}: "
                               f"{self.pp_schedule} needs at least one microbatch per stage "
@@ -532,10 +521,12 @@ def reduces_after_schedule(plan: Plan) -> bool:
     """Whether the stages' data and cp ranks average their gradients after the schedule
     (``PipelineRunner.sync_data_gradients`` in :mod:`plait.parallel.pipeline`), not in DDP or
     FSDP2's replicate, once per optimizer step: a
-    zero-bubble schedule with data replicas or cp ranks, without ZeRO-2/3 (which plan
-    validation refuses there). ZeRO-1 shards only the optimizer state, which
-    ``ZeroRedundancyOptimizer`` does without DDP. The communication ledger prices it from
-    here too."""
+    zero-bubble schedule with data replicas or cp ranks, at zero=0 or 1. ZeRO-1 shards only
+    the optimizer state, which ``ZeroRedundancyOptimizer`` does without DDP. Under ZeRO-2/3
+    FSDP2 reduce-scatters the gradients itself, once per schedule at torch's REDUCE_GRAD
+    step after the stage's last weight-gradient step (``TimedStage`` in
+    :mod:`plait.parallel.pipeline` keeps its units gathered for the split backward). The
+    communication ledger and the planner price it from here too."""
     return (plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES
             and (plan.dp > 1 or plan.cp > 1) and plan.zero <= 1)
 

@@ -108,6 +108,20 @@ SLOW_CASES = [
     ("dp_shard=2,zero=1,pp=2,microbatches=2,grad_accum=2,pp_schedule=interleaved_zb,"
      "virtual_stages=2", {("dp_shard", "all_reduce"), ("dp_shard", "broadcast"),
                           ("pp", "send_recv"), ("pp", "all_reduce")}),
+    # ZeRO-2 under zero-bubble: FSDP2 gathers each unit once per schedule and reduce-scatters
+    # once, at torch's REDUCE_GRAD step after the stage's last weight step
+    ("dp_shard=2,zero=2,pp=2,microbatches=2,pp_schedule=zbv,virtual_stages=2",
+     {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"), ("dp_shard", "all_reduce"),
+      ("pp", "send_recv"), ("pp", "all_reduce")}),
+    # ZeRO-3: a block gathered again by each step of its stage after one of its forwards,
+    # counted from the runtime's order
+    ("dp_shard=2,zero=3,pp=2,microbatches=4,pp_schedule=zbv,virtual_stages=2",
+     {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"), ("dp_shard", "all_reduce"),
+      ("pp", "send_recv"), ("pp", "all_reduce")}),
+    ("dp_shard=2,zero=3,pp=2,microbatches=2,grad_accum=2,pp_schedule=interleaved_zb,"
+     "virtual_stages=2", {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
+                          ("dp_shard", "all_reduce"), ("pp", "send_recv"),
+                          ("pp", "all_reduce")}),
     ("dp_replicate=2,tp=2,pp=2,microbatches=2,pp_schedule=zbv,virtual_stages=2",
      {("dp_replicate", "all_reduce"), ("tp", "all_reduce"), ("pp", "send_recv"),
       ("pp", "all_reduce")}),
@@ -391,3 +405,4 @@ def test_a_run_shorter_than_the_ledger_warm_up_says_nothing_was_measured():
     assert "0.000" not in text, text
     text = run_distributed(W.ledger_summary, 2, 3, timeout=180)[0]
     assert "per rank per step, 1 step measured" in text and "1.000" in text, text
+

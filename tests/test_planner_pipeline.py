@@ -131,3 +131,48 @@ def test_zero_bubble_with_checkpointing_replays_per_parameter_tensor():
         expected = (m.model_flops(tokens, 32, recompute_layers=replays * m.n_layers)
                     / m.model_flops(tokens, 32))
         assert e.tflops_per_device_hw / e.tflops_per_device == pytest.approx(expected)
+
+
+# ---------------------------------------------- zero-bubble schedules with data replicas
+def _zb_and_1f1b(**layout):
+    m, c, w = load_model("llama-8b"), load_cluster("dgx-h100", devices=16), Workload(64, 4096)
+    base = dict(layout, pp=4, microbatches=16, mixed_precision="bf16")
+    return (evaluate(Plan(**base, pp_schedule="zbv", virtual_stages=2), m, c, w),
+            evaluate(Plan(**base), m, c, w))
+
+
+@pytest.mark.parametrize("layout", [dict(dp_replicate=4), dict(dp_shard=4, zero=1),
+                                    dict(dp_replicate=2, cp=2)])
+def test_zero_bubble_waits_for_the_gradient_average_after_the_schedule(layout):
+    """Under ZB-V at zero=0/1 the data (and cp) ranks average the gradients once per step
+    after the schedule (PipelineRunner.sync_data_gradients): no backward hides it, and each pp
+    rank averages its own stages' at once, so the step waits for the slowest rank's whole
+    average. 1F1B's DDP buckets run under the last backward instead."""
+    zb, one = _zb_and_1f1b(**layout)
+    assert zb.feasible and one.feasible, (zb.reason, one.reason)
+    assert zb.time_breakdown["dp_grad_exposed"] >= zb.time_breakdown["dp_grad_total"] > 0
+    assert one.time_breakdown["dp_grad_exposed"] < one.time_breakdown["dp_grad_total"]
+    assert any("after the schedule" in n for n in zb.notes), zb.notes
+
+
+def test_zero_bubble_under_zero2_waits_for_the_reduce_scatter():
+    """Under ZeRO-2 FSDP2 reduce-scatters each stage's gradients after its last weight pass,
+    and those passes end a zero-bubble schedule: charged in full, where 1F1B's hides under
+    the last backward."""
+    zb, one = _zb_and_1f1b(dp_shard=4, zero=2)
+    assert zb.feasible and one.feasible, (zb.reason, one.reason)
+    assert zb.time_breakdown["dp_grad_exposed"] >= zb.time_breakdown["dp_grad_total"] > 0
+    assert one.time_breakdown["dp_grad_exposed"] < one.time_breakdown["dp_grad_total"]
+    assert any("last weight-gradient pass" in n for n in zb.notes), zb.notes
+
+
+def test_zero_bubble_ranks_hold_the_v_placement():
+    """ZB-V's rank 0 holds the first and the last stage (the embedding and the head), as the
+    runtime places them (plait.parallel.schedules.stage_to_rank); the planner's shares,
+    memory and traffic follow that placement, not the round-robin one."""
+    from plait.planner.pipeline import chunk_placement
+
+    plan = Plan(pp=4, microbatches=8, pp_schedule="zbv", virtual_stages=2)
+    assert [tuple(c) for c in chunk_placement(plan, 8)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    looped = Plan(pp=4, microbatches=8, pp_schedule="interleaved_zb", virtual_stages=2)
+    assert [tuple(c) for c in chunk_placement(looped, 8)] == [(0, 4), (1, 5), (2, 6), (3, 7)]

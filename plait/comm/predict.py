@@ -49,7 +49,7 @@ from typing import Any
 from .._torch_compat import is_split
 from ..mesh import DP, DP_CP, DP_SHARD_CP, DP_SHARD_CP_TP, DP_SHARD_TP
 from ..parallel.tp_kv import replicated_kv_elements
-from ..plan import reduces_after_schedule
+from ..plan import ZERO_BUBBLE_SCHEDULES, reduces_after_schedule
 from .volumes import DDP_BUCKET_BYTES, Traffic, cp_traffic, ddp_traffic, dtype_bytes
 
 FP32 = 4
@@ -477,8 +477,9 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
     one call per unit (``local.units``). A pipeline runs one schedule per accumulation step and
     torch's stage runtime syncs DDP/FSDP2 on the last backward of each: gradients are reduced
     ``grad_accum`` times per step. ``multi_stage_zero3``: price ZeRO-3's gathers under
-    multi-stage pipeline schedules like one-stage ones (the planner must price them; the ledger
-    leaves them out, their order is not this closed form's)."""
+    interleaved 1F1B and looped BFS like one-stage schedules (the planner must price them; the
+    ledger leaves them out, their order is not this closed form's; the zero-bubble schedules'
+    it predicts, see :func:`_param_gathers`)."""
     R, S, accum = plan.dp_replicate, plan.dp_shard, plan.grad_accum
     syncs = accum if plan.pp > 1 else 1
     g = dtype_bytes(grad_dtype)
@@ -582,7 +583,12 @@ def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traf
     pass never reaches in forward alone unless the block after it prefetches it
     (``local.regathered_layers``, :mod:`plait.comm.reach`). Inside a one-stage-per-rank pipeline
     (GPipe, 1F1B) FSDP2 reshards each block after every forward and torch's stage runtime keeps
-    it gathered between backwards until the last one: m + 1 gathers per block per schedule."""
+    it gathered between backwards until the last one: m + 1 gathers per block per schedule.
+    So under the zero-bubble schedules with up to three stages per rank: torch's runtime
+    gathers every unit of the rank's stages before the schedule (its UNSHARD step, none
+    evicted mid-schedule), each of a block's m forwards reshards it, and its stage's next step
+    (a forward, or an input- or weight-gradient step, which ``TimedStage`` gathers for)
+    gathers it again; it stays gathered from then to torch's REDUCE_GRAD step."""
     accum, pp = plan.grad_accum, plan.pp
     # blocks gathered per_block times each, the root per_root
     blocks = local.layers
@@ -592,7 +598,8 @@ def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traf
         # forward, and backward where the backward pass reaches or prefetches the block
         per_block, per_root = accum, accum
         blocks += local.layers_regathered
-    elif multi_stage or (plan.virtual_stages == 1 and plan.pp_schedule in ("gpipe", "1f1b")):
+    elif multi_stage or (plan.virtual_stages == 1 and plan.pp_schedule in ("gpipe", "1f1b")) \
+            or (plan.pp_schedule in ZERO_BUBBLE_SCHEDULES and plan.virtual_stages <= 3):
         per_block, per_root = (plan.microbatches + 1) * accum, accum
     else:
         return []

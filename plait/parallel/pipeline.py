@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -158,12 +159,34 @@ class TimedStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
                            last_backward=False):
         start = now()
+        if not full_backward:
+            self._gather_for_split_backward()
         out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                          last_backward=last_backward)
         if self.timeline is not None and self.has_backward:
             self.timeline.add(self.stage_index, "B" if full_backward else "I", bwd_chunk_id,
                               start, now())
         return out
+
+    def _gather_for_split_backward(self) -> None:
+        """Gather the stage's FSDP2 units (ZeRO-2/3) before a zero-bubble schedule's input
+        (I) or weight (W) step. torch's split backward finds the parameters the forward graph
+        used by their gradient accumulators, reading them off ``self.submod.parameters()``:
+        at I to group them (stage_backward_input), at W to hand each its gradient
+        (stage_backward_weight). FSDP2 registers the gathered parameters on the module only
+        while the unit is gathered, the sharded ones otherwise. Where torch falls short:
+        its runtime's UNSHARD action gathers the units once, before the stage's first
+        forward, but ZeRO-3 reshards each unit after every forward, so an I after another
+        microbatch's forward would find the sharded parameters, which the graph never used,
+        and its W would compute no weight gradient. Gathered here, the module holds the
+        parameters the graph used; FSDP2's own pre-backward would gather them at I anyway,
+        W gathers again where a forward resharded the unit in between. The gradients
+        accumulate on the gathered parameters, unreduced (torch's stage runs every backward
+        with FSDP2's gradient sync off), and torch's REDUCE_GRAD step (perform_reduce_grad)
+        reduce-scatters them once after the stage's last W, as for 1F1B."""
+        for module in self.submod.modules():
+            if isinstance(module, FSDPModule):
+                module.unshard()
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs,
                                    last_backward=False):
@@ -193,6 +216,7 @@ class TimedStage(PipelineStage):
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         start = now()
+        self._gather_for_split_backward()
         out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
         if self.timeline is not None:
             self.timeline.add(self.stage_index, "W", bwd_chunk_id, start, now())

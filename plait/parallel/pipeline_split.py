@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .._torch_compat import is_view
+from .._torch_compat import is_view, own_hook_registries
 from ..partition import balanced_partition, even_split
 from ..partition import bounds as block_bounds
 from ..plan import Plan
@@ -679,6 +679,7 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
         nonlocal hf_done
         clone = copy.copy(module)
         clone._modules = dict(module._modules)  # own registry; children shared, not copied
+        own_hook_registries(clone, module)  # FSDP2's root hooks on one stage stay on it
         if not hf_done and is_hf_model(module):
             hf_done = True  # the outermost HF model on the path is the one that gets called
             before, _ = _side_modules(module, ".".join(parts[depth:]), spec.after,

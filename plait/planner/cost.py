@@ -11,9 +11,12 @@ Every figure is closed-form, so the search can evaluate tens of thousands of lay
 * :mod:`.memory`: model state by ZeRO stage, activations by schedule, logits, buffers.
 
 Overlap: DP/ZeRO gradient traffic overlaps with the backward of the last microbatch; what does
-not fit is exposed. ZeRO-3 gathers overlap with each microbatch's compute (prefetch). ZeRO-1/2's
-parameter all-gather after the optimizer step is exposed. The optimizer is memory-bound: bytes
-of owned AdamW state read and written / HBM bandwidth. What applies only where processes share
+not fit is exposed. A zero-bubble schedule's gradient reduction is exposed in full: at
+zero=0/1 its data ranks average once per step after the schedule, under ZeRO-2/3 FSDP2
+reduce-scatters after each stage's last weight-gradient pass, which ends the schedule.
+ZeRO-3 gathers overlap with each microbatch's compute (prefetch). ZeRO-1/2's parameter
+all-gather after the optimizer step is exposed. The optimizer is memory-bound: bytes of owned
+AdamW state read and written / HBM bandwidth. What applies only where processes share
 CPU cores lives in :mod:`plait.planner.cpu`.
 """
 
@@ -27,7 +30,7 @@ from typing import Any
 from plait.comm import predict
 from plait.comm.predict import LocalModel
 from plait.comm.volumes import DDP_BUCKET_BYTES, Traffic, by_axis
-from plait.plan import Plan
+from plait.plan import ZERO_BUBBLE_SCHEDULES, Plan, reduces_after_schedule
 
 from .compute import microbatch_times
 from .cpu.overheads import HostOverheads
@@ -228,7 +231,19 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     busy_time = st.rank_time[r_busy]
     bwd_window = busy_time * (2 + times.replay) / (3 + times.replay)
     exposed_grad = max(0.0, grad_time - bwd_window) if c.overlap else grad_time
-    if pp > 1 and not c.overlap and grad_time:
+    after_schedule = reduces_after_schedule(plan)
+    zero_bubble = pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES
+    if zero_bubble and grad_time:
+        # No backward hides a zero-bubble schedule's gradient reduction. At zero=0/1 the data
+        # (and cp) ranks average once per step, after the schedule
+        # (PipelineRunner.sync_data_gradients); under ZeRO-2/3 torch reduce-scatters each
+        # stage's at its REDUCE_GRAD step, after the stage's last weight-gradient pass, and
+        # those passes end the schedule (they fill its cooldown). Charged in full (at ZeRO-2/3
+        # a rank's earlier stage may hide under its later stage's last passes: an upper
+        # bound); each pp rank reduces its own stages over its own group, all at once, so the
+        # step waits for the slowest rank's.
+        exposed_grad = max(grad_sync_time(r) for r in range(pp))
+    elif pp > 1 and not c.overlap and grad_time:
         # The stage runtime syncs a stage's gradients inside its last backward (DDP's reducer,
         # FSDP2's post-backward), before that backward's input gradient is sent upstream. Where
         # the sync blocks the rank (CPU + gloo: no core left to run it in the background), the
@@ -306,6 +321,11 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
                          "zero=3 inside a pipeline assumes full overlap: parameter all-gathers "
                          "are prefetched under compute, exposed only for the first unit and "
                          "where a microbatch's gathers outlast its compute")
+    if zero_bubble and grad_time:
+        est.notes.append(f"{plan.pp_schedule}: the gradients are " + (
+            "averaged over the data ranks once per step after the schedule" if after_schedule
+            else "reduce-scattered after each stage's last weight-gradient pass") +
+            ", not overlapped with a backward (charged in full)")
     if plan.cp > 1:
         est.notes.append("cp: plait's all-gather form (K and V of the whole sequence gathered "
                          "in each attention, their gradients reduce-scattered), waited for "

@@ -11,6 +11,7 @@ instead (:mod:`plait.planner.cpu.sharing`): a stage idle in its bubble hands its
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -87,7 +88,7 @@ class Stages:
 
     sizes: list[int]               # blocks per chunk
     chunk_time: list[float]        # per chunk, embedding / head / zero-bubble calls included
-    rank_chunks: list[range]       # chunks each pipeline rank runs (round-robin)
+    rank_chunks: list[Sequence[int]]  # chunks each pipeline rank runs (chunk_placement)
     rank_time: list[float]         # per rank: its chunks, their sends, FSDP2 per-unit costs
     rank_layers: list[int]
     p2p: float                     # one chunk boundary's send forward + send backward
@@ -95,6 +96,19 @@ class Stages:
     @property
     def busiest(self) -> int:
         return self.rank_time.index(max(self.rank_time))
+
+
+def chunk_placement(plan: Plan, chunks: int) -> list[Sequence[int]]:
+    """The chunks (global stages) each pipeline rank runs, as the runtime places them
+    (:func:`plait.parallel.schedules.stage_to_rank`): round-robin, or V-shaped under ZB-V,
+    whose rank 0 holds the first and the last stage (the embedding and the head)."""
+    from plait.parallel.schedules import local_stages
+
+    pp = plan.pp
+    if chunks != pp * plan.virtual_stages:
+        return [range(r, chunks, pp) for r in range(pp)]
+    return [tuple(local_stages(plan.pp_schedule, pp, plan.virtual_stages, r))
+            for r in range(pp)]
 
 
 def stage_times(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload, b: int,
@@ -121,7 +135,7 @@ def stage_times(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         msg = Traffic("pp", "send_recv", b * (work.seq // plan.cp) * model.hidden * ab / split,
                       1, 2)
         p2p = 2 * collective_time(msg, cluster, tp * plan.dp_shard * plan.dp_replicate, c)
-    rank_chunks = [range(r, chunks, pp) for r in range(pp)]
+    rank_chunks = chunk_placement(plan, chunks)
     rank_time = [sum(chunk_time[i] for i in ids) + p2p * len(ids) for ids in rank_chunks]
     rank_layers = [sum(sizes[i] for i in ids) for ids in rank_chunks]
     # The per-unit cost is FSDP2's copy-in/out of sharded parameters and gradients; replicated

@@ -182,12 +182,9 @@ def candidate_plans(model: ModelStats, cluster: Cluster, work: Workload, *,
                             if pp * v <= model.n_layers and n % pp == 0:
                                 layouts.append(dict(base, microbatches=n, virtual_stages=v,
                                                     pp_schedule="interleaved_1f1b"))
-                        # Zero-bubble schedules only without data replicas, at zero=0/1
-                        # (plait.plan refuses ZeRO-2/3 there): with replicas the gradients
-                        # are averaged after the schedule (PipelineRunner.
-                        # sync_data_gradients), not overlapped with the backward, which the
-                        # cost model does not price.
-                        if 2 * pp <= model.n_layers and R * S == 1 and zero <= 1:
+                        # With data replicas the gradient reduction follows the weight
+                        # passes that end the schedule, exposed (priced in cost.evaluate).
+                        if 2 * pp <= model.n_layers:
                             layouts.append(dict(base, microbatches=n, virtual_stages=2,
                                                 pp_schedule="zbv"))
                     for layout in layouts:

@@ -89,7 +89,7 @@ def state_shards(plan: Plan) -> int:
 
 
 def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
-                rank_chunks: list[range]) -> list[LocalModel]:
+                rank_chunks: Sequence[Sequence[int]]) -> list[LocalModel]:
     """Every pipeline rank's share of the model (TP-local), for its optimizer state and its
     traffic, in the form the comm ledger's prediction takes (:class:`plait.comm.predict
     .LocalModel`). What trains is read block by block where the model's shapes were read
