@@ -73,5 +73,6 @@ def test_buffers_the_forward_writes_under_pipelines_over_data_replicas_world_4()
     statistics; FSDP2: their mean)."""
     _layouts({"dp_shard=2,zero=3,pp=2,mb=2": (2, 2, "mean"),
               "dp_shard=2,zero=1,pp=2,schedule=zbv,v=2,mb=2": (2, 2, "mean"),
+              "dp_shard=2,zero=3,pp=2,schedule=zbv,v=2,mb=2": (2, 2, "mean"),
               "dp=2,pp=2,mb=2": (2, 2, "rank0"),
               "dp=2,pp=2,schedule=zbv,v=2,mb=2": (2, 2, "mean")}, 4)
