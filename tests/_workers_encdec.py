@@ -94,6 +94,33 @@ def stacked_two_tower() -> nn.Module:
     return StackedTwoTower()
 
 
+class TextFirstTwoTower(StackedTwoTower):
+    """:class:`StackedTwoTower` whose forward runs the text tower before the image blocks; the
+    tower is registered after them, and no input can be guessed for a forward of two
+    tensors, so a pipeline places it by registration on the last stage."""
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor) -> Any:
+        t = F.normalize(self.text(text), dim=-1)
+        h = self.image_in(image)
+        for block in self.blocks:
+            h = h + block(h)
+        return F.normalize(self.image_out(h), dim=-1), t, self.logit_scale.exp()
+
+
+def text_first_step(rank: int, world_size: int, plan: str) -> float:
+    """One step of :class:`TextFirstTwoTower` under ``plan`` (a pipeline fails on stage 0)."""
+    from plait.runtime import init
+
+    run = init(plan, quiet=True, timeout=60)
+    try:
+        torch.manual_seed(0)
+        model = run.parallelize(TextFirstTwoTower())
+        opt = B._optimizer(model.parameters(), False)
+        return float(run.step(model, B.pair_batch(0), scaled_nce(B.no_gather), opt))
+    finally:
+        run.close()
+
+
 def train_stacked(rank: int, world_size: int, plans: list[str]) -> list[dict[str, Any]]:
     """SGD on :func:`stacked_two_tower` under each plan, the loss over ``run.all_gather``:
     the losses and the full state, or the refusal's message."""

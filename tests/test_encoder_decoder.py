@@ -21,7 +21,7 @@ from plait.parallel.pipeline_hf import bias_holder, other_block_stacks
 from plait.parallel.tp_infer import infer_plan
 from plait.parallel.zero import apply_fsdp
 from plait.plan import Plan
-from plait.spawn import run_distributed
+from plait.spawn import WorkerError, run_distributed
 from tests import _workers_beyond as B
 from tests import _workers_encdec as E
 from tests.test_models_beyond import _assert_matches
@@ -116,6 +116,17 @@ def test_a_two_tower_model_with_logit_scale_under_a_pipeline():
     training: torch's split backward freed the last stage's output ``logit_scale.exp()`` under
     its weight step ("Trying to use a saved tensor that has been detached in-place")."""
     _stacked({"pp=2,mb=2": (1, 2), "pp=2,schedule=zbv,v=2,mb=2": None}, 2)
+
+
+def test_a_tower_run_before_the_blocks_but_placed_on_the_last_stage_is_explained():
+    """The text tower runs before the image blocks but is registered after them (placed on the
+    last stage): stage 0's stand-in passes the token ids on and the forward fails on them. The
+    error names the tower, why it is on the last stage, and the fix."""
+    with pytest.raises(WorkerError) as err:
+        run_distributed(E.text_first_step, 2, "pp=2,mb=2", timeout=180)
+    msg = str(err.value)
+    assert "TextFirstTwoTower's forward calls `text` before the blocks in `blocks`" in msg, msg
+    assert "registered after `blocks`" in msg and "Fix: call it after the blocks" in msg, msg
 
 
 @pytest.mark.slow

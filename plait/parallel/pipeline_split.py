@@ -91,6 +91,9 @@ class HandedOn:
     def __init__(self) -> None:
         self.last: Any = None
         self.stop = False  # end the forward once ``last`` is set (a stage before the last)
+        # Modules placed on the last stage (called after the blocks) whose stand-ins this
+        # stage's forward called on its way to the blocks (reset per stage forward).
+        self.early: list[str] = []
 
 
 class _HandedOnReached(BaseException):
@@ -721,6 +724,10 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                                 else PipelineSkip)
                     clone._modules[key] = stand_in(None, name, Settings(child, name),
                                                    _returns_tuple(child))
+                    if later:  # a stage before the last stops at its blocks' end, so a call
+                        # of this stand-in there is the forward calling it before the blocks
+                        clone._modules[key].register_forward_pre_hook(
+                            lambda *_, n=name: handed_on.early.append(n))
         return clone
 
     stage = rebuild(model, 0)
@@ -739,6 +746,7 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
 
         def send_on(*args: Any, **kwargs: Any) -> torch.Tensor:
             handed_on.last = None
+            handed_on.early = []
             # Labels go to the model on the last stage only (a model given labels computes its
             # loss from its output, here the hidden states).
             kwargs.pop("labels", None)
@@ -747,6 +755,11 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                 forward(*args, **kwargs)
             except _HandedOnReached:
                 pass
+            except Exception as exc:
+                if handed_on.early:
+                    raise RuntimeError(_called_early(type(model).__name__, handed_on.early,
+                                                     path, spec, exc)) from exc
+                raise
             finally:
                 handed_on.stop = False
             return hand_on(handed_on.last, type(model).__name__, next_block, spec)
@@ -755,6 +768,25 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
     if not spec.is_first:
         _explain_failures(stage, type(model).__name__, spec, handed_on)
     return stage
+
+
+def _called_early(model_name: str, names: list[str], path: str, spec: StageSpec,
+                  exc: Exception) -> str:
+    """Why a stage before the last failed when its forward called, before the blocks, a module
+    plait placed on the last stage: that module's stand-in returned its input unchanged, and
+    the forward failed on it. Placed by the order of calls when one forward on a guessed input
+    ran, else by the order of registration (no input could be guessed)."""
+    shown = ", ".join(f"`{n}`" for n in dict.fromkeys(names))
+    how = ("the forward called it after the blocks on a guessed input"
+           if spec.after is not None else
+           f"it is registered after `{path}` in __init__, and no input could be guessed "
+           f"to see the order of calls")
+    return (f"pipeline: {model_name}'s forward calls {shown} before the blocks in `{path}`, "
+            f"but plait placed it on the last stage ({how}); on stage {spec.index} it is a "
+            f"stand-in that passes its input on, and the forward failed on that: "
+            f"{type(exc).__name__}: {exc}. Fix: call it after the blocks (nothing changes on "
+            f"one device): a pipeline hands on only the blocks' running activation, so a "
+            f"module whose output the last stage uses runs there, after the blocks")
 
 
 # The attribute of a stage module (after the first) holding its :class:`_Fed`.
