@@ -722,12 +722,13 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                 if not keep:
                     stand_in = (PipelineZero if id(child) in added or name in zero
                                 else PipelineSkip)
-                    clone._modules[key] = stand_in(None, name, Settings(child, name),
-                                                   _returns_tuple(child))
+                    replaced = stand_in(None, name, Settings(child, name),
+                                        _returns_tuple(child))
                     if later:  # a stage before the last stops at its blocks' end, so a call
                         # of this stand-in there is the forward calling it before the blocks
-                        clone._modules[key].register_forward_pre_hook(
+                        replaced.register_forward_pre_hook(
                             lambda *_, n=name: handed_on.early.append(n))
+                    clone._modules[key] = replaced
         return clone
 
     stage = rebuild(model, 0)
