@@ -91,6 +91,9 @@ SLOW_CASES = [
                                 "frozen_stage", "llama_frozen", "llama_frozen_attention",
                                 "gain_lead"]),
     ("pp=2,pp_schedule=zbv,virtual_stages=2,microbatches=2", ["mlp", "llama"]),
+    # ZB-V beside tp: the V puts the first and last chunks (embedding and head) on rank 0
+    ("pp=2,tp=2,pp_schedule=zbv,virtual_stages=2,microbatches=2", ["mlp", "llama"]),
+    ("pp=2,tp=2,sp=1,pp_schedule=zbv,virtual_stages=2,microbatches=2", ["mlp", "llama"]),
     # bf16: autocast over fp32 parameters; FSDP2's bf16 parameters (dp over tp, ZeRO-3 x tp)
     ("tp=2,sp=1,mixed_precision=bf16,grad_accum=2", ["mlp", "lora", "gpt2", "llama",
                                                      "llama_frozen_attention"]),
