@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests._workers_beyond import _optimizer, _state
+from tests._workers_beyond import _one_device, _optimizer, _state
 
 VOCAB, WIDTH, HEADS, BUCKETS, FF = 32, 16, 4, 8, 32
 BATCH, SRC, TGT, STEPS = 4, 6, 4, 3
@@ -212,19 +212,8 @@ MODELS = {"seq2seq": (seq2seq, seq2seq_batch, token_loss),
 def reference(name: str) -> dict[str, Any]:
     """One device, AdamW (weight decay 0.1), STEPS steps, clipping at 1.0 (plait's default)."""
     factory, batch, loss_fn = MODELS[name]
-    model = factory()
-    opt = _optimizer(model.parameters(), "adamw")
-    losses = []
-    for step in range(STEPS):
-        inputs, target = batch(step)
-        loss = loss_fn(model(**inputs), target)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "state": {k: v.detach().clone()
-                                        for k, v in model.state_dict().items()}}
+    return _one_device(factory, [batch(step) for step in range(STEPS)],
+                       lambda model, inputs, target: loss_fn(model(**inputs), target), "adamw")
 
 
 def train(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
