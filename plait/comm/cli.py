@@ -159,8 +159,10 @@ def comm_command(args: argparse.Namespace) -> int:
                              f"predicts; for your own model, train it under plait.init(plan, "
                              f"ledger=True): run.finish() prints the measured table (with "
                              f"the expected column under data parallelism: DDP, ZeRO, HSDP), "
-                             f"and `plait plan --model {args.model} --plan {args.plan}` the "
-                             f"planner's bytes per axis")
+                             f"and `plait plan --model {args.model} --plan {args.plan} "
+                             f"--cluster cpu --global-batch {args.global_batch or 32}` the "
+                             f"planner's bytes per axis (a model whose blocks hold linears: "
+                             f"it does not price convolutions or recurrent layers)")
         cfg = preset(args.model)
         if args.steps < 1 or args.warmup < 0:
             raise ValueError(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")

@@ -63,7 +63,8 @@ def _compute_dtype(plan: Any) -> str:
     return plan.mixed_precision if plan.mixed_precision in HALF else "fp32"
 
 # The ledger table's note where ``expected_for_models`` has no closed form.
-_BY_PLAN = "`plait plan --model pkg.mod:factory --plan <plan>` gives the planner's bytes per axis"
+_BY_PLAN = ("`plait plan --model pkg.mod:factory --plan <plan> --cluster <cluster> "
+            "--global-batch <n>` gives the planner's bytes per axis")
 NO_EXPECTED_NOTE = ("no 'expected' column: tensor and pipeline parallelism move activations, "
                     "whose bytes need the model's shapes (hidden size, blocks, sequence), which "
                     "plait reads off a stack of repeated blocks fed token ids (b, s); this "
