@@ -48,6 +48,45 @@ def loopback_store(port: int = 0, world_size: int | None = None, *,
     return store
 
 
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out to outgoing connections (Linux's
+    ``ip_local_port_range``; elsewhere the IANA range 49152-65535)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def unclaimable_port(tries: int = 64) -> int | None:
+    """A free port below the ephemeral range (so that no outgoing connection can be given it),
+    or None when none of ``tries`` random ones is free.
+
+    A port the OS picks with ``bind(0)`` comes from the ephemeral range, and is only free until
+    the socket that found it closes. A launcher that passes such a port on (torchrun's agent
+    picks the worker store's port so, then worker rank 0 binds it seconds later, once torch is
+    imported) loses it if the kernel gives it meanwhile to an outgoing connection; one is the
+    other ranks' own retrying connects to that very port, which the kernel can complete as a
+    TCP self-connect. Rank 0 then fails with ``Address already in use``. Outside the range only
+    a process that binds the port explicitly can take it."""
+    import random
+
+    low, _ = ephemeral_range()
+    first = max(1024, low - 16384)
+    if low - first < 1024:
+        return None
+    rng = random.Random()
+    for _ in range(tries):
+        port = rng.randrange(first, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+        return port
+    return None
+
+
 def loopback_interface() -> str | None:
     """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS), or None.
 

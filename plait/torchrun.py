@@ -29,7 +29,7 @@ import signal
 import sys
 
 from .lifecycle import die_with_parent
-from .store import LOOPBACK, loopback_store
+from .store import LOOPBACK, loopback_store, unclaimable_port
 
 
 def _bind_standalone_store(argv: list[str]) -> tuple[list[str], object | None]:
@@ -39,6 +39,26 @@ def _bind_standalone_store(argv: list[str]) -> tuple[list[str], object | None]:
         return argv, None
     store = loopback_store(0, multi_tenant=True)
     return [f"--rdzv-endpoint={LOOPBACK}:{store.port}" if a == flag else a for a in argv], store
+
+
+def _worker_store_port_below_ephemeral() -> None:
+    """Have torchrun's agent give worker rank 0 a store port below the ephemeral range.
+
+    With its store not shared, the agent takes the workers' MASTER_PORT from
+    ``get_free_port`` (a ``bind(0)`` port, released at once) and worker rank 0 binds it once it
+    has imported torch; meanwhile the kernel may give that port to an outgoing connection,
+    among them the other ranks' retrying connects to it (a TCP self-connect), and rank 0 fails
+    with ``Address already in use``. torch takes no port for this but a static rendezvous's,
+    so this process (torchrun's, nothing else runs in it) replaces the name that rendezvous
+    module looks up (``plait.store.unclaimable_port``)."""
+    from torch.distributed.elastic.rendezvous import api as rendezvous_api
+
+    free_port = rendezvous_api.get_free_port
+
+    def port() -> int:
+        return unclaimable_port() or free_port()
+
+    rendezvous_api.get_free_port = port
 
 
 def failure_records(err: BaseException) -> list[dict]:
@@ -65,6 +85,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    _worker_store_port_below_ephemeral()
     args, store = _bind_standalone_store(args)
     try:
         torchrun.run(torchrun.parse_args(args))

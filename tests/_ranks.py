@@ -23,6 +23,13 @@ class Ended:
 
 
 def free_port() -> int:
+    """A port rank 0 binds later: below the ephemeral range where one is free
+    (``plait.store.unclaimable_port``: no outgoing connection can be given it meanwhile)."""
+    from plait.store import unclaimable_port
+
+    port = unclaimable_port()
+    if port is not None:
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

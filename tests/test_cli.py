@@ -68,6 +68,24 @@ dist.barrier()
 """
 
 
+def test_the_worker_store_port_is_outside_the_ephemeral_range(tmp_path):
+    """Worker rank 0 binds MASTER_PORT seconds after torchrun's agent picked it: a port below
+    the ephemeral range cannot be given meanwhile to an outgoing connection (the other ranks'
+    retrying connects to it among them), which made rank 0 fail with 'Address already in
+    use'."""
+    from plait.store import ephemeral_range, unclaimable_port
+
+    low, _ = ephemeral_range()
+    picked = unclaimable_port()
+    assert picked is not None and 1024 <= picked < low
+    script = tmp_path / "port.py"
+    script.write_text("import os\nprint('port', os.environ['MASTER_PORT'])\n")
+    out = plait("run", "--nproc", "2", str(script))
+    assert out.returncode == 0, out.stderr
+    ports = {int(line.split()[-1]) for line in out.stdout.splitlines() if "port" in line}
+    assert len(ports) == 1 and next(iter(ports)) < low, out.stdout
+
+
 @pytest.mark.parametrize("how", ["raise", "kill", "segv"])
 def test_failing_rank_shown_once(tmp_path, how):
     """The rank that failed is the one shown, once; rank 0's consequent 'connection closed'
