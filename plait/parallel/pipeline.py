@@ -223,8 +223,6 @@ class TimedStage(PipelineStage):
         return out
 
 
-
-
 def _rows(x: Any) -> int:
     if isinstance(x, torch.Tensor):
         return x.shape[0]
