@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -161,7 +162,23 @@ def _takes_the_dict(model: nn.Module, batch: dict[str, Any]) -> bool:
     batch)``) rather than its entries by keyword (:func:`plait.dict_batch.whole_dict_parameter`);
     read off the user's module under a DDP wrapper, whose own forward takes anything."""
     inner = model.module if isinstance(model, DDP) else model
-    return whole_dict_parameter(signature_of(inner.forward), batch) is not None
+    forward = inner.forward
+    func = getattr(forward, "__func__", forward)
+    try:
+        return _whole_dict(func, func is not forward, tuple(batch))
+    except TypeError:  # an unhashable callable as the forward: read it each time
+        return whole_dict_parameter(signature_of(forward), batch) is not None
+
+
+@functools.lru_cache(maxsize=64)
+def _whole_dict(func: Callable[..., Any], bound: bool, keys: tuple[str, ...]) -> bool:
+    """:func:`_takes_the_dict` for the forward's function and the batch's keys, read once
+    (``inspect.signature`` of a Hugging Face forward costs ~30 us, on every step otherwise);
+    ``bound``: a method, whose first parameter (``self``) the call does not pass."""
+    signature = signature_of(func)
+    if signature is not None and bound:
+        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+    return whole_dict_parameter(signature, keys) is not None
 
 
 def model_loss(out: Any, loss_fn: LossFn | None, targets: Any) -> Any:
