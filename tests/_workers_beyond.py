@@ -198,6 +198,28 @@ def accumulated_reference(factory: Callable[[], nn.Module], batches: list[Any],
     return _one_device(factory, batches, step_loss, False)
 
 
+def held_out_losses(factory: Callable[[], nn.Module], state: dict[str, torch.Tensor],
+                    batches: list[Any], loss_fn: Callable, data_ranks: int = 1,
+                    micro: int = 1) -> list[float]:
+    """One device's loss of each held-out batch with the trained ``state``, in eval mode and
+    without gradients; with ``micro`` > 1 the mean over chunks as :func:`accumulated_reference`
+    takes them (chunk j: micro-batch j of every data rank's slice)."""
+    model = factory()
+    model.load_state_dict(state)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for inputs, targets in batches:
+            if isinstance(inputs, dict):
+                out.append(float(loss_fn(model(**inputs), targets)))
+                continue
+            n = inputs.shape[0] // (data_ranks * micro)
+            chunks = [torch.cat([inputs[(r * micro + j) * n:(r * micro + j + 1) * n]
+                                 for r in range(data_ranks)]) for j in range(micro)]
+            out.append(float(sum(loss_fn(model(c), targets) for c in chunks) / micro))
+    return out
+
+
 def _one_device(factory: Callable[[], nn.Module], batches: list[Any], step_loss: Callable,
                 adam: bool | str) -> dict[str, Any]:
     """The one-device loop both references run: ``step_loss(model, inputs, targets)`` per
@@ -234,7 +256,9 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any],
           adam: bool | str = False) -> list[dict[str, Any]]:
     """Train each (plan, factory, global batches, loss) in one process group with SGD, as
     tests/_workers_semantics.train_jobs does; a loss given as the string "info_nce" is
-    :func:`info_nce` over ``run.all_gather``, "info_nce_local" over this rank's rows only."""
+    :func:`info_nce` over ``run.all_gather``, "info_nce_local" over this rank's rows only.
+    Batches after the first STEPS are held out: after training, ``run.evaluate``'s loss of
+    each (this rank's slice, the same loss) goes in "evals"."""
     from plait.runtime import init
 
     out = []
@@ -252,10 +276,12 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any],
             opt = _optimizer(model.parameters(), adam)
             losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size), loss_fn, opt))
                       for b in batches[:STEPS]]
+            evals = [float(run.evaluate(model, _slice(b, run.dp_rank, run.dp_size), loss_fn))
+                     for b in batches[STEPS:]]
         state = _state(run, model)
         run.close()
         out.append({"plan": text, "losses": losses, "state": state if rank == 0 else None,
-                    "warnings": [str(w.message) for w in caught]})
+                    "evals": evals, "warnings": [str(w.message) for w in caught]})
     return out
 
 

@@ -35,17 +35,33 @@ def _assert_matches(ref: dict, got: dict) -> None:
         assert diff <= REL * max(want.abs().max().item(), FLOOR), (got["plan"], name, diff)
 
 
+# The seed of the held-out batch that run.evaluate scores after training, apart from the
+# training batches' seeds.
+HELD_OUT = 100
+
+
+def _assert_evaluates(want: list[float], got: dict) -> None:
+    """run.evaluate's held-out losses are one device's, 1e-6 relative (on every rank)."""
+    assert len(got["evals"]) == len(want), (got["plan"], got["evals"])
+    for a, b in zip(want, got["evals"], strict=True):
+        assert abs(a - b) <= REL * abs(a), (got["plan"], a, b)
+
+
 def test_a_contrastive_loss_over_the_global_batch_with_all_gather():
     """InfoNCE compares each row with every row of the batch. With ``run.all_gather`` the
-    loss and the parameters equal one device's under DDP and ZeRO-3; over each rank's rows
-    alone the loss is another one (fewer negatives), which the last job shows."""
+    loss and the parameters equal one device's under DDP and ZeRO-3, and so does
+    ``run.evaluate``'s loss of a held-out batch after training; over each rank's rows alone
+    the loss is another one (fewer negatives), which the last job shows."""
     batches = [B.pair_batch(s) for s in range(3)]
+    held = [B.pair_batch(HELD_OUT)]
     ref = B.reference(B.two_tower, batches, B.info_nce(lambda t: t))
-    jobs = [(p, B.two_tower, batches, loss) for p, loss in
+    want = B.held_out_losses(B.two_tower, ref["state"], held, B.info_nce(lambda t: t))
+    jobs = [(p, B.two_tower, batches + held, loss) for p, loss in
             (("dp=2", "info_nce"), ("dp_shard=2,zero=3", "info_nce"), ("dp=2", "info_nce_local"))]
     ddp, zero3, local = run_distributed(B.train, 2, jobs, timeout=180)[0]
-    _assert_matches(ref, ddp)
-    _assert_matches(ref, zero3)
+    for got in (ddp, zero3):
+        _assert_matches(ref, got)
+        _assert_evaluates(want, got)
     assert abs(local["losses"][0] - ref["losses"][0]) > 1e-2 * ref["losses"][0]
 
 
@@ -270,7 +286,7 @@ def test_branches_some_steps_skip_under_pipeline_and_tensor_parallelism(world, p
 
 
 @pytest.mark.parametrize("plans", [
-    ("pp=2,dp_shard=2,zero=3,mb=2", "dp=2,tp=2,grad_accum=2"),
+    ("pp=2,dp_shard=2,zero=3,mb=2", "dp=2,tp=2,grad_accum=2", "pp=2,dp=2,mb=2"),
     pytest.param(("pp=2,dp=2,mb=1,schedule=gpipe", "dp_shard=2,zero=3,tp=2",
                   "pp=2,dp=2,mb=4,schedule=interleaved_1f1b,v=2"), marks=pytest.mark.slow),
 ])
@@ -281,14 +297,22 @@ def test_a_contrastive_loss_with_all_gather_under_pipeline_and_tensor_parallelis
     losses and parameters are one device's on the global batch; with a pipeline's
     microbatches or grad_accum each call gathers micro-batch j of every data rank, which is
     one device's gradient accumulation over those chunks (0.36 against 0.52 at the third
-    step here), and that is what they match."""
+    step here), and that is what they match. ``run.evaluate`` of a held-out batch after
+    training (a pipeline's schedule forward only) is one device's loss, on every rank, over
+    the same chunks."""
     batches = [B.views_batch(s) for s in range(3)]
+    held = [B.views_batch(HELD_OUT)]
     loss = B.views_nce(B.no_gather)
     whole = B.reference(B.twin, batches, loss)
-    jobs = [(p, B.twin, batches, "views_nce") for p in plans]
-    for got in run_distributed(B.train, 4, jobs, timeout=300)[0]:
-        plan = Plan.from_string(got["plan"])
-        micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
-        ref = whole if micro == 1 else B.accumulated_reference(B.twin, batches, loss,
-                                                              plan.dp, micro)
-        _assert_matches(ref, got)
+    jobs = [(p, B.twin, batches + held, "views_nce") for p in plans]
+    for rank_results in run_distributed(B.train, 4, jobs, timeout=300):
+        for got in rank_results:
+            plan = Plan.from_string(got["plan"])
+            micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
+            ref = whole if micro == 1 else B.accumulated_reference(B.twin, batches, loss,
+                                                                  plan.dp, micro)
+            if got["state"] is not None:  # rank 0's
+                _assert_matches(ref, got)
+            # run.evaluate splits the batch as a step does: its chunks are the reference's
+            _assert_evaluates(B.held_out_losses(B.twin, ref["state"], held, loss, plan.dp,
+                                                micro), got)
