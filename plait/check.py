@@ -14,6 +14,7 @@ pipeline stages pool their parameters.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -452,7 +453,8 @@ def train(plan: Plan, cfg: CheckConfig, grad_norms: dict[str, list[float]] | Non
     parameters is appended there (:func:`_record_grad_norms`)."""
     from .runtime import init
 
-    run = init(plan, seed=cfg.seed, quiet=True, log_every=1)
+    # format given: not the --format of the command that spawned this worker (its sys.argv)
+    run = init(plan, seed=cfg.seed, quiet=True, log_every=1, format="text")
     model, loss_fn = _build(cfg)
     model = run.parallelize(model)
     opt = _make_optimizer(cfg, model.parameters())
@@ -736,12 +738,15 @@ def _gradients_apart(ref: dict[str, list[float]], par: dict[str, list[float]],
 
 
 def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float | None = None,
-          timeout: float = 240.0, progress: TextIO | None = None) -> CheckResult:
+          timeout: float = 240.0, progress: TextIO | None = None,
+          stdout_to_stderr: bool = False) -> CheckResult:
     """Train under ``plan`` and on one device; compare losses and parameters.
 
     ``tolerance``: an absolute bound on loss and parameter differences; None (the default)
     uses the optimizer's relative bounds, ``TOLERANCES`` (see there for why they differ).
-    ``progress``: where to say which stage runs (:class:`plait.progress.Stages`); None: quiet."""
+    ``progress``: where to say which stage runs (:class:`plait.progress.Stages`); None: quiet.
+    ``stdout_to_stderr``: what the model's code prints (in this process and in the workers)
+    goes to stderr, leaving stdout to a JSON report."""
     plan = Plan.load(plan)
     cfg = cfg or CheckConfig()
     _refuse_unfit(plan, cfg)
@@ -750,9 +755,11 @@ def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float 
     try:
         single = Plan(mixed_precision=plan.mixed_precision, grad_clip=plan.grad_clip)
         stages.start(f"{cfg.model}, {cfg.steps} steps on one device (the reference)")
-        reference = run_distributed(train_and_collect, 1, single, cfg, timeout=timeout)[0]
+        reference = run_distributed(train_and_collect, 1, single, cfg, timeout=timeout,
+                                    stdout_to_stderr=stdout_to_stderr)[0]
         stages.start(f"the same steps under {plan.to_string()} on {plan.world_size} processes")
-        ranks = run_distributed(train_and_collect, plan.world_size, plan, cfg, timeout=timeout)
+        ranks = run_distributed(train_and_collect, plan.world_size, plan, cfg, timeout=timeout,
+                                stdout_to_stderr=stdout_to_stderr)
         stages.start("comparing losses and parameters")
         result = compare(plan, reference, ranks[0], cfg.steps, tolerance, cfg.optimizer,
                          digests=[r["digest"] for r in ranks], lr=cfg.lr)
@@ -802,9 +809,14 @@ def command(args: argparse.Namespace) -> int:
         raise ValueError(f"--seq={args.seq_len} --global-batch={args.batch_size}: check "
                          f"compares layouts on small batches, at most --seq {MAX_SEQ_LEN} "
                          f"and --global-batch {MAX_BATCH} (time and memory grow with both)")
+    # --format json: stdout is the report alone; what the user's model code prints (at import,
+    # when built, in the workers) goes to stderr
+    own_output = (contextlib.redirect_stdout(sys.stderr) if args.format == "json"
+                  else contextlib.nullcontext())
     factory = args.model if ":" in args.model else None
     if factory is not None:
-        load_factory(factory)  # a bad spec fails here, before any process starts
+        with own_output:
+            load_factory(factory)  # a bad spec fails here, before any process starts
     else:
         from .models.transformer import PRESETS
 
@@ -824,8 +836,8 @@ def command(args: argparse.Namespace) -> int:
     # under --format json (stdout is the JSON object).
     progress = sys.stderr if sys.stderr.isatty() else (
         sys.stdout if args.format != "json" else None)
-    with user_errors():
+    with user_errors(), own_output:
         result = check(args.plan, cfg, tolerance=args.tolerance, timeout=args.timeout,
-                       progress=progress)
+                       progress=progress, stdout_to_stderr=args.format == "json")
     print(json.dumps(result.to_dict(), indent=2) if args.format == "json" else result.format())
     return 0 if result.ok else 1

@@ -233,7 +233,8 @@ def _pump(stream, out, keep: list[str], held: list[str] | None = None,
     """Echo rank 0's tee'd lines without torchrun's ``[default0]:`` prefix; keep the rest.
 
     ``events`` (``--format json``, on stdout): each line as an event (plait.outputs.as_event),
-    so that what the script prints itself does not break the JSON Lines.
+    so that what the script prints itself does not break the JSON Lines; a worker's own
+    ``error`` event is left out (the launcher ends the run with its own).
 
     ``held``: rank 0's uncaught-exception lines go there instead of the screen. When another
     rank fails first, rank 0's exception is a consequence (its peer closed the connection),
@@ -253,7 +254,14 @@ def _pump(stream, out, keep: list[str], held: list[str] | None = None,
                 if holding:
                     held.append(text)
                     continue
-            out.write(as_event(text) + "\n" if events else text)
+            if events:
+                text = as_event(text)
+                if text.startswith('{"event": "error"'):
+                    # the worker's own (plait.json_stdout): the launcher's error event, which
+                    # names the rank that failed first, is the run's last line
+                    continue
+                text += "\n"
+            out.write(text)
             out.flush()
         else:
             keep.append(line)

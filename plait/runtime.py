@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -153,6 +153,9 @@ class Run:
     # plait.diagnostics.xla.XLADiagnostics on PyTorch/XLA: recompilations, CPU fallbacks and
     # host syncs per step, reported at finish(); strict mode raises at the step instead.
     xla: Any = None
+    # format="json": the sys.stdout and sys.excepthook plait.json_stdout replaced, put back
+    # at close().
+    _json_stdout: Any = None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -1117,6 +1120,11 @@ class Run:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_group = False
+        if self._json_stdout is not None:  # the script's stdout and excepthook, as found
+            from .json_stdout import restore
+
+            restore(self._json_stdout)
+            self._json_stdout = None
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -1260,7 +1268,11 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     ``format``: ``"text"`` for people, ``"json"`` for programs: rank 0 then writes JSON Lines
     on stdout, one event per line (plan, message, progress, ledger, summary; see
     ``Run.say``); when None, the script's ``--format`` argument (as ``plait run --format json``
-    passes it), else text.
+    passes it), else text. Under "json" every line on stdout is an event until ``finish()``:
+    ``sys.stdout`` writes the script's own prints as ``output`` events and an uncaught
+    exception ends with an ``error`` event (``plait.json_stdout`` says why a library may do
+    that here), and a bad ``--plan`` is an ``error`` event too, for a script run without
+    ``plait run`` (``python train.py --format json | jq``, or under torchrun).
     ``nonfinite``: what a NaN/inf loss or gradient norm does, found on the step it appears on
     every rank: ``"stop"`` raises ``plait.guard.NonFiniteError`` naming the step and the rank,
     ``"skip"`` drops that step's update and carries on (the summary lists skipped steps).
@@ -1286,8 +1298,7 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
             plan = plan_from_argv()
             from_argv = from_argv or plan is not None
     except ValueError as exc:
-        print(f"plait: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        _refuse_argv(exc, format)
     try:
         return _init(plan, accelerator, seed=seed, log_every=log_every, quiet=quiet,
                      ledger=ledger, checkpoint=checkpoint, every=every, keep=keep,
@@ -1298,8 +1309,26 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     except ValueError as exc:
         if not from_argv:
             raise
-        print(f"plait: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        _refuse_argv(exc, format)
+
+
+def _refuse_argv(exc: ValueError, format: str | None) -> NoReturn:
+    """End the process on a bad ``--plan``/``--accelerator`` as argparse would (one line on
+    stderr, exit 2, no traceback), and under ``--format json`` with the ``error`` event on
+    stdout that ``plait run --format json`` ends with."""
+    from .json_stdout import refuse
+
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+    except ValueError:
+        rank = 0
+    refuse(script_name(), str(exc), json=format == "json", rank=rank)
+
+
+def script_name() -> str:
+    """What the ``command`` of a script's own ``error`` event names: the script's file
+    (``train.py``), as the user ran it."""
+    return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
 
 
 def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: int, quiet: bool,
@@ -1387,6 +1416,10 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
         from .diagnostics.xla import XLADiagnostics
 
         run.xla = XLADiagnostics(strict=strict)
+    if run.format == "json":  # before anything prints: see plait.json_stdout for why
+        from .json_stdout import install
+
+        run._json_stdout = install(script_name(), rank)
     run.progress = Progress(enabled=run.is_main and not quiet, log_every=log_every,
                             tensorboard=tensorboard, events=run.format == "json")
     if checkpointing is not None:

@@ -94,9 +94,12 @@ def user_errors() -> Iterator[None]:
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, backend: str, args: tuple,
             kwargs: dict, queue: Any, threads: int, env: dict[str, str],
-            parent: int) -> None:
+            parent: int, stdout_to_stderr: bool = False) -> None:
     code = 0
     try:
+        if stdout_to_stderr:  # the descriptor: C code's and subprocesses' output too
+            sys.stdout.flush()
+            os.dup2(2, 1)
         # The caller killed (even with SIGKILL): no orphaned rank. Under the fork server the
         # direct parent is the server, which lives on while any worker does: watch the caller.
         die_with_parent(parent)
@@ -260,13 +263,15 @@ def _context() -> Any:
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
                     backend: str = "gloo", threads: int = 1, env: dict[str, str] | None = None,
-                    **kwargs: Any) -> list[Any]:
+                    stdout_to_stderr: bool = False, **kwargs: Any) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh processes.
 
     The default process group is initialised before ``fn`` runs and destroyed after. Returns the
     per-rank results (picklable values; tensors come back by value). Raises ``WorkerError`` with
     the first failing rank's traceback, or ``TimeoutError`` naming the ranks still running after
     ``timeout`` seconds. ``fn`` must be importable (a module-level function).
+    ``stdout_to_stderr``: what the workers write on stdout (a user's model code printing) goes
+    to stderr, for a command whose stdout is a JSON report alone (``--format json``).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
@@ -279,7 +284,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     env = {**os.environ, **(env or {})}
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, rank, world_size, port, backend, args, kwargs, queue, threads,
-                               env, os.getpid()))
+                               env, os.getpid(), stdout_to_stderr))
              for rank in range(world_size)]
     _start_without_sigint(procs)
     results: dict[int, Any] = {}

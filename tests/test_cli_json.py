@@ -2,6 +2,7 @@
 per line (plan, progress, ledger, summary; the script's own prints as output events; an error
 event last when the run fails), and nothing else there."""
 
+import argparse
 import json
 import math
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from plait.argv import format_from_argv
+from plait.json_stdout import install, restore
 from plait.launch import LaunchConfig, output_format, script_argv
 from plait.outputs import as_event, json_event
 from plait.progress import Progress
@@ -112,6 +114,8 @@ def test_a_failed_run_ends_with_an_error_event(tmp_path):
     assert got[0]["event"] == "plan" and {"event": "message", "text": "started"} in got, got
     error = got[-1]
     assert error["event"] == "error" and error["command"] == "run", error
+    # rank 0's own error event (its peer left) is not the run's: the launcher's alone is
+    assert [e["event"] for e in got].count("error") == 1, got
     assert error["exit_code"] == out.returncode and error["rank"] == 1, error
     assert "rank 1 (RuntimeError" in error["error"], error
     assert error["traceback"].endswith("RuntimeError: rank one exploded"), error
@@ -210,3 +214,187 @@ def test_progress_events_at_the_logging_steps(capsys):
     assert [e["step"] for e in got] == [1, 2, 3]
     assert got[-1] == {"event": "progress", "step": 3, "total": 3, "loss": 2.0 / 3,
                        "tokens_per_s": 400.0, "step_time_ms": 250.0, "eta_s": 0.0}
+
+
+# ------------------------------------------- --format json without plait run: python, torchrun
+
+def script_run(script, *args, ranks=1, timeout=240):
+    """``python SCRIPT ARGS`` (one process), or under torchrun with ``ranks`` processes on a
+    free port (``--standalone``): what a user pipes to ``jq`` without ``plait run``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    launcher = ([] if ranks == 1 else
+                ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)])
+    return subprocess.run([sys.executable, *launcher, str(script), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=script.parent, env=env)
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_script_run_without_plait_run_writes_json_lines(tmp_path, ranks):
+    """``python train.py --format json`` and ``torchrun --nproc-per-node 2 train.py --format
+    json``: every stdout line is an event, the script's own prints (every rank's, and one
+    left without its newline) included as output events, the warning on stderr; plait's
+    events once (rank 0's)."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace("STEPS", "2").replace(
+        'print("my own line", run.rank)',
+        'print("my own line", run.rank)\nprint("no newline", end="")'))
+    out = script_run(script, "--format", "json", ranks=ranks)
+    assert out.returncode == 0, out.stderr
+    got = events(out.stdout)
+    kinds = [e["event"] for e in got]
+    assert kinds[0] == "plan" and kinds.count("plan") == 1, kinds
+    assert kinds.count("summary") == 1 and kinds[-1] in ("summary", "output"), kinds
+    assert [e["step"] for e in got if e["event"] == "progress"] == [1, 2], got
+    assert got[0]["world_size"] == ranks, got[0]
+    said = [e["text"] for e in got if e["event"] == "output"]
+    assert sorted(said) == sorted([f"my own line {r}" for r in range(ranks)]
+                                  + ["no newline"] * ranks), said
+    assert "a warning of the script's own" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_bad_plan_without_plait_run_is_an_error_event(tmp_path, ranks):
+    """A plan that does not fit, or --plan without a value: stdout is one error event (rank
+    0's: every rank refuses the same command line), the line also on stderr, a non-zero exit
+    (2 from the script; torchrun's own for a failed worker)."""
+    script = tmp_path / "train.py"
+    script.write_text("import plait\nrun = plait.init()\nprint('should not run')\n")
+    for args, said in ((["--plan", "dp=3"], f"!= world size {ranks}"),
+                       (["--plan"], "the script's --plan needs a value")):
+        out = script_run(script, *args, "--format", "json", ranks=ranks)
+        assert out.returncode == (2 if ranks == 1 else 1), (out.returncode, out.stderr)
+        got = events(out.stdout)
+        assert [e["event"] for e in got] == ["error"], got
+        error = got[-1]
+        assert said in error["error"] and error["exit_code"] == 2, error
+        assert error["command"] == "train.py", error
+        assert f"plait: error: {error['error']}" in out.stderr, out.stderr
+        if ranks == 2:  # one of the two costs the check: torchrun's start is the slow part
+            break
+
+
+def test_an_uncaught_exception_without_plait_run_ends_with_an_error_event(tmp_path):
+    """The script raises after init: its traceback on stderr as always, and stdout's last
+    line the error event naming the rank, with the traceback and exit code 1."""
+    script = tmp_path / "boom.py"
+    script.write_text("import plait\nrun = plait.init()\nprint('started', end='')\n"
+                      "raise RuntimeError('it exploded')\n")
+    out = script_run(script, "--format", "json")
+    assert out.returncode == 1
+    got = events(out.stdout)
+    assert [e["event"] for e in got] == ["plan", "output", "error"], got
+    assert got[1]["text"] == "started", got
+    error = got[-1]
+    assert error["error"] == "rank 0 (RuntimeError: it exploded)" and error["rank"] == 0, error
+    assert error["exit_code"] == 1 and error["command"] == "boom.py", error
+    assert error["traceback"].endswith("RuntimeError: it exploded"), error
+    assert "RuntimeError: it exploded" in out.stderr
+
+
+def test_json_stdout_wraps_lines_until_restored(capsys):
+    """The stream plait.init installs under format="json": each line an event (an event as it
+    is, a partial line ended by an event written whole or at restore); restore puts back the
+    stdout and excepthook it found, so what prints after finish() is plain again."""
+    hook = sys.excepthook
+    found = install("t.py", 0)
+    try:
+        assert sys.stdout is found.events and sys.excepthook is not hook
+        print("a", "b")
+        print("half", end="")
+        print(json_event("progress", step=1))
+        print("tail", end="")
+    finally:
+        restore(found)
+    assert sys.excepthook is hook
+    print("plain")
+    assert capsys.readouterr().out.splitlines() == [
+        '{"event": "output", "text": "a b"}', '{"event": "output", "text": "half"}',
+        '{"event": "progress", "step": 1}', '{"event": "output", "text": "tail"}', "plain"]
+
+
+# ------------------------------------------------ every report command's --format json, parsed
+
+# A model factory of the user's that prints (at import, when built: in the parent and in every
+# worker), as user code does: none of it may reach a JSON report's stdout.
+PRINTING_FACTORY = """
+from examples.your_own_model import factory as base
+
+print("importing my model")
+
+
+def factory():
+    print("building my model")
+    return base()
+"""
+
+CHECKPOINT_SCRIPT = """
+import sys
+import torch
+import plait
+
+run = plait.init("single", checkpoint=sys.argv[1], quiet=True)
+model = run.parallelize(torch.nn.Linear(4, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+batch = (torch.randn(4, 4), torch.randint(0, 2, (4,)))
+run.step(model, batch, torch.nn.functional.cross_entropy, opt)
+run.finish()
+"""
+
+# (command, its arguments before --format json, whether the report is JSON Lines); {tmp} is
+# the test's folder. Cheap ones run by default; those that start processes are slow.
+REPORTS = [
+    pytest.param("env", ["env"], False, id="env"),
+    pytest.param("doctor", ["doctor"], False, id="doctor"),
+    pytest.param("schedule", ["schedule", "--all", "--pp", "2", "-m", "4"], False,
+                 id="schedule"),
+    pytest.param("plan", ["plan", "--model", "printing:factory", "--cluster", "cpu",
+                          "--devices", "2", "--global-batch", "8"], False, id="plan"),
+    pytest.param("plan", ["plan", "--calibrate", "--profile-out", "{tmp}/cpu.yaml"], False,
+                 id="plan-calibrate", marks=pytest.mark.slow),
+    pytest.param("check", ["check", "--plan", "dp=2,sync_bn", "--steps", "1", "--model",
+                           "printing:factory"], False, id="check", marks=pytest.mark.slow),
+    pytest.param("comm", ["comm", "--plan", "dp=2", "--steps", "1", "--model", "tiny",
+                          "--global-batch", "4"], False, id="comm", marks=pytest.mark.slow),
+    pytest.param("bench", ["bench", "comm", "--ops", "all_reduce", "--max-bytes", "1K",
+                           "--nproc", "2", "--iters", "1", "--warmup", "0"], False,
+                 id="bench-comm", marks=pytest.mark.slow),
+    pytest.param("export", ["export", "{tmp}/ckpt", "--to", "{tmp}/m.safetensors"], False,
+                 id="export", marks=pytest.mark.slow),
+    pytest.param("run", ["run", "--nproc", "2", "{tmp}/train.py"], True, id="run",
+                 marks=pytest.mark.slow),
+    pytest.param("demo", ["demo", "--steps", "2"], True, id="demo", marks=pytest.mark.slow),
+]
+
+
+def test_the_table_holds_every_command():
+    """Each command `plait --help` lists has a row below: a new one must say its JSON."""
+    from plait.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions
+               if isinstance(a, argparse._SubParsersAction))
+    assert {p.values[0] for p in REPORTS} == set(sub.choices), sorted(sub.choices)
+
+
+@pytest.mark.parametrize("command, args, lines", REPORTS)
+def test_every_report_in_json_is_json_alone_on_stdout(tmp_path, command, args, lines):
+    """``--format json`` of every command, run once for real: stdout parses as one JSON
+    document (JSON Lines for run and demo, every line an event), with nothing else on it; the
+    script's own prints are events (run), a model factory's are on stderr (plan, check)."""
+    (tmp_path / "printing.py").write_text(PRINTING_FACTORY)
+    (tmp_path / "train.py").write_text(SCRIPT.replace("STEPS", "2"))
+    if command == "export":
+        (tmp_path / "save.py").write_text(CHECKPOINT_SCRIPT)
+        made = subprocess.run([sys.executable, "save.py", str(tmp_path / "ckpt")], cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                              text=True, timeout=240)
+        assert made.returncode == 0, made.stderr
+    out = plait(*[a.format(tmp=tmp_path) for a in args], "--format", "json", cwd=tmp_path,
+                timeout=500)
+    assert out.returncode in ((0, 1) if command == "doctor" else (0,)), out.stderr
+    if lines:
+        got = events(out.stdout)
+        assert got[-1]["event"] in ("summary", "result"), got[-1]
+    else:
+        assert isinstance(json.loads(out.stdout), (dict, list)), out.stdout[:500]
+    if "printing:factory" in args:  # the factory's prints are on stderr, not lost
+        assert "importing my model" in out.stderr and "building my model" in out.stderr

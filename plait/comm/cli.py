@@ -128,7 +128,8 @@ def comm_worker(rank: int, world: int, plan: Plan | str, model_name: str, steps:
     from ..models import transformer as tfm
 
     torch.set_num_threads(1)
-    run = runtime.init(plan, quiet=True, ledger=ledger)
+    # format given: not the --format of the command that spawned this worker (its sys.argv)
+    run = runtime.init(plan, quiet=True, ledger=ledger, format="text")
     run.ledger_warmup = warmup
     try:
         cfg = tfm.preset(model_name, max_seq_len=max(seq, tfm.preset(model_name).max_seq_len),

@@ -9,13 +9,14 @@ The lead's ``plait/cli.py`` registers it::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from plait.outputs import plot_path
 from plait.plan import Plan
@@ -361,12 +362,19 @@ def write_pareto(path: str, estimates: list[Estimate]) -> None:
 def plan_command(args: argparse.Namespace) -> int:
     """Run ``plait plan``; returns the exit code (0 ok, 1 nothing fits, 2 bad input)."""
     try:
-        return _plan(args)
+        if args.format != "json":
+            return _plan(args, sys.stdout)
+        # stdout is the JSON report alone: what a model factory of the user's prints as it is
+        # imported and built (to be asked about layouts) goes to stderr
+        out = sys.stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            return _plan(args, out)
     except ValueError as exc:
         return command_failed("plan", f"error: {exc}", 2, args.format)
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _plan(args: argparse.Namespace, out: TextIO) -> int:
+    """The command; its JSON report goes to ``out``."""
     from . import constants_for
 
     started = time.perf_counter()  # the header says what "priced in" leaves out
@@ -378,8 +386,9 @@ def _plan(args: argparse.Namespace) -> int:
                              f"YAML whose bf16 peak the efficiency is measured against)")
         cluster = calibrate_accelerator(load_cluster(args.cluster), str(_accelerator()))
         path = save_cluster(cluster, args.profile_out)
-        print(f"wrote {path}: compute efficiency {cluster.extra['compute_efficiency']:.3f} of "
-              f"{cluster.peak('bf16') / 1e12:.0f} TFLOP/s bf16 on {_accelerator()}")
+        _calibrated(args, path, cluster, out,
+                    f"wrote {path}: compute efficiency {cluster.extra['compute_efficiency']:.3f}"
+                    f" of {cluster.peak('bf16') / 1e12:.0f} TFLOP/s bf16 on {_accelerator()}")
         if not args.model:
             return 0
         args.cluster = str(path)
@@ -387,9 +396,11 @@ def _plan(args: argparse.Namespace) -> int:
         from .cpu.probes import calibrate
         cluster = calibrate(world=args.calibrate_world)
         path = save_cluster(cluster, args.profile_out)
-        print(f"wrote {path}: peak {cluster.peak('fp32') / 1e9:.1f} GFLOP/s per process, "
-              f"block efficiency {cluster.extra['compute_efficiency']:.2f}, all-reduce "
-              f"{cluster.intra_bw / 1e9:.2f} GB/s, {cluster.intra_latency * 1e6:.0f} us/step")
+        _calibrated(args, path, cluster, out,
+                    f"wrote {path}: peak {cluster.peak('fp32') / 1e9:.1f} GFLOP/s per process, "
+                    f"block efficiency {cluster.extra['compute_efficiency']:.2f}, all-reduce "
+                    f"{cluster.intra_bw / 1e9:.2f} GB/s, {cluster.intra_latency * 1e6:.0f} "
+                    f"us/step")
         if not args.model:
             return 0
         args.cluster = args.cluster or str(path)
@@ -452,7 +463,7 @@ def _plan(args: argparse.Namespace) -> int:
             if args.format == "json":
                 print(json.dumps({"model": model.name, "cluster": cluster.name,
                                   "devices": cluster.world_size, "plans": [],
-                                  "message": message}, indent=2))
+                                  "message": message}, indent=2), file=out)
             else:
                 print(message)
             return 1
@@ -463,7 +474,7 @@ def _plan(args: argparse.Namespace) -> int:
                               "devices": cluster.world_size, "global_batch": args.global_batch,
                               "seq": seq, "seq_from": seq_from,
                               "seq_read_from": model.max_seq_from or None,
-                              "plans": [estimate_json(est)]}, indent=2))
+                              "plans": [estimate_json(est)]}, indent=2), file=out)
         else:
             if seq_from != "--seq":
                 print(f"{given.describe()}: global batch {args.global_batch} x seq {seq}"
@@ -502,7 +513,7 @@ def _plan(args: argparse.Namespace) -> int:
                           "model_check": asked,
                           "message": None if ranked else
                           explain_nothing_fits(result, model, cluster, work, dtype)},
-                         indent=2))
+                         indent=2), file=out)
         return 0 if ranked else 1
     if not ranked:
         print(explain_nothing_fits(result, model, cluster, work, dtype))
@@ -556,6 +567,20 @@ def _accelerator() -> str | None:
         return None
     acc = torch.accelerator.current_accelerator()
     return acc.type if acc is not None else None
+
+
+def _calibrated(args: argparse.Namespace, path: Path, cluster: Cluster, out: TextIO,
+                line: str) -> None:
+    """Say where ``--calibrate`` wrote the profile: ``line`` on stdout; under ``--format
+    json`` the profile itself as the JSON report when it is the whole answer (no --model),
+    else ``line`` on stderr (stdout is then the plan's one JSON object)."""
+    if args.format != "json":
+        print(line)
+    elif not args.model:
+        print(json.dumps({"profile": str(path), "cluster": cluster.to_yaml_dict()}, indent=2),
+              file=out)
+    else:
+        print(line, file=sys.stderr)
 
 
 def _print_schedule(args: argparse.Namespace, plan: Plan) -> None:
