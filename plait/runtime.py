@@ -1322,10 +1322,10 @@ def _refuse_argv(exc: ValueError, format: str | None) -> NoReturn:
         rank = int(os.environ.get("RANK", "0"))
     except ValueError:
         rank = 0
-    refuse(script_name(), str(exc), json=format == "json", rank=rank)
+    refuse(_script_name(), str(exc), json=format == "json", rank=rank)
 
 
-def script_name() -> str:
+def _script_name() -> str:
     """What the ``command`` of a script's own ``error`` event names: the script's file
     (``train.py``), as the user ran it."""
     return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
@@ -1419,7 +1419,7 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
     if run.format == "json":  # before anything prints: see plait.json_stdout for why
         from .json_stdout import install
 
-        run._json_stdout = install(script_name(), rank)
+        run._json_stdout = install(_script_name(), rank)
     run.progress = Progress(enabled=run.is_main and not quiet, log_every=log_every,
                             tensorboard=tensorboard, events=run.format == "json")
     if checkpointing is not None:
