@@ -543,15 +543,15 @@ def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
 
     from ..auto import layout_check
     from . import constants_for
-    from .whole_model import estimate, excluded, from_factory, rank
+    from .whole_model import estimate, excluded, explain, from_factory, rank
 
     whole, module = from_factory(args.model)
-    check = None
+    check, real = None, None
     if whole.num_params <= ASK_LIMIT:
         real = module if not any(p.is_meta for p in module.parameters()) else \
             build_factory(args.model, "cpu")
         check = layout_check(real, dict_keys=sample_keys(args.model))
-    reasons = excluded(whole, check)
+    reasons = excluded(whole, check, real)
     constants = constants_for(cluster)
     if args.efficiency is not None:
         constants = dataclasses.replace(constants, compute_efficiency=args.efficiency)
@@ -587,6 +587,7 @@ def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
         print(json.dumps({**head, "evaluated": result.evaluated, "fit": result.fit,
                           "rejected": result.rejected,
                           "plans": [estimate_json(e) for e in ranked],
+                          "explain": explain(ranked),
                           "message": None if ranked else _whole_nothing(result)}, indent=2))
         return 0 if ranked else 1
     if not ranked:
@@ -597,6 +598,7 @@ def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
           f"global batch {args.global_batch}, {dtype}: {result.evaluated} layouts priced, "
           f"{result.fit} fit in memory")
     print(format_table(ranked))
+    print("\n".join(explain(ranked)))
     for axis, why in reasons.items():
         print(f"not searched: {axis}: {why}")
     return 0

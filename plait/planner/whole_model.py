@@ -376,7 +376,8 @@ def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c:
         kept = sum(k.input_bytes for k in model.blocks)
         saved = saved - inside + kept + max(k.saved for k in model.blocks)
     acts = saved * b
-    buckets = 2 * c.bucket_bytes if dp > 1 and zero <= 1 else 0.0
+    # DDP's buckets: a copy of the gradients, at most two buckets' worth in flight
+    buckets = min(2 * c.bucket_bytes, 4.0 * P) if dp > 1 and zero <= 1 else 0.0
     memory = params + grad_bytes + optim + copy + acts + buckets + model.buffer_bytes + \
         cluster.reserve_bytes
     return Priced(
@@ -517,15 +518,27 @@ def from_module(model: nn.Module) -> WholeModel:
     return measure(model, _guessed(model), name=type(model).__name__, sample_from="guessed")
 
 
-def excluded(model: WholeModel, check: Callable[[Plan], str | None] | None
-             ) -> dict[str, str]:
-    """Why tensor and pipeline parallelism are not searched for ``model``: what its layers are,
-    and what the model itself refuses of a two-stage pipeline (``check``: :func:`plait.auto.
-    layout_check` of the module, which sees skips across blocks, a whole-dict forward,
-    BatchNorm cut into microbatches, no container of blocks)."""
+def excluded(model: WholeModel, check: Callable[[Plan], str | None] | None,
+             module: nn.Module | None = None) -> dict[str, str]:
+    """Why tensor and pipeline parallelism are not searched for ``model``: what tensor
+    parallelism's plan inference says of ``module``'s layers (which it names), and what the
+    model itself refuses of a two-stage pipeline (``check``: :func:`plait.auto.layout_check` of
+    the module, which sees skips across blocks, a whole-dict forward, BatchNorm cut into
+    microbatches, no container of blocks)."""
     what = " and ".join(model.kinds) or "layers"
-    out = {"tp": f"{model.name}'s {what} are not split by tensor parallelism (plait's layer "
-                 f"plans split the nn.Linear layers of repeated blocks)"}
+    tp = (f"{model.name}'s {what} are not split by tensor parallelism (plait's layer plans "
+          f"split the nn.Linear layers of repeated blocks)")
+    if module is not None:
+        from ..parallel.tp_infer import infer_plan
+
+        try:
+            infer_plan(module)
+        except ValueError as exc:
+            text = str(exc)
+            start = text.find("; its ")
+            if start >= 0:
+                tp = text[start + 2:].split(": train it")[0]
+    out = {"tp": tp}
     pp = check(Plan(pp=2, microbatches=2)) if check is not None else None
     out["pp"] = pp or (f"{model.name} has no stack of repeated matmul blocks whose stages the "
                        f"planner prices; a pipeline is tried by hand with --plan pp=N")
@@ -563,3 +576,24 @@ def rank(model: WholeModel, cluster: Cluster, global_batch: int, *, dtype: str, 
     return SearchResult(ranked=feasible[:max(top, 1)] if top else feasible, evaluated=evaluated,
                         seconds=time.perf_counter() - start, rejected=rejected, closest=closest,
                         fit=len(feasible))
+
+
+def explain(ranked: list[Any]) -> list[str]:
+    """A few lines on where the best layout's step goes and what each other one adds."""
+    if not ranked:
+        return []
+    best = ranked[0]
+    tb = best.time_breakdown
+    comm = tb["dp_grad_exposed"] + tb["param_gather_exposed"] + tb["buffers_broadcast"]
+    out = [f"{best.plan.describe()}: step {best.step_time_s * 1e3:.3g} ms = compute "
+           f"{tb['compute'] * 1e3:.3g} ms (recompute {tb['recompute'] * 1e3:.3g}) + exposed "
+           f"data-parallel traffic {comm * 1e3:.3g} ms + sync_bn {tb['sync_bn'] * 1e3:.3g} ms "
+           f"+ optimizer {tb['optimizer'] * 1e3:.3g} ms; "
+           f"{best.memory_bytes_per_device / 2**20:,.1f} MiB per rank"]
+    for other in ranked[1:4]:
+        slower = other.step_time_s / best.step_time_s - 1
+        saved = best.memory_bytes_per_device - other.memory_bytes_per_device
+        out.append(f"  beats {other.plan.describe()} by {slower:.1%}"
+                   + (f" (which holds {saved / 2**20:,.1f} MiB less per rank)" if saved > 0
+                      else ""))
+    return out
