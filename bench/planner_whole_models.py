@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from plait.planner import constants_for, load_cluster  # noqa: E402
-from plait.planner.whole_model import from_factory, rank  # noqa: E402
+from plait.planner import constants_for, load_cluster
+from plait.planner.whole_model import from_factory, rank
 
 MODELS = ("resnet", "lstm_lm")
 
@@ -116,8 +116,9 @@ def main() -> int:
         print(f"{name}: predicted order {' > '.join(r['plan'] for r in by_pred)}")
         print(f"{name}: measured order  {' > '.join(r['plan'] for r in by_meas)}")
     errors = [abs(r["time_ratio"] - 1) for r in out]
-    print(f"median |time error| {statistics.median(errors):.0%}, worst "
-          f"{max(errors):.0%}; bytes ratios {sorted({round(r['bytes_ratio'] or 0, 3) for r in out})}")
+    ratios = sorted({round(r["bytes_ratio"] or 0, 3) for r in out})
+    print(f"median |time error| {statistics.median(errors):.0%}, worst {max(errors):.0%}; "
+          f"bytes ratios {ratios}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": out, "order": ranks}, indent=2))
     return 0
