@@ -118,7 +118,7 @@ def _choose_data_parallel(model: nn.Module, request: AutoRequest, sync_bn: bool
     (:mod:`plait.planner.whole_model`) on a guessed input; plain DDP, said so, where no input
     can be guessed. Tensor and pipeline parallelism are left out with the model's reasons."""
     from .planner import constants_for, load_cluster
-    from .planner.whole_model import excluded, explain, from_module, rank
+    from .planner.whole_model import excluded, explain, from_module, nothing_fits, rank
 
     name = type(model).__name__
     try:
@@ -133,10 +133,8 @@ def _choose_data_parallel(model: nn.Module, request: AutoRequest, sync_bn: bool
     dtype = "fp32" if cluster.device == "cpu" else "bf16"
     result = rank(whole, cluster, batch, dtype=dtype, c=constants_for(cluster), top=0)
     if result.best is None:
-        near = result.closest
-        raise ValueError(f"plan='auto': no data-parallel layout of {name} fits "
-                         f"{request.world_size} x {cluster.name}"
-                         + (f"; nearest: {near.plan.to_string()} {near.reason}" if near else ""))
+        raise ValueError(f"plan='auto' for {name} on {request.world_size} x {cluster.name}: "
+                         + nothing_fits(result))
     plan = result.best.plan.validate(request.world_size)
     batch_from = "" if request.global_batch else (
         f" ({ROWS_PER_RANK} rows per rank; plait.init(global_batch=N) for yours)")

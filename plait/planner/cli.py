@@ -543,7 +543,7 @@ def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
 
     from ..auto import layout_check
     from . import constants_for
-    from .whole_model import estimate, excluded, explain, from_factory, rank
+    from .whole_model import estimate, excluded, explain, from_factory, nothing_fits, rank
 
     whole, module = from_factory(args.model)
     check, real = None, None
@@ -588,10 +588,10 @@ def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
                           "rejected": result.rejected,
                           "plans": [estimate_json(e) for e in ranked],
                           "explain": explain(ranked),
-                          "message": None if ranked else _whole_nothing(result)}, indent=2))
+                          "message": None if ranked else nothing_fits(result)}, indent=2))
         return 0 if ranked else 1
     if not ranked:
-        print(_whole_nothing(result))
+        print(nothing_fits(result))
         return 1
     print(f"{whole.name} ({_count(whole.num_params)} parameters, no stack of repeated matmul "
           f"blocks: data-parallel layouts only) on {cluster.world_size} x {cluster.name}, "
@@ -602,14 +602,6 @@ def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
     for axis, why in reasons.items():
         print(f"not searched: {axis}: {why}")
     return 0
-
-
-def _whole_nothing(result: SearchResult) -> str:
-    """Why no data-parallel layout of a model without blocks runs: the one nearest to fitting."""
-    near = result.closest
-    why = ", ".join(f"{k} ({n})" for k, n in sorted(result.rejected.items()))
-    return ("no data-parallel layout fits: " + why
-            + (f"; nearest: {near.plan.to_string()} {near.reason}" if near else ""))
 
 
 # The largest factory model ``plait plan`` builds on the host to ask it about layouts (fp32:

@@ -597,3 +597,11 @@ def explain(ranked: list[Any]) -> list[str]:
                    + (f" (which holds {saved / 2**20:,.1f} MiB less per rank)" if saved > 0
                       else ""))
     return out
+
+
+def nothing_fits(result: Any) -> str:
+    """Why no data-parallel layout runs (a :func:`rank` result): the one nearest to fitting."""
+    near = result.closest
+    why = ", ".join(f"{k} ({n})" for k, n in sorted(result.rejected.items()))
+    return ("no data-parallel layout fits: " + why
+            + (f"; nearest: {near.plan.to_string()} {near.reason}" if near else ""))
