@@ -139,7 +139,8 @@ def _choose_data_parallel(model: nn.Module, request: AutoRequest, sync_bn: bool
     batch_from = "" if request.global_batch else (
         f" ({ROWS_PER_RANK} rows per rank; plait.init(global_batch=N) for yours)")
     why = [f"plait: plan 'auto' for {name} on {request.world_size} x {cluster.name} (global "
-           f"batch {batch}{batch_from}, measured on a guessed input "
+           f"batch {batch}{batch_from}; no stack of repeated blocks for tensor or pipeline "
+           f"parallelism to split: data-parallel layouts ranked, measured on a guessed input "
            f"{whole.sample_shape}): {plan.to_string()}"]
     why += ["  " + line for line in explain(result.ranked)]
     why += [f"  not searched: {axis}: {reason}"
