@@ -457,10 +457,15 @@ def estimate(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int,
                      f"{model.sample_shape or '(dict)'}: {model.flops_per_sample / 1e6:.3g} "
                      f"MFLOP forward and {model.saved_per_sample / 2**10:.3g} KiB saved for "
                      f"backward per sample")
+    if model.batchnorm and plan.dp > 1 and not plan.sync_bn:
+        est.notes.append(f"BatchNorm {model.batchnorm[0][0]} normalises each rank's rows with "
+                         f"their own statistics: add sync_bn to train what one device trains "
+                         f"(priced: '{plan.replace(sync_bn=True).to_string()}')")
     if plan.sync_bn:
         est.notes.append(f"sync_bn: 4 fp32 all-reduces per step for each of the "
-                         f"{len(model.batchnorm)} BatchNorm layers (plait's own on the CPU; "
-                         f"torch's SyncBatchNorm on CUDA moves about the same bytes)")
+                         f"{len(model.batchnorm)} BatchNorm layers, as plait's own sync_bn "
+                         f"issues them off CUDA; on CUDA torch's SyncBatchNorm gathers the "
+                         f"statistics instead, priced here the same")
     if got.memory > cluster.memory_bytes:
         est.reason = (f"needs {got.memory / 2**30:.1f} GiB per device (of which activations "
                       f"{got.memory_breakdown['activations'] / 2**30:.1f} GiB), has "
