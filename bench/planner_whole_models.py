@@ -106,17 +106,34 @@ def main() -> int:
                   f"{step * 1e3:8.2f} {row['time_ratio']:6.2f}  {wire / 1024:9.1f} "
                   f"{meas / 1024:9.1f} {ratio:>6}  {calls:g}/{row['predicted_calls']}",
                   flush=True)
+    # The compute alone: one process on one rank's rows, beside the prediction's compute and
+    # optimizer terms (what the step would be without any collective).
+    per_rank = args.batch // args.world
+    single = load_cluster(args.cluster, devices=1)
+    for name in MODELS:
+        whole, _ = from_factory(f"tests._any_models:{name}")
+        est = rank(whole, single, per_rank, dtype="fp32", c=constants_for(single), top=1).best
+        got = run_distributed(worker, 1, name, "dp=1", per_rank, args.steps, timeout=600)[0]
+        step = statistics.median(got["times"])
+        out.append({"model": name, "plan": "single", "predicted_s": est.step_time_s,
+                    "measured_s": step, "time_ratio": step / est.step_time_s,
+                    "predicted_payload_bytes": 0.0, "measured_payload_bytes": 0.0,
+                    "bytes_ratio": None, "predicted_calls": 0, "measured_calls": 0,
+                    "time_breakdown": est.time_breakdown})
+        print(f"{name:8} {'1 process, ' + str(per_rank) + ' rows':28} "
+              f"{est.step_time_s * 1e3:8.2f} {step * 1e3:8.2f} {step / est.step_time_s:6.2f}  "
+              f"(compute and optimizer alone)", flush=True)
     ranks = {}
     for name in MODELS:
-        rows = [r for r in out if r["model"] == name]
+        rows = [r for r in out if r["model"] == name and r["plan"] != "single"]
         by_pred = sorted(rows, key=lambda r: r["predicted_s"])
         by_meas = sorted(rows, key=lambda r: r["measured_s"])
         ranks[name] = {"predicted_order": [r["plan"] for r in by_pred],
                        "measured_order": [r["plan"] for r in by_meas]}
         print(f"{name}: predicted order {' > '.join(r['plan'] for r in by_pred)}")
         print(f"{name}: measured order  {' > '.join(r['plan'] for r in by_meas)}")
-    errors = [abs(r["time_ratio"] - 1) for r in out]
-    ratios = sorted({round(r["bytes_ratio"] or 0, 3) for r in out})
+    errors = [abs(r["time_ratio"] - 1) for r in out if r["plan"] != "single"]
+    ratios = sorted({round(r["bytes_ratio"] or 0, 3) for r in out if r["plan"] != "single"})
     print(f"median |time error| {statistics.median(errors):.0%}, worst {max(errors):.0%}; "
           f"bytes ratios {ratios}")
     if args.json:
