@@ -350,10 +350,19 @@ def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c:
     other = sum(v for k, v in times.items()
                 if k not in ("grads", "params", "params (ZeroRedundancyOptimizer)",
                              "sync_bn statistics"))
+    # FSDP2's host cost per unit beyond its collectives (a calibrated CPU profile's
+    # fsdp_unit_s per unit and micro-step, fsdp_reduce_s per reducing unit, fsdp_regather_s
+    # per ZeRO-3 block gathered again in backward; 0 on the accelerator presets), as the
+    # block cost model charges them (plait.planner.pipeline, plait.planner.traffic)
+    fsdp_host = 0.0
+    if zero >= 2 and S > 1:
+        blocks = sum(1 for u in model.units if not u.root)
+        fsdp_host = (c.fsdp_unit_s + c.fsdp_reduce_s) * len(model.units) + \
+            (c.fsdp_regather_s * blocks if zero == 3 else 0.0)
     owned = model.params / (S if zero >= 1 else 1)
     optimizer = owned * 16 * 2 / cluster.hbm_bw + model.param_tensors * (
         c.dtensor_step_s if zero >= 2 else c.tensor_step_s)
-    step = compute + exposed_grads + exposed_gathers + sync_bn + other + optimizer
+    step = compute + fsdp_host + exposed_grads + exposed_gathers + sync_bn + other + optimizer
 
     P = model.params
     ab = act_dtype_bytes(plan.mixed_precision)
@@ -387,6 +396,7 @@ def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c:
                           "model_buffers": float(model.buffer_bytes),
                           "reserve": cluster.reserve_bytes},
         time_breakdown={"compute": compute, "recompute": replay * b / rate,
+                        "fsdp_host": fsdp_host,
                         "dp_grad_total": grads, "dp_grad_exposed": exposed_grads,
                         "param_gather": gathers, "param_gather_exposed": exposed_gathers,
                         "sync_bn": sync_bn, "buffers_broadcast": other,
