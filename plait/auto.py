@@ -83,12 +83,7 @@ def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
     try:
         stats = load_model(model)
     except NoBlockStackError:
-        # Data parallelism needs no blocks: each rank runs the whole model on its rows.
-        plan = Plan(dp_replicate=request.world_size, sync_bn=sync_bn)
-        return plan, [f"plait: plan 'auto' for {type(model).__name__} on {request.world_size} "
-                      f"ranks: {plan.to_string()} ({type(model).__name__} has no stack of "
-                      f"repeated blocks for tensor or pipeline parallelism to split, so data "
-                      f"parallelism it is; the planner did not price it)"]
+        return _choose_data_parallel(model, request, sync_bn)
     seq = request.seq or stats.max_seq or DEFAULT_SEQ
     batch = request.global_batch or ROWS_PER_RANK * request.world_size
     cluster = cluster_for(request)
@@ -113,6 +108,43 @@ def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
     why += ["  " + line for line in explain_winner(result.ranked, resized)]
     why += [f"  skipped {n} faster layout{'s' * (n > 1)}: {kind}"
             for kind, n in sorted(result.rejected.items()) if kind.startswith("refused by")]
+    return plan, why
+
+
+def _choose_data_parallel(model: nn.Module, request: AutoRequest, sync_bn: bool
+                          ) -> tuple[Plan, list[str]]:
+    """The best data-parallel layout of a model without a stack of repeated matmul blocks (a
+    ConvNet, an LSTM), ranked from its measured FLOPs, saved bytes and traffic
+    (:mod:`plait.planner.whole_model`) on a guessed input; plain DDP, said so, where no input
+    can be guessed. Tensor and pipeline parallelism are left out with the model's reasons."""
+    from .planner import constants_for, load_cluster
+    from .planner.whole_model import excluded, explain, from_module, nothing_fits, rank
+
+    name = type(model).__name__
+    try:
+        whole = from_module(model)
+    except ValueError as exc:
+        plan = Plan(dp_replicate=request.world_size, sync_bn=sync_bn)
+        return plan, [f"plait: plan 'auto' for {name} on {request.world_size} ranks: "
+                      f"{plan.to_string()} (no stack of repeated blocks for tensor or pipeline "
+                      f"parallelism to split, so data parallelism; not priced: {exc})"]
+    cluster = load_cluster(cluster_for(request), devices=request.world_size)
+    batch = request.global_batch or ROWS_PER_RANK * request.world_size
+    dtype = "fp32" if cluster.device == "cpu" else "bf16"
+    result = rank(whole, cluster, batch, dtype=dtype, c=constants_for(cluster), top=0)
+    if result.best is None:
+        raise ValueError(f"plan='auto' for {name} on {request.world_size} x {cluster.name}: "
+                         + nothing_fits(result))
+    plan = result.best.plan.validate(request.world_size)
+    batch_from = "" if request.global_batch else (
+        f" ({ROWS_PER_RANK} rows per rank; plait.init(global_batch=N) for yours)")
+    why = [f"plait: plan 'auto' for {name} on {request.world_size} x {cluster.name} (global "
+           f"batch {batch}{batch_from}; no stack of repeated blocks for tensor or pipeline "
+           f"parallelism to split: data-parallel layouts ranked, measured on a guessed input "
+           f"{whole.sample_shape}): {plan.to_string()}"]
+    why += ["  " + line for line in explain(result.ranked)]
+    why += [f"  not searched: {axis}: {reason}"
+            for axis, reason in excluded(whole, layout_check(model), model).items()]
     return plan, why
 
 

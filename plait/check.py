@@ -750,6 +750,7 @@ def check(plan: Plan | str, cfg: CheckConfig | None = None, *, tolerance: float 
     plan = Plan.load(plan)
     cfg = cfg or CheckConfig()
     _refuse_unfit(plan, cfg)
+    _refuse_pipeline(plan, cfg)
     stages = Stages(3, progress, "plait check")
     finished = False
     try:
@@ -783,6 +784,39 @@ def _refuse_unfit(plan: Plan, cfg: CheckConfig) -> None:
             f"--global-batch={cfg.batch_size} does not split over {plan.dp} data-parallel "
             f"replica(s) x grad_accum={plan.grad_accum}{micro} = {parts}: use a multiple of "
             f"{parts}, e.g. --global-batch {parts * max(1, cfg.batch_size // parts)}")
+
+
+def _refuse_pipeline(plan: Plan, cfg: CheckConfig) -> None:
+    """A pipeline the user's model cannot be cut into (no container of blocks, skips that
+    cross the blocks as a U-Net's do, a forward that takes the whole dict batch) is refused
+    here, before any process starts, with the cause the planner names for it
+    (:func:`plait.auto.layout_check`'s pipeline part), not at the first step of a stage."""
+    if plan.pp < 2 or cfg.factory is None:
+        return
+    from .planner.model_stats import build_factory
+
+    try:
+        model = build_factory(cfg.factory, "cpu")
+    except ValueError:
+        return  # the ranks build it again and say why it fails
+    # the pipeline's own refusals only: BatchNorm cut into microbatches is trained and shown
+    # beside one device (a FAIL that says why), not refused
+    why = _pipeline_only(model, plan, cfg.factory)
+    if why is not None:
+        raise ValueError(f"--model {cfg.factory} cannot run {plan.to_string()}: {why}")
+
+
+def _pipeline_only(model: torch.nn.Module, plan: Plan, spec: str) -> str | None:
+    """The pipeline's refusal of ``plan`` for ``model`` without the BatchNorm one."""
+    from .dict_batch import signature_of, whole_dict_parameter
+    from .parallel.pipeline import pp_refusal, whole_dict_refusal
+    from .planner.model_stats import sample_keys
+
+    keys = sample_keys(spec)
+    whole = whole_dict_parameter(signature_of(model.forward), keys) if keys is not None else None
+    if whole is not None:
+        return whole_dict_refusal(type(model).__name__, whole, keys)
+    return pp_refusal(model, plan)
 
 
 # ---------------------------------------------------------------------------------------- CLI

@@ -229,7 +229,7 @@ GRID = {
     ("unet", "dp=2"): "ok",
     ("unet", "dp_shard=2,zero=3"): "ok",
     ("unet", "tp=2"): "its convolutions (downs.0.conv.0",
-    ("unet", "pp=2"): "pipeline stage 1 runs UNet's forward with the hidden states",
+    ("unet", "pp=2"): "a skip connection across the blocks of ups",  # before any process
     ("module_dict", "dp=2"): "ok",
     ("module_dict", "dp_shard=2,zero=3"): "ok",
     ("module_dict", "tp=2"): "ok",
@@ -243,7 +243,7 @@ def test_every_model_under_every_layout_trains_as_one_device_or_is_refused(model
     want = GRID[model, plan]
     try:
         result = _check(model, plan)
-    except WorkerError as exc:
+    except (WorkerError, ValueError) as exc:  # ValueError: refused before any process starts
         assert want != "ok" and want in str(exc), str(exc)[-2000:]
         return
     if want == "ok":

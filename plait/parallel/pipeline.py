@@ -1134,6 +1134,9 @@ def pp_refusal(model: nn.Module, plan: Plan,
             check_schedule_args(plan.pp_schedule, plan.pp, plan.microbatches,
                                 plan.virtual_stages)
             path, specs = plan_stages(model, plan, chains)
+            crossed = _side_input(model, path)
+            if crossed is not None:
+                return crossed
             for spec in specs:
                 build_stage_module(model, path, spec)
             owner = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
@@ -1144,6 +1147,28 @@ def pp_refusal(model: nn.Module, plan: Plan,
     except ValueError as exc:
         return str(exc).split("; ")[0]
     return None
+
+
+def _side_input(model: nn.Module, path: str) -> str | None:
+    """Why a block of ``path`` cannot start a pipeline stage: it takes a second tensor the
+    forward computed before it (:func:`~plait.parallel.pipeline_chain.side_input`), which a
+    later stage is never sent; None where none is seen (or no input can be guessed)."""
+    from .pipeline_chain import meta_replica, side_input
+    from .tp_example import example_input
+
+    example = example_input(model)
+    replica = meta_replica(model) if example is not None else None
+    if example is None or replica is None:
+        return None
+    found = side_input(replica, path, example.to("meta"), {})
+    if found is None:
+        return None
+    block, position = found
+    return (f"{block} takes a tensor the forward computed before it as its argument "
+            f"{position + 1} (a skip connection across the blocks of "
+            f"{path or type(model).__name__}, as a U-Net's decoder takes the encoder's "
+            f"output), and a pipeline stage is sent only the previous stage's output: run "
+            f"with pp=1 (data parallelism, dp_shard=N,zero=3 to shard its state)")
 
 
 def refuse_split_backward_temperature(model: nn.Module, plan: Plan) -> None:

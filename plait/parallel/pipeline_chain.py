@@ -249,3 +249,39 @@ def unchained_message(model_name: str, where: str, pair: tuple[str, str]) -> str
             f"blocks each fed by the one before: name such a sequence (the container of the "
             f"model's layers) with options.pp_blocks, or run with pp=1 (dp_shard/zero or tp "
             f"split the experts instead)")
+
+
+def side_input(replica: nn.Module, path: str, x: Any, kwargs: dict[str, Any]
+               ) -> tuple[str, int] | None:
+    """The first block at ``path`` of ``replica`` (a :func:`meta_replica`) that one forward on
+    ``x`` calls with a tensor beyond its first positional argument that the forward computed
+    from trainable parameters (a U-Net's decoder block given the encoder's output: a skip that
+    crosses every block between them), as (its name, the argument's position); None when no
+    block is (or the forward cannot run on meta). A pipeline stage receives only the previous
+    stage's output, so a stage that does not hold the module that computed such a tensor
+    never has it. Keyword arguments are not asked about: those of the model's own input reach
+    every stage, and a cross-attention's encoder states go by keyword in the models plait
+    pipelines."""
+    names, blocks = _distinct_blocks(replica, path)
+    found: list[tuple[str, int]] = []
+
+    def pre(name: str, _m: nn.Module, args: tuple) -> None:
+        if found:
+            return
+        for i, a in enumerate(args[1:], 1):
+            if isinstance(a, torch.Tensor) and a.grad_fn is not None:
+                found.append((name, i))
+                return
+
+    prefix = f"{path}." if path else ""
+    handles = [b.register_forward_pre_hook(partial(pre, prefix + n))
+               for n, b in zip(names, blocks, strict=True)]
+    try:
+        with torch.enable_grad(), _data_dependent_on_meta():
+            replica(x, **kwargs)
+    except Exception:  # noqa: BLE001 - not runnable on meta: no verdict
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None

@@ -18,7 +18,7 @@ from plait.plan import Plan
 from .cost import DEFAULT_CONSTANTS, Constants, Estimate, Workload, evaluate
 from .cpu.overheads import CPU_PROFILE, HostOverheads
 from .hardware import Cluster, load_cluster, presets
-from .model_stats import ModelStats, load_model
+from .model_stats import ModelStats, NoBlockStackError, load_model
 from .search import SearchResult, search
 
 __all__ = ["auto_plan", "plan_model", "evaluate_plan", "constants_for", "CALIBRATED_KEYS",
@@ -76,7 +76,11 @@ def plan_model(model: Any, cluster: Any = "cpu", *, world_size: int | None = Non
                layout_check: Callable[[Plan], str | None] | None = None) -> SearchResult:
     """Search layouts for ``model`` on ``cluster`` (resized to ``world_size`` devices);
     ``layout_check`` as in :func:`plait.planner.search.search`."""
-    stats, c = _resolve(model, cluster, world_size)
+    try:
+        stats, c = _resolve(model, cluster, world_size)
+    except NoBlockStackError:
+        # a ConvNet, an RNN: its data-parallel layouts, from measured facts
+        return _whole_model(model, cluster, world_size, global_batch, dtype, top, constants)
     seq = seq or stats.max_seq
     if seq is None:
         raise ValueError("seq is required (the model does not say its sequence length)")
@@ -94,6 +98,19 @@ def plan_model(model: Any, cluster: Any = "cpu", *, world_size: int | None = Non
     return result
 
 
+def _whole_model(model: Any, cluster: Any, world_size: int | None, global_batch: int,
+                 dtype: str | None, top: int, constants: Constants | None) -> SearchResult:
+    """``plan_model`` for a model without a stack of repeated matmul blocks
+    (:mod:`plait.planner.whole_model`): a factory measured on its dataset's first sample, a
+    module on a guessed input."""
+    from .whole_model import from_factory, from_module, rank
+
+    whole = from_factory(model)[0] if isinstance(model, str) else from_module(model)
+    c = load_cluster(cluster, devices=world_size) if world_size else load_cluster(cluster)
+    return rank(whole, c, global_batch, dtype=dtype or ("fp32" if c.device == "cpu" else "bf16"),
+                c=constants or constants_for(c), top=top)
+
+
 def auto_plan(model: Any, world_size: int, cluster: Any = "cpu", *, global_batch: int,
               seq: int | None = None, dtype: str | None = None,
               constants: Constants | None = None) -> Plan:
@@ -103,9 +120,21 @@ def auto_plan(model: Any, world_size: int, cluster: Any = "cpu", *, global_batch
                         seq=seq, dtype=dtype, top=1, constants=constants)
     if result.best is None:
         from .cli import explain_nothing_fits
+        if not _has_blocks(model):
+            from .whole_model import nothing_fits
+            raise ValueError(nothing_fits(result))
         raise ValueError(explain_nothing_fits(result, load_model(model),
                                               load_cluster(cluster, devices=world_size)))
     return result.best.plan.validate(world_size)
+
+
+def _has_blocks(model: Any) -> bool:
+    """Whether the planner prices ``model`` by its blocks (not :mod:`.whole_model`)."""
+    try:
+        load_model(model)
+    except NoBlockStackError:
+        return False
+    return True
 
 
 def evaluate_plan(plan: Plan | str, model: Any, cluster: Any = "cpu", *,

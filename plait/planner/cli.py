@@ -24,7 +24,13 @@ from plait.plan import Plan
 from ..outputs import add_format, command_failed
 from .cost import Estimate, Workload, evaluate
 from .hardware import GB, Cluster, load_cluster, presets, save_cluster
-from .model_stats import ModelStats, build_factory, load_model, sample_keys
+from .model_stats import (
+    ModelStats,
+    NoBlockStackError,
+    build_factory,
+    load_model,
+    sample_keys,
+)
 from .search import MIN_CP_TOKENS, SearchResult, cp_searched, divisors, search
 from .uncertainty import with_uncertainty
 
@@ -428,7 +434,12 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     # code hands attention (a rotary embedding in fp32 promotes the keys): read off a factory's
     # forward pass, as the ledger reads them
     half = (given.mixed_precision if given is not None else dtype) != "fp32"
-    model = load_model(args.model, attention_dtypes=half)
+    try:
+        model = load_model(args.model, attention_dtypes=half)
+    except NoBlockStackError:
+        if not isinstance(args.model, str) or ":" not in args.model:
+            raise
+        return _plan_whole(args, cluster, dtype, given)
     # The sequence priced: --seq, else what the factory's dataset holds (what training runs),
     # else the model's maximum (a Hugging Face config's max_position_embeddings).
     seq, seq_from = next(((value, source) for value, source in (
@@ -531,6 +542,76 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     _print_schedule(args, ranked[0].plan)
     if args.pareto:
         print(f"Pareto plot: {args.pareto}")
+    return 0
+
+
+def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
+                given: Plan | None) -> int:
+    """``plait plan`` for a factory model without a stack of repeated matmul blocks (a ConvNet,
+    an LSTM): its data-parallel layouts ranked from measured facts
+    (:mod:`plait.planner.whole_model`), tp and pp left out with the model's reasons."""
+    import dataclasses
+
+    from ..auto import layout_check
+    from . import constants_for
+    from .whole_model import estimate, excluded, explain, from_factory, nothing_fits, rank
+
+    whole, module = from_factory(args.model)
+    check, real = None, None
+    if whole.num_params <= ASK_LIMIT:
+        real = module if not any(p.is_meta for p in module.parameters()) else \
+            build_factory(args.model, "cpu")
+        check = layout_check(real, dict_keys=sample_keys(args.model))
+    reasons = excluded(whole, check, real)
+    constants = constants_for(cluster)
+    if args.efficiency is not None:
+        constants = dataclasses.replace(constants, compute_efficiency=args.efficiency)
+    head = {"model": whole.name, "cluster": cluster.name, "devices": cluster.world_size,
+            "global_batch": args.global_batch, "kind": "data parallelism only",
+            "measured": {"params": whole.num_params, "buffer_bytes": whole.buffer_bytes,
+                         "forward_flops_per_sample": whole.flops_per_sample,
+                         "saved_bytes_per_sample": whole.saved_per_sample,
+                         "sample_shape": list(whole.sample_shape),
+                         "sample_from": whole.sample_from,
+                         "batchnorm_layers": len(whole.batchnorm),
+                         "checkpointed_blocks": [b.name for b in whole.blocks]},
+            "excluded": reasons}
+    if given is not None:
+        if given.tp > 1 or given.pp > 1:
+            axis = "tp" if given.tp > 1 else "pp"
+            message = f"{args.model} refuses {given.to_string()}: {reasons[axis]}"
+            print(json.dumps({**head, "plans": [], "message": message}, indent=2)
+                  if args.format == "json" else message)
+            return 1
+        est = estimate(whole, given, cluster, args.global_batch, constants)
+        if args.format == "json":
+            print(json.dumps({**head, "plans": [estimate_json(est)]}, indent=2))
+        else:
+            if est.step_time_s < math.inf:
+                print(format_table([est]))
+            if not est.feasible:
+                print(f"does not fit / cannot run: {est.reason}")
+        return 0 if est.feasible else 1
+    result = rank(whole, cluster, args.global_batch, dtype=dtype, c=constants, top=args.top)
+    ranked = result.ranked
+    if args.format == "json":
+        print(json.dumps({**head, "evaluated": result.evaluated, "fit": result.fit,
+                          "rejected": result.rejected,
+                          "plans": [estimate_json(e) for e in ranked],
+                          "explain": explain(ranked),
+                          "message": None if ranked else nothing_fits(result)}, indent=2))
+        return 0 if ranked else 1
+    if not ranked:
+        print(nothing_fits(result))
+        return 1
+    print(f"{whole.name} ({_count(whole.num_params)} parameters, no stack of repeated matmul "
+          f"blocks: data-parallel layouts only) on {cluster.world_size} x {cluster.name}, "
+          f"global batch {args.global_batch}, {dtype}: {result.evaluated} layouts priced, "
+          f"{result.fit} fit in memory")
+    print(format_table(ranked))
+    print("\n".join(explain(ranked)))
+    for axis, why in reasons.items():
+        print(f"not searched: {axis}: {why}")
     return 0
 
 

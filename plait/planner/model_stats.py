@@ -445,7 +445,8 @@ def _hf_experts(data: Mapping[str, Any], name: str, h: int, gated: bool
 class NoBlockStackError(ValueError):
     """The model has no stack of repeated blocks, or none with matmuls (a ConvNet's): nothing
     for tensor or pipeline parallelism to split, and nothing the planner's per-block cost
-    model can price. ``plan="auto"`` then takes data parallelism, which needs no blocks."""
+    model can price. ``plait plan``, ``plan_model`` and ``plan="auto"`` then rank its
+    data-parallel layouts from measured facts instead (:mod:`plait.planner.whole_model`)."""
 
 
 # What a user of ``plait plan`` does with a model the planner cannot price.

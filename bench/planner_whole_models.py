@@ -1,0 +1,145 @@
+"""How far the planner's prices for models without blocks (a ResNet, an LSTM) are from this CPU.
+
+    python bench/planner_whole_models.py [--world 2] [--steps 12] [--batch 32] [--cluster cpu]
+
+For each data-parallel layout the planner ranks for the ResNet and the LSTM language model of
+tests/_any_models.py (DDP, ZeRO-1/2/3; sync_bn for the ResNet's BatchNorm), train a few steps
+through plait's runtime (plait.init / run.parallelize / run.step, gloo, ``--world`` processes)
+with the ledger on, and print beside the prediction: step time (median of the steps after two
+warm-up steps), bytes per step as the ledger measured them (payload per rank, all axes) and
+the collective calls, with ratios measured / predicted. The bytes are the ledger's own formula
+applied to measured facts of the model, so they should match to the byte; the times rest on
+the cluster profile (``--cluster``: a preset, or the YAML ``plait plan --calibrate`` writes),
+whose compute efficiency was fitted on transformer matmuls, not convolutions or LSTM cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from plait.planner import constants_for, load_cluster
+from plait.planner.whole_model import from_factory, rank
+
+MODELS = ("resnet", "lstm_lm")
+
+
+def worker(rank_: int, world: int, name: str, plan: str, batch: int, steps: int) -> dict:
+    """Train factory ``name`` under ``plan``: per-step seconds and the ledger's bytes."""
+    import torch
+    from torch.utils.data import default_collate
+
+    from plait.runtime import init
+    from tests import _any_models as A
+
+    torch.manual_seed(0)
+    model, data, loss_fn = getattr(A, name)()
+    run = init(plan, quiet=True, ledger=True)
+    run.ledger_warmup = 2
+    try:
+        model = run.parallelize(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        per = batch // run.dp_size
+        times = []
+        for step in range(steps):
+            rows = default_collate([data[(step * batch + i) % len(data)] for i in range(batch)])
+            mine = [t[run.dp_rank * per:(run.dp_rank + 1) * per] for t in rows]
+            start = time.perf_counter()
+            run.step(model, mine, loss_fn, opt)
+            times.append(time.perf_counter() - start)
+        comm = run.summary()["comm"]
+    finally:
+        run.close()
+    return {"times": times[2:], "comm": comm}
+
+
+def measured_bytes(comm: dict) -> tuple[float, float]:
+    """(payload bytes per rank per step, collective calls per step) over the ledger's rows."""
+    rows = comm.get("rows") or []
+    return (sum(r["payload_bytes"] for r in rows), sum(r["count"] for r in rows))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--cluster", default="cpu")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from plait.spawn import run_distributed
+
+    cluster = load_cluster(args.cluster, devices=args.world)
+    constants = constants_for(cluster)
+    out = []
+    print(f"{args.world} x {cluster.name} (gloo), global batch {args.batch}, "
+          f"{args.steps - 2} timed steps; ratio = measured / predicted")
+    print(f"{'model':8} {'layout':28} {'pred ms':>8} {'meas ms':>8} {'ratio':>6}  "
+          f"{'pred KiB':>9} {'meas KiB':>9} {'ratio':>6}  calls")
+    for name in MODELS:
+        whole, _ = from_factory(f"tests._any_models:{name}")
+        result = rank(whole, cluster, args.batch, dtype="fp32", c=constants, top=0)
+        for est in result.ranked:
+            plan = est.plan.to_string()
+            got = run_distributed(worker, args.world, name, plan, args.batch, args.steps,
+                                  timeout=600)[0]
+            step = statistics.median(got["times"])
+            wire = sum(t.payload for t in est.traffic)
+            meas, calls = measured_bytes(got["comm"])
+            row = {"model": name, "plan": plan, "predicted_s": est.step_time_s,
+                   "measured_s": step, "time_ratio": step / est.step_time_s,
+                   "predicted_payload_bytes": wire, "measured_payload_bytes": meas,
+                   "bytes_ratio": meas / wire if wire else None,
+                   "predicted_calls": sum(t.calls for t in est.traffic),
+                   "measured_calls": calls, "time_breakdown": est.time_breakdown}
+            out.append(row)
+            ratio = f"{row['bytes_ratio']:.3f}" if row["bytes_ratio"] else "-"
+            print(f"{name:8} {est.plan.describe():28} {est.step_time_s * 1e3:8.2f} "
+                  f"{step * 1e3:8.2f} {row['time_ratio']:6.2f}  {wire / 1024:9.1f} "
+                  f"{meas / 1024:9.1f} {ratio:>6}  {calls:g}/{row['predicted_calls']}",
+                  flush=True)
+    # The compute alone: one process on one rank's rows, beside the prediction's compute and
+    # optimizer terms (what the step would be without any collective).
+    per_rank = args.batch // args.world
+    single = load_cluster(args.cluster, devices=1)
+    for name in MODELS:
+        whole, _ = from_factory(f"tests._any_models:{name}")
+        est = rank(whole, single, per_rank, dtype="fp32", c=constants_for(single), top=1).best
+        got = run_distributed(worker, 1, name, "dp=1", per_rank, args.steps, timeout=600)[0]
+        step = statistics.median(got["times"])
+        out.append({"model": name, "plan": "single", "predicted_s": est.step_time_s,
+                    "measured_s": step, "time_ratio": step / est.step_time_s,
+                    "predicted_payload_bytes": 0.0, "measured_payload_bytes": 0.0,
+                    "bytes_ratio": None, "predicted_calls": 0, "measured_calls": 0,
+                    "time_breakdown": est.time_breakdown})
+        print(f"{name:8} {'1 process, ' + str(per_rank) + ' rows':28} "
+              f"{est.step_time_s * 1e3:8.2f} {step * 1e3:8.2f} {step / est.step_time_s:6.2f}  "
+              f"(compute and optimizer alone)", flush=True)
+    ranks = {}
+    for name in MODELS:
+        rows = [r for r in out if r["model"] == name and r["plan"] != "single"]
+        by_pred = sorted(rows, key=lambda r: r["predicted_s"])
+        by_meas = sorted(rows, key=lambda r: r["measured_s"])
+        ranks[name] = {"predicted_order": [r["plan"] for r in by_pred],
+                       "measured_order": [r["plan"] for r in by_meas]}
+        print(f"{name}: predicted order {' > '.join(r['plan'] for r in by_pred)}")
+        print(f"{name}: measured order  {' > '.join(r['plan'] for r in by_meas)}")
+    errors = [abs(r["time_ratio"] - 1) for r in out if r["plan"] != "single"]
+    ratios = sorted({round(r["bytes_ratio"] or 0, 3) for r in out if r["plan"] != "single"})
+    print(f"median |time error| {statistics.median(errors):.0%}, worst {max(errors):.0%}; "
+          f"bytes ratios {ratios}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": out, "order": ranks}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

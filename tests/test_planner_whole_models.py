@@ -1,0 +1,194 @@
+"""The planner prices models without a stack of repeated matmul blocks (ConvNets, RNNs): their
+data-parallel layouts ranked from measured FLOPs, saved bytes and traffic, tensor and pipeline
+parallelism left out with the model's own reasons, before any process starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from plait.plan import Plan
+
+RESNET = "tests._any_models:resnet"
+LSTM = "tests._any_models:lstm_lm"
+UNET = "tests._any_models:unet"
+
+
+# ------------------------------------------------------------- a model written for the test
+class Signals(Dataset):
+    """1-D signals of 4 channels x 20 steps and a class each."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(4, 20, generator=g), torch.randint(0, 3, (), generator=g)
+
+
+class ConvGRU(nn.Module):
+    """A strided 1-D convolution with BatchNorm, a GRU over its steps, a linear head."""
+
+    def __init__(self, width: int = 6, hidden: int = 5):
+        super().__init__()
+        self.conv = nn.Conv1d(4, width, kernel_size=3, stride=2, padding=1)
+        self.bn = nn.BatchNorm1d(width)
+        self.rnn = nn.GRU(width, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv(x))).transpose(1, 2)
+        out, _ = self.rnn(h)
+        return self.head(out[:, -1])
+
+
+def conv_gru() -> tuple[nn.Module, Dataset, object]:
+    return ConvGRU(), Signals(), F.cross_entropy
+
+
+class Wide(nn.Module):
+    """A ConvNet of 8 x 1024-channel 3x3 convolutions (75.5M parameters): its fp32 state with
+    AdamW (16 bytes a parameter, 1.2 GB) does not fit a small device unless ZeRO shards it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 1024, 3, padding=1)
+        self.blocks = nn.Sequential(*(nn.Conv2d(1024, 1024, 3, padding=1) for _ in range(8)))
+        self.head = nn.Linear(1024, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+def wide() -> tuple[nn.Module, Dataset, object]:
+    class Tiny(Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.zeros(3, 4, 4), torch.tensor(0)
+    return Wide(), Tiny(), F.cross_entropy
+
+
+def _plan_json(capsys, *argv: str) -> tuple[int, dict]:
+    from plait.cli import main
+
+    code = main(["plan", "--cluster", "cpu", "--format", "json", *argv])
+    return code, json.loads(capsys.readouterr().out)
+
+
+# ------------------------------------------------------------------------------- measured
+def test_flops_and_saved_bytes_are_measured_on_the_models_own_layers():
+    """Forward FLOPs by FlopCounterMode (the convolution, the head) plus the GRU's gate
+    matmuls, which torch's fused op hides from the counter; BatchNorm channels; saved bytes
+    per sample from a forward at one and two samples."""
+    from plait.planner.whole_model import from_factory
+
+    whole, _ = from_factory("tests.test_planner_whole_models:conv_gru")
+    steps = 10  # 20 steps, stride 2
+    conv = 2 * 6 * 4 * 3 * steps
+    gru = 2 * 3 * 5 * (6 + 5) * steps
+    head = 2 * 5 * 3
+    assert whole.flops_per_sample == conv + gru + head
+    assert whole.batchnorm == (("bn", 6),)
+    assert whole.kinds == ("convolutions", "recurrent layers")
+    assert whole.params == sum(p.numel() for p in ConvGRU().parameters())
+    # at least the conv's output, the BatchNorm's and the GRU's inputs: 6 x 10 fp32 each
+    assert whole.saved_per_sample >= 3 * 6 * steps * 4
+
+
+def test_the_lstm_counts_its_recurrent_matmuls():
+    from plait.planner.whole_model import from_factory
+
+    whole, _ = from_factory(LSTM)
+    lstm = 2 * (2 * 4 * 16 * (16 + 16)) * 12  # 2 layers x 4 gates, 12 steps
+    head = 2 * 16 * 32 * 12
+    assert whole.flops_per_sample == lstm + head
+    assert whole.sample_from == "dataset" and whole.positions == 12
+
+
+# -------------------------------------------------------------------------------- ranking
+def test_plait_plan_ranks_the_data_parallel_layouts_of_a_resnet(capsys):
+    """Every data-parallel layout, each with sync_bn (its BatchNorm), ranked by predicted step
+    time; the bytes are the ledger's formula: DDP all-reduces the fp32 gradients and
+    broadcasts the buffers, sync_bn all-reduces 2 x (2C + 1) fp32 values per layer."""
+    from tests._any_models import ResNet
+
+    code, out = _plan_json(capsys, "--model", RESNET, "--devices", "4", "--global-batch", "32")
+    assert code == 0, out
+    plans = {p["plan"]: p for p in out["plans"]}
+    assert set(plans) == {"dp_replicate=4,sync_bn=true", "dp_shard=4,zero=1,sync_bn=true",
+                          "dp_shard=4,zero=2,sync_bn=true", "dp_shard=4,zero=3,sync_bn=true"}
+    times = [p["step_time_s"] for p in out["plans"]]
+    assert times == sorted(times)
+    model = ResNet()
+    params = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    bns = [m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    ddp = {(t["what"], t["op"]): t for t in plans["dp_replicate=4,sync_bn=true"]["traffic"]}
+    assert ddp["grads", "all_reduce"]["payload_bytes"] == 4 * params
+    assert ddp["buffers (DDP)", "broadcast"]["payload_bytes"] == buffers
+    sync = ddp["sync_bn statistics", "all_reduce"]
+    assert sync["payload_bytes"] == 4 * sum(2 * (2 * c + 1) for c in bns)
+    assert sync["calls"] == 4 * len(bns)
+    assert plans["dp_replicate=4,sync_bn=true"]["time_breakdown"]["sync_bn"] > 0
+    # memory: ZeRO-3 holds a quarter of the parameters, gradients and optimizer state
+    z3 = plans["dp_shard=4,zero=3,sync_bn=true"]["memory_breakdown"]
+    assert z3["optimizer"] == pytest.approx(8 * params / 4)
+    assert out["measured"]["forward_flops_per_sample"] > 0
+    assert "convolutions (stem.0" in out["excluded"]["tp"]
+    assert "BatchNorm stem.1" in out["excluded"]["pp"]
+
+
+def test_a_convnet_too_big_for_one_device_is_given_zero3(capsys):
+    """75.5M parameters on 1 GB devices (0.54 GB of it reserved): DDP (16 bytes a parameter),
+    ZeRO-1 (10) and ZeRO-2 (8: the whole fp32 model gathered) do not fit, ZeRO-3 over four
+    ranks (4, and two 9.4M-parameter blocks gathered at a time) does."""
+    code, out = _plan_json(capsys, "--model", "tests.test_planner_whole_models:wide",
+                           "--devices", "4", "--global-batch", "8", "--memory-gb", "1.0")
+    assert code == 0, out
+    assert [p["plan"] for p in out["plans"]] == ["dp_shard=4,zero=3"]
+    # DDP, ZeRO-1 and ZeRO-2, each without and with its blocks checkpointed
+    assert out["rejected"] == {"out of memory": 6}
+
+
+def test_the_lstm_and_the_unet_name_why_tp_and_pp_are_left_out(capsys):
+    code, out = _plan_json(capsys, "--model", LSTM, "--devices", "2", "--global-batch", "8")
+    assert code == 0 and out["plans"], out
+    assert "recurrent layers (rnn) are not split over tp" in out["excluded"]["tp"]
+    assert "no nn.ModuleList, nn.Sequential or nn.ModuleDict" in out["excluded"]["pp"]
+    code, out = _plan_json(capsys, "--model", UNET, "--devices", "2", "--global-batch", "8")
+    assert code == 0 and out["plans"], out
+    assert "a skip connection across the blocks of ups" in out["excluded"]["pp"]
+
+
+def test_a_pipeline_over_a_unets_skips_is_refused_at_plan_time(capsys):
+    """The U-Net's decoder blocks take the encoder's outputs: a later stage is never sent them.
+    plait plan --plan pp=2, the layout check plan='auto' asks and plait check refuse it up
+    front, naming the block, not at a stage's first step."""
+    from plait.auto import layout_check
+    from plait.check import CheckConfig, check
+    from tests._any_models import UNet
+
+    code, out = _plan_json(capsys, "--model", UNET, "--plan", "pp=2", "--global-batch", "8")
+    assert code == 1 and "ups.0 takes a tensor the forward computed before it" in \
+        out["message"], out
+    assert "skip connection" in str(layout_check(UNet())(Plan(pp=2, microbatches=2)))
+    with pytest.raises(ValueError, match="a skip connection across the blocks of ups"):
+        check("pp=2", CheckConfig(model="unet", factory=UNET, batch_size=8))
+
+
+def test_plan_auto_ranks_a_convnet_instead_of_taking_ddp_unpriced():
+    from plait.auto import AutoRequest, choose
+    from tests._any_models import ResNet
+
+    plan, why = choose(ResNet(), AutoRequest(world_size=2, device_type="cpu"))
+    assert plan.sync_bn and plan.dp == 2
+    text = "\n".join(why)
+    assert "measured on a guessed input (3," in text and "step" in text, text
+    assert "not searched: pp: BatchNorm stem.1" in text, text
