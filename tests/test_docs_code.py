@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import json
 import os
 import re
 import shlex
@@ -207,15 +208,25 @@ class Command:
     env: tuple[tuple[str, str], ...]
     argv: tuple[str, ...]
     stdout: str | None           # a `> file` redirection
+    file: tuple[str, str] | None = None  # (name, text): a plan file the page gives with it
 
     @property
     def skipped(self) -> str | None:
         return next((why for pattern, why in SKIPPED if re.search(pattern, self.text)), None)
 
 
+# A YAML block that opens with `# plan.yaml, for `plait run ... --plan plan.yaml`` is a file and
+# the command that reads it.
+PLAN_FILE = re.compile(r"# (\S+\.ya?ml), for `([^`]+)`")
+
+
 def commands() -> list[Command]:
     out = []
     for block in blocks():
+        named = PLAN_FILE.match(block.code) if block.lang == "yaml" else None
+        if named:
+            out.append(Command(block, named.group(2), (), tuple(shlex.split(named.group(2))),
+                               None, (named.group(1), block.code)))
         if block.lang not in SHELLS:
             continue
         for line in block.code.replace("\\\n", " ").splitlines():
@@ -273,6 +284,8 @@ def _run_commands(chosen: list[Command], folder: Path) -> None:
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
             (folder / name).write_text(text)
     for command in chosen:
+        if command.file:
+            (folder / command.file[0]).write_text(command.file[1])
         if "train.py" in command.argv and not (folder / "train.py").exists():
             (folder / "train.py").write_text(_script_of(command.block))
         env = {**os.environ, **dict(command.env), "PYTHONPATH": str(ROOT)}
@@ -282,6 +295,8 @@ def _run_commands(chosen: list[Command], folder: Path) -> None:
                                       + done.stdout[-3000:] + done.stderr[-3000:])
         if command.stdout:
             (folder / command.stdout).write_text(done.stdout)
+            if command.stdout.endswith(".jsonl"):  # JSON Lines: every line strict JSON
+                [json.loads(line) for line in done.stdout.splitlines()]
 
 
 COMMANDS = commands()
