@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from plait.spawn import run_distributed
 
@@ -332,3 +333,32 @@ def test_every_example_a_page_embeds_is_run_by_a_command_on_it():
         if embedded:
             assert any(embedded.group(1) in c.argv for c in COMMANDS
                        if c.block.page == block.page), block.where
+
+
+def _streams() -> list[Block]:
+    return [b for b in PYTHON if re.search(r"^\s+def iter_from\(", b.code, re.M)]
+
+
+@pytest.mark.parametrize("block", _streams(), ids=[b.where for b in _streams()])
+def test_a_stream_a_page_defines_resumes(block, tmp_path, monkeypatch):
+    """A dataset class a page gives with ``iter_from(position)`` (the seek protocol a resumed
+    run uses) yields from there what a pass from the start yields: the block's own first call
+    of the class builds it."""
+    tree = ast.parse(block.code)
+    classes = [node for node in tree.body if isinstance(node, ast.ClassDef)]
+    name = next(c.name for c in classes if any(
+        isinstance(f, ast.FunctionDef) and f.name == "iter_from" for f in c.body))
+    call = next(node for node in ast.walk(tree) if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name) and node.func.id == name)
+    code = ast.unparse(ast.Module(body=classes, type_ignores=[]))
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(program(f"{code}\ndataset = {ast.unparse(call)}"), namespace)
+    dataset = namespace["dataset"]
+    whole = list(iter(dataset))
+    assert len(whole) > 3
+    for position in (0, 3, len(whole) - 1):
+        again = list(dataset.iter_from(position))
+        assert len(again) == len(whole) - position, (block.where, position)
+        for (x, y), (wx, wy) in zip(again, whole[position:], strict=True):
+            assert torch.equal(x, wx) and torch.equal(y, wy)
