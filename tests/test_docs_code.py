@@ -341,9 +341,10 @@ def _streams() -> list[Block]:
 
 @pytest.mark.parametrize("block", _streams(), ids=[b.where for b in _streams()])
 def test_a_stream_a_page_defines_resumes(block, tmp_path, monkeypatch):
-    """A dataset class a page gives with ``iter_from(position)`` (the seek protocol a resumed
-    run uses) yields from there what a pass from the start yields: the block's own first call
-    of the class builds it."""
+    """A dataset class a page gives with ``iter_from(position)`` (the seek protocol: plait calls
+    it on resume and for each data replica but the first) yields from there what a pass from
+    the start yields, and nothing past the end: the block's own first call of the class builds
+    it."""
     tree = ast.parse(block.code)
     classes = [node for node in tree.body if isinstance(node, ast.ClassDef)]
     name = next(c.name for c in classes if any(
@@ -357,8 +358,8 @@ def test_a_stream_a_page_defines_resumes(block, tmp_path, monkeypatch):
     dataset = namespace["dataset"]
     whole = list(iter(dataset))
     assert len(whole) > 3
-    for position in (0, 3, len(whole) - 1):
+    for position in (0, 3, len(whole) - 1, len(whole), len(whole) + 5):
         again = list(dataset.iter_from(position))
-        assert len(again) == len(whole) - position, (block.where, position)
+        assert len(again) == max(len(whole) - position, 0), (block.where, position)
         for (x, y), (wx, wy) in zip(again, whole[position:], strict=True):
             assert torch.equal(x, wx) and torch.equal(y, wy)
