@@ -86,8 +86,8 @@ STAND_INS: dict[str, str] = {
     # The reader's model: the tiny reference transformer, with a greedy generate of its own.
     "MyModel": "from plait.models.transformer import Transformer\n"
                "class MyModel(Transformer):\n"
-               "    def __init__(self, cfg=cfg):\n"
-               "        super().__init__(cfg)\n"
+               "    def __init__(self, config=cfg):\n"
+               "        super().__init__(config)\n"
                "    def generate(self, ids, max_new_tokens):\n"
                "        for _ in range(max_new_tokens):\n"
                "            ids = torch.cat([ids, self(ids)[:, -1:].argmax(-1)], dim=1)\n"
