@@ -9,11 +9,14 @@ fails here. ``<!-- docs-code: nproc=N -->`` above a block runs it on N ranks (a 
 fragment); the pages need this marker rarely. A ``--8<--`` block is an example file, run by the
 page's command that names it.
 
-Short form: ``steps=N`` in a block becomes ``steps=2``, a command's script gets ``--steps 2``
-where it takes one, on the tiny reference model. Python blocks run by default (ranks forked from
-plait.spawn's server, which imported torch once: about a second each); the commands run under
-``-m slow`` as real processes, except the few in ``CHEAP``. Commands this machine cannot run (a
-GPU, a TPU, a network install) are in ``SKIPPED`` with the reason.
+Short form: ``steps=N`` in a block becomes ``steps=2``; a command's ``--steps``, ``--rounds``,
+``--repeat`` and ``--stop-at`` take small values (``SHORT_FLAGS``), and a script that takes
+``--steps`` gets ``--steps 3``; the model is the tiny reference one, the ranks those the command
+gives. A YAML block that opens with ``# plan.yaml, for `COMMAND``` is written out and COMMAND
+run. Python blocks that do not train run by default (ranks forked from plait.spawn's server,
+which imported torch once: about a second each), the rest and the commands under ``-m slow``
+as real processes, except the few in ``CHEAP``. Commands this machine cannot run (a TPU,
+torch-xla, a network install, the reader's own package) are in ``SKIPPED`` with the reason.
 """
 
 from __future__ import annotations
@@ -178,8 +181,8 @@ def test_python_block_runs(block, tmp_path):
 
 # Commands this machine cannot run, each with why (a pattern on the command as written).
 SKIPPED: list[tuple[str, str]] = [
-    (r"^make (demo|test)\b", "creates .venv with pip (a network install); `plait demo` and the "
-                              "suite are what it runs, and they run here"),
+    (r"^make (demo|test)\b", "creates .venv with pip (a network install); what it then runs, "
+                              "`plait demo` and the suite, runs here (tests/test_cli*.py)"),
     (r"^make bench-env|^\.venv-bench/", "installs HF Accelerate and Lightning Fabric (network)"),
     (r"^pip install", "a network install"),
     (r"^export ", "sets a variable for the lines after it (the TPU page's, skipped with them)"),
