@@ -62,8 +62,6 @@ def test_cli_table_and_pareto(tmp_path, capsys):
      "global-batch=7"),
     (["--model", "tests._planner_factories:broken", "--cluster", "cpu", "--global-batch", "8",
       "--seq", "16"], "failed to build"),
-    (["--model", "tests._planner_factories:no_blocks", "--cluster", "cpu", "--global-batch", "8",
-      "--seq", "16"], "repeated blocks"),
     (["--model", "no.such.module:f", "--cluster", "cpu", "--global-batch", "8"], "cannot import"),
     # An image dataset and a model with no maximum sequence: what --seq means for it.
     (["--model", "tests._planner_factories:mlp_with_images", "--cluster", "cpu",
@@ -72,6 +70,18 @@ def test_cli_table_and_pareto(tmp_path, capsys):
 def test_bad_input_names_the_field(argv, field, capsys):
     assert run_cli(*argv) == 2
     assert field in capsys.readouterr().err
+
+
+def test_a_model_without_blocks_gets_data_parallel_layouts_or_the_batch_to_use(capsys):
+    """A lone nn.Linear has no stack of blocks: its layouts are data parallel over every device,
+    so a global batch the devices do not divide fits nothing, and the message says what to give."""
+    argv = ["--model", "tests._planner_factories:no_blocks", "--cluster", "cpu", "--seq", "16"]
+    assert run_cli(*argv, "--devices", "4", "--global-batch", "6") == 1
+    out = capsys.readouterr().out
+    assert "global batch 6 not divisible by dp=4" in out and "a multiple of 4" in out
+    assert run_cli(*argv, "--devices", "2", "--global-batch", "8") == 0
+    out = capsys.readouterr().out
+    assert "data-parallel layouts only" in out and "dp_replicate=2" in out
 
 
 def test_malformed_cluster_yaml(tmp_path, capsys):

@@ -439,7 +439,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     except NoBlockStackError:
         if not isinstance(args.model, str) or ":" not in args.model:
             raise
-        return _plan_whole(args, cluster, dtype, given)
+        return _plan_whole(args, cluster, dtype, given, out)
     # The sequence priced: --seq, else what the factory's dataset holds (what training runs),
     # else the model's maximum (a Hugging Face config's max_position_embeddings).
     seq, seq_from = next(((value, source) for value, source in (
@@ -546,16 +546,19 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
-                given: Plan | None) -> int:
+                given: Plan | None, out: TextIO) -> int:
     """``plait plan`` for a factory model without a stack of repeated matmul blocks (a ConvNet,
     an LSTM): its data-parallel layouts ranked from measured facts
-    (:mod:`plait.planner.whole_model`), tp and pp left out with the model's reasons."""
+    (:mod:`plait.planner.whole_model`), tp and pp left out with the model's reasons. The report
+    goes to ``out``."""
     import dataclasses
+    import functools
 
     from ..auto import layout_check
     from . import constants_for
     from .whole_model import estimate, excluded, explain, from_factory, nothing_fits, rank
 
+    say = functools.partial(print, file=out)
     whole, module = from_factory(args.model)
     check, real = None, None
     if whole.num_params <= ASK_LIMIT:
@@ -580,38 +583,38 @@ def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
         if given.tp > 1 or given.pp > 1:
             axis = "tp" if given.tp > 1 else "pp"
             message = f"{args.model} refuses {given.to_string()}: {reasons[axis]}"
-            print(json.dumps({**head, "plans": [], "message": message}, indent=2)
+            say(json.dumps({**head, "plans": [], "message": message}, indent=2)
                   if args.format == "json" else message)
             return 1
         est = estimate(whole, given, cluster, args.global_batch, constants)
         if args.format == "json":
-            print(json.dumps({**head, "plans": [estimate_json(est)]}, indent=2))
+            say(json.dumps({**head, "plans": [estimate_json(est)]}, indent=2))
         else:
             if est.step_time_s < math.inf:
-                print(format_table([est]))
+                say(format_table([est]))
             if not est.feasible:
-                print(f"does not fit / cannot run: {est.reason}")
+                say(f"does not fit / cannot run: {est.reason}")
         return 0 if est.feasible else 1
     result = rank(whole, cluster, args.global_batch, dtype=dtype, c=constants, top=args.top)
     ranked = result.ranked
     if args.format == "json":
-        print(json.dumps({**head, "evaluated": result.evaluated, "fit": result.fit,
+        say(json.dumps({**head, "evaluated": result.evaluated, "fit": result.fit,
                           "rejected": result.rejected,
                           "plans": [estimate_json(e) for e in ranked],
                           "explain": explain(ranked),
                           "message": None if ranked else nothing_fits(result)}, indent=2))
         return 0 if ranked else 1
     if not ranked:
-        print(nothing_fits(result))
+        say(nothing_fits(result))
         return 1
-    print(f"{whole.name} ({_count(whole.num_params)} parameters, no stack of repeated matmul "
+    say(f"{whole.name} ({_count(whole.num_params)} parameters, no stack of repeated matmul "
           f"blocks: data-parallel layouts only) on {cluster.world_size} x {cluster.name}, "
           f"global batch {args.global_batch}, {dtype}: {result.evaluated} layouts priced, "
           f"{result.fit} fit in memory")
-    print(format_table(ranked))
-    print("\n".join(explain(ranked)))
+    say(format_table(ranked))
+    say("\n".join(explain(ranked)))
     for axis, why in reasons.items():
-        print(f"not searched: {axis}: {why}")
+        say(f"not searched: {axis}: {why}")
     return 0
 
 

@@ -438,7 +438,10 @@ def estimate(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int,
                       f"activations between the pieces of blocks it has none of)")
         return est
     if global_batch % plan.dp:
-        est.reason = f"global batch {global_batch} not divisible by dp={plan.dp}"
+        est.reason = (f"global batch {global_batch} not divisible by dp={plan.dp} (a model "
+                      f"without a stack of blocks trains data parallel over all "
+                      f"{cluster.world_size} devices): give a global batch that is a multiple "
+                      f"of {plan.dp}, or --devices that divides {global_batch}")
         return est
     if plan.grad_accum > 1:
         est.reason = (f"grad_accum={plan.grad_accum} is not priced for {model.name}"
