@@ -30,6 +30,7 @@ import argparse
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -152,7 +153,10 @@ def rank_orders(schedule: str, pp: int, microbatches: int,
     return _torch_orders(schedule, pp, m, virtual_stages)
 
 
-def _torch_orders(schedule: str, pp: int, m: int, v: int) -> dict[int, list[Action]]:
+@lru_cache(maxsize=16)
+def _torch_schedule(schedule: str, pp: int, m: int, v: int) -> Any:
+    """torch's schedule object for ``schedule``, built without stages or a process group (its
+    orders only; a large one costs seconds to build, hence the cache)."""
     cls = schedule_class(schedule)
     # The schedule constructors compute pipeline_order for *all* ranks from rank 0's view; they
     # read only these attributes of the stages (no communication happens before step()).
@@ -160,7 +164,11 @@ def _torch_orders(schedule: str, pp: int, m: int, v: int) -> dict[int, list[Acti
                               submod=None, is_first=s == 0, is_last=s == pp * v - 1,
                               stage_index_to_group_rank=None)
               for s in local_stages(schedule, pp, v, 0)]
-    sched = cls(stages, m)
+    return cls(stages, m)
+
+
+def _torch_orders(schedule: str, pp: int, m: int, v: int) -> dict[int, list[Action]]:
+    sched = _torch_schedule(schedule, pp, m, v)
     kinds = {"F": "F", "B": "B", "I": "I", "W": "W"}
     orders: dict[int, list[Action]] = {}
     for rank, actions in sched.pipeline_order.items():
@@ -168,6 +176,76 @@ def _torch_orders(schedule: str, pp: int, m: int, v: int) -> dict[int, list[Acti
                         for a in actions
                         if a is not None and a.computation_type.value in kinds]
     return orders
+
+
+@dataclass(frozen=True)
+class StageGathers:
+    """How often FSDP2 all-gathers the units of one pipeline stage in one schedule step.
+
+    ``unshards``: the times torch's runtime gathers the whole stage (its UNSHARD action: every
+    unit, the root included); ``reshard_after_forward``: the stage's forwards whose next action
+    on the stage is torch's RESHARD (the stage evicted to make room for others), after which
+    no step of the stage gathers the block again: the UNSHARD that brings the stage back does.
+    """
+
+    unshards: int
+    reshard_after_forward: int
+
+    def block(self, microbatches: int, zero: int) -> int:
+        """Gathers of one block. ZeRO-3 (FSDP2 reshards a block after each forward): one per
+        UNSHARD, and one at the stage's next step after each forward, which FSDP2's
+        pre-forward or pre-backward hook (or ``TimedStage`` before an input- or weight-gradient
+        step) gathers for; ZeRO-2 keeps blocks gathered from UNSHARD to RESHARD."""
+        if zero == 3:
+            return self.unshards + microbatches - self.reshard_after_forward
+        return self.unshards
+
+    @property
+    def root(self) -> int:
+        """Gathers of the stage's root unit: FSDP2 keeps a root gathered from forward to
+        backward, so once per UNSHARD."""
+        return self.unshards
+
+
+# torch's runtime prefetches the next this many distinct stages of a rank (its UNSHARD/RESHARD
+# lowering, ``max_active_stages``): a rank holding at most this many never evicts one.
+ACTIVE_STAGES = 3
+
+
+def stage_gathers(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1
+                  ) -> dict[int, StageGathers]:
+    """FSDP2's gathers of every global stage in one schedule step, as torch's runtime orders
+    them (:class:`StageGathers`).
+
+    GPipe and 1F1B (torch's one-stage loops, no UNSHARD step) gather a stage once, at its first
+    forward. The multi-stage schedules run torch's lowered order (``pipeline_order_with_comms``):
+    UNSHARD every stage before its first action, RESHARD it when it leaves the next
+    ``ACTIVE_STAGES`` distinct stages the rank will run, UNSHARD it again when it comes back. A
+    rank holding at most ``ACTIVE_STAGES`` stages gathers each once per step; otherwise the
+    counts are read off torch's order (the same every step: the order is fixed when the
+    schedule is built, not by timing)."""
+    check_schedule_args(schedule, pp, microbatches, virtual_stages)
+    n = pp * virtual_stages
+    if schedule in ("gpipe", "1f1b") or virtual_stages <= ACTIVE_STAGES:
+        return {s: StageGathers(1, 0) for s in range(n)}
+    return _lowered_gathers(schedule, pp, microbatches, virtual_stages)
+
+
+@lru_cache(maxsize=64)
+def _lowered_gathers(schedule: str, pp: int, m: int, v: int) -> dict[int, StageGathers]:
+    unshards = dict.fromkeys(range(pp * v), 0)
+    evicted = dict.fromkeys(range(pp * v), 0)
+    for actions in _torch_schedule(schedule, pp, m, v).pipeline_order_with_comms.values():
+        last: dict[int, str] = {}
+        for a in actions:
+            kind, s = a.computation_type.value, a.stage_index
+            if kind == "UNSHARD":
+                unshards[s] += 1
+            elif kind == "RESHARD":
+                evicted[s] += last.get(s) == "F"
+            if kind in ("F", "B", "I", "W", "RESHARD"):
+                last[s] = kind
+    return {s: StageGathers(unshards[s], evicted[s]) for s in unshards}
 
 
 # ------------------------------------------------------------------------------ simulation

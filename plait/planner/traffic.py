@@ -191,7 +191,8 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
                               tied_tensors=max(1, tied_tensors), grad_params=grads,
                               grad_tensors=grad_tensors, grad_units=grad_units,
                               trained_layers=trained_layers, reached_layers=reached_layers,
-                              regathered_layers=regathered_layers, tp_blocks=own))
+                              regathered_layers=regathered_layers, tp_blocks=own,
+                              stage_layers=tuple(sizes[i] for i in ids)))
     return out
 
 
