@@ -244,6 +244,44 @@ def test_runtime_bytes_match_closed_form(plan, rows):
         assert row["recv_bytes"] == row["payload_bytes"]
 
 
+# ZeRO-2/3 under the multi-stage schedules, (plan, blocks): torch's runtime gathers each stage
+# at its UNSHARD step, a ZeRO-3 block again at its stage's next step after each forward; a rank
+# holding more than three stages has them evicted (RESHARD) and gathered again mid-schedule,
+# roots included; ZB-V's rank 0 holds two roots (the embedding's and the head's)
+ZERO_SCHEDULES = [
+    ("dp_shard=2,zero=3,pp=2,microbatches=2,pp_schedule=interleaved_1f1b,virtual_stages=2", 4),
+    ("dp_shard=2,zero=3,pp=2,microbatches=4,pp_schedule=interleaved_1f1b,virtual_stages=3", 6),
+    ("dp_shard=2,zero=3,pp=2,microbatches=4,pp_schedule=interleaved_1f1b,virtual_stages=4", 8),
+    ("dp_shard=2,zero=3,pp=2,microbatches=4,pp_schedule=interleaved_zb,virtual_stages=4", 8),
+    ("dp_shard=2,zero=2,pp=2,microbatches=4,pp_schedule=interleaved_zb,virtual_stages=4", 8),
+    ("dp_shard=2,zero=3,pp=2,microbatches=4,pp_schedule=looped_bfs,virtual_stages=4", 8),
+    ("dp_shard=2,zero=3,pp=2,microbatches=4,pp_schedule=zbv,virtual_stages=2", 4),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan_text,layers", ZERO_SCHEDULES, ids=[p for p, _ in ZERO_SCHEDULES])
+def test_fsdp_gathers_under_every_schedule_are_predicted(plan_text, layers):
+    """FSDP2's all-gathers and reduce-scatters measured on every rank: each pipeline rank's
+    bytes are its own prediction, and the ledger's row (the busiest rank's) makes as many calls
+    as predicted for that rank."""
+    plan = Plan.from_string(plan_text)
+    res = run_distributed(comm_worker, plan.world_size, plan_text, W.MODEL, W.STEPS, W.WARMUP,
+                          W.BATCH, W.SEQ, True, {"n_layers": layers}, timeout=300)[0]
+    rows = _check(res, {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
+                        ("dp_shard", "all_reduce"), ("pp", "send_recv"), ("pp", "all_reduce")})
+    cfg = preset(W.MODEL, n_layers=layers)
+    per_stage = [[t for t in predict(plan, cfg, W.BATCH, W.SEQ, stage=r)
+                  if t.axis == "dp_shard"] for r in range(plan.pp)]
+    for op in ("all_gather", "reduce_scatter"):
+        mine = [next(t for t in traffic if t.op == op) for traffic in per_stage]
+        row = rows[("dp_shard", op)]
+        # ranks (pp, dp_shard) in mesh order: each pp rank's two data ranks alike
+        assert row["per_rank_payload"] == [t.payload for t in mine for _ in range(2)], op
+        busiest = max(mine, key=lambda t: t.payload)
+        assert row["count"] == busiest.calls, (op, row["count"], busiest.calls)
+
+
 def test_replicated_kv_heads_gradients_are_predicted():
     """One kv head at tp=2: k and v stay whole on every rank and their gradients are
     all-reduced over tp, two calls per block on top of Megatron's four; predicted exactly."""
