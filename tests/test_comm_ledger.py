@@ -322,6 +322,60 @@ def test_uneven_rows_are_predicted(plan_text):
 
 
 # --------------------------------------------------------------------------- pure pieces
+def test_stage_gathers_are_read_off_torchs_lowered_order():
+    """torch's runtime gathers a stage at each UNSHARD of its lowered order: once per schedule
+    where a rank holds at most three stages (what the shortcut assumes, checked against the
+    order itself), more where it holds four and stages are evicted and come back."""
+    from types import SimpleNamespace
+
+    from plait.parallel.schedules import local_stages, schedule_class, stage_gathers
+
+    def unshards(schedule: str, pp: int, m: int, v: int) -> dict[int, int]:
+        stages = [SimpleNamespace(group_size=pp, group_rank=0, num_stages=pp * v,
+                                  stage_index=s, submod=None, is_first=s == 0,
+                                  is_last=s == pp * v - 1, stage_index_to_group_rank=None)
+                  for s in local_stages(schedule, pp, v, 0)]
+        order = schedule_class(schedule)(stages, m).pipeline_order_with_comms
+        out = dict.fromkeys(range(pp * v), 0)
+        for actions in order.values():
+            for a in actions:
+                out[a.stage_index] += a.computation_type.value == "UNSHARD"
+        return out
+
+    for args in [("interleaved_1f1b", 2, 4, 3), ("interleaved_zb", 2, 4, 3),
+                 ("looped_bfs", 2, 2, 2), ("zbv", 2, 4, 2), ("interleaved_1f1b", 2, 4, 4),
+                 ("interleaved_zb", 2, 4, 4)]:
+        got = {s: g.unshards for s, g in stage_gathers(*args).items()}
+        assert got == unshards(*args), args
+    evicted = stage_gathers("interleaved_1f1b", 2, 4, 4)
+    assert max(g.unshards for g in evicted.values()) > 1
+    # ZeRO-3: a block once per UNSHARD and after each forward not followed by an eviction
+    g = evicted[0]
+    assert g.block(4, 3) == g.unshards + 4 - g.reshard_after_forward > 4 + 1
+    assert g.block(4, 2) == g.root == g.unshards
+
+
+def test_every_stage_root_is_gathered_and_reduced():
+    """ZB-V's rank 0 holds stage 0 (the embedding) and the last stage (the final norm and
+    head): two root units, each gathered once per schedule and reduce-scattered once; interleaved
+    1F1B's ZeRO-3 gathers are predicted (m + 1 per block where no stage is evicted)."""
+    m, blocks = 4, 2  # two stages of one block each
+    zbv = Plan.from_string(f"dp_shard=2,zero=3,pp=2,microbatches={m},pp_schedule=zbv,"
+                           "virtual_stages=2")
+    rank0 = {t.op: t for t in predict(zbv, CFG, W.BATCH, W.SEQ, stage=0)
+             if t.axis == "dp_shard"}
+    assert rank0["all_gather"].calls == blocks * (m + 1) + 2
+    assert rank0["reduce_scatter"].calls == blocks + 2
+    rank1 = {t.op: t for t in predict(zbv, CFG, W.BATCH, W.SEQ, stage=1)
+             if t.axis == "dp_shard"}
+    assert rank1["all_gather"].calls == blocks * (m + 1)  # the middle stages hold no root
+    assert rank1["reduce_scatter"].calls == blocks
+    interleaved = Plan.from_string(f"dp_shard=2,zero=3,pp=2,microbatches={m},"
+                                   "pp_schedule=interleaved_1f1b,virtual_stages=2")
+    gathers = by_axis_op(predict(interleaved, CFG, W.BATCH, W.SEQ, stage=0))
+    assert gathers[("dp_shard", "all_gather")] > 0
+
+
 def test_axis_names_cover_single_flat_and_joined_axes():
     # A fake 2x2x2 world seen from rank 5 = coordinate (1, 0, 1) on (pp, dp_shard, tp).
     class Root:
