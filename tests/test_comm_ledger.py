@@ -330,23 +330,33 @@ def test_stage_gathers_are_read_off_torchs_lowered_order():
 
     from plait.parallel.schedules import local_stages, schedule_class, stage_gathers
 
-    def unshards(schedule: str, pp: int, m: int, v: int) -> dict[int, int]:
+    def torchs(schedule: str, pp: int, m: int, v: int) -> dict[int, tuple[int, int]]:
+        """Per stage: UNSHARDs in torch's order, and forwards its next action on the stage
+        after which is a RESHARD."""
         stages = [SimpleNamespace(group_size=pp, group_rank=0, num_stages=pp * v,
                                   stage_index=s, submod=None, is_first=s == 0,
                                   is_last=s == pp * v - 1, stage_index_to_group_rank=None)
                   for s in local_stages(schedule, pp, v, 0)]
         order = schedule_class(schedule)(stages, m).pipeline_order_with_comms
-        out = dict.fromkeys(range(pp * v), 0)
+        unshards, evicted = dict.fromkeys(range(pp * v), 0), dict.fromkeys(range(pp * v), 0)
         for actions in order.values():
+            last: dict[int, str] = {}
             for a in actions:
-                out[a.stage_index] += a.computation_type.value == "UNSHARD"
-        return out
+                kind, s = a.computation_type.value, a.stage_index
+                unshards[s] += kind == "UNSHARD"
+                evicted[s] += kind == "RESHARD" and last.get(s) == "F"
+                if kind in ("F", "B", "I", "W", "RESHARD"):
+                    last[s] = kind
+        return {s: (unshards[s], evicted[s]) for s in unshards}
 
+    # interleaved 1F1B's order is built by plait (the planner prices many), the others by torch
     for args in [("interleaved_1f1b", 2, 4, 3), ("interleaved_zb", 2, 4, 3),
                  ("looped_bfs", 2, 2, 2), ("zbv", 2, 4, 2), ("interleaved_1f1b", 2, 4, 4),
-                 ("interleaved_zb", 2, 4, 4)]:
-        got = {s: g.unshards for s, g in stage_gathers(*args).items()}
-        assert got == unshards(*args), args
+                 ("interleaved_1f1b", 2, 2, 4), ("interleaved_1f1b", 3, 6, 4),
+                 ("interleaved_1f1b", 4, 8, 5), ("interleaved_1f1b", 2, 6, 4),
+                 ("interleaved_zb", 2, 4, 4), ("looped_bfs", 2, 4, 4)]:
+        got = {s: (g.unshards, g.reshard_after_forward) for s, g in stage_gathers(*args).items()}
+        assert got == torchs(*args), args
     evicted = stage_gathers("interleaved_1f1b", 2, 4, 4)
     assert max(g.unshards for g in evicted.values()) > 1
     # ZeRO-3: a block once per UNSHARD and after each forward not followed by an eviction

@@ -228,7 +228,71 @@ def stage_gathers(schedule: str, pp: int, microbatches: int, virtual_stages: int
     n = pp * virtual_stages
     if schedule in ("gpipe", "1f1b") or virtual_stages <= ACTIVE_STAGES:
         return {s: StageGathers(1, 0) for s in range(n)}
+    if schedule == "interleaved_1f1b":
+        return _interleaved_gathers(pp, microbatches, virtual_stages)
     return _lowered_gathers(schedule, pp, microbatches, virtual_stages)
+
+
+def interleaved_1f1b_stages(pp: int, m: int, v: int, rank: int) -> list[tuple[str, int]]:
+    """The (kind, stage) of every compute action of ``rank`` under interleaved 1F1B, in torch's
+    order (``ScheduleInterleaved1F1B.pipeline_order`` without its idle slots): microbatches
+    in rounds of ``m // rounds`` (rounds = ``max(1, m // pp)``), each round through the rank's
+    stages in turn; ``(v - 1)`` rounds' worth of forwards plus two per rank below the last as
+    warm-up, then one forward and one backward (the stages in reverse) at a time, then the
+    remaining backwards. Built here because the planner prices many of these schedules and
+    torch builds one in seconds (it lowers every rank's communication too);
+    ``tests/test_comm_ledger.py`` holds it to torch's order."""
+    size = m // max(1, m // pp)
+    ops = v * m
+    warmup = min((v - 1) * size + 2 * (pp - 1 - rank), ops)
+
+    def forward(k: int) -> tuple[str, int]:
+        return "F", (k // size) % v * pp + rank
+
+    def backward(k: int) -> tuple[str, int]:
+        return "B", (v - 1 - (k - warmup) // size % v) * pp + rank
+
+    out = [forward(k) for k in range(warmup)]
+    for k in range(warmup, ops):
+        out += [forward(k), backward(k)]
+    return out + [backward(k) for k in range(ops, ops + warmup)]
+
+
+def lowered_gathers(actions: list[tuple[str, int]], active: int = ACTIVE_STAGES
+                    ) -> dict[int, StageGathers]:
+    """UNSHARD and evictions of each stage of one rank running compute ``actions`` in order,
+    by the policy torch's runtime lowers a multi-stage schedule with: before each action the
+    next ``active`` distinct stages the rank will run are gathered (UNSHARD) and every other
+    stage resharded (RESHARD)."""
+    # the next `active` distinct stages from each position on, built from the end
+    ahead: list[tuple[int, ...]] = [()] * len(actions)
+    upcoming: tuple[int, ...] = ()
+    for i in range(len(actions) - 1, -1, -1):
+        stage = actions[i][1]
+        upcoming = ((stage,) + tuple(s for s in upcoming if s != stage))[:active]
+        ahead[i] = upcoming
+    unshards: dict[int, int] = {s: 0 for _, s in actions}
+    evicted = dict.fromkeys(unshards, 0)
+    last: dict[int, str] = {}
+    held: set[int] = set()
+    for (kind, stage), wanted in zip(actions, ahead, strict=True):
+        for s in held - set(wanted):
+            evicted[s] += last.get(s) == "F"
+            last[s] = "RESHARD"
+        held &= set(wanted)
+        for s in wanted:
+            unshards[s] += s not in held
+        held |= set(wanted)
+        last[stage] = kind
+    return {s: StageGathers(unshards[s], evicted[s]) for s in unshards}
+
+
+@lru_cache(maxsize=256)
+def _interleaved_gathers(pp: int, m: int, v: int) -> dict[int, StageGathers]:
+    out: dict[int, StageGathers] = {}
+    for rank in range(pp):
+        out.update(lowered_gathers(interleaved_1f1b_stages(pp, m, v, rank)))
+    return out
 
 
 @lru_cache(maxsize=64)
