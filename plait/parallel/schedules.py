@@ -212,6 +212,7 @@ class StageGathers:
 ACTIVE_STAGES = 3
 
 
+@lru_cache(maxsize=1024)
 def stage_gathers(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1
                   ) -> dict[int, StageGathers]:
     """FSDP2's gathers of every global stage in one schedule step, as torch's runtime orders
@@ -223,7 +224,8 @@ def stage_gathers(schedule: str, pp: int, microbatches: int, virtual_stages: int
     ``ACTIVE_STAGES`` distinct stages the rank will run, UNSHARD it again when it comes back. A
     rank holding at most ``ACTIVE_STAGES`` stages gathers each once per step; otherwise the
     counts are read off torch's order (the same every step: the order is fixed when the
-    schedule is built, not by timing)."""
+    schedule is built, not by timing). Cached: the planner asks for the same schedule for
+    every layout it prices; callers must not change the dict returned."""
     check_schedule_args(schedule, pp, microbatches, virtual_stages)
     n = pp * virtual_stages
     if schedule in ("gpipe", "1f1b") or virtual_stages <= ACTIVE_STAGES:
