@@ -275,7 +275,10 @@ class LocalModel:
     ``regathered_layers`` are gathered again for backward under ZeRO-3 (``plait.comm.reach``);
     None: all of them. ``tp_blocks``: each of this rank's blocks' own tensor-parallel
     collectives where the blocks differ in what trains and what the backward pass reaches
-    (``plait.planner.tp_block.grad_flow``); None: the counts above say it.
+    (``plait.planner.tp_block.grad_flow``); None: the counts above say it. ``stage_layers`` /
+    ``stage_params`` / ``stage_roots``: per stage this rank holds (``stages`` order), its
+    blocks, its parameters and its root unit's parameters, which FSDP2 gathers per stage
+    under a pipeline (:meth:`stage_parts`); None: derived from the totals.
     """
 
     params: float

@@ -223,8 +223,10 @@ def stage_gathers(schedule: str, pp: int, microbatches: int, virtual_stages: int
     UNSHARD every stage before its first action, RESHARD it when it leaves the next
     ``ACTIVE_STAGES`` distinct stages the rank will run, UNSHARD it again when it comes back. A
     rank holding at most ``ACTIVE_STAGES`` stages gathers each once per step; otherwise the
-    counts are read off torch's order (the same every step: the order is fixed when the
-    schedule is built, not by timing). Cached: the planner asks for the same schedule for
+    counts are read off torch's order (interleaved 1F1B's off plait's own build of it,
+    :func:`interleaved_1f1b_stages` and :func:`lowered_gathers`: the planner searches it and
+    torch's takes seconds to build). They are the same every step: the order is fixed when the
+    schedule is built, not by timing. Cached: the planner asks for the same schedule for
     every layout it prices; callers must not change the dict returned."""
     check_schedule_args(schedule, pp, microbatches, virtual_stages)
     n = pp * virtual_stages
