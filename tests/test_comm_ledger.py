@@ -244,6 +244,44 @@ def test_runtime_bytes_match_closed_form(plan, rows):
         assert row["recv_bytes"] == row["payload_bytes"]
 
 
+# ZeRO-2/3 under the multi-stage schedules, (plan, blocks): torch's runtime gathers each stage
+# at its UNSHARD step, a ZeRO-3 block again at its stage's next step after each forward; a rank
+# holding more than three stages has them evicted (RESHARD) and gathered again mid-schedule,
+# roots included; ZB-V's rank 0 holds two roots (the embedding's and the head's)
+ZERO_SCHEDULES = [
+    ("dp_shard=2,zero=3,pp=2,microbatches=2,pp_schedule=interleaved_1f1b,virtual_stages=2", 4),
+    ("dp_shard=2,zero=3,pp=2,microbatches=4,pp_schedule=interleaved_1f1b,virtual_stages=3", 6),
+    ("dp_shard=2,zero=3,pp=2,microbatches=4,pp_schedule=interleaved_1f1b,virtual_stages=4", 8),
+    ("dp_shard=2,zero=3,pp=2,microbatches=4,pp_schedule=interleaved_zb,virtual_stages=4", 8),
+    ("dp_shard=2,zero=2,pp=2,microbatches=4,pp_schedule=interleaved_zb,virtual_stages=4", 8),
+    ("dp_shard=2,zero=3,pp=2,microbatches=4,pp_schedule=looped_bfs,virtual_stages=4", 8),
+    ("dp_shard=2,zero=3,pp=2,microbatches=4,pp_schedule=zbv,virtual_stages=2", 4),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan_text,layers", ZERO_SCHEDULES, ids=[p for p, _ in ZERO_SCHEDULES])
+def test_fsdp_gathers_under_every_schedule_are_predicted(plan_text, layers):
+    """FSDP2's all-gathers and reduce-scatters measured on every rank: each pipeline rank's
+    bytes are its own prediction, and the ledger's row (the busiest rank's) makes as many calls
+    as predicted for that rank."""
+    plan = Plan.from_string(plan_text)
+    res = run_distributed(comm_worker, plan.world_size, plan_text, W.MODEL, W.STEPS, W.WARMUP,
+                          W.BATCH, W.SEQ, True, {"n_layers": layers}, timeout=300)[0]
+    rows = _check(res, {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
+                        ("dp_shard", "all_reduce"), ("pp", "send_recv"), ("pp", "all_reduce")})
+    cfg = preset(W.MODEL, n_layers=layers)
+    per_stage = [[t for t in predict(plan, cfg, W.BATCH, W.SEQ, stage=r)
+                  if t.axis == "dp_shard"] for r in range(plan.pp)]
+    for op in ("all_gather", "reduce_scatter"):
+        mine = [next(t for t in traffic if t.op == op) for traffic in per_stage]
+        row = rows[("dp_shard", op)]
+        # ranks (pp, dp_shard) in mesh order: each pp rank's two data ranks alike
+        assert row["per_rank_payload"] == [t.payload for t in mine for _ in range(2)], op
+        busiest = max(mine, key=lambda t: t.payload)
+        assert row["count"] == busiest.calls, (op, row["count"], busiest.calls)
+
+
 def test_replicated_kv_heads_gradients_are_predicted():
     """One kv head at tp=2: k and v stay whole on every rank and their gradients are
     all-reduced over tp, two calls per block on top of Megatron's four; predicted exactly."""
@@ -284,6 +322,70 @@ def test_uneven_rows_are_predicted(plan_text):
 
 
 # --------------------------------------------------------------------------- pure pieces
+def test_stage_gathers_are_read_off_torchs_lowered_order():
+    """torch's runtime gathers a stage at each UNSHARD of its lowered order: once per schedule
+    where a rank holds at most three stages (what the shortcut assumes, checked against the
+    order itself), more where it holds four and stages are evicted and come back."""
+    from types import SimpleNamespace
+
+    from plait.parallel.schedules import local_stages, schedule_class, stage_gathers
+
+    def torchs(schedule: str, pp: int, m: int, v: int) -> dict[int, tuple[int, int]]:
+        """Per stage: UNSHARDs in torch's order, and forwards its next action on the stage
+        after which is a RESHARD."""
+        stages = [SimpleNamespace(group_size=pp, group_rank=0, num_stages=pp * v,
+                                  stage_index=s, submod=None, is_first=s == 0,
+                                  is_last=s == pp * v - 1, stage_index_to_group_rank=None)
+                  for s in local_stages(schedule, pp, v, 0)]
+        order = schedule_class(schedule)(stages, m).pipeline_order_with_comms
+        unshards, evicted = dict.fromkeys(range(pp * v), 0), dict.fromkeys(range(pp * v), 0)
+        for actions in order.values():
+            last: dict[int, str] = {}
+            for a in actions:
+                kind, s = a.computation_type.value, a.stage_index
+                unshards[s] += kind == "UNSHARD"
+                evicted[s] += kind == "RESHARD" and last.get(s) == "F"
+                if kind in ("F", "B", "I", "W", "RESHARD"):
+                    last[s] = kind
+        return {s: (unshards[s], evicted[s]) for s in unshards}
+
+    # interleaved 1F1B's order is built by plait (the planner prices many), the others by torch
+    for args in [("interleaved_1f1b", 2, 4, 3), ("interleaved_zb", 2, 4, 3),
+                 ("looped_bfs", 2, 2, 2), ("zbv", 2, 4, 2), ("interleaved_1f1b", 2, 4, 4),
+                 ("interleaved_1f1b", 2, 2, 4), ("interleaved_1f1b", 3, 6, 4),
+                 ("interleaved_1f1b", 4, 8, 5), ("interleaved_1f1b", 2, 6, 4),
+                 ("interleaved_zb", 2, 4, 4), ("looped_bfs", 2, 4, 4)]:
+        got = {s: (g.unshards, g.reshard_after_forward) for s, g in stage_gathers(*args).items()}
+        assert got == torchs(*args), args
+    evicted = stage_gathers("interleaved_1f1b", 2, 4, 4)
+    assert max(g.unshards for g in evicted.values()) > 1
+    # ZeRO-3: a block once per UNSHARD and after each forward not followed by an eviction
+    g = evicted[0]
+    assert g.block(4, 3) == g.unshards + 4 - g.reshard_after_forward > 4 + 1
+    assert g.block(4, 2) == g.root == g.unshards
+
+
+def test_every_stage_root_is_gathered_and_reduced():
+    """ZB-V's rank 0 holds stage 0 (the embedding) and the last stage (the final norm and
+    head): two root units, each gathered once per schedule and reduce-scattered once; interleaved
+    1F1B's ZeRO-3 gathers are predicted (m + 1 per block where no stage is evicted)."""
+    m, blocks = 4, 2  # two stages of one block each
+    zbv = Plan.from_string(f"dp_shard=2,zero=3,pp=2,microbatches={m},pp_schedule=zbv,"
+                           "virtual_stages=2")
+    rank0 = {t.op: t for t in predict(zbv, CFG, W.BATCH, W.SEQ, stage=0)
+             if t.axis == "dp_shard"}
+    assert rank0["all_gather"].calls == blocks * (m + 1) + 2
+    assert rank0["reduce_scatter"].calls == blocks + 2
+    rank1 = {t.op: t for t in predict(zbv, CFG, W.BATCH, W.SEQ, stage=1)
+             if t.axis == "dp_shard"}
+    assert rank1["all_gather"].calls == blocks * (m + 1)  # the middle stages hold no root
+    assert rank1["reduce_scatter"].calls == blocks
+    interleaved = Plan.from_string(f"dp_shard=2,zero=3,pp=2,microbatches={m},"
+                                   "pp_schedule=interleaved_1f1b,virtual_stages=2")
+    gathers = by_axis_op(predict(interleaved, CFG, W.BATCH, W.SEQ, stage=0))
+    assert gathers[("dp_shard", "all_gather")] > 0
+
+
 def test_axis_names_cover_single_flat_and_joined_axes():
     # A fake 2x2x2 world seen from rank 5 = coordinate (1, 0, 1) on (pp, dp_shard, tp).
     class Root:

@@ -67,6 +67,12 @@ LAYOUTS = [
          grad_accum=2, pp_stage_layers=[1, 1, 1, 1]),
     dict(dp_shard=2, zero=3, pp=2, pp_schedule="zbv", virtual_stages=2, microbatches=4,
          pp_stage_layers=[1, 1, 1, 1]),
+    # ZeRO-3 under interleaved 1F1B, and with four stages per rank (torch's runtime evicts
+    # stages and gathers them again): the ledger's per-stage counts
+    dict(dp_shard=2, zero=3, pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2,
+         microbatches=4, pp_stage_layers=[1, 1, 1, 1]),
+    dict(dp_shard=2, zero=3, pp=2, pp_schedule="interleaved_zb", virtual_stages=4,
+         microbatches=4, n_layers=8),
 ]
 
 
@@ -81,8 +87,10 @@ def test_planner_prices_the_bytes_the_ledger_predicts(layout):
     from plait.planner.model_stats import from_transformer_config
 
     layers = layout.pop("pp_stage_layers", None)
+    n_layers = layout.pop("n_layers", 4)
     plan = Plan(**layout, **({"options": {"pp_stage_layers": layers}} if layers else {}))
-    cfg = TransformerConfig(vocab_size=256, dim=32, n_layers=4, n_heads=4, max_seq_len=16,
+    cfg = TransformerConfig(vocab_size=256, dim=32, n_layers=n_layers, n_heads=4,
+                            max_seq_len=16,
                             n_kv_heads=2 if plan.cp > 1 else None)
     B, s = 8 * plan.dp * plan.grad_accum, 16
     est = evaluate(plan, from_transformer_config(cfg), load_cluster("cpu", devices=

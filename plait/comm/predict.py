@@ -49,7 +49,7 @@ from typing import Any
 from .._torch_compat import is_split
 from ..mesh import DP, DP_CP, DP_SHARD_CP, DP_SHARD_CP_TP, DP_SHARD_TP
 from ..parallel.tp_kv import replicated_kv_elements
-from ..plan import ZERO_BUBBLE_SCHEDULES, reduces_after_schedule
+from ..plan import reduces_after_schedule
 from .volumes import DDP_BUCKET_BYTES, Traffic, cp_traffic, ddp_traffic, dtype_bytes
 
 FP32 = 4
@@ -275,7 +275,10 @@ class LocalModel:
     ``regathered_layers`` are gathered again for backward under ZeRO-3 (``plait.comm.reach``);
     None: all of them. ``tp_blocks``: each of this rank's blocks' own tensor-parallel
     collectives where the blocks differ in what trains and what the backward pass reaches
-    (``plait.planner.tp_block.grad_flow``); None: the counts above say it.
+    (``plait.planner.tp_block.grad_flow``); None: the counts above say it. ``stage_layers`` /
+    ``stage_params`` / ``stage_roots``: per stage this rank holds (``stages`` order), its
+    blocks, its parameters and its root unit's parameters, which FSDP2 gathers per stage
+    under a pipeline (:meth:`stage_parts`); None: derived from the totals.
     """
 
     params: float
@@ -297,6 +300,32 @@ class LocalModel:
     reached_layers: int | None = None
     regathered_layers: int | None = None
     tp_blocks: tuple[TPBlock, ...] | None = None
+    stage_layers: tuple[int, ...] | None = None
+    stage_roots: tuple[float, ...] | None = None
+    stage_params: tuple[float, ...] | None = None
+
+    def stage_parts(self) -> list[tuple[int, int, float, float]]:
+        """``(stage, blocks, block parameters, root parameters)`` of each stage this rank
+        holds, in ``stages`` order: ``stage_layers`` / ``stage_params`` / ``stage_roots``
+        where known; otherwise the blocks split evenly, the root's parameters on the stages
+        holding the embedding (the first) and the head (the last), halved where one rank
+        holds both (ZB-V's rank 0)."""
+        k = len(self.stages)
+        layers = self.stage_layers or tuple(self.layers // k + (i < self.layers % k)
+                                            for i in range(k))
+        roots = self.stage_roots
+        if roots is None:
+            ends = [i for i, s in enumerate(self.stages)
+                    if (s == 0 and self.embed) or (s == self.num_stages - 1 and self.head)]
+            ends = ends or list(range(k))
+            roots = tuple(self.root_params / len(ends) if i in ends else 0.0 for i in range(k))
+        blocks = float(self.params) - float(self.root_params)
+        out = []
+        for i, s in enumerate(self.stages):
+            own = (self.stage_params[i] - roots[i] if self.stage_params is not None
+                   else blocks * layers[i] / self.layers if self.layers else 0.0)
+            out.append((s, layers[i], own, roots[i]))
+        return out
 
     @property
     def grads(self) -> float:
@@ -310,8 +339,11 @@ class LocalModel:
 
     @property
     def units(self) -> int:
-        """FSDP2 units on this rank: every block and the stage's root."""
-        return self.layers + 1
+        """FSDP2 units on this rank: every block, and each stage's root that holds parameters
+        (FSDP2 makes no unit of a root left empty, a middle pipeline stage's)."""
+        if len(self.stages) == 1 and self.num_stages == 1:
+            return self.layers + 1
+        return self.layers + sum(root > 0 for *_, root in self.stage_parts())
 
     @property
     def layers_trained(self) -> int:
@@ -359,10 +391,15 @@ class LocalModel:
         whole = replicated_kv_elements(cfg.dim, cfg.kv_heads, cfg.head_dim, plan.tp)
         params = ((block - block_whole) * layers + root) // plan.tp + block_whole * layers + \
             root_whole + whole * layers * (plan.tp - 1) // plan.tp
+        # each stage's root: the embedding on the first, the head (and final norm) on the last
+        roots = tuple(float((table if s == 0 else 0) // plan.tp) + (
+            (0 if cfg.tie_embeddings and embed else table) // plan.tp + root_whole
+            if s == n - 1 else 0) for s in stages)
         return cls(params=params, root_params=root // plan.tp + root_whole, tensors=0,
                    layers=layers,
                    recomputed=recomputed, embed=embed, head=head, stages=stages, num_stages=n,
-                   clip_axes=clip_axes(plan))
+                   clip_axes=clip_axes(plan), stage_layers=(per,) * len(stages),
+                   stage_roots=roots)
 
 
 def clip_axes(plan: Any) -> tuple[str, ...]:
@@ -438,7 +475,7 @@ def predict(plan: Any, cfg: Any, batch: int, seq: int, *, local: LocalModel | No
     kv_whole = replicated_kv_elements(cfg.dim, cfg.kv_heads, cfg.head_dim, plan.tp)
     # tp's collectives and the stages' sends move this rank's tokens: its cp slice of each
     # sequence
-    return (dp_traffic(plan, local, multi_stage_zero3=False)
+    return (dp_traffic(plan, local)
             + tp_rank_traffic(plan, local, mb, seq // plan.cp, cfg.dim, kv_whole,
                               reference_block(cfg))
             + pp_rank_traffic(plan, local, mb, seq // plan.cp, cfg.dim)
@@ -470,17 +507,14 @@ def cp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, kv_dim: int
 
 
 def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
-               bucket_bytes: float = DDP_BUCKET_BYTES,
-               multi_stage_zero3: bool = True) -> list[Traffic]:
+               bucket_bytes: float = DDP_BUCKET_BYTES) -> list[Traffic]:
     """Data-parallel traffic of one rank in one optimizer step, as plait's runtime issues it.
 
     Gradients are reduced in ``grad_dtype`` (plait: fp32); DDP in ``bucket_bytes`` buckets, FSDP2
     one call per unit (``local.units``). A pipeline runs one schedule per accumulation step and
     torch's stage runtime syncs DDP/FSDP2 on the last backward of each: gradients are reduced
-    ``grad_accum`` times per step. ``multi_stage_zero3``: price ZeRO-3's gathers under
-    interleaved 1F1B and looped BFS like one-stage schedules (the planner must price them; the
-    ledger leaves them out, their order is not this closed form's; the zero-bubble schedules'
-    it predicts, see :func:`_param_gathers`)."""
+    ``grad_accum`` times per step. FSDP2's gathers follow each schedule's order
+    (:func:`_param_gathers`)."""
     R, S, accum = plan.dp_replicate, plan.dp_shard, plan.grad_accum
     syncs = accum if plan.pp > 1 else 1
     g = dtype_bytes(grad_dtype)
@@ -489,8 +523,7 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
     if reduces_after_schedule(plan):
         return _after_schedule_traffic(plan, local, grad_dtype, bucket_bytes)
     if plan.cp > 1:  # the cp ranks reduce gradients with the data ranks (plait.parallelize)
-        return _dp_cp_traffic(plan, local, g, grad_dtype, bucket_bytes, syncs,
-                              multi_stage_zero3)
+        return _dp_cp_traffic(plan, local, g, grad_dtype, bucket_bytes, syncs)
     # DDP wraps nothing where nothing trains (a frozen pipeline stage: plait.parallel.data)
     if plan.zero == 1 and R * S > 1:
         if G:
@@ -508,7 +541,7 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
         if R > 1 and units:  # HSDP: the reduce-scattered shard all-reduced across replicas
             out += _times([Traffic("dp_replicate", "all_reduce", G / S * g, units, R,
                                    "grads")], syncs)
-        out += _param_gathers(plan, local, multi_stage_zero3)
+        out += _param_gathers(plan, local)
     elif R > 1:
         if plan.tp > 1:  # replicated DP over TP shards: FSDP2, one all-reduce per unit
             if local.reducing_units:
@@ -547,7 +580,7 @@ def _after_schedule_traffic(plan: Any, local: LocalModel, grad_dtype: str,
 
 
 def _dp_cp_traffic(plan: Any, local: LocalModel, g: int, grad_dtype: str,
-                   bucket_bytes: float, syncs: int, multi_stage_zero3: bool) -> list[Traffic]:
+                   bucket_bytes: float, syncs: int) -> list[Traffic]:
     """:func:`dp_traffic` under context parallelism: the cp ranks compute partial gradients
     of the same parameters, so they join the data ranks. DDP all-reduces over dp x cp
     (``dp_cp``), and with tp FSDP2's replicate one all-reduce per unit; FSDP2 shards and
@@ -564,7 +597,7 @@ def _dp_cp_traffic(plan: Any, local: LocalModel, g: int, grad_dtype: str,
         if plan.dp_replicate > 1 and units:
             grads.append(Traffic("dp_replicate", "all_reduce", G / n * g, units,
                                  plan.dp_replicate, "grads"))
-        return _times(grads, syncs) + _param_gathers(plan, local, multi_stage_zero3)
+        return _times(grads, syncs) + _param_gathers(plan, local)
     if plan.tp > 1:  # TP shards replicated over dp x cp (apply_replicate_cp): one per unit
         return _times([Traffic(dp_cp, "all_reduce", G * g, units, _axis_size(plan, DP_CP),
                                "grads")] if units else [], syncs)
@@ -577,39 +610,48 @@ def _dp_cp_traffic(plan: Any, local: LocalModel, g: int, grad_dtype: str,
     return out
 
 
-def _param_gathers(plan: Any, local: LocalModel, multi_stage: bool) -> list[Traffic]:
-    """FSDP2's parameter all-gathers per optimizer step. It reshards after every backward, so
-    ZeRO-2 gathers once per micro-step; ZeRO-3 before each forward and each backward, the root
-    unit (kept gathered from forward to backward) once, and a leading frozen block the backward
-    pass never reaches in forward alone unless the block after it prefetches it
-    (``local.regathered_layers``, :mod:`plait.comm.reach`). Inside a one-stage-per-rank pipeline
-    (GPipe, 1F1B) FSDP2 reshards each block after every forward and torch's stage runtime keeps
-    it gathered between backwards until the last one: m + 1 gathers per block per schedule.
-    So under the zero-bubble schedules with up to three stages per rank: torch's runtime
-    gathers every unit of the rank's stages before the schedule (its UNSHARD step, none
-    evicted mid-schedule), each of a block's m forwards reshards it, and its stage's next step
-    (a forward, or an input- or weight-gradient step, which ``TimedStage`` gathers for)
-    gathers it again; it stays gathered from then to torch's REDUCE_GRAD step."""
-    accum, pp = plan.grad_accum, plan.pp
-    # blocks gathered per_block times each, the root per_root
-    blocks = local.layers
-    if plan.zero == 2:
-        per_block = per_root = accum
-    elif pp == 1:
-        # forward, and backward where the backward pass reaches or prefetches the block
-        per_block, per_root = accum, accum
-        blocks += local.layers_regathered
-    elif multi_stage or (plan.virtual_stages == 1 and plan.pp_schedule in ("gpipe", "1f1b")) \
-            or (plan.pp_schedule in ZERO_BUBBLE_SCHEDULES and plan.virtual_stages <= 3):
-        per_block, per_root = (plan.microbatches + 1) * accum, accum
-    else:
-        return []
+def _param_gathers(plan: Any, local: LocalModel) -> list[Traffic]:
+    """FSDP2's parameter all-gathers per optimizer step, one call per unit gathered.
+
+    Without a pipeline FSDP2 reshards after every backward, so ZeRO-2 gathers once per
+    micro-step; ZeRO-3 before each forward and each backward, the root unit (kept gathered
+    from forward to backward) once, and a leading frozen block the backward pass never
+    reaches in forward alone unless the block after it prefetches it
+    (``local.regathered_layers``, :mod:`plait.comm.reach`).
+
+    Under a pipeline torch's stage runtime keeps every unit gathered between backwards until
+    the stage's last one (its REDUCE_GRAD step), and ZeRO-3 reshards each block after every
+    forward, so a block is gathered again by its stage's next step after each forward (a
+    forward or a backward, which FSDP2's hooks gather for; an input- or weight-gradient step,
+    which ``TimedStage`` gathers for). The multi-stage schedules also gather each stage at
+    torch's UNSHARD step, and a rank holding more than three stages has its stages evicted
+    (RESHARD) and gathered again mid-schedule, the root units included
+    (:func:`plait.parallel.schedules.stage_gathers` counts both off torch's order): m + 1
+    gathers per block per schedule where a stage is never evicted (GPipe, 1F1B, and up to
+    three stages per rank), more where it is; each stage's root that holds parameters (the
+    embedding's, the head's: two on ZB-V's rank 0) once per UNSHARD."""
+    accum = plan.grad_accum
     b = dtype_bytes(_compute_dtype(plan))
     root = float(local.root_params)
-    # the blocks are alike (a stack of repeated blocks): each the mean of the rank's blocks
-    gathered = (float(local.params) - root) * blocks / local.layers if local.layers else 0.0
-    payload = (gathered * per_block + root * per_root) * b
-    calls = blocks * per_block + per_root
+    if plan.pp == 1:
+        blocks = local.layers
+        if plan.zero == 3:  # forward, and backward where the backward pass reaches the block
+            blocks += local.layers_regathered
+        # the blocks are alike (a stack of repeated blocks): each the mean of the rank's blocks
+        gathered = (float(local.params) - root) * blocks / local.layers if local.layers \
+            else 0.0
+        payload, calls = (gathered + root) * accum * b, (blocks + 1) * accum
+    else:
+        from ..parallel.schedules import stage_gathers
+
+        every = stage_gathers(plan.pp_schedule, plan.pp, plan.microbatches,
+                              plan.virtual_stages)
+        payload, calls = 0.0, 0
+        for stage, layers, block_params, root_params in local.stage_parts():
+            g = every[stage]
+            per_block = g.block(plan.microbatches, plan.zero)
+            payload += (block_params * per_block + root_params * g.root) * accum * b
+            calls += (layers * per_block + (g.root if root_params > 0 else 0)) * accum
     axes = _shard_axes(plan)
     return [Traffic(_ledger_axis(plan, axes), "all_gather", payload, calls,
                     prod(getattr(plan, a) for a in axes), "params")]
@@ -910,9 +952,13 @@ def local_model(model: Any, plan: Any) -> LocalModel:
     total = root = tensors = layers = recomputed = grads = grad_tensors = 0
     clip: set[str] = set()
     embed = head = False
+    stage_layers: list[int] = []
+    stage_roots: list[float] = []
+    stage_params: list[float] = []
     for module in modules:
         inner = getattr(module, "module", module)  # DDP
         padded = fsdp_padded_numels(module)  # FSDP2's own sizes, where it holds parameters
+        before = (total, root, layers)
         for name, p in module.named_parameters():
             n = p.numel()
             if isinstance(p, DTensor) and (mesh := p.device_mesh).mesh_dim_names:
@@ -938,6 +984,9 @@ def local_model(model: Any, plan: Any) -> LocalModel:
             recomputed += isinstance(block, checkpoint_wrapper_api()[2])
         embed |= not isinstance(getattr(inner, "tok_embeddings", None), (PipelineSkip, type(None)))
         head |= not isinstance(getattr(inner, "output", None), (PipelineSkip, type(None)))
+        stage_params.append(float(total - before[0]))
+        stage_roots.append(float(root - before[1]))
+        stage_layers.append(layers - before[2])
     stages = tuple(s.index for s in specs) if specs else (0,)
     num_stages = specs[0].num_stages if specs else 1
     # A tied head on a rank that holds the embedding or the head alone: its copy's local
@@ -955,11 +1004,16 @@ def local_model(model: Any, plan: Any) -> LocalModel:
     # Flattened names: FSDP2 over (dp_replicate, dp_shard) shards on dp_shard only (on
     # dp_shard_cp under context parallelism).
     order = ("dp_replicate", "dp_shard", DP_SHARD_CP, "tp")
+    per_stage = len(stage_layers) == len(stages)
     return LocalModel(params=total, root_params=root, tensors=tensors, layers=layers,
                       recomputed=recomputed, embed=embed, head=head, stages=stages,
                       num_stages=num_stages,
                       clip_axes=tuple(a for a in order if a in clip and _axis_size(plan, a) > 1),
-                      grad_params=grads, grad_tensors=grad_tensors, tied=float(tied))
+                      grad_params=grads, grad_tensors=grad_tensors, tied=float(tied),
+                      # each stage's own blocks and root, where the modules are the stages
+                      stage_layers=tuple(stage_layers) if per_stage else None,
+                      stage_roots=tuple(stage_roots) if per_stage else None,
+                      stage_params=tuple(stage_params) if per_stage else None)
 
 
 def reads_trace(plan: Any) -> bool:

@@ -30,6 +30,7 @@ import argparse
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -152,7 +153,10 @@ def rank_orders(schedule: str, pp: int, microbatches: int,
     return _torch_orders(schedule, pp, m, virtual_stages)
 
 
-def _torch_orders(schedule: str, pp: int, m: int, v: int) -> dict[int, list[Action]]:
+@lru_cache(maxsize=16)
+def _torch_schedule(schedule: str, pp: int, m: int, v: int) -> Any:
+    """torch's schedule object for ``schedule``, built without stages or a process group (its
+    orders only; a large one costs seconds to build, hence the cache)."""
     cls = schedule_class(schedule)
     # The schedule constructors compute pipeline_order for *all* ranks from rank 0's view; they
     # read only these attributes of the stages (no communication happens before step()).
@@ -160,7 +164,11 @@ def _torch_orders(schedule: str, pp: int, m: int, v: int) -> dict[int, list[Acti
                               submod=None, is_first=s == 0, is_last=s == pp * v - 1,
                               stage_index_to_group_rank=None)
               for s in local_stages(schedule, pp, v, 0)]
-    sched = cls(stages, m)
+    return cls(stages, m)
+
+
+def _torch_orders(schedule: str, pp: int, m: int, v: int) -> dict[int, list[Action]]:
+    sched = _torch_schedule(schedule, pp, m, v)
     kinds = {"F": "F", "B": "B", "I": "I", "W": "W"}
     orders: dict[int, list[Action]] = {}
     for rank, actions in sched.pipeline_order.items():
@@ -168,6 +176,144 @@ def _torch_orders(schedule: str, pp: int, m: int, v: int) -> dict[int, list[Acti
                         for a in actions
                         if a is not None and a.computation_type.value in kinds]
     return orders
+
+
+@dataclass(frozen=True)
+class StageGathers:
+    """How often FSDP2 all-gathers the units of one pipeline stage in one schedule step.
+
+    ``unshards``: the times torch's runtime gathers the whole stage (its UNSHARD action: every
+    unit, the root included); ``reshard_after_forward``: the stage's forwards whose next action
+    on the stage is torch's RESHARD (the stage evicted to make room for others), after which
+    no step of the stage gathers the block again: the UNSHARD that brings the stage back does.
+    """
+
+    unshards: int
+    reshard_after_forward: int
+
+    def block(self, microbatches: int, zero: int) -> int:
+        """Gathers of one block. ZeRO-3 (FSDP2 reshards a block after each forward): one per
+        UNSHARD, and one at the stage's next step after each forward, which FSDP2's
+        pre-forward or pre-backward hook (or ``TimedStage`` before an input- or weight-gradient
+        step) gathers for; ZeRO-2 keeps blocks gathered from UNSHARD to RESHARD."""
+        if zero == 3:
+            return self.unshards + microbatches - self.reshard_after_forward
+        return self.unshards
+
+    @property
+    def root(self) -> int:
+        """Gathers of the stage's root unit: FSDP2 keeps a root gathered from forward to
+        backward, so once per UNSHARD."""
+        return self.unshards
+
+
+# torch's runtime prefetches the next this many distinct stages of a rank (its UNSHARD/RESHARD
+# lowering, ``max_active_stages``): a rank holding at most this many never evicts one.
+ACTIVE_STAGES = 3
+
+
+@lru_cache(maxsize=1024)
+def stage_gathers(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1
+                  ) -> dict[int, StageGathers]:
+    """FSDP2's gathers of every global stage in one schedule step, as torch's runtime orders
+    them (:class:`StageGathers`).
+
+    GPipe and 1F1B (torch's one-stage loops, no UNSHARD step) gather a stage once, at its first
+    forward. The multi-stage schedules run torch's lowered order (``pipeline_order_with_comms``):
+    UNSHARD every stage before its first action, RESHARD it when it leaves the next
+    ``ACTIVE_STAGES`` distinct stages the rank will run, UNSHARD it again when it comes back. A
+    rank holding at most ``ACTIVE_STAGES`` stages gathers each once per step; otherwise the
+    counts are read off torch's order (interleaved 1F1B's off plait's own build of it,
+    :func:`interleaved_1f1b_stages` and :func:`lowered_gathers`: the planner searches it and
+    torch's takes seconds to build). They are the same every step: the order is fixed when the
+    schedule is built, not by timing. Cached: the planner asks for the same schedule for
+    every layout it prices; callers must not change the dict returned."""
+    check_schedule_args(schedule, pp, microbatches, virtual_stages)
+    n = pp * virtual_stages
+    if schedule in ("gpipe", "1f1b") or virtual_stages <= ACTIVE_STAGES:
+        return {s: StageGathers(1, 0) for s in range(n)}
+    if schedule == "interleaved_1f1b":
+        return _interleaved_gathers(pp, microbatches, virtual_stages)
+    return _lowered_gathers(schedule, pp, microbatches, virtual_stages)
+
+
+def interleaved_1f1b_stages(pp: int, m: int, v: int, rank: int) -> list[tuple[str, int]]:
+    """The (kind, stage) of every compute action of ``rank`` under interleaved 1F1B, in torch's
+    order (``ScheduleInterleaved1F1B.pipeline_order`` without its idle slots): microbatches
+    in rounds of ``m // rounds`` (rounds = ``max(1, m // pp)``), each round through the rank's
+    stages in turn; ``(v - 1)`` rounds' worth of forwards plus two per rank below the last as
+    warm-up, then one forward and one backward (the stages in reverse) at a time, then the
+    remaining backwards. Built here because the planner prices many of these schedules and
+    torch builds one in seconds (it lowers every rank's communication too);
+    ``tests/test_comm_ledger.py`` holds it to torch's order."""
+    size = m // max(1, m // pp)
+    ops = v * m
+    warmup = min((v - 1) * size + 2 * (pp - 1 - rank), ops)
+
+    def forward(k: int) -> tuple[str, int]:
+        return "F", (k // size) % v * pp + rank
+
+    def backward(k: int) -> tuple[str, int]:
+        return "B", (v - 1 - (k - warmup) // size % v) * pp + rank
+
+    out = [forward(k) for k in range(warmup)]
+    for k in range(warmup, ops):
+        out += [forward(k), backward(k)]
+    return out + [backward(k) for k in range(ops, ops + warmup)]
+
+
+def lowered_gathers(actions: list[tuple[str, int]], active: int = ACTIVE_STAGES
+                    ) -> dict[int, StageGathers]:
+    """UNSHARD and evictions of each stage of one rank running compute ``actions`` in order,
+    by the policy torch's runtime lowers a multi-stage schedule with: before each action the
+    next ``active`` distinct stages the rank will run are gathered (UNSHARD) and every other
+    stage resharded (RESHARD)."""
+    # the next `active` distinct stages from each position on, built from the end
+    ahead: list[tuple[int, ...]] = [()] * len(actions)
+    upcoming: tuple[int, ...] = ()
+    for i in range(len(actions) - 1, -1, -1):
+        stage = actions[i][1]
+        upcoming = ((stage,) + tuple(s for s in upcoming if s != stage))[:active]
+        ahead[i] = upcoming
+    unshards: dict[int, int] = {s: 0 for _, s in actions}
+    evicted = dict.fromkeys(unshards, 0)
+    last: dict[int, str] = {}
+    held: set[int] = set()
+    for (kind, stage), wanted in zip(actions, ahead, strict=True):
+        for s in held - set(wanted):
+            evicted[s] += last.get(s) == "F"
+            last[s] = "RESHARD"
+        held &= set(wanted)
+        for s in wanted:
+            unshards[s] += s not in held
+        held |= set(wanted)
+        last[stage] = kind
+    return {s: StageGathers(unshards[s], evicted[s]) for s in unshards}
+
+
+@lru_cache(maxsize=256)
+def _interleaved_gathers(pp: int, m: int, v: int) -> dict[int, StageGathers]:
+    out: dict[int, StageGathers] = {}
+    for rank in range(pp):
+        out.update(lowered_gathers(interleaved_1f1b_stages(pp, m, v, rank)))
+    return out
+
+
+@lru_cache(maxsize=64)
+def _lowered_gathers(schedule: str, pp: int, m: int, v: int) -> dict[int, StageGathers]:
+    unshards = dict.fromkeys(range(pp * v), 0)
+    evicted = dict.fromkeys(range(pp * v), 0)
+    for actions in _torch_schedule(schedule, pp, m, v).pipeline_order_with_comms.values():
+        last: dict[int, str] = {}
+        for a in actions:
+            kind, s = a.computation_type.value, a.stage_index
+            if kind == "UNSHARD":
+                unshards[s] += 1
+            elif kind == "RESHARD":
+                evicted[s] += last.get(s) == "F"
+            if kind in ("F", "B", "I", "W", "RESHARD"):
+                last[s] = kind
+    return {s: StageGathers(unshards[s], evicted[s]) for s in unshards}
 
 
 # ------------------------------------------------------------------------------ simulation

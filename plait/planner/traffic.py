@@ -191,7 +191,8 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
                               tied_tensors=max(1, tied_tensors), grad_params=grads,
                               grad_tensors=grad_tensors, grad_units=grad_units,
                               trained_layers=trained_layers, reached_layers=reached_layers,
-                              regathered_layers=regathered_layers, tp_blocks=own))
+                              regathered_layers=regathered_layers, tp_blocks=own,
+                              stage_layers=tuple(sizes[i] for i in ids)))
     return out
 
 
@@ -339,10 +340,20 @@ def fsdp_host_time(plan: Plan, share: LocalModel, c: Constants) -> tuple[float, 
     syncs = steps if pp > 1 else 1
     reduce = c.fsdp_reduce_s * share.reducing_units * syncs  # a frozen unit reduces nothing
     # ZeRO-3 gathers each block once more per backward than ZeRO-2 (the root never; a leading
-    # frozen block only where the block after it is reached)
-    per_block = (plan.microbatches if pp > 1 else 1) * steps if plan.zero == 3 else 0
-    blocks = share.layers_regathered if pp == 1 else share.layers
-    return reduce, c.fsdp_regather_s * blocks * per_block
+    # frozen block only where the block after it is reached); in a pipeline once more after
+    # each forward, but where torch's runtime evicts the stage right after it (four or more
+    # stages per rank), when ZeRO-2 gathers it again too (plait.parallel.schedules)
+    if plan.zero != 3:
+        return reduce, 0.0
+    if pp == 1:
+        return reduce, c.fsdp_regather_s * share.layers_regathered * steps
+    from ..parallel.schedules import stage_gathers
+
+    every = stage_gathers(plan.pp_schedule, pp, plan.microbatches, plan.virtual_stages)
+    m = plan.microbatches
+    regathers = sum(layers * (every[s].block(m, 3) - every[s].block(m, 2))
+                    for s, layers, _, _ in share.stage_parts())
+    return reduce, c.fsdp_regather_s * regathers * steps
 
 
 def fsdp_exposed(plan: Plan, cluster: Cluster, share: LocalModel, layers: int,
