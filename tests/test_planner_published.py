@@ -12,9 +12,9 @@ from plait.planner.cost import evaluate
 from plait.planner.published import (
     MISS_BAND,
     MTNLG,
-    NEMOTRON4,
     NARAYANAN_2021,
     NEMO_LLAMA2_7B_CP,
+    NEMOTRON4,
     PUBLISHED_RUNS,
     check_cp_speedup,
     megatron_flops,

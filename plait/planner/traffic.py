@@ -42,9 +42,9 @@ def tier(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
     device: one NIC per GPU on the presets), capped by the in-node link: NCCL's rings cross
     each node boundary once per channel and spread the channels over the node's NICs, so a
     group with k ranks in a node moves its inter-node bytes over k NICs at once while the
-    in-node legs ride NVLink (nccl-tests' bus bandwidth across DGX nodes is the node's NIC
-    total, about 8 x 25 GB/s on DGX A100, not one NIC's). A group of one rank per node (a
-    data-parallel axis outside tp = 8) keeps one NIC's bandwidth."""
+    in-node legs ride NVLink (nccl-tests' bus bandwidth across DGX nodes approaches the node's
+    NIC total, not one NIC's). A group of one rank per node (a data-parallel axis outside
+    tp = 8) keeps one NIC's bandwidth."""
     span = size * stride
     per_node = cluster.devices_per_node
     if span <= per_node and per_node % span == 0:
