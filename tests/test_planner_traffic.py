@@ -232,3 +232,22 @@ def test_pipeline_clip_norm_all_reduce_is_priced_as_the_ledger_predicts_it():
         [(t.axis, t.op, t.payload, t.calls, t.group) for t in ledger]
     # one stage: nothing to all-reduce across stages
     assert evaluate(Plan(dp_replicate=4), m, c, work, k).time_breakdown["clip_norm"] == 0
+
+
+def test_a_group_across_nodes_moves_its_bytes_over_every_nic_it_holds_in_a_node():
+    """DGX A100: 8 GPUs per node, one 25 GB/s NIC each, NVLink 300 GB/s. A group of several
+    ranks per node crosses each node boundary over as many NICs (NCCL spreads its ring channels
+    over the node's NICs); one rank per node keeps one NIC; inside a node, NVLink."""
+    from plait.planner.traffic import tier
+
+    a100 = load_cluster("dgx-a100-80gb", devices=64)
+    assert tier(a100, 8, 1)[0] == a100.intra_bw                  # one node
+    assert tier(a100, 64, 1)[0] == 8 * a100.inter_bw             # FSDP over 8 whole nodes
+    assert tier(a100, 32, 2)[0] == 4 * a100.inter_bw             # dp outside tp=2
+    assert tier(a100, 8, 8)[0] == a100.inter_bw                  # dp outside tp=8
+    assert tier(a100, 2, 32)[0] == a100.inter_bw                 # a pipeline send
+    # capped by the in-node link: 8 x 50 GB/s NICs on DGX H100 stay under NVLink's 450 GB/s
+    h100 = load_cluster("dgx-h100", devices=64)
+    assert tier(h100, 64, 1)[0] == min(h100.intra_bw, 8 * h100.inter_bw) == 400e9
+    # the latency of a group across nodes is the inter-node one
+    assert tier(a100, 64, 1)[1] == a100.inter_latency

@@ -57,6 +57,9 @@ class Constants(HostOverheads):
     (and the rest of a block's kernels, folded in). Fitted once, as the value that makes the
     median error over all ten rows of Narayanan et al. 2021 table 1 zero (0.568 -> 0.57), after
     communication and bubbles were modelled; see docs/planner.md and bench/planner_accuracy.py.
+    Since a group across nodes is priced over every NIC it holds in a node
+    (:func:`plait.planner.traffic.tier`), the value zeroing that median is 0.556: kept at 0.57
+    until refitted (every A100 prediction would move by -2.5%).
     ``plait plan --calibrate`` measures it for the local machine instead.
     ``link_efficiency``: fraction of link bandwidth NCCL-class collectives reach (busbw/link).
     What ``plait plan --calibrate`` measures on a CPU machine (per block, per tensor, per FSDP2

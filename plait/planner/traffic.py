@@ -37,11 +37,20 @@ def tier(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
     """(bandwidth, latency) of a group of ``size`` ranks ``stride`` apart in mesh order.
 
     Inside a node only if the span ``size * stride`` divides the node: otherwise some groups
-    straddle two nodes and the ring runs at the slower tier."""
+    straddle two nodes and the ring runs at the slower tier. Across nodes the bandwidth is
+    the inter-node link of every rank the group holds in one node (``inter_bw`` is per
+    device: one NIC per GPU on the presets), capped by the in-node link: NCCL's rings cross
+    each node boundary once per channel and spread the channels over the node's NICs, so a
+    group with k ranks in a node moves its inter-node bytes over k NICs at once while the
+    in-node legs ride NVLink (nccl-tests' bus bandwidth across DGX nodes approaches the node's
+    NIC total, not one NIC's). A group of one rank per node (a data-parallel axis outside
+    tp = 8) keeps one NIC's bandwidth."""
     span = size * stride
-    if span <= cluster.devices_per_node and cluster.devices_per_node % span == 0:
+    per_node = cluster.devices_per_node
+    if span <= per_node and per_node % span == 0:
         return cluster.intra_bw, cluster.intra_latency
-    return cluster.inter_bw, cluster.inter_latency
+    k = per_node // stride if stride < per_node and per_node % stride == 0 else 1
+    return min(cluster.intra_bw, k * cluster.inter_bw), cluster.inter_latency
 
 
 _FACTOR = {"all_gather": "all_gather_factor", "reduce_scatter": "reduce_scatter_factor",
