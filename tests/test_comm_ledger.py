@@ -42,6 +42,10 @@ def _check(result: dict, want: set[tuple[str, str]]) -> dict[tuple[str, str], di
         assert r["time_s"] > 0, (key, r)  # every (group, op)'s first calls are timed
         assert r["ratio"] == pytest.approx(1.0, abs=1e-9), (key, r["payload_bytes"],
                                                               r["expected_bytes"])
+        # and as many calls as predicted (one per DDP bucket, FSDP2 unit, TP collective...)
+        assert r["expected_calls"] is not None, (key, r)
+        assert r["count"] == r["expected_calls"], (key, r["count"], r["expected_calls"])
+        assert r["calls_ratio"] == 1.0, (key, r)
     return rows
 
 

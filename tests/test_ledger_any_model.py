@@ -32,6 +32,7 @@ def _check(comm: dict, want: set[tuple[str, str]], world: int) -> None:
         assert r["expected_bytes"], (key, r)
         assert r["ratio"] == pytest.approx(1.0, abs=1e-12), (key, r["payload_bytes"],
                                                                r["expected_bytes"])
+        assert r["count"] == r["expected_calls"], (key, r["count"], r["expected_calls"])
     assert not any("no 'expected' column" in n for n in comm["notes"]), comm["notes"]
 
 

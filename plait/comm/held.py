@@ -51,7 +51,7 @@ import torch.nn as nn
 
 from .predict import FP32, _dp_axis, _ledger_axis
 from .reach import reached, regathered
-from .volumes import Traffic
+from .volumes import Traffic, ddp_bucket_calls
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,12 @@ class HeldModel:
     units: tuple[ShardUnit, ...] = ()
     # Channels of each BatchNorm layer plait synchronises itself (DataSyncBatchNorm)
     sync_bn_features: tuple[int, ...] = ()
+    # Calls behind the bytes: DDP's all-reduces (one per bucket, ``ddp_bucket_calls``), its
+    # buffer broadcasts (one per dtype, each under DDP's 250 MiB broadcast bucket) and
+    # ZeroRedundancyOptimizer's (one per parameter tensor it updates); None: not known
+    grad_calls: int | None = 1
+    buffer_calls: int | None = 1
+    update_tensors: int = 1
 
 
 def _nbytes(params: Iterable[torch.Tensor]) -> int:
@@ -184,16 +190,31 @@ def held_model(model: nn.Module, optimizer_params: Iterable[torch.Tensor] | None
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     buffers = 0
-    if isinstance(model, DDP) and model.broadcast_buffers:
-        ignored: set[str] = getattr(model, "parameters_to_ignore", set())
-        buffers = _nbytes(b for n, b in model.module.named_buffers() if n not in ignored)
+    buffer_calls: int | None = 1
+    grad_calls: int | None = 1
+    if isinstance(model, DDP):
+        # the gradients ready in backward order: the parameters' reversed (a forward that runs
+        # the modules in the order they were registered)
+        grad_calls = ddp_bucket_calls([(str(p.dtype), float(p.numel() * p.element_size()))
+                                       for p in reversed(trainable)], model.bucket_bytes_cap)
+        if model.broadcast_buffers:
+            ignored: set[str] = getattr(model, "parameters_to_ignore", set())
+            bufs = [b for n, b in model.module.named_buffers() if n not in ignored]
+            buffers = _nbytes(bufs)
+            kinds: dict[str, int] = {}
+            for b in {id(b): b for b in bufs}.values():
+                kinds[str(b.dtype)] = kinds.get(str(b.dtype), 0) + b.numel() * b.element_size()
+            buffer_calls = len(kinds) if all(
+                v <= model.broadcast_bucket_size for v in kinds.values()) else None
     from ..parallel.batchnorm import DataSyncBatchNorm
 
     updated = list(optimizer_params) if optimizer_params is not None else trainable
     synced = tuple(m.num_features for m in model.modules() if isinstance(m, DataSyncBatchNorm))
     return HeldModel(grad_bytes=_nbytes(trainable), update_bytes=_nbytes(updated),
                      buffer_bytes=buffers, grad_tensors=len({id(p) for p in trainable}),
-                     units=shard_units(model, input_grad), sync_bn_features=synced)
+                     units=shard_units(model, input_grad), sync_bn_features=synced,
+                     grad_calls=grad_calls, buffer_calls=buffer_calls,
+                     update_tensors=max(1, len({id(p) for p in updated})))
 
 
 def held_traffic(plan: Any, held: HeldModel) -> list[Traffic]:
@@ -210,13 +231,15 @@ def held_traffic(plan: Any, held: HeldModel) -> list[Traffic]:
     if plan.zero <= 1 and R * S * cp > 1:
         axis = _ledger_axis(plan, ("dp_replicate", "dp_shard", "cp")) if cp > 1 else \
             _dp_axis(plan)
-        out.append(Traffic(axis, "all_reduce", float(held.grad_bytes), 1, R * S * cp, "grads"))
+        out.append(Traffic(axis, "all_reduce", float(held.grad_bytes), held.grad_calls or 1,
+                           R * S * cp, "grads", calls_known=held.grad_calls is not None))
         if held.buffer_bytes:
-            out.append(Traffic(axis, "broadcast", float(held.buffer_bytes), 1, R * S * cp,
-                               "buffers (DDP)"))
+            out.append(Traffic(axis, "broadcast", float(held.buffer_bytes),
+                               held.buffer_calls or 1, R * S * cp, "buffers (DDP)",
+                               calls_known=held.buffer_calls is not None))
         if plan.zero == 1:
-            out.append(Traffic("dp_shard", "broadcast", float(held.update_bytes), 1, S,
-                               "params (ZeroRedundancyOptimizer)"))
+            out.append(Traffic("dp_shard", "broadcast", float(held.update_bytes),
+                               held.update_tensors, S, "params (ZeroRedundancyOptimizer)"))
     elif plan.zero >= 2:
         shard = _ledger_axis(plan, ("dp_shard", "cp"))
         for unit in held.units:

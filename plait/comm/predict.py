@@ -50,7 +50,15 @@ from .._torch_compat import is_split
 from ..mesh import DP, DP_CP, DP_SHARD_CP, DP_SHARD_CP_TP, DP_SHARD_TP
 from ..parallel.tp_kv import replicated_kv_elements
 from ..plan import reduces_after_schedule
-from .volumes import DDP_BUCKET_BYTES, Traffic, cp_traffic, ddp_traffic, dtype_bytes
+from .report import Expected
+from .volumes import (
+    DDP_BUCKET_BYTES,
+    Traffic,
+    cp_traffic,
+    ddp_bucket_calls,
+    ddp_traffic,
+    dtype_bytes,
+)
 
 FP32 = 4
 # Compute dtypes of 16 bits: bf16 and fp16 cast and autocast alike (FSDP2's param_dtype, the
@@ -303,6 +311,10 @@ class LocalModel:
     stage_layers: tuple[int, ...] | None = None
     stage_roots: tuple[float, ...] | None = None
     stage_params: tuple[float, ...] | None = None
+    # Per module this rank holds (a pipeline stage, or the model), the (dtype, bytes) of each
+    # trainable parameter tensor at its local size, in the module's parameter order: what
+    # DDP's buckets are filled from (ddp_bucket_calls); None: not read (from_config)
+    grad_tensor_bytes: tuple[tuple[tuple[str, float], ...], ...] | None = None
 
     def stage_parts(self) -> list[tuple[int, int, float, float]]:
         """``(stage, blocks, block parameters, root parameters)`` of each stage this rank
@@ -527,8 +539,8 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
     # DDP wraps nothing where nothing trains (a frozen pipeline stage: plait.parallel.data)
     if plan.zero == 1 and R * S > 1:
         if G:
-            out += _times(ddp_traffic(G, R * S, grad_dtype, axis=_dp_axis(plan),
-                                      bucket_bytes=bucket_bytes), syncs)
+            out += _times(_ddp_grads(local, G, R * S, grad_dtype, _dp_axis(plan),
+                                     bucket_bytes), syncs)
         if S > 1:
             # ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it
             out.append(Traffic("dp_shard", "broadcast", P * FP32, max(1, local.tensors), S,
@@ -548,8 +560,27 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
                 out += _times([Traffic("dp_replicate", "all_reduce", G * g,
                                        local.reducing_units, R, "grads")], syncs)
         elif G:
-            out += _times(ddp_traffic(G, R, grad_dtype, bucket_bytes=bucket_bytes), syncs)
+            out += _times(_ddp_grads(local, G, R, grad_dtype, "dp_replicate", bucket_bytes),
+                          syncs)
     return out
+
+
+def _ddp_grads(local: LocalModel, grads: float, n: int, grad_dtype: str, axis: str,
+               bucket_bytes: float, *, after_schedule: bool = False) -> list[Traffic]:
+    """DDP's gradient all-reduce (``volumes.ddp_traffic``) with its bucket count taken from
+    the tensors this rank holds where ``local`` has them: each stage's DDP fills its own
+    buckets in the order the backward pass makes gradients ready (the parameters' order
+    reversed, a stack run front to back); after a zero-bubble schedule plait's own
+    ``average_in_buckets`` fills them in parameter order, over all of the rank's stages."""
+    out = ddp_traffic(grads, n, grad_dtype, axis=axis, bucket_bytes=bucket_bytes)
+    sizes = local.grad_tensor_bytes
+    if not out or sizes is None:
+        return out
+    if after_schedule:
+        calls = ddp_bucket_calls([t for module in sizes for t in module], bucket_bytes)
+    else:
+        calls = sum(ddp_bucket_calls(module[::-1], bucket_bytes) for module in sizes if module)
+    return [dataclasses.replace(out[0], calls=calls, calls_known=True)]
 
 
 def _after_schedule_traffic(plan: Any, local: LocalModel, grad_dtype: str,
@@ -569,7 +600,7 @@ def _after_schedule_traffic(plan: Any, local: LocalModel, grad_dtype: str,
         out.append(Traffic(axis, "all_reduce", float(local.clip_tensors) * FP32, 1, n,
                            "gradient used flags"))
     if G:
-        out += ddp_traffic(G, n, grad_dtype, axis=axis, bucket_bytes=bucket_bytes)
+        out += _ddp_grads(local, G, n, grad_dtype, axis, bucket_bytes, after_schedule=True)
     if plan.zero == 1:
         shard = _axis_size(plan, DP_SHARD_CP) if cp else plan.dp_shard
         if shard > 1:
@@ -601,8 +632,8 @@ def _dp_cp_traffic(plan: Any, local: LocalModel, g: int, grad_dtype: str,
     if plan.tp > 1:  # TP shards replicated over dp x cp (apply_replicate_cp): one per unit
         return _times([Traffic(dp_cp, "all_reduce", G * g, units, _axis_size(plan, DP_CP),
                                "grads")] if units else [], syncs)
-    out = _times(ddp_traffic(G, _axis_size(plan, DP_CP), grad_dtype, axis=dp_cp,
-                             bucket_bytes=bucket_bytes) if G else [], syncs)
+    out = _times(_ddp_grads(local, G, _axis_size(plan, DP_CP), grad_dtype, dp_cp,
+                            bucket_bytes) if G else [], syncs)
     if plan.zero == 1:
         out.append(Traffic(_ledger_axis(plan, _shard_axes(plan)), "broadcast",
                            float(local.params) * FP32, max(1, local.tensors),
@@ -904,7 +935,7 @@ def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, emb
 def _times(traffic: list[Traffic], k: int) -> list[Traffic]:
     if k == 1:
         return traffic
-    return [Traffic(t.axis, t.op, t.payload * k, t.calls * k, t.group, t.what) for t in traffic]
+    return [dataclasses.replace(t, payload=t.payload * k, calls=t.calls * k) for t in traffic]
 
 
 def by_axis_op(traffic: list[Traffic]) -> dict[tuple[str, str], float]:
@@ -913,6 +944,23 @@ def by_axis_op(traffic: list[Traffic]) -> dict[tuple[str, str], float]:
     for t in traffic:
         out[(t.axis, t.op)] += t.payload
     return dict(out)
+
+
+def calls_by_axis_op(traffic: list[Traffic]) -> dict[tuple[str, str], float | None]:
+    """Sum calls per (axis, op); None for a row where any of its traffic's count is not known
+    (``Traffic.calls_known``)."""
+    out: dict[tuple[str, str], float | None] = {}
+    for t in traffic:
+        key = (t.axis, t.op)
+        was = out.get(key, 0.0)
+        out[key] = None if was is None or not t.calls_known else was + t.calls
+    return out
+
+
+def expected_rows(traffic: list[Traffic]) -> Expected:
+    """Payload bytes and calls per (axis, op): what ``Ledger.report(expected=...)`` compares
+    row by row."""
+    return Expected(by_axis_op(traffic), calls_by_axis_op(traffic))
 
 
 def _find_config(model: Any) -> Any:
@@ -955,10 +1003,13 @@ def local_model(model: Any, plan: Any) -> LocalModel:
     stage_layers: list[int] = []
     stage_roots: list[float] = []
     stage_params: list[float] = []
+    sizes: list[tuple[tuple[str, float], ...]] = []
+    seen: set[int] = set()
     for module in modules:
         inner = getattr(module, "module", module)  # DDP
         padded = fsdp_padded_numels(module)  # FSDP2's own sizes, where it holds parameters
         before = (total, root, layers)
+        mine: list[tuple[str, float]] = []
         for name, p in module.named_parameters():
             n = p.numel()
             if isinstance(p, DTensor) and (mesh := p.device_mesh).mesh_dim_names:
@@ -969,6 +1020,9 @@ def local_model(model: Any, plan: Any) -> LocalModel:
                     n = p.to_local().numel()
                 elif "tp" in split:
                     n //= mesh.size(mesh.mesh_dim_names.index("tp"))
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                mine.append((str(p.dtype), float(n * p.element_size())))
             n = padded.get(id(p), n)
             total += n
             tensors += 1
@@ -984,6 +1038,7 @@ def local_model(model: Any, plan: Any) -> LocalModel:
             recomputed += isinstance(block, checkpoint_wrapper_api()[2])
         embed |= not isinstance(getattr(inner, "tok_embeddings", None), (PipelineSkip, type(None)))
         head |= not isinstance(getattr(inner, "output", None), (PipelineSkip, type(None)))
+        sizes.append(tuple(mine))
         stage_params.append(float(total - before[0]))
         stage_roots.append(float(root - before[1]))
         stage_layers.append(layers - before[2])
@@ -1013,7 +1068,8 @@ def local_model(model: Any, plan: Any) -> LocalModel:
                       # each stage's own blocks and root, where the modules are the stages
                       stage_layers=tuple(stage_layers) if per_stage else None,
                       stage_roots=tuple(stage_roots) if per_stage else None,
-                      stage_params=tuple(stage_params) if per_stage else None)
+                      stage_params=tuple(stage_params) if per_stage else None,
+                      grad_tensor_bytes=tuple(sizes))
 
 
 def reads_trace(plan: Any) -> bool:
@@ -1056,8 +1112,9 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
                         optimizer_params: list[Any] | None = None, stats: Any = None,
                         pp_rank: int = 0, tokens: bool = True,
                         input_grad: bool | None = None
-                        ) -> dict[tuple[str, str], float] | None:
-    """Predicted payload bytes per (axis, op) per step, or None where plait has no closed form.
+                        ) -> Expected | None:
+    """Predicted payload bytes per (axis, op) per step, with the calls carrying them
+    (:class:`plait.comm.report.Expected`), or None where plait has no closed form.
 
     The reference transformer: every layout (``predict``); ``batch_shape`` is the shape of one
     rank's input batch (per data replica, all micro-steps). Any other model: layouts without
@@ -1072,12 +1129,12 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     taken before layout; None: where an embedding trains). The ledger's report
     compares each row's busiest rank, and ranks hold different parts of the model (pipeline
     stages), so each rank predicts its own traffic and the per-(axis, op) maximum over ranks is
-    returned: a collective when a process group is up (call it on every rank, as
-    ``Run.summary`` does).
+    returned, with the calls of the rank predicted the most bytes: a collective when a process
+    group is up (call it on every rank, as ``Run.summary`` does).
     """
     import torch.distributed as dist
 
-    mine = None
+    mine: Expected | None = None
     cfg = _find_config(models[-1]) if models else None
     if plan.cp > 1 and cfg is None:  # every rank returns here alike: no collective unpaired
         if not models or why_no_cp_expected(plan, stats, batch_shape, tokens) is not None:
@@ -1093,13 +1150,13 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
             # tp's rows on the rank's seq / cp tokens, cp's K/V rows of its share of the kv
             # heads, the gradients over dp x cp: the planner's, as under tp alone
             per_rank = rank_traffic(plan, stats, batch * plan.dp, seq)
-            mine = by_axis_op(per_rank[0]) if per_rank else None
+            mine = expected_rows(per_rank[0]) if per_rank else None
         else:
-            mine = by_axis_op(held_traffic(plan, held_model(models[-1], optimizer_params))
+            mine = expected_rows(held_traffic(plan, held_model(models[-1], optimizer_params))
                               + cp_step_traffic(plan, stats, batch // plan.grad_accum, seq))
     elif cfg is not None and batch_shape is not None and len(batch_shape) == 2:
         batch, seq = batch_shape
-        mine = by_axis_op(predict(plan, cfg, batch // plan.grad_accum, seq,
+        mine = expected_rows(predict(plan, cfg, batch // plan.grad_accum, seq,
                                   local=local_model(models[-1], plan)))
     elif cfg is None and (plan.tp > 1 or plan.pp > 1):
         if batch_shape is not None and why_no_expected(plan, stats, batch_shape, tokens) is None:
@@ -1108,20 +1165,26 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
             # token ids (b, s); feature vectors (b, [s, ...,] features): a token per row
             seq = batch_shape[1] if tokens else prod(batch_shape[1:-1])
             per_rank = rank_traffic(plan, stats, batch_shape[0] * plan.dp, seq)
-            mine = by_axis_op(per_rank[pp_rank]) if per_rank else None
+            mine = expected_rows(per_rank[pp_rank]) if per_rank else None
     elif cfg is None and models and plan.tp == 1 and plan.pp == 1:
         from .held import held_model, held_traffic
 
-        mine = by_axis_op(held_traffic(plan, held_model(models[-1], optimizer_params,
+        mine = expected_rows(held_traffic(plan, held_model(models[-1], optimizer_params,
                                                         input_grad)))
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return mine
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, None if mine is None else (dict(mine), mine.calls))
     if any(e is None for e in everyone):
         return None
     out: dict[tuple[str, str], float] = {}
-    for e in everyone:
-        for key, value in e.items():
+    for payload, _ in everyone:
+        for key, value in payload.items():
             out[key] = max(out.get(key, 0.0), value)
-    return out
+    # the ledger's row is its busiest rank's: the calls of the rank(s) sending the most bytes
+    calls: dict[tuple[str, str], float | None] = {}
+    for key, most in out.items():
+        counts = [c.get(key) for payload, c in everyone if payload.get(key) == most]
+        calls[key] = None if any(c is None for c in counts) else max(
+            c for c in counts if c is not None)
+    return Expected(out, calls)

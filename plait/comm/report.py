@@ -4,7 +4,10 @@ One row per (mesh axis, collective). Bytes are *per rank per step*, the unit the
 ``plait.comm.volumes`` use, so ``ratio = measured / expected`` is 1.000 when the traffic is what
 the formula says. Ranks do not always send the same amount (pipeline stages at the ends send one
 way only), so a row keeps the per-rank figures and reports the busiest rank as ``payload_bytes``;
-``total_payload_bytes`` sums every rank.
+``total_payload_bytes`` sums every rank. Where the prediction knows how many calls carry the
+bytes, ``expected_calls`` and ``calls_ratio = calls / expected_calls`` sit beside them (one
+all-reduce per DDP bucket, one gather per FSDP2 unit...); ``-`` where the count depends on
+what the prediction does not read, with a note saying what.
 
 Backend caveats go into ``notes`` next to the figures rather than into the numbers (the numbers
 follow the convention; the note says what the backend moved instead), e.g. gloo's reduce-scatter.
@@ -39,6 +42,30 @@ class Row:
     recv_bytes: float = 0.0    # send_recv: bytes received per step (busiest rank)
     per_rank_payload: list[float] = field(default_factory=list)
     via: str = ""              # the c10d op that carried it, if not the op itself (issued_as)
+    expected_calls: float | None = None  # predicted calls per step (None: not known)
+    calls_ratio: float | None = None     # count / expected_calls
+
+
+class Expected(dict[tuple[str, str], float]):
+    """Predicted payload bytes per (axis, op), a plain mapping to every reader of bytes, with
+    ``calls``: the predicted calls per (axis, op), None for a row whose count the prediction
+    cannot know (``plait.comm.predict.expected_rows`` makes it)."""
+
+    def __init__(self, payload: Mapping[tuple[str, str], float],
+                 calls: Mapping[tuple[str, str], float | None] | None = None) -> None:
+        super().__init__(payload)
+        self.calls: dict[tuple[str, str], float | None] = dict(calls or {})
+
+
+# The note under a table with a row whose bytes are predicted but not its calls.
+UNKNOWN_CALLS_NOTE = ("expected calls '-': the count depends on what the prediction does not "
+                      "read (DDP's buckets past the first need each gradient tensor's size, in "
+                      "the order the backward pass makes them ready)")
+
+
+def expected_calls(expected: Any) -> dict[tuple[str, str], float | None]:
+    """The predicted calls per (axis, op) an :class:`Expected` carries ({} for plain bytes)."""
+    return dict(expected.calls) if isinstance(expected, Expected) else {}
 
 
 def normalise_expected(expected: Any) -> dict[tuple[str, str], float]:
@@ -81,6 +108,7 @@ class CommReport:
         if steps < 1:
             raise ValueError(f"steps={steps} must be >= 1")
         exp = normalise_expected(expected)
+        calls = expected_calls(expected)
         world = len(per_rank)
         keys = sorted({(e["axis"], e["op"]) for entries in per_rank for e in entries},
                       key=_row_key)
@@ -106,6 +134,9 @@ class CommReport:
             if (axis, op) in exp:
                 row.expected_bytes = exp[(axis, op)]
                 row.ratio = payload / row.expected_bytes if row.expected_bytes else None
+                row.expected_calls = calls.get((axis, op))
+                if row.expected_calls:
+                    row.calls_ratio = row.count / row.expected_calls
             rows.append(row)
         seen = {(r.axis, r.op) for r in rows}
         for (axis, op), b in sorted(exp.items(), key=lambda kv: _row_key(kv[0])):
@@ -113,9 +144,15 @@ class CommReport:
                 rows.append(Row(axis=axis, op=op, group_size=0, ranks=0, count=0,
                                 payload_bytes=0.0, wire_bytes=0.0, total_payload_bytes=0.0,
                                 time_s=0.0, algbw_gbps=None, busbw_gbps=None,
-                                expected_bytes=b, ratio=0.0))
+                                expected_bytes=b, ratio=0.0,
+                                expected_calls=calls.get((axis, op)),
+                                calls_ratio=0.0 if calls.get((axis, op)) else None))
         report = cls(rows=rows, steps=steps, world_size=world, backend=backend)
         report.notes = _notes(report)
+        if isinstance(expected, Expected) and any(
+                r.expected_bytes is not None and r.expected_calls is None and r.ranks
+                for r in rows):
+            report.notes.append(UNKNOWN_CALLS_NOTE)
         return report
 
     # ------------------------------------------------------------------ access
@@ -136,12 +173,13 @@ class CommReport:
 
     # ------------------------------------------------------------------ text
     def table(self) -> str:
-        head = ("axis", "collective", "n", "calls", "payload", "wire", "expected", "ratio",
-                "time", "busbw")
+        head = ("axis", "collective", "n", "calls", "exp calls", "payload", "wire", "expected",
+                "ratio", "time", "busbw")
         lines = [head]
         for r in self.rows:
             op = r.op + (f" (via {r.via})" if r.via else "")
             lines.append((r.axis, op, str(r.group_size), _num(r.count),
+                          _num(r.expected_calls) if r.expected_calls is not None else "-",
                           human_bytes(r.payload_bytes),
                           human_bytes(r.wire_bytes),
                           human_bytes(r.expected_bytes) if r.expected_bytes is not None else "-",
@@ -216,6 +254,10 @@ def _notes(report: CommReport) -> list[str]:
         notes.append("send_recv counts bytes sent by each rank; received bytes are in recv_bytes")
     if any(r.ratio is not None and r.ranks and abs(r.ratio - 1) > 1e-9 for r in report.rows):
         notes.append("some rows differ from the expected volume (ratio != 1.000)")
+    if any(r.calls_ratio is not None and r.ranks and abs(r.calls_ratio - 1) > 1e-9
+           for r in report.rows):
+        notes.append("some rows make a different number of calls than expected "
+                     "(calls != exp calls)")
     return notes
 
 

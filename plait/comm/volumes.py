@@ -107,6 +107,7 @@ def fsdp_padded_numel(shape: tuple[int, ...], shards: int) -> int:
 # over the step (calls x bytes per call), ``wire`` follows the bus-factor convention above.
 # =============================================================================================
 
+from collections.abc import Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 
@@ -124,6 +125,10 @@ class Traffic:
     calls: int           # number of collective calls in one step
     group: int           # ranks in the group
     what: str = ""       # "grads", "params", "activations", ...
+    # False where ``calls`` is an estimate the runtime may not match (DDP's bucket count for
+    # gradients over more than one bucket whose tensor sizes are not known): the ledger shows
+    # no expected call count for it.
+    calls_known: bool = True
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -159,7 +164,31 @@ def ddp_traffic(params: float, dp: int, grad_dtype: str | torch.dtype = "fp32", 
         return []
     payload = float(params) * dtype_bytes(grad_dtype)
     calls = max(1, int(-(-payload // bucket_bytes)))
-    return [Traffic(axis, "all_reduce", payload, calls, dp, "grads")]
+    # one bucket is certain; past that the count depends on the tensors' sizes and order
+    # (ddp_bucket_calls), unknown here
+    return [Traffic(axis, "all_reduce", payload, calls, dp, "grads",
+                    calls_known=payload <= bucket_bytes)]
+
+
+def ddp_bucket_calls(tensor_bytes: Sequence[tuple[str, float]], bucket_bytes: float) -> int:
+    """All-reduces DDP issues for gradients of these ``(dtype, bytes)`` tensors, given in the
+    order the backward pass makes them ready.
+
+    DDP (``bucket_cap_mb`` given, as plait gives it) puts every gradient in one bucket for the
+    first step, then rebuilds its buckets in the order the gradients became ready: per dtype,
+    tensors are added to a bucket until it holds ``bucket_bytes`` or more, which closes it (so
+    a bucket can exceed the cap by its last tensor). Only with ``bucket_cap_mb`` left at
+    torch's default is the first bucket smaller (``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB);
+    plait never leaves it so. ``plait.parallel.pipeline.average_in_buckets`` fills its buckets
+    the same way."""
+    calls = 0
+    held: dict[str, float] = {}
+    for dtype, size in tensor_bytes:
+        held[dtype] = held.get(dtype, 0.0) + size
+        if held[dtype] >= bucket_bytes:
+            calls += 1
+            held[dtype] = 0.0
+    return calls + sum(1 for v in held.values() if v > 0)
 
 
 def zero_traffic(params: int, dp_shard: int, stage: int, *,

@@ -1,0 +1,88 @@
+"""Workers for tests/test_ledger_calls.py: DDP's bucket count measured beside the ledger's
+expected calls (module-level so spawn can import them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+# Linears of uneven sizes: weights 600,000, 400,000, 560,000 and 840,000 bytes (fp32), so a
+# bucket closes at a different tensor for each cap and a count of payload / cap is wrong.
+WIDTHS = (300, 500, 200, 700)
+WARMUP, STEPS, ROWS = 2, 2, 4
+
+
+class Chain(nn.Module):
+    """A stack of Linears run front to back (the order DDP's rebuilt buckets follow, reversed)."""
+
+    def __init__(self, widths: tuple[int, ...] = WIDTHS) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in
+                                    zip(widths, widths[1:] + widths[:1], strict=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class Wide(nn.Module):
+    """Eight 1024 x 1024 Linears: 32 MiB of fp32 gradients, more than DDP's 25 MiB bucket."""
+
+    def __init__(self, width: int = 1024, depth: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def wide() -> nn.Module:
+    torch.manual_seed(0)
+    return Wide()
+
+
+def ddp_buckets(rank: int, world: int, caps: list[float]) -> dict[float, dict[str, Any]]:
+    """Per ``bucket_cap_mb``: plait's DDP (``apply_ddp``) over all ranks trains ``Chain`` for
+    WARMUP steps (DDP rebuilds its buckets after the first), then STEPS inside the ledger;
+    the ledger's all-reduce row, expected from the laid-out model (``plait.comm.held``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from plait.comm.held import held_model, held_traffic
+    from plait.comm.ledger import Ledger
+    from plait.comm.predict import expected_rows
+    from plait.parallel.data import apply_ddp
+    from plait.plan import Plan
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_replicate",))
+    plan = Plan.from_string(f"dp_replicate={world}")
+    out = {}
+    for cap in caps:
+        torch.manual_seed(0)
+        model = apply_ddp(Chain(), mesh, device=torch.device("cpu"), bucket_cap_mb=cap)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(rank)
+        ledger = Ledger({"dp_replicate": mesh})
+
+        def step() -> None:
+            opt.zero_grad()
+            model(torch.randn(ROWS, WIDTHS[0], generator=g)).square().mean().backward()
+            opt.step()
+
+        for _ in range(WARMUP):
+            step()
+        for _ in range(STEPS):
+            with ledger:
+                step()
+        expected = expected_rows(held_traffic(plan, held_model(model)))
+        report = ledger.report(expected=expected)
+        out[cap] = report.to_dict()
+    return out
