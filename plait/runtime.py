@@ -52,6 +52,7 @@ from .train import (
 from .warn import user_stacklevel
 
 if TYPE_CHECKING:
+    from .comm.report import Expected
     from .parallel.xla_spmd import SPMDLayout
 
 PlanSource = Plan | str | Path | Mapping[str, Any] | None
@@ -1003,9 +1004,10 @@ class Run:
             info["xla"] = self.xla.report()
         return info
 
-    def _expected_traffic(self) -> dict | None:
-        """Closed-form bytes per (axis, op) (``expected_for_models``), or None where plait has
-        none: tensor or pipeline parallelism on a model other than its reference transformer."""
+    def _expected_traffic(self) -> Expected | None:
+        """Closed-form bytes and calls per (axis, op) (``expected_for_models``), or None where
+        plait has none: tensor or pipeline parallelism on a model other than its reference
+        transformer."""
         from .comm.predict import expected_for_models
 
         # ZeRO-1 broadcasts what its optimizer holds, which may differ from the trainable

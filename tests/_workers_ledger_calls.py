@@ -3,6 +3,7 @@ expected calls (module-level so spawn can import them)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -71,17 +72,11 @@ def ddp_buckets(rank: int, world: int, caps: list[float]) -> dict[float, dict[st
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         g = torch.Generator().manual_seed(rank)
         ledger = Ledger({"dp_replicate": mesh})
-
-        def step() -> None:
-            opt.zero_grad()
-            model(torch.randn(ROWS, WIDTHS[0], generator=g)).square().mean().backward()
-            opt.step()
-
-        for _ in range(WARMUP):
-            step()
-        for _ in range(STEPS):
-            with ledger:
-                step()
+        for i in range(WARMUP + STEPS):
+            with ledger if i >= WARMUP else contextlib.nullcontext():
+                opt.zero_grad()
+                model(torch.randn(ROWS, WIDTHS[0], generator=g)).square().mean().backward()
+                opt.step()
         expected = expected_rows(held_traffic(plan, held_model(model)))
         report = ledger.report(expected=expected)
         out[cap] = report.to_dict()

@@ -308,3 +308,5 @@ def test_the_ledger_predicts_sync_bn_statistics():
         assert comm["rows"], comm
         for row in comm["rows"]:
             assert row["ratio"] == pytest.approx(1.0, abs=1e-12), row
+            # and the calls: 4 per layer beside DDP's buckets, one buffer broadcast per dtype
+            assert row["count"] == row["expected_calls"], row
