@@ -100,3 +100,27 @@ def test_report_shows_expected_calls_and_dash_where_unknown():
     # bytes alone (a hand-written expectation): no calls, no note about them
     plain = CommReport.from_ranks([entries, entries], steps=2, expected={AR: 100 * MB})
     assert plain.row(*AR).expected_calls is None and UNKNOWN_CALLS_NOTE not in plain.notes
+
+
+def test_plait_comm_json_carries_the_calls():
+    """``plait comm --format json`` under ZeRO-1, parsed: every row's measured calls are its
+    expected calls, ZeroRedundancyOptimizer's broadcasts one per parameter tensor."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from plait.models.transformer import build
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "plait.cli", "comm", "--plan",
+                          "dp_shard=2,zero=1", "--steps", "1", "--model", "tiny",
+                          "--global-batch", "4", "--format", "json"], capture_output=True,
+                         text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    rows = {(r["axis"], r["op"]): r for r in json.loads(out.stdout)["rows"]}
+    assert set(rows) == {("dp_shard", "all_reduce"), ("dp_shard", "broadcast")}, rows
+    for key, r in rows.items():
+        assert r["count"] == r["expected_calls"] and r["calls_ratio"] == 1.0, (key, r)
+    tensors = len(list(build("tiny").parameters()))
+    assert rows[("dp_shard", "broadcast")]["count"] == tensors > 1
