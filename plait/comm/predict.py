@@ -10,8 +10,9 @@ tests/test_comm_ledger.py covers). The planner prices exactly these collectives
 (``dp_traffic``, ``tp_rank_traffic``, ``pp_rank_traffic``, ``clip_traffic``). Any other model
 is predicted under data parallelism alone, read off the laid-out model (``plait.comm.held``):
 
-* DDP (``plait.parallel.data``): one all-reduce of the fp32 gradients per optimizer step on
-  ``dp_replicate`` (``no_sync`` while accumulating).
+* DDP (``plait.parallel.data``): the fp32 gradients all-reduced once per optimizer step on
+  ``dp_replicate`` (``no_sync`` while accumulating), one call per bucket as DDP fills them
+  (``volumes.ddp_bucket_calls``, read off the tensors ``local_model`` finds).
 * ZeRO-1 (``plait.parallel.zero``): DDP over the flattened ``dp`` axis, then
   ``ZeroRedundancyOptimizer`` broadcasts every parameter from the rank that updated it: one
   broadcast per parameter tensor on ``dp_shard``, the whole model's bytes.
