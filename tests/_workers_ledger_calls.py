@@ -50,10 +50,12 @@ def wide() -> nn.Module:
     return Wide()
 
 
-def ddp_buckets(rank: int, world: int, caps: list[float]) -> dict[float, dict[str, Any]]:
-    """Per ``bucket_cap_mb``: plait's DDP (``apply_ddp``) over all ranks trains ``Chain`` for
-    WARMUP steps (DDP rebuilds its buckets after the first), then STEPS inside the ledger;
-    the ledger's all-reduce row, expected from the laid-out model (``plait.comm.held``)."""
+def ddp_buckets(rank: int, world: int, caps: list[float], widths: tuple[int, ...] = WIDTHS,
+                find_unused: bool = False) -> dict[float, dict[str, Any]]:
+    """Per ``bucket_cap_mb``: plait's DDP (``apply_ddp``) over all ranks trains
+    ``Chain(widths)`` for WARMUP steps (DDP rebuilds its buckets after the first, unless
+    ``find_unused``), then STEPS inside the ledger; the ledger's report, expected from the
+    laid-out model (``plait.comm.held``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from plait.comm.held import held_model, held_traffic
@@ -68,14 +70,15 @@ def ddp_buckets(rank: int, world: int, caps: list[float]) -> dict[float, dict[st
     out = {}
     for cap in caps:
         torch.manual_seed(0)
-        model = apply_ddp(Chain(), mesh, device=torch.device("cpu"), bucket_cap_mb=cap)
+        model = apply_ddp(Chain(widths), mesh, device=torch.device("cpu"), bucket_cap_mb=cap,
+                          find_unused=find_unused)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         g = torch.Generator().manual_seed(rank)
         ledger = Ledger({"dp_replicate": mesh})
         for i in range(WARMUP + STEPS):
             with ledger if i >= WARMUP else contextlib.nullcontext():
                 opt.zero_grad()
-                model(torch.randn(ROWS, WIDTHS[0], generator=g)).square().mean().backward()
+                model(torch.randn(ROWS, widths[0], generator=g)).square().mean().backward()
                 opt.step()
         expected = expected_rows(held_traffic(plan, held_model(model)))
         report = ledger.report(expected=expected)

@@ -46,6 +46,21 @@ def test_ddp_buckets_measured_equal_expected(cap, buckets):
     assert row["ratio"] == pytest.approx(1.0), row
 
 
+@pytest.mark.parametrize("find_unused,buckets", [(False, 2), (True, 3)])
+def test_ddp_buckets_without_a_rebuild(find_unused, buckets):
+    """Under find_unused_parameters DDP never rebuilds its buckets: they stay filled in the
+    parameters' order, which for these sizes makes 3 buckets of 1 MiB where the backward
+    order makes 2, and it all-reduces which parameters each rank used (one int32 per tensor,
+    one call) every step; the expected calls and bytes follow each."""
+    report = run_distributed(W.ddp_buckets, 2, [1.0], (300, 500, 300, 700), find_unused,
+                             timeout=240)[0][1.0]
+    row = next(r for r in report["rows"] if (r["axis"], r["op"]) == AR)
+    calls = buckets + find_unused
+    assert row["count"] == calls and row["expected_calls"] == calls, row
+    assert row["ratio"] == pytest.approx(1.0, abs=1e-12), (row["payload_bytes"],
+                                                           row["expected_bytes"])
+
+
 _CACHE: dict[float, dict] = {}
 
 

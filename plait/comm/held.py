@@ -95,6 +95,9 @@ class HeldModel:
     grad_calls: int | None = 1
     buffer_calls: int | None = 1
     update_tensors: int = 1
+    # Under find_unused_parameters DDP all-reduces which parameters each rank used, one int32
+    # per gradient tensor, once a step: this map's bytes (0 otherwise)
+    used_map_bytes: int = 0
 
 
 def _nbytes(params: Iterable[torch.Tensor]) -> int:
@@ -192,11 +195,17 @@ def held_model(model: nn.Module, optimizer_params: Iterable[torch.Tensor] | None
     buffers = 0
     buffer_calls: int | None = 1
     grad_calls: int | None = 1
+    used_map = 0
     if isinstance(model, DDP):
-        # the gradients ready in backward order: the parameters' reversed (a forward that runs
-        # the modules in the order they were registered)
+        # DDP rebuilds its buckets after the first step in the order the gradients became
+        # ready: the parameters' reversed (a forward that runs the modules in the order they
+        # were registered); under find_unused_parameters it never rebuilds, keeping the
+        # buckets it filled in the parameters' order
+        order = trainable if model.find_unused_parameters else trainable[::-1]
+        if model.find_unused_parameters:
+            used_map = 4 * len({id(p) for p in trainable})
         grad_calls = ddp_bucket_calls([(str(p.dtype), float(p.numel() * p.element_size()))
-                                       for p in reversed(trainable)], model.bucket_bytes_cap)
+                                       for p in order], model.bucket_bytes_cap)
         if model.broadcast_buffers:
             ignored: set[str] = getattr(model, "parameters_to_ignore", set())
             bufs = [b for n, b in model.module.named_buffers() if n not in ignored]
@@ -214,7 +223,8 @@ def held_model(model: nn.Module, optimizer_params: Iterable[torch.Tensor] | None
                      buffer_bytes=buffers, grad_tensors=len({id(p) for p in trainable}),
                      units=shard_units(model, input_grad), sync_bn_features=synced,
                      grad_calls=grad_calls, buffer_calls=buffer_calls,
-                     update_tensors=max(1, len({id(p) for p in updated})))
+                     update_tensors=max(1, len({id(p) for p in updated})),
+                     used_map_bytes=used_map)
 
 
 def held_traffic(plan: Any, held: HeldModel) -> list[Traffic]:
@@ -233,6 +243,9 @@ def held_traffic(plan: Any, held: HeldModel) -> list[Traffic]:
             _dp_axis(plan)
         out.append(Traffic(axis, "all_reduce", float(held.grad_bytes), held.grad_calls or 1,
                            R * S * cp, "grads", calls_known=held.grad_calls is not None))
+        if held.used_map_bytes:
+            out.append(Traffic(axis, "all_reduce", float(held.used_map_bytes), 1, R * S * cp,
+                               "used parameters (find_unused)"))
         if held.buffer_bytes:
             out.append(Traffic(axis, "broadcast", float(held.buffer_bytes),
                                held.buffer_calls or 1, R * S * cp, "buffers (DDP)",

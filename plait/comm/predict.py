@@ -541,7 +541,7 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
     if plan.zero == 1 and R * S > 1:
         if G:
             out += _times(_ddp_grads(local, G, R * S, grad_dtype, _dp_axis(plan),
-                                     bucket_bytes), syncs)
+                                     bucket_bytes, find_unused=plan.find_unused), syncs)
         if S > 1:
             # ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it
             out.append(Traffic("dp_shard", "broadcast", P * FP32, max(1, local.tensors), S,
@@ -561,18 +561,22 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
                 out += _times([Traffic("dp_replicate", "all_reduce", G * g,
                                        local.reducing_units, R, "grads")], syncs)
         elif G:
-            out += _times(_ddp_grads(local, G, R, grad_dtype, "dp_replicate", bucket_bytes),
-                          syncs)
+            out += _times(_ddp_grads(local, G, R, grad_dtype, "dp_replicate", bucket_bytes,
+                                     find_unused=plan.find_unused), syncs)
     return out
 
 
 def _ddp_grads(local: LocalModel, grads: float, n: int, grad_dtype: str, axis: str,
-               bucket_bytes: float, *, after_schedule: bool = False) -> list[Traffic]:
+               bucket_bytes: float, *, after_schedule: bool = False,
+               find_unused: bool = False) -> list[Traffic]:
     """DDP's gradient all-reduce (``volumes.ddp_traffic``) with its bucket count taken from
     the tensors this rank holds where ``local`` has them: each stage's DDP fills its own
     buckets in the order the backward pass makes gradients ready (the parameters' order
-    reversed, a stack run front to back); after a zero-bubble schedule plait's own
-    ``average_in_buckets`` fills them in parameter order, over all of the rank's stages."""
+    reversed, a stack run front to back), or under ``find_unused`` (which never rebuilds
+    them) in the parameters' order, each DDP then also all-reducing which parameters its
+    rank used (one int32 per gradient tensor) once a step; after a zero-bubble schedule
+    plait's own ``average_in_buckets`` fills them in parameter order, over all of the rank's
+    stages."""
     out = ddp_traffic(grads, n, grad_dtype, axis=axis, bucket_bytes=bucket_bytes)
     sizes = local.grad_tensor_bytes
     if not out or sizes is None:
@@ -580,8 +584,14 @@ def _ddp_grads(local: LocalModel, grads: float, n: int, grad_dtype: str, axis: s
     if after_schedule:
         calls = ddp_bucket_calls([t for module in sizes for t in module], bucket_bytes)
     else:
-        calls = sum(ddp_bucket_calls(module[::-1], bucket_bytes) for module in sizes if module)
-    return [dataclasses.replace(out[0], calls=calls, calls_known=True)]
+        calls = sum(ddp_bucket_calls(module if find_unused else module[::-1], bucket_bytes)
+                    for module in sizes if module)
+    grads_row = dataclasses.replace(out[0], calls=calls, calls_known=True)
+    if find_unused and not after_schedule:
+        ddps = [module for module in sizes if module]
+        return [grads_row, Traffic(axis, "all_reduce", 4.0 * sum(len(m) for m in ddps),
+                                   len(ddps), n, "used parameters (find_unused)")]
+    return [grads_row]
 
 
 def _after_schedule_traffic(plan: Any, local: LocalModel, grad_dtype: str,
@@ -634,7 +644,7 @@ def _dp_cp_traffic(plan: Any, local: LocalModel, g: int, grad_dtype: str,
         return _times([Traffic(dp_cp, "all_reduce", G * g, units, _axis_size(plan, DP_CP),
                                "grads")] if units else [], syncs)
     out = _times(_ddp_grads(local, G, _axis_size(plan, DP_CP), grad_dtype, dp_cp,
-                            bucket_bytes) if G else [], syncs)
+                            bucket_bytes, find_unused=plan.find_unused) if G else [], syncs)
     if plan.zero == 1:
         out.append(Traffic(_ledger_axis(plan, _shard_axes(plan)), "broadcast",
                            float(local.params) * FP32, max(1, local.tensors),
