@@ -179,10 +179,9 @@ def ddp_bucket_calls(tensor_bytes: Sequence[tuple[str, float]], bucket_bytes: fl
     tensors are added to a bucket until it holds ``bucket_bytes`` or more, which closes it (so
     a bucket can exceed the cap by its last tensor). Under ``find_unused_parameters`` it fills
     them so from the start, in the parameters' order, and never rebuilds. Only with
-    ``bucket_cap_mb`` left at
-    torch's default is the first bucket smaller (``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB);
-    plait never leaves it so. ``plait.parallel.pipeline.average_in_buckets`` fills its buckets
-    the same way."""
+    ``bucket_cap_mb`` left at torch's default is the first bucket smaller
+    (``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB); plait never leaves it so.
+    ``plait.parallel.pipeline.average_in_buckets`` fills its buckets the same way."""
     calls = 0
     held: dict[str, float] = {}
     for dtype, size in tensor_bytes:
