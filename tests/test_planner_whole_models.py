@@ -192,3 +192,19 @@ def test_plan_auto_ranks_a_convnet_instead_of_taking_ddp_unpriced():
     text = "\n".join(why)
     assert "measured on a guessed input (3," in text and "step" in text, text
     assert "not searched: pp: BatchNorm stem.1" in text, text
+
+
+def test_ddp_and_zero1_calls_are_the_ledgers():
+    """The planner's DDP all-reduces are the ledger's buckets (filled in reverse parameter
+    order, each closed once it holds the cap), and ZeRO-1 broadcasts each parameter tensor."""
+    from plait.comm.volumes import ddp_bucket_calls
+    from plait.planner.whole_model import from_module, held
+    from tests._any_models import ResNet
+
+    model = ResNet()
+    whole = from_module(model)
+    sizes = [("fp32", 4.0 * p.numel()) for p in reversed(list(model.parameters()))]
+    cap = 4096.0
+    assert 2 < ddp_bucket_calls(sizes, cap) < len(sizes)  # several buckets, not one per tensor
+    assert held(whole, Plan(dp_replicate=2), cap).grad_calls == ddp_bucket_calls(sizes, cap)
+    assert held(whole, Plan(dp_shard=2, zero=1)).update_tensors == len(sizes)

@@ -28,14 +28,14 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from ..comm.held import HeldModel, ShardUnit, held_traffic
-from ..comm.volumes import Traffic, by_axis
+from ..comm.volumes import DDP_BUCKET_BYTES, Traffic, by_axis, ddp_bucket_calls
 from ..plan import Plan
 from .compute import core_share
 from .hardware import Cluster
@@ -83,6 +83,7 @@ class WholeModel:
     positions: int = 1          # tokens per sample (a sequence model's length; 1 for an image)
     batchnorm: tuple[tuple[str, int], ...] = ()   # (name, channels) per BatchNorm layer
     blocks: tuple[Block, ...] = ()                # what activation checkpointing wraps
+    grad_sizes: tuple[int, ...] = ()              # elements per trainable tensor, in order
     kinds: tuple[str, ...] = ()                   # "convolutions", "recurrent layers"
     notes: tuple[str, ...] = ()
 
@@ -271,6 +272,7 @@ def measure(model: nn.Module, sample: Any, *, name: str = "", sample_from: str =
     return WholeModel(
         name=label, params=sum(p.numel() for p in trainable),
         param_tensors=len({id(p) for p in trainable}),
+        grad_sizes=tuple({id(p): p.numel() for p in trainable}.values()),
         frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         units=tuple(u for u in units if u.shapes), flops_per_sample=two[0] - one[0],
@@ -289,8 +291,9 @@ def _padded(shape: tuple[int, ...], shards: int) -> int:
     return math.ceil(shape[0] / shards) * shards * rest
 
 
-def held(model: WholeModel, plan: Plan) -> HeldModel:
-    """The ``HeldModel`` the ledger reads off ``model`` laid out under ``plan``."""
+def held(model: WholeModel, plan: Plan, bucket_bytes: float = DDP_BUCKET_BYTES) -> HeldModel:
+    """The ``HeldModel`` the ledger reads off ``model`` laid out under ``plan``, with DDP's
+    buckets of ``bucket_bytes``."""
     S = plan.dp_shard
     gather = act_dtype_bytes(plan.mixed_precision) if plan.mixed_precision != "fp32" else 4
     units: tuple[ShardUnit, ...] = ()
@@ -299,17 +302,20 @@ def held(model: WholeModel, plan: Plan) -> HeldModel:
                                 reduce_bytes=sum(_padded(s, S) for s in u.shapes) * 4,
                                 shards=S, regathered=plan.zero == 3 and not u.root)
                       for u in model.units)
+    # DDP's buckets filled in the order the backward makes gradients ready (the parameters'
+    # reversed), the ledger's count; ZeroRedundancyOptimizer broadcasts each tensor it updates
+    grad_calls = ddp_bucket_calls([("fp32", 4.0 * n) for n in reversed(model.grad_sizes)],
+                                  bucket_bytes) if model.grad_sizes else 1
     return HeldModel(grad_bytes=4 * model.params, update_bytes=4 * model.params,
                      buffer_bytes=model.buffer_bytes if plan.zero <= 1 else 0,
-                     grad_tensors=model.param_tensors, units=units,
+                     grad_tensors=model.param_tensors, units=units, grad_calls=grad_calls,
+                     update_tensors=max(1, model.param_tensors),
                      sync_bn_features=tuple(c for _, c in model.batchnorm)
                      if plan.sync_bn else ())
 
 
 def _time(t: Traffic, plan: Plan, cluster: Cluster, c: Any) -> float:
-    """Seconds of one kind of traffic; DDP's gradient all-reduce runs in buckets."""
-    if t.op == "all_reduce" and t.what == "grads" and plan.zero <= 1:
-        t = replace(t, calls=max(1, math.ceil(t.payload / c.bucket_bytes)))
+    """Seconds of one kind of traffic (its calls are the ledger's: DDP's buckets, :func:`held`)."""
     axis = t.axis if t.axis in ("dp_replicate", "dp_shard", "dp") else "dp"
     return collective_time(t, cluster, axis_stride(plan, axis), c)
 
@@ -335,7 +341,7 @@ def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c:
     replay = sum(k.flops for k in model.blocks) if full else 0.0
     compute = (3 * model.flops_per_sample + replay) * b / rate + c.micro_overhead_s + \
         c.block_overhead_s * len(model.blocks)
-    traffic = held_traffic(plan, held(model, plan))
+    traffic = held_traffic(plan, held(model, plan, c.bucket_bytes))
     times = {t.what: 0.0 for t in traffic}
     for t in traffic:
         times[t.what] += _time(t, plan, cluster, c)
