@@ -18,6 +18,10 @@ from typing import Any
 
 SEQ = 2048
 VOCAB = 51200
+# Megatron-LM's default dropout ("--hidden-dropout 0.1", "--attention-dropout 0.1"): the GPT
+# runs below (Narayanan, Korthikanti, MT-NLG) print no other, and Korthikanti et al.'s own
+# activation memory (34sbh + 5as^2b) counts its masks; BLOOM's README says it inherited them.
+DROPOUT = 0.1
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,10 @@ def row_setup(row: MegatronRow):
     from .hardware import load_cluster
     from .model_stats import from_transformer_config
 
+    # dropout: Megatron-LM's default (``DROPOUT``), which the paper prints no other value for
     cfg = TransformerConfig(vocab_size=VOCAB, dim=row.hidden, n_layers=row.layers,
-                            n_heads=row.heads, max_seq_len=SEQ, mlp="gelu", norm="layernorm")
+                            n_heads=row.heads, max_seq_len=SEQ, mlp="gelu", norm="layernorm",
+                            dropout=DROPOUT)
     model = from_transformer_config(cfg, name=f"gpt-{row.params_b}b")
     cluster = load_cluster("dgx-a100-80gb", devices=row.gpus)
     work = Workload(row.batch, SEQ, grad_reduce_dtype="bf16", pp_scatter_gather=True)
@@ -181,16 +187,21 @@ NEMOTRON4_MISS = (
     "Megatron")
 
 # Transformer shapes of the published runs that are not plait model presets (TransformerConfig's
-# keyword arguments).
+# keyword arguments), with the dropout each trained with: the GPT runs Megatron-LM's 0.1
+# (``DROPOUT``); BLOOM 0.1 too (BigScience's tr11-176B-ml README: "The default Megatron-LM
+# dropout settings are inherited: --attention-dropout 0.1 --hidden-dropout default=0.1");
+# the Llama and Nemotron runs none (``dropout`` left at 0: see each).
 PUBLISHED_MODELS: dict[str, dict[str, Any]] = {
     "gpt-22b": dict(vocab_size=51200, dim=6144, n_layers=48, n_heads=64, max_seq_len=2048,
-                    mlp="gelu", norm="layernorm"),
+                    mlp="gelu", norm="layernorm", dropout=DROPOUT),
     "gpt-530b": dict(vocab_size=51200, dim=20480, n_layers=105, n_heads=128, max_seq_len=2048,
-                     mlp="gelu", norm="layernorm"),
+                     mlp="gelu", norm="layernorm", dropout=DROPOUT),
     "gpt-1t": dict(vocab_size=51200, dim=25600, n_layers=128, n_heads=160, max_seq_len=2048,
-                   mlp="gelu", norm="layernorm"),
+                   mlp="gelu", norm="layernorm", dropout=DROPOUT),
     "bloom-176b": dict(vocab_size=250880, dim=14336, n_layers=70, n_heads=112, max_seq_len=2048,
-                       mlp="gelu", norm="layernorm"),
+                       mlp="gelu", norm="layernorm", dropout=DROPOUT),
+    # Llama 2 and Llama 3: no dropout (Meta's reference model code has none; transformers'
+    # LlamaConfig: "attention_dropout=0.0"; torchtitan's Llama has no dropout module)
     "llama2-7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008,
                       max_seq_len=4096, mlp="swiglu", norm="rmsnorm"),
     "llama-405b": dict(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
@@ -200,7 +211,8 @@ PUBLISHED_MODELS: dict[str, dict[str, Any]] = {
     "llama2-70b": dict(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                        ffn_dim=28672, max_seq_len=4096, mlp="swiglu", norm="rmsnorm"),
     # Nemotron-4 340B's MLP is squared ReLU: two matrices like GPT's, priced as "gelu" (the same
-    # FLOPs, parameters and saved activations)
+    # FLOPs, parameters and saved activations); no dropout (the report: the architecture of
+    # Nemotron-4 15B, whose report lists "dropout rate of zero")
     "nemotron4-340b": dict(vocab_size=256000, dim=18432, n_layers=96, n_heads=96, n_kv_heads=8,
                            ffn_dim=73728, max_seq_len=4096, mlp="gelu", norm="layernorm"),
 }
