@@ -164,8 +164,8 @@ LLAMA3_MISS = (
     "schedule, overlap or placement term can close it. The bubble is priced as the paper "
     "states it, (pp - 1) / (v m); v is not printed: at v=2 (assumed) it is 19% (8,192 GPUs, "
     "32 microbatches) and 32% (16,384, 16) of the step. The paper trains 8K sequences without "
-    "activation checkpointing, which plait's memory model does not fit (124 and 91 GiB of "
-    "74.5): priced at selective recomputation; without it the predictions would be 106 and "
+    "activation checkpointing, which plait's memory model does not fit (118 and 87 GiB of "
+    "74.5, no dropout masks counted): priced at selective recomputation; without it the predictions would be 106 and "
     "89 (-35%, -42%). With the kindest choices that fit (v=4, op-level recomputation) the rows "
     "need an efficiency of 0.585 and 0.632, near the A100's 0.57 under Megatron")
 
@@ -316,8 +316,8 @@ PUBLISHED_RUNS = (
     # Llama 3: the table prints BF16 MFU (and TFLOP/s by Meta's count); the interleaved
     # schedule's v is not printed: 2 chunks of 4 blocks per stage, the first and last chunk 3.
     # Activation recomputation is not stated: the least of none, op, selective (every 2nd
-    # block), full that plait's memory model fits on both rows of the table (without: 124 and
-    # 91 GiB of 74.5; op: 78 GiB on 8,192 GPUs), chosen on memory alone.
+    # block), full that plait's memory model fits on both rows of the table (without: 118 and
+    # 87 GiB of 74.5; op: 75.0 GiB on 8,192 GPUs), chosen on memory alone.
     PublishedRun("Llama 3 405B, 8192 H100, TP 8 x PP 16 x FSDP 64", LLAMA3 +
                  ": 8,192 GPUs, batch 32 per DP rank, 430 TFLOP/s, BF16 MFU 43%",
                  "llama-405b", "dgx-h100", 8192, 80, 2048, 8192,
@@ -353,7 +353,7 @@ PUBLISHED_RUNS = (
                  "dp_shard=1,zero=3,cp=8,ac=full,mp=bf16", 548),
     # Llama 3's long-context row: the stages as on the rows above; the recomputation, not
     # printed, chosen as for them: the least that plait's memory model fits on this row (op:
-    # 64 GiB of 74.5; none: 100 GiB)
+    # 62 GiB of 74.5; none: 96 GiB)
     PublishedRun("Llama 3 405B, 16384 H100, TP 8 x CP 16 x PP 16 x FSDP 8", LLAMA3_CP,
                  "llama-405b", "dgx-h100", 16384, 80, 128, 131072,
                  "tp=8,sp=true,cp=16,pp=16,dp_shard=8,zero=2,ac=op,mp=bf16,"
@@ -379,7 +379,7 @@ PUBLISHED_RUNS = (
     # parameters all-gathered: plait's zero=2), sequence parallelism, micro batch 1 (NeMo's
     # recipe; not printed in the report), v and recomputation not printed: v=2 (as for the
     # Megatron rows), recomputation the least that plait's memory model fits, chosen on memory
-    # alone (none: 46-49 GiB of 74.5; on the 128-GPU recipe op: 74 GiB, none 85), 16-bit
+    # alone (none: 44-46 GiB of 74.5; on the 128-GPU recipe op: 73 GiB, none 83), 16-bit
     # gradient reduction as Megatron's.
     PublishedRun("Nemotron-4 340B, 1536 H100, TP 8 x PP 12 x DP 16", NEMOTRON4 +
                  ": 1,536 GPUs, batch 768, 10.3 s (MFU 42.4%)", "nemotron4-340b", "dgx-h100",
