@@ -166,8 +166,9 @@ LLAMA3_MISS = (
     "32 microbatches) and 32% (16,384, 16) of the step. The paper trains 8K sequences without "
     "activation checkpointing, which plait's memory model does not fit (118 and 87 GiB of "
     "74.5, no dropout masks counted): priced at selective recomputation; without it the "
-    "predictions would be 106 and 89 (-35%, -42%). With the kindest choices that fit (v=4, op-level recomputation) the rows "
-    "need an efficiency of 0.585 and 0.632, near the A100's 0.57 under Megatron")
+    "predictions would be 106 and 89 (-35%, -42%). With the kindest choices that fit (v=4, "
+    "op-level recomputation) the rows need an efficiency of 0.585 and 0.632, near the A100's "
+    "0.57 under Megatron")
 
 LLAMA3_CP_MISS = (
     "as the other Llama 3 405B rows: the H100 efficiency (0.39) comes from torchtitan's eager "
