@@ -506,7 +506,7 @@ PICK_ACHIEVED_BY = {
     "Llama 2 70B, 64 A100, FSDP, full AC": LLAMA2_13B_NO_AC,
     "Llama 3.1 8B, 8 H100, FSDP": LLAMA31_8B_COMPILE,
     "Llama 3.1 8B, 128 H100, FSDP": LLAMA3_405B_8K,
-    # tp=8 x cp=4 x pp=4, ZeRO-3 over the cp ranks (HFU 31%)
+    # tp=8 x cp=2 x pp=8 under ZB-V, ZeRO-3 over the cp ranks (HFU 32%)
     "Llama 3.1 405B, 128 H100, FSDP x TP": LLAMA3_405B_8K,
     "GPT 22B, 8 A100, TP 8 (SP)": GPT3_175B,
     # ZB-V under ZeRO-3 over dp_shard=2 x cp=2 beside tp=2 x pp=8 (HFU 52%): 0.5% faster than
@@ -516,8 +516,8 @@ PICK_ACHIEVED_BY = {
     "MT-NLG 530B, 2800 A100, TP 8 x PP 35 x DP 10": MTNLG_530B,
     "MT-NLG 530B, 3360 A100, TP 8 x PP 35 x DP 12": MTNLG_530B,
     "BLOOM 176B, 384 A100, TP 4 x PP 12 x DP 8": GPT3_175B,
-    # the picks skip recomputation (32k: dp_shard=2 x cp=4) or most of it (128k: tp=8,
-    # selective), at an HFU (38%, 37%) below what Llama 3 405B reached on the same chip
+    # the picks skip recomputation (32k: dp_shard=2 x cp=4) or most of it (128k: tp=2 x cp=4,
+    # selective), at an HFU (38%, 39%) below what Llama 3 405B reached on the same chip
     "Llama 3.1 8B, 8 H100, 32k, FSDP 8": LLAMA3_405B_8K,
     "Llama 3.1 8B, 8 H100, 128k, FSDP 2 x CP 4": LLAMA3_405B_8K,
     # ZeRO-3 over cp=8 alone: at 64k without recomputation (HFU 38%), at 256k the published
