@@ -627,7 +627,7 @@ NEMO_CP_NOTE = (
     "within the band, but the gain predicted is under half (128k: 14% against 31%) and half "
     "(256k: 21% against 40%) of the published one. The layout without cp NeMo ran is not "
     "printed: plait's best without cp keeps activations under selective recomputation at 128k "
-    "(tp=8, 66 of 74.5 GiB); priced against its layout that recomputes every block instead, "
+    "(tp=8, 64 of 74.5 GiB); priced against its layout that recomputes every block instead, "
     "the ratio at 128k is 1.30. At 256k plait's best without cp already recomputes every block "
     "(tp=4): unexplained")
 
