@@ -627,7 +627,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                       attention_keys=_attention_keys(model, device_type)
                       if attention and attention_dtypes else None,
                       batchnorm=_first_batchnorm(model),
-                      dropout=module_dropout(model, blocks, device_type))
+                      dropout=module_dropout(model, blocks))
 
 
 def _attention_keys(model: Any, device_type: str) -> tuple[tuple[int, int, int], ...] | None:
