@@ -31,6 +31,7 @@ from .parallel.layout import local_modules
 from .parallel.tp_record import quiet_logger
 from .parallel.units import canonical_name
 from .plan import Plan
+from .planner.dropout import random_modules
 from .progress import Stages
 from .spawn import run_distributed, user_errors
 
@@ -523,28 +524,6 @@ def train_and_collect(rank: int, world_size: int, plan: Plan, cfg: CheckConfig) 
             "grad_norms": norms,
             "random": random, "batchnorm": batchnorm,
             "digest": {name: digest(name, t) for name, t in state.items()}}
-
-
-def random_modules(model: nn.Module) -> list[str]:
-    """Where ``model`` draws random numbers in training: dropout modules with ``p > 0``, and
-    modules that keep a dropout probability as a number (``nn.MultiheadAttention.dropout``, a
-    Hugging Face attention's ``attention_dropout``), as ``"name (Dropout p=0.1)"``.
-
-    One device draws one mask over the global batch; a data-parallel rank (or a pipeline
-    microbatch) draws its own over its rows from its own generator state, so no layout that
-    splits the batch reproduces the reference's masks: ``plait check`` says so when it fails."""
-    found = []
-    for name, module in model.named_modules():
-        where = name or type(model).__name__
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            if module.p > 0:
-                found.append(f"{where} ({type(module).__name__} p={module.p:g})")
-            continue
-        for attr, value in vars(module).items():
-            if (("dropout" in attr or "pdrop" in attr) and isinstance(value, float)
-                    and value > 0):
-                found.append(f"{where}.{attr}={value:g}")
-    return found
 
 
 def digest(name: str, t: torch.Tensor) -> tuple[float, float]:

@@ -12,9 +12,10 @@ from plait.planner.model_stats import from_transformer_config, load_model
 
 
 def test_activation_memory_matches_korthikanti():
-    # GPT block (ffn 4h): 34sbh + 5as^2b bytes at 2 bytes/element, no TP.
+    # GPT block (ffn 4h) trained with dropout: 34sbh + 5as^2b bytes at 2 bytes/element, no TP.
     m = from_transformer_config(TransformerConfig(vocab_size=100, dim=64, n_layers=2, n_heads=4,
-                                                  mlp="gelu", norm="layernorm"))
+                                                  mlp="gelu", norm="layernorm", dropout=0.1))
+    assert m.dropout
     s, b, h, a = 32, 2, 64, 4
     c = Constants(flash_attention=False)
     assert activation_bytes_per_block(m, b, s, 1, False, 2, c) == pytest.approx(
@@ -28,6 +29,35 @@ def test_activation_memory_matches_korthikanti():
     flash = Constants(flash_attention=True)
     assert activation_bytes_per_block(m, b, s, 1, False, 4, flash) == pytest.approx(
         2 * s * b * h * 34)
+
+
+def test_activation_memory_without_dropout_saves_no_masks():
+    """A GPT block without dropout: Korthikanti's figures less the masks, 2sbh after the
+    attention output and the MLP (both replicated under TP without SP) and as^2b on the
+    attention probabilities, whose dropped copy (2as^2b) is the softmax output itself:
+    32sbh + 2as^2b; a Llama block (SwiGLU, GQA) is 2sbh less with flash attention."""
+    m = from_transformer_config(TransformerConfig(vocab_size=100, dim=64, n_layers=2, n_heads=4,
+                                                  mlp="gelu", norm="layernorm"))
+    assert not m.dropout
+    s, b, h, a, t = 32, 2, 64, 4, 4
+    c = Constants(flash_attention=False)
+    assert activation_bytes_per_block(m, b, s, 1, False, 2, c) == pytest.approx(
+        s * b * h * (32 + 2 * a * s / h))
+    assert activation_bytes_per_block(m, b, s, t, False, 2, c) == pytest.approx(
+        s * b * h * (8 + 24 / t + 2 * a * s / (h * t)))
+    assert activation_bytes_per_block(m, b, s, t, True, 2, c) == pytest.approx(
+        s * b * h / t * (32 + 2 * a * s / h))
+    flash = Constants(flash_attention=True)
+    llama = dict(vocab_size=100, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=160)
+    kept = from_transformer_config(TransformerConfig(**llama, dropout=0.1))
+    none = from_transformer_config(TransformerConfig(**llama))
+    # Llama per token: attention 2h + 2(h + 2kv) + 2h, MLP 2h + 8f, norms 4h (+ h + h masks)
+    kv, f = 2 * h // 8, 160
+    plain = 2 * h + 2 * (h + 2 * kv) + 2 * h + 2 * h + 8 * f + 4 * h
+    assert activation_bytes_per_block(none, b, s, 1, False, 2, flash) == pytest.approx(
+        s * b * plain)
+    assert activation_bytes_per_block(kept, b, s, 1, False, 2, flash) == pytest.approx(
+        s * b * (plain + 2 * h))
 
 
 def _tiny():

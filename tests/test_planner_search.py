@@ -95,9 +95,10 @@ def test_layouts_the_model_refuses_are_skipped_in_rank_order():
     asked only about layouts that would rank.
 
     Llama-3-70B's 8 kv heads make context parallelism's K/V (1/8 of the hidden size per
-    token) cheaper to move than tp's activations, so the search's pick is cp x pp, no tp; a
-    model whose attention refuses cp (here: the check says so) brings tp with sp back."""
-    m, c, w = load_model("llama-70b"), load_cluster("dgx-h100", devices=64), Workload(64, 4096)
+    token) cheaper to move than tp's activations, so at 128 sequences of 4K tokens the
+    search's pick has cp; a model whose attention refuses cp (here: the check says so) brings
+    tp with sp back."""
+    m, c, w = load_model("llama-70b"), load_cluster("dgx-h100", devices=64), Workload(128, 4096)
     assert search(m, c, w, top=1).best.plan.cp > 1
 
     def no_cp(plan: Plan) -> str | None:

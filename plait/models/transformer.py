@@ -114,11 +114,13 @@ PRESETS: dict[str, TransformerConfig] = {
                                    ffn_dim=13824, max_seq_len=4096),
     "llama-70b": TransformerConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64,
                                    n_kv_heads=8, ffn_dim=28672, max_seq_len=8192),
-    # Narayanan et al. 2021 (Megatron-LM) GPT shapes: seq 2048, vocab 51,200.
+    # Narayanan et al. 2021 (Megatron-LM) GPT shapes: seq 2048, vocab 51,200; dropout 0.1, the
+    # Megatron-LM defaults they trained with ("--hidden-dropout 0.1", "--attention-dropout
+    # 0.1"; the paper prints no other), so the planner prices its masks.
     "gpt-145b": TransformerConfig(vocab_size=51200, dim=12288, n_layers=80, n_heads=96,
-                                  max_seq_len=2048, mlp="gelu", norm="layernorm"),
+                                  max_seq_len=2048, mlp="gelu", norm="layernorm", dropout=0.1),
     "gpt-175b": TransformerConfig(vocab_size=51200, dim=12288, n_layers=96, n_heads=96,
-                                  max_seq_len=2048, mlp="gelu", norm="layernorm"),
+                                  max_seq_len=2048, mlp="gelu", norm="layernorm", dropout=0.1),
 }
 
 

@@ -73,7 +73,6 @@ class Constants(HostOverheads):
     # use every core (CPU + gloo): nothing is left to drive the collective in the background.
     overlap: bool = True
     flash_attention: bool = True
-    activation_dropout_masks: bool = True
     bucket_bytes: float = DDP_BUCKET_BYTES
 
 

@@ -10,9 +10,12 @@
 * Activations per block after Korthikanti et al. 2022 (table 2), generalised to GQA, SwiGLU and
   any ffn size: 2-byte figures scaled to the compute dtype; the replicated part (norm inputs,
   inputs of QKV/MLP, dropout masks: 10sbh for GPT) is not divided by tp unless sp; attention
-  scores (5as^2b) only without flash attention. Full recomputation keeps the block input (plus
-  one block being recomputed); "selective" checkpoints every k-th block; "op" is approximated as
-  keeping 60% of a block's activations and replaying 5% of its forward.
+  scores (5as^2b) only without flash attention. The dropout masks (2sbh after the attention
+  output and the MLP, as^2b on the attention probabilities, whose dropped copy is 2as^2b more)
+  only for a model that trains with dropout (``ModelStats.dropout``): 32sbh + 2as^2b without.
+  Full recomputation keeps the block input (plus one block being recomputed); "selective"
+  checkpoints every k-th block; "op" is approximated as keeping 60% of a block's activations
+  and replaying 5% of its forward.
 * Context parallelism: the activations of each rank's ``s / cp`` tokens, plus per block the
   whole sequence's keys and values that attention gathered and saves for backward
   (``2 b s kv_heads head_dim``, not kept by a checkpointed block) and one ``(s/cp) x s``
@@ -46,7 +49,7 @@ def activation_bytes_per_block(m: ModelStats, b: int, s: int, tp: int, sp: bool,
     whole sequence, and the scores without flash attention are (s/cp) x s per head)."""
     h, f, a = m.hidden, m.ffn, m.n_heads
     kv = m.kv_heads * (h // m.n_heads)
-    mask = 1 if c.activation_dropout_masks else 0
+    mask = 1 if m.dropout else 0
     # 2-byte units of s*b: attention: QKV input 2h, q/k/v 2(h+2kv), o_proj input 2h, mask h.
     attn = 2 * h + 2 * (h + 2 * kv) + 2 * h + mask * h
     if m.mlp == "swiglu":
@@ -56,7 +59,10 @@ def activation_bytes_per_block(m: ModelStats, b: int, s: int, tp: int, sp: bool,
     norms = 4 * h
     replicated = norms + 2 * h + 2 * h + 2 * mask * h  # stays whole under TP without SP
     sharded = attn + mlp + norms - replicated
-    scores = 0.0 if (c.flash_attention or not m.attention) else 5 * a * (keys or s)  # per token
+    # the scores without flash attention: softmax output 2as (the input of the matmul with V
+    # when nothing drops), with dropout its mask as and its output 2as (Korthikanti's 5as)
+    scores = 0.0 if (c.flash_attention or not m.attention) else \
+        (2 + 3 * mask) * a * (keys or s)  # per token
     per_token = (replicated / (tp if sp else 1)) + (sharded + scores) / tp
     return per_token * s * b * dtype_bytes / 2
 

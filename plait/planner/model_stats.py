@@ -26,6 +26,7 @@ from typing import Any
 
 from ..comm.predict import TPBlock, reference_block
 from ..parallel.tp_kv import replicated_kv_elements, tp_fits_kv
+from .dropout import config_dropout, module_dropout
 from .fsdp_rows import ParamRows, Rows, config_rows, param_rows
 from .hf_layout import Dims, Layout, layout
 from .moe import config_top_k, routed_layers, summary
@@ -118,6 +119,11 @@ class ModelStats:
     # are the batch's, so the search takes them over the data axes (sync_bn) and never cuts a
     # step's batch into pieces (pipeline microbatches, gradient accumulation).
     batchnorm: str = ""
+    # Whether the blocks train with dropout (p > 0): Korthikanti et al. 2022's one-byte masks
+    # (attention probabilities, after the attention output, after the MLP) are saved for
+    # backward only then (plait.planner.memory). Read from the config or the module; True (the
+    # paper's GPT block) where a ModelStats is built by hand.
+    dropout: bool = True
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -249,7 +255,8 @@ def from_transformer_config(cfg: Any, name: str = "transformer") -> ModelStats:
                       held=rows_held(rows),
                       tp_block=reference_block(cfg),
                       tied_params=embed if tied else 0,
-                      tied_shapes=((cfg.vocab_size, h),) if tied else ())
+                      tied_shapes=((cfg.vocab_size, h),) if tied else (),
+                      dropout=cfg.dropout > 0)
 
 
 _HF_KEYS = {  # our name -> accepted config.json keys, first found wins
@@ -351,7 +358,7 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
                        block_tensors=block_tensors, embed_tensors=1,
                        head_tensors=norm // h + (0 if tied else 1), experts=experts,
                        block_active_params=block - (count - k) * expert if experts else None,
-                       head_dim=head_dim)
+                       head_dim=head_dim, dropout=config_dropout(data, model_type))
     if model_type == "gpt2" and q == h and kv == h and not experts:
         return _gpt2(stats, data.get("n_positions") or data.get("max_position_embeddings"))
     # the families laid out tensor by tensor (plait.planner.hf_layout): the shapes FSDP2 pads,
@@ -619,7 +626,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                       head_dim=head_dim if isinstance(head_dim, int) else None,
                       attention_keys=_attention_keys(model, device_type)
                       if attention and attention_dtypes else None,
-                      batchnorm=_first_batchnorm(model))
+                      batchnorm=_first_batchnorm(model),
+                      dropout=module_dropout(model, blocks))
 
 
 def _attention_keys(model: Any, device_type: str) -> tuple[tuple[int, int, int], ...] | None:

@@ -18,6 +18,10 @@ from typing import Any
 
 SEQ = 2048
 VOCAB = 51200
+# Megatron-LM's default dropout ("--hidden-dropout 0.1", "--attention-dropout 0.1"): the GPT
+# runs below (Narayanan, Korthikanti, MT-NLG) print no other, and Korthikanti et al.'s own
+# activation memory (34sbh + 5as^2b) counts its masks; BLOOM's README says it inherited them.
+DROPOUT = 0.1
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,10 @@ def row_setup(row: MegatronRow):
     from .hardware import load_cluster
     from .model_stats import from_transformer_config
 
+    # dropout: Megatron-LM's default (``DROPOUT``), which the paper prints no other value for
     cfg = TransformerConfig(vocab_size=VOCAB, dim=row.hidden, n_layers=row.layers,
-                            n_heads=row.heads, max_seq_len=SEQ, mlp="gelu", norm="layernorm")
+                            n_heads=row.heads, max_seq_len=SEQ, mlp="gelu", norm="layernorm",
+                            dropout=DROPOUT)
     model = from_transformer_config(cfg, name=f"gpt-{row.params_b}b")
     cluster = load_cluster("dgx-a100-80gb", devices=row.gpus)
     work = Workload(row.batch, SEQ, grad_reduce_dtype="bf16", pp_scatter_gather=True)
@@ -158,10 +164,11 @@ LLAMA3_MISS = (
     "schedule, overlap or placement term can close it. The bubble is priced as the paper "
     "states it, (pp - 1) / (v m); v is not printed: at v=2 (assumed) it is 19% (8,192 GPUs, "
     "32 microbatches) and 32% (16,384, 16) of the step. The paper trains 8K sequences without "
-    "activation checkpointing, which plait's memory model does not fit (124 and 91 GiB of "
-    "74.5): priced at selective recomputation; without it the predictions would be 106 and "
-    "89 (-35%, -42%). With the kindest choices that fit (v=4, op-level recomputation) the rows "
-    "need an efficiency of 0.585 and 0.632, near the A100's 0.57 under Megatron")
+    "activation checkpointing, which plait's memory model does not fit (118 and 87 GiB of "
+    "74.5, no dropout masks counted): priced at selective recomputation; without it the "
+    "predictions would be 106 and 89 (-35%, -42%). With the kindest choices that fit (v=4, "
+    "op-level recomputation) the rows need an efficiency of 0.585 and 0.632, near the A100's "
+    "0.57 under Megatron")
 
 LLAMA3_CP_MISS = (
     "as the other Llama 3 405B rows: the H100 efficiency (0.39) comes from torchtitan's eager "
@@ -181,16 +188,21 @@ NEMOTRON4_MISS = (
     "Megatron")
 
 # Transformer shapes of the published runs that are not plait model presets (TransformerConfig's
-# keyword arguments).
+# keyword arguments), with the dropout each trained with: the GPT runs Megatron-LM's 0.1
+# (``DROPOUT``); BLOOM 0.1 too (BigScience's tr11-176B-ml README: "The default Megatron-LM
+# dropout settings are inherited: --attention-dropout 0.1 --hidden-dropout default=0.1");
+# the Llama and Nemotron runs none (``dropout`` left at 0: see each).
 PUBLISHED_MODELS: dict[str, dict[str, Any]] = {
     "gpt-22b": dict(vocab_size=51200, dim=6144, n_layers=48, n_heads=64, max_seq_len=2048,
-                    mlp="gelu", norm="layernorm"),
+                    mlp="gelu", norm="layernorm", dropout=DROPOUT),
     "gpt-530b": dict(vocab_size=51200, dim=20480, n_layers=105, n_heads=128, max_seq_len=2048,
-                     mlp="gelu", norm="layernorm"),
+                     mlp="gelu", norm="layernorm", dropout=DROPOUT),
     "gpt-1t": dict(vocab_size=51200, dim=25600, n_layers=128, n_heads=160, max_seq_len=2048,
-                   mlp="gelu", norm="layernorm"),
+                   mlp="gelu", norm="layernorm", dropout=DROPOUT),
     "bloom-176b": dict(vocab_size=250880, dim=14336, n_layers=70, n_heads=112, max_seq_len=2048,
-                       mlp="gelu", norm="layernorm"),
+                       mlp="gelu", norm="layernorm", dropout=DROPOUT),
+    # Llama 2 and Llama 3: no dropout (Meta's reference model code has none; transformers'
+    # LlamaConfig: "attention_dropout=0.0"; torchtitan's Llama has no dropout module)
     "llama2-7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008,
                       max_seq_len=4096, mlp="swiglu", norm="rmsnorm"),
     "llama-405b": dict(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
@@ -200,7 +212,8 @@ PUBLISHED_MODELS: dict[str, dict[str, Any]] = {
     "llama2-70b": dict(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                        ffn_dim=28672, max_seq_len=4096, mlp="swiglu", norm="rmsnorm"),
     # Nemotron-4 340B's MLP is squared ReLU: two matrices like GPT's, priced as "gelu" (the same
-    # FLOPs, parameters and saved activations)
+    # FLOPs, parameters and saved activations); no dropout (the report: the architecture of
+    # Nemotron-4 15B, whose report lists "dropout rate of zero")
     "nemotron4-340b": dict(vocab_size=256000, dim=18432, n_layers=96, n_heads=96, n_kv_heads=8,
                            ffn_dim=73728, max_seq_len=4096, mlp="gelu", norm="layernorm"),
 }
@@ -304,8 +317,8 @@ PUBLISHED_RUNS = (
     # Llama 3: the table prints BF16 MFU (and TFLOP/s by Meta's count); the interleaved
     # schedule's v is not printed: 2 chunks of 4 blocks per stage, the first and last chunk 3.
     # Activation recomputation is not stated: the least of none, op, selective (every 2nd
-    # block), full that plait's memory model fits on both rows of the table (without: 124 and
-    # 91 GiB of 74.5; op: 78 GiB on 8,192 GPUs), chosen on memory alone.
+    # block), full that plait's memory model fits on both rows of the table (without: 118 and
+    # 87 GiB of 74.5; op: 75.0 GiB on 8,192 GPUs), chosen on memory alone.
     PublishedRun("Llama 3 405B, 8192 H100, TP 8 x PP 16 x FSDP 64", LLAMA3 +
                  ": 8,192 GPUs, batch 32 per DP rank, 430 TFLOP/s, BF16 MFU 43%",
                  "llama-405b", "dgx-h100", 8192, 80, 2048, 8192,
@@ -341,7 +354,7 @@ PUBLISHED_RUNS = (
                  "dp_shard=1,zero=3,cp=8,ac=full,mp=bf16", 548),
     # Llama 3's long-context row: the stages as on the rows above; the recomputation, not
     # printed, chosen as for them: the least that plait's memory model fits on this row (op:
-    # 64 GiB of 74.5; none: 100 GiB)
+    # 62 GiB of 74.5; none: 96 GiB)
     PublishedRun("Llama 3 405B, 16384 H100, TP 8 x CP 16 x PP 16 x FSDP 8", LLAMA3_CP,
                  "llama-405b", "dgx-h100", 16384, 80, 128, 131072,
                  "tp=8,sp=true,cp=16,pp=16,dp_shard=8,zero=2,ac=op,mp=bf16,"
@@ -367,7 +380,7 @@ PUBLISHED_RUNS = (
     # parameters all-gathered: plait's zero=2), sequence parallelism, micro batch 1 (NeMo's
     # recipe; not printed in the report), v and recomputation not printed: v=2 (as for the
     # Megatron rows), recomputation the least that plait's memory model fits, chosen on memory
-    # alone (none: 46-49 GiB of 74.5; on the 128-GPU recipe op: 74 GiB, none 85), 16-bit
+    # alone (none: 44-46 GiB of 74.5; on the 128-GPU recipe op: 73 GiB, none 83), 16-bit
     # gradient reduction as Megatron's.
     PublishedRun("Nemotron-4 340B, 1536 H100, TP 8 x PP 12 x DP 16", NEMOTRON4 +
                  ": 1,536 GPUs, batch 768, 10.3 s (MFU 42.4%)", "nemotron4-340b", "dgx-h100",
@@ -493,7 +506,7 @@ PICK_ACHIEVED_BY = {
     "Llama 2 70B, 64 A100, FSDP, full AC": LLAMA2_13B_NO_AC,
     "Llama 3.1 8B, 8 H100, FSDP": LLAMA31_8B_COMPILE,
     "Llama 3.1 8B, 128 H100, FSDP": LLAMA3_405B_8K,
-    # tp=8 x cp=4 x pp=4, ZeRO-3 over the cp ranks (HFU 31%)
+    # tp=8 x cp=2 x pp=8 under ZB-V, ZeRO-3 over the cp ranks (HFU 32%)
     "Llama 3.1 405B, 128 H100, FSDP x TP": LLAMA3_405B_8K,
     "GPT 22B, 8 A100, TP 8 (SP)": GPT3_175B,
     # ZB-V under ZeRO-3 over dp_shard=2 x cp=2 beside tp=2 x pp=8 (HFU 52%): 0.5% faster than
@@ -503,8 +516,8 @@ PICK_ACHIEVED_BY = {
     "MT-NLG 530B, 2800 A100, TP 8 x PP 35 x DP 10": MTNLG_530B,
     "MT-NLG 530B, 3360 A100, TP 8 x PP 35 x DP 12": MTNLG_530B,
     "BLOOM 176B, 384 A100, TP 4 x PP 12 x DP 8": GPT3_175B,
-    # the picks skip recomputation (32k: dp_shard=2 x cp=4) or most of it (128k: tp=8,
-    # selective), at an HFU (38%, 37%) below what Llama 3 405B reached on the same chip
+    # the picks skip recomputation (32k: dp_shard=2 x cp=4) or most of it (128k: tp=2 x cp=4,
+    # selective), at an HFU (38%, 39%) below what Llama 3 405B reached on the same chip
     "Llama 3.1 8B, 8 H100, 32k, FSDP 8": LLAMA3_405B_8K,
     "Llama 3.1 8B, 8 H100, 128k, FSDP 2 x CP 4": LLAMA3_405B_8K,
     # ZeRO-3 over cp=8 alone: at 64k without recomputation (HFU 38%), at 256k the published
@@ -614,7 +627,7 @@ NEMO_CP_NOTE = (
     "within the band, but the gain predicted is under half (128k: 14% against 31%) and half "
     "(256k: 21% against 40%) of the published one. The layout without cp NeMo ran is not "
     "printed: plait's best without cp keeps activations under selective recomputation at 128k "
-    "(tp=8, 66 of 74.5 GiB); priced against its layout that recomputes every block instead, "
+    "(tp=8, 64 of 74.5 GiB); priced against its layout that recomputes every block instead, "
     "the ratio at 128k is 1.30. At 256k plait's best without cp already recomputes every block "
     "(tp=4): unexplained")
 
