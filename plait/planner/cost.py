@@ -55,11 +55,9 @@ class Constants(HostOverheads):
 
     ``compute_efficiency``: achieved fraction of datasheet peak for the dense transformer matmuls
     (and the rest of a block's kernels, folded in). Fitted once, as the value that makes the
-    median error over all ten rows of Narayanan et al. 2021 table 1 zero (0.568 -> 0.57), after
-    communication and bubbles were modelled; see docs/planner.md and bench/planner_accuracy.py.
-    Since a group across nodes is priced over every NIC it holds in a node
-    (:func:`plait.planner.traffic.tier`), the value zeroing that median is 0.556: kept at 0.57
-    until refitted (every A100 prediction would move by -2.5%).
+    median error over all ten rows of Narayanan et al. 2021 table 1 zero (0.556 -> 0.56),
+    with communication and bubbles modelled; see docs/planner.md and
+    bench/planner_accuracy.py, which prints the value that zeroes it for the model as it is.
     ``plait plan --calibrate`` measures it for the local machine instead.
     ``link_efficiency``: fraction of link bandwidth NCCL-class collectives reach (busbw/link).
     What ``plait plan --calibrate`` measures on a CPU machine (per block, per tensor, per FSDP2
@@ -67,7 +65,7 @@ class Constants(HostOverheads):
     :class:`plait.planner.cpu.overheads.HostOverheads`, its one home: neutral on accelerators.
     """
 
-    compute_efficiency: float = 0.57
+    compute_efficiency: float = 0.56
     link_efficiency: float = 0.8
     # Whether data-parallel communication can run under compute. False where processes already
     # use every core (CPU + gloo): nothing is left to drive the collective in the background.
