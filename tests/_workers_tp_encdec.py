@@ -176,7 +176,7 @@ def towers() -> nn.Module:
 
 def towers_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     g = torch.Generator().manual_seed(900 + step)
-    return ({"input_ids": torch.randint(0, VOCAB, (BATCH, 5), generator=g),
+    return ({"input_ids": torch.randint(0, VOCAB, (BATCH, 6), generator=g),
              "pixel_values": torch.randn(BATCH, 3, 8, 8, generator=g)}, torch.arange(BATCH))
 
 

@@ -602,7 +602,10 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
         if parallel_style is not None:
             parallelize_module(sub, tp_mesh, parallel_style)
     if plan.sp and tp_plan.sp_blocks:
-        shard_sequence_in_blocks(module, tp_plan.sp_blocks, tp_mesh)
+        # Each stack splits its own sequence at its first block and gathers it after its last:
+        # an encoder's output reaches the decoder's cross-attention whole.
+        for stack in tp_plan.sp_stacks:
+            shard_sequence_in_blocks(module, stack, tp_mesh)
     elif plan.sp:
         for name, style in matched.items():
             if style == "vocab_embedding":
@@ -623,7 +626,8 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
         # Between its regions an inferred plan's block stack runs on sequence shards: what
         # no entry names (norms, a layer-scale) gets one rank's positions' gradient.
         summed |= {id(p) for name, sub in module.named_modules()
-                   if name and under(name, tp_plan.sp_blocks) and name not in whole
+                   if name and any(under(name, stack) for stack in tp_plan.sp_stacks)
+                   and name not in whole
                    for p in sub.parameters(recurse=False) if not isinstance(p, DTensor)}
     replicate_rest(module, tp_mesh, summed)
     for name, p in module.named_parameters():
