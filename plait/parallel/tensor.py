@@ -638,9 +638,12 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
                                         loss_parallel="vocab_head" in matched.values()))
 
 
-def _sequence_refusal(positions: int, tp: int) -> str:
+def _sequence_refusal(positions: int, tp: int, at: str = "") -> str:
+    """``at``: the block whose input is split (a model with several stacks runs a sequence
+    of its own in each: an image tower's patches, a text tower's tokens)."""
+    where = f" at {at}" if at else ""
     return (f"sequence parallelism splits the sequence over tp={tp}, but the sequence has "
-            f"{positions} positions; use a multiple of {tp} or sp=False")
+            f"{positions} positions{where}; use a multiple of {tp} or sp=False")
 
 
 def _refuse_uneven_sequence(embedding: nn.Module, tp: int) -> None:
@@ -689,7 +692,7 @@ def shard_sequence_in_blocks(module: nn.Module, blocks_glob: str, mesh: DeviceMe
 
     def to_shard(t: torch.Tensor) -> torch.Tensor:
         if t.shape[1] % tp:
-            raise ValueError(_sequence_refusal(t.shape[1], tp))
+            raise ValueError(_sequence_refusal(t.shape[1], tp, first_name))
         return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(
             placements=[Shard(1)]).to_local()
 
