@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from plait.parallel.tp_example import Example, example_call
 from plait.parallel.tp_infer import infer_plan, verify_plan
+from plait.planner.tp_block import tp_block
 from plait.spawn import run_distributed
 from tests import _workers_encdec as E
 from tests import _workers_tp_encdec as T
@@ -123,6 +124,14 @@ def test_the_inferred_plans_of_the_models_written_for_the_test():
         assert seq.styles[f"{stack}.block.*.attn.o"] == "rowwise"
         assert seq.divide_attrs[f"{stack}.block.*.attn"] == ("n_heads",)
     assert seq.styles["decoder.block.*.cross.k"] == "colwise"
+    # Cross-attention is a region whose boundary replicates the queries' input; k and v read
+    # the encoder's output, each all-reducing its own input's gradient: the planner counts a
+    # decoder block's backward all-reduces as self-attention 1, cross-attention 3 (the
+    # region's, k's, v's), MLP 1.
+    assert seq.styles["decoder.block.*.cross"] == "region"
+    assert sorted(seq.side_inputs) == ["decoder.block.*.cross.k", "decoder.block.*.cross.v"]
+    priced = tp_block(T.seq2seq(), "decoder.block.1", (seq, False))
+    assert priced is not None and priced.backward == (T.WIDTH,) * 5, priced
     assert seq.styles["shared"] == "vocab_embedding" and seq.styles["lm_head"] == "vocab_head"
     gated = infer_plan(T.gated_seq2seq()).styles
     assert [gated[f"encoder.block.*.ff.{n}"] for n in ("wi_0", "wi_1", "wo")] == [

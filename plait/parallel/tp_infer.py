@@ -190,6 +190,8 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
         # sizes by its input, T5's) sees the whole of it, and k and v read the encoder's
         # whole output as it is instead of gathering it as if it were a shard.
         styles[""] = "region"
+        styles["__side__"] = "|".join(calls[e] for e in entries
+                                      if e.args[0] is not entries[0].args[0])
     attention = any((n.op == "call_function" and n.target in _ATTENTION_FUNCS)
                     or (n.op == "call_method" and n.target in _ATTENTION_METHODS)
                     for n in graph.nodes)
@@ -455,6 +457,7 @@ def infer_plan(model: nn.Module) -> TPPlan:
     sizes: dict[str, int] = {}
     refused: dict[str, None] = {}  # "blocks (type): reason", repeated blocks as one glob
     in_blocks: set[str] = set()
+    side: set[str] = set()  # column-parallel layers of a region that read another input
     candidates = {name: block for name, block in model.named_modules()
                   if sum(_linear_like(m) for m in block.children()) >= 2
                   and low_rank_parts(block) is None}
@@ -474,6 +477,8 @@ def infer_plan(model: nn.Module) -> TPPlan:
             refused[f"{glob} ({type(block).__name__}): {result}"] = None
             continue
         kind = result.pop("__kind__")
+        side.update(f"{name}.{child}".strip(".") for child in result.pop("__side__", "").split("|")
+                    if child)
         for child, style in result.items():
             full = f"{name}.{child}".strip(".") if child else name
             if not full:
@@ -528,7 +533,8 @@ def infer_plan(model: nn.Module) -> TPPlan:
     joined = _globs({k: "|".join(v) for k, v in divide.items()}, names)
     divide_globs = {g: tuple(attrs.split("|")) for g, attrs in joined.items()}
     return TPPlan(styles=_globs(styles, names), divide_attrs=divide_globs,
-                  source=f"inferred from {type(model).__name__}'s structure", sizes=sizes)
+                  source=f"inferred from {type(model).__name__}'s structure", sizes=sizes,
+                  side_inputs=tuple(_globs(dict.fromkeys(side, "side"), names)))
 
 
 def with_sp(model: nn.Module, plan: TPPlan, matched: dict[str, str],
@@ -744,7 +750,7 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False) -> TP
         if not mixed_blocks(model, {n: "replicated_kv" if n in kv else s for n, s in
                                     match_plan(model, styles).items()}, tp, example, kv):
             fixed = TPPlan(styles=styles, divide_attrs=plan.divide_attrs, source=plan.source,
-                           sizes=plan.sizes)
+                           sizes=plan.sizes, side_inputs=plan.side_inputs)
             return with_sp(model, fixed, match_plan(model, styles), example) if sp else fixed
     raise ValueError(
         f"the tensor-parallel plan inferred for {type(model).__name__} splits "

@@ -95,6 +95,11 @@ class TPPlan:
     # on sequence shards and get their gradients summed over tp; or why SP is refused for it.
     sp_summed: bool = False
     sp_refused: str = ""
+    # Column-parallel layers inside a ``region`` that read another input than the region's
+    # (cross-attention's keys and values, of the encoder's output): each all-reduces its own
+    # input's gradient in backward, where the region's entries share one all-reduce. Read by
+    # the planner, which counts the collectives off the plan.
+    side_inputs: tuple[str, ...] = ()
 
     def with_prefix(self, prefix: str) -> TPPlan:
         if not prefix:
@@ -104,7 +109,8 @@ class TPPlan:
                       source=self.source, sizes=self.sizes, supports_sp=self.supports_sp,
                       sp_blocks=f"{prefix}.{self.sp_blocks}" if self.sp_blocks else "",
                       sp_more_blocks=tuple(f"{prefix}.{b}" for b in self.sp_more_blocks),
-                      sp_summed=self.sp_summed, sp_refused=self.sp_refused)
+                      sp_summed=self.sp_summed, sp_refused=self.sp_refused,
+                      side_inputs=tuple(f"{prefix}.{g}" for g in self.side_inputs))
 
     @property
     def sp_stacks(self) -> tuple[str, ...]:
