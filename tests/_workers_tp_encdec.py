@@ -198,6 +198,35 @@ class TokenBatchNorm(nn.Module):
         return self.bn(h.transpose(1, 2)).transpose(1, 2)
 
 
+class TensorBlock(Block):
+    """A block returning its output alone."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(h, None)[0]
+
+
+class OuterResidualTower(Tower):
+    """Adds each block's output to the block's input in the tower's own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TensorBlock(False, False, False) for _ in range(2))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.norm(h)[:, 0]
+
+
+def outer_residual_towers() -> nn.Module:
+    """The image tower adds its blocks' residuals outside them; the text tower does not."""
+    model = towers()
+    tower = OuterResidualTower()
+    tower.load_state_dict(model.vision_model.state_dict())
+    model.vision_model = tower
+    return model
+
+
 def batchnorm_towers() -> nn.Module:
     """The image tower's blocks normalise their MLP's input with BatchNorm."""
     model = towers()

@@ -68,8 +68,8 @@ def test_models_fx_cannot_trace_train_as_one_device_under_tp_and_sp():
 
 def test_sp_is_refused_naming_the_stack_that_cannot_take_it():
     """A decoder whose blocks shift tokens outside their regions, an image tower whose blocks
-    hold a BatchNorm: sp is refused before any sharding, naming both stacks, the one that
-    cannot split its sequence and why; tp alone keeps its plan."""
+    hold a BatchNorm, one whose forward adds the blocks' residuals outside them: sp is refused
+    before any sharding, naming both stacks, the one that cannot split its sequence and why."""
     shifted = T.shifted_seq2seq()
     plan = verify_plan(shifted, infer_plan(shifted), 2, sp=True)
     assert not plan.supports_sp and plan.sp_refused.startswith(
@@ -83,6 +83,13 @@ def test_sp_is_refused_naming_the_stack_that_cannot_take_it():
         f"it has 2 {STACKS} (text_model.layers.*, vision_model.layers.*), each splitting its "
         f"own sequence, and vision_model.layers.* cannot: vision_model.layers.0.norm_2.bn is a "
         f"BatchNorm, whose statistics would cover one rank's positions"), plan.sp_refused
+    outer = T.outer_residual_towers()
+    plan = verify_plan(outer, infer_plan(outer), 2, sp=True)
+    assert not plan.supports_sp and plan.sp_refused.startswith(
+        f"it has 2 {STACKS} (text_model.layers.*, vision_model.layers.*), each splitting its "
+        f"own sequence, and vision_model.layers.* cannot: its forward adds "
+        f"vision_model.layers.0's output to that block's input outside the block"), \
+        plan.sp_refused
 
 
 @pytest.mark.slow

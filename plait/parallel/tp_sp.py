@@ -56,7 +56,10 @@ def residual_outside(model: nn.Module, stack: str, example: torch.Tensor | Examp
     from .pipeline_chain import meta_replica
     from .pipeline_split import additive_modules
 
-    blocks = [name for name, _ in repeated_blocks(model) if glob_regex(stack).match(name)]
+    # The stack's own blocks: repeated_blocks names only the largest stack's, and a model with
+    # several (an encoder-decoder, two towers) has each checked.
+    pattern = glob_regex(stack)
+    blocks = [name for name, _ in model.named_modules() if name and pattern.match(name)]
     if not blocks:
         return None
     path = blocks[0].rpartition(".")[0]
