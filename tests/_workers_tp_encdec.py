@@ -71,8 +71,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, first: bool, cross: bool, gated: bool) -> None:
+    """Pre-norm attention, cross-attention and MLP; with ``shift``, the MLP reads each
+    position mixed with the one before (a token shift: no sequence-parallel split keeps it)."""
+
+    def __init__(self, first: bool, cross: bool, gated: bool, shift: bool = False) -> None:
         super().__init__()
+        self.shift = shift
         self.norm_1, self.norm_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
         self.attn = Attention(bias=first)
         self.cross = Attention(bias=False) if cross else None
@@ -85,13 +89,15 @@ class Block(nn.Module):
         h = h + a
         if self.cross is not None and self.norm_c is not None:
             h = h + self.cross(self.norm_c(h), memory)[0]
+        if self.shift:
+            h = (h + F.pad(h, (0, 0, 1, 0))[:, :-1]) / 2
         return h + self.ff(self.norm_2(h)), bias
 
 
 class Stack(nn.Module):
-    def __init__(self, cross: bool, gated: bool) -> None:
+    def __init__(self, cross: bool, gated: bool, shift: bool = False) -> None:
         super().__init__()
-        self.block = nn.ModuleList(Block(i == 0, cross, gated) for i in range(2))
+        self.block = nn.ModuleList(Block(i == 0, cross, gated, shift) for i in range(2))
         self.norm = nn.LayerNorm(WIDTH)
 
     def forward(self, h: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,10 +108,11 @@ class Stack(nn.Module):
 
 
 class RelBiasSeq2Seq(nn.Module):
-    def __init__(self, gated: bool = False) -> None:
+    def __init__(self, gated: bool = False, shifted_decoder: bool = False) -> None:
         super().__init__()
         self.shared = nn.Embedding(VOCAB, WIDTH)
-        self.encoder, self.decoder = Stack(False, gated), Stack(True, gated)
+        self.encoder = Stack(False, gated)
+        self.decoder = Stack(True, gated, shift=shifted_decoder)
         self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.lm_head.weight = self.shared.weight  # tied, as T5's
 
@@ -124,6 +131,12 @@ def seq2seq() -> nn.Module:
 def gated_seq2seq() -> nn.Module:
     torch.manual_seed(0)
     return RelBiasSeq2Seq(gated=True)
+
+
+def shifted_seq2seq() -> nn.Module:
+    """The decoder's blocks shift tokens outside their regions; the encoder's do not."""
+    torch.manual_seed(0)
+    return RelBiasSeq2Seq(shifted_decoder=True)
 
 
 def seq2seq_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -174,9 +187,57 @@ def towers() -> nn.Module:
     return ProjectedTowers()
 
 
+class TokenBatchNorm(nn.Module):
+    """BatchNorm over the batch and every position, per feature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.bn(h.transpose(1, 2)).transpose(1, 2)
+
+
+class TensorBlock(Block):
+    """A block returning its output alone."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(h, None)[0]
+
+
+class OuterResidualTower(Tower):
+    """Adds each block's output to the block's input in the tower's own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TensorBlock(False, False, False) for _ in range(2))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.norm(h)[:, 0]
+
+
+def outer_residual_towers() -> nn.Module:
+    """The image tower adds its blocks' residuals outside them; the text tower does not."""
+    model = towers()
+    tower = OuterResidualTower()
+    tower.load_state_dict(model.vision_model.state_dict())
+    model.vision_model = tower
+    return model
+
+
+def batchnorm_towers() -> nn.Module:
+    """The image tower's blocks normalise their MLP's input with BatchNorm."""
+    model = towers()
+    for layer in model.vision_model.layers:  # type: ignore[union-attr]
+        layer.norm_2 = TokenBatchNorm()
+    return model
+
+
 def towers_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     g = torch.Generator().manual_seed(900 + step)
-    return ({"input_ids": torch.randint(0, VOCAB, (BATCH, 5), generator=g),
+    return ({"input_ids": torch.randint(0, VOCAB, (BATCH, 6), generator=g),
              "pixel_values": torch.randn(BATCH, 3, 8, 8, generator=g)}, torch.arange(BATCH))
 
 
@@ -197,6 +258,38 @@ def hf_t5_gated() -> nn.Module:
     return t5_gated()[0]
 
 
+def hf_bart() -> nn.Module:
+    from tests._workers_encdec import bart
+
+    return bart()[0]
+
+
+def hf_clip() -> nn.Module:
+    """CLIP with 28x28 images in 4x4 patches: 50 positions in the image tower (49 and the
+    class token), which tp=2 divides under sequence parallelism."""
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(0)
+    cfg = CLIPConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=16,
+                         bos_token_id=0, eos_token_id=2, pad_token_id=1),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=28, patch_size=4),
+        projection_dim=16)
+    return CLIPModel(cfg)
+
+
+def clip_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(700 + step)
+    return ({"input_ids": torch.randint(3, VOCAB, (BATCH, 6), generator=g),
+             "pixel_values": torch.randn(BATCH, 3, 28, 28, generator=g)}, torch.arange(BATCH))
+
+
+def hf_clip_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    return clip_loss(out.logits_per_text, target)
+
+
 def logits_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
     """:func:`token_loss` on a Hugging Face output's ``logits``."""
     return token_loss(out.logits, labels)
@@ -206,7 +299,19 @@ MODELS = {"seq2seq": (seq2seq, seq2seq_batch, token_loss),
           "gated_seq2seq": (gated_seq2seq, seq2seq_batch, token_loss),
           "towers": (towers, towers_batch, clip_loss),
           "hf_t5": (hf_t5, seq2seq_batch, logits_loss),
-          "hf_t5_gated": (hf_t5_gated, seq2seq_batch, logits_loss)}
+          "hf_t5_gated": (hf_t5_gated, seq2seq_batch, logits_loss),
+          "hf_bart": (hf_bart, seq2seq_batch, logits_loss),
+          "hf_clip": (hf_clip, clip_batch, hf_clip_loss)}
+
+# A norm in a block of each stack (the first block of one, the last of the other): the length
+# of the sequence it normalises is one rank's part under sequence parallelism.
+PROBES = {"seq2seq": ("encoder.block.0.norm_1", "decoder.block.1.norm_2"),
+          "towers": ("text_model.layers.1.norm_1", "vision_model.layers.0.norm_2"),
+          "hf_t5": ("encoder.block.0.layer.0.layer_norm", "decoder.block.1.layer.2.layer_norm"),
+          "hf_bart": ("model.encoder.layers.0.self_attn_layer_norm",
+                      "model.decoder.layers.1.final_layer_norm"),
+          "hf_clip": ("text_model.encoder.layers.1.layer_norm1",
+                      "vision_model.encoder.layers.0.layer_norm2")}
 
 
 def reference(name: str) -> dict[str, Any]:
@@ -214,6 +319,13 @@ def reference(name: str) -> dict[str, Any]:
     factory, batch, loss_fn = MODELS[name]
     return _one_device(factory, [batch(step) for step in range(STEPS)],
                        lambda model, inputs, target: loss_fn(model(**inputs), target), "adamw")
+
+
+def _length_of(probe: str, lengths: dict[str, int]) -> Any:
+    """A pre-hook noting the sequence length of the first input ``probe`` gets."""
+    def hook(mod: nn.Module, args: tuple) -> None:
+        lengths.setdefault(probe, args[0].shape[1])
+    return hook
 
 
 def train(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
@@ -231,9 +343,13 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[
             run.close()
             out.append({"plan": plan, "refused": str(exc)})
             continue
+        lengths: dict[str, int] = {}
+        for probe in PROBES.get(name, ()):
+            model.get_submodule(probe).register_forward_pre_hook(_length_of(probe, lengths))
         opt = _optimizer(model.parameters(), "adamw")
         losses = [float(run.step(model, batch(s), loss_fn, opt)) for s in range(STEPS)]
         state = _state(run, model)
         run.close()
-        out.append({"plan": plan, "losses": losses, "state": state if rank == 0 else None})
+        out.append({"plan": plan, "losses": losses, "state": state if rank == 0 else None,
+                    "lengths": lengths})
     return out

@@ -249,14 +249,15 @@ class Seq2SeqLM(torch.nn.Module):
 
 def test_cross_attention_is_one_tensor_parallel_region_and_a_logits_bias_keeps_the_head():
     """k and v reading the encoder's output beside q reading the block input are one region
-    (colwise q, k, v; rowwise o; heads divided), not the single-input 'region' style, in a
-    block that names its head count (one without is refused: tests/test_tensor_parallel.py);
+    (colwise q, k, v; rowwise o; heads divided; the 'region' style on the block, whose
+    boundary replicates its first input only), in a block that names its head count (one
+    without is refused: tests/test_tensor_parallel.py);
     k reaching the block output beside o is refused; a vocabulary-sized vector the model adds
     to the logits keeps the head whole."""
     plan = infer_plan(Seq2SeqLM(logits_bias=False))
     assert {k: plan.styles[k] for k in ("cross.q", "cross.k", "cross.v", "cross.o")} == {
         "cross.q": "colwise", "cross.k": "colwise", "cross.v": "colwise", "cross.o": "rowwise"}
-    assert "cross" not in plan.styles and plan.divide_attrs == {"cross": ("num_heads",)}
+    assert plan.styles["cross"] == "region" and plan.divide_attrs == {"cross": ("num_heads",)}
     assert plan.styles["head"] == "vocab_head" and plan.styles["embed"] == "vocab_embedding"
     biased = infer_plan(Seq2SeqLM(logits_bias=True))
     assert "head" not in biased.styles and "embed" not in biased.styles, biased.styles
@@ -280,6 +281,8 @@ def _check(capsys, model: str, plan: str) -> tuple[int, str]:
     # inferred from a recorded forward (fx cannot trace T5Attention or CLIPAttention): block
     # 0's relative_attention_bias split by head; CLIP's projections whole
     ("t5", "tp=2"), ("t5_gated", "tp=2"), ("t5_encoder", "tp=2,sp"), ("clip", "tp=2"),
+    # the sequence split in each stack: the encoder's 8 positions, the decoder's 6
+    ("t5", "tp=2,sp"), ("bart", "tp=2,sp"),
 ])
 def test_encoder_decoders_train_as_one_device(capsys, model, plan):
     code, out = _check(capsys, model, plan)
@@ -290,10 +293,7 @@ def test_encoder_decoders_train_as_one_device(capsys, model, plan):
 @pytest.mark.slow
 @pytest.mark.parametrize("model,plan,says", [
     (m, p, "is an encoder-decoder model: plait's pipeline cuts one stack of blocks")
-    for m in ("t5", "bart") for p in ("pp=2", "pp=2,tp=2")] + [
-    ("t5", "tp=2,sp", "it has a second stack of blocks (encoder.block, beside decoder.block"),
-    ("bart", "tp=2,sp", "has no sequence-parallel layout"),
-])
+    for m in ("t5", "bart") for p in ("pp=2", "pp=2,tp=2")])
 def test_encoder_decoders_are_refused_where_a_layout_cannot_split_them(capsys, model, plan,
                                                                        says):
     code, out = _check(capsys, model, plan)
@@ -348,8 +348,9 @@ def test_t5s_encoder_trains_as_one_device_under_dp_and_is_refused_under_pp(capsy
     ("dp=2", "returned without calling run.all_gather"),
     ("dp_shard=2,zero=1", "returned without calling run.all_gather"),
     ("dp_shard=2,zero=3", "logit_scale has none (a 0-dim parameter"),
-    ("tp=2,sp", "it has a second stack of blocks (vision_model.encoder.layers, beside "
-                "text_model.encoder.layers"),
+    # 16x16 images in 8x8 patches: 5 positions in the image tower (4 and the class token)
+    ("tp=2,sp", "the sequence has 5 positions at vision_model.encoder.layers.0; use a "
+                "multiple of 2 or sp=False"),
     ("pp=2", "CLIPModel has more than one stack of blocks (text_model.encoder.layers and "
              "vision_model.encoder.layers"),
 ])

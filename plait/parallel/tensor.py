@@ -602,7 +602,10 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
         if parallel_style is not None:
             parallelize_module(sub, tp_mesh, parallel_style)
     if plan.sp and tp_plan.sp_blocks:
-        shard_sequence_in_blocks(module, tp_plan.sp_blocks, tp_mesh)
+        # Each stack splits its own sequence at its first block and gathers it after its last:
+        # an encoder's output reaches the decoder's cross-attention whole.
+        for stack in tp_plan.sp_stacks:
+            shard_sequence_in_blocks(module, stack, tp_mesh)
     elif plan.sp:
         for name, style in matched.items():
             if style == "vocab_embedding":
@@ -623,7 +626,8 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
         # Between its regions an inferred plan's block stack runs on sequence shards: what
         # no entry names (norms, a layer-scale) gets one rank's positions' gradient.
         summed |= {id(p) for name, sub in module.named_modules()
-                   if name and under(name, tp_plan.sp_blocks) and name not in whole
+                   if name and any(under(name, stack) for stack in tp_plan.sp_stacks)
+                   and name not in whole
                    for p in sub.parameters(recurse=False) if not isinstance(p, DTensor)}
     replicate_rest(module, tp_mesh, summed)
     for name, p in module.named_parameters():
@@ -634,9 +638,12 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
                                         loss_parallel="vocab_head" in matched.values()))
 
 
-def _sequence_refusal(positions: int, tp: int) -> str:
+def _sequence_refusal(positions: int, tp: int, at: str = "") -> str:
+    """``at``: the block whose input is split (a model with several stacks runs a sequence
+    of its own in each: an image tower's patches, a text tower's tokens)."""
+    where = f" at {at}" if at else ""
     return (f"sequence parallelism splits the sequence over tp={tp}, but the sequence has "
-            f"{positions} positions; use a multiple of {tp} or sp=False")
+            f"{positions} positions{where}; use a multiple of {tp} or sp=False")
 
 
 def _refuse_uneven_sequence(embedding: nn.Module, tp: int) -> None:
@@ -685,7 +692,7 @@ def shard_sequence_in_blocks(module: nn.Module, blocks_glob: str, mesh: DeviceMe
 
     def to_shard(t: torch.Tensor) -> torch.Tensor:
         if t.shape[1] % tp:
-            raise ValueError(_sequence_refusal(t.shape[1], tp))
+            raise ValueError(_sequence_refusal(t.shape[1], tp, first_name))
         return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(
             placements=[Shard(1)]).to_local()
 

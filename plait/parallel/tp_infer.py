@@ -46,7 +46,7 @@ from .fx_trace import trace_kept
 from .tp_example import Example, example_call, run_on
 from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owners, replicated_kv
 from .tp_lora import base_linear, expand, low_rank_parts
-from .tp_plans import STYLES, TPPlan, under
+from .tp_plans import STYLES, TPPlan, glob_regex, under
 from .tp_record import fake_forward, record_blocks
 
 _ATTENTION_FUNCS = {F.scaled_dot_product_attention, F.softmax, torch.softmax, torch.matmul,
@@ -182,6 +182,16 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
         # q|k|v layer too: under SP the block then sees the whole sequence, as attention that
         # takes its length from its input (``B, T, C = x.shape``) needs.
         styles[""] = "region"
+    elif entries and inputs and entries[0].args[0] is inputs[0] and len(
+            {e.args[0] for e in entries}) == 2:
+        # Cross-attention (q of the block's first input, k and v of a second one, whole on
+        # every rank): a region too, whose boundary replicates the first input only. Under SP
+        # the queries' sequence is then gathered once, the block (and a position bias it
+        # sizes by its input, T5's) sees the whole of it, and k and v read the encoder's
+        # whole output as it is instead of gathering it as if it were a shard.
+        styles[""] = "region"
+        styles["__side__"] = "|".join(calls[e] for e in entries
+                                      if e.args[0] is not entries[0].args[0])
     attention = any((n.op == "call_function" and n.target in _ATTENTION_FUNCS)
                     or (n.op == "call_method" and n.target in _ATTENTION_METHODS)
                     for n in graph.nodes)
@@ -447,6 +457,7 @@ def infer_plan(model: nn.Module) -> TPPlan:
     sizes: dict[str, int] = {}
     refused: dict[str, None] = {}  # "blocks (type): reason", repeated blocks as one glob
     in_blocks: set[str] = set()
+    side: set[str] = set()  # column-parallel layers of a region that read another input
     candidates = {name: block for name, block in model.named_modules()
                   if sum(_linear_like(m) for m in block.children()) >= 2
                   and low_rank_parts(block) is None}
@@ -466,6 +477,8 @@ def infer_plan(model: nn.Module) -> TPPlan:
             refused[f"{glob} ({type(block).__name__}): {result}"] = None
             continue
         kind = result.pop("__kind__")
+        side.update(f"{name}.{child}".strip(".") for child in result.pop("__side__", "").split("|")
+                    if child)
         for child, style in result.items():
             full = f"{name}.{child}".strip(".") if child else name
             if not full:
@@ -520,66 +533,77 @@ def infer_plan(model: nn.Module) -> TPPlan:
     joined = _globs({k: "|".join(v) for k, v in divide.items()}, names)
     divide_globs = {g: tuple(attrs.split("|")) for g, attrs in joined.items()}
     return TPPlan(styles=_globs(styles, names), divide_attrs=divide_globs,
-                  source=f"inferred from {type(model).__name__}'s structure", sizes=sizes)
+                  source=f"inferred from {type(model).__name__}'s structure", sizes=sizes,
+                  side_inputs=tuple(_globs(dict.fromkeys(side, "side"), names)))
 
 
 def with_sp(model: nn.Module, plan: TPPlan, matched: dict[str, str],
             example: torch.Tensor | Example) -> TPPlan:
-    """``plan`` with sequence parallelism inside the model's block stack, where running the
-    blocks shows it computes the same (:mod:`plait.parallel.tp_sp`), else with the reason."""
-    from .tp_sp import block_stack, mixes_positions, residual_outside
+    """``plan`` with sequence parallelism inside every stack of blocks whose layers it splits
+    (an encoder-decoder's two, a two-tower model's towers), where running each stack's blocks
+    shows it computes the same (:mod:`plait.parallel.tp_sp`), else with the reason, naming
+    the stack. Each stack splits its own sequence at its first block and gathers it after its
+    last, so what another stack reads of it (the decoder's cross-attention reading the
+    encoder's output as keys and values) is whole."""
+    from .tp_sp import block_stack
 
     stack = block_stack(model)
     if stack is None:
         return replace(plan, sp_refused="it has no stack of repeated blocks to split the "
                                         "sequence in")
-    second = _split_in_another_stack(model, stack, matched)
-    if second is not None:
-        return replace(plan, sp_refused=(
-            f"it has a second stack of blocks ({second[0]}, beside {stack.removesuffix('.*')}: "
-            f"an encoder-decoder's other stack or a two-tower model's other tower) whose "
-            f"layers the plan splits ({second[1]}), and plait splits the sequence in one stack "
-            f"only; the other's regions would take its whole sequence for one rank's part"))
+    found = [stack, *(f"{other}.*" for other in _split_stacks(model, stack, matched))]
+    names = [n for n, _ in model.named_modules()]
+    stacks = sorted(found, key=lambda glob: next(
+        (i for i, n in enumerate(names) if glob_regex(glob).match(n)), len(names)))
+    for one in stacks:
+        why = _stack_refusal(model, one, matched, example)
+        if why is not None:
+            if len(stacks) > 1:
+                why = (f"it has {len(stacks)} stacks of blocks whose layers the plan splits "
+                       f"({', '.join(stacks)}), each splitting its own sequence, and {one} "
+                       f"cannot: {why}")
+            return replace(plan, sp_refused=why)
+    return replace(plan, supports_sp=True, sp_blocks=stacks[0], sp_more_blocks=tuple(stacks[1:]),
+                   sp_summed=True)
+
+
+def _stack_refusal(model: nn.Module, stack: str, matched: dict[str, str],
+                   example: torch.Tensor | Example) -> str | None:
+    """Why the sequence cannot be split in the stack of blocks ``stack``, or None."""
+    from .tp_sp import mixes_positions, residual_outside
+
     batchnorms = [n for n, m in model.named_modules() if n and under(n, stack)
                   and isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if batchnorms:
-        return replace(plan, sp_refused=f"{batchnorms[0]} is a BatchNorm, whose statistics "
-                                        f"would cover one rank's positions")
+        return f"{batchnorms[0]} is a BatchNorm, whose statistics would cover one rank's positions"
     outside = residual_outside(model, stack, example)
     if outside is not None:
-        return replace(plan, sp_refused=f"its forward adds {outside}'s output to that block's "
-                                        f"input outside the block (h = h + block(h)), where "
-                                        f"the sequence is whole but the block's output is "
-                                        f"split by position: move the residual into the block "
-                                        f"(its forward returning h + f(h))")
+        return (f"its forward adds {outside}'s output to that block's input outside the block "
+                f"(h = h + block(h)), where the sequence is whole but the block's output is "
+                f"split by position: move the residual into the block (its forward returning "
+                f"h + f(h))")
     mixed = mixes_positions(model, matched, stack, example)
     if mixed is None:
-        return replace(plan, sp_refused=f"its blocks ({stack}) could not be run on a guessed "
-                                        f"input to check that they treat positions one by one")
+        return (f"its blocks ({stack}) could not be run on a guessed input to check that they "
+                f"treat positions one by one")
     if mixed:
-        return replace(plan, sp_refused=f"{mixed} does not treat positions one by one outside "
-                                        f"its tensor-parallel regions (run on half the "
-                                        f"sequence, with its regions seeing all of it, it "
-                                        f"computes something else or fails: attention left "
-                                        f"replicated, a token shift, a convolution over "
-                                        f"positions, a position table added inside the block, "
-                                        f"or a reshape by the sequence length of its own input "
-                                        f"where the region's is meant; write -1 there)")
-    return replace(plan, supports_sp=True, sp_blocks=stack, sp_summed=True)
+        return (f"{mixed} does not treat positions one by one outside its tensor-parallel "
+                f"regions (run on half the sequence, with its regions seeing all of it, it "
+                f"computes something else or fails: attention left replicated, a token shift, a "
+                f"convolution over positions, a position table added inside the block, or a "
+                f"reshape by the sequence length of its own input where the region's is meant; "
+                f"write -1 there)")
+    return None
 
 
-def _split_in_another_stack(model: nn.Module, stack: str, matched: dict[str, str]
-                            ) -> tuple[str, str] | None:
-    """(a stack of blocks other than ``stack``, a module in it the plan splits), or None. The
-    sequence is split at the first block of one stack (``TPPlan.sp_blocks``) and gathered
-    after its last; a region outside it would read a whole sequence as one rank's part."""
+def _split_stacks(model: nn.Module, stack: str, matched: dict[str, str]) -> list[str]:
+    """The stacks of blocks other than ``stack`` (an encoder-decoder's other stack, a
+    two-tower model's other tower) that hold a module the plan splits: the sequence is split
+    in each of them too, else their regions would take a whole sequence for one rank's part."""
     from .pipeline_hf import other_block_stacks
 
-    for other in other_block_stacks(model, stack.removesuffix(".*")):
-        inside = next((n for n in matched if n.startswith(other + ".")), None)
-        if inside is not None:
-            return other, inside
-    return None
+    return [other for other in other_block_stacks(model, stack.removesuffix(".*"))
+            if any(n.startswith(other + ".") for n in matched)]
 
 
 def format_plan(plan: TPPlan, model: nn.Module) -> str:
@@ -726,7 +750,7 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False) -> TP
         if not mixed_blocks(model, {n: "replicated_kv" if n in kv else s for n, s in
                                     match_plan(model, styles).items()}, tp, example, kv):
             fixed = TPPlan(styles=styles, divide_attrs=plan.divide_attrs, source=plan.source,
-                           sizes=plan.sizes)
+                           sizes=plan.sizes, side_inputs=plan.side_inputs)
             return with_sp(model, fixed, match_plan(model, styles), example) if sp else fixed
     raise ValueError(
         f"the tensor-parallel plan inferred for {type(model).__name__} splits "

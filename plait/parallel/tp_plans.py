@@ -86,10 +86,20 @@ class TPPlan:
     # Empty: the sequence is split from the embedding to the head (plait's reference
     # transformer).
     sp_blocks: str = ""
+    # Further stacks the sequence is split in the same way, each at its own ends (an
+    # encoder-decoder's decoder, a two-tower model's second tower): each stack runs its own
+    # sequence, and what one stack reads of another (cross-attention's keys and values) is
+    # that stack's whole output.
+    sp_more_blocks: tuple[str, ...] = ()
     # An inferred plan's SP: the parameters of modules in ``sp_blocks`` that no entry names run
     # on sequence shards and get their gradients summed over tp; or why SP is refused for it.
     sp_summed: bool = False
     sp_refused: str = ""
+    # Column-parallel layers inside a ``region`` that read another input than the region's
+    # (cross-attention's keys and values, of the encoder's output): each all-reduces its own
+    # input's gradient in backward, where the region's entries share one all-reduce. Read by
+    # the planner, which counts the collectives off the plan.
+    side_inputs: tuple[str, ...] = ()
 
     def with_prefix(self, prefix: str) -> TPPlan:
         if not prefix:
@@ -98,7 +108,15 @@ class TPPlan:
                       divide_attrs={f"{prefix}.{k}": v for k, v in self.divide_attrs.items()},
                       source=self.source, sizes=self.sizes, supports_sp=self.supports_sp,
                       sp_blocks=f"{prefix}.{self.sp_blocks}" if self.sp_blocks else "",
-                      sp_summed=self.sp_summed, sp_refused=self.sp_refused)
+                      sp_more_blocks=tuple(f"{prefix}.{b}" for b in self.sp_more_blocks),
+                      sp_summed=self.sp_summed, sp_refused=self.sp_refused,
+                      side_inputs=tuple(f"{prefix}.{g}" for g in self.side_inputs))
+
+    @property
+    def sp_stacks(self) -> tuple[str, ...]:
+        """The globs of every block stack the sequence is split in (none: from the embedding
+        to the head, or no SP)."""
+        return (self.sp_blocks, *self.sp_more_blocks) if self.sp_blocks else ()
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"styles": dict(self.styles)}

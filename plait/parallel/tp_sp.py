@@ -7,7 +7,9 @@ residual adds, dropout, per-token gates): a token shift, a causal convolution or
 table added inside a block would see only this rank's positions. Hugging Face models compute
 positions, masks and rotary tables around their block stack, so plait splits the sequence at
 the stack's first block and gathers it after the last (``TPPlan.sp_blocks``); it does the same
-here, for the stack of repeated blocks.
+here, for the stack of repeated blocks, and for each further stack whose layers the plan splits
+(``TPPlan.sp_more_blocks``: an encoder-decoder's other stack, a two-tower model's other tower),
+which runs a sequence of its own and is checked by itself.
 
 Whether a block is per-position outside its regions cannot be read off its code in general, so
 it is run (:func:`mixes_positions`): each kind of block once on the full sequence, then on each
@@ -56,7 +58,10 @@ def residual_outside(model: nn.Module, stack: str, example: torch.Tensor | Examp
     from .pipeline_chain import meta_replica
     from .pipeline_split import additive_modules
 
-    blocks = [name for name, _ in repeated_blocks(model) if glob_regex(stack).match(name)]
+    # The stack's own blocks: repeated_blocks names only the largest stack's, and a model with
+    # several (an encoder-decoder, two towers) has each checked.
+    pattern = glob_regex(stack)
+    blocks = [name for name, _ in model.named_modules() if name and pattern.match(name)]
     if not blocks:
         return None
     path = blocks[0].rpartition(".")[0]

@@ -156,7 +156,7 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
     def style_of(name: str) -> str | None:
         return next((style for regex, style in patterns if regex.match(name)), None)
 
-    parts = _collectives(model, block, style_of, summed_unnamed)
+    parts = _collectives(model, block, style_of, summed_unnamed, _side_of(plan))
     if parts is None:
         return None
     forward, backward, fwd_at, bwd_at, gathers, norms, summed = parts
@@ -182,17 +182,27 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
                                   device_type=device_type))
 
 
+def _side_of(plan: Any) -> Any:
+    """Whether a module path is one of ``plan``'s ``side_inputs``."""
+    from plait.parallel.tp_plans import glob_regex
+
+    side = [glob_regex(g) for g in getattr(plan, "side_inputs", ())]
+    return lambda name: any(r.match(name) for r in side)
+
+
 _Parts = tuple[list[int], list[int], list[str], list[str], list[int], list[int], list[int]]
 
 
-def _collectives(model: nn.Module, block: str, style_of: Any, summed_unnamed: bool
-                 ) -> _Parts | None:
+def _collectives(model: nn.Module, block: str, style_of: Any, summed_unnamed: bool,
+                 side: Any = lambda name: False) -> _Parts | None:
     """The block at ``block``'s collectives as :class:`TPBlock` counts them (``style_of``:
     a module path's style in the layer plan): features of each row-parallel output and each
     column-parallel or region input, the modules they follow / precede, and the elements of
     the trainable fused q|k|v biases, sequence-parallel norms and gradient-summed parameters
     (their gradients are the ones issued: a frozen tensor has none). None where the plan uses
-    a style TPBlock does not describe."""
+    a style TPBlock does not describe. ``side``: whether a column-parallel layer inside a
+    region reads another input than the region's (``TPPlan.side_inputs``), so all-reduces its
+    own."""
     root = model.get_submodule(block)
     styled = {f"{block}.{n}" if n else block: (style_of(f"{block}.{n}" if n else block), m)
               for n, m in root.named_modules()}
@@ -213,7 +223,7 @@ def _collectives(model: nn.Module, block: str, style_of: Any, summed_unnamed: bo
         if style == "rowwise" and dims:
             forward.append(dims[1])
             fwd_at.append(name)
-        elif style in ("colwise", "colwise_qkv") and dims and not inside:
+        elif style in ("colwise", "colwise_qkv") and dims and (not inside or side(name)):
             backward.append(dims[0])
             bwd_at.append(name)
         elif style == "region":
@@ -286,7 +296,8 @@ def grad_flow(model: nn.Module, blocks: list[str], found: tuple[Any, bool] | Non
         def style_of(name: str) -> str | None:
             return next((style for regex, style in patterns if regex.match(name)), None)
 
-        parts = [_collectives(model, b, style_of, summed_unnamed) for b in blocks]
+        parts = [_collectives(model, b, style_of, summed_unnamed, _side_of(plan))
+                 for b in blocks]
         if any(p is None or len(p[0]) != len(ref.forward) or len(p[1]) != len(ref.backward)
                for p in parts):
             parts = []  # blocks of different makes: priced alike, as the first that trains
