@@ -16,12 +16,15 @@ tests/test_encoder_decoder.py (slow).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
 
 from plait.parallel.tp_example import Example, example_call
 from plait.parallel.tp_infer import infer_plan, verify_plan
+from plait.parallel.tp_plans import TPPlan
 from plait.planner.tp_block import tp_block
 from plait.spawn import run_distributed
 from tests import _workers_encdec as E
@@ -139,6 +142,13 @@ def test_the_inferred_plans_of_the_models_written_for_the_test():
     assert sorted(seq.side_inputs) == ["decoder.block.*.cross.k", "decoder.block.*.cross.v"]
     priced = tp_block(T.seq2seq(), "decoder.block.1", (seq, False))
     assert priced is not None and priced.backward == (T.WIDTH,) * 5, priced
+    # The plan printed for a user to copy into options.tp_plan keeps them, so the copy is
+    # priced the same.
+    copied = TPPlan.from_option(json.loads(json.dumps(seq.to_dict())))
+    assert copied.side_inputs == seq.side_inputs
+    assert tp_block(T.seq2seq(), "decoder.block.1", (copied, False)) == priced
+    with pytest.raises(ValueError, match="side_inputs='decoder.block.*.cross.k': give a list"):
+        TPPlan.from_option({"styles": seq.styles, "side_inputs": "decoder.block.*.cross.k"})
     assert seq.styles["shared"] == "vocab_embedding" and seq.styles["lm_head"] == "vocab_head"
     gated = infer_plan(T.gated_seq2seq()).styles
     assert [gated[f"encoder.block.*.ff.{n}"] for n in ("wi_0", "wi_1", "wo")] == [

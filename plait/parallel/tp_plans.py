@@ -122,6 +122,8 @@ class TPPlan:
         out: dict[str, Any] = {"styles": dict(self.styles)}
         if self.divide_attrs:
             out["divide_attrs"] = {k: list(v) for k, v in self.divide_attrs.items()}
+        if self.side_inputs:
+            out["side_inputs"] = list(self.side_inputs)
         return out
 
     @staticmethod
@@ -137,16 +139,22 @@ class TPPlan:
                 raise ValueError(f"options.tp_plan={dict(value)!r}: 'styles' must map module "
                                  f"globs to styles and 'divide_attrs' module globs to lists of "
                                  f"attribute names")
+            side = value.get("side_inputs", [])
+            if not isinstance(side, (list, tuple)) or not all(isinstance(g, str) for g in side):
+                raise ValueError(f"options.tp_plan side_inputs={side!r}: give a list of module "
+                                 f"globs (the column-parallel layers inside a region that "
+                                 f"read another input, such as cross-attention's k and v)")
             styles = dict(styles)
             divide = {k: tuple(v) for k, v in divide_in.items()}
         else:
-            styles, divide = dict(value), {}
+            styles, divide, side = dict(value), {}, []
         bad = {k: v for k, v in styles.items() if v not in STYLES}
         if bad:
             raise ValueError(f"unknown tensor-parallel style(s) {bad} in options.tp_plan; "
                              f"styles are {', '.join(STYLES)}")
         return TPPlan(styles=styles, divide_attrs=divide, source="options.tp_plan",
-                      supports_sp=any(v == "sequence_parallel" for v in styles.values()))
+                      supports_sp=any(v == "sequence_parallel" for v in styles.values()),
+                      side_inputs=tuple(side))
 
 
 # --------------------------------------------------------------------------- reference model
