@@ -155,8 +155,9 @@ def test_a_convnet_too_big_for_one_device_is_given_zero3(capsys):
                            "--devices", "4", "--global-batch", "8", "--memory-gb", "1.0")
     assert code == 0, out
     assert [p["plan"] for p in out["plans"]] == ["dp_shard=4,zero=3"]
-    # DDP, ZeRO-1 and ZeRO-2, each without and with its blocks checkpointed
-    assert out["rejected"] == {"out of memory": 6}
+    # DDP, ZeRO-1 and ZeRO-2, each without and with its blocks checkpointed, at grad_accum 1
+    # and 2 (its 2 rows per rank): the parameters, not the activations, do not fit
+    assert out["rejected"] == {"out of memory": 12}
 
 
 def test_the_lstm_and_the_unet_name_why_tp_and_pp_are_left_out(capsys):
@@ -352,3 +353,31 @@ def test_grad_accum_bytes_are_what_the_ledger_measures():
         got = {(r["axis"], r["op"]): [r["payload_bytes"], r["count"]]
                for r in measured[layout]}
         assert got == predicted, (layout, got, predicted)
+
+
+def test_the_search_accumulates_gradients_where_a_model_without_batchnorm_does_not_fit():
+    """On devices too small for the LSTM's rows at once, each layout takes the smallest
+    grad_accum whose micro-steps fit; a model with BatchNorm is never given grad_accum."""
+    from plait.planner import constants_for, load_cluster
+    from plait.planner.whole_model import estimate, from_factory, rank
+
+    whole, _ = from_factory(LSTM)
+    cpu = load_cluster("cpu", devices=2)
+    c = constants_for(cpu)
+    ddp = [estimate(whole, Plan(dp_replicate=2, grad_accum=a), cpu, 64, c).memory_bytes_per_device
+           for a in (1, 2, 4)]
+    assert ddp[0] > ddp[1] > ddp[2]
+    small = cpu.with_memory((ddp[1] + ddp[2]) / 2)
+    result = rank(whole, small, 64, dtype="fp32", c=c, top=0)
+    picked = {(e.plan.dp_replicate, e.plan.zero): e.plan.grad_accum for e in result.ranked}
+    assert picked[(2, 0)] == 4
+    for est in result.ranked:
+        assert est.memory_bytes_per_device <= small.memory_bytes
+        if est.plan.grad_accum > 1:
+            fewer = est.plan.replace(grad_accum=est.plan.grad_accum // 2)
+            assert not estimate(whole, fewer, small, 64, c).feasible
+    resnet, _ = from_factory(RESNET)
+    tight = cpu.with_memory(estimate(resnet, Plan(dp_replicate=2, sync_bn=True), cpu, 64,
+                                     c).memory_bytes_per_device * 0.999)
+    assert all(e.plan.grad_accum == 1
+               for e in rank(resnet, tight, 64, dtype="fp32", c=c, top=0).ranked)

@@ -485,9 +485,12 @@ def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c:
 
 def layouts(model: WholeModel, cluster: Cluster, global_batch: int,
             dtype: str) -> Iterator[list[Plan]]:
-    """Data-parallel layouts over every device, each as a list tried in checkpointing order
-    (none, then full where the model has blocks to wrap): DDP, ZeRO-1/2/3 over all ranks, HSDP
-    (ZeRO-3 inside a node, replicated across), with sync_bn where the model has BatchNorm."""
+    """Data-parallel layouts over every device, each as a list tried in order until one fits:
+    DDP, ZeRO-1/2/3 over all ranks, HSDP (ZeRO-3 inside a node, replicated across), with
+    sync_bn where the model has BatchNorm; within each, no checkpointing, then full where the
+    model has blocks to wrap, then the same at grad_accum 2, 4, ... while each rank's rows
+    split evenly. grad_accum is not tried for a model with BatchNorm: each micro-step would
+    normalise its own rows, which is not what one device trains on the whole batch."""
     world = cluster.world_size
     splits = [(world, 1, 0)]
     if world > 1:
@@ -498,8 +501,13 @@ def layouts(model: WholeModel, cluster: Cluster, global_batch: int,
     acs = ("none", "full") if model.blocks else ("none",)
     sync = bool(model.batchnorm) and world > 1
     for R, S, zero in splits:
-        yield [Plan(dp_replicate=R, dp_shard=S, zero=zero, sync_bn=sync,
-                    mixed_precision=dtype, activation_checkpointing=ac) for ac in acs]
+        rows = global_batch // (R * S)
+        accums = [1]
+        while not model.batchnorm and rows and rows % (accums[-1] * 2) == 0:
+            accums.append(accums[-1] * 2)
+        yield [Plan(dp_replicate=R, dp_shard=S, zero=zero, sync_bn=sync, grad_accum=accum,
+                    mixed_precision=dtype, activation_checkpointing=ac)
+               for accum in accums for ac in acs]
 
 
 def estimate(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c: Any
@@ -549,7 +557,9 @@ def estimate(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int,
     est.notes.append(f"{model.name}: measured on a {model.sample_from} sample "
                      f"{model.sample_shape or '(dict)'}: {model.flops_per_sample / 1e6:.3g} "
                      f"MFLOP forward and {model.saved_per_sample / 2**10:.3g} KiB saved for "
-                     f"backward per sample")
+                     f"backward per sample; {model.forward_ops} aten ops forward and "
+                     f"{model.backward_ops} backward per micro-step at "
+                     f"{cluster.op_latency * 1e6:.3g} us each on {cluster.name}")
     if model.batchnorm and plan.dp > 1 and not plan.sync_bn:
         est.notes.append(f"BatchNorm {model.batchnorm[0][0]} normalises each rank's rows with "
                          f"their own statistics: add sync_bn to train what one device trains "
