@@ -699,8 +699,8 @@ def explain(ranked: list[Any]) -> list[str]:
     tb = best.time_breakdown
     comm = tb["dp_grad_exposed"] + tb["param_gather_exposed"] + tb["buffers_broadcast"]
     out = [f"{best.plan.describe()}: step {best.step_time_s * 1e3:.3g} ms = compute "
-           f"{tb['compute'] * 1e3:.3g} ms (host dispatch of its aten ops "
-           f"{tb['dispatch'] * 1e3:.3g}, recompute {tb['recompute'] * 1e3:.3g}) + exposed "
+           f"{tb['compute'] * 1e3:.3g} ms (host time of its aten ops "
+           f"{tb['dispatch'] * 1e3:.3g} ms, recompute {tb['recompute'] * 1e3:.3g}) + exposed "
            f"data-parallel traffic {comm * 1e3:.3g} ms + sync_bn {tb['sync_bn'] * 1e3:.3g} ms "
            f"+ optimizer {tb['optimizer'] * 1e3:.3g} ms; "
            f"{best.memory_bytes_per_device / 2**20:,.1f} MiB per rank"]
