@@ -454,7 +454,9 @@ def functional_collectives() -> Any:
 def torch_dispatch_mode() -> type:
     """``torch.utils._python_dispatch.TorchDispatchMode``, the base of a mode that sees every
     aten op; bench/tp_collectives.py counts DTensor's collectives with one (torch's
-    ``CommDebugMode`` trips over modules with keyword forward pre-hooks). Checked on torch
+    ``CommDebugMode`` trips over modules with keyword forward pre-hooks), and the planner
+    counts the ops a step dispatches with one (``plait.planner.op_count``: torch has no public
+    op counter; ``FlopCounterMode`` sees only ops with a FLOP formula). Checked on torch
     2.13."""
     return _resolve("torch.utils._python_dispatch", "TorchDispatchMode")
 

@@ -47,3 +47,38 @@ def model_state(rank: int, world: int, plan_text: str, model_name: str) -> dict:
         return dict(report["ranks"][rank]["measured"])
     finally:
         run.close()
+
+
+def factory_ledger(rank: int, world: int, factory: str, plans: list[str], rows: int,
+                   steps: int = 2) -> dict:
+    """Per plan: the ledger's measured rows (payload bytes and calls per axis and op, per
+    step) after ``steps`` steps of ``factory``'s (model, dataset, loss_fn) through plait's
+    runtime, each rank on its ``rows`` rows of the dataset per step (all micro-steps)."""
+    import importlib
+
+    import torch
+    from torch.utils.data import default_collate
+
+    from plait.runtime import init
+
+    torch.set_num_threads(1)
+    module, name = factory.split(":")
+    out: dict = {}
+    for plan in plans:
+        torch.manual_seed(0)
+        model, data, loss_fn = getattr(importlib.import_module(module), name)()
+        run = init(plan, quiet=True, ledger=True)
+        # DDP rebuilds its buckets in the second step (broadcasting their order): one-off
+        run.ledger_warmup = 2
+        try:
+            model = run.parallelize(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            for step in range(2 + steps):
+                start = (step * world + run.dp_rank) * rows
+                batch = default_collate([data[(start + i) % len(data)] for i in range(rows)])
+                run.step(model, batch, loss_fn, opt)
+            out[plan] = [{k: r[k] for k in ("axis", "op", "payload_bytes", "count")}
+                         for r in run.summary()["comm"]["rows"]]
+        finally:
+            run.close()
+    return out

@@ -101,7 +101,7 @@ def test_plan_auto_takes_batchnorm_statistics_over_the_data_axes():
     from plait.auto import AutoRequest, choose
 
     plan, why = choose(A.ResNet(), AutoRequest(world_size=2, device_type="cpu"))
-    assert plan.sync_bn and plan.dp_replicate == 2, (plan, why)
+    assert plan.sync_bn and plan.dp == 2, (plan, why)  # DDP or ZeRO: within 0.3% here
 
     plan, why = choose(Normed(), AutoRequest(world_size=2, device_type="cpu",
                                              global_batch=8, seq=4))

@@ -124,6 +124,9 @@ def test_block_probe_calibrates_a_preset_on_the_local_device():
     assert got.extra["compute_efficiency_source"].startswith("calibrated on cpu")
     assert "compute_efficiency_range" not in got.extra and got.source == "calibrated"
     assert (got.peak_flops, got.inter_bw) == (base.peak_flops, base.inter_bw)
+    # and the time of one op on it, in place of the preset's launch figure
+    assert 0 < got.op_latency < 1e-3 and got.op_latency != base.op_latency
+    assert got.extra["op_latency_source"].startswith("calibrated on cpu")
     from plait.planner import constants_for
     assert efficiency_range(got, constants_for(got)) is None
     assert constants_for(got).compute_efficiency == got.extra["compute_efficiency"]

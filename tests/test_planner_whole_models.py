@@ -4,6 +4,8 @@ parallelism left out with the model's own reasons, before any process starts."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -153,8 +155,9 @@ def test_a_convnet_too_big_for_one_device_is_given_zero3(capsys):
                            "--devices", "4", "--global-batch", "8", "--memory-gb", "1.0")
     assert code == 0, out
     assert [p["plan"] for p in out["plans"]] == ["dp_shard=4,zero=3"]
-    # DDP, ZeRO-1 and ZeRO-2, each without and with its blocks checkpointed
-    assert out["rejected"] == {"out of memory": 6}
+    # DDP, ZeRO-1 and ZeRO-2, each without and with its blocks checkpointed, at grad_accum 1
+    # and 2 (its 2 rows per rank): the parameters, not the activations, do not fit
+    assert out["rejected"] == {"out of memory": 12}
 
 
 def test_the_lstm_and_the_unet_name_why_tp_and_pp_are_left_out(capsys):
@@ -208,3 +211,173 @@ def test_ddp_and_zero1_calls_are_the_ledgers():
     assert 2 < ddp_bucket_calls(sizes, cap) < len(sizes)  # several buckets, not one per tensor
     assert held(whole, Plan(dp_replicate=2), cap).grad_calls == ddp_bucket_calls(sizes, cap)
     assert held(whole, Plan(dp_shard=2, zero=1)).update_tensors == len(sizes)
+
+
+# ------------------------------------------------------------------- per-op host time
+def _real_ops(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """Aten ops a real forward of ``model`` on ``x`` dispatches, and its backward's."""
+    from plait.planner.op_count import op_counter
+
+    forward, backward = op_counter(), op_counter()
+    with forward:
+        out = model(x)
+    with backward:
+        out.sum().backward()
+    return forward.ops, backward.ops
+
+
+def test_the_ops_priced_are_the_ops_a_real_step_dispatches():
+    """Forward and backward ops counted on fake tensors are those of the real model (the
+    ConvGRU written here, whose GRU torch runs step by step on a CPU) on one sample, as
+    measured, and the update's ops are what plait's apply_update runs over the model's
+    parameter tensors."""
+    from plait.plan import Plan
+    from plait.planner.op_count import op_counter
+    from plait.planner.whole_model import from_factory
+    from plait.train import apply_update
+
+    whole, _ = from_factory("tests.test_planner_whole_models:conv_gru")
+    torch.manual_seed(0)
+    model = ConvGRU()
+    x = Signals()[0][0].unsqueeze(0)
+    assert (whole.forward_ops, whole.backward_ops) == _real_ops(model, x)
+    assert whole.forward_ops > 5 and whole.backward_ops > 5
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    totals = torch.tensor([1.0, 3.0])
+    counter = op_counter()
+    for step in range(2):
+        _real_ops(model, x)
+        with counter if step else contextlib.nullcontext():
+            apply_update(opt, totals, plan=Plan())
+    assert counter.ops == whole.update_ops_fixed + whole.update_ops_per_tensor * sum(
+        1 for _ in model.parameters())
+
+
+def test_each_op_costs_the_devices_latency_added_on_a_cpu_hidden_on_a_gpu():
+    """On a CPU the host's time per op adds to the FLOPs' time, for the forward, the backward
+    and the update, in every micro-step; a GPU's host launches ahead of it, so its step's
+    compute is the longer of the two."""
+    from plait.planner import constants_for, load_cluster
+    from plait.planner.whole_model import estimate, from_factory
+
+    whole, _ = from_factory(LSTM)
+    cpu = load_cluster("cpu", devices=2)
+    assert cpu.op_latency > 0 and cpu.ops_in_line
+    plan = Plan(dp_replicate=2, grad_accum=2)
+    c = dataclasses.replace(constants_for(cpu), overlap=False)  # nothing hides the gradients
+    zero, slow = (estimate(whole, plan, dataclasses.replace(cpu, op_latency=lat), 16, c)
+                  for lat in (0.0, 1e-3))
+    ops = 2 * (whole.forward_ops + whole.backward_ops) + whole.update_ops_fixed + \
+        whole.update_ops_per_tensor * whole.param_tensors
+    assert slow.step_time_s - zero.step_time_s == pytest.approx(ops * 1e-3)
+    assert slow.time_breakdown["dispatch"] == pytest.approx(
+        2 * (whole.forward_ops + whole.backward_ops) * 1e-3)
+    gpu = load_cluster("dgx-h100", devices=2)
+    assert gpu.op_latency > 0 and not gpu.ops_in_line
+    cg = constants_for(gpu)
+    fast, launch_bound = (estimate(whole, plan, dataclasses.replace(gpu, op_latency=lat), 16, cg)
+                          for lat in (0.0, 1e-3))
+    assert launch_bound.time_breakdown["compute"] == pytest.approx(
+        2 * (whole.forward_ops + whole.backward_ops) * 1e-3)
+    assert fast.time_breakdown["compute"] < 1e-4  # the FLOPs alone: microseconds on an H100
+    assert launch_bound.time_breakdown["optimizer"] == fast.time_breakdown["optimizer"]
+
+
+def test_calibrate_measures_the_time_of_one_op_and_the_profile_keeps_it(tmp_path):
+    from plait.planner.block_probe import measure_op_latency
+    from plait.planner.hardware import load_cluster, save_cluster
+
+    latency = measure_op_latency(depths=(2, 8), repeats=3)
+    assert 1e-8 < latency < 1e-3
+    cpu = load_cluster("cpu")
+    path = save_cluster(dataclasses.replace(cpu, op_latency=latency), tmp_path / "c.yaml")
+    assert load_cluster(path).op_latency == pytest.approx(latency)
+    with pytest.raises(ValueError, match="op_latency"):
+        dataclasses.replace(cpu, op_latency=-1.0)
+
+
+# --------------------------------------------------------------------------- grad_accum
+def test_grad_accum_is_priced_for_a_model_without_blocks():
+    """grad_accum=2 on the ResNet: each micro-step runs half the rows (activations halve), the
+    ops run twice, sync_bn's statistics are all-reduced in each micro-step, the gradients once
+    a step; ZeRO-3 gathers every unit in each micro-step. The batch must split."""
+    from plait.planner import constants_for, load_cluster
+    from plait.planner.whole_model import estimate, from_factory
+
+    whole, _ = from_factory(RESNET)
+    cpu = load_cluster("cpu", devices=2)
+    c = constants_for(cpu)
+    for layout in ("dp_replicate=2,sync_bn=true", "dp_shard=2,zero=3,sync_bn=true"):
+        one, two = (estimate(whole, Plan.from_string(f"{layout},grad_accum={a}"), cpu, 32, c)
+                    for a in (1, 2))
+        assert one.feasible and two.feasible, two.reason
+        assert (one.microbatch_size, two.microbatch_size) == (16, 8)
+        assert two.memory_breakdown["activations"] == one.memory_breakdown["activations"] / 2
+        assert two.memory_bytes_per_device < one.memory_bytes_per_device
+        assert two.time_breakdown["dispatch"] == 2 * one.time_breakdown["dispatch"]
+        sent: dict[str, list[float]] = {}
+        for i, est in enumerate((one, two)):
+            for t in est.traffic:
+                sent.setdefault(t.what, [0.0, 0.0])[i] += t.payload
+        assert sent["sync_bn statistics"][1] == 2 * sent["sync_bn statistics"][0]
+        assert sent["grads"][1] == sent["grads"][0]
+        if "zero=3" in layout:
+            assert sent["params"][1] == 2 * sent["params"][0]
+        assert any("each micro-step's" in n for n in two.notes), two.notes
+    odd = estimate(whole, Plan(dp_replicate=2, grad_accum=3), cpu, 32, c)
+    assert not odd.feasible and "grad_accum=3" in odd.reason and "multiple of 6" in odd.reason
+
+
+def test_grad_accum_bytes_are_what_the_ledger_measures():
+    """The ResNet trained on 2 gloo ranks through plait's runtime at grad_accum=2, under DDP
+    and under ZeRO-3 (sync_bn in both): per axis and collective, the bytes and calls the
+    planner predicts are the ledger's measured ones."""
+    from plait.planner import constants_for, load_cluster
+    from plait.planner.whole_model import estimate, from_factory
+    from plait.spawn import run_distributed
+    from tests import _workers_planner as W
+
+    layouts = ["dp_replicate=2,sync_bn=true,grad_accum=2",
+               "dp_shard=2,zero=3,sync_bn=true,grad_accum=2"]
+    whole, _ = from_factory(RESNET)
+    cpu = load_cluster("cpu", devices=2)
+    measured = run_distributed(W.factory_ledger, 2, RESNET, layouts, 8, timeout=300)[0]
+    for layout in layouts:
+        est = estimate(whole, Plan.from_string(layout), cpu, 16, constants_for(cpu))
+        assert est.feasible, est.reason
+        predicted: dict[tuple[str, str], list[float]] = {}
+        for t in est.traffic:
+            row = predicted.setdefault((t.axis, t.op), [0.0, 0])
+            row[0] += t.payload
+            row[1] += t.calls
+        got = {(r["axis"], r["op"]): [r["payload_bytes"], r["count"]]
+               for r in measured[layout]}
+        assert got == predicted, (layout, got, predicted)
+
+
+def test_the_search_accumulates_gradients_where_a_model_without_batchnorm_does_not_fit():
+    """On devices too small for the LSTM's rows at once, each layout takes the smallest
+    grad_accum whose micro-steps fit; a model with BatchNorm is never given grad_accum."""
+    from plait.planner import constants_for, load_cluster
+    from plait.planner.whole_model import estimate, from_factory, rank
+
+    whole, _ = from_factory(LSTM)
+    cpu = load_cluster("cpu", devices=2)
+    c = constants_for(cpu)
+    ddp = [estimate(whole, Plan(dp_replicate=2, grad_accum=a), cpu, 64, c).memory_bytes_per_device
+           for a in (1, 2, 4)]
+    assert ddp[0] > ddp[1] > ddp[2]
+    small = cpu.with_memory((ddp[1] + ddp[2]) / 2)
+    result = rank(whole, small, 64, dtype="fp32", c=c, top=0)
+    picked = {(e.plan.dp_replicate, e.plan.zero): e.plan.grad_accum for e in result.ranked}
+    assert picked[(2, 0)] == 4
+    for est in result.ranked:
+        assert est.memory_bytes_per_device <= small.memory_bytes
+        if est.plan.grad_accum > 1:
+            fewer = est.plan.replace(grad_accum=est.plan.grad_accum // 2)
+            assert not estimate(whole, fewer, small, 64, c).feasible
+    resnet, _ = from_factory(RESNET)
+    tight = cpu.with_memory(estimate(resnet, Plan(dp_replicate=2, sync_bn=True), cpu, 64,
+                                     c).memory_bytes_per_device * 0.999)
+    assert all(e.plan.grad_accum == 1
+               for e in rank(resnet, tight, 64, dtype="fp32", c=c, top=0).ranked)

@@ -1,4 +1,5 @@
-"""How fast a transformer block trains on this device: the compute efficiency, measured.
+"""How fast a transformer block trains on this device: the compute efficiency, measured; and
+what one aten op costs whatever its size (:func:`measure_op_latency`).
 
 ``measure_block`` times forward + backward of the reference block at several microbatch sizes
 and fits time against tokens (:func:`plait.planner.cpu.derive.fit_line`): the slope is the
@@ -74,6 +75,47 @@ def measure_block(peak: float, dim: int = 128, seq: int = 64, n_heads: int = 4,
 
 
 
+def measure_op_latency(depths: Sequence[int] = (4, 8, 16, 32), repeats: int = 9,
+                       device: str = "cpu") -> float:
+    """Seconds per aten op on ``device`` when the ops do next to no arithmetic: forward and
+    backward of a chain of ``depth`` tiny Linear + tanh layers (one sample of 8 features), its
+    ops counted as the planner counts a model's (:func:`plait.planner.op_count.op_counter`),
+    time over ops fitted across depths (:func:`fit_line`'s slope, so what each step pays once,
+    autograd's start, stays out). On a CPU that is the host's dispatch; on an accelerator,
+    synchronized once per step, the longer of the host's dispatch and launch and the device's
+    time per kernel."""
+    import torch
+
+    from .op_count import op_counter
+
+    if device == "cpu":
+        torch.set_num_threads(1)
+    x = torch.randn(1, 8, device=device)
+    ops, times = [], []
+    for depth in depths:
+        torch.manual_seed(0)
+        chain = torch.nn.Sequential(*[m for _ in range(depth)
+                                      for m in (torch.nn.Linear(8, 8), torch.nn.Tanh())])
+        chain = chain.to(device)
+
+        def step(chain: torch.nn.Module = chain) -> None:
+            chain(x).sum().backward()
+            chain.zero_grad(set_to_none=True)
+        counter = op_counter()
+        with counter:
+            step()
+        ops.append(float(counter.ops))
+        samples = []
+        for rnd in range(repeats + 2):
+            _sync(device)
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            if rnd >= 2:  # two warm-up steps
+                samples.append(time.perf_counter() - t0)
+        times.append(statistics.median(samples))
+    return fit_line(ops, times).slope
+
 
 def calibrate_accelerator(cluster: Cluster, device: str, *, dim: int = 4096, seq: int = 2048,
                           n_heads: int = 32) -> Cluster:
@@ -82,10 +124,13 @@ def calibrate_accelerator(cluster: Cluster, device: str, *, dim: int = 4096, seq
     peak = cluster.peak("bf16")
     eff, overhead, fit = measure_block(peak, dim=dim, seq=seq, n_heads=n_heads,
                                        batches=(1, 2, 4), device=device, bf16=True)
+    op_latency = measure_op_latency(device=device)
     extra = {k: v for k, v in (cluster.extra or {}).items()
              if not k.startswith("compute_efficiency")}
     extra.update(compute_efficiency=float(eff),
                  compute_efficiency_source=f"calibrated on {device}: block dim {dim}, seq {seq}, "
                                            f"bf16, fit residual {fit.residual:.1%}",
-                 block_fit_residual=round(fit.residual, 4))
-    return dataclasses.replace(cluster, extra=extra, source="calibrated")
+                 block_fit_residual=round(fit.residual, 4),
+                 op_latency_source=f"calibrated on {device}: {op_latency * 1e6:.3g} us per op "
+                                   f"(plait.planner.block_probe.measure_op_latency)")
+    return dataclasses.replace(cluster, extra=extra, source="calibrated", op_latency=op_latency)

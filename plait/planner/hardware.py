@@ -47,6 +47,17 @@ class Cluster:
     # Devices in one whole node when this cluster was cut down to part of a node (``--devices
     # 1`` of an 8-GPU preset); growing it again adds whole nodes of this size. None = as listed.
     full_node: int | None = None
+    # Host time per aten op (s): dispatch, and on an accelerator the kernel launch, whatever
+    # the op's size. On a CPU it adds to the op's arithmetic (the host is the device); an
+    # accelerator's host launches ahead of it, so a step is the longer of the two
+    # (:attr:`ops_in_line`). Priced for models without blocks (plait.planner.whole_model).
+    op_latency: float = 0.0
+
+    @property
+    def ops_in_line(self) -> bool:
+        """Whether the host's per-op time adds to the compute (a CPU computes on the host that
+        dispatches) rather than hiding under it (an accelerator runs asynchronously)."""
+        return self.device.lower() == "cpu"
 
     def __post_init__(self) -> None:
         errors = []
@@ -57,7 +68,7 @@ class Cluster:
         for name in ("memory_bytes", "intra_bw", "inter_bw", "hbm_bw"):
             if not getattr(self, name) > 0:
                 errors.append(f"{name}={getattr(self, name)!r} must be > 0")
-        for name in ("intra_latency", "inter_latency", "reserve_bytes"):
+        for name in ("intra_latency", "inter_latency", "reserve_bytes", "op_latency"):
             if getattr(self, name) < 0:
                 errors.append(f"{name}={getattr(self, name)!r} must be >= 0")
         if not self.peak_flops or any(not v > 0 for v in self.peak_flops.values()):
@@ -119,7 +130,8 @@ class Cluster:
                "intra_node_gbps": self.intra_bw / GB, "inter_node_gbps": self.inter_bw / GB,
                "intra_node_latency_us": self.intra_latency * 1e6,
                "inter_node_latency_us": self.inter_latency * 1e6,
-               "hbm_gbps": self.hbm_bw / GB, "reserve_gb": self.reserve_bytes / GB}
+               "hbm_gbps": self.hbm_bw / GB, "reserve_gb": self.reserve_bytes / GB,
+               "op_latency_us": self.op_latency * 1e6}
         if self.compute_units is not None:
             out["compute_units"] = self.compute_units
         if self.extra:
@@ -175,7 +187,8 @@ def cluster_from_dict(data: Mapping[str, Any], where: str = "cluster") -> Cluste
             ("intra_latency", "intra_node_latency_us", 1e-6, 10),
             ("inter_latency", "inter_node_latency_us", 1e-6, 20),
             ("hbm_bw", "hbm_gbps", GB, 1000),
-            ("reserve_bytes", "reserve_gb", GB, 0)):
+            ("reserve_bytes", "reserve_gb", GB, 0),
+            ("op_latency", "op_latency_us", 1e-6, 0)):
         value = _number(data, yaml_key, where, default)
         if value < 0 or (default is None and value == 0):
             raise ValueError(f"{where}: field {yaml_key}={value:g} must be "

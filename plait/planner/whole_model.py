@@ -39,6 +39,7 @@ from ..comm.volumes import DDP_BUCKET_BYTES, Traffic, by_axis, ddp_bucket_calls
 from ..plan import Plan
 from .compute import core_share
 from .hardware import Cluster
+from .op_count import update_cost
 from .traffic import act_dtype_bytes, axis_stride, collective_time
 
 _RNN_GATES = {nn.LSTM: 4, nn.GRU: 3, nn.RNN: 1}
@@ -64,6 +65,7 @@ class Block:
     flops: float
     saved: float
     input_bytes: float
+    ops: int = 0               # aten ops of its forward (what a replay runs again)
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,13 @@ class WholeModel:
     grad_sizes: tuple[int, ...] = ()              # elements per trainable tensor, in order
     kinds: tuple[str, ...] = ()                   # "convolutions", "recurrent layers"
     notes: tuple[str, ...] = ()
+    # aten ops one forward and its backward dispatch (plait.planner.op_count), whatever the
+    # batch; plait's update: ops per parameter tensor and per update
+    forward_ops: int = 0
+    backward_ops: int = 0
+    update_ops_per_tensor: int = 0
+    update_ops_fixed: int = 0
+    buffer_dtypes: tuple[tuple[str, int], ...] = ()  # (dtype, bytes) of the buffers, per dtype
 
     @property
     def num_params(self) -> int:
@@ -93,6 +102,18 @@ class WholeModel:
 
 
 # --------------------------------------------------------------------------- measurement
+@dataclass(frozen=True)
+class Forward:
+    """What one forward on a batch measured: FLOPs, bytes saved for backward, per block
+    [FLOPs, saved, input bytes, ops], and the aten ops of the forward and of its backward."""
+
+    flops: float
+    saved: float
+    per_block: dict[str, list[float]]
+    forward_ops: int
+    backward_ops: int
+
+
 def sample_of(built: Any) -> tuple[Any, str] | None:
     """One model input of a ``(model, dataset, loss_fn)`` factory's dataset: a tuple's first
     item, a dict whole; None without a dataset."""
@@ -146,8 +167,9 @@ def _rnn_flops(module: nn.Module, x: Any) -> float:
 
 @contextmanager
 def _hooks(model: nn.Module, blocks: list[tuple[str, nn.Module]], counter: Any,
-           saved: list[float], per_block: dict[str, list[float]]) -> Iterator[None]:
-    """Recurrent layers add their FLOPs; each block records FLOPs and saved bytes inside it."""
+           saved: list[float], per_block: dict[str, list[float]], ops: Any) -> Iterator[None]:
+    """Recurrent layers add their FLOPs; each block records FLOPs, saved bytes and ops (of
+    the op counter ``ops``) inside it."""
     handles = []
     rnn_kinds = tuple(_RNN_GATES)
     before: dict[int, int] = {}
@@ -165,14 +187,14 @@ def _hooks(model: nn.Module, blocks: list[tuple[str, nn.Module]], counter: Any,
         def hook(_m: nn.Module, args: tuple) -> None:
             x = args[0] if args else None
             size = float(x.numel() * x.element_size()) if isinstance(x, torch.Tensor) else 0.0
-            per_block[name] = [counter.get_total_flops(), saved[0], size]
+            per_block[name] = [counter.get_total_flops(), saved[0], size, ops.ops]
         return hook
 
     def block_post(name: str) -> Callable[..., None]:
         def hook(_m: nn.Module, _args: tuple, _out: Any) -> None:
             start = per_block[name]
             per_block[name] = [counter.get_total_flops() - start[0], saved[0] - start[1],
-                               start[2]]
+                               start[2], ops.ops - start[3]]
         return hook
 
     try:
@@ -190,15 +212,15 @@ def _hooks(model: nn.Module, blocks: list[tuple[str, nn.Module]], counter: Any,
 
 
 def _forward(model: nn.Module, sample: Any, n: int, blocks: list[tuple[str, nn.Module]],
-             fake: bool = True) -> tuple[float, float, dict[str, list[float]]]:
-    """(forward FLOPs, bytes saved for backward, per block [FLOPs, saved, input bytes]) of one
-    forward on ``n`` samples, on fake tensors (``fake``), else on the model's own (a forward
-    whose shapes depend on values, such as ``pack_padded_sequence``'s, runs only on real
-    ones)."""
+             fake: bool = True) -> Forward:
+    """One forward on ``n`` samples and its backward (of the sum of the output: a loss's few
+    ops), on fake tensors (``fake``), else on the model's own (a forward whose shapes depend
+    on values, such as ``pack_padded_sequence``'s, runs only on real ones)."""
     from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
 
-    from .._torch_compat import fake_tensor_mode
+    from .._torch_compat import fake_tensor_mode, pytree
+    from .op_count import op_counter
 
     saved = [0.0]
     kept: list[torch.Tensor] = []  # held so that ids stay unique while the pass runs
@@ -212,6 +234,7 @@ def _forward(model: nn.Module, sample: Any, n: int, blocks: list[tuple[str, nn.M
         return t
 
     per_block: dict[str, list[float]] = {}
+    forward_ops, backward_ops = op_counter(), op_counter()
     with fake_tensor_mode()() if fake else contextlib.nullcontext():
         state: dict[str, torch.Tensor] = {
             k: torch.empty(p.shape, dtype=p.dtype).requires_grad_(p.requires_grad)
@@ -220,11 +243,18 @@ def _forward(model: nn.Module, sample: Any, n: int, blocks: list[tuple[str, nn.M
                       for k, b in model.named_buffers()})
         x = _batched(sample, n) if fake else _real_batch(sample, n)
         counter = FlopCounterMode(display=False)
-        with counter, _hooks(model, blocks, counter, saved, per_block), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            functional_call(model, state, (x,))
+        with counter, _hooks(model, blocks, counter, saved, per_block, forward_ops), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), forward_ops:
+            out = functional_call(model, state, (x,))
         flops = float(counter.get_total_flops())
-    return flops, saved[0], per_block
+        leaves = [t for t in pytree()[0](out)[0]
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        if leaves:
+            with backward_ops:
+                leaves[0].sum().backward()
+        if not fake:
+            model.zero_grad(set_to_none=True)
+    return Forward(flops, saved[0], per_block, int(forward_ops.ops), int(backward_ops.ops))
 
 
 def measure(model: nn.Module, sample: Any, *, name: str = "", sample_from: str = "dataset",
@@ -252,14 +282,18 @@ def measure(model: nn.Module, sample: Any, *, name: str = "", sample_from: str =
                          f"model without blocks by running it: give --model a factory that "
                          f"returns (model, dataset, loss_fn)") from None
     trainable = [p for p in model.parameters() if p.requires_grad]
+    per_tensor, fixed = update_cost()
     unit_modules = select_units(model)
     in_units = {id(p) for _, m in unit_modules for p in m.parameters()}
     units = [Unit(tuple(tuple(p.shape) for p in m.parameters() if p.requires_grad))
              for _, m in unit_modules]
     units.append(Unit(tuple(tuple(p.shape) for p in trainable if id(p) not in in_units),
                       root=True))
-    per_block = [Block(n, two[2][n][0] - one[2][n][0], two[2][n][1] - one[2][n][1],
-                       two[2][n][2] - one[2][n][2]) for n, _ in blocks if n in one[2]]
+    per_block = [Block(n, two.per_block[n][0] - one.per_block[n][0],
+                       two.per_block[n][1] - one.per_block[n][1],
+                       two.per_block[n][2] - one.per_block[n][2],
+                       int(one.per_block[n][3]))
+                 for n, _ in blocks if n in one.per_block]
     kinds = []
     if any(isinstance(m, _CONVS) for m in model.modules()):
         kinds.append("convolutions")
@@ -269,16 +303,21 @@ def measure(model: nn.Module, sample: Any, *, name: str = "", sample_from: str =
     bns = tuple((n, int(m.num_features)) for n, m in model.named_modules()
                 if isinstance(m, bn_kinds))
     shape = tuple(sample.shape) if isinstance(sample, torch.Tensor) else ()
+    dtypes: dict[str, int] = {}
+    for b in {id(b): b for b in model.buffers()}.values():
+        dtypes[str(b.dtype)] = dtypes.get(str(b.dtype), 0) + b.numel() * b.element_size()
     return WholeModel(
         name=label, params=sum(p.numel() for p in trainable),
         param_tensors=len({id(p) for p in trainable}),
         grad_sizes=tuple({id(p): p.numel() for p in trainable}.values()),
         frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-        units=tuple(u for u in units if u.shapes), flops_per_sample=two[0] - one[0],
-        saved_per_sample=max(0.0, two[1] - one[1]), sample_shape=shape,
+        buffer_dtypes=tuple(dtypes.items()),
+        units=tuple(u for u in units if u.shapes), flops_per_sample=two.flops - one.flops,
+        saved_per_sample=max(0.0, two.saved - one.saved), sample_shape=shape,
         sample_from=sample_from, positions=positions, batchnorm=bns, blocks=tuple(per_block),
-        kinds=tuple(kinds))
+        kinds=tuple(kinds), forward_ops=one.forward_ops, backward_ops=one.backward_ops,
+        update_ops_per_tensor=per_tensor, update_ops_fixed=fixed)
 
 
 # ------------------------------------------------------------------------------- pricing
@@ -306,7 +345,13 @@ def held(model: WholeModel, plan: Plan, bucket_bytes: float = DDP_BUCKET_BYTES) 
     # reversed), the ledger's count; ZeroRedundancyOptimizer broadcasts each tensor it updates
     grad_calls = ddp_bucket_calls([("fp32", 4.0 * n) for n in reversed(model.grad_sizes)],
                                   bucket_bytes) if model.grad_sizes else 1
-    return HeldModel(grad_bytes=4 * model.params, update_bytes=4 * model.params,
+    # DDP broadcasts its buffers coalesced per dtype (BatchNorm's fp32 statistics, its int64
+    # batch count): one call each while a dtype's buffers fit one broadcast bucket (torch's
+    # default, 250 MiB), as the ledger counts them (plait.comm.held.held_model)
+    buffer_calls = len(model.buffer_dtypes) if model.buffer_dtypes and all(
+        size <= 250 * 2**20 for _, size in model.buffer_dtypes) else None
+    return HeldModel(buffer_calls=buffer_calls if model.buffer_dtypes else 1,
+                     grad_bytes=4 * model.params, update_bytes=4 * model.params,
                      buffer_bytes=model.buffer_bytes if plan.zero <= 1 else 0,
                      grad_tensors=model.param_tensors, units=units, grad_calls=grad_calls,
                      update_tensors=max(1, model.param_tensors),
@@ -331,16 +376,30 @@ class Priced:
     traffic: list[Traffic] = field(default_factory=list)
 
 
+def host_time(ops: float, cluster: Cluster) -> float:
+    """Seconds the host spends dispatching ``ops`` aten ops on ``cluster``'s device (processes
+    that outnumber the cores share them, as their arithmetic does)."""
+    return ops * cluster.op_latency / core_share(cluster)
+
+
 def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c: Any
           ) -> Priced:
-    """Step time, memory per rank and traffic of ``plan`` (data parallelism, one micro-step)."""
-    dp, S, zero = plan.dp, plan.dp_shard, plan.zero
+    """Step time, memory per rank and traffic of ``plan`` (data parallelism, ``grad_accum``
+    micro-steps of ``global_batch / dp / grad_accum`` rows each)."""
+    dp, S, zero, accum = plan.dp, plan.dp_shard, plan.zero, plan.grad_accum
     b = global_batch // dp
+    rows = b // accum  # per micro-step
     rate = cluster.peak(plan.mixed_precision) * c.compute_efficiency * core_share(cluster)
     full = plan.activation_checkpointing == "full" and model.blocks
     replay = sum(k.flops for k in model.blocks) if full else 0.0
-    compute = (3 * model.flops_per_sample + replay) * b / rate + c.micro_overhead_s + \
-        c.block_overhead_s * len(model.blocks)
+    replay_ops = sum(k.ops for k in model.blocks) if full else 0
+    # Each micro-step: the FLOPs at the achieved rate, and the host's time per aten op (the
+    # forward's, the backward's, a replayed forward's). On a CPU the host is the device: the
+    # two add. An accelerator's host launches ahead of it: the longer of the two.
+    arithmetic = (3 * model.flops_per_sample + replay) * rows / rate
+    dispatch = host_time(model.forward_ops + model.backward_ops + replay_ops, cluster)
+    micro = arithmetic + dispatch if cluster.ops_in_line else max(arithmetic, dispatch)
+    compute = micro * accum
     traffic = held_traffic(plan, held(model, plan, c.bucket_bytes))
     times = {t.what: 0.0 for t in traffic}
     for t in traffic:
@@ -348,26 +407,40 @@ def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c:
     grads = times.get("grads", 0.0)
     gathers = times.get("params", 0.0) + times.get("params (ZeroRedundancyOptimizer)", 0.0)
     # Where a collective can run beside compute (GPUs), the gradient reduction hides under
-    # the backward (2/3 of the compute) and ZeRO-3's gathers under the forward; on a CPU
-    # whose processes hold every core nothing runs beside them (Constants.overlap).
-    exposed_grads = max(0.0, grads - compute * 2 / 3) if c.overlap else grads
+    # the last micro-step's backward (2/3 of its compute; the others do not reduce) and
+    # ZeRO-3's gathers under the forwards; on a CPU whose processes hold every core nothing
+    # runs beside them (Constants.overlap).
+    exposed_grads = max(0.0, grads - micro * 2 / 3) if c.overlap else grads
     exposed_gathers = max(0.0, gathers - compute / 3) if c.overlap and zero >= 2 else gathers
     sync_bn = times.get("sync_bn statistics", 0.0)  # inside forward and backward: never hidden
     other = sum(v for k, v in times.items()
                 if k not in ("grads", "params", "params (ZeroRedundancyOptimizer)",
                              "sync_bn statistics"))
     # FSDP2's host cost per unit beyond its collectives (a calibrated CPU profile's
-    # fsdp_unit_s per unit and micro-step, fsdp_reduce_s per reducing unit, fsdp_regather_s
-    # per ZeRO-3 block gathered again in backward; 0 on the accelerator presets), as the
-    # block cost model charges them (plait.planner.pipeline, plait.planner.traffic)
+    # fsdp_unit_s per unit and micro-step, fsdp_reduce_s per reducing unit once a step,
+    # fsdp_regather_s per ZeRO-3 block gathered again in each micro-step's backward; 0 on the
+    # accelerator presets), as the block cost model charges them (plait.planner.pipeline,
+    # plait.planner.traffic)
     fsdp_host = 0.0
     if zero >= 2 and S > 1:
         blocks = sum(1 for u in model.units if not u.root)
-        fsdp_host = (c.fsdp_unit_s + c.fsdp_reduce_s) * len(model.units) + \
-            (c.fsdp_regather_s * blocks if zero == 3 else 0.0)
+        fsdp_host = (c.fsdp_unit_s * len(model.units)
+                     + (c.fsdp_regather_s * blocks if zero == 3 else 0.0)) * accum \
+            + c.fsdp_reduce_s * len(model.units)
     owned = model.params / (S if zero >= 1 else 1)
-    optimizer = owned * 16 * 2 / cluster.hbm_bw + model.param_tensors * (
-        c.dtensor_step_s if zero >= 2 else c.tensor_step_s)
+    # The update's host time per parameter tensor: a calibrated CPU profile's clip + AdamW
+    # measured per tensor (plain or DTensor), else its aten ops (one loop over the tensors, as
+    # torch's AdamW runs on a CPU) at the device's per-op time. On an accelerator torch's
+    # AdamW runs foreach (a few launches for all tensors) under its memory-bound time: 0.
+    per_tensor = c.dtensor_step_s if zero >= 2 else c.tensor_step_s
+    if per_tensor:
+        update_host = model.param_tensors * per_tensor
+    elif cluster.ops_in_line:
+        update_host = host_time(model.update_ops_fixed
+                                + model.update_ops_per_tensor * model.param_tensors, cluster)
+    else:
+        update_host = 0.0
+    optimizer = owned * 16 * 2 / cluster.hbm_bw + update_host
     step = compute + fsdp_host + exposed_grads + exposed_gathers + sync_bn + other + optimizer
 
     P = model.params
@@ -390,7 +463,7 @@ def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c:
         inside = sum(k.saved for k in model.blocks)
         kept = sum(k.input_bytes for k in model.blocks)
         saved = saved - inside + kept + max(k.saved for k in model.blocks)
-    acts = saved * b
+    acts = saved * rows
     # DDP's buckets: a copy of the gradients, at most two buckets' worth in flight
     buckets = min(2 * c.bucket_bytes, 4.0 * P) if dp > 1 and zero <= 1 else 0.0
     memory = params + grad_bytes + optim + copy + acts + buckets + model.buffer_bytes + \
@@ -401,8 +474,8 @@ def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c:
                           "compute_copy": copy, "activations": acts, "buffers": buckets,
                           "model_buffers": float(model.buffer_bytes),
                           "reserve": cluster.reserve_bytes},
-        time_breakdown={"compute": compute, "recompute": replay * b / rate,
-                        "fsdp_host": fsdp_host,
+        time_breakdown={"compute": compute, "recompute": replay * rows / rate * accum,
+                        "dispatch": dispatch * accum, "fsdp_host": fsdp_host,
                         "dp_grad_total": grads, "dp_grad_exposed": exposed_grads,
                         "param_gather": gathers, "param_gather_exposed": exposed_gathers,
                         "sync_bn": sync_bn, "buffers_broadcast": other,
@@ -412,9 +485,12 @@ def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c:
 
 def layouts(model: WholeModel, cluster: Cluster, global_batch: int,
             dtype: str) -> Iterator[list[Plan]]:
-    """Data-parallel layouts over every device, each as a list tried in checkpointing order
-    (none, then full where the model has blocks to wrap): DDP, ZeRO-1/2/3 over all ranks, HSDP
-    (ZeRO-3 inside a node, replicated across), with sync_bn where the model has BatchNorm."""
+    """Data-parallel layouts over every device, each as a list tried in order until one fits:
+    DDP, ZeRO-1/2/3 over all ranks, HSDP (ZeRO-3 inside a node, replicated across), with
+    sync_bn where the model has BatchNorm; within each, no checkpointing, then full where the
+    model has blocks to wrap, then the same at grad_accum 2, 4, ... while each rank's rows
+    split evenly. grad_accum is not tried for a model with BatchNorm: each micro-step would
+    normalise its own rows, which is not what one device trains on the whole batch."""
     world = cluster.world_size
     splits = [(world, 1, 0)]
     if world > 1:
@@ -425,8 +501,13 @@ def layouts(model: WholeModel, cluster: Cluster, global_batch: int,
     acs = ("none", "full") if model.blocks else ("none",)
     sync = bool(model.batchnorm) and world > 1
     for R, S, zero in splits:
-        yield [Plan(dp_replicate=R, dp_shard=S, zero=zero, sync_bn=sync,
-                    mixed_precision=dtype, activation_checkpointing=ac) for ac in acs]
+        rows = global_batch // (R * S)
+        accums = [1]
+        while not model.batchnorm and rows and rows % (accums[-1] * 2) == 0:
+            accums.append(accums[-1] * 2)
+        yield [Plan(dp_replicate=R, dp_shard=S, zero=zero, sync_bn=sync, grad_accum=accum,
+                    mixed_precision=dtype, activation_checkpointing=ac)
+               for accum in accums for ac in acs]
 
 
 def estimate(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c: Any
@@ -449,14 +530,15 @@ def estimate(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int,
                       f"{cluster.world_size} devices): give a global batch that is a multiple "
                       f"of {plan.dp}, or --devices that divides {global_batch}")
         return est
-    if plan.grad_accum > 1:
-        est.reason = (f"grad_accum={plan.grad_accum} is not priced for {model.name}"
-                      + (f" (and BatchNorm {model.batchnorm[0][0]} would normalise each "
-                         f"micro-step with its own statistics)" if model.batchnorm else "")
-                      + ": give a global batch whose rows per rank fit, or grad_accum=1")
+    if global_batch % (plan.dp * plan.grad_accum):
+        est.reason = (f"global batch {global_batch} not divisible by dp={plan.dp} x "
+                      f"grad_accum={plan.grad_accum}: each rank's {global_batch // plan.dp} "
+                      f"rows do not split into {plan.grad_accum} equal micro-steps; give a "
+                      f"global batch that is a multiple of {plan.dp * plan.grad_accum}, or "
+                      f"another grad_accum")
         return est
     got = price(model, plan, cluster, global_batch, c)
-    est.microbatch_size = global_batch // plan.dp
+    est.microbatch_size = global_batch // plan.dp // plan.grad_accum
     est.step_time_s = got.step
     est.memory_bytes_per_device = got.memory
     est.memory_breakdown = got.memory_breakdown
@@ -475,13 +557,20 @@ def estimate(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int,
     est.notes.append(f"{model.name}: measured on a {model.sample_from} sample "
                      f"{model.sample_shape or '(dict)'}: {model.flops_per_sample / 1e6:.3g} "
                      f"MFLOP forward and {model.saved_per_sample / 2**10:.3g} KiB saved for "
-                     f"backward per sample")
+                     f"backward per sample; {model.forward_ops} aten ops forward and "
+                     f"{model.backward_ops} backward per micro-step at "
+                     f"{cluster.op_latency * 1e6:.3g} us each on {cluster.name}")
     if model.batchnorm and plan.dp > 1 and not plan.sync_bn:
         est.notes.append(f"BatchNorm {model.batchnorm[0][0]} normalises each rank's rows with "
                          f"their own statistics: add sync_bn to train what one device trains "
                          f"(priced: '{plan.replace(sync_bn=True).to_string()}')")
+    if model.batchnorm and plan.grad_accum > 1:
+        est.notes.append(f"BatchNorm {model.batchnorm[0][0]} normalises each micro-step's "
+                         f"{est.microbatch_size * (plan.dp if plan.sync_bn else 1)} rows with "
+                         f"their own statistics under grad_accum={plan.grad_accum}, not the "
+                         f"step's {global_batch}")
     if plan.sync_bn:
-        est.notes.append(f"sync_bn: 4 fp32 all-reduces per step for each of the "
+        est.notes.append(f"sync_bn: 4 fp32 all-reduces per micro-step for each of the "
                          f"{len(model.batchnorm)} BatchNorm layers, as plait's own sync_bn "
                          f"issues them off CUDA; on CUDA torch's SyncBatchNorm gathers the "
                          f"statistics instead, priced here the same")
@@ -610,7 +699,8 @@ def explain(ranked: list[Any]) -> list[str]:
     tb = best.time_breakdown
     comm = tb["dp_grad_exposed"] + tb["param_gather_exposed"] + tb["buffers_broadcast"]
     out = [f"{best.plan.describe()}: step {best.step_time_s * 1e3:.3g} ms = compute "
-           f"{tb['compute'] * 1e3:.3g} ms (recompute {tb['recompute'] * 1e3:.3g}) + exposed "
+           f"{tb['compute'] * 1e3:.3g} ms (host time of its aten ops "
+           f"{tb['dispatch'] * 1e3:.3g} ms, recompute {tb['recompute'] * 1e3:.3g}) + exposed "
            f"data-parallel traffic {comm * 1e3:.3g} ms + sync_bn {tb['sync_bn'] * 1e3:.3g} ms "
            f"+ optimizer {tb['optimizer'] * 1e3:.3g} ms; "
            f"{best.memory_bytes_per_device / 2**20:,.1f} MiB per rank"]
