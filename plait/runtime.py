@@ -109,6 +109,10 @@ class Run:
     # read before layout when the ledger is on under ZeRO-3 alone: which blocks FSDP2 gathers
     # again for backward. None: not read.
     _input_grad: bool | None = None
+    # id(DDP module) -> plait.comm.ready_order.ReadyOrder when the ledger is on: the order its
+    # gradients became ready in its first reducing step, which DDP's buckets follow (its hooks
+    # leave the model once that step is read).
+    _ready: dict[int, Any] = field(default_factory=dict)
     _tokens: bool = True  # whether the first input held integer token ids
     # Rank 0's bar / plain lines and TensorBoard scalars (plait.progress.Progress), made at
     # the first step unless init() made it; ``plot``: a PNG of loss and per-rank step time
@@ -293,6 +297,10 @@ class Run:
 
             self._input_grad = stack_input_grad(model, self.device.type)
         out = _parallelize(model, self._mesh(), self.plan, device=self.device)
+        if self.ledger is not None and isinstance(out, nn.parallel.DistributedDataParallel):
+            from .comm.ready_order import ReadyOrder
+
+            self._ready[id(out)] = ReadyOrder(out)
         self._models.append(out)
         self._resume_weights(out)
         return out
@@ -1015,10 +1023,15 @@ class Run:
         zero1 = [p for _, sharded in self._sharded_optimizers.values()
                  for group in sharded.param_groups for p in group["params"]]
         pp_rank = self._mesh()["pp"].get_local_rank() if self.plan.pp > 1 else 0
+        from .comm.ready_order import agreed_order
+
+        # rank 0's order on every rank, as DDP rebuilds its buckets (every rank holds the same
+        # DDP modules, recorded alike)
+        orders = {key: agreed_order(recorder) for key, recorder in self._ready.items()}
         return expected_for_models(self._models, self.plan, self._batch_shape,
                                    optimizer_params=zero1 or None, stats=self._stats,
                                    pp_rank=pp_rank, tokens=self._tokens,
-                                   input_grad=self._input_grad)
+                                   input_grad=self._input_grad, ready_orders=orders)
 
     def finish(self, print_summary: bool = True) -> dict[str, Any]:
         """Print the summary on rank 0, free the models and leave the process group; with

@@ -1122,7 +1122,8 @@ def planner_stats(model: Any, device_type: str = "cpu", plan: Any = None) -> Any
 def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ...] | None,
                         optimizer_params: list[Any] | None = None, stats: Any = None,
                         pp_rank: int = 0, tokens: bool = True,
-                        input_grad: bool | None = None
+                        input_grad: bool | None = None,
+                        ready_orders: dict[int, tuple[int, ...] | None] | None = None
                         ) -> Expected | None:
     """Predicted payload bytes per (axis, op) per step, with the calls carrying them
     (:class:`plait.comm.report.Expected`), or None where plait has no closed form.
@@ -1137,7 +1138,9 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     blocks it prices from the layer plan plait lays them out with (``tokens``: the first input
     was integer token ids; :func:`why_no_expected` says where it cannot); ``input_grad``:
     whether the first block's input needs a gradient (``plait.comm.held.stack_input_grad``,
-    taken before layout; None: where an embedding trains). The ledger's report
+    taken before layout; None: where an embedding trains); ``ready_orders``: by ``id`` of each
+    DDP module, the order its gradients became ready in the run (``plait.comm.ready_order``),
+    which DDP's bucket count follows. The ledger's report
     compares each row's busiest rank, and ranks hold different parts of the model (pipeline
     stages), so each rank predicts its own traffic and the per-(axis, op) maximum over ranks is
     returned, with the calls of the rank predicted the most bytes: a collective when a process
@@ -1163,8 +1166,10 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
             per_rank = rank_traffic(plan, stats, batch * plan.dp, seq)
             mine = expected_rows(per_rank[0]) if per_rank else None
         else:
-            mine = expected_rows(held_traffic(plan, held_model(models[-1], optimizer_params))
-                              + cp_step_traffic(plan, stats, batch // plan.grad_accum, seq))
+            held = held_model(models[-1], optimizer_params,
+                              ready_order=(ready_orders or {}).get(id(models[-1])))
+            mine = expected_rows(held_traffic(plan, held)
+                                 + cp_step_traffic(plan, stats, batch // plan.grad_accum, seq))
     elif cfg is not None and batch_shape is not None and len(batch_shape) == 2:
         batch, seq = batch_shape
         mine = expected_rows(predict(plan, cfg, batch // plan.grad_accum, seq,
@@ -1180,8 +1185,9 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     elif cfg is None and models and plan.tp == 1 and plan.pp == 1:
         from .held import held_model, held_traffic
 
-        mine = expected_rows(held_traffic(plan, held_model(models[-1], optimizer_params,
-                                                        input_grad)))
+        mine = expected_rows(held_traffic(plan, held_model(
+            models[-1], optimizer_params, input_grad,
+            ready_order=(ready_orders or {}).get(id(models[-1])))))
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return mine
     everyone: list[Any] = [None] * dist.get_world_size()
