@@ -35,7 +35,13 @@ import torch
 import torch.nn as nn
 
 from ..comm.held import HeldModel, ShardUnit, held_traffic
-from ..comm.volumes import DDP_BUCKET_BYTES, Traffic, by_axis, ddp_bucket_calls
+from ..comm.volumes import (
+    DDP_BUCKET_BYTES,
+    Traffic,
+    by_axis,
+    ddp_bucket_calls,
+    ddp_bucket_calls_any_order,
+)
 from ..plan import Plan
 from .compute import core_share
 from .hardware import Cluster
@@ -84,6 +90,9 @@ class WholeModel:
     batchnorm: tuple[tuple[str, int], ...] = ()   # (name, channels) per BatchNorm layer
     blocks: tuple[Block, ...] = ()                # what activation checkpointing wraps
     grad_sizes: tuple[int, ...] = ()              # elements per trainable tensor, in order
+    # The order the backward makes those gradients ready in (indices into grad_sizes), which
+    # DDP's rebuilt buckets follow (:func:`ready_order`); None: the pass could not show it
+    grad_order: tuple[int, ...] | None = None
     kinds: tuple[str, ...] = ()                   # "convolutions", "recurrent layers"
     notes: tuple[str, ...] = ()
 
@@ -227,6 +236,53 @@ def _forward(model: nn.Module, sample: Any, n: int, blocks: list[tuple[str, nn.M
     return flops, saved[0], per_block
 
 
+def _floats(out: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a forward's output that carry a gradient (a tensor, or
+    inside tuples, lists and dicts, a Hugging Face output included)."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() and out.requires_grad else []
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _floats(v)]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in _floats(v)]
+    return []
+
+
+def ready_order(model: nn.Module, sample: Any) -> tuple[int, ...] | None:
+    """The order the backward pass makes the gradients of ``model``'s trainable parameters
+    ready in (indices into them, each tensor once, in ``model.parameters()`` order): a forward
+    and backward on fake tensors with a post-accumulate-grad hook on each, the hook DDP's
+    reducer records its rebuilt buckets' order from (``plait.comm.ready_order``). The backward
+    starts from the sum of every floating-point output, as a loss over them would. None where
+    that pass does not run or leaves a parameter without a gradient."""
+    from torch.func import functional_call
+
+    from .._torch_compat import fake_tensor_mode
+
+    trainable = {id(p): i for i, p in enumerate(
+        {id(p): p for p in model.parameters() if p.requires_grad}.values())}
+    order: list[int] = []
+    try:
+        with fake_tensor_mode()():
+            state: dict[str, torch.Tensor] = {}
+            for name, p in model.named_parameters():
+                leaf = torch.empty(p.shape, dtype=p.dtype).requires_grad_(p.requires_grad)
+                if id(p) in trainable:
+                    index = trainable[id(p)]
+                    leaf.register_post_accumulate_grad_hook(
+                        lambda _t, i=index: order.append(i))
+                state[name] = leaf
+            state.update({k: torch.empty(b.shape, dtype=b.dtype)
+                          for k, b in model.named_buffers()})
+            outs = _floats(functional_call(model, state, (_batched(sample, 1),)))
+            if not outs:
+                return None
+            torch.autograd.backward([t.sum() for t in outs])
+    except Exception:  # noqa: BLE001 - a pass that does not run on fake tensors says nothing
+        return None
+    return tuple(order) if sorted(order) == list(range(len(trainable))) else None
+
+
 def measure(model: nn.Module, sample: Any, *, name: str = "", sample_from: str = "dataset",
             positions: int = 1) -> WholeModel:
     """The facts of ``model`` on inputs like ``sample`` (one sample, without a batch dim)."""
@@ -273,6 +329,7 @@ def measure(model: nn.Module, sample: Any, *, name: str = "", sample_from: str =
         name=label, params=sum(p.numel() for p in trainable),
         param_tensors=len({id(p) for p in trainable}),
         grad_sizes=tuple({id(p): p.numel() for p in trainable}.values()),
+        grad_order=ready_order(model, sample),
         frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         units=tuple(u for u in units if u.shapes), flops_per_sample=two[0] - one[0],
@@ -302,10 +359,15 @@ def held(model: WholeModel, plan: Plan, bucket_bytes: float = DDP_BUCKET_BYTES) 
                                 reduce_bytes=sum(_padded(s, S) for s in u.shapes) * 4,
                                 shards=S, regathered=plan.zero == 3 and not u.root)
                       for u in model.units)
-    # DDP's buckets filled in the order the backward makes gradients ready (the parameters'
-    # reversed), the ledger's count; ZeroRedundancyOptimizer broadcasts each tensor it updates
-    grad_calls = ddp_bucket_calls([("fp32", 4.0 * n) for n in reversed(model.grad_sizes)],
-                                  bucket_bytes) if model.grad_sizes else 1
+    # DDP's buckets filled in the order the backward makes gradients ready, the ledger's
+    # count (None where that order is not known and matters); ZeroRedundancyOptimizer
+    # broadcasts each tensor it updates
+    sizes = [("fp32", 4.0 * n) for n in model.grad_sizes]
+    grad_calls: int | None = 1
+    if model.grad_order is not None and model.grad_sizes:
+        grad_calls = ddp_bucket_calls([sizes[i] for i in model.grad_order], bucket_bytes)
+    elif model.grad_sizes:
+        grad_calls = ddp_bucket_calls_any_order(sizes, bucket_bytes)
     return HeldModel(grad_bytes=4 * model.params, update_bytes=4 * model.params,
                      buffer_bytes=model.buffer_bytes if plan.zero <= 1 else 0,
                      grad_tensors=model.param_tensors, units=units, grad_calls=grad_calls,
