@@ -259,7 +259,19 @@ class Run:
         """Lay ``model`` out for the plan (pipeline split, TP/SP, checkpointing, FSDP/DDP).
 
         With ``plan="auto"`` the first call asks the planner for this model's layout, prints the
-        choice and why (rank 0), and builds the mesh for it (see ``plait.auto``)."""
+        choice and why (rank 0), and builds the mesh for it (see ``plait.auto``). A model or
+        plan it refuses raises ValueError; under ``format="json"`` its ``error`` event, if
+        uncaught, is written once (rank 0's): every rank lays out the same model and plan."""
+        try:
+            return self._lay_out(model)
+        except ValueError as exc:
+            if self.format == "json":
+                from .json_stdout import mark_every_rank
+
+                mark_every_rank(exc)
+            raise
+
+    def _lay_out(self, model: nn.Module) -> nn.Module:
         from .parallel.compile import compiled_original
 
         original = compiled_original(model)
@@ -1323,6 +1335,10 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
                      format=format)
     except ValueError as exc:
         if not from_argv:
+            if format == "json":  # every rank refuses the same plan: one error event
+                from .json_stdout import say_if_uncaught
+
+                say_if_uncaught(_script_name(), exc, _env_rank())
             raise
         _refuse_argv(exc, format)
 
@@ -1333,11 +1349,15 @@ def _refuse_argv(exc: ValueError, format: str | None) -> NoReturn:
     stdout that ``plait run --format json`` ends with."""
     from .json_stdout import refuse
 
+    refuse(_script_name(), str(exc), json=format == "json", rank=_env_rank())
+
+
+def _env_rank() -> int:
+    """This process's rank as torchrun sets it (0 without torchrun, or where unreadable)."""
     try:
-        rank = int(os.environ.get("RANK", "0"))
+        return int(os.environ.get("RANK", "0"))
     except ValueError:
-        rank = 0
-    refuse(_script_name(), str(exc), json=format == "json", rank=rank)
+        return 0
 
 
 def _script_name() -> str:
