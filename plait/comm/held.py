@@ -6,8 +6,10 @@ plait has laid the model out, so it is read off the laid-out model itself (``hel
 * DDP (``dp_replicate``; ZeRO-1 over the flattened ``dp`` axis) all-reduces the gradients of the
   parameters that require grad, each tensor once however many names it has (a tied embedding
   and head), in buckets whose payload is those gradients' bytes, once per optimizer step
-  (``no_sync`` while accumulating). Before the first forward of each step it broadcasts the
-  module's buffers from rank 0 (``broadcast_buffers``, torch's default).
+  (``no_sync`` while accumulating); the buckets are filled in the order the gradients became
+  ready in the run (``plait.comm.ready_order``), which sets how many there are. Before the
+  first forward of each step it broadcasts the module's buffers from rank 0
+  (``broadcast_buffers``, torch's default).
 * ZeRO-1's ``ZeroRedundancyOptimizer`` broadcasts every parameter its optimizer holds from the
   rank that updated it, on ``dp_shard``: frozen ones too, when the optimizer was given them.
 * FSDP2 (ZeRO-2/3, HSDP) moves flat buffers per unit (a module ``fully_shard`` made an
