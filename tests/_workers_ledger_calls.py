@@ -108,6 +108,8 @@ def ddp_buckets(rank: int, world: int, caps: list[float], widths: tuple[int, ...
                 opt.zero_grad()
                 model(torch.randn(ROWS, widths[0], generator=g)).square().mean().backward()
                 opt.step()
+        # read in the first step, its hooks off the model since
+        assert recorder.done and not recorder.hooked, cap
         held = held_model(model, ready_order=agreed_order(recorder))
         report = ledger.report(expected=expected_rows(held_traffic(plan, held)))
         out[cap] = {**report.to_dict(), "unordered": held_model(model).grad_calls}

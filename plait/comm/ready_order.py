@@ -50,6 +50,11 @@ class ReadyOrder:
     def done(self) -> bool:
         return self.order is not None or self.failed
 
+    @property
+    def hooked(self) -> bool:
+        """Whether its hooks are still on the model (until the pass is read)."""
+        return bool(self._handles)
+
     def _forward(self, _module: nn.Module, _args: Any) -> None:
         # DDP's _pre_forward prepares a reducing backward under this same condition
         if not (torch.is_grad_enabled() and getattr(self.ddp, "require_backward_grad_sync",
