@@ -230,6 +230,20 @@ def test_ddp_and_zero1_calls_are_the_ledgers():
     assert held(whole, Plan(dp_shard=2, zero=1)).update_tensors == len(sizes)
 
 
+def test_ready_order_on_real_tensors_where_fake_ones_cannot_run():
+    """A GRU over packed sequences (lengths read off the values: no fake pass): the order is
+    read on one real sample with copies of the parameters, as a real backward shows it, and
+    the model's own parameters get no gradient."""
+    from plait.planner.whole_model import ready_order
+    from tests._any_models import gru_packed
+
+    model, data, _ = gru_packed()
+    tokens = data[0][0]
+    order = ready_order(model, tokens)
+    assert all(p.grad is None for p in model.parameters())
+    assert order is not None and list(order) == _ready_on_real_tensors(model, tokens[None])
+
+
 def test_ddp_calls_in_the_order_gradients_become_ready():
     """A model that registers its head before its body (``HeadFirst``): the planner reads the
     order its gradients become ready in from a backward on fake tensors, the order a real

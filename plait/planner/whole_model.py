@@ -251,10 +251,24 @@ def _floats(out: Any) -> list[torch.Tensor]:
 def ready_order(model: nn.Module, sample: Any) -> tuple[int, ...] | None:
     """The order the backward pass makes the gradients of ``model``'s trainable parameters
     ready in (indices into them, each tensor once, in ``model.parameters()`` order): a forward
-    and backward on fake tensors with a post-accumulate-grad hook on each, the hook DDP's
-    reducer records its rebuilt buckets' order from (``plait.comm.ready_order``). The backward
-    starts from the sum of every floating-point output, as a loss over them would. None where
-    that pass does not run or leaves a parameter without a gradient."""
+    and backward with a post-accumulate-grad hook on each, the hook DDP's reducer records its
+    rebuilt buckets' order from (``plait.comm.ready_order``). The pass runs on fake tensors,
+    or where it cannot (a forward whose shapes depend on values) on one real sample with
+    copies of the parameters, the model's own left untouched. The backward starts from the
+    sum of every floating-point output, as a loss over them would. None where neither pass
+    runs or one leaves a parameter without a gradient."""
+    for fake in (True, False):
+        if not fake and any(p.is_meta for p in model.parameters()):
+            return None
+        try:
+            return _ready_pass(model, sample, fake)
+        except Exception:  # noqa: BLE001 - a pass that does not run says nothing
+            continue
+    return None
+
+
+def _ready_pass(model: nn.Module, sample: Any, fake: bool) -> tuple[int, ...] | None:
+    """:func:`ready_order`'s pass on fake tensors (``fake``) or on copies of the real ones."""
     from torch.func import functional_call
 
     from .._torch_compat import fake_tensor_mode
@@ -262,24 +276,22 @@ def ready_order(model: nn.Module, sample: Any) -> tuple[int, ...] | None:
     trainable = {id(p): i for i, p in enumerate(
         {id(p): p for p in model.parameters() if p.requires_grad}.values())}
     order: list[int] = []
-    try:
-        with fake_tensor_mode()():
-            state: dict[str, torch.Tensor] = {}
-            for name, p in model.named_parameters():
-                leaf = torch.empty(p.shape, dtype=p.dtype).requires_grad_(p.requires_grad)
-                if id(p) in trainable:
-                    index = trainable[id(p)]
-                    leaf.register_post_accumulate_grad_hook(
-                        lambda _t, i=index: order.append(i))
-                state[name] = leaf
-            state.update({k: torch.empty(b.shape, dtype=b.dtype)
-                          for k, b in model.named_buffers()})
-            outs = _floats(functional_call(model, state, (_batched(sample, 1),)))
-            if not outs:
-                return None
-            torch.autograd.backward([t.sum() for t in outs])
-    except Exception:  # noqa: BLE001 - a pass that does not run on fake tensors says nothing
-        return None
+    with fake_tensor_mode()() if fake else contextlib.nullcontext():
+        state: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters():
+            leaf = (torch.empty(p.shape, dtype=p.dtype) if fake else p.detach().clone()
+                    ).requires_grad_(p.requires_grad)
+            if id(p) in trainable:
+                index = trainable[id(p)]
+                leaf.register_post_accumulate_grad_hook(lambda _t, i=index: order.append(i))
+            state[name] = leaf
+        state.update({k: torch.empty(b.shape, dtype=b.dtype) if fake else b.clone()
+                      for k, b in model.named_buffers()})
+        x = _batched(sample, 1) if fake else _real_batch(sample, 1)
+        outs = _floats(functional_call(model, state, (x,)))
+        if not outs:
+            return None
+        torch.autograd.backward([t.sum() for t in outs])
     return tuple(order) if sorted(order) == list(range(len(trainable))) else None
 
 
