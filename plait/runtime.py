@@ -1132,6 +1132,9 @@ class Run:
         if self.progress is not None:
             self.progress.close()
         self._models.clear()
+        for recorder in self._ready.values():  # it holds its DDP module: freed with the rest
+            recorder.close()
+        self._ready.clear()
         self._sharded_optimizers.clear()
         if self._memory is not None:
             self._memory.remove()

@@ -35,7 +35,8 @@ class ReadyOrder:
     without ``find_unused_parameters``)."""
 
     def __init__(self, ddp: nn.Module) -> None:
-        self.ddp = ddp
+        self._ddp: nn.Module | None = ddp  # until the pass is read: the module is not kept
+        self.group = getattr(ddp, "process_group", None)  # DDP's: where rank 0's order goes
         self.params = ddp_parameters(ddp)
         self.order: tuple[int, ...] | None = None
         self.failed = False
@@ -57,7 +58,7 @@ class ReadyOrder:
 
     def _forward(self, _module: nn.Module, _args: Any) -> None:
         # DDP's _pre_forward prepares a reducing backward under this same condition
-        if not (torch.is_grad_enabled() and getattr(self.ddp, "require_backward_grad_sync",
+        if not (torch.is_grad_enabled() and getattr(self._ddp, "require_backward_grad_sync",
                                                       True)):
             return
         if self._seen:  # a reducing pass that left gradients out: not DDP's order to read
@@ -78,11 +79,13 @@ class ReadyOrder:
         return hook
 
     def close(self) -> None:
-        """Remove the hooks (idempotent)."""
+        """Remove the hooks and let go of the module and its parameters (idempotent)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._armed = False
+        self._ddp = None
+        self.params = []
 
 
 def ddp_parameters(ddp: nn.Module) -> list[torch.Tensor]:
@@ -109,8 +112,7 @@ def agreed_order(recorder: ReadyOrder | None) -> tuple[int, ...] | None:
     import torch.distributed as dist
 
     mine = recorder.order if recorder is not None else None
-    ddp = recorder.ddp if recorder is not None else None
-    group = getattr(ddp, "process_group", None)
+    group = recorder.group if recorder is not None else None
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return mine
     box: list[Any] = [mine]
