@@ -19,6 +19,7 @@ what the script prints after ``finish()`` is plain text again. Output that does 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import sys
 import threading
@@ -100,18 +101,67 @@ def install(command: str, rank: int) -> JsonStdout:
                tb: TracebackType | None) -> None:
         found.excepthook(kind, value, tb)  # the traceback on stderr, as without JSON
         found.events.end_line()
-        said = str(value).strip().splitlines()
-        code = 130 if issubclass(kind, KeyboardInterrupt) else 1
-        text = "".join(traceback.format_exception(kind, value, tb)).rstrip()
-        found.stdout.write(json_error(command, f"rank {rank} ({kind.__name__}"
-                                      + (f": {said[0]})" if said else ")"), code,
-                                      rank=rank, traceback=text) + "\n")
-        found.stdout.flush()
+        _say_error(found.stdout, command, rank, kind, value, tb)
 
     found.hook = failed
     sys.stdout = found.events
     sys.excepthook = failed
     return found
+
+
+# Set on an exception every rank raises alike (a plan or model plait refuses before any rank
+# could differ): its error event is written once, by rank 0, not once per rank.
+EVERY_RANK = "_plait_every_rank"
+_SAID = "_plait_error_said"  # its error event is written: a second hook does not repeat it
+
+
+def mark_every_rank(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as raised alike on every rank (:data:`EVERY_RANK`); returns it."""
+    setattr(exc, EVERY_RANK, True)
+    return exc
+
+
+def _say_error(stream: TextIO, command: str, rank: int, kind: type[BaseException],
+               value: BaseException, tb: TracebackType | None) -> None:
+    """Write the ``error`` event of an uncaught exception on ``stream``: every rank's own, or
+    rank 0's alone for one every rank raises alike; once per exception."""
+    alike = getattr(value, EVERY_RANK, False)
+    if getattr(value, _SAID, False) or (alike and rank != 0):
+        return
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(value, _SAID, True)
+    said = str(value).strip().splitlines()
+    code = 130 if issubclass(kind, KeyboardInterrupt) else 1
+    text = "".join(traceback.format_exception(kind, value, tb)).rstrip()
+    what = kind.__name__ + (f": {said[0]}" if said else "")
+    if alike:  # no rank to name: "ValueError: invalid plan: ..."
+        message, fields = what, {}
+    else:
+        message, fields = f"rank {rank} ({what})", {"rank": rank}
+    stream.write(json_error(command, message, code, **fields, traceback=text) + "\n")
+    stream.flush()
+
+
+def say_if_uncaught(command: str, exc: BaseException, rank: int) -> None:
+    """``format="json"`` asked for, but refused before :func:`install` ran (a bad plan given
+    to plait.init in code, raised alike on every rank): if ``exc`` ends the process uncaught,
+    stdout ends with its ``error`` event, rank 0's alone, after the traceback on stderr. A
+    script that catches it sees nothing written. Chained after the current ``sys.excepthook``,
+    for this exception only."""
+    mark_every_rank(exc)
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException,
+             tb: TracebackType | None) -> None:
+        previous(kind, value, tb)
+        if value is exc:
+            end_line = getattr(sys.stdout, "end_line", None)
+            if callable(end_line):  # plait's JSON stdout: a partial line ended first
+                end_line()
+            _say_error(getattr(sys.stdout, "stream", sys.stdout), command, rank, kind,
+                       value, tb)
+
+    sys.excepthook = hook
 
 
 def restore(found: JsonStdout) -> None:

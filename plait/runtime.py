@@ -109,6 +109,10 @@ class Run:
     # read before layout when the ledger is on under ZeRO-3 alone: which blocks FSDP2 gathers
     # again for backward. None: not read.
     _input_grad: bool | None = None
+    # id(DDP module) -> plait.comm.ready_order.ReadyOrder when the ledger is on: the order its
+    # gradients became ready in its first reducing step, which DDP's buckets follow (its hooks
+    # leave the model once that step is read).
+    _ready: dict[int, Any] = field(default_factory=dict)
     _tokens: bool = True  # whether the first input held integer token ids
     # Rank 0's bar / plain lines and TensorBoard scalars (plait.progress.Progress), made at
     # the first step unless init() made it; ``plot``: a PNG of loss and per-rank step time
@@ -255,7 +259,19 @@ class Run:
         """Lay ``model`` out for the plan (pipeline split, TP/SP, checkpointing, FSDP/DDP).
 
         With ``plan="auto"`` the first call asks the planner for this model's layout, prints the
-        choice and why (rank 0), and builds the mesh for it (see ``plait.auto``)."""
+        choice and why (rank 0), and builds the mesh for it (see ``plait.auto``). A model or
+        plan it refuses raises ValueError; under ``format="json"`` its ``error`` event, if
+        uncaught, is written once (rank 0's): every rank lays out the same model and plan."""
+        try:
+            return self._lay_out(model)
+        except ValueError as exc:
+            if self.format == "json":
+                from .json_stdout import mark_every_rank
+
+                mark_every_rank(exc)
+            raise
+
+    def _lay_out(self, model: nn.Module) -> nn.Module:
         from .parallel.compile import compiled_original
 
         original = compiled_original(model)
@@ -293,6 +309,10 @@ class Run:
 
             self._input_grad = stack_input_grad(model, self.device.type)
         out = _parallelize(model, self._mesh(), self.plan, device=self.device)
+        if self.ledger is not None and isinstance(out, nn.parallel.DistributedDataParallel):
+            from .comm.ready_order import ReadyOrder
+
+            self._ready[id(out)] = ReadyOrder(out)
         self._models.append(out)
         self._resume_weights(out)
         return out
@@ -1015,10 +1035,15 @@ class Run:
         zero1 = [p for _, sharded in self._sharded_optimizers.values()
                  for group in sharded.param_groups for p in group["params"]]
         pp_rank = self._mesh()["pp"].get_local_rank() if self.plan.pp > 1 else 0
+        from .comm.ready_order import agreed_order
+
+        # rank 0's order on every rank, as DDP rebuilds its buckets (every rank holds the same
+        # DDP modules, recorded alike)
+        orders = {key: agreed_order(recorder) for key, recorder in self._ready.items()}
         return expected_for_models(self._models, self.plan, self._batch_shape,
                                    optimizer_params=zero1 or None, stats=self._stats,
                                    pp_rank=pp_rank, tokens=self._tokens,
-                                   input_grad=self._input_grad)
+                                   input_grad=self._input_grad, ready_orders=orders)
 
     def finish(self, print_summary: bool = True) -> dict[str, Any]:
         """Print the summary on rank 0, free the models and leave the process group; with
@@ -1107,6 +1132,9 @@ class Run:
         if self.progress is not None:
             self.progress.close()
         self._models.clear()
+        for recorder in self._ready.values():  # it holds its DDP module: freed with the rest
+            recorder.close()
+        self._ready.clear()
         self._sharded_optimizers.clear()
         if self._memory is not None:
             self._memory.remove()
@@ -1310,6 +1338,10 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
                      format=format)
     except ValueError as exc:
         if not from_argv:
+            if format == "json":  # every rank refuses the same plan: one error event
+                from .json_stdout import say_if_uncaught
+
+                say_if_uncaught(_script_name(), exc, _env_rank())
             raise
         _refuse_argv(exc, format)
 
@@ -1320,11 +1352,15 @@ def _refuse_argv(exc: ValueError, format: str | None) -> NoReturn:
     stdout that ``plait run --format json`` ends with."""
     from .json_stdout import refuse
 
+    refuse(_script_name(), str(exc), json=format == "json", rank=_env_rank())
+
+
+def _env_rank() -> int:
+    """This process's rank as torchrun sets it (0 without torchrun, or where unreadable)."""
     try:
-        rank = int(os.environ.get("RANK", "0"))
+        return int(os.environ.get("RANK", "0"))
     except ValueError:
-        rank = 0
-    refuse(_script_name(), str(exc), json=format == "json", rank=rank)
+        return 0
 
 
 def _script_name() -> str:

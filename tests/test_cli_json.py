@@ -273,6 +273,69 @@ def test_a_bad_plan_without_plait_run_is_an_error_event(tmp_path, ranks):
             break
 
 
+# A plan given in code under format="json": refused by plait.init (PLAN), or by
+# run.parallelize for this model (a Linear alone, no blocks to split or checkpoint).
+IN_CODE = """
+import sys
+import torch
+import plait
+
+run = plait.init(plan=PLAN, format="json")
+model = run.parallelize(torch.nn.Linear(6, 3))
+print("should not run")
+"""
+
+
+@pytest.mark.parametrize("ranks,plan,before,said", [
+    (1, '"dp=3"', [], "= 3 != world size 1; make the degrees multiply to 1"),
+    (1, '"activation_checkpointing=full"', ["plan"],
+     "activation_checkpointing='full' needs repeated blocks"),
+    pytest.param(1, '{"tp": 0}', [], "tp=0 must be a positive integer, e.g. tp=2",
+                 marks=pytest.mark.slow),
+    pytest.param(2, '"dp=3"', [], "= 3 != world size 2; make the degrees multiply to 2",
+                 marks=pytest.mark.slow),
+    pytest.param(2, '"tp=2"', ["plan"], "cannot infer a tensor-parallel plan for Linear",
+                 marks=pytest.mark.slow)])
+def test_a_bad_plan_in_code_is_one_error_event(tmp_path, ranks, plan, before, said):
+    """A plan plait.init refuses (degrees that do not multiply to the world size, a degree
+    of 0) or one run.parallelize refuses for the model, given in code under format="json":
+    stdout is one error event (rank 0's: every rank refuses the same plan) naming the bad
+    value and the fix, the traceback on stderr, exit 1 (torchrun's 1 too)."""
+    script = tmp_path / "train.py"
+    script.write_text(IN_CODE.replace("PLAN", plan))
+    out = script_run(script, ranks=ranks)
+    assert out.returncode == 1, (out.returncode, out.stderr)
+    got = events(out.stdout)
+    assert [e["event"] for e in got] == [*before, "error"], got
+    error = got[-1]
+    assert error["error"].startswith("ValueError: ") and said in error["error"], error
+    assert error["exit_code"] == 1 and error["command"] == "train.py", error
+    assert "rank" not in error, error
+    assert error["traceback"].endswith(error["error"].split(": ", 1)[1]), error
+    assert said in out.stderr and "Traceback" in out.stderr, out.stderr
+
+
+def test_a_bad_plan_in_code_caught_by_the_script_writes_nothing(capsys):
+    """plait.init's refusal under format="json" writes its error event only if it ends the
+    process: a script that catches it sees nothing on stdout, and the hook left behind says
+    nothing of any other exception."""
+    import plait
+
+    hook = sys.excepthook
+    try:
+        with pytest.raises(ValueError, match="!= world size 1") as caught:
+            plait.init(plan="dp=3", format="json")
+        assert capsys.readouterr().out == ""
+        other = RuntimeError("not the plan's")
+        sys.excepthook(RuntimeError, other, None)
+        assert capsys.readouterr().out == ""
+        sys.excepthook(ValueError, caught.value, caught.value.__traceback__)
+        [error] = events(capsys.readouterr().out)
+        assert error["error"].startswith("ValueError: invalid plan: "), error
+    finally:
+        sys.excepthook = hook
+
+
 def test_an_uncaught_exception_without_plait_run_ends_with_an_error_event(tmp_path):
     """The script raises after init: its traceback on stderr as always, and stdout's last
     line the error event naming the rank, with the traceback and exit code 1."""

@@ -13,7 +13,7 @@ import pytest
 
 from plait.comm.predict import calls_by_axis_op, expected_rows
 from plait.comm.report import UNKNOWN_CALLS_NOTE, CommReport, Expected
-from plait.comm.volumes import Traffic, ddp_bucket_calls, ddp_traffic
+from plait.comm.volumes import Traffic, ddp_bucket_calls, ddp_bucket_calls_any_order, ddp_traffic
 from plait.spawn import run_distributed
 from tests import _workers_ledger_any as A
 from tests import _workers_ledger_calls as W
@@ -30,6 +30,11 @@ def test_ddp_bucket_count_follows_torchs_rule():
     assert ddp_bucket_calls(fp32, 25 * MB) == 1
     assert ddp_bucket_calls(fp32[::-1], 1 * MB) == 2
     assert ddp_bucket_calls(fp32 + [("torch.bfloat16", 10)], 25 * MB) == 2  # a bucket per dtype
+    # without the order: known where no order closes a bucket before the last tensor
+    assert ddp_bucket_calls_any_order(fp32, 25 * MB) == 1
+    assert ddp_bucket_calls_any_order(fp32 + [("torch.bfloat16", 10)], 25 * MB) == 2
+    assert ddp_bucket_calls_any_order(fp32, 2 * MB) == 1  # under 2 MiB before any last one
+    assert ddp_bucket_calls_any_order(fp32, 1.8 * MB) is None  # 1 or 2 by the order
     # bytes alone: one bucket is certain, more are not (their count needs the tensors)
     assert ddp_traffic(1e6, 2)[0].calls_known
     assert not ddp_traffic(60 * MB / 4, 2)[0].calls_known
@@ -39,8 +44,10 @@ def test_ddp_bucket_count_follows_torchs_rule():
 def test_ddp_buckets_measured_equal_expected(cap, buckets):
     """plait's DDP at several bucket caps on 2 gloo ranks: the ledger's all-reduce count is the
     expected calls, read off the laid-out model (not payload / cap: 5 and 3 buckets for the
-    first two)."""
-    row = _ddp_rows()[cap]
+    first two). Without the order the gradients became ready in, the count is known only
+    where every order gives it (one bucket at 25 MiB)."""
+    row, unordered = _ddp_rows()[cap]
+    assert unordered == (1 if buckets == 1 else None)
     assert row["count"] == buckets, row
     assert row["expected_calls"] == buckets and row["calls_ratio"] == 1.0, row
     assert row["ratio"] == pytest.approx(1.0), row
@@ -61,15 +68,17 @@ def test_ddp_buckets_without_a_rebuild(find_unused, buckets):
                                                            row["expected_bytes"])
 
 
-_CACHE: dict[float, dict] = {}
+_CACHE: dict[float, tuple[dict, int | None]] = {}
 
 
-def _ddp_rows() -> dict[float, dict]:
-    """The three caps measured once, in one 2-rank run."""
+def _ddp_rows() -> dict[float, tuple[dict, int | None]]:
+    """The three caps measured once, in one 2-rank run: the all-reduce row, and the bucket
+    count read without the gradients' order."""
     if not _CACHE:
         got = run_distributed(W.ddp_buckets, 2, [0.5, 1.0, 25.0], timeout=240)[0]
         for cap, report in got.items():
-            _CACHE[cap] = next(r for r in report["rows"] if (r["axis"], r["op"]) == AR)
+            _CACHE[cap] = (next(r for r in report["rows"] if (r["axis"], r["op"]) == AR),
+                           report["unordered"])
     return _CACHE
 
 
@@ -82,6 +91,20 @@ def test_a_model_over_one_bucket_through_the_runtime():
     row = next(r for r in parsed["rows"] if (r["axis"], r["op"]) == AR)
     assert row["count"] == 2 and row["expected_calls"] == 2 and row["calls_ratio"] == 1.0, row
     assert UNKNOWN_CALLS_NOTE not in parsed["notes"]
+
+
+def test_a_model_run_in_another_order_than_registered():
+    """A model that registers its head before its body (``HeadFirst``): DDP's buckets follow
+    the order its gradients became ready in the first step, one bucket where the
+    parameters' reversed order would fill two; the expected calls are read from the run, so
+    they are the measured ones."""
+    comm = run_distributed(A.ledger_runs, 2, "dp=2", ["head_first"],
+                           table={"head_first": W.head_first}, vocab=16, timeout=240
+                           )[0]["head_first"]["comm"]
+    row = next(r for r in comm["rows"] if (r["axis"], r["op"]) == AR)
+    assert row["count"] == 1, row  # measured: one bucket
+    assert row["expected_calls"] == 1 and row["calls_ratio"] == 1.0, row
+    assert UNKNOWN_CALLS_NOTE not in comm["notes"]
 
 
 def test_report_shows_expected_calls_and_dash_where_unknown():

@@ -197,16 +197,36 @@ def test_plan_auto_ranks_a_convnet_instead_of_taking_ddp_unpriced():
     assert "not searched: pp: BatchNorm stem.1" in text, text
 
 
+def _ready_on_real_tensors(model, x):
+    """The order a real backward makes ``model``'s gradients ready in (indices into its
+    parameters), read by a hook on each."""
+    order = []
+    params = list(model.parameters())
+    handles = [p.register_post_accumulate_grad_hook(lambda _p, i=i: order.append(i))
+               for i, p in enumerate(params)]
+    try:
+        model(x).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    return order
+
+
 def test_ddp_and_zero1_calls_are_the_ledgers():
-    """The planner's DDP all-reduces are the ledger's buckets (filled in reverse parameter
-    order, each closed once it holds the cap), and ZeRO-1 broadcasts each parameter tensor."""
+    """The planner's DDP all-reduces are the ledger's buckets (filled in the order the
+    backward makes the gradients ready, each closed once it holds the cap), and ZeRO-1
+    broadcasts each parameter tensor."""
     from plait.comm.volumes import ddp_bucket_calls
     from plait.planner.whole_model import from_module, held
     from tests._any_models import ResNet
 
     model = ResNet()
     whole = from_module(model)
-    sizes = [("fp32", 4.0 * p.numel()) for p in reversed(list(model.parameters()))]
+    params = list(model.parameters())
+    order = _ready_on_real_tensors(model, torch.randn(2, *whole.sample_shape))
+    assert list(whole.grad_order) == order
+    sizes = [("fp32", 4.0 * params[i].numel()) for i in order]
     cap = 4096.0
     assert 2 < ddp_bucket_calls(sizes, cap) < len(sizes)  # several buckets, not one per tensor
     assert held(whole, Plan(dp_replicate=2), cap).grad_calls == ddp_bucket_calls(sizes, cap)
@@ -381,3 +401,50 @@ def test_the_search_accumulates_gradients_where_a_model_without_batchnorm_does_n
                                      c).memory_bytes_per_device * 0.999)
     assert all(e.plan.grad_accum == 1
                for e in rank(resnet, tight, 64, dtype="fp32", c=c, top=0).ranked)
+def test_ready_order_on_real_tensors_where_fake_ones_cannot_run():
+    """A GRU over packed sequences (lengths read off the values: no fake pass): the order is
+    read on one real sample with copies of the parameters, as a real backward shows it, and
+    the model's own parameters get no gradient."""
+    from plait.planner.whole_model import ready_order
+    from tests._any_models import gru_packed
+
+    model, data, _ = gru_packed()
+    tokens = data[0][0]
+    order = ready_order(model, tokens)
+    assert all(p.grad is None for p in model.parameters())
+    assert order is not None and list(order) == _ready_on_real_tensors(model, tokens[None])
+
+
+def test_ddp_calls_in_the_order_gradients_become_ready():
+    """A model that registers its head before its body (``HeadFirst``): the planner reads the
+    order its gradients become ready in from a backward on fake tensors, the order a real
+    backward shows, and counts one DDP bucket at 25 MiB, as the ledger measures on two ranks
+    (tests/test_ledger_calls.py); the parameters' reversed order would count two. Where the
+    pass shows no order, the count is not claimed."""
+    import dataclasses
+
+    from plait.comm.volumes import DDP_BUCKET_BYTES, ddp_bucket_calls
+    from plait.planner.whole_model import held, measure
+    from tests._workers_ledger_calls import HeadFirst
+
+    torch.manual_seed(0)
+    model = HeadFirst()
+    whole = measure(model, torch.randint(0, 16, (8,)), name="HeadFirst")
+    tokens = torch.randint(0, 16, (2, 8))
+    assert list(whole.grad_order) == _ready_on_real_tensors(model, tokens)
+    assert held(whole, Plan(dp_replicate=2)).grad_calls == 1
+    reversed_sizes = [("fp32", 4.0 * p.numel()) for p in reversed(list(model.parameters()))]
+    assert ddp_bucket_calls(reversed_sizes, DDP_BUCKET_BYTES) == 2
+    unknown = dataclasses.replace(whole, grad_order=None)
+    assert held(unknown, Plan(dp_replicate=2)).grad_calls is None
+    traffic = _grads_row(unknown)
+    assert not traffic.calls_known, traffic
+
+
+def _grads_row(whole):
+    """The DDP gradients row the planner prices ``whole`` with at dp_replicate=2."""
+    from plait.comm.held import held_traffic
+    from plait.planner.whole_model import held
+
+    plan = Plan(dp_replicate=2)
+    return next(t for t in held_traffic(plan, held(whole, plan)) if t.op == "all_reduce")

@@ -6,8 +6,10 @@ plait has laid the model out, so it is read off the laid-out model itself (``hel
 * DDP (``dp_replicate``; ZeRO-1 over the flattened ``dp`` axis) all-reduces the gradients of the
   parameters that require grad, each tensor once however many names it has (a tied embedding
   and head), in buckets whose payload is those gradients' bytes, once per optimizer step
-  (``no_sync`` while accumulating). Before the first forward of each step it broadcasts the
-  module's buffers from rank 0 (``broadcast_buffers``, torch's default).
+  (``no_sync`` while accumulating); the buckets are filled in the order the gradients became
+  ready in the run (``plait.comm.ready_order``), which sets how many there are. Before the
+  first forward of each step it broadcasts the module's buffers from rank 0
+  (``broadcast_buffers``, torch's default).
 * ZeRO-1's ``ZeroRedundancyOptimizer`` broadcasts every parameter its optimizer holds from the
   rank that updated it, on ``dp_shard``: frozen ones too, when the optimizer was given them.
 * FSDP2 (ZeRO-2/3, HSDP) moves flat buffers per unit (a module ``fully_shard`` made an
@@ -42,7 +44,7 @@ predicted for plait's reference transformer only (``plait.comm.predict``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +53,7 @@ import torch.nn as nn
 
 from .predict import FP32, _dp_axis, _ledger_axis
 from .reach import reached, regathered
-from .volumes import Traffic, ddp_bucket_calls
+from .volumes import Traffic, ddp_bucket_calls, ddp_bucket_calls_any_order
 
 
 @dataclass(frozen=True)
@@ -184,12 +186,18 @@ def shard_units(model: nn.Module, input_grad: bool | None = None) -> tuple[Shard
 
 
 def held_model(model: nn.Module, optimizer_params: Iterable[torch.Tensor] | None = None,
-               input_grad: bool | None = None) -> HeldModel:
+               input_grad: bool | None = None,
+               ready_order: Sequence[int] | None = None) -> HeldModel:
     """Read a ``HeldModel`` off a model ``plait.parallelize`` returned (DDP-wrapped, FSDP2 or
     plain). ``optimizer_params``: what the optimizer updates (ZeRO-1 broadcasts exactly those);
     by default the parameters that require grad. ``input_grad``: :func:`stack_input_grad` of
-    the model before layout."""
+    the model before layout. ``ready_order``: under DDP, the order its gradients became ready
+    in its first reducing backward (``plait.comm.ready_order``, indices into
+    ``ready_order.ddp_parameters``); without it DDP's bucket count is known only where every
+    order gives the same one."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .ready_order import ddp_parameters
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     buffers = 0
@@ -198,14 +206,20 @@ def held_model(model: nn.Module, optimizer_params: Iterable[torch.Tensor] | None
     used_map = 0
     if isinstance(model, DDP):
         # DDP rebuilds its buckets after the first step in the order the gradients became
-        # ready: the parameters' reversed (a forward that runs the modules in the order they
-        # were registered); under find_unused_parameters it never rebuilds, keeping the
-        # buckets it filled in the parameters' order
-        order = trainable if model.find_unused_parameters else trainable[::-1]
+        # ready, which only the run shows (a head registered before the body, a reused module
+        # or a branchy forward make it other than the parameters' reversed); under
+        # find_unused_parameters it never rebuilds, keeping the buckets it filled in the
+        # parameters' order
+        params = ddp_parameters(model)
+        sizes = [(str(p.dtype), float(p.numel() * p.element_size())) for p in params]
         if model.find_unused_parameters:
-            used_map = 4 * len({id(p) for p in trainable})
-        grad_calls = ddp_bucket_calls([(str(p.dtype), float(p.numel() * p.element_size()))
-                                       for p in order], model.bucket_bytes_cap)
+            used_map = 4 * len(params)
+            grad_calls = ddp_bucket_calls(sizes, model.bucket_bytes_cap)
+        elif ready_order is not None and sorted(ready_order) == list(range(len(params))):
+            grad_calls = ddp_bucket_calls([sizes[i] for i in ready_order],
+                                          model.bucket_bytes_cap)
+        else:
+            grad_calls = ddp_bucket_calls_any_order(sizes, model.bucket_bytes_cap)
         if model.broadcast_buffers:
             ignored: set[str] = getattr(model, "parameters_to_ignore", set())
             bufs = [b for n, b in model.module.named_buffers() if n not in ignored]

@@ -316,6 +316,10 @@ class LocalModel:
     # trainable parameter tensor at its local size, in the module's parameter order: what
     # DDP's buckets are filled from (ddp_bucket_calls); None: not read (from_config)
     grad_tensor_bytes: tuple[tuple[tuple[str, float], ...], ...] | None = None
+    # Where the rank holds one module under DDP: the order its gradients became ready in the
+    # run (indices into grad_tensor_bytes[0], ``plait.comm.ready_order``); None: the
+    # parameters' reversed, as a forward that runs the modules in their order makes it
+    grad_ready_order: tuple[int, ...] | None = None
 
     def stage_parts(self) -> list[tuple[int, int, float, float]]:
         """``(stage, blocks, block parameters, root parameters)`` of each stage this rank
@@ -571,8 +575,9 @@ def _ddp_grads(local: LocalModel, grads: float, n: int, grad_dtype: str, axis: s
                find_unused: bool = False) -> list[Traffic]:
     """DDP's gradient all-reduce (``volumes.ddp_traffic``) with its bucket count taken from
     the tensors this rank holds where ``local`` has them: each stage's DDP fills its own
-    buckets in the order the backward pass makes gradients ready (the parameters' order
-    reversed, a stack run front to back), or under ``find_unused`` (which never rebuilds
+    buckets in the order the backward pass makes gradients ready (recorded in the run where
+    the rank holds one DDP module, ``LocalModel.grad_ready_order``; otherwise the parameters'
+    order reversed, a stack run front to back), or under ``find_unused`` (which never rebuilds
     them) in the parameters' order, each DDP then also all-reducing which parameters its
     rank used (one int32 per gradient tensor) once a step; after a zero-bubble schedule
     plait's own ``average_in_buckets`` fills them in parameter order, over all of the rank's
@@ -583,6 +588,8 @@ def _ddp_grads(local: LocalModel, grads: float, n: int, grad_dtype: str, axis: s
         return out
     if after_schedule:
         calls = ddp_bucket_calls([t for module in sizes for t in module], bucket_bytes)
+    elif local.grad_ready_order is not None and len(sizes) == 1 and not find_unused:
+        calls = ddp_bucket_calls([sizes[0][i] for i in local.grad_ready_order], bucket_bytes)
     else:
         calls = sum(ddp_bucket_calls(module if find_unused else module[::-1], bucket_bytes)
                     for module in sizes if module)
@@ -987,8 +994,11 @@ def _find_config(model: Any) -> Any:
     return None
 
 
-def local_model(model: Any, plan: Any) -> LocalModel:
-    """Read a ``LocalModel`` off a model ``plait.parallelize`` returned.
+def local_model(model: Any, plan: Any, ready_order: tuple[int, ...] | None = None
+                ) -> LocalModel:
+    """Read a ``LocalModel`` off a model ``plait.parallelize`` returned; ``ready_order``: the
+    order its gradients became ready in the run, where it is one DDP module
+    (``plait.comm.ready_order``).
 
     Parameters are counted at their tensor-parallel-local size, the piece this rank holds (a
     dim tp does not divide is cut as ``torch.chunk`` cuts it, the first piece the largest):
@@ -1080,7 +1090,9 @@ def local_model(model: Any, plan: Any) -> LocalModel:
                       stage_layers=tuple(stage_layers) if per_stage else None,
                       stage_roots=tuple(stage_roots) if per_stage else None,
                       stage_params=tuple(stage_params) if per_stage else None,
-                      grad_tensor_bytes=tuple(sizes))
+                      grad_tensor_bytes=tuple(sizes),
+                      grad_ready_order=ready_order if len(sizes) == 1 and ready_order is not None
+                      and sorted(ready_order) == list(range(len(sizes[0]))) else None)
 
 
 def reads_trace(plan: Any) -> bool:
@@ -1122,7 +1134,8 @@ def planner_stats(model: Any, device_type: str = "cpu", plan: Any = None) -> Any
 def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ...] | None,
                         optimizer_params: list[Any] | None = None, stats: Any = None,
                         pp_rank: int = 0, tokens: bool = True,
-                        input_grad: bool | None = None
+                        input_grad: bool | None = None,
+                        ready_orders: dict[int, tuple[int, ...] | None] | None = None
                         ) -> Expected | None:
     """Predicted payload bytes per (axis, op) per step, with the calls carrying them
     (:class:`plait.comm.report.Expected`), or None where plait has no closed form.
@@ -1137,7 +1150,9 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     blocks it prices from the layer plan plait lays them out with (``tokens``: the first input
     was integer token ids; :func:`why_no_expected` says where it cannot); ``input_grad``:
     whether the first block's input needs a gradient (``plait.comm.held.stack_input_grad``,
-    taken before layout; None: where an embedding trains). The ledger's report
+    taken before layout; None: where an embedding trains); ``ready_orders``: by ``id`` of each
+    DDP module, the order its gradients became ready in the run (``plait.comm.ready_order``),
+    which DDP's bucket count follows. The ledger's report
     compares each row's busiest rank, and ranks hold different parts of the model (pipeline
     stages), so each rank predicts its own traffic and the per-(axis, op) maximum over ranks is
     returned, with the calls of the rank predicted the most bytes: a collective when a process
@@ -1163,12 +1178,14 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
             per_rank = rank_traffic(plan, stats, batch * plan.dp, seq)
             mine = expected_rows(per_rank[0]) if per_rank else None
         else:
-            mine = expected_rows(held_traffic(plan, held_model(models[-1], optimizer_params))
-                              + cp_step_traffic(plan, stats, batch // plan.grad_accum, seq))
+            held = held_model(models[-1], optimizer_params,
+                              ready_order=(ready_orders or {}).get(id(models[-1])))
+            mine = expected_rows(held_traffic(plan, held)
+                                 + cp_step_traffic(plan, stats, batch // plan.grad_accum, seq))
     elif cfg is not None and batch_shape is not None and len(batch_shape) == 2:
         batch, seq = batch_shape
-        mine = expected_rows(predict(plan, cfg, batch // plan.grad_accum, seq,
-                                  local=local_model(models[-1], plan)))
+        local = local_model(models[-1], plan, (ready_orders or {}).get(id(models[-1])))
+        mine = expected_rows(predict(plan, cfg, batch // plan.grad_accum, seq, local=local))
     elif cfg is None and (plan.tp > 1 or plan.pp > 1):
         if batch_shape is not None and why_no_expected(plan, stats, batch_shape, tokens) is None:
             from ..planner.cost import rank_traffic
@@ -1180,8 +1197,9 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     elif cfg is None and models and plan.tp == 1 and plan.pp == 1:
         from .held import held_model, held_traffic
 
-        mine = expected_rows(held_traffic(plan, held_model(models[-1], optimizer_params,
-                                                        input_grad)))
+        mine = expected_rows(held_traffic(plan, held_model(
+            models[-1], optimizer_params, input_grad,
+            ready_order=(ready_orders or {}).get(id(models[-1])))))
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return mine
     everyone: list[Any] = [None] * dist.get_world_size()

@@ -192,6 +192,22 @@ def ddp_bucket_calls(tensor_bytes: Sequence[tuple[str, float]], bucket_bytes: fl
     return calls + sum(1 for v in held.values() if v > 0)
 
 
+def ddp_bucket_calls_any_order(tensor_bytes: Sequence[tuple[str, float]],
+                               bucket_bytes: float) -> int | None:
+    """:func:`ddp_bucket_calls` where the order the gradients become ready is not known: the
+    count where every order gives the same one (per dtype, all but the smallest tensor stay
+    under the cap, so no bucket closes before the last tensor: one bucket per dtype), else
+    None."""
+    total: dict[str, float] = {}
+    least: dict[str, float] = {}
+    for dtype, size in tensor_bytes:
+        total[dtype] = total.get(dtype, 0.0) + size
+        least[dtype] = min(least.get(dtype, size), size)
+    if all(total[d] - least[d] < bucket_bytes for d in total):
+        return sum(1 for v in total.values() if v > 0)
+    return None
+
+
 def zero_traffic(params: int, dp_shard: int, stage: int, *,
                  param_dtype: str | torch.dtype = "fp32",
                  grad_dtype: str | torch.dtype = "fp32", micro_steps: int = 1,

@@ -35,7 +35,13 @@ import torch
 import torch.nn as nn
 
 from ..comm.held import HeldModel, ShardUnit, held_traffic
-from ..comm.volumes import DDP_BUCKET_BYTES, Traffic, by_axis, ddp_bucket_calls
+from ..comm.volumes import (
+    DDP_BUCKET_BYTES,
+    Traffic,
+    by_axis,
+    ddp_bucket_calls,
+    ddp_bucket_calls_any_order,
+)
 from ..plan import Plan
 from .compute import core_share
 from .hardware import Cluster
@@ -86,6 +92,9 @@ class WholeModel:
     batchnorm: tuple[tuple[str, int], ...] = ()   # (name, channels) per BatchNorm layer
     blocks: tuple[Block, ...] = ()                # what activation checkpointing wraps
     grad_sizes: tuple[int, ...] = ()              # elements per trainable tensor, in order
+    # The order the backward makes those gradients ready in (indices into grad_sizes), which
+    # DDP's rebuilt buckets follow (:func:`ready_order`); None: the pass could not show it
+    grad_order: tuple[int, ...] | None = None
     kinds: tuple[str, ...] = ()                   # "convolutions", "recurrent layers"
     notes: tuple[str, ...] = ()
     # aten ops one forward and its backward dispatch (plait.planner.op_count), whatever the
@@ -257,6 +266,65 @@ def _forward(model: nn.Module, sample: Any, n: int, blocks: list[tuple[str, nn.M
     return Forward(flops, saved[0], per_block, int(forward_ops.ops), int(backward_ops.ops))
 
 
+def _floats(out: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a forward's output that carry a gradient (a tensor, or
+    inside tuples, lists and dicts, a Hugging Face output included)."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() and out.requires_grad else []
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _floats(v)]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in _floats(v)]
+    return []
+
+
+def ready_order(model: nn.Module, sample: Any) -> tuple[int, ...] | None:
+    """The order the backward pass makes the gradients of ``model``'s trainable parameters
+    ready in (indices into them, each tensor once, in ``model.parameters()`` order): a forward
+    and backward with a post-accumulate-grad hook on each, the hook DDP's reducer records its
+    rebuilt buckets' order from (``plait.comm.ready_order``). The pass runs on fake tensors,
+    or where it cannot (a forward whose shapes depend on values) on one real sample with
+    copies of the parameters, the model's own left untouched. The backward starts from the
+    sum of every floating-point output, as a loss over them would. None where neither pass
+    runs or one leaves a parameter without a gradient."""
+    for fake in (True, False):
+        if not fake and any(p.is_meta for p in model.parameters()):
+            return None
+        try:
+            return _ready_pass(model, sample, fake)
+        except Exception:  # noqa: BLE001 - a pass that does not run says nothing
+            continue
+    return None
+
+
+def _ready_pass(model: nn.Module, sample: Any, fake: bool) -> tuple[int, ...] | None:
+    """:func:`ready_order`'s pass on fake tensors (``fake``) or on copies of the real ones."""
+    from torch.func import functional_call
+
+    from .._torch_compat import fake_tensor_mode
+
+    trainable = {id(p): i for i, p in enumerate(
+        {id(p): p for p in model.parameters() if p.requires_grad}.values())}
+    order: list[int] = []
+    with fake_tensor_mode()() if fake else contextlib.nullcontext():
+        state: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters():
+            leaf = (torch.empty(p.shape, dtype=p.dtype) if fake else p.detach().clone()
+                    ).requires_grad_(p.requires_grad)
+            if id(p) in trainable:
+                index = trainable[id(p)]
+                leaf.register_post_accumulate_grad_hook(lambda _t, i=index: order.append(i))
+            state[name] = leaf
+        state.update({k: torch.empty(b.shape, dtype=b.dtype) if fake else b.clone()
+                      for k, b in model.named_buffers()})
+        x = _batched(sample, 1) if fake else _real_batch(sample, 1)
+        outs = _floats(functional_call(model, state, (x,)))
+        if not outs:
+            return None
+        torch.autograd.backward([t.sum() for t in outs])
+    return tuple(order) if sorted(order) == list(range(len(trainable))) else None
+
+
 def measure(model: nn.Module, sample: Any, *, name: str = "", sample_from: str = "dataset",
             positions: int = 1) -> WholeModel:
     """The facts of ``model`` on inputs like ``sample`` (one sample, without a batch dim)."""
@@ -310,6 +378,7 @@ def measure(model: nn.Module, sample: Any, *, name: str = "", sample_from: str =
         name=label, params=sum(p.numel() for p in trainable),
         param_tensors=len({id(p) for p in trainable}),
         grad_sizes=tuple({id(p): p.numel() for p in trainable}.values()),
+        grad_order=ready_order(model, sample),
         frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         buffer_dtypes=tuple(dtypes.items()),
@@ -341,10 +410,15 @@ def held(model: WholeModel, plan: Plan, bucket_bytes: float = DDP_BUCKET_BYTES) 
                                 reduce_bytes=sum(_padded(s, S) for s in u.shapes) * 4,
                                 shards=S, regathered=plan.zero == 3 and not u.root)
                       for u in model.units)
-    # DDP's buckets filled in the order the backward makes gradients ready (the parameters'
-    # reversed), the ledger's count; ZeroRedundancyOptimizer broadcasts each tensor it updates
-    grad_calls = ddp_bucket_calls([("fp32", 4.0 * n) for n in reversed(model.grad_sizes)],
-                                  bucket_bytes) if model.grad_sizes else 1
+    # DDP's buckets filled in the order the backward makes gradients ready, the ledger's
+    # count (None where that order is not known and matters); ZeroRedundancyOptimizer
+    # broadcasts each tensor it updates
+    sizes = [("fp32", 4.0 * n) for n in model.grad_sizes]
+    grad_calls: int | None = 1
+    if model.grad_order is not None and model.grad_sizes:
+        grad_calls = ddp_bucket_calls([sizes[i] for i in model.grad_order], bucket_bytes)
+    elif model.grad_sizes:
+        grad_calls = ddp_bucket_calls_any_order(sizes, bucket_bytes)
     # DDP broadcasts its buffers coalesced per dtype (BatchNorm's fp32 statistics, its int64
     # batch count): one call each while a dtype's buffers fit one broadcast bucket (torch's
     # default, 250 MiB), as the ledger counts them (plait.comm.held.held_model)
