@@ -1134,11 +1134,13 @@ def pp_refusal(model: nn.Module, plan: Plan,
             check_schedule_args(plan.pp_schedule, plan.pp, plan.microbatches,
                                 plan.virtual_stages)
             path, specs = plan_stages(model, plan, chains)
+            # Stages first: their refusals name the model's own reason (T5's position bias,
+            # computed in block 0 and handed to every later block, is also a side input).
+            for spec in specs:
+                build_stage_module(model, path, spec)
             crossed = _side_input(model, path)
             if crossed is not None:
                 return crossed
-            for spec in specs:
-                build_stage_module(model, path, spec)
             owner = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
             for names in shared_parameters(model, path, specs):
                 if len({owner[s] for s in names}) == 1:
