@@ -359,11 +359,35 @@ def load_factory(spec: str) -> Callable[[], Any]:
     return fn
 
 
+def factory_failure(spec: str, exc: BaseException) -> str:
+    """``"--model 'pkg.mod:fn' raised FileNotFoundError: ... (pkg/mod.py line 12, in fn)"``: what
+    the user's factory raised and the line of theirs that raised it (the innermost frame outside
+    Python's and installed packages' files; a data path that does not exist fails inside
+    ``torch.load`` or ``open``), instead of a traceback through plait's worker processes."""
+    import sysconfig
+
+    installed = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
+                                                          "platlib"))
+    where = ""
+    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # past this frame
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not code.co_filename.startswith(installed) or not where:
+            where = f" ({code.co_filename} line {tb.tb_lineno}, in {code.co_name})"
+        tb = tb.tb_next
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{spec} raised {type(exc).__name__}: {message}{where}"
+
+
 def _user_parts(cfg: CheckConfig) -> tuple[nn.Module, Any, Callable | None]:
     """(model, dataset, loss_fn) from the user's factory, built under the check's seed."""
     torch.manual_seed(cfg.seed)
-    out = load_factory(cfg.factory)()  # type: ignore[arg-type]
+    factory = load_factory(cfg.factory)  # type: ignore[arg-type]
     spec = f"--model {cfg.factory!r}"
+    try:
+        out = factory()
+    except Exception as exc:  # noqa: BLE001 - the user's code: said as what it raised, where
+        raise ValueError(factory_failure(spec, exc)) from None
     if not isinstance(out, (tuple, list)) or len(out) != 3:
         raise ValueError(f"{spec} must return (model, dataset, loss_fn), got "
                          f"{type(out).__name__}")

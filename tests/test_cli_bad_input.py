@@ -125,24 +125,31 @@ def test_plot_into_a_folder_goes_inside_it(tmp_path):
 
 def test_errors_raised_in_the_workers_are_one_line_too(tmp_path, capsys, monkeypatch):
     """A factory that raises, or that returns the wrong thing, fails inside the worker
-    processes: said as the worker's message on one line, exit 2, not two tracebacks."""
+    processes: said as the worker's message on one line, exit 2, not two tracebacks; what a
+    factory raised (a data path that does not exist included) names the factory and its line."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))  # load_factory adds the directory
     monkeypatch.delitem(sys.modules, "mine", raising=False)  # another test's mine.py
     (tmp_path / "mine.py").write_text(
         "def boom():\n    raise ValueError('no such checkpoint: weights.pt')\n"
         "def two():\n    return 1, 2\n"
+        "def missing():\n    return open('no/such/images.pt', 'rb')\n"
         "import torch\n"
         "def tiny():\n    return (torch.nn.Linear(2, 2), [(torch.ones(2), torch.ones(2))] * 4,\n"
         "            torch.nn.functional.mse_loss)\n")
-    for spec, fragment in (("mine:boom", "no such checkpoint: weights.pt"),
+    here = tmp_path / "mine.py"
+    for spec, fragment in (("mine:boom", "--model 'mine:boom' raised ValueError: no such "
+                                         f"checkpoint: weights.pt ({here} line 2, in boom)"),
+                           ("mine:missing", "--model 'mine:missing' raised FileNotFoundError: "
+                                            "[Errno 2] No such file or directory: "
+                                            f"'no/such/images.pt' ({here} line 6, in missing)"),
                            ("mine:two", "must return (model, dataset, loss_fn)"),
                            ("mine:tiny", "the dataset has 4 items, fewer than one global batch "
                                          "of 8; use --global-batch 4 or less")):
         code = main(["check", "--plan", "dp=2", "--model", spec, "--timeout", "60",
                      "--global-batch", "8"])
         err = capsys.readouterr().err
-        assert code == 2, err
+        assert code == 2, (spec, err)
         assert fragment in err and len(err.strip().splitlines()) == 1, err
 
 
