@@ -153,6 +153,67 @@ def test_errors_raised_in_the_workers_are_one_line_too(tmp_path, capsys, monkeyp
         assert fragment in err and len(err.strip().splitlines()) == 1, err
 
 
+_READS_ITS_EMBEDDING = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(8, 16)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(16, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.embed.weight.mean(0)  # the weight, not the layer
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, 8), labels.reshape(-1))
+
+
+def factory():
+    ids = torch.randint(0, 8, (16, 6), generator=torch.Generator().manual_seed(0))
+    return Net(), [(ids[i], ids[i]) for i in range(16)], loss
+"""
+
+
+def test_a_forward_that_reads_a_split_weight_is_told_which_and_why(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A forward that reads its tied embedding's weight itself (``self.embed.weight.mean(0)``)
+    gets under tp=2 the vocabulary-split DTensor beside plain activations: one line naming the
+    split layers and the fix, exit 2, in place of DTensor's "got mixed torch.Tensor and
+    DTensor" traceback."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "reads_embed", raising=False)
+    (tmp_path / "reads_embed.py").write_text(_READS_ITS_EMBEDDING)
+    code = main(["check", "--plan", "tp=2", "--model", "reads_embed:factory", "--steps", "1",
+                 "--timeout", "120"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert ("Net's forward computed with a weight split over tp=2 beside plain tensors "
+            "(aten.add.Tensor got a DTensor and a torch.Tensor): the weights of embed, "
+            "blocks.*.up, blocks.*.down are DTensors") in err, err
+    assert "Call the layer instead (self.embed(ids))" in err, err
+    assert err.strip().splitlines()[-1].startswith("plait check: error: Net's forward"), err
+
+
 def test_a_sequence_tp_does_not_divide_is_refused_under_sp(capsys):
     """tp=2,sp on the reference model with 15 positions: the ranks refuse the batch at the
     model's input with one line, not abort in a collective whose shards differ in size."""
