@@ -471,7 +471,16 @@ def main(argv: list[str] | None = None) -> int:
     args._named = command_parsers(parser, args)[-1].prog.removeprefix(f"{parser.prog} ")
     try:
         with _signals_interrupt():
-            return args._commands[args.command](args)
+            code: int = args._commands[args.command](args)
+            sys.stdout.flush()  # here, where a reader that has gone is caught below
+            return code
+    except BrokenPipeError:  # the reader stopped early (`plait plan --format json | head`)
+        # Python's exit would flush into the closed pipe again and print a second error:
+        # point stdout at /dev/null and end as a process stopped by SIGPIPE does.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + int(getattr(signal, "SIGPIPE", 13))
     except ValueError as exc:  # a problem with what the user asked for: one line, exit 2
         return _failed(args, f"error: {exc}", 2)
     except WorkerError as exc:  # a rank crashed (check, comm, bench): its traceback, once

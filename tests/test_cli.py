@@ -29,6 +29,22 @@ def test_env_json_parses():
     assert info["versions"]["torch"]
 
 
+def test_a_reader_that_stops_early_ends_the_report_quietly():
+    """`plait schedule --format json | head -1`: the reader closes the pipe before the report is
+    written. The command ends as a process stopped by SIGPIPE does (141), with nothing on
+    stderr, not a BrokenPipeError traceback and a second error from Python's exit."""
+    read, write = os.pipe()
+    os.close(read)  # a reader that has already gone: the first write fails
+    try:
+        out = subprocess.run([sys.executable, "-m", "plait.cli", "schedule", "--pp", "2", "-m",
+                              "2", "--format", "json"], stdout=write, stderr=subprocess.PIPE,
+                             text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        os.close(write)
+    assert out.returncode == 141, out.stderr
+    assert out.stderr == "", out.stderr
+
+
 def test_help_teaches():
     out = plait("--help")
     assert out.returncode == 0
