@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -805,15 +806,17 @@ class Run:
             ckpt.pending.wait()
 
     def _stop_if_asked(self, step: int) -> None:
-        """After a step that some rank got SIGTERM during: every rank saves and leaves here."""
+        """After a step that some rank got SIGTERM (or Ctrl-C) during: every rank saves and
+        leaves here, with 128 + the signal (a rank told by another: SIGTERM's 143)."""
         if self._guard is None or not self._guard.last.stop:
             return
-        self.print(f"step {step}: stopping on SIGTERM"
+        signum = getattr(self._stop, "signum", None) or signal.SIGTERM
+        self.print(f"step {step}: stopping on {signal.Signals(signum).name}"
                    + (", saving a final checkpoint" if self._final_save else ""))
         if self._final_save is not None:
             self._final_save()
         self.close()
-        raise SystemExit(143)
+        raise SystemExit(128 + signum)
 
     def _loss_scaler(self) -> Any:
         """The fp16 loss scale (``plait.loss_scale.LossScaler``), None under fp32 and bf16."""
@@ -1127,6 +1130,8 @@ class Run:
 
             restore(self._json_stdout)
             self._json_stdout = None
+        if self._stop is not None:  # Ctrl-C and SIGTERM act at once again after the run
+            self._stop.uninstall()
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
