@@ -345,7 +345,8 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     except RuntimeError as exc:
         if isinstance(model, DDP) and _DDP_UNUSED in str(exc):
             raise ValueError(_unused_message(model, str(exc), plan)) from exc
-        if _MIXED in str(exc) and "tensor_parallel" in layout_of(model).applied:
+        if (_MIXED in str(exc) and exc.__cause__ is None  # not one plait already explained
+                and "tensor_parallel" in layout_of(model).applied):
             raise ValueError(_mixed_message(model, str(exc), plan)) from exc
         raise
     value = model_loss(out, loss_fn, targets)
