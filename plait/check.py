@@ -342,15 +342,21 @@ def load_factory(spec: str) -> Callable[[], Any]:
     import os
     import sys
 
+    from .factory_spec import file_path_hint
+
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"--model {spec!r}: expected a reference preset or "
-                         f"pkg.module:function, e.g. --model mymodels:build")
+                         f"pkg.module:function, e.g. --model mymodels:build"
+                         f"{file_path_hint(module_name, attr)}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        hint = file_path_hint(module_name, attr)
+        if hint:
+            raise ValueError(f"--model {spec!r}: cannot import it{hint}") from None
         raise ValueError(f"--model {spec!r}: cannot import {module_name!r} ({exc}); run from "
                          f"the directory that holds it or put it on PYTHONPATH") from None
     fn = getattr(module, attr, None)
@@ -855,8 +861,13 @@ def command(args: argparse.Namespace) -> int:
         with own_output:
             load_factory(factory)  # a bad spec fails here, before any process starts
     else:
+        from .factory_spec import file_path_hint
         from .models.transformer import PRESETS
 
+        hint = file_path_hint(args.model, "")
+        if hint:  # a file path, its factory forgotten too
+            raise ValueError(f"--model {args.model!r}: expected a reference preset or "
+                             f"pkg.module:function{hint}")
         if args.model not in PRESETS and "." in args.model:  # a module, its factory forgotten
             raise ValueError(f"--model {args.model!r}: expected a reference preset or "
                              f"pkg.module:function; name your factory after a colon, e.g. "

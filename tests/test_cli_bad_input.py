@@ -53,6 +53,17 @@ CASES = [
      "at most --seq 1024 and --global-batch 256"),
     (["check", "--plan", "dp=2", "--model", "examples.your_own_model"],
      "name your factory after a colon, e.g. --model examples.your_own_model:factory"),
+    # a factory given as a file path: the dotted name to write instead
+    (["check", "--plan", "dp=2", "--model", "models/vit.py:build"],
+     "'models/vit.py' is a file path: give the module's dotted name, e.g. --model "
+     "models.vit:build"),
+    (["check", "--plan", "dp=2", "--model", "./models/vit.py"],
+     "'./models/vit.py' is a file path: give the module's dotted name, e.g. --model "
+     "models.vit:factory"),
+    ([*PLAN[:2], "models/vit.py:build", *PLAN[3:]],
+     "'models/vit.py' is a file path: give the module's dotted name, e.g. --model "
+     "models.vit:build"),
+    ([*PLAN[:2], "models/vit.py", *PLAN[3:]], "e.g. --model models.vit:factory"),
     (["check", "--plan", "dp=2", "--lr", "-1"], "--lr=-1.0 must be a positive"),
     (["check", "--plan", "dp=1"], "runs on 1 rank: there is nothing to compare"),
     (["check", "--plan", "dp=2", "--batch-size", "3"],
