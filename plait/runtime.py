@@ -1362,6 +1362,15 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if (world_size != 1 or rank != 0) and "MASTER_ADDR" not in os.environ \
+            and not acc.spmd and not dist.is_initialized():
+        # A launcher sets all of them; without MASTER_ADDR the process would make a one-rank
+        # group and fail later in torch's mesh ("Mesh should not be bigger than default world
+        # size 1"), which does not say where the 2 came from.
+        raise ValueError(f"WORLD_SIZE={world_size} and RANK={rank} are set but MASTER_ADDR is "
+                         f"not, so no launcher started this process (variables left in the "
+                         f"shell by another job?): unset WORLD_SIZE RANK LOCAL_RANK to run one "
+                         f"process, or start it with plait run --nproc {world_size}")
     auto = isinstance(plan, str) and plan.strip() == "auto"
     layout = None
     if acc.spmd:  # PyTorch/XLA: one process per host, the plan spans the slice's devices
