@@ -848,6 +848,11 @@ def command(args: argparse.Namespace) -> int:
         raise ValueError(f"--timeout={args.timeout} must be a positive number of seconds")
     if not args.lr > 0:
         raise ValueError(f"--lr={args.lr} must be a positive learning rate, e.g. 1e-3")
+    if args.tolerance is not None and not (0 <= args.tolerance < float("inf")):
+        # a negative bound fails every layout, after the whole run; nan passes none either
+        raise ValueError(f"--tolerance={args.tolerance} must be a finite bound >= 0, e.g. "
+                         f"--tolerance 1e-5 (or leave it out for the optimizer's relative "
+                         f"bounds)")
     if args.seq_len > MAX_SEQ_LEN or args.batch_size > MAX_BATCH:
         raise ValueError(f"--seq={args.seq_len} --global-batch={args.batch_size}: check "
                          f"compares layouts on small batches, at most --seq {MAX_SEQ_LEN} "
