@@ -231,8 +231,12 @@ class Parser(argparse.ArgumentParser):
                 return (f"{self._unknown_said(' '.join(stray))}; the command comes first, one "
                         f"of {options}, then its flags: `{self.prog} COMMAND --help` lists "
                         f"them")
+            import difflib
+
+            near = difflib.get_close_matches(word, options.split(", "), n=1)
+            meant = f"did you mean '{near[0]}'? " if near else ""
             return (f"{choice.group(1)} is not a command of {self.prog} ({options}); "
-                    f"`{self.prog} --help` says what each does")
+                    f"{meant}`{self.prog} --help` says what each does")
         if choice:
             options = choice.group(2).replace("'", "")
             return f"{flag} {choice.group(1)} is not one of {options}; e.g. {flag} {example}"

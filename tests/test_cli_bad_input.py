@@ -295,6 +295,9 @@ def test_a_scripts_format_json_asks_plait_run_too(capsys):
      "plait check: error: unknown argument(s) --bogus; `plait check --help` lists the flags"),
     (["bench", "nccl"], "plait bench: error: 'nccl' is not a command of plait bench (comm); "
                         "`plait bench --help` says what each does"),
+    (["chek", "--plan", "dp=2"], "plait: error: 'chek' is not a command of plait (env, run, "
+                                 "check, demo, plan, schedule, comm, bench, export, doctor); "
+                                 "did you mean 'check'? `plait --help` says what each does"),
 ])
 def test_argparse_errors_are_one_plait_line(capsys, argv, line):
     """What argparse refuses (a value of the wrong type, a choice not offered, a missing value,
