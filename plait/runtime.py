@@ -816,6 +816,15 @@ class Run:
         if self._final_save is not None:
             self._final_save()
         self.close()
+        from .lifecycle import under_torchrun
+
+        if self.format == "json" and self.is_main and not under_torchrun(os.environ):
+            # the event a program reading `python train.py --format json` ends on (under
+            # plait run the launcher writes it, once, for the whole job)
+            from .outputs import json_error
+
+            print(json_error(_script_name(), f"stopped by {signal.Signals(signum).name}",
+                             128 + signum), flush=True)
         raise SystemExit(128 + signum)
 
     def _loss_scaler(self) -> Any:

@@ -1,6 +1,7 @@
 """Faults around a job: signals, orphans, restarts, ranks that die without a traceback, and
 the rendezvous stores' listening address. Real `plait run` / `plait check` processes."""
 
+import json
 import os
 import re
 import signal
@@ -307,10 +308,12 @@ def test_sigterm_saves_a_final_checkpoint_on_every_rank_at_one_step(tmp_path):
 def test_ctrl_c_on_one_process_saves_a_final_checkpoint_and_exits_130(tmp_path):
     """`python train.py` with checkpointing on, stopped by Ctrl-C: the step finishes, a final
     checkpoint of it is saved and the process exits 130 with one line, not a KeyboardInterrupt
-    traceback from wherever the step was (a periodic save included)."""
+    traceback from wherever the step was (a periodic save included); under --format json the
+    last line on stdout is the error event saying so."""
     script = tmp_path / "preempt.py"
     script.write_text(PREEMPT)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt")], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt"), "--format",
+                             "json"], cwd=tmp_path,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=_as_a_terminal_starts_it)
@@ -327,6 +330,9 @@ def test_ctrl_c_on_one_process_saves_a_final_checkpoint_and_exits_130(tmp_path):
     stopped = re.search(r"step (\d+): stopping on SIGINT, saving a final checkpoint",
                         "".join(lines))
     assert stopped and int(stopped.group(1)) == int(saved[0][5:]), "".join(lines)
+    last = json.loads(lines[-1])
+    assert last["event"] == "error" and last["exit_code"] == 130, lines[-1]
+    assert last["error"] == "stopped by SIGINT", lines[-1]
 
 
 RESUME = """
