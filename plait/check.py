@@ -342,15 +342,21 @@ def load_factory(spec: str) -> Callable[[], Any]:
     import os
     import sys
 
+    from .factory_spec import file_path_hint
+
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"--model {spec!r}: expected a reference preset or "
-                         f"pkg.module:function, e.g. --model mymodels:build")
+                         f"pkg.module:function, e.g. --model mymodels:build"
+                         f"{file_path_hint(module_name, attr)}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        hint = file_path_hint(module_name, attr)
+        if hint:
+            raise ValueError(f"--model {spec!r}: cannot import it{hint}") from None
         raise ValueError(f"--model {spec!r}: cannot import {module_name!r} ({exc}); run from "
                          f"the directory that holds it or put it on PYTHONPATH") from None
     fn = getattr(module, attr, None)
@@ -359,11 +365,35 @@ def load_factory(spec: str) -> Callable[[], Any]:
     return fn
 
 
+def factory_failure(spec: str, exc: BaseException) -> str:
+    """``"--model 'pkg.mod:fn' raised FileNotFoundError: ... (pkg/mod.py line 12, in fn)"``: what
+    the user's factory raised and the line of theirs that raised it (the innermost frame outside
+    Python's and installed packages' files; a data path that does not exist fails inside
+    ``torch.load`` or ``open``), instead of a traceback through plait's worker processes."""
+    import sysconfig
+
+    installed = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
+                                                          "platlib"))
+    where = ""
+    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # past this frame
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not code.co_filename.startswith(installed) or not where:
+            where = f" ({code.co_filename} line {tb.tb_lineno}, in {code.co_name})"
+        tb = tb.tb_next
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{spec} raised {type(exc).__name__}: {message}{where}"
+
+
 def _user_parts(cfg: CheckConfig) -> tuple[nn.Module, Any, Callable | None]:
     """(model, dataset, loss_fn) from the user's factory, built under the check's seed."""
     torch.manual_seed(cfg.seed)
-    out = load_factory(cfg.factory)()  # type: ignore[arg-type]
+    factory = load_factory(cfg.factory)  # type: ignore[arg-type]
     spec = f"--model {cfg.factory!r}"
+    try:
+        out = factory()
+    except Exception as exc:  # noqa: BLE001 - the user's code: said as what it raised, where
+        raise ValueError(factory_failure(spec, exc)) from None
     if not isinstance(out, (tuple, list)) or len(out) != 3:
         raise ValueError(f"{spec} must return (model, dataset, loss_fn), got "
                          f"{type(out).__name__}")
@@ -818,6 +848,11 @@ def command(args: argparse.Namespace) -> int:
         raise ValueError(f"--timeout={args.timeout} must be a positive number of seconds")
     if not args.lr > 0:
         raise ValueError(f"--lr={args.lr} must be a positive learning rate, e.g. 1e-3")
+    if args.tolerance is not None and not (0 <= args.tolerance < float("inf")):
+        # a negative bound fails every layout, after the whole run; nan passes none either
+        raise ValueError(f"--tolerance={args.tolerance} must be a finite bound >= 0, e.g. "
+                         f"--tolerance 1e-5 (or leave it out for the optimizer's relative "
+                         f"bounds)")
     if args.seq_len > MAX_SEQ_LEN or args.batch_size > MAX_BATCH:
         raise ValueError(f"--seq={args.seq_len} --global-batch={args.batch_size}: check "
                          f"compares layouts on small batches, at most --seq {MAX_SEQ_LEN} "
@@ -831,8 +866,13 @@ def command(args: argparse.Namespace) -> int:
         with own_output:
             load_factory(factory)  # a bad spec fails here, before any process starts
     else:
+        from .factory_spec import file_path_hint
         from .models.transformer import PRESETS
 
+        hint = file_path_hint(args.model, "")
+        if hint:  # a file path, its factory forgotten too
+            raise ValueError(f"--model {args.model!r}: expected a reference preset or "
+                             f"pkg.module:function{hint}")
         if args.model not in PRESETS and "." in args.model:  # a module, its factory forgotten
             raise ValueError(f"--model {args.model!r}: expected a reference preset or "
                              f"pkg.module:function; name your factory after a colon, e.g. "

@@ -231,8 +231,12 @@ class Parser(argparse.ArgumentParser):
                 return (f"{self._unknown_said(' '.join(stray))}; the command comes first, one "
                         f"of {options}, then its flags: `{self.prog} COMMAND --help` lists "
                         f"them")
+            import difflib
+
+            near = difflib.get_close_matches(word, options.split(", "), n=1)
+            meant = f"did you mean '{near[0]}'? " if near else ""
             return (f"{choice.group(1)} is not a command of {self.prog} ({options}); "
-                    f"`{self.prog} --help` says what each does")
+                    f"{meant}`{self.prog} --help` says what each does")
         if choice:
             options = choice.group(2).replace("'", "")
             return f"{flag} {choice.group(1)} is not one of {options}; e.g. {flag} {example}"
@@ -471,7 +475,16 @@ def main(argv: list[str] | None = None) -> int:
     args._named = command_parsers(parser, args)[-1].prog.removeprefix(f"{parser.prog} ")
     try:
         with _signals_interrupt():
-            return args._commands[args.command](args)
+            code: int = args._commands[args.command](args)
+            sys.stdout.flush()  # here, where a reader that has gone is caught below
+            return code
+    except BrokenPipeError:  # the reader stopped early (`plait plan --format json | head`)
+        # Python's exit would flush into the closed pipe again and print a second error:
+        # point stdout at /dev/null and end as a process stopped by SIGPIPE does.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + int(getattr(signal, "SIGPIPE", 13))
     except ValueError as exc:  # a problem with what the user asked for: one line, exit 2
         return _failed(args, f"error: {exc}", 2)
     except WorkerError as exc:  # a rank crashed (check, comm, bench): its traceback, once

@@ -204,7 +204,10 @@ def torchrun_args(cfg: LaunchConfig, log_dir: str) -> list[str]:
         args += ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
     if cfg.module:
         args.append("-m")
-    return args + [cfg.script, *script_argv(cfg)]
+    # "--": the script's arguments are never read as torchrun's. torchrun takes them as the
+    # rest of its command line, yet its argparse still looks at each "--x" first and refuses
+    # one that abbreviates two of its flags ("--nproc", "--max", "--log": "ambiguous option").
+    return args + ["--", cfg.script, *script_argv(cfg)]
 
 
 def script_argv(cfg: LaunchConfig) -> list[str]:

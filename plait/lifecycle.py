@@ -4,9 +4,10 @@
   SIGTERM instead of training on as an orphan.
 * ``job_store``: the store a worker of a single-node torchrun job joins, on 127.0.0.1 only, and
   one per restart attempt.
-* ``StopRequest``: SIGTERM (a cluster's preemption notice) becomes a request that the training
-  loop honours at the next step boundary, all ranks at the same step, so that a final checkpoint
-  can be written; a second SIGTERM, or the grace period running out, ends the process at once.
+* ``StopRequest``: SIGTERM (a cluster's preemption notice) or Ctrl-C becomes a request that the
+  training loop honours at the next step boundary, all ranks at the same step, so that a final
+  checkpoint can be written; a second signal, or the grace period running out, ends the process
+  at once.
 * ``node_note``: on a multi-node job, the line a node whose workers do not include rank 0
   prints, so that its terminal does not look hung.
 * ``children`` / ``descendants`` / ``running``: a job's process tree, to stop it and to check
@@ -221,32 +222,43 @@ def steps_redone(attempt_dirs: list[Path]) -> tuple[int, list[str]] | None:
 
 
 class StopRequest:
-    """A SIGTERM handler that asks the training loop to stop at the next step boundary.
+    """A SIGTERM and SIGINT handler that asks the training loop to stop at the next step boundary.
 
-    ``requested`` turns True on the first SIGTERM; a thread then ends the process with exit
-    code 143 (128 + SIGTERM) if it is still alive after ``grace`` seconds (torchrun kills its
-    workers 30 s after its own SIGTERM). A second SIGTERM ends it at once.
+    ``requested`` turns True on the first signal, ``signum`` says which; a thread then ends the
+    process with exit code 128 + the signal if it is still alive after ``grace`` seconds
+    (torchrun kills its workers 30 s after its own SIGTERM). A second signal ends it at once.
+    SIGINT is taken only where Python's own Ctrl-C handler is in place (a terminal's foreground
+    job), not where it is ignored (a background job, ``plait run``'s workers): there Ctrl-C
+    would otherwise raise KeyboardInterrupt wherever the step was, a save included.
     """
 
     def __init__(self, grace: float = 25.0):
         self.grace = grace
         self.requested = False
-        self._previous: Any = None
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
 
     def install(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._handle)
         return self
 
     def uninstall(self) -> None:
-        if self._previous is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        if self._previous and threading.current_thread() is threading.main_thread():
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
+            self._previous = {}
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.requested:
             os._exit(128 + signum)
         self.requested = True
+        self.signum = signum
+        if signum == signal.SIGINT:  # someone at a terminal: say what happens, and how to hurry
+            os.write(2, f"plait: Ctrl-C: stopping after this step with a final checkpoint "
+                        f"(at most {self.grace:g} s); Ctrl-C again stops at once\n".encode())
 
         def deadline() -> None:
             time.sleep(self.grace)

@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -470,6 +471,10 @@ class Plan:
                 key, value = item, True
             else:
                 key, raw = item.split("=", 1)
+                if "=" in raw:  # "dp=2 tp=2", "dp=2;tp=2": items run together
+                    commas = re.sub(r"(?<=[^,=\s])[\s;:]+(?=[A-Za-z_])", ",", text)
+                    raise ValueError(f"plan item {item!r} in {text!r} holds two '=': separate "
+                                     f"the items with commas, e.g. {commas!r}")
                 value = _parse_value(key, raw, text)
             if key in data:
                 raise ValueError(f"{key} is given twice in {text!r} ({key}={data[key]!r} and "

@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -825,15 +826,26 @@ class Run:
             ckpt.pending.wait()
 
     def _stop_if_asked(self, step: int) -> None:
-        """After a step that some rank got SIGTERM during: every rank saves and leaves here."""
+        """After a step that some rank got SIGTERM (or Ctrl-C) during: every rank saves and
+        leaves here, with 128 + the signal (a rank told by another: SIGTERM's 143)."""
         if self._guard is None or not self._guard.last.stop:
             return
-        self.print(f"step {step}: stopping on SIGTERM"
+        signum = getattr(self._stop, "signum", None) or signal.SIGTERM
+        self.print(f"step {step}: stopping on {signal.Signals(signum).name}"
                    + (", saving a final checkpoint" if self._final_save else ""))
         if self._final_save is not None:
             self._final_save()
         self.close()
-        raise SystemExit(143)
+        from .lifecycle import under_torchrun
+
+        if self.format == "json" and self.is_main and not under_torchrun(os.environ):
+            # the event a program reading `python train.py --format json` ends on (under
+            # plait run the launcher writes it, once, for the whole job)
+            from .outputs import json_error
+
+            print(json_error(_script_name(), f"stopped by {signal.Signals(signum).name}",
+                             128 + signum), flush=True)
+        raise SystemExit(128 + signum)
 
     def _loss_scaler(self) -> Any:
         """The fp16 loss scale (``plait.loss_scale.LossScaler``), None under fp32 and bf16."""
@@ -1155,6 +1167,8 @@ class Run:
 
             restore(self._json_stdout)
             self._json_stdout = None
+        if self._stop is not None:  # Ctrl-C and SIGTERM act at once again after the run
+            self._stop.uninstall()
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -1393,6 +1407,15 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if (world_size != 1 or rank != 0) and "MASTER_ADDR" not in os.environ \
+            and not acc.spmd and not dist.is_initialized():
+        # A launcher sets all of them; without MASTER_ADDR the process would make a one-rank
+        # group and fail later in torch's mesh ("Mesh should not be bigger than default world
+        # size 1"), which does not say where the 2 came from.
+        raise ValueError(f"WORLD_SIZE={world_size} and RANK={rank} are set but MASTER_ADDR is "
+                         f"not, so no launcher started this process (variables left in the "
+                         f"shell by another job?): unset WORLD_SIZE RANK LOCAL_RANK to run one "
+                         f"process, or start it with plait run --nproc {world_size}")
     auto = isinstance(plan, str) and plan.strip() == "auto"
     layout = None
     if acc.spmd:  # PyTorch/XLA: one process per host, the plan spans the slice's devices

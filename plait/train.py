@@ -279,6 +279,41 @@ def _beside_sharded_logits(out: Any) -> Any:
 _DDP_UNUSED = "Expected to have finished reduction in the prior iteration"
 
 
+# How DTensor refuses an op given a DTensor beside a plain tensor.
+_MIXED = "got mixed torch.Tensor and DTensor"
+
+
+def _mixed_message(model: nn.Module, torch_message: str, plan: Plan | None = None) -> str:
+    """DTensor's refusal of a DTensor beside a plain tensor, said for tensor parallelism: the
+    weights the plan splits are DTensors, which their layers' forwards handle; a forward that
+    reads such a weight itself (a tied embedding's ``self.embed.weight`` in an expression)
+    computes with a DTensor beside the plain activations. Names the split layers."""
+    import re
+
+    from torch.distributed.tensor import DTensor, Shard
+
+    from .parallel.units import canonical_name
+
+    split: dict[str, None] = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()):
+            tp_dim = (p.device_mesh.mesh_dim_names or ()).index("tp")
+            if isinstance(p.placements[tp_dim], Shard):
+                layer = canonical_name(name).rpartition(".")[0]
+                split[re.sub(r"\.\d+(?=\.|$)", ".*", layer)] = None
+    names = list(split)
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    degree = f"tp={plan.tp}" if plan is not None else "tensor parallelism"
+    op = torch_message.split(" got mixed")[0].strip()
+    return (f"{type(model).__name__ if not isinstance(model, DDP) else type(model.module).__name__}"
+            f"'s forward computed with a weight split over {degree} beside plain tensors "
+            f"({op} got a DTensor and a torch.Tensor): the weights of {shown} are DTensors, "
+            f"which their layers' own forwards handle, and a forward that reads one itself "
+            f"(self.embed.weight.mean(0), F.linear(h, self.embed.weight)) mixes the two. Call "
+            f"the layer instead (self.embed(ids)), or keep the layer whole: give "
+            f"options.tp_plan without it")
+
+
 def _unused_message(model: DDP, torch_message: str, plan: Plan | None = None) -> str:
     """DDP's unused-parameter error as plait's fix: the plan's ``find_unused``, with the names
     of the parameters (torch gives indices into the parameters that require a gradient)."""
@@ -310,6 +345,9 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     except RuntimeError as exc:
         if isinstance(model, DDP) and _DDP_UNUSED in str(exc):
             raise ValueError(_unused_message(model, str(exc), plan)) from exc
+        if (_MIXED in str(exc) and exc.__cause__ is None  # not one plait already explained
+                and "tensor_parallel" in layout_of(model).applied):
+            raise ValueError(_mixed_message(model, str(exc), plan)) from exc
         raise
     value = model_loss(out, loss_fn, targets)
     shift = label_shift(loss_fn, out, value, targets, known=layout_of(model).first_label_skipped,

@@ -114,6 +114,38 @@ class RootParamLM(nn.Module):
         return self.head(h) * self.scale
 
 
+class Stem(nn.Module):
+    """The embedding, reached through a second module that also holds it."""
+
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed = embed
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.embed(tokens))
+
+
+class SharedModuleLM(nn.Module):
+    """One embedding module registered under two names (``embed`` and ``stem.embed``, as T5 and
+    BART register ``shared`` as ``encoder.embed_tokens`` too) and tied to the head: the model's
+    state dict holds the weight under three names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.stem = Stem(self.embed)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.stem(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
 def _hf(kind: str) -> nn.Module:
     import transformers
 
@@ -133,7 +165,7 @@ def _hf(kind: str) -> nn.Module:
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "tied": partial(seeded, TiedLM), "lora": partial(seeded, LoraLM),
     "bnema": partial(seeded, BnEmaLM), "rootstats": partial(seeded, RootStatsLM),
-    "rootparams": partial(seeded, RootParamLM),
+    "rootparams": partial(seeded, RootParamLM), "sharedmod": partial(seeded, SharedModuleLM),
     "llama": lambda: _hf("llama"), "gpt2": lambda: _hf("gpt2")}
 HF = ("llama", "gpt2")
 
@@ -198,7 +230,7 @@ def scheduler(kind: str | None, opt: torch.optim.Optimizer, total: int) -> Any:
 
 # The blocks' tensor-parallel layer plan (plait infers one for its own and Hugging Face models).
 BLOCKS = {"tied": "blocks", "lora": "stack", "bnema": "trunk", "rootstats": "blocks",
-          "rootparams": "blocks"}
+          "rootparams": "blocks", "sharedmod": "blocks"}
 
 
 def _plan(plan: str, model: str) -> Any:

@@ -87,6 +87,22 @@ def test_torchrun_args_standalone_uses_a_free_local_port(tmp_path):
     assert args[-3:] == [str(script), "--plan", "dp=2"]
 
 
+def test_the_scripts_flags_are_never_read_as_torchruns(tmp_path):
+    """A script flag that abbreviates two of torchrun's (--nproc: --nproc-per-node and
+    --nproc_per_node; --max, --log) reaches the script; torchrun refused it as ambiguous."""
+    from torch.distributed.run import parse_args
+
+    script = tmp_path / "t.py"
+    script.write_text("")
+    own = ("--nproc", "2", "--max", "3", "--log", "x", "--plan", "dp=2")
+    cfg = LaunchConfig(script=str(script), nproc=2, script_args=own)
+    validate(cfg)
+    parsed = parse_args(torchrun_args(cfg, str(tmp_path)))
+    assert parsed.training_script == str(script)
+    assert parsed.training_script_args == list(own)
+    assert parsed.nproc_per_node == "2"
+
+
 def test_multi_node_needs_endpoint(tmp_path):
     script = tmp_path / "t.py"
     script.write_text("")

@@ -166,6 +166,24 @@ def test_root_parameters_resume_under_a_pipeline_and_into_data_parallelism(tmp_p
     assert {"scale", "shift"} <= ref["state"].keys()
 
 
+def test_a_module_registered_twice_resumes_under_data_parallelism(tmp_path, no_group):
+    """A module held under two names (T5's and BART's shared embedding) puts its weight in the
+    state dict under each: saved at step 2 on one device and resumed under dp=2 (DDP), the run
+    continues one device's losses and ends on its parameters (torch's ``set_state_dict`` adds
+    DDP's ``module.`` to the keys by walking each module once, so the second name kept no
+    prefix and the load refused it as missing)."""
+    job = dict(model="sharedmod", opt="adamw", total=4)
+    ref = u.train("single", steps=4, export=True, **job)
+    folder = str(tmp_path / "single")
+    u.train("single", steps=2, checkpoint=folder, every=2, **job)
+    resumed = run_distributed(u.runs, 2, [
+        dict(plan="dp=2", steps=4, checkpoint=folder, every=2, export=True, **job)],
+        timeout=180)[0][0]
+    assert _close(resumed["losses"], ref["losses"][2:]), (resumed["losses"], ref["losses"])
+    assert _state_close(resumed["state"], ref["state"], 1e-5) is None
+    assert {"embed.weight", "stem.embed.weight", "head.weight"} <= ref["state"].keys()
+
+
 @pytest.mark.slow
 def test_root_parameters_resume_across_pipeline_schedules(tmp_path, no_group):
     """Saved under interleaved 1F1B (two stages per rank, sharing one copy of each root

@@ -29,6 +29,40 @@ def test_env_json_parses():
     assert info["versions"]["torch"]
 
 
+def test_a_reader_that_stops_early_ends_the_report_quietly():
+    """`plait schedule --format json | head -1`: the reader closes the pipe before the report is
+    written. The command ends as a process stopped by SIGPIPE does (141), with nothing on
+    stderr, not a BrokenPipeError traceback and a second error from Python's exit."""
+    read, write = os.pipe()
+    os.close(read)  # a reader that has already gone: the first write fails
+    try:
+        out = subprocess.run([sys.executable, "-m", "plait.cli", "schedule", "--pp", "2", "-m",
+                              "2", "--format", "json"], stdout=write, stderr=subprocess.PIPE,
+                             text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        os.close(write)
+    assert out.returncode == 141, out.stderr
+    assert out.stderr == "", out.stderr
+
+
+def test_launcher_variables_left_in_the_shell_are_named(tmp_path):
+    """`python train.py` in a shell that kept WORLD_SIZE and RANK from another job (no
+    MASTER_ADDR: no launcher started it): one ValueError naming the variables and both fixes,
+    not torch's "Mesh should not be bigger than default world size 1"."""
+    script = tmp_path / "train.py"
+    script.write_text("import plait\nplait.init()\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=180, cwd=tmp_path,
+                         env={**env, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "RANK": "1"})
+    assert out.returncode == 1, out.stderr
+    assert ("ValueError: WORLD_SIZE=2 and RANK=1 are set but MASTER_ADDR is not, so no "
+            "launcher started this process") in out.stderr, out.stderr
+    assert ("unset WORLD_SIZE RANK LOCAL_RANK to run one process, or start it with plait run "
+            "--nproc 2") in out.stderr, out.stderr
+
+
 def test_help_teaches():
     out = plait("--help")
     assert out.returncode == 0

@@ -53,7 +53,21 @@ CASES = [
      "at most --seq 1024 and --global-batch 256"),
     (["check", "--plan", "dp=2", "--model", "examples.your_own_model"],
      "name your factory after a colon, e.g. --model examples.your_own_model:factory"),
+    # a factory given as a file path: the dotted name to write instead
+    (["check", "--plan", "dp=2", "--model", "models/vit.py:build"],
+     "'models/vit.py' is a file path: give the module's dotted name, e.g. --model "
+     "models.vit:build"),
+    (["check", "--plan", "dp=2", "--model", "./models/vit.py"],
+     "'./models/vit.py' is a file path: give the module's dotted name, e.g. --model "
+     "models.vit:factory"),
+    ([*PLAN[:2], "models/vit.py:build", *PLAN[3:]],
+     "'models/vit.py' is a file path: give the module's dotted name, e.g. --model "
+     "models.vit:build"),
+    ([*PLAN[:2], "models/vit.py", *PLAN[3:]], "e.g. --model models.vit:factory"),
     (["check", "--plan", "dp=2", "--lr", "-1"], "--lr=-1.0 must be a positive"),
+    (["check", "--plan", "dp=2", "--tolerance", "-1"],
+     "--tolerance=-1.0 must be a finite bound >= 0, e.g. --tolerance 1e-5"),
+    (["check", "--plan", "dp=2", "--tolerance", "nan"], "--tolerance=nan must be a finite"),
     (["check", "--plan", "dp=1"], "runs on 1 rank: there is nothing to compare"),
     (["check", "--plan", "dp=2", "--batch-size", "3"],
      "use a multiple of 2, e.g. --global-batch 2"),
@@ -125,25 +139,93 @@ def test_plot_into_a_folder_goes_inside_it(tmp_path):
 
 def test_errors_raised_in_the_workers_are_one_line_too(tmp_path, capsys, monkeypatch):
     """A factory that raises, or that returns the wrong thing, fails inside the worker
-    processes: said as the worker's message on one line, exit 2, not two tracebacks."""
+    processes: said as the worker's message on one line, exit 2, not two tracebacks; what a
+    factory raised (a data path that does not exist included) names the factory and its line."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))  # load_factory adds the directory
     monkeypatch.delitem(sys.modules, "mine", raising=False)  # another test's mine.py
     (tmp_path / "mine.py").write_text(
         "def boom():\n    raise ValueError('no such checkpoint: weights.pt')\n"
         "def two():\n    return 1, 2\n"
+        "def missing():\n    return open('no/such/images.pt', 'rb')\n"
         "import torch\n"
         "def tiny():\n    return (torch.nn.Linear(2, 2), [(torch.ones(2), torch.ones(2))] * 4,\n"
         "            torch.nn.functional.mse_loss)\n")
-    for spec, fragment in (("mine:boom", "no such checkpoint: weights.pt"),
+    here = tmp_path / "mine.py"
+    for spec, fragment in (("mine:boom", "--model 'mine:boom' raised ValueError: no such "
+                                         f"checkpoint: weights.pt ({here} line 2, in boom)"),
+                           ("mine:missing", "--model 'mine:missing' raised FileNotFoundError: "
+                                            "[Errno 2] No such file or directory: "
+                                            f"'no/such/images.pt' ({here} line 6, in missing)"),
                            ("mine:two", "must return (model, dataset, loss_fn)"),
                            ("mine:tiny", "the dataset has 4 items, fewer than one global batch "
                                          "of 8; use --global-batch 4 or less")):
         code = main(["check", "--plan", "dp=2", "--model", spec, "--timeout", "60",
                      "--global-batch", "8"])
         err = capsys.readouterr().err
-        assert code == 2, err
+        assert code == 2, (spec, err)
         assert fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+_READS_ITS_EMBEDDING = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(8, 16)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(16, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.embed.weight.mean(0)  # the weight, not the layer
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, 8), labels.reshape(-1))
+
+
+def factory():
+    ids = torch.randint(0, 8, (16, 6), generator=torch.Generator().manual_seed(0))
+    return Net(), [(ids[i], ids[i]) for i in range(16)], loss
+"""
+
+
+def test_a_forward_that_reads_a_split_weight_is_told_which_and_why(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A forward that reads its tied embedding's weight itself (``self.embed.weight.mean(0)``)
+    gets under tp=2 the vocabulary-split DTensor beside plain activations: one line naming the
+    split layers and the fix, exit 2, in place of DTensor's "got mixed torch.Tensor and
+    DTensor" traceback."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "reads_embed", raising=False)
+    (tmp_path / "reads_embed.py").write_text(_READS_ITS_EMBEDDING)
+    code = main(["check", "--plan", "tp=2", "--model", "reads_embed:factory", "--steps", "1",
+                 "--timeout", "120"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert ("Net's forward computed with a weight split over tp=2 beside plain tensors "
+            "(aten.add.Tensor got a DTensor and a torch.Tensor): the weights of embed, "
+            "blocks.*.up, blocks.*.down are DTensors") in err, err
+    assert "Call the layer instead (self.embed(ids))" in err, err
+    assert err.strip().splitlines()[-1].startswith("plait check: error: Net's forward"), err
 
 
 def test_a_sequence_tp_does_not_divide_is_refused_under_sp(capsys):
@@ -213,6 +295,9 @@ def test_a_scripts_format_json_asks_plait_run_too(capsys):
      "plait check: error: unknown argument(s) --bogus; `plait check --help` lists the flags"),
     (["bench", "nccl"], "plait bench: error: 'nccl' is not a command of plait bench (comm); "
                         "`plait bench --help` says what each does"),
+    (["chek", "--plan", "dp=2"], "plait: error: 'chek' is not a command of plait (env, run, "
+                                 "check, demo, plan, schedule, comm, bench, export, doctor); "
+                                 "did you mean 'check'? `plait --help` says what each does"),
 ])
 def test_argparse_errors_are_one_plait_line(capsys, argv, line):
     """What argparse refuses (a value of the wrong type, a choice not offered, a missing value,

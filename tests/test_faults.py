@@ -1,6 +1,7 @@
 """Faults around a job: signals, orphans, restarts, ranks that die without a traceback, and
 the rendezvous stores' listening address. Real `plait run` / `plait check` processes."""
 
+import json
 import os
 import re
 import signal
@@ -301,6 +302,37 @@ def test_sigterm_saves_a_final_checkpoint_on_every_rank_at_one_step(tmp_path):
     stopped = re.search(r"step (\d+): stopping on SIGTERM, saving a final checkpoint",
                         "".join(lines))
     assert stopped and int(stopped.group(1)) == int(saved[0][5:])
+
+
+@linux_only
+def test_ctrl_c_on_one_process_saves_a_final_checkpoint_and_exits_130(tmp_path):
+    """`python train.py` with checkpointing on, stopped by Ctrl-C: the step finishes, a final
+    checkpoint of it is saved and the process exits 130 with one line, not a KeyboardInterrupt
+    traceback from wherever the step was (a periodic save included); under --format json the
+    last line on stdout is the error event saying so."""
+    script = tmp_path / "preempt.py"
+    script.write_text(PREEMPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt"), "--format",
+                             "json"], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_a_terminal_starts_it)
+    lines = wait_for_line(proc, "ready")
+    time.sleep(1)
+    os.kill(proc.pid, signal.SIGINT)
+    proc.wait(timeout=90)
+    err = proc.stderr.read()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("step-*"))
+    assert len(saved) == 1 and int(saved[0][5:]) >= 1, (saved, err)
+    time.sleep(0.5)  # the reader thread drains the last lines
+    stopped = re.search(r"step (\d+): stopping on SIGINT, saving a final checkpoint",
+                        "".join(lines))
+    assert stopped and int(stopped.group(1)) == int(saved[0][5:]), "".join(lines)
+    last = json.loads(lines[-1])
+    assert last["event"] == "error" and last["exit_code"] == 130, lines[-1]
+    assert last["error"] == "stopped by SIGINT", lines[-1]
 
 
 RESUME = """

@@ -96,6 +96,9 @@ def test_all_errors_reported_at_once():
 @pytest.mark.parametrize("text, fragment", [
     ("dp=x", "must be an integer"), ("dp2", "cannot parse plan item"),
     ("warp=2", "unknown plan field 'warp'"), ("sp=maybe", "must be true or false"),
+    ("dp=2 tp=2", "plan item 'dp=2tp=2' in 'dp=2 tp=2' holds two '=': separate the items with "
+                  "commas, e.g. 'dp=2,tp=2'"),
+    ("dp=2;tp=2,pp=2", "separate the items with commas, e.g. 'dp=2,tp=2,pp=2'"),
 ])
 def test_unparseable_strings(text, fragment):
     with pytest.raises(ValueError) as err:

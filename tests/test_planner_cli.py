@@ -72,6 +72,18 @@ def test_bad_input_names_the_field(argv, field, capsys):
     assert field in capsys.readouterr().err
 
 
+def test_a_given_plan_the_batch_does_not_fit_says_the_batch_to_use(capsys):
+    """--plan with a global batch the data-parallel degree (or its microbatches) does not
+    divide: exit 1, the reason and the batch to give."""
+    argv = ["--model", "tiny", "--cluster", "cpu", "--devices", "2", "--seq", "16"]
+    assert run_cli(*argv, "--plan", "dp=2", "--global-batch", "3") == 1
+    assert ("global batch 3 not divisible by dp=2: use a multiple of 2"
+            in capsys.readouterr().out)
+    assert run_cli(*argv, "--plan", "pp=2,mb=4", "--global-batch", "6") == 1
+    assert ("batch per dp rank 6 not divisible by microbatches x grad_accum = 4: use a global "
+            "batch that is a multiple of 4") in capsys.readouterr().out
+
+
 def test_a_model_without_blocks_gets_data_parallel_layouts_or_the_batch_to_use(capsys):
     """A lone nn.Linear has no stack of blocks: its layouts are data parallel over every device,
     so a global batch the devices do not divide fits nothing, and the message says what to give."""

@@ -88,7 +88,11 @@ def state_module(model: nn.Module) -> nn.Module:
     the user's model (a pipeline's local stages merged; see the module docstring)."""
     stages = local_modules(model)
     if len(stages) == 1 and stages[0] is model:
-        return model
+        # DDP's own module, not the wrapper: torch's set_state_dict adds DDP's "module." to the
+        # keys by walking each module once, so a module registered under two names (T5's
+        # shared embedding) keeps its second name unprefixed and the load refuses it. The
+        # names are the same either way (torch strips the prefix), as are the tensors.
+        return _unwrap(model)
     return _merge([_unwrap(s) for s in stages])
 
 

@@ -153,10 +153,11 @@ def _invalid(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload) ->
     if plan.world_size != world:
         return f"plan uses {plan.world_size} devices, cluster has {world}"
     if B % dp:
-        return f"global batch {B} not divisible by dp={dp}"
+        return f"global batch {B} not divisible by dp={dp}: use a multiple of {dp}"
     if (B // dp) % (m * plan.grad_accum):
         return (f"batch per dp rank {B // dp} not divisible by microbatches x grad_accum "
-                f"= {m * plan.grad_accum}")
+                f"= {m * plan.grad_accum}: use a global batch that is a multiple of "
+                f"{dp * m * plan.grad_accum}")
     if model.tp_refuses(tp):
         return model.tp_refuses(tp)
     if plan.cp > 1 and s % (2 * plan.cp):

@@ -828,6 +828,11 @@ def _build(spec: str, device: str, *, parameters_only: bool = False) -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's to see
+        from ..factory_spec import file_path_hint
+
+        hint = file_path_hint(module_name, func_name)
+        if hint and isinstance(exc, ImportError):
+            raise ValueError(f"model factory {spec!r}: cannot import it{hint}") from None
         raise ValueError(f"model factory {spec!r}: cannot import {module_name!r}: "
                          f"{type(exc).__name__}: {exc}") from None
     factory = getattr(module, func_name, None)
@@ -1005,5 +1010,8 @@ def load_model(spec: Any, attention_dtypes: bool = False) -> ModelStats:
         return from_yaml(path)
     if ":" in text:
         return from_factory(text, attention_dtypes=attention_dtypes)
+    from ..factory_spec import file_path_hint
+
     raise ValueError(f"unknown model {text!r}: give a preset ({', '.join(PRESETS)}), a "
-                     f"config.json, a model YAML, or a factory 'package.module:function'")
+                     f"config.json, a model YAML, or a factory 'package.module:function'"
+                     f"{file_path_hint(text, '')}")
