@@ -392,7 +392,10 @@ def _user_parts(cfg: CheckConfig) -> tuple[nn.Module, Any, Callable | None]:
     spec = f"--model {cfg.factory!r}"
     try:
         out = factory()
-    except Exception as exc:  # noqa: BLE001 - the user's code: said as what it raised, where
+    except (ValueError, OSError) as exc:
+        # Bad input to the factory (a value it refuses, a data path that does not exist): one
+        # line naming what it raised and the line of theirs that raised it. Anything else is a
+        # bug in their code, whose traceback (shown once, by the rank) is what they need.
         raise ValueError(factory_failure(spec, exc)) from None
     if not isinstance(out, (tuple, list)) or len(out) != 3:
         raise ValueError(f"{spec} must return (model, dataset, loss_fn), got "

@@ -230,6 +230,9 @@ class StopRequest:
     SIGINT is taken only where Python's own Ctrl-C handler is in place (a terminal's foreground
     job), not where it is ignored (a background job, ``plait run``'s workers): there Ctrl-C
     would otherwise raise KeyboardInterrupt wherever the step was, a save included.
+    The deadline is called off by :meth:`uninstall` (the run reached its stop and closed): a
+    process that lives on after the run (a notebook's kernel, a script that catches the
+    ``SystemExit``) is not ended under it.
     """
 
     def __init__(self, grace: float = 25.0):
@@ -237,6 +240,7 @@ class StopRequest:
         self.requested = False
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._closed = threading.Event()
 
     def install(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -246,6 +250,7 @@ class StopRequest:
         return self
 
     def uninstall(self) -> None:
+        self._closed.set()
         if self._previous and threading.current_thread() is threading.main_thread():
             for signum, previous in self._previous.items():
                 signal.signal(signum, previous)
@@ -261,7 +266,7 @@ class StopRequest:
                         f"(at most {self.grace:g} s); Ctrl-C again stops at once\n".encode())
 
         def deadline() -> None:
-            time.sleep(self.grace)
-            os._exit(128 + signum)
+            if not self._closed.wait(self.grace):
+                os._exit(128 + signum)
 
         threading.Thread(target=deadline, name="plait-stop-deadline", daemon=True).start()

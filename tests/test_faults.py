@@ -371,3 +371,23 @@ def test_kill9_restart_resumes_from_the_checkpoint_and_matches(tmp_path):
             # rank 1 died after step 5, saved at 4; rank 0 notes step 5 unless stopped first
             assert re.search(r"finished after 1 restart\(s\); [01] step\(s\) redone", err), err
     assert finals["clean"] == finals["killed"]
+
+
+def test_a_stop_that_closed_its_run_is_not_ended_by_the_deadline():
+    """After the run reached its stop and closed (``uninstall``), a process that lives on (a
+    notebook's kernel, a script catching the ``SystemExit``) is not ended when the grace period
+    runs out; one that never reached the stop is (exit 128 + the signal)."""
+    code = ("import signal, time\n"
+            "from plait.lifecycle import StopRequest\n"
+            "stop = StopRequest(grace=0.3).install()\n"
+            "stop._handle(signal.SIGTERM, None)\n"
+            "{close}"
+            "time.sleep(1.5)\n"
+            "print('alive')\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    closed = subprocess.run([sys.executable, "-c", code.format(close="stop.uninstall()\n")],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert closed.returncode == 0 and closed.stdout.strip() == "alive", closed
+    stuck = subprocess.run([sys.executable, "-c", code.format(close="")],
+                           capture_output=True, text=True, timeout=60, env=env)
+    assert stuck.returncode == 128 + signal.SIGTERM and "alive" not in stuck.stdout, stuck
