@@ -262,7 +262,9 @@ def local_clip_loss(out: Any, _: Any) -> torch.Tensor:
     return (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) / 2
 
 
-def clip_model() -> nn.Module:
+def clip_model(image_size: int = 16, patch_size: int = 8) -> nn.Module:
+    """A tiny CLIP; the default images are 2x2 patches (5 image positions with the class
+    token)."""
     from transformers import CLIPConfig, CLIPModel
 
     torch.manual_seed(0)
@@ -271,7 +273,8 @@ def clip_model() -> nn.Module:
                          num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=16,
                          bos_token_id=0, eos_token_id=2, pad_token_id=1),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, image_size=16, patch_size=8),
+                           num_attention_heads=4, image_size=image_size,
+                           patch_size=patch_size),
         projection_dim=16)
     return CLIPModel(cfg)
 

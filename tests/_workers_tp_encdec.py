@@ -267,17 +267,9 @@ def hf_bart() -> nn.Module:
 def hf_clip() -> nn.Module:
     """CLIP with 28x28 images in 4x4 patches: 50 positions in the image tower (49 and the
     class token), which tp=2 divides under sequence parallelism."""
-    from transformers import CLIPConfig, CLIPModel
+    from tests._workers_encdec import clip_model
 
-    torch.manual_seed(0)
-    cfg = CLIPConfig(
-        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=16,
-                         bos_token_id=0, eos_token_id=2, pad_token_id=1),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, image_size=28, patch_size=4),
-        projection_dim=16)
-    return CLIPModel(cfg)
+    return clip_model(image_size=28, patch_size=4)
 
 
 def clip_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
