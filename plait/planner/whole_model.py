@@ -228,7 +228,7 @@ def _forward(model: nn.Module, sample: Any, n: int, blocks: list[tuple[str, nn.M
     from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
 
-    from .._torch_compat import fake_tensor_mode, pytree
+    from .._torch_compat import fake_tensor_mode
     from .op_count import op_counter
 
     saved = [0.0]
@@ -256,8 +256,7 @@ def _forward(model: nn.Module, sample: Any, n: int, blocks: list[tuple[str, nn.M
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), forward_ops:
             out = functional_call(model, state, (x,))
         flops = float(counter.get_total_flops())
-        leaves = [t for t in pytree()[0](out)[0]
-                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        leaves = _floats(out)
         if leaves:
             with backward_ops:
                 leaves[0].sum().backward()
