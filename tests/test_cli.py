@@ -157,7 +157,9 @@ def test_the_same_error_on_every_rank_is_summarised_alike(tmp_path):
                       "raise ValueError('bad setting, the same on every rank')\n")
     out = plait("run", "--nproc", "2", str(script))
     assert out.returncode != 0
-    assert out.stderr.count("ValueError: bad setting, the same on every rank") == 1, out.stderr
+    *shown, last = out.stderr.strip().splitlines()  # the traceback once, then the last line
+    assert "\n".join(shown).count("ValueError: bad setting, the same on every rank") == 1, shown
+    assert ": ValueError: bad setting, the same on every rank; per-rank logs in " in last, last
     assert "rank 0 (ValueError" in out.stderr and "rank 1 (ValueError" in out.stderr, out.stderr
 
 
