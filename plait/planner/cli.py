@@ -585,13 +585,10 @@ def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
         constants = dataclasses.replace(constants, compute_efficiency=args.efficiency)
     timer = None
     if timing:
-        from .model_timing import rank_threads, timer_for
-        from .whole_model import sample_of
+        from .model_timing import factory_timer
 
-        got = sample_of(built)
-        timer = timer_for(built, got[0] if got else None, threads=rank_threads(cluster),
-                          saved_per_sample=whole.saved_per_sample, name=args.model,
-                          progress=functools.partial(print, file=sys.stderr))
+        timer = factory_timer(args.model, whole.saved_per_sample, cluster, built=built,
+                              progress=functools.partial(print, file=sys.stderr))
     head = {"model": whole.name, "cluster": cluster.name, "devices": cluster.world_size,
             "global_batch": args.global_batch, "kind": "data parallelism only",
             "measured": {"params": whole.num_params, "buffer_bytes": whole.buffer_bytes,

@@ -47,6 +47,8 @@ SLOW_S = 10.0
 # A forward + backward needs the parameters, their gradients and the activations it saves:
 # timed only where that is under this share of the memory the machine has free.
 MEMORY_SHARE = 0.5
+# A timing expected to take longer than this says so on the progress line first.
+PROGRESS_S = 1.0
 
 
 def this_host() -> dict[str, Any]:
@@ -81,8 +83,12 @@ def is_this_machine(cluster: Cluster) -> tuple[bool, str]:
 
 
 def rank_threads(cluster: Cluster) -> int:
-    """Threads each rank computes with: ``plait run`` gives each of the ranks on a node an
-    equal share of its cores (OMP_NUM_THREADS), at least one."""
+    """Threads each rank computes with: what ``plait run`` gives it, OMP_NUM_THREADS where
+    the environment sets it (the ranks inherit it), else an equal share of the node's cores
+    for each of its ranks, at least one."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
     cores = cluster.compute_units or os.cpu_count() or 1
     on_node = min(cluster.world_size, cluster.devices_per_node)
     return max(1, cores // on_node)
@@ -153,7 +159,8 @@ class ModelTimer:
             self.skipped[rows] = (f"not timed at batch {rows}: one forward + backward took "
                                   f"{first:.1f} s (over {SLOW_S:g} s)")
             return None
-        if self.progress is not None and first * (WARMUP + ITERATIONS) > 1.0:
+        expected = min(first * (WARMUP + ITERATIONS), TIME_BUDGET_S)
+        if self.progress is not None and expected > PROGRESS_S:
             self.progress(f"timing {self.name} forward + backward at batch {rows} on this "
                           f"machine ({first:.2f} s each, up to {WARMUP - 1 + ITERATIONS} more)")
         for _ in range(WARMUP - 1):
@@ -221,3 +228,18 @@ def timer_for(built: Any, sample: Any, *, threads: int, saved_per_sample: float,
     return ModelTimer(model=model, batch_of=batch_of, loss_of=loss_of, threads=threads,
                       saved_per_sample=saved_per_sample, name=name, progress=progress)
 
+
+
+def factory_timer(spec: str, saved_per_sample: float, cluster: Cluster, *, built: Any = None,
+                  progress: Callable[[str], None] | None = None) -> ModelTimer:
+    """A :class:`ModelTimer` for factory ``spec`` (``"package.module:function"``) built on
+    the host (``built``: what it already returned there), with the threads a rank of
+    ``cluster`` gets."""
+    from .model_stats import _build
+    from .whole_model import sample_of
+
+    if built is None:
+        built = _build(spec, "cpu")
+    got = sample_of(built)
+    return timer_for(built, got[0] if got else None, threads=rank_threads(cluster),
+                     saved_per_sample=saved_per_sample, name=spec, progress=progress)
