@@ -19,7 +19,16 @@ the ranking: the search gives grad_accum only where nothing fits without it).
 Then the parts of one rank's step, timed in this process with nothing else of plait around
 them: forward + backward on the rank's rows beside the prediction's FLOP time plus its ops'
 host time, and plait's update (``plait.train.apply_update``) beside the update's ops' host
-time. ``--stat min`` reports the fastest step instead of the median: on a machine shared with
+time; and the same forward + backward on ``--world`` processes at once with no collective
+between them, which is what ranks sharing the machine's cores do to each other's compute.
+
+Each prediction is printed twice: ``flops``, the compute priced from FLOPs at the profile's
+efficiency plus its aten ops' host time, and ``timed``, the model's own forward + backward
+timed in this process at each layout's per-rank batch (``plait plan --time-model``), which the
+planner uses only where ``--cluster`` is a profile calibrated on this machine (else the two
+columns are equal and the header says why). Both are priced against the same measured runs.
+
+``--stat min`` reports the fastest step instead of the median: on a machine shared with
 other jobs a timing is only ever inflated, so the least disturbed one is the closest to the
 machine's own.
 """
@@ -100,6 +109,13 @@ def time_parts(name: str, rows: int, steps: int, pick: Any) -> dict[str, float]:
         fb.append(middle - start)
         up.append(time.perf_counter() - middle)
     return {"forward_backward": pick(fb[2:]), "update": pick(up[2:])}
+
+
+def parts_worker(rank_: int, world: int, name: str, rows: int, steps: int, stat: str
+                 ) -> dict[str, float]:
+    """:func:`time_parts` on every rank at once, no collective between them: what the ranks
+    sharing this machine's cores do to each other's compute."""
+    return time_parts(name, rows, steps, statistics.median if stat == "median" else min)
 
 
 def measured_bytes(comm: dict) -> tuple[float, float]:
@@ -203,6 +219,15 @@ def main() -> int:
               f"{tt['optimizer'] * 1e3:8.2f} {parts['update'] * 1e3:8.2f} "
               f"{parts['update'] / tb['optimizer']:6.2f} {parts['update'] / tt['optimizer']:6.2f}",
               flush=True)
+        together = run_distributed(parts_worker, args.world, name, per_rank, args.steps,
+                                   args.stat, timeout=600)
+        both = max(r["forward_backward"] for r in together)
+        print(f"{name:8} {'  ' + str(args.world) + ' processes at once':34} "
+              f"{tb['compute'] * 1e3:8.2f} {tt['compute'] * 1e3:8.2f} {both * 1e3:8.2f} "
+              f"{both / tb['compute']:6.2f} {both / tt['compute']:6.2f}  (forward + backward "
+              f"on each of {args.world} processes, no collective: the slowest; "
+              f"{both / fb:.2f}x one process alone)", flush=True)
+        parts["forward_backward_together"] = both
         out.append({"model": name, "plan": "parts", "predicted": {
             "forward_backward_s": tb["compute"], "update_s": tb["optimizer"]},
             "predicted_timed": {"forward_backward_s": tt["compute"],
