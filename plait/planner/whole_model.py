@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -48,9 +48,9 @@ from .hardware import Cluster
 from .op_count import update_cost
 from .traffic import act_dtype_bytes, axis_stride, collective_time
 
-# The model's forward + backward timed on this machine at a number of rows, None where it
-# is not (plait.planner.model_timing.ModelTimer)
-Timer = Callable[[int], Any]
+if TYPE_CHECKING:
+    # the model's forward + backward timed on this machine at a number of rows
+    from .model_timing import ModelTimer as Timer
 
 _RNN_GATES = {nn.LSTM: 4, nn.GRU: 3, nn.RNN: 1}
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
@@ -660,9 +660,8 @@ def estimate(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int,
     est.mfu = flops / est.step_time_s / world / (cluster.peak(plan.mixed_precision)
                                                   * core_share(cluster))
     est.notes.append(f"compute at batch {est.microbatch_size}: {got.compute_from}")
-    skipped = getattr(timer, "skipped", {}).get(est.microbatch_size)
-    if skipped:
-        est.notes.append(skipped)
+    if timer is not None and est.microbatch_size in timer.skipped:
+        est.notes.append(timer.skipped[est.microbatch_size])
     est.notes.append(f"{model.name}: measured on a {model.sample_from} sample "
                      f"{model.sample_shape or '(dict)'}: {model.flops_per_sample / 1e6:.3g} "
                      f"MFLOP forward and {model.saved_per_sample / 2**10:.3g} KiB saved for "
