@@ -89,8 +89,9 @@ def test_a_model_its_flops_misprice_is_priced_from_its_own_time(tmp_path):
     flops = estimate(whole, plan, cluster, 16, c)
     measured = _measured(8)
     assert timed.microbatch_size == 8 and list(timer.times) == [8]
-    assert 0.5 < timed.time_breakdown["compute"] / measured < 2.0
-    assert flops.time_breakdown["compute"] < 0.2 * measured
+    # a band wide enough for a machine shared with other jobs; FLOPs and ops miss it by 100x
+    assert 1 / 3 < timed.time_breakdown["compute"] / measured < 3.0
+    assert flops.time_breakdown["compute"] < 0.1 * measured
     assert timed.compute_from.startswith("measured on this machine at batch 8")
     assert flops.compute_from.startswith("FLOPs at efficiency")
     # the rest of the step is priced as before
