@@ -94,9 +94,27 @@ def test_a_model_its_flops_misprice_is_priced_from_its_own_time(tmp_path):
     assert flops.time_breakdown["compute"] < 0.1 * measured
     assert timed.compute_from.startswith("measured on this machine at batch 8")
     assert flops.compute_from.startswith("FLOPs at efficiency")
-    # the rest of the step is priced as before
-    for key in ("dp_grad_total", "optimizer", "sync_bn"):
+    # the traffic is priced as before (the update: below)
+    for key in ("dp_grad_total", "dp_grad_exposed", "sync_bn"):
         assert timed.time_breakdown[key] == flops.time_breakdown[key]
+
+
+def test_ddps_update_is_timed_and_zeros_sharded_ones_are_priced_as_before(tmp_path):
+    """DDP's update is plait's plain one over every tensor: timed with the model (and left
+    out of the timing: the model's parameters are as built); ZeRO's are priced per tensor."""
+    cluster = load_cluster(_here(tmp_path), devices=2)
+    c = constants_for(cluster)
+    whole, _ = from_factory(SLOW)
+    timer = factory_timer(SLOW, whole.saved_per_sample, cluster)
+    before = [p.detach().clone() for p in timer.model.parameters()]
+    ddp = estimate(whole, Plan(dp_replicate=2), cluster, 16, c, timer)
+    assert ddp.time_breakdown["optimizer"] == pytest.approx(timer.update())
+    assert 0 < timer.update() < 1.0
+    assert any(n.startswith("update (clip, AdamW over 2 tensors): measured") for n in ddp.notes)
+    assert all(torch.equal(a, b) for a, b in zip(before, timer.model.parameters(), strict=True))
+    zero1 = Plan(dp_shard=2, zero=1)
+    assert estimate(whole, zero1, cluster, 16, c, timer).time_breakdown["optimizer"] == \
+        estimate(whole, zero1, cluster, 16, c).time_breakdown["optimizer"]
 
 
 def test_grad_accum_times_the_micro_step_and_runs_it_accum_times(tmp_path):

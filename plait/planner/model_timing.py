@@ -127,11 +127,46 @@ class ModelTimer:
     free_bytes: float | None = None
     times: dict[int, Timed | None] = field(default_factory=dict)
     skipped: dict[int, str] = field(default_factory=dict)
+    update_times: list[float] = field(default_factory=list)
 
     def __call__(self, rows: int) -> Timed | None:
         if rows not in self.times:
             self.times[rows] = self._time(rows)
         return self.times[rows]
+
+    def update(self) -> float:
+        """Seconds of plait's update (:func:`plait.train.apply_update`: scale, clip at 1.0,
+        ``torch.optim.AdamW`` as torch defaults it here, zero the gradients) over every
+        trainable parameter of the model, one process, plain tensors: what a DDP rank runs.
+        Median of up to ITERATIONS after WARMUP (the first creates AdamW's state)."""
+        if not self.update_times:
+            from ..plan import Plan
+            from ..train import apply_update
+
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            saved = [p.detach().clone() for p in params]
+            opt = torch.optim.AdamW(params, lr=1e-3)
+            totals = torch.tensor([1.0, 1.0])
+            before = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+            try:
+                started = time.perf_counter()
+                for i in range(WARMUP + ITERATIONS):
+                    for p in params:
+                        p.grad = torch.full_like(p, 1e-3)
+                    start = time.perf_counter()
+                    apply_update(opt, totals, plan=Plan())
+                    if i >= WARMUP:
+                        self.update_times.append(time.perf_counter() - start)
+                        if time.perf_counter() - started > TIME_BUDGET_S:
+                            break
+            finally:
+                torch.set_num_threads(before)
+                with torch.no_grad():  # the timed model is left as it was built
+                    for p, s in zip(params, saved, strict=True):
+                        p.copy_(s)
+                self.model.zero_grad(set_to_none=True)
+        return statistics.median(self.update_times)
 
     def _time(self, rows: int) -> Timed | None:
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())

@@ -536,14 +536,20 @@ def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c:
     # torch's AdamW runs on a CPU) at the device's per-op time. On an accelerator torch's
     # AdamW runs foreach (a few launches for all tensors) under its memory-bound time: 0.
     per_tensor = c.dtensor_step_s if zero >= 2 else c.tensor_step_s
-    if per_tensor:
+    timed_update = timer is not None and timed is not None and zero == 0
+    if timed_update:
+        # DDP's update is the plain one over every tensor: timed on this machine with the
+        # forward + backward (its memory traffic included); ZeRO's sharded ones are priced
+        # per tensor as below
+        update_host = timer.update() / core_share(cluster) if timer is not None else 0.0
+    elif per_tensor:
         update_host = model.param_tensors * per_tensor
     elif cluster.ops_in_line:
         update_host = host_time(model.update_ops_fixed
                                 + model.update_ops_per_tensor * model.param_tensors, cluster)
     else:
         update_host = 0.0
-    optimizer = owned * 16 * 2 / cluster.hbm_bw + update_host
+    optimizer = update_host if timed_update else owned * 16 * 2 / cluster.hbm_bw + update_host
     step = compute + fsdp_host + exposed_grads + exposed_gathers + sync_bn + other + optimizer
 
     P = model.params
@@ -660,6 +666,9 @@ def estimate(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int,
     est.mfu = flops / est.step_time_s / world / (cluster.peak(plan.mixed_precision)
                                                   * core_share(cluster))
     est.notes.append(f"compute at batch {est.microbatch_size}: {got.compute_from}")
+    if timer is not None and plan.zero == 0 and got.compute_from.startswith("measured"):
+        est.notes.append(f"update (clip, AdamW over {model.param_tensors} tensors): measured "
+                         f"on this machine, {got.time_breakdown['optimizer'] * 1e3:.3g} ms")
     if timer is not None and est.microbatch_size in timer.skipped:
         est.notes.append(timer.skipped[est.microbatch_size])
     est.notes.append(f"{model.name}: measured on a {model.sample_from} sample "
