@@ -95,7 +95,7 @@ def test_a_model_its_flops_misprice_is_priced_from_its_own_time(tmp_path):
     assert timed.compute_from.startswith("measured on this machine at batch 8")
     assert flops.compute_from.startswith("FLOPs at efficiency")
     # the traffic is priced as before (the update: below)
-    for key in ("dp_grad_total", "dp_grad_exposed", "sync_bn"):
+    for key in ("dp_grad_total", "param_gather", "sync_bn"):
         assert timed.time_breakdown[key] == flops.time_breakdown[key]
 
 
