@@ -117,6 +117,17 @@ def test_ddps_update_is_timed_and_zeros_sharded_ones_are_priced_as_before(tmp_pa
         estimate(whole, zero1, cluster, 16, c).time_breakdown["optimizer"]
 
 
+def test_a_timing_on_a_busy_machine_says_so():
+    from plait.planner.model_timing import Timed
+
+    quiet = Timed(rows=8, seconds=0.010, forward_s=0.004, iterations=5, threads=1,
+                  fastest_s=0.009, slowest_s=0.011)
+    busy = dataclasses.replace(quiet, slowest_s=0.030)
+    assert quiet.says() == "measured on this machine at batch 8 (1 thread, median of 5)"
+    assert busy.says().endswith("its passes took 9-30 ms: the machine is busy, time again "
+                                "when it is quiet")
+
+
 def test_grad_accum_times_the_micro_step_and_runs_it_accum_times(tmp_path):
     cluster = load_cluster(_here(tmp_path), devices=2)
     c = constants_for(cluster)

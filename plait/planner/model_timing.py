@@ -49,6 +49,9 @@ SLOW_S = 10.0
 MEMORY_SHARE = 0.5
 # A timing expected to take longer than this says so on the progress line first.
 PROGRESS_S = 1.0
+# Timed passes whose slowest is over this many times the fastest: the output says the machine
+# was busy while it timed
+NOISY = 1.5
 
 
 def this_host() -> dict[str, Any]:
@@ -103,10 +106,16 @@ class Timed:
     forward_s: float        # of which the forward and the loss
     iterations: int
     threads: int
+    fastest_s: float = 0.0  # the fastest and slowest timed pass: far apart on a busy machine
+    slowest_s: float = 0.0
 
     def says(self) -> str:
-        return (f"measured on this machine at batch {self.rows} ({self.threads} thread"
+        text = (f"measured on this machine at batch {self.rows} ({self.threads} thread"
                 f"{'s' if self.threads != 1 else ''}, median of {self.iterations})")
+        if self.slowest_s > NOISY * self.fastest_s:
+            text += (f"; its passes took {self.fastest_s * 1e3:.3g}-{self.slowest_s * 1e3:.3g} "
+                     f"ms: the machine is busy, time again when it is quiet")
+        return text
 
 
 @dataclass
@@ -209,7 +218,7 @@ class ModelTimer:
                 break
         return Timed(rows=rows, seconds=statistics.median(total),
                      forward_s=statistics.median(fwd), iterations=len(total),
-                     threads=self.threads)
+                     threads=self.threads, fastest_s=min(total), slowest_s=max(total))
 
     def _once(self, batch: Any) -> tuple[float, float]:
         """Seconds of one forward + loss + backward, and of its forward + loss."""
