@@ -6,7 +6,8 @@ profile carries is measured on transformer matmuls; a convolution, an LSTM cell 
 loop runs at another rate, and FLOPs say nothing of it. Where the cluster priced is this
 machine, the planner holds the real model and can simply run it: a few forward + backward
 passes (the factory's loss included) at each per-rank micro-batch a layout runs, median of the
-timed ones, in place of FLOPs / efficiency + per-op host time.
+timed ones, in place of FLOPs / efficiency + per-op host time; and plait's update over the
+model's plain tensors, DDP's (ZeRO's sharded updates stay priced per tensor).
 
 Which clusters are this machine: a profile ``plait plan --calibrate`` wrote here records the
 host it measured (:func:`this_host`: host name, CPU model, cores) under ``extra.host``; the
