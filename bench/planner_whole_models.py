@@ -19,7 +19,16 @@ the ranking: the search gives grad_accum only where nothing fits without it).
 Then the parts of one rank's step, timed in this process with nothing else of plait around
 them: forward + backward on the rank's rows beside the prediction's FLOP time plus its ops'
 host time, and plait's update (``plait.train.apply_update``) beside the update's ops' host
-time. ``--stat min`` reports the fastest step instead of the median: on a machine shared with
+time; and the same forward + backward on ``--world`` processes at once with no collective
+between them, which is what ranks sharing the machine's cores do to each other's compute.
+
+Each prediction is printed twice: ``flops``, the compute priced from FLOPs at the profile's
+efficiency plus its aten ops' host time, and ``timed``, the model's own forward + backward
+timed in this process at each layout's per-rank batch (``plait plan --time-model``), which the
+planner uses only where ``--cluster`` is a profile calibrated on this machine (else the two
+columns are equal and the header says why). Both are priced against the same measured runs.
+
+``--stat min`` reports the fastest step instead of the median: on a machine shared with
 other jobs a timing is only ever inflated, so the least disturbed one is the closest to the
 machine's own.
 """
@@ -39,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from plait.plan import Plan
 from plait.planner import constants_for, load_cluster
+from plait.planner.model_timing import factory_timer, is_this_machine
 from plait.planner.whole_model import estimate, from_factory, rank
 
 MODELS = ("resnet", "lstm_lm")
@@ -101,6 +111,13 @@ def time_parts(name: str, rows: int, steps: int, pick: Any) -> dict[str, float]:
     return {"forward_backward": pick(fb[2:]), "update": pick(up[2:])}
 
 
+def parts_worker(rank_: int, world: int, name: str, rows: int, steps: int, stat: str
+                 ) -> dict[str, float]:
+    """:func:`time_parts` on every rank at once, no collective between them: what the ranks
+    sharing this machine's cores do to each other's compute."""
+    return time_parts(name, rows, steps, statistics.median if stat == "median" else min)
+
+
 def measured_bytes(comm: dict) -> tuple[float, float]:
     """(payload bytes per rank per step, collective calls per step) over the ledger's rows."""
     rows = comm.get("rows") or []
@@ -123,65 +140,98 @@ def main() -> int:
     pick = statistics.median if args.stat == "median" else min
     cluster = load_cluster(args.cluster, devices=args.world)
     constants = constants_for(cluster)
+    here, why = is_this_machine(cluster)
     out = []
     print(f"{args.world} x {cluster.name} (gloo), global batch {args.batch}, "
-          f"{args.steps - 2} timed steps ({args.stat}); ratio = measured / predicted")
-    print(f"{'model':8} {'layout':28} {'pred ms':>8} {'meas ms':>8} {'ratio':>6}  "
-          f"{'pred KiB':>9} {'meas KiB':>9} {'ratio':>6}  calls")
+          f"{args.steps - 2} timed steps ({args.stat}); ratio = measured / predicted; "
+          f"flops: compute priced from FLOPs and aten ops; timed: the model's forward + "
+          f"backward timed in this process (plait plan --time-model)"
+          + ("" if here else f"; not timed: {why}"))
+    print(f"{'model':8} {'layout':34} {'flops ms':>8} {'timed ms':>8} {'meas ms':>8} "
+          f"{'ratio':>6} {'ratio':>6}  {'pred KiB':>9} {'meas KiB':>9} {'ratio':>6}  calls")
+    print(f"{'':8} {'':34} {'':>8} {'':>8} {'':>8} {'flops':>6} {'timed':>6}")
     for name in MODELS:
-        whole, _ = from_factory(f"tests._any_models:{name}")
+        spec = f"tests._any_models:{name}"
+        whole, _ = from_factory(spec)
+        timer = factory_timer(spec, whole.saved_per_sample, cluster) if here else None
         result = rank(whole, cluster, args.batch, dtype="fp32", c=constants, top=0)
         # and DDP at grad_accum=2: two micro-steps of half the rows, one gradient reduction
         accum = Plan(dp_replicate=args.world, sync_bn=bool(whole.batchnorm), grad_accum=2)
         accumulated = estimate(whole, accum, cluster, args.batch, constants)
         for est in result.ranked + ([accumulated] if accumulated.feasible else []):
             plan = est.plan.to_string()
+            timed = estimate(whole, est.plan, cluster, args.batch, constants, timer)
             got = run_distributed(worker, args.world, name, plan, args.batch, args.steps,
                                   timeout=600)[0]
             step = pick(got["times"])
             wire = sum(t.payload for t in est.traffic)
             meas, calls = measured_bytes(got["comm"])
             row = {"model": name, "plan": plan, "predicted_s": est.step_time_s,
-                   "measured_s": step, "time_ratio": step / est.step_time_s,
+                   "predicted_timed_s": timed.step_time_s, "measured_s": step,
+                   "time_ratio": step / est.step_time_s,
+                   "time_ratio_timed": step / timed.step_time_s,
+                   "compute_from": timed.compute_from,
                    "predicted_payload_bytes": wire, "measured_payload_bytes": meas,
                    "bytes_ratio": meas / wire if wire else None,
                    "predicted_calls": sum(t.calls for t in est.traffic),
-                   "measured_calls": calls, "time_breakdown": est.time_breakdown}
+                   "measured_calls": calls, "time_breakdown": est.time_breakdown,
+                   "time_breakdown_timed": timed.time_breakdown}
             out.append(row)
             ratio = f"{row['bytes_ratio']:.3f}" if row["bytes_ratio"] else "-"
-            print(f"{name:8} {est.plan.describe():28} {est.step_time_s * 1e3:8.2f} "
-                  f"{step * 1e3:8.2f} {row['time_ratio']:6.2f}  {wire / 1024:9.1f} "
-                  f"{meas / 1024:9.1f} {ratio:>6}  {calls:g}/{row['predicted_calls']}",
-                  flush=True)
+            print(f"{name:8} {est.plan.describe():34} {est.step_time_s * 1e3:8.2f} "
+                  f"{timed.step_time_s * 1e3:8.2f} {step * 1e3:8.2f} "
+                  f"{row['time_ratio']:6.2f} {row['time_ratio_timed']:6.2f}  "
+                  f"{wire / 1024:9.1f} {meas / 1024:9.1f} {ratio:>6}  "
+                  f"{calls:g}/{row['predicted_calls']}", flush=True)
     # The compute alone: one process on one rank's rows, beside the prediction's compute and
     # optimizer terms (what the step would be without any collective).
     per_rank = args.batch // args.world
     single = load_cluster(args.cluster, devices=1)
     for name in MODELS:
-        whole, _ = from_factory(f"tests._any_models:{name}")
-        est = rank(whole, single, per_rank, dtype="fp32", c=constants_for(single), top=1).best
+        spec = f"tests._any_models:{name}"
+        whole, _ = from_factory(spec)
+        k = constants_for(single)
+        est = rank(whole, single, per_rank, dtype="fp32", c=k, top=1).best
+        timer = factory_timer(spec, whole.saved_per_sample, single) if here else None
+        timed = estimate(whole, est.plan, single, per_rank, k, timer)
         got = run_distributed(worker, 1, name, "dp=1", per_rank, args.steps, timeout=600)[0]
         step = pick(got["times"])
-        tb = est.time_breakdown
+        tb, tt = est.time_breakdown, timed.time_breakdown
         out.append({"model": name, "plan": "single", "predicted_s": est.step_time_s,
+                    "predicted_timed_s": timed.step_time_s,
                     "measured_s": step, "time_ratio": step / est.step_time_s,
+                    "time_ratio_timed": step / timed.step_time_s,
                     "predicted_payload_bytes": 0.0, "measured_payload_bytes": 0.0,
                     "bytes_ratio": None, "predicted_calls": 0, "measured_calls": 0,
                     "time_breakdown": est.time_breakdown})
-        print(f"{name:8} {'1 process, ' + str(per_rank) + ' rows':28} "
-              f"{est.step_time_s * 1e3:8.2f} {step * 1e3:8.2f} {step / est.step_time_s:6.2f}  "
+        print(f"{name:8} {'1 process, ' + str(per_rank) + ' rows':34} "
+              f"{est.step_time_s * 1e3:8.2f} {timed.step_time_s * 1e3:8.2f} {step * 1e3:8.2f} "
+              f"{step / est.step_time_s:6.2f} {step / timed.step_time_s:6.2f}  "
               f"(compute and optimizer alone)", flush=True)
         parts = time_parts(name, per_rank, args.steps, pick)
         ops = tb.get("dispatch", 0.0)
-        print(f"{name:8} {'  forward + backward':28} {tb['compute'] * 1e3:8.2f} "
-              f"{parts['forward_backward'] * 1e3:8.2f} "
-              f"{parts['forward_backward'] / tb['compute']:6.2f}  (FLOPs "
-              f"{(tb['compute'] - ops) * 1e3:.2f} ms + ops' host time {ops * 1e3:.2f} ms)")
-        print(f"{name:8} {'  update (clip, AdamW)':28} {tb['optimizer'] * 1e3:8.2f} "
-              f"{parts['update'] * 1e3:8.2f} {parts['update'] / tb['optimizer']:6.2f}",
+        fb = parts["forward_backward"]
+        print(f"{name:8} {'  forward + backward':34} {tb['compute'] * 1e3:8.2f} "
+              f"{tt['compute'] * 1e3:8.2f} {fb * 1e3:8.2f} {fb / tb['compute']:6.2f} "
+              f"{fb / tt['compute']:6.2f}  (flops: FLOPs {(tb['compute'] - ops) * 1e3:.2f} ms "
+              f"+ ops' host time {ops * 1e3:.2f} ms; timed: {timed.compute_from})")
+        print(f"{name:8} {'  update (clip, AdamW)':34} {tb['optimizer'] * 1e3:8.2f} "
+              f"{tt['optimizer'] * 1e3:8.2f} {parts['update'] * 1e3:8.2f} "
+              f"{parts['update'] / tb['optimizer']:6.2f} {parts['update'] / tt['optimizer']:6.2f}",
               flush=True)
+        together = run_distributed(parts_worker, args.world, name, per_rank, args.steps,
+                                   args.stat, timeout=600)
+        both = max(r["forward_backward"] for r in together)
+        print(f"{name:8} {'  ' + str(args.world) + ' processes at once':34} "
+              f"{tb['compute'] * 1e3:8.2f} {tt['compute'] * 1e3:8.2f} {both * 1e3:8.2f} "
+              f"{both / tb['compute']:6.2f} {both / tt['compute']:6.2f}  (forward + backward "
+              f"on each of {args.world} processes, no collective: the slowest; "
+              f"{both / fb:.2f}x one process alone)", flush=True)
+        parts["forward_backward_together"] = both
         out.append({"model": name, "plan": "parts", "predicted": {
             "forward_backward_s": tb["compute"], "update_s": tb["optimizer"]},
+            "predicted_timed": {"forward_backward_s": tt["compute"],
+                                "update_s": tt["optimizer"]},
             "measured": parts})
     ranks = {}
     for name in MODELS:
@@ -193,11 +243,16 @@ def main() -> int:
                        "measured_order": [r["plan"] for r in by_meas]}
         print(f"{name}: predicted order {' > '.join(r['plan'] for r in by_pred)}")
         print(f"{name}: measured order  {' > '.join(r['plan'] for r in by_meas)}")
+        by_timed = sorted(rows, key=lambda r: r["predicted_timed_s"])
+        ranks[name]["predicted_timed_order"] = [r["plan"] for r in by_timed]
+        print(f"{name}: timed order     {' > '.join(r['plan'] for r in by_timed)}")
     layouts = [r for r in out if r["plan"] not in ("single", "parts")]
-    errors = [abs(r["time_ratio"] - 1) for r in layouts]
     ratios = sorted({round(r["bytes_ratio"] or 0, 3) for r in layouts})
-    print(f"median |time error| {statistics.median(errors):.0%}, worst {max(errors):.0%}; "
-          f"bytes ratios {ratios}")
+    for label, key in (("flops", "time_ratio"), ("timed", "time_ratio_timed")):
+        errors = [abs(r[key] - 1) for r in layouts]
+        print(f"{label}: median |time error| {statistics.median(errors):.0%}, worst "
+              f"{max(errors):.0%}")
+    print(f"bytes ratios {ratios}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": out, "order": ranks}, indent=2))
     return 0

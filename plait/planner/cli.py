@@ -27,6 +27,8 @@ from .hardware import GB, Cluster, load_cluster, presets, save_cluster
 from .model_stats import (
     ModelStats,
     NoBlockStackError,
+    _build,
+    _model_of,
     build_factory,
     load_model,
     sample_keys,
@@ -104,6 +106,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "step x rank grid (F0 F1 B0 ...)")
     p.add_argument("--pareto", default=None, metavar="PNG",
                    help="write a step time vs memory Pareto plot (needs the plot extra)")
+    p.add_argument("--time-model", choices=("auto", "on", "off"), default="auto",
+                   help="for a model without a stack of blocks (a ConvNet, an LSTM): time its "
+                   "own forward + backward on this machine at each layout's per-rank batch, in "
+                   "place of FLOPs at the profile's efficiency. auto (default): where --cluster "
+                   "is a profile --calibrate wrote on this machine; on: the same, an error "
+                   "where it is not; off: FLOPs always")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine and save a cluster profile: on a GPU/TPU the "
                         "compute efficiency of a block against --cluster's peak; on a CPU "
@@ -560,15 +568,27 @@ def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
 
     say = functools.partial(print, file=out)
     whole, module = from_factory(args.model)
-    check, real = None, None
+    timing, why = _time_model(args, cluster)
+    check, real, built = None, None, None
     if whole.num_params <= ASK_LIMIT:
-        real = module if not any(p.is_meta for p in module.parameters()) else \
-            build_factory(args.model, "cpu")
+        built = _build(args.model, "cpu") if timing or any(
+            p.is_meta for p in module.parameters()) else module
+        real = _model_of(built, args.model)
         check = layout_check(real, dict_keys=sample_keys(args.model))
+    elif timing:
+        timing, why = False, (f"not timed: {args.model} ({_count(whole.num_params)} "
+                              f"parameters) is over the {_count(ASK_LIMIT)} plait builds on "
+                              f"the host")
     reasons = excluded(whole, check, real)
     constants = constants_for(cluster)
     if args.efficiency is not None:
         constants = dataclasses.replace(constants, compute_efficiency=args.efficiency)
+    timer = None
+    if timing:
+        from .model_timing import factory_timer
+
+        timer = factory_timer(args.model, whole.saved_per_sample, cluster, built=built,
+                              progress=functools.partial(print, file=sys.stderr))
     head = {"model": whole.name, "cluster": cluster.name, "devices": cluster.world_size,
             "global_batch": args.global_batch, "kind": "data parallelism only",
             "measured": {"params": whole.num_params, "buffer_bytes": whole.buffer_bytes,
@@ -581,6 +601,7 @@ def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
                          "sample_from": whole.sample_from,
                          "batchnorm_layers": len(whole.batchnorm),
                          "checkpointed_blocks": [b.name for b in whole.blocks]},
+            "compute_timed": timing, "compute_timing": why,
             "excluded": reasons}
     if given is not None:
         if given.tp > 1 or given.pp > 1:
@@ -589,16 +610,18 @@ def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
             say(json.dumps({**head, "plans": [], "message": message}, indent=2)
                   if args.format == "json" else message)
             return 1
-        est = estimate(whole, given, cluster, args.global_batch, constants)
+        est = estimate(whole, given, cluster, args.global_batch, constants, timer)
         if args.format == "json":
             say(json.dumps({**head, "plans": [estimate_json(est)]}, indent=2))
         else:
+            say(why)
             if est.step_time_s < math.inf:
                 say(format_table([est]))
             if not est.feasible:
                 say(f"does not fit / cannot run: {est.reason}")
         return 0 if est.feasible else 1
-    result = rank(whole, cluster, args.global_batch, dtype=dtype, c=constants, top=args.top)
+    result = rank(whole, cluster, args.global_batch, dtype=dtype, c=constants, top=args.top,
+                  timer=timer)
     ranked = result.ranked
     if args.format == "json":
         say(json.dumps({**head, "evaluated": result.evaluated, "fit": result.fit,
@@ -614,11 +637,39 @@ def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
           f"blocks: data-parallel layouts only) on {cluster.world_size} x {cluster.name}, "
           f"global batch {args.global_batch}, {dtype}: {result.evaluated} layouts priced, "
           f"{result.fit} fit in memory")
+    say(why)
     say(format_table(ranked))
     say("\n".join(explain(ranked)))
     for axis, why in reasons.items():
         say(f"not searched: {axis}: {why}")
     return 0
+
+
+def _time_model(args: argparse.Namespace, cluster: Cluster) -> tuple[bool, str]:
+    """Whether ``plait plan`` times the model's own forward + backward on this machine
+    (``--time-model``, :mod:`plait.planner.model_timing`), and a line saying where each
+    layout's compute time comes from. Local timings price only a profile calibrated on this
+    machine: ``on`` where the cluster is not one is an error, never a silent FLOP count."""
+    from .model_timing import is_this_machine, rank_threads
+
+    mode = getattr(args, "time_model", "auto")
+    if mode == "off":
+        return False, "compute: from FLOPs and aten ops (--time-model off)"
+    here, why = is_this_machine(cluster)
+    if not here:
+        if mode == "on":
+            raise ValueError(f"--time-model on: {why}")
+        return False, f"compute: from FLOPs and aten ops, not timed: {why}"
+    if args.efficiency is not None and mode == "auto":
+        return False, (f"compute: from FLOPs at --efficiency {args.efficiency:g} (give "
+                       f"--time-model on to time the model on this machine instead)")
+    threads = rank_threads(cluster)
+    return True, (f"compute: the model's forward + backward timed on this machine (cluster "
+                  f"{cluster.name} was calibrated here) at each layout's per-rank batch, "
+                  f"{threads} thread{'s' if threads != 1 else ''} per rank as plait run gives "
+                  f"each of {min(cluster.world_size, cluster.devices_per_node)} ranks; ranks "
+                  f"that outnumber the cores are priced by their share of one, contention "
+                  f"between ranks is not measured")
 
 
 # The largest factory model ``plait plan`` builds on the host to ask it about layouts (fp32:

@@ -124,6 +124,9 @@ class Estimate:
     # (fastest, slowest) step time over the chip's compute-efficiency range (plait.planner
     # .uncertainty); None until priced
     step_time_range_s: tuple[float, float] | None = None
+    # Where the compute time came from, for a model priced without blocks: "measured on this
+    # machine at batch N ..." or "FLOPs at efficiency E ..." (plait.planner.whole_model)
+    compute_from: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.to_string(), "layout": self.plan.to_dict(),
@@ -136,7 +139,7 @@ class Estimate:
                 "comm_bytes_per_step": self.comm_bytes_per_step,
                 "bubble_fraction": self.bubble_fraction, "time_breakdown": self.time_breakdown,
                 "microbatch_size": self.microbatch_size, "stage_layers": list(self.stage_layers),
-                "notes": list(self.notes),
+                "notes": list(self.notes), "compute_from": self.compute_from,
                 "traffic": [{"axis": t.axis, "op": t.op, "what": t.what,
                              "payload_bytes": t.payload, "calls": t.calls, "group": t.group}
                             for t in self.traffic],

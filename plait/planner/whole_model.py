@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -47,6 +47,10 @@ from .compute import core_share
 from .hardware import Cluster
 from .op_count import update_cost
 from .traffic import act_dtype_bytes, axis_stride, collective_time
+
+if TYPE_CHECKING:
+    # the model's forward + backward timed on this machine at a number of rows
+    from .model_timing import ModelTimer as Timer
 
 _RNN_GATES = {nn.LSTM: 4, nn.GRU: 3, nn.RNN: 1}
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
@@ -444,6 +448,7 @@ class Priced:
 
     step: float
     memory: float
+    compute_from: str = ""      # where the forward + backward time came from
     memory_breakdown: dict[str, float] = field(default_factory=dict)
     time_breakdown: dict[str, float] = field(default_factory=dict)
     traffic: list[Traffic] = field(default_factory=list)
@@ -455,10 +460,13 @@ def host_time(ops: float, cluster: Cluster) -> float:
     return ops * cluster.op_latency / core_share(cluster)
 
 
-def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c: Any
-          ) -> Priced:
+def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c: Any,
+          timer: Timer | None = None) -> Priced:
     """Step time, memory per rank and traffic of ``plan`` (data parallelism, ``grad_accum``
-    micro-steps of ``global_batch / dp / grad_accum`` rows each)."""
+    micro-steps of ``global_batch / dp / grad_accum`` rows each). ``timer``: the model's
+    forward + backward timed on this machine at a number of rows
+    (:class:`plait.planner.model_timing.ModelTimer`), used in place of its FLOPs and ops where
+    it answers; only for a cluster that is this machine."""
     dp, S, zero, accum = plan.dp, plan.dp_shard, plan.zero, plan.grad_accum
     b = global_batch // dp
     rows = b // accum  # per micro-step
@@ -466,12 +474,34 @@ def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c:
     full = plan.activation_checkpointing == "full" and model.blocks
     replay = sum(k.flops for k in model.blocks) if full else 0.0
     replay_ops = sum(k.ops for k in model.blocks) if full else 0
-    # Each micro-step: the FLOPs at the achieved rate, and the host's time per aten op (the
-    # forward's, the backward's, a replayed forward's). On a CPU the host is the device: the
-    # two add. An accelerator's host launches ahead of it: the longer of the two.
-    arithmetic = (3 * model.flops_per_sample + replay) * rows / rate
-    dispatch = host_time(model.forward_ops + model.backward_ops + replay_ops, cluster)
-    micro = arithmetic + dispatch if cluster.ops_in_line else max(arithmetic, dispatch)
+    timed = timer(rows) if timer is not None and plan.mixed_precision == "fp32" else None
+    if timed is not None:
+        # The model's own forward + backward timed on this machine at the rows of a
+        # micro-step (plait.planner.model_timing), its ops' host time included; a forward
+        # replayed by checkpointing costs the timed forward's share of the blocks' FLOPs.
+        # Ranks that outnumber the cores share them, as FLOPs do.
+        share = core_share(cluster)
+        replayed = timed.forward_s * replay / model.flops_per_sample \
+            if model.flops_per_sample else 0.0
+        arithmetic = (timed.seconds + replayed) / share
+        recompute = replayed / share
+        dispatch = 0.0
+        micro = arithmetic
+        compute_from = timed.says()
+    else:
+        # Each micro-step: the FLOPs at the achieved rate, and the host's time per aten op
+        # (the forward's, the backward's, a replayed forward's). On a CPU the host is the
+        # device: the two add. An accelerator's host launches ahead of it: the longer of the
+        # two.
+        arithmetic = (3 * model.flops_per_sample + replay) * rows / rate
+        recompute = replay * rows / rate
+        dispatch = host_time(model.forward_ops + model.backward_ops + replay_ops, cluster)
+        micro = arithmetic + dispatch if cluster.ops_in_line else max(arithmetic, dispatch)
+        compute_from = (f"FLOPs at efficiency {c.compute_efficiency:.2f} of "
+                        f"{cluster.peak(plan.mixed_precision) / 1e9:.4g} GFLOP/s"
+                        + (f" + {model.forward_ops + model.backward_ops + replay_ops} aten "
+                           f"ops at {cluster.op_latency * 1e6:.3g} us" if cluster.op_latency
+                           else ""))
     compute = micro * accum
     traffic = held_traffic(plan, held(model, plan, c.bucket_bytes))
     times = {t.what: 0.0 for t in traffic}
@@ -506,14 +536,20 @@ def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c:
     # torch's AdamW runs on a CPU) at the device's per-op time. On an accelerator torch's
     # AdamW runs foreach (a few launches for all tensors) under its memory-bound time: 0.
     per_tensor = c.dtensor_step_s if zero >= 2 else c.tensor_step_s
-    if per_tensor:
+    timed_update = timer is not None and timed is not None and zero == 0
+    if timed_update:
+        # DDP's update is the plain one over every tensor: timed on this machine with the
+        # forward + backward (its memory traffic included); ZeRO's sharded ones are priced
+        # per tensor as below
+        update_host = timer.update() / core_share(cluster) if timer is not None else 0.0
+    elif per_tensor:
         update_host = model.param_tensors * per_tensor
     elif cluster.ops_in_line:
         update_host = host_time(model.update_ops_fixed
                                 + model.update_ops_per_tensor * model.param_tensors, cluster)
     else:
         update_host = 0.0
-    optimizer = owned * 16 * 2 / cluster.hbm_bw + update_host
+    optimizer = update_host if timed_update else owned * 16 * 2 / cluster.hbm_bw + update_host
     step = compute + fsdp_host + exposed_grads + exposed_gathers + sync_bn + other + optimizer
 
     P = model.params
@@ -547,7 +583,8 @@ def price(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c:
                           "compute_copy": copy, "activations": acts, "buffers": buckets,
                           "model_buffers": float(model.buffer_bytes),
                           "reserve": cluster.reserve_bytes},
-        time_breakdown={"compute": compute, "recompute": replay * rows / rate * accum,
+        compute_from=compute_from,
+        time_breakdown={"compute": compute, "recompute": recompute * accum,
                         "dispatch": dispatch * accum, "fsdp_host": fsdp_host,
                         "dp_grad_total": grads, "dp_grad_exposed": exposed_grads,
                         "param_gather": gathers, "param_gather_exposed": exposed_gathers,
@@ -583,10 +620,10 @@ def layouts(model: WholeModel, cluster: Cluster, global_batch: int,
                for accum in accums for ac in acs]
 
 
-def estimate(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c: Any
-             ) -> Any:
+def estimate(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int, c: Any,
+             timer: Timer | None = None) -> Any:
     """The :class:`plait.planner.cost.Estimate` of ``plan`` (infeasible, with a reason, where
-    the batch does not split or the memory does not fit)."""
+    the batch does not split or the memory does not fit); ``timer`` as :func:`price` takes."""
     from .cost import Estimate
 
     est = Estimate(plan=plan, feasible=False)
@@ -610,7 +647,8 @@ def estimate(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int,
                       f"global batch that is a multiple of {plan.dp * plan.grad_accum}, or "
                       f"another grad_accum")
         return est
-    got = price(model, plan, cluster, global_batch, c)
+    got = price(model, plan, cluster, global_batch, c, timer)
+    est.compute_from = got.compute_from
     est.microbatch_size = global_batch // plan.dp // plan.grad_accum
     est.step_time_s = got.step
     est.memory_bytes_per_device = got.memory
@@ -627,6 +665,12 @@ def estimate(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int,
     est.tflops_per_device_hw = (flops + replayed) / est.step_time_s / world / 1e12
     est.mfu = flops / est.step_time_s / world / (cluster.peak(plan.mixed_precision)
                                                   * core_share(cluster))
+    est.notes.append(f"compute at batch {est.microbatch_size}: {got.compute_from}")
+    if timer is not None and plan.zero == 0 and got.compute_from.startswith("measured"):
+        est.notes.append(f"update (clip, AdamW over {model.param_tensors} tensors): measured "
+                         f"on this machine, {got.time_breakdown['optimizer'] * 1e3:.3g} ms")
+    if timer is not None and est.microbatch_size in timer.skipped:
+        est.notes.append(timer.skipped[est.microbatch_size])
     est.notes.append(f"{model.name}: measured on a {model.sample_from} sample "
                      f"{model.sample_shape or '(dict)'}: {model.flops_per_sample / 1e6:.3g} "
                      f"MFLOP forward and {model.saved_per_sample / 2**10:.3g} KiB saved for "
@@ -732,9 +776,10 @@ def excluded(model: WholeModel, check: Callable[[Plan], str | None] | None,
 
 
 def rank(model: WholeModel, cluster: Cluster, global_batch: int, *, dtype: str, c: Any,
-         top: int = 10) -> Any:
+         top: int = 10, timer: Timer | None = None) -> Any:
     """Every data-parallel layout of ``model`` (:func:`layouts`) ranked by predicted step time
-    (ties: less memory), as a :class:`plait.planner.search.SearchResult`."""
+    (ties: less memory), as a :class:`plait.planner.search.SearchResult`; ``timer`` as
+    :func:`price` takes."""
     import time
 
     from .search import SearchResult
@@ -746,7 +791,7 @@ def rank(model: WholeModel, cluster: Cluster, global_batch: int, *, dtype: str, 
     evaluated = 0
     for group in layouts(model, cluster, global_batch, dtype):
         for plan in group:
-            est = estimate(model, plan, cluster, global_batch, c)
+            est = estimate(model, plan, cluster, global_batch, c, timer)
             evaluated += 1
             if est.feasible:
                 feasible.append(est)
@@ -771,9 +816,11 @@ def explain(ranked: list[Any]) -> list[str]:
     best = ranked[0]
     tb = best.time_breakdown
     comm = tb["dp_grad_exposed"] + tb["param_gather_exposed"] + tb["buffers_broadcast"]
+    where = (best.compute_from if best.compute_from.startswith("measured") else
+             f"host time of its aten ops {tb['dispatch'] * 1e3:.3g} ms")
     out = [f"{best.plan.describe()}: step {best.step_time_s * 1e3:.3g} ms = compute "
-           f"{tb['compute'] * 1e3:.3g} ms (host time of its aten ops "
-           f"{tb['dispatch'] * 1e3:.3g} ms, recompute {tb['recompute'] * 1e3:.3g}) + exposed "
+           f"{tb['compute'] * 1e3:.3g} ms ({where}, recompute "
+           f"{tb['recompute'] * 1e3:.3g}) + exposed "
            f"data-parallel traffic {comm * 1e3:.3g} ms + sync_bn {tb['sync_bn'] * 1e3:.3g} ms "
            f"+ optimizer {tb['optimizer'] * 1e3:.3g} ms; "
            f"{best.memory_bytes_per_device / 2**20:,.1f} MiB per rank"]

@@ -118,7 +118,11 @@ def calibrate(world: int = 2, name: str = "local-cpu") -> Cluster:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         ram = 8 * GB
-    extra: dict[str, Any] = {"compute_efficiency": round(eff, 4),
+    from ..model_timing import this_host
+
+    # the machine measured: the planner times a model's own forward and backward only on a
+    # profile whose host is the machine it runs on (plait.planner.model_timing)
+    extra: dict[str, Any] = {"host": this_host(), "compute_efficiency": round(eff, 4),
                              "op_latency_source": "measured: forward + backward of 4-32 tiny "
                                                   "Linear + tanh layers, seconds over aten ops "
                                                   "(plait.planner.block_probe."
