@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .batch_rows import refuse_ragged
 from .dict_batch import signature_of, whole_dict_parameter
 from .loss import (
     label_shift,
@@ -81,16 +82,21 @@ def split_microbatches(batch: Any, n: int) -> list[Any]:
     """Split a batch (tensor, or tuple/list/dict of tensors) into ``n`` equal parts along dim 0."""
     if n == 1:
         return [batch]
+    refuse_ragged(batch, f"grad_accum={n} micro-batches", "grad_accum=1")
+    return _split(batch, n)
+
+
+def _split(batch: Any, n: int) -> list[Any]:
     if isinstance(batch, torch.Tensor):
         if batch.shape[0] % n:
             raise ValueError(f"batch of {batch.shape[0]} rows does not split into {n} equal "
                              f"micro-batches; make the per-replica batch a multiple of {n}")
         return list(batch.chunk(n))
     if isinstance(batch, dict):
-        by_key = {k: split_microbatches(v, n) for k, v in batch.items()}
+        by_key = {k: _split(v, n) for k, v in batch.items()}
         return [{k: v[i] for k, v in by_key.items()} for i in range(n)]
     if isinstance(batch, (tuple, list)):
-        by_field = [split_microbatches(v, n) for v in batch]
+        by_field = [_split(v, n) for v in batch]
         return [type(batch)(p[i] for p in by_field) for i in range(n)]
     raise TypeError(f"cannot split a batch of type {type(batch).__name__} into micro-batches")
 
@@ -403,6 +409,10 @@ def grad_norm(parameters: list[torch.Tensor],
     # A tied weight held by two pipeline stages counts once (its copies carry the same grad).
     grads = [p.grad for p in parameters
              if p.grad is not None and not getattr(p, "_plait_tied_copy", False)]
+    # A sparse gradient (nn.Embedding/EmbeddingBag with sparse=True) has no norm kernel in
+    # torch ("Could not run 'aten::linalg_vector_norm' ... 'SparseCPU'"); its coalesced values
+    # (each row summed once) are the same entries as its dense form's non-zeros.
+    grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()

@@ -1,0 +1,107 @@
+"""A recommender with a variable-length sparse feature and a diffusion U-Net, taken through
+what a newcomer tries (``tests/_newcomer_models.py``): the refusals they meet are one line
+naming the bad value and the fix, and what trains matches one device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from plait.parallel.zero import apply_fsdp
+from plait.plan import Plan
+from plait.spawn import run_distributed
+from plait.train import split_microbatches
+from tests._newcomer_models import (
+    DLRM,
+    Clicks,
+    collate_clicks,
+    recommender_reference,
+    train_recommender,
+)
+
+
+def _clicks_batch(rows: int = 8) -> dict[str, torch.Tensor]:
+    ds = Clicks()
+    return collate_clicks([ds[i] for i in range(rows)])
+
+
+def test_a_flat_index_list_is_not_cut_into_micro_batches_by_rows() -> None:
+    # Cut by rows, the flat ids and their offsets split at other places: the second half's
+    # offsets point past its ids (torch: "offsets[0] has to be 0"), or, where the sizes
+    # divide, the bags mix. Refused by name before any part runs.
+    batch = _clicks_batch()
+    assert batch["big_idx"].shape[0] != 8  # the bags hold more ids than there are rows
+    with pytest.raises(ValueError) as err:
+        split_microbatches(batch, 2)
+    message = str(err.value)
+    assert f"'big_idx' has {batch['big_idx'].shape[0]} rows where the batch has 8" in message
+    assert "grad_accum=2" in message and "padding_idx" in message
+    assert "run with grad_accum=1" in message
+
+
+def test_one_row_per_example_still_splits() -> None:
+    batch = _clicks_batch()
+    del batch["big_idx"], batch["big_off"]
+    parts = split_microbatches(batch, 2)
+    assert [p["dense"].shape[0] for p in parts] == [4, 4]
+    assert torch.equal(torch.cat([p["small_idx"] for p in parts]), batch["small_idx"])
+
+
+def test_the_failure_summary_names_an_exception_whose_message_has_many_lines() -> None:
+    # torch's message for an op without a sparse kernel ends with one line per dispatch key:
+    # the summary named the last of them ("rank 0 (PythonDispatcher, exit code 1)").
+    from plait.launch import exception_name
+
+    traceback = (
+        '[rank0]: Traceback (most recent call last):\n'
+        '[rank0]:   File "train.py", line 9, in <module>\n'
+        '[rank0]:     norm = torch.linalg.vector_norm(grad)\n'
+        '[rank0]:            ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n'
+        "[rank0]: NotImplementedError: Could not run 'aten::linalg_vector_norm' with arguments "
+        "from the 'SparseCPU' backend.\n"
+        '[rank0]: \n'
+        '[rank0]: CPU: registered at aten/src/ATen/RegisterCPU.cpp:30477 [kernel]\n'
+        '[rank0]: PythonDispatcher: registered at aten/src/ATen/core/PythonFallbackKernel.cpp:196'
+        ' [backend fallback]\n')
+    assert exception_name(traceback) == "NotImplementedError"
+
+
+def test_zero_2_and_3_refuse_a_sparse_embedding_bag_by_name() -> None:
+    # FSDP2 failed on every rank with "Could not run 'fsdp::chunk_cat' with arguments from the
+    # 'SparseCPU' backend"; refused before any unit is sharded (no mesh is read).
+    for zero in (2, 3):
+        with pytest.raises(ValueError, match=r"big, small gives sparse gradients \(sparse=True\)"
+                                             r".*use sparse=False.*dp_shard=N,zero=1"):
+            apply_fsdp(DLRM(sparse=True), None, Plan.load(f"dp_shard=2,zero={zero}"))
+
+
+def _assert_trains_as_one_device(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert "refused" not in got, got
+    for a, b in zip(want["losses"], got["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (want["losses"], got["losses"])
+    assert set(got["state"]) == set(want["state"])
+    for name, w in want["state"].items():
+        diff = (got["state"][name] - w).abs().max().item()
+        assert diff <= 1e-5 * max(w.abs().max().item(), 1e-3), (name, diff)
+
+
+def test_sparse_gradients_train_as_one_device_under_dp() -> None:
+    # plait's gradient clipping took the norm of every gradient with torch's vector_norm,
+    # which has no sparse kernel: an nn.EmbeddingBag(sparse=True) failed on the first step,
+    # on one process and under every layout.
+    want = recommender_reference()
+    one = run_distributed(train_recommender, 1, "", True, timeout=120)[0]
+    _assert_trains_as_one_device(one, want)
+    got = run_distributed(train_recommender, 2, "dp=2", True, timeout=120)[0]
+    _assert_trains_as_one_device(got, want)
+
+
+@pytest.mark.slow
+def test_sparse_gradients_train_as_one_device_under_zero_1_and_refuse_zero_3() -> None:
+    want = recommender_reference()
+    got = run_distributed(train_recommender, 2, "dp_shard=2,zero=1", True, timeout=120)[0]
+    _assert_trains_as_one_device(got, want)
+    refused = run_distributed(train_recommender, 2, "fsdp=2", True, timeout=120)[0]
+    assert "gives sparse gradients (sparse=True)" in refused["refused"], refused
