@@ -43,12 +43,18 @@ def refuse_ragged(batch: Any, parts: str, without: str, rows: int | None = None)
     if not odd:
         return
     where, n = odd[0]
-    same = [w for w, m in counts if m == rows]
+    same = [_shown(w) for w, m in counts if m == rows]
     shown = ", ".join(same[:3]) + (", ..." if len(same) > 3 else "")
     more = f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""
     raise ValueError(
-        f"batch entry {where.removeprefix('[').removesuffix(']')} has {n} rows where the "
+        f"batch entry {_shown(where)} has {n} rows where the "
         f"batch has {rows} ({shown}){more}: it is not one row per example (a flat index list "
         f"with offsets?), so plait cannot cut it into {parts}. Give every example its own row "
         f"(for nn.EmbeddingBag: pad each bag to one length and pass a 2-D input with "
         f"padding_idx, no offsets), or run with {without}")
+
+
+def _shown(where: str) -> str:
+    """``'ids'`` for a top-level key (``['ids']``), the path as it is for a nested one."""
+    inner = where[1:-1]
+    return inner if where.startswith("[") and "[" not in inner else where
