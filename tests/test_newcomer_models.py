@@ -16,6 +16,7 @@ from plait.train import split_microbatches
 from tests._newcomer_models import (
     DLRM,
     Clicks,
+    UNet,
     collate_clicks,
     recommender_reference,
     train_recommender,
@@ -105,3 +106,23 @@ def test_sparse_gradients_train_as_one_device_under_zero_1_and_refuse_zero_3() -
     _assert_trains_as_one_device(got, want)
     refused = run_distributed(train_recommender, 2, "fsdp=2", True, timeout=120)[0]
     assert "gives sparse gradients (sparse=True)" in refused["refused"], refused
+
+
+def test_an_inferred_tp_plan_that_splits_little_says_what_it_leaves_whole() -> None:
+    # tp=2 on these models printed a plan of four (two) Linear layers and nothing more: the
+    # 50,000-row EmbeddingBag (99.6% of the recommender) and every convolution of the U-Net
+    # stayed whole on both ranks, which only the memory table at the end showed.
+    from plait.models.transformer import build
+    from plait.parallel.tp_infer import format_plan, infer_plan
+
+    dlrm = DLRM()
+    said = format_plan(infer_plan(dlrm), dlrm)
+    assert "This plan splits 1,489 of 803,089 parameters (0.2%)" in said, said
+    assert "the largest: big (EmbeddingBag, 800,000), small (EmbeddingBag, 1,600)" in said
+    assert "dp_shard=N,zero=3" in said
+    unet = UNet()
+    said = format_plan(infer_plan(unet), unet)
+    assert "This plan splits 1,344 of 16,889 parameters (8.0%)" in said, said
+    assert "(Conv2d, 2,320)" in said
+    lm = build("tiny")
+    assert "This plan splits" not in format_plan(infer_plan(lm), lm)
