@@ -125,7 +125,7 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     if isinstance(batch, dict):
         if loss_fn is None:
             try:
-                return model(**batch), batch.get("labels")
+                return by_name(model, batch), batch.get("labels")
             except (RuntimeError, NotImplementedError) as exc:
                 if not (layout_of(model).loss_parallel and "DTensor" in str(exc)):
                     raise
@@ -141,7 +141,7 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None,
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         if _takes_the_dict(model, inputs):
             return model(inputs), batch["labels"]
-        return model(**inputs), batch["labels"]
+        return by_name(model, inputs), batch["labels"]
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         got = type(batch).__name__
         if isinstance(batch, (tuple, list)):
@@ -155,12 +155,40 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     if isinstance(inputs, dict) and not extra and _takes_the_dict(model, inputs):
         out = model(inputs)
     elif isinstance(inputs, dict):
-        out = model(**inputs, **extra)
+        out = by_name(model, inputs, extra)
     elif isinstance(inputs, (tuple, list)):
         out = model(*inputs, **extra)
     else:
         out = model(inputs, **extra)
     return out, targets
+
+
+def by_name(model: nn.Module, inputs: dict[str, Any], extra: dict[str, Any] | None = None
+            ) -> Any:
+    """``model(**inputs)``; a key the forward has no parameter for (an id the collate keeps
+    beside the features) is refused naming it and the forward's parameters, where Python's
+    ``TypeError: forward() got an unexpected keyword argument`` says neither where the key
+    came from nor what to do."""
+    try:
+        return model(**inputs, **(extra or {}))
+    except TypeError as exc:
+        if "unexpected keyword argument" not in str(exc):
+            raise
+        inner = model.module if isinstance(model, DDP) else model
+        signature = signature_of(inner.forward)
+        if signature is None or any(p.kind == p.VAR_KEYWORD
+                                    for p in signature.parameters.values()):
+            raise
+        unknown = [k for k in inputs if k not in signature.parameters]
+        if not unknown:
+            raise
+        takes = ", ".join(signature.parameters)
+        raise ValueError(
+            f"the batch's {', '.join(map(repr, unknown))} is not an argument of "
+            f"{type(inner).__name__}.forward({takes}): a dict batch's entries go to the model "
+            f"by name (all but 'labels' when a loss_fn is given); drop "
+            f"{'it' if len(unknown) == 1 else 'them'} from the batch (the dataset's items or "
+            f"the collate_fn), or rename to the argument meant") from exc
 
 
 def _takes_the_dict(model: nn.Module, batch: dict[str, Any]) -> bool:
@@ -194,6 +222,13 @@ def model_loss(out: Any, loss_fn: LossFn | None, targets: Any) -> Any:
             out = _beside_sharded_logits(out)
         try:
             return _a_loss(loss_fn(out, targets))
+        except (AttributeError, TypeError) as exc:
+            if isinstance(out, dict) and hasattr(exc, "add_note"):  # Python 3.11+
+                first = next(iter(out), "logits")
+                exc.add_note(f"plait: the model returned a dict (keys: {', '.join(map(str, out))}"
+                             f"), which loss_fn(output, targets) receives as it is: read the "
+                             f"entry there (output[{first!r}])")
+            raise
         except (RuntimeError, NotImplementedError) as exc:
             if not _vocab_sharded(out):
                 raise

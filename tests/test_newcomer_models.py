@@ -17,6 +17,7 @@ from tests._newcomer_models import (
     DLRM,
     Clicks,
     UNet,
+    click_loss,
     collate_clicks,
     recommender_reference,
     train_recommender,
@@ -126,3 +127,29 @@ def test_an_inferred_tp_plan_that_splits_little_says_what_it_leaves_whole() -> N
     assert "(Conv2d, 2,320)" in said
     lm = build("tiny")
     assert "This plan splits" not in format_plan(infer_plan(lm), lm)
+
+
+def test_a_batch_key_the_forward_does_not_take_is_named_with_the_fix() -> None:
+    # Python's "DLRM.forward() got an unexpected keyword argument 'user_id'" said neither
+    # where the key came from nor what to do.
+    from plait.train import call_model
+
+    batch = {**_clicks_batch(), "user_id": torch.arange(8)}
+    with pytest.raises(ValueError, match=r"the batch's 'user_id' is not an argument of "
+                                         r"DLRM.forward\(dense, big_idx, big_off, small_idx\)"
+                                         r".*drop it from the batch"):
+        call_model(DLRM(), batch, click_loss)
+    del batch["user_id"]
+    out, labels = call_model(DLRM(), batch, click_loss)
+    assert out.shape == labels.shape == (8,)
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="notes: Python 3.11+")
+def test_a_loss_given_the_models_dict_output_is_told_to_read_the_entry() -> None:
+    from plait.train import call_model, model_loss
+
+    out, labels = call_model(DLRM(dict_out=True), _clicks_batch(), click_loss)
+    with pytest.raises(AttributeError) as err:
+        model_loss(out, click_loss, labels)
+    assert "plait: the model returned a dict (keys: logits), which loss_fn(output, targets) " \
+           "receives as it is: read the entry there (output['logits'])" in err.value.__notes__
