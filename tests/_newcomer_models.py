@@ -203,3 +203,8 @@ def recommender_reference() -> dict[str, Any]:
         opt.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "state": model.state_dict()}
+
+
+def recommender_collated() -> tuple[nn.Module, Dataset, Any, Any]:
+    """:func:`recommender` with its collate_fn, as ``plait check`` takes a fourth item."""
+    return (*recommender(), collate_clicks)

@@ -4,6 +4,7 @@ naming the bad value and the fix, and what trains matches one device."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -153,3 +154,30 @@ def test_a_loss_given_the_models_dict_output_is_told_to_read_the_entry() -> None
         model_loss(out, click_loss, labels)
     assert "plait: the model returned a dict (keys: logits), which loss_fn(output, targets) " \
            "receives as it is: read the entry there (output['logits'])" in err.value.__notes__
+
+
+def test_plait_check_asks_for_a_collate_fn_where_items_do_not_stack(capsys) -> None:
+    # The factory had no way to give one: default_collate failed on the bags of different
+    # lengths with torch's "stack expects each tensor to be equal size" from the worker.
+    from plait.cli import main
+
+    code = main(["check", "--plan", "dp=2", "--model", "tests._newcomer_models:recommender",
+                 "--steps", "1", "--timeout", "120"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "the dataset's items do not stack into a batch" in err, err
+    assert "return (model, dataset, loss_fn, collate_fn)" in err, err
+
+
+@pytest.mark.slow
+def test_plait_check_collates_each_ranks_rows_with_the_factorys_collate_fn(capsys) -> None:
+    # A batch collated whole and sliced by rows would hand each rank offsets into the other
+    # rank's ids: each rank collates its own items, as run.loader does.
+    from plait.cli import main
+
+    code = main(["check", "--plan", "dp=2", "--model",
+                 "tests._newcomer_models:recommender_collated", "--steps", "2",
+                 "--timeout", "120", "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, (out, err)
+    assert json.loads(out)["ok"] is True, out
