@@ -181,3 +181,39 @@ def test_plait_check_collates_each_ranks_rows_with_the_factorys_collate_fn(capsy
     out, err = capsys.readouterr()
     assert code == 0, (out, err)
     assert json.loads(out)["ok"] is True, out
+
+
+@pytest.mark.parametrize("factory", ["denoiser", "recommender_collated"])
+def test_plait_plan_measures_a_model_whose_forward_takes_the_batch_by_name(factory, capsys
+                                                                           ) -> None:
+    # The planner called forward(sample_dict) with the dict as one argument: "UNet.forward()
+    # missing 1 required positional argument: 't'". It calls it as run.step does (entries by
+    # name, 'labels' held back), and a factory's collate_fn builds the recommender's batch.
+    from plait.cli import main
+
+    code = main(["plan", "--model", f"tests._newcomer_models:{factory}", "--cluster", "cpu",
+                 "--devices", "2", "--global-batch", "16", "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["measured"]["forward_flops_per_sample"] > 0, report["measured"]
+    assert report["measured"]["sample_from"] == "dataset"
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="notes: Python 3.11+")
+def test_a_pipeline_cut_in_a_small_container_names_it_and_the_way_out() -> None:
+    # pp=2 cut the U-Net in its timestep MLP (temb, the largest nn.Sequential: 8% of the
+    # parameters); its last stage then ran the forward on temb.0's output as the image, and
+    # the note blamed an output gathered from every block (a mixture of experts' balance loss).
+    from plait.parallel.pipeline_split import build_stage_module, plan_stages
+
+    model = UNet()
+    path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
+    assert path == "temb"
+    last = build_stage_module(model, path, specs[-1])
+    with pytest.raises(RuntimeError) as info:
+        last(torch.randn(2, 32), t=torch.tensor([1, 2]))
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert ("The blocks cut into stages are temb, the nn.ModuleList/nn.Sequential/nn.ModuleDict "
+            "with the most parameters found, which holds 1,344 of 16,889 (8.0%)") in note, note
+    assert "name the right one with options.pp_blocks" in note and "dp=N" in note, note
