@@ -231,6 +231,11 @@ def model_loss(out: Any, loss_fn: LossFn | None, targets: Any) -> Any:
             raise
         except (RuntimeError, NotImplementedError) as exc:
             if not _vocab_sharded(out):
+                if isinstance(exc, RuntimeError) and hasattr(exc, "add_note"):  # 3.11+
+                    # torch's "result type Float can't be cast to the desired output type
+                    # Long" names no argument: say what the loss was given
+                    exc.add_note(f"plait: loss_fn(output, targets) got output "
+                                 f"{_described(out)} and targets {_described(targets)}")
                 raise
             raise type(exc)(
                 f"the loss function failed on the model's logits, which tensor parallelism "
@@ -243,6 +248,15 @@ def model_loss(out: Any, loss_fn: LossFn | None, targets: Any) -> Any:
                          f".loss, as Hugging Face models do when the batch holds 'labels'); "
                          f"{type(out).__name__} has none: pass a loss_fn")
     return loss
+
+
+def _described(x: Any) -> str:
+    """``int64 tensor of shape (8,)`` for a tensor; the type (and keys) of anything else."""
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).removeprefix('torch.')} tensor of shape {tuple(x.shape)}"
+    if isinstance(x, dict):
+        return f"a dict ({', '.join(f'{k}: {_described(v)}' for k, v in x.items())})"
+    return type(x).__name__
 
 
 def _a_loss(value: Any) -> Any:

@@ -217,3 +217,18 @@ def test_a_pipeline_cut_in_a_small_container_names_it_and_the_way_out() -> None:
     assert ("The blocks cut into stages are temb, the nn.ModuleList/nn.Sequential/nn.ModuleDict "
             "with the most parameters found, which holds 1,344 of 16,889 (8.0%)") in note, note
     assert "name the right one with options.pp_blocks" in note and "dp=N" in note, note
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="notes: Python 3.11+")
+def test_a_loss_failing_on_a_dtype_is_told_what_it_was_given() -> None:
+    # Integer click labels: BCEWithLogitsLoss failed with torch's "result type Float can't be
+    # cast to the desired output type Long", naming neither argument.
+    from plait.train import call_model, model_loss
+
+    batch = _clicks_batch()
+    batch["labels"] = batch["labels"].long()
+    out, labels = call_model(DLRM(), batch, click_loss)
+    with pytest.raises(RuntimeError) as err:
+        model_loss(out, click_loss, labels)
+    assert ("plait: loss_fn(output, targets) got output float32 tensor of shape (8,) and "
+            "targets int64 tensor of shape (8,)") in err.value.__notes__
