@@ -232,3 +232,18 @@ def test_a_loss_failing_on_a_dtype_is_told_what_it_was_given() -> None:
         model_loss(out, click_loss, labels)
     assert ("plait: loss_fn(output, targets) got output float32 tensor of shape (8,) and "
             "targets int64 tensor of shape (8,)") in err.value.__notes__
+
+
+def test_plait_comm_points_a_convolutional_model_to_a_plan_that_prices_it(capsys) -> None:
+    # The refusal said the planner "does not price convolutions or recurrent layers", while
+    # the command it gives prices the U-Net (its data-parallel bytes per axis).
+    from plait.cli import main
+
+    assert main(["comm", "--plan", "dp=2", "--model", "tests._newcomer_models:denoiser"]) == 2
+    err = capsys.readouterr().err
+    assert "does not price" not in err, err
+    command = err.split("`")[1]
+    assert command.startswith("plait plan --model tests._newcomer_models:denoiser"), err
+    assert main(command.split()[1:] + ["--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["plans"][0]["comm_bytes_per_step"], report["plans"][0]
