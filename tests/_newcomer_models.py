@@ -208,3 +208,23 @@ def recommender_reference() -> dict[str, Any]:
 def recommender_collated() -> tuple[nn.Module, Dataset, Any, Any]:
     """:func:`recommender` with its collate_fn, as ``plait check`` takes a fourth item."""
     return (*recommender(), collate_clicks)
+
+
+def cosine_run(rank: int, world_size: int, root: str, t_max: int, steps: int) -> list[str]:
+    """The U-Net for ``steps`` steps under a cosine schedule of ``t_max`` steps, checkpointing
+    into ``root`` at the end (resuming from it when it holds one): plait's warnings."""
+    import warnings
+
+    from plait.runtime import init
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        run = init("", checkpoint=root, quiet=True)
+        model, data, loss_fn = denoiser()
+        model = run.parallelize(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, t_max)
+        for batch in run.loader(data, batch_size=8, steps=steps):
+            run.step(model, batch, loss_fn, opt, sched)
+        run.finish()
+    return [str(w.message) for w in said if str(w.message).startswith("plait:")]

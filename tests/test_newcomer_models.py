@@ -247,3 +247,19 @@ def test_plait_comm_points_a_convolutional_model_to_a_plan_that_prices_it(capsys
     assert main(command.split()[1:] + ["--format", "json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["plans"][0]["comm_bytes_per_step"], report["plans"][0]
+
+
+def test_a_resumed_scheduler_whose_length_changed_is_told_the_saved_one_continues(tmp_path
+                                                                                  ) -> None:
+    # A cosine schedule sized by --steps: the first run saved T_max=2, the resumed one with
+    # more steps built T_max=4, and torch's load_state_dict silently put T_max=2 back (the
+    # learning rate then climbs again after step 2).
+    from tests._newcomer_models import cosine_run
+
+    root = str(tmp_path / "ckpt")
+    assert not any("T_max" in w for w in run_distributed(cosine_run, 1, root, 2, 2,
+                                                             timeout=120)[0])
+    said = run_distributed(cosine_run, 1, root, 4, 4, timeout=120)[0]
+    note = next((w for w in said if "T_max" in w), "")
+    assert "holds CosineAnnealingLR with T_max=2, and the script passes T_max=4" in note, said
+    assert "e.g. sched.T_max = 4" in note, note
