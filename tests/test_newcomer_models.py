@@ -80,6 +80,17 @@ def test_zero_2_and_3_refuse_a_sparse_embedding_bag_by_name() -> None:
             apply_fsdp(DLRM(sparse=True), None, Plan.load(f"dp_shard=2,zero={zero}"))
 
 
+def test_tp_refuses_a_sparse_embedding_bag_by_name() -> None:
+    # Every parameter becomes a DTensor under tp; the sparse gradient then failed in the
+    # backward on every rank ("Could not run 'aten::view' ... 'SparseCPU' backend").
+    from plait.parallel.tensor import apply_tensor_parallel
+
+    with pytest.raises(ValueError, match=r"tp=2 makes every parameter of DLRM a DTensor .*"
+                                         r"big, small gives sparse gradients .*"
+                                         r"use sparse=False under tp"):
+        apply_tensor_parallel(DLRM(sparse=True), None, Plan.load("tp=2"))
+
+
 def _assert_trains_as_one_device(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert "refused" not in got, got
     for a, b in zip(want["losses"], got["losses"], strict=True):

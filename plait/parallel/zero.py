@@ -78,7 +78,7 @@ from ..mesh import Mesh
 from ..plan import Plan
 from ..warn import user_stacklevel
 from .gloo_collectives import use_gloo_collectives
-from .units import select_units
+from .units import select_units, sparse_embeddings
 
 _PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -157,11 +157,8 @@ def _refuse_sparse_gradients(module: nn.Module, plan: Plan) -> None:
     fails there on every rank with ``Could not run 'fsdp::chunk_cat' with arguments from the
     'SparseCPU' backend``; refused here by name, with the layouts that do train it (DDP
     all-reduces sparse gradients, and ZeRO-1 is DDP with a sharded optimizer)."""
-    sparse = [name for name, m in module.named_modules()
-              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
-    if sparse:
-        shown = ", ".join(sparse[:3]) + (f" and {len(sparse) - 3} more"
-                                         if len(sparse) > 3 else "")
+    shown = sparse_embeddings(module)
+    if shown:
         raise ValueError(
             f"zero={plan.zero} reduce-scatters every gradient of {type(module).__name__} as "
             f"dense shards, and {shown} gives sparse gradients (sparse=True), which torch's "
