@@ -375,9 +375,12 @@ def plan_stages(model: nn.Module, plan: Plan,
     ``chains`` keeps what :func:`_unchained` found per block sequence, for a caller that asks
     about several plans of one model (the planner)."""
     n_stages = plan.pp * plan.virtual_stages
-    path, container = find_blocks(model, _blocks_name(model, plan))
+    named = _blocks_name(model, plan)
+    path, container = find_blocks(model, named)
     n_blocks = len(container)
     where = f"{path or type(model).__name__}"
+    if named is None:
+        _refuse_small_mixed(model, path, container, plan)
     uncallable = [(k, m) for k, m in container.named_children()
                   if isinstance(m, (nn.ModuleDict, nn.ModuleList))]
     if uncallable:
@@ -435,6 +438,28 @@ def plan_stages(model: nn.Module, plan: Plan,
                                                  last_extra=last_extra))
     return path, [StageSpec(k, i, j, n_stages, called, block_tuple, chain is True)
                   for k, (i, j) in enumerate(bounds)]
+
+
+def _refuse_small_mixed(model: nn.Module, path: str, container: nn.Module, plan: Plan) -> None:
+    """Refuse the container plait found by itself when it is no sequence of blocks: its
+    children of different kinds (Linear, activation, Linear) and under half the model's
+    parameters, such as a U-Net's timestep MLP or a recommender's bottom MLP. Cut there, the
+    later stage runs the rest of the forward on the hidden states in place of the model's
+    input and fails deep in it. A stack of one kind of block, or a container holding most of
+    the model (a CNN's nn.Sequential of layers), is cut as before."""
+    kinds = list(dict.fromkeys(type(m).__name__ for m in container.children()))
+    held, total = _param_count(container), _param_count(model)
+    if len(kinds) < 2 or not total or held >= total / 2:
+        return
+    name = type(model).__name__
+    raise ValueError(
+        f"pp={plan.pp} would cut {name} at {path or name}, the nn.ModuleList/nn.Sequential/"
+        f"nn.ModuleDict with the most parameters found: {len(list(container.children()))} "
+        f"modules of different "
+        f"kinds ({', '.join(kinds)}) holding {held:,} of its {total:,} parameters "
+        f"({held / total:.1%}), not a sequence of blocks each feeding the next. Name the blocks "
+        f"with options.pp_blocks (or split_points), or train {name} without a pipeline: dp=N, "
+        f"or dp_shard=N,zero=3 to shard its state")
 
 
 def _unchained(model: nn.Module, path: str) -> tuple[str, str] | bool | None:
@@ -781,9 +806,9 @@ def _few_in_blocks(model: nn.Module, path: str) -> str:
     total = _param_count(model)
     if not total or held >= total / 2:
         return ""
-    return (f" The blocks cut into stages are {path or type(model).__name__}, the nn.ModuleList/"
-            f"nn.Sequential/nn.ModuleDict with the most parameters found, which holds {held:,} "
-            f"of {total:,} ({held / total:.1%}): if that is not {type(model).__name__}'s "
+    return (f" The blocks cut into stages are {path or type(model).__name__}, which hold "
+            f"{held:,} of its {total:,} parameters ({held / total:.1%}): if that is not "
+            f"{type(model).__name__}'s "
             f"sequence of blocks, each feeding the next, name the right one with "
             f"options.pp_blocks; a model without one (a U-Net, whose skips cross its levels) "
             f"trains with dp=N, or dp_shard=N,zero=3 to shard its state")
