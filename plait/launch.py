@@ -368,6 +368,21 @@ def exception_name(traceback: str) -> str | None:
     return name if ok else None
 
 
+def exception_line(traceback: str, limit: int = 300) -> str | None:
+    """The raised exception as its traceback's own line says it (``ValueError: the learning
+    rate 5 is too big``): the first line after the frames, cut at ``limit`` characters, so that
+    the run's last line carries the message and not only the exception's name. None when the
+    text holds no frames (a watchdog's report, a native crash)."""
+    lines = [_EXCEPTION_LINE.sub("", line, count=1).rstrip() for line in traceback.splitlines()]
+    frames = [i for i, line in enumerate(lines) if line.startswith(" ")]
+    if not frames:
+        return None
+    said = next((line for line in lines[frames[-1] + 1:] if line.strip()), None)
+    if said is None or exception_name(said) is None:
+        return None
+    return said if len(said) <= limit else said[:limit - 3] + "..."
+
+
 def failure_summary(records: list[dict], tracebacks: dict[int, str]) -> tuple[int | None, str]:
     """(the rank that failed first, one line naming every failed rank and how it ended).
 
@@ -619,6 +634,9 @@ def _explain_failure(cfg: LaunchConfig, log_dir: str, report: str, kept_err: lis
     elif not line:
         sys.stderr.write("".join(kept_err[-40:]))
         line = f"torchrun exited with {code}"
+    raised = exception_line(tb) if tb is not None else None
+    if raised is not None:  # the message itself, on the line a log's tail or CI shows
+        line = f"{line}; rank {first}: {raised}"
     sys.stderr.write(f"plait run: {line}; per-rank logs in {log_dir}\n")
     return line, first, tb
 

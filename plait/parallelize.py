@@ -24,6 +24,9 @@ What ran is recorded on the returned model as one typed ``Layout``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
@@ -33,8 +36,11 @@ from .parallel.layout import Layout, layout_of, record_layout
 from .plan import Plan, reduces_after_schedule
 
 
-def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device) -> nn.Module:
-    """Return ``model`` laid out for ``plan`` on ``mesh``, on ``device``.
+def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device,
+                say: Callable[[str], None] | None = None) -> nn.Module:
+    """Return ``model`` laid out for ``plan`` on ``mesh``, on ``device``. What the layout
+    decided that the user should know (an inferred tensor-parallel plan) is told through
+    ``say``; by default it is printed on rank 0's stderr.
 
     The model must be built identically on every rank (same seed): plait does not broadcast
     initial weights except where DDP does so itself.
@@ -52,12 +58,13 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.devic
 
         # The pipeline applies steps 2-4 to each of its stage modules itself (it calls back into
         # parallelize_stage), since the stage boundary changes what "the model" is.
-        return apply_pipeline(model, mesh, plan, device=device, parallelize_stage=parallelize_stage)
-    return parallelize_stage(model, mesh, plan, device=device)
+        return apply_pipeline(model, mesh, plan, device=device, say=say,
+                              parallelize_stage=partial(parallelize_stage, say=say))
+    return parallelize_stage(model, mesh, plan, device=device, say=say)
 
 
-def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
-                      device: torch.device) -> nn.Module:
+def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device,
+                      say: Callable[[str], None] | None = None) -> nn.Module:
     """Steps 2-4 (TP/SP, checkpointing, data parallel) on one module or pipeline stage."""
     from .parallel.placement import to_device_keeping_ties
 
@@ -75,7 +82,7 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *,
     if plan.tp > 1:
         from .parallel.tensor import apply_tensor_parallel
 
-        module = apply_tensor_parallel(module, mesh, plan)
+        module = apply_tensor_parallel(module, mesh, plan, say)
         applied.append("tensor_parallel")
         loss_parallel = layout_of(module).loss_parallel
     if plan.activation_checkpointing != "none":

@@ -309,7 +309,10 @@ class Run:
             from .comm.held import stack_input_grad
 
             self._input_grad = stack_input_grad(model, self.device.type)
-        out = _parallelize(model, self._mesh(), self.plan, device=self.device)
+        # Under format="json" what the layout tells the user (an inferred tp plan) is a
+        # message event on stdout; in text it goes to rank 0's stderr.
+        out = _parallelize(model, self._mesh(), self.plan, device=self.device,
+                           say=self.say if self.format == "json" else None)
         if self.ledger is not None and isinstance(out, nn.parallel.DistributedDataParallel):
             from .comm.ready_order import ReadyOrder
 

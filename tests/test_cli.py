@@ -132,8 +132,11 @@ def test_failing_rank_shown_once(tmp_path, how):
     for consequence in ("Connection closed", "Connection reset", "[rank0]"):
         assert consequence not in out.stderr, out.stderr
     if how == "raise":
-        assert out.stderr.count("RuntimeError: rank one exploded") == 1, out.stderr
+        *shown, last = out.stderr.strip().splitlines()
+        assert "\n".join(shown).count("RuntimeError: rank one exploded") == 1, out.stderr
         assert "rank 1 failed" in out.stderr
+        # the last line carries the message too: a log's tail or a CI summary shows it
+        assert "; rank 1: RuntimeError: rank one exploded; per-rank logs in " in last, last
         # Rank 1 may be stopped by torchrun while it exits; rank 0 may exit on the lost
         # connection first: either way rank 1 is the failure named.
         assert re.search(r"failed: rank 1 \(RuntimeError, (exit code 1|stopped while "
@@ -154,7 +157,9 @@ def test_the_same_error_on_every_rank_is_summarised_alike(tmp_path):
                       "raise ValueError('bad setting, the same on every rank')\n")
     out = plait("run", "--nproc", "2", str(script))
     assert out.returncode != 0
-    assert out.stderr.count("ValueError: bad setting, the same on every rank") == 1, out.stderr
+    *shown, last = out.stderr.strip().splitlines()  # the traceback once, then the last line
+    assert "\n".join(shown).count("ValueError: bad setting, the same on every rank") == 1, shown
+    assert ": ValueError: bad setting, the same on every rank; per-rank logs in " in last, last
     assert "rank 0 (ValueError" in out.stderr and "rank 1 (ValueError" in out.stderr, out.stderr
 
 
@@ -287,6 +292,22 @@ def test_the_failure_summary_names_exceptions_not_placeholders():
                           "CheckpointError: checkpoint x\n") == "CheckpointError"
     assert exception_name("NoneType: None\n") is None  # a report made outside an exception
     assert exception_name("killed\n") is None
+
+
+def test_the_exception_line_is_the_one_after_the_frames():
+    """The run's last line quotes the exception as raised: the first line after the frames
+    (not the last line, which a message of several lines would give), cut when long."""
+    from plait.launch import exception_line
+
+    tb = ('[rank1]: Traceback (most recent call last):\n[rank1]:   File "t.py", line 3, in f\n'
+          '[rank1]:     raise ValueError(msg)\n[rank1]: ValueError: lr 5 is too big\n'
+          '[rank1]: use 1e-3\n')
+    assert exception_line(tb) == "ValueError: lr 5 is too big"
+    cut = exception_line(tb.replace("lr 5", "x" * 400), limit=40)
+    assert cut == "ValueError: " + "x" * 25 + "..."
+    assert exception_line("NoneType: None\n") is None  # a report made outside an exception
+    assert exception_line("Fatal Python error: Segmentation fault\n\nCurrent thread:\n"
+                          '  File "bad.py", line 4 in <module>\n') is None
 
 
 def test_every_rank_raising_names_each_exception_whatever_the_timing():

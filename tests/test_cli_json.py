@@ -273,6 +273,20 @@ def test_a_bad_plan_without_plait_run_is_an_error_event(tmp_path, ranks):
             break
 
 
+def test_an_inferred_tp_plan_is_a_message_event(tmp_path):
+    """Under ``--format json`` the tensor-parallel plan plait infers for a model (the lines a
+    user copies into ``options.tp_plan``) is a ``message`` event on stdout, said once (rank
+    0's), not text on stderr where a program reading the events never sees it."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace("STEPS", "1"))
+    out = script_run(script, "--plan", "tp=2", "--format", "json", ranks=2)
+    assert out.returncode == 0, out.stderr
+    said = [e["text"] for e in events(out.stdout) if e["event"] == "message"]
+    plans = [t for t in said if '"a": "colwise"' in t and '"b": "rowwise"' in t]
+    assert len(plans) == 1, said
+    assert "colwise" not in out.stderr, out.stderr
+
+
 # A plan given in code under format="json": refused by plait.init (PLAN), or by
 # run.parallelize for this model (a Linear alone, no blocks to split or checkpoint).
 IN_CODE = """

@@ -23,22 +23,23 @@ from plait.planner.cpu.measured import report_world
 DATA = Path(__file__).resolve().parent / "data" / "planner_cpu"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "planner.md"
 
-# The stored sets, and the targets not asserted on one of their worlds, with why. run9 timed
-# each step between two barriers; the others back to back, as a user's loop runs. run17 also
-# carries the FSDP2 reduce / re-gather probes (older sets price those terms at 0).
+# The stored sets, and the targets not asserted on one of their worlds, with why. "barriers"
+# timed each step between two barriers; the others ran steps back to back, as a user's loop
+# does. "fsdp-probes" also carries the FSDP2 reduce / re-gather probes (the others price those
+# terms at 0).
 SETS: dict[str, dict[str, set[str]]] = {
-    "run9": {},
-    "run14": {},
+    "barriers": {},
+    "loop-a": {},
     # World 2's rank correlation is 0.75: that set's 1-KiB all-reduce probe measured 0.4-5.2 ms
     # from round to round, and its median prices every pipeline send and the clip all-reduce
     # about 5x dearer than the other sets, so two of its three pipelines come out 9-12% over
     # their measured time and swap ranks with the ZeRO layouts.
-    "run15": {"2": {"spearman"}},
-    "run16": {},
-    "run17": {},
+    "loop-b": {"2": {"spearman"}},
+    "loop-c": {},
+    "fsdp-probes": {},
 }
 TARGETS = {"median_abs_error": lambda v: v <= 0.15,
-           "spearman": lambda v: v >= 0.8 - 1e-9,   # run16, world 2: exactly 0.8
+           "spearman": lambda v: v >= 0.8 - 1e-9,   # loop-c, world 2: exactly 0.8
            "pick_vs_best": lambda v: v <= 0.10}
 
 
@@ -78,7 +79,7 @@ def test_fsdp_layouts_priced_with_their_reduce_and_regather(capsys):
     measured per-unit terms their median |error| is within 10% at both worlds (priced without
     them they come out 10-19% under their measured steps)."""
     for world in ("2", "4"):
-        rows = report_world(int(world), _raw("run17", world), 0.0)["rows"]
+        rows = report_world(int(world), _raw("fsdp-probes", world), 0.0)["rows"]
         errs = [abs(pred / meas - 1) for plan, pred, meas, *_ in rows
                 if Plan.from_string(plan).zero >= 2]
         assert len(errs) >= 4

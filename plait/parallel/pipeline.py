@@ -1204,9 +1204,11 @@ def refuse_split_backward_temperature(model: nn.Module, plan: Plan) -> None:
 
 
 def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device,
-                   parallelize_stage: Callable[..., nn.Module]) -> PipelinedModel:
+                   parallelize_stage: Callable[..., nn.Module],
+                   say: Callable[[str], None] | None = None) -> PipelinedModel:
     """Split ``model`` into ``plan.pp x plan.virtual_stages`` stages, keep this rank's, and
-    return them with their schedule, recorded in the returned model's ``Layout``."""
+    return them with their schedule, recorded in the returned model's ``Layout``. ``say``
+    tells the user what the layout decided (an inferred tensor-parallel plan)."""
     check_schedule_args(plan.pp_schedule, plan.pp, plan.microbatches, plan.virtual_stages)
     refuse_split_backward_temperature(model, plan)
     path, specs = plan_stages(model, plan)
@@ -1222,7 +1224,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
             packer.install(m)  # before the layout: DDP/FSDP call the packed forward
     ties = shared_parameters(model, path, specs)
     groups = _tie_groups(ties, mesh, plan)  # collective: every rank creates every group
-    stage_plan = plan_for_stages(model, plan)
+    stage_plan = plan_for_stages(model, plan, say)
     if stage_plan.zero <= 1 and stage_plan.tp == 1 and not stage_plan.find_unused and any(
             model.get_parameter(n).requires_grad for n in held_on_path(model, path)):
         # Every stage holds the parameters on the root module (and on the modules on the path

@@ -32,6 +32,7 @@ first tensor input either way.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
 
@@ -85,6 +86,9 @@ from .tp_plans import (
 from .units import sparse_embeddings
 
 tp_style_bases()  # the styles below override private members: fail clearly if torch changed them
+
+# How a layout tells the user something: a Run's say() (a JSON event under format="json").
+Say = Callable[[str], None]
 
 
 # ------------------------------------------------------------------------------------ styles
@@ -362,13 +366,14 @@ def match_plan(module: nn.Module, styles: dict[str, str]) -> dict[str, str]:
     return matched
 
 
-def resolve_plan(module: nn.Module, plan: Plan) -> TPPlan:
-    """Which layer plan to use for ``module`` (see the module docstring for the order)."""
+def resolve_plan(module: nn.Module, plan: Plan, say: Say | None = None) -> TPPlan:
+    """Which layer plan to use for ``module`` (see the module docstring for the order); an
+    inferred one is told to the user through ``say`` (default: stderr, rank 0)."""
     user = plan.options.tp_plan
     if user is not None:
         return user if isinstance(user, TPPlan) else TPPlan.from_option(user)
     shipped = shipped_plan(module)
-    return shipped if shipped is not None else _inferred_plan(module, plan.tp, plan.sp)
+    return shipped if shipped is not None else _inferred_plan(module, plan.tp, plan.sp, say)
 
 
 def tp_refusal(module: nn.Module, tp: int, sp: bool) -> str | None:
@@ -401,12 +406,14 @@ def tp_refusal(module: nn.Module, tp: int, sp: bool) -> str | None:
     return None
 
 
-def _inferred_plan(module: nn.Module, tp: int, sp: bool = False) -> TPPlan:
-    """A plan inferred from ``module``'s structure, checked, and printed on rank 0."""
+def _inferred_plan(module: nn.Module, tp: int, sp: bool = False,
+                   say: Say | None = None) -> TPPlan:
+    """A plan inferred from ``module``'s structure, checked, and told to the user (``say``;
+    default: printed on rank 0's stderr), who can copy it into ``options.tp_plan``."""
     from .tp_infer import format_plan, infer_plan, verify_plan
 
     inferred = verify_plan(module, infer_plan(module), tp, sp)
-    _print0(format_plan(inferred, module))
+    (say or _print0)(format_plan(inferred, module))
     return inferred
 
 
@@ -426,7 +433,7 @@ def _on_stage(module: nn.Module, styles: dict[str, str]) -> dict[str, str]:
     return {g: style for g, style in styles.items() if not elsewhere(g)}
 
 
-def plan_for_stages(model: nn.Module, plan: Plan) -> Plan:
+def plan_for_stages(model: nn.Module, plan: Plan, say: Say | None = None) -> Plan:
     """The plan the pipeline stages of ``model`` apply tensor parallelism with: a layer plan
     that is inferred is inferred once, on the whole model, and handed to every stage as
     ``options.tp_plan``; the blocks fx cannot trace are recorded, and the plan checked, by
@@ -435,11 +442,13 @@ def plan_for_stages(model: nn.Module, plan: Plan) -> Plan:
     if plan.tp == 1 or plan.options.tp_plan is not None or shipped_plan(model) is not None:
         return plan
     return plan.replace(options=plan.options.replace(
-        tp_plan=_inferred_plan(model, plan.tp, plan.sp)))
+        tp_plan=_inferred_plan(model, plan.tp, plan.sp, say)))
 
 
 def _print0(text: str) -> None:
-    """A notice on rank 0, on stderr: a report's stdout (``--format json``) stays clean."""
+    """A notice on rank 0, on stderr: a report's stdout (``--format json``) stays clean. A
+    ``Run`` passes its own ``say`` instead, which writes a ``message`` event under
+    ``format="json"``."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(text, file=sys.stderr, flush=True)
 
@@ -457,7 +466,8 @@ def _collapse(texts: list[str]) -> list[str]:
     return [key if len(same) > 1 else same[0] for key, same in groups.items()]
 
 
-def kv_layers(module: nn.Module, matched: dict[str, str], tp: int) -> dict[str, KVHeads]:
+def kv_layers(module: nn.Module, matched: dict[str, str], tp: int,
+              say: Say | None = None) -> dict[str, KVHeads]:
     """The k/v projections of ``matched`` whose heads are replicated (``plait.parallel.tp_kv``):
     the ``colwise`` ones with fewer heads than tp, switched to ``replicated_kv`` in ``matched``
     (printed on rank 0), and those the plan itself names ``replicated_kv``."""
@@ -469,9 +479,9 @@ def kv_layers(module: nn.Module, matched: dict[str, str], tp: int) -> dict[str, 
     if switched:
         heads = sorted({h.heads for h in kv.values()})
         count = f"{' or '.join(map(str, heads))} kv head{'s' if heads[-1] > 1 else ''}"
-        _print0(f"plait: {', '.join(switched)}: {count}, fewer than tp={tp}, kept whole on "
-                f"every rank (replicated_kv); each rank computes the kv head its query heads "
-                f"read, and their gradients are summed over tp")
+        (say or _print0)(f"plait: {', '.join(switched)}: {count}, fewer than tp={tp}, kept "
+                         f"whole on every rank (replicated_kv); each rank computes the kv head "
+                         f"its query heads read, and their gradients are summed over tp")
     return kv
 
 
@@ -560,8 +570,11 @@ def _head_dim(root: nn.Module, name: str) -> int | None:
 
 
 # ------------------------------------------------------------------------------- the function
-def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
+def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan,
+                          say: Say | None = None) -> nn.Module:
     """Shard ``module`` over ``mesh["tp"]`` according to its layer plan; returns it (in place).
+    What the user should know (an inferred plan, k/v heads kept whole, a plan's notes) is told
+    through ``say`` (default: rank 0's stderr).
 
     After this every parameter is a DTensor on the tp mesh (unsplit ones ``Replicate``), so a
     plain ``torch.optim.AdamW(model.parameters())`` (foreach) and gradient clipping work, and
@@ -580,7 +593,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
             f"sparse=True with dp_replicate=N or dp_shard=N,zero=1")
     tp_mesh = mesh["tp"] if isinstance(mesh, Mesh) else mesh
     tp = tp_mesh.size()
-    tp_plan = resolve_plan(module, plan)
+    tp_plan = resolve_plan(module, plan, say)
     # torch's styles register new Parameters, trainable whatever the old ones were
     # (SequenceParallel's norms): frozen weights (a LoRA model's base) stay frozen.
     frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
@@ -597,9 +610,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Modul
                if not isinstance(module.get_submodule(name), STAND_INS)}
     ties = _tied_groups(module)
     matched.update(_tied_heads(module, ties, matched))
-    kv = kv_layers(module, matched, tp)
+    kv = kv_layers(module, matched, tp, say)
     for note in validate(module, tp_plan, matched, tp):
-        _print0(note)
+        (say or _print0)(note)
     sharded_edges = not tp_plan.sp_blocks
     regions = [n for n, s in matched.items() if s == "region"]
     for name, style in matched.items():
