@@ -332,7 +332,8 @@ class CheckConfig:
     optimizer: str = "adamw"         # "adamw" or "sgd"
     model_factory: Callable[[], nn.Module] | None = None  # overrides `model` when given
     batch_factory: Callable[[int, int], Any] | None = None  # (step, seed) -> global batch
-    # The user's "pkg.module:function" returning (model, dataset, loss_fn); overrides the rest.
+    # The user's "pkg.module:function" returning (model, dataset, loss_fn) or (model, dataset,
+    # loss_fn, collate_fn); overrides the rest.
     factory: str | None = None
 
 
@@ -397,13 +398,13 @@ def _user_parts(cfg: CheckConfig) -> tuple[nn.Module, Any, Callable | None]:
         # line naming what it raised and the line of theirs that raised it. Anything else is a
         # bug in their code, whose traceback (shown once, by the rank) is what they need.
         raise ValueError(factory_failure(spec, exc)) from None
-    if not isinstance(out, (tuple, list)) or len(out) != 3:
+    if not isinstance(out, (tuple, list)) or len(out) not in (3, 4):
         raise ValueError(f"{spec} must return (model, dataset, loss_fn), got "
                          f"{type(out).__name__}")
     # Each part is checked here, where its name is known, rather than failing later inside
     # the step as "'str' object is not callable" or "object of type X has no len()".
     got = ", ".join(type(x).__name__ for x in out)
-    model, dataset, loss_fn = out
+    model, dataset, loss_fn = out[:3]
     if not isinstance(model, nn.Module):
         raise ValueError(f"{spec} must return (model, dataset, loss_fn) in that order, got "
                          f"({got}): the first item must be the nn.Module")
@@ -416,13 +417,36 @@ def _user_parts(cfg: CheckConfig) -> tuple[nn.Module, Any, Callable | None]:
         raise ValueError(f"{spec}: loss_fn is {type(loss_fn).__name__} {loss_fn!r:.40}, not a "
                          f"function; return loss_fn(output, targets) -> scalar, or None when "
                          f"the model returns its own loss (output.loss)")
+    if len(out) == 4 and not callable(out[3]):
+        raise ValueError(f"{spec}: the fourth item, the collate_fn, is {type(out[3]).__name__} "
+                         f"{out[3]!r:.40}, not a function; return (model, dataset, loss_fn, "
+                         f"collate_fn) with collate_fn(list of items) -> batch, or the three")
     return model, dataset, loss_fn
+
+
+def _user_collate(cfg: CheckConfig) -> Callable[[list[Any]], Any] | None:
+    """The collate_fn a factory returns as a fourth item, or None."""
+    torch.manual_seed(cfg.seed)
+    out = load_factory(cfg.factory)()  # type: ignore[arg-type]
+    return out[3] if isinstance(out, (tuple, list)) and len(out) == 4 else None
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A global batch kept as its dataset items, collated per rank by ``collate_fn``: the
+    reference collates them all, each data rank its own consecutive share, as ``run.loader``
+    does. A collate that builds one tensor across rows (an EmbeddingBag's flat index list and
+    offsets) is then right on every rank, where slicing one collated batch by rows is not."""
+
+    items: list[Any]
+    collate_fn: Callable[[list[Any]], Any]
 
 
 def _dataset_batches(dataset: Any, cfg: CheckConfig) -> list[Any]:
     """Global batches of ``cfg.batch_size`` consecutive items (wrapping around after the last
     one: steps x batch may exceed the dataset, one batch may not), collated as a DataLoader
-    would: the same rows for the reference and for every rank's share."""
+    would: the same rows for the reference and for every rank's share. With a factory's
+    collate_fn, each batch stays items (:class:`Rows`), collated per rank."""
     from torch.utils.data import default_collate
 
     n = len(dataset)
@@ -431,8 +455,21 @@ def _dataset_batches(dataset: Any, cfg: CheckConfig) -> list[Any]:
     if n < cfg.batch_size:  # as plait.data.loader refuses it for a run
         raise ValueError(f"--model {cfg.factory!r}: the dataset has {n} items, fewer than one "
                          f"global batch of {cfg.batch_size}; use --global-batch {n} or less")
-    return [default_collate([dataset[(step * cfg.batch_size + i) % n]
-                             for i in range(cfg.batch_size)]) for step in range(cfg.steps)]
+    items = [[dataset[(step * cfg.batch_size + i) % n] for i in range(cfg.batch_size)]
+             for step in range(cfg.steps)]
+    collate = _user_collate(cfg)
+    if collate is not None:
+        return [Rows(rows, collate) for rows in items]
+    try:
+        return [default_collate(rows) for rows in items]
+    except RuntimeError as exc:
+        if "equal size" not in str(exc):
+            raise
+        raise ValueError(f"--model {cfg.factory!r}: the dataset's items do not stack into a "
+                         f"batch ({str(exc).rstrip('.')}); return (model, dataset, loss_fn, "
+                         f"collate_fn), the collate_fn building a batch from a list of items "
+                         f"(padding them, or a flat index list with offsets), as "
+                         f"run.loader(..., collate_fn=...) takes") from None
 
 
 def _global_batches(cfg: CheckConfig, vocab: int) -> list[Any]:
@@ -571,6 +608,9 @@ def digest(name: str, t: torch.Tensor) -> tuple[float, float]:
 
 
 def _slice(batch: Any, index: int, parts: int) -> Any:
+    if isinstance(batch, Rows):
+        n = len(batch.items) // parts
+        return batch.collate_fn(batch.items[index * n:(index + 1) * n])
     if isinstance(batch, torch.Tensor):
         n = batch.shape[0] // parts
         return batch[index * n:(index + 1) * n]

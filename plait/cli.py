@@ -330,8 +330,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     p = _command(
         sub, "check", "prove a layout trains the same model as one device",
-        "Train --model (your pkg.module:function returning (model, dataset, loss_fn), or a "
-        "reference-model preset) for a few steps under --plan and on one device (same seed, "
+        "Train --model (your pkg.module:function returning (model, dataset, loss_fn), a "
+        "collate_fn fourth where items need one, or a reference-model preset) for a few "
+        "steps under --plan and on one device (same seed, "
         "same batches); compare the loss of every step and every parameter. Exit 1 when they "
         "differ.",
         ["plait check --plan dp=2,tp=2",

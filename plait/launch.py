@@ -354,8 +354,14 @@ def describe_exit(record: dict) -> str:
 def exception_name(traceback: str) -> str | None:
     """The exception's class name from a traceback's last line (``CheckpointError`` from
     ``plait.checkpoint.errors.CheckpointError: ...``), or None when it names none."""
-    lines = [_EXCEPTION_LINE.sub("", line).strip() for line in traceback.splitlines()]
-    last = next((line for line in reversed(lines) if line), "")
+    lines = [_EXCEPTION_LINE.sub("", line).rstrip() for line in traceback.splitlines()]
+    # The exception's line is the first unindented one after the last frame: a message of
+    # several lines (torch's "Could not run 'aten::...'" lists a dispatch key per line) ends
+    # with lines of its own, and a note added to it comes after it too.
+    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    after = lines[frames[-1] + 1:] if frames else []
+    said = next((line for line in after if line and not line[0].isspace()), None)
+    last = said or next((line.strip() for line in reversed(lines) if line.strip()), "")
     name = last.split(":", 1)[0].rsplit(".", 1)[-1]
     # "NoneType: None" is what a report recorded outside an exception (the watchdog's) holds.
     ok = name.isidentifier() and name[0].isupper() and name != "NoneType"

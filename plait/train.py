@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .batch_rows import refuse_ragged
 from .dict_batch import signature_of, whole_dict_parameter
 from .loss import (
     label_shift,
@@ -81,16 +82,21 @@ def split_microbatches(batch: Any, n: int) -> list[Any]:
     """Split a batch (tensor, or tuple/list/dict of tensors) into ``n`` equal parts along dim 0."""
     if n == 1:
         return [batch]
+    refuse_ragged(batch, f"grad_accum={n} micro-batches", "grad_accum=1")
+    return _split(batch, n)
+
+
+def _split(batch: Any, n: int) -> list[Any]:
     if isinstance(batch, torch.Tensor):
         if batch.shape[0] % n:
             raise ValueError(f"batch of {batch.shape[0]} rows does not split into {n} equal "
                              f"micro-batches; make the per-replica batch a multiple of {n}")
         return list(batch.chunk(n))
     if isinstance(batch, dict):
-        by_key = {k: split_microbatches(v, n) for k, v in batch.items()}
+        by_key = {k: _split(v, n) for k, v in batch.items()}
         return [{k: v[i] for k, v in by_key.items()} for i in range(n)]
     if isinstance(batch, (tuple, list)):
-        by_field = [split_microbatches(v, n) for v in batch]
+        by_field = [_split(v, n) for v in batch]
         return [type(batch)(p[i] for p in by_field) for i in range(n)]
     raise TypeError(f"cannot split a batch of type {type(batch).__name__} into micro-batches")
 
@@ -119,7 +125,7 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     if isinstance(batch, dict):
         if loss_fn is None:
             try:
-                return model(**batch), batch.get("labels")
+                return by_name(model, batch), batch.get("labels")
             except (RuntimeError, NotImplementedError) as exc:
                 if not (layout_of(model).loss_parallel and "DTensor" in str(exc)):
                     raise
@@ -135,7 +141,7 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None,
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         if _takes_the_dict(model, inputs):
             return model(inputs), batch["labels"]
-        return model(**inputs), batch["labels"]
+        return by_name(model, inputs), batch["labels"]
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         got = type(batch).__name__
         if isinstance(batch, (tuple, list)):
@@ -149,12 +155,40 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     if isinstance(inputs, dict) and not extra and _takes_the_dict(model, inputs):
         out = model(inputs)
     elif isinstance(inputs, dict):
-        out = model(**inputs, **extra)
+        out = by_name(model, inputs, extra)
     elif isinstance(inputs, (tuple, list)):
         out = model(*inputs, **extra)
     else:
         out = model(inputs, **extra)
     return out, targets
+
+
+def by_name(model: nn.Module, inputs: dict[str, Any], extra: dict[str, Any] | None = None
+            ) -> Any:
+    """``model(**inputs)``; a key the forward has no parameter for (an id the collate keeps
+    beside the features) is refused naming it and the forward's parameters, where Python's
+    ``TypeError: forward() got an unexpected keyword argument`` says neither where the key
+    came from nor what to do."""
+    try:
+        return model(**inputs, **(extra or {}))
+    except TypeError as exc:
+        if "unexpected keyword argument" not in str(exc):
+            raise
+        inner = model.module if isinstance(model, DDP) else model
+        signature = signature_of(inner.forward)
+        if signature is None or any(p.kind == p.VAR_KEYWORD
+                                    for p in signature.parameters.values()):
+            raise
+        unknown = [k for k in inputs if k not in signature.parameters]
+        if not unknown:
+            raise
+        takes = ", ".join(signature.parameters)
+        raise ValueError(
+            f"the batch's {', '.join(map(repr, unknown))} is not an argument of "
+            f"{type(inner).__name__}.forward({takes}): a dict batch's entries go to the model "
+            f"by name (all but 'labels' when a loss_fn is given); drop "
+            f"{'it' if len(unknown) == 1 else 'them'} from the batch (the dataset's items or "
+            f"the collate_fn), or rename to the argument meant") from exc
 
 
 def _takes_the_dict(model: nn.Module, batch: dict[str, Any]) -> bool:
@@ -188,8 +222,20 @@ def model_loss(out: Any, loss_fn: LossFn | None, targets: Any) -> Any:
             out = _beside_sharded_logits(out)
         try:
             return _a_loss(loss_fn(out, targets))
+        except (AttributeError, TypeError) as exc:
+            if isinstance(out, dict) and hasattr(exc, "add_note"):  # Python 3.11+
+                first = next(iter(out), "logits")
+                exc.add_note(f"plait: the model returned a dict (keys: {', '.join(map(str, out))}"
+                             f"), which loss_fn(output, targets) receives as it is: read the "
+                             f"entry there (output[{first!r}])")
+            raise
         except (RuntimeError, NotImplementedError) as exc:
             if not _vocab_sharded(out):
+                if isinstance(exc, RuntimeError) and hasattr(exc, "add_note"):  # 3.11+
+                    # torch's "result type Float can't be cast to the desired output type
+                    # Long" names no argument: say what the loss was given
+                    exc.add_note(f"plait: loss_fn(output, targets) got output "
+                                 f"{_described(out)} and targets {_described(targets)}")
                 raise
             raise type(exc)(
                 f"the loss function failed on the model's logits, which tensor parallelism "
@@ -202,6 +248,15 @@ def model_loss(out: Any, loss_fn: LossFn | None, targets: Any) -> Any:
                          f".loss, as Hugging Face models do when the batch holds 'labels'); "
                          f"{type(out).__name__} has none: pass a loss_fn")
     return loss
+
+
+def _described(x: Any) -> str:
+    """``int64 tensor of shape (8,)`` for a tensor; the type (and keys) of anything else."""
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).removeprefix('torch.')} tensor of shape {tuple(x.shape)}"
+    if isinstance(x, dict):
+        return f"a dict ({', '.join(f'{k}: {_described(v)}' for k, v in x.items())})"
+    return type(x).__name__
 
 
 def _a_loss(value: Any) -> Any:
@@ -403,6 +458,10 @@ def grad_norm(parameters: list[torch.Tensor],
     # A tied weight held by two pipeline stages counts once (its copies carry the same grad).
     grads = [p.grad for p in parameters
              if p.grad is not None and not getattr(p, "_plait_tied_copy", False)]
+    # A sparse gradient (nn.Embedding/EmbeddingBag with sparse=True) has no norm kernel in
+    # torch ("Could not run 'aten::linalg_vector_norm' ... 'SparseCPU'"); its coalesced values
+    # (each row summed once) are the same entries as its dense form's non-zeros.
+    grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()

@@ -299,7 +299,18 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
     st.apply(model, optimizer, model_sd, optim_tensors if optimizer is not None else {},
              settings, wanted if optimizer is not None else {}, strided)
     if scheduler is not None:
-        scheduler.load_state_dict(store.from_plain(manifest["scheduler"]))
+        saved = store.from_plain(manifest["scheduler"])
+        changed = _schedule_changed(scheduler.state_dict(), saved)
+        if changed:
+            notes.append(
+                f"checkpoint {step_dir} holds {type(scheduler).__name__} with "
+                f"{', '.join(f'{k}={v!r}' for k, (v, _) in changed.items())}, and the script "
+                f"passes {', '.join(f'{k}={v!r}' for k, (_, v) in changed.items())}: the "
+                f"checkpoint's replace the script's (torch's load_state_dict restores every "
+                f"setting), so the saved schedule continues; to change it, set it on the "
+                f"scheduler after the first run.step of the resumed run (e.g. sched."
+                f"{next(iter(changed))} = {next(iter(changed.values()))[1]!r})")
+        scheduler.load_state_dict(saved)
     if on_xla:
         xla.materialize()  # the loaded values in place before the next step's graph
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -312,6 +323,19 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
                   loader=store.from_plain(manifest.get("loader")),
                   extra=store.from_plain(manifest.get("extra") or {}),
                   rng_restored=source is not None, rng_rank=source, notes=notes)
+
+
+def _schedule_changed(current: dict[str, Any], saved: dict[str, Any]
+                      ) -> dict[str, tuple[Any, Any]]:
+    """{setting: (saved, current)} for each plain setting of an LR scheduler (``T_max``,
+    ``step_size``, ``total_steps``) that differs between the checkpoint and the scheduler the
+    resumed script built: a cosine schedule sized by ``--steps`` keeps the saved length when
+    the run is resumed with more steps. Progress (``last_epoch``, the learning rates reached)
+    and torch's private fields are not settings."""
+    progress = {"last_epoch", "base_lrs"}
+    return {k: (saved[k], v) for k, v in current.items()
+            if k not in progress and not k.startswith("_") and k in saved
+            and isinstance(v, (int, float, str, bool)) and saved[k] != v}
 
 
 def load_weights(path: str | Path, model: nn.Module, device: torch.device | None = None

@@ -162,8 +162,7 @@ def comm_command(args: argparse.Namespace) -> int:
                              f"the expected column under data parallelism: DDP, ZeRO, HSDP), "
                              f"and `plait plan --model {args.model} --plan {args.plan} "
                              f"--cluster cpu --global-batch {args.global_batch or 32}` the "
-                             f"planner's bytes per axis (a model whose blocks hold linears: "
-                             f"it does not price convolutions or recurrent layers)")
+                             f"planner's bytes per axis")
         cfg = preset(args.model)
         if args.steps < 1 or args.warmup < 0:
             raise ValueError(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")

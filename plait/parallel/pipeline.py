@@ -685,6 +685,7 @@ class PipelineRunner:
 
     def _run(self, batch: Any, loss_fn: Callable | None, *, plan: Plan, device: torch.device,
              train: bool) -> torch.Tensor:
+        from ..batch_rows import refuse_ragged
         from ..train import autocast, split_microbatches
 
         seq = 0
@@ -706,6 +707,10 @@ class PipelineRunner:
                              + (f" x grad_accum={accum}" if accum > 1 else "")
                              + f" equal parts; make the per-replica batch a multiple of "
                              f"{m * accum}")
+        if m * accum > 1:  # the schedule and the accumulation cut every input by rows
+            parts = f"microbatches={m}" + (f" x grad_accum={accum}" if accum > 1 else "")
+            refuse_ragged({**laid_out.every, **laid_out.last_only}, f"{parts} pipeline parts",
+                          "pp=1" if m > 1 else "grad_accum=1", rows=rows)
         self._check_shapes(laid_out, train)
         if self.check_split is not None:  # the first step: every rank, before any sends
             add_zero_stand_ins([s.submod for s in self.stages], self.check_split(laid_out))

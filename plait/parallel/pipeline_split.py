@@ -375,9 +375,12 @@ def plan_stages(model: nn.Module, plan: Plan,
     ``chains`` keeps what :func:`_unchained` found per block sequence, for a caller that asks
     about several plans of one model (the planner)."""
     n_stages = plan.pp * plan.virtual_stages
-    path, container = find_blocks(model, _blocks_name(model, plan))
+    named = _blocks_name(model, plan)
+    path, container = find_blocks(model, named)
     n_blocks = len(container)
     where = f"{path or type(model).__name__}"
+    if named is None:
+        _refuse_small_mixed(model, path, container, plan)
     uncallable = [(k, m) for k, m in container.named_children()
                   if isinstance(m, (nn.ModuleDict, nn.ModuleList))]
     if uncallable:
@@ -435,6 +438,28 @@ def plan_stages(model: nn.Module, plan: Plan,
                                                  last_extra=last_extra))
     return path, [StageSpec(k, i, j, n_stages, called, block_tuple, chain is True)
                   for k, (i, j) in enumerate(bounds)]
+
+
+def _refuse_small_mixed(model: nn.Module, path: str, container: nn.Module, plan: Plan) -> None:
+    """Refuse the container plait found by itself when it is no sequence of blocks: its
+    children of different kinds (Linear, activation, Linear) and under half the model's
+    parameters, such as a U-Net's timestep MLP or a recommender's bottom MLP. Cut there, the
+    later stage runs the rest of the forward on the hidden states in place of the model's
+    input and fails deep in it. A stack of one kind of block, or a container holding most of
+    the model (a CNN's nn.Sequential of layers), is cut as before."""
+    kinds = list(dict.fromkeys(type(m).__name__ for m in container.children()))
+    held, total = _param_count(container), _param_count(model)
+    if len(kinds) < 2 or not total or held >= total / 2:
+        return
+    name = type(model).__name__
+    raise ValueError(
+        f"pp={plan.pp} would cut {name} at {path or name}, the nn.ModuleList/nn.Sequential/"
+        f"nn.ModuleDict with the most parameters found: {len(list(container.children()))} "
+        f"modules of different "
+        f"kinds ({', '.join(kinds)}) holding {held:,} of its {total:,} parameters "
+        f"({held / total:.1%}), not a sequence of blocks each feeding the next. Name the blocks "
+        f"with options.pp_blocks (or split_points), or train {name} without a pipeline: dp=N, "
+        f"or dp_shard=N,zero=3 to shard its state")
 
 
 def _unchained(model: nn.Module, path: str) -> tuple[str, str] | bool | None:
@@ -739,8 +764,9 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
         # Whether the stage's forward got past its blocks, for an error raised after them.
         _container(stage, path).get_submodule(keys[-1]).register_forward_hook(
             lambda *_: setattr(handed_on, "last", True))
+    hint = _few_in_blocks(model, path)
     _explain_after_blocks(stage, type(model).__name__, spec, handed_on,
-                          [f"{path}.{k}".lstrip(".") for k in keys])
+                          [f"{path}.{k}".lstrip(".") for k in keys], hint)
     if not spec.is_last:
         forward = stage.forward  # the model's, or the HF adapter's
         next_block = f"{path}.{keys[spec.end]}".lstrip(".")
@@ -767,8 +793,25 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
 
         stage.forward = send_on
     if not spec.is_first:
-        _explain_failures(stage, type(model).__name__, spec, handed_on)
+        _explain_failures(stage, type(model).__name__, spec, handed_on, hint)
     return stage
+
+
+def _few_in_blocks(model: nn.Module, path: str) -> str:
+    """A sentence for a stage's failure note when the sequence of blocks cut into stages holds
+    under half the model's parameters: then it is likely not the model's chain of blocks but
+    the largest container plait found (a U-Net's timestep MLP, a recommender's bottom MLP),
+    and the rest of the forward reads inputs a later stage does not have; "" otherwise."""
+    held = _param_count(_container(model, path))
+    total = _param_count(model)
+    if not total or held >= total / 2:
+        return ""
+    return (f" The blocks cut into stages are {path or type(model).__name__}, which hold "
+            f"{held:,} of its {total:,} parameters ({held / total:.1%}): if that is not "
+            f"{type(model).__name__}'s "
+            f"sequence of blocks, each feeding the next, name the right one with "
+            f"options.pp_blocks; a model without one (a U-Net, whose skips cross its levels) "
+            f"trains with dp=N, or dp_shard=N,zero=3 to shard its state")
 
 
 def _called_early(model_name: str, names: list[str], path: str, spec: StageSpec,
@@ -903,7 +946,7 @@ def _feed_first_block(stage: nn.Module, path: str, key: str, additive: set[str],
 
 
 def _explain_after_blocks(stage: nn.Module, model_name: str, spec: StageSpec,
-                          handed_on: HandedOn, blocks: list[str]) -> None:
+                          handed_on: HandedOn, blocks: list[str], hint: str = "") -> None:
     """An error raised by the forward's code after its last block gets a note: on a pipeline
     stage the blocks other stages hold are stand-ins that compute nothing, so an output that
     forward gathers from every block (a mixture-of-experts balance loss each block keeps or
@@ -926,7 +969,7 @@ def _explain_after_blocks(stage: nn.Module, model_name: str, spec: StageSpec,
                     f"leave or return is missing. An output gathered from every block (such as "
                     f"a mixture-of-experts balance loss) cannot be computed on one stage under "
                     f"a pipeline: run with pp=1 (zero=3 or tp split the model instead), or "
-                    f"leave that output out of the forward when pp > 1")
+                    f"leave that output out of the forward when pp > 1." + hint)
             raise
 
     stage.forward = explained
@@ -937,7 +980,7 @@ def _span(names: list[str]) -> str:
 
 
 def _explain_failures(stage: nn.Module, model_name: str, spec: StageSpec,
-                      handed_on: HandedOn) -> None:
+                      handed_on: HandedOn, hint: str = "") -> None:
     """An error raised by the forward of a stage after the first gets a note saying what that
     forward received: the user's forward runs there on hidden states, not on the model input,
     and a forward that reads its input beyond passing it to the first module (``if ids[0, 0]
@@ -958,7 +1001,7 @@ def _explain_failures(stage: nn.Module, model_name: str, spec: StageSpec,
                     f"in place of the model input. A forward that reads that argument other "
                     f"than by passing it to its first module fails here: compute such values "
                     f"from the input outside the model and pass them by keyword (keywords "
-                    f"reach every stage), or run with pp=1")
+                    f"reach every stage), or run with pp=1." + hint)
             raise
 
     stage.forward = explained

@@ -83,6 +83,7 @@ from .tp_plans import (
     shipped_plan,
     under,
 )
+from .units import sparse_embeddings
 
 tp_style_bases()  # the styles below override private members: fail clearly if torch changed them
 
@@ -582,6 +583,14 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan,
     (``loss_parallel``): the train step then computes the loss, and its backward, inside
     ``torch.distributed.tensor.parallel.loss_parallel()``.
     """
+    sparse = sparse_embeddings(module)
+    if sparse:  # before any mesh is read: the backward would fail on every rank
+        raise ValueError(
+            f"tp={plan.tp} makes every parameter of {type(module).__name__} a DTensor (those it "
+            f"does not split replicated), and {sparse} gives sparse gradients (sparse=True), "
+            f"which a DTensor cannot carry (torch: \"Could not run 'aten::view' with "
+            f"arguments from the 'SparseCPU' backend\"); use sparse=False under tp, or keep "
+            f"sparse=True with dp_replicate=N or dp_shard=N,zero=1")
     tp_mesh = mesh["tp"] if isinstance(mesh, Mesh) else mesh
     tp = tp_mesh.size()
     tp_plan = resolve_plan(module, plan, say)

@@ -609,7 +609,36 @@ def _split_stacks(model: nn.Module, stack: str, matched: dict[str, str]) -> list
 def format_plan(plan: TPPlan, model: nn.Module) -> str:
     return (f"plait: no tensor-parallel plan ships for {type(model).__name__}; this one was "
             f"inferred from its structure. Check it, then save it as options.tp_plan:\n"
-            + json.dumps(plan.to_dict(), indent=2))
+            + json.dumps(plan.to_dict(), indent=2) + split_share(plan, model))
+
+
+# Below this share of the parameters split, tp costs its collectives for little: each rank
+# still holds and computes the rest whole.
+_FEW_SPLIT = 0.5
+
+
+def split_share(plan: TPPlan, model: nn.Module) -> str:
+    """A note, when ``plan`` splits under half of ``model``'s parameters, naming the largest
+    layers it leaves whole on every tp rank (a recommender's embedding-bag tables, a U-Net's
+    convolutions): there tp saves little memory and every rank computes them in full, which
+    the plan alone does not show; "" otherwise."""
+    patterns = [glob_regex(g) for g in plan.styles]
+    total = sum(p.numel() for p in model.parameters())
+    split: set[int] = set()
+    for name, m in model.named_modules():
+        if name and any(r.match(name) for r in patterns):
+            split.update(id(p) for p in m.parameters())
+    done = sum(p.numel() for p in model.parameters() if id(p) in split)
+    if not total or done >= _FEW_SPLIT * total:
+        return ""
+    whole = sorted(((sum(p.numel() for p in m.parameters(recurse=False) if id(p) not in split),
+                     name, type(m).__name__) for name, m in model.named_modules()),
+                   reverse=True)
+    shown = ", ".join(f"{name} ({kind}, {n:,})" for n, name, kind in whole[:3] if n)
+    return (f"\nThis plan splits {done:,} of {total:,} parameters ({done / total:.1%}); the "
+            f"rest is whole on every tp rank, each computing it in full, the largest: {shown} "
+            f"(tensor parallelism shards nn.Linear and nn.Embedding only). For this model "
+            f"dp=N, or dp_shard=N,zero=3 to shard its state, does more")
 
 
 def _sharded_forward(module: nn.Module, style: str, tp: int | slice):

@@ -130,3 +130,12 @@ def _callable(units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]
         else:
             out.append((name, m))
     return out
+
+
+def sparse_embeddings(module: nn.Module) -> str:
+    """``"big, small"``: the ``nn.Embedding``/``nn.EmbeddingBag`` modules of ``module`` built
+    with ``sparse=True`` (three named, then a count), whose gradients are sparse tensors that
+    FSDP2's reduce-scatter and tensor parallelism's DTensors cannot carry; "" for none."""
+    names = [name for name, m in module.named_modules()
+             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -78,7 +78,7 @@ from ..mesh import Mesh
 from ..plan import Plan
 from ..warn import user_stacklevel
 from .gloo_collectives import use_gloo_collectives
-from .units import select_units
+from .units import select_units, sparse_embeddings
 
 _PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -151,6 +151,21 @@ def _refuse_scalar_parameters(module: nn.Module, plan: Plan) -> None:
             f"(nn.Parameter(t.reshape(1)))")
 
 
+def _refuse_sparse_gradients(module: nn.Module, plan: Plan) -> None:
+    """FSDP2 reduce-scatters every gradient as one flat dense buffer, and a sparse one (an
+    ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``, a recommender's usual table)
+    fails there on every rank with ``Could not run 'fsdp::chunk_cat' with arguments from the
+    'SparseCPU' backend``; refused here by name, with the layouts that do train it (DDP
+    all-reduces sparse gradients, and ZeRO-1 is DDP with a sharded optimizer)."""
+    shown = sparse_embeddings(module)
+    if shown:
+        raise ValueError(
+            f"zero={plan.zero} reduce-scatters every gradient of {type(module).__name__} as "
+            f"dense shards, and {shown} gives sparse gradients (sparse=True), which torch's "
+            f"fully_shard cannot reduce; use sparse=False for zero={plan.zero}, or keep "
+            f"sparse=True with dp_shard=N,zero=1 (optimizer state sharded) or dp_replicate=N")
+
+
 def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     """Shard ``module`` for ``plan.zero`` (1, 2 or 3) over the data axes of ``mesh``.
 
@@ -166,6 +181,7 @@ def apply_fsdp(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
                          f"parameters sharded between uses, so only it can park them on the CPU")
     if plan.zero != 1:
         _refuse_scalar_parameters(module, plan)
+        _refuse_sparse_gradients(module, plan)
     _check_mesh(mesh, plan)
     units = _units(module, plan)  # raises on a pattern that matches nothing
     if plan.zero == 1:

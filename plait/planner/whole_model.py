@@ -127,21 +127,69 @@ class Forward:
     backward_ops: int
 
 
+@dataclass(frozen=True)
+class Collated:
+    """One dataset item and the factory's ``collate_fn`` (the fourth item of ``(model,
+    dataset, loss_fn, collate_fn)``): a batch of ``n`` is ``collate_fn([item] * n)``, whose
+    tensors need not have one row per item (an EmbeddingBag's flat ids and offsets)."""
+
+    item: Any
+    collate_fn: Callable[[list[Any]], Any]
+
+    def batch(self, n: int) -> Any:
+        out = self.collate_fn([self.item] * n)
+        return out[0] if isinstance(out, (tuple, list)) and out else out
+
+
 def sample_of(built: Any) -> tuple[Any, str] | None:
     """One model input of a ``(model, dataset, loss_fn)`` factory's dataset: a tuple's first
-    item, a dict whole; None without a dataset."""
+    item, a dict whole (:class:`Collated` where the factory gives a collate_fn too); None
+    without a dataset."""
     if not isinstance(built, (tuple, list)) or len(built) < 2:
         return None
     try:
         item = built[1][0]
     except Exception:  # noqa: BLE001 - a dataset that cannot be read says nothing
         return None
+    if len(built) == 4 and callable(built[3]):
+        return Collated(item, built[3]), "dataset"
     x = item[0] if isinstance(item, (tuple, list)) and item else item
     return x, "dataset"
 
 
+def _as_fake(x: Any) -> Any:
+    """A collated batch's tensors as empty ones of their shapes (fake under a fake mode)."""
+    if isinstance(x, torch.Tensor):
+        return torch.zeros(x.shape, dtype=x.dtype)
+    if isinstance(x, dict):
+        return {k: _as_fake(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_as_fake(v) for v in x)
+    return x
+
+
+def model_call(model: nn.Module, state: dict[str, torch.Tensor], x: Any) -> Any:
+    """``model`` on ``x`` with ``state`` as its tensors, called as ``run.step`` calls it: a
+    dict batch's entries by name (all but a ``labels`` the forward does not take) unless the
+    forward takes the dict whole (:func:`plait.dict_batch.whole_dict_parameter`)."""
+    from torch.func import functional_call
+
+    from ..dict_batch import signature_of, whole_dict_parameter
+
+    if isinstance(x, dict):
+        signature = signature_of(model.forward)
+        if signature is not None and whole_dict_parameter(signature, x) is None:
+            params = signature.parameters
+            takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+            kwargs = {k: v for k, v in x.items() if takes_any or k != "labels" or k in params}
+            return functional_call(model, state, (), kwargs)
+    return functional_call(model, state, (x,))
+
+
 def _batched(x: Any, n: int) -> Any:
     """``n`` copies of one sample along a new batch dim, as fake tensors."""
+    if isinstance(x, Collated):  # collated by the caller, outside the fake mode
+        raise TypeError("collate a Collated sample outside the fake mode: its items are real")
     if isinstance(x, torch.Tensor):
         return torch.zeros((n, *x.shape), dtype=x.dtype)
     if isinstance(x, dict):
@@ -151,6 +199,8 @@ def _batched(x: Any, n: int) -> Any:
 
 def _real_batch(x: Any, n: int) -> Any:
     """``n`` copies of one real sample along a new batch dim."""
+    if isinstance(x, Collated):
+        return x.batch(n)
     if isinstance(x, torch.Tensor):
         return x.unsqueeze(0).expand(n, *x.shape).clone()
     if isinstance(x, dict):
@@ -229,7 +279,6 @@ def _forward(model: nn.Module, sample: Any, n: int, blocks: list[tuple[str, nn.M
     """One forward on ``n`` samples and its backward (of the sum of the output: a loss's few
     ops), on fake tensors (``fake``), else on the model's own (a forward whose shapes depend
     on values, such as ``pack_padded_sequence``'s, runs only on real ones)."""
-    from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
 
     from .._torch_compat import fake_tensor_mode
@@ -248,17 +297,20 @@ def _forward(model: nn.Module, sample: Any, n: int, blocks: list[tuple[str, nn.M
 
     per_block: dict[str, list[float]] = {}
     forward_ops, backward_ops = op_counter(), op_counter()
+    # A collate runs on the real items, before the fake mode (which refuses real inputs).
+    collated = sample.batch(n) if isinstance(sample, Collated) else None
     with fake_tensor_mode()() if fake else contextlib.nullcontext():
         state: dict[str, torch.Tensor] = {
             k: torch.empty(p.shape, dtype=p.dtype).requires_grad_(p.requires_grad)
             for k, p in model.named_parameters()} if fake else dict(model.named_parameters())
         state.update({k: torch.empty(b.shape, dtype=b.dtype) if fake else b.clone()
                       for k, b in model.named_buffers()})
-        x = _batched(sample, n) if fake else _real_batch(sample, n)
+        x = (_as_fake(collated) if fake else collated) if collated is not None else (
+            _batched(sample, n) if fake else _real_batch(sample, n))
         counter = FlopCounterMode(display=False)
         with counter, _hooks(model, blocks, counter, saved, per_block, forward_ops), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), forward_ops:
-            out = functional_call(model, state, (x,))
+            out = model_call(model, state, x)
         flops = float(counter.get_total_flops())
         leaves = _floats(out)
         if leaves:
@@ -302,13 +354,13 @@ def ready_order(model: nn.Module, sample: Any) -> tuple[int, ...] | None:
 
 def _ready_pass(model: nn.Module, sample: Any, fake: bool) -> tuple[int, ...] | None:
     """:func:`ready_order`'s pass on fake tensors (``fake``) or on copies of the real ones."""
-    from torch.func import functional_call
 
     from .._torch_compat import fake_tensor_mode
 
     trainable = {id(p): i for i, p in enumerate(
         {id(p): p for p in model.parameters() if p.requires_grad}.values())}
     order: list[int] = []
+    collated = sample.batch(1) if isinstance(sample, Collated) else None
     with fake_tensor_mode()() if fake else contextlib.nullcontext():
         state: dict[str, torch.Tensor] = {}
         for name, p in model.named_parameters():
@@ -320,8 +372,9 @@ def _ready_pass(model: nn.Module, sample: Any, fake: bool) -> tuple[int, ...] | 
             state[name] = leaf
         state.update({k: torch.empty(b.shape, dtype=b.dtype) if fake else b.clone()
                       for k, b in model.named_buffers()})
-        x = _batched(sample, 1) if fake else _real_batch(sample, 1)
-        outs = _floats(functional_call(model, state, (x,)))
+        x = (_as_fake(collated) if fake else collated) if collated is not None else (
+            _batched(sample, 1) if fake else _real_batch(sample, 1))
+        outs = _floats(model_call(model, state, x))
         if not outs:
             return None
         torch.autograd.backward([t.sum() for t in outs])

@@ -1,0 +1,60 @@
+"""Whether every tensor of a batch has one row per example, before plait splits it by rows.
+
+Gradient accumulation and pipeline microbatches cut a batch along dim 0 into equal parts. That
+is right for tensors with one row per example, and wrong for one that is not: the flat index
+list of an ``nn.EmbeddingBag`` with ``offsets`` (a recommender's variable-length sparse
+feature) has as many entries as all the bags together, and its offsets point into the whole
+list. Cut by rows, such a pair fails deep inside the model (``offsets[0] has to be 0``) or,
+where the sizes happen to divide, trains on other bags than one device does. This module finds
+such an entry and refuses it by name, before any part is computed."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+
+def row_counts(batch: Any, path: str = "") -> list[tuple[str, int]]:
+    """(where, dim-0 size) of every tensor of at least one dimension in ``batch`` (a tensor, or
+    dicts, tuples and lists of them), ``where`` written as a user indexes it (``'ids'``,
+    ``[0]['ids']``)."""
+    if isinstance(batch, torch.Tensor):
+        return [(path or "the batch", batch.shape[0])] if batch.ndim else []
+    if isinstance(batch, dict):
+        return [c for k, v in batch.items() for c in row_counts(v, f"{path}[{k!r}]")]
+    if isinstance(batch, (tuple, list)):
+        return [c for i, v in enumerate(batch) for c in row_counts(v, f"{path}[{i}]")]
+    return []
+
+
+def refuse_ragged(batch: Any, parts: str, without: str, rows: int | None = None) -> None:
+    """ValueError naming the tensors of ``batch`` whose dim 0 is not the batch's rows, when it
+    is to be cut into ``parts`` (``"grad_accum=2 micro-batches"``); ``without`` is the plan that
+    does not cut it (``"grad_accum=1"``). ``rows`` is the row count
+    where the caller knows it (a pipeline's first input), else the size most tensors share."""
+    counts = row_counts(batch)
+    if not counts:
+        return
+    if rows is None:
+        rows = Counter(n for _, n in counts).most_common(1)[0][0]
+    odd = [(where, n) for where, n in counts if n != rows]
+    if not odd:
+        return
+    where, n = odd[0]
+    same = [_shown(w) for w, m in counts if m == rows]
+    shown = ", ".join(same[:3]) + (", ..." if len(same) > 3 else "")
+    more = f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""
+    raise ValueError(
+        f"batch entry {_shown(where)} has {n} rows where the "
+        f"batch has {rows} ({shown}){more}: it is not one row per example (a flat index list "
+        f"with offsets?), so plait cannot cut it into {parts}. Give every example its own row "
+        f"(for nn.EmbeddingBag: pad each bag to one length and pass a 2-D input with "
+        f"padding_idx, no offsets), or run with {without}")
+
+
+def _shown(where: str) -> str:
+    """``'ids'`` for a top-level key (``['ids']``), the path as it is for a nested one."""
+    inner = where[1:-1]
+    return inner if where.startswith("[") and "[" not in inner else where
