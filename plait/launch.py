@@ -351,17 +351,23 @@ def describe_exit(record: dict) -> str:
     return f"exit code {record.get('exitcode')}"
 
 
-def exception_name(traceback: str) -> str | None:
-    """The exception's class name from a traceback's last line (``CheckpointError`` from
-    ``plait.checkpoint.errors.CheckpointError: ...``), or None when it names none."""
-    lines = [_EXCEPTION_LINE.sub("", line).rstrip() for line in traceback.splitlines()]
-    # The exception's line is the first unindented one after the last frame: a message of
-    # several lines (torch's "Could not run 'aten::...'" lists a dispatch key per line) ends
-    # with lines of its own, and a note added to it comes after it too.
+def _raised(traceback: str) -> str | None:
+    """The line that names the raised exception: the first unindented one after the last frame
+    (a message of several lines, such as torch's "Could not run 'aten::...'" listing a dispatch
+    key per line, ends with lines of its own, and a note added to it comes after it too); None
+    when the text holds no frame."""
+    lines = [_EXCEPTION_LINE.sub("", line, count=1).rstrip() for line in traceback.splitlines()]
     frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
     after = lines[frames[-1] + 1:] if frames else []
-    said = next((line for line in after if line and not line[0].isspace()), None)
-    last = said or next((line.strip() for line in reversed(lines) if line.strip()), "")
+    return next((line for line in after if line and not line[0].isspace()), None)
+
+
+def exception_name(traceback: str) -> str | None:
+    """The exception's class name (``CheckpointError`` from ``plait.checkpoint.errors.
+    CheckpointError: ...``), or None when the traceback names none."""
+    last = _raised(traceback) or next(
+        (_EXCEPTION_LINE.sub("", line).strip() for line in reversed(traceback.splitlines())
+         if _EXCEPTION_LINE.sub("", line).strip()), "")
     name = last.split(":", 1)[0].rsplit(".", 1)[-1]
     # "NoneType: None" is what a report recorded outside an exception (the watchdog's) holds.
     ok = name.isidentifier() and name[0].isupper() and name != "NoneType"
@@ -370,14 +376,10 @@ def exception_name(traceback: str) -> str | None:
 
 def exception_line(traceback: str, limit: int = 300) -> str | None:
     """The raised exception as its traceback's own line says it (``ValueError: the learning
-    rate 5 is too big``): the first line after the frames, cut at ``limit`` characters, so that
-    the run's last line carries the message and not only the exception's name. None when the
-    text holds no frames (a watchdog's report, a native crash)."""
-    lines = [_EXCEPTION_LINE.sub("", line, count=1).rstrip() for line in traceback.splitlines()]
-    frames = [i for i, line in enumerate(lines) if line.startswith(" ")]
-    if not frames:
-        return None
-    said = next((line for line in lines[frames[-1] + 1:] if line.strip()), None)
+    rate 5 is too big``), cut at ``limit`` characters, so that the run's last line carries the
+    message and not only the exception's name. None when the text holds no frame (a watchdog's
+    report) or its last frame raised nothing (a native crash's stack)."""
+    said = _raised(traceback)
     if said is None or exception_name(said) is None:
         return None
     return said if len(said) <= limit else said[:limit - 3] + "..."
