@@ -1,0 +1,119 @@
+"""Tensor + sequence parallelism on shapes of model plait must get right or refuse clearly.
+
+A residual added outside a block that returns a tuple (``h = h + layer(h)[0]``, the Hugging
+Face style of many layers) or a mapping: sequence parallelism refuses it by name, on one stack
+and on two, before anything is sharded (it used to fail later on a shape mismatch); a pipeline
+adds zero for a block another stage holds (it used to add its input again, training another
+model without an error). An image model whose forward's input is not called ``pixel_values``
+(a convolution stem, then blocks over the patches): checked on images and trained under SP as
+one device, or, where no guessed size fits, refused naming the input tried.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.parallel.pipeline_split import additive_modules
+from plait.parallel.tp_example import example_call
+from plait.parallel.tp_infer import infer_plan, verify_plan
+from plait.spawn import run_distributed
+from tests import _workers_sp_shapes as S
+
+TOL = 1e-5  # fp32: losses and every parameter after AdamW steps
+OUTSIDE = "its forward adds {}'s output to that block's input outside the block"
+
+
+def _assert_as_one_device(ref: dict, got: dict, tol: float = TOL) -> None:
+    assert "refused" not in got, got
+    for step, (a, b) in enumerate(zip(ref["losses"], got["losses"], strict=True)):
+        assert abs(a - b) <= tol * max(1.0, abs(a)), (got["plan"], step, a, b)
+    assert set(got["state"]) == set(ref["state"]), (got["plan"], sorted(got["state"]))
+    for name, want in ref["state"].items():
+        diff = (got["state"][name] - want).abs().max().item()
+        assert diff <= tol, (got["plan"], name, diff)
+
+
+@pytest.mark.parametrize("form", ["tuple", "dict", "attr"])
+def test_a_residual_outside_a_block_returning_a_tuple_refuses_sp(form):
+    """``h = h + layer(h)[0]`` (or ``["hidden_states"]``, ``.last_hidden_state``): found by
+    torch.fx, and SP refused naming the first block."""
+    model = S.tuple_residual_lm(form)
+    assert additive_modules(model, "layers") >= {"layers.0", "layers.1"}
+    plan = verify_plan(model, infer_plan(model), 2, sp=True)
+    assert not plan.supports_sp and plan.sp_refused.startswith(OUTSIDE.format("layers.0")), \
+        plan.sp_refused
+
+
+def test_a_tuple_residual_in_one_of_two_stacks_refuses_sp_naming_it():
+    """Two towers, the image tower adding its layers' first outputs in a forward fx cannot
+    trace (found by running it on the meta device): SP is refused naming both stacks and the
+    image tower's first block."""
+    model = S.tuple_residual_towers()
+    plan = verify_plan(model, infer_plan(model), 2, sp=True)
+    assert not plan.supports_sp and plan.sp_refused.startswith(
+        "it has 2 stacks of blocks whose layers the plan splits (text_model.layers.*, "
+        "vision_model.layers.*), each splitting its own sequence, and vision_model.layers.* "
+        "cannot: " + OUTSIDE.format("vision_model.layers.0")), plan.sp_refused
+
+
+def test_an_auxiliary_output_summed_over_blocks_is_not_a_residual():
+    """A block returning ``{"hidden_states": ..., "attention": ...}`` whose forward takes the
+    hidden states as they are and sums the other output over the blocks (an auxiliary loss):
+    no block output is added to its input, so SP applies."""
+    model = S.aux_summing_lm()
+    assert not additive_modules(model, "layers") & {"layers.0", "layers.1"}
+    plan = verify_plan(model, infer_plan(model), 2, sp=True)
+    assert plan.supports_sp and plan.sp_blocks == "layers.*", plan.sp_refused
+
+
+def test_a_tuple_residual_trains_as_one_device_under_pp2_and_sp_is_refused():
+    """pp=2: the stand-in of the block the other stage holds returns a tuple whose first item
+    is zero, so the residual adds nothing twice (losses and AdamW's parameters as one device);
+    tp=2,sp: refused in parallelize, naming the block."""
+    jobs = [("pp=2,mb=2", "tuple_residual_lm"), ("tp=2,sp", "tuple_residual_lm")]
+    piped, refused = run_distributed(S.train, 2, jobs, timeout=300)[0]
+    _assert_as_one_device(S.reference("tuple_residual_lm"), piped)
+    assert OUTSIDE.format("layers.0") in refused.get("refused", ""), refused
+
+
+@pytest.mark.parametrize("factory", [S.embedded_positions_vit, S.head_first_vit])
+def test_an_image_model_whose_input_is_not_pixel_values_is_checked_on_images(factory):
+    """``forward(self, images)`` with a convolution stem: a position table that is an
+    ``nn.Embedding`` (token ids were guessed) or a head registered before the stem (features
+    were guessed) no longer hides the images its forward takes: the first size that runs, for
+    real too (an ``nn.Embedding`` indexed by patch runs on fake tensors of any size), is the
+    input, its fx-untraceable blocks are recorded from it, and SP is checked and applies."""
+    model = factory()
+    example = example_call(model)
+    assert example is not None and [tuple(a.shape) for a in example.args] == [(2, 3, 32, 32)]
+    plan = verify_plan(model, infer_plan(model), 2, sp=True)
+    assert plan.supports_sp and plan.sp_blocks == "layers.*", plan.sp_refused
+
+
+def test_an_image_model_no_guessed_size_fits_is_refused_naming_the_input():
+    """A position table of 25 patches (40x40 images, a size plait does not try): SP is refused
+    naming what was tried and why it failed, not as a forward that reads values; where the
+    blocks must be recorded from a forward, inference says so."""
+    model = S.odd_sized_vit(traced=True)
+    plan = verify_plan(model, infer_plan(model), 2, sp=True)
+    assert not plan.supports_sp and plan.sp_refused.startswith(
+        "its forward does not run on any input plait guessed for it (tried a tensor of shape "
+        "(2, 16); images of 3 channels and 224, 32, 64, 256, 28, 384, 128, 512, 16 pixels a "
+        "side for its convolution stem; on the first: in stem"), plan.sp_refused
+    assert "reads values" not in plan.sp_refused and plan.sp_refused.endswith("use sp=False")
+    untraced = S.odd_sized_vit(traced=False)
+    with pytest.raises(ValueError, match=r"layers\.\*\.attn \(Attention\): torch.fx cannot trace "
+                       r"it .*; nor does the model's forward run on any input plait guessed to "
+                       r"record it instead \(tried a tensor of shape \(2, 16\); images of 3 "
+                       r"channels"):
+        infer_plan(untraced)
+
+
+def test_image_models_whose_input_is_not_pixel_values_train_as_one_device_under_tp_sp():
+    """tp=2,sp on both: losses and AdamW's parameters as one device, 32x32 images, the
+    blocks' norms on 8 of the 16 patches."""
+    names = ["embedded_positions_vit", "head_first_vit"]
+    got = run_distributed(S.train, 2, [("tp=2,sp", n) for n in names], timeout=300)[0]
+    for name, result in zip(names, got, strict=True):
+        _assert_as_one_device(S.reference(name), result)
+        assert set(result["lengths"]) == {8}, (name, result["lengths"])
