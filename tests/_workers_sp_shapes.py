@@ -189,6 +189,24 @@ def image_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, CLASSES, (BATCH,), generator=g))
 
 
+class PlainStack(T.Stack):
+    """:class:`tests._workers_tp_encdec.Stack` whose blocks are alike (no relative position
+    bias in block 0): a stack the planner reads."""
+
+    def __init__(self, cross: bool) -> None:
+        super().__init__(cross, False)
+        self.block = nn.ModuleList(T.Block(False, cross, False) for _ in range(2))
+
+
+def plain_seq2seq() -> nn.Module:
+    """The encoder-decoder of :mod:`tests._workers_tp_encdec` (a shared embedding tied to the
+    head, cross-attention) with alike blocks in each stack."""
+    torch.manual_seed(0)
+    model = T.RelBiasSeq2Seq()
+    model.encoder, model.decoder = PlainStack(False), PlainStack(True)
+    return model
+
+
 def lm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(500 + step)
     return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
@@ -243,3 +261,28 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[
                     "lengths": lengths})
     return out
 
+
+
+SRC, TGT = 48, 16  # the encoder's and the decoder's sequence lengths in the ledger runs
+
+
+def seq2seq_ledger(rank: int, world_size: int, plan: str) -> dict[str, Any]:
+    """:func:`plain_seq2seq` trained 1 + 2 steps (the first not counted) on batches of 4 rows
+    of SRC source and TGT target tokens with the ledger on; ``run.summary()["comm"]``."""
+    from plait.runtime import init
+
+    torch.set_num_threads(1)
+    run = init(plan, quiet=True, ledger=True)
+    run.ledger_warmup = 1
+    try:
+        model = run.parallelize(plain_seq2seq())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            ids = torch.randint(0, VOCAB, (BATCH, SRC), generator=g)
+            target = torch.randint(0, VOCAB, (BATCH, TGT), generator=g)
+            run.step(model, ({"input_ids": ids, "decoder_input_ids": target}, target),
+                     T.token_loss, opt)
+        return dict(run.summary()["comm"])
+    finally:
+        run.close()

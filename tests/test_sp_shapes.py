@@ -12,10 +12,12 @@ one device, or, where no guessed size fits, refused naming the input tried.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from plait.parallel.pipeline_split import additive_modules
 from plait.parallel.tp_example import example_call
 from plait.parallel.tp_infer import infer_plan, verify_plan
+from plait.plan import Plan
 from plait.spawn import run_distributed
 from tests import _workers_sp_shapes as S
 
@@ -117,3 +119,48 @@ def test_image_models_whose_input_is_not_pixel_values_train_as_one_device_under_
     for name, result in zip(names, got, strict=True):
         _assert_as_one_device(S.reference(name), result)
         assert set(result["lengths"]) == {8}, (name, result["lengths"])
+
+
+def _planner_rows(plan: str, stacks: tuple[tuple[str, int], ...]) -> dict:
+    """The planner's tp rows {op: (bytes, calls)} per step for :func:`S.plain_seq2seq` read
+    as ``plait plan`` reads a factory's model (on the meta device), each stack's sequence
+    given by its first block (the main stack, the decoder, at TGT)."""
+    from plait.planner.cost import rank_traffic
+    from plait.planner.model_stats import load_model
+
+    with torch.device("meta"):
+        stats = load_model(S.plain_seq2seq())
+    assert stats.stack_first == "decoder.block.0", stats.stack_first
+    assert [(m.first, m.n_layers, m.embedded) for m in stats.more_stacks] == [
+        ("encoder.block.0", 2, True)], stats.more_stacks
+    per_rank = rank_traffic(Plan.from_string(plan), stats, S.BATCH, S.TGT, dict(stacks))
+    assert per_rank is not None
+    rows: dict[str, tuple[float, float]] = {}
+    for t in per_rank[0]:
+        if t.axis == "tp":
+            got = rows.get(t.op, (0.0, 0.0))
+            rows[t.op] = (got[0] + t.payload, got[1] + t.calls)
+    return rows
+
+
+@pytest.mark.parametrize("plan", ["tp=2,sp", "tp=2"])
+def test_each_stack_of_an_encoder_decoder_is_priced_at_its_own_length(plan):
+    """An encoder-decoder with a source of 48 tokens and a target of 16 under tp=2 (with and
+    without SP): the ledger's expected column and the planner's rows (each stack at its own
+    length, the decoder's cross-attention all-reducing the gradient of the encoder's 48
+    positions, the shared embedding called on both) equal the bytes and calls the ledger
+    measures, per op; the same model priced with both stacks at one length does not."""
+    comm = run_distributed(S.seq2seq_ledger, 2, plan, timeout=300)[0]
+    assert not any("no 'expected' column" in n for n in comm["notes"]), comm["notes"]
+    measured = {r["op"]: (r["payload_bytes"], r["count"]) for r in comm["rows"]
+                if r["axis"] == "tp" and r["ranks"]}
+    for r in comm["rows"]:
+        assert r["ratio"] == pytest.approx(1.0, abs=1e-12), r
+        assert r["count"] == r["expected_calls"], r
+    own = _planner_rows(plan, (("encoder.block.0", S.SRC), ("decoder.block.0", S.TGT)))
+    assert set(own) == set(measured), (own, measured)
+    for op, (nbytes, calls) in measured.items():
+        assert own[op][0] == pytest.approx(nbytes, rel=1e-12), (op, own, measured)
+        assert own[op][1] == calls, (op, own, measured)
+    one = _planner_rows(plan, ())  # every stack at the decoder's 16
+    assert any(one[op][0] != measured[op][0] for op in measured), one

@@ -548,12 +548,13 @@ def additive_modules(model: nn.Module, path: str) -> set[str] | None:
 
 def _read_from(node: Any) -> list[tuple[Any, bool]]:
     """The fx values that carry what the module called at ``node`` returns, each with whether
-    the whole additivity rule applies to it: the output itself, its first item (a block that
-    returns ``(hidden states, ...)``, read as ``layer(h)[0]``), both by the whole rule; an item
+    the whole additivity rule applies to it: the output itself by the whole rule; its first
+    item (a block that returns ``(hidden states, ...)``, read as ``layer(h)[0]``) or an item
     read by key or attribute (``out["h"]``, ``out.last_hidden_state``) only when added to the
-    module's own input (``h = h + layer(h).last_hidden_state``): other fields of such an
-    output (an auxiliary loss summed over the blocks) are added to each other, not to the
-    hidden states."""
+    module's own input (``h = h + layer(h)[0]``): a recurrent layer's ``(output, state)``
+    before the blocks is the running activation the blocks' outputs are added to, and other
+    fields of a block's output (an auxiliary loss summed over the blocks) are added to each
+    other, not to the hidden states."""
     import operator
 
     found = [(node, True)]
@@ -561,9 +562,8 @@ def _read_from(node: Any) -> list[tuple[Any, bool]]:
         if user.op != "call_function" or len(user.args) < 2 or user.args[0] is not node:
             continue
         key = user.args[1]
-        if user.target is operator.getitem and key == 0 and not isinstance(key, bool):
-            found.append((user, True))
-        elif user.target in (operator.getitem, getattr) and isinstance(key, str):
+        if (user.target is operator.getitem and key == 0 and not isinstance(key, bool)) or (
+                user.target in (operator.getitem, getattr) and isinstance(key, str)):
             found.append((user, False))
     return found
 
@@ -596,14 +596,14 @@ _ADDS = (torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__,
 
 def _returned(out: Any) -> list[tuple[torch.Tensor, bool]]:
     """The tensors of a module's output that :func:`additive_by_running` watches, each with
-    whether the whole additivity rule applies (as :func:`_read_from` for fx): the output, or
-    the first item of a tuple or list, by the whole rule; the tensors of a mapping or a
+    whether the whole additivity rule applies (as :func:`_read_from` for fx): the output by
+    the whole rule; the first item of a tuple or list and the tensors of a mapping or a
     dataclass (a ``ModelOutput``'s ``last_hidden_state``, read by key, index or attribute, is
     the same tensor) only when added to the module's own input."""
     if isinstance(out, torch.Tensor):
         return [(out, True)]
     if isinstance(out, (tuple, list)):
-        return [(out[0], True)] if out and isinstance(out[0], torch.Tensor) else []
+        return [(out[0], False)] if out and isinstance(out[0], torch.Tensor) else []
     if isinstance(out, Mapping):
         values: list[Any] = list(out.values())
     elif dataclasses.is_dataclass(out) and not isinstance(out, type):
