@@ -11,6 +11,8 @@ one device, or, where no guessed size fits, refused naming the input tried.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -121,11 +123,9 @@ def test_image_models_whose_input_is_not_pixel_values_train_as_one_device_under_
         assert set(result["lengths"]) == {8}, (name, result["lengths"])
 
 
-def _planner_rows(plan: str, stacks: tuple[tuple[str, int], ...]) -> dict:
-    """The planner's tp rows {op: (bytes, calls)} per step for :func:`S.plain_seq2seq` read
-    as ``plait plan`` reads a factory's model (on the meta device), each stack's sequence
-    given by its first block (the main stack, the decoder, at TGT)."""
-    from plait.planner.cost import rank_traffic
+def _seq2seq_stats() -> Any:
+    """:func:`S.plain_seq2seq` read as ``plait plan`` reads a factory's model (on the meta
+    device): the decoder is the main stack, the encoder a further one its embedding feeds."""
     from plait.planner.model_stats import load_model
 
     with torch.device("meta"):
@@ -133,14 +133,54 @@ def _planner_rows(plan: str, stacks: tuple[tuple[str, int], ...]) -> dict:
     assert stats.stack_first == "decoder.block.0", stats.stack_first
     assert [(m.first, m.n_layers, m.embedded) for m in stats.more_stacks] == [
         ("encoder.block.0", 2, True)], stats.more_stacks
-    per_rank = rank_traffic(Plan.from_string(plan), stats, S.BATCH, S.TGT, dict(stacks))
-    assert per_rank is not None
+    return stats
+
+
+def _tp_rows(traffic: list) -> dict[str, tuple[float, float]]:
     rows: dict[str, tuple[float, float]] = {}
-    for t in per_rank[0]:
+    for t in traffic:
         if t.axis == "tp":
             got = rows.get(t.op, (0.0, 0.0))
             rows[t.op] = (got[0] + t.payload, got[1] + t.calls)
     return rows
+
+
+def _planner_rows(plan: str, stacks: tuple[tuple[str, int], ...]) -> dict:
+    """The planner's tp rows {op: (bytes, calls)} per step, each stack's sequence given by its
+    first block (the main stack, the decoder, at TGT): the ledger's (``rank_traffic``) and
+    what ``evaluate`` prices, which must agree."""
+    from plait.planner import constants_for
+    from plait.planner.cost import Workload, evaluate, rank_traffic
+    from plait.planner.hardware import load_cluster
+
+    stats, p = _seq2seq_stats(), Plan.from_string(plan)
+    per_rank = rank_traffic(p, stats, S.BATCH, S.TGT, dict(stacks))
+    assert per_rank is not None
+    cluster = load_cluster("cpu", devices=p.world_size)
+    work = Workload(S.BATCH, S.TGT, stack_seqs=tuple(
+        (first, n) for first, n in stacks if first != stats.stack_first))
+    priced = evaluate(p, stats, cluster, work, constants_for(cluster))
+    assert priced.traffic is not None
+    assert _tp_rows(priced.traffic) == _tp_rows(per_rank[0])
+    return _tp_rows(per_rank[0])
+
+
+def test_the_planner_prices_an_encoder_at_its_own_length():
+    """The encoder's sequence (the decoder's fixed at 16) moves the planner's memory (its
+    blocks' saved activations) and step time (their FLOPs and collectives)."""
+    from plait.planner import constants_for
+    from plait.planner.cost import Workload, evaluate
+    from plait.planner.hardware import load_cluster
+
+    stats, plan = _seq2seq_stats(), Plan.from_string("tp=2,sp")
+    cluster = load_cluster("cpu", devices=2)
+    est = [evaluate(plan, stats, cluster, Workload(S.BATCH, S.TGT, stack_seqs=(
+        ("encoder.block.0", n),)), constants_for(cluster)) for n in (16, 48, 480)]
+    acts = [e.memory_breakdown["activations"] for e in est]
+    times = [e.step_time_s for e in est]
+    assert acts[0] < acts[1] < acts[2] and times[0] < times[1] < times[2], (acts, times)
+    with pytest.raises(ValueError, match="stack_seqs: encoder.block.0=0 must be a positive"):
+        Workload(S.BATCH, S.TGT, stack_seqs=(("encoder.block.0", 0),))
 
 
 @pytest.mark.parametrize("plan", ["tp=2,sp", "tp=2"])
@@ -164,3 +204,33 @@ def test_each_stack_of_an_encoder_decoder_is_priced_at_its_own_length(plan):
         assert own[op][1] == calls, (op, own, measured)
     one = _planner_rows(plan, ())  # every stack at the decoder's 16
     assert any(one[op][0] != measured[op][0] for op in measured), one
+
+
+def test_plait_plan_takes_each_stacks_length(capsys):
+    """``plait plan --stack-seq encoder.block.0=48`` prices the encoder on 48 tokens: the
+    tp rows of ``--format json`` are :func:`_planner_rows`'; a block that starts no further
+    stack is refused naming those that do."""
+    import argparse
+    import json
+
+    from plait.planner.cli import add_plan_arguments, plan_command
+
+    def plan(*more: str) -> int:
+        parser = add_plan_arguments(argparse.ArgumentParser())
+        return plan_command(parser.parse_args([
+            "--model", "tests._workers_sp_shapes:plain_seq2seq", "--cluster", "cpu",
+            "--devices", "2", "--global-batch", str(S.BATCH), "--seq", str(S.TGT),
+            "--plan", "tp=2,sp", "--format", "json", *more]))
+
+    assert plan("--stack-seq", f"encoder.block.0={S.SRC}") == 0
+    traffic = json.loads(capsys.readouterr().out)["plans"][0]["traffic"]
+    rows: dict[str, tuple[float, float]] = {}
+    for t in traffic:
+        if t["axis"] == "tp":
+            got = rows.get(t["op"], (0.0, 0.0))
+            rows[t["op"]] = (got[0] + t["payload_bytes"], got[1] + t["calls"])
+    assert rows == _planner_rows("tp=2,sp", (("encoder.block.0", S.SRC),)), rows
+    assert plan("--stack-seq", "decoder.block.0=48") == 2
+    assert ("--stack-seq 'decoder.block.0=48': decoder.block.0 is not the first block of a "
+            "further stack of tests._workers_sp_shapes:plain_seq2seq (its further stacks start "
+            "at encoder.block.0)") in capsys.readouterr().err

@@ -970,13 +970,13 @@ def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, emb
     return out
 
 
-def tp_stack_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int,
-                     block: TPBlock, layers: int, *, embedded: bool,
-                     side_seq: int | None = None) -> list[Traffic]:
+def tp_stack_traffic(plan: Any, mb: int, seq: int, hidden: int, block: TPBlock, layers: int,
+                     *, embedded: bool, side_seq: int | None = None,
+                     recomputed: float = 0.0) -> list[Traffic]:
     """TP collectives of one rank in one optimizer step of a further stack of ``layers``
     blocks like ``block`` (an encoder-decoder's other stack, a two-tower model's other tower)
     on its own sequence of ``seq`` positions, per microbatch of ``mb`` sequences: its blocks'
-    (:func:`tp_block_traffic`, ``local.recomputed`` of them replayed, ``side_seq`` the length
+    (:func:`tp_block_traffic`, ``recomputed`` (0..1) of each replayed, ``side_seq`` the length
     its cross-attention reads), the vocabulary-parallel embedding's all-reduce where that
     embedding makes this stack's input (``embedded``), and under SP, which splits each stack's
     sequence at its first block and gathers it after its last, its output all-gathered in
@@ -985,10 +985,8 @@ def tp_stack_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: in
         return []
     dtype, cast, tp = _compute_dtype(plan), casts_params(plan), plan.tp
     micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
-    out = _times(tp_block_traffic(mb, seq, hidden, tp, dtype, plan.sp,
-                                  recomputed=local.recomputed / local.layers if local.layers
-                                  else 0.0, block=block, cast_params=cast,
-                                  side_seq=side_seq), layers)
+    out = _times(tp_block_traffic(mb, seq, hidden, tp, dtype, plan.sp, recomputed=recomputed,
+                                  block=block, cast_params=cast, side_seq=side_seq), layers)
     e = block.sizes(dtype, cast)
     tokens = float(mb) * seq * hidden
     if embedded and block.vocab_ends[0]:

@@ -208,7 +208,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         return est
 
     # ---- time: one microbatch per block and chunk, then the pipeline's schedule
-    times = microbatch_times(plan, model, cluster, b, s, c)
+    times = microbatch_times(plan, model, cluster, b, s, c, work.seqs)
     sizes = stage_sizes(plan, model, times, balance)
     if isinstance(sizes, str):
         est.reason = sizes
@@ -372,7 +372,7 @@ def rank_traffic(plan: Plan, model: ModelStats, global_batch: int, seq: int,
     if est.traffic is None or not est.stage_layers:
         return None
     b = est.microbatch_size
-    times = microbatch_times(plan, model, cluster, b, seq, c)
+    times = microbatch_times(plan, model, cluster, b, seq, c, work.seqs)
     sizes = list(est.stage_layers)
     st = stage_times(plan, model, cluster, work, b, times, sizes, c)
     out = []
@@ -413,10 +413,12 @@ def more_stacks_traffic(plan: Plan, model: ModelStats, share: LocalModel, b: int
     Without a pipeline only: plait does not cut a model with several stacks into stages."""
     if plan.tp == 1 or plan.pp > 1:
         return []
+    replayed = share.recomputed / share.layers if share.layers else 0.0
     return [t for more in model.more_stacks if more.tp_block is not None
-            for t in predict.tp_stack_traffic(plan, share, b, stack_seqs.get(more.first, seq),
+            for t in predict.tp_stack_traffic(plan, b, stack_seqs.get(more.first, seq),
                                               model.hidden, more.tp_block, more.n_layers,
-                                              embedded=more.embedded, side_seq=seq)]
+                                              embedded=more.embedded, side_seq=seq,
+                                              recomputed=replayed)]
 
 
 def cp_step_traffic(plan: Plan, model: ModelStats, b: int, seq: int) -> list[Traffic]:
