@@ -286,3 +286,21 @@ def seq2seq_ledger(rank: int, world_size: int, plan: str) -> dict[str, Any]:
         return dict(run.summary()["comm"])
     finally:
         run.close()
+
+
+def towers_ledger(rank: int, world_size: int, plan: str) -> dict[str, Any]:
+    """:func:`tests._workers_tp_encdec.towers` (a text tower on 6 tokens, an image tower on 4
+    patches) trained 1 + 2 steps with the ledger on; ``run.summary()["comm"]``."""
+    from plait.runtime import init
+
+    torch.set_num_threads(1)
+    run = init(plan, quiet=True, ledger=True)
+    run.ledger_warmup = 1
+    try:
+        model = run.parallelize(T.towers())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            run.step(model, T.towers_batch(step), T.clip_loss, opt)
+        return dict(run.summary()["comm"])
+    finally:
+        run.close()

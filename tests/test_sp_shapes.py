@@ -165,6 +165,20 @@ def _planner_rows(plan: str, stacks: tuple[tuple[str, int], ...]) -> dict:
     return _tp_rows(per_rank[0])
 
 
+def test_two_towers_of_different_lengths_are_each_priced_at_their_own():
+    """A text tower on 6 tokens and an image tower on 4 patches (a convolution stem, no
+    vocabulary-parallel embedding or head) under tp=2,sp: the ledger's expected column equals
+    what it measures on every row, calls too (the stacks' ends are gathered; nothing is
+    all-reduced for an embedding or head the plan does not split)."""
+    comm = run_distributed(S.towers_ledger, 2, "tp=2,sp", timeout=300)[0]
+    assert not any("no 'expected' column" in n for n in comm["notes"]), comm["notes"]
+    assert {r["op"] for r in comm["rows"] if r["axis"] == "tp"} == {
+        "all_gather", "reduce_scatter", "all_reduce"}, comm["rows"]
+    for r in comm["rows"]:
+        assert r["ratio"] == pytest.approx(1.0, abs=1e-12), r
+        assert r["count"] == r["expected_calls"], r
+
+
 def test_the_planner_prices_an_encoder_at_its_own_length():
     """The encoder's sequence (the decoder's fixed at 16) moves the planner's memory (its
     blocks' saved activations) and step time (their FLOPs and collectives)."""

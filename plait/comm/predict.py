@@ -944,15 +944,23 @@ def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, emb
     ends_what = " + ".join(["embedding output"] * embed + ["head input grad"] * head)
     out = []
     if sp and block is not None and block.sp_in_blocks:
-        if ends:
-            out.append(Traffic("tp", "all_reduce", act, ends, tp, ends_what))
+        # the stack's ends are gathered whatever surrounds them; the embedding and the head
+        # all-reduce only where they are vocabulary-parallel (a tower fed by a convolution and
+        # read by a projection kept whole has neither)
+        vocab_embed, vocab_head = embed and block.vocab_ends[0], head and block.vocab_ends[1]
+        split = int(vocab_embed) + int(vocab_head)
+        if split:
+            out.append(Traffic("tp", "all_reduce",
+                               tokens * (e.embed_out * vocab_embed + e.head_in * vocab_head),
+                               split, tp, " + ".join(["embedding output"] * vocab_embed
+                                                     + ["head input grad"] * vocab_head)))
         into = embed and block.input_grad
         edges = int(head) + int(into)
         if edges:
             out.append(Traffic("tp", "all_gather",
                                tokens * (e.stack_out * head + e.stack_in * into), edges, tp,
                                "block stack output + input grad"))
-        if head:
+        if vocab_head:
             out.append(Traffic("tp", "all_reduce", 3.0 * b * s * 4, 3, tp, "loss_parallel"))
         return out
     if ends:
