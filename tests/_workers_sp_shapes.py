@@ -6,6 +6,10 @@ layers return a tuple, the residual added by the model's forward (``h = h + laye
 ``TupleResidualTowers``: the two towers of :mod:`tests._workers_tp_encdec` with such an image
 tower. Sequence parallelism must refuse both (the residual meets a whole sequence and a split
 one); a pipeline must add zero for a block another stage holds, not its input again.
+``PatchViT``: convolution stems whose forward's input is not ``pixel_values``.
+``plain_seq2seq``: an encoder-decoder whose stacks the planner reads (alike blocks), trained
+with the ledger on sequences of two lengths (``seq2seq_ledger``), as two towers are
+(``towers_ledger``).
 """
 
 from __future__ import annotations

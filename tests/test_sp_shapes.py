@@ -6,7 +6,10 @@ and on two, before anything is sharded (it used to fail later on a shape mismatc
 adds zero for a block another stage holds (it used to add its input again, training another
 model without an error). An image model whose forward's input is not called ``pixel_values``
 (a convolution stem, then blocks over the patches): checked on images and trained under SP as
-one device, or, where no guessed size fits, refused naming the input tried.
+one device, or, where no guessed size fits, refused naming the input tried. An
+encoder-decoder with a source of 48 tokens and a target of 16, and two towers of 6 tokens and
+4 patches: the planner (``plait plan --stack-seq``) and the ledger's expected column price
+each stack on its own sequence, to the byte and the call the ledger measures.
 """
 
 from __future__ import annotations
