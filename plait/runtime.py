@@ -115,6 +115,9 @@ class Run:
     # leave the model once that step is read).
     _ready: dict[int, Any] = field(default_factory=dict)
     _tokens: bool = True  # whether the first input held integer token ids
+    # The sequence length each stack of blocks ran on, by its first block's path, for a model
+    # with several (an encoder-decoder): plait.comm.stack_lengths.
+    _stack_seqs: dict[str, int] = field(default_factory=dict)
     # Rank 0's bar / plain lines and TensorBoard scalars (plait.progress.Progress), made at
     # the first step unless init() made it; ``plot``: a PNG of loss and per-rank step time
     # written at finish().
@@ -313,6 +316,12 @@ class Run:
         # message event on stdout; in text it goes to rank 0's stderr.
         out = _parallelize(model, self._mesh(), self.plan, device=self.device,
                            say=self.say if self.format == "json" else None)
+        if self._stats is not None and self._stats.more_stacks:
+            from .comm.stack_lengths import watch_stack_lengths
+
+            # after layout, whose checks run the blocks on a guessed input
+            self._stack_seqs = watch_stack_lengths(model, [
+                self._stats.stack_first, *(m.first for m in self._stats.more_stacks)])
         if self.ledger is not None and isinstance(out, nn.parallel.DistributedDataParallel):
             from .comm.ready_order import ReadyOrder
 
@@ -1058,7 +1067,8 @@ class Run:
         return expected_for_models(self._models, self.plan, self._batch_shape,
                                    optimizer_params=zero1 or None, stats=self._stats,
                                    pp_rank=pp_rank, tokens=self._tokens,
-                                   input_grad=self._input_grad, ready_orders=orders)
+                                   input_grad=self._input_grad, ready_orders=orders,
+                                   stack_seqs=self._stack_seqs)
 
     def finish(self, print_summary: bool = True) -> dict[str, Any]:
         """Print the summary on rank 0, free the models and leave the process group; with

@@ -225,6 +225,11 @@ class TPBlock:
     fwd_grad: tuple[bool, ...] | None = None
     bwd_grad: tuple[bool, ...] | None = None
     trains: bool = True
+    # Per ``backward`` entry, whether it is a column-parallel layer reading another stack's
+    # output whole (cross-attention's keys and values, ``TPPlan.side_inputs``): its input's
+    # gradient is all-reduced over that stack's sequence, under SP too (no gather in forward);
+    # empty: none is.
+    side: tuple[bool, ...] = ()
     # plait.planner.tp_trace.Trace, or a callable that makes it (or None) on first use: the
     # forward pass behind it costs seconds on a 7B model and only a 16-bit dtype or
     # checkpointing under tp read it (:attr:`trace`)
@@ -707,13 +712,15 @@ def _param_gathers(plan: Any, local: LocalModel) -> list[Traffic]:
 
 
 def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int,
-                    kv_whole: int = 0, block: TPBlock | None = None) -> list[Traffic]:
+                    kv_whole: int = 0, block: TPBlock | None = None,
+                    side_seq: int | None = None) -> list[Traffic]:
     """TP collectives of one rank in one optimizer step: its blocks' (``tp_block_traffic``,
     ``local.recomputed`` of them replayed) and the embedding's / head's (``tp_end_traffic``),
     per microbatch of ``mb`` sequences. ``kv_whole``: weight elements of one block's k and v
     projections kept whole on every rank (fewer kv heads than tp), whose gradients are
     all-reduced over tp. ``block``: the collectives of one block (default: the reference
-    block's)."""
+    block's). ``side_seq``: the length of the other stack's sequence that cross-attention's
+    keys and values read (:func:`tp_block_traffic`)."""
     if plan.tp == 1:
         return []
     dtype = _compute_dtype(plan)
@@ -730,7 +737,7 @@ def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
             per_block = tp_block_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp,
                                          recomputed=local.recomputed / local.layers,
                                          kv_whole=kv_whole if kind.trains else 0, block=kind,
-                                         cast_params=cast, backward=live)
+                                         cast_params=cast, backward=live, side_seq=side_seq)
             out += _times(per_block, count * micro)
     elif local.layers:
         # blocks that train; frozen ones the backward pass reaches (no parameter gradient to
@@ -748,7 +755,7 @@ def tp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, hidden: int
                 per_block = tp_block_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp,
                                              recomputed=local.recomputed / local.layers,
                                              kv_whole=kv, block=kind, cast_params=cast,
-                                             backward=backward)
+                                             backward=backward, side_seq=side_seq)
                 out += _times(per_block, count * micro)
     out += _times(tp_end_traffic(mb, seq, hidden, plan.tp, dtype, plan.sp, embed=local.embed,
                                  head=local.head, block=block, cast_params=cast), micro)
@@ -825,7 +832,7 @@ def clip_traffic(plan: Any, local: LocalModel) -> list[Traffic]:
 def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
                      recomputed: float = 0.0, kv_whole: int = 0,
                      block: TPBlock | None = None, cast_params: bool = False,
-                     backward: bool = True) -> list[Traffic]:
+                     backward: bool = True, side_seq: int | None = None) -> list[Traffic]:
     """TP collectives of one block for one microbatch (forward + backward), as plait's runtime
     issues them for ``block`` (default: the reference block, Megatron's 4 all-reduces of
     b*s*h; with SP 4 all-gathers + 4 reduce-scatters plus the 2 sequence-parallel norms'
@@ -842,18 +849,28 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
     backward pass reaches the block (False: a leading frozen block, :mod:`plait.comm.reach`:
     its forward collectives alone, SP's all-gather of each region's input and reduce-scatter
     of each row-parallel output). Of a block the backward pass enters in part, only the
-    counterparts ``block.fwd_grad`` / ``block.bwd_grad`` name are issued in backward."""
+    counterparts ``block.fwd_grad`` / ``block.bwd_grad`` name are issued in backward.
+    ``side_seq``: the sequence length of the other stack whose output ``block.side`` entries
+    read (cross-attention's keys and values; default ``s``): each all-reduces the gradient of
+    that whole input in backward, under SP too."""
     if tp == 1:
         return []
     block = block or TPBlock.reference(h)
     e = block.sizes(dtype, cast_params)
     tokens = float(b) * s
-    fwd = [tokens * f * k for f, k in zip(block.forward, e.forward, strict=True)]
-    bwd = [tokens * f * k for f, k in zip(block.backward, e.backward, strict=True)]
+    side = block.side or (False,) * len(block.backward)
+    other = tokens if side_seq is None else float(b) * side_seq
+    every = [(other if sd else tokens) * f * k
+             for f, k, sd in zip(block.backward, e.backward, side, strict=True)]
     # the backward counterparts the backward pass issues: those whose tensor needs a gradient
+    issued = block.bwd_grad or (backward,) * len(every)
+    bwd = [x for x, sd in zip(every, side, strict=True) if not sd]
+    bwd_back = [x for x, y, sd in zip(every, issued, side, strict=True)
+                if y and backward and not sd]
+    side_back = [x for x, y, sd in zip(every, issued, side, strict=True)
+                 if y and backward and sd]
+    fwd = [tokens * f * k for f, k in zip(block.forward, e.forward, strict=True)]
     fwd_back = [x for x, y in zip(fwd, block.fwd_grad or (backward,) * len(fwd), strict=True)
-                if y and backward]
-    bwd_back = [x for x, y in zip(bwd, block.bwd_grad or (backward,) * len(bwd), strict=True)
                 if y and backward]
     # the reference block's parameter gradients: at the activations' size (the planner's
     # estimate); a traced block's: as the trace showed (fp32: 4 bytes either way, no trace)
@@ -869,6 +886,9 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
         else:
             out.append(Traffic("tp", "all_reduce", sum(fwd) + sum(bwd_back),
                                len(fwd) + len(bwd_back), tp, "activations"))
+    if side_back:
+        out.append(Traffic("tp", "all_reduce", sum(side_back), len(side_back), tp,
+                           "other stack's output grad"))
     if not backward:  # no parameter gradient, nothing replayed
         return [t for t in out if t.calls]
     if sp and block.sp_norms:
@@ -890,8 +910,8 @@ def tp_block_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool,
         r: Any = recomputed
         trace = block.trace
         again = [x for x, y in zip(fwd, trace.replayed, strict=True) if y] if trace else fwd[:-1]
-        gathers = [x for x, y in zip(bwd, trace.replayed_gathers, strict=True) if y] \
-            if trace else bwd
+        gathers = [x for x, y, sd in zip(every, trace.replayed_gathers, side, strict=True)
+                   if y and not sd] if trace else bwd
         if sp:
             out += [Traffic("tp", "all_gather", sum(gathers) * r, len(gathers) * r, tp,
                             "checkpoint replay"),
@@ -924,15 +944,23 @@ def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, emb
     ends_what = " + ".join(["embedding output"] * embed + ["head input grad"] * head)
     out = []
     if sp and block is not None and block.sp_in_blocks:
-        if ends:
-            out.append(Traffic("tp", "all_reduce", act, ends, tp, ends_what))
+        # the stack's ends are gathered whatever surrounds them; the embedding and the head
+        # all-reduce only where they are vocabulary-parallel (a tower fed by a convolution and
+        # read by a projection kept whole has neither)
+        vocab_embed, vocab_head = embed and block.vocab_ends[0], head and block.vocab_ends[1]
+        split = int(vocab_embed) + int(vocab_head)
+        if split:
+            out.append(Traffic("tp", "all_reduce",
+                               tokens * (e.embed_out * vocab_embed + e.head_in * vocab_head),
+                               split, tp, " + ".join(["embedding output"] * vocab_embed
+                                                     + ["head input grad"] * vocab_head)))
         into = embed and block.input_grad
         edges = int(head) + int(into)
         if edges:
             out.append(Traffic("tp", "all_gather",
                                tokens * (e.stack_out * head + e.stack_in * into), edges, tp,
                                "block stack output + input grad"))
-        if head:
+        if vocab_head:
             out.append(Traffic("tp", "all_reduce", 3.0 * b * s * 4, 3, tp, "loss_parallel"))
         return out
     if ends:
@@ -948,6 +976,35 @@ def tp_end_traffic(b: int, s: int, h: int, tp: int, dtype: str, sp: bool, *, emb
             out.append(Traffic("tp", "all_reduce", float(sum(norms)) * 4, len(norms), tp,
                                "final norm grad"))
     return out
+
+
+def tp_stack_traffic(plan: Any, mb: int, seq: int, hidden: int, block: TPBlock, layers: int,
+                     *, embedded: bool, side_seq: int | None = None,
+                     recomputed: float = 0.0) -> list[Traffic]:
+    """TP collectives of one rank in one optimizer step of a further stack of ``layers``
+    blocks like ``block`` (an encoder-decoder's other stack, a two-tower model's other tower)
+    on its own sequence of ``seq`` positions, per microbatch of ``mb`` sequences: its blocks'
+    (:func:`tp_block_traffic`, ``recomputed`` (0..1) of each replayed, ``side_seq`` the length
+    its cross-attention reads), the vocabulary-parallel embedding's all-reduce where that
+    embedding makes this stack's input (``embedded``), and under SP, which splits each stack's
+    sequence at its first block and gathers it after its last, its output all-gathered in
+    forward and its input's gradient in backward (where the input needs one)."""
+    if plan.tp == 1 or not layers:
+        return []
+    dtype, cast, tp = _compute_dtype(plan), casts_params(plan), plan.tp
+    micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
+    out = _times(tp_block_traffic(mb, seq, hidden, tp, dtype, plan.sp, recomputed=recomputed,
+                                  block=block, cast_params=cast, side_seq=side_seq), layers)
+    e = block.sizes(dtype, cast)
+    tokens = float(mb) * seq * hidden
+    if embedded and block.vocab_ends[0]:
+        out.append(Traffic("tp", "all_reduce", tokens * e.embed_out, 1, tp, "embedding output"))
+    if plan.sp and block.sp_in_blocks:
+        edges = 1 + int(block.input_grad)
+        out.append(Traffic("tp", "all_gather",
+                           tokens * (e.stack_out + e.stack_in * block.input_grad), edges, tp,
+                           "block stack output + input grad"))
+    return _times(out, micro)
 
 
 def _times(traffic: list[Traffic], k: int) -> list[Traffic]:
@@ -1135,8 +1192,8 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
                         optimizer_params: list[Any] | None = None, stats: Any = None,
                         pp_rank: int = 0, tokens: bool = True,
                         input_grad: bool | None = None,
-                        ready_orders: dict[int, tuple[int, ...] | None] | None = None
-                        ) -> Expected | None:
+                        ready_orders: dict[int, tuple[int, ...] | None] | None = None,
+                        stack_seqs: dict[str, int] | None = None) -> Expected | None:
     """Predicted payload bytes per (axis, op) per step, with the calls carrying them
     (:class:`plait.comm.report.Expected`), or None where plait has no closed form.
 
@@ -1152,7 +1209,9 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
     whether the first block's input needs a gradient (``plait.comm.held.stack_input_grad``,
     taken before layout; None: where an embedding trains); ``ready_orders``: by ``id`` of each
     DDP module, the order its gradients became ready in the run (``plait.comm.ready_order``),
-    which DDP's bucket count follows. The ledger's report
+    which DDP's bucket count follows; ``stack_seqs``: the sequence length each stack of
+    blocks ran on, by its first block's path (``plait.comm.stack_lengths``), for a model
+    with several. The ledger's report
     compares each row's busiest rank, and ranks hold different parts of the model (pipeline
     stages), so each rank predicts its own traffic and the per-(axis, op) maximum over ranks is
     returned, with the calls of the rank predicted the most bytes: a collective when a process
@@ -1190,9 +1249,12 @@ def expected_for_models(models: list[Any], plan: Any, batch_shape: tuple[int, ..
         if batch_shape is not None and why_no_expected(plan, stats, batch_shape, tokens) is None:
             from ..planner.cost import rank_traffic
 
-            # token ids (b, s); feature vectors (b, [s, ...,] features): a token per row
+            # token ids (b, s); feature vectors (b, [s, ...,] features): a token per row;
+            # a model with several stacks: the length its main stack ran on
             seq = batch_shape[1] if tokens else prod(batch_shape[1:-1])
-            per_rank = rank_traffic(plan, stats, batch_shape[0] * plan.dp, seq)
+            seqs = stack_seqs or {}
+            per_rank = rank_traffic(plan, stats, batch_shape[0] * plan.dp,
+                                    seqs.get(stats.stack_first, seq), seqs)
             mine = expected_rows(per_rank[pp_rank]) if per_rank else None
     elif cfg is None and models and plan.tp == 1 and plan.pp == 1:
         from .held import held_model, held_traffic

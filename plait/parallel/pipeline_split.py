@@ -42,7 +42,8 @@ This part is pure module surgery (no process group): the stage runtime in
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -553,18 +554,43 @@ def additive_modules(model: nn.Module, path: str) -> set[str] | None:
         if node.op != "call_module" or node.target not in leaves:
             continue
         carrier = bool(node.args) and node.args[0] in inputs[:1]  # reads the model input
-        for user in node.users:
-            if user.op in ("call_function", "call_method") and (
-                    user.target in adds or user.target in ("add", "add_")):
-                others = [a for a in user.args if a is not node]
-                # Added to a parameter or buffer of the model only (a shift the forward adds
-                # after each block), the output is not summed with the running activation: a
-                # stand-in that passes its input on keeps the stages' chain.
-                summed = [a for a in others if isinstance(a, fx.Node) and a.op != "get_attr"]
-                if (node.args and node.args[0] in others) or (not carrier and summed):
-                    prefix = f"{parent_name}." if parent_name else ""
-                    out.add(prefix + str(node.target))
+        for value, whole_rule in _read_from(node):
+            for user in value.users:
+                if user.op in ("call_function", "call_method") and (
+                        user.target in adds or user.target in ("add", "add_")):
+                    others = [a for a in user.args if a is not value]
+                    # Added to a parameter or buffer of the model only (a shift the forward
+                    # adds after each block), the output is not summed with the running
+                    # activation: a stand-in that passes its input on keeps the stages' chain.
+                    summed = [a for a in others if isinstance(a, fx.Node)
+                              and a.op != "get_attr"]
+                    if (node.args and node.args[0] in others) or (
+                            whole_rule and not carrier and summed):
+                        prefix = f"{parent_name}." if parent_name else ""
+                        out.add(prefix + str(node.target))
     return _with_aliases(parent, parent_name, leaves, out)
+
+
+def _read_from(node: Any) -> list[tuple[Any, bool]]:
+    """The fx values that carry what the module called at ``node`` returns, each with whether
+    the whole additivity rule applies to it: the output itself by the whole rule; its first
+    item (a block that returns ``(hidden states, ...)``, read as ``layer(h)[0]``) or an item
+    read by key or attribute (``out["h"]``, ``out.last_hidden_state``) only when added to the
+    module's own input (``h = h + layer(h)[0]``): a recurrent layer's ``(output, state)``
+    before the blocks is the running activation the blocks' outputs are added to, and other
+    fields of a block's output (an auxiliary loss summed over the blocks) are added to each
+    other, not to the hidden states."""
+    import operator
+
+    found = [(node, True)]
+    for user in node.users:
+        if user.op != "call_function" or len(user.args) < 2 or user.args[0] is not node:
+            continue
+        key = user.args[1]
+        if (user.target is operator.getitem and key == 0 and not isinstance(key, bool)) or (
+                user.target in (operator.getitem, getattr) and isinstance(key, str)):
+            found.append((user, False))
+    return found
 
 
 def _parent_and_leaves(model: nn.Module, path: str) -> tuple[nn.Module, str, set[str]]:
@@ -593,6 +619,25 @@ _ADDS = (torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__,
          torch.Tensor.__radd__, torch.Tensor.__iadd__)
 
 
+def _returned(out: Any) -> list[tuple[torch.Tensor, bool]]:
+    """The tensors of a module's output that :func:`additive_by_running` watches, each with
+    whether the whole additivity rule applies (as :func:`_read_from` for fx): the output by
+    the whole rule; the first item of a tuple or list and the tensors of a mapping or a
+    dataclass (a ``ModelOutput``'s ``last_hidden_state``, read by key, index or attribute, is
+    the same tensor) only when added to the module's own input."""
+    if isinstance(out, torch.Tensor):
+        return [(out, True)]
+    if isinstance(out, (tuple, list)):
+        return [(out[0], False)] if out and isinstance(out[0], torch.Tensor) else []
+    if isinstance(out, Mapping):
+        values: list[Any] = list(out.values())
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        values = [getattr(out, f.name) for f in dataclasses.fields(out)]
+    else:
+        return []
+    return [(v, False) for v in values if isinstance(v, torch.Tensor)]
+
+
 def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[str, Any]
                         ) -> set[str]:
     """What :func:`additive_modules` finds, found by running ``model``'s forward once on
@@ -606,9 +651,10 @@ def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[st
 
     parent, parent_name, leaves = _parent_and_leaves(model, path)
     prefix = f"{parent_name}." if parent_name else ""
-    # id(output) -> (name, the module's input, whether that input is the parent's own input);
-    # the tensors are kept alive, so their ids are not reused while the forward runs.
-    outputs: dict[int, tuple[str, Any, bool]] = {}
+    # id(output) -> (name, the module's input, whether that input is the parent's own input,
+    # whether the whole rule applies: :func:`_returned`); the tensors are kept alive, so their
+    # ids are not reused while the forward runs.
+    outputs: dict[int, tuple[str, Any, bool, bool]] = {}
     kept: list[Any] = []
     found: set[str] = set()
     state = {id(t) for t in (*model.parameters(), *model.buffers())}
@@ -627,9 +673,9 @@ def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[st
         def hook(module: nn.Module, args: tuple, kw: dict, out: Any) -> None:
             inside[0] -= 1
             x = args[0] if args else None
-            if isinstance(out, torch.Tensor):
-                outputs[id(out)] = (name, x, x is not None and x is entry[0])
-                kept.append(out)
+            for value, whole_rule in _returned(out):
+                outputs[id(value)] = (name, x, x is not None and x is entry[0], whole_rule)
+                kept.append(value)
         return hook
 
     class Watch(TorchFunctionMode):
@@ -641,9 +687,10 @@ def additive_by_running(model: nn.Module, path: str, first: Any, kwargs: dict[st
                 for a in operands:
                     if id(a) not in outputs:
                         continue
-                    name, x, carrier = outputs[id(a)]
+                    name, x, carrier, whole_rule = outputs[id(a)]
                     summed = [o for o in operands if o is not a and id(o) not in state]
-                    if (not carrier and summed) or any(o is x for o in operands if o is not a):
+                    if (whole_rule and not carrier and summed) or any(
+                            o is x for o in operands if o is not a):
                         found.add(prefix + name)
             return func(*args, **(kw or {}))
 

@@ -99,16 +99,71 @@ def example_input(model: nn.Module) -> torch.Tensor | None:
 def example_call(model: nn.Module) -> Example | None:
     """Inputs ``model``'s forward runs on (on fake tensors): :func:`example_input` when one
     tensor is enough; else one value per input the forward names as Hugging Face names them
-    (token ids for ``*input_ids``, images of the first size that runs for ``pixel_values``).
-    When neither runs, :func:`example_input`'s guess (whose error says why the model cannot be
-    checked); None when there is none."""
+    (token ids for ``*input_ids``, images of the first size that runs for ``pixel_values``);
+    else, for a model with a convolution, images of the first size that runs as its one input,
+    whatever the forward calls it (``forward(self, images)``, a ViT whose position table is an
+    ``nn.Embedding``, which makes :func:`example_input` guess token ids, or whose head is
+    registered before its stem). When none runs, :func:`example_input`'s guess (whose error
+    says why the model cannot be checked; :func:`describe` says what was tried); None when
+    there is none."""
     single = example_input(model)
     if single is not None and _runs(model, single):
         return Example((single,))
     guess = _named_inputs(model, single)
     if guess is not None:
         return guess
+    conv = _first_conv(model)
+    if conv is not None and not _tried_images(model):
+        for size in _SPATIAL:
+            images = Example((_images(conv, size),))
+            if _runs(model, images) and _runs_for_real(model, images):
+                return images
     return None if single is None else Example((single,))
+
+
+def _tried_images(model: nn.Module) -> bool:
+    """Whether :func:`example_input` already tried images on ``model``: it has no embedding and
+    its first Linear or convolution is a convolution."""
+    if any(isinstance(m, nn.Embedding) for m in model.modules()):
+        return False
+    first = next((m for m in model.modules() if isinstance(m, (nn.Linear, *_CONVS))), None)
+    return isinstance(first, _CONVS)
+
+
+def _runs_for_real(model: nn.Module, example: Example) -> bool:
+    """Whether ``model``'s forward runs on ``example`` for real (eval mode, no gradients, the
+    RNG left as it was): a position table that is an ``nn.Embedding`` indexed by patch runs on
+    fake tensors for any image size (their values are not checked) and fails for real on one
+    with more patches than rows. A model not wholly on the CPU is taken at the fake forward's
+    word."""
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return True
+    training = model.training
+    model.train(False)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            run_on(model, example)
+    except Exception:  # noqa: BLE001 - not this input
+        return False
+    finally:
+        model.train(training)
+    return True
+
+
+def describe(model: nn.Module, example: Example | None) -> str:
+    """What :func:`example_call` tried on ``model``, for a message saying its forward does not
+    run on it: the guess it returned, and the image sizes tried for a convolution stem."""
+    def shape(v: Any) -> str:
+        return (f"{'token ids' if not v.is_floating_point() else 'a tensor'} of shape "
+                f"{tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__)
+    parts = [] if example is None else [shape(a) for a in example.args] + [
+        f"{k}={shape(v)}" for k, v in example.kwargs.items()]
+    conv = _first_conv(model)
+    if conv is not None:
+        sides = ", ".join(str(s) for s in _SPATIAL)
+        parts.append(f"images of {conv.in_channels} channels and {sides} pixels a side for its "
+                     f"convolution stem")
+    return "; ".join(parts) if parts else "nothing (no nn.Embedding, Linear or convolution)"
 
 
 def _named_inputs(model: nn.Module, single: torch.Tensor | None) -> Example | None:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
 from .fx_trace import trace_kept
-from .tp_example import Example, example_call, run_on
+from .tp_example import Example, describe, example_call, run_on
 from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owners, replicated_kv
 from .tp_lora import base_linear, expand, low_rank_parts
 from .tp_plans import STYLES, TPPlan, glob_regex, under
@@ -464,11 +464,15 @@ def infer_plan(model: nn.Module) -> TPPlan:
     graphs = {name: trace_block(block) for name, block in candidates.items()}
     untraced = {name: candidates[name] for name, g in graphs.items() if isinstance(g, str)}
     example = example_call(model) if untraced else None
-    if example is not None:  # run the model once instead: branches are taken concretely
-        graphs.update(record_blocks(model, untraced, example))
+    # Run the model once instead: branches are taken concretely.
+    recorded = record_blocks(model, untraced, example) if example is not None else {}
+    graphs.update(recorded)
+    unguessed = (f"; nor does the model's forward run on any input plait guessed to record it "
+                 f"instead (tried {describe(model, example)})") if untraced and not recorded else ""
     for name, block in candidates.items():
         graph = graphs[name]
-        result = graph if isinstance(graph, str) else analyse_block(block, name, graph)
+        result = (graph + unguessed if isinstance(graph, str) else
+                  analyse_block(block, name, graph))
         label = name or type(model).__name__
         if result is None:
             continue
@@ -579,9 +583,9 @@ def _stack_refusal(model: nn.Module, stack: str, matched: dict[str, str],
     outside = residual_outside(model, stack, example)
     if outside is not None:
         return (f"its forward adds {outside}'s output to that block's input outside the block "
-                f"(h = h + block(h)), where the sequence is whole but the block's output is "
-                f"split by position: move the residual into the block (its forward returning "
-                f"h + f(h))")
+                f"(h = h + block(h), or h = h + block(h)[0] for a block returning a tuple), where "
+                f"the sequence is whole but the block's output is split by position: move the "
+                f"residual into the block (its forward returning h + f(h))")
     mixed = mixes_positions(model, matched, stack, example)
     if mixed is None:
         return (f"its blocks ({stack}) could not be run on a guessed input to check that they "
@@ -728,6 +732,10 @@ def _where(exc: BaseException, model: nn.Module) -> str:
     return found
 
 
+# What fake tensors raise for a forward that reads tensor values (torch's names for them).
+_VALUE_ERRORS = ("DynamicOutputShapeException", "DataDependentOutputException")
+
+
 def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False) -> TPPlan:
     """Check an inferred plan before any sharding; return it, or refuse it (ValueError).
 
@@ -745,16 +753,26 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False) -> TP
 
     example = example_call(model)
     if example is None:
-        return replace(plan, sp_refused="no input could be guessed to check its blocks with"
-                       ) if sp else plan
+        return replace(plan, sp_refused=(
+            f"no input could be guessed to check its blocks with (tried "
+            f"{describe(model, None)})")) if sp else plan
     unrun = check_shapes(model, {}, {}, 1, example)
-    if unrun is not None:
+    if unrun is not None and not sp:
+        return plan
+    if unrun is not None and any(kind in unrun for kind in _VALUE_ERRORS):
         # A routed mixture of experts picks its tokens by value (nonzero, where): no
         # fake-tensor forward, so no check that a sequence split keeps the model the same.
         return replace(plan, sp_refused=(
             f"its forward does not run on fake tensors ({unrun}; a forward that reads values, "
             f"such as one routing tokens to experts by index), so whether splitting the "
-            f"sequence keeps the model the same cannot be checked")) if sp else plan
+            f"sequence keeps the model the same cannot be checked"))
+    if unrun is not None:
+        return replace(plan, sp_refused=(
+            f"its forward does not run on any input plait guessed for it (tried "
+            f"{describe(model, example)}; on the first: {unrun}), so whether splitting the "
+            f"sequence keeps the model the same cannot be checked (an image model is checked "
+            f"on images of the sizes tried, as its forward's one input whatever its name): "
+            f"use sp=False"))
     matched = match_plan(model, plan.styles)
     divide = {n: a for glob, a in plan.divide_attrs.items()
               for n in match_plan(model, {glob: "divide"})}

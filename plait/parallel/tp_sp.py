@@ -51,7 +51,9 @@ def block_stack(model: nn.Module) -> str | None:
 def residual_outside(model: nn.Module, stack: str, example: torch.Tensor | Example
                      ) -> str | None:
     """The first block of ``stack`` whose output the model's forward adds to the block's input
-    itself (``h = h + block(h)``), or None. Under SP a block's output is split by position
+    itself (``h = h + block(h)``; ``h + layer(h)[0]`` for a block returning a tuple,
+    ``h + layer(h).last_hidden_state`` or a key for one returning a mapping), or None. Under
+    SP a block's output is split by position
     while what the forward computed before the stack is whole, so that addition meets half a
     sequence and a whole one. Found as a pipeline finds the residuals it must not double
     (torch.fx, else one meta-device forward on ``example``)."""

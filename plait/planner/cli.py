@@ -44,6 +44,25 @@ GiB = 2**30
 _SEQ_FROM = {"--seq": "", "dataset": " (the dataset's)", "model": " (the model's maximum)"}
 
 
+def _stack_seqs(given: list[str], model: ModelStats) -> tuple[tuple[str, int], ...]:
+    """``--stack-seq BLOCK=N`` values as ``Workload.stack_seqs``; each BLOCK must be the first
+    block of one of the model's further stacks (``ModelStats.more_stacks``)."""
+    firsts = [m.first for m in model.more_stacks]
+    out = []
+    for item in given:
+        block, _, n = item.partition("=")
+        if not n.strip().isdigit() or int(n) < 1:
+            raise ValueError(f"--stack-seq {item!r}: give BLOCK=N, a block's module path and a "
+                             f"positive sequence length, e.g. encoder.block.0=48")
+        if block not in firsts:
+            where = (f"its further stacks start at {', '.join(firsts)}" if firsts else
+                     "it has one stack of blocks, whose sequence is --seq")
+            raise ValueError(f"--stack-seq {item!r}: {block} is not the first block of a "
+                             f"further stack of {model.name} ({where})")
+        out.append((block, int(n)))
+    return tuple(out)
+
+
 def _seq_said(seq_from: str, model: ModelStats) -> str:
     """" (the model's maximum: the 512 rows of its position embedding pos)": where the
     sequence priced came from, read off the model's structure when no setting says it."""
@@ -89,6 +108,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    "of a factory's dataset, else the model's maximum: a config's "
                    "max_position_embeddings, or the rows of a position nn.Embedding; also "
                    "spelt --seq-len)")
+    p.add_argument("--stack-seq", dest="stack_seq", metavar="BLOCK=N", action="append",
+                   default=[], help="a model with several stacks of blocks (an "
+                   "encoder-decoder): the sequence of the stack whose first block is BLOCK, "
+                   "when it is not --seq (e.g. --seq 16 --stack-seq encoder.block.0=48 for a "
+                   "target of 16 tokens and a source of 48); repeatable")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="compute dtype (default: bf16; fp32 on cpu); fp16 for GPUs without "
                    "bf16 (T4, V100): mixed_precision=fp16, the loss scaled dynamically")
@@ -463,7 +487,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     if args.efficiency is not None:
         import dataclasses
         constants = dataclasses.replace(constants, compute_efficiency=args.efficiency)
-    work = Workload(args.global_batch, seq)
+    work = Workload(args.global_batch, seq, stack_seqs=_stack_seqs(args.stack_seq, model))
     usable = [d for d in divisors(cluster.world_size) if args.global_batch % d == 0]
     if given is None and len(usable) == 1 and cluster.world_size > 1:
         raise ValueError(f"global-batch={args.global_batch} shares no factor with "

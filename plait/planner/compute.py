@@ -8,10 +8,16 @@ is needed by the next): priced per block with :mod:`plait.planner.traffic`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from plait.comm.predict import casts_params, tp_block_traffic, tp_end_traffic
+from plait.comm.predict import (
+    casts_params,
+    tp_block_traffic,
+    tp_end_traffic,
+    tp_stack_traffic,
+)
 from plait.comm.volumes import Traffic
 from plait.plan import ZERO_BUBBLE_SCHEDULES, Plan
 
@@ -46,6 +52,32 @@ def core_share(cluster: Cluster) -> float:
     return 1.0
 
 
+def more_stacks_time(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
+                     stack_seqs: Mapping[str, int], rate: float, replay: float,
+                     c: Constants) -> float:
+    """Time of one microbatch in the model's further stacks of blocks (``model.more_stacks``),
+    each on its own sequence (``stack_seqs`` by first block, default ``s``): its blocks'
+    FLOPs (the main stack's block's, per token of that sequence; forward, backward and what
+    checkpointing replays) and their tensor-parallel collectives
+    (:func:`plait.comm.predict.tp_stack_traffic`, on the tp tier). Under a pipeline, none:
+    plait does not cut a model with several stacks into stages."""
+    if plan.pp > 1 or not model.more_stacks:
+        return 0.0
+    total = 0.0
+    for more in model.more_stacks:
+        seq = stack_seqs.get(more.first, s) // plan.cp
+        fwd = model.block_flops_per_token(seq) * b * seq / plan.tp
+        total += more.n_layers * (fwd * (3 + replay) / rate + c.block_overhead_s
+                                  * (1 + replay / 3))
+        if plan.tp > 1 and more.tp_block is not None:
+            total += sum(collective_time(t, cluster, 1, c) for t in tp_stack_traffic(
+                plan, b, seq, model.hidden, more.tp_block, more.n_layers,
+                embedded=more.embedded, side_seq=s, recomputed=min(replay, 1.0))
+                ) / plan.grad_accum
+            total += more.n_layers * c.tp_block_overhead_s
+    return total
+
+
 def replay_per_block(plan: Plan, model: ModelStats) -> float:
     """Forwards replayed per block and microbatch by activation checkpointing."""
     mode = plan.activation_checkpointing
@@ -64,8 +96,12 @@ def replay_per_block(plan: Plan, model: ModelStats) -> float:
 
 
 def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
-                     c: Constants) -> MicroTimes:
+                     c: Constants, stack_seqs: Mapping[str, int] | None = None) -> MicroTimes:
     """Per-block and outside-block times of one microbatch of ``b`` sequences of ``s`` tokens.
+    A model's further stacks of blocks (``model.more_stacks``: an encoder-decoder's other
+    stack; without a pipeline) count in the outside-block time, each block priced as the main
+    stack's on the stack's own sequence (``stack_seqs`` by first block, default ``s``) with its
+    own tensor-parallel collectives (:func:`more_stacks_time`).
 
     Under context parallelism each rank computes ``s / cp`` tokens of every sequence: their
     matmuls, and their queries against all ``s`` keys. The head-tail split
@@ -105,6 +141,7 @@ def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
         cp_comm = 2 * (1 + replay) * one["all_gather"] + 2 * one["reduce_scatter"]
         block += cp_comm
     head = 3 * model.head_flops_per_token() * tokens / tp / rate + c.micro_overhead_s
+    head += more_stacks_time(plan, model, cluster, b, s, stack_seqs or {}, rate, replay, c)
     embed = 0.0
     if tp > 1:
         split = plan.pp * plan.virtual_stages > 1  # embedding and head on different chunks

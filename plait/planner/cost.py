@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,12 +90,24 @@ class Workload:
     # the tp group on arrival (Megatron-LM's scatter/gather optimisation; plait's runtime does
     # not, so off by default; with sp the output is already sharded).
     pp_scatter_gather: bool = False
+    # A model with several stacks of blocks (``ModelStats.more_stacks``: an encoder-decoder):
+    # (first block's path, sequence length) of each stack whose sequence is not ``seq`` (a
+    # source of 48 tokens beside a target of 16); ``seq`` is the main stack's.
+    stack_seqs: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        for path, value in self.stack_seqs:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"stack_seqs: {path}={value!r} must be a positive integer")
+
+    @property
+    def seqs(self) -> dict[str, int]:
+        """:attr:`stack_seqs` as a dict."""
+        return dict(self.stack_seqs)
 
 
 @dataclass
@@ -198,7 +211,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         return est
 
     # ---- time: one microbatch per block and chunk, then the pipeline's schedule
-    times = microbatch_times(plan, model, cluster, b, s, c)
+    times = microbatch_times(plan, model, cluster, b, s, c, work.seqs)
     sizes = stage_sizes(plan, model, times, balance)
     if isinstance(sizes, str):
         est.reason = sizes
@@ -282,13 +295,14 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     step = pipe + exposed_grad + gather_time + exposed_ag3 + opt_time + tensor_time + clip_time
 
     # ---- memory on each pipeline rank; the worst one counts
-    mem_best, breakdown = peak_memory(plan, model, cluster, b, s, st, shares, c)
+    mem_best, breakdown = peak_memory(plan, model, cluster, b, s, st, shares, c,
+                                      stack_seqs=work.seqs)
 
     # ---- traffic of the busiest rank, as the comm ledger predicts it (plait.comm.predict)
     layers_busy = st.rank_layers[r_busy]
     busy = dataclasses.replace(shares[r_busy], recomputed=checkpointed(plan, layers_busy)[0])
     traffic = [t for t, _ in traffic_dp + clip] + \
-        activation_traffic(plan, model, busy, b, s)
+        activation_traffic(plan, model, busy, b, s, work.seqs)
 
     est.traffic = traffic
     est.busiest_rank = r_busy
@@ -344,23 +358,24 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     return est
 
 
-def rank_traffic(plan: Plan, model: ModelStats, global_batch: int, seq: int
-                 ) -> list[list[Traffic]] | None:
+def rank_traffic(plan: Plan, model: ModelStats, global_batch: int, seq: int,
+                 stack_seqs: Mapping[str, int] | None = None) -> list[list[Traffic]] | None:
     """The collectives each pipeline rank issues per optimizer step (index: pp rank), as
     :func:`evaluate` prices its busiest rank's: what the comm ledger's expected column shows for
     a model other than plait's reference transformer under tp or pp. None where the plan
-    cannot run the model (a tp its blocks cannot take, a batch it cannot split)."""
+    cannot run the model (a tp its blocks cannot take, a batch it cannot split).
+    ``stack_seqs``: :func:`activation_traffic`'s."""
     from . import constants_for
     from .hardware import load_cluster
 
     cluster = load_cluster("cpu", devices=plan.world_size)
     c = constants_for(cluster)
-    work = Workload(global_batch, seq)
+    work = Workload(global_batch, seq, stack_seqs=tuple((stack_seqs or {}).items()))
     est = evaluate(plan, model, cluster, work, c)
     if est.traffic is None or not est.stage_layers:
         return None
     b = est.microbatch_size
-    times = microbatch_times(plan, model, cluster, b, seq, c)
+    times = microbatch_times(plan, model, cluster, b, seq, c, work.seqs)
     sizes = list(est.stage_layers)
     st = stage_times(plan, model, cluster, work, b, times, sizes, c)
     out = []
@@ -369,22 +384,44 @@ def rank_traffic(plan: Plan, model: ModelStats, global_batch: int, seq: int
         out.append([t for t, _ in dp_traffic(plan, share, grad_dtype=work.grad_reduce_dtype,
                                              bucket_bytes=c.bucket_bytes)]
                    + [t for t, _ in clip_traffic(plan, share)]
-                   + activation_traffic(plan, model, share, b, seq))
+                   + activation_traffic(plan, model, share, b, seq, stack_seqs))
     return out
 
 
-def activation_traffic(plan: Plan, model: ModelStats, share: LocalModel, b: int, seq: int
-                       ) -> list[Traffic]:
+def activation_traffic(plan: Plan, model: ModelStats, share: LocalModel, b: int, seq: int,
+                       stack_seqs: Mapping[str, int] | None = None) -> list[Traffic]:
     """The collectives that move activations on one pipeline rank holding ``share``, per
     optimizer step of micro-batches of ``b`` sequences of ``seq`` tokens, as the comm ledger
     predicts them (:mod:`plait.comm.predict`): tensor parallelism's (on the rank's ``seq /
     cp`` tokens of each sequence), the pipeline's sends, and context parallelism's K/V
-    all-gathers and reduce-scatters (:func:`cp_rank_traffic`)."""
+    all-gathers and reduce-scatters (:func:`cp_rank_traffic`). A model with further stacks of
+    blocks (``model.more_stacks``: an encoder-decoder's other stack) has each priced on its own
+    sequence, ``stack_seqs`` by the path of its first block (default ``seq``), and the
+    cross-attention of one stack on the other's (:func:`more_stacks_traffic`)."""
     local = seq // plan.cp
+    seqs = stack_seqs or {}
+    other = next((seqs.get(m.first, seq) for m in model.more_stacks), None)
     return (predict.tp_rank_traffic(plan, share, b, local, model.hidden,
-                                    model.kv_whole(plan.tp), model.tp_block)
+                                    model.kv_whole(plan.tp), model.tp_block, side_seq=other)
+            + more_stacks_traffic(plan, model, share, b, seq, seqs)
             + predict.pp_rank_traffic(plan, share, b, local, model.hidden, model.tp_block)
             + cp_rank_traffic(plan, model, share, b, seq))
+
+
+def more_stacks_traffic(plan: Plan, model: ModelStats, share: LocalModel, b: int, seq: int,
+                        stack_seqs: Mapping[str, int]) -> list[Traffic]:
+    """Tensor parallelism's collectives of the model's further stacks of blocks
+    (``model.more_stacks``) per optimizer step, each on its own sequence (``stack_seqs`` by its
+    first block's path, default ``seq``), its cross-attention on the main stack's ``seq``.
+    Without a pipeline only: plait does not cut a model with several stacks into stages."""
+    if plan.tp == 1 or plan.pp > 1:
+        return []
+    replayed = share.recomputed / share.layers if share.layers else 0.0
+    return [t for more in model.more_stacks if more.tp_block is not None
+            for t in predict.tp_stack_traffic(plan, b, stack_seqs.get(more.first, seq),
+                                              model.hidden, more.tp_block, more.n_layers,
+                                              embedded=more.embedded, side_seq=seq,
+                                              recomputed=replayed)]
 
 
 def cp_step_traffic(plan: Plan, model: ModelStats, b: int, seq: int) -> list[Traffic]:

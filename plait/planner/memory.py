@@ -81,12 +81,33 @@ def checkpointed(plan: Plan, layers: int) -> tuple[int, float]:
     return 0, 0.0
 
 
+def more_stacks_activations(plan: Plan, model: ModelStats, b: int, s: int,
+                            stack_seqs: dict[str, int], ab: int, c: Constants) -> float:
+    """Bytes the further stacks of blocks (``model.more_stacks``: an encoder-decoder's other
+    stack) save for backward in one microbatch, each block priced as the main stack's on the
+    stack's own sequence (``stack_seqs`` by first block, default ``s``), those the plan's
+    checkpointing drops keeping their input only, plus the stack's input. None under a
+    pipeline: plait does not cut a model with several stacks into stages."""
+    if plan.pp > 1:
+        return 0.0
+    total = 0.0
+    for more in model.more_stacks:
+        seq = stack_seqs.get(more.first, s) // plan.cp
+        full = activation_bytes_per_block(model, b, seq, plan.tp, plan.sp, ab, c, keys=seq)
+        kept_input = b * seq * model.hidden * ab / (plan.tp if plan.sp else 1)
+        dropped, _ = checkpointed(plan, more.n_layers)
+        total += (more.n_layers - dropped) * full + dropped * kept_input + kept_input
+    return total
+
+
 def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
-                st: Stages, shares: list[LocalModel], c: Constants
-                ) -> tuple[float, dict[str, float]]:
+                st: Stages, shares: list[LocalModel], c: Constants,
+                stack_seqs: dict[str, int] | None = None) -> tuple[float, dict[str, float]]:
     """(bytes on the busiest pipeline rank, its breakdown). Peak memory sits on the first rank
     (most microbatches in flight) or the last (logits); rank 1 is checked too for the
-    interleaved warm-up."""
+    interleaved warm-up. A model's further stacks of blocks (``model.more_stacks``, without a
+    pipeline) save their blocks' activations on their own sequences (``stack_seqs`` by first
+    block, default ``s``): :func:`more_stacks_activations`."""
     pp, tp, cp, R, zero = plan.pp, plan.tp, plan.cp, plan.dp_replicate, plan.zero
     S = state_shards(plan)  # ZeRO-1's optimizer: dp_shard (x cp)
     dtype = plan.mixed_precision
@@ -134,6 +155,7 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
             acts += act_full  # the block being recomputed
         if 0 in ids:
             acts += act_input * held  # embedding output
+        acts += more_stacks_activations(plan, model, b, s, stack_seqs or {}, ab, c)
         logits = 0.0
         if chunks - 1 in ids:
             kept = m if (pp > 1 and plan.pp_schedule == "gpipe") else 1

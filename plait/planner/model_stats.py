@@ -34,6 +34,19 @@ from .tp_block import Held, rows_held
 
 
 @dataclass(frozen=True)
+class MoreStack:
+    """A further stack of blocks (:attr:`ModelStats.more_stacks`): the path of its first
+    block, its block count, one block's tensor-parallel collectives (None: not priced), and
+    whether the vocabulary-parallel embedding makes its input (called again for it, on its
+    sequence: an encoder-decoder's shared embedding)."""
+
+    first: str
+    n_layers: int
+    tp_block: TPBlock | None
+    embedded: bool = False
+
+
+@dataclass(frozen=True)
 class ModelStats:
     """A decoder-style model as the planner sees it (all counts are whole-model, unsplit)."""
 
@@ -119,6 +132,13 @@ class ModelStats:
     # are the batch's, so the search takes them over the data axes (sync_bn) and never cuts a
     # step's batch into pieces (pipeline microbatches, gradient accumulation).
     batchnorm: str = ""
+    # The module path of the main stack's first block (module factories), where the ledger
+    # reads the length of the sequence the stack runs on; "" where not read.
+    stack_first: str = ""
+    # Further stacks of blocks the layer plan splits (an encoder-decoder's other stack, a
+    # two-tower model's other tower; module factories): under tensor parallelism each issues
+    # its blocks' collectives on its own sequence. Their parameters count among the head's.
+    more_stacks: tuple[MoreStack, ...] = ()
     # Whether the blocks train with dropout (p > 0): Korthikanti et al. 2022's one-byte masks
     # (attention probabilities, after the attention output, after the MLP) are saved for
     # backward only then (plait.planner.memory). Read from the config or the module; True (the
@@ -603,6 +623,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     max_seq, max_seq_from = _max_seq(model), ""
     if max_seq is None:
         max_seq, max_seq_from = _position_rows(model)
+    more = _more_stacks(model, stack_name, found, device_type)
     return ModelStats(name=name, n_layers=len(blocks), hidden=hidden, n_heads=heads,
                       kv_heads=kv_heads or heads, ffn=ffn, vocab=vocab,
                       mlp="swiglu" if gated else ("gelu" if attention else "other"),
@@ -627,7 +648,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                       attention_keys=_attention_keys(model, device_type)
                       if attention and attention_dtypes else None,
                       batchnorm=_first_batchnorm(model),
-                      dropout=module_dropout(model, blocks))
+                      dropout=module_dropout(model, blocks),
+                      stack_first=_path(model, blocks[0]), more_stacks=more)
 
 
 def _attention_keys(model: Any, device_type: str) -> tuple[tuple[int, int, int], ...] | None:
@@ -652,6 +674,67 @@ def _divided_heads(block: Any, path: str, plan: Any) -> int | None:
                                        if "kv" not in a and "key_value" not in a)
                            if isinstance(v, int) and not isinstance(v, bool) and v > 1]
     return min(counts) if counts else None
+
+
+def _more_stacks(model: Any, stack: str, found: tuple[Any, bool] | None,
+                 device_type: str) -> tuple[MoreStack, ...]:
+    """The stacks of blocks other than the one at ``stack`` whose layers the plan ``found``
+    splits (:func:`plait.parallel.pipeline_hf.other_block_stacks`, as sequence parallelism
+    finds them), each with one trained block's collectives; whether the vocabulary-parallel
+    embedding makes a stack's input is read off one forward on fake tensors of a guessed input
+    (the embedding called just before the stack's first block)."""
+    from plait.parallel.pipeline_hf import other_block_stacks
+    from plait.parallel.tp_plans import glob_regex
+
+    from .tp_block import tp_block
+
+    if found is None:
+        return ()
+    patterns = [glob_regex(g) for g in found[0].styles]
+    paths = [p for p in other_block_stacks(model, stack)
+             if any(n.startswith(p + ".") and any(r.match(n) for r in patterns)
+                    for n, _ in model.named_modules())]
+    if not paths:
+        return ()
+    embedded = _embedded_stacks(model, [f"{p}.{next(iter(model.get_submodule(p)._modules))}"
+                                        for p in paths], found[0])
+    out = []
+    for path in paths:
+        blocks = list(model.get_submodule(path).children())
+        trained = next((b for b in blocks if any(p.requires_grad for p in b.parameters())),
+                       blocks[0])
+        first, last = _path(model, blocks[0]), _path(model, blocks[-1])
+        out.append(MoreStack(first, len(blocks),
+                             tp_block(model, _path(model, trained), found, (first, last),
+                                      device_type), first in embedded))
+    return tuple(out)
+
+
+def _embedded_stacks(model: Any, firsts: list[str], plan: Any) -> set[str]:
+    """Which of the blocks ``firsts`` the forward calls right after the vocabulary-parallel
+    embedding (their stack's input is its output), in one forward on fake tensors of a guessed
+    input; none where it does not run."""
+    from plait.parallel.tp_example import example_call, run_on
+    from plait.parallel.tp_plans import glob_regex
+    from plait.parallel.tp_record import fake_forward
+
+    embeds = [n for n, _ in model.named_modules() if n and any(
+        glob_regex(g).match(n) for g, st in plan.styles.items() if st == "vocab_embedding")]
+    example = example_call(model) if embeds else None
+    if example is None:
+        return set()
+    calls: list[str] = []
+    handles = [model.get_submodule(n).register_forward_pre_hook(
+        lambda *_, n=n: calls.append(n)) for n in [*embeds, *firsts]]
+    try:
+        with fake_forward(model):
+            run_on(model, example)
+    except Exception:  # noqa: BLE001 - not runnable on the guess: none priced
+        return set()
+    finally:
+        for h in handles:
+            h.remove()
+    return {b for i, b in enumerate(calls) if b in firsts and i and calls[i - 1] in embeds}
 
 
 def _path(model: Any, module: Any) -> str:

@@ -156,10 +156,13 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
     def style_of(name: str) -> str | None:
         return next((style for regex, style in patterns if regex.match(name)), None)
 
-    parts = _collectives(model, block, style_of, summed_unnamed, _side_of(plan))
+    side_of = _side_of(plan)
+    parts = _collectives(model, block, style_of, summed_unnamed, side_of)
     if parts is None:
         return None
     forward, backward, fwd_at, bwd_at, gathers, norms, summed = parts
+    # cross-attention's keys and values: they read another stack's output, whole
+    side = tuple(side_of(n) for n in bwd_at)
     embeds = [p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()]
     ends = {key: name for name, _ in model.named_modules()
             for key, want in (("embed", "vocab_embedding"), ("head", "vocab_head"))
@@ -178,6 +181,7 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
                    input_grad=any(p.requires_grad for p in embeds) or not embeds,
                    vocab_ends=("embed" in ends, "head" in ends),
                    end_norms=None if in_blocks else end_norms,
+                   side=side if any(side) else (),
                    traced=partial(trace, model, block, fwd_at, bwd_at, ends, seq=TRACE_SEQ,
                                   device_type=device_type))
 
