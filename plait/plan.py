@@ -90,6 +90,9 @@ class PlanOptions:
     pp_blocks: str | None = None
     # fnmatch globs over module names that FSDP2 shards as units (the repeated blocks when None).
     shard_patterns: tuple[str, ...] | None = None
+    # fnmatch globs over module names that activation checkpointing wraps (the repeated blocks
+    # when None): a model without a stack of blocks (a U-Net's residual blocks, 'down.*', 'mid').
+    checkpoint_patterns: tuple[str, ...] | None = None
     # On gloo, run FSDP2's all-gather/reduce-scatter as all-to-alls (faster there); False keeps
     # FSDP2's own collectives.
     gloo_all_to_all: bool = True
@@ -108,6 +111,7 @@ class PlanOptions:
                           f"glob to style, e.g. {{'layers.*.q_proj': 'colwise'}}")
         for name, kind, example in (("split_points", str, "['layers.4']"),
                                     ("shard_patterns", str, "['layers.*']"),
+                                    ("checkpoint_patterns", str, "['down.*', 'mid']"),
                                     ("pp_stage_layers", int, "[3, 5]"),
                                     ("stage_costs", float, "[1.0, 1.0, 2.0]")):
             value = getattr(self, name)

@@ -4,12 +4,15 @@ naming the bad value and the fix, and what trains matches one device."""
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from plait.parallel.units import canonical_name
 from plait.parallel.zero import apply_fsdp
 from plait.plan import Plan
 from plait.spawn import run_distributed
@@ -17,6 +20,7 @@ from plait.train import split_microbatches
 from tests._newcomer_models import (
     DLRM,
     Clicks,
+    Noised,
     UNet,
     click_loss,
     collate_clicks,
@@ -219,8 +223,8 @@ def test_a_pipeline_is_not_cut_in_a_small_container_of_mixed_layers() -> None:
     from plait.parallel.pipeline_split import plan_stages
 
     with pytest.raises(ValueError, match=r"pp=2 would cut UNet at temb, .*3 modules of "
-                                         r"different kinds \(Linear, SiLU\) holding 1,344 of "
-                                         r"its 16,889 parameters \(8.0%\).*options.pp_blocks.*"
+                                         r"different kinds \(Linear, SiLU\) and 1,344 of "
+                                         r"UNet's 16,889 parameters \(8.0%\).*options.pp_blocks.*"
                                          r"dp_shard=N,zero=3"):
         plan_stages(UNet(), Plan(pp=2, microbatches=2))
     with pytest.raises(ValueError, match=r"would cut DLRM at bottom, .*\(0.1%\)"):
@@ -275,3 +279,38 @@ def test_a_resumed_scheduler_whose_length_changed_is_told_the_saved_one_continue
     note = next((w for w in said if "T_max" in w), "")
     assert "holds CosineAnnealingLR with T_max=2, and the script passes T_max=4" in note, said
     assert "e.g. sched.T_max = 4" in note, note
+
+
+def test_checkpointing_a_unet_takes_the_blocks_it_is_told():
+    """The largest container of a U-Net is its timestep MLP (Linear, SiLU, Linear: 8% of the
+    parameters); activation checkpointing wrapped its two Linears, saving next to nothing,
+    silently. It is refused naming options.checkpoint_patterns, and with the patterns the
+    residual blocks are wrapped (the outermost where patterns nest) and train as unwrapped:
+    the same loss and gradients."""
+    from plait.parallel.checkpointing import apply_activation_checkpointing
+
+    with pytest.raises(ValueError, match=r"activation_checkpointing='full' would wrap temb, .*"
+                                         r"\(Linear, SiLU\).*options.checkpoint_patterns"):
+        apply_activation_checkpointing(UNet(), Plan(activation_checkpointing="full"))
+    with pytest.raises(ValueError, match=r"options.checkpoint_patterns \['nope\.\*'\] match no"):
+        apply_activation_checkpointing(UNet(), Plan(
+            activation_checkpointing="full", options={"checkpoint_patterns": ["nope.*"]}))
+    torch.manual_seed(0)
+    plain = UNet()
+    wrapped = copy.deepcopy(plain)
+    apply_activation_checkpointing(wrapped, Plan(activation_checkpointing="full", options={
+        "checkpoint_patterns": ["d?", "mid", "u1", "d1.c1"]}))
+    kinds = {n: type(m).__name__ for n, m in wrapped.named_children()}
+    assert [n for n, k in kinds.items() if k == "CheckpointWrapper"] == ["d1", "d2", "mid", "u1"]
+    batch = Noised(8)
+    x, t = torch.stack([batch[i]["x"] for i in range(8)]), torch.stack([batch[i]["t"]
+                                                                        for i in range(8)])
+    losses = []
+    for m in (plain, wrapped):
+        loss = F.mse_loss(m(x, t), torch.zeros_like(x))
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == losses[1]
+    got = {canonical_name(n): p.grad for n, p in wrapped.named_parameters()}
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=0, atol=0)

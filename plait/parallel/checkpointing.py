@@ -18,7 +18,11 @@ Built on ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (non-re
 ``plait.parallel.units.canonical_name`` strips it, and state dicts load through it.
 
 Blocks are the model's repeated units (``plait.parallel.units.repeated_blocks``), so any model
-with its layers in a ``ModuleList``/``Sequential`` works.
+with its layers in a ``ModuleList``/``Sequential`` works; a model whose blocks are plain
+attributes (a U-Net's ``down1``, ``mid``, ``up1``) names them with
+``options.checkpoint_patterns``. Where the largest container found is no stack of blocks (a
+U-Net's small timestep MLP) and no patterns are given, checkpointing is refused: wrapping that
+container's layers would save next to nothing, silently.
 
 A Hugging Face key/value cache (``transformers.Cache``) that reaches a checkpointed block is left
 out of its call, as transformers' own gradient checkpointing does: the block updates the cache
@@ -44,7 +48,7 @@ from torch.utils.checkpoint import (
 from .._torch_compat import checkpoint_wrapper_api, sdpa_ops
 from ..plan import Plan
 from .hf import transformers_class
-from .units import repeated_blocks
+from .units import canonical_name, not_a_stack, repeated_blocks, select_units
 
 checkpoint_wrapper, CheckpointImpl, _ = checkpoint_wrapper_api()
 _aten = torch.ops.aten
@@ -122,11 +126,7 @@ def apply_activation_checkpointing(module: nn.Module, plan: Plan) -> nn.Module:
     """Wrap the blocks of ``module`` that ``plan`` checkpoints; returns ``module`` (in place)."""
     if plan.activation_checkpointing == "none":
         return module
-    blocks = repeated_blocks(module)
-    if not blocks:
-        raise ValueError(f"activation_checkpointing={plan.activation_checkpointing!r} needs "
-                         f"repeated blocks (children of an nn.ModuleList/Sequential) in "
-                         f"{type(module).__name__}, and it has none")
+    blocks = checkpoint_units(module, plan)
     kwargs = {}
     if plan.activation_checkpointing == "op":
         kwargs["context_fn"] = op_level_context
@@ -139,4 +139,33 @@ def apply_activation_checkpointing(module: nn.Module, plan: Plan) -> nn.Module:
     return module
 
 
-__all__ = ["apply_activation_checkpointing", "checkpointed_blocks", "op_level_context"]
+def checkpoint_units(module: nn.Module, plan: Plan) -> list[tuple[str, nn.Module]]:
+    """The modules activation checkpointing wraps, in model order: those
+    ``options.checkpoint_patterns`` names (the outermost where one holds another: a wrapped
+    module's forward replays what it holds), or the repeated blocks. ValueError where there is
+    none, or where the blocks found are no stack of blocks and no pattern names the real ones."""
+    mode, name = plan.activation_checkpointing, type(module).__name__
+    fix = ("name the modules to checkpoint with options.checkpoint_patterns (globs over module "
+           "names, e.g. {'checkpoint_patterns': ['down.*', 'mid']})")
+    patterns = plan.options.checkpoint_patterns
+    if patterns:
+        chosen = select_units(module, patterns, option="options.checkpoint_patterns")
+        names = {canonical_name(n) for n, _ in chosen}
+        order = {canonical_name(n): i for i, (n, _) in enumerate(module.named_modules())}
+        outer = [(n, m) for n, m in chosen
+                 if not any(canonical_name(n).startswith(o + ".") for o in names)]
+        return sorted(outer, key=lambda u: order[canonical_name(u[0])])
+    blocks = repeated_blocks(module)
+    if not blocks:
+        raise ValueError(f"activation_checkpointing={mode!r} needs repeated blocks (children of "
+                         f"an nn.ModuleList/Sequential) in {name}, and it has none: {fix}")
+    why = not_a_stack(module, blocks)
+    if why is not None:
+        raise ValueError(f"activation_checkpointing={mode!r} would wrap {why}: checkpointing "
+                         f"them saves next to nothing. {fix[0].upper()}{fix[1:]}, or leave "
+                         f"activation_checkpointing off")
+    return blocks
+
+
+__all__ = ["apply_activation_checkpointing", "checkpoint_units", "checkpointed_blocks",
+           "op_level_context"]

@@ -57,6 +57,7 @@ from ..plan import Plan
 from .fx_trace import trace_kept
 from .pipeline_chain import chain_break, meta_replica, unchained_message
 from .pipeline_hf import adapt_hf_forward, hf_added_embeddings, is_hf_model
+from .units import not_a_stack
 
 Containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 BlockSequence = nn.ModuleList | nn.Sequential | nn.ModuleDict
@@ -442,25 +443,20 @@ def plan_stages(model: nn.Module, plan: Plan,
 
 
 def _refuse_small_mixed(model: nn.Module, path: str, container: nn.Module, plan: Plan) -> None:
-    """Refuse the container plait found by itself when it is no sequence of blocks: its
-    children of different kinds (Linear, activation, Linear) and under half the model's
-    parameters, such as a U-Net's timestep MLP or a recommender's bottom MLP. Cut there, the
-    later stage runs the rest of the forward on the hidden states in place of the model's
-    input and fails deep in it. A stack of one kind of block, or a container holding most of
-    the model (a CNN's nn.Sequential of layers), is cut as before."""
-    kinds = list(dict.fromkeys(type(m).__name__ for m in container.children()))
-    held, total = _param_count(container), _param_count(model)
-    if len(kinds) < 2 or not total or held >= total / 2:
+    """Refuse the container plait found by itself when it is no sequence of blocks
+    (:func:`plait.parallel.units.not_a_stack`: a U-Net's timestep MLP, a recommender's bottom
+    MLP). Cut there, the later stage runs the rest of the forward on the hidden states in
+    place of the model's input and fails deep in it. A stack of one kind of block, or a
+    container holding most of the model (a CNN's nn.Sequential of layers), is cut as before."""
+    why = not_a_stack(model, [(f"{path}.{k}" if path else k, m)
+                              for k, m in container.named_children()])
+    if why is None:
         return
     name = type(model).__name__
     raise ValueError(
-        f"pp={plan.pp} would cut {name} at {path or name}, the nn.ModuleList/nn.Sequential/"
-        f"nn.ModuleDict with the most parameters found: {len(list(container.children()))} "
-        f"modules of different "
-        f"kinds ({', '.join(kinds)}) holding {held:,} of its {total:,} parameters "
-        f"({held / total:.1%}), not a sequence of blocks each feeding the next. Name the blocks "
-        f"with options.pp_blocks (or split_points), or train {name} without a pipeline: dp=N, "
-        f"or dp_shard=N,zero=3 to shard its state")
+        f"pp={plan.pp} would cut {name} at {why}, each feeding the next. Name the blocks with "
+        f"options.pp_blocks (or split_points), or train {name} without a pipeline: dp=N, or "
+        f"dp_shard=N,zero=3 to shard its state")
 
 
 def _unchained(model: nn.Module, path: str) -> tuple[str, str] | bool | None:

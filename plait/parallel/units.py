@@ -82,8 +82,8 @@ def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return best
 
 
-def select_units(module: nn.Module, patterns: Sequence[str] | None = None
-                 ) -> list[tuple[str, nn.Module]]:
+def select_units(module: nn.Module, patterns: Sequence[str] | None = None,
+                 option: str = "shard_patterns") -> list[tuple[str, nn.Module]]:
     """The sharding units: the repeated blocks, or the modules whose names match ``patterns``.
 
     Patterns are globs over dotted module names: ``layers.*`` matches ``layers.3`` but not
@@ -91,7 +91,7 @@ def select_units(module: nn.Module, patterns: Sequence[str] | None = None
 
     Returned deepest first, so that wrapping them in order is bottom-up (a unit nested inside
     another is wrapped before its parent, as ``fully_shard`` requires). Raises ValueError naming
-    any pattern that matches no module.
+    any pattern that matches no module (naming ``option``, the setting the patterns came from).
     """
     if not patterns:
         return _callable(repeated_blocks(module))
@@ -111,10 +111,31 @@ def select_units(module: nn.Module, patterns: Sequence[str] | None = None
                 chosen[key] = (name, m)
     if unmatched:
         examples = ", ".join(sorted({canonical_name(n) for n, _ in named})[:8])
-        raise ValueError(f"shard_patterns {unmatched} match no module of "
+        raise ValueError(f"{option} {unmatched} match no module of "
                          f"{type(module).__name__}; module names look like: {examples}")
     units = _callable([u for u in chosen.values() if _numel(u[1]) > 0])
     return sorted(units, key=lambda u: -canonical_name(u[0]).count("."))
+
+
+def not_a_stack(module: nn.Module, blocks: list[tuple[str, nn.Module]]) -> str | None:
+    """Why the blocks :func:`repeated_blocks` found in ``module`` are no stack of blocks, or
+    None when they may be: their container holds modules of different kinds (Linear, SiLU,
+    Linear) and under half of the parameters, as a U-Net's timestep MLP or a recommender's
+    bottom MLP, the largest container of a model whose real blocks are plain attributes.
+    A stack of one kind of block, or a container holding most of the model (a CNN's
+    ``nn.Sequential`` of layers), may be."""
+    if not blocks:
+        return None
+    path = blocks[0][0].rpartition(".")[0]
+    container = module.get_submodule(path) if path else module
+    kinds = list(dict.fromkeys(type(m).__name__ for m in container.children()))
+    held, total = _numel(container), _numel(module)
+    if len(kinds) < 2 or not total or held >= total / 2:
+        return None
+    return (f"{path or type(module).__name__}, the nn.ModuleList/nn.Sequential/nn.ModuleDict "
+            f"with the most parameters, holds {len(list(container.children()))} modules of "
+            f"different kinds ({', '.join(kinds)}) and {held:,} of {type(module).__name__}'s "
+            f"{total:,} parameters ({held / total:.1%}), not a stack of blocks")
 
 
 def _callable(units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

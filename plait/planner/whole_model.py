@@ -384,11 +384,15 @@ def _ready_pass(model: nn.Module, sample: Any, fake: bool) -> tuple[int, ...] | 
 def measure(model: nn.Module, sample: Any, *, name: str = "", sample_from: str = "dataset",
             positions: int = 1) -> WholeModel:
     """The facts of ``model`` on inputs like ``sample`` (one sample, without a batch dim)."""
-    from ..parallel.units import repeated_blocks, select_units
+    from ..parallel.units import not_a_stack, repeated_blocks, select_units
 
     label = name or type(model).__name__
     blocks = [(n, b) for n, b in repeated_blocks(model)
               if not isinstance(b, (nn.ModuleDict, nn.ModuleList))]
+    if not_a_stack(model, blocks) is not None:
+        # activation checkpointing refuses such a container (a U-Net's timestep MLP): no
+        # checkpointed layout is priced for the model
+        blocks = []
     real = not any(p.is_meta for p in model.parameters())
     try:
         try:
