@@ -159,9 +159,17 @@ def denoiser() -> tuple[nn.Module, Dataset, Any]:
 STEPS, BATCH = 3, 16
 
 
-def train_recommender(rank: int, world_size: int, plan: str, sparse: bool) -> dict[str, Any]:
-    """SGD for STEPS steps on :func:`recommender` under ``plan`` (batches from ``run.loader``
-    with :func:`collate_clicks`): the losses and the full state, or the refusal's message."""
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2)
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def train_recommender(rank: int, world_size: int, plan: str, sparse: bool,
+                      optimizer: str = "sgd") -> dict[str, Any]:
+    """``optimizer`` (SGD or AdamW) for STEPS steps on :func:`recommender` under ``plan``
+    (batches from ``run.loader`` with :func:`collate_clicks`): the losses and the full state,
+    or the refusal's message."""
     from plait.runtime import init
 
     run = init(plan, quiet=True)
@@ -172,7 +180,7 @@ def train_recommender(rank: int, world_size: int, plan: str, sparse: bool) -> di
     except ValueError as exc:
         run.close()
         return {"refused": str(exc)}
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = _optimizer(optimizer, model.parameters())
     losses = [float(run.step(model, batch, loss_fn, opt))
               for batch in run.loader(data, batch_size=BATCH, steps=STEPS,
                                       collate_fn=collate_clicks)]
@@ -181,16 +189,16 @@ def train_recommender(rank: int, world_size: int, plan: str, sparse: bool) -> di
     return {"losses": losses, "state": state if rank == 0 else None}
 
 
-def recommender_reference() -> dict[str, Any]:
+def recommender_reference(optimizer: str = "sgd") -> dict[str, Any]:
     """What one device trains with torch alone: the same global batches (the loader's order),
-    dense gradients (``sparse=False``: a sparse gradient densified is the same tensor), torch's
-    own clipping at 1.0 (plait's default), SGD."""
+    each collated whole, no accumulation, dense gradients (``sparse=False``: a sparse gradient
+    densified is the same tensor), torch's own clipping at 1.0 (plait's default)."""
     from plait.data.loader import DistributedLoader
 
     _, data, loss_fn = recommender()
     torch.manual_seed(0)
     model = DLRM(sparse=False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = _optimizer(optimizer, model.parameters())
     order = DistributedLoader(data, BATCH)
     losses = []
     for step in range(STEPS):

@@ -685,9 +685,18 @@ class PipelineRunner:
 
     def _run(self, batch: Any, loss_fn: Callable | None, *, plan: Plan, device: torch.device,
              train: bool) -> torch.Tensor:
-        from ..batch_rows import refuse_ragged
+        from ..batch_rows import MicroBatches, refuse_ragged
         from ..train import autocast, split_microbatches
 
+        if isinstance(batch, MicroBatches):
+            # torch's schedule splits every tensor input by rows itself (its chunk specs):
+            # micro-batches collated apart have no place in it.
+            raise ValueError(f"a pipeline (pp={plan.pp}) cuts its batch into microbatches "
+                             f"itself, by rows, and this batch comes as {len(batch.parts)} "
+                             f"micro-batches collated one by one (plait.MicroBatches): give "
+                             f"the pipeline one batch of one row per example (for "
+                             f"nn.EmbeddingBag: bags padded to one length with padding_idx, "
+                             f"no offsets), or run with pp=1")
         seq = 0
         extra: dict[str, torch.Tensor] = {}
         if self.context is not None:
