@@ -17,6 +17,7 @@ from plait.train import split_microbatches
 from tests._newcomer_models import (
     DLRM,
     Clicks,
+    Noised,
     UNet,
     click_loss,
     collate_clicks,
@@ -41,7 +42,41 @@ def test_a_flat_index_list_is_not_cut_into_micro_batches_by_rows() -> None:
     message = str(err.value)
     assert f"'big_idx' has {batch['big_idx'].shape[0]} rows where the batch has 8" in message
     assert "grad_accum=2" in message and "padding_idx" in message
-    assert "run with grad_accum=1" in message
+    assert "run.loader(dataset, batch_size, collate_fn=...), which collates each micro-batch " \
+           "from its own items" in message, message
+    assert "plait.MicroBatches" in message and "run with grad_accum=1" in message
+
+
+def test_the_loader_collates_each_micro_batch_of_a_flat_index_list() -> None:
+    # Under grad_accum the loader collated the replica's rows whole, and the step could only
+    # refuse the batch (its flat ids cannot be cut by rows). Each micro-batch is now collated
+    # from its own consecutive items: the bags and offsets one device builds for those rows.
+    from plait import MicroBatches
+    from plait.data.loader import DistributedLoader
+
+    data = Clicks()
+    loader = DistributedLoader(data, 16, dp_rank=1, dp_size=2, collate_fn=collate_clicks,
+                               micro_batches=2, steps=1)
+    batch = next(iter(loader))
+    assert isinstance(batch, MicroBatches) and len(batch.parts) == 2
+    rows = loader.rows(0)
+    for part, items in zip(batch.parts, (rows[:4], rows[4:]), strict=True):
+        want = collate_clicks([data[i] for i in items])
+        assert set(part) == set(want)
+        assert all(torch.equal(part[k], want[k]) for k in want)
+        assert int(part["big_off"][0]) == 0
+    assert split_microbatches(batch, 2) == list(batch.parts)
+    with pytest.raises(ValueError, match=r"comes as 2 micro-batches collated one by one .*"
+                                         r"the plan runs grad_accum=4"):
+        split_microbatches(batch, 4)
+    with pytest.raises(TypeError, match=r"read batch.parts\[i\]\['labels'\]"):
+        batch["labels"]
+    # A batch of one row per example stays one batch (the step cuts it by rows), and without
+    # accumulation the flat index list stays whole too.
+    flat = DistributedLoader(data, 16, collate_fn=collate_clicks, steps=1)
+    assert isinstance(next(iter(flat)), dict)
+    rowwise = DistributedLoader(Noised(), 8, micro_batches=2, steps=1)
+    assert isinstance(next(iter(rowwise)), dict)
 
 
 def test_one_row_per_example_still_splits() -> None:
@@ -109,6 +144,19 @@ def test_sparse_gradients_train_as_one_device_under_dp() -> None:
     one = run_distributed(train_recommender, 1, "", True, timeout=120)[0]
     _assert_trains_as_one_device(one, want)
     got = run_distributed(train_recommender, 2, "dp=2", True, timeout=120)[0]
+    _assert_trains_as_one_device(got, want)
+
+
+def test_grad_accum_trains_a_flat_index_list_as_one_device() -> None:
+    # grad_accum=2 refused the recommender's batch ("'big_idx' has 44 rows where the batch
+    # has 16"). With each micro-batch collated on its own, one process accumulating two and
+    # two ranks accumulating two each train what one device trains on the whole global batch
+    # without accumulation: the losses and the parameters after AdamW steps.
+    want = recommender_reference("adamw")
+    one = run_distributed(train_recommender, 1, "grad_accum=2", False, "adamw", timeout=120)[0]
+    _assert_trains_as_one_device(one, want)
+    got = run_distributed(train_recommender, 2, "dp=2,grad_accum=2", False, "adamw",
+                          timeout=120)[0]
     _assert_trains_as_one_device(got, want)
 
 
@@ -181,12 +229,15 @@ def test_plait_check_asks_for_a_collate_fn_where_items_do_not_stack(capsys) -> N
 
 
 @pytest.mark.slow
-def test_plait_check_collates_each_ranks_rows_with_the_factorys_collate_fn(capsys) -> None:
+@pytest.mark.parametrize("plan", ["dp=2", "dp=2,grad_accum=2"])
+def test_plait_check_collates_each_ranks_rows_with_the_factorys_collate_fn(plan, capsys
+                                                                           ) -> None:
     # A batch collated whole and sliced by rows would hand each rank offsets into the other
-    # rank's ids: each rank collates its own items, as run.loader does.
+    # rank's ids: each rank collates its own items, as run.loader does, and under grad_accum
+    # each micro-batch its own (the check refused the batch there).
     from plait.cli import main
 
-    code = main(["check", "--plan", "dp=2", "--model",
+    code = main(["check", "--plan", plan, "--model",
                  "tests._newcomer_models:recommender_collated", "--steps", "2",
                  "--timeout", "120", "--format", "json"])
     out, err = capsys.readouterr()
