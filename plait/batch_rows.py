@@ -35,11 +35,11 @@ def row_counts(batch: Any, path: str = "") -> list[tuple[str, int]]:
 @dataclass(frozen=True)
 class MicroBatches:
     """One step's batch as its micro-batches, each collated from its own items: what a collate
-    that builds tensors across rows (a flat index list with offsets, one pool of negatives)
-    needs, since such a batch collated whole cannot be cut by rows. ``run.step`` and
-    ``run.evaluate`` run ``parts[i]`` as micro-batch i (``grad_accum`` must equal their
-    number); ``run.loader`` hands one where a collated batch is not one row per example and
-    the plan accumulates. Not a batch itself: read an entry in ``parts[i]``."""
+    that builds tensors across rows (a flat index list with offsets) needs, since such a batch
+    collated whole cannot be cut by rows. ``run.step`` and ``run.evaluate`` run ``parts[i]``
+    as micro-batch i (``grad_accum`` must equal their number); ``run.loader`` hands one where
+    a collated batch is not one row per example and the plan accumulates. Not a batch itself:
+    read an entry in ``parts[i]``."""
 
     parts: tuple[Any, ...]
 

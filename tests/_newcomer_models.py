@@ -184,9 +184,12 @@ def train_recommender(rank: int, world_size: int, plan: str, sparse: bool,
     losses = [float(run.step(model, batch, loss_fn, opt))
               for batch in run.loader(data, batch_size=BATCH, steps=STEPS,
                                       collate_fn=collate_clicks)]
+    evaluated = [float(run.evaluate(model, batch, loss_fn))
+                 for batch in run.loader(data, batch_size=BATCH, steps=1, evaluation=True,
+                                         collate_fn=collate_clicks)]
     state = run.full_state_dict(model)
     run.close()
-    return {"losses": losses, "state": state if rank == 0 else None}
+    return {"losses": losses, "evaluated": evaluated, "state": state if rank == 0 else None}
 
 
 def recommender_reference(optimizer: str = "sgd") -> dict[str, Any]:
@@ -210,7 +213,11 @@ def recommender_reference(optimizer: str = "sgd") -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "state": model.state_dict()}
+    with torch.no_grad():  # the trained model on the first global batch (an evaluation loader's)
+        batch = collate_clicks([data[int(i)] for i in order.global_indices(0)])
+        labels = batch.pop("labels")
+        evaluated = [loss_fn(model(**batch), labels).item()]
+    return {"losses": losses, "evaluated": evaluated, "state": model.state_dict()}
 
 
 def recommender_collated() -> tuple[nn.Module, Dataset, Any, Any]:

@@ -128,8 +128,9 @@ def test_tp_refuses_a_sparse_embedding_bag_by_name() -> None:
 
 def _assert_trains_as_one_device(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert "refused" not in got, got
-    for a, b in zip(want["losses"], got["losses"], strict=True):
-        assert abs(a - b) <= 1e-5 * abs(a), (want["losses"], got["losses"])
+    for a, b in zip(want["losses"] + want["evaluated"], got["losses"] + got["evaluated"],
+                    strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (want, got)
     assert set(got["state"]) == set(want["state"])
     for name, w in want["state"].items():
         diff = (got["state"][name] - w).abs().max().item()
@@ -151,7 +152,8 @@ def test_grad_accum_trains_a_flat_index_list_as_one_device() -> None:
     # grad_accum=2 refused the recommender's batch ("'big_idx' has 44 rows where the batch
     # has 16"). With each micro-batch collated on its own, one process accumulating two and
     # two ranks accumulating two each train what one device trains on the whole global batch
-    # without accumulation: the losses and the parameters after AdamW steps.
+    # without accumulation: the losses and the parameters after AdamW steps, and
+    # run.evaluate's loss of the trained model.
     want = recommender_reference("adamw")
     one = run_distributed(train_recommender, 1, "grad_accum=2", False, "adamw", timeout=120)[0]
     _assert_trains_as_one_device(one, want)
