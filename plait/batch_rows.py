@@ -37,9 +37,10 @@ class MicroBatches:
     """One step's batch as its micro-batches, each collated from its own items: what a collate
     that builds tensors across rows (a flat index list with offsets) needs, since such a batch
     collated whole cannot be cut by rows. ``run.step`` and ``run.evaluate`` run ``parts[i]``
-    as micro-batch i (``grad_accum`` must equal their number); ``run.loader`` hands one where
-    a collated batch is not one row per example and the plan accumulates. Not a batch itself:
-    read an entry in ``parts[i]``."""
+    as micro-batch i (their number must be ``grad_accum``, times ``microbatches`` under a
+    pipeline, which runs part ``a * microbatches + j`` as microbatch j of accumulation step
+    a); ``run.loader`` hands one where a collated batch is not one row per example and the
+    plan cuts it. Not a batch itself: read an entry in ``parts[i]``."""
 
     parts: tuple[Any, ...]
 
@@ -47,7 +48,7 @@ class MicroBatches:
         raise TypeError(f"this batch is {len(self.parts)} micro-batches collated one by one "
                         f"(plait.MicroBatches: run.loader collates each on its own when the "
                         f"collate_fn's batch is not one row per example and the plan "
-                        f"accumulates), not one batch: read batch.parts[i][{key!r}]")
+                        f"cuts it), not one batch: read batch.parts[i][{key!r}]")
 
 
 def ragged_entries(batch: Any, rows: int | None = None) -> tuple[int, list[tuple[str, int]]]:

@@ -532,8 +532,8 @@ def train(plan: Plan, cfg: CheckConfig, grad_norms: dict[str, list[float]] | Non
     if grad_norms is not None:
         opt.register_step_pre_hook(_record_grad_norms(model, grad_norms))
     dp_rank, dp_size = run.dp_rank, run.dp_size
-    # as run.loader collates under this plan: grad_accum micro-batches (no pipeline)
-    micro = plan.grad_accum if plan.pp == 1 else 1
+    # as run.loader collates under this plan: grad_accum (x a pipeline's microbatches) parts
+    micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
     losses = [float(run.step(model, _slice(batch, dp_rank, dp_size, micro), loss_fn, opt))
               for batch in _global_batches(cfg, vocab=256)]
     return run, model, losses

@@ -379,12 +379,12 @@ class Run:
             start_step=first if start_step is None else start_step, collate_fn=collate_fn,
             num_workers=num_workers, persistent_workers=persistent_workers,
             pin_memory=pin_memory and self.device.type == "cuda",
-            # A batch the collate_fn builds across rows comes as grad_accum micro-batches,
-            # each collated on its own (plait.data.loader.collate_each). Not under a pipeline,
-            # whose schedule cuts its batch itself (refused there), nor XLA SPMD, which
-            # places one host batch over the data axes.
-            micro_batches=self.plan.grad_accum if self.plan.pp == 1 and self.spmd is None
-            else 1)
+            # A batch the collate_fn builds across rows comes as its micro-batches (grad_accum,
+            # times a pipeline's microbatches), each collated on its own
+            # (plait.data.loader.collate_each). Not under XLA SPMD, which places one host
+            # batch over the data axes.
+            micro_batches=self.plan.grad_accum * (self.plan.microbatches if self.plan.pp > 1
+                                                  else 1) if self.spmd is None else 1)
         loader: DistributedLoader | StreamLoader
         if is_stream(dataset):
             if shuffle:

@@ -79,7 +79,7 @@ def autocast(plan: Plan, device: torch.device) -> contextlib.AbstractContextMana
 
 
 # How a batch that cannot be cut by rows gets its micro-batches: collated one by one.
-_COLLATE_EACH = ("load the batches with run.loader(dataset, batch_size, collate_fn=...), which "
+COLLATE_EACH = ("load the batches with run.loader(dataset, batch_size, collate_fn=...), which "
                  "collates each micro-batch from its own items, or hand run.step a "
                  "plait.MicroBatches of batches you collated so, ")
 
@@ -96,7 +96,7 @@ def split_microbatches(batch: Any, n: int) -> list[Any]:
         return list(batch.parts)
     if n == 1:
         return [batch]
-    refuse_ragged(batch, f"grad_accum={n} micro-batches", "grad_accum=1", fix=_COLLATE_EACH)
+    refuse_ragged(batch, f"grad_accum={n} micro-batches", "grad_accum=1", fix=COLLATE_EACH)
     return _split(batch, n)
 
 

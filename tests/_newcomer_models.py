@@ -43,6 +43,39 @@ class DLRM(nn.Module):
         return {"logits": logit} if self.dict_out else logit
 
 
+class BagBlock(nn.Module):
+    """A residual block that adds each example's bag of ids (through a table of its own) to
+    the hidden state: every block reads the flat index list and its offsets."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(BIG_ROWS, DIM, mode="mean")
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor, big_idx: torch.Tensor, big_off: torch.Tensor
+                ) -> torch.Tensor:
+        return h + torch.tanh(self.lin(h) + self.bag(big_idx, big_off))
+
+
+class BagStack(nn.Module):
+    """The recommender's inputs through a stack of :class:`BagBlock` (what a pipeline cuts),
+    the small table added after it, one logit per example."""
+
+    def __init__(self, blocks: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(DENSE, DIM)
+        self.layers = nn.ModuleList(BagBlock() for _ in range(blocks))
+        self.small = nn.EmbeddingBag(SMALL_ROWS, DIM, mode="sum")
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, dense: torch.Tensor, big_idx: torch.Tensor, big_off: torch.Tensor,
+                small_idx: torch.Tensor) -> torch.Tensor:
+        h = self.inp(dense)
+        for layer in self.layers:
+            h = layer(h, big_idx, big_off)
+        return self.head(h + self.small(small_idx)).squeeze(-1)
+
+
 class Clicks(Dataset):
     """Dense floats, a bag of 1 to 5 ids into the big table, a bag of 2 into the small one."""
 
@@ -165,8 +198,14 @@ def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5)
 
 
+def _model(name: str, sparse: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return BagStack() if name == "bag_stack" else DLRM(sparse=sparse)
+
+
 def train_recommender(rank: int, world_size: int, plan: str, sparse: bool,
-                      optimizer: str = "sgd") -> dict[str, Any]:
+                      optimizer: str = "sgd", model_name: str = "dlrm", evaluate: bool = True
+                      ) -> dict[str, Any]:
     """``optimizer`` (SGD or AdamW) for STEPS steps on :func:`recommender` under ``plan``
     (batches from ``run.loader`` with :func:`collate_clicks`): the losses and the full state,
     or the refusal's message."""
@@ -174,9 +213,8 @@ def train_recommender(rank: int, world_size: int, plan: str, sparse: bool,
 
     run = init(plan, quiet=True)
     _, data, loss_fn = recommender()
-    torch.manual_seed(0)
     try:
-        model = run.parallelize(DLRM(sparse=sparse))
+        model = run.parallelize(_model(model_name, sparse))
     except ValueError as exc:
         run.close()
         return {"refused": str(exc)}
@@ -186,21 +224,20 @@ def train_recommender(rank: int, world_size: int, plan: str, sparse: bool,
                                       collate_fn=collate_clicks)]
     evaluated = [float(run.evaluate(model, batch, loss_fn))
                  for batch in run.loader(data, batch_size=BATCH, steps=1, evaluation=True,
-                                         collate_fn=collate_clicks)]
+                                         collate_fn=collate_clicks) if evaluate]
     state = run.full_state_dict(model)
     run.close()
     return {"losses": losses, "evaluated": evaluated, "state": state if rank == 0 else None}
 
 
-def recommender_reference(optimizer: str = "sgd") -> dict[str, Any]:
+def recommender_reference(optimizer: str = "sgd", model_name: str = "dlrm") -> dict[str, Any]:
     """What one device trains with torch alone: the same global batches (the loader's order),
     each collated whole, no accumulation, dense gradients (``sparse=False``: a sparse gradient
     densified is the same tensor), torch's own clipping at 1.0 (plait's default)."""
     from plait.data.loader import DistributedLoader
 
     _, data, loss_fn = recommender()
-    torch.manual_seed(0)
-    model = DLRM(sparse=False)
+    model = _model(model_name, False)
     opt = _optimizer(optimizer, model.parameters())
     order = DistributedLoader(data, BATCH)
     losses = []

@@ -162,6 +162,29 @@ def test_grad_accum_trains_a_flat_index_list_as_one_device() -> None:
     _assert_trains_as_one_device(got, want)
 
 
+def test_pipeline_microbatches_train_a_flat_index_list_as_one_device() -> None:
+    # Every block of BagStack reads the flat ids and their offsets; torch's schedule cuts each
+    # input by rows, and the batch was refused ("cannot cut it into microbatches=2 pipeline
+    # parts"). Each microbatch collated on its own, its ids and offsets reach every stage's
+    # forward of that microbatch: losses, run.evaluate and parameters after AdamW steps as
+    # one device on the whole global batch.
+    want = recommender_reference("adamw", "bag_stack")
+    got = run_distributed(train_recommender, 2, "pp=2,microbatches=2,grad_accum=2", False,
+                          "adamw", "bag_stack", timeout=180)[0]
+    _assert_trains_as_one_device(got, want)
+
+
+@pytest.mark.slow
+def test_a_zero_bubble_pipeline_trains_a_flat_index_list_as_one_device() -> None:
+    # Two stages per rank, the backward split in two: the stages add each microbatch's own ids
+    # by the chunk torch runs, whatever the schedule's order.
+    want = recommender_reference("adamw", "bag_stack")
+    got = run_distributed(train_recommender, 2, "pp=2,microbatches=4,pp_schedule=zbv,"
+                          "virtual_stages=2", False, "adamw", "bag_stack", False,
+                          timeout=180)[0]
+    _assert_trains_as_one_device(got, {**want, "evaluated": []})
+
+
 @pytest.mark.slow
 def test_sparse_gradients_train_as_one_device_under_zero_1_and_refuse_zero_3() -> None:
     want = recommender_reference()
