@@ -65,6 +65,13 @@ def test_the_loader_collates_each_micro_batch_of_a_flat_index_list() -> None:
         assert set(part) == set(want)
         assert all(torch.equal(part[k], want[k]) for k in want)
         assert int(part["big_off"][0]) == 0
+    # Built in a loader worker (the collate runs there): the same parts.
+    workers = DistributedLoader(data, 16, dp_rank=1, dp_size=2, collate_fn=collate_clicks,
+                                micro_batches=2, steps=1, num_workers=1)
+    built = next(iter(workers))
+    assert isinstance(built, MicroBatches)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(built.parts, batch.parts, strict=True)
+               for k in a)
     assert split_microbatches(batch, 2) == list(batch.parts)
     with pytest.raises(ValueError, match=r"comes as 2 micro-batches collated one by one .*"
                                          r"the plan runs grad_accum=4"):
