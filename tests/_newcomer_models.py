@@ -262,6 +262,11 @@ def recommender_collated() -> tuple[nn.Module, Dataset, Any, Any]:
     return (*recommender(), collate_clicks)
 
 
+def bag_stack_collated() -> tuple[nn.Module, Dataset, Any, Any]:
+    """:class:`BagStack` on the recommender's data, with its collate_fn (``plait check``)."""
+    return _model("bag_stack", False), Clicks(), click_loss, collate_clicks
+
+
 def cosine_run(rank: int, world_size: int, root: str, t_max: int, steps: int) -> list[str]:
     """The U-Net for ``steps`` steps under a cosine schedule of ``t_max`` steps, checkpointing
     into ``root`` at the end (resuming from it when it holds one): plait's warnings."""

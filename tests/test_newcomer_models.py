@@ -261,17 +261,18 @@ def test_plait_check_asks_for_a_collate_fn_where_items_do_not_stack(capsys) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", ["dp=2", "dp=2,grad_accum=2"])
-def test_plait_check_collates_each_ranks_rows_with_the_factorys_collate_fn(plan, capsys
-                                                                           ) -> None:
+@pytest.mark.parametrize("plan, factory", [
+    ("dp=2", "recommender_collated"), ("dp=2,grad_accum=2", "recommender_collated"),
+    ("pp=2,microbatches=2,grad_accum=2", "bag_stack_collated")])
+def test_plait_check_collates_each_ranks_rows_with_the_factorys_collate_fn(plan, factory,
+                                                                           capsys) -> None:
     # A batch collated whole and sliced by rows would hand each rank offsets into the other
     # rank's ids: each rank collates its own items, as run.loader does, and under grad_accum
-    # each micro-batch its own (the check refused the batch there).
+    # and pipeline microbatches each micro-batch its own (the check refused the batch there).
     from plait.cli import main
 
-    code = main(["check", "--plan", plan, "--model",
-                 "tests._newcomer_models:recommender_collated", "--steps", "2",
-                 "--timeout", "120", "--format", "json"])
+    code = main(["check", "--plan", plan, "--model", f"tests._newcomer_models:{factory}",
+                 "--steps", "2", "--timeout", "120", "--format", "json"])
     out, err = capsys.readouterr()
     assert code == 0, (out, err)
     assert json.loads(out)["ok"] is True, out
