@@ -78,6 +78,20 @@ def test_the_loader_collates_each_micro_batch_of_a_flat_index_list() -> None:
         split_microbatches(batch, 4)
     with pytest.raises(TypeError, match=r"read batch.parts\[i\]\['labels'\]"):
         batch["labels"]
+    # A stream's loader collates so too.
+    from torch.utils.data import IterableDataset
+
+    from plait.data.stream import StreamLoader
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return (data[i] for i in range(len(data)))
+
+    streamed = next(iter(StreamLoader(Stream(), 16, collate_fn=collate_clicks,
+                                      micro_batches=2, steps=1)))
+    assert isinstance(streamed, MicroBatches)
+    want = collate_clicks([data[i] for i in range(8, 16)])
+    assert all(torch.equal(streamed.parts[1][k], want[k]) for k in want)
     # A batch of one row per example stays one batch (the step cuts it by rows), and without
     # accumulation the flat index list stays whole too.
     flat = DistributedLoader(data, 16, collate_fn=collate_clicks, steps=1)
