@@ -18,15 +18,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .batch_rows import MicroBatches
     from .parallel.layout import Layout, layout_of
     from .plan import Plan, PlanOptions
     from .runtime import Run, init
 
 __version__ = "0.1.0"
 
-__all__ = ["Layout", "Plan", "PlanOptions", "Run", "init", "layout_of", "__version__"]
+__all__ = ["Layout", "MicroBatches", "Plan", "PlanOptions", "Run", "init", "layout_of",
+           "__version__"]
 
 _LAZY = {"Layout": ".parallel.layout", "layout_of": ".parallel.layout", "Plan": ".plan",
+         "MicroBatches": ".batch_rows",
          "PlanOptions": ".plan", "Run": ".runtime", "init": ".runtime"}
 
 

@@ -532,7 +532,9 @@ def train(plan: Plan, cfg: CheckConfig, grad_norms: dict[str, list[float]] | Non
     if grad_norms is not None:
         opt.register_step_pre_hook(_record_grad_norms(model, grad_norms))
     dp_rank, dp_size = run.dp_rank, run.dp_size
-    losses = [float(run.step(model, _slice(batch, dp_rank, dp_size), loss_fn, opt))
+    # as run.loader collates under this plan: grad_accum (x a pipeline's microbatches) parts
+    micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
+    losses = [float(run.step(model, _slice(batch, dp_rank, dp_size, micro), loss_fn, opt))
               for batch in _global_batches(cfg, vocab=256)]
     return run, model, losses
 
@@ -607,10 +609,14 @@ def digest(name: str, t: torch.Tensor) -> tuple[float, float]:
     return a, b
 
 
-def _slice(batch: Any, index: int, parts: int) -> Any:
+def _slice(batch: Any, index: int, parts: int, micro: int = 1) -> Any:
+    """Data rank ``index``'s share of ``parts``; :class:`Rows` collated as ``run.loader`` does,
+    in ``micro`` micro-batches where the collated batch is not one row per example."""
     if isinstance(batch, Rows):
+        from .data.loader import collate_each
+
         n = len(batch.items) // parts
-        return batch.collate_fn(batch.items[index * n:(index + 1) * n])
+        return collate_each(batch.collate_fn, batch.items[index * n:(index + 1) * n], micro)
     if isinstance(batch, torch.Tensor):
         n = batch.shape[0] // parts
         return batch[index * n:(index + 1) * n]

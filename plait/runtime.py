@@ -35,6 +35,7 @@ from torch.utils.data import Dataset
 from . import report
 from .accelerators import Accelerator, get_accelerator
 from .argv import accelerator_from_argv, format_from_argv, plan_from_argv
+from .batch_rows import MicroBatches
 from .data.loader import DistributedLoader, is_stream
 from .data.stream import StreamLoader
 from .mesh import Mesh, build_mesh
@@ -386,7 +387,13 @@ class Run:
             dp_rank=dp_rank, dp_size=dp_size, seed=self.seed, steps=steps,
             start_step=first if start_step is None else start_step, collate_fn=collate_fn,
             num_workers=num_workers, persistent_workers=persistent_workers,
-            pin_memory=pin_memory and self.device.type == "cuda")
+            pin_memory=pin_memory and self.device.type == "cuda",
+            # A batch the collate_fn builds across rows comes as its micro-batches (grad_accum,
+            # times a pipeline's microbatches), each collated on its own
+            # (plait.data.loader.collate_each). Not under XLA SPMD, which places one host
+            # batch over the data axes.
+            micro_batches=self.plan.grad_accum * (self.plan.microbatches if self.plan.pp > 1
+                                                  else 1) if self.spmd is None else 1)
         loader: DistributedLoader | StreamLoader
         if is_stream(dataset):
             if shuffle:
@@ -500,7 +507,7 @@ class Run:
             # the planner prices sequences of token ids (b, s) at the blocks' width, not
             # another input: no expected column under tp/pp (why_no_expected)
             self._tokens = isinstance(first, torch.Tensor) and not first.is_floating_point()
-        watch = self.xla.step(batch) if self.xla is not None else contextlib.nullcontext()
+        watch = self.xla.step(_parts(batch)) if self.xla is not None else contextlib.nullcontext()
         exchange, flags_travel = self._totals_exchange()
         agreed: torch.Tensor | None = None
         # The job's items (tokens or samples) this step, summed over the data ranks inside the
@@ -521,7 +528,8 @@ class Run:
                 statistics = forward_statistics(model)
             sizes = self._mesh().axis_sizes()
             with self.ledger.paused() if recording else contextlib.nullcontext():
-                check_rank_batches(batch, self.dp_rank, self.dp_size, sizes, self.device)
+                check_rank_batches(_parts(batch), self.dp_rank, self.dp_size, sizes,
+                                   self.device)
         with self.ledger if recording else contextlib.nullcontext(), watch:
             scaler = self._loss_scaler()
             if scaler is not None and scaler.reference is None:
@@ -1225,7 +1233,15 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
     checked.add(key)
 
 
+def _parts(batch: Any) -> Any:
+    """What a step's bookkeeping reads of ``batch``: a tuple of its micro-batches for
+    :class:`~plait.batch_rows.MicroBatches`, the batch itself otherwise."""
+    return batch.parts if isinstance(batch, MicroBatches) else batch
+
+
 def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, MicroBatches):
+        return MicroBatches(tuple(_to_device(p, device) for p in batch.parts))
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
@@ -1236,7 +1252,10 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 
 
 def _first_input(batch: Any) -> Any:
-    """The first input tensor of a batch ((inputs, targets) or a dict of model arguments)."""
+    """The first input tensor of a batch ((inputs, targets) or a dict of model arguments; its
+    first micro-batch's for :class:`~plait.batch_rows.MicroBatches`)."""
+    if isinstance(batch, MicroBatches):
+        return _first_input(batch.parts[0])
     inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
     if isinstance(inputs, dict):
         inputs = next(iter(inputs.values()), None)

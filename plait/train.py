@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .batch_rows import refuse_ragged
+from .batch_rows import MicroBatches, refuse_ragged
 from .dict_batch import signature_of, whole_dict_parameter
 from .loss import (
     label_shift,
@@ -78,11 +78,25 @@ def autocast(plan: Plan, device: torch.device) -> contextlib.AbstractContextMana
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+# How a batch that cannot be cut by rows gets its micro-batches: collated one by one.
+COLLATE_EACH = ("load the batches with run.loader(dataset, batch_size, collate_fn=...), which "
+                 "collates each micro-batch from its own items, or hand run.step a "
+                 "plait.MicroBatches of batches you collated so, ")
+
+
 def split_microbatches(batch: Any, n: int) -> list[Any]:
-    """Split a batch (tensor, or tuple/list/dict of tensors) into ``n`` equal parts along dim 0."""
+    """Split a batch (tensor, or tuple/list/dict of tensors) into ``n`` equal parts along dim 0;
+    a :class:`~plait.batch_rows.MicroBatches` is its parts, as they were collated."""
+    if isinstance(batch, MicroBatches):
+        if len(batch.parts) != n:
+            raise ValueError(f"the batch comes as {len(batch.parts)} micro-batches collated one "
+                             f"by one (plait.MicroBatches), and the plan runs grad_accum={n}: "
+                             f"make the loader under this plan (run.loader collates as many "
+                             f"as the plan's grad_accum), or give {n} parts")
+        return list(batch.parts)
     if n == 1:
         return [batch]
-    refuse_ragged(batch, f"grad_accum={n} micro-batches", "grad_accum=1")
+    refuse_ragged(batch, f"grad_accum={n} micro-batches", "grad_accum=1", fix=COLLATE_EACH)
     return _split(batch, n)
 
 

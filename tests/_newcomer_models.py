@@ -43,6 +43,39 @@ class DLRM(nn.Module):
         return {"logits": logit} if self.dict_out else logit
 
 
+class BagBlock(nn.Module):
+    """A residual block that adds each example's bag of ids (through a table of its own) to
+    the hidden state: every block reads the flat index list and its offsets."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(BIG_ROWS, DIM, mode="mean")
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor, big_idx: torch.Tensor, big_off: torch.Tensor
+                ) -> torch.Tensor:
+        return h + torch.tanh(self.lin(h) + self.bag(big_idx, big_off))
+
+
+class BagStack(nn.Module):
+    """The recommender's inputs through a stack of :class:`BagBlock` (what a pipeline cuts),
+    the small table added after it, one logit per example."""
+
+    def __init__(self, blocks: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(DENSE, DIM)
+        self.layers = nn.ModuleList(BagBlock() for _ in range(blocks))
+        self.small = nn.EmbeddingBag(SMALL_ROWS, DIM, mode="sum")
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, dense: torch.Tensor, big_idx: torch.Tensor, big_off: torch.Tensor,
+                small_idx: torch.Tensor) -> torch.Tensor:
+        h = self.inp(dense)
+        for layer in self.layers:
+            h = layer(h, big_idx, big_off)
+        return self.head(h + self.small(small_idx)).squeeze(-1)
+
+
 class Clicks(Dataset):
     """Dense floats, a bag of 1 to 5 ids into the big table, a bag of 2 into the small one."""
 
@@ -159,38 +192,53 @@ def denoiser() -> tuple[nn.Module, Dataset, Any]:
 STEPS, BATCH = 3, 16
 
 
-def train_recommender(rank: int, world_size: int, plan: str, sparse: bool) -> dict[str, Any]:
-    """SGD for STEPS steps on :func:`recommender` under ``plan`` (batches from ``run.loader``
-    with :func:`collate_clicks`): the losses and the full state, or the refusal's message."""
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2)
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def _model(name: str, sparse: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return BagStack() if name == "bag_stack" else DLRM(sparse=sparse)
+
+
+def train_recommender(rank: int, world_size: int, plan: str, sparse: bool,
+                      optimizer: str = "sgd", model_name: str = "dlrm", evaluate: bool = True
+                      ) -> dict[str, Any]:
+    """``optimizer`` (SGD or AdamW) for STEPS steps on :func:`recommender` under ``plan``
+    (batches from ``run.loader`` with :func:`collate_clicks`): the losses and the full state,
+    or the refusal's message."""
     from plait.runtime import init
 
     run = init(plan, quiet=True)
     _, data, loss_fn = recommender()
-    torch.manual_seed(0)
     try:
-        model = run.parallelize(DLRM(sparse=sparse))
+        model = run.parallelize(_model(model_name, sparse))
     except ValueError as exc:
         run.close()
         return {"refused": str(exc)}
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = _optimizer(optimizer, model.parameters())
     losses = [float(run.step(model, batch, loss_fn, opt))
               for batch in run.loader(data, batch_size=BATCH, steps=STEPS,
                                       collate_fn=collate_clicks)]
+    evaluated = [float(run.evaluate(model, batch, loss_fn))
+                 for batch in run.loader(data, batch_size=BATCH, steps=1, evaluation=True,
+                                         collate_fn=collate_clicks) if evaluate]
     state = run.full_state_dict(model)
     run.close()
-    return {"losses": losses, "state": state if rank == 0 else None}
+    return {"losses": losses, "evaluated": evaluated, "state": state if rank == 0 else None}
 
 
-def recommender_reference() -> dict[str, Any]:
+def recommender_reference(optimizer: str = "sgd", model_name: str = "dlrm") -> dict[str, Any]:
     """What one device trains with torch alone: the same global batches (the loader's order),
-    dense gradients (``sparse=False``: a sparse gradient densified is the same tensor), torch's
-    own clipping at 1.0 (plait's default), SGD."""
+    each collated whole, no accumulation, dense gradients (``sparse=False``: a sparse gradient
+    densified is the same tensor), torch's own clipping at 1.0 (plait's default)."""
     from plait.data.loader import DistributedLoader
 
     _, data, loss_fn = recommender()
-    torch.manual_seed(0)
-    model = DLRM(sparse=False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model = _model(model_name, False)
+    opt = _optimizer(optimizer, model.parameters())
     order = DistributedLoader(data, BATCH)
     losses = []
     for step in range(STEPS):
@@ -202,12 +250,21 @@ def recommender_reference() -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "state": model.state_dict()}
+    with torch.no_grad():  # the trained model on the first global batch (an evaluation loader's)
+        batch = collate_clicks([data[int(i)] for i in order.global_indices(0)])
+        labels = batch.pop("labels")
+        evaluated = [loss_fn(model(**batch), labels).item()]
+    return {"losses": losses, "evaluated": evaluated, "state": model.state_dict()}
 
 
 def recommender_collated() -> tuple[nn.Module, Dataset, Any, Any]:
     """:func:`recommender` with its collate_fn, as ``plait check`` takes a fourth item."""
     return (*recommender(), collate_clicks)
+
+
+def bag_stack_collated() -> tuple[nn.Module, Dataset, Any, Any]:
+    """:class:`BagStack` on the recommender's data, with its collate_fn (``plait check``)."""
+    return _model("bag_stack", False), Clicks(), click_loss, collate_clicks
 
 
 def cosine_run(rank: int, world_size: int, root: str, t_max: int, steps: int) -> list[str]:

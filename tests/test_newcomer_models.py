@@ -45,7 +45,62 @@ def test_a_flat_index_list_is_not_cut_into_micro_batches_by_rows() -> None:
     message = str(err.value)
     assert f"'big_idx' has {batch['big_idx'].shape[0]} rows where the batch has 8" in message
     assert "grad_accum=2" in message and "padding_idx" in message
-    assert "run with grad_accum=1" in message
+    assert "run.loader(dataset, batch_size, collate_fn=...), which collates each micro-batch " \
+           "from its own items" in message, message
+    assert "plait.MicroBatches" in message and "run with grad_accum=1" in message
+
+
+def test_the_loader_collates_each_micro_batch_of_a_flat_index_list() -> None:
+    # Under grad_accum the loader collated the replica's rows whole, and the step could only
+    # refuse the batch (its flat ids cannot be cut by rows). Each micro-batch is now collated
+    # from its own consecutive items: the bags and offsets one device builds for those rows.
+    from plait import MicroBatches
+    from plait.data.loader import DistributedLoader
+
+    data = Clicks()
+    loader = DistributedLoader(data, 16, dp_rank=1, dp_size=2, collate_fn=collate_clicks,
+                               micro_batches=2, steps=1)
+    batch = next(iter(loader))
+    assert isinstance(batch, MicroBatches) and len(batch.parts) == 2
+    rows = loader.rows(0)
+    for part, items in zip(batch.parts, (rows[:4], rows[4:]), strict=True):
+        want = collate_clicks([data[i] for i in items])
+        assert set(part) == set(want)
+        assert all(torch.equal(part[k], want[k]) for k in want)
+        assert int(part["big_off"][0]) == 0
+    # Built in a loader worker (the collate runs there): the same parts.
+    workers = DistributedLoader(data, 16, dp_rank=1, dp_size=2, collate_fn=collate_clicks,
+                                micro_batches=2, steps=1, num_workers=1)
+    built = next(iter(workers))
+    assert isinstance(built, MicroBatches)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(built.parts, batch.parts, strict=True)
+               for k in a)
+    assert split_microbatches(batch, 2) == list(batch.parts)
+    with pytest.raises(ValueError, match=r"comes as 2 micro-batches collated one by one .*"
+                                         r"the plan runs grad_accum=4"):
+        split_microbatches(batch, 4)
+    with pytest.raises(TypeError, match=r"read batch.parts\[i\]\['labels'\]"):
+        batch["labels"]
+    # A stream's loader collates so too.
+    from torch.utils.data import IterableDataset
+
+    from plait.data.stream import StreamLoader
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return (data[i] for i in range(len(data)))
+
+    streamed = next(iter(StreamLoader(Stream(), 16, collate_fn=collate_clicks,
+                                      micro_batches=2, steps=1)))
+    assert isinstance(streamed, MicroBatches)
+    want = collate_clicks([data[i] for i in range(8, 16)])
+    assert all(torch.equal(streamed.parts[1][k], want[k]) for k in want)
+    # A batch of one row per example stays one batch (the step cuts it by rows), and without
+    # accumulation the flat index list stays whole too.
+    flat = DistributedLoader(data, 16, collate_fn=collate_clicks, steps=1)
+    assert isinstance(next(iter(flat)), dict)
+    rowwise = DistributedLoader(Noised(), 8, micro_batches=2, steps=1)
+    assert isinstance(next(iter(rowwise)), dict)
 
 
 def test_one_row_per_example_still_splits() -> None:
@@ -97,8 +152,9 @@ def test_tp_refuses_a_sparse_embedding_bag_by_name() -> None:
 
 def _assert_trains_as_one_device(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert "refused" not in got, got
-    for a, b in zip(want["losses"], got["losses"], strict=True):
-        assert abs(a - b) <= 1e-5 * abs(a), (want["losses"], got["losses"])
+    for a, b in zip(want["losses"] + want["evaluated"], got["losses"] + got["evaluated"],
+                    strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (want, got)
     assert set(got["state"]) == set(want["state"])
     for name, w in want["state"].items():
         diff = (got["state"][name] - w).abs().max().item()
@@ -114,6 +170,43 @@ def test_sparse_gradients_train_as_one_device_under_dp() -> None:
     _assert_trains_as_one_device(one, want)
     got = run_distributed(train_recommender, 2, "dp=2", True, timeout=120)[0]
     _assert_trains_as_one_device(got, want)
+
+
+def test_grad_accum_trains_a_flat_index_list_as_one_device() -> None:
+    # grad_accum=2 refused the recommender's batch ("'big_idx' has 44 rows where the batch
+    # has 16"). With each micro-batch collated on its own, one process accumulating two and
+    # two ranks accumulating two each train what one device trains on the whole global batch
+    # without accumulation: the losses and the parameters after AdamW steps, and
+    # run.evaluate's loss of the trained model.
+    want = recommender_reference("adamw")
+    one = run_distributed(train_recommender, 1, "grad_accum=2", False, "adamw", timeout=120)[0]
+    _assert_trains_as_one_device(one, want)
+    got = run_distributed(train_recommender, 2, "dp=2,grad_accum=2", False, "adamw",
+                          timeout=120)[0]
+    _assert_trains_as_one_device(got, want)
+
+
+def test_pipeline_microbatches_train_a_flat_index_list_as_one_device() -> None:
+    # Every block of BagStack reads the flat ids and their offsets; torch's schedule cuts each
+    # input by rows, and the batch was refused ("cannot cut it into microbatches=2 pipeline
+    # parts"). Each microbatch collated on its own, its ids and offsets reach every stage's
+    # forward of that microbatch: losses, run.evaluate and parameters after AdamW steps as
+    # one device on the whole global batch.
+    want = recommender_reference("adamw", "bag_stack")
+    got = run_distributed(train_recommender, 2, "pp=2,microbatches=2,grad_accum=2", False,
+                          "adamw", "bag_stack", timeout=180)[0]
+    _assert_trains_as_one_device(got, want)
+
+
+@pytest.mark.slow
+def test_a_zero_bubble_pipeline_trains_a_flat_index_list_as_one_device() -> None:
+    # Two stages per rank, the backward split in two: the stages add each microbatch's own ids
+    # by the chunk torch runs, whatever the schedule's order.
+    want = recommender_reference("adamw", "bag_stack")
+    got = run_distributed(train_recommender, 2, "pp=2,microbatches=4,pp_schedule=zbv,"
+                          "virtual_stages=2", False, "adamw", "bag_stack", False,
+                          timeout=180)[0]
+    _assert_trains_as_one_device(got, {**want, "evaluated": []})
 
 
 @pytest.mark.slow
@@ -185,14 +278,18 @@ def test_plait_check_asks_for_a_collate_fn_where_items_do_not_stack(capsys) -> N
 
 
 @pytest.mark.slow
-def test_plait_check_collates_each_ranks_rows_with_the_factorys_collate_fn(capsys) -> None:
+@pytest.mark.parametrize("plan, factory", [
+    ("dp=2", "recommender_collated"), ("dp=2,grad_accum=2", "recommender_collated"),
+    ("pp=2,microbatches=2,grad_accum=2", "bag_stack_collated")])
+def test_plait_check_collates_each_ranks_rows_with_the_factorys_collate_fn(plan, factory,
+                                                                           capsys) -> None:
     # A batch collated whole and sliced by rows would hand each rank offsets into the other
-    # rank's ids: each rank collates its own items, as run.loader does.
+    # rank's ids: each rank collates its own items, as run.loader does, and under grad_accum
+    # and pipeline microbatches each micro-batch its own (the check refused the batch there).
     from plait.cli import main
 
-    code = main(["check", "--plan", "dp=2", "--model",
-                 "tests._newcomer_models:recommender_collated", "--steps", "2",
-                 "--timeout", "120", "--format", "json"])
+    code = main(["check", "--plan", plan, "--model", f"tests._newcomer_models:{factory}",
+                 "--steps", "2", "--timeout", "120", "--format", "json"])
     out, err = capsys.readouterr()
     assert code == 0, (out, err)
     assert json.loads(out)["ok"] is True, out

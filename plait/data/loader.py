@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
+from ..batch_rows import MicroBatches, ragged_entries
 from ..warn import user_stacklevel
 from .rng import GeneratorWatch, batch_seed, run_seeded, seeded_item
 
@@ -31,6 +32,10 @@ class DistributedLoader:
     epoch's shuffle draws from all of them again; without shuffling they are never drawn, which
     is warned about). No item is drawn twice in an epoch. ``collate_fn`` turns this replica's
     list of items into its batch (default: ``default_collate``, which stacks equal shapes).
+    ``micro_batches`` (the plan's ``grad_accum``): where a collated batch is not one row per
+    example (a flat index list with offsets), it is collated again as that many micro-batches,
+    each from its own consecutive items, and handed out as a :class:`~plait.MicroBatches`
+    (a batch like that cannot be cut by rows; see :func:`collate_each`).
 
     ``num_workers`` > 0 loads and collates the batches in that many worker processes (a torch
     ``DataLoader`` over this replica's rows of each step, so the batches are the same as with
@@ -51,7 +56,7 @@ class DistributedLoader:
                  seed: int = 0, steps: int | None = None, start_step: int = 0,
                  shuffle: bool = True, collate_fn: Callable[[list[Any]], Any] | None = None,
                  num_workers: int = 0, persistent_workers: bool = False,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, micro_batches: int = 1):
         _check_map_style(dataset)
         check_loader_args(batch_size, dp_size, num_workers, persistent_workers)
         n = len(dataset)  # type: ignore[arg-type]
@@ -71,6 +76,7 @@ class DistributedLoader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle = seed, shuffle
         self.collate_fn = collate_fn or default_collate
+        self.micro_batches = micro_batches
         self.steps = steps
         self.step = start_step
         self.batches_per_epoch = len(dataset) // batch_size  # type: ignore[arg-type]
@@ -138,7 +144,8 @@ class DistributedLoader:
 
     def _builder(self) -> ReplicaBatch:
         if self._build is None or self._build.seed != self.seed:
-            self._build = ReplicaBatch(self.dataset, self.seed, self.dp_rank, self.collate_fn)
+            self._build = ReplicaBatch(self.dataset, self.seed, self.dp_rank, self.collate_fn,
+                                       self.micro_batches)
         return self._build
 
     def batch(self, step: int) -> Any:
@@ -217,9 +224,9 @@ class ReplicaBatch:
     class at module level: loader workers receive it pickled)."""
 
     def __init__(self, dataset: Any, seed: int, dp_rank: int,
-                 collate_fn: Callable[[list[Any]], Any]):
+                 collate_fn: Callable[[list[Any]], Any], micro_batches: int = 1):
         self.dataset, self.seed, self.dp_rank = dataset, seed, dp_rank
-        self.collate_fn = collate_fn
+        self.collate_fn, self.micro_batches = collate_fn, micro_batches
         self.watch = GeneratorWatch()  # every batch looks for generators of the dataset's own
 
     def __getitem__(self, key: tuple[int, int, list[tuple[int, int]]]) -> Any:
@@ -228,15 +235,35 @@ class ReplicaBatch:
     def _build(self, key: tuple[int, int, list[tuple[int, int]]]) -> Any:
         epoch, k, items = key
         rows = [seeded_item(self.dataset, self.seed, e, i) for e, i in items]
-        return seeded_collate(self.collate_fn, rows, self.seed, epoch, k, self.dp_rank)
+        return seeded_collate(self.collate_fn, rows, self.seed, epoch, k, self.dp_rank,
+                              self.micro_batches)
 
 
 def seeded_collate(collate_fn: Callable[[list[Any]], Any], rows: list[Any], seed: int,
-                   epoch: int, k: int, dp_rank: int) -> Any:
+                   epoch: int, k: int, dp_rank: int, micro_batches: int = 1) -> Any:
     """``collate_fn(rows)`` for batch k of ``epoch`` of data replica ``dp_rank``, drawing from
     (seed, epoch, k, dp_rank): random masking in a collate (a masked-LM collator) is the same
-    on every peer of a replica, with or without workers, and after a resume."""
-    return run_seeded(lambda: _collate(collate_fn, rows), batch_seed(seed, epoch, k, dp_rank))
+    on every peer of a replica, with or without workers, and after a resume. With
+    ``micro_batches`` > 1, as :func:`collate_each`."""
+    return run_seeded(lambda: collate_each(collate_fn, rows, micro_batches),
+                      batch_seed(seed, epoch, k, dp_rank))
+
+
+def collate_each(collate_fn: Callable[[list[Any]], Any], rows: list[Any], parts: int) -> Any:
+    """``collate_fn(rows)``, or, where that batch is not one row per example and ``parts`` > 1,
+    :class:`~plait.MicroBatches` of ``collate_fn`` over each of ``parts`` equal runs of
+    consecutive rows. Why: gradient accumulation cuts a batch by rows, and a tensor built across
+    rows (an ``nn.EmbeddingBag``'s flat index list, whose offsets point into all of it) cut so
+    feeds other bags than one device does; each micro-batch collated from its own items is
+    exactly what one device's forward computes for those rows, as a data replica's batch is.
+    A batch of one row per example is handed out whole, as without accumulation (the train
+    step cuts it, and a script that reads it sees one batch)."""
+    whole = _collate(collate_fn, rows)
+    if parts == 1 or len(rows) % parts or not ragged_entries(whole)[1]:
+        return whole
+    n = len(rows) // parts
+    return MicroBatches(tuple(_collate(collate_fn, rows[i * n:(i + 1) * n])
+                              for i in range(parts)))
 
 
 class _ReplicaSteps(Sampler[tuple[int, int, list[tuple[int, int]]]]):

@@ -75,9 +75,10 @@ class ReplicaStream:
     once; an earlier batch or another epoch starts the stream again."""
 
     def __init__(self, dataset: Any, batch_size: int, local: int, dp_rank: int, seed: int,
-                 collate_fn: Callable[[list[Any]], Any]):
+                 collate_fn: Callable[[list[Any]], Any], micro_batches: int = 1):
         self.dataset, self.batch_size, self.local = dataset, batch_size, local
         self.dp_rank, self.seed, self.collate_fn = dp_rank, seed, collate_fn
+        self.micro_batches = micro_batches
         self._epoch = -1
         self._items: Iterator[Any] | None = None
         self._next = 0  # the position the iterator yields next
@@ -117,7 +118,8 @@ class ReplicaStream:
             if lo <= self._next < lo + self.local:
                 rows.append(item)
             self._next += 1
-        return seeded_collate(self.collate_fn, rows, self.seed, epoch, k, self.dp_rank)
+        return seeded_collate(self.collate_fn, rows, self.seed, epoch, k, self.dp_rank,
+                              self.micro_batches)
 
 
 class StreamLoader:
@@ -141,7 +143,7 @@ class StreamLoader:
                  epoch: int = 0, epoch_start: int = 0,
                  collate_fn: Callable[[list[Any]], Any] | None = None,
                  num_workers: int = 0, persistent_workers: bool = False,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, micro_batches: int = 1):
         check_loader_args(batch_size, dp_size, num_workers, persistent_workers)
         refuse_data_loader(dataset)
         if not is_stream(dataset):
@@ -166,6 +168,7 @@ class StreamLoader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed = seed
         self.collate_fn = collate_fn or default_collate
+        self.micro_batches = micro_batches  # as DistributedLoader's
         self.steps = steps
         self.step, self.epoch, self.epoch_start = start_step, epoch, epoch_start
         self.num_workers, self.persistent_workers = num_workers, persistent_workers
@@ -176,7 +179,7 @@ class StreamLoader:
 
     def _new_reader(self) -> ReplicaStream:
         return ReplicaStream(self.dataset, self.batch_size, self.local_batch_size, self.dp_rank,
-                             self.seed, self.collate_fn)
+                             self.seed, self.collate_fn, self.micro_batches)
 
     def __len__(self) -> int:
         if self.steps is None:

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .._torch_compat import pipeline_stage_base, pytree, stage_backward_split
+from ..batch_rows import MicroBatches
 from ..dict_batch import whole_dict_parameter
 from ..loss import label_shift, loss_sum_and_count, missing_labels_fix, shifts_labels
 from ..mesh import Mesh
@@ -116,8 +117,15 @@ class TimedStage(PipelineStage):
     # find_unused under ZeRO-2/3: notes the parameters each training forward's outputs reach
     # (plait.parallel.unused), set by the runner for the step.
     unused: UnusedTracker | None = None
+    # Keyword inputs of this accumulation step's microbatches that are not one row per example
+    # (an EmbeddingBag's flat ids and offsets), one dict per microbatch, set by the runner:
+    # torch's schedule splits every tensor input by rows (its TensorChunkSpec), which cannot
+    # cut these, so each microbatch's own are added here, by the chunk torch runs.
+    ragged: list[dict[str, Any]] | None = None
 
     def _prepare_forward_infra(self, *args, **kwargs):
+        if self.ragged:  # (n_microbatches, args, kwargs, ...): shapes inferred on microbatch 0
+            args, kwargs = _add_inputs(args, kwargs, 2, self.ragged[0])
         # torch 2.13 infers stage shapes by running the submodule once, outside DDP's no_sync.
         # That DDP forward arms the reducer for a backward that never comes, so the first real
         # (no_sync) microbatch backward is recorded for bucket rebuilding too and the second
@@ -145,6 +153,8 @@ class TimedStage(PipelineStage):
         return out
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        if self.ragged:  # (args, kwargs, ...) after the chunk id
+            args, kwargs = _add_inputs(args, kwargs, 1, self.ragged[fwd_chunk_id])
         start = now()
         with foreign_kept(self.foreign):
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
@@ -221,6 +231,16 @@ class TimedStage(PipelineStage):
         if self.timeline is not None:
             self.timeline.add(self.stage_index, "W", bwd_chunk_id, start, now())
         return out
+
+
+def _add_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], index: int,
+                extra: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A torch stage method's arguments with ``extra`` added to the model's keyword inputs,
+    which it takes as its parameter ``kwargs``: positional number ``index`` of ``args``, or by
+    name."""
+    if len(args) > index:
+        return (*args[:index], {**(args[index] or {}), **extra}, *args[index + 1:]), kwargs
+    return args, {**kwargs, "kwargs": {**(kwargs.get("kwargs") or {}), **extra}}
 
 
 def _rows(x: Any) -> int:
@@ -686,42 +706,59 @@ class PipelineRunner:
     def _run(self, batch: Any, loss_fn: Callable | None, *, plan: Plan, device: torch.device,
              train: bool) -> torch.Tensor:
         from ..batch_rows import refuse_ragged
-        from ..train import autocast, split_microbatches
+        from ..train import COLLATE_EACH, autocast, split_microbatches
 
         seq = 0
         extra: dict[str, torch.Tensor] = {}
-        if self.context is not None:
-            # Every stage runs on this rank's slice of each sequence (its activations are
-            # what the stages send): cut before the layout; attention over the whole
-            # sequence while the schedule runs (forward and backward)
-            from .context import split_batch
-
-            batch, seq, extra = split_batch(batch, self.context)
-        laid_out = stage_inputs(batch, loss_fn, self.signature, self.model_name)
-        if extra:  # position_ids beside a tensor input: every stage computes positions
-            laid_out = replace(laid_out, every={**laid_out.every, **extra})
-        rows = _rows(laid_out.first)
         m, accum = plan.microbatches, plan.grad_accum
+        # Per microbatch, its keyword inputs that are not one row per example (see
+        # TimedStage.ragged); None for a batch cut by rows.
+        ragged: list[dict[str, Any]] | None = None
+        if isinstance(batch, MicroBatches):
+            if self.context is not None:
+                raise ValueError(f"cp={self.context.size} cuts each sequence of the batch, and "
+                                 f"this batch comes as {len(batch.parts)} micro-batches "
+                                 f"collated one by one (plait.MicroBatches): give one batch of "
+                                 f"one row per example under cp, or run with cp=1")
+            laid_out, probe, ragged = self._lay_out_parts(batch, loss_fn, m * accum)
+        else:
+            if self.context is not None:
+                # Every stage runs on this rank's slice of each sequence (its activations are
+                # what the stages send): cut before the layout; attention over the whole
+                # sequence while the schedule runs (forward and backward)
+                from .context import split_batch
+
+                batch, seq, extra = split_batch(batch, self.context)
+            laid_out = stage_inputs(batch, loss_fn, self.signature, self.model_name)
+            if extra:  # position_ids beside a tensor input: every stage computes positions
+                laid_out = replace(laid_out, every={**laid_out.every, **extra})
+            probe = laid_out
+        rows = _rows(laid_out.first)
         if rows % (m * accum):
             raise ValueError(f"batch of {rows} rows does not split into microbatches={m}"
                              + (f" x grad_accum={accum}" if accum > 1 else "")
                              + f" equal parts; make the per-replica batch a multiple of "
                              f"{m * accum}")
-        if m * accum > 1:  # the schedule and the accumulation cut every input by rows
+        if m * accum > 1 and ragged is None:  # the schedule and accumulation cut by rows
             parts = f"microbatches={m}" + (f" x grad_accum={accum}" if accum > 1 else "")
             refuse_ragged({**laid_out.every, **laid_out.last_only}, f"{parts} pipeline parts",
-                          "pp=1" if m > 1 else "grad_accum=1", rows=rows)
-        self._check_shapes(laid_out, train)
+                          "pp=1" if m > 1 else "grad_accum=1", rows=rows, fix=COLLATE_EACH)
+        self._check_shapes(laid_out, train)  # the ragged inputs vary by batch: not in it
+        # The first step's checks run a meta-device forward: on the first micro-batch where
+        # the inputs come per micro-batch (its flat ids and offsets fit its own rows only).
         if self.check_split is not None:  # the first step: every rank, before any sends
-            add_zero_stand_ins([s.submod for s in self.stages], self.check_split(laid_out))
+            add_zero_stand_ins([s.submod for s in self.stages], self.check_split(probe))
             self.check_split = None
         if self.find_owners is not None:
-            self.own_buffers(self.find_owners(laid_out))
+            self.own_buffers(self.find_owners(probe))
             self.find_owners = None
         if self.check_loss is not None:
-            self.check_loss(laid_out, loss_fn)
+            self.check_loss(probe, loss_fn)
             self.check_loss = None
-        if self.find_inputs is not None and train not in self._warmed:
+        # Under compile, warmed on the first microbatch cut by rows; with ragged inputs the
+        # stages compile on the schedule's first microbatch instead.
+        if (self.find_inputs is not None and train not in self._warmed
+                and ragged is None):
             self._warm(laid_out, train, plan=plan, device=device)
             self._warmed.add(train)
         self._loss_fn = loss_fn
@@ -742,6 +779,8 @@ class PipelineRunner:
                 split_microbatches(laid_out.first, accum), split_microbatches(kwargs, accum),
                 split_microbatches(laid_out.targets, accum), strict=True)):
             self._targets, self._accum_index = part_targets, a
+            for stage in self.stages:
+                stage.ragged = None if ragged is None else ragged[a * m:(a + 1) * m]
             index = torch.arange(chunk, device=device)
             with self._loss_context(), autocast(plan, device), self._sequence(seq):
                 if train:
@@ -757,6 +796,8 @@ class PipelineRunner:
             if train:
                 self.timeline.next_step()
         self._targets = None
+        for stage in self.stages:
+            stage.ragged = None
         if self._step_answers is not None:  # the last real microbatch's (see _loss)
             self._first_label_skipped, self._step_answers = self._step_answers, None
         for stage in self.stages:
@@ -771,6 +812,46 @@ class PipelineRunner:
         if not self.has_last:
             return torch.full((2,), float("nan"), device=device)
         return torch.stack(list(self._totals.values())).sum(0).to(device)
+
+    def _lay_out_parts(self, batch: MicroBatches, loss_fn: Callable | None, parts: int
+                       ) -> tuple[StageInputs, StageInputs, list[dict[str, Any]]]:
+        """A step's micro-batches collated one by one, laid out for the schedule: (the inputs
+        that are one row per example, each part's rows one after another, which torch's
+        schedule cuts back into the same parts; part 0 laid out alone, for the first step's
+        checks; per part, its keyword inputs that are not one row per example, which the
+        stages add by microbatch, see :attr:`TimedStage.ragged`)."""
+        from ..batch_rows import ragged_entries
+
+        if len(batch.parts) != parts:
+            raise ValueError(f"the batch comes as {len(batch.parts)} micro-batches collated one "
+                             f"by one (plait.MicroBatches), and the pipeline runs "
+                             f"microbatches={self.plan.microbatches} x grad_accum="
+                             f"{self.plan.grad_accum} = {parts}: make the loader under this "
+                             f"plan (run.loader collates as many), or give {parts} parts")
+        outs = [stage_inputs(p, loss_fn, self.signature, self.model_name) for p in batch.parts]
+        sizes = [_rows(o.first) for o in outs]
+        if len(set(sizes)) > 1:
+            raise ValueError(f"the micro-batches of this batch (plait.MicroBatches) have "
+                             f"{sizes} rows: a pipeline's microbatches are one size; give "
+                             f"each part as many rows")
+        odd = {k for o in outs for k, v in {**o.every, **o.last_only}.items()
+               if ragged_entries(v, sizes[0])[1]}
+        try:
+            laid_out = StageInputs(
+                torch.cat([o.first for o in outs]),
+                {k: _cat_rows([o.every[k] for o in outs]) for k in outs[0].every
+                 if k not in odd},
+                {k: _cat_rows([o.last_only[k] for o in outs]) for k in outs[0].last_only
+                 if k not in odd},
+                _cat_rows([o.targets for o in outs]))
+        except RuntimeError as exc:
+            raise ValueError(f"the micro-batches of this batch (plait.MicroBatches) do not "
+                             f"join into one pipeline input ({str(exc).rstrip('.')}): a "
+                             f"pipeline takes one shape for every microbatch, so pad every "
+                             f"part to one length") from exc
+        ragged = [{k: v for k, v in {**o.every, **(o.last_only if self.has_last else {})
+                                     }.items() if k in odd} for o in outs]
+        return laid_out, outs[0], ragged
 
     def take_refusal(self) -> float:
         """1.0 when this rank's last step computed a loss that context parallelism refuses
@@ -886,6 +967,19 @@ def _describe(shapes: tuple[Any, ...]) -> str:
     first, every, last = shapes
     extra = ", ".join(f"{k} {v}" for k, v in (*every, *last) if v is not None)
     return f"{first}" + (f" ({extra})" if extra else "")
+
+
+def _cat_rows(values: list[Any]) -> Any:
+    """Structures alike (tensors, dicts, tuples, lists of them) joined along dim 0; a 0-dim
+    tensor or other leaf as the first holds it."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(values) if first.ndim else first
+    if isinstance(first, dict):
+        return {k: _cat_rows([v[k] for v in values]) for k in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(_cat_rows(list(vs)) for vs in zip(*values, strict=True))
+    return first
 
 
 def _take_rows(value: Any, rows: torch.Tensor) -> Any:
