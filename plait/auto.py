@@ -86,13 +86,13 @@ def choose(model: nn.Module, request: AutoRequest, example: Example | None = Non
     # BatchNorm trains what one device trains only with its statistics over the data axes.
     sync_bn = _has_batchnorm(model) and request.world_size > 1
     try:
-        stats = load_model(model)
+        stats = load_model(model, example=example)
     except NoBlockStackError:
         return _choose_data_parallel(model, request, sync_bn, example)
     seq = request.seq or stats.max_seq or DEFAULT_SEQ
     batch = request.global_batch or ROWS_PER_RANK * request.world_size
     cluster = cluster_for(request)
-    result = plan_model(model, cluster, world_size=request.world_size, global_batch=batch,
+    result = plan_model(stats, cluster, world_size=request.world_size, global_batch=batch,
                         seq=seq, layout_check=layout_check(model, example=example))
     resized = load_cluster(cluster, devices=request.world_size)
     if result.best is None:

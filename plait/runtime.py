@@ -313,7 +313,7 @@ class Run:
                                         or self.plan.cp > 1):
             from .comm.predict import planner_stats
 
-            self._stats = planner_stats(model, self.device.type, self.plan)
+            self._stats = planner_stats(model, self.device.type, self.plan, example)
         elif self.ledger is not None and self.plan.zero == 3:
             from .comm.held import stack_input_grad
 

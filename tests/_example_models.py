@@ -128,3 +128,9 @@ def vit_reference() -> dict[str, Any]:
         opt.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "state": model.state_dict()}
+
+
+def vit() -> tuple[nn.Module, Dataset, Any]:
+    """``(model, dataset, loss_fn)`` for ``plait check --model`` and ``plait plan --model``."""
+    torch.manual_seed(0)
+    return PatchViT(), Pictures(), F.cross_entropy

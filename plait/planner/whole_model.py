@@ -159,6 +159,38 @@ def sample_of(built: Any) -> tuple[Any, str] | None:
     return x, "dataset"
 
 
+def example_of(built: Any, model: nn.Module) -> Example | None:
+    """A factory's first dataset sample as a batch of one, the forward's arguments as
+    ``run.step`` passes them (:func:`plait.parallel.tp_example.from_batch`): what ``plait
+    plan --model`` runs the model's forward passes on, as ``run.parallelize(model,
+    example=batch)`` does. None without a dataset, or where its tensors have no values (built
+    on the meta device) or the sample is neither a tensor nor a dict."""
+    from ..parallel.tp_example import from_batch
+
+    got = sample_of(built)
+    if got is None:
+        return None
+    sample = got[0]
+    try:
+        batch = sample.batch(1) if isinstance(sample, Collated) else (
+            _real_batch(sample, 1) if isinstance(sample, (torch.Tensor, dict)) else None)
+    except Exception:  # noqa: BLE001 - a collate that fails says nothing here
+        return None
+    if batch is None or _has_meta(batch):
+        return None
+    return from_batch(model, (batch, None))
+
+
+def _has_meta(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.is_meta
+    if isinstance(x, dict):
+        return any(_has_meta(v) for v in x.values())
+    if isinstance(x, (tuple, list)):
+        return any(_has_meta(v) for v in x)
+    return False
+
+
 def _as_fake(x: Any) -> Any:
     """A collated batch's tensors as empty ones of their shapes (fake under a fake mode)."""
     if isinstance(x, Example):
