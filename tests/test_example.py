@@ -104,3 +104,32 @@ def test_tp_sp_on_images_of_an_odd_size_trains_like_one_device_with_the_example(
     assert got["state"].keys() == ref["state"].keys()
     for name, value in ref["state"].items():
         torch.testing.assert_close(got["state"][name], value, rtol=1e-4, atol=5e-5, msg=name)
+
+
+def test_the_planners_traced_passes_run_on_the_example_and_the_factorys_sample() -> None:
+    # What keys and values reach attention in, under bf16 (what cp gathers; the ledger's
+    # predictions read the same trace): token ids do not run a model of images, its example does.
+    from plait.comm.predict import planner_stats
+    from plait.plan import Plan
+    from plait.planner.model_stats import from_factory, from_module
+
+    model = PatchViT()
+    x = Example((Pictures().x[:2],))
+    assert from_module(model, attention_dtypes=True).attention_keys is None
+    keys = from_module(model, attention_dtypes=True, example=x).attention_keys
+    assert keys == ((32, 4, 4), (32, 4, 4))  # two blocks: 4 heads x 8, bf16 keys and values
+    assert from_factory("tests._example_models:vit", attention_dtypes=True).attention_keys == keys
+    plan = Plan(tp=2, sp=True, mixed_precision="bf16")
+    assert planner_stats(model, "cpu", plan).tp_block.trace is None
+    assert planner_stats(model, "cpu", plan, x).tp_block.trace is not None
+
+
+@pytest.mark.slow
+def test_plait_check_runs_tp_sp_on_a_factory_of_odd_images(capsys) -> None:
+    # plait check hands each rank's first batch to run.parallelize: sp is checked on it
+    from plait.cli import main
+
+    code = main(["check", "--model", "tests._example_models:vit", "--plan", "tp=2,sp",
+                 "--steps", "2"])
+    assert code == 0, capsys.readouterr().err
+    assert "PASS: tp=2,sp=true" in capsys.readouterr().out
