@@ -287,6 +287,10 @@ class Run:
         if original is not None:  # torch.compile(model): lay out the model, compile its blocks
             model = original
         example = None if batch is None else from_batch(model, batch)
+        held = next((p.device for p in model.parameters() if not p.is_meta), None)
+        if example is not None and held is not None:
+            # where the model is until it is laid out: the checks before that run it there
+            example = example.to(held)
         if self.auto is not None:
             from .auto import resolve
 

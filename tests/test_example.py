@@ -124,6 +124,43 @@ def test_the_planners_traced_passes_run_on_the_example_and_the_factorys_sample()
     assert planner_stats(model, "cpu", plan, x).tp_block.trace is not None
 
 
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lin(h if skip is None else h + skip)
+
+
+class _SkipAcross(torch.nn.Module):
+    """``forward(x, t)``; the last block also reads the first block's output (a skip across
+    the stack, which a pipeline stage is never sent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.temb = torch.nn.Linear(16, 16), torch.nn.Linear(1, 16)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(4))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        first = self.blocks[0](self.inp(x) + self.temb(t[:, None].float()))
+        h = self.blocks[2](self.blocks[1](first))
+        return self.blocks[3](h, first)
+
+
+def test_a_pipeline_split_is_checked_on_the_example_of_a_forward_of_two_inputs() -> None:
+    from plait.auto import layout_check
+    from plait.parallel.pipeline import pp_refusal
+    from plait.plan import Plan
+
+    model, plan = _SkipAcross(), Plan(pp=2, microbatches=2)
+    assert pp_refusal(model, plan) is None  # no guess runs forward(x, t): not seen
+    given = from_batch(model, ((torch.randn(4, 16), torch.arange(4)), torch.randn(4, 16)))
+    why = pp_refusal(model, plan, example=given)
+    assert why is not None and why.startswith("blocks.3 takes a tensor the forward computed")
+    assert layout_check(model, example=given)(plan) == why
+
+
 @pytest.mark.slow
 def test_plait_check_runs_tp_sp_on_a_factory_of_odd_images(capsys) -> None:
     # plait check hands each rank's first batch to run.parallelize: sp is checked on it
