@@ -256,7 +256,7 @@ class Run:
                      backend=self.accelerator.backend)
 
     # ------------------------------------------------------------------ the four calls
-    def parallelize(self, model: nn.Module, example: Any = None) -> nn.Module:
+    def parallelize(self, model: nn.Module, *, example: Any = None) -> nn.Module:
         """Lay ``model`` out for the plan (pipeline split, TP/SP, checkpointing, FSDP/DDP).
 
         ``example``: one batch as ``run.step`` receives it (``(inputs, targets)``, a dict, or

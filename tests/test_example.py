@@ -161,7 +161,6 @@ def test_a_pipeline_split_is_checked_on_the_example_of_a_forward_of_two_inputs()
     assert layout_check(model, example=given)(plan) == why
 
 
-@pytest.mark.slow
 def test_plait_check_runs_tp_sp_on_a_factory_of_odd_images(capsys) -> None:
     # plait check hands each rank's first batch to run.parallelize: sp is checked on it
     from plait.cli import main
