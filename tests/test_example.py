@@ -169,3 +169,17 @@ def test_plait_check_runs_tp_sp_on_a_factory_of_odd_images(capsys) -> None:
                  "--steps", "2"])
     assert code == 0, capsys.readouterr().err
     assert "PASS: tp=2,sp=true" in capsys.readouterr().out
+
+
+def test_run_parallelize_hands_its_example_to_plan_auto(capfd) -> None:
+    from plait.runtime import init
+
+    run = init("auto")
+    try:
+        run.parallelize(UNet(), example=_unet_batch(8))
+    finally:
+        run.close()
+    got = capfd.readouterr()
+    said = got.out + got.err
+    assert "plait: plan 'auto' for UNet" in said
+    assert "measured on the example given to run.parallelize" in said and " ms = compute " in said
