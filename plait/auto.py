@@ -34,6 +34,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
+from .parallel.tp_example import PASS_EXAMPLE, Example
 from .plan import Plan
 
 # CUDA device names (substrings, upper case) -> the planner's cluster preset.
@@ -72,8 +73,12 @@ def cluster_for(request: AutoRequest) -> Any:
                      f"cluster= a profile (see `plait plan --help`)")
 
 
-def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
-    """The planner's best plan for ``model`` and the lines that say why (pure: no collectives)."""
+def choose(model: nn.Module, request: AutoRequest, example: Example | None = None
+           ) -> tuple[Plan, list[str]]:
+    """The planner's best plan for ``model`` and the lines that say why (pure: no collectives).
+    ``example``: the forward's arguments in the user's batch (``run.parallelize(model,
+    example=batch)``), which the model's refusals are checked on and a model without a stack
+    of blocks is measured on, in place of a guessed input."""
     from .planner import load_cluster, load_model, plan_model
     from .planner.cli import explain_nothing_fits, explain_winner
     from .planner.model_stats import NoBlockStackError
@@ -81,14 +86,14 @@ def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
     # BatchNorm trains what one device trains only with its statistics over the data axes.
     sync_bn = _has_batchnorm(model) and request.world_size > 1
     try:
-        stats = load_model(model)
+        stats = load_model(model, example=example)
     except NoBlockStackError:
-        return _choose_data_parallel(model, request, sync_bn)
+        return _choose_data_parallel(model, request, sync_bn, example)
     seq = request.seq or stats.max_seq or DEFAULT_SEQ
     batch = request.global_batch or ROWS_PER_RANK * request.world_size
     cluster = cluster_for(request)
-    result = plan_model(model, cluster, world_size=request.world_size, global_batch=batch,
-                        seq=seq, layout_check=layout_check(model))
+    result = plan_model(stats, cluster, world_size=request.world_size, global_batch=batch,
+                        seq=seq, layout_check=layout_check(model, example=example))
     resized = load_cluster(cluster, devices=request.world_size)
     if result.best is None:
         raise ValueError("plan='auto': " + explain_nothing_fits(result, stats, resized))
@@ -111,23 +116,25 @@ def choose(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
     return plan, why
 
 
-def _choose_data_parallel(model: nn.Module, request: AutoRequest, sync_bn: bool
-                          ) -> tuple[Plan, list[str]]:
+def _choose_data_parallel(model: nn.Module, request: AutoRequest, sync_bn: bool,
+                          example: Example | None = None) -> tuple[Plan, list[str]]:
     """The best data-parallel layout of a model without a stack of repeated matmul blocks (a
     ConvNet, an LSTM), ranked from its measured FLOPs, saved bytes and traffic
-    (:mod:`plait.planner.whole_model`) on a guessed input; plain DDP, said so, where no input
-    can be guessed. Tensor and pipeline parallelism are left out with the model's reasons."""
+    (:mod:`plait.planner.whole_model`) on ``example`` (the user's), else a guessed input;
+    plain DDP, said so, where the model does not run on the guess, whose message names
+    ``example=``. Tensor and pipeline parallelism are left out with the model's reasons."""
     from .planner import constants_for, load_cluster
     from .planner.whole_model import excluded, explain, from_module, nothing_fits, rank
 
     name = type(model).__name__
     try:
-        whole = from_module(model)
+        whole = from_module(model, example)
     except ValueError as exc:
         plan = Plan(dp_replicate=request.world_size, sync_bn=sync_bn)
+        fix = "" if example is not None else f"; to have it priced, {PASS_EXAMPLE}"
         return plan, [f"plait: plan 'auto' for {name} on {request.world_size} ranks: "
                       f"{plan.to_string()} (no stack of repeated blocks for tensor or pipeline "
-                      f"parallelism to split, so data parallelism; not priced: {exc})"]
+                      f"parallelism to split, so data parallelism; not priced: {exc}{fix})"]
     cluster = load_cluster(cluster_for(request), devices=request.world_size)
     batch = request.global_batch or ROWS_PER_RANK * request.world_size
     dtype = "fp32" if cluster.device == "cpu" else "bf16"
@@ -140,12 +147,19 @@ def _choose_data_parallel(model: nn.Module, request: AutoRequest, sync_bn: bool
         f" ({ROWS_PER_RANK} rows per rank; plait.init(global_batch=N) for yours)")
     why = [f"plait: plan 'auto' for {name} on {request.world_size} x {cluster.name} (global "
            f"batch {batch}{batch_from}; no stack of repeated blocks for tensor or pipeline "
-           f"parallelism to split: data-parallel layouts ranked, measured on a guessed input "
-           f"{whole.sample_shape}): {plan.to_string()}"]
+           f"parallelism to split: data-parallel layouts ranked, measured on "
+           f"{_measured_on(whole)}): {plan.to_string()}"]
     why += ["  " + line for line in explain(result.ranked)]
     why += [f"  not searched: {axis}: {reason}"
-            for axis, reason in excluded(whole, layout_check(model), model).items()]
+            for axis, reason in excluded(whole, layout_check(model, example=example),
+                                         model).items()]
     return plan, why
+
+
+def _measured_on(whole: Any) -> str:
+    if whole.sample_from == "guessed":
+        return f"a guessed input {whole.sample_shape}"
+    return "the example given to run.parallelize"
 
 
 def _has_batchnorm(model: nn.Module) -> bool:
@@ -170,7 +184,8 @@ def batchnorm_pieces_refusal(model: nn.Module, plan: Plan) -> str | None:
             f"whole batch's as on one device")
 
 
-def layout_check(model: nn.Module, dict_keys: Any = None) -> Callable[[Plan], str | None]:
+def layout_check(model: nn.Module, dict_keys: Any = None, example: Example | None = None
+                 ) -> Callable[[Plan], str | None]:
     """What ``model`` itself refuses of a plan the planner ranks
     (:func:`plait.parallel.tensor.tp_refusal`, :func:`plait.parallel.pipeline.pp_refusal`):
     the cost model reads sizes only, and would propose sequence parallelism for blocks that
@@ -179,9 +194,15 @@ def layout_check(model: nn.Module, dict_keys: Any = None) -> Callable[[Plan], st
     not told its positions (:func:`plait.parallel.context.cp_refusal`). Each tp/sp, each split
     and each cp is checked once. ``dict_keys``: the keys of the model's dict batch, where the
     caller has a sample: a forward that takes that dict whole refuses every pipeline
-    (:func:`plait.parallel.pipeline.whole_dict_refusal`)."""
+    (:func:`plait.parallel.pipeline.whole_dict_refusal`). ``example``: the user's input (the
+    forward's arguments) the checks run the model on, in place of a guessed one; a dict it
+    passes whole gives ``dict_keys``."""
     from .dict_batch import signature_of, whole_dict_parameter
     from .parallel.context import cp_refusal
+
+    if (dict_keys is None and example is not None and len(example.args) == 1
+            and not example.kwargs and isinstance(example.args[0], dict)):
+        dict_keys = list(example.args[0])
 
     whole = (whole_dict_parameter(signature_of(model.forward), dict_keys)
              if dict_keys is not None else None)
@@ -210,11 +231,12 @@ def layout_check(model: nn.Module, dict_keys: Any = None) -> Callable[[Plan], st
                     from .parallel.pipeline import pp_refusal, whole_dict_refusal
 
                     seen[key] = (whole_dict_refusal(type(model).__name__, whole, dict_keys)
-                                 if whole is not None else pp_refusal(model, plan, chains))
+                                 if whole is not None
+                                 else pp_refusal(model, plan, chains, example))
                 elif key[0] == "tp":
                     from .parallel.tensor import tp_refusal
 
-                    seen[key] = tp_refusal(model, plan.tp, plan.sp)
+                    seen[key] = tp_refusal(model, plan.tp, plan.sp, example)
                 else:
                     seen[key] = cp_refusal(model, plan.cp)
             if seen[key] is not None:
@@ -223,12 +245,13 @@ def layout_check(model: nn.Module, dict_keys: Any = None) -> Callable[[Plan], st
     return check
 
 
-def resolve(model: nn.Module, request: AutoRequest) -> tuple[Plan, list[str]]:
+def resolve(model: nn.Module, request: AutoRequest, example: Example | None = None
+            ) -> tuple[Plan, list[str]]:
     """:func:`choose` on rank 0, broadcast to every rank (a collective)."""
     payload: list[Any] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            plan, why = choose(model, request)
+            plan, why = choose(model, request, example)
             payload = [(plan.to_dict(), why, None)]
         except ValueError as exc:
             payload = [(None, [], str(exc))]

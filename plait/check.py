@@ -527,11 +527,18 @@ def train(plan: Plan, cfg: CheckConfig, grad_norms: dict[str, list[float]] | Non
     # format given: not the --format of the command that spawned this worker (its sys.argv)
     run = init(plan, seed=cfg.seed, quiet=True, log_every=1, format="text")
     model, loss_fn = _build(cfg)
-    model = run.parallelize(model)
+    dp_rank, dp_size = run.dp_rank, run.dp_size
+    example = None
+    if plan.tp > 1 or plan.pp > 1:
+        # The layout's checks (an inferred tp plan, sp, the pipeline split) run on this rank's
+        # first batch, as a user's run.parallelize(model, example=batch): built here apart,
+        # with the RNG left as it was, so the steps see the RNG they always did.
+        with torch.random.fork_rng(devices=[]):
+            example = _slice(_global_batches(cfg, vocab=256)[0], dp_rank, dp_size)
+    model = run.parallelize(model, example=example)
     opt = _make_optimizer(cfg, model.parameters())
     if grad_norms is not None:
         opt.register_step_pre_hook(_record_grad_norms(model, grad_norms))
-    dp_rank, dp_size = run.dp_rank, run.dp_size
     # as run.loader collates under this plan: grad_accum (x a pipeline's microbatches) parts
     micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
     losses = [float(run.step(model, _slice(batch, dp_rank, dp_size, micro), loss_fn, opt))

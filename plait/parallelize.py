@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -33,18 +34,23 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .mesh import Mesh
 from .parallel.layout import Layout, layout_of, record_layout
+from .parallel.tp_example import Example, from_batch
 from .plan import Plan, reduces_after_schedule
 
 
 def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device,
-                say: Callable[[str], None] | None = None) -> nn.Module:
+                say: Callable[[str], None] | None = None, example: Any = None) -> nn.Module:
     """Return ``model`` laid out for ``plan`` on ``mesh``, on ``device``. What the layout
     decided that the user should know (an inferred tensor-parallel plan) is told through
-    ``say``; by default it is printed on rank 0's stderr.
+    ``say``; by default it is printed on rank 0's stderr. ``example``: one batch as
+    ``run.step`` receives it, which the checks that run the model before training (an
+    inferred tensor-parallel plan, sequence parallelism, a pipeline's split) run on in place
+    of an input they guess (:func:`plait.parallel.tp_example.from_batch`).
 
     The model must be built identically on every rank (same seed): plait does not broadcast
     initial weights except where DDP does so itself.
     """
+    given = None if example is None else from_batch(model, example)
     parts = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
     if parts > 1:
         from .parallel.batchnorm import warn_microbatched
@@ -58,14 +64,16 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.devic
 
         # The pipeline applies steps 2-4 to each of its stage modules itself (it calls back into
         # parallelize_stage), since the stage boundary changes what "the model" is.
-        return apply_pipeline(model, mesh, plan, device=device, say=say,
+        return apply_pipeline(model, mesh, plan, device=device, say=say, example=given,
                               parallelize_stage=partial(parallelize_stage, say=say))
-    return parallelize_stage(model, mesh, plan, device=device, say=say)
+    return parallelize_stage(model, mesh, plan, device=device, say=say, example=given)
 
 
 def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device,
-                      say: Callable[[str], None] | None = None) -> nn.Module:
-    """Steps 2-4 (TP/SP, checkpointing, data parallel) on one module or pipeline stage."""
+                      say: Callable[[str], None] | None = None,
+                      example: Example | None = None) -> nn.Module:
+    """Steps 2-4 (TP/SP, checkpointing, data parallel) on one module or pipeline stage;
+    ``example``: the forward's arguments an inferred tensor-parallel plan is checked on."""
     from .parallel.placement import to_device_keeping_ties
 
     module = to_device_keeping_ties(module, device)
@@ -82,7 +90,8 @@ def parallelize_stage(module: nn.Module, mesh: Mesh, plan: Plan, *, device: torc
     if plan.tp > 1:
         from .parallel.tensor import apply_tensor_parallel
 
-        module = apply_tensor_parallel(module, mesh, plan, say)
+        module = apply_tensor_parallel(module, mesh, plan, say,
+                                       None if example is None else example.to(device))
         applied.append("tensor_parallel")
         loss_parallel = layout_of(module).loss_parallel
     if plan.activation_checkpointing != "none":

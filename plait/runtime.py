@@ -260,15 +260,22 @@ class Run:
                      backend=self.accelerator.backend)
 
     # ------------------------------------------------------------------ the four calls
-    def parallelize(self, model: nn.Module) -> nn.Module:
+    def parallelize(self, model: nn.Module, *, example: Any = None) -> nn.Module:
         """Lay ``model`` out for the plan (pipeline split, TP/SP, checkpointing, FSDP/DDP).
+
+        ``example``: one batch as ``run.step`` receives it (``(inputs, targets)``, a dict, or
+        the input tensor alone), of this rank's size. What runs the model before training
+        (``plan="auto"``'s measurements and refusals, an inferred tensor-parallel plan's and
+        sequence parallelism's checks, a pipeline split's) runs on its inputs, labels left
+        out, in place of an input it guesses (token ids, features, images of a few sizes):
+        pass it when the model's forward takes several inputs or images of another size.
 
         With ``plan="auto"`` the first call asks the planner for this model's layout, prints the
         choice and why (rank 0), and builds the mesh for it (see ``plait.auto``). A model or
         plan it refuses raises ValueError; under ``format="json"`` its ``error`` event, if
         uncaught, is written once (rank 0's): every rank lays out the same model and plan."""
         try:
-            return self._lay_out(model)
+            return self._lay_out(model, example)
         except ValueError as exc:
             if self.format == "json":
                 from .json_stdout import mark_every_rank
@@ -276,16 +283,22 @@ class Run:
                 mark_every_rank(exc)
             raise
 
-    def _lay_out(self, model: nn.Module) -> nn.Module:
+    def _lay_out(self, model: nn.Module, batch: Any = None) -> nn.Module:
         from .parallel.compile import compiled_original
+        from .parallel.tp_example import from_batch
 
         original = compiled_original(model)
         if original is not None:  # torch.compile(model): lay out the model, compile its blocks
             model = original
+        example = None if batch is None else from_batch(model, batch)
+        held = next((p.device for p in model.parameters() if not p.is_meta), None)
+        if example is not None and held is not None:
+            # where the model is until it is laid out: the checks before that run it there
+            example = example.to(held)
         if self.auto is not None:
             from .auto import resolve
 
-            self.plan, why = resolve(model, self.auto)
+            self.plan, why = resolve(model, self.auto, example)
             for line in why:
                 self.print(line)
             self.mesh = build_mesh(self.plan, self.device.type, self.world_size)
@@ -308,7 +321,7 @@ class Run:
                                         or self.plan.cp > 1):
             from .comm.predict import planner_stats
 
-            self._stats = planner_stats(model, self.device.type, self.plan)
+            self._stats = planner_stats(model, self.device.type, self.plan, example)
         elif self.ledger is not None and self.plan.zero == 3:
             from .comm.held import stack_input_grad
 
@@ -316,7 +329,7 @@ class Run:
         # Under format="json" what the layout tells the user (an inferred tp plan) is a
         # message event on stdout; in text it goes to rank 0's stderr.
         out = _parallelize(model, self._mesh(), self.plan, device=self.device,
-                           say=self.say if self.format == "json" else None)
+                           say=self.say if self.format == "json" else None, example=example)
         if self._stats is not None and self._stats.more_stacks:
             from .comm.stack_lengths import watch_stack_lengths
 

@@ -1160,13 +1160,15 @@ def reads_trace(plan: Any) -> bool:
         plan.tp > 1 and plan.activation_checkpointing != "none")
 
 
-def planner_stats(model: Any, device_type: str = "cpu", plan: Any = None) -> Any:
+def planner_stats(model: Any, device_type: str = "cpu", plan: Any = None,
+                  example: Any = None) -> Any:
     """The planner's stats of ``model`` (``plait.planner.model_stats.from_module``), taken
     before it is laid out; None for plait's reference transformer (its closed form is exact)
     and for a model the planner cannot read (no stack of blocks). Its forward is traced under
     ``device_type``'s autocast rules now, while the model is as the user built it, where
     ``plan`` reads the trace (:func:`reads_trace`) or no plan is given; otherwise not at
-    all."""
+    all. ``example``: the user's input (``run.parallelize(model, example=batch)``) the forward
+    passes run on, in place of token ids."""
     from ..planner.model_stats import from_module
 
     if _find_config(model) is not None:
@@ -1176,7 +1178,7 @@ def planner_stats(model: Any, device_type: str = "cpu", plan: Any = None) -> Any
     dtypes = plan is not None and plan.cp > 1 and plan.mixed_precision in HALF
     try:
         stats = from_module(model, name=type(model).__name__, device_type=device_type,
-                            attention_dtypes=dtypes)
+                            attention_dtypes=dtypes, example=example)
     except ValueError:
         return None
     block = stats.tp_block

@@ -73,6 +73,7 @@ from .pipeline_warmup import first_microbatch, stage_input_finder, warm_stages, 
 from .schedules import check_schedule_args, local_stages, schedule_class, stage_to_rank
 from .tensor import plan_for_stages
 from .timeline import Timeline, now
+from .tp_example import Example
 from .unused import UnusedTracker
 
 pipeline_stage_base()  # TimedStage overrides a private method: fail clearly if torch changed it
@@ -1220,24 +1221,25 @@ class PipelinedModel(nn.Module):
 
 
 def pp_refusal(model: nn.Module, plan: Plan,
-               chains: dict[str, tuple[str, str] | bool | None] | None = None) -> str | None:
+               chains: dict[str, tuple[str, str] | bool | None] | None = None,
+               example: Example | None = None) -> str | None:
     """Why ``model`` cannot be split as ``plan`` asks, or None: what :func:`apply_pipeline`
     would refuse before its first step (the split, every stage's module, a weight tied across
     stages one rank holds), asked before anything is laid out (the planner asks it about the
     layouts it would pick). Stage modules are shallow copies (the blocks are shared, not
     copied), built and dropped; the RNG is restored after the fake-tensor forwards. Not
     covered: what only the real first step shows (a forward that reads a stage's input).
-    ``chains``: as for :func:`~plait.parallel.pipeline_split.plan_stages`."""
+    ``chains``, ``example``: as for :func:`~plait.parallel.pipeline_split.plan_stages`."""
     try:
         with torch.random.fork_rng(devices=[]):
             check_schedule_args(plan.pp_schedule, plan.pp, plan.microbatches,
                                 plan.virtual_stages)
-            path, specs = plan_stages(model, plan, chains)
+            path, specs = plan_stages(model, plan, chains, example)
             # Stages first: their refusals name the model's own reason (T5's position bias,
             # computed in block 0 and handed to every later block, is also a side input).
             for spec in specs:
                 build_stage_module(model, path, spec)
-            crossed = _side_input(model, path)
+            crossed = _side_input(model, path, example)
             if crossed is not None:
                 return crossed
             owner = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
@@ -1250,18 +1252,16 @@ def pp_refusal(model: nn.Module, plan: Plan,
     return None
 
 
-def _side_input(model: nn.Module, path: str) -> str | None:
+def _side_input(model: nn.Module, path: str, given: Example | None = None) -> str | None:
     """Why a block of ``path`` cannot start a pipeline stage: it takes a second tensor the
     forward computed before it (:func:`~plait.parallel.pipeline_chain.side_input`), which a
-    later stage is never sent; None where none is seen (or no input can be guessed)."""
-    from .pipeline_chain import meta_replica, side_input
-    from .tp_example import example_input
+    later stage is never sent; None where none is seen (or no input can be guessed). Run on
+    ``given`` (the user's input) where there is one."""
+    from .pipeline_chain import side_input
+    from .pipeline_split import meta_call
 
-    example = example_input(model)
-    replica = meta_replica(model) if example is not None else None
-    if example is None or replica is None:
-        return None
-    found = side_input(replica, path, example.to("meta"), {})
+    call = meta_call(model, given)
+    found = None if call is None else side_input(call[0], path, call[1], call[2])
     if found is None:
         return None
     block, position = found
@@ -1299,13 +1299,16 @@ def refuse_split_backward_temperature(model: nn.Module, plan: Plan) -> None:
 
 def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.device,
                    parallelize_stage: Callable[..., nn.Module],
-                   say: Callable[[str], None] | None = None) -> PipelinedModel:
+                   say: Callable[[str], None] | None = None,
+                   example: Example | None = None) -> PipelinedModel:
     """Split ``model`` into ``plan.pp x plan.virtual_stages`` stages, keep this rank's, and
     return them with their schedule, recorded in the returned model's ``Layout``. ``say``
-    tells the user what the layout decided (an inferred tensor-parallel plan)."""
+    tells the user what the layout decided (an inferred tensor-parallel plan). ``example``:
+    the user's input the split's checks and an inferred tensor-parallel plan run on, in place
+    of a guessed one."""
     check_schedule_args(plan.pp_schedule, plan.pp, plan.microbatches, plan.virtual_stages)
     refuse_split_backward_temperature(model, plan)
-    path, specs = plan_stages(model, plan)
+    path, specs = plan_stages(model, plan, example=example)
     if plan.cp > 1:
         specs = [replace(s, context_parallel=True) for s in specs]
     pp_mesh = mesh["pp"]
@@ -1318,7 +1321,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
             packer.install(m)  # before the layout: DDP/FSDP call the packed forward
     ties = shared_parameters(model, path, specs)
     groups = _tie_groups(ties, mesh, plan)  # collective: every rank creates every group
-    stage_plan = plan_for_stages(model, plan, say)
+    stage_plan = plan_for_stages(model, plan, say, example)
     if stage_plan.zero <= 1 and stage_plan.tp == 1 and not stage_plan.find_unused and any(
             model.get_parameter(n).requires_grad for n in held_on_path(model, path)):
         # Every stage holds the parameters on the root module (and on the modules on the path

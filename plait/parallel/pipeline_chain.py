@@ -172,7 +172,7 @@ def chain_break(replica: nn.Module, path: str, x: Any, kwargs: dict[str, Any]
     prefix = f"{path}." if path else ""
     try:
         with torch.enable_grad(), _data_dependent_on_meta():
-            replica(x, **kwargs)
+            replica(*(() if x is None else (x,)), **kwargs)
     except _BrokenChainError as broken:
         return prefix + names[broken.before], prefix + names[broken.after]
     except Exception:  # noqa: BLE001 - not runnable on meta: no verdict
@@ -218,7 +218,7 @@ def loss_reads_before(replica: nn.Module, path: str, start: int, x: Any,
     handles.append(blocks[start].register_forward_pre_hook(received, with_kwargs=True))
     try:
         with torch.enable_grad(), _data_dependent_on_meta():
-            loss = loss_of(replica(x, **kwargs))
+            loss = loss_of(replica(*(() if x is None else (x,)), **kwargs))
     except Exception:  # noqa: BLE001 - not runnable on meta: no verdict
         return None
     finally:
@@ -278,7 +278,7 @@ def side_input(replica: nn.Module, path: str, x: Any, kwargs: dict[str, Any]
                for n, b in zip(names, blocks, strict=True)]
     try:
         with torch.enable_grad(), _data_dependent_on_meta():
-            replica(x, **kwargs)
+            replica(*(() if x is None else (x,)), **kwargs)
     except Exception:  # noqa: BLE001 - not runnable on meta: no verdict
         return None
     finally:

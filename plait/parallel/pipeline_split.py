@@ -45,7 +45,7 @@ import copy
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -58,6 +58,9 @@ from .fx_trace import trace_kept
 from .pipeline_chain import chain_break, meta_replica, unchained_message
 from .pipeline_hf import adapt_hf_forward, hf_added_embeddings, is_hf_model
 from .units import not_a_stack
+
+if TYPE_CHECKING:
+    from .tp_example import Example
 
 Containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 BlockSequence = nn.ModuleList | nn.Sequential | nn.ModuleDict
@@ -310,19 +313,21 @@ def _side_modules(model: nn.Module, path: str, called_after: frozenset[str] | No
     return before, after
 
 
-def observe_forward(model: nn.Module, path: str) -> tuple[frozenset[str] | None, int]:
-    """What one fake-tensor forward (no memory, no compute) of ``model`` on a guessed input
+def observe_forward(model: nn.Module, path: str, given: Example | None = None
+                    ) -> tuple[frozenset[str] | None, int]:
+    """What one fake-tensor forward (no memory, no compute) of ``model`` on ``given`` (the
+    user's input, :func:`plait.parallel.tp_example.from_batch`) or a guessed input
     shows about the blocks at ``path``: the names of the modules beside the block sequence (on
     the path to it) that the forward calls after the blocks, and the length of the tuple a
     block returns (0: not a tuple). A model may register its final norm and head before its
     blocks (OPT's decoder does): the order of calls, not of registration, says which stage owns
     them. A module the forward does not call goes by registration order; when no input can be
     guessed or the forward does not run on it, all do (None), and blocks return tensors."""
-    from .tp_example import example_input
+    from .tp_example import example_input, run_on
     from .tp_record import fake_forward
 
     parts = path.split(".") if path else []
-    example = example_input(model) if parts else None
+    example = (given if given is not None else example_input(model)) if parts else None
     if example is None:
         return None, 0
     first: dict[str, int] = {}
@@ -348,7 +353,7 @@ def observe_forward(model: nn.Module, path: str) -> tuple[frozenset[str] | None,
         handles.append(block.register_forward_hook(lambda m, a, out: returned.append(out)))
     try:
         with fake_forward(model):
-            model(example)
+            run_on(model, example)
     except Exception:  # noqa: BLE001 - not runnable on the guess: registration order
         return None, 0
     finally:
@@ -371,11 +376,12 @@ def observe_forward(model: nn.Module, path: str) -> tuple[frozenset[str] | None,
 
 
 def plan_stages(model: nn.Module, plan: Plan,
-                chains: dict[str, tuple[str, str] | bool | None] | None = None
-                ) -> tuple[str, list[StageSpec]]:
+                chains: dict[str, tuple[str, str] | bool | None] | None = None,
+                example: Example | None = None) -> tuple[str, list[StageSpec]]:
     """Where to cut: the block sequence's name and every global stage's block range.
     ``chains`` keeps what :func:`_unchained` found per block sequence, for a caller that asks
-    about several plans of one model (the planner)."""
+    about several plans of one model (the planner). ``example``: the user's input the checks
+    that run the model run on (:func:`plait.parallel.tp_example.from_batch`), else a guess."""
     n_stages = plan.pp * plan.virtual_stages
     named = _blocks_name(model, plan)
     path, container = find_blocks(model, named)
@@ -395,12 +401,12 @@ def plan_stages(model: nn.Module, plan: Plan,
     if chains is not None and path in chains:
         chain = chains[path]
     else:
-        chain = _unchained(model, path)
+        chain = _unchained(model, path, example)
         if chains is not None:
             chains[path] = chain
     if isinstance(chain, tuple):
         raise ValueError(unchained_message(type(model).__name__, where, chain))
-    called, block_tuple = observe_forward(model, path)
+    called, block_tuple = observe_forward(model, path, example)
     if n_stages > n_blocks:
         raise ValueError(f"pp={plan.pp} x virtual_stages={plan.virtual_stages} = {n_stages} "
                          f"stages but {where} has only {n_blocks} blocks; use at most "
@@ -459,19 +465,33 @@ def _refuse_small_mixed(model: nn.Module, path: str, container: nn.Module, plan:
         f"dp_shard=N,zero=3 to shard its state")
 
 
-def _unchained(model: nn.Module, path: str) -> tuple[str, str] | bool | None:
+def _unchained(model: nn.Module, path: str, given: Example | None = None
+               ) -> tuple[str, str] | bool | None:
     """Two consecutive blocks at ``path`` of which the second is not fed by the first, seen in
-    one meta-device forward on a guessed input (:func:`~plait.parallel.pipeline_chain.
-    chain_break`); True when every block was seen fed by the one before; None when it cannot
-    tell (no input can be guessed): the first step then asks on the real inputs."""
-    from .tp_example import example_input
+    one meta-device forward on ``given`` (the user's input) or a guessed input
+    (:func:`~plait.parallel.pipeline_chain.chain_break`); True when every block was seen fed
+    by the one before; None when it cannot tell (no input can be guessed): the first step
+    then asks on the real inputs."""
+    found = meta_call(model, given)
+    return None if found is None else chain_break(found[0], path, found[1], found[2])
 
-    with torch.random.fork_rng(devices=[]):  # the guess draws token ids: leave the RNG as it was
-        example = example_input(model)
-    replica = meta_replica(model) if example is not None else None
-    if example is None or replica is None:
+
+def meta_call(model: nn.Module, given: Example | None
+              ) -> tuple[nn.Module, Any, dict[str, Any]] | None:
+    """``(a meta-device replica of model, its first input, its keyword inputs)`` on the meta
+    device, for the pipeline's meta-device checks (``replica(x, **kwargs)``): from ``given``
+    (the user's input) or a guessed one; None where there is neither or no replica."""
+    from .tp_example import Example, example_input, first_and_keywords
+
+    if given is None:
+        with torch.random.fork_rng(devices=[]):  # the guess draws token ids: keep the RNG
+            guess = example_input(model)
+        given = None if guess is None else Example((guess,))
+    call = None if given is None else first_and_keywords(model, given.to("meta"))
+    replica = meta_replica(model) if call is not None else None
+    if call is None or replica is None:
         return None
-    return chain_break(replica, path, example.to("meta"), {})
+    return replica, call[0], call[1]
 
 
 def _blocks_name(model: nn.Module, plan: Plan) -> str | None:

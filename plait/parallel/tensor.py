@@ -71,6 +71,7 @@ from ..plan import Plan
 from .hf import transformers_class
 from .layout import Layout, record_layout
 from .pipeline_split import STAND_INS, receive_sequence_shards
+from .tp_example import Example
 from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owner_head_dim, owners
 from .tp_kv import replicated_kv as find_replicated_kv
 from .tp_lora import LORA_STYLES, expand, low_rank_parts, sp_sums
@@ -366,23 +367,28 @@ def match_plan(module: nn.Module, styles: dict[str, str]) -> dict[str, str]:
     return matched
 
 
-def resolve_plan(module: nn.Module, plan: Plan, say: Say | None = None) -> TPPlan:
+def resolve_plan(module: nn.Module, plan: Plan, say: Say | None = None,
+                 example: Example | None = None) -> TPPlan:
     """Which layer plan to use for ``module`` (see the module docstring for the order); an
-    inferred one is told to the user through ``say`` (default: stderr, rank 0)."""
+    inferred one is told to the user through ``say`` (default: stderr, rank 0) and checked on
+    ``example`` (the user's input; guessed without one)."""
     user = plan.options.tp_plan
     if user is not None:
         return user if isinstance(user, TPPlan) else TPPlan.from_option(user)
     shipped = shipped_plan(module)
-    return shipped if shipped is not None else _inferred_plan(module, plan.tp, plan.sp, say)
+    return shipped if shipped is not None else _inferred_plan(module, plan.tp, plan.sp, say,
+                                                              example)
 
 
-def tp_refusal(module: nn.Module, tp: int, sp: bool) -> str | None:
+def tp_refusal(module: nn.Module, tp: int, sp: bool, example: Example | None = None
+               ) -> str | None:
     """Why ``module`` cannot take tensor parallelism at ``tp`` (with sequence parallelism if
     ``sp``), or None; what :func:`apply_tensor_parallel` would refuse, asked before anything
     is laid out (the planner asks it about the layouts it would pick). Prints nothing and
     leaves the module as it was: its buffers (a BatchNorm's running statistics) and the RNG
     are restored after the forwards an inferred plan's checks run. A model on the meta device
-    cannot be run: None, and the checks run when it is laid out."""
+    cannot be run: None, and the checks run when it is laid out. ``example``: the user's
+    input the checks run on (guessed without one)."""
     from .tp_infer import infer_plan, verify_plan
 
     if any(p.is_meta for p in module.parameters()):
@@ -392,7 +398,7 @@ def tp_refusal(module: nn.Module, tp: int, sp: bool) -> str | None:
         with torch.random.fork_rng(devices=[]):
             shipped = shipped_plan(module)
             plan = shipped if shipped is not None else verify_plan(
-                module, infer_plan(module), tp, sp)
+                module, infer_plan(module, example), tp, sp, example)
     except ValueError as exc:
         return str(exc).split("; ")[0]
     finally:
@@ -407,12 +413,12 @@ def tp_refusal(module: nn.Module, tp: int, sp: bool) -> str | None:
 
 
 def _inferred_plan(module: nn.Module, tp: int, sp: bool = False,
-                   say: Say | None = None) -> TPPlan:
+                   say: Say | None = None, example: Example | None = None) -> TPPlan:
     """A plan inferred from ``module``'s structure, checked, and told to the user (``say``;
     default: printed on rank 0's stderr), who can copy it into ``options.tp_plan``."""
     from .tp_infer import format_plan, infer_plan, verify_plan
 
-    inferred = verify_plan(module, infer_plan(module), tp, sp)
+    inferred = verify_plan(module, infer_plan(module, example), tp, sp, example)
     (say or _print0)(format_plan(inferred, module))
     return inferred
 
@@ -433,16 +439,17 @@ def _on_stage(module: nn.Module, styles: dict[str, str]) -> dict[str, str]:
     return {g: style for g, style in styles.items() if not elsewhere(g)}
 
 
-def plan_for_stages(model: nn.Module, plan: Plan, say: Say | None = None) -> Plan:
+def plan_for_stages(model: nn.Module, plan: Plan, say: Say | None = None,
+                    example: Example | None = None) -> Plan:
     """The plan the pipeline stages of ``model`` apply tensor parallelism with: a layer plan
     that is inferred is inferred once, on the whole model, and handed to every stage as
     ``options.tp_plan``; the blocks fx cannot trace are recorded, and the plan checked, by
-    running the model's forward on a guessed input, which a later stage's forward (it takes
-    hidden states) cannot do."""
+    running the model's forward on ``example`` (the user's; else a guessed input), which a
+    later stage's forward (it takes hidden states) cannot do."""
     if plan.tp == 1 or plan.options.tp_plan is not None or shipped_plan(model) is not None:
         return plan
     return plan.replace(options=plan.options.replace(
-        tp_plan=_inferred_plan(model, plan.tp, plan.sp, say)))
+        tp_plan=_inferred_plan(model, plan.tp, plan.sp, say, example)))
 
 
 def _print0(text: str) -> None:
@@ -571,7 +578,7 @@ def _head_dim(root: nn.Module, name: str) -> int | None:
 
 # ------------------------------------------------------------------------------- the function
 def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan,
-                          say: Say | None = None) -> nn.Module:
+                          say: Say | None = None, example: Example | None = None) -> nn.Module:
     """Shard ``module`` over ``mesh["tp"]`` according to its layer plan; returns it (in place).
     What the user should know (an inferred plan, k/v heads kept whole, a plan's notes) is told
     through ``say`` (default: rank 0's stderr).
@@ -581,7 +588,8 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan,
     FSDP2 can shard the result over the data axes. The module's recorded
     :class:`~plait.parallel.layout.Layout` says whether the head is vocabulary-parallel
     (``loss_parallel``): the train step then computes the loss, and its backward, inside
-    ``torch.distributed.tensor.parallel.loss_parallel()``.
+    ``torch.distributed.tensor.parallel.loss_parallel()``. ``example``: the user's input an
+    inferred plan is checked on (:func:`plait.parallel.tp_example.from_batch`).
     """
     sparse = sparse_embeddings(module)
     if sparse:  # before any mesh is read: the backward would fail on every rank
@@ -593,7 +601,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan,
             f"sparse=True with dp_replicate=N or dp_shard=N,zero=1")
     tp_mesh = mesh["tp"] if isinstance(mesh, Mesh) else mesh
     tp = tp_mesh.size()
-    tp_plan = resolve_plan(module, plan, say)
+    tp_plan = resolve_plan(module, plan, say, example)
     # torch's styles register new Parameters, trainable whatever the old ones were
     # (SequenceParallel's norms): frozen weights (a LoRA model's base) stay frozen.
     frozen = {name for name, p in module.named_parameters() if not p.requires_grad}

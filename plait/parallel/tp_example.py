@@ -9,6 +9,12 @@ encodes text and images in one forward (CLIP asks for ``pixel_values``). Such a 
 one value per input its forward names the way Hugging Face names them
 (:func:`example_call`): token ids for a parameter ending in ``input_ids``, images for
 ``pixel_values``. Nothing is inferred from a class name.
+
+A guess can fail: a forward of several inputs (a U-Net's ``forward(x, t)``, a recommender's
+dict of features), images of a size none of the tried ones is. The user then hands plait one
+batch as ``run.step`` receives it (``run.parallelize(model, example=batch)``), which
+:func:`from_batch` turns into the forward's arguments the way ``run.step`` does, labels left
+out; every check that would guess runs on it instead.
 """
 
 from __future__ import annotations
@@ -37,9 +43,72 @@ class Example:
 
     def to(self, device: str | torch.device) -> Example:
         def moved(v: Any) -> Any:
+            if isinstance(v, dict):
+                return {k: moved(x) for k, x in v.items()}
+            if isinstance(v, (tuple, list)):
+                return type(v)(moved(x) for x in v)
             return v.to(device) if isinstance(v, torch.Tensor) else v
         return Example(tuple(moved(a) for a in self.args),
                        {k: moved(v) for k, v in self.kwargs.items()})
+
+
+# The spelling every message that asks for a real input names.
+PASS_EXAMPLE = "pass one batch as run.step takes it: run.parallelize(model, example=batch)"
+
+
+def from_batch(model: nn.Module, batch: Any) -> Example:
+    """The forward's arguments in ``batch``, one batch as ``run.step`` receives it, called as
+    :func:`plait.train.call_model` calls the model, its targets left out: ``(inputs, targets)``
+    gives ``inputs`` (a tuple's items as positional arguments, a dict's entries by name, or
+    whole where the forward takes the dict as its one argument); a dict gives every entry but
+    ``labels``; a lone tensor is the input itself; an :class:`Example` is used as it is."""
+    from ..dict_batch import signature_of, whole_dict_parameter
+
+    def of_dict(inputs: dict[str, Any]) -> Example:
+        if whole_dict_parameter(signature_of(model.forward), inputs) is not None:
+            return Example((inputs,))
+        return Example(kwargs=dict(inputs))
+
+    if isinstance(batch, Example):
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return Example((batch,))
+    if isinstance(batch, dict):
+        return of_dict({k: v for k, v in batch.items() if k != "labels"})
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        inputs = batch[0]
+        if isinstance(inputs, dict):
+            return of_dict(inputs)
+        if isinstance(inputs, (tuple, list)):
+            return Example(tuple(inputs))
+        return Example((inputs,))
+    raise ValueError(f"example={type(batch).__name__}: an example is one batch as run.step "
+                     f"takes it: (inputs, targets), a dict of the forward's arguments, or the "
+                     f"input tensor alone")
+
+
+def first_and_keywords(model: nn.Module, example: Example) -> tuple[Any, dict[str, Any]] | None:
+    """``example`` as ``(first positional argument or None, keyword arguments)``, the form the
+    pipeline's meta-device checks call a model with (``model(x, **kwargs)``): a second
+    positional argument goes by its name in the forward's signature; None where the forward
+    takes ``*args`` or its signature cannot be read."""
+    if len(example.args) <= 1:
+        return (example.args[0] if example.args else None), dict(example.kwargs)
+    try:
+        signature = inspect.signature(model.forward)
+        bound = signature.bind(*example.args, **example.kwargs)
+    except (TypeError, ValueError):
+        return None
+    kinds = {p.name: p.kind for p in signature.parameters.values()}
+    if inspect.Parameter.VAR_POSITIONAL in kinds.values():
+        return None
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        if kinds[name] == inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    return None, named
 
 
 def run_on(model: nn.Module, example: torch.Tensor | Example) -> Any:

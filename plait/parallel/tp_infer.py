@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
 from .fx_trace import trace_kept
-from .tp_example import Example, describe, example_call, run_on
+from .tp_example import PASS_EXAMPLE, Example, describe, example_call, run_on
 from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owners, replicated_kv
 from .tp_lora import base_linear, expand, low_rank_parts
 from .tp_plans import STYLES, TPPlan, glob_regex, under
@@ -450,8 +450,10 @@ def _not_split(model: nn.Module) -> str:
             f"instead, dp=N or dp_shard=N,zero=3 to shard its state")
 
 
-def infer_plan(model: nn.Module) -> TPPlan:
-    """Propose a TP plan for ``model``; ValueError where it cannot decide (see module docs)."""
+def infer_plan(model: nn.Module, example: Example | None = None) -> TPPlan:
+    """Propose a TP plan for ``model``; ValueError where it cannot decide (see module docs).
+    ``example``: the input the blocks fx cannot trace are recorded on (the user's batch, see
+    :func:`plait.parallel.tp_example.from_batch`); guessed without one."""
     styles: dict[str, str] = {}
     divide: dict[str, tuple[str, ...]] = {}
     sizes: dict[str, int] = {}
@@ -463,12 +465,16 @@ def infer_plan(model: nn.Module) -> TPPlan:
                   and low_rank_parts(block) is None}
     graphs = {name: trace_block(block) for name, block in candidates.items()}
     untraced = {name: candidates[name] for name, g in graphs.items() if isinstance(g, str)}
-    example = example_call(model) if untraced else None
+    given = example is not None
+    if untraced and example is None:
+        example = example_call(model)
     # Run the model once instead: branches are taken concretely.
-    recorded = record_blocks(model, untraced, example) if example is not None else {}
+    recorded = record_blocks(model, untraced, example) if untraced and example is not None else {}
     graphs.update(recorded)
-    unguessed = (f"; nor does the model's forward run on any input plait guessed to record it "
-                 f"instead (tried {describe(model, example)})") if untraced and not recorded else ""
+    unguessed = "" if not untraced or recorded else (
+        "; nor does the model's forward run on the example given to record it instead" if given
+        else f"; nor does the model's forward run on any input plait guessed to record it "
+             f"instead (tried {describe(model, example)}): {PASS_EXAMPLE}")
     for name, block in candidates.items():
         graph = graphs[name]
         result = (graph + unguessed if isinstance(graph, str) else
@@ -736,7 +742,8 @@ def _where(exc: BaseException, model: nn.Module) -> str:
 _VALUE_ERRORS = ("DynamicOutputShapeException", "DataDependentOutputException")
 
 
-def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False) -> TPPlan:
+def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False,
+                example: Example | None = None) -> TPPlan:
     """Check an inferred plan before any sharding; return it, or refuse it (ValueError).
 
     One fake-tensor forward (:func:`check_shapes`) on an input guessed by
@@ -747,15 +754,18 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False) -> TP
     instead (then whole heads). A model whose unsharded forward already fails on the guessed
     input is not checked (the guess is wrong, not the plan).
     With ``sp``, whether sequence parallelism keeps the model the same
-    (:mod:`plait.parallel.tp_sp`): the returned plan then supports it, or says why not."""
+    (:mod:`plait.parallel.tp_sp`): the returned plan then supports it, or says why not.
+    ``example``: the user's input to run the checks on (:func:`plait.parallel.tp_example.
+    from_batch`) in place of a guessed one."""
     from .tensor import match_plan, validate
     from .tp_verify import mixed_blocks
 
-    example = example_call(model)
+    given = example is not None
+    example = example if example is not None else example_call(model)
     if example is None:
         return replace(plan, sp_refused=(
             f"no input could be guessed to check its blocks with (tried "
-            f"{describe(model, None)})")) if sp else plan
+            f"{describe(model, None)}); {PASS_EXAMPLE}")) if sp else plan
     unrun = check_shapes(model, {}, {}, 1, example)
     if unrun is not None and not sp:
         return plan
@@ -765,14 +775,20 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False) -> TP
         return replace(plan, sp_refused=(
             f"its forward does not run on fake tensors ({unrun}; a forward that reads values, "
             f"such as one routing tokens to experts by index), so whether splitting the "
-            f"sequence keeps the model the same cannot be checked"))
+            f"sequence keeps the model the same cannot be checked"
+            + ("" if given else f"; it ran on a guessed input: if the model takes another, "
+               f"{PASS_EXAMPLE}")))
+    if unrun is not None and given:
+        return replace(plan, sp_refused=(
+            f"its forward does not run on the example given ({unrun}), so whether splitting "
+            f"the sequence keeps the model the same cannot be checked: use sp=False"))
     if unrun is not None:
         return replace(plan, sp_refused=(
             f"its forward does not run on any input plait guessed for it (tried "
             f"{describe(model, example)}; on the first: {unrun}), so whether splitting the "
             f"sequence keeps the model the same cannot be checked (an image model is checked "
             f"on images of the sizes tried, as its forward's one input whatever its name): "
-            f"use sp=False"))
+            f"{PASS_EXAMPLE}, or use sp=False"))
     matched = match_plan(model, plan.styles)
     divide = {n: a for glob, a in plan.divide_attrs.items()
               for n in match_plan(model, {glob: "divide"})}

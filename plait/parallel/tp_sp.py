@@ -79,12 +79,12 @@ def _additive_on_meta(replica: nn.Module, path: str, example: torch.Tensor | Exa
     """:func:`plait.parallel.pipeline_split.additive_by_running` on ``example`` moved to the
     meta device (``replica``'s)."""
     from .pipeline_split import additive_by_running
+    from .tp_example import first_and_keywords
 
     if isinstance(example, torch.Tensor):
         return additive_by_running(replica, path, example.to("meta"), {})
-    on_meta = example.to("meta")
-    return additive_by_running(replica, path, on_meta.args[0] if on_meta.args else None,
-                               on_meta.kwargs) if len(on_meta.args) <= 1 else set()
+    call = first_and_keywords(replica, example.to("meta"))  # forward(x, t): t by its name
+    return set() if call is None else additive_by_running(replica, path, call[0], call[1])
 
 
 def mixes_positions(model: nn.Module, matched: dict[str, str], stack: str,

@@ -502,13 +502,15 @@ def _with_batchnorm(model: Any) -> str:
 
 
 def from_module(model: Any, name: str = "module", device_type: str = "cpu",
-                attention_dtypes: bool = False) -> ModelStats:
+                attention_dtypes: bool = False, example: Any = None) -> ModelStats:
     """Stats of an ``nn.Module`` (ideally on the meta device) with a stack of repeated blocks.
     ``device_type``: where it trains, whose autocast rules the traced forward pass follows
     (:mod:`plait.planner.tp_trace`). ``attention_dtypes``: also read the dtypes keys and values
     reach attention in under bf16 (``attention_keys``, two forward passes on fake tensors),
     what context parallelism gathers under mixed precision; the ledger and ``plait plan`` ask
-    for them alike, so both price the same bytes."""
+    for them alike, so both price the same bytes. ``example``: the user's input
+    (:class:`plait.parallel.tp_example.Example`) the forward passes run on, in place of token
+    ids (a model of images or of several inputs)."""
     import torch.nn as nn
 
     if not isinstance(model, nn.Module):
@@ -565,7 +567,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                 kv_heads = getattr(m, attr)
     from .tp_block import grad_flow, held_parts, plan_of, tp_block
 
-    found = plan_of(model)  # the layer plan plait lays the blocks out with
+    found = plan_of(model, example)  # the layer plan plait lays the blocks out with
     # the tensor-parallel collectives of a block that trains (its parameter gradients'): a
     # frozen one issues fewer (plait.comm.predict.tp_rank_traffic); the blocks share shapes
     tp_ref = next((b for b in blocks if any(p.requires_grad for p in b.parameters())), ref)
@@ -614,9 +616,11 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     every = dict(model.named_parameters())
     on_path = [every[n] for n in held_on_path(model, stack_name) if n in every]
     block_tp = tp_block(model, tp_path, found, (_path(model, blocks[0]),
-                                                _path(model, blocks[-1])), device_type)
+                                                _path(model, blocks[-1])), device_type,
+                        example)
     # where gradients flow, where some parameter is frozen: into the stack, through each block
-    flow = grad_flow(model, [_path(model, b) for b in blocks], found, block_tp, device_type)
+    flow = grad_flow(model, [_path(model, b) for b in blocks], found, block_tp, device_type,
+                     example)
     rows = param_rows(model, blocks, found)
     if flow.input_grad is not None:
         rows = dataclasses.replace(rows, stack_input_grad=flow.input_grad)
@@ -645,17 +649,18 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                       rows=rows, experts=experts,
                       block_active_params=round(sum(active) / len(blocks)) if experts else None,
                       head_dim=head_dim if isinstance(head_dim, int) else None,
-                      attention_keys=_attention_keys(model, device_type)
+                      attention_keys=_attention_keys(model, device_type, example)
                       if attention and attention_dtypes else None,
                       batchnorm=_first_batchnorm(model),
                       dropout=module_dropout(model, blocks),
                       stack_first=_path(model, blocks[0]), more_stacks=more)
 
 
-def _attention_keys(model: Any, device_type: str) -> tuple[tuple[int, int, int], ...] | None:
+def _attention_keys(model: Any, device_type: str, example: Any = None
+                    ) -> tuple[tuple[int, int, int], ...] | None:
     from .tp_trace import attention_keys
 
-    return attention_keys(model, device_type=device_type)
+    return attention_keys(model, device_type=device_type, example=example)
 
 
 def _divided_heads(block: Any, path: str, plan: Any) -> int | None:
@@ -813,8 +818,18 @@ def from_factory(spec: str, attention_dtypes: bool = False) -> ModelStats:
     """``"package.module:function"`` -> stats of ``function()`` built on the meta device, with
     the sequence length of its dataset's first sample when it returns one
     (``attention_dtypes``: as :func:`from_module`)."""
+    from .whole_model import example_of
+
     built = _build(spec, "meta")
-    stats = from_module(_model_of(built, spec), name=spec, attention_dtypes=attention_dtypes)
+    model = _model_of(built, spec)
+    # the forward passes run on the dataset's first sample, as run.parallelize(model,
+    # example=batch) runs them on the user's batch: a dataset built on meta has no values,
+    # so it is built again with only the parameters there
+    example = example_of(built, model)
+    if example is None and isinstance(built, (tuple, list)) and len(built) > 1:
+        with contextlib.suppress(Exception):
+            example = example_of(_build(spec, "meta", parameters_only=True), model)
+    stats = from_module(model, name=spec, attention_dtypes=attention_dtypes, example=example)
     if isinstance(built, (tuple, list)) and len(built) > 1:
         dataset = built[1]
         if not _indexable(dataset):
@@ -1052,10 +1067,11 @@ def from_yaml(path: Path) -> ModelStats:
                      f"({', '.join(sorted(fields))}), 'preset:' or Hugging Face config keys")
 
 
-def load_model(spec: Any, attention_dtypes: bool = False) -> ModelStats:
+def load_model(spec: Any, attention_dtypes: bool = False, example: Any = None) -> ModelStats:
     """A preset name, TransformerConfig, ModelStats, nn.Module, config.json/YAML path, or
     ``module:function`` factory -> ModelStats. ``attention_dtypes``: for a module or a factory,
-    read the dtypes its keys and values reach attention in under bf16 (:func:`from_module`)."""
+    read the dtypes its keys and values reach attention in under bf16 (:func:`from_module`);
+    ``example``: for a module, the user's input its forward passes run on."""
     from plait.models.transformer import PRESETS, TransformerConfig
 
     if isinstance(spec, ModelStats):
@@ -1068,7 +1084,7 @@ def load_model(spec: Any, attention_dtypes: bool = False) -> ModelStats:
         import torch.nn as nn
         if isinstance(spec, nn.Module):
             return from_module(spec, name=type(spec).__name__,
-                               attention_dtypes=attention_dtypes)
+                               attention_dtypes=attention_dtypes, example=example)
     except ImportError:  # pragma: no cover
         pass
     if not isinstance(spec, (str, Path)):

@@ -51,15 +51,16 @@ class Held:
 _KNOWN = {"colwise", "colwise_qkv", "rowwise", "region", "sequence_parallel", "grad_allreduce"}
 
 
-def plan_of(model: nn.Module) -> tuple[Any, bool] | None:
+def plan_of(model: nn.Module, example: Any = None) -> tuple[Any, bool] | None:
     """plait's layer plan for ``model`` and whether it ships (transformers, plait's reference)
-    rather than being inferred; None where inference refuses."""
+    rather than being inferred (on ``example``, the user's input, where fx cannot trace a
+    block); None where inference refuses."""
     from plait.parallel.tp_infer import infer_plan
     from plait.parallel.tp_plans import shipped_plan
 
     try:
         shipped = shipped_plan(model)
-        return (shipped, True) if shipped is not None else (infer_plan(model), False)
+        return (shipped, True) if shipped is not None else (infer_plan(model, example), False)
     except Exception:  # noqa: BLE001 - no plan: the planner prices the reference block
         return None
 
@@ -133,14 +134,16 @@ def rows_held(rows: Any) -> tuple[Held, Held, Held]:
 
 
 def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
-             stack: tuple[str, str] | None = None, device_type: str = "cpu") -> TPBlock | None:
+             stack: tuple[str, str] | None = None, device_type: str = "cpu",
+             example: Any = None) -> TPBlock | None:
     """The collectives of the block at module path ``block`` of ``model`` (on any device, the
     meta device included), or None where plait has no layer plan for it (inference refuses)
     or the plan uses styles TPBlock does not describe. The first block's input needs a
     gradient unless every embedding is frozen. ``found``: :func:`plan_of` the model;
     ``stack``: the paths of the stack's first and last blocks. The dtypes the collectives
     travel in under bf16 and what a checkpointed block replays are read off a forward pass on
-    fake tensors under ``device_type``'s autocast rules (:mod:`plait.planner.tp_trace`)."""
+    fake tensors under ``device_type``'s autocast rules (:mod:`plait.planner.tp_trace`), of
+    token ids, or of the shapes of ``example`` (the user's input) where one is given."""
     from plait.parallel.tp_plans import glob_regex
 
     if found is None:
@@ -183,7 +186,7 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
                    end_norms=None if in_blocks else end_norms,
                    side=side if any(side) else (),
                    traced=partial(trace, model, block, fwd_at, bwd_at, ends, seq=TRACE_SEQ,
-                                  device_type=device_type))
+                                  device_type=device_type, example=example))
 
 
 def _side_of(plan: Any) -> Any:
@@ -269,7 +272,7 @@ class Flow:
 
 
 def grad_flow(model: nn.Module, blocks: list[str], found: tuple[Any, bool] | None,
-              ref: TPBlock | None, device_type: str = "cpu") -> Flow:
+              ref: TPBlock | None, device_type: str = "cpu", example: Any = None) -> Flow:
     """Where gradients flow through the stack of blocks at ``blocks`` (module paths, in
     forward order), read off one forward pass on fake tensors with the parameters' own
     ``requires_grad`` (:func:`plait.planner.tp_trace.needs_grad`), run only where some
@@ -306,7 +309,8 @@ def grad_flow(model: nn.Module, blocks: list[str], found: tuple[Any, bool] | Non
                for p in parts):
             parts = []  # blocks of different makes: priced alike, as the first that trains
     got = needs_grad(model, [blocks[0]] + [n for p in parts if p for n in p[3]],
-                     [n for p in parts if p for n in p[2]], device_type=device_type)
+                     [n for p in parts if p for n in p[2]], device_type=device_type,
+                     example=example)
     input_grad = got[0][blocks[0]] if got is not None else None
     if ref is None:
         return Flow(input_grad, None)

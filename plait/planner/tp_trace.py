@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..parallel.tp_example import Example
+
 FP32 = 4
 
 
@@ -83,7 +85,8 @@ def _size(t: torch.Tensor | None) -> int:
     return t.element_size() if t is not None else FP32
 
 
-def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str, device: str
+def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str, device: str,
+          example: Example | None = None
           ) -> tuple[dict[str, tuple[int, int, int, int]], int] | None:
     """One forward on fake tensors on ``device`` under ``mode`` (``fp32``, ``autocast``,
     ``params``): per
@@ -115,7 +118,8 @@ def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str, de
             hooks.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
             hooks.append(module.register_forward_hook(post(name), with_kwargs=True))
         if not _fake_forward(model, seq, mode, device,
-                             lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
+                             lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+                             example):
             return None
     finally:
         for h in hooks:
@@ -124,8 +128,9 @@ def _pass(model: nn.Module, names: dict[str, nn.Module], seq: int, mode: str, de
 
 
 def _fake_forward(model: nn.Module, seq: int, mode: str, device: str,
-                  around: Any) -> bool:
-    """One forward of ``model`` on fake token ids (1, ``seq``) on ``device`` under ``mode``
+                  around: Any, example: Example | None = None) -> bool:
+    """One forward of ``model`` on fake token ids (1, ``seq``), or on fake tensors of the
+    shapes and dtypes of ``example`` (the user's input), on ``device`` under ``mode``
     (``fp32``; ``autocast`` over fp32 parameters; ``params``: the parameters cast to bf16, as
     FSDP2's MixedPrecisionPolicy holds them, under autocast), inside the context ``around()``
     makes; False where the forward cannot run on fake tensors."""
@@ -144,10 +149,11 @@ def _fake_forward(model: nn.Module, seq: int, mode: str, device: str,
                      for n, p in model.named_parameters()}
             state.update({n: torch.empty(b.shape, dtype=b.dtype, device=device)
                           for n, b in model.named_buffers()})
-            tokens = torch.zeros((1, seq), dtype=torch.long, device=device)
+            call = Example((torch.zeros((1, seq), dtype=torch.long, device=device),)
+                           ) if example is None else _fake_like(example, device)
             autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=mode != "fp32")
             with around(), autocast:
-                functional_call(model, state, (tokens,))
+                functional_call(model, state, call.args, call.kwargs)
     except Exception:  # noqa: BLE001 - a forward the fake pass cannot run: no trace
         return False
     finally:
@@ -155,8 +161,22 @@ def _fake_forward(model: nn.Module, seq: int, mode: str, device: str,
     return True
 
 
-def attention_keys(model: nn.Module, seq: int = 8, device_type: str = "cpu"
-                   ) -> tuple[tuple[int, int, int], ...] | None:
+def _fake_like(example: Example, device: str) -> Example:
+    """``example``'s tensors as empty ones of their shapes and dtypes on ``device`` (fake
+    under a fake mode): the trace reads dtypes and which tensors need a gradient, not values."""
+    def like(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return torch.zeros(v.shape, dtype=v.dtype, device=device)
+        if isinstance(v, dict):
+            return {k: like(x) for k, x in v.items()}
+        if isinstance(v, (tuple, list)):
+            return type(v)(like(x) for x in v)
+        return v
+    return Example(like(example.args), like(example.kwargs))
+
+
+def attention_keys(model: nn.Module, seq: int = 8, device_type: str = "cpu",
+                   example: Example | None = None) -> tuple[tuple[int, int, int], ...] | None:
     """What each ``F.scaled_dot_product_attention`` call of one forward receives as keys and
     values, in call order: (features per token of the keys: heads x head_dim, bytes per
     element of a key plus a value under autocast over fp32 parameters, the same with the
@@ -191,7 +211,7 @@ def attention_keys(model: nn.Module, seq: int = 8, device_type: str = "cpu"
             finally:
                 F.scaled_dot_product_attention = original
 
-        if not _fake_forward(model, seq, mode, device_type, record):
+        if not _fake_forward(model, seq, mode, device_type, record, example):
             return None
         runs[mode] = seen
     auto, params = runs["autocast"], runs["params"]
@@ -201,19 +221,21 @@ def attention_keys(model: nn.Module, seq: int = 8, device_type: str = "cpu"
 
 
 def trace(model: nn.Module, block: str, forward: list[str], backward: list[str],
-          ends: dict[str, str], seq: int, device_type: str = "cpu") -> Trace | None:
+          ends: dict[str, str], seq: int, device_type: str = "cpu",
+          example: Example | None = None) -> Trace | None:
     """Trace the block at ``block`` whose forward collectives follow the layers ``forward``
     (row-parallel: their outputs) and whose backward ones precede ``backward`` (column-parallel
     layers and regions: their inputs); ``ends``: module paths of the ``embed`` (vocabulary
     embedding), ``head`` (vocabulary head), ``first`` and ``last`` blocks of the stack, where the
     model has them; ``device_type``: whose autocast rules apply (they differ: CUDA runs norms
     and softmax in fp32, the CPU in bf16), where torch can run them (CPU; CUDA where a GPU is
-    present). None where the forward cannot run on fake token ids."""
+    present). None where the forward cannot run on fake token ids (or on fake tensors like
+    ``example``, the user's input, where one is given)."""
     if device_type not in ("cpu", "cuda") or (
             device_type == "cuda" and not torch.cuda.is_available()):
         return None
     names = {n: model.get_submodule(n) for n in {block, *forward, *backward, *ends.values()}}
-    runs = {mode: _pass(model, names, seq, mode, device_type)
+    runs = {mode: _pass(model, names, seq, mode, device_type, example)
             for mode in ("fp32", "autocast", "params")}
     if any(r is None for r in runs.values()):
         return None
@@ -254,7 +276,8 @@ def _any_grad(value: Any) -> bool:
 
 
 def needs_grad(model: nn.Module, inputs: list[str], outputs: list[str], seq: int = 4,
-               device_type: str = "cpu") -> tuple[dict[str, bool], dict[str, bool]] | None:
+               device_type: str = "cpu", example: Example | None = None
+               ) -> tuple[dict[str, bool], dict[str, bool]] | None:
     """Which tensor-parallel collectives the backward pass issues, read off one fp32 forward
     on fake tensors with the parameters' own ``requires_grad``: per module of ``inputs``
     (column-parallel layers and regions: their input's gradient is all-reduced, under SP
@@ -289,7 +312,8 @@ def needs_grad(model: nn.Module, inputs: list[str], outputs: list[str], seq: int
                 pre(name), with_kwargs=True))
         for name in dict.fromkeys(outputs):
             hooks.append(model.get_submodule(name).register_forward_hook(post(name)))
-        if not _fake_forward(model, seq, "fp32", device_type, contextlib.nullcontext):
+        if not _fake_forward(model, seq, "fp32", device_type, contextlib.nullcontext,
+                             example):
             return None
     finally:
         for h in hooks:

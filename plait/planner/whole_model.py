@@ -42,6 +42,7 @@ from ..comm.volumes import (
     ddp_bucket_calls,
     ddp_bucket_calls_any_order,
 )
+from ..parallel.tp_example import Example
 from ..plan import Plan
 from .compute import core_share
 from .hardware import Cluster
@@ -135,6 +136,7 @@ class Collated:
 
     item: Any
     collate_fn: Callable[[list[Any]], Any]
+    rows: int = 1  # rows one item holds: a user's example is one batch of several
 
     def batch(self, n: int) -> Any:
         out = self.collate_fn([self.item] * n)
@@ -157,8 +159,42 @@ def sample_of(built: Any) -> tuple[Any, str] | None:
     return x, "dataset"
 
 
+def example_of(built: Any, model: nn.Module) -> Example | None:
+    """A factory's first dataset sample as a batch of one, the forward's arguments as
+    ``run.step`` passes them (:func:`plait.parallel.tp_example.from_batch`): what ``plait
+    plan --model`` runs the model's forward passes on, as ``run.parallelize(model,
+    example=batch)`` does. None without a dataset, or where its tensors have no values (built
+    on the meta device) or the sample is neither a tensor nor a dict."""
+    from ..parallel.tp_example import from_batch
+
+    got = sample_of(built)
+    if got is None:
+        return None
+    sample = got[0]
+    try:
+        batch = sample.batch(1) if isinstance(sample, Collated) else (
+            _real_batch(sample, 1) if isinstance(sample, (torch.Tensor, dict)) else None)
+    except Exception:  # noqa: BLE001 - a collate that fails says nothing here
+        return None
+    if batch is None or _has_meta(batch):
+        return None
+    return from_batch(model, (batch, None))
+
+
+def _has_meta(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.is_meta
+    if isinstance(x, dict):
+        return any(_has_meta(v) for v in x.values())
+    if isinstance(x, (tuple, list)):
+        return any(_has_meta(v) for v in x)
+    return False
+
+
 def _as_fake(x: Any) -> Any:
     """A collated batch's tensors as empty ones of their shapes (fake under a fake mode)."""
+    if isinstance(x, Example):
+        return Example(_as_fake(x.args), _as_fake(x.kwargs))
     if isinstance(x, torch.Tensor):
         return torch.zeros(x.shape, dtype=x.dtype)
     if isinstance(x, dict):
@@ -176,6 +212,8 @@ def model_call(model: nn.Module, state: dict[str, torch.Tensor], x: Any) -> Any:
 
     from ..dict_batch import signature_of, whole_dict_parameter
 
+    if isinstance(x, Example):  # a user's example: the forward's arguments as run.step passes
+        return functional_call(model, state, x.args, x.kwargs)
     if isinstance(x, dict):
         signature = signature_of(model.forward)
         if signature is not None and whole_dict_parameter(signature, x) is None:
@@ -417,9 +455,11 @@ def measure(model: nn.Module, sample: Any, *, name: str = "", sample_from: str =
              for _, m in unit_modules]
     units.append(Unit(tuple(tuple(p.shape) for p in trainable if id(p) not in in_units),
                       root=True))
-    per_block = [Block(n, two.per_block[n][0] - one.per_block[n][0],
-                       two.per_block[n][1] - one.per_block[n][1],
-                       two.per_block[n][2] - one.per_block[n][2],
+    # A given example holds several rows: its batches of 1 and 2 are of that many and twice.
+    rows = sample.rows if isinstance(sample, Collated) else 1
+    per_block = [Block(n, (two.per_block[n][0] - one.per_block[n][0]) / rows,
+                       (two.per_block[n][1] - one.per_block[n][1]) / rows,
+                       (two.per_block[n][2] - one.per_block[n][2]) / rows,
                        int(one.per_block[n][3]))
                  for n, _ in blocks if n in one.per_block]
     kinds = []
@@ -442,8 +482,9 @@ def measure(model: nn.Module, sample: Any, *, name: str = "", sample_from: str =
         frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         buffer_dtypes=tuple(dtypes.items()),
-        units=tuple(u for u in units if u.shapes), flops_per_sample=two.flops - one.flops,
-        saved_per_sample=max(0.0, two.saved - one.saved), sample_shape=shape,
+        units=tuple(u for u in units if u.shapes),
+        flops_per_sample=(two.flops - one.flops) / rows,
+        saved_per_sample=max(0.0, two.saved - one.saved) / rows, sample_shape=shape,
         sample_from=sample_from, positions=positions, batchnorm=bns, blocks=tuple(per_block),
         kinds=tuple(kinds), forward_ops=one.forward_ops, backward_ops=one.backward_ops,
         update_ops_per_tensor=per_tensor, update_ops_fixed=fixed)
@@ -799,10 +840,41 @@ def from_factory(spec: str) -> tuple[WholeModel, nn.Module]:
     return measure(model, sample, name=spec, sample_from=source, positions=positions), model
 
 
-def from_module(model: nn.Module) -> WholeModel:
-    """Measure an ``nn.Module`` on a guessed input (``plan="auto"``: no dataset is known when
-    the model is laid out)."""
-    return measure(model, _guessed(model), name=type(model).__name__, sample_from="guessed")
+def from_module(model: nn.Module, example: Example | None = None) -> WholeModel:
+    """Measure an ``nn.Module`` on ``example`` (the user's batch, ``run.parallelize(model,
+    example=batch)``: no dataset is known when the model is laid out), else on a guessed
+    input."""
+    if example is None:
+        return measure(model, _guessed(model), name=type(model).__name__,
+                       sample_from="guessed")
+    return measure(model, from_example(example), name=type(model).__name__,
+                   sample_from="given example")
+
+
+def from_example(example: Example) -> Collated:
+    """``example`` (one batch of the forward's arguments) as a sample the measurement batches:
+    ``n`` of it is each tensor repeated ``n`` times along its first dimension (a flat index
+    list and its offsets too: their shapes, not their values, are what a fake-tensor forward
+    reads), and the figures per sample are divided by the example's rows (the first
+    dimension of its first tensor)."""
+    first = next((t for t in (*example.args, *example.kwargs.values())
+                  if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    rows = int(first.shape[0]) if first is not None and first.shape[0] > 0 else 1
+    return Collated(example, _repeated, rows=rows)
+
+
+def _repeated(items: list[Example]) -> Example:
+    n, one = len(items), items[0]
+
+    def rep(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return torch.cat([v] * n) if n > 1 else v
+        if isinstance(v, dict):
+            return {k: rep(x) for k, x in v.items()}
+        if isinstance(v, (tuple, list)):
+            return type(v)(rep(x) for x in v)
+        return v
+    return Example(rep(one.args), rep(one.kwargs))
 
 
 def excluded(model: WholeModel, check: Callable[[Plan], str | None] | None,
