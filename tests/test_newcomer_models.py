@@ -411,3 +411,45 @@ def test_checkpointing_a_unet_takes_the_blocks_it_is_told():
     got = {canonical_name(n): p.grad for n, p in wrapped.named_parameters()}
     for n, p in plain.named_parameters():
         torch.testing.assert_close(got[n], p.grad, rtol=0, atol=0)
+
+
+def test_checkpointing_a_hybrid_stack_under_a_wide_embedding():
+    """Blocks of two kinds (as a hybrid of attention and state-space layers), each holding
+    parameters, under an embedding that outweighs them: a stack all the same, checkpointed;
+    only a container with a parameter-free layer between its layers (an MLP) is refused."""
+    import torch.nn as nn
+
+    from plait.parallel.checkpointing import checkpoint_units
+    from plait.parallel.units import not_a_stack
+
+    class Mixer(nn.Module):
+        def __init__(self, d: int):
+            super().__init__()
+            self.proj = nn.Linear(d, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.proj(x)
+
+    class Conv(Mixer):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.proj(x.cumsum(1))
+
+    class Hybrid(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(5000, 8)
+            self.layers = nn.ModuleList([Mixer(8), Conv(8), Mixer(8), Conv(8)])
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.emb(ids)
+            for layer in self.layers:
+                h = layer(h)
+            return h
+
+    model = Hybrid()
+    assert [n for n, _ in checkpoint_units(model, Plan(activation_checkpointing="full"))] == [
+        f"layers.{i}" for i in range(4)]
+    mlp = nn.Sequential(nn.Linear(8, 8), nn.SiLU(), nn.Linear(8, 8))
+    model.layers = nn.ModuleList([mlp])  # the largest container is now an MLP's Sequential
+    blocks = [("layers.0.0", mlp[0]), ("layers.0.2", mlp[2])]
+    assert not_a_stack(model, blocks) is not None

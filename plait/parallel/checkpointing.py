@@ -48,6 +48,7 @@ from torch.utils.checkpoint import (
 from .._torch_compat import checkpoint_wrapper_api, sdpa_ops
 from ..plan import Plan
 from .hf import transformers_class
+from .pipeline_split import STAND_INS
 from .units import canonical_name, not_a_stack, repeated_blocks, select_units
 
 checkpoint_wrapper, CheckpointImpl, _ = checkpoint_wrapper_api()
@@ -159,7 +160,9 @@ def checkpoint_units(module: nn.Module, plan: Plan) -> list[tuple[str, nn.Module
     if not blocks:
         raise ValueError(f"activation_checkpointing={mode!r} needs repeated blocks (children of "
                          f"an nn.ModuleList/Sequential) in {name}, and it has none: {fix}")
-    why = not_a_stack(module, blocks)
+    # A pipeline stage's own blocks sit beside stand-ins for the other stages' ones, and its
+    # embedding may outweigh them: a stack all the same.
+    why = not_a_stack(module, blocks, ignore=STAND_INS)
     if why is not None:
         raise ValueError(f"activation_checkpointing={mode!r} would wrap {why}: checkpointing "
                          f"them saves next to nothing. {fix[0].upper()}{fix[1:]}, or leave "

@@ -117,23 +117,29 @@ def select_units(module: nn.Module, patterns: Sequence[str] | None = None,
     return sorted(units, key=lambda u: -canonical_name(u[0]).count("."))
 
 
-def not_a_stack(module: nn.Module, blocks: list[tuple[str, nn.Module]]) -> str | None:
+def not_a_stack(module: nn.Module, blocks: list[tuple[str, nn.Module]],
+                ignore: tuple[type, ...] = ()) -> str | None:
     """Why the blocks :func:`repeated_blocks` found in ``module`` are no stack of blocks, or
-    None when they may be: their container holds modules of different kinds (Linear, SiLU,
-    Linear) and under half of the parameters, as a U-Net's timestep MLP or a recommender's
-    bottom MLP, the largest container of a model whose real blocks are plain attributes.
-    A stack of one kind of block, or a container holding most of the model (a CNN's
-    ``nn.Sequential`` of layers), may be."""
+    None when they may be: their container holds layers of different kinds with a
+    parameter-free one between them (Linear, SiLU, Linear: an MLP) and under half of the
+    parameters, as a U-Net's timestep MLP or a recommender's bottom MLP, the largest container
+    of a model whose real blocks are plain attributes. A stack of one kind of block, a stack
+    of blocks of several kinds (a hybrid of attention and state-space layers: each holds
+    parameters), or a container holding most of the model (a CNN's ``nn.Sequential`` of
+    layers) may be. Children of the ``ignore`` types are not counted: a pipeline stage's
+    parameter-free stand-ins for the blocks other stages hold sit among its own."""
     if not blocks:
         return None
     path = blocks[0][0].rpartition(".")[0]
     container = module.get_submodule(path) if path else module
-    kinds = list(dict.fromkeys(type(m).__name__ for m in container.children()))
+    children = [m for m in container.children() if not isinstance(m, ignore)]
+    kinds = list(dict.fromkeys(type(m).__name__ for m in children))
     held, total = _numel(container), _numel(module)
-    if len(kinds) < 2 or not total or held >= total / 2:
+    bare = any(_numel(m) == 0 for m in children)  # an activation between layers
+    if len(kinds) < 2 or not bare or not total or held >= total / 2:
         return None
     return (f"{path or type(module).__name__}, the nn.ModuleList/nn.Sequential/nn.ModuleDict "
-            f"with the most parameters, holds {len(list(container.children()))} modules of "
+            f"with the most parameters, holds {len(children)} modules of "
             f"different kinds ({', '.join(kinds)}) and {held:,} of {type(module).__name__}'s "
             f"{total:,} parameters ({held / total:.1%}), not a stack of blocks")
 
