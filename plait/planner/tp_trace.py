@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .._torch_compat import tree_map_only
 from ..parallel.tp_example import Example
 
 FP32 = 4
@@ -164,15 +165,11 @@ def _fake_forward(model: nn.Module, seq: int, mode: str, device: str,
 def _fake_like(example: Example, device: str) -> Example:
     """``example``'s tensors as empty ones of their shapes and dtypes on ``device`` (fake
     under a fake mode): the trace reads dtypes and which tensors need a gradient, not values."""
-    def like(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return torch.zeros(v.shape, dtype=v.dtype, device=device)
-        if isinstance(v, dict):
-            return {k: like(x) for k, x in v.items()}
-        if isinstance(v, (tuple, list)):
-            return type(v)(like(x) for x in v)
-        return v
-    return Example(like(example.args), like(example.kwargs))
+    def like(v: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(v.shape, dtype=v.dtype, device=device)
+    tree_map = tree_map_only()
+    return Example(tree_map(torch.Tensor, like, example.args),
+                   tree_map(torch.Tensor, like, example.kwargs))
 
 
 def attention_keys(model: nn.Module, seq: int = 8, device_type: str = "cpu",

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from .._torch_compat import tree_map_only
 from ..comm.held import HeldModel, ShardUnit, held_traffic
 from ..comm.volumes import (
     DDP_BUCKET_BYTES,
@@ -866,15 +867,10 @@ def from_example(example: Example) -> Collated:
 def _repeated(items: list[Example]) -> Example:
     n, one = len(items), items[0]
 
-    def rep(v: Any) -> Any:
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            return torch.cat([v] * n) if n > 1 else v
-        if isinstance(v, dict):
-            return {k: rep(x) for k, x in v.items()}
-        if isinstance(v, (tuple, list)):
-            return type(v)(rep(x) for x in v)
-        return v
-    return Example(rep(one.args), rep(one.kwargs))
+    def rep(v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([v] * n) if n > 1 and v.dim() > 0 else v
+    tree_map = tree_map_only()
+    return Example(tree_map(torch.Tensor, rep, one.args), tree_map(torch.Tensor, rep, one.kwargs))
 
 
 def excluded(model: WholeModel, check: Callable[[Plan], str | None] | None,
