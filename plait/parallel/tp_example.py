@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .._torch_compat import pytree, tree_map_only
 from .tp_record import fake_forward
 
 # Image (or signal) sizes a conv stem is tried on, most common first: a model with a learned
@@ -42,14 +43,16 @@ class Example:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def to(self, device: str | torch.device) -> Example:
-        def moved(v: Any) -> Any:
-            if isinstance(v, dict):
-                return {k: moved(x) for k, x in v.items()}
-            if isinstance(v, (tuple, list)):
-                return type(v)(moved(x) for x in v)
-            return v.to(device) if isinstance(v, torch.Tensor) else v
-        return Example(tuple(moved(a) for a in self.args),
-                       {k: moved(v) for k, v in self.kwargs.items()})
+        moved = tree_map_only()(torch.Tensor, lambda t: t.to(device), (self.args, self.kwargs))
+        return Example(*moved)
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors anywhere in ``value``: an :class:`Example`'s arguments, or a batch nested in
+    tuples, lists, dicts and the containers torch's pytree knows (a ``ModelOutput``)."""
+    if isinstance(value, Example):
+        value = (value.args, value.kwargs)
+    return [t for t in pytree()[0](value)[0] if isinstance(t, torch.Tensor)]
 
 
 # The spelling every message that asks for a real input names.

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from .._torch_compat import tree_map_only
-from ..parallel.tp_example import Example
+from ..parallel.tp_example import Example, tensors_in
 
 FP32 = 4
 
@@ -261,17 +261,6 @@ def trace(model: nn.Module, block: str, forward: list[str], backward: list[str],
                  replayed_gathers=tuple(seen[n][2] < last for n in backward))
 
 
-def _any_grad(value: Any) -> bool:
-    """Whether a tensor in ``value`` (args, kwargs, nested tuples and lists) requires grad."""
-    if isinstance(value, torch.Tensor):
-        return value.requires_grad
-    if isinstance(value, dict):
-        return any(_any_grad(v) for v in value.values())
-    if isinstance(value, (tuple, list)):
-        return any(_any_grad(v) for v in value)
-    return False
-
-
 def needs_grad(model: nn.Module, inputs: list[str], outputs: list[str], seq: int = 4,
                device_type: str = "cpu", example: Example | None = None
                ) -> tuple[dict[str, bool], dict[str, bool]] | None:
@@ -295,12 +284,12 @@ def needs_grad(model: nn.Module, inputs: list[str], outputs: list[str], seq: int
 
     def pre(name: str) -> Any:
         def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
-            into.setdefault(name, _any_grad(args) or _any_grad(kwargs))
+            into.setdefault(name, any(t.requires_grad for t in tensors_in((args, kwargs))))
         return hook
 
     def post(name: str) -> Any:
         def hook(_m: nn.Module, _args: tuple, out: Any) -> None:
-            out_of.setdefault(name, _any_grad(out))
+            out_of.setdefault(name, any(t.requires_grad for t in tensors_in(out)))
         return hook
 
     try:

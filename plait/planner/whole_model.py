@@ -43,7 +43,7 @@ from ..comm.volumes import (
     ddp_bucket_calls,
     ddp_bucket_calls_any_order,
 )
-from ..parallel.tp_example import Example
+from ..parallel.tp_example import Example, tensors_in
 from ..plan import Plan
 from .compute import core_share
 from .hardware import Cluster
@@ -177,19 +177,9 @@ def example_of(built: Any, model: nn.Module) -> Example | None:
             _real_batch(sample, 1) if isinstance(sample, (torch.Tensor, dict)) else None)
     except Exception:  # noqa: BLE001 - a collate that fails says nothing here
         return None
-    if batch is None or _has_meta(batch):
+    if batch is None or any(t.is_meta for t in tensors_in(batch)):
         return None
     return from_batch(model, (batch, None))
-
-
-def _has_meta(x: Any) -> bool:
-    if isinstance(x, torch.Tensor):
-        return x.is_meta
-    if isinstance(x, dict):
-        return any(_has_meta(v) for v in x.values())
-    if isinstance(x, (tuple, list)):
-        return any(_has_meta(v) for v in x)
-    return False
 
 
 def _as_fake(x: Any) -> Any:
