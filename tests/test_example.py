@@ -183,3 +183,27 @@ def test_run_parallelize_hands_its_example_to_plan_auto(capfd) -> None:
     said = got.out + got.err
     assert "plait: plan 'auto' for UNet" in said
     assert "measured on the example given to run.parallelize" in said and " ms = compute " in said
+
+
+def test_the_library_planner_takes_an_example_as_run_step_does() -> None:
+    # plan_model / auto_plan called from a user's script: a forward(x, t) cannot be guessed,
+    # so without example= the whole-model measurement fails; with one batch as run.step takes
+    # it (labels left out) it is measured and priced like the factory's dataset sample.
+    from plait.planner import auto_plan, plan_model
+
+    torch.manual_seed(0)
+    model = UNet()
+    with pytest.raises(ValueError, match=r"missing 1 required positional argument: 't'.*"
+                                         r"pass one batch as run.step takes it as example="):
+        plan_model(model, "cpu", world_size=2, global_batch=8)
+    result = plan_model(model, "cpu", world_size=2, global_batch=8, example=_unet_batch(4))
+    assert result.best is not None and result.best.plan.dp == 2
+    by_factory = plan_model("tests._newcomer_models:denoiser", "cpu", world_size=2,
+                            global_batch=8)
+    assert [e.plan for e in result.ranked] == [e.plan for e in by_factory.ranked]
+    assert [e.memory_bytes_per_device for e in result.ranked] == [
+        e.memory_bytes_per_device for e in by_factory.ranked]
+    assert auto_plan(model, 2, "cpu", global_batch=8, example=_unet_batch(2)).dp == 2
+    with pytest.raises(ValueError, match="example= is for a model given as an nn.Module"):
+        plan_model("tests._newcomer_models:denoiser", "cpu", world_size=2, global_batch=8,
+                   example=_unet_batch(2))

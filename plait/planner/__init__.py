@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.plan import Plan
 
@@ -20,6 +20,9 @@ from .cpu.overheads import CPU_PROFILE, HostOverheads
 from .hardware import Cluster, load_cluster, presets
 from .model_stats import ModelStats, NoBlockStackError, load_model
 from .search import SearchResult, search
+
+if TYPE_CHECKING:
+    from plait.parallel.tp_example import Example
 
 __all__ = ["auto_plan", "plan_model", "evaluate_plan", "constants_for", "CALIBRATED_KEYS",
            "Cluster", "Constants",
@@ -61,8 +64,25 @@ def constants_for(cluster: Cluster, base: Constants = DEFAULT_CONSTANTS) -> Cons
     return dataclasses.replace(base, **changes) if changes else base
 
 
-def _resolve(model: Any, cluster: Any, world_size: int | None) -> tuple[ModelStats, Cluster]:
-    stats = load_model(model)
+def _example(model: Any, example: Any) -> Example | None:
+    """``example`` (one batch as ``run.step`` takes it) as the forward's arguments; only an
+    ``nn.Module`` runs on it (a factory is measured on its dataset, a preset or config is not
+    run)."""
+    if example is None:
+        return None
+    import torch.nn as nn
+
+    from plait.parallel.tp_example import from_batch
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"example= is for a model given as an nn.Module, not "
+                         f"{type(model).__name__}: a factory is measured on its own dataset's "
+                         f"first sample; leave example out")
+    return from_batch(model, example)
+
+
+def _resolve(model: Any, cluster: Any, world_size: int | None, example: Example | None = None
+             ) -> tuple[ModelStats, Cluster]:
+    stats = load_model(model, example=example)
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
                                    or world_size < 1):
         raise ValueError(f"world_size={world_size!r} must be a positive integer")
@@ -73,14 +93,19 @@ def _resolve(model: Any, cluster: Any, world_size: int | None) -> tuple[ModelSta
 def plan_model(model: Any, cluster: Any = "cpu", *, world_size: int | None = None,
                global_batch: int, seq: int | None = None, dtype: str | None = None,
                top: int = 10, constants: Constants | None = None,
-               layout_check: Callable[[Plan], str | None] | None = None) -> SearchResult:
+               layout_check: Callable[[Plan], str | None] | None = None,
+               example: Any = None) -> SearchResult:
     """Search layouts for ``model`` on ``cluster`` (resized to ``world_size`` devices);
-    ``layout_check`` as in :func:`plait.planner.search.search`."""
+    ``layout_check`` as in :func:`plait.planner.search.search`. ``example``: for an
+    ``nn.Module``, one batch as ``run.step`` takes it (labels are left out), which the model's
+    forward is measured on instead of a guessed input: a forward of several inputs
+    (``forward(x, t)``) or a dict of features cannot be guessed."""
+    ex = _example(model, example)
     try:
-        stats, c = _resolve(model, cluster, world_size)
+        stats, c = _resolve(model, cluster, world_size, ex)
     except NoBlockStackError:
         # a ConvNet, an RNN: its data-parallel layouts, from measured facts
-        return _whole_model(model, cluster, world_size, global_batch, dtype, top, constants)
+        return _whole_model(model, cluster, world_size, global_batch, dtype, top, constants, ex)
     seq = seq or stats.max_seq
     if seq is None:
         raise ValueError("seq is required (the model does not say its sequence length)")
@@ -99,13 +124,14 @@ def plan_model(model: Any, cluster: Any = "cpu", *, world_size: int | None = Non
 
 
 def _whole_model(model: Any, cluster: Any, world_size: int | None, global_batch: int,
-                 dtype: str | None, top: int, constants: Constants | None) -> SearchResult:
+                 dtype: str | None, top: int, constants: Constants | None,
+                 example: Example | None = None) -> SearchResult:
     """``plan_model`` for a model without a stack of repeated matmul blocks
     (:mod:`plait.planner.whole_model`): a factory measured on its dataset's first sample, a
     module on a guessed input."""
     from .whole_model import from_factory, from_module, rank
 
-    whole = from_factory(model)[0] if isinstance(model, str) else from_module(model)
+    whole = from_factory(model)[0] if isinstance(model, str) else from_module(model, example)
     c = load_cluster(cluster, devices=world_size) if world_size else load_cluster(cluster)
     return rank(whole, c, global_batch, dtype=dtype or ("fp32" if c.device == "cpu" else "bf16"),
                 c=constants or constants_for(c), top=top)
@@ -113,25 +139,27 @@ def _whole_model(model: Any, cluster: Any, world_size: int | None, global_batch:
 
 def auto_plan(model: Any, world_size: int, cluster: Any = "cpu", *, global_batch: int,
               seq: int | None = None, dtype: str | None = None,
-              constants: Constants | None = None) -> Plan:
+              constants: Constants | None = None, example: Any = None) -> Plan:
     """The best Plan for ``model`` on ``world_size`` devices of ``cluster`` (a preset name, YAML
-    path or Cluster). Raises ValueError saying why when no layout fits."""
+    path or Cluster); ``example`` as in :func:`plan_model`. Raises ValueError saying why when
+    no layout fits."""
     result = plan_model(model, cluster, world_size=world_size, global_batch=global_batch,
-                        seq=seq, dtype=dtype, top=1, constants=constants)
+                        seq=seq, dtype=dtype, top=1, constants=constants, example=example)
     if result.best is None:
         from .cli import explain_nothing_fits
-        if not _has_blocks(model):
+        if not _has_blocks(model, _example(model, example)):
             from .whole_model import nothing_fits
             raise ValueError(nothing_fits(result))
-        raise ValueError(explain_nothing_fits(result, load_model(model),
+        raise ValueError(explain_nothing_fits(result, load_model(
+            model, example=_example(model, example)),
                                               load_cluster(cluster, devices=world_size)))
     return result.best.plan.validate(world_size)
 
 
-def _has_blocks(model: Any) -> bool:
+def _has_blocks(model: Any, example: Example | None = None) -> bool:
     """Whether the planner prices ``model`` by its blocks (not :mod:`.whole_model`)."""
     try:
-        load_model(model)
+        load_model(model, example=example)
     except NoBlockStackError:
         return False
     return True
@@ -139,10 +167,11 @@ def _has_blocks(model: Any) -> bool:
 
 def evaluate_plan(plan: Plan | str, model: Any, cluster: Any = "cpu", *,
                   world_size: int | None = None, global_batch: int, seq: int | None = None,
-                  constants: Constants | None = None, balance: bool = False) -> Estimate:
-    """Predict one given layout (the ``--plan`` path)."""
+                  constants: Constants | None = None, balance: bool = False,
+                  example: Any = None) -> Estimate:
+    """Predict one given layout (the ``--plan`` path); ``example`` as in :func:`plan_model`."""
     plan = Plan.load(plan)
-    stats, c = _resolve(model, cluster, world_size or plan.world_size)
+    stats, c = _resolve(model, cluster, world_size or plan.world_size, _example(model, example))
     seq = seq or stats.max_seq
     if seq is None:
         raise ValueError("seq is required (the model does not say its sequence length)")

@@ -437,7 +437,8 @@ def measure(model: nn.Module, sample: Any, *, name: str = "", sample_from: str =
         raise ValueError(f"{label}: one forward on a {sample_from} sample {shape} did not run on "
                          f"fake tensors ({type(exc).__name__}: {exc}); the planner measures a "
                          f"model without blocks by running it: give --model a factory that "
-                         f"returns (model, dataset, loss_fn)") from None
+                         f"returns (model, dataset, loss_fn), or from Python pass one batch as "
+                         f"run.step takes it as example=") from None
     trainable = [p for p in model.parameters() if p.requires_grad]
     per_tensor, fixed = update_cost()
     unit_modules = select_units(model)
@@ -803,7 +804,8 @@ def _guessed(model: nn.Module) -> Any:
         raise ValueError(f"{type(model).__name__}: no input can be guessed for it (no "
                          f"nn.Embedding, Linear or convolution first); give --model a factory "
                          f"that returns (model, dataset, loss_fn), whose first sample the "
-                         f"planner measures the model on")
+                         f"planner measures the model on, or from Python pass one batch as "
+                         f"run.step takes it as example=")
     return x[0]
 
 
