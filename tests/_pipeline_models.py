@@ -552,3 +552,98 @@ class SpareMLP(ScaledMLP):
 def spare_mlp():
     torch.manual_seed(0)
     return SpareMLP()
+
+
+class DropoutTagger(nn.Module):
+    """A token tagger with dropout in every block, so that every pipeline stage holds one (the
+    last stage of a V layout, on rank 0, included): embedding, 4 residual blocks, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Dropout(0.5),
+                          nn.Linear(2 * WIDTH, WIDTH)) for _ in range(4))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def dropout_tagger():
+    torch.manual_seed(0)
+    return DropoutTagger()
+
+
+def masked_ce(logits, labels):
+    """Mean cross-entropy over the labels that are not -100."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def counted_batch(step):
+    """Tokens and labels where row i counts i + 1 labels (-100 elsewhere): a pipeline's
+    microbatches of 2 rows count 3, 7, 11 and 15, so a mean of their means is not the mean."""
+    g = torch.Generator().manual_seed(800 + step)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+    labels = torch.full_like(ids, -100)
+    for i in range(ROWS):
+        keep = torch.randperm(SEQ, generator=g)[:i + 1]
+        labels[i, keep] = torch.randint(0, VOCAB, (len(keep),), generator=g)
+    return ids, labels
+
+
+def evaluate_reference():
+    """One device, dropout off throughout: the held-out batch's loss before and after one step
+    (SGD, clipping at 1.0) on batch 0, and batch 1's loss after that step."""
+    model = dropout_tagger().eval()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    held, (x, y), (x1, y1) = counted_batch(9), counted_batch(0), counted_batch(1)
+    with torch.no_grad():
+        before = float(masked_ce(model(held[0]), held[1]))
+    masked_ce(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    with torch.no_grad():
+        return {"evals": [before, float(masked_ce(model(held[0]), held[1]))],
+                "next": float(masked_ce(model(x1), y1))}
+
+
+def evaluate_under_schedules(rank, world_size, plans, parts=False):
+    """Per plan, in one process group after another: ``run.evaluate`` of the held-out batch
+    before training and twice after one step taken with dropout off (``model.eval()``), each
+    called with the model in train mode; whether every module is in train mode after it; and
+    the loss of the next step, which trains with dropout on. ``parts``: the held-out batch
+    comes as the plan's micro-batches collated one by one (``plait.MicroBatches``). Each data
+    replica takes its share of every batch's rows."""
+    from plait import MicroBatches
+    from plait.parallel.layout import local_modules
+    from plait.runtime import init
+
+    def rows(batch, start, count):
+        return batch[0][start:start + count], batch[1][start:start + count]
+
+    out = {}
+    for text in plans:
+        run = init(text, quiet=True)
+        model = run.parallelize(dropout_tagger())
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        share = ROWS // run.dp_size
+        start = run.dp_rank * share
+        held = rows(counted_batch(9), start, share)
+        if parts:
+            n = run.plan.microbatches * run.plan.grad_accum
+            held = MicroBatches([rows(held, i * (share // n), share // n) for i in range(n)])
+        evals = [float(run.evaluate(model, held, masked_ce))]
+        model.eval()
+        run.step(model, rows(counted_batch(0), start, share), masked_ce, opt)
+        model.train()
+        evals += [float(run.evaluate(model, held, masked_ce)) for _ in range(2)]
+        modules = [model, *local_modules(model)]
+        training = all(m.training for top in modules for m in top.modules())
+        nxt = float(run.step(model, rows(counted_batch(1), start, share), masked_ce, opt))
+        run.close()
+        out[text] = {"evals": evals, "training": training, "next": nxt}
+    return out

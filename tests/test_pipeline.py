@@ -41,7 +41,14 @@ from plait.parallel.schedules import (
 from plait.partition import balanced_partition, bounds
 from plait.plan import PP_SCHEDULES, Plan
 from plait.spawn import run_distributed
-from tests._pipeline_models import deep_mlp, mlp_batch, timeline_worker, transformer8
+from tests._pipeline_models import (
+    deep_mlp,
+    evaluate_reference,
+    evaluate_under_schedules,
+    mlp_batch,
+    timeline_worker,
+    transformer8,
+)
 
 ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2),
        ("interleaved_zb", 2), ("zbv", 2)]
@@ -488,6 +495,59 @@ def test_stage_copies_keep_their_own_hooks():
     model(torch.randint(0, 64, (2, 8)))
     assert seen == ["first", "last"]
     assert before == ["model"] * 3
+
+
+def _schedule_plans(extra: str) -> list[str]:
+    """One plan per schedule plait offers, with the virtual stages each needs."""
+    v = dict(ALL)
+    return [f"pp=2,schedule={s},v={v[s]},{extra}" for s in PP_SCHEDULES]
+
+
+def _assert_evaluations(got: dict, plans: list[str]) -> None:
+    want = evaluate_reference()
+    for plan in plans:
+        result = got[plan]
+        # dropout off inside evaluate though the model was in train mode: one device's loss,
+        # the mean over every counted label (not a mean of the microbatches' means)
+        assert result["evals"] == pytest.approx([want["evals"][0], *want["evals"][1:] * 2],
+                                                rel=1e-6), plan
+        # and on again after it, on every stage (the V's last stage on rank 0 included): the
+        # next step's loss is not the loss without dropout
+        assert result["training"], plan
+        assert result["next"] != pytest.approx(want["next"], rel=1e-3), plan
+
+
+def test_evaluate_under_every_schedule_is_one_devices_loss():
+    """``run.evaluate`` runs torch's ``schedule.eval`` under every schedule, the V layout of
+    ZB-V (rank 0 holds the first and the last stage) included, before training and after a
+    step; a masked loss whose microbatches count 3, 7, 11 and 15 labels gives one device's
+    mean (1e-6); dropout is off in it and on again for the next step. One spawn of 2 ranks
+    for all six schedules."""
+    plans = _schedule_plans("mb=4")
+    got = run_distributed(evaluate_under_schedules, 2, plans, timeout=240)
+    for rank in got:
+        _assert_evaluations(rank, plans)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra,parts", [("mb=2,grad_accum=2", False), ("mb=4", True)])
+def test_evaluate_under_every_schedule_with_accumulation_or_collated_parts(extra, parts):
+    """As above, with the evaluation split into grad_accum=2 schedule runs, or its batch given
+    as the plan's micro-batches collated one by one (plait.MicroBatches)."""
+    plans = _schedule_plans(extra)
+    got = run_distributed(evaluate_under_schedules, 2, plans, parts, timeout=240)
+    for rank in got:
+        _assert_evaluations(rank, plans)
+
+
+@pytest.mark.slow
+def test_evaluate_under_zbv_beside_zero3_or_ddp_is_one_devices_loss():
+    """ZB-V's evaluation beside data parallelism at 4 ranks: ZeRO-3 (torch's runtime gathers
+    and reshards each stage's units around its forwards) and a replicated copy per stage."""
+    plans = ["dp_shard=2,zero=3,pp=2,schedule=zbv,v=2,mb=2", "dp=2,pp=2,schedule=zbv,v=2,mb=2"]
+    got = run_distributed(evaluate_under_schedules, 4, plans, timeout=300)
+    for rank in got:
+        _assert_evaluations(rank, plans)
 
 
 @pytest.mark.parametrize("text", [

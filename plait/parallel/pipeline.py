@@ -167,10 +167,28 @@ class TimedStage(PipelineStage):
             self.timeline.add(self.stage_index, "F", fwd_chunk_id, start, now())
         return out
 
+    def get_local_bwd_output(self, mb_index):
+        # Where torch falls short: in a V layout (ZB-V: rank 0 holds the first and the last
+        # stage, the turn-around stages sit on one rank) torch's schedule runtime hands a
+        # stage's input gradient to the stage before it on the same rank after each backward
+        # action (get_local_bwd_output, then set_local_bwd_input), and runs those actions in
+        # ``schedule.eval`` too, where the stages have no backward and both raise ("can't
+        # steal_bwd_input if this stage doesn't have backward"). Without a backward there is no
+        # gradient to hand on: nothing passes, and the schedule's forward actions (the whole
+        # of an evaluation) run as torch orders them.
+        if not self.has_backward:
+            return ()
+        return super().get_local_bwd_output(mb_index)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+        if not self.has_backward:  # see get_local_bwd_output
+            return
+        super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
                            last_backward=False):
         start = now()
-        if not full_backward:
+        if not full_backward and self.has_backward:
             self._gather_for_split_backward()
         out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                          last_backward=last_backward)
@@ -227,9 +245,10 @@ class TimedStage(PipelineStage):
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         start = now()
-        self._gather_for_split_backward()
+        if self.has_backward:  # evaluation runs a zero-bubble schedule's W actions as no-ops
+            self._gather_for_split_backward()
         out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-        if self.timeline is not None:
+        if self.timeline is not None and self.has_backward:
             self.timeline.add(self.stage_index, "W", bwd_chunk_id, start, now())
         return out
 
