@@ -470,8 +470,9 @@ def test_futureless_ops_are_timed_to_their_wait():
     # same call sees. The ledger's interval is the raw one (issue to wait); timed at issue it
     # would be about 1% of it. The bound is a fifth, not the whole: on a loaded machine one
     # preemption inside a stopwatch'd call inflates the raw sum of four calls several-fold.
-    # 16 MiB outlasts 1 KiB by orders of magnitude.
-    small, big = 1 << 10, 16 << 20
+    # 64 MiB outlasts 1 KiB by orders of magnitude, and outlasts a preemption of the small
+    # calls on a machine loaded five-fold (16 MiB did not: 0.09 s against 0.12 s).
+    small, big = 1 << 10, 64 << 20
     res = run_distributed(W.futureless_times, 2, [small, big], 4, timeout=180)
     for r in res:
         for op in ("send_recv", "reduce_scatter"):
