@@ -102,13 +102,15 @@ def chunk_placement(plan: Plan, chunks: int) -> list[Sequence[int]]:
     """The chunks (global stages) each pipeline rank runs, as the runtime places them
     (:func:`plait.parallel.schedules.stage_to_rank`): round-robin, or V-shaped under ZB-V,
     whose rank 0 holds the first and the last stage (the embedding and the head)."""
-    from plait.parallel.schedules import local_stages
+    from plait.parallel.schedules import stage_to_rank
 
     pp = plan.pp
     if chunks != pp * plan.virtual_stages:
         return [range(r, chunks, pp) for r in range(pp)]
-    return [tuple(local_stages(plan.pp_schedule, pp, plan.virtual_stages, r))
-            for r in range(pp)]
+    placed: list[list[int]] = [[] for _ in range(pp)]
+    for stage, rank in enumerate(stage_to_rank(plan.pp_schedule, pp, plan.virtual_stages)):
+        placed[rank].append(stage)
+    return [tuple(p) for p in placed]
 
 
 def stage_times(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload, b: int,
