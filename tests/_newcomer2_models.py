@@ -242,10 +242,11 @@ def train(rank: int, world_size: int, name: str, plan: str, evaluate: bool = Fal
     return {"losses": losses, "evaluated": evaluated, "state": state if rank == 0 else None}
 
 
-def reference(name: str) -> dict[str, Any]:
+def reference(name: str, evaluate: bool = False) -> dict[str, Any]:
     """The same AdamW steps with torch alone on one device: each global batch (the loader's
     order) collated whole, the loss the model or loss_fn gives (a detector's dict summed),
-    torch's clipping at 1.0 (plait's default)."""
+    torch's clipping at 1.0 (plait's default); ``evaluate``: then the loss of the first
+    global batch in eval mode (a loss_fn's model only)."""
     from plait.data.loader import DistributedLoader
 
     model, data, loss_fn, collate = _factory(name)
@@ -264,4 +265,11 @@ def reference(name: str) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "state": model.state_dict()}
+    evaluated = []
+    if evaluate:  # the trained model's loss on the first global batch (an evaluation loader's)
+        model.eval()
+        with torch.no_grad():
+            batch = collate([data[int(i)] for i in order.global_indices(0)])
+            labels = batch.pop("labels")
+            evaluated.append(loss_fn(model(**batch), labels).item())
+    return {"losses": losses, "evaluated": evaluated, "state": model.state_dict()}
