@@ -173,3 +173,21 @@ def test_a_pipeline_refuses_a_list_of_one_dict_per_image_by_name() -> None:
         assert (f"batch entry {where} is a list of one dict per example (a detector's "
                 f"targets), which torch's pipeline schedule does not cut") in str(err.value)
         assert "train TinyDetector without pp (dp=N, or dp_shard=N,zero=3" in str(err.value)
+
+
+def test_tp_on_a_graph_network_says_why_its_forward_could_not_be_recorded() -> None:
+    # tp=2 said the forward "does not run on the example given" and not why: it reads the
+    # number of graphs from the batch vector (int(batch.max()) + 1, as PyG's pooling does),
+    # which the fake tensors the recording runs on do not hold.
+    from plait.parallel.tp_example import from_batch
+    from plait.parallel.tp_infer import infer_plan
+
+    data, model = Molecules(4), GraphNet()
+    with pytest.raises(ValueError) as err:
+        infer_plan(model, from_batch(model, collate_graphs([data[i] for i in range(4)])))
+    said = str(err.value)
+    assert ("nor does the model's forward run on the example given to record it instead (it "
+            "raised DataDependentOutputException: aten._local_scalar_dense.default; the "
+            "recording runs on fake tensors, which hold shapes and no values, so a forward "
+            "that reads one (int(batch.max()), .item()) cannot run there)") in said, said
+    assert "no linear gathers their output" in said, said
