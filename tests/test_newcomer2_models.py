@@ -191,3 +191,19 @@ def test_tp_on_a_graph_network_says_why_its_forward_could_not_be_recorded() -> N
             "recording runs on fake tensors, which hold shapes and no values, so a forward "
             "that reads one (int(batch.max()), .item()) cannot run there)") in said, said
     assert "no linear gathers their output" in said, said
+
+
+def test_plait_plan_leaves_out_a_pipeline_for_batches_of_graphs(capsys) -> None:
+    # plait plan ranked pp=2 (1f1b and zbv) for the graph network, whose step then refuses
+    # microbatches of other node counts: the planner now asks the data, one item collated
+    # alone, and says why the pipelines are left out.
+    from plait.cli import main
+
+    assert main(["plan", "--model", "tests._newcomer2_models:graph_net", "--cluster", "cpu",
+                 "--devices", "2", "--global-batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "pp=2" not in out.split("left out")[0], out
+    assert ("refused by the model (one item of its dataset collates to 5, 7, 4, 5, 3, 6, 4, 6 "
+            "rows in GraphNet.forward's first input 'x' (rows that are not examples, as a "
+            "graph's nodes)") in out, out
+    assert "dp_replicate=2" in out
