@@ -184,8 +184,8 @@ def batchnorm_pieces_refusal(model: nn.Module, plan: Plan) -> str | None:
             f"whole batch's as on one device")
 
 
-def layout_check(model: nn.Module, dict_keys: Any = None, example: Example | None = None
-                 ) -> Callable[[Plan], str | None]:
+def layout_check(model: nn.Module, dict_keys: Any = None, example: Example | None = None,
+                 uneven_rows: str | None = None) -> Callable[[Plan], str | None]:
     """What ``model`` itself refuses of a plan the planner ranks
     (:func:`plait.parallel.tensor.tp_refusal`, :func:`plait.parallel.pipeline.pp_refusal`):
     the cost model reads sizes only, and would propose sequence parallelism for blocks that
@@ -196,7 +196,9 @@ def layout_check(model: nn.Module, dict_keys: Any = None, example: Example | Non
     caller has a sample: a forward that takes that dict whole refuses every pipeline
     (:func:`plait.parallel.pipeline.whole_dict_refusal`). ``example``: the user's input (the
     forward's arguments) the checks run the model on, in place of a guessed one; a dict it
-    passes whole gives ``dict_keys``."""
+    passes whole gives ``dict_keys``. ``uneven_rows``: why the data refuses every pipeline
+    (:func:`plait.planner.model_stats.uneven_first_input`: the rows of the input the stages
+    chain are not one per example)."""
     from .dict_batch import signature_of, whole_dict_parameter
     from .parallel.context import cp_refusal
 
@@ -214,6 +216,8 @@ def layout_check(model: nn.Module, dict_keys: Any = None, example: Example | Non
         pieces = batchnorm_pieces_refusal(model, plan)
         if pieces is not None:
             return pieces
+        if plan.pp > 1 and uneven_rows is not None:
+            return uneven_rows
         keys: list[tuple[Any, ...]] = []
         if plan.tp > 1:
             keys.append(("tp", plan.tp, plan.sp))

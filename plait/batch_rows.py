@@ -27,9 +27,21 @@ def row_counts(batch: Any, path: str = "") -> list[tuple[str, int]]:
         return [(path or "the batch", batch.shape[0])] if batch.ndim else []
     if isinstance(batch, dict):
         return [c for k, v in batch.items() for c in row_counts(v, f"{path}[{k!r}]")]
+    if per_example(batch, path):
+        return [(path, len(batch))]
     if isinstance(batch, (tuple, list)):
         return [c for i, v in enumerate(batch) for c in row_counts(v, f"{path}[{i}]")]
     return []
+
+
+def per_example(value: Any, path: str) -> bool:
+    """Whether ``value`` is a list (or tuple) of one dict per example, below the batch's top
+    level: a detector's targets (``[{"boxes": (n_i, 4), "labels": (n_i,)}, ...]``, one per
+    image, each with its own number of boxes). Its rows are its items, cut by position; a
+    tensor inside one dict is that example's, never cut. At the top level a pair of dicts is
+    ``(inputs, targets)``, not two examples (``path`` is empty there)."""
+    return (bool(path) and isinstance(value, (tuple, list)) and bool(value)
+            and all(isinstance(v, dict) for v in value))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .batch_rows import MicroBatches, refuse_ragged
+from .batch_rows import MicroBatches, per_example, refuse_ragged
 from .dict_batch import signature_of, whole_dict_parameter
 from .loss import (
     label_shift,
@@ -100,17 +100,26 @@ def split_microbatches(batch: Any, n: int) -> list[Any]:
     return _split(batch, n)
 
 
-def _split(batch: Any, n: int) -> list[Any]:
+def _split(batch: Any, n: int, path: str = "") -> list[Any]:
+    """``batch`` cut into ``n`` parts along dim 0; a list of one dict per example (a
+    detector's targets, :func:`~plait.batch_rows.per_example`) by position, each dict whole."""
     if isinstance(batch, torch.Tensor):
         if batch.shape[0] % n:
             raise ValueError(f"batch of {batch.shape[0]} rows does not split into {n} equal "
                              f"micro-batches; make the per-replica batch a multiple of {n}")
         return list(batch.chunk(n))
+    if per_example(batch, path):
+        if len(batch) % n:
+            raise ValueError(f"batch entry {path} holds {len(batch)} examples, which do not "
+                             f"split into {n} equal micro-batches; make the per-replica batch "
+                             f"a multiple of {n}")
+        k = len(batch) // n
+        return [type(batch)(batch[i * k:(i + 1) * k]) for i in range(n)]
     if isinstance(batch, dict):
-        by_key = {k: _split(v, n) for k, v in batch.items()}
+        by_key = {k: _split(v, n, f"{path}[{k!r}]") for k, v in batch.items()}
         return [{k: v[i] for k, v in by_key.items()} for i in range(n)]
     if isinstance(batch, (tuple, list)):
-        by_field = [_split(v, n) for v in batch]
+        by_field = [_split(v, n, f"{path}[{i}]") for i, v in enumerate(batch)]
         return [type(batch)(p[i] for p in by_field) for i in range(n)]
     raise TypeError(f"cannot split a batch of type {type(batch).__name__} into micro-batches")
 
@@ -257,11 +266,43 @@ def model_loss(out: Any, loss_fn: LossFn | None, targets: Any) -> Any:
                 f"loss runs inside torch's loss_parallel()): {str(exc).rstrip('.!')}. "
                 f"{_SHARDED_LOGITS_FIX}") from exc
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = summed_losses(out)
+    if loss is None and isinstance(out, (tuple, list)) and out and all(
+            isinstance(o, dict) for o in out):
+        raise ValueError(
+            f"loss_fn=None needs a model that returns its own loss, and it returned a "
+            f"{type(out).__name__} of {len(out)} dicts (keys: {', '.join(map(str, out[0]))}), "
+            f"one per example: a detector's detections, which torchvision-style models return "
+            f"in eval mode (run.evaluate runs the model so) in place of their losses. Its "
+            f"losses come in training mode only (run.step); score the detections yourself: "
+            f"under model.eval() and torch.no_grad(), model(images) on each rank's batch")
     if loss is None:
         raise ValueError(f"loss_fn=None needs a model that returns its own loss (an output with "
-                         f".loss, as Hugging Face models do when the batch holds 'labels'); "
-                         f"{type(out).__name__} has none: pass a loss_fn")
+                         f".loss, as Hugging Face models do when the batch holds 'labels', or "
+                         f"a dict of scalar losses, as torchvision's detectors do in training "
+                         f"mode); {_no_loss(out)}: pass a loss_fn")
     return loss
+
+
+def summed_losses(out: dict[Any, Any]) -> torch.Tensor | None:
+    """The sum of a dict of losses (torchvision's detection and segmentation models in
+    training mode: ``{"loss_classifier": ..., "loss_box_reg": ...}``, which their reference
+    loop sums), or None where a value is not a scalar floating-point tensor (such a dict is
+    an output, not its losses). Each is a mean over the micro-batch, weighted so: one device's
+    loss where every part's losses are means over its images (parts of equal size)."""
+    values = list(out.values())
+    if not values or not all(isinstance(v, torch.Tensor) and v.numel() == 1
+                             and v.is_floating_point() for v in values):
+        return None
+    return torch.stack([v.reshape(()) for v in values]).sum()
+
+
+def _no_loss(out: Any) -> str:
+    """What the model returned instead of a loss."""
+    if isinstance(out, dict):
+        return f"it returned a dict (keys: {', '.join(map(str, out))}) without one"
+    return f"it returned {type(out).__name__}, which has none"
 
 
 def _described(x: Any) -> str:

@@ -297,6 +297,21 @@ def whole_dict_refusal(model_name: str, name: str, keys: Any) -> str:
             f"{', '.join(sorted(keys)[:3])}), or run with pp=1")
 
 
+def _per_example_lists(batch: Any) -> list[str]:
+    """Where ``batch`` (a dict, or ``(inputs, targets)``) holds a list of one dict per example
+    (:func:`~plait.batch_rows.per_example`), written as a user indexes it."""
+    from ..batch_rows import per_example
+
+    if isinstance(batch, dict):
+        return [repr(k) for k, v in batch.items() if per_example(v, repr(k))]
+    if isinstance(batch, (tuple, list)):
+        return [f"[{i}]" + (f"[{k!r}]" if k is not None else "")
+                for i, part in enumerate(batch)
+                for k, v in (part.items() if isinstance(part, dict) else [(None, part)])
+                if per_example(v, "x")]
+    return []
+
+
 def stage_inputs(batch: Any, loss_fn: Callable | None, signature: inspect.Signature,
                  model_name: str) -> StageInputs:
     """Lay out a batch in any of the train step's conventions (``plait.train.call_model``):
@@ -308,6 +323,13 @@ def stage_inputs(batch: Any, loss_fn: Callable | None, signature: inspect.Signat
     value, later stages the hidden states); every other argument is passed by name to every
     stage. Raises ValueError (one line) for a batch the stages cannot be given."""
     last_only: dict[str, Any] = {}
+    listed = _per_example_lists(batch)
+    if listed:
+        raise ValueError(
+            f"batch entry {listed[0]} is a list of one dict per example (a detector's "
+            f"targets), which torch's pipeline schedule does not cut into microbatches (it "
+            f"cuts tensors, and hands anything else whole to every microbatch): train "
+            f"{model_name} without pp (dp=N, or dp_shard=N,zero=3 for memory)")
     if isinstance(batch, dict):
         if "labels" not in batch:
             raise ValueError(f"a dict batch under pp > 1 needs a 'labels' entry (keys: "
@@ -851,9 +873,15 @@ class PipelineRunner:
         outs = [stage_inputs(p, loss_fn, self.signature, self.model_name) for p in batch.parts]
         sizes = [_rows(o.first) for o in outs]
         if len(set(sizes)) > 1:
-            raise ValueError(f"the micro-batches of this batch (plait.MicroBatches) have "
-                             f"{sizes} rows: a pipeline's microbatches are one size; give "
-                             f"each part as many rows")
+            first = next(iter(self.signature.parameters), "first")
+            raise ValueError(
+                f"the micro-batches of this batch (plait.MicroBatches) have {sizes} rows in "
+                f"{self.model_name}.forward's first input {first!r}, which the stages chain: "
+                f"torch's pipeline sends activations of one shape between stages, so every "
+                f"part needs as many rows. Where the rows are not examples (a batch of graphs, "
+                f"whose rows are nodes), pad each part in the collate_fn to one row count "
+                f"(padding nodes without edges, left out of the pooling and the loss), or "
+                f"train without pp (dp=N, or dp_shard=N,zero=3 for memory)")
         odd = {k for o in outs for k, v in {**o.every, **o.last_only}.items()
                if ragged_entries(v, sizes[0])[1]}
         try:

@@ -64,7 +64,11 @@ def from_batch(model: nn.Module, batch: Any) -> Example:
     :func:`plait.train.call_model` calls the model, its targets left out: ``(inputs, targets)``
     gives ``inputs`` (a tuple's items as positional arguments, a dict's entries by name, or
     whole where the forward takes the dict as its one argument); a dict gives every entry but
-    ``labels``; a lone tensor is the input itself; an :class:`Example` is used as it is."""
+    ``labels``; a lone tensor is the input itself; an :class:`Example` is used as it is; a
+    :class:`~plait.MicroBatches` (what ``run.loader`` hands out under ``grad_accum`` for a batch
+    that is not one row per example) gives its first micro-batch, whose forward is the one
+    every part runs."""
+    from ..batch_rows import MicroBatches
     from ..dict_batch import signature_of, whole_dict_parameter
 
     def of_dict(inputs: dict[str, Any]) -> Example:
@@ -74,6 +78,8 @@ def from_batch(model: nn.Module, batch: Any) -> Example:
 
     if isinstance(batch, Example):
         return batch
+    if isinstance(batch, MicroBatches):
+        return from_batch(model, batch.parts[0])
     if isinstance(batch, torch.Tensor):
         return Example((batch,))
     if isinstance(batch, dict):

@@ -450,6 +450,18 @@ def _not_split(model: nn.Module) -> str:
             f"instead, dp=N or dp_shard=N,zero=3 to shard its state")
 
 
+def _why_not_recorded(failed: list[str]) -> str:
+    """What the recording forward raised, and why where it read a value: it runs on fake
+    tensors, which have shapes and no values (``int(batch.max())``, a graph network's count
+    of graphs, cannot be read there)."""
+    if not failed:
+        return ""
+    values = ("; the recording runs on fake tensors, which hold shapes and no values, so a "
+              "forward that reads one (int(batch.max()), .item()) cannot run there"
+              if "DataDependent" in failed[0] or "data-dependent" in failed[0] else "")
+    return f" (it raised {failed[0]}{values})"
+
+
 def infer_plan(model: nn.Module, example: Example | None = None) -> TPPlan:
     """Propose a TP plan for ``model``; ValueError where it cannot decide (see module docs).
     ``example``: the input the blocks fx cannot trace are recorded on (the user's batch, see
@@ -469,10 +481,13 @@ def infer_plan(model: nn.Module, example: Example | None = None) -> TPPlan:
     if untraced and example is None:
         example = example_call(model)
     # Run the model once instead: branches are taken concretely.
-    recorded = record_blocks(model, untraced, example) if untraced and example is not None else {}
+    failed: list[str] = []
+    recorded = (record_blocks(model, untraced, example, failed)
+                if untraced and example is not None else {})
     graphs.update(recorded)
     unguessed = "" if not untraced or recorded else (
-        "; nor does the model's forward run on the example given to record it instead" if given
+        f"; nor does the model's forward run on the example given to record it instead"
+        f"{_why_not_recorded(failed)}" if given
         else f"; nor does the model's forward run on any input plait guessed to record it "
              f"instead (tried {describe(model, example)}): {PASS_EXAMPLE}")
     for name, block in candidates.items():

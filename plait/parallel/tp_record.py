@@ -188,11 +188,12 @@ class _Watch(TorchFunctionMode):
 
 
 def record_blocks(model: nn.Module, blocks: dict[str, nn.Module],
-                  example: torch.Tensor | Example) -> dict[str, fx.Graph]:
+                  example: torch.Tensor | Example, failed: list[str] | None = None
+                  ) -> dict[str, fx.Graph]:
     """{name: graph} for each of ``blocks`` that ``model(example)`` calls, recorded in one
     fake-tensor forward (nothing computed, the model left as it was: buffers a training-mode
     forward updates in place are put back). Blocks the forward does not reach, or all of them
-    when it raises, are left out."""
+    when it raises, are left out; ``failed`` then gets what it raised, one line."""
     from .tp_example import run_on
 
     recordings = {name: _Recording(block) for name, block in blocks.items()}
@@ -206,7 +207,9 @@ def record_blocks(model: nn.Module, blocks: dict[str, nn.Module],
     try:
         with fake_forward(model), _Watch(list(recordings.values())):
             run_on(model, example)
-    except Exception:  # noqa: BLE001 - not runnable on the guessed input: nothing recorded
+    except Exception as exc:  # noqa: BLE001 - not runnable on the input: nothing recorded
+        if failed is not None:
+            failed.append(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:160])
         return {}
     finally:
         for h in handles:

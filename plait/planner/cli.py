@@ -32,6 +32,7 @@ from .model_stats import (
     build_factory,
     load_model,
     sample_keys,
+    uneven_first_input,
 )
 from .search import MIN_CP_TOKENS, SearchResult, cp_searched, divisors, search
 from .uncertainty import with_uncertainty
@@ -598,7 +599,8 @@ def _plan_whole(args: argparse.Namespace, cluster: Cluster, dtype: str,
         built = _build(args.model, "cpu") if timing or any(
             p.is_meta for p in module.parameters()) else module
         real = _model_of(built, args.model)
-        check = layout_check(real, dict_keys=sample_keys(args.model))
+        check = layout_check(real, dict_keys=sample_keys(args.model),
+                             uneven_rows=uneven_first_input(args.model))
     elif timing:
         timing, why = False, (f"not timed: {args.model} ({_count(whole.num_params)} "
                               f"parameters) is over the {_count(ASK_LIMIT)} plait builds on "
@@ -718,7 +720,8 @@ def _ask_the_model(spec: Any, stats: ModelStats
                       f"when it is laid out")
     from ..auto import layout_check
 
-    return layout_check(build_factory(spec, "cpu"), dict_keys=sample_keys(spec)), None
+    return layout_check(build_factory(spec, "cpu"), dict_keys=sample_keys(spec),
+                        uneven_rows=uneven_first_input(spec)), None
 
 
 def _accelerator() -> str | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import json
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -900,6 +901,40 @@ def sample_keys(spec: str) -> list[str] | None:
             item = built[1][0]
             if isinstance(item, dict):
                 return [str(k) for k in item]
+    return None
+
+
+def uneven_first_input(spec: str, items: int = 8) -> str | None:
+    """Why a pipeline cannot take the batches of the factory ``"package.module:function"``,
+    or None: where each of its dataset's first ``items`` items, collated alone by its
+    ``collate_fn``, gives the input the stages chain (the forward's first argument) another
+    row count, those rows are not examples (a graph's nodes, PyG-style), so a step's
+    microbatches differ in shape, which torch's pipeline cannot send between stages (the
+    step refuses them). Asked of factories with a collate_fn only: the default collate
+    stacks items of one shape."""
+    import torch
+
+    from ..parallel.tp_example import from_batch
+
+    with contextlib.suppress(Exception):  # a dataset or collate that fails says nothing here
+        built = _build(spec, "meta", parameters_only=True)
+        if not (isinstance(built, (tuple, list)) and len(built) == 4 and callable(built[3])):
+            return None
+        model, data, collate = _model_of(built, spec), built[1], built[3]
+        signature = inspect.signature(model.forward)
+        first = next(iter(signature.parameters), None)
+        rows: list[int] = []
+        for i in range(min(items, len(data))):
+            example = from_batch(model, collate([data[i]]))
+            x = example.args[0] if example.args else example.kwargs.get(first or "")
+            if isinstance(x, torch.Tensor) and x.dim() > 0:
+                rows.append(int(x.shape[0]))
+        if len(set(rows)) > 1:
+            shown = ", ".join(map(str, rows))
+            return (f"one item of its dataset collates to {shown} rows in "
+                    f"{type(model).__name__}.forward's first input {first!r} (rows that are "
+                    f"not examples, as a graph's nodes), so a step's microbatches differ in "
+                    f"shape, which a pipeline cannot send between stages")
     return None
 
 
