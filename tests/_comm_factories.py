@@ -36,3 +36,26 @@ def few_rows() -> tuple[torch.nn.Module, Any, Any]:
 def missing_data() -> tuple[torch.nn.Module, Any, Any]:
     rows = torch.load("/nonexistent/plait-comm-rows.pt")
     return StackLM(MLPBlock), rows, next_token
+
+
+def finish_comm(rank: int, world_size: int, plan: str, factory: str, global_batch: int,
+                warmup: int, steps: int) -> dict[str, Any]:
+    """One rank of the training loop a user writes around a factory, with the ledger on:
+    ``run.finish()``'s communication table as data (what ``plait comm --model`` must print)."""
+    import importlib
+
+    import plait
+
+    torch.set_num_threads(1)
+    run = plait.init(plan, ledger=True, quiet=True)
+    run.ledger_warmup = warmup
+    module, _, name = factory.partition(":")
+    torch.manual_seed(run.seed)
+    model, dataset, loss_fn = getattr(importlib.import_module(module), name)()
+    loader = run.loader(dataset, batch_size=global_batch, steps=warmup + steps)
+    model = run.parallelize(model, example=loader.batch(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in loader:
+        run.step(model, batch, loss_fn, opt)
+    comm: dict[str, Any] = run.finish(print_summary=False)["comm"]
+    return comm
