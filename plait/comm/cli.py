@@ -204,8 +204,8 @@ def comm_command(args: argparse.Namespace) -> int:
             factory = factory_or_preset(args.model)  # a bad spec fails here, before any rank
         if factory is not None and args.seq is not None:
             raise ValueError(f"--seq={args.seq} sets the length of a reference preset's "
-                             f"sequences; with --model {args.model} the sequences are what "
-                             f"your dataset returns: drop --seq")
+                             f"batches; with --model {args.model} the sequences are what your "
+                             f"dataset returns: drop --seq")
         if args.steps < 1 or args.warmup < 0:
             raise ValueError(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
         replica = replica_batch(args, plan)
