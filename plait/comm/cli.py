@@ -176,9 +176,7 @@ def factory_comm_worker(rank: int, world: int, plan: Plan, spec: str, steps: int
                                   collate_fn=parts.collate_fn))
         first = next(batches)
         model = run.parallelize(parts.model, example=first)
-        # foreach=False: a layout may leave some parameters plain tensors beside DTensors,
-        # a mix the foreach kernels reject; the collectives counted are the same
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # as a user's loop builds it
         for batch in (first, *batches):
             run.step(model, batch, parts.loss_fn, opt)
         info = run.summary()
