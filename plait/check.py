@@ -34,6 +34,7 @@ from .plan import Plan
 from .planner.dropout import random_modules
 from .progress import Stages
 from .spawn import run_distributed, user_errors
+from .user_factory import build_parts, dataset_refusal, factory_or_preset, pipeline_refusal
 
 
 def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None, *,
@@ -337,98 +338,21 @@ class CheckConfig:
     factory: str | None = None
 
 
-def load_factory(spec: str) -> Callable[[], Any]:
-    """Import ``pkg.module:function`` (from the current directory too, as ``python -m`` does)."""
-    import importlib
-    import os
-    import sys
-
-    from .factory_spec import file_path_hint
-
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"--model {spec!r}: expected a reference preset or "
-                         f"pkg.module:function, e.g. --model mymodels:build"
-                         f"{file_path_hint(module_name, attr)}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        hint = file_path_hint(module_name, attr)
-        if hint:
-            raise ValueError(f"--model {spec!r}: cannot import it{hint}") from None
-        raise ValueError(f"--model {spec!r}: cannot import {module_name!r} ({exc}); run from "
-                         f"the directory that holds it or put it on PYTHONPATH") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"--model {spec!r}: {module_name} has no function {attr!r}")
-    return fn
-
-
-def factory_failure(spec: str, exc: BaseException) -> str:
-    """``"--model 'pkg.mod:fn' raised FileNotFoundError: ... (pkg/mod.py line 12, in fn)"``: what
-    the user's factory raised and the line of theirs that raised it (the innermost frame outside
-    Python's and installed packages' files; a data path that does not exist fails inside
-    ``torch.load`` or ``open``), instead of a traceback through plait's worker processes."""
-    import sysconfig
-
-    installed = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
-                                                          "platlib"))
-    where = ""
-    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # past this frame
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if not code.co_filename.startswith(installed) or not where:
-            where = f" ({code.co_filename} line {tb.tb_lineno}, in {code.co_name})"
-        tb = tb.tb_next
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{spec} raised {type(exc).__name__}: {message}{where}"
-
-
 def _user_parts(cfg: CheckConfig) -> tuple[nn.Module, Any, Callable | None]:
     """(model, dataset, loss_fn) from the user's factory, built under the check's seed."""
-    torch.manual_seed(cfg.seed)
-    factory = load_factory(cfg.factory)  # type: ignore[arg-type]
-    spec = f"--model {cfg.factory!r}"
-    try:
-        out = factory()
-    except (ValueError, OSError) as exc:
-        # Bad input to the factory (a value it refuses, a data path that does not exist): one
-        # line naming what it raised and the line of theirs that raised it. Anything else is a
-        # bug in their code, whose traceback (shown once, by the rank) is what they need.
-        raise ValueError(factory_failure(spec, exc)) from None
-    if not isinstance(out, (tuple, list)) or len(out) not in (3, 4):
-        raise ValueError(f"{spec} must return (model, dataset, loss_fn), got "
-                         f"{type(out).__name__}")
-    # Each part is checked here, where its name is known, rather than failing later inside
-    # the step as "'str' object is not callable" or "object of type X has no len()".
-    got = ", ".join(type(x).__name__ for x in out)
-    model, dataset, loss_fn = out[:3]
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"{spec} must return (model, dataset, loss_fn) in that order, got "
-                         f"({got}): the first item must be the nn.Module")
+    parts = build_parts(cfg.factory, cfg.seed)  # type: ignore[arg-type]
+    dataset = parts.dataset
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise ValueError(f"{spec}: the dataset ({type(dataset).__name__}) has no len() and "
-                         f"dataset[i] (an iterable dataset?): plait check draws the same rows "
-                         f"for every layout by index; return a map-style dataset (a list of "
-                         f"items, or a Dataset with __len__ and __getitem__)")
-    if loss_fn is not None and not callable(loss_fn):
-        raise ValueError(f"{spec}: loss_fn is {type(loss_fn).__name__} {loss_fn!r:.40}, not a "
-                         f"function; return loss_fn(output, targets) -> scalar, or None when "
-                         f"the model returns its own loss (output.loss)")
-    if len(out) == 4 and not callable(out[3]):
-        raise ValueError(f"{spec}: the fourth item, the collate_fn, is {type(out[3]).__name__} "
-                         f"{out[3]!r:.40}, not a function; return (model, dataset, loss_fn, "
-                         f"collate_fn) with collate_fn(list of items) -> batch, or the three")
-    return model, dataset, loss_fn
+        raise ValueError(f"--model {cfg.factory!r}: the dataset ({type(dataset).__name__}) has "
+                         f"no len() and dataset[i] (an iterable dataset?): plait check draws the "
+                         f"same rows for every layout by index; return a map-style dataset (a "
+                         f"list of items, or a Dataset with __len__ and __getitem__)")
+    return parts.model, dataset, parts.loss_fn
 
 
 def _user_collate(cfg: CheckConfig) -> Callable[[list[Any]], Any] | None:
     """The collate_fn a factory returns as a fourth item, or None."""
-    torch.manual_seed(cfg.seed)
-    out = load_factory(cfg.factory)()  # type: ignore[arg-type]
-    return out[3] if isinstance(out, (tuple, list)) and len(out) == 4 else None
+    return build_parts(cfg.factory, cfg.seed).collate_fn  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -450,11 +374,9 @@ def _dataset_batches(dataset: Any, cfg: CheckConfig) -> list[Any]:
     from torch.utils.data import default_collate
 
     n = len(dataset)
-    if n == 0:
-        raise ValueError(f"--model {cfg.factory!r}: the dataset is empty")
-    if n < cfg.batch_size:  # as plait.data.loader refuses it for a run
-        raise ValueError(f"--model {cfg.factory!r}: the dataset has {n} items, fewer than one "
-                         f"global batch of {cfg.batch_size}; use --global-batch {n} or less")
+    refusal = dataset_refusal(cfg.factory, dataset, cfg.batch_size)  # type: ignore[arg-type]
+    if refusal is not None:
+        raise ValueError(refusal)
     items = [[dataset[(step * cfg.batch_size + i) % n] for i in range(cfg.batch_size)]
              for step in range(cfg.steps)]
     collate = _user_collate(cfg)
@@ -852,36 +774,11 @@ def _refuse_unfit(plan: Plan, cfg: CheckConfig) -> None:
 
 
 def _refuse_pipeline(plan: Plan, cfg: CheckConfig) -> None:
-    """A pipeline the user's model cannot be cut into (no container of blocks, skips that
-    cross the blocks as a U-Net's do, a forward that takes the whole dict batch) is refused
-    here, before any process starts, with the cause the planner names for it
-    (:func:`plait.auto.layout_check`'s pipeline part), not at the first step of a stage."""
-    if plan.pp < 2 or cfg.factory is None:
-        return
-    from .planner.model_stats import build_factory
-
-    try:
-        model = build_factory(cfg.factory, "cpu")
-    except ValueError:
-        return  # the ranks build it again and say why it fails
-    # the pipeline's own refusals only: BatchNorm cut into microbatches is trained and shown
-    # beside one device (a FAIL that says why), not refused
-    why = _pipeline_only(model, plan, cfg.factory)
+    """A pipeline the user's model cannot be cut into is refused here, before any process
+    starts (:func:`plait.user_factory.pipeline_refusal`)."""
+    why = pipeline_refusal(plan, cfg.factory) if cfg.factory is not None else None
     if why is not None:
-        raise ValueError(f"--model {cfg.factory} cannot run {plan.to_string()}: {why}")
-
-
-def _pipeline_only(model: torch.nn.Module, plan: Plan, spec: str) -> str | None:
-    """The pipeline's refusal of ``plan`` for ``model`` without the BatchNorm one."""
-    from .dict_batch import signature_of, whole_dict_parameter
-    from .parallel.pipeline import pp_refusal, whole_dict_refusal
-    from .planner.model_stats import sample_keys
-
-    keys = sample_keys(spec)
-    whole = whole_dict_parameter(signature_of(model.forward), keys) if keys is not None else None
-    if whole is not None:
-        return whole_dict_refusal(type(model).__name__, whole, keys)
-    return pp_refusal(model, plan)
+        raise ValueError(why)
 
 
 # ---------------------------------------------------------------------------------------- CLI
@@ -917,26 +814,8 @@ def command(args: argparse.Namespace) -> int:
     # when built, in the workers) goes to stderr
     own_output = (contextlib.redirect_stdout(sys.stderr) if args.format == "json"
                   else contextlib.nullcontext())
-    factory = args.model if ":" in args.model else None
-    if factory is not None:
-        with own_output:
-            load_factory(factory)  # a bad spec fails here, before any process starts
-    else:
-        from .factory_spec import file_path_hint
-        from .models.transformer import PRESETS
-
-        hint = file_path_hint(args.model, "")
-        if hint:  # a file path, its factory forgotten too
-            raise ValueError(f"--model {args.model!r}: expected a reference preset or "
-                             f"pkg.module:function{hint}")
-        if args.model not in PRESETS and "." in args.model:  # a module, its factory forgotten
-            raise ValueError(f"--model {args.model!r}: expected a reference preset or "
-                             f"pkg.module:function; name your factory after a colon, e.g. "
-                             f"--model {args.model}:factory")
-        if args.model not in PRESETS:  # one line here, not a traceback from every rank
-            raise ValueError(f"--model {args.model!r} is not a reference preset "
-                             f"({', '.join(PRESETS)}); for a factory of your own give "
-                             f"pkg.module:function, e.g. --model {args.model}:build")
+    with own_output:
+        factory = factory_or_preset(args.model)  # a bad spec fails here, before any process
     cfg = CheckConfig(model=args.model, steps=args.steps, batch_size=args.batch_size,
                       seq_len=args.seq_len, optimizer=args.optimizer, lr=args.lr,
                       factory=factory)

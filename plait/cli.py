@@ -394,11 +394,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     p = _command(
         sub, "comm", "measure the bytes a plan sends per mesh axis, beside the closed form",
-        "Train the reference model for a few steps under --plan with the communication ledger "
-        "on; print per mesh axis and collective the measured bytes per rank per step, the "
-        "closed-form prediction, their ratio, counts, time and bandwidth.",
+        "Train --model (a reference-model preset, or your pkg.module:function returning "
+        "(model, dataset, loss_fn), a collate_fn fourth where items need one, as plait check "
+        "takes) for a few steps under --plan with the communication ledger on; print per mesh "
+        "axis and collective the measured bytes per rank per step, the closed-form prediction "
+        "(data, ZeRO, tensor, sequence and pipeline parallelism; a note says why where there "
+        "is none), their ratio, counts, time and bandwidth: the table run.finish() prints.",
         ["plait comm --plan tp=2,sp=true --steps 1",
          "plait comm --plan dp_shard=2,zero=3 --model tiny --global-batch 8 --format json",
+         "plait comm --plan tp=2 --model examples.your_own_model:factory --global-batch 8",
          "plait comm --plan dp=2 --plot comm.png"])
     if wanted("comm"):
         from .comm import cli as comm_cli

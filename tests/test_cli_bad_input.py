@@ -73,7 +73,20 @@ CASES = [
      "use a multiple of 2, e.g. --global-batch 2"),
     (["check", "--plan", "pp=2,microbatches=4,grad_accum=4"],
      "over 1 data-parallel replica(s) x grad_accum=4 x 4 microbatches = 16"),
-    (["comm", "--plan", "dp=2", "--model", "mymodels:build"], "measures the reference"),
+    # plait comm takes check's factories and refuses a bad one the same way, before any rank
+    (["comm", "--plan", "dp=2", "--model", "mymodels:build"],
+     "--model 'mymodels:build': cannot import 'mymodels'"),
+    (["comm", "--plan", "dp=2", "--model", "models/vit.py:build"],
+     "'models/vit.py' is a file path: give the module's dotted name, e.g. --model "
+     "models.vit:build"),
+    (["comm", "--plan", "dp=2", "--model", "examples.your_own_model"],
+     "name your factory after a colon, e.g. --model examples.your_own_model:factory"),
+    (["comm", "--plan", "dp=2", "--model", "tiny2"], "--model 'tiny2' is not a reference preset"),
+    (["comm", "--plan", "dp=2", "--model", "examples.your_own_model:nope"],
+     "examples.your_own_model has no function 'nope'"),
+    (["comm", "--plan", "dp=2", "--model", "examples.your_own_model:factory", "--seq", "8"],
+     "with --model examples.your_own_model:factory the sequences are what your dataset "
+     "returns: drop --seq"),
     # The script's --plan without a value: one line naming the flag (argparse printed a usage
     # line for "plait [--plan PLAN]", a parser nobody wrote).
     (["run", "--nproc", "2", "SCRIPT", "--plan"],

@@ -347,19 +347,20 @@ def test_a_stage_failing_in_a_small_named_container_says_how_little_it_holds() -
     assert "name the right one with options.pp_blocks" in note and "dp=N" in note, note
 
 
-def test_plait_comm_points_a_convolutional_model_to_a_plan_that_prices_it(capsys) -> None:
-    # The refusal said the planner "does not price convolutions or recurrent layers", while
-    # the command it gives prices the U-Net (its data-parallel bytes per axis).
+def test_plait_comm_measures_the_unet_and_the_recommender(capsys) -> None:
+    # `plait comm --model` trains the factory's own model: the U-Net's convolutions and the
+    # recommender's bags (its collate_fn building each rank's batch) under DDP, every row the
+    # ledger's closed form exactly.
     from plait.cli import main
 
-    assert main(["comm", "--plan", "dp=2", "--model", "tests._newcomer_models:denoiser"]) == 2
-    err = capsys.readouterr().err
-    assert "does not price" not in err, err
-    command = err.split("`")[1]
-    assert command.startswith("plait plan --model tests._newcomer_models:denoiser"), err
-    assert main(command.split()[1:] + ["--format", "json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["plans"][0]["comm_bytes_per_step"], report["plans"][0]
+    for factory in ("denoiser", "recommender_collated"):
+        spec = f"tests._newcomer_models:{factory}"
+        assert main(["comm", "--plan", "dp=2", "--model", spec, "--steps", "1",
+                     "--timeout", "180", "--format", "json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["model"] == spec
+        assert [(r["axis"], r["op"], r["ratio"]) for r in data["rows"]] == \
+            [("dp_replicate", "all_reduce", 1.0)], data["rows"]
 
 
 def test_a_resumed_scheduler_whose_length_changed_is_told_the_saved_one_continues(tmp_path

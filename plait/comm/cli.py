@@ -7,6 +7,7 @@ CLI stays thin and these can be called from tests without a subprocess.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import TYPE_CHECKING, Any
@@ -87,7 +88,9 @@ class _Spelled(argparse.Action):
 def add_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="plan string or file, e.g. 'tp=2,sp=true'")
     parser.add_argument("--model", default="test",
-                        help="reference model preset (default: test)")
+                        help="a reference model preset, or your pkg.module:function returning "
+                        "(model, dataset, loss_fn) or (model, dataset, loss_fn, collate_fn), "
+                        "as plait check takes (default: test)")
     parser.add_argument("--steps", type=int, default=2, metavar="N",
                         help="measured training steps (default: 2)")
     parser.add_argument("--warmup", type=int, default=2, metavar="N",
@@ -104,8 +107,9 @@ def add_comm_arguments(parser: argparse.ArgumentParser) -> None:
                        "instead of --global-batch: the global batch is this times the "
                        f"data-parallel degree (default: {REPLICA_BATCH})")
     parser.add_argument("--seq", "--seq-len", dest="seq", metavar="N", type=int, default=None,
-                        help="tokens per sequence (default: the model's max, at most 128; also "
-                        "spelt --seq-len)")
+                        help="tokens per sequence of a reference preset (default: the model's "
+                        "max, at most 128; also spelt --seq-len); a factory's dataset sets its "
+                        "own")
     add_format(parser, "table")
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="write a bar chart (needs the plot extra: matplotlib)")
@@ -146,24 +150,60 @@ def comm_worker(rank: int, world: int, plan: Plan | str, model_name: str, steps:
         run.close()
 
 
+def factory_comm_worker(rank: int, world: int, plan: Plan, spec: str, steps: int,
+                        warmup: int, global_batch: int) -> dict:
+    """One rank of ``plait comm --model pkg.module:function``: the user's factory's model,
+    built under the run's seed, laid out with this rank's first batch as ``example`` (the
+    ledger's expected column under tp, sp and pp is priced on it), trained for ``warmup`` +
+    ``steps`` steps on the factory's dataset through ``run.loader`` with AdamW; returns
+    ``run.summary()["comm"]``, as :func:`comm_worker` does for the reference model."""
+    import torch
+
+    from .. import runtime
+    from ..user_factory import build_parts, dataset_refusal
+
+    torch.set_num_threads(1)
+    # format given: not the --format of the command that spawned this worker (its sys.argv)
+    run = runtime.init(plan, quiet=True, ledger=True, format="text")
+    run.ledger_warmup = warmup
+    try:
+        parts = build_parts(spec, run.seed)
+        micro = plan.grad_accum * (plan.microbatches if plan.pp > 1 else 1)
+        refusal = dataset_refusal(spec, parts.dataset, global_batch, plan.dp * micro)
+        if refusal is not None:
+            raise ValueError(refusal)
+        batches = iter(run.loader(parts.dataset, batch_size=global_batch, steps=warmup + steps,
+                                  collate_fn=parts.collate_fn))
+        first = next(batches)
+        model = run.parallelize(parts.model, example=first)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # as a user's loop builds it
+        for batch in (first, *batches):
+            run.step(model, batch, parts.loss_fn, opt)
+        info = run.summary()
+        del model, opt
+        return info.get("comm", {})
+    finally:
+        run.close()
+
+
 def comm_command(args: argparse.Namespace) -> int:
     from ..plan import Plan
     from ..spawn import run_distributed, user_errors
+    from ..user_factory import factory_or_preset, pipeline_refusal
     from .report import CommReport
+    # --format json: stdout is the report alone; what the user's model code prints (at import,
+    # when built, in the ranks) goes to stderr
+    own_output = (contextlib.redirect_stdout(sys.stderr) if args.format == "json"
+                  else contextlib.nullcontext())
     try:
         plan = Plan.load(args.plan) if args.plan.endswith((".yaml", ".yml", ".json")) \
             else Plan.from_string(args.plan)
-        from ..models.transformer import PRESETS, preset
-        if ":" in args.model and args.model not in PRESETS:
-            raise ValueError(f"--model {args.model!r}: plait comm measures the reference "
-                             f"transformer's presets ({', '.join(PRESETS)}), whose traffic it "
-                             f"predicts; for your own model, train it under plait.init(plan, "
-                             f"ledger=True): run.finish() prints the measured table (with "
-                             f"the expected column under data parallelism: DDP, ZeRO, HSDP), "
-                             f"and `plait plan --model {args.model} --plan {args.plan} "
-                             f"--cluster cpu --global-batch {args.global_batch or 32}` the "
-                             f"planner's bytes per axis")
-        cfg = preset(args.model)
+        with own_output:
+            factory = factory_or_preset(args.model)  # a bad spec fails here, before any rank
+        if factory is not None and args.seq is not None:
+            raise ValueError(f"--seq={args.seq} sets the length of a reference preset's "
+                             f"batches; with --model {args.model} the sequences are what your "
+                             f"dataset returns: drop --seq")
         if args.steps < 1 or args.warmup < 0:
             raise ValueError(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
         replica = replica_batch(args, plan)
@@ -176,16 +216,32 @@ def comm_command(args: argparse.Namespace) -> int:
         if plan.world_size < 2:
             raise ValueError(f"plan {args.plan!r} runs on 1 rank: nothing is communicated; "
                              f"give a plan with a degree > 1, e.g. 'dp_replicate=2'")
-        seq = args.seq or min(cfg.max_seq_len, 128)
+        seq: int | None = None
+        if factory is None:
+            from ..models.transformer import preset
+
+            seq = args.seq or min(preset(args.model).max_seq_len, 128)
+        else:
+            with own_output:
+                refusal = pipeline_refusal(plan, factory)
+            if refusal is not None:
+                raise ValueError(refusal)
     except ValueError as e:
         return command_failed("comm", f"error: {e}", 2, args.format)
     warning = batch_warning(args, plan)
     if warning:
         print(f"plait comm: warning: {warning}", file=sys.stderr)
     # The Plan itself, not its string form: that one leaves out plan.options.
-    with user_errors():
-        results = run_distributed(comm_worker, plan.world_size, plan, args.model,
-                                  args.steps, args.warmup, replica, seq, timeout=args.timeout)
+    with user_errors(), own_output:
+        if factory is None:
+            results = run_distributed(comm_worker, plan.world_size, plan, args.model,
+                                      args.steps, args.warmup, replica, seq,
+                                      timeout=args.timeout)
+        else:
+            results = run_distributed(factory_comm_worker, plan.world_size, plan, factory,
+                                      args.steps, args.warmup, replica * plan.dp,
+                                      timeout=args.timeout,
+                                      stdout_to_stderr=args.format == "json")
     data = results[0]
     if args.format == "json":
         print(json.dumps({"plan": _plan_text(plan), "model": args.model,
@@ -193,8 +249,9 @@ def comm_command(args: argparse.Namespace) -> int:
                           "seq": seq, **data}, indent=2))
     else:
         report = _from_dict(CommReport, data)
+        shape = f" x seq {seq}" if seq is not None else ""
         print(f"plait comm: plan {_plan_text(plan)}, model {args.model}, global batch "
-              f"{replica * plan.dp} ({replica} per replica) x seq {seq}")
+              f"{replica * plan.dp} ({replica} per replica){shape}")
         print(report.table())
     if args.plot:
         written = _from_dict(CommReport, data).plot(args.plot)
