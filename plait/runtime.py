@@ -75,6 +75,9 @@ class StepStats:
     # the loop does outside run.step (loading data, evaluating), which the ETA must count.
     step_ends: list[float] = field(default_factory=list)
     unit: str = "tokens"  # or "samples" (images, feature rows): see _count_items
+    # Several models stepped on each batch (a GAN's two): the latest loss of each, by the
+    # label the progress line gives it (its class name, numbered where two share one).
+    named_losses: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -142,6 +145,17 @@ class Run:
     # loader's position and saving every N steps count from here.
     first_step: int = 0
     _last_step_args: tuple[Any, Any, Any] | None = None  # (model, optimizer, scheduler)
+    # id(model) -> run.step calls on it in this process, and its label (StepStats.named_losses).
+    # A step of the job is one batch: the models stepped on it count it once, so the step
+    # count is the most calls of any model (a GAN's two run.step calls per batch are one step).
+    _model_steps: dict[int, int] = field(default_factory=dict)
+    _model_labels: dict[int, str] = field(default_factory=dict)
+    # id(laid-out model) -> the class name of the model given to run.parallelize (the layout
+    # wraps it: DDP, FSDP's FSDPNet, a pipeline's stages).
+    _class_names: dict[int, str] = field(default_factory=dict)
+    # The models stepped in the job's first step, in order: its last one ends each step (the
+    # progress line is drawn then, every model's loss known).
+    _step_order: list[int] = field(default_factory=list)
     _loader: DistributedLoader | StreamLoader | None = None
     # What a NaN/inf loss or gradient norm does: "stop" (raise) or "skip" (see plait.guard).
     nonfinite: str = "stop"
@@ -315,6 +329,7 @@ class Run:
 
             out = apply_spmd(model, self.spmd, device=self.device)
             self._models.append(out)
+            self._class_names[id(out)] = type(model).__name__
             self._resume_weights(out)
             return out
         if self.ledger is not None and (self.plan.tp > 1 or self.plan.pp > 1
@@ -341,6 +356,7 @@ class Run:
 
             self._ready[id(out)] = ReadyOrder(out)
         self._models.append(out)
+        self._class_names[id(out)] = type(model).__name__
         self._resume_weights(out)
         return out
 
@@ -475,6 +491,10 @@ class Run:
         """
         _refuse_compiled_wrapper(model)
         loss_fn = self._contrastive_guard(model, loss_fn)
+        calls = self._count_model_step(model)
+        # The job's step this call is part of: a later model stepped on the same batch (a GAN's
+        # generator after its discriminator) joins the step the first one began.
+        joins = calls < len(self.stats.step_times)
         # Counted on the batch as given (host tensors from a loader): an attention mask read
         # on the device would be one more transfer, and on XLA one more graph, every step.
         items, self.stats.unit = _count_items(batch)
@@ -484,7 +504,8 @@ class Run:
             batch = self.spmd.place_batch(batch, self.device)
         self._start_watchdog()
         if self._watchdog is not None:
-            self._watchdog.step_started(self.first_step + len(self.stats.step_times) + 1)
+            self._watchdog.step_started(self.first_step + len(self.stats.step_times)
+                                        + (0 if joins else 1))
         self._last_step_args = (model, optimizer, scheduler)
         user_optimizer = optimizer
         ckpt = self.checkpointing
@@ -512,7 +533,7 @@ class Run:
             self._memory = MemoryTracker(model, optimizer, track_gathered=self.plan.zero >= 2)
         start = time.perf_counter()
         pp_group = self._mesh()["pp"].get_group() if self.plan.pp > 1 else None
-        step_index = len(self.stats.step_times)
+        step_index = calls  # this model's: its first step learns what it must about the model
         recording = self.ledger is not None and step_index >= self.ledger_warmup
         if self._batch_shape is None:
             first = _first_input(batch)
@@ -549,6 +570,7 @@ class Run:
                 with self.ledger.paused() if recording else contextlib.nullcontext():
                     scaler.reference = self._first_reference(items)
             loss_scale = scaler.backward_factor() if scaler is not None else 1.0
+            drop_stale_gradients(model)
             local = forward_backward(model, batch, loss_fn, plan=self.plan, device=self.device,
                                      exchange=exchange, loss_scale=loss_scale)
             if step_index == 0 and self.world_size > 1 and self.spmd is None:
@@ -617,21 +639,28 @@ class Run:
 
             settle_answers(layout_of(model).first_label_skipped)  # read now the graph ran
         elapsed = time.perf_counter() - start
-        step = self.first_step + len(self.stats.step_times) + 1
+        step = self.first_step + len(self.stats.step_times) + (0 if joins else 1)
         if scaler is not None:
             self._update_loss_scale(scaler, step, float(totals[1]))
         self._apply_verdict(step)
         if self._watchdog is not None:
             self._watchdog.active = False  # between steps, time spent is the user's
-        self.stats.step_times.append(elapsed)
-        self.stats.step_ends.append(time.perf_counter())
-        self.stats.tokens.append(int(job_items))
-        self.stats.losses.append(loss)
+        if joins:  # the step's time is every model's; its items and loss, the first one's
+            self.stats.step_times[-1] += elapsed
+            self.stats.step_ends[-1] = time.perf_counter()
+        else:
+            self.stats.step_times.append(elapsed)
+            self.stats.step_ends.append(time.perf_counter())
+            self.stats.tokens.append(int(job_items))
+            self.stats.losses.append(loss)
+        if len(self._model_steps) > 1:
+            self.stats.named_losses[self._model_labels[id(model)]] = loss
         if self.progress is None:
             self.progress = Progress(enabled=self.is_main and not self.quiet,
                                      log_every=self.log_every, events=self.format == "json")
         self.progress.total = self.total_steps
-        self.progress.update(step, float(loss), self.stats)
+        if self._ends_step(model, joins):
+            self.progress.update(step, float(self.stats.losses[-1]), self.stats)
         if ckpt is not None:
             if ckpt.pending is not None and ckpt.pending.done():
                 ckpt.pending.wait()  # rank 0 publishes a finished background save
@@ -641,6 +670,40 @@ class Run:
             self._attempt.write(first=self.first_step, last=step)
         self._stop_if_asked(step)
         return loss
+
+    def _count_model_step(self, model: nn.Module) -> int:
+        """Count a ``run.step`` call on ``model``; returns the calls before it. A second model
+        under ``init(checkpoint=...)`` is refused: the checkpoints it saves hold one model."""
+        key = id(model)
+        if key not in self._model_steps:
+            name = self._class_names.get(key, type(model).__name__)
+            if self._model_steps and self.checkpointing is not None:
+                first = next(iter(self._model_labels.values()))
+                raise ValueError(
+                    f"plait.init(checkpoint=...) saves and resumes one model with its "
+                    f"optimizer, and run.step now trains a second ({name} after {first}): "
+                    f"its checkpoints would resume this one from its "
+                    f"initial weights. Save each model yourself, e.g. run.save(folder + "
+                    f"'/gen', model=gen, optimizer=opt_g) per model, and resume each with "
+                    f"run.load(..., model=..., optimizer=...); leave checkpoint= out of "
+                    f"plait.init")
+            taken = sum(1 for label in self._model_labels.values()
+                        if label.split("#")[0] == name)
+            self._model_labels[key] = name if not taken else f"{name}#{taken + 1}"
+        calls = self._model_steps.get(key, 0)
+        self._model_steps[key] = calls + 1
+        return calls
+
+    def _ends_step(self, model: nn.Module, joins: bool) -> bool:
+        """Whether this call ends the job's step: the last model of the order the first step
+        stepped them in (learned there; in the first step, its first model's call)."""
+        if len(self.stats.step_times) == 1:
+            if not joins:
+                self._step_order = [id(model)]
+            else:
+                self._step_order.append(id(model))
+            return not joins
+        return id(model) == self._step_order[-1] if self._step_order else True
 
     def _contrastive_guard(self, model: nn.Module, loss_fn: LossFn | None) -> Any:
         """``loss_fn`` refused on a contrastive model under data parallelism unless it gathers
@@ -1215,6 +1278,16 @@ def _close_at_exit(ref: weakref.ref) -> None:
     if run is not None and run.owns_group and dist.is_initialized():
         with contextlib.suppress(Exception):
             run.close(leaving=True)
+
+
+def drop_stale_gradients(model: nn.Module) -> None:
+    """Drop the gradients ``model``'s parameters hold before its step's backward, as
+    ``opt.zero_grad()`` at the top of a one-device loop does: another model's backward put
+    them there (a GAN's generator step runs backward through the discriminator), and the step
+    would otherwise add them, at the scale of that step's loss sums, to its own."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad = None
 
 
 def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
