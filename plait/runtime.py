@@ -114,6 +114,10 @@ class Run:
     # read before layout when the ledger is on under ZeRO-3 alone: which blocks FSDP2 gathers
     # again for backward. None: not read.
     _input_grad: bool | None = None
+    # id(laid-out model) -> (_stats, _input_grad) as read for it: the ledger's expected column
+    # prices the model run.step trains, which need not be the last one laid out (a frozen
+    # teacher after its student).
+    _ledger_inputs: dict[int, tuple[Any, bool | None]] = field(default_factory=dict)
     # id(DDP module) -> plait.comm.ready_order.ReadyOrder when the ledger is on: the order its
     # gradients became ready in its first reducing step, which DDP's buckets follow (its hooks
     # leave the model once that step is read).
@@ -357,6 +361,7 @@ class Run:
             self._ready[id(out)] = ReadyOrder(out)
         self._models.append(out)
         self._class_names[id(out)] = type(model).__name__
+        self._ledger_inputs[id(out)] = (self._stats, self._input_grad)
         self._resume_weights(out)
         return out
 
@@ -534,7 +539,9 @@ class Run:
         start = time.perf_counter()
         pp_group = self._mesh()["pp"].get_group() if self.plan.pp > 1 else None
         step_index = calls  # this model's: its first step learns what it must about the model
-        recording = self.ledger is not None and step_index >= self.ledger_warmup
+        # the job's step: the ledger leaves out its first steps for every model alike
+        recording = self.ledger is not None and (
+            len(self.stats.step_times) - joins >= self.ledger_warmup)
         if self._batch_shape is None:
             first = _first_input(batch)
             self._batch_shape = tuple(getattr(first, "shape", ()))
@@ -1119,13 +1126,25 @@ class Run:
                                 accelerator=self.accelerator.name,
                                 wall_s=time.perf_counter() - self._started, warmup=warmup)
         if self.ledger is not None:
-            expected = self._expected_traffic()
-            comm = self.ledger.report(expected=expected)
-            if expected is None and comm.rows:
-                from .comm.predict import no_expected_note
+            stepped = list(self._model_labels.values())  # in the order first stepped
+            if len(stepped) > 1:  # every rank steps the same models: no collective unpaired
+                comm = self.ledger.report(
+                    steps=max(len(self.stats.step_times) - self.ledger_warmup, 1))
+                if comm.rows:
+                    comm.notes.append(
+                        f"run.step trained {len(stepped)} models on each batch ("
+                        f"{', '.join(stepped)}): the bytes are all of theirs per step (a "
+                        f"backward through another model, as a GAN's generator's through its "
+                        f"discriminator, reduces that model's gradients too); the expected "
+                        f"column prices one model, so it is left out")
+            else:
+                expected = self._expected_traffic()
+                comm = self.ledger.report(expected=expected)
+                if expected is None and comm.rows:
+                    from .comm.predict import no_expected_note
 
-                comm.notes.append(no_expected_note(self._models, self.plan, self._stats,
-                                                   self._batch_shape, self._tokens))
+                    comm.notes.append(no_expected_note(self._models, self.plan, self._stats,
+                                                       self._batch_shape, self._tokens))
             info["comm"] = comm.to_dict()
             info["comm_table"] = comm.table()
         if self.xla is not None:
@@ -1148,10 +1167,15 @@ class Run:
         # rank 0's order on every rank, as DDP rebuilds its buckets (every rank holds the same
         # DDP modules, recorded alike)
         orders = {key: agreed_order(recorder) for key, recorder in self._ready.items()}
-        return expected_for_models(self._models, self.plan, self._batch_shape,
-                                   optimizer_params=zero1 or None, stats=self._stats,
+        # the model run.step trains (a frozen teacher laid out after it moves no gradient)
+        models = [m for m in self._models if id(m) in self._model_steps] or self._models
+        stats, input_grad = self._ledger_inputs.get(id(models[-1]), (self._stats,
+                                                                      self._input_grad)) \
+            if models else (self._stats, self._input_grad)
+        return expected_for_models(models, self.plan, self._batch_shape,
+                                   optimizer_params=zero1 or None, stats=stats,
                                    pp_rank=pp_rank, tokens=self._tokens,
-                                   input_grad=self._input_grad, ready_orders=orders,
+                                   input_grad=input_grad, ready_orders=orders,
                                    stack_seqs=self._stack_seqs)
 
     def finish(self, print_summary: bool = True) -> dict[str, Any]:

@@ -224,17 +224,24 @@ def gan_reference(steps: int = STEPS) -> dict[str, Any]:
             "disc": disc.state_dict()}
 
 
-def train_gan(rank: int, world_size: int, plan: str, steps: int = STEPS) -> dict[str, Any]:
+def train_gan(rank: int, world_size: int, plan: str, steps: int = STEPS,
+              folder: str | None = None, resume: bool = False, ledger: bool = False
+              ) -> dict[str, Any]:
     """The GAN through plait: both models laid out, two ``run.step`` calls per batch (the
     discriminator's on real and detached fake rows, the generator's with a loss that scores
-    its output with the discriminator)."""
+    its output with the discriminator). ``folder``: save each model with its optimizer in a
+    folder of its own after the last step, or (``resume``) load both first and train the
+    steps after the saved one."""
     from plait.runtime import init
 
-    run = init(plan, quiet=True)
+    run = init(plan, quiet=True, ledger=ledger)
     gen = run.parallelize(generator())
     disc = run.parallelize(discriminator())
     opt_g = torch.optim.Adam(gen.parameters(), lr=1e-2, betas=(0.5, 0.999))
     opt_d = torch.optim.Adam(disc.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    if resume:
+        run.load(f"{folder}/gen", model=gen, optimizer=opt_g)
+        run.load(f"{folder}/disc", model=disc, optimizer=opt_d)
 
     def g_loss(fake: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
         return bce(disc(fake), ones)
@@ -246,10 +253,14 @@ def train_gan(rank: int, world_size: int, plan: str, steps: int = STEPS) -> dict
             fake = gen(z)
         d_losses.append(float(run.step(disc, _d_batch(real, fake), bce, opt_d)))
         g_losses.append(float(run.step(gen, (z, torch.ones(len(z))), g_loss, opt_g)))
+    if folder is not None and not resume:
+        run.save(f"{folder}/gen", model=gen, optimizer=opt_g)
+        run.save(f"{folder}/disc", model=disc, optimizer=opt_d)
     out = {"d_losses": d_losses, "g_losses": g_losses, "gen": run.full_state_dict(gen),
            "disc": run.full_state_dict(disc), "steps_done": run.steps_done}
+    summary = run.finish(print_summary=False) if ledger else None
     run.close()
-    return out if rank == 0 else {}
+    return {**out, "summary": summary} if rank == 0 else {}
 
 
 # ---------------------------------------------------------------------------------- EMA
@@ -261,3 +272,29 @@ def ema_update(ema: nn.Module, model: nn.Module, decay: float = 0.9) -> None:
 
 def keep_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model).requires_grad_(False)
+
+
+class Distill(nn.Module):
+    """The student beside its frozen teacher, as one module for ``plait check``: the forward
+    gives the student's logits and the teacher's, computed without a graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = student()
+        self.teacher = frozen_teacher()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            t = self.teacher(x)
+        return self.student(x), t
+
+
+def distill_pair_loss(out: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
+                      ) -> torch.Tensor:
+    logits, teacher_logits = out
+    return kd_loss(logits, (labels, teacher_logits))
+
+
+def distill_factory() -> tuple[nn.Module, Dataset, Any]:
+    """Distillation for ``plait check``: the pair as one module, the blob data, the loss."""
+    return Distill(), Blobs(), distill_pair_loss
