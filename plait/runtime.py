@@ -660,8 +660,7 @@ class Run:
             self.stats.step_ends.append(time.perf_counter())
             self.stats.tokens.append(int(job_items))
             self.stats.losses.append(loss)
-        if len(self._model_steps) > 1:
-            self.stats.named_losses[self._model_labels[id(model)]] = loss
+        self.stats.named_losses[self._model_labels[id(model)]] = loss  # shown for two or more
         if self.progress is None:
             self.progress = Progress(enabled=self.is_main and not self.quiet,
                                      log_every=self.log_every, events=self.format == "json")
