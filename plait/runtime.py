@@ -43,6 +43,7 @@ from .parallel.layout import layout_of
 from .parallelize import parallelize as _parallelize
 from .plan import Plan
 from .progress import Progress, check_extras
+from .seeding import TwinCheck
 from .train import (
     LossFn,
     TotalsExchange,
@@ -157,6 +158,9 @@ class Run:
     # id(laid-out model) -> the class name of the model given to run.parallelize (the layout
     # wraps it: DDP, FSDP's FSDPNet, a pipeline's stages).
     _class_names: dict[int, str] = field(default_factory=dict)
+    # What earlier run.parallelize calls saw, to warn about a model built after one of them
+    # that starts from an earlier model's weights (plait.seeding).
+    _twins: TwinCheck = field(default_factory=TwinCheck)
     # The models stepped in the job's first step, in order: its last one ends each step (the
     # progress line is drawn then, every model's loss known).
     _step_order: list[int] = field(default_factory=list)
@@ -327,6 +331,10 @@ class Run:
             self.print("plait: the model came through torch.compile; plait lays out the model "
                        "and compiles each block's forward instead (compile in the plan), the "
                        "way compile composes with data, sharded and pipeline parallelism")
+        from .seeding import fingerprint
+
+        self._twins.before(model, self.seed)
+        initial = fingerprint(model)
         torch.manual_seed(self.seed)
         if self.spmd is not None:
             from .parallel.xla_spmd import apply_spmd
@@ -334,6 +342,7 @@ class Run:
             out = apply_spmd(model, self.spmd, device=self.device)
             self._models.append(out)
             self._class_names[id(out)] = type(model).__name__
+            self._twins.after(type(model).__name__, initial)
             self._resume_weights(out)
             return out
         if self.ledger is not None and (self.plan.tp > 1 or self.plan.pp > 1
@@ -362,6 +371,7 @@ class Run:
         self._models.append(out)
         self._class_names[id(out)] = type(model).__name__
         self._ledger_inputs[id(out)] = (self._stats, self._input_grad)
+        self._twins.after(type(model).__name__, initial)
         self._resume_weights(out)
         return out
 

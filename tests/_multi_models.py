@@ -272,14 +272,60 @@ def train_gan(rank: int, world_size: int, plan: str, steps: int = STEPS,
 
 
 # ---------------------------------------------------------------------------------- EMA
-def ema_update(ema: nn.Module, model: nn.Module, decay: float = 0.9) -> None:
+DECAY = 0.5
+
+
+def ema_update(ema: nn.Module, model: nn.Module, decay: float = DECAY) -> None:
+    """Move each of ``ema``'s parameters toward ``model``'s: both laid out alike, so each
+    pair is the same shard or the same whole tensor."""
     with torch.no_grad():
         for e, p in zip(ema.parameters(), model.parameters(), strict=True):
             e.lerp_(p, 1 - decay)
 
 
-def keep_copy(model: nn.Module) -> nn.Module:
-    return copy.deepcopy(model).requires_grad_(False)
+def ema_reference(steps: int = STEPS) -> dict[str, Any]:
+    """The student trained on the labels alone, its EMA updated after each optimizer step and
+    evaluated, on one device with torch alone."""
+    model = student()
+    ema = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    data = Blobs()
+    for x, y in _global_batches(data, steps):
+        loss = ce_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        ema_update(ema, model)
+        losses.append(loss.item())
+    with torch.no_grad():
+        x, y = _global_batches(data, 1)[0]
+        evaluated = ce_loss(ema(x), y).item()
+    return {"losses": losses, "evaluated": evaluated, "ema": ema.state_dict()}
+
+
+def train_ema(rank: int, world_size: int, plan: str, steps: int = STEPS) -> dict[str, Any]:
+    """The same through plait: the copy taken before ``run.parallelize`` (which lays the model
+    out in place) and laid out itself, frozen, so that its parameters are laid out as the
+    model's; evaluated with ``run.evaluate``."""
+    from plait.runtime import init
+
+    run = init(plan, quiet=True)
+    raw = student()
+    ema = copy.deepcopy(raw).requires_grad_(False)
+    model = run.parallelize(raw)
+    ema = run.parallelize(ema)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for batch in run.loader(Blobs(), batch_size=BATCH, steps=steps):
+        losses.append(float(run.step(model, batch, ce_loss, opt)))
+        ema_update(ema, model)
+    batch = next(iter(run.loader(Blobs(), batch_size=BATCH, steps=1, evaluation=True)))
+    evaluated = float(run.evaluate(ema, batch, ce_loss))
+    state = run.full_state_dict(ema)
+    run.close()
+    return {"losses": losses, "evaluated": evaluated, "ema": state if rank == 0 else None}
 
 
 class Distill(nn.Module):
@@ -306,3 +352,33 @@ def distill_pair_loss(out: tuple[torch.Tensor, torch.Tensor], labels: torch.Tens
 def distill_factory() -> tuple[nn.Module, Dataset, Any]:
     """Distillation for ``plait check``: the pair as one module, the blob data, the loss."""
     return Distill(), Blobs(), distill_pair_loss
+
+
+def two_critics(rank: int, world_size: int, plan: str, built_first: bool
+                ) -> tuple[bool, list[str]]:
+    """Two critics of one class laid out one after the other, each built just before its
+    ``run.parallelize`` call, or (``built_first``) both before the first: whether they start
+    from the same weights, and plait's warnings."""
+    import warnings
+
+    from plait.runtime import init
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        run = init(plan, quiet=True)
+        if built_first:
+            q1, q2 = Net(DATA, 8, 1), Net(DATA, 8, 1)
+            q1, q2 = run.parallelize(q1), run.parallelize(q2)
+        else:
+            q1 = run.parallelize(Net(DATA, 8, 1))
+            q2 = run.parallelize(Net(DATA, 8, 1))
+        ema = run.parallelize(keep_copy(student()))  # a copy built anew: drawn, not a twin
+        one, two = run.full_state_dict(q1), run.full_state_dict(q2)
+        del ema
+        run.close()
+    same = all(torch.equal(one[k], two[k]) for k in one)
+    return same, [str(w.message) for w in said if str(w.message).startswith("plait:")]
+
+
+def keep_copy(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model).requires_grad_(False)

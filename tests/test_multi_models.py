@@ -130,3 +130,30 @@ def test_the_ledger_prices_the_student_not_the_teacher_laid_out_after_it() -> No
     (row,) = got["summary"]["comm"]["rows"]
     assert row["payload_bytes"] == 4 * _params(M.student), row
     assert row["ratio"] == pytest.approx(1.0), row
+
+
+@pytest.mark.parametrize("plan", ["fsdp=2", *[pytest.param(p, marks=pytest.mark.slow) for p in (
+    "", "dp=2", "dp_shard=2,zero=1", "tp=2")]])
+def test_an_ema_copy_laid_out_as_its_model_trains_as_one_device(plan: str) -> None:
+    # The copy taken before run.parallelize and laid out itself (frozen): each of its
+    # parameters is laid out as the model's (the same shard under ZeRO-3, the same split under
+    # tp), so the update pairs them; run.evaluate of the copy is one device's.
+    want = M.ema_reference()
+    got = run_distributed(M.train_ema, 1 if not plan else 2, plan, timeout=120)[0]
+    _same(want["losses"], got["losses"])
+    assert abs(got["evaluated"] - want["evaluated"]) <= REL * want["evaluated"]
+    _same_state(want["ema"], got["ema"])
+
+
+def test_a_model_built_after_another_is_laid_out_is_told_it_starts_as_that_one() -> None:
+    # run.parallelize starts the RNG from the seed: a second critic of the same class built
+    # after the first one's call drew what the first drew, silently (one device builds two
+    # different critics from one stream of draws).
+    same, said = run_distributed(M.two_critics, 1, "", False, timeout=60)[0]
+    assert same
+    (warned,) = [w for w in said if "starts from the same weights" in w]
+    assert ("plait: Net starts from the same weights as Net, laid out before it: "
+            "run.parallelize started the RNG from the seed (plait.init(seed=0))") in warned
+    assert "Build every model before the first run.parallelize call" in warned, warned
+    same, said = run_distributed(M.two_critics, 1, "", True, timeout=60)[0]
+    assert not same and not said, said
