@@ -133,15 +133,16 @@ def distill_reference(steps: int = STEPS) -> dict[str, Any]:
 
 
 def train_distill(rank: int, world_size: int, plan: str, steps: int = STEPS,
-                  ledger: bool = False) -> dict[str, Any]:
+                  ledger: bool = False, whole: bool = False) -> dict[str, Any]:
     """Distillation through plait: the student and the teacher each laid out by
-    ``run.parallelize`` (the teacher second), the teacher's logits computed in the loop and
-    handed to ``run.step`` beside the labels. With ``ledger``, the summary too."""
+    ``run.parallelize`` (the teacher second; ``whole``: the teacher only moved to the device,
+    as under a pipeline), the teacher's logits computed in the loop and handed to
+    ``run.step`` beside the labels. With ``ledger``, the summary too."""
     from plait.runtime import init
 
     run = init(plan, quiet=True, ledger=ledger)
     model = run.parallelize(student())
-    teacher = run.parallelize(frozen_teacher())
+    teacher = frozen_teacher().to(run.device) if whole else run.parallelize(frozen_teacher())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for x, y in run.loader(Blobs(), batch_size=BATCH, steps=steps):
