@@ -383,3 +383,27 @@ def two_critics(rank: int, world_size: int, plan: str, built_first: bool
 
 def keep_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model).requires_grad_(False)
+
+
+def noise_in_the_loop(rank: int, world_size: int, plan: str) -> list[str]:
+    """The GAN with its noise drawn in the loop (``torch.randn``), as one device would: plait's
+    warnings."""
+    import warnings
+
+    from plait.runtime import init
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        run = init(plan, quiet=True)
+        gen = run.parallelize(generator())
+        disc = run.parallelize(discriminator())
+        opt_g = torch.optim.Adam(gen.parameters(), lr=1e-2)
+        opt_d = torch.optim.Adam(disc.parameters(), lr=1e-2)
+        for real, _ in run.loader(Ring(), batch_size=BATCH, steps=1):
+            z = torch.randn(len(real), NOISE)
+            with torch.no_grad():
+                fake = gen(z)
+            run.step(disc, _d_batch(real, fake), bce, opt_d)
+            run.step(gen, (z, torch.ones(len(z))), lambda f, y: bce(disc(f), y), opt_g)
+        run.close()
+    return [str(w.message) for w in said if str(w.message).startswith("plait:")]

@@ -157,3 +157,37 @@ def test_a_model_built_after_another_is_laid_out_is_told_it_starts_as_that_one()
     assert "Build every model before the first run.parallelize call" in warned, warned
     same, said = run_distributed(M.two_critics, 1, "", True, timeout=60)[0]
     assert not same and not said, said
+
+
+def test_noise_drawn_in_the_loop_is_named_as_the_same_on_every_replica() -> None:
+    # plait seeds every rank alike, so the generator's noise drawn with torch.randn in the loop
+    # was the same on both data replicas. The first-step check of the replicas' batches ran on
+    # the first model's first step only (the discriminator's rows differ): nothing was said.
+    said = run_distributed(M.noise_in_the_loop, 2, "dp=2", timeout=60)[0]
+    (same,) = [w for w in said if "got the same batch at the first step" in w]
+    assert "a GAN's noise, torch.randn(...)) is the same on every rank" in same, same
+    assert "draw it in the dataset's __getitem__" in same, same
+
+
+@pytest.mark.slow
+def test_distillation_under_a_pipeline_keeps_the_teacher_whole() -> None:
+    # A laid-out teacher cannot be called under pp (it runs through its schedule): kept whole
+    # on the device, the pipelined student trains as one device's.
+    want = M.distill_reference()
+    got = run_distributed(M.train_distill, 2, "pp=2,mb=2", M.STEPS, False, True,
+                          timeout=120)[0]
+    _same(want["losses"], got["losses"])
+    _same_state(want["state"], got["state"])
+
+
+@pytest.mark.slow
+def test_plait_check_passes_the_student_beside_its_teacher_as_one_module(capsys) -> None:
+    import json
+
+    from plait.cli import main
+
+    code = main(["check", "--plan", "dp=2", "--model", "tests._multi_models:distill_factory",
+                 "--steps", "3", "--timeout", "120", "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, (out, err)
+    assert json.loads(out)["ok"] is True, out
