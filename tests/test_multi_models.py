@@ -191,3 +191,29 @@ def test_plait_check_passes_the_student_beside_its_teacher_as_one_module(capsys)
     out, err = capsys.readouterr()
     assert code == 0, (out, err)
     assert json.loads(out)["ok"] is True, out
+
+
+def test_calling_a_pipelined_teacher_says_to_keep_it_whole() -> None:
+    from plait.parallel.pipeline import PipelinedModel
+
+    with pytest.raises(RuntimeError, match=r"a frozen teacher giving distillation targets\) "
+                                           r"needs no pipeline: leave it out of "
+                                           r"run.parallelize .*teacher.to\(run.device\)"):
+        PipelinedModel([torch.nn.Linear(2, 2)])(torch.zeros(1, 2))
+
+
+def test_the_progress_event_carries_each_models_loss() -> None:
+    import json
+
+    from plait.report import progress_event, progress_line
+    from plait.runtime import StepStats
+
+    stats = StepStats(step_times=[0.1], tokens=[16], unit="samples",
+                      named_losses={"Discriminator": torch.tensor(0.5),
+                                    "Generator": torch.tensor(0.25)})
+    event = json.loads(progress_event(1, 3, 0.5, stats))
+    assert event["loss"] == 0.5 and event["losses"] == {"Discriminator": 0.5, "Generator": 0.25}
+    assert "| loss Discriminator 0.5000, Generator 0.2500 |" in progress_line(1, 3, 0.5, stats)
+    stats.named_losses = {"Net": torch.tensor(0.5)}  # one model: the line as it always was
+    assert "losses" not in json.loads(progress_event(1, 3, 0.5, stats))
+    assert "| loss 0.5000 |" in progress_line(1, 3, 0.5, stats)
