@@ -199,7 +199,7 @@ def _d_batch(real: torch.Tensor, fake: torch.Tensor) -> tuple[torch.Tensor, torc
     return torch.cat([real, fake]), labels
 
 
-def gan_reference(steps: int = STEPS) -> dict[str, Any]:
+def gan_reference(steps: int = STEPS, clip: float = GAN_CLIP) -> dict[str, Any]:
     """The GAN on one device with torch alone: per step the discriminator's update on real
     and detached fake rows, then the generator's through the discriminator."""
     gen, disc = generator(), discriminator()
@@ -212,12 +212,12 @@ def gan_reference(steps: int = STEPS) -> dict[str, Any]:
         x, labels = _d_batch(real, fake.detach())
         d_loss = bce(disc(x), labels)
         d_loss.backward()
-        torch.nn.utils.clip_grad_norm_(disc.parameters(), GAN_CLIP)
+        torch.nn.utils.clip_grad_norm_(disc.parameters(), clip)
         opt_d.step()
         opt_g.zero_grad()
         g_loss = bce(disc(fake), torch.ones(len(fake)))
         g_loss.backward()
-        torch.nn.utils.clip_grad_norm_(gen.parameters(), GAN_CLIP)
+        torch.nn.utils.clip_grad_norm_(gen.parameters(), clip)
         opt_g.step()
         d_losses.append(d_loss.item())
         g_losses.append(g_loss.item())
@@ -239,8 +239,9 @@ def train_gan(rank: int, world_size: int, plan: str, steps: int = STEPS,
     from plait.progress import Progress
     from plait.runtime import init
 
-    run = init(",".join(p for p in (plan, f"clip={GAN_CLIP}") if p), quiet=True,
-               ledger=ledger, checkpoint=checkpoint)
+    # plan="auto" takes no other item: its clip is the default, 1.0
+    run = init(plan if plan == "auto" else ",".join(p for p in (plan, f"clip={GAN_CLIP}") if p),
+               quiet=True, ledger=ledger, checkpoint=checkpoint)
     lines = io.StringIO()
     run.progress = Progress(enabled=rank == 0, log_every=1, stream=lines)
     gen = run.parallelize(generator())
@@ -266,7 +267,7 @@ def train_gan(rank: int, world_size: int, plan: str, steps: int = STEPS,
         run.save(f"{folder}/disc", model=disc, optimizer=opt_d)
     out = {"d_losses": d_losses, "g_losses": g_losses, "gen": run.full_state_dict(gen),
            "disc": run.full_state_dict(disc), "steps_done": run.steps_done,
-           "progress": lines.getvalue().splitlines()}
+           "progress": lines.getvalue().splitlines(), "plan": run.plan.to_string()}
     summary = run.finish(print_summary=False) if ledger else None
     run.close()
     return {**out, "summary": summary} if rank == 0 else {}

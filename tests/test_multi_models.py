@@ -217,3 +217,11 @@ def test_the_progress_event_carries_each_models_loss() -> None:
     stats.named_losses = {"Net": torch.tensor(0.5)}  # one model: the line as it always was
     assert "losses" not in json.loads(progress_event(1, 3, 0.5, stats))
     assert "| loss 0.5000 |" in progress_line(1, 3, 0.5, stats)
+
+
+@pytest.mark.slow
+def test_plan_auto_lays_out_both_models_as_it_chose_for_the_first() -> None:
+    want = M.gan_reference(clip=1.0)
+    got = run_distributed(M.train_gan, 2, "auto", timeout=300)[0]
+    assert got["plan"] == "dp_replicate=2", got["plan"]
+    _gan_as_one_device(got, want)
