@@ -26,10 +26,12 @@ def fingerprint(model: nn.Module) -> tuple[object, ...]:
     """A few of the model's initial values with every parameter's shape: equal for two
     models of one architecture built from the same draws (or copied), unequal otherwise."""
     shapes = tuple(tuple(p.shape) for p in model.parameters())
-    values = tuple(tuple(p.detach().flatten()[:4].float().cpu().tolist())
-                   for p in model.parameters()
-                   if p.is_floating_point() and not p.is_meta and p.numel() > 1)
-    return shapes, values[:3]
+    # not a DTensor: a model laid out already holds shards, no fresh draws
+    drawn = [p for p in model.parameters() if p.is_floating_point() and not p.is_meta
+             and p.numel() > 1 and not hasattr(p, "placements")][:3]
+    # a copy of 12 numbers to the host, once per run.parallelize
+    values = tuple(tuple(p.detach().flatten()[:4].float().cpu().tolist()) for p in drawn)
+    return shapes, values
 
 
 @dataclass
