@@ -648,7 +648,9 @@ class Run:
             self.accelerator.synchronize(self.device)
         if self.spmd is not None:  # XLA: no NaN/inf check there; the stop request alone
             guard.agree_stop()
-        _check_optimizer(model, user_optimizer, self._checked_optimizers)
+        _check_optimizer(model, user_optimizer, self._checked_optimizers,
+                         [(self._class_names.get(id(m), type(m).__name__), m)
+                          for m in self._models if m is not model])
         if self.xla is not None:
             self.xla.step_end()
             from .loss import settle_answers
@@ -1178,9 +1180,8 @@ class Run:
         orders = {key: agreed_order(recorder) for key, recorder in self._ready.items()}
         # the model run.step trains (a frozen teacher laid out after it moves no gradient)
         models = [m for m in self._models if id(m) in self._model_steps] or self._models
-        stats, input_grad = self._ledger_inputs.get(id(models[-1]), (self._stats,
-                                                                      self._input_grad)) \
-            if models else (self._stats, self._input_grad)
+        stats, input_grad = self._ledger_inputs.get(id(models[-1]) if models else 0,
+                                                    (self._stats, self._input_grad))
         return expected_for_models(models, self.plan, self._batch_shape,
                                    optimizer_params=zero1 or None, stats=stats,
                                    pp_rank=pp_rank, tokens=self._tokens,
@@ -1324,7 +1325,8 @@ def drop_stale_gradients(model: nn.Module) -> None:
 
 
 def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
-                     checked: set[tuple[int, int]]) -> None:
+                     checked: set[tuple[int, int]],
+                     others: list[tuple[str, nn.Module]] | None = None) -> None:
     """Refuse an optimizer built on the parameters the layout replaced.
 
     FSDP2 and tensor parallelism swap a module's parameters for new (DTensor) ones, so an
@@ -1335,7 +1337,9 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
     parameter of the loss). Checked once per model and optimizer, at the end of their first
     step: from a forward to its backward FSDP2 leaves a root module's unsharded parameters
     registered (after ``run.evaluate``, say), and only its backward puts back the sharded ones
-    that an optimizer built after ``run.parallelize`` holds."""
+    that an optimizer built after ``run.parallelize`` holds. ``others``: the run's other
+    models, by class name: an optimizer of one of them (a GAN's generator's handed to the
+    discriminator's step) is named as such."""
     key = (id(model), id(optimizer))
     if key in checked:
         return
@@ -1344,6 +1348,15 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
     foreign = len(held - own)
     missing = sum(1 for p in model.parameters() if p.requires_grad and id(p) not in held)
     if foreign and missing:
+        held_by = next((name for name, other in others or []
+                        if held <= {id(p) for p in other.parameters()}), None)
+        if held_by is not None:
+            raise ValueError(f"run.step got the optimizer of another model: it holds "
+                             f"{foreign} parameter(s) of {held_by}, laid out with "
+                             f"run.parallelize, and none of the {missing} trainable ones of "
+                             f"the model it steps; pass each model its own optimizer, built "
+                             f"on that model's parameters (run.step(disc, batch, loss_fn, "
+                             f"opt_d))")
         raise ValueError(f"the optimizer holds {foreign} tensor(s) that are not the model's "
                          f"parameters and misses {missing} of the model's trainable ones: "
                          f"run.parallelize replaced them (sharded or split), so an optimizer "

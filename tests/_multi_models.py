@@ -408,3 +408,23 @@ def noise_in_the_loop(rank: int, world_size: int, plan: str) -> list[str]:
             run.step(gen, (z, torch.ones(len(z))), lambda f, y: bce(disc(f), y), opt_g)
         run.close()
     return [str(w.message) for w in said if str(w.message).startswith("plait:")]
+
+
+def swapped_optimizers(rank: int, world_size: int, plan: str) -> str:
+    """The discriminator stepped with the generator's optimizer: plait's refusal."""
+    from plait.runtime import init
+
+    run = init(plan, quiet=True)
+    gen = run.parallelize(generator())
+    disc = run.parallelize(discriminator())
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-2)
+    try:
+        for real, z in run.loader(Ring(), batch_size=BATCH, steps=1):
+            with torch.no_grad():
+                fake = gen(z.to(run.device))
+            run.step(disc, _d_batch(real.to(run.device), fake), bce, opt_g)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        run.close()
+    return ""

@@ -225,3 +225,12 @@ def test_plan_auto_lays_out_both_models_as_it_chose_for_the_first() -> None:
     got = run_distributed(M.train_gan, 2, "auto", timeout=300)[0]
     assert got["plan"] == "dp_replicate=2", got["plan"]
     _gan_as_one_device(got, want)
+
+
+def test_the_other_models_optimizer_is_named_as_such() -> None:
+    # It was refused as an optimizer built before run.parallelize replaced the parameters.
+    said = run_distributed(M.swapped_optimizers, 1, "", timeout=60)[0]
+    held = len(list(M.generator().parameters()))
+    assert said.startswith(f"run.step got the optimizer of another model: it holds {held} "
+                           f"parameter(s) of Net, laid out with run.parallelize"), said
+    assert "pass each model its own optimizer" in said and "built before" not in said, said
