@@ -503,6 +503,14 @@ class Run:
         replicas that every step makes anyway, since the count scales the gradients. With
         ``init(checkpoint=...)`` the first call loads the checkpoint being resumed, and every
         ``every``-th step saves one.
+
+        Several models (a GAN's generator and discriminator): call it once per model on each
+        batch, each with its own optimizer, which it clips by its own norm and steps. It
+        starts from no gradient on ``model``, dropping any another model's backward left there
+        (the generator's runs through the discriminator), as ``opt.zero_grad()`` at the top of
+        a one-device loop does. The calls on one batch are one step of the job (the most calls
+        of any one model): ``steps_done``, the loader's position and the progress line count
+        batches, and the line shows each model's loss.
         """
         _refuse_compiled_wrapper(model)
         loss_fn = self._contrastive_guard(model, loss_fn)
@@ -786,7 +794,8 @@ class Run:
     # ------------------------------------------------------------------ checkpoints
     @property
     def steps_done(self) -> int:
-        """Optimizer steps taken by this job, those before a resume included."""
+        """Steps taken by this job, those before a resume included: optimizer steps of the
+        model stepped most (with several models stepped on each batch, batches)."""
         return self.first_step + len(self.stats.step_times)
 
     def save(self, path: str | Path | None = None, *, model: nn.Module | None = None,
