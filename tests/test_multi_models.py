@@ -234,3 +234,9 @@ def test_the_other_models_optimizer_is_named_as_such() -> None:
     assert said.startswith(f"run.step got the optimizer of another model: it holds {held} "
                            f"parameter(s) of Net, laid out with run.parallelize"), said
     assert "pass each model its own optimizer" in said and "built before" not in said, said
+
+
+@pytest.mark.slow
+def test_a_gan_under_a_pipeline_stops_at_the_first_call_outside_its_step() -> None:
+    with pytest.raises(WorkerError, match=r"a pipelined model runs through its schedule"):
+        run_distributed(M.train_gan, 2, "pp=2,mb=2", timeout=120)
