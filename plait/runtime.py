@@ -161,8 +161,12 @@ class Run:
     # What earlier run.parallelize calls saw, to warn about a model built after one of them
     # that starts from an earlier model's weights (plait.seeding).
     _twins: TwinCheck = field(default_factory=TwinCheck)
-    # The models stepped in the job's first step, in order: its last one ends each step (the
-    # progress line is drawn then, every model's loss known).
+    # The models stepped in the job's current step, in order, and in the step before it:
+    # a call on a model the current step has not stepped yet joins it (a GAN's generator after
+    # its discriminator, on the same batch); a call on one it has begins the next step (the
+    # discriminator again, or the next of two models trained one after the other). The
+    # progress line is drawn at the call on the last model of the step before.
+    _in_step: list[int] = field(default_factory=list)
     _step_order: list[int] = field(default_factory=list)
     _loader: DistributedLoader | StreamLoader | None = None
     # What a NaN/inf loss or gradient norm does: "stop" (raise) or "skip" (see plait.guard).
@@ -515,9 +519,9 @@ class Run:
         _refuse_compiled_wrapper(model)
         loss_fn = self._contrastive_guard(model, loss_fn)
         calls = self._count_model_step(model)
-        # The job's step this call is part of: a later model stepped on the same batch (a GAN's
-        # generator after its discriminator) joins the step the first one began.
-        joins = calls < len(self.stats.step_times)
+        # The job's step this call is part of (see _in_step): a later model stepped on the same
+        # batch (a GAN's generator after its discriminator) joins the step the first one began.
+        joins = bool(self._in_step) and id(model) not in self._in_step
         # Counted on the batch as given (host tensors from a loader): an attention mask read
         # on the device would be one more transfer, and on XLA one more graph, every step.
         items, self.stats.unit = _count_items(batch)
@@ -675,7 +679,13 @@ class Run:
         if joins:  # the step's time is every model's; its items and loss, the first one's
             self.stats.step_times[-1] += elapsed
             self.stats.step_ends[-1] = time.perf_counter()
+            self._in_step.append(id(model))
         else:
+            self._step_order, self._in_step = self._in_step, [id(model)]
+            # the line shows the losses of the models this step and the one before stepped
+            keep = {self._model_labels[k] for k in (*self._step_order, id(model))}
+            self.stats.named_losses = {k: v for k, v in self.stats.named_losses.items()
+                                       if k in keep}
             self.stats.step_times.append(elapsed)
             self.stats.step_ends.append(time.perf_counter())
             self.stats.tokens.append(int(job_items))
@@ -685,7 +695,7 @@ class Run:
             self.progress = Progress(enabled=self.is_main and not self.quiet,
                                      log_every=self.log_every, events=self.format == "json")
         self.progress.total = self.total_steps
-        if self._ends_step(model, joins):
+        if self._ends_step(model):
             self.progress.update(step, float(self.stats.losses[-1]), self.stats)
         if ckpt is not None:
             if ckpt.pending is not None and ckpt.pending.done():
@@ -720,16 +730,14 @@ class Run:
         self._model_steps[key] = calls + 1
         return calls
 
-    def _ends_step(self, model: nn.Module, joins: bool) -> bool:
-        """Whether this call ends the job's step: the last model of the order the first step
-        stepped them in (learned there; in the first step, its first model's call)."""
-        if len(self.stats.step_times) == 1:
-            if not joins:
-                self._step_order = [id(model)]
-            else:
-                self._step_order.append(id(model))
-            return not joins
-        return id(model) == self._step_order[-1] if self._step_order else True
+    def _ends_step(self, model: nn.Module) -> bool:
+        """Whether this call ends the job's step, every model's loss known: a call on the last
+        model the step before stepped, or on one it did not step (the first step's first
+        call; the first call on a model trained after another)."""
+        order = self._step_order
+        if not order:
+            return self._in_step == [id(model)]
+        return id(model) not in order or id(model) == order[-1]
 
     def _contrastive_guard(self, model: nn.Module, loss_fn: LossFn | None) -> Any:
         """``loss_fn`` refused on a contrastive model under data parallelism unless it gathers

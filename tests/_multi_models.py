@@ -428,3 +428,25 @@ def swapped_optimizers(rank: int, world_size: int, plan: str) -> str:
     finally:
         run.close()
     return ""
+
+
+def one_after_another(rank: int, world_size: int, plan: str) -> dict[str, Any]:
+    """Two models trained one after the other in one run (``STEPS`` batches each, a fresh
+    loader each): the step count after each and rank 0's progress lines."""
+    import io
+
+    from plait.progress import Progress
+    from plait.runtime import init
+
+    run = init(plan, quiet=True)
+    lines = io.StringIO()
+    run.progress = Progress(enabled=rank == 0, log_every=1, stream=lines)
+    done = []
+    for _ in range(2):
+        model = run.parallelize(Net(DATA, 8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for real, _z in run.loader(Ring(), batch_size=BATCH, steps=STEPS, start_step=0):
+            run.step(model, (real, real.sum(1, keepdim=True)), F.mse_loss, opt)
+        done.append(run.steps_done)
+    run.close()
+    return {"steps_done": done, "progress": lines.getvalue().splitlines()}

@@ -240,3 +240,17 @@ def test_the_other_models_optimizer_is_named_as_such() -> None:
 def test_a_gan_under_a_pipeline_stops_at_the_first_call_outside_its_step() -> None:
     with pytest.raises(WorkerError, match=r"a pipelined model runs through its schedule"):
         run_distributed(M.train_gan, 2, "pp=2,mb=2", timeout=120)
+
+
+def test_a_model_trained_after_another_counts_its_own_steps() -> None:
+    # Counted as a second model stepped on each batch: every call on the second joined the
+    # first model's last step (steps_done stayed at 3, no progress line). Its first call still
+    # joins that step (nothing tells it from a GAN's second model yet); each call after it
+    # begins a step of its own and draws its line.
+    got = run_distributed(M.one_after_another, 1, "", timeout=60)[0]
+    assert got["steps_done"] == [M.STEPS, 2 * M.STEPS - 1], got
+    lines = [line.split(" | ")[:2] for line in got["progress"]]
+    assert [step for step, _ in lines] == [
+        "step 1/3", "step 2/3", "step 3/3", "step 3/3", "step 4/3", "step 5/3"], got["progress"]
+    # each model's loss while both step; the second's alone once the first is done
+    assert [loss.count(",") for _, loss in lines] == [0, 0, 0, 1, 1, 0], got["progress"]
