@@ -87,8 +87,8 @@ class Progress:
                              dynamic_ncols=wide, ncols=None if wide else 100, leave=True)
         tps, ms = report.recent_throughput(stats)
         unit = "tok" if getattr(stats, "unit", "tokens") == "tokens" else "samples"
-        self._bar.set_postfix_str(f"loss {self._loss:.4f} | {tps:,.0f} {unit}/s | {ms:.1f} "
-                                  f"ms/step", refresh=False)
+        self._bar.set_postfix_str(f"{report.loss_text(self._loss, stats)} | {tps:,.0f} "
+                                  f"{unit}/s | {ms:.1f} ms/step", refresh=False)
         self._bar.update(step - self._bar.n)
 
     def _write_scalars(self, step: int, loss: float | None, stats: Any) -> None:

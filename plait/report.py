@@ -53,14 +53,24 @@ def eta_seconds(step: int, total: int | None, stats: Any, window: int = 10) -> f
     return float(max(0, total - step) * per_step)
 
 
+def loss_text(loss: float, stats: Any) -> str:
+    """``loss 2.3456``, or with several models stepped on each batch each one's latest loss
+    by its class name: ``loss Discriminator 0.6931, Generator 0.7120``."""
+    named = getattr(stats, "named_losses", {})
+    if len(named) < 2:
+        return f"loss {loss:.4f}"
+    return "loss " + ", ".join(f"{name} {float(value):.4f}" for name, value in named.items())
+
+
 def progress_line(step: int, total: int | None, loss: float, stats: Any) -> str:
     """``step 50/300 | loss 2.3456 | 12,345 tok/s | 45.6 ms/step | ETA 0:00:11``; under fp16
-    the loss scale after the step follows the step time (``| scale 65536``)."""
+    the loss scale after the step follows the step time (``| scale 65536``). Several models
+    stepped on each batch: each one's loss (:func:`loss_text`)."""
     tps, ms = recent_throughput(stats)
     width = len(str(total)) if total else 0
     where = f"{step:>{width}}/{total}" if total else f"{step}"
     unit = "tok" if getattr(stats, "unit", "tokens") == "tokens" else "samples"
-    line = f"step {where} | loss {loss:.4f} | {tps:,.0f} {unit}/s | {ms:.1f} ms/step"
+    line = f"step {where} | {loss_text(loss, stats)} | {tps:,.0f} {unit}/s | {ms:.1f} ms/step"
     scale = getattr(stats, "loss_scale", None)
     if scale is not None:
         line += f" | scale {scale:g}"
@@ -71,7 +81,8 @@ def progress_event(step: int, total: int | None, loss: float, stats: Any) -> str
     """The progress line's figures as one JSON event (``--format json``): ``step``, ``total``
     (null without one), ``loss`` (null until a step's loss is known), ``tokens_per_s`` or
     ``samples_per_s`` and ``step_time_ms`` (the recent rate and median, as the line shows),
-    ``eta_s`` and, under fp16, ``loss_scale``."""
+    ``eta_s``, under fp16 ``loss_scale``, and with several models stepped on each batch
+    ``losses``, each one's latest by its class name (``loss`` is the first model's)."""
     from .outputs import json_event
 
     tps, ms = recent_throughput(stats)
@@ -82,6 +93,9 @@ def progress_event(step: int, total: int | None, loss: float, stats: Any) -> str
     scale = getattr(stats, "loss_scale", None)
     if scale is not None:
         fields["loss_scale"] = scale
+    named = getattr(stats, "named_losses", {})
+    if len(named) > 1:
+        fields["losses"] = {name: float(value) for name, value in named.items()}
     return json_event("progress", **fields)
 
 

@@ -43,6 +43,7 @@ from .parallel.layout import layout_of
 from .parallelize import parallelize as _parallelize
 from .plan import Plan
 from .progress import Progress, check_extras
+from .seeding import TwinCheck
 from .train import (
     LossFn,
     TotalsExchange,
@@ -75,6 +76,9 @@ class StepStats:
     # the loop does outside run.step (loading data, evaluating), which the ETA must count.
     step_ends: list[float] = field(default_factory=list)
     unit: str = "tokens"  # or "samples" (images, feature rows): see _count_items
+    # Several models stepped on each batch (a GAN's two): the latest loss of each, by the
+    # label the progress line gives it (its class name, numbered where two share one).
+    named_losses: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -111,6 +115,10 @@ class Run:
     # read before layout when the ledger is on under ZeRO-3 alone: which blocks FSDP2 gathers
     # again for backward. None: not read.
     _input_grad: bool | None = None
+    # id(laid-out model) -> (_stats, _input_grad) as read for it: the ledger's expected column
+    # prices the model run.step trains, which need not be the last one laid out (a frozen
+    # teacher after its student).
+    _ledger_inputs: dict[int, tuple[Any, bool | None]] = field(default_factory=dict)
     # id(DDP module) -> plait.comm.ready_order.ReadyOrder when the ledger is on: the order its
     # gradients became ready in its first reducing step, which DDP's buckets follow (its hooks
     # leave the model once that step is read).
@@ -142,6 +150,24 @@ class Run:
     # loader's position and saving every N steps count from here.
     first_step: int = 0
     _last_step_args: tuple[Any, Any, Any] | None = None  # (model, optimizer, scheduler)
+    # id(model) -> run.step calls on it in this process, and its label (StepStats.named_losses).
+    # A step of the job is one batch: the models stepped on it count it once, so the step
+    # count is the most calls of any model (a GAN's two run.step calls per batch are one step).
+    _model_steps: dict[int, int] = field(default_factory=dict)
+    _model_labels: dict[int, str] = field(default_factory=dict)
+    # id(laid-out model) -> the class name of the model given to run.parallelize (the layout
+    # wraps it: DDP, FSDP's FSDPNet, a pipeline's stages).
+    _class_names: dict[int, str] = field(default_factory=dict)
+    # What earlier run.parallelize calls saw, to warn about a model built after one of them
+    # that starts from an earlier model's weights (plait.seeding).
+    _twins: TwinCheck = field(default_factory=TwinCheck)
+    # The models stepped in the job's current step, in order, and in the step before it:
+    # a call on a model the current step has not stepped yet joins it (a GAN's generator after
+    # its discriminator, on the same batch); a call on one it has begins the next step (the
+    # discriminator again, or the next of two models trained one after the other). The
+    # progress line is drawn at the call on the last model of the step before.
+    _in_step: list[int] = field(default_factory=list)
+    _step_order: list[int] = field(default_factory=list)
     _loader: DistributedLoader | StreamLoader | None = None
     # What a NaN/inf loss or gradient norm does: "stop" (raise) or "skip" (see plait.guard).
     nonfinite: str = "stop"
@@ -309,12 +335,18 @@ class Run:
             self.print("plait: the model came through torch.compile; plait lays out the model "
                        "and compiles each block's forward instead (compile in the plan), the "
                        "way compile composes with data, sharded and pipeline parallelism")
+        from .seeding import fingerprint
+
+        self._twins.before(model, self.seed)
+        initial = fingerprint(model)
         torch.manual_seed(self.seed)
         if self.spmd is not None:
             from .parallel.xla_spmd import apply_spmd
 
             out = apply_spmd(model, self.spmd, device=self.device)
             self._models.append(out)
+            self._class_names[id(out)] = type(model).__name__
+            self._twins.after(type(model).__name__, initial)
             self._resume_weights(out)
             return out
         if self.ledger is not None and (self.plan.tp > 1 or self.plan.pp > 1
@@ -341,6 +373,9 @@ class Run:
 
             self._ready[id(out)] = ReadyOrder(out)
         self._models.append(out)
+        self._class_names[id(out)] = type(model).__name__
+        self._ledger_inputs[id(out)] = (self._stats, self._input_grad)
+        self._twins.after(type(model).__name__, initial)
         self._resume_weights(out)
         return out
 
@@ -472,9 +507,21 @@ class Run:
         replicas that every step makes anyway, since the count scales the gradients. With
         ``init(checkpoint=...)`` the first call loads the checkpoint being resumed, and every
         ``every``-th step saves one.
+
+        Several models (a GAN's generator and discriminator): call it once per model on each
+        batch, each with its own optimizer, which it clips by its own norm and steps. It
+        starts from no gradient on ``model``, dropping any another model's backward left there
+        (the generator's runs through the discriminator), as ``opt.zero_grad()`` at the top of
+        a one-device loop does. The calls on one batch are one step of the job (the most calls
+        of any one model): ``steps_done``, the loader's position and the progress line count
+        batches, and the line shows each model's loss.
         """
         _refuse_compiled_wrapper(model)
         loss_fn = self._contrastive_guard(model, loss_fn)
+        calls = self._count_model_step(model)
+        # The job's step this call is part of (see _in_step): a later model stepped on the same
+        # batch (a GAN's generator after its discriminator) joins the step the first one began.
+        joins = bool(self._in_step) and id(model) not in self._in_step
         # Counted on the batch as given (host tensors from a loader): an attention mask read
         # on the device would be one more transfer, and on XLA one more graph, every step.
         items, self.stats.unit = _count_items(batch)
@@ -484,7 +531,8 @@ class Run:
             batch = self.spmd.place_batch(batch, self.device)
         self._start_watchdog()
         if self._watchdog is not None:
-            self._watchdog.step_started(self.first_step + len(self.stats.step_times) + 1)
+            self._watchdog.step_started(self.first_step + len(self.stats.step_times)
+                                        + (0 if joins else 1))
         self._last_step_args = (model, optimizer, scheduler)
         user_optimizer = optimizer
         ckpt = self.checkpointing
@@ -512,8 +560,10 @@ class Run:
             self._memory = MemoryTracker(model, optimizer, track_gathered=self.plan.zero >= 2)
         start = time.perf_counter()
         pp_group = self._mesh()["pp"].get_group() if self.plan.pp > 1 else None
-        step_index = len(self.stats.step_times)
-        recording = self.ledger is not None and step_index >= self.ledger_warmup
+        step_index = calls  # this model's: its first step learns what it must about the model
+        # the job's step: the ledger leaves out its first steps for every model alike
+        recording = self.ledger is not None and (
+            len(self.stats.step_times) - joins >= self.ledger_warmup)
         if self._batch_shape is None:
             first = _first_input(batch)
             self._batch_shape = tuple(getattr(first, "shape", ()))
@@ -549,6 +599,7 @@ class Run:
                 with self.ledger.paused() if recording else contextlib.nullcontext():
                     scaler.reference = self._first_reference(items)
             loss_scale = scaler.backward_factor() if scaler is not None else 1.0
+            drop_stale_gradients(model)
             local = forward_backward(model, batch, loss_fn, plan=self.plan, device=self.device,
                                      exchange=exchange, loss_scale=loss_scale)
             if step_index == 0 and self.world_size > 1 and self.spmd is None:
@@ -609,7 +660,9 @@ class Run:
             self.accelerator.synchronize(self.device)
         if self.spmd is not None:  # XLA: no NaN/inf check there; the stop request alone
             guard.agree_stop()
-        _check_optimizer(model, user_optimizer, self._checked_optimizers)
+        _check_optimizer(model, user_optimizer, self._checked_optimizers,
+                         [(self._class_names.get(id(m), type(m).__name__), m)
+                          for m in self._models if m is not model])
         if self.xla is not None:
             self.xla.step_end()
             from .loss import settle_answers
@@ -617,21 +670,33 @@ class Run:
 
             settle_answers(layout_of(model).first_label_skipped)  # read now the graph ran
         elapsed = time.perf_counter() - start
-        step = self.first_step + len(self.stats.step_times) + 1
+        step = self.first_step + len(self.stats.step_times) + (0 if joins else 1)
         if scaler is not None:
             self._update_loss_scale(scaler, step, float(totals[1]))
         self._apply_verdict(step)
         if self._watchdog is not None:
             self._watchdog.active = False  # between steps, time spent is the user's
-        self.stats.step_times.append(elapsed)
-        self.stats.step_ends.append(time.perf_counter())
-        self.stats.tokens.append(int(job_items))
-        self.stats.losses.append(loss)
+        if joins:  # the step's time is every model's; its items and loss, the first one's
+            self.stats.step_times[-1] += elapsed
+            self.stats.step_ends[-1] = time.perf_counter()
+            self._in_step.append(id(model))
+        else:
+            self._step_order, self._in_step = self._in_step, [id(model)]
+            # the line shows the losses of the models this step and the one before stepped
+            keep = {self._model_labels[k] for k in (*self._step_order, id(model))}
+            self.stats.named_losses = {k: v for k, v in self.stats.named_losses.items()
+                                       if k in keep}
+            self.stats.step_times.append(elapsed)
+            self.stats.step_ends.append(time.perf_counter())
+            self.stats.tokens.append(int(job_items))
+            self.stats.losses.append(loss)
+        self.stats.named_losses[self._model_labels[id(model)]] = loss  # shown for two or more
         if self.progress is None:
             self.progress = Progress(enabled=self.is_main and not self.quiet,
                                      log_every=self.log_every, events=self.format == "json")
         self.progress.total = self.total_steps
-        self.progress.update(step, float(loss), self.stats)
+        if self._ends_step(model):
+            self.progress.update(step, float(self.stats.losses[-1]), self.stats)
         if ckpt is not None:
             if ckpt.pending is not None and ckpt.pending.done():
                 ckpt.pending.wait()  # rank 0 publishes a finished background save
@@ -641,6 +706,38 @@ class Run:
             self._attempt.write(first=self.first_step, last=step)
         self._stop_if_asked(step)
         return loss
+
+    def _count_model_step(self, model: nn.Module) -> int:
+        """Count a ``run.step`` call on ``model``; returns the calls before it. A second model
+        under ``init(checkpoint=...)`` is refused: the checkpoints it saves hold one model."""
+        key = id(model)
+        if key not in self._model_steps:
+            name = self._class_names.get(key, type(model).__name__)
+            if self._model_steps and self.checkpointing is not None:
+                first = next(iter(self._model_labels.values()))
+                raise ValueError(
+                    f"plait.init(checkpoint=...) saves and resumes one model with its "
+                    f"optimizer, and run.step now trains a second ({name} after {first}): "
+                    f"its checkpoints would resume this one from its "
+                    f"initial weights. Save each model yourself, e.g. run.save(folder + "
+                    f"'/gen', model=gen, optimizer=opt_g) per model, and resume each with "
+                    f"run.load(..., model=..., optimizer=...); leave checkpoint= out of "
+                    f"plait.init")
+            taken = sum(1 for label in self._model_labels.values()
+                        if label.split("#")[0] == name)
+            self._model_labels[key] = name if not taken else f"{name}#{taken + 1}"
+        calls = self._model_steps.get(key, 0)
+        self._model_steps[key] = calls + 1
+        return calls
+
+    def _ends_step(self, model: nn.Module) -> bool:
+        """Whether this call ends the job's step, every model's loss known: a call on the last
+        model the step before stepped, or on one it did not step (the first step's first
+        call; the first call on a model trained after another)."""
+        order = self._step_order
+        if not order:
+            return self._in_step == [id(model)]
+        return id(model) not in order or id(model) == order[-1]
 
     def _contrastive_guard(self, model: nn.Module, loss_fn: LossFn | None) -> Any:
         """``loss_fn`` refused on a contrastive model under data parallelism unless it gathers
@@ -705,7 +802,8 @@ class Run:
     # ------------------------------------------------------------------ checkpoints
     @property
     def steps_done(self) -> int:
-        """Optimizer steps taken by this job, those before a resume included."""
+        """Steps taken by this job, those before a resume included: optimizer steps of the
+        model stepped most (with several models stepped on each batch, batches)."""
         return self.first_step + len(self.stats.step_times)
 
     def save(self, path: str | Path | None = None, *, model: nn.Module | None = None,
@@ -1056,13 +1154,25 @@ class Run:
                                 accelerator=self.accelerator.name,
                                 wall_s=time.perf_counter() - self._started, warmup=warmup)
         if self.ledger is not None:
-            expected = self._expected_traffic()
-            comm = self.ledger.report(expected=expected)
-            if expected is None and comm.rows:
-                from .comm.predict import no_expected_note
+            stepped = list(self._model_labels.values())  # in the order first stepped
+            if len(stepped) > 1:  # every rank steps the same models: no collective unpaired
+                comm = self.ledger.report(
+                    steps=max(len(self.stats.step_times) - self.ledger_warmup, 1))
+                if comm.rows:
+                    comm.notes.append(
+                        f"run.step trained {len(stepped)} models on each batch ("
+                        f"{', '.join(stepped)}): the bytes are all of theirs per step (a "
+                        f"backward through another model, as a GAN's generator's through its "
+                        f"discriminator, reduces that model's gradients too); the expected "
+                        f"column prices one model, so it is left out")
+            else:
+                expected = self._expected_traffic()
+                comm = self.ledger.report(expected=expected)
+                if expected is None and comm.rows:
+                    from .comm.predict import no_expected_note
 
-                comm.notes.append(no_expected_note(self._models, self.plan, self._stats,
-                                                   self._batch_shape, self._tokens))
+                    comm.notes.append(no_expected_note(self._models, self.plan, self._stats,
+                                                       self._batch_shape, self._tokens))
             info["comm"] = comm.to_dict()
             info["comm_table"] = comm.table()
         if self.xla is not None:
@@ -1085,10 +1195,14 @@ class Run:
         # rank 0's order on every rank, as DDP rebuilds its buckets (every rank holds the same
         # DDP modules, recorded alike)
         orders = {key: agreed_order(recorder) for key, recorder in self._ready.items()}
-        return expected_for_models(self._models, self.plan, self._batch_shape,
-                                   optimizer_params=zero1 or None, stats=self._stats,
+        # the model run.step trains (a frozen teacher laid out after it moves no gradient)
+        models = [m for m in self._models if id(m) in self._model_steps] or self._models
+        stats, input_grad = self._ledger_inputs.get(id(models[-1]) if models else 0,
+                                                    (self._stats, self._input_grad))
+        return expected_for_models(models, self.plan, self._batch_shape,
+                                   optimizer_params=zero1 or None, stats=stats,
                                    pp_rank=pp_rank, tokens=self._tokens,
-                                   input_grad=self._input_grad, ready_orders=orders,
+                                   input_grad=input_grad, ready_orders=orders,
                                    stack_seqs=self._stack_seqs)
 
     def finish(self, print_summary: bool = True) -> dict[str, Any]:
@@ -1217,8 +1331,19 @@ def _close_at_exit(ref: weakref.ref) -> None:
             run.close(leaving=True)
 
 
+def drop_stale_gradients(model: nn.Module) -> None:
+    """Drop the gradients ``model``'s parameters hold before its step's backward, as
+    ``opt.zero_grad()`` at the top of a one-device loop does: another model's backward put
+    them there (a GAN's generator step runs backward through the discriminator), and the step
+    would otherwise add them, at the scale of that step's loss sums, to its own."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad = None
+
+
 def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
-                     checked: set[tuple[int, int]]) -> None:
+                     checked: set[tuple[int, int]],
+                     others: list[tuple[str, nn.Module]] | None = None) -> None:
     """Refuse an optimizer built on the parameters the layout replaced.
 
     FSDP2 and tensor parallelism swap a module's parameters for new (DTensor) ones, so an
@@ -1229,7 +1354,9 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
     parameter of the loss). Checked once per model and optimizer, at the end of their first
     step: from a forward to its backward FSDP2 leaves a root module's unsharded parameters
     registered (after ``run.evaluate``, say), and only its backward puts back the sharded ones
-    that an optimizer built after ``run.parallelize`` holds."""
+    that an optimizer built after ``run.parallelize`` holds. ``others``: the run's other
+    models, by class name: an optimizer of one of them (a GAN's generator's handed to the
+    discriminator's step) is named as such."""
     key = (id(model), id(optimizer))
     if key in checked:
         return
@@ -1238,6 +1365,15 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
     foreign = len(held - own)
     missing = sum(1 for p in model.parameters() if p.requires_grad and id(p) not in held)
     if foreign and missing:
+        held_by = next((name for name, other in others or []
+                        if held <= {id(p) for p in other.parameters()}), None)
+        if held_by is not None:
+            raise ValueError(f"run.step got the optimizer of another model: it holds "
+                             f"{foreign} parameter(s) of {held_by}, laid out with "
+                             f"run.parallelize, and none of the {missing} trainable ones of "
+                             f"the model it steps; pass each model its own optimizer, built "
+                             f"on that model's parameters (run.step(disc, batch, loss_fn, "
+                             f"opt_d))")
         raise ValueError(f"the optimizer holds {foreign} tensor(s) that are not the model's "
                          f"parameters and misses {missing} of the model's trainable ones: "
                          f"run.parallelize replaced them (sharded or split), so an optimizer "

@@ -92,7 +92,10 @@ def check_rank_batches(batch: Any, dp_rank: int, dp: int, peer_axes: dict[str, i
                       f"data at {dp}x the cost. Load batches with run.loader(dataset, "
                       f"batch_size=<global batch>), which gives each replica its own rows (or "
                       f"a DataLoader with torch.utils.data.DistributedSampler(dataset, "
-                      f"num_replicas=run.dp_size, rank=run.dp_rank))",
+                      f"num_replicas=run.dp_size, rank=run.dp_rank)). A tensor the loop draws "
+                      f"itself (a GAN's noise, torch.randn(...)) is the same on every rank, "
+                      f"which plait seeds alike: draw it in the dataset's __getitem__, where "
+                      f"each item gets draws of its own",
                       UserWarning, stacklevel=user_stacklevel())
     return same
 

@@ -1264,7 +1264,10 @@ class PipelinedModel(nn.Module):
                            "run.step(model, batch, loss_fn, opt) to train, "
                            "run.evaluate(model, batch, loss_fn) for a loss without training, "
                            "or load run.full_state_dict(model) into a one-device copy of the "
-                           "model for anything else (generation)")
+                           "model for anything else (generation); a model the loop only calls "
+                           "(a frozen teacher giving distillation targets) needs no pipeline: "
+                           "leave it out of run.parallelize and move it to the device, "
+                           "teacher.to(run.device)")
 
 
 def pp_refusal(model: nn.Module, plan: Plan,

@@ -1,0 +1,256 @@
+"""Several models trained together (``tests/_multi_models.py``): knowledge distillation with a
+frozen teacher, a GAN's two models and optimizers stepped on each batch, each against the same
+loop in plain torch on one device (losses and every parameter), saved apart and resumed under
+another layout, with the progress line, the step count and the ledger a user sees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from plait.spawn import WorkerError, run_distributed
+from tests import _multi_models as M
+
+REL, ATOL = 1e-6, 1e-6
+
+
+def _same(want: list[float], got: list[float]) -> None:
+    assert len(got) == len(want), (want, got)
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert abs(a - b) <= REL * abs(a), (step, want, got)
+
+
+def _same_state(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want), (sorted(want), sorted(got))
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=ATOL, msg=name)
+
+
+def _gan_as_one_device(got: dict[str, Any], want: dict[str, Any]) -> None:
+    _same(want["d_losses"], got["d_losses"])
+    _same(want["g_losses"], got["g_losses"])
+    _same_state(want["gen"], got["gen"])
+    _same_state(want["disc"], got["disc"])
+
+
+GAN_SLOW = [pytest.param(p, marks=pytest.mark.slow)
+            for p in ("dp_shard=2,zero=1", "fsdp=2", "tp=2", "dp=2,grad_accum=2")]
+
+
+@pytest.mark.parametrize("plan", ["", "dp=2", *GAN_SLOW])
+def test_a_gan_trains_as_one_device(plan: str) -> None:
+    # The generator's step runs backward through the discriminator, which left the
+    # discriminator's gradients (of that step's loss sums) on its parameters, and its next
+    # run.step added them to its own: from the second step on every layout, one process
+    # included, trained another discriminator than one device's loop, which zeroes them. And
+    # the two run.step calls per batch counted as two steps (steps_done 6 after 3 batches).
+    want = M.gan_reference()
+    got = run_distributed(M.train_gan, 1 if plan in ("", "grad_accum=2") else 2, plan,
+                          timeout=120)[0]
+    _gan_as_one_device(got, want)
+    assert got["steps_done"] == M.STEPS
+
+
+def test_the_progress_line_counts_batches_and_shows_each_models_loss() -> None:
+    # Each model's run.step drew its own line under a step number of its own ("step 1/3" to
+    # "step 6/3"), the loss one model's or the other's by turns.
+    want = M.gan_reference()
+    lines = run_distributed(M.train_gan, 1, "", timeout=120)[0]["progress"]
+    assert [line.split(" | ")[0] for line in lines] == ["step 1/3", "step 2/3", "step 3/3"], \
+        lines
+    # the first step's line comes at its first model's step; from then on, once every model
+    # stepped, with each one's loss by its class name (two Nets: the second numbered)
+    assert lines[0].split(" | ")[1] == f"loss {want['d_losses'][0]:.4f}", lines
+    for step in (1, 2):
+        assert lines[step].split(" | ")[1] == (
+            f"loss Net {want['d_losses'][step]:.4f}, Net#2 {want['g_losses'][step]:.4f}"), lines
+
+
+@pytest.mark.parametrize("plan", ["dp=2", *[pytest.param(p, marks=pytest.mark.slow) for p in (
+    "", "dp_shard=2,zero=1", "fsdp=2", "tp=2")]])
+def test_distillation_from_a_frozen_teacher_trains_as_one_device(plan: str) -> None:
+    # The teacher (no parameter trains) laid out beside the student: under DDP it is a
+    # replica without a DDP wrapper, which torch refuses for such a module.
+    want = M.distill_reference()
+    got = run_distributed(M.train_distill, 1 if not plan else 2, plan, timeout=120)[0]
+    _same(want["losses"], got["losses"])
+    assert abs(got["evaluated"] - want["evaluated"]) <= REL * want["evaluated"]
+    _same_state(want["state"], got["state"])
+
+
+@pytest.mark.parametrize("plan", ["fsdp=2", pytest.param("tp=2", marks=pytest.mark.slow)])
+def test_two_models_saved_apart_resume_under_another_layout(tmp_path, plan: str) -> None:
+    # Saved after 2 batches under dp=2, each model with its optimizer in its own folder: the
+    # checkpoints said step 4 (two run.step calls a batch), and the resumed loader started at
+    # batch 4 of a 3-step run, training nothing.
+    folder = str(tmp_path)
+    first = run_distributed(M.train_gan, 2, "dp=2", 2, folder, timeout=120)[0]
+    assert sorted(p.name for p in (tmp_path / "gen").iterdir()) == ["step-00000002"]
+    rest = run_distributed(M.train_gan, 2, plan, M.STEPS, folder, True, timeout=120)[0]
+    want = M.gan_reference()
+    _gan_as_one_device({**rest, "d_losses": first["d_losses"] + rest["d_losses"],
+                        "g_losses": first["g_losses"] + rest["g_losses"]}, want)
+
+
+def test_checkpointing_in_init_refuses_a_second_stepped_model(tmp_path) -> None:
+    # plait.init(checkpoint=...) saved the last model stepped (the generator) alone, and a
+    # resumed run loaded it into the first model it stepped.
+    with pytest.raises(WorkerError) as err:
+        run_distributed(M.train_gan, 1, "", checkpoint=str(tmp_path), timeout=120)
+    message = err.value.message
+    assert "plait.init(checkpoint=...) saves and resumes one model" in message, message
+    assert "a second (Net after Net)" in message, message
+    assert "run.save(folder + '/gen', model=gen, optimizer=opt_g)" in message, message
+
+
+def _params(factory: Any) -> int:
+    return sum(p.numel() for p in factory().parameters())
+
+
+def test_the_ledger_measures_every_models_traffic_per_batch() -> None:
+    # Both models' run.step calls counted as steps (6 "steps" of 5 batches, the bytes per step
+    # halved) beside an expected column for one model (ratio 1.5): now per batch, all of them
+    # (the generator's backward reduces the discriminator's gradients too), no expected.
+    got = run_distributed(M.train_gan, 2, "dp=2", 5, None, False, True, timeout=120)[0]
+    comm = got["summary"]["comm"]
+    assert comm["steps"] == 3, comm  # 5 batches, the first 2 left out
+    (row,) = comm["rows"]
+    disc, gen = _params(M.discriminator), _params(M.generator)
+    assert row["payload_bytes"] == 4 * (disc + gen + disc), row
+    assert row["expected_bytes"] is None, row
+    assert any("run.step trained 2 models on each batch (Net, Net#2)" in n
+               for n in comm["notes"]), comm["notes"]
+
+
+def test_the_ledger_prices_the_student_not_the_teacher_laid_out_after_it() -> None:
+    # The expected column priced the last model laid out: the frozen teacher, no gradient.
+    got = run_distributed(M.train_distill, 2, "dp=2", 4, True, timeout=120)[0]
+    (row,) = got["summary"]["comm"]["rows"]
+    assert row["payload_bytes"] == 4 * _params(M.student), row
+    assert row["ratio"] == pytest.approx(1.0), row
+
+
+@pytest.mark.parametrize("plan", ["fsdp=2", *[pytest.param(p, marks=pytest.mark.slow) for p in (
+    "", "dp=2", "dp_shard=2,zero=1", "tp=2")]])
+def test_an_ema_copy_laid_out_as_its_model_trains_as_one_device(plan: str) -> None:
+    # The copy taken before run.parallelize and laid out itself (frozen): each of its
+    # parameters is laid out as the model's (the same shard under ZeRO-3, the same split under
+    # tp), so the update pairs them; run.evaluate of the copy is one device's.
+    want = M.ema_reference()
+    got = run_distributed(M.train_ema, 1 if not plan else 2, plan, timeout=120)[0]
+    _same(want["losses"], got["losses"])
+    assert abs(got["evaluated"] - want["evaluated"]) <= REL * want["evaluated"]
+    _same_state(want["ema"], got["ema"])
+
+
+def test_a_model_built_after_another_is_laid_out_is_told_it_starts_as_that_one() -> None:
+    # run.parallelize starts the RNG from the seed: a second critic of the same class built
+    # after the first one's call drew what the first drew, silently (one device builds two
+    # different critics from one stream of draws).
+    same, said = run_distributed(M.two_critics, 1, "", False, timeout=60)[0]
+    assert same
+    (warned,) = [w for w in said if "starts from the same weights" in w]
+    assert ("plait: Net starts from the same weights as Net, laid out before it: "
+            "run.parallelize started the RNG from the seed (plait.init(seed=0))") in warned
+    assert "Build every model before the first run.parallelize call" in warned, warned
+    same, said = run_distributed(M.two_critics, 1, "", True, timeout=60)[0]
+    assert not same and not said, said
+
+
+def test_noise_drawn_in_the_loop_is_named_as_the_same_on_every_replica() -> None:
+    # plait seeds every rank alike, so the generator's noise drawn with torch.randn in the loop
+    # was the same on both data replicas. The first-step check of the replicas' batches ran on
+    # the first model's first step only (the discriminator's rows differ): nothing was said.
+    said = run_distributed(M.noise_in_the_loop, 2, "dp=2", timeout=60)[0]
+    (same,) = [w for w in said if "got the same batch at the first step" in w]
+    assert "a GAN's noise, torch.randn(...)) is the same on every rank" in same, same
+    assert "draw it in the dataset's __getitem__" in same, same
+
+
+@pytest.mark.slow
+def test_distillation_under_a_pipeline_keeps_the_teacher_whole() -> None:
+    # A laid-out teacher cannot be called under pp (it runs through its schedule): kept whole
+    # on the device, the pipelined student trains as one device's.
+    want = M.distill_reference()
+    got = run_distributed(M.train_distill, 2, "pp=2,mb=2", M.STEPS, False, True,
+                          timeout=120)[0]
+    _same(want["losses"], got["losses"])
+    _same_state(want["state"], got["state"])
+
+
+@pytest.mark.slow
+def test_plait_check_passes_the_student_beside_its_teacher_as_one_module(capsys) -> None:
+    import json
+
+    from plait.cli import main
+
+    code = main(["check", "--plan", "dp=2", "--model", "tests._multi_models:distill_factory",
+                 "--steps", "3", "--timeout", "120", "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, (out, err)
+    assert json.loads(out)["ok"] is True, out
+
+
+def test_calling_a_pipelined_teacher_says_to_keep_it_whole() -> None:
+    from plait.parallel.pipeline import PipelinedModel
+
+    with pytest.raises(RuntimeError, match=r"a frozen teacher giving distillation targets\) "
+                                           r"needs no pipeline: leave it out of "
+                                           r"run.parallelize .*teacher.to\(run.device\)"):
+        PipelinedModel([torch.nn.Linear(2, 2)])(torch.zeros(1, 2))
+
+
+def test_the_progress_event_carries_each_models_loss() -> None:
+    import json
+
+    from plait.report import progress_event, progress_line
+    from plait.runtime import StepStats
+
+    stats = StepStats(step_times=[0.1], tokens=[16], unit="samples",
+                      named_losses={"Discriminator": torch.tensor(0.5),
+                                    "Generator": torch.tensor(0.25)})
+    event = json.loads(progress_event(1, 3, 0.5, stats))
+    assert event["loss"] == 0.5 and event["losses"] == {"Discriminator": 0.5, "Generator": 0.25}
+    assert "| loss Discriminator 0.5000, Generator 0.2500 |" in progress_line(1, 3, 0.5, stats)
+    stats.named_losses = {"Net": torch.tensor(0.5)}  # one model: the line as it always was
+    assert "losses" not in json.loads(progress_event(1, 3, 0.5, stats))
+    assert "| loss 0.5000 |" in progress_line(1, 3, 0.5, stats)
+
+
+@pytest.mark.slow
+def test_plan_auto_lays_out_both_models_as_it_chose_for_the_first() -> None:
+    want = M.gan_reference(clip=1.0)
+    got = run_distributed(M.train_gan, 2, "auto", timeout=300)[0]
+    assert got["plan"] == "dp_replicate=2", got["plan"]
+    _gan_as_one_device(got, want)
+
+
+def test_the_other_models_optimizer_is_named_as_such() -> None:
+    # It was refused as an optimizer built before run.parallelize replaced the parameters.
+    said = run_distributed(M.swapped_optimizers, 1, "", timeout=60)[0]
+    held = len(list(M.generator().parameters()))
+    assert said.startswith(f"run.step got the optimizer of another model: it holds {held} "
+                           f"parameter(s) of Net, laid out with run.parallelize"), said
+    assert "pass each model its own optimizer" in said and "built before" not in said, said
+
+
+@pytest.mark.slow
+def test_a_gan_under_a_pipeline_stops_at_the_first_call_outside_its_step() -> None:
+    with pytest.raises(WorkerError, match=r"a pipelined model runs through its schedule"):
+        run_distributed(M.train_gan, 2, "pp=2,mb=2", timeout=120)
+
+
+def test_a_model_trained_after_another_counts_its_own_steps() -> None:
+    # Counted as a second model stepped on each batch: every call on the second joined the
+    # first model's last step (steps_done stayed at 3, no progress line). Its first call still
+    # joins that step (nothing tells it from a GAN's second model yet); each call after it
+    # begins a step of its own and draws its line.
+    got = run_distributed(M.one_after_another, 1, "", timeout=60)[0]
+    assert got["steps_done"] == [M.STEPS, 2 * M.STEPS - 1], got
+    lines = [line.split(" | ")[:2] for line in got["progress"]]
+    assert [step for step, _ in lines] == [
+        "step 1/3", "step 2/3", "step 3/3", "step 3/3", "step 4/3", "step 5/3"], got["progress"]
+    # each model's loss while both step; the second's alone once the first is done
+    assert [loss.count(",") for _, loss in lines] == [0, 0, 0, 1, 1, 0], got["progress"]
