@@ -345,3 +345,29 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[
         out.append({"plan": plan, "losses": losses, "state": state if rank == 0 else None,
                     "lengths": lengths})
     return out
+
+
+def ledger(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Each (plan, model name) trained 1 + 2 steps (the first not counted) with SGD and the
+    ledger on; ``run.summary()["comm"]`` of each."""
+    from plait.runtime import init
+
+    torch.set_num_threads(1)
+    out: list[dict[str, Any]] = []
+    for plan, name in jobs:
+        factory, batch, loss_fn = MODELS[name]
+        run = init(plan, quiet=True, ledger=True)
+        run.ledger_warmup = 1
+        try:
+            model = run.parallelize(factory())
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                inputs, target = batch(step)
+                rows = slice(run.dp_rank * BATCH // run.dp_size,
+                             (run.dp_rank + 1) * BATCH // run.dp_size)
+                run.step(model, ({k: v[rows] for k, v in inputs.items()}, target[rows]),
+                         loss_fn, opt)
+            out.append(dict(run.summary()["comm"]))
+        finally:
+            run.close()
+    return out

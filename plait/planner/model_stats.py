@@ -802,14 +802,29 @@ def _signature(module: Any) -> tuple:
             tuple((n, tuple(p.shape)) for n, p in module.named_parameters()))
 
 
+def _extends(first: Any, other: Any) -> bool:
+    """Whether block ``first`` is ``other`` with parameters of its own besides (a table the
+    first block of a stack computes and hands on to the later ones, as T5's relative position
+    bias): the same class, and every parameter of ``other`` at the same name and shape in
+    ``first``, which holds more."""
+    kind, mine = _signature(first)
+    theirs = _signature(other)
+    return kind == theirs[0] and set(theirs[1]) < set(mine)
+
+
 def _longest_run(children: list) -> list:
-    """The longest run of consecutive children with the same type and parameter shapes."""
+    """The longest run of consecutive children with the same type and parameter shapes, with
+    the child before it where that one is a block of the run plus parameters of its own
+    (:func:`_extends`): a stack whose first block holds what the later blocks reuse is one
+    stack of alike blocks and those extra parameters."""
     best: list = []
     start = 0
     for i in range(1, len(children) + 1):
         if i == len(children) or _signature(children[i]) != _signature(children[start]):
-            if i - start > len(best) and any(True for _ in children[start].parameters()):
-                best = children[start:i]
+            lead = start - 1 if start and _extends(children[start - 1], children[start]) \
+                else start
+            if i - lead > len(best) and any(True for _ in children[start].parameters()):
+                best = children[lead:i]
             start = i
     return best
 
