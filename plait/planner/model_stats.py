@@ -588,9 +588,18 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
         kv_heads = next((m.config.num_key_value_heads for m in ref.modules()
                          if isinstance(getattr(getattr(m, "config", None),
                                                "num_key_value_heads", None), int)), None)
-    embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    # the embeddings outside the stacks of blocks: a table inside a block (a relative
+    # position bias) is one of the block's parameters
+    from plait.parallel.pipeline_hf import other_block_stacks
+
+    stacks = [model.get_submodule(p) for p in other_block_stacks(model, stack_name)]
+    inside = {id(m) for b in [*blocks, *stacks] for m in b.modules()}
+    embeds = [m for m in model.modules() if isinstance(m, nn.Embedding) and id(m) not in inside]
     vocab = max((m.num_embeddings for m in embeds), default=1)
-    embed_params = sum(m.weight.numel() for m in embeds)
+    # a weight several embeddings share (T5's ``shared``, ``encoder.embed_tokens`` and
+    # ``decoder.embed_tokens``) once
+    embed_weights = list({id(p): p for m in embeds for p in m.parameters()}.values())
+    embed_params = sum(p.numel() for p in embed_weights)
     seen: set[int] = set()
     total = 0
     for p in model.parameters():  # parameters(): shared (tied) weights once
@@ -606,7 +615,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     gated = any("gate" in n for n, _ in ref.named_modules())
     tensors = round(sum(len(list(b.parameters())) for b in blocks) / len(blocks))
     outside = len(seen) - sum(len(list(b.parameters())) for b in blocks)
-    embed_tensors = sum(len(list(m.parameters())) for m in embeds)
+    embed_tensors = len(embed_weights)
     shared = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     both = [p for e in embeds for p in e.parameters() if shared[id(p)] > 1]
     tied = [p for p in both if p.requires_grad]
