@@ -115,3 +115,52 @@ def test_the_ledger_prices_t5_as_it_measures(jobs: list[tuple[str, str]]) -> Non
     got = run_distributed(T.ledger, 2, jobs, timeout=600)[0]
     for (plan, name), comm in zip(jobs, got, strict=True):
         _assert_as_measured(comm, plan, name)
+
+
+def _forward_flops(model: nn.Module, blocks: list[str], call: Callable[[], Any]
+                   ) -> dict[str, int]:
+    """The forward FLOPs torch counts (``FlopCounterMode``: matmuls) inside each block of
+    ``blocks`` while ``call`` runs the model."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counters = {name: FlopCounterMode(display=False) for name in blocks}
+
+    def enter(counter: FlopCounterMode) -> Any:
+        return lambda *_: None if counter.__enter__() is None else None
+
+    def leave(counter: FlopCounterMode) -> Any:
+        return lambda *_: counter.__exit__(None, None, None) and None
+
+    for name, counter in counters.items():
+        module = model.get_submodule(name)
+        module.register_forward_pre_hook(enter(counter))
+        module.register_forward_hook(leave(counter))
+    with torch.no_grad():
+        call()
+    return {name: c.get_total_flops() for name, c in counters.items()}
+
+
+@pytest.mark.parametrize("factory", [T.seq2seq, T.gated_seq2seq], ids=["plain", "gated"])
+def test_each_stacks_blocks_are_priced_by_their_own_shape(factory: Any) -> None:
+    """The encoder-decoder written for the test (its feed-forward plain or gated): a decoder
+    block (self- and cross-attention, 2 attention layers) and an encoder block (self-attention
+    only) each priced at the forward FLOPs torch counts in it, on a source
+    and a target of 6 tokens; the encoder's saved activations are less than a decoder
+    block's. (Priced as the decoder's, the encoder's FLOPs were the decoder's matmuls, and
+    both counted one attention layer's scores.)"""
+    from plait.planner.cost import Constants
+    from plait.planner.memory import activation_bytes_per_block
+
+    model = factory()
+    stats = load_model(model)
+    encoder = stats.stack_block(stats.more_stacks[0])
+    assert (stats.attentions, encoder.attentions) == (2, 1)
+    rows, seq = 2, 6
+    ids = torch.randint(4, 32, (rows, seq), generator=torch.Generator().manual_seed(0))
+    counted = _forward_flops(model, ["encoder.block.1", "decoder.block.1"],
+                             lambda: model(input_ids=ids, decoder_input_ids=ids))
+    assert counted["decoder.block.1"] == stats.block_flops_per_token(seq) * rows * seq
+    assert counted["encoder.block.1"] == encoder.block_flops_per_token(seq) * rows * seq
+    c = Constants()
+    assert activation_bytes_per_block(encoder, rows, seq, 1, False, 4, c) < \
+        activation_bytes_per_block(stats, rows, seq, 1, False, 4, c)
