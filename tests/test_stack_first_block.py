@@ -7,7 +7,9 @@ Read on an encoder-decoder written for the test (``RelBiasSeq2Seq``), Hugging Fa
 T5's encoder alone; ``plait plan`` then ranks tensor-parallel layouts of T5; the ledger's
 expected column (the planner's stats) equals what it measures, bytes and calls, under dp,
 ZeRO-3, tp and tp with sequence parallelism (the default run: T5 under tp=2,sp and the model
-written for the test under tp=2; every pair: slow).
+written for the test under tp=2; every pair: slow). Each stack's blocks are priced by their
+own shape: a decoder block's and an encoder block's forward FLOPs are what torch counts in
+them.
 """
 
 from __future__ import annotations
