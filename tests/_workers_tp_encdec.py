@@ -345,3 +345,30 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[
         out.append({"plan": plan, "losses": losses, "state": state if rank == 0 else None,
                     "lengths": lengths})
     return out
+
+
+def ledger(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Each (plan, model name) trained 2 + 2 steps with SGD and the ledger on, the first two
+    not counted (DDP rebuilds its buckets in the second, broadcasting their order), each data
+    rank on its rows of the batch; ``run.summary()["comm"]`` of each."""
+    from plait.runtime import init
+
+    torch.set_num_threads(1)
+    out: list[dict[str, Any]] = []
+    for plan, name in jobs:
+        factory, batch, loss_fn = MODELS[name]
+        run = init(plan, quiet=True, ledger=True)
+        run.ledger_warmup = 2
+        try:
+            model = run.parallelize(factory())
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(4):
+                inputs, target = batch(step)
+                rows = slice(run.dp_rank * BATCH // run.dp_size,
+                             (run.dp_rank + 1) * BATCH // run.dp_size)
+                run.step(model, ({k: v[rows] for k, v in inputs.items()}, target[rows]),
+                         loss_fn, opt)
+            out.append(dict(run.summary()["comm"]))
+        finally:
+            run.close()
+    return out

@@ -57,7 +57,7 @@ def more_stacks_time(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
                      c: Constants) -> float:
     """Time of one microbatch in the model's further stacks of blocks (``model.more_stacks``),
     each on its own sequence (``stack_seqs`` by first block, default ``s``): its blocks'
-    FLOPs (the main stack's block's, per token of that sequence; forward, backward and what
+    FLOPs (its own block's, per token of that sequence; forward, backward and what
     checkpointing replays) and their tensor-parallel collectives
     (:func:`plait.comm.predict.tp_stack_traffic`, on the tp tier). Under a pipeline, none:
     plait does not cut a model with several stacks into stages."""
@@ -66,7 +66,7 @@ def more_stacks_time(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
     total = 0.0
     for more in model.more_stacks:
         seq = stack_seqs.get(more.first, s) // plan.cp
-        fwd = model.block_flops_per_token(seq) * b * seq / plan.tp
+        fwd = model.stack_block(more).block_flops_per_token(seq) * b * seq / plan.tp
         total += more.n_layers * (fwd * (3 + replay) / rate + c.block_overhead_s
                                   * (1 + replay / 3))
         if plan.tp > 1 and more.tp_block is not None:

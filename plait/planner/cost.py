@@ -312,8 +312,11 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     est.step_time_s = step
     est.tokens_per_s = B * s / step
     L = model.n_layers
-    model_flops = model.model_flops(B * s, s)
-    hw_flops = model.model_flops(B * s, s, recompute_layers=times.replay * L)
+    # the further stacks' blocks (an encoder-decoder's encoder), without a pipeline
+    more = model.more_stacks_flops(B, s, work.seqs) if plan.pp == 1 else 0.0
+    model_flops = model.model_flops(B * s, s) + 3 * more
+    hw_flops = model.model_flops(B * s, s, recompute_layers=times.replay * L) + \
+        (3 + times.replay) * more
     peak = cluster.peak(plan.mixed_precision)
     est.tflops_per_device = model_flops / step / world / 1e12
     est.tflops_per_device_hw = hw_flops / step / world / 1e12

@@ -50,19 +50,21 @@ def activation_bytes_per_block(m: ModelStats, b: int, s: int, tp: int, sp: bool,
     h, f, a = m.hidden, m.ffn, m.n_heads
     kv = m.kv_heads * (h // m.n_heads)
     mask = 1 if m.dropout else 0
+    n = m.attentions  # attention layers (a decoder block's self- and cross-attention: 2)
     # 2-byte units of s*b: attention: QKV input 2h, q/k/v 2(h+2kv), o_proj input 2h, mask h.
-    attn = 2 * h + 2 * (h + 2 * kv) + 2 * h + mask * h
+    attn = n * (2 * h + 2 * (h + 2 * kv) + 2 * h + mask * h)
     if m.mlp == "swiglu":
         mlp = 2 * h + 8 * f + mask * h    # input, gate/up outputs, silu output, down input
     else:
         mlp = 2 * h + 4 * f + mask * h    # input, activation input, down input
-    norms = 4 * h
-    replicated = norms + 2 * h + 2 * h + 2 * mask * h  # stays whole under TP without SP
+    norms = 2 * h * (n + 1)  # one before each attention layer and the MLP
+    # stays whole under TP without SP: each norm's input, each sublayer's input, the masks
+    replicated = norms + (n + 1) * (2 * h + mask * h)
     sharded = attn + mlp + norms - replicated
     # the scores without flash attention: softmax output 2as (the input of the matmul with V
     # when nothing drops), with dropout its mask as and its output 2as (Korthikanti's 5as)
     scores = 0.0 if (c.flash_attention or not m.attention) else \
-        (2 + 3 * mask) * a * (keys or s)  # per token
+        n * (2 + 3 * mask) * a * (keys or s)  # per token
     per_token = (replicated / (tp if sp else 1)) + (sharded + scores) / tp
     return per_token * s * b * dtype_bytes / 2
 
@@ -84,16 +86,18 @@ def checkpointed(plan: Plan, layers: int) -> tuple[int, float]:
 def more_stacks_activations(plan: Plan, model: ModelStats, b: int, s: int,
                             stack_seqs: dict[str, int], ab: int, c: Constants) -> float:
     """Bytes the further stacks of blocks (``model.more_stacks``: an encoder-decoder's other
-    stack) save for backward in one microbatch, each block priced as the main stack's on the
-    stack's own sequence (``stack_seqs`` by first block, default ``s``), those the plan's
-    checkpointing drops keeping their input only, plus the stack's input. None under a
-    pipeline: plait does not cut a model with several stacks into stages."""
+    stack) save for backward in one microbatch, each block priced by its own shape
+    (:meth:`ModelStats.stack_block`) on the stack's own sequence (``stack_seqs`` by first
+    block, default ``s``), those the plan's checkpointing drops keeping their input only,
+    plus the stack's input. None under a pipeline: plait does not cut a model with several
+    stacks into stages."""
     if plan.pp > 1:
         return 0.0
     total = 0.0
     for more in model.more_stacks:
         seq = stack_seqs.get(more.first, s) // plan.cp
-        full = activation_bytes_per_block(model, b, seq, plan.tp, plan.sp, ab, c, keys=seq)
+        full = activation_bytes_per_block(model.stack_block(more), b, seq, plan.tp, plan.sp,
+                                          ab, c, keys=seq)
         kept_input = b * seq * model.hidden * ab / (plan.tp if plan.sp else 1)
         dropped, _ = checkpointed(plan, more.n_layers)
         total += (more.n_layers - dropped) * full + dropped * kept_input + kept_input

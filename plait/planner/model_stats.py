@@ -37,14 +37,18 @@ from .tp_block import Held, rows_held
 @dataclass(frozen=True)
 class MoreStack:
     """A further stack of blocks (:attr:`ModelStats.more_stacks`): the path of its first
-    block, its block count, one block's tensor-parallel collectives (None: not priced), and
+    block, its block count, one block's tensor-parallel collectives (None: not priced),
     whether the vocabulary-parallel embedding makes its input (called again for it, on its
-    sequence: an encoder-decoder's shared embedding)."""
+    sequence: an encoder-decoder's shared embedding), and one block's own shape where it
+    differs from the main stack's (an encoder block has no cross-attention): its matmul
+    weights (None: the main stack's block's) and attention layers."""
 
     first: str
     n_layers: int
     tp_block: TPBlock | None
     embedded: bool = False
+    matmul_params: int | None = None
+    attentions: int = 1
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,9 @@ class ModelStats:
     embed_params: int        # input embedding (first pipeline stage)
     head_params: int         # final norm + output head (last pipeline stage)
     attention: bool = True   # add the s^2 attention FLOPs/activations
+    # Attention layers per block, each with its own scores, q/k/v/o inputs and norm (a
+    # decoder block's self- and cross-attention: 2); the FLOPs and activations of each.
+    attentions: int = 1
     tied: bool = False       # head shares the embedding weight
     max_seq: int | None = None
     # Where a module's max_seq was read when no setting says it: "the N rows of its position
@@ -229,7 +236,27 @@ class ModelStats:
         Attention is counted over the full s x s square (QK^T and AV), as Megatron-LM's formula
         does, so TFLOP/s figures are comparable with published ones.
         """
-        return 2.0 * self.block_matmul_params + (4.0 * seq * self.hidden if self.attention else 0.0)
+        return 2.0 * self.block_matmul_params + (
+            4.0 * seq * self.hidden * self.attentions if self.attention else 0.0)
+
+    def more_stacks_flops(self, rows: float, seq: int, seqs: Mapping[str, int]) -> float:
+        """Forward FLOPs of the further stacks' blocks (:attr:`more_stacks`) for ``rows``
+        sequences, each stack on its own sequence (``seqs`` by its first block, default
+        ``seq``), each block by its own shape (:meth:`stack_block`)."""
+        total = 0.0
+        for more in self.more_stacks:
+            n = seqs.get(more.first, seq)
+            total += more.n_layers * self.stack_block(more).block_flops_per_token(n) * rows * n
+        return total
+
+    def stack_block(self, more: MoreStack) -> ModelStats:
+        """These stats with one block of the further stack ``more`` in place of the main
+        stack's (its matmul weights and attention layers; the widths are the main stack's):
+        what its blocks' FLOPs and saved activations are priced from."""
+        return dataclasses.replace(
+            self, attentions=more.attentions,
+            block_matmul_params=self.block_matmul_params if more.matmul_params is None
+            else more.matmul_params)
 
     def head_flops_per_token(self) -> float:
         return 2.0 * self.hidden * self.vocab
@@ -589,9 +616,18 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
         kv_heads = next((m.config.num_key_value_heads for m in ref.modules()
                          if isinstance(getattr(getattr(m, "config", None),
                                                "num_key_value_heads", None), int)), None)
-    embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    # the embeddings outside the stacks of blocks: a table inside a block (a relative
+    # position bias) is one of the block's parameters
+    from plait.parallel.pipeline_hf import other_block_stacks
+
+    stacks = [model.get_submodule(p) for p in other_block_stacks(model, stack_name)]
+    inside = {id(m) for b in [*blocks, *stacks] for m in b.modules()}
+    embeds = [m for m in model.modules() if isinstance(m, nn.Embedding) and id(m) not in inside]
     vocab = max((m.num_embeddings for m in embeds), default=1)
-    embed_params = sum(m.weight.numel() for m in embeds)
+    # a weight several embeddings share (T5's ``shared``, ``encoder.embed_tokens`` and
+    # ``decoder.embed_tokens``) once
+    embed_weights = list({id(p): p for m in embeds for p in m.parameters()}.values())
+    embed_params = sum(p.numel() for p in embed_weights)
     seen: set[int] = set()
     total = 0
     for p in model.parameters():  # parameters(): shared (tied) weights once
@@ -607,7 +643,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     gated = any("gate" in n for n, _ in ref.named_modules())
     tensors = round(sum(len(list(b.parameters())) for b in blocks) / len(blocks))
     outside = len(seen) - sum(len(list(b.parameters())) for b in blocks)
-    embed_tensors = sum(len(list(m.parameters())) for m in embeds)
+    embed_tensors = len(embed_weights)
     shared = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     both = [p for e in embeds for p in e.parameters() if shared[id(p)] > 1]
     tied = [p for p in both if p.requires_grad]
@@ -629,9 +665,11 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     if max_seq is None:
         max_seq, max_seq_from = _position_rows(model)
     more = _more_stacks(model, stack_name, found, device_type)
+    attentions = _attention_layers(model, ref_path, found) if attention else 1
     return ModelStats(name=name, n_layers=len(blocks), hidden=hidden, n_heads=heads,
                       kv_heads=kv_heads or heads, ffn=ffn, vocab=vocab,
                       mlp="swiglu" if gated else ("gelu" if attention else "other"),
+                      attentions=attentions,
                       block_params=round(stack_total / len(blocks)),
                       block_matmul_params=round(mean), embed_params=embed_params,
                       head_params=head_params, attention=attention, layer_weights=weights,
@@ -710,10 +748,31 @@ def _more_stacks(model: Any, stack: str, found: tuple[Any, bool] | None,
         trained = next((b for b in blocks if any(p.requires_grad for p in b.parameters())),
                        blocks[0])
         first, last = _path(model, blocks[0]), _path(model, blocks[-1])
+        matmul = sum(m.weight.numel() for b in blocks for m in b.modules()
+                     if _dims(m) is not None)
         out.append(MoreStack(first, len(blocks),
                              tp_block(model, _path(model, trained), found, (first, last),
-                                      device_type), first in embedded))
+                                      device_type), first in embedded,
+                             matmul_params=round(matmul / len(blocks)),
+                             attentions=_attention_layers(model, _path(model, trained),
+                                                          found)))
     return tuple(out)
+
+
+def _attention_layers(model: Any, path: str, found: tuple[Any, bool] | None) -> int:
+    """The attention layers of the block at ``path``: the modules in it whose head count
+    (an attribute named for heads) the layer plan ``found`` divides over tp (a decoder
+    block's self- and cross-attention: 2); 1 where the plan divides none or there is no
+    plan."""
+    from plait.parallel.tp_plans import glob_regex
+
+    if found is None:
+        return 1
+    patterns = [glob_regex(g) for g, attrs in found[0].divide_attrs.items()
+                if any("head" in a for a in attrs)]
+    count = sum(1 for name, _ in model.get_submodule(path).named_modules()
+                if any(r.match(f"{path}.{name}".strip(".")) for r in patterns))
+    return max(count, 1)
 
 
 def _embedded_stacks(model: Any, firsts: list[str], plan: Any) -> set[str]:
@@ -803,14 +862,29 @@ def _signature(module: Any) -> tuple:
             tuple((n, tuple(p.shape)) for n, p in module.named_parameters()))
 
 
+def _extends(first: Any, other: Any) -> bool:
+    """Whether block ``first`` is ``other`` with parameters of its own besides (a table the
+    first block of a stack computes and hands on to the later ones, as T5's relative position
+    bias): the same class, and every parameter of ``other`` at the same name and shape in
+    ``first``, which holds more."""
+    kind, mine = _signature(first)
+    theirs = _signature(other)
+    return kind == theirs[0] and set(theirs[1]) < set(mine)
+
+
 def _longest_run(children: list) -> list:
-    """The longest run of consecutive children with the same type and parameter shapes."""
+    """The longest run of consecutive children with the same type and parameter shapes, with
+    the child before it where that one is a block of the run plus parameters of its own
+    (:func:`_extends`): a stack whose first block holds what the later blocks reuse is one
+    stack of alike blocks and those extra parameters."""
     best: list = []
     start = 0
     for i in range(1, len(children) + 1):
         if i == len(children) or _signature(children[i]) != _signature(children[start]):
-            if i - start > len(best) and any(True for _ in children[start].parameters()):
-                best = children[start:i]
+            lead = start - 1 if start and _extends(children[start - 1], children[start]) \
+                else start
+            if i - lead > len(best) and any(True for _ in children[start].parameters()):
+                best = children[lead:i]
             start = i
     return best
 

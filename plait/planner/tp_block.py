@@ -74,7 +74,9 @@ def split_dim(module: nn.Module, kind: str, style: str | None) -> int | None:
     """The dim of ``module``'s parameter ``kind`` ("weight", "bias") that tensor parallelism
     splits under ``style`` (``plait.parallel.tensor``), or None where it keeps it whole: a
     column-parallel layer's output features (dim 1 of an HF Conv1D weight, stored (in, out)),
-    a row-parallel layer's input features (dim 0 of a Conv1D weight), an embedding's rows."""
+    a row-parallel layer's input features (dim 0 of a Conv1D weight), a vocabulary-parallel
+    embedding's rows, a column-parallel embedding's columns (torch's ``ColwiseParallel`` on an
+    ``nn.Embedding``: a relative position bias, one column per head)."""
     from .model_stats import _dims
 
     if style not in _SPLIT_WEIGHT or (kind != "weight" and style not in _SPLIT_BIAS):
@@ -83,7 +85,7 @@ def split_dim(module: nn.Module, kind: str, style: str | None) -> int | None:
     if style == "rowwise" and isinstance(module, nn.Linear):
         return 1
     if style in ("colwise", "colwise_qkv", "vocab_head"):
-        return 1 if conv else 0
+        return 1 if conv or (style == "colwise" and isinstance(module, nn.Embedding)) else 0
     return 0  # rowwise Conv1D weight, an embedding's rows
 
 
