@@ -52,6 +52,9 @@ def load_factory(spec: str) -> Callable[[], Any]:
             raise ValueError(f"--model {spec!r}: cannot import it{hint}") from None
         raise ValueError(f"--model {spec!r}: cannot import {module_name!r} ({exc}); run from "
                          f"the directory that holds it or put it on PYTHONPATH") from None
+    except Exception as exc:  # noqa: BLE001 - the module's own code failed as it was imported
+        raise ValueError(f"--model {spec!r}: importing "
+                         f"{factory_failure(repr(module_name), exc)}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"--model {spec!r}: {module_name} has no function {attr!r}")

@@ -5,7 +5,6 @@ running the same AdamW steps with torch alone, and what cannot run says why and 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 import torch
@@ -23,17 +22,7 @@ from tests._newcomer2_models import (
     reference,
     train,
 )
-
-
-def _assert_trains_as_one_device(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert "refused" not in got, got
-    for a, b in zip(want["losses"] + want["evaluated"], got["losses"] + got["evaluated"],
-                    strict=True):
-        assert abs(a - b) <= 1e-5 * abs(a), (want, got)
-    assert set(got["state"]) == set(want["state"])
-    for name, w in want["state"].items():
-        diff = (got["state"][name] - w).abs().max().item()
-        assert diff <= 1e-5 * max(w.abs().max().item(), 1e-3), (name, diff)
+from tests.test_newcomer_models import _assert_trains_as_one_device
 
 
 def test_a_detectors_dict_of_losses_is_its_loss() -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import inspect
 import json
 from collections import Counter
@@ -1029,22 +1028,9 @@ def _build(spec: str, device: str, *, parameters_only: bool = False) -> Any:
     """
     import torch
 
-    module_name, _, func_name = spec.partition(":")
-    if not module_name or not func_name:
-        raise ValueError(f"model factory {spec!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to see
-        from ..factory_spec import file_path_hint
+    from ..user_factory import load_factory
 
-        hint = file_path_hint(module_name, func_name)
-        if hint and isinstance(exc, ImportError):
-            raise ValueError(f"model factory {spec!r}: cannot import it{hint}") from None
-        raise ValueError(f"model factory {spec!r}: cannot import {module_name!r}: "
-                         f"{type(exc).__name__}: {exc}") from None
-    factory = getattr(module, func_name, None)
-    if not callable(factory):
-        raise ValueError(f"model factory {spec!r}: {module_name!r} has no callable {func_name!r}")
+    factory = load_factory(spec)
     try:
         with _parameters_on_meta() if parameters_only else torch.device(device), \
                 _values_skipped() if device == "meta" else contextlib.nullcontext():
