@@ -73,11 +73,16 @@ def missing_labels_fix(keys: Any) -> str:
 def count_items(targets: Any, *, shift: bool = False) -> torch.Tensor:
     """How many items a mean loss over ``targets`` averages over (a float 0-dim tensor).
 
-    Integer labels: the entries that are not ``IGNORE_INDEX``; with ``shift=True`` the first
+    Targets with a ``target_lengths`` entry (a dict, as ``F.ctc_loss`` takes them): the
+    examples, one per length (:func:`_with_lengths`). Integer labels: the entries that are not
+    ``IGNORE_INDEX``; with ``shift=True`` the first
     position of every row is dropped first (a causal LM predicts token t+1 from t, so Hugging
     Face's causal-LM loss never reads the first label). A dict: its ``"labels"`` entry if there
     is one, else its first tensor. Anything else: the rows (dim 0) of the first tensor.
     """
+    examples = _with_lengths(targets)
+    if examples is not None:
+        return torch.full((), float(examples.shape[0]), device=examples.device)
     targets = _counted(targets)
     if not isinstance(targets, torch.Tensor):
         return torch.ones(())
@@ -87,6 +92,23 @@ def count_items(targets: Any, *, shift: bool = False) -> torch.Tensor:
                           device=targets.device)
     labels = targets[..., 1:] if shift and targets.ndim > 1 else targets
     return (labels != IGNORE_INDEX).sum().float()
+
+
+# The key a sequence loss's targets give their lengths under: the argument F.ctc_loss and
+# torchaudio's rnnt_loss take them as.
+LENGTHS_KEY = "target_lengths"
+
+
+def _with_lengths(targets: Any) -> torch.Tensor | None:
+    """The ``target_lengths`` entry (one per example) of a dict of targets that has one, else
+    None. Such targets are labels padded (or concatenated) with their lengths beside them, as
+    ``F.ctc_loss`` takes them: their padding is not ``IGNORE_INDEX``, and the losses that take
+    them (CTC's and RNN-T's ``reduction="mean"``: each example's loss over its target length,
+    then the mean over the examples) average over the examples, not over the labels."""
+    if not isinstance(targets, dict):
+        return None
+    lengths = targets.get(LENGTHS_KEY)
+    return lengths if isinstance(lengths, torch.Tensor) and lengths.ndim == 1 else None
 
 
 def _counted(targets: Any) -> Any:
@@ -169,7 +191,10 @@ def first_label_skipped(value: Any, targets: Any, recompute: Callable[[Any], Any
     ``key`` (the loss function) and kept in ``known``; False for a ``(sum, count)`` pair,
     whose count is the loss's own. On XLA: a 0-dim bool tensor on the device
     (:func:`skips_first_label_on_device`), kept in ``known`` until :func:`settle_answers`."""
-    if isinstance(value, (tuple, list)):
+    if isinstance(value, (tuple, list, dict)) or _with_lengths(targets) is not None:
+        # A pair or terms carry their own counts; labels with lengths are counted per
+        # example, and their padding is not IGNORE_INDEX: a loss such as F.ctc_loss would
+        # read the probe's -100 as a label index (out of bounds, unchecked on the CPU).
         return False
     if key in known and not isinstance(known[key], torch.Tensor):
         return known[key]
