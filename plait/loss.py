@@ -387,7 +387,11 @@ def _loss_key(loss_fn: Callable) -> Any:
 
 def loss_sum_and_count(value: Any, targets: Any, *, shift: bool | torch.Tensor = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed loss with autograd, count) from what a loss function returned (module docs)."""
+    """(summed loss with autograd, count) from what a loss function returned (module docs);
+    for a dict of terms, each term's sum and count, as two tensors of one entry per term
+    (:func:`loss_terms`)."""
+    if isinstance(value, dict):
+        return loss_terms(value)
     if isinstance(value, (tuple, list)):
         if len(value) != 2:
             raise ValueError(f"a loss function returns a scalar mean or a (sum, count) pair; "
@@ -412,6 +416,58 @@ def loss_sum_and_count(value: Any, targets: Any, *, shift: bool | torch.Tensor =
     # Its gradients are zero either way (a loss over no items reads no logits).
     total = loss.reshape(()) * count
     return torch.where(count > 0, total, torch.zeros_like(total)), count
+
+
+def loss_terms(value: dict[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each term's sum, with autograd; each term's count) of a loss function's dict of
+    ``(sum, count)`` pairs, as two 1-D tensors in the dict's order.
+
+    Why a form of its own: a loss such as a detector's ``sum_box / n_box + sum_cls / n_img``
+    divides each term by its own count over the whole batch, and a sum of ratios is not one
+    ``(sum, count)`` pair. Each term's counts are summed over the micro-batches and data
+    replicas before backward (:func:`term_weights`), so that the step trains one device's
+    sum of ``sum / count`` over the global batch."""
+    if not value:
+        raise ValueError("the loss function returned an empty dict; return a scalar mean, a "
+                         "(sum, count) pair, or a dict of (sum, count) pairs, one per term")
+    sums, counts = [], []
+    for name, term in value.items():
+        if not isinstance(term, (tuple, list)) or len(term) != 2:
+            shown = (f"a {type(term).__name__} of {len(term)} items"
+                     if isinstance(term, (tuple, list)) else type(term).__name__)
+            raise ValueError(
+                f"the loss function returned a dict whose {name!r} is {shown}: a dict of "
+                f"terms holds one (sum, count) pair per term ({{{name!r}: (loss.sum(), n), "
+                f"...}}), each term then divided by its own count over the global batch; for "
+                f"one mean loss return it alone, or (sum, count)")
+        total = _full(term[0])
+        if not isinstance(total, torch.Tensor) or total.numel() != 1:
+            got = (tuple(total.shape) if isinstance(total, torch.Tensor)
+                   else type(total).__name__)
+            raise ValueError(f"the loss function's term {name!r} has a sum of {got}; each "
+                             f"term is (summed loss as a 0-dim tensor, count)")
+        sums.append(total.reshape(()))
+        counts.append(torch.as_tensor(_full(term[1]), dtype=torch.float32,
+                                      device=total.device).detach().reshape(()))
+    return torch.stack(sums), torch.stack(counts)
+
+
+def term_weights(counts: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each term's weight, which term is the reference: a one-hot) for a loss of several
+    terms (:func:`loss_terms`), from ``counts``, this rank's count of each term summed over
+    its micro-batches, and ``reduce``, which sums a tensor over the data replicas.
+
+    The step's ``(sum, count)`` is then ``(sum over terms of weight * sum, the reference
+    term's count)``: with the reference the term of the largest global count ``C_r`` and each
+    weight ``C_r / C_k``, the global sum over the global count is ``sum over k of
+    S_k / C_k``, one device's loss, and the usual scaling by ``dp / count`` makes its
+    gradients. A term that counts nothing anywhere weighs 0 (its sum is 0 as well)."""
+    total = reduce(counts.detach().float().clone())
+    reference = torch.nn.functional.one_hot(total.argmax(), total.numel()).to(total.dtype)
+    weights = torch.where(total > 0, (total * reference).sum() / total.clamp_min(1e-30),
+                          torch.zeros_like(total))
+    return weights, reference
 
 
 def _full(t: Any) -> Any:

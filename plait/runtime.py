@@ -685,7 +685,9 @@ class Run:
         if self._watchdog is not None:
             self._watchdog.active = True
         try:
-            local = forward_only(model, batch, loss_fn, plan=self.plan, device=self.device)
+            group = self._totals_group()[0] if self.spmd is None else None
+            local = forward_only(model, batch, loss_fn, plan=self.plan, device=self.device,
+                                 dp_group=group)
             runner = layout_of(model).pipeline if self.plan.cp > 1 else None
             if runner is not None:  # the last stage's refusal, with the totals it sends
                 local = torch.cat([local.float(), torch.full((1,), runner.take_refusal(),

@@ -76,6 +76,15 @@ from .timeline import Timeline, now
 from .tp_example import Example
 from .unused import UnusedTracker
 
+# Each term's global count is needed before the first backward, which a pipeline schedule
+# runs while later microbatches are still to come through the stages.
+TERMS_UNDER_PP = (
+    "the loss function returned a dict of {terms} (sum, count) terms, each to be divided by "
+    "its own count over the global batch, which a pipeline cannot weigh: its schedule runs "
+    "the first backward before the last microbatch's counts exist. Train without pp (dp=N, "
+    "or dp_shard=N,zero=3 for memory), or return one (sum, count) pair")
+
+
 pipeline_stage_base()  # TimedStage overrides a private method: fail clearly if torch changed it
 
 
@@ -568,6 +577,8 @@ class PipelineRunner:
         if self.context is not None and shift is True:
             self.shift_seen = True
         total, count = loss_sum_and_count(value, target, shift=shift)
+        if total.ndim:
+            raise ValueError(TERMS_UNDER_PP.format(terms=total.numel()))
         key = (self._accum_index, int(rows[0]))
         self._totals[key] = torch.stack([total.detach().float(), count.float()])
         return total * self._loss_scale if self._loss_scale != 1.0 else total
