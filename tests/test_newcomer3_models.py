@@ -149,3 +149,25 @@ def test_plait_check_passes_two_terms_under_dp_and_grad_accum(capsys) -> None:
     out, err = capsys.readouterr()
     assert code == 0, (out, err)
     assert json.loads(out)["ok"] is True, out
+
+
+@pytest.mark.slow
+def test_a_pipeline_refuses_two_terms_on_every_rank() -> None:
+    # The last stage refused the dict mid-schedule and the first stage waited on its sends
+    # until the timeout; the refusal now travels with the step's totals.
+    got = run_distributed(train, 2, "boxes_and_class", "pp=2,microbatches=2", timeout=120)
+    for rank in got:
+        assert "a dict of 2 (sum, count) terms" in rank["refused"], got
+        assert "Train without pp (dp=N, or dp_shard=N,zero=3" in rank["refused"], got
+
+
+@pytest.mark.slow
+def test_a_pipeline_refuses_flat_targets_by_name() -> None:
+    # Each microbatch's targets were taken by row from all the parts' boxes joined:
+    # "IndexError: index out of range in self" inside torch's schedule.
+    got = run_distributed(train, 2, "boxes_and_class", "pp=2,microbatches=2",
+                          "two_terms_scalar", timeout=120)
+    for rank in got:
+        said = rank["refused"]
+        assert "the targets' entry ['boxes'] has " in said and "not one row per example" in said
+        assert "pad it to one row per example in the collate_fn, or train without pp" in said
