@@ -16,8 +16,13 @@ What a loss function may return (``loss_fn(output, targets)``):
 
 * ``(sum, count)``: the summed loss of the micro-batch and how many items it sums over (an int
   or a tensor). Use this for weighted samples (``(sum(w * l), sum(w))``) or anything unusual.
+* a dict of ``(sum, count)`` pairs, one per term, for a loss whose terms are each averaged
+  over a count of their own (a detector's ``sum_box / n_box + sum_cls / n_img``): the step's
+  loss is the sum over the terms of (the term's global sum / its global count), see
+  :func:`loss_terms` and :func:`term_weights`.
 * a scalar: read as the *mean* over the micro-batch's counted items, the count taken from the
-  targets by :func:`count_items`: integer labels count the entries that are not
+  targets by :func:`count_items`: targets with a ``target_lengths`` entry (``F.ctc_loss``'s
+  form) count their examples, integer labels count the entries that are not
   ``IGNORE_INDEX`` (-100, the default of ``F.cross_entropy`` and of Hugging Face models), any
   other targets count rows. So ``F.cross_entropy(..., ignore_index=-100)`` (mean reduction),
   Hugging Face's ``output.loss`` and ``F.mse_loss`` are right with no change.

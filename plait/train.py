@@ -36,8 +36,9 @@ from .loss import (
 from .parallel.layout import layout_of
 from .plan import Plan
 
-# loss_fn(output, targets) -> a scalar mean over the counted items, or (sum, count); see
-# plait.loss. None: the model returns its own loss (Hugging Face's output.loss).
+# loss_fn(output, targets) -> a scalar mean over the counted items, (sum, count), or a dict of
+# (sum, count) pairs, one per term; see plait.loss. None: the model returns its own loss
+# (Hugging Face's output.loss).
 LossFn = Callable[[Any, Any], Any]
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
