@@ -186,10 +186,27 @@ def two_terms_scalar(out: dict[str, torch.Tensor], targets: dict[str, torch.Tens
     return sum(s / c for s, c in terms.values())
 
 
+def collate_classes(items: list[tuple[torch.Tensor, int, torch.Tensor]]
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The images and their classes only: targets of one row per example."""
+    return torch.stack([x for x, _, _ in items]), {
+        "labels": torch.tensor([c for _, c, _ in items])}
+
+
+def class_terms(out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> Any:
+    """Two terms over rows of one per example, each over its own count: the cross-entropy
+    over every image and again over the images of a class other than 0."""
+    each = F.cross_entropy(out["logits"], targets["labels"], reduction="none")
+    positive = targets["labels"] > 0
+    return {"cls": (each.sum(), each.shape[0]), "positive": ((each * positive).sum(),
+                                                             positive.sum())}
+
+
 LOSSES = {"ctc_mean": ctc_mean, "ctc_mean_pair": ctc_mean_pair,
           "ctc_sum_over_symbols": ctc_sum_over_symbols,
           "ctc_sum_over_symbols_scalar": ctc_sum_over_symbols_scalar,
-          "two_terms": two_terms, "two_terms_scalar": two_terms_scalar}
+          "two_terms": two_terms, "two_terms_scalar": two_terms_scalar,
+          "class_terms": class_terms}
 
 
 def speech_padded() -> tuple[nn.Module, Dataset, Any, Any]:
@@ -207,12 +224,18 @@ def boxes_and_class() -> tuple[nn.Module, Dataset, Any, Any]:
     return BoxesAndClass(), Scenes(), two_terms, collate_scenes
 
 
+def classes() -> tuple[nn.Module, Dataset, Any, Any]:
+    """:func:`boxes_and_class` with its classes only, a loss of two terms over them."""
+    torch.manual_seed(0)
+    return BoxesAndClass(), Scenes(), class_terms, collate_classes
+
+
 STEPS, BATCH = 3, 8
 
 
 def _factory(name: str, loss: str | None) -> tuple[nn.Module, Dataset, Any, Any]:
     factories = {"speech_padded": speech_padded, "speech_flat": speech_flat,
-                 "boxes_and_class": boxes_and_class}
+                 "boxes_and_class": boxes_and_class, "classes": classes}
     model, data, loss_fn, collate = factories[name]()
     return model, data, LOSSES[loss] if loss else loss_fn, collate
 

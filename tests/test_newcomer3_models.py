@@ -155,7 +155,7 @@ def test_plait_check_passes_two_terms_under_dp_and_grad_accum(capsys) -> None:
 def test_a_pipeline_refuses_two_terms_on_every_rank() -> None:
     # The last stage refused the dict mid-schedule and the first stage waited on its sends
     # until the timeout; the refusal now travels with the step's totals.
-    got = run_distributed(train, 2, "boxes_and_class", "pp=2,microbatches=2", timeout=120)
+    got = run_distributed(train, 2, "classes", "pp=2,microbatches=2", timeout=120)
     for rank in got:
         assert "a dict of 2 (sum, count) terms" in rank["refused"], got
         assert "Train without pp (dp=N, or dp_shard=N,zero=3" in rank["refused"], got
