@@ -390,8 +390,8 @@ def _loss_key(loss_fn: Callable) -> Any:
     return code, id(getattr(loss_fn, "__self__", None)), tuple(cells)
 
 
-def loss_sum_and_count(value: Any, targets: Any, *, shift: bool | torch.Tensor = False
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_sum_and_count(value: Any, targets: Any, *, shift: bool | torch.Tensor = False,
+                       examples: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss with autograd, count) from what a loss function returned (module docs);
     for a dict of terms, each term's sum and count, as two tensors of one entry per term
     (:func:`loss_terms`)."""
@@ -410,7 +410,11 @@ def loss_sum_and_count(value: Any, targets: Any, *, shift: bool | torch.Tensor =
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"the loss function returned {shape}; return a scalar mean "
                          f"(reduction='mean') or a (sum, count) pair")
-    if isinstance(shift, torch.Tensor):  # answered on the device (XLA): chosen there
+    if examples:  # a mean over the examples (ctc_mean_over_examples): one count per row
+        labels = _counted(targets)
+        rows = labels.shape[0] if isinstance(labels, torch.Tensor) and labels.ndim else 1
+        count = torch.full((), float(rows), device=loss.device)
+    elif isinstance(shift, torch.Tensor):  # answered on the device (XLA): chosen there
         count = torch.where(shift.to(loss.device), count_items(targets, shift=True).to(
             loss.device), count_items(targets).to(loss.device))
     else:
@@ -478,6 +482,19 @@ def term_weights(counts: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Te
 def _full(t: Any) -> Any:
     """A replicated DTensor loss (vocabulary-parallel head under loss_parallel) as a tensor."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def ctc_mean_over_examples(model: nn.Module) -> bool:
+    """True for a Hugging Face CTC model (``Wav2Vec2ForCTC``, ``HubertForCTC``, ...) whose
+    ``config.ctc_loss_reduction`` is ``"mean"``: its ``output.loss`` is ``F.ctc_loss``'s mean,
+    each example over its target length and then the mean over the examples, so it is
+    counted per example, not per label that is not -100."""
+    for sub in model.modules():
+        config = getattr(sub, "config", None)
+        if (type(sub).__name__.endswith("ForCTC") and config is not None
+                and getattr(config, "ctc_loss_reduction", None) == "mean"):
+            return True
+    return False
 
 
 def shifts_labels(model: nn.Module) -> bool:

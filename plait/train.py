@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .batch_rows import MicroBatches, per_example, refuse_ragged
 from .dict_batch import signature_of, whole_dict_parameter
 from .loss import (
+    ctc_mean_over_examples,
     label_shift,
     loss_sum_and_count,
     missing_labels_fix,
@@ -474,7 +475,8 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None,
         from .parallel.context import SHIFTED_LABELS
 
         raise ValueError(SHIFTED_LABELS.format(cp=context.size))
-    total, count = loss_sum_and_count(value, targets, shift=shift)
+    total, count = loss_sum_and_count(value, targets, shift=shift, examples=loss_fn is None
+                                      and ctc_mean_over_examples(model))
     return _with_graph(total), count
 
 

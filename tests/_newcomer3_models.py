@@ -202,6 +202,62 @@ def class_terms(out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) 
                                                              positive.sum())}
 
 
+# --- a Hugging Face CTC model computing its own loss ---
+
+
+def tiny_wav2vec2(reduction: str = "mean") -> nn.Module:
+    """A two-layer-conv, one-layer-transformer ``Wav2Vec2ForCTC`` on raw samples, without
+    dropout or time masking (which draw random numbers one device draws otherwise)."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    config = Wav2Vec2Config(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, conv_dim=(8, 8), conv_kernel=(3, 3), conv_stride=(2, 2),
+        conv_bias=True, num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+        feat_extract_norm="layer", do_stable_layer_norm=True, ctc_loss_reduction=reduction,
+        pad_token_id=0, mask_time_prob=0.0, layerdrop=0.0, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+        final_dropout=0.0)
+    return Wav2Vec2ForCTC(config)
+
+
+class Waveforms(Dataset):
+    """Raw "audio" of 48 to 80 samples with transcripts of 1 to 3 symbols."""
+
+    def __init__(self, n: int = 32, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.items = []
+        for _ in range(n):
+            length = int(torch.randint(48, 81, (), generator=g))
+            s = int(torch.randint(1, 4, (), generator=g))
+            self.items.append((torch.randn(length, generator=g),
+                               torch.randint(1, VOCAB, (s,), generator=g)))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.items[i]
+
+
+def collate_waveforms(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Hugging Face's CTC batch: samples padded with zeros, an attention mask, labels padded
+    with -100."""
+    waves = [w for w, _ in items]
+    mask = nn.utils.rnn.pad_sequence([torch.ones_like(w, dtype=torch.long) for w in waves],
+                                     batch_first=True)
+    return {"input_values": nn.utils.rnn.pad_sequence(waves, batch_first=True),
+            "attention_mask": mask,
+            "labels": nn.utils.rnn.pad_sequence([y for _, y in items], batch_first=True,
+                                                padding_value=-100)}
+
+
+def hf_ctc() -> tuple[nn.Module, Dataset, Any, Any]:
+    """``Wav2Vec2ForCTC`` with ``ctc_loss_reduction="mean"``, its own loss: ``loss_fn=None``."""
+    torch.manual_seed(0)
+    return tiny_wav2vec2(), Waveforms(), None, collate_waveforms
+
+
 LOSSES = {"ctc_mean": ctc_mean, "ctc_mean_pair": ctc_mean_pair,
           "ctc_sum_over_symbols": ctc_sum_over_symbols,
           "ctc_sum_over_symbols_scalar": ctc_sum_over_symbols_scalar,
@@ -235,7 +291,7 @@ STEPS, BATCH = 3, 8
 
 def _factory(name: str, loss: str | None) -> tuple[nn.Module, Dataset, Any, Any]:
     factories = {"speech_padded": speech_padded, "speech_flat": speech_flat,
-                 "boxes_and_class": boxes_and_class, "classes": classes}
+                 "boxes_and_class": boxes_and_class, "classes": classes, "hf_ctc": hf_ctc}
     model, data, loss_fn, collate = factories[name]()
     return model, data, LOSSES[loss] if loss else loss_fn, collate
 
@@ -287,9 +343,13 @@ def reference(name: str, loss: str | None = None) -> dict[str, Any]:
     order = DistributedLoader(data, BATCH)
     losses = []
     for step in range(STEPS):
-        inputs, targets = collate([data[int(i)] for i in order.global_indices(step)])
-        args = inputs if isinstance(inputs, dict) else {"x": inputs}
-        value = one_device_loss(loss_fn, model(**args), targets)
+        batch = collate([data[int(i)] for i in order.global_indices(step)])
+        if loss_fn is None:  # the model's own loss
+            value = model(**batch).loss
+        else:
+            inputs, targets = batch
+            args = inputs if isinstance(inputs, dict) else {"x": inputs}
+            value = one_device_loss(loss_fn, model(**args), targets)
         value.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -297,7 +357,11 @@ def reference(name: str, loss: str | None = None) -> dict[str, Any]:
         losses.append(value.item())
     model.eval()
     with torch.no_grad():
-        inputs, targets = collate([data[int(i)] for i in order.global_indices(0)])
-        args = inputs if isinstance(inputs, dict) else {"x": inputs}
-        evaluated = [one_device_loss(loss_fn, model(**args), targets).item()]
+        batch = collate([data[int(i)] for i in order.global_indices(0)])
+        if loss_fn is None:
+            evaluated = [model(**batch).loss.item()]
+        else:
+            inputs, targets = batch
+            args = inputs if isinstance(inputs, dict) else {"x": inputs}
+            evaluated = [one_device_loss(loss_fn, model(**args), targets).item()]
     return {"losses": losses, "evaluated": evaluated, "state": model.state_dict()}
