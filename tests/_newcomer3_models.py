@@ -258,6 +258,13 @@ def hf_ctc() -> tuple[nn.Module, Dataset, Any, Any]:
     return tiny_wav2vec2(), Waveforms(), None, collate_waveforms
 
 
+def hf_ctc_sum() -> tuple[nn.Module, Dataset, Any, Any]:
+    """:func:`hf_ctc` with ``ctc_loss_reduction="sum"`` (the config's default): a sum over the
+    batch's examples."""
+    torch.manual_seed(0)
+    return tiny_wav2vec2("sum"), Waveforms(), None, collate_waveforms
+
+
 LOSSES = {"ctc_mean": ctc_mean, "ctc_mean_pair": ctc_mean_pair,
           "ctc_sum_over_symbols": ctc_sum_over_symbols,
           "ctc_sum_over_symbols_scalar": ctc_sum_over_symbols_scalar,
@@ -291,7 +298,8 @@ STEPS, BATCH = 3, 8
 
 def _factory(name: str, loss: str | None) -> tuple[nn.Module, Dataset, Any, Any]:
     factories = {"speech_padded": speech_padded, "speech_flat": speech_flat,
-                 "boxes_and_class": boxes_and_class, "classes": classes, "hf_ctc": hf_ctc}
+                 "boxes_and_class": boxes_and_class, "classes": classes, "hf_ctc": hf_ctc,
+                 "hf_ctc_sum": hf_ctc_sum}
     model, data, loss_fn, collate = factories[name]()
     return model, data, LOSSES[loss] if loss else loss_fn, collate
 
