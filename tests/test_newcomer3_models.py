@@ -35,6 +35,11 @@ def _assert_trains_as_one_device(got: dict[str, Any], want: dict[str, Any]) -> N
         assert abs(a - b) <= 1e-5 * abs(a), (want, got)
     assert set(got["state"]) == set(want["state"])
     for name, w in want["state"].items():
+        if name.endswith("attention.k_proj.bias"):
+            # Softmax over the keys ignores a key bias (it adds one number to every score of a
+            # query), so its true gradient is 0 and AdamW steps it on rounding noise alone,
+            # which differs with the split (1e-6 against values of 5e-7).
+            continue
         diff = (got["state"][name] - w).abs().max().item()
         assert diff <= 1e-5 * max(w.abs().max().item(), 1e-3), (name, diff)
 
