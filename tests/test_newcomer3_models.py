@@ -146,7 +146,7 @@ def test_a_hugging_face_ctc_models_own_mean_trains_as_one_device_under_dp_and_gr
                                         ("boxes_and_class", None), ("hf_ctc", None)])
 @pytest.mark.parametrize("world, plan", [(1, ""), (1, "grad_accum=2"), (2, "dp=2"),
                                          (2, "dp=2,grad_accum=2"), (2, "dp_shard=2,zero=1"),
-                                         (2, "fsdp=2")])
+                                         (2, "fsdp=2"), (2, "fsdp=2,grad_accum=2")])
 def test_each_trains_as_one_device_under_every_data_parallel_layout(name, loss, world,
                                                                      plan) -> None:
     want = reference(name, loss)
