@@ -16,8 +16,13 @@ What a loss function may return (``loss_fn(output, targets)``):
 
 * ``(sum, count)``: the summed loss of the micro-batch and how many items it sums over (an int
   or a tensor). Use this for weighted samples (``(sum(w * l), sum(w))``) or anything unusual.
+* a dict of ``(sum, count)`` pairs, one per term, for a loss whose terms are each averaged
+  over a count of their own (a detector's ``sum_box / n_box + sum_cls / n_img``): the step's
+  loss is the sum over the terms of (the term's global sum / its global count), see
+  :func:`loss_terms` and :func:`term_weights`.
 * a scalar: read as the *mean* over the micro-batch's counted items, the count taken from the
-  targets by :func:`count_items`: integer labels count the entries that are not
+  targets by :func:`count_items`: targets with a ``target_lengths`` entry (``F.ctc_loss``'s
+  form) count their examples, integer labels count the entries that are not
   ``IGNORE_INDEX`` (-100, the default of ``F.cross_entropy`` and of Hugging Face models), any
   other targets count rows. So ``F.cross_entropy(..., ignore_index=-100)`` (mean reduction),
   Hugging Face's ``output.loss`` and ``F.mse_loss`` are right with no change.
@@ -73,11 +78,16 @@ def missing_labels_fix(keys: Any) -> str:
 def count_items(targets: Any, *, shift: bool = False) -> torch.Tensor:
     """How many items a mean loss over ``targets`` averages over (a float 0-dim tensor).
 
-    Integer labels: the entries that are not ``IGNORE_INDEX``; with ``shift=True`` the first
+    Targets with a ``target_lengths`` entry (a dict, as ``F.ctc_loss`` takes them): the
+    examples, one per length (:func:`_with_lengths`). Integer labels: the entries that are not
+    ``IGNORE_INDEX``; with ``shift=True`` the first
     position of every row is dropped first (a causal LM predicts token t+1 from t, so Hugging
     Face's causal-LM loss never reads the first label). A dict: its ``"labels"`` entry if there
     is one, else its first tensor. Anything else: the rows (dim 0) of the first tensor.
     """
+    examples = _with_lengths(targets)
+    if examples is not None:
+        return torch.full((), float(examples.shape[0]), device=examples.device)
     targets = _counted(targets)
     if not isinstance(targets, torch.Tensor):
         return torch.ones(())
@@ -87,6 +97,23 @@ def count_items(targets: Any, *, shift: bool = False) -> torch.Tensor:
                           device=targets.device)
     labels = targets[..., 1:] if shift and targets.ndim > 1 else targets
     return (labels != IGNORE_INDEX).sum().float()
+
+
+# The key a sequence loss's targets give their lengths under: the argument F.ctc_loss and
+# torchaudio's rnnt_loss take them as.
+LENGTHS_KEY = "target_lengths"
+
+
+def _with_lengths(targets: Any) -> torch.Tensor | None:
+    """The ``target_lengths`` entry (one per example) of a dict of targets that has one, else
+    None. Such targets are labels padded (or concatenated) with their lengths beside them, as
+    ``F.ctc_loss`` takes them: their padding is not ``IGNORE_INDEX``, and the losses that take
+    them (CTC's and RNN-T's ``reduction="mean"``: each example's loss over its target length,
+    then the mean over the examples) average over the examples, not over the labels."""
+    if not isinstance(targets, dict):
+        return None
+    lengths = targets.get(LENGTHS_KEY)
+    return lengths if isinstance(lengths, torch.Tensor) and lengths.ndim == 1 else None
 
 
 def _counted(targets: Any) -> Any:
@@ -169,7 +196,10 @@ def first_label_skipped(value: Any, targets: Any, recompute: Callable[[Any], Any
     ``key`` (the loss function) and kept in ``known``; False for a ``(sum, count)`` pair,
     whose count is the loss's own. On XLA: a 0-dim bool tensor on the device
     (:func:`skips_first_label_on_device`), kept in ``known`` until :func:`settle_answers`."""
-    if isinstance(value, (tuple, list)):
+    if isinstance(value, (tuple, list, dict)) or _with_lengths(targets) is not None:
+        # A pair or terms carry their own counts; labels with lengths are counted per
+        # example, and their padding is not IGNORE_INDEX: a loss such as F.ctc_loss would
+        # read the probe's -100 as a label index (out of bounds, unchecked on the CPU).
         return False
     if key in known and not isinstance(known[key], torch.Tensor):
         return known[key]
@@ -360,9 +390,13 @@ def _loss_key(loss_fn: Callable) -> Any:
     return code, id(getattr(loss_fn, "__self__", None)), tuple(cells)
 
 
-def loss_sum_and_count(value: Any, targets: Any, *, shift: bool | torch.Tensor = False
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed loss with autograd, count) from what a loss function returned (module docs)."""
+def loss_sum_and_count(value: Any, targets: Any, *, shift: bool | torch.Tensor = False,
+                       examples: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss with autograd, count) from what a loss function returned (module docs);
+    for a dict of terms, each term's sum and count, as two tensors of one entry per term
+    (:func:`loss_terms`)."""
+    if isinstance(value, dict):
+        return loss_terms(value)
     if isinstance(value, (tuple, list)):
         if len(value) != 2:
             raise ValueError(f"a loss function returns a scalar mean or a (sum, count) pair; "
@@ -376,7 +410,11 @@ def loss_sum_and_count(value: Any, targets: Any, *, shift: bool | torch.Tensor =
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"the loss function returned {shape}; return a scalar mean "
                          f"(reduction='mean') or a (sum, count) pair")
-    if isinstance(shift, torch.Tensor):  # answered on the device (XLA): chosen there
+    if examples:  # a mean over the examples (ctc_mean_over_examples): one count per row
+        labels = _counted(targets)
+        rows = labels.shape[0] if isinstance(labels, torch.Tensor) and labels.ndim else 1
+        count = torch.full((), float(rows), device=loss.device)
+    elif isinstance(shift, torch.Tensor):  # answered on the device (XLA): chosen there
         count = torch.where(shift.to(loss.device), count_items(targets, shift=True).to(
             loss.device), count_items(targets).to(loss.device))
     else:
@@ -389,9 +427,74 @@ def loss_sum_and_count(value: Any, targets: Any, *, shift: bool | torch.Tensor =
     return torch.where(count > 0, total, torch.zeros_like(total)), count
 
 
+def loss_terms(value: dict[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each term's sum, with autograd; each term's count) of a loss function's dict of
+    ``(sum, count)`` pairs, as two 1-D tensors in the dict's order.
+
+    Why a form of its own: a loss such as a detector's ``sum_box / n_box + sum_cls / n_img``
+    divides each term by its own count over the whole batch, and a sum of ratios is not one
+    ``(sum, count)`` pair. Each term's counts are summed over the micro-batches and data
+    replicas before backward (:func:`term_weights`), so that the step trains one device's
+    sum of ``sum / count`` over the global batch."""
+    if not value:
+        raise ValueError("the loss function returned an empty dict; return a scalar mean, a "
+                         "(sum, count) pair, or a dict of (sum, count) pairs, one per term")
+    sums, counts = [], []
+    for name, term in value.items():
+        if not isinstance(term, (tuple, list)) or len(term) != 2:
+            shown = (f"a {type(term).__name__} of {len(term)} items"
+                     if isinstance(term, (tuple, list)) else type(term).__name__)
+            raise ValueError(
+                f"the loss function returned a dict whose {name!r} is {shown}: a dict of "
+                f"terms holds one (sum, count) pair per term ({{{name!r}: (loss.sum(), n), "
+                f"...}}), each term then divided by its own count over the global batch; for "
+                f"one mean loss return it alone, or (sum, count)")
+        total = _full(term[0])
+        if not isinstance(total, torch.Tensor) or total.numel() != 1:
+            got = (tuple(total.shape) if isinstance(total, torch.Tensor)
+                   else type(total).__name__)
+            raise ValueError(f"the loss function's term {name!r} has a sum of {got}; each "
+                             f"term is (summed loss as a 0-dim tensor, count)")
+        sums.append(total.reshape(()))
+        counts.append(torch.as_tensor(_full(term[1]), dtype=torch.float32,
+                                      device=total.device).detach().reshape(()))
+    return torch.stack(sums), torch.stack(counts)
+
+
+def term_weights(counts: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each term's weight, which term is the reference: a one-hot) for a loss of several
+    terms (:func:`loss_terms`), from ``counts``, this rank's count of each term summed over
+    its micro-batches, and ``reduce``, which sums a tensor over the data replicas.
+
+    The step's ``(sum, count)`` is then ``(sum over terms of weight * sum, the reference
+    term's count)``: with the reference the term of the largest global count ``C_r`` and each
+    weight ``C_r / C_k``, the global sum over the global count is ``sum over k of
+    S_k / C_k``, one device's loss, and the usual scaling by ``dp / count`` makes its
+    gradients. A term that counts nothing anywhere weighs 0 (its sum is 0 as well)."""
+    total = reduce(counts.detach().float().clone())
+    reference = torch.nn.functional.one_hot(total.argmax(), total.numel()).to(total.dtype)
+    weights = torch.where(total > 0, (total * reference).sum() / total.clamp_min(1e-30),
+                          torch.zeros_like(total))
+    return weights, reference
+
+
 def _full(t: Any) -> Any:
     """A replicated DTensor loss (vocabulary-parallel head under loss_parallel) as a tensor."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def ctc_mean_over_examples(model: nn.Module) -> bool:
+    """True for a Hugging Face CTC model (``Wav2Vec2ForCTC``, ``HubertForCTC``, ...) whose
+    ``config.ctc_loss_reduction`` is ``"mean"``: its ``output.loss`` is ``F.ctc_loss``'s mean,
+    each example over its target length and then the mean over the examples, so it is
+    counted per example, not per label that is not -100."""
+    for sub in model.modules():
+        config = getattr(sub, "config", None)
+        if (type(sub).__name__.endswith("ForCTC") and config is not None
+                and getattr(config, "ctc_loss_reduction", None) == "mean"):
+            return True
+    return False
 
 
 def shifts_labels(model: nn.Module) -> bool:

@@ -782,16 +782,18 @@ class Run:
         if self._watchdog is not None:
             self._watchdog.active = True
         try:
-            local = forward_only(model, batch, loss_fn, plan=self.plan, device=self.device)
-            runner = layout_of(model).pipeline if self.plan.cp > 1 else None
-            if runner is not None:  # the last stage's refusal, with the totals it sends
-                local = torch.cat([local.float(), torch.full((1,), runner.take_refusal(),
-                                                             device=local.device)])
+            group = self._totals_group()[0] if self.spmd is None else None
+            local = forward_only(model, batch, loss_fn, plan=self.plan, device=self.device,
+                                 dp_group=group)
+            runner = layout_of(model).pipeline
+            if runner is not None:  # the last stage's refusals, with the totals it sends
+                local = torch.cat([local.float(), torch.tensor(runner.take_refusal(),
+                                                               device=local.device)])
             totals = self._global_totals(local)
             if runner is not None:
                 from .parallel.pipeline import refuse_if_seen
 
-                refuse_if_seen(float(totals[2]), self.plan.cp)
+                refuse_if_seen(totals[2:4].tolist(), self.plan.cp, self._totals_group()[1])
         finally:
             for module, training in modes:
                 module.training = training
@@ -1129,15 +1131,15 @@ class Run:
         pp_group = self._mesh()["pp"].get_group()
         dp_group, replicas = self._totals_group()  # the data ranks (x cp)
         own = guard.local_flags(local[0])
-        runner = layout_of(model).pipeline if self.plan.cp > 1 else None
-        if runner is not None:
-            own = torch.cat([own.float(), torch.full((1,), runner.take_refusal(),
-                                                     device=own.device)])
+        runner = layout_of(model).pipeline
+        if runner is not None:  # the last stage's refusals travel with the flags
+            own = torch.cat([own.float(), torch.tensor(runner.take_refusal(),
+                                                       device=own.device)])
         totals, flags = pipeline_totals(local, own, holds_loss=guard.holds_loss,
                                         pp_group=pp_group, dp_group=dp_group)
         if runner is not None:
-            refuse_if_seen(float(flags[-1]), self.plan.cp)
-            flags = flags[:-1]
+            refuse_if_seen(flags[-2:].tolist(), self.plan.cp, replicas)
+            flags = flags[:-2]
         whole_job = self.plan.pp * replicas == self.world_size
         return totals, flags if whole_job and self.plan.grad_clip else None
 

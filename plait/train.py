@@ -26,17 +26,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .batch_rows import MicroBatches, per_example, refuse_ragged
 from .dict_batch import signature_of, whole_dict_parameter
 from .loss import (
+    ctc_mean_over_examples,
     label_shift,
     loss_sum_and_count,
     missing_labels_fix,
     scale_gradients,
     shifts_labels,
+    term_weights,
 )
 from .parallel.layout import layout_of
 from .plan import Plan
 
-# loss_fn(output, targets) -> a scalar mean over the counted items, or (sum, count); see
-# plait.loss. None: the model returns its own loss (Hugging Face's output.loss).
+# loss_fn(output, targets) -> a scalar mean over the counted items, (sum, count), or a dict of
+# (sum, count) pairs, one per term; see plait.loss. None: the model returns its own loss
+# (Hugging Face's output.loss).
 LossFn = Callable[[Any, Any], Any]
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -317,8 +320,13 @@ def _described(x: Any) -> str:
 def _a_loss(value: Any) -> Any:
     """``value`` when a loss function may return it (a tensor, or a pair of them or numbers);
     a number (``loss.item()``) is refused here, before the count and the backward read it."""
-    parts = value if isinstance(value, (tuple, list)) else (value,)
-    if isinstance(parts[0], torch.Tensor):
+    if isinstance(value, dict) and value:  # terms: checked by plait.loss.loss_terms
+        first = next(iter(value.values()))
+        parts = first if isinstance(first, (tuple, list)) and first else (value,)
+    else:
+        parts = value if isinstance(value, (tuple, list)) else (value,)
+    if isinstance(parts[0], torch.Tensor) or isinstance(value, dict) and not isinstance(
+            parts[0], (int, float)):
         return value
     shown = f"{parts[0]!r}"[:40]
     raise ValueError(f"the loss function returned {type(parts[0]).__name__} {shown}, not a "
@@ -467,14 +475,15 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None,
         from .parallel.context import SHIFTED_LABELS
 
         raise ValueError(SHIFTED_LABELS.format(cp=context.size))
-    total, count = loss_sum_and_count(value, targets, shift=shift)
+    total, count = loss_sum_and_count(value, targets, shift=shift, examples=loss_fn is None
+                                      and ctc_mean_over_examples(model))
     return _with_graph(total), count
 
 
 def _forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
     """The micro-batch's mean loss (sum / count), for callers that want one scalar."""
     total, count = forward_loss(model, batch, loss_fn)
-    return total / count.clamp_min(1)
+    return (total / count.clamp_min(1)).sum()  # a loss of terms: each over its own count
 
 
 def sequence_part(model: nn.Module, part: Any
@@ -579,7 +588,8 @@ class TotalsExchange:
 
 def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, plan: Plan,
                      device: torch.device, exchange: TotalsExchange | None = None,
-                     loss_scale: float = 1.0) -> torch.Tensor:
+                     loss_scale: float = 1.0, dp_group: dist.ProcessGroup | None = None
+                     ) -> torch.Tensor:
     """Forward and backward of this rank's ``batch``; returns ``[loss sum, item count]``.
 
     ``exchange`` (not with pipelines): started with this rank's totals after the last
@@ -592,6 +602,12 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
     ``loss_scale`` (fp16, ``plait.loss_scale.LossScaler.backward_factor``): backward runs on
     each sum times it, so that small gradients survive fp16's range; the totals returned are
     the unscaled sums, and :func:`apply_update` divides the gradients by it again.
+
+    A loss of several terms, each over its own count (a dict of ``(sum, count)`` pairs,
+    ``plait.loss.loss_terms``), needs every term's global count before the first backward:
+    the first micro-batch's forward finds the terms, the later micro-batches run forward once
+    more without autograd to count theirs (:func:`_later_counts`), and one all-reduce of the
+    counts over the data replicas (``exchange``'s group, else ``dp_group``) weighs the terms.
     """
     from .parallel.buffer_sync import broadcast_written_buffers
 
@@ -601,6 +617,9 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
         return pipeline.step(batch, loss_fn, plan=plan, device=device, loss_scale=loss_scale)
     micro = split_microbatches(batch, plan.grad_accum)
     totals = torch.zeros(2, device=device)
+    weights: tuple[torch.Tensor, torch.Tensor] | None = None
+    group = exchange.group if exchange is not None else dp_group
+    pause = exchange.pause if exchange is not None else contextlib.nullcontext
     unused = None
     if plan.find_unused and (plan.zero >= 2 or plan.tp > 1):  # FSDP2 reduces zeros for them
         from .parallel.unused import UnusedTracker
@@ -615,6 +634,11 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
         with loss_context(model), grad_sync(model, enabled=last), sequence:
             with autocast(plan, device):
                 total, count = forward_loss(model, part, loss_fn, extra, plan)
+            if total.ndim:  # a dict of terms, each over its own global count
+                if weights is None:
+                    counts = count + _later_counts(model, micro[i + 1:], loss_fn, plan, device)
+                    weights = term_weights(counts, _summed_over(group, pause))
+                total, count = (weights[0] * total).sum(), (weights[1] * count).sum()
             totals += torch.stack([total.detach().float(), count.float().to(device)])
             if unused is not None:
                 unused.note(total)
@@ -630,15 +654,54 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
     return totals
 
 
+def _summed_over(group: dist.ProcessGroup | None,
+                 pause: Callable[[], contextlib.AbstractContextManager]
+                 ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function that sums a tensor over ``group`` in place (the data replicas; nothing to
+    do without one), inside ``pause`` (the ledger's: bookkeeping, not the layout's traffic)."""
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        if group is not None and dist.get_world_size(group) > 1:
+            with pause():
+                dist.all_reduce(t, group=group)
+        return t
+    return reduce
+
+
+def _later_counts(model: nn.Module, parts: list[Any], loss_fn: LossFn | None, plan: Plan,
+                  device: torch.device) -> torch.Tensor | float:
+    """Each term's count summed over ``parts`` (the micro-batches after the first), from a
+    forward without autograd: a loss of terms weighs them by their global counts before the
+    first backward, and a count is the loss function's to give, from the output. The random
+    state and the buffers (BatchNorm's running statistics) are put back afterwards, so that
+    the real forwards draw and update what one device's do. Costs one forward per later
+    micro-batch (grad_accum - 1 of them), and only for a loss of terms."""
+    if not parts:
+        return 0.0
+    counts: torch.Tensor | float = 0.0
+    saved = [b.detach().clone() for b in model.buffers()]
+    cuda = [device] if device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        for part in parts:
+            part, extra, sequence = sequence_part(model, part)
+            with sequence, autocast(plan, device):
+                _, count = forward_loss(model, part, loss_fn, extra, plan)
+            counts = counts + count
+        for b, old in zip(model.buffers(), saved, strict=True):
+            b.copy_(old)
+    return counts
+
+
 def forward_only(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, plan: Plan,
-                 device: torch.device) -> torch.Tensor:
+                 device: torch.device, dp_group: dist.ProcessGroup | None = None
+                 ) -> torch.Tensor:
     """``[loss sum, item count]`` of this rank's ``batch`` with no autograd graph and no
     gradients touched: the layout's forward (FSDP's gathers, TP's collectives, a pipeline's
     schedule without backward) and the loss, as :func:`forward_backward` computes them.
 
     Split into ``plan.grad_accum`` micro-batches as a training step is: the plan chose that
     split for memory, and a whole batch's logits (batch x positions x vocabulary) can outgrow
-    it even without an autograd graph."""
+    it even without an autograd graph. ``dp_group``: the data replicas, over which a loss of
+    several terms sums each term's count (see :func:`forward_backward`)."""
     from .parallel.bn_running import average_running_stats
     from .parallel.buffer_sync import broadcast_written_buffers
 
@@ -647,15 +710,19 @@ def forward_only(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, plan: 
     pipeline = layout_of(model).pipeline
     if pipeline is not None:
         return pipeline.evaluate(batch, loss_fn, plan=plan, device=device)
-    totals = torch.zeros(2, device=device)
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
     with torch.no_grad(), loss_context(model), autocast(plan, device):
         for part in split_microbatches(batch, plan.grad_accum):
             part, extra, sequence = sequence_part(model, part)
             with sequence:
                 total, count = forward_loss(model, part, loss_fn, extra)
-            totals += torch.stack([total.detach().float(), count.float().to(total.device)]
-                                  ).to(device)
-    return totals
+            parts.append((total.detach().float().to(device), count.float().to(device)))
+    sums = torch.stack([t for t, _ in parts]).sum(0)
+    counts = torch.stack([c for _, c in parts]).sum(0)
+    if sums.ndim:  # a dict of terms, each over its own global count
+        weights, reference = term_weights(counts, _summed_over(dp_group, contextlib.nullcontext))
+        sums, counts = (weights * sums).sum(), (reference * counts).sum()
+    return torch.stack([sums, counts])
 
 
 def reduce_totals(totals: torch.Tensor, *, dp_group: dist.ProcessGroup | None,
@@ -747,7 +814,7 @@ def train_step(model: nn.Module, batch: Any, loss_fn: LossFn | None,
                ) -> torch.Tensor:
     """One optimizer step on this rank's ``batch``: :func:`forward_backward`,
     :func:`reduce_totals`, :func:`apply_update`. Returns the global mean loss (0-dim tensor)."""
-    local = forward_backward(model, batch, loss_fn, plan=plan, device=device)
+    local = forward_backward(model, batch, loss_fn, plan=plan, device=device, dp_group=dp_group)
     totals = reduce_totals(local, dp_group=dp_group, pp_group=pp_group, last_pp_rank=last_pp_rank)
     apply_update(optimizer, totals, plan=plan, pp_group=pp_group)
     return totals[0] / totals[1].clamp_min(1)

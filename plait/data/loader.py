@@ -257,13 +257,62 @@ def collate_each(collate_fn: Callable[[list[Any]], Any], rows: list[Any], parts:
     feeds other bags than one device does; each micro-batch collated from its own items is
     exactly what one device's forward computes for those rows, as a data replica's batch is.
     A batch of one row per example is handed out whole, as without accumulation (the train
-    step cuts it, and a script that reads it sees one batch)."""
+    step cuts it, and a script that reads it sees one batch).
+
+    One row per example is told by the parts too, not by the whole's shapes alone: a flat
+    list of boxes (one row per box, each box's image index in another tensor) that happens to
+    hold as many boxes as the batch has images looks like one row per example, and cut by
+    rows pairs boxes with other images (or indexes past a micro-batch's images). A custom
+    collate's batch is handed whole only where cutting it gives what collating each part
+    alone gives (:func:`_cuts_as_collated`)."""
     whole = _collate(collate_fn, rows)
-    if parts == 1 or len(rows) % parts or not ragged_entries(whole)[1]:
+    if parts == 1 or len(rows) % parts:
         return whole
     n = len(rows) // parts
-    return MicroBatches(tuple(_collate(collate_fn, rows[i * n:(i + 1) * n])
-                              for i in range(parts)))
+    if collate_fn is default_collate and not ragged_entries(whole)[1]:
+        return whole  # stacks each item's tensors: one row per example by construction
+    each = tuple(_collate(collate_fn, rows[i * n:(i + 1) * n]) for i in range(parts))
+    if not ragged_entries(whole)[1] and _cuts_as_collated(whole, each, collate_fn, rows):
+        return whole
+    return MicroBatches(each)
+
+
+def _cuts_as_collated(whole: Any, each: tuple[Any, ...],
+                      collate_fn: Callable[[list[Any]], Any], rows: list[Any]) -> bool:
+    """Whether ``whole`` cut by rows into ``len(each)`` parts gives ``each`` (the parts
+    collated alone): equal values, or, for a collate that draws random numbers (a masked-LM
+    collator; told by collating ``rows`` once more), equal shapes."""
+    from ..train import split_microbatches  # the train step's own cut
+
+    try:
+        cut = split_microbatches(whole, len(each))
+    except ValueError:  # a batch the step could not cut either: the parts, then
+        return False
+    if all(_same(a, b, values=True) for a, b in zip(cut, each, strict=True)):
+        return True
+    if not _same(whole, _collate(collate_fn, rows), values=True):  # random: shapes only
+        return all(_same(a, b, values=False) for a, b in zip(cut, each, strict=True))
+    return False
+
+
+def _same(a: Any, b: Any, *, values: bool) -> bool:
+    """``a`` and ``b`` alike in structure and rows, and with ``values`` in the values of each
+    tensor of one shape in both. Tensors of as many rows and other lengths (padded to the
+    longest of the part, not of the whole) are alike: their rows are still one per example."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.ndim != b.ndim:
+            return False
+        if a.shape != b.shape:
+            return a.shape[0] == b.shape[0]
+        return not values or bool(torch.equal(a, b))
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and list(a) == list(b)
+                and all(_same(a[k], b[k], values=values) for k in a))
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return (isinstance(a, (tuple, list)) and isinstance(b, (tuple, list))
+                and len(a) == len(b)
+                and all(_same(x, y, values=values) for x, y in zip(a, b, strict=True)))
+    return not values or bool(a == b)
 
 
 class _ReplicaSteps(Sampler[tuple[int, int, list[tuple[int, int]]]]):

@@ -76,6 +76,15 @@ from .timeline import Timeline, now
 from .tp_example import Example
 from .unused import UnusedTracker
 
+# Each term's global count is needed before the first backward, which a pipeline schedule
+# runs while later microbatches are still to come through the stages.
+TERMS_UNDER_PP = (
+    "the loss function returned a dict of {terms} (sum, count) terms, each to be divided by "
+    "its own count over the global batch, which a pipeline cannot weigh: its schedule runs "
+    "the first backward before the last microbatch's counts exist. Train without pp (dp=N, "
+    "or dp_shard=N,zero=3 for memory), or return one (sum, count) pair")
+
+
 pipeline_stage_base()  # TimedStage overrides a private method: fail clearly if torch changed it
 
 
@@ -538,6 +547,10 @@ class PipelineRunner:
         # train step sums it over the job with the step's totals and refuses on every rank
         # (see take_refusal).
         self.shift_seen = False
+        # How many terms this step's loss returned as a dict of (sum, count) pairs (0: not
+        # such a loss), which a pipeline refuses (TERMS_UNDER_PP); seen on the last stage only,
+        # and refused on every rank as shift_seen is.
+        self.terms_seen = 0
 
     def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one microbatch. torch's schedules split a *tensor* target
@@ -568,6 +581,9 @@ class PipelineRunner:
         if self.context is not None and shift is True:
             self.shift_seen = True
         total, count = loss_sum_and_count(value, target, shift=shift)
+        if total.ndim:  # refused on every rank after the schedule (take_refusal)
+            self.terms_seen = total.numel()
+            total, count = total.sum(), count.sum()
         key = (self._accum_index, int(rows[0]))
         self._totals[key] = torch.stack([total.detach().float(), count.float()])
         return total * self._loss_scale if self._loss_scale != 1.0 else total
@@ -884,6 +900,8 @@ class PipelineRunner:
                 f"train without pp (dp=N, or dp_shard=N,zero=3 for memory)")
         odd = {k for o in outs for k, v in {**o.every, **o.last_only}.items()
                if ragged_entries(v, sizes[0])[1]}
+        for o in outs:
+            _refuse_ragged_targets(o.targets, sizes[0])
         try:
             laid_out = StageInputs(
                 torch.cat([o.first for o in outs]),
@@ -901,13 +919,15 @@ class PipelineRunner:
                                      }.items() if k in odd} for o in outs]
         return laid_out, outs[0], ragged
 
-    def take_refusal(self) -> float:
-        """1.0 when this rank's last step computed a loss that context parallelism refuses
-        (one that shifts the labels itself), else 0.0; reset for the next step. Summed over
-        the pipeline and data ranks, it lets every rank refuse together
+    def take_refusal(self) -> list[float]:
+        """[1.0 when this rank's last step computed a loss that context parallelism refuses
+        (one that shifts the labels itself), else 0.0; the number of terms of a loss that
+        returned a dict of (sum, count) pairs, else 0.0]; reset for the next step. Summed over
+        the pipeline and data ranks, they let every rank refuse together
         (:func:`refuse_if_seen`)."""
         seen, self.shift_seen = self.shift_seen, False
-        return 1.0 if seen else 0.0
+        terms, self.terms_seen = self.terms_seen, 0
+        return [1.0 if seen else 0.0, float(terms)]
 
     def _sequence(self, seq: int) -> contextlib.AbstractContextManager:
         """Under context parallelism: attention over the whole ``seq``-token sequence."""
@@ -991,13 +1011,34 @@ def average_in_buckets(grads: list[torch.Tensor], group: Any) -> None:
                 bucket, held = [], 0
 
 
-def refuse_if_seen(flag: float, cp: int) -> None:
+def _refuse_ragged_targets(targets: Any, rows: int) -> None:
+    """Refuse targets of a micro-batch collated on its own (plait.MicroBatches) that are not
+    one row per example, naming the entry: the last stage's loss takes each microbatch's
+    targets by row (torch's schedule hands it row indices), so a flat list of boxes with each
+    box's image index would be read as other rows."""
+    from ..batch_rows import ragged_entries
+
+    _, odd = ragged_entries(targets, rows)
+    if odd:
+        where, n = odd[0]
+        raise ValueError(
+            f"the targets' entry {where} has {n} rows in a micro-batch of {rows} examples: "
+            f"not one row per example (a flat list of boxes or symbols beside their image or "
+            f"length), which a pipeline's loss cannot take by microbatch (torch's schedule "
+            f"gives it the rows of each); pad it to one row per example in the collate_fn, or "
+            f"train without pp (dp=N, or dp_shard=N,zero=3 for memory)")
+
+
+def refuse_if_seen(flags: list[float], cp: int, stages_with_loss: int = 1) -> None:
     """Raise, on every rank, when the summed :meth:`PipelineRunner.take_refusal` flags say a
-    last stage computed a loss that shifts the labels under context parallelism."""
-    if flag > 0:
+    last stage computed a loss that shifts the labels under context parallelism, or a loss of
+    several terms (``stages_with_loss``: how many last stages' counts were summed)."""
+    if flags[0] > 0:
         from .context import SHIFTED_LABELS
 
         raise ValueError(SHIFTED_LABELS.format(cp=cp))
+    if flags[1] > 0:
+        raise ValueError(TERMS_UNDER_PP.format(terms=round(flags[1] / max(stages_with_loss, 1))))
 
 
 def _shapes(value: Any) -> Any:

@@ -262,7 +262,7 @@ def timer_for(built: Any, sample: Any, *, threads: int, saved_per_sample: float,
 
         def loss_of(m: nn.Module, batch: Any) -> torch.Tensor:
             total, count = forward_loss(m, batch, loss_fn)
-            return total / count.clamp_min(1)
+            return (total / count.clamp_min(1)).sum()  # a loss of terms: each over its count
     else:
         def batch_of(rows: int) -> Any:
             return _real_batch(sample, rows)
