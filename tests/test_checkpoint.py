@@ -96,6 +96,7 @@ def test_reshard_world1_world2(tmp_path, no_group):
         assert worst < 1e-4, (other, worst)
 
 
+@pytest.mark.slow  # a fused qkv layer under zero and tp: test_semantics in the default suite
 def test_a_fused_qkv_layer_moves_between_layouts(tmp_path, no_group):
     """A fused q|k|v Linear split over tp holds rows of q, k and v on each rank, not one block
     of the whole: saved under tp=2 and ZeRO-3 x tp=2 and loaded into tp=2, dp=4 and one

@@ -120,7 +120,8 @@ def test_the_worker_store_port_is_outside_the_ephemeral_range(tmp_path):
     assert len(ports) == 1 and next(iter(ports)) < low, out.stdout
 
 
-@pytest.mark.parametrize("how", ["raise", "kill", "segv"])
+@pytest.mark.parametrize("how", ["raise", *[pytest.param(h, marks=pytest.mark.slow)
+                                           for h in ("kill", "segv")]])
 def test_failing_rank_shown_once(tmp_path, how):
     """The rank that failed is the one shown, once; rank 0's consequent 'connection closed'
     error (its peer went away during the barrier) is not put on the screen."""

@@ -168,6 +168,7 @@ def lm_data():
     return batches, W.reference(W.reference_lm, batches, W.mlm_loss)
 
 
+@pytest.mark.slow  # compile under DDP runs in the default suite; here tp, for minutes on 2 cores
 def test_compile_with_tensor_parallelism_trains_the_one_device_model(lm_data):
     """The blocks' input is the embedding's all-reduced output, an asynchronous collective's
     tensor; its gradient must reach the embedding (a compiled block would hand back none, and

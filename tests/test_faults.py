@@ -305,6 +305,7 @@ def test_sigterm_saves_a_final_checkpoint_on_every_rank_at_one_step(tmp_path):
 
 
 @linux_only
+@pytest.mark.slow  # SIGTERM saving a final checkpoint on every rank runs by default
 def test_ctrl_c_on_one_process_saves_a_final_checkpoint_and_exits_130(tmp_path):
     """`python train.py` with checkpointing on, stopped by Ctrl-C: the step finishes, a final
     checkpoint of it is saved and the process exits 130 with one line, not a KeyboardInterrupt

@@ -51,6 +51,7 @@ def _check(world: int, jobs: list, timeout: float) -> None:
         _assert_matches(W.reference(model, kw), result)
 
 
+@pytest.mark.slow  # the data- and tensor-parallel fine-tuning loop runs by default
 def test_causal_lm_loop_under_two_rank_layouts():
     """The model's own loss under DDP (left padding, RoPE), ZeRO-1 and ZeRO-3 with gradient
     accumulation (GPT-2, tied head), the hand-written shifted loss under tensor parallelism

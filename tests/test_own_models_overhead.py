@@ -34,9 +34,8 @@ def _assert_same_training(rows: list[dict], cases: set[tuple[str, str]]) -> None
 
 
 def test_smoke_raw_and_plait_train_the_same():
-    rows = _smoke("--models", "tied_lm,lora", "--layouts", "ddp,zero3,tp,pp")
-    _assert_same_training(rows, {("tied_lm", "ddp"), ("tied_lm", "zero3"), ("tied_lm", "tp"),
-                                 ("lora", "ddp"), ("lora", "zero3"), ("lora", "pp")})
+    rows = _smoke("--models", "tied_lm", "--layouts", "ddp,zero3,tp")
+    _assert_same_training(rows, {("tied_lm", "ddp"), ("tied_lm", "zero3"), ("tied_lm", "tp")})
 
 
 @pytest.mark.slow

@@ -648,6 +648,7 @@ def test_hf_gpt2_tied_pp2_matches_single_device():
                                                             optimizer="sgd", steps=3)))
 
 
+@pytest.mark.slow  # GPT-2 tied (the harder case) runs by default
 def test_hf_gpt2_untied_pp2_matches_single_device():
     from tests._pipeline_models import hf_gpt2_untied
 

@@ -73,9 +73,11 @@ DOCS = (Path(__file__).resolve().parents[1] / "docs" / "planner.md").read_text()
 
 
 def _case_param(case):
-    """Searching a published run of 256 or more GPUs costs seconds: those run in the slow
-    suite (test_published_runs_repriced prices every row in the default one)."""
-    slow = case.devices >= 256 and case.name in {r.name for r in PUBLISHED_RUNS}
+    """Searching a published run of 256 or more GPUs, or a table row of 1,920 or more, costs
+    seconds: those run in the slow suite (test_published_runs_repriced prices every published
+    run in the default one)."""
+    slow = case.devices >= 1920 or (case.devices >= 256
+                                    and case.name in {r.name for r in PUBLISHED_RUNS})
     return pytest.param(case, marks=[pytest.mark.slow] if slow else [], id=case.name)
 
 

@@ -125,7 +125,7 @@ def _ac_jobs(layout: str, flat: object) -> list:
 
 @pytest.mark.parametrize("world,layouts", [
     (2, ("dp=2", "dp_shard=2,zero=3", "tp=2", "pp=2,mb=2")),
-    (4, ("dp_shard=2,zero=3,tp=2", "pp=2,tp=2,mb=2")),
+    pytest.param(4, ("dp_shard=2,zero=3,tp=2", "pp=2,tp=2,mb=2"), marks=pytest.mark.slow),
 ])
 def test_activation_checkpointing_changes_nothing(world, layouts):
     """Every checkpointing mode trains what one device trains without it (no dropout): on a
