@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import sys
 from typing import TYPE_CHECKING, Any
@@ -177,7 +178,7 @@ def factory_comm_worker(rank: int, world: int, plan: Plan, spec: str, steps: int
         first = next(batches)
         model = run.parallelize(parts.model, example=first)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # as a user's loop builds it
-        for batch in (first, *batches):
+        for batch in itertools.chain((first,), batches):  # loaded one step at a time
             run.step(model, batch, parts.loss_fn, opt)
         info = run.summary()
         del model, opt
