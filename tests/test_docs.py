@@ -122,6 +122,8 @@ def _printed(run: list[str], code: str) -> bool:
     """The words of ``run`` in order in one of plait's strings, where up to two words in a row
     may be an f-string field (an example value: 'ckpt', 'mymodels', a joined list) or, at
     either end, another string the message is put together from."""
+    if " ".join(run) in code:  # most runs: no regular expression needed
+        return True
     n = len(run)
     words = [re.escape(w) for w in run]
     patterns = [SEP.join(words)]

@@ -143,6 +143,7 @@ def test_rank_that_skips_a_collective_is_named(tmp_path):
     assert max(after) < 3.0 + 15
 
 
+@pytest.mark.slow  # the step-start check of a skipped collective runs by default
 def test_a_rank_waiting_in_finish_is_said_to_be_there(tmp_path):
     """Rank 0 issues a collective after the last step that rank 1 skips: rank 1 waits in
     finish()'s check, and the report says finish(), not a step 8 that does not exist."""
@@ -157,6 +158,7 @@ def test_a_rank_waiting_in_finish_is_said_to_be_there(tmp_path):
     assert max(after) < 3.0 + 15
 
 
+@pytest.mark.slow  # a rank waiting in a collective its peer skipped runs by default
 def test_evaluate_called_on_one_rank_is_reported_not_a_silent_hang(tmp_path):
     """run.evaluate is collective; called on rank 0 only, rank 0 waits in its all-reduce and
     the watchdog names rank 1 and rank 0's line instead of the job hanging for good."""

@@ -140,6 +140,7 @@ def test_report_shows_expected_calls_and_dash_where_unknown():
     assert plain.row(*AR).expected_calls is None and UNKNOWN_CALLS_NOTE not in plain.notes
 
 
+@pytest.mark.slow  # the calls columns are checked in process by the tests above
 def test_plait_comm_json_carries_the_calls():
     """``plait comm --format json`` under ZeRO-1, parsed: every row's measured calls are its
     expected calls, ZeroRedundancyOptimizer's broadcasts one per parameter tensor."""

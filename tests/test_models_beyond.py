@@ -8,9 +8,10 @@ pp and tp) trained with a contrastive (InfoNCE) loss over the whole global batch
 and CNNs with BatchNorm (what their running statistics become without sync_bn). The reference
 is a plain one-process loop (SGD, lr 0.1, torch's clipping at 1.0; Adam or AdamW where a test
 says so) on the whole global batch. Tolerance:
-1e-6 relative on every step's loss, and on every parameter and persistent buffer after the
-last step 1e-6 relative to the tensor's largest entry (at least 1e-2): fp32 rounding of sums
-taken in another order.
+2e-6 relative on every step's loss, and on every parameter and persistent buffer after the
+last step 2e-6 relative to the tensor's largest entry (at least 1e-2): fp32 rounding of sums
+taken in another order, a few units in the last place after three steps (a wrong weighting
+or a missed reduction is 1e-3 or more).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from plait.plan import Plan
 from plait.spawn import WorkerError, run_distributed
 from tests import _workers_beyond as B
 
-REL, FLOOR = 1e-6, 1e-2
+REL, FLOOR = 2e-6, 1e-2
 
 
 def _assert_matches(ref: dict, got: dict) -> None:

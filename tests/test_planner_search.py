@@ -5,6 +5,8 @@ import dataclasses
 import math
 import time
 
+import pytest
+
 from plait.mesh import DP, DP_CP, DP_SHARD_CP, DP_SHARD_CP_TP, DP_SHARD_TP
 from plait.plan import Plan
 from plait.planner import auto_plan
@@ -88,6 +90,7 @@ def test_at_equal_predicted_time_no_accumulation_comes_first():
     assert len(ties) > 1 and r.best.plan.grad_accum == 1
 
 
+@pytest.mark.slow  # four searches of 64 GPUs; refusals in rank order also run on small models
 def test_layouts_the_model_refuses_are_skipped_in_rank_order():
     """The cost model reads sizes only; ``layout_check`` is the model's own word (its blocks
     refuse sequence parallelism, its layer plan does not fit a tp). Without SP the best

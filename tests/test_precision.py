@@ -152,7 +152,7 @@ CLIP, CLIP_LR = 0.05, 0.5
 @pytest.mark.parametrize("world,layouts", [
     (2, ("dp=2", "dp_shard=2,zero=1", "dp_shard=2,zero=3", "tp=2", "pp=2,mb=2",
          "dp_shard=2,zero=2,grad_accum=2", "dp_shard=2,zero=3,offload=true")),
-    (4, ("pp=2,tp=2,mb=2", "dp_shard=2,zero=3,tp=2")),
+    pytest.param(4, ("pp=2,tp=2,mb=2", "dp_shard=2,zero=3,tp=2"), marks=pytest.mark.slow),
 ])
 def test_clipping_clips_the_norm_one_device_computes(world, layouts):
     """With clipping active at every step, each layout's clipped update equals torch's

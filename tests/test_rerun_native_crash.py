@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 INNER = textwrap.dedent('''
     import os
     from pathlib import Path
@@ -45,6 +47,7 @@ INNER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_a_native_crash_is_rerun_once_and_a_repeated_one_fails(tmp_path):
     here = Path(__file__).parent
     shutil.copy(here / "conftest.py", tmp_path / "conftest.py")

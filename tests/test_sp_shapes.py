@@ -200,7 +200,7 @@ def test_the_planner_prices_an_encoder_at_its_own_length():
         Workload(S.BATCH, S.TGT, stack_seqs=(("encoder.block.0", 0),))
 
 
-@pytest.mark.parametrize("plan", ["tp=2,sp", "tp=2"])
+@pytest.mark.parametrize("plan", ["tp=2,sp", pytest.param("tp=2", marks=pytest.mark.slow)])
 def test_each_stack_of_an_encoder_decoder_is_priced_at_its_own_length(plan):
     """An encoder-decoder with a source of 48 tokens and a target of 16 under tp=2 (with and
     without SP): the ledger's expected column and the planner's rows (each stack at its own

@@ -99,6 +99,7 @@ def test_workers_see_the_callers_environment_and_die_with_it(tmp_path, monkeypat
     assert not alive(job), f"orphans: {alive(job)}"
 
 
+@pytest.mark.slow
 def test_a_rank_leaves_no_semaphore_for_the_callers_tracker():
     """A rank leaves with os._exit, which skips its exit finalizers: a named semaphore it held
     (torch.compile creates one in every rank that compiled) would stay registered with the
