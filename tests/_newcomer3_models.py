@@ -115,6 +115,15 @@ def ctc_sum_over_symbols(out: dict[str, torch.Tensor], targets: dict[str, torch.
     return total, targets["target_lengths"].sum()
 
 
+def ctc_sum_of_the_batch(out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]
+                         ) -> Any:
+    """``reduction="sum"`` as one device sums it over the whole global batch: the pair of the
+    micro-batch's sum and its part of the global batch of ``BATCH`` examples."""
+    total = F.ctc_loss(out["log_probs"], targets["labels"], out["output_lengths"],
+                       targets["target_lengths"], reduction="sum")
+    return total, targets["target_lengths"].shape[0] / BATCH
+
+
 def ctc_sum_over_symbols_scalar(out: dict[str, torch.Tensor],
                                 targets: dict[str, torch.Tensor]) -> Any:
     """:func:`ctc_sum_over_symbols` as the scalar a training loop writes (``sum / count``)."""
@@ -267,6 +276,7 @@ def hf_ctc_sum() -> tuple[nn.Module, Dataset, Any, Any]:
 
 LOSSES = {"ctc_mean": ctc_mean, "ctc_mean_pair": ctc_mean_pair,
           "ctc_sum_over_symbols": ctc_sum_over_symbols,
+          "ctc_sum_of_the_batch": ctc_sum_of_the_batch,
           "ctc_sum_over_symbols_scalar": ctc_sum_over_symbols_scalar,
           "two_terms": two_terms, "two_terms_scalar": two_terms_scalar,
           "class_terms": class_terms}
@@ -327,6 +337,12 @@ def train(rank: int, world_size: int, name: str, plan: str, loss: str | None = N
     state = run.full_state_dict(model)
     run.close()
     return {"losses": losses, "evaluated": evaluated, "state": state if rank == 0 else None}
+
+
+def train_each(rank: int, world_size: int, cases: list[tuple[str, str, str | None]]
+               ) -> list[dict[str, Any]]:
+    """:func:`train` for each ``(name, plan, loss)`` in turn, in this process."""
+    return [train(rank, world_size, name, plan, loss) for name, plan, loss in cases]
 
 
 def one_device_loss(loss_fn: Any, out: Any, targets: Any) -> torch.Tensor:
