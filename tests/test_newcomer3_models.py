@@ -15,6 +15,7 @@ from plait.batch_rows import MicroBatches
 from plait.data.loader import collate_each
 from plait.loss import count_items, first_label_skipped, loss_sum_and_count, term_weights
 from plait.spawn import run_distributed
+from tests import _workers_cp as cp_workers
 from tests._newcomer3_models import (
     Scenes,
     TinyASR,
@@ -24,9 +25,13 @@ from tests._newcomer3_models import (
     collate_scenes,
     ctc_mean,
     reference,
+    token_terms,
+    token_terms_scalar,
+    tp_plan,
     train,
     train_each,
 )
+from tests.test_context_parallel import _assert_matches as assert_cp_matches
 from tests.test_newcomer_models import _assert_trains_as_one_device as as_one_device
 
 
@@ -120,6 +125,47 @@ def test_two_terms_each_over_its_count_train_as_one_device_under_dp_and_grad_acc
     want = reference("boxes_and_class")
     got = run_distributed(train, 2, "boxes_and_class", "dp=2,grad_accum=2", timeout=120)[0]
     _assert_trains_as_one_device(got, want)
+
+
+def test_two_terms_train_as_one_device_under_tp_and_grad_accum() -> None:
+    # The heads read the body's output whole on every tp rank; each term's count is summed
+    # over the data replicas only (each tp rank counts the same boxes and images).
+    got = run_distributed(train, 2, "wide_boxes_and_class", tp_plan(grad_accum=2),
+                          timeout=180)[0]
+    _assert_trains_as_one_device(got, reference("wide_boxes_and_class"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, plan", [(2, tp_plan()), (4, tp_plan(dp=2)),
+                                         (4, tp_plan(dp=2, grad_accum=2))])
+def test_two_terms_train_as_one_device_under_tp_and_dp(world, plan) -> None:
+    got = run_distributed(train, world, "wide_boxes_and_class", plan, timeout=180)[0]
+    _assert_trains_as_one_device(got, reference("wide_boxes_and_class"))
+
+
+def _token_terms_reference() -> tuple[list[Any], dict[str, Any]]:
+    batches = [cp_workers.lm_batch(s) for s in range(cp_workers.STEPS)]
+    return batches, cp_workers.reference_adamw(cp_workers.block_lm, batches, token_terms_scalar)
+
+
+def test_two_terms_over_tokens_train_as_one_device_under_cp_and_grad_accum() -> None:
+    # Counting the later micro-batches' terms ran their forward inside the first one's
+    # context-parallel attention, which wrapped itself: "scaled_dot_product_attention got an
+    # explicit attn_mask (shape (8, 16)) under context parallelism (cp=2)".
+    batches, want = _token_terms_reference()
+    jobs = [(plan, cp_workers.block_lm, batches, token_terms)
+            for plan in ("cp=2", "cp=2,grad_accum=2")]
+    for got in run_distributed(cp_workers.train_adamw, 2, jobs, timeout=180)[0]:
+        assert_cp_matches(want, got)
+
+
+@pytest.mark.slow
+def test_two_terms_over_tokens_train_as_one_device_under_cp_with_dp_or_tp() -> None:
+    batches, want = _token_terms_reference()
+    jobs = [(plan, cp_workers.block_lm, batches, token_terms)
+            for plan in ("dp=2,cp=2,grad_accum=2", "cp=2,tp=2", "cp=2,tp=2,grad_accum=2")]
+    for got in run_distributed(cp_workers.train_adamw, 4, jobs, timeout=300)[0]:
+        assert_cp_matches(want, got)
 
 
 def test_a_hugging_face_ctc_models_own_mean_or_sum_trains_as_one_device(
