@@ -13,8 +13,15 @@ import torch
 
 from plait.batch_rows import MicroBatches
 from plait.data.loader import collate_each
-from plait.loss import count_items, first_label_skipped, loss_sum_and_count, term_weights
+from plait.loss import (
+    count_items,
+    ctc_reduction,
+    first_label_skipped,
+    loss_sum_and_count,
+    term_weights,
+)
 from plait.spawn import run_distributed
+from plait.train import step_share
 from tests import _workers_cp as cp_workers
 from tests._newcomer3_models import (
     Scenes,
@@ -25,6 +32,7 @@ from tests._newcomer3_models import (
     collate_scenes,
     ctc_mean,
     reference,
+    tiny_wav2vec2,
     token_terms,
     token_terms_scalar,
     tp_plan,
@@ -72,6 +80,21 @@ def test_the_first_label_probe_does_not_feed_ctc_a_label_of_minus_100() -> None:
 
     assert first_label_skipped(ctc_mean(out, targets), targets, recompute, {}, "ctc") is False
     assert asked == []
+
+
+def test_a_ctc_models_sum_counts_its_part_of_the_step() -> None:
+    # A Hugging Face CTC model's config says how its own loss reduced the examples; a sum is
+    # the micro-batch's part of one device's sum, counted as its share of the step (the
+    # shares of a step's micro-batches over its ranks add up to 1).
+    assert ctc_reduction(tiny_wav2vec2("sum")) == "sum"
+    assert ctc_reduction(tiny_wav2vec2("mean")) == "mean"
+    assert ctc_reduction(TinyASR()) is None
+    value = torch.tensor(6.0, requires_grad=True)
+    labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
+    total, count = loss_sum_and_count(value, labels, reduction="sum", share=step_share(2, None))
+    assert total.requires_grad and total.item() == 6.0 and float(count) == 0.5
+    _, count = loss_sum_and_count(value, labels, reduction="mean")
+    assert float(count) == 2.0  # one per example, not the 3 labels that are not -100
 
 
 def test_a_dict_of_terms_is_each_terms_sum_and_count() -> None:
