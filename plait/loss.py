@@ -25,7 +25,12 @@ What a loss function may return (``loss_fn(output, targets)``):
   form) count their examples, integer labels count the entries that are not
   ``IGNORE_INDEX`` (-100, the default of ``F.cross_entropy`` and of Hugging Face models), any
   other targets count rows. So ``F.cross_entropy(..., ignore_index=-100)`` (mean reduction),
-  Hugging Face's ``output.loss`` and ``F.mse_loss`` are right with no change.
+  Hugging Face's ``output.loss`` and ``F.mse_loss`` are right with no change. A Hugging Face
+  CTC model's own loss is read by its ``config.ctc_loss_reduction`` (:func:`ctc_reduction`):
+  ``"mean"`` counts its examples; ``"sum"`` is a sum already, counted as the micro-batch's
+  part of the step so that the step's count is 1 and it trains one device's sum over the
+  global batch. A loss function's reduction is not seen: ``(sum, n / global_batch)`` is a
+  sum's pair, ``n`` the micro-batch's examples.
 
 A loss that shifts the labels itself (a causal LM's ``logits[:, :-1]`` against
 ``labels[:, 1:]``) averages over every label but each row's first. plait learns this from the
@@ -391,10 +396,18 @@ def _loss_key(loss_fn: Callable) -> Any:
 
 
 def loss_sum_and_count(value: Any, targets: Any, *, shift: bool | torch.Tensor = False,
-                       examples: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       reduction: str | None = None, share: float = 1.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss with autograd, count) from what a loss function returned (module docs);
     for a dict of terms, each term's sum and count, as two tensors of one entry per term
-    (:func:`loss_terms`)."""
+    (:func:`loss_terms`).
+
+    ``reduction``: how a model's own loss reduced its examples, where its config says so
+    (:func:`ctc_reduction`). ``"mean"``: a mean over the examples, one count per row.
+    ``"sum"``: a sum over the examples, which is already the micro-batch's part of one
+    device's sum over the global batch; its count is ``share``, the micro-batch's part of the
+    step (one over the micro-batches times the ranks whose totals are summed), so that the
+    step's counts add up to 1 and its loss and gradients are one device's sum."""
     if isinstance(value, dict):
         return loss_terms(value)
     if isinstance(value, (tuple, list)):
@@ -410,7 +423,9 @@ def loss_sum_and_count(value: Any, targets: Any, *, shift: bool | torch.Tensor =
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"the loss function returned {shape}; return a scalar mean "
                          f"(reduction='mean') or a (sum, count) pair")
-    if examples:  # a mean over the examples (ctc_mean_over_examples): one count per row
+    if reduction == "sum":
+        return loss.reshape(()), torch.full((), share, device=loss.device)
+    if reduction == "mean":  # a mean over the examples: one count per row
         labels = _counted(targets)
         rows = labels.shape[0] if isinstance(labels, torch.Tensor) and labels.ndim else 1
         count = torch.full((), float(rows), device=loss.device)
@@ -484,17 +499,18 @@ def _full(t: Any) -> Any:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def ctc_mean_over_examples(model: nn.Module) -> bool:
-    """True for a Hugging Face CTC model (``Wav2Vec2ForCTC``, ``HubertForCTC``, ...) whose
-    ``config.ctc_loss_reduction`` is ``"mean"``: its ``output.loss`` is ``F.ctc_loss``'s mean,
-    each example over its target length and then the mean over the examples, so it is
-    counted per example, not per label that is not -100."""
+def ctc_reduction(model: nn.Module) -> str | None:
+    """``config.ctc_loss_reduction`` of a Hugging Face CTC model (``Wav2Vec2ForCTC``,
+    ``HubertForCTC``, ...), else None. ``"mean"``: its ``output.loss`` is ``F.ctc_loss``'s
+    mean, each example over its target length and then the mean over the examples, so it is
+    counted per example, not per label that is not -100. ``"sum"`` (the config's default):
+    the sum over the examples, which one device sums over the whole global batch."""
     for sub in model.modules():
         config = getattr(sub, "config", None)
-        if (type(sub).__name__.endswith("ForCTC") and config is not None
-                and getattr(config, "ctc_loss_reduction", None) == "mean"):
-            return True
-    return False
+        reduction = getattr(config, "ctc_loss_reduction", None)
+        if type(sub).__name__.endswith("ForCTC") and reduction in ("mean", "sum"):
+            return str(reduction)
+    return None
 
 
 def shifts_labels(model: nn.Module) -> bool:

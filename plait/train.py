@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .batch_rows import MicroBatches, per_example, refuse_ragged
 from .dict_batch import signature_of, whole_dict_parameter
 from .loss import (
-    ctc_mean_over_examples,
+    ctc_reduction,
     label_shift,
     loss_sum_and_count,
     missing_labels_fix,
@@ -453,11 +453,13 @@ def _unused_message(model: DDP, torch_message: str, plan: Plan | None = None) ->
 
 
 def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None,
-                 extra: dict[str, Any] | None = None, plan: Plan | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 extra: dict[str, Any] | None = None, plan: Plan | None = None,
+                 share: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss with autograd, item count) of one micro-batch (see ``plait.loss``);
     ``extra``: keyword arguments for the model call (context parallelism's ``position_ids``);
-    ``plan``: the one an error's suggested fix is written for."""
+    ``plan``: the one an error's suggested fix is written for; ``share``: the micro-batch's
+    part of the step (:func:`step_share`), the count of a model's own loss that is a sum over
+    the examples (``plait.loss.loss_sum_and_count``)."""
     try:
         out, targets = call_model(model, batch, loss_fn, extra)
     except RuntimeError as exc:
@@ -475,9 +477,18 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None,
         from .parallel.context import SHIFTED_LABELS
 
         raise ValueError(SHIFTED_LABELS.format(cp=context.size))
-    total, count = loss_sum_and_count(value, targets, shift=shift, examples=loss_fn is None
-                                      and ctc_mean_over_examples(model))
+    total, count = loss_sum_and_count(value, targets, shift=shift, share=share,
+                                      reduction=ctc_reduction(model) if loss_fn is None else None)
     return _with_graph(total), count
+
+
+def step_share(micro_batches: int, group: dist.ProcessGroup | None) -> float:
+    """One micro-batch's part of the step: one over the micro-batches times the ranks in
+    ``group``, over which the step's totals are summed (the data replicas, and their cp ranks;
+    None: this rank's totals are the step's, as under XLA SPMD). The shares of a step add up
+    to 1."""
+    ranks = dist.get_world_size(group) if group is not None else 1
+    return 1.0 / (micro_batches * ranks)
 
 
 def _forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
@@ -625,6 +636,7 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
         from .parallel.unused import UnusedTracker
 
         unused = UnusedTracker(model)
+    share = step_share(len(micro), group)
     for i, part in enumerate(micro):
         last = i == len(micro) - 1
         part, extra, sequence = sequence_part(model, part)
@@ -633,7 +645,7 @@ def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, pl
         # the cp attention: activation checkpointing recomputes attention in backward.
         with loss_context(model), grad_sync(model, enabled=last), sequence:
             with autocast(plan, device):
-                total, count = forward_loss(model, part, loss_fn, extra, plan)
+                total, count = forward_loss(model, part, loss_fn, extra, plan, share)
             if total.ndim:  # a dict of terms, each over its own global count
                 if weights is None:
                     counts = count + _later_counts(model, micro[i + 1:], loss_fn, plan, device)
@@ -711,11 +723,13 @@ def forward_only(model: nn.Module, batch: Any, loss_fn: LossFn | None, *, plan: 
     if pipeline is not None:
         return pipeline.evaluate(batch, loss_fn, plan=plan, device=device)
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    micro = split_microbatches(batch, plan.grad_accum)
+    share = step_share(len(micro), dp_group)
     with torch.no_grad(), loss_context(model), autocast(plan, device):
-        for part in split_microbatches(batch, plan.grad_accum):
+        for part in micro:
             part, extra, sequence = sequence_part(model, part)
             with sequence:
-                total, count = forward_loss(model, part, loss_fn, extra)
+                total, count = forward_loss(model, part, loss_fn, extra, share=share)
             parts.append((total.detach().float().to(device), count.float().to(device)))
     sums = torch.stack([t for t, _ in parts]).sum(0)
     counts = torch.stack([c for _, c in parts]).sum(0)

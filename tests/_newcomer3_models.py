@@ -115,6 +115,15 @@ def ctc_sum_over_symbols(out: dict[str, torch.Tensor], targets: dict[str, torch.
     return total, targets["target_lengths"].sum()
 
 
+def ctc_sum_of_the_batch(out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]
+                         ) -> Any:
+    """``reduction="sum"`` as one device sums it over the whole global batch: the pair of the
+    micro-batch's sum and its part of the global batch of ``BATCH`` examples."""
+    total = F.ctc_loss(out["log_probs"], targets["labels"], out["output_lengths"],
+                       targets["target_lengths"], reduction="sum")
+    return total, targets["target_lengths"].shape[0] / BATCH
+
+
 def ctc_sum_over_symbols_scalar(out: dict[str, torch.Tensor],
                                 targets: dict[str, torch.Tensor]) -> Any:
     """:func:`ctc_sum_over_symbols` as the scalar a training loop writes (``sum / count``)."""
@@ -141,6 +150,16 @@ class BoxesAndClass(nn.Module):
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         h = self.body(x)
         return {"logits": self.cls(h), "boxes": self.box(h)}
+
+
+class WideBoxesAndClass(BoxesAndClass):
+    """:class:`BoxesAndClass` with a two-layer MLP body that tensor parallelism splits (its
+    first linear by columns, its second by rows), the heads kept whole on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(POINTS, 4 * HIDDEN), nn.Tanh(),
+                                  nn.Linear(4 * HIDDEN, HIDDEN), nn.Tanh())
 
 
 class Scenes(Dataset):
@@ -200,6 +219,21 @@ def class_terms(out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) 
     positive = targets["labels"] > 0
     return {"cls": (each.sum(), each.shape[0]), "positive": ((each * positive).sum(),
                                                              positive.sum())}
+
+
+def token_terms(logits: torch.Tensor, labels: torch.Tensor) -> Any:
+    """Two terms over a language model's tokens, each over its own count: the cross-entropy
+    over the labelled tokens (not -100) and a z-loss (the squared log-partition, weighted
+    0.1) over every position, labelled or not."""
+    flat, y = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    ce = F.cross_entropy(flat, y, reduction="sum")
+    z = flat.logsumexp(-1).pow(2)
+    return {"ce": (ce, (y != -100).sum()), "z": (0.1 * z.sum(), z.numel())}
+
+
+def token_terms_scalar(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """:func:`token_terms` as one device writes it: the sum of each term's sum over its count."""
+    return sum(s / c for s, c in token_terms(logits, labels).values())
 
 
 # --- a Hugging Face CTC model computing its own loss ---
@@ -267,6 +301,7 @@ def hf_ctc_sum() -> tuple[nn.Module, Dataset, Any, Any]:
 
 LOSSES = {"ctc_mean": ctc_mean, "ctc_mean_pair": ctc_mean_pair,
           "ctc_sum_over_symbols": ctc_sum_over_symbols,
+          "ctc_sum_of_the_batch": ctc_sum_of_the_batch,
           "ctc_sum_over_symbols_scalar": ctc_sum_over_symbols_scalar,
           "two_terms": two_terms, "two_terms_scalar": two_terms_scalar,
           "class_terms": class_terms}
@@ -287,6 +322,12 @@ def boxes_and_class() -> tuple[nn.Module, Dataset, Any, Any]:
     return BoxesAndClass(), Scenes(), two_terms, collate_scenes
 
 
+def wide_boxes_and_class() -> tuple[nn.Module, Dataset, Any, Any]:
+    """:func:`boxes_and_class` on :class:`WideBoxesAndClass`, a model tp splits."""
+    torch.manual_seed(0)
+    return WideBoxesAndClass(), Scenes(), two_terms, collate_scenes
+
+
 def classes() -> tuple[nn.Module, Dataset, Any, Any]:
     """:func:`boxes_and_class` with its classes only, a loss of two terms over them."""
     torch.manual_seed(0)
@@ -298,13 +339,14 @@ STEPS, BATCH = 3, 8
 
 def _factory(name: str, loss: str | None) -> tuple[nn.Module, Dataset, Any, Any]:
     factories = {"speech_padded": speech_padded, "speech_flat": speech_flat,
-                 "boxes_and_class": boxes_and_class, "classes": classes, "hf_ctc": hf_ctc,
+                 "boxes_and_class": boxes_and_class, "classes": classes,
+                 "wide_boxes_and_class": wide_boxes_and_class, "hf_ctc": hf_ctc,
                  "hf_ctc_sum": hf_ctc_sum}
     model, data, loss_fn, collate = factories[name]()
     return model, data, LOSSES[loss] if loss else loss_fn, collate
 
 
-def train(rank: int, world_size: int, name: str, plan: str, loss: str | None = None
+def train(rank: int, world_size: int, name: str, plan: Any, loss: str | None = None
           ) -> dict[str, Any]:
     """AdamW for STEPS steps on the factory ``name`` (its loss, or ``LOSSES[loss]``) under
     ``plan``, batches from ``run.loader`` with its collate_fn: the losses and the full state on
@@ -327,6 +369,19 @@ def train(rank: int, world_size: int, name: str, plan: str, loss: str | None = N
     state = run.full_state_dict(model)
     run.close()
     return {"losses": losses, "evaluated": evaluated, "state": state if rank == 0 else None}
+
+
+# The split tensor parallelism gives WideBoxesAndClass (its heads stay whole): a plan as
+# init takes it, with the other degrees added (tp_plan(dp=2)).
+def tp_plan(**degrees: int) -> dict[str, Any]:
+    return {"tp": 2, **degrees,
+            "options": {"tp_plan": {"body.0": "colwise", "body.2": "rowwise"}}}
+
+
+def train_each(rank: int, world_size: int, cases: list[tuple[str, Any, str | None]]
+               ) -> list[dict[str, Any]]:
+    """:func:`train` for each ``(name, plan, loss)`` in turn, in this process."""
+    return [train(rank, world_size, name, plan, loss) for name, plan, loss in cases]
 
 
 def one_device_loss(loss_fn: Any, out: Any, targets: Any) -> torch.Tensor:

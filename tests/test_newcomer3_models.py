@@ -13,8 +13,16 @@ import torch
 
 from plait.batch_rows import MicroBatches
 from plait.data.loader import collate_each
-from plait.loss import count_items, first_label_skipped, loss_sum_and_count, term_weights
+from plait.loss import (
+    count_items,
+    ctc_reduction,
+    first_label_skipped,
+    loss_sum_and_count,
+    term_weights,
+)
 from plait.spawn import run_distributed
+from plait.train import step_share
+from tests import _workers_cp as cp_workers
 from tests._newcomer3_models import (
     Scenes,
     TinyASR,
@@ -24,8 +32,14 @@ from tests._newcomer3_models import (
     collate_scenes,
     ctc_mean,
     reference,
+    tiny_wav2vec2,
+    token_terms,
+    token_terms_scalar,
+    tp_plan,
     train,
+    train_each,
 )
+from tests.test_context_parallel import _assert_matches as assert_cp_matches
 from tests.test_newcomer_models import _assert_trains_as_one_device as as_one_device
 
 
@@ -66,6 +80,21 @@ def test_the_first_label_probe_does_not_feed_ctc_a_label_of_minus_100() -> None:
 
     assert first_label_skipped(ctc_mean(out, targets), targets, recompute, {}, "ctc") is False
     assert asked == []
+
+
+def test_a_ctc_models_sum_counts_its_part_of_the_step() -> None:
+    # A Hugging Face CTC model's config says how its own loss reduced the examples; a sum is
+    # the micro-batch's part of one device's sum, counted as its share of the step (the
+    # shares of a step's micro-batches over its ranks add up to 1).
+    assert ctc_reduction(tiny_wav2vec2("sum")) == "sum"
+    assert ctc_reduction(tiny_wav2vec2("mean")) == "mean"
+    assert ctc_reduction(TinyASR()) is None
+    value = torch.tensor(6.0, requires_grad=True)
+    labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
+    total, count = loss_sum_and_count(value, labels, reduction="sum", share=step_share(2, None))
+    assert total.requires_grad and total.item() == 6.0 and float(count) == 0.5
+    _, count = loss_sum_and_count(value, labels, reduction="mean")
+    assert float(count) == 2.0  # one per example, not the 3 labels that are not -100
 
 
 def test_a_dict_of_terms_is_each_terms_sum_and_count() -> None:
@@ -121,21 +150,68 @@ def test_two_terms_each_over_its_count_train_as_one_device_under_dp_and_grad_acc
     _assert_trains_as_one_device(got, want)
 
 
-def test_a_hugging_face_ctc_models_own_mean_trains_as_one_device_under_dp_and_grad_accum(
+def test_two_terms_train_as_one_device_under_tp_and_grad_accum() -> None:
+    # The heads read the body's output whole on every tp rank; each term's count is summed
+    # over the data replicas only (each tp rank counts the same boxes and images).
+    got = run_distributed(train, 2, "wide_boxes_and_class", tp_plan(grad_accum=2),
+                          timeout=180)[0]
+    _assert_trains_as_one_device(got, reference("wide_boxes_and_class"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, plan", [(2, tp_plan()), (4, tp_plan(dp=2)),
+                                         (4, tp_plan(dp=2, grad_accum=2))])
+def test_two_terms_train_as_one_device_under_tp_and_dp(world, plan) -> None:
+    got = run_distributed(train, world, "wide_boxes_and_class", plan, timeout=180)[0]
+    _assert_trains_as_one_device(got, reference("wide_boxes_and_class"))
+
+
+def _token_terms_reference() -> tuple[list[Any], dict[str, Any]]:
+    batches = [cp_workers.lm_batch(s) for s in range(cp_workers.STEPS)]
+    return batches, cp_workers.reference_adamw(cp_workers.block_lm, batches, token_terms_scalar)
+
+
+def test_two_terms_over_tokens_train_as_one_device_under_cp_and_grad_accum() -> None:
+    # Counting the later micro-batches' terms ran their forward inside the first one's
+    # context-parallel attention, which wrapped itself: "scaled_dot_product_attention got an
+    # explicit attn_mask (shape (8, 16)) under context parallelism (cp=2)".
+    batches, want = _token_terms_reference()
+    jobs = [(plan, cp_workers.block_lm, batches, token_terms)
+            for plan in ("cp=2", "cp=2,grad_accum=2")]
+    for got in run_distributed(cp_workers.train_adamw, 2, jobs, timeout=180)[0]:
+        assert_cp_matches(want, got)
+
+
+@pytest.mark.slow
+def test_two_terms_over_tokens_train_as_one_device_under_cp_with_dp_or_tp() -> None:
+    batches, want = _token_terms_reference()
+    jobs = [(plan, cp_workers.block_lm, batches, token_terms)
+            for plan in ("dp=2,cp=2,grad_accum=2", "cp=2,tp=2", "cp=2,tp=2,grad_accum=2")]
+    for got in run_distributed(cp_workers.train_adamw, 4, jobs, timeout=300)[0]:
+        assert_cp_matches(want, got)
+
+
+def test_a_hugging_face_ctc_models_own_mean_or_sum_trains_as_one_device(
         ) -> None:
     # Wav2Vec2ForCTC with ctc_loss_reduction="mean" returns F.ctc_loss's mean over its
     # examples; plait weighted each micro-batch's by its labels that are not -100: 1% off one
-    # device's loss under dp=2, 7.7% under dp=2,grad_accum=2.
-    want = reference("hf_ctc")
-    got = run_distributed(train, 2, "hf_ctc", "dp=2,grad_accum=2", timeout=120)[0]
-    _assert_trains_as_one_device(got, want)
+    # device's loss under dp=2, 7.7% under dp=2,grad_accum=2. With "sum" (the config's
+    # default) its loss is a sum over the micro-batch's examples, which plait read as a mean:
+    # each layout trained a weighted mean of the parts' sums, 50% off one device's loss under
+    # dp=2 and fsdp=2, 75% under dp=2,grad_accum=2 (37.6 where one device has 151.3).
+    cases = [("hf_ctc", "dp=2,grad_accum=2", None), ("hf_ctc_sum", "dp=2,grad_accum=2", None)]
+    got = run_distributed(train_each, 2, cases, timeout=180)[0]
+    for (name, _, loss), each in zip(cases, got, strict=True):
+        _assert_trains_as_one_device(each, reference(name, loss))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, loss", [("speech_padded", None), ("speech_flat", None),
                                         ("speech_flat", "ctc_mean_pair"),
                                         ("speech_flat", "ctc_sum_over_symbols"),
-                                        ("boxes_and_class", None), ("hf_ctc", None)])
+                                        ("speech_flat", "ctc_sum_of_the_batch"),
+                                        ("boxes_and_class", None), ("hf_ctc", None),
+                                        ("hf_ctc_sum", None)])
 @pytest.mark.parametrize("world, plan", [(1, ""), (1, "grad_accum=2"), (2, "dp=2"),
                                          (2, "dp=2,grad_accum=2"), (2, "dp_shard=2,zero=1"),
                                          (2, "fsdp=2"), (2, "fsdp=2,grad_accum=2")])
@@ -143,6 +219,14 @@ def test_each_trains_as_one_device_under_every_data_parallel_layout(name, loss, 
                                                                      plan) -> None:
     want = reference(name, loss)
     got = run_distributed(train, world, name, plan, loss, timeout=120)[0]
+    _assert_trains_as_one_device(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf_ctc", "hf_ctc_sum"])
+def test_a_hugging_face_ctc_models_own_loss_trains_as_one_device_under_tp(name) -> None:
+    want = reference(name)
+    got = run_distributed(train, 2, name, "tp=2", timeout=120)[0]
     _assert_trains_as_one_device(got, want)
 
 
@@ -166,6 +250,17 @@ def test_a_pipeline_refuses_two_terms_on_every_rank() -> None:
     for rank in got:
         assert "a dict of 2 (sum, count) terms" in rank["refused"], got
         assert "Train without pp (dp=N, or dp_shard=N,zero=3" in rank["refused"], got
+
+
+@pytest.mark.slow
+def test_a_pipeline_refuses_a_hugging_face_ctc_model_by_name() -> None:
+    # Hugging Face's get_input_embeddings raised NotImplementedError for Wav2Vec2Model from
+    # inside plait's pipeline adapter, a traceback instead of a refusal.
+    got = run_distributed(train, 2, "hf_ctc_sum", "pp=2,microbatches=2", timeout=120)
+    for rank in got:
+        said = rank["refused"]
+        assert said.startswith("Wav2Vec2ForCTC.forward takes no inputs_embeds"), said
+        assert "run this model with pp=1" in said, said
 
 
 @pytest.mark.slow

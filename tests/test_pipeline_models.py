@@ -321,6 +321,23 @@ def test_hf_model_without_inputs_embeds_is_refused():
         build_stage_module(model, path, specs[1])
 
 
+@needs_hf
+def test_hf_model_without_token_embeddings_is_refused():
+    """Wav2Vec2's forward takes raw samples, and Hugging Face's get_input_embeddings raises
+    NotImplementedError for it: refused in one line, not that error from the adapter."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    from plait.parallel.pipeline_split import build_stage_module, plan_stages
+
+    model = Wav2Vec2ForCTC(Wav2Vec2Config(
+        vocab_size=5, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, conv_dim=(8,), conv_kernel=(3,), conv_stride=(2,),
+        num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2))
+    path, specs = plan_stages(model, Plan(pp=2, microbatches=2))
+    with pytest.raises(ValueError, match=r"^Wav2Vec2ForCTC .*run this model with pp=1"):
+        build_stage_module(model, path, specs[1])
+
+
 def test_every_rank_refuses_on_its_first_step():
     """No rank waits on another inside torch's runtime: both get the one line."""
     messages = run_distributed(M.refusal_worker, 2, timeout=120)

@@ -125,12 +125,20 @@ def shard_sequence(t: torch.Tensor, positions: torch.Tensor, dim: int = 1) -> to
     return t.index_select(dim, positions.to(t.device))
 
 
+# The attribute cp_attention's replacement keeps torch's own attention function under.
+_TORCH_SDPA = "_plait_torch_sdpa"
+
+
 @contextlib.contextmanager
 def cp_attention(cp: ContextGroup, seq: int) -> Iterator[None]:
     """While inside: ``F.scaled_dot_product_attention`` of this rank's queries (its slice of a
     ``seq``-token sequence) attends to the whole sequence. Keep the backward inside too
-    (activation checkpointing recomputes attention there)."""
-    original = F.scaled_dot_product_attention
+    (activation checkpointing recomputes attention there). Entered again inside (a loss of
+    several terms counts the later micro-batches' terms inside the first one's), the inner
+    slice's attention wraps torch's own function, not the outer one's, and the outer one's
+    is back on exit."""
+    previous = F.scaled_dot_product_attention
+    original = getattr(previous, _TORCH_SDPA, previous)
     q_pos = cp.positions(seq)
     k_pos = cp.key_positions(seq)
     local = q_pos.numel()
@@ -170,11 +178,12 @@ def cp_attention(cp: ContextGroup, seq: int) -> Iterator[None]:
         return original(query, full_k, full_v, attn_mask=mask, dropout_p=0.0, is_causal=False,
                         scale=scale, **kwargs)
 
+    setattr(attention, _TORCH_SDPA, original)
     F.scaled_dot_product_attention = attention  # type: ignore[assignment]
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = original
+        F.scaled_dot_product_attention = previous
 
 
 # ------------------------------------------------------------------------------ the train step

@@ -64,8 +64,7 @@ def hf_added_embeddings(hf: nn.Module, before: list[nn.Module], path: str) -> li
                          f"that every later block of {path} reads (T5's position_bias, handed "
                          f"on by the stack's forward): a stage without that block would run "
                          f"its blocks without the bias; run it with pp=1 (dp and zero scale it)")
-    get_embeddings = getattr(hf, "get_input_embeddings", None)
-    embed = get_embeddings() if callable(get_embeddings) else None
+    embed = _input_embeddings(hf)
     # A module that holds the token embedding (BERT's ``embeddings``: word, position and
     # token-type embeddings, LayerNorm, dropout) is the embedding stem: HF models call it
     # with ``inputs_embeds=`` and it adds positions and types to them, so on later stages its
@@ -88,6 +87,21 @@ def hf_added_embeddings(hf: nn.Module, before: list[nn.Module], path: str) -> li
                          f"model with pp=1, or wrap it so those modules live inside the first "
                          f"block")
     return [m for m in other if isinstance(m, nn.Embedding) or names[id(m)] in added]
+
+
+
+def _input_embeddings(hf: nn.Module) -> nn.Module | None:
+    """The model's token embedding, or None for a model without one: Hugging Face's
+    ``get_input_embeddings`` raises NotImplementedError for models on other inputs
+    (``Wav2Vec2Model``'s raw samples)."""
+    get_embeddings = getattr(hf, "get_input_embeddings", None)
+    if not callable(get_embeddings):
+        return None
+    try:
+        embed = get_embeddings()
+    except NotImplementedError:
+        return None
+    return embed if isinstance(embed, nn.Module) else None
 
 
 def other_block_stacks(hf: nn.Module, path: str) -> list[str]:

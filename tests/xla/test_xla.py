@@ -178,6 +178,15 @@ def test_users_models_train_what_one_cpu_trains(users):
 
 
 @pytest.mark.timeout(CASE_TIMEOUT)
+def test_a_loss_of_two_terms_on_one_xla_device_trains_what_one_cpu_trains():
+    """Each term over its own count (a dict of (sum, count) pairs), with and without
+    grad_accum (whose later micro-batches are counted by a forward without autograd): losses,
+    the evaluated loss and the state of one eager CPU, with no host sync or recompilation."""
+    for name, result in run_case("terms_single", 1).items():
+        _user_matches(name, result)
+
+
+@pytest.mark.timeout(CASE_TIMEOUT)
 def test_fsdpv2_wraps_the_units_shard_patterns_name(users):
     units = users["units"]
     assert units["default"] == ["layers.0", "layers.1"]

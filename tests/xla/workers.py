@@ -112,6 +112,18 @@ def case_single() -> dict:
     return out
 
 
+def case_terms_single() -> dict:
+    """A loss of two terms (:func:`token_terms`) on one XLA device, with and without
+    grad_accum, vs one eager CPU."""
+    held = pad([Sentences(8)[i] for i in range(8)])
+    xla = {name: train_user("xla", plan, TiedLM, Sentences(), token_terms, collate_fn=pad,
+                            held_out=held)
+           for name, plan in (("terms", None), ("terms, grad_accum=2", {"grad_accum": 2}))}
+    ref = train_user("cpu", None, TiedLM, Sentences(), token_terms, collate_fn=pad,
+                     held_out=held)
+    return {name: _compare_user(got, ref) for name, got in xla.items()}
+
+
 def case_diagnostics() -> dict:
     """Each diagnostic firing on a model made to trigger it, on one XLA device."""
     out = {}
@@ -243,6 +255,16 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor):
     return total, (labels != -100).sum()
 
 
+def token_terms(logits: torch.Tensor, labels: torch.Tensor) -> dict:
+    """A loss of two terms, each over its own count: the cross-entropy over the labelled
+    tokens and a z-loss (the squared log-partition, weighted 0.1) over every position,
+    padding included."""
+    flat, y = logits.reshape(-1, V), labels.reshape(-1)
+    ce = F.cross_entropy(flat, y, ignore_index=-100, reduction="sum")
+    z = flat.logsumexp(-1).pow(2)
+    return {"ce": (ce, (y != -100).sum()), "z": (0.1 * z.sum(), z.numel())}
+
+
 class LoRALinear(nn.Module):
     def __init__(self, n_in: int, n_out: int, rank: int = 4) -> None:
         super().__init__()
@@ -329,6 +351,10 @@ USER_RUNS = {
         {"dp_replicate": 2, "dp_shard": 2, "zero": 3, "grad_accum": 2}, OwnLossLM, Sentences,
         None, pad, True),
     "lora, frozen base": ("dp_shard=4,zero=3", LoRA, Regression, F.mse_loss, None, False),
+    # each term over its own count: the counts are summed over the global batch on the device
+    "tied lm, a loss of two terms, grad_accum=2, fsdp x tp": (
+        {"dp_shard": 2, "zero": 3, "tp": 2, "grad_accum": 2}, TiedLM, Sentences, token_terms,
+        pad, True),
     "batchnorm and an ema buffer": ("dp_replicate=4", Normed, Regression, F.mse_loss, None,
                                     False),
 }
@@ -339,6 +365,8 @@ SLOW_USER_RUNS = {
     "tied lm, (sum, count), grad_accum=2, clip, fsdp x tp": (
         {"dp_shard": 2, "zero": 3, "tp": 2, "grad_accum": 2, "grad_clip": 0.05}, TiedLM,
         Sentences, token_loss_sum, pad, True),
+    "tied lm, a loss of two terms, grad_accum=2": (
+        {"dp_replicate": 4, "grad_accum": 2}, TiedLM, Sentences, token_terms, pad, True),
     "batchnorm and an ema buffer, fsdp": ("dp_shard=4,zero=3", Normed, Regression, F.mse_loss,
                                           None, False),
 }
