@@ -254,3 +254,48 @@ def test_a_model_trained_after_another_counts_its_own_steps() -> None:
         "step 1/3", "step 2/3", "step 3/3", "step 3/3", "step 4/3", "step 5/3"], got["progress"]
     # each model's loss while both step; the second's alone once the first is done
     assert [loss.count(",") for _, loss in lines] == [0, 0, 0, 1, 1, 0], got["progress"]
+
+
+def _wgan_as_one_device(got: dict[str, Any], want: dict[str, Any]) -> None:
+    # a Wasserstein estimate crosses zero: within 1e-6 of its value or of 1
+    for name in ("c_losses", "g_losses"):
+        assert len(got[name]) == len(want[name]), (want[name], got[name])
+        for a, b in zip(want[name], got[name], strict=True):
+            assert abs(a - b) <= REL * max(abs(a), 1.0), (name, want[name], got[name])
+    _same_state(want["gen"], got["gen"])
+    _same_state(want["critic"], got["critic"])
+
+
+@pytest.mark.parametrize("plan", ["dp=2", *[pytest.param(p, marks=pytest.mark.slow) for p in (
+    "", "fsdp=2")]])
+def test_a_wgan_critic_stepped_n_times_per_batch_counts_generator_steps(tmp_path, plan: str
+                                                                        ) -> None:
+    # Each of the critic's 3 run.step calls on a batch began a step of the job: steps_done,
+    # the progress line, the saved step and the ledger's steps counted 3 per batch (15 after
+    # 5 batches). With inner=True they join the step the generator's call ends.
+    steps = 5
+    want = M.wgan_reference(steps)
+    got = run_distributed(M.train_wgan, 1 if not plan else 2, plan, steps, str(tmp_path),
+                          True, timeout=120)[0]
+    _wgan_as_one_device(got, want)
+    per_batch = [i for i in range(1, steps + 1) for _ in range(M.N_CRITIC + 1)]
+    assert got["steps_done"] == per_batch, got["steps_done"]
+    assert got["saved"] == [f"step-{steps:08d}"], got["saved"]
+    lines = [line.split(" | ")[:2] for line in got["progress"]]
+    assert [step for step, _ in lines] == [f"step {i}/{steps}" for i in range(1, steps + 1)], \
+        got["progress"]
+    # the critic's last update's loss, the generator's, by class name (under fsdp=2 the
+    # names were FSDP2's: "FSDPNet", "FSDPNet#2")
+    for i, (_, loss) in enumerate(lines):
+        assert loss == (f"loss Net {want['c_losses'][(i + 1) * M.N_CRITIC - 1]:.4f}, "
+                        f"Net#2 {want['g_losses'][i]:.4f}"), got["progress"]
+    summary = got["summary"]
+    assert summary["steps"] == steps, summary
+    if plan:
+        assert summary["comm"]["steps"] == steps - 2, summary["comm"]  # the first 2 left out
+    if plan == "dp=2":
+        (row,) = summary["comm"]["rows"]
+        # per step: the critic's gradients at each of its updates, then the generator's and
+        # the critic's again in the generator's backward through it
+        critic, gen = _params(M.discriminator), _params(M.generator)
+        assert row["payload_bytes"] == 4 * (M.N_CRITIC * critic + gen + critic), row
