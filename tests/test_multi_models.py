@@ -256,6 +256,28 @@ def test_a_model_trained_after_another_counts_its_own_steps() -> None:
     assert [loss.count(",") for _, loss in lines] == [0, 0, 0, 1, 1, 0], got["progress"]
 
 
+def _each_models_loss_in_the_summary_and_tensorboard(got: dict[str, Any], want: dict[str, Any],
+                                                     folder: Any, steps: int) -> None:
+    # The summary's final loss and TensorBoard's train/loss were the first model's alone (the
+    # critic's first update of the last step), the generator's nowhere.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from plait.report import format_summary
+
+    critic = [want["c_losses"][(i + 1) * M.N_CRITIC - 1] for i in range(steps)]
+    summary = got["summary"]
+    assert summary["final_losses"] == pytest.approx(
+        {"Net": critic[-1], "Net#2": want["g_losses"][-1]}, rel=REL, abs=REL), summary
+    assert (f"final loss      Net {critic[-1]:.4f}, Net#2 {want['g_losses'][-1]:.4f}"
+            in format_summary(summary).splitlines()), format_summary(summary)
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    for tag, values in (("train/loss/Net", critic), ("train/loss/Net#2", want["g_losses"])):
+        scalars = events.Scalars(tag)
+        assert [s.step for s in scalars] == list(range(1, steps + 1)), tag
+        assert [s.value for s in scalars] == pytest.approx(values, rel=REL, abs=REL), tag
+
+
 def _wgan_as_one_device(got: dict[str, Any], want: dict[str, Any]) -> None:
     # a Wasserstein estimate crosses zero: within 1e-6 of its value or of 1
     for name in ("c_losses", "g_losses"):
@@ -273,11 +295,13 @@ def test_a_wgan_critic_stepped_n_times_per_batch_counts_generator_steps(tmp_path
     # Each of the critic's 3 run.step calls on a batch began a step of the job: steps_done,
     # the progress line, the saved step and the ledger's steps counted 3 per batch (15 after
     # 5 batches). With inner=True they join the step the generator's call ends.
+    # The same run's summary and TensorBoard scalars carry each model's loss.
     steps = 5
     want = M.wgan_reference(steps)
     got = run_distributed(M.train_wgan, 1 if not plan else 2, plan, steps, str(tmp_path),
-                          True, timeout=120)[0]
+                          True, str(tmp_path / "tb"), timeout=120)[0]
     _wgan_as_one_device(got, want)
+    _each_models_loss_in_the_summary_and_tensorboard(got, want, tmp_path / "tb", steps)
     per_batch = [i for i in range(1, steps + 1) for _ in range(M.N_CRITIC + 1)]
     assert got["steps_done"] == per_batch, got["steps_done"]
     assert got["saved"] == [f"step-{steps:08d}"], got["saved"]
@@ -299,3 +323,15 @@ def test_a_wgan_critic_stepped_n_times_per_batch_counts_generator_steps(tmp_path
         # the critic's again in the generator's backward through it
         critic, gen = _params(M.discriminator), _params(M.generator)
         assert row["payload_bytes"] == 4 * (M.N_CRITIC * critic + gen + critic), row
+
+
+def test_one_models_summary_is_as_it_was() -> None:
+    from plait.plan import Plan
+    from plait.report import format_summary, summarize
+    from plait.runtime import StepStats
+
+    stats = StepStats(losses=[torch.tensor(0.5)], step_times=[0.1], tokens=[16],
+                      named_losses={"Net": torch.tensor(0.5)})
+    info = summarize(Plan(), stats, [], world_size=1, accelerator="cpu", wall_s=1.0)
+    assert "final_losses" not in info and info["final_loss"] == 0.5
+    assert "final loss      0.5000" in format_summary(info).splitlines()
