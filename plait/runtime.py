@@ -172,6 +172,10 @@ class Run:
     # Whether every call of the current step so far was run.step(..., inner=True): the next
     # call joins it, inner or not (a critic's n_critic updates, then its generator's).
     _inner_open: bool = False
+    # (id(training loader), its position) when the current step began: inner calls share the
+    # step's batch, so the loader's position stays the job's step (see _refuse_drawn_inner).
+    _step_batch: tuple[int, int] | None = None
+    _line_step: int = 0  # the last step whose progress line was drawn (see _draw_line)
     _loader: DistributedLoader | StreamLoader | None = None
     # What a NaN/inf loss or gradient norm does: "stop" (raise) or "skip" (see plait.guard).
     nonfinite: str = "stop"
@@ -349,7 +353,8 @@ class Run:
         if self.spmd is not None:
             from .parallel.xla_spmd import apply_spmd
 
-            out = apply_spmd(model, self.spmd, device=self.device)
+            out = apply_spmd(model, self.spmd, device=self.device, example=example,
+                             say=self.say if self.format == "json" else None)
             self._models.append(out)
             self._class_names[id(out)] = name
             self._twins.after(name, initial)
@@ -524,20 +529,27 @@ class Run:
         batches, and the line shows each model's loss.
 
         ``inner=True``: an update inside the job's step, which the next call without it ends
-        (a WGAN critic's n_critic updates before each generator update): every step still
-        steps ``model``'s optimizer, but the step count, the loader's position, the progress
-        line and checkpoints' step number count the job's steps (the generator's), however
-        many inner calls come before the call that ends each one.
+        (a WGAN critic's n_critic updates on each batch before the generator's update): every
+        call still steps ``model``'s optimizer, but the step count, the loader's position, the
+        progress line and checkpoints' step number count the job's steps (the generator's),
+        however many inner calls come before the call that ends each one. Inner calls share
+        the step's batch: one after another batch was drawn from ``run.loader`` is refused
+        (leave ``inner`` out when each update draws its own batch; each batch is then a step).
         """
         _refuse_compiled_wrapper(model)
         loss_fn = self._contrastive_guard(model, loss_fn)
-        calls = self._count_model_step(model)
         # The job's step this call is part of (see _in_step): a later model stepped on the same
         # batch (a GAN's generator after its discriminator) joins the step the first one began,
         # and so does any call after inner ones only.
         joins = bool(self._in_step) and (self._inner_open or (
             not inner and id(model) not in self._in_step))
         closes = joins and self._inner_open and not inner  # the call that ends inner ones
+        if inner and joins:
+            self._refuse_drawn_inner(model)
+        elif not joins:
+            loader = self._loader
+            self._step_batch = None if loader is None else (id(loader), loader.step)
+        calls = self._count_model_step(model)
         # Counted on the batch as given (host tensors from a loader): an attention mask read
         # on the device would be one more transfer, and on XLA one more graph, every step.
         items, self.stats.unit = _count_items(batch)
@@ -699,6 +711,7 @@ class Run:
                 self._in_step.append(id(model))
             self._inner_open = self._inner_open and inner
         else:
+            self._draw_line(step - 1)  # the step before, where no call drew its line
             self._inner_open = inner
             self._step_order, self._in_step = self._in_step, [id(model)]
             # the line shows the losses of the models this step and the one before stepped
@@ -710,12 +723,8 @@ class Run:
             self.stats.tokens.append(int(job_items))
             self.stats.losses.append(loss)
         self.stats.named_losses[self._model_labels[id(model)]] = loss  # shown for two or more
-        if self.progress is None:
-            self.progress = Progress(enabled=self.is_main and not self.quiet,
-                                     log_every=self.log_every, events=self.format == "json")
-        self.progress.total = self.total_steps
         if not inner and self._ends_step(model, closes):
-            self.progress.update(step, float(self.stats.losses[-1]), self.stats)
+            self._draw_line(step)
         if ckpt is not None:
             if ckpt.pending is not None and ckpt.pending.done():
                 ckpt.pending.wait()  # rank 0 publishes a finished background save
@@ -725,6 +734,36 @@ class Run:
             self._attempt.write(first=self.first_step, last=step)
         self._stop_if_asked(step)
         return loss
+
+    def _draw_line(self, step: int) -> None:
+        """The progress line (bar, JSON event, TensorBoard scalars) of ``step``, the last one
+        in the stats, once: at the call :meth:`_ends_step` says ends it, or at the next step's
+        first call (or ``finish()``) where the models stepped changed from one step to the
+        next and no call was its last one's (a critic's batches of its own, then the
+        generator's call on the last)."""
+        if step <= self._line_step or not self.stats.losses:
+            return
+        if self.progress is None:
+            self.progress = Progress(enabled=self.is_main and not self.quiet,
+                                     log_every=self.log_every, events=self.format == "json")
+        self.progress.total = self.total_steps
+        self.progress.update(step, float(self.stats.losses[-1]), self.stats)
+        self._line_step = step
+
+    def _refuse_drawn_inner(self, model: nn.Module) -> None:
+        """An inner call (``run.step(..., inner=True)``) after a batch was drawn from the
+        training loader since its step began is refused: the loader would run ahead of
+        ``steps_done``, where ``run.loader`` starts again and a resumed run continues."""
+        loader, began = self._loader, self._step_batch
+        if loader is None or began is None or began[0] != id(loader) or loader.step == began[1]:
+            return
+        name = self._class_names.get(id(model), type(model).__name__)
+        raise ValueError(
+            f"run.step({name}, ..., inner=True) on a batch drawn from run.loader after its "
+            f"step began ({loader.step - began[1]} more drawn): inner calls share the step's "
+            f"batch, so that the loader's position stays the job's step. Leave inner=True out "
+            f"when each update draws its own batch: each batch is then a step "
+            f"(run.loader(..., steps=n_critic * generator_steps))")
 
     def _count_model_step(self, model: nn.Module) -> int:
         """Count a ``run.step`` call on ``model``; returns the calls before it. A second model
@@ -917,6 +956,7 @@ class Run:
                                   f"{saved_batch}, this loader's is {self._loader.batch_size}; "
                                   f"resume with batch_size={saved_batch}")
         self.first_step = info.step - len(self.stats.step_times)
+        self._line_step = min(self._line_step, info.step)  # an earlier step's lines again
         scaler = self._loss_scaler()
         if scaler is not None and info.extra.get("loss_scale"):
             scaler.load_state_dict(info.extra["loss_scale"])
@@ -1235,6 +1275,7 @@ class Run:
         if ckpt is not None and self._last_step_args is not None \
                 and ckpt.last_saved != self.steps_done:
             self.save()
+        self._draw_line(self.steps_done)  # the last step's, if no call drew it
         if self.progress is not None:
             self.progress.close()
         if self._watchdog is not None:  # a rank that skipped a collective is caught here too

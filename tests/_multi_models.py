@@ -554,3 +554,78 @@ def train_wgan(rank: int, world_size: int, plan: str, steps: int = STEPS,
            "progress": lines.getvalue().splitlines()}
     summary = run.finish(print_summary=False)
     return {**out, "summary": summary} if rank == 0 else {}
+
+
+def wgan_drawn_reference(steps: int = STEPS, clip: float = GAN_CLIP) -> dict[str, Any]:
+    """The WGAN on one device with each critic update on a batch of its own: ``N_CRITIC``
+    batches per generator update, which takes the last one's noise."""
+    gen, critic = generator(), discriminator()
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.05)
+    opt_c = torch.optim.SGD(critic.parameters(), lr=0.05)
+    batches = iter(_global_batches(Ring(), steps * N_CRITIC))
+    c_losses, g_losses = [], []
+    for _ in range(steps):
+        for _ in range(N_CRITIC):
+            real, z = next(batches)
+            with torch.no_grad():
+                fake = gen(z)
+            opt_c.zero_grad()
+            loss = critic_loss(critic(torch.cat([real, fake])), _c_batch(real, fake)[1])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), clip)
+            opt_c.step()
+            clip_weights(critic)
+            c_losses.append(loss.item())
+        opt_g.zero_grad()
+        g_loss = -critic(gen(z)).mean()
+        g_loss.backward()
+        torch.nn.utils.clip_grad_norm_(gen.parameters(), clip)
+        opt_g.step()
+        g_losses.append(g_loss.item())
+    return {"c_losses": c_losses, "g_losses": g_losses, "gen": gen.state_dict(),
+            "critic": critic.state_dict()}
+
+
+def train_wgan_drawn(rank: int, world_size: int, plan: str, inner: bool,
+                     steps: int = STEPS) -> dict[str, Any]:
+    """The same through plait, the batches drawn from one ``run.loader`` of ``steps *
+    N_CRITIC`` batches inside the loop; the critic's calls with or without ``inner=True``.
+    Returns the losses, both states, ``steps_done`` after the loop and the progress lines,
+    or plait's refusal."""
+    import io
+
+    from plait.progress import Progress
+    from plait.runtime import init
+
+    run = init(",".join(p for p in (plan, f"clip={GAN_CLIP}") if p), quiet=True)
+    lines = io.StringIO()
+    run.progress = Progress(enabled=rank == 0, log_every=1, stream=lines)
+    critic = run.parallelize(discriminator())
+    gen = run.parallelize(generator())
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.05)
+    opt_c = torch.optim.SGD(critic.parameters(), lr=0.05)
+
+    def g_loss(fake: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return -critic(fake).mean()
+
+    batches = iter(run.loader(Ring(), batch_size=BATCH, steps=steps * N_CRITIC))
+    c_losses, g_losses = [], []
+    try:
+        for _ in range(steps):
+            for _ in range(N_CRITIC):
+                real, z = next(batches)
+                real, z = real.to(run.device), z.to(run.device)
+                with torch.no_grad():
+                    fake = gen(z)
+                c_losses.append(float(run.step(critic, _c_batch(real, fake), critic_loss,
+                                               opt_c, inner=inner)))
+                clip_weights(critic)
+            g_losses.append(float(run.step(gen, (z, torch.ones(len(z))), g_loss, opt_g)))
+    except ValueError as exc:
+        run.close()
+        return {"refused": str(exc)}
+    out = {"c_losses": c_losses, "g_losses": g_losses, "gen": run.full_state_dict(gen),
+           "critic": run.full_state_dict(critic), "steps_done": run.steps_done,
+           "progress": lines.getvalue().splitlines()}
+    run.close()
+    return out if rank == 0 else {}

@@ -246,14 +246,15 @@ def test_a_model_trained_after_another_counts_its_own_steps() -> None:
     # Counted as a second model stepped on each batch: every call on the second joined the
     # first model's last step (steps_done stayed at 3, no progress line). Its first call still
     # joins that step (nothing tells it from a GAN's second model yet); each call after it
-    # begins a step of its own and draws its line.
+    # begins a step of its own and draws its line. Each step's line comes once: step 3's was
+    # drawn again at the second model's first call.
     got = run_distributed(M.one_after_another, 1, "", timeout=60)[0]
     assert got["steps_done"] == [M.STEPS, 2 * M.STEPS - 1], got
     lines = [line.split(" | ")[:2] for line in got["progress"]]
     assert [step for step, _ in lines] == [
-        "step 1/3", "step 2/3", "step 3/3", "step 3/3", "step 4/3", "step 5/3"], got["progress"]
+        "step 1/3", "step 2/3", "step 3/3", "step 4/3", "step 5/3"], got["progress"]
     # each model's loss while both step; the second's alone once the first is done
-    assert [loss.count(",") for _, loss in lines] == [0, 0, 0, 1, 1, 0], got["progress"]
+    assert [loss.count(",") for _, loss in lines] == [0, 0, 0, 1, 0], got["progress"]
 
 
 def _each_models_loss_in_the_summary_and_tensorboard(got: dict[str, Any], want: dict[str, Any],
@@ -335,3 +336,29 @@ def test_one_models_summary_is_as_it_was() -> None:
     info = summarize(Plan(), stats, [], world_size=1, accelerator="cpu", wall_s=1.0)
     assert "final_losses" not in info and info["final_loss"] == 0.5
     assert "final loss      0.5000" in format_summary(info).splitlines()
+
+
+@pytest.mark.parametrize("plan", ["", pytest.param("dp=2", marks=pytest.mark.slow)])
+def test_critic_updates_that_draw_their_own_batches_are_each_a_step(plan: str) -> None:
+    # Each batch drawn from run.loader is a step: 3 critic batches per generator update make
+    # 9 steps of a 9-batch loader, the loader's position, as one device trains them. The
+    # progress line read steps 1, 2, 3, 3, 5, 6, 6, 8, 9, 9: the generator's call joining a
+    # step drew its line again, and a critic's step after it was taken to wait for one.
+    steps = 3
+    got = run_distributed(M.train_wgan_drawn, 1 if not plan else 2, plan, False, steps,
+                          timeout=120)[0]
+    _wgan_as_one_device(got, M.wgan_drawn_reference(steps))
+    total = steps * M.N_CRITIC
+    assert got["steps_done"] == total, got["steps_done"]
+    assert [line.split(" | ")[0] for line in got["progress"]] == [
+        f"step {i}/{total}" for i in range(1, total + 1)], got["progress"]
+    if plan:
+        return
+    # inner=True on batches drawn after the step began would leave the loader's position
+    # ahead of steps_done, where run.loader starts again and a resumed run continues
+    refused = run_distributed(M.train_wgan_drawn, 1, plan, True, steps, timeout=120)[0]
+    assert refused == {"refused": (
+        "run.step(Net, ..., inner=True) on a batch drawn from run.loader after its step began "
+        "(1 more drawn): inner calls share the step's batch, so that the loader's position "
+        "stays the job's step. Leave inner=True out when each update draws its own batch: "
+        "each batch is then a step (run.loader(..., steps=n_critic * generator_steps))")}
