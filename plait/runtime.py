@@ -176,6 +176,7 @@ class Run:
     # step's batch, so the loader's position stays the job's step (see _refuse_drawn_inner).
     _step_batch: tuple[int, int] | None = None
     _line_step: int = 0  # the last step whose progress line was drawn (see _draw_line)
+    _inner_calls: bool = False  # whether any run.step(..., inner=True) call was made
     _loader: DistributedLoader | StreamLoader | None = None
     # What a NaN/inf loss or gradient norm does: "stop" (raise) or "skip" (see plait.guard).
     nonfinite: str = "stop"
@@ -544,6 +545,7 @@ class Run:
         joins = bool(self._in_step) and (self._inner_open or (
             not inner and id(model) not in self._in_step))
         closes = joins and self._inner_open and not inner  # the call that ends inner ones
+        self._inner_calls = self._inner_calls or inner
         if inner and joins:
             self._refuse_drawn_inner(model)
         elif not joins:
@@ -1218,10 +1220,16 @@ class Run:
                                 wall_s=time.perf_counter() - self._started, warmup=warmup)
         if self.ledger is not None:
             stepped = list(self._model_labels.values())  # in the order first stepped
-            if len(stepped) > 1:  # every rank steps the same models: no collective unpaired
+            # every rank steps the same models: no collective unpaired
+            if len(stepped) > 1 or self._inner_calls:
                 comm = self.ledger.report(
                     steps=max(len(self.stats.step_times) - self.ledger_warmup, 1))
-                if comm.rows:
+                if comm.rows and len(stepped) == 1:
+                    comm.notes.append(
+                        f"run.step(..., inner=True) stepped {stepped[0]} several times per "
+                        f"step: the bytes are all of those updates' per step; the expected "
+                        f"column prices one update, so it is left out")
+                elif comm.rows:
                     comm.notes.append(
                         f"run.step trained {len(stepped)} models on each batch ("
                         f"{', '.join(stepped)}): the bytes are all of theirs per step (a "

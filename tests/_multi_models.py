@@ -629,3 +629,20 @@ def train_wgan_drawn(rank: int, world_size: int, plan: str, inner: bool,
            "progress": lines.getvalue().splitlines()}
     run.close()
     return out if rank == 0 else {}
+
+
+def inner_one_model(rank: int, world_size: int, plan: str, steps: int = 4) -> dict[str, Any]:
+    """One model updated 3 times per batch (two ``inner=True`` calls, then one without), under
+    the ledger: the summary's communication figures."""
+    from plait.runtime import init
+
+    run = init(plan, quiet=True, ledger=True)
+    model = run.parallelize(discriminator())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for real, _z in run.loader(Ring(), batch_size=BATCH, steps=steps):
+        batch = (real.to(run.device), real.sum(1, keepdim=True).to(run.device))
+        for inner in (True, True, False):
+            run.step(model, batch, F.mse_loss, opt, inner=inner)
+    done = run.steps_done
+    summary = run.finish(print_summary=False)
+    return {"steps_done": done, "comm": summary["comm"]}

@@ -362,3 +362,17 @@ def test_critic_updates_that_draw_their_own_batches_are_each_a_step(plan: str) -
         "(1 more drawn): inner calls share the step's batch, so that the loader's position "
         "stays the job's step. Leave inner=True out when each update draws its own batch: "
         "each batch is then a step (run.loader(..., steps=n_critic * generator_steps))")}
+
+
+def test_the_ledger_of_one_model_with_inner_updates_counts_the_job_steps() -> None:
+    # The ledger counted each call as a step (6 for the 2 batches measured, the bytes a third
+    # of a batch's) and priced one update beside them.
+    got = run_distributed(M.inner_one_model, 2, "dp=2", timeout=120)[0]
+    assert got["steps_done"] == 4, got
+    comm = got["comm"]
+    assert comm["steps"] == 2, comm  # 4 batches, the first 2 left out
+    (row,) = comm["rows"]
+    assert row["payload_bytes"] == 4 * 3 * _params(M.discriminator), row
+    assert row["expected_bytes"] is None, row
+    assert any("run.step(..., inner=True) stepped Net several times per step" in n
+               for n in comm["notes"]), comm["notes"]
