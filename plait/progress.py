@@ -7,7 +7,9 @@
 - ``events=True`` (``--format json``): at the same steps, one JSON object per line instead
   (``{"event": "progress", "step": ..., "loss": ...}``), never a bar.
 - ``tensorboard=DIR``: loss, tokens/s and step time as TensorBoard scalars
-  (``torch.utils.tensorboard``; needs the ``tensorboard`` package, the ``tensorboard`` extra).
+  (``torch.utils.tensorboard``; needs the ``tensorboard`` package, the ``tensorboard`` extra);
+  with several models stepped on each batch, each one's loss too (``train/loss/Generator``,
+  by the label the line gives it).
 - ``plot=PATH``: at ``finish()``, a PNG of the loss and of every rank's step time (matplotlib,
   the ``plot`` extra).
 
@@ -94,6 +96,10 @@ class Progress:
     def _write_scalars(self, step: int, loss: float | None, stats: Any) -> None:
         if loss is not None:
             self._writer.add_scalar("train/loss", loss, step)
+        named = getattr(stats, "named_losses", {})
+        if len(named) > 1:  # several models stepped on each batch: each one's, as the line
+            for name, value in named.items():
+                self._writer.add_scalar(f"train/loss/{name}", float(value), step)
         self._writer.add_scalar("train/step_time_ms", 1000 * stats.step_times[-1], step)
         if stats.step_times[-1] > 0:
             self._writer.add_scalar(f"train/{getattr(stats, 'unit', 'tokens')}_per_s",

@@ -125,7 +125,7 @@ def summarize(plan: Plan, stats: Any, memory: list[dict[str, float]], *, world_s
     final = float(stats.losses[-1]) if stats.losses else None
     rate = (sum(toks) / sum(times)) if times and sum(times) > 0 else None
     samples = getattr(stats, "unit", "tokens") == "samples"
-    return {
+    info = {
         "plan": plan.to_string(),
         "layout": plan.describe(),
         "world_size": world_size,
@@ -144,12 +144,31 @@ def summarize(plan: Plan, stats: Any, memory: list[dict[str, float]], *, world_s
         "wall_s": wall_s,
         "memory_per_rank": memory,
     }
+    named = final_losses(stats)
+    if named is not None:
+        info["final_losses"] = named
+    return info
+
+
+def final_losses(stats: Any) -> dict[str, float | None] | None:
+    """Several models stepped on each batch (a GAN's two): each one's latest loss by the label
+    the progress line gives it (None where NaN); None for one model, whose loss is
+    ``final_loss``."""
+    named = getattr(stats, "named_losses", {})
+    if len(named) < 2:
+        return None
+    values = {name: float(value) for name, value in named.items()}
+    return {name: v if v == v else None for name, v in values.items()}
 
 
 def format_summary(info: dict[str, Any]) -> str:
     lines = [f"--- run summary: {info['layout']} on {info['world_size']} x "
              f"{info['accelerator']} ---"]
-    if info["final_loss"] is not None:
+    named = info.get("final_losses")
+    if named:
+        lines.append("final loss      " + ", ".join(
+            f"{name} {'nan' if v is None else f'{v:.4f}'}" for name, v in named.items()))
+    elif info["final_loss"] is not None:
         lines.append(f"final loss      {info['final_loss']:.4f}")
     lines.append(f"steps           {info['steps']}")
     if info.get("skipped_steps"):

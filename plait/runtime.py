@@ -151,8 +151,9 @@ class Run:
     first_step: int = 0
     _last_step_args: tuple[Any, Any, Any] | None = None  # (model, optimizer, scheduler)
     # id(model) -> run.step calls on it in this process, and its label (StepStats.named_losses).
-    # A step of the job is one batch: the models stepped on it count it once, so the step
-    # count is the most calls of any model (a GAN's two run.step calls per batch are one step).
+    # A step of the job is one batch: the models stepped on it count it once (a GAN's two
+    # run.step calls per batch are one step, and a WGAN critic's inner=True calls join the
+    # generator's).
     _model_steps: dict[int, int] = field(default_factory=dict)
     _model_labels: dict[int, str] = field(default_factory=dict)
     # id(laid-out model) -> the class name of the model given to run.parallelize (the layout
@@ -168,6 +169,14 @@ class Run:
     # progress line is drawn at the call on the last model of the step before.
     _in_step: list[int] = field(default_factory=list)
     _step_order: list[int] = field(default_factory=list)
+    # Whether every call of the current step so far was run.step(..., inner=True): the next
+    # call joins it, inner or not (a critic's n_critic updates, then its generator's).
+    _inner_open: bool = False
+    # (id(training loader), its position) when the current step began: inner calls share the
+    # step's batch, so the loader's position stays the job's step (see _refuse_drawn_inner).
+    _step_batch: tuple[int, int] | None = None
+    _line_step: int = 0  # the last step whose progress line was drawn (see _draw_line)
+    _inner_calls: bool = False  # whether any run.step(..., inner=True) call was made
     _loader: DistributedLoader | StreamLoader | None = None
     # What a NaN/inf loss or gradient norm does: "stop" (raise) or "skip" (see plait.guard).
     nonfinite: str = "stop"
@@ -316,6 +325,8 @@ class Run:
         original = compiled_original(model)
         if original is not None:  # torch.compile(model): lay out the model, compile its blocks
             model = original
+        # read now: FSDP2's fully_shard swaps the class in place (FSDPNet for a Net)
+        name = type(model).__name__
         example = None if batch is None else from_batch(model, batch)
         held = next((p.device for p in model.parameters() if not p.is_meta), None)
         if example is not None and held is not None:
@@ -343,10 +354,11 @@ class Run:
         if self.spmd is not None:
             from .parallel.xla_spmd import apply_spmd
 
-            out = apply_spmd(model, self.spmd, device=self.device)
+            out = apply_spmd(model, self.spmd, device=self.device, example=example,
+                             say=self.say if self.format == "json" else None)
             self._models.append(out)
-            self._class_names[id(out)] = type(model).__name__
-            self._twins.after(type(model).__name__, initial)
+            self._class_names[id(out)] = name
+            self._twins.after(name, initial)
             self._resume_weights(out)
             return out
         if self.ledger is not None and (self.plan.tp > 1 or self.plan.pp > 1
@@ -373,9 +385,9 @@ class Run:
 
             self._ready[id(out)] = ReadyOrder(out)
         self._models.append(out)
-        self._class_names[id(out)] = type(model).__name__
+        self._class_names[id(out)] = name
         self._ledger_inputs[id(out)] = (self._stats, self._input_grad)
-        self._twins.after(type(model).__name__, initial)
+        self._twins.after(name, initial)
         self._resume_weights(out)
         return out
 
@@ -490,7 +502,8 @@ class Run:
         return int(state.get("epoch", 0)), int(state.get("epoch_start", 0))
 
     def step(self, model: nn.Module, batch: Any, loss_fn: LossFn | None,
-             optimizer: torch.optim.Optimizer, scheduler: Any = None) -> torch.Tensor:
+             optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
+             inner: bool = False) -> torch.Tensor:
         """Forward, backward (a pipeline schedule when pp > 1), clip, optimizer step, and
         ``scheduler.step()`` when an LR scheduler is given (it is then checkpointed too).
 
@@ -515,13 +528,30 @@ class Run:
         a one-device loop does. The calls on one batch are one step of the job (the most calls
         of any one model): ``steps_done``, the loader's position and the progress line count
         batches, and the line shows each model's loss.
+
+        ``inner=True``: an update inside the job's step, which the next call without it ends
+        (a WGAN critic's n_critic updates on each batch before the generator's update): every
+        call still steps ``model``'s optimizer, but the step count, the loader's position, the
+        progress line and checkpoints' step number count the job's steps (the generator's),
+        however many inner calls come before the call that ends each one. Inner calls share
+        the step's batch: one after another batch was drawn from ``run.loader`` is refused
+        (leave ``inner`` out when each update draws its own batch; each batch is then a step).
         """
         _refuse_compiled_wrapper(model)
         loss_fn = self._contrastive_guard(model, loss_fn)
-        calls = self._count_model_step(model)
         # The job's step this call is part of (see _in_step): a later model stepped on the same
-        # batch (a GAN's generator after its discriminator) joins the step the first one began.
-        joins = bool(self._in_step) and id(model) not in self._in_step
+        # batch (a GAN's generator after its discriminator) joins the step the first one began,
+        # and so does any call after inner ones only.
+        joins = bool(self._in_step) and (self._inner_open or (
+            not inner and id(model) not in self._in_step))
+        closes = joins and self._inner_open and not inner  # the call that ends inner ones
+        self._inner_calls = self._inner_calls or inner
+        if inner and joins:
+            self._refuse_drawn_inner(model)
+        elif not joins:
+            loader = self._loader
+            self._step_batch = None if loader is None else (id(loader), loader.step)
+        calls = self._count_model_step(model)
         # Counted on the batch as given (host tensors from a loader): an attention mask read
         # on the device would be one more transfer, and on XLA one more graph, every step.
         items, self.stats.unit = _count_items(batch)
@@ -679,8 +709,12 @@ class Run:
         if joins:  # the step's time is every model's; its items and loss, the first one's
             self.stats.step_times[-1] += elapsed
             self.stats.step_ends[-1] = time.perf_counter()
-            self._in_step.append(id(model))
+            if id(model) not in self._in_step:
+                self._in_step.append(id(model))
+            self._inner_open = self._inner_open and inner
         else:
+            self._draw_line(step - 1)  # the step before, where no call drew its line
+            self._inner_open = inner
             self._step_order, self._in_step = self._in_step, [id(model)]
             # the line shows the losses of the models this step and the one before stepped
             keep = {self._model_labels[k] for k in (*self._step_order, id(model))}
@@ -691,12 +725,8 @@ class Run:
             self.stats.tokens.append(int(job_items))
             self.stats.losses.append(loss)
         self.stats.named_losses[self._model_labels[id(model)]] = loss  # shown for two or more
-        if self.progress is None:
-            self.progress = Progress(enabled=self.is_main and not self.quiet,
-                                     log_every=self.log_every, events=self.format == "json")
-        self.progress.total = self.total_steps
-        if self._ends_step(model):
-            self.progress.update(step, float(self.stats.losses[-1]), self.stats)
+        if not inner and self._ends_step(model, closes):
+            self._draw_line(step)
         if ckpt is not None:
             if ckpt.pending is not None and ckpt.pending.done():
                 ckpt.pending.wait()  # rank 0 publishes a finished background save
@@ -706,6 +736,36 @@ class Run:
             self._attempt.write(first=self.first_step, last=step)
         self._stop_if_asked(step)
         return loss
+
+    def _draw_line(self, step: int) -> None:
+        """The progress line (bar, JSON event, TensorBoard scalars) of ``step``, the last one
+        in the stats, once: at the call :meth:`_ends_step` says ends it, or at the next step's
+        first call (or ``finish()``) where the models stepped changed from one step to the
+        next and no call was its last one's (a critic's batches of its own, then the
+        generator's call on the last)."""
+        if step <= self._line_step or not self.stats.losses:
+            return
+        if self.progress is None:
+            self.progress = Progress(enabled=self.is_main and not self.quiet,
+                                     log_every=self.log_every, events=self.format == "json")
+        self.progress.total = self.total_steps
+        self.progress.update(step, float(self.stats.losses[-1]), self.stats)
+        self._line_step = step
+
+    def _refuse_drawn_inner(self, model: nn.Module) -> None:
+        """An inner call (``run.step(..., inner=True)``) after a batch was drawn from the
+        training loader since its step began is refused: the loader would run ahead of
+        ``steps_done``, where ``run.loader`` starts again and a resumed run continues."""
+        loader, began = self._loader, self._step_batch
+        if loader is None or began is None or began[0] != id(loader) or loader.step == began[1]:
+            return
+        name = self._class_names.get(id(model), type(model).__name__)
+        raise ValueError(
+            f"run.step({name}, ..., inner=True) on a batch drawn from run.loader after its "
+            f"step began ({loader.step - began[1]} more drawn): inner calls share the step's "
+            f"batch, so that the loader's position stays the job's step. Leave inner=True out "
+            f"when each update draws its own batch: each batch is then a step "
+            f"(run.loader(..., steps=n_critic * generator_steps))")
 
     def _count_model_step(self, model: nn.Module) -> int:
         """Count a ``run.step`` call on ``model``; returns the calls before it. A second model
@@ -730,13 +790,14 @@ class Run:
         self._model_steps[key] = calls + 1
         return calls
 
-    def _ends_step(self, model: nn.Module) -> bool:
-        """Whether this call ends the job's step, every model's loss known: a call on the last
-        model the step before stepped, or on one it did not step (the first step's first
-        call; the first call on a model trained after another)."""
+    def _ends_step(self, model: nn.Module, closes: bool) -> bool:
+        """Whether this call (not an inner one) ends the job's step, every model's loss known:
+        a call on the last model the step before stepped, or on one it did not step (the first
+        step's first call, or the first call after its inner ones; the first call on a model
+        trained after another)."""
         order = self._step_order
         if not order:
-            return self._in_step == [id(model)]
+            return self._in_step == [id(model)] or closes
         return id(model) not in order or id(model) == order[-1]
 
     def _contrastive_guard(self, model: nn.Module, loss_fn: LossFn | None) -> Any:
@@ -805,7 +866,8 @@ class Run:
     @property
     def steps_done(self) -> int:
         """Steps taken by this job, those before a resume included: optimizer steps of the
-        model stepped most (with several models stepped on each batch, batches)."""
+        model stepped most (with several models stepped on each batch, batches; with
+        ``run.step(..., inner=True)``, the steps of the calls without it)."""
         return self.first_step + len(self.stats.step_times)
 
     def save(self, path: str | Path | None = None, *, model: nn.Module | None = None,
@@ -896,6 +958,7 @@ class Run:
                                   f"{saved_batch}, this loader's is {self._loader.batch_size}; "
                                   f"resume with batch_size={saved_batch}")
         self.first_step = info.step - len(self.stats.step_times)
+        self._line_step = min(self._line_step, info.step)  # an earlier step's lines again
         scaler = self._loss_scaler()
         if scaler is not None and info.extra.get("loss_scale"):
             scaler.load_state_dict(info.extra["loss_scale"])
@@ -1157,10 +1220,16 @@ class Run:
                                 wall_s=time.perf_counter() - self._started, warmup=warmup)
         if self.ledger is not None:
             stepped = list(self._model_labels.values())  # in the order first stepped
-            if len(stepped) > 1:  # every rank steps the same models: no collective unpaired
+            # every rank steps the same models: no collective unpaired
+            if len(stepped) > 1 or self._inner_calls:
                 comm = self.ledger.report(
                     steps=max(len(self.stats.step_times) - self.ledger_warmup, 1))
-                if comm.rows:
+                if comm.rows and len(stepped) == 1:
+                    comm.notes.append(
+                        f"run.step(..., inner=True) stepped {stepped[0]} several times per "
+                        f"step: the bytes are all of those updates' per step; the expected "
+                        f"column prices one update, so it is left out")
+                elif comm.rows:
                     comm.notes.append(
                         f"run.step trained {len(stepped)} models on each batch ("
                         f"{', '.join(stepped)}): the bytes are all of theirs per step (a "
@@ -1214,6 +1283,7 @@ class Run:
         if ckpt is not None and self._last_step_args is not None \
                 and ckpt.last_saved != self.steps_done:
             self.save()
+        self._draw_line(self.steps_done)  # the last step's, if no call drew it
         if self.progress is not None:
             self.progress.close()
         if self._watchdog is not None:  # a rank that skipped a collective is caught here too

@@ -450,3 +450,199 @@ def one_after_another(rank: int, world_size: int, plan: str) -> dict[str, Any]:
         done.append(run.steps_done)
     run.close()
     return {"steps_done": done, "progress": lines.getvalue().splitlines()}
+
+
+# ---------------------------------------------------------------------------------- a WGAN
+# The critic's updates per generator update, and the bound its weights are clipped to after
+# each (the original WGAN's Lipschitz constraint, no gradient penalty).
+N_CRITIC, WEIGHT_CLIP = 3, 0.1
+# Both optimizers are SGD: the critic's head's bias has a gradient of exactly 0 on one device
+# (as many real rows as fakes, signs -1 and +1), a rounding error's size once summed over
+# ranks, which RMSprop (WGAN's usual one) divides by its own size into a full-size update.
+
+
+def critic_loss(scores: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """The critic's Wasserstein estimate to minimise: its mean score on the fakes (sign +1)
+    less its mean on the real rows (sign -1), as a mean over the rows."""
+    return (scores.squeeze(-1) * signs).mean()
+
+
+def _c_batch(real: torch.Tensor, fake: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    signs = torch.cat([-torch.ones(len(real)), torch.ones(len(fake))]).to(real.device)
+    return torch.cat([real, fake]), signs
+
+
+def clip_weights(critic: nn.Module) -> None:
+    with torch.no_grad():
+        for p in critic.parameters():
+            p.clamp_(-WEIGHT_CLIP, WEIGHT_CLIP)
+
+
+def wgan_reference(steps: int = STEPS, clip: float = GAN_CLIP) -> dict[str, Any]:
+    """The WGAN on one device with torch alone: per batch ``N_CRITIC`` critic updates on it
+    (the generator's fakes made once, the generator unchanged meanwhile), each followed by
+    the weight clipping, then one generator update scored by the critic."""
+    gen, critic = generator(), discriminator()
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.05)
+    opt_c = torch.optim.SGD(critic.parameters(), lr=0.05)
+    c_losses, g_losses = [], []
+    for real, z in _global_batches(Ring(), steps):
+        with torch.no_grad():
+            fake = gen(z)
+        for _ in range(N_CRITIC):
+            opt_c.zero_grad()
+            loss = critic_loss(critic(torch.cat([real, fake])), _c_batch(real, fake)[1])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), clip)
+            opt_c.step()
+            clip_weights(critic)
+            c_losses.append(loss.item())
+        opt_g.zero_grad()
+        g_loss = -critic(gen(z)).mean()
+        g_loss.backward()
+        torch.nn.utils.clip_grad_norm_(gen.parameters(), clip)
+        opt_g.step()
+        g_losses.append(g_loss.item())
+    return {"c_losses": c_losses, "g_losses": g_losses, "gen": gen.state_dict(),
+            "critic": critic.state_dict()}
+
+
+def train_wgan(rank: int, world_size: int, plan: str, steps: int = STEPS,
+               folder: str | None = None, ledger: bool = False,
+               tensorboard: str | None = None) -> dict[str, Any]:
+    """The WGAN through plait (``clip=GAN_CLIP`` added to ``plan``): per batch ``N_CRITIC``
+    ``run.step(critic, ..., inner=True)`` calls on it, each followed by the weight clipping,
+    then the generator's ``run.step``. ``folder``: save the generator there after the last
+    step. Returns the losses, both models' states, the step count, rank 0's progress lines,
+    the saved step folders and ``run.finish()``'s summary."""
+    import io
+    from pathlib import Path
+
+    from plait.progress import Progress
+    from plait.runtime import init
+
+    run = init(",".join(p for p in (plan, f"clip={GAN_CLIP}") if p), quiet=True, ledger=ledger)
+    lines = io.StringIO()
+    run.progress = Progress(enabled=rank == 0, log_every=1, stream=lines,
+                            tensorboard=tensorboard)
+    critic = run.parallelize(discriminator())
+    gen = run.parallelize(generator())
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.05)
+    opt_c = torch.optim.SGD(critic.parameters(), lr=0.05)
+
+    def g_loss(fake: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return -critic(fake).mean()
+
+    c_losses, g_losses, counts = [], [], []
+    for real, z in run.loader(Ring(), batch_size=BATCH, steps=steps):
+        real, z = real.to(run.device), z.to(run.device)
+        with torch.no_grad():
+            fake = gen(z)
+        for _ in range(N_CRITIC):
+            c_losses.append(float(run.step(critic, _c_batch(real, fake), critic_loss, opt_c,
+                                           inner=True)))
+            clip_weights(critic)
+            counts.append(run.steps_done)
+        g_losses.append(float(run.step(gen, (z, torch.ones(len(z))), g_loss, opt_g)))
+        counts.append(run.steps_done)
+    saved: list[str] = []
+    if folder is not None:
+        run.save(f"{folder}/gen", model=gen, optimizer=opt_g)
+        saved = sorted(p.name for p in Path(folder, "gen").iterdir())
+    out = {"c_losses": c_losses, "g_losses": g_losses, "gen": run.full_state_dict(gen),
+           "critic": run.full_state_dict(critic), "steps_done": counts, "saved": saved,
+           "progress": lines.getvalue().splitlines()}
+    summary = run.finish(print_summary=False)
+    return {**out, "summary": summary} if rank == 0 else {}
+
+
+def wgan_drawn_reference(steps: int = STEPS, clip: float = GAN_CLIP) -> dict[str, Any]:
+    """The WGAN on one device with each critic update on a batch of its own: ``N_CRITIC``
+    batches per generator update, which takes the last one's noise."""
+    gen, critic = generator(), discriminator()
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.05)
+    opt_c = torch.optim.SGD(critic.parameters(), lr=0.05)
+    batches = iter(_global_batches(Ring(), steps * N_CRITIC))
+    c_losses, g_losses = [], []
+    for _ in range(steps):
+        for _ in range(N_CRITIC):
+            real, z = next(batches)
+            with torch.no_grad():
+                fake = gen(z)
+            opt_c.zero_grad()
+            loss = critic_loss(critic(torch.cat([real, fake])), _c_batch(real, fake)[1])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), clip)
+            opt_c.step()
+            clip_weights(critic)
+            c_losses.append(loss.item())
+        opt_g.zero_grad()
+        g_loss = -critic(gen(z)).mean()
+        g_loss.backward()
+        torch.nn.utils.clip_grad_norm_(gen.parameters(), clip)
+        opt_g.step()
+        g_losses.append(g_loss.item())
+    return {"c_losses": c_losses, "g_losses": g_losses, "gen": gen.state_dict(),
+            "critic": critic.state_dict()}
+
+
+def train_wgan_drawn(rank: int, world_size: int, plan: str, inner: bool,
+                     steps: int = STEPS) -> dict[str, Any]:
+    """The same through plait, the batches drawn from one ``run.loader`` of ``steps *
+    N_CRITIC`` batches inside the loop; the critic's calls with or without ``inner=True``.
+    Returns the losses, both states, ``steps_done`` after the loop and the progress lines,
+    or plait's refusal."""
+    import io
+
+    from plait.progress import Progress
+    from plait.runtime import init
+
+    run = init(",".join(p for p in (plan, f"clip={GAN_CLIP}") if p), quiet=True)
+    lines = io.StringIO()
+    run.progress = Progress(enabled=rank == 0, log_every=1, stream=lines)
+    critic = run.parallelize(discriminator())
+    gen = run.parallelize(generator())
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.05)
+    opt_c = torch.optim.SGD(critic.parameters(), lr=0.05)
+
+    def g_loss(fake: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return -critic(fake).mean()
+
+    batches = iter(run.loader(Ring(), batch_size=BATCH, steps=steps * N_CRITIC))
+    c_losses, g_losses = [], []
+    try:
+        for _ in range(steps):
+            for _ in range(N_CRITIC):
+                real, z = next(batches)
+                real, z = real.to(run.device), z.to(run.device)
+                with torch.no_grad():
+                    fake = gen(z)
+                c_losses.append(float(run.step(critic, _c_batch(real, fake), critic_loss,
+                                               opt_c, inner=inner)))
+                clip_weights(critic)
+            g_losses.append(float(run.step(gen, (z, torch.ones(len(z))), g_loss, opt_g)))
+    except ValueError as exc:
+        run.close()
+        return {"refused": str(exc)}
+    out = {"c_losses": c_losses, "g_losses": g_losses, "gen": run.full_state_dict(gen),
+           "critic": run.full_state_dict(critic), "steps_done": run.steps_done,
+           "progress": lines.getvalue().splitlines()}
+    run.close()
+    return out if rank == 0 else {}
+
+
+def inner_one_model(rank: int, world_size: int, plan: str, steps: int = 4) -> dict[str, Any]:
+    """One model updated 3 times per batch (two ``inner=True`` calls, then one without), under
+    the ledger: the summary's communication figures."""
+    from plait.runtime import init
+
+    run = init(plan, quiet=True, ledger=True)
+    model = run.parallelize(discriminator())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for real, _z in run.loader(Ring(), batch_size=BATCH, steps=steps):
+        batch = (real.to(run.device), real.sum(1, keepdim=True).to(run.device))
+        for inner in (True, True, False):
+            run.step(model, batch, F.mse_loss, opt, inner=inner)
+    done = run.steps_done
+    summary = run.finish(print_summary=False)
+    return {"steps_done": done, "comm": summary["comm"]}

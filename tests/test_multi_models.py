@@ -246,11 +246,133 @@ def test_a_model_trained_after_another_counts_its_own_steps() -> None:
     # Counted as a second model stepped on each batch: every call on the second joined the
     # first model's last step (steps_done stayed at 3, no progress line). Its first call still
     # joins that step (nothing tells it from a GAN's second model yet); each call after it
-    # begins a step of its own and draws its line.
+    # begins a step of its own and draws its line. Each step's line comes once: step 3's was
+    # drawn again at the second model's first call.
     got = run_distributed(M.one_after_another, 1, "", timeout=60)[0]
     assert got["steps_done"] == [M.STEPS, 2 * M.STEPS - 1], got
     lines = [line.split(" | ")[:2] for line in got["progress"]]
     assert [step for step, _ in lines] == [
-        "step 1/3", "step 2/3", "step 3/3", "step 3/3", "step 4/3", "step 5/3"], got["progress"]
+        "step 1/3", "step 2/3", "step 3/3", "step 4/3", "step 5/3"], got["progress"]
     # each model's loss while both step; the second's alone once the first is done
-    assert [loss.count(",") for _, loss in lines] == [0, 0, 0, 1, 1, 0], got["progress"]
+    assert [loss.count(",") for _, loss in lines] == [0, 0, 0, 1, 0], got["progress"]
+
+
+def _each_models_loss_in_the_summary_and_tensorboard(got: dict[str, Any], want: dict[str, Any],
+                                                     folder: Any, steps: int) -> None:
+    # The summary's final loss and TensorBoard's train/loss were the first model's alone (the
+    # critic's first update of the last step), the generator's nowhere.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from plait.report import format_summary
+
+    critic = [want["c_losses"][(i + 1) * M.N_CRITIC - 1] for i in range(steps)]
+    summary = got["summary"]
+    assert summary["final_losses"] == pytest.approx(
+        {"Net": critic[-1], "Net#2": want["g_losses"][-1]}, rel=REL, abs=REL), summary
+    assert (f"final loss      Net {critic[-1]:.4f}, Net#2 {want['g_losses'][-1]:.4f}"
+            in format_summary(summary).splitlines()), format_summary(summary)
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    for tag, values in (("train/loss/Net", critic), ("train/loss/Net#2", want["g_losses"])):
+        scalars = events.Scalars(tag)
+        assert [s.step for s in scalars] == list(range(1, steps + 1)), tag
+        assert [s.value for s in scalars] == pytest.approx(values, rel=REL, abs=REL), tag
+
+
+def _wgan_as_one_device(got: dict[str, Any], want: dict[str, Any]) -> None:
+    # a Wasserstein estimate crosses zero: within 1e-6 of its value or of 1
+    for name in ("c_losses", "g_losses"):
+        assert len(got[name]) == len(want[name]), (want[name], got[name])
+        for a, b in zip(want[name], got[name], strict=True):
+            assert abs(a - b) <= REL * max(abs(a), 1.0), (name, want[name], got[name])
+    _same_state(want["gen"], got["gen"])
+    _same_state(want["critic"], got["critic"])
+
+
+@pytest.mark.parametrize("plan", ["dp=2", *[pytest.param(p, marks=pytest.mark.slow) for p in (
+    "", "fsdp=2")]])
+def test_a_wgan_critic_stepped_n_times_per_batch_counts_generator_steps(tmp_path, plan: str
+                                                                        ) -> None:
+    # Each of the critic's 3 run.step calls on a batch began a step of the job: steps_done,
+    # the progress line, the saved step and the ledger's steps counted 3 per batch (15 after
+    # 5 batches). With inner=True they join the step the generator's call ends.
+    # The same run's summary and TensorBoard scalars carry each model's loss.
+    steps = 5
+    want = M.wgan_reference(steps)
+    got = run_distributed(M.train_wgan, 1 if not plan else 2, plan, steps, str(tmp_path),
+                          True, str(tmp_path / "tb"), timeout=120)[0]
+    _wgan_as_one_device(got, want)
+    _each_models_loss_in_the_summary_and_tensorboard(got, want, tmp_path / "tb", steps)
+    per_batch = [i for i in range(1, steps + 1) for _ in range(M.N_CRITIC + 1)]
+    assert got["steps_done"] == per_batch, got["steps_done"]
+    assert got["saved"] == [f"step-{steps:08d}"], got["saved"]
+    lines = [line.split(" | ")[:2] for line in got["progress"]]
+    assert [step for step, _ in lines] == [f"step {i}/{steps}" for i in range(1, steps + 1)], \
+        got["progress"]
+    # the critic's last update's loss, the generator's, by class name (under fsdp=2 the
+    # names were FSDP2's: "FSDPNet", "FSDPNet#2")
+    for i, (_, loss) in enumerate(lines):
+        assert loss == (f"loss Net {want['c_losses'][(i + 1) * M.N_CRITIC - 1]:.4f}, "
+                        f"Net#2 {want['g_losses'][i]:.4f}"), got["progress"]
+    summary = got["summary"]
+    assert summary["steps"] == steps, summary
+    if plan:
+        assert summary["comm"]["steps"] == steps - 2, summary["comm"]  # the first 2 left out
+    if plan == "dp=2":
+        (row,) = summary["comm"]["rows"]
+        # per step: the critic's gradients at each of its updates, then the generator's and
+        # the critic's again in the generator's backward through it
+        critic, gen = _params(M.discriminator), _params(M.generator)
+        assert row["payload_bytes"] == 4 * (M.N_CRITIC * critic + gen + critic), row
+
+
+def test_one_models_summary_is_as_it_was() -> None:
+    from plait.plan import Plan
+    from plait.report import format_summary, summarize
+    from plait.runtime import StepStats
+
+    stats = StepStats(losses=[torch.tensor(0.5)], step_times=[0.1], tokens=[16],
+                      named_losses={"Net": torch.tensor(0.5)})
+    info = summarize(Plan(), stats, [], world_size=1, accelerator="cpu", wall_s=1.0)
+    assert "final_losses" not in info and info["final_loss"] == 0.5
+    assert "final loss      0.5000" in format_summary(info).splitlines()
+
+
+@pytest.mark.parametrize("plan", ["", pytest.param("dp=2", marks=pytest.mark.slow)])
+def test_critic_updates_that_draw_their_own_batches_are_each_a_step(plan: str) -> None:
+    # Each batch drawn from run.loader is a step: 3 critic batches per generator update make
+    # 9 steps of a 9-batch loader, the loader's position, as one device trains them. The
+    # progress line read steps 1, 2, 3, 3, 5, 6, 6, 8, 9, 9: the generator's call joining a
+    # step drew its line again, and a critic's step after it was taken to wait for one.
+    steps = 3
+    got = run_distributed(M.train_wgan_drawn, 1 if not plan else 2, plan, False, steps,
+                          timeout=120)[0]
+    _wgan_as_one_device(got, M.wgan_drawn_reference(steps))
+    total = steps * M.N_CRITIC
+    assert got["steps_done"] == total, got["steps_done"]
+    assert [line.split(" | ")[0] for line in got["progress"]] == [
+        f"step {i}/{total}" for i in range(1, total + 1)], got["progress"]
+    if plan:
+        return
+    # inner=True on batches drawn after the step began would leave the loader's position
+    # ahead of steps_done, where run.loader starts again and a resumed run continues
+    refused = run_distributed(M.train_wgan_drawn, 1, plan, True, steps, timeout=120)[0]
+    assert refused == {"refused": (
+        "run.step(Net, ..., inner=True) on a batch drawn from run.loader after its step began "
+        "(1 more drawn): inner calls share the step's batch, so that the loader's position "
+        "stays the job's step. Leave inner=True out when each update draws its own batch: "
+        "each batch is then a step (run.loader(..., steps=n_critic * generator_steps))")}
+
+
+def test_the_ledger_of_one_model_with_inner_updates_counts_the_job_steps() -> None:
+    # The ledger counted each call as a step (6 for the 2 batches measured, the bytes a third
+    # of a batch's) and priced one update beside them.
+    got = run_distributed(M.inner_one_model, 2, "dp=2", timeout=120)[0]
+    assert got["steps_done"] == 4, got
+    comm = got["comm"]
+    assert comm["steps"] == 2, comm  # 4 batches, the first 2 left out
+    (row,) = comm["rows"]
+    assert row["payload_bytes"] == 4 * 3 * _params(M.discriminator), row
+    assert row["expected_bytes"] is None, row
+    assert any("run.step(..., inner=True) stepped Net several times per step" in n
+               for n in comm["notes"]), comm["notes"]

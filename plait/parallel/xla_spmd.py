@@ -126,9 +126,15 @@ class SPMDLayout:
                 return batch
             if self.process_count > 1 and batch.ndim == 0:
                 raise ValueError("a 0-d tensor in the batch cannot be split over hosts")
-            spec = xs.ShardingSpec(self.mesh, self.batch_spec(batch.ndim),
-                                   minibatch=self.process_count > 1) if batch.ndim else None
-            return xm.send_cpu_data_to_device(batch, device, input_sharding=spec)[0]
+            # torch_xla's sharded transfer fails on a 1-D tensor (IndexError: too many
+            # indices for tensor of dimension 1), a row's class label or timestep: it travels
+            # as a column and is read back as the vector it was
+            column = batch.ndim == 1
+            host = batch.unsqueeze(1) if column else batch
+            spec = xs.ShardingSpec(self.mesh, self.batch_spec(host.ndim),
+                                   minibatch=self.process_count > 1) if host.ndim else None
+            placed = xm.send_cpu_data_to_device(host, device, input_sharding=spec)[0]
+            return placed.squeeze(1) if column else placed
         if isinstance(batch, dict):
             return {k: self.place_batch(v, device) for k, v in batch.items()}
         if isinstance(batch, (tuple, list)):
@@ -158,32 +164,45 @@ def build_layout(plan: Plan | None) -> SPMDLayout:
 
 
 # ------------------------------------------------------------------------------ the layout
-def apply_spmd(model: nn.Module, layout: SPMDLayout, *, device: torch.device) -> nn.Module:
-    """``model`` on the XLA device with the plan's sharding annotations (TP, then FSDPv2)."""
+def apply_spmd(model: nn.Module, layout: SPMDLayout, *, device: torch.device,
+               example: Any = None, say: Any = None) -> nn.Module:
+    """``model`` on the XLA device with the plan's sharding annotations (TP, then FSDPv2).
+
+    ``example``: the forward's arguments (``plait.parallel.tp_example.Example``, where the
+    model is) that an inferred tensor-parallel plan is inferred and checked on, as on other
+    devices, so that both lay out the same plan and refuse the same ones; ``say``: where the
+    inferred plan is told (default: rank 0's stderr)."""
     from .placement import to_device_keeping_ties
+    from .tensor import resolve_plan
     from .xla_batchnorm import keep_unbiased_running_var
 
     plan = layout.plan
+    # on the host, before the move: the checks' forwards compile nothing
+    styles = resolve_plan(model, plan, say, example).styles if plan.tp > 1 else None
     model = to_device_keeping_ties(model, device)
     keep_unbiased_running_var(model, device)
-    if plan.tp > 1:
-        mark_tensor_parallel(model, layout)
+    if styles is not None:
+        mark_tensor_parallel(model, layout, styles)
     if plan.zero == 3:
         model = wrap_fsdpv2(model, layout)
     return model
 
 
-def mark_tensor_parallel(model: nn.Module, layout: SPMDLayout) -> dict[str, str]:
+def mark_tensor_parallel(model: nn.Module, layout: SPMDLayout,
+                         styles: dict[str, str] | None = None) -> dict[str, str]:
     """Annotate each parameter of each module the layer plan names; returns {module: style}.
 
-    The plan is the one DTensor TP would use (``plait.parallel.tensor.resolve_plan``). Under
-    SPMD the model keeps its global shapes, so nothing is divided by tp (heads, split sizes).
+    The plan is the one DTensor TP would use (``plait.parallel.tensor.resolve_plan``; or
+    ``styles``, resolved already). Under SPMD the model keeps its global shapes, so nothing is
+    divided by tp (heads, split sizes).
     """
     import torch_xla.distributed.spmd as xs
 
     from .tensor import _is_conv1d, match_plan, resolve_plan
 
-    matched = match_plan(model, resolve_plan(model, layout.plan).styles)
+    if styles is None:
+        styles = resolve_plan(model, layout.plan).styles
+    matched = match_plan(model, styles)
     other = "fsdp" if layout.plan.zero == 3 else None
     for name, style in matched.items():
         dim = _TP_DIM.get(style)

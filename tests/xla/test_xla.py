@@ -145,6 +145,23 @@ def test_spmd_layouts_train_what_one_cpu_trains(spmd):
     assert mlp["evaluated"] == pytest.approx(mlp["ref_evaluated"], rel=1e-4, abs=2e-4)
 
 
+# ------------------------------------------------------------------------- example=
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_an_example_of_a_two_input_forward_is_what_tp_is_inferred_and_checked_on():
+    # The SPMD layout inferred the tensor-parallel plan and checked it on a guessed input,
+    # example= left unread: a plan that does not fit the forward it was given (an embedding
+    # of width 32 added to a column-parallel output) was laid out where other devices refuse
+    # it. And the batch's 1-D class tensor failed its transfer to the devices (IndexError:
+    # too many indices for tensor of dimension 1).
+    result = run_case("example", 4)
+    _user_matches("forward(x, t) under dp_replicate=2,tp=2", result["trained"])
+    misfit = result["misfit"]
+    assert misfit is not None, "a plan that does not fit the example was laid out"
+    assert misfit.startswith("the tensor-parallel plan inferred for Misfit does not fit its "
+                             "dataflow at tp=2"), misfit
+    assert "Attempting to broadcast a dimension of length 32" in misfit, misfit
+
+
 # ------------------------------------------------------------------------- users' models
 @pytest.fixture(scope="module")
 def users() -> dict:

@@ -418,6 +418,80 @@ def case_users_slow() -> dict:
     return _user_runs(SLOW_USER_RUNS)
 
 
+# ------------------------------------------------------------------ example=
+class Conditioned(nn.Module):
+    """A model whose forward is not ``forward(input_ids)``: features and a class per row (a
+    1-D integer tensor, as a diffusion model's timestep), the class's embedding added to the
+    output. The tensor-parallel plan plait infers (``up`` column-parallel, ``down`` row-
+    parallel) fits its dataflow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.up = nn.Linear(8, 32)
+        self.down = nn.Linear(32, 4)
+        self.label = nn.Embedding(5, 4)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x))) + self.label(t)
+
+
+class Misfit(Conditioned):
+    """The class's embedding added to ``up``'s output instead, which the inferred plan splits
+    over tp: the plan does not fit (a forward on the given example shows it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.label = nn.Embedding(5, 32)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x) + self.label(t)))
+
+
+class Labelled(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.t = torch.randint(0, 5, (n,), generator=g)
+        self.y = self.x[:, :4] - self.t[:, None] * 0.5
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return (self.x[i], self.t[i]), self.y[i]
+
+
+def _example_run(accelerator: str, plan, model: nn.Module) -> dict:
+    """``model`` laid out with ``example=`` (one batch of the loader's) and trained 4 steps."""
+    run = plait.init(plan, accelerator=accelerator, quiet=True)
+    data = Labelled()
+    example = next(iter(run.loader(data, batch_size=8, steps=1, evaluation=True)))
+    try:
+        model = run.parallelize(model, example=example)
+    except ValueError as exc:
+        run.finish(print_summary=False)
+        return {"refused": str(exc)}
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = [float(run.step(model, b, F.mse_loss, opt))
+              for b in run.loader(data, batch_size=8, steps=4)]
+    state = run.full_state_dict(model)
+    info = run.finish(print_summary=False)
+    return {"losses": losses, "state": state, "evaluated": None,
+            "findings": info["xla"]["findings"] if accelerator == "xla" else None}
+
+
+def case_example() -> dict:
+    """4 XLA devices: ``run.parallelize(model, example=...)`` under tp with a plan plait
+    infers, for a model whose forward takes features and a 1-D class tensor, against one
+    CPU; and the refusal of a plan that does not fit such a model's dataflow."""
+    plan = "dp_replicate=2,tp=2"
+    got = _example_run("xla", plan, Conditioned())
+    misfit = _example_run("xla", plan, Misfit())
+    return {"trained": _compare_user(got, _example_run("cpu", None, Conditioned())),
+            "misfit": misfit.get("refused")}
+
+
 # ------------------------------------------------------------------ checkpoints
 class NormedLM(TiedLM):
     """TiedLM with a BatchNorm over the features and a buffer updated in forward: state a
