@@ -40,7 +40,9 @@ class MoreStack:
     whether the vocabulary-parallel embedding makes its input (called again for it, on its
     sequence: an encoder-decoder's shared embedding), and one block's own shape where it
     differs from the main stack's (an encoder block has no cross-attention): its matmul
-    weights (None: the main stack's block's) and attention layers."""
+    weights (None: the main stack's block's), attention layers, and of those the ones reading
+    the main stack's output (:attr:`ModelStats.side_matmul_params`,
+    :attr:`ModelStats.cross_attentions`)."""
 
     first: str
     n_layers: int
@@ -48,6 +50,8 @@ class MoreStack:
     embedded: bool = False
     matmul_params: int | None = None
     attentions: int = 1
+    side_matmul_params: int = 0
+    cross_attentions: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,13 @@ class ModelStats:
     # Attention layers per block, each with its own scores, q/k/v/o inputs and norm (a
     # decoder block's self- and cross-attention: 2); the FLOPs and activations of each.
     attentions: int = 1
+    # Of ``block_matmul_params``, the weights of layers reading another stack's output (a
+    # decoder block's cross-attention keys and values): they run on that stack's tokens, the
+    # source, not the block's own (module factories; 0: none).
+    side_matmul_params: int = 0
+    # Of ``attentions``, those whose keys and values are another stack's tokens
+    # (cross-attention): their scores are (own sequence) x (that stack's sequence).
+    cross_attentions: int = 0
     tied: bool = False       # head shares the embedding weight
     max_seq: int | None = None
     # Where a module's max_seq was read when no setting says it: "the N rows of its position
@@ -78,6 +89,10 @@ class ModelStats:
     # Positions per sample of the dataset a (model, dataset, loss_fn) factory returns: the
     # sequence that training will run, which a model's max_seq only bounds.
     data_seq: int | None = None
+    # A model with several stacks (an encoder-decoder): (first block, length) of each further
+    # stack's sequence in the dataset's first sample, read with ``data_seq`` (the main
+    # stack's) from one forward on it: the source beside the target.
+    data_stack_seqs: tuple[tuple[str, int], ...] = ()
     # Relative cost of each block when blocks differ (module factories); None = all equal.
     layer_weights: tuple[float, ...] | None = None
     # Parameter tensors (not elements) per block, in the embedding and in the head (final norm
@@ -151,6 +166,10 @@ class ModelStats:
     # backward only then (plait.planner.memory). Read from the config or the module; True (the
     # paper's GPT block) where a ModelStats is built by hand.
     dropout: bool = True
+    # Whether the blocks' norms are written as Python ops (Hugging Face's T5LayerNorm,
+    # LlamaRMSNorm), not torch's fused kernels: their weight's multiply saves the normalized
+    # input, one more hidden-wide tensor per norm besides its input (plait.planner.memory).
+    norm_copy: bool = False
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -226,17 +245,32 @@ class ModelStats:
             return self.num_params
         return self.num_params - self.n_layers * (self.block_params - self.block_active_params)
 
-    def block_flops_per_token(self, seq: int) -> float:
-        """Forward FLOPs of one block per token: 2 per matmul weight + 4*s*h attention.
+    def block_flops_per_token(self, seq: int, side_seq: int | None = None) -> float:
+        """Forward FLOPs of one block per token of its own sequence ``seq``: 2 per matmul
+        weight + 4*s*h per attention layer.
 
         A routed mixture-of-experts block counts the weights of the k experts each token is
         routed to and the router's, not all E experts' (``block_matmul_params``).
 
         Attention is counted over the full s x s square (QK^T and AV), as Megatron-LM's formula
-        does, so TFLOP/s figures are comparable with published ones.
+        does, so TFLOP/s figures are comparable with published ones. Cross-attention
+        (``cross_attentions``) reads another stack's ``side_seq`` tokens (default ``seq``):
+        its scores are seq x side_seq, and its key and value projections
+        (``side_matmul_params``) run on side_seq tokens per row, side_seq / seq per token of
+        this block's.
         """
-        return 2.0 * self.block_matmul_params + (
-            4.0 * seq * self.hidden * self.attentions if self.attention else 0.0)
+        other = seq if side_seq is None else side_seq
+        side = float(self.side_matmul_params)
+        matmul = 2.0 * (self.block_matmul_params - side) + 2.0 * side * other / seq
+        if not self.attention:
+            return matmul
+        own = self.attentions - self.cross_attentions
+        return matmul + 4.0 * self.hidden * (seq * own + other * self.cross_attentions)
+
+    def side_seq(self, seq: int, seqs: Mapping[str, int]) -> int:
+        """The sequence the main stack's cross-attention reads: the first further stack's
+        (``seqs`` by its first block, default ``seq``); ``seq`` where there is none."""
+        return next((seqs.get(m.first, seq) for m in self.more_stacks), seq)
 
     def more_stacks_flops(self, rows: float, seq: int, seqs: Mapping[str, int]) -> float:
         """Forward FLOPs of the further stacks' blocks (:attr:`more_stacks`) for ``rows``
@@ -245,7 +279,8 @@ class ModelStats:
         total = 0.0
         for more in self.more_stacks:
             n = seqs.get(more.first, seq)
-            total += more.n_layers * self.stack_block(more).block_flops_per_token(n) * rows * n
+            total += more.n_layers * self.stack_block(more).block_flops_per_token(
+                n, side_seq=seq) * rows * n
         return total
 
     def stack_block(self, more: MoreStack) -> ModelStats:
@@ -253,17 +288,20 @@ class ModelStats:
         stack's (its matmul weights and attention layers; the widths are the main stack's):
         what its blocks' FLOPs and saved activations are priced from."""
         return dataclasses.replace(
-            self, attentions=more.attentions,
+            self, attentions=more.attentions, side_matmul_params=more.side_matmul_params,
+            cross_attentions=more.cross_attentions,
             block_matmul_params=self.block_matmul_params if more.matmul_params is None
             else more.matmul_params)
 
     def head_flops_per_token(self) -> float:
         return 2.0 * self.hidden * self.vocab
 
-    def model_flops(self, tokens: float, seq: int, recompute_layers: float = 0.0) -> float:
+    def model_flops(self, tokens: float, seq: int, recompute_layers: float = 0.0,
+                    side_seq: int | None = None) -> float:
         """Training FLOPs (forward + backward = 3x forward) for ``tokens`` tokens of length
-        ``seq``; ``recompute_layers`` blocks' forwards are run a second time."""
-        block = self.block_flops_per_token(seq) * tokens
+        ``seq``; ``recompute_layers`` blocks' forwards are run a second time. ``side_seq``:
+        the other stack's sequence the blocks' cross-attention reads (default ``seq``)."""
+        block = self.block_flops_per_token(seq, side_seq) * tokens
         head = 3 * self.head_flops_per_token() * tokens
         return (3 * self.n_layers + recompute_layers) * block + head
 
@@ -639,7 +677,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     weights = None
     if len(set(matmul)) > 1:
         weights = tuple(m / mean if mean else 1.0 for m in matmul)
-    gated = any("gate" in n for n, _ in ref.named_modules())
+    mlp = _mlp_kind(model, ref, linears, hidden, ffn)
     tensors = round(sum(len(list(b.parameters())) for b in blocks) / len(blocks))
     outside = len(seen) - sum(len(list(b.parameters())) for b in blocks)
     embed_tensors = len(embed_weights)
@@ -665,10 +703,12 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
         max_seq, max_seq_from = _position_rows(model)
     more = _more_stacks(model, stack_name, found, device_type)
     attentions = _attention_layers(model, ref_path, found) if attention else 1
+    side, cross = _cross_reads(model, ref_path, found)
     return ModelStats(name=name, n_layers=len(blocks), hidden=hidden, n_heads=heads,
                       kv_heads=kv_heads or heads, ffn=ffn, vocab=vocab,
-                      mlp="swiglu" if gated else ("gelu" if attention else "other"),
-                      attentions=attentions,
+                      mlp=mlp or ("gelu" if attention else "other"),
+                      attentions=attentions, side_matmul_params=side,
+                      cross_attentions=min(cross, attentions) if attention else 0,
                       block_params=round(stack_total / len(blocks)),
                       block_matmul_params=round(mean), embed_params=embed_params,
                       head_params=head_params, attention=attention, layer_weights=weights,
@@ -691,7 +731,45 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                       if attention and attention_dtypes else None,
                       batchnorm=_first_batchnorm(model),
                       dropout=module_dropout(model, blocks),
-                      stack_first=_path(model, blocks[0]), more_stacks=more)
+                      stack_first=_path(model, blocks[0]), more_stacks=more,
+                      norm_copy=_unfused_norms(ref, hidden))
+
+
+def _unfused_norms(block: Any, hidden: int) -> bool:
+    """Whether ``block`` holds a norm written as Python ops: a module whose class name says
+    norm, with a weight of ``hidden`` elements, that is none of torch's fused norms."""
+    import torch.nn as nn
+
+    fused = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+    for m in block.modules():
+        weight = getattr(m, "weight", None)
+        if "norm" in type(m).__name__.lower() and not isinstance(m, fused) \
+                and isinstance(weight, nn.Parameter) and weight.shape == (hidden,):
+            return True
+    return False
+
+
+def _mlp_kind(model: Any, block: Any, linears: list[tuple[int, int]], hidden: int,
+              ffn: int) -> str:
+    """The feed-forward's kind, which says what it saves for backward
+    (:func:`plait.planner.memory.activation_bytes_per_block`): "swiglu" for any gated one (a
+    module named for a gate, or more hidden -> ffn layers than ffn -> hidden ones: T5 v1.1's
+    ``wi_0`` and ``wi_1``), "relu" where the block holds an ``nn.ReLU`` or the model's config
+    names relu its activation (T5's ``dense_act_fn``), whose output is the down projection's
+    input; "" for neither (an activation called as a function is not seen)."""
+    import torch.nn as nn
+
+    ups = sum(1 for d in linears if d == (hidden, ffn))
+    downs = sum(1 for d in linears if d == (ffn, hidden))
+    if any("gate" in n for n, _ in block.named_modules()) or (
+            ffn != hidden and downs and ups > downs):
+        return "swiglu"
+    config = getattr(model, "config", None)
+    named = [getattr(config, a, None) for a in ("dense_act_fn", "hidden_act",
+                                                "activation_function")]
+    if any(isinstance(m, nn.ReLU) for m in block.modules()) or "relu" in named:
+        return "relu"
+    return ""
 
 
 def _attention_keys(model: Any, device_type: str, example: Any = None
@@ -749,13 +827,36 @@ def _more_stacks(model: Any, stack: str, found: tuple[Any, bool] | None,
         first, last = _path(model, blocks[0]), _path(model, blocks[-1])
         matmul = sum(m.weight.numel() for b in blocks for m in b.modules()
                      if _dims(m) is not None)
+        attentions = _attention_layers(model, _path(model, trained), found)
+        side, cross = _cross_reads(model, _path(model, trained), found)
         out.append(MoreStack(first, len(blocks),
                              tp_block(model, _path(model, trained), found, (first, last),
                                       device_type), first in embedded,
                              matmul_params=round(matmul / len(blocks)),
-                             attentions=_attention_layers(model, _path(model, trained),
-                                                          found)))
+                             attentions=attentions, side_matmul_params=side,
+                             cross_attentions=min(cross, attentions)))
     return tuple(out)
+
+
+def _cross_reads(model: Any, path: str, found: tuple[Any, bool] | None) -> tuple[int, int]:
+    """(matmul weights, attention layers) of the block at ``path`` that read another stack's
+    output: the layers the plan ``found`` names as side inputs (``TPPlan.side_inputs``: a
+    decoder block's cross-attention keys and values), and the attention layers (modules whose
+    head count the plan divides) holding one. (0, 0) where there is no plan or none reads."""
+    from plait.parallel.tp_plans import glob_regex
+
+    if found is None or not found[0].side_inputs:
+        return 0, 0
+    side = [glob_regex(g) for g in found[0].side_inputs]
+    heads = [glob_regex(g) for g, attrs in found[0].divide_attrs.items()
+             if any("head" in a for a in attrs)]
+    reads = {f"{path}.{name}": m for name, m in model.get_submodule(path).named_modules()
+             if name and _dims(m) is not None and any(r.match(f"{path}.{name}") for r in side)}
+    weights = sum(m.weight.numel() for m in reads.values())
+    layers = {f"{path}.{name}" for name, _ in model.get_submodule(path).named_modules()
+              if name and any(r.match(f"{path}.{name}") for r in heads)}
+    cross = sum(1 for layer in layers if any(n.startswith(layer + ".") for n in reads))
+    return weights, cross
 
 
 def _attention_layers(model: Any, path: str, found: tuple[Any, bool] | None) -> int:
@@ -904,6 +1005,9 @@ def from_factory(spec: str, attention_dtypes: bool = False) -> ModelStats:
         with contextlib.suppress(Exception):
             example = example_of(_build(spec, "meta", parameters_only=True), model)
     stats = from_module(model, name=spec, attention_dtypes=attention_dtypes, example=example)
+    lengths = _stack_lengths(model, stats, example)
+    if lengths:
+        return dataclasses.replace(stats, data_seq=lengths[0][1], data_stack_seqs=lengths[1:])
     if isinstance(built, (tuple, list)) and len(built) > 1:
         dataset = built[1]
         if not _indexable(dataset):
@@ -914,6 +1018,31 @@ def from_factory(spec: str, attention_dtypes: bool = False) -> ModelStats:
                 dataset = _build(spec, "meta", parameters_only=True)[1]
         return dataclasses.replace(stats, data_seq=_sample_seq(dataset))
     return stats
+
+
+def _stack_lengths(model: Any, stats: ModelStats, example: Any
+                   ) -> tuple[tuple[str, int], ...]:
+    """(first block, sequence length) of the main stack, then of each further stack, as one
+    forward on fake tensors of ``example`` (the dataset's first sample) hands them to each
+    stack's first block: an encoder-decoder's source (``input_ids``) and target (its
+    ``decoder_input_ids``, or the ``labels`` the model shifts into them). Empty for a model
+    with one stack, without an example, or where the forward does not reach every stack."""
+    from plait.comm.stack_lengths import watch_stack_lengths
+    from plait.parallel.tp_example import run_on
+    from plait.parallel.tp_record import fake_forward
+
+    if not stats.more_stacks or example is None or not stats.stack_first:
+        return ()
+    firsts = [stats.stack_first, *(m.first for m in stats.more_stacks)]
+    lengths = watch_stack_lengths(model, firsts)
+    try:
+        with fake_forward(model):
+            run_on(model, example)
+    except Exception:  # noqa: BLE001 - a forward that does not run says no lengths
+        return ()
+    if any(f not in lengths for f in firsts):
+        return ()
+    return tuple((f, lengths[f]) for f in firsts)
 
 
 def _indexable(dataset: Any) -> bool:
