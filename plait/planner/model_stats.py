@@ -443,7 +443,10 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
                        block_tensors=block_tensors, embed_tensors=1,
                        head_tensors=norm // h + (0 if tied else 1), experts=experts,
                        block_active_params=block - (count - k) * expert if experts else None,
-                       head_dim=head_dim, dropout=config_dropout(data, model_type))
+                       head_dim=head_dim, dropout=config_dropout(data, model_type),
+                       # the families without norm biases: transformers writes their RMSNorm
+                       # as Python ops (its normalized input saved for the weight's multiply)
+                       norm_copy=norm == h)
     if model_type == "gpt2" and q == h and kv == h and not experts:
         return _gpt2(stats, data.get("n_positions") or data.get("max_position_embeddings"))
     # the families laid out tensor by tensor (plait.planner.hf_layout): the shapes FSDP2 pads,
@@ -677,7 +680,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     weights = None
     if len(set(matmul)) > 1:
         weights = tuple(m / mean if mean else 1.0 for m in matmul)
-    mlp = _mlp_kind(model, ref, linears, hidden, ffn)
+    mlp = _mlp_kind(model, ref, hidden, ffn)
     tensors = round(sum(len(list(b.parameters())) for b in blocks) / len(blocks))
     outside = len(seen) - sum(len(list(b.parameters())) for b in blocks)
     embed_tensors = len(embed_weights)
@@ -749,18 +752,23 @@ def _unfused_norms(block: Any, hidden: int) -> bool:
     return False
 
 
-def _mlp_kind(model: Any, block: Any, linears: list[tuple[int, int]], hidden: int,
-              ffn: int) -> str:
+def _mlp_kind(model: Any, block: Any, hidden: int, ffn: int) -> str:
     """The feed-forward's kind, which says what it saves for backward
     (:func:`plait.planner.memory.activation_bytes_per_block`): "swiglu" for any gated one (a
-    module named for a gate, or more hidden -> ffn layers than ffn -> hidden ones: T5 v1.1's
-    ``wi_0`` and ``wi_1``), "relu" where the block holds an ``nn.ReLU`` or the model's config
-    names relu its activation (T5's ``dense_act_fn``), whose output is the down projection's
-    input; "" for neither (an activation called as a function is not seen)."""
+    module named for a gate, or more hidden -> ffn layers than ffn -> hidden ones outside the
+    attention modules: T5 v1.1's ``wi_0`` and ``wi_1``), "relu" where the block holds an
+    ``nn.ReLU`` or the model's config names relu its activation (T5's ``dense_act_fn``),
+    whose output is the down projection's input; "" for neither (an activation called as a
+    function is not seen)."""
     import torch.nn as nn
 
-    ups = sum(1 for d in linears if d == (hidden, ffn))
-    downs = sum(1 for d in linears if d == (ffn, hidden))
+    attention = [n for n, m in block.named_modules()
+                 if n and ("attn" in type(m).__name__.lower()
+                           or "attention" in type(m).__name__.lower())]
+    dims = [_dims(m) for n, m in block.named_modules()
+            if not any(n.startswith(a + ".") for a in attention)]
+    ups = sum(1 for d in dims if d == (hidden, ffn))
+    downs = sum(1 for d in dims if d == (ffn, hidden))
     if any("gate" in n for n, _ in block.named_modules()) or (
             ffn != hidden and downs and ups > downs):
         return "swiglu"
