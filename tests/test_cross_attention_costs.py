@@ -180,14 +180,34 @@ def _plan(capsys: Any, *more: str) -> dict[str, Any]:
 def test_plait_plan_reads_each_stacks_length_off_the_dataset(capsys: Any) -> None:
     """T5's dataset holds 8 source ids and 6 labels per sample: ``plait plan --model``
     prices the decoder on 6 tokens and the encoder on 8 (its tp rows those of ``--seq 6
-    --stack-seq encoder.block.0=8``); ``--seq`` given alone prices both stacks on it."""
-    stats = load_model("tests._workers_encdec:t5")
-    assert (stats.stack_first, stats.data_seq, stats.data_stack_seqs) == (
-        "decoder.block.0", 6, (("encoder.block.0", 8),)), stats.data_stack_seqs
+    --stack-seq encoder.block.0=8``)."""
     read = _plan(capsys)
     assert (read["seq"], read["seq_from"], read["stack_seqs"]) == (
         6, "dataset", {"encoder.block.0": 8}), read
     given = _plan(capsys, "--seq", "6", "--stack-seq", "encoder.block.0=8")
     assert read["plans"][0]["traffic"] == given["plans"][0]["traffic"]
-    one = _plan(capsys, "--seq", "6")
-    assert one["stack_seqs"] == {} and one["plans"][0]["traffic"] != given["plans"][0]["traffic"]
+
+
+def test_the_python_api_reads_each_stacks_length_off_the_users_batch() -> None:
+    """``evaluate_plan(..., example=batch)`` on the encoder-decoder written for the test, its
+    batch of 64 source and 16 target tokens: the step priced as with ``seq=16,
+    stack_seqs={"encoder.block.0": 64}``, not as both at one length; ``seq`` alone prices both
+    stacks at it; a block that starts no further stack is refused naming those that do."""
+    from plait.planner import evaluate_plan
+
+    g = torch.Generator().manual_seed(0)
+    batch = ({"input_ids": torch.randint(0, T.VOCAB, (T.BATCH, 64), generator=g),
+              "decoder_input_ids": torch.randint(0, T.VOCAB, (T.BATCH, 16), generator=g)},
+             torch.randint(0, T.VOCAB, (T.BATCH, 16), generator=g))
+
+    def priced(**how: Any) -> tuple[float, float]:
+        est = evaluate_plan("tp=2,sp", T.seq2seq(), global_batch=T.BATCH, **how)
+        return est.step_time_s, est.memory_breakdown["activations"]
+
+    read = priced(example=batch)
+    assert read == priced(seq=16, stack_seqs={"encoder.block.0": 64}), read
+    assert read != priced(seq=16), read
+    with pytest.raises(ValueError, match=r"stack_seqs=\{'decoder.block.0': 64\}: "
+                       r"decoder.block.0 is not the first block of a further stack of "
+                       r"RelBiasSeq2Seq \(its further stacks start at encoder.block.0\)"):
+        priced(seq=16, stack_seqs={"decoder.block.0": 64})

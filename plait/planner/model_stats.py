@@ -86,12 +86,13 @@ class ModelStats:
     # Where a module's max_seq was read when no setting says it: "the N rows of its position
     # embedding NAME" (printed beside the sequence it prices); "" when a setting says it.
     max_seq_from: str = ""
-    # Positions per sample of the dataset a (model, dataset, loss_fn) factory returns: the
-    # sequence that training will run, which a model's max_seq only bounds.
+    # Positions per sample of the dataset a (model, dataset, loss_fn) factory returns (or of
+    # the user's input a module was read with, where it has several stacks): the sequence
+    # that training will run, which a model's max_seq only bounds.
     data_seq: int | None = None
     # A model with several stacks (an encoder-decoder): (first block, length) of each further
-    # stack's sequence in the dataset's first sample, read with ``data_seq`` (the main
-    # stack's) from one forward on it: the source beside the target.
+    # stack's sequence in the dataset's first sample (or the user's input), read with
+    # ``data_seq`` (the main stack's) from one forward on it: the source beside the target.
     data_stack_seqs: tuple[tuple[str, int], ...] = ()
     # Relative cost of each block when blocks differ (module factories); None = all equal.
     layer_weights: tuple[float, ...] | None = None
@@ -707,35 +708,40 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     more = _more_stacks(model, stack_name, found, device_type)
     attentions = _attention_layers(model, ref_path, found) if attention else 1
     side, cross = _cross_reads(model, ref_path, found)
-    return ModelStats(name=name, n_layers=len(blocks), hidden=hidden, n_heads=heads,
-                      kv_heads=kv_heads or heads, ffn=ffn, vocab=vocab,
-                      mlp=mlp or ("gelu" if attention else "other"),
-                      attentions=attentions, side_matmul_params=side,
-                      cross_attentions=min(cross, attentions) if attention else 0,
-                      block_params=round(stack_total / len(blocks)),
-                      block_matmul_params=round(mean), embed_params=embed_params,
-                      head_params=head_params, attention=attention, layer_weights=weights,
-                      block_tensors=tensors, embed_tensors=embed_tensors,
-                      head_tensors=max(outside - embed_tensors, 0), max_seq=max_seq,
-                      max_seq_from=max_seq_from,
-                      tp_block=flow.block, tp_blocks=flow.blocks,
-                      tied_params=tied_params,
-                      tied_shapes=tuple(tuple(p.shape) for p in tied),
-                      frozen_tied_shapes=tuple(tuple(p.shape) for p in both
-                                               if not p.requires_grad),
-                      shared_shapes=tuple(tuple(p.shape) for p in on_path if p.requires_grad),
-                      frozen_shared_shapes=tuple(tuple(p.shape) for p in on_path
-                                                 if not p.requires_grad),
-                      held=held_parts(model, stack_name, found),
-                      rows=rows, experts=experts,
-                      block_active_params=round(sum(active) / len(blocks)) if experts else None,
-                      head_dim=head_dim if isinstance(head_dim, int) else None,
-                      attention_keys=_attention_keys(model, device_type, example)
-                      if attention and attention_dtypes else None,
-                      batchnorm=_first_batchnorm(model),
-                      dropout=module_dropout(model, blocks),
-                      stack_first=_path(model, blocks[0]), more_stacks=more,
-                      norm_copy=_unfused_norms(ref, hidden))
+    stats = ModelStats(name=name, n_layers=len(blocks), hidden=hidden, n_heads=heads,
+                       kv_heads=kv_heads or heads, ffn=ffn, vocab=vocab,
+                       mlp=mlp or ("gelu" if attention else "other"),
+                       attentions=attentions, side_matmul_params=side,
+                       cross_attentions=min(cross, attentions) if attention else 0,
+                       block_params=round(stack_total / len(blocks)),
+                       block_matmul_params=round(mean), embed_params=embed_params,
+                       head_params=head_params, attention=attention, layer_weights=weights,
+                       block_tensors=tensors, embed_tensors=embed_tensors,
+                       head_tensors=max(outside - embed_tensors, 0), max_seq=max_seq,
+                       max_seq_from=max_seq_from,
+                       tp_block=flow.block, tp_blocks=flow.blocks,
+                       tied_params=tied_params,
+                       tied_shapes=tuple(tuple(p.shape) for p in tied),
+                       frozen_tied_shapes=tuple(tuple(p.shape) for p in both
+                                                if not p.requires_grad),
+                       shared_shapes=tuple(tuple(p.shape) for p in on_path if p.requires_grad),
+                       frozen_shared_shapes=tuple(tuple(p.shape) for p in on_path
+                                                  if not p.requires_grad),
+                       held=held_parts(model, stack_name, found),
+                       rows=rows, experts=experts,
+                       block_active_params=round(sum(active) / len(blocks)) if experts else None,
+                       head_dim=head_dim if isinstance(head_dim, int) else None,
+                       attention_keys=_attention_keys(model, device_type, example)
+                       if attention and attention_dtypes else None,
+                       batchnorm=_first_batchnorm(model),
+                       dropout=module_dropout(model, blocks),
+                       stack_first=_path(model, blocks[0]), more_stacks=more,
+                       norm_copy=_unfused_norms(ref, hidden))
+    # a model of several stacks run on the user's input: the length each stack receives
+    lengths = _stack_lengths(model, stats, example)
+    if lengths:
+        return dataclasses.replace(stats, data_seq=lengths[0][1], data_stack_seqs=lengths[1:])
+    return stats
 
 
 def _unfused_norms(block: Any, hidden: int) -> bool:
@@ -1013,9 +1019,8 @@ def from_factory(spec: str, attention_dtypes: bool = False) -> ModelStats:
         with contextlib.suppress(Exception):
             example = example_of(_build(spec, "meta", parameters_only=True), model)
     stats = from_module(model, name=spec, attention_dtypes=attention_dtypes, example=example)
-    lengths = _stack_lengths(model, stats, example)
-    if lengths:
-        return dataclasses.replace(stats, data_seq=lengths[0][1], data_stack_seqs=lengths[1:])
+    if stats.data_stack_seqs:  # each stack's length, read off the first sample's forward
+        return stats
     if isinstance(built, (tuple, list)) and len(built) > 1:
         dataset = built[1]
         if not _indexable(dataset):
@@ -1035,19 +1040,33 @@ def _stack_lengths(model: Any, stats: ModelStats, example: Any
     stack's first block: an encoder-decoder's source (``input_ids``) and target (its
     ``decoder_input_ids``, or the ``labels`` the model shifts into them). Empty for a model
     with one stack, without an example, or where the forward does not reach every stack."""
-    from plait.comm.stack_lengths import watch_stack_lengths
+    import torch
+
     from plait.parallel.tp_example import run_on
     from plait.parallel.tp_record import fake_forward
 
     if not stats.more_stacks or example is None or not stats.stack_first:
         return ()
     firsts = [stats.stack_first, *(m.first for m in stats.more_stacks)]
-    lengths = watch_stack_lengths(model, firsts)
+    lengths: dict[str, int] = {}
+
+    def note(name: str) -> Any:
+        def hook(_: Any, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(x, torch.Tensor) and x.ndim >= 2:
+                lengths.setdefault(name, int(x.shape[1]))
+        return hook
+
+    handles = [model.get_submodule(f).register_forward_pre_hook(note(f), with_kwargs=True)
+               for f in firsts]
     try:
         with fake_forward(model):
             run_on(model, example)
     except Exception:  # noqa: BLE001 - a forward that does not run says no lengths
         return ()
+    finally:
+        for h in handles:
+            h.remove()
     if any(f not in lengths for f in firsts):
         return ()
     return tuple((f, lengths[f]) for f in firsts)
