@@ -65,7 +65,7 @@ class ModelStats:
     kv_heads: int
     ffn: int
     vocab: int
-    mlp: str                 # "gelu", "swiglu" or "other" (activation-memory formula)
+    mlp: str                 # "gelu", "swiglu" (any gated), "relu" or "other" (activation memory)
     block_params: int        # parameters of one block
     block_matmul_params: int  # of which inside matmuls (weights of Linear layers)
     embed_params: int        # input embedding (first pipeline stage)
@@ -406,7 +406,8 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
     act = str(data.get("hidden_act") or data.get("activation_function")
               or _default_activation(model_type)).lower()
     gated = "silu" in act or "swish" in act or "glu" in act
-    mlp = "swiglu" if gated else "gelu"
+    # a ReLU saves only its output, the down projection's input (plait.planner.memory)
+    mlp = "swiglu" if gated else ("relu" if act == "relu" else "gelu")
     ffn = got.get("ffn", 4 * h)
     head_dim = data.get("head_dim") or h // heads
     q, kv = heads * head_dim, kv_heads * head_dim
