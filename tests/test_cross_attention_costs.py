@@ -6,7 +6,9 @@ planner prices each block as torch runs it: its forward FLOPs are what
 block, and the bytes it saves for backward are, within 5%, the distinct storages
 ``torch.autograd.graph.saved_tensors_hooks`` sees one block's forward save (the source the
 decoder's blocks all read counted once, beside the block). Read on the encoder-decoder written
-for the test (its feed-forward plain or gated) and Hugging Face T5 (its norms Python ops).
+for the test (its feed-forward plain or gated) and Hugging Face T5 (its norms Python ops) and
+T5 v1.1 (a gated feed-forward whose tanh GELU is Python ops too, saving four tensors besides
+its output, measured on the activation module).
 ``plait plan --model`` reads the two lengths off the dataset's first sample (the source's
 ``input_ids``, the target's ``labels`` the model shifts into its decoder's input).
 """
@@ -32,20 +34,23 @@ BLOCKS = ["encoder.block.1", "decoder.block.1"]  # a block of each stack after t
 SAVED_TOL = 0.05
 
 
-def _eager_t5() -> nn.Module:
+def _eager(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     """Hugging Face T5 whose attention is written as matmuls and a softmax (``eager``): the
     scores it saves are the ones the formula prices without flash attention, and its matmuls
     are ones FlopCounterMode counts (it counts no CPU scaled_dot_product_attention)."""
-    model = T.hf_t5()
-    model.set_attn_implementation("eager")
-    return model
+    def build() -> nn.Module:
+        model = factory()
+        model.set_attn_implementation("eager")
+        return model
+    return build
 
 
 # (name, the model torch runs, the model the planner reads: the same shapes)
 MODELS: list[tuple[str, Callable[[], nn.Module], Callable[[], nn.Module]]] = [
     ("written_for_the_test", T.seq2seq, T.seq2seq),
     ("written_gated", T.gated_seq2seq, T.gated_seq2seq),
-    ("hf_t5", _eager_t5, T.hf_t5),
+    ("hf_t5", _eager(T.hf_t5), T.hf_t5),
+    ("hf_t5_gated", _eager(T.hf_t5_gated), T.hf_t5_gated),
 ]
 
 

@@ -67,12 +67,13 @@ def activation_bytes_per_block(m: ModelStats, b: int, s: int, tp: int, sp: bool,
     # k/v 4kv per token of the other stack
     attn = (n - x) * (2 * h + 2 * (h + 2 * kv) + 2 * h + mask * h) + x * (6 * h + mask * h)
     side = x * 4 * kv  # per token of the other stack, split over tp (column-parallel k, v)
-    if m.mlp == "swiglu":  # any gated MLP
-        mlp = 2 * h + 8 * f + mask * h    # input, gate/up outputs, act output, down input
-    elif m.mlp == "relu":
-        mlp = 2 * h + 2 * f + mask * h    # input, relu output (the down projection's input)
-    else:
-        mlp = 2 * h + 4 * f + mask * h    # input, activation input, down input
+    # what the activation saves besides its output (``m.act_saved``, else by kind: a ReLU
+    # its output only, a GELU or SiLU its input)
+    act = m.act_saved if m.act_saved is not None else (0 if m.mlp == "relu" else 1)
+    if m.mlp == "swiglu":  # any gated MLP: input, act's, act output, up output, down input
+        mlp = 2 * h + 2 * f * (act + 3) + mask * h
+    else:  # input, act's, act output (the down projection's input)
+        mlp = 2 * h + 2 * f * (act + 1) + mask * h
     # one before each attention layer and the MLP: its input, and the normalized copy its
     # weight's multiply saves where the norm is Python ops (``m.norm_copy``)
     norms = 2 * h * (n + 1) * (2 if m.norm_copy else 1)

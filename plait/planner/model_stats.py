@@ -171,6 +171,12 @@ class ModelStats:
     # LlamaRMSNorm), not torch's fused kernels: their weight's multiply saves the normalized
     # input, one more hidden-wide tensor per norm besides its input (plait.planner.memory).
     norm_copy: bool = False
+    # Ffn-wide tensors the feed-forward's activation saves for backward besides its output
+    # (which the next layer saves anyway): GELU and SiLU their input (1), ReLU none (0), a
+    # GELU written as Python ops (transformers' NewGELUActivation, GPT-2's and T5 v1.1's) its
+    # input and three intermediates (4). Measured on the activation module (plait.planner
+    # .memory); None: by ``mlp`` (relu 0, else 1).
+    act_saved: int | None = None
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -374,8 +380,20 @@ def _model_type(data: Mapping[str, Any]) -> str:
 def _default_activation(model_type: str) -> str:
     """The activation a config means when it names none: its family's transformers default."""
     if model_type in _NON_GATED_TYPES:
-        return "relu" if model_type == "opt" else "gelu"
+        return {"opt": "relu", "gpt2": "gelu_new"}.get(model_type, "gelu")
     return "silu"
+
+
+def _named_act_saved(act: str) -> int | None:
+    """:attr:`ModelStats.act_saved` of the activation transformers builds for the config name
+    ``act`` (``ACT2FN``), measured as a built model's is; None where transformers is not
+    installed or does not know the name."""
+    try:
+        from transformers.activations import ACT2FN
+        module = ACT2FN[act]
+    except Exception:  # noqa: BLE001 - no transformers, or a name it lacks: not measured
+        return None
+    return _saved_by(module)
 
 
 def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStats:
@@ -448,7 +466,7 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
                        head_dim=head_dim, dropout=config_dropout(data, model_type),
                        # the families without norm biases: transformers writes their RMSNorm
                        # as Python ops (its normalized input saved for the weight's multiply)
-                       norm_copy=norm == h)
+                       norm_copy=norm == h, act_saved=_named_act_saved(act))
     if model_type == "gpt2" and q == h and kv == h and not experts:
         return _gpt2(stats, data.get("n_positions") or data.get("max_position_embeddings"))
     # the families laid out tensor by tensor (plait.planner.hf_layout): the shapes FSDP2 pads,
@@ -737,12 +755,61 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                        batchnorm=_first_batchnorm(model),
                        dropout=module_dropout(model, blocks),
                        stack_first=_path(model, blocks[0]), more_stacks=more,
-                       norm_copy=_unfused_norms(ref, hidden))
+                       norm_copy=_unfused_norms(ref, hidden),
+                       act_saved=_saved_by(_activation(ref)))
     # a model of several stacks run on the user's input: the length each stack receives
     lengths = _stack_lengths(model, stats, example)
     if lengths:
         return dataclasses.replace(stats, data_seq=lengths[0][1], data_stack_seqs=lengths[1:])
     return stats
+
+
+def _activation(block: Any) -> Any:
+    """The feed-forward's activation module in ``block`` (None where it is called as a
+    function): the first leaf module without parameters outside the attention modules
+    whose class is one of torch's activations or is named for one (transformers' ``act``,
+    ``act_fn``: ``NewGELUActivation``, ``SiLUActivation``)."""
+    import torch.nn as nn
+
+    attention = [n for n, m in block.named_modules()
+                 if n and ("attn" in type(m).__name__.lower()
+                           or "attention" in type(m).__name__.lower())]
+    words = ("act", "gelu", "relu", "silu", "swish", "tanh", "sigmoid")
+    for name, m in block.named_modules():
+        if not name or any(name.startswith(a + ".") for a in attention) or \
+                next(m.children(), None) is not None or next(m.parameters(), None) is not None:
+            continue
+        kind = type(m)
+        if kind.__module__ == nn.modules.activation.__name__ or any(
+                w in kind.__name__.lower() for w in words):
+            return m
+    return None
+
+
+def _saved_by(activation: Any) -> int | None:
+    """Tensors ``activation`` saves for backward besides its output, counted (distinct
+    storages) in one call on a small CPU tensor that needs a gradient; None for no module
+    or one that does not run so (:attr:`ModelStats.act_saved`)."""
+    import torch
+
+    if activation is None:
+        return None
+    x = torch.randn(2, 8, requires_grad=True)
+    saved: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = activation(x)
+    except Exception:  # noqa: BLE001 - an activation that does not run here is not measured
+        return None
+    if not isinstance(y, torch.Tensor):
+        return None
+    saved.discard(y.untyped_storage().data_ptr())
+    return len(saved)
 
 
 def _unfused_norms(block: Any, hidden: int) -> bool:
