@@ -780,6 +780,8 @@ def _activation(block: Any) -> Any:
                 next(m.children(), None) is not None or next(m.parameters(), None) is not None:
             continue
         kind = type(m)
+        if "softmax" in kind.__name__.lower() or "softmin" in kind.__name__.lower():
+            continue  # attention's, in torch's activations module too
         if kind.__module__ == nn.modules.activation.__name__ or any(
                 w in kind.__name__.lower() for w in words):
             return m
