@@ -790,21 +790,23 @@ def _activation(block: Any) -> Any:
 
 def _saved_by(activation: Any) -> int | None:
     """Tensors ``activation`` saves for backward besides its output, counted (distinct
-    storages) in one call on a small CPU tensor that needs a gradient; None for no module
-    or one that does not run so (:attr:`ModelStats.act_saved`)."""
+    storages) in one call on a small CPU tensor that needs a gradient (fixed values: the
+    global random state is not drawn from); None for no module or one that does not run so
+    (:attr:`ModelStats.act_saved`)."""
     import torch
 
     if activation is None:
         return None
-    x = torch.randn(2, 8, requires_grad=True)
+    x = torch.linspace(-3.0, 3.0, 16).reshape(2, 8).requires_grad_()
     saved: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.add(t.untyped_storage().data_ptr())
         return t
 
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    try:  # the user's random state untouched (an activation that draws, as RReLU)
+        with torch.random.fork_rng(devices=[]), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = activation(x)
     except Exception:  # noqa: BLE001 - an activation that does not run here is not measured
         return None
