@@ -89,11 +89,15 @@ def choose(model: nn.Module, request: AutoRequest, example: Example | None = Non
         stats = load_model(model, example=example)
     except NoBlockStackError:
         return _choose_data_parallel(model, request, sync_bn, example)
-    seq = request.seq or stats.max_seq or DEFAULT_SEQ
+    # a model of several stacks run on the user's batch: each stack at the length it got
+    # there (an encoder-decoder's source beside its target), unless init(seq=) says one
+    stacks = () if request.seq else stats.data_stack_seqs
+    seq = request.seq or (stats.data_seq if stacks else None) or stats.max_seq or DEFAULT_SEQ
     batch = request.global_batch or ROWS_PER_RANK * request.world_size
     cluster = cluster_for(request)
     result = plan_model(stats, cluster, world_size=request.world_size, global_batch=batch,
-                        seq=seq, layout_check=layout_check(model, example=example))
+                        seq=None if stacks else seq,
+                        layout_check=layout_check(model, example=example))
     resized = load_cluster(cluster, devices=request.world_size)
     if result.best is None:
         raise ValueError("plan='auto': " + explain_nothing_fits(result, stats, resized))
@@ -105,8 +109,10 @@ def choose(model: nn.Module, request: AutoRequest, example: Example | None = Non
     batch_from = "" if request.global_batch else (
         f" ({ROWS_PER_RANK} rows per rank; plait.init(global_batch=N) for yours)")
     read = f": {stats.max_seq_from}" if stats.max_seq_from else ""
-    seq_from = "" if request.seq else (f" (the model's maximum{read})" if stats.max_seq else
-                                       " (a default; plait.init(seq=N) for yours)")
+    seq_from = "" if request.seq else (
+        " (your batch's" + "".join(f", {first}'s stack: {n}" for first, n in stacks) + ")"
+        if stacks else f" (the model's maximum{read})" if stats.max_seq else
+        " (a default; plait.init(seq=N) for yours)")
     why = [f"plait: plan 'auto' for {type(model).__name__} on {request.world_size} x "
            f"{resized.name} (global batch {batch}{batch_from}, seq {seq}{seq_from}): "
            f"{plan.to_string()}"]

@@ -63,10 +63,11 @@ class FeedForward(nn.Module):
                                                                                bias=False)
         else:
             self.wi = nn.Linear(WIDTH, FF, bias=False)
+            self.act = nn.ReLU()
         self.wo = nn.Linear(FF, WIDTH, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(self.wi_0(x)) * self.wi_1(x) if self.gated else F.relu(self.wi(x))
+        h = F.gelu(self.wi_0(x)) * self.wi_1(x) if self.gated else self.act(self.wi(x))
         return self.wo(h)
 
 

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from plait.plan import Plan
@@ -80,6 +80,27 @@ def _example(model: Any, example: Any) -> Example | None:
     return from_batch(model, example)
 
 
+def _workload(stats: ModelStats, global_batch: int, seq: int | None,
+              stack_seqs: Mapping[str, int] | None = None) -> Workload:
+    """What is priced: ``seq``, else the sequence the user's input (or a factory's dataset)
+    hands a model of several stacks, each further stack at its own length (an
+    encoder-decoder's source beside its target), else the model's maximum; ``seq`` given
+    prices every stack at it but those ``stack_seqs`` names (by first block)."""
+    firsts = [m.first for m in stats.more_stacks]
+    for first in stack_seqs or {}:
+        if first not in firsts:
+            where = (f"its further stacks start at {', '.join(firsts)}" if firsts else
+                     "it has one stack of blocks, whose sequence is seq")
+            raise ValueError(f"stack_seqs={dict(stack_seqs or {})!r}: {first} is not the first "
+                             f"block of a further stack of {stats.name} ({where})")
+    read = dict(stats.data_stack_seqs) if seq is None else {}
+    stacks = {**read, **(stack_seqs or {})}
+    seq = seq or (stats.data_seq if read else None) or stats.max_seq
+    if seq is None:
+        raise ValueError("seq is required (the model does not say its sequence length)")
+    return Workload(global_batch, seq, stack_seqs=tuple(stacks.items()))
+
+
 def _resolve(model: Any, cluster: Any, world_size: int | None, example: Example | None = None
              ) -> tuple[ModelStats, Cluster]:
     stats = load_model(model, example=example)
@@ -94,7 +115,8 @@ def plan_model(model: Any, cluster: Any = "cpu", *, world_size: int | None = Non
                global_batch: int, seq: int | None = None, dtype: str | None = None,
                top: int = 10, constants: Constants | None = None,
                layout_check: Callable[[Plan], str | None] | None = None,
-               example: Any = None) -> SearchResult:
+               example: Any = None,
+               stack_seqs: Mapping[str, int] | None = None) -> SearchResult:
     """Search layouts for ``model`` on ``cluster`` (resized to ``world_size`` devices);
     ``layout_check`` as in :func:`plait.planner.search.search`. ``example``: for an
     ``nn.Module``, one batch as ``run.step`` takes it (labels are left out), which the model's
@@ -106,16 +128,13 @@ def plan_model(model: Any, cluster: Any = "cpu", *, world_size: int | None = Non
     except NoBlockStackError:
         # a ConvNet, an RNN: its data-parallel layouts, from measured facts
         return _whole_model(model, cluster, world_size, global_batch, dtype, top, constants, ex)
-    seq = seq or stats.max_seq
-    if seq is None:
-        raise ValueError("seq is required (the model does not say its sequence length)")
+    work = _workload(stats, global_batch, seq, stack_seqs)
     dtype = dtype or ("fp32" if c.device == "cpu" else "bf16")
     if dtype not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"dtype={dtype!r} must be 'fp32', 'bf16' or 'fp16'")
     from .uncertainty import with_uncertainty
 
     k = constants or constants_for(c)
-    work = Workload(global_batch, seq)
     result = search(stats, c, work, dtype=dtype, top=top, constants=k,
                     layout_check=layout_check)
     for e in result.ranked[:top or None]:
@@ -139,12 +158,14 @@ def _whole_model(model: Any, cluster: Any, world_size: int | None, global_batch:
 
 def auto_plan(model: Any, world_size: int, cluster: Any = "cpu", *, global_batch: int,
               seq: int | None = None, dtype: str | None = None,
-              constants: Constants | None = None, example: Any = None) -> Plan:
+              constants: Constants | None = None, example: Any = None,
+              stack_seqs: Mapping[str, int] | None = None) -> Plan:
     """The best Plan for ``model`` on ``world_size`` devices of ``cluster`` (a preset name, YAML
-    path or Cluster); ``example`` as in :func:`plan_model`. Raises ValueError saying why when
-    no layout fits."""
+    path or Cluster); ``example`` and ``stack_seqs`` as in :func:`plan_model`. Raises
+    ValueError saying why when no layout fits."""
     result = plan_model(model, cluster, world_size=world_size, global_batch=global_batch,
-                        seq=seq, dtype=dtype, top=1, constants=constants, example=example)
+                        seq=seq, dtype=dtype, top=1, constants=constants, example=example,
+                        stack_seqs=stack_seqs)
     if result.best is None:
         from .cli import explain_nothing_fits
         if not _has_blocks(model, _example(model, example)):
@@ -168,15 +189,14 @@ def _has_blocks(model: Any, example: Example | None = None) -> bool:
 def evaluate_plan(plan: Plan | str, model: Any, cluster: Any = "cpu", *,
                   world_size: int | None = None, global_batch: int, seq: int | None = None,
                   constants: Constants | None = None, balance: bool = False,
-                  example: Any = None) -> Estimate:
-    """Predict one given layout (the ``--plan`` path); ``example`` as in :func:`plan_model`."""
+                  example: Any = None, stack_seqs: Mapping[str, int] | None = None
+                  ) -> Estimate:
+    """Predict one given layout (the ``--plan`` path); ``example`` and ``stack_seqs`` as in
+    :func:`plan_model`."""
     plan = Plan.load(plan)
     stats, c = _resolve(model, cluster, world_size or plan.world_size, _example(model, example))
-    seq = seq or stats.max_seq
-    if seq is None:
-        raise ValueError("seq is required (the model does not say its sequence length)")
+    work = _workload(stats, global_batch, seq, stack_seqs)
     from .uncertainty import with_uncertainty
 
     k = constants or constants_for(c)
-    work = Workload(global_batch, seq)
     return with_uncertainty(evaluate(plan, stats, c, work, k, balance=balance), stats, c, work, k)

@@ -45,9 +45,11 @@ GiB = 2**30
 _SEQ_FROM = {"--seq": "", "dataset": " (the dataset's)", "model": " (the model's maximum)"}
 
 
-def _stack_seqs(given: list[str], model: ModelStats) -> tuple[tuple[str, int], ...]:
+def _stack_seqs(given: list[str], model: ModelStats,
+                read: tuple[tuple[str, int], ...] = ()) -> tuple[tuple[str, int], ...]:
     """``--stack-seq BLOCK=N`` values as ``Workload.stack_seqs``; each BLOCK must be the first
-    block of one of the model's further stacks (``ModelStats.more_stacks``)."""
+    block of one of the model's further stacks (``ModelStats.more_stacks``). ``read``: the
+    lengths read off the dataset (``ModelStats.data_stack_seqs``), for the stacks not given."""
     firsts = [m.first for m in model.more_stacks]
     out = []
     for item in given:
@@ -61,7 +63,15 @@ def _stack_seqs(given: list[str], model: ModelStats) -> tuple[tuple[str, int], .
             raise ValueError(f"--stack-seq {item!r}: {block} is not the first block of a "
                              f"further stack of {model.name} ({where})")
         out.append((block, int(n)))
-    return tuple(out)
+    named = {block for block, _ in out}
+    return tuple(out) + tuple((block, n) for block, n in read if block not in named)
+
+
+def _stacks_said(work: Workload) -> str:
+    """" (encoder.block.0's stack: seq 48)": each further stack priced at its own length."""
+    if not work.stack_seqs:
+        return ""
+    return " (" + ", ".join(f"{block}'s stack: seq {n}" for block, n in work.stack_seqs) + ")"
 
 
 def _seq_said(seq_from: str, model: ModelStats) -> str:
@@ -488,7 +498,10 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     if args.efficiency is not None:
         import dataclasses
         constants = dataclasses.replace(constants, compute_efficiency=args.efficiency)
-    work = Workload(args.global_batch, seq, stack_seqs=_stack_seqs(args.stack_seq, model))
+    # each further stack's sequence: --stack-seq, else the dataset's where it says the main
+    # stack's (an encoder-decoder's source beside its target), else the main stack's
+    read = model.data_stack_seqs if seq_from == "dataset" else ()
+    work = Workload(args.global_batch, seq, stack_seqs=_stack_seqs(args.stack_seq, model, read))
     usable = [d for d in divisors(cluster.world_size) if args.global_batch % d == 0]
     if given is None and len(usable) == 1 and cluster.world_size > 1:
         raise ValueError(f"global-batch={args.global_batch} shares no factor with "
@@ -518,11 +531,12 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
                               "devices": cluster.world_size, "global_batch": args.global_batch,
                               "seq": seq, "seq_from": seq_from,
                               "seq_read_from": model.max_seq_from or None,
+                              "stack_seqs": dict(work.stack_seqs),
                               "plans": [estimate_json(est)]}, indent=2), file=out)
         else:
             if seq_from != "--seq":
                 print(f"{given.describe()}: global batch {args.global_batch} x seq {seq}"
-                      f"{_seq_said(seq_from, model)}")
+                      f"{_seq_said(seq_from, model)}{_stacks_said(work)}")
             if est.step_time_s < math.inf:
                 print(format_table([est]))
             if not est.feasible:
@@ -549,6 +563,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
                           "devices": cluster.world_size, "global_batch": args.global_batch,
                           "seq": seq, "seq_from": seq_from,
                           "seq_read_from": model.max_seq_from or None,
+                          "stack_seqs": dict(work.stack_seqs),
                           "search_seconds": result.seconds, "read_seconds": reading,
                           "evaluated": result.evaluated, "fit": result.fit,
                           "rejected": result.rejected,
@@ -564,7 +579,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         return 1
     print(f"{model.name} ({_params(model)}) on {cluster.world_size} x "
           f"{cluster.name}, global batch {args.global_batch} x seq {seq}"
-          f"{_seq_said(seq_from, model)}, {dtype}: "
+          f"{_seq_said(seq_from, model)}{_stacks_said(work)}, {dtype}: "
           f"{result.evaluated} layouts priced in {result.seconds:.2f}s (after {reading:.2f}s "
           f"reading the model), {result.fit} fit in memory"
           + (f", the best {min(args.top, len(ranked))} shown" if result.fit > args.top else ""))

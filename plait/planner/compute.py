@@ -66,7 +66,7 @@ def more_stacks_time(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
     total = 0.0
     for more in model.more_stacks:
         seq = stack_seqs.get(more.first, s) // plan.cp
-        fwd = model.stack_block(more).block_flops_per_token(seq) * b * seq / plan.tp
+        fwd = model.stack_block(more).block_flops_per_token(seq, side_seq=s) * b * seq / plan.tp
         total += more.n_layers * (fwd * (3 + replay) / rate + c.block_overhead_s
                                   * (1 + replay / 3))
         if plan.tp > 1 and more.tp_block is not None:
@@ -101,7 +101,8 @@ def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
     A model's further stacks of blocks (``model.more_stacks``: an encoder-decoder's other
     stack; without a pipeline) count in the outside-block time, each block priced as the main
     stack's on the stack's own sequence (``stack_seqs`` by first block, default ``s``) with its
-    own tensor-parallel collectives (:func:`more_stacks_time`).
+    own tensor-parallel collectives (:func:`more_stacks_time`); the main stack's
+    cross-attention reads the first further stack's sequence (:meth:`ModelStats.side_seq`).
 
     Under context parallelism each rank computes ``s / cp`` tokens of every sequence: their
     matmuls, and their queries against all ``s`` keys. The head-tail split
@@ -114,7 +115,9 @@ def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
     rate = cluster.peak(dtype) * c.compute_efficiency * share
     tokens = b * s / cp
     local_s = s // cp  # the tokens of each sequence TP's collectives move on this rank
-    fwd_block = model.block_flops_per_token(s) * tokens / tp
+    # the further stack's sequence the blocks' cross-attention reads (an encoder's source)
+    side = model.side_seq(s, stack_seqs or {})
+    fwd_block = model.block_flops_per_token(s, side) * tokens / tp
     replay = replay_per_block(plan, model)
     block = fwd_block * (3 + replay) / rate + c.block_overhead_s * (1 + replay / 3)
     zero_bubble = plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES
@@ -128,7 +131,7 @@ def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
         tp_comm = sum(collective_time(t, cluster, 1, c) for t in
                       tp_block_traffic(b, local_s, model.hidden, tp, dtype, plan.sp,
                                        recomputed, model.kv_whole(tp), model.tp_block,
-                                       casts_params(plan)))
+                                       casts_params(plan), side_seq=side))
         block += tp_comm + c.tp_block_overhead_s
     cp_comm = 0.0
     if cp > 1 and model.attention:

@@ -314,8 +314,9 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     L = model.n_layers
     # the further stacks' blocks (an encoder-decoder's encoder), without a pipeline
     more = model.more_stacks_flops(B, s, work.seqs) if plan.pp == 1 else 0.0
-    model_flops = model.model_flops(B * s, s) + 3 * more
-    hw_flops = model.model_flops(B * s, s, recompute_layers=times.replay * L) + \
+    side = model.side_seq(s, work.seqs)
+    model_flops = model.model_flops(B * s, s, side_seq=side) + 3 * more
+    hw_flops = model.model_flops(B * s, s, recompute_layers=times.replay * L, side_seq=side) + \
         (3 + times.replay) * more
     peak = cluster.peak(plan.mixed_precision)
     est.tflops_per_device = model_flops / step / world / 1e12

@@ -16,6 +16,9 @@
   Full recomputation keeps the block input (plus one block being recomputed); "selective"
   checkpoints every k-th block; "op" is approximated as keeping 60% of a block's activations
   and replaying 5% of its forward.
+* Cross-attention (an encoder-decoder's decoder block): its keys, values and scores on the
+  other stack's tokens, its queries on the block's own; the other stack's output it reads is
+  one tensor all the stack's blocks share, counted once.
 * Context parallelism: the activations of each rank's ``s / cp`` tokens, plus per block the
   whole sequence's keys and values that attention gathered and saves for backward
   (``2 b s kv_heads head_dim``, not kept by a checkpointed block) and one ``(s/cp) x s``
@@ -42,31 +45,56 @@ if TYPE_CHECKING:
 
 
 def activation_bytes_per_block(m: ModelStats, b: int, s: int, tp: int, sp: bool, dtype_bytes: int,
-                               c: Constants, keys: int | None = None) -> float:
+                               c: Constants, keys: int | None = None,
+                               side_seq: int | None = None) -> float:
     """Korthikanti et al. 2022 activation memory of one block and microbatch (no recompute),
     of ``b`` rows of ``s`` tokens whose queries attend to ``keys`` keys each (``s`` unless
     context parallelism split the sequence: then ``s`` is the rank's slice, ``keys`` the
-    whole sequence, and the scores without flash attention are (s/cp) x s per head)."""
+    whole sequence, and the scores without flash attention are (s/cp) x s per head).
+    Cross-attention layers (``m.cross_attentions``) read another stack's ``side_seq`` tokens
+    (default ``keys``): their keys and values and their scores follow that length, their
+    queries this block's; the other stack's output they read is one tensor every block of
+    the stack shares, not counted here (:func:`side_input_bytes`)."""
     h, f, a = m.hidden, m.ffn, m.n_heads
     kv = m.kv_heads * (h // m.n_heads)
     mask = 1 if m.dropout else 0
     n = m.attentions  # attention layers (a decoder block's self- and cross-attention: 2)
-    # 2-byte units of s*b: attention: QKV input 2h, q/k/v 2(h+2kv), o_proj input 2h, mask h.
-    attn = n * (2 * h + 2 * (h + 2 * kv) + 2 * h + mask * h)
-    if m.mlp == "swiglu":
-        mlp = 2 * h + 8 * f + mask * h    # input, gate/up outputs, silu output, down input
-    else:
-        mlp = 2 * h + 4 * f + mask * h    # input, activation input, down input
-    norms = 2 * h * (n + 1)  # one before each attention layer and the MLP
+    x = m.cross_attentions if m.attention else 0  # of which cross-attention
+    keys = keys or s
+    other = keys if side_seq is None else side_seq
+    # 2-byte units of s*b: self-attention: QKV input 2h, q/k/v 2(h+2kv), o_proj input 2h,
+    # mask h; cross-attention: q input 2h, q 2h, o_proj input 2h, mask h per own token and
+    # k/v 4kv per token of the other stack
+    attn = (n - x) * (2 * h + 2 * (h + 2 * kv) + 2 * h + mask * h) + x * (6 * h + mask * h)
+    side = x * 4 * kv  # per token of the other stack, split over tp (column-parallel k, v)
+    # what the activation saves besides its output (``m.act_saved``, else by kind: a ReLU
+    # its output only, a GELU or SiLU its input)
+    act = m.act_saved if m.act_saved is not None else (0 if m.mlp == "relu" else 1)
+    if m.mlp == "swiglu":  # any gated MLP: input, act's, act output, up output, down input
+        mlp = 2 * h + 2 * f * (act + 3) + mask * h
+    else:  # input, act's, act output (the down projection's input)
+        mlp = 2 * h + 2 * f * (act + 1) + mask * h
+    # one before each attention layer and the MLP: its input, and the normalized copy its
+    # weight's multiply saves where the norm is Python ops (``m.norm_copy``)
+    norms = 2 * h * (n + 1) * (2 if m.norm_copy else 1)
     # stays whole under TP without SP: each norm's input, each sublayer's input, the masks
     replicated = norms + (n + 1) * (2 * h + mask * h)
     sharded = attn + mlp + norms - replicated
     # the scores without flash attention: softmax output 2as (the input of the matmul with V
     # when nothing drops), with dropout its mask as and its output 2as (Korthikanti's 5as)
     scores = 0.0 if (c.flash_attention or not m.attention) else \
-        n * (2 + 3 * mask) * a * (keys or s)  # per token
+        (2 + 3 * mask) * a * ((n - x) * keys + x * other)  # per token
     per_token = (replicated / (tp if sp else 1)) + (sharded + scores) / tp
-    return per_token * s * b * dtype_bytes / 2
+    return (per_token * s + side / tp * other) * b * dtype_bytes / 2
+
+
+def side_input_bytes(m: ModelStats, b: int, side_seq: int, dtype_bytes: int) -> float:
+    """Bytes of the other stack's output that the cross-attention of ``m``'s blocks saves for
+    backward (its keys' and values' input): one tensor of ``b`` rows of ``side_seq`` tokens,
+    whole on every tp rank, that every block of the stack reads; 0 without cross-attention."""
+    if not (m.attention and m.cross_attentions):
+        return 0.0
+    return float(b) * side_seq * m.hidden * dtype_bytes
 
 
 def checkpointed(plan: Plan, layers: int) -> tuple[int, float]:
@@ -96,11 +124,13 @@ def more_stacks_activations(plan: Plan, model: ModelStats, b: int, s: int,
     total = 0.0
     for more in model.more_stacks:
         seq = stack_seqs.get(more.first, s) // plan.cp
-        full = activation_bytes_per_block(model.stack_block(more), b, seq, plan.tp, plan.sp,
-                                          ab, c, keys=seq)
+        block = model.stack_block(more)
+        full = activation_bytes_per_block(block, b, seq, plan.tp, plan.sp, ab, c, keys=seq,
+                                          side_seq=s)
         kept_input = b * seq * model.hidden * ab / (plan.tp if plan.sp else 1)
         dropped, _ = checkpointed(plan, more.n_layers)
         total += (more.n_layers - dropped) * full + dropped * kept_input + kept_input
+        total += side_input_bytes(block, b, s, ab)
     return total
 
 
@@ -120,7 +150,10 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
     chunks = len(st.sizes)
     local = s // cp  # context parallelism: this rank's tokens of each sequence
     tokens = b * local
-    act_full = activation_bytes_per_block(model, b, local, tp, plan.sp, ab, c, keys=s)
+    # the further stack's sequence the blocks' cross-attention reads (an encoder's source)
+    side = model.side_seq(s, stack_seqs or {})
+    act_full = activation_bytes_per_block(model, b, local, tp, plan.sp, ab, c, keys=s,
+                                          side_seq=side)
     # the whole sequence's keys and values, gathered over cp, which attention saves for backward
     kv_saved = 2.0 * b * s * model.kv_dim(tp) * ab if cp > 1 else 0.0
     act_full += kv_saved
@@ -160,6 +193,9 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
         if 0 in ids:
             acts += act_input * held  # embedding output
         acts += more_stacks_activations(plan, model, b, s, stack_seqs or {}, ab, c)
+        # the other stack's output, read by every block's cross-attention (kept by a
+        # checkpointed block too: it is one of the block's inputs)
+        acts += side_input_bytes(model, b, side, ab) * held
         logits = 0.0
         if chunks - 1 in ids:
             kept = m if (pp > 1 and plan.pp_schedule == "gpipe") else 1

@@ -40,7 +40,9 @@ class MoreStack:
     whether the vocabulary-parallel embedding makes its input (called again for it, on its
     sequence: an encoder-decoder's shared embedding), and one block's own shape where it
     differs from the main stack's (an encoder block has no cross-attention): its matmul
-    weights (None: the main stack's block's) and attention layers."""
+    weights (None: the main stack's block's), attention layers, and of those the ones reading
+    the main stack's output (:attr:`ModelStats.side_matmul_params`,
+    :attr:`ModelStats.cross_attentions`)."""
 
     first: str
     n_layers: int
@@ -48,6 +50,8 @@ class MoreStack:
     embedded: bool = False
     matmul_params: int | None = None
     attentions: int = 1
+    side_matmul_params: int = 0
+    cross_attentions: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class ModelStats:
     kv_heads: int
     ffn: int
     vocab: int
-    mlp: str                 # "gelu", "swiglu" or "other" (activation-memory formula)
+    mlp: str                 # "gelu", "swiglu" (any gated), "relu" or "other" (activation memory)
     block_params: int        # parameters of one block
     block_matmul_params: int  # of which inside matmuls (weights of Linear layers)
     embed_params: int        # input embedding (first pipeline stage)
@@ -70,14 +74,26 @@ class ModelStats:
     # Attention layers per block, each with its own scores, q/k/v/o inputs and norm (a
     # decoder block's self- and cross-attention: 2); the FLOPs and activations of each.
     attentions: int = 1
+    # Of ``block_matmul_params``, the weights of layers reading another stack's output (a
+    # decoder block's cross-attention keys and values): they run on that stack's tokens, the
+    # source, not the block's own (module factories; 0: none).
+    side_matmul_params: int = 0
+    # Of ``attentions``, those whose keys and values are another stack's tokens
+    # (cross-attention): their scores are (own sequence) x (that stack's sequence).
+    cross_attentions: int = 0
     tied: bool = False       # head shares the embedding weight
     max_seq: int | None = None
     # Where a module's max_seq was read when no setting says it: "the N rows of its position
     # embedding NAME" (printed beside the sequence it prices); "" when a setting says it.
     max_seq_from: str = ""
-    # Positions per sample of the dataset a (model, dataset, loss_fn) factory returns: the
-    # sequence that training will run, which a model's max_seq only bounds.
+    # Positions per sample of the dataset a (model, dataset, loss_fn) factory returns (or of
+    # the user's input a module was read with, where it has several stacks): the sequence
+    # that training will run, which a model's max_seq only bounds.
     data_seq: int | None = None
+    # A model with several stacks (an encoder-decoder): (first block, length) of each further
+    # stack's sequence in the dataset's first sample (or the user's input), read with
+    # ``data_seq`` (the main stack's) from one forward on it: the source beside the target.
+    data_stack_seqs: tuple[tuple[str, int], ...] = ()
     # Relative cost of each block when blocks differ (module factories); None = all equal.
     layer_weights: tuple[float, ...] | None = None
     # Parameter tensors (not elements) per block, in the embedding and in the head (final norm
@@ -151,6 +167,16 @@ class ModelStats:
     # backward only then (plait.planner.memory). Read from the config or the module; True (the
     # paper's GPT block) where a ModelStats is built by hand.
     dropout: bool = True
+    # Whether the blocks' norms are written as Python ops (Hugging Face's T5LayerNorm,
+    # LlamaRMSNorm), not torch's fused kernels: their weight's multiply saves the normalized
+    # input, one more hidden-wide tensor per norm besides its input (plait.planner.memory).
+    norm_copy: bool = False
+    # Ffn-wide tensors the feed-forward's activation saves for backward besides its output
+    # (which the next layer saves anyway): GELU and SiLU their input (1), ReLU none (0), a
+    # GELU written as Python ops (transformers' NewGELUActivation, GPT-2's and T5 v1.1's) its
+    # input and three intermediates (4). Measured on the activation module (plait.planner
+    # .memory); None: by ``mlp`` (relu 0, else 1).
+    act_saved: int | None = None
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -226,17 +252,32 @@ class ModelStats:
             return self.num_params
         return self.num_params - self.n_layers * (self.block_params - self.block_active_params)
 
-    def block_flops_per_token(self, seq: int) -> float:
-        """Forward FLOPs of one block per token: 2 per matmul weight + 4*s*h attention.
+    def block_flops_per_token(self, seq: int, side_seq: int | None = None) -> float:
+        """Forward FLOPs of one block per token of its own sequence ``seq``: 2 per matmul
+        weight + 4*s*h per attention layer.
 
         A routed mixture-of-experts block counts the weights of the k experts each token is
         routed to and the router's, not all E experts' (``block_matmul_params``).
 
         Attention is counted over the full s x s square (QK^T and AV), as Megatron-LM's formula
-        does, so TFLOP/s figures are comparable with published ones.
+        does, so TFLOP/s figures are comparable with published ones. Cross-attention
+        (``cross_attentions``) reads another stack's ``side_seq`` tokens (default ``seq``):
+        its scores are seq x side_seq, and its key and value projections
+        (``side_matmul_params``) run on side_seq tokens per row, side_seq / seq per token of
+        this block's.
         """
-        return 2.0 * self.block_matmul_params + (
-            4.0 * seq * self.hidden * self.attentions if self.attention else 0.0)
+        other = seq if side_seq is None else side_seq
+        side = float(self.side_matmul_params)
+        matmul = 2.0 * (self.block_matmul_params - side) + 2.0 * side * other / seq
+        if not self.attention:
+            return matmul
+        own = self.attentions - self.cross_attentions
+        return matmul + 4.0 * self.hidden * (seq * own + other * self.cross_attentions)
+
+    def side_seq(self, seq: int, seqs: Mapping[str, int]) -> int:
+        """The sequence the main stack's cross-attention reads: the first further stack's
+        (``seqs`` by its first block, default ``seq``); ``seq`` where there is none."""
+        return next((seqs.get(m.first, seq) for m in self.more_stacks), seq)
 
     def more_stacks_flops(self, rows: float, seq: int, seqs: Mapping[str, int]) -> float:
         """Forward FLOPs of the further stacks' blocks (:attr:`more_stacks`) for ``rows``
@@ -245,7 +286,8 @@ class ModelStats:
         total = 0.0
         for more in self.more_stacks:
             n = seqs.get(more.first, seq)
-            total += more.n_layers * self.stack_block(more).block_flops_per_token(n) * rows * n
+            total += more.n_layers * self.stack_block(more).block_flops_per_token(
+                n, side_seq=seq) * rows * n
         return total
 
     def stack_block(self, more: MoreStack) -> ModelStats:
@@ -253,17 +295,20 @@ class ModelStats:
         stack's (its matmul weights and attention layers; the widths are the main stack's):
         what its blocks' FLOPs and saved activations are priced from."""
         return dataclasses.replace(
-            self, attentions=more.attentions,
+            self, attentions=more.attentions, side_matmul_params=more.side_matmul_params,
+            cross_attentions=more.cross_attentions,
             block_matmul_params=self.block_matmul_params if more.matmul_params is None
             else more.matmul_params)
 
     def head_flops_per_token(self) -> float:
         return 2.0 * self.hidden * self.vocab
 
-    def model_flops(self, tokens: float, seq: int, recompute_layers: float = 0.0) -> float:
+    def model_flops(self, tokens: float, seq: int, recompute_layers: float = 0.0,
+                    side_seq: int | None = None) -> float:
         """Training FLOPs (forward + backward = 3x forward) for ``tokens`` tokens of length
-        ``seq``; ``recompute_layers`` blocks' forwards are run a second time."""
-        block = self.block_flops_per_token(seq) * tokens
+        ``seq``; ``recompute_layers`` blocks' forwards are run a second time. ``side_seq``:
+        the other stack's sequence the blocks' cross-attention reads (default ``seq``)."""
+        block = self.block_flops_per_token(seq, side_seq) * tokens
         head = 3 * self.head_flops_per_token() * tokens
         return (3 * self.n_layers + recompute_layers) * block + head
 
@@ -335,8 +380,20 @@ def _model_type(data: Mapping[str, Any]) -> str:
 def _default_activation(model_type: str) -> str:
     """The activation a config means when it names none: its family's transformers default."""
     if model_type in _NON_GATED_TYPES:
-        return "relu" if model_type == "opt" else "gelu"
+        return {"opt": "relu", "gpt2": "gelu_new"}.get(model_type, "gelu")
     return "silu"
+
+
+def _named_act_saved(act: str) -> int | None:
+    """:attr:`ModelStats.act_saved` of the activation transformers builds for the config name
+    ``act`` (``ACT2FN``), measured as a built model's is; None where transformers is not
+    installed or does not know the name."""
+    try:
+        from transformers.activations import ACT2FN
+        module = ACT2FN[act]
+    except Exception:  # noqa: BLE001 - no transformers, or a name it lacks: not measured
+        return None
+    return _saved_by(module)
 
 
 def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStats:
@@ -367,7 +424,8 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
     act = str(data.get("hidden_act") or data.get("activation_function")
               or _default_activation(model_type)).lower()
     gated = "silu" in act or "swish" in act or "glu" in act
-    mlp = "swiglu" if gated else "gelu"
+    # a ReLU saves only its output, the down projection's input (plait.planner.memory)
+    mlp = "swiglu" if gated else ("relu" if act == "relu" else "gelu")
     ffn = got.get("ffn", 4 * h)
     head_dim = data.get("head_dim") or h // heads
     q, kv = heads * head_dim, kv_heads * head_dim
@@ -405,7 +463,10 @@ def from_hf_config(data: Mapping[str, Any], name: str = "hf-model") -> ModelStat
                        block_tensors=block_tensors, embed_tensors=1,
                        head_tensors=norm // h + (0 if tied else 1), experts=experts,
                        block_active_params=block - (count - k) * expert if experts else None,
-                       head_dim=head_dim, dropout=config_dropout(data, model_type))
+                       head_dim=head_dim, dropout=config_dropout(data, model_type),
+                       # the families without norm biases: transformers writes their RMSNorm
+                       # as Python ops (its normalized input saved for the weight's multiply)
+                       norm_copy=norm == h, act_saved=_named_act_saved(act))
     if model_type == "gpt2" and q == h and kv == h and not experts:
         return _gpt2(stats, data.get("n_positions") or data.get("max_position_embeddings"))
     # the families laid out tensor by tensor (plait.planner.hf_layout): the shapes FSDP2 pads,
@@ -639,7 +700,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     weights = None
     if len(set(matmul)) > 1:
         weights = tuple(m / mean if mean else 1.0 for m in matmul)
-    gated = any("gate" in n for n, _ in ref.named_modules())
+    mlp = _mlp_kind(model, ref, hidden, ffn)
     tensors = round(sum(len(list(b.parameters())) for b in blocks) / len(blocks))
     outside = len(seen) - sum(len(list(b.parameters())) for b in blocks)
     embed_tensors = len(embed_weights)
@@ -665,33 +726,136 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
         max_seq, max_seq_from = _position_rows(model)
     more = _more_stacks(model, stack_name, found, device_type)
     attentions = _attention_layers(model, ref_path, found) if attention else 1
-    return ModelStats(name=name, n_layers=len(blocks), hidden=hidden, n_heads=heads,
-                      kv_heads=kv_heads or heads, ffn=ffn, vocab=vocab,
-                      mlp="swiglu" if gated else ("gelu" if attention else "other"),
-                      attentions=attentions,
-                      block_params=round(stack_total / len(blocks)),
-                      block_matmul_params=round(mean), embed_params=embed_params,
-                      head_params=head_params, attention=attention, layer_weights=weights,
-                      block_tensors=tensors, embed_tensors=embed_tensors,
-                      head_tensors=max(outside - embed_tensors, 0), max_seq=max_seq,
-                      max_seq_from=max_seq_from,
-                      tp_block=flow.block, tp_blocks=flow.blocks,
-                      tied_params=tied_params,
-                      tied_shapes=tuple(tuple(p.shape) for p in tied),
-                      frozen_tied_shapes=tuple(tuple(p.shape) for p in both
-                                               if not p.requires_grad),
-                      shared_shapes=tuple(tuple(p.shape) for p in on_path if p.requires_grad),
-                      frozen_shared_shapes=tuple(tuple(p.shape) for p in on_path
-                                                 if not p.requires_grad),
-                      held=held_parts(model, stack_name, found),
-                      rows=rows, experts=experts,
-                      block_active_params=round(sum(active) / len(blocks)) if experts else None,
-                      head_dim=head_dim if isinstance(head_dim, int) else None,
-                      attention_keys=_attention_keys(model, device_type, example)
-                      if attention and attention_dtypes else None,
-                      batchnorm=_first_batchnorm(model),
-                      dropout=module_dropout(model, blocks),
-                      stack_first=_path(model, blocks[0]), more_stacks=more)
+    side, cross = _cross_reads(model, ref_path, found)
+    stats = ModelStats(name=name, n_layers=len(blocks), hidden=hidden, n_heads=heads,
+                       kv_heads=kv_heads or heads, ffn=ffn, vocab=vocab,
+                       mlp=mlp or ("gelu" if attention else "other"),
+                       attentions=attentions, side_matmul_params=side,
+                       cross_attentions=min(cross, attentions) if attention else 0,
+                       block_params=round(stack_total / len(blocks)),
+                       block_matmul_params=round(mean), embed_params=embed_params,
+                       head_params=head_params, attention=attention, layer_weights=weights,
+                       block_tensors=tensors, embed_tensors=embed_tensors,
+                       head_tensors=max(outside - embed_tensors, 0), max_seq=max_seq,
+                       max_seq_from=max_seq_from,
+                       tp_block=flow.block, tp_blocks=flow.blocks,
+                       tied_params=tied_params,
+                       tied_shapes=tuple(tuple(p.shape) for p in tied),
+                       frozen_tied_shapes=tuple(tuple(p.shape) for p in both
+                                                if not p.requires_grad),
+                       shared_shapes=tuple(tuple(p.shape) for p in on_path if p.requires_grad),
+                       frozen_shared_shapes=tuple(tuple(p.shape) for p in on_path
+                                                  if not p.requires_grad),
+                       held=held_parts(model, stack_name, found),
+                       rows=rows, experts=experts,
+                       block_active_params=round(sum(active) / len(blocks)) if experts else None,
+                       head_dim=head_dim if isinstance(head_dim, int) else None,
+                       attention_keys=_attention_keys(model, device_type, example)
+                       if attention and attention_dtypes else None,
+                       batchnorm=_first_batchnorm(model),
+                       dropout=module_dropout(model, blocks),
+                       stack_first=_path(model, blocks[0]), more_stacks=more,
+                       norm_copy=_unfused_norms(ref, hidden),
+                       act_saved=_saved_by(_activation(ref)))
+    # a model of several stacks run on the user's input: the length each stack receives
+    lengths = _stack_lengths(model, stats, example)
+    if lengths:
+        return dataclasses.replace(stats, data_seq=lengths[0][1], data_stack_seqs=lengths[1:])
+    return stats
+
+
+def _activation(block: Any) -> Any:
+    """The feed-forward's activation module in ``block`` (None where it is called as a
+    function): the first leaf module without parameters outside the attention modules
+    whose class is one of torch's activations or is named for one (transformers' ``act``,
+    ``act_fn``: ``NewGELUActivation``, ``SiLUActivation``)."""
+    import torch.nn as nn
+
+    attention = [n for n, m in block.named_modules()
+                 if n and ("attn" in type(m).__name__.lower()
+                           or "attention" in type(m).__name__.lower())]
+    words = ("act", "gelu", "relu", "silu", "swish", "tanh", "sigmoid")
+    for name, m in block.named_modules():
+        if not name or any(name.startswith(a + ".") for a in attention) or \
+                next(m.children(), None) is not None or next(m.parameters(), None) is not None:
+            continue
+        kind = type(m)
+        if "softmax" in kind.__name__.lower() or "softmin" in kind.__name__.lower():
+            continue  # attention's, in torch's activations module too
+        if kind.__module__ == nn.modules.activation.__name__ or any(
+                w in kind.__name__.lower() for w in words):
+            return m
+    return None
+
+
+def _saved_by(activation: Any) -> int | None:
+    """Tensors ``activation`` saves for backward besides its output, counted (distinct
+    storages) in one call on a small CPU tensor that needs a gradient (fixed values: the
+    global random state is not drawn from); None for no module or one that does not run so
+    (:attr:`ModelStats.act_saved`)."""
+    import torch
+
+    if activation is None:
+        return None
+    x = torch.linspace(-3.0, 3.0, 16).reshape(2, 8).requires_grad_()
+    saved: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    try:  # the user's random state untouched (an activation that draws, as RReLU)
+        with torch.random.fork_rng(devices=[]), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = activation(x)
+    except Exception:  # noqa: BLE001 - an activation that does not run here is not measured
+        return None
+    if not isinstance(y, torch.Tensor):
+        return None
+    saved.discard(y.untyped_storage().data_ptr())
+    return len(saved)
+
+
+def _unfused_norms(block: Any, hidden: int) -> bool:
+    """Whether ``block`` holds a norm written as Python ops: a module whose class name says
+    norm, with a weight of ``hidden`` elements, that is none of torch's fused norms."""
+    import torch.nn as nn
+
+    fused = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+    for m in block.modules():
+        weight = getattr(m, "weight", None)
+        if "norm" in type(m).__name__.lower() and not isinstance(m, fused) \
+                and isinstance(weight, nn.Parameter) and weight.shape == (hidden,):
+            return True
+    return False
+
+
+def _mlp_kind(model: Any, block: Any, hidden: int, ffn: int) -> str:
+    """The feed-forward's kind, which says what it saves for backward
+    (:func:`plait.planner.memory.activation_bytes_per_block`): "swiglu" for any gated one (a
+    module named for a gate, or more hidden -> ffn layers than ffn -> hidden ones outside the
+    attention modules: T5 v1.1's ``wi_0`` and ``wi_1``), "relu" where the block holds an
+    ``nn.ReLU`` or the model's config names relu its activation (T5's ``dense_act_fn``),
+    whose output is the down projection's input; "" for neither (an activation called as a
+    function is not seen)."""
+    import torch.nn as nn
+
+    attention = [n for n, m in block.named_modules()
+                 if n and ("attn" in type(m).__name__.lower()
+                           or "attention" in type(m).__name__.lower())]
+    dims = [_dims(m) for n, m in block.named_modules()
+            if not any(n.startswith(a + ".") for a in attention)]
+    ups = sum(1 for d in dims if d == (hidden, ffn))
+    downs = sum(1 for d in dims if d == (ffn, hidden))
+    if any("gate" in n for n, _ in block.named_modules()) or (
+            ffn != hidden and downs and ups > downs):
+        return "swiglu"
+    config = getattr(model, "config", None)
+    named = [getattr(config, a, None) for a in ("dense_act_fn", "hidden_act",
+                                                "activation_function")]
+    if any(isinstance(m, nn.ReLU) for m in block.modules()) or "relu" in named:
+        return "relu"
+    return ""
 
 
 def _attention_keys(model: Any, device_type: str, example: Any = None
@@ -749,13 +913,36 @@ def _more_stacks(model: Any, stack: str, found: tuple[Any, bool] | None,
         first, last = _path(model, blocks[0]), _path(model, blocks[-1])
         matmul = sum(m.weight.numel() for b in blocks for m in b.modules()
                      if _dims(m) is not None)
+        attentions = _attention_layers(model, _path(model, trained), found)
+        side, cross = _cross_reads(model, _path(model, trained), found)
         out.append(MoreStack(first, len(blocks),
                              tp_block(model, _path(model, trained), found, (first, last),
                                       device_type), first in embedded,
                              matmul_params=round(matmul / len(blocks)),
-                             attentions=_attention_layers(model, _path(model, trained),
-                                                          found)))
+                             attentions=attentions, side_matmul_params=side,
+                             cross_attentions=min(cross, attentions)))
     return tuple(out)
+
+
+def _cross_reads(model: Any, path: str, found: tuple[Any, bool] | None) -> tuple[int, int]:
+    """(matmul weights, attention layers) of the block at ``path`` that read another stack's
+    output: the layers the plan ``found`` names as side inputs (``TPPlan.side_inputs``: a
+    decoder block's cross-attention keys and values), and the attention layers (modules whose
+    head count the plan divides) holding one. (0, 0) where there is no plan or none reads."""
+    from plait.parallel.tp_plans import glob_regex
+
+    if found is None or not found[0].side_inputs:
+        return 0, 0
+    side = [glob_regex(g) for g in found[0].side_inputs]
+    heads = [glob_regex(g) for g, attrs in found[0].divide_attrs.items()
+             if any("head" in a for a in attrs)]
+    reads = {f"{path}.{name}": m for name, m in model.get_submodule(path).named_modules()
+             if name and _dims(m) is not None and any(r.match(f"{path}.{name}") for r in side)}
+    weights = sum(m.weight.numel() for m in reads.values())
+    layers = {f"{path}.{name}" for name, _ in model.get_submodule(path).named_modules()
+              if name and any(r.match(f"{path}.{name}") for r in heads)}
+    cross = sum(1 for layer in layers if any(n.startswith(layer + ".") for n in reads))
+    return weights, cross
 
 
 def _attention_layers(model: Any, path: str, found: tuple[Any, bool] | None) -> int:
@@ -904,6 +1091,8 @@ def from_factory(spec: str, attention_dtypes: bool = False) -> ModelStats:
         with contextlib.suppress(Exception):
             example = example_of(_build(spec, "meta", parameters_only=True), model)
     stats = from_module(model, name=spec, attention_dtypes=attention_dtypes, example=example)
+    if stats.data_stack_seqs:  # each stack's length, read off the first sample's forward
+        return stats
     if isinstance(built, (tuple, list)) and len(built) > 1:
         dataset = built[1]
         if not _indexable(dataset):
@@ -914,6 +1103,45 @@ def from_factory(spec: str, attention_dtypes: bool = False) -> ModelStats:
                 dataset = _build(spec, "meta", parameters_only=True)[1]
         return dataclasses.replace(stats, data_seq=_sample_seq(dataset))
     return stats
+
+
+def _stack_lengths(model: Any, stats: ModelStats, example: Any
+                   ) -> tuple[tuple[str, int], ...]:
+    """(first block, sequence length) of the main stack, then of each further stack, as one
+    forward on fake tensors of ``example`` (the dataset's first sample) hands them to each
+    stack's first block: an encoder-decoder's source (``input_ids``) and target (its
+    ``decoder_input_ids``, or the ``labels`` the model shifts into them). Empty for a model
+    with one stack, without an example, or where the forward does not reach every stack."""
+    import torch
+
+    from plait.parallel.tp_example import run_on
+    from plait.parallel.tp_record import fake_forward
+
+    if not stats.more_stacks or example is None or not stats.stack_first:
+        return ()
+    firsts = [stats.stack_first, *(m.first for m in stats.more_stacks)]
+    lengths: dict[str, int] = {}
+
+    def note(name: str) -> Any:
+        def hook(_: Any, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(x, torch.Tensor) and x.ndim >= 2:
+                lengths.setdefault(name, int(x.shape[1]))
+        return hook
+
+    handles = [model.get_submodule(f).register_forward_pre_hook(note(f), with_kwargs=True)
+               for f in firsts]
+    try:
+        with fake_forward(model):
+            run_on(model, example)
+    except Exception:  # noqa: BLE001 - a forward that does not run says no lengths
+        return ()
+    finally:
+        for h in handles:
+            h.remove()
+    if any(f not in lengths for f in firsts):
+        return ()
+    return tuple((f, lengths[f]) for f in firsts)
 
 
 def _indexable(dataset: Any) -> bool:
