@@ -1,0 +1,272 @@
+"""Whether a scalar loss is the mean over the items plait counts, and the count of a model's
+own class-weighted loss.
+
+plait weighs each micro-batch's scalar loss by the items :func:`plait.loss.count_items` counts
+(labels that are not -100, or rows), which is one device's loss over the global batch only if
+the scalar *is* the mean over those items. A class-weighted mean is not: ``F.cross_entropy(
+logits, y, weight=w)`` and ``F.nll_loss(..., weight=w)`` divide by the labels' summed weight
+``w[y].sum()``, which differs between replicas and micro-batches holding other classes (an
+imbalanced data set's rare classes land on some of them only), so each part's mean would be
+weighted wrongly and the layout would train another model than one device.
+
+plait cannot see inside a loss function, but it can ask it: a mean over counted items, cut
+into two sets of rows, is the count-weighted mean of its two halves' values
+(:func:`mean_over_counted`). A loss that is not (a weighted mean, a loss over pairs of rows)
+is warned about once, with the fix: return ``(sum, count)`` with the weighted count. That
+costs two loss calls on halves of the output, without autograd, for the first few
+micro-batches of a run, and only when the global batch is split (data parallelism,
+``grad_accum``).
+
+A model's own loss (``loss_fn=None``) cannot be asked again without running the model. When the
+model holds an ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` with a ``weight`` whose mean over the
+output's logits and the labels is the model's loss, the count is that weighted count
+(:func:`weighted_module_count`): exact. A model's loss that is neither that nor the plain mean
+cross-entropy of its logits is warned about once (:func:`own_loss_unexplained`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .loss import IGNORE_INDEX, _counted, count_items
+from .warn import user_stacklevel
+
+# Micro-batches whose halves agree with the whole before a loss is taken as a mean over its
+# counted items and not asked again: a weighted mean agrees on a micro-batch whose halves
+# hold the same mix of classes, which several in a row seldom do.
+AGREEING = 3
+# The relative difference between the whole's value times its count and the halves' sums
+# beyond which a loss is not a mean over its counted items (float32 rounding is ~1e-7).
+RTOL = 1e-4
+
+
+def split_batch(plan: Any) -> bool:
+    """Whether ``plan`` cuts the global batch (data replicas, micro-batches or sequence
+    chunks), the layouts under which a scalar is weighted by its count."""
+    return bool(plan.dp > 1 or plan.grad_accum > 1 or plan.cp > 1)
+
+
+def _rows(tree: Any) -> int | None:
+    """The one dim-0 size every tensor in ``tree`` (a tensor, dict, tuple or list) has; None
+    when they differ, a tensor is 0-dim, or there is none."""
+    sizes: set[int] = set()
+
+    def walk(t: Any) -> bool:
+        if isinstance(t, torch.Tensor):
+            if t.ndim == 0 or hasattr(t, "full_tensor") or t.device.type in ("meta", "xla"):
+                return False
+            sizes.add(t.shape[0])
+            return True
+        if isinstance(t, dict):
+            return all(walk(v) for v in t.values())
+        if isinstance(t, (tuple, list)):
+            return all(walk(v) for v in t)
+        return True
+    return sizes.pop() if walk(tree) and len(sizes) == 1 else None
+
+
+def _cut(tree: Any, rows: slice) -> Any:
+    """``tree`` with every tensor cut to ``rows`` along dim 0."""
+    if isinstance(tree, torch.Tensor):
+        return tree[rows]
+    if isinstance(tree, dict):
+        return {k: _cut(v, rows) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_cut(v, rows) for v in tree)
+    return tree
+
+
+def mean_over_counted(value: Any, output: Any, targets: Any,
+                      loss_fn: Callable[[Any, Any], Any], *, shift: bool = False) -> bool | None:
+    """Whether the scalar ``value`` of ``loss_fn(output, targets)`` is the mean over the items
+    :func:`plait.loss.count_items` counts: ``loss_fn`` is asked again, without autograd, on
+    the first and the second half of the rows of ``output`` and ``targets``, and a mean
+    satisfies ``n * L = n_a * L_a + n_b * L_b``. None when this micro-batch cannot tell: not one
+    row count across output and targets, fewer than two rows, a half that counts nothing,
+    halves whose values agree (every row's loss the same), or a loss that fails on a half."""
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or hasattr(value,
+                                                                             "full_tensor"):
+        return None
+    rows = _rows((output, targets))
+    if rows is None or rows < 2:
+        return None
+    whole = value.detach().double().reshape(())
+    n = count_items(targets, shift=shift).double()
+    parts = []
+    for half in (slice(0, rows // 2), slice(rows // 2, rows)):
+        part = _cut(targets, half)
+        count = count_items(part, shift=shift).double().to(whole.device)
+        try:
+            with torch.no_grad():
+                again = loss_fn(_cut(output, half), part)
+        except Exception:  # noqa: BLE001 - a loss that cannot take half the rows: not asked
+            return None
+        if (not isinstance(again, torch.Tensor) or again.numel() != 1 or count <= 0
+                or not bool(torch.isfinite(again).all())):
+            return None
+        parts.append((again.detach().double().reshape(()).to(whole.device), count))
+    (a, n_a), (b, n_b) = parts
+    if not bool(torch.isfinite(whole)) or bool(torch.isclose(a, b, rtol=RTOL, atol=0.0)):
+        return None
+    halves = n_a * a + n_b * b
+    return bool(torch.isclose(halves, n.to(whole.device) * whole, rtol=RTOL, atol=0.0))
+
+
+def check_mean(loss_fn: Callable[[Any, Any], Any], key: Any, value: Any, output: Any,
+               targets: Any, *, shift: bool, known: dict[Any, int], plan: Any) -> None:
+    """Ask :func:`mean_over_counted` until it has agreed on ``AGREEING`` micro-batches or
+    said no; on a no, warn once (per ``key``, the loss function) with the fix. ``known``
+    keeps per key the agreeing micro-batches so far, -1 once settled."""
+    asked = known.get(key, 0)
+    if asked < 0 or asked >= AGREEING:
+        return
+    verdict = mean_over_counted(value, output, targets, loss_fn, shift=shift)
+    if verdict is None:
+        return
+    if len(known) >= 16:  # a loss function made anew every step (a lambda in the loop)
+        known.clear()
+    if verdict:
+        known[key] = asked + 1
+        return
+    known[key] = -1
+    warnings.warn(not_a_mean_message(loss_fn, targets, plan), stacklevel=user_stacklevel())
+
+
+def _counts_what(targets: Any) -> str:
+    labels = _counted(targets)
+    if (isinstance(labels, torch.Tensor) and not labels.is_floating_point()
+            and labels.dtype != torch.bool):
+        return "its labels that are not -100"
+    return "its rows"
+
+
+def not_a_mean_message(loss_fn: Callable[..., Any], targets: Any, plan: Any) -> str:
+    """The warning for a scalar loss that is not the mean over the items plait counts."""
+    name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+    return (f"plait: the loss function {name} returned a scalar that is not the mean over "
+            f"{_counts_what(targets)}: its value on a micro-batch is not the count-weighted "
+            f"mean of its values on the two halves of its rows (a class-weighted mean such as "
+            f"F.cross_entropy(..., weight=w) divides by the labels' summed weight instead). "
+            f"Under {plan.to_string()} each replica's and micro-batch's value is weighed by its "
+            f"count of labels, which trains another model than one device. Return (sum, count) "
+            f"instead: (F.cross_entropy(logits, y, weight=w, reduction='sum'), "
+            f"w[y[y != -100]].sum()) for class weights")
+
+
+# --- a model's own loss (loss_fn=None) ---
+
+# The key of a model's own weighted loss module in ``known`` (the module, or None: none).
+_OWN_WEIGHTED = "output.loss weighted"
+
+
+def _logits_and_labels(output: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(logits, integer labels) where the output's logits are one score per class for each
+    label (``logits.shape[:-1] == labels.shape``), else None."""
+    labels = _counted(targets)
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits",
+                                                                            None)
+    if (not isinstance(labels, torch.Tensor) or not isinstance(logits, torch.Tensor)
+            or labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool
+            or labels.ndim == 0 or tuple(logits.shape[:-1]) != tuple(labels.shape)
+            or labels.device.type in ("meta", "xla") or hasattr(logits, "full_tensor")):
+        return None
+    return logits, labels
+
+
+def _module_loss(module: nn.Module, logits: torch.Tensor, labels: torch.Tensor
+                 ) -> torch.Tensor:
+    """``module``'s mean loss of ``logits`` against ``labels``, every position a row."""
+    flat, ys = logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)  # _weighted_modules keeps those with one
+    weight = weight.to(flat.device)
+    if isinstance(module, nn.CrossEntropyLoss):
+        return F.cross_entropy(flat, ys, weight=weight, ignore_index=module.ignore_index,
+                               label_smoothing=module.label_smoothing)
+    ignore = module.ignore_index
+    assert isinstance(ignore, int)
+    return F.nll_loss(flat, ys, weight=weight, ignore_index=ignore)
+
+
+def _weighted_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules()
+            if isinstance(m, (nn.CrossEntropyLoss, nn.NLLLoss))
+            and isinstance(m.weight, torch.Tensor) and m.reduction == "mean"]
+
+
+def weighted_module_count(model: nn.Module, value: Any, output: Any, targets: Any,
+                          known: dict[Any, Any]) -> torch.Tensor | None:
+    """The summed class weight of the labels (a float 0-dim tensor) when the model's own loss
+    ``value`` is the mean of an ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` with a ``weight``
+    that the model holds, over ``output.logits`` and the labels; else None. Which module (or
+    none) is found once, on the first micro-batch that shows it, and kept in ``known``."""
+    found = _logits_and_labels(output, targets)
+    if found is None or not isinstance(value, torch.Tensor) or value.numel() != 1:
+        return None
+    logits, labels = found
+    if _OWN_WEIGHTED not in known:
+        candidates = _weighted_modules(model)
+        if not candidates:
+            known[_OWN_WEIGHTED] = None
+            return None
+        before = value.detach().float().reshape(())
+        with torch.no_grad():
+            for module in candidates:
+                again = _module_loss(module, logits.detach(), labels)
+                if bool(torch.isclose(again, before.to(again.device), rtol=1e-5, atol=0.0)):
+                    known[_OWN_WEIGHTED] = module
+                    break
+            else:
+                known[_OWN_WEIGHTED] = None  # none of them is the model's loss
+                return None
+    module = known[_OWN_WEIGHTED]
+    if module is None:
+        return None
+    counted = labels != module.ignore_index
+    weight = module.weight.to(labels.device)
+    return weight[torch.where(counted, labels, 0)].mul(counted).sum().float()
+
+
+# The key of the own-loss check in ``known`` (True once settled).
+_OWN_CHECKED = "output.loss checked"
+
+
+def own_loss_unexplained(value: Any, output: Any, targets: Any, known: dict[Any, Any],
+                         plan: Any) -> None:
+    """Warn once when the model's own scalar loss is not the mean cross-entropy of its logits
+    over the labels that are not -100 (nor over them shifted by one, a causal LM's) and no
+    weighted loss module the model holds explains it: plait weighs it by those labels, which
+    is one device's loss only if it is a mean over them. Asked once per run."""
+    if known.get(_OWN_CHECKED) or known.get(_OWN_WEIGHTED) is not None:
+        return
+    found = _logits_and_labels(output, targets)
+    if found is None or not isinstance(value, torch.Tensor) or value.numel() != 1:
+        return
+    logits, labels = found
+    if not bool((labels != IGNORE_INDEX).any()):
+        return
+    before = value.detach().float().reshape(())
+    with torch.no_grad():
+        flat = logits.detach().reshape(-1, logits.shape[-1]).float()
+        means = [F.cross_entropy(flat, labels.reshape(-1))]
+        if labels.ndim > 1 and labels.shape[-1] > 1:
+            means.append(F.cross_entropy(logits[..., :-1, :].reshape(-1, logits.shape[-1])
+                                         .float(), labels[..., 1:].reshape(-1)))
+    known[_OWN_CHECKED] = True
+    if any(bool(torch.isclose(m, before.to(m.device), rtol=1e-4, atol=0.0)) for m in means):
+        return
+    warnings.warn(
+        f"plait: the model's own loss (output.loss) is not the mean cross-entropy of its "
+        f"output.logits over the labels that are not -100, and plait weighs each replica's "
+        f"and micro-batch's loss by those labels under {plan.to_string()}. A mean over them "
+        f"(label smoothing, a term averaged the same way) trains as one device; a "
+        f"class-weighted mean does not (nn.CrossEntropyLoss(weight=w) made inside forward): "
+        f"hold the loss module as an attribute of the model (plait then reads its weight), or "
+        f"pass a loss_fn returning (sum, count), e.g. (F.cross_entropy(logits, y, weight=w, "
+        f"reduction='sum'), w[y[y != -100]].sum())", stacklevel=user_stacklevel())
