@@ -13,9 +13,10 @@ plait cannot see inside a loss function, but it can ask it: a mean over counted 
 into two sets of rows, is the count-weighted mean of its two halves' values
 (:func:`mean_over_counted`). A loss that is not (a weighted mean, a loss over pairs of rows)
 is warned about once, with the fix: return ``(sum, count)`` with the weighted count. That
-costs two loss calls on halves of the output, without autograd, for the first few
+costs two loss calls on halves of the output, without autograd, on the first ``ASKED``
 micro-batches of a run, and only when the global batch is split (data parallelism,
-``grad_accum``).
+``grad_accum``). A loss that gathers other replicas' rows or runs a model of its own is not
+asked (:func:`_loss_reaches_beyond`).
 
 A model's own loss (``loss_fn=None``) cannot be asked again without running the model. When the
 model holds an ``nn.CrossEntropyLoss`` or ``nn.NLLLoss`` with a ``weight`` whose mean over the
@@ -37,10 +38,10 @@ import torch.nn.functional as F
 from .loss import IGNORE_INDEX, _counted, count_items
 from .warn import user_stacklevel
 
-# Micro-batches whose halves agree with the whole before a loss is taken as a mean over its
-# counted items and not asked again: a weighted mean agrees on a micro-batch whose halves
-# hold the same mix of classes, which several in a row seldom do.
-AGREEING = 3
+# Micro-batches a loss function is asked on (the first of each run whose rows can be cut): a
+# weighted mean agrees on a micro-batch whose halves hold the same mix of classes, which
+# several in a row seldom do. Counted alike on every rank, whatever the answers.
+ASKED = 3
 # The relative difference between the whole's value times its count and the halves' sums
 # beyond which a loss is not a mean over its counted items (float32 rounding is ~1e-7).
 RTOL = 1e-4
@@ -82,60 +83,126 @@ def _cut(tree: Any, rows: slice) -> Any:
     return tree
 
 
+def _halves(value: Any, output: Any, targets: Any) -> list[tuple[Any, Any]] | None:
+    """``(output, targets)`` cut into their first and second half of rows, or None when the
+    probe cannot cut them: ``value`` is not one number with a graph, or the tensors do not
+    share one row count of two or more. Decided by shapes alone, which are the same on every
+    data rank, so that every rank asks the loss as often (a loss may make collectives)."""
+    if (not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad
+            or hasattr(value, "full_tensor")):
+        return None
+    rows = _rows((output, targets))
+    if rows is None or rows < 2:
+        return None
+    return [(_cut(output, half), _cut(targets, half))
+            for half in (slice(0, rows // 2), slice(rows // 2, rows))]
+
+
+# What the autograd node of a collective is called (torch.distributed.nn's and
+# run.all_gather's _AllGatherBackward, funcol's), lower-cased without underscores.
+_COLLECTIVES = ("allgather", "allreduce", "reducescatter", "alltoall", "broadcast")
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors of an output (a tensor, dict, tuple, list or an object's attributes)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (tuple, list)):
+        return [t for v in tree for t in _tensors(v)]
+    attributes = getattr(tree, "__dict__", None)
+    return _tensors(attributes) if isinstance(attributes, dict) else []
+
+
+def _loss_reaches_beyond(value: torch.Tensor, output: Any) -> bool:
+    """Whether the loss function's part of ``value``'s graph (from the loss back to the
+    model's outputs) holds a collective or a parameter. A collective: a loss over every
+    replica's rows (a contrastive loss gathering with run.all_gather), not a mean over this
+    rank's. A parameter: a loss that runs a model of its own (a GAN's generator loss through
+    the discriminator), which asking again would run (BatchNorm's statistics updated)."""
+    tensors = _tensors(output)
+    stops = {t.grad_fn for t in tensors if t.grad_fn is not None}
+    leaves = {id(t) for t in tensors if t.grad_fn is None}
+    seen: set[Any] = set()
+    todo = [value.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in stops:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):  # AccumulateGrad: a leaf, a parameter
+            if id(variable) not in leaves:
+                return True
+            continue
+        name = type(node).__name__.lower().replace("_", "")
+        if any(c in name for c in _COLLECTIVES):
+            return True
+        todo.extend(n for n, _ in node.next_functions)
+    return False
+
+
 def mean_over_counted(value: Any, output: Any, targets: Any,
                       loss_fn: Callable[[Any, Any], Any], *, shift: bool = False) -> bool | None:
     """Whether the scalar ``value`` of ``loss_fn(output, targets)`` is the mean over the items
     :func:`plait.loss.count_items` counts: ``loss_fn`` is asked again, without autograd, on
     the first and the second half of the rows of ``output`` and ``targets``, and a mean
-    satisfies ``n * L = n_a * L_a + n_b * L_b``. None when this micro-batch cannot tell: not one
-    row count across output and targets, fewer than two rows, a half that counts nothing,
-    halves whose values agree (every row's loss the same), or a loss that fails on a half."""
-    if not isinstance(value, torch.Tensor) or value.numel() != 1 or hasattr(value,
-                                                                             "full_tensor"):
+    satisfies ``n * L = n_a * L_a + n_b * L_b``. None when this micro-batch cannot tell: the
+    rows cannot be cut (:func:`_halves`), a half counts nothing, the halves' values agree
+    (every row's loss the same), or the loss fails on a half."""
+    halves = _halves(value, output, targets)
+    if halves is None:
         return None
-    rows = _rows((output, targets))
-    if rows is None or rows < 2:
+    return _agrees(value, targets, halves, loss_fn, shift)
+
+
+def _agrees(value: torch.Tensor, targets: Any, halves: list[tuple[Any, Any]],
+            loss_fn: Callable[[Any, Any], Any], shift: bool) -> bool | None:
+    """:func:`mean_over_counted`'s answer once the rows are cut: both halves asked first,
+    whatever the first one gives, so that every rank makes the same calls."""
+    devices = [value.device] if value.device.type == "cuda" else []
+    try:  # the random state put back: a loss that draws (dropout) draws as one device's
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            again = [loss_fn(out, part) for out, part in halves]
+    except Exception:  # noqa: BLE001 - a loss that cannot take half the rows: cannot tell
         return None
     whole = value.detach().double().reshape(())
-    n = count_items(targets, shift=shift).double()
     parts = []
-    for half in (slice(0, rows // 2), slice(rows // 2, rows)):
-        part = _cut(targets, half)
+    for loss, (_, part) in zip(again, halves, strict=True):
         count = count_items(part, shift=shift).double().to(whole.device)
-        try:
-            with torch.no_grad():
-                again = loss_fn(_cut(output, half), part)
-        except Exception:  # noqa: BLE001 - a loss that cannot take half the rows: not asked
+        if (not isinstance(loss, torch.Tensor) or loss.numel() != 1 or count <= 0
+                or not bool(torch.isfinite(loss).all())):
             return None
-        if (not isinstance(again, torch.Tensor) or again.numel() != 1 or count <= 0
-                or not bool(torch.isfinite(again).all())):
-            return None
-        parts.append((again.detach().double().reshape(()).to(whole.device), count))
+        parts.append((loss.detach().double().reshape(()).to(whole.device), count))
     (a, n_a), (b, n_b) = parts
     if not bool(torch.isfinite(whole)) or bool(torch.isclose(a, b, rtol=RTOL, atol=0.0)):
         return None
-    halves = n_a * a + n_b * b
-    return bool(torch.isclose(halves, n.to(whole.device) * whole, rtol=RTOL, atol=0.0))
+    n = count_items(targets, shift=shift).double().to(whole.device)
+    return bool(torch.isclose(n_a * a + n_b * b, n * whole, rtol=RTOL, atol=0.0))
 
 
 def check_mean(loss_fn: Callable[[Any, Any], Any], key: Any, value: Any, output: Any,
-               targets: Any, *, shift: bool, known: dict[Any, int], plan: Any) -> None:
-    """Ask :func:`mean_over_counted` until it has agreed on ``AGREEING`` micro-batches or
-    said no; on a no, warn once (per ``key``, the loss function) with the fix. ``known``
-    keeps per key the agreeing micro-batches so far, -1 once settled."""
-    asked = known.get(key, 0)
-    if asked < 0 or asked >= AGREEING:
+               targets: Any, *, shift: bool, known: dict[Any, Any], plan: Any) -> None:
+    """Ask :func:`mean_over_counted` on the first ``ASKED`` micro-batches whose rows can be
+    cut, and warn once (per ``key``, the loss function) when it says no, with the fix. Not
+    asked of a loss whose graph holds a collective (:func:`_loss_reaches_beyond`) or that
+    plait's contrastive guard wraps. ``known`` keeps per key (micro-batches asked, warned)."""
+    asked, warned = known.get(key, (0, False))
+    if asked >= ASKED or hasattr(loss_fn, "guarded_loss"):
         return
-    verdict = mean_over_counted(value, output, targets, loss_fn, shift=shift)
-    if verdict is None:
+    halves = _halves(value, output, targets)
+    if halves is None:
         return
     if len(known) >= 16:  # a loss function made anew every step (a lambda in the loop)
         known.clear()
-    if verdict:
-        known[key] = asked + 1
+    if asked == 0 and _loss_reaches_beyond(value, output):
+        known[key] = (ASKED, False)
         return
-    known[key] = -1
-    warnings.warn(not_a_mean_message(loss_fn, targets, plan), stacklevel=user_stacklevel())
+    verdict = _agrees(value, targets, halves, loss_fn, shift)
+    known[key] = (asked + 1, warned or verdict is False)
+    if verdict is False and not warned:
+        warnings.warn(not_a_mean_message(loss_fn, targets, plan), stacklevel=user_stacklevel())
 
 
 def _counts_what(targets: Any) -> str:
@@ -156,7 +223,8 @@ def not_a_mean_message(loss_fn: Callable[..., Any], targets: Any, plan: Any) -> 
             f"Under {plan.to_string()} each replica's and micro-batch's value is weighed by its "
             f"count of labels, which trains another model than one device. Return (sum, count) "
             f"instead: (F.cross_entropy(logits, y, weight=w, reduction='sum'), "
-            f"w[y[y != -100]].sum()) for class weights")
+            f"w[y[y != -100]].sum()) for class weights; a loss comparing rows with each other "
+            f"(in-batch negatives) gathers them with run.all_gather")
 
 
 # --- a model's own loss (loss_fn=None) ---

@@ -12,6 +12,7 @@ differently from its count of labels. The data is drawn so that it does."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -165,6 +166,33 @@ class WeightedHead(nn.Module):
         return out
 
 
+@dataclass
+class Output:
+    """A Hugging Face-style output object: the loss and the logits as attributes."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class WeightedInForward(nn.Module):
+    """:class:`WeightedHead` with its loss made inside ``forward`` from a buffer of class
+    weights, as many Hugging Face heads do (``loss_fct = CrossEntropyLoss(...)``), returning
+    an output object: plait sees no loss module to read the weights of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.classifier = Classifier()
+        self.register_buffer("class_weights", class_weights())
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Output:
+        logits = self.classifier(x)
+        loss = None
+        if labels is not None:
+            loss_fct = nn.CrossEntropyLoss(weight=self.class_weights)
+            loss = loss_fct(logits.view(-1, CLASSES), labels.view(-1))
+        return Output(loss, logits)
+
+
 def collate_hf(items: list[tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
     x, y = collate_rows(items)
     return {"x": x, "labels": y}
@@ -243,6 +271,8 @@ def _factory(name: str) -> tuple[nn.Module, Dataset, Any, Any]:
     torch.manual_seed(0)
     if name == "hf_weighted":
         return WeightedHead(), Imbalanced(), None, collate_hf
+    if name == "hf_weighted_in_forward":
+        return WeightedInForward(), Imbalanced(), None, collate_hf
     loss = LOSSES[name]
     if name.startswith("weighted_nll"):
         return Classifier(log_probs=True), Imbalanced(), loss, collate_rows
@@ -263,35 +293,33 @@ def _inputs(batch: Any) -> tuple[Any, Any]:
     return {"ids" if inputs.dtype == torch.long else "x": inputs}, targets
 
 
-def train(rank: int, world_size: int, cases: list[str], plans: list[str]
-          ) -> list[dict[str, Any]]:
-    """Per case and plan (one ``plait.init`` each, in this process): AdamW for STEPS steps
-    with batches from ``run.loader``, the losses, ``run.evaluate``'s loss of the first global
-    batch, the full state on rank 0 and the warnings plait gave (their messages)."""
+def train(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Per job ``(case, plan)`` (one ``plait.init`` each, in this process): AdamW for STEPS
+    steps with batches from ``run.loader``, the losses, ``run.evaluate``'s loss of the first
+    global batch, the full state on rank 0 and plait's warnings (their messages)."""
     import warnings
 
     from plait.runtime import init
 
     torch.set_num_threads(1)
     out = []
-    for name in cases:
-        for plan in plans:
-            run = init(plan, quiet=True)
-            model, data, loss_fn, collate = _factory(name)
-            loader = run.loader(data, batch_size=BATCH, steps=STEPS, collate_fn=collate)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                model = run.parallelize(model, example=loader.batch(0))
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-                losses = [float(run.step(model, batch, loss_fn, opt)) for batch in loader]
-                evaluated = [float(run.evaluate(model, batch, loss_fn))
-                             for batch in run.loader(data, batch_size=BATCH, steps=1,
-                                                     evaluation=True, collate_fn=collate)]
-            state = run.full_state_dict(model)
-            run.close()
-            said = [str(w.message) for w in caught if "plait" in str(w.message)]
-            out.append({"case": name, "plan": plan, "losses": losses, "evaluated": evaluated,
-                        "warnings": said, "state": state if rank == 0 else None})
+    for name, plan in jobs:
+        run = init(plan, quiet=True)
+        model, data, loss_fn, collate = _factory(name)
+        loader = run.loader(data, batch_size=BATCH, steps=STEPS, collate_fn=collate)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = run.parallelize(model, example=loader.batch(0))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses = [float(run.step(model, batch, loss_fn, opt)) for batch in loader]
+            evaluated = [float(run.evaluate(model, batch, loss_fn))
+                         for batch in run.loader(data, batch_size=BATCH, steps=1,
+                                                 evaluation=True, collate_fn=collate)]
+        state = run.full_state_dict(model)
+        run.close()
+        said = [str(w.message) for w in caught if str(w.message).startswith("plait:")]
+        out.append({"case": name, "plan": plan, "losses": losses, "evaluated": evaluated,
+                    "warnings": said, "state": state if rank == 0 else None})
     return out
 
 
@@ -300,7 +328,8 @@ def _one_device_loss(loss_fn: Any, model: nn.Module, batch: Any) -> torch.Tensor
     ``sum / count``, the model's own loss."""
     inputs, targets = _inputs(batch)
     if loss_fn is None:
-        return model(**inputs)["loss"]
+        out = model(**inputs)
+        return out["loss"] if isinstance(out, dict) else out.loss
     value = loss_fn(model(**inputs), targets)
     return value[0] / value[1] if isinstance(value, tuple) else value
 
