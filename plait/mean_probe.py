@@ -48,9 +48,10 @@ RTOL = 1e-4
 
 
 def split_batch(plan: Any) -> bool:
-    """Whether ``plan`` cuts the global batch (data replicas, micro-batches or sequence
-    chunks), the layouts under which a scalar is weighted by its count."""
-    return bool(plan.dp > 1 or plan.grad_accum > 1 or plan.cp > 1)
+    """Whether ``plan`` cuts the global batch (data replicas, micro-batches, a pipeline's
+    microbatches or sequence chunks), the layouts under which a scalar is weighted by its
+    count."""
+    return bool(plan.dp > 1 or plan.grad_accum > 1 or plan.cp > 1 or plan.microbatches > 1)
 
 
 def _rows(tree: Any) -> int | None:
@@ -183,26 +184,34 @@ def _agrees(value: torch.Tensor, targets: Any, halves: list[tuple[Any, Any]],
 
 
 def check_mean(loss_fn: Callable[[Any, Any], Any], key: Any, value: Any, output: Any,
-               targets: Any, *, shift: bool, known: dict[Any, Any], plan: Any) -> None:
+               targets: Any, *, shift: bool, known: dict[Any, Any], plan: Any,
+               warn: bool = True) -> bool:
     """Ask :func:`mean_over_counted` on the first ``ASKED`` micro-batches whose rows can be
     cut, and warn once (per ``key``, the loss function) when it says no, with the fix. Not
     asked of a loss whose graph holds a collective (:func:`_loss_reaches_beyond`) or that
-    plait's contrastive guard wraps. ``known`` keeps per key (micro-batches asked, warned)."""
+    plait's contrastive guard wraps. ``known`` keeps per key (micro-batches asked, warned).
+    Returns True on the call that first found a no (``warn=False``: a pipeline's last stage,
+    which has every rank warn instead, :func:`plait.parallel.pipeline.refuse_if_seen`)."""
     asked, warned = known.get(key, (0, False))
     if asked >= ASKED or hasattr(loss_fn, "guarded_loss"):
-        return
+        return False
     halves = _halves(value, output, targets)
     if halves is None:
-        return
+        return False
     if len(known) >= 16:  # a loss function made anew every step (a lambda in the loop)
         known.clear()
     if asked == 0 and _loss_reaches_beyond(value, output):
         known[key] = (ASKED, False)
-        return
+        return False
     verdict = _agrees(value, targets, halves, loss_fn, shift)
     known[key] = (asked + 1, warned or verdict is False)
-    if verdict is False and not warned:
-        warnings.warn(not_a_mean_message(loss_fn, targets, plan), stacklevel=user_stacklevel())
+    if verdict is not False or warned:
+        return False
+    if warn:
+        name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+        warnings.warn(not_a_mean_message(name, _counts_what(targets), plan),
+                      stacklevel=user_stacklevel())
+    return True
 
 
 def _counts_what(targets: Any) -> str:
@@ -213,18 +222,19 @@ def _counts_what(targets: Any) -> str:
     return "its rows"
 
 
-def not_a_mean_message(loss_fn: Callable[..., Any], targets: Any, plan: Any) -> str:
-    """The warning for a scalar loss that is not the mean over the items plait counts."""
-    name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
-    return (f"plait: the loss function {name} returned a scalar that is not the mean over "
-            f"{_counts_what(targets)}: its value on a micro-batch is not the count-weighted "
-            f"mean of its values on the two halves of its rows (a class-weighted mean such as "
-            f"F.cross_entropy(..., weight=w) divides by the labels' summed weight instead). "
-            f"Under {plan.to_string()} each replica's and micro-batch's value is weighed by its "
-            f"count of labels, which trains another model than one device. Return (sum, count) "
-            f"instead: (F.cross_entropy(logits, y, weight=w, reduction='sum'), "
-            f"w[y[y != -100]].sum()) for class weights; a loss comparing rows with each other "
-            f"(in-batch negatives) gathers them with run.all_gather")
+def not_a_mean_message(name: str | None, counted: str, plan: Any) -> str:
+    """The warning for a scalar loss that is not the mean over the items plait counts
+    (``counted``, as :func:`_counts_what` says them); ``name``: the loss function's, where
+    known."""
+    which = f"the loss function {name}" if name else "the loss function"
+    return (f"plait: {which} returned a scalar that is not the mean over {counted}: its value "
+            f"on a micro-batch is not the count-weighted mean of its values on the two halves "
+            f"of its rows (a class-weighted mean such as F.cross_entropy(..., weight=w) divides "
+            f"by the labels' summed weight instead). Under {plan.to_string()} each replica's "
+            f"and micro-batch's value is weighed by its count, which trains another model than "
+            f"one device. Return (sum, count) instead: (F.cross_entropy(logits, y, weight=w, "
+            f"reduction='sum'), w[y[y != -100]].sum()) for class weights; a loss comparing "
+            f"rows with each other (in-batch negatives) gathers them with run.all_gather")
 
 
 # --- a model's own loss (loss_fn=None) ---

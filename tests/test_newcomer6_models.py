@@ -123,3 +123,18 @@ def test_each_case_under_every_data_parallel_layout(name) -> None:
             continue
         assert result["warnings"] == [], (result["plan"], result["warnings"])
         _assert_trains_as_one_device(result, want)
+
+
+@pytest.mark.slow
+def test_a_pipeline_warns_on_rank_0_and_trains_the_recipe_as_one_device() -> None:
+    # The last stage alone computes the loss: its finding travels with the step's totals, so
+    # rank 0 (whose output plait run shows) warns too.
+    jobs = [(name, "pp=2,microbatches=2") for name in ("weighted_ce", "weighted_ce_pair",
+                                                      "focal")]
+    ranks = run_distributed(N.train, 2, jobs, timeout=300)
+    for rank in ranks:
+        said = rank[0]["warnings"]
+        assert len(said) == 1 and "is not the mean over the items plait counts" in said[0], said
+        assert rank[1]["warnings"] == rank[2]["warnings"] == [], rank
+    for result in ranks[0][1:]:
+        _assert_trains_as_one_device(result, N.reference(result["case"]))
