@@ -27,15 +27,16 @@ cross-entropy of its logits is warned about once (:func:`own_loss_unexplained`).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .loss import IGNORE_INDEX, _counted, count_items
+from .loss import IGNORE_INDEX, _counted, _loss_key, count_items
 from .warn import user_stacklevel
 
 # Micro-batches a loss function is asked on (the first of each run whose rows can be cut): a
@@ -55,8 +56,9 @@ def split_batch(plan: Any) -> bool:
 
 
 def _rows(tree: Any) -> int | None:
-    """The one dim-0 size every tensor in ``tree`` (a tensor, dict, tuple or list) has; None
-    when they differ, a tensor is 0-dim, or there is none."""
+    """The one dim-0 size every tensor in ``tree`` (a tensor, dict, tuple, list or dataclass)
+    has; None when they differ, a tensor is 0-dim, another object holds tensors, or there is
+    none."""
     sizes: set[int] = set()
 
     def walk(t: Any) -> bool:
@@ -69,18 +71,28 @@ def _rows(tree: Any) -> int | None:
             return all(walk(v) for v in t.values())
         if isinstance(t, (tuple, list)):
             return all(walk(v) for v in t)
-        return True
+        if dataclasses.is_dataclass(t) and not isinstance(t, type):
+            return all(walk(getattr(t, f.name)) for f in dataclasses.fields(t))
+        return not _tensors(t)  # an object holding tensors it cannot be cut through
     return sizes.pop() if walk(tree) and len(sizes) == 1 else None
 
 
 def _cut(tree: Any, rows: slice) -> Any:
-    """``tree`` with every tensor cut to ``rows`` along dim 0."""
+    """``tree`` with every tensor cut to ``rows`` along dim 0, each container of its own
+    kind where it can be made again from its entries."""
     if isinstance(tree, torch.Tensor):
         return tree[rows]
     if isinstance(tree, dict):
-        return {k: _cut(v, rows) for k, v in tree.items()}
+        cut = {k: _cut(v, rows) for k, v in tree.items()}
+        try:  # a dict of its own kind (Hugging Face's ModelOutput, read by attribute)
+            return cut if type(tree) is dict else type(tree)(**cut)
+        except TypeError:
+            return cut
     if isinstance(tree, (tuple, list)):
         return type(tree)(_cut(v, rows) for v in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return dataclasses.replace(tree, **{f.name: _cut(getattr(tree, f.name), rows)
+                                            for f in dataclasses.fields(tree) if f.init})
     return tree
 
 
@@ -183,15 +195,16 @@ def _agrees(value: torch.Tensor, targets: Any, halves: list[tuple[Any, Any]],
     return bool(torch.isclose(n_a * a + n_b * b, n * whole, rtol=RTOL, atol=0.0))
 
 
-def check_mean(loss_fn: Callable[[Any, Any], Any], key: Any, value: Any, output: Any,
-               targets: Any, *, shift: bool, known: dict[Any, Any], plan: Any,
-               warn: bool = True) -> bool:
+def check_mean(loss_fn: Callable[[Any, Any], Any], value: Any, output: Any, targets: Any, *,
+               shift: bool, known: dict[Any, Any], plan: Any, warn: bool = True) -> bool:
     """Ask :func:`mean_over_counted` on the first ``ASKED`` micro-batches whose rows can be
-    cut, and warn once (per ``key``, the loss function) when it says no, with the fix. Not
-    asked of a loss whose graph holds a collective (:func:`_loss_reaches_beyond`) or that
-    plait's contrastive guard wraps. ``known`` keeps per key (micro-batches asked, warned).
+    cut, and warn once per loss function when it says no, with the fix. Not asked of a loss
+    whose graph holds a collective (:func:`_loss_reaches_beyond`) or that plait's contrastive
+    guard wraps. ``known`` keeps, per loss (``plait.loss``'s key for it), the micro-batches
+    asked and whether it warned.
     Returns True on the call that first found a no (``warn=False``: a pipeline's last stage,
     which has every rank warn instead, :func:`plait.parallel.pipeline.refuse_if_seen`)."""
+    key = _loss_key(loss_fn)
     asked, warned = known.get(key, (0, False))
     if asked >= ASKED or hasattr(loss_fn, "guarded_loss"):
         return False
@@ -261,15 +274,11 @@ def _module_loss(module: nn.Module, logits: torch.Tensor, labels: torch.Tensor
                  ) -> torch.Tensor:
     """``module``'s mean loss of ``logits`` against ``labels``, every position a row."""
     flat, ys = logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)
-    weight = module.weight
-    assert isinstance(weight, torch.Tensor)  # _weighted_modules keeps those with one
-    weight = weight.to(flat.device)
+    weight = cast(torch.Tensor, module.weight).to(flat.device)  # kept: it has one
     if isinstance(module, nn.CrossEntropyLoss):
         return F.cross_entropy(flat, ys, weight=weight, ignore_index=module.ignore_index,
                                label_smoothing=module.label_smoothing)
-    ignore = module.ignore_index
-    assert isinstance(ignore, int)
-    return F.nll_loss(flat, ys, weight=weight, ignore_index=ignore)
+    return F.nll_loss(flat, ys, weight=weight, ignore_index=cast(int, module.ignore_index))
 
 
 def _weighted_modules(model: nn.Module) -> list[nn.Module]:

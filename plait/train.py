@@ -26,7 +26,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .batch_rows import MicroBatches, per_example, refuse_ragged
 from .dict_batch import signature_of, whole_dict_parameter
 from .loss import (
-    _loss_key,
     ctc_mean_over_examples,
     label_shift,
     loss_sum_and_count,
@@ -486,8 +485,7 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None,
         if plan is not None and split_batch(plan):
             own_loss_unexplained(value, out, targets, checks, plan)
     elif plan is not None and split_batch(plan) and not isinstance(shift, torch.Tensor):
-        check_mean(loss_fn, _loss_key(loss_fn), value, out, targets, shift=shift, known=checks,
-                   plan=plan)
+        check_mean(loss_fn, value, out, targets, shift=shift, known=checks, plan=plan)
     total, count = loss_sum_and_count(value, targets, shift=shift, examples=loss_fn is None
                                       and ctc_mean_over_examples(model))
     return _with_graph(total), count

@@ -46,6 +46,16 @@ def test_the_probe_tells_a_weighted_mean_from_a_mean_over_the_counted_items(name
         assert mean_over_counted(plain(out, targets), out, targets, plain) is True
 
 
+def test_the_probe_cuts_an_output_object_by_its_fields() -> None:
+    # A loss reading out.logits from a model's output object (a dataclass, or a Hugging Face
+    # ModelOutput, a dict read by attribute) gets halves of the same kind.
+    _, logits, y, _ = _batch("weighted_ce")
+    out = N.Output(loss=None, logits=logits)
+    for loss_fn, mean in ((lambda o, t: N.weighted_ce(o.logits, t), False),
+                          (lambda o, t: F.cross_entropy(o.logits, t), True)):
+        assert mean_over_counted(loss_fn(out, y), out, y, loss_fn) is mean
+
+
 def test_the_probe_cannot_tell_without_rows_to_cut() -> None:
     _, out, targets, loss_fn = _batch("weighted_ce")
     value = loss_fn(out, targets)

@@ -38,13 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .._torch_compat import pipeline_stage_base, pytree, stage_backward_split
 from ..batch_rows import MicroBatches
 from ..dict_batch import whole_dict_parameter
-from ..loss import (
-    _loss_key,
-    label_shift,
-    loss_sum_and_count,
-    missing_labels_fix,
-    shifts_labels,
-)
+from ..loss import label_shift, loss_sum_and_count, missing_labels_fix, shifts_labels
 from ..mean_probe import check_mean, split_batch
 from ..mesh import Mesh
 from ..plan import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES, Plan, reduces_after_schedule
@@ -595,8 +589,8 @@ class PipelineRunner:
             self.shift_seen = True
         if (self._loss_fn is not None and not isinstance(shift, torch.Tensor)
                 and split_batch(self.plan)):
-            if check_mean(self._loss_fn, _loss_key(self._loss_fn), value, out, target,
-                          shift=shift, known=self._loss_checks, plan=self.plan, warn=False):
+            if check_mean(self._loss_fn, value, out, target, shift=shift,
+                          known=self._loss_checks, plan=self.plan, warn=False):
                 self.not_a_mean_seen = True  # warned on every rank (take_refusal)
         total, count = loss_sum_and_count(value, target, shift=shift)
         if total.ndim:  # refused on every rank after the schedule (take_refusal)
