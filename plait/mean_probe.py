@@ -28,6 +28,7 @@ cross-entropy of its logits is warned about once (:func:`own_loss_unexplained`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any, cast
@@ -180,19 +181,20 @@ def _agrees(value: torch.Tensor, targets: Any, halves: list[tuple[Any, Any]],
             again = [loss_fn(out, part) for out, part in halves]
     except Exception:  # noqa: BLE001 - a loss that cannot take half the rows: cannot tell
         return None
-    whole = value.detach().double().reshape(())
+    # Read on the host (Python floats, double precision on any device; a few reads, on the
+    # first micro-batches of a run only).
+    whole = float(value.detach().float())
     parts = []
     for loss, (_, part) in zip(again, halves, strict=True):
-        count = count_items(part, shift=shift).double().to(whole.device)
-        if (not isinstance(loss, torch.Tensor) or loss.numel() != 1 or count <= 0
-                or not bool(torch.isfinite(loss).all())):
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return None
-        parts.append((loss.detach().double().reshape(()).to(whole.device), count))
+        parts.append((float(loss.detach().float()), float(count_items(part, shift=shift))))
     (a, n_a), (b, n_b) = parts
-    if not bool(torch.isfinite(whole)) or bool(torch.isclose(a, b, rtol=RTOL, atol=0.0)):
+    if (min(n_a, n_b) <= 0 or not all(math.isfinite(x) for x in (whole, a, b))
+            or math.isclose(a, b, rel_tol=RTOL)):
         return None
-    n = count_items(targets, shift=shift).double().to(whole.device)
-    return bool(torch.isclose(n_a * a + n_b * b, n * whole, rtol=RTOL, atol=0.0))
+    n = float(count_items(targets, shift=shift))
+    return math.isclose(n_a * a + n_b * b, n * whole, rel_tol=RTOL)
 
 
 def check_mean(loss_fn: Callable[[Any, Any], Any], value: Any, output: Any, targets: Any, *,
