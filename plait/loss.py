@@ -49,8 +49,10 @@ the mean cross-entropy of its ``output.logits`` against the labels shifted and u
 function, :func:`own_loss_skips_first_label_on_device`).
 
 What happens otherwise: a scalar that is *not* a mean over those counted items (a sum, or a mean
-over items the targets do not show) is still weighted by the count, so the layout trains a
-differently weighted loss than one device; return ``(sum, count)`` instead. With every
+over items the targets do not show, such as a class-weighted mean, which divides by the labels'
+summed weight) is still weighted by the count, so the layout trains a differently weighted loss
+than one device; return ``(sum, count)`` instead. :mod:`plait.mean_probe` asks a scalar loss
+whether it is such a mean, and warns when it is not. With every
 micro-batch counting the same number of items (no ignored labels), the weighting is uniform
 and a scalar of any kind trains what one device trains on the mean of the micro-batch losses.
 """

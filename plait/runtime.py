@@ -852,9 +852,10 @@ class Run:
                                                                device=local.device)])
             totals = self._global_totals(local)
             if runner is not None:
-                from .parallel.pipeline import refuse_if_seen
+                from .parallel.pipeline import REFUSAL_FLAGS, refuse_if_seen
 
-                refuse_if_seen(totals[2:4].tolist(), self.plan.cp, self._totals_group()[1])
+                refuse_if_seen(totals[2:2 + REFUSAL_FLAGS].tolist(), self.plan.cp,
+                               self._totals_group()[1])
         finally:
             for module, training in modes:
                 module.training = training
@@ -1188,7 +1189,7 @@ class Run:
         job's (clipping): a clean step then needs no agreement of its own (``plait.guard``).
         Under cp the last stage's refusal of its loss travels with the flags too
         (``PipelineRunner.take_refusal``), refused on every rank before the update."""
-        from .parallel.pipeline import refuse_if_seen
+        from .parallel.pipeline import REFUSAL_FLAGS, refuse_if_seen
 
         guard = self._step_guard()  # it knows which rank holds the last stage's loss
         pp_group = self._mesh()["pp"].get_group()
@@ -1201,8 +1202,8 @@ class Run:
         totals, flags = pipeline_totals(local, own, holds_loss=guard.holds_loss,
                                         pp_group=pp_group, dp_group=dp_group)
         if runner is not None:
-            refuse_if_seen(flags[-2:].tolist(), self.plan.cp, replicas)
-            flags = flags[:-2]
+            refuse_if_seen(flags[-REFUSAL_FLAGS:].tolist(), self.plan.cp, replicas, self.plan)
+            flags = flags[:-REFUSAL_FLAGS]
         whole_job = self.plan.pp * replicas == self.world_size
         return totals, flags if whole_job and self.plan.grad_clip else None
 

@@ -34,6 +34,7 @@ from .loss import (
     shifts_labels,
     term_weights,
 )
+from .mean_probe import check_mean, own_loss_unexplained, split_batch, weighted_module_count
 from .parallel.layout import layout_of
 from .plan import Plan
 
@@ -477,8 +478,22 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None,
         from .parallel.context import SHIFTED_LABELS
 
         raise ValueError(SHIFTED_LABELS.format(cp=context.size))
+    # a Hugging Face CTC model's own loss is read by its config's reduction (plait.loss)
+    reduction = ctc_reduction(model) if loss_fn is None else None
+    checks = layout_of(model).loss_checks
+    if loss_fn is None:
+        if reduction is None:
+            weighted = weighted_module_count(model, value, out, targets, checks)
+            if weighted is not None:  # the mean of a class-weighted loss module the model holds
+                total = value.reshape(()) * weighted.to(value.device)
+                return (_with_graph(torch.where(weighted > 0, total, torch.zeros_like(total))),
+                        weighted)
+            if plan is not None and split_batch(plan):
+                own_loss_unexplained(value, out, targets, checks, plan)
+    elif plan is not None and split_batch(plan) and not isinstance(shift, torch.Tensor):
+        check_mean(loss_fn, value, out, targets, shift=shift, known=checks, plan=plan)
     total, count = loss_sum_and_count(value, targets, shift=shift, share=share,
-                                      reduction=ctc_reduction(model) if loss_fn is None else None)
+                                      reduction=reduction)
     return _with_graph(total), count
 
 

@@ -41,6 +41,8 @@ class Layout:
     vocabulary-parallel, so the loss and its backward run inside ``loss_parallel()``.
     ``first_label_skipped``: per loss function, whether its scalar mean leaves out each row's
     first label (``plait.loss.first_label_skipped``); filled in by the first steps.
+    ``loss_checks``: what ``plait.mean_probe`` learnt of the losses (whether a scalar is a mean
+    over its counted items, a model's own class-weighted loss module).
     ``tied_names``: a weight tied across pipeline stages, under the name a stage holds it by
     where the one-device model names it otherwise (the last stage's ``head.weight``:
     ``embed.weight``); checkpoints name its optimizer state as the one-device model does.
@@ -60,6 +62,7 @@ class Layout:
     pipeline: PipelineRunner | None = None
     loss_parallel: bool = False
     first_label_skipped: dict[Any, bool] = field(default_factory=dict, compare=False)
+    loss_checks: dict[Any, Any] = field(default_factory=dict, compare=False)
     tied_names: dict[str, str] = field(default_factory=dict, compare=False)
     context: ContextGroup | None = None
     running_stats: RunningStats | None = None

@@ -39,6 +39,7 @@ from .._torch_compat import pipeline_stage_base, pytree, stage_backward_split
 from ..batch_rows import MicroBatches
 from ..dict_batch import whole_dict_parameter
 from ..loss import label_shift, loss_sum_and_count, missing_labels_fix, shifts_labels
+from ..mean_probe import check_mean, split_batch
 from ..mesh import Mesh
 from ..plan import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES, Plan, reduces_after_schedule
 from .context import ContextGroup, context_group
@@ -495,6 +496,9 @@ class PipelineRunner:
         # step's latest real microbatch, kept once the step ends (see _loss).
         self._first_label_skipped: dict[Any, bool] = {}
         self._step_answers: dict[Any, bool] | None = None
+        # What plait.mean_probe learnt of the loss function (asked on a step's microbatches,
+        # which a pipeline always cuts the batch into).
+        self._loss_checks: dict[Any, Any] = {}
         self._microbatch_rows = 0  # rows of one real microbatch (set by each step)
         # (training?, input shapes) the stages inferred their activation shapes from: torch's
         # schedule infers them at its first step and again at each switch between training
@@ -551,6 +555,9 @@ class PipelineRunner:
         # such a loss), which a pipeline refuses (TERMS_UNDER_PP); seen on the last stage only,
         # and refused on every rank as shift_seen is.
         self.terms_seen = 0
+        # Whether this step's loss function was first found not to be a mean over the items
+        # plait counts (plait.mean_probe), which every rank warns about, rank 0 among them.
+        self.not_a_mean_seen = False
 
     def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one microbatch. torch's schedules split a *tensor* target
@@ -580,6 +587,11 @@ class PipelineRunner:
             self._step_answers = answers
         if self.context is not None and shift is True:
             self.shift_seen = True
+        if (self._loss_fn is not None and not isinstance(shift, torch.Tensor)
+                and split_batch(self.plan)):
+            if check_mean(self._loss_fn, value, out, target, shift=shift,
+                          known=self._loss_checks, plan=self.plan, warn=False):
+                self.not_a_mean_seen = True  # warned on every rank (take_refusal)
         total, count = loss_sum_and_count(value, target, shift=shift)
         if total.ndim:  # refused on every rank after the schedule (take_refusal)
             self.terms_seen = total.numel()
@@ -922,12 +934,14 @@ class PipelineRunner:
     def take_refusal(self) -> list[float]:
         """[1.0 when this rank's last step computed a loss that context parallelism refuses
         (one that shifts the labels itself), else 0.0; the number of terms of a loss that
-        returned a dict of (sum, count) pairs, else 0.0]; reset for the next step. Summed over
-        the pipeline and data ranks, they let every rank refuse together
-        (:func:`refuse_if_seen`)."""
+        returned a dict of (sum, count) pairs, else 0.0; 1.0 when its loss function was first
+        found not to be a mean over what plait counts, else 0.0]; reset for the next step.
+        Summed over the pipeline and data ranks, they let every rank refuse (or warn)
+        together (:func:`refuse_if_seen`)."""
         seen, self.shift_seen = self.shift_seen, False
         terms, self.terms_seen = self.terms_seen, 0
-        return [1.0 if seen else 0.0, float(terms)]
+        not_a_mean, self.not_a_mean_seen = self.not_a_mean_seen, False
+        return [1.0 if seen else 0.0, float(terms), 1.0 if not_a_mean else 0.0]
 
     def _sequence(self, seq: int) -> contextlib.AbstractContextManager:
         """Under context parallelism: attention over the whole ``seq``-token sequence."""
@@ -1029,10 +1043,25 @@ def _refuse_ragged_targets(targets: Any, rows: int) -> None:
             f"train without pp (dp=N, or dp_shard=N,zero=3 for memory)")
 
 
-def refuse_if_seen(flags: list[float], cp: int, stages_with_loss: int = 1) -> None:
+# How many flags PipelineRunner.take_refusal gives.
+REFUSAL_FLAGS = 3
+
+
+def refuse_if_seen(flags: list[float], cp: int, stages_with_loss: int = 1,
+                   plan: Plan | None = None) -> None:
     """Raise, on every rank, when the summed :meth:`PipelineRunner.take_refusal` flags say a
     last stage computed a loss that shifts the labels under context parallelism, or a loss of
-    several terms (``stages_with_loss``: how many last stages' counts were summed)."""
+    several terms (``stages_with_loss``: how many last stages' counts were summed); warn, on
+    every rank, when a last stage found its loss function not to be a mean over what plait
+    counts (``plan``: the run's, which the warning names)."""
+    if flags[2] > 0 and plan is not None:
+        import warnings
+
+        from ..mean_probe import not_a_mean_message
+        from ..warn import user_stacklevel
+
+        warnings.warn(not_a_mean_message(None, "the items plait counts", plan),
+                      stacklevel=user_stacklevel())
     if flags[0] > 0:
         from .context import SHIFTED_LABELS
 
