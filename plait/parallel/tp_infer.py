@@ -757,6 +757,23 @@ def _where(exc: BaseException, model: nn.Module) -> str:
 _VALUE_ERRORS = ("DynamicOutputShapeException", "DataDependentOutputException")
 
 
+def unchecked_refusal(model: nn.Module, plan: TPPlan, tp: int, guess: Example,
+                      unrun: str) -> str:
+    """Why an inferred plan is refused when the model's forward does not run on the input
+    plait guessed (``guess``; ``unrun``: what the forward raised on it): one line naming the
+    model, the guess and ``example=``. No "; " before the fix: the planner keeps a
+    refusal's first clause (:func:`plait.parallel.tensor.tp_refusal`)."""
+    name = type(model).__name__
+    tried = describe(model, guess).replace("; ", ", ")
+    return (f"tp={tp}: the tensor-parallel plan inferred for {name} cannot be checked: its "
+            f"forward does not run on any input plait guessed for it (tried {tried}, on the "
+            f"first: {unrun}), and a split that does not fit its dataflow would fail at the "
+            f"first step, or train wrong, after every parameter is sharded. Pass one batch as "
+            f"run.step takes it, run.parallelize(model, example=next(iter(loader))), which the "
+            f"plan is checked on, or name the split yourself with Plan(options={{'tp_plan': "
+            f"{json.dumps(plan.styles)}}}) (the inferred one)")
+
+
 def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False,
                 example: Example | None = None) -> TPPlan:
     """Check an inferred plan before any sharding; return it, or refuse it (ValueError).
@@ -782,6 +799,11 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False,
             f"no input could be guessed to check its blocks with (tried "
             f"{describe(model, None)}); {PASS_EXAMPLE}")) if sp else plan
     unrun = check_shapes(model, {}, {}, 1, example)
+    if unrun is not None and not given and not any(kind in unrun for kind in _VALUE_ERRORS):
+        # The guess is not the model's input (a forward of several inputs, images of another
+        # size): neither check can run, and a split that does not fit fails at the first step
+        # (or trains wrong) only after every parameter is sharded and the optimizer built.
+        raise ValueError(unchecked_refusal(model, plan, tp, example, unrun))
     if unrun is not None and not sp:
         return plan
     if unrun is not None and any(kind in unrun for kind in _VALUE_ERRORS):
