@@ -85,10 +85,12 @@ def test_an_example_of_several_rows_measures_per_row_what_a_dataset_sample_does(
     assert given.sample_from == "given example" and given.grad_order is not None
 
 
-def test_sp_on_images_no_guess_fits_is_refused_naming_example_and_checked_with_it() -> None:
+def test_tp_on_images_no_guess_fits_is_refused_naming_example_and_checked_with_it() -> None:
     model = PatchViT()
-    refused = tp_refusal(model, 2, True)
-    assert refused is not None and "no input could be guessed" in refused and FIX in refused
+    for sp in (True, False):  # without sp the plan was used unchecked
+        refused = tp_refusal(model, 2, sp)
+        assert refused is not None and "plan inferred for PatchViT cannot be checked" in refused
+        assert "run.parallelize(model, example=next(iter(loader)))" in refused, refused
     x = Pictures().x[:4]
     assert tp_refusal(model, 2, True, Example((x,))) is None
 

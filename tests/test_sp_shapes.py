@@ -98,16 +98,22 @@ def test_an_image_model_whose_input_is_not_pixel_values_is_checked_on_images(fac
 
 
 def test_an_image_model_no_guessed_size_fits_is_refused_naming_the_input():
-    """A position table of 25 patches (40x40 images, a size plait does not try): SP is refused
-    naming what was tried and why it failed, not as a forward that reads values; where the
-    blocks must be recorded from a forward, inference says so."""
+    """A position table of 25 patches (40x40 images, a size plait does not try): the inferred
+    plan is refused, with sequence parallelism or without, naming what was tried, why it
+    failed (not as a forward that reads values) and example=: no check can run on it, and
+    without sp the plan was used unchecked; where the blocks must be recorded from a forward,
+    inference says so."""
     model = S.odd_sized_vit(traced=True)
-    plan = verify_plan(model, infer_plan(model), 2, sp=True)
-    assert not plan.supports_sp and plan.sp_refused.startswith(
-        "its forward does not run on any input plait guessed for it (tried a tensor of shape "
-        "(2, 16); images of 3 channels and 224, 32, 64, 256, 28, 384, 128, 512, 16 pixels a "
-        "side for its convolution stem; on the first: in stem"), plan.sp_refused
-    assert "reads values" not in plan.sp_refused and plan.sp_refused.endswith("use sp=False")
+    for sp in (True, False):
+        with pytest.raises(ValueError) as refused:
+            verify_plan(model, infer_plan(model), 2, sp=sp)
+        said = str(refused.value)
+        assert said.startswith(
+            "tp=2: the tensor-parallel plan inferred for PatchViT cannot be checked: its forward "
+            "does not run on any input plait guessed for it (tried a tensor of shape (2, 16), "
+            "images of 3 channels and 224, 32, 64, 256, 28, 384, 128, 512, 16 pixels a side "
+            "for its convolution stem, on the first: in stem"), said
+        assert "reads values" not in said and "example=next(iter(loader))" in said, said
     untraced = S.odd_sized_vit(traced=False)
     with pytest.raises(ValueError, match=r"layers\.\*\.attn \(Attention\): torch.fx cannot trace "
                        r"it .*; nor does the model's forward run on any input plait guessed to "

@@ -757,17 +757,18 @@ def _where(exc: BaseException, model: nn.Module) -> str:
 _VALUE_ERRORS = ("DynamicOutputShapeException", "DataDependentOutputException")
 
 
-def unchecked_refusal(model: nn.Module, plan: TPPlan, tp: int, guess: Example,
-                      unrun: str) -> str:
+def unchecked_refusal(model: nn.Module, plan: TPPlan, tp: int, guess: Example | None,
+                      unrun: str | None) -> str:
     """Why an inferred plan is refused when the model's forward does not run on the input
-    plait guessed (``guess``; ``unrun``: what the forward raised on it): one line naming the
-    model, the guess and ``example=``. No "; " before the fix: the planner keeps a
-    refusal's first clause (:func:`plait.parallel.tensor.tp_refusal`)."""
+    plait guessed (``guess``, None where none could be; ``unrun``: what the forward raised on
+    it): one line naming the model, the guess and ``example=``. No "; " before the fix: the
+    planner keeps a refusal's first clause (:func:`plait.parallel.tensor.tp_refusal`)."""
     name = type(model).__name__
     tried = describe(model, guess).replace("; ", ", ")
+    raised = "" if unrun is None else f", on the first: {unrun}"
     return (f"tp={tp}: the tensor-parallel plan inferred for {name} cannot be checked: its "
-            f"forward does not run on any input plait guessed for it (tried {tried}, on the "
-            f"first: {unrun}), and a split that does not fit its dataflow would fail at the "
+            f"forward does not run on any input plait guessed for it (tried {tried}{raised}), "
+            f"and a split that does not fit its dataflow would fail at the "
             f"first step, or train wrong, after every parameter is sharded. Pass one batch as "
             f"run.step takes it, run.parallelize(model, example=next(iter(loader))), which the "
             f"plan is checked on, or name the split yourself with Plan(options={{'tp_plan': "
@@ -783,8 +784,12 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False,
     of block with two ranks' shares swapped (:func:`plait.parallel.tp_verify.mixed_blocks`)
     catches one that keeps them but mixes heads. A fused q|k|v layer guessed to be three blocks
     ``[q | k | v]`` that turns out to be laid out head by head gets a plain column split
-    instead (then whole heads). A model whose unsharded forward already fails on the guessed
-    input is not checked (the guess is wrong, not the plan).
+    instead (then whole heads). A model whose unsharded forward fails on every input plait
+    guesses (a forward of several inputs, images of another size) is refused naming
+    ``example=`` (:func:`unchecked_refusal`): neither check can run, and a plan used unchecked
+    fails at the first step, after every parameter is sharded, where it does not fit. One
+    whose forward fails on the example given, or on fake tensors of a guess because it reads
+    values (routing tokens to experts), is not checked (the input is wrong, not the plan).
     With ``sp``, whether sequence parallelism keeps the model the same
     (:mod:`plait.parallel.tp_sp`): the returned plan then supports it, or says why not.
     ``example``: the user's input to run the checks on (:func:`plait.parallel.tp_example.
@@ -795,9 +800,7 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False,
     given = example is not None
     example = example if example is not None else example_call(model)
     if example is None:
-        return replace(plan, sp_refused=(
-            f"no input could be guessed to check its blocks with (tried "
-            f"{describe(model, None)}); {PASS_EXAMPLE}")) if sp else plan
+        raise ValueError(unchecked_refusal(model, plan, tp, None, None))
     unrun = check_shapes(model, {}, {}, 1, example)
     if unrun is not None and not given and not any(kind in unrun for kind in _VALUE_ERRORS):
         # The guess is not the model's input (a forward of several inputs, images of another
@@ -815,17 +818,10 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False,
             f"sequence keeps the model the same cannot be checked"
             + ("" if given else f"; it ran on a guessed input: if the model takes another, "
                f"{PASS_EXAMPLE}")))
-    if unrun is not None and given:
+    if unrun is not None:  # the example given; a guess that does not run is refused above
         return replace(plan, sp_refused=(
             f"its forward does not run on the example given ({unrun}), so whether splitting "
-            f"the sequence keeps the model the same cannot be checked: use sp=False"))
-    if unrun is not None:
-        return replace(plan, sp_refused=(
-            f"its forward does not run on any input plait guessed for it (tried "
-            f"{describe(model, example)}; on the first: {unrun}), so whether splitting the "
-            f"sequence keeps the model the same cannot be checked (an image model is checked "
-            f"on images of the sizes tried, as its forward's one input whatever its name): "
-            f"{PASS_EXAMPLE}, or use sp=False"))
+            f"the sequence keeps the model the same cannot be checked"))
     matched = match_plan(model, plan.styles)
     divide = {n: a for glob, a in plan.divide_attrs.items()
               for n in match_plan(model, {glob: "divide"})}
