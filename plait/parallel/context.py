@@ -207,6 +207,13 @@ def cp_refusal(module: nn.Module, cp: int) -> str | None:
     explicit attention mask, a loss that shifts labels) is refused at the step."""
     inner = module.module if hasattr(module, "module") and isinstance(
         module.module, nn.Module) else module
+    two = encoder_decoder(inner)
+    if two is not None:
+        return (f"context parallelism (cp={cp}) splits one sequence per batch row over the cp "
+                f"ranks, and {type(inner).__name__} is an encoder-decoder ({two}), whose "
+                f"decoder attends to the encoder's whole output (cross-attention), a sequence "
+                f"of its own that the slices of one do not split: use tp or dp for "
+                f"encoder-decoder models (cp=1)")
     if takes_positions(inner):
         return None
     return (f"context parallelism (cp={cp}) gives each rank a slice of every sequence, so "
@@ -214,6 +221,37 @@ def cp_refusal(module: nn.Module, cp: int) -> str | None:
             f"'{POSITIONS_KWARG}' keyword argument (a (batch, local_seq) int64 tensor; use it "
             f"wherever positions are computed, e.g. rotary embeddings or a position embedding; "
             f"a model without positional encodings may ignore it), or train with cp=1")
+
+
+# Forward parameters that name a second sequence: the decoder's own (``decoder_input_ids``,
+# ``decoder_attention_mask``) or the encoder's output a decoder attends to
+# (``encoder_hidden_states``, ``encoder_outputs``), as Hugging Face names them.
+_SECOND_SEQUENCE = ("decoder_", "encoder_")
+
+
+def encoder_decoder(module: nn.Module) -> str | None:
+    """What makes ``module`` an encoder-decoder (its stacks of blocks, or what says so), or
+    None: a Hugging Face config saying ``is_encoder_decoder`` or ``add_cross_attention`` (its
+    forward takes ``encoder_hidden_states`` whether or not it attends to them); a model without
+    one, a forward taking a parameter named for the decoder's or the encoder's sequence."""
+    from .pipeline_hf import other_block_stacks
+
+    config = getattr(module, "config", None)
+    if hasattr(config, "is_encoder_decoder"):
+        flags = [f for f in ("is_encoder_decoder", "add_cross_attention")
+                 if getattr(config, f, False) is True]
+        said = f"config.{flags[0]}" if flags else None
+    else:
+        try:
+            params = list(inspect.signature(module.forward).parameters)
+        except (TypeError, ValueError):
+            params = []
+        named = [p for p in params if p.startswith(_SECOND_SEQUENCE)]
+        said = f"its forward takes {named[0]}" if named else None
+    if said is None:
+        return None
+    stacks = other_block_stacks(module, "")
+    return f"stacks {' and '.join(stacks)}" if len(stacks) >= 2 else said
 
 
 def takes_positions(module: nn.Module) -> bool:
