@@ -130,19 +130,22 @@ _TORCH_SDPA = "_plait_torch_sdpa"
 
 
 @contextlib.contextmanager
-def cp_attention(cp: ContextGroup, seq: int) -> Iterator[None]:
+def cp_attention(cp: ContextGroup, seq: int, whole_model: bool = False) -> Iterator[None]:
     """While inside: ``F.scaled_dot_product_attention`` of this rank's queries (its slice of a
     ``seq``-token sequence) attends to the whole sequence. Keep the backward inside too
     (activation checkpointing recomputes attention there). Entered again inside (a loss of
     several terms counts the later micro-batches' terms inside the first one's), the inner
     slice's attention wraps torch's own function, not the outer one's, and the outer one's
-    is back on exit."""
+    is back on exit. ``whole_model`` (not a pipeline stage, which may hold no attention): a
+    forward that never called it is refused on exit, before the optimizer steps: attention
+    written out (``softmax(q @ k.T) @ v``) would have read this rank's slice only."""
     previous = F.scaled_dot_product_attention
     original = getattr(previous, _TORCH_SDPA, previous)
     q_pos = cp.positions(seq)
     k_pos = cp.key_positions(seq)
     local = q_pos.numel()
     masks: dict[torch.device, torch.Tensor] = {}
+    calls = [0]
 
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
@@ -168,6 +171,7 @@ def cp_attention(cp: ContextGroup, seq: int) -> Iterator[None]:
                 f"rank's slice of the {seq}-token sequence has {local}: attention over "
                 f"anything but the sequence the batch carried (cross-attention, added tokens, "
                 f"a KV cache) cannot be split this way; train such a model with cp=1")
+        calls[0] += 1
         full_k = gather_sequence(key, cp.group, key.ndim - 2)
         full_v = gather_sequence(value, cp.group, value.ndim - 2)
         mask = None
@@ -184,6 +188,13 @@ def cp_attention(cp: ContextGroup, seq: int) -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = previous
+    if whole_model and not calls[0]:
+        raise ValueError(
+            f"context parallelism (cp={cp.size}) gives each rank a slice of every sequence and "
+            f"makes F.scaled_dot_product_attention attend over the whole of it, but the model's "
+            f"forward never called it: attention written out (softmax(q @ k.transpose(-2, -1)) "
+            f"@ v) would attend over this rank's slice only; compute attention with "
+            f"F.scaled_dot_product_attention, or train with cp=1")
 
 
 # ------------------------------------------------------------------------------ the train step
@@ -214,6 +225,13 @@ def cp_refusal(module: nn.Module, cp: int) -> str | None:
                 f"decoder attends to the encoder's whole output (cross-attention), a sequence "
                 f"of its own that the slices of one do not split: use tp or dp for "
                 f"encoder-decoder models (cp=1)")
+    config = getattr(inner, "config", None)
+    attn = getattr(config, "_attn_implementation", None)
+    if isinstance(attn, str) and attn != "sdpa" and hasattr(config, "is_encoder_decoder"):
+        return (f"context parallelism (cp={cp}) makes F.scaled_dot_product_attention attend "
+                f"over the whole sequence, and {type(inner).__name__} computes attention with "
+                f"attn_implementation={attn!r}, which would attend over each rank's slice "
+                f"only: build it with attn_implementation='sdpa', or train with cp=1")
     if takes_positions(inner):
         return None
     return (f"context parallelism (cp={cp}) gives each rank a slice of every sequence, so "
