@@ -523,7 +523,7 @@ def sequence_part(model: nn.Module, part: Any
     from .parallel.context import cp_attention, split_batch
 
     local, seq, extra = split_batch(part, context)
-    return local, extra, cp_attention(context, seq)
+    return local, extra, cp_attention(context, seq, whole_model=True)
 
 
 def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:

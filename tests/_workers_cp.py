@@ -102,10 +102,30 @@ class CausalLM(nn.Module):
             q = q.view(b, s, self.heads, -1).transpose(1, 2)
             k = k.view(b, s, self.kv_heads, -1).transpose(1, 2)
             v = v.view(b, s, self.kv_heads, -1).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            a = self.attention(q, k, v)
             h = h + a.transpose(1, 2).reshape(b, s, WIDTH)
             h = h + mlp(h)
         return self.head(h)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class WrittenOutLM(CausalLM):
+    """CausalLM with its attention written out (softmax of masked scores, as Hugging Face's
+    eager attention computes it), not through F.scaled_dot_product_attention."""
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+        s = q.shape[-2]
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        return scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+
+
+def written_out_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return WrittenOutLM()
 
 
 def causal_lm() -> nn.Module:
@@ -314,7 +334,8 @@ def train_adamw(rank: int, world_size: int, jobs: list[Any]) -> list[dict[str, A
 def refusals(rank: int, world_size: int, batches: list[Any], plan: str = "cp=2",
              model: Any = None) -> list[str]:
     """What run.parallelize / run.step refuse under ``plan`` (cp=2), ``model`` (the causal
-    LM) standing for a model that takes positions."""
+    LM) standing for a model that takes positions; without a pipeline, attention written
+    out too (a pipeline stage may hold no attention, so its stages do not ask)."""
     from plait.runtime import init
 
     model = model or causal_lm
@@ -323,7 +344,9 @@ def refusals(rank: int, world_size: int, batches: list[Any], plan: str = "cp=2",
                                      (model, shifting_loss, batches[0]),
                                      (model, lm_loss, (batches[0][0][:, :6],
                                                        batches[0][1][:, :6])),
-                                     (model, lm_loss, (batches[0][0], batches[0][1][:, 0]))):
+                                     (model, lm_loss, (batches[0][0], batches[0][1][:, 0])),
+                                     *([(written_out_lm, lm_loss, batches[0])]
+                                       if "pp" not in plan else [])):
         run = init(plan, quiet=True)
         try:
             model = run.parallelize(factory())
@@ -355,14 +378,15 @@ def ledger_axes(rank: int, world_size: int, batches: list[Any], plan: str = "cp=
     return {f"{e['axis']}/{e['op']}": e for e in ledger.local_entries()}
 
 
-def hf_llama() -> nn.Module:
-    """A tiny Hugging Face Llama built from a config (no download), SDPA attention."""
+def hf_llama(attn: str = "sdpa") -> nn.Module:
+    """A tiny Hugging Face Llama built from a config (no download), SDPA attention (or
+    ``attn``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=SEQ, attn_implementation="sdpa")
+                      max_position_embeddings=SEQ, attn_implementation=attn)
     return LlamaForCausalLM(cfg)
 
 

@@ -205,7 +205,7 @@ class Seq2Seq(torch.utils.data.Dataset):
                 "attention_mask": torch.ones(8, dtype=torch.long), "labels": labels}
 
 
-def t5() -> tuple[nn.Module, Any, None]:
+def t5(attn: str | None = None) -> tuple[nn.Module, Any, None]:
     """T5: a relative attention bias in block 0 of each stack, embeddings tied across encoder,
     decoder and head."""
     from transformers import T5Config, T5ForConditionalGeneration
@@ -214,10 +214,12 @@ def t5() -> tuple[nn.Module, Any, None]:
     cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
                    num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=8,
                    dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    if attn is not None:  # "eager": attention weights computed and returned
+        cfg._attn_implementation = attn
     return T5ForConditionalGeneration(cfg), Seq2Seq(), None
 
 
-def t5_gated() -> tuple[nn.Module, Any, None]:
+def t5_gated(attn: str | None = None) -> tuple[nn.Module, Any, None]:
     """T5 v1.1's shape: a gated feed-forward (``wi_0``, ``wi_1``, ``wo``) and a head not tied
     to the embeddings."""
     from transformers import T5Config, T5ForConditionalGeneration
@@ -227,6 +229,8 @@ def t5_gated() -> tuple[nn.Module, Any, None]:
                    num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=8,
                    dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
                    feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+    if attn is not None:  # "eager": attention weights computed and returned
+        cfg._attn_implementation = attn
     return T5ForConditionalGeneration(cfg), Seq2Seq(), None
 
 

@@ -25,17 +25,18 @@ BATCH, SRC, TGT, STEPS = 4, 6, 4, 3
 
 
 class Attention(nn.Module):
-    """Multi-head attention; with ``bias``, a relative position bias per head (T5's)."""
+    """Multi-head attention; with ``bias``, a relative position bias per head (T5's); with
+    ``weights``, its softmax returned third, as eager attention returns its weights."""
 
-    def __init__(self, bias: bool) -> None:
+    def __init__(self, bias: bool, weights: bool = False) -> None:
         super().__init__()
-        self.n_heads = HEADS
+        self.n_heads, self.weights = HEADS, weights
         self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4))
         if bias:
             self.relative_attention_bias = nn.Embedding(BUCKETS, HEADS)
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None,
-                position_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+                position_bias: torch.Tensor | None = None) -> tuple[Any, ...]:
         if x.dim() == 2:  # fx cannot trace a branch on the input's rank
             x = x.unsqueeze(0)
         kv = x if memory is None else memory
@@ -50,8 +51,9 @@ class Attention(nn.Module):
             position_bias = self.relative_attention_bias(bucket).permute(2, 0, 1)[None]
         if position_bias is not None:
             scores = scores + position_bias
-        out = scores.softmax(-1) @ v
-        return self.o(out.transpose(1, 2).reshape(b, t, -1)), position_bias
+        probs = scores.softmax(-1)
+        out = self.o((probs @ v).transpose(1, 2).reshape(b, t, -1))
+        return (out, position_bias, probs) if self.weights else (out, position_bias)
 
 
 class FeedForward(nn.Module):
@@ -75,18 +77,19 @@ class Block(nn.Module):
     """Pre-norm attention, cross-attention and MLP; with ``shift``, the MLP reads each
     position mixed with the one before (a token shift: no sequence-parallel split keeps it)."""
 
-    def __init__(self, first: bool, cross: bool, gated: bool, shift: bool = False) -> None:
+    def __init__(self, first: bool, cross: bool, gated: bool, shift: bool = False,
+                 weights: bool = False) -> None:
         super().__init__()
         self.shift = shift
         self.norm_1, self.norm_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.attn = Attention(bias=first)
-        self.cross = Attention(bias=False) if cross else None
+        self.attn = Attention(bias=first, weights=weights)
+        self.cross = Attention(bias=False, weights=weights) if cross else None
         self.norm_c = nn.LayerNorm(WIDTH) if cross else None
         self.ff = FeedForward(gated)
 
     def forward(self, h: torch.Tensor, bias: torch.Tensor | None,
                 memory: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        a, bias = self.attn(self.norm_1(h), position_bias=bias)
+        a, bias, *_ = self.attn(self.norm_1(h), position_bias=bias)
         h = h + a
         if self.cross is not None and self.norm_c is not None:
             h = h + self.cross(self.norm_c(h), memory)[0]
@@ -96,9 +99,11 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, cross: bool, gated: bool, shift: bool = False) -> None:
+    def __init__(self, cross: bool, gated: bool, shift: bool = False,
+                 weights: bool = False) -> None:
         super().__init__()
-        self.block = nn.ModuleList(Block(i == 0, cross, gated, shift) for i in range(2))
+        self.block = nn.ModuleList(Block(i == 0, cross, gated, shift, weights)
+                                   for i in range(2))
         self.norm = nn.LayerNorm(WIDTH)
 
     def forward(self, h: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,11 +114,12 @@ class Stack(nn.Module):
 
 
 class RelBiasSeq2Seq(nn.Module):
-    def __init__(self, gated: bool = False, shifted_decoder: bool = False) -> None:
+    def __init__(self, gated: bool = False, shifted_decoder: bool = False,
+                 weights: bool = False) -> None:
         super().__init__()
         self.shared = nn.Embedding(VOCAB, WIDTH)
-        self.encoder = Stack(False, gated)
-        self.decoder = Stack(True, gated, shift=shifted_decoder)
+        self.encoder = Stack(False, gated, weights=weights)
+        self.decoder = Stack(True, gated, shift=shifted_decoder, weights=weights)
         self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.lm_head.weight = self.shared.weight  # tied, as T5's
 
@@ -124,6 +130,20 @@ class RelBiasSeq2Seq(nn.Module):
         return self.lm_head(h * WIDTH ** -0.5)
 
 
+class KwargsSeq2Seq(RelBiasSeq2Seq):
+    """Takes keyword arguments it does not use (``position_ids``), as Hugging Face models do:
+    context parallelism's check of the signature alone would let it through."""
+
+    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor,
+                **kwargs: Any) -> torch.Tensor:
+        return super().forward(input_ids, decoder_input_ids)
+
+
+def kwargs_seq2seq() -> nn.Module:
+    torch.manual_seed(0)
+    return KwargsSeq2Seq()
+
+
 def seq2seq() -> nn.Module:
     torch.manual_seed(0)
     return RelBiasSeq2Seq()
@@ -132,6 +152,12 @@ def seq2seq() -> nn.Module:
 def gated_seq2seq() -> nn.Module:
     torch.manual_seed(0)
     return RelBiasSeq2Seq(gated=True)
+
+
+def weights_seq2seq() -> nn.Module:
+    """Every attention returns its softmax third, as eager attention returns its weights."""
+    torch.manual_seed(0)
+    return RelBiasSeq2Seq(weights=True)
 
 
 def shifted_seq2seq() -> nn.Module:
@@ -259,6 +285,18 @@ def hf_t5_gated() -> nn.Module:
     return t5_gated()[0]
 
 
+def hf_t5_eager() -> nn.Module:
+    from tests._workers_encdec import t5
+
+    return t5(attn="eager")[0]
+
+
+def hf_t5_gated_eager() -> nn.Module:
+    from tests._workers_encdec import t5_gated
+
+    return t5_gated(attn="eager")[0]
+
+
 def hf_bart() -> nn.Module:
     from tests._workers_encdec import bart
 
@@ -293,18 +331,32 @@ MODELS = {"seq2seq": (seq2seq, seq2seq_batch, token_loss),
           "towers": (towers, towers_batch, clip_loss),
           "hf_t5": (hf_t5, seq2seq_batch, logits_loss),
           "hf_t5_gated": (hf_t5_gated, seq2seq_batch, logits_loss),
+          "weights_seq2seq": (weights_seq2seq, seq2seq_batch, token_loss),
+          "kwargs_seq2seq": (kwargs_seq2seq, seq2seq_batch, token_loss),
+          "hf_t5_eager": (hf_t5_eager, seq2seq_batch, logits_loss),
+          "hf_t5_gated_eager": (hf_t5_gated_eager, seq2seq_batch, logits_loss),
           "hf_bart": (hf_bart, seq2seq_batch, logits_loss),
           "hf_clip": (hf_clip, clip_batch, hf_clip_loss)}
 
 # A norm in a block of each stack (the first block of one, the last of the other): the length
 # of the sequence it normalises is one rank's part under sequence parallelism.
 PROBES = {"seq2seq": ("encoder.block.0.norm_1", "decoder.block.1.norm_2"),
+          "weights_seq2seq": ("encoder.block.0.norm_1", "decoder.block.1.norm_2"),
           "towers": ("text_model.layers.1.norm_1", "vision_model.layers.0.norm_2"),
           "hf_t5": ("encoder.block.0.layer.0.layer_norm", "decoder.block.1.layer.2.layer_norm"),
+          "hf_t5_eager": ("encoder.block.0.layer.0.layer_norm",
+                          "decoder.block.1.layer.2.layer_norm"),
           "hf_bart": ("model.encoder.layers.0.self_attn_layer_norm",
                       "model.decoder.layers.1.final_layer_norm"),
           "hf_clip": ("text_model.encoder.layers.1.layer_norm1",
                       "vision_model.encoder.layers.0.layer_norm2")}
+
+
+# An attention block returning its weights third, of each model that has them: under tp each
+# rank computes its own heads' weights only, which the block returns as None.
+WEIGHTS = {"weights_seq2seq": "decoder.block.1.cross",
+           "hf_t5_eager": "decoder.block.1.layer.1.EncDecAttention",
+           "hf_t5_gated_eager": "encoder.block.0.layer.0.SelfAttention"}
 
 
 def reference(name: str) -> dict[str, Any]:
@@ -318,6 +370,13 @@ def _length_of(probe: str, lengths: dict[str, int]) -> Any:
     """A pre-hook noting the sequence length of the first input ``probe`` gets."""
     def hook(mod: nn.Module, args: tuple) -> None:
         lengths.setdefault(probe, args[0].shape[1])
+    return hook
+
+
+def _third_of(found: list[Any]) -> Any:
+    """A forward hook noting the third value of each output (an attention's weights)."""
+    def hook(mod: nn.Module, args: tuple, output: tuple) -> None:
+        found.append(output[2])
     return hook
 
 
@@ -339,12 +398,15 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[
         lengths: dict[str, int] = {}
         for probe in PROBES.get(name, ()):
             model.get_submodule(probe).register_forward_pre_hook(_length_of(probe, lengths))
+        weights: list[Any] = []
+        if name in WEIGHTS:
+            model.get_submodule(WEIGHTS[name]).register_forward_hook(_third_of(weights))
         opt = _optimizer(model.parameters(), "adamw")
         losses = [float(run.step(model, batch(s), loss_fn, opt)) for s in range(STEPS)]
         state = _state(run, model)
         run.close()
         out.append({"plan": plan, "losses": losses, "state": state if rank == 0 else None,
-                    "lengths": lengths})
+                    "lengths": lengths, "weights": [w is None for w in weights]})
     return out
 
 

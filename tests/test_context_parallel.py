@@ -111,13 +111,30 @@ def test_training_at_cp2_matches_one_device(lm_data):
 
 def test_cp_refuses_what_it_would_train_wrongly(lm_data):
     """A model without position_ids, a loss that shifts the labels itself, a sequence that does
-    not split into 2*cp chunks, per-row targets: each refused with the fix."""
+    not split into 2*cp chunks, per-row targets, attention written out instead of
+    F.scaled_dot_product_attention (each rank's would attend over its slice only): each
+    refused with the fix."""
     batches, _ = lm_data
     got = run_distributed(W.refusals, 2, batches, timeout=240)[0]
     assert "MaskedLM.forward must be told" in got[0] and "position_ids" in got[0], got[0]
     assert "shift the labels in the data" in got[1], got[1]
     assert "6 tokens" in got[2] and "multiple of 4" in got[2], got[2]
     assert "shape (4,)" in got[3] and "per-token labels" in got[3], got[3]
+    assert "but the model's forward never called it" in got[4], got[4]
+
+
+def test_cp_refuses_a_hugging_face_model_whose_attention_is_not_sdpa():
+    """Llama built with attn_implementation="eager" computes attention without
+    F.scaled_dot_product_attention, which cp replaces: refused before any sharding, naming
+    the fix; its SDPA form is not."""
+    from plait.parallel.context import cp_refusal
+
+    assert cp_refusal(W.hf_llama("eager"), 2) == (
+        "context parallelism (cp=2) makes F.scaled_dot_product_attention attend over the "
+        "whole sequence, and LlamaForCausalLM computes attention with "
+        "attn_implementation='eager', which would attend over each rank's slice only: build "
+        "it with attn_implementation='sdpa', or train with cp=1")
+    assert cp_refusal(W.hf_llama(), 2) is None
 
 
 def test_the_ledger_shows_the_all_gathers_on_the_cp_axis(lm_data):

@@ -32,6 +32,9 @@ from tests import _workers_tp_encdec as T
 
 TOL = 1e-5  # fp32: losses and every parameter after AdamW steps
 STACKS = "stacks of blocks whose layers the plan splits"
+CROSS = ("whose decoder attends to the encoder's whole output (cross-attention), a sequence of "
+         "its own that the slices of one do not split: use tp or dp for encoder-decoder models "
+         "(cp=1)")
 
 
 def _assert_as_one_device(ref: dict, got: dict, tol: float = TOL,
@@ -54,19 +57,35 @@ def _assert_split(got: dict, name: str, lengths: tuple[int, int], sp: bool) -> N
     assert got["lengths"] == want, (got["plan"], got["lengths"], want)
 
 
+def _assert_weights_dropped(got: dict, name: str) -> None:
+    """The attention block :data:`T.WEIGHTS` names returned None for its weights in every
+    forward (each rank holds its own heads' weights only)."""
+    assert got["weights"] and all(got["weights"]), (got["plan"], name, got["weights"])
+
+
 def test_models_fx_cannot_trace_train_as_one_device_under_tp_and_sp():
     """An encoder-decoder with a relative position bias in block 0 of each stack (and
     cross-attention, a head tied to the embedding) and two towers with projection heads and a
     temperature: tp=2 and tp=2,sp train what one device trains; under sp each stack's blocks
     run on half of its own sequence (the encoder's 6 source positions, the decoder's 4 target
-    positions; the text tower's 6 tokens, the image tower's 4 patches)."""
+    positions; the text tower's 6 tokens, the image tower's 4 patches). The encoder-decoder
+    whose attention returns its softmax beside its output (as eager attention does) trains the
+    same, its attention weights returned as None. cp=2 refuses the encoder-decoder at
+    run.parallelize, naming its stacks, though its forward takes position_ids."""
     jobs = [("tp=2", "seq2seq"), ("tp=2", "towers"), ("tp=2,sp", "seq2seq"),
-            ("tp=2,sp", "towers")]
+            ("tp=2,sp", "towers"), ("tp=2", "weights_seq2seq"), ("tp=2,sp", "weights_seq2seq"),
+            ("cp=2", "kwargs_seq2seq")]
     got = run_distributed(T.train, 2, jobs, timeout=240)[0]
-    for (plan, name), result in zip(jobs, got, strict=True):
+    assert got[-1]["refused"] == (
+        f"context parallelism (cp=2) splits one sequence per batch row over the cp ranks, and "
+        f"KwargsSeq2Seq is an encoder-decoder (stacks encoder.block and decoder.block), "
+        f"{CROSS}"), got[-1]
+    for (plan, name), result in zip(jobs[:-1], got[:-1], strict=True):
         _assert_as_one_device(T.reference(name), result)
-        lengths = (T.SRC, T.TGT) if name == "seq2seq" else (6, 4)
+        lengths = (6, 4) if name == "towers" else (T.SRC, T.TGT)
         _assert_split(result, name, lengths, sp=plan.endswith("sp"))
+        if name in T.WEIGHTS:
+            _assert_weights_dropped(result, name)
 
 
 def test_sp_is_refused_naming_the_stack_that_cannot_take_it():
@@ -99,10 +118,12 @@ def test_sp_is_refused_naming_the_stack_that_cannot_take_it():
 def test_gated_feed_forwards_and_hugging_face_t5_train_as_one_device_under_tp():
     """The gated form (``wi_0``, ``wi_1``), and T5 from configs (T5 v1.1's gated-gelu with an
     untied head too): their inferred plans under tp=2, AdamW, against one device."""
-    names = ["gated_seq2seq", "hf_t5", "hf_t5_gated"]
-    got = run_distributed(T.train, 2, [("tp=2", n) for n in names], timeout=300)[0]
+    names = ["gated_seq2seq", "hf_t5", "hf_t5_gated", "hf_t5_eager", "hf_t5_gated_eager"]
+    got = run_distributed(T.train, 2, [("tp=2", n) for n in names], timeout=400)[0]
     for name, result in zip(names, got, strict=True):
         _assert_as_one_device(T.reference(name), result)
+        if name in T.WEIGHTS:
+            _assert_weights_dropped(result, name)
 
 
 @pytest.mark.slow
@@ -113,8 +134,9 @@ def test_hugging_face_encoder_decoders_and_clip_train_as_one_device_under_tp_and
     its own sequence. CLIP's key biases are left out of the parameters compared: softmax
     ignores them, so their gradient is rounding noise that AdamW scales to a step (tp alone
     moves them as far)."""
-    names = ["gated_seq2seq", "hf_t5", "hf_t5_gated", "hf_bart", "hf_clip"]
-    got = run_distributed(T.train, 2, [("tp=2,sp", n) for n in names], timeout=480)[0]
+    names = ["gated_seq2seq", "hf_t5", "hf_t5_gated", "hf_bart", "hf_clip", "hf_t5_eager",
+             "hf_t5_gated_eager"]
+    got = run_distributed(T.train, 2, [("tp=2,sp", n) for n in names], timeout=540)[0]
     for name, result in zip(names, got, strict=True):
         if name == "hf_clip":
             _assert_as_one_device(T.reference(name), result, tol=1e-4, noise=("k_proj.bias",))
@@ -123,6 +145,8 @@ def test_hugging_face_encoder_decoders_and_clip_train_as_one_device_under_tp_and
         _assert_as_one_device(T.reference(name), result)
         if name in T.PROBES:
             _assert_split(result, name, (T.SRC, T.TGT), sp=True)
+        if name in T.WEIGHTS:
+            _assert_weights_dropped(result, name)
 
 
 def test_the_inferred_plans_of_the_models_written_for_the_test():
@@ -248,3 +272,45 @@ def test_hugging_face_clip_gets_a_plan_with_its_projections_whole():
     sp = verify_plan(model, infer_plan(model), 2, sp=True)
     assert sp.supports_sp and sp.sp_stacks == (
         "text_model.encoder.layers.*", "vision_model.encoder.layers.*"), sp
+
+
+def test_context_parallelism_refuses_hugging_face_encoder_decoders_by_their_stacks():
+    """T5 (SDPA and eager attention), T5 v1.1 and BART: cp=2 is refused before any sharding,
+    naming the stacks; a decoder-only Llama, whose forward also takes ``**kwargs``, is not."""
+    from plait.parallel.context import cp_refusal
+    from tests._workers_cp import hf_llama
+
+    for model, stacks in ((E.t5()[0], "encoder.block and decoder.block"),
+                          (E.t5(attn="eager")[0], "encoder.block and decoder.block"),
+                          (E.t5_gated()[0], "encoder.block and decoder.block"),
+                          (E.bart()[0], "model.encoder.layers and model.decoder.layers")):
+        assert cp_refusal(model, 2) == (
+            f"context parallelism (cp=2) splits one sequence per batch row over the cp ranks, "
+            f"and {type(model).__name__} is an encoder-decoder (stacks {stacks}), {CROSS}")
+    assert cp_refusal(hf_llama(), 2) is None
+
+
+def test_attention_weights_returned_beside_the_output_get_the_plan_without_them():
+    """An attention block that returns its softmax beside its output (eager attention's
+    weights: per head, from q and k alone) gets the plan the same block without them gets,
+    and the plan names where they sit, to return None there under tp; the plan a user copies
+    keeps that. Hugging Face T5 built with attn_implementation="eager" gets its SDPA form's
+    plan, sequence parallelism included (T5 v1.1's gated form: trained in the slow tests)."""
+    plan = infer_plan(T.weights_seq2seq())
+    assert plan.styles == infer_plan(T.seq2seq()).styles
+    assert plan.head_outputs == {"encoder.block.*.attn": (2,), "decoder.block.*.attn": (2,),
+                                 "decoder.block.*.cross": (2,)}
+    copied = TPPlan.from_option(json.loads(json.dumps(plan.to_dict())))
+    assert copied.head_outputs == plan.head_outputs
+    with pytest.raises(ValueError, match=r"head_outputs=\{'attn': \[0\]\}: give a mapping"):
+        TPPlan.from_option({"styles": plan.styles, "head_outputs": {"attn": [0]}})
+    eager, sdpa = E.t5(attn="eager")[0], E.t5()[0]
+    assert eager.config._attn_implementation == "eager"
+    got = verify_plan(eager, infer_plan(eager), 2, sp=True)
+    want = infer_plan(sdpa)
+    assert got.styles == want.styles and got.divide_attrs == want.divide_attrs
+    assert got.supports_sp and got.sp_stacks == ("encoder.block.*", "decoder.block.*"), got
+    assert got.head_outputs == {f"{stack}.block.*.layer.*.{attn}": (2,) for stack, attn in (
+        ("encoder", "SelfAttention"), ("decoder", "SelfAttention"),
+        ("decoder", "EncDecAttention"))}
+    assert not want.head_outputs

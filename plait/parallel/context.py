@@ -130,19 +130,22 @@ _TORCH_SDPA = "_plait_torch_sdpa"
 
 
 @contextlib.contextmanager
-def cp_attention(cp: ContextGroup, seq: int) -> Iterator[None]:
+def cp_attention(cp: ContextGroup, seq: int, whole_model: bool = False) -> Iterator[None]:
     """While inside: ``F.scaled_dot_product_attention`` of this rank's queries (its slice of a
     ``seq``-token sequence) attends to the whole sequence. Keep the backward inside too
     (activation checkpointing recomputes attention there). Entered again inside (a loss of
     several terms counts the later micro-batches' terms inside the first one's), the inner
     slice's attention wraps torch's own function, not the outer one's, and the outer one's
-    is back on exit."""
+    is back on exit. ``whole_model`` (not a pipeline stage, which may hold no attention): a
+    forward that never called it is refused on exit, before the optimizer steps: attention
+    written out (``softmax(q @ k.T) @ v``) would have read this rank's slice only."""
     previous = F.scaled_dot_product_attention
     original = getattr(previous, _TORCH_SDPA, previous)
     q_pos = cp.positions(seq)
     k_pos = cp.key_positions(seq)
     local = q_pos.numel()
     masks: dict[torch.device, torch.Tensor] = {}
+    calls = [0]
 
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
@@ -168,6 +171,7 @@ def cp_attention(cp: ContextGroup, seq: int) -> Iterator[None]:
                 f"rank's slice of the {seq}-token sequence has {local}: attention over "
                 f"anything but the sequence the batch carried (cross-attention, added tokens, "
                 f"a KV cache) cannot be split this way; train such a model with cp=1")
+        calls[0] += 1
         full_k = gather_sequence(key, cp.group, key.ndim - 2)
         full_v = gather_sequence(value, cp.group, value.ndim - 2)
         mask = None
@@ -184,6 +188,13 @@ def cp_attention(cp: ContextGroup, seq: int) -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = previous
+    if whole_model and not calls[0]:
+        raise ValueError(
+            f"context parallelism (cp={cp.size}) gives each rank a slice of every sequence and "
+            f"makes F.scaled_dot_product_attention attend over the whole of it, but the model's "
+            f"forward never called it: attention written out (softmax(q @ k.transpose(-2, -1)) "
+            f"@ v) would attend over this rank's slice only; compute attention with "
+            f"F.scaled_dot_product_attention, or train with cp=1")
 
 
 # ------------------------------------------------------------------------------ the train step
@@ -207,6 +218,20 @@ def cp_refusal(module: nn.Module, cp: int) -> str | None:
     explicit attention mask, a loss that shifts labels) is refused at the step."""
     inner = module.module if hasattr(module, "module") and isinstance(
         module.module, nn.Module) else module
+    two = encoder_decoder(inner)
+    if two is not None:
+        return (f"context parallelism (cp={cp}) splits one sequence per batch row over the cp "
+                f"ranks, and {type(inner).__name__} is an encoder-decoder ({two}), whose "
+                f"decoder attends to the encoder's whole output (cross-attention), a sequence "
+                f"of its own that the slices of one do not split: use tp or dp for "
+                f"encoder-decoder models (cp=1)")
+    config = getattr(inner, "config", None)
+    attn = getattr(config, "_attn_implementation", None)
+    if isinstance(attn, str) and attn != "sdpa" and hasattr(config, "is_encoder_decoder"):
+        return (f"context parallelism (cp={cp}) makes F.scaled_dot_product_attention attend "
+                f"over the whole sequence, and {type(inner).__name__} computes attention with "
+                f"attn_implementation={attn!r}, which would attend over each rank's slice "
+                f"only: build it with attn_implementation='sdpa', or train with cp=1")
     if takes_positions(inner):
         return None
     return (f"context parallelism (cp={cp}) gives each rank a slice of every sequence, so "
@@ -214,6 +239,37 @@ def cp_refusal(module: nn.Module, cp: int) -> str | None:
             f"'{POSITIONS_KWARG}' keyword argument (a (batch, local_seq) int64 tensor; use it "
             f"wherever positions are computed, e.g. rotary embeddings or a position embedding; "
             f"a model without positional encodings may ignore it), or train with cp=1")
+
+
+# Forward parameters that name a second sequence: the decoder's own (``decoder_input_ids``,
+# ``decoder_attention_mask``) or the encoder's output a decoder attends to
+# (``encoder_hidden_states``, ``encoder_outputs``), as Hugging Face names them.
+_SECOND_SEQUENCE = ("decoder_", "encoder_")
+
+
+def encoder_decoder(module: nn.Module) -> str | None:
+    """What makes ``module`` an encoder-decoder (its stacks of blocks, or what says so), or
+    None: a Hugging Face config saying ``is_encoder_decoder`` or ``add_cross_attention`` (its
+    forward takes ``encoder_hidden_states`` whether or not it attends to them); a model without
+    one, a forward taking a parameter named for the decoder's or the encoder's sequence."""
+    from .pipeline_hf import other_block_stacks
+
+    config = getattr(module, "config", None)
+    if hasattr(config, "is_encoder_decoder"):
+        flags = [f for f in ("is_encoder_decoder", "add_cross_attention")
+                 if getattr(config, f, False) is True]
+        said = f"config.{flags[0]}" if flags else None
+    else:
+        try:
+            params = list(inspect.signature(module.forward).parameters)
+        except (TypeError, ValueError):
+            params = []
+        named = [p for p in params if p.startswith(_SECOND_SEQUENCE)]
+        said = f"its forward takes {named[0]}" if named else None
+    if said is None:
+        return None
+    stacks = other_block_stacks(module, "")
+    return f"stacks {' and '.join(stacks)}" if len(stacks) >= 2 else said
 
 
 def takes_positions(module: nn.Module) -> bool:

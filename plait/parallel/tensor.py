@@ -641,6 +641,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: Mesh, plan: Plan,
             if style == "vocab_embedding":
                 _refuse_uneven_sequence(module.get_submodule(name), tp)
     _divide_attrs(module, tp_plan.divide_attrs, tp, keep=set(owners(kv)))
+    _drop_head_outputs(module, tp_plan.head_outputs)
     for owner, heads in owners(kv).items():
         sub = module.get_submodule(owner)
         for attr, value in local_attrs(sub, heads, tp).items():
@@ -744,6 +745,24 @@ def shard_sequence_in_blocks(module: nn.Module, blocks_glob: str, mesh: DeviceMe
         first.register_forward_pre_hook(split_input, with_kwargs=True)
     if not hands_on_shard:
         last.register_forward_hook(gather_output, with_kwargs=True)
+
+
+def _drop_head_outputs(module: nn.Module, head_outputs: dict[str, tuple[int, ...]]) -> None:
+    """Blocks whose output tuple holds a map per head at these positions (eager attention's
+    weights) return None there: each rank computes its own heads' maps only, and None is what
+    a block computing attention with a fused kernel returns (a Hugging Face model then leaves
+    them out of ``output_attentions``), where the rank's heads would pass for all of them."""
+    for name, sub in module.named_modules():
+        positions = next((v for g, v in head_outputs.items() if glob_regex(g).match(name)), ())
+        if not name or not positions:
+            continue
+
+        def drop(mod: nn.Module, args: tuple, output: Any, at: tuple[int, ...] = positions
+                 ) -> Any:
+            if not isinstance(output, tuple) or len(output) <= max(at):
+                return None
+            return tuple(None if i in at else v for i, v in enumerate(output))
+        sub.register_forward_hook(drop)
 
 
 def _divide_attrs(module: nn.Module, divide: dict[str, tuple[str, ...]], tp: int,

@@ -147,6 +147,12 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
               and _linear_like(block.get_submodule(n.target))}
     if nested and any(nested & _reaches(n, nodes) for n in nodes):
         return None
+    heads_out = _head_outputs(graph, output, nodes)
+    if heads_out:
+        # Left out of the output for the analysis below; under tp they are dropped from the
+        # block's output (plait.parallel.tensor), as torch's own attention leaves them None.
+        output.args = (tuple(None if i in heads_out else a
+                             for i, a in enumerate(output.args[0])),)
     if _side_by_side(nodes, output):
         return None
     fixed = sorted(n for n in linears if not _shardable_like(block.get_submodule(n)))
@@ -192,11 +198,43 @@ def analyse_block(block: nn.Module, name: str, graph: fx.Graph | None = None
         styles[""] = "region"
         styles["__side__"] = "|".join(calls[e] for e in entries
                                       if e.args[0] is not entries[0].args[0])
+    if heads_out:
+        styles["__head_outputs__"] = "|".join(map(str, heads_out))
     attention = any((n.op == "call_function" and n.target in _ATTENTION_FUNCS)
                     or (n.op == "call_method" and n.target in _ATTENTION_METHODS)
                     for n in graph.nodes)
     styles["__kind__"] = "attention" if attention else "mlp"
     return styles
+
+
+_SOFTMAX_FUNCS = {F.softmax, torch.softmax}
+
+
+def _head_outputs(graph: fx.Graph, output: fx.Node, nodes: set[fx.Node]) -> list[int]:
+    """Positions past the first in the block's output tuple that hold attention weights (what
+    eager attention returns beside its output: the softmax of the queries' and keys' scores,
+    one map per head). They come from the region's entry linears alone, so under tp each rank
+    holds its own heads' maps, not all of them; the block output proper is the first value.
+    A value counts when a softmax lies on its path from an entry and every linear it comes
+    from reads no other linear's output (q and k, not what an output projection computed)."""
+    values = output.args[0] if output.args else None
+    if not isinstance(values, tuple):
+        return []
+    softmaxes = {n for n in graph.nodes
+                 if (n.op == "call_function" and n.target in _SOFTMAX_FUNCS)
+                 or (n.op == "call_method" and n.target == "softmax")}
+    found = []
+    for i, value in enumerate(values):
+        if i == 0 or not isinstance(value, fx.Node):
+            continue
+        above = _ancestors(value) | {value}
+        linears = above & nodes
+        if (value not in nodes and linears and softmaxes & above
+                and not any(_ancestors(n) & nodes for n in linears)
+                and all(s in set().union(*(_reaches(n, set()) for n in linears))
+                        for s in softmaxes & above)):
+            found.append(i)
+    return found
 
 
 def _side_by_side(nodes: set[fx.Node], output: fx.Node) -> bool:
@@ -472,6 +510,7 @@ def infer_plan(model: nn.Module, example: Example | None = None) -> TPPlan:
     refused: dict[str, None] = {}  # "blocks (type): reason", repeated blocks as one glob
     in_blocks: set[str] = set()
     side: set[str] = set()  # column-parallel layers of a region that read another input
+    head_outputs: dict[str, tuple[int, ...]] = {}  # blocks returning per-head attention maps
     candidates = {name: block for name, block in model.named_modules()
                   if sum(_linear_like(m) for m in block.children()) >= 2
                   and low_rank_parts(block) is None}
@@ -502,6 +541,9 @@ def infer_plan(model: nn.Module, example: Example | None = None) -> TPPlan:
             refused[f"{glob} ({type(block).__name__}): {result}"] = None
             continue
         kind = result.pop("__kind__")
+        dropped = result.pop("__head_outputs__", "")
+        if dropped and name:
+            head_outputs[name] = tuple(int(i) for i in dropped.split("|"))
         side.update(f"{name}.{child}".strip(".") for child in result.pop("__side__", "").split("|")
                     if child)
         for child, style in result.items():
@@ -557,9 +599,12 @@ def infer_plan(model: nn.Module, example: Example | None = None) -> TPPlan:
     names = [n for n, _ in model.named_modules() if n]
     joined = _globs({k: "|".join(v) for k, v in divide.items()}, names)
     divide_globs = {g: tuple(attrs.split("|")) for g, attrs in joined.items()}
+    positions = _globs({k: "|".join(map(str, v)) for k, v in head_outputs.items()}, names)
     return TPPlan(styles=_globs(styles, names), divide_attrs=divide_globs,
                   source=f"inferred from {type(model).__name__}'s structure", sizes=sizes,
-                  side_inputs=tuple(_globs(dict.fromkeys(side, "side"), names)))
+                  side_inputs=tuple(_globs(dict.fromkeys(side, "side"), names)),
+                  head_outputs={g: tuple(int(i) for i in v.split("|"))
+                                for g, v in positions.items()})
 
 
 def with_sp(model: nn.Module, plan: TPPlan, matched: dict[str, str],
@@ -846,7 +891,8 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False,
         if not mixed_blocks(model, {n: "replicated_kv" if n in kv else s for n, s in
                                     match_plan(model, styles).items()}, tp, example, kv):
             fixed = TPPlan(styles=styles, divide_attrs=plan.divide_attrs, source=plan.source,
-                           sizes=plan.sizes, side_inputs=plan.side_inputs)
+                           sizes=plan.sizes, side_inputs=plan.side_inputs,
+                           head_outputs=plan.head_outputs)
             return with_sp(model, fixed, match_plan(model, styles), example) if sp else fixed
     raise ValueError(
         f"the tensor-parallel plan inferred for {type(model).__name__} splits "

@@ -100,6 +100,11 @@ class TPPlan:
     # input's gradient in backward, where the region's entries share one all-reduce. Read by
     # the planner, which counts the collectives off the plan.
     side_inputs: tuple[str, ...] = ()
+    # Attention blocks whose output tuple holds, at these positions, a map per head (eager
+    # attention's weights, the softmax of the scores): under tp a rank computes its own
+    # heads' maps only, so they are dropped from the block's output (None, as torch's fused
+    # attention returns them) rather than handed on as if they were all the heads.
+    head_outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def with_prefix(self, prefix: str) -> TPPlan:
         if not prefix:
@@ -110,7 +115,8 @@ class TPPlan:
                       sp_blocks=f"{prefix}.{self.sp_blocks}" if self.sp_blocks else "",
                       sp_more_blocks=tuple(f"{prefix}.{b}" for b in self.sp_more_blocks),
                       sp_summed=self.sp_summed, sp_refused=self.sp_refused,
-                      side_inputs=tuple(f"{prefix}.{g}" for g in self.side_inputs))
+                      side_inputs=tuple(f"{prefix}.{g}" for g in self.side_inputs),
+                      head_outputs={f"{prefix}.{k}": v for k, v in self.head_outputs.items()})
 
     @property
     def sp_stacks(self) -> tuple[str, ...]:
@@ -124,6 +130,8 @@ class TPPlan:
             out["divide_attrs"] = {k: list(v) for k, v in self.divide_attrs.items()}
         if self.side_inputs:
             out["side_inputs"] = list(self.side_inputs)
+        if self.head_outputs:
+            out["head_outputs"] = {k: list(v) for k, v in self.head_outputs.items()}
         return out
 
     @staticmethod
@@ -144,17 +152,26 @@ class TPPlan:
                 raise ValueError(f"options.tp_plan side_inputs={side!r}: give a list of module "
                                  f"globs (the column-parallel layers inside a region that "
                                  f"read another input, such as cross-attention's k and v)")
+            heads_in = value.get("head_outputs", {})
+            if not isinstance(heads_in, Mapping) or not all(
+                    isinstance(v, (list, tuple)) and all(isinstance(i, int) and i > 0 for i in v)
+                    for v in heads_in.values()):
+                raise ValueError(f"options.tp_plan head_outputs={heads_in!r}: give a mapping of "
+                                 f"module glob to a list of positions (> 0) in its output tuple "
+                                 f"that hold a map per head, such as [2] for eager attention's "
+                                 f"weights")
             styles = dict(styles)
             divide = {k: tuple(v) for k, v in divide_in.items()}
+            heads = {k: tuple(v) for k, v in heads_in.items()}
         else:
-            styles, divide, side = dict(value), {}, []
+            styles, divide, side, heads = dict(value), {}, [], {}
         bad = {k: v for k, v in styles.items() if v not in STYLES}
         if bad:
             raise ValueError(f"unknown tensor-parallel style(s) {bad} in options.tp_plan; "
                              f"styles are {', '.join(STYLES)}")
         return TPPlan(styles=styles, divide_attrs=divide, source="options.tp_plan",
                       supports_sp=any(v == "sequence_parallel" for v in styles.values()),
-                      side_inputs=tuple(side))
+                      side_inputs=tuple(side), head_outputs=heads)
 
 
 # --------------------------------------------------------------------------- reference model
