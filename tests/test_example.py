@@ -90,7 +90,7 @@ def test_tp_on_images_no_guess_fits_is_refused_naming_example_and_checked_with_i
     for sp in (True, False):  # without sp the plan was used unchecked
         refused = tp_refusal(model, 2, sp)
         assert refused is not None and "plan inferred for PatchViT cannot be checked" in refused
-        assert "run.parallelize(model, example=next(iter(loader)))" in refused, refused
+        assert "run.parallelize(model, example=loader.batch(0))" in refused, refused
     x = Pictures().x[:4]
     assert tp_refusal(model, 2, True, Example((x,))) is None
 

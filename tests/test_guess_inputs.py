@@ -16,7 +16,7 @@ from plait.parallel.tensor import tp_refusal
 from plait.spawn import run_distributed
 from tests import _guess_models as G
 
-FIX = "run.parallelize(model, example=next(iter(loader)))"
+FIX = "run.parallelize(model, example=loader.batch(0))"
 
 # (model, plan, fitting, with example=) -> "one device", or a fragment of the refusal.
 JOBS: dict[tuple[str, str, bool, bool], str] = {

@@ -815,7 +815,7 @@ def unchecked_refusal(model: nn.Module, plan: TPPlan, tp: int, guess: Example | 
             f"forward does not run on any input plait guessed for it (tried {tried}{raised}), "
             f"and a split that does not fit its dataflow would fail at the "
             f"first step, or train wrong, after every parameter is sharded. Pass one batch as "
-            f"run.step takes it, run.parallelize(model, example=next(iter(loader))), which the "
+            f"run.step takes it, run.parallelize(model, example=loader.batch(0)), which the "
             f"plan is checked on, or name the split yourself with Plan(options={{'tp_plan': "
             f"{json.dumps(plan.styles)}}}) (the inferred one)")
 
