@@ -38,7 +38,7 @@ from .argv import accelerator_from_argv, format_from_argv, plan_from_argv
 from .batch_rows import MicroBatches
 from .data.loader import DistributedLoader, is_stream
 from .data.stream import StreamLoader
-from .job_steps import JobSteps
+from .job_steps import Call, JobSteps
 from .mesh import Mesh, build_mesh
 from .parallel.layout import layout_of
 from .parallelize import parallelize as _parallelize
@@ -684,8 +684,24 @@ class Run:
         self._apply_verdict(step)
         if self._watchdog is not None:
             self._watchdog.active = False  # between steps, time spent is the user's
+        self._record_call(call, step, elapsed, job_items, loss)
+        if ckpt is not None:
+            if ckpt.pending is not None and ckpt.pending.done():
+                ckpt.pending.wait()  # rank 0 publishes a finished background save
+            if ckpt.due(step):
+                self.save()
+        if self._attempt is not None:
+            self._attempt.write(first=self.first_step, last=step)
+        self._stop_if_asked(step)
+        return loss
+
+    def _record_call(self, call: Call, step: int, elapsed: float,
+                     job_items: torch.Tensor | float, loss: torch.Tensor) -> None:
+        """A finished ``run.step`` call in the stats of its job step ``step``, and the lines
+        it draws: a call that joins the step adds its time to the step's, whose items and
+        loss are its first call's; each model's loss shows by its label."""
         self._steps.done(call)
-        if joins:  # the step's time is every model's; its items and loss, the first one's
+        if call.joins:
             self.stats.step_times[-1] += elapsed
             self.stats.step_ends[-1] = time.perf_counter()
         else:
@@ -698,18 +714,9 @@ class Run:
             self.stats.step_ends.append(time.perf_counter())
             self.stats.tokens.append(int(job_items))
             self.stats.losses.append(loss)
-        self.stats.named_losses[self._steps.labels[id(model)]] = loss  # shown for two or more
+        self.stats.named_losses[self._steps.labels[call.model]] = loss  # shown for two or more
         if self._steps.ends_step(call):
             self._draw_line(step)
-        if ckpt is not None:
-            if ckpt.pending is not None and ckpt.pending.done():
-                ckpt.pending.wait()  # rank 0 publishes a finished background save
-            if ckpt.due(step):
-                self.save()
-        if self._attempt is not None:
-            self._attempt.write(first=self.first_step, last=step)
-        self._stop_if_asked(step)
-        return loss
 
     def _draw_line(self, step: int) -> None:
         """The progress line (bar, JSON event, TensorBoard scalars) of ``step``, the last one

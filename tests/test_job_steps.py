@@ -22,10 +22,12 @@ class Job:
     done: int = 0  # job steps so far (len(stats.step_times) in the runtime)
     numbers: list[int] = field(default_factory=list)  # each call's step
     lines: list[int] = field(default_factory=list)  # each line drawn, by its step
+    drawn: list[list[int]] = field(default_factory=list)  # the lines each call drew
     shown: list[set[str]] = field(default_factory=list)  # the labels on each step's line
 
     def call(self, model: int, name: str, inner: bool = False, position: int = 0) -> None:
         call = self.steps.begin(model, name, inner=inner, loader=(LOADER, position))
+        self.drawn.append([])
         step = self.done + (0 if call.joins else 1)
         self.steps.done(call)
         if not call.joins:
@@ -42,6 +44,8 @@ class Job:
     def _draw(self, step: int) -> None:
         if step > 0 and self.steps.draw(step):
             self.lines.append(step)
+            if self.drawn:
+                self.drawn[-1].append(step)
 
 
 def test_a_gans_two_calls_per_batch_are_one_step() -> None:
@@ -53,7 +57,7 @@ def test_a_gans_two_calls_per_batch_are_one_step() -> None:
     assert job.numbers == [1, 1, 2, 2, 3, 3]
     # step 1's line at its first call (nothing tells a GAN from one model yet); each later
     # step's at the generator's call, the last of the step before
-    assert job.lines == [1, 2, 3]
+    assert job.drawn == [[1], [], [], [2], [], [3]]
     assert job.shown == [{"Disc"}, {"Disc", "Gen"}, {"Disc", "Gen"}]
     assert list(job.steps.labels.values()) == ["Disc", "Gen"]
     assert not job.steps.inner_calls
@@ -77,6 +81,7 @@ def test_a_model_trained_after_another_counts_its_own_steps() -> None:
     # B's first call joins A's last step; each call on B after it begins a step of its own
     assert job.numbers == [1, 2, 3, 3, 4, 5]
     assert job.lines == [1, 2, 3, 4, 5]  # step 3's line once, not again at B's first call
+    assert job.drawn == [[1], [2], [3], [], [4], [5]]
     assert job.shown == [{"A"}, {"A"}, {"A"}, {"A", "B"}, {"B"}]
 
 
@@ -88,7 +93,8 @@ def test_a_wgan_critics_inner_calls_join_the_generators_step() -> None:
         job.call(2, "Gen", position=batch + 1)
     job.finish()
     assert job.numbers == [1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
-    assert job.lines == [1, 2, 3]  # each at the generator's call, the one that closes it
+    assert job.lines == [1, 2, 3]
+    assert job.drawn == [[], [], [], [1], [], [], [], [2], [], [], [], [3]]  # the closing calls
     assert job.steps.inner_calls
     assert list(job.steps.labels.values()) == ["Critic", "Gen"]
 
@@ -99,7 +105,7 @@ def test_one_model_with_inner_calls_counts_the_call_without_it() -> None:
         for inner in (True, True, False):
             job.call(1, "Net", inner=inner)
     assert job.numbers == [1, 1, 1, 2, 2, 2]
-    assert job.lines == [1, 2]
+    assert job.drawn == [[], [], [1], [], [], [2]]
 
 
 def test_critic_calls_on_batches_of_their_own_are_each_a_step() -> None:
@@ -113,6 +119,8 @@ def test_critic_calls_on_batches_of_their_own_are_each_a_step() -> None:
     job.finish()
     assert job.numbers == [1, 2, 3, 3, 4, 5, 6, 6, 7, 8, 9, 9]
     assert job.lines == list(range(1, 10))  # each step's line once
+    # a critic's step after the generator's call is drawn at the next step's first call
+    assert job.drawn == [[1], [2], [3], [], [], [4, 5], [6], [], [], [7, 8], [9], []]
 
 
 def test_an_inner_call_on_a_batch_drawn_after_its_step_began_is_refused() -> None:
