@@ -38,6 +38,7 @@ from .argv import accelerator_from_argv, format_from_argv, plan_from_argv
 from .batch_rows import MicroBatches
 from .data.loader import DistributedLoader, is_stream
 from .data.stream import StreamLoader
+from .job_steps import Call, JobSteps
 from .mesh import Mesh, build_mesh
 from .parallel.layout import layout_of
 from .parallelize import parallelize as _parallelize
@@ -150,33 +151,15 @@ class Run:
     # loader's position and saving every N steps count from here.
     first_step: int = 0
     _last_step_args: tuple[Any, Any, Any] | None = None  # (model, optimizer, scheduler)
-    # id(model) -> run.step calls on it in this process, and its label (StepStats.named_losses).
-    # A step of the job is one batch: the models stepped on it count it once (a GAN's two
-    # run.step calls per batch are one step, and a WGAN critic's inner=True calls join the
-    # generator's).
-    _model_steps: dict[int, int] = field(default_factory=dict)
-    _model_labels: dict[int, str] = field(default_factory=dict)
+    # Which job step each run.step call belongs to, the models' labels and the progress line
+    # drawn (plait.job_steps): a step of the job is one batch, whatever models step on it.
+    _steps: JobSteps = field(default_factory=JobSteps)
     # id(laid-out model) -> the class name of the model given to run.parallelize (the layout
     # wraps it: DDP, FSDP's FSDPNet, a pipeline's stages).
     _class_names: dict[int, str] = field(default_factory=dict)
     # What earlier run.parallelize calls saw, to warn about a model built after one of them
     # that starts from an earlier model's weights (plait.seeding).
     _twins: TwinCheck = field(default_factory=TwinCheck)
-    # The models stepped in the job's current step, in order, and in the step before it:
-    # a call on a model the current step has not stepped yet joins it (a GAN's generator after
-    # its discriminator, on the same batch); a call on one it has begins the next step (the
-    # discriminator again, or the next of two models trained one after the other). The
-    # progress line is drawn at the call on the last model of the step before.
-    _in_step: list[int] = field(default_factory=list)
-    _step_order: list[int] = field(default_factory=list)
-    # Whether every call of the current step so far was run.step(..., inner=True): the next
-    # call joins it, inner or not (a critic's n_critic updates, then its generator's).
-    _inner_open: bool = False
-    # (id(training loader), its position) when the current step began: inner calls share the
-    # step's batch, so the loader's position stays the job's step (see _refuse_drawn_inner).
-    _step_batch: tuple[int, int] | None = None
-    _line_step: int = 0  # the last step whose progress line was drawn (see _draw_line)
-    _inner_calls: bool = False  # whether any run.step(..., inner=True) call was made
     _loader: DistributedLoader | StreamLoader | None = None
     # What a NaN/inf loss or gradient norm does: "stop" (raise) or "skip" (see plait.guard).
     nonfinite: str = "stop"
@@ -539,19 +522,15 @@ class Run:
         """
         _refuse_compiled_wrapper(model)
         loss_fn = self._contrastive_guard(model, loss_fn)
-        # The job's step this call is part of (see _in_step): a later model stepped on the same
-        # batch (a GAN's generator after its discriminator) joins the step the first one began,
-        # and so does any call after inner ones only.
-        joins = bool(self._in_step) and (self._inner_open or (
-            not inner and id(model) not in self._in_step))
-        closes = joins and self._inner_open and not inner  # the call that ends inner ones
-        self._inner_calls = self._inner_calls or inner
-        if inner and joins:
-            self._refuse_drawn_inner(model)
-        elif not joins:
-            loader = self._loader
-            self._step_batch = None if loader is None else (id(loader), loader.step)
-        calls = self._count_model_step(model)
+        # The job's step this call is part of (plait.job_steps): a later model stepped on the
+        # same batch (a GAN's generator after its discriminator) joins the step the first one
+        # began, and so does any call after inner ones only.
+        loader = self._loader
+        call = self._steps.begin(
+            id(model), self._class_names.get(id(model), type(model).__name__), inner=inner,
+            loader=None if loader is None else (id(loader), loader.step),
+            one_model=self.checkpointing is not None)
+        joins = call.joins
         # Counted on the batch as given (host tensors from a loader): an attention mask read
         # on the device would be one more transfer, and on XLA one more graph, every step.
         items, self.stats.unit = _count_items(batch)
@@ -590,7 +569,6 @@ class Run:
             self._memory = MemoryTracker(model, optimizer, track_gathered=self.plan.zero >= 2)
         start = time.perf_counter()
         pp_group = self._mesh()["pp"].get_group() if self.plan.pp > 1 else None
-        step_index = calls  # this model's: its first step learns what it must about the model
         # the job's step: the ledger leaves out its first steps for every model alike
         recording = self.ledger is not None and (
             len(self.stats.step_times) - joins >= self.ledger_warmup)
@@ -613,7 +591,7 @@ class Run:
         # Buffers the first step changes (outside BatchNorm) are statistics each data rank
         # keeps from its own rows: warned about once (a copy of the buffers, first step only).
         statistics = None
-        if step_index == 0 and self.world_size > 1 and self.spmd is None:
+        if call.first and self.world_size > 1 and self.spmd is None:
             from .data.replicas import check_rank_batches
             from .parallel.batchnorm import forward_statistics
 
@@ -632,7 +610,7 @@ class Run:
             drop_stale_gradients(model)
             local = forward_backward(model, batch, loss_fn, plan=self.plan, device=self.device,
                                      exchange=exchange, loss_scale=loss_scale)
-            if step_index == 0 and self.world_size > 1 and self.spmd is None:
+            if call.first and self.world_size > 1 and self.spmd is None:
                 from .parallel.buffer_sync import learn_written_buffers
 
                 with self.ledger.paused() if recording else contextlib.nullcontext():
@@ -706,27 +684,7 @@ class Run:
         self._apply_verdict(step)
         if self._watchdog is not None:
             self._watchdog.active = False  # between steps, time spent is the user's
-        if joins:  # the step's time is every model's; its items and loss, the first one's
-            self.stats.step_times[-1] += elapsed
-            self.stats.step_ends[-1] = time.perf_counter()
-            if id(model) not in self._in_step:
-                self._in_step.append(id(model))
-            self._inner_open = self._inner_open and inner
-        else:
-            self._draw_line(step - 1)  # the step before, where no call drew its line
-            self._inner_open = inner
-            self._step_order, self._in_step = self._in_step, [id(model)]
-            # the line shows the losses of the models this step and the one before stepped
-            keep = {self._model_labels[k] for k in (*self._step_order, id(model))}
-            self.stats.named_losses = {k: v for k, v in self.stats.named_losses.items()
-                                       if k in keep}
-            self.stats.step_times.append(elapsed)
-            self.stats.step_ends.append(time.perf_counter())
-            self.stats.tokens.append(int(job_items))
-            self.stats.losses.append(loss)
-        self.stats.named_losses[self._model_labels[id(model)]] = loss  # shown for two or more
-        if not inner and self._ends_step(model, closes):
-            self._draw_line(step)
+        self._record_call(call, step, elapsed, job_items, loss)
         if ckpt is not None:
             if ckpt.pending is not None and ckpt.pending.done():
                 ckpt.pending.wait()  # rank 0 publishes a finished background save
@@ -737,68 +695,39 @@ class Run:
         self._stop_if_asked(step)
         return loss
 
+    def _record_call(self, call: Call, step: int, elapsed: float,
+                     job_items: torch.Tensor | float, loss: torch.Tensor) -> None:
+        """A finished ``run.step`` call in the stats of its job step ``step``, and the lines
+        it draws: a call that joins the step adds its time to the step's, whose items and
+        loss are its first call's; each model's loss shows by its label."""
+        self._steps.done(call)
+        if call.joins:
+            self.stats.step_times[-1] += elapsed
+            self.stats.step_ends[-1] = time.perf_counter()
+        else:
+            self._draw_line(step - 1)  # the step before, where no call drew its line
+            # the line shows the losses of this step's models and the step before's
+            keep = self._steps.shown()
+            self.stats.named_losses = {k: v for k, v in self.stats.named_losses.items()
+                                       if k in keep}
+            self.stats.step_times.append(elapsed)
+            self.stats.step_ends.append(time.perf_counter())
+            self.stats.tokens.append(int(job_items))
+            self.stats.losses.append(loss)
+        self.stats.named_losses[self._steps.labels[call.model]] = loss  # shown for two or more
+        if self._steps.ends_step(call):
+            self._draw_line(step)
+
     def _draw_line(self, step: int) -> None:
         """The progress line (bar, JSON event, TensorBoard scalars) of ``step``, the last one
-        in the stats, once: at the call :meth:`_ends_step` says ends it, or at the next step's
-        first call (or ``finish()``) where the models stepped changed from one step to the
-        next and no call was its last one's (a critic's batches of its own, then the
-        generator's call on the last)."""
-        if step <= self._line_step or not self.stats.losses:
+        in the stats, once (:meth:`plait.job_steps.JobSteps.draw`)."""
+        if not self.stats.losses or not self._steps.draw(step):
             return
         if self.progress is None:
             self.progress = Progress(enabled=self.is_main and not self.quiet,
                                      log_every=self.log_every, events=self.format == "json")
         self.progress.total = self.total_steps
         self.progress.update(step, float(self.stats.losses[-1]), self.stats)
-        self._line_step = step
-
-    def _refuse_drawn_inner(self, model: nn.Module) -> None:
-        """An inner call (``run.step(..., inner=True)``) after a batch was drawn from the
-        training loader since its step began is refused: the loader would run ahead of
-        ``steps_done``, where ``run.loader`` starts again and a resumed run continues."""
-        loader, began = self._loader, self._step_batch
-        if loader is None or began is None or began[0] != id(loader) or loader.step == began[1]:
-            return
-        name = self._class_names.get(id(model), type(model).__name__)
-        raise ValueError(
-            f"run.step({name}, ..., inner=True) on a batch drawn from run.loader after its "
-            f"step began ({loader.step - began[1]} more drawn): inner calls share the step's "
-            f"batch, so that the loader's position stays the job's step. Leave inner=True out "
-            f"when each update draws its own batch: each batch is then a step "
-            f"(run.loader(..., steps=n_critic * generator_steps))")
-
-    def _count_model_step(self, model: nn.Module) -> int:
-        """Count a ``run.step`` call on ``model``; returns the calls before it. A second model
-        under ``init(checkpoint=...)`` is refused: the checkpoints it saves hold one model."""
-        key = id(model)
-        if key not in self._model_steps:
-            name = self._class_names.get(key, type(model).__name__)
-            if self._model_steps and self.checkpointing is not None:
-                first = next(iter(self._model_labels.values()))
-                raise ValueError(
-                    f"plait.init(checkpoint=...) saves and resumes one model with its "
-                    f"optimizer, and run.step now trains a second ({name} after {first}): "
-                    f"its checkpoints would resume this one from its "
-                    f"initial weights. Save each model yourself, e.g. run.save(folder + "
-                    f"'/gen', model=gen, optimizer=opt_g) per model, and resume each with "
-                    f"run.load(..., model=..., optimizer=...); leave checkpoint= out of "
-                    f"plait.init")
-            taken = sum(1 for label in self._model_labels.values()
-                        if label.split("#")[0] == name)
-            self._model_labels[key] = name if not taken else f"{name}#{taken + 1}"
-        calls = self._model_steps.get(key, 0)
-        self._model_steps[key] = calls + 1
-        return calls
-
-    def _ends_step(self, model: nn.Module, closes: bool) -> bool:
-        """Whether this call (not an inner one) ends the job's step, every model's loss known:
-        a call on the last model the step before stepped, or on one it did not step (the first
-        step's first call, or the first call after its inner ones; the first call on a model
-        trained after another)."""
-        order = self._step_order
-        if not order:
-            return self._in_step == [id(model)] or closes
-        return id(model) not in order or id(model) == order[-1]
 
     def _contrastive_guard(self, model: nn.Module, loss_fn: LossFn | None) -> Any:
         """``loss_fn`` refused on a contrastive model under data parallelism unless it gathers
@@ -959,7 +888,7 @@ class Run:
                                   f"{saved_batch}, this loader's is {self._loader.batch_size}; "
                                   f"resume with batch_size={saved_batch}")
         self.first_step = info.step - len(self.stats.step_times)
-        self._line_step = min(self._line_step, info.step)  # an earlier step's lines again
+        self._steps.rewind(info.step)  # an earlier step's lines again
         scaler = self._loss_scaler()
         if scaler is not None and info.extra.get("loss_scale"):
             scaler.load_state_dict(info.extra["loss_scale"])
@@ -1220,9 +1149,9 @@ class Run:
                                 accelerator=self.accelerator.name,
                                 wall_s=time.perf_counter() - self._started, warmup=warmup)
         if self.ledger is not None:
-            stepped = list(self._model_labels.values())  # in the order first stepped
+            stepped = list(self._steps.labels.values())  # in the order first stepped
             # every rank steps the same models: no collective unpaired
-            if len(stepped) > 1 or self._inner_calls:
+            if len(stepped) > 1 or self._steps.inner_calls:
                 comm = self.ledger.report(
                     steps=max(len(self.stats.step_times) - self.ledger_warmup, 1))
                 if comm.rows and len(stepped) == 1:
@@ -1268,7 +1197,7 @@ class Run:
         # DDP modules, recorded alike)
         orders = {key: agreed_order(recorder) for key, recorder in self._ready.items()}
         # the model run.step trains (a frozen teacher laid out after it moves no gradient)
-        models = [m for m in self._models if id(m) in self._model_steps] or self._models
+        models = [m for m in self._models if id(m) in self._steps.labels] or self._models
         stats, input_grad = self._ledger_inputs.get(id(models[-1]) if models else 0,
                                                     (self._stats, self._input_grad))
         return expected_for_models(models, self.plan, self._batch_shape,
