@@ -36,6 +36,7 @@ from plait.plan import ZERO_BUBBLE_SCHEDULES, Plan, reduces_after_schedule
 from .compute import microbatch_times
 from .cpu.overheads import HostOverheads
 from .hardware import Cluster
+from .memo import Memo
 from .memory import checkpointed, peak_memory
 from .model_stats import ModelStats
 from .pipeline import pipeline_time, stage_sizes, stage_times
@@ -188,14 +189,17 @@ def _invalid(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload) ->
 
 
 def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
-             constants: Constants = DEFAULT_CONSTANTS, *, balance: bool = False) -> Estimate:
+             constants: Constants = DEFAULT_CONSTANTS, *, balance: bool = False,
+             memo: Memo | None = None) -> Estimate:
     """Predict one plan. Infeasible plans come back with ``feasible=False`` and a reason.
 
     ``balance=True`` splits blocks over pipeline chunks by the DP partition (the heavy
     first/last stages get fewer blocks); otherwise ``plan.options.pp_stage_layers`` or an
-    even split.
+    even split. ``memo``: what earlier plans of the same ``model`` priced that this one
+    shares (:class:`plait.planner.memo.Memo`; the search passes one), else priced afresh.
     """
     c = constants
+    memo = Memo() if memo is None else memo
     est = Estimate(plan=plan, feasible=False)
     B, s, world = work.global_batch, work.seq, cluster.world_size
     tp, pp, zero = plan.tp, plan.pp, plan.zero
@@ -222,11 +226,14 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     r_busy = st.busiest
 
     # ---- data-parallel traffic and what of it the backward hides
-    shares = rank_shares(plan, model, sizes, st.rank_chunks)
+    shares = memo.rank_shares(plan, model, sizes, st.rank_chunks)
+    rank_dp: dict[int, list[tuple[Traffic, int]]] = {}  # each rank's, priced once
 
     def traffic_of(r: int) -> list[tuple[Traffic, int]]:
-        return dp_traffic(plan, shares[r], grad_dtype=work.grad_reduce_dtype,
-                          bucket_bytes=c.bucket_bytes)
+        if r not in rank_dp:
+            rank_dp[r] = dp_traffic(plan, shares[r], grad_dtype=work.grad_reduce_dtype,
+                                    bucket_bytes=c.bucket_bytes)
+        return rank_dp[r]
 
     def grad_sync_time(r: int) -> float:
         return sum(collective_time(t, cluster, stride, c) for t, stride in traffic_of(r)
@@ -296,7 +303,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
 
     # ---- memory on each pipeline rank; the worst one counts
     mem_best, breakdown = peak_memory(plan, model, cluster, b, s, st, shares, c,
-                                      stack_seqs=work.seqs)
+                                      stack_seqs=work.seqs, memo=memo)
 
     # ---- traffic of the busiest rank, as the comm ledger predicts it (plait.comm.predict)
     layers_busy = st.rank_layers[r_busy]
