@@ -195,8 +195,9 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
 
     ``balance=True`` splits blocks over pipeline chunks by the DP partition (the heavy
     first/last stages get fewer blocks); otherwise ``plan.options.pp_stage_layers`` or an
-    even split. ``memo``: what earlier plans of the same ``model`` priced that this one
-    shares (:class:`plait.planner.memo.Memo`; the search passes one), else priced afresh.
+    even split. ``memo``: what earlier plans of the same search (``model``, ``cluster``,
+    ``work``, ``constants``) priced that this one shares (:class:`plait.planner.memo.Memo`;
+    the search passes one), else priced afresh.
     """
     c = constants
     memo = Memo() if memo is None else memo
@@ -215,7 +216,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         return est
 
     # ---- time: one microbatch per block and chunk, then the pipeline's schedule
-    times = microbatch_times(plan, model, cluster, b, s, c, work.seqs)
+    times = memo.microbatch_times(plan, model, cluster, b, s, c, work.seqs)
     sizes = stage_sizes(plan, model, times, balance)
     if isinstance(sizes, str):
         est.reason = sizes
@@ -231,8 +232,8 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
 
     def traffic_of(r: int) -> list[tuple[Traffic, int]]:
         if r not in rank_dp:
-            rank_dp[r] = dp_traffic(plan, shares[r], grad_dtype=work.grad_reduce_dtype,
-                                    bucket_bytes=c.bucket_bytes)
+            rank_dp[r] = memo.dp_traffic(plan, shares[r], grad_dtype=work.grad_reduce_dtype,
+                                         bucket_bytes=c.bucket_bytes)
         return rank_dp[r]
 
     def grad_sync_time(r: int) -> float:

@@ -1,25 +1,39 @@
 """What a search prices many times over, kept for the search's length.
 
-Thousands of layouts share each pipeline rank's share of the model: it depends on the
-degrees that split the model (tp, pp, and FSDP2's sharding) and the stage split, not on the
-microbatch size, the schedule, checkpointing or sequence parallelism, which the search varies
-most. A :class:`Memo` keeps what :func:`plait.planner.traffic.rank_shares` and
-:func:`plait.planner.traffic.uneven_pieces` found, keyed on exactly the plan fields they
-read. One memo serves one model: :func:`plait.planner.search.search` creates its own.
+The layouts of one search share parts of their price, each keyed on exactly the plan fields
+it reads (a NamedTuple per part, below):
+
+* each pipeline rank's share of the model (:func:`plait.planner.traffic.rank_shares`) and
+  its uneven pieces (:func:`plait.planner.traffic.uneven_pieces`): they depend on tp, pp,
+  FSDP2's sharding and the stage split, not on the microbatch size, the schedule,
+  checkpointing or sequence parallelism, which the search varies most;
+* each rank's data-parallel collectives (:func:`plait.planner.traffic.dp_traffic`): alike
+  for the checkpointing modes and sequence parallelism of one layout;
+* one microbatch's times (:func:`plait.planner.compute.microbatch_times`): alike over the
+  data-parallel and pipeline degrees.
+
+One memo serves one search (one model, cluster, workload and constants):
+:func:`plait.planner.search.search` creates its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from plait.comm.predict import LocalModel, clip_axes
-from plait.plan import Plan
+from plait.comm.predict import LocalModel, casts_params, clip_axes
+from plait.comm.volumes import Traffic
+from plait.plan import ZERO_BUBBLE_SCHEDULES, Plan
 
+from .compute import MicroTimes, microbatch_times
 from .fsdp_rows import Padding
+from .hardware import Cluster
 from .model_stats import ModelStats
-from .traffic import fsdp_shards, rank_shares, uneven_pieces
+from .traffic import dp_traffic, fsdp_shards, rank_shares, uneven_pieces
+
+if TYPE_CHECKING:
+    from .cost import Constants
 
 Pieces = tuple[Padding, Padding, Padding, Padding] | None
 
@@ -38,6 +52,48 @@ class ShareKey(NamedTuple):
     rank_chunks: tuple[tuple[int, ...], ...]
 
 
+class TrafficKey(NamedTuple):
+    """What :func:`plait.comm.predict.dp_traffic` reads of a plan (its degrees, ZeRO stage,
+    schedule, micro-steps, compute dtype, DDP's ``find_unused``; the mesh strides read only
+    the degrees), the rank's share and the two options: everything but checkpointing, sequence
+    parallelism and clipping, which a search varies within one layout."""
+
+    tp: int
+    pp: int
+    cp: int
+    dp_replicate: int
+    dp_shard: int
+    zero: int
+    find_unused: bool
+    grad_accum: int
+    microbatches: int
+    pp_schedule: str
+    virtual_stages: int
+    mixed_precision: str
+    share: LocalModel
+    grad_dtype: str
+    bucket_bytes: float
+
+
+class TimesKey(NamedTuple):
+    """What :func:`plait.planner.compute.microbatch_times` reads of a plan for a model with
+    one stack of blocks, and the microbatch size: tp, cp, sequence parallelism, the dtype,
+    checkpointing, whether a pipeline runs a zero-bubble schedule, whether the embedding and
+    the head sit on different chunks, and whether FSDP2 casts the parameters
+    (:func:`plait.comm.predict.casts_params`)."""
+
+    tp: int
+    cp: int
+    sp: bool
+    mixed_precision: str
+    activation_checkpointing: str
+    checkpoint_every: int
+    zero_bubble: bool
+    split: bool
+    casts_params: bool
+    b: int
+
+
 class PiecesKey(NamedTuple):
     """What :func:`~plait.planner.traffic.uneven_pieces` reads of a plan."""
 
@@ -51,6 +107,22 @@ class Memo:
 
     shares: dict[ShareKey, list[LocalModel]] = field(default_factory=dict)
     pieces: dict[PiecesKey, Pieces] = field(default_factory=dict)
+    traffic: dict[TrafficKey, list[tuple[Traffic, int]]] = field(default_factory=dict)
+    times: dict[TimesKey, MicroTimes] = field(default_factory=dict)
+
+    def microbatch_times(self, plan: Plan, model: ModelStats, cluster: Cluster, b: int,
+                         s: int, c: Constants, stack_seqs: Mapping[str, int]) -> MicroTimes:
+        """:func:`~plait.planner.compute.microbatch_times`, kept for a model with one stack
+        of blocks (a further stack's time reads more of the plan: priced afresh)."""
+        if model.more_stacks:
+            return microbatch_times(plan, model, cluster, b, s, c, stack_seqs)
+        key = TimesKey(plan.tp, plan.cp, plan.sp, plan.mixed_precision,
+                       plan.activation_checkpointing, plan.checkpoint_every,
+                       plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES,
+                       plan.pp * plan.virtual_stages > 1, casts_params(plan), b)
+        if key not in self.times:
+            self.times[key] = microbatch_times(plan, model, cluster, b, s, c, stack_seqs)
+        return self.times[key]
 
     def rank_shares(self, plan: Plan, model: ModelStats, sizes: Sequence[int],
                     rank_chunks: Sequence[Sequence[int]]) -> list[LocalModel]:
@@ -61,6 +133,19 @@ class Memo:
         if key not in self.shares:
             self.shares[key] = rank_shares(plan, model, list(sizes), rank_chunks)
         return list(self.shares[key])
+
+    def dp_traffic(self, plan: Plan, share: LocalModel, *, grad_dtype: str,
+                   bucket_bytes: float) -> list[tuple[Traffic, int]]:
+        """:func:`~plait.planner.traffic.dp_traffic` (a new list of the same, frozen,
+        collectives)."""
+        key = TrafficKey(plan.tp, plan.pp, plan.cp, plan.dp_replicate, plan.dp_shard,
+                         plan.zero, plan.find_unused, plan.grad_accum, plan.microbatches,
+                         plan.pp_schedule, plan.virtual_stages, plan.mixed_precision, share,
+                         grad_dtype, bucket_bytes)
+        if key not in self.traffic:
+            self.traffic[key] = dp_traffic(plan, share, grad_dtype=grad_dtype,
+                                           bucket_bytes=bucket_bytes)
+        return list(self.traffic[key])
 
     def uneven_pieces(self, plan: Plan, model: ModelStats) -> Pieces:
         """:func:`~plait.planner.traffic.uneven_pieces`."""
