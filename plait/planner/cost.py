@@ -228,19 +228,13 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
 
     # ---- data-parallel traffic and what of it the backward hides
     shares = memo.rank_shares(plan, model, sizes, st.rank_chunks)
-    rank_dp: dict[int, list[tuple[Traffic, int]]] = {}  # each rank's, priced once
-
-    def traffic_of(r: int) -> list[tuple[Traffic, int]]:
-        if r not in rank_dp:
-            rank_dp[r] = memo.dp_traffic(plan, shares[r], grad_dtype=work.grad_reduce_dtype,
-                                         bucket_bytes=c.bucket_bytes)
-        return rank_dp[r]
 
     def grad_sync_time(r: int) -> float:
-        return sum(collective_time(t, cluster, stride, c) for t, stride in traffic_of(r)
-                   if t.what == "grads") + fsdp_host_time(plan, shares[r], c)[0]
+        return memo.grad_sync_time(plan, shares[r], cluster, c,
+                                   grad_dtype=work.grad_reduce_dtype)
 
-    traffic_dp = traffic_of(r_busy)
+    traffic_dp = memo.dp_traffic(plan, shares[r_busy], grad_dtype=work.grad_reduce_dtype,
+                                 bucket_bytes=c.bucket_bytes)
     grad_time = gather_time = ag_time = 0.0
     for t, stride in traffic_dp:
         ct = collective_time(t, cluster, stride, c)
@@ -298,7 +292,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     opt_time = owned * 16 * 2 / cluster.hbm_bw  # param, grad, 2 moments: read + write
     dtensors = zero >= 2 or tp > 1
     tensor_time = tensors * (c.dtensor_step_s if dtensors else c.tensor_step_s)
-    clip = clip_traffic(plan, shares[r_busy])
+    clip = memo.clip_traffic(plan, shares[r_busy])
     clip_time = sum(collective_time(t, cluster, stride, c) for t, stride in clip)
     step = pipe + exposed_grad + gather_time + exposed_ag3 + opt_time + tensor_time + clip_time
 

@@ -7,8 +7,9 @@ it reads (a NamedTuple per part, below):
   its uneven pieces (:func:`plait.planner.traffic.uneven_pieces`): they depend on tp, pp,
   FSDP2's sharding and the stage split, not on the microbatch size, the schedule,
   checkpointing or sequence parallelism, which the search varies most;
-* each rank's data-parallel collectives (:func:`plait.planner.traffic.dp_traffic`): alike
-  for the checkpointing modes and sequence parallelism of one layout;
+* each rank's data-parallel collectives (:func:`plait.planner.traffic.dp_traffic`), the
+  seconds its gradient reduction takes, and its clipping collectives: alike for the
+  checkpointing modes and sequence parallelism of one layout;
 * one microbatch's times (:func:`plait.planner.compute.microbatch_times`): alike over the
   data-parallel and pipeline degrees.
 
@@ -30,7 +31,15 @@ from .compute import MicroTimes, microbatch_times
 from .fsdp_rows import Padding
 from .hardware import Cluster
 from .model_stats import ModelStats
-from .traffic import dp_traffic, fsdp_shards, rank_shares, uneven_pieces
+from .traffic import (
+    clip_traffic,
+    collective_time,
+    dp_traffic,
+    fsdp_host_time,
+    fsdp_shards,
+    rank_shares,
+    uneven_pieces,
+)
 
 if TYPE_CHECKING:
     from .cost import Constants
@@ -75,6 +84,19 @@ class TrafficKey(NamedTuple):
     bucket_bytes: float
 
 
+class ClipKey(NamedTuple):
+    """What :func:`plait.comm.predict.clip_traffic` reads of a plan (clipping, and the
+    degrees that name and size the axes the norms are reduced over) and the rank's share."""
+
+    grad_clip: float | None
+    tp: int
+    pp: int
+    cp: int
+    dp_replicate: int
+    dp_shard: int
+    share: LocalModel
+
+
 class TimesKey(NamedTuple):
     """What :func:`plait.planner.compute.microbatch_times` reads of a plan for a model with
     one stack of blocks, and the microbatch size: tp, cp, sequence parallelism, the dtype,
@@ -108,6 +130,8 @@ class Memo:
     shares: dict[ShareKey, list[LocalModel]] = field(default_factory=dict)
     pieces: dict[PiecesKey, Pieces] = field(default_factory=dict)
     traffic: dict[TrafficKey, list[tuple[Traffic, int]]] = field(default_factory=dict)
+    syncs: dict[TrafficKey, float] = field(default_factory=dict)
+    clips: dict[ClipKey, list[tuple[Traffic, int]]] = field(default_factory=dict)
     times: dict[TimesKey, MicroTimes] = field(default_factory=dict)
 
     def microbatch_times(self, plan: Plan, model: ModelStats, cluster: Cluster, b: int,
@@ -138,14 +162,33 @@ class Memo:
                    bucket_bytes: float) -> list[tuple[Traffic, int]]:
         """:func:`~plait.planner.traffic.dp_traffic` (a new list of the same, frozen,
         collectives)."""
-        key = TrafficKey(plan.tp, plan.pp, plan.cp, plan.dp_replicate, plan.dp_shard,
-                         plan.zero, plan.find_unused, plan.grad_accum, plan.microbatches,
-                         plan.pp_schedule, plan.virtual_stages, plan.mixed_precision, share,
-                         grad_dtype, bucket_bytes)
+        key = _traffic_key(plan, share, grad_dtype, bucket_bytes)
         if key not in self.traffic:
             self.traffic[key] = dp_traffic(plan, share, grad_dtype=grad_dtype,
                                            bucket_bytes=bucket_bytes)
         return list(self.traffic[key])
+
+    def grad_sync_time(self, plan: Plan, share: LocalModel, cluster: Cluster, c: Constants, *,
+                       grad_dtype: str) -> float:
+        """Seconds a rank holding ``share`` spends reducing its gradients: its data-parallel
+        gradient collectives and FSDP2's per-unit reduce cost
+        (:func:`~plait.planner.traffic.fsdp_host_time`, which reads no more of the plan)."""
+        key = _traffic_key(plan, share, grad_dtype, c.bucket_bytes)
+        if key not in self.syncs:
+            traffic = self.dp_traffic(plan, share, grad_dtype=grad_dtype,
+                                      bucket_bytes=c.bucket_bytes)
+            self.syncs[key] = sum(collective_time(t, cluster, stride, c)
+                                  for t, stride in traffic if t.what == "grads") + \
+                fsdp_host_time(plan, share, c)[0]
+        return self.syncs[key]
+
+    def clip_traffic(self, plan: Plan, share: LocalModel) -> list[tuple[Traffic, int]]:
+        """:func:`~plait.planner.traffic.clip_traffic` (a new list of the same collectives)."""
+        key = ClipKey(plan.grad_clip, plan.tp, plan.pp, plan.cp, plan.dp_replicate,
+                      plan.dp_shard, share)
+        if key not in self.clips:
+            self.clips[key] = clip_traffic(plan, share)
+        return list(self.clips[key])
 
     def uneven_pieces(self, plan: Plan, model: ModelStats) -> Pieces:
         """:func:`~plait.planner.traffic.uneven_pieces`."""
@@ -153,3 +196,11 @@ class Memo:
         if key not in self.pieces:
             self.pieces[key] = uneven_pieces(plan, model)
         return self.pieces[key]
+
+
+def _traffic_key(plan: Plan, share: LocalModel, grad_dtype: str, bucket_bytes: float
+                 ) -> TrafficKey:
+    return TrafficKey(plan.tp, plan.pp, plan.cp, plan.dp_replicate, plan.dp_shard, plan.zero,
+                      plan.find_unused, plan.grad_accum, plan.microbatches, plan.pp_schedule,
+                      plan.virtual_stages, plan.mixed_precision, share, grad_dtype,
+                      bucket_bytes)
