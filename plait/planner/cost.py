@@ -39,7 +39,7 @@ from .hardware import Cluster
 from .memo import Memo
 from .memory import checkpointed, peak_memory
 from .model_stats import ModelStats
-from .pipeline import pipeline_time, stage_sizes, stage_times
+from .pipeline import pipeline_time, stage_times
 from .traffic import (
     clip_traffic,
     collective_time,
@@ -217,7 +217,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
 
     # ---- time: one microbatch per block and chunk, then the pipeline's schedule
     times = memo.microbatch_times(plan, model, cluster, b, s, c, work.seqs)
-    sizes = stage_sizes(plan, model, times, balance)
+    sizes = memo.stage_sizes(plan, model, times, balance)
     if isinstance(sizes, str):
         est.reason = sizes
         return est

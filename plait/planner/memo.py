@@ -11,7 +11,8 @@ it reads (a NamedTuple per part, below):
   seconds its gradient reduction takes, and its clipping collectives: alike for the
   checkpointing modes and sequence parallelism of one layout;
 * one microbatch's times (:func:`plait.planner.compute.microbatch_times`): alike over the
-  data-parallel and pipeline degrees.
+  data-parallel and pipeline degrees; and the pipeline's split that balances them
+  (:func:`plait.planner.pipeline.stage_sizes`).
 
 One memo serves one search (one model, cluster, workload and constants):
 :func:`plait.planner.search.search` creates its own.
@@ -31,6 +32,7 @@ from .compute import MicroTimes, microbatch_times
 from .fsdp_rows import Padding
 from .hardware import Cluster
 from .model_stats import ModelStats
+from .pipeline import stage_sizes
 from .traffic import (
     clip_traffic,
     collective_time,
@@ -116,6 +118,19 @@ class TimesKey(NamedTuple):
     b: int
 
 
+class SizesKey(NamedTuple):
+    """What :func:`plait.planner.pipeline.stage_sizes` reads: the chunks, a split the plan
+    gives, whether to balance, and the times it balances (a block's, the embedding's, the
+    head's)."""
+
+    chunks: int
+    given: tuple[int, ...] | None
+    balance: bool
+    block: float
+    embed: float
+    head: float
+
+
 class PiecesKey(NamedTuple):
     """What :func:`~plait.planner.traffic.uneven_pieces` reads of a plan."""
 
@@ -133,6 +148,17 @@ class Memo:
     syncs: dict[TrafficKey, float] = field(default_factory=dict)
     clips: dict[ClipKey, list[tuple[Traffic, int]]] = field(default_factory=dict)
     times: dict[TimesKey, MicroTimes] = field(default_factory=dict)
+    sizes: dict[SizesKey, list[int] | str] = field(default_factory=dict)
+
+    def stage_sizes(self, plan: Plan, model: ModelStats, times: MicroTimes, balance: bool
+                    ) -> list[int] | str:
+        """:func:`~plait.planner.pipeline.stage_sizes` (a new list of the same)."""
+        key = SizesKey(plan.pp * plan.virtual_stages, plan.options.pp_stage_layers, balance,
+                       times.block, times.embed, times.head)
+        if key not in self.sizes:
+            self.sizes[key] = stage_sizes(plan, model, times, balance)
+        got = self.sizes[key]
+        return got if isinstance(got, str) else list(got)
 
     def microbatch_times(self, plan: Plan, model: ModelStats, cluster: Cluster, b: int,
                          s: int, c: Constants, stack_seqs: Mapping[str, int]) -> MicroTimes:
