@@ -302,7 +302,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
 
     # ---- traffic of the busiest rank, as the comm ledger predicts it (plait.comm.predict)
     layers_busy = st.rank_layers[r_busy]
-    busy = dataclasses.replace(shares[r_busy], recomputed=checkpointed(plan, layers_busy)[0])
+    busy = memo.recomputed(shares[r_busy], checkpointed(plan, layers_busy)[0])
     traffic = [t for t, _ in traffic_dp + clip] + \
         activation_traffic(plan, model, busy, b, s, work.seqs)
 

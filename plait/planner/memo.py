@@ -20,6 +20,7 @@ One memo serves one search (one model, cluster, workload and constants):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
@@ -149,6 +150,15 @@ class Memo:
     clips: dict[ClipKey, list[tuple[Traffic, int]]] = field(default_factory=dict)
     times: dict[TimesKey, MicroTimes] = field(default_factory=dict)
     sizes: dict[SizesKey, list[int] | str] = field(default_factory=dict)
+    replayed: dict[tuple[LocalModel, int], LocalModel] = field(default_factory=dict)
+
+    def recomputed(self, share: LocalModel, blocks: int) -> LocalModel:
+        """``share`` with ``blocks`` of its blocks replayed by checkpointing
+        (``LocalModel.recomputed``)."""
+        key = (share, blocks)
+        if key not in self.replayed:
+            self.replayed[key] = dataclasses.replace(share, recomputed=blocks)
+        return self.replayed[key]
 
     def stage_sizes(self, plan: Plan, model: ModelStats, times: MicroTimes, balance: bool
                     ) -> list[int] | str:
