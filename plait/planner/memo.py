@@ -12,7 +12,8 @@ it reads (a NamedTuple per part, below):
   checkpointing modes and sequence parallelism of one layout;
 * one microbatch's times (:func:`plait.planner.compute.microbatch_times`): alike over the
   data-parallel and pipeline degrees; and the pipeline's split that balances them
-  (:func:`plait.planner.pipeline.stage_sizes`).
+  (:func:`plait.planner.pipeline.stage_sizes`);
+* the busiest rank's share with the blocks checkpointing replays (a rebuilt dataclass).
 
 One memo serves one search (one model, cluster, workload and constants):
 :func:`plait.planner.search.search` creates its own.
