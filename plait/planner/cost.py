@@ -229,9 +229,9 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     # ---- data-parallel traffic and what of it the backward hides
     shares = memo.rank_shares(plan, model, sizes, st.rank_chunks)
 
-    def grad_sync_time(r: int) -> float:
-        return memo.grad_sync_time(plan, shares[r], cluster, c,
-                                   grad_dtype=work.grad_reduce_dtype)
+    def grad_sync_times() -> list[float]:  # each pipeline rank's gradient reduction
+        return memo.grad_sync_times(plan, model, sizes, st.rank_chunks, cluster, c,
+                                    grad_dtype=work.grad_reduce_dtype)
 
     traffic_dp = memo.dp_traffic(plan, shares[r_busy], grad_dtype=work.grad_reduce_dtype,
                                  bucket_bytes=c.bucket_bytes)
@@ -261,7 +261,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         # a rank's earlier stage may hide under its later stage's last passes: an upper
         # bound); each pp rank reduces its own stages over its own group, all at once, so the
         # step waits for the slowest rank's.
-        exposed_grad = max(grad_sync_time(r) for r in range(pp))
+        exposed_grad = max(grad_sync_times())
     elif pp > 1 and not c.overlap and grad_time:
         # The stage runtime syncs a stage's gradients inside its last backward (DDP's reducer,
         # FSDP2's post-backward), before that backward's input gradient is sent upstream. Where
@@ -269,7 +269,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         # last microbatch's backward chain waits for every stage's sync in turn, not only the
         # busiest rank's at the end. With overlap (GPUs) the sync runs under the backward and
         # only its tail is exposed, on the last stage to finish: counted once, above.
-        exposed_grad += sum(grad_sync_time(r) for r in range(pp) if r != r_busy)
+        exposed_grad += sum(t for r, t in enumerate(grad_sync_times()) if r != r_busy)
     exposed_ag3 = ag_time
     if ag_time and c.overlap and zero >= 2 and pp == 1:
         # unit by unit: each block's gather (and in backward its reduce-scatter) against that

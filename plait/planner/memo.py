@@ -83,7 +83,7 @@ class TrafficKey(NamedTuple):
     pp_schedule: str
     virtual_stages: int
     mixed_precision: str
-    share: LocalModel
+    share: LocalModel | None  # None: every rank's (Memo.grad_sync_times)
     grad_dtype: str
     bucket_bytes: float
 
@@ -152,6 +152,20 @@ class Memo:
     times: dict[TimesKey, MicroTimes] = field(default_factory=dict)
     sizes: dict[SizesKey, list[int] | str] = field(default_factory=dict)
     replayed: dict[tuple[LocalModel, int], LocalModel] = field(default_factory=dict)
+    rank_syncs: dict[tuple[TrafficKey, ShareKey], list[float]] = field(default_factory=dict)
+
+    def grad_sync_times(self, plan: Plan, model: ModelStats, sizes: Sequence[int],
+                        rank_chunks: Sequence[Sequence[int]], cluster: Cluster, c: Constants,
+                        *, grad_dtype: str) -> list[float]:
+        """:meth:`grad_sync_time` of every pipeline rank (index: pp rank), kept by the
+        plan's fields and the stage split (cheaper to look up than each rank's share)."""
+        shares_key = _share_key(plan, sizes, rank_chunks)
+        key = (_traffic_key(plan, None, grad_dtype, c.bucket_bytes), shares_key)
+        if key not in self.rank_syncs:
+            self.rank_syncs[key] = [
+                self.grad_sync_time(plan, share, cluster, c, grad_dtype=grad_dtype)
+                for share in self.rank_shares(plan, model, sizes, rank_chunks)]
+        return self.rank_syncs[key]
 
     def recomputed(self, share: LocalModel, blocks: int) -> LocalModel:
         """``share`` with ``blocks`` of its blocks replayed by checkpointing
@@ -189,8 +203,7 @@ class Memo:
                     rank_chunks: Sequence[Sequence[int]]) -> list[LocalModel]:
         """:func:`~plait.planner.traffic.rank_shares` (a new list of the same, frozen,
         shares)."""
-        key = ShareKey(plan.tp, plan.pp, fsdp_shards(plan), clip_axes(plan), tuple(sizes),
-                       tuple(tuple(ids) for ids in rank_chunks))
+        key = _share_key(plan, sizes, rank_chunks)
         if key not in self.shares:
             self.shares[key] = rank_shares(plan, model, list(sizes), rank_chunks)
         return list(self.shares[key])
@@ -235,7 +248,13 @@ class Memo:
         return self.pieces[key]
 
 
-def _traffic_key(plan: Plan, share: LocalModel, grad_dtype: str, bucket_bytes: float
+def _share_key(plan: Plan, sizes: Sequence[int], rank_chunks: Sequence[Sequence[int]]
+               ) -> ShareKey:
+    return ShareKey(plan.tp, plan.pp, fsdp_shards(plan), clip_axes(plan), tuple(sizes),
+                    tuple(tuple(ids) for ids in rank_chunks))
+
+
+def _traffic_key(plan: Plan, share: LocalModel | None, grad_dtype: str, bucket_bytes: float
                  ) -> TrafficKey:
     return TrafficKey(plan.tp, plan.pp, plan.cp, plan.dp_replicate, plan.dp_shard, plan.zero,
                       plan.find_unused, plan.grad_accum, plan.microbatches, plan.pp_schedule,
