@@ -1008,9 +1008,12 @@ def tp_stack_traffic(plan: Any, mb: int, seq: int, hidden: int, block: TPBlock, 
 
 
 def _times(traffic: list[Traffic], k: int) -> list[Traffic]:
+    """``traffic`` repeated ``k`` times (built field by field: the planner's search calls this
+    thousands of times, and ``dataclasses.replace`` costs several times the constructor)."""
     if k == 1:
         return traffic
-    return [dataclasses.replace(t, payload=t.payload * k, calls=t.calls * k) for t in traffic]
+    return [Traffic(t.axis, t.op, t.payload * k, t.calls * k, t.group, t.what, t.calls_known)
+            for t in traffic]
 
 
 def by_axis_op(traffic: list[Traffic]) -> dict[tuple[str, str], float]:

@@ -36,9 +36,10 @@ from plait.plan import ZERO_BUBBLE_SCHEDULES, Plan, reduces_after_schedule
 from .compute import microbatch_times
 from .cpu.overheads import HostOverheads
 from .hardware import Cluster
+from .memo import Memo
 from .memory import checkpointed, peak_memory
 from .model_stats import ModelStats
-from .pipeline import pipeline_time, stage_sizes, stage_times
+from .pipeline import pipeline_time, stage_times
 from .traffic import (
     clip_traffic,
     collective_time,
@@ -188,14 +189,18 @@ def _invalid(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload) ->
 
 
 def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
-             constants: Constants = DEFAULT_CONSTANTS, *, balance: bool = False) -> Estimate:
+             constants: Constants = DEFAULT_CONSTANTS, *, balance: bool = False,
+             memo: Memo | None = None) -> Estimate:
     """Predict one plan. Infeasible plans come back with ``feasible=False`` and a reason.
 
     ``balance=True`` splits blocks over pipeline chunks by the DP partition (the heavy
     first/last stages get fewer blocks); otherwise ``plan.options.pp_stage_layers`` or an
-    even split.
+    even split. ``memo``: what earlier plans of the same search (``model``, ``cluster``,
+    ``work``, ``constants``) priced that this one shares (:class:`plait.planner.memo.Memo`;
+    the search passes one), else priced afresh.
     """
     c = constants
+    memo = Memo() if memo is None else memo
     est = Estimate(plan=plan, feasible=False)
     B, s, world = work.global_batch, work.seq, cluster.world_size
     tp, pp, zero = plan.tp, plan.pp, plan.zero
@@ -211,8 +216,8 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         return est
 
     # ---- time: one microbatch per block and chunk, then the pipeline's schedule
-    times = microbatch_times(plan, model, cluster, b, s, c, work.seqs)
-    sizes = stage_sizes(plan, model, times, balance)
+    times = memo.microbatch_times(plan, model, cluster, b, s, c, work.seqs)
+    sizes = memo.stage_sizes(plan, model, times, balance)
     if isinstance(sizes, str):
         est.reason = sizes
         return est
@@ -222,17 +227,14 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     r_busy = st.busiest
 
     # ---- data-parallel traffic and what of it the backward hides
-    shares = rank_shares(plan, model, sizes, st.rank_chunks)
+    shares = memo.rank_shares(plan, model, sizes, st.rank_chunks)
 
-    def traffic_of(r: int) -> list[tuple[Traffic, int]]:
-        return dp_traffic(plan, shares[r], grad_dtype=work.grad_reduce_dtype,
-                          bucket_bytes=c.bucket_bytes)
+    def grad_sync_times() -> list[float]:  # each pipeline rank's gradient reduction
+        return memo.grad_sync_times(plan, model, sizes, st.rank_chunks, cluster, c,
+                                    grad_dtype=work.grad_reduce_dtype)
 
-    def grad_sync_time(r: int) -> float:
-        return sum(collective_time(t, cluster, stride, c) for t, stride in traffic_of(r)
-                   if t.what == "grads") + fsdp_host_time(plan, shares[r], c)[0]
-
-    traffic_dp = traffic_of(r_busy)
+    traffic_dp = memo.dp_traffic(plan, shares[r_busy], grad_dtype=work.grad_reduce_dtype,
+                                 bucket_bytes=c.bucket_bytes)
     grad_time = gather_time = ag_time = 0.0
     for t, stride in traffic_dp:
         ct = collective_time(t, cluster, stride, c)
@@ -259,7 +261,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         # a rank's earlier stage may hide under its later stage's last passes: an upper
         # bound); each pp rank reduces its own stages over its own group, all at once, so the
         # step waits for the slowest rank's.
-        exposed_grad = max(grad_sync_time(r) for r in range(pp))
+        exposed_grad = max(grad_sync_times())
     elif pp > 1 and not c.overlap and grad_time:
         # The stage runtime syncs a stage's gradients inside its last backward (DDP's reducer,
         # FSDP2's post-backward), before that backward's input gradient is sent upstream. Where
@@ -267,7 +269,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         # last microbatch's backward chain waits for every stage's sync in turn, not only the
         # busiest rank's at the end. With overlap (GPUs) the sync runs under the backward and
         # only its tail is exposed, on the last stage to finish: counted once, above.
-        exposed_grad += sum(grad_sync_time(r) for r in range(pp) if r != r_busy)
+        exposed_grad += sum(t for r, t in enumerate(grad_sync_times()) if r != r_busy)
     exposed_ag3 = ag_time
     if ag_time and c.overlap and zero >= 2 and pp == 1:
         # unit by unit: each block's gather (and in backward its reduce-scatter) against that
@@ -290,17 +292,17 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     opt_time = owned * 16 * 2 / cluster.hbm_bw  # param, grad, 2 moments: read + write
     dtensors = zero >= 2 or tp > 1
     tensor_time = tensors * (c.dtensor_step_s if dtensors else c.tensor_step_s)
-    clip = clip_traffic(plan, shares[r_busy])
+    clip = memo.clip_traffic(plan, shares[r_busy])
     clip_time = sum(collective_time(t, cluster, stride, c) for t, stride in clip)
     step = pipe + exposed_grad + gather_time + exposed_ag3 + opt_time + tensor_time + clip_time
 
     # ---- memory on each pipeline rank; the worst one counts
     mem_best, breakdown = peak_memory(plan, model, cluster, b, s, st, shares, c,
-                                      stack_seqs=work.seqs)
+                                      stack_seqs=work.seqs, memo=memo)
 
     # ---- traffic of the busiest rank, as the comm ledger predicts it (plait.comm.predict)
     layers_busy = st.rank_layers[r_busy]
-    busy = dataclasses.replace(shares[r_busy], recomputed=checkpointed(plan, layers_busy)[0])
+    busy = memo.recomputed(shares[r_busy], checkpointed(plan, layers_busy)[0])
     traffic = [t for t, _ in traffic_dp + clip] + \
         activation_traffic(plan, model, busy, b, s, work.seqs)
 

@@ -36,9 +36,10 @@ from plait.comm.predict import LocalModel
 from plait.plan import Plan
 
 from .hardware import Cluster
+from .memo import Memo
 from .model_stats import ModelStats
 from .pipeline import Stages, inflight
-from .traffic import act_dtype_bytes, state_shards, uneven_pieces
+from .traffic import act_dtype_bytes, state_shards
 
 if TYPE_CHECKING:
     from .cost import Constants
@@ -136,12 +137,14 @@ def more_stacks_activations(plan: Plan, model: ModelStats, b: int, s: int,
 
 def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
                 st: Stages, shares: list[LocalModel], c: Constants,
-                stack_seqs: dict[str, int] | None = None) -> tuple[float, dict[str, float]]:
+                stack_seqs: dict[str, int] | None = None, *,
+                memo: Memo | None = None) -> tuple[float, dict[str, float]]:
     """(bytes on the busiest pipeline rank, its breakdown). Peak memory sits on the first rank
     (most microbatches in flight) or the last (logits); rank 1 is checked too for the
     interleaved warm-up. A model's further stacks of blocks (``model.more_stacks``, without a
     pipeline) save their blocks' activations on their own sequences (``stack_seqs`` by first
-    block, default ``s``): :func:`more_stacks_activations`."""
+    block, default ``s``): :func:`more_stacks_activations`. ``memo``: the search's
+    (:class:`plait.planner.memo.Memo`), else the pieces are read afresh."""
     pp, tp, cp, R, zero = plan.pp, plan.tp, plan.cp, plan.dp_replicate, plan.zero
     S = state_shards(plan)  # ZeRO-1's optimizer: dp_shard (x cp)
     dtype = plan.mixed_precision
@@ -160,7 +163,7 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
     act_input = tokens * model.hidden * ab / (tp if plan.sp else 1)
     # the boolean mask of the rank's queries against every key, built once per step
     mask = float(local) * s if cp > 1 and model.attention else 0.0
-    pads = uneven_pieces(plan, model)
+    pads = (Memo() if memo is None else memo).uneven_pieces(plan, model)
     best, breakdown = -1.0, {}
     for r in sorted({0, min(1, pp - 1), pp - 1}):
         ids = st.rank_chunks[r]

@@ -36,6 +36,7 @@ from plait.plan import Plan
 
 from .cost import DEFAULT_CONSTANTS, Constants, Estimate, Workload, evaluate
 from .hardware import Cluster
+from .memo import Memo
 from .model_stats import ModelStats
 
 AC_ORDER = ("none", "selective", "full")
@@ -233,6 +234,7 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
     closest: Estimate | None = None
     closest_flat: Estimate | None = None  # without context parallelism
     evaluated = 0
+    memo = Memo()  # what the layouts of this model share, priced once
     for group in candidate_plans(model, cluster, work, dtype=dtype,
                                  max_microbatch=max_microbatch,
                                  plain_tp=layout_check is not None):
@@ -247,7 +249,7 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
                 why = _refusal_kind(exc)
                 rejected[why] = rejected.get(why, 0) + 1
                 break
-            est = evaluate(plan, model, cluster, work, constants, balance=True)
+            est = evaluate(plan, model, cluster, work, constants, balance=True, memo=memo)
             evaluated += 1
             if est.feasible:
                 feasible.append(_with_stages(est))

@@ -1,0 +1,262 @@
+"""What a search prices many times over, kept for the search's length.
+
+The layouts of one search share parts of their price, each keyed on exactly the plan fields
+it reads (a NamedTuple per part, below):
+
+* each pipeline rank's share of the model (:func:`plait.planner.traffic.rank_shares`) and
+  its uneven pieces (:func:`plait.planner.traffic.uneven_pieces`): they depend on tp, pp,
+  FSDP2's sharding and the stage split, not on the microbatch size, the schedule,
+  checkpointing or sequence parallelism, which the search varies most;
+* each rank's data-parallel collectives (:func:`plait.planner.traffic.dp_traffic`), the
+  seconds its gradient reduction takes, and its clipping collectives: alike for the
+  checkpointing modes and sequence parallelism of one layout;
+* one microbatch's times (:func:`plait.planner.compute.microbatch_times`): alike over the
+  data-parallel and pipeline degrees; and the pipeline's split that balances them
+  (:func:`plait.planner.pipeline.stage_sizes`);
+* the busiest rank's share with the blocks checkpointing replays (a rebuilt dataclass).
+
+One memo serves one search (one model, cluster, workload and constants):
+:func:`plait.planner.search.search` creates its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+from plait.comm.predict import LocalModel, casts_params, clip_axes
+from plait.comm.volumes import Traffic
+from plait.plan import ZERO_BUBBLE_SCHEDULES, Plan
+
+from .compute import MicroTimes, microbatch_times
+from .fsdp_rows import Padding
+from .hardware import Cluster
+from .model_stats import ModelStats
+from .pipeline import stage_sizes
+from .traffic import (
+    clip_traffic,
+    collective_time,
+    dp_traffic,
+    fsdp_host_time,
+    fsdp_shards,
+    rank_shares,
+    uneven_pieces,
+)
+
+if TYPE_CHECKING:
+    from .cost import Constants
+
+Pieces = tuple[Padding, Padding, Padding, Padding] | None
+
+
+class ShareKey(NamedTuple):
+    """What :func:`~plait.planner.traffic.rank_shares` reads of a plan, and the stage split:
+    tp, pp, the ranks FSDP2 shards over (:func:`~plait.planner.traffic.fsdp_shards`, which
+    is all it reads of dp_shard, cp and zero besides the clip norm's axes) and the axes the
+    clip norm is all-reduced over (:func:`plait.comm.predict.clip_axes`)."""
+
+    tp: int
+    pp: int
+    shards: int
+    clip_axes: tuple[str, ...]
+    sizes: tuple[int, ...]
+    rank_chunks: tuple[tuple[int, ...], ...]
+
+
+class TrafficKey(NamedTuple):
+    """What :func:`plait.comm.predict.dp_traffic` reads of a plan (its degrees, ZeRO stage,
+    schedule, micro-steps, compute dtype, DDP's ``find_unused``; the mesh strides read only
+    the degrees), the rank's share and the two options: everything but checkpointing, sequence
+    parallelism and clipping, which a search varies within one layout."""
+
+    tp: int
+    pp: int
+    cp: int
+    dp_replicate: int
+    dp_shard: int
+    zero: int
+    find_unused: bool
+    grad_accum: int
+    microbatches: int
+    pp_schedule: str
+    virtual_stages: int
+    mixed_precision: str
+    share: LocalModel | None  # None: every rank's (Memo.grad_sync_times)
+    grad_dtype: str
+    bucket_bytes: float
+
+
+class ClipKey(NamedTuple):
+    """What :func:`plait.comm.predict.clip_traffic` reads of a plan (clipping, and the
+    degrees that name and size the axes the norms are reduced over) and the rank's share."""
+
+    grad_clip: float | None
+    tp: int
+    pp: int
+    cp: int
+    dp_replicate: int
+    dp_shard: int
+    share: LocalModel
+
+
+class TimesKey(NamedTuple):
+    """What :func:`plait.planner.compute.microbatch_times` reads of a plan for a model with
+    one stack of blocks, and the microbatch size: tp, cp, sequence parallelism, the dtype,
+    checkpointing, whether a pipeline runs a zero-bubble schedule, whether the embedding and
+    the head sit on different chunks, and whether FSDP2 casts the parameters
+    (:func:`plait.comm.predict.casts_params`)."""
+
+    tp: int
+    cp: int
+    sp: bool
+    mixed_precision: str
+    activation_checkpointing: str
+    checkpoint_every: int
+    zero_bubble: bool
+    split: bool
+    casts_params: bool
+    b: int
+
+
+class SizesKey(NamedTuple):
+    """What :func:`plait.planner.pipeline.stage_sizes` reads: the chunks, a split the plan
+    gives, whether to balance, and the times it balances (a block's, the embedding's, the
+    head's)."""
+
+    chunks: int
+    given: tuple[int, ...] | None
+    balance: bool
+    block: float
+    embed: float
+    head: float
+
+
+class PiecesKey(NamedTuple):
+    """What :func:`~plait.planner.traffic.uneven_pieces` reads of a plan."""
+
+    tp: int
+    shards: int
+
+
+@dataclass
+class Memo:
+    """Each rank's share of one model and its uneven pieces, by the plan fields they read."""
+
+    shares: dict[ShareKey, list[LocalModel]] = field(default_factory=dict)
+    pieces: dict[PiecesKey, Pieces] = field(default_factory=dict)
+    traffic: dict[TrafficKey, list[tuple[Traffic, int]]] = field(default_factory=dict)
+    syncs: dict[TrafficKey, float] = field(default_factory=dict)
+    clips: dict[ClipKey, list[tuple[Traffic, int]]] = field(default_factory=dict)
+    times: dict[TimesKey, MicroTimes] = field(default_factory=dict)
+    sizes: dict[SizesKey, list[int] | str] = field(default_factory=dict)
+    replayed: dict[tuple[LocalModel, int], LocalModel] = field(default_factory=dict)
+    rank_syncs: dict[tuple[TrafficKey, ShareKey], list[float]] = field(default_factory=dict)
+
+    def grad_sync_times(self, plan: Plan, model: ModelStats, sizes: Sequence[int],
+                        rank_chunks: Sequence[Sequence[int]], cluster: Cluster, c: Constants,
+                        *, grad_dtype: str) -> list[float]:
+        """:meth:`grad_sync_time` of every pipeline rank (index: pp rank), kept by the
+        plan's fields and the stage split (cheaper to look up than each rank's share)."""
+        shares_key = _share_key(plan, sizes, rank_chunks)
+        key = (_traffic_key(plan, None, grad_dtype, c.bucket_bytes), shares_key)
+        if key not in self.rank_syncs:
+            self.rank_syncs[key] = [
+                self.grad_sync_time(plan, share, cluster, c, grad_dtype=grad_dtype)
+                for share in self.rank_shares(plan, model, sizes, rank_chunks)]
+        return self.rank_syncs[key]
+
+    def recomputed(self, share: LocalModel, blocks: int) -> LocalModel:
+        """``share`` with ``blocks`` of its blocks replayed by checkpointing
+        (``LocalModel.recomputed``)."""
+        key = (share, blocks)
+        if key not in self.replayed:
+            self.replayed[key] = dataclasses.replace(share, recomputed=blocks)
+        return self.replayed[key]
+
+    def stage_sizes(self, plan: Plan, model: ModelStats, times: MicroTimes, balance: bool
+                    ) -> list[int] | str:
+        """:func:`~plait.planner.pipeline.stage_sizes` (a new list of the same)."""
+        key = SizesKey(plan.pp * plan.virtual_stages, plan.options.pp_stage_layers, balance,
+                       times.block, times.embed, times.head)
+        if key not in self.sizes:
+            self.sizes[key] = stage_sizes(plan, model, times, balance)
+        got = self.sizes[key]
+        return got if isinstance(got, str) else list(got)
+
+    def microbatch_times(self, plan: Plan, model: ModelStats, cluster: Cluster, b: int,
+                         s: int, c: Constants, stack_seqs: Mapping[str, int]) -> MicroTimes:
+        """:func:`~plait.planner.compute.microbatch_times`, kept for a model with one stack
+        of blocks (a further stack's time reads more of the plan: priced afresh)."""
+        if model.more_stacks:
+            return microbatch_times(plan, model, cluster, b, s, c, stack_seqs)
+        key = TimesKey(plan.tp, plan.cp, plan.sp, plan.mixed_precision,
+                       plan.activation_checkpointing, plan.checkpoint_every,
+                       plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES,
+                       plan.pp * plan.virtual_stages > 1, casts_params(plan), b)
+        if key not in self.times:
+            self.times[key] = microbatch_times(plan, model, cluster, b, s, c, stack_seqs)
+        return self.times[key]
+
+    def rank_shares(self, plan: Plan, model: ModelStats, sizes: Sequence[int],
+                    rank_chunks: Sequence[Sequence[int]]) -> list[LocalModel]:
+        """:func:`~plait.planner.traffic.rank_shares` (a new list of the same, frozen,
+        shares)."""
+        key = _share_key(plan, sizes, rank_chunks)
+        if key not in self.shares:
+            self.shares[key] = rank_shares(plan, model, list(sizes), rank_chunks)
+        return list(self.shares[key])
+
+    def dp_traffic(self, plan: Plan, share: LocalModel, *, grad_dtype: str,
+                   bucket_bytes: float) -> list[tuple[Traffic, int]]:
+        """:func:`~plait.planner.traffic.dp_traffic` (a new list of the same, frozen,
+        collectives)."""
+        key = _traffic_key(plan, share, grad_dtype, bucket_bytes)
+        if key not in self.traffic:
+            self.traffic[key] = dp_traffic(plan, share, grad_dtype=grad_dtype,
+                                           bucket_bytes=bucket_bytes)
+        return list(self.traffic[key])
+
+    def grad_sync_time(self, plan: Plan, share: LocalModel, cluster: Cluster, c: Constants, *,
+                       grad_dtype: str) -> float:
+        """Seconds a rank holding ``share`` spends reducing its gradients: its data-parallel
+        gradient collectives and FSDP2's per-unit reduce cost
+        (:func:`~plait.planner.traffic.fsdp_host_time`, which reads no more of the plan)."""
+        key = _traffic_key(plan, share, grad_dtype, c.bucket_bytes)
+        if key not in self.syncs:
+            traffic = self.dp_traffic(plan, share, grad_dtype=grad_dtype,
+                                      bucket_bytes=c.bucket_bytes)
+            self.syncs[key] = sum(collective_time(t, cluster, stride, c)
+                                  for t, stride in traffic if t.what == "grads") + \
+                fsdp_host_time(plan, share, c)[0]
+        return self.syncs[key]
+
+    def clip_traffic(self, plan: Plan, share: LocalModel) -> list[tuple[Traffic, int]]:
+        """:func:`~plait.planner.traffic.clip_traffic` (a new list of the same collectives)."""
+        key = ClipKey(plan.grad_clip, plan.tp, plan.pp, plan.cp, plan.dp_replicate,
+                      plan.dp_shard, share)
+        if key not in self.clips:
+            self.clips[key] = clip_traffic(plan, share)
+        return list(self.clips[key])
+
+    def uneven_pieces(self, plan: Plan, model: ModelStats) -> Pieces:
+        """:func:`~plait.planner.traffic.uneven_pieces`."""
+        key = PiecesKey(plan.tp, fsdp_shards(plan))
+        if key not in self.pieces:
+            self.pieces[key] = uneven_pieces(plan, model)
+        return self.pieces[key]
+
+
+def _share_key(plan: Plan, sizes: Sequence[int], rank_chunks: Sequence[Sequence[int]]
+               ) -> ShareKey:
+    return ShareKey(plan.tp, plan.pp, fsdp_shards(plan), clip_axes(plan), tuple(sizes),
+                    tuple(tuple(ids) for ids in rank_chunks))
+
+
+def _traffic_key(plan: Plan, share: LocalModel | None, grad_dtype: str, bucket_bytes: float
+                 ) -> TrafficKey:
+    return TrafficKey(plan.tp, plan.pp, plan.cp, plan.dp_replicate, plan.dp_shard, plan.zero,
+                      plan.find_unused, plan.grad_accum, plan.microbatches, plan.pp_schedule,
+                      plan.virtual_stages, plan.mixed_precision, share, grad_dtype,
+                      bucket_bytes)
