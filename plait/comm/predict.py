@@ -1008,12 +1008,10 @@ def tp_stack_traffic(plan: Any, mb: int, seq: int, hidden: int, block: TPBlock, 
 
 
 def _times(traffic: list[Traffic], k: int) -> list[Traffic]:
-    """``traffic`` repeated ``k`` times (built field by field: the planner's search calls this
-    thousands of times, and ``dataclasses.replace`` costs several times the constructor)."""
+    """``traffic`` repeated ``k`` times (:meth:`Traffic.times`)."""
     if k == 1:
         return traffic
-    return [Traffic(t.axis, t.op, t.payload * k, t.calls * k, t.group, t.what, t.calls_known)
-            for t in traffic]
+    return [t.times(k) for t in traffic]
 
 
 def by_axis_op(traffic: list[Traffic]) -> dict[tuple[str, str], float]:
