@@ -59,3 +59,33 @@ def test_the_planner_leaves_out_tensor_parallelism_it_cannot_check(name: str) ->
     model = G._build(name, False)
     refused = tp_refusal(model, 2, False)
     assert refused is not None and FIX in refused and type(model).__name__ in refused, refused
+
+
+class _MaskedLM(torch.nn.Module):
+    """``forward(input_ids, attention_mask)``, the mask required; with ``counts``, a forward
+    that reads its tokens' values (a running count of each token, as some models keep)."""
+
+    def __init__(self, counts: bool = False) -> None:
+        super().__init__()
+        self.counts = counts
+        self.embed = torch.nn.Embedding(11, 8)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids) * attention_mask.unsqueeze(-1)
+        if self.counts:
+            h = h + torch.nn.functional.one_hot(input_ids, 11).sum((0, 1)).float()[:8]
+        return self.fc2(torch.relu(self.fc1(h)))
+
+
+@pytest.mark.parametrize("counts", [False, True])
+def test_a_required_attention_mask_is_guessed_beside_the_token_ids(counts: bool) -> None:
+    # A forward(input_ids, attention_mask) was guessed token ids alone, and its inferred tp
+    # plan refused as unchecked; one that reads its tokens' values (one_hot on fake tensors
+    # raises DataDependentOutputException) was guessed them alone too.
+    from plait.parallel.tp_example import example_call
+
+    guess = example_call(_MaskedLM(counts))
+    assert guess is not None and set(guess.kwargs) == {"input_ids", "attention_mask"}, guess
+    ids, mask = guess.kwargs["input_ids"], guess.kwargs["attention_mask"]
+    assert mask.shape == ids.shape and bool((mask == 1).all())

@@ -127,13 +127,20 @@ def run_on(model: nn.Module, example: torch.Tensor | Example) -> Any:
     return model(example)
 
 
-def _runs(model: nn.Module, example: torch.Tensor | Example) -> bool:
-    """Whether ``model``'s forward runs on ``example``, tried on fake tensors."""
+# What fake tensors raise where a forward reads its inputs' values (one_hot, routing tokens
+# to experts): the input may well be the right one; it cannot run without real values.
+READS_VALUES = ("DynamicOutputShapeException", "DataDependentOutputException")
+
+
+def _runs(model: nn.Module, example: torch.Tensor | Example, *, values_ok: bool = False
+          ) -> bool:
+    """Whether ``model``'s forward runs on ``example``, tried on fake tensors; with
+    ``values_ok``, also where it stops only because it reads the values (:data:`READS_VALUES`)."""
     try:
         with fake_forward(model):
             run_on(model, example)
-    except Exception:  # noqa: BLE001 - not this input
-        return False
+    except Exception as exc:  # noqa: BLE001 - not this input
+        return values_ok and type(exc).__name__ in READS_VALUES
     return True
 
 
@@ -246,15 +253,20 @@ def describe(model: nn.Module, example: Example | None) -> str:
 
 def _named_inputs(model: nn.Module, single: torch.Tensor | None) -> Example | None:
     """Token ids (``single`` when it is token ids) for every input of ``model``'s forward
-    whose name ends in ``input_ids`` and images for ``pixel_values``, when the forward runs on
-    them; else None."""
+    whose name ends in ``input_ids``, a mask of ones of their shape for an ``attention_mask``
+    the forward requires (no default: ``forward(input_ids, attention_mask)``), and images for
+    ``pixel_values``, when the forward runs on them; else None."""
     try:
-        names = list(inspect.signature(model.forward).parameters)
+        parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return None
+    names = list(parameters)
     embeds = any(isinstance(m, nn.Embedding) for m in model.modules())
     ids = single if embeds else None
     tokens = {n: ids for n in names if n.endswith("input_ids")} if ids is not None else {}
+    if tokens and ids is not None:
+        tokens |= {n: torch.ones_like(ids) for n, p in parameters.items()
+                   if n.endswith("attention_mask") and p.default is inspect.Parameter.empty}
     conv = _first_conv(model)
     sizes: tuple[int | None, ...] = (
         _SPATIAL if "pixel_values" in names and conv is not None else (None,))
@@ -263,6 +275,6 @@ def _named_inputs(model: nn.Module, single: torch.Tensor | None) -> Example | No
     for size in sizes:
         images = {} if size is None or conv is None else {"pixel_values": _images(conv, size)}
         guess = Example(kwargs={**tokens, **images})
-        if _runs(model, guess):
+        if _runs(model, guess, values_ok=True):
             return guess
     return None

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
 from .fx_trace import trace_kept
-from .tp_example import PASS_EXAMPLE, Example, describe, example_call, run_on
+from .tp_example import PASS_EXAMPLE, READS_VALUES, Example, describe, example_call, run_on
 from .tp_kv import GROUP_ATTRS, KV_COUNT_ATTRS, KVHeads, local_attrs, owners, replicated_kv
 from .tp_lora import base_linear, expand, low_rank_parts
 from .tp_plans import STYLES, TPPlan, glob_regex, under
@@ -798,8 +798,6 @@ def _where(exc: BaseException, model: nn.Module) -> str:
     return found
 
 
-# What fake tensors raise for a forward that reads tensor values (torch's names for them).
-_VALUE_ERRORS = ("DynamicOutputShapeException", "DataDependentOutputException")
 
 
 def unchecked_refusal(model: nn.Module, plan: TPPlan, tp: int, guess: Example | None,
@@ -847,14 +845,14 @@ def verify_plan(model: nn.Module, plan: TPPlan, tp: int, sp: bool = False,
     if example is None:
         raise ValueError(unchecked_refusal(model, plan, tp, None, None))
     unrun = check_shapes(model, {}, {}, 1, example)
-    if unrun is not None and not given and not any(kind in unrun for kind in _VALUE_ERRORS):
+    if unrun is not None and not given and not any(kind in unrun for kind in READS_VALUES):
         # The guess is not the model's input (a forward of several inputs, images of another
         # size): neither check can run, and a split that does not fit fails at the first step
         # (or trains wrong) only after every parameter is sharded and the optimizer built.
         raise ValueError(unchecked_refusal(model, plan, tp, example, unrun))
     if unrun is not None and not sp:
         return plan
-    if unrun is not None and any(kind in unrun for kind in _VALUE_ERRORS):
+    if unrun is not None and any(kind in unrun for kind in READS_VALUES):
         # A routed mixture of experts picks its tokens by value (nonzero, where): no
         # fake-tensor forward, so no check that a sequence split keeps the model the same.
         return replace(plan, sp_refused=(
