@@ -453,6 +453,10 @@ def _unused_message(model: DDP, torch_message: str, plan: Plan | None = None) ->
             f"which reduces zeros for them")
 
 
+# The key under which a model's CTC loss reduction is kept in its layout's loss_checks.
+_CTC_REDUCTION = "ctc loss reduction"
+
+
 def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None,
                  extra: dict[str, Any] | None = None, plan: Plan | None = None,
                  share: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -478,9 +482,15 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None,
         from .parallel.context import SHIFTED_LABELS
 
         raise ValueError(SHIFTED_LABELS.format(cp=context.size))
-    # a Hugging Face CTC model's own loss is read by its config's reduction (plait.loss)
-    reduction = ctc_reduction(model) if loss_fn is None else None
     checks = layout_of(model).loss_checks
+    # a Hugging Face CTC model's own loss is read by its config's reduction (plait.loss),
+    # looked up once per model, not in every micro-batch's walk over its modules
+    if loss_fn is not None:
+        reduction = None
+    elif _CTC_REDUCTION in checks:
+        reduction = checks[_CTC_REDUCTION]
+    else:
+        reduction = checks[_CTC_REDUCTION] = ctc_reduction(model)
     if loss_fn is None:
         if reduction is None:
             weighted = weighted_module_count(model, value, out, targets, checks)
