@@ -327,19 +327,21 @@ _OWN_CHECKED = "output.loss checked"
 
 
 def own_loss_unexplained(value: Any, output: Any, targets: Any, known: dict[Any, Any],
-                         plan: Any) -> None:
+                         plan: Any, warn: bool = True) -> bool:
     """Warn once when the model's own scalar loss is not the mean cross-entropy of its logits
     over the labels that are not -100 (nor over them shifted by one, a causal LM's) and no
     weighted loss module the model holds explains it: plait weighs it by those labels, which
-    is one device's loss only if it is a mean over them. Asked once per run."""
+    is one device's loss only if it is a mean over them. Asked once per run. Returns True
+    when it found so (``warn=False``: a pipeline's last stage, which has every rank warn,
+    :func:`plait.parallel.pipeline.refuse_if_seen`)."""
     if known.get(_OWN_CHECKED) or known.get(_OWN_WEIGHTED) is not None:
-        return
+        return False
     found = _logits_and_labels(output, targets)
     if found is None or not isinstance(value, torch.Tensor) or value.numel() != 1:
-        return
+        return False
     logits, labels = found
     if not bool((labels != IGNORE_INDEX).any()):
-        return
+        return False
     before = value.detach().float().reshape(())
     with torch.no_grad():
         flat = logits.detach().reshape(-1, logits.shape[-1]).float()
@@ -349,8 +351,16 @@ def own_loss_unexplained(value: Any, output: Any, targets: Any, known: dict[Any,
                                          .float(), labels[..., 1:].reshape(-1)))
     known[_OWN_CHECKED] = True
     if any(bool(torch.isclose(m, before.to(m.device), rtol=1e-4, atol=0.0)) for m in means):
-        return
-    warnings.warn(
+        return False
+    if warn:
+        warnings.warn(own_loss_message(plan), stacklevel=user_stacklevel())
+    return True
+
+
+def own_loss_message(plan: Any) -> str:
+    """The warning for a model's own loss that plait cannot explain as a mean over the labels
+    it counts (:func:`own_loss_unexplained`)."""
+    return (
         f"plait: the model's own loss (output.loss) is not the mean cross-entropy of its "
         f"output.logits over the labels that are not -100, and plait weighs each replica's "
         f"and micro-batch's loss by those labels under {plan.to_string()}. A mean over them "
@@ -358,4 +368,4 @@ def own_loss_unexplained(value: Any, output: Any, targets: Any, known: dict[Any,
         f"class-weighted mean does not (nn.CrossEntropyLoss(weight=w) made inside forward): "
         f"hold the loss module as an attribute of the model (plait then reads its weight), or "
         f"pass a loss_fn returning (sum, count), e.g. (F.cross_entropy(logits, y, weight=w, "
-        f"reduction='sum'), w[y[y != -100]].sum())", stacklevel=user_stacklevel())
+        f"reduction='sum'), w[y[y != -100]].sum())")

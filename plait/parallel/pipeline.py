@@ -39,7 +39,7 @@ from .._torch_compat import pipeline_stage_base, pytree, stage_backward_split
 from ..batch_rows import MicroBatches
 from ..dict_batch import whole_dict_parameter
 from ..loss import label_shift, loss_sum_and_count, missing_labels_fix, shifts_labels
-from ..mean_probe import check_mean, split_batch
+from ..mean_probe import check_mean, own_loss_unexplained, split_batch, weighted_module_count
 from ..mesh import Mesh
 from ..plan import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES, Plan, reduces_after_schedule
 from .context import ContextGroup, context_group
@@ -558,6 +558,10 @@ class PipelineRunner:
         # Whether this step's loss function was first found not to be a mean over the items
         # plait counts (plait.mean_probe), which every rank warns about, rank 0 among them.
         self.not_a_mean_seen = False
+        # Whether this step's model's own loss (loss_fn=None) was first found to be neither a
+        # mean over its labels nor a weighted loss module's (plait.mean_probe), warned about
+        # on every rank as not_a_mean_seen is.
+        self.own_loss_seen = False
 
     def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one microbatch. torch's schedules split a *tensor* target
@@ -592,13 +596,38 @@ class PipelineRunner:
             if check_mean(self._loss_fn, value, out, target, shift=shift,
                           known=self._loss_checks, plan=self.plan, warn=False):
                 self.not_a_mean_seen = True  # warned on every rank (take_refusal)
-        total, count = loss_sum_and_count(value, target, shift=shift)
+        weighted = self._own_weighted_count(value, out, target, real)
+        if weighted is not None:  # the mean of a class-weighted loss module the model holds
+            total = value.reshape(()) * weighted.to(value.device)
+            total = torch.where(weighted > 0, total, torch.zeros_like(total))
+            count = weighted
+        else:
+            total, count = loss_sum_and_count(value, target, shift=shift)
         if total.ndim:  # refused on every rank after the schedule (take_refusal)
             self.terms_seen = total.numel()
             total, count = total.sum(), count.sum()
         key = (self._accum_index, int(rows[0]))
         self._totals[key] = torch.stack([total.detach().float(), count.float()])
         return total * self._loss_scale if self._loss_scale != 1.0 else total
+
+    def _own_weighted_count(self, value: Any, out: Any, target: Any, real: bool
+                            ) -> torch.Tensor | None:
+        """With ``loss_fn=None``: the labels' summed class weight when the model's own loss is
+        the mean of a weighted ``nn.CrossEntropyLoss``/``nn.NLLLoss`` a last stage holds
+        (:func:`plait.mean_probe.weighted_module_count`), by which the microbatch's loss is
+        weighed as one device's; else None, after asking once whether the loss is a mean over
+        the labels plait counts (:func:`plait.mean_probe.own_loss_unexplained`), which every
+        rank warns about (:meth:`take_refusal`). Learnt on real microbatches only: a copy of
+        what is known is asked on torch's shape-inference call."""
+        if self._loss_fn is not None:
+            return None
+        known = self._loss_checks if real else dict(self._loss_checks)
+        holder = nn.ModuleList([s.submod for s in self.stages if s.is_last])
+        weighted = weighted_module_count(holder, value, out, target, known)
+        if (weighted is None and real and split_batch(self.plan)
+                and own_loss_unexplained(value, out, target, known, self.plan, warn=False)):
+            self.own_loss_seen = True
+        return weighted
 
     def sync_tied_gradients(self) -> None:
         """A weight several stages hold (embedding = head) gets its gradient in pieces, one per
@@ -935,13 +964,17 @@ class PipelineRunner:
         """[1.0 when this rank's last step computed a loss that context parallelism refuses
         (one that shifts the labels itself), else 0.0; the number of terms of a loss that
         returned a dict of (sum, count) pairs, else 0.0; 1.0 when its loss function was first
-        found not to be a mean over what plait counts, else 0.0]; reset for the next step.
+        found not to be a mean over what plait counts, else 0.0; 1.0 when the model's own loss
+        was first found to be neither a mean over its labels nor a weighted loss module's,
+        else 0.0]; reset for the next step.
         Summed over the pipeline and data ranks, they let every rank refuse (or warn)
         together (:func:`refuse_if_seen`)."""
         seen, self.shift_seen = self.shift_seen, False
         terms, self.terms_seen = self.terms_seen, 0
         not_a_mean, self.not_a_mean_seen = self.not_a_mean_seen, False
-        return [1.0 if seen else 0.0, float(terms), 1.0 if not_a_mean else 0.0]
+        own, self.own_loss_seen = self.own_loss_seen, False
+        return [1.0 if seen else 0.0, float(terms), 1.0 if not_a_mean else 0.0,
+                1.0 if own else 0.0]
 
     def _sequence(self, seq: int) -> contextlib.AbstractContextManager:
         """Under context parallelism: attention over the whole ``seq``-token sequence."""
@@ -1044,7 +1077,7 @@ def _refuse_ragged_targets(targets: Any, rows: int) -> None:
 
 
 # How many flags PipelineRunner.take_refusal gives.
-REFUSAL_FLAGS = 3
+REFUSAL_FLAGS = 4
 
 
 def refuse_if_seen(flags: list[float], cp: int, stages_with_loss: int = 1,
@@ -1062,6 +1095,13 @@ def refuse_if_seen(flags: list[float], cp: int, stages_with_loss: int = 1,
 
         warnings.warn(not_a_mean_message(None, "the items plait counts", plan),
                       stacklevel=user_stacklevel())
+    if flags[3] > 0 and plan is not None:
+        import warnings
+
+        from ..mean_probe import own_loss_message
+        from ..warn import user_stacklevel
+
+        warnings.warn(own_loss_message(plan), stacklevel=user_stacklevel())
     if flags[0] > 0:
         from .context import SHIFTED_LABELS
 
