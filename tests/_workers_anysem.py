@@ -292,17 +292,19 @@ def sequence_reference(name: str) -> dict[str, Any]:
 def train_sequences(rank: int, world_size: int, jobs: list[tuple[str, str]]
                     ) -> list[dict[str, Any]]:
     """Each (model name, plan) trained with SGD through run.step; the losses and rank 0's
-    full state, or the refusal's message."""
+    full state, or the refusal's message. Name ``seq2seq/lengths``: :class:`Seq2Seq` given
+    a source half as long as its target."""
     from plait.runtime import init
 
     torch.set_num_threads(1)
     out: list[dict[str, Any]] = []
     for name, plan in jobs:
         run = init(plan, quiet=True)
+        batch = long_target_batch if name.endswith("/lengths") else pair_batch
         try:
-            model = run.parallelize(sequence_model(name))
+            model = run.parallelize(sequence_model(name.split("/")[0]))
             opt = torch.optim.SGD(model.parameters(), lr=LR)
-            losses = [float(run.step(model, _slice(pair_batch(s), run.dp_rank, run.dp_size),
+            losses = [float(run.step(model, _slice(batch(s), run.dp_rank, run.dp_size),
                                      lm_loss, opt)) for s in range(STEPS)]
         except ValueError as exc:
             out.append({"plan": plan, "name": name, "refused": str(exc)})
@@ -313,3 +315,10 @@ def train_sequences(rank: int, world_size: int, jobs: list[tuple[str, str]]
         out.append({"plan": plan, "name": name, "losses": losses,
                     "state": state if rank == 0 else None})
     return out
+
+
+def long_target_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """:func:`pair_batch` with a source half as long as the target."""
+    inputs, labels = pair_batch(step)
+    return {"src": inputs["src"][:, :SEQ // 2], "tgt": inputs["tgt"]}, labels
+

@@ -63,7 +63,13 @@ def test_cross_attention_to_a_second_input_trains_as_one_device_under_cp() -> No
     # cut at the same positions and the keys gathered whole, so its cross-attention is one
     # device's, as are a model reading two inputs as one sequence and one projecting its
     # keys and values on a path of their own. None of them is refused.
+    # A source and a target of two lengths cannot be cut alike: refused, naming the input
+    # (it was told its "per-row targets (a class per sequence) are not per-token").
     names = ("seq2seq", "two_input", "projected_kv")
-    got = run_distributed(A.train_sequences, 2, [(n, "cp=2") for n in names], timeout=180)[0]
-    for result in got:
+    got = run_distributed(A.train_sequences, 2,
+                          [(n, "cp=2") for n in (*names, "seq2seq/lengths")], timeout=180)[0]
+    for result in got[:-1]:
         _assert_as_one_device(result, A.sequence_reference(result["name"]))
+    said = got[-1]["refused"]
+    assert "batch[0]['tgt'] has 8 positions" in said and "first input has 4" in said, said
+    assert "give both one length" in said, said

@@ -308,6 +308,14 @@ def split_batch(batch: Any, cp: ContextGroup) -> tuple[Any, int, dict[str, torch
             return type(t)(cut(v, f"{where}[{i}]") for i, v in enumerate(t))
         if not isinstance(t, torch.Tensor):
             return t
+        if (t.ndim >= 2 and t.shape[1] != seq and where != "batch['labels']"
+                and where.startswith(("batch[0]", "batch['"))):  # an input, not the targets
+            raise ValueError(
+                f"context parallelism (cp={cp.size}) cuts every input of the batch at the same "
+                f"positions of its dim 1, but {where} has {t.shape[1]} positions there where "
+                f"the first input has {seq}: a second sequence of another length (an "
+                f"encoder-decoder's source and target) cannot be cut alike; give both one "
+                f"length (pad the shorter, -100 on its labels), or train with cp=1")
         if t.ndim < 2 or t.shape[1] != seq:
             raise ValueError(
                 f"context parallelism (cp={cp.size}) splits every tensor of the batch along "
