@@ -322,3 +322,34 @@ def long_target_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]
     inputs, labels = pair_batch(step)
     return {"src": inputs["src"][:, :SEQ // 2], "tgt": inputs["tgt"]}, labels
 
+
+
+# ------------------------------------- transformers' own tp plan, eager attention's weights
+
+
+def hf_attentions(rank: int, world_size: int, plan: str) -> dict[str, Any]:
+    """A tiny Hugging Face Llama built with ``attn_implementation="eager"`` (from a config, no
+    download) laid out under ``plan``: its shipped plan's ``head_outputs`` (and its SDPA
+    form's), what a forward with ``output_attentions=True`` returns as each layer's attention
+    weights (their shapes, None where it returns None), and the hidden states' largest
+    difference from one device's."""
+    from plait.parallel.tp_plans import shipped_plan
+    from plait.runtime import init
+    from tests._workers_cp import hf_llama, lm_batch
+
+    torch.set_num_threads(1)
+    ids = lm_batch(0)[0]
+    with torch.no_grad():
+        want = hf_llama("eager")(ids, output_attentions=True, output_hidden_states=True)
+    run = init(plan, quiet=True)
+    model = run.parallelize(hf_llama("eager"))
+    with torch.no_grad():
+        got = model(ids, output_attentions=True, output_hidden_states=True)
+    run.close()
+    eager, sdpa = shipped_plan(hf_llama("eager")), shipped_plan(hf_llama())
+    return {"head_outputs": eager.head_outputs if eager is not None else None,
+            "sdpa_head_outputs": sdpa.head_outputs if sdpa is not None else None,
+            "attentions": [None if a is None else tuple(a.shape) for a in got.attentions],
+            "one_device": [tuple(a.shape) for a in want.attentions],
+            "hidden": max(float((g - w).abs().max()) for g, w in zip(
+                got.hidden_states, want.hidden_states, strict=True))}

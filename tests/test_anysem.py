@@ -73,3 +73,17 @@ def test_cross_attention_to_a_second_input_trains_as_one_device_under_cp() -> No
     said = got[-1]["refused"]
     assert "batch[0]['tgt'] has 8 positions" in said and "first input has 4" in said, said
     assert "give both one length" in said, said
+
+
+def test_transformers_own_plan_returns_no_attention_weights_under_tp() -> None:
+    # Under tp=2 each rank's eager attention computes its own heads' weights only: transformers'
+    # own plan returned them as each layer's output_attentions, (4, 2, 16, 16) where one
+    # device returns (4, 4, 16, 16). Now none, as the model's SDPA form and plait's inferred
+    # plan return; the hidden states are one device's. The plan names the weights' place in
+    # the attention's output, as an inferred plan does; the SDPA form's plan names none.
+    for got in run_distributed(A.hf_attentions, 2, "tp=2", timeout=180):
+        assert got["head_outputs"] == {"model.layers.*.self_attn": (1,)}, got
+        assert got["sdpa_head_outputs"] == {}, got
+        assert got["one_device"] == [(4, 4, 16, 16)] * 2, got
+        assert got["attentions"] == [], got
+        assert got["hidden"] < 1e-5, got

@@ -363,7 +363,8 @@ def hf_plan(model: nn.Module) -> TPPlan:
     # in a region); transformers' own plans for other families say nothing about it.
     sp = bert_like or kind in ("gpt2", "llama", "mistral", "qwen2")
     plan = TPPlan(styles=base, divide_attrs=divide, source=source, sizes=_hf_sizes(config),
-                  supports_sp=sp, sp_blocks=blocks if sp else "")
+                  supports_sp=sp, sp_blocks=blocks if sp else "",
+                  head_outputs=_eager_weights(base_model, base, config))
     plan = plan.with_prefix(base_prefix)
     styles = dict(plan.styles)
     # The instance's _tp_plan merges the base plan under its prefix; only the head is new here.
@@ -382,7 +383,29 @@ def hf_plan(model: nn.Module) -> TPPlan:
                 style = "colwise_gather"
             styles[name] = style
     return TPPlan(styles=styles, divide_attrs=plan.divide_attrs, source=plan.source,
-                  sizes=plan.sizes, supports_sp=plan.supports_sp, sp_blocks=plan.sp_blocks)
+                  sizes=plan.sizes, supports_sp=plan.supports_sp, sp_blocks=plan.sp_blocks,
+                  head_outputs=plan.head_outputs)
+
+
+def _eager_weights(base_model: nn.Module, styles: Mapping[str, str], config: Any
+                   ) -> dict[str, tuple[int, ...]]:
+    """The attention modules of a transformers model built with ``attn_implementation=
+    "eager"`` (the parents of the plan's column-parallel layers whose class is an attention),
+    each returning ``(output, weights)``: the weights come from q and k alone, one map per
+    head, so under tp each rank computes its own heads' only, which would pass for all of
+    them in ``output_attentions``. The plan's ``head_outputs`` makes them None there, as the
+    model's SDPA form returns (and as an inferred plan does)."""
+    if getattr(config, "_attn_implementation", None) != "eager":
+        return {}
+    modules = [(n, m) for n, m in base_model.named_modules() if n]
+    found: dict[str, tuple[int, ...]] = {}
+    for glob, style in styles.items():
+        parent = glob.rpartition(".")[0]
+        if style in COLWISE and parent and parent not in found and any(
+                glob_regex(parent).match(n) and "Attention" in type(m).__name__
+                for n, m in modules):
+            found[parent] = (1,)
+    return found
 
 
 def shipped_plan(module: nn.Module) -> TPPlan | None:
