@@ -784,7 +784,7 @@ class Run:
                 from .parallel.pipeline import REFUSAL_FLAGS, refuse_if_seen
 
                 refuse_if_seen(totals[2:2 + REFUSAL_FLAGS].tolist(), self.plan.cp,
-                               self._totals_group()[1])
+                               self._totals_group()[1], self.plan)
         finally:
             for module, training in modes:
                 module.training = training

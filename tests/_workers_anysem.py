@@ -109,8 +109,9 @@ def tagger_reference(inline: bool) -> dict[str, Any]:
 
 def train_taggers(rank: int, world_size: int, jobs: list[tuple[bool, str]]
                   ) -> list[dict[str, Any]]:
-    """Each (inline, plan) trained with SGD through run.step and the model's own loss
-    (loss_fn=None); the losses, rank 0's full state and plait's warnings on this rank."""
+    """Each (inline, plan) evaluated on the first batch (run.evaluate), then trained with SGD
+    through run.step, with the model's own loss (loss_fn=None); the losses, rank 0's full
+    state and plait's warnings on this rank."""
     from plait.runtime import init
 
     torch.set_num_threads(1)
@@ -120,12 +121,16 @@ def train_taggers(rank: int, world_size: int, jobs: list[tuple[bool, str]]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = run.parallelize(tagger(inline), example=tag_batch(0))
+            # evaluated first: what the model's own loss is is learnt there, and still said
+            evaluated = float(run.evaluate(model, _slice(tag_batch(0), run.dp_rank,
+                                                         run.dp_size), None))
             opt = torch.optim.SGD(model.parameters(), lr=LR)
             losses = [float(run.step(model, _slice(tag_batch(s), run.dp_rank, run.dp_size),
                                      None, opt)) for s in range(STEPS)]
         state = run.full_state_dict(model)
         run.close()
-        out.append({"plan": plan, "losses": losses, "state": state if rank == 0 else None,
+        out.append({"plan": plan, "losses": losses, "evaluated": evaluated,
+                    "state": state if rank == 0 else None,
                     "warnings": [str(w.message) for w in caught
                                  if str(w.message).startswith("plait:")]})
     return out

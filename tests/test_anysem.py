@@ -27,10 +27,14 @@ def _assert_as_one_device(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 def _check_taggers(ranks: list[list[dict[str, Any]]]) -> None:
-    """Job 0 (the loss module the model holds) trains as one device, silently; job 1 (the
-    weighted loss made in forward) is warned about once on every rank, with the fix."""
+    """Job 0 (the loss module the model holds) evaluates and trains as one device, silently;
+    job 1 (the weighted loss made in forward) is warned about once on every rank, with the
+    fix, though it was evaluated before its first step."""
     exact, warned = ranks[0]
-    _assert_as_one_device(exact, A.tagger_reference(inline=False))
+    want = A.tagger_reference(inline=False)
+    _assert_as_one_device(exact, want)
+    # run.evaluate before the first step: one device's loss of the first batch
+    assert abs(exact["evaluated"] - want["losses"][0]) <= 1e-5 * want["losses"][0], exact
     for rank in ranks:
         assert rank[0]["warnings"] == [], rank[0]["warnings"]
         said = rank[1]["warnings"]
