@@ -287,3 +287,42 @@ def test_planner_page_quotes_plait_plan(capsys):
          "context_parallel.md")
     says(cp, f"{float(tp_bytes.group(1)):,.0f} GB per rank per step, where cp's move "
          f"{gib * GiB / GB:.0f} GB ({gib:.0f} GiB) of keys and values", "context_parallel.md")
+
+
+def test_zero_page_memory_table_is_the_closed_form():
+    """zero.md's table for the `test` model (what `run.finish()` prints beside the measured
+    bytes, which tests/test_zero.py holds to it) is ``closed_form``'s, to the page's digits."""
+    text = (DOCS / "zero.md").read_text()
+    psi, root = params("test"), root_params("test")
+    plans = {"DDP (`dp=2`)": Plan(dp_replicate=2), "ZeRO-1": Plan(dp_shard=2, zero=1),
+             "ZeRO-2": Plan(dp_shard=2, zero=2), "ZeRO-3 (+offload)": Plan(dp_shard=2, zero=3)}
+    for name, plan in plans.items():
+        row = re.search(rf"^\| {re.escape(name)} +\|(.*)\|$", text, re.M)
+        assert row, f"zero.md has no memory row {name!r}"
+        cells = [c.strip() for c in row.group(1).split("|")]
+        form = closed_form(plan, psi, ADAM, root_psi=root)
+        gathered = form.gathered if plan.zero != 1 else 0.0
+        assert form.optimizer is not None and form.model_state is not None
+        mine = [f"{x / MiB:.2f} MiB" for x in
+                (form.params, form.grads, form.optimizer, form.model_state)]
+        assert cells[:4] == mine, f"zero.md, {name}: {cells[:4]}; closed_form gives {mine}"
+        assert cells[4].startswith("0" if not gathered else f"{gathered / MiB:.2f} MiB"), \
+            f"zero.md, {name}: gathered {cells[4]!r}; closed_form gives {gathered} bytes"
+
+
+def test_tensor_parallel_collectives_table():
+    """tensor_parallel.md's per-micro-batch table for the `test` model (4 layers, h=64,
+    b=4, s=16, tp=2): tp_traffic's blocks plus the two ends, each call b·s·h fp32."""
+    text = (DOCS / "tensor_parallel.md").read_text()
+    cfg = preset("test")
+    (blocks,) = tp_traffic(4, 16, cfg.dim, cfg.n_layers, 2)
+    calls, each = blocks.calls + 2, blocks.payload / blocks.calls
+    per_pass = calls // 2
+    says(text, f"| tp=2 | {per_pass} all-reduce fwd + {per_pass} bwd = {calls} "
+         f"(= 4 x {cfg.n_layers} layers + 2) | {calls} x {each / KiB:.0f} KiB |",
+         "tensor_parallel.md: tp=2")
+    norms = 2 * cfg.n_layers + 1
+    says(text, f"| tp=2,sp=true | {per_pass} all-gather + {per_pass} reduce-scatter fwd, the same "
+         f"bwd, + {norms} all-reduce (norm weights) = {2 * calls + norms} | {2 * calls} x "
+         f"{each / KiB:.0f} KiB (logical) + {norms} x {cfg.dim * 4} B |",
+         "tensor_parallel.md: tp=2,sp")
