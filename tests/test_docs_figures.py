@@ -326,3 +326,29 @@ def test_tensor_parallel_collectives_table():
          f"bwd, + {norms} all-reduce (norm weights) = {2 * calls + norms} | {2 * calls} x "
          f"{each / KiB:.0f} KiB (logical) + {norms} x {cfg.dim * 4} B |",
          "tensor_parallel.md: tp=2,sp")
+
+
+def test_context_parallel_bench_breakdown():
+    """context_parallel.md's breakdown of what a cp=2 rank saves beyond a dp=2 one on
+    bench/cp_long_seq.py's model (4 blocks, kv = 2 heads x 32, 2 sequences, fp32): the page's
+    closed-form rows, which the bench prints beside what it measures."""
+    text = " ".join((DOCS / "context_parallel.md").read_text().split())
+    layers, kv, rows, e, cp = 4, 2 * 32, 2, 4, 2
+
+    def mask(s: int) -> float:  # the fp32 additive copy SDPA keeps, per layer
+        return 4.0 * layers * (s // cp) * s
+
+    def kv_saved(s: int, b: int) -> float:  # K and V of b whole sequences, per layer
+        return 2.0 * layers * b * s * kv * e
+
+    s = 4096
+    gathered, own = kv_saved(s, rows), kv_saved(s, rows // 2)
+    says(text, f"the {(gathered - own + mask(s)) / MiB:.0f} MiB beyond dp=2 are the gathered K "
+         f"and V ({gathered / MiB:.0f} MiB, where dp=2 keeps {own / MiB:.0f} MiB of its own) and "
+         f"the per-layer fp32 masks ({mask(s) / MiB:.0f} MiB)", "context_parallel.md")
+    ratios = [mask(n) / (kv_saved(n, rows) - kv_saved(n, rows // 2)) for n in (512, 1024, 4096)]
+    assert ratios[0] == 2, ratios  # "twice"
+    says(text, f"{ratios[1]:.0f} times at 1,024 and {ratios[2]:.0f} times at 4,096",
+         "context_parallel.md: the mask against the K/V")
+    says(text, f"twice the K/V cp adds at 512 tokens per sequence ({mask(512) / MiB:.0f} and "
+         f"{(kv_saved(512, rows) - kv_saved(512, rows // 2)) / MiB:.0f} MiB", "context_parallel.md")
