@@ -32,6 +32,8 @@ from plait.models.transformer import Transformer, preset
 from plait.parallel.schedules import theoretical_bubble
 from plait.plan import Plan
 from plait.planner.cli import add_plan_arguments, plan_command
+from plait.planner.cost import evaluate
+from plait.planner.published import NARAYANAN_2021, megatron_flops, row_setup
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PSI_7B = 6_738_415_616  # the pages' llama-7b (Ψ = 6.74·10⁹): the preset's parameters
@@ -352,3 +354,25 @@ def test_context_parallel_bench_breakdown():
          "context_parallel.md: the mask against the K/V")
     says(text, f"twice the K/V cp adds at 512 tokens per sequence ({mask(512) / MiB:.0f} and "
          f"{(kv_saved(512, rows) - kv_saved(512, rows // 2)) / MiB:.0f} MiB", "context_parallel.md")
+
+
+def test_planner_page_prices_the_145b_row_as_plait_plan(capsys):
+    """planner.md's account of its third command: the TFLOP/s columns `plait plan --plan`
+    prints for Megatron's 145.6B row, and the figure its table gives by the paper's formula."""
+    text = " ".join((DOCS / "planner.md").read_text().split())
+    parser = add_plan_arguments(argparse.ArgumentParser())
+    args = ["--model", "gpt-145b", "--cluster", "dgx-a100-80gb", "--global-batch", "2304",
+            "--plan", "dp=24,tp=8,pp=8,schedule=interleaved_1f1b,v=2,mb=96,ac=full,mp=bf16"]
+    says(text, " ".join(args[:6]), "planner.md: the third command")
+    assert plan_command(parser.parse_args(args)) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("1 "))
+    tflops, with_recompute = re.split(r"\s{2,}", row)[4:6]
+    says(text, f"({tflops} for the model, {with_recompute} with recomputation)", "planner.md")
+    paper = next(r for r in NARAYANAN_2021 if r.params_b == 145.6)
+    model, cluster, work, plan = row_setup(paper)
+    step = evaluate(plan, model, cluster, work).step_time_s
+    formula = megatron_flops(paper.batch, 2048, paper.layers, paper.hidden, 51200) / step \
+        / paper.gpus / 1e12
+    says(text, f"which gives {formula:.1f} for the same layout", "planner.md")
+    says(text, f"| **{formula:.1f}** |", "planner.md: the 145.6B row of the table")
