@@ -387,3 +387,21 @@ def test_data_parallel_page_compares_bytes_as_predict_does():
     assert sent[0] < sent[2] and sent[1] < sent[2]
     says(text, f"they send {sent[0]:.2f} and {sent[1]:.2f} GiB per GPU per step against DDP's "
          f"{sent[2]:.2f}", "data_parallel.md: when to use it")
+
+
+def test_zero_page_bench_closed_forms():
+    """zero.md's bench table (bench/zero_memory.py: the reference transformer at dim 1024 x 6
+    layers, 2 ranks): Ψ and the closed-form column are closed_form's for that model."""
+    from plait.models.transformer import TransformerConfig
+    text = " ".join((DOCS / "zero.md").read_text().split())
+    psi = TransformerConfig(dim=1024, n_layers=6, n_heads=16, max_seq_len=32).num_params()
+    says(text, f"Ψ = {psi / 1e6:.1f}M ({4 * psi / MiB:.0f} MiB fp32)", "zero.md: the bench model")
+    plans = {"DDP": Plan(dp_replicate=2), "ZeRO-1": Plan(dp_shard=2, zero=1),
+             "ZeRO-2": Plan(dp_shard=2, zero=2), "ZeRO-3": Plan(dp_shard=2, zero=3)}
+    for name, plan in plans.items():
+        state = closed_form(plan, psi, ADAM).model_state
+        assert state is not None
+        row = re.search(rf"\| {name} +\| +[\d,]+ MiB \| +([\d,]+) MiB \|", text)
+        mine = f"{state / MiB:,.0f}"
+        assert row and row.group(1) == mine, \
+            f"zero.md's bench row {name}: {row and row.group(1)} MiB; closed_form gives {mine}"
