@@ -70,6 +70,21 @@ def _did_you_mean(key: Any, known: list[str] | tuple[str, ...] | set[str]) -> st
     return f"did you mean {' or '.join(repr(k) for k in tied)}? "
 
 
+def rounds_error(schedule: str, pp: int, microbatches: int) -> str:
+    """Why ``microbatches`` cannot run under an interleaved schedule (torch's interleaved 1F1B
+    and interleaved zero-bubble run them in ``max(1, m // pp)`` rounds of equal size, and
+    raise mid-step otherwise), or "" when they can. Shared by :meth:`Plan.validate` and the
+    pipeline's own check, so a plan is refused when it is made, not at its first step."""
+    if schedule not in ("interleaved_1f1b", "interleaved_zb") or pp < 1 or microbatches < pp:
+        return ""
+    rounds = max(1, microbatches // pp)
+    if microbatches % rounds == 0:
+        return ""
+    good = [m for m in range(pp, 4 * pp + 1) if m % max(1, m // pp) == 0]
+    return (f"schedule {schedule!r} runs microbatches in rounds of pp={pp}: microbatches="
+            f"{microbatches} is not a multiple of its {rounds} rounds; use e.g. microbatches "
+            f"in {good[:6]}")
+
 @dataclass(frozen=True)
 class PlanOptions:
     """Strategy-specific settings that only some layouts read. All default to "not given".
@@ -294,6 +309,8 @@ class Plan:
                 errors.append(f"microbatches={self.microbatches} < pp={self.pp}: "
                               f"{self.pp_schedule} needs at least one microbatch per stage "
                               f"(use microbatches>={self.pp})")
+            elif rounds_error(self.pp_schedule, self.pp, self.microbatches):
+                errors.append(rounds_error(self.pp_schedule, self.pp, self.microbatches))
         if self.activation_checkpointing not in CHECKPOINTING:
             errors.append(f"activation_checkpointing={self.activation_checkpointing!r} is not one "
                           f"of {', '.join(CHECKPOINTING)}")

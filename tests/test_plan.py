@@ -60,6 +60,8 @@ def test_world_size_mismatch_names_every_factor():
     ("pp=4,mb=2", "microbatches=2 < pp=4"),
     ("pp=2,mb=2,v=2", "needs a multi-stage schedule"),
     ("pp=2,mb=2,schedule=interleaved_1f1b", "needs virtual_stages >= 2"),
+    ("pp=2,mb=5,v=2,schedule=interleaved_1f1b", "microbatches=5 is not a multiple of its 2"),
+    ("pp=2,mb=7,v=2,schedule=interleaved_zb", "microbatches=7 is not a multiple of its 3"),
     ("ac=some", "activation_checkpointing='some'"),
     ("mp=fp64", "mixed_precision='fp64'"),
     ("tp=0", "tp=0 must be a positive integer"),

@@ -35,7 +35,7 @@ from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 from ..outputs import add_format
-from ..plan import MULTI_STAGE_SCHEDULES, PP_SCHEDULES
+from ..plan import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, rounds_error
 
 # Relative cost of each action kind on a balanced pipeline: a backward costs two forwards (one
 # matmul for the input gradient, one for the weight gradient); the zero-bubble split gives each
@@ -102,13 +102,9 @@ def check_schedule_args(schedule: str, pp: int, microbatches: int, virtual_stage
         raise ValueError(f"schedule {schedule!r} with pp={pp} needs at least {pp} microbatches "
                          f"(one per stage in flight), got microbatches={microbatches}; raise "
                          f"microbatches to >= {pp} or use schedule=gpipe")
-    if schedule in ("interleaved_1f1b", "interleaved_zb"):
-        rounds = max(1, microbatches // pp)
-        if microbatches % rounds:
-            good = [m for m in range(pp, 4 * pp + 1) if m % max(1, m // pp) == 0]
-            raise ValueError(f"schedule {schedule!r} runs microbatches in rounds of pp={pp}: "
-                             f"microbatches={microbatches} is not a multiple of its "
-                             f"{rounds} rounds; use e.g. microbatches in {good[:6]}")
+    rounds = rounds_error(schedule, pp, microbatches)
+    if rounds:
+        raise ValueError(rounds)
 
 
 # ------------------------------------------------------------------------------ placement
