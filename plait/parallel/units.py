@@ -40,6 +40,14 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
+def user_name(name: str) -> str:
+    """The name the one-device model gives a parameter or buffer of a laid-out module whose
+    DDP wrapper is already taken off: the other wrappers' parts dropped, a ``module`` part
+    kept (the user's own submodule, such as ``AveragedModel.module``)."""
+    return ".".join(part for part in name.split(".")
+                    if part == "module" or part not in _WRAPPER_PARTS)
+
+
 def by_canonical_name(named: Iterable[tuple[str, torch.Tensor]], name: str,
                       what: str) -> torch.Tensor:
     """The tensor of ``named`` (a laid-out module's ``named_parameters`` or ``named_buffers``,
