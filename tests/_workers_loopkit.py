@@ -155,13 +155,15 @@ def _record() -> dict[str, Any]:
     return {"losses": [], "lrs": [], "val": [], "confusion": [], "outputs_confusion": []}
 
 
-def plateau_loop(rank: int, world_size: int, plans: list[str]) -> dict[str, Any]:
+def plateau_loop(rank: int, world_size: int, plans: list[str], folder: str
+                 ) -> dict[str, Any]:
     """Per plan, the loop through plait: the EMA copies taken before ``run.parallelize`` and
     laid out too (``AveragedModel`` except under a pipeline, which refuses it: there the copy
     is updated by hand), the plateau fed with ``run.step``'s loss, the held-out loss from
     ``run.evaluate`` (whose loss function also counts the confusion matrix, on the last stage
     under a pipeline) and, without a pipeline, the confusion matrix counted again from
-    ``model(x)`` on this rank's held-out rows; both summed with ``run.all_reduce``."""
+    ``model(x)`` on this rank's held-out rows; both summed with ``run.all_reduce``. The
+    ``AveragedModel`` is saved with ``run.save`` under ``folder`` and loaded into a new one."""
     import plait
 
     torch.set_num_threads(1)
@@ -169,13 +171,13 @@ def plateau_loop(rank: int, world_size: int, plans: list[str]) -> dict[str, Any]
     for plan in plans:
         run = plait.init(plan, quiet=True)
         try:
-            out[plan] = _plateau_run(run)
+            out[plan] = _plateau_run(run, f"{folder}/{plan}")
         finally:
             run.close()
     return out
 
 
-def _plateau_run(run: Any) -> dict[str, Any]:
+def _plateau_run(run: Any, folder: str) -> dict[str, Any]:
     raw = classifier()
     pipelined = run.plan.pp > 1
     swa = None if pipelined else AveragedModel(
@@ -217,6 +219,11 @@ def _plateau_run(run: Any) -> dict[str, Any]:
     if swa is not None:
         out["swa_val"] = float(run.evaluate(swa, held, F.cross_entropy))
         out["swa"] = run.full_state_dict(swa)
+        run.save(folder, model=swa)
+        torch.manual_seed(1)  # other weights than the saved ones, until loaded
+        again = run.parallelize(AveragedModel(Classifier()).requires_grad_(False))
+        run.load(folder, model=again)
+        out["swa_loaded"] = run.full_state_dict(again)
     out["ema_val"] = float(run.evaluate(ema, held, F.cross_entropy))
     out["ema"] = run.full_state_dict(ema)
     out["model"] = run.full_state_dict(model)

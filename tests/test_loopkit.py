@@ -31,12 +31,12 @@ def _same_state(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> 
         torch.testing.assert_close(got[name].to(value.dtype), value, rtol=0, atol=ATOL, msg=name)
 
 
-def _plateau_as_one_device(plans: list[str]) -> None:
+def _plateau_as_one_device(plans: list[str], folder: Any) -> None:
     want = W.plateau_reference()
     # the held-out loss stops improving before the last step: the loop breaks
     assert len(want["losses"]) < W.MAX_STEPS, want["val"]
     assert len(set(want["lrs"])) > 2, want["lrs"]  # the plateau lowered the rate twice or more
-    for got in run_distributed(W.plateau_loop, 2, plans, timeout=180):
+    for got in run_distributed(W.plateau_loop, 2, plans, str(folder), timeout=180):
         for plan, out in got.items():
             _close(want["losses"], out["losses"])
             assert out["lrs"] == want["lrs"], plan  # the rank stopped and stepped alike
@@ -51,17 +51,19 @@ def _plateau_as_one_device(plans: list[str]) -> None:
             if "pp" not in plan:  # a pipeline refuses AveragedModel: the EMA by hand there
                 _close([want["swa_val"]], [out["swa_val"]])
                 _same_state(want["swa"], out["swa"])
+                _same_state(want["swa"], out["swa_loaded"])  # run.save, then run.load
 
 
-def test_a_loop_with_plateau_ema_early_stopping_and_counts_trains_as_one_device() -> None:
+def test_a_loop_with_plateau_ema_early_stopping_and_counts_trains_as_one_device(tmp_path
+                                                                               ) -> None:
     # tp: the model's outputs on every rank are of the same rows, so a sum over all ranks
     # counts each row twice; pp: the outputs exist on the last stage alone.
-    _plateau_as_one_device(["tp=2", "pp=2,mb=2"])
+    _plateau_as_one_device(["tp=2", "pp=2,mb=2"], tmp_path)
 
 
 @pytest.mark.slow
-def test_the_loop_trains_as_one_device_under_data_parallel_and_zero3() -> None:
-    _plateau_as_one_device(["dp=2", "fsdp=2"])
+def test_the_loop_trains_as_one_device_under_data_parallel_and_zero3(tmp_path) -> None:
+    _plateau_as_one_device(["dp=2", "fsdp=2"], tmp_path)
 
 
 def _onecycle_as_one_device(plans: list[str]) -> None:
