@@ -21,6 +21,7 @@ import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, TextIO
 
 import torch
@@ -47,19 +48,22 @@ def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None, *,
     rotary embedding's frequency table, is left out) and a tied weight under each of its names.
 
     With ``user_names``: the names the one-device model's ``state_dict()`` gives, a
-    submodule the user named ``module`` (``AveragedModel.module``) kept: DDP's wrapper is
-    taken off the module rather than its ``module`` part dropped from every name, which
-    :func:`canonical_name` does (it cannot tell the two apart from a name alone).
+    submodule the user named ``module`` (``AveragedModel.module``) kept: only the ``module``
+    part that follows a DDP wrapper is dropped, where :func:`canonical_name` drops every one
+    (it cannot tell the two apart from a name alone).
 
     Collective: every rank of the job must call it. With pipelines, stages pool their
     parameters over ``pp_group`` so each rank returns the whole model.
     """
     state: dict[str, torch.Tensor] = {}
-    rename = user_name if user_names else canonical_name
     for module in local_modules(model):
-        if user_names and isinstance(module, (nn.parallel.DistributedDataParallel,
-                                              nn.DataParallel)):
-            module = module.module
+        if user_names:
+            # where DDP wraps a module (the root, or inside: an AveragedModel of a DDP model)
+            wrapped = {n for n, m in module.named_modules()
+                       if isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel))}
+            rename: Callable[[str], str] = partial(user_name, wrapped=wrapped)
+        else:
+            rename = canonical_name
         named: list[tuple[str, torch.Tensor]] = (
             list(module.state_dict(keep_vars=True).items()) if buffers
             else list(module.named_parameters()))

@@ -230,6 +230,20 @@ def _plateau_run(run: Any, folder: str) -> dict[str, Any]:
     return out
 
 
+def copy_reference() -> dict[str, torch.Tensor]:
+    """``AveragedModel(model)`` on one device after 2 steps: what ``copies_refused`` trains."""
+    model = classifier()
+    swa = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY))
+    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR, momentum=0.9)
+    for x, y in global_batches(train_set(), BATCH, 2):
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        swa.update_parameters(model)
+    return swa.state_dict()
+
+
 def onecycle_reference() -> dict[str, Any]:
     """A ``OneCycleLR`` stepped once per optimizer step, on one device."""
     model = classifier()
@@ -278,22 +292,29 @@ def onecycle_loop(rank: int, world_size: int, plans: list[str]) -> dict[str, Any
     return out
 
 
-def copies_refused(rank: int, world_size: int, plans: list[str]) -> dict[str, str]:
+def copies_refused(rank: int, world_size: int, plans: list[str]) -> dict[str, Any]:
     """Per plan, what ``AveragedModel(model)`` built after ``run.parallelize`` raises (or
-    ``"built"``), and what laying out an ``AveragedModel`` under a pipeline raises."""
+    ``"built"``, and then its state after 2 steps: ``plan + " state"``), and what laying out
+    an ``AveragedModel`` under a pipeline raises."""
     import plait
 
     torch.set_num_threads(1)
-    out: dict[str, str] = {}
+    out: dict[str, Any] = {}
     for plan in plans:
         run = plait.init(plan, quiet=True)
         try:
             model = run.parallelize(classifier())
             try:
-                AveragedModel(model)
+                swa = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY))
                 out[plan] = "built"
             except ValueError as exc:
                 out[plan] = str(exc)
+            else:
+                opt = torch.optim.SGD(model.parameters(), lr=SGD_LR, momentum=0.9)
+                for batch in run.loader(train_set(), batch_size=BATCH, steps=2):
+                    run.step(model, batch, F.cross_entropy, opt)
+                    swa.update_parameters(model)
+                out[plan + " state"] = run.full_state_dict(swa)
             if run.plan.pp > 1:
                 try:
                     run.parallelize(AveragedModel(classifier()).requires_grad_(False))

@@ -90,7 +90,9 @@ def test_onecycle_under_tensor_parallel_and_zero3_with_accumulation() -> None:
 def test_a_copy_of_a_laid_out_model_is_refused_with_the_way_that_works() -> None:
     got: dict[str, Any] = run_distributed(
         W.copies_refused, 2, ["dp=2", "fsdp=2", "tp=2", "pp=2,mb=2"], timeout=120)[0]
-    assert got["dp=2"] == "built"  # DDP's copy works (and is checked in the loop's slow test)
+    # DDP's copy works: one device's AveragedModel, its names (module.*) and values
+    assert got["dp=2"] == "built"
+    _same_state(W.copy_reference(), got["dp=2 state"])
     for plan in ("fsdp=2", "tp=2"):
         assert got[plan].startswith("a laid-out model cannot be copied"), got[plan]
         assert "swa = AveragedModel(raw).requires_grad_(False), then model = " \
