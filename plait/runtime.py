@@ -238,15 +238,23 @@ class Run:
         this rank's rows (correct predictions, a confusion matrix, examples seen) made the
         global batch's, the value one device counts. Call it on every rank, as a step.
 
-        The sum runs over the data replicas alone: the tensor-, context- and pipeline-parallel
-        peers of a replica hold the same rows, so summing over every rank (``dist.all_reduce``
+        The sum runs over the data replicas alone: the tensor- and pipeline-parallel peers of
+        a replica hold the same rows, so summing over every rank (``dist.all_reduce``
         on the default group) would count them once per peer. Under a pipeline the value is
         the last stage's (the stage whose loss function sees the outputs, e.g. counts kept by
         the loss function given to :meth:`evaluate`), sent to every stage. Returns a new
-        tensor (``t`` is left as it is) on ``t``'s device, float for a Python number."""
+        tensor (``t`` is left as it is) on ``t``'s device, float for a Python number. Refused
+        under context parallelism, where the right sum depends on where ``t`` was counted."""
         if self.spmd is not None:
             raise ValueError("run.all_reduce is not available on XLA (SPMD): there each "
                              "host's tensors already cover its whole share of the batch")
+        if self.plan.cp > 1:
+            raise ValueError(f"run.all_reduce is not available under cp={self.plan.cp}: "
+                             f"whether the context-parallel ranks of a replica counted the "
+                             f"same rows or each its slice of the sequences depends on where "
+                             f"the count was taken; sum it with torch.distributed.all_reduce "
+                             f"over the group that fits (run.mesh['dp'].get_group() for the "
+                             f"same rows)")
         value = torch.as_tensor(t, dtype=torch.float if not isinstance(t, torch.Tensor)
                                 else None)
         pp_group, last_pp = None, 0

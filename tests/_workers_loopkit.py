@@ -303,6 +303,13 @@ def copies_refused(rank: int, world_size: int, plans: list[str]) -> dict[str, An
     for plan in plans:
         run = plait.init(plan, quiet=True)
         try:
+            if run.plan.cp > 1:  # run.all_reduce's refusal: no model needed
+                try:
+                    run.all_reduce(1.0)
+                    out[plan] = "summed"
+                except ValueError as exc:
+                    out[plan] = str(exc)
+                continue
             model = run.parallelize(classifier())
             try:
                 swa = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY))

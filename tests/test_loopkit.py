@@ -89,7 +89,7 @@ def test_onecycle_under_tensor_parallel_and_zero3_with_accumulation() -> None:
 
 def test_a_copy_of_a_laid_out_model_is_refused_with_the_way_that_works() -> None:
     got: dict[str, Any] = run_distributed(
-        W.copies_refused, 2, ["dp=2", "fsdp=2", "tp=2", "pp=2,mb=2"], timeout=120)[0]
+        W.copies_refused, 2, ["dp=2", "fsdp=2", "tp=2", "pp=2,mb=2", "cp=2"], timeout=120)[0]
     # DDP's copy works: one device's AveragedModel, its names (module.*) and values
     assert got["dp=2"] == "built"
     _same_state(W.copy_reference(), got["dp=2 state"])
@@ -101,5 +101,8 @@ def test_a_copy_of_a_laid_out_model_is_refused_with_the_way_that_works() -> None
         assert "ema = copy.deepcopy(raw).requires_grad_(False) before model = " \
                "run.parallelize(raw)" in said, said
         assert "\n" not in said
+    # under cp the right sum depends on where the count was taken: refused, naming the group
+    assert got["cp=2"].startswith("run.all_reduce is not available under cp=2"), got["cp=2"]
+    assert "run.mesh['dp'].get_group()" in got["cp=2"]
     assert got["pp=2,mb=2 before"].startswith(
         "torch.optim.swa_utils.AveragedModel cannot be split into pp=2 pipeline stages")
