@@ -567,6 +567,11 @@ class Run:
         (leave ``inner`` out when each update draws its own batch; each batch is then a step).
         """
         _refuse_compiled_wrapper(model)
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError("run.step(..., scheduler) calls scheduler.step() with no metric, "
+                             "which ReduceLROnPlateau needs: leave it out and call "
+                             "plateau.step(float(loss)) after run.step (its loss, or "
+                             "run.evaluate's, is the same on every rank)")
         loss_fn = self._contrastive_guard(model, loss_fn)
         # The job's step this call is part of (plait.job_steps): a later model stepped on the
         # same batch (a GAN's generator after its discriminator) joins the step the first one

@@ -318,6 +318,13 @@ def copies_refused(rank: int, world_size: int, plans: list[str]) -> dict[str, An
                 out[plan] = str(exc)
             else:
                 opt = torch.optim.SGD(model.parameters(), lr=SGD_LR, momentum=0.9)
+                plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+                try:  # given to run.step, which would step it without its metric
+                    run.step(model, next(iter(run.loader(train_set(), batch_size=BATCH))),
+                             F.cross_entropy, opt, plateau)
+                    out[plan + " plateau"] = "stepped"
+                except ValueError as exc:
+                    out[plan + " plateau"] = str(exc)
                 for batch in run.loader(train_set(), batch_size=BATCH, steps=2):
                     run.step(model, batch, F.cross_entropy, opt)
                     swa.update_parameters(model)

@@ -92,6 +92,8 @@ def test_a_copy_of_a_laid_out_model_is_refused_with_the_way_that_works() -> None
         W.copies_refused, 2, ["dp=2", "fsdp=2", "tp=2", "pp=2,mb=2", "cp=2"], timeout=120)[0]
     # DDP's copy works: one device's AveragedModel, its names (module.*) and values
     assert got["dp=2"] == "built"
+    assert got["dp=2 plateau"].startswith(  # refused before the step: the reference's 2 steps
+        "run.step(..., scheduler) calls scheduler.step() with no metric"), got["dp=2 plateau"]
     _same_state(W.copy_reference(), got["dp=2 state"])
     for plan in ("fsdp=2", "tp=2"):
         assert got[plan].startswith("a laid-out model cannot be copied"), got[plan]
