@@ -21,6 +21,7 @@ import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, TextIO
 
 import torch
@@ -29,7 +30,7 @@ import torch.nn as nn
 
 from .parallel.layout import local_modules
 from .parallel.tp_record import quiet_logger
-from .parallel.units import canonical_name
+from .parallel.units import canonical_name, user_name
 from .plan import Plan
 from .planner.dropout import random_modules
 from .progress import Stages
@@ -38,7 +39,7 @@ from .user_factory import build_parts, dataset_refusal, factory_or_preset, pipel
 
 
 def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None, *,
-               buffers: bool = False) -> dict[str, torch.Tensor]:
+               buffers: bool = False, user_names: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter of ``model`` as a full fp32 CPU tensor under its canonical name.
 
     With ``buffers``: what ``model.state_dict()`` of the one-device model holds, so that the
@@ -46,11 +47,23 @@ def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None, *,
     ones, such as BatchNorm's step count, keep their dtype; a non-persistent one, such as a
     rotary embedding's frequency table, is left out) and a tied weight under each of its names.
 
+    With ``user_names``: the names the one-device model's ``state_dict()`` gives, a
+    submodule the user named ``module`` (``AveragedModel.module``) kept: only the ``module``
+    part that follows a DDP wrapper is dropped, where :func:`canonical_name` drops every one
+    (it cannot tell the two apart from a name alone).
+
     Collective: every rank of the job must call it. With pipelines, stages pool their
     parameters over ``pp_group`` so each rank returns the whole model.
     """
     state: dict[str, torch.Tensor] = {}
     for module in local_modules(model):
+        if user_names:
+            # where DDP wraps a module (the root, or inside: an AveragedModel of a DDP model)
+            wrapped = {n for n, m in module.named_modules()
+                       if isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel))}
+            rename: Callable[[str], str] = partial(user_name, wrapped=wrapped)
+        else:
+            rename = canonical_name
         named: list[tuple[str, torch.Tensor]] = (
             list(module.state_dict(keep_vars=True).items()) if buffers
             else list(module.named_parameters()))
@@ -65,7 +78,7 @@ def full_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None, *,
                 with quiet_logger("torch.distributed.tensor._redistribute"):
                     t = t.full_tensor()
             t = t.float() if t.is_floating_point() else t
-            state[canonical_name(name)] = t.cpu().clone()
+            state[rename(name)] = t.cpu().clone()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         parts: list[Any] = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(parts, state, group=pp_group)

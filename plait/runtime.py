@@ -233,6 +233,45 @@ class Run:
         gathered, index = all_gather_rows(t, group)
         return (gathered, index) if return_index else gathered
 
+    def all_reduce(self, t: torch.Tensor | float) -> torch.Tensor:
+        """``t`` summed over the data replicas, the same on every rank: a metric counted on
+        this rank's rows (correct predictions, a confusion matrix, examples seen) made the
+        global batch's, the value one device counts. Call it on every rank, as a step.
+
+        The sum runs over the data replicas alone: the tensor- and pipeline-parallel peers of
+        a replica hold the same rows, so summing over every rank (``dist.all_reduce``
+        on the default group) would count them once per peer. Under a pipeline the value is
+        the last stage's (the stage whose loss function sees the outputs, e.g. counts kept by
+        the loss function given to :meth:`evaluate`), sent to every stage. Returns a new
+        tensor (``t`` is left as it is) on ``t``'s device, float for a Python number. Refused
+        under context parallelism, where the right sum depends on where ``t`` was counted."""
+        if self.spmd is not None:
+            raise ValueError("run.all_reduce is not available on XLA (SPMD): there each "
+                             "host's tensors already cover its whole share of the batch")
+        if self.plan.cp > 1:
+            raise ValueError(f"run.all_reduce is not available under cp={self.plan.cp}: "
+                             f"whether the context-parallel ranks of a replica counted the "
+                             f"same rows or each its slice of the sequences depends on where "
+                             f"the count was taken; sum it with torch.distributed.all_reduce "
+                             f"over the group that fits (run.mesh['dp'].get_group() for the "
+                             f"same rows)")
+        value = torch.as_tensor(t, dtype=torch.float if not isinstance(t, torch.Tensor)
+                                else None)
+        pp_group, last_pp = None, 0
+        if self.plan.pp > 1:
+            from .parallel.schedules import stage_to_rank
+
+            pp_group = self._mesh()["pp"].get_group()
+            last_pp = stage_to_rank(self.plan.pp_schedule, self.plan.pp,
+                                    self.plan.virtual_stages)[-1]
+        dp_group = self._mesh()["dp"].get_group() if self.dp_size > 1 else None
+        work = value.detach().to(self.device, copy=True)
+        if pp_group is not None:
+            dist.broadcast(work, src=dist.get_global_rank(pp_group, last_pp), group=pp_group)
+        if dp_group is not None:
+            dist.all_reduce(work, group=dp_group)
+        return work.to(value.device)
+
     def _data_rank_and_size(self) -> tuple[int, int]:
         """Which share of each global batch this process loads, and of how many (on XLA: this
         host's, every device of the host splitting it)."""
@@ -329,8 +368,10 @@ class Run:
             self.print("plait: the model came through torch.compile; plait lays out the model "
                        "and compiles each block's forward instead (compile in the plan), the "
                        "way compile composes with data, sharded and pipeline parallelism")
+        from .parallel.copy_refusal import refuse_averaged_pipeline
         from .seeding import fingerprint
 
+        refuse_averaged_pipeline(model, self.plan.pp)
         self._twins.before(model, self.seed)
         initial = fingerprint(model)
         torch.manual_seed(self.seed)
@@ -363,6 +404,11 @@ class Run:
             # after layout, whose checks run the blocks on a guessed input
             self._stack_seqs = watch_stack_lengths(model, [
                 self._stats.stack_first, *(m.first for m in self._stats.more_stacks)])
+        from .parallel.copy_refusal import copy_refusal, refuse_copies
+
+        uncopyable = copy_refusal(out, bool(layout_of(out).stages))
+        if uncopyable is not None:
+            refuse_copies(out, uncopyable)
         if self.ledger is not None and isinstance(out, nn.parallel.DistributedDataParallel):
             from .comm.ready_order import ReadyOrder
 
@@ -521,6 +567,11 @@ class Run:
         (leave ``inner`` out when each update draws its own batch; each batch is then a step).
         """
         _refuse_compiled_wrapper(model)
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError("run.step(..., scheduler) calls scheduler.step() with no metric, "
+                             "which ReduceLROnPlateau needs: leave it out and call "
+                             "plateau.step(float(loss)) after run.step (its loss, or "
+                             "run.evaluate's, is the same on every rank)")
         loss_fn = self._contrastive_guard(model, loss_fn)
         # The job's step this call is part of (plait.job_steps): a later model stepped on the
         # same batch (a GAN's generator after its discriminator) joins the step the first one
@@ -1048,7 +1099,7 @@ class Run:
         broadcast_written_buffers(model)  # and rank 0's other buffers, as DDP
         broadcast_ddp_buffers(model)  # DDP: rank 0's, which its next forward would take
         pp_group = self._mesh()["pp"].get_group() if self.plan.pp > 1 else None
-        return full_state(model, pp_group, buffers=True)
+        return full_state(model, pp_group, buffers=True, user_names=True)
 
     def memory_report(self) -> dict[str, Any] | None:
         """Model-state bytes per rank beside the plan's closed form (collective; None before the

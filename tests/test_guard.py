@@ -97,6 +97,9 @@ for step in range(1, 8):
         run.evaluate(model, (torch.randn(4, 8), torch.randn(4, 8)), nn.functional.mse_loss)
     elif case == "skip":
         dist.all_reduce(loss.clone())
+    elif case == "early" and run.rank == 1 and step == 3:  # a stop on a rank-local metric
+        stamp.write_text(str(time.time()))
+        break
 if case == "finish" and run.rank == 0:  # a metric all-reduce after the loop, on rank 0 only
     stamp.write_text(str(time.time()))
     dist.all_reduce(torch.ones(1))
@@ -156,6 +159,38 @@ def test_a_rank_waiting_in_finish_is_said_to_be_there(tmp_path):
         assert "rank 1: finish() after step 7" in e.stderr and "step 8" not in e.stderr, \
             e.stderr[-3000:]
     assert max(after) < 3.0 + 15
+
+
+@pytest.mark.slow  # its heartbeat reading runs by default (the test after it)
+def test_a_loop_stopped_early_on_one_rank_is_named(tmp_path):
+    """Rank 1 breaks out of the loop after step 3 (early stopping on a metric of its own
+    rows) and calls finish() while rank 0 trains step 4: the report says so and how to
+    decide alike on every rank, instead of the job hanging in rank 0's backward."""
+    ended, after = _hang_job(tmp_path, "early")
+    for e in ended:
+        assert e.code == EXIT_HANG, e.stderr[-3000:]
+        assert "rank(s) [1] left the training loop (finish() after step 3) while rank(s) [0] " \
+            "train step 4" in e.stderr, e.stderr[-3000:]
+        assert "run.all_reduce" in e.stderr, e.stderr[-3000:]
+    assert max(after) < 3.0 + 15
+
+
+def test_a_loop_left_on_some_ranks_only_is_named_from_the_heartbeats():
+    # finish() reports as the step after the last (finishing): a rank at that step or later
+    # that is not finishing is still training, so the loop ended on some ranks only.
+    from plait.diagnostics.watchdog import _left_early
+
+    beats = {0: {"step": 4, "finishing": False}, 1: {"step": 4, "finishing": True}}
+    said = _left_early(beats)
+    assert said is not None and said.startswith(
+        "plait watchdog: rank(s) [1] left the training loop (finish() after step 3) while "
+        "rank(s) [0] train step 4"), said
+    # every rank in a step, every rank in finish(), or a rank's own collective after the same
+    # last step (the desync report's case): not this
+    assert _left_early({0: {"step": 4}, 1: {"step": 4}}) is None
+    assert _left_early({0: {"step": 8, "finishing": True},
+                        1: {"step": 8, "finishing": True}}) is None
+    assert _left_early({0: {"step": 7}, 1: {"step": 8, "finishing": True}}) is None
 
 
 @pytest.mark.slow  # a rank waiting in a collective its peer skipped runs by default

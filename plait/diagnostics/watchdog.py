@@ -247,7 +247,10 @@ class Watchdog:
                      if r not in beats or time.time() - beats[r]["time"] > 3 * self.interval]
             missing = stale or [r for r, b in beats.items()
                                 if b.get("waited", 0.0) < self.timeout / 2]
-        if self.checking:
+        early = _left_early(beats)
+        if early is not None:
+            head = early
+        elif self.checking:
             head = self._at_check(beats, groups, waited)
         else:
             head = (f"plait watchdog: step {me['step']}: rank(s) {missing} did not reach the "
@@ -321,6 +324,28 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the store went away: leave now
             pass
         os._exit(EXIT_HANG)
+
+
+def _left_early(beats: dict[int, dict]) -> str | None:
+    """The first line of a report where some ranks called ``finish()`` while others are
+    still training: the loop ended on some ranks only, as a ``break`` on a value the ranks
+    disagree on (early stopping on a metric each rank computed from its own rows) does.
+    None when no rank is in ``finish()``, or none of the others in a step after its last."""
+    done = sorted(r for r, b in beats.items() if b.get("finishing"))
+    if not done:
+        return None
+    last = min(beats[r]["step"] for r in done)  # finish() counts as the step after the last
+    # ranks in a step the finishing ones never began (not a collective of their own after
+    # the same last step, which the desync report names)
+    training = sorted(r for r, b in beats.items()
+                      if not b.get("finishing") and b.get("step", 0) >= last)
+    if not training:
+        return None
+    return (f"plait watchdog: rank(s) {done} left the training loop (finish() after step "
+            f"{beats[done[0]]['step'] - 1}) while rank(s) {training} train step "
+            f"{beats[training[0]]['step']}: a loop that stops (a break, early stopping) on a "
+            f"value the ranks disagree on; stop on one that is the same on every rank: "
+            f"run.step's or run.evaluate's loss, or a count summed with run.all_reduce")
 
 
 def _exit_hang(*_: object) -> None:

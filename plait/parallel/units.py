@@ -40,6 +40,24 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
+def user_name(name: str, wrapped: set[str] | frozenset[str] = frozenset()) -> str:
+    """The name the one-device model gives a parameter or buffer of a laid-out module:
+    the wrappers' parts dropped, DDP's ``module`` only right after a module in ``wrapped``
+    (the paths of the DDP modules, ``""`` for the root), so that a ``module`` of the user's
+    own (``AveragedModel.module``) stays."""
+    kept: list[str] = []
+    path: list[str] = []
+    for part in name.split("."):
+        at = ".".join(path)
+        path.append(part)
+        if part == "module" and at in wrapped:
+            continue
+        if part != "module" and part in _WRAPPER_PARTS:
+            continue
+        kept.append(part)
+    return ".".join(kept)
+
+
 def by_canonical_name(named: Iterable[tuple[str, torch.Tensor]], name: str,
                       what: str) -> torch.Tensor:
     """The tensor of ``named`` (a laid-out module's ``named_parameters`` or ``named_buffers``,
