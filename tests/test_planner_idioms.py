@@ -61,3 +61,14 @@ def test_tensor_parallelism_splits_what_the_block_measures_as_the_formula_splits
     assert activation_bytes_per_block(stats, 1, SEQ, 2, False, 2, c) == pytest.approx(
         bare + stats.saved_extra[1] * SEQ)
     assert activation_bytes_per_block(stats, 1, SEQ, 2, True, 2, c) == pytest.approx(whole / 2)
+
+
+def test_a_frozen_block_is_measured_as_the_trained_block_it_prices() -> None:
+    """A frozen Linear saves no input for its weight's gradient; the planner prices a block
+    as one that trains, so a model whose blocks are frozen reads the same figures."""
+    model = I.tanh_mlp()
+    model.blocks.requires_grad_(False)
+    frozen, trained = load_model(model), load_model(I.tanh_mlp())
+    assert (frozen.act_saved, frozen.saved_extra, frozen.saved_scores) == (
+        trained.act_saved, trained.saved_extra, trained.saved_scores), (frozen, trained)
+    assert trained.act_saved == 0  # torch.tanh saves only its output

@@ -99,8 +99,10 @@ def measure(block: Any, hidden: int, ffn: int) -> BlockSaved | None:
         block.train()
         with torch.random.fork_rng(devices=[]), contextlib.nullcontext() \
                 if size <= REAL_LIMIT else fake_tensor_mode()():
-            state = {k: torch.zeros(p.shape, dtype=p.dtype).requires_grad_(p.requires_grad)
-                     for k, p in block.named_parameters()}
+            # every weight trained, as the formula prices a block (a frozen Linear saves
+            # no input for its weight's gradient)
+            state = {k: torch.zeros(p.shape, dtype=p.dtype).requires_grad_(
+                p.is_floating_point()) for k, p in block.named_parameters()}
             state.update({k: torch.zeros(b.shape, dtype=b.dtype)
                           for k, b in block.named_buffers()})
             fp32 = [_forward(block, state, hidden, ffn, r, False) for r in (1, 2)]
