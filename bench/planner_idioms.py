@@ -14,9 +14,9 @@ on 4 rows and one on 2 rows, so what is saved once whatever the batch, autocast'
 copies, cancels), in fp32 and under CPU bf16 autocast; the "dflt" columns price them with
 the constants ``plait plan`` uses (flash attention: no scores unless the block is measured
 to save them, as these blocks' matmul attention does). Also the whole forward's FLOPs
-(blocks and head) against the counter's. Ratio = planner / torch. ``sdpa``'s FLOPs: the
-counter counts no CPU ``scaled_dot_product_attention`` (its attention matmuls), and its
-scores columns price the (seq x seq) scores the formula assumes without flash attention,
+(blocks and head) against the counter's. Ratio = planner / torch (FLOPs:
+``FlopCounterMode`` with CPU's flash attention counted by torch's own formula). ``sdpa``'s
+fp32/bf16 columns price the (seq x seq) scores the formula assumes without flash attention,
 which CPU's flash kernel does not save.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -37,8 +38,6 @@ from tests import _planner_idioms as I
 
 
 def row(name: str, seq: int) -> dict[str, float]:
-    from torch.utils.flop_counter import FlopCounterMode
-
     factory, _ = I.MODELS[name]
     torch.manual_seed(0)
     model = factory()
@@ -47,7 +46,8 @@ def row(name: str, seq: int) -> dict[str, float]:
     out: dict[str, float] = {}
     flops, _ = I.measured_block(model, I.batch(name, 2, seq), "blocks.1")
     out["flops"] = stats.block_flops_per_token(seq) * 2 * seq / flops
-    with FlopCounterMode(display=False) as counter:
+    counter: Any = I.flop_counter()
+    with counter:
         model(I.batch(name, 2, seq))
     whole = (stats.n_layers * stats.block_flops_per_token(seq)
              + stats.head_flops_per_token()) * 2 * seq

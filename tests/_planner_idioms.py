@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -274,17 +275,29 @@ def batch(name: str, rows: int, seq: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, seq), generator=g)
 
 
+def flop_counter() -> object:
+    """``FlopCounterMode`` counting CPU's flash attention too (torch counts the CUDA kernels'
+    only), by torch's own formula for scaled dot-product attention (the full seq x seq
+    square, as the planner counts it)."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    def cpu_flash(query: torch.Size, key: torch.Size, value: torch.Size, *_: object,
+                  **__: object) -> int:
+        return int(sdpa_flop_count(query, key, value))
+
+    return FlopCounterMode(display=False, custom_mapping={
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash})
+
+
 def measured_block(model: nn.Module, x: torch.Tensor, block: str, bf16: bool = False
                    ) -> tuple[int, int]:
-    """(forward FLOPs ``FlopCounterMode`` counts in ``block``, bytes of the distinct storages
+    """(forward FLOPs :func:`flop_counter` counts in ``block``, bytes of the distinct storages
     that are not parameters which ``saved_tensors_hooks`` sees ``block``'s forward save), in
     one training-mode forward of ``model`` on ``x`` (under CPU bf16 autocast with ``bf16``)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
     inside: list[bool] = []
-    counter = FlopCounterMode(display=False)
+    counter: Any = flop_counter()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()

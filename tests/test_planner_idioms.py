@@ -72,3 +72,17 @@ def test_a_frozen_block_is_measured_as_the_trained_block_it_prices() -> None:
     assert (frozen.act_saved, frozen.saved_extra, frozen.saved_scores) == (
         trained.act_saved, trained.saved_extra, trained.saved_scores), (frozen, trained)
     assert trained.act_saved == 0  # torch.tanh saves only its output
+
+
+def test_a_block_calling_torchs_attention_kernel_is_priced_without_scores() -> None:
+    """``F.scaled_dot_product_attention`` (flash on a CPU) saves no scores: with ``plait
+    plan``'s constants the block is priced as torch runs it, FLOPs (the kernel's counted by
+    torch's formula) and saved bytes per row alike."""
+    model, stats = I.sdpa(), load_model(I.sdpa())
+    flops, _ = I.measured_block(model, I.batch("sdpa", 2, SEQ), "blocks.1")
+    assert stats.block_flops_per_token(SEQ) * 2 * SEQ == flops, flops
+    for bf16, size in ((False, 4), (True, 2)):
+        two = I.measured_block(model, I.batch("sdpa", 2, SEQ), "blocks.1", bf16)[1]
+        four = I.measured_block(model, I.batch("sdpa", 4, SEQ), "blocks.1", bf16)[1]
+        priced = activation_bytes_per_block(stats, 1, SEQ, 1, False, size, Constants())
+        assert priced == pytest.approx((four - two) / 2, rel=TOL), (bf16, priced, four - two)

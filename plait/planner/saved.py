@@ -83,7 +83,8 @@ def _forward(block: Any, state: dict[str, Any], hidden: int, ffn: int, rows: int
 def measure(block: Any, hidden: int, ffn: int) -> BlockSaved | None:
     """What ``block`` saves per token (:class:`BlockSaved`), in training mode (its dropout
     masks saved, the global random state untouched), its own modes restored after; None
-    where it cannot be measured so. A block of up to :data:`REAL_LIMIT` elements runs on
+    where it cannot be measured so, or where it holds hooks or DTensors (a block already laid
+    out, whose forward would run them). A block of up to :data:`REAL_LIMIT` elements runs on
     real CPU tensors of zeros (a meta tensor's ops include torch's Python references, and
     ``FakeTensorMode``, both of which import torch._dynamo: seconds of a ``plait plan``);
     a larger one on fake CPU tensors, which hold no memory."""
@@ -93,6 +94,9 @@ def measure(block: Any, hidden: int, ffn: int) -> BlockSaved | None:
 
     from .._torch_compat import fake_tensor_mode
 
+    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in block.modules())
+    if hooked or any(type(p) is not torch.nn.Parameter for p in block.parameters()):
+        return None  # laid out already (FSDP2's or TP's hooks, DTensors): not run here
     modes = [(m, m.training) for m in block.modules()]
     size = sum(t.numel() for t in (*block.parameters(), *block.buffers()))
     try:
