@@ -16,7 +16,11 @@ STORED = Path(__file__).parent / "data" / "planner_fingerprints.json"
 
 def _built(overrides: dict[str, Any], frozen: int = 0) -> Any:
     """plait's reference transformer on the meta device, read module by module (rows, tied
-    weights, FSDP2's padding), its first ``frozen`` blocks and embedding frozen."""
+    weights, FSDP2's padding), its first ``frozen`` blocks and embedding frozen; what its
+    block is measured to save beyond the formula's count (plait.planner.saved) left out, as
+    when the fingerprints were stored: they fix the search, not the activation formula."""
+    import dataclasses
+
     import torch
 
     from plait.models.transformer import Transformer, preset
@@ -28,7 +32,7 @@ def _built(overrides: dict[str, Any], frozen: int = 0) -> Any:
         model.tok_embeddings.requires_grad_(False)
         for block in list(model.layers)[:frozen]:
             block.requires_grad_(False)
-    return from_module(model)
+    return dataclasses.replace(from_module(model), saved_extra=(0.0, 0.0), saved_scores=None)
 
 
 def _moe() -> Any:

@@ -200,10 +200,16 @@ def _by_config_and_by_module(kind: str, vocab: int):
 
 
 def _priced(stats, text: str):
+    """Memory and traffic of ``stats`` under ``text``, what a built model's block saves
+    beyond the formula's count aside: it is measured (plait.planner.saved), a config's is
+    not (tests/test_planner_idioms.py checks it against torch)."""
+    import dataclasses
+
     from plait.plan import Plan
     from plait.planner import constants_for
     from plait.planner.cost import Workload, evaluate, rank_traffic
 
+    stats = dataclasses.replace(stats, saved_extra=(0.0, 0.0), saved_scores=None)
     plan = Plan.from_string(text)
     cluster = load_cluster("cpu", devices=plan.world_size)
     est = evaluate(plan, stats, cluster, Workload(16, 64), constants_for(cluster))

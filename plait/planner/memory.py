@@ -13,6 +13,10 @@
   scores (5as^2b) only without flash attention. The dropout masks (2sbh after the attention
   output and the MLP, as^2b on the attention probabilities, whose dropped copy is 2as^2b more)
   only for a model that trains with dropout (``ModelStats.dropout``): 32sbh + 2as^2b without.
+  A module's block that runs alone is measured on fake tensors (:mod:`plait.planner.saved`):
+  the bytes per token it saves beyond this count are added (whole under TP unless sp), and
+  where it saves its scores (attention written as matmuls, on any device) they are priced
+  at what it saves, flash attention or not.
   Full recomputation keeps the block input (plus one block being recomputed); "selective"
   checkpoints every k-th block; "op" is approximated as keeping 60% of a block's activations
   and replaying 5% of its forward.
@@ -85,8 +89,15 @@ def activation_bytes_per_block(m: ModelStats, b: int, s: int, tp: int, sp: bool,
     # when nothing drops), with dropout its mask as and its output 2as (Korthikanti's 5as)
     scores = 0.0 if (c.flash_attention or not m.attention) else \
         (2 + 3 * mask) * a * ((n - x) * keys + x * other)  # per token
+    # a block measured to save its scores (attention written as matmuls and a softmax)
+    # saves them whatever kernels the device has: what they take, in 2-byte units
+    measured = m.saved_scores[0 if dtype_bytes == 4 else 1] if m.saved_scores else 0.0
+    if measured and m.attention and not x:
+        scores = measured * 2 / dtype_bytes * keys
     per_token = (replicated / (tp if sp else 1)) + (sharded + scores) / tp
-    return (per_token * s + side / tp * other) * b * dtype_bytes / 2
+    # what the block's own ops save beyond this count, measured (bytes, whole under TP)
+    extra = m.saved_extra[0 if dtype_bytes == 4 else 1] / (tp if sp else 1)
+    return max((per_token * s + side / tp * other) * dtype_bytes / 2 + extra * s, 0.0) * b
 
 
 def side_input_bytes(m: ModelStats, b: int, side_seq: int, dtype_bytes: int) -> float:

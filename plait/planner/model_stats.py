@@ -177,6 +177,17 @@ class ModelStats:
     # input and three intermediates (4). Measured on the activation module (plait.planner
     # .memory); None: by ``mlp`` (relu 0, else 1).
     act_saved: int | None = None
+    # Bytes per token one block saves for backward beyond what the formula counts, in fp32
+    # and under bf16/fp16 autocast over fp32 weights (the fp32 residual at each norm's input,
+    # autocast's copy of a shared input per Linear reading it, a Python norm's fp32
+    # intermediates): measured on fake tensors (plait.planner.saved, module factories), whole
+    # on every tp rank like the norms' inputs; (0, 0): not measured.
+    saved_extra: tuple[float, float] = (0.0, 0.0)
+    # Bytes attention's scores take per query and key (all heads, every attention layer of a
+    # block) where attention is not flash, fp32 and under bf16/fp16 autocast, measured as
+    # ``saved_extra``; None: Korthikanti's count (softmax output, with dropout its mask and
+    # its dropped copy, in the compute dtype).
+    saved_scores: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -757,11 +768,38 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                        stack_first=_path(model, blocks[0]), more_stacks=more,
                        norm_copy=_unfused_norms(ref, hidden),
                        act_saved=_saved_by(_activation(ref)))
+    stats = _measured_saves(stats, ref)
     # a model of several stacks run on the user's input: the length each stack receives
     lengths = _stack_lengths(model, stats, example)
     if lengths:
         return dataclasses.replace(stats, data_seq=lengths[0][1], data_stack_seqs=lengths[1:])
     return stats
+
+
+def _measured_saves(stats: ModelStats, block: Any) -> ModelStats:
+    """``stats`` with what ``block`` saves for backward measured (:func:`plait.planner.saved
+    .measure`): its activation's tensors besides its output (ffn-wide tensors saved, less the
+    feed-forward's others: the down projection's input, and a gated one's gate and up
+    outputs), and the bytes per token the formula then still misses, in each compute dtype
+    (:attr:`ModelStats.saved_extra`). Unchanged for a block that reads another stack's
+    output (its cross-attention does not run alone) or that does not run alone."""
+    from .cost import Constants
+    from .memory import activation_bytes_per_block
+    from .saved import measure
+
+    if stats.cross_attentions or stats.ffn <= stats.hidden:
+        return stats
+    got = measure(block, stats.hidden, stats.ffn)
+    if got is None:
+        return stats
+    act = got.ffn_wide - (3 if stats.mlp == "swiglu" else 1)
+    if act >= 0:
+        stats = dataclasses.replace(stats, act_saved=act)
+    flash = Constants(flash_attention=True)  # the formula per token, scores aside
+    extra = tuple(measured - activation_bytes_per_block(stats, 1, 1, 1, False, size, flash)
+                  for measured, size in ((got.fp32, 4), (got.bf16, 2)))
+    return dataclasses.replace(stats, saved_extra=(extra[0], extra[1]),
+                               saved_scores=got.scores if stats.attention else None)
 
 
 def _activation(block: Any) -> Any:

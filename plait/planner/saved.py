@@ -1,0 +1,124 @@
+"""What one block saves for backward, measured by running it rather than read off names.
+
+The activation formula (:func:`plait.planner.memory.activation_bytes_per_block`) counts the
+tensors a textbook block saves. A block as users write it saves what its ops save: an
+activation called as a function (``torch.tanh`` saves only its output, ``x *
+torch.sigmoid(x)`` its input and the sigmoid besides), a norm written as Python ops (its
+normalized copy), and under autocast over fp32 weights, the fp32 residual stream at every
+norm's input and one bf16 copy of a shared input per Linear that reads it (autocast casts
+each call's input anew: separate q, k and v projections save three). This module runs the
+block alone under ``torch.autograd.graph.saved_tensors_hooks`` (on zeros, or fake tensors
+for a large block; bf16: under CPU autocast) and reports:
+
+* the ffn-wide tensors it saves (fp32), which say what its activation saves besides its
+  output (:attr:`plait.planner.model_stats.ModelStats.act_saved`);
+* the bytes per token it saves, fp32 and under bf16 autocast, attention's (seq x seq)
+  scores aside: the formula's figure plus what it misses;
+* the bytes its (seq x seq) scores take per query and key, all heads, in each dtype (a
+  softmax in fp32 under autocast where an fp32 bias was added to the scores, a dropout mask
+  of one byte), which the formula prices where attention is not flash.
+
+Each figure is the difference between forwards on two rows and on one, so what a forward
+saves once whatever the batch (autocast's bf16 copies of the weights, a rotary table, a
+causal mask) cancels. A block whose forward does not run on one (rows, seq, hidden) tensor
+is not measured (None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Tokens per row of the measured forwards: odd and small, so that no tensor saved is
+# mistaken for an ffn-wide one, or a (seq x seq) score, by its dims.
+SEQ = 7
+# Elements (parameters and buffers) of a block measured on real tensors: 64 MiB in fp32.
+REAL_LIMIT = 1 << 24
+
+
+@dataclass(frozen=True)
+class BlockSaved:
+    """What one block saves for backward per token, measured (:func:`measure`)."""
+
+    ffn_wide: int            # distinct ffn-wide tensors saved (fp32)
+    fp32: float              # bytes per token besides attention's scores, fp32
+    bf16: float              # the same under bf16 autocast over fp32 weights
+    scores: tuple[float, float]  # bytes of the scores per query and key (fp32, bf16)
+
+
+def _forward(block: Any, state: dict[str, Any], hidden: int, ffn: int, rows: int,
+             bf16: bool) -> tuple[int, int, int]:
+    """(bytes of the distinct non-parameter storages one forward of ``block`` on a
+    ``rows`` x :data:`SEQ` x ``hidden`` input of zeros saves, scores aside; of those, the
+    tensors of ``rows * SEQ`` ffn-wide rows; bytes of the (seq x seq) scores saved),
+    ``state`` its tensors; ``bf16``: under CPU bf16 autocast."""
+    import torch
+    from torch.func import functional_call
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    params = {StorageWeakRef(p.untyped_storage()) for p in state.values()}
+    saved: dict[Any, int] = {}
+    scores: dict[Any, int] = {}
+    wide: set[Any] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref in params:
+            return t
+        if t.dim() >= 2 and t.shape[-1] == t.shape[-2] == SEQ:
+            scores[ref] = t.untyped_storage().nbytes()
+            return t
+        saved[ref] = t.untyped_storage().nbytes()
+        if t.dim() and t.shape[-1] == ffn and t.numel() == rows * SEQ * ffn:
+            wide.add(ref)
+        return t
+
+    x = torch.zeros(rows, SEQ, hidden).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        functional_call(block, state, (x,))
+    return sum(saved.values()), len(wide), sum(scores.values())
+
+
+def measure(block: Any, hidden: int, ffn: int) -> BlockSaved | None:
+    """What ``block`` saves per token (:class:`BlockSaved`), in training mode (its dropout
+    masks saved, the global random state untouched), its own modes restored after; None
+    where it cannot be measured so, or where it holds hooks or DTensors (a block already laid
+    out, whose forward would run them). A block of up to :data:`REAL_LIMIT` elements runs on
+    real CPU tensors of zeros (a meta tensor's ops include torch's Python references, and
+    ``FakeTensorMode``, both of which import torch._dynamo: seconds of a ``plait plan``);
+    a larger one on fake CPU tensors, which hold no memory."""
+    import contextlib
+
+    import torch
+
+    from .._torch_compat import fake_tensor_mode
+
+    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in block.modules())
+    if hooked or any(type(p) is not torch.nn.Parameter for p in block.parameters()):
+        return None  # laid out already (FSDP2's or TP's hooks, DTensors): not run here
+    modes = [(m, m.training) for m in block.modules()]
+    size = sum(t.numel() for t in (*block.parameters(), *block.buffers()))
+    try:
+        block.train()
+        with torch.random.fork_rng(devices=[]), contextlib.nullcontext() \
+                if size <= REAL_LIMIT else fake_tensor_mode()():
+            # every weight trained, as the formula prices a block (a frozen Linear saves
+            # no input for its weight's gradient)
+            state = {k: torch.zeros(p.shape, dtype=p.dtype).requires_grad_(
+                p.is_floating_point()) for k, p in block.named_parameters()}
+            state.update({k: torch.zeros(b.shape, dtype=b.dtype)
+                          for k, b in block.named_buffers()})
+            fp32 = [_forward(block, state, hidden, ffn, r, False) for r in (1, 2)]
+            bf16 = [_forward(block, state, hidden, ffn, r, True) for r in (1, 2)]
+    except Exception:  # noqa: BLE001 - a block that does not run alone is not measured
+        return None
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    if fp32[1][0] <= fp32[0][0]:
+        return None  # nothing grows with the rows: not a (rows, seq, hidden) block
+    return BlockSaved(ffn_wide=fp32[0][1], fp32=(fp32[1][0] - fp32[0][0]) / SEQ,
+                      bf16=(bf16[1][0] - bf16[0][0]) / SEQ,
+                      scores=((fp32[1][2] - fp32[0][2]) / SEQ ** 2,
+                              (bf16[1][2] - bf16[0][2]) / SEQ ** 2))
