@@ -249,7 +249,8 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
                 why = _refusal_kind(exc)
                 rejected[why] = rejected.get(why, 0) + 1
                 break
-            est = evaluate(plan, model, cluster, work, constants, balance=True, memo=memo)
+            est = evaluate(plan, model, cluster, work, constants, balance=True, memo=memo,
+                           time_unfit=False)
             evaluated += 1
             if est.feasible:
                 feasible.append(_with_stages(est))
@@ -260,6 +261,10 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
                 closest = _nearer(closest, est)
                 if plan.cp == 1:
                     closest_flat = _nearer(closest_flat, est)
+    # The nearest misses were priced for memory alone: their time too, for the caller
+    closest, closest_flat = (None if e is None else
+                             evaluate(e.plan, model, cluster, work, constants, balance=True,
+                                      memo=memo) for e in (closest, closest_flat))
     feasible.sort(key=_sort_key)
     fit = len(feasible)
     flat = next((e for e in feasible if e.plan.cp == 1), None)
