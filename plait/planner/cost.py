@@ -225,7 +225,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         est.reason = sizes
         return est
     est.stage_layers = tuple(sizes)
-    st = stage_times(plan, model, cluster, work, b, times, sizes, c)
+    st = memo.stage_times(plan, model, cluster, work, b, times, sizes, c)
     pipe, bubble = pipeline_time(plan, cluster, st, times, c)
     r_busy = st.busiest
 
@@ -313,8 +313,8 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     # ---- traffic of the busiest rank, as the comm ledger predicts it (plait.comm.predict)
     layers_busy = st.rank_layers[r_busy]
     busy = memo.recomputed(shares[r_busy], checkpointed(plan, layers_busy)[0])
-    traffic = [t for t, _ in traffic_dp + clip] + \
-        activation_traffic(plan, model, busy, b, s, work.seqs)
+    traffic = [t for t, _ in traffic_dp + clip] + memo.activation_traffic(
+        plan, busy, b, lambda: activation_traffic(plan, model, busy, b, s, work.seqs))
 
     est.traffic = traffic
     est.busiest_rank = r_busy

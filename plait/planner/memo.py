@@ -22,7 +22,7 @@ One memo serves one search (one model, cluster, workload and constants):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -34,7 +34,7 @@ from .compute import MicroTimes, microbatch_times
 from .fsdp_rows import Padding
 from .hardware import Cluster
 from .model_stats import ModelStats
-from .pipeline import stage_sizes
+from .pipeline import Stages, stage_sizes, stage_times
 from .traffic import (
     clip_traffic,
     collective_time,
@@ -43,10 +43,11 @@ from .traffic import (
     fsdp_shards,
     rank_shares,
     uneven_pieces,
+    uses_fsdp,
 )
 
 if TYPE_CHECKING:
-    from .cost import Constants
+    from .cost import Constants, Workload
 
 Pieces = tuple[Padding, Padding, Padding, Padding] | None
 
@@ -133,6 +134,58 @@ class SizesKey(NamedTuple):
     head: float
 
 
+class StagesKey(NamedTuple):
+    """What :func:`plait.planner.pipeline.stage_times` reads of a plan, and the microbatch's
+    times and the stage split: the pipeline's degree, schedule and stages per rank; its sends'
+    size and route (tp, sequence parallelism, cp, the dtype, the microbatch size, the ranks
+    between two stages); whether FSDP2's per-unit cost applies (``units``)."""
+
+    pp: int
+    virtual_stages: int
+    pp_schedule: str
+    tp: int
+    sp: bool
+    cp: int
+    mixed_precision: str
+    stride: int
+    units: bool
+    b: int
+    times: MicroTimes
+    sizes: tuple[int, ...]
+
+
+class ActivationsKey(NamedTuple):
+    """What :func:`plait.planner.cost.activation_traffic` reads of a plan (its degrees but
+    data parallelism's, sequence parallelism, the dtype and whether FSDP2 casts the
+    parameters, the pipeline's schedule and micro-steps), of the rank's share (its blocks,
+    those replayed and those that train or that the backward pass reaches, each block's own
+    collectives, its stages, the embedding, the head and a tied weight's piece), and the
+    microbatch size."""
+
+    tp: int
+    cp: int
+    pp: int
+    sp: bool
+    mixed_precision: str
+    casts_params: bool
+    grad_accum: int
+    microbatches: int
+    pp_schedule: str
+    virtual_stages: int
+    b: int
+    layers: int
+    recomputed: int
+    trained_layers: int | None
+    reached_layers: int | None
+    tp_blocks: tuple[object, ...] | None
+    embed: bool
+    head: bool
+    stages: tuple[int, ...]
+    num_stages: int
+    tied: float
+    tied_tensors: int
+
+
 class PiecesKey(NamedTuple):
     """What :func:`~plait.planner.traffic.uneven_pieces` reads of a plan."""
 
@@ -153,6 +206,8 @@ class Memo:
     sizes: dict[SizesKey, list[int] | str] = field(default_factory=dict)
     replayed: dict[tuple[LocalModel, int], LocalModel] = field(default_factory=dict)
     rank_syncs: dict[tuple[TrafficKey, ShareKey], list[float]] = field(default_factory=dict)
+    stages: dict[StagesKey, Stages] = field(default_factory=dict)
+    activations: dict[ActivationsKey, list[Traffic]] = field(default_factory=dict)
 
     def grad_sync_times(self, plan: Plan, model: ModelStats, sizes: Sequence[int],
                         rank_chunks: Sequence[Sequence[int]], cluster: Cluster, c: Constants,
@@ -160,12 +215,45 @@ class Memo:
         """:meth:`grad_sync_time` of every pipeline rank (index: pp rank), kept by the
         plan's fields and the stage split (cheaper to look up than each rank's share)."""
         shares_key = _share_key(plan, sizes, rank_chunks)
-        key = (_traffic_key(plan, None, grad_dtype, c.bucket_bytes), shares_key)
+        # the gradient collectives and FSDP2's reduces do not read the microbatch count (only
+        # the parameter gathers do): layouts that differ in it alone share one entry
+        key = (_traffic_key(plan, None, grad_dtype, c.bucket_bytes)._replace(microbatches=0),
+               shares_key)
         if key not in self.rank_syncs:
             self.rank_syncs[key] = [
                 self.grad_sync_time(plan, share, cluster, c, grad_dtype=grad_dtype)
                 for share in self.rank_shares(plan, model, sizes, rank_chunks)]
         return self.rank_syncs[key]
+
+    def stage_times(self, plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
+                    b: int, times: MicroTimes, sizes: Sequence[int], c: Constants) -> Stages:
+        """:func:`~plait.planner.pipeline.stage_times` (the same ``Stages``, read only):
+        alike over the ZeRO stages and the split of the data-parallel ranks, whose product
+        alone sets the stride between two stages."""
+        key = StagesKey(plan.pp, plan.virtual_stages, plan.pp_schedule, plan.tp,
+                        plan.sp or work.pp_scatter_gather, plan.cp, plan.mixed_precision,
+                        plan.tp * plan.dp_shard * plan.dp_replicate,
+                        uses_fsdp(plan) and plan.dp_shard > 1 and bool(c.fsdp_unit_s), b,
+                        times, tuple(sizes))
+        if key not in self.stages:
+            self.stages[key] = stage_times(plan, model, cluster, work, b, times, list(sizes), c)
+        return self.stages[key]
+
+    def activation_traffic(self, plan: Plan, share: LocalModel, b: int,
+                           price: Callable[[], list[Traffic]]) -> list[Traffic]:
+        """The activations' collectives of a rank holding ``share`` at microbatch size ``b``
+        (``price()``: :func:`plait.planner.cost.activation_traffic` of the same; a new list
+        of the same collectives): alike over data parallelism's layouts but where FSDP2's
+        cast changes the dtype."""
+        key = ActivationsKey(plan.tp, plan.cp, plan.pp, plan.sp, plan.mixed_precision,
+                             casts_params(plan), plan.grad_accum, plan.microbatches,
+                             plan.pp_schedule, plan.virtual_stages, b, share.layers,
+                             share.recomputed, share.trained_layers, share.reached_layers,
+                             share.tp_blocks, share.embed, share.head, share.stages,
+                             share.num_stages, share.tied, share.tied_tensors)
+        if key not in self.activations:
+            self.activations[key] = price()
+        return list(self.activations[key])
 
     def recomputed(self, share: LocalModel, blocks: int) -> LocalModel:
         """``share`` with ``blocks`` of its blocks replayed by checkpointing

@@ -31,8 +31,9 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import groupby
 
-from plait.plan import Plan
+from plait.plan import Plan, PlanOptions
 
 from .cost import DEFAULT_CONSTANTS, Constants, Estimate, Workload, evaluate
 from .hardware import Cluster
@@ -209,11 +210,24 @@ def _cp_degrees(model: ModelStats, work: Workload, devices: int) -> list[int]:
     return [cp for cp in divisors(devices) if cp_searched(model, work, cp)]
 
 
-def _sort_key(e: Estimate):
+def _sort_key(e: Estimate) -> tuple[float, int, int]:
     """Fastest first; at the same predicted time, fewer accumulation micro-steps (they exist to
-    fit memory, and each costs a launch the model may not price), then less memory."""
-    return (round(e.step_time_s, 12), e.plan.grad_accum, round(e.memory_bytes_per_device),
-            e.plan.to_string())
+    fit memory, and each costs a launch the model may not price), then less memory; then the
+    plan's string (:func:`_ranked`)."""
+    return (round(e.step_time_s, 12), e.plan.grad_accum, round(e.memory_bytes_per_device))
+
+
+def _ranked(estimates: list[Estimate]) -> list[Estimate]:
+    """``estimates`` by :func:`_sort_key`, then by plan string: each plan's string is written
+    only where the rest of its key ties with another's (a few of thousands)."""
+    keyed = sorted(((_sort_key(e), e) for e in estimates), key=lambda pair: pair[0])
+    out: list[Estimate] = []
+    for _, tied in groupby(keyed, key=lambda pair: pair[0]):
+        group = [e for _, e in tied]
+        if len(group) > 1:
+            group.sort(key=lambda e: e.plan.to_string())
+        out += group
+    return out
 
 
 def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = "bf16",
@@ -253,7 +267,7 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
                            time_unfit=False)
             evaluated += 1
             if est.feasible:
-                feasible.append(_with_stages(est))
+                feasible.append(_with_stages(est, fields))
                 break
             kind = "out of memory" if "GiB" in est.reason else est.reason.split(" ")[0]
             rejected[kind] = rejected.get(kind, 0) + 1
@@ -265,7 +279,7 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
     closest, closest_flat = (None if e is None else
                              evaluate(e.plan, model, cluster, work, constants, balance=True,
                                       memo=memo) for e in (closest, closest_flat))
-    feasible.sort(key=_sort_key)
+    feasible = _ranked(feasible)
     fit = len(feasible)
     flat = next((e for e in feasible if e.plan.cp == 1), None)
     if layout_check is not None:
@@ -298,13 +312,13 @@ def _accepted(ranked: list[Estimate], check: Callable[[Plan], str | None], top: 
     return kept
 
 
-def _with_stages(est: Estimate) -> Estimate:
-    """Record the pipeline split in the plan so the runtime builds what was priced."""
+def _with_stages(est: Estimate, fields: dict) -> Estimate:
+    """Record the pipeline split in the plan so the runtime builds what was priced (``fields``:
+    the plan's, which set no options)."""
     plan = est.plan
     chunks = plan.pp * plan.virtual_stages
     if chunks > 1 and est.stage_layers:
         # Always written, even when even: the runtime's default split balances parameter
         # counts (embedding and head included), which is not the split the planner priced.
-        options = plan.options.replace(pp_stage_layers=tuple(est.stage_layers))
-        est.plan = plan.replace(options=options)
+        est.plan = Plan(**fields, options=PlanOptions(pp_stage_layers=tuple(est.stage_layers)))
     return est
