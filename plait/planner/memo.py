@@ -24,24 +24,25 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, overload
 
 from plait.comm.predict import LocalModel, casts_params, clip_axes
 from plait.comm.volumes import Traffic
 from plait.plan import ZERO_BUBBLE_SCHEDULES, Plan
 
 from .compute import MicroTimes, microbatch_times
-from .fsdp_rows import Padding
+from .fsdp_rows import Padding, Trained
 from .hardware import Cluster
 from .model_stats import ModelStats
 from .pipeline import Stages, stage_sizes, stage_times
 from .traffic import (
+    StageSplit,
     clip_traffic,
     collective_time,
     dp_traffic,
     fsdp_host_time,
     fsdp_shards,
-    rank_shares,
+    rank_share,
     uneven_pieces,
     uses_fsdp,
 )
@@ -193,11 +194,41 @@ class PiecesKey(NamedTuple):
     shards: int
 
 
+class Shares(Sequence[LocalModel]):
+    """Every pipeline rank's share of one plan (:func:`~plait.planner.traffic.rank_shares`,
+    index: pp rank), each made on first use and kept."""
+
+    def __init__(self, plan: Plan, model: ModelStats, split: StageSplit,
+                 rank_chunks: Sequence[Sequence[int]]) -> None:
+        self._plan, self._model, self._split = plan, model, split
+        self._chunks = rank_chunks
+        self._made: list[LocalModel | None] = [None] * len(rank_chunks)
+        self._trained: dict[int, Trained] = {}  # trained_share's, across the ranks
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    @overload
+    def __getitem__(self, r: int) -> LocalModel: ...
+
+    @overload
+    def __getitem__(self, r: slice) -> list[LocalModel]: ...
+
+    def __getitem__(self, r: int | slice) -> LocalModel | list[LocalModel]:
+        if isinstance(r, slice):
+            return [self[i] for i in range(len(self))[r]]
+        got = self._made[r]
+        if got is None:
+            got = self._made[r] = rank_share(self._plan, self._model, self._split,
+                                             self._chunks[r], self._trained)
+        return got
+
+
 @dataclass
 class Memo:
     """Each rank's share of one model and its uneven pieces, by the plan fields they read."""
 
-    shares: dict[ShareKey, list[LocalModel]] = field(default_factory=dict)
+    shares: dict[ShareKey, Shares] = field(default_factory=dict)
     pieces: dict[PiecesKey, Pieces] = field(default_factory=dict)
     traffic: dict[TrafficKey, list[tuple[Traffic, int]]] = field(default_factory=dict)
     syncs: dict[TrafficKey, float] = field(default_factory=dict)
@@ -288,13 +319,14 @@ class Memo:
         return self.times[key]
 
     def rank_shares(self, plan: Plan, model: ModelStats, sizes: Sequence[int],
-                    rank_chunks: Sequence[Sequence[int]]) -> list[LocalModel]:
-        """:func:`~plait.planner.traffic.rank_shares` (a new list of the same, frozen,
-        shares)."""
+                    rank_chunks: Sequence[Sequence[int]]) -> Shares:
+        """:func:`~plait.planner.traffic.rank_shares`, each rank's (frozen) share made where
+        it is first read: a layout that does not fit reads three ranks' of a pipeline."""
         key = _share_key(plan, sizes, rank_chunks)
         if key not in self.shares:
-            self.shares[key] = rank_shares(plan, model, list(sizes), rank_chunks)
-        return list(self.shares[key])
+            self.shares[key] = Shares(plan, model, StageSplit.of(plan, model, sizes),
+                                      key.rank_chunks)
+        return self.shares[key]
 
     def dp_traffic(self, plan: Plan, share: LocalModel, *, grad_dtype: str,
                    bucket_bytes: float) -> list[tuple[Traffic, int]]:

@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from plait.comm.predict import LocalModel
@@ -136,7 +137,7 @@ def more_stacks_activations(plan: Plan, model: ModelStats, b: int, s: int,
 
 
 def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
-                st: Stages, shares: list[LocalModel], c: Constants,
+                st: Stages, shares: Sequence[LocalModel], c: Constants,
                 stack_seqs: dict[str, int] | None = None, *,
                 memo: Memo | None = None) -> tuple[float, dict[str, float]]:
     """(bytes on the busiest pipeline rank, its breakdown). Peak memory sits on the first rank
