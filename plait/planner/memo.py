@@ -85,7 +85,7 @@ class TrafficKey(NamedTuple):
     pp_schedule: str
     virtual_stages: int
     mixed_precision: str
-    share: LocalModel | None  # None: every rank's (Memo.grad_sync_times)
+    share: int | None  # the share's Memo.held id; None: every rank's (Memo.grad_sync_times)
     grad_dtype: str
     bucket_bytes: float
 
@@ -100,7 +100,7 @@ class ClipKey(NamedTuple):
     cp: int
     dp_replicate: int
     dp_shard: int
-    share: LocalModel
+    share: int  # Memo.held id
 
 
 class TimesKey(NamedTuple):
@@ -235,10 +235,18 @@ class Memo:
     clips: dict[ClipKey, list[tuple[Traffic, int]]] = field(default_factory=dict)
     times: dict[TimesKey, MicroTimes] = field(default_factory=dict)
     sizes: dict[SizesKey, list[int] | str] = field(default_factory=dict)
-    replayed: dict[tuple[LocalModel, int], LocalModel] = field(default_factory=dict)
+    replayed: dict[tuple[int, int], LocalModel] = field(default_factory=dict)
     rank_syncs: dict[tuple[TrafficKey, ShareKey], list[float]] = field(default_factory=dict)
     stages: dict[StagesKey, Stages] = field(default_factory=dict)
     activations: dict[ActivationsKey, list[Traffic]] = field(default_factory=dict)
+    # every share a key names, by id: kept alive, so an id names one share for the memo's life
+    # (a key holds the id, cheaper to hash than the share's fields)
+    held: dict[int, LocalModel] = field(default_factory=dict)
+
+    def _id(self, share: LocalModel) -> int:
+        """``share``'s id, the share kept (:attr:`held`)."""
+        self.held.setdefault(id(share), share)
+        return id(share)
 
     def grad_sync_times(self, plan: Plan, model: ModelStats, sizes: Sequence[int],
                         rank_chunks: Sequence[Sequence[int]], cluster: Cluster, c: Constants,
@@ -289,7 +297,7 @@ class Memo:
     def recomputed(self, share: LocalModel, blocks: int) -> LocalModel:
         """``share`` with ``blocks`` of its blocks replayed by checkpointing
         (``LocalModel.recomputed``)."""
-        key = (share, blocks)
+        key = (self._id(share), blocks)
         if key not in self.replayed:
             self.replayed[key] = dataclasses.replace(share, recomputed=blocks)
         return self.replayed[key]
@@ -332,7 +340,7 @@ class Memo:
                    bucket_bytes: float) -> list[tuple[Traffic, int]]:
         """:func:`~plait.planner.traffic.dp_traffic` (a new list of the same, frozen,
         collectives)."""
-        key = _traffic_key(plan, share, grad_dtype, bucket_bytes)
+        key = _traffic_key(plan, self._id(share), grad_dtype, bucket_bytes)
         if key not in self.traffic:
             self.traffic[key] = dp_traffic(plan, share, grad_dtype=grad_dtype,
                                            bucket_bytes=bucket_bytes)
@@ -342,8 +350,10 @@ class Memo:
                        grad_dtype: str) -> float:
         """Seconds a rank holding ``share`` spends reducing its gradients: its data-parallel
         gradient collectives and FSDP2's per-unit reduce cost
-        (:func:`~plait.planner.traffic.fsdp_host_time`, which reads no more of the plan)."""
-        key = _traffic_key(plan, share, grad_dtype, c.bucket_bytes)
+        (:func:`~plait.planner.traffic.fsdp_host_time`, which reads no more of the plan);
+        neither reads the microbatch count (only the parameter gathers do)."""
+        key = _traffic_key(plan, self._id(share), grad_dtype, c.bucket_bytes)._replace(
+            microbatches=0)
         if key not in self.syncs:
             traffic = self.dp_traffic(plan, share, grad_dtype=grad_dtype,
                                       bucket_bytes=c.bucket_bytes)
@@ -355,7 +365,7 @@ class Memo:
     def clip_traffic(self, plan: Plan, share: LocalModel) -> list[tuple[Traffic, int]]:
         """:func:`~plait.planner.traffic.clip_traffic` (a new list of the same collectives)."""
         key = ClipKey(plan.grad_clip, plan.tp, plan.pp, plan.cp, plan.dp_replicate,
-                      plan.dp_shard, share)
+                      plan.dp_shard, self._id(share))
         if key not in self.clips:
             self.clips[key] = clip_traffic(plan, share)
         return list(self.clips[key])
@@ -374,7 +384,7 @@ def _share_key(plan: Plan, sizes: Sequence[int], rank_chunks: Sequence[Sequence[
                     tuple(tuple(ids) for ids in rank_chunks))
 
 
-def _traffic_key(plan: Plan, share: LocalModel | None, grad_dtype: str, bucket_bytes: float
+def _traffic_key(plan: Plan, share: int | None, grad_dtype: str, bucket_bytes: float
                  ) -> TrafficKey:
     return TrafficKey(plan.tp, plan.pp, plan.cp, plan.dp_replicate, plan.dp_shard, plan.zero,
                       plan.find_unused, plan.grad_accum, plan.microbatches, plan.pp_schedule,

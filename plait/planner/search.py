@@ -249,6 +249,9 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
     closest_flat: Estimate | None = None  # without context parallelism
     evaluated = 0
     memo = Memo()  # what the layouts of this model share, priced once
+    # each plan's options: none set while it is priced, then the split priced (one object
+    # per split: a plan is immutable, and its options with it)
+    options: dict[tuple[int, ...] | None, PlanOptions] = {None: PlanOptions()}
     for group in candidate_plans(model, cluster, work, dtype=dtype,
                                  max_microbatch=max_microbatch,
                                  plain_tp=layout_check is not None):
@@ -258,7 +261,7 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
             continue
         for fields in group:
             try:
-                plan = Plan(**fields)
+                plan = Plan(**fields, options=options[None])
             except ValueError as exc:  # a rule of Plan.validate beyond the degrees (cp's)
                 why = _refusal_kind(exc)
                 rejected[why] = rejected.get(why, 0) + 1
@@ -267,7 +270,7 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
                            time_unfit=False)
             evaluated += 1
             if est.feasible:
-                feasible.append(_with_stages(est, fields))
+                feasible.append(_with_stages(est, fields, options))
                 break
             kind = "out of memory" if "GiB" in est.reason else est.reason.split(" ")[0]
             rejected[kind] = rejected.get(kind, 0) + 1
@@ -312,13 +315,17 @@ def _accepted(ranked: list[Estimate], check: Callable[[Plan], str | None], top: 
     return kept
 
 
-def _with_stages(est: Estimate, fields: dict) -> Estimate:
+def _with_stages(est: Estimate, fields: dict,
+                 options: dict[tuple[int, ...] | None, PlanOptions]) -> Estimate:
     """Record the pipeline split in the plan so the runtime builds what was priced (``fields``:
-    the plan's, which set no options)."""
+    the plan's, which set no options; ``options``: the search's, by split)."""
     plan = est.plan
     chunks = plan.pp * plan.virtual_stages
     if chunks > 1 and est.stage_layers:
         # Always written, even when even: the runtime's default split balances parameter
         # counts (embedding and head included), which is not the split the planner priced.
-        est.plan = Plan(**fields, options=PlanOptions(pp_stage_layers=tuple(est.stage_layers)))
+        split = tuple(est.stage_layers)
+        if split not in options:
+            options[split] = PlanOptions(pp_stage_layers=split)
+        est.plan = Plan(**fields, options=options[split])
     return est

@@ -64,8 +64,8 @@ def collective_time(t: Traffic, cluster: Cluster, stride: int, c: Constants) -> 
     if t.group == 1 and t.op != "send_recv":
         return 0.0
     bw, alpha = tier(cluster, t.group, stride)
-    n = t.group
-    steps = {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(t.op, n - 1)
+    n, op = t.group, t.op
+    steps = 2 * (n - 1) if op == "all_reduce" else 1 if op == "send_recv" else n - 1
     extra = getattr(c, _CALL[t.op]) if t.op in _CALL else 0.0
     per_call = max(0.0, steps * alpha + extra)
     factor = getattr(c, _FACTOR[t.op]) if t.op in _FACTOR else 1.0
