@@ -219,7 +219,8 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         return est
 
     # ---- time: one microbatch per block and chunk, then the pipeline's schedule
-    times = memo.microbatch_times(plan, model, cluster, b, s, c, work.seqs)
+    seqs = work.seqs
+    times = memo.microbatch_times(plan, model, cluster, b, s, c, seqs)
     sizes = memo.stage_sizes(plan, model, times, balance)
     if isinstance(sizes, str):
         est.reason = sizes
@@ -233,7 +234,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
 
     # ---- memory on each pipeline rank; the worst one counts
     mem_best, breakdown = peak_memory(plan, model, cluster, b, s, st, shares, c,
-                                      stack_seqs=work.seqs, memo=memo)
+                                      stack_seqs=seqs, memo=memo)
     est.memory_bytes_per_device = mem_best
     est.memory_breakdown = breakdown
     unfit = mem_best > cluster.memory_bytes
@@ -314,7 +315,7 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     layers_busy = st.rank_layers[r_busy]
     busy = memo.recomputed(shares[r_busy], checkpointed(plan, layers_busy)[0])
     traffic = [t for t, _ in traffic_dp + clip] + memo.activation_traffic(
-        plan, busy, b, lambda: activation_traffic(plan, model, busy, b, s, work.seqs))
+        plan, busy, b, lambda: activation_traffic(plan, model, busy, b, s, seqs))
 
     est.traffic = traffic
     est.busiest_rank = r_busy
@@ -323,8 +324,8 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     est.tokens_per_s = B * s / step
     L = model.n_layers
     # the further stacks' blocks (an encoder-decoder's encoder), without a pipeline
-    more = model.more_stacks_flops(B, s, work.seqs) if plan.pp == 1 else 0.0
-    side = model.side_seq(s, work.seqs)
+    more = model.more_stacks_flops(B, s, seqs) if plan.pp == 1 else 0.0
+    side = model.side_seq(s, seqs)
     model_flops = model.model_flops(B * s, s, side_seq=side) + 3 * more
     hw_flops = model.model_flops(B * s, s, recompute_layers=times.replay * L, side_seq=side) + \
         (3 + times.replay) * more

@@ -355,8 +355,8 @@ class Memo:
         key = _traffic_key(plan, self._id(share), grad_dtype, c.bucket_bytes)._replace(
             microbatches=0)
         if key not in self.syncs:
-            traffic = self.dp_traffic(plan, share, grad_dtype=grad_dtype,
-                                      bucket_bytes=c.bucket_bytes)
+            traffic = dp_traffic(plan, share, grad_dtype=grad_dtype,
+                                 bucket_bytes=c.bucket_bytes, gathers=False)
             self.syncs[key] = sum(collective_time(t, cluster, stride, c)
                                   for t, stride in traffic if t.what == "grads") + \
                 fsdp_host_time(plan, share, c)[0]

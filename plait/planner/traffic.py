@@ -349,13 +349,14 @@ def uses_fsdp(plan: Plan) -> bool:
                               and plan.dp_replicate * plan.cp > 1)
 
 
-def dp_traffic(plan: Plan, share: LocalModel, *, grad_dtype: str, bucket_bytes: float
-               ) -> list[tuple[Traffic, int]]:
+def dp_traffic(plan: Plan, share: LocalModel, *, grad_dtype: str, bucket_bytes: float,
+               gathers: bool = True) -> list[tuple[Traffic, int]]:
     """One pipeline rank's data-parallel traffic per optimizer step, exactly what the comm
-    ledger predicts for it (:func:`plait.comm.predict.dp_traffic`), with each op's rank stride
-    in mesh order."""
+    ledger predicts for it (:func:`plait.comm.predict.dp_traffic`; ``gathers=False``: without
+    FSDP2's parameter gathers), with each op's rank stride in mesh order."""
     return [(t, axis_stride(plan, t.axis)) for t in
-            predict.dp_traffic(plan, share, grad_dtype=grad_dtype, bucket_bytes=bucket_bytes)]
+            predict.dp_traffic(plan, share, grad_dtype=grad_dtype, bucket_bytes=bucket_bytes,
+                               gathers=gathers)]
 
 
 def clip_traffic(plan: Plan, share: LocalModel) -> list[tuple[Traffic, int]]:
