@@ -199,11 +199,11 @@ class Shares(Sequence[LocalModel]):
     index: pp rank), each made on first use and kept."""
 
     def __init__(self, plan: Plan, model: ModelStats, split: StageSplit,
-                 rank_chunks: Sequence[Sequence[int]]) -> None:
+                 rank_chunks: Sequence[Sequence[int]], trained: dict[int, Trained]) -> None:
         self._plan, self._model, self._split = plan, model, split
         self._chunks = rank_chunks
         self._made: list[LocalModel | None] = [None] * len(rank_chunks)
-        self._trained: dict[int, Trained] = {}  # trained_share's, across the ranks
+        self._trained = trained  # trained_share's, across the ranks
 
     def __len__(self) -> int:
         return len(self._made)
@@ -242,6 +242,8 @@ class Memo:
     # every share a key names, by id: kept alive, so an id names one share for the memo's life
     # (a key holds the id, cheaper to hash than the share's fields)
     held: dict[int, LocalModel] = field(default_factory=dict)
+    # what each part of the model's rows reduces (trained_share's memo), by tp and shards
+    trained: dict[tuple[int, int], dict[int, Trained]] = field(default_factory=dict)
 
     def _id(self, share: LocalModel) -> int:
         """``share``'s id, the share kept (:attr:`held`)."""
@@ -332,8 +334,9 @@ class Memo:
         it is first read: a layout that does not fit reads three ranks' of a pipeline."""
         key = _share_key(plan, sizes, rank_chunks)
         if key not in self.shares:
-            self.shares[key] = Shares(plan, model, StageSplit.of(plan, model, sizes),
-                                      key.rank_chunks)
+            split = StageSplit.of(plan, model, sizes, self.uneven_pieces(plan, model))
+            self.shares[key] = Shares(plan, model, split, key.rank_chunks,
+                                      self.trained.setdefault((key.tp, key.shards), {}))
         return self.shares[key]
 
     def dp_traffic(self, plan: Plan, share: LocalModel, *, grad_dtype: str,

@@ -103,7 +103,7 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
     traffic, in the form the comm ledger's prediction takes (:class:`plait.comm.predict
     .LocalModel`). What trains is read block by block where the model's shapes were read
     (:func:`trained_share`): frozen parameters are gathered, never reduced."""
-    split = StageSplit.of(plan, model, sizes)
+    split = StageSplit.of(plan, model, sizes, uneven_pieces(plan, model))
     memo: dict[int, Trained] = {}  # trained_share's, for every rank of this plan
     return [rank_share(plan, model, split, ids, memo) for ids in rank_chunks]
 
@@ -121,8 +121,9 @@ class StageSplit:
     frozen_copy: float
 
     @classmethod
-    def of(cls, plan: Plan, model: ModelStats, sizes: Sequence[int]) -> StageSplit:
-        """``sizes``: blocks per chunk."""
+    def of(cls, plan: Plan, model: ModelStats, sizes: Sequence[int],
+           pad: tuple[Padding, Padding, Padding, Padding] | None) -> StageSplit:
+        """``sizes``: blocks per chunk; ``pad``: :func:`uneven_pieces` of the plan."""
         bounds = [0]
         for n in sizes:
             bounds.append(bounds[-1] + n)
@@ -130,14 +131,15 @@ class StageSplit:
         block_params = [w * model.block_params for w in weights] if model.layer_weights \
             else [float(model.block_params)] * model.n_layers
         return cls(tuple(sizes), tuple(bounds), tuple(block_params),
-                   uneven_pieces(plan, model),
+                   pad,
                    float(sum(prod(shape) for shape in model.frozen_tied_shapes)))
 
 
 def rank_share(plan: Plan, model: ModelStats, split: StageSplit, ids: Sequence[int],
                memo: dict[int, Trained] | None = None) -> LocalModel:
     """The share of the pipeline rank running the chunks ``ids`` (:func:`rank_shares`);
-    ``memo``: :func:`trained_share`'s, kept across the ranks of one plan."""
+    ``memo``: :func:`trained_share`'s, kept across the ranks of one plan (or of plans alike
+    in tp and :func:`fsdp_shards`)."""
     tp, pp, sizes = plan.tp, plan.pp, split.sizes
     chunks, bounds, block_params = len(sizes), split.bounds, split.block_params
     pad, frozen_copy = split.pad, split.frozen_copy
