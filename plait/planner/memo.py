@@ -194,16 +194,31 @@ class PiecesKey(NamedTuple):
     shards: int
 
 
+class RankKey(NamedTuple):
+    """What :func:`~plait.planner.traffic.rank_share` reads: the :class:`ShareKey`'s plan
+    fields, the number of chunks, the rank's chunks and where each starts and ends (stage
+    splits that differ elsewhere give a rank the same share)."""
+
+    tp: int
+    pp: int
+    shards: int
+    clip_axes: tuple[str, ...]
+    chunks: int
+    ids: tuple[int, ...]
+    bounds: tuple[tuple[int, int], ...]
+
+
 class Shares(Sequence[LocalModel]):
     """Every pipeline rank's share of one plan (:func:`~plait.planner.traffic.rank_shares`,
-    index: pp rank), each made on first use and kept."""
+    index: pp rank), each made on first use, or taken from ``made`` (the search's, by
+    :class:`RankKey`) and kept."""
 
-    def __init__(self, plan: Plan, model: ModelStats, split: StageSplit,
-                 rank_chunks: Sequence[Sequence[int]], trained: dict[int, Trained]) -> None:
-        self._plan, self._model, self._split = plan, model, split
-        self._chunks = rank_chunks
-        self._made: list[LocalModel | None] = [None] * len(rank_chunks)
+    def __init__(self, plan: Plan, model: ModelStats, split: StageSplit, key: ShareKey,
+                 trained: dict[int, Trained], made: dict[RankKey, LocalModel]) -> None:
+        self._plan, self._model, self._split, self._key = plan, model, split, key
+        self._made: list[LocalModel | None] = [None] * len(key.rank_chunks)
         self._trained = trained  # trained_share's, across the ranks
+        self._all = made
 
     def __len__(self) -> int:
         return len(self._made)
@@ -219,8 +234,14 @@ class Shares(Sequence[LocalModel]):
             return [self[i] for i in range(len(self))[r]]
         got = self._made[r]
         if got is None:
-            got = self._made[r] = rank_share(self._plan, self._model, self._split,
-                                             self._chunks[r], self._trained)
+            k, bounds = self._key, self._split.bounds
+            ids = k.rank_chunks[r]
+            key = RankKey(k.tp, k.pp, k.shards, k.clip_axes, len(k.sizes), ids,
+                          tuple((bounds[i], bounds[i + 1]) for i in ids))
+            if key not in self._all:
+                self._all[key] = rank_share(self._plan, self._model, self._split, ids,
+                                            self._trained)
+            got = self._made[r] = self._all[key]
         return got
 
 
@@ -244,6 +265,7 @@ class Memo:
     held: dict[int, LocalModel] = field(default_factory=dict)
     # what each part of the model's rows reduces (trained_share's memo), by tp and shards
     trained: dict[tuple[int, int], dict[int, Trained]] = field(default_factory=dict)
+    rank_made: dict[RankKey, LocalModel] = field(default_factory=dict)
 
     def _id(self, share: LocalModel) -> int:
         """``share``'s id, the share kept (:attr:`held`)."""
@@ -335,8 +357,9 @@ class Memo:
         key = _share_key(plan, sizes, rank_chunks)
         if key not in self.shares:
             split = StageSplit.of(plan, model, sizes, self.uneven_pieces(plan, model))
-            self.shares[key] = Shares(plan, model, split, key.rank_chunks,
-                                      self.trained.setdefault((key.tp, key.shards), {}))
+            self.shares[key] = Shares(plan, model, split, key,
+                                      self.trained.setdefault((key.tp, key.shards), {}),
+                                      self.rank_made)
         return self.shares[key]
 
     def dp_traffic(self, plan: Plan, share: LocalModel, *, grad_dtype: str,
