@@ -13,7 +13,16 @@ it reads (a NamedTuple per part, below):
 * one microbatch's times (:func:`plait.planner.compute.microbatch_times`): alike over the
   data-parallel and pipeline degrees; and the pipeline's split that balances them
   (:func:`plait.planner.pipeline.stage_sizes`);
-* the busiest rank's share with the blocks checkpointing replays (a rebuilt dataclass).
+* the busiest rank's share with the blocks checkpointing replays (a rebuilt dataclass);
+* each pipeline rank's time per microbatch (:func:`plait.planner.pipeline.stage_times`):
+  alike over the ZeRO stages and the split of the data-parallel ranks;
+* the busiest rank's activation collectives (:func:`plait.planner.cost.activation_traffic`):
+  alike over data parallelism's layouts where FSDP2 does not change the dtype.
+
+Each rank's share is made where it is first read (:class:`Shares`: a layout that does not
+fit reads three of a pipeline's), and a rank given the same blocks by another stage split
+gets the same share (:class:`RankKey`). Keys name a share by its id, the share kept alive
+by the memo (:attr:`Memo.held`): cheaper to hash than its fields.
 
 One memo serves one search (one model, cluster, workload and constants):
 :func:`plait.planner.search.search` creates its own.
