@@ -421,7 +421,12 @@ def _share_key(plan: Plan, sizes: Sequence[int], rank_chunks: Sequence[Sequence[
 
 def _traffic_key(plan: Plan, share: int | None, grad_dtype: str, bucket_bytes: float
                  ) -> TrafficKey:
+    # Without FSDP2's sharding (ZeRO-0/1) there are no parameter gathers, the one reader of
+    # the microbatch count; and without a pipeline the gradients are reduced once a step,
+    # whatever the micro-steps: layouts that differ in those alone share one entry.
+    fsdp = plan.zero >= 2
     return TrafficKey(plan.tp, plan.pp, plan.cp, plan.dp_replicate, plan.dp_shard, plan.zero,
-                      plan.find_unused, plan.grad_accum, plan.microbatches, plan.pp_schedule,
+                      plan.find_unused, plan.grad_accum if fsdp or plan.pp > 1 else 0,
+                      plan.microbatches if fsdp else 0, plan.pp_schedule,
                       plan.virtual_stages, plan.mixed_precision, share, grad_dtype,
                       bucket_bytes)
