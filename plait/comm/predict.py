@@ -529,14 +529,15 @@ def cp_rank_traffic(plan: Any, local: LocalModel, mb: int, seq: int, kv_dim: int
 
 
 def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
-               bucket_bytes: float = DDP_BUCKET_BYTES) -> list[Traffic]:
+               bucket_bytes: float = DDP_BUCKET_BYTES, gathers: bool = True) -> list[Traffic]:
     """Data-parallel traffic of one rank in one optimizer step, as plait's runtime issues it.
 
     Gradients are reduced in ``grad_dtype`` (plait: fp32); DDP in ``bucket_bytes`` buckets, FSDP2
     one call per unit (``local.units``). A pipeline runs one schedule per accumulation step and
     torch's stage runtime syncs DDP/FSDP2 on the last backward of each: gradients are reduced
     ``grad_accum`` times per step. FSDP2's gathers follow each schedule's order
-    (:func:`_param_gathers`)."""
+    (:func:`_param_gathers`); ``gathers=False`` leaves them out (what the gradients' reduction
+    alone costs)."""
     R, S, accum = plan.dp_replicate, plan.dp_shard, plan.grad_accum
     syncs = accum if plan.pp > 1 else 1
     g = dtype_bytes(grad_dtype)
@@ -545,7 +546,7 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
     if reduces_after_schedule(plan):
         return _after_schedule_traffic(plan, local, grad_dtype, bucket_bytes)
     if plan.cp > 1:  # the cp ranks reduce gradients with the data ranks (plait.parallelize)
-        return _dp_cp_traffic(plan, local, g, grad_dtype, bucket_bytes, syncs)
+        return _dp_cp_traffic(plan, local, g, grad_dtype, bucket_bytes, syncs, gathers)
     # DDP wraps nothing where nothing trains (a frozen pipeline stage: plait.parallel.data)
     if plan.zero == 1 and R * S > 1:
         if G:
@@ -563,7 +564,7 @@ def dp_traffic(plan: Any, local: LocalModel, *, grad_dtype: str = "fp32",
         if R > 1 and units:  # HSDP: the reduce-scattered shard all-reduced across replicas
             out += _times([Traffic("dp_replicate", "all_reduce", G / S * g, units, R,
                                    "grads")], syncs)
-        out += _param_gathers(plan, local)
+        out += _param_gathers(plan, local) if gathers else []
     elif R > 1:
         if plan.tp > 1:  # replicated DP over TP shards: FSDP2, one all-reduce per unit
             if local.reducing_units:
@@ -634,7 +635,7 @@ def _after_schedule_traffic(plan: Any, local: LocalModel, grad_dtype: str,
 
 
 def _dp_cp_traffic(plan: Any, local: LocalModel, g: int, grad_dtype: str,
-                   bucket_bytes: float, syncs: int) -> list[Traffic]:
+                   bucket_bytes: float, syncs: int, gathers: bool = True) -> list[Traffic]:
     """:func:`dp_traffic` under context parallelism: the cp ranks compute partial gradients
     of the same parameters, so they join the data ranks. DDP all-reduces over dp x cp
     (``dp_cp``), and with tp FSDP2's replicate one all-reduce per unit; FSDP2 shards and
@@ -651,7 +652,7 @@ def _dp_cp_traffic(plan: Any, local: LocalModel, g: int, grad_dtype: str,
         if plan.dp_replicate > 1 and units:
             grads.append(Traffic("dp_replicate", "all_reduce", G / n * g, units,
                                  plan.dp_replicate, "grads"))
-        return _times(grads, syncs) + _param_gathers(plan, local)
+        return _times(grads, syncs) + (_param_gathers(plan, local) if gathers else [])
     if plan.tp > 1:  # TP shards replicated over dp x cp (apply_replicate_cp): one per unit
         return _times([Traffic(dp_cp, "all_reduce", G * g, units, _axis_size(plan, DP_CP),
                                "grads")] if units else [], syncs)

@@ -190,14 +190,17 @@ def _invalid(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload) ->
 
 def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
              constants: Constants = DEFAULT_CONSTANTS, *, balance: bool = False,
-             memo: Memo | None = None) -> Estimate:
+             memo: Memo | None = None, time_unfit: bool = True) -> Estimate:
     """Predict one plan. Infeasible plans come back with ``feasible=False`` and a reason.
 
     ``balance=True`` splits blocks over pipeline chunks by the DP partition (the heavy
     first/last stages get fewer blocks); otherwise ``plan.options.pp_stage_layers`` or an
     even split. ``memo``: what earlier plans of the same search (``model``, ``cluster``,
     ``work``, ``constants``) priced that this one shares (:class:`plait.planner.memo.Memo`;
-    the search passes one), else priced afresh.
+    the search passes one), else priced afresh. ``time_unfit=False``: a layout that does not
+    fit in memory comes back with its memory, breakdown and reason only, its time unpriced
+    (what the search needs of the many it rejects; pricing the rest of it costs more than
+    the memory).
     """
     c = constants
     memo = Memo() if memo is None else memo
@@ -216,18 +219,30 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         return est
 
     # ---- time: one microbatch per block and chunk, then the pipeline's schedule
-    times = memo.microbatch_times(plan, model, cluster, b, s, c, work.seqs)
+    seqs = work.seqs
+    times = memo.microbatch_times(plan, model, cluster, b, s, c, seqs)
     sizes = memo.stage_sizes(plan, model, times, balance)
     if isinstance(sizes, str):
         est.reason = sizes
         return est
     est.stage_layers = tuple(sizes)
-    st = stage_times(plan, model, cluster, work, b, times, sizes, c)
+    st = memo.stage_times(plan, model, cluster, work, b, times, sizes, c)
     pipe, bubble = pipeline_time(plan, cluster, st, times, c)
     r_busy = st.busiest
 
-    # ---- data-parallel traffic and what of it the backward hides
     shares = memo.rank_shares(plan, model, sizes, st.rank_chunks)
+
+    # ---- memory on each pipeline rank; the worst one counts
+    mem_best, breakdown = peak_memory(plan, model, cluster, b, s, st, shares, c,
+                                      stack_seqs=seqs, memo=memo)
+    est.memory_bytes_per_device = mem_best
+    est.memory_breakdown = breakdown
+    unfit = mem_best > cluster.memory_bytes
+    if unfit and not time_unfit:
+        est.reason = _out_of_memory(mem_best, breakdown, cluster)
+        return est
+
+    # ---- data-parallel traffic and what of it the backward hides
 
     def grad_sync_times() -> list[float]:  # each pipeline rank's gradient reduction
         return memo.grad_sync_times(plan, model, sizes, st.rank_chunks, cluster, c,
@@ -296,27 +311,21 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     clip_time = sum(collective_time(t, cluster, stride, c) for t, stride in clip)
     step = pipe + exposed_grad + gather_time + exposed_ag3 + opt_time + tensor_time + clip_time
 
-    # ---- memory on each pipeline rank; the worst one counts
-    mem_best, breakdown = peak_memory(plan, model, cluster, b, s, st, shares, c,
-                                      stack_seqs=work.seqs, memo=memo)
-
     # ---- traffic of the busiest rank, as the comm ledger predicts it (plait.comm.predict)
     layers_busy = st.rank_layers[r_busy]
     busy = memo.recomputed(shares[r_busy], checkpointed(plan, layers_busy)[0])
-    traffic = [t for t, _ in traffic_dp + clip] + \
-        activation_traffic(plan, model, busy, b, s, work.seqs)
+    traffic = [t for t, _ in traffic_dp + clip] + memo.activation_traffic(
+        plan, busy, b, lambda: activation_traffic(plan, model, busy, b, s, seqs))
 
     est.traffic = traffic
     est.busiest_rank = r_busy
     est.comm_bytes_per_step = by_axis(traffic)
-    est.memory_bytes_per_device = mem_best
-    est.memory_breakdown = breakdown
     est.step_time_s = step
     est.tokens_per_s = B * s / step
     L = model.n_layers
     # the further stacks' blocks (an encoder-decoder's encoder), without a pipeline
-    more = model.more_stacks_flops(B, s, work.seqs) if plan.pp == 1 else 0.0
-    side = model.side_seq(s, work.seqs)
+    more = model.more_stacks_flops(B, s, seqs) if plan.pp == 1 else 0.0
+    side = model.side_seq(s, seqs)
     model_flops = model.model_flops(B * s, s, side_seq=side) + 3 * more
     hw_flops = model.model_flops(B * s, s, recompute_layers=times.replay * L, side_seq=side) + \
         (3 + times.replay) * more
@@ -355,13 +364,18 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
                          "in each attention, their gradients reduce-scattered), waited for "
                          "inside attention: not overlapped with compute, unlike ring attention; "
                          "attention FLOPs counted over the whole s x s square")
-    if mem_best > cluster.memory_bytes:
-        est.reason = (f"needs {mem_best / 2**30:.1f} GiB per device (of which activations "
-                      f"{breakdown['activations'] / 2**30:.1f} GiB), has "
-                      f"{cluster.memory_bytes / 2**30:.1f} GiB")
+    if unfit:
+        est.reason = _out_of_memory(mem_best, breakdown, cluster)
         return est
     est.feasible = True
     return est
+
+
+def _out_of_memory(needs: float, breakdown: Mapping[str, float], cluster: Cluster) -> str:
+    """The reason a layout needing ``needs`` bytes per device does not fit."""
+    return (f"needs {needs / 2**30:.1f} GiB per device (of which activations "
+            f"{breakdown['activations'] / 2**30:.1f} GiB), has "
+            f"{cluster.memory_bytes / 2**30:.1f} GiB")
 
 
 def rank_traffic(plan: Plan, model: ModelStats, global_batch: int, seq: int,

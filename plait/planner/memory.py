@@ -34,6 +34,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from plait.comm.predict import LocalModel
@@ -147,7 +148,7 @@ def more_stacks_activations(plan: Plan, model: ModelStats, b: int, s: int,
 
 
 def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
-                st: Stages, shares: list[LocalModel], c: Constants,
+                st: Stages, shares: Sequence[LocalModel], c: Constants,
                 stack_seqs: dict[str, int] | None = None, *,
                 memo: Memo | None = None) -> tuple[float, dict[str, float]]:
     """(bytes on the busiest pipeline rank, its breakdown). Peak memory sits on the first rank
@@ -175,6 +176,11 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
     # the boolean mask of the rank's queries against every key, built once per step
     mask = float(local) * s if cp > 1 and model.attention else 0.0
     pads = (Memo() if memo is None else memo).uneven_pieces(plan, model)
+    # alike on every rank: the further stacks' activations, the other stack's output the
+    # cross-attention reads (per microbatch in flight), the buffers
+    more = more_stacks_activations(plan, model, b, s, stack_seqs or {}, ab, c)
+    side_input = side_input_bytes(model, b, side, ab)
+    buffers = 2 * c.bucket_bytes if (R > 1 or S > 1 or cp > 1) else 0.0
     best, breakdown = -1.0, {}
     for r in sorted({0, min(1, pp - 1), pp - 1}):
         ids = st.rank_chunks[r]
@@ -206,15 +212,14 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
             acts += act_full  # the block being recomputed
         if 0 in ids:
             acts += act_input * held  # embedding output
-        acts += more_stacks_activations(plan, model, b, s, stack_seqs or {}, ab, c)
+        acts += more
         # the other stack's output, read by every block's cross-attention (kept by a
         # checkpointed block too: it is one of the block's inputs)
-        acts += side_input_bytes(model, b, side, ab) * held
+        acts += side_input * held
         logits = 0.0
         if chunks - 1 in ids:
             kept = m if (pp > 1 and plan.pp_schedule == "gpipe") else 1
             logits = 2 * tokens * model.vocab / tp * 4 * kept
-        buffers = 2 * c.bucket_bytes if (R > 1 or S > 1 or cp > 1) else 0.0
         acts += mask
         total = params + grads + optim + copy + acts + logits + buffers + cluster.reserve_bytes
         if total > best:

@@ -31,8 +31,9 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import groupby
 
-from plait.plan import Plan
+from plait.plan import Plan, PlanOptions
 
 from .cost import DEFAULT_CONSTANTS, Constants, Estimate, Workload, evaluate
 from .hardware import Cluster
@@ -209,11 +210,24 @@ def _cp_degrees(model: ModelStats, work: Workload, devices: int) -> list[int]:
     return [cp for cp in divisors(devices) if cp_searched(model, work, cp)]
 
 
-def _sort_key(e: Estimate):
+def _sort_key(e: Estimate) -> tuple[float, int, int]:
     """Fastest first; at the same predicted time, fewer accumulation micro-steps (they exist to
-    fit memory, and each costs a launch the model may not price), then less memory."""
-    return (round(e.step_time_s, 12), e.plan.grad_accum, round(e.memory_bytes_per_device),
-            e.plan.to_string())
+    fit memory, and each costs a launch the model may not price), then less memory; then the
+    plan's string (:func:`_ranked`)."""
+    return (round(e.step_time_s, 12), e.plan.grad_accum, round(e.memory_bytes_per_device))
+
+
+def _ranked(estimates: list[Estimate]) -> list[Estimate]:
+    """``estimates`` by :func:`_sort_key`, then by plan string: each plan's string is written
+    only where the rest of its key ties with another's (a few of thousands)."""
+    keyed = sorted(((_sort_key(e), e) for e in estimates), key=lambda pair: pair[0])
+    out: list[Estimate] = []
+    for _, tied in groupby(keyed, key=lambda pair: pair[0]):
+        group = [e for _, e in tied]
+        if len(group) > 1:
+            group.sort(key=lambda e: e.plan.to_string())
+        out += group
+    return out
 
 
 def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = "bf16",
@@ -235,6 +249,9 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
     closest_flat: Estimate | None = None  # without context parallelism
     evaluated = 0
     memo = Memo()  # what the layouts of this model share, priced once
+    # each plan's options: none set while it is priced, then the split priced (one object
+    # per split: a plan is immutable, and its options with it)
+    options: dict[tuple[int, ...] | None, PlanOptions] = {None: PlanOptions()}
     for group in candidate_plans(model, cluster, work, dtype=dtype,
                                  max_microbatch=max_microbatch,
                                  plain_tp=layout_check is not None):
@@ -244,15 +261,16 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
             continue
         for fields in group:
             try:
-                plan = Plan(**fields)
+                plan = Plan(**fields, options=options[None])
             except ValueError as exc:  # a rule of Plan.validate beyond the degrees (cp's)
                 why = _refusal_kind(exc)
                 rejected[why] = rejected.get(why, 0) + 1
                 break
-            est = evaluate(plan, model, cluster, work, constants, balance=True, memo=memo)
+            est = evaluate(plan, model, cluster, work, constants, balance=True, memo=memo,
+                           time_unfit=False)
             evaluated += 1
             if est.feasible:
-                feasible.append(_with_stages(est))
+                feasible.append(_with_stages(est, fields, options))
                 break
             kind = "out of memory" if "GiB" in est.reason else est.reason.split(" ")[0]
             rejected[kind] = rejected.get(kind, 0) + 1
@@ -260,7 +278,11 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
                 closest = _nearer(closest, est)
                 if plan.cp == 1:
                     closest_flat = _nearer(closest_flat, est)
-    feasible.sort(key=_sort_key)
+    # The nearest misses were priced for memory alone: their time too, for the caller
+    closest, closest_flat = (None if e is None else
+                             evaluate(e.plan, model, cluster, work, constants, balance=True,
+                                      memo=memo) for e in (closest, closest_flat))
+    feasible = _ranked(feasible)
     fit = len(feasible)
     flat = next((e for e in feasible if e.plan.cp == 1), None)
     if layout_check is not None:
@@ -293,13 +315,17 @@ def _accepted(ranked: list[Estimate], check: Callable[[Plan], str | None], top: 
     return kept
 
 
-def _with_stages(est: Estimate) -> Estimate:
-    """Record the pipeline split in the plan so the runtime builds what was priced."""
+def _with_stages(est: Estimate, fields: dict,
+                 options: dict[tuple[int, ...] | None, PlanOptions]) -> Estimate:
+    """Record the pipeline split in the plan so the runtime builds what was priced (``fields``:
+    the plan's, which set no options; ``options``: the search's, by split)."""
     plan = est.plan
     chunks = plan.pp * plan.virtual_stages
     if chunks > 1 and est.stage_layers:
         # Always written, even when even: the runtime's default split balances parameter
         # counts (embedding and head included), which is not the split the planner priced.
-        options = plan.options.replace(pp_stage_layers=tuple(est.stage_layers))
-        est.plan = plan.replace(options=options)
+        split = tuple(est.stage_layers)
+        if split not in options:
+            options[split] = PlanOptions(pp_stage_layers=split)
+        est.plan = Plan(**fields, options=options[split])
     return est

@@ -64,8 +64,8 @@ def collective_time(t: Traffic, cluster: Cluster, stride: int, c: Constants) -> 
     if t.group == 1 and t.op != "send_recv":
         return 0.0
     bw, alpha = tier(cluster, t.group, stride)
-    n = t.group
-    steps = {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(t.op, n - 1)
+    n, op = t.group, t.op
+    steps = 2 * (n - 1) if op == "all_reduce" else 1 if op == "send_recv" else n - 1
     extra = getattr(c, _CALL[t.op]) if t.op in _CALL else 0.0
     per_call = max(0.0, steps * alpha + extra)
     factor = getattr(c, _FACTOR[t.op]) if t.op in _FACTOR else 1.0
@@ -103,106 +103,133 @@ def rank_shares(plan: Plan, model: ModelStats, sizes: list[int],
     traffic, in the form the comm ledger's prediction takes (:class:`plait.comm.predict
     .LocalModel`). What trains is read block by block where the model's shapes were read
     (:func:`trained_share`): frozen parameters are gathered, never reduced."""
-    tp, pp, chunks = plan.tp, plan.pp, len(sizes)
-    bounds = [0]
-    for n in sizes:
-        bounds.append(bounds[-1] + n)
-    weights = model.layer_weights or (1.0,) * model.n_layers
-    block_params = [w * model.block_params for w in weights] if model.layer_weights else \
-        [float(model.block_params)] * model.n_layers
-    pad = uneven_pieces(plan, model)
-    frozen_copy = float(sum(prod(shape) for shape in model.frozen_tied_shapes))
-    out = []
+    split = StageSplit.of(plan, model, sizes, uneven_pieces(plan, model))
     memo: dict[int, Trained] = {}  # trained_share's, for every rank of this plan
-    for ids in rank_chunks:
-        p = sum(sum(block_params[bounds[i]:bounds[i + 1]]) for i in ids)
-        first, last = 0 in ids, chunks - 1 in ids
-        if first:
-            p += model.embed_params
-        # a config's head_params hold the tied weight, which one stage holds once
-        head_part = model.head_params if not (model.tied and pp == 1) else \
-            model.head_params - model.embed_params
-        if last:
-            p += head_part
-        root = ((model.embed_params if first else 0) + (head_part if last else 0)) / tp
-        layers = sum(sizes[i] for i in ids)
-        tensors = (layers * model.block_tensors + (model.embed_tensors if first else 0) +
-                   (model.head_tensors if last else 0))
-        # k/v weights kept whole on every rank when there are fewer kv heads than tp
-        kv = layers * model.kv_whole(tp) * (tp - 1)
-        p += kv
-        # a weight the embedding and the head share: a copy on each rank that holds one of them
-        # alone (a module's head_params leave the copy out)
-        tied = model.tied_params if first != last else 0
-        copies = frozen = 0
-        if last and not first and not model.tied:
-            p += tied + frozen_copy
-            # one more tensor to step and to broadcast (ZeRO-1), left out of the clip norm
-            # (counted once, on the first stage); a frozen copy is stepped by nobody
-            copies, frozen = len(model.tied_shapes), len(model.frozen_tied_shapes)
-            tensors += copies + frozen
-        held_copy = (tied + frozen_copy) / tp if last and not first else 0.0
-        local, grads = p / tp, None
-        grad_tensors = tensors - copies - frozen if copies or frozen else None
-        if model.held is not None:  # what tensor parallelism keeps whole, what trains
-            block, embed, head = model.held
-            parts = [(block, layers)] + [(embed, 1)] * first + [(head, 1)] * last
-            local = sum(h.local(tp) * k for h, k in parts) + kv / tp + held_copy
-            # FSDP2's root unit: the embeddings and the head at their tp-local size, norms whole
-            root = sum(h.local(tp) * k for h, k in parts[1:]) + held_copy
-            grads = sum(h.grads(tp) * k for h, k in parts) + kv / tp + \
-                (tied / tp if last and not first else 0.0)
-            # the copy on the last stage is left out of the clip norm (counted once, on the first)
-            grad_tensors = round(sum(h.trained_tensors * k for h, k in parts))
-        if pad is not None:  # uneven tp pieces, FSDP2's padded rows: what each rank holds
-            block_pad, embed_pad, rest_pad, copy_pad = pad
-            ends = [(embed_pad, first), (rest_pad, last)]
-            # the last stage's copy of a tied weight, frozen or not
-            copy_all = copy_pad.all if copies or frozen else 0.0
-            root += sum(e.all for e, on in ends if on) + copy_all
-            local += layers * block_pad.all + sum(e.all for e, on in ends if on) + copy_all
-            if grads is not None:
-                grads += (layers * block_pad.trained + sum(e.trained for e, on in ends if on)
-                          + (copy_pad.trained if copies else 0.0))
-        grad_units = trained_layers = reached_layers = regathered_layers = None
-        own = None  # each block's own tensor-parallel collectives, where they differ
-        if model.tp_blocks is not None and len(model.tp_blocks) == model.n_layers:
-            own = tuple(model.tp_blocks[j] for i in ids for j in range(bounds[i], bounds[i + 1]))
-        if model.rows is not None and model.rows.blocks == model.n_layers:
-            # a config's blocks are one tuple: their count will do
-            blocks: Sequence[int] = range(layers) if model.rows.one_block else \
-                [j for i in ids for j in range(bounds[i], bounds[i + 1])]
-            reduced, grad_units = trained_share(plan, model, model.rows, blocks, first, last,
-                                                bool(copies), memo)
-            grads = reduced.elements + kv / tp
-            grad_tensors = reduced.tensors
-            # leading frozen blocks: no backward collectives, not all gathered again
-            trained_layers, reached_layers, regathered_layers = (
-                sum(c[bounds[i + 1]] - c[bounds[i]] for i in ids) for c in model.rows.counts)
-        tied_elements = tied_piece(plan, model) if tied else 0.0
-        tied_tensors = max(1, len(model.tied_shapes)) if tied else 0
-        if pp > 1 and (model.shared_shapes or model.frozen_shared_shapes):
-            extra = shared_share(plan, model, first=first, last=last)
-            grads = (local if grads is None else grads) + extra.trained
-            grad_tensors = (tensors if grad_tensors is None else grad_tensors) + extra.clip
-            local += extra.held
-            root += extra.held
-            tensors += extra.tensors
-            if grad_units is not None and extra.trained and not any(
-                    r.trained for r in (model.rows.embed if model.rows and first else ())):
-                grad_units += 1  # a stage root with no other gradient reduces these
-            tied_elements += extra.summed
-            tied_tensors += len(model.shared_shapes)
-        out.append(LocalModel(params=local, root_params=root, tensors=tensors, layers=layers,
-                              embed=first, head=last, stages=tuple(ids), num_stages=chunks,
-                              clip_axes=clip_axes(plan),
-                              tied=tied_elements,
-                              tied_tensors=max(1, tied_tensors), grad_params=grads,
-                              grad_tensors=grad_tensors, grad_units=grad_units,
-                              trained_layers=trained_layers, reached_layers=reached_layers,
-                              regathered_layers=regathered_layers, tp_blocks=own,
-                              stage_layers=tuple(sizes[i] for i in ids)))
-    return out
+    return [rank_share(plan, model, split, ids, memo) for ids in rank_chunks]
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """What every pipeline rank's share of one plan reads besides its own chunks: the blocks
+    per chunk and where each chunk starts, each block's parameters, the uneven pieces
+    (:func:`uneven_pieces`) and a frozen tied weight's elements."""
+
+    sizes: tuple[int, ...]
+    bounds: tuple[int, ...]
+    block_params: tuple[float, ...]
+    pad: tuple[Padding, Padding, Padding, Padding] | None
+    frozen_copy: float
+
+    @classmethod
+    def of(cls, plan: Plan, model: ModelStats, sizes: Sequence[int],
+           pad: tuple[Padding, Padding, Padding, Padding] | None) -> StageSplit:
+        """``sizes``: blocks per chunk; ``pad``: :func:`uneven_pieces` of the plan."""
+        bounds = [0]
+        for n in sizes:
+            bounds.append(bounds[-1] + n)
+        weights = model.layer_weights or (1.0,) * model.n_layers
+        block_params = [w * model.block_params for w in weights] if model.layer_weights \
+            else [float(model.block_params)] * model.n_layers
+        return cls(tuple(sizes), tuple(bounds), tuple(block_params),
+                   pad,
+                   float(sum(prod(shape) for shape in model.frozen_tied_shapes)))
+
+
+def rank_share(plan: Plan, model: ModelStats, split: StageSplit, ids: Sequence[int],
+               memo: dict[int, Trained] | None = None) -> LocalModel:
+    """The share of the pipeline rank running the chunks ``ids`` (:func:`rank_shares`);
+    ``memo``: :func:`trained_share`'s, kept across the ranks of one plan (or of plans alike
+    in tp and :func:`fsdp_shards`)."""
+    tp, pp, sizes = plan.tp, plan.pp, split.sizes
+    chunks, bounds, block_params = len(sizes), split.bounds, split.block_params
+    pad, frozen_copy = split.pad, split.frozen_copy
+    p = sum(sum(block_params[bounds[i]:bounds[i + 1]]) for i in ids)
+    first, last = 0 in ids, chunks - 1 in ids
+    if first:
+        p += model.embed_params
+    # a config's head_params hold the tied weight, which one stage holds once
+    head_part = model.head_params if not (model.tied and pp == 1) else \
+        model.head_params - model.embed_params
+    if last:
+        p += head_part
+    root = ((model.embed_params if first else 0) + (head_part if last else 0)) / tp
+    layers = sum(sizes[i] for i in ids)
+    tensors = (layers * model.block_tensors + (model.embed_tensors if first else 0) +
+               (model.head_tensors if last else 0))
+    # k/v weights kept whole on every rank when there are fewer kv heads than tp
+    kv = layers * model.kv_whole(tp) * (tp - 1)
+    p += kv
+    # a weight the embedding and the head share: a copy on each rank that holds one of them
+    # alone (a module's head_params leave the copy out)
+    tied = model.tied_params if first != last else 0
+    copies = frozen = 0
+    if last and not first and not model.tied:
+        p += tied + frozen_copy
+        # one more tensor to step and to broadcast (ZeRO-1), left out of the clip norm
+        # (counted once, on the first stage); a frozen copy is stepped by nobody
+        copies, frozen = len(model.tied_shapes), len(model.frozen_tied_shapes)
+        tensors += copies + frozen
+    held_copy = (tied + frozen_copy) / tp if last and not first else 0.0
+    local, grads = p / tp, None
+    grad_tensors = tensors - copies - frozen if copies or frozen else None
+    if model.held is not None:  # what tensor parallelism keeps whole, what trains
+        block, embed, head = model.held
+        parts = [(block, layers)] + [(embed, 1)] * first + [(head, 1)] * last
+        local = sum(h.local(tp) * k for h, k in parts) + kv / tp + held_copy
+        # FSDP2's root unit: the embeddings and the head at their tp-local size, norms whole
+        root = sum(h.local(tp) * k for h, k in parts[1:]) + held_copy
+        grads = sum(h.grads(tp) * k for h, k in parts) + kv / tp + \
+            (tied / tp if last and not first else 0.0)
+        # the copy on the last stage is left out of the clip norm (counted once, on the first)
+        grad_tensors = round(sum(h.trained_tensors * k for h, k in parts))
+    if pad is not None:  # uneven tp pieces, FSDP2's padded rows: what each rank holds
+        block_pad, embed_pad, rest_pad, copy_pad = pad
+        ends = [(embed_pad, first), (rest_pad, last)]
+        # the last stage's copy of a tied weight, frozen or not
+        copy_all = copy_pad.all if copies or frozen else 0.0
+        root += sum(e.all for e, on in ends if on) + copy_all
+        local += layers * block_pad.all + sum(e.all for e, on in ends if on) + copy_all
+        if grads is not None:
+            grads += (layers * block_pad.trained + sum(e.trained for e, on in ends if on)
+                      + (copy_pad.trained if copies else 0.0))
+    grad_units = trained_layers = reached_layers = regathered_layers = None
+    own = None  # each block's own tensor-parallel collectives, where they differ
+    if model.tp_blocks is not None and len(model.tp_blocks) == model.n_layers:
+        own = tuple(model.tp_blocks[j] for i in ids for j in range(bounds[i], bounds[i + 1]))
+    if model.rows is not None and model.rows.blocks == model.n_layers:
+        # a config's blocks are one tuple: their count will do
+        blocks: Sequence[int] = range(layers) if model.rows.one_block else \
+            [j for i in ids for j in range(bounds[i], bounds[i + 1])]
+        reduced, grad_units = trained_share(plan, model, model.rows, blocks, first, last,
+                                            bool(copies), memo)
+        grads = reduced.elements + kv / tp
+        grad_tensors = reduced.tensors
+        # leading frozen blocks: no backward collectives, not all gathered again
+        trained_layers, reached_layers, regathered_layers = (
+            sum(c[bounds[i + 1]] - c[bounds[i]] for i in ids) for c in model.rows.counts)
+    tied_elements = tied_piece(plan, model) if tied else 0.0
+    tied_tensors = max(1, len(model.tied_shapes)) if tied else 0
+    if pp > 1 and (model.shared_shapes or model.frozen_shared_shapes):
+        extra = shared_share(plan, model, first=first, last=last)
+        grads = (local if grads is None else grads) + extra.trained
+        grad_tensors = (tensors if grad_tensors is None else grad_tensors) + extra.clip
+        local += extra.held
+        root += extra.held
+        tensors += extra.tensors
+        if grad_units is not None and extra.trained and not any(
+                r.trained for r in (model.rows.embed if model.rows and first else ())):
+            grad_units += 1  # a stage root with no other gradient reduces these
+        tied_elements += extra.summed
+        tied_tensors += len(model.shared_shapes)
+    return LocalModel(params=local, root_params=root, tensors=tensors, layers=layers,
+                      embed=first, head=last, stages=tuple(ids), num_stages=chunks,
+                      clip_axes=clip_axes(plan),
+                      tied=tied_elements,
+                      tied_tensors=max(1, tied_tensors), grad_params=grads,
+                      grad_tensors=grad_tensors, grad_units=grad_units,
+                      trained_layers=trained_layers, reached_layers=reached_layers,
+                      regathered_layers=regathered_layers, tp_blocks=own,
+                      stage_layers=tuple(sizes[i] for i in ids))
 
 
 @dataclass(frozen=True)
@@ -324,13 +351,14 @@ def uses_fsdp(plan: Plan) -> bool:
                               and plan.dp_replicate * plan.cp > 1)
 
 
-def dp_traffic(plan: Plan, share: LocalModel, *, grad_dtype: str, bucket_bytes: float
-               ) -> list[tuple[Traffic, int]]:
+def dp_traffic(plan: Plan, share: LocalModel, *, grad_dtype: str, bucket_bytes: float,
+               gathers: bool = True) -> list[tuple[Traffic, int]]:
     """One pipeline rank's data-parallel traffic per optimizer step, exactly what the comm
-    ledger predicts for it (:func:`plait.comm.predict.dp_traffic`), with each op's rank stride
-    in mesh order."""
+    ledger predicts for it (:func:`plait.comm.predict.dp_traffic`; ``gathers=False``: without
+    FSDP2's parameter gathers), with each op's rank stride in mesh order."""
     return [(t, axis_stride(plan, t.axis)) for t in
-            predict.dp_traffic(plan, share, grad_dtype=grad_dtype, bucket_bytes=bucket_bytes)]
+            predict.dp_traffic(plan, share, grad_dtype=grad_dtype, bucket_bytes=bucket_bytes,
+                               gathers=gathers)]
 
 
 def clip_traffic(plan: Plan, share: LocalModel) -> list[tuple[Traffic, int]]:
