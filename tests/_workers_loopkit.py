@@ -21,23 +21,13 @@ import torch.nn.functional as F
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import default_collate
 
+from tests._multi_models import Block  # a residual MLP block: what tp splits, pp cuts
+
 FEAT, CLASSES, WIDTH = 8, 4, 16
 BATCH, HELD = 16, 32
 MAX_STEPS, PATIENCE, MIN_DELTA = 8, 0, 0.01
 DECAY = 0.8
 SGD_LR = 0.5  # SGD with momentum 0.9: the plateau's start, OneCycleLR's peak
-
-
-class Block(nn.Module):
-    """A residual MLP block: what tensor parallelism splits and a pipeline cuts between."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(F.gelu(self.up(h)))
 
 
 class Classifier(nn.Module):

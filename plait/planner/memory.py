@@ -13,7 +13,7 @@
   scores (5as^2b) only without flash attention. The dropout masks (2sbh after the attention
   output and the MLP, as^2b on the attention probabilities, whose dropped copy is 2as^2b more)
   only for a model that trains with dropout (``ModelStats.dropout``): 32sbh + 2as^2b without.
-  A module's block that runs alone is measured on fake tensors (:mod:`plait.planner.saved`):
+  A module's block that runs alone is measured by running it (:mod:`plait.planner.saved`):
   the bytes per token it saves beyond this count are added (whole under TP unless sp), and
   where it saves its scores (attention written as matmuls, on any device) they are priced
   at what it saves, flash attention or not.

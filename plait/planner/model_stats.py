@@ -180,8 +180,9 @@ class ModelStats:
     # Bytes per token one block saves for backward beyond what the formula counts, in fp32
     # and under bf16/fp16 autocast over fp32 weights (the fp32 residual at each norm's input,
     # autocast's copy of a shared input per Linear reading it, a Python norm's fp32
-    # intermediates): measured on fake tensors (plait.planner.saved, module factories), whole
-    # on every tp rank like the norms' inputs; (0, 0): not measured.
+    # intermediates): measured by running one block (plait.planner.saved: on zeros, on fake
+    # tensors for a large block; module factories), whole on every tp rank like the norms'
+    # inputs; (0, 0): not measured.
     saved_extra: tuple[float, float] = (0.0, 0.0)
     # Bytes attention's scores take per query and key (all heads, every attention layer of a
     # block) where attention is not flash, fp32 and under bf16/fp16 autocast, measured as
