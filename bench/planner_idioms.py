@@ -50,7 +50,7 @@ def row(name: str, seq: int) -> dict[str, float]:
     with counter:
         model(I.batch(name, 2, seq))
     whole = (stats.n_layers * stats.block_flops_per_token(seq)
-             + stats.head_flops_per_token()) * 2 * seq
+             + stats.head_flops_per_token(seq)) * 2 * seq
     out["whole_flops"] = whole / counter.get_total_flops()
     for label, bf16, size in (("fp32", False, 4), ("bf16", True, 2)):
         two = I.measured_block(model, I.batch(name, 2, seq), "blocks.1", bf16)[1]

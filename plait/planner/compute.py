@@ -143,7 +143,7 @@ def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
                for op in ("all_gather", "reduce_scatter")}
         cp_comm = 2 * (1 + replay) * one["all_gather"] + 2 * one["reduce_scatter"]
         block += cp_comm
-    head = 3 * model.head_flops_per_token() * tokens / tp / rate + c.micro_overhead_s
+    head = 3 * model.head_flops_per_token(s) * tokens / tp / rate + c.micro_overhead_s
     head += more_stacks_time(plan, model, cluster, b, s, stack_seqs or {}, rate, replay, c)
     embed = 0.0
     if tp > 1:

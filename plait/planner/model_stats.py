@@ -30,6 +30,7 @@ from .dropout import config_dropout, module_dropout
 from .fsdp_rows import ParamRows, Rows, config_rows, param_rows
 from .hf_layout import Dims, Layout, layout
 from .moe import config_top_k, routed_layers, summary
+from .outside_flops import Outside
 from .tp_block import Held, rows_held
 
 
@@ -189,6 +190,10 @@ class ModelStats:
     # ``saved_extra``; None: Korthikanti's count (softmax output, with dropout its mask and
     # its dropped copy, in the compute dtype).
     saved_scores: tuple[float, float] | None = None
+    # Forward FLOPs outside the blocks, counted on one forward (module factories): a stem, a
+    # projection before the stack, a head per token or on one pooled row
+    # (plait.planner.outside_flops); None: the head's 2 x hidden x vocab per token.
+    outside_flops: Outside | None = None
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -312,7 +317,12 @@ class ModelStats:
             block_matmul_params=self.block_matmul_params if more.matmul_params is None
             else more.matmul_params)
 
-    def head_flops_per_token(self) -> float:
+    def head_flops_per_token(self, seq: int) -> float:
+        """Forward FLOPs outside the blocks per token at sequence length ``seq``: as counted
+        (``outside_flops``: a stem, a head on a pooled row spread over the row's tokens),
+        else the head's matmul, 2 per weight of a hidden x vocab projection."""
+        if self.outside_flops is not None:
+            return self.outside_flops.per_token_at(seq)
         return 2.0 * self.hidden * self.vocab
 
     def model_flops(self, tokens: float, seq: int, recompute_layers: float = 0.0,
@@ -321,7 +331,7 @@ class ModelStats:
         ``seq``; ``recompute_layers`` blocks' forwards are run a second time. ``side_seq``:
         the other stack's sequence the blocks' cross-attention reads (default ``seq``)."""
         block = self.block_flops_per_token(seq, side_seq) * tokens
-        head = 3 * self.head_flops_per_token() * tokens
+        head = 3 * self.head_flops_per_token(seq) * tokens
         return (3 * self.n_layers + recompute_layers) * block + head
 
 
@@ -770,11 +780,52 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                        norm_copy=_unfused_norms(ref, hidden),
                        act_saved=_saved_by(_activation(ref)))
     stats = _measured_saves(stats, ref)
+    stats = dataclasses.replace(stats, outside_flops=_outside_flops(
+        model, blocks, more, hidden, vocab, example))
     # a model of several stacks run on the user's input: the length each stack receives
     lengths = _stack_lengths(model, stats, example)
     if lengths:
         return dataclasses.replace(stats, data_seq=lengths[0][1], data_stack_seqs=lengths[1:])
     return stats
+
+
+def _outside_flops(model: Any, blocks: list[Any], more: tuple[MoreStack, ...],
+                   hidden: int, vocab: int, example: Any) -> Outside | None:
+    """Forward FLOPs outside the main stack's ``blocks`` and the further stacks' (``more``),
+    counted on one forward on fake tensors of ``example`` or, without one, of the input
+    :func:`plait.parallel.tp_example.example_call` guesses (:mod:`plait.planner
+    .outside_flops`). None where what lies outside is a language model's: embeddings, norms
+    and a ``hidden`` x ``vocab`` head, which the formula prices as they run (no forward, no
+    fake-tensor mode, whose construction imports ``torch._dynamo``: seconds of a ``plait
+    plan``)."""
+    from plait.parallel.tp_example import example_call
+
+    from .outside_flops import measure
+
+    others = [b for m in more
+              for b in model.get_submodule(m.first.rsplit(".", 1)[0]).children()]
+    if _language_model_ends(model, [*blocks, *others], hidden, vocab):
+        return None
+    return measure(model, blocks, others, example, example_call)
+
+
+def _language_model_ends(model: Any, blocks: list[Any], hidden: int, vocab: int) -> bool:
+    """Whether every parameter outside ``blocks`` is an ``nn.Embedding``'s, a vector (a
+    norm's weight or bias, a bias), or the weight of a ``hidden`` -> ``vocab`` matmul layer
+    (the head, :func:`_dims`): the outside whose FLOPs are the head's 2 x hidden x vocab per
+    token. A stem, a projection, a classifier of another width, a matrix held outside any
+    such layer (a projection written as ``x @ self.proj``) is not."""
+    import torch.nn as nn
+
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    for module in model.modules():
+        owned = [p for p in module.parameters(recurse=False) if id(p) not in inside]
+        if not owned or isinstance(module, nn.Embedding):
+            continue
+        head = _dims(module) == (hidden, vocab)
+        if any(p.ndim > 1 and not (head and p is module.weight) for p in owned):
+            return False
+    return True
 
 
 def _measured_saves(stats: ModelStats, block: Any) -> ModelStats:

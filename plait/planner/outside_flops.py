@@ -1,0 +1,148 @@
+"""Forward FLOPs of what a model runs outside its stacks of blocks, measured.
+
+The per-block formula prices the blocks; what runs around them differs from model to model:
+a language model's head (2 x hidden x vocab per token), a ViT's patchify ``Conv2d`` stem and a
+classifier on one pooled token, a CNN stem in front of a transformer, a projection before the
+stack. None of those is a formula the planner can know, so it is counted: one forward on fake
+tensors under ``torch.utils.flop_counter.FlopCounterMode``, less the FLOPs counted inside the
+blocks (forward hooks on each block).
+
+The count is split by how it scales: what runs before the main stack makes its tokens (a
+stem, an embedding, a projection), so it is priced per token of the stack's sequence; what
+runs after it may run per token (a language model's head) or per row (a classifier on a
+pooled token). A second forward, whose last block hands on only half its tokens, tells the
+two apart: the FLOPs after the stack that drop with the tokens are per token, the rest per
+row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Outside:
+    """Forward FLOPs outside the blocks: per token of the main stack's sequence and per row
+    (sequence), at any length (a stem per token made, a head per token or per pooled row)."""
+
+    per_token: float
+    per_row: float
+
+    def per_token_at(self, seq: int) -> float:
+        """FLOPs per token at sequence length ``seq``."""
+        return self.per_token + self.per_row / seq
+
+
+@dataclass
+class _Pass:
+    """What one forward counted: FLOPs before the main stack, inside any block, in all, and
+    the (rows, tokens per row) the main stack's first block received."""
+
+    before: float = -1.0
+    inside: float = 0.0
+    total: float = 0.0
+    shape: tuple[int, int] | None = None
+
+    @property
+    def after(self) -> float:
+        return self.total - self.before - self.inside
+
+
+def _cut(out: Any) -> Any:
+    """``out`` with its first tensor's dim 1 (the tokens) cut to its first half."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out[:, : out.shape[1] // 2]
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return (_cut(out[0]), *out[1:])
+    raise ValueError(f"a block output of type {type(out).__name__} cannot be cut")
+
+
+@contextmanager
+def _hooks(first: Any, last: Any, blocks: list[Any], counter: Any, got: _Pass,
+           cut: bool) -> Iterator[None]:
+    """Hooks that fill ``got`` from ``counter``: FLOPs inside each of ``blocks``, and before
+    the main stack's ``first`` block; with ``cut``, ``last`` hands on half its tokens."""
+    entered: list[float] = []
+    handles = []
+
+    def pre(_m: Any, args: tuple, kwargs: dict) -> None:
+        entered.append(float(counter.get_total_flops()))
+
+    def post(_m: Any, _args: tuple, _kwargs: dict, _out: Any) -> None:
+        got.inside += float(counter.get_total_flops()) - entered.pop()
+
+    def first_pre(_m: Any, args: tuple, kwargs: dict) -> None:
+        import torch
+
+        x = args[0] if args else kwargs.get("hidden_states")
+        if got.before < 0 and isinstance(x, torch.Tensor) and x.ndim >= 2:
+            got.before = float(counter.get_total_flops()) - got.inside
+            got.shape = (int(x.shape[0]), int(x.shape[1]))
+
+    def last_post(_m: Any, _args: tuple, out: Any) -> Any:
+        return _cut(out)
+
+    try:
+        handles.append(first.register_forward_pre_hook(first_pre, with_kwargs=True))
+        for block in blocks:
+            handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(block.register_forward_hook(post, with_kwargs=True))
+        if cut:
+            handles.append(last.register_forward_hook(last_post))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _count(model: Any, example: Any, first: Any, last: Any, blocks: list[Any],
+           cut: bool) -> _Pass | None:
+    """One forward of ``model`` on fake tensors of ``example``, counted; None where it fails
+    or does not reach the main stack."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from plait.parallel.tp_example import run_on
+    from plait.parallel.tp_record import fake_forward
+
+    got = _Pass()
+    try:
+        with fake_forward(model):
+            counter = FlopCounterMode(display=False)
+            with counter, _hooks(first, last, blocks, counter, got, cut):
+                run_on(model, example)
+            got.total = float(counter.get_total_flops())
+    except Exception:  # noqa: BLE001 - a forward that does not run here counts nothing
+        return None
+    if got.shape is None or got.before < 0:
+        return None
+    return got
+
+
+def measure(model: Any, main: list[Any], others: list[Any], example: Any,
+            guess: Callable[[Any], Any]) -> Outside | None:
+    """Forward FLOPs outside the blocks of ``model`` (the main stack's blocks ``main``, the
+    further stacks' ``others``), counted on ``example`` (None: the input ``guess(model)``
+    makes); None where the forward does not run on fake tensors."""
+    example = example if example is not None else guess(model)
+    if example is None or not main:
+        return None
+    blocks = [*main, *others]
+    full = _count(model, example, main[0], main[-1], blocks, cut=False)
+    if full is None or full.shape is None:
+        return None
+    rows, seq = full.shape
+    before = full.before / (rows * seq)
+    after = full.after / (rows * seq)  # all per token unless the cut pass says otherwise
+    half = _count(model, example, main[0], main[-1], blocks, cut=True) if seq >= 2 else None
+    if half is not None and half.before == full.before:
+        dropped = seq - seq // 2
+        token = (full.after - half.after) / (rows * dropped)
+        row = full.after / rows - token * seq
+        if token >= 0 and row >= 0:
+            return Outside(before + token, row)
+    return Outside(before + after, 0.0)
