@@ -14,7 +14,7 @@ on 4 rows and one on 2 rows, so what is saved once whatever the batch, autocast'
 copies, cancels), in fp32 and under CPU bf16 autocast; the "dflt" columns price them with
 the constants ``plait plan`` uses (flash attention: no scores unless the block is measured
 to save them, as these blocks' matmul attention does). Also the whole forward's FLOPs
-(blocks and head) against the counter's. Ratio = planner / torch (FLOPs:
+(blocks and what runs outside them) against the counter's. Ratio = planner / torch (FLOPs:
 ``FlopCounterMode`` with CPU's flash attention counted by torch's own formula). ``sdpa``'s
 fp32/bf16 columns price the (seq x seq) scores the formula assumes without flash attention,
 which CPU's flash kernel does not save.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from plait.parallel.tp_example import Example
-from plait.planner.model_stats import from_module
+from plait.planner.model_stats import from_module, load_model
 from tests import _outside_models as O
 from tests import _planner_idioms as I
 
@@ -40,12 +40,18 @@ CASES: dict[str, tuple[Any, Any, tuple[int, ...], Any]] = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_whole_model_flops_equal_torchs_count(name: str) -> None:
+# the factories `plait plan --model` names, built on the meta device
+SPECS = {"vit": "tests._planner_idioms:vit",
+         "cnn_stem": "tests._outside_models:CNNStemTransformer",
+         "pooled_head": "tests._outside_models:PooledHead"}
+
+
+@pytest.mark.parametrize("name,spec", [*((n, "") for n in sorted(CASES)), *SPECS.items()])
+def test_whole_model_flops_equal_torchs_count(name: str, spec: str) -> None:
     factory, make, seqs, example = CASES[name]
     torch.manual_seed(0)
     model = factory()
-    stats = from_module(factory(), name=name, example=example)
+    stats = load_model(spec) if spec else from_module(factory(), name=name, example=example)
     for seq in seqs:
         x = make(seq)
         counter: Any = I.flop_counter()

@@ -100,6 +100,14 @@ def _hooks(first: Any, last: Any, blocks: list[Any], counter: Any, got: _Pass,
             h.remove()
 
 
+def _on_meta(model: Any) -> bool:
+    """Whether ``model``'s parameters are on the meta device (a factory the planner built
+    there): its inputs must be too, a fake forward refusing a CPU image beside a meta
+    convolution weight."""
+    params = list(model.parameters())
+    return bool(params) and all(p.is_meta for p in params)
+
+
 def _count(model: Any, example: Any, first: Any, last: Any, blocks: list[Any],
            cut: bool) -> _Pass | None:
     """One forward of ``model`` on fake tensors of ``example``, counted; None where it fails
@@ -123,22 +131,50 @@ def _count(model: Any, example: Any, first: Any, last: Any, blocks: list[Any],
     return got
 
 
+def _examples(model: Any, example: Any, guess: Callable[[Any], Any]) -> Iterator[Any]:
+    """The inputs to count on, on the model's device: ``example``; without one, the input
+    ``guess(model)`` makes, then, for a model on the meta device with a convolution (whose
+    guess, images on the CPU, does not run there), meta images of each common size."""
+    import torch
+
+    from plait.parallel.tp_example import _SPATIAL, Example, _first_conv, _images
+
+    meta = _on_meta(model)
+
+    def placed(x: Any) -> Any:
+        return x.to("meta") if meta and isinstance(x, (Example, torch.Tensor)) else x
+
+    if example is not None:
+        yield placed(example)
+        return
+    guessed = guess(model)
+    if guessed is not None:
+        yield placed(guessed)
+    conv = _first_conv(model)
+    if meta and conv is not None:
+        for size in _SPATIAL:
+            yield _images(conv, size).to("meta")
+
+
 def measure(model: Any, main: list[Any], others: list[Any], example: Any,
             guess: Callable[[Any], Any]) -> Outside | None:
     """Forward FLOPs outside the blocks of ``model`` (the main stack's blocks ``main``, the
     further stacks' ``others``), counted on ``example`` (None: the input ``guess(model)``
-    makes); None where the forward does not run on fake tensors."""
-    example = example if example is not None else guess(model)
-    if example is None or not main:
+    makes, or a guessed image size); None where no forward runs on fake tensors."""
+    if not main:
         return None
     blocks = [*main, *others]
-    full = _count(model, example, main[0], main[-1], blocks, cut=False)
+    full, ran = None, None
+    for tried in _examples(model, example, guess):
+        full, ran = _count(model, tried, main[0], main[-1], blocks, cut=False), tried
+        if full is not None:
+            break
     if full is None or full.shape is None:
         return None
     rows, seq = full.shape
     before = full.before / (rows * seq)
     after = full.after / (rows * seq)  # all per token unless the cut pass says otherwise
-    half = _count(model, example, main[0], main[-1], blocks, cut=True) if seq >= 2 else None
+    half = _count(model, ran, main[0], main[-1], blocks, cut=True) if seq >= 2 else None
     if half is not None and half.before == full.before:
         dropped = seq - seq // 2
         token = (full.after - half.after) / (rows * dropped)
