@@ -769,7 +769,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                        stack_first=_path(model, blocks[0]), more_stacks=more,
                        norm_copy=_unfused_norms(ref, hidden),
                        act_saved=_saved_by(_activation(ref)))
-    stats = _measured_saves(stats, ref)
+    stats = _measured_saves(stats, ref, model)
     # a model of several stacks run on the user's input: the length each stack receives
     lengths = _stack_lengths(model, stats, example)
     if lengths:
@@ -777,7 +777,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     return stats
 
 
-def _measured_saves(stats: ModelStats, block: Any) -> ModelStats:
+def _measured_saves(stats: ModelStats, block: Any, model: Any = None) -> ModelStats:
     """``stats`` with what ``block`` saves for backward measured (:func:`plait.planner.saved
     .measure`): its activation's tensors besides its output (ffn-wide tensors saved, less the
     feed-forward's others: the down projection's input, and a gated one's gate and up
@@ -790,7 +790,7 @@ def _measured_saves(stats: ModelStats, block: Any) -> ModelStats:
 
     if stats.cross_attentions or stats.ffn <= stats.hidden:
         return stats
-    got = measure(block, stats.hidden, stats.ffn)
+    got = measure(block, stats.hidden, stats.ffn, model)
     if got is None:
         return stats
     act = got.ffn_wide - (3 if stats.mlp == "swiglu" else 1)
