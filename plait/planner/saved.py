@@ -18,10 +18,13 @@ for a large block; bf16: under CPU autocast) and reports:
   softmax in fp32 under autocast where an fp32 bias was added to the scores, a dropout mask
   of one byte), which the formula prices where attention is not flash.
 
-Each figure is the difference between forwards on two rows and on one, so what a forward
-saves once whatever the batch (autocast's bf16 copies of the weights, a rotary table, a
-causal mask) cancels. A block whose forward does not run on one (rows, seq, hidden) tensor
-is not measured (None).
+The block runs with the arguments the model's own forward hands it (a transformers decoder
+layer's rotary ``position_embeddings``, its attention mask in the dtype the model makes it,
+its position ids), its hidden states swapped for the measured input; a block whose model
+does not run on token ids, on its (rows, seq, hidden) input alone. Each figure is the
+difference between forwards on four rows and on two, per row, so what a forward saves once
+whatever the batch (autocast's bf16 copies of the weights, a rotary table, a causal mask)
+cancels. A block that runs neither way is not measured (None).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class BlockSaved:
     scores: tuple[float, float]  # bytes of the scores per query and key (fp32, bf16)
 
 
-class _Reached(Exception):
+class _ReachedError(Exception):
     """Raised in the block's pre-hook: the model's forward has made the block's inputs."""
 
 
@@ -76,16 +79,16 @@ def _inputs(model: Any, block: Any, rows: int, hidden: int, bf16: bool
 
     def reached(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         got.append((args, kwargs))
-        raise _Reached
+        raise _ReachedError
 
-    takes = inspect.signature(model.forward).parameters
-    extra = {"use_cache": False} if "use_cache" in takes else {}
     ids = torch.zeros(rows, SEQ, dtype=torch.long)
     handle = block.register_forward_pre_hook(reached, with_kwargs=True)
     try:
+        takes = inspect.signature(model.forward).parameters
+        extra = {"use_cache": False} if "use_cache" in takes else {}
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             functional_call(model, state, (ids,), extra)
-    except _Reached:
+    except _ReachedError:
         pass
     except Exception:  # noqa: BLE001 - a model that does not run on token ids
         return None
@@ -146,8 +149,9 @@ def _forward(block: Any, state: dict[str, Any], hidden: int, ffn: int, rows: int
 
 
 def measure(block: Any, hidden: int, ffn: int, model: Any = None) -> BlockSaved | None:
-    """What ``block`` saves per token (:class:`BlockSaved`), in training mode (its dropout
-    masks saved, the global random state untouched), its own modes restored after; None
+    """What ``block`` (one of ``model``'s, where given) saves per token (:class:`BlockSaved`),
+    in training mode (its dropout masks saved, the global random state untouched), its own
+    modes restored after; None
     where it cannot be measured so, or where it holds hooks or DTensors (a block already laid
     out, whose forward would run them). A block of up to :data:`REAL_LIMIT` elements runs on
     real CPU tensors of zeros (a meta tensor's ops include torch's Python references, and
