@@ -9,7 +9,9 @@ matmuls). The idioms (tests/_planner_idioms.py): an activation called as a funct
 RMSNorm beside rotary embeddings (fp32 statistics under autocast), an ALiBi bias (the softmax
 in fp32 under autocast), dropout on the attention probabilities only (a one-byte mask), and a
 SwiGLU under torch's RMSNorm; under autocast each of separate q, k and v projections saves
-its own bf16 copy of their input, and every norm the fp32 residual.
+its own bf16 copy of their input, and every norm the fp32 residual; layers whose forward
+takes the rotary tables and the float causal mask their model makes run with the model's
+own (tests/_planner_idioms.py's ``model_args``, tests/_planner_hf.py's transformers models).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from tests import _planner_idioms as I
 
 SEQ = 16
 TOL = 0.05
-CHECKED = ["tanh_mlp", "tied_swish", "python_rmsnorm", "alibi", "prob_dropout", "swiglu"]
+CHECKED = ["tanh_mlp", "tied_swish", "python_rmsnorm", "alibi", "prob_dropout", "swiglu",
+           "model_args"]
 # transformers blocks the formula missed by 5% or more: Llama's layers take rotary
 # position_embeddings (and, eager, a float mask that makes the softmax fp32 under autocast),
 # GPT-2's query is a view of its fused projection's output on one row only, BERT's attention
