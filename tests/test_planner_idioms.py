@@ -117,3 +117,18 @@ def test_a_hugging_face_block_is_priced_as_torch_runs_it() -> None:
                 ratios[(name, label, c.flash_attention)] = round(priced / ((four - two) / 2), 3)
     off = {k: r for k, r in ratios.items() if abs(r - 1) > TOL}
     assert not off, off
+
+
+def test_a_large_hugging_face_layer_is_measured_on_fake_tensors_as_on_real(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block beyond ``REAL_LIMIT`` elements runs, with its model's forward up to it, on fake
+    tensors: the same figures as on real zeros (Llama's layer, eager attention)."""
+    from plait.planner import saved
+
+    model = H.llama_eager()
+    block = model.get_submodule("model.layers.0")
+    real = saved.measure(block, I.WIDTH, I.FFN, model)
+    monkeypatch.setattr(saved, "REAL_LIMIT", 0)
+    fake = saved.measure(block, I.WIDTH, I.FFN, model)
+    assert real is not None and real.fp32 > 0 and real.scores[0] > 0, real
+    assert fake == real, (fake, real)
