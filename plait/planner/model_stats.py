@@ -782,8 +782,9 @@ def _measured_saves(stats: ModelStats, block: Any, model: Any = None) -> ModelSt
     .measure`): its activation's tensors besides its output (ffn-wide tensors saved, less the
     feed-forward's others: the down projection's input, and a gated one's gate and up
     outputs), and the bytes per token the formula then still misses, in each compute dtype
-    (:attr:`ModelStats.saved_extra`). Unchanged for a block that reads another stack's
-    output (its cross-attention does not run alone) or that does not run alone."""
+    (:attr:`ModelStats.saved_extra`); ``block`` runs with the arguments ``model``'s forward
+    hands it. Unchanged for a block that reads another stack's output (its cross-attention,
+    priced on the source's tokens) or that does not run."""
     from .cost import Constants
     from .memory import activation_bytes_per_block
     from .saved import measure
