@@ -151,12 +151,12 @@ def _forward(block: Any, state: dict[str, Any], hidden: int, ffn: int, rows: int
 def measure(block: Any, hidden: int, ffn: int, model: Any = None) -> BlockSaved | None:
     """What ``block`` (one of ``model``'s, where given) saves per token (:class:`BlockSaved`),
     in training mode (its dropout masks saved, the global random state untouched), its own
-    modes restored after; None
-    where it cannot be measured so, or where it holds hooks or DTensors (a block already laid
-    out, whose forward would run them). A block of up to :data:`REAL_LIMIT` elements runs on
-    real CPU tensors of zeros (a meta tensor's ops include torch's Python references, and
-    ``FakeTensorMode``, both of which import torch._dynamo: seconds of a ``plait plan``);
-    a larger one on fake CPU tensors, which hold no memory."""
+    modes restored after; None where it cannot be measured so, or where it holds hooks or
+    DTensors (a block already laid out, whose forward would run them). A block of up to
+    :data:`REAL_LIMIT` elements runs on real CPU tensors of zeros (a meta tensor's ops
+    include torch's Python references, and ``FakeTensorMode``, both of which import
+    torch._dynamo: seconds of a ``plait plan``); a larger one on fake CPU tensors, which
+    hold no memory."""
     import contextlib
 
     import torch
