@@ -1,13 +1,16 @@
 """The planner's price of one block against torch's own counters, on models written the way
 users write them (tests/_planner_idioms.py: functional activations, SwiGLU, a Python RMSNorm,
 rotary embeddings, ALiBi, a ViT's conv stem, a tied head, dropout on the attention
-probabilities, a gated MLP with biases).
+probabilities, a gated MLP with biases), and on tiny Hugging Face transformers models built
+from configs (tests/_planner_hf.py, rows ``hf_*``: Llama and Qwen2, GPT-2 and BERT in eager
+and SDPA attention, T5's encoder, and T5 whose decoder blocks read the encoder's output).
 
     python bench/planner_idioms.py [--seq 16] [--out bench/results/planner_idioms_cpu.txt]
 
-For each model, block ``blocks.1``: forward FLOPs (the planner's ``block_flops_per_token``
-x tokens against ``torch.utils.flop_counter.FlopCounterMode``), and bytes saved for backward
-per row of ``seq`` tokens (``plait.planner.memory.activation_bytes_per_block`` at one
+For each model, its second block (``blocks.1``; ``model.layers.1``, ...): forward FLOPs
+(the planner's ``block_flops_per_token`` x tokens against
+``torch.utils.flop_counter.FlopCounterMode``), and bytes saved for backward per row of
+``seq`` tokens (``plait.planner.memory.activation_bytes_per_block`` at one
 device, scores materialised, against the distinct non-parameter storages
 ``torch.autograd.graph.saved_tensors_hooks`` sees, taken as the difference between a forward
 on 4 rows and one on 2 rows, so what is saved once whatever the batch, autocast's bf16 weight
@@ -34,27 +37,37 @@ import torch
 from plait.planner.cost import Constants
 from plait.planner.memory import activation_bytes_per_block
 from plait.planner.model_stats import load_model
+from tests import _planner_hf as H
 from tests import _planner_idioms as I
 
 
 def row(name: str, seq: int) -> dict[str, float]:
-    factory, _ = I.MODELS[name]
+    if name in H.MODELS:
+        factory, block = H.MODELS[name]
+
+        def batch(rows: int) -> torch.Tensor:
+            return H.batch(rows, seq)
+    else:
+        factory, block = I.MODELS[name][0], "blocks.1"
+
+        def batch(rows: int) -> torch.Tensor:
+            return I.batch(name, rows, seq)
     torch.manual_seed(0)
     model = factory()
     stats = load_model(factory())
     c = Constants(flash_attention=False)
     out: dict[str, float] = {}
-    flops, _ = I.measured_block(model, I.batch(name, 2, seq), "blocks.1")
+    flops, _ = I.measured_block(model, batch(2), block)
     out["flops"] = stats.block_flops_per_token(seq) * 2 * seq / flops
     counter: Any = I.flop_counter()
     with counter:
-        model(I.batch(name, 2, seq))
+        model(batch(2))
     whole = (stats.n_layers * stats.block_flops_per_token(seq)
              + stats.head_flops_per_token(seq)) * 2 * seq
     out["whole_flops"] = whole / counter.get_total_flops()
     for label, bf16, size in (("fp32", False, 4), ("bf16", True, 2)):
-        two = I.measured_block(model, I.batch(name, 2, seq), "blocks.1", bf16)[1]
-        four = I.measured_block(model, I.batch(name, 4, seq), "blocks.1", bf16)[1]
+        two = I.measured_block(model, batch(2), block, bf16)[1]
+        four = I.measured_block(model, batch(4), block, bf16)[1]
         per_row = (four - two) / 2
         out[label] = activation_bytes_per_block(stats, 1, seq, 1, False, size, c) / per_row
         out[label + "_plan"] = activation_bytes_per_block(stats, 1, seq, 1, False, size,
@@ -68,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    lines = [f"planner / torch, block blocks.1, seq {args.seq} (saved bytes per row)",
+    lines = [f"planner / torch, second block, seq {args.seq} (saved bytes per row)",
              f"{'model':16} {'flops':>7} {'whole':>7} {'fp32':>7} {'bf16':>7}"
              f" {'fp32 dflt':>9} {'bf16 dflt':>9} {'fp32 B/row':>11} {'bf16 B/row':>11}"]
-    for name in I.MODELS:
+    for name in [*I.MODELS, *H.MODELS]:
         r = row(name, args.seq)
         lines.append(f"{name:16} {r['flops']:7.3f} {r['whole_flops']:7.3f} {r['fp32']:7.3f}"
                      f" {r['bf16']:7.3f} {r['fp32_plan']:9.3f} {r['bf16_plan']:9.3f}"

@@ -7,7 +7,8 @@ norm and a head. Their idioms: activations called as functions (``F.gelu``, ``F.
 ``torch.tanh``, ``x * torch.sigmoid(x)``), a SwiGLU ``F.silu(self.w1(x)) * self.w3(x)``, a
 Python RMSNorm (its statistics in fp32 under autocast), rotary embeddings applied in the
 forward, an ALiBi bias added to the scores, a ViT's patchify ``Conv2d``, a head tied to the
-embedding, dropout on the attention probabilities, and a gated MLP with biases. Attention is
+embedding, dropout on the attention probabilities, a gated MLP with biases, and layers whose
+forward takes the rotary tables and the float causal mask their model makes. Attention is
 written as matmuls and a softmax, so its scores are saved and counted as the planner prices
 them without flash attention.
 """
@@ -188,6 +189,70 @@ class ViT(nn.Module):
         return self.head(self.norm(x).mean(1))
 
 
+class ArgsAttention(nn.Module):
+    """Matmul attention given the rotary ``(cos, sin)`` tables and an additive float causal
+    mask by its caller."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4))
+
+    def forward(self, h: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor) -> torch.Tensor:
+        cos, sin = position_embeddings
+        b, s, _ = h.shape
+        q, k, v = (f(h).view(b, s, HEADS, WIDTH // HEADS).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        scores = q @ k.transpose(-1, -2) / math.sqrt(WIDTH // HEADS) + attention_mask
+        out = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, s, WIDTH)
+        return self.o(out)
+
+
+class ArgsBlock(nn.Module):
+    """A decoder layer written as transformers writes one: its forward takes the rotary
+    tables and the additive float causal mask the model makes once for every layer (the mask
+    in the residual's dtype, fp32 under autocast: the softmax runs in fp32); Python RMSNorms,
+    a SwiGLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.attn = RMSNorm(WIDTH), ArgsAttention()
+        self.norm2, self.mlp = RMSNorm(WIDTH), SwiGLU()
+
+    def forward(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), position_embeddings, attention_mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class ArgsLM(nn.Module):
+    """Token embedding, :class:`ArgsBlock` layers given the tables and mask the model makes
+    from the sequence length, final norm, head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(ArgsBlock() for _ in range(LAYERS))
+        self.norm = RMSNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        dim = WIDTH // HEADS
+        inv = 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        s = input_ids.shape[1]
+        freqs = torch.outer(torch.arange(s, dtype=self.inv_freq.dtype), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        tables = (emb.cos().to(x.dtype), emb.sin().to(x.dtype))
+        mask = torch.full((s, s), float("-inf"), dtype=x.dtype).triu(1)
+        for block in self.blocks:
+            x = block(x, tables, mask)
+        return self.head(self.norm(x))
+
+
 def _swish(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(x)
 
@@ -248,6 +313,11 @@ def sdpa() -> nn.Module:
               norm=lambda: nn.RMSNorm(WIDTH))
 
 
+def model_args() -> nn.Module:
+    """Layers that take the rotary tables and the mask their model makes."""
+    return ArgsLM()
+
+
 # name -> (factory, whether the model reads images rather than token ids)
 MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {
     "gelu_mlp": (gelu_mlp, False),
@@ -262,6 +332,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {
     "prob_dropout": (prob_dropout, False),
     "gated_bias": (gated_bias, False),
     "sdpa": (sdpa, False),
+    "model_args": (model_args, False),
 }
 
 

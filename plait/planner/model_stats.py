@@ -779,7 +779,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                        stack_first=_path(model, blocks[0]), more_stacks=more,
                        norm_copy=_unfused_norms(ref, hidden),
                        act_saved=_saved_by(_activation(ref)))
-    stats = _measured_saves(stats, ref)
+    stats = _measured_saves(stats, ref, model)
     stats = dataclasses.replace(stats, outside_flops=_outside_flops(
         model, blocks, more, hidden, vocab, example))
     # a model of several stacks run on the user's input: the length each stack receives
@@ -811,13 +811,15 @@ def _outside_flops(model: Any, blocks: list[Any], more: tuple[MoreStack, ...],
 
 def _language_model_ends(model: Any, blocks: list[Any], hidden: int, vocab: int) -> bool:
     """Whether every parameter outside ``blocks`` is an ``nn.Embedding``'s, a vector (a
-    norm's weight or bias, a bias), or the weight of a ``hidden`` -> ``vocab`` matmul layer
-    (the head, :func:`_dims`): the outside whose FLOPs are the head's 2 x hidden x vocab per
-    token. A stem, a projection, a classifier of another width, a matrix held outside any
-    such layer (a projection written as ``x @ self.proj``) is not."""
+    norm's weight or bias, a bias), or the weight of the one ``hidden`` -> ``vocab`` matmul
+    layer (the head, :func:`_dims`): the outside whose FLOPs are the head's 2 x hidden x
+    vocab per token. A stem, a projection, a classifier of another width, a matrix held
+    outside any such layer (a projection written as ``x @ self.proj``) is not, nor an
+    outside with no head (an encoder whose output is its hidden states)."""
     import torch.nn as nn
 
     inside = {id(p) for b in blocks for p in b.parameters()}
+    heads = 0
     for module in model.modules():
         owned = [p for p in module.parameters(recurse=False) if id(p) not in inside]
         if not owned or isinstance(module, nn.Embedding):
@@ -825,23 +827,25 @@ def _language_model_ends(model: Any, blocks: list[Any], hidden: int, vocab: int)
         head = _dims(module) == (hidden, vocab)
         if any(p.ndim > 1 and not (head and p is module.weight) for p in owned):
             return False
-    return True
+        heads += head
+    return heads == 1
 
 
-def _measured_saves(stats: ModelStats, block: Any) -> ModelStats:
+def _measured_saves(stats: ModelStats, block: Any, model: Any = None) -> ModelStats:
     """``stats`` with what ``block`` saves for backward measured (:func:`plait.planner.saved
     .measure`): its activation's tensors besides its output (ffn-wide tensors saved, less the
     feed-forward's others: the down projection's input, and a gated one's gate and up
     outputs), and the bytes per token the formula then still misses, in each compute dtype
-    (:attr:`ModelStats.saved_extra`). Unchanged for a block that reads another stack's
-    output (its cross-attention does not run alone) or that does not run alone."""
+    (:attr:`ModelStats.saved_extra`); ``block`` runs with the arguments ``model``'s forward
+    hands it. Unchanged for a block that reads another stack's output (its cross-attention,
+    priced on the source's tokens) or that does not run."""
     from .cost import Constants
     from .memory import activation_bytes_per_block
     from .saved import measure
 
     if stats.cross_attentions or stats.ffn <= stats.hidden:
         return stats
-    got = measure(block, stats.hidden, stats.ffn)
+    got = measure(block, stats.hidden, stats.ffn, model)
     if got is None:
         return stats
     act = got.ffn_wide - (3 if stats.mlp == "swiglu" else 1)

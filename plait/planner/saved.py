@@ -18,10 +18,13 @@ for a large block; bf16: under CPU autocast) and reports:
   softmax in fp32 under autocast where an fp32 bias was added to the scores, a dropout mask
   of one byte), which the formula prices where attention is not flash.
 
-Each figure is the difference between forwards on two rows and on one, so what a forward
-saves once whatever the batch (autocast's bf16 copies of the weights, a rotary table, a
-causal mask) cancels. A block whose forward does not run on one (rows, seq, hidden) tensor
-is not measured (None).
+The block runs with the arguments the model's own forward hands it (a transformers decoder
+layer's rotary ``position_embeddings``, its attention mask in the dtype the model makes it,
+its position ids), its hidden states swapped for the measured input; a block whose model
+does not run on token ids, on its (rows, seq, hidden) input alone. Each figure is the
+difference between forwards on four rows and on two, per row, so what a forward saves once
+whatever the batch (autocast's bf16 copies of the weights, a rotary table, a causal mask)
+cancels. A block that runs neither way is not measured (None).
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ from typing import Any
 # Tokens per row of the measured forwards: odd and small, so that no tensor saved is
 # mistaken for an ffn-wide one, or a (seq x seq) score, by its dims.
 SEQ = 7
+# Rows of the two measured forwards: a figure is their difference, per row. Two and four,
+# not one and two: a reshape of one row's tensor can be a view where that of several rows
+# copies (GPT-2's query split off its fused projection), which a difference from one row
+# would miss.
+ROWS = (2, 4)
 # Elements (parameters and buffers) of a block measured on real tensors: 64 MiB in fp32.
 REAL_LIMIT = 1 << 24
 
@@ -46,12 +54,63 @@ class BlockSaved:
     scores: tuple[float, float]  # bytes of the scores per query and key (fp32, bf16)
 
 
+class _ReachedError(Exception):
+    """Raised in the block's pre-hook: the model's forward has made the block's inputs."""
+
+
+def _inputs(model: Any, block: Any, rows: int, hidden: int, bf16: bool
+            ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The arguments ``model``'s own forward on ``rows`` x :data:`SEQ` token ids of zeros
+    hands ``block`` (its first call), under CPU bf16 autocast with ``bf16``: a decoder
+    layer's rotary ``position_embeddings``, its attention mask in the dtype the model makes
+    it (an fp32 mask added to bf16 scores makes the softmax fp32), its position ids; the
+    forward stops there. ``use_cache=False`` where the forward takes it (no key/value cache
+    kept). Every parameter and buffer a zero expanded to its shape: no memory, whatever the
+    embedding's size. None where the forward does not reach ``block`` so, or where the block's
+    first tensor argument is not its (rows, seq, hidden) input."""
+    import inspect
+
+    import torch
+    from torch.func import functional_call
+
+    state = {k: torch.zeros((), dtype=t.dtype).expand(t.shape)
+             for k, t in (*model.named_parameters(), *model.named_buffers())}
+    got: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def reached(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        got.append((args, kwargs))
+        raise _ReachedError
+
+    ids = torch.zeros(rows, SEQ, dtype=torch.long)
+    handle = block.register_forward_pre_hook(reached, with_kwargs=True)
+    try:
+        takes = inspect.signature(model.forward).parameters
+        extra = {"use_cache": False} if "use_cache" in takes else {}
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            functional_call(model, state, (ids,), extra)
+    except _ReachedError:
+        pass
+    except Exception:  # noqa: BLE001 - a model that does not run on token ids
+        return None
+    finally:
+        handle.remove()
+    if not got:
+        return None
+    args, kwargs = got[0]
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    if first is None or tuple(first.shape) != (rows, SEQ, hidden):
+        return None
+    return args, kwargs
+
+
 def _forward(block: Any, state: dict[str, Any], hidden: int, ffn: int, rows: int,
-             bf16: bool) -> tuple[int, int, int]:
+             bf16: bool, model: Any = None) -> tuple[int, int, int]:
     """(bytes of the distinct non-parameter storages one forward of ``block`` on a
     ``rows`` x :data:`SEQ` x ``hidden`` input of zeros saves, scores aside; of those, the
     tensors of ``rows * SEQ`` ffn-wide rows; bytes of the (seq x seq) scores saved),
-    ``state`` its tensors; ``bf16``: under CPU bf16 autocast."""
+    ``state`` its tensors; ``bf16``: under CPU bf16 autocast. With ``model``, the block's
+    other arguments are those the model's forward hands it (:func:`_inputs`), where it runs
+    so; else the input alone."""
     import torch
     from torch.func import functional_call
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -73,21 +132,31 @@ def _forward(block: Any, state: dict[str, Any], hidden: int, ffn: int, rows: int
             wide.add(ref)
         return t
 
-    x = torch.zeros(rows, SEQ, hidden).requires_grad_()
+    # not a leaf, as a block's input is in a model: autocast caches its bf16 cast of a leaf
+    # that needs a gradient (a weight's), which a post-norm block's q, k and v would share
+    x = torch.zeros(rows, SEQ, hidden).requires_grad_().clone()
+    args: tuple[Any, ...] = (x,)
+    kwargs: dict[str, Any] = {}
+    made = None if model is None else _inputs(model, block, rows, hidden, bf16)
+    if made is not None:  # the model's own arguments, its hidden states swapped for x
+        first = next(a for a in (*made[0], *made[1].values()) if isinstance(a, torch.Tensor))
+        args = tuple(x if a is first else a for a in made[0])
+        kwargs = {k: x if v is first else v for k, v in made[1].items()}
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        functional_call(block, state, (x,))
+        functional_call(block, state, args, kwargs)
     return sum(saved.values()), len(wide), sum(scores.values())
 
 
-def measure(block: Any, hidden: int, ffn: int) -> BlockSaved | None:
-    """What ``block`` saves per token (:class:`BlockSaved`), in training mode (its dropout
-    masks saved, the global random state untouched), its own modes restored after; None
-    where it cannot be measured so, or where it holds hooks or DTensors (a block already laid
-    out, whose forward would run them). A block of up to :data:`REAL_LIMIT` elements runs on
-    real CPU tensors of zeros (a meta tensor's ops include torch's Python references, and
-    ``FakeTensorMode``, both of which import torch._dynamo: seconds of a ``plait plan``);
-    a larger one on fake CPU tensors, which hold no memory."""
+def measure(block: Any, hidden: int, ffn: int, model: Any = None) -> BlockSaved | None:
+    """What ``block`` (one of ``model``'s, where given) saves per token (:class:`BlockSaved`),
+    in training mode (its dropout masks saved, the global random state untouched), its own
+    modes restored after; None where it cannot be measured so, or where it holds hooks or
+    DTensors (a block already laid out, whose forward would run them). A block of up to
+    :data:`REAL_LIMIT` elements runs on real CPU tensors of zeros (a meta tensor's ops
+    include torch's Python references, and ``FakeTensorMode``, both of which import
+    torch._dynamo: seconds of a ``plait plan``); a larger one on fake CPU tensors, which
+    hold no memory."""
     import contextlib
 
     import torch
@@ -109,8 +178,8 @@ def measure(block: Any, hidden: int, ffn: int) -> BlockSaved | None:
                 p.is_floating_point()) for k, p in block.named_parameters()}
             state.update({k: torch.zeros(b.shape, dtype=b.dtype)
                           for k, b in block.named_buffers()})
-            fp32 = [_forward(block, state, hidden, ffn, r, False) for r in (1, 2)]
-            bf16 = [_forward(block, state, hidden, ffn, r, True) for r in (1, 2)]
+            fp32 = [_forward(block, state, hidden, ffn, r, False, model) for r in ROWS]
+            bf16 = [_forward(block, state, hidden, ffn, r, True, model) for r in ROWS]
     except Exception:  # noqa: BLE001 - a block that does not run alone is not measured
         return None
     finally:
@@ -118,7 +187,8 @@ def measure(block: Any, hidden: int, ffn: int) -> BlockSaved | None:
             m.training = mode
     if fp32[1][0] <= fp32[0][0]:
         return None  # nothing grows with the rows: not a (rows, seq, hidden) block
-    return BlockSaved(ffn_wide=fp32[0][1], fp32=(fp32[1][0] - fp32[0][0]) / SEQ,
-                      bf16=(bf16[1][0] - bf16[0][0]) / SEQ,
-                      scores=((fp32[1][2] - fp32[0][2]) / SEQ ** 2,
-                              (bf16[1][2] - bf16[0][2]) / SEQ ** 2))
+    per = ROWS[1] - ROWS[0]  # rows between the two forwards
+    return BlockSaved(ffn_wide=fp32[0][1], fp32=(fp32[1][0] - fp32[0][0]) / SEQ / per,
+                      bf16=(bf16[1][0] - bf16[0][0]) / SEQ / per,
+                      scores=((fp32[1][2] - fp32[0][2]) / SEQ ** 2 / per,
+                              (bf16[1][2] - bf16[0][2]) / SEQ ** 2 / per))
