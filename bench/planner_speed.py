@@ -54,6 +54,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(run(args.repeat)))
         return
+    # "this" is the checkout the script sits in, not whichever plait the environment installs
+    # (an editable install of another worktree would be timed instead); the child imports
+    # --against's through PYTHONPATH
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     other = None
     if args.against:
         env = dict(os.environ, PYTHONPATH=str(Path(args.against).resolve()))
@@ -62,6 +66,10 @@ def main() -> None:
                                check=True)
         other = json.loads(child.stdout)
     here = run(args.repeat)
+    import plait
+
+    print(f"this: {Path(plait.__file__).parent}" +
+          (f"; other: {Path(args.against).resolve() / 'plait'}" if other else ""))
     print(f"{'search':58s} {'layouts':>8s} {'this s':>8s}" +
           (f" {'other s':>8s} {'speed-up':>8s}  same" if other else ""))
     for name, got in here.items():
