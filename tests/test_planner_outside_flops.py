@@ -60,3 +60,35 @@ def test_whole_model_flops_equal_torchs_count(name: str, spec: str) -> None:
         tokens = x.shape[0] * seq
         assert stats.model_flops(tokens, seq) == pytest.approx(
             3 * counter.get_total_flops(), rel=1e-9), (name, seq)
+
+
+def test_a_stem_is_priced_on_a_pipelines_first_chunk_and_the_head_on_its_last() -> None:
+    """The FLOPs before the blocks (two convolutions) are those torch counts before the first
+    block; a pipeline prices them on its first chunk, the head on its last, and one chunk
+    holds both (the step as before)."""
+    from plait.plan import Plan
+    from plait.planner.compute import microbatch_times
+    from plait.planner.cost import Constants
+    from plait.planner.hardware import load_cluster
+
+    torch.manual_seed(0)
+    model = O.CNNStemTransformer()
+    stats = from_module(O.CNNStemTransformer(), name="cnn_stem")
+    x, seq = _images(4 * 6), 36
+    counter: Any = I.flop_counter()
+    seen: list[float] = []
+    hook = model.blocks[0].register_forward_pre_hook(
+        lambda *_: seen.append(float(counter.get_total_flops())))
+    with counter:
+        model(x)
+    hook.remove()
+    tokens = x.shape[0] * seq
+    assert stats.stem_flops_per_token() * tokens == pytest.approx(seen[0], rel=1e-9)
+    cluster, c = load_cluster("dgx-h100", devices=2), Constants()
+    one = microbatch_times(Plan.from_string("dp=2"), stats, cluster, 2, seq, c)
+    two = microbatch_times(Plan.from_string("pp=2"), stats, cluster, 2, seq, c)
+    stem = 3 * seen[0] / one.rate
+    assert two.embed == pytest.approx(stem, rel=1e-9)
+    outside = 3 * stats.head_flops_per_token(seq) * tokens / one.rate
+    assert two.head - c.micro_overhead_s == pytest.approx(outside - stem, rel=1e-9)
+    assert one.embed + one.head == pytest.approx(outside + c.micro_overhead_s, rel=1e-9)

@@ -38,7 +38,7 @@ class MicroTimes:
     block: float         # one block, forward + backward, its TP collectives and overheads
     tp_comm: float       # of which TP collectives
     cp_comm: float       # of which context parallelism's K/V all-gathers and reduce-scatters
-    embed: float         # outside the blocks on the first chunk (TP embedding collectives)
+    embed: float         # outside the blocks on the first chunk (a stem, TP embedding collectives)
     head: float          # outside the blocks on the last chunk (head matmul, loss, overheads)
     zero_bubble: bool    # backward split into input- and weight-gradient passes
 
@@ -143,9 +143,12 @@ def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
                for op in ("all_gather", "reduce_scatter")}
         cp_comm = 2 * (1 + replay) * one["all_gather"] + 2 * one["reduce_scatter"]
         block += cp_comm
-    head = 3 * model.head_flops_per_token(s) * tokens / tp / rate + c.micro_overhead_s
+    # what runs outside the blocks: a stem before them on the first chunk, the rest (the head,
+    # a pooled classifier) on the last
+    stem = 3 * model.stem_flops_per_token() * tokens / tp / rate
+    head = 3 * model.head_flops_per_token(s) * tokens / tp / rate - stem + c.micro_overhead_s
     head += more_stacks_time(plan, model, cluster, b, s, stack_seqs or {}, rate, replay, c)
-    embed = 0.0
+    embed = stem
     if tp > 1:
         split = plan.pp * plan.virtual_stages > 1  # embedding and head on different chunks
         embed = sum(collective_time(t, cluster, 1, c) for t in tp_end_traffic(

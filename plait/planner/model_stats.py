@@ -325,6 +325,13 @@ class ModelStats:
             return self.outside_flops.per_token_at(seq)
         return 2.0 * self.hidden * self.vocab
 
+    def stem_flops_per_token(self) -> float:
+        """Of :meth:`head_flops_per_token`, the forward FLOPs per token that run before the
+        blocks (a ViT's patchify convolution, a projection of input features), counted: on a
+        pipeline's first chunk, the rest on its last. 0 for the language model's formula
+        (an embedding lookup)."""
+        return self.outside_flops.before if self.outside_flops is not None else 0.0
+
     def model_flops(self, tokens: float, seq: int, recompute_layers: float = 0.0,
                     side_seq: int | None = None) -> float:
         """Training FLOPs (forward + backward = 3x forward) for ``tokens`` tokens of length

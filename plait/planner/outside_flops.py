@@ -30,6 +30,9 @@ class Outside:
 
     per_token: float
     per_row: float
+    # of ``per_token``, what runs before the main stack (a stem, a projection): on a
+    # pipeline's first chunk, where the rest runs on its last
+    before: float = 0.0
 
     def per_token_at(self, seq: int) -> float:
         """FLOPs per token at sequence length ``seq``."""
@@ -180,5 +183,5 @@ def measure(model: Any, main: list[Any], others: list[Any], example: Any,
         token = (full.after - half.after) / (rows * dropped)
         row = full.after / rows - token * seq
         if token >= 0 and row >= 0:
-            return Outside(before + token, row)
-    return Outside(before + after, 0.0)
+            return Outside(before + token, row, before)
+    return Outside(before + after, 0.0, before)
