@@ -309,8 +309,8 @@ class Plan:
                 errors.append(f"microbatches={self.microbatches} < pp={self.pp}: "
                               f"{self.pp_schedule} needs at least one microbatch per stage "
                               f"(use microbatches>={self.pp})")
-            elif rounds_error(self.pp_schedule, self.pp, self.microbatches):
-                errors.append(rounds_error(self.pp_schedule, self.pp, self.microbatches))
+            elif rounds := rounds_error(self.pp_schedule, self.pp, self.microbatches):
+                errors.append(rounds)
         if self.activation_checkpointing not in CHECKPOINTING:
             errors.append(f"activation_checkpointing={self.activation_checkpointing!r} is not one "
                           f"of {', '.join(CHECKPOINTING)}")
