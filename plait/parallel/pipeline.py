@@ -472,6 +472,9 @@ class PipelineRunner:
                  model_name: str = "model", shifts_labels: bool = False,
                  packer: OutputPacker | None = None):
         self.stages = stages
+        # The last stage's modules, where a model's own weighted loss module is looked for
+        # (plait.mean_probe.weighted_module_count): one holder, not one per microbatch.
+        self._last_submods = nn.ModuleList([s.submod for s in stages if s.is_last])
         self.plan = plan
         self.loss_parallel = loss_parallel
         # The model's forward signature (how a batch maps onto the stages' arguments), its
@@ -622,8 +625,7 @@ class PipelineRunner:
         if self._loss_fn is not None:
             return None
         known = self._loss_checks if real else dict(self._loss_checks)
-        holder = nn.ModuleList([s.submod for s in self.stages if s.is_last])
-        weighted = weighted_module_count(holder, value, out, target, known)
+        weighted = weighted_module_count(self._last_submods, value, out, target, known)
         if (weighted is None and real and split_batch(self.plan)
                 and own_loss_unexplained(value, out, target, known, self.plan, warn=False)):
             self.own_loss_seen = True
