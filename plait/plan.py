@@ -321,16 +321,7 @@ class Plan:
                                                and self.grad_clip >= 0):
             errors.append(f"grad_clip={self.grad_clip} must be a finite number >= 0 "
                           f"(0 or none disables clipping)")
-        cuts = self.options.split_points or self.options.pp_stage_layers
-        if self.pp > 1 and cuts is not None:
-            stages = self.pp * self.virtual_stages
-            want = stages - 1 if self.options.split_points else stages
-            if len(cuts) != want:
-                name = "split_points" if self.options.split_points else "pp_stage_layers"
-                errors.append(f"options.{name}={list(cuts)} has {len(cuts)} entries; pp={self.pp} "
-                              f"x virtual_stages={self.virtual_stages} = {stages} stages need "
-                              f"{want}" + (" cuts" if name == "split_points" else
-                                           " block counts, one per stage"))
+        errors += self._cut_errors()
         if world_size is not None and self.world_size != world_size:
             product = " * ".join(f"{a}({getattr(self, a)})" for a in MESH_AXES)
             errors.append(f"{product} = {self.world_size} != world size {world_size}; "
@@ -338,6 +329,34 @@ class Plan:
         if errors:
             raise ValueError("invalid plan: " + "; ".join(errors))
         return self
+
+    def _cut_errors(self) -> list[str]:
+        """What the options' pipeline cuts get wrong about this plan's stages: the one rule
+        of :meth:`validate` that reads the options."""
+        cuts = self.options.split_points or self.options.pp_stage_layers
+        if self.pp == 1 or cuts is None:
+            return []
+        stages = self.pp * self.virtual_stages
+        want = stages - 1 if self.options.split_points else stages
+        if len(cuts) == want:
+            return []
+        name = "split_points" if self.options.split_points else "pp_stage_layers"
+        return [f"options.{name}={list(cuts)} has {len(cuts)} entries; pp={self.pp} "
+                f"x virtual_stages={self.virtual_stages} = {stages} stages need "
+                f"{want}" + (" cuts" if name == "split_points" else
+                             " block counts, one per stage")]
+
+    def with_options(self, options: PlanOptions) -> Plan:
+        """This plan with ``options`` in place of its own, checked by the rules that read
+        the options and no others: the rest of this plan was checked when it was made (the
+        planner's search gives each pipelined layout it keeps the stage split it priced,
+        thousands in one search, without checking every field again)."""
+        new = object.__new__(Plan)  # a copy, not made again: made, it would be checked again
+        new.__dict__.update(vars(self), options=PlanOptions.from_dict(options))
+        errors = new._cut_errors()
+        if errors:
+            raise ValueError("invalid plan: " + "; ".join(errors))
+        return new
 
     def _cp_errors(self) -> list[str]:
         """What context parallelism does not compose with (plait.parallel.context)."""

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from plait.comm import predict
@@ -36,7 +37,7 @@ from plait.plan import ZERO_BUBBLE_SCHEDULES, Plan, reduces_after_schedule
 from .compute import microbatch_times
 from .cpu.overheads import HostOverheads
 from .hardware import Cluster
-from .memo import Memo
+from .memo import Activations, Memo
 from .memory import checkpointed, peak_memory
 from .model_stats import ModelStats
 from .pipeline import pipeline_time, stage_times
@@ -125,14 +126,12 @@ class Estimate:
     mfu: float = 0.0
     memory_bytes_per_device: float = 0.0
     memory_breakdown: dict[str, float] = field(default_factory=dict)
-    comm_bytes_per_step: dict[str, float] = field(default_factory=dict)
     bubble_fraction: float = 0.0
     time_breakdown: dict[str, float] = field(default_factory=dict)
     microbatch_size: int = 0
     stage_layers: tuple[int, ...] = ()
     # the pipeline rank whose time and traffic the step is priced by (the busiest)
     busiest_rank: int = 0
-    traffic: list[Traffic] = field(default_factory=list)
     # What the prediction assumes that a reader should know (printed under the table).
     notes: list[str] = field(default_factory=list)
     # (fastest, slowest) step time over the chip's compute-efficiency range (plait.planner
@@ -141,6 +140,48 @@ class Estimate:
     # Where the compute time came from, for a model priced without blocks: "measured on this
     # machine at batch N ..." or "FLOPs at efficiency E ..." (plait.planner.whole_model)
     compute_from: str = ""
+    # The busiest rank's collectives (:attr:`traffic`), or what prices them on first read
+    # (:meth:`traffic_priced_by`); and their bytes per axis, once summed
+    _traffic: list[Traffic] | Callable[[], list[Traffic]] = field(default_factory=list,
+                                                                  repr=False, compare=False)
+    _comm: dict[str, float] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def traffic(self) -> list[Traffic]:
+        """The collectives the busiest pipeline rank issues per step, as the comm ledger
+        predicts them (:mod:`plait.comm.predict`); priced here on first read where
+        :func:`evaluate` left them to be (no figure of the step reads them, and a search
+        prices thousands of layouts to show a few)."""
+        if callable(self._traffic):
+            self._traffic = self._traffic()
+        return self._traffic
+
+    @traffic.setter
+    def traffic(self, value: list[Traffic]) -> None:
+        self._traffic, self._comm = value, None
+
+    def traffic_priced_by(self, price: Callable[[], list[Traffic]]) -> None:
+        """:attr:`traffic` is ``price()``, called on its first read (and only then)."""
+        self._traffic, self._comm = price, None
+
+    @property
+    def comm_bytes_per_step(self) -> dict[str, float]:
+        """Wire bytes per mesh axis of :attr:`traffic` (per step, on the busiest rank)."""
+        if self._comm is None:
+            self._comm = by_axis(self.traffic)
+        return self._comm
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field, the traffic included (priced where it was not yet)."""
+        if not isinstance(other, Estimate):
+            return NotImplemented
+        mine, theirs = ([getattr(e, f.name) for f in dataclasses.fields(e) if f.compare]
+                        + [e.traffic] for e in (self, other))
+        return mine == theirs
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickles: the traffic priced first (what prices it holds a search's memo)."""
+        return dict(vars(self), _traffic=self.traffic)
 
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.to_string(), "layout": self.plan.to_dict(),
@@ -311,15 +352,11 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
     clip_time = sum(collective_time(t, cluster, stride, c) for t, stride in clip)
     step = pipe + exposed_grad + gather_time + exposed_ag3 + opt_time + tensor_time + clip_time
 
-    # ---- traffic of the busiest rank, as the comm ledger predicts it (plait.comm.predict)
+    # ---- traffic of the busiest rank, as the comm ledger predicts it: where first read
     layers_busy = st.rank_layers[r_busy]
-    busy = memo.recomputed(shares[r_busy], checkpointed(plan, layers_busy)[0])
-    traffic = [t for t, _ in traffic_dp + clip] + memo.activation_traffic(
-        plan, busy, b, lambda: activation_traffic(plan, model, busy, b, s, seqs))
-
-    est.traffic = traffic
+    est.traffic_priced_by(partial(_busiest_traffic, plan, model, memo.activations,
+                                  shares[r_busy], layers_busy, b, s, seqs, traffic_dp + clip))
     est.busiest_rank = r_busy
-    est.comm_bytes_per_step = by_axis(traffic)
     est.step_time_s = step
     est.tokens_per_s = B * s / step
     L = model.n_layers
@@ -369,6 +406,19 @@ def evaluate(plan: Plan, model: ModelStats, cluster: Cluster, work: Workload,
         return est
     est.feasible = True
     return est
+
+
+def _busiest_traffic(plan: Plan, model: ModelStats, kept: Activations, share: LocalModel,
+                     layers: int, b: int, s: int, seqs: Mapping[str, int],
+                     priced: list[tuple[Traffic, int]]) -> list[Traffic]:
+    """The collectives of the rank holding ``share`` (``layers`` blocks) per step, as the comm
+    ledger predicts them (:mod:`plait.comm.predict`): ``priced``, its data-parallel and
+    clipping collectives (with their strides), then its activations' at microbatch size ``b``
+    (:func:`activation_traffic`, with the blocks the plan's checkpointing replays; ``kept``:
+    the search's, the one part of its memo an estimate holds on to)."""
+    busy = dataclasses.replace(share, recomputed=checkpointed(plan, layers)[0])
+    return [t for t, _ in priced] + kept.traffic(
+        plan, busy, b, lambda: activation_traffic(plan, model, busy, b, s, seqs))
 
 
 def _out_of_memory(needs: float, breakdown: Mapping[str, float], cluster: Cluster) -> str:

@@ -13,11 +13,12 @@ it reads (a NamedTuple per part, below):
 * one microbatch's times (:func:`plait.planner.compute.microbatch_times`): alike over the
   data-parallel and pipeline degrees; and the pipeline's split that balances them
   (:func:`plait.planner.pipeline.stage_sizes`);
-* the busiest rank's share with the blocks checkpointing replays (a rebuilt dataclass);
 * each pipeline rank's time per microbatch (:func:`plait.planner.pipeline.stage_times`):
   alike over the ZeRO stages and the split of the data-parallel ranks;
 * the busiest rank's activation collectives (:func:`plait.planner.cost.activation_traffic`):
-  alike over data parallelism's layouts where FSDP2 does not change the dtype.
+  alike over data parallelism's layouts where FSDP2 does not change the dtype; kept apart
+  (:class:`Activations`), as an estimate prices its traffic where first read, after the
+  search (:attr:`plait.planner.cost.Estimate.traffic`), and keeps this part alone.
 
 Each rank's share is made where it is first read (:class:`Shares`: a layout that does not
 fit reads three of a pipeline's), and a rank given the same blocks by another stage split
@@ -30,7 +31,6 @@ One memo serves one search (one model, cluster, workload and constants):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, overload
@@ -255,6 +255,30 @@ class Shares(Sequence[LocalModel]):
 
 
 @dataclass
+class Activations:
+    """The activations' collectives of a pipeline rank, by what they read
+    (:class:`ActivationsKey`)."""
+
+    kept: dict[ActivationsKey, list[Traffic]] = field(default_factory=dict)
+
+    def traffic(self, plan: Plan, share: LocalModel, b: int,
+                price: Callable[[], list[Traffic]]) -> list[Traffic]:
+        """The activations' collectives of a rank holding ``share`` at microbatch size ``b``
+        (``price()``: :func:`plait.planner.cost.activation_traffic` of the same; a new list
+        of the same collectives): alike over data parallelism's layouts but where FSDP2's
+        cast changes the dtype."""
+        key = ActivationsKey(plan.tp, plan.cp, plan.pp, plan.sp, plan.mixed_precision,
+                             casts_params(plan), plan.grad_accum, plan.microbatches,
+                             plan.pp_schedule, plan.virtual_stages, b, share.layers,
+                             share.recomputed, share.trained_layers, share.reached_layers,
+                             share.tp_blocks, share.embed, share.head, share.stages,
+                             share.num_stages, share.tied, share.tied_tensors)
+        if key not in self.kept:
+            self.kept[key] = price()
+        return list(self.kept[key])
+
+
+@dataclass
 class Memo:
     """Each rank's share of one model and its uneven pieces, by the plan fields they read."""
 
@@ -265,10 +289,9 @@ class Memo:
     clips: dict[ClipKey, list[tuple[Traffic, int]]] = field(default_factory=dict)
     times: dict[TimesKey, MicroTimes] = field(default_factory=dict)
     sizes: dict[SizesKey, list[int] | str] = field(default_factory=dict)
-    replayed: dict[tuple[int, int], LocalModel] = field(default_factory=dict)
     rank_syncs: dict[tuple[TrafficKey, ShareKey], list[float]] = field(default_factory=dict)
     stages: dict[StagesKey, Stages] = field(default_factory=dict)
-    activations: dict[ActivationsKey, list[Traffic]] = field(default_factory=dict)
+    activations: Activations = field(default_factory=Activations)
     # every share a key names, by id: kept alive, so an id names one share for the memo's life
     # (a key holds the id, cheaper to hash than the share's fields)
     held: dict[int, LocalModel] = field(default_factory=dict)
@@ -310,30 +333,6 @@ class Memo:
         if key not in self.stages:
             self.stages[key] = stage_times(plan, model, cluster, work, b, times, list(sizes), c)
         return self.stages[key]
-
-    def activation_traffic(self, plan: Plan, share: LocalModel, b: int,
-                           price: Callable[[], list[Traffic]]) -> list[Traffic]:
-        """The activations' collectives of a rank holding ``share`` at microbatch size ``b``
-        (``price()``: :func:`plait.planner.cost.activation_traffic` of the same; a new list
-        of the same collectives): alike over data parallelism's layouts but where FSDP2's
-        cast changes the dtype."""
-        key = ActivationsKey(plan.tp, plan.cp, plan.pp, plan.sp, plan.mixed_precision,
-                             casts_params(plan), plan.grad_accum, plan.microbatches,
-                             plan.pp_schedule, plan.virtual_stages, b, share.layers,
-                             share.recomputed, share.trained_layers, share.reached_layers,
-                             share.tp_blocks, share.embed, share.head, share.stages,
-                             share.num_stages, share.tied, share.tied_tensors)
-        if key not in self.activations:
-            self.activations[key] = price()
-        return list(self.activations[key])
-
-    def recomputed(self, share: LocalModel, blocks: int) -> LocalModel:
-        """``share`` with ``blocks`` of its blocks replayed by checkpointing
-        (``LocalModel.recomputed``)."""
-        key = (self._id(share), blocks)
-        if key not in self.replayed:
-            self.replayed[key] = dataclasses.replace(share, recomputed=blocks)
-        return self.replayed[key]
 
     def stage_sizes(self, plan: Plan, model: ModelStats, times: MicroTimes, balance: bool
                     ) -> list[int] | str:

@@ -270,7 +270,7 @@ def search(model: ModelStats, cluster: Cluster, work: Workload, *, dtype: str = 
                            time_unfit=False)
             evaluated += 1
             if est.feasible:
-                feasible.append(_with_stages(est, fields, options))
+                feasible.append(_with_stages(est, options))
                 break
             kind = "out of memory" if "GiB" in est.reason else est.reason.split(" ")[0]
             rejected[kind] = rejected.get(kind, 0) + 1
@@ -315,10 +315,10 @@ def _accepted(ranked: list[Estimate], check: Callable[[Plan], str | None], top: 
     return kept
 
 
-def _with_stages(est: Estimate, fields: dict,
-                 options: dict[tuple[int, ...] | None, PlanOptions]) -> Estimate:
-    """Record the pipeline split in the plan so the runtime builds what was priced (``fields``:
-    the plan's, which set no options; ``options``: the search's, by split)."""
+def _with_stages(est: Estimate, options: dict[tuple[int, ...] | None, PlanOptions]
+                 ) -> Estimate:
+    """Record the pipeline split in the plan so the runtime builds what was priced (the plan
+    sets no options; ``options``: the search's, by split)."""
     plan = est.plan
     chunks = plan.pp * plan.virtual_stages
     if chunks > 1 and est.stage_layers:
@@ -327,5 +327,5 @@ def _with_stages(est: Estimate, fields: dict,
         split = tuple(est.stage_layers)
         if split not in options:
             options[split] = PlanOptions(pp_stage_layers=split)
-        est.plan = Plan(**fields, options=options[split])
+        est.plan = plan.with_options(options[split])
     return est

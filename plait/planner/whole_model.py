@@ -39,7 +39,6 @@ from ..comm.held import HeldModel, ShardUnit, held_traffic
 from ..comm.volumes import (
     DDP_BUCKET_BYTES,
     Traffic,
-    by_axis,
     ddp_bucket_calls,
     ddp_bucket_calls_any_order,
 )
@@ -745,7 +744,6 @@ def estimate(model: WholeModel, plan: Plan, cluster: Cluster, global_batch: int,
     est.memory_breakdown = got.memory_breakdown
     est.time_breakdown = got.time_breakdown
     est.traffic = got.traffic
-    est.comm_bytes_per_step = by_axis(got.traffic)
     world = cluster.world_size
     flops = 3 * model.flops_per_sample * global_batch
     est.tokens_per_s = global_batch * model.positions / est.step_time_s
