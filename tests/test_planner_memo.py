@@ -5,12 +5,14 @@ memory alone, and a rank's gradient reduction without its parameter gathers."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 
 from plait.comm.predict import dp_traffic
-from plait.plan import Plan
-from plait.planner.cost import Workload, evaluate
+from plait.comm.volumes import by_axis
+from plait.plan import Plan, PlanOptions
+from plait.planner.cost import Workload, evaluate, rank_traffic
 from plait.planner.hardware import load_cluster
 from plait.planner.memo import Memo
 from plait.planner.model_stats import from_hf_config
@@ -89,6 +91,39 @@ def test_the_nearest_misses_come_back_priced_in_full():
         assert near is not None and near.step_time_s < float("inf")
         alone = evaluate(near.plan, model, cluster, work, balance=True)
         assert near.to_dict() == alone.to_dict()
+
+
+def test_traffic_priced_where_first_read_is_the_eager_traffic():
+    """Each result's traffic (its collectives, their bytes per axis), priced where first read,
+    after the whole search (later layouts priced with the same memo, the plan given its stage
+    split), equals the busiest rank's traffic built afresh (:func:`rank_traffic`, no memo, no
+    laziness) and the whole record equals evaluating its plan alone; for every layout that
+    fits and the nearest misses. A pickled estimate takes its traffic with it."""
+    model = from_hf_config(CONFIG, "memo-test")
+    cluster = dataclasses.replace(load_cluster("dgx-h100", devices=8), memory_bytes=2.5 * 2**30,
+                                  reserve_bytes=2**30)
+    work = Workload(8, 4096)
+    result = search(model, cluster, work, top=0)
+    shown = [*result.ranked, result.closest, result.closest_without_cp]
+    copied = pickle.loads(pickle.dumps(shown[0]))  # before its traffic is read
+    seen = set()
+    for est in shown:
+        assert est is not None
+        plan = est.plan
+        if plan.pp > 1 and plan.options.pp_stage_layers is None:  # a miss: the split priced
+            plan = plan.with_options(PlanOptions(pp_stage_layers=est.stage_layers))
+        eager = rank_traffic(plan, model, work.global_batch, work.seq)
+        assert eager is not None
+        assert est.traffic == eager[est.busiest_rank], plan.to_string()
+        assert est.comm_bytes_per_step == by_axis(eager[est.busiest_rank]), plan.to_string()
+        alone = evaluate(est.plan, model, cluster, work, balance=True)
+        assert est.to_dict() == alone.to_dict(), plan.to_string()
+        seen.add((est.feasible, plan.pp_schedule if plan.pp > 1 else "", plan.cp > 1,
+                  plan.activation_checkpointing))
+    assert copied == shown[0] and copied.traffic == shown[0].traffic
+    assert {s for _, s, _, _ in seen} >= {"", "1f1b", "interleaved_1f1b", "zbv"}
+    assert {(f, cp) for f, _, cp, _ in seen} >= {(True, True), (True, False), (False, False)}
+    assert {ac for _, _, _, ac in seen} == {"none", "selective", "full"}
 
 
 @pytest.mark.parametrize("layout", ["dp_shard=4,zero=3,pp=4,microbatches=8",
