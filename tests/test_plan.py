@@ -175,6 +175,22 @@ def test_pipeline_cuts_must_match_the_stage_count():
         Plan(pp=2, microbatches=2, options={"split_points": ["layers.2", "layers.4"]})
 
 
+def test_a_plan_given_other_options_is_the_plan_made_with_them():
+    """``Plan.with_options`` (the search's stage split on a plan it priced) equals the plan
+    made with those options, and refuses cuts that do not match the stages as making it
+    does."""
+    fields = dict(pp=2, microbatches=4, pp_schedule="interleaved_1f1b", virtual_stages=2,
+                  tp=2, dp_shard=2, zero=3, activation_checkpointing="selective")
+    plan = Plan(**fields)
+    cuts = PlanOptions(pp_stage_layers=(3, 4, 4, 3))
+    given = plan.with_options(cuts)
+    assert given == Plan(**fields, options=cuts) and given.to_dict() == \
+        Plan(**fields, options=cuts).to_dict()
+    assert plan.options == PlanOptions() and given.options is cuts
+    with pytest.raises(ValueError, match=r"pp_stage_layers=\[4, 4\] has 2 entries.*4 stages"):
+        plan.with_options(PlanOptions(pp_stage_layers=(4, 4)))
+
+
 # ------------------------------------------------------------------ bad input, one line each
 # (source, what the message must name). A source is a plan string, or (file name, content).
 BAD_INPUT = [
