@@ -289,3 +289,36 @@ def test_a_plan_without_tp_or_pp_does_not_import_their_machinery():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, check=True)
     assert out.stderr.split()[-4:] == ["0", "False", "False", "False"], out.stderr
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_plan_searches_with_the_collector_off_and_leaves_it_as_it_was(monkeypatch, capsys,
+                                                                     enabled):
+    """The search runs without Python's cyclic collector (its full collections walk every
+    object torch's import left alive); the command leaves the collector as it found it,
+    on an error too."""
+    import gc
+
+    import plait.planner.cli as cli
+
+    seen = []
+    real = cli.search
+
+    def search(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "search", search)
+    (gc.enable if enabled else gc.disable)()
+    try:
+        assert run_cli("--model", "llama-8b", "--cluster", "dgx-h100", "--nodes", "2",
+                       "--global-batch", "64", "--seq", "2048", "--top", "1") == 0
+        assert seen == [False] and gc.isenabled() is enabled
+        monkeypatch.setattr(cli, "search", lambda *a, **k: (_ for _ in ()).throw(
+            ValueError("bad")))
+        assert run_cli("--model", "llama-8b", "--cluster", "dgx-h100", "--nodes", "2",
+                       "--global-batch", "64", "--seq", "2048") == 2
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
+    capsys.readouterr()
