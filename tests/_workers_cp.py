@@ -489,36 +489,42 @@ def token_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.stack([hits.sum(), kept.sum()]).float()
 
 
-def held_counts_reference() -> dict[str, Any]:
-    """One device: the held-out loss, (correct tokens, tokens) and the rows of the whole set."""
+HELD_MODELS = {"causal": causal_lm, "block": block_lm}
+
+
+def held_counts_reference(name: str) -> dict[str, Any]:
+    """One device: the held-out loss, (correct tokens, tokens) and the rows of the whole set,
+    for the model ``HELD_MODELS`` names."""
     tokens, labels = (torch.stack(t) for t in zip(*held_set(), strict=True))
     with torch.no_grad():
-        logits = causal_lm()(tokens)
+        logits = HELD_MODELS[name]()(tokens)
     return {"val": float(lm_loss(logits, labels)), "tokens": token_counts(logits, labels),
             "rows": float(len(labels))}
 
 
-def held_counts(rank: int, world_size: int, plans: list[str]) -> dict[str, Any]:
+def held_counts(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict[str, Any]:
     """Per plan, a one-device metric loop ported as it is: (correct tokens, tokens) counted in
     the loss function given to run.evaluate (each cp rank's slice) and summed with
     run.all_reduce(sliced=True); the rows counted there too (every cp rank sees every row of
     its replica) and summed with sliced=False; the same token counts from model(x) on the
-    loader's rows, summed with sliced=False; and what run.all_reduce says without sliced."""
+    loader's rows, summed with sliced=False (not under a pipeline, whose model runs only
+    through its schedule); and what run.all_reduce says without sliced. ``jobs``: (plan, the
+    model HELD_MODELS names)."""
     from plait.runtime import init
 
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    for plan in plans:
+    for plan, name in jobs:
         run = init(plan, quiet=True)
         try:
-            out[plan] = _held_counts_run(run)
+            out[plan] = _held_counts_run(run, HELD_MODELS[name]())
         finally:
             run.close()
     return out
 
 
-def _held_counts_run(run: Any) -> dict[str, Any]:
-    model = run.parallelize(causal_lm())
+def _held_counts_run(run: Any, model: nn.Module) -> dict[str, Any]:
+    model = run.parallelize(model)
     held = next(iter(run.loader(held_set(), batch_size=HELD, steps=1, evaluation=True)))
     counts, rows = torch.zeros(2), torch.zeros(())
 
@@ -536,10 +542,12 @@ def _held_counts_run(run: Any) -> dict[str, Any]:
     got: dict[str, Any] = {"val": float(run.evaluate(model, held, scored))}
     got["tokens"] = run.all_reduce(counts, sliced=True)
     got["rows"] = float(run.all_reduce(rows, sliced=False))
-    tokens, labels = held
-    with torch.no_grad():
-        logits = model(tokens.to(run.device))
-    got["outputs"] = run.all_reduce(token_counts(logits, labels.to(run.device)), sliced=False)
+    if run.plan.pp == 1:
+        tokens, labels = held
+        with torch.no_grad():
+            logits = model(tokens.to(run.device))
+        got["outputs"] = run.all_reduce(token_counts(logits, labels.to(run.device)),
+                                        sliced=False)
     try:
         run.all_reduce(counts)
         got["refused"] = ""
