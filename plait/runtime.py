@@ -233,7 +233,8 @@ class Run:
         gathered, index = all_gather_rows(t, group)
         return (gathered, index) if return_index else gathered
 
-    def all_reduce(self, t: torch.Tensor | float) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor | float, *, sliced: bool | None = None
+                   ) -> torch.Tensor:
         """``t`` summed over the data replicas, the same on every rank: a metric counted on
         this rank's rows (correct predictions, a confusion matrix, examples seen) made the
         global batch's, the value one device counts. Call it on every rank, as a step.
@@ -243,18 +244,29 @@ class Run:
         on the default group) would count them once per peer. Under a pipeline the value is
         the last stage's (the stage whose loss function sees the outputs, e.g. counts kept by
         the loss function given to :meth:`evaluate`), sent to every stage. Returns a new
-        tensor (``t`` is left as it is) on ``t``'s device, float for a Python number. Refused
-        under context parallelism, where the right sum depends on where ``t`` was counted."""
+        tensor (``t`` is left as it is) on ``t``'s device, float for a Python number.
+
+        ``sliced`` says, under context parallelism, what each cp rank of a replica counted:
+        ``True`` for counts taken in the loss function given to :meth:`evaluate` (or
+        :meth:`step`), which sees this rank's slice of every sequence, so per-token counts
+        are summed over the cp ranks too; ``False`` for counts the cp ranks of a replica hold
+        alike (from ``model(x)`` on the loader's rows, which runs the whole sequence on each,
+        or a per-row count), summed over the data replicas alone. Under ``cp=1`` there is
+        no slice and it changes nothing; under ``cp>1`` it must be given."""
+        if sliced is not None and not isinstance(sliced, bool):
+            raise ValueError(f"run.all_reduce(sliced={sliced!r}): sliced is True (counted on "
+                             f"this rank's slice of each sequence) or False (on whole rows)")
         if self.spmd is not None:
             raise ValueError("run.all_reduce is not available on XLA (SPMD): there each "
                              "host's tensors already cover its whole share of the batch")
-        if self.plan.cp > 1:
-            raise ValueError(f"run.all_reduce is not available under cp={self.plan.cp}: "
-                             f"whether the context-parallel ranks of a replica counted the "
-                             f"same rows or each its slice of the sequences depends on where "
-                             f"the count was taken; sum it with torch.distributed.all_reduce "
-                             f"over the group that fits (run.mesh['dp'].get_group() for the "
-                             f"same rows)")
+        if self.plan.cp > 1 and sliced is None:
+            raise ValueError(
+                f"run.all_reduce under cp={self.plan.cp} needs sliced=True or sliced=False: "
+                f"sliced=True for counts taken in the loss function given to run.evaluate, "
+                f"which sees this rank's slice of every sequence (per-token counts, summed "
+                f"over the cp ranks too), sliced=False for counts from model(x) on the "
+                f"loader's rows, which every cp rank of a replica runs whole, or for a "
+                f"per-row count (summed over the data replicas alone)")
         value = torch.as_tensor(t, dtype=torch.float if not isinstance(t, torch.Tensor)
                                 else None)
         pp_group, last_pp = None, 0
@@ -264,13 +276,23 @@ class Run:
             pp_group = self._mesh()["pp"].get_group()
             last_pp = stage_to_rank(self.plan.pp_schedule, self.plan.pp,
                                     self.plan.virtual_stages)[-1]
-        dp_group = self._mesh()["dp"].get_group() if self.dp_size > 1 else None
         work = value.detach().to(self.device, copy=True)
         if pp_group is not None:
             dist.broadcast(work, src=dist.get_global_rank(pp_group, last_pp), group=pp_group)
-        if dp_group is not None:
-            dist.all_reduce(work, group=dp_group)
+        summed = self._count_group(sliced is True)
+        if summed is not None:
+            dist.all_reduce(work, group=summed)
         return work.to(value.device)
+
+    def _count_group(self, sliced: bool) -> dist.ProcessGroup | None:
+        """The ranks whose counts :meth:`all_reduce` sums (None: this rank alone): the data
+        replicas, and under context parallelism with ``sliced`` their cp ranks too (the
+        group that sums a step's loss totals)."""
+        if sliced and self.plan.cp > 1:
+            from .mesh import DP_CP
+
+            return self._mesh()[DP_CP].get_group()
+        return self._mesh()["dp"].get_group() if self.dp_size > 1 else None
 
     def _data_rank_and_size(self) -> tuple[int, int]:
         """Which share of each global batch this process loads, and of how many (on XLA: this

@@ -73,8 +73,96 @@ class InlineTagger(WeightedTagger):
                                weight=self.class_weights)
 
 
-def tagger(inline: bool) -> nn.Module:
+class Stem(nn.Module):
+    """The token embedding, and the model's weighted loss module kept beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.loss_fct = nn.CrossEntropyLoss(weight=torch.tensor(WEIGHTS))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(input_ids)
+
+
+class StemHeldTagger(WeightedTagger):
+    """:class:`WeightedTagger` whose loss module is held by its stem (the first stage's
+    module), registered before the blocks, and called from there after them."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.embed = Stem()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+                                    for _ in range(2))
+        self.head = nn.Linear(WIDTH, TAGS)
+
+    def own_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.embed.loss_fct(logits.reshape(-1, TAGS), labels.reshape(-1))
+
+
+class Scoring(nn.Module):
+    """What scores the tags: the weighted loss module, and how many tags there are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags = TAGS
+        self.loss_fct = nn.CrossEntropyLoss(weight=torch.tensor(WEIGHTS))
+
+
+class LossBlock(nn.Module):
+    """A block that also holds a loss module (as a model may keep one in its first layer)."""
+
+    def __init__(self, loss: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        if loss:
+            self.scoring = Scoring()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(h))
+
+
+class BlockHeldTagger(WeightedTagger):
+    """:class:`WeightedTagger` whose loss module sits two levels down in its first block (the
+    first stage's), called after the blocks."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(LossBlock(i == 0) for i in range(2))
+        self.head = nn.Linear(WIDTH, TAGS)
+
+    def own_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.layers[0].scoring.loss_fct(logits.reshape(-1, TAGS), labels.reshape(-1))
+
+
+class WrappedTagger(nn.Module):
+    """A wrapper holding the weighted loss module, registered first, around a tagger that
+    returns logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loss_fct = nn.CrossEntropyLoss(weight=torch.tensor(WEIGHTS))
+        self.model = InlineTagger()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+                ) -> TagOutput:
+        logits = self.model(input_ids).logits
+        loss = None if labels is None else self.loss_fct(logits.reshape(-1, TAGS),
+                                                         labels.reshape(-1))
+        return TagOutput(loss, logits)
+
+
+# Where a model holds its own weighted loss module, by name (tagger's argument).
+HOLDERS = {"stem": StemHeldTagger, "block": BlockHeldTagger, "wrapper": WrappedTagger}
+
+
+def tagger(inline: bool | str) -> nn.Module:
+    """The tagger whose loss is made in forward (True), held by the model (False), or held
+    where ``HOLDERS`` names."""
     torch.manual_seed(0)
+    if isinstance(inline, str):
+        return HOLDERS[inline]()
     return InlineTagger() if inline else WeightedTagger()
 
 
@@ -91,7 +179,7 @@ def tag_batch(step: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
-def tagger_reference(inline: bool) -> dict[str, Any]:
+def tagger_reference(inline: bool | str) -> dict[str, Any]:
     """One device: SGD on each whole batch, torch's clipping at 1.0 (run.step's default)."""
     model = tagger(inline)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -107,7 +195,7 @@ def tagger_reference(inline: bool) -> dict[str, Any]:
                                         for n, p in model.named_parameters()}}
 
 
-def train_taggers(rank: int, world_size: int, jobs: list[tuple[bool, str]]
+def train_taggers(rank: int, world_size: int, jobs: list[tuple[bool | str, str]]
                   ) -> list[dict[str, Any]]:
     """Each (inline, plan) evaluated on the first batch (run.evaluate), then trained with SGD
     through run.step, with the model's own loss (loss_fn=None); the losses, rank 0's full
@@ -129,7 +217,7 @@ def train_taggers(rank: int, world_size: int, jobs: list[tuple[bool, str]]
                                      None, opt)) for s in range(STEPS)]
         state = run.full_state_dict(model)
         run.close()
-        out.append({"plan": plan, "losses": losses, "evaluated": evaluated,
+        out.append({"plan": plan, "holder": inline, "losses": losses, "evaluated": evaluated,
                     "state": state if rank == 0 else None,
                     "warnings": [str(w.message) for w in caught
                                  if str(w.message).startswith("plait:")]})

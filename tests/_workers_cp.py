@@ -465,3 +465,92 @@ def checkpoints_zero1(rank: int, world_size: int, root: str) -> dict[str, Any]:
                                                             "dp_shard=2,zero=3", base + "cpz1")
     out[f"one process -> {plan}"] = ck.continue_under(rank, world_size, plan, base + "single")
     return out
+
+
+# ------------------------------------------------------------------ held-out counts under cp
+HELD = 8
+
+
+def held_set() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Held-out rows for token accuracy: lm_batch's rows (their -100 tails of different
+    lengths), with the label at every other position set to the untrained model's own
+    prediction, so that each rank's slice counts a different, nonzero number of hits."""
+    tokens, labels = lm_batch(50, HELD)
+    with torch.no_grad():
+        guess = causal_lm()(tokens).argmax(-1)
+    labels[:, ::2] = torch.where(labels[:, ::2] == -100, labels[:, ::2], guess[:, ::2])
+    return list(zip(tokens, labels, strict=True))
+
+
+def token_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(correct tokens, tokens) over the labels that are not -100."""
+    kept = labels != -100
+    hits = (logits.argmax(-1) == labels) & kept
+    return torch.stack([hits.sum(), kept.sum()]).float()
+
+
+HELD_MODELS = {"causal": causal_lm, "block": block_lm}
+
+
+def held_counts_reference(name: str) -> dict[str, Any]:
+    """One device: the held-out loss, (correct tokens, tokens) and the rows of the whole set,
+    for the model ``HELD_MODELS`` names."""
+    tokens, labels = (torch.stack(t) for t in zip(*held_set(), strict=True))
+    with torch.no_grad():
+        logits = HELD_MODELS[name]()(tokens)
+    return {"val": float(lm_loss(logits, labels)), "tokens": token_counts(logits, labels),
+            "rows": float(len(labels))}
+
+
+def held_counts(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict[str, Any]:
+    """Per plan, a one-device metric loop ported as it is: (correct tokens, tokens) counted in
+    the loss function given to run.evaluate (each cp rank's slice) and summed with
+    run.all_reduce(sliced=True); the rows counted there too (every cp rank sees every row of
+    its replica) and summed with sliced=False; the same token counts from model(x) on the
+    loader's rows, summed with sliced=False (not under a pipeline, whose model runs only
+    through its schedule); and what run.all_reduce says without sliced. ``jobs``: (plan, the
+    model HELD_MODELS names)."""
+    from plait.runtime import init
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for plan, name in jobs:
+        run = init(plan, quiet=True)
+        try:
+            out[plan] = _held_counts_run(run, HELD_MODELS[name]())
+        finally:
+            run.close()
+    return out
+
+
+def _held_counts_run(run: Any, model: nn.Module) -> dict[str, Any]:
+    model = run.parallelize(model)
+    held = next(iter(run.loader(held_set(), batch_size=HELD, steps=1, evaluation=True)))
+    counts, rows = torch.zeros(2), torch.zeros(())
+
+    def scored(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        counts.add_(token_counts(logits, labels).cpu())
+        rows.add_(len(labels))
+        return lm_loss(logits, labels)
+
+    # The first call with a new loss function on sequence labels runs it once more (the
+    # first labels set to -100: whether it leaves them out, under any plan), so the counts
+    # are taken from the second call on, as a loop zeroing them before each call does.
+    run.evaluate(model, held, scored)
+    counts.zero_()
+    rows.zero_()
+    got: dict[str, Any] = {"val": float(run.evaluate(model, held, scored))}
+    got["tokens"] = run.all_reduce(counts, sliced=True)
+    got["rows"] = float(run.all_reduce(rows, sliced=False))
+    if run.plan.pp == 1:
+        tokens, labels = held
+        with torch.no_grad():
+            logits = model(tokens.to(run.device))
+        got["outputs"] = run.all_reduce(token_counts(logits, labels.to(run.device)),
+                                        sliced=False)
+    try:
+        run.all_reduce(counts)
+        got["refused"] = ""
+    except ValueError as exc:
+        got["refused"] = str(exc)
+    return got

@@ -62,6 +62,33 @@ def test_a_models_own_weighted_loss_under_a_pipeline_with_data_replicas() -> Non
     _check_taggers(ranks)
 
 
+def _check_held(ranks: list[list[dict[str, Any]]]) -> None:
+    """Each holder's loss module is found: evaluated and trained as one device, silently."""
+    for exact in ranks[0]:
+        want = A.tagger_reference(exact["holder"])
+        _assert_as_one_device(exact, want)
+        assert abs(exact["evaluated"] - want["losses"][0]) <= 1e-5 * want["losses"][0], exact
+    for rank in ranks:
+        for job in rank:
+            assert job["warnings"] == [], (job["holder"], job["warnings"])
+
+
+def test_a_models_own_weighted_loss_held_outside_the_last_stage() -> None:
+    # The loss module held by the stem (registered before the blocks) or two levels down in
+    # the first block, both the first stage's modules, and called after the blocks: the last
+    # stage held a stand-in there, which refused the call ("embed.loss_fct is called on a
+    # pipeline stage that does not hold it"); in a first run.step, not run.evaluate, both
+    # ranks hung in the schedule instead. One held by a wrapper, registered first, was found.
+    jobs = [(holder, PIPELINE) for holder in A.HOLDERS]
+    _check_held(run_distributed(A.train_taggers, 2, jobs, timeout=180))
+
+
+@pytest.mark.slow
+def test_a_models_own_weighted_loss_held_outside_the_last_stage_with_data_replicas() -> None:
+    jobs = [(holder, f"dp=2,{PIPELINE}") for holder in A.HOLDERS]
+    _check_held(run_distributed(A.train_taggers, 4, jobs, timeout=300))
+
+
 def test_cross_attention_to_a_second_input_trains_as_one_device_under_cp() -> None:
     # An encoder-decoder plait cannot name (forward(src, tgt), no config): both inputs are
     # cut at the same positions and the keys gathered whole, so its cross-attention is one

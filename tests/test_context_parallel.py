@@ -606,3 +606,28 @@ def test_zero_bubble_with_cp_and_data_or_tensor_parallelism_at_world8(gated_data
                                        lm_batches, W.lm_loss)], timeout=600)[0]
     for result in tp:
         _assert_matches(block_ref["deep_block_lm"], result)
+
+
+def test_held_out_counts_under_cp_are_one_devices():
+    """A one-device metric loop ported as it is under cp=4, dp=2,cp=2, fsdp=2,cp=2 and
+    cp=2,pp=2: token accuracy counted in the loss function given to run.evaluate (each cp
+    rank's slice; the last stage's under a pipeline) and summed with
+    run.all_reduce(sliced=True), rows counted there and the same token counts from model(x)
+    (the whole sequence on every cp rank) summed with sliced=False, all one device's counts
+    exactly; without sliced, refused naming both."""
+    jobs = [("cp=4", "causal"), ("dp=2,cp=2", "causal"), ("fsdp=2,cp=2", "causal"),
+            ("cp=2,pp=2,microbatches=2", "block")]
+    got = run_distributed(W.held_counts, 4, jobs, timeout=180)
+    for plan, name in jobs:
+        want = W.held_counts_reference(name)
+        assert 0 < want["tokens"][0] < want["tokens"][1], want  # hits, but not every token
+        for rank in got:
+            result = rank[plan]
+            assert result["val"] == pytest.approx(want["val"], rel=1e-5), (plan, result)
+            assert torch.equal(result["tokens"], want["tokens"]), (plan, result, want)
+            assert result["rows"] == want["rows"], (plan, result)
+            if "pp" not in plan:
+                assert torch.equal(result["outputs"], want["tokens"]), (plan, result, want)
+            said = result["refused"]
+            assert said.startswith("run.all_reduce under cp=") and "sliced=True" in said, said
+            assert "sliced=False" in said and "model(x)" in said, said

@@ -12,7 +12,7 @@ stage this rank owns a *stage module*: a shallow copy of the model in which
   those it calls after it (final norm, head) on the last stage only, whatever order the model
   registers them in (seen in one fake-tensor forward; registration order where none runs);
   elsewhere they are skipped too. Modules without parameters (activations, rotary tables) stay
-  everywhere.
+  everywhere, and so do the loss modules a skipped module holds (:func:`keep_loss_modules`).
 
 The model's own ``forward`` then runs unchanged on each stage: a skipped embedding (or vision
 stem) passes the previous stage's hidden states through, skipped blocks do nothing. Its first
@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from torch.nn.modules.loss import _Loss
 
 from .._torch_compat import is_view, own_hook_registries
 from ..partition import balanced_partition, even_split
@@ -209,6 +210,24 @@ class PipelineSkip(StandIn):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._shaped(self._receive(args, kwargs))
+
+
+def keep_loss_modules(stand_in: nn.Module, owned: nn.Module, name: str) -> None:
+    """Give ``stand_in`` the loss modules (``torch.nn`` losses) ``owned`` holds, under their
+    one-device names: a model may keep its loss (a class-weighted ``nn.CrossEntropyLoss``)
+    in a module another stage owns (its stem, a block) and call it after the blocks, on the
+    last stage, which then holds it, moves it to its device with the stage and finds its
+    class weights (:func:`plait.mean_probe.weighted_module_count`). A loss module has no
+    parameters: nothing is trained twice. Modules between ``owned`` and a loss module are
+    stand-ins too."""
+    for key, child in owned.named_children():
+        if isinstance(child, _Loss):
+            stand_in._modules[key] = child  # add_module would find the Settings entry
+        elif child is not None and any(isinstance(m, _Loss) for m in child.modules()):
+            at = f"{name}.{key}"
+            inner = PipelineSkip(None, at, Settings(child, at), _returns_tuple(child))
+            keep_loss_modules(inner, child, at)
+            stand_in._modules[key] = inner
 
 
 def _returns_tuple(module: nn.Module) -> int:
@@ -787,7 +806,10 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                     reads = handed_on if idx == spec.end else None
                     stand_in = PipelineZero if name in zero else PipelineSkip
                     settings = None if block is None else Settings(block, name)
-                    clone._modules[key] = stand_in(reads, name, settings, spec.block_tuple)
+                    skipped = stand_in(reads, name, settings, spec.block_tuple)
+                    if block is not None:
+                        keep_loss_modules(skipped, block, name)
+                    clone._modules[key] = skipped
             return clone
         # Parameters held directly by a module on the path (a ``logit_scale`` or a gate the
         # forward uses before, between or after the blocks) stay on every stage: the clone
@@ -812,6 +834,7 @@ def build_stage_module(model: nn.Module, path: str, spec: StageSpec) -> nn.Modul
                                 else PipelineSkip)
                     replaced = stand_in(None, name, Settings(child, name),
                                         _returns_tuple(child))
+                    keep_loss_modules(replaced, child, name)
                     if later:  # a stage before the last stops at its blocks' end, so a call
                         # of this stand-in there is the forward calling it before the blocks
                         replaced.register_forward_pre_hook(

@@ -145,6 +145,16 @@ def test_spmd_layouts_train_what_one_cpu_trains(spmd):
     assert mlp["evaluated"] == pytest.approx(mlp["ref_evaluated"], rel=1e-4, abs=2e-4)
 
 
+@pytest.mark.timeout(CASE_TIMEOUT)
+def test_run_all_reduce_is_refused_under_spmd_with_the_reason():
+    # One process holds every device's share of the batch: there is nothing to sum across
+    # ranks, with or without sliced (context parallelism's keyword).
+    said = run_case("all_reduce", 4)
+    for sliced, message in said.items():
+        assert message.startswith("run.all_reduce is not available on XLA (SPMD)"), (sliced,
+                                                                                       message)
+
+
 # ------------------------------------------------------------------------- example=
 @pytest.mark.timeout(CASE_TIMEOUT)
 def test_an_example_of_a_two_input_forward_is_what_tp_is_inferred_and_checked_on():

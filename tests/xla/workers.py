@@ -170,6 +170,21 @@ def case_spmd() -> dict:
     return out
 
 
+def case_all_reduce() -> dict:
+    """What ``run.all_reduce`` says under SPMD (4 XLA devices, one process), with ``sliced``
+    left out and given: {sliced: the message, or "summed"}."""
+    run = plait.init("dp_replicate=4", accelerator="xla", quiet=True)
+    said = {}
+    for sliced in (None, True, False):
+        try:
+            run.all_reduce(torch.ones(2), sliced=sliced)
+            said[str(sliced)] = "summed"
+        except ValueError as exc:
+            said[str(sliced)] = str(exc)
+    run.finish(print_summary=False)
+    return said
+
+
 # ------------------------------------------------------------------ models users bring
 V, S = 32, 8  # vocabulary, longest sequence
 
