@@ -45,29 +45,30 @@ def row(name: str, seq: int) -> dict[str, float]:
     if name in H.MODELS:
         factory, block = H.MODELS[name]
 
-        def batch(rows: int) -> torch.Tensor:
+        def batch(rows: int) -> Any:
             return H.batch(rows, seq)
     else:
         factory, block = I.MODELS[name][0], "blocks.1"
 
-        def batch(rows: int) -> torch.Tensor:
+        def batch(rows: int) -> Any:
             return I.batch(name, rows, seq)
     torch.manual_seed(0)
     model = factory()
     stats = load_model(factory())
     c = Constants(flash_attention=False)
+    side = stats.cross_attentions > 0  # the encoder's output it reads: priced once, aside
     out: dict[str, float] = {}
     flops, _ = I.measured_block(model, batch(2), block)
     out["flops"] = stats.block_flops_per_token(seq) * 2 * seq / flops
     counter: Any = I.flop_counter()
     with counter:
-        model(batch(2))
+        I.run(model, batch(2))
     whole = (stats.n_layers * stats.block_flops_per_token(seq)
-             + stats.head_flops_per_token(seq)) * 2 * seq
+             + stats.head_flops_per_token(seq)) * 2 * seq + stats.more_stacks_flops(2, seq, {})
     out["whole_flops"] = whole / counter.get_total_flops()
     for label, bf16, size in (("fp32", False, 4), ("bf16", True, 2)):
-        two = I.measured_block(model, batch(2), block, bf16)[1]
-        four = I.measured_block(model, batch(4), block, bf16)[1]
+        two = I.measured_block(model, batch(2), block, bf16, side)[1]
+        four = I.measured_block(model, batch(4), block, bf16, side)[1]
         per_row = (four - two) / 2
         out[label] = activation_bytes_per_block(stats, 1, seq, 1, False, size, c) / per_row
         out[label + "_plan"] = activation_bytes_per_block(stats, 1, seq, 1, False, size,

@@ -49,8 +49,8 @@ def _eager(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
 MODELS: list[tuple[str, Callable[[], nn.Module], Callable[[], nn.Module]]] = [
     ("written_for_the_test", T.seq2seq, T.seq2seq),
     ("written_gated", T.gated_seq2seq, T.gated_seq2seq),
-    ("hf_t5", _eager(T.hf_t5), T.hf_t5),
-    ("hf_t5_gated", _eager(T.hf_t5_gated), T.hf_t5_gated),
+    ("hf_t5", _eager(T.hf_t5), _eager(T.hf_t5)),
+    ("hf_t5_gated", _eager(T.hf_t5_gated), _eager(T.hf_t5_gated)),
 ]
 
 

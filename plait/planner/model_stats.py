@@ -53,6 +53,10 @@ class MoreStack:
     attentions: int = 1
     side_matmul_params: int = 0
     cross_attentions: int = 0
+    # what one of its blocks saves beyond the formula's count and its scores, measured as the
+    # main stack's (:attr:`ModelStats.saved_extra`, :attr:`ModelStats.saved_scores`)
+    saved_extra: tuple[float, float] = (0.0, 0.0)
+    saved_scores: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -315,7 +319,8 @@ class ModelStats:
             self, attentions=more.attentions, side_matmul_params=more.side_matmul_params,
             cross_attentions=more.cross_attentions,
             block_matmul_params=self.block_matmul_params if more.matmul_params is None
-            else more.matmul_params)
+            else more.matmul_params, saved_extra=more.saved_extra,
+            saved_scores=more.saved_scores)
 
     def head_flops_per_token(self, seq: int) -> float:
         """Forward FLOPs outside the blocks per token at sequence length ``seq``: as counted
@@ -787,6 +792,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                        norm_copy=_unfused_norms(ref, hidden),
                        act_saved=_saved_by(_activation(ref)))
     stats = _measured_saves(stats, ref, model)
+    stats = dataclasses.replace(stats, more_stacks=tuple(
+        _measured_stack(stats, m, model) for m in stats.more_stacks))
     stats = dataclasses.replace(stats, outside_flops=_outside_flops(
         model, blocks, more, hidden, vocab, example))
     # a model of several stacks run on the user's input: the length each stack receives
@@ -844,15 +851,16 @@ def _measured_saves(stats: ModelStats, block: Any, model: Any = None) -> ModelSt
     feed-forward's others: the down projection's input, and a gated one's gate and up
     outputs), and the bytes per token the formula then still misses, in each compute dtype
     (:attr:`ModelStats.saved_extra`); ``block`` runs with the arguments ``model``'s forward
-    hands it. Unchanged for a block that reads another stack's output (its cross-attention,
-    priced on the source's tokens) or that does not run."""
+    hands it (a block whose cross-attention reads another stack's output, with that output,
+    which :func:`plait.planner.memory.side_input_bytes` prices once for the stack). Unchanged
+    for a block that does not run."""
     from .cost import Constants
     from .memory import activation_bytes_per_block
     from .saved import measure
 
-    if stats.cross_attentions or stats.ffn <= stats.hidden:
+    if stats.ffn <= stats.hidden:
         return stats
-    got = measure(block, stats.hidden, stats.ffn, model)
+    got = measure(block, stats.hidden, stats.ffn, model, side=stats.cross_attentions > 0)
     if got is None:
         return stats
     act = got.ffn_wide - (3 if stats.mlp == "swiglu" else 1)
@@ -863,6 +871,30 @@ def _measured_saves(stats: ModelStats, block: Any, model: Any = None) -> ModelSt
                   for measured, size in ((got.fp32, 4), (got.bf16, 2)))
     return dataclasses.replace(stats, saved_extra=(extra[0], extra[1]),
                                saved_scores=got.scores if stats.attention else None)
+
+
+def _measured_stack(stats: ModelStats, more: MoreStack, model: Any) -> MoreStack:
+    """``more`` with what one of its blocks (its largest) saves measured as the main stack's
+    (:func:`_measured_saves`, on the further stack's own block shape): an encoder's block,
+    without the decoder's cross-attention, is not priced by the decoder block's figures."""
+    path = more.first.rsplit(".", 1)[0]
+    blocks = list(model.get_submodule(path).children())
+    block = max(blocks, key=lambda b: sum(p.numel() for p in b.parameters()))
+    own = stats.stack_block(dataclasses.replace(more, saved_extra=(0.0, 0.0),
+                                                saved_scores=None))
+    from .cost import Constants
+    from .memory import activation_bytes_per_block
+
+    got = _measured_saves(own, block, model)
+    # the stack is priced with the main stack's activation: what the formula then counts
+    # differently from the measured block's own goes into its extra
+    flash = Constants(flash_attention=True)
+    extra = tuple(e + activation_bytes_per_block(got, 1, 1, 1, False, size, flash)
+                  - activation_bytes_per_block(dataclasses.replace(got, act_saved=own.act_saved),
+                                               1, 1, 1, False, size, flash)
+                  for e, size in zip(got.saved_extra, (4, 2), strict=True))
+    return dataclasses.replace(more, saved_extra=(extra[0], extra[1]),
+                               saved_scores=got.saved_scores)
 
 
 def _activation(block: Any) -> Any:

@@ -61,12 +61,14 @@ class _ReachedError(Exception):
 def _inputs(model: Any, block: Any, rows: int, hidden: int, bf16: bool
             ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """The arguments ``model``'s own forward on ``rows`` x :data:`SEQ` token ids of zeros
-    hands ``block`` (its first call), under CPU bf16 autocast with ``bf16``: a decoder
-    layer's rotary ``position_embeddings``, its attention mask in the dtype the model makes
-    it (an fp32 mask added to bf16 scores makes the softmax fp32), its position ids; the
-    forward stops there. ``use_cache=False`` where the forward takes it (no key/value cache
-    kept). Every parameter and buffer a zero expanded to its shape: no memory, whatever the
-    embedding's size. None where the forward does not reach ``block`` so, or where the block's
+    (as its one argument, else as each of its ``*input_ids``: an encoder-decoder's source
+    and target) hands ``block`` (its first call), under CPU bf16 autocast with ``bf16``: a
+    decoder layer's rotary ``position_embeddings``, its attention mask in the dtype the model
+    makes it (an fp32 mask added to bf16 scores makes the softmax fp32), its position ids, a
+    decoder block's encoder hidden states and position bias; the forward stops there.
+    ``use_cache=False`` where the forward takes it (no key/value cache kept). Every
+    parameter and buffer a zero expanded to its shape: no memory, whatever the embedding's
+    size. None where the forward does not reach ``block`` so, or where the block's
     first tensor argument is not its (rows, seq, hidden) input."""
     import inspect
 
@@ -82,16 +84,28 @@ def _inputs(model: Any, block: Any, rows: int, hidden: int, bf16: bool
         raise _ReachedError
 
     ids = torch.zeros(rows, SEQ, dtype=torch.long)
-    handle = block.register_forward_pre_hook(reached, with_kwargs=True)
     try:
         takes = inspect.signature(model.forward).parameters
-        extra = {"use_cache": False} if "use_cache" in takes else {}
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            functional_call(model, state, (ids,), extra)
-    except _ReachedError:
-        pass
-    except Exception:  # noqa: BLE001 - a model that does not run on token ids
+    except (TypeError, ValueError):
         return None
+    extra = {"use_cache": False} if "use_cache" in takes else {}
+    # the ids as the one argument; else, for a forward that needs more (an encoder-decoder's
+    # ``forward(input_ids, decoder_input_ids)``), every input Hugging Face names ``*input_ids``
+    named = {n: ids for n in takes if n.endswith("input_ids")}
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [((ids,), extra)]
+    if len(named) > 1:
+        calls.append(((), {**named, **extra}))
+    handle = block.register_forward_pre_hook(reached, with_kwargs=True)
+    try:
+        for args, kwargs in calls:
+            try:
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16,
+                                                     enabled=bf16):
+                    functional_call(model, state, args, kwargs)
+            except _ReachedError:
+                break
+            except Exception:  # noqa: BLE001 - a model that does not run on these inputs
+                continue
     finally:
         handle.remove()
     if not got:
@@ -104,13 +118,17 @@ def _inputs(model: Any, block: Any, rows: int, hidden: int, bf16: bool
 
 
 def _forward(block: Any, state: dict[str, Any], hidden: int, ffn: int, rows: int,
-             bf16: bool, model: Any = None) -> tuple[int, int, int]:
+             bf16: bool, model: Any = None, side: bool = False) -> tuple[int, int, int]:
     """(bytes of the distinct non-parameter storages one forward of ``block`` on a
     ``rows`` x :data:`SEQ` x ``hidden`` input of zeros saves, scores aside; of those, the
     tensors of ``rows * SEQ`` ffn-wide rows; bytes of the (seq x seq) scores saved),
     ``state`` its tensors; ``bf16``: under CPU bf16 autocast. With ``model``, the block's
     other arguments are those the model's forward hands it (:func:`_inputs`), where it runs
-    so; else the input alone."""
+    so; else the input alone. With ``side`` (a block whose cross-attention reads another
+    stack's output), a ``hidden``-wide tensor it is handed besides its input is that output:
+    one tensor every block of the stack reads, priced once beside the blocks
+    (:func:`plait.planner.memory.side_input_bytes`), so its storage is not counted here (a
+    copy of it the block makes, autocast's cast per Linear reading it, is)."""
     import torch
     from torch.func import functional_call
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -142,14 +160,24 @@ def _forward(block: Any, state: dict[str, Any], hidden: int, ffn: int, rows: int
         first = next(a for a in (*made[0], *made[1].values()) if isinstance(a, torch.Tensor))
         args = tuple(x if a is first else a for a in made[0])
         kwargs = {k: x if v is first else v for k, v in made[1].items()}
+        if side:
+            params |= {StorageWeakRef(a.untyped_storage())
+                       for a in (*made[0], *made[1].values())
+                       if isinstance(a, torch.Tensor) and a is not first and a.dim() >= 2
+                       and a.shape[-1] == hidden}
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         functional_call(block, state, args, kwargs)
     return sum(saved.values()), len(wide), sum(scores.values())
 
 
-def measure(block: Any, hidden: int, ffn: int, model: Any = None) -> BlockSaved | None:
+def measure(block: Any, hidden: int, ffn: int, model: Any = None, side: bool = False
+            ) -> BlockSaved | None:
     """What ``block`` (one of ``model``'s, where given) saves per token (:class:`BlockSaved`),
+    ``side``: its cross-attention reads another stack's output, which it is handed with the
+    other arguments the model's forward makes (the encoder's hidden states, its mask, a
+    position bias), that output's own storage left out (:func:`_forward`); what scales with
+    the other stack's tokens is measured at :data:`SEQ` of them, per token of the block's own,
     in training mode (its dropout masks saved, the global random state untouched), its own
     modes restored after; None where it cannot be measured so, or where it holds hooks or
     DTensors (a block already laid out, whose forward would run them). A block of up to
@@ -178,8 +206,8 @@ def measure(block: Any, hidden: int, ffn: int, model: Any = None) -> BlockSaved 
                 p.is_floating_point()) for k, p in block.named_parameters()}
             state.update({k: torch.zeros(b.shape, dtype=b.dtype)
                           for k, b in block.named_buffers()})
-            fp32 = [_forward(block, state, hidden, ffn, r, False, model) for r in ROWS]
-            bf16 = [_forward(block, state, hidden, ffn, r, True, model) for r in ROWS]
+            fp32 = [_forward(block, state, hidden, ffn, r, False, model, side) for r in ROWS]
+            bf16 = [_forward(block, state, hidden, ffn, r, True, model, side) for r in ROWS]
     except Exception:  # noqa: BLE001 - a block that does not run alone is not measured
         return None
     finally:
