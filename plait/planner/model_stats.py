@@ -337,6 +337,17 @@ class ModelStats:
         (an embedding lookup)."""
         return self.outside_flops.before if self.outside_flops is not None else 0.0
 
+    def outside_flops_per_rank(self, seq: int, tp: int) -> tuple[float, float]:
+        """(forward FLOPs per token before the blocks, outside them after) that each of
+        ``tp`` tensor-parallel ranks runs at sequence length ``seq``: a module the plan splits
+        (a vocabulary-parallel head) 1/tp of its FLOPs, the rest (a patchify convolution, a
+        projection, a classifier the plan leaves whole) all of them, as every rank runs it
+        (:meth:`plait.planner.outside_flops.Outside.per_rank_at`); the language model's
+        formula, its head split by the vocabulary, ``(0, 2 x hidden x vocab / tp)``."""
+        if self.outside_flops is not None:
+            return self.outside_flops.per_rank_at(seq, tp)
+        return 0.0, self.head_flops_per_token(seq) / tp
+
     def model_flops(self, tokens: float, seq: int, recompute_layers: float = 0.0,
                     side_seq: int | None = None) -> float:
         """Training FLOPs (forward + backward = 3x forward) for ``tokens`` tokens of length
@@ -795,7 +806,7 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     stats = dataclasses.replace(stats, more_stacks=tuple(
         _measured_stack(stats, m, model) for m in stats.more_stacks))
     stats = dataclasses.replace(stats, outside_flops=_outside_flops(
-        model, blocks, more, hidden, vocab, example))
+        model, blocks, more, hidden, vocab, example, found))
     # a model of several stacks run on the user's input: the length each stack receives
     lengths = _stack_lengths(model, stats, example)
     if lengths:
@@ -804,14 +815,16 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
 
 
 def _outside_flops(model: Any, blocks: list[Any], more: tuple[MoreStack, ...],
-                   hidden: int, vocab: int, example: Any) -> Outside | None:
+                   hidden: int, vocab: int, example: Any,
+                   found: tuple[Any, bool] | None = None) -> Outside | None:
     """Forward FLOPs outside the main stack's ``blocks`` and the further stacks' (``more``),
     counted on one forward on fake tensors of ``example`` or, without one, of the input
     :func:`plait.parallel.tp_example.example_call` guesses (:mod:`plait.planner
-    .outside_flops`). None where what lies outside is a language model's: embeddings, norms
-    and a ``hidden`` x ``vocab`` head, which the formula prices as they run (no forward, no
-    fake-tensor mode, whose construction imports ``torch._dynamo``: seconds of a ``plait
-    plan``)."""
+    .outside_flops`), those of the modules outside the blocks that the plan ``found`` splits
+    apart (:func:`_split_outside`). None where what lies outside is a language model's:
+    embeddings, norms and a ``hidden`` x ``vocab`` head, which the formula prices as they
+    run (no forward, no fake-tensor mode, whose construction imports ``torch._dynamo``:
+    seconds of a ``plait plan``)."""
     from plait.parallel.tp_example import example_call
 
     from .outside_flops import measure
@@ -820,7 +833,30 @@ def _outside_flops(model: Any, blocks: list[Any], more: tuple[MoreStack, ...],
               for b in model.get_submodule(m.first.rsplit(".", 1)[0]).children()]
     if _language_model_ends(model, [*blocks, *others], hidden, vocab):
         return None
-    return measure(model, blocks, others, example, example_call)
+    return measure(model, blocks, others, example, example_call,
+                   _split_outside(model, [*blocks, *others], found))
+
+
+def _split_outside(model: Any, blocks: list[Any], found: tuple[Any, bool] | None
+                   ) -> list[Any]:
+    """The modules outside ``blocks`` whose weight the tensor-parallel plan ``found`` splits
+    (a vocabulary-parallel head, a Linear a user's plan shards), outermost first: each tp
+    rank runs 1/tp of their FLOPs. A stem, a projection or a classifier the plan does not
+    name runs whole on every rank. None without a plan: no tp layout to price."""
+    from plait.parallel.tp_plans import LINEAR_STYLES, glob_regex
+
+    if found is None:
+        return []
+    inside = {id(m) for b in blocks for m in b.modules()}
+    splits = [glob_regex(g) for g, style in found[0].styles.items()
+              if style in (*LINEAR_STYLES, "vocab_head")]
+    out: list[Any] = []
+    for name, module in model.named_modules():
+        if id(module) in inside or not name or not any(r.match(name) for r in splits):
+            continue
+        if not any(module in set(o.modules()) for o in out):  # not inside one already held
+            out.append(module)
+    return out
 
 
 def _language_model_ends(model: Any, blocks: list[Any], hidden: int, vocab: int) -> bool:
