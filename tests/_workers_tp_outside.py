@@ -32,7 +32,7 @@ class Attention(nn.Module):
         q, k, v = (f(x).view(b, s, -1, self.head_dim).transpose(1, 2)
                    for f in (self.q, self.k, self.v))
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
-        causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
         return self.o((probs @ v).transpose(1, 2).reshape(b, s, -1))
 
