@@ -1,9 +1,10 @@
 """The planner's price of one block against torch's own counters, on models written the way
 users write them (tests/_planner_idioms.py: functional activations, SwiGLU, a Python RMSNorm,
 rotary embeddings, ALiBi, a ViT's conv stem, a tied head, dropout on the attention
-probabilities, a gated MLP with biases), and on tiny Hugging Face transformers models built
-from configs (tests/_planner_hf.py, rows ``hf_*``: Llama and Qwen2, GPT-2 and BERT in eager
-and SDPA attention, T5's encoder, and T5 whose decoder blocks read the encoder's output).
+probabilities, a gated MLP with biases, an encoder-decoder ``enc_dec`` whose decoder blocks
+read the encoder's output), and on tiny Hugging Face transformers models built from configs
+(tests/_planner_hf.py, rows ``hf_*``: Llama and Qwen2, GPT-2 and BERT in eager and SDPA
+attention, T5's encoder, and T5 whose decoder blocks read the encoder's output).
 
     python bench/planner_idioms.py [--seq 16] [--out bench/results/planner_idioms_cpu.txt]
 
@@ -14,10 +15,14 @@ For each model, its second block (``blocks.1``; ``model.layers.1``, ...): forwar
 device, scores materialised, against the distinct non-parameter storages
 ``torch.autograd.graph.saved_tensors_hooks`` sees, taken as the difference between a forward
 on 4 rows and one on 2 rows, so what is saved once whatever the batch, autocast's bf16 weight
-copies, cancels), in fp32 and under CPU bf16 autocast; the "dflt" columns price them with
+copies, cancels; a decoder block's storage of the encoder output it reads left out: one
+tensor for all the stack's blocks, priced once beside them by
+``plait.planner.memory.side_input_bytes``), in fp32 and under CPU bf16 autocast; the "dflt"
+columns price them with
 the constants ``plait plan`` uses (flash attention: no scores unless the block is measured
 to save them, as these blocks' matmul attention does). Also the whole forward's FLOPs
-(blocks and what runs outside them) against the counter's. Ratio = planner / torch (FLOPs:
+(the main stack's blocks, a further stack's, and what runs outside them) against the
+counter's. Ratio = planner / torch (FLOPs:
 ``FlopCounterMode`` with CPU's flash attention counted by torch's own formula). ``sdpa``'s
 fp32/bf16 columns price the (seq x seq) scores the formula assumes without flash attention,
 which CPU's flash kernel does not save.
