@@ -194,6 +194,13 @@ class ModelStats:
     # ``saved_extra``; None: Korthikanti's count (softmax output, with dropout its mask and
     # its dropped copy, in the compute dtype).
     saved_scores: tuple[float, float] | None = None
+    # A block whose cross-attention reads another stack, measured at two lengths of it: the
+    # bytes it saves per token of that stack beyond the formula's count (autocast's cast of
+    # the stack's output per key and value projection), and its cross-attention's scores per
+    # query and key (``saved_scores`` then the self-attention's); fp32 and under autocast.
+    # (0, 0) and None: not told apart, all per token of the block's own stack.
+    saved_side: tuple[float, float] = (0.0, 0.0)
+    saved_cross_scores: tuple[float, float] | None = None
     # Forward FLOPs outside the blocks, counted on one forward (module factories): a stem, a
     # projection before the stack, a head per token or on one pooled row
     # (plait.planner.outside_flops); None: the head's 2 x hidden x vocab per token.
@@ -903,6 +910,19 @@ def _measured_saves(stats: ModelStats, block: Any, model: Any = None) -> ModelSt
     if act >= 0:
         stats = dataclasses.replace(stats, act_saved=act)
     flash = Constants(flash_attention=True)  # the formula per token, scores aside
+    if got.side is not None:  # told apart: per own token (no other stack), per its token
+        own = [activation_bytes_per_block(stats, 1, 1, 1, False, size, flash, side_seq=0)
+               for size in (4, 2)]
+        side = tuple(measured - activation_bytes_per_block(stats, 1, 1, 1, False, size, flash,
+                                                           side_seq=1) + mine
+                     for measured, size, mine in zip(got.side, (4, 2), own, strict=True))
+        extra = tuple(measured - mine for measured, mine in zip((got.fp32, got.bf16), own,
+                                                                strict=True))
+        return dataclasses.replace(stats, saved_extra=(extra[0], extra[1]),
+                                   saved_side=(side[0], side[1]),
+                                   saved_scores=got.scores if stats.attention else None,
+                                   saved_cross_scores=got.cross_scores
+                                   if stats.attention else None)
     extra = tuple(measured - activation_bytes_per_block(stats, 1, 1, 1, False, size, flash)
                   for measured, size in ((got.fp32, 4), (got.bf16, 2)))
     return dataclasses.replace(stats, saved_extra=(extra[0], extra[1]),
