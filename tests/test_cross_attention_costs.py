@@ -218,12 +218,13 @@ def test_the_python_api_reads_each_stacks_length_off_the_users_batch() -> None:
         priced(seq=16, stack_seqs={"decoder.block.0": 64})
 
 
-def _saved_per_row(model: nn.Module, rows: int, src: int, tgt: int, bf16: bool) -> float:
-    """Bytes of the distinct storages (parameters and the encoder's output aside) that
-    ``decoder.block.1`` saves for backward per row: a forward on ``2 * rows`` rows less one
-    on ``rows``, so what a forward saves once whatever its rows (autocast's bf16 copies of
-    the weights) cancels; under CPU bf16 autocast with ``bf16``."""
-    block = model.get_submodule("decoder.block.1")
+def _saved_per_row(model: nn.Module, name: str, rows: int, src: int, tgt: int, bf16: bool
+                   ) -> float:
+    """Bytes of the distinct storages (parameters and the encoder's output aside) that block
+    ``name`` saves for backward per row: a forward on ``2 * rows`` rows less one on ``rows``,
+    so what a forward saves once whatever its rows (autocast's bf16 copies of the weights)
+    cancels; under CPU bf16 autocast with ``bf16``."""
+    block = model.get_submodule(name)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def one(n: int) -> int:
@@ -266,14 +267,20 @@ def test_a_decoder_block_saves_what_it_is_priced_at_in_fp32_and_under_autocast(
     autocast's cast of the source per key and value projection, the cross-attention's
     scores) is priced on the source's tokens and the rest on the target's: the bytes it
     saves per row equal torch's at (source, target) = (64, 16) and (24, 40), fp32 and under
-    CPU bf16 autocast, eager attention and SDPA's (whose kernel saves its own tensors)."""
+    CPU bf16 autocast, eager attention and SDPA's (whose kernel saves its own tensors); an
+    encoder block, measured on its own, likewise."""
     model, stats = factory(), load_model(factory())
     model.train()
     c = Constants(flash_attention=False)
+    encoder = stats.stack_block(stats.more_stacks[0])
     ratios = {}
     for _, src, tgt in SHAPES:
         for bf16, size in ((False, 4), (True, 2)):
-            priced = activation_bytes_per_block(stats, 1, tgt, 1, False, size, c, side_seq=src)
-            ratios[(src, tgt, size)] = round(priced / _saved_per_row(model, 2, src, tgt, bf16),
-                                             4)
+            priced = {"decoder.block.1": activation_bytes_per_block(
+                          stats, 1, tgt, 1, False, size, c, side_seq=src),
+                      "encoder.block.1": activation_bytes_per_block(
+                          encoder, 1, src, 1, False, size, c, side_seq=tgt)}
+            for block, price in priced.items():
+                ratios[(block, src, tgt, size)] = round(
+                    price / _saved_per_row(model, block, 2, src, tgt, bf16), 4)
     assert set(ratios.values()) == {1.0}, (name, ratios)

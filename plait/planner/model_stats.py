@@ -57,6 +57,8 @@ class MoreStack:
     # main stack's (:attr:`ModelStats.saved_extra`, :attr:`ModelStats.saved_scores`)
     saved_extra: tuple[float, float] = (0.0, 0.0)
     saved_scores: tuple[float, float] | None = None
+    saved_side: tuple[float, float] = (0.0, 0.0)
+    saved_cross_scores: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -327,7 +329,8 @@ class ModelStats:
             cross_attentions=more.cross_attentions,
             block_matmul_params=self.block_matmul_params if more.matmul_params is None
             else more.matmul_params, saved_extra=more.saved_extra,
-            saved_scores=more.saved_scores)
+            saved_scores=more.saved_scores, saved_side=more.saved_side,
+            saved_cross_scores=more.saved_cross_scores)
 
     def head_flops_per_token(self, seq: int) -> float:
         """Forward FLOPs outside the blocks per token at sequence length ``seq``: as counted
@@ -937,7 +940,8 @@ def _measured_stack(stats: ModelStats, more: MoreStack, model: Any) -> MoreStack
     blocks = list(model.get_submodule(path).children())
     block = max(blocks, key=lambda b: sum(p.numel() for p in b.parameters()))
     own = stats.stack_block(dataclasses.replace(more, saved_extra=(0.0, 0.0),
-                                                saved_scores=None))
+                                                saved_scores=None, saved_side=(0.0, 0.0),
+                                                saved_cross_scores=None))
     from .cost import Constants
     from .memory import activation_bytes_per_block
 
@@ -950,7 +954,8 @@ def _measured_stack(stats: ModelStats, more: MoreStack, model: Any) -> MoreStack
                                                1, 1, 1, False, size, flash)
                   for e, size in zip(got.saved_extra, (4, 2), strict=True))
     return dataclasses.replace(more, saved_extra=(extra[0], extra[1]),
-                               saved_scores=got.saved_scores)
+                               saved_scores=got.saved_scores, saved_side=got.saved_side,
+                               saved_cross_scores=got.saved_cross_scores)
 
 
 def _activation(block: Any) -> Any:
