@@ -852,7 +852,7 @@ def _split_outside(model: Any, blocks: list[Any], found: tuple[Any, bool] | None
     """The modules outside ``blocks`` whose weight the tensor-parallel plan ``found`` splits
     (a vocabulary-parallel head, a Linear a user's plan shards), outermost first: each tp
     rank runs 1/tp of their FLOPs. A stem, a projection or a classifier the plan does not
-    name runs whole on every rank. None without a plan: no tp layout to price."""
+    name runs whole on every rank. Empty without a plan."""
     from plait.parallel.tp_plans import LINEAR_STYLES, glob_regex
 
     if found is None:

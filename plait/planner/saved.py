@@ -90,8 +90,9 @@ def _inputs(model: Any, block: Any, rows: int, hidden: int, bf16: bool,
     makes it (an fp32 mask added to bf16 scores makes the softmax fp32), its position ids, a
     decoder block's encoder hidden states and position bias; the forward stops there, and
     the length the other stack ran on comes third. With ``other``, first each of the
-    ``*input_ids`` in turn of :data:`SEQ` tokens and the rest of ``other`` (the block's own
-    stack on :data:`SEQ`, the stack it reads on ``other``). ``use_cache=False`` where the
+    ``*input_ids`` in turn, the last first (a decoder's, named after its source's), of
+    :data:`SEQ` tokens and the rest of ``other`` (the block's own stack on :data:`SEQ`, the
+    stack it reads on ``other``). ``use_cache=False`` where the
     forward takes it (no key/value cache kept). Every parameter and buffer a zero expanded to
     its shape: no memory, whatever the embedding's size. None where the forward does not
     reach ``block`` so, with its first tensor argument its (rows, seq, hidden) input."""
@@ -121,7 +122,7 @@ def _inputs(model: Any, block: Any, rows: int, hidden: int, bf16: bool,
     if other is not None and len(names) > 1:
         short = torch.zeros(rows, other, dtype=torch.long)
         calls += [((), {**{n: ids if n == own else short for n in names}, **extra}, other)
-                  for own in names]
+                  for own in reversed(names)]
     calls.append(((ids,), extra, SEQ))
     if len(names) > 1:
         calls.append(((), {**dict.fromkeys(names, ids), **extra}, SEQ))
