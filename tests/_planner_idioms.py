@@ -253,6 +253,69 @@ class ArgsLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class CrossAttention(nn.Module):
+    """Matmul attention of this stack's queries over another stack's ``memory`` (an
+    encoder's output): keys and values projected from it, no mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = HEADS, WIDTH // HEADS
+        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        b, t, s = x.shape[0], x.shape[1], memory.shape[1]
+        q = self.q(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k(memory).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.v(memory).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        out = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, t, -1)
+        return self.o(out)
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm causal self-attention, cross-attention over the encoder's output handed to
+    every block, and a GELU MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(WIDTH), Attention()
+        self.norm_c, self.cross = nn.LayerNorm(WIDTH), CrossAttention()
+        self.norm2, self.mlp = nn.LayerNorm(WIDTH), FunctionalMLP(F.gelu)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        x = x + self.cross(self.norm_c(x), memory)
+        return x + self.mlp(self.norm2(x))
+
+
+class EncDec(nn.Module):
+    """An encoder-decoder written by hand: a shared token embedding, an encoder stack of
+    :class:`Block` (causal, as the module is), its final norm, a decoder stack of
+    :class:`DecoderBlock` reading the encoder's output, a final norm and a head; its forward
+    takes the source and the target ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.encoder = nn.ModuleList(Block(Attention(), FunctionalMLP(F.gelu))
+                                     for _ in range(LAYERS))
+        self.enc_norm = nn.LayerNorm(WIDTH)
+        self.blocks = nn.ModuleList(DecoderBlock() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor
+                ) -> torch.Tensor:
+        memory = self.embed(input_ids)
+        for block in self.encoder:
+            memory = block(memory)
+        memory = self.enc_norm(memory)
+        x = self.embed(decoder_input_ids)
+        for layer in self.blocks:
+            x = layer(x, memory)
+        return self.head(self.norm(x))
+
+
 def _swish(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(x)
 
@@ -318,6 +381,11 @@ def model_args() -> nn.Module:
     return ArgsLM()
 
 
+def enc_dec() -> nn.Module:
+    """An encoder-decoder whose decoder blocks read the encoder's output."""
+    return EncDec()
+
+
 # name -> (factory, whether the model reads images rather than token ids)
 MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {
     "gelu_mlp": (gelu_mlp, False),
@@ -333,17 +401,27 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {
     "gated_bias": (gated_bias, False),
     "sdpa": (sdpa, False),
     "model_args": (model_args, False),
+    "enc_dec": (enc_dec, False),
 }
 
 
-def batch(name: str, rows: int, seq: int, seed: int = 0) -> torch.Tensor:
-    """An input of ``rows`` samples for model ``name``: token ids of ``seq`` tokens, or
-    images of ``seq`` patches (a square of 4x4 patches per ``seq`` of 16)."""
+def batch(name: str, rows: int, seq: int, seed: int = 0) -> Any:
+    """An input of ``rows`` samples for model ``name``: token ids of ``seq`` tokens (an
+    encoder-decoder's: a tuple of source and target ids, ``seq`` tokens each), or images of
+    ``seq`` patches (a square of 4x4 patches per ``seq`` of 16)."""
     g = torch.Generator().manual_seed(seed)
     if MODELS[name][1]:
         side = int(math.isqrt(seq)) * 4
         return torch.randn(rows, 3, side, side, generator=g)
+    if name == "enc_dec":
+        return (torch.randint(0, VOCAB, (rows, seq), generator=g),
+                torch.randint(0, VOCAB, (rows, seq), generator=g))
     return torch.randint(0, VOCAB, (rows, seq), generator=g)
+
+
+def run(model: nn.Module, x: Any) -> Any:
+    """``model``'s forward on an input of :func:`batch` (a tuple: its arguments)."""
+    return model(*x) if isinstance(x, tuple) else model(x)
 
 
 def flop_counter() -> object:
@@ -360,11 +438,14 @@ def flop_counter() -> object:
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash})
 
 
-def measured_block(model: nn.Module, x: torch.Tensor, block: str, bf16: bool = False
-                   ) -> tuple[int, int]:
+def measured_block(model: nn.Module, x: Any, block: str, bf16: bool = False,
+                   side: bool = False) -> tuple[int, int]:
     """(forward FLOPs :func:`flop_counter` counts in ``block``, bytes of the distinct storages
     that are not parameters which ``saved_tensors_hooks`` sees ``block``'s forward save), in
-    one training-mode forward of ``model`` on ``x`` (under CPU bf16 autocast with ``bf16``)."""
+    one training-mode forward of ``model`` on ``x`` (under CPU bf16 autocast with ``bf16``).
+    With ``side`` (a block whose cross-attention reads another stack's output), the storage of
+    a tensor the block is handed besides its first that is as wide as it (that output, which
+    every block of the stack reads: one tensor, priced once beside the blocks) is left out."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
     inside: list[bool] = []
@@ -376,7 +457,11 @@ def measured_block(model: nn.Module, x: torch.Tensor, block: str, bf16: bool = F
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    def enter(*_: object) -> None:
+    def enter(_m: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if side and tensors:
+            params.update(t.untyped_storage().data_ptr() for t in tensors[1:]
+                          if t.dim() >= 2 and t.shape[-1] == tensors[0].shape[-1])
         inside.append(True)
         counter.__enter__()
 
@@ -385,12 +470,13 @@ def measured_block(model: nn.Module, x: torch.Tensor, block: str, bf16: bool = F
         inside.pop()
 
     target = model.get_submodule(block)
-    handles = [target.register_forward_pre_hook(enter), target.register_forward_hook(leave)]
+    handles = [target.register_forward_pre_hook(enter, with_kwargs=True),
+               target.register_forward_hook(leave)]
     model.train()
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(x)
+            run(model, x)
     finally:
         for h in handles:
             h.remove()

@@ -49,8 +49,8 @@ def _eager(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
 MODELS: list[tuple[str, Callable[[], nn.Module], Callable[[], nn.Module]]] = [
     ("written_for_the_test", T.seq2seq, T.seq2seq),
     ("written_gated", T.gated_seq2seq, T.gated_seq2seq),
-    ("hf_t5", _eager(T.hf_t5), T.hf_t5),
-    ("hf_t5_gated", _eager(T.hf_t5_gated), T.hf_t5_gated),
+    ("hf_t5", _eager(T.hf_t5), _eager(T.hf_t5)),
+    ("hf_t5_gated", _eager(T.hf_t5_gated), _eager(T.hf_t5_gated)),
 ]
 
 
@@ -216,3 +216,71 @@ def test_the_python_api_reads_each_stacks_length_off_the_users_batch() -> None:
                        r"decoder.block.0 is not the first block of a further stack of "
                        r"RelBiasSeq2Seq \(its further stacks start at encoder.block.0\)"):
         priced(seq=16, stack_seqs={"decoder.block.0": 64})
+
+
+def _saved_per_row(model: nn.Module, name: str, rows: int, src: int, tgt: int, bf16: bool
+                   ) -> float:
+    """Bytes of the distinct storages (parameters and the encoder's output aside) that block
+    ``name`` saves for backward per row: a forward on ``2 * rows`` rows less one on ``rows``,
+    so what a forward saves once whatever its rows (autocast's bf16 copies of the weights)
+    cancels; under CPU bf16 autocast with ``bf16``."""
+    block = model.get_submodule(name)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def one(n: int) -> int:
+        saved: dict[int, int] = {}
+        inside: list[bool] = []
+        memory: list[int] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if inside and t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        def source(_m: Any, _a: Any, out: Any) -> None:
+            first = out if isinstance(out, torch.Tensor) else out[0]
+            memory.append(first.untyped_storage().data_ptr())
+
+        handles = [block.register_forward_pre_hook(lambda *_: inside.append(True)),
+                   block.register_forward_hook(lambda *_: inside.pop() and None),
+                   model.get_submodule("encoder").register_forward_hook(source)]
+        g = torch.Generator().manual_seed(n * src + tgt)
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                model(input_ids=torch.randint(4, 32, (n, src), generator=g),
+                      decoder_input_ids=torch.randint(4, 32, (n, tgt), generator=g))
+        finally:
+            for h in handles:
+                h.remove()
+        return sum(v for k, v in saved.items() if k != memory[0])
+
+    return (one(2 * rows) - one(rows)) / rows
+
+
+@pytest.mark.parametrize("name,factory", [("written_for_the_test", T.seq2seq),
+                                          ("hf_t5", _eager(T.hf_t5)), ("hf_t5_sdpa", T.hf_t5)])
+def test_a_decoder_block_saves_what_it_is_priced_at_in_fp32_and_under_autocast(
+        name: str, factory: Any) -> None:
+    """The decoder block is measured on two lengths of the source its cross-attention reads
+    (:mod:`plait.planner.saved`), so what grows with the source (its keys and values,
+    autocast's cast of the source per key and value projection, the cross-attention's
+    scores) is priced on the source's tokens and the rest on the target's: the bytes it
+    saves per row equal torch's at (source, target) = (64, 16) and (24, 40), fp32 and under
+    CPU bf16 autocast, eager attention and SDPA's (whose kernel saves its own tensors); an
+    encoder block, measured on its own, likewise."""
+    model, stats = factory(), load_model(factory())
+    model.train()
+    c = Constants(flash_attention=False)
+    encoder = stats.stack_block(stats.more_stacks[0])
+    ratios = {}
+    for _, src, tgt in SHAPES:
+        for bf16, size in ((False, 4), (True, 2)):
+            priced = {"decoder.block.1": activation_bytes_per_block(
+                          stats, 1, tgt, 1, False, size, c, side_seq=src),
+                      "encoder.block.1": activation_bytes_per_block(
+                          encoder, 1, src, 1, False, size, c, side_seq=tgt)}
+            for block, price in priced.items():
+                ratios[(block, src, tgt, size)] = round(
+                    price / _saved_per_row(model, block, 2, src, tgt, bf16), 4)
+    assert set(ratios.values()) == {1.0}, (name, ratios)

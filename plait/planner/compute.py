@@ -144,14 +144,20 @@ def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
         cp_comm = 2 * (1 + replay) * one["all_gather"] + 2 * one["reduce_scatter"]
         block += cp_comm
     # what runs outside the blocks: a stem before them on the first chunk, the rest (the head,
-    # a pooled classifier) on the last
-    stem = 3 * model.stem_flops_per_token() * tokens / tp / rate
-    head = 3 * model.head_flops_per_token(s) * tokens / tp / rate - stem + c.micro_overhead_s
+    # a pooled classifier) on the last; each tp rank runs a module the plan splits (a
+    # vocabulary-parallel head) 1/tp, the rest (a patchify stem, a projection) whole
+    if model.outside_flops is None:  # the language model's head, split by the vocabulary
+        stem = 0.0
+        head = 3 * model.head_flops_per_token(s) * tokens / tp / rate + c.micro_overhead_s
+    else:
+        before, after = model.outside_flops_per_rank(s, tp)
+        stem = 3 * before * tokens / rate
+        head = 3 * after * tokens / rate + c.micro_overhead_s
     head += more_stacks_time(plan, model, cluster, b, s, stack_seqs or {}, rate, replay, c)
     embed = stem
     if tp > 1:
         split = plan.pp * plan.virtual_stages > 1  # embedding and head on different chunks
-        embed = sum(collective_time(t, cluster, 1, c) for t in tp_end_traffic(
+        embed += sum(collective_time(t, cluster, 1, c) for t in tp_end_traffic(
             b, local_s, model.hidden, tp, dtype, plan.sp, embed=True, head=not split))
         head += c.tp_micro_overhead_s
         if split:

@@ -95,10 +95,22 @@ def activation_bytes_per_block(m: ModelStats, b: int, s: int, tp: int, sp: bool,
     measured = m.saved_scores[0 if dtype_bytes == 4 else 1] if m.saved_scores else 0.0
     if measured and m.attention and not x:
         scores = measured * 2 / dtype_bytes * keys
+    elif measured and m.attention and m.saved_cross_scores is not None:
+        # the self-attention's on this stack's keys, the cross-attention's on the other's
+        cross = m.saved_cross_scores[0 if dtype_bytes == 4 else 1]
+        scores = (measured * keys + cross * other) * 2 / dtype_bytes
+    elif measured and m.attention:
+        # measured with as many keys in every attention layer: each layer's share, on its own
+        # keys (the cross-attention's, the other stack's tokens)
+        scores = measured * 2 / dtype_bytes * ((n - x) * keys + x * other) / n
     per_token = (replicated / (tp if sp else 1)) + (sharded + scores) / tp
     # what the block's own ops save beyond this count, measured (bytes, whole under TP)
     extra = m.saved_extra[0 if dtype_bytes == 4 else 1] / (tp if sp else 1)
-    return max((per_token * s + side / tp * other) * dtype_bytes / 2 + extra * s, 0.0) * b
+    # per token of the other stack (autocast's casts of its output, which every rank reads
+    # whole), measured
+    extra_side = m.saved_side[0 if dtype_bytes == 4 else 1] * other
+    return max((per_token * s + side / tp * other) * dtype_bytes / 2 + extra * s
+               + extra_side, 0.0) * b
 
 
 def side_input_bytes(m: ModelStats, b: int, side_seq: int, dtype_bytes: int) -> float:

@@ -53,6 +53,12 @@ class MoreStack:
     attentions: int = 1
     side_matmul_params: int = 0
     cross_attentions: int = 0
+    # what one of its blocks saves beyond the formula's count and its scores, measured as the
+    # main stack's (:attr:`ModelStats.saved_extra`, :attr:`ModelStats.saved_scores`)
+    saved_extra: tuple[float, float] = (0.0, 0.0)
+    saved_scores: tuple[float, float] | None = None
+    saved_side: tuple[float, float] = (0.0, 0.0)
+    saved_cross_scores: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -190,6 +196,13 @@ class ModelStats:
     # ``saved_extra``; None: Korthikanti's count (softmax output, with dropout its mask and
     # its dropped copy, in the compute dtype).
     saved_scores: tuple[float, float] | None = None
+    # A block whose cross-attention reads another stack, measured at two lengths of it: the
+    # bytes it saves per token of that stack beyond the formula's count (autocast's cast of
+    # the stack's output per key and value projection), and its cross-attention's scores per
+    # query and key (``saved_scores`` then the self-attention's); fp32 and under autocast.
+    # (0, 0) and None: not told apart, all per token of the block's own stack.
+    saved_side: tuple[float, float] = (0.0, 0.0)
+    saved_cross_scores: tuple[float, float] | None = None
     # Forward FLOPs outside the blocks, counted on one forward (module factories): a stem, a
     # projection before the stack, a head per token or on one pooled row
     # (plait.planner.outside_flops); None: the head's 2 x hidden x vocab per token.
@@ -315,7 +328,9 @@ class ModelStats:
             self, attentions=more.attentions, side_matmul_params=more.side_matmul_params,
             cross_attentions=more.cross_attentions,
             block_matmul_params=self.block_matmul_params if more.matmul_params is None
-            else more.matmul_params)
+            else more.matmul_params, saved_extra=more.saved_extra,
+            saved_scores=more.saved_scores, saved_side=more.saved_side,
+            saved_cross_scores=more.saved_cross_scores)
 
     def head_flops_per_token(self, seq: int) -> float:
         """Forward FLOPs outside the blocks per token at sequence length ``seq``: as counted
@@ -331,6 +346,17 @@ class ModelStats:
         pipeline's first chunk, the rest on its last. 0 for the language model's formula
         (an embedding lookup)."""
         return self.outside_flops.before if self.outside_flops is not None else 0.0
+
+    def outside_flops_per_rank(self, seq: int, tp: int) -> tuple[float, float]:
+        """(forward FLOPs per token before the blocks, outside them after) that each of
+        ``tp`` tensor-parallel ranks runs at sequence length ``seq``: a module the plan splits
+        (a vocabulary-parallel head) 1/tp of its FLOPs, the rest (a patchify convolution, a
+        projection, a classifier the plan leaves whole) all of them, as every rank runs it
+        (:meth:`plait.planner.outside_flops.Outside.per_rank_at`); the language model's
+        formula, its head split by the vocabulary, ``(0, 2 x hidden x vocab / tp)``."""
+        if self.outside_flops is not None:
+            return self.outside_flops.per_rank_at(seq, tp)
+        return 0.0, self.head_flops_per_token(seq) / tp
 
     def model_flops(self, tokens: float, seq: int, recompute_layers: float = 0.0,
                     side_seq: int | None = None) -> float:
@@ -787,8 +813,10 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
                        norm_copy=_unfused_norms(ref, hidden),
                        act_saved=_saved_by(_activation(ref)))
     stats = _measured_saves(stats, ref, model)
+    stats = dataclasses.replace(stats, more_stacks=tuple(
+        _measured_stack(stats, m, model) for m in stats.more_stacks))
     stats = dataclasses.replace(stats, outside_flops=_outside_flops(
-        model, blocks, more, hidden, vocab, example))
+        model, blocks, more, hidden, vocab, example, found))
     # a model of several stacks run on the user's input: the length each stack receives
     lengths = _stack_lengths(model, stats, example)
     if lengths:
@@ -797,14 +825,16 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
 
 
 def _outside_flops(model: Any, blocks: list[Any], more: tuple[MoreStack, ...],
-                   hidden: int, vocab: int, example: Any) -> Outside | None:
+                   hidden: int, vocab: int, example: Any,
+                   found: tuple[Any, bool] | None = None) -> Outside | None:
     """Forward FLOPs outside the main stack's ``blocks`` and the further stacks' (``more``),
     counted on one forward on fake tensors of ``example`` or, without one, of the input
     :func:`plait.parallel.tp_example.example_call` guesses (:mod:`plait.planner
-    .outside_flops`). None where what lies outside is a language model's: embeddings, norms
-    and a ``hidden`` x ``vocab`` head, which the formula prices as they run (no forward, no
-    fake-tensor mode, whose construction imports ``torch._dynamo``: seconds of a ``plait
-    plan``)."""
+    .outside_flops`), those of the modules outside the blocks that the plan ``found`` splits
+    apart (:func:`_split_outside`). None where what lies outside is a language model's:
+    embeddings, norms and a ``hidden`` x ``vocab`` head, which the formula prices as they
+    run (no forward, no fake-tensor mode, whose construction imports ``torch._dynamo``:
+    seconds of a ``plait plan``)."""
     from plait.parallel.tp_example import example_call
 
     from .outside_flops import measure
@@ -813,7 +843,30 @@ def _outside_flops(model: Any, blocks: list[Any], more: tuple[MoreStack, ...],
               for b in model.get_submodule(m.first.rsplit(".", 1)[0]).children()]
     if _language_model_ends(model, [*blocks, *others], hidden, vocab):
         return None
-    return measure(model, blocks, others, example, example_call)
+    return measure(model, blocks, others, example, example_call,
+                   _split_outside(model, [*blocks, *others], found))
+
+
+def _split_outside(model: Any, blocks: list[Any], found: tuple[Any, bool] | None
+                   ) -> list[Any]:
+    """The modules outside ``blocks`` whose weight the tensor-parallel plan ``found`` splits
+    (a vocabulary-parallel head, a Linear a user's plan shards), outermost first: each tp
+    rank runs 1/tp of their FLOPs. A stem, a projection or a classifier the plan does not
+    name runs whole on every rank. Empty without a plan."""
+    from plait.parallel.tp_plans import LINEAR_STYLES, glob_regex
+
+    if found is None:
+        return []
+    inside = {id(m) for b in blocks for m in b.modules()}
+    splits = [glob_regex(g) for g, style in found[0].styles.items()
+              if style in (*LINEAR_STYLES, "vocab_head")]
+    out: list[Any] = []
+    for name, module in model.named_modules():
+        if id(module) in inside or not name or not any(r.match(name) for r in splits):
+            continue
+        if not any(module in set(o.modules()) for o in out):  # not inside one already held
+            out.append(module)
+    return out
 
 
 def _language_model_ends(model: Any, blocks: list[Any], hidden: int, vocab: int) -> bool:
@@ -844,25 +897,65 @@ def _measured_saves(stats: ModelStats, block: Any, model: Any = None) -> ModelSt
     feed-forward's others: the down projection's input, and a gated one's gate and up
     outputs), and the bytes per token the formula then still misses, in each compute dtype
     (:attr:`ModelStats.saved_extra`); ``block`` runs with the arguments ``model``'s forward
-    hands it. Unchanged for a block that reads another stack's output (its cross-attention,
-    priced on the source's tokens) or that does not run."""
+    hands it (a block whose cross-attention reads another stack's output, with that output,
+    which :func:`plait.planner.memory.side_input_bytes` prices once for the stack). Unchanged
+    for a block that does not run."""
     from .cost import Constants
     from .memory import activation_bytes_per_block
     from .saved import measure
 
-    if stats.cross_attentions or stats.ffn <= stats.hidden:
+    if stats.ffn <= stats.hidden:
         return stats
-    got = measure(block, stats.hidden, stats.ffn, model)
+    got = measure(block, stats.hidden, stats.ffn, model, side=stats.cross_attentions > 0)
     if got is None:
         return stats
     act = got.ffn_wide - (3 if stats.mlp == "swiglu" else 1)
     if act >= 0:
         stats = dataclasses.replace(stats, act_saved=act)
     flash = Constants(flash_attention=True)  # the formula per token, scores aside
+    if got.side is not None:  # told apart: per own token (no other stack), per its token
+        own = [activation_bytes_per_block(stats, 1, 1, 1, False, size, flash, side_seq=0)
+               for size in (4, 2)]
+        side = tuple(measured - activation_bytes_per_block(stats, 1, 1, 1, False, size, flash,
+                                                           side_seq=1) + mine
+                     for measured, size, mine in zip(got.side, (4, 2), own, strict=True))
+        extra = tuple(measured - mine for measured, mine in zip((got.fp32, got.bf16), own,
+                                                                strict=True))
+        return dataclasses.replace(stats, saved_extra=(extra[0], extra[1]),
+                                   saved_side=(side[0], side[1]),
+                                   saved_scores=got.scores if stats.attention else None,
+                                   saved_cross_scores=got.cross_scores
+                                   if stats.attention else None)
     extra = tuple(measured - activation_bytes_per_block(stats, 1, 1, 1, False, size, flash)
                   for measured, size in ((got.fp32, 4), (got.bf16, 2)))
     return dataclasses.replace(stats, saved_extra=(extra[0], extra[1]),
                                saved_scores=got.scores if stats.attention else None)
+
+
+def _measured_stack(stats: ModelStats, more: MoreStack, model: Any) -> MoreStack:
+    """``more`` with what one of its blocks (its largest) saves measured as the main stack's
+    (:func:`_measured_saves`, on the further stack's own block shape): an encoder's block,
+    without the decoder's cross-attention, is not priced by the decoder block's figures."""
+    path = more.first.rsplit(".", 1)[0]
+    blocks = list(model.get_submodule(path).children())
+    block = max(blocks, key=lambda b: sum(p.numel() for p in b.parameters()))
+    own = stats.stack_block(dataclasses.replace(more, saved_extra=(0.0, 0.0),
+                                                saved_scores=None, saved_side=(0.0, 0.0),
+                                                saved_cross_scores=None))
+    from .cost import Constants
+    from .memory import activation_bytes_per_block
+
+    got = _measured_saves(own, block, model)
+    # the stack is priced with the main stack's activation: what the formula then counts
+    # differently from the measured block's own goes into its extra
+    flash = Constants(flash_attention=True)
+    extra = tuple(e + activation_bytes_per_block(got, 1, 1, 1, False, size, flash)
+                  - activation_bytes_per_block(dataclasses.replace(got, act_saved=own.act_saved),
+                                               1, 1, 1, False, size, flash)
+                  for e, size in zip(got.saved_extra, (4, 2), strict=True))
+    return dataclasses.replace(more, saved_extra=(extra[0], extra[1]),
+                               saved_scores=got.saved_scores, saved_side=got.saved_side,
+                               saved_cross_scores=got.saved_cross_scores)
 
 
 def _activation(block: Any) -> Any:

@@ -13,6 +13,10 @@ runs after it may run per token (a language model's head) or per row (a classifi
 pooled token). A second forward, whose last block hands on only half its tokens, tells the
 two apart: the FLOPs after the stack that drop with the tokens are per token, the rest per
 row.
+
+Of those FLOPs, the ones inside the modules a tensor-parallel plan splits outside the blocks
+(a vocabulary-parallel head) are counted apart: each tp rank runs 1/tp of them, and the rest
+(a patchify convolution, a projection, a classifier the plan leaves whole) whole.
 """
 
 from __future__ import annotations
@@ -33,10 +37,23 @@ class Outside:
     # of ``per_token``, what runs before the main stack (a stem, a projection): on a
     # pipeline's first chunk, where the rest runs on its last
     before: float = 0.0
+    # of ``per_token`` and ``per_row``, what runs in modules tensor parallelism splits (a
+    # vocabulary-parallel head), and of the first, before the main stack
+    split_token: float = 0.0
+    split_row: float = 0.0
+    split_before: float = 0.0
 
     def per_token_at(self, seq: int) -> float:
         """FLOPs per token at sequence length ``seq``."""
         return self.per_token + self.per_row / seq
+
+    def per_rank_at(self, seq: int, tp: int) -> tuple[float, float]:
+        """(FLOPs per token before the main stack, after it) that each of ``tp`` ranks runs at
+        sequence length ``seq``: what a split module runs divided by ``tp``, the rest whole."""
+        share = 1 - 1 / tp
+        before = self.before - self.split_before * share
+        split_after = self.split_token - self.split_before + self.split_row / seq
+        return before, self.per_token_at(seq) - self.before - split_after * share
 
 
 @dataclass
@@ -48,10 +65,16 @@ class _Pass:
     inside: float = 0.0
     total: float = 0.0
     shape: tuple[int, int] | None = None
+    split: float = 0.0         # FLOPs in the modules tp splits
+    split_before: float = 0.0  # of which, before the main stack
 
     @property
     def after(self) -> float:
         return self.total - self.before - self.inside
+
+    @property
+    def split_after(self) -> float:
+        return self.split - self.split_before
 
 
 def _cut(out: Any) -> Any:
@@ -67,10 +90,12 @@ def _cut(out: Any) -> Any:
 
 @contextmanager
 def _hooks(first: Any, last: Any, blocks: list[Any], counter: Any, got: _Pass,
-           cut: bool) -> Iterator[None]:
-    """Hooks that fill ``got`` from ``counter``: FLOPs inside each of ``blocks``, and before
-    the main stack's ``first`` block; with ``cut``, ``last`` hands on half its tokens."""
+           cut: bool, split: list[Any]) -> Iterator[None]:
+    """Hooks that fill ``got`` from ``counter``: FLOPs inside each of ``blocks``, inside
+    each of the ``split`` modules, and before the main stack's ``first`` block; with
+    ``cut``, ``last`` hands on half its tokens."""
     entered: list[float] = []
+    split_entered: list[float] = []
     handles = []
 
     def pre(_m: Any, args: tuple, kwargs: dict) -> None:
@@ -79,12 +104,19 @@ def _hooks(first: Any, last: Any, blocks: list[Any], counter: Any, got: _Pass,
     def post(_m: Any, _args: tuple, _kwargs: dict, _out: Any) -> None:
         got.inside += float(counter.get_total_flops()) - entered.pop()
 
+    def split_pre(_m: Any, _args: tuple) -> None:
+        split_entered.append(float(counter.get_total_flops()))
+
+    def split_post(_m: Any, _args: tuple, _out: Any) -> None:
+        got.split += float(counter.get_total_flops()) - split_entered.pop()
+
     def first_pre(_m: Any, args: tuple, kwargs: dict) -> None:
         import torch
 
         x = args[0] if args else kwargs.get("hidden_states")
         if got.before < 0 and isinstance(x, torch.Tensor) and x.ndim >= 2:
             got.before = float(counter.get_total_flops()) - got.inside
+            got.split_before = got.split
             got.shape = (int(x.shape[0]), int(x.shape[1]))
 
     def last_post(_m: Any, _args: tuple, out: Any) -> Any:
@@ -95,6 +127,9 @@ def _hooks(first: Any, last: Any, blocks: list[Any], counter: Any, got: _Pass,
         for block in blocks:
             handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(block.register_forward_hook(post, with_kwargs=True))
+        for module in split:
+            handles.append(module.register_forward_pre_hook(split_pre))
+            handles.append(module.register_forward_hook(split_post))
         if cut:
             handles.append(last.register_forward_hook(last_post))
         yield
@@ -112,7 +147,7 @@ def _on_meta(model: Any) -> bool:
 
 
 def _count(model: Any, example: Any, first: Any, last: Any, blocks: list[Any],
-           cut: bool) -> _Pass | None:
+           cut: bool, split: list[Any]) -> _Pass | None:
     """One forward of ``model`` on fake tensors of ``example``, counted; None where it fails
     or does not reach the main stack."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -124,7 +159,7 @@ def _count(model: Any, example: Any, first: Any, last: Any, blocks: list[Any],
     try:
         with fake_forward(model):
             counter = FlopCounterMode(display=False)
-            with counter, _hooks(first, last, blocks, counter, got, cut):
+            with counter, _hooks(first, last, blocks, counter, got, cut, split):
                 run_on(model, example)
             got.total = float(counter.get_total_flops())
     except Exception:  # noqa: BLE001 - a forward that does not run here counts nothing
@@ -160,28 +195,34 @@ def _examples(model: Any, example: Any, guess: Callable[[Any], Any]) -> Iterator
 
 
 def measure(model: Any, main: list[Any], others: list[Any], example: Any,
-            guess: Callable[[Any], Any]) -> Outside | None:
+            guess: Callable[[Any], Any], split: list[Any] | None = None) -> Outside | None:
     """Forward FLOPs outside the blocks of ``model`` (the main stack's blocks ``main``, the
     further stacks' ``others``), counted on ``example`` (None: the input ``guess(model)``
-    makes, or a guessed image size); None where no forward runs on fake tensors."""
+    makes, or a guessed image size), those inside the ``split`` modules (outside the blocks,
+    split by tensor parallelism) apart; None where no forward runs on fake tensors."""
     if not main:
         return None
-    blocks = [*main, *others]
+    blocks, split = [*main, *others], split or []
     full, ran = None, None
     for tried in _examples(model, example, guess):
-        full, ran = _count(model, tried, main[0], main[-1], blocks, cut=False), tried
+        full, ran = _count(model, tried, main[0], main[-1], blocks, False, split), tried
         if full is not None:
             break
     if full is None or full.shape is None:
         return None
     rows, seq = full.shape
     before = full.before / (rows * seq)
-    after = full.after / (rows * seq)  # all per token unless the cut pass says otherwise
-    half = _count(model, ran, main[0], main[-1], blocks, cut=True) if seq >= 2 else None
+    split_before = full.split_before / (rows * seq)
+    # all per token unless the cut pass says otherwise
+    after, split_after = full.after / (rows * seq), full.split_after / (rows * seq)
+    half = _count(model, ran, main[0], main[-1], blocks, True, split) if seq >= 2 else None
     if half is not None and half.before == full.before:
         dropped = seq - seq // 2
         token = (full.after - half.after) / (rows * dropped)
         row = full.after / rows - token * seq
-        if token >= 0 and row >= 0:
-            return Outside(before + token, row, before)
-    return Outside(before + after, 0.0, before)
+        split_token = (full.split_after - half.split_after) / (rows * dropped)
+        split_row = full.split_after / rows - split_token * seq
+        if token >= 0 and row >= 0 and split_token >= 0 and split_row >= 0:
+            return Outside(before + token, row, before, split_before + split_token,
+                           split_row, split_before)
+    return Outside(before + after, 0.0, before, split_before + split_after, 0.0, split_before)
