@@ -153,8 +153,57 @@ class WrappedTagger(nn.Module):
         return TagOutput(loss, logits)
 
 
+class DictStem(nn.Module):
+    """The token embedding, and the model's weighted loss module in an ``nn.ModuleDict``
+    beside an unused projection (an entry the last stage does not hold)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.losses = nn.ModuleDict({"proj": nn.Linear(WIDTH, WIDTH),
+                                     "ce": nn.CrossEntropyLoss(weight=torch.tensor(WEIGHTS))})
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(input_ids)
+
+
+class DictHeldTagger(StemHeldTagger):
+    """:class:`StemHeldTagger` whose loss module is an entry of its stem's ``nn.ModuleDict``,
+    indexed by key after the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = DictStem()
+
+    def own_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.embed.losses["ce"](logits.reshape(-1, TAGS), labels.reshape(-1))
+
+
+class ListBlock(LossBlock):
+    """A block holding an ``nn.ModuleList`` of a gate and the weighted loss module."""
+
+    def __init__(self, loss: bool) -> None:
+        super().__init__(False)
+        if loss:
+            self.extras = nn.ModuleList([nn.Linear(WIDTH, 1),
+                                         nn.CrossEntropyLoss(weight=torch.tensor(WEIGHTS))])
+
+
+class ListHeldTagger(BlockHeldTagger):
+    """:class:`BlockHeldTagger` whose loss module is entry 1 of its first block's
+    ``nn.ModuleList``, indexed after the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ListBlock(i == 0) for i in range(2))
+
+    def own_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.layers[0].extras[-1](logits.reshape(-1, TAGS), labels.reshape(-1))
+
+
 # Where a model holds its own weighted loss module, by name (tagger's argument).
-HOLDERS = {"stem": StemHeldTagger, "block": BlockHeldTagger, "wrapper": WrappedTagger}
+HOLDERS = {"stem": StemHeldTagger, "block": BlockHeldTagger, "wrapper": WrappedTagger,
+           "dict": DictHeldTagger, "list": ListHeldTagger}
 
 
 def tagger(inline: bool | str) -> nn.Module:

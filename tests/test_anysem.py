@@ -79,6 +79,8 @@ def test_a_models_own_weighted_loss_held_outside_the_last_stage() -> None:
     # stage held a stand-in there, which refused the call ("embed.loss_fct is called on a
     # pipeline stage that does not hold it"); in a first run.step, not run.evaluate, both
     # ranks hung in the schedule instead. One held by a wrapper, registered first, was found.
+    # One kept in an nn.ModuleDict of the stem, or an nn.ModuleList of the first block, and
+    # indexed there failed on the last stage: "'PipelineSkip' object is not subscriptable".
     jobs = [(holder, PIPELINE) for holder in A.HOLDERS]
     _check_held(run_distributed(A.train_taggers, 2, jobs, timeout=180))
 

@@ -58,6 +58,7 @@ from .pipeline_chain import (
     on_meta,
     unchained_message,
 )
+from .pipeline_errors import unwrapped
 from .pipeline_hf import TOKEN_IDS, is_hf_model, pools_by_pad_token
 from .pipeline_split import (
     StageOutputError,
@@ -168,7 +169,8 @@ class TimedStage(PipelineStage):
             args, kwargs = _add_inputs(args, kwargs, 1, self.ragged[fwd_chunk_id])
         start = now()
         with foreign_kept(self.foreign):
-            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            out = unwrapped("forward", self.stage_index, fwd_chunk_id,
+                            super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
         if self.unused is not None and torch.is_grad_enabled():
             for leaf in pytree()[0](out)[0]:
                 if isinstance(leaf, torch.Tensor):
@@ -200,8 +202,9 @@ class TimedStage(PipelineStage):
         start = now()
         if not full_backward and self.has_backward:
             self._gather_for_split_backward()
-        out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                         last_backward=last_backward)
+        out = unwrapped("backward", self.stage_index, bwd_chunk_id, super().backward_one_chunk,
+                        bwd_chunk_id, loss=loss, full_backward=full_backward,
+                        last_backward=last_backward)
         if self.timeline is not None and self.has_backward:
             self.timeline.add(self.stage_index, "B" if full_backward else "I", bwd_chunk_id,
                               start, now())

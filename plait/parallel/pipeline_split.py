@@ -219,15 +219,40 @@ def keep_loss_modules(stand_in: nn.Module, owned: nn.Module, name: str) -> None:
     last stage, which then holds it, moves it to its device with the stage and finds its
     class weights (:func:`plait.mean_probe.weighted_module_count`). A loss module has no
     parameters: nothing is trained twice. Modules between ``owned`` and a loss module are
-    stand-ins too."""
+    stand-ins too, except containers (``nn.ModuleDict``, ``nn.ModuleList``,
+    ``nn.Sequential``), which stay containers of the same keys so that the forward can index
+    them (``self.stem.losses["ce"]``); their other entries are stand-ins."""
     for key, child in owned.named_children():
         if isinstance(child, _Loss):
             stand_in._modules[key] = child  # add_module would find the Settings entry
         elif child is not None and any(isinstance(m, _Loss) for m in child.modules()):
-            at = f"{name}.{key}"
-            inner = PipelineSkip(None, at, Settings(child, at), _returns_tuple(child))
-            keep_loss_modules(inner, child, at)
-            stand_in._modules[key] = inner
+            stand_in._modules[key] = _loss_holder(child, f"{name}.{key}")
+
+
+# Containers a forward indexes; the order matters: nn.Sequential is not a ModuleList.
+_CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleDict, nn.ModuleList, nn.Sequential)
+
+
+def _loss_holder(child: nn.Module, at: str) -> nn.Module:
+    """What stands in for ``child``, a module another stage owns that holds a loss module:
+    a container of ``child``'s kind and keys for a container (a loss entry kept, an entry
+    holding one recursed into, any other a stand-in), else a stand-in keeping its losses."""
+    kind = next((k for k in _CONTAINERS if isinstance(child, k)), None)
+    if kind is None:
+        inner = PipelineSkip(None, at, Settings(child, at), _returns_tuple(child))
+        keep_loss_modules(inner, child, at)
+        return inner
+    box = kind()
+    for key, entry in child._modules.items():
+        where = f"{at}.{key}"
+        if entry is None or isinstance(entry, _Loss):
+            box._modules[key] = entry
+        elif any(isinstance(m, _Loss) for m in entry.modules()):
+            box._modules[key] = _loss_holder(entry, where)
+        else:
+            box._modules[key] = PipelineSkip(None, where, Settings(entry, where),
+                                             _returns_tuple(entry))
+    return box
 
 
 def _returns_tuple(module: nn.Module) -> int:
