@@ -471,7 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     from .spawn import WorkerError
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(only=next((a for a in argv if not a.startswith("-")), None))
+    # No command (`plait --help`, `plait --version`): the top-level help lists the commands,
+    # none of their arguments, so none is built.
+    parser = build_parser(only=next((a for a in argv if not a.startswith("-")), ""))
     args = _parse(parser, argv)
     if not args.command:
         parser.print_help()

@@ -11,11 +11,12 @@ DDP/FSDP and the ledger agree on which ranks share a batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from ._torch_compat import flatten_mesh
 from .plan import MESH_AXES, Plan
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # Flattened views built on every mesh.
 DP = "dp"                    # dp_replicate x dp_shard: ranks that see different batches
@@ -71,6 +72,10 @@ def build_mesh(plan: Plan, device_type: str, world_size: int) -> Mesh:
     Needs an initialised default process group. Raises ValueError when the plan's degrees do not
     multiply to the world size.
     """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ._torch_compat import flatten_mesh
+
     plan.validate(world_size)
     shape = tuple(getattr(plan, axis) for axis in MESH_AXES)
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)

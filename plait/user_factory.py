@@ -174,7 +174,7 @@ def factory_or_preset(model: str) -> str | None:
     rank starts) or None for a reference preset; ValueError naming the fix for anything else
     (a file path, a module without its function, a preset misspelt)."""
     from .factory_spec import file_path_hint
-    from .models.transformer import PRESETS
+    from .models.config import PRESETS
 
     if ":" in model and model not in PRESETS:
         load_factory(model)

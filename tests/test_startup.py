@@ -2,6 +2,7 @@
 and a launcher that imports it too pays seconds of CPU per job (on a 2-core machine, per test
 that launches a job) before any worker starts."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,45 @@ def test_the_package_names_resolve_on_first_use():
         assert "no_such_name" in str(exc)
     else:
         raise AssertionError("plait.no_such_name resolved")
+
+
+# Commands that price or draw from numbers alone; each is run in turn in one fresh interpreter.
+_TORCHLESS = (
+    ["--help"],
+    ["plan", "--help"],
+    ["schedule", "--schedule", "1f1b", "--pp", "4", "-m", "8"],
+    ["plan", "--model", "llama-8b", "--cluster", "dgx-h100", "--nodes", "2",
+     "--global-batch", "256", "--seq", "4096", "--format", "json"],
+    ["plan", "--model", "llama-8b", "--cluster", "dgx-h100", "--global-batch", "64",
+     "--seq", "2048", "--plan", "dp_shard=8,zero=3,mp=bf16,accum=2"],
+    ["plan", "--model", "llama-70b", "--cluster", "dgx-h100", "--devices", "1",
+     "--global-batch", "8", "--seq", "4096"],
+)
+
+
+def test_plan_on_a_preset_schedule_and_help_import_no_torch():
+    """Pricing a preset model is arithmetic on its config: `plait plan --model llama-8b`
+    (a search, a given --plan, a model that fits nowhere), `plait schedule` of a schedule plait
+    orders itself and the help pages run without importing torch (seconds of CPU each time)."""
+    code = ("import contextlib, io, json, sys\n"
+            "import plait.cli\n"
+            "seen = []\n"
+            f"for argv in {list(_TORCHLESS)!r}:\n"
+            "    out = io.StringIO()\n"
+            "    try:\n"
+            "        with contextlib.redirect_stdout(out):\n"
+            "            code = plait.cli.main(argv)\n"
+            "    except SystemExit as exc:\n"
+            "        code = exc.code\n"
+            "    seen.append([argv[0], code, len(out.getvalue()), 'torch' in sys.modules])\n"
+            "print(json.dumps(seen))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.splitlines()[-1])
+    # each command ran to its usual end (the last fits nowhere: exit 1) and printed its answer
+    assert [(name, code) for name, code, _, _ in seen] == [
+        ("--help", 0), ("plan", 0), ("schedule", 0), ("plan", 0), ("plan", 0), ("plan", 1)]
+    assert all(printed > 200 for _, _, printed, _ in seen), seen
+    assert [name for name, _, _, torch in seen if torch] == [], seen

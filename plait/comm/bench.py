@@ -19,11 +19,12 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .volumes import bus_factor
+
+if TYPE_CHECKING:
+    import torch
 
 BENCH_OPS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
              "send_recv")
@@ -96,6 +97,7 @@ def validate_world(world_size: int) -> None:
 # ---------------------------------------------------------------------------------------------
 def _runner(op: str, numel: int, n: int, rank: int, device: Any, dtype: torch.dtype) -> Any:
     """A zero-argument function issuing one ``op`` whose payload is ``numel`` elements."""
+    import torch
     import torch.distributed as dist
 
     def buf(k: int) -> torch.Tensor:
@@ -143,6 +145,7 @@ def elements_for(op: str, size_bytes: int, n: int, elem: int) -> int:
 
 def time_op(fn: Any, iters: int, warmup: int, device: Any) -> float:
     """Mean seconds per call of ``fn`` on this rank, slowest rank's value (all ranks return it)."""
+    import torch
     import torch.distributed as dist
 
     from ..accelerators import accelerator_for
@@ -163,6 +166,7 @@ def time_op(fn: Any, iters: int, warmup: int, device: Any) -> float:
 def bench_worker(rank: int, world_size: int, ops: Sequence[str], sizes: Sequence[int],
                  iters: int, warmup: int, dtype_name: str = "float32") -> list[dict]:
     """Runs on every rank (under plait.spawn.run_distributed or torchrun)."""
+    import torch
     import torch.distributed as dist
 
     from ..accelerators import get_accelerator

@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
-from .._torch_compat import is_split
 from ..mesh import DP, DP_CP, DP_SHARD_CP, DP_SHARD_CP_TP, DP_SHARD_TP
 from ..parallel.tp_kv import replicated_kv_elements
 from ..plan import reduces_after_schedule
@@ -244,11 +243,11 @@ class TPBlock:
         return self.traced
 
     def sizes(self, dtype: str, cast_params: bool = False) -> Any:
-        """Bytes per element of each collective (``plait.planner.tp_trace.Sizes``): fp32 all
+        """Bytes per element of each collective (``plait.planner.tp_sizes.Sizes``): fp32 all
         4; bf16 as the traced forward pass showed (``cast_params``: FSDP2 casts the parameters
         to bf16), or every activation at 2 bytes where there is no trace (the reference
         block: the planner's estimate)."""
-        from ..planner.tp_trace import Sizes
+        from ..planner.tp_sizes import Sizes
 
         n, m = len(self.forward), len(self.backward)
         if dtype not in HALF:  # the trace is not made: fp32 moves 4 bytes whatever it shows
@@ -1042,7 +1041,7 @@ def expected_rows(traffic: list[Traffic]) -> Expected:
 
 def _find_config(model: Any) -> Any:
     """The reference TransformerConfig under any wrapper (DDP, pipeline stages), or None."""
-    from ..models.transformer import TransformerConfig
+    from ..models.config import TransformerConfig
     from ..parallel.layout import local_modules
 
     for module in local_modules(model):
@@ -1069,7 +1068,7 @@ def local_model(model: Any, plan: Any, ready_order: tuple[int, ...] | None = Non
     """
     from torch.distributed.tensor import DTensor
 
-    from .._torch_compat import checkpoint_wrapper_api
+    from .._torch_compat import checkpoint_wrapper_api, is_split
     from ..parallel.layout import layout_of, local_modules
     from ..parallel.pipeline_split import PipelineSkip
     from ..parallel.units import canonical_name

@@ -20,7 +20,10 @@ all-reduce); reports say so next to the figure rather than change the convention
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # Canonical collective names (the ledger and the planner use exactly these).
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
@@ -32,8 +35,12 @@ _DTYPE_BYTES = {"fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2, "f
 
 def dtype_bytes(dtype: str | torch.dtype) -> int:
     """Bytes per element of ``dtype`` (a torch dtype or a short name like "bf16")."""
-    if isinstance(dtype, torch.dtype):
-        return torch.empty((), dtype=dtype).element_size()
+    if not isinstance(dtype, str):
+        # A torch dtype: torch is imported already by whoever made it.
+        import torch
+
+        if isinstance(dtype, torch.dtype):
+            return torch.empty((), dtype=dtype).element_size()
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(_DTYPE_BYTES)}")
     return _DTYPE_BYTES[dtype]

@@ -19,8 +19,10 @@ its stored group size (query heads per kv head, transformers' ``num_key_value_gr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch.nn as nn
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 # Attributes attention modules store their kv-head count in, and their query heads per kv head.
 KV_COUNT_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads", "n_kv_head")
@@ -51,6 +53,8 @@ def replicated_kv(model: nn.Module, matched: dict[str, str], tp: int) -> dict[st
     a multiple of K, in an attention module that says it has grouped kv heads (a stored kv-head
     count or group size) and whose query projection tp splits into whole heads. Anything else
     is left to the usual checks."""
+    import torch.nn as nn
+
     by_owner: dict[str, list[str]] = {}
     for name, style in matched.items():
         owner, _, _ = name.rpartition(".")

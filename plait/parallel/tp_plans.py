@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch.nn as nn
 
 if TYPE_CHECKING:
-    from ..models.transformer import TransformerConfig
+    from ..models.config import TransformerConfig
 
 # Styles that start a region: their input is the replicated value a ``region`` shares.
 COLWISE = ("colwise", "colwise_qkv", "colwise_gather")

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
-
-import torch.nn as nn
+from typing import TYPE_CHECKING, Any
 
 from plait.comm.volumes import fsdp_padded_numel
+
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,8 @@ def param_rows(model: nn.Module, blocks: list[nn.Module], found: tuple[Any, bool
     """Read ``ParamRows`` off ``model`` (any device, the meta device included): the blocks of
     the stack ``blocks``, in order, the tp dim of each parameter from the layer plan ``found``
     (``plait.planner.tp_block.plan_of``; None: no plan, every tensor whole)."""
+    import torch.nn as nn
+
     from plait.parallel.tp_plans import glob_regex
 
     from .tp_block import split_dim

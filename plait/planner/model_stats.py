@@ -1556,7 +1556,7 @@ def _parameters_on_meta() -> Iterator[None]:
 def from_yaml(path: Path) -> ModelStats:
     import yaml
 
-    from plait.models.transformer import PRESETS, TransformerConfig, preset
+    from plait.models.config import PRESETS, TransformerConfig, preset
 
     try:
         data = yaml.safe_load(path.read_text())
@@ -1589,7 +1589,7 @@ def load_model(spec: Any, attention_dtypes: bool = False, example: Any = None) -
     ``module:function`` factory -> ModelStats. ``attention_dtypes``: for a module or a factory,
     read the dtypes its keys and values reach attention in under bf16 (:func:`from_module`);
     ``example``: for a module, the user's input its forward passes run on."""
-    from plait.models.transformer import PRESETS, TransformerConfig
+    from plait.models.config import PRESETS, TransformerConfig
 
     if isinstance(spec, ModelStats):
         return spec
@@ -1597,14 +1597,12 @@ def load_model(spec: Any, attention_dtypes: bool = False, example: Any = None) -
         return from_transformer_config(spec)
     if isinstance(spec, Mapping):
         return from_hf_config(spec)
-    try:
+    if not isinstance(spec, (str, Path)):  # a name or a path needs no torch
         import torch.nn as nn
+
         if isinstance(spec, nn.Module):
             return from_module(spec, name=type(spec).__name__,
                                attention_dtypes=attention_dtypes, example=example)
-    except ImportError:  # pragma: no cover
-        pass
-    if not isinstance(spec, (str, Path)):
         raise ValueError(f"cannot plan for a model given as {type(spec).__name__}")
     text = str(spec)
     if text in PRESETS:

@@ -73,7 +73,7 @@ def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -
 
 def row_setup(row: MegatronRow):
     """(ModelStats, Cluster, Workload, Plan) for a table row, at the paper's layout."""
-    from plait.models.transformer import TransformerConfig
+    from plait.models.config import TransformerConfig
     from plait.partition import even_split
     from plait.plan import Plan
 
@@ -425,7 +425,7 @@ def run_setup(run: PublishedRun):
     """(ModelStats, Cluster, Workload, Plan) of a published run, at its published layout."""
     import dataclasses
 
-    from plait.models.transformer import TransformerConfig
+    from plait.models.config import TransformerConfig
     from plait.plan import Plan
 
     from .cost import Workload
@@ -703,7 +703,7 @@ class CpSpeedupCheck:
 
 def cp_speedup_setup(row: CpSpeedupRow, seqs_per_replica: int = CP_SEQS_PER_REPLICA):
     """(ModelStats, Cluster, Workload) of a row: H100 80GB, the Llama 2 7B shape."""
-    from plait.models.transformer import TransformerConfig
+    from plait.models.config import TransformerConfig
 
     from .cost import Workload
     from .hardware import load_cluster

@@ -13,13 +13,12 @@ import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from math import prod
-from typing import Any
-
-import torch.nn as nn
+from typing import TYPE_CHECKING, Any
 
 from plait.comm.predict import TPBlock
 
-from .tp_trace import trace
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 # Tokens per sequence of the traced forward pass: any length the model accepts will do
 TRACE_SEQ = 4
@@ -77,6 +76,8 @@ def split_dim(module: nn.Module, kind: str, style: str | None) -> int | None:
     a row-parallel layer's input features (dim 0 of a Conv1D weight), a vocabulary-parallel
     embedding's rows, a column-parallel embedding's columns (torch's ``ColwiseParallel`` on an
     ``nn.Embedding``: a relative position bias, one column per head)."""
+    import torch.nn as nn
+
     from .model_stats import _dims
 
     if style not in _SPLIT_WEIGHT or (kind != "weight" and style not in _SPLIT_BIAS):
@@ -95,6 +96,8 @@ def held_parts(model: nn.Module, stack: str, found: tuple[Any, bool] | None
     (their mean over the blocks), of the embeddings and of the rest outside the stack (final
     norm, head): elements split over tp or kept whole, trainable or not. None where plait has
     no layer plan for the model (``found``: :func:`plan_of` the model)."""
+    import torch.nn as nn
+
     from plait.parallel.tp_plans import glob_regex
 
     if found is None:
@@ -146,7 +149,11 @@ def tp_block(model: nn.Module, block: str, found: tuple[Any, bool] | None,
     travel in under bf16 and what a checkpointed block replays are read off a forward pass on
     fake tensors under ``device_type``'s autocast rules (:mod:`plait.planner.tp_trace`), of
     token ids, or of the shapes of ``example`` (the user's input) where one is given."""
+    import torch.nn as nn
+
     from plait.parallel.tp_plans import glob_regex
+
+    from .tp_trace import trace
 
     if found is None:
         return None
