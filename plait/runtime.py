@@ -1699,7 +1699,10 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int | None, log_ev
         owns_group = True
     else:
         rank, world_size = dist.get_rank(), dist.get_world_size()
-    chosen = start(seed, share=layout is None)
+    # a resumed job goes on with the seed of the run it resumes (its data order), unless given
+    saved = checkpointing.resume_loader if checkpointing is not None else None
+    resumed = None if seed is not None or not saved or "seed" not in saved else int(saved["seed"])
+    chosen = start(seed if resumed is None else resumed, share=layout is None)
     request = None
     if auto:
         from .auto import AutoRequest
@@ -1747,8 +1750,10 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int | None, log_ev
         run.ledger = Ledger(mesh)
         run.ledger.install()
     if seed is None and run.format == "text":  # json: a field of the plan event
-        run.print(f"plait: seed {chosen} (the script's torch.manual_seed, or drawn when it "
-                  f"sets none); plait.init(seed={chosen}) runs this job again")
+        whence = ("the checkpoint's, of the run it resumes" if resumed is not None else
+                  "the script's torch.manual_seed, or drawn when it sets none")
+        run.print(f"plait: seed {chosen} ({whence}); plait.init(seed={chosen}) runs this job "
+                  f"again")
     if not auto:  # plan="auto": said once the planner chose, in parallelize
         run._say_plan()
     return run

@@ -125,3 +125,38 @@ def seeded_runs(rank: int, world_size: int, plan: str) -> dict[str, Any]:
     runs["given_after_1"] = _case(plan, 1, 5)
     runs["given_after_7"] = _case(plan, 7, 5)
     return runs
+
+
+def plan_event(rank: int, world_size: int, user_seed: int) -> str:
+    """What ``plait.init(format="json")`` writes on stdout after ``torch.manual_seed``."""
+    import plait
+
+    torch.manual_seed(user_seed)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run = plait.init("single", format="json")
+        run.close()
+    return printed.getvalue()
+
+
+def resumed_seed(rank: int, world_size: int, folder: str) -> list[tuple[int, str, list[float]]]:
+    """An unseeded job that saves at step 2 and stops, resumed by another unseeded process
+    (a new random seed of its own), then the whole job again from the seed the first said:
+    each one's seed, what rank 0 printed and its losses."""
+    import plait
+
+    out = []
+    for steps, seed, where in ((2, None, folder), (4, None, folder), (4, -1, None)):
+        torch.seed()
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            run = plait.init("single", checkpoint=where, every=2 if where else None,
+                             seed=out[0][0] if seed == -1 else None)
+        said = printed.getvalue()
+        model = run.parallelize(DropNet())
+        opt = torch.optim.SGD(model.parameters(), lr=0.2)
+        losses = [float(run.step(model, batch, F.cross_entropy, opt))
+                  for batch in run.loader(Rows(), batch_size=BATCH, steps=steps)]
+        run.close()
+        out.append((run.seed, said, losses))
+    return out

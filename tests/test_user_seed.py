@@ -68,3 +68,21 @@ def test_a_bad_seed_is_refused_naming_it() -> None:
     for bad in (2**64, -(2**63) - 1, 1.5, "1", True):
         with pytest.raises(ValueError, match=r"seed=.*: use an integer from 0 to 2\*\*64 - 1"):
             plait.init("single", seed=bad, quiet=True)  # type: ignore[arg-type]
+
+
+def test_the_plan_event_carries_the_seed() -> None:
+    import json
+
+    out = run_distributed(W.plan_event, 1, 4, timeout=60)[0]
+    plan = next(e for e in map(json.loads, out.splitlines()) if e["event"] == "plan")
+    assert plan["seed"] == 4, plan
+
+
+def test_an_unseeded_job_resumed_goes_on_with_its_seed(tmp_path) -> None:
+    # The resumed process drew a seed of its own and said it: plait.init(seed=that) did not
+    # run the job it continued.
+    first, resumed, again = run_distributed(W.resumed_seed, 1, str(tmp_path), timeout=60)[0]
+    assert resumed[0] == first[0]
+    assert f"plait: seed {first[0]} (the checkpoint's, of the run it resumes)" in resumed[1]
+    assert again[0] == first[0]
+    assert first[2] + resumed[2] == again[2]
