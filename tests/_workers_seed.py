@@ -124,6 +124,7 @@ def seeded_runs(rank: int, world_size: int, plan: str) -> dict[str, Any]:
     runs["replayed"] = _case(plan, None, int(said.group(1)) if said else runs["unseeded"]["seed"])
     runs["given_after_1"] = _case(plan, 1, 5)
     runs["given_after_7"] = _case(plan, 7, 5)
+    runs["top"] = _case(plan, 2**64 - 1, None)  # the largest seed torch takes: the loader too
     return runs
 
 

@@ -51,6 +51,8 @@ def test_a_seed_sweep_under_dp_runs_each_seed_and_the_replicas_start_alike() -> 
     _same_run(runs["given_after_1"], runs["given_after_7"])
     torch.manual_seed(5)
     assert _equal(runs["given_after_1"]["built"], W.DropNet().state_dict())
+    # a seed above 2**63 (half of the unseeded ones) orders the data as any other
+    assert runs["top"]["seed"] == 2**64 - 1 and len(runs["top"]["losses"]) == W.STEPS
 
 
 @pytest.mark.parametrize("seed", [3])
