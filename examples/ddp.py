@@ -27,7 +27,7 @@ dataset = TextDataset(seq_len=SEQ)
 # 1. By hand: every rank computes gradients on its slice, then all-reduces and averages them.
 manual = build("tiny", seed=0)
 opt = torch.optim.SGD(manual.parameters(), lr=0.1)
-loader = DistributedLoader(dataset, BATCH, dp_rank=rank, dp_size=world)
+loader = DistributedLoader(dataset, BATCH, dp_rank=rank, dp_size=world, seed=run.seed)
 for step in range(STEPS):
     x, y = loader.batch(step)
     lm_loss(manual(x), y).backward()
@@ -48,7 +48,7 @@ for batch in run.loader(dataset, batch_size=BATCH, steps=STEPS):
 # 3. One device, whole global batch, for reference (every rank computes it; it is small).
 single = build("tiny", seed=0)
 opt = torch.optim.SGD(single.parameters(), lr=0.1)
-loader = DistributedLoader(dataset, BATCH)
+loader = DistributedLoader(dataset, BATCH, seed=run.seed)  # run.loader's order
 for step in range(STEPS):
     x, y = loader.batch(step)
     lm_loss(single(x), y).backward()

@@ -23,8 +23,10 @@ parser.add_argument("--model", default="tiny")
 parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--global-batch", "--batch-size", dest="batch_size", type=int, default=32)
 parser.add_argument("--seq", "--seq-len", dest="seq_len", type=int, default=128)
+parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 
+torch.manual_seed(args.seed)                           # the run's seed, as on one device
 run = plait.init(args.plan, log_every=10)              # torchrun env, device, backend, mesh
 model = run.parallelize(build(args.model))             # PP split, TP/SP, checkpointing, FSDP/DDP
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

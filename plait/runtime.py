@@ -44,7 +44,6 @@ from .parallel.layout import layout_of
 from .parallelize import parallelize as _parallelize
 from .plan import Plan
 from .progress import Progress, check_extras
-from .seeding import TwinCheck
 from .train import (
     LossFn,
     TotalsExchange,
@@ -157,9 +156,6 @@ class Run:
     # id(laid-out model) -> the class name of the model given to run.parallelize (the layout
     # wraps it: DDP, FSDP's FSDPNet, a pipeline's stages).
     _class_names: dict[int, str] = field(default_factory=dict)
-    # What earlier run.parallelize calls saw, to warn about a model built after one of them
-    # that starts from an earlier model's weights (plait.seeding).
-    _twins: TwinCheck = field(default_factory=TwinCheck)
     _loader: DistributedLoader | StreamLoader | None = None
     # What a NaN/inf loss or gradient norm does: "stop" (raise) or "skip" (see plait.guard).
     nonfinite: str = "stop"
@@ -336,7 +332,7 @@ class Run:
             self.say(f"plan: {self.plan.describe()} on {self.world_size} process(es)", "plan",
                      plan=self.plan.to_string(), layout=self.plan.describe(),
                      world_size=self.world_size, accelerator=self.accelerator.name,
-                     backend=self.accelerator.backend)
+                     backend=self.accelerator.backend, seed=self.seed)
 
     # ------------------------------------------------------------------ the four calls
     def parallelize(self, model: nn.Module, *, example: Any = None) -> nn.Module:
@@ -352,9 +348,19 @@ class Run:
         With ``plan="auto"`` the first call asks the planner for this model's layout, prints the
         choice and why (rank 0), and builds the mesh for it (see ``plait.auto``). A model or
         plan it refuses raises ValueError; under ``format="json"`` its ``error`` event, if
-        uncaught, is written once (rank 0's): every rank lays out the same model and plan."""
+        uncaught, is written once (rank 0's): every rank lays out the same model and plan.
+
+        The random stream is left where building the model left it, as on one device, and is
+        the same on every rank (rank 0's): see ``plait.seeding``."""
+        from .seeding import kept_stream
+
         try:
-            return self._lay_out(model, example)
+            # the random stream goes on from where building the model left it: what laying
+            # out draws (the planner's measurements, a layout's checks) is undone
+            with kept_stream(self.device, share=self.spmd is None):
+                out = self._lay_out(model, example)
+            self._resume_weights(out)
+            return out
         except ValueError as exc:
             if self.format == "json":
                 from .json_stdout import mark_every_rank
@@ -391,12 +397,8 @@ class Run:
                        "and compiles each block's forward instead (compile in the plan), the "
                        "way compile composes with data, sharded and pipeline parallelism")
         from .parallel.copy_refusal import refuse_averaged_pipeline
-        from .seeding import fingerprint
 
         refuse_averaged_pipeline(model, self.plan.pp)
-        self._twins.before(model, self.seed)
-        initial = fingerprint(model)
-        torch.manual_seed(self.seed)
         if self.spmd is not None:
             from .parallel.xla_spmd import apply_spmd
 
@@ -404,8 +406,6 @@ class Run:
                              say=self.say if self.format == "json" else None)
             self._models.append(out)
             self._class_names[id(out)] = name
-            self._twins.after(name, initial)
-            self._resume_weights(out)
             return out
         if self.ledger is not None and (self.plan.tp > 1 or self.plan.pp > 1
                                         or self.plan.cp > 1):
@@ -438,8 +438,6 @@ class Run:
         self._models.append(out)
         self._class_names[id(out)] = name
         self._ledger_inputs[id(out)] = (self._stats, self._input_grad)
-        self._twins.after(name, initial)
-        self._resume_weights(out)
         return out
 
     def _resume_weights(self, model: nn.Module) -> None:
@@ -1530,7 +1528,7 @@ def _attention_mask(batch: Any) -> torch.Tensor | None:
     return mask if isinstance(mask, torch.Tensor) else None
 
 
-def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int = 0,
+def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int | None = None,
          log_every: int = 10, quiet: bool = False, ledger: bool = False,
          checkpoint: str | Path | None = None, every: int | None = None, keep: int | None = 3,
          async_save: bool = False, cluster: Any = None, global_batch: int | None = None,
@@ -1547,6 +1545,12 @@ def init(plan: PlanSource = None, *, accelerator: str | None = None, seed: int =
     Under torchrun (or ``plait run``) the rank and world size come from its variables; without
     them this is a one-process job. ``ledger=True`` records every collective of the training
     steps and prints, at ``finish()``, bytes per mesh axis and collective beside the closed form.
+
+    ``seed``: None takes the seed the script set, ``torch.manual_seed(s)`` before this call
+    (rank 0's ``torch.initial_seed()``: random in a script that never seeds), and gives it and
+    rank 0's random state to every rank, so replicas start from the same weights; an integer
+    seeds every rank with it. Rank 0 prints the seed in use (``run.seed``; the ``plan`` event
+    under ``format="json"``): ``plait.init(seed=run.seed)`` runs that job again.
 
     ``checkpoint="ckpt/"`` saves there every ``every`` steps (and at ``finish()``), keeping the
     newest ``keep``, and resumes from the newest one when the folder holds any: the first
@@ -1639,15 +1643,17 @@ def _script_name() -> str:
     return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
 
 
-def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: int, quiet: bool,
-          ledger: bool, checkpoint: str | Path | None, every: int | None, keep: int | None,
-          async_save: bool, cluster: Any, global_batch: int | None, seq: int | None,
-          strict: bool, tensorboard: str | None = None, plot: str | None = None,
+def _init(plan: PlanSource, accelerator: str | None, *, seed: int | None, log_every: int,
+          quiet: bool, ledger: bool, checkpoint: str | Path | None, every: int | None,
+          keep: int | None, async_save: bool, cluster: Any, global_batch: int | None,
+          seq: int | None, strict: bool, tensorboard: str | None = None, plot: str | None = None,
           nonfinite: str = "stop", timeout: float = 300.0, desync_check: bool = True,
           format: str = "text") -> Run:
     from .guard import check_policy
+    from .seeding import check_seed, start
 
     check_policy(nonfinite)
+    check_seed(seed)
     if format not in ("text", "table", "json"):
         raise ValueError(f"format={format!r}: use 'text' (for people) or 'json' (JSON Lines, "
                          f"for programs)")
@@ -1715,7 +1721,10 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
         owns_group = True
     else:
         rank, world_size = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(seed)
+    # a resumed job goes on with the seed of the run it resumes (its data order), unless given
+    saved = checkpointing.resume_loader if checkpointing is not None else None
+    resumed = None if seed is not None or not saved or "seed" not in saved else int(saved["seed"])
+    chosen = start(seed if resumed is None else resumed, share=layout is None)
     request = None
     if auto:
         from .auto import AutoRequest
@@ -1725,7 +1734,7 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
                               cluster=cluster, global_batch=global_batch, seq=seq)
     mesh = None if auto or layout is not None else build_mesh(resolved, device.type, world_size)
     run = Run(plan=resolved, mesh=mesh, accelerator=acc, device=device, rank=rank,
-              world_size=world_size, local_rank=local_rank, seed=seed, log_every=log_every,
+              world_size=world_size, local_rank=local_rank, seed=chosen, log_every=log_every,
               quiet=quiet, owns_group=owns_group, auto=request, spmd=layout,
               plot=plot, nonfinite=nonfinite, timeout=timeout, desync_check=desync_check,
               format="json" if format == "json" else "text")
@@ -1762,6 +1771,11 @@ def _init(plan: PlanSource, accelerator: str | None, *, seed: int, log_every: in
 
         run.ledger = Ledger(mesh)
         run.ledger.install()
+    if seed is None and run.format == "text":  # json: a field of the plan event
+        whence = ("the checkpoint's, of the run it resumes" if resumed is not None else
+                  "the script's torch.manual_seed, or drawn when it sets none")
+        run.print(f"plait: seed {chosen} ({whence}); plait.init(seed={chosen}) runs this job "
+                  f"again")
     if not auto:  # plan="auto": said once the planner chose, in parallelize
         run._say_plan()
     return run

@@ -1,69 +1,75 @@
-"""Two models that start from the same weights because ``run.parallelize`` seeded the RNG
-between them.
+"""The run's seed and random stream: the script's own, the same on every rank.
 
-``run.parallelize`` starts the RNG from the run's seed before it lays a model out, so that
-training draws (dropout) begin at the seed whatever building the model drew. A second model
-built after that call (``q2 = run.parallelize(Critic())`` after ``q1 = run.parallelize(
-Critic())``) then draws the very numbers the first one drew after ``plait.init`` seeded the
-RNG: two critics, ensemble members or towers of one class start equal, which one device,
-building both from one stream of draws, never does. The models are told apart from a
-deliberate copy (an EMA model, a frozen reference for a KL penalty, ``copy.deepcopy`` of the
-model) by the RNG: a copy draws nothing, a model built anew does.
+A script seeds as it does on one device, ``torch.manual_seed(s)`` before ``plait.init()``, and
+``s`` is the run's seed: a sweep over ``s`` is a sweep of runs. ``plait.init(seed=None)`` (the
+default) takes rank 0's ``torch.initial_seed()`` (``s`` after ``torch.manual_seed(s)``, a
+random 64-bit value in a script that never seeds, so that one varies run to run as on one
+device) and rank 0's random state, and gives both to every rank: the replicas build the same
+weights and draw the same numbers. ``plait.init(seed=k)`` seeds every rank with ``k``.
+
+``run.parallelize`` leaves the random stream where building the model left it, as one device
+never resets it between building the model and training: what laying out draws (the
+planner's measurements, a layout's checks running the blocks) is undone, and every rank
+continues from rank 0's state. A second model built after that call draws on from the first
+one's draws, as on one device.
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
-import torch.nn as nn
+import torch.distributed as dist
 
-from .warn import user_stacklevel
-
-
-def fingerprint(model: nn.Module) -> tuple[object, ...]:
-    """A few of the model's initial values with every parameter's shape: equal for two
-    models of one architecture built from the same draws (or copied), unequal otherwise."""
-    shapes = tuple(tuple(p.shape) for p in model.parameters())
-    # not a DTensor: a model laid out already holds shards, no fresh draws
-    drawn = [p for p in model.parameters() if p.is_floating_point() and not p.is_meta
-             and p.numel() > 1 and not hasattr(p, "placements")][:3]
-    # a copy of 12 numbers to the host, once per run.parallelize
-    values = tuple(tuple(p.detach().flatten()[:4].float().cpu().tolist()) for p in drawn)
-    return shapes, values
+# torch.manual_seed takes any integer from -2**63 to 2**64 - 1 and keeps it as an unsigned
+# 64-bit value (torch.initial_seed() of manual_seed(-1) is 2**64 - 1)
+_LOW, _HIGH = -(2**63), 2**64
 
 
-@dataclass
-class TwinCheck:
-    """What the run's earlier ``run.parallelize`` calls saw: each model's fingerprint and
-    class name, and the CPU RNG state the last call left."""
+def check_seed(seed: object) -> None:
+    """Refuse a seed ``torch.manual_seed`` cannot take, naming it."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int) or not _LOW <= seed < _HIGH:
+        raise ValueError(f"seed={seed!r}: use an integer from 0 to 2**64 - 1, or leave it out "
+                         f"(None) for the seed the script set with torch.manual_seed")
 
-    seen: list[tuple[tuple[object, ...], str]] = field(default_factory=list)
-    rng_after: torch.Tensor | None = None
 
-    def before(self, model: nn.Module, seed: int) -> None:
-        """Warn when ``model`` was built after an earlier ``run.parallelize`` (the RNG drew
-        since) and starts from that earlier model's weights."""
-        if self.rng_after is None or not self.seen:
-            return
-        if torch.equal(torch.get_rng_state(), self.rng_after):
-            return  # nothing drawn since: a copy, or built before the earlier call
-        mine = fingerprint(model)
-        twin = next((name for seen, name in self.seen if seen == mine and mine[1]), None)
-        if twin is None:
-            return
-        name = type(model).__name__
-        warnings.warn(
-            f"plait: {name} starts from the same weights as {twin}, laid out before it: "
-            f"run.parallelize started the RNG from the seed (plait.init(seed={seed})), and "
-            f"{name} was built after that call, so it drew what {twin} drew. Build every "
-            f"model before the first run.parallelize call, or seed each yourself "
-            f"(torch.manual_seed(k) before building it); a deliberate copy "
-            f"(copy.deepcopy) is not warned about", stacklevel=user_stacklevel())
+def _shared(values: list[object], share: bool) -> list[object]:
+    """``values`` as rank 0 holds them, on every rank of the job (``share``; as they are
+    without it: PyTorch/XLA SPMD's one process per host has no collective before its mesh)."""
+    if share and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(values, src=0)
+    return values
 
-    def after(self, name: str, seen: tuple[object, ...]) -> None:
-        """Record a model laid out (its class name and :func:`fingerprint` from before the
-        layout, which shards or splits it in place) and the RNG state the call leaves."""
-        self.seen.append((seen, name))
-        self.rng_after = torch.get_rng_state()
+
+def start(seed: int | None, share: bool = True) -> int:
+    """Seed every rank for the run and return its seed (0 to 2**64 - 1).
+
+    ``seed`` given: ``torch.manual_seed(seed)`` on every rank. None: rank 0's
+    ``torch.initial_seed()`` seeds every device's generator, and rank 0's CPU random state
+    follows it, so the script's stream goes on where it was on rank 0 (a model built before
+    ``plait.init`` drew from it) and every rank holds the same."""
+    check_seed(seed)
+    if seed is not None:
+        torch.manual_seed(seed)
+        return torch.initial_seed()
+    chosen, state = _shared([torch.initial_seed(), torch.get_rng_state()], share)
+    assert isinstance(chosen, int) and isinstance(state, torch.Tensor)
+    torch.manual_seed(chosen)
+    torch.set_rng_state(state)
+    return chosen
+
+
+@contextmanager
+def kept_stream(device: torch.device, share: bool = True) -> Iterator[None]:
+    """Lay a model out inside this: the CPU state and ``device``'s (a GPU's) are put back
+    after it, to where building the model left them, and then every rank takes rank 0's CPU
+    state, so that they draw alike even where the script drew on one rank only."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        yield
+    (state,) = _shared([torch.get_rng_state()], share)
+    assert isinstance(state, torch.Tensor)
+    torch.set_rng_state(state)

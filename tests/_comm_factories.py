@@ -47,7 +47,7 @@ def finish_comm(rank: int, world_size: int, plan: str, factory: str, global_batc
     import plait
 
     torch.set_num_threads(1)
-    run = plait.init(plan, ledger=True, quiet=True)
+    run = plait.init(plan, ledger=True, quiet=True, seed=0)
     run.ledger_warmup = warmup
     module, _, name = factory.partition(":")
     torch.manual_seed(run.seed)

@@ -44,7 +44,7 @@ def placement(rank: int, world: int, device_type: str) -> dict:
     """plait.init picks the local device; parallelize and step keep everything on it."""
     import plait
 
-    run = plait.init(accelerator=device_type, quiet=True, log_every=1)
+    run = plait.init(accelerator=device_type, quiet=True, log_every=1, seed=0)
     model = run.parallelize(build(CFG, seed=0).to(run.device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = [run.step(model, b, lm_loss, opt) for b in
@@ -65,7 +65,7 @@ def bf16_autocast(rank: int, world: int, device_type: str) -> dict:
     import plait
 
     run = plait.init("mixed_precision=bf16", accelerator=device_type, quiet=True,
-                     log_every=1)
+                     log_every=1, seed=0)
     model = run.parallelize(build(CFG, seed=0).to(run.device))
     seen: list[torch.dtype] = []
     hook = model.layers[0].attention.q_proj.register_forward_hook(
@@ -103,7 +103,7 @@ def plan_compile_bf16(rank: int, world: int, device_type: str) -> dict:
     from plait._torch_compat import dynamo_graph_count, reset_dynamo
 
     def losses(plan: str) -> list[float]:
-        run = plait.init(plan, accelerator=device_type, quiet=True, log_every=1)
+        run = plait.init(plan, accelerator=device_type, quiet=True, log_every=1, seed=0)
         model = run.parallelize(build(CFG, seed=0).to(run.device))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         out = [float(run.step(model, b, lm_loss, opt)) for b in

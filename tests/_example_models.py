@@ -92,7 +92,7 @@ def train_vit(rank: int, world_size: int, plan: str, with_example: bool) -> dict
     the refusal's message."""
     from plait.runtime import init
 
-    run = init(plan, quiet=True)
+    run = init(plan, quiet=True, seed=0)
     data = Pictures()
     batches = list(run.loader(data, batch_size=BATCH, steps=STEPS))
     torch.manual_seed(0)

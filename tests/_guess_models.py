@@ -163,7 +163,7 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, str, bool, bool]]
 
     out: list[dict[str, Any]] = []
     for name, plan, fitting, with_example in jobs:
-        run = init(plan, quiet=True)
+        run = init(plan, quiet=True, seed=0)
         data = MODELS[name][1]()
         # plan="auto" chooses the mesh in run.parallelize, before any loader: the example is
         # the dataset's first rows, collated as the loader collates them.

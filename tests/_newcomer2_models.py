@@ -224,7 +224,7 @@ def train(rank: int, world_size: int, name: str, plan: str, evaluate: bool = Fal
     refusal's message."""
     from plait.runtime import init
 
-    run = init(plan, quiet=True)
+    run = init(plan, quiet=True, seed=0)
     model, data, loss_fn, collate = _factory(name)
     loader = run.loader(data, batch_size=BATCH, steps=STEPS, collate_fn=collate)
     try:

@@ -304,7 +304,7 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[
     torch.set_num_threads(1)
     out = []
     for name, plan in jobs:
-        run = init(plan, quiet=True)
+        run = init(plan, quiet=True, seed=0)
         model, data, loss_fn, collate = _factory(name)
         loader = run.loader(data, batch_size=BATCH, steps=STEPS, collate_fn=collate)
         with warnings.catch_warnings(record=True) as caught:

@@ -211,7 +211,7 @@ def train_recommender(rank: int, world_size: int, plan: str, sparse: bool,
     or the refusal's message."""
     from plait.runtime import init
 
-    run = init(plan, quiet=True)
+    run = init(plan, quiet=True, seed=0)
     _, data, loss_fn = recommender()
     try:
         model = run.parallelize(_model(model_name, sparse))
@@ -276,7 +276,7 @@ def cosine_run(rank: int, world_size: int, root: str, t_max: int, steps: int) ->
 
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        run = init("", checkpoint=root, quiet=True)
+        run = init("", checkpoint=root, quiet=True, seed=0)
         model, data, loss_fn = denoiser()
         model = run.parallelize(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

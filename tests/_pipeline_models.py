@@ -37,7 +37,7 @@ def timeline_worker(rank, world_size, schedule, v, m):
     from plait.runtime import init
 
     plan = Plan(pp=world_size, pp_schedule=schedule, virtual_stages=v, microbatches=m)
-    run = init(plan, quiet=True)
+    run = init(plan, quiet=True, seed=0)
     model = run.parallelize(deep_mlp())
     pipe = layout_of(model).pipeline
     x, y = mlp_batch(0, 0)
@@ -364,7 +364,7 @@ def refusal_worker(rank, world_size):
     """pp=2 on SkipsLastBlock: every rank gets the one-line refusal on its first step."""
     from plait.runtime import init
 
-    run = init("pp=2,mb=2", quiet=True)
+    run = init("pp=2,mb=2", quiet=True, seed=0)
     model = run.parallelize(skips_last_block())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     try:
@@ -384,7 +384,7 @@ def batchnorm_warnings(rank, world_size, plans):
 
     out = []
     for text in plans:
-        run = init(text, quiet=True)
+        run = init(text, quiet=True, seed=0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             run.parallelize(SmallConvNet(batchnorm=True))
@@ -483,7 +483,7 @@ def first_inputs_seen(rank, world_size, plan, batches, loss_fn):
     InputLog kept."""
     from plait.runtime import init
 
-    run = init(plan, quiet=True, log_every=1)
+    run = init(plan, quiet=True, log_every=1, seed=0)
     model = run.parallelize(logged_mlp())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = [float(run.step(model, batch, loss_fn, opt)) for batch in batches]
@@ -627,7 +627,7 @@ def evaluate_under_schedules(rank, world_size, plans, parts=False):
 
     out = {}
     for text in plans:
-        run = init(text, quiet=True)
+        run = init(text, quiet=True, seed=0)
         model = run.parallelize(dropout_tagger())
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         share = ROWS // run.dp_size

@@ -254,7 +254,7 @@ def train_taggers(rank: int, world_size: int, jobs: list[tuple[bool | str, str]]
     torch.set_num_threads(1)
     out = []
     for inline, plan in jobs:
-        run = init(plan, quiet=True)
+        run = init(plan, quiet=True, seed=0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = run.parallelize(tagger(inline), example=tag_batch(0))
@@ -441,7 +441,7 @@ def train_sequences(rank: int, world_size: int, jobs: list[tuple[str, str]]
     torch.set_num_threads(1)
     out: list[dict[str, Any]] = []
     for name, plan in jobs:
-        run = init(plan, quiet=True)
+        run = init(plan, quiet=True, seed=0)
         batch = long_target_batch if name.endswith("/lengths") else pair_batch
         try:
             model = run.parallelize(sequence_model(name.split("/")[0]))
@@ -483,7 +483,7 @@ def hf_attentions(rank: int, world_size: int, plan: str) -> dict[str, Any]:
     ids = lm_batch(0)[0]
     with torch.no_grad():
         want = hf_llama("eager")(ids, output_attentions=True, output_hidden_states=True)
-    run = init(plan, quiet=True)
+    run = init(plan, quiet=True, seed=0)
     model = run.parallelize(hf_llama("eager"))
     with torch.no_grad():
         got = model(ids, output_attentions=True, output_hidden_states=True)

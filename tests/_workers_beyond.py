@@ -263,7 +263,7 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[Any],
 
     out = []
     for text, factory, batches, loss_fn in jobs:
-        run = init(text, quiet=True, log_every=1)
+        run = init(text, quiet=True, log_every=1, seed=0)
         if loss_fn == "info_nce":
             loss_fn = info_nce(run.all_gather)
         elif loss_fn == "info_nce_local":
@@ -309,7 +309,7 @@ def resume(rank: int, world_size: int, factory: Callable[[], nn.Module], batches
 
     out: dict[str, Any] = {}
     for phase, plan in (("straight", saved_as), ("resumed", loaded_as)):
-        run = init(plan, quiet=True, log_every=1)
+        run = init(plan, quiet=True, log_every=1, seed=0)
         model = run.parallelize(factory())
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
         if phase == "straight":
@@ -458,7 +458,7 @@ def batchnorm_buffers(rank: int, world_size: int, jobs: list[tuple[str, str]],
 
     out = []
     for plan, read in jobs:
-        run = init(plan, quiet=True, log_every=1)
+        run = init(plan, quiet=True, log_every=1, seed=0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = run.parallelize(conv_bn_frozen_stem())
@@ -499,7 +499,7 @@ def batchnorm_reads(rank: int, world_size: int, plan: str, model_name: str
         return {n: (b.to_local() if hasattr(b, "to_local") else b).detach().clone()
                 for m in local_modules(model) for n, b in m.named_buffers() if "running" in n}
 
-    run = init(plan, quiet=True, log_every=1)
+    run = init(plan, quiet=True, log_every=1, seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
@@ -537,7 +537,7 @@ def gathered_rows(rank: int, world_size: int, plans: list[str]) -> list[dict[str
 
     out = []
     for plan in plans:
-        run = init(plan, quiet=True)
+        run = init(plan, quiet=True, seed=0)
         order = run.all_gather(torch.tensor([[float(run.dp_rank)]]))
         rows = torch.full((run.dp_rank + 1, 2), float(run.dp_rank), requires_grad=True)
         gathered, index = run.all_gather(rows, return_index=True)

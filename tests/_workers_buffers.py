@@ -24,7 +24,7 @@ def ddp_reads(rank: int, world: int, model: str, folder: str, steps: int = 3
     SGD, then read it: this rank's own buffers before the read, a checkpoint saved to
     ``folder`` and then ``run.full_state_dict``."""
     torch.set_num_threads(1)
-    run = plait.init("dp=2", quiet=True)
+    run = plait.init("dp=2", quiet=True, seed=0)
     try:
         net = run.parallelize(u.MODELS[model]())
         opt = u.optimizer("sgd", net)
@@ -100,7 +100,7 @@ def layouts(rank: int, world: int, plans: list[str]) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for plan in plans:
-        run = plait.init(plan, quiet=True)
+        run = plait.init(plan, quiet=True, seed=0)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # BatchNorm without sync_bn is warned about

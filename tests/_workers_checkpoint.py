@@ -29,7 +29,7 @@ def train(plan: str, *, steps: int, checkpoint: str | None = None, every: int | 
     global step ``steps``; returns this process's per-step losses (resumed runs return only
     the steps they ran)."""
     run = plait.init(plan, checkpoint=checkpoint, every=every, log_every=1, quiet=True,
-                     async_save=async_save)
+                     async_save=async_save, seed=0)
     model = run.parallelize(_model(dropout, fused))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5) if scheduler else None
@@ -167,7 +167,7 @@ def rng_world2(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
     """At world 2: load ``root/one`` (saved by one process); draw a different count of numbers
     on each rank and save to ``root/two``; draw more and load ``root/two`` back. Returns the
     torch CPU random state after the first load, at the save, and after the second load."""
-    run = plait.init("dp=2", quiet=True)
+    run = plait.init("dp=2", quiet=True, seed=0)
     model = run.parallelize(_model(0.0))
     run.load(Path(root) / "one", model=model)
     after_one = torch.get_rng_state()
@@ -188,7 +188,8 @@ def batchnorm_state(rank: int, world: int, plan: str, folder: str, save: bool
     from plait.check import _slice
     from tests import _workers_semantics as sem
 
-    run = plait.init(plan, quiet=True, **({"checkpoint": folder, "every": 3} if save else {}))
+    run = plait.init(plan, quiet=True, seed=0,
+                     **({"checkpoint": folder, "every": 3} if save else {}))
     model = run.parallelize(sem.batchnorm_mlp())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if save:

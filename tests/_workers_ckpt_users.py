@@ -249,7 +249,8 @@ def train(plan: str, model: str, *, steps: int, opt: str = "adamw", sched: str |
     """Train ``model`` under ``plan`` up to global step ``steps``; with ``checkpoint`` resume
     from it when it holds one and save every ``every`` steps. Returns the losses and learning
     rates of the steps this run took, and (``export``) the full state at the end."""
-    run = plait.init(_plan(plan, model), checkpoint=checkpoint, every=every, keep=keep, quiet=True)
+    run = plait.init(_plan(plan, model), checkpoint=checkpoint, every=every, keep=keep,
+                     quiet=True, seed=0)
     try:
         net = run.parallelize(MODELS[model]())
         o = optimizer(opt, net)

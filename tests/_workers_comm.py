@@ -142,7 +142,7 @@ def ledger_summary(rank: int, world: int, steps: int) -> str:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        run = plait.init(f"dp={world}", ledger=True)
+        run = plait.init(f"dp={world}", ledger=True, seed=0)
         model = run.parallelize(build(MODEL))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for batch in run.loader(TextDataset(seq_len=SEQ), batch_size=BATCH * world, steps=steps):

@@ -59,7 +59,7 @@ def first_step_check(rank: int, world_size: int, plan: str, factory: Any,
     from plait.runtime import init
 
     reset_dynamo()
-    run = init(plan, quiet=True)
+    run = init(plan, quiet=True, seed=0)
     model = run.parallelize(factory())
     runner = layout_of(model).pipeline
     laid_out = stage_inputs(batch, W.mlm_loss, runner.signature, runner.model_name)
@@ -78,7 +78,7 @@ def train_compiled(rank: int, world_size: int, plan: str, factory: Any,
     from plait.runtime import init
 
     reset_dynamo()
-    run = init(plan, quiet=True, log_every=1)
+    run = init(plan, quiet=True, log_every=1, seed=0)
     model = run.parallelize(factory())
     if by_hand:
         from plait.parallel.units import repeated_blocks
@@ -165,7 +165,7 @@ def train_pipeline_compiled(rank: int, world_size: int, plan: str, factory: Any,
     from plait.runtime import init
 
     reset_dynamo()
-    run = init(plan, quiet=True, log_every=1)
+    run = init(plan, quiet=True, log_every=1, seed=0)
     model = run.parallelize(factory())
     at_inference: list[tuple[int, int]] = []
     for stage in layout_of(model).pipeline.stages:

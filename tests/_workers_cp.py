@@ -320,7 +320,7 @@ def train_adamw(rank: int, world_size: int, jobs: list[Any]) -> list[dict[str, A
 
     out = []
     for text, factory, batches, loss_fn in jobs:
-        run = init(text, quiet=True, log_every=1)
+        run = init(text, quiet=True, log_every=1, seed=0)
         model = run.parallelize(factory())
         opt = torch.optim.AdamW(model.parameters(), lr=ADAM_LR, eps=ADAM_EPS, weight_decay=0.1)
         losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size), loss_fn, opt))
@@ -347,7 +347,7 @@ def refusals(rank: int, world_size: int, batches: list[Any], plan: str = "cp=2",
                                      (model, lm_loss, (batches[0][0], batches[0][1][:, 0])),
                                      *([(written_out_lm, lm_loss, batches[0])]
                                        if "pp" not in plan else [])):
-        run = init(plan, quiet=True)
+        run = init(plan, quiet=True, seed=0)
         try:
             model = run.parallelize(factory())
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -368,7 +368,7 @@ def ledger_axes(rank: int, world_size: int, batches: list[Any], plan: str = "cp=
 
     # desync_check off: the watchdog's step-start all-gather runs on a group of the same
     # ranks, which a user's own Ledger would count on the cp axis too
-    run = init(plan, quiet=True, desync_check=False)
+    run = init(plan, quiet=True, desync_check=False, seed=0)
     model = run.parallelize((factory or causal_lm)())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run.step(model, batches[0], lm_loss, opt)  # DDP's first step sets up its buckets
@@ -401,7 +401,7 @@ def evaluate(rank: int, world_size: int, batches: list[Any], plan: str = "cp=2",
     ``plan``."""
     from plait.runtime import init
 
-    run = init(plan, quiet=True)
+    run = init(plan, quiet=True, seed=0)
     model = run.parallelize((factory or causal_lm)())
     loss = float(run.evaluate(model, batches[0], lm_loss))
     run.close()

@@ -217,7 +217,7 @@ def trace(rank: int, world_size: int, plan: str, steps: int | None = None, *,
     the run has done that many steps."""
     import plait
 
-    run = plait.init(plan, quiet=True, checkpoint=checkpoint)
+    run = plait.init(plan, quiet=True, checkpoint=checkpoint, seed=0)
     model = run.parallelize(WithLoss(masked_lm()))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out: dict[str, Any] = {"dp_rank": run.dp_rank, "ids": [], "inputs": [], "losses": [],
@@ -265,7 +265,7 @@ def own_sampler(rank: int, world_size: int, plan: str, sampler_args: dict[str, s
 
     import plait
 
-    run = plait.init(plan, quiet=True)
+    run = plait.init(plan, quiet=True, seed=0)
     model = run.parallelize(WithLoss(masked_lm()))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     data = Numbered()

@@ -51,7 +51,7 @@ def train_contrastive(rank: int, world_size: int, plan: str, gathers: bool) -> d
     ``run.all_gather`` or not; the refusal's message when the layout or the step refuses."""
     from plait.runtime import init
 
-    run = init(plan, quiet=True)
+    run = init(plan, quiet=True, seed=0)
     loss_fn = scaled_nce(run.all_gather if gathers else B.no_gather)
     batches = [B.pair_batch(s) for s in range(STEPS)]
     try:
@@ -111,7 +111,7 @@ def text_first_step(rank: int, world_size: int, plan: str) -> float:
     """One step of :class:`TextFirstTwoTower` under ``plan`` (a pipeline fails on stage 0)."""
     from plait.runtime import init
 
-    run = init(plan, quiet=True, timeout=60)
+    run = init(plan, quiet=True, timeout=60, seed=0)
     try:
         torch.manual_seed(0)
         model = run.parallelize(TextFirstTwoTower())
@@ -128,7 +128,7 @@ def train_stacked(rank: int, world_size: int, plans: list[str]) -> list[dict[str
 
     out: list[dict[str, Any]] = []
     for plan in plans:
-        run = init(plan, quiet=True)
+        run = init(plan, quiet=True, seed=0)
         try:
             model = run.parallelize(stacked_two_tower())
             opt = B._optimizer(model.parameters(), False)
@@ -170,7 +170,7 @@ def evaluate_contrastive(rank: int, world_size: int, plan: str) -> dict[str, Any
     each the loss or the refusal's message."""
     from plait.runtime import init
 
-    run = init(plan, quiet=True)
+    run = init(plan, quiet=True, seed=0)
     held = _slice(B.pair_batch(HELD_OUT), run.dp_rank, run.dp_size)
     out: dict[str, Any] = {}
     try:
@@ -345,7 +345,7 @@ def train_wrapped_clip(rank: int, world_size: int, plan: str) -> dict[str, Any]:
     """SGD on :func:`wrapped_clip` under ``plan``, its loss over ``run.all_gather``."""
     from plait.runtime import init
 
-    run = init(plan, quiet=True)
+    run = init(plan, quiet=True, seed=0)
     model = run.parallelize(wrapped_clip())
     opt = B._optimizer(model.parameters(), False)
     loss_fn = scaled_nce(run.all_gather)

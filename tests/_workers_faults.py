@@ -15,7 +15,7 @@ def nan_on_step(rank, world_size, plan, policy, bad_rank, bad_step, steps=5):
     import plait
     from plait.check import full_state
 
-    run = plait.init(plan, nonfinite=policy, quiet=True, log_every=1)
+    run = plait.init(plan, nonfinite=policy, quiet=True, log_every=1, seed=0)
     model = run.parallelize(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
@@ -89,7 +89,7 @@ def inf_grad_on_step(rank, world_size, plan, policy, bad_rank, bad_step, steps=4
     import plait
     from plait.check import full_state
 
-    run = plait.init(plan, nonfinite=policy, quiet=True, log_every=1)
+    run = plait.init(plan, nonfinite=policy, quiet=True, log_every=1, seed=0)
     torch.manual_seed(0)
     poison = _Poison()
     model = run.parallelize(nn.Sequential(nn.Linear(8, 16), poison, nn.ReLU(),
@@ -137,7 +137,7 @@ def stop_on_one_rank(rank, world_size, plan, folder, stop_step):
 
     import plait
 
-    run = plait.init(plan, checkpoint=folder, quiet=True)
+    run = plait.init(plan, checkpoint=folder, quiet=True, seed=0)
     model = run.parallelize(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -167,7 +167,7 @@ def collectives_per_step(rank, world_size):
 
     import plait
 
-    run = plait.init(f"dp={world_size}", quiet=True)
+    run = plait.init(f"dp={world_size}", quiet=True, seed=0)
     model = run.parallelize(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     groups = {id(g): g for g in (dist.group.WORLD, run.mesh["dp"].get_group(),
@@ -200,7 +200,7 @@ def desync_check_switch(rank, world_size, desync_check):
     steps under ``plait.init(desync_check=...)``."""
     import plait
 
-    run = plait.init(f"dp={world_size}", quiet=True, desync_check=desync_check)
+    run = plait.init(f"dp={world_size}", quiet=True, desync_check=desync_check, seed=0)
     model = run.parallelize(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = (torch.randn(4, 8), torch.randn(4, 8))

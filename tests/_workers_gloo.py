@@ -112,7 +112,7 @@ def installed_comms(rank: int, world: int, plan: Any) -> list[str]:
     from plait.models.transformer import build
     from plait.runtime import init
 
-    run = init(plan, quiet=True)
+    run = init(plan, quiet=True, seed=0)
     model = run.parallelize(build("test"))
     names = set()
     for module in model.modules():

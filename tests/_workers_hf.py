@@ -282,7 +282,7 @@ def finetune(rank: int, world_size: int, jobs: list[tuple[str, str, dict[str, An
     out = []
     for plan, model, kw in jobs:
         col, loss_fn = _collate(kw), LOSSES[kw.get("loss", "own")]
-        run = init(plan, quiet=True, log_every=1000)
+        run = init(plan, quiet=True, log_every=1000, seed=0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             net = run.parallelize(MODELS[model]())

@@ -140,7 +140,7 @@ def ledger_runs(rank: int, world_size: int, plan: str, models: list[str], *,
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for name in models:
-        run = init(plan, quiet=True, ledger=True)
+        run = init(plan, quiet=True, ledger=True, seed=0)
         run.ledger_warmup = warmup
         try:
             model = run.parallelize((table or MODELS)[name]())

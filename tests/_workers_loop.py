@@ -79,7 +79,7 @@ def epoch_loop(rank: int, world_size: int, plan: str, *, save_after: int | None 
     import plait
 
     run = plait.init(f"{plan},clip={CLIP}", quiet=True,
-                     checkpoint=folder if resume else None)
+                     checkpoint=folder if resume else None, seed=0)
     model = run.parallelize(masked_lm())
     opt, sched = optimizer(model)
     items = dataset()
@@ -104,7 +104,7 @@ def optimizer_made_first(rank: int, world_size: int, plan: str) -> list[float]:
     from plait.check import _slice
     from tests._workers_semantics import mlm_batch
 
-    run = plait.init(plan, quiet=True)
+    run = plait.init(plan, quiet=True, seed=0)
     model = masked_lm()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     model = run.parallelize(model)
@@ -121,7 +121,7 @@ def own_dataloader(rank: int, world_size: int, plan: str, sampler: bool) -> list
 
     import plait
 
-    run = plait.init(plan, quiet=True)
+    run = plait.init(plan, quiet=True, seed=0)
     model = run.parallelize(masked_lm())
     opt, _ = optimizer(model)
     items = dataset()

@@ -159,7 +159,7 @@ def plateau_loop(rank: int, world_size: int, plans: list[str], folder: str
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for plan in plans:
-        run = plait.init(plan, quiet=True)
+        run = plait.init(plan, quiet=True, seed=0)
         try:
             out[plan] = _plateau_run(run, f"{folder}/{plan}")
         finally:
@@ -263,7 +263,7 @@ def onecycle_loop(rank: int, world_size: int, plans: list[str]) -> dict[str, Any
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for plan in plans:
-        run = plait.init(plan, quiet=True)
+        run = plait.init(plan, quiet=True, seed=0)
         try:
             model = run.parallelize(classifier())
             opt = torch.optim.SGD(model.parameters(), lr=SGD_LR, momentum=0.9)
@@ -291,7 +291,7 @@ def copies_refused(rank: int, world_size: int, plans: list[str]) -> dict[str, An
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for plan in plans:
-        run = plait.init(plan, quiet=True)
+        run = plait.init(plan, quiet=True, seed=0)
         try:
             if run.plan.cp > 1:  # run.all_reduce's refusal: no model needed
                 try:

@@ -15,7 +15,7 @@ def local_share(rank: int, world: int, plan_text: str, model_name: str) -> dict:
     from plait.models import transformer as tfm
 
     torch.set_num_threads(1)
-    run = runtime.init(plan_text, quiet=True)
+    run = runtime.init(plan_text, quiet=True, seed=0)
     try:
         model = run.parallelize(tfm.build(tfm.preset(model_name), seed=run.seed))
         share = dataclasses.asdict(local_model(model, run.plan))
@@ -34,7 +34,7 @@ def model_state(rank: int, world: int, plan_text: str, model_name: str) -> dict:
     from plait.models import transformer as tfm
 
     torch.set_num_threads(1)
-    run = runtime.init(plan_text, quiet=True)
+    run = runtime.init(plan_text, quiet=True, seed=0)
     try:
         cfg = tfm.preset(model_name)
         model = run.parallelize(tfm.build(cfg, seed=run.seed))
@@ -67,7 +67,7 @@ def factory_ledger(rank: int, world: int, factory: str, plans: list[str], rows: 
     for plan in plans:
         torch.manual_seed(0)
         model, data, loss_fn = getattr(importlib.import_module(module), name)()
-        run = init(plan, quiet=True, ledger=True)
+        run = init(plan, quiet=True, ledger=True, seed=0)
         # DDP rebuilds its buckets in the second step (broadcasting their order): one-off
         run.ledger_warmup = 2
         try:

@@ -131,7 +131,7 @@ def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[
 
     out = []
     for text, factory, batches, loss_fn in jobs:
-        run = init(text, quiet=True, log_every=1)
+        run = init(text, quiet=True, log_every=1, seed=0)
         model = run.parallelize(factory())
         opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=False)
         seen: set[str] = set()
@@ -194,7 +194,7 @@ def fp16_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[A
 
     out = []
     for text, factory, batches, loss_fn in jobs:
-        run = init(text, quiet=True, log_every=1)
+        run = init(text, quiet=True, log_every=1, seed=0)
         run.loss_scaler = LossScaler(scale=init_scale, growth_interval=growth_interval)
         model = run.parallelize(factory())
         opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=False)
@@ -242,7 +242,7 @@ def fp16_nan_loss(rank: int, world_size: int, batches: list[Any], nonfinite: str
     from plait.loss_scale import LossScaler
     from plait.runtime import init
 
-    run = init("dp=2,mp=fp16", quiet=True, nonfinite=nonfinite)
+    run = init("dp=2,mp=fp16", quiet=True, nonfinite=nonfinite, seed=0)
     run.loss_scaler = LossScaler(scale=init_scale)
     model = run.parallelize(masked_lm())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -271,7 +271,7 @@ def fp16_resume(rank: int, world_size: int, folder: str, batches: list[Any], spl
     parts: list[dict[str, Any]] = []
     state = None
     for part, todo in enumerate((batches[:split], batches[split:])):
-        run = init("dp=2,mp=fp16", quiet=True)
+        run = init("dp=2,mp=fp16", quiet=True, seed=0)
         run.loss_scaler = LossScaler(scale=init_scale, growth_interval=growth_interval)
         model = run.parallelize(masked_lm())
         opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)

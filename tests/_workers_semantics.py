@@ -91,7 +91,7 @@ def train_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, list[
 
     out = []
     for text, factory, batches, loss_fn in jobs:
-        run = init(text, quiet=True, log_every=1)
+        run = init(text, quiet=True, log_every=1, seed=0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = run.parallelize(factory())
@@ -164,7 +164,7 @@ def step_losses_unlogged(rank: int, world_size: int, batches: list[Any]) -> dict
     """run.step's return value on steps that are not logged (log_every larger than the run)."""
     from plait.runtime import init
 
-    run = init("single", quiet=True, log_every=1000)
+    run = init("single", quiet=True, log_every=1000, seed=0)
     model = run.parallelize(masked_lm())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     raw = [run.step(model, batch, mlm_loss, opt) for batch in batches]
@@ -483,7 +483,7 @@ def auto_worker(rank: int, world_size: int, batches: list[Any]) -> dict[str, Any
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        run = init("auto", log_every=1000, global_batch=BATCH, seq=SEQ)
+        run = init("auto", log_every=1000, global_batch=BATCH, seq=SEQ, seed=0)
         model = run.parallelize(masked_lm())
     opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
     losses = [float(run.step(model, _slice(b, run.dp_rank, run.dp_size), mlm_loss, opt))
@@ -1150,7 +1150,7 @@ def full_state_loads_into_the_original(rank: int, world_size: int,
 
     problems = []
     for text, factory in jobs:
-        run = init(text, quiet=True)
+        run = init(text, quiet=True, seed=0)
         model = run.parallelize(factory())
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         batch = bn_batch(0) if factory is batchnorm_mlp else hf_batch(0)
@@ -1230,7 +1230,7 @@ def evaluate_jobs(rank: int, world_size: int, jobs: list[tuple[str, Callable, li
 
     out = []
     for text, factory, batches, loss_fn, held_out in jobs:
-        run = init(text, quiet=True)
+        run = init(text, quiet=True, seed=0)
         model = run.parallelize(factory())
         if factory is dropout_lm:
             model.eval()
@@ -1263,7 +1263,7 @@ def ledger_tables(rank: int, world_size: int, plans: list[str], features: bool =
                                   (masked_lm, mlm_batch, mlm_loss))
     out = {}
     for plan in plans:
-        run = init(plan, quiet=True, ledger=True)
+        run = init(plan, quiet=True, ledger=True, seed=0)
         model = run.parallelize(factory())
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         for step in range(3):
@@ -1304,7 +1304,7 @@ def shape_inference_loss_job(rank: int, world_size: int, plan: str,
     """Train the staged masked LM under ``plan`` with :class:`ShiftsInShapeInference`."""
     from plait.runtime import init
 
-    run = init(plan, quiet=True, log_every=1)
+    run = init(plan, quiet=True, log_every=1, seed=0)
     model = run.parallelize(staged_masked_lm())
     opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
     loss = ShiftsInShapeInference()

@@ -246,7 +246,7 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[
     out: list[dict[str, Any]] = []
     for plan, name in jobs:
         factory, batch, loss_fn = MODELS[name]
-        run = init(plan, quiet=True)
+        run = init(plan, quiet=True, seed=0)
         try:
             model = run.parallelize(factory())
         except ValueError as exc:
@@ -276,7 +276,7 @@ def seq2seq_ledger(rank: int, world_size: int, plan: str) -> dict[str, Any]:
     from plait.runtime import init
 
     torch.set_num_threads(1)
-    run = init(plan, quiet=True, ledger=True)
+    run = init(plan, quiet=True, ledger=True, seed=0)
     run.ledger_warmup = 1
     try:
         model = run.parallelize(plain_seq2seq())
@@ -298,7 +298,7 @@ def towers_ledger(rank: int, world_size: int, plan: str) -> dict[str, Any]:
     from plait.runtime import init
 
     torch.set_num_threads(1)
-    run = init(plan, quiet=True, ledger=True)
+    run = init(plan, quiet=True, ledger=True, seed=0)
     run.ledger_warmup = 1
     try:
         model = run.parallelize(T.towers())

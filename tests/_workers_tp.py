@@ -269,7 +269,7 @@ def sp_stage_worker(rank: int, world_size: int, models: list[str]) -> dict[str, 
     tokens = torch.randint(0, T.VOCAB, (T.BATCH, T.SEQ), generator=gen)
     labels = tokens.roll(-1, 1)
     for name in models:
-        run = init("tp=2,sp=1", quiet=True)
+        run = init("tp=2,sp=1", quiet=True, seed=0)
         try:
             # eval: no dropout (GPT-2's), so one device draws nothing the stages do not
             ref, model = T.MODELS[name]().eval(), T.MODELS[name]().eval()
@@ -363,7 +363,7 @@ def adamw_layout(rank: int, world_size: int, plan: str, models: list[str], steps
     torch.set_num_threads(1)
     out = {}
     for name in models:
-        run = init(plan, quiet=True, ledger=True)
+        run = init(plan, quiet=True, ledger=True, seed=0)
         run.ledger_warmup = 1
         try:
             model = run.parallelize(T.MODELS[name]())

@@ -388,7 +388,7 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[
     out: list[dict[str, Any]] = []
     for plan, name in jobs:
         factory, batch, loss_fn = MODELS[name]
-        run = init(plan, quiet=True)
+        run = init(plan, quiet=True, seed=0)
         try:
             model = run.parallelize(factory())
         except ValueError as exc:
@@ -420,7 +420,7 @@ def ledger(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict
     out: list[dict[str, Any]] = []
     for plan, name in jobs:
         factory, batch, loss_fn = MODELS[name]
-        run = init(plan, quiet=True, ledger=True)
+        run = init(plan, quiet=True, ledger=True, seed=0)
         run.ledger_warmup = 2
         try:
             model = run.parallelize(factory())

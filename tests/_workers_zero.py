@@ -111,7 +111,7 @@ def parallelize_error(rank: int, world_size: int, plan: Plan) -> str:
     from plait.models.transformer import build
     from plait.runtime import init
 
-    run = init(plan, quiet=True)
+    run = init(plan, quiet=True, seed=0)
     try:
         run.parallelize(build("test"))
     except ValueError as e:
@@ -145,7 +145,7 @@ def warnings_of_a_step(rank: int, world_size: int, plan: str) -> list[str]:
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        run = init(plan, quiet=True)
+        run = init(plan, quiet=True, seed=0)
         model = run.parallelize(W.masked_lm())
         opt = torch.optim.SGD(model.parameters(), lr=W.LR)
         batch = W.mlm_batch(0)
@@ -205,7 +205,7 @@ def state_read_by_forward(rank: int, world: int, plans: list[str], folder: str
 
     out: dict[str, Any] = {}
     for plan in plans:
-        run = plait.init(plan, quiet=True)
+        run = plait.init(plan, quiet=True, seed=0)
         model = run.parallelize(reads_its_state())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []

@@ -281,7 +281,7 @@ def ledger_worker(rank: int, world_size: int, plans: list[str], name: str) -> li
     out = []
     for plan in plans:
         model, data, loss_fn = getattr(A, name)()
-        run = init(plan, quiet=True, ledger=True)
+        run = init(plan, quiet=True, ledger=True, seed=0)
         run.ledger_warmup = 2  # DDP rebuilds its buckets (a broadcast) in the second step
         try:
             model = run.parallelize(model)

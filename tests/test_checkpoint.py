@@ -132,7 +132,7 @@ def test_batchnorm_buffers_move_between_layouts(tmp_path, no_group):
 def test_random_states_across_world_sizes(tmp_path, no_group, capsys):
     """The same world size: each rank resumes its own random states. Another: every rank
     resumes saved rank 0's (plait.checkpoint.api.rng_source), and the load says so."""
-    run = plait.init("single", quiet=True)
+    run = plait.init("single", quiet=True, seed=0)
     model = run.parallelize(w._model(0.0))
     torch.rand(3)
     one = torch.get_rng_state()
@@ -143,7 +143,7 @@ def test_random_states_across_world_sizes(tmp_path, no_group, capsys):
         assert torch.equal(r["after_one"], one)  # 1 -> 2: rank 0's (the only one) everywhere
         assert torch.equal(r["back"], r["saved"])  # 2 -> 2: its own
     assert not torch.equal(out[0]["saved"], out[1]["saved"])
-    run = plait.init("single")
+    run = plait.init("single", seed=0)
     model = run.parallelize(w._model(0.0))
     torch.rand(7)
     run.load(tmp_path / "two", model=model)
@@ -174,7 +174,7 @@ def test_kill_during_save_keeps_previous(tmp_path, no_group, world):
         run_distributed(w.killed_during_second_save, world, str(folder), timeout=120)
     assert resolve(folder).name == "step-00000002"
     assert any(p.name.startswith(".tmp-step-00000004") for p in folder.iterdir())
-    run = plait.init("single", checkpoint=str(folder), quiet=True)
+    run = plait.init("single", checkpoint=str(folder), quiet=True, seed=0)
     try:
         assert run.first_step == 2
         # a complete one exists: resumed from it, and the unfinished save is named
@@ -198,7 +198,7 @@ class _Payload:
 
 
 def _load_into_fresh(path: Path) -> int:
-    run = plait.init("single", quiet=True)
+    run = plait.init("single", quiet=True, seed=0)
     try:
         model = run.parallelize(w._model(0.0))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -248,7 +248,7 @@ def test_damaged_checkpoint_is_refused(saved, damage, message):
 
 def test_another_models_checkpoint_is_refused(saved):
     before = _digest(saved)
-    run = plait.init("single", quiet=True)
+    run = plait.init("single", quiet=True, seed=0)
     try:
         other = run.parallelize(torch.nn.Sequential(torch.nn.Linear(4, 4)))
         with pytest.raises(CheckpointError, match=r"is of another model: .*0\.weight"):
@@ -267,7 +267,7 @@ def test_a_damaged_newest_checkpoint_stops_the_resume(saved, tmp_path):
     message = (r"the newest checkpoint in .*, step-00000009, has no plait\.json: .* remove or "
                r"restore step-00000009 \(then step-00000006 is the newest\)")
     with pytest.raises(CheckpointError, match=message):
-        plait.init("single", checkpoint=str(saved), quiet=True)
+        plait.init("single", checkpoint=str(saved), quiet=True, seed=0)
     assert not dist.is_initialized()
     with pytest.raises(CheckpointError, match=message):
         resolve(saved)
@@ -304,13 +304,13 @@ def test_unwritable_or_foreign_folder_refused(tmp_path, no_group):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(CheckpointError, match=r"not writable"):
-        plait.init("single", checkpoint=str(blocker / "ckpt"))
+        plait.init("single", checkpoint=str(blocker / "ckpt"), seed=0)
     with pytest.raises(CheckpointError, match=r"is a file"):
-        plait.init("single", checkpoint=str(blocker))
+        plait.init("single", checkpoint=str(blocker), seed=0)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("x")
     with pytest.raises(CheckpointError, match=r"holds files that are not plait checkpoints"):
-        plait.init("single", checkpoint=str(tmp_path / "mine"))
+        plait.init("single", checkpoint=str(tmp_path / "mine"), seed=0)
     assert not dist.is_initialized()
 
 
@@ -318,7 +318,7 @@ def test_broken_newest_checkpoint_is_not_a_fresh_start(saved):
     newest = resolve(saved)
     (newest / "__0_0.distcp").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"expected"):
-        plait.init("single", checkpoint=str(saved))
+        plait.init("single", checkpoint=str(saved), seed=0)
     assert not dist.is_initialized()
 
 
@@ -355,7 +355,7 @@ def test_export_safetensors_loads_without_plait(saved, tmp_path):
 
     from plait.cli import main
 
-    run = plait.init("single", quiet=True)
+    run = plait.init("single", quiet=True, seed=0)
     try:
         model = run.parallelize(w._model(0.0))
         run.load(saved, model=model)
@@ -407,7 +407,7 @@ def test_export_hugging_face_folder(tmp_path, no_group):
                                    num_key_value_heads=2, intermediate_size=64, vocab_size=128,
                                    max_position_embeddings=32, tie_word_embeddings=False)
     torch.manual_seed(0)
-    run = plait.init("single", quiet=True, checkpoint=str(tmp_path / "ckpt"))
+    run = plait.init("single", quiet=True, checkpoint=str(tmp_path / "ckpt"), seed=0)
     try:
         model = run.parallelize(transformers.LlamaForCausalLM(cfg))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -443,7 +443,7 @@ class _WithExtraState(torch.nn.Module):
 
 
 def test_non_tensor_values_load_as_plain_data_only(tmp_path, no_group):
-    run = plait.init("single", quiet=True)
+    run = plait.init("single", quiet=True, seed=0)
     try:
         plain = run.parallelize(_WithExtraState({"calls": 3, "name": "x"}))
         run.save(tmp_path / "plain", model=plain)
@@ -465,7 +465,7 @@ def test_the_save_at_finish_records_the_batch_size(tmp_path, no_group):
     folder = tmp_path / "ckpt"
     w.train("single", steps=3, checkpoint=str(folder), every=100)
     assert [p.name for p in folder.iterdir()] == ["step-00000003"]
-    run = plait.init("single", checkpoint=str(folder), quiet=True)
+    run = plait.init("single", checkpoint=str(folder), quiet=True, seed=0)
     model = run.parallelize(w._model(0.0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     with pytest.raises(CheckpointError, match=rf"trained with global batch {w.BATCH}, this "
@@ -480,7 +480,7 @@ def test_a_resumed_model_holds_the_saved_weights_before_its_first_step(tmp_path,
     the first step, or a run with no steps left, sees the saved weights, not the initial ones.
     A model the checkpoint does not hold (a teacher laid out first) is left as it is."""
     folder = tmp_path / "ckpt"
-    run = plait.init("single", checkpoint=str(folder), quiet=True)
+    run = plait.init("single", checkpoint=str(folder), quiet=True, seed=0)
     model = run.parallelize(w._model(0.0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for batch in run.loader(w.TextDataset(seq_len=w.SEQ), batch_size=w.BATCH, steps=3):
@@ -488,7 +488,7 @@ def test_a_resumed_model_holds_the_saved_weights_before_its_first_step(tmp_path,
     trained = {k: v.clone() for k, v in run.full_state_dict(model).items()}
     run.finish(print_summary=False)
 
-    run = plait.init("single", checkpoint=str(folder), quiet=True)
+    run = plait.init("single", checkpoint=str(folder), quiet=True, seed=0)
     teacher = run.parallelize(torch.nn.Linear(4, 4))
     before = teacher.weight.detach().clone()
     model = run.parallelize(w._model(0.0))
@@ -539,7 +539,7 @@ def test_weights_written_after_parallelize_are_still_resumed_over(tmp_path, no_g
     full = w.train("single", steps=4)
     folder = tmp_path / "ckpt"
     w.train("single", steps=3, checkpoint=str(folder), every=3)
-    run = plait.init("single", checkpoint=str(folder), quiet=True, log_every=1)
+    run = plait.init("single", checkpoint=str(folder), quiet=True, log_every=1, seed=0)
     model = run.parallelize(w._model(0.0))
     with torch.no_grad():
         for p in model.parameters():

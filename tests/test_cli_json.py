@@ -338,7 +338,7 @@ def test_a_bad_plan_in_code_caught_by_the_script_writes_nothing(capsys):
     hook = sys.excepthook
     try:
         with pytest.raises(ValueError, match="!= world size 1") as caught:
-            plait.init(plan="dp=3", format="json")
+            plait.init(plan="dp=3", format="json", seed=0)
         assert capsys.readouterr().out == ""
         other = RuntimeError("not the plan's")
         sys.excepthook(RuntimeError, other, None)

@@ -291,7 +291,10 @@ def _run_commands(chosen: list[Command], folder: Path) -> None:
         if command.file:
             (folder / command.file[0]).write_text(command.file[1])
         if "train.py" in command.argv and not (folder / "train.py").exists():
-            (folder / "train.py").write_text(_script_of(command.block))
+            # seeded, so that a command's run is the same every time (the script would
+            # otherwise draw a new seed, and data order, per run, as on one device)
+            (folder / "train.py").write_text("import torch\ntorch.manual_seed(0)\n"
+                                             + _script_of(command.block))
         env = {**os.environ, **dict(command.env), "PYTHONPATH": str(ROOT)}
         done = subprocess.run(_short(command.argv, folder), cwd=folder, env=env, text=True,
                               capture_output=True, timeout=600)

@@ -176,7 +176,7 @@ def test_plait_check_runs_tp_sp_on_a_factory_of_odd_images(capsys) -> None:
 def test_run_parallelize_hands_its_example_to_plan_auto(capfd) -> None:
     from plait.runtime import init
 
-    run = init("auto")
+    run = init("auto", seed=0)
     try:
         run.parallelize(UNet(), example=_unet_batch(8))
     finally:

@@ -342,6 +342,7 @@ import torch
 import plait
 from plait.data import TextDataset
 from plait.models.transformer import build, lm_loss
+torch.manual_seed(0)  # the clean and the killed job are one run
 run = plait.init("dp=2", checkpoint=sys.argv[1], every=2, keep=2, log_every=1)
 model = run.parallelize(build("test"))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

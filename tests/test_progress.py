@@ -129,7 +129,7 @@ def _train_with_outputs(rank, world, tb_dir, png):
     from plait.data import TextDataset
     from plait.models.transformer import build, lm_loss
 
-    run = plait.init(f"dp={world}", log_every=2, tensorboard=tb_dir, plot=png)
+    run = plait.init(f"dp={world}", log_every=2, tensorboard=tb_dir, plot=png, seed=0)
     model = run.parallelize(build("test", seed=0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for batch in run.loader(TextDataset(seq_len=16), batch_size=4, steps=3):
@@ -225,7 +225,7 @@ def _tokens_per_step(rank, world, spec):
 
     import plait
 
-    run = plait.init(spec, quiet=True)
+    run = plait.init(spec, quiet=True, seed=0)
     model = run.parallelize(_MaskedLM())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):

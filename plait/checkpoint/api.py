@@ -374,9 +374,9 @@ def rng_source(rank: int, world: int, saved_world: int) -> int | None:
     """Which saved rank's random states rank ``rank`` of a ``world``-rank job resumes with.
 
     The same world size: its own (an exact resume). Another: rank 0's, on every rank. Why that
-    one: ``plait.init(seed=)`` gives every rank the same seed, and a saved rank's states are
-    where its stream had got to; rank 0's continues that stream on every rank, as a fresh
-    start would begin it on every rank, instead of replaying the seed's first numbers (dropout
+    one: ``plait.init`` gives every rank the same seed and random state, and a saved rank's
+    states are where its stream had got to; rank 0's continues that stream on every rank, as a
+    fresh start would begin it on every rank, instead of replaying the seed's first numbers (dropout
     masks of step 1 again) or inventing per-rank streams that a layout sharing random numbers
     across ranks (tensor-parallel dropout on replicated activations) would then see differ.
     None when the checkpoint holds no states."""

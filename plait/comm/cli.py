@@ -134,7 +134,7 @@ def comm_worker(rank: int, world: int, plan: Plan | str, model_name: str, steps:
 
     torch.set_num_threads(1)
     # format given: not the --format of the command that spawned this worker (its sys.argv)
-    run = runtime.init(plan, quiet=True, ledger=ledger, format="text")
+    run = runtime.init(plan, quiet=True, ledger=ledger, format="text", seed=0)
     run.ledger_warmup = warmup
     try:
         cfg = tfm.preset(model_name, max_seq_len=max(seq, tfm.preset(model_name).max_seq_len),
@@ -165,7 +165,7 @@ def factory_comm_worker(rank: int, world: int, plan: Plan, spec: str, steps: int
 
     torch.set_num_threads(1)
     # format given: not the --format of the command that spawned this worker (its sys.argv)
-    run = runtime.init(plan, quiet=True, ledger=True, format="text")
+    run = runtime.init(plan, quiet=True, ledger=True, format="text", seed=0)
     run.ledger_warmup = warmup
     try:
         parts = build_parts(spec, run.seed)

@@ -115,7 +115,7 @@ class DistributedLoader:
         if not self.shuffle:
             order = torch.arange(n)
         else:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
             order = torch.randperm(n, generator=gen)
         self._cached = (key, order)
         return order
@@ -177,7 +177,7 @@ class DistributedLoader:
         and the collate draw what they would there. The generator that seeds the workers
         themselves is (seed, data rank)'s, the same on every rank of a replica."""
         if self._workers is None:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.dp_rank)
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.dp_rank) % 2**63)
             self._workers = DataLoader(
                 self._builder(),  # type: ignore[arg-type]
                 sampler=_ReplicaSteps(self), batch_size=None, collate_fn=as_is,

@@ -237,7 +237,7 @@ class StreamLoader:
         keyed (epoch, k): its sampler hands out the keys from the current step on, and torch
         gives worker w every W-th one and returns the batches in order."""
         if self._workers is None:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.dp_rank)
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.dp_rank) % 2**63)
             self._workers = DataLoader(
                 self._reader,  # type: ignore[arg-type]
                 sampler=_Keys(self), batch_size=None, collate_fn=as_is,

@@ -69,7 +69,7 @@ def train(accelerator: str, plan: str | None, model: nn.Module, dataset, loss_fn
           held_out=None) -> dict:
     """Train under plait; losses of every step and the final parameters (on the CPU); with
     ``held_out``, its ``run.evaluate`` loss after training."""
-    run = plait.init(plan, accelerator=accelerator, quiet=True, log_every=1, strict=strict)
+    run = plait.init(plan, accelerator=accelerator, quiet=True, log_every=1, strict=strict, seed=0)
     model = run.parallelize(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     source = batches if batches is not None else run.loader(dataset, batch_size=batch,
@@ -328,7 +328,7 @@ def train_user(accelerator: str, plan, make, dataset, loss_fn, *, steps: int = 4
     """Train a user's model under plait (only the parameters that require a gradient go to
     the optimizer); every step's loss, ``run.full_state_dict`` (parameters and buffers) after
     training, and ``run.evaluate`` of ``held_out``."""
-    run = plait.init(plan, accelerator=accelerator, quiet=True, log_every=1)
+    run = plait.init(plan, accelerator=accelerator, quiet=True, log_every=1, seed=0)
     model = run.parallelize(make())
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = [float(run.step(model, b, loss_fn, opt)) for b in run.loader(
@@ -405,7 +405,7 @@ def _user_runs(runs: dict) -> dict:
 
 def _fsdpv2_units(plan: dict) -> list[str] | str:
     """The modules FSDPv2 wraps (the root left out) under ``plan``, or the refusal."""
-    run = plait.init(plan, accelerator="xla", quiet=True)
+    run = plait.init(plan, accelerator="xla", quiet=True, seed=0)
     try:
         model = run.parallelize(LoRA())
     except ValueError as exc:
@@ -479,7 +479,7 @@ class Labelled(torch.utils.data.Dataset):
 
 def _example_run(accelerator: str, plan, model: nn.Module) -> dict:
     """``model`` laid out with ``example=`` (one batch of the loader's) and trained 4 steps."""
-    run = plait.init(plan, accelerator=accelerator, quiet=True)
+    run = plait.init(plan, accelerator=accelerator, quiet=True, seed=0)
     data = Labelled()
     example = next(iter(run.loader(data, batch_size=8, steps=1, evaluation=True)))
     try:
@@ -545,7 +545,7 @@ def _ckpt_train(accelerator: str, plan, *, load=None, save=None, seed: int = 3,
     ``stop``: end the run after that step."""
     run = plait.init(None if plan == "one device" else plan, accelerator=accelerator,
                      quiet=True, log_every=1, checkpoint=resume,
-                     every=CKPT_AT if resume else None)
+                     every=CKPT_AT if resume else None, seed=0)
     model = run.parallelize(NormedLM(seed))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     start = run.steps_done
@@ -627,7 +627,7 @@ def _preempt_init(plan: str, folder: str | None, async_save: bool) -> plait.Run:
     return plait.init(None if plan == "one device" else plan, accelerator="xla",
                       log_every=1000, checkpoint=folder,
                       every=PREEMPT_EVERY if folder else None, keep=None if folder else 3,
-                      async_save=async_save)
+                      async_save=async_save, seed=0)
 
 
 def _train_to(run: plait.Run, model: nn.Module, steps: int, *, announce: int | None = None,
