@@ -515,7 +515,7 @@ def held_counts(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for plan, name in jobs:
-        run = init(plan, quiet=True)
+        run = init(plan, seed=0, quiet=True)
         try:
             out[plan] = _held_counts_run(run, HELD_MODELS[name]())
         finally:

@@ -150,7 +150,7 @@ def outside_flops(rank: int, world_size: int) -> dict[str, dict[str, int]]:
     from plait.runtime import init
 
     torch.manual_seed(0)
-    run = init(f"tp={world_size}", quiet=True)
+    run = init(f"tp={world_size}", seed=0, quiet=True)
     out: dict[str, dict[str, int]] = {}
     for name, factory in MODELS.items():
         model = run.parallelize(factory())
