@@ -151,12 +151,13 @@ def skips_first_label(loss: torch.Tensor, targets: Any,
 
     ``recompute(targets)`` computes the same loss on the same outputs, without autograd. With
     every row's first label set to ``IGNORE_INDEX``, a loss that reads those labels averages
-    over fewer items and changes: False. If it does not change, every label *but* the first
-    ones is ignored instead: a loss that read only those now has nothing left to average (NaN,
-    or 0) and changes: True. None when this micro-batch cannot tell: the targets are not
-    integer labels of two or more dimensions, every first label is already ignored (both counts
-    are then equal), or neither change moves the loss (every item's loss is the same, as under
-    a head initialised to zero, and some first label is read). On XLA
+    over fewer items and changes: False. If it hardly changes, every label *but* the first
+    ones is ignored instead: a loss that reads every label is then the mean of the two values,
+    weighed by their counts (the first labels' mean was near the whole's, or every item's loss
+    is the same, as under a head initialised to zero): False; a loss that skips the first
+    labels has nothing left to average (NaN, or 0) and changes: True. None when this
+    micro-batch cannot tell: the targets are not integer labels of two or more dimensions,
+    every first label is already ignored (both counts are then equal), or neither holds. On XLA
     :func:`skips_first_label_on_device` asks it instead, without reading the answer mid-step.
     """
     labels = _counted(targets)
@@ -172,16 +173,41 @@ def skips_first_label(loss: torch.Tensor, targets: Any,
     if before.device.type == "meta" or not bool(before.isfinite()):
         return None
 
-    def moved(columns: slice) -> bool | None:
-        after = _loss_without(labels, columns, targets, recompute)
-        if after is None:
-            return None
-        return not bool(torch.allclose(after, before.to(after.device), rtol=1e-6, atol=0.0))
+    first = _loss_without(labels, slice(0, 1), targets, recompute)
+    if first is None:
+        return None
+    if _moved(first, before):
+        return False
+    # The loss barely moved: it skips the first labels, or reads them and their mean is
+    # within a millionth or so of the whole's (one micro-batch in a hundred of a small LM)
+    only = _loss_without(labels, slice(1, None), targets, recompute)
+    if only is None:
+        return None
+    if _mean_of_parts(labels, before, first, only):
+        return False
+    return True if _moved(only, before) else None
 
-    first = moved(slice(0, 1))
-    if first is None or first:
-        return None if first is None else False
-    return True if moved(slice(1, None)) else None
+
+def _moved(after: torch.Tensor, before: torch.Tensor) -> Any:
+    """Whether the loss asked again (``after``) is not ``before``, beyond a millionth."""
+    return ~torch.isclose(after, before.to(after.device), rtol=1e-6, atol=0.0)
+
+
+def _mean_of_parts(labels: torch.Tensor, whole: torch.Tensor, without_first: torch.Tensor,
+                   first_only: torch.Tensor) -> Any:
+    """Whether ``whole`` is the mean over counted labels of its two parts: the loss with the
+    first labels ignored and with only them counted, weighed by how many each counts. So reads
+    a loss that averages every label, however near the first labels' mean is to the whole's
+    (its value then hardly moves without them). A loss that skips them has nothing to average
+    with only them (NaN, or 0 where it clamps the count, plus any term of its own, such as an
+    auxiliary loss): a tenth of the gap that leaves tells them apart, far above the rounding of
+    a float32 sum of a million labels."""
+    counted = labels != IGNORE_INDEX
+    n = counted.sum().to(whole.device, torch.float64)
+    r = counted[..., 0].sum().to(whole.device, torch.float64)
+    w, a, f = (t.to(whole.device, torch.float64) for t in (whole, without_first, first_only))
+    gap = (w * n - (f * r + a * (n - r))).abs()
+    return f.isfinite() & a.isfinite() & (gap <= 0.1 * w.abs() * r)
 
 
 def _loss_without(labels: torch.Tensor, columns: slice, targets: Any,
@@ -236,17 +262,14 @@ def skips_first_label_on_device(loss: torch.Tensor, targets: Any,
         return None
     before = loss.detach().float().reshape(())
 
-    def moved(columns: slice) -> torch.Tensor | None:
-        after = _loss_without(labels, columns, targets, recompute)
-        if after is None:
-            return None
-        return ~torch.isclose(after, before.to(after.device), rtol=1e-6, atol=0.0)
-
-    first, rest = moved(slice(0, 1)), moved(slice(1, None))
-    if first is None or rest is None:
+    first = _loss_without(labels, slice(0, 1), targets, recompute)
+    only = _loss_without(labels, slice(1, None), targets, recompute)
+    if first is None or only is None:
         return None
+    before = before.to(first.device)
+    reads = _moved(first, before) | _mean_of_parts(labels, before, first, only)
     known = (labels[..., 0] != IGNORE_INDEX).any() & before.isfinite()
-    verdict = torch.where(first, 0, torch.where(rest, 1, -1))
+    verdict = torch.where(reads, 0, torch.where(_moved(only, before), 1, -1))
     return torch.where(known.to(verdict.device), verdict, -1)
 
 

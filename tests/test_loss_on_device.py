@@ -88,3 +88,41 @@ def test_a_later_micro_batch_answers_where_the_first_could_not():
     assert not _answer_on_device(known, "none", None)
     settle_answers(known)
     assert known == {"k": True, "j": False}
+
+
+def _reader_whose_first_labels_average_near_the_whole(eps: float = 3e-6):
+    """Logits of two classes, every label 0, each item's loss softplus(t) chosen so that the
+    first labels' mean is the whole's less ``eps`` of it: ignoring them moves the mean by
+    eps * 2/14 (4e-7, under a millionth), counting them alone by eps (3e-6)."""
+    g = torch.Generator().manual_seed(0)
+    rest = 1 + torch.rand(2, 7, generator=g, dtype=torch.float64)
+    first = 14 * rest.mean() * (1 - eps) / (14 + 2 * eps)
+    losses = torch.cat([first.expand(2, 1), rest], dim=1)
+    t = torch.log(torch.expm1(losses))
+    logits = torch.stack([torch.zeros_like(t), t], dim=-1).float()
+    return logits, torch.zeros(2, 8, dtype=torch.long)
+
+
+def test_a_loss_reading_every_label_is_told_apart_when_its_first_labels_average_near_the_whole():
+    """A mean over every label whose first labels' mean is within a few millionths of the
+    whole's: the loss hardly moves without them, yet it reads them (before: judged to skip
+    them, which refused it under context parallelism and left them out of its count)."""
+    logits, labels = _reader_whose_first_labels_average_near_the_whole()
+
+    def every(lg, lab):
+        return F.cross_entropy(lg.reshape(-1, 2), lab.reshape(-1))
+
+    value = every(logits, labels)
+    recompute = lambda t: every(logits, t)  # noqa: E731
+    without_first = labels.clone()
+    without_first[:, 0] = IGNORE_INDEX
+    moved = float(every(logits, without_first) / value - 1)
+    assert 0 < abs(moved) < 1e-6  # the case: the loss barely moves without the first labels
+    assert skips_first_label(value, labels, recompute) is False
+    assert int(skips_first_label_on_device(value, labels, recompute)) == 0
+    # a loss that skips them still says so, on the same near case
+    shift = lambda lg, lab: F.cross_entropy(lg[:, :-1].reshape(-1, 2),  # noqa: E731
+                                            lab[:, 1:].reshape(-1))
+    value = shift(logits, labels)
+    assert skips_first_label(value, labels, lambda t: shift(logits, t)) is True
+    assert int(skips_first_label_on_device(value, labels, lambda t: shift(logits, t))) == 1

@@ -85,8 +85,9 @@ def test_masked_lm_data_parallel_zero_and_accumulation(data):
 def test_the_loss_tells_whether_it_reads_each_rows_first_label():
     """skips_first_label asks the loss with the first (then all other) labels ignored: a
     shifting loss is unchanged by the first, an ordinary one is not; with logits that give every
-    item the same loss an ordinary loss cannot tell (a shifting one is left with nothing to
-    average, so it still can); dict targets are asked through their "labels"."""
+    item the same loss neither moves without the first labels, and an ordinary loss is the mean
+    of its parts (a shifting one is left with nothing to average); dict targets are asked
+    through their "labels"."""
     from plait.loss import skips_first_label
 
     torch.manual_seed(0)
@@ -105,7 +106,7 @@ def test_the_loss_tells_whether_it_reads_each_rows_first_label():
     assert skips_first_label(W.shifted_loss(logits, lab), lab, ask(W.shifted_loss, logits))
     assert skips_first_label(W.mlm_loss(logits, lab), lab, ask(W.mlm_loss, logits)) is False
     flat = torch.zeros_like(logits)
-    assert skips_first_label(W.mlm_loss(flat, lab), lab, ask(W.mlm_loss, flat)) is None
+    assert skips_first_label(W.mlm_loss(flat, lab), lab, ask(W.mlm_loss, flat)) is False
     assert skips_first_label(W.shifted_loss(flat, lab), lab, ask(W.shifted_loss, flat))
     as_dict = {"labels": lab, "mask": torch.ones(4)}
 
