@@ -427,9 +427,10 @@ def plan_command(args: argparse.Namespace) -> int:
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for the block, then as it was. A search makes
     hundreds of thousands of short-lived objects, which start full collections that walk
-    every object torch's import left alive (about 170k): 55-250 ms each, about 15% of the
-    command's time after its imports (llama-70b on 64 x dgx-h100: 1.20 -> 1.04 CPU s).
-    What the search frees, it frees by reference counting all the same."""
+    every object alive: about 170k where torch is imported (a model given as a factory or a
+    Hugging Face model), 55-250 ms each, about 15% of the command's time after its imports;
+    3-7% on a preset model, which imports no torch. What the search frees, it frees by
+    reference counting all the same."""
     was = gc.isenabled()
     gc.disable()
     try:
