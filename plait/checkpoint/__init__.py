@@ -12,12 +12,37 @@ at load. plait adds atomic publishing and keep-last-K (:mod:`.store`), loading w
 code from the file (:mod:`.safe`), checks that name the mismatch before any tensor is read
 (:mod:`.api`), and the training state around the tensors: step, Plan, optimizer settings, LR
 scheduler, data-loader position and every rank's random states (``plait.json``).
+
+``save``, ``load``, ``load_weights``, ``Loaded`` and ``PendingSave`` are imported on first use
+(PEP 562), not with the package: they need torch.distributed and DCP (seconds of CPU), and
+``plait export --help`` or a refused ``plait export`` need neither.
 """
 
-from .api import Loaded, PendingSave, load, load_weights, save
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import CheckpointError
 from .store import check_writable, latest_step, resolve
+
+if TYPE_CHECKING:
+    from .api import Loaded, PendingSave, load, load_weights, save
 
 __all__ = ["CheckpointError", "Loaded", "PendingSave", "check_writable", "latest_step", "load",
            "load_weights",
            "resolve", "save"]
+
+_LAZY = {"Loaded", "PendingSave", "load", "load_weights", "save"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(".api", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'plait.checkpoint' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
