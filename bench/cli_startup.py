@@ -1,6 +1,8 @@
 """Wall and CPU seconds of `plait` commands that need no model built, each in a fresh
-interpreter, and whether torch was imported: `plait --help`, `plait plan --model <preset>`
-(a search, a given --plan, a model that fits nowhere, --pareto), `plait schedule`.
+interpreter, and whether torch was imported: `plait --help` and every command's `--help`,
+`plait plan --model <preset>` (a search, a given --plan, a model that fits nowhere, --pareto),
+`plait schedule`, and `plait export` (refusing a checkpoint that is not there; exporting a small
+one, which needs torch and torch.distributed.checkpoint, and nothing of plait's training side).
 
 With ``--base DIR`` (another checkout of plait) each command runs alternately from this tree
 and from DIR, so that both see the same machine load; the load average is printed before and
@@ -25,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 COMMANDS = {
     "--help": ["--help"],
+    **{f"{name} --help": [*name.split(), "--help"] for name in (
+        "env", "run", "check", "demo", "plan", "schedule", "comm", "bench comm", "export",
+        "doctor")},
     "schedule 1f1b": ["schedule", "--schedule", "1f1b", "--pp", "4", "-m", "8"],
     "plan llama-70b (search)": ["plan", "--model", "llama-70b", "--cluster", "dgx-h100",
                                 "--nodes", "8", "--global-batch", "512", "--seq", "4096"],
@@ -36,7 +41,20 @@ COMMANDS = {
     "plan llama-8b --pareto": ["plan", "--model", "llama-8b", "--cluster", "dgx-h100",
                                "--nodes", "2", "--global-batch", "256", "--seq", "4096",
                                "--pareto", "{tmp}/pareto.png"],
+    "export, no such checkpoint": ["export", "{tmp}/missing", "--to", "{tmp}/m.safetensors"],
+    "export a small checkpoint": ["export", "{tmp}/ckpt", "--to", "{tmp}/m.safetensors"],
 }
+
+# A one-process checkpoint of a small model (two linear layers, AdamW state) to export.
+SAVE = ("import sys, torch, plait\n"
+        "run = plait.init('single', quiet=True, seed=0)\n"
+        "model = run.parallelize(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),"
+        " torch.nn.Linear(256, 64)))\n"
+        "opt = torch.optim.AdamW(model.parameters())\n"
+        "model(torch.randn(8, 64)).square().mean().backward()\n"
+        "opt.step()\n"
+        "run.save(sys.argv[1], model=model, optimizer=opt)\n"
+        "run.close()\n")
 
 PROBE = ("import sys, plait.cli\n"
          "try:\n    plait.cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
@@ -74,6 +92,8 @@ def main() -> None:
     trees = {"this": ROOT, **({"base": args.base.resolve()} if args.base else {})}
     print(f"load average before: {os.getloadavg()}")
     with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-c", SAVE, f"{tmp}/ckpt"], env=_env(ROOT), cwd=ROOT,
+                       check=True)
         commands = {k: [a.format(tmp=tmp) for a in v] for k, v in COMMANDS.items()}
         times: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for _ in range(args.repeats):

@@ -394,6 +394,13 @@ def test_export_refusals(saved, tmp_path, capsys):
     assert f"folder {missing} does not exist; create it first" in capsys.readouterr().err
     assert main(["export", str(saved), "--to", str(tmp_path / "hf")]) == 2
     assert "not of a Hugging Face model" in capsys.readouterr().err
+    # ... before a tensor is read: shards of the right size but unreadable are not reached
+    for shard in resolve(saved).glob("*.distcp"):
+        shard.write_bytes(b"\0" * shard.stat().st_size)
+    assert main(["export", str(saved), "--to", str(tmp_path / "hf")]) == 2
+    assert "not of a Hugging Face model" in capsys.readouterr().err
+    assert main(["export", str(saved), "--to", str(tmp_path / "m.safetensors")]) == 2
+    assert "cannot be read" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "file"]  # nothing left
 
 
