@@ -76,11 +76,12 @@ class Projected(nn.Module):
 
 class PooledVocabHead(nn.Module):
     """A token embedding, blocks, a final norm, and one classifier as wide as the vocabulary
-    on the mean-pooled token: a language model's parameters (embeddings, norms, one hidden x
-    vocab Linear), but its head runs once per row."""
+    on the mean-pooled token (``cls``: on the first token): a language model's parameters
+    (embeddings, norms, one hidden x vocab Linear), but its head runs once per row."""
 
-    def __init__(self, vocab: int = 64) -> None:
+    def __init__(self, vocab: int = 64, cls: bool = False) -> None:
         super().__init__()
+        self.cls = cls
         self.embed = nn.Embedding(vocab, WIDTH)
         self.blocks = _blocks()
         self.norm = nn.LayerNorm(WIDTH)
@@ -90,4 +91,9 @@ class PooledVocabHead(nn.Module):
         x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x).mean(1))
+        x = self.norm(x)
+        return self.head(x[:, 0] if self.cls else x.mean(1))
+
+
+def cls_vocab_head() -> PooledVocabHead:
+    return PooledVocabHead(cls=True)

@@ -35,6 +35,7 @@ CASES: dict[str, tuple[Any, Any, tuple[int, ...], Any]] = {
     "cnn_stem": (O.CNNStemTransformer, lambda s: _images(4 * int(s ** 0.5)), (4, 36), None),
     "pooled_head": (O.PooledHead, _ids, (8, 48), None),
     "pooled_vocab_head": (O.PooledVocabHead, _ids, (8, 48), None),
+    "cls_vocab_head": (O.cls_vocab_head, _ids, (8, 48), None),
     "projected": (O.Projected, _features, (8, 40), Example((_features(12),))),
     "lm_untied": (I.gelu_mlp, _ids, (8, 40), None),
     "lm_tied": (I.tied_swish, _ids, (8, 40), None),

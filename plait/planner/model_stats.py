@@ -205,7 +205,7 @@ class ModelStats:
     saved_cross_scores: tuple[float, float] | None = None
     # Forward FLOPs outside the blocks, counted on one forward (module factories): a stem, a
     # projection before the stack, a head per token or on one pooled row
-    # (plait.planner.outside_flops), or a shipped language model's head by the formula, split
+    # (plait.planner.outside_flops), or a language model's head by the formula, split
     # by tp where its plan splits it; None: a preset's or a config's, whose reference plan
     # splits the head by the vocabulary: 2 x hidden x vocab per token, 1/tp on each rank.
     outside_flops: Outside | None = None
@@ -835,25 +835,28 @@ def _outside_flops(model: Any, blocks: list[Any], more: tuple[MoreStack, ...],
     .outside_flops`), those of the modules outside the blocks that the plan ``found`` splits
     apart (:func:`_split_outside`).
 
-    A model whose plan ships (plait's reference transformer, a transformers model) and whose
-    outside is a language model's (embeddings, norms and one ``hidden`` x ``vocab`` head) is
-    priced by the formula, 2 x hidden x vocab per token, without a forward (a fake-tensor
-    mode's construction imports ``torch._dynamo``: most of a second of a ``plait plan``):
-    those classes apply their head to every token. Any other model is counted, since the same
-    parameters may be a classifier on one pooled token (per row, not per token); the formula
-    too where its forward does not run on fake tensors. Either way the head's FLOPs are split
-    by tp only where the plan splits it (a vocabulary-parallel head); a head it leaves out (a
-    transformers head under a name its plan does not cover, one beside a logits bias) runs
-    whole on every rank."""
+    A model whose outside is a language model's (embeddings, norms and one ``hidden`` x
+    ``vocab`` head) is priced by the formula, 2 x hidden x vocab per token, without a forward
+    (a forward of it imports ``torch._dynamo``: most of a second of a ``plait plan``), where
+    its plan ships (plait's reference transformer, a transformers model: their heads read
+    every token) or its code shows the head reading every token the last block hands on
+    (:func:`plait.planner.lm_head.reads_every_token`; also where the model does not trace).
+    Otherwise the same parameters may be a classifier on one pooled token (per row, not per
+    token): counted. Either way the head's FLOPs are split by tp only where the plan splits it
+    (a vocabulary-parallel head); a head it leaves whole (one beside a logits bias) runs whole
+    on every rank."""
     from plait.parallel.tp_example import example_call
 
+    from .lm_head import reads_every_token
     from .outside_flops import measure
 
     others = [b for m in more
               for b in model.get_submodule(m.first.rsplit(".", 1)[0]).children()]
     split = _split_outside(model, [*blocks, *others], found)
     head = _language_model_head(model, [*blocks, *others], hidden, vocab)
-    if head is None or found is None or not found[1]:
+    per_token = head is not None and (
+        (found is not None and found[1]) or reads_every_token(model, blocks[-1], head) is not False)
+    if not per_token:
         counted = measure(model, blocks, others, example, example_call, split)
         if counted is not None or head is None:
             return counted
