@@ -1,7 +1,8 @@
 """Under tensor parallelism the planner prices what each rank runs outside the blocks: a
 module the plan splits (a vocabulary-parallel head) 1/tp of its FLOPs, and what it leaves
 whole (a ViT's patchify ``Conv2d`` stem and its pooled classifier, a ``Linear`` projection
-before the blocks) all of them, on every rank. Checked against the layout itself: two
+before the blocks, a language model's head beside a logits bias, which logits split over the
+vocabulary could not take) all of them, on every rank. Checked against the layout itself: two
 processes at ``tp=2`` (plait's inferred plan) count the forward FLOPs each runs before its
 first block and after its last (torch's formulas on each op's local tensors, a DTensor's
 shard in place of the DTensor), and the planner's stem (first chunk) and head (last chunk)
