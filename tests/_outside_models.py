@@ -72,3 +72,28 @@ class Projected(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.out(x)
+
+
+class PooledVocabHead(nn.Module):
+    """A token embedding, blocks, a final norm, and one classifier as wide as the vocabulary
+    on the mean-pooled token (``cls``: on the first token): a language model's parameters
+    (embeddings, norms, one hidden x vocab Linear), but its head runs once per row."""
+
+    def __init__(self, vocab: int = 64, cls: bool = False) -> None:
+        super().__init__()
+        self.cls = cls
+        self.embed = nn.Embedding(vocab, WIDTH)
+        self.blocks = _blocks()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        return self.head(x[:, 0] if self.cls else x.mean(1))
+
+
+def cls_vocab_head() -> PooledVocabHead:
+    return PooledVocabHead(cls=True)

@@ -4,7 +4,8 @@ runs outside the blocks, counted while it runs, beside what the planner prices p
 ``PatchViT``: a patchify ``Conv2d`` stem and a learned position table, blocks, a mean-pooled
 classifier (nothing outside the blocks is split by tp). ``ProjectedLM``: a token embedding, a
 ``Linear`` projection of it before the blocks (not split), blocks, a final norm and a head
-over the vocabulary tied by shape to the embedding (split by tp: ``vocab_head``)."""
+over the vocabulary tied by shape to the embedding (split by tp: ``vocab_head``).
+``BiasedLM``: a language model whose head the plan leaves whole (a logits bias beside it)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,26 @@ class ProjectedLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class BiasedLM(nn.Module):
+    """A language model whose logits get a bias the model holds itself (BART's
+    ``final_logits_bias``): logits split over the vocabulary could not take it, so the plan
+    leaves the head whole, and every tp rank runs all of its FLOPs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.register_buffer("final_logits_bias", torch.zeros(1, VOCAB))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)) + self.final_logits_bias
+
+
 def inputs(name: str, rows: int = 2) -> torch.Tensor:
     """A batch for model ``name``: 16 tokens (patches) per row."""
     g = torch.Generator().manual_seed(0)
@@ -98,7 +119,7 @@ def inputs(name: str, rows: int = 2) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, 16), generator=g)
 
 
-MODELS = {"vit": PatchViT, "projected_lm": ProjectedLM}
+MODELS = {"vit": PatchViT, "projected_lm": ProjectedLM, "biased_lm": BiasedLM}
 
 
 class _LocalFlops:

@@ -284,3 +284,60 @@ def test_a_decoder_block_saves_what_it_is_priced_at_in_fp32_and_under_autocast(
                 ratios[(block, src, tgt, size)] = round(
                     price / _saved_per_row(model, block, 2, src, tgt, bf16), 4)
     assert set(ratios.values()) == {1.0}, (name, ratios)
+
+
+def _stack_saved_per_row(model: nn.Module, rows: int, src: int, tgt: int, bf16: bool
+                         ) -> float:
+    """Bytes of the distinct storages (parameters aside) that the decoder's blocks, all of
+    them, save for backward per row, the encoder's output they read included once where a
+    block saves it: a forward on ``2 * rows`` rows less one on ``rows``; under CPU bf16
+    autocast with ``bf16``."""
+    blocks = list(model.get_submodule("decoder.block"))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def one(n: int) -> int:
+        saved: dict[int, int] = {}
+        inside: list[bool] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if inside and t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        handles = [h for b in blocks for h in (
+            b.register_forward_pre_hook(lambda *_: inside.append(True)),
+            b.register_forward_hook(lambda *_: inside.pop() and None))]
+        g = torch.Generator().manual_seed(n * src + tgt)
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                model(input_ids=torch.randint(4, 32, (n, src), generator=g),
+                      decoder_input_ids=torch.randint(4, 32, (n, tgt), generator=g))
+        finally:
+            for h in handles:
+                h.remove()
+        return sum(saved.values())
+
+    return (one(2 * rows) - one(rows)) / rows
+
+
+@pytest.mark.parametrize("name,factory", [("written_for_the_test", T.seq2seq),
+                                          ("hf_t5", _eager(T.hf_t5))])
+def test_the_decoder_stack_saves_what_it_is_priced_at_with_the_source_it_reads(
+        name: str, factory: Any) -> None:
+    """All the decoder's blocks together save, per row, their blocks' price plus the source
+    they read (:func:`side_input_bytes`): in fp32 the encoder's output itself, once; under
+    CPU bf16 autocast only autocast's casts of it, which each block's measured price holds,
+    so nothing more."""
+    model, stats = factory(), load_model(factory())
+    model.train()
+    c = Constants(flash_attention=False)
+    ratios = {}
+    for _, src, tgt in SHAPES:
+        for bf16, size in ((False, 4), (True, 2)):
+            price = stats.n_layers * activation_bytes_per_block(
+                stats, 1, tgt, 1, False, size, c, side_seq=src) + side_input_bytes(
+                stats, 1, src, size)
+            ratios[(src, tgt, size)] = round(
+                price / _stack_saved_per_row(model, 2, src, tgt, bf16), 4)
+    assert set(ratios.values()) == {1.0}, (name, ratios)

@@ -34,6 +34,8 @@ CASES: dict[str, tuple[Any, Any, tuple[int, ...], Any]] = {
     "vit": (I.vit, lambda s: _images(4 * int(s ** 0.5)), (16, 64), None),
     "cnn_stem": (O.CNNStemTransformer, lambda s: _images(4 * int(s ** 0.5)), (4, 36), None),
     "pooled_head": (O.PooledHead, _ids, (8, 48), None),
+    "pooled_vocab_head": (O.PooledVocabHead, _ids, (8, 48), None),
+    "cls_vocab_head": (O.cls_vocab_head, _ids, (8, 48), None),
     "projected": (O.Projected, _features, (8, 40), Example((_features(12),))),
     "lm_untied": (I.gelu_mlp, _ids, (8, 40), None),
     "lm_tied": (I.tied_swish, _ids, (8, 40), None),
@@ -43,7 +45,8 @@ CASES: dict[str, tuple[Any, Any, tuple[int, ...], Any]] = {
 # the factories `plait plan --model` names, built on the meta device
 SPECS = {"vit": "tests._planner_idioms:vit",
          "cnn_stem": "tests._outside_models:CNNStemTransformer",
-         "pooled_head": "tests._outside_models:PooledHead"}
+         "pooled_head": "tests._outside_models:PooledHead",
+         "pooled_vocab_head": "tests._outside_models:PooledVocabHead"}
 
 
 @pytest.mark.parametrize("name,spec", [*((n, "") for n in sorted(CASES)), *SPECS.items()])

@@ -146,7 +146,7 @@ def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
     # what runs outside the blocks: a stem before them on the first chunk, the rest (the head,
     # a pooled classifier) on the last; each tp rank runs a module the plan splits (a
     # vocabulary-parallel head) 1/tp, the rest (a patchify stem, a projection) whole
-    if model.outside_flops is None:  # the language model's head, split by the vocabulary
+    if model.outside_flops is None:  # a preset's head, vocabulary-parallel in its plan
         stem = 0.0
         head = 3 * model.head_flops_per_token(s) * tokens / tp / rate + c.micro_overhead_s
     else:

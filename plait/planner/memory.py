@@ -116,8 +116,13 @@ def activation_bytes_per_block(m: ModelStats, b: int, s: int, tp: int, sp: bool,
 def side_input_bytes(m: ModelStats, b: int, side_seq: int, dtype_bytes: int) -> float:
     """Bytes of the other stack's output that the cross-attention of ``m``'s blocks saves for
     backward (its keys' and values' input): one tensor of ``b`` rows of ``side_seq`` tokens,
-    whole on every tp rank, that every block of the stack reads; 0 without cross-attention."""
+    whole on every tp rank, that every block of the stack reads; 0 without cross-attention.
+    Under 16-bit autocast (``dtype_bytes`` < 4) the key and value projections save
+    autocast's cast of it, not the fp32 output itself: where the blocks' casts are measured
+    (``m.saved_side``, per block) nothing more is saved, so 0; else the one 16-bit copy."""
     if not (m.attention and m.cross_attentions):
+        return 0.0
+    if dtype_bytes < 4 and m.saved_side[1] > 0:
         return 0.0
     return float(b) * side_seq * m.hidden * dtype_bytes
 

@@ -205,7 +205,9 @@ class ModelStats:
     saved_cross_scores: tuple[float, float] | None = None
     # Forward FLOPs outside the blocks, counted on one forward (module factories): a stem, a
     # projection before the stack, a head per token or on one pooled row
-    # (plait.planner.outside_flops); None: the head's 2 x hidden x vocab per token.
+    # (plait.planner.outside_flops), or a language model's head by the formula, split
+    # by tp where its plan splits it; None: a preset's or a config's, whose reference plan
+    # splits the head by the vocabulary: 2 x hidden x vocab per token, 1/tp on each rank.
     outside_flops: Outside | None = None
 
     def __post_init__(self) -> None:
@@ -831,20 +833,36 @@ def _outside_flops(model: Any, blocks: list[Any], more: tuple[MoreStack, ...],
     counted on one forward on fake tensors of ``example`` or, without one, of the input
     :func:`plait.parallel.tp_example.example_call` guesses (:mod:`plait.planner
     .outside_flops`), those of the modules outside the blocks that the plan ``found`` splits
-    apart (:func:`_split_outside`). None where what lies outside is a language model's:
-    embeddings, norms and a ``hidden`` x ``vocab`` head, which the formula prices as they
-    run (no forward, no fake-tensor mode, whose construction imports ``torch._dynamo``:
-    seconds of a ``plait plan``)."""
+    apart (:func:`_split_outside`).
+
+    A model whose outside is a language model's (embeddings, norms and one ``hidden`` x
+    ``vocab`` head) is priced by the formula, 2 x hidden x vocab per token, without a forward
+    (a forward of it imports ``torch._dynamo``: most of a second of a ``plait plan``), where
+    its plan ships (plait's reference transformer, a transformers model: their heads read
+    every token) or its code shows the head reading every token the last block hands on
+    (:func:`plait.planner.lm_head.reads_every_token`; also where the model does not trace).
+    Otherwise the same parameters may be a classifier on one pooled token (per row, not per
+    token): counted. Either way the head's FLOPs are split by tp only where the plan splits it
+    (a vocabulary-parallel head); a head it leaves whole (one beside a logits bias) runs whole
+    on every rank."""
     from plait.parallel.tp_example import example_call
 
+    from .lm_head import reads_every_token
     from .outside_flops import measure
 
     others = [b for m in more
               for b in model.get_submodule(m.first.rsplit(".", 1)[0]).children()]
-    if _language_model_ends(model, [*blocks, *others], hidden, vocab):
-        return None
-    return measure(model, blocks, others, example, example_call,
-                   _split_outside(model, [*blocks, *others], found))
+    split = _split_outside(model, [*blocks, *others], found)
+    head = _language_model_head(model, [*blocks, *others], hidden, vocab)
+    per_token = head is not None and (
+        (found is not None and found[1]) or reads_every_token(model, blocks[-1], head) is not False)
+    if not per_token:
+        counted = measure(model, blocks, others, example, example_call, split)
+        if counted is not None or head is None:
+            return counted
+    flops = 2.0 * hidden * vocab
+    on_split = any(head is m or head in set(m.modules()) for m in split)
+    return Outside(flops, 0.0, split_token=flops if on_split else 0.0)
 
 
 def _split_outside(model: Any, blocks: list[Any], found: tuple[Any, bool] | None
@@ -869,26 +887,27 @@ def _split_outside(model: Any, blocks: list[Any], found: tuple[Any, bool] | None
     return out
 
 
-def _language_model_ends(model: Any, blocks: list[Any], hidden: int, vocab: int) -> bool:
-    """Whether every parameter outside ``blocks`` is an ``nn.Embedding``'s, a vector (a
+def _language_model_head(model: Any, blocks: list[Any], hidden: int, vocab: int) -> Any:
+    """The head where every parameter outside ``blocks`` is an ``nn.Embedding``'s, a vector (a
     norm's weight or bias, a bias), or the weight of the one ``hidden`` -> ``vocab`` matmul
     layer (the head, :func:`_dims`): the outside whose FLOPs are the head's 2 x hidden x
     vocab per token. A stem, a projection, a classifier of another width, a matrix held
     outside any such layer (a projection written as ``x @ self.proj``) is not, nor an
-    outside with no head (an encoder whose output is its hidden states)."""
+    outside with no head (an encoder whose output is its hidden states): None then."""
     import torch.nn as nn
 
     inside = {id(p) for b in blocks for p in b.parameters()}
-    heads = 0
+    heads = []
     for module in model.modules():
         owned = [p for p in module.parameters(recurse=False) if id(p) not in inside]
         if not owned or isinstance(module, nn.Embedding):
             continue
         head = _dims(module) == (hidden, vocab)
         if any(p.ndim > 1 and not (head and p is module.weight) for p in owned):
-            return False
-        heads += head
-    return heads == 1
+            return None
+        if head:
+            heads.append(module)
+    return heads[0] if len(heads) == 1 else None
 
 
 def _measured_saves(stats: ModelStats, block: Any, model: Any = None) -> ModelStats:
