@@ -129,8 +129,9 @@ class _LocalFlops:
     shape)."""
 
     def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
+        from plait._torch_compat import torch_dispatch_mode
 
+        TorchDispatchMode = torch_dispatch_mode()
         outer = self
 
         class Mode(TorchDispatchMode):
@@ -143,8 +144,15 @@ class _LocalFlops:
 
     def _run(self, func: Any, args: Any, kwargs: Any) -> Any:
         from torch.distributed.tensor import DTensor
-        from torch.utils._pytree import tree_map
         from torch.utils.flop_counter import flop_registry
+
+        from plait._torch_compat import pytree
+
+        flatten, unflatten = pytree()
+
+        def tree_map(fn: Any, tree: Any) -> Any:
+            leaves, spec = flatten(tree)
+            return unflatten([fn(x) for x in leaves], spec)
 
         out = func(*args, **kwargs)
         count = flop_registry.get(func._overloadpacket)
