@@ -1426,7 +1426,6 @@ def _side_input(model: nn.Module, path: str, given: Example | None = None) -> st
     forward computed before it (:func:`~plait.parallel.pipeline_chain.side_input`), which a
     later stage is never sent; None where none is seen (or no input can be guessed). Run on
     ``given`` (the user's input) where there is one."""
-    from .pipeline_chain import side_input
     from .pipeline_split import meta_call
 
     call = meta_call(model, given)
