@@ -56,6 +56,7 @@ from .pipeline_chain import (
     loss_reads_before,
     meta_replica,
     on_meta,
+    side_input,
     unchained_message,
 )
 from .pipeline_errors import unwrapped
@@ -1192,6 +1193,9 @@ def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
             if isinstance(broken, tuple):
                 raise ValueError(unchained_message(type(model).__name__, path or
                                                    type(model).__name__, broken))
+        crossed = side_input(replica, path, x, kwargs)
+        if crossed is not None:  # a later stage would run without it
+            raise ValueError(side_input_message(model, path, crossed))
         found = additive_by_running(replica, path, x, kwargs) if untraced else set()
         for spec in specs[:-1]:
             stage = build_stage_module(replica, path, spec)
@@ -1422,13 +1426,16 @@ def _side_input(model: nn.Module, path: str, given: Example | None = None) -> st
     forward computed before it (:func:`~plait.parallel.pipeline_chain.side_input`), which a
     later stage is never sent; None where none is seen (or no input can be guessed). Run on
     ``given`` (the user's input) where there is one."""
-    from .pipeline_chain import side_input
     from .pipeline_split import meta_call
 
     call = meta_call(model, given)
     found = None if call is None else side_input(call[0], path, call[1], call[2])
-    if found is None:
-        return None
+    return None if found is None else side_input_message(model, path, found)
+
+
+def side_input_message(model: nn.Module, path: str, found: tuple[str, int]) -> str:
+    """The refusal for a block given a tensor computed before it (``found``: the block's
+    name and the argument's position), naming the fix."""
     block, position = found
     return (f"{block} takes a tensor the forward computed before it as its argument "
             f"{position + 1} (a skip connection across the blocks of "

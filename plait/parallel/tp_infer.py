@@ -589,8 +589,13 @@ def infer_plan(model: nn.Module, example: Example | None = None) -> TPPlan:
             f"column-parallel linears -> one row-parallel linear -> output){why}. Pass "
             f"Plan(options={{'tp_plan': {{module glob: style}}}}){_ON_THE_COMMAND_LINE}")
     embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    # nn.MultiheadAttention's forward reads out_proj.weight itself, so its out_proj is no head
+    # (a square one matched an Embedding whose vocabulary equals the width).
+    inside_mha = {f"{n}.out_proj" for n, m in model.named_modules()
+                  if isinstance(m, nn.MultiheadAttention)}
     for n, m in model.named_modules():
-        if _shardable(m) and n not in in_blocks and n not in styles and not _beside_logits(
+        if _shardable(m) and n not in in_blocks and n not in styles and n not in inside_mha \
+                and not _beside_logits(
                 model, m, embeddings.values()):
             for en, emb in embeddings.items():
                 if emb.num_embeddings == m.out_features and emb.embedding_dim == m.in_features \
