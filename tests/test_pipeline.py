@@ -512,9 +512,11 @@ def _assert_evaluations(got: dict, plans: list[str]) -> None:
         assert result["evals"] == pytest.approx([want["evals"][0], *want["evals"][1:] * 2],
                                                 rel=1e-6), plan
         # and on again after it, on every stage (the V's last stage on rank 0 included): the
-        # next step's loss is not the loss without dropout
+        # next step's loss is not the loss without dropout (which the layouts give within
+        # 1e-6, as the evaluations above; how far dropout moves it depends on its masks: 1e-4
+        # on some seeds)
         assert result["training"], plan
-        assert result["next"] != pytest.approx(want["next"], rel=1e-3), plan
+        assert result["next"] != pytest.approx(want["next"], rel=1e-5), plan
 
 
 def test_evaluate_under_every_schedule_is_one_devices_loss():
