@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -101,14 +101,10 @@ def collate_pairs(items: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch
 
 def clip_loss(gather: Gather) -> Callable[[Any, Any], torch.Tensor]:
     """InfoNCE both ways over every pair of the global batch: this rank's rows against the
-    gathered rows of every replica."""
-    def loss(out: Any, _: Any) -> torch.Tensor:
-        image, text, scale = out
-        all_image, labels = gather(image, return_index=True)
-        all_text = gather(text)
-        return 0.5 * (F.cross_entropy(scale * image @ all_text.T, labels)
-                      + F.cross_entropy(scale * text @ all_image.T, labels))
-    return loss
+    gathered rows of every replica (the two-tower test's loss, reused)."""
+    from tests._workers_encdec import scaled_nce
+
+    return cast(Callable[[Any, Any], torch.Tensor], scaled_nce(gather))
 
 
 def clip_local_loss(_: Gather) -> Callable[[Any, Any], torch.Tensor]:

@@ -218,13 +218,12 @@ def test_the_python_api_reads_each_stacks_length_off_the_users_batch() -> None:
         priced(seq=16, stack_seqs={"decoder.block.0": 64})
 
 
-def _saved_per_row(model: nn.Module, name: str, rows: int, src: int, tgt: int, bf16: bool
-                   ) -> float:
-    """Bytes of the distinct storages (parameters and the encoder's output aside) that block
-    ``name`` saves for backward per row: a forward on ``2 * rows`` rows less one on ``rows``,
-    so what a forward saves once whatever its rows (autocast's bf16 copies of the weights)
-    cancels; under CPU bf16 autocast with ``bf16``."""
-    block = model.get_submodule(name)
+def _saved_per_row(model: nn.Module, blocks: list[nn.Module], rows: int, src: int, tgt: int,
+                   bf16: bool, *, without_source: bool) -> float:
+    """Bytes of the distinct storages (parameters aside; the encoder's output too with
+    ``without_source``) that ``blocks`` save for backward per row: a forward on ``2 * rows``
+    rows less one on ``rows``, so what a forward saves once whatever its rows (autocast's bf16
+    copies of the weights) cancels; under CPU bf16 autocast with ``bf16``."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def one(n: int) -> int:
@@ -241,9 +240,11 @@ def _saved_per_row(model: nn.Module, name: str, rows: int, src: int, tgt: int, b
             first = out if isinstance(out, torch.Tensor) else out[0]
             memory.append(first.untyped_storage().data_ptr())
 
-        handles = [block.register_forward_pre_hook(lambda *_: inside.append(True)),
-                   block.register_forward_hook(lambda *_: inside.pop() and None),
-                   model.get_submodule("encoder").register_forward_hook(source)]
+        handles = [h for b in blocks for h in (
+            b.register_forward_pre_hook(lambda *_: inside.append(True)),
+            b.register_forward_hook(lambda *_: inside.pop() and None))]
+        if without_source:
+            handles.append(model.get_submodule("encoder").register_forward_hook(source))
         g = torch.Generator().manual_seed(n * src + tgt)
         try:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
@@ -253,7 +254,7 @@ def _saved_per_row(model: nn.Module, name: str, rows: int, src: int, tgt: int, b
         finally:
             for h in handles:
                 h.remove()
-        return sum(v for k, v in saved.items() if k != memory[0])
+        return sum(v for k, v in saved.items() if k not in memory)
 
     return (one(2 * rows) - one(rows)) / rows
 
@@ -282,43 +283,9 @@ def test_a_decoder_block_saves_what_it_is_priced_at_in_fp32_and_under_autocast(
                           encoder, 1, src, 1, False, size, c, side_seq=tgt)}
             for block, price in priced.items():
                 ratios[(block, src, tgt, size)] = round(
-                    price / _saved_per_row(model, block, 2, src, tgt, bf16), 4)
+                    price / _saved_per_row(model, [model.get_submodule(block)], 2, src, tgt,
+                                           bf16, without_source=True), 4)
     assert set(ratios.values()) == {1.0}, (name, ratios)
-
-
-def _stack_saved_per_row(model: nn.Module, rows: int, src: int, tgt: int, bf16: bool
-                         ) -> float:
-    """Bytes of the distinct storages (parameters aside) that the decoder's blocks, all of
-    them, save for backward per row, the encoder's output they read included once where a
-    block saves it: a forward on ``2 * rows`` rows less one on ``rows``; under CPU bf16
-    autocast with ``bf16``."""
-    blocks = list(model.get_submodule("decoder.block"))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def one(n: int) -> int:
-        saved: dict[int, int] = {}
-        inside: list[bool] = []
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if inside and t.untyped_storage().data_ptr() not in params:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        handles = [h for b in blocks for h in (
-            b.register_forward_pre_hook(lambda *_: inside.append(True)),
-            b.register_forward_hook(lambda *_: inside.pop() and None))]
-        g = torch.Generator().manual_seed(n * src + tgt)
-        try:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                model(input_ids=torch.randint(4, 32, (n, src), generator=g),
-                      decoder_input_ids=torch.randint(4, 32, (n, tgt), generator=g))
-        finally:
-            for h in handles:
-                h.remove()
-        return sum(saved.values())
-
-    return (one(2 * rows) - one(rows)) / rows
 
 
 @pytest.mark.parametrize("name,factory", [("written_for_the_test", T.seq2seq),
@@ -339,5 +306,6 @@ def test_the_decoder_stack_saves_what_it_is_priced_at_with_the_source_it_reads(
                 stats, 1, tgt, 1, False, size, c, side_seq=src) + side_input_bytes(
                 stats, 1, src, size)
             ratios[(src, tgt, size)] = round(
-                price / _stack_saved_per_row(model, 2, src, tgt, bf16), 4)
+                price / _saved_per_row(model, list(model.get_submodule("decoder.block")), 2,
+                                       src, tgt, bf16, without_source=False), 4)
     assert set(ratios.values()) == {1.0}, (name, ratios)
