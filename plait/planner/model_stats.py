@@ -869,7 +869,7 @@ def _split_outside(model: Any, blocks: list[Any], found: tuple[Any, bool] | None
                    ) -> list[Any]:
     """The modules outside ``blocks`` whose weight the tensor-parallel plan ``found`` splits
     (a vocabulary-parallel head, a Linear a user's plan shards), outermost first: each tp
-    rank runs 1/tp of their FLOPs. A stem, a projection or a classifier the plan does not
+    rank computes 1/tp of their FLOPs. A stem, a projection or a classifier the plan does not
     name runs whole on every rank. Empty without a plan."""
     from plait.parallel.tp_plans import LINEAR_STYLES, glob_regex
 

@@ -15,7 +15,7 @@ two apart: the FLOPs after the stack that drop with the tokens are per token, th
 row.
 
 Of those FLOPs, the ones inside the modules a tensor-parallel plan splits outside the blocks
-(a vocabulary-parallel head) are counted apart: each tp rank runs 1/tp of them, and the rest
+(a vocabulary-parallel head) are counted apart: each tp rank computes 1/tp of them, and the rest
 (a patchify convolution, a projection, a classifier the plan leaves whole) whole.
 """
 
