@@ -146,13 +146,10 @@ def microbatch_times(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s:
     # what runs outside the blocks: a stem before them on the first chunk, the rest (the head,
     # a pooled classifier) on the last; each tp rank runs a module the plan splits (a
     # vocabulary-parallel head) 1/tp, the rest (a patchify stem, a projection) whole
-    if model.outside_flops is None:  # a preset's head, vocabulary-parallel in its plan
-        stem = 0.0
-        head = 3 * model.head_flops_per_token(s) * tokens / tp / rate + c.micro_overhead_s
-    else:
-        before, after = model.outside_flops_per_rank(s, tp)
-        stem = 3 * before * tokens / rate
-        head = 3 * after * tokens / rate + c.micro_overhead_s
+    # (a preset's head by the formula, vocabulary-parallel in its plan: 1/tp)
+    before, after = model.outside_flops_per_rank(s, tp)
+    stem = 3 * before * tokens / rate
+    head = 3 * after * tokens / rate + c.micro_overhead_s
     head += more_stacks_time(plan, model, cluster, b, s, stack_seqs or {}, rate, replay, c)
     embed = stem
     if tp > 1:
