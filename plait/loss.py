@@ -203,9 +203,12 @@ def _mean_of_parts(labels: torch.Tensor, whole: torch.Tensor, without_first: tor
     auxiliary loss): a tenth of the gap that leaves tells them apart, far above the rounding of
     a float32 sum of a million labels."""
     counted = labels != IGNORE_INDEX
-    n = counted.sum().to(whole.device, torch.float64)
-    r = counted[..., 0].sum().to(whole.device, torch.float64)
-    w, a, f = (t.to(whole.device, torch.float64) for t in (whole, without_first, first_only))
+    # float64 where the device has it (a TPU does not: float32 there, whose rounding of the
+    # sums stays far inside the tenth for any sequence under a million tokens)
+    wide = torch.float32 if whole.device.type == "xla" else torch.float64
+    n = counted.sum().to(whole.device, wide)
+    r = counted[..., 0].sum().to(whole.device, wide)
+    w, a, f = (t.to(whole.device, wide) for t in (whole, without_first, first_only))
     gap = (w * n - (f * r + a * (n - r))).abs()
     return f.isfinite() & a.isfinite() & (gap <= 0.1 * w.abs() * r)
 
