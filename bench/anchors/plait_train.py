@@ -8,7 +8,7 @@ from plait.data import TextDataset
 from plait.models.transformer import build, lm_loss, preset
 
 a = args()
-run = plait.init()
+run = plait.init(seed=0)  # the data order torch's DistributedSampler draws (its seed 0)
 model = run.parallelize(build(preset(a.model, max_seq_len=a.seq), seed=0))
 opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
 data = TextDataset(seq_len=a.seq)
