@@ -203,29 +203,33 @@ def _loss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 PP_VOCAB = 480
 
 
-def pp_held(rank: int, world_size: int, schedule: str, microbatches: int
-            ) -> dict[str, int] | None:
-    """:class:`BiasedLM` of :data:`PP_VOCAB` laid out with ``pp=world_size`` under
-    ``schedule`` and ``microbatches`` of one row each, one ``run.step`` (fp32): on the last
-    stage, the elements of one microbatch's logits and the most bytes of tensors that size
-    live at once (the CPU allocator's, as :func:`held`); None on the other stages."""
+def pp_held(rank: int, world_size: int, plans: list[str]) -> dict[str, dict[str, int]]:
+    """:class:`BiasedLM` of :data:`PP_VOCAB` laid out with each of ``plans`` (a pipeline of
+    ``world_size`` stages, microbatches of one row each), one ``run.step`` (fp32): on the
+    last stage, the elements of one microbatch's logits and the most bytes of tensors that
+    size live at once (the CPU allocator's, as :func:`held`); empty on the other stages."""
     from torch.profiler import ProfilerActivity, profile
 
+    from plait.plan import Plan
     from plait.runtime import init
 
-    torch.manual_seed(0)
-    run = init(f"pp={world_size},microbatches={microbatches},pp_schedule={schedule}", seed=0,
-               quiet=True)
-    model = run.parallelize(BiasedLM(PP_VOCAB))
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    g = torch.Generator().manual_seed(0)
-    x, labels = (torch.randint(0, PP_VOCAB, (microbatches, SEQ), generator=g) for _ in "xy")
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with prof:
-        run.step(model, (x, labels), _loss, opt)
-    run.close()
-    if rank != world_size - 1:
-        return None
-    elements = SEQ * PP_VOCAB  # one row's logits
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    return {"elements": elements, "peak": _peak(events, {2 * elements, 4 * elements})}
+    out: dict[str, dict[str, int]] = {}
+    for plan in plans:
+        torch.manual_seed(0)
+        run = init(plan, seed=0, quiet=True)
+        model = run.parallelize(BiasedLM(PP_VOCAB))
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        g = torch.Generator().manual_seed(0)
+        rows = Plan.from_string(plan).microbatches
+        x, labels = (torch.randint(0, PP_VOCAB, (rows, SEQ), generator=g) for _ in "xy")
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with prof:
+            run.step(model, (x, labels), _loss, opt)
+        run.close()
+        if rank == world_size - 1:
+            elements = SEQ * PP_VOCAB  # one row's logits
+            events = [e for e in prof.profiler.kineto_results.events()
+                      if e.name() == "[memory]"]
+            out[plan] = {"elements": elements,
+                         "peak": _peak(events, {2 * elements, 4 * elements})}
+    return out
