@@ -29,8 +29,8 @@ from ..parallel.tp_kv import replicated_kv_elements, tp_fits_kv
 from .dropout import config_dropout, module_dropout
 from .fsdp_rows import ParamRows, Rows, config_rows, param_rows
 from .hf_layout import Dims, Layout, layout
-from .moe import config_top_k, routed_layers, summary
 from .logits import Logits
+from .moe import config_top_k, routed_layers, summary
 from .outside_flops import Outside
 from .tp_block import Held, rows_held
 
@@ -829,8 +829,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     stats = _measured_saves(stats, ref, model)
     stats = dataclasses.replace(stats, more_stacks=tuple(
         _measured_stack(stats, m, model) for m in stats.more_stacks))
-    outside, logits = _outside_flops(model, blocks, more, hidden, vocab, example, found)
-    stats = dataclasses.replace(stats, outside_flops=outside, logits=logits)
+    flops_outside, logits = _outside_flops(model, blocks, more, hidden, vocab, example, found)
+    stats = dataclasses.replace(stats, outside_flops=flops_outside, logits=logits)
     # a model of several stacks run on the user's input: the length each stack receives
     lengths = _stack_lengths(model, stats, example)
     if lengths:
