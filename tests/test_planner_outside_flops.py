@@ -14,6 +14,7 @@ from plait.parallel.tp_example import Example
 from plait.planner.model_stats import from_module, load_model
 from tests import _outside_models as O
 from tests import _planner_idioms as I
+from tests import _workers_logits as L
 
 
 def _images(side: int) -> torch.Tensor:
@@ -39,6 +40,9 @@ CASES: dict[str, tuple[Any, Any, tuple[int, ...], Any]] = {
     "projected": (O.Projected, _features, (8, 40), Example((_features(12),))),
     "lm_untied": (I.gelu_mlp, _ids, (8, 40), None),
     "lm_tied": (I.tied_swish, _ids, (8, 40), None),
+    # blocks fx cannot trace (a shape unpacked off the input): the head told per row anyway
+    "pooled_vocab_untraced": (L.PooledVocab, lambda s: torch.randint(
+        0, L.VOCAB, (2, s), generator=torch.Generator().manual_seed(0)), (8, 40), None),
 }
 
 

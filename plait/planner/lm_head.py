@@ -15,6 +15,7 @@ else (a mean over the tokens, an index, a reshape) has the head counted on one f
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 # Ops that act on each token alone: between the last block and the head, they keep the
@@ -30,16 +31,19 @@ def _per_token(target: Any) -> bool:
     return target in _FUNCTIONS or name in _FUNCTIONS
 
 
-def reads_every_token(model: Any, last: Any, head: Any) -> bool | None:
+def reads_every_token(model: Any, last: Any, head: Any, blocks: Sequence[Any] = ()
+                      ) -> bool | None:
     """Whether ``head`` reads every token ``last`` (the main stack's last block) hands on:
     True where only per-token ops (a module without a matrix: a norm, a dropout, an
     activation; an elementwise function or method) lie between them; False where anything
     else does, or the head reads something else; None where ``model`` does not trace
-    (``torch.fx``: a forward with data-dependent control flow), so its code says nothing."""
+    (``torch.fx``: a forward with data-dependent control flow), so its code says nothing.
+    ``blocks`` (every block of the stacks) are traced as leaves too: what lies inside a block
+    (a shape read off its input) says nothing about the head."""
     import torch.fx as fx
 
     names = {id(m): n for n, m in model.named_modules()}
-    leaves = {id(last), id(head)}
+    leaves = {id(last), id(head), *map(id, blocks)}
 
     class _Tracer(fx.Tracer):
         def is_leaf_module(self, m: Any, name: str) -> bool:

@@ -28,7 +28,11 @@
   (``2 b s kv_heads head_dim``, not kept by a checkpointed block) and one ``(s/cp) x s``
   boolean mask; FSDP2 shards the model state over dp_shard x cp.
 * Microbatches in flight per schedule (:func:`plait.planner.pipeline.inflight`).
-* fp32 logits (and their gradient) on the last stage; a reserve from the cluster description.
+* The logits on the last stage (:mod:`plait.planner.logits`): what the model hands its loss
+  (``ModelStats.head_logits``: a language model's tokens x vocab, 1/tp where the plan splits
+  the head), the loss's fp32 log-softmax output per microbatch held (and the logits
+  themselves, which a pipeline's schedule keeps), and the gradients of its backward; a
+  reserve from the cluster description.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from plait.comm.predict import LocalModel
 from plait.plan import Plan
 
 from .hardware import Cluster
+from .logits import logits_bytes
 from .memo import Memo
 from .model_stats import ModelStats
 from .pipeline import Stages, inflight
@@ -236,7 +241,7 @@ def peak_memory(plan: Plan, model: ModelStats, cluster: Cluster, b: int, s: int,
         logits = 0.0
         if chunks - 1 in ids:
             kept = m if (pp > 1 and plan.pp_schedule == "gpipe") else 1
-            logits = 2 * tokens * model.vocab / tp * 4 * kept
+            logits = logits_bytes(model.head_logits, b, local, tp, ab, kept, pp > 1)
         acts += mask
         total = params + grads + optim + copy + acts + logits + buffers + cluster.reserve_bytes
         if total > best:

@@ -29,6 +29,7 @@ from ..parallel.tp_kv import replicated_kv_elements, tp_fits_kv
 from .dropout import config_dropout, module_dropout
 from .fsdp_rows import ParamRows, Rows, config_rows, param_rows
 from .hf_layout import Dims, Layout, layout
+from .logits import Logits
 from .moe import config_top_k, routed_layers, summary
 from .outside_flops import Outside
 from .tp_block import Held, rows_held
@@ -209,6 +210,11 @@ class ModelStats:
     # by tp where its plan splits it; None: a preset's or a config's, whose reference plan
     # splits the head by the vocabulary: 2 x hidden x vocab per token, 1/tp on each rank.
     outside_flops: Outside | None = None
+    # The output the loss reads (module factories: plait.planner.logits.Logits, read with
+    # ``outside_flops``): a language model's head per token, split by tp where its plan splits
+    # it; a classifier per pooled row; its own width. None: a preset's or a config's, whose
+    # reference plan splits the head by the vocabulary (:attr:`head_logits`).
+    logits: Logits | None = None
 
     def __post_init__(self) -> None:
         errors = [f"{k}={getattr(self, k)!r} must be >= 1"
@@ -223,6 +229,12 @@ class ModelStats:
                           f"n_layers={self.n_layers}")
         if errors:
             raise ValueError(f"invalid model {self.name!r}: " + "; ".join(errors))
+
+    @property
+    def head_logits(self) -> Logits:
+        """The logits the loss reads (:attr:`logits`), else a language model's: ``vocab`` per
+        token, split over the tp ranks."""
+        return self.logits if self.logits is not None else Logits(float(self.vocab))
 
     def tp_refuses(self, tp: int) -> str:
         """Why tensor parallelism of degree ``tp`` cannot split these blocks ("" when it can):
@@ -817,8 +829,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
     stats = _measured_saves(stats, ref, model)
     stats = dataclasses.replace(stats, more_stacks=tuple(
         _measured_stack(stats, m, model) for m in stats.more_stacks))
-    stats = dataclasses.replace(stats, outside_flops=_outside_flops(
-        model, blocks, more, hidden, vocab, example, found))
+    flops_outside, logits = _outside_flops(model, blocks, more, hidden, vocab, example, found)
+    stats = dataclasses.replace(stats, outside_flops=flops_outside, logits=logits)
     # a model of several stacks run on the user's input: the length each stack receives
     lengths = _stack_lengths(model, stats, example)
     if lengths:
@@ -828,7 +840,8 @@ def from_module(model: Any, name: str = "module", device_type: str = "cpu",
 
 def _outside_flops(model: Any, blocks: list[Any], more: tuple[MoreStack, ...],
                    hidden: int, vocab: int, example: Any,
-                   found: tuple[Any, bool] | None = None) -> Outside | None:
+                   found: tuple[Any, bool] | None = None
+                   ) -> tuple[Outside | None, Logits | None]:
     """Forward FLOPs outside the main stack's ``blocks`` and the further stacks' (``more``),
     counted on one forward on fake tensors of ``example`` or, without one, of the input
     :func:`plait.parallel.tp_example.example_call` guesses (:mod:`plait.planner
@@ -844,7 +857,12 @@ def _outside_flops(model: Any, blocks: list[Any], more: tuple[MoreStack, ...],
     Otherwise the same parameters may be a classifier on one pooled token (per row, not per
     token): counted. Either way the head's FLOPs are split by tp only where the plan splits it
     (a vocabulary-parallel head); a head it leaves whole (one beside a logits bias) runs whole
-    on every rank."""
+    on every rank.
+
+    Second, the logits the loss reads (:class:`plait.planner.logits.Logits`): the language
+    model's head's, ``vocab`` per token; else the counted forward's output, per token and per
+    row; split over the tp ranks where the plan splits the module that makes them
+    (:func:`_splits_logits`); None where nothing was counted."""
     from plait.parallel.tp_example import example_call
 
     from .lm_head import reads_every_token
@@ -855,14 +873,38 @@ def _outside_flops(model: Any, blocks: list[Any], more: tuple[MoreStack, ...],
     split = _split_outside(model, [*blocks, *others], found)
     head = _language_model_head(model, [*blocks, *others], hidden, vocab)
     per_token = head is not None and (
-        (found is not None and found[1]) or reads_every_token(model, blocks[-1], head) is not False)
+        (found is not None and found[1])
+        or reads_every_token(model, blocks[-1], head, [*blocks, *others]) is not False)
     if not per_token:
         counted = measure(model, blocks, others, example, example_call, split)
-        if counted is not None or head is None:
-            return counted
+        if counted is not None:
+            outside, out = counted
+            return outside, Logits(out.per_token, out.per_row, _splits_logits(
+                model, [*blocks, *others], found, out.width))
+        if head is None:
+            return None, None
     flops = 2.0 * hidden * vocab
     on_split = any(head is m or head in set(m.modules()) for m in split)
-    return Outside(flops, 0.0, split_token=flops if on_split else 0.0)
+    return (Outside(flops, 0.0, split_token=flops if on_split else 0.0),
+            Logits(float(vocab), 0.0, _splits_logits(model, [*blocks, *others], found, vocab)))
+
+
+def _splits_logits(model: Any, blocks: list[Any], found: tuple[Any, bool] | None,
+                   width: int) -> bool:
+    """Whether the tensor-parallel plan ``found`` splits the logits (``width`` wide) over its
+    ranks: a matmul outside ``blocks`` that makes ``width`` outputs and that the plan lays out
+    ``vocab_head`` (its logits stay sharded, the loss runs under ``loss_parallel()``) or
+    ``colwise`` (each rank keeps its columns). A head it leaves whole (one beside a logits
+    bias) or gathers (``colwise_gather``) hands every rank all of them."""
+    from plait.parallel.tp_plans import glob_regex
+
+    if found is None:
+        return False
+    keeps = [glob_regex(g) for g, style in found[0].styles.items()
+             if style in ("vocab_head", "colwise")]
+    inside = {id(m) for b in blocks for m in b.modules()}
+    return any(name and id(module) not in inside and (_dims(module) or (0, 0))[1] == width
+               and any(r.match(name) for r in keeps) for name, module in model.named_modules())
 
 
 def _split_outside(model: Any, blocks: list[Any], found: tuple[Any, bool] | None

@@ -17,6 +17,10 @@ row.
 Of those FLOPs, the ones inside the modules a tensor-parallel plan splits outside the blocks
 (a vocabulary-parallel head) are counted apart: each tp rank computes 1/tp of them, and the rest
 (a patchify convolution, a projection, a classifier the plan leaves whole) whole.
+
+The same two forwards read the output the loss reads (its logits: the output's ``logits``, else
+its first floating-point tensor), per token and per row alike: what it holds
+(:mod:`plait.planner.logits`).
 """
 
 from __future__ import annotations
@@ -56,6 +60,16 @@ class Outside:
         return before, self.per_token_at(seq) - self.before - split_after * share
 
 
+@dataclass(frozen=True)
+class Output:
+    """Elements of the forward's output the loss reads (its logits), per token of the main
+    stack's sequence and per row, and its last dim (a head's width)."""
+
+    per_token: float
+    per_row: float
+    width: int
+
+
 @dataclass
 class _Pass:
     """What one forward counted: FLOPs before the main stack, inside any block, in all, and
@@ -67,6 +81,7 @@ class _Pass:
     shape: tuple[int, int] | None = None
     split: float = 0.0         # FLOPs in the modules tp splits
     split_before: float = 0.0  # of which, before the main stack
+    output: tuple[int, int] = (0, 0)  # (elements, last dim) of the output the loss reads
 
     @property
     def after(self) -> float:
@@ -160,13 +175,34 @@ def _count(model: Any, example: Any, first: Any, last: Any, blocks: list[Any],
         with fake_forward(model):
             counter = FlopCounterMode(display=False)
             with counter, _hooks(first, last, blocks, counter, got, cut, split):
-                run_on(model, example)
+                out = run_on(model, example)
             got.total = float(counter.get_total_flops())
+            logits = _logits(out)
+            if logits is not None:
+                got.output = (logits.numel(), int(logits.shape[-1]) if logits.ndim else 1)
     except Exception:  # noqa: BLE001 - a forward that does not run here counts nothing
         return None
     if got.shape is None or got.before < 0:
         return None
     return got
+
+
+def _logits(out: Any) -> Any:
+    """The tensor of a forward's output that the loss reads: the output itself, its
+    ``logits`` (a Hugging Face output, a dict), else its first floating-point tensor; None
+    where it holds none."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out if out.is_floating_point() else None
+    if isinstance(out, dict) or hasattr(out, "logits"):
+        named = out.get("logits") if isinstance(out, dict) else out.logits
+        if isinstance(named, torch.Tensor):
+            return named
+        out = list(out.values()) if isinstance(out, dict) else []
+    if isinstance(out, (tuple, list)):
+        return next((t for t in map(_logits, out) if t is not None), None)
+    return None
 
 
 def _examples(model: Any, example: Any, guess: Callable[[Any], Any]) -> Iterator[Any]:
@@ -195,11 +231,13 @@ def _examples(model: Any, example: Any, guess: Callable[[Any], Any]) -> Iterator
 
 
 def measure(model: Any, main: list[Any], others: list[Any], example: Any,
-            guess: Callable[[Any], Any], split: list[Any] | None = None) -> Outside | None:
+            guess: Callable[[Any], Any], split: list[Any] | None = None
+            ) -> tuple[Outside, Output] | None:
     """Forward FLOPs outside the blocks of ``model`` (the main stack's blocks ``main``, the
     further stacks' ``others``), counted on ``example`` (None: the input ``guess(model)``
     makes, or a guessed image size), those inside the ``split`` modules (outside the blocks,
-    split by tensor parallelism) apart; None where no forward runs on fake tensors."""
+    split by tensor parallelism) apart, and the elements of the output the loss reads;
+    None where no forward runs on fake tensors."""
     if not main:
         return None
     blocks, split = [*main, *others], split or []
@@ -216,13 +254,20 @@ def measure(model: Any, main: list[Any], others: list[Any], example: Any,
     # all per token unless the cut pass says otherwise
     after, split_after = full.after / (rows * seq), full.split_after / (rows * seq)
     half = _count(model, ran, main[0], main[-1], blocks, True, split) if seq >= 2 else None
+    # the output all per token unless the cut pass says otherwise
+    output = Output(full.output[0] / (rows * seq), 0.0, full.output[1])
     if half is not None and half.before == full.before:
         dropped = seq - seq // 2
         token = (full.after - half.after) / (rows * dropped)
         row = full.after / rows - token * seq
         split_token = (full.split_after - half.split_after) / (rows * dropped)
         split_row = full.split_after / rows - split_token * seq
+        out_token = (full.output[0] - half.output[0]) / (rows * dropped)
+        out_row = full.output[0] / rows - out_token * seq
+        if out_token >= 0 and out_row >= 0:
+            output = Output(out_token, out_row, full.output[1])
         if token >= 0 and row >= 0 and split_token >= 0 and split_row >= 0:
             return Outside(before + token, row, before, split_before + split_token,
-                           split_row, split_before)
-    return Outside(before + after, 0.0, before, split_before + split_after, 0.0, split_before)
+                           split_row, split_before), output
+    return (Outside(before + after, 0.0, before, split_before + split_after, 0.0,
+                    split_before), output)
