@@ -54,6 +54,27 @@ def test_a_batch_becomes_the_forward_arguments_run_step_passes_without_labels() 
         from_batch(unet, "images")
 
 
+def test_an_encoder_decoder_that_shifts_its_labels_keeps_them_in_its_example() -> None:
+    # T5 makes its decoder's input from the labels when it is given none: without them its
+    # forward does not run, and a tp plan for blocks torch.fx cannot trace (T5Attention in
+    # recent transformers) could not be recorded on the user's batch.
+    pytest.importorskip("transformers")
+    from plait.parallel.tp_infer import infer_plan
+    from tests._workers_encdec import Seq2Seq, t5
+
+    model, data, _ = t5()
+    batch = default_collate([data[i] for i in range(2)])
+    example = from_batch(model, batch)
+    assert sorted(example.kwargs) == ["attention_mask", "input_ids", "labels"]
+    plan = infer_plan(model, example)
+    assert plan.styles["encoder.block.*.layer.*.SelfAttention.o"] == "rowwise", plan.styles
+    assert plan.styles["decoder.block.*.layer.*.EncDecAttention"] == "region", plan.styles
+    # given its decoder's input, the labels stay out, as for any other model
+    given = {**batch, "decoder_input_ids": batch["input_ids"][:, :6]}
+    assert "labels" not in from_batch(model, given).kwargs
+    assert isinstance(data, Seq2Seq)
+
+
 @pytest.mark.parametrize(("factory", "batch", "forward"), [
     (UNet, _unet_batch, "forward(x, t)"), (DLRM, _clicks_batch, "a dict of four inputs")])
 def test_auto_prices_a_model_of_several_inputs_from_its_example(factory, batch, forward) -> None:

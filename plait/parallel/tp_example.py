@@ -14,7 +14,8 @@ A guess can fail: a forward of several inputs (a U-Net's ``forward(x, t)``, a re
 dict of features), images of a size none of the tried ones is. The user then hands plait one
 batch as ``run.step`` receives it (``run.parallelize(model, example=batch)``), which
 :func:`from_batch` turns into the forward's arguments the way ``run.step`` does, labels left
-out; every check that would guess runs on it instead.
+out (but for an encoder-decoder that derives its decoder's input from them); every check that
+would guess runs on it instead.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def from_batch(model: nn.Module, batch: Any) -> Example:
     if isinstance(batch, torch.Tensor):
         return Example((batch,))
     if isinstance(batch, dict):
-        return of_dict({k: v for k, v in batch.items() if k != "labels"})
+        keep = "labels" in batch and _decoder_reads_labels(model, batch)
+        return of_dict({k: v for k, v in batch.items() if keep or k != "labels"})
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         inputs = batch[0]
         if isinstance(inputs, dict):
@@ -94,6 +96,20 @@ def from_batch(model: nn.Module, batch: Any) -> Example:
     raise ValueError(f"example={type(batch).__name__}: an example is one batch as run.step "
                      f"takes it: (inputs, targets), a dict of the forward's arguments, or the "
                      f"input tensor alone")
+
+
+def _decoder_reads_labels(model: nn.Module, batch: dict[str, Any]) -> bool:
+    """Whether ``model``'s forward builds its decoder's input from ``labels``: it takes both
+    ``labels`` and ``decoder_input_ids`` (a Hugging Face encoder-decoder, which shifts the
+    labels right when it is given no decoder input) and ``batch`` holds no decoder input. Its
+    forward cannot run without them, so the example keeps them (the forward then computes its
+    loss too, as it does in ``run.step`` with ``loss_fn=None``)."""
+    from ..dict_batch import signature_of
+
+    signature = signature_of(model.forward)
+    names = set(signature.parameters) if signature is not None else set()
+    return ({"labels", "decoder_input_ids"} <= names
+            and not {"decoder_input_ids", "decoder_inputs_embeds"} & set(batch))
 
 
 def first_and_keywords(model: nn.Module, example: Example) -> tuple[Any, dict[str, Any]] | None:
