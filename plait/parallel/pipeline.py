@@ -53,6 +53,8 @@ from .pipeline_buffers import (
 )
 from .pipeline_chain import (
     chain_break,
+    chain_source,
+    chain_source_message,
     loss_reads_before,
     meta_replica,
     on_meta,
@@ -1157,6 +1159,15 @@ def _take_rows(value: Any, rows: torch.Tensor) -> Any:
     return value
 
 
+def _first_parameter(model: nn.Module) -> str:
+    """The name of ``model.forward``'s first positional parameter (what a pipeline chains)."""
+    signature = _signature(model)
+    params = [] if signature is None else [
+        p.name for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return params[0] if params else "the first input"
+
+
 def _signature(model: nn.Module) -> inspect.Signature | None:
     try:
         return inspect.signature(model.forward)
@@ -1196,6 +1207,11 @@ def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
         crossed = side_input(replica, path, x, kwargs)
         if crossed is not None:  # a later stage would run without it
             raise ValueError(side_input_message(model, path, crossed))
+        source = chain_source(replica, path, x, kwargs) if kwargs else None
+        if source is not None:  # later stages would give the hidden states to another input
+            raise ValueError(chain_source_message(
+                type(model).__name__, _first_parameter(model), path or type(model).__name__,
+                source))
         found = additive_by_running(replica, path, x, kwargs) if untraced else set()
         for spec in specs[:-1]:
             stage = build_stage_module(replica, path, spec)
