@@ -1,7 +1,8 @@
 """What a newcomer's models do where the loss or the randomness spans the whole batch: the
 two-tower and mixture-of-experts models of ``tests/_newcomer7_models.py`` under a pipeline and
 gradient accumulation, a diffusion U-Net whose noise the training loop draws, and a masked
-autoencoder (MAE) whose forward draws its random mask.
+autoencoder (MAE) whose forward draws its random mask; and a GRU encoder-decoder on dict
+batches whose targets have different lengths.
 
 References run torch alone on one device, on the loader's global batches:
 
@@ -134,6 +135,52 @@ def loop_noise(images: torch.Tensor, draw_rows: int, take: slice) -> tuple[dict[
     return noised(images, t, noise), noise
 
 
+# --- a GRU encoder-decoder on dict batches, targets of different lengths ---
+
+SRC, TGT, BOS = 7, 6, 0
+
+
+class Seq2Seq(nn.Module):
+    """A GRU encoder whose last state starts a GRU decoder fed the target shifted right
+    (teacher forcing), a head over the vocabulary; inputs by keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(N.VOCAB, N.WIDTH)
+        self.encoder = nn.GRU(N.WIDTH, N.WIDTH, batch_first=True)
+        self.decoder = nn.GRU(N.WIDTH, N.WIDTH, batch_first=True)
+        self.head = nn.Linear(N.WIDTH, N.VOCAB)
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        _, state = self.encoder(self.embed(src))
+        out, _ = self.decoder(self.embed(tgt_in), state)
+        return self.head(out)
+
+
+class Reversals(Dataset):
+    """Source sequences and their first 2 to TGT tokens reversed, padded with -100."""
+
+    def __init__(self, n: int = 32, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.src = torch.randint(1, N.VOCAB, (n, SRC), generator=g)
+        self.lengths = torch.randint(2, TGT + 1, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def __getitem__(self, i: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        tgt = self.src[i].flip(0)[:TGT]
+        tgt_in = torch.cat([torch.tensor([BOS]), tgt[:-1]])
+        labels = tgt.clone()
+        labels[int(self.lengths[i]):] = -100
+        return {"src": self.src[i], "tgt_in": tgt_in}, labels
+
+
+def token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean over the labelled tokens (-100 left out)."""
+    return F.cross_entropy(logits.reshape(-1, N.VOCAB), labels.reshape(-1))
+
+
 # --- plait and one device ---
 
 def _mse(out: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -148,6 +195,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], Dataset], Any, Any]
     # the loop draws the noise: for this replica's rows, or the global batch's sliced
     "unet_own": (N.UNet, Clean, lambda _: _mse, None),
     "unet_global": (N.UNet, Clean, lambda _: _mse, None),
+    "seq2seq": (Seq2Seq, Reversals, lambda _: token_ce, None),
 }
 
 
@@ -194,7 +242,7 @@ def train(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> list[dict[
         state = run.full_state_dict(model)
         run.close()
         said = [str(w.message) for w in caught if str(w.message).startswith("plait:")]
-        out.append({"case": name, "plan": plan, "losses": losses, "warnings": said,
+        out.append({"case": name, "plan": plan, "losses": losses, "evaluated": [], "warnings": said,
                     "state": state if rank == 0 else None})
     return out
 
@@ -230,8 +278,8 @@ def _fit(model: nn.Module, name: str, batches: Callable[[int], list[Any]]) -> di
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-        losses.append(float(total))
-    return {"losses": losses, "state": model.state_dict()}
+        losses.append(total.item())
+    return {"losses": losses, "evaluated": [], "state": model.state_dict()}
 
 
 def reference_parts(name: str, dp: int = 1, parts: int = 1) -> dict[str, Any]:
