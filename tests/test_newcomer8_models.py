@@ -147,3 +147,18 @@ def test_the_other_layouts() -> None:
     _assert_warned_parts(got[("clip_ids", "dp=2,pp=2")], "microbatches=2")
     _assert_clip_trains_as_one_device(got[("clip_ids", "dp=2,pp=2")],
                                       M.reference_parts("clip_ids", 2, 2), 1e-4)
+
+
+def test_the_planner_is_told_before_any_layout() -> None:
+    # pp_refusal (what plan="auto" and `plait plan` ask before proposing a pipeline) sees the
+    # blocks' input on the user's example, as the first step does.
+    from plait.parallel.pipeline import pp_refusal
+    from plait.parallel.tp_example import Example
+    from plait.plan import Plan
+    from tests import _newcomer7_models as N
+
+    data = N.Pairs()
+    example = Example(kwargs=N.collate_pairs([data[i] for i in range(4)])[0])
+    said = pp_refusal(N.TwoTower(), Plan.from_string("pp=2"), example=example)
+    assert said is not None and "input 'ids', not on its first input 'pixels'" in said, said
+    assert pp_refusal(M.IdsFirst(), Plan.from_string("pp=2"), example=example) is None

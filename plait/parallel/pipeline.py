@@ -1427,6 +1427,9 @@ def pp_refusal(model: nn.Module, plan: Plan,
             crossed = _side_input(model, path, example)
             if crossed is not None:
                 return crossed
+            source = _chain_source(model, path, example)
+            if source is not None:
+                return source
             owner = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
             for names in shared_parameters(model, path, specs):
                 if len({owner[s] for s in names}) == 1:
@@ -1447,6 +1450,25 @@ def _side_input(model: nn.Module, path: str, given: Example | None = None) -> st
     call = meta_call(model, given)
     found = None if call is None else side_input(call[0], path, call[1], call[2])
     return None if found is None else side_input_message(model, path, found)
+
+
+def _chain_source(model: nn.Module, path: str, given: Example | None = None) -> str | None:
+    """Why the blocks of ``path`` cannot be chained by a pipeline: they run on another input
+    than the forward's first (:func:`~plait.parallel.pipeline_chain.chain_source`); None
+    where they do not (or no input can be guessed). Run on ``given`` where there is one."""
+    from .pipeline_split import meta_call
+
+    call = meta_call(model, given)
+    if call is None:
+        return None
+    replica, x, kwargs = call
+    first = _first_parameter(model)
+    if x is None and first in kwargs:  # a dict of inputs by name: the first one chains
+        kwargs = dict(kwargs)
+        x = kwargs.pop(first)
+    source = chain_source(replica, path, x, kwargs) if kwargs else None
+    return None if source is None else chain_source_message(
+        type(model).__name__, first, path or type(model).__name__, source)
 
 
 def side_input_message(model: nn.Module, path: str, found: tuple[str, int]) -> str:
