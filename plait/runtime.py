@@ -139,6 +139,8 @@ class Run:
     # id(model) -> its contrastive temperature parameters (plait.parallel.contrastive), read
     # once per model rather than every step.
     _contrastive: dict[int, list[str]] = field(default_factory=dict)
+    # whether a loss over the whole batch cut into grad_accum/microbatch parts was warned about
+    _chunk_warned: list[bool] = field(default_factory=lambda: [False])
     # ZeRO-1: the user's optimizer -> its ZeroRedundancyOptimizer (see zero1_optimizer).
     _sharded_optimizers: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     # (id(model), id(optimizer)) pairs whose parameters were checked at their first step.
@@ -806,12 +808,19 @@ class Run:
         the mean of the replicas' losses over their own rows is neither's one-device value."""
         if self.spmd is not None:  # on XLA each host's loss already reads its whole share
             return loss_fn
-        from .parallel.contrastive import contrastive_parameters, guard_loss
+        from .parallel.contrastive import contrastive_parameters, guard_loss, warn_chunked
 
         if id(model) not in self._contrastive:
             self._contrastive[id(model)] = contrastive_parameters(model)
-        return guard_loss(model, loss_fn, self.dp_size, lambda: self._gathers,
-                          self._contrastive[id(model)])
+        found = self._contrastive[id(model)]
+        guarded = guard_loss(model, loss_fn, self.dp_size, lambda: self._gathers, found)
+        pipelined = self.plan.microbatches if self.plan.pp > 1 else 1
+        parts = self.plan.grad_accum * pipelined
+        named = " x ".join(([f"grad_accum={self.plan.grad_accum}"]
+                            if self.plan.grad_accum > 1 else [])
+                           + ([f"microbatches={pipelined}"] if pipelined > 1 else []))
+        return warn_chunked(guarded, parts, named, lambda: self._gathers, found,
+                            self._chunk_warned)
 
     def evaluate(self, model: nn.Module, batch: Any, loss_fn: LossFn | None = None
                  ) -> torch.Tensor:

@@ -84,3 +84,46 @@ def guard_loss(model: nn.Module, loss_fn: Any, dp: int, gathers: Callable[[], in
     # wrapper, which is made anew each step.
     gathered.guarded_loss = loss_fn  # type: ignore[attr-defined]
     return gathered
+
+
+def chunked_message(loss_fn: Any, plan_parts: str, parts: int, found: list[str],
+                    gathered: bool) -> str:
+    """The warning for a loss over the whole batch computed on each of ``parts`` parts."""
+    name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+    what = ("gathers rows with run.all_gather" if gathered else
+            f"is a contrastive loss (the model has {', '.join(found[:2])})")
+    return (f"plait: the loss function {name} {what}, a loss over the whole batch (in-batch "
+            f"negatives, a balance loss over the batch's tokens), and {plan_parts} computes "
+            f"it on each of {parts} parts of the global batch apart: each part's rows are "
+            f"compared with that part's rows (of every replica) only, which is one device "
+            f"accumulating gradients over those {parts} parts, not one device's loss over "
+            f"the whole batch. For the whole batch in one loss set grad_accum=1 (and "
+            f"microbatches=1 under pp); to keep {plan_parts}, know that the loss is the mean "
+            f"of the parts' losses")
+
+
+def warn_chunked(loss_fn: Any, parts: int, plan_parts: str, gathers: Callable[[], int],
+                 found: list[str], warned: list[bool]) -> Any:
+    """``loss_fn`` as the step should call it when gradient accumulation or a pipeline's
+    microbatches cut the global batch into ``parts`` > 1 parts: it warns once (``warned``
+    holds whether it did) when a call gathers with ``run.all_gather`` or the model is
+    contrastive (``found``), since such a loss over each part is not the loss over the whole
+    batch. Anything else passes as it is."""
+    if parts <= 1 or loss_fn is None or warned[0]:
+        return loss_fn
+    import warnings
+
+    from ..warn import user_stacklevel
+
+    def chunked(out: Any, targets: Any) -> Any:
+        before = gathers()
+        value = loss_fn(out, targets)
+        if not warned[0] and (gathers() > before or found):
+            warned[0] = True
+            inner = getattr(loss_fn, "guarded_loss", loss_fn)
+            warnings.warn(chunked_message(inner, plan_parts, parts, found, gathers() > before),
+                          UserWarning, stacklevel=user_stacklevel())
+        return value
+
+    chunked.guarded_loss = getattr(loss_fn, "guarded_loss", loss_fn)  # type: ignore[attr-defined]
+    return chunked

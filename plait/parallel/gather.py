@@ -64,6 +64,21 @@ class _AllGather(torch.autograd.Function):
         return total[rows].clone(), None, None
 
 
+class _AllGatherAlone(torch.autograd.Function):
+    """``t`` itself, as the gather of one data rank's rows is, under an autograd node named as
+    a gather: plait's check that a scalar loss is a mean over its rows
+    (:mod:`plait.mean_probe`) leaves a loss over gathered rows alone, and on one data rank
+    (``grad_accum`` alone) the loss is the same loss over every row."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` (rows first) from every rank of ``group`` concatenated in rank order, with a
@@ -92,7 +107,7 @@ def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None
                 index)
     rows = t.shape[0]
     if group is None or dist.get_world_size(group) == 1:
-        return t, torch.arange(rows, device=t.device)
+        return _AllGatherAlone.apply(t), torch.arange(rows, device=t.device)
     ranks = dist.get_world_size(group)
     if t.device.type == "meta" or is_fake(t):
         # A shape check (a pipeline's first-step shape inference, plait's fake-tensor passes)

@@ -53,6 +53,8 @@ from .pipeline_buffers import (
 )
 from .pipeline_chain import (
     chain_break,
+    chain_source,
+    chain_source_message,
     loss_reads_before,
     meta_replica,
     on_meta,
@@ -1157,6 +1159,15 @@ def _take_rows(value: Any, rows: torch.Tensor) -> Any:
     return value
 
 
+def _first_parameter(model: nn.Module) -> str:
+    """The name of ``model.forward``'s first positional parameter (what a pipeline chains)."""
+    signature = _signature(model)
+    params = [] if signature is None else [
+        p.name for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return params[0] if params else "the first input"
+
+
 def _signature(model: nn.Module) -> inspect.Signature | None:
     try:
         return inspect.signature(model.forward)
@@ -1196,6 +1207,11 @@ def split_checker(model: nn.Module, path: str, specs: list[StageSpec]
         crossed = side_input(replica, path, x, kwargs)
         if crossed is not None:  # a later stage would run without it
             raise ValueError(side_input_message(model, path, crossed))
+        source = chain_source(replica, path, x, kwargs) if kwargs else None
+        if source is not None:  # later stages would give the hidden states to another input
+            raise ValueError(chain_source_message(
+                type(model).__name__, _first_parameter(model), path or type(model).__name__,
+                source))
         found = additive_by_running(replica, path, x, kwargs) if untraced else set()
         for spec in specs[:-1]:
             stage = build_stage_module(replica, path, spec)
@@ -1411,6 +1427,9 @@ def pp_refusal(model: nn.Module, plan: Plan,
             crossed = _side_input(model, path, example)
             if crossed is not None:
                 return crossed
+            source = _chain_source(model, path, example)
+            if source is not None:
+                return source
             owner = stage_to_rank(plan.pp_schedule, plan.pp, plan.virtual_stages)
             for names in shared_parameters(model, path, specs):
                 if len({owner[s] for s in names}) == 1:
@@ -1431,6 +1450,25 @@ def _side_input(model: nn.Module, path: str, given: Example | None = None) -> st
     call = meta_call(model, given)
     found = None if call is None else side_input(call[0], path, call[1], call[2])
     return None if found is None else side_input_message(model, path, found)
+
+
+def _chain_source(model: nn.Module, path: str, given: Example | None = None) -> str | None:
+    """Why the blocks of ``path`` cannot be chained by a pipeline: they run on another input
+    than the forward's first (:func:`~plait.parallel.pipeline_chain.chain_source`); None
+    where they do not (or no input can be guessed). Run on ``given`` where there is one."""
+    from .pipeline_split import meta_call
+
+    call = meta_call(model, given)
+    if call is None:
+        return None
+    replica, x, kwargs = call
+    first = _first_parameter(model)
+    if x is None and first in kwargs:  # a dict of inputs by name: the first one chains
+        kwargs = dict(kwargs)
+        x = kwargs.pop(first)
+    source = chain_source(replica, path, x, kwargs) if kwargs else None
+    return None if source is None else chain_source_message(
+        type(model).__name__, first, path or type(model).__name__, source)
 
 
 def side_input_message(model: nn.Module, path: str, found: tuple[str, int]) -> str:

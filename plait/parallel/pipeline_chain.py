@@ -285,3 +285,76 @@ def side_input(replica: nn.Module, path: str, x: Any, kwargs: dict[str, Any]
         for h in handles:
             h.remove()
     return found[0] if found else None
+
+
+def chain_source(replica: nn.Module, path: str, x: Any, kwargs: dict[str, Any]
+                 ) -> str | None:
+    """The keyword input the first block at ``path`` of ``replica`` (a :func:`meta_replica`)
+    is computed from when it is not computed from ``x``, the forward's first input; None
+    when it is (or the forward cannot run on meta, or no keyword input reaches it either).
+
+    A pipeline chains the forward's first input: later stages get the hidden states in its
+    place and every other input by name. A two-tower model whose forward takes
+    ``(pixels, ids)`` and runs its blocks on ``ids`` would hand the text tower's hidden
+    states to the image tower on a later stage as ``pixels``. Which input a tensor comes
+    from is followed op by op (a torch function mode labels every result with the inputs
+    its arguments came from), on meta tensors."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    from torch.overrides import TorchFunctionMode
+
+    labels: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+
+    def label(t: Any, names: frozenset[str]) -> None:
+        if isinstance(t, torch.Tensor) and names:
+            held = labels.get(id(t))
+            labels[id(t)] = (t, names | (held[1] if held is not None else frozenset()))
+
+    def of(t: Any) -> frozenset[str]:
+        held = labels.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return held[1] if held is not None and held[0] is t else frozenset()
+
+    class Follow(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                               kw: dict[str, Any] | None = None) -> Any:
+            kw = kw or {}
+            out = func(*args, **kw)
+            found: set[str] = set()
+            tree_map_only()(torch.Tensor, lambda t: found.update(of(t)), (args, kw))
+            if found:
+                tree_map_only()(torch.Tensor, lambda t: label(t, frozenset(found)), out)
+            return out
+
+    names, blocks = _distinct_blocks(replica, path)
+    if not blocks:
+        return None
+    seen: list[frozenset[str]] = []
+
+    def pre(_m: nn.Module, args: tuple) -> None:
+        if not seen and args and isinstance(args[0], torch.Tensor):
+            seen.append(of(args[0]))
+
+    label(x, frozenset({""}))
+    for key, value in kwargs.items():
+        label(value, frozenset({key}))
+    handle = blocks[0].register_forward_pre_hook(pre)
+    try:
+        with torch.no_grad(), _data_dependent_on_meta(), Follow():
+            replica(x, **kwargs)
+    except Exception:  # noqa: BLE001 - not runnable on meta: no verdict
+        return None
+    finally:
+        handle.remove()
+    if not seen or "" in seen[0] or not seen[0]:
+        return None
+    return sorted(seen[0])[0]
+
+
+def chain_source_message(model_name: str, first: str, path: str, source: str) -> str:
+    """The refusal for blocks fed from another input than the forward's first, naming the fix."""
+    return (f"the first block of {path} runs on {model_name}.forward's input {source!r}, "
+            f"not on its first input {first!r}: a pipeline chains the forward's first input "
+            f"from stage to stage (later stages get the hidden states in its place, the "
+            f"other inputs by name), so there {first!r} would be the hidden states. Put "
+            f"{source!r} first in the forward's signature (forward(self, {source}, {first}, "
+            f"...)), or run with pp=1")
