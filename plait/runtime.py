@@ -248,7 +248,12 @@ class Run:
         are summed over the cp ranks too; ``False`` for counts the cp ranks of a replica hold
         alike (from ``model(x)`` on the loader's rows, which runs the whole sequence on each,
         or a per-row count), summed over the data replicas alone. Under ``cp=1`` there is
-        no slice and it changes nothing; under ``cp>1`` it must be given."""
+        no slice and it changes nothing; under ``cp>1`` it must be given.
+
+        A DTensor (a count taken on a vocabulary-parallel head's logits, split over the tp
+        ranks: ``(logits > 0).sum()`` is partial over them) is made whole on its mesh first
+        (``full_tensor()``, a collective over the tp ranks, which call this alike), so that
+        the sum over the data replicas reads a plain tensor; the value returned is one."""
         if sliced is not None and not isinstance(sliced, bool):
             raise ValueError(f"run.all_reduce(sliced={sliced!r}): sliced is True (counted on "
                              f"this rank's slice of each sequence) or False (on whole rows)")
@@ -263,6 +268,10 @@ class Run:
                 f"over the cp ranks too), sliced=False for counts from model(x) on the "
                 f"loader's rows, which every cp rank of a replica runs whole, or for a "
                 f"per-row count (summed over the data replicas alone)")
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
         value = torch.as_tensor(t, dtype=torch.float if not isinstance(t, torch.Tensor)
                                 else None)
         pp_group, last_pp = None, 0
