@@ -471,13 +471,14 @@ def checkpoints_zero1(rank: int, world_size: int, root: str) -> dict[str, Any]:
 HELD = 8
 
 
-def held_set() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def held_set(factory: Any = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Held-out rows for token accuracy: lm_batch's rows (their -100 tails of different
     lengths), with the label at every other position set to the untrained model's own
-    prediction, so that each rank's slice counts a different, nonzero number of hits."""
+    prediction (``factory``'s, the causal LM's by default), so that each rank's slice counts
+    a different, nonzero number of hits."""
     tokens, labels = lm_batch(50, HELD)
     with torch.no_grad():
-        guess = causal_lm()(tokens).argmax(-1)
+        guess = (factory or causal_lm)()(tokens).argmax(-1)
     labels[:, ::2] = torch.where(labels[:, ::2] == -100, labels[:, ::2], guess[:, ::2])
     return list(zip(tokens, labels, strict=True))
 
@@ -568,7 +569,7 @@ def whole(logits: Any) -> torch.Tensor:
 def held_counts_tp_reference() -> dict[str, Any]:
     """One device, on :class:`BlockLM` over the held-out set: the loss, (correct tokens,
     tokens), the positive logits, and the loss of :func:`shifting_loss`."""
-    tokens, labels = (torch.stack(t) for t in zip(*held_set(), strict=True))
+    tokens, labels = (torch.stack(t) for t in zip(*held_set(block_lm), strict=True))
     with torch.no_grad():
         logits = block_lm()(tokens)
     return {"val": float(lm_loss(logits, labels)), "tokens": token_counts(logits, labels),
@@ -597,7 +598,8 @@ def held_counts_tp(rank: int, world_size: int, plans: list[str]) -> dict[str, An
 
 
 def _held_counts_tp_run(run: Any, model: nn.Module) -> dict[str, Any]:
-    held = next(iter(run.loader(held_set(), batch_size=HELD, steps=1, evaluation=True)))
+    held = next(iter(run.loader(held_set(block_lm), batch_size=HELD, steps=1,
+                                evaluation=True)))
     counts = torch.zeros(2)
     positive: list[Any] = []
 

@@ -644,8 +644,18 @@ def test_held_out_counts_under_cp_with_tp_are_one_devices():
     goes through run.all_reduce whole and comes back a plain tensor; counting on the split
     logits as on plain ones fails, naming .full_tensor(). A loss that shifts the labels is
     refused under cp and one device's without it."""
-    plans = ["tp=2,cp=2", "tp=2,dp=2"]
-    got = run_distributed(W.held_counts_tp, 4, plans, timeout=240)
+    _check_held_counts_tp(["tp=2,cp=2", "tp=2,dp=2"], 4)
+
+
+@pytest.mark.slow
+def test_held_out_counts_under_dp_x_cp_x_tp_at_world8_are_one_devices():
+    """World 8, dp=2,cp=2,tp=2: the counts of the test above, summed over the 4 data x cp
+    ranks of each tp rank, are one device's."""
+    _check_held_counts_tp(["dp=2,cp=2,tp=2"], 8)
+
+
+def _check_held_counts_tp(plans: list[str], world: int) -> None:
+    got = run_distributed(W.held_counts_tp, world, plans, timeout=300)
     want = W.held_counts_tp_reference()
     assert 0 < want["tokens"][0] < want["tokens"][1], want  # hits, but not every token
     for plan in plans:
