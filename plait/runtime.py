@@ -868,6 +868,10 @@ class Run:
         finally:
             for module, training in modes:
                 module.training = training
+            if self.spmd is None:
+                from .parallel.zero import reshard_after_forward_only
+
+                reshard_after_forward_only(model)
             if self._watchdog is not None:
                 self._watchdog.active = False
         return (totals[0] / totals[1].clamp_min(1)).detach()
@@ -1435,8 +1439,8 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
     model) name that mistake; either alone is a choice (an optimizer for a subset, a learnable
     parameter of the loss). Checked once per model and optimizer, at the end of their first
     step: from a forward to its backward FSDP2 leaves a root module's unsharded parameters
-    registered (after ``run.evaluate``, say), and only its backward puts back the sharded ones
-    that an optimizer built after ``run.parallelize`` holds. ``others``: the run's other
+    registered, and only its backward puts back the sharded ones that an optimizer built
+    after ``run.parallelize`` holds. ``others``: the run's other
     models, by class name: an optimizer of one of them (a GAN's generator's handed to the
     discriminator's step) is named as such."""
     key = (id(model), id(optimizer))

@@ -568,12 +568,19 @@ def whole(logits: Any) -> torch.Tensor:
 
 def held_counts_tp_reference() -> dict[str, Any]:
     """One device, on :class:`BlockLM` over the held-out set: the loss, (correct tokens,
-    tokens), the positive logits, and the loss of :func:`shifting_loss`."""
+    tokens), the positive logits, the loss of :func:`shifting_loss`, and the loss after one
+    SGD step on the set (lr 0.1, clipped at 1.0: run.step's default)."""
     tokens, labels = (torch.stack(t) for t in zip(*held_set(block_lm), strict=True))
+    model = block_lm()
     with torch.no_grad():
-        logits = block_lm()(tokens)
-    return {"val": float(lm_loss(logits, labels)), "tokens": token_counts(logits, labels),
-            "positive": float((logits > 0).sum()), "shifted": float(shifting_loss(logits, labels))}
+        logits = model(tokens)
+    got = {"val": float(lm_loss(logits, labels)), "tokens": token_counts(logits, labels),
+           "positive": float((logits > 0).sum()), "shifted": float(shifting_loss(logits, labels))}
+    trained = reference(block_lm, [(tokens, labels)], lm_loss)["state"]
+    model.load_state_dict(trained)
+    with torch.no_grad():
+        got["after"] = float(lm_loss(model(tokens), labels))  # after one SGD step
+    return got
 
 
 def held_counts_tp(rank: int, world_size: int, plans: list[str]) -> dict[str, Any]:
@@ -583,7 +590,9 @@ def held_counts_tp(rank: int, world_size: int, plans: list[str]) -> dict[str, An
     logits made whole, and the positive logits counted on the vocabulary-split DTensor itself
     (a sum over a split dim: partial over tp), each summed with run.all_reduce(sliced=True);
     the same two counts from model(x) on the loader's rows, summed with sliced=False; and
-    run.evaluate with :func:`shifting_loss` (its loss, or what it says under cp)."""
+    run.evaluate with :func:`shifting_loss` (its loss, or what it says under cp); then one
+    run.step on the set with an SGD optimizer built after those evaluations (lr 0.1), and
+    the held-out loss after it."""
     from plait.runtime import init
 
     torch.set_num_threads(1)
@@ -636,4 +645,10 @@ def _held_counts_tp_run(run: Any, model: nn.Module) -> dict[str, Any]:
         got["split_refused"] = ""
     except RuntimeError as exc:
         got["split_refused"] = str(exc)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built after run.evaluate
+    try:
+        got["stepped"] = float(run.step(model, held, lm_loss, opt))
+        got["after"] = float(run.evaluate(model, held, lm_loss))
+    except ValueError as exc:
+        got["stepped"] = got["after"] = str(exc)
     return got

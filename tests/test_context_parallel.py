@@ -643,7 +643,8 @@ def test_held_out_counts_under_cp_with_tp_are_one_devices():
     only); a count taken on the split DTensor itself (the positive logits: partial over tp)
     goes through run.all_reduce whole and comes back a plain tensor; counting on the split
     logits as on plain ones fails, naming .full_tensor(). A loss that shifts the labels is
-    refused under cp and one device's without it."""
+    refused under cp and one device's without it. An optimizer built after run.evaluate
+    (FSDP2's replicate holds the tp shards) steps the model as one device's SGD does."""
     _check_held_counts_tp(["tp=2,cp=2", "tp=2,dp=2"], 4)
 
 
@@ -674,3 +675,5 @@ def _check_held_counts_tp(plans: list[str], world: int) -> None:
                 assert "shift the labels in the data" in result["shifted"], result["shifted"]
             else:
                 assert result["shifted"] == pytest.approx(want["shifted"], rel=1e-5), result
+            assert result["stepped"] == pytest.approx(want["val"], rel=1e-5), (plan, result)
+            assert result["after"] == pytest.approx(want["after"], rel=1e-5), (plan, result)
