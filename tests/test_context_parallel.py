@@ -634,18 +634,19 @@ def test_held_out_counts_under_cp_are_one_devices():
 
 
 def test_held_out_counts_under_cp_with_tp_are_one_devices():
-    """tp=2 with cp=2, and with dp=2 beside it, on a model whose inferred tp plan makes the
-    head vocabulary-parallel (the loss function and model(x) get logits split over tp on the
-    vocabulary, a DTensor): run.evaluate's loss is one device's; token accuracy counted from
-    the logits made whole (.full_tensor()) in the loss function and summed with
+    """tp=2 with cp=2, and with dp=2 or ZeRO-2 over dp_shard=2 beside it, on a model whose inferred
+    tp plan makes the head vocabulary-parallel (the loss function and model(x) get logits split
+    over tp on the vocabulary, a DTensor): run.evaluate's loss is one device's; token accuracy
+    counted from the logits made whole (.full_tensor()) in the loss function and summed with
     run.all_reduce(sliced=True), and from model(x) with sliced=False, is one device's count
     exactly (the tp ranks hold the same rows and slices: summed over the data and cp ranks
-    only); a count taken on the split DTensor itself (the positive logits: partial over tp)
-    goes through run.all_reduce whole and comes back a plain tensor; counting on the split
-    logits as on plain ones fails, naming .full_tensor(). A loss that shifts the labels is
-    refused under cp and one device's without it. An optimizer built after run.evaluate
-    (FSDP2's replicate holds the tp shards) steps the model as one device's SGD does."""
-    _check_held_counts_tp(["tp=2,cp=2", "tp=2,dp=2"], 4)
+    only); a count taken on the split DTensor itself (the positive logits: partial over tp) goes
+    through run.all_reduce whole and comes back a plain tensor; counting on the split logits as
+    on plain ones fails, naming .full_tensor(). A loss that shifts the labels is refused under
+    cp and one device's without it. An optimizer built after run.evaluate (FSDP2 holds the tp
+    shards, replicated or under ZeRO-2, which leave the parameters gathered after a forward)
+    steps the model as one device's SGD does."""
+    _check_held_counts_tp(["tp=2,cp=2", "tp=2,dp=2", "dp_shard=2,zero=2,tp=2"], 4)
 
 
 @pytest.mark.slow
