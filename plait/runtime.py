@@ -250,7 +250,12 @@ class Run:
         are summed over the cp ranks too; ``False`` for counts the cp ranks of a replica hold
         alike (from ``model(x)`` on the loader's rows, which runs the whole sequence on each,
         or a per-row count), summed over the data replicas alone. Under ``cp=1`` there is
-        no slice and it changes nothing; under ``cp>1`` it must be given."""
+        no slice and it changes nothing; under ``cp>1`` it must be given.
+
+        A DTensor (a count taken on a vocabulary-parallel head's logits, split over the tp
+        ranks: ``(logits > 0).sum()`` is partial over them) is made whole on its mesh first
+        (``full_tensor()``, a collective over the tp ranks, which call this alike), so that
+        the sum over the data replicas reads a plain tensor; the value returned is one."""
         if sliced is not None and not isinstance(sliced, bool):
             raise ValueError(f"run.all_reduce(sliced={sliced!r}): sliced is True (counted on "
                              f"this rank's slice of each sequence) or False (on whole rows)")
@@ -265,6 +270,10 @@ class Run:
                 f"over the cp ranks too), sliced=False for counts from model(x) on the "
                 f"loader's rows, which every cp rank of a replica runs whole, or for a "
                 f"per-row count (summed over the data replicas alone)")
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
         value = torch.as_tensor(t, dtype=torch.float if not isinstance(t, torch.Tensor)
                                 else None)
         pp_group, last_pp = None, 0
@@ -868,6 +877,10 @@ class Run:
         finally:
             for module, training in modes:
                 module.training = training
+            if self.spmd is None:
+                from .parallel.zero import reshard_after_forward_only
+
+                reshard_after_forward_only(model)
             if self._watchdog is not None:
                 self._watchdog.active = False
         return (totals[0] / totals[1].clamp_min(1)).detach()
@@ -1435,8 +1448,8 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
     model) name that mistake; either alone is a choice (an optimizer for a subset, a learnable
     parameter of the loss). Checked once per model and optimizer, at the end of their first
     step: from a forward to its backward FSDP2 leaves a root module's unsharded parameters
-    registered (after ``run.evaluate``, say), and only its backward puts back the sharded ones
-    that an optimizer built after ``run.parallelize`` holds. ``others``: the run's other
+    registered, and only its backward puts back the sharded ones that an optimizer built
+    after ``run.parallelize`` holds. ``others``: the run's other
     models, by class name: an optimizer of one of them (a GAN's generator's handed to the
     discriminator's step) is named as such."""
     key = (id(model), id(optimizer))

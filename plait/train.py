@@ -349,7 +349,9 @@ def _with_graph(total: torch.Tensor) -> torch.Tensor:
 # What runs on logits split over the vocabulary, and the way out for a loss that needs more.
 _SHARDED_LOGITS_FIX = (
     "F.cross_entropy over the last dimension runs on them as is (reduction 'mean', or 'sum' "
-    "and return (sum, count)); a loss that does more with them (multiplies in a mask, mixes "
+    "and return (sum, count)); a metric counted beside the loss (logits.argmax(-1) == labels) "
+    "reads them whole: logits.full_tensor(), a DTensor method that gathers the vocabulary; "
+    "a loss that does more with them (multiplies in a mask, mixes "
     "them with plain tensors) needs the head whole: pass options.tp_plan without the "
     "'vocab_embedding' and 'vocab_head' entries")
 

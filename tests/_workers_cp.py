@@ -471,13 +471,14 @@ def checkpoints_zero1(rank: int, world_size: int, root: str) -> dict[str, Any]:
 HELD = 8
 
 
-def held_set() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def held_set(factory: Any = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Held-out rows for token accuracy: lm_batch's rows (their -100 tails of different
     lengths), with the label at every other position set to the untrained model's own
-    prediction, so that each rank's slice counts a different, nonzero number of hits."""
+    prediction (``factory``'s, the causal LM's by default), so that each rank's slice counts
+    a different, nonzero number of hits."""
     tokens, labels = lm_batch(50, HELD)
     with torch.no_grad():
-        guess = causal_lm()(tokens).argmax(-1)
+        guess = (factory or causal_lm)()(tokens).argmax(-1)
     labels[:, ::2] = torch.where(labels[:, ::2] == -100, labels[:, ::2], guess[:, ::2])
     return list(zip(tokens, labels, strict=True))
 
@@ -553,4 +554,101 @@ def _held_counts_run(run: Any, model: nn.Module) -> dict[str, Any]:
         got["refused"] = ""
     except ValueError as exc:
         got["refused"] = str(exc)
+    return got
+
+
+def whole(logits: Any) -> torch.Tensor:
+    """The logits whole on this rank: a vocabulary-parallel head's (a DTensor split over tp on
+    the vocabulary) gathered, a plain tensor as it is; what a metric other than the loss reads
+    (``argmax`` over the vocabulary, compared with plain labels)."""
+    from torch.distributed.tensor import DTensor
+
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+
+def held_counts_tp_reference() -> dict[str, Any]:
+    """One device, on :class:`BlockLM` over the held-out set: the loss, (correct tokens,
+    tokens), the positive logits, the loss of :func:`shifting_loss`, and the loss after one
+    SGD step on the set (lr 0.1, clipped at 1.0: run.step's default)."""
+    tokens, labels = (torch.stack(t) for t in zip(*held_set(block_lm), strict=True))
+    model = block_lm()
+    with torch.no_grad():
+        logits = model(tokens)
+    got = {"val": float(lm_loss(logits, labels)), "tokens": token_counts(logits, labels),
+           "positive": float((logits > 0).sum()), "shifted": float(shifting_loss(logits, labels))}
+    trained = reference(block_lm, [(tokens, labels)], lm_loss)["state"]
+    model.load_state_dict(trained)
+    with torch.no_grad():
+        got["after"] = float(lm_loss(model(tokens), labels))  # after one SGD step
+    return got
+
+
+def held_counts_tp(rank: int, world_size: int, plans: list[str]) -> dict[str, Any]:
+    """Per plan (tensor parallelism with cp or data ranks), a one-device metric loop on
+    :class:`BlockLM`, whose inferred tp plan makes the head vocabulary-parallel: the loss
+    through run.evaluate; (correct tokens, tokens) counted in its loss function from the
+    logits made whole, and the positive logits counted on the vocabulary-split DTensor itself
+    (a sum over a split dim: partial over tp), each summed with run.all_reduce(sliced=True);
+    the same two counts from model(x) on the loader's rows, summed with sliced=False; and
+    run.evaluate with :func:`shifting_loss` (its loss, or what it says under cp); then one
+    run.step on the set with an SGD optimizer built after those evaluations (lr 0.1), and
+    the held-out loss after it."""
+    from plait.runtime import init
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for plan in plans:
+        run = init(plan, seed=0, quiet=True)
+        try:
+            out[plan] = _held_counts_tp_run(run, run.parallelize(block_lm()))
+        finally:
+            run.close()
+    return out
+
+
+def _held_counts_tp_run(run: Any, model: nn.Module) -> dict[str, Any]:
+    held = next(iter(run.loader(held_set(block_lm), batch_size=HELD, steps=1,
+                                evaluation=True)))
+    counts = torch.zeros(2)
+    positive: list[Any] = []
+
+    def scored(logits: Any, labels: torch.Tensor) -> torch.Tensor:
+        counts.add_(token_counts(whole(logits), labels).cpu())
+        positive.append((logits > 0).sum())
+        return lm_loss(logits, labels)
+
+    run.evaluate(model, held, scored)  # the first call's label check runs the loss twice
+    counts.zero_()
+    positive.clear()
+    got: dict[str, Any] = {"val": float(run.evaluate(model, held, scored)),
+                           "sharded": type(positive[0]).__name__ == "DTensor"}
+    got["tokens"] = run.all_reduce(counts, sliced=True)
+    summed = run.all_reduce(positive[0], sliced=True)
+    got["positive"], got["positive_type"] = float(summed), type(summed).__name__
+    tokens, labels = held
+    with torch.no_grad():
+        logits = model(tokens.to(run.device))
+    got["outputs"] = run.all_reduce(token_counts(whole(logits), labels.to(run.device)),
+                                    sliced=False)
+    got["outputs_positive"] = float(run.all_reduce((logits > 0).sum(), sliced=False))
+    try:
+        got["shifted"] = float(run.evaluate(model, held, shifting_loss))
+    except ValueError as exc:
+        got["shifted"] = str(exc)
+
+    def counted_on_split_logits(logits: Any, labels: torch.Tensor) -> torch.Tensor:
+        counts.add_(token_counts(logits, labels))  # the DTensor compared with plain labels
+        return lm_loss(logits, labels)
+
+    try:
+        run.evaluate(model, held, counted_on_split_logits)
+        got["split_refused"] = ""
+    except RuntimeError as exc:
+        got["split_refused"] = str(exc)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built after run.evaluate
+    try:
+        got["stepped"] = float(run.step(model, held, lm_loss, opt))
+        got["after"] = float(run.evaluate(model, held, lm_loss))
+    except ValueError as exc:
+        got["stepped"] = got["after"] = str(exc)
     return got

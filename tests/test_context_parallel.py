@@ -631,3 +631,50 @@ def test_held_out_counts_under_cp_are_one_devices():
             said = result["refused"]
             assert said.startswith("run.all_reduce under cp=") and "sliced=True" in said, said
             assert "sliced=False" in said and "model(x)" in said, said
+
+
+def test_held_out_counts_under_cp_with_tp_are_one_devices():
+    """tp=2 with cp=2, and with dp=2 or ZeRO-2 over dp_shard=2 beside it, on a model whose inferred
+    tp plan makes the head vocabulary-parallel (the loss function and model(x) get logits split
+    over tp on the vocabulary, a DTensor): run.evaluate's loss is one device's; token accuracy
+    counted from the logits made whole (.full_tensor()) in the loss function and summed with
+    run.all_reduce(sliced=True), and from model(x) with sliced=False, is one device's count
+    exactly (the tp ranks hold the same rows and slices: summed over the data and cp ranks
+    only); a count taken on the split DTensor itself (the positive logits: partial over tp) goes
+    through run.all_reduce whole and comes back a plain tensor; counting on the split logits as
+    on plain ones fails, naming .full_tensor(). A loss that shifts the labels is refused under
+    cp and one device's without it. An optimizer built after run.evaluate (FSDP2 holds the tp
+    shards, replicated or under ZeRO-2, which leave the parameters gathered after a forward)
+    steps the model as one device's SGD does."""
+    _check_held_counts_tp(["tp=2,cp=2", "tp=2,dp=2", "dp_shard=2,zero=2,tp=2"], 4)
+
+
+@pytest.mark.slow
+def test_held_out_counts_under_dp_x_cp_x_tp_at_world8_are_one_devices():
+    """World 8, dp=2,cp=2,tp=2: the counts of the test above, summed over the 4 data x cp
+    ranks of each tp rank, are one device's."""
+    _check_held_counts_tp(["dp=2,cp=2,tp=2"], 8)
+
+
+def _check_held_counts_tp(plans: list[str], world: int) -> None:
+    got = run_distributed(W.held_counts_tp, world, plans, timeout=300)
+    want = W.held_counts_tp_reference()
+    assert 0 < want["tokens"][0] < want["tokens"][1], want  # hits, but not every token
+    for plan in plans:
+        for rank in got:
+            result = rank[plan]
+            assert result["sharded"], (plan, result)  # the head is vocabulary-parallel
+            assert result["val"] == pytest.approx(want["val"], rel=1e-5), (plan, result)
+            assert torch.equal(result["tokens"], want["tokens"]), (plan, result, want)
+            assert torch.equal(result["outputs"], want["tokens"]), (plan, result, want)
+            assert result["positive"] == result["outputs_positive"] == want["positive"], (
+                plan, result, want)
+            assert result["positive_type"] == "Tensor", (plan, result)
+            said = result["split_refused"]  # the metric code failed on the DTensor: the fix
+            assert "split over the vocabulary" in said and "logits.full_tensor()" in said, said
+            if "cp" in plan:
+                assert "shift the labels in the data" in result["shifted"], result["shifted"]
+            else:
+                assert result["shifted"] == pytest.approx(want["shifted"], rel=1e-5), result
+            assert result["stepped"] == pytest.approx(want["val"], rel=1e-5), (plan, result)
+            assert result["after"] == pytest.approx(want["after"], rel=1e-5), (plan, result)

@@ -67,6 +67,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -295,6 +296,22 @@ def _apply_zero1(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
 
     return apply_ddp(module, mesh[DP_CP if plan.cp > 1 else "dp"], device=device,
                      find_unused=plan.find_unused)
+
+
+def reshard_after_forward_only(model: nn.Module) -> None:
+    """Register the sharded parameters of every FSDP2 module of ``model`` again after forwards
+    with no backward (``run.evaluate``), as a step's backward does.
+
+    A module FSDP2 does not reshard after its forward (ZeRO-2's, the replicated layouts over
+    tp and cp, the root's under ZeRO-3) keeps its unsharded parameters registered until the
+    backward: without one, ``model.parameters()`` stays those, so an optimizer built after an
+    evaluation would hold tensors the next backward unregisters and train nothing, and the
+    gathered parameters would stay in memory. Local (it frees the gathered copies; no
+    collective), so it runs on every rank whatever the forward raised; the next forward
+    gathers again, as after a step."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def apply_replicate(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
