@@ -54,6 +54,20 @@ def test_a_batch_becomes_the_forward_arguments_run_step_passes_without_labels() 
         from_batch(unet, "images")
 
 
+def test_a_forward_that_names_labels_keeps_them_in_its_example() -> None:
+    # run.step with no loss_fn gives a dict's labels to a forward that names them, and an
+    # encoder-decoder's decoder reads its inputs off them (T5 shifts them): an example without
+    # them did not run T5, and tp=2 could not infer its plan from the batch.
+    class OwnLoss(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+            return input_ids if labels is None else input_ids + labels
+
+    ids, labels = torch.arange(4), torch.ones(4, dtype=torch.long)
+    assert from_batch(OwnLoss(), {"input_ids": ids, "labels": labels}).kwargs == {
+        "input_ids": ids, "labels": labels}
+
+
 @pytest.mark.parametrize(("factory", "batch", "forward"), [
     (UNet, _unet_batch, "forward(x, t)"), (DLRM, _clicks_batch, "a dict of four inputs")])
 def test_auto_prices_a_model_of_several_inputs_from_its_example(factory, batch, forward) -> None:

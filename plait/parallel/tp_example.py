@@ -64,10 +64,10 @@ def from_batch(model: nn.Module, batch: Any) -> Example:
     :func:`plait.train.call_model` calls the model, its targets left out: ``(inputs, targets)``
     gives ``inputs`` (a tuple's items as positional arguments, a dict's entries by name, or
     whole where the forward takes the dict as its one argument); a dict gives every entry but
-    ``labels``; a lone tensor is the input itself; an :class:`Example` is used as it is; a
-    :class:`~plait.MicroBatches` (what ``run.loader`` hands out under ``grad_accum`` for a batch
-    that is not one row per example) gives its first micro-batch, whose forward is the one
-    every part runs."""
+    ``labels``, which a forward that names them keeps; a lone tensor is the input itself; an
+    :class:`Example` is used as it is; a :class:`~plait.MicroBatches` (what ``run.loader`` hands
+    out under ``grad_accum`` for a batch that is not one row per example) gives its first
+    micro-batch, whose forward is the one every part runs."""
     from ..batch_rows import MicroBatches
     from ..dict_batch import signature_of, whole_dict_parameter
 
@@ -83,6 +83,12 @@ def from_batch(model: nn.Module, batch: Any) -> Example:
     if isinstance(batch, torch.Tensor):
         return Example((batch,))
     if isinstance(batch, dict):
+        # A forward that names ``labels`` makes its own loss from them (run.step with no
+        # loss_fn passes them), and an encoder-decoder's decoder reads its inputs off them
+        # (Hugging Face T5 and BART shift the labels): kept. Another forward's are targets.
+        signature = signature_of(model.forward)
+        if signature is not None and "labels" in signature.parameters:
+            return of_dict(dict(batch))
         return of_dict({k: v for k, v in batch.items() if k != "labels"})
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         inputs = batch[0]
