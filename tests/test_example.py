@@ -54,18 +54,28 @@ def test_a_batch_becomes_the_forward_arguments_run_step_passes_without_labels() 
         from_batch(unet, "images")
 
 
-def test_a_forward_that_names_labels_keeps_them_in_its_example() -> None:
-    # run.step with no loss_fn gives a dict's labels to a forward that names them, and an
-    # encoder-decoder's decoder reads its inputs off them (T5 shifts them): an example without
-    # them did not run T5, and tp=2 could not infer its plan from the batch.
+def test_an_encoder_decoder_keeps_the_labels_its_decoder_reads_in_its_example() -> None:
+    # An encoder-decoder's decoder reads its inputs off the labels where the batch has no
+    # decoder_input_ids (T5 shifts them): an example without them did not run T5, and tp=2
+    # could not infer its plan from the batch. A forward whose labels are only its loss's
+    # targets (a CTC head) gets none.
+    class EncoderDecoder(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor | None = None,
+                    labels: torch.Tensor | None = None) -> torch.Tensor:
+            return input_ids
+
     class OwnLoss(torch.nn.Module):
         def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
                     ) -> torch.Tensor:
-            return input_ids if labels is None else input_ids + labels
+            return input_ids
 
     ids, labels = torch.arange(4), torch.ones(4, dtype=torch.long)
-    assert from_batch(OwnLoss(), {"input_ids": ids, "labels": labels}).kwargs == {
-        "input_ids": ids, "labels": labels}
+    batch = {"input_ids": ids, "labels": labels}
+    assert from_batch(EncoderDecoder(), batch).kwargs == batch
+    assert from_batch(OwnLoss(), batch).kwargs == {"input_ids": ids}
+    given = {**batch, "decoder_input_ids": ids}
+    assert from_batch(EncoderDecoder(), given).kwargs == {"input_ids": ids,
+                                                           "decoder_input_ids": ids}
 
 
 @pytest.mark.parametrize(("factory", "batch", "forward"), [

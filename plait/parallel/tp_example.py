@@ -64,10 +64,11 @@ def from_batch(model: nn.Module, batch: Any) -> Example:
     :func:`plait.train.call_model` calls the model, its targets left out: ``(inputs, targets)``
     gives ``inputs`` (a tuple's items as positional arguments, a dict's entries by name, or
     whole where the forward takes the dict as its one argument); a dict gives every entry but
-    ``labels``, which a forward that names them keeps; a lone tensor is the input itself; an
-    :class:`Example` is used as it is; a :class:`~plait.MicroBatches` (what ``run.loader`` hands
-    out under ``grad_accum`` for a batch that is not one row per example) gives its first
-    micro-batch, whose forward is the one every part runs."""
+    ``labels`` (kept for an encoder-decoder whose decoder reads its inputs off them); a lone
+    tensor is the input itself; an :class:`Example` is used as it is; a
+    :class:`~plait.MicroBatches` (what ``run.loader`` hands out under ``grad_accum`` for a batch
+    that is not one row per example) gives its first micro-batch, whose forward is the one
+    every part runs."""
     from ..batch_rows import MicroBatches
     from ..dict_batch import signature_of, whole_dict_parameter
 
@@ -83,11 +84,12 @@ def from_batch(model: nn.Module, batch: Any) -> Example:
     if isinstance(batch, torch.Tensor):
         return Example((batch,))
     if isinstance(batch, dict):
-        # A forward that names ``labels`` makes its own loss from them (run.step with no
-        # loss_fn passes them), and an encoder-decoder's decoder reads its inputs off them
-        # (Hugging Face T5 and BART shift the labels): kept. Another forward's are targets.
-        signature = signature_of(model.forward)
-        if signature is not None and "labels" in signature.parameters:
+        # An encoder-decoder's decoder reads its inputs off the labels where the batch has no
+        # decoder_input_ids (Hugging Face T5 and BART shift them; run.step with no loss_fn
+        # passes them): kept there. Elsewhere they are targets, which the checks that run the
+        # forward on fake tensors need not compute a loss from (a CTC loss cannot run there).
+        params = getattr(signature_of(model.forward), "parameters", {})
+        if {"labels", "decoder_input_ids"} <= set(params) and "decoder_input_ids" not in batch:
             return of_dict(dict(batch))
         return of_dict({k: v for k, v in batch.items() if k != "labels"})
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
