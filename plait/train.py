@@ -397,7 +397,7 @@ def _beside_sharded_logits(out: Any) -> Any:
 
 # How DDP says, at the next forward, that the last backward left parameters without a gradient
 # on this rank (its all-reduce could not finish); torch's advice names DDP's own argument.
-_DDP_UNUSED = "Expected to have finished reduction in the prior iteration"
+DDP_UNUSED = "Expected to have finished reduction in the prior iteration"
 
 
 # How DTensor refuses an op given a DTensor beside a plain tensor.
@@ -435,7 +435,7 @@ def _mixed_message(model: nn.Module, torch_message: str, plan: Plan | None = Non
             f"options.tp_plan without it")
 
 
-def _unused_message(model: DDP, torch_message: str, plan: Plan | None = None) -> str:
+def unused_message(model: DDP, torch_message: str, plan: Plan | None = None) -> str:
     """DDP's unused-parameter error as plait's fix: the plan's ``find_unused``, with the names
     of the parameters (torch gives indices into the parameters that require a gradient)."""
     import re
@@ -470,8 +470,8 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     try:
         out, targets = call_model(model, batch, loss_fn, extra)
     except RuntimeError as exc:
-        if isinstance(model, DDP) and _DDP_UNUSED in str(exc):
-            raise ValueError(_unused_message(model, str(exc), plan)) from exc
+        if isinstance(model, DDP) and DDP_UNUSED in str(exc):
+            raise ValueError(unused_message(model, str(exc), plan)) from exc
         if (_MIXED in str(exc) and exc.__cause__ is None  # not one plait already explained
                 and "tensor_parallel" in layout_of(model).applied):
             raise ValueError(_mixed_message(model, str(exc), plan)) from exc

@@ -204,6 +204,8 @@ class ListHeldTagger(BlockHeldTagger):
 # Where a model holds its own weighted loss module, by name (tagger's argument).
 HOLDERS = {"stem": StemHeldTagger, "block": BlockHeldTagger, "wrapper": WrappedTagger,
            "dict": DictHeldTagger, "list": ListHeldTagger}
+# The holders whose models keep a parameter no forward uses.
+UNUSED = ("dict", "list")
 
 
 def tagger(inline: bool | str) -> nn.Module:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from plait.spawn import run_distributed
+from plait.spawn import WorkerError, run_distributed
 from tests import _workers_anysem as A
 
 PIPELINE = "pp=2,microbatches=2"
@@ -87,8 +87,22 @@ def test_a_models_own_weighted_loss_held_outside_the_last_stage() -> None:
 
 @pytest.mark.slow
 def test_a_models_own_weighted_loss_held_outside_the_last_stage_with_data_replicas() -> None:
-    jobs = [(holder, f"dp=2,{PIPELINE}") for holder in A.HOLDERS]
+    # The ModuleDict and ModuleList holders keep a projection beside the loss module that no
+    # forward uses, as on one device: data replicas need find_unused for it, as under dp=2 alone.
+    jobs = [(holder, f"dp=2,{PIPELINE}" + (",find_unused" if holder in A.UNUSED else ""))
+            for holder in A.HOLDERS]
     _check_held(run_distributed(A.train_taggers, 4, jobs, timeout=300))
+
+
+def test_a_pipeline_stage_parameter_no_forward_uses_is_told_find_unused() -> None:
+    # A stage's parameter no forward uses (the stem's unused projection) left DDP's reducer
+    # waiting: the second step died with torch's advice to pass find_unused_parameters to DDP,
+    # which a plait user cannot do. Said as under data parallelism alone: the plan's fix.
+    with pytest.raises(WorkerError, match=r"parameters of \w+ \(\S*losses.proj.weight, "
+                                          r"\S*losses.proj.bias\) got no gradient on this "
+                                          r"rank.*add find_unused to the plan \(e.g. "
+                                          r"'dp_replicate=2,pp=2,microbatches=2,find_unused'\)"):
+        run_distributed(A.train_taggers, 4, [("dict", f"dp=2,{PIPELINE}")], timeout=180)
 
 
 def test_cross_attention_to_a_second_input_trains_as_one_device_under_cp() -> None:

@@ -73,6 +73,15 @@ def test_an_encoder_decoder_that_shifts_its_labels_keeps_them_in_its_example() -
     given = {**batch, "decoder_input_ids": batch["input_ids"][:, :6]}
     assert "labels" not in from_batch(model, given).kwargs
     assert isinstance(data, Seq2Seq)
+    # a forward whose labels are only its own loss's targets (a CTC head) gets none: its
+    # loss need not run on the fake tensors the checks use
+    class OwnLoss(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+            return input_ids
+
+    ids = torch.arange(4)
+    assert from_batch(OwnLoss(), {"input_ids": ids, "labels": ids}).kwargs == {"input_ids": ids}
 
 
 @pytest.mark.parametrize(("factory", "batch", "forward"), [

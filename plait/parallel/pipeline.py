@@ -137,6 +137,8 @@ class TimedStage(PipelineStage):
     # torch's schedule splits every tensor input by rows (its TensorChunkSpec), which cannot
     # cut these, so each microbatch's own are added here, by the chunk torch runs.
     ragged: list[dict[str, Any]] | None = None
+    # The job's plan, which an unused-parameter error's suggested fix is written for.
+    plan: Plan | None = None
 
     def _prepare_forward_infra(self, *args, **kwargs):
         if self.ragged:  # (n_microbatches, args, kwargs, ...): shapes inferred on microbatch 0
@@ -172,8 +174,18 @@ class TimedStage(PipelineStage):
             args, kwargs = _add_inputs(args, kwargs, 1, self.ragged[fwd_chunk_id])
         start = now()
         with foreign_kept(self.foreign):
-            out = unwrapped("forward", self.stage_index, fwd_chunk_id,
-                            super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
+            try:
+                out = unwrapped("forward", self.stage_index, fwd_chunk_id,
+                                super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
+            except RuntimeError as exc:
+                # A parameter of this stage no forward used (as on one device, where it only
+                # keeps no gradient): DDP refuses the next forward, said as under data
+                # parallelism alone, with the plan's fix.
+                from ..train import DDP_UNUSED, unused_message
+
+                if isinstance(self.submod, DDP) and DDP_UNUSED in str(exc):
+                    raise ValueError(unused_message(self.submod, str(exc), self.plan)) from exc
+                raise
         if self.unused is not None and torch.is_grad_enabled():
             for leaf in pytree()[0](out)[0]:
                 if isinstance(leaf, torch.Tensor):
@@ -1554,6 +1566,8 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, *, device: torch.de
     modules = [parallelize_stage(m, mesh, stage_plan, device=device) for m in modules]
     stages = [TimedStage(m, s, len(specs), device, group=pp_mesh.get_group())
               for m, s in zip(modules, mine, strict=True)]
+    for stage in stages:
+        stage.plan = plan
     # Only the last stage holds the head, so only it can need loss_parallel().
     loss_parallel = any(layout_of(m).loss_parallel
                         for m, s in zip(modules, mine, strict=True) if specs[s].is_last)

@@ -65,7 +65,8 @@ def from_batch(model: nn.Module, batch: Any) -> Example:
     :func:`plait.train.call_model` calls the model, its targets left out: ``(inputs, targets)``
     gives ``inputs`` (a tuple's items as positional arguments, a dict's entries by name, or
     whole where the forward takes the dict as its one argument); a dict gives every entry but
-    ``labels``; a lone tensor is the input itself; an :class:`Example` is used as it is; a
+    ``labels`` (kept for an encoder-decoder whose decoder reads its inputs off them); a lone
+    tensor is the input itself; an :class:`Example` is used as it is; a
     :class:`~plait.MicroBatches` (what ``run.loader`` hands out under ``grad_accum`` for a batch
     that is not one row per example) gives its first micro-batch, whose forward is the one
     every part runs."""
