@@ -208,7 +208,7 @@ def check_mean(loss_fn: Callable[[Any, Any], Any], value: Any, output: Any, targ
     which has every rank warn instead, :func:`plait.parallel.pipeline.refuse_if_seen`)."""
     key = _loss_key(loss_fn)
     asked, warned = known.get(key, (0, False))
-    if asked >= ASKED or hasattr(loss_fn, "guarded_loss"):
+    if asked >= ASKED or getattr(loss_fn, "contrastive_guard", False):
         return False
     halves = _halves(value, output, targets)
     if halves is None:

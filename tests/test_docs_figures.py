@@ -283,7 +283,7 @@ def test_planner_page_quotes_plait_plan(capsys):
     tp_bytes = re.search(r"0 vs ([\d.e+]+) GB per rank", out)
     assert step and cp_bytes and tp_bytes, out
     gib = float(cp_bytes.group(1))
-    says(cp, f"`dp_shard=2,zero=3,cp=4` with full checkpointing ({step.group(1)} s per step)",
+    says(cp, f"`cp=8,zero=3` with full checkpointing ({step.group(1)} s per step)",
          "context_parallel.md")
     says(cp, f"{float(tp_bytes.group(1)):,.0f} GB per rank per step, where cp's move "
          f"{gib * GiB / GB:.0f} GB ({gib:.0f} GiB) of keys and values", "context_parallel.md")

@@ -48,7 +48,9 @@ def test_plan_dtype_fp16_prints_mixed_precision_fp16(capsys):
 
 @pytest.mark.parametrize("layout", ["dp_shard=16,zero=3,ac=full",
                                     "dp_shard=8,tp=2,sp=true,zero=3,ac=full",
-                                    "dp_replicate=4,tp=4,ac=full",
+                                    # 16 rows of 4,096 tokens at once hold 34 GB of logits
+                                    # on each tp rank: two micro-batches
+                                    "dp_replicate=4,tp=4,ac=full,grad_accum=2",
                                     "pp=2,dp_shard=8,zero=2,mb=8,ac=full"])
 def test_fp16_is_priced_as_bf16(layout):
     """Same peak on an H100, the same 2-byte activations, compute copies and collectives, and

@@ -83,6 +83,8 @@ def guard_loss(model: nn.Module, loss_fn: Any, dp: int, gathers: Callable[[], in
     # What plait keys per-loss answers on (plait.loss._loss_key): the user's loss, not this
     # wrapper, which is made anew each step.
     gathered.guarded_loss = loss_fn  # type: ignore[attr-defined]
+    # Every call gathers (or is refused): plait's mean check leaves it alone.
+    gathered.contrastive_guard = True  # type: ignore[attr-defined]
     return gathered
 
 
@@ -125,5 +127,9 @@ def warn_chunked(loss_fn: Any, parts: int, plan_parts: str, gathers: Callable[[]
                           UserWarning, stacklevel=user_stacklevel())
         return value
 
+    # keyed on the user's loss as the guard is; the mean check still asks of it (any loss
+    # under grad_accum), unless the guard inside makes every call gather
     chunked.guarded_loss = getattr(loss_fn, "guarded_loss", loss_fn)  # type: ignore[attr-defined]
+    chunked.contrastive_guard = getattr(  # type: ignore[attr-defined]
+        loss_fn, "contrastive_guard", False)
     return chunked
