@@ -896,30 +896,24 @@ def _splits_logits(model: Any, blocks: list[Any], found: tuple[Any, bool] | None
     ``vocab_head`` (its logits stay sharded, the loss runs under ``loss_parallel()``) or
     ``colwise`` (each rank keeps its columns). A head it leaves whole (one beside a logits
     bias) or gathers (``colwise_gather``) hands every rank all of them."""
-    from plait.parallel.tp_plans import glob_regex
-
-    if found is None:
-        return False
-    keeps = [glob_regex(g) for g, style in found[0].styles.items()
-             if style in ("vocab_head", "colwise")]
-    inside = {id(m) for b in blocks for m in b.modules()}
-    return any(name and id(module) not in inside and (_dims(module) or (0, 0))[1] == width
-               and any(r.match(name) for r in keeps) for name, module in model.named_modules())
+    return any((_dims(m) or (0, 0))[1] == width
+               for m in _split_outside(model, blocks, found, ("vocab_head", "colwise")))
 
 
-def _split_outside(model: Any, blocks: list[Any], found: tuple[Any, bool] | None
-                   ) -> list[Any]:
+def _split_outside(model: Any, blocks: list[Any], found: tuple[Any, bool] | None,
+                   styles: tuple[str, ...] | None = None) -> list[Any]:
     """The modules outside ``blocks`` whose weight the tensor-parallel plan ``found`` splits
     (a vocabulary-parallel head, a Linear a user's plan shards), outermost first: each tp
     rank computes 1/tp of their FLOPs. A stem, a projection or a classifier the plan does not
-    name runs whole on every rank. Empty without a plan."""
+    name runs whole on every rank. Empty without a plan. ``styles``: only the modules laid
+    out in these (default: every style that shards a Linear's weight)."""
     from plait.parallel.tp_plans import LINEAR_STYLES, glob_regex
 
     if found is None:
         return []
     inside = {id(m) for b in blocks for m in b.modules()}
-    splits = [glob_regex(g) for g, style in found[0].styles.items()
-              if style in (*LINEAR_STYLES, "vocab_head")]
+    styles = styles or (*LINEAR_STYLES, "vocab_head")
+    splits = [glob_regex(g) for g, style in found[0].styles.items() if style in styles]
     out: list[Any] = []
     for name, module in model.named_modules():
         if id(module) in inside or not name or not any(r.match(name) for r in splits):
